@@ -1,0 +1,88 @@
+"""nebula_ckpt: fast asynchronous, tiered checkpointing for PyTorch.
+
+Example::
+
+    import nebula_ckpt as nc
+
+    ckpt = nc.Checkpointer("/ckpt/run-42")
+    for step, batch in enumerate(loader):
+        ...
+        if step % 100 == 0:
+            ckpt.save_async(step, {"model": model, "optim": opt, "step": step})
+    ckpt.close()
+
+    # after a crash, in a new process:
+    step = nc.Checkpointer("/ckpt/run-42").load_latest(into={"model": model, "optim": opt, "step": 0})
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import threading
+from typing import Any, Optional
+
+from .checkpointer import Checkpointer
+from .errors import (ConsistencyError, CorruptCheckpointError, FencedError, NebulaError, NotFoundError,
+                     PersistError, PickleNotAllowedError, ValidationError)
+from .handle import SaveHandle
+from .tiers import LocalTier, MemoryTier, RemoteTier, Tier
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Checkpointer", "SaveHandle", "MemoryTier", "LocalTier", "RemoteTier", "Tier",
+    "save_async", "load_latest", "close_all",
+    "NebulaError", "ValidationError", "PersistError", "ConsistencyError", "CorruptCheckpointError",
+    "FencedError", "NotFoundError", "PickleNotAllowedError",
+]
+
+logging.getLogger(__name__).addHandler(logging.NullHandler())
+
+_registry: dict[str, Checkpointer] = {}
+_registry_lock = threading.Lock()
+
+
+def _shared(root: str, **kwargs: Any) -> Checkpointer:
+    with _registry_lock:
+        ck = _registry.get(root)
+        if ck is None or ck._closed:
+            ck = Checkpointer(root, **kwargs)
+            _registry[root] = ck
+        return ck
+
+
+def save_async(root: str, step: int, state: Any, **kwargs: Any) -> SaveHandle:
+    """One-liner: ``save_async`` on a per-root :class:`Checkpointer` shared by the process.
+
+    The first call for a ``root`` creates it with ``kwargs``; it is closed at exit (or by
+    :func:`close_all`).
+
+    Example::
+
+        nc.save_async("/ckpt/run", step, {"model": model, "optim": opt})
+    """
+    return _shared(root, **kwargs).save_async(step, state)
+
+
+def load_latest(root: str, into: Any = None, **kwargs: Any) -> Optional[int]:
+    """One-liner: restore the newest healthy checkpoint under ``root`` into ``into``; return its step.
+
+    Example::
+
+        step = nc.load_latest("/ckpt/run", into={"model": model, "optim": opt}) or 0
+    """
+    load_kw = {k: kwargs.pop(k) for k in ("map_location", "strict") if k in kwargs}
+    return _shared(root, **kwargs).load_latest(into, **load_kw)
+
+
+def close_all() -> None:
+    """Close every checkpointer created by the one-liners (waits for pending saves)."""
+    with _registry_lock:
+        cks = list(_registry.values())
+        _registry.clear()
+    for ck in cks:
+        ck.close()
+
+
+atexit.register(close_all)

@@ -1,0 +1,55 @@
+"""Exceptions raised by nebula_ckpt.
+
+Every error says what went wrong, for which key / path / tier, and how to fix it.
+"""
+
+from __future__ import annotations
+
+
+class NebulaError(Exception):
+    """Base class of every error this library raises on purpose."""
+
+
+class ValidationError(NebulaError, ValueError):
+    """Bad input to ``save_async`` / ``Checkpointer``; raised before anything is written."""
+
+
+class ConsistencyError(NebulaError):
+    """A tensor was modified in place while its snapshot was being taken.
+
+    The checkpoint would not be the state at the moment ``save_async`` was called, so it is
+    not written. Call ``handle.wait_snapshot()`` before changing tensors in place outside
+    ``optimizer.step()``.
+    """
+
+
+class PersistError(NebulaError):
+    """Writing a checkpoint to one or more tiers failed.
+
+    ``failures`` maps a tier name to the exception it raised; the original exception of the
+    first failure is chained as ``__cause__``.
+    """
+
+    def __init__(self, message: str, failures: dict[str, BaseException] | None = None) -> None:
+        super().__init__(message)
+        self.failures: dict[str, BaseException] = dict(failures or {})
+
+
+class FencedError(NebulaError):
+    """A newer writer took over this checkpoint root; this (stale) writer may not commit."""
+
+
+class CorruptCheckpointError(NebulaError):
+    """A checkpoint failed verification (missing file, size or checksum mismatch, bad manifest)."""
+
+
+class NotFoundError(NebulaError, FileNotFoundError):
+    """The requested step does not exist (committed) on any tier."""
+
+
+class PickleNotAllowedError(NebulaError):
+    """A value needs pickle to be saved or loaded and ``allow_pickle=True`` was not given."""
+
+
+class SkippedSave(NebulaError):
+    """The save was skipped because no staging buffer was free and the policy is ``"skip"``."""

@@ -1,0 +1,128 @@
+"""SaveHandle: the two waitables of one asynchronous save.
+
+``wait_snapshot()`` returns once the state has been copied to host memory (safe to change the
+weights); ``result()`` once every tier that took the save has made it durable, raising the first
+failure with its traceback chained.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any, Callable, Optional
+
+from .errors import NebulaError, PersistError
+
+
+class SaveHandle:
+    """Handle of one :meth:`Checkpointer.save_async` call.
+
+    Attributes:
+        step: the step saved.
+        tiers_written: names of the tiers where this checkpoint committed.
+        tiers_dropped: tiers that skipped it because they were still busy with an older save
+            (a slow tier never queues saves; it takes the newest one when it is free).
+        skipped: reason if nothing was saved (no tier's cadence wanted it, or no free staging
+            buffer with ``on_full="skip"``), else ``None``.
+    """
+
+    def __init__(self, step: int, tiers: list[str], wait_copy: Optional[Callable[[], None]] = None) -> None:
+        self.step = step
+        self.tiers_written: list[str] = []
+        self.tiers_dropped: list[str] = []
+        self.skipped: Optional[str] = None
+        self._errors: dict[str, BaseException] = {}
+        self._pending = set(tiers)
+        self._wait_copy = wait_copy
+        self._snapshot = threading.Event()
+        self._snapshot_error: Optional[BaseException] = None
+        self._durable = threading.Event()
+        self._lock = threading.Lock()
+        self.seen = False
+        if not tiers:
+            self._snapshot.set()
+            self._durable.set()
+
+    def __repr__(self) -> str:
+        state = "done" if self.done() else "pending"
+        return f"SaveHandle(step={self.step}, {state}, written={self.tiers_written})"
+
+    # -- public -------------------------------------------------------------------------------
+    def wait_snapshot(self, timeout: Optional[float] = None) -> None:
+        """Block until the snapshot copy has finished; after this, changing the state is safe.
+
+        Raises:
+            ConsistencyError: a tensor was modified in place while it was being copied.
+            TimeoutError: not finished within ``timeout`` seconds.
+        """
+        finish = self._wait_copy
+        if finish is not None and timeout is None:
+            finish()  # waits for the copy itself (GIL released), not for the stager thread
+        if not self._snapshot.wait(timeout):
+            raise TimeoutError(f"snapshot of step {self.step} not finished after {timeout} s")
+        if self._snapshot_error is not None:
+            self.seen = True
+            raise self._snapshot_error
+
+    def done(self) -> bool:
+        """Whether the save has finished on every tier (successfully or not)."""
+        return self._durable.is_set()
+
+    def result(self, timeout: Optional[float] = None) -> list[str]:
+        """Wait until durable on every tier that took it; return the tiers written.
+
+        Raises:
+            PersistError: a tier failed (``failures`` maps tier -> exception; cause chained).
+            ConsistencyError: the snapshot was torn by an in-place change.
+            TimeoutError: not finished within ``timeout`` seconds.
+        """
+        if not self._durable.wait(timeout):
+            raise TimeoutError(f"save of step {self.step} not durable after {timeout} s")
+        self.seen = True
+        if self._snapshot_error is not None:
+            raise self._snapshot_error
+        if self._errors:
+            raise self.error()  # type: ignore[misc]
+        return list(self.tiers_written)
+
+    def error(self) -> Optional[NebulaError]:
+        """The failure of this save, if any (without raising)."""
+        if self._snapshot_error is not None:
+            return self._snapshot_error if isinstance(self._snapshot_error, NebulaError) else \
+                PersistError(f"step {self.step}: snapshot failed: {self._snapshot_error}")
+        if not self._errors:
+            return None
+        parts = "; ".join(f"{t}: {type(e).__name__}: {e}" for t, e in self._errors.items())
+        err = PersistError(f"step {self.step}: persisting failed on {len(self._errors)} tier(s): {parts}",
+                           self._errors)
+        err.__cause__ = next(iter(self._errors.values()))
+        return err
+
+    # -- called by the library's threads -------------------------------------------------------
+    def _set_snapshot(self, error: Optional[BaseException] = None) -> None:
+        self._wait_copy = None
+        self._snapshot_error = error
+        self._snapshot.set()
+        if error is not None:
+            self._durable.set()
+
+    def _tier_done(self, tier: str, error: Optional[BaseException] = None, dropped: bool = False) -> None:
+        with self._lock:
+            if dropped:
+                self.tiers_dropped.append(tier)
+            elif error is not None:
+                self._errors[tier] = error
+            else:
+                self.tiers_written.append(tier)
+            self._pending.discard(tier)
+            if not self._pending:
+                self._durable.set()
+
+    def _skip(self, reason: str) -> None:
+        self.skipped = reason
+        self._pending.clear()
+        self._snapshot.set()
+        self._durable.set()
+
+    def _info(self) -> dict[str, Any]:
+        return {"step": self.step, "written": self.tiers_written, "dropped": self.tiers_dropped,
+                "errors": {t: str(e) for t, e in self._errors.items()}, "skipped": self.skipped}

@@ -1,0 +1,112 @@
+"""Every tunable of nebula_ckpt, in one place.
+
+Each knob has an environment variable, a getter, and can be overridden in tests with
+:func:`override`. Nothing else in the library reads ``os.environ``.
+
+Example::
+
+    from nebula_ckpt import knobs
+    with knobs.override(copy_threads=1):
+        ...
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator
+
+
+@dataclass(frozen=True)
+class _Knob:
+    env: str
+    default: Any
+    parse: Callable[[str], Any]
+    doc: str
+
+
+def _bool(s: str) -> bool:
+    return s.strip().lower() in {"1", "true", "yes", "on"}
+
+
+def _default_threads() -> int:
+    return max(1, min(8, os.cpu_count() or 1))
+
+
+_KNOBS: dict[str, _Knob] = {
+    "copy_threads": _Knob("NEBULA_COPY_THREADS", None, int,
+                          "native threads that copy CPU tensors into staging buffers (default: cores, max 8)"),
+    "io_threads": _Knob("NEBULA_IO_THREADS", None, int,
+                        "parallel pwrite / checksum threads per file (default: cores, max 8)"),
+    "write_chunk_bytes": _Knob("NEBULA_WRITE_CHUNK_BYTES", 16 << 20, int,
+                               "bytes per pwrite call on local tiers"),
+    "o_direct": _Knob("NEBULA_O_DIRECT", True, _bool,
+                      "use O_DIRECT for local shard writes where the file system allows it"),
+    "disable_native": _Knob("NEBULA_DISABLE_NATIVE", False, _bool,
+                            "ignore the C++ extension and run the pure-PyTorch path"),
+    "shm_dir": _Knob("NEBULA_SHM_DIR", "/dev/shm", str,
+                     "where the memory tier lives (a tmpfs that survives a process crash)"),
+    "shm_min_free_fraction": _Knob("NEBULA_SHM_MIN_FREE", 0.1, float,
+                                   "memory tier is skipped when it would leave less free than this"),
+    "remote_part_bytes": _Knob("NEBULA_REMOTE_PART_BYTES", 32 << 20, int,
+                               "part size of parallel uploads / downloads on remote tiers"),
+    "remote_concurrency": _Knob("NEBULA_REMOTE_CONCURRENCY", 8, int,
+                                "parts in flight at once per remote file"),
+    "remote_retries": _Knob("NEBULA_REMOTE_RETRIES", 5, int,
+                            "attempts per remote operation before the save fails"),
+    "remote_backoff_s": _Knob("NEBULA_REMOTE_BACKOFF_S", 0.2, float,
+                              "first retry delay on a remote tier (doubles, capped, with jitter)"),
+    "remote_backoff_max_s": _Knob("NEBULA_REMOTE_BACKOFF_MAX_S", 5.0, float,
+                                  "largest retry delay on a remote tier"),
+    "zstd_level": _Knob("NEBULA_ZSTD_LEVEL", 3, int, "zstd level when compression='zstd'"),
+    "log_level": _Knob("NEBULA_LOG_LEVEL", None, str,
+                       "level of the 'nebula_ckpt' logger if set (DEBUG, INFO, ...)"),
+}
+
+_overrides: dict[str, Any] = {}
+_lock = threading.Lock()
+
+
+def get(name: str) -> Any:
+    """Return the current value of knob ``name`` (override > environment > default)."""
+    knob = _KNOBS[name]
+    with _lock:
+        if name in _overrides:
+            return _overrides[name]
+    raw = os.environ.get(knob.env)
+    if raw is not None and raw != "":
+        try:
+            return knob.parse(raw)
+        except ValueError as e:
+            raise ValueError(f"environment variable {knob.env}={raw!r} is not valid: {e}") from None
+    if name in ("copy_threads", "io_threads") and knob.default is None:
+        return _default_threads()
+    return knob.default
+
+
+@contextlib.contextmanager
+def override(**values: Any) -> Iterator[None]:
+    """Temporarily set knobs (for tests and benchmarks).
+
+    Args:
+        **values: knob name -> value.
+    """
+    unknown = set(values) - set(_KNOBS)
+    if unknown:
+        raise KeyError(f"unknown knob(s) {sorted(unknown)}; known: {sorted(_KNOBS)}")
+    with _lock:
+        saved = dict(_overrides)
+        _overrides.update(values)
+    try:
+        yield
+    finally:
+        with _lock:
+            _overrides.clear()
+            _overrides.update(saved)
+
+
+def describe() -> dict[str, tuple[str, Any, str]]:
+    """Return ``{name: (env var, current value, doc)}`` for every knob."""
+    return {n: (k.env, get(n), k.doc) for n, k in _KNOBS.items()}

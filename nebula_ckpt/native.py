@@ -1,0 +1,251 @@
+"""One facade over the hot primitives: the C++ extension when it loads, pure PyTorch otherwise.
+
+The rest of the library calls only :data:`ops` (an :class:`NativeOps` or :class:`FallbackOps`).
+Both produce the same bytes and the same checksums (CRC32C); ``tests/test_paths.py`` compares
+them. Which path runs is logged once, at first use.
+
+Hot primitives:
+
+* ``alloc(nbytes, pinned)`` — a pre-faulted, page-aligned host buffer (uint8 tensor).
+* ``enqueue_copy(srcs, dst, offsets)`` — copy every source's bytes into ``dst`` at its offset,
+  returning a job at once; the copy runs on native threads (GIL released).
+* ``crc32c(buf, offsets, lengths)`` — checksums of byte ranges, in parallel.
+* ``write_file(path, buf, offset, nbytes)`` — parallel ``pwrite`` (+ ``O_DIRECT``) and fsync.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from typing import Any, Optional, Protocol, Sequence
+
+import torch
+
+from . import knobs
+
+log = logging.getLogger(__name__)
+
+
+class CopyJob(Protocol):
+    """A copy enqueued by ``enqueue_copy``."""
+
+    def wait(self) -> None:
+        """Block until every byte is copied; raise the first copy error."""
+
+    def done(self) -> bool:
+        """Whether the copy has finished (successfully or not)."""
+
+    def modified(self) -> list[int]:
+        """Indices of sources whose version counter changed during the copy (after ``wait``)."""
+
+
+def _byte_view(t: torch.Tensor) -> torch.Tensor:
+    """The contiguous byte image of ``t`` as a 1-D uint8 tensor (may copy if non-contiguous)."""
+    t = t.detach()
+    if t.dim() == 0:
+        t = t.reshape(1)
+    if not t.is_contiguous():
+        t = t.contiguous()
+    return t.reshape(-1).view(torch.uint8)
+
+
+class _FallbackJob:
+    """Copy job of the pure-PyTorch path: one Python thread copying tensor by tensor.
+
+    ``copy_`` releases the GIL inside ATen, so the training thread keeps running.
+    """
+
+    def __init__(self, srcs: Sequence[torch.Tensor], dst: torch.Tensor, offsets: Sequence[int]) -> None:
+        self._srcs = list(srcs)
+        self._dst = dst
+        self._offsets = list(offsets)
+        self._versions = [s._version for s in self._srcs]
+        self._modified: list[int] = []
+        self._error: Optional[BaseException] = None
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="nebula-copy", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        try:
+            with torch.no_grad():
+                for i, (src, off) in enumerate(zip(self._srcs, self._offsets)):
+                    n = src.numel() * src.element_size()
+                    if n:
+                        self._dst[off:off + n].copy_(_byte_view(src))
+                    if src._version != self._versions[i]:
+                        self._modified.append(i)
+        except BaseException as e:  # re-raised from wait()
+            self._error = e
+        finally:
+            self._srcs = []
+            self._done.set()
+
+    def wait(self) -> None:
+        self._done.wait()
+        if self._error is not None:
+            raise RuntimeError(f"snapshot copy failed: {self._error}") from self._error
+
+    def done(self) -> bool:
+        return self._done.is_set()
+
+    def modified(self) -> list[int]:
+        return list(self._modified)
+
+
+class FallbackOps:
+    """Pure-PyTorch implementation of the hot primitives (no compiler needed)."""
+
+    name = "pure-pytorch"
+
+    def alloc(self, nbytes: int, pinned: bool = False) -> torch.Tensor:
+        """A zero-filled (pre-faulted) uint8 host buffer of ``nbytes``."""
+        buf = torch.empty(max(nbytes, 1), dtype=torch.uint8, pin_memory=pinned)
+        buf.zero_()  # touch every page now, not on the first snapshot
+        return buf[:nbytes]
+
+    def enqueue_copy(self, srcs: Sequence[torch.Tensor], dst: torch.Tensor,
+                     offsets: Sequence[int]) -> CopyJob:
+        """Start copying ``srcs`` into ``dst`` at ``offsets`` on a background thread."""
+        return _FallbackJob(srcs, dst, offsets)
+
+    def crc32c(self, buf: torch.Tensor, offsets: Sequence[int], lengths: Sequence[int]) -> list[int]:
+        """CRC32C of each ``buf[offset:offset+length]``."""
+        import crc32c as _crc
+
+        mv = memoryview(buf.numpy())
+        return [_crc.crc32c(mv[o:o + n]) for o, n in zip(offsets, lengths)]
+
+    def crc32c_bytes(self, data: bytes | bytearray | memoryview) -> int:
+        """CRC32C of a bytes-like object."""
+        import crc32c as _crc
+
+        return int(_crc.crc32c(data))
+
+    def write_file(self, path: str, buf: torch.Tensor, offset: int, nbytes: int,
+                   fsync: bool = True) -> bool:
+        """Write ``buf[offset:offset+nbytes]`` to a new file at ``path``; fsync it."""
+        mv = memoryview(buf.numpy())[offset:offset + nbytes]
+        chunk = knobs.get("write_chunk_bytes")
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            pos = 0
+            while pos < nbytes:
+                n = os.pwrite(fd, mv[pos:pos + chunk], pos)
+                pos += n
+            if fsync:
+                os.fsync(fd)
+        finally:
+            os.close(fd)
+        return False
+
+    def read_file(self, path: str, buf: torch.Tensor, offset: int, nbytes: int) -> None:
+        """Read the first ``nbytes`` of ``path`` into ``buf[offset:offset+nbytes]``."""
+        mv = memoryview(buf.numpy())[offset:offset + nbytes]
+        with open(path, "rb", buffering=0) as f:
+            got = 0
+            while got < nbytes:
+                n = f.readinto(mv[got:])
+                if not n:
+                    raise OSError(f"nebula_ckpt: '{path}' is shorter than {nbytes} bytes")
+                got += n
+
+
+class NativeOps(FallbackOps):
+    """The C++ extension ``nebula_ckpt._C``: native threads, hardware CRC32C, pwrite/O_DIRECT."""
+
+    name = "native"
+
+    def __init__(self, C: Any) -> None:
+        self._C = C
+        self._engine = C.CopyEngine(int(knobs.get("copy_threads")))
+        self.info = dict(C.build_info())
+
+    def alloc(self, nbytes: int, pinned: bool = False) -> torch.Tensor:
+        return self._C.alloc_host_buffer(nbytes, pinned, int(knobs.get("copy_threads")))
+
+    def enqueue_copy(self, srcs: Sequence[torch.Tensor], dst: torch.Tensor,
+                     offsets: Sequence[int]) -> CopyJob:
+        return self._engine.enqueue(list(srcs), dst, list(offsets))
+
+    def crc32c(self, buf: torch.Tensor, offsets: Sequence[int], lengths: Sequence[int]) -> list[int]:
+        return list(self._C.crc32c(buf, list(offsets), list(lengths), int(knobs.get("io_threads"))))
+
+    def crc32c_bytes(self, data: bytes | bytearray | memoryview) -> int:
+        return int(self._C.crc32c_bytes(data, 0))
+
+    def write_file(self, path: str, buf: torch.Tensor, offset: int, nbytes: int,
+                   fsync: bool = True) -> bool:
+        return bool(self._C.write_file(path, buf, offset, nbytes, bool(knobs.get("o_direct")),
+                                       int(knobs.get("io_threads")), int(knobs.get("write_chunk_bytes")),
+                                       fsync))
+
+    def read_file(self, path: str, buf: torch.Tensor, offset: int, nbytes: int) -> None:
+        self._C.read_file(path, buf, offset, nbytes, int(knobs.get("io_threads")))
+
+
+_lock = threading.Lock()
+_native: Optional[FallbackOps] = None
+_native_error: Optional[str] = None
+_fallback = FallbackOps()
+
+
+def _load_native() -> FallbackOps:
+    global _native_error
+    try:
+        from . import _C  # type: ignore[attr-defined]
+
+        ops = NativeOps(_C)
+        log.info("nebula_ckpt: running the native path (C++ extension %s)", ops.info)
+        return ops
+    except Exception as e:  # ImportError, or an ABI mismatch surfacing as another error
+        _native_error = f"{type(e).__name__}: {e}"
+        log.warning("nebula_ckpt: C++ extension unavailable (%s); running the pure-PyTorch path, "
+                    "which is slower. Build it with `pip install --no-build-isolation -e .`",
+                    _native_error)
+        return _fallback
+
+
+def get_ops() -> FallbackOps:
+    """The primitives in use: native if the extension loads, unless ``disable_native`` is set."""
+    global _native
+    if knobs.get("disable_native"):
+        return _fallback
+    with _lock:
+        if _native is None:
+            _native = _load_native()
+        return _native
+
+
+def fallback_ops() -> FallbackOps:
+    """The pure-PyTorch primitives (for tests that compare both paths)."""
+    return _fallback
+
+
+def native_available() -> bool:
+    """Whether the C++ extension imports."""
+    try:
+        from . import _C  # type: ignore[attr-defined]  # noqa: F401
+    except Exception:
+        return False
+    return True
+
+
+def describe() -> dict[str, Any]:
+    """Which path runs and why (for logs, the CLI and bug reports)."""
+    ops = get_ops()
+    out: dict[str, Any] = {"path": ops.name}
+    if isinstance(ops, NativeOps):
+        out.update(ops.info)
+    elif knobs.get("disable_native"):
+        out["reason"] = "disabled by NEBULA_DISABLE_NATIVE"
+    elif _native_error:
+        out["reason"] = _native_error
+    return out
+
+
+def monotonic() -> float:
+    """Clock used for every duration the library reports."""
+    return time.perf_counter()

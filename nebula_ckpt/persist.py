@@ -1,0 +1,198 @@
+"""Persist: one writer thread per tier, writing snapshots as committed checkpoints.
+
+For each snapshot a tier writes, in this order (the commit protocol)::
+
+    step-N/shard-g<G>-r0.safetensors   (durable: fsync / completed upload)
+    step-N/manifest.json               (tmp + fsync + rename, or a new object)
+    step-N/COMMIT                      (create-only, last)
+
+then applies retention: markers are deleted before data, the newest checkpoint is never
+deleted, and leftovers without a marker are removed only when no live writer owns them (their
+generation is older than this writer's).
+
+A tier never queues: it holds at most one pending snapshot. When a newer one arrives while the
+tier is still busy, the pending one is dropped *for this tier* (reported on its handle as
+``tiers_dropped``), so a slow tier never blocks a fast one, nor the training loop.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+from typing import Optional
+
+from . import manifest as mf
+from .errors import FencedError
+from .fencing import Fence
+from .native import get_ops
+from .snapshot import Snapshot, build_tier_manifest
+from .storage.base import Storage
+from .tiers import Tier
+
+log = logging.getLogger(__name__)
+
+
+def committed_steps(storage: Storage) -> list[int]:
+    """Steps with a commit marker on ``storage``, ascending."""
+    steps = []
+    for name in storage.list(""):
+        s = mf.parse_step_dir(name)
+        if s is not None and storage.exists(f"{name}/{mf.COMMIT}"):
+            steps.append(s)
+    return sorted(steps)
+
+
+def delete_checkpoint(storage: Storage, step: int) -> None:
+    """Delete a checkpoint: marker first (it stops being visible), then its data."""
+    d = mf.step_dir(step)
+    storage.remove(f"{d}/{mf.COMMIT}")
+    storage.remove_dir(d)
+
+
+class TierWriter:
+    """Writes snapshots to one tier on its own thread.
+
+    Args:
+        tier: the tier's settings.
+        storage: its backend.
+        fence: the writer generation (shared by all tiers of one checkpointer).
+        keep_last: default retention when the tier has none.
+    """
+
+    def __init__(self, tier: Tier, storage: Storage, fence: Fence, keep_last: int) -> None:
+        self.tier = tier
+        self.storage = storage
+        self.fence = fence
+        self.keep_last = tier.keep_last or keep_last
+        self.name = tier.name
+        self.disabled: Optional[str] = None
+        self._pending: Optional[Snapshot] = None
+        self._busy = False
+        self._closing = False
+        self._cond = threading.Condition()
+        self._thread = threading.Thread(target=self._run, name=f"nebula-{tier.kind}-writer", daemon=True)
+        self._thread.start()
+
+    # -- called from other threads ---------------------------------------------------------------
+    def offer(self, snap: Snapshot) -> None:
+        """Take ``snap`` (the caller already holds a slot reference for this tier)."""
+        with self._cond:
+            dropped = self._pending
+            self._pending = snap
+            self._cond.notify_all()
+        if dropped is not None:
+            log.info("nebula_ckpt: tier %s dropped step %d (still busy; step %d is newer)",
+                     self.name, dropped.step, snap.step)
+            dropped.handle._tier_done(self.name, dropped=True)
+            dropped.release()
+
+    def idle(self) -> bool:
+        """Nothing pending or being written."""
+        with self._cond:
+            return self._pending is None and not self._busy
+
+    def wait_idle(self, timeout: Optional[float] = None) -> bool:
+        """Block until idle; False on timeout."""
+        with self._cond:
+            return self._cond.wait_for(lambda: self._pending is None and not self._busy, timeout)
+
+    def close(self) -> None:
+        """Write what is pending, then stop the thread."""
+        with self._cond:
+            self._closing = True
+            self._cond.notify_all()
+        self._thread.join()
+        self.storage.close()
+
+    # -- the writer thread -------------------------------------------------------------------------
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                self._cond.wait_for(lambda: self._pending is not None or self._closing)
+                snap = self._pending
+                if snap is None:
+                    return
+                self._pending = None
+                self._busy = True
+            try:
+                self.write(snap)
+            except BaseException as e:
+                log.error("nebula_ckpt: tier %s failed to write step %d: %s: %s", self.name, snap.step,
+                          type(e).__name__, e)
+                snap.handle._tier_done(self.name, e)
+            else:
+                snap.handle._tier_done(self.name)
+            finally:
+                snap.release()
+                with self._cond:
+                    self._busy = False
+                    self._cond.notify_all()
+
+    def write(self, snap: Snapshot) -> None:
+        """Write one snapshot as a committed checkpoint, then apply retention."""
+        st = self.storage
+        gen = self.fence.generation
+        d = mf.step_dir(snap.step)
+        self.fence.check(f"write step {snap.step}")
+        if st.exists(f"{d}/{mf.COMMIT}"):
+            # Saving a step that exists: the new run owns the root (it resumed from an older step
+            # or saves the same step again); the old one goes, marker first.
+            log.warning("nebula_ckpt: tier %s: replacing existing checkpoint of step %d", self.name, snap.step)
+            delete_checkpoint(st, snap.step)
+        else:
+            for name in st.list(d):  # leftovers of a crashed writer of this step
+                st.remove(f"{d}/{name}")
+        shard = mf.shard_name(gen)
+        info = st.write_buffer(f"{d}/{shard}", snap.view(), compression=getattr(self.tier, "compression", None))
+        manifest = build_tier_manifest(snap, gen, {"file": shard, "bytes": snap.nbytes, "storage": info})
+        mbytes = json.dumps(manifest, separators=(",", ":"), allow_nan=False).encode()
+        self.fence.check(f"write the manifest of step {snap.step}")
+        st.write_small(f"{d}/{mf.MANIFEST}", mbytes)
+        self.fence.check(f"commit step {snap.step}")
+        commit = mf.Commit(snap.step, gen, len(mbytes), get_ops().crc32c_bytes(mbytes))
+        st.write_small(f"{d}/{mf.COMMIT}", commit.to_bytes(), create_only=True)
+        log.info("nebula_ckpt: step %d committed on %s (%.1f MiB)", snap.step, self.name, snap.nbytes / 2**20)
+        try:
+            self.prune(keep_step=snap.step)
+        except FencedError:
+            raise
+        except Exception as e:  # retention is best effort: the checkpoint itself is committed
+            log.warning("nebula_ckpt: tier %s: retention failed: %s", self.name, e)
+
+    def prune(self, keep_step: Optional[int] = None) -> None:
+        """Apply ``keep_last`` / ``keep_every`` and remove leftovers no live writer owns."""
+        st = self.storage
+        gen = self.fence.generation
+        names = st.list("")
+        committed, uncommitted = [], []
+        for name in names:
+            s = mf.parse_step_dir(name)
+            if s is None:
+                continue
+            (committed if st.exists(f"{name}/{mf.COMMIT}") else uncommitted).append(s)
+        committed.sort()
+        keep = set(committed[-self.keep_last:])
+        if keep_step is not None:
+            keep.add(keep_step)
+        if self.tier.keep_every:
+            keep.update(s for s in committed if s % self.tier.keep_every == 0)
+        doomed = [s for s in committed if s not in keep]
+        with self._cond:
+            busy_step = self._pending.step if self._pending is not None else None
+        leftovers = []
+        for s in uncommitted:
+            if s == busy_step:
+                continue
+            gens = [g for g in (mf.shard_generation(n) for n in st.list(mf.step_dir(s))) if g is not None]
+            if all(g <= gen for g in gens):
+                leftovers.append(s)
+        if not doomed and not leftovers:
+            return
+        self.fence.check("delete old checkpoints")
+        for s in doomed:
+            log.debug("nebula_ckpt: tier %s: retention deletes step %d", self.name, s)
+            delete_checkpoint(st, s)
+        for s in leftovers:
+            log.info("nebula_ckpt: tier %s: removing uncommitted leftovers of step %d", self.name, s)
+            st.remove_dir(mf.step_dir(s))

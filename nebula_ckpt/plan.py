@@ -1,0 +1,265 @@
+"""Plan: turn a state tree into tensor entries, a byte layout and typed JSON for the rest.
+
+This is the single validation point of a save: every problem with the state (meta or sparse
+tensors, colliding keys, values JSON cannot hold, bad steps) raises a
+:class:`~nebula_ckpt.errors.ValidationError` naming the key, before anything is copied or written.
+
+The layout is the image of one safetensors file: an 8-byte header length, the JSON header
+(padded so the data starts on a 4096-byte boundary), then the tensors back to back, ordered by
+element size so each is naturally aligned. It depends only on (key, dtype, shape) of every
+tensor, so it is cached and reused while the state keeps its shapes.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import struct
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import torch
+
+from .errors import ValidationError
+from .structure import Node, encode_leaf
+
+FORMAT_VERSION = 1
+ALIGN = 4096
+
+#: torch dtype -> safetensors dtype string. Dtypes safetensors lacks are stored as raw bytes
+#: ("U8", shape [nbytes]); the manifest keeps the true dtype and shape.
+_ST_DTYPES: dict[torch.dtype, str] = {
+    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8",
+    torch.uint8: "U8", torch.bool: "BOOL", torch.complex64: "C64",
+    torch.uint16: "U16", torch.uint32: "U32", torch.uint64: "U64",
+    torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2",
+    torch.float8_e4m3fnuz: "F8_E4M3FNUZ", torch.float8_e5m2fnuz: "F8_E5M2FNUZ",
+}
+
+
+def dtype_name(d: torch.dtype) -> str:
+    """``torch.bfloat16`` -> ``"bfloat16"``."""
+    return str(d).removeprefix("torch.")
+
+
+@dataclass(frozen=True)
+class TensorEntry:
+    """One stored tensor: where its bytes live in the shard."""
+
+    key: str
+    dtype: str            # torch dtype name, e.g. "bfloat16"
+    shape: tuple[int, ...]
+    offset: int           # byte offset in the shard file
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Byte layout of one shard file (safetensors image). Immutable and cached."""
+
+    entries: tuple[TensorEntry, ...]
+    header: bytes          # 8-byte length + JSON + padding; len(header) == data_start
+    total_bytes: int       # whole file
+
+    @property
+    def data_start(self) -> int:
+        """Offset of the first tensor byte."""
+        return len(self.header)
+
+
+@dataclass
+class Plan:
+    """What one save will write. Built on the training thread by :func:`make_plan`."""
+
+    step: int
+    layout: Layout
+    sources: list[torch.Tensor]      # one per layout entry, same order
+    tree: Node                       # typed JSON of the whole state
+    aliases: dict[str, str]          # tied key -> key stored
+    devices: dict[str, str]          # key -> device it came from
+    optimizers: list[torch.optim.Optimizer] = field(default_factory=list)
+    modules_with_buffers: list[torch.nn.Module] = field(default_factory=list)
+
+    @property
+    def tensor_bytes(self) -> int:
+        """Bytes of tensor data."""
+        return self.layout.total_bytes - self.layout.data_start
+
+
+def _check_tensor(t: torch.Tensor, path: str) -> None:
+    if t.layout != torch.strided:
+        hint = ".to_dense()" if t.layout in (torch.sparse_coo, torch.sparse_csr, torch.sparse_csc,
+                                             torch.sparse_bsr, torch.sparse_bsc) else "a dense tensor"
+        raise ValidationError(f"state key '{path}': tensors with layout {t.layout} are not supported; "
+                              f"convert with {hint} before saving")
+    if getattr(t, "is_nested", False):
+        raise ValidationError(f"state key '{path}': nested tensors are not supported; "
+                              "save t.unbind() as a list instead")
+    if t.is_quantized:
+        raise ValidationError(f"state key '{path}': quantized tensors are not supported; "
+                              "save t.int_repr() and the quantization parameters instead")
+    dev = t.device.type
+    if dev == "meta":
+        raise ValidationError(f"state key '{path}': tensor is on the meta device and has no data; "
+                              "materialise it (e.g. module.to_empty(device=...) and initialise) first")
+    if dev not in ("cpu", "cuda"):
+        raise ValidationError(f"state key '{path}': tensors on '{dev}' are not supported; "
+                              "move them with .cpu() first")
+    if type(t) not in (torch.Tensor, torch.nn.Parameter) and not isinstance(t, torch.nn.Parameter):
+        raise ValidationError(f"state key '{path}': tensor subclass {type(t).__name__} is not "
+                              "supported (DTensor: save t.to_local())")
+    if t.dtype not in _ST_DTYPES and t.dtype != torch.complex128:
+        raise ValidationError(f"state key '{path}': dtype {t.dtype} is not supported")
+
+
+def _join(path: str, key: str) -> str:
+    return f"{path}/{key}" if path else key
+
+
+class _Flattener:
+    def __init__(self, allow_pickle: bool) -> None:
+        self.allow_pickle = allow_pickle
+        self.tensors: dict[str, torch.Tensor] = {}
+        self.aliases: dict[str, str] = {}
+        self.seen: dict[tuple[Any, ...], str] = {}
+        self.optimizers: list[torch.optim.Optimizer] = []
+        self.modules: list[torch.nn.Module] = []
+        self.paths: dict[str, str] = {}   # flattened key -> how the user wrote it (for errors)
+
+    def _claim(self, key: str) -> None:
+        if key in self.tensors or key in self.aliases:
+            raise ValidationError(
+                f"state key '{key}' occurs twice after flattening (keys are joined with '/': "
+                "e.g. {'a/b': x} and {'a': {'b': y}}, or int 0 and str '0' in one dict, collide); "
+                "rename one of them")
+
+    def walk(self, value: Any, path: str) -> Node:
+        if isinstance(value, torch.Tensor):
+            return self.tensor(value, path)
+        if isinstance(value, dict):
+            tag = "odict" if isinstance(value, collections.OrderedDict) else "dict"
+            items = []
+            for k, v in value.items():
+                if not isinstance(k, (str, int)) or isinstance(k, bool):
+                    raise ValidationError(f"state key '{path}': dict key {k!r} of type {type(k).__name__} "
+                                          "is not supported; use str or int keys")
+                items.append([encode_leaf(k, path, False), self.walk(v, _join(path, str(k)))])
+            return {"t": tag, "v": items}
+        if isinstance(value, torch.Size):
+            return {"t": "size", "v": list(value)}
+        if isinstance(value, (list, tuple)):
+            if isinstance(value, tuple) and type(value) is not tuple:
+                if not self.allow_pickle:
+                    raise ValidationError(f"state key '{path}': {type(value).__name__} (a namedtuple or "
+                                          "tuple subclass) would come back as a plain tuple; convert it "
+                                          "to a tuple or dict, or pass allow_pickle=True")
+                return encode_leaf(value, path, True)
+            tag = "tuple" if isinstance(value, tuple) else "list"
+            return {"t": tag, "v": [self.walk(v, _join(path, str(i))) for i, v in enumerate(value)]}
+        sd = getattr(value, "state_dict", None)
+        if callable(sd) and not isinstance(value, type):
+            if isinstance(value, torch.optim.Optimizer):
+                self.optimizers.append(value)
+            if isinstance(value, torch.nn.Module):
+                self.modules.append(value)
+            try:
+                state = sd()
+            except Exception as e:
+                raise ValidationError(f"state key '{path}': {type(value).__name__}.state_dict() raised "
+                                      f"{type(e).__name__}: {e}") from e
+            return {"t": "stateful", "cls": f"{type(value).__module__}.{type(value).__qualname__}",
+                    "state": self.walk(state, path)}
+        return encode_leaf(value, path or "<root>", self.allow_pickle)
+
+    def tensor(self, t: torch.Tensor, path: str) -> Node:
+        key = path or "<root>"
+        _check_tensor(t, key)
+        self._claim(key)
+        # Tied weights (one Parameter under two keys) are the same view of the same storage:
+        # store the bytes once and restore them tied.
+        ident = (t.device, t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape),
+                 tuple(t.stride()), t.dtype) if t.numel() else None
+        if ident is not None and ident in self.seen:
+            self.aliases[key] = self.seen[ident]
+        else:
+            if ident is not None:
+                self.seen[ident] = key
+            self.tensors[key] = t.detach()
+        return {"t": "tensor", "k": key}
+
+
+_layout_cache: "collections.OrderedDict[tuple[Any, ...], Layout]" = collections.OrderedDict()
+
+
+def make_layout(tensors: dict[str, torch.Tensor]) -> tuple[Layout, list[str]]:
+    """Return the (cached) layout for these tensors and the keys in layout order."""
+    sig = tuple((k, t.dtype, tuple(t.shape)) for k, t in tensors.items())
+    cached = _layout_cache.get(sig)
+    if cached is not None:
+        _layout_cache.move_to_end(sig)
+        return cached, [e.key for e in cached.entries]
+    # Largest element size first: every tensor then starts naturally aligned.
+    keys = sorted(tensors, key=lambda k: -tensors[k].element_size())
+    header: dict[str, Any] = {"__metadata__": {"format": "pt", "writer": "nebula_ckpt",
+                                               "nebula_format": str(FORMAT_VERSION)}}
+    pos = 0
+    spans = []
+    for k in keys:
+        t = tensors[k]
+        n = t.numel() * t.element_size()
+        st = _ST_DTYPES.get(t.dtype)
+        shape = list(t.shape) if st else [n]
+        header[k] = {"dtype": st or "U8", "shape": shape, "data_offsets": [pos, pos + n]}
+        spans.append((k, t, pos, n))
+        pos += n
+    js = json.dumps(header, separators=(",", ":")).encode()
+    data_start = -(-(8 + len(js)) // ALIGN) * ALIGN
+    js += b" " * (data_start - 8 - len(js))
+    head = struct.pack("<Q", len(js)) + js
+    entries = tuple(TensorEntry(k, dtype_name(t.dtype), tuple(t.shape), data_start + p, n)
+                    for k, t, p, n in spans)
+    layout = Layout(entries, head, data_start + pos)
+    _layout_cache[sig] = layout
+    if len(_layout_cache) > 16:
+        _layout_cache.popitem(last=False)
+    return layout, keys
+
+
+def check_step(step: Any) -> int:
+    """Validate a step number."""
+    if isinstance(step, bool) or not isinstance(step, int):
+        raise ValidationError(f"step must be a non-negative int, got {type(step).__name__} {step!r}")
+    if step < 0:
+        raise ValidationError(f"step must be a non-negative int, got {step}")
+    return step
+
+
+def make_plan(step: Any, state: Any, *, allow_pickle: bool = False) -> Plan:
+    """Flatten and validate ``state``; raise :class:`ValidationError` naming the key on bad input.
+
+    Args:
+        step: non-negative int.
+        state: a tree of dicts / lists / tuples whose leaves are tensors, plain values, or objects
+            with ``state_dict()``.
+        allow_pickle: store values typed JSON cannot hold with pickle.
+
+    Returns:
+        The :class:`Plan`; nothing has been copied or written yet.
+    """
+    step = check_step(step)
+    fl = _Flattener(allow_pickle)
+    tree = fl.walk(state, "")
+    layout, keys = make_layout(fl.tensors)
+    modules = [m for m in fl.modules if any(True for _ in m.buffers())]
+    return Plan(step=step, layout=layout, sources=[fl.tensors[k] for k in keys], tree=tree,
+                aliases=fl.aliases, devices={k: str(fl.tensors[k].device) for k in keys},
+                optimizers=fl.optimizers, modules_with_buffers=modules)
+
+
+def find_tensor_entry(layout: Layout, key: str) -> Optional[TensorEntry]:
+    """The entry for ``key`` or ``None`` (linear scan; for tools, not the hot path)."""
+    for e in layout.entries:
+        if e.key == key:
+            return e
+    return None

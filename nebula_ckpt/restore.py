@@ -1,0 +1,262 @@
+"""Restore: find the newest healthy checkpoint on any tier, verify it, load it in place.
+
+Candidates are every committed step on every tier, newest step first and, for one step, the
+fastest tier first. Each is verified (commit marker, manifest checksum, shard sizes and, with
+``verify="full"``, the CRC32C of every tensor) before a single byte reaches the user's
+tensors; on any mismatch the next candidate is tried. Local tiers are memory-mapped, so tensors
+are copied once, from the page cache straight into the existing parameters.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+import torch
+
+from . import manifest as mf
+from .errors import CorruptCheckpointError, ValidationError
+from .native import get_ops
+from .persist import committed_steps
+from .storage.base import Storage
+from .structure import decode
+from .tiers import Tier
+
+log = logging.getLogger(__name__)
+
+_DTYPES = {str(d).removeprefix("torch."): d for d in vars(torch).values() if isinstance(d, torch.dtype)}
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """A committed step on one tier."""
+
+    step: int
+    tier: Tier
+    storage: Storage
+
+
+class OpenCheckpoint:
+    """A verified checkpoint: its manifest and zero-copy tensor views of its shard bytes."""
+
+    def __init__(self, manifest: dict[str, Any], buffers: list[torch.Tensor], where: str) -> None:
+        self.manifest = manifest
+        self.step = int(manifest["step"])
+        self.where = where
+        self._buffers = buffers
+        self._views: dict[str, torch.Tensor] = {}
+
+    def keys(self) -> list[str]:
+        """Stored tensor keys (aliases excluded)."""
+        return list(self.manifest["tensors"])
+
+    def view(self, key: str) -> torch.Tensor:
+        """Read-only use view of tensor ``key`` over the shard bytes (no copy)."""
+        key = self.manifest.get("aliases", {}).get(key, key)
+        v = self._views.get(key)
+        if v is None:
+            e = self.manifest["tensors"][key]
+            start, end = e["offsets"]
+            raw = self._buffers[e.get("shard", 0)][start:end]
+            v = raw.view(_DTYPES[e["dtype"]]).reshape(e["shape"])
+            self._views[key] = v
+        return v
+
+    def tree(self, materialize: Callable[[str, torch.Tensor], Any], allow_pickle: bool) -> Any:
+        """Decode the whole state tree, turning each tensor view into ``materialize(key, view)``."""
+        made: dict[str, Any] = {}
+
+        def tensor(key: str) -> Any:
+            real = self.manifest.get("aliases", {}).get(key, key)
+            if real not in made:
+                made[real] = materialize(real, self.view(real))
+            return made[real]
+
+        return decode(self.manifest["tree"], tensor, allow_pickle)
+
+
+def list_candidates(tiers: list[tuple[Tier, Storage]]) -> list[Candidate]:
+    """Every committed step on every tier: newest first, fastest tier first within a step."""
+    cands: list[tuple[int, int, Candidate]] = []
+    for i, (tier, st) in enumerate(tiers):
+        try:
+            steps = committed_steps(st)
+        except Exception as e:
+            log.warning("nebula_ckpt: cannot list tier %s: %s", tier.name, e)
+            continue
+        cands.extend((-s, i, Candidate(s, tier, st)) for s in steps)
+    return [c for _, _, c in sorted(cands, key=lambda x: (x[0], x[1]))]
+
+
+def open_checkpoint(storage: Storage, step: int, verify: str, where: str) -> OpenCheckpoint:
+    """Read and verify one checkpoint; raise :class:`CorruptCheckpointError` naming what is wrong."""
+    ops = get_ops()
+    d = mf.step_dir(step)
+    try:
+        commit = mf.Commit.parse(storage.read_small(f"{d}/{mf.COMMIT}"), where)
+        mbytes = storage.read_small(f"{d}/{mf.MANIFEST}")
+    except FileNotFoundError as e:
+        raise CorruptCheckpointError(f"{where}: {e.filename or e} is missing") from None
+    if len(mbytes) != commit.manifest_bytes or ops.crc32c_bytes(mbytes) != commit.manifest_crc32c:
+        raise CorruptCheckpointError(f"{where}: manifest.json does not match its commit marker "
+                                     "(size or checksum differs): garbled or replaced")
+    man = mf.parse_manifest(mbytes, where)
+    if int(man["step"]) != step or commit.step != step:
+        raise CorruptCheckpointError(f"{where}: manifest is for step {man['step']}, not {step}")
+    buffers = []
+    for sh in man["shards"]:
+        rel = f"{d}/{sh['file']}"
+        info = sh.get("storage") or {}
+        try:
+            stored = storage.size(rel)
+        except FileNotFoundError:
+            raise CorruptCheckpointError(f"{where}: shard {sh['file']} is missing") from None
+        want = int(info.get("stored_bytes", sh["bytes"]))
+        if stored != want:
+            raise CorruptCheckpointError(f"{where}: shard {sh['file']} has {stored} bytes, manifest says "
+                                         f"{want} (truncated or torn write)")
+        mv = storage.read_buffer(rel, info)
+        if len(mv) != int(sh["bytes"]):
+            raise CorruptCheckpointError(f"{where}: shard {sh['file']} decodes to {len(mv)} bytes, "
+                                         f"expected {sh['bytes']}")
+        buffers.append(torch.frombuffer(mv, dtype=torch.uint8) if len(mv) else torch.empty(0, dtype=torch.uint8))
+    if verify == "full":
+        _verify_checksums(man, buffers, where)
+    return OpenCheckpoint(man, buffers, where)
+
+
+def _verify_checksums(man: dict[str, Any], buffers: list[torch.Tensor], where: str) -> None:
+    ops = get_ops()
+    by_shard: dict[int, list[tuple[str, int, int, int]]] = {}
+    for key, e in man["tensors"].items():
+        start, end = e["offsets"]
+        by_shard.setdefault(int(e.get("shard", 0)), []).append((key, start, end - start, int(e["crc32c"])))
+    for si, items in by_shard.items():
+        buf = buffers[si]
+        for key, start, n, _ in items:
+            if start < 0 or start + n > buf.numel():
+                raise CorruptCheckpointError(f"{where}: tensor '{key}' lies outside its shard")
+        got = ops.crc32c(buf, [s for _, s, _, _ in items], [n for _, _, n, _ in items])
+        for (key, _, _, want), have in zip(items, got):
+            if have != want:
+                raise CorruptCheckpointError(f"{where}: checksum mismatch in tensor '{key}' "
+                                             f"(crc32c {have:#010x}, manifest {want:#010x})")
+
+
+def find_and_open(tiers: list[tuple[Tier, Storage]], step: Optional[int] = None,
+                  verify: Optional[str] = None) -> Optional[OpenCheckpoint]:
+    """Open the newest healthy checkpoint (or the healthy copy of ``step``); None if there is none."""
+    skipped = []
+    for c in list_candidates(tiers):
+        if step is not None and c.step != step:
+            continue
+        where = f"tier {c.tier.name} step {c.step}"
+        try:
+            ck = open_checkpoint(c.storage, c.step, verify or c.tier.verify, where)
+        except CorruptCheckpointError as e:
+            log.warning("nebula_ckpt: skipping %s: %s", where, e)
+            skipped.append(str(e))
+            continue
+        except Exception as e:
+            log.warning("nebula_ckpt: skipping %s: cannot read it (%s: %s)", where, type(e).__name__, e)
+            skipped.append(f"{where}: {type(e).__name__}: {e}")
+            continue
+        log.info("nebula_ckpt: restoring step %d from tier %s%s", c.step, c.tier.name,
+                 f" (skipped {len(skipped)} damaged candidate(s))" if skipped else "")
+        return ck
+    if skipped:
+        log.warning("nebula_ckpt: no healthy checkpoint%s; skipped: %s",
+                    f" of step {step}" if step is not None else "", "; ".join(skipped))
+    return None
+
+
+# -- applying a checkpoint to the user's objects ----------------------------------------------------
+
+def _owned(view: torch.Tensor, device: Optional[torch.device]) -> torch.Tensor:
+    if device is not None and device.type != "cpu":
+        return view.to(device, copy=True)
+    return view.clone()
+
+
+def _target_device(entry: dict[str, Any], map_location: Any) -> Optional[torch.device]:
+    if map_location is not None:
+        return torch.device(map_location)
+    dev = torch.device(entry.get("device", "cpu"))
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        return torch.device("cpu")
+    return dev
+
+
+def apply(ck: OpenCheckpoint, into: Any, *, map_location: Any = None, strict: bool = True,
+          allow_pickle: bool = False) -> None:
+    """Restore ``ck`` into ``into`` in place (same tree shape as what was saved)."""
+    _apply_node(ck, ck.manifest["tree"], into, "", map_location, strict, allow_pickle)
+
+
+def materialize(ck: OpenCheckpoint, *, map_location: Any = None, allow_pickle: bool = False) -> Any:
+    """Decode the whole checkpoint as a fresh tree of owned tensors and plain values."""
+    return ck.tree(lambda k, v: _owned(v, _target_device(ck.manifest["tensors"][k], map_location)),
+                   allow_pickle)
+
+
+def _decode_owned(ck: OpenCheckpoint, node: dict[str, Any], map_location: Any, allow_pickle: bool,
+                  path: str) -> Any:
+    def tensor(key: str) -> Any:
+        real = ck.manifest.get("aliases", {}).get(key, key)
+        return _owned(ck.view(real), _target_device(ck.manifest["tensors"][real], map_location))
+    return decode(node, tensor, allow_pickle, path)
+
+
+def _apply_node(ck: OpenCheckpoint, node: dict[str, Any], target: Any, path: str, map_location: Any,
+                strict: bool, allow_pickle: bool) -> Any:
+    """Restore ``node`` into ``target`` where possible; return the value to store in the parent."""
+    t = node["t"]
+    shown = path or "<root>"
+    if t == "stateful":
+        load = getattr(target, "load_state_dict", None)
+        if not callable(load):
+            if target is None or not strict:
+                return _decode_owned(ck, node, map_location, allow_pickle, path)
+            raise ValidationError(f"restore: checkpoint key '{shown}' holds a {node.get('cls')} state, but "
+                                  f"the object given in `into` ({type(target).__name__}) has no load_state_dict()")
+        if isinstance(target, torch.nn.Module):
+            # Zero-copy views: load_state_dict copies them straight into the parameters.
+            state = decode(node["state"], ck.view, allow_pickle, path)
+            target.load_state_dict(state, strict=strict)
+        else:
+            # Optimizers etc. keep the tensors they are given: hand them owned copies.
+            target.load_state_dict(_decode_owned(ck, node["state"], map_location, allow_pickle, path))
+        return target
+    if t == "tensor":
+        if isinstance(target, torch.Tensor):
+            src = ck.view(node["k"])
+            if tuple(target.shape) != tuple(src.shape) or target.dtype != src.dtype:
+                raise ValidationError(
+                    f"restore: key '{shown}': checkpoint has {src.dtype} {tuple(src.shape)}, the tensor in "
+                    f"`into` is {target.dtype} {tuple(target.shape)}; pass a matching tensor or use read()")
+            with torch.no_grad():
+                target.copy_(src)
+            return target
+        return _decode_owned(ck, node, map_location, allow_pickle, path)
+    if t in ("dict", "odict") and isinstance(target, dict):
+        saved_keys = []
+        for k_node, v_node in node["v"]:
+            k = decode(k_node, ck.view, False, path)
+            saved_keys.append(k)
+            sub = f"{path}/{k}" if path else str(k)
+            target[k] = _apply_node(ck, v_node, target.get(k), sub, map_location, strict, allow_pickle)
+        missing = [k for k in target if k not in saved_keys]
+        if missing and strict:
+            raise ValidationError(f"restore: `into` has key(s) {missing} under '{shown}' that the checkpoint "
+                                  f"of step {ck.step} does not have; pass strict=False to leave them as they are")
+        return target
+    if t == "list" and isinstance(target, list) and len(target) == len(node["v"]):
+        for i, v_node in enumerate(node["v"]):
+            target[i] = _apply_node(ck, v_node, target[i], f"{path}/{i}", map_location, strict, allow_pickle)
+        return target
+    if t == "tuple" and isinstance(target, tuple) and len(target) == len(node["v"]):
+        # Tuples are immutable: restore what can be restored in place, rebuild the tuple.
+        return tuple(_apply_node(ck, v, target[i], f"{path}/{i}", map_location, strict, allow_pickle)
+                     for i, v in enumerate(node["v"]))
+    return _decode_owned(ck, node, map_location, allow_pickle, path)

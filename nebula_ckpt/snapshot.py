@@ -1,0 +1,170 @@
+"""Snapshot: copy the planned tensors into a staging buffer, then checksum them off-thread.
+
+The training thread only *enqueues* the copy (one native call for all tensors) and returns.
+The stager thread then waits for the copy, checks that no tensor changed while it was copied,
+computes the CRC32C of every tensor, builds the manifest, and hands the snapshot to the tiers.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from typing import Any, Callable, Optional
+
+import torch
+
+from . import manifest as mf
+from .buffers import Slot, StagingPool
+from .errors import ConsistencyError
+from .handle import SaveHandle
+from .native import CopyJob, get_ops, monotonic
+from .plan import Plan
+
+log = logging.getLogger(__name__)
+
+
+class Snapshot:
+    """One save in flight: its plan, its staging slot and the copy job.
+
+    The slot is reference-counted: the stager holds it until it has offered the snapshot to the
+    tiers, each tier that takes it holds it until written; the last release returns it to the pool.
+    """
+
+    def __init__(self, plan: Plan, slot: Slot, job: CopyJob, handle: SaveHandle, pool: StagingPool,
+                 targets: list[Any], t_start: float) -> None:
+        self.plan = plan
+        self.slot = slot
+        self.job = job
+        self.handle = handle
+        self.targets = targets
+        self.t_start = t_start
+        self.checksums: list[int] = []
+        self.tensor_index: dict[str, dict[str, Any]] = {}
+        self.copy_seconds = 0.0
+        self._pool = pool
+        self._refs = 1
+        self._lock = threading.Lock()
+        self._copy_lock = threading.Lock()
+        self._copied = False
+
+    @property
+    def step(self) -> int:
+        """Step of this snapshot."""
+        return self.plan.step
+
+    @property
+    def nbytes(self) -> int:
+        """Size of the shard image."""
+        return self.plan.layout.total_bytes
+
+    def view(self) -> memoryview:
+        """The shard image (a zero-copy memoryview of the staging buffer)."""
+        return memoryview(self.slot.buffer.numpy())[: self.nbytes]
+
+    def finish_copy(self) -> None:
+        """Wait for the copy (idempotent, any thread) and settle the snapshot verdict."""
+        with self._copy_lock:
+            if self._copied:
+                return
+            err: Optional[BaseException] = None
+            try:
+                self.job.wait()
+                changed = self.job.modified()
+                if changed:
+                    keys = [self.plan.layout.entries[i].key for i in changed[:5]]
+                    more = f" and {len(changed) - 5} more" if len(changed) > 5 else ""
+                    err = ConsistencyError(
+                        f"step {self.step}: tensor(s) {keys}{more} changed in place while the snapshot "
+                        "was being copied, so this checkpoint would not be the state at save_async(); "
+                        "it was not written. Call handle.wait_snapshot() before changing tensors in "
+                        "place outside optimizer.step() (which waits by itself).")
+            except BaseException as e:
+                err = e
+            self.copy_seconds = monotonic() - self.t_start
+            self._copied = True
+            self.job = None  # type: ignore[assignment]  # drop the source tensor references
+            self.handle._set_snapshot(err)
+
+    def acquire(self, n: int = 1) -> None:
+        """Take ``n`` more references to the staging slot."""
+        with self._lock:
+            self._refs += n
+
+    def release(self) -> None:
+        """Drop one reference; the last one returns the slot to the pool."""
+        with self._lock:
+            self._refs -= 1
+            last = self._refs == 0
+        if last:
+            self._pool.release(self.slot)
+
+
+class Stager:
+    """The thread between the training thread and the tier writers."""
+
+    def __init__(self, name: str) -> None:
+        self._q: "queue.Queue[Optional[Snapshot]]" = queue.Queue()
+        self._thread = threading.Thread(target=self._run, name=f"nebula-stager-{name}", daemon=True)
+        self._thread.start()
+
+    def submit(self, snap: Snapshot) -> None:
+        """Hand over a snapshot whose copy is enqueued."""
+        self._q.put(snap)
+
+    def close(self) -> None:
+        """Finish the queued snapshots and stop."""
+        self._q.put(None)
+        self._thread.join()
+
+    def _run(self) -> None:
+        while True:
+            snap = self._q.get()
+            if snap is None:
+                return
+            try:
+                self._stage(snap)
+            except BaseException as e:  # never let the thread die; report on the handle
+                log.exception("nebula_ckpt: staging step %d failed", snap.step)
+                if not snap.handle._snapshot.is_set():
+                    snap.handle._set_snapshot(e)
+                else:
+                    for t in snap.targets:
+                        snap.handle._tier_done(t.name, e)
+                snap.release()
+
+    def _stage(self, snap: Snapshot) -> None:
+        snap.finish_copy()
+        if snap.handle._snapshot_error is not None:
+            snap.release()
+            return
+        entries = snap.plan.layout.entries
+        ops = get_ops()
+        sums = ops.crc32c(snap.slot.buffer, [e.offset for e in entries], [e.nbytes for e in entries])
+        devices = snap.plan.devices
+        snap.tensor_index = {
+            e.key: {"dtype": e.dtype, "shape": list(e.shape), "offsets": [e.offset, e.offset + e.nbytes],
+                    "crc32c": c, "device": devices[e.key]}
+            for e, c in zip(entries, sums)}
+        log.debug("nebula_ckpt: step %d staged (%d tensors, %.1f MiB, copy %.1f ms)", snap.step,
+                  len(entries), snap.nbytes / 2**20, snap.copy_seconds * 1e3)
+        snap.acquire(len(snap.targets))
+        snap.release()  # the stager's own reference
+        for t in snap.targets:
+            t.offer(snap)
+
+
+def build_tier_manifest(snap: Snapshot, generation: int, shard: dict[str, Any]) -> dict[str, Any]:
+    """The manifest of ``snap`` as written on one tier."""
+    return mf.build_manifest(step=snap.step, generation=generation, shards=[shard],
+                             tensors=snap.tensor_index, aliases=snap.plan.aliases, tree=snap.plan.tree,
+                             stats={"tensor_bytes": snap.plan.tensor_bytes,
+                                    "copy_seconds": snap.copy_seconds})
+
+
+def header_tensor(plan: Plan) -> torch.Tensor:
+    """The safetensors header bytes of ``plan`` as a uint8 tensor."""
+    return torch.frombuffer(bytearray(plan.layout.header), dtype=torch.uint8)
+
+
+WaitFn = Callable[[], None]

@@ -1,0 +1,99 @@
+"""The primitives a tier's storage backend implements.
+
+A tier (memory, local, remote) writes a checkpoint as: shard files, then ``manifest.json``,
+then the commit marker. Storage backends only provide these primitives; the ordering and the
+commit protocol live in :mod:`nebula_ckpt.persist`.
+
+Threading: ``write_*`` / ``remove*`` are called from the tier's own writer thread; ``read_*``,
+``list``, ``exists`` and ``size`` may be called from any thread (restore, CLI).
+
+Paths are relative to the storage root and ``/``-separated (``"step-42/manifest.json"``).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Any, Optional
+
+Buffer = memoryview
+
+
+class Storage(ABC):
+    """Abstract storage backend rooted at one directory / URL prefix.
+
+    Call order for one checkpoint (see :mod:`nebula_ckpt.persist`):
+    ``write_buffer`` for every shard -> ``write_small("step-N/manifest.json")`` ->
+    ``write_small("step-N/COMMIT", create_only=True)``. Deletion goes the other way:
+    ``remove("step-N/COMMIT")`` first, then ``remove_dir("step-N")``.
+    """
+
+    #: URL for messages and the CLI, never containing credentials.
+    display_url: str
+    #: True when files live on a POSIX file system reachable with ``open``/``mmap``.
+    is_local: bool = False
+
+    @abstractmethod
+    def write_buffer(self, rel: str, data: Buffer, *, compression: Optional[str] = None) -> dict[str, Any]:
+        """Write ``data`` as a new file / object at ``rel``, durable on return.
+
+        Local backends fsync the file and its directory; remote backends return once the
+        (multi-part) upload has completed. The name is new (unique per writer generation), so
+        a partial object left by a crash is harmless: no marker names it.
+
+        Args:
+            rel: relative path.
+            data: the bytes (a memoryview over the staging buffer; never copied whole).
+            compression: ``None`` or ``"zstd"`` (backends that do not support it raise
+                ``ValueError``).
+
+        Returns:
+            Storage info to record in the manifest for this file (e.g. ``{"stored_bytes": n}``
+            and, when compressed, the frame table). Must be JSON-serialisable.
+        """
+
+    @abstractmethod
+    def read_buffer(self, rel: str, info: Optional[dict[str, Any]] = None) -> Buffer:
+        """Return the (decompressed) bytes of file ``rel`` as a buffer.
+
+        Local backends return a read-only memory map; remote ones download in parallel.
+        ``info`` is what ``write_buffer`` returned (needed to decompress).
+        """
+
+    @abstractmethod
+    def write_small(self, rel: str, data: bytes, *, create_only: bool = False) -> None:
+        """Write a small file atomically and durably (tmp + fsync + rename on file systems).
+
+        With ``create_only=True`` raise ``FileExistsError`` if ``rel`` already exists (the
+        commit primitive on blob stores: ``If-None-Match: *``).
+        """
+
+    @abstractmethod
+    def read_small(self, rel: str) -> bytes:
+        """Return the whole content of a small file. Raises ``FileNotFoundError``."""
+
+    @abstractmethod
+    def list(self, rel_dir: str = "") -> list[str]:
+        """Names (not paths) of the direct children of ``rel_dir``; ``[]`` if it is missing."""
+
+    @abstractmethod
+    def exists(self, rel: str) -> bool:
+        """Whether file ``rel`` exists."""
+
+    @abstractmethod
+    def size(self, rel: str) -> int:
+        """Size in bytes of file ``rel``. Raises ``FileNotFoundError``."""
+
+    @abstractmethod
+    def remove(self, rel: str) -> None:
+        """Delete file ``rel``; a missing file is not an error."""
+
+    @abstractmethod
+    def remove_dir(self, rel: str) -> None:
+        """Delete ``rel`` and everything under it; a missing directory is not an error."""
+
+    def free_bytes(self) -> Optional[int]:
+        """Free space of the underlying file system, or ``None`` when unknown (remote)."""
+        return None
+
+    def close(self) -> None:
+        """Release connections / thread pools. Idempotent."""

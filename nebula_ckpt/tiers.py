@@ -1,0 +1,253 @@
+"""Tiers: where checkpoints are persisted, in order from fastest to slowest.
+
+A :class:`Checkpointer` writes every accepted snapshot to each tier whose cadence wants it, each
+tier on its own writer thread, all from the same host snapshot. Restore looks at every tier.
+
+Defaults (``Checkpointer(root)``): a :class:`MemoryTier` in ``/dev/shm`` (survives a process
+crash, not a reboot) and the ``root`` itself (a :class:`LocalTier` for a path, a
+:class:`RemoteTier` for any other fsspec URL).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Any, Optional
+from urllib.parse import urlsplit, urlunsplit
+
+from . import knobs
+from .errors import ValidationError
+from .storage.base import Storage
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Tier:
+    """Common settings of a tier.
+
+    Args:
+        every: persist every N-th save of the checkpointer (1 = every save).
+        every_seconds: persist at most once per this many seconds (``None`` = no time limit).
+        keep_last: committed checkpoints to keep on this tier (``None``: the checkpointer's).
+        keep_every: also keep forever every step divisible by this (milestones).
+        verify: restore check: ``"full"`` (sizes + every checksum), ``"size"`` (sizes only).
+    """
+
+    every: int = 1
+    every_seconds: Optional[float] = None
+    keep_last: Optional[int] = None
+    keep_every: Optional[int] = None
+    verify: str = "full"
+    kind: str = field(default="local", init=False)
+    _last_time: Optional[float] = field(default=None, init=False, repr=False)
+
+    def validate(self) -> None:
+        """Raise :class:`ValidationError` on bad settings."""
+        if not isinstance(self.every, int) or self.every < 1:
+            raise ValidationError(f"tier {self.name}: every must be an int >= 1, got {self.every!r}")
+        if self.every_seconds is not None and self.every_seconds < 0:
+            raise ValidationError(f"tier {self.name}: every_seconds must be >= 0")
+        if self.keep_last is not None and (not isinstance(self.keep_last, int) or self.keep_last < 1):
+            raise ValidationError(f"tier {self.name}: keep_last must be an int >= 1 (the newest "
+                                  f"checkpoint is never deleted), got {self.keep_last!r}")
+        if self.keep_every is not None and (not isinstance(self.keep_every, int) or self.keep_every < 1):
+            raise ValidationError(f"tier {self.name}: keep_every must be an int >= 1")
+        if self.verify not in ("full", "size"):
+            raise ValidationError(f"tier {self.name}: verify must be 'full' or 'size'")
+
+    @property
+    def name(self) -> str:
+        """Short name for logs: ``memory``, ``local:/path``, ``remote:s3://b/p``."""
+        return f"{self.kind}:{self.display_url}"
+
+    @property
+    def display_url(self) -> str:
+        """Location without credentials."""
+        raise NotImplementedError
+
+    def wants(self, save_index: int, now: float) -> bool:
+        """Whether this tier takes the ``save_index``-th save (0-based), by its cadence."""
+        if save_index % self.every:
+            return False
+        if self.every_seconds is not None and self._last_time is not None \
+                and now - self._last_time < self.every_seconds:
+            return False
+        self._last_time = now
+        return True
+
+    def make_storage(self) -> Storage:
+        """Create the storage backend of this tier."""
+        raise NotImplementedError
+
+
+@dataclass
+class LocalTier(Tier):
+    """A directory on a local or network file system (NVMe, NFS, ...).
+
+    Example::
+
+        nc.LocalTier("/nvme/ckpt", every=1, keep_last=3)
+    """
+
+    path: str = ""
+
+    def __init__(self, path: str, **kw: Any) -> None:
+        super().__init__(**kw)
+        self.kind = "local"
+        self.path = _local_path(path) or path
+
+    @property
+    def display_url(self) -> str:
+        return os.path.abspath(self.path)
+
+    def make_storage(self) -> Storage:
+        from .storage.local import LocalStorage
+
+        return LocalStorage(self.path)
+
+
+@dataclass
+class MemoryTier(Tier):
+    """Host memory that survives a crash of the training process (``/dev/shm``, a tmpfs).
+
+    Files are owner-only and removed by a clean ``close()``; after a crash a new process with the
+    same ``root`` finds them (the folder name is a hash of the root URL, checked against a
+    ``ROOT`` file inside, so another run's memory tier is never taken for this one's).
+
+    Args:
+        path: folder to use; default: ``<shm_dir>/nebula_ckpt-<uid>/<hash of root>``.
+        keep_last: default 1 (the previous checkpoint is deleted only after the new one commits).
+    """
+
+    path: Optional[str] = None
+
+    def __init__(self, path: Optional[str] = None, *, keep_last: int = 1, **kw: Any) -> None:
+        super().__init__(keep_last=keep_last, **kw)
+        self.kind = "memory"
+        self.path = path
+
+    def bind(self, root_url: str) -> None:
+        """Resolve the default folder for ``root_url`` (called by the Checkpointer)."""
+        if self.path is None:
+            self.path = memory_tier_path(root_url)
+
+    @property
+    def display_url(self) -> str:
+        return self.path or "<unbound>"
+
+    def make_storage(self) -> Storage:
+        from .storage.local import LocalStorage
+
+        assert self.path is not None, "MemoryTier.bind() was not called"
+        return LocalStorage(self.path, private=True, fsync=False)
+
+
+@dataclass
+class RemoteTier(Tier):
+    """Any fsspec URL: ``az://container/prefix`` (adlfs), ``s3://bucket/prefix`` (s3fs), ...
+
+    Args:
+        url: the location.
+        storage_options: passed to the fsspec file system (credentials, endpoint); never logged.
+        compression: ``None`` or ``"zstd"`` (per upload part, so it stays parallel).
+        verify: default ``"full"``.
+    """
+
+    url: str = ""
+    storage_options: Optional[dict[str, Any]] = None
+    compression: Optional[str] = None
+
+    def __init__(self, url: str, *, storage_options: Optional[dict[str, Any]] = None,
+                 compression: Optional[str] = None, **kw: Any) -> None:
+        super().__init__(**kw)
+        self.kind = "remote"
+        self.url = url
+        self.storage_options = storage_options
+        self.compression = compression
+
+    def validate(self) -> None:
+        super().validate()
+        if self.compression not in (None, "zstd"):
+            raise ValidationError(f"tier {self.name}: compression must be None or 'zstd'")
+        if self.compression == "zstd":
+            try:
+                import zstandard  # noqa: F401
+            except ImportError:
+                raise ValidationError("compression='zstd' needs the zstandard package: "
+                                      "pip install 'nebula_ckpt[zstd]'") from None
+
+    @property
+    def display_url(self) -> str:
+        return strip_credentials(self.url)
+
+    def make_storage(self) -> Storage:
+        from .storage.remote import FsspecStorage
+
+        return FsspecStorage(self.url, self.storage_options)
+
+
+def strip_credentials(url: str) -> str:
+    """Drop user info and query string from a URL (they may carry secrets)."""
+    try:
+        parts = urlsplit(url)
+    except ValueError:
+        return "<unparseable url>"
+    if not parts.scheme:
+        return url
+    netloc = parts.hostname or ""
+    if parts.port:
+        netloc += f":{parts.port}"
+    return urlunsplit((parts.scheme, netloc, parts.path, "", ""))
+
+
+def _local_path(url: str) -> Optional[str]:
+    """The local path of ``url`` if it is a path or a file:// URL, else None."""
+    if url.startswith("file://"):
+        return url[len("file://"):]
+    if "://" in url:
+        return None
+    return os.path.expanduser(url)
+
+
+def canonical_root(root: str) -> str:
+    """A stable identity for a root: absolute path for local roots, the credential-free URL otherwise."""
+    p = _local_path(root)
+    return os.path.realpath(p) if p is not None else strip_credentials(root).rstrip("/")
+
+
+def memory_tier_path(root: str) -> str:
+    """Default memory-tier folder for ``root``."""
+    ident = canonical_root(root)
+    digest = hashlib.sha256(ident.encode()).hexdigest()[:16]
+    uid = os.getuid() if hasattr(os, "getuid") else 0
+    return os.path.join(knobs.get("shm_dir"), f"nebula_ckpt-{uid}", digest)
+
+
+def tier_for_root(root: str, storage_options: Optional[dict[str, Any]] = None, **kw: Any) -> Tier:
+    """The persistent tier of ``root``: local for a path / file:// URL, remote otherwise."""
+    p = _local_path(root)
+    if p is not None:
+        if storage_options:
+            raise ValidationError(f"root '{root}' is a local path; storage_options are only for "
+                                  "remote URLs (az://, s3://, ...)")
+        return LocalTier(p, **kw)
+    return RemoteTier(root, storage_options=storage_options, **kw)
+
+
+def shm_available(path: str) -> Optional[str]:
+    """``None`` if the memory tier can live at ``path``, else the reason it cannot."""
+    base = os.path.dirname(os.path.dirname(path))
+    if not os.path.isdir(base):
+        return f"{base} does not exist"
+    if not os.access(base, os.W_OK):
+        return f"{base} is not writable"
+    return None
+
+
+def now() -> float:
+    """Clock for cadences."""
+    return time.monotonic()
