@@ -109,8 +109,11 @@ def _check_tensor(t: torch.Tensor, path: str) -> None:
     if type(t) not in (torch.Tensor, torch.nn.Parameter) and not isinstance(t, torch.nn.Parameter):
         raise ValidationError(f"state key '{path}': tensor subclass {type(t).__name__} is not "
                               "supported (DTensor: save t.to_local())")
-    if t.dtype not in _ST_DTYPES and t.dtype != torch.complex128:
-        raise ValidationError(f"state key '{path}': dtype {t.dtype} is not supported")
+    try:
+        t.element_size()
+    except Exception:
+        raise ValidationError(f"state key '{path}': dtype {t.dtype} has no byte size; "
+                              "it cannot be stored") from None
 
 
 def _join(path: str, key: str) -> str:
@@ -256,10 +259,3 @@ def make_plan(step: Any, state: Any, *, allow_pickle: bool = False) -> Plan:
                 aliases=fl.aliases, devices={k: str(fl.tensors[k].device) for k in keys},
                 optimizers=fl.optimizers, modules_with_buffers=modules)
 
-
-def find_tensor_entry(layout: Layout, key: str) -> Optional[TensorEntry]:
-    """The entry for ``key`` or ``None`` (linear scan; for tools, not the hot path)."""
-    for e in layout.entries:
-        if e.key == key:
-            return e
-    return None

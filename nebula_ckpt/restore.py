@@ -174,9 +174,13 @@ def find_and_open(tiers: list[tuple[Tier, Storage]], step: Optional[int] = None,
 # -- applying a checkpoint to the user's objects ----------------------------------------------------
 
 def _owned(view: torch.Tensor, device: Optional[torch.device]) -> torch.Tensor:
+    # Copy as bytes: works for every dtype, shell dtypes (int1, uint4, ...) included.
+    raw = view.reshape(-1).view(torch.uint8).clone() if view.numel() else \
+        torch.empty(0, dtype=torch.uint8)
+    out = raw.view(view.dtype).reshape(view.shape)
     if device is not None and device.type != "cpu":
-        return view.to(device, copy=True)
-    return view.clone()
+        out = out.to(device)
+    return out
 
 
 def _target_device(entry: dict[str, Any], map_location: Any) -> Optional[torch.device]:

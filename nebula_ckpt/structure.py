@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import base64
 import collections
-import math
 import pickle
 from typing import Any, Callable
 
@@ -73,8 +72,10 @@ def decode(node: Node, tensor: Callable[[str], Any], allow_pickle: bool, path: s
     """Rebuild a value from its typed JSON; ``tensor(key)`` supplies tensor leaves."""
     t = node["t"]
     if t == "dict" or t == "odict":
-        items = [(decode(k, tensor, allow_pickle, path), decode(v, tensor, allow_pickle, f"{path}/{i}"))
-                 for i, (k, v) in enumerate(node["v"])]
+        items = []
+        for k_node, v_node in node["v"]:
+            k = decode(k_node, tensor, allow_pickle, path)
+            items.append((k, decode(v_node, tensor, allow_pickle, f"{path}/{k}" if path else str(k))))
         return collections.OrderedDict(items) if t == "odict" else dict(items)
     if t == "list":
         return [decode(v, tensor, allow_pickle, f"{path}/{i}") for i, v in enumerate(node["v"])]
@@ -108,7 +109,3 @@ def decode(node: Node, tensor: Callable[[str], Any], allow_pickle: bool, path: s
         return pickle.loads(base64.b64decode(node["v"]))  # noqa: S301 - explicitly allowed by the caller
     raise ValueError(f"unknown node type {t!r} at '{path}' (checkpoint from a newer nebula_ckpt?)")
 
-
-def is_nan_safe_equal(a: float, b: float) -> bool:
-    """Float equality where nan equals nan (for tests and verification)."""
-    return a == b or (math.isnan(a) and math.isnan(b))

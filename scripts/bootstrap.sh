@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# Create .venv, install what nebula_ckpt needs, build the C++ extension. Idempotent.
+# - If the system python3 already imports torch (a CUDA machine), the venv sees that torch.
+# - Otherwise torch==2.13.0 is installed (pinned: an unpinned torch would pull a multi-GB CUDA build).
+# - If the extension fails to build, the package still installs and runs its pure-PyTorch path.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+VENV=.venv
+STAMP=$VENV/.nebula-installed
+if [ -f "$STAMP" ] && [ "$STAMP" -nt setup.py ] && [ -z "$(find csrc -newer "$STAMP" -print -quit)" ]; then
+  exit 0
+fi
+if [ ! -x $VENV/bin/python ]; then
+  if $PY -c "import torch" 2>/dev/null; then
+    echo "bootstrap: using the torch of $PY ($($PY -c 'import torch; print(torch.__version__)'))"
+    $PY -m venv --system-site-packages $VENV
+  else
+    $PY -m venv $VENV
+  fi
+fi
+VPY=$VENV/bin/python
+if ! $VPY -c "import torch" 2>/dev/null; then
+  echo "bootstrap: installing torch==2.13.0"
+  $VPY -m pip install -q torch==2.13.0
+fi
+echo "bootstrap: installing dependencies"
+$VPY -m pip install -q "numpy" "safetensors>=0.4" "fsspec>=2023.1" "zstandard" "tqdm" "crc32c>=2.3" \
+  "psutil" "pytest" "pytest-timeout" "matplotlib" "ninja" "setuptools" "wheel"
+echo "bootstrap: building the C++ extension (nebula_ckpt._C)"
+if ! $VPY -m pip install -q --no-build-isolation --no-deps -e . ; then
+  echo "bootstrap: WARNING: the C++ extension failed to build; installing the pure-PyTorch path" >&2
+  NEBULA_NO_EXTENSION=1 $VPY -m pip install -q --no-build-isolation --no-deps -e .
+fi
+$VPY -c "import nebula_ckpt.native as n; print('bootstrap: nebula_ckpt path:', n.describe())"
+touch "$STAMP"

@@ -1,0 +1,111 @@
+"""Commit protocol: nothing is visible before its marker; failures never touch earlier checkpoints."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+import nebula_ckpt as nc
+from faults import STAGES, FaultyTier
+
+
+def _state(v: float) -> dict[str, object]:
+    return {"w": torch.full((64, 64), float(v)), "step": int(v)}
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_failure_at_each_stage_leaves_earlier_checkpoint(tmp_path, stage: str) -> None:  # noqa: ANN001
+    root = str(tmp_path / "ck")
+    tier = FaultyTier(root, fail_at=stage, fail_steps={2})
+    ck = nc.Checkpointer(root, tiers=[tier])
+    ck.save(1, _state(1))
+    h = ck.save_async(2, _state(2))
+    with pytest.raises(nc.PersistError, match=f"injected failure at stage '{stage}'") as ei:
+        h.result()
+    assert tier.name in ei.value.failures
+    assert ck.list() == [1]
+    assert not os.path.exists(os.path.join(root, "step-2", "COMMIT"))
+    w = torch.zeros(64, 64)
+    into = {"w": w, "step": 0}
+    assert ck.load_latest(into=into) == 1 and torch.all(w == 1) and into["step"] == 1
+    # The next save goes through, and cleans the failed step's leftovers.
+    ck.save(3, _state(3))
+    assert ck.list() == [1, 3]
+    assert not os.path.exists(os.path.join(root, "step-2"))
+    ck.close()
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_nothing_visible_before_commit(tmp_path, stage: str) -> None:  # noqa: ANN001
+    root = str(tmp_path / "ck")
+    tier = FaultyTier(root, pause_at=stage)
+    ck = nc.Checkpointer(root, tiers=[tier])
+    h = ck.save_async(5, _state(5))
+    assert tier.reached.wait(30)
+    reader = nc.Checkpointer(root, memory_tier=False)
+    assert reader.list() == []
+    assert reader.load_latest() is None
+    tier.gate.set()
+    h.result()
+    assert reader.list() == [5]
+    ck.close()
+
+
+def test_unseen_background_error_raised_from_next_calls(tmp_path) -> None:  # noqa: ANN001
+    root = str(tmp_path / "ck")
+    ck = nc.Checkpointer(root, tiers=[FaultyTier(root, fail_at="manifest", fail_steps={1})])
+    ck.save_async(1, _state(1))
+    with pytest.raises(nc.PersistError, match="step 1"):
+        ck.wait()
+    # seen now: the next save works
+    ck.save_async(2, _state(2)).result()
+    h3 = ck.save_async(3, _state(3))
+    h3.result()
+    ck.save_async(4, _state(4))
+    ck.close()
+    assert ck.list() == [2, 3, 4][-3:]
+
+    ck = nc.Checkpointer(root, tiers=[FaultyTier(root, fail_at="commit", fail_steps={5})])
+    ck.save_async(5, _state(5))
+    ck._handles[-1]._durable.wait(30)
+    with pytest.raises(nc.PersistError, match="step 5"):
+        ck.save_async(6, _state(6))
+    with pytest.raises(nc.PersistError, match="step 7"):
+        ck2 = nc.Checkpointer(root, tiers=[FaultyTier(root, fail_at="shard", fail_steps={7})])
+        ck2.save_async(7, _state(7))
+        ck2.close()
+    ck.close()
+
+
+def test_on_persist_error_log_keeps_training(tmp_path) -> None:  # noqa: ANN001
+    root = str(tmp_path / "ck")
+    ck = nc.Checkpointer(root, tiers=[FaultyTier(root, fail_at="shard", fail_steps={1})],
+                         on_persist_error="log")
+    h1 = ck.save_async(1, _state(1))
+    h1._durable.wait(30)
+    h2 = ck.save_async(2, _state(2))   # does not raise
+    h2.result()
+    assert isinstance(h1.error(), nc.PersistError)
+    ck.close()
+    assert ck.list() == [2]
+
+
+def test_retention_keeps_last_and_milestones(tmp_path) -> None:  # noqa: ANN001
+    root = str(tmp_path / "ck")
+    with nc.Checkpointer(root, tiers=[nc.LocalTier(root, keep_last=2, keep_every=4)]) as ck:
+        for s in range(1, 10):
+            ck.save(s, _state(s))
+        assert ck.list() == [4, 8, 9]
+
+
+def test_cadence_every_nth_save(tmp_path) -> None:  # noqa: ANN001
+    fast, slow = str(tmp_path / "fast"), str(tmp_path / "slow")
+    with nc.Checkpointer(slow, tiers=[nc.LocalTier(fast, keep_last=10),
+                                      nc.LocalTier(slow, every=3, keep_last=10)]) as ck:
+        for s in range(7):
+            ck.save(s, _state(s))
+        per = ck.list(detailed=True)
+    assert per[f"local:{fast}"] == list(range(7))
+    assert per[f"local:{slow}"] == [0, 3, 6]

@@ -1,0 +1,122 @@
+"""Bad input: a clear error naming the key, raised before anything is written."""
+
+from __future__ import annotations
+
+import collections
+import os
+import pickle
+
+import pytest
+import torch
+
+import nebula_ckpt as nc
+
+
+def _snapshot_tree(path: str) -> dict[str, bytes]:
+    out = {}
+    for dp, _, files in os.walk(path):
+        for f in files:
+            p = os.path.join(dp, f)
+            with open(p, "rb") as fh:
+                out[os.path.relpath(p, path)] = fh.read()
+    return out
+
+
+BAD = [
+    ("meta", {"model": {"w": torch.empty(3, device="meta")}}, "model/w", "meta device"),
+    ("sparse", {"s": torch.eye(3).to_sparse()}, "'s'", "to_dense"),
+    ("nested", {"n": torch.nested.nested_tensor([torch.ones(2), torch.ones(3)])}, "'n'", "nested"),
+    ("quantized", {"q": torch.quantize_per_tensor(torch.ones(2), 0.1, 0, torch.qint8)}, "'q'", "quantized"),
+    ("collision", {"a/b": torch.ones(1), "a": {"b": torch.ones(1)}}, "a/b", "twice"),
+    ("int-str-collision", {"d": {0: torch.ones(1), "0": torch.ones(1)}}, "d/0", "twice"),
+    ("object", {"cfg": {"fn": object()}}, "cfg/fn", "allow_pickle"),
+    ("namedtuple", {"nt": collections.namedtuple("P", "x y")(1, 2)}, "'nt'", "namedtuple"),
+    ("bad-key", {"d": {(1, 2): 3}}, "'d'", "key"),
+]
+
+
+@pytest.mark.parametrize("name,state,key,hint", BAD, ids=[b[0] for b in BAD])
+def test_bad_state_rejected_before_writing(root: str, name: str, state: object, key: str, hint: str) -> None:
+    with nc.Checkpointer(root) as ck:
+        ck.save(1, {"w": torch.ones(4)})
+        before = _snapshot_tree(root)
+        with pytest.raises(nc.ValidationError) as ei:
+            ck.save_async(2, state)
+        msg = str(ei.value)
+        assert key in msg and hint in msg, msg
+        ck.wait()
+        assert _snapshot_tree(root) == before
+        assert ck.list() == [1]
+
+
+@pytest.mark.parametrize("step", [-1, 1.5, "3", True, None])
+def test_bad_steps(root: str, step: object) -> None:
+    with nc.Checkpointer(root) as ck:
+        with pytest.raises(nc.ValidationError, match="step must be a non-negative int"):
+            ck.save_async(step, {"w": torch.ones(1)})  # type: ignore[arg-type]
+        assert ck.list() == []
+
+
+def test_bad_constructor_arguments(tmp_path) -> None:  # noqa: ANN001
+    with pytest.raises(nc.ValidationError, match="keep_last"):
+        nc.Checkpointer(str(tmp_path), keep_last=0)
+    with pytest.raises(nc.ValidationError, match="max_host_bytes"):
+        nc.Checkpointer(str(tmp_path), max_host_bytes=-5)
+    with pytest.raises(nc.ValidationError, match="every"):
+        nc.Checkpointer(str(tmp_path), tiers=[nc.LocalTier(str(tmp_path), every=0)])
+    with pytest.raises(nc.ValidationError, match="storage_options"):
+        nc.Checkpointer(str(tmp_path), storage_options={"key": "x"})
+
+
+def test_state_larger_than_max_host_bytes(root: str) -> None:
+    with nc.Checkpointer(root, max_host_bytes=1 << 20) as ck:
+        with pytest.raises(nc.ValidationError, match="max_host_bytes"):
+            ck.save_async(1, {"w": torch.zeros(1 << 20)})
+        assert ck.list() == []
+
+
+class _Evil:
+    def __reduce__(self):  # noqa: ANN204
+        return (os.system, ("touch /tmp/nebula-pwned-$PPID",))
+
+
+class Cfg:
+    def __init__(self, x: int) -> None:
+        self.x = x
+
+    def __eq__(self, o: object) -> bool:
+        return isinstance(o, Cfg) and o.x == self.x
+
+
+def test_pickle_only_when_allowed_on_both_sides(root: str) -> None:
+    with nc.Checkpointer(root, allow_pickle=True) as ck:
+        ck.save(1, {"cfg": Cfg(3), "w": torch.ones(2)})
+        assert ck.read(1)[1]["cfg"] == Cfg(3)
+    with nc.Checkpointer(root) as ck:
+        with pytest.raises(nc.PickleNotAllowedError, match="cfg"):
+            ck.read(1)
+        with pytest.raises(nc.PickleNotAllowedError, match="cfg"):
+            ck.load_latest(into={"cfg": None, "w": torch.zeros(2)})
+
+
+def test_loading_never_executes_code_by_default(root: str, tmp_path) -> None:  # noqa: ANN001
+    marker = f"/tmp/nebula-pwned-{os.getpid()}"
+    if os.path.exists(marker):
+        os.unlink(marker)
+    with nc.Checkpointer(root, allow_pickle=True) as ck:
+        ck.save(1, {"x": _Evil()} if False else {"x": 1})
+    # Forge a checkpoint whose tree carries a malicious pickle, with a valid commit marker.
+    import base64, json
+    from nebula_ckpt.manifest import Commit
+    from nebula_ckpt.native import get_ops
+    d = os.path.join(root, "step-1")
+    man = json.load(open(os.path.join(d, "manifest.json")))
+    man["tree"]["v"][0][1] = {"t": "pickle", "v": base64.b64encode(pickle.dumps(_Evil())).decode()}
+    mb = json.dumps(man).encode()
+    open(os.path.join(d, "manifest.json"), "wb").write(mb)
+    os.unlink(os.path.join(d, "COMMIT"))
+    open(os.path.join(d, "COMMIT"), "wb").write(Commit(1, man["generation"], len(mb), get_ops().crc32c_bytes(mb)).to_bytes())
+    with nc.Checkpointer(root) as ck:
+        with pytest.raises(nc.PickleNotAllowedError, match="would execute code"):
+            ck.read(1)
+    assert not os.path.exists(marker)
