@@ -27,7 +27,8 @@ from .plan import make_plan
 from .restore import apply, find_and_open, materialize
 from .snapshot import Snapshot, Stager, header_tensor
 from .storage.base import Storage
-from .tiers import MemoryTier, RemoteTier, Tier, canonical_root, now, shm_available, tier_for_root
+from .tiers import (MemoryTier, RemoteTier, Tier, canonical_root, default_tiers, now, shm_available,
+                    tier_for_root)
 
 log = logging.getLogger("nebula_ckpt")
 
@@ -88,7 +89,8 @@ class Checkpointer:
         self.on_persist_error = on_persist_error
         root_tier = tier_for_root(root, storage_options)
         if tiers is None:
-            chosen: list[Tier] = [MemoryTier(), root_tier] if memory_tier else [root_tier]
+            chosen: list[Tier] = default_tiers(root, storage_options, memory_tier)
+            root_tier = chosen[-1]
         else:
             chosen = list(tiers)
             if not chosen:
@@ -129,6 +131,8 @@ class Checkpointer:
         self._save_index = 0
         self._closed = False
         self._last_handle: Optional[SaveHandle] = None
+        #: ``{"step", "tier", "skipped"}`` of the last restore (``None`` before any).
+        self.last_restore: Optional[dict[str, Any]] = None
         log.info("nebula_ckpt: checkpointer on %s, tiers %s, %s path", canonical_root(root),
                  [t.name for t in self._tiers], native_describe()["path"])
 
@@ -326,6 +330,11 @@ class Checkpointer:
             return per
         return sorted({s for steps in per.values() for s in steps})
 
+    def _open(self, step: Optional[int] = None) -> Any:
+        ck = find_and_open(self._tier_pairs(), step=step)
+        self.last_restore = None if ck is None else {"step": ck.step, "tier": ck.tier_name}
+        return ck
+
     def load_latest(self, into: Any = None, *, map_location: Any = None, strict: bool = True) -> Optional[int]:
         """Restore the newest healthy checkpoint into ``into`` in place; return its step.
 
@@ -341,7 +350,7 @@ class Checkpointer:
         Returns:
             The step restored, or ``None`` when no healthy checkpoint exists.
         """
-        ck = find_and_open(self._tier_pairs())
+        ck = self._open()
         if ck is None:
             return None
         if into is not None:
@@ -354,7 +363,7 @@ class Checkpointer:
         Raises:
             NotFoundError: no healthy copy of ``step`` on any tier.
         """
-        ck = find_and_open(self._tier_pairs(), step=step)
+        ck = self._open(step)
         if ck is None:
             raise NotFoundError(f"no healthy checkpoint of step {step} under {canonical_root(self.root)} "
                                 f"(committed steps: {self.list()})")
@@ -368,7 +377,7 @@ class Checkpointer:
         Raises:
             NotFoundError: nothing healthy (of ``step``, if given).
         """
-        ck = find_and_open(self._tier_pairs(), step=step)
+        ck = self._open(step)
         if ck is None:
             raise NotFoundError(f"no healthy checkpoint{'' if step is None else f' of step {step}'} under "
                                 f"{canonical_root(self.root)}")

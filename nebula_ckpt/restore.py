@@ -44,6 +44,7 @@ class OpenCheckpoint:
         self.manifest = manifest
         self.step = int(manifest["step"])
         self.where = where
+        self.tier_name: Optional[str] = None
         self._buffers = buffers
         self._views: dict[str, torch.Tensor] = {}
 
@@ -162,6 +163,7 @@ def find_and_open(tiers: list[tuple[Tier, Storage]], step: Optional[int] = None,
             log.warning("nebula_ckpt: skipping %s: cannot read it (%s: %s)", where, type(e).__name__, e)
             skipped.append(f"{where}: {type(e).__name__}: {e}")
             continue
+        ck.tier_name = c.tier.name
         log.info("nebula_ckpt: restoring step %d from tier %s%s", c.step, c.tier.name,
                  f" (skipped {len(skipped)} damaged candidate(s))" if skipped else "")
         return ck

@@ -238,6 +238,17 @@ def tier_for_root(root: str, storage_options: Optional[dict[str, Any]] = None, *
     return RemoteTier(root, storage_options=storage_options, **kw)
 
 
+def default_tiers(root: str, storage_options: Optional[dict[str, Any]] = None,
+                  memory: bool = True) -> list[Tier]:
+    """``[MemoryTier bound to root, <root tier>]`` (or just the root tier)."""
+    root_tier = tier_for_root(root, storage_options)
+    if not memory:
+        return [root_tier]
+    mem = MemoryTier()
+    mem.bind(root)
+    return [mem, root_tier]
+
+
 def shm_available(path: str) -> Optional[str]:
     """``None`` if the memory tier can live at ``path``, else the reason it cannot."""
     base = os.path.dirname(os.path.dirname(path))

@@ -1,0 +1,262 @@
+"""The ``nebula-ckpt`` command line: ls, verify, inspect, export, bench.
+
+Exit codes: 0 success; 1 damage found (verify) or nothing to act on; 2 bad usage.
+Every command takes ``--json`` for scripts and ``--storage-options JSON`` for remote roots.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from typing import Any, Optional, Sequence
+
+from . import manifest as mf
+from .errors import CorruptCheckpointError, NebulaError
+from .restore import materialize, open_checkpoint
+from .storage.base import Storage
+from .tiers import Tier, default_tiers
+
+log = logging.getLogger(__name__)
+
+
+def _out(text: str) -> None:
+    sys.stdout.write(text + "\n")
+
+
+def _tiers(root: str, storage_options: Optional[dict[str, Any]]) -> list[tuple[Tier, Storage]]:
+    """The tiers of ``root`` as a new process would see them (no writer generation taken)."""
+    out = []
+    for t in default_tiers(root, storage_options):
+        st = t.make_storage()
+        if t.kind == "memory" and not st.list(""):
+            continue
+        out.append((t, st))
+    return out
+
+
+def _step_dirs(st: Storage) -> list[int]:
+    return sorted(s for s in (mf.parse_step_dir(n) for n in st.list("")) if s is not None)
+
+
+def _dir_bytes(st: Storage, step: int) -> int:
+    d = mf.step_dir(step)
+    total = 0
+    for n in st.list(d):
+        try:
+            total += st.size(f"{d}/{n}")
+        except (FileNotFoundError, IsADirectoryError):
+            pass
+    return total
+
+
+def _check(st: Storage, tier: Tier, step: int, verify: str) -> tuple[bool, str, Optional[dict[str, Any]]]:
+    where = f"tier {tier.name} step {step}"
+    try:
+        ck = open_checkpoint(st, step, verify, where)
+    except CorruptCheckpointError as e:
+        return False, str(e), None
+    except Exception as e:  # unreadable counts as damaged, with the reason
+        return False, f"{where}: {type(e).__name__}: {e}", None
+    return True, "ok", ck.manifest
+
+
+def cmd_ls(args: argparse.Namespace) -> int:
+    rows = []
+    for tier, st in _tiers(args.root, args.storage_options):
+        for step in _step_dirs(st):
+            committed = st.exists(f"{mf.step_dir(step)}/{mf.COMMIT}")
+            healthy, why, man = _check(st, tier, step, "size") if committed else (False, "no commit marker", None)
+            raw = None
+            if man is not None:
+                raw = sum(int(s["bytes"]) for s in man["shards"])
+            stored = _dir_bytes(st, step)
+            rows.append({"tier": tier.name, "step": step, "committed": committed, "healthy": healthy,
+                         "bytes": stored, "raw_bytes": raw,
+                         "compression_ratio": (raw / stored) if raw and stored else None,
+                         "problem": None if healthy else why})
+    if args.json:
+        _out(json.dumps(rows, indent=2))
+    else:
+        if not rows:
+            _out(f"no checkpoints under {args.root}")
+        for r in rows:
+            ratio = f"  x{r['compression_ratio']:.2f}" if r["compression_ratio"] and r["compression_ratio"] > 1.01 else ""
+            state = "healthy" if r["healthy"] else ("DAMAGED: " + str(r["problem"]) if r["committed"] else "uncommitted")
+            _out(f"{r['tier']:<60} step {r['step']:>8}  {r['bytes'] / 2**20:10.1f} MiB{ratio}  {state}")
+    return 0 if rows else 1
+
+
+def cmd_verify(args: argparse.Namespace) -> int:
+    from tqdm import tqdm
+
+    todo = []
+    for tier, st in _tiers(args.root, args.storage_options):
+        for step in _step_dirs(st):
+            if args.step is not None and step != args.step:
+                continue
+            if st.exists(f"{mf.step_dir(step)}/{mf.COMMIT}"):
+                todo.append((tier, st, step))
+    results = []
+    for tier, st, step in tqdm(todo, desc="verifying", unit="ckpt", disable=args.json or not todo):
+        ok, why, _ = _check(st, tier, step, "full")
+        results.append({"tier": tier.name, "step": step, "healthy": ok, "problem": None if ok else why})
+    if args.json:
+        _out(json.dumps(results, indent=2))
+    else:
+        for r in results:
+            _out(f"{'OK     ' if r['healthy'] else 'DAMAGED'} {r['tier']} step {r['step']}"
+                 + ("" if r["healthy"] else f": {r['problem']}"))
+    if not results:
+        _out(f"no committed checkpoint{'' if args.step is None else f' of step {args.step}'} under {args.root}")
+        return 1
+    return 0 if all(r["healthy"] for r in results) else 1
+
+
+def _open_step(args: argparse.Namespace, verify: str) -> Any:
+    errors = []
+    for tier, st in _tiers(args.root, args.storage_options):
+        if args.step not in _step_dirs(st):
+            continue
+        try:
+            return open_checkpoint(st, args.step, verify, f"tier {tier.name} step {args.step}")
+        except Exception as e:
+            errors.append(str(e))
+    raise NebulaError(f"no healthy checkpoint of step {args.step} under {args.root}"
+                      + (f" ({'; '.join(errors)})" if errors else ""))
+
+
+def _tree_text(node: dict[str, Any], indent: str = "") -> list[str]:
+    t = node["t"]
+    if t in ("dict", "odict"):
+        lines = []
+        for k, v in node["v"]:
+            head = f"{indent}{k['v']!r}:"
+            if v["t"] in ("dict", "odict", "list", "tuple", "stateful"):
+                lines.append(head + (f"  <{v.get('cls')}>" if v["t"] == "stateful" else ""))
+                lines += _tree_text(v["state"] if v["t"] == "stateful" else v, indent + "  ")
+            else:
+                lines.append(f"{head} {_leaf_text(v)}")
+        return lines
+    if t in ("list", "tuple"):
+        return [f"{indent}[{i}] {_leaf_text(v)}" if v["t"] not in ("dict", "odict", "list", "tuple")
+                else f"{indent}[{i}]:\n" + "\n".join(_tree_text(v, indent + "  "))
+                for i, v in enumerate(node["v"])]
+    if t == "stateful":
+        return _tree_text(node["state"], indent)
+    return [indent + _leaf_text(node)]
+
+
+def _leaf_text(v: dict[str, Any]) -> str:
+    t = v["t"]
+    if t == "tensor":
+        return f"<tensor {v['k']}>"
+    if t == "float":
+        return repr(float.fromhex(v["v"]))
+    if t in ("list", "tuple"):
+        return f"{t}[{len(v['v'])}]"
+    if t == "none":
+        return "None"
+    return f"{v.get('v')!r} ({t})"
+
+
+def cmd_inspect(args: argparse.Namespace) -> int:
+    ck = _open_step(args, "size")
+    man = ck.manifest
+    if args.json:
+        _out(json.dumps({"step": man["step"], "generation": man.get("generation"), "tensors": man["tensors"],
+                         "aliases": man.get("aliases", {}), "tree": man["tree"], "shards": man["shards"]},
+                        indent=2))
+        return 0
+    _out(f"step {man['step']}  ({ck.where}, format v{man['version']}, {len(man['tensors'])} tensors)")
+    _out(f"{'key':<60} {'dtype':<14} {'shape':<24} {'bytes':>12}  crc32c")
+    for k, e in man["tensors"].items():
+        n = e["offsets"][1] - e["offsets"][0]
+        _out(f"{k:<60} {e['dtype']:<14} {str(tuple(e['shape'])):<24} {n:>12}  {e['crc32c']:#010x}")
+    for a, b in man.get("aliases", {}).items():
+        _out(f"{a:<60} -> {b} (tied)")
+    _out("\nstructure:")
+    for line in _tree_text(man["tree"], "  "):
+        _out(line)
+    return 0
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    import torch
+    from tqdm import tqdm
+
+    ck = _open_step(args, "full")
+    to = args.to
+    fmt = args.format or ("safetensors" if to.endswith(".safetensors") else "torch")
+    if fmt == "safetensors":
+        from safetensors.torch import save_file
+
+        keys = ck.keys()
+        tensors = {}
+        for k in tqdm(keys, desc="export", unit="tensor", disable=args.json):
+            v = ck.view(k)
+            tensors[k] = v.reshape(-1).view(torch.uint8).clone().view(v.dtype).reshape(v.shape)
+        save_file(tensors, to, metadata={"nebula_step": str(ck.step),
+                                         "nebula_aliases": json.dumps(ck.manifest.get("aliases", {}))})
+    else:
+        state = materialize(ck, map_location="cpu", allow_pickle=args.allow_pickle)
+        torch.save(state, to)
+    info = {"step": ck.step, "to": to, "format": fmt}
+    _out(json.dumps(info) if args.json else f"exported step {ck.step} to {to} ({fmt})")
+    return 0
+
+
+def cmd_bench(argv: Sequence[str]) -> int:
+    from .bench.runner import main as bench_main
+
+    return int(bench_main(list(argv)) or 0)
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="nebula-ckpt", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
+    sub = p.add_subparsers(dest="cmd", required=True)
+
+    def common(sp: argparse.ArgumentParser) -> None:
+        sp.add_argument("root", help="checkpoint root: a path or fsspec URL")
+        sp.add_argument("--json", action="store_true", help="machine-readable output")
+        sp.add_argument("--storage-options", type=json.loads, default=None, metavar="JSON",
+                        help="fsspec storage options for a remote root, as JSON")
+
+    common(sub.add_parser("ls", help="steps per tier, sizes, committed/healthy"))
+    sp = sub.add_parser("verify", help="full checksum check; exit 1 on damage")
+    common(sp)
+    sp.add_argument("--step", type=int, default=None)
+    sp = sub.add_parser("inspect", help="tensor table and non-tensor structure of a step")
+    common(sp)
+    sp.add_argument("--step", type=int, required=True)
+    sp = sub.add_parser("export", help="write a step as one torch.save or safetensors file")
+    common(sp)
+    sp.add_argument("--step", type=int, required=True)
+    sp.add_argument("--to", required=True, help="output file (.safetensors -> safetensors, else torch.save)")
+    sp.add_argument("--format", choices=["torch", "safetensors"], default=None)
+    sp.add_argument("--allow-pickle", action="store_true", help="allow pickled leaves (trusted checkpoints only)")
+    sub.add_parser("bench", help="benchmark against torch.save and peers (see --help)", add_help=False)
+    return p
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """Entry point of ``nebula-ckpt``."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] == "bench":
+        logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+        return cmd_bench(argv[1:])
+    args = _parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
+                        format="%(levelname)s %(name)s: %(message)s")
+    try:
+        return {"ls": cmd_ls, "verify": cmd_verify, "inspect": cmd_inspect, "export": cmd_export}[args.cmd](args)
+    except NebulaError as e:
+        sys.stderr.write(f"nebula-ckpt: {e}\n")
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
