@@ -184,6 +184,7 @@ class Checkpointer:
         """
         if self._closed:
             raise NebulaError("save_async() on a closed Checkpointer")
+        self._confirm_inflight()
         self._raise_unseen()
         t0 = monotonic()
         plan = make_plan(step, state, allow_pickle=self.allow_pickle)
@@ -210,9 +211,9 @@ class Checkpointer:
         slot.buffer[:hdr].copy_(header_tensor(plan))
         job = ops.enqueue_copy(plan.sources, slot.buffer, [e.offset for e in plan.layout.entries])
         snap = Snapshot(plan, slot, job, handle, self._pool, targets, t0)
-        handle._wait_copy = snap.finish_copy
+        handle._confirm = snap.confirm
         with self._lock:
-            self._inflight = [s for s in self._inflight if not s._copied] + [snap]
+            self._inflight = [s for s in self._inflight if not s.confirmed] + [snap]
             self._handles = [h for h in self._handles if not (h.done() and (h.seen or h.error() is None))]
             self._handles.append(handle)
             self._last_handle = handle
@@ -227,23 +228,23 @@ class Checkpointer:
         h.result()
         return h
 
-    def _wait_copies(self, *_: Any, **__: Any) -> None:
-        """Hook body: wait until every pending snapshot copy has finished."""
+    def _confirm_inflight(self, *_: Any, **__: Any) -> None:
+        """Hook body (training thread): wait for pending snapshot copies and confirm them."""
         if not self._inflight:
             return
         with self._lock:
-            pending = list(self._inflight)
+            pending, self._inflight = self._inflight, []
         for s in pending:
-            s.finish_copy()
+            s.confirm()
 
     def _install_hooks(self, optimizers: list[Any], modules: list[torch.nn.Module]) -> None:
         for opt in optimizers:
             if opt not in self._hooked:
-                self._hook_handles.append(opt.register_step_pre_hook(self._wait_copies))
+                self._hook_handles.append(opt.register_step_pre_hook(self._confirm_inflight))
                 self._hooked.add(opt)
         for m in modules:
             if m not in self._hooked:
-                self._hook_handles.append(m.register_forward_pre_hook(self._wait_copies))
+                self._hook_handles.append(m.register_forward_pre_hook(self._confirm_inflight))
                 self._hooked.add(m)
 
     def _raise_unseen(self) -> None:
@@ -261,6 +262,7 @@ class Checkpointer:
         Raises:
             PersistError / ConsistencyError: the first failure not yet seen through a handle.
         """
+        self._confirm_inflight()
         with self._lock:
             handles = list(self._handles)
         for h in handles:

@@ -25,14 +25,14 @@ class SaveHandle:
             buffer with ``on_full="skip"``), else ``None``.
     """
 
-    def __init__(self, step: int, tiers: list[str], wait_copy: Optional[Callable[[], None]] = None) -> None:
+    def __init__(self, step: int, tiers: list[str], confirm: Optional[Callable[[], None]] = None) -> None:
         self.step = step
         self.tiers_written: list[str] = []
         self.tiers_dropped: list[str] = []
         self.skipped: Optional[str] = None
         self._errors: dict[str, BaseException] = {}
         self._pending = set(tiers)
-        self._wait_copy = wait_copy
+        self._confirm = confirm
         self._snapshot = threading.Event()
         self._snapshot_error: Optional[BaseException] = None
         self._durable = threading.Event()
@@ -54,7 +54,7 @@ class SaveHandle:
             ConsistencyError: a tensor was modified in place while it was being copied.
             TimeoutError: not finished within ``timeout`` seconds.
         """
-        finish = self._wait_copy
+        finish = self._confirm
         if finish is not None and timeout is None:
             finish()  # waits for the copy itself (GIL released), not for the stager thread
         if not self._snapshot.wait(timeout):
@@ -75,6 +75,9 @@ class SaveHandle:
             ConsistencyError: the snapshot was torn by an in-place change.
             TimeoutError: not finished within ``timeout`` seconds.
         """
+        confirm = self._confirm
+        if confirm is not None:
+            confirm()
         if not self._durable.wait(timeout):
             raise TimeoutError(f"save of step {self.step} not durable after {timeout} s")
         self.seen = True
@@ -99,7 +102,6 @@ class SaveHandle:
 
     # -- called by the library's threads -------------------------------------------------------
     def _set_snapshot(self, error: Optional[BaseException] = None) -> None:
-        self._wait_copy = None
         self._snapshot_error = error
         self._snapshot.set()
         if error is not None:

@@ -61,6 +61,9 @@ _KNOBS: dict[str, _Knob] = {
     "remote_backoff_max_s": _Knob("NEBULA_REMOTE_BACKOFF_MAX_S", 5.0, float,
                                   "largest retry delay on a remote tier"),
     "zstd_level": _Knob("NEBULA_ZSTD_LEVEL", 3, int, "zstd level when compression='zstd'"),
+    "confirm_timeout_s": _Knob("NEBULA_CONFIRM_TIMEOUT_S", 5.0, float,
+                               "how long a tier waits for the training thread to confirm a snapshot "
+                               "(next optimizer.step / save_async / wait) before checking it itself"),
     "log_level": _Knob("NEBULA_LOG_LEVEL", None, str,
                        "level of the 'nebula_ckpt' logger if set (DEBUG, INFO, ...)"),
 }

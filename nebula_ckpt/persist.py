@@ -22,6 +22,7 @@ import logging
 import threading
 from typing import Optional
 
+from . import knobs
 from . import manifest as mf
 from .errors import FencedError
 from .fencing import Fence
@@ -149,6 +150,9 @@ class TierWriter:
         mbytes = json.dumps(manifest, separators=(",", ":"), allow_nan=False).encode()
         self.fence.check(f"write the manifest of step {snap.step}")
         st.write_small(f"{d}/{mf.MANIFEST}", mbytes)
+        snap.wait_confirmed(knobs.get("confirm_timeout_s"))
+        if snap.handle._snapshot_error is not None:
+            raise snap.handle._snapshot_error
         self.fence.check(f"commit step {snap.step}")
         commit = mf.Commit(snap.step, gen, len(mbytes), get_ops().crc32c_bytes(mbytes))
         st.write_small(f"{d}/{mf.COMMIT}", commit.to_bytes(), create_only=True)

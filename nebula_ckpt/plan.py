@@ -75,6 +75,7 @@ class Plan:
     step: int
     layout: Layout
     sources: list[torch.Tensor]      # one per layout entry, same order
+    versions: list[int]              # their version counters at save_async (consistency check)
     tree: Node                       # typed JSON of the whole state
     aliases: dict[str, str]          # tied key -> key stored
     devices: dict[str, str]          # key -> device it came from
@@ -255,7 +256,8 @@ def make_plan(step: Any, state: Any, *, allow_pickle: bool = False) -> Plan:
     tree = fl.walk(state, "")
     layout, keys = make_layout(fl.tensors)
     modules = [m for m in fl.modules if any(True for _ in m.buffers())]
-    return Plan(step=step, layout=layout, sources=[fl.tensors[k] for k in keys], tree=tree,
+    sources = [fl.tensors[k] for k in keys]
+    return Plan(step=step, layout=layout, sources=sources, versions=[t._version for t in sources], tree=tree,
                 aliases=fl.aliases, devices={k: str(fl.tensors[k].device) for k in keys},
                 optimizers=fl.optimizers, modules_with_buffers=modules)
 

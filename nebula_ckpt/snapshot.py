@@ -47,6 +47,7 @@ class Snapshot:
         self._lock = threading.Lock()
         self._copy_lock = threading.Lock()
         self._copied = False
+        self._confirmed = threading.Event()
 
     @property
     def step(self) -> int:
@@ -72,19 +73,53 @@ class Snapshot:
                 self.job.wait()
                 changed = self.job.modified()
                 if changed:
-                    keys = [self.plan.layout.entries[i].key for i in changed[:5]]
-                    more = f" and {len(changed) - 5} more" if len(changed) > 5 else ""
-                    err = ConsistencyError(
-                        f"step {self.step}: tensor(s) {keys}{more} changed in place while the snapshot "
-                        "was being copied, so this checkpoint would not be the state at save_async(); "
-                        "it was not written. Call handle.wait_snapshot() before changing tensors in "
-                        "place outside optimizer.step() (which waits by itself).")
+                    err = self._consistency_error(changed)
             except BaseException as e:
                 err = e
             self.copy_seconds = monotonic() - self.t_start
             self._copied = True
             self.job = None  # type: ignore[assignment]  # drop the source tensor references
             self.handle._set_snapshot(err)
+
+    def confirm(self) -> None:
+        """Settle the consistency verdict: no saved tensor changed since ``save_async``.
+
+        In-place kernels bump a tensor's version counter only when they finish, so a check on the
+        copy threads can miss a write still in flight. Called on the training thread (hooks,
+        ``save_async``, ``wait``, handle methods), every kernel it launched before has finished,
+        which makes the check exact. Tier writers wait for this verdict before committing and run
+        it themselves after ``confirm_timeout_s`` (best effort) if the training thread is silent.
+        """
+        self.finish_copy()
+        with self._copy_lock:
+            if self._confirmed.is_set():
+                return
+            if self.handle._snapshot_error is None:
+                changed = [i for i, (t, v) in enumerate(zip(self.plan.sources, self.plan.versions))
+                           if t._version != v]
+                if changed:
+                    self.handle._snapshot_error = self._consistency_error(changed)
+            self.plan.sources = []  # release the training tensors
+            self._confirmed.set()
+
+    def wait_confirmed(self, timeout: float) -> None:
+        """Wait for :meth:`confirm` from the training thread; do it here after ``timeout`` s."""
+        if not self._confirmed.wait(timeout):
+            self.confirm()
+
+    @property
+    def confirmed(self) -> bool:
+        """Whether the consistency verdict is settled."""
+        return self._confirmed.is_set()
+
+    def _consistency_error(self, changed: list[int]) -> ConsistencyError:
+        keys = [self.plan.layout.entries[i].key for i in changed[:5]]
+        more = f" and {len(changed) - 5} more" if len(changed) > 5 else ""
+        return ConsistencyError(
+            f"step {self.step}: tensor(s) {keys}{more} changed in place while the snapshot was being "
+            "copied, so this checkpoint would not be the state at save_async(); it was not written. "
+            "Call handle.wait_snapshot() before changing tensors in place outside optimizer.step() "
+            "(which waits by itself).")
 
     def acquire(self, n: int = 1) -> None:
         """Take ``n`` more references to the staging slot."""
