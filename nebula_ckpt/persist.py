@@ -145,15 +145,18 @@ class TierWriter:
             for name in st.list(d):  # leftovers of a crashed writer of this step
                 st.remove(f"{d}/{name}")
         shard = mf.shard_name(gen)
+        log.debug("nebula_ckpt: phase=shard tier=%s step=%d", self.name, snap.step)
         info = st.write_buffer(f"{d}/{shard}", snap.view(), compression=getattr(self.tier, "compression", None))
         manifest = build_tier_manifest(snap, gen, {"file": shard, "bytes": snap.nbytes, "storage": info})
         mbytes = json.dumps(manifest, separators=(",", ":"), allow_nan=False).encode()
         self.fence.check(f"write the manifest of step {snap.step}")
+        log.debug("nebula_ckpt: phase=manifest tier=%s step=%d", self.name, snap.step)
         st.write_small(f"{d}/{mf.MANIFEST}", mbytes)
         snap.wait_confirmed(knobs.get("confirm_timeout_s"))
         if snap.handle._snapshot_error is not None:
             raise snap.handle._snapshot_error
         self.fence.check(f"commit step {snap.step}")
+        log.debug("nebula_ckpt: phase=commit tier=%s step=%d", self.name, snap.step)
         commit = mf.Commit(snap.step, gen, len(mbytes), get_ops().crc32c_bytes(mbytes))
         st.write_small(f"{d}/{mf.COMMIT}", commit.to_bytes(), create_only=True)
         log.info("nebula_ckpt: step %d committed on %s (%.1f MiB)", snap.step, self.name, snap.nbytes / 2**20)
@@ -194,6 +197,7 @@ class TierWriter:
         if not doomed and not leftovers:
             return
         self.fence.check("delete old checkpoints")
+        log.debug("nebula_ckpt: phase=prune tier=%s step=%s", self.name, keep_step)
         for s in doomed:
             log.debug("nebula_ckpt: tier %s: retention deletes step %d", self.name, s)
             delete_checkpoint(st, s)

@@ -169,6 +169,7 @@ class Stager:
                 snap.release()
 
     def _stage(self, snap: Snapshot) -> None:
+        log.debug("nebula_ckpt: phase=snapshot step=%d", snap.step)
         snap.finish_copy()
         if snap.handle._snapshot_error is not None:
             snap.release()

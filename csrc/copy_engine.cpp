@@ -1,0 +1,322 @@
+#include "copy_engine.h"
+
+#include <algorithm>
+#include <atomic>
+#include <cstring>
+
+#include <ATen/Functions.h>
+#include <ATen/core/grad_mode.h>
+#include <c10/util/Exception.h>
+#include <c10/util/ParallelGuard.h>
+
+// Declarations only (no CUDA toolkit headers); the definitions exist only in
+// the CUDA build and are only referenced under NEBULA_WITH_CUDA.
+#include "cuda/copy_cuda.h"
+
+namespace nebula {
+
+using Clock = std::chrono::steady_clock;
+
+namespace {
+
+// Contiguous sources are cut into pieces of at most this many bytes so one
+// large tensor is spread over all threads; small tensors are packed together
+// into tasks of about this size so the per-task overhead stays negligible.
+constexpr size_t kMaxChunk = size_t{4} << 20;
+constexpr size_t kMinChunk = size_t{256} << 10;
+
+// A source can be memcpy'd when its memory already is its contiguous byte
+// image. Conjugate/negative views are lazily evaluated bits on a tensor whose
+// memory holds the *unconjugated* values, so they take the copy_ path, which
+// materialises them.
+bool is_plain_contiguous(const at::Tensor& t) {
+  return t.is_contiguous() && !t.is_conj() && !t.is_neg();
+}
+
+struct Piece {
+  uint32_t src;        // index into srcs
+  bool strided;        // false: memcpy(to, from, len); true: copy_ of srcs[src]
+  const uint8_t* from;
+  uint8_t* to;
+  size_t len;
+};
+
+}  // namespace
+
+struct JobState {
+  std::vector<at::Tensor> srcs;  // held so sources outlive the copies
+  at::Tensor dst;
+  std::vector<int64_t> versions;                        // -1: not tracked
+  std::unique_ptr<std::atomic<int64_t>[]> pieces_left;  // per source
+  Clock::time_point start;
+
+  std::mutex mu;
+  std::condition_variable cv;
+  size_t pending = 0;  // tasks not finished yet
+  Clock::time_point end;
+  bool failed = false;
+  std::string error;
+  std::vector<int64_t> modified;
+
+  void record_error(const std::string& msg) {
+    std::lock_guard<std::mutex> lk(mu);
+    if (!failed) {
+      failed = true;
+      error = msg;
+    }
+  }
+
+  // Called after every piece; the last piece of a source compares its
+  // version counter with the one recorded at enqueue: a change means the
+  // tensor was written in place while we were copying it, so the bytes may
+  // be torn.
+  void piece_done(uint32_t i) {
+    if (pieces_left[i].fetch_sub(1, std::memory_order_acq_rel) != 1) return;
+    if (versions[i] >= 0 && static_cast<int64_t>(srcs[i]._version()) != versions[i]) {
+      std::lock_guard<std::mutex> lk(mu);
+      modified.push_back(static_cast<int64_t>(i));
+    }
+  }
+
+  void task_done() {
+    std::lock_guard<std::mutex> lk(mu);
+    TORCH_INTERNAL_ASSERT(pending > 0);
+    if (--pending == 0) {
+      end = Clock::now();
+      cv.notify_all();
+    }
+  }
+
+  void run(const std::vector<Piece>& pieces) {
+    bool skip;
+    {
+      std::lock_guard<std::mutex> lk(mu);
+      skip = failed;  // no point copying after the job has failed
+    }
+    if (!skip) {
+      try {
+        for (const Piece& p : pieces) {
+          if (!p.strided) {
+            std::memcpy(p.to, p.from, p.len);
+          } else {
+            const at::Tensor& src = srcs[p.src];
+            // No autograd graph for a snapshot; and run copy_ serially on
+            // this pool thread instead of fanning out into ATen's intra-op
+            // pool, which the training thread is using.
+            at::NoGradGuard no_grad;
+            c10::ParallelGuard serial(true);
+            at::Tensor out = at::from_blob(
+                p.to, src.sizes(), at::TensorOptions().dtype(src.scalar_type()).device(at::kCPU));
+            out.copy_(src);
+          }
+          piece_done(p.src);
+        }
+      } catch (const c10::Error& e) {
+        record_error(e.what_without_backtrace());
+      } catch (const std::exception& e) {
+        record_error(e.what());
+      } catch (...) {
+        record_error("unknown error");
+      }
+    }
+    task_done();
+  }
+};
+
+// ---------------------------------------------------------------------------
+
+CopyJob::CopyJob(std::shared_ptr<JobState> state, std::unique_ptr<cuda::CudaCopyBatch> cuda)
+    : state_(std::move(state)), cuda_(std::move(cuda)) {}
+
+// Out of line: CudaCopyBatch's destructor (which waits for in-flight device
+// copies) must be visible here.
+CopyJob::~CopyJob() = default;
+
+void CopyJob::wait() {
+  {
+    std::unique_lock<std::mutex> lk(state_->mu);
+    state_->cv.wait(lk, [&] { return state_->pending == 0; });
+  }
+  if (cuda_) cuda_->synchronize();
+  std::lock_guard<std::mutex> lk(state_->mu);
+  TORCH_CHECK(!state_->failed, "CopyEngine: copy failed: ", state_->error);
+}
+
+bool CopyJob::done() {
+  {
+    std::lock_guard<std::mutex> lk(state_->mu);
+    if (state_->pending != 0) return false;
+  }
+  return !cuda_ || cuda_->query();
+}
+
+std::vector<int64_t> CopyJob::modified() {
+  std::vector<int64_t> out;
+  {
+    std::lock_guard<std::mutex> lk(state_->mu);
+    out = state_->modified;
+  }
+  if (cuda_ && cuda_->query()) {
+    for (size_t i : cuda_->modified()) out.push_back(static_cast<int64_t>(i));
+  }
+  std::sort(out.begin(), out.end());
+  return out;
+}
+
+double CopyJob::seconds() {
+  if (!done()) {
+    return std::chrono::duration<double>(Clock::now() - state_->start).count();
+  }
+  Clock::time_point end;
+  {
+    std::lock_guard<std::mutex> lk(state_->mu);
+    end = state_->end;
+  }
+  if (cuda_) end = std::max(end, cuda_->finish_time());
+  return std::chrono::duration<double>(end - state_->start).count();
+}
+
+// ---------------------------------------------------------------------------
+
+CopyEngine::CopyEngine(int64_t num_threads) {
+  TORCH_CHECK(num_threads >= 1, "CopyEngine: num_threads must be >= 1, got ", num_threads);
+  pool_ = std::make_unique<ThreadPool>(clamp_threads(num_threads));
+}
+
+CopyEngine::~CopyEngine() = default;
+
+std::shared_ptr<CopyJob> CopyEngine::enqueue(const std::vector<at::Tensor>& srcs,
+                                             const at::Tensor& dst,
+                                             const std::vector<int64_t>& offsets) {
+  // ---- validate everything before anything is queued ----
+  TORCH_CHECK(srcs.size() == offsets.size(), "enqueue: got ", srcs.size(), " srcs but ",
+              offsets.size(), " offsets");
+  TORCH_CHECK(srcs.size() < (size_t{1} << 31), "enqueue: too many srcs (", srcs.size(), ")");
+  TORCH_CHECK(dst.defined(), "enqueue: dst is undefined");
+  TORCH_CHECK(dst.device().is_cpu(), "enqueue: dst must be a CPU tensor, got ", dst.device());
+  TORCH_CHECK(dst.scalar_type() == at::kByte, "enqueue: dst must be uint8, got ",
+              dst.scalar_type());
+  TORCH_CHECK(dst.dim() == 1 && dst.is_contiguous(),
+              "enqueue: dst must be a 1-D contiguous tensor, got shape ", dst.sizes());
+  const int64_t dst_n = dst.numel();
+
+  bool any_cuda = false;
+  for (size_t i = 0; i < srcs.size(); ++i) {
+    const at::Tensor& s = srcs[i];
+    TORCH_CHECK(s.defined(), "enqueue: srcs[", i, "] is undefined");
+    // Checked first: the other queries below would dispatch back into Python.
+    TORCH_CHECK(!s.unsafeGetTensorImpl()->is_python_dispatch(), "enqueue: srcs[", i,
+                "] is a tensor subclass with __torch_dispatch__ (e.g. DTensor); pass its local "
+                "tensor instead");
+    const c10::Device dev = s.device();
+    TORCH_CHECK(dev.is_cpu() || dev.is_cuda(), "enqueue: srcs[", i, "] is on ", dev,
+                "; only CPU/CUDA tensors can be snapshotted");
+#ifndef NEBULA_WITH_CUDA
+    TORCH_CHECK(!dev.is_cuda(), "enqueue: srcs[", i, "] is on ", dev,
+                " but nebula_ckpt._C was built without CUDA support");
+#endif
+    any_cuda = any_cuda || dev.is_cuda();
+    TORCH_CHECK(s.layout() == at::kStrided && !s.is_nested(), "enqueue: srcs[", i,
+                "] has layout ", s.layout(), "; only dense strided tensors can be snapshotted");
+    TORCH_CHECK(!s.is_quantized() || is_plain_contiguous(s), "enqueue: srcs[", i,
+                "] is a non-contiguous quantized tensor; call .contiguous() first");
+    TORCH_CHECK(s.numel() == 0 || s.has_storage(), "enqueue: srcs[", i, "] has no storage");
+    const int64_t nb = static_cast<int64_t>(s.nbytes());
+    const int64_t off = offsets[i];
+    TORCH_CHECK(off >= 0 && off <= dst_n && nb <= dst_n - off, "enqueue: srcs[", i,
+                "] needs dst bytes [", off, ", ", off, " + ", nb, ") but dst has ", dst_n,
+                " bytes");
+  }
+
+  // ---- build the job ----
+  auto st = std::make_shared<JobState>();
+  st->start = Clock::now();
+  st->srcs = srcs;
+  st->dst = dst;
+  st->versions.resize(srcs.size(), -1);
+  st->pieces_left.reset(new std::atomic<int64_t>[srcs.size()]);
+  auto* dst_base = static_cast<uint8_t*>(dst.data_ptr());
+
+  std::unique_ptr<cuda::CudaCopyBatch> cuda_batch;
+#ifdef NEBULA_WITH_CUDA
+  if (any_cuda) cuda_batch = cuda::make_copy_batch();
+#else
+  (void)any_cuda;
+#endif
+
+  size_t cpu_bytes = 0;
+  for (size_t i = 0; i < srcs.size(); ++i) {
+    // Inference tensors have no version counter (reading it throws).
+    if (!srcs[i].is_inference()) st->versions[i] = static_cast<int64_t>(srcs[i]._version());
+    st->pieces_left[i].store(0, std::memory_order_relaxed);
+    if (srcs[i].device().is_cpu()) cpu_bytes += srcs[i].nbytes();
+  }
+  const int threads = pool_->size();
+  // Enough chunks that every thread gets several, but not tiny ones.
+  const size_t chunk =
+      std::clamp<size_t>(cpu_bytes / (static_cast<size_t>(threads) * 4), kMinChunk, kMaxChunk);
+
+  std::vector<std::vector<Piece>> tasks;
+  std::vector<Piece> current;
+  size_t current_bytes = 0;
+  auto flush = [&] {
+    if (!current.empty()) {
+      tasks.push_back(std::move(current));
+      current.clear();
+      current_bytes = 0;
+    }
+  };
+
+  for (size_t i = 0; i < srcs.size(); ++i) {
+    const at::Tensor& s = srcs[i];
+    const size_t nb = s.nbytes();
+    if (nb == 0) continue;  // nothing to copy, nothing to tear
+    uint8_t* to = dst_base + offsets[i];
+    const auto idx = static_cast<uint32_t>(i);
+    if (s.device().is_cuda()) {
+#ifdef NEBULA_WITH_CUDA
+      cuda_batch->add(i, s, to, st->versions[i]);
+#endif
+      continue;
+    }
+    if (is_plain_contiguous(s)) {
+      const auto* from = static_cast<const uint8_t*>(s.const_data_ptr());
+      size_t n_pieces = 0;
+      for (size_t pos = 0; pos < nb; pos += chunk) ++n_pieces;
+      st->pieces_left[i].store(static_cast<int64_t>(n_pieces), std::memory_order_relaxed);
+      for (size_t pos = 0; pos < nb; pos += chunk) {
+        const size_t len = std::min(chunk, nb - pos);
+        current.push_back({idx, false, from + pos, to + pos, len});
+        current_bytes += len;
+        if (current_bytes >= chunk) flush();
+      }
+    } else {
+      // Strided: one task per source (ATen's copy_ handles every dtype and
+      // layout of strides).
+      st->pieces_left[i].store(1, std::memory_order_relaxed);
+      flush();
+      current.push_back({idx, true, nullptr, to, nb});
+      flush();
+    }
+  }
+  flush();
+
+#ifdef NEBULA_WITH_CUDA
+  // Device copies first: if launching fails we throw before any CPU task
+  // runs (the batch destructor waits for whatever was already launched).
+  if (cuda_batch) cuda_batch->launch();
+#endif
+
+  st->pending = tasks.size();
+  if (tasks.empty()) st->end = Clock::now();
+
+  std::vector<std::function<void()>> fns;
+  fns.reserve(tasks.size());
+  for (auto& t : tasks) {
+    fns.emplace_back([st, pieces = std::move(t)]() { st->run(pieces); });
+  }
+  pool_->submit_bulk(std::move(fns));
+  return std::make_shared<CopyJob>(std::move(st), std::move(cuda_batch));
+}
+
+}  // namespace nebula

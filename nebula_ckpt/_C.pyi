@@ -1,0 +1,62 @@
+"""Type stub of the native extension ``nebula_ckpt._C`` (built from ``csrc/``)."""
+
+from typing import TypedDict
+
+import torch
+from typing_extensions import Buffer
+
+class _BuildInfo(TypedDict):
+    version: str
+    cuda: bool
+    crc32c_hw: bool
+    o_direct: bool
+
+def build_info() -> _BuildInfo:
+    """Version and capabilities: CUDA build, hardware CRC32C in use, O_DIRECT known."""
+
+def alloc_host_buffer(nbytes: int, pinned: bool = False, prefault_threads: int = 1) -> torch.Tensor:
+    """Zero-filled, pre-faulted 1-D uint8 CPU tensor over 4 KiB (>= 2 MiB: 2 MiB) aligned memory; pinned needs the CUDA build."""
+
+class CopyJob:
+    """Handle of one asynchronous ``CopyEngine.enqueue``; keeps its sources and destination alive."""
+
+    def wait(self) -> None:
+        """Block (without the GIL) until every copy finished; re-raise the first copy error as RuntimeError."""
+    def done(self) -> bool:
+        """True when every copy has finished (non-blocking)."""
+    def modified(self) -> list[int]:
+        """Sorted indices of sources whose ``_version`` changed before their copy finished (complete after wait())."""
+    def seconds(self) -> float:
+        """Seconds from enqueue to the last copy finished (elapsed so far while running)."""
+
+class CopyEngine:
+    """Persistent native thread pool that snapshots tensors into host staging buffers."""
+
+    def __init__(self, num_threads: int) -> None:
+        """Start ``num_threads`` (>= 1) worker threads once."""
+    @property
+    def num_threads(self) -> int:
+        """Number of worker threads."""
+    def enqueue(self, srcs: list[torch.Tensor], dst: torch.Tensor, offsets: list[int]) -> CopyJob:
+        """Validate, then asynchronously copy each srcs[i]'s contiguous bytes into the 1-D uint8 CPU dst at offsets[i]."""
+
+def crc32c(buf: torch.Tensor, offsets: list[int], lengths: list[int], num_threads: int) -> list[int]:
+    """CRC32C of each byte range [offsets[i], offsets[i] + lengths[i]) of a 1-D contiguous uint8 CPU tensor."""
+
+def crc32c_bytes(data: Buffer, value: int = 0) -> int:
+    """CRC32C of a contiguous bytes-like object, continuing from ``value`` (like ``crc32c.crc32c``)."""
+
+def write_file(
+    path: str,
+    buf: torch.Tensor,
+    offset: int,
+    nbytes: int,
+    direct: bool,
+    num_threads: int,
+    chunk_bytes: int,
+    do_fsync: bool,
+) -> bool:
+    """Write buf[offset:offset+nbytes] to a new/truncated file with parallel pwrite; True if O_DIRECT was used."""
+
+def read_file(path: str, buf: torch.Tensor, offset: int, nbytes: int, num_threads: int) -> None:
+    """Read the first nbytes of ``path`` into buf[offset:offset+nbytes] with parallel pread."""

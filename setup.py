@@ -1,0 +1,100 @@
+"""Build script of nebula_ckpt (the Python package plus the optional native extension).
+
+Environment switches:
+  NEBULA_NO_EXTENSION=1   pure-Python install, no nebula_ckpt._C
+  NEBULA_FORCE_CUDA=1     build the CUDA parts even without a visible GPU (needs CUDA_HOME)
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+
+from setuptools import find_packages, setup
+
+ROOT = os.path.dirname(os.path.abspath(__file__))
+VERSION = "0.1.0"
+
+
+def _env_flag(name: str) -> bool:
+    return os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def _extensions_and_cmdclass():
+    if _env_flag("NEBULA_NO_EXTENSION"):
+        return [], {}
+
+    import torch
+    from torch.utils.cpp_extension import CUDA_HOME, BuildExtension, CppExtension, CUDAExtension
+
+    # Relative paths: setuptools wants sources relative to setup.py.
+    sources = sorted(os.path.relpath(p, ROOT) for p in glob.glob(os.path.join(ROOT, "csrc", "*.cpp")))
+    cuda_sources = sorted(
+        os.path.relpath(p, ROOT) for p in glob.glob(os.path.join(ROOT, "csrc", "cuda", "*.cu"))
+    )
+    want_cuda = torch.cuda.is_available() or _env_flag("NEBULA_FORCE_CUDA")
+    with_cuda = bool(want_cuda and CUDA_HOME and cuda_sources)
+
+    # No -std here: torch's BuildExtension adds the standard its headers need
+    # (C++20 for recent torch); the sources themselves are C++17-clean.
+    # No -fopenmp: all parallelism is std::thread, independent of ATen's pool.
+    # The CRC32C hardware path uses __attribute__((target("sse4.2"))) with
+    # runtime CPU detection, so no -msse4.2 (the binary runs on any x86-64).
+    # -g0 overrides the -g in Python's CFLAGS (15 MB of debug info otherwise);
+    # NEBULA_DEBUG=1 builds an unoptimised, debuggable extension instead.
+    if _env_flag("NEBULA_DEBUG"):
+        cxx_flags = ["-O0", "-g"]
+    else:
+        cxx_flags = ["-O3", "-g0"]
+    cxx_flags += ["-fvisibility=hidden", "-Wall", "-Wextra", "-Wno-unused-parameter"]
+    define_macros: list[tuple[str, str | None]] = []
+
+    common = dict(
+        name="nebula_ckpt._C",
+        include_dirs=[os.path.join(ROOT, "csrc")],
+        define_macros=define_macros,
+        extra_link_args=["-lpthread"],
+    )
+    if with_cuda:
+        define_macros.append(("NEBULA_WITH_CUDA", None))
+        ext = CUDAExtension(
+            sources=sources + cuda_sources,
+            extra_compile_args={"cxx": cxx_flags, "nvcc": ["-O3"]},
+            **common,
+        )
+    else:
+        ext = CppExtension(sources=sources, extra_compile_args={"cxx": cxx_flags}, **common)
+
+    return [ext], {"build_ext": BuildExtension.with_options(use_ninja=True)}
+
+
+ext_modules, cmdclass = _extensions_and_cmdclass()
+
+setup(
+    name="nebula_ckpt",
+    version=VERSION,
+    description="Fast asynchronous checkpointing for PyTorch",
+    python_requires=">=3.10",
+    packages=find_packages(include=["nebula_ckpt", "nebula_ckpt.*"]),
+    package_data={"nebula_ckpt": ["py.typed", "_C.pyi"]},
+    include_package_data=True,
+    install_requires=[
+        "torch>=2.1",
+        "safetensors>=0.4",
+        "fsspec>=2023.1",
+        "numpy",
+        "tqdm",
+        "crc32c>=2.3",
+    ],
+    extras_require={
+        "azure": ["adlfs", "azure-storage-blob"],
+        "s3": ["s3fs"],
+        "zstd": ["zstandard"],
+        "bench": ["matplotlib", "psutil"],
+        "test": ["pytest", "psutil"],
+    },
+    entry_points={"console_scripts": ["nebula-ckpt = nebula_ckpt.cli:main"]},
+    ext_modules=ext_modules,
+    cmdclass=cmdclass,
+    zip_safe=False,
+)
