@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 import threading
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -71,39 +71,57 @@ class StagingPool:
                 f"this state needs {nbytes / 2**20:.1f} MiB of host staging memory but "
                 f"max_host_bytes is {self.max_bytes / 2**20:.1f} MiB; raise max_host_bytes")
 
-    def acquire(self, nbytes: int, pinned: bool) -> Optional[Slot]:
-        """A free slot of at least ``nbytes``; ``None`` when skipped by policy."""
+    def acquire(self, nbytes: int, pinned: bool,
+                reclaim: Optional[Callable[[], bool]] = None) -> Optional[Slot]:
+        """A free slot of at least ``nbytes``; ``None`` when skipped by policy.
+
+        ``reclaim()`` is called (without the pool's lock) when every slot is busy: it drops
+        snapshots that slow tiers hold but have not started writing, which may free a slot.
+        """
         self.check_fits(nbytes)
-        with self._cond:
-            while True:
-                if self._closed:
-                    raise RuntimeError("the checkpointer is closed")
-                free = [s for s in self._slots if not s.in_use and s.pinned == pinned]
-                fit = [s for s in free if s.capacity >= nbytes]
-                if fit:
-                    slot = min(fit, key=lambda s: s.capacity)
-                    slot.in_use = True
+        reclaimed = False
+        while True:
+            with self._cond:
+                slot = self._take(nbytes, pinned)
+                if slot is not None:
                     return slot
-                total = sum(s.capacity for s in self._slots)
-                size = -(-max(nbytes, 1) // _ROUND) * _ROUND
-                # Drop free buffers that are too small (or of the other kind) to make room.
-                for s in [s for s in self._slots if not s.in_use]:
-                    if len(self._slots) < self.max_slots and (self.max_bytes is None
-                                                              or total + size <= self.max_bytes):
-                        break
-                    self._slots.remove(s)
-                    total -= s.capacity
-                if len(self._slots) < self.max_slots and (self.max_bytes is None
-                                                          or total + size <= self.max_bytes):
-                    slot = Slot(get_ops().alloc(size, pinned), pinned, in_use=True)
-                    self.allocations += 1
-                    self._slots.append(slot)
-                    log.debug("nebula_ckpt: staging buffer of %.1f MiB allocated (%d slots)",
-                              size / 2**20, len(self._slots))
-                    return slot
-                if self.on_full == "skip":
-                    return None
-                self._cond.wait()
+                if reclaimed or reclaim is None:
+                    if self.on_full == "skip":
+                        return None
+                    self._cond.wait(0.25)
+                    reclaimed = False
+                    continue
+            reclaimed = True
+            reclaim()
+
+    def _take(self, nbytes: int, pinned: bool) -> Optional[Slot]:
+        if self._closed:
+            raise RuntimeError("the checkpointer is closed")
+        free = [s for s in self._slots if not s.in_use and s.pinned == pinned]
+        fit = [s for s in free if s.capacity >= nbytes]
+        if fit:
+            slot = min(fit, key=lambda s: s.capacity)
+            slot.in_use = True
+            return slot
+        total = sum(s.capacity for s in self._slots)
+        size = -(-max(nbytes, 1) // _ROUND) * _ROUND
+
+        def room() -> bool:
+            return len(self._slots) < self.max_slots and (self.max_bytes is None or total + size <= self.max_bytes)
+
+        # Drop free buffers that are too small (or of the other kind) to make room.
+        for s in [s for s in self._slots if not s.in_use]:
+            if room():
+                break
+            self._slots.remove(s)
+            total -= s.capacity
+        if not room():
+            return None
+        slot = Slot(get_ops().alloc(size, pinned), pinned, in_use=True)
+        self.allocations += 1
+        self._slots.append(slot)
+        log.debug("nebula_ckpt: staging buffer of %.1f MiB allocated (%d slots)", size / 2**20, len(self._slots))
+        return slot
 
     def release(self, slot: Slot) -> None:
         """Give ``slot`` back."""

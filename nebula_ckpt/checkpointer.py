@@ -27,7 +27,7 @@ from .plan import make_plan
 from .restore import apply, find_and_open, materialize
 from .snapshot import Snapshot, Stager, header_tensor
 from .storage.base import Storage
-from .tiers import (MemoryTier, RemoteTier, Tier, canonical_root, default_tiers, now, shm_available,
+from .tiers import (MemoryTier, Tier, canonical_root, default_tiers, now, shm_available,
                     tier_for_root)
 
 log = logging.getLogger("nebula_ckpt")
@@ -119,7 +119,9 @@ class Checkpointer:
         self._root_storage = root_tier.make_storage() if root_tier.name not in [t.name for t in self._tiers] \
             else self._storages[[t.name for t in self._tiers].index(root_tier.name)]
         self._fence = Fence(self._root_storage)
-        slots = 2 if any(isinstance(t, RemoteTier) for t in self._tiers) else 1
+        # The memory tier, when first, hands slower tiers its file and frees the buffer at once:
+        # one buffer suffices. Otherwise a second one lets fast tiers go on while a slow one writes.
+        slots = 1 if len(self._tiers) == 1 or isinstance(self._tiers[0], MemoryTier) else 2
         self._pool = StagingPool(max_host_bytes, slots, on_full)
         self._writers: Optional[list[TierWriter]] = None
         self._stager: Optional[Stager] = None
@@ -200,7 +202,7 @@ class Checkpointer:
             handle._skip("no tier's cadence wanted this save")
             return handle
         pinned = any(t.is_cuda for t in plan.sources)
-        slot = self._pool.acquire(plan.layout.total_bytes, pinned)
+        slot = self._pool.acquire(plan.layout.total_bytes, pinned, self._reclaim)
         if slot is None:
             log.warning("nebula_ckpt: step %d skipped: every staging buffer is still being persisted "
                         "(on_full='skip')", plan.step)
@@ -221,6 +223,10 @@ class Checkpointer:
         assert self._stager is not None
         self._stager.submit(snap)
         return handle
+
+    def _reclaim(self) -> bool:
+        """Free staging buffers held only by snapshots slow tiers have not started on."""
+        return any([w.drop_pending() for w in self._writers or []])
 
     def save(self, step: int, state: Any) -> SaveHandle:
         """Synchronous save: :meth:`save_async` then wait until durable (raises on failure)."""

@@ -20,14 +20,14 @@ from __future__ import annotations
 import json
 import logging
 import threading
-from typing import Optional
+from typing import Any, Callable, Optional, Sequence
 
 from . import knobs
 from . import manifest as mf
 from .errors import FencedError
 from .fencing import Fence
 from .native import get_ops
-from .snapshot import Snapshot, build_tier_manifest
+from .snapshot import FileSource, SlotSource, Snapshot, build_tier_manifest
 from .storage.base import Storage
 from .tiers import Tier
 
@@ -68,7 +68,7 @@ class TierWriter:
         self.keep_last = tier.keep_last or keep_last
         self.name = tier.name
         self.disabled: Optional[str] = None
-        self._pending: Optional[Snapshot] = None
+        self._pending: Optional[tuple[Snapshot, Any, list["TierWriter"]]] = None
         self._busy = False
         self._closing = False
         self._cond = threading.Condition()
@@ -76,17 +76,42 @@ class TierWriter:
         self._thread.start()
 
     # -- called from other threads ---------------------------------------------------------------
-    def offer(self, snap: Snapshot) -> None:
-        """Take ``snap`` (the caller already holds a slot reference for this tier)."""
+    def offer(self, snap: Snapshot, source: Any, downstream: Sequence["TierWriter"] = ()) -> None:
+        """Take ``snap``, read from ``source`` (a SlotSource or FileSource this tier now owns).
+
+        ``downstream``: slower tiers this one hands the snapshot to once its shard is written.
+        """
         with self._cond:
             dropped = self._pending
-            self._pending = snap
+            self._pending = (snap, source, list(downstream))
             self._cond.notify_all()
         if dropped is not None:
+            old, old_src, old_down = dropped
             log.info("nebula_ckpt: tier %s dropped step %d (still busy; step %d is newer)",
-                     self.name, dropped.step, snap.step)
-            dropped.handle._tier_done(self.name, dropped=True)
-            dropped.release()
+                     self.name, old.step, snap.step)
+            for w in [self, *old_down]:
+                old.handle._tier_done(w.name, dropped=True)
+            old_src.release()
+
+    def drop_pending(self) -> bool:
+        """Drop the snapshot waiting for this tier while it writes an older one; True if any.
+
+        An idle tier is about to start on its pending snapshot, so that one is kept.
+        """
+        with self._cond:
+            if not self._busy:
+                return False
+            dropped, self._pending = self._pending, None
+            self._cond.notify_all()
+        if dropped is None:
+            return False
+        old, old_src, old_down = dropped
+        log.info("nebula_ckpt: tier %s dropped step %d to free its staging buffer for a newer save",
+                 self.name, old.step)
+        for w in [self, *old_down]:
+            old.handle._tier_done(w.name, dropped=True)
+        old_src.release()
+        return True
 
     def idle(self) -> bool:
         """Nothing pending or being written."""
@@ -111,13 +136,23 @@ class TierWriter:
         while True:
             with self._cond:
                 self._cond.wait_for(lambda: self._pending is not None or self._closing)
-                snap = self._pending
-                if snap is None:
+                if self._pending is None:
                     return
+                snap, source, downstream = self._pending
                 self._pending = None
                 self._busy = True
+            handed = []
+
+            def handoff(rel: str) -> None:
+                # Our shard is complete: slower tiers read it from here, the staging slot goes back.
+                path = self.storage.local_path(rel)  # type: ignore[attr-defined]
+                for w in downstream:
+                    w.offer(snap, FileSource(path, snap.nbytes))
+                handed.append(True)
+                source.release()
+
             try:
-                self.write(snap)
+                self.write(snap, source, handoff if downstream else None)
             except BaseException as e:
                 log.error("nebula_ckpt: tier %s failed to write step %d: %s: %s", self.name, snap.step,
                           type(e).__name__, e)
@@ -125,13 +160,21 @@ class TierWriter:
             else:
                 snap.handle._tier_done(self.name)
             finally:
-                snap.release()
+                if downstream and not handed:
+                    # We failed before our shard was complete: they read the staging buffer.
+                    snap.acquire(len(downstream))
+                    for w in downstream:
+                        w.offer(snap, SlotSource(snap))
+                source.release()
                 with self._cond:
                     self._busy = False
                     self._cond.notify_all()
 
-    def write(self, snap: Snapshot) -> None:
-        """Write one snapshot as a committed checkpoint, then apply retention."""
+    def write(self, snap: Snapshot, source: Any, on_shard: Optional[Callable[[str], None]] = None) -> None:
+        """Write one snapshot (bytes from ``source``) as a committed checkpoint, then apply retention.
+
+        ``on_shard(rel)`` is called once the shard file is durable, before manifest and commit.
+        """
         st = self.storage
         gen = self.fence.generation
         d = mf.step_dir(snap.step)
@@ -146,7 +189,9 @@ class TierWriter:
                 st.remove(f"{d}/{name}")
         shard = mf.shard_name(gen)
         log.debug("nebula_ckpt: phase=shard tier=%s step=%d", self.name, snap.step)
-        info = st.write_buffer(f"{d}/{shard}", snap.view(), compression=getattr(self.tier, "compression", None))
+        info = st.write_buffer(f"{d}/{shard}", source.view(), compression=getattr(self.tier, "compression", None))
+        if on_shard is not None:
+            on_shard(f"{d}/{shard}")
         manifest = build_tier_manifest(snap, gen, {"file": shard, "bytes": snap.nbytes, "storage": info})
         mbytes = json.dumps(manifest, separators=(",", ":"), allow_nan=False).encode()
         self.fence.check(f"write the manifest of step {snap.step}")
@@ -186,7 +231,7 @@ class TierWriter:
             keep.update(s for s in committed if s % self.tier.keep_every == 0)
         doomed = [s for s in committed if s not in keep]
         with self._cond:
-            busy_step = self._pending.step if self._pending is not None else None
+            busy_step = self._pending[0].step if self._pending is not None else None
         leftovers = []
         for s in uncommitted:
             if s == busy_step:

@@ -135,6 +135,49 @@ class Snapshot:
             self._pool.release(self.slot)
 
 
+class SlotSource:
+    """A tier's view of a snapshot: the staging buffer itself (holds one slot reference)."""
+
+    def __init__(self, snap: Snapshot) -> None:
+        self._snap: Optional[Snapshot] = snap
+
+    def view(self) -> memoryview:
+        """The shard image."""
+        assert self._snap is not None
+        return self._snap.view()
+
+    def release(self) -> None:
+        """Drop the slot reference (idempotent)."""
+        if self._snap is not None:
+            self._snap.release()
+            self._snap = None
+
+
+class FileSource:
+    """A tier's view of a snapshot: the shard file a faster tier (memory) already wrote.
+
+    Mapped at hand-off, so the faster tier's retention may unlink the file meanwhile: the mapping
+    keeps the bytes alive until released. This is what lets the staging buffer go back to the
+    pool as soon as the memory tier has its copy, while disk and remote tiers drain on their own.
+    """
+
+    def __init__(self, path: str, nbytes: int) -> None:
+        import mmap
+
+        with open(path, "rb") as f:
+            self._mm: Optional[mmap.mmap] = mmap.mmap(f.fileno(), nbytes, flags=mmap.MAP_PRIVATE,
+                                                      prot=mmap.PROT_READ | mmap.PROT_WRITE) if nbytes else None
+        self._nbytes = nbytes
+
+    def view(self) -> memoryview:
+        """The shard image."""
+        return memoryview(self._mm) if self._mm is not None else memoryview(bytearray())
+
+    def release(self) -> None:
+        """Unmap (when no view is left; otherwise when the last view goes)."""
+        self._mm = None
+
+
 class Stager:
     """The thread between the training thread and the tier writers."""
 
@@ -184,10 +227,14 @@ class Stager:
             for e, c in zip(entries, sums)}
         log.debug("nebula_ckpt: step %d staged (%d tensors, %.1f MiB, copy %.1f ms)", snap.step,
                   len(entries), snap.nbytes / 2**20, snap.copy_seconds * 1e3)
-        snap.acquire(len(snap.targets))
-        snap.release()  # the stager's own reference
+        first, rest = snap.targets[0], snap.targets[1:]
+        if rest and first.tier.kind == "memory":
+            # Memory first; it hands the others its shm file and frees the staging buffer early.
+            first.offer(snap, SlotSource(snap), rest)  # takes over the stager's reference
+            return
+        snap.acquire(len(snap.targets) - 1)
         for t in snap.targets:
-            t.offer(snap)
+            t.offer(snap, SlotSource(snap), [])
 
 
 def build_tier_manifest(snap: Snapshot, generation: int, shard: dict[str, Any]) -> dict[str, Any]:
