@@ -1,0 +1,63 @@
+"""Golden test: the on-disk format of a tiny checkpoint is locked.
+
+If this fails, the format changed: bump ``manifest.VERSION``, keep reading the old version, and
+update the golden values deliberately.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+
+import torch
+from safetensors import safe_open
+
+import nebula_ckpt as nc
+from nebula_ckpt import manifest as mf
+
+GOLDEN_SHARD_SHA256 = "fa43f29431b5101ea2571d7dc18c0227709cfc8ecbaa39a7ded399d815be2515"
+GOLDEN_TREE = {"t": "dict", "v": [
+    [{"t": "str", "v": "w"}, {"t": "tensor", "k": "w"}],
+    [{"t": "str", "v": "h"}, {"t": "tensor", "k": "h"}],
+    [{"t": "str", "v": "meta"}, {"t": "tuple", "v": [{"t": "int", "v": 3}, {"t": "float", "v": "-0x0.0p+0"},
+                                                    {"t": "float", "v": "inf"}, {"t": "none"}]}],
+]}
+
+
+def _state() -> dict[str, object]:
+    return {"w": torch.arange(6, dtype=torch.float32).reshape(2, 3),
+            "h": torch.tensor([1.5, -2.0], dtype=torch.bfloat16),
+            "meta": (3, -0.0, float("inf"), None)}
+
+
+def test_golden_tiny_checkpoint(tmp_path, shm_dir) -> None:  # noqa: ANN001
+    root = str(tmp_path / "ck")
+    with nc.Checkpointer(root, memory_tier=False) as ck:
+        ck.save(12, _state())
+    d = os.path.join(root, "step-12")
+    assert sorted(os.listdir(d)) == ["COMMIT", "manifest.json", "shard-g1-r0.safetensors"]
+    shard = os.path.join(d, "shard-g1-r0.safetensors")
+    data = open(shard, "rb").read()
+    assert hashlib.sha256(data).hexdigest() == GOLDEN_SHARD_SHA256
+    assert len(data) == 4096 + 24 + 4  # header padded to 4 KiB, then f32 data, then bf16 data
+    man = json.load(open(os.path.join(d, "manifest.json")))
+    assert man["format"] == "nebula_ckpt" and man["version"] == mf.VERSION == 1
+    assert man["step"] == 12 and man["generation"] == 1 and man["checksum"] == "crc32c"
+    assert man["tree"] == GOLDEN_TREE
+    assert man["tensors"] == {
+        "w": {"dtype": "float32", "shape": [2, 3], "offsets": [4096, 4120], "crc32c": man["tensors"]["w"]["crc32c"],
+              "device": "cpu"},
+        "h": {"dtype": "bfloat16", "shape": [2], "offsets": [4120, 4124], "crc32c": man["tensors"]["h"]["crc32c"],
+              "device": "cpu"},
+    }
+    import crc32c
+    assert man["tensors"]["w"]["crc32c"] == crc32c.crc32c(data[4096:4120])
+    assert man["shards"] == [{"file": "shard-g1-r0.safetensors", "bytes": len(data), "storage": {"stored_bytes": len(data)}}]
+    commit = json.load(open(os.path.join(d, "COMMIT")))
+    mbytes = open(os.path.join(d, "manifest.json"), "rb").read()
+    assert commit["manifest_bytes"] == len(mbytes) and commit["manifest_crc32c"] == crc32c.crc32c(mbytes)
+    with safe_open(shard, "pt") as f:   # any safetensors tool can read the shard
+        assert torch.equal(f.get_tensor("w"), _state()["w"])
+        assert torch.equal(f.get_tensor("h"), _state()["h"])
+        assert f.metadata()["writer"] == "nebula_ckpt"
