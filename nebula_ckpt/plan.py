@@ -78,7 +78,7 @@ class Plan:
     versions: list[int]              # their version counters at save_async (consistency check)
     tree: Node                       # typed JSON of the whole state
     aliases: dict[str, str]          # tied key -> key stored
-    devices: dict[str, str]          # key -> device it came from
+    devices: dict[str, str]          # key -> device it came from, for non-CPU tensors only
     optimizers: list[torch.optim.Optimizer] = field(default_factory=list)
     modules_with_buffers: list[torch.nn.Module] = field(default_factory=list)
 
@@ -257,7 +257,8 @@ def make_plan(step: Any, state: Any, *, allow_pickle: bool = False) -> Plan:
     layout, keys = make_layout(fl.tensors)
     modules = [m for m in fl.modules if any(True for _ in m.buffers())]
     sources = [fl.tensors[k] for k in keys]
+    devices = {k: f"cuda:{t.get_device()}" for k, t in zip(keys, sources) if t.is_cuda}
     return Plan(step=step, layout=layout, sources=sources, versions=[t._version for t in sources], tree=tree,
-                aliases=fl.aliases, devices={k: str(fl.tensors[k].device) for k in keys},
+                aliases=fl.aliases, devices=devices,
                 optimizers=fl.optimizers, modules_with_buffers=modules)
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 import torch
 
@@ -223,7 +223,7 @@ class Stager:
         devices = snap.plan.devices
         snap.tensor_index = {
             e.key: {"dtype": e.dtype, "shape": list(e.shape), "offsets": [e.offset, e.offset + e.nbytes],
-                    "crc32c": c, "device": devices[e.key]}
+                    "crc32c": c, "device": devices.get(e.key, "cpu")}
             for e, c in zip(entries, sums)}
         log.debug("nebula_ckpt: step %d staged (%d tensors, %.1f MiB, copy %.1f ms)", snap.step,
                   len(entries), snap.nbytes / 2**20, snap.copy_seconds * 1e3)
@@ -243,11 +243,3 @@ def build_tier_manifest(snap: Snapshot, generation: int, shard: dict[str, Any]) 
                              tensors=snap.tensor_index, aliases=snap.plan.aliases, tree=snap.plan.tree,
                              stats={"tensor_bytes": snap.plan.tensor_bytes,
                                     "copy_seconds": snap.copy_seconds})
-
-
-def header_tensor(plan: Plan) -> torch.Tensor:
-    """The safetensors header bytes of ``plan`` as a uint8 tensor."""
-    return torch.frombuffer(bytearray(plan.layout.header), dtype=torch.uint8)
-
-
-WaitFn = Callable[[], None]
