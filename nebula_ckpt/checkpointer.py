@@ -210,7 +210,7 @@ class Checkpointer:
             return handle
         ops = get_ops()
         header = plan.layout.header
-        memoryview(slot.buffer.numpy())[: len(header)] = header  # plain memcpy (ATen copy_ costs ms here)
+        slot.buffer.numpy().data[: len(header)] = header  # plain memcpy (ATen copy_ costs ms here)
         job = ops.enqueue_copy(plan.sources, slot.buffer, [e.offset for e in plan.layout.entries])
         snap = Snapshot(plan, slot, job, handle, self._pool, targets, t0)
         handle._confirm = snap.confirm

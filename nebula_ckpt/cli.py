@@ -63,7 +63,7 @@ def _check(st: Storage, tier: Tier, step: int, verify: str) -> tuple[bool, str, 
 
 
 def cmd_ls(args: argparse.Namespace) -> int:
-    rows = []
+    rows: list[dict[str, Any]] = []
     for tier, st in _tiers(args.root, args.storage_options):
         for step in _step_dirs(st):
             committed = st.exists(f"{mf.step_dir(step)}/{mf.COMMIT}")

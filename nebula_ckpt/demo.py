@@ -46,7 +46,8 @@ class TinyGPT(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.tok(x) + self.pos[: x.shape[1]]
-        h = self.blocks(h, mask=self.mask[: x.shape[1], : x.shape[1]], is_causal=True)
+        mask: torch.Tensor = self.mask  # type: ignore[assignment]
+        h = self.blocks(h, mask=mask[: x.shape[1], : x.shape[1]], is_causal=True)
         return self.head(self.norm(h))
 
 
@@ -174,7 +175,6 @@ def main(argv: list[str] | None = None) -> int:
         child(args)
         return 0
 
-    import nebula_ckpt as nc
     from nebula_ckpt.tiers import memory_tier_path
 
     shutil.rmtree(args.root, ignore_errors=True)

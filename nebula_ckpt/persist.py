@@ -141,34 +141,38 @@ class TierWriter:
                 snap, source, downstream = self._pending
                 self._pending = None
                 self._busy = True
-            handed = []
+            self._write_one(snap, source, downstream)
+            with self._cond:
+                self._busy = False
+                self._cond.notify_all()
 
-            def handoff(rel: str) -> None:
-                # Our shard is complete: slower tiers read it from here, the staging slot goes back.
-                path = self.storage.local_path(rel)  # type: ignore[attr-defined]
+    def _write_one(self, snap: Snapshot, source: Any, downstream: list["TierWriter"]) -> None:
+        handed = False
+
+        def handoff(rel: str) -> None:
+            # Our shard is complete: slower tiers read it from here, the staging slot goes back.
+            nonlocal handed
+            path = self.storage.local_path(rel)  # type: ignore[attr-defined]
+            for w in downstream:
+                w.offer(snap, FileSource(path, snap.nbytes))
+            handed = True
+            source.release()
+
+        try:
+            self.write(snap, source, handoff if downstream else None)
+        except BaseException as e:
+            log.error("nebula_ckpt: tier %s failed to write step %d: %s: %s", self.name, snap.step,
+                      type(e).__name__, e)
+            snap.handle._tier_done(self.name, e)
+        else:
+            snap.handle._tier_done(self.name)
+        finally:
+            if downstream and not handed:
+                # We failed before our shard was complete: they read the staging buffer.
+                snap.acquire(len(downstream))
                 for w in downstream:
-                    w.offer(snap, FileSource(path, snap.nbytes))
-                handed.append(True)
-                source.release()
-
-            try:
-                self.write(snap, source, handoff if downstream else None)
-            except BaseException as e:
-                log.error("nebula_ckpt: tier %s failed to write step %d: %s: %s", self.name, snap.step,
-                          type(e).__name__, e)
-                snap.handle._tier_done(self.name, e)
-            else:
-                snap.handle._tier_done(self.name)
-            finally:
-                if downstream and not handed:
-                    # We failed before our shard was complete: they read the staging buffer.
-                    snap.acquire(len(downstream))
-                    for w in downstream:
-                        w.offer(snap, SlotSource(snap))
-                source.release()
-                with self._cond:
-                    self._busy = False
-                    self._cond.notify_all()
+                    w.offer(snap, SlotSource(snap))
+            source.release()
 
     def write(self, snap: Snapshot, source: Any, on_shard: Optional[Callable[[str], None]] = None) -> None:
         """Write one snapshot (bytes from ``source``) as a committed checkpoint, then apply retention.
@@ -217,7 +221,8 @@ class TierWriter:
         st = self.storage
         gen = self.fence.generation
         names = st.list("")
-        committed, uncommitted = [], []
+        committed: list[int] = []
+        uncommitted: list[int] = []
         for name in names:
             s = mf.parse_step_dir(name)
             if s is None:

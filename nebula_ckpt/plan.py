@@ -16,7 +16,7 @@ import collections
 import json
 import struct
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any
 
 import torch
 

@@ -12,8 +12,6 @@ import queue
 import threading
 from typing import Any, Optional
 
-import torch
-
 from . import manifest as mf
 from .buffers import Slot, StagingPool
 from .errors import ConsistencyError
@@ -61,7 +59,7 @@ class Snapshot:
 
     def view(self) -> memoryview:
         """The shard image (a zero-copy memoryview of the staging buffer)."""
-        return memoryview(self.slot.buffer.numpy())[: self.nbytes]
+        return self.slot.buffer.numpy().data[: self.nbytes]
 
     def finish_copy(self) -> None:
         """Wait for the copy (idempotent, any thread) and settle the snapshot verdict."""

@@ -219,7 +219,7 @@ _TRANSIENT_TYPE_NAMES = {
     "SocketTimeoutError",
     # azure-core
     "ServiceRequestError", "ServiceResponseError", "ServiceRequestTimeoutError",
-    "ServiceResponseTimeoutError", "IncompleteReadError",
+    "ServiceResponseTimeoutError",
     # fsspec / http.client
     "FSTimeoutError", "IncompleteRead", "RemoteDisconnected",
 }
@@ -697,7 +697,7 @@ class FsspecStorage(Storage):
         protocol = parts.scheme or "file"
         try:
             cls = fsspec.get_filesystem_class(protocol)
-        except ImportError as e:
+        except ImportError:
             hint = _INSTALL_HINTS.get(protocol, "install the fsspec implementation for this scheme")
             raise ImportError(
                 f"remote tier {self.display_url}: the '{protocol}://' backend is not installed; "
