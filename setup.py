@@ -24,8 +24,16 @@ def _extensions_and_cmdclass():
     if _env_flag("NEBULA_NO_EXTENSION"):
         return [], {}
 
-    import torch
-    from torch.utils.cpp_extension import CUDA_HOME, BuildExtension, CppExtension, CUDAExtension
+    try:
+        import torch
+        from torch.utils.cpp_extension import CUDA_HOME, BuildExtension, CppExtension, CUDAExtension
+    except ImportError:
+        import warnings
+
+        warnings.warn("nebula_ckpt: torch is not importable in this build environment, so the C++ "
+                      "extension is not built (the pure-PyTorch path will run). Install torch first and "
+                      "build with: pip install --no-build-isolation -e .", stacklevel=1)
+        return [], {}
 
     # Relative paths: setuptools wants sources relative to setup.py.
     sources = sorted(os.path.relpath(p, ROOT) for p in glob.glob(os.path.join(ROOT, "csrc", "*.cpp")))

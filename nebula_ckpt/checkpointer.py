@@ -157,7 +157,7 @@ class Checkpointer:
 
     def _start(self) -> list[TierWriter]:
         if self._writers is None:
-            self._writers = [TierWriter(t, st, self._fence, self._keep_last_for(t))
+            self._writers = [TierWriter(t, st, self._fence.for_tier(st), self._keep_last_for(t))
                              for t, st in zip(self._tiers, self._storages)]
             self._stager = Stager(canonical_root(self.root)[-24:])
         return self._writers
@@ -281,8 +281,8 @@ class Checkpointer:
     def close(self, timeout: Optional[float] = None) -> None:
         """Wait for every pending persist, stop the threads, remove the memory tier.
 
-        The memory tier is removed only when everything before it was persisted to a slower
-        tier (or there is no slower tier to restore from and the close is clean).
+        The memory tier is removed only when its newest checkpoint is also committed on a slower
+        tier; otherwise it is kept (and logged), so that a restart can still restore from it.
 
         Raises:
             PersistError: a failure not yet seen through a handle.
@@ -299,17 +299,34 @@ class Checkpointer:
             if self._stager is not None:
                 self._stager.close()
             for w in self._writers or []:
+                w.wait_idle()
+            self._drop_memory_tier()
+            for w in self._writers or []:
                 w.close()
             self._pool.close()
-            self._drop_memory_tier()
 
     def _drop_memory_tier(self) -> None:
-        persistent = [t for t in self._tiers if not isinstance(t, MemoryTier)]
-        for t, st in zip(self._tiers, self._storages):
-            if isinstance(t, MemoryTier) and persistent:
-                # A clean close: the state is safe on a slower tier; free the RAM.
-                st.remove_dir("")
-                log.debug("nebula_ckpt: memory tier %s removed", t.display_url)
+        pairs = self._tier_pairs()
+        persistent = [(t, st) for t, st in pairs if not isinstance(t, MemoryTier)]
+        for t, st in pairs:
+            if not isinstance(t, MemoryTier) or not persistent:
+                continue
+            try:
+                mem_steps = committed_steps(st)
+                safe = set()
+                for _, pst in persistent:
+                    safe.update(committed_steps(pst))
+            except Exception as e:
+                log.warning("nebula_ckpt: memory tier %s kept: cannot check the slower tiers (%s)",
+                            t.display_url, e)
+                continue
+            if mem_steps and max(mem_steps) not in safe:
+                log.warning("nebula_ckpt: memory tier %s kept: its newest step %d is committed on no "
+                            "slower tier", t.display_url, max(mem_steps))
+                continue
+            # A clean close: the state is safe on a slower tier; free the RAM.
+            st.remove_dir("")
+            log.debug("nebula_ckpt: memory tier %s removed", t.display_url)
 
     def __enter__(self) -> "Checkpointer":
         return self

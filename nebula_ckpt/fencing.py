@@ -2,10 +2,12 @@
 
 Every writer takes a generation number before its first write, by *creating* the object
 ``_nebula/writers/g-<n>.json`` in the root with create-only semantics (``link`` on file systems,
-``If-None-Match: *`` on blob stores): two writers can never get the same number. Shard files
-carry the generation in their name, so writers never overwrite each other's data. Before writing
-a manifest, before the commit marker and before any deletion, a writer checks that no higher
-generation exists; if one does, it raises :class:`~nebula_ckpt.errors.FencedError` and stops.
+``If-None-Match: *`` on blob stores): two writers can never get the same number. Before its first
+write to any other tier, the writer records its generation there too. Shard files carry the
+generation in their name, so writers never overwrite each other's data. Before writing a shard,
+a manifest, the commit marker and before any deletion, a writer checks *that tier* for a higher
+generation; if one exists, it raises :class:`~nebula_ckpt.errors.FencedError` and stops. Checking
+each tier on its own storage keeps a fast tier working while a remote root is unreachable.
 
 The check and the commit are two operations, so a takeover in between can still race; then the
 stale writer's manifest may replace the new one's, which the commit marker's manifest checksum
@@ -73,9 +75,33 @@ class Fence:
             return g
         raise FencedError(f"{self.storage.display_url}: could not take a writer generation after 100 tries")
 
+    def for_tier(self, storage: Storage) -> "TierFence":
+        """The fence of one tier (checks that tier's own storage)."""
+        return TierFence(self, storage)
+
+
+class TierFence:
+    """A writer's generation as seen on one tier's storage."""
+
+    def __init__(self, fence: Fence, storage: Storage) -> None:
+        self._fence = fence
+        self.storage = storage
+        self._recorded = storage is fence.storage
+
+    @property
+    def generation(self) -> int:
+        """The writer's generation (taken from the root on first use)."""
+        return self._fence.generation
+
     def check(self, what: str) -> None:
-        """Raise :class:`FencedError` if a newer writer exists (``what``: the action about to happen)."""
+        """Raise :class:`FencedError` if a newer writer wrote to this tier (``what``: the action)."""
         g = self.generation
+        if not self._recorded:
+            try:
+                self.storage.write_small(f"{WRITERS_DIR}/g-{g}.json", b"{}", create_only=True)
+            except FileExistsError:
+                pass
+            self._recorded = True
         gens = _generations(self.storage)
         if gens and gens[-1] > g:
             raise FencedError(

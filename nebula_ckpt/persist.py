@@ -25,7 +25,7 @@ from typing import Any, Callable, Optional, Sequence
 from . import knobs
 from . import manifest as mf
 from .errors import FencedError
-from .fencing import Fence
+from .fencing import TierFence
 from .native import get_ops
 from .snapshot import FileSource, SlotSource, Snapshot, build_tier_manifest
 from .storage.base import Storage
@@ -57,11 +57,11 @@ class TierWriter:
     Args:
         tier: the tier's settings.
         storage: its backend.
-        fence: the writer generation (shared by all tiers of one checkpointer).
+        fence: the writer generation, checked on this tier's storage.
         keep_last: default retention when the tier has none.
     """
 
-    def __init__(self, tier: Tier, storage: Storage, fence: Fence, keep_last: int) -> None:
+    def __init__(self, tier: Tier, storage: Storage, fence: TierFence, keep_last: int) -> None:
         self.tier = tier
         self.storage = storage
         self.fence = fence
@@ -244,7 +244,14 @@ class TierWriter:
             gens = [g for g in (mf.shard_generation(n) for n in st.list(mf.step_dir(s))) if g is not None]
             if all(g <= gen for g in gens):
                 leftovers.append(s)
-        if not doomed and not leftovers:
+        abandoned = []
+        incomplete = getattr(st, "incomplete_uploads", None)
+        if callable(incomplete):
+            for rel, upload_id in incomplete():
+                g = mf.shard_generation(rel.rsplit("/", 1)[-1])
+                if g is not None and g <= gen:  # ours are never in flight while we prune
+                    abandoned.append((rel, upload_id))
+        if not doomed and not leftovers and not abandoned:
             return
         self.fence.check("delete old checkpoints")
         log.debug("nebula_ckpt: phase=prune tier=%s step=%s", self.name, keep_step)
@@ -254,3 +261,6 @@ class TierWriter:
         for s in leftovers:
             log.info("nebula_ckpt: tier %s: removing uncommitted leftovers of step %d", self.name, s)
             st.remove_dir(mf.step_dir(s))
+        for rel, upload_id in abandoned:
+            log.info("nebula_ckpt: tier %s: aborting the abandoned upload of %s", self.name, rel)
+            st.abort_upload(rel, upload_id)  # type: ignore[attr-defined]

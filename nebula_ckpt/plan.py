@@ -88,7 +88,15 @@ class Plan:
         return self.layout.total_bytes - self.layout.data_start
 
 
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+_STRIDED = torch.strided
+
+
 def _check_tensor(t: torch.Tensor, path: str) -> None:
+    # Fast path: the common case costs a handful of attribute reads.
+    if type(t) in _PLAIN and t.layout is _STRIDED and (t.is_cpu or t.is_cuda) \
+            and not t.is_nested and not t.is_quantized:
+        return
     if t.layout != torch.strided:
         hint = ".to_dense()" if t.layout in (torch.sparse_coo, torch.sparse_csr, torch.sparse_csc,
                                              torch.sparse_bsr, torch.sparse_bsc) else "a dense tensor"
@@ -129,7 +137,6 @@ class _Flattener:
         self.seen: dict[tuple[Any, ...], str] = {}
         self.optimizers: list[torch.optim.Optimizer] = []
         self.modules: list[torch.nn.Module] = []
-        self.paths: dict[str, str] = {}   # flattened key -> how the user wrote it (for errors)
 
     def _claim(self, key: str) -> None:
         if key in self.tensors or key in self.aliases:
@@ -144,11 +151,21 @@ class _Flattener:
         if isinstance(value, dict):
             tag = "odict" if isinstance(value, collections.OrderedDict) else "dict"
             items = []
+            prefix = f"{path}/" if path else ""
             for k, v in value.items():
-                if not isinstance(k, (str, int)) or isinstance(k, bool):
+                tk = type(k)
+                if tk is str:
+                    knode: Node = {"t": "str", "v": k}
+                elif tk is int:
+                    knode = {"t": "int", "v": k}
+                elif isinstance(k, (str, int)) and not isinstance(k, bool):
+                    knode = encode_leaf(k, path, False)
+                else:
                     raise ValidationError(f"state key '{path}': dict key {k!r} of type {type(k).__name__} "
                                           "is not supported; use str or int keys")
-                items.append([encode_leaf(k, path, False), self.walk(v, _join(path, str(k)))])
+                sub = f"{prefix}{k}"
+                vnode = self.tensor(v, sub) if type(v) in _PLAIN else self.walk(v, sub)
+                items.append([knode, vnode])
             return {"t": tag, "v": items}
         if isinstance(value, torch.Size):
             return {"t": "size", "v": list(value)}
@@ -179,17 +196,18 @@ class _Flattener:
     def tensor(self, t: torch.Tensor, path: str) -> Node:
         key = path or "<root>"
         _check_tensor(t, key)
-        self._claim(key)
-        # Tied weights (one Parameter under two keys) are the same view of the same storage:
+        if key in self.tensors or key in self.aliases:
+            self._claim(key)
+        # Tied weights (one Parameter under two keys) are the same view of the same memory:
         # store the bytes once and restore them tied.
-        ident = (t.device, t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape),
-                 tuple(t.stride()), t.dtype) if t.numel() else None
-        if ident is not None and ident in self.seen:
-            self.aliases[key] = self.seen[ident]
-        else:
-            if ident is not None:
-                self.seen[ident] = key
-            self.tensors[key] = t.detach()
+        if t.numel():
+            ident = (t.data_ptr(), t.dtype, t.shape, t.stride())
+            first = self.seen.get(ident)
+            if first is not None:
+                self.aliases[key] = first
+                return {"t": "tensor", "k": key}
+            self.seen[ident] = key
+        self.tensors[key] = t
         return {"t": "tensor", "k": key}
 
 

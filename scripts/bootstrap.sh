@@ -6,9 +6,11 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
+# pip's noise about missing local mirror folders on some machines is dropped; errors are kept.
+quiet() { "$@" 2>&1 | { grep -v "is ignored: it is neither a file nor a directory" || true; }; return "${PIPESTATUS[0]}"; }
 VENV=.venv
 STAMP=$VENV/.nebula-installed
-if [ -f "$STAMP" ] && [ "$STAMP" -nt setup.py ] && [ -z "$(find csrc -newer "$STAMP" -print -quit)" ]; then
+if [ -f "$STAMP" ] && [ "$STAMP" -nt setup.py ] && [ "$STAMP" -nt scripts/bootstrap.sh ] && [ -z "$(find csrc -newer "$STAMP" -print -quit)" ]; then
   exit 0
 fi
 if [ ! -x $VENV/bin/python ]; then
@@ -22,15 +24,15 @@ fi
 VPY=$VENV/bin/python
 if ! $VPY -c "import torch" 2>/dev/null; then
   echo "bootstrap: installing torch==2.13.0"
-  $VPY -m pip install -q torch==2.13.0
+  quiet $VPY -m pip install -q torch==2.13.0
 fi
 echo "bootstrap: installing dependencies"
-$VPY -m pip install -q "numpy" "safetensors>=0.4" "fsspec>=2023.1" "zstandard" "tqdm" "crc32c>=2.3" \
+quiet $VPY -m pip install -q "numpy" "safetensors>=0.4" "fsspec>=2023.1" "zstandard" "tqdm" "crc32c>=2.3" \
   "psutil" "pytest" "pytest-timeout" "matplotlib" "ninja" "setuptools" "wheel"
 echo "bootstrap: building the C++ extension (nebula_ckpt._C)"
-if ! $VPY -m pip install -q --no-build-isolation --no-deps -e . ; then
+if ! quiet $VPY -m pip install -q --no-build-isolation --no-deps -e . ; then
   echo "bootstrap: WARNING: the C++ extension failed to build; installing the pure-PyTorch path" >&2
-  NEBULA_NO_EXTENSION=1 $VPY -m pip install -q --no-build-isolation --no-deps -e .
+  NEBULA_NO_EXTENSION=1 quiet $VPY -m pip install -q --no-build-isolation --no-deps -e .
 fi
 $VPY -c "import nebula_ckpt.native as n; print('bootstrap: nebula_ckpt path:', n.describe())"
 touch "$STAMP"

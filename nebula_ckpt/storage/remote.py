@@ -1344,6 +1344,44 @@ class FsspecStorage(Storage):
             pass
         self._invalidate(path)
 
+    def incomplete_uploads(self) -> list[tuple[str, str]]:
+        """``(rel, upload_id)`` of multipart uploads never completed under this root (S3 only).
+
+        A writer killed mid-upload leaves its parts stored (and billed) with no object to list;
+        retention aborts them. Azure discards uncommitted blocks by itself, so it has none here.
+        """
+        if self._kind != "s3":
+            return []
+        from fsspec.asyn import sync
+
+        bucket, key, _ = self._fs.split_path(self._path(""))
+        prefix = key.rstrip("/") + "/" if key else ""
+
+        def ls(attempt: int) -> list[tuple[str, str]]:
+            out, kw = [], {"Bucket": bucket, "Prefix": prefix}
+            while True:
+                page = sync(self._fs.loop, self._fs._call_s3, "list_multipart_uploads", **kw)
+                for u in page.get("Uploads", []):
+                    out.append((u["Key"][len(prefix):], u["UploadId"]))
+                if not page.get("IsTruncated"):
+                    return out
+                kw.update(KeyMarker=page["NextKeyMarker"], UploadIdMarker=page["NextUploadIdMarker"])
+
+        return self._retry("list multipart uploads", "", ls)
+
+    def abort_upload(self, rel: str, upload_id: str) -> None:
+        """Abort one incomplete multipart upload (S3; a no-op elsewhere)."""
+        if self._kind != "s3":
+            return
+        from fsspec.asyn import sync
+
+        bucket, key, _ = self._fs.split_path(self._path(rel))
+        try:
+            sync(self._fs.loop, self._fs._call_s3, "abort_multipart_upload", Bucket=bucket, Key=key,
+                 UploadId=upload_id)
+        except FileNotFoundError:
+            pass
+
     def remove_dir(self, rel: str) -> None:
         """Delete every object under ``rel/`` (and ``rel`` itself if it is an object).
 

@@ -22,6 +22,8 @@ from nebula_ckpt.errors import NebulaError
 from nebula_ckpt.storage.remote import (FsspecStorage, RemoteAuthError, RemoteContainerNotFoundError,
                                         RemoteStorageError, RemoteUnavailableError)
 
+pytestmark = pytest.mark.blob
+
 from .conftest import Store
 from .servers import REPO
 

@@ -1,0 +1,1 @@
+"""Tier-level contract tests: one suite, run against every kind of tier."""
