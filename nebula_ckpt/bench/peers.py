@@ -1,6 +1,7 @@
 """The checkpointing systems the benchmark compares, behind one small interface.
 
-Call order (all on the training thread)::
+Call order (on the training thread, except ``wait_durable``, which the runner calls from a
+waiter thread while training goes on, to timestamp when the save became durable)::
 
     peer.open(root)                     # once, untimed
     peer.save(step, state_fn)           # timed: returns when training may continue
@@ -22,15 +23,15 @@ that time is counted.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
 import shutil
-import threading
 import warnings
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 
@@ -38,9 +39,15 @@ log = logging.getLogger(__name__)
 
 StateFn = Callable[[], dict[str, Any]]
 
-# DCP warns on every call without a process group that it assumes a single process - which is
-# exactly what we ask for with no_dist=True.
-warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+
+
+@contextlib.contextmanager
+def _quiet_dcp() -> Iterator[None]:
+    # DCP warns on every call without a process group that it assumes a single process - which
+    # is exactly what no_dist=True asks for.
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield
 
 
 class PeerUnavailable(RuntimeError):
@@ -147,6 +154,13 @@ class Peer:
 
     def stats(self) -> dict[str, Any]:
         """Library-specific statistics (empty by default)."""
+        return {}
+
+    def reset_counters(self) -> None:
+        """Start counting saves the system dropped or skipped (see :meth:`counters`)."""
+
+    def counters(self) -> dict[str, Any]:
+        """Saves since :meth:`reset_counters` that were not persisted everywhere (empty if n/a)."""
         return {}
 
     def close(self) -> None:
@@ -337,7 +351,8 @@ class DcpSave(Peer):
         import torch.distributed.checkpoint as dcp
 
         path = self._new_path(step)
-        dcp.save(plain_state_dict(state_fn()), checkpoint_id=str(path), no_dist=True)
+        with _quiet_dcp():
+            dcp.save(plain_state_dict(state_fn()), checkpoint_id=str(path), no_dist=True)
         fsync_path(path)
         fsync_path(path.parent)
 
@@ -346,7 +361,8 @@ class DcpSave(Peer):
 
         assert self._latest is not None
         sd = plain_state_dict({**into, "step": 0})
-        dcp.load(sd, checkpoint_id=str(self._latest), no_dist=True)
+        with _quiet_dcp():
+            dcp.load(sd, checkpoint_id=str(self._latest), no_dist=True)
         return load_plain(into, sd)
 
 
@@ -366,8 +382,11 @@ class DcpAsyncSave(DcpSave):
     def save(self, step: int, state_fn: StateFn) -> None:
         import torch.distributed.checkpoint as dcp
 
+        # one upload in flight at a time, as torchtitan does: wait for the previous one first
+        self.wait_durable()
         path = self._new_path(step)
-        resp = dcp.async_save(plain_state_dict(state_fn()), checkpoint_id=str(path), no_dist=True)
+        with _quiet_dcp():
+            resp = dcp.async_save(plain_state_dict(state_fn()), checkpoint_id=str(path), no_dist=True)
         # torch >= 2.9 may return AsyncSaveResponse(staging_completion, upload_completion)
         self._future = getattr(resp, "upload_completion", resp)
         self._pending_path = path
@@ -411,6 +430,7 @@ class TorchSnapshot(Peer):
     def save(self, step: int, state_fn: StateFn) -> None:
         import torchsnapshot
 
+        self.wait_durable()  # one snapshot in flight at a time
         path = self._new_path(step)
         st = state_fn()
         self._pending = torchsnapshot.Snapshot.async_take(
@@ -471,9 +491,22 @@ class Nebula(Peer):
         tiers = [nc.LocalTier(str(root))] if self.local_only else None
         self.ck = nc.Checkpointer(str(root), tiers=tiers)
         self._handle: Any = None
+        self._handles: list[Any] = []
 
     def save(self, step: int, state_fn: StateFn) -> None:
         self._handle = self.ck.save_async(step, state_fn())
+        self._handles.append(self._handle)
+
+    def reset_counters(self) -> None:
+        self._handles = []
+
+    def counters(self) -> dict[str, Any]:
+        # A busy tier drops a save rather than queueing it (SaveHandle.tiers_dropped): cheaper
+        # for the training loop, and the report must say so.
+        hs = self._handles
+        return {"saves_seen": len(hs),
+                "tiers_dropped": sum(len(getattr(h, "tiers_dropped", None) or []) for h in hs),
+                "saves_skipped": sum(1 for h in hs if getattr(h, "skipped", None))}
 
     def wait_safe(self) -> None:
         if self._handle is not None:
@@ -494,8 +527,10 @@ class Nebula(Peer):
         # the persistent tier: the newest committed step folder under the root
         if self.root is None or not self.root.exists():
             return []
-        steps = sorted(p for p in self.root.iterdir() if p.is_dir() and p.name.startswith("step"))
-        return list_files(steps[-1]) if steps else list_files(self.root)
+        steps = [p for p in self.root.iterdir() if p.is_dir() and p.name.startswith("step-")
+                 and p.name[5:].isdigit()]
+        newest = max(steps, key=lambda p: int(p.name[5:]), default=None)
+        return list_files(newest) if newest is not None else list_files(self.root)
 
     def prune(self) -> None:
         pass  # nebula_ckpt applies its own keep_last

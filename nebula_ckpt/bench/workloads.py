@@ -7,7 +7,7 @@ checkpointed state has the shapes a user's state has:
 * ``124m`` / ``350m`` / ``1.3b``: GPT-2-shaped transformers (token embedding 50257 x d tied to
   the LM head, learned positions, per layer: 2 LayerNorms, qkv d x 3d, attention projection
   d x d, MLP d x 4d and 4d x d). ``1.3b`` is refused on CPU (about 21 GB of training state).
-* ``tiny``: the same GPT shape at d=128, 2 layers, for ``--quick`` and tests.
+* ``tiny``: the same GPT shape at d=128, 2 layers, vocab 8192, for ``--quick`` and tests.
 * ``small-many``: 10,000 small parameters (64 x 64 by default) - the per-tensor overhead case.
 * ``few-huge``: 4 parameters totalling ~1 GB (``few_huge_bytes``) - the pure bandwidth case.
 
@@ -20,7 +20,7 @@ from __future__ import annotations
 import logging
 import math
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 import torch
 import torch.nn.functional as F
@@ -44,7 +44,7 @@ class GPTConfig:
 
 
 GPT_CONFIGS: dict[str, GPTConfig] = {
-    "tiny": GPTConfig(d=128, layers=2, heads=4),
+    "tiny": GPTConfig(d=128, layers=2, heads=4, vocab=8192, block=256),
     "124m": GPTConfig(d=768, layers=12, heads=12),
     "350m": GPTConfig(d=1024, layers=24, heads=16),
     "1.3b": GPTConfig(d=2048, layers=24, heads=16),
@@ -282,11 +282,6 @@ def estimate_state_bytes(name: str, *, small_many_count: int = 10_000,
     if name == "small-many":
         return 12 * small_many_count * 64 * 64
     return 3 * few_huge_bytes
-
-
-def make_step_fn(w: Workload) -> Callable[[], None]:
-    """A zero-argument training step (for timing loops)."""
-    return w.train_step
 
 
 def human_bytes(n: float) -> str:

@@ -21,11 +21,10 @@ from nebula_ckpt import knobs
 from nebula_ckpt.errors import NebulaError
 from nebula_ckpt.storage.remote import (FsspecStorage, RemoteAuthError, RemoteContainerNotFoundError,
                                         RemoteStorageError, RemoteUnavailableError)
-
-pytestmark = pytest.mark.blob
-
 from .conftest import Store
 from .servers import REPO
+
+pytestmark = pytest.mark.blob
 
 MiB = 1 << 20
 
