@@ -183,13 +183,14 @@ class TierWriter:
         gen = self.fence.generation
         d = mf.step_dir(snap.step)
         self.fence.check(f"write step {snap.step}")
-        if st.exists(f"{d}/{mf.COMMIT}"):
+        existing = st.list(d)
+        if mf.COMMIT in existing:
             # Saving a step that exists: the new run owns the root (it resumed from an older step
             # or saves the same step again); the old one goes, marker first.
             log.warning("nebula_ckpt: tier %s: replacing existing checkpoint of step %d", self.name, snap.step)
             delete_checkpoint(st, snap.step)
         else:
-            for name in st.list(d):  # leftovers of a crashed writer of this step
+            for name in existing:  # leftovers of a crashed writer of this step
                 st.remove(f"{d}/{name}")
         shard = mf.shard_name(gen)
         log.debug("nebula_ckpt: phase=shard tier=%s step=%d", self.name, snap.step)
@@ -198,7 +199,6 @@ class TierWriter:
             on_shard(f"{d}/{shard}")
         manifest = build_tier_manifest(snap, gen, {"file": shard, "bytes": snap.nbytes, "storage": info})
         mbytes = json.dumps(manifest, separators=(",", ":"), allow_nan=False).encode()
-        self.fence.check(f"write the manifest of step {snap.step}")
         log.debug("nebula_ckpt: phase=manifest tier=%s step=%d", self.name, snap.step)
         st.write_small(f"{d}/{mf.MANIFEST}", mbytes)
         snap.wait_confirmed(knobs.get("confirm_timeout_s"))

@@ -894,7 +894,9 @@ class FsspecStorage(Storage):
         raise err
 
     def _part_size(self, n: int) -> int:
-        part = max(1, int(knobs.get("remote_part_bytes")))
+        # Split even mid-sized files across every upload slot, but never into tiny parts.
+        conc = max(1, int(knobs.get("remote_concurrency")))
+        part = max(1, min(int(knobs.get("remote_part_bytes")), max(8 << 20, math.ceil(n / conc))))
         if self._kind == "s3":
             part = max(part, _S3_MIN_PART, math.ceil(n / _S3_MAX_PARTS))
         elif self._kind == "azure":
@@ -1155,7 +1157,8 @@ class FsspecStorage(Storage):
                                  f"stored_bytes={info['stored_bytes']}")
         else:
             total = int(info["stored_bytes"]) if "stored_bytes" in info else self.size(rel)
-            part = max(1, int(knobs.get("remote_part_bytes")))
+            conc = max(1, int(knobs.get("remote_concurrency")))
+            part = max(1, min(int(knobs.get("remote_part_bytes")), max(16 << 20, math.ceil(total / conc))))
             tasks = [(off, min(part, total - off), off, min(part, total - off))
                      for off in range(0, total, part)]
         out = bytearray(total)
