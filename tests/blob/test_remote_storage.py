@@ -11,9 +11,6 @@ import sys
 import textwrap
 import threading
 import time
-import traceback
-from contextlib import contextmanager
-from typing import Iterator
 
 import pytest
 
@@ -22,6 +19,8 @@ from nebula_ckpt.errors import NebulaError
 from nebula_ckpt.storage.remote import (FsspecStorage, RemoteAuthError, RemoteContainerNotFoundError,
                                         RemoteStorageError, RemoteUnavailableError)
 from .conftest import Store
+from .util import captured_logs as _captured_logs
+from .util import exc_text as _exc_text
 from .servers import REPO
 
 pytestmark = pytest.mark.blob
@@ -43,31 +42,6 @@ def _data(n: int, seed: int = 0) -> bytearray:
 
 def _storage(store: Store, prefix: str = "root") -> FsspecStorage:
     return FsspecStorage(store.url(prefix), store.storage_options)
-
-
-@contextmanager
-def _captured_logs() -> Iterator[list[str]]:
-    """Formatted records (with tracebacks) of the nebula_ckpt loggers."""
-    lines: list[str] = []
-
-    class H(logging.Handler):
-        def emit(self, record: logging.LogRecord) -> None:
-            lines.append(logging.Formatter("%(name)s %(levelname)s %(message)s").format(record))
-
-    lg = logging.getLogger("nebula_ckpt")
-    h = H(level=logging.DEBUG)
-    old = lg.level
-    lg.addHandler(h)
-    lg.setLevel(logging.DEBUG)
-    try:
-        yield lines
-    finally:
-        lg.removeHandler(h)
-        lg.setLevel(old)
-
-
-def _exc_text(exc: BaseException) -> str:
-    return "\n".join([str(exc), repr(exc), "".join(traceback.format_exception(exc))])
 
 
 # ------------------------------------------------------------------ no server needed (+ memory)

@@ -8,16 +8,13 @@ missing. Every test runs on both servers (``blob_store``) and is bounded in time
 from __future__ import annotations
 
 import json
-import logging
 import os
 import signal
 import subprocess
 import sys
 import threading
 import time
-import traceback
 import uuid
-from contextlib import contextmanager
 from typing import Any, Iterator
 
 import pytest
@@ -36,6 +33,8 @@ from nebula_ckpt.storage.remote import (
 from .conftest import Store
 from .remote_writer import make_state
 from .servers import REPO
+from .util import captured_logs as _captured_logs
+from .util import exc_text as _exc_text
 
 pytestmark = pytest.mark.blob
 
@@ -90,31 +89,6 @@ def _secrets_of(store: Store) -> list[str]:
         cs = store.storage_options["connection_string"]
         return [cs, cs.split("AccountKey=", 1)[1].split(";", 1)[0]]
     return [store.storage_options["key"], store.storage_options["secret"]]
-
-
-def _exc_text(exc: BaseException) -> str:
-    return "\n".join([str(exc), repr(exc), "".join(traceback.format_exception(exc))])
-
-
-@contextmanager
-def _captured_logs() -> Iterator[list[str]]:
-    """Formatted records (with tracebacks) of the nebula_ckpt loggers, DEBUG and up."""
-    lines: list[str] = []
-
-    class H(logging.Handler):
-        def emit(self, record: logging.LogRecord) -> None:
-            lines.append(logging.Formatter("%(name)s %(levelname)s %(message)s").format(record))
-
-    lg = logging.getLogger("nebula_ckpt")
-    h = H(level=logging.DEBUG)
-    old = lg.level
-    lg.addHandler(h)
-    lg.setLevel(logging.DEBUG)
-    try:
-        yield lines
-    finally:
-        lg.removeHandler(h)
-        lg.setLevel(old)
 
 
 class _HookedRemoteTier(nc.RemoteTier):
