@@ -110,12 +110,13 @@ class Checkpointer:
                     continue
             self._tiers.append(t)
         self._storages: list[Storage] = [t.make_storage() for t in self._tiers]
-        for t, st in zip(self._tiers, self._storages):
-            if isinstance(t, MemoryTier):
-                self._claim_memory_tier(st)
+        for st in self._storages:  # fail fast, before leaving anything behind
             check = getattr(st, "check_access", None)
             if callable(check):
                 check()
+        for t, st in zip(self._tiers, self._storages):
+            if isinstance(t, MemoryTier):
+                self._claim_memory_tier(st)
         self._root_storage = root_tier.make_storage() if root_tier.name not in [t.name for t in self._tiers] \
             else self._storages[[t.name for t in self._tiers].index(root_tier.name)]
         self._fence = Fence(self._root_storage)
@@ -133,7 +134,7 @@ class Checkpointer:
         self._save_index = 0
         self._closed = False
         self._last_handle: Optional[SaveHandle] = None
-        #: ``{"step", "tier", "skipped"}`` of the last restore (``None`` before any).
+        #: ``{"step", "tier"}`` of the last restore (``None`` before any).
         self.last_restore: Optional[dict[str, Any]] = None
         log.info("nebula_ckpt: checkpointer on %s, tiers %s, %s path", canonical_root(root),
                  [t.name for t in self._tiers], native_describe()["path"])
