@@ -32,7 +32,9 @@ def test_100_saves_no_host_memory_growth(tmp_path, shm_dir, ops_path: str) -> No
                 gc.collect()
                 rss.append(proc.memory_info().rss)
         stats = ck.stats()
-        assert ck.list() == [98, 99]
+        per_tier = ck.list(detailed=True)
+        # newest always committed; retention bounds what stays (a busy disk tier may drop saves)
+        assert all(steps[-1] == 99 and len(steps) <= 2 for steps in per_tier.values()), per_tier
     assert stats["staging_allocations"] == 1, stats
     assert stats["staging_bytes"] <= state_bytes * 1.1 + (2 << 20), stats
     growth = rss[1] - rss[0]
