@@ -233,21 +233,25 @@ def _owned_batch(ck: OpenCheckpoint, keys: list[str], map_location: Any) -> dict
         dev = _target_device(ck.manifest["tensors"][k], map_location)
         (cpu if dev is None or dev.type == "cpu" else other).append((k, dev))
     out: dict[str, torch.Tensor] = {}
-    views = [ck.view(k) for k, _ in cpu]
-    offsets, total = [], 0
-    for v in views:
-        offsets.append(total)
-        total += -(-(v.numel() * v.element_size()) // 64) * 64
-    if total:
-        ops = get_ops()
-        buf = ops.alloc(total)
-        ops.enqueue_copy(views, buf, offsets).wait()
-        for (k, _), v, off in zip(cpu, views, offsets):
+    # One buffer per dtype: tensors of different dtypes sharing a storage would trip torch.save.
+    groups: dict[torch.dtype, list[tuple[str, torch.Tensor]]] = {}
+    for k, _ in cpu:
+        v = ck.view(k)
+        groups.setdefault(v.dtype, []).append((k, v))
+    ops = get_ops()
+    jobs = []
+    for items in groups.values():
+        offsets, total = [], 0
+        for _, v in items:
+            offsets.append(total)
+            total += -(-(v.numel() * v.element_size()) // 64) * 64
+        buf = ops.alloc(total) if total else torch.empty(0, dtype=torch.uint8)
+        jobs.append(ops.enqueue_copy([v for _, v in items], buf, offsets))
+        for (k, v), off in zip(items, offsets):
             n = v.numel() * v.element_size()
             out[k] = buf[off:off + n].view(v.dtype).reshape(v.shape)
-    for (k, _), v in zip(cpu, views):
-        if k not in out:  # empty tensors
-            out[k] = torch.empty(v.shape, dtype=v.dtype)
+    for job in jobs:
+        job.wait()
     for k, dev in other:
         out[k] = _owned(ck.view(k), dev)
     for k in keys:

@@ -149,3 +149,19 @@ def test_load_into_tensors_in_place(root: str, ops_path: str) -> None:
     with nc.Checkpointer(root) as ck:
         with pytest.raises(nc.ValidationError, match="'a'"):
             ck.load(1, into={"a": torch.zeros(2), "b": [b, 0]})
+
+
+def test_read_result_can_be_torch_saved(root: str, ops_path: str) -> None:
+    """Owned tensors share one buffer per dtype: torch.save of the tree must still work."""
+    import io
+
+    model, opt, sched = make_training()
+    train_step(model, opt, sched, 0)
+    with nc.Checkpointer(root) as ck:
+        ck.save(1, {"model": model, "optim": opt, "x": torch.arange(3, dtype=torch.int16)})
+        _, tree = ck.read(1)
+    buf = io.BytesIO()
+    torch.save(tree, buf)
+    buf.seek(0)
+    again = torch.load(buf, weights_only=True)
+    assert torch.equal(again["optim"]["state"][0]["exp_avg"], opt.state_dict()["state"][0]["exp_avg"])
