@@ -36,7 +36,7 @@ CHUNK = 16 << 20
 COLD_RESIDENT_MAX = 0.05
 
 
-def seq_write_fsync(directory: Path, nbytes: int, reps: int = 2) -> dict[str, Any]:
+def seq_write_fsync(directory: Path, nbytes: int, reps: int = 3) -> dict[str, Any]:
     """Write ``nbytes`` sequentially in 16 MiB chunks, then fsync file and directory.
 
     Args:

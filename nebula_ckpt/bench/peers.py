@@ -112,6 +112,8 @@ class Peer:
     durability = ""
     #: True where save() returns before the snapshot is complete (wait_safe() may block)
     overlaps_snapshot = False
+    #: True where save() itself makes the checkpoint durable (nothing runs in the background)
+    blocking = False
 
     def __init__(self) -> None:
         self.root: Optional[Path] = None
@@ -178,6 +180,7 @@ class Peer:
 
 class TorchSave(Peer):
     name = "torch_save"
+    blocking = True
     calls = "torch.save({model,optim state_dict(),step}, f); f.flush(); os.fsync; fsync(dir)"
     durability = "the benchmark fsyncs the file and its directory inside save() (blocking)"
 
@@ -308,6 +311,7 @@ def unflatten_safetensors(flat: dict[str, torch.Tensor], meta: dict[str, str]) -
 
 class Safetensors(Peer):
     name = "safetensors"
+    blocking = True
     calls = ("safetensors.torch.save_file(flat model+optimizer tensors, path, metadata=JSON of "
              "param_groups/step/aliases); tied tensors stored once")
     durability = "save_file does not fsync; the benchmark fsyncs the file and directory in save()"
@@ -342,6 +346,7 @@ class Safetensors(Peer):
 
 class DcpSave(Peer):
     name = "dcp_save"
+    blocking = True
     calls = ("torch.distributed.checkpoint.save({model,optim state_dict()}, checkpoint_id=dir, "
              "no_dist=True) - default FileSystemWriter (sync_files=True, 1 thread), no process group")
     durability = ("FileSystemWriter fsyncs its data and .metadata files; the benchmark adds the "
@@ -368,6 +373,7 @@ class DcpSave(Peer):
 
 class DcpAsyncSave(DcpSave):
     name = "dcp_async_save"
+    blocking = False
     calls = ("torch.distributed.checkpoint.async_save(..., checkpoint_id=dir, no_dist=True): "
              "works without init_process_group in torch 2.13; default stager copies to CPU on the "
              "caller thread, upload on a thread; future.result() for durable")

@@ -1,0 +1,1 @@
+"""Benchmarks of nebula_ckpt: ``python -m benchmarks.run`` (see README.md)."""
