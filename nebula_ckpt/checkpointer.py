@@ -133,7 +133,6 @@ class Checkpointer:
         self._hook_handles: list[Any] = []
         self._save_index = 0
         self._closed = False
-        self._last_handle: Optional[SaveHandle] = None
         #: ``{"step", "tier"}`` of the last restore (``None`` before any).
         self.last_restore: Optional[dict[str, Any]] = None
         log.info("nebula_ckpt: checkpointer on %s, tiers %s, %s path", canonical_root(root),
@@ -219,7 +218,6 @@ class Checkpointer:
             self._inflight = [s for s in self._inflight if not s.confirmed] + [snap]
             self._handles = [h for h in self._handles if not (h.done() and (h.seen or h.error() is None))]
             self._handles.append(handle)
-            self._last_handle = handle
         self._install_hooks(plan.optimizers, plan.modules_with_buffers)
         assert self._stager is not None
         self._stager.submit(snap)

@@ -8,7 +8,7 @@ failure with its traceback chained.
 from __future__ import annotations
 
 import threading
-from typing import Any, Callable, Optional
+from typing import Callable, Optional
 
 from .errors import NebulaError, PersistError
 
@@ -124,7 +124,3 @@ class SaveHandle:
         self._pending.clear()
         self._snapshot.set()
         self._durable.set()
-
-    def _info(self) -> dict[str, Any]:
-        return {"step": self.step, "written": self.tiers_written, "dropped": self.tiers_dropped,
-                "errors": {t: str(e) for t, e in self._errors.items()}, "skipped": self.skipped}

@@ -113,11 +113,6 @@ class TierWriter:
         old_src.release()
         return True
 
-    def idle(self) -> bool:
-        """Nothing pending or being written."""
-        with self._cond:
-            return self._pending is None and not self._busy
-
     def wait_idle(self, timeout: Optional[float] = None) -> bool:
         """Block until idle; False on timeout."""
         with self._cond:
