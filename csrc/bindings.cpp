@@ -86,6 +86,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("done", &CopyJob::done, "True when all copies finished.")
       .def("modified", &CopyJob::modified,
            "Indices of sources modified in place while being copied (after wait()).")
+      .def("checksums", &CopyJob::checksums, py::call_guard<py::gil_scoped_release>(),
+           "CRC32C of each source as copied (waits); empty when device sources were copied.")
       .def("seconds", &CopyJob::seconds, "Wall time from enqueue to the last copy finished.");
 
   py::class_<CopyEngine, std::unique_ptr<CopyEngine, EngineDeleter>>(

@@ -4,6 +4,11 @@
 #include <atomic>
 #include <cstring>
 
+#if defined(__x86_64__) || defined(_M_X64)
+#define NEBULA_NT_X86 1
+#include <emmintrin.h>
+#endif
+
 #include <ATen/Functions.h>
 #include <ATen/core/grad_mode.h>
 #include <c10/util/Exception.h>
@@ -12,6 +17,7 @@
 // Declarations only (no CUDA toolkit headers); the definitions exist only in
 // the CUDA build and are only referenced under NEBULA_WITH_CUDA.
 #include "cuda/copy_cuda.h"
+#include "checksum.h"
 
 namespace nebula {
 
@@ -39,7 +45,54 @@ struct Piece {
   const uint8_t* from;
   uint8_t* to;
   size_t len;
+  uint32_t id;         // index into JobState::piece_crc (pieces of a source are consecutive)
 };
+
+// Copies at least this long bypass the cache on the destination side: the
+// staging buffer is not read again by this thread, and streaming stores skip
+// the read-for-ownership of every destination line.
+constexpr size_t kStreamMin = size_t{256} << 10;
+// The checksum of a block is taken just before it is copied, so the copy
+// reads it from the L2 cache instead of memory: one pass over the source.
+constexpr size_t kFuseBlock = size_t{64} << 10;
+
+void copy_stream(uint8_t* to, const uint8_t* from, size_t len) {
+#ifdef NEBULA_NT_X86
+  if (len >= kStreamMin) {
+    const size_t head = (16 - (reinterpret_cast<uintptr_t>(to) & 15)) & 15;
+    std::memcpy(to, from, head);
+    to += head;
+    from += head;
+    len -= head;
+    const size_t body = len & ~size_t{63};
+    for (size_t i = 0; i < body; i += 64) {
+      const __m128i a = _mm_loadu_si128(reinterpret_cast<const __m128i*>(from + i));
+      const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(from + i + 16));
+      const __m128i c = _mm_loadu_si128(reinterpret_cast<const __m128i*>(from + i + 32));
+      const __m128i d = _mm_loadu_si128(reinterpret_cast<const __m128i*>(from + i + 48));
+      _mm_stream_si128(reinterpret_cast<__m128i*>(to + i), a);
+      _mm_stream_si128(reinterpret_cast<__m128i*>(to + i + 16), b);
+      _mm_stream_si128(reinterpret_cast<__m128i*>(to + i + 32), c);
+      _mm_stream_si128(reinterpret_cast<__m128i*>(to + i + 48), d);
+    }
+    std::memcpy(to + body, from + body, len - body);
+    _mm_sfence();  // streaming stores are weakly ordered: publish before the task completes
+    return;
+  }
+#endif
+  std::memcpy(to, from, len);
+}
+
+// Copy `len` bytes and return the CRC32C of what was copied.
+uint32_t copy_crc(uint8_t* to, const uint8_t* from, size_t len) {
+  uint32_t crc = 0;
+  for (size_t pos = 0; pos < len; pos += kFuseBlock) {
+    const size_t n = std::min(kFuseBlock, len - pos);
+    crc = crc32c_update(crc, from + pos, n);
+    copy_stream(to + pos, from + pos, n);
+  }
+  return crc;
+}
 
 }  // namespace
 
@@ -48,6 +101,10 @@ struct JobState {
   at::Tensor dst;
   std::vector<int64_t> versions;                        // -1: not tracked
   std::unique_ptr<std::atomic<int64_t>[]> pieces_left;  // per source
+  std::vector<uint32_t> piece_crc;                      // CRC32C of each piece's bytes
+  std::vector<uint64_t> piece_len;
+  std::vector<int64_t> first_piece;                     // per source; -1: nothing copied on CPU
+  std::vector<int64_t> n_pieces;                        // per source
   Clock::time_point start;
 
   std::mutex mu;
@@ -97,7 +154,7 @@ struct JobState {
       try {
         for (const Piece& p : pieces) {
           if (!p.strided) {
-            std::memcpy(p.to, p.from, p.len);
+            piece_crc[p.id] = copy_crc(p.to, p.from, p.len);
           } else {
             const at::Tensor& src = srcs[p.src];
             // No autograd graph for a snapshot; and run copy_ serially on
@@ -108,6 +165,7 @@ struct JobState {
             at::Tensor out = at::from_blob(
                 p.to, src.sizes(), at::TensorOptions().dtype(src.scalar_type()).device(at::kCPU));
             out.copy_(src);
+            piece_crc[p.id] = crc32c_update(0, p.to, p.len);
           }
           piece_done(p.src);
         }
@@ -160,6 +218,22 @@ std::vector<int64_t> CopyJob::modified() {
     for (size_t i : cuda_->modified()) out.push_back(static_cast<int64_t>(i));
   }
   std::sort(out.begin(), out.end());
+  return out;
+}
+
+std::vector<int64_t> CopyJob::checksums() {
+  wait();
+  std::vector<int64_t> out;
+  if (cuda_) return out;  // device copies are not checksummed here: the caller hashes the buffer
+  out.reserve(state_->srcs.size());
+  for (size_t i = 0; i < state_->first_piece.size(); ++i) {
+    uint32_t crc = 0;
+    const int64_t first = state_->first_piece[i];
+    for (int64_t j = first; first >= 0 && j < first + state_->n_pieces[i]; ++j) {
+      crc = crc32c_combine(crc, state_->piece_crc[j], state_->piece_len[j]);
+    }
+    out.push_back(static_cast<int64_t>(crc));
+  }
   return out;
 }
 
@@ -235,6 +309,8 @@ std::shared_ptr<CopyJob> CopyEngine::enqueue(const std::vector<at::Tensor>& srcs
   st->dst = dst;
   st->versions.resize(srcs.size(), -1);
   st->pieces_left.reset(new std::atomic<int64_t>[srcs.size()]);
+  st->first_piece.assign(srcs.size(), -1);
+  st->n_pieces.assign(srcs.size(), 0);
   auto* dst_base = static_cast<uint8_t*>(dst.data_ptr());
 
   std::unique_ptr<cuda::CudaCopyBatch> cuda_batch;
@@ -259,6 +335,13 @@ std::shared_ptr<CopyJob> CopyEngine::enqueue(const std::vector<at::Tensor>& srcs
   std::vector<std::vector<Piece>> tasks;
   std::vector<Piece> current;
   size_t current_bytes = 0;
+  auto add_piece = [&](Piece p) {
+    p.id = static_cast<uint32_t>(st->piece_len.size());
+    if (st->first_piece[p.src] < 0) st->first_piece[p.src] = p.id;
+    st->n_pieces[p.src] += 1;
+    st->piece_len.push_back(p.len);
+    current.push_back(p);
+  };
   auto flush = [&] {
     if (!current.empty()) {
       tasks.push_back(std::move(current));
@@ -286,7 +369,7 @@ std::shared_ptr<CopyJob> CopyEngine::enqueue(const std::vector<at::Tensor>& srcs
       st->pieces_left[i].store(static_cast<int64_t>(n_pieces), std::memory_order_relaxed);
       for (size_t pos = 0; pos < nb; pos += chunk) {
         const size_t len = std::min(chunk, nb - pos);
-        current.push_back({idx, false, from + pos, to + pos, len});
+        add_piece({idx, false, from + pos, to + pos, len, 0});
         current_bytes += len;
         if (current_bytes >= chunk) flush();
       }
@@ -295,11 +378,12 @@ std::shared_ptr<CopyJob> CopyEngine::enqueue(const std::vector<at::Tensor>& srcs
       // layout of strides).
       st->pieces_left[i].store(1, std::memory_order_relaxed);
       flush();
-      current.push_back({idx, true, nullptr, to, nb});
+      add_piece({idx, true, nullptr, to, nb, 0});
       flush();
     }
   }
   flush();
+  st->piece_crc.assign(st->piece_len.size(), 0);
 
 #ifdef NEBULA_WITH_CUDA
   // Device copies first: if launching fails we throw before any CPU task

@@ -37,6 +37,10 @@ class CopyJob {
   // Indices of sources whose version counter changed between enqueue and the
   // end of their copy (sorted). Complete once wait() returned.
   std::vector<int64_t> modified();
+  // CRC32C of every source's bytes as copied (waits for the copy), taken while
+  // copying so the staging buffer is not read again; empty when the job has
+  // device (CUDA) sources, whose bytes the caller hashes from the buffer.
+  std::vector<int64_t> checksums();
   // Seconds from enqueue until the last copy finished (or until now).
   double seconds();
 

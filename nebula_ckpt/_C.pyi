@@ -26,6 +26,8 @@ class CopyJob:
         """True when every copy has finished (non-blocking)."""
     def modified(self) -> list[int]:
         """Sorted indices of sources whose ``_version`` changed before their copy finished (complete after wait())."""
+    def checksums(self) -> list[int]:
+        """CRC32C of each source as copied, taken during the copy (waits); empty when CUDA sources were copied."""
     def seconds(self) -> float:
         """Seconds from enqueue to the last copy finished (elapsed so far while running)."""
 

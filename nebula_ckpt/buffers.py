@@ -5,17 +5,28 @@ every tier that took the snapshot has written it. Buffers are allocated on first
 to 2 MiB, and reused while they are large enough: later saves of the same state allocate nothing.
 When no slot is free, a save waits (``on_full="wait"``, the default) or is skipped
 (``on_full="skip"``); memory never grows past ``max_host_bytes``.
+
+With a memory tier, CPU saves stage into *slot files*: files in the memory tier's ``.slots/``
+folder (tmpfs), mapped shared and pre-faulted. The memory tier then "writes" a snapshot by
+hard-linking the slot file as its shard, so the bytes are copied once (tensors -> slot) instead of
+twice, and the disk / remote tiers read the same mapping. A slot file some committed memory-tier
+checkpoint still links to is *live*: it is that tier's storage, not staging, and is never reused
+until retention unlinks the checkpoint.
 """
 
 from __future__ import annotations
 
 import logging
+import mmap
+import os
 import threading
+import uuid
 from dataclasses import dataclass, field
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
+from . import knobs
 from .errors import ValidationError
 from .native import get_ops
 
@@ -31,38 +42,156 @@ class Slot:
     buffer: torch.Tensor       # 1-D uint8, capacity bytes
     pinned: bool
     in_use: bool = field(default=False)
+    #: slot file (exactly ``capacity`` bytes) the memory tier may link as its shard; None: anonymous
+    path: Optional[str] = None
+    _mm: Any = field(default=None, repr=False)
 
     @property
     def capacity(self) -> int:
         """Bytes available."""
         return int(self.buffer.numel())
 
+    def live(self) -> bool:
+        """Whether a committed memory-tier checkpoint still links to this slot file."""
+        if self.path is None:
+            return False
+        try:
+            return os.stat(self.path).st_nlink > 1
+        except FileNotFoundError:
+            return False
+
+    def fits(self, nbytes: int) -> bool:
+        """Whether a shard image of ``nbytes`` can be staged here (slot files: exactly that size)."""
+        return self.capacity == nbytes if self.path is not None else self.capacity >= nbytes
+
+    def free(self) -> None:
+        """Drop the buffer (a slot file's name goes too; a checkpoint linking it keeps its bytes)."""
+        if self.path is not None:
+            try:
+                os.unlink(self.path)
+            except FileNotFoundError:
+                pass
+        self.buffer = torch.empty(0, dtype=torch.uint8)
+        self._mm = None
+
+
+SLOT_DIR = ".slots"
+
+
+def _slot_owner(name: str) -> Optional[int]:
+    parts = name.split("-")
+    if len(parts) == 3 and parts[0] == "slot" and parts[1].isdigit():
+        return int(parts[1])
+    return None
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def sweep_slot_files(slot_dir: str) -> int:
+    """Remove the names of slot files left by processes that are gone; return how many.
+
+    A checkpoint that links such a file keeps its bytes until its own retention removes it.
+    """
+    removed = 0
+    try:
+        names = os.listdir(slot_dir)
+    except FileNotFoundError:
+        return 0
+    for name in names:
+        pid = _slot_owner(name)
+        if pid is None or pid == os.getpid() or _pid_alive(pid):
+            continue
+        try:
+            os.unlink(os.path.join(slot_dir, name))
+            removed += 1
+        except FileNotFoundError:
+            pass
+    if removed:
+        log.info("nebula_ckpt: removed %d slot file name(s) of finished processes in %s", removed, slot_dir)
+    return removed
+
+
+def create_slot_file(slot_dir: str, nbytes: int) -> Slot:
+    """A new slot file of exactly ``nbytes`` in ``slot_dir``, allocated and mapped pre-faulted.
+
+    Raises:
+        OSError: no room on the tmpfs (``ENOSPC``) or no such folder.
+    """
+    os.makedirs(slot_dir, mode=0o700, exist_ok=True)
+    path = os.path.join(slot_dir, f"slot-{os.getpid()}-{uuid.uuid4().hex[:12]}")
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        os.posix_fallocate(fd, 0, nbytes)  # pages exist now: ENOSPC here, never SIGBUS later
+        flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+        mm = mmap.mmap(fd, nbytes, flags=flags, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+    except BaseException:
+        os.unlink(path)
+        raise
+    finally:
+        os.close(fd)
+    buf = torch.frombuffer(mm, dtype=torch.uint8)
+    return Slot(buf, False, path=path, _mm=mm)
+
+
+def _shm_room(slot_dir: str, nbytes: int) -> bool:
+    """Whether a slot file of ``nbytes`` leaves the tmpfs at least ``shm_min_free_fraction`` free."""
+    try:
+        st = os.statvfs(os.path.dirname(slot_dir))
+    except OSError:
+        return False
+    total, free = st.f_blocks * st.f_frsize, st.f_bavail * st.f_frsize
+    return free - nbytes >= knobs.get("shm_min_free_fraction") * total
+
 
 class StagingPool:
     """A bounded set of reusable host buffers.
 
     Args:
-        max_bytes: cap on the sum of all buffers (``None``: only ``max_slots`` bounds it).
-        max_slots: most buffers at once (1 = no overlap between consecutive saves' persists).
+        max_bytes: cap on the sum of all staging buffers (``None``: only ``max_slots`` bounds it).
+            Live slot files (memory-tier checkpoints) are that tier's storage and not counted.
+        max_slots: most staging buffers at once (1 = no overlap between consecutive saves' persists).
         on_full: ``"wait"`` or ``"skip"`` when every slot is busy.
+        slot_dir: folder for slot files (the memory tier's ``.slots``); ``None``: anonymous only.
     """
 
-    def __init__(self, max_bytes: Optional[int], max_slots: int, on_full: str) -> None:
+    def __init__(self, max_bytes: Optional[int], max_slots: int, on_full: str,
+                 slot_dir: Optional[str] = None) -> None:
         if on_full not in ("wait", "skip"):
             raise ValidationError(f"on_full must be 'wait' or 'skip', got {on_full!r}")
         self.max_bytes = max_bytes
         self.max_slots = max_slots
         self.on_full = on_full
+        self.slot_dir = slot_dir
         self._slots: list[Slot] = []
         self._cond = threading.Condition()
         self.allocations = 0
         self._closed = False
+        self._warned_shm = False
 
     @property
     def allocated_bytes(self) -> int:
-        """Bytes held by the pool now."""
+        """Staging bytes held by the pool now (slot files that hold a memory-tier checkpoint excluded)."""
         with self._cond:
-            return sum(s.capacity for s in self._slots)
+            return sum(s.capacity for s in self._slots if not s.live())
+
+    @property
+    def memory_tier_bytes(self) -> int:
+        """Bytes of slot files that hold a committed memory-tier checkpoint (that tier's storage)."""
+        with self._cond:
+            return sum(s.capacity for s in self._slots if s.live())
+
+    def poke(self) -> None:
+        """Wake waiters: a slot may have stopped being live (memory-tier retention ran)."""
+        with self._cond:
+            self._cond.notify_all()
 
     def check_fits(self, nbytes: int) -> None:
         """Raise a clear error if one save of ``nbytes`` can never fit."""
@@ -94,44 +223,91 @@ class StagingPool:
             reclaimed = True
             reclaim()
 
+    def _trim(self) -> None:
+        """Free idle staging slots beyond ``max_slots`` (a slot file stops being live when the
+        memory tier's retention drops its checkpoint, which can leave one staging slot too many)."""
+        staging = [s for s in self._slots if not s.live()]
+        extra = len(staging) - self.max_slots
+        for s in sorted((s for s in staging if not s.in_use), key=lambda s: s.path is not None):
+            if extra <= 0:
+                break
+            self._slots.remove(s)
+            s.free()
+            extra -= 1
+
     def _take(self, nbytes: int, pinned: bool) -> Optional[Slot]:
         if self._closed:
             raise RuntimeError("the checkpointer is closed")
-        free = [s for s in self._slots if not s.in_use and s.pinned == pinned]
-        fit = [s for s in free if s.capacity >= nbytes]
-        if fit:
-            slot = min(fit, key=lambda s: s.capacity)
+        self._trim()
+        staging = [s for s in self._slots if not s.live()]
+        free = [s for s in staging if not s.in_use and s.pinned == pinned]
+        fit = [s for s in free if s.fits(nbytes)]
+        if fit:  # slot files first: the memory tier can link them instead of copying
+            slot = min(fit, key=lambda s: (s.path is None, s.capacity))
             slot.in_use = True
             return slot
-        total = sum(s.capacity for s in self._slots)
-        size = -(-max(nbytes, 1) // _ROUND) * _ROUND
+        use_file = self.slot_dir is not None and not pinned
+        size = max(nbytes, 1) if use_file else -(-max(nbytes, 1) // _ROUND) * _ROUND
+        total = sum(s.capacity for s in staging)
 
         def room() -> bool:
-            return len(self._slots) < self.max_slots and (self.max_bytes is None or total + size <= self.max_bytes)
+            return len(staging) < self.max_slots and (self.max_bytes is None or total + size <= self.max_bytes)
 
-        # Drop free buffers that are too small (or of the other kind) to make room.
-        for s in [s for s in self._slots if not s.in_use]:
+        # Drop free buffers that do not fit (or are of the other kind) to make room.
+        for s in [s for s in staging if not s.in_use]:
             if room():
                 break
             self._slots.remove(s)
+            staging.remove(s)
             total -= s.capacity
+            s.free()
         if not room():
             return None
-        slot = Slot(get_ops().alloc(size, pinned), pinned, in_use=True)
+        slot = self._new_slot(nbytes, size, pinned) if use_file else None
+        if slot is None:
+            size = -(-max(nbytes, 1) // _ROUND) * _ROUND
+            slot = Slot(get_ops().alloc(size, pinned), pinned)
+        slot.in_use = True
         self.allocations += 1
         self._slots.append(slot)
-        log.debug("nebula_ckpt: staging buffer of %.1f MiB allocated (%d slots)", size / 2**20, len(self._slots))
+        log.debug("nebula_ckpt: staging %s of %.1f MiB allocated (%d slots)",
+                  "slot file" if slot.path else "buffer", slot.capacity / 2**20, len(self._slots))
         return slot
+
+    def _new_slot(self, nbytes: int, size: int, pinned: bool) -> Optional[Slot]:
+        """A slot file, or None (logged once) when the tmpfs has no room for one."""
+        assert self.slot_dir is not None
+        why = None
+        if not _shm_room(self.slot_dir, size):
+            why = f"less than {knobs.get('shm_min_free_fraction'):.0%} of it would stay free"
+        else:
+            try:
+                return create_slot_file(self.slot_dir, size)
+            except OSError as e:
+                why = str(e)
+        if not self._warned_shm:
+            log.warning("nebula_ckpt: no slot file of %.1f MiB in %s (%s): staging in process memory, "
+                        "the memory tier copies from it", size / 2**20, self.slot_dir, why)
+            self._warned_shm = True
+        return None
 
     def release(self, slot: Slot) -> None:
         """Give ``slot`` back."""
         with self._cond:
             slot.in_use = False
+            if self._closed and slot in self._slots:
+                self._slots.remove(slot)
+                slot.free()
+            elif not self._closed:
+                self._trim()
             self._cond.notify_all()
 
     def close(self) -> None:
-        """Free every idle buffer; wake waiters."""
+        """Free every idle buffer (slot file names too; linked checkpoints keep their bytes)."""
         with self._cond:
             self._closed = True
+            for s in self._slots:
+                if not s.in_use:
+                    s.free()
             self._slots = [s for s in self._slots if s.in_use]
             self._cond.notify_all()

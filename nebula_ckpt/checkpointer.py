@@ -10,13 +10,14 @@ Only this module knows the order of the stages. Threads:
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import weakref
 from typing import Any, Optional, Sequence
 
 import torch
 
-from .buffers import StagingPool
+from .buffers import SLOT_DIR, StagingPool, sweep_slot_files
 from .errors import NebulaError, NotFoundError, ValidationError
 from .fencing import Fence
 from .handle import SaveHandle
@@ -120,10 +121,7 @@ class Checkpointer:
         self._root_storage = root_tier.make_storage() if root_tier.name not in [t.name for t in self._tiers] \
             else self._storages[[t.name for t in self._tiers].index(root_tier.name)]
         self._fence = Fence(self._root_storage)
-        # The memory tier, when first, hands slower tiers its file and frees the buffer at once:
-        # one buffer suffices. Otherwise a second one lets fast tiers go on while a slow one writes.
-        slots = 1 if len(self._tiers) == 1 or isinstance(self._tiers[0], MemoryTier) else 2
-        self._pool = StagingPool(max_host_bytes, slots, on_full)
+        self._pool = self._make_pool(max_host_bytes, on_full)
         self._writers: Optional[list[TierWriter]] = None
         self._stager: Optional[Stager] = None
         self._lock = threading.Lock()
@@ -144,6 +142,17 @@ class Checkpointer:
         """The active tiers, fastest first."""
         return list(self._tiers)
 
+    def _make_pool(self, max_host_bytes: Optional[int], on_full: str) -> StagingPool:
+        mem = [t for t in self._tiers if isinstance(t, MemoryTier)]
+        if mem:
+            # CPU saves stage into slot files the memory tier links (one copy of the bytes); a
+            # second staging slot lets the next save start while a slower tier still reads one.
+            assert mem[0].path is not None
+            slot_dir = os.path.join(mem[0].path, SLOT_DIR)
+            sweep_slot_files(slot_dir)
+            return StagingPool(max_host_bytes, 1 if len(self._tiers) == 1 else 2, on_full, slot_dir)
+        return StagingPool(max_host_bytes, 1 if len(self._tiers) == 1 else 2, on_full)
+
     def _claim_memory_tier(self, st: Storage) -> None:
         ident = canonical_root(self.root).encode()
         try:
@@ -157,7 +166,8 @@ class Checkpointer:
 
     def _start(self) -> list[TierWriter]:
         if self._writers is None:
-            self._writers = [TierWriter(t, st, self._fence.for_tier(st), self._keep_last_for(t))
+            self._writers = [TierWriter(t, st, self._fence.for_tier(st), self._keep_last_for(t),
+                                        on_written=self._pool.poke)
                              for t, st in zip(self._tiers, self._storages)]
             self._stager = Stager(canonical_root(self.root)[-24:])
         return self._writers
@@ -409,7 +419,8 @@ class Checkpointer:
 
     def stats(self) -> dict[str, Any]:
         """Counters for monitoring and benchmarks."""
-        return {"staging_bytes": self._pool.allocated_bytes, "staging_allocations": self._pool.allocations,
+        return {"staging_bytes": self._pool.allocated_bytes, "memory_tier_slot_bytes": self._pool.memory_tier_bytes,
+                "staging_allocations": self._pool.allocations,
                 "saves": self._save_index, "path": native_describe()["path"],
                 "tiers": [t.name for t in self._tiers]}
 

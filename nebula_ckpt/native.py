@@ -40,6 +40,9 @@ class CopyJob(Protocol):
     def modified(self) -> list[int]:
         """Indices of sources whose version counter changed during the copy (after ``wait``)."""
 
+    def checksums(self) -> list[int]:
+        """CRC32C of each source as copied (after ``wait``); empty: not computed, hash the buffer."""
+
 
 def _byte_view(t: torch.Tensor) -> torch.Tensor:
     """The contiguous byte image of ``t`` as a 1-D uint8 tensor (may copy if non-contiguous)."""
@@ -93,6 +96,9 @@ class _FallbackJob:
 
     def modified(self) -> list[int]:
         return list(self._modified)
+
+    def checksums(self) -> list[int]:
+        return []  # this path hashes the staging buffer afterwards
 
 
 class FallbackOps:

@@ -59,15 +59,17 @@ class TierWriter:
         storage: its backend.
         fence: the writer generation, checked on this tier's storage.
         keep_last: default retention when the tier has none.
+        on_written: called after each snapshot is done (written or failed) and retention ran.
     """
 
-    def __init__(self, tier: Tier, storage: Storage, fence: TierFence, keep_last: int) -> None:
+    def __init__(self, tier: Tier, storage: Storage, fence: TierFence, keep_last: int,
+                 on_written: Optional[Callable[[], None]] = None) -> None:
         self.tier = tier
         self.storage = storage
         self.fence = fence
         self.keep_last = tier.keep_last or keep_last
         self.name = tier.name
-        self.disabled: Optional[str] = None
+        self._on_written = on_written
         self._pending: Optional[tuple[Snapshot, Any, list["TierWriter"]]] = None
         self._busy = False
         self._closing = False
@@ -137,6 +139,8 @@ class TierWriter:
                 self._pending = None
                 self._busy = True
             self._write_one(snap, source, downstream)
+            if self._on_written is not None:
+                self._on_written()
             with self._cond:
                 self._busy = False
                 self._cond.notify_all()
@@ -189,7 +193,7 @@ class TierWriter:
                 st.remove(f"{d}/{name}")
         shard = mf.shard_name(gen)
         log.debug("nebula_ckpt: phase=shard tier=%s step=%d", self.name, snap.step)
-        info = st.write_buffer(f"{d}/{shard}", source.view(), compression=getattr(self.tier, "compression", None))
+        info = self._write_shard(f"{d}/{shard}", source)
         if on_shard is not None:
             on_shard(f"{d}/{shard}")
         manifest = build_tier_manifest(snap, gen, {"file": shard, "bytes": snap.nbytes, "storage": info})
@@ -210,6 +214,17 @@ class TierWriter:
             raise
         except Exception as e:  # retention is best effort: the checkpoint itself is committed
             log.warning("nebula_ckpt: tier %s: retention failed: %s", self.name, e)
+
+    def _write_shard(self, rel: str, source: Any) -> dict[str, Any]:
+        """Write the shard: a memory tier links a slot file (no copy), every other tier writes bytes."""
+        path = getattr(source, "path", None)
+        link = getattr(self.storage, "link_file", None)
+        if path is not None and self.tier.kind == "memory" and callable(link):
+            try:
+                return link(path, rel)
+            except OSError as e:  # another file system, or the slot file is gone: copy instead
+                log.debug("nebula_ckpt: tier %s: linking %s failed (%s); copying", self.name, path, e)
+        return self.storage.write_buffer(rel, source.view(), compression=getattr(self.tier, "compression", None))
 
     def prune(self, keep_step: Optional[int] = None) -> None:
         """Apply ``keep_last`` / ``keep_every`` and remove leftovers no live writer owns."""

@@ -37,7 +37,7 @@ class Snapshot:
         self.handle = handle
         self.targets = targets
         self.t_start = t_start
-        self.checksums: list[int] = []
+        self.checksums: list[int] = []  # per layout entry; empty until the copy computed them
         self.tensor_index: dict[str, dict[str, Any]] = {}
         self.copy_seconds = 0.0
         self._pool = pool
@@ -69,6 +69,7 @@ class Snapshot:
             err: Optional[BaseException] = None
             try:
                 self.job.wait()
+                self.checksums = self.job.checksums()
                 changed = self.job.modified()
                 if changed:
                     err = self._consistency_error(changed)
@@ -144,6 +145,11 @@ class SlotSource:
         assert self._snap is not None
         return self._snap.view()
 
+    @property
+    def path(self) -> Optional[str]:
+        """The slot file holding exactly the shard image (memory tier links it), or None."""
+        return self._snap.slot.path if self._snap is not None else None
+
     def release(self) -> None:
         """Drop the slot reference (idempotent)."""
         if self._snap is not None:
@@ -216,8 +222,9 @@ class Stager:
             snap.release()
             return
         entries = snap.plan.layout.entries
-        ops = get_ops()
-        sums = ops.crc32c(snap.slot.buffer, [e.offset for e in entries], [e.nbytes for e in entries])
+        sums = snap.checksums  # taken by the copy threads while copying (native CPU path)
+        if len(sums) != len(entries):
+            sums = get_ops().crc32c(snap.slot.buffer, [e.offset for e in entries], [e.nbytes for e in entries])
         devices = snap.plan.devices
         snap.tensor_index = {
             e.key: {"dtype": e.dtype, "shape": list(e.shape), "offsets": [e.offset, e.offset + e.nbytes],
@@ -226,7 +233,7 @@ class Stager:
         log.debug("nebula_ckpt: step %d staged (%d tensors, %.1f MiB, copy %.1f ms)", snap.step,
                   len(entries), snap.nbytes / 2**20, snap.copy_seconds * 1e3)
         first, rest = snap.targets[0], snap.targets[1:]
-        if rest and first.tier.kind == "memory":
+        if rest and first.tier.kind == "memory" and snap.slot.path is None:
             # Memory first; it hands the others its shm file and frees the staging buffer early.
             first.offer(snap, SlotSource(snap), rest)  # takes over the stager's reference
             return

@@ -38,11 +38,17 @@ def snapshot(srcs, threads=2, pad=0):
     return dst, offsets, job
 
 
-def assert_images(srcs, dst, offsets):
+def assert_images(srcs, dst, offsets, job=None):
+    """Each source's bytes are in dst; with ``job``, its checksums are those of the bytes."""
+    sums = job.checksums() if job is not None else None
+    if sums is not None:
+        assert len(sums) == len(srcs)
     for i, (s, off) in enumerate(zip(srcs, offsets)):
         img = byte_image(s)
         got = dst[off : off + img.numel()]
         assert torch.equal(got, img), f"srcs[{i}] ({s.dtype}, {tuple(s.shape)}) differs"
+        if sums is not None:
+            assert sums[i] == crc32c_pkg.crc32c(img.numpy().tobytes()), f"srcs[{i}] checksum"
 
 
 # --------------------------------------------------------------------------- build_info
@@ -108,10 +114,24 @@ def test_copy_every_dtype(dtype):
         make((), dtype, seed=1),  # 0-dim
     ]
     dst, offsets, job = snapshot(srcs, threads=2, pad=3)
-    assert_images(srcs, dst, offsets)
+    assert_images(srcs, dst, offsets, job)
     assert job.done()
     assert job.modified() == []
     assert job.seconds() >= 0.0
+
+
+@pytest.mark.parametrize("pad", [0, 3, 4096])
+def test_copy_checksums_of_large_unaligned_sources(pad):
+    """Checksums taken while copying (streaming stores, pieces combined) equal the bytes' CRC32C."""
+    g = torch.Generator().manual_seed(pad)
+    srcs = [torch.randn(3 * MiB + 5, generator=g),          # ~12 MiB: several pieces per source
+            torch.randint(0, 255, (300_001,), generator=g, dtype=torch.uint8),  # > 256 KiB, odd length
+            torch.randn(64, 1024, generator=g).t(),         # strided: hashed after copy_
+            torch.randn(7, generator=g),                    # tiny
+            torch.empty(0)]
+    dst, offsets, job = snapshot(srcs, threads=3, pad=pad)
+    assert_images(srcs, dst, offsets, job)
+    assert job.checksums()[-1] == 0  # CRC32C of no bytes
 
 
 def test_copy_leaves_padding_untouched():

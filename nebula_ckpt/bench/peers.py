@@ -569,6 +569,47 @@ class NebulaLocal(Nebula):
     local_only = True
 
 
+class SnapshotFloor(Peer):
+    """A reference, not a checkpointer: the copy every host-memory snapshot has to make.
+
+    The state's tensors go into one pre-faulted host buffer through nebula_ckpt's native copy
+    engine (CRC32C taken while copying, as nebula_ckpt does), and nothing else: no files, no
+    tiers. Its throughput overhead is the floor under any asynchronous checkpointer on this
+    machine; what nebula_ckpt costs above it is its persist path.
+    """
+
+    name = "snapshot_floor"
+    calls = "native copy of the state's tensors into one pre-faulted buffer; no I/O"
+    durability = "none (nothing is written)"
+    overlaps_snapshot = True
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._buf: Any = None
+        self._job: Any = None
+
+    def save(self, step: int, state_fn: StateFn) -> None:
+        from nebula_ckpt.native import get_ops
+        from nebula_ckpt.plan import make_plan
+
+        plan = make_plan(step, state_fn())
+        ops = get_ops()
+        if self._buf is None or self._buf.numel() < plan.layout.total_bytes:
+            self._buf = ops.alloc(plan.layout.total_bytes)
+        self._job = ops.enqueue_copy(plan.sources, self._buf, [e.offset for e in plan.layout.entries])
+
+    def wait_safe(self) -> None:
+        if self._job is not None:
+            self._job.wait()
+            self._job = None
+
+    def wait_durable(self) -> None:
+        self.wait_safe()
+
+    def close(self) -> None:
+        self._buf = None
+
+
 #: every system, in report order
 PEERS: dict[str, type[Peer]] = {p.name: p for p in (
     TorchSave, TorchSaveThread, Safetensors, DcpSave, DcpAsyncSave, TorchSnapshot, Nebula, NebulaLocal)}

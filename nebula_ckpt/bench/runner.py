@@ -43,7 +43,7 @@ from . import limits as limits_mod
 from . import report as report_mod
 from . import workloads as wl
 from .limits import PeakRss, dir_bytes, evict, io_write_bytes, resident_fraction, rss_bytes, shm_used_bytes
-from .peers import PEERS, QUICK_PEERS, Nebula, Peer, PeerUnavailable
+from .peers import PEERS, QUICK_PEERS, Nebula, Peer, PeerUnavailable, SnapshotFloor
 
 log = logging.getLogger(__name__)
 
@@ -249,7 +249,9 @@ def _measure_throughput(peer: Peer, w: wl.Workload, args: argparse.Namespace, re
     Interleaved rounds, so both sides see the same neighbours on a shared machine: K steps
     without a checkpoint, then K steps with a save on the first of them, then whatever is left
     of that save's persist (*backlog*, timed: with a checkpoint every K steps, a save has K steps
-    to become durable; what it needs beyond that stalls, delays or drops the next save).
+    to become durable; what it needs beyond that stalls, delays or drops the next save). A last
+    K steps without closes the sequence: each round's baseline is the mean of the segments
+    before and after it, which cancels a slow drift of the machine's speed.
     """
     k = args.interval
     rounds = max(1, args.steps // k)
@@ -257,20 +259,25 @@ def _measure_throughput(peer: Peer, w: wl.Workload, args: argparse.Namespace, re
     per_round = []
     peer.reset_counters()
     with PeakRss() as peak:
+        b_next = train_loop(w, k, k)
+        baselines.append(b_next)
         for _ in range(rounds):
-            b = train_loop(w, k, k)
-            baselines.append(b)
-            base_t += b
+            b_prev = b_next
             t0 = time.perf_counter()
             train_loop(w, k, k, peer, step0=step)
             t1 = time.perf_counter()
             peer.wait_durable()
             t2 = time.perf_counter()
-            with_t += t2 - t0
-            backlog += t2 - t1
-            per_round.append({"without_s": b, "with_s": t2 - t0, "backlog_s": t2 - t1})
             step += k
             peer.prune()
+            b_next = train_loop(w, k, k)
+            baselines.append(b_next)
+            b = (b_prev + b_next) / 2
+            base_t += b
+            with_t += t2 - t0
+            backlog += t2 - t1
+            per_round.append({"without_s": b, "with_s": t2 - t0, "backlog_s": t2 - t1,
+                              "overhead": (t2 - t0) / b - 1.0})
         loop_peak = peak.peak()
     res["throughput"] = {"steps": rounds * k, "interval": k, "saves": rounds, "with_ckpt_s": with_t,
                          "baseline_s": base_t, "overhead": with_t / base_t - 1.0,
@@ -280,6 +287,21 @@ def _measure_throughput(peer: Peer, w: wl.Workload, args: argparse.Namespace, re
     res["loop_peak_rss_delta_bytes"] = loop_peak - rss0
     if isinstance(peer, Nebula):
         res["stats"] = peer.stats()
+
+
+def measure_floor(w: wl.Workload, args: argparse.Namespace, baselines: list[float]) -> dict[str, Any]:
+    """Throughput overhead of the bare snapshot copy (:class:`SnapshotFloor`) on workload ``w``."""
+    peer = SnapshotFloor()
+    res: dict[str, Any] = {}
+    try:
+        _measure_throughput(peer, w, args, res, 0, baselines, rss_bytes())
+    except Exception as e:  # a reference figure: never fail the run for it
+        log.warning("snapshot floor not measured: %s", e)
+        return {"error": f"{type(e).__name__}: {e}"}
+    finally:
+        peer.close()
+    th = res["throughput"]
+    return {"overhead": th["overhead"], "interval": th["interval"], "rounds": th["rounds"]}
 
 
 def _close(a: list[float], b: list[float]) -> bool:
@@ -430,8 +452,10 @@ def run_workload(m: str, a: argparse.Namespace, device: torch.device, target: st
     w.train_step()
     w.train_step()
     entry["step_s"] = train_loop(w, a.interval, a.interval) / a.interval
-    bar.update(1)
     baselines: list[float] = []
+    bar.set_description(f"{m}: snapshot floor")
+    entry["snapshot_floor"] = measure_floor(w, a, baselines)
+    bar.update(1)
     step_base = 1000
     for name in a.systems:
         bar.set_description(f"{m}: {name}")

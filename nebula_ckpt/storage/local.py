@@ -76,6 +76,19 @@ class LocalStorage(Storage):
             _fsync_dir(os.path.dirname(path))
         return {"stored_bytes": n}
 
+    def link_file(self, src: str, rel: str) -> dict[str, Any]:
+        """Hard-link the existing file ``src`` (same file system) as ``rel``; no bytes are copied.
+
+        Raises:
+            OSError: ``EXDEV`` (another file system), ``EEXIST``, ``ENOENT``.
+        """
+        path = self._p(rel)
+        self._makedirs(os.path.dirname(path))
+        os.link(src, path)
+        if self.fsync:
+            _fsync_dir(os.path.dirname(path))
+        return {"stored_bytes": os.stat(path).st_size}
+
     def read_buffer(self, rel: str, info: Optional[dict[str, Any]] = None) -> Buffer:
         path = self._p(rel)
         with open(path, "rb") as f:
