@@ -2,7 +2,7 @@
 VPY := .venv/bin/python
 PYTEST_ARGS ?=
 
-.PHONY: demo demo-wipe test test-fast bench bench-quick install blob-servers clean
+.PHONY: demo demo-wipe test test-fast bench bench-deps bench-quick install blob-servers clean
 
 install:
 	bash scripts/bootstrap.sh
@@ -22,7 +22,11 @@ test: install blob-servers
 test-fast: install
 	$(VPY) -m pytest -m "not slow and not blob" $(PYTEST_ARGS)
 
-bench: install
+# peers only the full benchmark needs; the installed torch is pinned so pip never swaps it
+bench-deps: install
+	$(VPY) -m pip install -q "torchsnapshot==0.1.0" "torch==$$($(VPY) -c 'import torch; print(torch.__version__.split("+")[0])')"
+
+bench: bench-deps
 	$(VPY) -m nebula_ckpt.cli bench
 
 bench-quick: install

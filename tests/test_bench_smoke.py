@@ -42,6 +42,8 @@ def test_quick_run_writes_reports(tmp_path: Path) -> None:
     results = json.loads((out / "results.json").read_text())
     (workload,) = results["workloads"]
     assert workload["name"] == "tiny" and workload["status"] == "ok"
+    floor = workload["snapshot_floor"]  # the bare-copy reference measured in the same run
+    assert isinstance(floor["overhead"], Number) and len(floor["rounds"]) >= 1, floor
     ran = {s["name"]: s for s in workload["systems"]}
     assert sorted(ran) == sorted(SYSTEMS)
     for name, s in ran.items():
