@@ -294,10 +294,18 @@ def shm_used_bytes() -> Optional[int]:
 
 
 def dir_bytes(path: Optional[str | Path]) -> int:
-    """Total size of the files under ``path``."""
+    """Total size of the files under ``path``, each file once however many names link it."""
     if not path or not os.path.exists(path):
         return 0
-    return sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(path) for f in fs)
+    seen: dict[tuple[int, int], int] = {}
+    for d, _, fs in os.walk(path):
+        for f in fs:
+            try:
+                st = os.stat(os.path.join(d, f))
+            except FileNotFoundError:
+                continue
+            seen[(st.st_dev, st.st_ino)] = st.st_size
+    return sum(seen.values())
 
 
 # --------------------------------------------------------------------------- page cache
