@@ -263,10 +263,11 @@ class StagingPool:
             s.free()
         if not room():
             return None
-        slot = self._new_slot(nbytes, size, pinned) if use_file else None
-        if slot is None:
+        made = self._new_slot(nbytes, size, pinned) if use_file else None
+        if made is None:
             size = -(-max(nbytes, 1) // _ROUND) * _ROUND
-            slot = Slot(get_ops().alloc(size, pinned), pinned)
+            made = Slot(get_ops().alloc(size, pinned), pinned)
+        slot = made
         slot.in_use = True
         self.allocations += 1
         self._slots.append(slot)
