@@ -188,11 +188,6 @@ class StagingPool:
         with self._cond:
             return sum(s.capacity for s in self._slots if s.live())
 
-    def poke(self) -> None:
-        """Wake waiters: a slot may have stopped being live (memory-tier retention ran)."""
-        with self._cond:
-            self._cond.notify_all()
-
     def check_fits(self, nbytes: int) -> None:
         """Raise a clear error if one save of ``nbytes`` can never fit."""
         if self.max_bytes is not None and nbytes > self.max_bytes:
@@ -223,23 +218,25 @@ class StagingPool:
             reclaimed = True
             reclaim()
 
-    def _trim(self) -> None:
+    def _trim(self) -> list[Slot]:
         """Free idle staging slots beyond ``max_slots`` (a slot file stops being live when the
-        memory tier's retention drops its checkpoint, which can leave one staging slot too many)."""
+        memory tier's retention drops its checkpoint, which can leave one staging slot too many);
+        return the staging slots left."""
         staging = [s for s in self._slots if not s.live()]
         extra = len(staging) - self.max_slots
         for s in sorted((s for s in staging if not s.in_use), key=lambda s: s.path is not None):
             if extra <= 0:
                 break
             self._slots.remove(s)
+            staging.remove(s)
             s.free()
             extra -= 1
+        return staging
 
     def _take(self, nbytes: int, pinned: bool) -> Optional[Slot]:
         if self._closed:
             raise RuntimeError("the checkpointer is closed")
-        self._trim()
-        staging = [s for s in self._slots if not s.live()]
+        staging = self._trim()
         free = [s for s in staging if not s.in_use and s.pinned == pinned]
         fit = [s for s in free if s.fits(nbytes)]
         if fit:  # slot files first: the memory tier can link them instead of copying
@@ -263,7 +260,7 @@ class StagingPool:
             s.free()
         if not room():
             return None
-        made = self._new_slot(nbytes, size, pinned) if use_file else None
+        made = self._new_slot(size) if use_file else None
         if made is None:
             size = -(-max(nbytes, 1) // _ROUND) * _ROUND
             made = Slot(get_ops().alloc(size, pinned), pinned)
@@ -275,7 +272,7 @@ class StagingPool:
                   "slot file" if slot.path else "buffer", slot.capacity / 2**20, len(self._slots))
         return slot
 
-    def _new_slot(self, nbytes: int, size: int, pinned: bool) -> Optional[Slot]:
+    def _new_slot(self, size: int) -> Optional[Slot]:
         """A slot file, or None (logged once) when the tmpfs has no room for one."""
         assert self.slot_dir is not None
         why = None

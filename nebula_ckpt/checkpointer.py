@@ -143,15 +143,15 @@ class Checkpointer:
         return list(self._tiers)
 
     def _make_pool(self, max_host_bytes: Optional[int], on_full: str) -> StagingPool:
+        # With a memory tier, CPU saves stage into slot files it links (one copy of the bytes). A
+        # second staging slot lets the next save start while a slower tier still reads one.
         mem = [t for t in self._tiers if isinstance(t, MemoryTier)]
+        slot_dir = None
         if mem:
-            # CPU saves stage into slot files the memory tier links (one copy of the bytes); a
-            # second staging slot lets the next save start while a slower tier still reads one.
             assert mem[0].path is not None
             slot_dir = os.path.join(mem[0].path, SLOT_DIR)
             sweep_slot_files(slot_dir)
-            return StagingPool(max_host_bytes, 1 if len(self._tiers) == 1 else 2, on_full, slot_dir)
-        return StagingPool(max_host_bytes, 1 if len(self._tiers) == 1 else 2, on_full)
+        return StagingPool(max_host_bytes, 1 if len(self._tiers) == 1 else 2, on_full, slot_dir)
 
     def _claim_memory_tier(self, st: Storage) -> None:
         ident = canonical_root(self.root).encode()
@@ -166,8 +166,7 @@ class Checkpointer:
 
     def _start(self) -> list[TierWriter]:
         if self._writers is None:
-            self._writers = [TierWriter(t, st, self._fence.for_tier(st), self._keep_last_for(t),
-                                        on_written=self._pool.poke)
+            self._writers = [TierWriter(t, st, self._fence.for_tier(st), self._keep_last_for(t))
                              for t, st in zip(self._tiers, self._storages)]
             self._stager = Stager(canonical_root(self.root)[-24:])
         return self._writers

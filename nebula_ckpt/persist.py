@@ -59,17 +59,14 @@ class TierWriter:
         storage: its backend.
         fence: the writer generation, checked on this tier's storage.
         keep_last: default retention when the tier has none.
-        on_written: called after each snapshot is done (written or failed) and retention ran.
     """
 
-    def __init__(self, tier: Tier, storage: Storage, fence: TierFence, keep_last: int,
-                 on_written: Optional[Callable[[], None]] = None) -> None:
+    def __init__(self, tier: Tier, storage: Storage, fence: TierFence, keep_last: int) -> None:
         self.tier = tier
         self.storage = storage
         self.fence = fence
         self.keep_last = tier.keep_last or keep_last
         self.name = tier.name
-        self._on_written = on_written
         self._pending: Optional[tuple[Snapshot, Any, list["TierWriter"]]] = None
         self._busy = False
         self._closing = False
@@ -139,8 +136,6 @@ class TierWriter:
                 self._pending = None
                 self._busy = True
             self._write_one(snap, source, downstream)
-            if self._on_written is not None:
-                self._on_written()
             with self._cond:
                 self._busy = False
                 self._cond.notify_all()
