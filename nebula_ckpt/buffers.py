@@ -262,7 +262,9 @@ class StagingPool:
             return None
         made = self._new_slot(size) if use_file else None
         if made is None:
-            size = -(-max(nbytes, 1) // _ROUND) * _ROUND
+            rounded = -(-max(nbytes, 1) // _ROUND) * _ROUND
+            if self.max_bytes is None or total + rounded <= self.max_bytes:
+                size = rounded  # else the exact size room() was checked with
             made = Slot(get_ops().alloc(size, pinned), pinned)
         slot = made
         slot.in_use = True
