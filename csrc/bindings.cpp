@@ -2,6 +2,11 @@
 // torch/extension.h; everything else is plain C++ on ATen.
 #include <torch/extension.h>
 
+#include <pthread.h>
+
+#include <chrono>
+#include <thread>
+
 #include "buffer_pool.h"
 #include "checksum.h"
 #include "copy_engine.h"
@@ -18,19 +23,93 @@ constexpr bool kWithCuda = true;
 constexpr bool kWithCuda = false;
 #endif
 
-// Destroying an engine joins its threads after draining queued copies; those
-// may need the GIL to drop their last tensor references, so never block on
-// them while holding it.
+// ---------------------------------------------------------------------------
+// Interpreter shutdown.
+//
+// A daemon thread (a stager or a tier writer) may be inside one of our
+// blocking calls when the main thread returns and Python starts finalizing.
+// When the call ends, pybind11's gil_scoped_release re-takes the GIL in a
+// noexcept destructor; CPython answers a non-main thread that asks for the
+// GIL during finalization with pthread_exit, whose forced unwind cannot pass
+// a noexcept frame, so the process died in std::terminate ("terminate called
+// without an active exception", exit 134). GilRelease parks such a thread
+// instead, as CPython 3.14 does itself: the process is exiting and nothing
+// waits for the thread. Its destructor is noexcept(false) so that a thread
+// losing the race (finalization starts between the check and the
+// re-acquire) unwinds out through pybind11 like a pure-Python thread would.
+
+// threading.main_thread().ident: set at import; in a forked child, the
+// forking thread (which Python makes the child's main thread).
+unsigned long g_main_thread = 0;
+
+void reset_main_thread_after_fork() { g_main_thread = PyThread_get_thread_ident(); }
+
+bool interpreter_finalizing() {
+#if PY_VERSION_HEX >= 0x030D0000
+  return Py_IsFinalizing() != 0;
+#else
+  return _Py_IsFinalizing() != 0;
+#endif
+}
+
+// Release the GIL for a blocking call (py::call_guard<GilRelease>, or a local).
+class GilRelease {
+ public:
+  GilRelease() : state_(PyEval_SaveThread()) {}
+  GilRelease(const GilRelease&) = delete;
+  GilRelease& operator=(const GilRelease&) = delete;
+  ~GilRelease() noexcept(false) {
+    // The finalizing thread is the main thread (it may run our calls from
+    // finalizers, e.g. an engine or a job being freed): it takes the GIL back.
+    if (interpreter_finalizing() && PyThread_get_thread_ident() != g_main_thread) {
+      for (;;) std::this_thread::sleep_for(std::chrono::hours(24));
+    }
+    PyEval_RestoreThread(state_);
+  }
+
+ private:
+  PyThreadState* state_;
+};
+
+// Destroying an engine joins its threads after draining queued copies; never
+// block on them while holding the GIL.
 struct EngineDeleter {
   void operator()(CopyEngine* e) const {
     if (PyGILState_Check()) {
-      py::gil_scoped_release no_gil;
+      GilRelease no_gil;
       delete e;
     } else {
       delete e;
     }
   }
 };
+
+// Destroying a job waits for its copies still running, without the GIL, and
+// then drops its tensor references with the GIL held: they may be the last
+// ones of tensors whose Python objects died meanwhile.
+struct JobDeleter {
+  void operator()(CopyJob* j) const {
+    if (!j->done() && PyGILState_Check()) {
+      GilRelease no_gil;
+      j->drain();
+    }
+    delete j;
+  }
+};
+
+// IoError -> OSError(errno, reason, path); Python picks the subclass
+// (FileNotFoundError, PermissionError, ...) from errno.
+void translate_io_error(std::exception_ptr p) {
+  try {
+    if (p) std::rethrow_exception(p);
+  } catch (const IoError& e) {
+    py::object path = py::reinterpret_steal<py::object>(
+        PyUnicode_DecodeFSDefaultAndSize(e.path().data(), static_cast<Py_ssize_t>(e.path().size())));
+    if (!path) throw py::error_already_set();
+    py::object exc = py::reinterpret_borrow<py::object>(PyExc_OSError)(e.err(), e.reason(), path);
+    PyErr_SetObject(reinterpret_cast<PyObject*>(Py_TYPE(exc.ptr())), exc.ptr());
+  }
+}
 
 // RAII wrapper of a contiguous read-only Py_buffer.
 struct BufferView {
@@ -52,7 +131,7 @@ int64_t crc32c_bytes(py::handle data, int64_t value) {
   uint32_t crc;
   {
     // The exporter cannot release the memory while we hold the view.
-    py::gil_scoped_release no_gil;
+    GilRelease no_gil;
     crc = crc32c_update(static_cast<uint32_t>(value), p, n);
   }
   return static_cast<int64_t>(crc);
@@ -62,6 +141,12 @@ int64_t crc32c_bytes(py::handle data, int64_t value) {
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "Native helpers of nebula_ckpt: host buffers, copy engine, CRC32C, parallel file I/O.";
+  g_main_thread = py::module_::import("threading")
+                      .attr("main_thread")()
+                      .attr("ident")
+                      .cast<unsigned long>();
+  pthread_atfork(nullptr, nullptr, &reset_main_thread_after_fork);
+  py::register_exception_translator(&translate_io_error);
 
   m.def(
       "build_info",
@@ -76,30 +161,39 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       "Build/runtime capabilities of the extension.");
 
   m.def("alloc_host_buffer", &alloc_host_buffer, py::arg("nbytes"), py::arg("pinned") = false,
-        py::arg("prefault_threads") = 1, py::call_guard<py::gil_scoped_release>(),
+        py::arg("prefault_threads") = 1, py::call_guard<GilRelease>(),
         "Page-aligned, pre-faulted 1-D uint8 CPU tensor of nbytes (optionally pinned).");
 
   py::class_<CopyJob, std::shared_ptr<CopyJob>>(m, "CopyJob",
                                                 "Handle of one asynchronous CopyEngine.enqueue.")
-      .def("wait", &CopyJob::wait, py::call_guard<py::gil_scoped_release>(),
+      .def("wait", &CopyJob::wait, py::call_guard<GilRelease>(),
            "Block until all copies finished; re-raise the first copy error.")
       .def("done", &CopyJob::done, "True when all copies finished.")
       .def("modified", &CopyJob::modified,
-           "Indices of sources modified in place while being copied (after wait()).")
-      .def("checksums", &CopyJob::checksums, py::call_guard<py::gil_scoped_release>(),
-           "CRC32C of each source as copied (waits); empty when device sources were copied.")
+           "Indices of sources written while being copied: version counter bumped, or bytes "
+           "changed under the copy (after wait()).")
+      .def("checksums", &CopyJob::checksums, py::call_guard<GilRelease>(),
+           "CRC32C of the bytes staged for each source (waits); empty when device sources were "
+           "copied.")
       .def("seconds", &CopyJob::seconds, "Wall time from enqueue to the last copy finished.");
 
   py::class_<CopyEngine, std::unique_ptr<CopyEngine, EngineDeleter>>(
       m, "CopyEngine", "Persistent thread pool copying tensors into host staging buffers.")
       .def(py::init<int64_t>(), py::arg("num_threads"))
-      .def("enqueue", &CopyEngine::enqueue, py::arg("srcs"), py::arg("dst"), py::arg("offsets"),
-           py::call_guard<py::gil_scoped_release>(),
-           "Copy each srcs[i]'s contiguous bytes to dst[offsets[i]:...] asynchronously.")
+      .def(
+          "enqueue",
+          [](CopyEngine& e, const std::vector<at::Tensor>& srcs, const at::Tensor& dst,
+             const std::vector<int64_t>& offsets) {
+            return std::shared_ptr<CopyJob>(e.enqueue(srcs, dst, offsets).release(), JobDeleter{});
+          },
+          py::arg("srcs"), py::arg("dst"), py::arg("offsets"), py::call_guard<GilRelease>(),
+          "Copy each srcs[i]'s contiguous bytes to dst[offsets[i]:...] asynchronously.")
+      .def("close", &CopyEngine::close, py::call_guard<GilRelease>(),
+           "Finish queued copies and join the threads now (idempotent); enqueue fails after.")
       .def_property_readonly("num_threads", &CopyEngine::num_threads);
 
   m.def("crc32c", &crc32c_ranges, py::arg("buf"), py::arg("offsets"), py::arg("lengths"),
-        py::arg("num_threads"), py::call_guard<py::gil_scoped_release>(),
+        py::arg("num_threads"), py::call_guard<GilRelease>(),
         "CRC32C of each byte range of a 1-D uint8 CPU tensor.");
 
   m.def("crc32c_bytes", &crc32c_bytes, py::arg("data"), py::arg("value") = 0,
@@ -107,11 +201,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 
   m.def("write_file", &write_file, py::arg("path"), py::arg("buf"), py::arg("offset"),
         py::arg("nbytes"), py::arg("direct"), py::arg("num_threads"), py::arg("chunk_bytes"),
-        py::arg("do_fsync"), py::call_guard<py::gil_scoped_release>(),
+        py::arg("do_fsync"), py::call_guard<GilRelease>(),
         "Write buf[offset:offset+nbytes] to a new file with parallel pwrite; True if O_DIRECT "
         "was used.");
 
   m.def("read_file", &read_file, py::arg("path"), py::arg("buf"), py::arg("offset"),
-        py::arg("nbytes"), py::arg("num_threads"), py::call_guard<py::gil_scoped_release>(),
+        py::arg("nbytes"), py::arg("num_threads"), py::call_guard<GilRelease>(),
         "Read the first nbytes of a file into buf[offset:offset+nbytes] with parallel pread.");
 }

@@ -11,6 +11,7 @@
 #if defined(__x86_64__) || defined(_M_X64)
 #define NEBULA_CRC_X86 1
 #include <nmmintrin.h>
+#include <smmintrin.h>
 #endif
 
 namespace nebula {
@@ -196,6 +197,99 @@ __attribute__((target("sse4.2"))) uint32_t crc_hw(uint32_t crc, const uint8_t* p
   return static_cast<uint32_t>(crc0);
 }
 
+// Copy and hash in one pass, exactly: every 16 bytes are loaded once into a
+// vector register, and that register feeds both the crc32 instructions and
+// the store. Hashing the source and copying it in two reads would let a
+// concurrent writer change the bytes in between, so the recorded checksum
+// would not be that of the staged bytes.
+//
+// Three interleaved lanes of `lane` bytes (like crc_hw_interleaved) keep the
+// crc32 unit busy. With `stream`, stores bypass the cache (`to` must be
+// 16-byte aligned): the staging buffer is not read again by this thread.
+__attribute__((target("sse4.2"))) void copy_hw_interleaved(uint64_t& crc0, uint8_t*& to,
+                                                           const uint8_t*& from, size_t& len,
+                                                           size_t lane, bool stream,
+                                                           const uint32_t zeros[4][256]) {
+  while (len >= 3 * lane) {
+    uint64_t crc[3] = {crc0, 0, 0};
+    for (size_t off = 0; off < lane; off += 64) {
+      for (int k = 0; k < 3; ++k) {
+        const uint8_t* s = from + k * lane + off;
+        uint8_t* d = to + k * lane + off;
+        __m128i v0 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(s));
+        __m128i v1 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(s + 16));
+        __m128i v2 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(s + 32));
+        __m128i v3 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(s + 48));
+        // The compiler may not re-read memory for either use of a register
+        // it believes this (empty) asm may have changed.
+        asm("" : "+x"(v0), "+x"(v1), "+x"(v2), "+x"(v3));
+        uint64_t c = crc[k];
+        c = _mm_crc32_u64(c, static_cast<uint64_t>(_mm_cvtsi128_si64(v0)));
+        c = _mm_crc32_u64(c, static_cast<uint64_t>(_mm_extract_epi64(v0, 1)));
+        c = _mm_crc32_u64(c, static_cast<uint64_t>(_mm_cvtsi128_si64(v1)));
+        c = _mm_crc32_u64(c, static_cast<uint64_t>(_mm_extract_epi64(v1, 1)));
+        c = _mm_crc32_u64(c, static_cast<uint64_t>(_mm_cvtsi128_si64(v2)));
+        c = _mm_crc32_u64(c, static_cast<uint64_t>(_mm_extract_epi64(v2, 1)));
+        c = _mm_crc32_u64(c, static_cast<uint64_t>(_mm_cvtsi128_si64(v3)));
+        c = _mm_crc32_u64(c, static_cast<uint64_t>(_mm_extract_epi64(v3, 1)));
+        crc[k] = c;
+        if (stream) {
+          _mm_stream_si128(reinterpret_cast<__m128i*>(d), v0);
+          _mm_stream_si128(reinterpret_cast<__m128i*>(d + 16), v1);
+          _mm_stream_si128(reinterpret_cast<__m128i*>(d + 32), v2);
+          _mm_stream_si128(reinterpret_cast<__m128i*>(d + 48), v3);
+        } else {
+          _mm_storeu_si128(reinterpret_cast<__m128i*>(d), v0);
+          _mm_storeu_si128(reinterpret_cast<__m128i*>(d + 16), v1);
+          _mm_storeu_si128(reinterpret_cast<__m128i*>(d + 32), v2);
+          _mm_storeu_si128(reinterpret_cast<__m128i*>(d + 48), v3);
+        }
+      }
+    }
+    crc0 = shift_crc(zeros, static_cast<uint32_t>(crc[0])) ^ crc[1];
+    crc0 = shift_crc(zeros, static_cast<uint32_t>(crc0)) ^ crc[2];
+    from += 3 * lane;
+    to += 3 * lane;
+    len -= 3 * lane;
+  }
+}
+
+__attribute__((target("sse4.2"))) uint32_t copy_hw(uint32_t crc, uint8_t* to, const uint8_t* from,
+                                                   size_t len, bool stream) {
+  const Tables& t = tables();
+  uint64_t crc0 = crc;
+  // Byte by byte up to a 16-byte aligned destination (each byte through a register).
+  while (len && (reinterpret_cast<uintptr_t>(to) & 15)) {
+    uint8_t b = *from++;
+    asm("" : "+r"(b));
+    crc0 = _mm_crc32_u8(static_cast<uint32_t>(crc0), b);
+    *to++ = b;
+    --len;
+  }
+  copy_hw_interleaved(crc0, to, from, len, Tables::kLong, stream, t.long_shift);
+  copy_hw_interleaved(crc0, to, from, len, Tables::kShort, stream, t.short_shift);
+  while (len >= 8) {
+    uint64_t w;
+    std::memcpy(&w, from, 8);
+    asm("" : "+r"(w));
+    crc0 = _mm_crc32_u64(crc0, w);
+    std::memcpy(to, &w, 8);
+    from += 8;
+    to += 8;
+    len -= 8;
+  }
+  while (len--) {
+    uint8_t b = *from++;
+    asm("" : "+r"(b));
+    crc0 = _mm_crc32_u8(static_cast<uint32_t>(crc0), b);
+    *to++ = b;
+  }
+  // Streaming stores are weakly ordered: publish them before the caller
+  // reports the copy as done.
+  if (stream) _mm_sfence();
+  return static_cast<uint32_t>(crc0);
+}
+
 bool detect_hw() {
   // NEBULA_CRC32C_FORCE_SW=1 forces the table-driven path (used by the tests
   // to cover the fallback on machines that have SSE4.2).
@@ -228,6 +322,25 @@ uint32_t crc32c_update(uint32_t crc, const void* data, size_t len) {
   if (crc32c_hw_available()) return ~crc_hw(reg, p, len);
 #endif
   return ~crc_sw(reg, p, len);
+}
+
+uint32_t crc32c_copy(uint32_t crc, void* dst, const void* src, size_t len, bool stream) {
+  auto* to = static_cast<uint8_t*>(dst);
+  const auto* from = static_cast<const uint8_t*>(src);
+#ifdef NEBULA_CRC_X86
+  if (crc32c_hw_available()) return ~copy_hw(~crc, to, from, len, stream);
+#endif
+  (void)stream;
+  // Software: copy a slice, then hash the copy (still in cache), so the
+  // checksum is that of the destination bytes even if the source changes.
+  constexpr size_t kSlice = size_t{16} << 10;
+  uint32_t reg = ~crc;
+  for (size_t pos = 0; pos < len; pos += kSlice) {
+    const size_t n = std::min(kSlice, len - pos);
+    std::memcpy(to + pos, from + pos, n);
+    reg = crc_sw(reg, to + pos, n);
+  }
+  return ~reg;
 }
 
 uint32_t crc32c_combine(uint32_t crc1, uint32_t crc2, uint64_t len2) {

@@ -20,6 +20,13 @@ bool crc32c_hw_available();
 // crc32c_update(crc32c_update(0, a), b) == crc32c(a + b).
 uint32_t crc32c_update(uint32_t crc, const void* data, size_t len);
 
+// Copy src[0, len) to dst and continue `crc` over the bytes *stored*: each
+// byte is read once, into a register that feeds both the hash and the store,
+// so the result is the checksum of dst even while another thread writes src.
+// With `stream`, the (16-byte aligned) bulk is written with non-temporal
+// stores and fenced before returning. The buffers must not overlap.
+uint32_t crc32c_copy(uint32_t crc, void* dst, const void* src, size_t len, bool stream);
+
 // CRC32C of A+B given crc(A), crc(B) and len(B) (zlib's crc32_combine for the
 // Castagnoli polynomial).
 uint32_t crc32c_combine(uint32_t crc1, uint32_t crc2, uint64_t len2);

@@ -4,11 +4,6 @@
 #include <atomic>
 #include <cstring>
 
-#if defined(__x86_64__) || defined(_M_X64)
-#define NEBULA_NT_X86 1
-#include <emmintrin.h>
-#endif
-
 #include <ATen/Functions.h>
 #include <ATen/core/grad_mode.h>
 #include <c10/util/Exception.h>
@@ -48,48 +43,30 @@ struct Piece {
   uint32_t id;         // index into JobState::piece_crc (pieces of a source are consecutive)
 };
 
-// Copies at least this long bypass the cache on the destination side: the
-// staging buffer is not read again by this thread, and streaming stores skip
-// the read-for-ownership of every destination line.
+// Pieces at least this long are written with streaming stores: the staging
+// buffer is not read again by this thread, and streaming stores skip the
+// read-for-ownership of every destination line.
 constexpr size_t kStreamMin = size_t{256} << 10;
-// The checksum of a block is taken just before it is copied, so the copy
-// reads it from the L2 cache instead of memory: one pass over the source.
+// A piece is copied in blocks of this size; each block is hashed once from
+// the source (which pulls it into L2) and then copied from L2 by
+// crc32c_copy, whose checksum is that of the bytes stored.
 constexpr size_t kFuseBlock = size_t{64} << 10;
 
-void copy_stream(uint8_t* to, const uint8_t* from, size_t len) {
-#ifdef NEBULA_NT_X86
-  if (len >= kStreamMin) {
-    const size_t head = (16 - (reinterpret_cast<uintptr_t>(to) & 15)) & 15;
-    std::memcpy(to, from, head);
-    to += head;
-    from += head;
-    len -= head;
-    const size_t body = len & ~size_t{63};
-    for (size_t i = 0; i < body; i += 64) {
-      const __m128i a = _mm_loadu_si128(reinterpret_cast<const __m128i*>(from + i));
-      const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(from + i + 16));
-      const __m128i c = _mm_loadu_si128(reinterpret_cast<const __m128i*>(from + i + 32));
-      const __m128i d = _mm_loadu_si128(reinterpret_cast<const __m128i*>(from + i + 48));
-      _mm_stream_si128(reinterpret_cast<__m128i*>(to + i), a);
-      _mm_stream_si128(reinterpret_cast<__m128i*>(to + i + 16), b);
-      _mm_stream_si128(reinterpret_cast<__m128i*>(to + i + 32), c);
-      _mm_stream_si128(reinterpret_cast<__m128i*>(to + i + 48), d);
-    }
-    std::memcpy(to + body, from + body, len - body);
-    _mm_sfence();  // streaming stores are weakly ordered: publish before the task completes
-    return;
-  }
-#endif
-  std::memcpy(to, from, len);
-}
-
-// Copy `len` bytes and return the CRC32C of what was copied.
-uint32_t copy_crc(uint8_t* to, const uint8_t* from, size_t len) {
+// Copy `len` bytes and return the CRC32C of the bytes staged. Sets `*torn`
+// when the source changed while it was copied: a writer that bypasses the
+// version counter (`t.data.fill_()`, a numpy view, another process) made the
+// hash of a block before its copy differ from the hash of what was copied.
+// The returned checksum is always that of `to` (crc32c_copy hashes the same
+// registers it stores), so a torn copy can be refused but never recorded
+// with a checksum that its bytes do not match.
+uint32_t copy_crc(uint8_t* to, const uint8_t* from, size_t len, bool* torn) {
+  const bool stream = len >= kStreamMin;
   uint32_t crc = 0;
   for (size_t pos = 0; pos < len; pos += kFuseBlock) {
     const size_t n = std::min(kFuseBlock, len - pos);
-    crc = crc32c_update(crc, from + pos, n);
-    copy_stream(to + pos, from + pos, n);
+    const uint32_t before = crc32c_update(crc, from + pos, n);
+    crc = crc32c_copy(crc, to + pos, from + pos, n, stream);
+    if (crc != before) *torn = true;
   }
   return crc;
 }
@@ -97,10 +74,15 @@ uint32_t copy_crc(uint8_t* to, const uint8_t* from, size_t len) {
 }  // namespace
 
 struct JobState {
-  std::vector<at::Tensor> srcs;  // held so sources outlive the copies
+  // Held so sources and destination outlive the copies. Only the CopyJob
+  // (a Python object) releases them, after every task finished: a pool
+  // thread must never drop the last reference of a tensor, which may own its
+  // PyObject and so need the GIL (unavailable once the interpreter shuts down).
+  std::vector<at::Tensor> srcs;
   at::Tensor dst;
   std::vector<int64_t> versions;                        // -1: not tracked
   std::unique_ptr<std::atomic<int64_t>[]> pieces_left;  // per source
+  std::unique_ptr<std::atomic<bool>[]> torn;            // per source: bytes changed under the copy
   std::vector<uint32_t> piece_crc;                      // CRC32C of each piece's bytes
   std::vector<uint64_t> piece_len;
   std::vector<int64_t> first_piece;                     // per source; -1: nothing copied on CPU
@@ -126,10 +108,11 @@ struct JobState {
   // Called after every piece; the last piece of a source compares its
   // version counter with the one recorded at enqueue: a change means the
   // tensor was written in place while we were copying it, so the bytes may
-  // be torn.
+  // be torn. So does a block whose bytes changed under its copy.
   void piece_done(uint32_t i) {
     if (pieces_left[i].fetch_sub(1, std::memory_order_acq_rel) != 1) return;
-    if (versions[i] >= 0 && static_cast<int64_t>(srcs[i]._version()) != versions[i]) {
+    if (torn[i].load(std::memory_order_relaxed) ||
+        (versions[i] >= 0 && static_cast<int64_t>(srcs[i]._version()) != versions[i])) {
       std::lock_guard<std::mutex> lk(mu);
       modified.push_back(static_cast<int64_t>(i));
     }
@@ -154,7 +137,9 @@ struct JobState {
       try {
         for (const Piece& p : pieces) {
           if (!p.strided) {
-            piece_crc[p.id] = copy_crc(p.to, p.from, p.len);
+            bool changed = false;
+            piece_crc[p.id] = copy_crc(p.to, p.from, p.len, &changed);
+            if (changed) torn[p.src].store(true, std::memory_order_relaxed);
           } else {
             const at::Tensor& src = srcs[p.src];
             // No autograd graph for a snapshot; and run copy_ serially on
@@ -165,6 +150,9 @@ struct JobState {
             at::Tensor out = at::from_blob(
                 p.to, src.sizes(), at::TensorOptions().dtype(src.scalar_type()).device(at::kCPU));
             out.copy_(src);
+            // Hash the staged bytes, so the checksum matches them whatever
+            // happened to the source meanwhile (a torn strided copy is only
+            // caught by the version counter).
             piece_crc[p.id] = crc32c_update(0, p.to, p.len);
           }
           piece_done(p.src);
@@ -186,15 +174,33 @@ struct JobState {
 CopyJob::CopyJob(std::shared_ptr<JobState> state, std::unique_ptr<cuda::CudaCopyBatch> cuda)
     : state_(std::move(state)), cuda_(std::move(cuda)) {}
 
-// Out of line: CudaCopyBatch's destructor (which waits for in-flight device
-// copies) must be visible here.
-CopyJob::~CopyJob() = default;
+CopyJob::~CopyJob() {
+  // The tasks reference the tensors (and write into dst) until they finish;
+  // then only this thread holds them, and releases them here.
+  drain();
+  cuda_.reset();  // waits for in-flight device copies
+  state_->srcs.clear();
+  state_->dst = at::Tensor();
+}
+
+void CopyJob::wait_tasks() {
+  std::unique_lock<std::mutex> lk(state_->mu);
+  state_->cv.wait(lk, [&] { return state_->pending == 0; });
+}
+
+void CopyJob::drain() noexcept {
+  wait_tasks();
+  if (cuda_) {
+    try {
+      cuda_->synchronize();
+    } catch (...) {
+      // The error was (or will be) reported by wait(); here we only wait.
+    }
+  }
+}
 
 void CopyJob::wait() {
-  {
-    std::unique_lock<std::mutex> lk(state_->mu);
-    state_->cv.wait(lk, [&] { return state_->pending == 0; });
-  }
+  wait_tasks();
   if (cuda_) cuda_->synchronize();
   std::lock_guard<std::mutex> lk(state_->mu);
   TORCH_CHECK(!state_->failed, "CopyEngine: copy failed: ", state_->error);
@@ -259,7 +265,12 @@ CopyEngine::CopyEngine(int64_t num_threads) {
 
 CopyEngine::~CopyEngine() = default;
 
-std::shared_ptr<CopyJob> CopyEngine::enqueue(const std::vector<at::Tensor>& srcs,
+void CopyEngine::close() {
+  std::lock_guard<std::mutex> lk(mu_);
+  pool_.reset();  // drains queued tasks, joins the threads
+}
+
+std::unique_ptr<CopyJob> CopyEngine::enqueue(const std::vector<at::Tensor>& srcs,
                                              const at::Tensor& dst,
                                              const std::vector<int64_t>& offsets) {
   // ---- validate everything before anything is queued ----
@@ -309,6 +320,7 @@ std::shared_ptr<CopyJob> CopyEngine::enqueue(const std::vector<at::Tensor>& srcs
   st->dst = dst;
   st->versions.resize(srcs.size(), -1);
   st->pieces_left.reset(new std::atomic<int64_t>[srcs.size()]);
+  st->torn.reset(new std::atomic<bool>[srcs.size()]);
   st->first_piece.assign(srcs.size(), -1);
   st->n_pieces.assign(srcs.size(), 0);
   auto* dst_base = static_cast<uint8_t*>(dst.data_ptr());
@@ -325,8 +337,11 @@ std::shared_ptr<CopyJob> CopyEngine::enqueue(const std::vector<at::Tensor>& srcs
     // Inference tensors have no version counter (reading it throws).
     if (!srcs[i].is_inference()) st->versions[i] = static_cast<int64_t>(srcs[i]._version());
     st->pieces_left[i].store(0, std::memory_order_relaxed);
+    st->torn[i].store(false, std::memory_order_relaxed);
     if (srcs[i].device().is_cpu()) cpu_bytes += srcs[i].nbytes();
   }
+  std::lock_guard<std::mutex> engine_lock(mu_);
+  TORCH_CHECK(pool_, "enqueue: this CopyEngine was closed");
   const int threads = pool_->size();
   // Enough chunks that every thread gets several, but not tiny ones.
   const size_t chunk =
@@ -399,8 +414,17 @@ std::shared_ptr<CopyJob> CopyEngine::enqueue(const std::vector<at::Tensor>& srcs
   for (auto& t : tasks) {
     fns.emplace_back([st, pieces = std::move(t)]() { st->run(pieces); });
   }
-  pool_->submit_bulk(std::move(fns));
-  return std::make_shared<CopyJob>(std::move(st), std::move(cuda_batch));
+  // Created before the tasks are queued: from here on the job owns the
+  // tensors, and its destructor waits for the tasks.
+  auto job = std::make_unique<CopyJob>(st, std::move(cuda_batch));
+  try {
+    pool_->submit_bulk(std::move(fns));
+  } catch (...) {
+    std::lock_guard<std::mutex> lk(st->mu);
+    st->pending = 0;  // nothing was queued: let the job's destructor return
+    throw;
+  }
+  return job;
 }
 
 }  // namespace nebula

@@ -23,6 +23,10 @@ class CudaCopyBatch;
 // dropped by Python before it finishes does not pull memory from under them.
 struct JobState;
 
+// Owns the tensors of one enqueue. Destroying it waits for the copies still
+// running (they read and write those tensors), then releases the tensors on
+// the destroying thread: hold the GIL there, but do not block on it (the
+// bindings release it while waiting).
 class CopyJob {
  public:
   CopyJob(std::shared_ptr<JobState> state, std::unique_ptr<cuda::CudaCopyBatch> cuda);
@@ -33,18 +37,26 @@ class CopyJob {
   // Block until every copy finished; rethrows the first copy error.
   // Call without the GIL.
   void wait();
+  // Block until every copy finished, ignoring errors. Call without the GIL.
+  void drain() noexcept;
   bool done();
-  // Indices of sources whose version counter changed between enqueue and the
-  // end of their copy (sorted). Complete once wait() returned.
+  // Indices of sources written while being copied (sorted): their version
+  // counter changed between enqueue and the end of their copy, or (contiguous
+  // CPU sources) the bytes of a block changed between the hash taken before
+  // its copy and the copy itself. Complete once wait() returned.
   std::vector<int64_t> modified();
-  // CRC32C of every source's bytes as copied (waits for the copy), taken while
-  // copying so the staging buffer is not read again; empty when the job has
-  // device (CUDA) sources, whose bytes the caller hashes from the buffer.
+  // CRC32C of the bytes staged for every source (waits for the copy), taken
+  // while copying so the staging buffer is not read again: always those of
+  // the staged bytes, even when a source changed under the copy. Empty when
+  // the job has device (CUDA) sources, whose bytes the caller hashes from
+  // the buffer.
   std::vector<int64_t> checksums();
   // Seconds from enqueue until the last copy finished (or until now).
   double seconds();
 
  private:
+  void wait_tasks();
+
   std::shared_ptr<JobState> state_;
   std::unique_ptr<cuda::CudaCopyBatch> cuda_;
 };
@@ -54,14 +66,23 @@ class CopyEngine {
   explicit CopyEngine(int64_t num_threads);
   ~CopyEngine();  // drains queued work, joins threads: call without the GIL
 
+  // Drain queued work and join the threads now (idempotent); enqueue fails
+  // afterwards. Call without the GIL.
+  void close();
+
   // Validate everything, then queue the copies and return at once.
   // srcs[i]'s contiguous byte image goes to dst[offsets[i], offsets[i] + nbytes_i).
-  std::shared_ptr<CopyJob> enqueue(const std::vector<at::Tensor>& srcs, const at::Tensor& dst,
+  std::unique_ptr<CopyJob> enqueue(const std::vector<at::Tensor>& srcs, const at::Tensor& dst,
                                    const std::vector<int64_t>& offsets);
 
-  int num_threads() const { return pool_->size(); }
+  // Worker threads; 0 once closed.
+  int num_threads() {
+    std::lock_guard<std::mutex> lk(mu_);
+    return pool_ ? pool_->size() : 0;
+  }
 
  private:
+  std::mutex mu_;  // guards pool_ (enqueue vs close)
   std::unique_ptr<ThreadPool> pool_;
 };
 

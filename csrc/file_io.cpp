@@ -9,6 +9,7 @@
 #include <atomic>
 #include <cerrno>
 #include <system_error>
+#include <utility>
 
 #include <c10/util/Exception.h>
 
@@ -27,7 +28,7 @@ inline size_t round_up(size_t v, size_t a) { return (v + a - 1) / a * a; }
 std::string errstr(int err) { return std::system_category().message(err); }
 
 [[noreturn]] void io_fail(const char* what, const std::string& path, int err, const char* op) {
-  TORCH_CHECK(false, "nebula_ckpt: ", what, " '", path, "' failed: ", errstr(err), " (", op, ")");
+  throw IoError(err, path, errstr(err) + " (" + op + " while " + what + ")");
 }
 
 // Owns a file descriptor; closes it on every (including error) path.
@@ -79,9 +80,9 @@ WriteResult pwrite_all(int fd, const uint8_t* p, size_t len, uint64_t off, bool 
     if (n < 0) {
       if (errno == EINTR) continue;
       if (is_direct && errno == EINVAL) return WriteResult::kDirectRejected;
-      io_fail("write to", path, errno, "pwrite");
+      io_fail("writing", path, errno, "pwrite");
     }
-    if (n == 0) io_fail("write to", path, EIO, "pwrite wrote 0 bytes");
+    if (n == 0) io_fail("writing", path, EIO, "pwrite wrote 0 bytes");
     p += n;
     off += static_cast<uint64_t>(n);
     len -= static_cast<size_t>(n);
@@ -92,6 +93,12 @@ WriteResult pwrite_all(int fd, const uint8_t* p, size_t len, uint64_t off, bool 
 
 }  // namespace
 
+IoError::IoError(int err, std::string path, std::string reason)
+    : std::runtime_error("nebula_ckpt: '" + path + "': " + reason),
+      err_(err),
+      path_(std::move(path)),
+      reason_(std::move(reason)) {}
+
 bool o_direct_supported() {
 #ifdef O_DIRECT
   return true;
@@ -100,18 +107,11 @@ bool o_direct_supported() {
 #endif
 }
 
-bool write_file(const std::string& path, const at::Tensor& buf, int64_t offset, int64_t nbytes,
-                bool direct, int64_t num_threads, int64_t chunk_bytes, bool do_fsync) {
-  check_buf("write_file", buf, offset, nbytes);
-  const auto* src = static_cast<const uint8_t*>(buf.const_data_ptr()) + offset;
-  const size_t total = static_cast<size_t>(nbytes);
-  // Chunks are multiples of 4096 so every chunk boundary is O_DIRECT-aligned.
-  const size_t chunk =
-      round_up(static_cast<size_t>(chunk_bytes > 0 ? chunk_bytes : kDefaultChunk), kAlign);
+namespace {
 
-  Fd fd(::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644));
-  if (fd.fd < 0) io_fail("write to", path, errno, "open");
-
+// write_file after open(): everything that may leave a partial file behind.
+bool write_open_file(const std::string& path, Fd& fd, const uint8_t* src, size_t total,
+                     size_t chunk, bool direct, int64_t num_threads, bool do_fsync) {
   // O_DIRECT bypasses the page cache (no double buffering of multi-GB
   // checkpoints, no dirty-page writeback storms), but needs the buffer
   // address, file offset and length aligned. We send the aligned prefix
@@ -140,7 +140,7 @@ bool write_file(const std::string& path, const at::Tensor& buf, int64_t offset, 
       rc = ::fallocate(fd.fd, 0, 0, static_cast<off_t>(total));
     } while (rc != 0 && errno == EINTR);
     if (rc != 0 && (errno == ENOSPC || errno == EDQUOT || errno == EFBIG)) {
-      io_fail("write to", path, errno, "fallocate");
+      io_fail("writing", path, errno, "fallocate");
     }
   }
 #endif
@@ -175,11 +175,34 @@ bool write_file(const std::string& path, const at::Tensor& buf, int64_t offset, 
     do {
       rc = ::fsync(fd.fd);
     } while (rc != 0 && errno == EINTR);
-    if (rc != 0) io_fail("write to", path, errno, "fsync");
+    if (rc != 0) io_fail("writing", path, errno, "fsync");
   }
-  if (dfd.release_close() != 0) io_fail("write to", path, errno, "close");
-  if (fd.release_close() != 0) io_fail("write to", path, errno, "close");
+  if (dfd.release_close() != 0) io_fail("writing", path, errno, "close");
+  if (fd.release_close() != 0) io_fail("writing", path, errno, "close");
   return direct_len > 0 && !direct_rejected.load();
+}
+
+}  // namespace
+
+bool write_file(const std::string& path, const at::Tensor& buf, int64_t offset, int64_t nbytes,
+                bool direct, int64_t num_threads, int64_t chunk_bytes, bool do_fsync) {
+  check_buf("write_file", buf, offset, nbytes);
+  const auto* src = static_cast<const uint8_t*>(buf.const_data_ptr()) + offset;
+  const size_t total = static_cast<size_t>(nbytes);
+  // Chunks are multiples of 4096 so every chunk boundary is O_DIRECT-aligned.
+  const size_t chunk =
+      round_up(static_cast<size_t>(chunk_bytes > 0 ? chunk_bytes : kDefaultChunk), kAlign);
+
+  Fd fd(::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644));
+  if (fd.fd < 0) io_fail("writing", path, errno, "open");
+  try {
+    return write_open_file(path, fd, src, total, chunk, direct, num_threads, do_fsync);
+  } catch (...) {
+    // The old contents are gone (O_TRUNC) and a torn file would only hold
+    // space (on a full disk, all of it): remove it.
+    ::unlink(path.c_str());
+    throw;
+  }
 }
 
 void read_file(const std::string& path, const at::Tensor& buf, int64_t offset, int64_t nbytes,
@@ -189,9 +212,9 @@ void read_file(const std::string& path, const at::Tensor& buf, int64_t offset, i
   const size_t total = static_cast<size_t>(nbytes);
 
   Fd fd(::open(path.c_str(), O_RDONLY | O_CLOEXEC));
-  if (fd.fd < 0) io_fail("read from", path, errno, "open");
+  if (fd.fd < 0) io_fail("reading", path, errno, "open");
   struct stat st;
-  if (::fstat(fd.fd, &st) != 0) io_fail("read from", path, errno, "fstat");
+  if (::fstat(fd.fd, &st) != 0) io_fail("reading", path, errno, "fstat");
   TORCH_CHECK(static_cast<uint64_t>(st.st_size) >= total, "nebula_ckpt: read from '", path,
               "' failed: file has ", static_cast<int64_t>(st.st_size),
               " bytes, expected at least ", nbytes);
@@ -208,7 +231,7 @@ void read_file(const std::string& path, const at::Tensor& buf, int64_t offset, i
       const ssize_t n = ::pread(fd.fd, dst + pos, end - pos, static_cast<off_t>(pos));
       if (n < 0) {
         if (errno == EINTR) continue;
-        io_fail("read from", path, errno, "pread");
+        io_fail("reading", path, errno, "pread");
       }
       TORCH_CHECK(n > 0, "nebula_ckpt: read from '", path,
                   "' failed: unexpected end of file at byte ", pos, " (file shrank?)");

@@ -13,6 +13,7 @@
 #include <deque>
 #include <exception>
 #include <functional>
+#include <iterator>
 #include <mutex>
 #include <thread>
 #include <vector>
@@ -57,11 +58,15 @@ class ThreadPool {
 
   // Tasks must not throw: callers wrap their work and record errors
   // themselves (an escaping exception would std::terminate the process).
+  // All or nothing: if queueing throws (out of memory), no task was queued.
   void submit_bulk(std::vector<std::function<void()>>&& tasks) {
     if (tasks.empty()) return;
     {
       std::lock_guard<std::mutex> lk(mu_);
-      for (auto& t : tasks) queue_.push_back(std::move(t));
+      // Inserting at the end of a deque has no effect if it throws (the
+      // elements' move constructor does not).
+      queue_.insert(queue_.end(), std::make_move_iterator(tasks.begin()),
+                    std::make_move_iterator(tasks.end()));
     }
     if (tasks.size() == 1) {
       cv_.notify_one();

@@ -18,16 +18,24 @@ def alloc_host_buffer(nbytes: int, pinned: bool = False, prefault_threads: int =
     """Zero-filled, pre-faulted 1-D uint8 CPU tensor over 4 KiB (>= 2 MiB: 2 MiB) aligned memory; pinned needs the CUDA build."""
 
 class CopyJob:
-    """Handle of one asynchronous ``CopyEngine.enqueue``; keeps its sources and destination alive."""
+    """Handle of one asynchronous ``CopyEngine.enqueue``; keeps its sources and destination alive.
+
+    Dropping it waits (without the GIL) for its copies still running, then releases the tensors.
+    """
 
     def wait(self) -> None:
         """Block (without the GIL) until every copy finished; re-raise the first copy error as RuntimeError."""
     def done(self) -> bool:
         """True when every copy has finished (non-blocking)."""
     def modified(self) -> list[int]:
-        """Sorted indices of sources whose ``_version`` changed before their copy finished (complete after wait())."""
+        """Sorted indices of sources written during their copy (complete after wait()).
+
+        A source is reported when its ``_version`` changed before its copy finished, or when a block of
+        a contiguous CPU source hashed before its copy differs from the bytes copied (writes through
+        ``.data`` or numpy, which bypass the version counter).
+        """
     def checksums(self) -> list[int]:
-        """CRC32C of each source as copied, taken during the copy (waits); empty when CUDA sources were copied."""
+        """CRC32C of the bytes staged for each source, taken during the copy (waits); empty when CUDA sources were copied."""
     def seconds(self) -> float:
         """Seconds from enqueue to the last copy finished (elapsed so far while running)."""
 
@@ -38,7 +46,9 @@ class CopyEngine:
         """Start ``num_threads`` (>= 1) worker threads once."""
     @property
     def num_threads(self) -> int:
-        """Number of worker threads."""
+        """Number of worker threads (0 once closed)."""
+    def close(self) -> None:
+        """Finish the queued copies and join the threads now (idempotent); ``enqueue`` raises RuntimeError afterwards."""
     def enqueue(self, srcs: list[torch.Tensor], dst: torch.Tensor, offsets: list[int]) -> CopyJob:
         """Validate, then asynchronously copy each srcs[i]'s contiguous bytes into the 1-D uint8 CPU dst at offsets[i]."""
 
@@ -58,7 +68,14 @@ def write_file(
     chunk_bytes: int,
     do_fsync: bool,
 ) -> bool:
-    """Write buf[offset:offset+nbytes] to a new/truncated file with parallel pwrite; True if O_DIRECT was used."""
+    """Write buf[offset:offset+nbytes] to a new/truncated file with parallel pwrite; True if O_DIRECT was used.
+
+    Raises OSError(errno, reason, path) (``filename == path``; the subclass follows errno, e.g. ENOSPC,
+    PermissionError) when a system call fails, after removing the file; RuntimeError for bad arguments.
+    """
 
 def read_file(path: str, buf: torch.Tensor, offset: int, nbytes: int, num_threads: int) -> None:
-    """Read the first nbytes of ``path`` into buf[offset:offset+nbytes] with parallel pread."""
+    """Read the first nbytes of ``path`` into buf[offset:offset+nbytes] with parallel pread.
+
+    Raises OSError(errno, reason, path) when a system call fails; RuntimeError when the file is shorter.
+    """

@@ -10,11 +10,24 @@ Hot primitives:
 * ``enqueue_copy(srcs, dst, offsets)`` — copy every source's bytes into ``dst`` at its offset,
   returning a job at once; the copy runs on native threads (GIL released).
 * ``crc32c(buf, offsets, lengths)`` — checksums of byte ranges, in parallel.
-* ``write_file(path, buf, offset, nbytes)`` — parallel ``pwrite`` (+ ``O_DIRECT``) and fsync.
+* ``write_file(path, buf, offset, nbytes)`` — parallel ``pwrite`` (+ ``O_DIRECT``) and fsync;
+  failures raise :class:`OSError` with the real ``errno`` and the path on both paths.
+
+Checksums of a copy are always those of the *staged* bytes, and a source written while it is
+being copied (even through ``.data`` or a numpy view, which bypass the version counter) is
+reported by ``modified()`` wherever its bytes were seen to change: the native engine hashes each
+64 KiB block before copying it and compares with the hash of what it copied; the fallback
+compares the staged bytes' CRC32C with the source's after the copy.
+
+Interpreter exit: the native copy threads are joined by an ``atexit`` handler (after pending
+copies finished), and a daemon thread still inside a native call when Python finalizes is parked
+there instead of being torn down (see ``csrc/bindings.cpp``).
 """
 
 from __future__ import annotations
 
+import atexit
+import errno
 import logging
 import os
 import threading
@@ -38,10 +51,10 @@ class CopyJob(Protocol):
         """Whether the copy has finished (successfully or not)."""
 
     def modified(self) -> list[int]:
-        """Indices of sources whose version counter changed during the copy (after ``wait``)."""
+        """Indices of sources written during their copy: version counter or bytes (after ``wait``)."""
 
     def checksums(self) -> list[int]:
-        """CRC32C of each source as copied (after ``wait``); empty: not computed, hash the buffer."""
+        """CRC32C of each source's staged bytes (waits); empty: not computed, hash the buffer."""
 
 
 def _byte_view(t: torch.Tensor) -> torch.Tensor:
@@ -57,7 +70,9 @@ def _byte_view(t: torch.Tensor) -> torch.Tensor:
 class _FallbackJob:
     """Copy job of the pure-PyTorch path: one Python thread copying tensor by tensor.
 
-    ``copy_`` releases the GIL inside ATen, so the training thread keeps running.
+    ``copy_`` and ``crc32c`` release the GIL, so the training thread keeps running. The thread is
+    not a daemon: interpreter exit waits for the copy instead of tearing the thread down inside
+    ``copy_`` (which aborts the process).
     """
 
     def __init__(self, srcs: Sequence[torch.Tensor], dst: torch.Tensor, offsets: Sequence[int]) -> None:
@@ -66,19 +81,31 @@ class _FallbackJob:
         self._offsets = list(offsets)
         self._versions = [s._version for s in self._srcs]
         self._modified: list[int] = []
+        self._checksums: list[int] = []
         self._error: Optional[BaseException] = None
         self._done = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="nebula-copy", daemon=True)
+        self._thread = threading.Thread(target=self._run, name="nebula-copy", daemon=False)
         self._thread.start()
 
     def _run(self) -> None:
+        import crc32c as _crc
+
         try:
             with torch.no_grad():
                 for i, (src, off) in enumerate(zip(self._srcs, self._offsets)):
                     n = src.numel() * src.element_size()
+                    crc, torn = 0, False
                     if n:
-                        self._dst[off:off + n].copy_(_byte_view(src))
-                    if src._version != self._versions[i]:
+                        staged = self._dst[off:off + n]
+                        staged.copy_(_byte_view(src))
+                        # The checksum is that of the staged bytes; a source whose bytes differ
+                        # from them after the copy was written meanwhile (a device source is
+                        # left to its version counter: re-reading it would cost a transfer).
+                        crc = _crc.crc32c(memoryview(staged.numpy()))
+                        if src.device.type == "cpu":
+                            torn = _crc.crc32c(memoryview(_byte_view(src).numpy())) != crc
+                    self._checksums.append(int(crc))
+                    if torn or src._version != self._versions[i]:
                         self._modified.append(i)
         except BaseException as e:  # re-raised from wait()
             self._error = e
@@ -98,7 +125,8 @@ class _FallbackJob:
         return list(self._modified)
 
     def checksums(self) -> list[int]:
-        return []  # this path hashes the staging buffer afterwards
+        self.wait()
+        return list(self._checksums)
 
 
 class FallbackOps:
@@ -132,19 +160,49 @@ class FallbackOps:
 
     def write_file(self, path: str, buf: torch.Tensor, offset: int, nbytes: int,
                    fsync: bool = True) -> bool:
-        """Write ``buf[offset:offset+nbytes]`` to a new file at ``path``; fsync it."""
+        """Write ``buf[offset:offset+nbytes]`` to a new file at ``path``; fsync it.
+
+        A write that fails after the file was opened removes the file (its old contents were
+        truncated anyway).
+
+        Returns:
+            Whether ``O_DIRECT`` was used (never, on this path).
+
+        Raises:
+            OSError: with the failing call's ``errno`` (``ENOSPC``, ``EACCES``, ...) and
+                ``filename == path``, like the native path.
+        """
         mv = memoryview(buf.numpy())[offset:offset + nbytes]
         chunk = knobs.get("write_chunk_bytes")
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        op = "open"
         try:
-            pos = 0
-            while pos < nbytes:
-                n = os.pwrite(fd, mv[pos:pos + chunk], pos)
-                pos += n
-            if fsync:
-                os.fsync(fd)
-        finally:
-            os.close(fd)
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            try:
+                op, pos = "pwrite", 0
+                while pos < nbytes:
+                    n = os.pwrite(fd, mv[pos:pos + chunk], pos)
+                    if n == 0:
+                        raise OSError(errno.EIO, "pwrite wrote 0 bytes")
+                    pos += n
+                if fsync:
+                    op = "fsync"
+                    os.fsync(fd)
+            except BaseException:
+                os.close(fd)
+                raise
+            op = "close"
+            os.close(fd)  # on NFS-like file systems, write errors may only surface here
+        except OSError as e:
+            if op != "open":
+                # The old contents are gone (O_TRUNC) and a torn file would only hold space
+                # (on a full disk, all of it): remove it, like the native path.
+                try:
+                    os.unlink(path)
+                except OSError:
+                    pass
+            # os.pwrite/os.fsync errors carry no file name: say which file and which call.
+            code = e.errno or errno.EIO
+            raise OSError(code, f"{os.strerror(code)} ({op} while writing)", path) from e
         return False
 
     def read_file(self, path: str, buf: torch.Tensor, offset: int, nbytes: int) -> None:
@@ -166,15 +224,33 @@ class NativeOps(FallbackOps):
 
     def __init__(self, C: Any) -> None:
         self._C = C
-        self._engine = C.CopyEngine(int(knobs.get("copy_threads")))
+        self._engine_lock = threading.Lock()
+        self._engine: Optional[Any] = C.CopyEngine(int(knobs.get("copy_threads")))
         self.info = dict(C.build_info())
+
+    def close(self) -> None:
+        """Finish the queued copies and join the copy threads (called at interpreter exit).
+
+        A later ``enqueue_copy`` starts a new engine, so code running after the ``atexit``
+        handlers (a late save) still works.
+        """
+        with self._engine_lock:
+            engine, self._engine = self._engine, None
+        if engine is not None:
+            engine.close()
+
+    def _get_engine(self) -> Any:
+        with self._engine_lock:
+            if self._engine is None:
+                self._engine = self._C.CopyEngine(int(knobs.get("copy_threads")))
+            return self._engine
 
     def alloc(self, nbytes: int, pinned: bool = False) -> torch.Tensor:
         return self._C.alloc_host_buffer(nbytes, pinned, int(knobs.get("copy_threads")))
 
     def enqueue_copy(self, srcs: Sequence[torch.Tensor], dst: torch.Tensor,
                      offsets: Sequence[int]) -> CopyJob:
-        return self._engine.enqueue(list(srcs), dst, list(offsets))
+        return self._get_engine().enqueue(list(srcs), dst, list(offsets))
 
     def crc32c(self, buf: torch.Tensor, offsets: Sequence[int], lengths: Sequence[int]) -> list[int]:
         return list(self._C.crc32c(buf, list(offsets), list(lengths), int(knobs.get("io_threads"))))
@@ -212,6 +288,21 @@ def _load_native() -> FallbackOps:
                     "which is slower. Build it with `pip install --no-build-isolation -e .`",
                     _native_error)
         return _fallback
+
+
+def _close_native() -> None:
+    """``atexit``: join the native copy threads before the interpreter finalizes.
+
+    Registered when this module is imported, i.e. before ``nebula_ckpt.close_all``, so it runs
+    after it (``atexit`` is last-in, first-out): saves being closed still have their engine.
+    """
+    with _lock:
+        ops = _native
+    if isinstance(ops, NativeOps):
+        ops.close()
+
+
+atexit.register(_close_native)
 
 
 def get_ops() -> FallbackOps:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import os
 import subprocess
 import sys
@@ -159,6 +160,39 @@ def test_copy_inference_tensor():
     dst, offsets, job = snapshot([t, t[::2]])
     assert_images([t, t[::2]], dst, offsets)
     assert job.modified() == []
+
+
+@pytest.mark.parametrize("src_off", [0, 1, 8])
+@pytest.mark.parametrize("dst_off", [0, 5, 16])
+def test_copy_lengths_around_block_and_lane_edges(src_off, dst_off):
+    """The fused copy+CRC (3 lanes of 8 KiB / 256 B, 16-byte aligned stores, byte tails) at edges."""
+    raw = torch.randint(0, 256, (3 * 64 * 1024 + 64,), dtype=torch.uint8, generator=torch.Generator().manual_seed(7))
+    lengths = [1, 15, 16, 17, 767, 768, 769, 3 * 8192 - 1, 3 * 8192, 3 * 8192 + 785,
+               64 * 1024, 64 * 1024 + 1, 2 * 64 * 1024 + 123, 256 * 1024 - 8]
+    srcs = [raw[src_off:src_off + n] for n in lengths]
+    offsets, pos = [], dst_off
+    for n in lengths:
+        offsets.append(pos)
+        pos += n + 3  # keep most destinations unaligned
+    dst = torch.full((pos,), 0xCD, dtype=torch.uint8)
+    job = _C.CopyEngine(2).enqueue(srcs, dst, offsets)
+    job.wait()
+    assert_images(srcs, dst, offsets, job)
+    assert job.modified() == []
+
+
+def test_engine_close_is_idempotent_and_refuses_new_work():
+    eng = _C.CopyEngine(2)
+    src = torch.randn(4 * MiB)
+    dst = torch.empty(16 * MiB, dtype=torch.uint8)
+    job = eng.enqueue([src], dst, [0])
+    eng.close()  # finishes the queued copy first
+    assert job.done()
+    assert torch.equal(dst, byte_image(src))
+    eng.close()
+    assert eng.num_threads == 0
+    with pytest.raises(RuntimeError, match="closed"):
+        eng.enqueue([src], dst, [0])
 
 
 def test_many_small_tensors():
@@ -362,6 +396,11 @@ def test_crc32c_software_fallback_in_subprocess():
         "offs = [0, 1, 3, 7, 12345]; lens = [0, 1, 4096, 4_000_000, 17]\n"
         "assert C.crc32c(b, offs, lens, 2) == [crc32c.crc32c(raw[o:o+n]) for o, n in zip(offs, lens)]\n"
         "assert C.crc32c_bytes(raw[5:]) == crc32c.crc32c(raw[5:])\n"
+        "src = torch.randn(300_001)\n"  # the engine's copy + checksum, software path
+        "dst = torch.zeros(src.numel() * 4 + 3, dtype=torch.uint8)\n"
+        "job = C.CopyEngine(2).enqueue([src], dst, [3]); job.wait()\n"
+        "assert job.checksums() == [crc32c.crc32c(src.numpy().tobytes())] and job.modified() == []\n"
+        "assert dst[3:].numpy().tobytes() == src.numpy().tobytes()\n"
     )
     env = dict(os.environ, NEBULA_CRC32C_FORCE_SW="1")
     subprocess.run([sys.executable, "-c", code], check=True, env=env, timeout=300)
@@ -478,10 +517,33 @@ def test_write_file_direct_on_tmpfs_falls_back():
 def test_write_file_missing_directory(tmp_path):
     path = tmp_path / "no" / "such" / "dir" / "x.bin"
     buf = _rand_bytes(10)
-    with pytest.raises(RuntimeError) as ei:
+    with pytest.raises(FileNotFoundError) as ei:
         _C.write_file(str(path), buf, 0, 10, False, 1, 4096, False)
+    assert ei.value.errno == errno.ENOENT
+    assert ei.value.filename == str(path)
     assert str(path) in str(ei.value)
     assert "No such file or directory" in str(ei.value)
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root bypasses file permissions")
+def test_write_file_permission_denied(tmp_path):
+    d = tmp_path / "ro"
+    d.mkdir()
+    d.chmod(0o500)
+    try:
+        with pytest.raises(PermissionError) as ei:
+            _C.write_file(str(d / "x.bin"), _rand_bytes(10), 0, 10, False, 1, 4096, False)
+        assert ei.value.errno == errno.EACCES
+    finally:
+        d.chmod(0o700)
+
+
+def test_write_file_into_directory_is_oserror(tmp_path):
+    # EISDIR: an errno root does not bypass
+    with pytest.raises(IsADirectoryError) as ei:
+        _C.write_file(str(tmp_path), _rand_bytes(10), 0, 10, False, 1, 4096, False)
+    assert ei.value.errno == errno.EISDIR
+    assert ei.value.filename == str(tmp_path)
 
 
 def test_write_file_bad_range(tmp_path):
@@ -496,14 +558,13 @@ def test_read_file_errors(tmp_path):
     buf = torch.zeros(10, dtype=torch.uint8)
     with pytest.raises(RuntimeError, match="short.bin.*3 bytes"):
         _C.read_file(str(path), buf, 0, 10, 1)
-    with pytest.raises(RuntimeError, match="missing.bin"):
+    with pytest.raises(FileNotFoundError, match="missing.bin"):
         _C.read_file(str(tmp_path / "missing.bin"), buf, 0, 1, 1)
     _C.read_file(str(path), buf, 0, 2, 1)  # prefix of a longer file is fine
     assert bytes(buf[:2].tolist()) == b"ab"
 
 
-def test_write_file_enospc():
-    pytest.skip("needs a tiny filesystem; not mounted in tests")
+# ENOSPC on a real (tiny tmpfs) file system, for both paths: tests/test_io_errors.py
 
 
 # --------------------------------------------------------------------------- GIL
