@@ -8,24 +8,75 @@ A checkpoint of step N on a tier is the folder ``step-N/`` holding::
 
 ``G`` is the writer generation (see :mod:`nebula_ckpt.fencing`), ``R`` the rank. A folder
 without ``COMMIT`` is not a checkpoint: readers ignore it and writers clean it up.
+
+Everything read from storage is input, never truth: a manifest whose checksum matches its
+commit marker can still be wrong (a buggy or hostile writer produces a valid checksum just as
+easily). :meth:`Manifest.parse` checks every field — types, dtypes, shapes against byte ranges,
+ranges against their shard and each other, aliases, shard file names, the typed tree — and
+raises :class:`CorruptCheckpointError` naming the file and the field. Readers use only the
+typed records it returns.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import re
 import time
-from dataclasses import dataclass
-from typing import Any, Optional
+import types
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Mapping, Optional
+
+import torch
 
 from .errors import CorruptCheckpointError
+
+if TYPE_CHECKING:
+    from .storage.base import Storage
 
 FORMAT = "nebula_ckpt"
 VERSION = 1
 MANIFEST = "manifest.json"
 COMMIT = "COMMIT"
-_STEP_RE = re.compile(r"^step-(\d+)$")
+# ASCII digits only (``\d`` also matches other scripts' digits) and no leading zeros, so the
+# name a reader builds from a parsed number is the very name it listed.
+_STEP_RE = re.compile(r"step-(0|[1-9][0-9]*)")
+_SHARD_RE = re.compile(r"shard-g(0|[1-9][0-9]*)-r(0|[1-9][0-9]*)\.safetensors")
+_SHARD_PREFIX_RE = re.compile(r"shard-g([0-9]+)-r[0-9]+\.safetensors")
+_DEVICE_RE = re.compile(r"(cpu|cuda)(:(0|[1-9][0-9]{0,3}))?")
+#: Bounds that keep hostile numbers cheap: no file of ours is anywhere near 2**62 bytes.
+MAX_BYTES = 1 << 62
+MAX_NDIM = 64
+#: zstd blocks hold at most 128 KiB and the smallest (RLE) block takes 4 bytes: no frame can
+#: decompress to more than 32768x its stored size, so a frame table claiming more is a lie.
+_ZSTD_MAX_RATIO = 32768
 
+# -- the dtype table of the library ----------------------------------------------------------
+
+#: Every torch dtype by name (``"bfloat16"`` -> ``torch.bfloat16``): ``dtype`` leaves of the tree.
+DTYPES: dict[str, torch.dtype] = {
+    str(d).removeprefix("torch."): d for d in vars(torch).values() if isinstance(d, torch.dtype)}
+_QUANTIZED = {"qint8", "quint8", "qint32", "quint4x2", "quint2x4"}
+#: Dtypes a stored tensor may have: a byte size, not quantized (saving those is refused).
+TENSOR_DTYPES: dict[str, torch.dtype] = {
+    n: d for n, d in DTYPES.items() if n not in _QUANTIZED and getattr(d, "itemsize", 0) > 0}
+#: torch dtype -> safetensors dtype code. Dtypes safetensors lacks are stored as ``"U8"`` bytes.
+SAFETENSORS_CODES: dict[torch.dtype, str] = {
+    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8",
+    torch.uint8: "U8", torch.bool: "BOOL", torch.complex64: "C64",
+    torch.uint16: "U16", torch.uint32: "U32", torch.uint64: "U64",
+    torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2",
+    torch.float8_e4m3fnuz: "F8_E4M3FNUZ", torch.float8_e5m2fnuz: "F8_E5M2FNUZ",
+}
+
+
+def dtype_name(d: torch.dtype) -> str:
+    """``torch.bfloat16`` -> ``"bfloat16"`` (the name the manifest stores)."""
+    return str(d).removeprefix("torch.")
+
+
+# -- names -----------------------------------------------------------------------------------
 
 def step_dir(step: int) -> str:
     """Folder name of ``step``."""
@@ -33,9 +84,19 @@ def step_dir(step: int) -> str:
 
 
 def parse_step_dir(name: str) -> Optional[int]:
-    """``"step-42"`` -> 42; anything else -> None."""
-    m = _STEP_RE.match(name.rstrip("/"))
+    """``"step-42"`` -> 42; anything else (``"step-042"``, ``"step-x"``) -> None."""
+    m = _STEP_RE.fullmatch(name.rstrip("/"))
     return int(m.group(1)) if m else None
+
+
+def step_dirs(storage: "Storage") -> list[int]:
+    """Steps that have a folder on ``storage`` (committed or not), ascending."""
+    return sorted(s for s in (parse_step_dir(n) for n in storage.list("")) if s is not None)
+
+
+def committed_steps(storage: "Storage") -> list[int]:
+    """Steps with a commit marker on ``storage``, ascending (the one listing of checkpoints)."""
+    return [s for s in step_dirs(storage) if storage.exists(f"{step_dir(s)}/{COMMIT}")]
 
 
 def shard_name(generation: int, rank: int = 0) -> str:
@@ -44,10 +105,66 @@ def shard_name(generation: int, rank: int = 0) -> str:
 
 
 def shard_generation(name: str) -> Optional[int]:
-    """Writer generation encoded in a shard file name, or None."""
-    m = re.match(r"^shard-g(\d+)-r\d+\.safetensors", name)
+    """Writer generation encoded in a shard file name (or a name starting like one), or None.
+
+    Prefix match on purpose: cleanup must also see the generation of a writer's partial files.
+    Readers check names with :func:`is_shard_name`.
+    """
+    m = _SHARD_PREFIX_RE.match(name)
     return int(m.group(1)) if m else None
 
+
+def is_shard_name(name: str) -> bool:
+    """Whether ``name`` is exactly a shard file name of this format (a plain name, no path)."""
+    return _SHARD_RE.fullmatch(name) is not None
+
+
+# -- field checks ----------------------------------------------------------------------------
+
+def _bad(where: str, what: str, fix: str = "") -> CorruptCheckpointError:
+    return CorruptCheckpointError(f"{where}: {what}" + (f"; {fix}" if fix else ""))
+
+
+def _int(v: Any, where: str, name: str, lo: int = 0, hi: int = MAX_BYTES) -> int:
+    """``v`` as an int in ``[lo, hi]`` (bools and floats refused)."""
+    if type(v) is not int:
+        raise _bad(where, f"{name} must be an integer, got {type(v).__name__} {_short(v)}")
+    if not lo <= v <= hi:
+        raise _bad(where, f"{name} = {_short(v)} is out of range [{lo}, {hi}]")
+    return v
+
+
+def _str(v: Any, where: str, name: str) -> str:
+    if type(v) is not str:
+        raise _bad(where, f"{name} must be a string, got {type(v).__name__} {_short(v)}")
+    return v
+
+
+def _obj(v: Any, where: str, name: str) -> dict[str, Any]:
+    if type(v) is not dict:
+        raise _bad(where, f"{name} must be a JSON object, got {type(v).__name__}")
+    return v
+
+
+def _list(v: Any, where: str, name: str) -> list[Any]:
+    if type(v) is not list:
+        raise _bad(where, f"{name} must be a JSON list, got {type(v).__name__}")
+    return v
+
+
+def _short(v: Any) -> str:
+    text = repr(v) if not isinstance(v, int) or abs(v) < 10**30 else f"<{v.bit_length()}-bit int>"
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _only(d: dict[str, Any], allowed: tuple[str, ...], where: str, what: str) -> None:
+    extra = sorted(set(d) - set(allowed))
+    if extra:
+        raise _bad(where, f"{what} has unknown field(s) {extra[:5]} (allowed: {list(allowed)})",
+                   "a newer format needs a newer manifest version")
+
+
+# -- the commit marker -----------------------------------------------------------------------
 
 @dataclass(frozen=True)
 class Commit:
@@ -66,36 +183,300 @@ class Commit:
 
     @staticmethod
     def parse(data: bytes, where: str) -> "Commit":
-        """Parse; raise :class:`CorruptCheckpointError` naming ``where``."""
+        """Parse; raise :class:`CorruptCheckpointError` naming ``where`` and the bad field."""
         try:
             d = json.loads(data)
-            return Commit(int(d["step"]), int(d["generation"]), int(d["manifest_bytes"]),
-                          int(d["manifest_crc32c"]))
-        except Exception as e:
-            raise CorruptCheckpointError(f"{where}: commit marker is unreadable ({e})") from None
+        except Exception as e:  # RecursionError and UnicodeDecodeError included
+            raise _bad(where, f"commit marker is unreadable ({type(e).__name__}: {e})") from None
+        w = f"{where}: {COMMIT}"
+        try:
+            d = _obj(d, w, "the commit marker")
+            return Commit(_int(d.get("step"), w, "step"), _int(d.get("generation"), w, "generation"),
+                          _int(d.get("manifest_bytes"), w, "manifest_bytes"),
+                          _int(d.get("manifest_crc32c"), w, "manifest_crc32c", hi=2**32 - 1))
+        except CorruptCheckpointError as e:
+            raise CorruptCheckpointError(f"commit marker is unreadable: {e}") from None
+
+
+# -- manifest records ------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class ShardRecord:
+    """One shard file of a checkpoint: its validated plain name, raw size and storage info."""
+
+    file: str
+    bytes: int
+    storage: Optional[Mapping[str, Any]] = None
+
+    @property
+    def stored_bytes(self) -> int:
+        """Bytes the file takes in storage (differs from ``bytes`` when compressed)."""
+        return int((self.storage or {}).get("stored_bytes", self.bytes))
+
+    def to_json(self) -> dict[str, Any]:
+        """The manifest's JSON object for this shard."""
+        out: dict[str, Any] = {"file": self.file, "bytes": self.bytes}
+        if self.storage is not None:
+            out["storage"] = json.loads(json.dumps(dict(self.storage)))
+        return out
+
+    @staticmethod
+    def parse(d: Any, where: str) -> "ShardRecord":
+        """Validate one entry of ``shards``; raise :class:`CorruptCheckpointError` naming the field."""
+        d = _obj(d, where, "the shard entry")
+        _only(d, ("file", "bytes", "storage"), where, "the shard entry")
+        name = _str(d.get("file"), where, "file")
+        if not is_shard_name(name):
+            raise _bad(where, f"file {_short(name)} is not a shard name of this format "
+                       "(shard-g<G>-r<R>.safetensors, a plain name inside the step folder)")
+        n = _int(d.get("bytes"), where, "bytes")
+        if n < 8:
+            raise _bad(where, f"bytes = {n}: a shard holds at least its 8-byte header length")
+        info = d.get("storage")
+        if info is not None:
+            info = types.MappingProxyType(_storage_info(info, n, f"{where}.storage"))
+        return ShardRecord(name, n, info)
+
+
+def _storage_info(info: Any, raw: int, where: str) -> dict[str, Any]:
+    """Check the backend's storage info (other keys belong to the backend and pass through)."""
+    info = dict(_obj(info, where, "storage"))
+    stored = _int(info.get("stored_bytes", raw), where, "stored_bytes")
+    comp = info.get("compression")
+    if comp is None:
+        if "frames" in info:
+            raise _bad(where, "frames given without compression")
+        if stored != raw:
+            raise _bad(where, f"stored_bytes = {stored} but the shard has {raw} bytes uncompressed")
+        return info
+    if comp != "zstd":
+        raise _bad(where, f"compression {_short(comp)} is unknown (this nebula_ckpt reads 'zstd')")
+    frames = _list(info.get("frames"), where, "frames")
+    total_raw = total_stored = 0
+    for i, fr in enumerate(frames):
+        fw = f"{where}.frames[{i}]"
+        if type(fr) is not list or len(fr) != 2:
+            raise _bad(fw, "a frame must be [raw_bytes, stored_bytes]")
+        r, s = _int(fr[0], fw, "raw_bytes"), _int(fr[1], fw, "stored_bytes")
+        if r > s * _ZSTD_MAX_RATIO:
+            raise _bad(fw, f"{r} raw bytes cannot come from {s} zstd bytes")
+        total_raw, total_stored = total_raw + r, total_stored + s
+    if total_raw != raw or total_stored != stored:
+        raise _bad(where, f"frame table sums to {total_raw} raw / {total_stored} stored bytes; the "
+                   f"shard has {raw} raw / {stored} stored bytes")
+    return info
+
+
+@dataclass(frozen=True)
+class TensorRecord:
+    """One stored tensor: dtype, shape and where its bytes lie (``[start, end)`` of shard ``shard``)."""
+
+    key: str
+    dtype: str
+    shape: tuple[int, ...]
+    start: int
+    end: int
+    crc32c: int
+    device: str = "cpu"
+    shard: int = 0
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the tensor's data."""
+        return self.end - self.start
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        """The dtype as a ``torch.dtype``."""
+        return TENSOR_DTYPES[self.dtype]
+
+    def to_json(self) -> dict[str, Any]:
+        """The manifest's JSON object for this tensor (``shard`` only when not 0)."""
+        out: dict[str, Any] = {"dtype": self.dtype, "shape": list(self.shape),
+                               "offsets": [self.start, self.end], "crc32c": self.crc32c,
+                               "device": self.device}
+        if self.shard:
+            out["shard"] = self.shard
+        return out
+
+    @staticmethod
+    def parse(key: str, d: Any, shards: tuple[ShardRecord, ...], where: str) -> "TensorRecord":
+        """Validate one tensor entry against its shard; raise naming the key and the field."""
+        d = _obj(d, where, "the tensor entry")
+        _only(d, ("dtype", "shape", "offsets", "crc32c", "device", "shard"), where, "the tensor entry")
+        if not shards:
+            raise _bad(where, "refers to a shard, but the manifest lists none")
+        si = _int(d.get("shard", 0), where, "shard", hi=len(shards) - 1)
+        dtype = _str(d.get("dtype"), where, "dtype")
+        if dtype not in TENSOR_DTYPES:
+            raise _bad(where, f"dtype {_short(dtype)} is not a storable torch dtype")
+        shape = _list(d.get("shape"), where, "shape")
+        if len(shape) > MAX_NDIM:
+            raise _bad(where, f"shape has {len(shape)} dimensions (at most {MAX_NDIM})")
+        dims = tuple(_int(x, where, f"shape[{i}]") for i, x in enumerate(shape))
+        offs = _list(d.get("offsets"), where, "offsets")
+        if len(offs) != 2:
+            raise _bad(where, "offsets must be [start, end]")
+        size = shards[si].bytes
+        start, end = _int(offs[0], where, "offsets[0]", hi=size), _int(offs[1], where, "offsets[1]", hi=size)
+        want = math.prod(dims) * TENSOR_DTYPES[dtype].itemsize
+        if end - start != want:
+            raise _bad(where, f"offsets [{start}, {end}) hold {end - start} bytes, but {dtype} "
+                       f"{_short(list(dims))} needs {want} (shard {shards[si].file} has {size} bytes)")
+        if want and start % TENSOR_DTYPES[dtype].itemsize:
+            raise _bad(where, f"offset {start} is not aligned to the {dtype} element size")
+        device = _str(d.get("device", "cpu"), where, "device")
+        if not _DEVICE_RE.fullmatch(device):
+            raise _bad(where, f"device {_short(device)} is not 'cpu', 'cuda' or 'cuda:<n>'")
+        crc = _int(d.get("crc32c"), where, "crc32c", hi=2**32 - 1)
+        return TensorRecord(key, dtype, dims, start, end, crc, device, si)
+
+
+_REQUIRED = ("format", "version", "step", "generation", "shards", "tensors", "tree")
+_KNOWN = _REQUIRED + ("time", "checksum", "aliases", "stats")
+
+
+@dataclass(frozen=True)
+class Manifest:
+    """A validated ``manifest.json``: every reader works from this, never from the raw JSON.
+
+    ``tensors`` keeps the stored order; ``tree`` is the typed-JSON structure, already checked
+    by :func:`nebula_ckpt.structure.check_tree` (so decoding it cannot meet a malformed node).
+    ``extra`` holds top-level fields this version does not know; they are written back as is.
+    """
+
+    step: int
+    generation: int
+    shards: tuple[ShardRecord, ...]
+    tensors: Mapping[str, TensorRecord]
+    aliases: Mapping[str, str]
+    tree: Mapping[str, Any]
+    version: int = VERSION
+    time: float = 0.0
+    checksum: str = "crc32c"
+    stats: Mapping[str, Any] = field(default_factory=dict)
+    extra: Mapping[str, Any] = field(default_factory=dict)
+
+    def resolve(self, key: str) -> TensorRecord:
+        """The record of ``key`` or of the key it is tied to; ``KeyError`` if neither exists."""
+        return self.tensors[self.aliases.get(key, key)]
+
+    def to_json(self) -> dict[str, Any]:
+        """The manifest as the writer's JSON dict (see :func:`build_manifest`)."""
+        out = {"format": FORMAT, "version": self.version, "step": self.step, "generation": self.generation,
+               "time": self.time, "checksum": self.checksum, "shards": [s.to_json() for s in self.shards],
+               "tensors": {k: t.to_json() for k, t in self.tensors.items()}, "aliases": dict(self.aliases),
+               "tree": self.tree, "stats": dict(self.stats)}
+        out.update(self.extra)
+        return out
+
+    def check_data_start(self, shard: int, data_start: int, where: str) -> None:
+        """Refuse tensor ranges of shard ``shard`` that reach into its safetensors header.
+
+        ``data_start`` is 8 + the header length read from the shard's first 8 bytes.
+        """
+        sh = self.shards[shard]
+        if not 8 <= data_start <= sh.bytes:
+            raise _bad(where, f"shard {sh.file}: its header claims {data_start - 8} bytes, the "
+                       f"file has {sh.bytes}: not a safetensors file written by nebula_ckpt")
+        for t in self.tensors.values():
+            if t.shard == shard and t.nbytes and t.start < data_start:
+                raise _bad(where, f"{MANIFEST}: tensors[{t.key!r}].offsets start at {t.start}, inside "
+                           f"the header of {sh.file} (tensor data starts at {data_start})")
+
+    @staticmethod
+    def parse(data: Any, where: str, step: Optional[int] = None) -> "Manifest":
+        """Parse and validate a manifest (bytes, str or an already loaded dict).
+
+        Args:
+            data: the content of ``manifest.json``.
+            where: names the checkpoint in errors (e.g. ``"tier local:/ckpt step 12"``).
+            step: the step the manifest must belong to (its folder's), or None.
+
+        Raises:
+            CorruptCheckpointError: naming ``where``, the file and the field for any malformation.
+        """
+        if isinstance(data, (bytes, bytearray, memoryview, str)):
+            try:
+                data = json.loads(bytes(data) if not isinstance(data, str) else data)
+            except Exception as e:  # RecursionError (deep nesting), UnicodeDecodeError, ...
+                raise _bad(where, f"{MANIFEST} is not valid JSON ({type(e).__name__}: {e})") from None
+        w = f"{where}: {MANIFEST}"
+        m = _obj(data, w, "the manifest")
+        if m.get("format") != FORMAT:
+            raise _bad(w, f"format is {_short(m.get('format'))}, not {FORMAT!r}: not a nebula_ckpt manifest")
+        version = _int(m.get("version"), w, "version", lo=1, hi=2**31)
+        if version > VERSION:
+            raise _bad(w, f"version {version} is newer than this nebula_ckpt understands ({VERSION})",
+                       "upgrade nebula_ckpt")
+        missing = [k for k in _REQUIRED if k not in m]
+        if missing:
+            raise _bad(w, f"lacks field(s) {missing}")
+        got = _int(m["step"], w, "step")
+        if step is not None and got != step:
+            raise _bad(w, f"step is {got}, but the manifest lies in {step_dir(step)}/ (moved or replaced)")
+        return _parse_body(m, w, got, version)
+
+
+def _parse_body(m: dict[str, Any], w: str, step: int, version: int) -> Manifest:
+    from .structure import check_tree  # structure imports the dtype table from here
+
+    shards = tuple(ShardRecord.parse(s, f"{w}: shards[{i}]") for i, s in enumerate(_list(m["shards"], w, "shards")))
+    names = [s.file for s in shards]
+    if len(set(names)) != len(names):
+        raise _bad(w, f"shards lists a file twice ({names})")
+    tensors = {_str(k, w, "tensor key"): TensorRecord.parse(k, v, shards, f"{w}: tensors[{_short(k)}]")
+               for k, v in _obj(m["tensors"], w, "tensors").items()}
+    _check_overlaps(tensors, shards, w)
+    aliases = _aliases(m.get("aliases", {}), tensors, w)
+    check_tree(m["tree"], set(tensors) | set(aliases), f"{w}: tree")
+    t = m.get("time", 0.0)
+    if type(t) not in (int, float):
+        raise _bad(w, f"time must be a number, got {type(t).__name__}")
+    if m.get("checksum", "crc32c") != "crc32c":
+        raise _bad(w, f"checksum {_short(m.get('checksum'))} is unknown (this nebula_ckpt uses 'crc32c')")
+    return Manifest(step=step, generation=_int(m["generation"], w, "generation"), shards=shards,
+                    tensors=types.MappingProxyType(tensors), aliases=types.MappingProxyType(aliases),
+                    tree=m["tree"], version=version, time=float(t),
+                    stats=types.MappingProxyType(_obj(m.get("stats", {}), w, "stats")),
+                    extra=types.MappingProxyType({k: v for k, v in m.items() if k not in _KNOWN}))
+
+
+def _check_overlaps(tensors: dict[str, TensorRecord], shards: tuple[ShardRecord, ...], w: str) -> None:
+    """No two tensors share a byte: the sum of tensor bytes can then never exceed a shard's bytes."""
+    spans = sorted((t.shard, t.start, t.end, k) for k, t in tensors.items() if t.nbytes)
+    for (s0, _, e0, k0), (s1, b1, _, k1) in zip(spans, spans[1:]):
+        if s0 == s1 and b1 < e0:
+            raise _bad(w, f"tensors {k0!r} and {k1!r} overlap in {shards[s0].file} (bytes {b1}..{e0}); "
+                       "every tensor must own its bytes")
+
+
+def _aliases(raw: Any, tensors: dict[str, TensorRecord], w: str) -> dict[str, str]:
+    """Tied key -> stored key; the target must be a stored tensor (so no chains, no cycles)."""
+    out: dict[str, str] = {}
+    both = [a for a in _obj(raw, w, "aliases") if a in tensors]
+    if both:
+        raise _bad(w, f"aliases[{_short(both[0])}]: {both[0]!r} is also a stored tensor key")
+    for a, b in raw.items():
+        b = _str(b, w, f"aliases[{_short(a)}]")
+        if b in raw:
+            raise _bad(w, f"aliases[{_short(a)}] -> {_short(b)} is itself an alias (chains and cycles "
+                       "are not written by nebula_ckpt)")
+        if b not in tensors:
+            raise _bad(w, f"aliases[{_short(a)}] -> {_short(b)}: no such tensor in the manifest")
+        out[a] = b
+    return out
 
 
 def build_manifest(*, step: int, generation: int, shards: list[dict[str, Any]],
                    tensors: dict[str, dict[str, Any]], aliases: dict[str, str], tree: Any,
                    stats: dict[str, Any]) -> dict[str, Any]:
-    """The manifest dict (see the README's format section)."""
+    """The manifest dict (see the README's format section); :meth:`Manifest.parse` reads it back."""
     return {"format": FORMAT, "version": VERSION, "step": step, "generation": generation,
             "time": time.time(), "checksum": "crc32c", "shards": shards, "tensors": tensors,
             "aliases": aliases, "tree": tree, "stats": stats}
 
 
-def parse_manifest(data: bytes, where: str) -> dict[str, Any]:
-    """Parse and sanity-check a manifest; raise :class:`CorruptCheckpointError` naming ``where``."""
-    try:
-        m = json.loads(data)
-    except Exception as e:
-        raise CorruptCheckpointError(f"{where}: manifest is not valid JSON ({e})") from None
-    if not isinstance(m, dict) or m.get("format") != FORMAT:
-        raise CorruptCheckpointError(f"{where}: not a nebula_ckpt manifest")
-    if int(m.get("version", 0)) > VERSION:
-        raise CorruptCheckpointError(f"{where}: manifest version {m.get('version')} is newer than this "
-                                     f"nebula_ckpt understands ({VERSION}); upgrade nebula_ckpt")
-    for k in ("step", "shards", "tensors", "tree"):
-        if k not in m:
-            raise CorruptCheckpointError(f"{where}: manifest lacks '{k}'")
-    return m
+def parse_manifest(data: Any, where: str, step: Optional[int] = None) -> Manifest:
+    """Parse and validate a manifest: :meth:`Manifest.parse`."""
+    return Manifest.parse(data, where, step)

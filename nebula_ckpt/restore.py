@@ -18,14 +18,14 @@ import torch
 from . import manifest as mf
 from .errors import CorruptCheckpointError, ValidationError
 from .native import get_ops
-from .persist import committed_steps
 from .storage.base import Storage
 from .structure import decode
 from .tiers import Tier
 
 log = logging.getLogger(__name__)
 
-_DTYPES = {str(d).removeprefix("torch."): d for d in vars(torch).values() if isinstance(d, torch.dtype)}
+#: What :func:`find_and_open` does when committed checkpoints exist but none is healthy.
+ON_ALL_DAMAGED = ("raise", "warn")
 
 
 @dataclass(frozen=True)
@@ -38,11 +38,11 @@ class Candidate:
 
 
 class OpenCheckpoint:
-    """A verified checkpoint: its manifest and zero-copy tensor views of its shard bytes."""
+    """A verified checkpoint: its validated manifest and zero-copy tensor views of its shard bytes."""
 
-    def __init__(self, manifest: dict[str, Any], buffers: list[torch.Tensor], where: str) -> None:
+    def __init__(self, manifest: mf.Manifest, buffers: list[torch.Tensor], where: str) -> None:
         self.manifest = manifest
-        self.step = int(manifest["step"])
+        self.step = manifest.step
         self.where = where
         self.tier_name: Optional[str] = None
         self._buffers = buffers
@@ -50,18 +50,16 @@ class OpenCheckpoint:
 
     def keys(self) -> list[str]:
         """Stored tensor keys (aliases excluded)."""
-        return list(self.manifest["tensors"])
+        return list(self.manifest.tensors)
 
     def view(self, key: str) -> torch.Tensor:
-        """Read-only use view of tensor ``key`` over the shard bytes (no copy)."""
-        key = self.manifest.get("aliases", {}).get(key, key)
-        v = self._views.get(key)
+        """Read-only use view of tensor ``key`` (or of the key it is tied to) over the shard bytes."""
+        rec = self.manifest.resolve(key)
+        v = self._views.get(rec.key)
         if v is None:
-            e = self.manifest["tensors"][key]
-            start, end = e["offsets"]
-            raw = self._buffers[e.get("shard", 0)][start:end]
-            v = raw.view(_DTYPES[e["dtype"]]).reshape(e["shape"])
-            self._views[key] = v
+            raw = self._buffers[rec.shard][rec.start:rec.end]
+            v = raw.view(rec.torch_dtype).reshape(rec.shape)
+            self._views[rec.key] = v
         return v
 
     def tree(self, materialize: Callable[[str, torch.Tensor], Any], allow_pickle: bool) -> Any:
@@ -69,12 +67,12 @@ class OpenCheckpoint:
         made: dict[str, Any] = {}
 
         def tensor(key: str) -> Any:
-            real = self.manifest.get("aliases", {}).get(key, key)
+            real = self.manifest.resolve(key).key
             if real not in made:
                 made[real] = materialize(real, self.view(real))
             return made[real]
 
-        return decode(self.manifest["tree"], tensor, allow_pickle)
+        return decode(self.manifest.tree, tensor, allow_pickle)
 
 
 def list_candidates(tiers: list[tuple[Tier, Storage]]) -> list[Candidate]:
@@ -82,7 +80,7 @@ def list_candidates(tiers: list[tuple[Tier, Storage]]) -> list[Candidate]:
     cands: list[tuple[int, int, Candidate]] = []
     for i, (tier, st) in enumerate(tiers):
         try:
-            steps = committed_steps(st)
+            steps = mf.committed_steps(st)
         except Exception as e:
             log.warning("nebula_ckpt: cannot list tier %s: %s", tier.name, e)
             continue
@@ -91,7 +89,11 @@ def list_candidates(tiers: list[tuple[Tier, Storage]]) -> list[Candidate]:
 
 
 def open_checkpoint(storage: Storage, step: int, verify: str, where: str) -> OpenCheckpoint:
-    """Read and verify one checkpoint; raise :class:`CorruptCheckpointError` naming what is wrong."""
+    """Read and verify one checkpoint; raise :class:`CorruptCheckpointError` naming what is wrong.
+
+    Only ``step-N/COMMIT``, ``step-N/manifest.json`` and the shard files named by the validated
+    manifest (plain ``shard-g<G>-r<R>.safetensors`` names) are opened: nothing outside the folder.
+    """
     ops = get_ops()
     d = mf.step_dir(step)
     try:
@@ -102,75 +104,98 @@ def open_checkpoint(storage: Storage, step: int, verify: str, where: str) -> Ope
     if len(mbytes) != commit.manifest_bytes or ops.crc32c_bytes(mbytes) != commit.manifest_crc32c:
         raise CorruptCheckpointError(f"{where}: manifest.json does not match its commit marker "
                                      "(size or checksum differs): garbled or replaced")
-    man = mf.parse_manifest(mbytes, where)
-    if int(man["step"]) != step or commit.step != step:
-        raise CorruptCheckpointError(f"{where}: manifest is for step {man['step']}, not {step}")
-    buffers = []
-    for sh in man["shards"]:
-        rel = f"{d}/{sh['file']}"
-        info = sh.get("storage") or {}
-        try:
-            stored = storage.size(rel)
-        except FileNotFoundError:
-            raise CorruptCheckpointError(f"{where}: shard {sh['file']} is missing") from None
-        want = int(info.get("stored_bytes", sh["bytes"]))
-        if stored != want:
-            raise CorruptCheckpointError(f"{where}: shard {sh['file']} has {stored} bytes, manifest says "
-                                         f"{want} (truncated or torn write)")
-        mv = storage.read_buffer(rel, info)
-        if len(mv) != int(sh["bytes"]):
-            raise CorruptCheckpointError(f"{where}: shard {sh['file']} decodes to {len(mv)} bytes, "
-                                         f"expected {sh['bytes']}")
-        buffers.append(torch.frombuffer(mv, dtype=torch.uint8) if len(mv) else torch.empty(0, dtype=torch.uint8))
+    if commit.step != step:
+        raise CorruptCheckpointError(f"{where}: {mf.COMMIT} is for step {commit.step}, but lies in {d}/")
+    man = mf.Manifest.parse(mbytes, where, step)
+    buffers = [_read_shard(storage, man, i, where) for i in range(len(man.shards))]
     if verify == "full":
         _verify_checksums(man, buffers, where)
     return OpenCheckpoint(man, buffers, where)
 
 
-def _verify_checksums(man: dict[str, Any], buffers: list[torch.Tensor], where: str) -> None:
+def _read_shard(storage: Storage, man: mf.Manifest, i: int, where: str) -> torch.Tensor:
+    """Shard ``i`` as a uint8 tensor, after checking its size and its header length."""
+    sh = man.shards[i]
+    rel = f"{mf.step_dir(man.step)}/{sh.file}"
+    try:
+        stored = storage.size(rel)
+    except FileNotFoundError:
+        raise CorruptCheckpointError(f"{where}: shard {sh.file} is missing") from None
+    if stored != sh.stored_bytes:
+        raise CorruptCheckpointError(f"{where}: shard {sh.file} has {stored} bytes, manifest says "
+                                     f"{sh.stored_bytes} (truncated or torn write)")
+    mv = storage.read_buffer(rel, dict(sh.storage or {}), expected_bytes=sh.bytes)
+    if len(mv) != sh.bytes:
+        raise CorruptCheckpointError(f"{where}: shard {sh.file} decodes to {len(mv)} bytes, "
+                                     f"expected {sh.bytes}")
+    man.check_data_start(i, 8 + int.from_bytes(bytes(mv[:8]), "little"), where)
+    return torch.frombuffer(mv, dtype=torch.uint8)
+
+
+def _verify_checksums(man: mf.Manifest, buffers: list[torch.Tensor], where: str) -> None:
     ops = get_ops()
-    by_shard: dict[int, list[tuple[str, int, int, int]]] = {}
-    for key, e in man["tensors"].items():
-        start, end = e["offsets"]
-        by_shard.setdefault(int(e.get("shard", 0)), []).append((key, start, end - start, int(e["crc32c"])))
-    for si, items in by_shard.items():
-        buf = buffers[si]
-        for key, start, n, _ in items:
-            if start < 0 or start + n > buf.numel():
-                raise CorruptCheckpointError(f"{where}: tensor '{key}' lies outside its shard")
-        got = ops.crc32c(buf, [s for _, s, _, _ in items], [n for _, _, n, _ in items])
-        for (key, _, _, want), have in zip(items, got):
-            if have != want:
-                raise CorruptCheckpointError(f"{where}: checksum mismatch in tensor '{key}' "
-                                             f"(crc32c {have:#010x}, manifest {want:#010x})")
+    by_shard: dict[int, list[mf.TensorRecord]] = {}
+    for rec in man.tensors.values():  # ranges were checked against their shard by Manifest.parse
+        by_shard.setdefault(rec.shard, []).append(rec)
+    for si, recs in by_shard.items():
+        got = ops.crc32c(buffers[si], [r.start for r in recs], [r.nbytes for r in recs])
+        for rec, have in zip(recs, got):
+            if have != rec.crc32c:
+                raise CorruptCheckpointError(f"{where}: checksum mismatch in tensor '{rec.key}' "
+                                             f"(crc32c {have:#010x}, manifest {rec.crc32c:#010x})")
 
 
 def find_and_open(tiers: list[tuple[Tier, Storage]], step: Optional[int] = None,
-                  verify: Optional[str] = None) -> Optional[OpenCheckpoint]:
-    """Open the newest healthy checkpoint (or the healthy copy of ``step``); None if there is none."""
-    skipped = []
+                  verify: Optional[str] = None, on_all_damaged: str = "raise") -> Optional[OpenCheckpoint]:
+    """Open the newest healthy checkpoint (or the healthy copy of ``step``).
+
+    Every candidate that fails to open, for whatever reason, is skipped with a warning.
+
+    Args:
+        tiers: ``(tier, storage)`` pairs, fastest first.
+        step: only this step; None: the newest healthy one.
+        verify: ``"full"`` or ``"size"``; None: each tier's own setting.
+        on_all_damaged: when committed candidates exist but none is healthy: ``"raise"`` a
+            :class:`CorruptCheckpointError` listing them, or ``"warn"`` (log) and return None.
+
+    Returns:
+        The open checkpoint, or None when there is no committed checkpoint (of ``step``) at all
+        (or all are damaged and ``on_all_damaged="warn"``).
+    """
+    if on_all_damaged not in ON_ALL_DAMAGED:
+        raise ValidationError(f"on_all_damaged must be one of {ON_ALL_DAMAGED}, got {on_all_damaged!r}")
+    skipped: list[str] = []
     for c in list_candidates(tiers):
         if step is not None and c.step != step:
             continue
         where = f"tier {c.tier.name} step {c.step}"
         try:
             ck = open_checkpoint(c.storage, c.step, verify or c.tier.verify, where)
-        except CorruptCheckpointError as e:
-            log.warning("nebula_ckpt: skipping %s: %s", where, e)
-            skipped.append(str(e))
-            continue
-        except Exception as e:
-            log.warning("nebula_ckpt: skipping %s: cannot read it (%s: %s)", where, type(e).__name__, e)
-            skipped.append(f"{where}: {type(e).__name__}: {e}")
+        except Exception as e:  # KeyError, OverflowError, struct.error, OSError...: all mean damaged
+            why = str(e) if isinstance(e, CorruptCheckpointError) else \
+                f"{where}: cannot read it ({type(e).__name__}: {e})"
+            log.warning("nebula_ckpt: skipping %s", why)
+            skipped.append(why)
             continue
         ck.tier_name = c.tier.name
         log.info("nebula_ckpt: restoring step %d from tier %s%s", c.step, c.tier.name,
                  f" (skipped {len(skipped)} damaged candidate(s))" if skipped else "")
         return ck
     if skipped:
-        log.warning("nebula_ckpt: no healthy checkpoint%s; skipped: %s",
-                    f" of step {step}" if step is not None else "", "; ".join(skipped))
+        msg = _all_damaged_message(tiers, step, skipped)
+        if on_all_damaged == "raise":
+            raise CorruptCheckpointError(msg)
+        log.warning("nebula_ckpt: %s", msg)
     return None
+
+
+def _all_damaged_message(tiers: list[tuple[Tier, Storage]], step: Optional[int], skipped: list[str]) -> str:
+    roots = ", ".join(sorted({t.name for t, _ in tiers}))
+    listing = "\n".join(f"  - {s}" for s in skipped)
+    return (f"no healthy checkpoint{f' of step {step}' if step is not None else ''}: all "
+            f"{len(skipped)} committed candidate(s) are damaged:\n{listing}\n"
+            "To proceed, restore an older copy of the damaged step folders, or delete them (the next "
+            f"load then uses an older step, or none); `nebula-ckpt verify ROOT` lists them (tiers: {roots}).")
 
 
 # -- applying a checkpoint to the user's objects ----------------------------------------------------
@@ -185,10 +210,10 @@ def _owned(view: torch.Tensor, device: Optional[torch.device]) -> torch.Tensor:
     return out
 
 
-def _target_device(entry: dict[str, Any], map_location: Any) -> Optional[torch.device]:
+def _target_device(rec: mf.TensorRecord, map_location: Any) -> Optional[torch.device]:
     if map_location is not None:
         return torch.device(map_location)
-    dev = torch.device(entry.get("device", "cpu"))
+    dev = torch.device(rec.device)  # validated: "cpu", "cuda" or "cuda:<n>"
     if dev.type == "cuda" and not torch.cuda.is_available():
         return torch.device("cpu")
     return dev
@@ -197,26 +222,26 @@ def _target_device(entry: dict[str, Any], map_location: Any) -> Optional[torch.d
 def apply(ck: OpenCheckpoint, into: Any, *, map_location: Any = None, strict: bool = True,
           allow_pickle: bool = False) -> None:
     """Restore ``ck`` into ``into`` in place (same tree shape as what was saved)."""
-    _apply_node(ck, ck.manifest["tree"], into, "", map_location, strict, allow_pickle)
+    _apply_node(ck, ck.manifest.tree, into, "", map_location, strict, allow_pickle)
 
 
 def materialize(ck: OpenCheckpoint, *, map_location: Any = None, allow_pickle: bool = False) -> Any:
     """Decode the whole checkpoint as a fresh tree of owned tensors and plain values."""
-    return _decode_owned(ck, ck.manifest["tree"], map_location, allow_pickle, "")
+    return _decode_owned(ck, ck.manifest.tree, map_location, allow_pickle, "")
 
 
 def _tensor_keys(node: Any, out: list[str]) -> list[str]:
-    """Every tensor key referenced under ``node`` (typed JSON), in order."""
-    if isinstance(node, dict):
-        if node.get("t") == "tensor":
-            out.append(node["k"])
-        else:
-            for v in node.values():
-                if isinstance(v, (dict, list)):
-                    _tensor_keys(v, out)
-    elif isinstance(node, list):
-        for v in node:
-            _tensor_keys(v, out)
+    """Every tensor key referenced under ``node`` (typed JSON), in order (no recursion)."""
+    stack = [node]
+    while stack:
+        n = stack.pop()
+        if isinstance(n, dict):
+            if n.get("t") == "tensor":
+                out.append(n["k"])
+            else:
+                stack.extend(reversed([v for v in n.values() if isinstance(v, (dict, list))]))
+        elif isinstance(n, list):
+            stack.extend(reversed(n))
     return out
 
 
@@ -226,11 +251,13 @@ def _owned_batch(ck: OpenCheckpoint, keys: list[str], map_location: Any) -> dict
     Cloning tensor by tensor pays an allocation and a page fault per 4 KiB page for each; a
     single (huge-page) buffer filled by the copy engine avoids both. The tensors are views of it.
     """
-    aliases = ck.manifest.get("aliases", {})
+    aliases = ck.manifest.aliases
+    # Each stored tensor once, however often the tree names it: with the ranges validated as
+    # disjoint by Manifest.parse, the buffers below never exceed the shard's own bytes.
     real = list(dict.fromkeys(aliases.get(k, k) for k in keys))
     cpu, other = [], []
     for k in real:
-        dev = _target_device(ck.manifest["tensors"][k], map_location)
+        dev = _target_device(ck.manifest.tensors[k], map_location)
         (cpu if dev is None or dev.type == "cpu" else other).append((k, dev))
     out: dict[str, torch.Tensor] = {}
     # One buffer per dtype: tensors of different dtypes sharing a storage would trip torch.save.

@@ -113,3 +113,19 @@ def test_falls_back_to_slower_tier_with_same_step(tmp_path, shm_dir) -> None:  #
         assert ck.load_latest(into={"w": out}) == 5
         assert ck.last_restore["tier"].startswith("local:")
     assert torch.equal(out, w)
+
+
+def test_every_candidate_damaged_raises_with_the_list(tmp_path, shm_dir) -> None:  # noqa: ANN001
+    """Committed checkpoints exist but none is healthy: say so (every candidate, and what to do)."""
+    root = str(tmp_path / "ck")
+    _save_two(root)
+    flip_shard_byte(root)
+    man = json.load(open(_man(root, 1)))
+    start, end = man["tensors"]["w"]["offsets"]
+    _flip(_shard(root, 1), start + 1)
+    with nc.Checkpointer(root, memory_tier=False) as ck:
+        with pytest.raises(nc.CorruptCheckpointError) as ei:
+            ck.load_latest(into={"w": torch.zeros(128, 128), "b": torch.zeros(7)})
+    msg = str(ei.value)
+    assert "step 1" in msg and "step 2" in msg and "checksum mismatch" in msg
+    assert "nebula-ckpt verify" in msg

@@ -61,3 +61,39 @@ def test_golden_tiny_checkpoint(tmp_path, shm_dir) -> None:  # noqa: ANN001
         assert torch.equal(f.get_tensor("w"), _state()["w"])
         assert torch.equal(f.get_tensor("h"), _state()["h"])
         assert f.metadata()["writer"] == "nebula_ckpt"
+
+
+def test_golden_manifest_parses_to_typed_records_and_back(tmp_path, shm_dir) -> None:  # noqa: ANN001
+    """What the writer produces is read by the strict parser, and to_json() gives the same JSON."""
+    root = str(tmp_path / "ck")
+    with nc.Checkpointer(root, memory_tier=False) as ck:
+        ck.save(12, _state())
+    raw = open(os.path.join(root, "step-12", "manifest.json"), "rb").read()
+    man = mf.Manifest.parse(raw, "golden", step=12)
+    assert man.step == 12 and man.generation == 1 and man.version == 1
+    assert man.tensors["w"] == mf.TensorRecord("w", "float32", (2, 3), 4096, 4120,
+                                               man.tensors["w"].crc32c, "cpu", 0)
+    assert man.tensors["h"].torch_dtype == torch.bfloat16 and man.tensors["h"].nbytes == 4
+    assert man.shards == (mf.ShardRecord("shard-g1-r0.safetensors", 4124, {"stored_bytes": 4124}),)
+    assert man.to_json() == json.loads(raw)
+    assert mf.parse_manifest(raw, "golden").to_json() == json.loads(raw)
+
+
+def test_one_dtype_table() -> None:
+    """The format module's dtype table covers what the writer stores (plan.py's copy must agree)."""
+    from nebula_ckpt import plan
+
+    assert getattr(plan, "_ST_DTYPES", mf.SAFETENSORS_CODES) == mf.SAFETENSORS_CODES
+    for d in mf.SAFETENSORS_CODES:
+        assert mf.TENSOR_DTYPES[mf.dtype_name(d)] is d
+    assert "qint8" in mf.DTYPES and "qint8" not in mf.TENSOR_DTYPES
+
+
+def test_names_are_strict() -> None:
+    assert mf.parse_step_dir("step-42") == 42 and mf.parse_step_dir("step-0") == 0
+    for bad in ("step-042", "step-4x", "step--1", "step-\u0661\u0662", "xstep-1", "step-1/.."):
+        assert mf.parse_step_dir(bad) is None, bad
+    assert mf.shard_generation("shard-g3-r0.safetensors") == 3 and mf.is_shard_name("shard-g3-r0.safetensors")
+    for bad in ("shard-g3-r0.safetensors.tmp", "../shard-g3-r0.safetensors", "shard-g03-r0.safetensors",
+                "shard-g\u0663-r0.safetensors", "a/shard-g3-r0.safetensors", ""):
+        assert not mf.is_shard_name(bad), bad
