@@ -87,9 +87,11 @@ def _store(request: pytest.FixtureRequest, kind: str) -> Iterator[Store]:
             fs.rm(url, recursive=True)
         return
     server: BlobServer = request.getfixturevalue("azurite" if kind == "azure" else "moto_s3")
-    server.start()  # a previous test may have left it stopped
+    server.thaw()  # a previous test may have left it frozen or stopped
+    server.start()
     loc = server.new_container()
     yield Store(kind, loc.url_prefix, loc.storage_options, server)
+    server.thaw()
     server.start()
 
 

@@ -57,12 +57,12 @@ def main() -> None:
 
     import nebula_ckpt as nc
     from nebula_ckpt import knobs
-    from nebula_ckpt.storage.remote import FsspecStorage
+    from nebula_ckpt.storage.remote import FsspecStorage, storage_class_for
 
     opts = spec["storage_options"]
 
     def job(url: str, park_at: str) -> None:
-        class ParkingStorage(FsspecStorage):
+        class ParkingStorage(storage_class_for(url)):  # type: ignore[misc]
             def write_small(self, rel: str, data: bytes, *, create_only: bool = False) -> None:
                 if park_at == "commit" and rel == "step-2/COMMIT":
                     _park(f"PARKED commit {url}")

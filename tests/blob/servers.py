@@ -191,6 +191,24 @@ class BlobServer:
         """Stop for good and remove the data folder."""
         raise NotImplementedError
 
+    def freeze(self) -> None:
+        """SIGSTOP the server process: connections are still accepted (by the kernel) but no
+        request is ever answered -- a hung endpoint, unlike :meth:`stop`'s refused one."""
+        os.kill(self._pid(), signal.SIGSTOP)
+
+    def thaw(self) -> None:
+        """SIGCONT after :meth:`freeze` (harmless when not frozen or not running)."""
+        try:
+            os.kill(self._pid(), signal.SIGCONT)
+        except (ProcessLookupError, RuntimeError):
+            pass
+
+    def _pid(self) -> int:
+        proc = getattr(self, "proc", None)
+        if proc is None or proc.poll() is not None:
+            raise RuntimeError(f"{self.kind} server is not running")
+        return proc.pid
+
     # --- helpers ----------------------------------------------------------------------
     def _fs(self) -> Any:
         """Admin filesystem (created once: an S3 session costs about a second)."""

@@ -15,9 +15,9 @@ import time
 import pytest
 
 from nebula_ckpt import knobs
-from nebula_ckpt.errors import NebulaError
+from nebula_ckpt.errors import CorruptCheckpointError, NebulaError
 from nebula_ckpt.storage.remote import (FsspecStorage, RemoteAuthError, RemoteContainerNotFoundError,
-                                        RemoteStorageError, RemoteUnavailableError)
+                                        RemoteStorageError, RemoteUnavailableError, StorageInfoError)
 from .conftest import Store
 from .util import captured_logs as _captured_logs
 from .util import exc_text as _exc_text
@@ -177,9 +177,9 @@ def test_paths_validated_and_display_url() -> None:
 
 
 def test_missing_backend_hint() -> None:
-    from nebula_ckpt.storage import remote
-    assert "nebula_ckpt[azure]" in remote._INSTALL_HINTS["az"]
-    assert "nebula_ckpt[s3]" in remote._INSTALL_HINTS["s3"]
+    from nebula_ckpt.storage.remote.registry import INSTALL_HINTS
+    assert "nebula_ckpt[azure]" in INSTALL_HINTS["az"]
+    assert "nebula_ckpt[s3]" in INSTALL_HINTS["s3"]
     with pytest.raises(ImportError, match="'hf://' backend is not installed"):
         FsspecStorage("hf://some/repo")  # huggingface_hub is not installed here
 
@@ -188,9 +188,14 @@ def test_corrupt_frame_table(any_store: Store) -> None:
     st = _storage(any_store)
     data = _data(20_000)
     info = st.write_buffer("c.bin", memoryview(data), compression="zstd")
-    bad = dict(info, frames=[[info["frames"][0][0] + 5, info["frames"][0][1]]], stored_bytes=info["stored_bytes"])
-    with pytest.raises(RemoteStorageError, match="c.bin"):
+    # a frame table consistent with itself whose frame decodes to fewer bytes than it says
+    bad = dict(info, frames=[[info["frames"][0][0] + 5, info["frames"][0][1]]], raw_bytes=len(data) + 5)
+    with pytest.raises(RemoteStorageError, match="c.bin") as ei:
         st.read_buffer("c.bin", bad)
+    assert isinstance(ei.value, CorruptCheckpointError)
+    # raw sizes that disagree with the recorded raw size: refused before reading
+    with pytest.raises(StorageInfoError, match="c.bin"):
+        st.read_buffer("c.bin", dict(bad, raw_bytes=len(data)))
     with pytest.raises(ValueError):
         st.read_buffer("c.bin", dict(info, stored_bytes=info["stored_bytes"] + 1))
 
@@ -415,7 +420,8 @@ def test_writer_subprocess_killed_mid_upload(blob_store: Store) -> None:
 
 
 def test_scrubber_removes_credentials() -> None:
-    from nebula_ckpt.storage.remote import _collect_secrets, _Scrubber
+    from nebula_ckpt.storage.remote.scrub import Scrubber as _Scrubber
+    from nebula_ckpt.storage.remote.scrub import collect_secrets as _collect_secrets
     opts = {"account_name": "acct", "sas_token": "sv=2024-01-01&sp=rwdl&sig=Zm9vYmFyc2lnbmF0dXJl%3D",
             "connection_string": "AccountName=acct;AccountKey=c2VjcmV0a2V5c2VjcmV0a2V5;",
             "client_kwargs": {"endpoint_url": "http://127.0.0.1:1"},

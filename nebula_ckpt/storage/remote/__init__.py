@@ -1,0 +1,35 @@
+"""Remote (object store) storage over fsspec: Azure Blob, S3, and any other fsspec URL.
+
+``FsspecStorage(url, storage_options)`` returns the backend for the URL's scheme
+(:func:`storage_class_for`): :class:`S3Storage` (``s3://``), :class:`AzureBlobStorage`
+(``az://``, ``abfs://``, ``abfss://``) or :class:`GenericFsspecStorage` (``memory://``,
+``file://``, ``gs://``, ...). Blob stores have no atomic rename, so shard data is written
+straight to its final (unique) name and the commit marker uses a create-only write
+(``If-None-Match: *``).
+
+The package, by concern:
+
+* :mod:`.base`: the common logic of every backend (Storage API, retries, read plan);
+* :mod:`.s3`, :mod:`.azure`, :mod:`.generic`: one backend class per service;
+* :mod:`.retry`: error classification and the retry loop with a deadline (knobs
+  ``remote_retries``, ``remote_backoff_s``, ``remote_backoff_max_s``, ``remote_timeout_s``);
+* :mod:`.errors`: the exceptions, and the one function that turns a backend exception into ours;
+* :mod:`.scrub`: what a credential looks like; every message and log line goes through it;
+* :mod:`.upload`: upload streams, part sizing and the parallel multi-part pipeline;
+* :mod:`.frames`: zstd framing and the validation of storage info before any allocation.
+"""
+
+from .azure import AzureBlobStorage
+from .base import FsspecStorage
+from .errors import (CorruptRemoteDataError, RemoteAuthError, RemoteBackendError,
+                     RemoteContainerNotFoundError, RemoteStorageError, RemoteUnavailableError,
+                     StorageInfoError)
+from .generic import GenericFsspecStorage
+from .registry import storage_class_for
+from .s3 import S3Storage
+
+__all__ = [
+    "FsspecStorage", "S3Storage", "AzureBlobStorage", "GenericFsspecStorage", "storage_class_for",
+    "RemoteStorageError", "RemoteAuthError", "RemoteContainerNotFoundError",
+    "RemoteUnavailableError", "RemoteBackendError", "CorruptRemoteDataError", "StorageInfoError",
+]

@@ -1,0 +1,515 @@
+"""The remote storage base class: everything S3, Azure and generic fsspec backends share.
+
+:class:`FsspecStorage` implements :class:`~nebula_ckpt.storage.base.Storage` over an fsspec
+filesystem. ``FsspecStorage(url, storage_options)`` returns an instance of the backend class
+for the URL's scheme (:func:`~.registry.storage_class_for`); a backend overrides a few hooks:
+
+* ``_set_default_options`` / ``_configure_client``: timeouts and SDK retries of its client;
+* ``_sink``: how one object is uploaded (:class:`~.upload.Sink`);
+* ``_probe``: the cheap request of :meth:`check_access`;
+* ``_close_client``; and where the service differs, ``write_small`` / ``remove_dir`` /
+  ``incomplete_uploads`` / ``abort_upload``.
+
+Every request runs under one retry policy (:mod:`.retry`): transient errors are retried with
+backoff until the attempts or the operation's deadline (knob ``remote_timeout_s``) run out;
+on async filesystems (S3, Azure) each attempt is also cut off at the deadline. Every error
+and log line names the tier by its display URL and goes through the tier's scrubber.
+
+Threading: ``write_*`` / ``remove*`` run on the tier's writer thread (uploads fan out to a
+pool of their own); ``read_*``, ``list``, ``exists`` and ``size`` may run on any thread.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import threading
+import time
+from typing import Any, Callable, ClassVar, Optional, TypeVar
+
+from ... import knobs
+from ..base import Buffer, Storage
+from . import retry
+from .errors import CorruptRemoteDataError, RemoteStorageError, storage_error
+from .frames import ReadTask, compressor, download, plan_read
+from .registry import filesystem_class, storage_class_for
+from .retry import Attempt, RetryPolicy, classify, describe
+from .scrub import SafeUrl, Scrubber, collect_secrets
+from .upload import PartLimits, PartUpload, Sink, byte_view
+
+logger = logging.getLogger("nebula_ckpt.storage.remote")
+
+T = TypeVar("T")
+
+_DEFAULT_CONNECT_TIMEOUT_S = 10.0
+_DEFAULT_READ_TIMEOUT_S = 60.0
+
+
+class FsspecStorage(Storage):
+    """:class:`Storage` over an fsspec filesystem (Azure Blob, S3, GCS, memory, file).
+
+    Args:
+        url: tier root, e.g. ``"az://container/prefix"``, ``"s3://bucket/prefix"``,
+            ``"memory://ckpt"``. A query string or ``user:password@`` in the URL is never shown.
+        storage_options: passed to the fsspec filesystem (credentials, endpoint, ...). Defaults
+            added when absent: connect / read timeouts of 10 s / 60 s, capped by the knob
+            ``remote_timeout_s`` (S3: ``config_kwargs`` ``connect_timeout`` /
+            ``read_timeout``; Azure: ``connection_timeout`` / ``read_timeout``), no listings
+            cache, and the SDKs' own retries disabled (this class retries per the
+            ``remote_*`` knobs). The filesystem instance is private to this object.
+
+    Attributes:
+        display_url: the URL without credentials or query string (safe to log).
+        on_part_uploaded: optional test/progress hook ``f(rel, part_index)`` called from the
+            upload thread after each part of a multi-part upload has been accepted.
+
+    Raises:
+        ImportError: the fsspec backend for the URL's scheme is not installed (the message
+            says what to install).
+        ValueError: unknown scheme, or no container / bucket in the URL.
+        RemoteStorageError: the client could not be created.
+
+    Example::
+
+        st = FsspecStorage("s3://bucket/run-1", {"key": ..., "secret": ...})  # -> S3Storage
+        st.check_access()
+    """
+
+    is_local = False
+    #: concrete backends set this; ``FsspecStorage(url)`` picks one by the URL's scheme
+    _is_backend: ClassVar[bool] = False
+    #: the service's multi-part upload limits
+    part_limits: ClassVar[PartLimits] = PartLimits()
+    #: the URL must name a container / bucket
+    needs_container: ClassVar[bool] = True
+
+    def __new__(cls, url: str, storage_options: Optional[dict[str, Any]] = None) -> "FsspecStorage":
+        if cls is FsspecStorage:
+            cls = storage_class_for(url)
+        elif not cls._is_backend:
+            raise TypeError(f"{cls.__name__} subclasses FsspecStorage, which only dispatches by URL "
+                            f"scheme; subclass the backend instead: storage_class_for(url)")
+        return super().__new__(cls)
+
+    def __init__(self, url: str, storage_options: Optional[dict[str, Any]] = None) -> None:
+        safe = SafeUrl.parse(url)
+        self.display_url = safe.display
+        options = dict(storage_options or {})
+        self._scrub = Scrubber(collect_secrets(options) | safe.secrets)
+        self.on_part_uploaded: Optional[Callable[[str, int], None]] = None
+        self._closed = False
+        self._protocol = safe.scheme
+        fs_cls = filesystem_class(safe.scheme, self.display_url)
+        for k, v in (fs_cls._get_kwargs_from_urls(safe.clean) or {}).items():
+            options.setdefault(k, v)
+        timeout = RetryPolicy.from_knobs().timeout_s
+        self._set_default_options(options, min(_DEFAULT_CONNECT_TIMEOUT_S, timeout),
+                                  min(_DEFAULT_READ_TIMEOUT_S, timeout))
+        self._fs = self._open_filesystem(fs_cls, options)
+        # async filesystems (s3fs, adlfs) accept a per-call timeout that cancels the request
+        self._bounded_calls = bool(getattr(self._fs, "async_impl", False))
+        self._root = fs_cls._strip_protocol(safe.clean).rstrip("/")
+        if not self._root and self.needs_container:
+            raise ValueError(f"remote tier {self.display_url}: the URL needs a container/bucket "
+                             f"name, e.g. s3://bucket/prefix or az://container/prefix")
+        logger.debug("remote tier %s: %s over %s", self.display_url, type(self).__name__,
+                     fs_cls.__name__)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.display_url!r})"
+
+    # ------------------------------------------------------------------ hooks for backends
+
+    def _set_default_options(self, options: dict[str, Any], connect_timeout: float,
+                             read_timeout: float) -> None:
+        """Add the backend's defaults (timeouts, no SDK retries) where the user set none."""
+
+    def _configure_client(self, fs: Any, options: dict[str, Any]) -> None:
+        """Adjust the filesystem's client after creation (e.g. turn off SDK retries)."""
+
+    def _sink(self, path: str) -> Sink:
+        """How the object at ``path`` is uploaded."""
+        raise NotImplementedError
+
+    def _probe(self, attempt: Attempt) -> None:
+        """One cheap request proving endpoint, credentials and container (check_access)."""
+        raise NotImplementedError
+
+    def _close_client(self) -> None:
+        """Close the backend's HTTP sessions."""
+
+    # ------------------------------------------------------------------ plumbing
+
+    def _open_filesystem(self, fs_cls: type, options: dict[str, Any]) -> Any:
+        try:
+            # skip fsspec's instance cache: the instance (and its credentials) is ours alone
+            fs = fs_cls(skip_instance_cache=True, **options)
+        except Exception as e:  # noqa: BLE001 - classified, scrubbed and raised below
+            err = self._error("connect", "", e, classify(e), 1)
+        else:
+            self._configure_client(fs, options)
+            return fs
+        raise err  # outside the except block: no __context__ with the unscrubbed exception
+
+    def _limit(self, attempt: Attempt) -> dict[str, Any]:
+        """Keyword arguments that cut an fsspec call off at the operation's deadline."""
+        return {"timeout": attempt.timeout} if self._bounded_calls else {}
+
+    def _path(self, rel: str) -> str:
+        rel = (rel or "").strip("/")
+        if rel and any(comp in ("", ".", "..") for comp in rel.split("/")):
+            raise ValueError(f"remote tier {self.display_url}: invalid relative path {rel!r}")
+        if not rel:
+            return self._root
+        return f"{self._root}/{rel}" if self._root else rel
+
+    def _where(self, rel: str) -> str:
+        rel = (rel or "").strip("/")
+        return f"{self.display_url}/{rel}" if rel else self.display_url
+
+    def _invalidate(self, path: str = "") -> None:
+        try:
+            self._fs.invalidate_cache(path or None)
+        except Exception:  # noqa: BLE001 - best effort
+            pass
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RemoteStorageError(f"remote tier {self.display_url} is closed; create a new "
+                                     f"storage (or Checkpointer) to use it again",
+                                     url=self.display_url)
+
+    def _error(self, op: str, rel: str, exc: BaseException, kind: str, attempts: int) -> BaseException:
+        """Our scrubbed exception for backend exception ``exc`` (raise it outside ``except``)."""
+        return storage_error(exc, kind, op=op, url=self.display_url, rel=rel, attempts=attempts,
+                             scrub=self._scrub)
+
+    def _abandoned(self, op: str, rel: str) -> RemoteStorageError:
+        err = RemoteStorageError(f"{op} {self._where(rel)} abandoned: a sibling part failed",
+                                 url=self.display_url, rel=rel, op=op)
+        err.abandoned = True
+        return err
+
+    def _retry(self, op: str, rel: str, fn: Callable[[Attempt], T], *,
+               abort: Optional[threading.Event] = None) -> T:
+        """Run ``fn(attempt)`` under the retry policy of the ``remote_*`` knobs.
+
+        Raises our scrubbed exception (never the backend's) once attempts or the deadline are
+        exhausted or the error is permanent. ``abort`` (set by a failed sibling part) stops
+        retrying early.
+        """
+        self._check_open()
+        policy = RetryPolicy.from_knobs()
+
+        def log_retry(e: BaseException, attempt: int, delay: float) -> None:
+            logger.warning("remote tier %s: %s %s failed (attempt %d/%d): %s; retrying in %.2fs",
+                           self.display_url, op, rel or "/", attempt, policy.attempts,
+                           self._scrub(describe(e)), delay)
+
+        out = retry.run(fn, policy, on_retry=log_retry, passthrough=(RemoteStorageError,),
+                        abort=abort)
+        if out.ok:
+            return out.value  # type: ignore[return-value]
+        if out.abandoned or out.failure is None:
+            raise self._abandoned(op, rel)
+        err = storage_error(out.failure, out.kind, op=op, url=self.display_url, rel=rel,
+                            attempts=out.attempts, scrub=self._scrub,
+                            elapsed_s=out.elapsed_s if out.out_of_time else None,
+                            deadline_s=policy.timeout_s if out.out_of_time else None)
+        out.failure = None  # keep the unscrubbed exception out of the traceback's frames
+        raise err
+
+    # ------------------------------------------------------------------ Storage API: writes
+
+    def check_access(self) -> None:
+        """One cheap listing of the tier root to verify endpoint, credentials and container.
+
+        Called by the Checkpointer at creation so a wrong key or a missing bucket fails at once
+        instead of at the first save.
+
+        Raises:
+            RemoteAuthError: credentials rejected / operation denied.
+            RemoteContainerNotFoundError: the container / bucket does not exist.
+            RemoteUnavailableError: the endpoint did not answer within the retries / deadline.
+        """
+        t0 = time.monotonic()
+        self._retry("check access", "", self._probe)
+        logger.debug("remote tier %s: access ok (%.3fs)", self.display_url, time.monotonic() - t0)
+
+    def write_buffer(self, rel: str, data: Buffer, *, compression: Optional[str] = None) -> dict[str, Any]:
+        """Upload ``data`` to ``rel`` (a new, unique name), durable on return.
+
+        Buffers larger than one part (knob ``remote_part_bytes``) go up as parallel parts (at
+        most ``remote_concurrency`` in flight), each streamed from a slice of ``data`` (no
+        whole copy). With ``compression="zstd"`` each part is compressed independently (level
+        knob ``zstd_level``) so parts stay parallel and can be decompressed in parallel.
+
+        Returns:
+            ``{"stored_bytes": n}``, plus ``"compression": "zstd"``, ``"raw_bytes"`` and
+            ``"frames": [[raw_len, stored_len], ...]`` when compressed.
+
+        Raises:
+            ValueError: unknown ``compression`` or a non-contiguous buffer.
+            RemoteStorageError (or a subclass): the upload failed; the message names the tier
+                and ``rel``.
+        """
+        if compression not in (None, "zstd"):
+            raise ValueError(f"remote tier {self.display_url}: unsupported compression "
+                             f"{compression!r} (use None or 'zstd')")
+        self._check_open()
+        mv = byte_view(data)
+        path, n = self._path(rel), len(mv)
+        conc = max(1, int(knobs.get("remote_concurrency")))
+        part = self.part_limits.part_size(n, int(knobs.get("remote_part_bytes")), conc)
+        compress = compressor(int(knobs.get("zstd_level"))) if compression == "zstd" else None
+        t0 = time.monotonic()
+        if n <= part:
+            stored, frames = self._write_single(rel, path, mv, compress)
+            nparts = 1
+        else:
+            up = PartUpload(self._sink(path), mv, part, conc, compress,
+                            retry=lambda op, fn, abort: self._retry(op, rel, fn, abort=abort),
+                            abandoned=lambda: self._abandoned("upload", rel),
+                            on_part=lambda index: self._part_uploaded(rel, index))
+            nparts = self._run_upload(up, rel)
+            stored, frames = up.stored, up.frames
+        dt = time.monotonic() - t0
+        logger.debug("remote tier %s: wrote %s (%d bytes, %d stored, %d part(s)) in %.3fs (%.1f MB/s)",
+                     self.display_url, rel, n, stored, nparts, dt, n / max(dt, 1e-9) / 1e6)
+        info: dict[str, Any] = {"stored_bytes": stored}
+        if compress is not None:
+            info.update(compression="zstd", raw_bytes=n, frames=frames)
+        return info
+
+    def _write_single(self, rel: str, path: str, mv: memoryview,
+                      compress: Optional[Callable[[memoryview], bytes]]) -> tuple[int, list[list[int]]]:
+        body: Any = mv if compress is None else compress(mv)
+        sink = self._sink(path)
+        self._retry("upload", rel, lambda attempt: sink.put_single(body, attempt))
+        return len(body), ([[len(mv), len(body)]] if compress is not None else [])
+
+    def _run_upload(self, up: PartUpload, rel: str) -> int:
+        if up.sink.parallel:
+            return up.run()
+        try:
+            return up.run_sequential()
+        except (RemoteStorageError, FileNotFoundError, FileExistsError, ValueError):
+            raise
+        except Exception as e:  # noqa: BLE001 - a generic stream: wrap the backend's exception
+            err = self._error("upload", rel, e, classify(e), 1)
+        raise err  # outside the except block: no __context__ with the unscrubbed exception
+
+    def _part_uploaded(self, rel: str, index: int) -> None:
+        hook = self.on_part_uploaded
+        if hook is not None:
+            hook(rel, index)
+
+    def write_small(self, rel: str, data: bytes, *, create_only: bool = False) -> None:
+        """Write a small object in one request (atomic on object stores).
+
+        With ``create_only=True`` the write is conditional (``If-None-Match: *`` on S3 and
+        Azure) and raises ``FileExistsError`` if ``rel`` exists. A retry after a lost response
+        that finds our own bytes there counts as success.
+
+        Raises:
+            FileExistsError: ``create_only`` and the object exists.
+            RemoteStorageError (or a subclass): the write failed.
+        """
+        self._check_open()
+        path, payload = self._path(rel), bytes(data)
+
+        def put(attempt: Attempt) -> None:
+            if not create_only:
+                self._fs.pipe_file(path, payload, **self._limit(attempt))
+                return
+            try:
+                self._fs.pipe_file(path, payload, mode="create", **self._limit(attempt))
+            except FileExistsError:
+                if attempt.number > 1 and self._holds(path, payload, attempt):
+                    logger.info("remote tier %s: create-only write of %s found its own earlier "
+                                "attempt; treating as success", self.display_url, rel)
+                    return
+                raise
+
+        self._retry("create" if create_only else "write", rel, put)
+
+    def _holds(self, path: str, payload: bytes, attempt: Attempt) -> bool:
+        """Whether ``path`` holds ``payload`` (our first attempt landed, its response was lost)."""
+        try:
+            return bool(self._fs.cat_file(path, **self._limit(attempt)) == payload)
+        except Exception:  # noqa: BLE001 - the caller reports the FileExistsError
+            return False
+
+    def remove(self, rel: str) -> None:
+        """Delete object ``rel``; a missing object is not an error (same on every backend)."""
+        path = self._path(rel)
+        try:
+            self._retry("remove", rel, lambda attempt: self._fs.rm_file(path, **self._limit(attempt)))
+        except FileNotFoundError:
+            pass
+        self._invalidate(path)
+
+    def remove_dir(self, rel: str) -> None:
+        """Delete every object under ``rel/`` (and ``rel`` itself if it is an object).
+
+        Never deletes the container / bucket, and never touches siblings sharing a name prefix
+        (``step-1`` does not match ``step-10``). A missing directory is not an error.
+        """
+        path = self._path(rel)
+
+        def find(attempt: Attempt) -> list[str]:
+            self._invalidate(path)
+            return list(self._fs.find(path, withdirs=False, **self._limit(attempt)))
+
+        try:
+            found = self._retry("list for remove", rel, find)
+        except FileNotFoundError:
+            found = []
+        me = path.strip("/")
+        victims = [f for f in found if f.strip("/") == me or f.strip("/").startswith(me + "/")]
+        if victims:
+            def rm_many(attempt: Attempt) -> None:
+                try:
+                    self._fs.rm(victims, **self._limit(attempt))
+                except FileNotFoundError:
+                    pass
+
+            self._retry("remove dir", rel, rm_many)
+        self._invalidate(path)
+        logger.debug("remote tier %s: removed %d object(s) under %s", self.display_url,
+                     len(victims), rel or "/")
+
+    def incomplete_uploads(self) -> list[tuple[str, str]]:
+        """``(rel, upload_id)`` of multi-part uploads never completed under this root.
+
+        Only S3 keeps (and bills) the parts of an upload its writer never finished; the other
+        services discard them by themselves, so this base version has none.
+        """
+        return []
+
+    def abort_upload(self, rel: str, upload_id: str) -> None:
+        """Abort one incomplete multi-part upload (a no-op where there are none)."""
+
+    def close(self) -> None:
+        """Close the backend's HTTP sessions. Idempotent; the object is unusable afterwards."""
+        if self._closed:
+            return
+        self._closed = True
+        if getattr(self, "_fs", None) is None:
+            return
+        try:
+            self._close_client()
+        except Exception as e:  # noqa: BLE001 - best effort
+            logger.debug("remote tier %s: close: %s", self.display_url, self._scrub(describe(e)))
+
+    # ------------------------------------------------------------------ Storage API: reads
+
+    def read_buffer(self, rel: str, info: Optional[dict[str, Any]] = None, *,
+                    expected_bytes: Optional[int] = None) -> Buffer:
+        """Download ``rel`` into one preallocated buffer with parallel ranged reads.
+
+        ``info`` (what :meth:`write_buffer` returned, from the manifest) is validated against
+        the object's real size *before* the buffer is allocated (:func:`.frames.plan_read`).
+        zstd frames are fetched and decompressed in parallel straight into their raw offsets.
+        At most ``remote_concurrency`` ranges are in flight.
+
+        Args:
+            rel: relative path of the object.
+            info: its storage info, or None for a plain object.
+            expected_bytes: raw size the caller expects (checked before allocating).
+
+        Returns:
+            A writable memoryview over a ``bytearray`` holding the raw bytes.
+
+        Raises:
+            FileNotFoundError: ``rel`` does not exist.
+            StorageInfoError: ``info`` is malformed or contradicts the object (a
+                ``CorruptCheckpointError`` and a ``ValueError``).
+            CorruptRemoteDataError: a frame does not decode to its recorded size.
+            RemoteStorageError (or a subclass): the download failed.
+        """
+        self._check_open()
+        path, where = self._path(rel), self._where(rel)
+        conc = max(1, int(knobs.get("remote_concurrency")))
+        t0 = time.monotonic()
+        plan = plan_read(info, self.size(rel), where, concurrency=conc,
+                         part_bytes=int(knobs.get("remote_part_bytes")), expected_bytes=expected_bytes)
+
+        def fetch(t: ReadTask) -> bytes:
+            end = t.stored_off + t.stored_len
+            return self._retry(f"read range {t.stored_off}-{end}", rel, lambda attempt: self._fs.cat_file(
+                path, start=t.stored_off, end=end, **self._limit(attempt)))
+
+        def corrupt(message: str, op: str) -> BaseException:
+            return CorruptRemoteDataError(f"read {where}: {message}", url=self.display_url,
+                                          rel=rel, op=op)
+
+        out = download(plan, fetch, conc, corrupt)
+        dt = time.monotonic() - t0
+        logger.debug("remote tier %s: read %s (%d bytes, %d range(s)) in %.3fs (%.1f MB/s)",
+                     self.display_url, rel, plan.raw_bytes, len(plan.tasks), dt,
+                     plan.raw_bytes / max(dt, 1e-9) / 1e6)
+        return out
+
+    def read_small(self, rel: str) -> bytes:
+        """Return the whole content of ``rel``. Raises ``FileNotFoundError``."""
+        path = self._path(rel)
+        return self._retry("read", rel, lambda attempt: self._fs.cat_file(path, **self._limit(attempt)))
+
+    def list(self, rel_dir: str = "") -> list[str]:
+        """Sorted names (not paths) of the direct children of ``rel_dir``; ``[]`` if missing.
+
+        Never served from a listings cache. Names are normalised across backends: no prefix,
+        no trailing slash. Pseudo-directories (common prefixes) are listed by name too.
+
+        Raises:
+            RemoteContainerNotFoundError: the container / bucket itself is missing.
+        """
+        path = self._path(rel_dir)
+
+        def ls(attempt: Attempt) -> list[Any]:
+            self._invalidate(path)
+            return self._fs.ls(path, detail=True, **self._limit(attempt))
+
+        try:
+            entries = self._retry("list", rel_dir, ls)
+        except FileNotFoundError:
+            return []
+        me = path.strip("/")
+        names: set[str] = set()
+        for e in entries:
+            name = (e["name"] if isinstance(e, dict) else str(e)).rstrip("/")
+            if name.strip("/") == me:
+                continue  # the directory (or file) itself
+            base = name.rsplit("/", 1)[-1]
+            if base:
+                names.add(base)
+        return sorted(names)
+
+    def _info(self, rel: str) -> Optional[dict[str, Any]]:
+        path = self._path(rel)
+
+        def info(attempt: Attempt) -> dict[str, Any]:
+            self._invalidate(path)
+            return self._fs.info(path, **self._limit(attempt))
+
+        try:
+            return self._retry("stat", rel, info)
+        except FileNotFoundError:
+            return None
+
+    def exists(self, rel: str) -> bool:
+        """Whether the *file* (object) ``rel`` exists; a bare prefix / directory is not a file.
+
+        An outage raises (:class:`RemoteUnavailableError`) rather than answering ``False``.
+        """
+        i = self._info(rel)
+        return i is not None and i.get("type") != "directory"
+
+    def size(self, rel: str) -> int:
+        """Size in bytes of object ``rel``. Raises ``FileNotFoundError``."""
+        i = self._info(rel)
+        if i is None or i.get("type") == "directory":
+            raise FileNotFoundError(errno.ENOENT, "no such object on the remote tier (size)",
+                                    self._where(rel))
+        return int(i["size"])
