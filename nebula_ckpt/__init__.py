@@ -22,6 +22,7 @@ import logging
 import threading
 from typing import Any, Optional
 
+from . import knobs
 from .checkpointer import Checkpointer
 from .errors import (ConsistencyError, CorruptCheckpointError, FencedError, NebulaError, NotFoundError,
                      PersistError, PickleNotAllowedError, ValidationError)
@@ -37,7 +38,11 @@ __all__ = [
     "FencedError", "NotFoundError", "PickleNotAllowedError",
 ]
 
-logging.getLogger(__name__).addHandler(logging.NullHandler())
+# No NullHandler on purpose: without a logging configuration, Python's last-resort handler prints
+# this library's warnings and errors to stderr, so a dropped or failed save is never silent.
+_level = knobs.get("log_level")
+if _level:
+    logging.getLogger(__name__).setLevel(_level.upper())
 
 _registry: dict[str, Checkpointer] = {}
 _registry_lock = threading.Lock()
@@ -72,7 +77,7 @@ def load_latest(root: str, into: Any = None, **kwargs: Any) -> Optional[int]:
 
         step = nc.load_latest("/ckpt/run", into={"model": model, "optim": opt}) or 0
     """
-    load_kw = {k: kwargs.pop(k) for k in ("map_location", "strict") if k in kwargs}
+    load_kw = {k: kwargs.pop(k) for k in ("map_location", "strict", "on_damaged") if k in kwargs}
     return _shared(root, **kwargs).load_latest(into, **load_kw)
 
 

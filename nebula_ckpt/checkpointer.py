@@ -9,6 +9,7 @@ Only this module knows the order of the stages. Threads:
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 import threading
@@ -17,23 +18,51 @@ from typing import Any, Optional, Sequence
 
 import torch
 
-from .buffers import SLOT_DIR, StagingPool, sweep_slot_files
+from . import knobs
+from .buffers import StagingPool
 from .errors import NebulaError, NotFoundError, ValidationError
-from .fencing import Fence
+from .fencing import Fence, run_id
 from .handle import SaveHandle
+from .memtier import Owner
 from .native import describe as native_describe
 from .native import get_ops, monotonic
-from .persist import TierWriter, committed_steps
+from .manifest import committed_steps
+from .persist import TierWriter
 from .plan import make_plan
 from .restore import apply, find_and_open, materialize
 from .snapshot import Snapshot, Stager
 from .storage.base import Storage
-from .tiers import (MemoryTier, Tier, canonical_root, default_tiers, now, shm_available,
+from .tier_runtime import TierRuntime
+from .tiers import (Tier, canonical_root, default_tiers, now,
                     tier_for_root)
 
 log = logging.getLogger("nebula_ckpt")
 
-_ROOT_FILE = "ROOT"
+#: every Checkpointer not yet closed (strong references: a forgotten one must still be flushed at
+#: interpreter exit, see :func:`_close_at_exit`; close() removes it)
+_open_checkpointers: "set[Checkpointer]" = set()
+
+
+def _close_at_exit() -> None:
+    """Close every checkpointer the program forgot to close, so no accepted save is lost.
+
+    Runs from ``atexit``: before Python stops the writer threads, each pending save is written
+    (its snapshot was taken when ``save_async`` returned, so it is the state the user asked for).
+    """
+    for ck in list(_open_checkpointers):
+        if ck._closed:
+            continue
+        pending = ck._save_index
+        log.warning("nebula_ckpt: Checkpointer(%s) was not closed; closing it at exit so its pending "
+                    "saves are written (call close() or use it as a context manager)", canonical_root(ck.root))
+        try:
+            ck.close(timeout=knobs.get("exit_timeout_s"))
+        except BaseException as e:  # at exit nobody can catch it: log it loudly instead
+            log.error("nebula_ckpt: closing Checkpointer(%s) at exit failed after %d save(s): %s: %s",
+                      canonical_root(ck.root), pending, type(e).__name__, e)
+
+
+atexit.register(_close_at_exit)
 
 
 class Checkpointer:
@@ -54,6 +83,14 @@ class Checkpointer:
         on_persist_error: ``"raise"`` (default): a background failure is raised from the next
             ``save_async`` / ``wait`` / ``close`` unless already seen through its handle;
             ``"log"``: only on the handle and in the log (training goes on).
+        snapshot: when ``save_async`` returns. ``"sync"``: after the copy into host memory is
+            done and checked (one parallel memcpy of the state; nothing done afterwards can reach
+            the checkpoint). ``"async"``: as soon as the copy is enqueued; the copy overlaps the
+            next forward/backward, guarded by step/forward hooks and version counters (see the
+            consistency rule). ``"auto"`` (default): ``"sync"`` for states on the CPU (the copy
+            competes with training for the same cores and memory anyway, and changes through
+            ``.data`` or numpy, which no version counter sees, cannot tear it), ``"async"`` when
+            the state has CUDA tensors (the device-to-host copy then overlaps compute).
 
     Example::
 
@@ -64,17 +101,22 @@ class Checkpointer:
                 ckpt.save_async(step, {"model": model, "optim": opt, "step": step})
         ckpt.close()
 
-    Consistency rule: a checkpoint is the state at the moment ``save_async`` was called. The copy
-    runs after the call returns, so the next ``optimizer.step()`` of every optimizer in the state
-    (and the next forward of a module with buffers) waits for it automatically; before any other
-    in-place change to a saved tensor call ``handle.wait_snapshot()``. A change that slips through
-    anyway is detected and that save fails with :class:`ConsistencyError` — never a torn file.
+    Consistency rule: a checkpoint is the state at the moment ``save_async`` was called. With
+    ``snapshot="sync"`` (the default for CPU states) the copy is finished when the call returns.
+    With ``"async"`` (the default for CUDA states) the copy runs after the call returns, so the
+    next ``optimizer.step()`` of every optimizer in the state (and the next forward of a module
+    with buffers) waits for it automatically; before any other in-place change to a saved tensor
+    call ``handle.wait_snapshot()``. A change seen by PyTorch's version counters, or one racing
+    the copy of a tensor, is detected and that save fails with :class:`ConsistencyError`; a
+    change through ``.data`` or numpy made before the copy reached that tensor is invisible to
+    any check, which is why CPU states default to ``"sync"``. A committed checkpoint's bytes
+    always match its checksums.
     """
 
     def __init__(self, root: str, *, storage_options: Optional[dict[str, Any]] = None,
                  tiers: Optional[Sequence[Tier]] = None, keep_last: int = 3,
                  max_host_bytes: Optional[int] = None, memory_tier: bool = True, on_full: str = "wait",
-                 allow_pickle: bool = False, on_persist_error: str = "raise") -> None:
+                 allow_pickle: bool = False, on_persist_error: str = "raise", snapshot: str = "auto") -> None:
         if not isinstance(root, str) or not root:
             raise ValidationError(f"root must be a non-empty path or URL string, got {root!r}")
         if not isinstance(keep_last, int) or keep_last < 1:
@@ -84,6 +126,9 @@ class Checkpointer:
             raise ValidationError(f"max_host_bytes must be a positive int or None, got {max_host_bytes!r}")
         if on_persist_error not in ("raise", "log"):
             raise ValidationError(f"on_persist_error must be 'raise' or 'log', got {on_persist_error!r}")
+        if snapshot not in ("auto", "sync", "async"):
+            raise ValidationError(f"snapshot must be 'auto', 'sync' or 'async', got {snapshot!r}")
+        self.snapshot = snapshot
         self.root = root
         self._keep_last = keep_last
         self.allow_pickle = allow_pickle
@@ -99,29 +144,26 @@ class Checkpointer:
         for t in chosen:
             if not isinstance(t, Tier):
                 raise ValidationError(f"tiers must be Tier objects (MemoryTier, LocalTier, RemoteTier), got {t!r}")
-            if isinstance(t, MemoryTier):
-                t.bind(root)
+            t.bind(root)
             t.validate()
-        self._tiers: list[Tier] = []
-        for t in chosen:
-            if isinstance(t, MemoryTier):
-                why = shm_available(t.display_url)
-                if why:
-                    log.info("nebula_ckpt: memory tier skipped: %s", why)
-                    continue
-            self._tiers.append(t)
-        self._storages: list[Storage] = [t.make_storage() for t in self._tiers]
-        for st in self._storages:  # fail fast, before leaving anything behind
-            check = getattr(st, "check_access", None)
-            if callable(check):
-                check()
-        for t, st in zip(self._tiers, self._storages):
-            if isinstance(t, MemoryTier):
-                self._claim_memory_tier(st)
-        self._root_storage = root_tier.make_storage() if root_tier.name not in [t.name for t in self._tiers] \
-            else self._storages[[t.name for t in self._tiers].index(root_tier.name)]
+        runtimes = [t.runtime(t.make_storage()) for t in chosen]
+        for rt in runtimes:  # fail fast, before leaving anything behind
+            rt.storage.check_access()
+        by_name = {rt.name: rt.storage for rt in runtimes}
+        self._root_storage = by_name.get(root_tier.name) or root_tier.make_storage()
+        self._own_root_storage = root_tier.name not in by_name
+        #: id of this incarnation of the root (``_nebula/run.json``); fast tiers are tied to it
+        self.run_id = run_id(self._root_storage)
+        owner = Owner(canonical_root(root), self.run_id)
+        self._runtimes: list[TierRuntime] = []
+        for rt in runtimes:
+            if rt.open(owner):
+                self._runtimes.append(rt)
+            else:
+                rt.release()
         self._fence = Fence(self._root_storage)
-        self._pool = self._make_pool(max_host_bytes, on_full)
+        # A second staging slot lets the next save start while a slower tier still reads one.
+        self._pool = StagingPool(max_host_bytes, 1 if len(self._runtimes) == 1 else 2, on_full)
         self._writers: Optional[list[TierWriter]] = None
         self._stager: Optional[Stager] = None
         self._lock = threading.Lock()
@@ -133,46 +175,30 @@ class Checkpointer:
         self._closed = False
         #: ``{"step", "tier"}`` of the last restore (``None`` before any).
         self.last_restore: Optional[dict[str, Any]] = None
+        _open_checkpointers.add(self)
         log.info("nebula_ckpt: checkpointer on %s, tiers %s, %s path", canonical_root(root),
-                 [t.name for t in self._tiers], native_describe()["path"])
+                 [rt.name for rt in self._runtimes], native_describe()["path"])
 
     # -- properties -----------------------------------------------------------------------------
     @property
     def tiers(self) -> list[Tier]:
         """The active tiers, fastest first."""
-        return list(self._tiers)
-
-    def _make_pool(self, max_host_bytes: Optional[int], on_full: str) -> StagingPool:
-        # With a memory tier, CPU saves stage into slot files it links (one copy of the bytes). A
-        # second staging slot lets the next save start while a slower tier still reads one.
-        mem = [t for t in self._tiers if isinstance(t, MemoryTier)]
-        slot_dir = None
-        if mem:
-            assert mem[0].path is not None
-            slot_dir = os.path.join(mem[0].path, SLOT_DIR)
-            sweep_slot_files(slot_dir)
-        return StagingPool(max_host_bytes, 1 if len(self._tiers) == 1 else 2, on_full, slot_dir)
-
-    def _claim_memory_tier(self, st: Storage) -> None:
-        ident = canonical_root(self.root).encode()
-        try:
-            have = st.read_small(_ROOT_FILE)
-        except FileNotFoundError:
-            st.write_small(_ROOT_FILE, ident)
-            return
-        if have != ident:
-            raise NebulaError(f"memory tier folder {st.display_url} belongs to root {have.decode(errors='replace')!r}, "
-                              f"not {ident.decode()!r} (hash collision); pass MemoryTier(path=...) explicitly")
+        return [rt.tier for rt in self._runtimes]
 
     def _start(self) -> list[TierWriter]:
+        """At the first save: the tiers this process writes, their writer threads, the stager."""
         if self._writers is None:
-            self._writers = [TierWriter(t, st, self._fence.for_tier(st), self._keep_last_for(t))
-                             for t, st in zip(self._tiers, self._storages)]
+            writing = [rt for rt in self._runtimes if rt.open_for_writing()]
+            if not writing:
+                raise NebulaError(f"no tier of {canonical_root(self.root)} can be written by this process")
+            # With a tier that links staged files (the memory tier), CPU saves stage in its slot
+            # files: the bytes are copied once. Reading tiers that are not written stays possible.
+            self._pool.slot_dir = next((d for d in (rt.staging_dir() for rt in writing) if d), None)
+            self._pool.max_slots = 1 if len(writing) == 1 else 2
+            self._writers = [TierWriter(rt, self._fence.for_tier(rt.storage), rt.tier.keep_last or self._keep_last)
+                             for rt in writing]
             self._stager = Stager(canonical_root(self.root)[-24:])
         return self._writers
-
-    def _keep_last_for(self, t: Tier) -> int:
-        return t.keep_last or self._keep_last
 
     # -- saving -----------------------------------------------------------------------------------
     def save_async(self, step: int, state: Any) -> SaveHandle:
@@ -205,7 +231,7 @@ class Checkpointer:
         with self._lock:
             idx = self._save_index
             self._save_index += 1
-        targets = [w for w in writers if w.tier.wants(idx, t_now)]
+        targets = [w for w in writers if w.wants(idx, t_now)]
         handle = SaveHandle(plan.step, [w.name for w in targets])
         if not targets:
             handle._skip("no tier's cadence wanted this save")
@@ -217,17 +243,27 @@ class Checkpointer:
                         "(on_full='skip')", plan.step)
             handle._skip("no free staging buffer (on_full='skip')")
             return handle
-        ops = get_ops()
-        header = plan.layout.header
-        slot.buffer.numpy().data[: len(header)] = header  # plain memcpy (ATen copy_ costs ms here)
-        job = ops.enqueue_copy(plan.sources, slot.buffer, [e.offset for e in plan.layout.entries])
+        for w in targets:  # the save goes ahead: only now does it count for every_seconds
+            w.took(t_now)
+        try:
+            header = plan.layout.header
+            slot.buffer.numpy().data[: len(header)] = header  # plain memcpy (ATen copy_ costs ms here)
+            job = get_ops().enqueue_copy(plan.sources, slot.buffer, [e.offset for e in plan.layout.entries])
+        except BaseException:
+            self._pool.release(slot)  # nothing is in flight: the slot goes back
+            raise
         snap = Snapshot(plan, slot, job, handle, self._pool, targets, t0)
         handle._confirm = snap.confirm
+        sync = self.snapshot == "sync" or (self.snapshot == "auto" and not pinned)
+        if sync:
+            snap.confirm()  # the copy is done and checked before we return: nothing can tear it
+        else:
+            self._install_hooks(plan.optimizers, plan.modules_with_buffers)
         with self._lock:
-            self._inflight = [s for s in self._inflight if not s.confirmed] + [snap]
+            if not sync:
+                self._inflight = [s for s in self._inflight if not s.confirmed] + [snap]
             self._handles = [h for h in self._handles if not (h.done() and (h.seen or h.error() is None))]
             self._handles.append(handle)
-        self._install_hooks(plan.optimizers, plan.modules_with_buffers)
         assert self._stager is not None
         self._stager.submit(snap)
         return handle
@@ -298,43 +334,67 @@ class Checkpointer:
         if self._closed:
             return
         self._closed = True
+        timed_out = False
         try:
             self.wait(timeout)
+        except TimeoutError:
+            timed_out = True
+            raise
         finally:
-            for hh in self._hook_handles:
-                hh.remove()
-            self._hook_handles.clear()
+            self._shutdown(join=not timed_out)
+
+    def _shutdown(self, join: bool) -> None:
+        """Stop hooks and threads, free staging, let each tier close (the memory tier frees its RAM
+        when its newest step is safe elsewhere), release the tiers.
+
+        ``join=False`` (a timed-out close): nothing is waited for or removed; the daemon threads
+        end with the process and a restart finds whatever had committed.
+        """
+        for hh in self._hook_handles:
+            hh.remove()
+        self._hook_handles.clear()
+        _open_checkpointers.discard(self)
+        if join:
             if self._stager is not None:
                 self._stager.close()
             for w in self._writers or []:
                 w.wait_idle()
-            self._drop_memory_tier()
+            self._flush_newest()
+            written = [w.runtime for w in self._writers or []]
+            for rt in written:
+                rt.close(written)   # e.g. the memory tier frees its RAM when that is safe
             for w in self._writers or []:
                 w.close()
             self._pool.close()
+        for rt in self._runtimes:
+            rt.release()
+        if self._own_root_storage:
+            self._root_storage.close()
 
-    def _drop_memory_tier(self) -> None:
-        pairs = self._tier_pairs()
-        persistent = [(t, st) for t, st in pairs if not isinstance(t, MemoryTier)]
-        for t, st in pairs:
-            if not isinstance(t, MemoryTier) or not persistent:
+    def _flush_newest(self) -> None:
+        """Put the newest committed step on every persistent tier that lacks it (cadence, drops).
+
+        A disk or remote tier with ``every=N`` (or one that dropped saves while busy) would
+        otherwise end the job older than the memory tier, which does not survive a reboot.
+        """
+        if self._writers is None:
+            return  # nothing was saved by this checkpointer
+        have = {w.name: set(committed_steps(w.storage)) for w in self._writers}
+        newest = max((max(s) for s in have.values() if s), default=None)
+        if newest is None:
+            return
+        src = next((w.storage for w in self._writers if newest in have[w.name] and w.storage.is_local), None)
+        for w in self._writers:
+            if not w.tier.persistent or newest in have[w.name]:
                 continue
             try:
-                mem_steps = committed_steps(st)
-                safe = set()
-                for _, pst in persistent:
-                    safe.update(committed_steps(pst))
+                if src is None:
+                    raise NebulaError("no tier with a local copy of it")
+                w.copy_from(src, newest)
+                log.info("nebula_ckpt: close() put the newest step %d on %s", newest, w.name)
             except Exception as e:
-                log.warning("nebula_ckpt: memory tier %s kept: cannot check the slower tiers (%s)",
-                            t.display_url, e)
-                continue
-            if mem_steps and max(mem_steps) not in safe:
-                log.warning("nebula_ckpt: memory tier %s kept: its newest step %d is committed on no "
-                            "slower tier", t.display_url, max(mem_steps))
-                continue
-            # A clean close: the state is safe on a slower tier; free the RAM.
-            st.remove_dir("")
-            log.debug("nebula_ckpt: memory tier %s removed", t.display_url)
+                log.error("nebula_ckpt: close() could not put the newest step %d on %s (it ends at step "
+                          "%s): %s: %s", newest, w.name, max(have[w.name], default=None), type(e).__name__, e)
 
     def __enter__(self) -> "Checkpointer":
         return self
@@ -350,7 +410,7 @@ class Checkpointer:
 
     # -- listing and restoring ---------------------------------------------------------------------
     def _tier_pairs(self) -> list[tuple[Tier, Storage]]:
-        return list(zip(self._tiers, self._storages))
+        return [(rt.tier, rt.storage) for rt in self._runtimes]
 
     def list(self, detailed: bool = False) -> Any:
         """Committed steps, ascending (the union over tiers).
@@ -363,12 +423,15 @@ class Checkpointer:
             return per
         return sorted({s for steps in per.values() for s in steps})
 
-    def _open(self, step: Optional[int] = None) -> Any:
-        ck = find_and_open(self._tier_pairs(), step=step)
+    def _open(self, step: Optional[int] = None, on_damaged: str = "raise") -> Any:
+        if on_damaged not in ("raise", "warn"):
+            raise ValidationError(f"on_damaged must be 'raise' or 'warn', got {on_damaged!r}")
+        ck = find_and_open(self._tier_pairs(), step=step, on_all_damaged=on_damaged)
         self.last_restore = None if ck is None else {"step": ck.step, "tier": ck.tier_name}
         return ck
 
-    def load_latest(self, into: Any = None, *, map_location: Any = None, strict: bool = True) -> Optional[int]:
+    def load_latest(self, into: Any = None, *, map_location: Any = None, strict: bool = True,
+                    on_damaged: str = "raise") -> Optional[int]:
         """Restore the newest healthy checkpoint into ``into`` in place; return its step.
 
         Every tier is searched, newest step first, fastest tier first; a candidate that fails
@@ -379,11 +442,18 @@ class Checkpointer:
                 into, dict entries are replaced. ``None``: only find and verify.
             map_location: device for tensors that are created (not copied into).
             strict: require ``into`` and the checkpoint to have the same keys.
+            on_damaged: when committed checkpoints exist but none of them is restorable:
+                ``"raise"`` (default) :class:`CorruptCheckpointError` naming every damaged copy,
+                so a damaged root never silently restarts training from step 0; ``"warn"``: log
+                it loudly and return ``None``.
 
         Returns:
-            The step restored, or ``None`` when no healthy checkpoint exists.
+            The step restored, or ``None`` when the root holds no committed checkpoint.
+
+        Raises:
+            CorruptCheckpointError: committed checkpoints exist but all are damaged (see above).
         """
-        ck = self._open()
+        ck = self._open(on_damaged=on_damaged)
         if ck is None:
             return None
         if into is not None:
@@ -394,7 +464,8 @@ class Checkpointer:
         """Restore ``step`` (its healthiest copy on the fastest tier) into ``into``.
 
         Raises:
-            NotFoundError: no healthy copy of ``step`` on any tier.
+            NotFoundError: ``step`` is committed on no tier.
+            CorruptCheckpointError: it is, but every copy is damaged (the message names each).
         """
         ck = self._open(step)
         if ck is None:
@@ -421,5 +492,5 @@ class Checkpointer:
         return {"staging_bytes": self._pool.allocated_bytes, "memory_tier_slot_bytes": self._pool.memory_tier_bytes,
                 "staging_allocations": self._pool.allocations,
                 "saves": self._save_index, "path": native_describe()["path"],
-                "tiers": [t.name for t in self._tiers]}
+                "tiers": [rt.name for rt in self._runtimes]}
 

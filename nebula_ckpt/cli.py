@@ -1,7 +1,8 @@
-"""The ``nebula-ckpt`` command line: ls, verify, inspect, export, bench.
+"""The ``nebula-ckpt`` command line: ls, verify, inspect, export, gc, bench.
 
 Exit codes: 0 success; 1 damage found (verify) or nothing to act on; 2 bad usage.
 Every command takes ``--json`` for scripts and ``--storage-options JSON`` for remote roots.
+``ls`` verifies every checksum like ``verify`` (``ls --quick`` checks sizes only).
 """
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 from typing import Any, Optional, Sequence
 
@@ -16,7 +18,9 @@ from . import manifest as mf
 from .errors import CorruptCheckpointError, NebulaError
 from .restore import materialize, open_checkpoint
 from .storage.base import Storage
-from .tiers import Tier, default_tiers
+from .fencing import read_run_id
+from .memtier import Owner
+from .tiers import Tier, canonical_root, default_tiers
 
 log = logging.getLogger(__name__)
 
@@ -26,18 +30,20 @@ def _out(text: str) -> None:
 
 
 def _tiers(root: str, storage_options: Optional[dict[str, Any]]) -> list[tuple[Tier, Storage]]:
-    """The tiers of ``root`` as a new process would see them (no writer generation taken)."""
+    """The tiers of ``root`` a restart would read (read only: nothing is claimed or written)."""
+    tiers = default_tiers(root, storage_options)
+    root_storage = tiers[-1].make_storage()
+    owner = Owner(canonical_root(root), read_run_id(root_storage))
     out = []
-    for t in default_tiers(root, storage_options):
-        st = t.make_storage()
-        if t.kind == "memory" and not st.list(""):
+    for t in tiers:
+        rt = t.runtime(root_storage if t is tiers[-1] else t.make_storage())
+        why = rt.unreadable(owner)
+        if why:
+            log.info("nebula_ckpt: tier %s not shown: %s", t.name, why)
+            rt.release()
             continue
-        out.append((t, st))
+        out.append((t, rt.storage))
     return out
-
-
-def _step_dirs(st: Storage) -> list[int]:
-    return sorted(s for s in (mf.parse_step_dir(n) for n in st.list("")) if s is not None)
 
 
 def _dir_bytes(st: Storage, step: int) -> int:
@@ -51,7 +57,19 @@ def _dir_bytes(st: Storage, step: int) -> int:
     return total
 
 
-def _check(st: Storage, tier: Tier, step: int, verify: str) -> tuple[bool, str, Optional[dict[str, Any]]]:
+def _storage_options(text: str) -> dict[str, Any]:
+    """argparse type of ``--storage-options``: a JSON object. Errors never echo the value."""
+    try:
+        value = json.loads(text)
+    except Exception:  # ValueError, RecursionError: the text may hold account keys, never show it
+        raise argparse.ArgumentTypeError("not valid JSON (value not shown: it may hold credentials)") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError("must be a JSON object such as {\"account_name\": ...} "
+                                         "(value not shown: it may hold credentials)")
+    return value
+
+
+def _check(st: Storage, tier: Tier, step: int, verify: str) -> tuple[bool, str, Optional[mf.Manifest]]:
     where = f"tier {tier.name} step {step}"
     try:
         ck = open_checkpoint(st, step, verify, where)
@@ -63,37 +81,43 @@ def _check(st: Storage, tier: Tier, step: int, verify: str) -> tuple[bool, str, 
 
 
 def cmd_ls(args: argparse.Namespace) -> int:
+    """Steps per tier with size and state; full checksums unless ``--quick`` (sizes only)."""
+    from tqdm import tqdm
+
+    todo = [(tier, st, step) for tier, st in _tiers(args.root, args.storage_options) for step in mf.step_dirs(st)]
+    verify = "size" if args.quick else "full"
     rows: list[dict[str, Any]] = []
-    for tier, st in _tiers(args.root, args.storage_options):
-        for step in _step_dirs(st):
-            committed = st.exists(f"{mf.step_dir(step)}/{mf.COMMIT}")
-            healthy, why, man = _check(st, tier, step, "size") if committed else (False, "no commit marker", None)
-            raw = None
-            if man is not None:
-                raw = sum(int(s["bytes"]) for s in man["shards"])
-            stored = _dir_bytes(st, step)
-            rows.append({"tier": tier.name, "step": step, "committed": committed, "healthy": healthy,
-                         "bytes": stored, "raw_bytes": raw,
-                         "compression_ratio": (raw / stored) if raw and stored else None,
-                         "problem": None if healthy else why})
+    for tier, st, step in tqdm(todo, desc="checking", unit="ckpt", disable=args.json or args.quick or not todo):
+        committed = st.exists(f"{mf.step_dir(step)}/{mf.COMMIT}")
+        healthy, why, man = _check(st, tier, step, verify) if committed else (False, "no commit marker", None)
+        raw = sum(s.bytes for s in man.shards) if man is not None else None
+        stored = _dir_bytes(st, step)
+        rows.append({"tier": tier.name, "step": step, "committed": committed, "healthy": healthy,
+                     "verified": verify if committed else None, "bytes": stored, "raw_bytes": raw,
+                     "compression_ratio": (raw / stored) if raw and stored else None,
+                     "problem": None if healthy else why})
     if args.json:
         _out(json.dumps(rows, indent=2))
     else:
         if not rows:
             _out(f"no checkpoints under {args.root}")
         for r in rows:
-            ratio = f"  x{r['compression_ratio']:.2f}" if r["compression_ratio"] and r["compression_ratio"] > 1.01 else ""
-            state = "healthy" if r["healthy"] else ("DAMAGED: " + str(r["problem"]) if r["committed"] else "uncommitted")
+            cr = r["compression_ratio"]
+            ratio = f"  x{cr:.2f}" if cr and cr > 1.01 else ""
+            ok = "committed (not verified)" if args.quick else "healthy"
+            state = ok if r["healthy"] else ("DAMAGED: " + str(r["problem"]) if r["committed"] else "uncommitted")
             _out(f"{r['tier']:<60} step {r['step']:>8}  {r['bytes'] / 2**20:10.1f} MiB{ratio}  {state}")
-    return 0 if rows else 1
+    # like verify: exit 1 when nothing is there or a committed checkpoint is damaged
+    return 0 if rows and not any(r["committed"] and not r["healthy"] for r in rows) else 1
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
+    """Full checksum check of every committed step (or ``--step``); exit 1 on any damage."""
     from tqdm import tqdm
 
     todo = []
     for tier, st in _tiers(args.root, args.storage_options):
-        for step in _step_dirs(st):
+        for step in mf.step_dirs(st):
             if args.step is not None and step != args.step:
                 continue
             if st.exists(f"{mf.step_dir(step)}/{mf.COMMIT}"):
@@ -117,7 +141,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
 def _open_step(args: argparse.Namespace, verify: str) -> Any:
     errors = []
     for tier, st in _tiers(args.root, args.storage_options):
-        if args.step not in _step_dirs(st):
+        if args.step not in mf.step_dirs(st):
             continue
         try:
             return open_checkpoint(st, args.step, verify, f"tier {tier.name} step {args.step}")
@@ -162,32 +186,36 @@ def _leaf_text(v: dict[str, Any]) -> str:
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
+    """Tensor table and non-tensor structure of one step (sizes checked, not checksums)."""
     ck = _open_step(args, "size")
-    man = ck.manifest
+    man: mf.Manifest = ck.manifest
     if args.json:
-        _out(json.dumps({"step": man["step"], "generation": man.get("generation"), "tensors": man["tensors"],
-                         "aliases": man.get("aliases", {}), "tree": man["tree"], "shards": man["shards"]},
+        raw = man.to_json()
+        _out(json.dumps({k: raw[k] for k in ("step", "generation", "tensors", "aliases", "tree", "shards")},
                         indent=2))
         return 0
-    _out(f"step {man['step']}  ({ck.where}, format v{man['version']}, {len(man['tensors'])} tensors)")
+    _out(f"step {man.step}  ({ck.where}, format v{man.version}, {len(man.tensors)} tensors)")
     _out(f"{'key':<60} {'dtype':<14} {'shape':<24} {'bytes':>12}  crc32c")
-    for k, e in man["tensors"].items():
-        n = e["offsets"][1] - e["offsets"][0]
-        _out(f"{k:<60} {e['dtype']:<14} {str(tuple(e['shape'])):<24} {n:>12}  {e['crc32c']:#010x}")
-    for a, b in man.get("aliases", {}).items():
+    for k, e in man.tensors.items():
+        _out(f"{k:<60} {e.dtype:<14} {str(e.shape):<24} {e.nbytes:>12}  {e.crc32c:#010x}")
+    for a, b in man.aliases.items():
         _out(f"{a:<60} -> {b} (tied)")
     _out("\nstructure:")
-    for line in _tree_text(man["tree"], "  "):
+    for line in _tree_text(man.tree, "  "):
         _out(line)
     return 0
 
 
 def cmd_export(args: argparse.Namespace) -> int:
+    """Write one fully verified step as a torch.save or safetensors file."""
     import torch
     from tqdm import tqdm
 
-    ck = _open_step(args, "full")
     to = args.to
+    folder = os.path.dirname(os.path.abspath(to))
+    if not os.path.isdir(folder):
+        raise NebulaError(f"export: folder {folder} (of --to) does not exist; create it first")
+    ck = _open_step(args, "full")
     fmt = args.format or ("safetensors" if to.endswith(".safetensors") else "torch")
     if fmt == "safetensors":
         from safetensors.torch import save_file
@@ -198,12 +226,39 @@ def cmd_export(args: argparse.Namespace) -> int:
             v = ck.view(k)
             tensors[k] = v.reshape(-1).view(torch.uint8).clone().view(v.dtype).reshape(v.shape)
         save_file(tensors, to, metadata={"nebula_step": str(ck.step),
-                                         "nebula_aliases": json.dumps(ck.manifest.get("aliases", {}))})
+                                         "nebula_aliases": json.dumps(dict(ck.manifest.aliases))})
     else:
         state = materialize(ck, map_location="cpu", allow_pickle=args.allow_pickle)
         torch.save(state, to)
     info = {"step": ck.step, "to": to, "format": fmt}
     _out(json.dumps(info) if args.json else f"exported step {ck.step} to {to} ({fmt})")
+    return 0
+
+
+def cmd_gc(args: argparse.Namespace) -> int:
+    """Free memory tiers no run will restore from (policy: :mod:`nebula_ckpt.memgc`)."""
+    from tqdm import tqdm
+
+    from . import memgc
+
+    decisions = memgc.collect(args.shm_dir, force=args.force)
+    rows = []
+    for d in tqdm(decisions, desc="gc", unit="tier", disable=args.json or len(decisions) < 2, file=sys.stderr):
+        row = d.as_dict()
+        if d.remove and not args.dry_run:
+            row["removed"] = memgc.remove(d)
+            if not row["removed"]:
+                row["reason"] = "taken by a live process meanwhile; kept"
+        rows.append(row)
+    if args.json:
+        _out(json.dumps(rows, indent=2))
+        return 0
+    if not rows:
+        _out("no memory tiers of this user")
+    for r in rows:
+        verb = ("would remove" if args.dry_run else ("removed" if r.get("removed") else "kept")) \
+            if r["remove"] else "keep"
+        _out(f"{verb:<12} {r['bytes'] / 2**20:10.1f} MiB  {r['folder']}  root={r['root']}  ({r['reason']})")
     return 0
 
 
@@ -222,10 +277,13 @@ def _parser() -> argparse.ArgumentParser:
     def common(sp: argparse.ArgumentParser) -> None:
         sp.add_argument("root", help="checkpoint root: a path or fsspec URL")
         sp.add_argument("--json", action="store_true", help="machine-readable output")
-        sp.add_argument("--storage-options", type=json.loads, default=None, metavar="JSON",
+        sp.add_argument("--storage-options", type=_storage_options, default=None, metavar="JSON",
                         help="fsspec storage options for a remote root, as JSON")
 
-    common(sub.add_parser("ls", help="steps per tier, sizes, committed/healthy"))
+    sp = sub.add_parser("ls", help="steps per tier, sizes, healthy/DAMAGED (checksums verified)")
+    common(sp)
+    sp.add_argument("--quick", action="store_true",
+                    help="check sizes only, not checksums (rows say 'committed (not verified)')")
     sp = sub.add_parser("verify", help="full checksum check; exit 1 on damage")
     common(sp)
     sp.add_argument("--step", type=int, default=None)
@@ -238,6 +296,12 @@ def _parser() -> argparse.ArgumentParser:
     sp.add_argument("--to", required=True, help="output file (.safetensors -> safetensors, else torch.save)")
     sp.add_argument("--format", choices=["torch", "safetensors"], default=None)
     sp.add_argument("--allow-pickle", action="store_true", help="allow pickled leaves (trusted checkpoints only)")
+    sp = sub.add_parser("gc", help="free memory tiers (/dev/shm) no run will restore from")
+    sp.add_argument("--dry-run", action="store_true", help="show the decisions, remove nothing")
+    sp.add_argument("--force", action="store_true",
+                    help="also remove tiers whose newest step is only in memory, and those of remote roots")
+    sp.add_argument("--shm-dir", default=None, help="the tmpfs to look in (default: NEBULA_SHM_DIR or /dev/shm)")
+    sp.add_argument("--json", action="store_true", help="machine-readable output")
     sub.add_parser("bench", help="benchmark against torch.save and peers (see --help)", add_help=False)
     return p
 
@@ -252,9 +316,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(levelname)s %(name)s: %(message)s")
     try:
-        return {"ls": cmd_ls, "verify": cmd_verify, "inspect": cmd_inspect, "export": cmd_export}[args.cmd](args)
-    except NebulaError as e:
+        return {"ls": cmd_ls, "verify": cmd_verify, "inspect": cmd_inspect, "export": cmd_export,
+                "gc": cmd_gc}[args.cmd](args)
+    except (NebulaError, OSError) as e:
         sys.stderr.write(f"nebula-ckpt: {e}\n")
+        return 1
+    except Exception as e:  # damaged input must never end in a traceback; -v shows it
+        if args.verbose:
+            raise
+        sys.stderr.write(f"nebula-ckpt: {type(e).__name__}: {e} (run with -v for the traceback)\n")
         return 1
 
 

@@ -35,8 +35,12 @@ class PersistError(NebulaError):
         self.failures: dict[str, BaseException] = dict(failures or {})
 
 
-class FencedError(NebulaError):
-    """A newer writer took over this checkpoint root; this (stale) writer may not commit."""
+class FencedError(PersistError):
+    """A newer writer took over this checkpoint root; this (stale) writer may not commit.
+
+    A :class:`PersistError`, so ``except PersistError`` still sees it; ``result()`` / ``wait()``
+    raise it as a ``FencedError`` whenever one of the tiers was fenced.
+    """
 
 
 class CorruptCheckpointError(NebulaError):
@@ -49,7 +53,3 @@ class NotFoundError(NebulaError, FileNotFoundError):
 
 class PickleNotAllowedError(NebulaError):
     """A value needs pickle to be saved or loaded and ``allow_pickle=True`` was not given."""
-
-
-class SkippedSave(NebulaError):
-    """The save was skipped because no staging buffer was free and the policy is ``"skip"``."""

@@ -23,16 +23,52 @@ import re
 import socket
 import threading
 import time
+import uuid
 from typing import Optional
 
-from .errors import FencedError
+from .errors import FencedError, NebulaError
 from .storage.base import Storage
 
 log = logging.getLogger(__name__)
 
 WRITERS_DIR = "_nebula/writers"
+RUN_FILE = "_nebula/run.json"
 _G_RE = re.compile(r"^g-(\d+)\.json$")
 _KEEP_RECORDS = 16
+
+
+def read_run_id(storage: Storage) -> Optional[str]:
+    """The run id recorded on a persistent root, or ``None`` (no run has opened it yet)."""
+    try:
+        d = json.loads(storage.read_small(RUN_FILE))
+    except FileNotFoundError:
+        return None
+    except ValueError:
+        return None
+    run = d.get("run_id") if isinstance(d, dict) else None
+    return run if isinstance(run, str) else None
+
+
+def run_id(storage: Storage) -> str:
+    """The run id of the persistent root ``storage``, recorded there (create-only) on first use.
+
+    It ties fast tiers (the memory tier) to this incarnation of the root: a root deleted and
+    started again gets a new id, so checkpoints of the earlier run left in memory never come back.
+    """
+    have = read_run_id(storage)
+    if have is not None:
+        return have
+    new = uuid.uuid4().hex
+    try:
+        storage.write_small(RUN_FILE, json.dumps({"run_id": new, "host": socket.gethostname(),
+                                                  "time": time.time()}).encode(), create_only=True)
+    except FileExistsError:  # another process created it first: theirs is the run's id
+        have = read_run_id(storage)
+        if have is None:
+            raise NebulaError(f"{storage.display_url}: {RUN_FILE} exists but is unreadable; "
+                              "remove it if no job is running on this root") from None
+        return have
+    return new
 
 
 def _generations(storage: Storage) -> list[int]:

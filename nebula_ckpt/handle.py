@@ -10,7 +10,7 @@ from __future__ import annotations
 import threading
 from typing import Callable, Optional
 
-from .errors import NebulaError, PersistError
+from .errors import FencedError, NebulaError, PersistError
 
 
 class SaveHandle:
@@ -95,8 +95,9 @@ class SaveHandle:
         if not self._errors:
             return None
         parts = "; ".join(f"{t}: {type(e).__name__}: {e}" for t, e in self._errors.items())
-        err = PersistError(f"step {self.step}: persisting failed on {len(self._errors)} tier(s): {parts}",
-                           self._errors)
+        # A fenced tier means another writer owns the root: say so by type, not only in the text.
+        cls = FencedError if any(isinstance(e, FencedError) for e in self._errors.values()) else PersistError
+        err = cls(f"step {self.step}: persisting failed on {len(self._errors)} tier(s): {parts}", self._errors)
         err.__cause__ = next(iter(self._errors.values()))
         return err
 

@@ -60,10 +60,18 @@ _KNOBS: dict[str, _Knob] = {
                               "first retry delay on a remote tier (doubles, capped, with jitter)"),
     "remote_backoff_max_s": _Knob("NEBULA_REMOTE_BACKOFF_MAX_S", 5.0, float,
                                   "largest retry delay on a remote tier"),
+    "remote_timeout_s": _Knob("NEBULA_REMOTE_TIMEOUT_S", 30.0, float,
+                              "deadline of one remote operation (one request, e.g. one upload part, "
+                              "with all its retries) in seconds: an outage is reported within it; "
+                              "also caps the clients' connect / read timeouts. Must allow one part "
+                              "(NEBULA_REMOTE_PART_BYTES) to transfer on the slowest link"),
     "zstd_level": _Knob("NEBULA_ZSTD_LEVEL", 3, int, "zstd level when compression='zstd'"),
     "confirm_timeout_s": _Knob("NEBULA_CONFIRM_TIMEOUT_S", 5.0, float,
                                "how long a tier waits for the training thread to confirm a snapshot "
                                "(next optimizer.step / save_async / wait) before checking it itself"),
+    "exit_timeout_s": _Knob("NEBULA_EXIT_TIMEOUT_S", 300.0, float,
+                            "how long interpreter exit waits for the pending saves of a Checkpointer "
+                            "that was never closed"),
     "log_level": _Knob("NEBULA_LOG_LEVEL", None, str,
                        "level of the 'nebula_ckpt' logger if set (DEBUG, INFO, ...)"),
 }

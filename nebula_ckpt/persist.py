@@ -19,7 +19,9 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import threading
+from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence
 
 from . import knobs
@@ -29,19 +31,9 @@ from .fencing import TierFence
 from .native import get_ops
 from .snapshot import FileSource, SlotSource, Snapshot, build_tier_manifest
 from .storage.base import Storage
-from .tiers import Tier
+from .tier_runtime import TierRuntime
 
 log = logging.getLogger(__name__)
-
-
-def committed_steps(storage: Storage) -> list[int]:
-    """Steps with a commit marker on ``storage``, ascending."""
-    steps = []
-    for name in storage.list(""):
-        s = mf.parse_step_dir(name)
-        if s is not None and storage.exists(f"{name}/{mf.COMMIT}"):
-            steps.append(s)
-    return sorted(steps)
 
 
 def delete_checkpoint(storage: Storage, step: int) -> None:
@@ -51,28 +43,55 @@ def delete_checkpoint(storage: Storage, step: int) -> None:
     storage.remove_dir(d)
 
 
+@dataclass(frozen=True)
+class _Item:
+    """One step to commit on a tier: its bytes and how to build its manifest."""
+
+    step: int
+    nbytes: int
+    source: Any                                               # has .view() -> memoryview
+    make_manifest: Callable[[int, dict[str, Any]], dict[str, Any]]  # (generation, shard record)
+    before_commit: Callable[[], None]                         # raises if it must not commit
+
+
 class TierWriter:
     """Writes snapshots to one tier on its own thread.
 
+    The writer also holds the tier's cadence state: :meth:`wants` asks, :meth:`took` records,
+    and only a save that really goes ahead (it got a staging buffer) is recorded.
+
     Args:
-        tier: the tier's settings.
-        storage: its backend.
+        runtime: the tier's runtime (its settings, storage and special behaviour).
         fence: the writer generation, checked on this tier's storage.
         keep_last: default retention when the tier has none.
     """
 
-    def __init__(self, tier: Tier, storage: Storage, fence: TierFence, keep_last: int) -> None:
-        self.tier = tier
-        self.storage = storage
+    def __init__(self, runtime: TierRuntime, fence: TierFence, keep_last: int) -> None:
+        self.runtime = runtime
+        self.tier = runtime.tier
+        self.storage = runtime.storage
         self.fence = fence
-        self.keep_last = tier.keep_last or keep_last
-        self.name = tier.name
+        self.keep_last = self.tier.keep_last or keep_last
+        self.name = runtime.name
+        self._last_time: Optional[float] = None
         self._pending: Optional[tuple[Snapshot, Any, list["TierWriter"]]] = None
         self._busy = False
         self._closing = False
         self._cond = threading.Condition()
-        self._thread = threading.Thread(target=self._run, name=f"nebula-{tier.kind}-writer", daemon=True)
+        self._thread = threading.Thread(target=self._run, name=f"nebula-{self.tier.kind}-writer", daemon=True)
         self._thread.start()
+
+    # -- cadence (training thread) ----------------------------------------------------------------
+    def wants(self, save_index: int, now: float) -> bool:
+        """Whether this tier takes the ``save_index``-th save (0-based) by its cadence (no state change)."""
+        if save_index % self.tier.every:
+            return False
+        every_s = self.tier.every_seconds
+        return every_s is None or self._last_time is None or now - self._last_time >= every_s
+
+    def took(self, now: float) -> None:
+        """Record that a save went ahead on this tier at ``now`` (starts its ``every_seconds`` window)."""
+        self._last_time = now
 
     # -- called from other threads ---------------------------------------------------------------
     def offer(self, snap: Snapshot, source: Any, downstream: Sequence["TierWriter"] = ()) -> None:
@@ -123,7 +142,6 @@ class TierWriter:
             self._closing = True
             self._cond.notify_all()
         self._thread.join()
-        self.storage.close()
 
     # -- the writer thread -------------------------------------------------------------------------
     def _run(self) -> None:
@@ -146,7 +164,8 @@ class TierWriter:
         def handoff(rel: str) -> None:
             # Our shard is complete: slower tiers read it from here, the staging slot goes back.
             nonlocal handed
-            path = self.storage.local_path(rel)  # type: ignore[attr-defined]
+            path = self.storage.local_path(rel)
+            assert path is not None, "a tier that feeds slower tiers is on a local file system"
             for w in downstream:
                 w.offer(snap, FileSource(path, snap.nbytes))
             handed = True
@@ -173,53 +192,101 @@ class TierWriter:
 
         ``on_shard(rel)`` is called once the shard file is durable, before manifest and commit.
         """
+        def confirmed() -> None:
+            snap.wait_confirmed(knobs.get("confirm_timeout_s"))
+            if snap.handle._snapshot_error is not None:
+                raise snap.handle._snapshot_error
+
+        self._commit_step(_Item(snap.step, snap.nbytes, source,
+                                lambda gen, shard: build_tier_manifest(snap, gen, shard), confirmed), on_shard)
+
+    def copy_from(self, src: Storage, step: int) -> None:
+        """Write the committed checkpoint ``step`` of another (local) tier's storage to this tier.
+
+        Used by ``Checkpointer.close()`` to put the newest step on tiers whose cadence skipped it.
+        The source's manifest is taken as is but for this tier's generation and shard record.
+        """
+        d = mf.step_dir(step)
+        man = json.loads(src.read_small(f"{d}/{mf.MANIFEST}"))
+        if len(man["shards"]) != 1:
+            raise ValueError(f"step {step} has {len(man['shards'])} shards; only one-shard checkpoints are copied")
+        rec = man["shards"][0]
+        data = src.read_buffer(f"{d}/{mf.ShardRecord.parse(rec, d).file}", rec.get("storage"))
+
+        class _View:
+            def view(self) -> memoryview:
+                return data
+
+        def manifest(gen: int, shard: dict[str, Any]) -> dict[str, Any]:
+            return dict(man, generation=gen, shards=[shard])
+
+        self._commit_step(_Item(step, len(data), _View(), manifest, lambda: None), None)
+
+    def _commit_step(self, item: "_Item", on_shard: Optional[Callable[[str], None]]) -> None:
+        """The commit protocol for one step on this tier, then retention."""
         st = self.storage
         gen = self.fence.generation
-        d = mf.step_dir(snap.step)
-        self.fence.check(f"write step {snap.step}")
+        d = mf.step_dir(item.step)
+        self.fence.check(f"write step {item.step}")
         existing = st.list(d)
         if mf.COMMIT in existing:
             # Saving a step that exists: the new run owns the root (it resumed from an older step
             # or saves the same step again); the old one goes, marker first.
-            log.warning("nebula_ckpt: tier %s: replacing existing checkpoint of step %d", self.name, snap.step)
-            delete_checkpoint(st, snap.step)
-        else:
-            for name in existing:  # leftovers of a crashed writer of this step
-                st.remove(f"{d}/{name}")
+            log.warning("nebula_ckpt: tier %s: replacing existing checkpoint of step %d", self.name, item.step)
+            delete_checkpoint(st, item.step)
+        elif existing or self._is_link(d):
+            # Leftovers of a crashed writer of this step (or a planted link in place of the
+            # folder, which is unlinked, never followed).
+            st.remove_dir(d)
         shard = mf.shard_name(gen)
-        log.debug("nebula_ckpt: phase=shard tier=%s step=%d", self.name, snap.step)
-        info = self._write_shard(f"{d}/{shard}", source)
-        if on_shard is not None:
-            on_shard(f"{d}/{shard}")
-        manifest = build_tier_manifest(snap, gen, {"file": shard, "bytes": snap.nbytes, "storage": info})
-        mbytes = json.dumps(manifest, separators=(",", ":"), allow_nan=False).encode()
-        log.debug("nebula_ckpt: phase=manifest tier=%s step=%d", self.name, snap.step)
-        st.write_small(f"{d}/{mf.MANIFEST}", mbytes)
-        snap.wait_confirmed(knobs.get("confirm_timeout_s"))
-        if snap.handle._snapshot_error is not None:
-            raise snap.handle._snapshot_error
-        self.fence.check(f"commit step {snap.step}")
-        log.debug("nebula_ckpt: phase=commit tier=%s step=%d", self.name, snap.step)
-        commit = mf.Commit(snap.step, gen, len(mbytes), get_ops().crc32c_bytes(mbytes))
-        st.write_small(f"{d}/{mf.COMMIT}", commit.to_bytes(), create_only=True)
-        log.info("nebula_ckpt: step %d committed on %s (%.1f MiB)", snap.step, self.name, snap.nbytes / 2**20)
         try:
-            self.prune(keep_step=snap.step)
+            self._write_files(item, d, shard, gen, on_shard)
+        except BaseException:
+            self._discard(d, shard)
+            raise
+        log.info("nebula_ckpt: step %d committed on %s (%.1f MiB)", item.step, self.name, item.nbytes / 2**20)
+        try:
+            self.prune(keep_step=item.step)
         except FencedError:
             raise
         except Exception as e:  # retention is best effort: the checkpoint itself is committed
             log.warning("nebula_ckpt: tier %s: retention failed: %s", self.name, e)
 
-    def _write_shard(self, rel: str, source: Any) -> dict[str, Any]:
-        """Write the shard: a memory tier links a slot file (no copy), every other tier writes bytes."""
-        path = getattr(source, "path", None)
-        link = getattr(self.storage, "link_file", None)
-        if path is not None and self.tier.kind == "memory" and callable(link):
-            try:
-                return link(path, rel)
-            except OSError as e:  # another file system, or the slot file is gone: copy instead
-                log.debug("nebula_ckpt: tier %s: linking %s failed (%s); copying", self.name, path, e)
-        return self.storage.write_buffer(rel, source.view(), compression=getattr(self.tier, "compression", None))
+    def _write_files(self, item: "_Item", d: str, shard: str, gen: int,
+                     on_shard: Optional[Callable[[str], None]]) -> None:
+        """Shard, manifest, then (once the snapshot is confirmed consistent) the commit marker."""
+        st = self.storage
+        log.debug("nebula_ckpt: phase=shard tier=%s step=%d", self.name, item.step)
+        info = self.runtime.write_shard(f"{d}/{shard}", item.source)
+        if on_shard is not None:
+            on_shard(f"{d}/{shard}")
+        manifest = item.make_manifest(gen, {"file": shard, "bytes": item.nbytes, "storage": info})
+        mbytes = json.dumps(manifest, separators=(",", ":"), allow_nan=False).encode()
+        log.debug("nebula_ckpt: phase=manifest tier=%s step=%d", self.name, item.step)
+        st.write_small(f"{d}/{mf.MANIFEST}", mbytes)
+        item.before_commit()
+        self.fence.check(f"commit step {item.step}")
+        log.debug("nebula_ckpt: phase=commit tier=%s step=%d", self.name, item.step)
+        commit = mf.Commit(item.step, gen, len(mbytes), get_ops().crc32c_bytes(mbytes))
+        st.write_small(f"{d}/{mf.COMMIT}", commit.to_bytes(), create_only=True)
+
+    def _is_link(self, rel: str) -> bool:
+        """Whether ``rel`` is a symlink on a local file system (a tier never follows one)."""
+        root = self.storage.local_path("")
+        return root is not None and os.path.islink(os.path.join(root, rel))
+
+    def _discard(self, d: str, shard: str) -> None:
+        """After a failed write: remove this writer's files of the step (never a peer's)."""
+        st = self.storage
+        try:
+            left = set(st.list(d))
+            if left <= {shard, mf.MANIFEST}:
+                st.remove_dir(d)
+            else:  # another writer's files are there too (a newer generation): leave them
+                st.remove(f"{d}/{shard}")
+        except Exception as e:
+            log.warning("nebula_ckpt: tier %s: cannot remove the files of failed step folder %s: %s",
+                        self.name, d, e)
 
     def prune(self, keep_step: Optional[int] = None) -> None:
         """Apply ``keep_last`` / ``keep_every`` and remove leftovers no live writer owns."""
@@ -250,12 +317,10 @@ class TierWriter:
             if all(g <= gen for g in gens):
                 leftovers.append(s)
         abandoned = []
-        incomplete = getattr(st, "incomplete_uploads", None)
-        if callable(incomplete):
-            for rel, upload_id in incomplete():
-                g = mf.shard_generation(rel.rsplit("/", 1)[-1])
-                if g is not None and g <= gen:  # ours are never in flight while we prune
-                    abandoned.append((rel, upload_id))
+        for rel, upload_id in st.incomplete_uploads():
+            g = mf.shard_generation(rel.rsplit("/", 1)[-1])
+            if g is not None and g <= gen:  # ours are never in flight while we prune
+                abandoned.append((rel, upload_id))
         if not doomed and not leftovers and not abandoned:
             return
         self.fence.check("delete old checkpoints")
@@ -268,4 +333,4 @@ class TierWriter:
             st.remove_dir(mf.step_dir(s))
         for rel, upload_id in abandoned:
             log.info("nebula_ckpt: tier %s: aborting the abandoned upload of %s", self.name, rel)
-            st.abort_upload(rel, upload_id)  # type: ignore[attr-defined]
+            st.abort_upload(rel, upload_id)

@@ -21,26 +21,16 @@ from typing import Any
 import torch
 
 from .errors import ValidationError
-from .structure import Node, encode_leaf
+from .manifest import SAFETENSORS_CODES, VERSION, dtype_name
+from .structure import MAX_DEPTH, Node, encode_leaf
 
-FORMAT_VERSION = 1
 ALIGN = 4096
-
-#: torch dtype -> safetensors dtype string. Dtypes safetensors lacks are stored as raw bytes
-#: ("U8", shape [nbytes]); the manifest keeps the true dtype and shape.
-_ST_DTYPES: dict[torch.dtype, str] = {
-    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
-    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8",
-    torch.uint8: "U8", torch.bool: "BOOL", torch.complex64: "C64",
-    torch.uint16: "U16", torch.uint32: "U32", torch.uint64: "U64",
-    torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2",
-    torch.float8_e4m3fnuz: "F8_E4M3FNUZ", torch.float8_e5m2fnuz: "F8_E5M2FNUZ",
-}
-
-
-def dtype_name(d: torch.dtype) -> str:
-    """``torch.bfloat16`` -> ``"bfloat16"``."""
-    return str(d).removeprefix("torch.")
+#: largest step: it must fit a signed 64-bit integer (file names, manifests, other readers).
+MAX_STEP = 2**63 - 1
+#: largest plain int leaf, in bits (JSON readers refuse integers of thousands of digits).
+MAX_INT_BITS = 4096
+#: tensor keys safetensors reserves for itself.
+_RESERVED_KEYS = frozenset({"__metadata__"})
 
 
 @dataclass(frozen=True)
@@ -137,6 +127,7 @@ class _Flattener:
         self.seen: dict[tuple[Any, ...], str] = {}
         self.optimizers: list[torch.optim.Optimizer] = []
         self.modules: list[torch.nn.Module] = []
+        self._path_ids: dict[int, str] = {}  # id -> path of the containers being walked (cycles)
 
     def _claim(self, key: str) -> None:
         if key in self.tensors or key in self.aliases:
@@ -145,9 +136,29 @@ class _Flattener:
                 "e.g. {'a/b': x} and {'a': {'b': y}}, or int 0 and str '0' in one dict, collide); "
                 "rename one of them")
 
-    def walk(self, value: Any, path: str) -> Node:
+    def walk(self, value: Any, path: str, depth: int = 0) -> Node:
         if isinstance(value, torch.Tensor):
             return self.tensor(value, path)
+        if isinstance(value, (dict, list, tuple)) or hasattr(value, "state_dict"):
+            if depth >= MAX_DEPTH:
+                raise ValidationError(f"state key '{path[:200]}': the state is nested more than {MAX_DEPTH} "
+                                      "levels deep; flatten it (or save the deep part as a tensor or bytes)")
+            first = self._path_ids.get(id(value))
+            if first is not None:
+                raise ValidationError(f"state key '{path[:200]}' refers back to its own container "
+                                      f"'{first or '<root>'}' (a cycle); a checkpoint must be a tree: "
+                                      "break the reference before saving")
+            self._path_ids[id(value)] = path
+            try:
+                return self._walk_container(value, path, depth + 1)
+            finally:
+                del self._path_ids[id(value)]
+        if type(value) is int and value.bit_length() > MAX_INT_BITS:
+            raise ValidationError(f"state key '{path or '<root>'}': int with {value.bit_length()} bits is too "
+                                  f"large to store (limit {MAX_INT_BITS} bits); store it as str or bytes")
+        return encode_leaf(value, path or "<root>", self.allow_pickle)
+
+    def _walk_container(self, value: Any, path: str, depth: int) -> Node:
         if isinstance(value, dict):
             tag = "odict" if isinstance(value, collections.OrderedDict) else "dict"
             items = []
@@ -164,7 +175,7 @@ class _Flattener:
                     raise ValidationError(f"state key '{path}': dict key {k!r} of type {type(k).__name__} "
                                           "is not supported; use str or int keys")
                 sub = f"{prefix}{k}"
-                vnode = self.tensor(v, sub) if type(v) in _PLAIN else self.walk(v, sub)
+                vnode = self.tensor(v, sub) if type(v) in _PLAIN else self.walk(v, sub, depth)
                 items.append([knode, vnode])
             return {"t": tag, "v": items}
         if isinstance(value, torch.Size):
@@ -177,7 +188,7 @@ class _Flattener:
                                           "to a tuple or dict, or pass allow_pickle=True")
                 return encode_leaf(value, path, True)
             tag = "tuple" if isinstance(value, tuple) else "list"
-            return {"t": tag, "v": [self.walk(v, _join(path, str(i))) for i, v in enumerate(value)]}
+            return {"t": tag, "v": [self.walk(v, _join(path, str(i)), depth) for i, v in enumerate(value)]}
         sd = getattr(value, "state_dict", None)
         if callable(sd) and not isinstance(value, type):
             if isinstance(value, torch.optim.Optimizer):
@@ -190,11 +201,14 @@ class _Flattener:
                 raise ValidationError(f"state key '{path}': {type(value).__name__}.state_dict() raised "
                                       f"{type(e).__name__}: {e}") from e
             return {"t": "stateful", "cls": f"{type(value).__module__}.{type(value).__qualname__}",
-                    "state": self.walk(state, path)}
+                    "state": self.walk(state, path, depth)}
         return encode_leaf(value, path or "<root>", self.allow_pickle)
 
     def tensor(self, t: torch.Tensor, path: str) -> Node:
         key = path or "<root>"
+        if key in _RESERVED_KEYS:
+            raise ValidationError(f"state key '{key}' is reserved by the safetensors format (its header "
+                                  "uses it); rename it")
         _check_tensor(t, key)
         if key in self.tensors or key in self.aliases:
             self._claim(key)
@@ -224,13 +238,13 @@ def make_layout(tensors: dict[str, torch.Tensor]) -> tuple[Layout, list[str]]:
     # Largest element size first: every tensor then starts naturally aligned.
     keys = sorted(tensors, key=lambda k: -tensors[k].element_size())
     header: dict[str, Any] = {"__metadata__": {"format": "pt", "writer": "nebula_ckpt",
-                                               "nebula_format": str(FORMAT_VERSION)}}
+                                               "nebula_format": str(VERSION)}}
     pos = 0
     spans = []
     for k in keys:
         t = tensors[k]
         n = t.numel() * t.element_size()
-        st = _ST_DTYPES.get(t.dtype)
+        st = SAFETENSORS_CODES.get(t.dtype)
         shape = list(t.shape) if st else [n]
         header[k] = {"dtype": st or "U8", "shape": shape, "data_offsets": [pos, pos + n]}
         spans.append((k, t, pos, n))
@@ -254,6 +268,9 @@ def check_step(step: Any) -> int:
         raise ValidationError(f"step must be a non-negative int, got {type(step).__name__} {step!r}")
     if step < 0:
         raise ValidationError(f"step must be a non-negative int, got {step}")
+    if step > MAX_STEP:
+        raise ValidationError(f"step must be a non-negative int of at most 2**63-1 (it names the checkpoint "
+                              f"folder and must fit int64 readers), got one with {step.bit_length()} bits")
     return step
 
 

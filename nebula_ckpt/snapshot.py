@@ -233,8 +233,8 @@ class Stager:
         log.debug("nebula_ckpt: step %d staged (%d tensors, %.1f MiB, copy %.1f ms)", snap.step,
                   len(entries), snap.nbytes / 2**20, snap.copy_seconds * 1e3)
         first, rest = snap.targets[0], snap.targets[1:]
-        if rest and first.tier.kind == "memory" and snap.slot.path is None:
-            # Memory first; it hands the others its shm file and frees the staging buffer early.
+        if rest and first.runtime.feeds_slower and snap.slot.path is None:
+            # The fast tier first; it hands the others its file and frees the staging buffer early.
             first.offer(snap, SlotSource(snap), rest)  # takes over the stager's reference
             return
         snap.acquire(len(snap.targets) - 1)

@@ -15,12 +15,15 @@ import logging
 import os
 import time
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 from urllib.parse import urlsplit, urlunsplit
 
 from . import knobs
 from .errors import ValidationError
 from .storage.base import Storage
+
+if TYPE_CHECKING:
+    from .tier_runtime import TierRuntime
 
 log = logging.getLogger(__name__)
 
@@ -43,7 +46,9 @@ class Tier:
     keep_every: Optional[int] = None
     verify: str = "full"
     kind: str = field(default="local", init=False)
-    _last_time: Optional[float] = field(default=None, init=False, repr=False)
+
+    def bind(self, root_url: str) -> None:
+        """Resolve settings that depend on the Checkpointer's root (called by the Checkpointer)."""
 
     def validate(self) -> None:
         """Raise :class:`ValidationError` on bad settings."""
@@ -60,6 +65,11 @@ class Tier:
             raise ValidationError(f"tier {self.name}: verify must be 'full' or 'size'")
 
     @property
+    def persistent(self) -> bool:
+        """Whether the tier survives a reboot (``close()`` leaves the newest step on every such tier)."""
+        return True
+
+    @property
     def name(self) -> str:
         """Short name for logs: ``memory``, ``local:/path``, ``remote:s3://b/p``."""
         return f"{self.kind}:{self.display_url}"
@@ -69,19 +79,15 @@ class Tier:
         """Location without credentials."""
         raise NotImplementedError
 
-    def wants(self, save_index: int, now: float) -> bool:
-        """Whether this tier takes the ``save_index``-th save (0-based), by its cadence."""
-        if save_index % self.every:
-            return False
-        if self.every_seconds is not None and self._last_time is not None \
-                and now - self._last_time < self.every_seconds:
-            return False
-        self._last_time = now
-        return True
-
     def make_storage(self) -> Storage:
         """Create the storage backend of this tier."""
         raise NotImplementedError
+
+    def runtime(self, storage: Storage) -> "TierRuntime":
+        """What this tier does while a Checkpointer runs (see :mod:`nebula_ckpt.tier_runtime`)."""
+        from .tier_runtime import TierRuntime
+
+        return TierRuntime(self, storage)
 
 
 @dataclass
@@ -124,20 +130,35 @@ class MemoryTier(Tier):
     """
 
     path: Optional[str] = None
+    #: True when the folder is the default ``<shm_dir>/nebula_ckpt-<uid>/<hash>`` (set by bind)
+    default_layout: bool = field(default=False, init=False)
 
     def __init__(self, path: Optional[str] = None, *, keep_last: int = 1, **kw: Any) -> None:
         super().__init__(keep_last=keep_last, **kw)
         self.kind = "memory"
         self.path = path
+        self.default_layout = False
 
     def bind(self, root_url: str) -> None:
         """Resolve the default folder for ``root_url`` (called by the Checkpointer)."""
         if self.path is None:
             self.path = memory_tier_path(root_url)
+            self.default_layout = True
 
     @property
     def display_url(self) -> str:
         return self.path or "<unbound>"
+
+    @property
+    def persistent(self) -> bool:
+        """A tmpfs does not survive a reboot."""
+        return False
+
+    def runtime(self, storage: Storage) -> "TierRuntime":
+        """Claims, locks, slot files and links (see :class:`~nebula_ckpt.tier_runtime.MemoryTierRuntime`)."""
+        from .tier_runtime import MemoryTierRuntime
+
+        return MemoryTierRuntime(self, storage)
 
     def make_storage(self) -> Storage:
         from .storage.local import LocalStorage
@@ -158,7 +179,7 @@ class RemoteTier(Tier):
     """
 
     url: str = ""
-    storage_options: Optional[dict[str, Any]] = None
+    storage_options: Optional[dict[str, Any]] = field(default=None, repr=False)  # credentials
     compression: Optional[str] = None
 
     def __init__(self, url: str, *, storage_options: Optional[dict[str, Any]] = None,
@@ -183,6 +204,12 @@ class RemoteTier(Tier):
     @property
     def display_url(self) -> str:
         return strip_credentials(self.url)
+
+    def __repr__(self) -> str:
+        opts = "<hidden>" if self.storage_options else None
+        return (f"RemoteTier(url={self.display_url!r}, storage_options={opts}, compression={self.compression!r}, "
+                f"every={self.every}, every_seconds={self.every_seconds}, keep_last={self.keep_last}, "
+                f"keep_every={self.keep_every}, verify={self.verify!r})")
 
     def make_storage(self) -> Storage:
         from .storage.remote import FsspecStorage

@@ -82,3 +82,97 @@ def test_export_both_formats(saved: str, tmp_path) -> None:  # noqa: ANN001
 def test_console_script_usage_error() -> None:
     r = subprocess.run([sys.executable, "-m", "nebula_ckpt.cli", "inspect"], capture_output=True, text=True)
     assert r.returncode == 2 and "usage" in r.stderr
+
+
+def _flip_last_byte(root: str, step: int) -> None:
+    d = os.path.join(root, f"step-{step}")
+    p = os.path.join(d, next(f for f in os.listdir(d) if f.endswith(".safetensors")))
+    with open(p, "r+b") as f:
+        f.seek(-1, 2)
+        b = f.read(1)
+        f.seek(-1, 2)
+        f.write(bytes([b[0] ^ 0xFF]))
+
+
+def test_ls_checks_checksums_like_verify(saved: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """A flipped byte keeps every size right: ls must still say DAMAGED (it verifies fully), as verify does."""
+    _flip_last_byte(saved, 2)
+    assert main(["ls", saved, "--json"]) == 1   # damage found: exit 1, as verify
+    captured = capsys.readouterr()
+    rows = {r["step"]: r for r in json.loads(captured.out)}
+    assert rows[1]["healthy"] and rows[1]["verified"] == "full"
+    assert rows[2]["healthy"] is False and "checksum mismatch" in rows[2]["problem"]
+    assert captured.err == ""  # --json: no progress bar
+    assert main(["ls", saved]) == 1
+    captured = capsys.readouterr()
+    line2 = next(ln for ln in captured.out.splitlines() if "step        2" in ln)
+    assert "DAMAGED" in line2 and "checksum mismatch" in line2
+    assert "checking" in captured.err  # the progress bar, on stderr
+    assert main(["verify", saved, "--step", "2"]) == 1
+
+
+def test_ls_quick_checks_sizes_only(saved: str, capsys: pytest.CaptureFixture[str]) -> None:
+    _flip_last_byte(saved, 2)
+    assert main(["ls", saved, "--quick"]) == 0
+    out = capsys.readouterr().out
+    assert "healthy" not in out
+    line2 = next(ln for ln in out.splitlines() if "step        2" in ln)
+    assert "committed (not verified)" in line2
+    assert main(["ls", saved, "--quick", "--json"]) == 0
+    rows = {r["step"]: r for r in json.loads(capsys.readouterr().out)}
+    assert rows[2]["verified"] == "size" and rows[2]["committed"]
+    os.truncate(os.path.join(saved, "step-1", "shard-g1-r0.safetensors"), 100)
+    assert main(["ls", saved, "--quick"]) == 1
+    line1 = next(ln for ln in capsys.readouterr().out.splitlines() if "step        1" in ln)
+    assert "DAMAGED" in line1 and "truncated" in line1
+
+
+def _break_manifest(root: str, step: int) -> None:
+    """A hostile manifest with a valid commit checksum: a bogus dtype."""
+    import crc32c
+
+    d = os.path.join(root, f"step-{step}")
+    man = json.load(open(os.path.join(d, "manifest.json")))
+    man["tensors"]["model/weight"]["dtype"] = "float99"
+    mb = json.dumps(man).encode()
+    open(os.path.join(d, "manifest.json"), "wb").write(mb)
+    commit = json.load(open(os.path.join(d, "COMMIT")))
+    commit.update(manifest_bytes=len(mb), manifest_crc32c=crc32c.crc32c(mb))
+    open(os.path.join(d, "COMMIT"), "w").write(json.dumps(commit))
+
+
+@pytest.mark.parametrize("cmd", [["inspect"], ["inspect", "--json"], ["export", "--to", "X.pt"],
+                                 ["export", "--to", "X.safetensors"]])
+def test_inspect_and_export_fail_cleanly_on_damage(saved: str, tmp_path, cmd: list[str]) -> None:  # noqa: ANN001
+    _break_manifest(saved, 2)
+    cmd = [c.replace("X", str(tmp_path / "out")) for c in cmd]
+    r = subprocess.run([sys.executable, "-m", "nebula_ckpt.cli", cmd[0], saved, "--step", "2", *cmd[1:]],
+                       capture_output=True, text=True)
+    assert r.returncode == 1, r.stderr
+    assert "Traceback" not in r.stderr and "float99" in r.stderr and "step 2" in r.stderr, r.stderr
+    assert not os.path.exists(tmp_path / "out.pt") and not os.path.exists(tmp_path / "out.safetensors")
+
+
+def test_export_unwritable_target_fails_cleanly(saved: str, tmp_path, capsys: pytest.CaptureFixture[str]) -> None:  # noqa: ANN001
+    assert main(["export", saved, "--step", "2", "--to", str(tmp_path / "no" / "such" / "dir" / "x.pt")]) == 1
+    err = capsys.readouterr().err
+    assert "does not exist" in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("cmd", ["ls", "verify", "inspect", "export"])
+def test_storage_options_bad_json_is_a_usage_error_without_the_value(cmd: str) -> None:
+    secret = '{"account_key": "SECRET-KEY-abc123"'  # not valid JSON: the closing brace is missing
+    extra = {"inspect": ["--step", "1"], "export": ["--step", "1", "--to", "x.pt"]}.get(cmd, [])
+    r = subprocess.run([sys.executable, "-m", "nebula_ckpt.cli", cmd, "az://c/ckpt", "--storage-options", secret,
+                        *extra], capture_output=True, text=True)
+    assert r.returncode == 2, r.stderr
+    assert "usage" in r.stderr and "--storage-options" in r.stderr and "not valid JSON" in r.stderr
+    assert "SECRET" not in r.stderr + r.stdout and "Traceback" not in r.stderr
+
+
+def test_storage_options_must_be_an_object(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as ei:
+        main(["ls", "/nowhere", "--storage-options", '["SECRET"]'])
+    assert ei.value.code == 2
+    err = capsys.readouterr().err
+    assert "JSON object" in err and "SECRET" not in err

@@ -12,6 +12,7 @@ Paths are relative to the storage root and ``/``-separated (``"step-42/manifest.
 
 from __future__ import annotations
 
+import errno
 from abc import ABC, abstractmethod
 from typing import Any, Optional
 
@@ -52,11 +53,14 @@ class Storage(ABC):
         """
 
     @abstractmethod
-    def read_buffer(self, rel: str, info: Optional[dict[str, Any]] = None) -> Buffer:
+    def read_buffer(self, rel: str, info: Optional[dict[str, Any]] = None, *,
+                    expected_bytes: Optional[int] = None) -> Buffer:
         """Return the (decompressed) bytes of file ``rel`` as a buffer.
 
-        Local backends return a read-only memory map; remote ones download in parallel.
-        ``info`` is what ``write_buffer`` returned (needed to decompress).
+        Local backends return a memory map; remote ones download in parallel.
+        ``info`` is what ``write_buffer`` returned (needed to decompress). ``expected_bytes``: the
+        size the manifest promises; a backend refuses (``CorruptCheckpointError``) before
+        allocating anything when the stored object cannot decode to it.
         """
 
     @abstractmethod
@@ -91,9 +95,32 @@ class Storage(ABC):
     def remove_dir(self, rel: str) -> None:
         """Delete ``rel`` and everything under it; a missing directory is not an error."""
 
-    def free_bytes(self) -> Optional[int]:
-        """Free space of the underlying file system, or ``None`` when unknown (remote)."""
+    # -- optional capabilities: the defaults are what a storage without them does -------------------
+
+    def check_access(self) -> None:
+        """Fail fast (before anything is written) if the storage cannot be reached or written.
+
+        Called once by the ``Checkpointer`` constructor. Default: nothing to check.
+        """
+
+    def local_path(self, rel: str) -> Optional[str]:
+        """Absolute POSIX path of ``rel`` when the storage is a local file system, else ``None``."""
         return None
+
+    def link_file(self, src: str, rel: str) -> dict[str, Any]:
+        """Make the existing local file ``src`` appear as ``rel`` without copying its bytes.
+
+        Returns the storage info as :meth:`write_buffer` does. Raises ``OSError`` when the storage
+        cannot (default: ``EXDEV``); callers then write the bytes instead.
+        """
+        raise OSError(errno.EXDEV, f"{self.display_url} cannot link files")
+
+    def incomplete_uploads(self) -> list[tuple[str, str]]:
+        """``(rel, upload id)`` of multi-part uploads started but never completed (default: none)."""
+        return []
+
+    def abort_upload(self, rel: str, upload_id: str) -> None:
+        """Abort one incomplete upload listed by :meth:`incomplete_uploads`."""
 
     def close(self) -> None:
         """Release connections / thread pools. Idempotent."""

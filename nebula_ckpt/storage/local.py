@@ -13,11 +13,13 @@ import logging
 import mmap
 import os
 import shutil
+import stat
 import uuid
 from typing import Any, Optional
 
 import torch
 
+from ..errors import CorruptCheckpointError
 from ..native import get_ops
 from .base import Buffer, Storage
 
@@ -30,6 +32,11 @@ def _fsync_dir(path: str) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def _open_nofollow(path: str) -> Any:
+    """``open(path, "rb")`` that refuses a symlink as the last component (``ELOOP``)."""
+    return os.fdopen(os.open(path, os.O_RDONLY | os.O_NOFOLLOW), "rb")
 
 
 class LocalStorage(Storage):
@@ -52,7 +59,35 @@ class LocalStorage(Storage):
         self._file_mode = 0o600 if private else 0o644
 
     def _p(self, rel: str) -> str:
-        return os.path.join(self.root, rel) if rel else self.root
+        """Absolute path of ``rel``, refusing anything that leaves the root or passes a symlink.
+
+        ``rel`` must be a plain relative path (no ``..``, no absolute path); no folder or file on
+        the way below the root may be a symlink (a planted link would otherwise redirect reads,
+        writes and deletions anywhere). The root itself may be a symlink: the user chose it.
+
+        Raises:
+            ValueError: ``rel`` is not a plain relative path.
+            OSError: ``ELOOP`` when a component below the root is a symlink.
+        """
+        if not rel:
+            return self.root
+        parts = rel.split("/")
+        if rel.startswith("/") or any(p in ("", ".", "..") or "\0" in p for p in parts):
+            raise ValueError(f"{self.display_url}: refusing path {rel!r}: not a plain relative path")
+        path = self.root
+        for p in parts:
+            path = os.path.join(path, p)
+            try:
+                st = os.lstat(path)
+            except FileNotFoundError:
+                break  # nothing below a missing component can be a link
+            except NotADirectoryError:
+                break
+            if stat.S_ISLNK(st.st_mode):
+                raise OSError(errno.ELOOP, f"{self.display_url}: '{rel}' passes the symlink "
+                              f"'{os.path.relpath(path, self.root)}'; links inside a tier are never followed "
+                              "(remove it)", path)
+        return os.path.join(self.root, rel)
 
     def _makedirs(self, path: str) -> None:
         os.makedirs(path, mode=self._dir_mode, exist_ok=True)
@@ -89,10 +124,13 @@ class LocalStorage(Storage):
             _fsync_dir(os.path.dirname(path))
         return {"stored_bytes": os.stat(path).st_size}
 
-    def read_buffer(self, rel: str, info: Optional[dict[str, Any]] = None) -> Buffer:
+    def read_buffer(self, rel: str, info: Optional[dict[str, Any]] = None, *,
+                    expected_bytes: Optional[int] = None) -> Buffer:
         path = self._p(rel)
-        with open(path, "rb") as f:
+        with _open_nofollow(path) as f:
             size = os.fstat(f.fileno()).st_size
+            if expected_bytes is not None and size != expected_bytes:
+                raise CorruptCheckpointError(f"{path} has {size} bytes, the manifest says {expected_bytes}")
             if size == 0:
                 return memoryview(bytearray())
             # A private (copy-on-write) map gives a writable buffer torch accepts without ever
@@ -132,7 +170,7 @@ class LocalStorage(Storage):
             _fsync_dir(d)
 
     def read_small(self, rel: str) -> bytes:
-        with open(self._p(rel), "rb") as f:
+        with _open_nofollow(self._p(rel)) as f:
             return f.read()
 
     def list(self, rel_dir: str = "") -> list[str]:
@@ -140,32 +178,43 @@ class LocalStorage(Storage):
             return sorted(os.listdir(self._p(rel_dir)))
         except (FileNotFoundError, NotADirectoryError):
             return []
+        except OSError as e:
+            if e.errno != errno.ELOOP:
+                raise
+            log.warning("nebula_ckpt: %s", e.strerror)
+            return []  # a linked folder is not ours: nothing to list
 
     def exists(self, rel: str) -> bool:
-        return os.path.exists(self._p(rel))
+        try:
+            return os.path.exists(self._p(rel))
+        except OSError as e:
+            if e.errno != errno.ELOOP:
+                raise
+            return False
 
     def size(self, rel: str) -> int:
         return os.stat(self._p(rel)).st_size
 
     def remove(self, rel: str) -> None:
+        head, _, name = rel.rpartition("/")
+        parent = self._p(head)
         try:
-            os.unlink(self._p(rel))
+            os.unlink(os.path.join(parent, name))  # unlink never follows a link: it removes the link
         except FileNotFoundError:
             pass
         else:
             if self.fsync:
-                _fsync_dir(os.path.dirname(self._p(rel)))
+                _fsync_dir(parent)
 
     def remove_dir(self, rel: str) -> None:
+        if rel:
+            parent = self._p(rel.rpartition("/")[0])
+            path = os.path.join(parent, rel.rpartition("/")[2])
+            if os.path.islink(path):  # a planted link: remove the link, never what it points to
+                os.unlink(path)
+                return
         shutil.rmtree(self._p(rel), ignore_errors=True)
 
-    def free_bytes(self) -> Optional[int]:
-        try:
-            st = os.statvfs(self.root if os.path.exists(self.root) else os.path.dirname(self.root))
-        except OSError:
-            return None
-        return st.f_bavail * st.f_frsize
-
     def local_path(self, rel: str) -> str:
-        """Absolute path of ``rel`` (local tiers only; used for mmap-based restore)."""
+        """Absolute path of ``rel`` (checked like every other path: no links, no ``..``)."""
         return self._p(rel)

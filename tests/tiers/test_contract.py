@@ -347,8 +347,8 @@ def test_flipped_byte_falls_back_and_verify_fails(tier_factory: TierUnderTest,
         assert ck2.list() == [1, 2]  # still committed: damage is found by verification, not listing
         assert ck2.load_latest(into=out) == 1
         assert ck2.last_restore is not None and ck2.last_restore["step"] == 1
-        with pytest.raises(nc.NotFoundError):
-            ck2.load(2)
+        with pytest.raises(nc.CorruptCheckpointError, match="checksum"):
+            ck2.load(2)   # committed but damaged everywhere: said as such, not "not found"
     assert_is_state(out, 1)
 
     capsys.readouterr()

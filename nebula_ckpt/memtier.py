@@ -1,0 +1,333 @@
+"""The memory tier's home in a shared tmpfs (``/dev/shm``): safe folders, claims, garbage.
+
+``/dev/shm`` is writable by every local user, so nothing found there is trusted:
+
+* every folder on the memory tier's path below the tmpfs is created ``0700`` and, when it
+  exists already, must be a real directory (not a symlink) owned by this user and not
+  writable by anyone else; the tmpfs itself must be owned by root or this user and, when
+  others may write to it, carry the sticky bit (so nobody can rename our folders away);
+* each folder is opened relative to its verified parent with ``O_NOFOLLOW``;
+* a memory tier is *claimed* by a ``ROOT`` file naming the checkpoint root and its run id (a
+  random id the persistent root records in ``_nebula/run.json``): a folder of another root, of
+  an earlier run at the same path (a deleted and re-created root), or of unknown content is
+  never restored from;
+* a process writing the tier holds an exclusive ``flock`` on the folder's ``LOCK`` file, so
+  ``gc`` and a second process on the same root can tell it is in use (the lock dies with the
+  process); a process that only restores takes it just long enough to claim the folder.
+
+:func:`scan` lists every memory tier of this user for ``nebula-ckpt gc``.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import json
+import logging
+import os
+import shutil
+import stat
+from dataclasses import dataclass
+from typing import Optional
+
+from . import knobs
+
+log = logging.getLogger(__name__)
+
+ROOT_FILE = "ROOT"
+LOCK_FILE = "LOCK"
+
+
+class UnsafeFolderError(OSError):
+    """A folder on the memory tier's path is not safely ours (owner, mode or symlink)."""
+
+
+def user_dir_name() -> str:
+    """Name of this user's folder in the tmpfs (``nebula_ckpt-<uid>``)."""
+    return f"nebula_ckpt-{os.geteuid()}"
+
+
+def _check_base(path: str, st: os.stat_result) -> None:
+    if not stat.S_ISDIR(st.st_mode):
+        raise UnsafeFolderError(errno.ENOTDIR, f"{path} is not a directory")
+    if st.st_uid not in (0, os.geteuid()):
+        raise UnsafeFolderError(errno.EPERM, f"{path} is owned by uid {st.st_uid}, not by root or this user")
+    if st.st_mode & 0o022 and not st.st_mode & stat.S_ISVTX:
+        raise UnsafeFolderError(errno.EPERM, f"{path} is writable by other users and has no sticky bit, "
+                                "so they could replace our folders; use a private NEBULA_SHM_DIR")
+
+
+def _check_private(path: str, st: os.stat_result) -> None:
+    if stat.S_ISLNK(st.st_mode):
+        raise UnsafeFolderError(errno.ELOOP, f"{path} is a symlink; refusing to follow it")
+    if not stat.S_ISDIR(st.st_mode):
+        raise UnsafeFolderError(errno.ENOTDIR, f"{path} is not a directory")
+    if st.st_uid != os.geteuid():
+        raise UnsafeFolderError(errno.EPERM, f"{path} is owned by uid {st.st_uid}, not by this user "
+                                f"({os.geteuid()}): another user created it, so it is not used. Remove it "
+                                "(as its owner or root) or set NEBULA_SHM_DIR to a private folder")
+    if st.st_mode & 0o077:
+        raise UnsafeFolderError(errno.EPERM, f"{path} has mode {stat.S_IMODE(st.st_mode):04o}: other users "
+                                "may read or write it, so it is not used. Remove it, or `chmod 700` it if "
+                                "you trust its content")
+
+
+def _open_private_child(parent_fd: int, parent: str, name: str, create: bool) -> int:
+    """Open (creating ``0700`` if asked) folder ``name`` under ``parent_fd``; verify it is ours."""
+    path = os.path.join(parent, name)
+    if create:
+        try:
+            os.mkdir(name, 0o700, dir_fd=parent_fd)
+        except FileExistsError:
+            pass
+    try:
+        fd = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=parent_fd)
+    except OSError as e:
+        if e.errno in (errno.ELOOP, errno.ENOTDIR):
+            _check_private(path, os.lstat(name, dir_fd=parent_fd))
+        raise
+    try:
+        _check_private(path, os.fstat(fd))
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def secure_folder(path: str, *, default_layout: bool, create: bool = True) -> str:
+    """Create or verify the memory-tier folder ``path``; return it.
+
+    With ``default_layout`` (``<shm_dir>/nebula_ckpt-<uid>/<hash>``) the tmpfs is checked as a
+    shared base and both folders below it as private; for a folder the user named, its parent
+    chain is the user's choice and only the folder itself must be private.
+
+    Raises:
+        UnsafeFolderError: a folder is not safely this user's (the message says how to fix it).
+        FileNotFoundError: ``create=False`` and a folder is missing.
+    """
+    path = os.path.abspath(path)
+    if default_layout:
+        user, leaf = os.path.split(path)
+        base, user_name = os.path.split(user)
+        names = [user_name, leaf]
+    else:
+        base, leaf = os.path.split(path)
+        names = [leaf]
+        if create:
+            os.makedirs(base, mode=0o700, exist_ok=True)
+    fd = os.open(base, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        if default_layout:
+            _check_base(base, os.fstat(fd))
+        cur = base
+        for name in names:
+            child = _open_private_child(fd, cur, name, create)
+            os.close(fd)
+            fd, cur = child, os.path.join(cur, name)
+    finally:
+        os.close(fd)
+    return path
+
+
+def secure_subfolder(parent: str, name: str) -> str:
+    """Create or verify a private folder ``name`` inside the verified folder ``parent``."""
+    fd = os.open(parent, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+    try:
+        os.close(_open_private_child(fd, parent, name, True))
+    finally:
+        os.close(fd)
+    return os.path.join(parent, name)
+
+
+# -- claims -------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Owner:
+    """What a memory tier's ``ROOT`` file says: whose checkpoints these are."""
+
+    root: str
+    run_id: Optional[str]
+
+    def to_bytes(self) -> bytes:
+        """Serialise."""
+        return json.dumps({"root": self.root, "run_id": self.run_id}).encode()
+
+    @staticmethod
+    def parse(data: bytes) -> Optional["Owner"]:
+        """Parse; ``None`` when unreadable. A pre-run-id ``ROOT`` (the bare root) has no run id."""
+        try:
+            d = json.loads(data)
+        except (ValueError, UnicodeDecodeError):
+            try:
+                text = data.decode()
+            except UnicodeDecodeError:
+                return None
+            return Owner(text, None) if text and "\n" not in text else None
+        if not isinstance(d, dict) or not isinstance(d.get("root"), str):
+            return None
+        run = d.get("run_id")
+        return Owner(d["root"], run if isinstance(run, str) else None)
+
+
+def read_owner(folder: str) -> Optional[Owner]:
+    """The owner recorded in ``folder``, or ``None`` (no ``ROOT`` file, or unreadable)."""
+    try:
+        fd = os.open(os.path.join(folder, ROOT_FILE), os.O_RDONLY | os.O_NOFOLLOW)
+    except OSError:
+        return None
+    with os.fdopen(fd, "rb") as f:
+        return Owner.parse(f.read(4096))
+
+
+def _write_owner(folder: str, owner: Owner) -> None:
+    tmp = os.path.join(folder, f".{ROOT_FILE}.tmp-{os.getpid()}")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
+    with os.fdopen(fd, "wb") as f:
+        f.write(owner.to_bytes())
+    os.replace(tmp, os.path.join(folder, ROOT_FILE))
+
+
+def try_lock(folder: str) -> Optional[int]:
+    """An exclusive, non-blocking lock on ``folder``'s ``LOCK`` file: its fd, or ``None`` if held."""
+    fd = os.open(os.path.join(folder, LOCK_FILE), os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        return None
+    return fd
+
+
+def clear_folder(folder: str, keep: tuple[str, ...] = (LOCK_FILE,)) -> None:
+    """Remove everything in ``folder`` but ``keep`` (never following symlinks)."""
+    for name in os.listdir(folder):
+        if name in keep:
+            continue
+        p = os.path.join(folder, name)
+        if os.path.isdir(p) and not os.path.islink(p):
+            shutil.rmtree(p, ignore_errors=True)
+        else:
+            try:
+                os.unlink(p)
+            except FileNotFoundError:
+                pass
+
+
+class ClaimRefused(Exception):
+    """The memory tier cannot be used by this checkpointer (the message says why)."""
+
+
+class Claim:
+    """This run's claim on a verified memory-tier folder; its lock is taken to write.
+
+    Claiming reads the ``ROOT`` file: a folder of this root and run is used as is; a folder of
+    an earlier run of the same root is cleared; an empty folder gets a ``ROOT`` file. Those two
+    writes happen only under the folder's lock, never while another live process holds it. A
+    folder of another root, or one with files but no ``ROOT``, is refused (never claimed blindly).
+
+    Args:
+        folder: the verified folder.
+        owner: the root and run id to record.
+
+    Raises:
+        ClaimRefused: the message says why (and how to fix it).
+    """
+
+    def __init__(self, folder: str, owner: Owner) -> None:
+        self.folder = folder
+        self._fd: Optional[int] = None
+        fd = try_lock(folder)
+        try:
+            self._take(owner, fd is not None)
+        finally:
+            if fd is not None:
+                os.close(fd)
+
+    def _take(self, owner: Owner, locked: bool) -> None:
+        have = read_owner(self.folder)
+        busy = "is in use by another live process on the same root (a second job on one root?)"
+        if have is not None and have.root != owner.root:
+            raise ClaimRefused(f"{self.folder} belongs to root {have.root!r}, not {owner.root!r} (hash "
+                               "collision); pass MemoryTier(path=...) explicitly")
+        if have is None:
+            if any(n != LOCK_FILE for n in os.listdir(self.folder)):
+                raise ClaimRefused(f"{self.folder} holds files but no readable {ROOT_FILE} file, so it "
+                                   "is nobody's memory tier; it is not used. Remove it (nebula-ckpt gc)")
+            if not locked:
+                raise ClaimRefused(f"{self.folder} {busy}")
+            _write_owner(self.folder, owner)
+        elif have.run_id != owner.run_id:
+            if not locked:
+                raise ClaimRefused(f"{self.folder} holds an earlier run of {owner.root} and {busy}")
+            log.warning("nebula_ckpt: memory tier %s holds checkpoints of an earlier run at %s (run %s, "
+                        "this run is %s: the root was deleted or re-created); clearing them",
+                        self.folder, owner.root, have.run_id, owner.run_id)
+            clear_folder(self.folder)
+            _write_owner(self.folder, owner)
+
+    @property
+    def locked(self) -> bool:
+        """Whether this process holds the folder's lock (it may write the tier)."""
+        return self._fd is not None
+
+    def lock(self) -> bool:
+        """Take the folder's lock for writing (idempotent); False if another process holds it."""
+        if self._fd is None:
+            self._fd = try_lock(self.folder)
+        return self._fd is not None
+
+    def release(self) -> None:
+        """Drop the lock (idempotent); the folder and its checkpoints stay."""
+        fd, self._fd = self._fd, None
+        if fd is not None:
+            os.close(fd)
+
+
+# -- listing for gc -------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Found:
+    """A memory-tier folder of this user, as ``scan`` saw it."""
+
+    folder: str
+    owner: Optional[Owner]
+    in_use: bool
+    problem: Optional[str]   # not safely ours: never touched
+    nbytes: int
+
+
+def _du(folder: str) -> int:
+    seen: set[tuple[int, int]] = set()
+    total = 0
+    for dp, dirs, files in os.walk(folder):
+        for f in files:
+            try:
+                st = os.lstat(os.path.join(dp, f))
+            except FileNotFoundError:
+                continue
+            if (st.st_dev, st.st_ino) not in seen:
+                seen.add((st.st_dev, st.st_ino))
+                total += st.st_blocks * 512
+    return total
+
+
+def scan(shm_dir: Optional[str] = None) -> list[Found]:
+    """Every memory-tier folder of this user under ``shm_dir`` (default: the ``shm_dir`` knob)."""
+    base = os.path.join(shm_dir or knobs.get("shm_dir"), user_dir_name())
+    try:
+        names = sorted(os.listdir(base))
+    except FileNotFoundError:
+        return []
+    out = []
+    for name in names:
+        folder = os.path.join(base, name)
+        try:
+            secure_folder(folder, default_layout=True, create=False)
+        except OSError as e:
+            out.append(Found(folder, None, False, str(e), 0))
+            continue
+        fd = try_lock(folder)
+        if fd is not None:
+            os.close(fd)
+        out.append(Found(folder, read_owner(folder), fd is None, None, _du(folder)))
+    return out

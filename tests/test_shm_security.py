@@ -1,0 +1,227 @@
+"""The shared /dev/shm is hostile ground: planted folders, symlinks, stale runs, orphans, gc.
+
+The tests run as whatever user runs the suite; "another user" is simulated by chown (as root)
+or by a group/other-writable mode, which the library must refuse the same way.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import nebula_ckpt as nc
+from nebula_ckpt import memgc, memtier
+from nebula_ckpt.cli import main as cli_main
+from nebula_ckpt.tiers import canonical_root, memory_tier_path
+
+IS_ROOT = os.geteuid() == 0
+
+
+def _plant(root: str, *, step: int, value: float, mode: int = 0o700, uid: int | None = None) -> str:
+    """Build a valid-looking memory tier for ``root`` by hand, as an attacker would."""
+    src = root + "-attacker-src"
+    with nc.Checkpointer(src, memory_tier=False) as ck:
+        ck.save(step, {"w": torch.full((8,), value)})
+    folder = memory_tier_path(root)
+    os.makedirs(os.path.dirname(folder), mode=0o700, exist_ok=True)
+    os.chmod(os.path.dirname(folder), 0o700)   # our own user folder: only the leaf is planted
+    shutil.copytree(src, folder)
+    shutil.rmtree(os.path.join(folder, "_nebula"), ignore_errors=True)
+    with open(os.path.join(folder, "ROOT"), "wb") as f:
+        f.write(canonical_root(root).encode())  # the pre-run-id ROOT content: path only
+    for dp, dirs, files in os.walk(folder):
+        for n in dirs + files:
+            os.chmod(os.path.join(dp, n), mode)
+            if uid is not None:
+                os.chown(os.path.join(dp, n), uid, uid)
+    os.chmod(folder, mode)
+    if uid is not None:
+        os.chown(folder, uid, uid)
+    return folder
+
+
+def _tiers_kinds(ck: nc.Checkpointer) -> list[str]:
+    return [t.kind for t in ck.tiers]
+
+
+@pytest.mark.parametrize("how", ["world-writable", "other-owner"])
+def test_planted_memory_tier_is_never_restored(root: str, how: str, caplog: pytest.LogCaptureFixture) -> None:
+    if how == "other-owner" and not IS_ROOT:
+        pytest.skip("chown to another uid needs root")
+    folder = _plant(root, step=99, value=666.0, mode=0o777 if how == "world-writable" else 0o700,
+                    uid=54321 if how == "other-owner" else None)
+    w = torch.zeros(8)
+    with nc.Checkpointer(root) as ck:
+        assert "memory" not in _tiers_kinds(ck)   # refused, loudly
+        assert ck.load_latest(into={"w": w}) is None
+        ck.save(1, {"w": torch.ones(8)})
+    assert torch.all(w == 0)
+    assert any("memory tier not used" in r.message for r in caplog.records)
+    # the planted folder is left alone (not ours to delete) and was not written into
+    assert sorted(os.listdir(folder)) == ["ROOT", "step-99"]
+
+
+def test_user_folder_owned_by_someone_else_is_refused(root: str, shm_dir: str) -> None:
+    if not IS_ROOT:
+        pytest.skip("chown to another uid needs root")
+    user_dir = os.path.dirname(memory_tier_path(root))
+    os.makedirs(user_dir, mode=0o777)
+    os.chmod(user_dir, 0o777)
+    os.chown(user_dir, 54321, 54321)
+    with nc.Checkpointer(root) as ck:
+        assert "memory" not in _tiers_kinds(ck)
+        ck.save(1, {"w": torch.ones(2)})
+    assert os.listdir(user_dir) == []
+
+
+def test_folder_without_root_file_is_not_claimed(root: str) -> None:
+    folder = memory_tier_path(root)
+    os.makedirs(os.path.join(folder, "step-5"), mode=0o700)
+    os.chmod(os.path.dirname(folder), 0o700)
+    with open(os.path.join(folder, "step-5", "junk"), "w") as f:
+        f.write("x")
+    with nc.Checkpointer(root) as ck:
+        assert "memory" not in _tiers_kinds(ck)
+    assert not os.path.exists(os.path.join(folder, "ROOT"))
+
+
+def test_symlinked_step_folder_in_memory_tier_never_followed(root: str, tmp_path) -> None:  # noqa: ANN001
+    victim = tmp_path / "victim"
+    victim.mkdir()
+    (victim / "precious.txt").write_text("keep me")
+    with nc.Checkpointer(root, tiers=[nc.MemoryTier()]) as ck:
+        mem = ck.tiers[0].display_url
+        ck.save(1, {"w": torch.ones(4)})
+        os.symlink(str(victim), os.path.join(mem, "step-2"))
+        ck.save(2, {"w": torch.full((4,), 2.0)})   # must not delete or write through the link
+        assert sorted(os.listdir(victim)) == ["precious.txt"]
+        assert (victim / "precious.txt").read_text() == "keep me"
+        assert not os.path.islink(os.path.join(mem, "step-2"))
+        assert ck.list() == [2]
+
+
+def test_symlinked_shard_or_step_on_disk_is_not_read(root: str, tmp_path) -> None:  # noqa: ANN001
+    with nc.Checkpointer(root, memory_tier=False) as ck:
+        ck.save(1, {"w": torch.ones(4)})
+        ck.save(2, {"w": torch.full((4,), 2.0)})
+    outside = tmp_path / "outside"
+    shutil.copytree(os.path.join(root, "step-2"), outside)
+    shutil.rmtree(os.path.join(root, "step-2"))
+    os.symlink(str(outside), os.path.join(root, "step-2"))
+    w = torch.zeros(4)
+    with nc.Checkpointer(root, memory_tier=False) as ck:
+        assert ck.list() == [1]                       # a linked folder is not a checkpoint of ours
+        assert ck.load_latest(into={"w": w}) == 1
+    assert torch.all(w == 1)
+    # the same with the shard file itself replaced by a link to a file outside the root
+    shard = [n for n in os.listdir(os.path.join(root, "step-1")) if n.startswith("shard-")][0]
+    p = os.path.join(root, "step-1", shard)
+    shutil.copy(p, tmp_path / "elsewhere")
+    os.unlink(p)
+    os.symlink(str(tmp_path / "elsewhere"), p)
+    with nc.Checkpointer(root, memory_tier=False) as ck:
+        with pytest.raises(nc.CorruptCheckpointError):
+            ck.load_latest(into={"w": w})
+    assert cli_main(["verify", root]) == 1
+
+
+def _crash_after_save(root: str, shm_dir: str, step: int, value: float) -> None:
+    code = f"""
+import os, signal, torch, nebula_ckpt as nc
+ck = nc.Checkpointer({root!r})
+ck.save({step}, {{"w": torch.full((8,), {value})}})
+os.kill(os.getpid(), signal.SIGKILL)
+"""
+    env = dict(os.environ, NEBULA_SHM_DIR=shm_dir)
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, timeout=120)
+    assert r.returncode == -signal.SIGKILL, r.stderr.decode()
+
+
+def test_deleted_root_new_run_never_gets_old_runs_memory(root: str, shm_dir: str) -> None:
+    _crash_after_save(root, shm_dir, 50, 5.0)
+    folder = memory_tier_path(root)
+    assert "step-50" in os.listdir(folder)         # the crashed run's memory tier is there
+    shutil.rmtree(root)                             # the operator deletes the run ...
+    w = torch.zeros(8)
+    with nc.Checkpointer(root) as ck:               # ... and starts a new one at the same path
+        assert ck.load_latest(into={"w": w}) is None
+        assert ck.list() == []
+    assert torch.all(w == 0)
+
+
+def test_restart_of_same_run_still_resumes_from_memory(root: str, shm_dir: str) -> None:
+    _crash_after_save(root, shm_dir, 3, 3.0)
+    with nc.Checkpointer(root) as ck:
+        assert ck.load_latest() == 3 and ck.last_restore["tier"].startswith("memory:")
+
+
+def _written_kinds(ck: nc.Checkpointer) -> list[str]:
+    return [w.tier.kind for w in ck._writers or []]
+
+
+def test_second_live_writer_on_same_root_does_not_write_the_memory_tier(root: str) -> None:
+    with nc.Checkpointer(root) as first:
+        first.save(1, {"w": torch.ones(2)})
+        assert "memory" in _written_kinds(first)
+        with nc.Checkpointer(root) as second:      # may read it ...
+            assert second.load_latest() == 1 and second.last_restore["tier"].startswith("memory:")
+            second.save(2, {"w": torch.ones(2)})   # ... but never writes it while first holds it
+            assert _written_kinds(second) == ["local"]
+        assert first.list(detailed=True)[first.tiers[0].name] == [1]
+    with nc.Checkpointer(root) as third:           # the lock died with close()
+        third.save(3, {"w": torch.ones(2)})
+        assert "memory" in _written_kinds(third)
+
+
+def _gc(shm_dir: str, *args: str) -> list[dict]:
+    from io import StringIO
+    from contextlib import redirect_stdout
+
+    buf = StringIO()
+    with redirect_stdout(buf):
+        assert cli_main(["gc", "--shm-dir", shm_dir, "--json", *args]) == 0
+    return json.loads(buf.getvalue())
+
+
+def test_gc_policy(tmp_path, shm_dir: str) -> None:  # noqa: ANN001
+    gone, durable, only_mem, live = (str(tmp_path / n) for n in ("gone", "durable", "only", "live"))
+    _crash_after_save(gone, shm_dir, 1, 1.0)
+    shutil.rmtree(gone)
+    _crash_after_save(durable, shm_dir, 2, 2.0)      # committed on memory and on disk
+    code = f"""
+import os, signal, torch, nebula_ckpt as nc
+ck = nc.Checkpointer({only_mem!r}, tiers=[nc.MemoryTier(), nc.LocalTier({only_mem!r}, every=100)])
+ck.save(0, {{"w": torch.zeros(2)}})
+ck.save(7, {{"w": torch.ones(2)}})
+os.kill(os.getpid(), signal.SIGKILL)
+"""
+    subprocess.run([sys.executable, "-c", code], env=dict(os.environ, NEBULA_SHM_DIR=shm_dir), timeout=120)
+    with nc.Checkpointer(live) as holder:
+        holder.save(1, {"w": torch.ones(2)})
+        rows = {r["root"]: r for r in _gc(shm_dir, "--dry-run")}
+        assert rows[canonical_root(gone)]["remove"] and "gone" in rows[canonical_root(gone)]["reason"]
+        assert rows[canonical_root(durable)]["remove"] and "durable" in rows[canonical_root(durable)]["reason"]
+        assert not rows[canonical_root(only_mem)]["remove"]
+        assert not rows[canonical_root(live)]["remove"] and rows[canonical_root(live)]["in_use"]
+        assert len(memtier.scan(shm_dir)) == 4            # dry run removed nothing
+        _gc(shm_dir)
+        left = {f.owner.root for f in memtier.scan(shm_dir) if f.owner}
+        assert left == {canonical_root(only_mem), canonical_root(live)}
+        _gc(shm_dir, "--force")
+        left = {f.owner.root for f in memtier.scan(shm_dir) if f.owner}
+        assert left == {canonical_root(live)}              # in use: never removed, even forced
+    assert holder.list() == [1]
+
+
+def test_gc_decisions_never_touch_unsafe_folders(root: str, shm_dir: str) -> None:
+    folder = _plant(root, step=1, value=1.0, mode=0o777)
+    decisions = memgc.collect(shm_dir, force=True)
+    assert len(decisions) == 1 and not decisions[0].remove and "not safely ours" in decisions[0].reason
+    assert os.path.isdir(folder)
