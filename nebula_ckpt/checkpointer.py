@@ -21,6 +21,8 @@ import torch
 from . import knobs
 from .buffers import StagingPool
 from .errors import NebulaError, NotFoundError, ValidationError
+from .coordinator import Coordinator, LocalCoordinator
+from .fanout import fan_out
 from .fencing import Fence, run_id
 from .handle import SaveHandle
 from .memtier import Owner
@@ -91,6 +93,8 @@ class Checkpointer:
             competes with training for the same cores and memory anyway, and changes through
             ``.data`` or numpy, which no version counter sees, cannot tear it), ``"async"`` when
             the state has CUDA tensors (the device-to-host copy then overlaps compute).
+        coordinator: how the ranks of a job agree (writer generation, commit, restore step);
+            default :class:`~nebula_ckpt.coordinator.LocalCoordinator` (one process).
 
     Example::
 
@@ -116,7 +120,8 @@ class Checkpointer:
     def __init__(self, root: str, *, storage_options: Optional[dict[str, Any]] = None,
                  tiers: Optional[Sequence[Tier]] = None, keep_last: int = 3,
                  max_host_bytes: Optional[int] = None, memory_tier: bool = True, on_full: str = "wait",
-                 allow_pickle: bool = False, on_persist_error: str = "raise", snapshot: str = "auto") -> None:
+                 allow_pickle: bool = False, on_persist_error: str = "raise", snapshot: str = "auto",
+                 coordinator: Optional[Coordinator] = None) -> None:
         if not isinstance(root, str) or not root:
             raise ValidationError(f"root must be a non-empty path or URL string, got {root!r}")
         if not isinstance(keep_last, int) or keep_last < 1:
@@ -129,13 +134,15 @@ class Checkpointer:
         if snapshot not in ("auto", "sync", "async"):
             raise ValidationError(f"snapshot must be 'auto', 'sync' or 'async', got {snapshot!r}")
         self.snapshot = snapshot
+        #: how the ranks of the job agree (one process: :class:`LocalCoordinator`, a no-op)
+        self.coordinator = coordinator or LocalCoordinator()
         self.root = root
         self._keep_last = keep_last
         self.allow_pickle = allow_pickle
         self.on_persist_error = on_persist_error
         root_tier = tier_for_root(root, storage_options)
         if tiers is None:
-            chosen: list[Tier] = default_tiers(root, storage_options, memory_tier)
+            chosen: list[Tier] = default_tiers(root, storage_options, memory_tier, self.coordinator.rank)
             root_tier = chosen[-1]
         else:
             chosen = list(tiers)
@@ -144,7 +151,7 @@ class Checkpointer:
         for t in chosen:
             if not isinstance(t, Tier):
                 raise ValidationError(f"tiers must be Tier objects (MemoryTier, LocalTier, RemoteTier), got {t!r}")
-            t.bind(root)
+            t.bind(root, self.coordinator.rank)
             t.validate()
         runtimes = [t.runtime(t.make_storage()) for t in chosen]
         for rt in runtimes:  # fail fast, before leaving anything behind
@@ -161,7 +168,7 @@ class Checkpointer:
                 self._runtimes.append(rt)
             else:
                 rt.release()
-        self._fence = Fence(self._root_storage)
+        self._fence = Fence(self._root_storage, self.coordinator)
         # A second staging slot lets the next save start while a slower tier still reads one.
         self._pool = StagingPool(max_host_bytes, 1 if len(self._runtimes) == 1 else 2, on_full)
         self._writers: Optional[list[TierWriter]] = None
@@ -195,9 +202,9 @@ class Checkpointer:
             # files: the bytes are copied once. Reading tiers that are not written stays possible.
             self._pool.slot_dir = next((d for d in (rt.staging_dir() for rt in writing) if d), None)
             self._pool.max_slots = 1 if len(writing) == 1 else 2
-            self._writers = [TierWriter(rt, self._fence.for_tier(rt.storage), rt.tier.keep_last or self._keep_last)
-                             for rt in writing]
-            self._stager = Stager(canonical_root(self.root)[-24:])
+            self._writers = [TierWriter(rt, self._fence.for_tier(rt.storage), rt.tier.keep_last or self._keep_last,
+                                        self.coordinator) for rt in writing]
+            self._stager = Stager(canonical_root(self.root)[-24:], fan_out)
         return self._writers
 
     # -- saving -----------------------------------------------------------------------------------
@@ -253,7 +260,7 @@ class Checkpointer:
             self._pool.release(slot)  # nothing is in flight: the slot goes back
             raise
         snap = Snapshot(plan, slot, job, handle, self._pool, targets, t0)
-        handle._confirm = snap.confirm
+        handle._bind_confirm(snap.confirm)
         sync = self.snapshot == "sync" or (self.snapshot == "auto" and not pinned)
         if sync:
             snap.confirm()  # the copy is done and checked before we return: nothing can tear it
@@ -316,7 +323,7 @@ class Checkpointer:
         with self._lock:
             handles = list(self._handles)
         for h in handles:
-            if not h._durable.wait(timeout):
+            if not h._wait_durable(timeout):
                 raise TimeoutError(f"save of step {h.step} not durable after {timeout} s")
         for w in self._writers or []:
             w.wait_idle(timeout)
@@ -427,6 +434,12 @@ class Checkpointer:
         if on_damaged not in ("raise", "warn"):
             raise ValidationError(f"on_damaged must be 'raise' or 'warn', got {on_damaged!r}")
         ck = find_and_open(self._tier_pairs(), step=step, on_all_damaged=on_damaged)
+        if step is None:
+            # Every rank must restore the same step: the newest one they all have.
+            agreed = self.coordinator.agree_step([] if ck is None else [ck.step])
+            if ck is not None and agreed != ck.step:
+                ck = None if agreed is None else find_and_open(self._tier_pairs(), step=agreed,
+                                                               on_all_damaged=on_damaged)
         self.last_restore = None if ck is None else {"step": ck.step, "tier": ck.tier_name}
         return ck
 

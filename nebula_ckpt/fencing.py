@@ -26,6 +26,7 @@ import time
 import uuid
 from typing import Optional
 
+from .coordinator import Coordinator, LocalCoordinator
 from .errors import FencedError, NebulaError
 from .storage.base import Storage
 
@@ -81,10 +82,16 @@ def _generations(storage: Storage) -> list[int]:
 
 
 class Fence:
-    """The generation of one writer on one root storage. Thread-safe."""
+    """The generation of one writer (one job: every rank shares it) on one root storage. Thread-safe.
 
-    def __init__(self, storage: Storage) -> None:
+    Args:
+        storage: the persistent root.
+        coordinator: takes the generation once per job and shares it with every rank.
+    """
+
+    def __init__(self, storage: Storage, coordinator: Optional[Coordinator] = None) -> None:
         self.storage = storage
+        self._coordinator = coordinator or LocalCoordinator()
         self._generation: Optional[int] = None
         self._lock = threading.Lock()
 
@@ -93,7 +100,7 @@ class Fence:
         """This writer's generation, taken on first use."""
         with self._lock:
             if self._generation is None:
-                self._generation = self._acquire()
+                self._generation = self._coordinator.shared_generation(self._acquire)
             return self._generation
 
     def _acquire(self) -> int:

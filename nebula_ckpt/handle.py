@@ -25,18 +25,20 @@ class SaveHandle:
             buffer with ``on_full="skip"``), else ``None``.
     """
 
-    def __init__(self, step: int, tiers: list[str], confirm: Optional[Callable[[], None]] = None) -> None:
+    def __init__(self, step: int, tiers: list[str]) -> None:
         self.step = step
         self.tiers_written: list[str] = []
         self.tiers_dropped: list[str] = []
         self.skipped: Optional[str] = None
         self._errors: dict[str, BaseException] = {}
         self._pending = set(tiers)
-        self._confirm = confirm
+        self._confirm: Optional[Callable[[], None]] = None
         self._snapshot = threading.Event()
         self._snapshot_error: Optional[BaseException] = None
         self._durable = threading.Event()
         self._lock = threading.Lock()
+        #: whether the caller has seen this save's outcome (set by result() / wait_snapshot() / the
+        #: checkpointer raising it), so a failure is raised once
         self.seen = False
         if not tiers:
             self._snapshot.set()
@@ -101,7 +103,28 @@ class SaveHandle:
         err.__cause__ = next(iter(self._errors.values()))
         return err
 
-    # -- called by the library's threads -------------------------------------------------------
+    # -- the library's side of the handle: other modules call these methods, never touch fields -----
+    def _bind_confirm(self, confirm: Callable[[], None]) -> None:
+        """The training-thread check ``wait_snapshot()`` / ``result()`` run first (checkpointer)."""
+        self._confirm = confirm
+
+    def _snapshot_failure(self) -> Optional[BaseException]:
+        """Why the snapshot failed, or None (tier writers check it before committing)."""
+        return self._snapshot_error
+
+    def _snapshot_settled(self) -> bool:
+        """Whether the copy's verdict is in."""
+        return self._snapshot.is_set()
+
+    def _fail_snapshot(self, error: BaseException) -> None:
+        """A later check (the training-thread confirmation) found the snapshot torn; keep the first."""
+        if self._snapshot_error is None:
+            self._snapshot_error = error
+
+    def _wait_durable(self, timeout: Optional[float]) -> bool:
+        """Wait until every tier that took the save is done; False on timeout."""
+        return self._durable.wait(timeout)
+
     def _set_snapshot(self, error: Optional[BaseException] = None) -> None:
         self._snapshot_error = error
         self._snapshot.set()

@@ -4,7 +4,7 @@
 
 * every folder on the memory tier's path below the tmpfs is created ``0700`` and, when it
   exists already, must be a real directory (not a symlink) owned by this user and not
-  writable by anyone else; the tmpfs itself must be owned by root or this user and, when
+  writable by anyone else (a folder that others may only read is tightened to ``0700``); the tmpfs itself must be owned by root or this user and, when
   others may write to it, carry the sticky bit (so nobody can rename our folders away);
 * each folder is opened relative to its verified parent with ``O_NOFOLLOW``;
 * a memory tier is *claimed* by a ``ROOT`` file naming the checkpoint root and its run id (a
@@ -66,9 +66,9 @@ def _check_private(path: str, st: os.stat_result) -> None:
         raise UnsafeFolderError(errno.EPERM, f"{path} is owned by uid {st.st_uid}, not by this user "
                                 f"({os.geteuid()}): another user created it, so it is not used. Remove it "
                                 "(as its owner or root) or set NEBULA_SHM_DIR to a private folder")
-    if st.st_mode & 0o077:
+    if st.st_mode & 0o022:
         raise UnsafeFolderError(errno.EPERM, f"{path} has mode {stat.S_IMODE(st.st_mode):04o}: other users "
-                                "may read or write it, so it is not used. Remove it, or `chmod 700` it if "
+                                "may write into it, so it is not used. Remove it, or `chmod 700` it if "
                                 "you trust its content")
 
 
@@ -87,7 +87,10 @@ def _open_private_child(parent_fd: int, parent: str, name: str, create: bool) ->
             _check_private(path, os.lstat(name, dir_fd=parent_fd))
         raise
     try:
-        _check_private(path, os.fstat(fd))
+        st = os.fstat(fd)
+        _check_private(path, st)
+        if st.st_mode & 0o077:  # ours and nobody else may write it: only tighten reading (0755 of old)
+            os.fchmod(fd, 0o700)
     except BaseException:
         os.close(fd)
         raise
@@ -299,7 +302,7 @@ class Found:
 def _du(folder: str) -> int:
     seen: set[tuple[int, int]] = set()
     total = 0
-    for dp, dirs, files in os.walk(folder):
+    for dp, _dirs, files in os.walk(folder):
         for f in files:
             try:
                 st = os.lstat(os.path.join(dp, f))

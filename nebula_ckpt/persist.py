@@ -22,14 +22,16 @@ import logging
 import os
 import threading
 from dataclasses import dataclass
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Optional
 
 from . import knobs
 from . import manifest as mf
-from .errors import FencedError
+from .coordinator import Coordinator, LocalCoordinator
+from .errors import FencedError, PersistError
 from .fencing import TierFence
 from .native import get_ops
-from .snapshot import FileSource, SlotSource, Snapshot, build_tier_manifest
+from .fanout import Delivery
+from .snapshot import Snapshot, build_tier_manifest
 from .storage.base import Storage
 from .tier_runtime import TierRuntime
 
@@ -64,17 +66,21 @@ class TierWriter:
         runtime: the tier's runtime (its settings, storage and special behaviour).
         fence: the writer generation, checked on this tier's storage.
         keep_last: default retention when the tier has none.
+        coordinator: the ranks' agreement (a no-op in one process): the commit of a step goes
+            ahead only when every rank's shard of it is durable on this tier.
     """
 
-    def __init__(self, runtime: TierRuntime, fence: TierFence, keep_last: int) -> None:
+    def __init__(self, runtime: TierRuntime, fence: TierFence, keep_last: int,
+                 coordinator: Optional[Coordinator] = None) -> None:
         self.runtime = runtime
+        self.coordinator = coordinator or LocalCoordinator()
         self.tier = runtime.tier
         self.storage = runtime.storage
         self.fence = fence
         self.keep_last = self.tier.keep_last or keep_last
         self.name = runtime.name
         self._last_time: Optional[float] = None
-        self._pending: Optional[tuple[Snapshot, Any, list["TierWriter"]]] = None
+        self._pending: Optional[Delivery] = None
         self._busy = False
         self._closing = False
         self._cond = threading.Condition()
@@ -94,22 +100,13 @@ class TierWriter:
         self._last_time = now
 
     # -- called from other threads ---------------------------------------------------------------
-    def offer(self, snap: Snapshot, source: Any, downstream: Sequence["TierWriter"] = ()) -> None:
-        """Take ``snap``, read from ``source`` (a SlotSource or FileSource this tier now owns).
-
-        ``downstream``: slower tiers this one hands the snapshot to once its shard is written.
-        """
+    def offer(self, delivery: Delivery) -> None:
+        """Take a snapshot to write (the tier now owns ``delivery``); a pending older one is dropped."""
         with self._cond:
-            dropped = self._pending
-            self._pending = (snap, source, list(downstream))
+            dropped, self._pending = self._pending, delivery
             self._cond.notify_all()
         if dropped is not None:
-            old, old_src, old_down = dropped
-            log.info("nebula_ckpt: tier %s dropped step %d (still busy; step %d is newer)",
-                     self.name, old.step, snap.step)
-            for w in [self, *old_down]:
-                old.handle._tier_done(w.name, dropped=True)
-            old_src.release()
+            dropped.drop(self.name, f"still busy; step {delivery.snap.step} is newer")
 
     def drop_pending(self) -> bool:
         """Drop the snapshot waiting for this tier while it writes an older one; True if any.
@@ -123,12 +120,7 @@ class TierWriter:
             self._cond.notify_all()
         if dropped is None:
             return False
-        old, old_src, old_down = dropped
-        log.info("nebula_ckpt: tier %s dropped step %d to free its staging buffer for a newer save",
-                 self.name, old.step)
-        for w in [self, *old_down]:
-            old.handle._tier_done(w.name, dropped=True)
-        old_src.release()
+        dropped.drop(self.name, "to free its staging buffer for a newer save")
         return True
 
     def wait_idle(self, timeout: Optional[float] = None) -> bool:
@@ -150,29 +142,18 @@ class TierWriter:
                 self._cond.wait_for(lambda: self._pending is not None or self._closing)
                 if self._pending is None:
                     return
-                snap, source, downstream = self._pending
-                self._pending = None
+                delivery, self._pending = self._pending, None
                 self._busy = True
-            self._write_one(snap, source, downstream)
+            self._write_one(delivery)
             with self._cond:
                 self._busy = False
                 self._cond.notify_all()
 
-    def _write_one(self, snap: Snapshot, source: Any, downstream: list["TierWriter"]) -> None:
-        handed = False
-
-        def handoff(rel: str) -> None:
-            # Our shard is complete: slower tiers read it from here, the staging slot goes back.
-            nonlocal handed
-            path = self.storage.local_path(rel)
-            assert path is not None, "a tier that feeds slower tiers is on a local file system"
-            for w in downstream:
-                w.offer(snap, FileSource(path, snap.nbytes))
-            handed = True
-            source.release()
-
+    def _write_one(self, delivery: Delivery) -> None:
+        snap = delivery.snap
         try:
-            self.write(snap, source, handoff if downstream else None)
+            self.write(snap, delivery.source,
+                       lambda rel: delivery.shard_written(self.storage.local_path(rel)))
         except BaseException as e:
             log.error("nebula_ckpt: tier %s failed to write step %d: %s: %s", self.name, snap.step,
                       type(e).__name__, e)
@@ -180,12 +161,7 @@ class TierWriter:
         else:
             snap.handle._tier_done(self.name)
         finally:
-            if downstream and not handed:
-                # We failed before our shard was complete: they read the staging buffer.
-                snap.acquire(len(downstream))
-                for w in downstream:
-                    w.offer(snap, SlotSource(snap))
-            source.release()
+            delivery.finish()
 
     def write(self, snap: Snapshot, source: Any, on_shard: Optional[Callable[[str], None]] = None) -> None:
         """Write one snapshot (bytes from ``source``) as a committed checkpoint, then apply retention.
@@ -194,8 +170,9 @@ class TierWriter:
         """
         def confirmed() -> None:
             snap.wait_confirmed(knobs.get("confirm_timeout_s"))
-            if snap.handle._snapshot_error is not None:
-                raise snap.handle._snapshot_error
+            failure = snap.handle._snapshot_failure()
+            if failure is not None:
+                raise failure
 
         self._commit_step(_Item(snap.step, snap.nbytes, source,
                                 lambda gen, shard: build_tier_manifest(snap, gen, shard), confirmed), on_shard)
@@ -234,11 +211,13 @@ class TierWriter:
             # or saves the same step again); the old one goes, marker first.
             log.warning("nebula_ckpt: tier %s: replacing existing checkpoint of step %d", self.name, item.step)
             delete_checkpoint(st, item.step)
-        elif existing or self._is_link(d):
-            # Leftovers of a crashed writer of this step (or a planted link in place of the
-            # folder, which is unlinked, never followed).
-            st.remove_dir(d)
-        shard = mf.shard_name(gen)
+        elif self._is_link(d):
+            st.remove_dir(d)  # a planted link in place of the folder: unlinked, never followed
+        else:
+            for name in existing:  # leftovers of crashed writers of this step, never a live peer's
+                if self._stale(name, gen):
+                    st.remove(f"{d}/{name}")
+        shard = mf.shard_name(gen, self.coordinator.rank)
         try:
             self._write_files(item, d, shard, gen, on_shard)
         except BaseException:
@@ -254,21 +233,40 @@ class TierWriter:
 
     def _write_files(self, item: "_Item", d: str, shard: str, gen: int,
                      on_shard: Optional[Callable[[str], None]]) -> None:
-        """Shard, manifest, then (once the snapshot is confirmed consistent) the commit marker."""
+        """Shard; then, once the snapshot is confirmed and every rank's shard is durable here,
+        the manifest and the commit marker (the coordinator's)."""
         st = self.storage
         log.debug("nebula_ckpt: phase=shard tier=%s step=%d", self.name, item.step)
-        info = self.runtime.write_shard(f"{d}/{shard}", item.source)
-        if on_shard is not None:
-            on_shard(f"{d}/{shard}")
+        try:
+            info = self.runtime.write_shard(f"{d}/{shard}", item.source)
+            if on_shard is not None:
+                on_shard(f"{d}/{shard}")
+            item.before_commit()
+        except BaseException:
+            self.coordinator.shard_durable(item.step, self.name, False)
+            raise
+        if not self.coordinator.shard_durable(item.step, self.name, True):
+            raise PersistError(f"step {item.step}: another rank's shard failed on tier {self.name}; "
+                               "this step is not committed there (the previous checkpoint stays the newest)")
+        if not self.coordinator.is_coordinator:
+            return
         manifest = item.make_manifest(gen, {"file": shard, "bytes": item.nbytes, "storage": info})
         mbytes = json.dumps(manifest, separators=(",", ":"), allow_nan=False).encode()
         log.debug("nebula_ckpt: phase=manifest tier=%s step=%d", self.name, item.step)
         st.write_small(f"{d}/{mf.MANIFEST}", mbytes)
-        item.before_commit()
         self.fence.check(f"commit step {item.step}")
         log.debug("nebula_ckpt: phase=commit tier=%s step=%d", self.name, item.step)
         commit = mf.Commit(item.step, gen, len(mbytes), get_ops().crc32c_bytes(mbytes))
         st.write_small(f"{d}/{mf.COMMIT}", commit.to_bytes(), create_only=True)
+
+    def _stale(self, name: str, gen: int) -> bool:
+        """Whether file ``name`` of an uncommitted step belongs to no writer that may still run:
+        an older generation, or this very rank of this generation. A same-generation peer rank's
+        shard is in flight; a manifest is the coordinator's to replace."""
+        owner = mf.shard_owner(name)
+        if owner is None:
+            return self.coordinator.is_coordinator
+        return owner[0] < gen or owner == (gen, self.coordinator.rank)
 
     def _is_link(self, rel: str) -> bool:
         """Whether ``rel`` is a symlink on a local file system (a tier never follows one)."""
@@ -308,13 +306,12 @@ class TierWriter:
             keep.update(s for s in committed if s % self.tier.keep_every == 0)
         doomed = [s for s in committed if s not in keep]
         with self._cond:
-            busy_step = self._pending[0].step if self._pending is not None else None
+            busy_step = self._pending.snap.step if self._pending is not None else None
         leftovers = []
         for s in uncommitted:
             if s == busy_step:
                 continue
-            gens = [g for g in (mf.shard_generation(n) for n in st.list(mf.step_dir(s))) if g is not None]
-            if all(g <= gen for g in gens):
+            if all(self._stale(n, gen) for n in st.list(mf.step_dir(s))):
                 leftovers.append(s)
         abandoned = []
         for rel, upload_id in st.incomplete_uploads():

@@ -1,8 +1,11 @@
-"""Snapshot: copy the planned tensors into a staging buffer, then checksum them off-thread.
+"""Snapshot: copy the planned tensors into a staging buffer and settle the verdict.
 
-The training thread only *enqueues* the copy (one native call for all tensors) and returns.
-The stager thread then waits for the copy, checks that no tensor changed while it was copied,
-computes the CRC32C of every tensor, builds the manifest, and hands the snapshot to the tiers.
+The training thread enqueues the copy (one native call for all tensors); with
+``snapshot="sync"`` it also waits for it. The copy threads checksum each block of the staged
+bytes while copying and flag a source that changed under them. The stager thread waits for the
+copy, records the tensor index (dtypes, offsets, checksums) and hands the snapshot to the tiers
+through :func:`nebula_ckpt.fanout.fan_out`. The training thread confirms the verdict (version
+counters) before any tier commits.
 """
 
 from __future__ import annotations
@@ -10,7 +13,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from . import manifest as mf
 from .buffers import Slot, StagingPool
@@ -93,11 +96,11 @@ class Snapshot:
         with self._copy_lock:
             if self._confirmed.is_set():
                 return
-            if self.handle._snapshot_error is None:
+            if self.handle._snapshot_failure() is None:
                 changed = [i for i, (t, v) in enumerate(zip(self.plan.sources, self.plan.versions))
                            if t._version != v]
                 if changed:
-                    self.handle._snapshot_error = self._consistency_error(changed)
+                    self.handle._fail_snapshot(self._consistency_error(changed))
             self.plan.sources = []  # release the training tensors
             self._confirmed.set()
 
@@ -185,7 +188,8 @@ class FileSource:
 class Stager:
     """The thread between the training thread and the tier writers."""
 
-    def __init__(self, name: str) -> None:
+    def __init__(self, name: str, deliver: Callable[[Snapshot, list[Any]], None]) -> None:
+        self._deliver = deliver  # fanout.fan_out: routes the staged snapshot to its tiers
         self._q: "queue.Queue[Optional[Snapshot]]" = queue.Queue()
         self._thread = threading.Thread(target=self._run, name=f"nebula-stager-{name}", daemon=True)
         self._thread.start()
@@ -208,7 +212,7 @@ class Stager:
                 self._stage(snap)
             except BaseException as e:  # never let the thread die; report on the handle
                 log.exception("nebula_ckpt: staging step %d failed", snap.step)
-                if not snap.handle._snapshot.is_set():
+                if not snap.handle._snapshot_settled():
                     snap.handle._set_snapshot(e)
                 else:
                     for t in snap.targets:
@@ -218,7 +222,7 @@ class Stager:
     def _stage(self, snap: Snapshot) -> None:
         log.debug("nebula_ckpt: phase=snapshot step=%d", snap.step)
         snap.finish_copy()
-        if snap.handle._snapshot_error is not None:
+        if snap.handle._snapshot_failure() is not None:
             snap.release()
             return
         entries = snap.plan.layout.entries
@@ -232,14 +236,7 @@ class Stager:
             for e, c in zip(entries, sums)}
         log.debug("nebula_ckpt: step %d staged (%d tensors, %.1f MiB, copy %.1f ms)", snap.step,
                   len(entries), snap.nbytes / 2**20, snap.copy_seconds * 1e3)
-        first, rest = snap.targets[0], snap.targets[1:]
-        if rest and first.runtime.feeds_slower and snap.slot.path is None:
-            # The fast tier first; it hands the others its file and frees the staging buffer early.
-            first.offer(snap, SlotSource(snap), rest)  # takes over the stager's reference
-            return
-        snap.acquire(len(snap.targets) - 1)
-        for t in snap.targets:
-            t.offer(snap, SlotSource(snap), [])
+        self._deliver(snap, snap.targets)  # takes over the stager's reference
 
 
 def build_tier_manifest(snap: Snapshot, generation: int, shard: dict[str, Any]) -> dict[str, Any]:

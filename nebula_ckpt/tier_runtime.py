@@ -72,7 +72,7 @@ class TierRuntime:
 
     def write_shard(self, rel: str, source: Any) -> dict[str, Any]:
         """Write the shard image of ``source`` (``.view()``) at ``rel``; return its storage info."""
-        return self.storage.write_buffer(rel, source.view(), compression=getattr(self.tier, "compression", None))
+        return self.storage.write_buffer(rel, source.view())
 
     def close(self, runtimes: list["TierRuntime"]) -> None:
         """After the last write of this Checkpointer (``runtimes``: every tier it wrote)."""

@@ -47,8 +47,8 @@ class Tier:
     verify: str = "full"
     kind: str = field(default="local", init=False)
 
-    def bind(self, root_url: str) -> None:
-        """Resolve settings that depend on the Checkpointer's root (called by the Checkpointer)."""
+    def bind(self, root_url: str, rank: int = 0) -> None:
+        """Resolve settings that depend on the Checkpointer's root and rank (called by it)."""
 
     def validate(self) -> None:
         """Raise :class:`ValidationError` on bad settings."""
@@ -139,10 +139,10 @@ class MemoryTier(Tier):
         self.path = path
         self.default_layout = False
 
-    def bind(self, root_url: str) -> None:
-        """Resolve the default folder for ``root_url`` (called by the Checkpointer)."""
+    def bind(self, root_url: str, rank: int = 0) -> None:
+        """Resolve the default folder for ``root_url`` and ``rank`` (called by the Checkpointer)."""
         if self.path is None:
-            self.path = memory_tier_path(root_url)
+            self.path = memory_tier_path(root_url, rank)
             self.default_layout = True
 
     @property
@@ -214,7 +214,7 @@ class RemoteTier(Tier):
     def make_storage(self) -> Storage:
         from .storage.remote import FsspecStorage
 
-        return FsspecStorage(self.url, self.storage_options)
+        return FsspecStorage(self.url, self.storage_options, compression=self.compression)
 
 
 def strip_credentials(url: str) -> str:
@@ -246,9 +246,9 @@ def canonical_root(root: str) -> str:
     return os.path.realpath(p) if p is not None else strip_credentials(root).rstrip("/")
 
 
-def memory_tier_path(root: str) -> str:
-    """Default memory-tier folder for ``root``."""
-    ident = canonical_root(root)
+def memory_tier_path(root: str, rank: int = 0) -> str:
+    """Default memory-tier folder for ``root`` and ``rank`` (ranks on one host never share one)."""
+    ident = canonical_root(root) + (f"#rank={rank}" if rank else "")
     digest = hashlib.sha256(ident.encode()).hexdigest()[:16]
     uid = os.getuid() if hasattr(os, "getuid") else 0
     return os.path.join(knobs.get("shm_dir"), f"nebula_ckpt-{uid}", digest)
@@ -266,13 +266,13 @@ def tier_for_root(root: str, storage_options: Optional[dict[str, Any]] = None, *
 
 
 def default_tiers(root: str, storage_options: Optional[dict[str, Any]] = None,
-                  memory: bool = True) -> list[Tier]:
-    """``[MemoryTier bound to root, <root tier>]`` (or just the root tier)."""
+                  memory: bool = True, rank: int = 0) -> list[Tier]:
+    """``[MemoryTier bound to root and rank, <root tier>]`` (or just the root tier)."""
     root_tier = tier_for_root(root, storage_options)
     if not memory:
         return [root_tier]
     mem = MemoryTier()
-    mem.bind(root)
+    mem.bind(root, rank)
     return [mem, root_tier]
 
 

@@ -225,3 +225,15 @@ def test_gc_decisions_never_touch_unsafe_folders(root: str, shm_dir: str) -> Non
     decisions = memgc.collect(shm_dir, force=True)
     assert len(decisions) == 1 and not decisions[0].remove and "not safely ours" in decisions[0].reason
     assert os.path.isdir(folder)
+
+
+def test_user_folder_of_older_versions_readable_by_others_is_tightened(root: str) -> None:
+    """Earlier versions created nebula_ckpt-<uid> 0755: others may read, not write. It is ours:
+    used, and tightened to 0700 (a group/other-writable one is refused, see above)."""
+    user_dir = os.path.dirname(memory_tier_path(root))
+    os.makedirs(user_dir, mode=0o755)
+    os.chmod(user_dir, 0o755)
+    with nc.Checkpointer(root) as ck:
+        assert "memory" in _tiers_kinds(ck)
+        ck.save(1, {"w": torch.ones(2)})
+    assert os.stat(user_dir).st_mode & 0o777 == 0o700

@@ -1,0 +1,127 @@
+"""The seams ranks and frameworks plug into: coordinator, rank-aware names, cadence, ownership."""
+
+from __future__ import annotations
+
+import os
+from typing import Callable, Sequence
+
+import pytest
+import torch
+
+import nebula_ckpt as nc
+from nebula_ckpt import manifest as mf
+from nebula_ckpt.coordinator import LocalCoordinator
+from nebula_ckpt.storage.local import LocalStorage
+from nebula_ckpt.tiers import memory_tier_path
+
+
+class RankCoordinator(LocalCoordinator):
+    """One process acting as rank ``rank`` (it is also the coordinator, so it commits alone)."""
+
+    def __init__(self, rank: int, refuse_steps: Sequence[int] = ()) -> None:
+        self.rank = rank
+        self.refuse = set(refuse_steps)
+        self.reports: list[tuple[int, str, bool]] = []
+
+    @property
+    def is_coordinator(self) -> bool:
+        return True
+
+    def shard_durable(self, step: int, tier: str, ok: bool) -> bool:
+        self.reports.append((step, tier, ok))
+        return ok and step not in self.refuse   # "another rank" failed these steps
+
+
+def test_shard_names_and_memory_folder_carry_the_rank(root: str) -> None:
+    coord = RankCoordinator(rank=3)
+    with nc.Checkpointer(root, coordinator=coord) as ck:
+        ck.save(1, {"w": torch.ones(4)})
+        mem = ck.tiers[0].display_url
+        assert mem == memory_tier_path(root, 3) != memory_tier_path(root, 0)
+        assert [n for n in os.listdir(os.path.join(root, "step-1")) if n.startswith("shard-")] == \
+            ["shard-g1-r3.safetensors"]
+        assert {(1, t.name, True) for t in ck.tiers} <= set(coord.reports)
+    with nc.Checkpointer(root, memory_tier=False) as reader:
+        assert reader.load_latest() == 1
+
+
+def test_no_commit_unless_every_rank_reports_its_shard_durable(root: str) -> None:
+    with nc.Checkpointer(root, memory_tier=False, coordinator=RankCoordinator(0, refuse_steps=[2])) as ck:
+        ck.save(1, {"w": torch.ones(4)})
+        with pytest.raises(nc.PersistError, match="another rank"):
+            ck.save(2, {"w": torch.full((4,), 2.0)})
+        assert ck.list() == [1]
+        assert not os.path.exists(os.path.join(root, "step-2"))   # our shard went with it
+
+
+def test_cleanup_never_deletes_a_peer_ranks_shard_of_this_generation(root: str) -> None:
+    with nc.Checkpointer(root, memory_tier=False) as ck:
+        ck.save(1, {"w": torch.ones(4)})
+        gen = int(mf.shard_owner(next(n for n in os.listdir(os.path.join(root, "step-1"))
+                                      if n.startswith("shard-")))[0])
+        st = LocalStorage(root)
+        # a peer rank's shard of the same generation, in flight for step 2, and an old crash's file
+        st.write_small(f"step-2/{mf.shard_name(gen, 1)}", b"peer")
+        st.write_small(f"step-3/{mf.shard_name(gen - 1, 0) if gen > 1 else 'x.tmp'}", b"old")
+        ck.save(2, {"w": torch.full((4,), 2.0)})
+        ck.save(4, {"w": torch.full((4,), 4.0)})
+        assert mf.shard_name(gen, 1) in os.listdir(os.path.join(root, "step-2"))  # kept: not ours
+        assert not os.path.exists(os.path.join(root, "step-3"))                   # crash leftover: gone
+
+
+def test_a_skipped_save_does_not_use_up_the_every_seconds_window(tmp_path) -> None:  # noqa: ANN001
+    root = str(tmp_path / "ck")
+    hourly = nc.LocalTier(root, every_seconds=3600)
+    ck = nc.Checkpointer(root, tiers=[hourly], on_full="skip")
+    state = {"w": torch.ones(1024)}
+    (writer,) = ck._start()
+    held = ck._pool.acquire(1 << 20, False)            # every staging buffer is busy ...
+    assert held is not None
+    h = ck.save_async(1, state)
+    assert h.skipped is not None and "staging" in h.skipped   # ... so this save is skipped
+    ck._pool.release(held)
+    h = ck.save_async(2, state)                         # the hour has not started: the tier takes it
+    assert h.result() == [hourly.name]
+    assert ck.save_async(3, state).skipped is not None  # now it has
+    ck.close()
+    assert ck.list() == [2]
+
+
+class CountingLocalTier(nc.LocalTier):
+    closed: list[str] = []
+
+    def make_storage(self) -> LocalStorage:
+        outer = self
+
+        class Counting(LocalStorage):
+            def close(self) -> None:
+                outer.closed.append(self.root)
+
+        return Counting(self.path)
+
+
+def test_every_storage_is_closed_also_when_only_loading(tmp_path) -> None:  # noqa: ANN001
+    root = str(tmp_path / "ck")
+    with nc.Checkpointer(root, memory_tier=False) as ck:
+        ck.save(1, {"w": torch.ones(2)})
+    CountingLocalTier.closed.clear()
+    with nc.Checkpointer(root, tiers=[CountingLocalTier(root)]) as loader:
+        assert loader.load_latest() == 1
+    assert CountingLocalTier.closed == [os.path.abspath(root)]
+
+
+def test_slot_goes_back_when_the_copy_cannot_be_enqueued(root: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    from nebula_ckpt import native
+
+    real: Callable[..., object] = native.get_ops().enqueue_copy
+    with nc.Checkpointer(root) as ck:
+        def broken(*a: object, **k: object) -> object:
+            raise RuntimeError("injected: enqueue failed")
+        monkeypatch.setattr(native.get_ops(), "enqueue_copy", broken)
+        with pytest.raises(RuntimeError, match="injected"):
+            ck.save_async(1, {"w": torch.ones(4)})
+        monkeypatch.setattr(native.get_ops(), "enqueue_copy", real)
+        assert all(not s.in_use for s in ck._pool._slots)
+        ck.save(2, {"w": torch.ones(4)})            # nothing left in flight: the next save works
+        assert ck.list() == [2]
+
