@@ -31,9 +31,9 @@ class FaultyStorage(LocalStorage):
         if self.fail_at == stage and (self.fail_steps is None or step in self.fail_steps):
             raise OSError(f"injected failure at stage '{stage}' writing {rel}")
 
-    def write_buffer(self, rel: str, data: Any, *, compression: Optional[str] = None) -> dict[str, Any]:
+    def write_buffer(self, rel: str, data: Any) -> dict[str, Any]:
         self._stage("shard", rel)
-        return super().write_buffer(rel, data, compression=compression)
+        return super().write_buffer(rel, data)
 
     def write_small(self, rel: str, data: bytes, *, create_only: bool = False) -> None:
         if rel.endswith("manifest.json"):

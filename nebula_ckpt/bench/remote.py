@@ -1,7 +1,7 @@
 """Remote-tier throughput against a plain fsspec transfer of the same bytes to the same server.
 
-For each target (a URL, or the local emulators Azurite and moto_server that the test suite uses),
-in one run:
+For each target (a URL, or the local emulators Azurite and moto of
+:mod:`nebula_ckpt.bench.emulators`, the ones the test suite uses), in one run:
 
 * **upload**: time until a checkpoint is durable on a remote-only ``Checkpointer`` (shard +
   manifest + commit) versus ``fs.put_file`` of the very same shard file;
@@ -9,7 +9,7 @@ in one run:
   verification + copy into the model) versus ``fs.cat_file`` of the same object.
 
 Reported as MB/s and as a ratio (target: >= 90 %). Run: ``python -m nebula_ckpt.bench.remote
---emulators`` (from the repository, after ``scripts/install_blob_servers.sh``) or ``--url URL
+--emulators`` (after ``scripts/install_blob_servers.sh``) or ``--url URL
 --storage-options JSON``.
 """
 
@@ -92,17 +92,13 @@ def measure(url: str, storage_options: dict[str, Any], mb: int, reps: int) -> di
 
 
 def _emulators() -> Iterator[tuple[str, str, dict[str, Any]]]:
-    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    sys.path.insert(0, os.path.join(repo, "tests"))
-    from blob.servers import AzuriteServer, MotoServer  # type: ignore[import-not-found]
+    """``(name, container URL, storage options)`` per emulator, each closed after its turn."""
+    from .emulators import AzuriteEmulator, Emulator, MotoEmulator
 
-    for name, cls in (("azurite", AzuriteServer), ("moto_s3", MotoServer)):
-        server = cls()
-        try:
-            loc = server.new_container("bench")
-            yield name, loc.url_prefix, loc.storage_options
-        finally:
-            server.close()
+    for name, cls in (("azurite", AzuriteEmulator), ("moto_s3", MotoEmulator)):
+        emulator: Emulator = cls()
+        with emulator:
+            yield name, emulator.create_container("bench"), emulator.storage_options
 
 
 def markdown(results: dict[str, dict[str, Any]]) -> str:

@@ -34,22 +34,24 @@ class Storage(ABC):
     is_local: bool = False
 
     @abstractmethod
-    def write_buffer(self, rel: str, data: Buffer, *, compression: Optional[str] = None) -> dict[str, Any]:
+    def write_buffer(self, rel: str, data: Buffer) -> dict[str, Any]:
         """Write ``data`` as a new file / object at ``rel``, durable on return.
 
         Local backends fsync the file and its directory; remote backends return once the
         (multi-part) upload has completed. The name is new (unique per writer generation), so
         a partial object left by a crash is harmless: no marker names it.
 
+        How the bytes are encoded on the storage (e.g. zstd frames) is the backend's own
+        setting, fixed when it is built (``FsspecStorage(url, ..., compression="zstd")``), never
+        chosen per call; whatever a reader needs to decode them goes into the returned info.
+
         Args:
             rel: relative path.
             data: the bytes (a memoryview over the staging buffer; never copied whole).
-            compression: ``None`` or ``"zstd"`` (backends that do not support it raise
-                ``ValueError``).
 
         Returns:
             Storage info to record in the manifest for this file (e.g. ``{"stored_bytes": n}``
-            and, when compressed, the frame table). Must be JSON-serialisable.
+            and, when the backend encodes, the frame table). Must be JSON-serialisable.
         """
 
     @abstractmethod
@@ -58,7 +60,8 @@ class Storage(ABC):
         """Return the (decompressed) bytes of file ``rel`` as a buffer.
 
         Local backends return a memory map; remote ones download in parallel.
-        ``info`` is what ``write_buffer`` returned (needed to decompress). ``expected_bytes``: the
+        ``info`` is what ``write_buffer`` returned: it alone decides the decoding, so a backend
+        reads objects written with another encoding setting than its own. ``expected_bytes``: the
         size the manifest promises; a backend refuses (``CorruptCheckpointError``) before
         allocating anything when the stored object cannot decode to it.
         """

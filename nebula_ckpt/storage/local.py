@@ -92,10 +92,7 @@ class LocalStorage(Storage):
     def _makedirs(self, path: str) -> None:
         os.makedirs(path, mode=self._dir_mode, exist_ok=True)
 
-    def write_buffer(self, rel: str, data: Buffer, *, compression: Optional[str] = None) -> dict[str, Any]:
-        if compression:
-            raise ValueError(f"{self.display_url}: compression={compression!r} is only offered on "
-                             "remote tiers; local tiers write the raw safetensors file")
+    def write_buffer(self, rel: str, data: Buffer) -> dict[str, Any]:
         path = self._p(rel)
         self._makedirs(os.path.dirname(path))
         n = len(data)

@@ -9,11 +9,10 @@
 from __future__ import annotations
 
 import logging
-import signal
 import threading
 import time
 import tracemalloc
-from typing import Any, Iterator
+from typing import Any
 
 import pytest
 
@@ -26,30 +25,17 @@ from nebula_ckpt.storage.remote import (AzureBlobStorage, FsspecStorage, Generic
 from .conftest import Store
 from .util import captured_logs, exc_text
 
-pytestmark = pytest.mark.blob
+TEST_TIME_LIMIT_S = 120
+#: every test here is bounded (pytest-timeout) far below pytest.ini's global limit: a hung
+#: server or upload fails one test instead of holding the suite
+pytestmark = [pytest.mark.blob, pytest.mark.timeout(TEST_TIME_LIMIT_S)]
 
 MiB = 1 << 20
 GiB = 1 << 30
-TEST_TIME_LIMIT_S = 120
 #: the deadline the outage tests run under, and the slack allowed on top of it for the
 #: abort of the upload, thread joins and a loaded machine (a bound on an error path)
 DEADLINE_S = 3.0
 SLACK_S = 12.0
-
-
-@pytest.fixture(autouse=True)
-def _time_limit(request: pytest.FixtureRequest) -> Iterator[None]:
-    """Fail a test that runs longer than TEST_TIME_LIMIT_S instead of hanging the suite."""
-    def on_alarm(signum: int, frame: Any) -> None:
-        raise TimeoutError(f"{request.node.nodeid} exceeded its {TEST_TIME_LIMIT_S} s time limit")
-
-    old = signal.signal(signal.SIGALRM, on_alarm)
-    signal.setitimer(signal.ITIMER_REAL, TEST_TIME_LIMIT_S)
-    try:
-        yield
-    finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, old)
 
 
 def _secrets_of(store: Store) -> list[str]:
@@ -113,11 +99,11 @@ def test_crafted_storage_info_is_refused_before_allocating(blob_store: Store) ->
 
 def test_real_frame_table_passes_validation(blob_store: Store) -> None:
     """What write_buffer records (frames, raw_bytes) passes, for highly compressible data too."""
-    st = FsspecStorage(blob_store.url("root"), blob_store.storage_options)
+    st = FsspecStorage(blob_store.url("root"), blob_store.storage_options, compression="zstd")
     part = _part_bytes(blob_store.kind)
     data = bytearray(3 * part + 123)  # zeros: close to zstd's largest expansion ratio
     with knobs.override(remote_part_bytes=part, remote_concurrency=2):
-        info = st.write_buffer("z.bin", memoryview(data), compression="zstd")
+        info = st.write_buffer("z.bin", memoryview(data))
         assert info["raw_bytes"] == len(data) and len(info["frames"]) == 4
         assert bytes(st.read_buffer("z.bin", info, expected_bytes=len(data))) == bytes(data)
 

@@ -40,8 +40,8 @@ def _data(n: int, seed: int = 0) -> bytearray:
     return bytearray((pattern[: n - len(rnd)] + rnd)[:n])
 
 
-def _storage(store: Store, prefix: str = "root") -> FsspecStorage:
-    return FsspecStorage(store.url(prefix), store.storage_options)
+def _storage(store: Store, prefix: str = "root", *, compression: str | None = None) -> FsspecStorage:
+    return FsspecStorage(store.url(prefix), store.storage_options, compression=compression)
 
 
 # ------------------------------------------------------------------ no server needed (+ memory)
@@ -49,15 +49,20 @@ def _storage(store: Store, prefix: str = "root") -> FsspecStorage:
 
 @pytest.mark.parametrize("compression", [None, "zstd"])
 def test_roundtrip_small(any_store: Store, compression: str | None) -> None:
-    st = _storage(any_store)
+    st = _storage(any_store, compression=compression)
+    assert st.compression == compression
     data = _data(10_000)
-    info = st.write_buffer("step-1/small.bin", memoryview(data), compression=compression)
+    info = st.write_buffer("step-1/small.bin", memoryview(data))
     json.dumps(info)  # goes into the manifest
     back = st.read_buffer("step-1/small.bin", info)
     assert isinstance(back, memoryview) and bytes(back) == bytes(data)
     if compression == "zstd":
         assert info["compression"] == "zstd" and len(info["frames"]) == 1
         assert info["stored_bytes"] < len(data)
+        # reading decides by the stored info, not by the reader's own setting
+        plain = _storage(any_store)
+        assert bytes(plain.read_buffer("step-1/small.bin", info)) == bytes(data)
+        plain.close()
     else:
         assert info == {"stored_bytes": len(data)}
         assert bytes(st.read_buffer("step-1/small.bin")) == bytes(data)  # info is optional
@@ -70,11 +75,11 @@ def test_roundtrip_small(any_store: Store, compression: str | None) -> None:
 def test_roundtrip_multipart(any_store: Store, compression: str | None) -> None:
     part = _part_bytes(any_store.kind)
     data = _data(int(3.5 * part), seed=1)
-    st = _storage(any_store)
+    st = _storage(any_store, compression=compression)
     parts: list[int] = []
     st.on_part_uploaded = lambda rel, i: parts.append(i)
     with knobs.override(remote_part_bytes=part, remote_concurrency=3):
-        info = st.write_buffer("step-2/shard-0.bin", memoryview(data), compression=compression)
+        info = st.write_buffer("step-2/shard-0.bin", memoryview(data))
         back = st.read_buffer("step-2/shard-0.bin", info)
     assert bytes(back) == bytes(data)
     if compression == "zstd":
@@ -93,13 +98,21 @@ def test_empty_and_noncompressible(any_store: Store) -> None:
     st = _storage(any_store)
     assert st.write_buffer("e.bin", memoryview(b"")) == {"stored_bytes": 0}
     assert bytes(st.read_buffer("e.bin", {"stored_bytes": 0})) == b""
-    info = st.write_buffer("ez.bin", memoryview(bytearray()), compression="zstd")
-    assert bytes(st.read_buffer("ez.bin", info)) == b""
+    zst = _storage(any_store, compression="zstd")
+    info = zst.write_buffer("ez.bin", memoryview(bytearray()))
+    assert bytes(zst.read_buffer("ez.bin", info)) == b""
     rnd = os.urandom(50_000)
-    info = st.write_buffer("r.bin", memoryview(rnd), compression="zstd")
-    assert bytes(st.read_buffer("r.bin", info)) == rnd
-    with pytest.raises(ValueError):
-        st.write_buffer("x.bin", memoryview(b"abc"), compression="lz4")
+    info = zst.write_buffer("r.bin", memoryview(rnd))
+    assert bytes(zst.read_buffer("r.bin", info)) == rnd
+
+
+def test_unknown_compression_refused_at_construction() -> None:
+    """The encoding is the storage's setting: an unknown one fails when it is built."""
+    with pytest.raises(ValueError, match=r"memory://nebula-comp/root.*'lz4'.*'zstd'"):
+        FsspecStorage("memory://nebula-comp/root", compression="lz4")
+    with pytest.raises(TypeError):
+        FsspecStorage("memory://nebula-comp/root").write_buffer(  # type: ignore[call-arg]
+            "x.bin", memoryview(b"abc"), compression="zstd")
 
 
 def test_create_only_and_overwrite(any_store: Store) -> None:
@@ -185,9 +198,9 @@ def test_missing_backend_hint() -> None:
 
 
 def test_corrupt_frame_table(any_store: Store) -> None:
-    st = _storage(any_store)
+    st = _storage(any_store, compression="zstd")
     data = _data(20_000)
-    info = st.write_buffer("c.bin", memoryview(data), compression="zstd")
+    info = st.write_buffer("c.bin", memoryview(data))
     # a frame table consistent with itself whose frame decodes to fewer bytes than it says
     bad = dict(info, frames=[[info["frames"][0][0] + 5, info["frames"][0][1]]], raw_bytes=len(data) + 5)
     with pytest.raises(RemoteStorageError, match="c.bin") as ei:
@@ -323,10 +336,12 @@ def _stop_on_first_part(st: FsspecStorage, server, restart_after: float | None =
 def test_server_stopped_mid_upload(blob_store: Store) -> None:
     server = blob_store.server
     assert server is not None
-    st = _storage(blob_store)
+    zst = _storage(blob_store, compression="zstd")
     old = _data(100_000, seed=7)
-    old_info = st.write_buffer("step-1/shard.bin", memoryview(old), compression="zstd")
-    st.write_small("step-1/COMMIT", b"step-1", create_only=True)
+    old_info = zst.write_buffer("step-1/shard.bin", memoryview(old))
+    zst.write_small("step-1/COMMIT", b"step-1", create_only=True)
+    zst.close()
+    st = _storage(blob_store)  # raw writes; still reads the compressed step 1 below
 
     part = _part_bytes(blob_store.kind)
     big = _data(6 * part, seed=8)
@@ -362,14 +377,14 @@ def test_transient_outage_is_retried(blob_store: Store) -> None:
     """The server goes away after the first part and comes back: retries carry the upload."""
     server = blob_store.server
     assert server is not None
-    st = _storage(blob_store)
+    st = _storage(blob_store, compression="zstd")
     part = _part_bytes(blob_store.kind)
     big = _data(4 * part, seed=9)
     down = _stop_on_first_part(st, server, restart_after=0.3)
     with _captured_logs() as logs, knobs.override(
             remote_part_bytes=part, remote_concurrency=2, remote_retries=10,
             remote_backoff_s=0.1, remote_backoff_max_s=1.0):
-        info = st.write_buffer("step-5/shard.bin", memoryview(big), compression="zstd")
+        info = st.write_buffer("step-5/shard.bin", memoryview(big))
     assert down.is_set()
     assert any("retrying" in line for line in logs)
     st.on_part_uploaded = None
@@ -401,7 +416,10 @@ def test_writer_subprocess_killed_mid_upload(blob_store: Store) -> None:
     code = _WRITER.format(repo=str(REPO), part=part, size=3 * part)
     proc = subprocess.Popen([sys.executable, "-c", code, json.dumps(loc.plain())],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    watchdog = threading.Timer(90, lambda: os.kill(proc.pid, signal.SIGKILL))  # never hang
+    # not a test time limit (pytest-timeout is that): it bounds only the wait for the child's
+    # first line, and by killing the child it unblocks readline() so the assertion below can
+    # report what the child said; a timed-out test would leave the child running instead
+    watchdog = threading.Timer(90, lambda: os.kill(proc.pid, signal.SIGKILL))
     watchdog.start()
     try:
         assert proc.stdout is not None

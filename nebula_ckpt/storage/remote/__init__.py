@@ -1,11 +1,12 @@
 """Remote (object store) storage over fsspec: Azure Blob, S3, and any other fsspec URL.
 
-``FsspecStorage(url, storage_options)`` returns the backend for the URL's scheme
-(:func:`storage_class_for`): :class:`S3Storage` (``s3://``), :class:`AzureBlobStorage`
+``FsspecStorage(url, storage_options, compression=None)`` returns the backend for the URL's
+scheme (:func:`storage_class_for`): :class:`S3Storage` (``s3://``), :class:`AzureBlobStorage`
 (``az://``, ``abfs://``, ``abfss://``) or :class:`GenericFsspecStorage` (``memory://``,
-``file://``, ``gs://``, ...). Blob stores have no atomic rename, so shard data is written
-straight to its final (unique) name and the commit marker uses a create-only write
-(``If-None-Match: *``).
+``file://``, ``gs://``, ...); ``compression`` (``None`` or ``"zstd"``) is how its writes
+encode, while reads decode by each object's recorded storage info. Blob stores have no atomic
+rename, so shard data is written straight to its final (unique) name and the commit marker uses
+a create-only write (``If-None-Match: *``).
 
 The package, by concern:
 

@@ -1,8 +1,9 @@
 """The remote storage base class: everything S3, Azure and generic fsspec backends share.
 
 :class:`FsspecStorage` implements :class:`~nebula_ckpt.storage.base.Storage` over an fsspec
-filesystem. ``FsspecStorage(url, storage_options)`` returns an instance of the backend class
-for the URL's scheme (:func:`~.registry.storage_class_for`); a backend overrides a few hooks:
+filesystem. ``FsspecStorage(url, storage_options, compression=None)`` returns an instance of the
+backend class for the URL's scheme (:func:`~.registry.storage_class_for`); a backend overrides a
+few hooks:
 
 * ``_set_default_options`` / ``_configure_client``: timeouts and SDK retries of its client;
 * ``_sink``: how one object is uploaded (:class:`~.upload.Sink`);
@@ -31,7 +32,7 @@ from ... import knobs
 from ..base import Buffer, Storage
 from . import retry
 from .errors import CorruptRemoteDataError, RemoteStorageError, storage_error
-from .frames import ReadTask, compressor, download, plan_read
+from .frames import ReadTask, compressor, download, plan_read, zstd_module
 from .registry import filesystem_class, storage_class_for
 from .retry import Attempt, RetryPolicy, classify, describe
 from .scrub import SafeUrl, Scrubber, collect_secrets
@@ -57,21 +58,28 @@ class FsspecStorage(Storage):
             ``read_timeout``; Azure: ``connection_timeout`` / ``read_timeout``), no listings
             cache, and the SDKs' own retries disabled (this class retries per the
             ``remote_*`` knobs). The filesystem instance is private to this object.
+        compression: how :meth:`write_buffer` encodes what it uploads: ``None`` (raw bytes) or
+            ``"zstd"`` (each upload part one zstd frame, level knob ``zstd_level``). Reading
+            never depends on it: :meth:`read_buffer` decodes by the storage info recorded
+            with each object, so a storage built without compression reads compressed objects.
 
     Attributes:
         display_url: the URL without credentials or query string (safe to log).
+        compression: the ``compression`` it was built with.
         on_part_uploaded: optional test/progress hook ``f(rel, part_index)`` called from the
             upload thread after each part of a multi-part upload has been accepted.
 
     Raises:
-        ImportError: the fsspec backend for the URL's scheme is not installed (the message
-            says what to install).
-        ValueError: unknown scheme, or no container / bucket in the URL.
+        ImportError: the fsspec backend for the URL's scheme, or for ``compression="zstd"`` the
+            ``zstandard`` package, is not installed (the message says what to install).
+        ValueError: unknown scheme, no container / bucket in the URL, or an unknown
+            ``compression``.
         RemoteStorageError: the client could not be created.
 
     Example::
 
-        st = FsspecStorage("s3://bucket/run-1", {"key": ..., "secret": ...})  # -> S3Storage
+        st = FsspecStorage("s3://bucket/run-1", {"key": ..., "secret": ...},
+                           compression="zstd")  # -> S3Storage
         st.check_access()
     """
 
@@ -83,7 +91,8 @@ class FsspecStorage(Storage):
     #: the URL must name a container / bucket
     needs_container: ClassVar[bool] = True
 
-    def __new__(cls, url: str, storage_options: Optional[dict[str, Any]] = None) -> "FsspecStorage":
+    def __new__(cls, url: str, storage_options: Optional[dict[str, Any]] = None, *,
+                compression: Optional[str] = None) -> "FsspecStorage":
         if cls is FsspecStorage:
             cls = storage_class_for(url)
         elif not cls._is_backend:
@@ -91,9 +100,16 @@ class FsspecStorage(Storage):
                             f"scheme; subclass the backend instead: storage_class_for(url)")
         return super().__new__(cls)
 
-    def __init__(self, url: str, storage_options: Optional[dict[str, Any]] = None) -> None:
+    def __init__(self, url: str, storage_options: Optional[dict[str, Any]] = None, *,
+                 compression: Optional[str] = None) -> None:
         safe = SafeUrl.parse(url)
         self.display_url = safe.display
+        if compression not in (None, "zstd"):
+            raise ValueError(f"remote tier {self.display_url}: unsupported compression "
+                             f"{compression!r}; use None (raw bytes) or 'zstd'")
+        if compression == "zstd":
+            zstd_module()  # a missing package fails here, before anything is uploaded
+        self.compression = compression
         options = dict(storage_options or {})
         self._scrub = Scrubber(collect_secrets(options) | safe.secrets)
         self.on_part_uploaded: Optional[Callable[[str, int], None]] = None
@@ -236,32 +252,30 @@ class FsspecStorage(Storage):
         self._retry("check access", "", self._probe)
         logger.debug("remote tier %s: access ok (%.3fs)", self.display_url, time.monotonic() - t0)
 
-    def write_buffer(self, rel: str, data: Buffer, *, compression: Optional[str] = None) -> dict[str, Any]:
+    def write_buffer(self, rel: str, data: Buffer) -> dict[str, Any]:
         """Upload ``data`` to ``rel`` (a new, unique name), durable on return.
 
         Buffers larger than one part (knob ``remote_part_bytes``) go up as parallel parts (at
         most ``remote_concurrency`` in flight), each streamed from a slice of ``data`` (no
-        whole copy). With ``compression="zstd"`` each part is compressed independently (level
-        knob ``zstd_level``) so parts stay parallel and can be decompressed in parallel.
+        whole copy). On a storage built with ``compression="zstd"`` each part is compressed
+        independently (level knob ``zstd_level``, read per call) so parts stay parallel and
+        can be decompressed in parallel.
 
         Returns:
             ``{"stored_bytes": n}``, plus ``"compression": "zstd"``, ``"raw_bytes"`` and
             ``"frames": [[raw_len, stored_len], ...]`` when compressed.
 
         Raises:
-            ValueError: unknown ``compression`` or a non-contiguous buffer.
+            ValueError: a non-contiguous buffer.
             RemoteStorageError (or a subclass): the upload failed; the message names the tier
                 and ``rel``.
         """
-        if compression not in (None, "zstd"):
-            raise ValueError(f"remote tier {self.display_url}: unsupported compression "
-                             f"{compression!r} (use None or 'zstd')")
         self._check_open()
         mv = byte_view(data)
         path, n = self._path(rel), len(mv)
         conc = max(1, int(knobs.get("remote_concurrency")))
         part = self.part_limits.part_size(n, int(knobs.get("remote_part_bytes")), conc)
-        compress = compressor(int(knobs.get("zstd_level"))) if compression == "zstd" else None
+        compress = compressor(int(knobs.get("zstd_level"))) if self.compression == "zstd" else None
         t0 = time.monotonic()
         if n <= part:
             stored, frames = self._write_single(rel, path, mv, compress)

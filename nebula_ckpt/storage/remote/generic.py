@@ -87,8 +87,9 @@ class GenericFsspecStorage(FsspecStorage):
     _is_backend = True
     needs_container = False
 
-    def __init__(self, url: str, storage_options: dict[str, Any] | None = None) -> None:
-        super().__init__(url, storage_options)
+    def __init__(self, url: str, storage_options: dict[str, Any] | None = None, *,
+                 compression: str | None = None) -> None:
+        super().__init__(url, storage_options, compression=compression)
         protocols = self._fs.protocol if isinstance(self._fs.protocol, tuple) else (self._fs.protocol,)
         self._is_local_fs = "file" in protocols
 
