@@ -1,8 +1,11 @@
 # nebula_ckpt — the two commands a newcomer needs: `make demo` and `make test`.
 VPY := .venv/bin/python
 PYTEST_ARGS ?=
+# the linters are pinned: a new release with new rules must not turn CI red by itself
+RUFF_VERSION := 0.17.6
+MYPY_VERSION := 2.4.1
 
-.PHONY: demo demo-wipe test test-fast bench bench-deps bench-quick install blob-servers clean
+.PHONY: demo demo-wipe test test-fast lint bench bench-deps bench-quick install blob-servers clean
 
 install:
 	bash scripts/bootstrap.sh
@@ -21,6 +24,14 @@ test: install blob-servers
 
 test-fast: install
 	$(VPY) -m pytest -m "not slow and not blob" $(PYTEST_ARGS)
+
+# ruff and mypy with the configuration in pyproject.toml (installed into .venv when missing)
+lint: install
+	@$(VPY) -c "import importlib.metadata as m, sys; \
+	  sys.exit(m.version('ruff') != '$(RUFF_VERSION)' or m.version('mypy') != '$(MYPY_VERSION)')" 2>/dev/null \
+	  || $(VPY) -m pip install -q "ruff==$(RUFF_VERSION)" "mypy==$(MYPY_VERSION)"
+	$(VPY) -m ruff check --output-format concise nebula_ckpt tests
+	$(VPY) -m mypy nebula_ckpt
 
 # peers only the full benchmark needs; the installed torch is pinned so pip never swaps it
 bench-deps: install

@@ -7,13 +7,28 @@ Environment switches:
 
 from __future__ import annotations
 
+import ast
 import glob
 import os
 
 from setuptools import find_packages, setup
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
-VERSION = "0.1.0"
+
+
+def _read_version() -> str:
+    """``__version__`` of nebula_ckpt/_version.py, parsed (importing the package needs torch)."""
+    path = os.path.join(ROOT, "nebula_ckpt", "_version.py")
+    with open(path, encoding="utf-8") as f:
+        tree = ast.parse(f.read(), path)
+    for node in tree.body:
+        if (isinstance(node, ast.Assign) and len(node.targets) == 1
+                and isinstance(node.targets[0], ast.Name) and node.targets[0].id == "__version__"):
+            return str(ast.literal_eval(node.value))
+    raise RuntimeError(f"{path} does not assign __version__")
+
+
+VERSION = _read_version()
 
 
 def _env_flag(name: str) -> bool:
@@ -55,7 +70,8 @@ def _extensions_and_cmdclass():
     else:
         cxx_flags = ["-O3", "-g0"]
     cxx_flags += ["-fvisibility=hidden", "-Wall", "-Wextra", "-Wno-unused-parameter"]
-    define_macros: list[tuple[str, str | None]] = []
+    # The extension reports the package version (build_info()), from the same single source.
+    define_macros: list[tuple[str, str | None]] = [("NEBULA_VERSION", f'"{VERSION}"')]
 
     common = dict(
         name="nebula_ckpt._C",

@@ -12,6 +12,11 @@
 #include "copy_engine.h"
 #include "file_io.h"
 
+// The package version, from nebula_ckpt/_version.py (setup.py passes it; there is no other copy).
+#ifndef NEBULA_VERSION
+#error "NEBULA_VERSION is not defined: build the extension through setup.py"
+#endif
+
 namespace py = pybind11;
 using namespace nebula;
 
@@ -152,7 +157,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       "build_info",
       [] {
         py::dict d;
-        d["version"] = "0.1.0";
+        d["version"] = NEBULA_VERSION;
         d["cuda"] = kWithCuda;
         d["crc32c_hw"] = crc32c_hw_available();
         d["o_direct"] = o_direct_supported();

@@ -15,7 +15,9 @@ def build_info() -> _BuildInfo:
     """Version and capabilities: CUDA build, hardware CRC32C in use, O_DIRECT known."""
 
 def alloc_host_buffer(nbytes: int, pinned: bool = False, prefault_threads: int = 1) -> torch.Tensor:
-    """Zero-filled, pre-faulted 1-D uint8 CPU tensor over 4 KiB (>= 2 MiB: 2 MiB) aligned memory; pinned needs the CUDA build."""
+    """Zero-filled, pre-faulted 1-D uint8 CPU tensor over 4 KiB (>= 2 MiB: 2 MiB) aligned memory.
+
+    ``pinned`` needs the CUDA build."""
 
 class CopyJob:
     """Handle of one asynchronous ``CopyEngine.enqueue``; keeps its sources and destination alive.
@@ -35,7 +37,9 @@ class CopyJob:
         ``.data`` or numpy, which bypass the version counter).
         """
     def checksums(self) -> list[int]:
-        """CRC32C of the bytes staged for each source, taken during the copy (waits); empty when CUDA sources were copied."""
+        """CRC32C of the bytes staged for each source, taken during the copy (waits).
+
+        Empty when CUDA sources were copied."""
     def seconds(self) -> float:
         """Seconds from enqueue to the last copy finished (elapsed so far while running)."""
 
@@ -48,9 +52,13 @@ class CopyEngine:
     def num_threads(self) -> int:
         """Number of worker threads (0 once closed)."""
     def close(self) -> None:
-        """Finish the queued copies and join the threads now (idempotent); ``enqueue`` raises RuntimeError afterwards."""
+        """Finish the queued copies and join the threads now (idempotent).
+
+        ``enqueue`` raises RuntimeError afterwards."""
     def enqueue(self, srcs: list[torch.Tensor], dst: torch.Tensor, offsets: list[int]) -> CopyJob:
-        """Validate, then asynchronously copy each srcs[i]'s contiguous bytes into the 1-D uint8 CPU dst at offsets[i]."""
+        """Validate, then asynchronously copy each srcs[i]'s contiguous bytes into dst at offsets[i].
+
+        ``dst``: a 1-D uint8 CPU tensor."""
 
 def crc32c(buf: torch.Tensor, offsets: list[int], lengths: list[int], num_threads: int) -> list[int]:
     """CRC32C of each byte range [offsets[i], offsets[i] + lengths[i]) of a 1-D contiguous uint8 CPU tensor."""

@@ -23,13 +23,20 @@ import threading
 from typing import Any, Optional
 
 from . import knobs
+from ._version import __version__ as __version__
 from .checkpointer import Checkpointer
-from .errors import (ConsistencyError, CorruptCheckpointError, FencedError, NebulaError, NotFoundError,
-                     PersistError, PickleNotAllowedError, ValidationError)
+from .errors import (
+    ConsistencyError,
+    CorruptCheckpointError,
+    FencedError,
+    NebulaError,
+    NotFoundError,
+    PersistError,
+    PickleNotAllowedError,
+    ValidationError,
+)
 from .handle import SaveHandle
 from .tiers import LocalTier, MemoryTier, RemoteTier, Tier
-
-__version__ = "0.1.0"
 
 __all__ = [
     "Checkpointer", "SaveHandle", "MemoryTier", "LocalTier", "RemoteTier", "Tier",

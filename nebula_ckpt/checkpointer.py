@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import atexit
 import logging
-import os
 import threading
 import weakref
 from typing import Any, Optional, Sequence
@@ -20,23 +19,22 @@ import torch
 
 from . import knobs
 from .buffers import StagingPool
-from .errors import NebulaError, NotFoundError, ValidationError
 from .coordinator import Coordinator, LocalCoordinator
+from .errors import NebulaError, NotFoundError, ValidationError
 from .fanout import fan_out
 from .fencing import Fence, run_id
 from .handle import SaveHandle
+from .manifest import committed_steps
 from .memtier import Owner
 from .native import describe as native_describe
 from .native import get_ops, monotonic
-from .manifest import committed_steps
 from .persist import TierWriter
 from .plan import make_plan
 from .restore import apply, find_and_open, materialize
 from .snapshot import Snapshot, Stager
 from .storage.base import Storage
 from .tier_runtime import TierRuntime
-from .tiers import (Tier, canonical_root, default_tiers, now,
-                    tier_for_root)
+from .tiers import Tier, canonical_root, default_tiers, now, tier_for_root
 
 log = logging.getLogger("nebula_ckpt")
 

@@ -1,7 +1,8 @@
 """The ``nebula-ckpt`` command line: ls, verify, inspect, export, gc, bench.
 
 Exit codes: 0 success; 1 damage found (verify) or nothing to act on; 2 bad usage.
-Every command takes ``--json`` for scripts and ``--storage-options JSON`` for remote roots.
+ls, verify, inspect and export take ``--json`` for scripts and ``--storage-options JSON`` for
+remote roots; gc takes ``--json`` too (bench has options of its own: ``nebula-ckpt bench --help``).
 ``ls`` verifies every checksum like ``verify`` (``ls --quick`` checks sizes only).
 """
 
@@ -12,14 +13,14 @@ import json
 import logging
 import os
 import sys
-from typing import Any, Optional, Sequence
+from typing import Any, Mapping, Optional, Sequence
 
 from . import manifest as mf
 from .errors import CorruptCheckpointError, NebulaError
-from .restore import materialize, open_checkpoint
-from .storage.base import Storage
 from .fencing import read_run_id
 from .memtier import Owner
+from .restore import materialize, open_checkpoint
+from .storage.base import Storage
 from .tiers import Tier, canonical_root, default_tiers
 
 log = logging.getLogger(__name__)
@@ -151,7 +152,7 @@ def _open_step(args: argparse.Namespace, verify: str) -> Any:
                       + (f" ({'; '.join(errors)})" if errors else ""))
 
 
-def _tree_text(node: dict[str, Any], indent: str = "") -> list[str]:
+def _tree_text(node: Mapping[str, Any], indent: str = "") -> list[str]:
     t = node["t"]
     if t in ("dict", "odict"):
         lines = []
@@ -172,7 +173,7 @@ def _tree_text(node: dict[str, Any], indent: str = "") -> list[str]:
     return [indent + _leaf_text(node)]
 
 
-def _leaf_text(v: dict[str, Any]) -> str:
+def _leaf_text(v: Mapping[str, Any]) -> str:
     t = v["t"]
     if t == "tensor":
         return f"<tensor {v['k']}>"

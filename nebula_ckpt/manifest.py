@@ -19,6 +19,7 @@ typed records it returns.
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import re
@@ -43,6 +44,7 @@ COMMIT = "COMMIT"
 _STEP_RE = re.compile(r"step-(0|[1-9][0-9]*)")
 _SHARD_RE = re.compile(r"shard-g(0|[1-9][0-9]*)-r(0|[1-9][0-9]*)\.safetensors")
 _SHARD_PREFIX_RE = re.compile(r"shard-g([0-9]+)-r[0-9]+\.safetensors")
+_SHARD_OWNER_RE = re.compile(r"shard-g([0-9]+)-r([0-9]+)\.safetensors")
 _DEVICE_RE = re.compile(r"(cpu|cuda)(:(0|[1-9][0-9]{0,3}))?")
 #: Bounds that keep hostile numbers cheap: no file of ours is anywhere near 2**62 bytes.
 MAX_BYTES = 1 << 62
@@ -102,6 +104,12 @@ def committed_steps(storage: "Storage") -> list[int]:
 def shard_name(generation: int, rank: int = 0) -> str:
     """File name of a shard."""
     return f"shard-g{generation}-r{rank}.safetensors"
+
+
+def shard_owner(name: str) -> Optional[tuple[int, int]]:
+    """``(generation, rank)`` of the writer of a shard file (or of a partial file named like one)."""
+    m = _SHARD_OWNER_RE.match(name)
+    return (int(m.group(1)), int(m.group(2))) if m else None
 
 
 def shard_generation(name: str) -> Optional[int]:
@@ -445,7 +453,7 @@ def _parse_body(m: dict[str, Any], w: str, step: int, version: int) -> Manifest:
 def _check_overlaps(tensors: dict[str, TensorRecord], shards: tuple[ShardRecord, ...], w: str) -> None:
     """No two tensors share a byte: the sum of tensor bytes can then never exceed a shard's bytes."""
     spans = sorted((t.shard, t.start, t.end, k) for k, t in tensors.items() if t.nbytes)
-    for (s0, _, e0, k0), (s1, b1, _, k1) in zip(spans, spans[1:]):
+    for (s0, _, e0, k0), (s1, b1, _, k1) in itertools.pairwise(spans):
         if s0 == s1 and b1 < e0:
             raise _bad(w, f"tensors {k0!r} and {k1!r} overlap in {shards[s0].file} (bytes {b1}..{e0}); "
                        "every tensor must own its bytes")
@@ -475,8 +483,3 @@ def build_manifest(*, step: int, generation: int, shards: list[dict[str, Any]],
     return {"format": FORMAT, "version": VERSION, "step": step, "generation": generation,
             "time": time.time(), "checksum": "crc32c", "shards": shards, "tensors": tensors,
             "aliases": aliases, "tree": tree, "stats": stats}
-
-
-def parse_manifest(data: Any, where: str, step: Optional[int] = None) -> Manifest:
-    """Parse and validate a manifest: :meth:`Manifest.parse`."""
-    return Manifest.parse(data, where, step)

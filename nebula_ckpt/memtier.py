@@ -4,8 +4,9 @@
 
 * every folder on the memory tier's path below the tmpfs is created ``0700`` and, when it
   exists already, must be a real directory (not a symlink) owned by this user and not
-  writable by anyone else (a folder that others may only read is tightened to ``0700``); the tmpfs itself must be owned by root or this user and, when
-  others may write to it, carry the sticky bit (so nobody can rename our folders away);
+  writable by anyone else (a folder that others may only read is tightened to ``0700``); the
+  tmpfs itself must be owned by root or this user and, when others may write to it, carry the
+  sticky bit (so nobody can rename our folders away);
 * each folder is opened relative to its verified parent with ``O_NOFOLLOW``;
 * a memory tier is *claimed* by a ``ROOT`` file naming the checkpoint root and its run id (a
   random id the persistent root records in ``_nebula/run.json``): a folder of another root, of

@@ -92,7 +92,7 @@ class _FallbackJob:
 
         try:
             with torch.no_grad():
-                for i, (src, off) in enumerate(zip(self._srcs, self._offsets)):
+                for i, (src, off) in enumerate(zip(self._srcs, self._offsets, strict=True)):
                     n = src.numel() * src.element_size()
                     crc, torn = 0, False
                     if n:
@@ -101,9 +101,9 @@ class _FallbackJob:
                         # The checksum is that of the staged bytes; a source whose bytes differ
                         # from them after the copy was written meanwhile (a device source is
                         # left to its version counter: re-reading it would cost a transfer).
-                        crc = _crc.crc32c(memoryview(staged.numpy()))
+                        crc = _crc.crc32c(staged.numpy().data)
                         if src.device.type == "cpu":
-                            torn = _crc.crc32c(memoryview(_byte_view(src).numpy())) != crc
+                            torn = _crc.crc32c(_byte_view(src).numpy().data) != crc
                     self._checksums.append(int(crc))
                     if torn or src._version != self._versions[i]:
                         self._modified.append(i)
@@ -149,8 +149,8 @@ class FallbackOps:
         """CRC32C of each ``buf[offset:offset+length]``."""
         import crc32c as _crc
 
-        mv = memoryview(buf.numpy())
-        return [_crc.crc32c(mv[o:o + n]) for o, n in zip(offsets, lengths)]
+        mv = buf.numpy().data
+        return [_crc.crc32c(mv[o:o + n]) for o, n in zip(offsets, lengths, strict=True)]
 
     def crc32c_bytes(self, data: bytes | bytearray | memoryview) -> int:
         """CRC32C of a bytes-like object."""
@@ -172,7 +172,7 @@ class FallbackOps:
             OSError: with the failing call's ``errno`` (``ENOSPC``, ``EACCES``, ...) and
                 ``filename == path``, like the native path.
         """
-        mv = memoryview(buf.numpy())[offset:offset + nbytes]
+        mv = buf.numpy().data[offset:offset + nbytes]
         chunk = knobs.get("write_chunk_bytes")
         op = "open"
         try:
@@ -207,7 +207,7 @@ class FallbackOps:
 
     def read_file(self, path: str, buf: torch.Tensor, offset: int, nbytes: int) -> None:
         """Read the first ``nbytes`` of ``path`` into ``buf[offset:offset+nbytes]``."""
-        mv = memoryview(buf.numpy())[offset:offset + nbytes]
+        mv = buf.numpy().data[offset:offset + nbytes]
         with open(path, "rb", buffering=0) as f:
             got = 0
             while got < nbytes:
@@ -277,7 +277,7 @@ _fallback = FallbackOps()
 def _load_native() -> FallbackOps:
     global _native_error
     try:
-        from . import _C  # type: ignore[attr-defined]
+        from . import _C
 
         ops = NativeOps(_C)
         log.info("nebula_ckpt: running the native path (C++ extension %s)", ops.info)
@@ -324,7 +324,7 @@ def fallback_ops() -> FallbackOps:
 def native_available() -> bool:
     """Whether the C++ extension imports."""
     try:
-        from . import _C  # type: ignore[attr-defined]  # noqa: F401
+        from . import _C  # noqa: F401
     except Exception:
         return False
     return True

@@ -28,9 +28,9 @@ from . import knobs
 from . import manifest as mf
 from .coordinator import Coordinator, LocalCoordinator
 from .errors import FencedError, PersistError
+from .fanout import Delivery
 from .fencing import TierFence
 from .native import get_ops
-from .fanout import Delivery
 from .snapshot import Snapshot, build_tier_manifest
 from .storage.base import Storage
 from .tier_runtime import TierRuntime

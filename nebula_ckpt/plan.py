@@ -292,7 +292,7 @@ def make_plan(step: Any, state: Any, *, allow_pickle: bool = False) -> Plan:
     layout, keys = make_layout(fl.tensors)
     modules = [m for m in fl.modules if any(True for _ in m.buffers())]
     sources = [fl.tensors[k] for k in keys]
-    devices = {k: f"cuda:{t.get_device()}" for k, t in zip(keys, sources) if t.is_cuda}
+    devices = {k: f"cuda:{t.get_device()}" for k, t in zip(keys, sources, strict=False) if t.is_cuda}
     return Plan(step=step, layout=layout, sources=sources, versions=[t._version for t in sources], tree=tree,
                 aliases=fl.aliases, devices=devices,
                 optimizers=fl.optimizers, modules_with_buffers=modules)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Mapping, Optional
 
 import torch
 
@@ -139,7 +139,7 @@ def _verify_checksums(man: mf.Manifest, buffers: list[torch.Tensor], where: str)
         by_shard.setdefault(rec.shard, []).append(rec)
     for si, recs in by_shard.items():
         got = ops.crc32c(buffers[si], [r.start for r in recs], [r.nbytes for r in recs])
-        for rec, have in zip(recs, got):
+        for rec, have in zip(recs, got, strict=True):
             if have != rec.crc32c:
                 raise CorruptCheckpointError(f"{where}: checksum mismatch in tensor '{rec.key}' "
                                              f"(crc32c {have:#010x}, manifest {rec.crc32c:#010x})")
@@ -255,7 +255,8 @@ def _owned_batch(ck: OpenCheckpoint, keys: list[str], map_location: Any) -> dict
     # Each stored tensor once, however often the tree names it: with the ranges validated as
     # disjoint by Manifest.parse, the buffers below never exceed the shard's own bytes.
     real = list(dict.fromkeys(aliases.get(k, k) for k in keys))
-    cpu, other = [], []
+    cpu: list[tuple[str, Optional[torch.device]]] = []
+    other: list[tuple[str, Optional[torch.device]]] = []
     for k in real:
         dev = _target_device(ck.manifest.tensors[k], map_location)
         (cpu if dev is None or dev.type == "cpu" else other).append((k, dev))
@@ -274,7 +275,7 @@ def _owned_batch(ck: OpenCheckpoint, keys: list[str], map_location: Any) -> dict
             total += -(-(v.numel() * v.element_size()) // 64) * 64
         buf = ops.alloc(total) if total else torch.empty(0, dtype=torch.uint8)
         jobs.append(ops.enqueue_copy([v for _, v in items], buf, offsets))
-        for (k, v), off in zip(items, offsets):
+        for (k, v), off in zip(items, offsets, strict=True):
             n = v.numel() * v.element_size()
             out[k] = buf[off:off + n].view(v.dtype).reshape(v.shape)
     for job in jobs:
@@ -286,13 +287,13 @@ def _owned_batch(ck: OpenCheckpoint, keys: list[str], map_location: Any) -> dict
     return out
 
 
-def _decode_owned(ck: OpenCheckpoint, node: dict[str, Any], map_location: Any, allow_pickle: bool,
+def _decode_owned(ck: OpenCheckpoint, node: Mapping[str, Any], map_location: Any, allow_pickle: bool,
                   path: str) -> Any:
     owned = _owned_batch(ck, _tensor_keys(node, []), map_location)
     return decode(node, owned.__getitem__, allow_pickle, path)
 
 
-def _apply_node(ck: OpenCheckpoint, node: dict[str, Any], target: Any, path: str, map_location: Any,
+def _apply_node(ck: OpenCheckpoint, node: Mapping[str, Any], target: Any, path: str, map_location: Any,
                 strict: bool, allow_pickle: bool) -> Any:
     """Restore ``node`` into ``target`` where possible; return the value to store in the parent."""
     t = node["t"]

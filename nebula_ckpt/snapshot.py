@@ -97,7 +97,7 @@ class Snapshot:
             if self._confirmed.is_set():
                 return
             if self.handle._snapshot_failure() is None:
-                changed = [i for i, (t, v) in enumerate(zip(self.plan.sources, self.plan.versions))
+                changed = [i for i, (t, v) in enumerate(zip(self.plan.sources, self.plan.versions, strict=False))
                            if t._version != v]
                 if changed:
                     self.handle._fail_snapshot(self._consistency_error(changed))
@@ -233,7 +233,7 @@ class Stager:
         snap.tensor_index = {
             e.key: {"dtype": e.dtype, "shape": list(e.shape), "offsets": [e.offset, e.offset + e.nbytes],
                     "crc32c": c, "device": devices.get(e.key, "cpu")}
-            for e, c in zip(entries, sums)}
+            for e, c in zip(entries, sums, strict=False)}
         log.debug("nebula_ckpt: step %d staged (%d tensors, %.1f MiB, copy %.1f ms)", snap.step,
                   len(entries), snap.nbytes / 2**20, snap.copy_seconds * 1e3)
         self._deliver(snap, snap.targets)  # takes over the stager's reference

@@ -16,7 +16,7 @@ import base64
 import binascii
 import collections
 import pickle
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 import torch
 
@@ -30,8 +30,6 @@ Node = dict[str, Any]
 #: levels deep; the bound keeps decoding (one Python frame per level) far from the recursion limit.
 MAX_DEPTH = 256
 _CONTAINERS = ("dict", "odict", "list", "tuple")
-_LEAVES = ("none", "bool", "int", "str", "float", "complex", "bytes", "dtype", "device", "size",
-           "tensor", "pickle")
 
 
 def encode_float(x: float) -> str:
@@ -75,7 +73,7 @@ def encode_leaf(value: Any, path: str, allow_pickle: bool) -> Node:
         "need allow_pickle=True).")
 
 
-def decode(node: Node, tensor: Callable[[str], Any], allow_pickle: bool, path: str = "") -> Any:
+def decode(node: Mapping[str, Any], tensor: Callable[[str], Any], allow_pickle: bool, path: str = "") -> Any:
     """Rebuild a value from its typed JSON; ``tensor(key)`` supplies tensor leaves.
 
     ``node`` must have passed :func:`check_tree` (every tree of a parsed manifest has).
@@ -122,7 +120,6 @@ def decode(node: Node, tensor: Callable[[str], Any], allow_pickle: bool, path: s
         return pickle.loads(base64.b64decode(node["v"]))  # noqa: S301 - explicitly allowed by the caller
     raise CorruptCheckpointError(f"tree node '{path or '<root>'}': unknown node type {t!r} "
                                  "(checkpoint from a newer nebula_ckpt?)")
-
 
 
 def _fail(where: str, path: str, what: str) -> CorruptCheckpointError:

@@ -10,7 +10,7 @@ PY=${PYTHON:-python3}
 quiet() { "$@" 2>&1 | { grep -v "is ignored: it is neither a file nor a directory" || true; }; return "${PIPESTATUS[0]}"; }
 VENV=.venv
 STAMP=$VENV/.nebula-installed
-if [ -f "$STAMP" ] && [ "$STAMP" -nt setup.py ] && [ "$STAMP" -nt scripts/bootstrap.sh ] && [ -z "$(find csrc -newer "$STAMP" -print -quit)" ]; then
+if [ -f "$STAMP" ] && [ "$STAMP" -nt setup.py ] && [ "$STAMP" -nt scripts/bootstrap.sh ] && [ "$STAMP" -nt nebula_ckpt/_version.py ] && [ -z "$(find csrc -newer "$STAMP" -print -quit)" ]; then
   exit 0
 fi
 if [ ! -x $VENV/bin/python ]; then

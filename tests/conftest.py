@@ -28,7 +28,10 @@ def ops_path(request: pytest.FixtureRequest) -> Iterator[str]:
 @pytest.fixture
 def shm_dir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """A private folder standing in for /dev/shm (under /dev/shm when it exists)."""
-    base = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else str(tmp_path_factory.mktemp("shm"))
+    if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK):
+        base = "/dev/shm"
+    else:
+        base = str(tmp_path_factory.mktemp("shm"))
     d = os.path.join(base, f"nebula-test-{uuid.uuid4().hex[:10]}")
     os.makedirs(d)
     with knobs.override(shm_dir=d):

@@ -14,7 +14,7 @@ import nebula_ckpt as nc
 
 def _save_two(root: str) -> dict[str, torch.Tensor]:
     torch.manual_seed(0)
-    states = {1: {"w": torch.randn(128, 128), "b": torch.randn(7)}, 2: {"w": torch.randn(128, 128), "b": torch.randn(7)}}
+    states = {s: {"w": torch.randn(128, 128), "b": torch.randn(7)} for s in (1, 2)}
     with nc.Checkpointer(root, memory_tier=False, keep_last=5) as ck:
         for s, st in states.items():
             ck.save(s, st)

@@ -53,7 +53,8 @@ def test_golden_tiny_checkpoint(tmp_path, shm_dir) -> None:  # noqa: ANN001
     }
     import crc32c
     assert man["tensors"]["w"]["crc32c"] == crc32c.crc32c(data[4096:4120])
-    assert man["shards"] == [{"file": "shard-g1-r0.safetensors", "bytes": len(data), "storage": {"stored_bytes": len(data)}}]
+    assert man["shards"] == [{"file": "shard-g1-r0.safetensors", "bytes": len(data),
+                              "storage": {"stored_bytes": len(data)}}]
     commit = json.load(open(os.path.join(d, "COMMIT")))
     mbytes = open(os.path.join(d, "manifest.json"), "rb").read()
     assert commit["manifest_bytes"] == len(mbytes) and commit["manifest_crc32c"] == crc32c.crc32c(mbytes)
@@ -76,7 +77,7 @@ def test_golden_manifest_parses_to_typed_records_and_back(tmp_path, shm_dir) -> 
     assert man.tensors["h"].torch_dtype == torch.bfloat16 and man.tensors["h"].nbytes == 4
     assert man.shards == (mf.ShardRecord("shard-g1-r0.safetensors", 4124, {"stored_bytes": 4124}),)
     assert man.to_json() == json.loads(raw)
-    assert mf.parse_manifest(raw, "golden").to_json() == json.loads(raw)
+    assert mf.Manifest.parse(raw, "golden").to_json() == json.loads(raw)
 
 
 def test_one_dtype_table() -> None:

@@ -41,7 +41,7 @@ HOSTILE = [
     ("huge-step", 10**300, {"w": torch.ones(1)}, "2**63-1"),
     ("enormous-step", 10**5000, {"w": torch.ones(1)}, "2**63-1"),
     ("cycle", 1, _cyclic(), "cycle"),
-    ("list-cycle", 1, (lambda l: (l.append(l), {"l": l})[1])([]), "cycle"),
+    ("list-cycle", 1, (lambda lst: (lst.append(lst), {"l": lst})[1])([]), "cycle"),
     ("deep", 1, _deep(5000), "levels deep"),
     ("metadata-key", 1, {"__metadata__": torch.ones(1)}, "reserved"),
     ("huge-int", 1, {"n": 10**5000}, "too large"),

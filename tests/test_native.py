@@ -44,7 +44,7 @@ def assert_images(srcs, dst, offsets, job=None):
     sums = job.checksums() if job is not None else None
     if sums is not None:
         assert len(sums) == len(srcs)
-    for i, (s, off) in enumerate(zip(srcs, offsets)):
+    for i, (s, off) in enumerate(zip(srcs, offsets, strict=False)):
         img = byte_image(s)
         got = dst[off : off + img.numel()]
         assert torch.equal(got, img), f"srcs[{i}] ({s.dtype}, {tuple(s.shape)}) differs"
@@ -57,7 +57,9 @@ def assert_images(srcs, dst, offsets, job=None):
 
 def test_build_info():
     info = _C.build_info()
-    assert info["version"] == "0.1.0"
+    from nebula_ckpt import __version__
+
+    assert info["version"] == __version__  # one version: nebula_ckpt/_version.py, compiled in by setup.py
     assert info["cuda"] in (True, False)
     assert isinstance(info["crc32c_hw"], bool)
     assert isinstance(info["o_direct"], bool)
@@ -139,7 +141,7 @@ def test_copy_leaves_padding_untouched():
     srcs = [torch.arange(10, dtype=torch.int32), torch.ones(3, 4).t()]
     dst, offsets, _ = snapshot(srcs, pad=5)
     mask = torch.ones(dst.numel(), dtype=torch.bool)
-    for s, off in zip(srcs, offsets):
+    for s, off in zip(srcs, offsets, strict=False):
         mask[off : off + s.numel() * s.element_size()] = False
     assert bool((dst[mask] == 0xAB).all())
 
@@ -349,7 +351,7 @@ def test_crc32c_ranges_match_package(big_buf):
         lengths.append(n)
     for threads in (1, 2, 4):
         got = _C.crc32c(big_buf, offsets, lengths, threads)
-        want = [crc32c_pkg.crc32c(raw[o : o + n]) for o, n in zip(offsets, lengths)]
+        want = [crc32c_pkg.crc32c(raw[o : o + n]) for o, n in zip(offsets, lengths, strict=False)]
         assert got == want, f"threads={threads}"
 
 
@@ -359,7 +361,7 @@ def test_crc32c_many_small_ranges():
     offsets = list(range(0, 290_000, 97))
     lengths = [(i * 7) % 300 for i in range(len(offsets))]
     got = _C.crc32c(buf, offsets, lengths, 2)
-    assert got == [crc32c_pkg.crc32c(raw[o : o + n]) for o, n in zip(offsets, lengths)]
+    assert got == [crc32c_pkg.crc32c(raw[o : o + n]) for o, n in zip(offsets, lengths, strict=False)]
 
 
 def test_crc32c_errors():

@@ -77,7 +77,8 @@ def test_tied_weights_stored_once_and_restored_tied(root: str, ops_path: str) ->
     train_step(model, opt, sched, 0)
     with nc.Checkpointer(root, memory_tier=False) as ck:
         ck.save(1, {"model": model})
-        import json, os
+        import json
+        import os
         man = json.load(open(os.path.join(root, "step-1", "manifest.json")))
         assert man["aliases"] == {"model/head.weight": "model/emb.weight"}
         assert "model/head.weight" not in man["tensors"]

@@ -181,8 +181,8 @@ def test_second_live_writer_on_same_root_does_not_write_the_memory_tier(root: st
 
 
 def _gc(shm_dir: str, *args: str) -> list[dict]:
-    from io import StringIO
     from contextlib import redirect_stdout
+    from io import StringIO
 
     buf = StringIO()
     with redirect_stdout(buf):

@@ -81,7 +81,8 @@ def test_slow_tier_never_blocks_fast_tier_or_training(tmp_path, shm_dir) -> None
 
 def test_every_seconds_cadence(tmp_path) -> None:  # noqa: ANN001
     a, b = str(tmp_path / "a"), str(tmp_path / "b")
-    with nc.Checkpointer(a, tiers=[nc.LocalTier(a, keep_last=50), nc.LocalTier(b, every_seconds=3600, keep_last=50)]) as ck:
+    tiers = [nc.LocalTier(a, keep_last=50), nc.LocalTier(b, every_seconds=3600, keep_last=50)]
+    with nc.Checkpointer(a, tiers=tiers) as ck:
         for s in range(5):
             ck.save(s, {"x": s})
         per = ck.list(detailed=True)

@@ -106,7 +106,9 @@ def test_loading_never_executes_code_by_default(root: str, tmp_path) -> None:  #
     with nc.Checkpointer(root, allow_pickle=True) as ck:
         ck.save(1, {"x": _Evil()} if False else {"x": 1})
     # Forge a checkpoint whose tree carries a malicious pickle, with a valid commit marker.
-    import base64, json
+    import base64
+    import json
+
     from nebula_ckpt.manifest import Commit
     from nebula_ckpt.native import get_ops
     d = os.path.join(root, "step-1")
@@ -115,7 +117,8 @@ def test_loading_never_executes_code_by_default(root: str, tmp_path) -> None:  #
     mb = json.dumps(man).encode()
     open(os.path.join(d, "manifest.json"), "wb").write(mb)
     os.unlink(os.path.join(d, "COMMIT"))
-    open(os.path.join(d, "COMMIT"), "wb").write(Commit(1, man["generation"], len(mb), get_ops().crc32c_bytes(mb)).to_bytes())
+    commit = Commit(1, man["generation"], len(mb), get_ops().crc32c_bytes(mb))
+    open(os.path.join(d, "COMMIT"), "wb").write(commit.to_bytes())
     with nc.Checkpointer(root) as ck:
         with pytest.raises(nc.PickleNotAllowedError, match="would execute code"):
             ck.read(1)

@@ -25,7 +25,7 @@ import shutil
 import threading
 import time
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -115,12 +115,14 @@ def measure(directory: Optional[Path], write_bytes: int, copy_bytes: int) -> dic
         copy_bytes: bytes of the memory copies.
     """
     out: dict[str, Any] = {}
-    for name, fn in (("seq_write_fsync", lambda: seq_write_fsync(directory, write_bytes)),
-                     ("memcpy", lambda: memcpy(copy_bytes)),
-                     ("d2h_pinned", lambda: d2h_pinned(copy_bytes))):
-        if name == "seq_write_fsync" and directory is None:
-            out[name] = {"error": "the target is a URL; no local write limit"}
-            continue
+    todo: list[tuple[str, Callable[[], dict[str, Any]]]] = []
+    if directory is None:
+        out["seq_write_fsync"] = {"error": "the target is a URL; no local write limit"}
+    else:
+        local = directory
+        todo.append(("seq_write_fsync", lambda: seq_write_fsync(local, write_bytes)))
+    todo += [("memcpy", lambda: memcpy(copy_bytes)), ("d2h_pinned", lambda: d2h_pinned(copy_bytes))]
+    for name, fn in todo:
         try:
             out[name] = fn()
         except Exception as e:  # recorded; the targets that need it become n/a
@@ -332,7 +334,7 @@ def resident_fraction(files: list[Path]) -> Optional[float]:
                 del arr
                 if rc != 0:
                     return None
-                resident += int((np.frombuffer(vec, dtype=np.uint8) & 1).sum())
+                resident += int((np.frombuffer(bytes(vec), dtype=np.uint8) & 1).sum())
                 total += pages
     except (OSError, ValueError, ImportError):
         return None

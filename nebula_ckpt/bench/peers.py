@@ -31,7 +31,7 @@ import shutil
 import warnings
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional, cast
 
 import torch
 
@@ -66,7 +66,7 @@ def fsync_path(path: str | os.PathLike) -> None:
         os.close(fd)
 
 
-def fsync_tree(root: str | os.PathLike) -> None:
+def fsync_tree(root: str | os.PathLike[str]) -> None:
     """fsync every file under ``root``, then every directory bottom-up, then ``root``'s parent."""
     for dirpath, _dirs, files in os.walk(root, topdown=False):
         for f in files:
@@ -278,7 +278,7 @@ def flatten_for_safetensors(sd: dict[str, Any]) -> tuple[dict[str, torch.Tensor]
     seen: dict[tuple[int, int, tuple[int, ...]], str] = {}
 
     def put(key: str, t: torch.Tensor) -> None:
-        ident = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape))
+        ident = (t.untyped_storage().data_ptr(), int(t.storage_offset()), tuple(t.shape))
         if ident in seen:
             aliases[key] = seen[ident]
             return
@@ -394,7 +394,7 @@ class DcpAsyncSave(DcpSave):
         with _quiet_dcp():
             resp = dcp.async_save(plain_state_dict(state_fn()), checkpoint_id=str(path), no_dist=True)
         # torch >= 2.9 may return AsyncSaveResponse(staging_completion, upload_completion)
-        self._future = getattr(resp, "upload_completion", resp)
+        self._future = cast(Future, getattr(resp, "upload_completion", resp))
         self._pending_path = path
 
     def wait_durable(self) -> None:
@@ -487,7 +487,7 @@ class Nebula(Peer):
         if self.local_only and "://" in target and not target.startswith("file://"):
             raise PeerUnavailable(f"{self.name} needs a local path; target {target} is a URL")
 
-    def open(self, root: Path | str) -> None:  # type: ignore[override]
+    def open(self, root: Path | str) -> None:
         import nebula_ckpt as nc
 
         self.root = root if isinstance(root, Path) else None

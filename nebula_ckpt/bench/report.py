@@ -100,11 +100,12 @@ def evaluate_targets(results: dict[str, Any]) -> list[dict[str, Any]]:
         name = w["name"]
         # blocking
         neb, ts = ok.get("nebula") or ok.get("nebula_local"), ok.get("torch_save")
-        if neb and ts:
-            r = _med(neb, "blocking_s") / _med(ts, "blocking_s")
+        nb, tb = _med(neb or {}, "blocking_s"), _med(ts or {}, "blocking_s")
+        if neb and nb is not None and tb:
+            r = nb / tb
             out.append(_target("blocking", f"{neb['name']} blocking <= {limit_block:.1%} of torch.save",
-                               r <= limit_block, f"{r:.2%} ({fmt_s(_med(neb, 'blocking_s'))} vs "
-                               f"{fmt_s(_med(ts, 'blocking_s'))})", f"<= {limit_block:.1%}", name,
+                               r <= limit_block, f"{r:.2%} ({fmt_s(nb)} vs {fmt_s(tb)})",
+                               f"<= {limit_block:.1%}", name,
                                f"p95: {fmt_s(neb['blocking_s']['p95'])}; save_async call alone: "
                                f"{fmt_s(_med(neb, 'call_s'))}, stall before the next optimizer step: "
                                f"{fmt_s(_med(neb, 'stall_s'))}"))
@@ -146,8 +147,8 @@ def evaluate_targets(results: dict[str, Any]) -> list[dict[str, Any]]:
                                "<= torch.load", name, "nebula_local or torch_save did not run"))
         # staging bytes
         st = [s for s in (ok.get("nebula"), ok.get("nebula_local")) if s]
-        staging = [(s["name"], (s.get("stats") or {}).get("staging_bytes")) for s in st]
-        staging = [(n, b) for n, b in staging if isinstance(b, (int, float))]
+        reported = [(s["name"], (s.get("stats") or {}).get("staging_bytes")) for s in st]
+        staging = [(n, b) for n, b in reported if isinstance(b, (int, float))]
         if staging:
             n, b = max(staging, key=lambda x: x[1])
             r = b / w["state_bytes"]
@@ -198,7 +199,7 @@ def evaluate_targets(results: dict[str, Any]) -> list[dict[str, Any]]:
             if floor is not None:
                 notes.append(f"snapshot floor (bare copy, no I/O) {fmt_pct(floor)}")
             if others:
-                best = min(others, key=others.get)
+                best = min(others, key=lambda p: others[p])
                 notes.append(f"best peer: {best} {fmt_pct(others[best])}")
             out.append(_target("throughput", f"{neb['name']} throughput overhead <= 3% and lowest",
                                ov <= 0.03 and lower, fmt_pct(ov), "<= 3% and < every peer",
@@ -374,7 +375,7 @@ def plot(results: dict[str, Any], path: Any) -> None:
     if not ws:
         ws = [{"name": "no workload ran", "systems": []}]
     fig, axes = plt.subplots(len(ws), 1, figsize=(10, 4.2 * len(ws)), squeeze=False)
-    for ax, w in zip(axes[:, 0], ws):
+    for ax, w in zip(axes[:, 0], ws, strict=True):
         ok = [s for s in w.get("systems", []) if s.get("status") == "ok"]
         names = [s["name"] for s in ok]
         xs = list(range(len(names)))
@@ -383,7 +384,7 @@ def plot(results: dict[str, Any], path: Any) -> None:
         dur = [_med(s, "durable_s") for s in ok]
         wd = 0.38
         b1 = ax.bar([x - wd / 2 for x in xs], blk, wd, label="blocking (median, bar to p95)", color="#d95f02",
-                    yerr=[[0] * len(blk), [max(0.0, p - b) for p, b in zip(p95, blk)]], capsize=3)
+                    yerr=[[0] * len(blk), [max(0.0, p - b) for p, b in zip(p95, blk, strict=True)]], capsize=3)
         b2 = ax.bar([x + wd / 2 for x in xs], dur, wd, label="time to durable (median, during training)",
                     color="#1b9e77")
         for bars in (b1, b2):

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import gc
 import json
 import logging
@@ -76,7 +77,7 @@ def train_loop(w: wl.Workload, steps: int, interval: int, peer: Optional[Peer] =
         w.optimizer_step()
         w.sync()
         if peer is not None and (i - 1) % interval == 0:
-            peer.save(step0 + i, lambda s=step0 + i: w.state(s))
+            peer.save(step0 + i, functools.partial(w.state, step0 + i))
     return time.perf_counter() - t0
 
 
@@ -305,7 +306,7 @@ def measure_floor(w: wl.Workload, args: argparse.Namespace, baselines: list[floa
 
 
 def _close(a: list[float], b: list[float]) -> bool:
-    return len(a) == len(b) and all(abs(x - y) <= 1e-6 * max(1.0, abs(y)) for x, y in zip(a, b))
+    return len(a) == len(b) and all(abs(x - y) <= 1e-6 * max(1.0, abs(y)) for x, y in zip(a, b, strict=True))
 
 
 def flat_memory_check(target: str, base: Optional[Path], saves: int, keep: bool) -> dict[str, Any]:

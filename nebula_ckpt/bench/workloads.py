@@ -252,7 +252,7 @@ def build(name: str, device: Optional[torch.device] = None, *, batch_size: int =
     if name in GPT_CONFIGS:
         cfg = GPT_CONFIGS[name]
         with torch.device(device):
-            model = GPT(cfg)
+            model: nn.Module = GPT(cfg)
         batch = torch.randint(0, cfg.vocab, (batch_size, min(seq_len, cfg.block)), generator=gen)
         desc = (f"GPT-2 shape d={cfg.d}, {cfg.layers} layers, vocab {cfg.vocab} (tied head), "
                 f"AdamW; batch {batch_size}x{min(seq_len, cfg.block)} tokens")

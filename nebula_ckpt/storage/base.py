@@ -12,6 +12,7 @@ Paths are relative to the storage root and ``/``-separated (``"step-42/manifest.
 
 from __future__ import annotations
 
+import builtins
 import errno
 from abc import ABC, abstractmethod
 from typing import Any, Optional
@@ -118,7 +119,7 @@ class Storage(ABC):
         """
         raise OSError(errno.EXDEV, f"{self.display_url} cannot link files")
 
-    def incomplete_uploads(self) -> list[tuple[str, str]]:
+    def incomplete_uploads(self) -> "builtins.list[tuple[str, str]]":
         """``(rel, upload id)`` of multi-part uploads started but never completed (default: none)."""
         return []
 

@@ -18,9 +18,16 @@ import pytest
 
 from nebula_ckpt import knobs
 from nebula_ckpt.errors import CorruptCheckpointError
-from nebula_ckpt.storage.remote import (AzureBlobStorage, FsspecStorage, GenericFsspecStorage,
-                                        RemoteStorageError, RemoteUnavailableError, S3Storage,
-                                        StorageInfoError, storage_class_for)
+from nebula_ckpt.storage.remote import (
+    AzureBlobStorage,
+    FsspecStorage,
+    GenericFsspecStorage,
+    RemoteStorageError,
+    RemoteUnavailableError,
+    S3Storage,
+    StorageInfoError,
+    storage_class_for,
+)
 
 from .conftest import Store
 from .util import captured_logs, exc_text

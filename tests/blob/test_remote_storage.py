@@ -16,12 +16,19 @@ import pytest
 
 from nebula_ckpt import knobs
 from nebula_ckpt.errors import CorruptCheckpointError, NebulaError
-from nebula_ckpt.storage.remote import (FsspecStorage, RemoteAuthError, RemoteContainerNotFoundError,
-                                        RemoteStorageError, RemoteUnavailableError, StorageInfoError)
+from nebula_ckpt.storage.remote import (
+    FsspecStorage,
+    RemoteAuthError,
+    RemoteContainerNotFoundError,
+    RemoteStorageError,
+    RemoteUnavailableError,
+    StorageInfoError,
+)
+
 from .conftest import Store
+from .servers import REPO
 from .util import captured_logs as _captured_logs
 from .util import exc_text as _exc_text
-from .servers import REPO
 
 pytestmark = pytest.mark.blob
 

@@ -86,7 +86,8 @@ def test_sigkill_at_every_phase_restores_bit_exact(tmp_path, shm_dir) -> None:  
                 if line.startswith("RESTORED"):
                     _, step, dig, tier = line.split(" ", 3)
                     if step == "none":
-                        assert newest_committed < 0, f"cycle {cycles}: nothing restored but step {newest_committed} had committed"
+                        assert newest_committed < 0, \
+                            f"cycle {cycles}: nothing restored but step {newest_committed} had committed"
                         restored = -1
                     else:
                         s = int(step)

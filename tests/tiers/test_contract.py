@@ -18,9 +18,9 @@ from typing import Any, Callable, Optional
 
 import pytest
 import torch
-from faults import FaultyTier
 
 import nebula_ckpt as nc
+from faults import FaultyTier
 from nebula_ckpt import knobs
 from nebula_ckpt.cli import main as cli
 from nebula_ckpt.storage.base import Storage
@@ -118,7 +118,7 @@ def assert_same(got: Any, want: Any, path: str = "") -> None:
     elif isinstance(want, (list, tuple)):
         assert type(got) is type(want), f"{where}: {type(got).__name__}, expected {type(want).__name__}"
         assert len(got) == len(want), f"{where}: length {len(got)} != {len(want)}"
-        for i, (g, w) in enumerate(zip(got, want)):
+        for i, (g, w) in enumerate(zip(got, want, strict=True)):
             assert_same(g, w, f"{path}/{i}")
     elif isinstance(want, float):
         assert type(got) is float, f"{where}: {type(got).__name__}, expected float"
@@ -159,9 +159,9 @@ class HookedStorage:
     def __getattr__(self, name: str) -> Any:
         return getattr(self._inner, name)
 
-    def write_buffer(self, rel: str, data: Any, *, compression: Optional[str] = None) -> dict[str, Any]:
+    def write_buffer(self, rel: str, data: Any) -> dict[str, Any]:
         self._hook("write_buffer", rel)
-        return self._inner.write_buffer(rel, data, compression=compression)
+        return self._inner.write_buffer(rel, data)
 
     def write_small(self, rel: str, data: bytes, *, create_only: bool = False) -> None:
         self._hook("write_small", rel)

@@ -22,9 +22,15 @@ The package, by concern:
 
 from .azure import AzureBlobStorage
 from .base import FsspecStorage
-from .errors import (CorruptRemoteDataError, RemoteAuthError, RemoteBackendError,
-                     RemoteContainerNotFoundError, RemoteStorageError, RemoteUnavailableError,
-                     StorageInfoError)
+from .errors import (
+                     CorruptRemoteDataError,
+                     RemoteAuthError,
+                     RemoteBackendError,
+                     RemoteContainerNotFoundError,
+                     RemoteStorageError,
+                     RemoteUnavailableError,
+                     StorageInfoError,
+)
 from .generic import GenericFsspecStorage
 from .registry import storage_class_for
 from .s3 import S3Storage

@@ -8,7 +8,7 @@ scrubbed form (:class:`RemoteBackendError`), never as itself.
 from __future__ import annotations
 
 import errno
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 from ...errors import CorruptCheckpointError, NebulaError
 from .retry import Kind, describe
@@ -105,7 +105,7 @@ def storage_error(exc: BaseException, kind: str, *, op: str, url: str, rel: str,
     tries = f" after {attempts} attempts" if attempts > 1 else ""
     if deadline_s is not None and elapsed_s is not None:
         tries += f" in {elapsed_s:.1f} s (deadline NEBULA_REMOTE_TIMEOUT_S={deadline_s:g} s)"
-    meta = dict(url=url, rel=rel, op=op, attempts=attempts)
+    meta: dict[str, Any] = dict(url=url, rel=rel, op=op, attempts=attempts)
     err: BaseException
     if kind == Kind.NOTFOUND:
         err = FileNotFoundError(errno.ENOENT, f"no such object on the remote tier ({op})", where)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import importlib
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # pragma: no cover
     from .base import FsspecStorage
@@ -51,7 +51,7 @@ def storage_class_for(url: str) -> "type[FsspecStorage]":
     return getattr(importlib.import_module(module, __package__), name)
 
 
-def filesystem_class(protocol: str, display_url: str) -> type:
+def filesystem_class(protocol: str, display_url: str) -> Any:
     """The fsspec filesystem class for ``protocol``.
 
     Raises:

@@ -214,7 +214,7 @@ class PartUpload:
             return
         compress = self.compress
         views = [self.mv[off:off + ln] for off, ln in self.ranges]
-        for (_, ln), blob in zip(self.ranges, in_order(pool, compress, views, self.conc, self.failed)):
+        for (_, ln), blob in zip(self.ranges, in_order(pool, compress, views, self.conc, self.failed), strict=False):
             self.frames.append([ln, len(blob)])
             yield blob
 
@@ -254,7 +254,7 @@ class PartUpload:
             for f in futures:
                 exc = f.exception() if f.done() and not f.cancelled() else None
                 if exc is not None and not getattr(exc, "abandoned", False):
-                    raise exc  # our scrubbed error; keeps its __cause__
+                    raise exc from exc.__cause__  # our scrubbed error; keeps its __cause__
             raise
 
     def run(self) -> int:
