@@ -20,7 +20,6 @@ import logging
 import mmap
 import os
 import threading
-import uuid
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
@@ -28,6 +27,7 @@ import torch
 
 from . import knobs
 from .errors import ValidationError
+from .memtier import slot_file_name
 from .native import get_ops
 
 log = logging.getLogger(__name__)
@@ -75,50 +75,6 @@ class Slot:
         self._mm = None
 
 
-SLOT_DIR = ".slots"
-
-
-def _slot_owner(name: str) -> Optional[int]:
-    parts = name.split("-")
-    if len(parts) == 3 and parts[0] == "slot" and parts[1].isdigit():
-        return int(parts[1])
-    return None
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
-def sweep_slot_files(slot_dir: str) -> int:
-    """Remove the names of slot files left by processes that are gone; return how many.
-
-    A checkpoint that links such a file keeps its bytes until its own retention removes it.
-    """
-    removed = 0
-    try:
-        names = os.listdir(slot_dir)
-    except FileNotFoundError:
-        return 0
-    for name in names:
-        pid = _slot_owner(name)
-        if pid is None or pid == os.getpid() or _pid_alive(pid):
-            continue
-        try:
-            os.unlink(os.path.join(slot_dir, name))
-            removed += 1
-        except FileNotFoundError:
-            pass
-    if removed:
-        log.info("nebula_ckpt: removed %d slot file name(s) of finished processes in %s", removed, slot_dir)
-    return removed
-
-
 def create_slot_file(slot_dir: str, nbytes: int) -> Slot:
     """A new slot file of exactly ``nbytes`` in ``slot_dir``, allocated and mapped pre-faulted.
 
@@ -126,7 +82,7 @@ def create_slot_file(slot_dir: str, nbytes: int) -> Slot:
         OSError: no room on the tmpfs (``ENOSPC``) or no such folder.
     """
     os.makedirs(slot_dir, mode=0o700, exist_ok=True)
-    path = os.path.join(slot_dir, f"slot-{os.getpid()}-{uuid.uuid4().hex[:12]}")
+    path = os.path.join(slot_dir, slot_file_name())
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
     try:
         os.posix_fallocate(fd, 0, nbytes)  # pages exist now: ENOSPC here, never SIGBUS later

@@ -43,6 +43,24 @@ log = logging.getLogger("nebula_ckpt")
 _open_checkpointers: "set[Checkpointer]" = set()
 
 
+def _check_arguments(root: Any, keep_last: Any, max_host_bytes: Any, on_full: Any, on_persist_error: Any,
+                     snapshot: Any) -> None:
+    """The constructor's validation, all before anything is touched."""
+    if not isinstance(root, str) or not root:
+        raise ValidationError(f"root must be a non-empty path or URL string, got {root!r}")
+    if not isinstance(keep_last, int) or keep_last < 1:
+        raise ValidationError(f"keep_last must be an int >= 1 (the newest checkpoint is always kept), "
+                              f"got {keep_last!r}")
+    if max_host_bytes is not None and (not isinstance(max_host_bytes, int) or max_host_bytes <= 0):
+        raise ValidationError(f"max_host_bytes must be a positive int or None, got {max_host_bytes!r}")
+    if on_full not in ("wait", "skip"):
+        raise ValidationError(f"on_full must be 'wait' or 'skip', got {on_full!r}")
+    if on_persist_error not in ("raise", "log"):
+        raise ValidationError(f"on_persist_error must be 'raise' or 'log', got {on_persist_error!r}")
+    if snapshot not in ("auto", "sync", "async"):
+        raise ValidationError(f"snapshot must be 'auto', 'sync' or 'async', got {snapshot!r}")
+
+
 def _close_at_exit() -> None:
     """Close every checkpointer the program forgot to close, so no accepted save is lost.
 
@@ -120,17 +138,7 @@ class Checkpointer:
                  max_host_bytes: Optional[int] = None, memory_tier: bool = True, on_full: str = "wait",
                  allow_pickle: bool = False, on_persist_error: str = "raise", snapshot: str = "auto",
                  coordinator: Optional[Coordinator] = None) -> None:
-        if not isinstance(root, str) or not root:
-            raise ValidationError(f"root must be a non-empty path or URL string, got {root!r}")
-        if not isinstance(keep_last, int) or keep_last < 1:
-            raise ValidationError(f"keep_last must be an int >= 1 (the newest checkpoint is always kept), "
-                                  f"got {keep_last!r}")
-        if max_host_bytes is not None and (not isinstance(max_host_bytes, int) or max_host_bytes <= 0):
-            raise ValidationError(f"max_host_bytes must be a positive int or None, got {max_host_bytes!r}")
-        if on_persist_error not in ("raise", "log"):
-            raise ValidationError(f"on_persist_error must be 'raise' or 'log', got {on_persist_error!r}")
-        if snapshot not in ("auto", "sync", "async"):
-            raise ValidationError(f"snapshot must be 'auto', 'sync' or 'async', got {snapshot!r}")
+        _check_arguments(root, keep_last, max_host_bytes, on_full, on_persist_error, snapshot)
         self.snapshot = snapshot
         #: how the ranks of the job agree (one process: :class:`LocalCoordinator`, a no-op)
         self.coordinator = coordinator or LocalCoordinator()
@@ -138,34 +146,7 @@ class Checkpointer:
         self._keep_last = keep_last
         self.allow_pickle = allow_pickle
         self.on_persist_error = on_persist_error
-        root_tier = tier_for_root(root, storage_options)
-        if tiers is None:
-            chosen: list[Tier] = default_tiers(root, storage_options, memory_tier, self.coordinator.rank)
-            root_tier = chosen[-1]
-        else:
-            chosen = list(tiers)
-            if not chosen:
-                raise ValidationError("tiers must name at least one tier")
-        for t in chosen:
-            if not isinstance(t, Tier):
-                raise ValidationError(f"tiers must be Tier objects (MemoryTier, LocalTier, RemoteTier), got {t!r}")
-            t.bind(root, self.coordinator.rank)
-            t.validate()
-        runtimes = [t.runtime(t.make_storage()) for t in chosen]
-        for rt in runtimes:  # fail fast, before leaving anything behind
-            rt.storage.check_access()
-        by_name = {rt.name: rt.storage for rt in runtimes}
-        self._root_storage = by_name.get(root_tier.name) or root_tier.make_storage()
-        self._own_root_storage = root_tier.name not in by_name
-        #: id of this incarnation of the root (``_nebula/run.json``); fast tiers are tied to it
-        self.run_id = run_id(self._root_storage)
-        owner = Owner(canonical_root(root), self.run_id)
-        self._runtimes: list[TierRuntime] = []
-        for rt in runtimes:
-            if rt.open(owner):
-                self._runtimes.append(rt)
-            else:
-                rt.release()
+        self._open_tiers(*self._choose_tiers(storage_options, tiers, memory_tier))
         self._fence = Fence(self._root_storage, self.coordinator)
         # A second staging slot lets the next save start while a slower tier still reads one.
         self._pool = StagingPool(max_host_bytes, 1 if len(self._runtimes) == 1 else 2, on_full)
@@ -183,6 +164,43 @@ class Checkpointer:
         _open_checkpointers.add(self)
         log.info("nebula_ckpt: checkpointer on %s, tiers %s, %s path", canonical_root(root),
                  [rt.name for rt in self._runtimes], native_describe()["path"])
+
+    def _choose_tiers(self, storage_options: Optional[dict[str, Any]], tiers: Optional[Sequence[Tier]],
+                      memory_tier: bool) -> tuple[list[Tier], Tier]:
+        """The tiers to use (validated, bound to root and rank) and the persistent root's tier."""
+        rank = self.coordinator.rank
+        root_tier = tier_for_root(self.root, storage_options)
+        if tiers is None:
+            chosen: list[Tier] = default_tiers(self.root, storage_options, memory_tier, rank)
+            root_tier = chosen[-1]
+        else:
+            chosen = list(tiers)
+            if not chosen:
+                raise ValidationError("tiers must name at least one tier")
+        for t in chosen:
+            if not isinstance(t, Tier):
+                raise ValidationError(f"tiers must be Tier objects (MemoryTier, LocalTier, RemoteTier), got {t!r}")
+            t.bind(self.root, rank)
+            t.validate()
+        return chosen, root_tier
+
+    def _open_tiers(self, chosen: list[Tier], root_tier: Tier) -> None:
+        """Reach every tier (fail fast), take the root's run id, let each tier open for this run."""
+        runtimes = [t.runtime(t.make_storage()) for t in chosen]
+        for rt in runtimes:  # fail fast, before leaving anything behind
+            rt.storage.check_access()
+        by_name = {rt.name: rt.storage for rt in runtimes}
+        self._root_storage = by_name.get(root_tier.name) or root_tier.make_storage()
+        self._own_root_storage = root_tier.name not in by_name
+        #: id of this incarnation of the root (``_nebula/run.json``); fast tiers are tied to it
+        self.run_id = run_id(self._root_storage)
+        owner = Owner(canonical_root(self.root), self.run_id)
+        self._runtimes: list[TierRuntime] = []
+        for rt in runtimes:
+            if rt.open(owner):
+                self._runtimes.append(rt)
+            else:
+                rt.release()
 
     # -- properties -----------------------------------------------------------------------------
     @property

@@ -30,6 +30,10 @@ def _out(text: str) -> None:
     sys.stdout.write(text + "\n")
 
 
+#: storages a command opened; main() closes them all when the command ends, however it ends
+_opened: list[Storage] = []
+
+
 def _tiers(root: str, storage_options: Optional[dict[str, Any]]) -> list[tuple[Tier, Storage]]:
     """The tiers of ``root`` a restart would read (read only: nothing is claimed or written)."""
     tiers = default_tiers(root, storage_options)
@@ -44,6 +48,7 @@ def _tiers(root: str, storage_options: Optional[dict[str, Any]]) -> list[tuple[T
             rt.release()
             continue
         out.append((t, rt.storage))
+        _opened.append(rt.storage)
     return out
 
 
@@ -327,6 +332,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             raise
         sys.stderr.write(f"nebula-ckpt: {type(e).__name__}: {e} (run with -v for the traceback)\n")
         return 1
+    finally:
+        while _opened:
+            _opened.pop().close()
 
 
 if __name__ == "__main__":

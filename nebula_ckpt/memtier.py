@@ -28,6 +28,7 @@ import logging
 import os
 import shutil
 import stat
+import uuid
 from dataclasses import dataclass
 from typing import Optional
 
@@ -141,6 +142,56 @@ def secure_subfolder(parent: str, name: str) -> str:
     finally:
         os.close(fd)
     return os.path.join(parent, name)
+
+
+#: the memory tier's folder of staging slot files (see :mod:`nebula_ckpt.buffers`)
+SLOT_DIR = ".slots"
+
+
+def slot_file_name() -> str:
+    """A new slot file name: ``slot-<pid>-<random>`` (the pid tells sweeps whose it is)."""
+    return f"slot-{os.getpid()}-{uuid.uuid4().hex[:12]}"
+
+
+def _slot_owner(name: str) -> Optional[int]:
+    parts = name.split("-")
+    if len(parts) == 3 and parts[0] == "slot" and parts[1].isdigit():
+        return int(parts[1])
+    return None
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def sweep_slot_files(slot_dir: str) -> int:
+    """Remove the names of slot files left by processes that are gone; return how many.
+
+    A checkpoint that links such a file keeps its bytes until its own retention removes it.
+    """
+    removed = 0
+    try:
+        names = os.listdir(slot_dir)
+    except FileNotFoundError:
+        return 0
+    for name in names:
+        pid = _slot_owner(name)
+        if pid is None or pid == os.getpid() or _pid_alive(pid):
+            continue
+        try:
+            os.unlink(os.path.join(slot_dir, name))
+            removed += 1
+        except FileNotFoundError:
+            pass
+    if removed:
+        log.info("nebula_ckpt: removed %d slot file name(s) of finished processes in %s", removed, slot_dir)
+    return removed
 
 
 # -- claims -------------------------------------------------------------------------------------------

@@ -2,13 +2,14 @@
 
 For each snapshot a tier writes, in this order (the commit protocol)::
 
-    step-N/shard-g<G>-r0.safetensors   (durable: fsync / completed upload)
-    step-N/manifest.json               (tmp + fsync + rename, or a new object)
-    step-N/COMMIT                      (create-only, last)
+    step-N/shard-g<G>-r<R>.safetensors (durable: fsync / completed upload; R = this rank)
+    -- the snapshot is confirmed consistent, every rank's shard is durable (coordinator) --
+    step-N/manifest.json               (the coordinator's; tmp + fsync + rename, or a new object)
+    step-N/COMMIT                      (the coordinator's; create-only, last)
 
 then applies retention: markers are deleted before data, the newest checkpoint is never
-deleted, and leftovers without a marker are removed only when no live writer owns them (their
-generation is older than this writer's).
+deleted, and leftovers without a marker are removed only when no live writer owns them (an
+older generation, or this rank's own files). A failed step's own files are removed at once.
 
 A tier never queues: it holds at most one pending snapshot. When a newer one arrives while the
 tier is still busy, the pending one is dropped *for this tier* (reported on its handle as

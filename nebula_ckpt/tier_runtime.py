@@ -20,8 +20,7 @@ import logging
 import os
 from typing import TYPE_CHECKING, Any, Optional
 
-from .buffers import SLOT_DIR, sweep_slot_files
-from .memtier import Claim, ClaimRefused, Owner, read_owner, secure_folder, secure_subfolder
+from .memtier import SLOT_DIR, Claim, ClaimRefused, Owner, read_owner, secure_folder, secure_subfolder, sweep_slot_files
 from .storage.base import Storage
 
 if TYPE_CHECKING:

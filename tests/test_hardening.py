@@ -241,3 +241,12 @@ def test_enospc_keeps_its_errno(tmp_path) -> None:  # noqa: ANN001
         assert not os.path.exists(os.path.join(root, "step-1"))
     finally:
         subprocess.run(["umount", "-l", str(mnt)])
+
+
+@pytest.mark.parametrize("kw", [{"on_full": "bogus"}, {"snapshot": "later"}, {"keep_last": 0},
+                                {"on_persist_error": "ignore"}])
+def test_bad_constructor_argument_touches_nothing(root: str, shm_dir: str, kw: dict) -> None:
+    with pytest.raises(nc.ValidationError):
+        nc.Checkpointer(root, **kw)
+    assert not os.path.exists(root)                  # not even the run id
+    assert os.listdir(shm_dir) == []                 # nor a memory tier
