@@ -22,7 +22,7 @@ import statistics
 import subprocess
 import sys
 import time
-from typing import Any
+from typing import Any, Callable, NamedTuple
 
 import torch
 
@@ -157,7 +157,8 @@ def _curve(points: list[tuple[int, float]], width: int = 50) -> list[str]:
             for s, v in points]
 
 
-def main(argv: list[str] | None = None) -> int:
+def _parse_args(argv: list[str] | None) -> argparse.Namespace:
+    """The demo's command line (the child-process flags are hidden); fills in the default ``--kill-at``."""
     p = argparse.ArgumentParser(prog="python -m nebula_ckpt.demo", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--root", default=os.path.abspath("demo_ckpt"))
@@ -171,18 +172,17 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.kill_at is None:
         args.kill_at = int(args.steps * 0.55) + 7  # between two saves
-    if args.child:
-        child(args)
-        return 0
+    return args
 
+
+def _run_all(args: argparse.Namespace, logs: dict[str, str], say: Callable[..., None]) -> bool:
+    """Steps 1-3 in fresh directories: reference run, crashing run, resumed run; False if the resume failed."""
     from nebula_ckpt.tiers import memory_tier_path
 
     shutil.rmtree(args.root, ignore_errors=True)
     os.makedirs(args.root)
     shm = memory_tier_path(args.root)
     shutil.rmtree(shm, ignore_errors=True)
-    logs = {m: os.path.join(args.root, f"{m}.jsonl") for m in ("reference", "crash", "resume")}
-    say = print
     say(f"nebula_ckpt demo: {args.steps} steps of a small transformer, save_async every {args.every} steps,"
         f" checkpoints in {args.root}")
     say("[1/3] reference run, no interruption ...")
@@ -197,23 +197,49 @@ def main(argv: list[str] | None = None) -> int:
     rc2 = _run(args, "resume", logs["resume"])
     if rc2 != 0:
         say(f"resume run failed with exit code {rc2}")
-        return 1
+        return False
+    return True
+
+
+class _Logs(NamedTuple):
+    """What the three runs logged, as the report needs it."""
+
+    ref: dict[int, float]  # step -> loss of the uninterrupted reference run
+    crash: list[dict[str, Any]]  # loss records of the run that killed itself
+    resumed: dict[str, Any]  # the resumed run's "resumed" event (step, tier, seconds)
+    timing: dict[str, Any]  # the resumed run's "timing" event
+    after: list[dict[str, Any]]  # loss records of the resumed run
+
+
+def _read_logs(logs: dict[str, str]) -> _Logs:
+    """Read the three runs' logs (raises if the resumed run logged no resume or timing event)."""
     ref = {r["step"]: r["loss"] for r in _read(logs["reference"]) if "loss" in r}
     crash = [r for r in _read(logs["crash"]) if "loss" in r]
     resume = _read(logs["resume"])
     ev = next(r for r in resume if r.get("event") == "resumed")
     timing = next(r for r in resume if r.get("event") == "timing")
     after = [r for r in resume if "loss" in r]
+    return _Logs(ref, crash, ev, timing, after)
+
+
+def _show_resume(args: argparse.Namespace, got: _Logs, say: Callable[..., None]) -> bool:
+    """Print where the resume came from and the loss curve; True if the resumed losses match the reference."""
+    ev, after = got.resumed, got.after
     say(f"\nresumed from step {ev.get('step')} on tier {ev.get('tier')} in {ev['seconds'] * 1e3:.0f} ms"
         f" (crashed at step {args.kill_at}; {args.kill_at - ev.get('step', 0)} steps redone)")
-    pts = [(r["step"], r["loss"]) for r in crash if r["step"] % 25 == 0]
+    pts = [(r["step"], r["loss"]) for r in got.crash if r["step"] % 25 == 0]
     pts += [(r["step"], r["loss"]) for r in after if r["step"] % 25 == 0 or r is after[0]]
     say("loss curve (crashed run, then resumed run):")
     for line in _curve(sorted(set(pts))):
         say(line)
-    same = all(ref[r["step"]] == r["loss"] for r in after)
+    same = all(got.ref[r["step"]] == r["loss"] for r in after)
     say(f"resumed losses identical to the uninterrupted reference run: {'YES' if same else 'NO'}"
         f" ({len(after)} steps compared)")
+    return same
+
+
+def _show_timing(args: argparse.Namespace, timing: dict[str, Any], say: Callable[..., None]) -> None:
+    """Print save_async's blocking time next to torch.save's, as the resumed run measured them."""
     sa, ts = statistics.median(timing["save_async_ms"]), statistics.median(timing["torch_save_ms"])
     say(f"\nstate: {timing['state_mb']:.1f} MiB (model + AdamW)")
     say(f"  save_async blocking (median of {len(timing['save_async_ms'])}): {sa:8.2f} ms")
@@ -221,7 +247,22 @@ def main(argv: list[str] | None = None) -> int:
     say(f"  -> training blocked {ts / max(sa, 1e-6):.0f}x less; durable {timing['durable_after_ms']:.0f} ms later"
         " in the background")
     say(f"\nTry: nebula-ckpt ls {args.root}   |   nebula-ckpt verify {args.root}")
-    return 0 if same and ev.get("step") is not None else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the demo (or, with the hidden ``--child``, one of its training processes); 0 on success."""
+    args = _parse_args(argv)
+    if args.child:
+        child(args)
+        return 0
+    logs = {m: os.path.join(args.root, f"{m}.jsonl") for m in ("reference", "crash", "resume")}
+    say = print
+    if not _run_all(args, logs, say):
+        return 1
+    got = _read_logs(logs)
+    same = _show_resume(args, got, say)
+    _show_timing(args, got.timing, say)
+    return 0 if same and got.resumed.get("step") is not None else 1
 
 
 if __name__ == "__main__":

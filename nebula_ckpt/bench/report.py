@@ -87,6 +87,155 @@ def _target(tid: str, title: str, met: Optional[bool], value: str, threshold: st
             "threshold": threshold, "detail": detail}
 
 
+def _blocking_target(ok: dict[str, dict[str, Any]], name: str, limit_block: float) -> dict[str, Any]:
+    """Nebula's blocking time as a fraction of torch.save's on one workload."""
+    neb, ts = ok.get("nebula") or ok.get("nebula_local"), ok.get("torch_save")
+    nb, tb = _med(neb or {}, "blocking_s"), _med(ts or {}, "blocking_s")
+    if neb and nb is not None and tb:
+        r = nb / tb
+        return _target("blocking", f"{neb['name']} blocking <= {limit_block:.1%} of torch.save",
+                       r <= limit_block, f"{r:.2%} ({fmt_s(nb)} vs {fmt_s(tb)})",
+                       f"<= {limit_block:.1%}", name,
+                       f"p95: {fmt_s(neb['blocking_s']['p95'])}; save_async call alone: "
+                       f"{fmt_s(_med(neb, 'call_s'))}, stall before the next optimizer step: "
+                       f"{fmt_s(_med(neb, 'stall_s'))}")
+    return _target("blocking", "nebula blocking <= 1% of torch.save", None,
+                   "n/a", f"<= {limit_block:.1%}", name, "nebula or torch_save did not run")
+
+
+def _persist_bw_target(ok: dict[str, dict[str, Any]], name: str, seq: dict[str, Any]) -> dict[str, Any]:
+    """nebula_local's idle persist bandwidth against the measured sequential write limit."""
+    nl = ok.get("nebula_local")
+    if nl and seq.get("gbps"):
+        idle = nl.get("persist_idle_gbps", nl["persist_gbps"])
+        r = idle / seq["gbps"]
+        return _target("persist_bw", "nebula_local persist bandwidth >= 85% of seq write+fsync",
+                       r >= 0.85, f"{r:.0%} ({idle:.2f} vs {seq['gbps']:.2f} GB/s)",
+                       ">= 85%", name, "state bytes / median time to durable with the training "
+                       "thread idle, as the limit is measured (while a training step runs: "
+                       f"{nl['persist_gbps']:.2f} GB/s = {nl['persist_gbps'] / seq['gbps']:.0%}); "
+                       "the limit is the best of its samples "
+                       + ", ".join(f"{g:.2f}" for g in seq["samples_gbps"]))
+    return _target("persist_bw", "nebula_local persist bandwidth >= 85% of seq write+fsync",
+                   None, "n/a", ">= 85%", name,
+                   "nebula_local did not run" if not nl else "no write limit measured")
+
+
+def _restore_target(ok: dict[str, dict[str, Any]], name: str) -> dict[str, Any]:
+    """nebula_local's warm (and, where measurable, cold) restore against torch.load."""
+    nl, ts = ok.get("nebula_local"), ok.get("torch_save")
+    if not (nl and ts):
+        return _target("restore", "nebula_local restore no slower than torch.load", None, "n/a",
+                       "<= torch.load", name, "nebula_local or torch_save did not run")
+    warm = nl["restore_warm_s"] <= ts["restore_warm_s"]
+    cold_ok = (nl.get("restore_cold_s") is not None and ts.get("restore_cold_s") is not None
+               and (nl.get("cold_resident_fraction") or 0) < COLD_RESIDENT_MAX
+               and (ts.get("cold_resident_fraction") or 0) < COLD_RESIDENT_MAX)
+    cold = nl["restore_cold_s"] <= ts["restore_cold_s"] if cold_ok else None
+    met = warm and (cold is not False)
+    val = f"warm {fmt_s(nl['restore_warm_s'])} vs {fmt_s(ts['restore_warm_s'])}"
+    if cold_ok:
+        val += f"; cold {fmt_s(nl['restore_cold_s'])} vs {fmt_s(ts['restore_cold_s'])}"
+    return _target("restore", "nebula_local restore no slower than torch.load", met, val,
+                   "<= torch.load + load_state_dict", name,
+                   f"cold: {nl.get('cold_method')}" if cold_ok else "cold not measured")
+
+
+def _staging_target(ok: dict[str, dict[str, Any]], w: dict[str, Any]) -> dict[str, Any]:
+    """The largest staging buffer a nebula system reported, against the state bytes."""
+    name = w["name"]
+    st = [s for s in (ok.get("nebula"), ok.get("nebula_local")) if s]
+    reported = [(s["name"], (s.get("stats") or {}).get("staging_bytes")) for s in st]
+    staging = [(n, b) for n, b in reported if isinstance(b, (int, float))]
+    if not staging:
+        return _target("staging", "staging host memory <= 1.1x state bytes", None, "n/a",
+                       "<= 1.10x", name, "ck.stats()['staging_bytes'] not available")
+    n, b = max(staging, key=lambda x: x[1])
+    r = b / w["state_bytes"]
+    mem = [(s["name"], (s.get("stats") or {}).get("memory_tier_slot_bytes")) for s in st]
+    detail = "; ".join(f"{sn}: the memory tier's own checkpoint is {fmt_b(mb)} of slot files "
+                       "in /dev/shm (its storage, not staging)" for sn, mb in mem if mb)
+    return _target("staging", "staging host memory <= 1.1x state bytes", r <= 1.1,
+                   f"{r:.2f}x ({fmt_b(b)}, {n})", "<= 1.10x", name, detail)
+
+
+def _workload_targets(w: dict[str, Any], limit_block: float, seq: dict[str, Any]) -> list[dict[str, Any]]:
+    """The per-workload targets (blocking, persist bandwidth, restore, staging), in that order."""
+    ok = _ok(w)
+    name = w["name"]
+    return [_blocking_target(ok, name, limit_block), _persist_bw_target(ok, name, seq),
+            _restore_target(ok, name), _staging_target(ok, w)]
+
+
+def _throughput_notes(chosen: dict[str, Any], neb: dict[str, Any], others: dict[str, float]) -> list[str]:
+    """The caveats and context printed next to the throughput verdict."""
+    th = neb["throughput"]
+    iv = th["interval"]
+    notes = []
+    if chosen["name"] != DEFAULT_WORKLOAD:
+        notes.append(f"measured on {chosen['name']}, not the default workload {DEFAULT_WORKLOAD}")
+    if iv != 10:
+        notes.append(f"measured with a checkpoint every {iv} steps, not 10")
+    if th.get("tiers_dropped"):
+        notes.append(f"{th['tiers_dropped']} tier write(s) were dropped "
+                     "because the tier was still busy")
+    if th.get("backlog_s"):
+        notes.append(f"includes {fmt_s(th['backlog_s'])} of persist backlog over {th['saves']} saves "
+                     f"(without it {fmt_pct(th.get('overhead_excl_backlog'))})")
+    own = [r["without_s"] for r in th.get("rounds", [])]
+    if len(own) > 1:
+        spread = (max(own) - min(own)) / (sum(own) / len(own))
+        notes.append(f"noise: {neb['name']}'s own {iv}-step no-checkpoint segments spread "
+                     f"{spread:.1%}; all systems' segments vary by {chosen.get('baseline_cv', 0):.0%} (CV)")
+    else:
+        notes.append(f"noise: the {iv}-step no-checkpoint segments vary by "
+                     f"{chosen.get('baseline_cv', 0):.1%} (CV)")
+    rounds = [r["overhead"] for r in th.get("rounds", []) if "overhead" in r]
+    if rounds:
+        notes.append("per round: " + ", ".join(fmt_pct(r) for r in rounds))
+    floor = (chosen.get("snapshot_floor") or {}).get("overhead")
+    if floor is not None:
+        notes.append(f"snapshot floor (bare copy, no I/O) {fmt_pct(floor)}")
+    if others:
+        best = min(others, key=lambda p: others[p])
+        notes.append(f"best peer: {best} {fmt_pct(others[best])}")
+    return notes
+
+
+def _throughput_target(workloads: list[dict[str, Any]]) -> Optional[dict[str, Any]]:
+    """Nebula's training-throughput overhead on the default workload (else the first that ran)."""
+    chosen = next((w for w in workloads if w["name"] == DEFAULT_WORKLOAD), workloads[0] if workloads else None)
+    if chosen is None:
+        return None
+    ok = _ok(chosen)
+    neb = ok.get("nebula") or ok.get("nebula_local")
+    if not neb:
+        return _target("throughput", "nebula throughput overhead <= 3% and lowest", None, "n/a",
+                       "<= 3%", chosen["name"], "nebula did not run")
+    ov = neb["throughput"]["overhead"]
+    others = {n: s["throughput"]["overhead"] for n, s in ok.items()
+              if n not in ("nebula", "nebula_local")}
+    lower = all(ov < o for o in others.values())
+    return _target("throughput", f"{neb['name']} throughput overhead <= 3% and lowest",
+                   ov <= 0.03 and lower, fmt_pct(ov), "<= 3% and < every peer",
+                   chosen["name"], "; ".join(_throughput_notes(chosen, neb, others)))
+
+
+def _flat_target(results: dict[str, Any]) -> dict[str, Any]:
+    """Host memory (RSS and staging) flat across many saves of a small state."""
+    flat = results.get("memory_flatness")
+    if not flat or "error" in flat:
+        return _target("flat", "host memory flat across 100 saves", None, "n/a", "", None,
+                       (flat or {}).get("error", "not run"))
+    g = flat["rss_growth_bytes"]
+    s0, s1 = flat.get("staging_after_warmup"), flat.get("staging_after_last")
+    staging_flat = s0 is None or s0 == s1
+    return _target("flat", f"host memory flat across {flat['saves']} saves", g <= FLAT_RSS_SLACK
+                   and staging_flat, f"RSS {fmt_b(g)} after save {flat['after_warmup_save']}; "
+                   f"staging {fmt_b(s0)} -> {fmt_b(s1)}", f"RSS growth <= {fmt_b(FLAT_RSS_SLACK)}, "
+                   "staging unchanged", None, f"state {fmt_b(flat['state_bytes'])}, nebula default tiers")
+
+
 def evaluate_targets(results: dict[str, Any]) -> list[dict[str, Any]]:
     """Compute every target's verdict from the results tree (``met`` is None for n/a)."""
     out: list[dict[str, Any]] = []
@@ -96,130 +245,11 @@ def evaluate_targets(results: dict[str, Any]) -> list[dict[str, Any]]:
     workloads = [w for w in results.get("workloads", []) if w.get("status") == "ok"]
 
     for w in workloads:
-        ok = _ok(w)
-        name = w["name"]
-        # blocking
-        neb, ts = ok.get("nebula") or ok.get("nebula_local"), ok.get("torch_save")
-        nb, tb = _med(neb or {}, "blocking_s"), _med(ts or {}, "blocking_s")
-        if neb and nb is not None and tb:
-            r = nb / tb
-            out.append(_target("blocking", f"{neb['name']} blocking <= {limit_block:.1%} of torch.save",
-                               r <= limit_block, f"{r:.2%} ({fmt_s(nb)} vs {fmt_s(tb)})",
-                               f"<= {limit_block:.1%}", name,
-                               f"p95: {fmt_s(neb['blocking_s']['p95'])}; save_async call alone: "
-                               f"{fmt_s(_med(neb, 'call_s'))}, stall before the next optimizer step: "
-                               f"{fmt_s(_med(neb, 'stall_s'))}"))
-        else:
-            out.append(_target("blocking", "nebula blocking <= 1% of torch.save", None,
-                               "n/a", f"<= {limit_block:.1%}", name, "nebula or torch_save did not run"))
-        # persist bandwidth
-        nl = ok.get("nebula_local")
-        if nl and seq.get("gbps"):
-            idle = nl.get("persist_idle_gbps", nl["persist_gbps"])
-            r = idle / seq["gbps"]
-            out.append(_target("persist_bw", "nebula_local persist bandwidth >= 85% of seq write+fsync",
-                               r >= 0.85, f"{r:.0%} ({idle:.2f} vs {seq['gbps']:.2f} GB/s)",
-                               ">= 85%", name, "state bytes / median time to durable with the training "
-                               "thread idle, as the limit is measured (while a training step runs: "
-                               f"{nl['persist_gbps']:.2f} GB/s = {nl['persist_gbps'] / seq['gbps']:.0%}); "
-                               "the limit is the best of its samples "
-                               + ", ".join(f"{g:.2f}" for g in seq["samples_gbps"])))
-        else:
-            out.append(_target("persist_bw", "nebula_local persist bandwidth >= 85% of seq write+fsync",
-                               None, "n/a", ">= 85%", name,
-                               "nebula_local did not run" if not nl else "no write limit measured"))
-        # restore
-        if nl and ts:
-            warm = nl["restore_warm_s"] <= ts["restore_warm_s"]
-            cold_ok = (nl.get("restore_cold_s") is not None and ts.get("restore_cold_s") is not None
-                       and (nl.get("cold_resident_fraction") or 0) < COLD_RESIDENT_MAX
-                       and (ts.get("cold_resident_fraction") or 0) < COLD_RESIDENT_MAX)
-            cold = nl["restore_cold_s"] <= ts["restore_cold_s"] if cold_ok else None
-            met = warm and (cold is not False)
-            val = f"warm {fmt_s(nl['restore_warm_s'])} vs {fmt_s(ts['restore_warm_s'])}"
-            if cold_ok:
-                val += f"; cold {fmt_s(nl['restore_cold_s'])} vs {fmt_s(ts['restore_cold_s'])}"
-            out.append(_target("restore", "nebula_local restore no slower than torch.load", met, val,
-                               "<= torch.load + load_state_dict", name,
-                               f"cold: {nl.get('cold_method')}" if cold_ok else "cold not measured"))
-        else:
-            out.append(_target("restore", "nebula_local restore no slower than torch.load", None, "n/a",
-                               "<= torch.load", name, "nebula_local or torch_save did not run"))
-        # staging bytes
-        st = [s for s in (ok.get("nebula"), ok.get("nebula_local")) if s]
-        reported = [(s["name"], (s.get("stats") or {}).get("staging_bytes")) for s in st]
-        staging = [(n, b) for n, b in reported if isinstance(b, (int, float))]
-        if staging:
-            n, b = max(staging, key=lambda x: x[1])
-            r = b / w["state_bytes"]
-            mem = [(s["name"], (s.get("stats") or {}).get("memory_tier_slot_bytes")) for s in st]
-            detail = "; ".join(f"{sn}: the memory tier's own checkpoint is {fmt_b(mb)} of slot files "
-                               "in /dev/shm (its storage, not staging)" for sn, mb in mem if mb)
-            out.append(_target("staging", "staging host memory <= 1.1x state bytes", r <= 1.1,
-                               f"{r:.2f}x ({fmt_b(b)}, {n})", "<= 1.10x", name, detail))
-        else:
-            out.append(_target("staging", "staging host memory <= 1.1x state bytes", None, "n/a",
-                               "<= 1.10x", name, "ck.stats()['staging_bytes'] not available"))
-
-    # throughput on the default workload
-    chosen = next((w for w in workloads if w["name"] == DEFAULT_WORKLOAD), workloads[0] if workloads else None)
-    if chosen is not None:
-        ok = _ok(chosen)
-        neb = ok.get("nebula") or ok.get("nebula_local")
-        if neb:
-            ov = neb["throughput"]["overhead"]
-            others = {n: s["throughput"]["overhead"] for n, s in ok.items()
-                      if n not in ("nebula", "nebula_local")}
-            lower = all(ov < o for o in others.values())
-            iv = neb["throughput"]["interval"]
-            notes = []
-            if chosen["name"] != DEFAULT_WORKLOAD:
-                notes.append(f"measured on {chosen['name']}, not the default workload {DEFAULT_WORKLOAD}")
-            if iv != 10:
-                notes.append(f"measured with a checkpoint every {iv} steps, not 10")
-            if neb["throughput"].get("tiers_dropped"):
-                notes.append(f"{neb['throughput']['tiers_dropped']} tier write(s) were dropped "
-                             "because the tier was still busy")
-            th = neb["throughput"]
-            if th.get("backlog_s"):
-                notes.append(f"includes {fmt_s(th['backlog_s'])} of persist backlog over {th['saves']} saves "
-                             f"(without it {fmt_pct(th.get('overhead_excl_backlog'))})")
-            own = [r["without_s"] for r in th.get("rounds", [])]
-            if len(own) > 1:
-                spread = (max(own) - min(own)) / (sum(own) / len(own))
-                notes.append(f"noise: {neb['name']}'s own {iv}-step no-checkpoint segments spread "
-                             f"{spread:.1%}; all systems' segments vary by {chosen.get('baseline_cv', 0):.0%} (CV)")
-            else:
-                notes.append(f"noise: the {iv}-step no-checkpoint segments vary by "
-                             f"{chosen.get('baseline_cv', 0):.1%} (CV)")
-            rounds = [r["overhead"] for r in th.get("rounds", []) if "overhead" in r]
-            if rounds:
-                notes.append("per round: " + ", ".join(fmt_pct(r) for r in rounds))
-            floor = (chosen.get("snapshot_floor") or {}).get("overhead")
-            if floor is not None:
-                notes.append(f"snapshot floor (bare copy, no I/O) {fmt_pct(floor)}")
-            if others:
-                best = min(others, key=lambda p: others[p])
-                notes.append(f"best peer: {best} {fmt_pct(others[best])}")
-            out.append(_target("throughput", f"{neb['name']} throughput overhead <= 3% and lowest",
-                               ov <= 0.03 and lower, fmt_pct(ov), "<= 3% and < every peer",
-                               chosen["name"], "; ".join(notes)))
-        else:
-            out.append(_target("throughput", "nebula throughput overhead <= 3% and lowest", None, "n/a",
-                               "<= 3%", chosen["name"], "nebula did not run"))
-
-    flat = results.get("memory_flatness")
-    if flat and "error" not in flat:
-        g = flat["rss_growth_bytes"]
-        s0, s1 = flat.get("staging_after_warmup"), flat.get("staging_after_last")
-        staging_flat = s0 is None or s0 == s1
-        out.append(_target("flat", f"host memory flat across {flat['saves']} saves", g <= FLAT_RSS_SLACK
-                           and staging_flat, f"RSS {fmt_b(g)} after save {flat['after_warmup_save']}; "
-                           f"staging {fmt_b(s0)} -> {fmt_b(s1)}", f"RSS growth <= {fmt_b(FLAT_RSS_SLACK)}, "
-                           "staging unchanged", None, f"state {fmt_b(flat['state_bytes'])}, nebula default tiers"))
-    else:
-        out.append(_target("flat", "host memory flat across 100 saves", None, "n/a", "", None,
-                           (flat or {}).get("error", "not run")))
+        out.extend(_workload_targets(w, limit_block, seq))
+    throughput = _throughput_target(workloads)
+    if throughput is not None:
+        out.append(throughput)
+    out.append(_flat_target(results))
     return out
 
 

@@ -478,10 +478,15 @@ def run_workload(m: str, a: argparse.Namespace, device: torch.device, target: st
     return entry
 
 
-def run(a: argparse.Namespace) -> dict[str, Any]:
-    """Run the benchmark described by ``a``; return the results tree."""
-    device = torch.device("cuda" if (a.device == "cuda" or (a.device == "auto" and torch.cuda.is_available()))
-                          else "cpu")
+def _pick_device(a: argparse.Namespace) -> torch.device:
+    """``--device``: cuda when asked for, or with ``auto`` when a GPU is available; else cpu."""
+    return torch.device("cuda" if (a.device == "cuda" or (a.device == "auto" and torch.cuda.is_available()))
+                        else "cpu")
+
+
+def _prepare_target(a: argparse.Namespace) -> tuple[str, Optional[Path], Optional[Path]]:
+    """Return (target, base, made_temp): ``--target`` or a new run folder under ``--bench-out``; its
+    local folder (None for a remote URL), created; and the run folder this call made, if any."""
     made_temp: Optional[Path] = None
     if a.target is None:
         a.bench_out.mkdir(parents=True, exist_ok=True)
@@ -493,6 +498,11 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
     base = None if is_url else Path(target.removeprefix("file://"))
     if base is not None:
         base.mkdir(parents=True, exist_ok=True)
+    return target, base, made_temp
+
+
+def _describe_machine(base: Optional[Path], target: str) -> dict[str, Any]:
+    """The machine description with the starting load average; warns when timings will not mean much."""
     machine = limits_mod.machine_info(base, target)
     machine["loadavg_start"] = _loadavg()
     cores = machine.get("usable_cores") or 1
@@ -502,7 +512,13 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
     if machine.get("target_is_tmpfs"):
         log.warning("target %s is on tmpfs (%s): 'durable' figures measure RAM, not a disk",
                     target, machine.get("target_fs"))
-    results: dict[str, Any] = {
+    return machine
+
+
+def _new_results(a: argparse.Namespace, device: torch.device, target: str,
+                 machine: dict[str, Any]) -> dict[str, Any]:
+    """The results tree before any measurement: settings, peers, machine, no workloads yet."""
+    return {
         "schema": 1, "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "argv": a.argv, "quick": a.quick, "device": str(device), "target": target,
         "settings": {"reps": a.reps, "interval": a.interval, "steps": a.steps, "systems": a.systems,
@@ -511,28 +527,49 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
         "peers": {n: {"calls": PEERS[n].calls, "durability": PEERS[n].durability} for n in a.systems},
         "machine": machine, "workloads": [],
     }
-    nsys = len(a.systems)
-    total = 1 + len(a.models) * (2 + nsys) + (1 if a.flat_saves and "nebula" in a.systems else 0)
+
+
+def _measure_memory_flatness(results: dict[str, Any], a: argparse.Namespace, target: str,
+                             base: Optional[Path]) -> None:
+    """nebula's host memory over ``--flat-saves`` saves, or the error that stopped the check."""
     try:
-        with _progress(total, a.quiet) as bar:
-            bar.set_description("limits")
-            est = max(wl.estimate_state_bytes(m, small_many_count=a.small_many_count,
-                                              few_huge_bytes=int(a.few_huge_gb * 1e9)) for m in a.models)
-            size = (128 << 20) if a.quick else int(min(2 << 30, max(256 << 20, est)))
-            results["limits"] = limits_mod.measure(base, size, size)
+        Nebula().check(target)
+        results["memory_flatness"] = flat_memory_check(target, base, a.flat_saves, a.keep)
+    except Exception as e:
+        log.warning("memory flatness check failed: %s", e)
+        results["memory_flatness"] = {"error": f"{type(e).__name__}: {e}"}
+
+
+def _measure_all(results: dict[str, Any], a: argparse.Namespace, device: torch.device, target: str,
+                 base: Optional[Path]) -> None:
+    """Write limits, every workload, the memory flatness check, then the write limit again, into ``results``."""
+    nsys = len(a.systems)
+    flat = bool(a.flat_saves and "nebula" in a.systems)
+    total = 1 + len(a.models) * (2 + nsys) + (1 if flat else 0)
+    with _progress(total, a.quiet) as bar:
+        bar.set_description("limits")
+        est = max(wl.estimate_state_bytes(m, small_many_count=a.small_many_count,
+                                          few_huge_bytes=int(a.few_huge_gb * 1e9)) for m in a.models)
+        size = (128 << 20) if a.quick else int(min(2 << 30, max(256 << 20, est)))
+        results["limits"] = limits_mod.measure(base, size, size)
+        bar.update(1)
+        for m in a.models:
+            results["workloads"].append(run_workload(m, a, device, target, base, bar))
+        if flat:
+            bar.set_description("nebula: host memory over saves")
+            _measure_memory_flatness(results, a, target, base)
             bar.update(1)
-            for m in a.models:
-                results["workloads"].append(run_workload(m, a, device, target, base, bar))
-            if a.flat_saves and "nebula" in a.systems:
-                bar.set_description("nebula: host memory over saves")
-                try:
-                    Nebula().check(target)
-                    results["memory_flatness"] = flat_memory_check(target, base, a.flat_saves, a.keep)
-                except Exception as e:
-                    log.warning("memory flatness check failed: %s", e)
-                    results["memory_flatness"] = {"error": f"{type(e).__name__}: {e}"}
-                bar.update(1)
-            _remeasure_write_limit(results, base, a)
+        _remeasure_write_limit(results, base, a)
+
+
+def run(a: argparse.Namespace) -> dict[str, Any]:
+    """Run the benchmark described by ``a``; return the results tree."""
+    device = _pick_device(a)
+    target, base, made_temp = _prepare_target(a)
+    machine = _describe_machine(base, target)
+    results = _new_results(a, device, target, machine)
+    try:
+        _measure_all(results, a, device, target, base)
     finally:
         if made_temp is not None and not a.keep:
             shutil.rmtree(made_temp, ignore_errors=True)
