@@ -351,19 +351,17 @@ class Found:
     nbytes: int
 
 
-def _du(folder: str) -> int:
-    seen: set[tuple[int, int]] = set()
-    total = 0
-    for dp, _dirs, files in os.walk(folder):
+def tree_bytes(path: str) -> int:
+    """Bytes of the files under ``path``, each file once however many names link it."""
+    seen: dict[tuple[int, int], int] = {}
+    for dp, _dirs, files in os.walk(path):
         for f in files:
             try:
                 st = os.lstat(os.path.join(dp, f))
             except FileNotFoundError:
                 continue
-            if (st.st_dev, st.st_ino) not in seen:
-                seen.add((st.st_dev, st.st_ino))
-                total += st.st_blocks * 512
-    return total
+            seen[(st.st_dev, st.st_ino)] = st.st_size
+    return sum(seen.values())
 
 
 def scan(shm_dir: Optional[str] = None) -> list[Found]:
@@ -384,5 +382,5 @@ def scan(shm_dir: Optional[str] = None) -> list[Found]:
         fd = try_lock(folder)
         if fd is not None:
             os.close(fd)
-        out.append(Found(folder, read_owner(folder), fd is None, None, _du(folder)))
+        out.append(Found(folder, read_owner(folder), fd is None, None, tree_bytes(folder)))
     return out

@@ -297,17 +297,9 @@ def shm_used_bytes() -> Optional[int]:
 
 def dir_bytes(path: Optional[str | Path]) -> int:
     """Total size of the files under ``path``, each file once however many names link it."""
-    if not path or not os.path.exists(path):
-        return 0
-    seen: dict[tuple[int, int], int] = {}
-    for d, _, fs in os.walk(path):
-        for f in fs:
-            try:
-                st = os.stat(os.path.join(d, f))
-            except FileNotFoundError:
-                continue
-            seen[(st.st_dev, st.st_ino)] = st.st_size
-    return sum(seen.values())
+    from nebula_ckpt.memtier import tree_bytes
+
+    return tree_bytes(str(path)) if path and os.path.exists(path) else 0
 
 
 # --------------------------------------------------------------------------- page cache

@@ -30,7 +30,7 @@ from nebula_ckpt.storage.remote import (
 )
 
 from .conftest import Store
-from .util import captured_logs, exc_text
+from .util import captured_logs, exc_text, outage_after_first_part
 
 TEST_TIME_LIMIT_S = 120
 #: every test here is bounded (pytest-timeout) far below pytest.ini's global limit: a hung
@@ -118,24 +118,8 @@ def test_real_frame_table_passes_validation(blob_store: Store) -> None:
 # ------------------------------------------------------------- 2. outage within a deadline
 
 def _outage_after_first_part(st: FsspecStorage, take_down: Any) -> threading.Event:
-    """Once part 0 is accepted, another thread takes the server down; the uploading thread
-    waits until it is down, so the remaining parts meet the outage deterministically."""
-    fired, down = threading.Event(), threading.Event()
-
-    def stopper() -> None:
-        if fired.wait(60):
-            take_down()
-            down.set()
-
-    threading.Thread(target=stopper, daemon=True).start()
-
-    def hook(rel: str, index: int) -> None:
-        if not fired.is_set():
-            fired.set()
-            down.wait(30)
-
-    st.on_part_uploaded = hook
-    return down
+    """Once part 0 is accepted, the server goes down (see util.outage_after_first_part)."""
+    return outage_after_first_part(st, take_down)
 
 
 @pytest.mark.parametrize("outage", ["stopped", "frozen"])

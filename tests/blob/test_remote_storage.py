@@ -29,6 +29,7 @@ from .conftest import Store
 from .servers import REPO
 from .util import captured_logs as _captured_logs
 from .util import exc_text as _exc_text
+from .util import outage_after_first_part
 
 pytestmark = pytest.mark.blob
 
@@ -313,31 +314,9 @@ def test_unreachable_endpoint_fails_fast(blob_store: Store) -> None:
 
 
 def _stop_on_first_part(st: FsspecStorage, server, restart_after: float | None = None) -> threading.Event:  # noqa: ANN001
-    """Hook: once part 0 is accepted, another thread stops the server (and maybe restarts it).
-
-    The uploading thread waits until the server is down, so the remaining parts hit a dead
-    endpoint deterministically.
-    """
-    down = threading.Event()
-    fired = threading.Event()
-
-    def stopper() -> None:
-        fired.wait()
-        server.stop()
-        down.set()
-        if restart_after is not None:
-            time.sleep(restart_after)
-            server.start()
-
-    threading.Thread(target=stopper, daemon=True).start()
-
-    def hook(rel: str, index: int) -> None:
-        if not fired.is_set():
-            fired.set()
-            down.wait(30)
-
-    st.on_part_uploaded = hook
-    return down
+    """Once part 0 is accepted, the server stops (and restarts after ``restart_after`` s)."""
+    return outage_after_first_part(st, server.stop, server.start if restart_after is not None else None,
+                                   restart_after or 0.0)
 
 
 def test_server_stopped_mid_upload(blob_store: Store) -> None:

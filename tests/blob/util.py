@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import logging
+import threading
+import time
 import traceback
 from contextlib import contextmanager
-from typing import Iterator
+from typing import Any, Callable, Iterator, Optional
 
 
 @contextmanager
@@ -31,3 +33,31 @@ def captured_logs() -> Iterator[list[str]]:
 
 def exc_text(exc: BaseException) -> str:
     return "\n".join([str(exc), repr(exc), "".join(traceback.format_exception(exc))])
+
+
+def outage_after_first_part(st: Any, take_down: Callable[[], None],
+                            bring_back: Optional[Callable[[], None]] = None,
+                            after_s: float = 0.0) -> threading.Event:
+    """Hook ``st``: once part 0 is accepted, another thread calls ``take_down()`` (and, after
+    ``after_s`` s, ``bring_back()``). The uploading thread waits until the server is down, so the
+    remaining parts meet the outage deterministically. Returns the "down" event."""
+    fired, down = threading.Event(), threading.Event()
+
+    def stopper() -> None:
+        if not fired.wait(60):
+            return
+        take_down()
+        down.set()
+        if bring_back is not None:
+            time.sleep(after_s)
+            bring_back()
+
+    threading.Thread(target=stopper, daemon=True).start()
+
+    def hook(rel: str, index: int) -> None:
+        if not fired.is_set():
+            fired.set()
+            down.wait(30)
+
+    st.on_part_uploaded = hook
+    return down
