@@ -277,11 +277,10 @@ class Checkpointer:
             raise
         snap = Snapshot(plan, slot, job, handle, self._pool, targets, t0)
         handle._bind_confirm(snap.confirm)
-        sync = self.snapshot == "sync" or (self.snapshot == "auto" and not pinned)
+        sync = self.snapshot == "sync" or (self.snapshot == "auto" and not pinned) \
+            or not self._install_hooks(plan.optimizers, plan.modules_with_buffers)
         if sync:
             snap.confirm()  # the copy is done and checked before we return: nothing can tear it
-        else:
-            self._install_hooks(plan.optimizers, plan.modules_with_buffers)
         with self._lock:
             if not sync:
                 self._inflight = [s for s in self._inflight if not s.confirmed] + [snap]
@@ -310,15 +309,22 @@ class Checkpointer:
         for s in pending:
             s.confirm()
 
-    def _install_hooks(self, optimizers: list[Any], modules: list[torch.nn.Module]) -> None:
-        for opt in optimizers:
-            if opt not in self._hooked:
-                self._hook_handles.append(opt.register_step_pre_hook(self._confirm_inflight))
-                self._hooked.add(opt)
-        for m in modules:
-            if m not in self._hooked:
-                self._hook_handles.append(m.register_forward_pre_hook(self._confirm_inflight))
-                self._hooked.add(m)
+    def _install_hooks(self, optimizers: list[Any], modules: list[torch.nn.Module]) -> bool:
+        """Make the next step / forward wait for the copy; False if an object cannot be hooked
+        (a wrapped optimizer without PyTorch's hook machinery): the save then waits itself."""
+        try:
+            for opt in optimizers:
+                if opt not in self._hooked:
+                    self._hook_handles.append(opt.register_step_pre_hook(self._confirm_inflight))
+                    self._hooked.add(opt)
+            for m in modules:
+                if m not in self._hooked:
+                    self._hook_handles.append(m.register_forward_pre_hook(self._confirm_inflight))
+                    self._hooked.add(m)
+        except Exception as e:
+            log.debug("nebula_ckpt: cannot hook %s (%s): this save waits for its copy", type(e).__name__, e)
+            return False
+        return True
 
     def _raise_unseen(self) -> None:
         if self.on_persist_error != "raise":

@@ -79,7 +79,8 @@ def test_fenced_error_is_catchable_as_such(root: str) -> None:
     stale.save_async(4, {"w": torch.ones(2)})      # not waited for: close() raises it
     with pytest.raises(nc.FencedError):
         stale.close()
-    assert nc.Checkpointer(root, memory_tier=False).list() == [1, 2]
+    with nc.Checkpointer(root, memory_tier=False) as reader:
+        assert reader.list() == [1, 2]
 
 
 def test_failed_step_leaves_no_files(tmp_path) -> None:  # noqa: ANN001
@@ -250,3 +251,35 @@ def test_bad_constructor_argument_touches_nothing(root: str, shm_dir: str, kw: d
         nc.Checkpointer(root, **kw)
     assert not os.path.exists(root)                  # not even the run id
     assert os.listdir(shm_dir) == []                 # nor a memory tier
+
+
+class WrappedOptimizer(torch.optim.Optimizer):
+    """Like accelerate's AcceleratedOptimizer: an Optimizer by isinstance, but no hook machinery."""
+
+    def __init__(self, inner: torch.optim.Optimizer) -> None:  # no super().__init__ on purpose
+        self.inner = inner
+
+    def state_dict(self) -> dict:
+        return self.inner.state_dict()
+
+    def load_state_dict(self, sd: dict) -> None:
+        self.inner.load_state_dict(sd)
+
+    def step(self, closure: object = None) -> None:  # type: ignore[override]
+        self.inner.step()
+
+
+def test_unhookable_optimizer_makes_the_save_wait_instead_of_failing(root: str) -> None:
+    model = torch.nn.Linear(64, 64)
+    opt = WrappedOptimizer(torch.optim.AdamW(model.parameters()))
+    model(torch.randn(2, 64)).sum().backward()
+    opt.step()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with nc.Checkpointer(root, snapshot="async") as ck:
+        h = ck.save_async(1, {"model": model, "optim": opt})   # cannot hook: waits for the copy
+        model(torch.randn(2, 64)).sum().backward()
+        opt.step()                                            # changes the weights right away
+        assert h.result()
+        _, back = ck.read(1)
+    for k, v in before.items():
+        assert torch.equal(back["model"][k], v)
