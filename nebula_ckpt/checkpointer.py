@@ -1,9 +1,10 @@
-"""Checkpointer: the orchestration of plan -> snapshot -> persist, and of restore.
+"""Checkpointer: the orchestration of plan -> snapshot -> fan-out -> persist, and of restore.
 
 Only this module knows the order of the stages. Threads:
 
-* the training thread runs :meth:`Checkpointer.save_async` up to enqueuing the copy;
-* one stager thread waits for copies, checksums and hands snapshots to the tiers;
+* the training thread runs :meth:`Checkpointer.save_async` up to enqueuing the copy (and, with
+  ``snapshot="sync"``, waiting for it and settling the verdict);
+* one stager thread waits for copies, records the tensor index and fans snapshots out to tiers;
 * one writer thread per tier persists them.
 """
 
