@@ -97,15 +97,20 @@ class MemoryTierRuntime(TierRuntime):
 
     def __init__(self, tier: "MemoryTier", storage: Storage) -> None:
         super().__init__(tier, storage)
+        self._memory_tier = tier
         self._claim: Optional[Claim] = None
         self._slots: Optional[str] = None
 
     @property
     def folder(self) -> str:
         """The tier's folder."""
-        path = getattr(self.tier, "path", None)
+        path = self._memory_tier.path
         assert path is not None, "MemoryTier.bind() was not called"
-        return str(path)
+        return path
+
+    def _secure(self, create: bool) -> None:
+        """Create (or only verify) the folder chain; raises as :func:`memtier.secure_folder`."""
+        secure_folder(self.folder, default_layout=self._memory_tier.default_layout, create=create)
 
     def open(self, owner: Owner) -> bool:
         from .tiers import shm_available
@@ -115,7 +120,7 @@ class MemoryTierRuntime(TierRuntime):
             log.info("nebula_ckpt: memory tier skipped: %s", why)
             return False
         try:
-            secure_folder(self.folder, default_layout=bool(getattr(self.tier, "default_layout", False)))
+            self._secure(create=True)
             self._claim = Claim(self.folder, owner)
             if os.path.isdir(os.path.join(self.folder, SLOT_DIR)):
                 # names of slot files of processes that are gone (their checkpoints keep the bytes)
@@ -131,9 +136,8 @@ class MemoryTierRuntime(TierRuntime):
             log.warning("nebula_ckpt: memory tier %s is written by another live process on the same "
                         "root (a second job on one root?); this one saves without it", self.folder)
             return False
-        try:
+        try:  # open() already swept the names of dead processes' slot files
             self._slots = secure_subfolder(self.folder, SLOT_DIR)
-            sweep_slot_files(self._slots)
         except OSError as e:
             log.warning("nebula_ckpt: memory tier %s: no staging slot files (%s); copying instead", self.folder, e)
         return True
@@ -143,8 +147,7 @@ class MemoryTierRuntime(TierRuntime):
 
     def unreadable(self, owner: Owner) -> Optional[str]:
         try:
-            secure_folder(self.folder, default_layout=bool(getattr(self.tier, "default_layout", False)),
-                          create=False)
+            self._secure(create=False)
         except FileNotFoundError:
             return "no memory tier"
         except OSError as e:
