@@ -21,6 +21,7 @@ import torch
 from . import knobs
 from .buffers import StagingPool
 from .coordinator import Coordinator, LocalCoordinator
+from .distributed import default_coordinator
 from .errors import NebulaError, NotFoundError, ValidationError
 from .fanout import fan_out
 from .fencing import Fence, run_id
@@ -110,8 +111,11 @@ class Checkpointer:
             competes with training for the same cores and memory anyway, and changes through
             ``.data`` or numpy, which no version counter sees, cannot tear it), ``"async"`` when
             the state has CUDA tensors (the device-to-host copy then overlaps compute).
-        coordinator: how the ranks of a job agree (writer generation, commit, restore step);
-            default :class:`~nebula_ckpt.coordinator.LocalCoordinator` (one process).
+        coordinator: how the ranks of a job agree (writer generation, commit, restore step).
+            Default: with an initialised ``torch.distributed`` process group of several ranks, a
+            :class:`~nebula_ckpt.distributed.DistCoordinator` over all of them (construct the
+            Checkpointer on every rank, in the same order: the constructor is a collective);
+            otherwise :class:`~nebula_ckpt.coordinator.LocalCoordinator` (one process).
 
     Example::
 
@@ -142,13 +146,20 @@ class Checkpointer:
         _check_arguments(root, keep_last, max_host_bytes, on_full, on_persist_error, snapshot)
         self.snapshot = snapshot
         #: how the ranks of the job agree (one process: :class:`LocalCoordinator`, a no-op)
-        self.coordinator = coordinator or LocalCoordinator()
+        self.coordinator = coordinator or default_coordinator() or LocalCoordinator()
         self.root = root
         self._keep_last = keep_last
         self.allow_pickle = allow_pickle
         self.on_persist_error = on_persist_error
         self._open_tiers(*self._choose_tiers(storage_options, tiers, memory_tier))
         self._fence = Fence(self._root_storage, self.coordinator)
+        if self.coordinator.world_size > 1:
+            # Collectives belong here, where every rank is (the constructor): the job's writer
+            # generation, and the rounds of each shared tier.
+            _ = self._fence.generation
+            for rt in self._runtimes:
+                if rt.tier.shared:
+                    self.coordinator.open_tier(rt.name, rt.tier.every)
         # A second staging slot lets the next save start while a slower tier still reads one.
         self._pool = StagingPool(max_host_bytes, 1 if len(self._runtimes) == 1 else 2, on_full)
         self._writers: Optional[list[TierWriter]] = None
@@ -255,8 +266,21 @@ class Checkpointer:
         with self._lock:
             idx = self._save_index
             self._save_index += 1
+        try:
+            return self._save_indexed(idx, plan, writers, t_now, t0)
+        except BaseException:
+            for w in writers:  # the ranks' rounds of this save go on without this rank
+                self.coordinator.abandon(w.name, idx)
+            raise
+
+    def _save_indexed(self, idx: int, plan: Any, writers: list[TierWriter], t_now: float, t0: float) -> SaveHandle:
+        """The rest of :meth:`save_async` for save number ``idx`` of this job."""
         targets = [w for w in writers if w.wants(idx, t_now)]
+        for w in writers:
+            if w not in targets:
+                self.coordinator.abandon(w.name, idx)
         handle = SaveHandle(plan.step, [w.name for w in targets])
+        handle._bind_settled(lambda tier: self.coordinator.abandon(tier, idx))
         if not targets:
             handle._skip("no tier's cadence wanted this save")
             return handle
@@ -277,6 +301,7 @@ class Checkpointer:
             self._pool.release(slot)  # nothing is in flight: the slot goes back
             raise
         snap = Snapshot(plan, slot, job, handle, self._pool, targets, t0)
+        snap.index = idx
         handle._bind_confirm(snap.confirm)
         sync = self.snapshot == "sync" or (self.snapshot == "auto" and not pinned) \
             or not self._install_hooks(plan.optimizers, plan.modules_with_buffers)
@@ -395,6 +420,7 @@ class Checkpointer:
                 rt.close(written)   # e.g. the memory tier frees its RAM when that is safe
             for w in self._writers or []:
                 w.close()
+            self.coordinator.close(self._save_index)
             self._pool.close()
         for rt in self._runtimes:
             rt.release()
@@ -409,6 +435,8 @@ class Checkpointer:
         """
         if self._writers is None:
             return  # nothing was saved by this checkpointer
+        if self.coordinator.world_size > 1:
+            return  # a multi-rank copy would need every rank again: not done at close (see README)
         have = {w.name: set(committed_steps(w.storage)) for w in self._writers}
         newest = max((max(s) for s in have.values() if s), default=None)
         if newest is None:

@@ -1,15 +1,19 @@
 """The rank dimension: what the ranks of one job agree on. A no-op in one process.
 
 Every place where ranks must agree goes through a :class:`Coordinator`, so multi-rank support
-is one implementation of this interface (on a gloo group of ``torch.distributed``), not a change
-of the pipeline:
+is one implementation of this interface (:class:`nebula_ckpt.distributed.DistCoordinator`, on
+gloo groups of ``torch.distributed``), not a change of the pipeline:
 
 * ``shared_generation`` — one writer generation per job: the coordinator rank takes it on the
   root (create-only), every rank uses it (shard names carry it, fencing checks it);
-* ``shard_durable`` — before a tier's manifest and commit marker: every rank reports its shard
-  durable (and verified) there; the commit goes ahead only if all did. Metadata only, never
-  tensor data, never on the training thread;
-* ``agree_step`` — on restore: the newest step every rank can restore.
+* ``round`` — on a shared tier's writer thread: one exchange of metadata (never tensor data)
+  among all ranks about save number ``index`` of the job, in a fixed sequence of phases (the
+  tensor index for deduplication, then "my shard is durable", then the coordinator's verdict).
+  Every rank runs the same rounds in the same order: a save a rank does not write on a tier (its
+  cadence skipped it, it was dropped or failed) is ``abandon``-ed there and the rank takes part
+  with ``None``;
+* ``agree_step`` / ``all_true`` — on restore: the newest step every rank can restore, and
+  whether every rank opened it.
 
 Which rank writes what: shards are named ``shard-g<G>-r<R>``, so ranks never collide;
 cleanup and retention never delete a file of the same generation written by another rank.
@@ -18,7 +22,11 @@ cleanup and retention never delete a file of the same generation written by anot
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Callable, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
+
+#: the phases of one save on a shared tier, in order (see :mod:`nebula_ckpt.persist`)
+PHASE_INDEX, PHASE_DURABLE, PHASE_VERDICT = 0, 1, 2
+PHASES = 3
 
 
 class Coordinator(ABC):
@@ -38,17 +46,31 @@ class Coordinator(ABC):
     def shared_generation(self, take: Callable[[], int]) -> int:
         """The job's writer generation: ``take()`` runs on the coordinator only, all ranks get it."""
 
+    def open_tier(self, tier: str, every: int = 1) -> None:
+        """Prepare the rounds of shared tier ``tier`` (``every``: only every N-th save has rounds)."""
+
     @abstractmethod
-    def shard_durable(self, step: int, tier: str, ok: bool) -> bool:
-        """Report this rank's shard of ``step`` on ``tier`` (``ok``: durable and verified); True
-        when every rank's is, so the commit may go ahead. Called on the tier's writer thread."""
+    def round(self, tier: str, index: int, phase: int, payload: Any) -> list[Any]:
+        """Exchange ``payload`` with every rank for save ``index``, ``phase`` on ``tier``: every
+        rank's payload by rank (``None`` for a rank that abandoned the save). Tier writer thread.
+
+        Raises:
+            PersistError: the ranks cannot agree (a rank died, a timeout).
+        """
+
+    def abandon(self, tier: str, index: int) -> None:
+        """This rank does not write save ``index`` on ``tier`` (its later phases answer ``None``)."""
 
     @abstractmethod
     def agree_step(self, candidates: Sequence[int]) -> Optional[int]:
         """The newest of ``candidates`` (this rank's restorable steps) that every rank has."""
 
-    def close(self) -> None:
-        """Release the channel (idempotent)."""
+    @abstractmethod
+    def all_true(self, ok: bool) -> bool:
+        """Whether ``ok`` holds on every rank (restore: every rank opened the agreed step)."""
+
+    def close(self, saves: int = 0) -> None:
+        """After ``saves`` save indexes were handed out: finish their rounds, release (idempotent)."""
 
 
 class LocalCoordinator(Coordinator):
@@ -57,8 +79,11 @@ class LocalCoordinator(Coordinator):
     def shared_generation(self, take: Callable[[], int]) -> int:
         return take()
 
-    def shard_durable(self, step: int, tier: str, ok: bool) -> bool:
-        return ok
+    def round(self, tier: str, index: int, phase: int, payload: Any) -> list[Any]:
+        return [payload]
 
     def agree_step(self, candidates: Sequence[int]) -> Optional[int]:
         return max(candidates, default=None)
+
+    def all_true(self, ok: bool) -> bool:
+        return ok

@@ -33,6 +33,7 @@ class SaveHandle:
         self._errors: dict[str, BaseException] = {}
         self._pending = set(tiers)
         self._confirm: Optional[Callable[[], None]] = None
+        self._settled: Optional[Callable[[str], None]] = None
         self._snapshot = threading.Event()
         self._snapshot_error: Optional[BaseException] = None
         self._durable = threading.Event()
@@ -108,6 +109,16 @@ class SaveHandle:
         """The training-thread check ``wait_snapshot()`` / ``result()`` run first (checkpointer)."""
         self._confirm = confirm
 
+    def _bind_settled(self, settled: Callable[[str], None]) -> None:
+        """Called with a tier's name once the save is over on that tier, however it ended
+        (the checkpointer tells the ranks' protocol that this rank is done with the save there)."""
+        self._settled = settled
+
+    def _settle(self, tiers: "list[str]") -> None:
+        if self._settled is not None:
+            for t in tiers:
+                self._settled(t)
+
     def _snapshot_failure(self) -> Optional[BaseException]:
         """Why the snapshot failed, or None (tier writers check it before committing)."""
         return self._snapshot_error
@@ -130,6 +141,7 @@ class SaveHandle:
         self._snapshot.set()
         if error is not None:
             self._durable.set()
+            self._settle(list(self._pending))
 
     def _tier_done(self, tier: str, error: Optional[BaseException] = None, dropped: bool = False) -> None:
         with self._lock:
@@ -142,9 +154,11 @@ class SaveHandle:
             self._pending.discard(tier)
             if not self._pending:
                 self._durable.set()
+        self._settle([tier])
 
     def _skip(self, reason: str) -> None:
         self.skipped = reason
+        self._settle(list(self._pending))
         self._pending.clear()
         self._snapshot.set()
         self._durable.set()

@@ -69,6 +69,9 @@ _KNOBS: dict[str, _Knob] = {
     "confirm_timeout_s": _Knob("NEBULA_CONFIRM_TIMEOUT_S", 5.0, float,
                                "how long a tier waits for the training thread to confirm a snapshot "
                                "(next optimizer.step / save_async / wait) before checking it itself"),
+    "commit_timeout_s": _Knob("NEBULA_COMMIT_TIMEOUT_S", 600.0, float,
+                              "multi-rank: how long a rank waits for the others in one round of the "
+                              "checkpoint protocol (a rank that died fails the save sooner)"),
     "exit_timeout_s": _Knob("NEBULA_EXIT_TIMEOUT_S", 300.0, float,
                             "how long interpreter exit waits for the pending saves of a Checkpointer "
                             "that was never closed"),

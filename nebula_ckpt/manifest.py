@@ -9,6 +9,14 @@ A checkpoint of step N on a tier is the folder ``step-N/`` holding::
 ``G`` is the writer generation (see :mod:`nebula_ckpt.fencing`), ``R`` the rank. A folder
 without ``COMMIT`` is not a checkpoint: readers ignore it and writers clean it up.
 
+A checkpoint of a multi-rank job (format version 2, ``world_size`` > 1) holds the state of
+several ranks: ``ranks`` lists them (all of them on a shared tier, where the coordinator
+writes one manifest for every rank's shard; one on a rank's own memory tier). Tensor keys are
+prefixed ``r<R>/``; a replicated tensor is stored once and the other ranks' keys are aliases of
+it; ``tree`` is a list of the distinct state trees and ``rank_tree`` names each rank's (trees
+use unprefixed keys). A DTensor's local shard carries a ``dtensor`` record: global shape, the
+shard's offsets in it, placements and mesh shape.
+
 Everything read from storage is input, never truth: a manifest whose checksum matches its
 commit marker can still be wrong (a buggy or hostile writer produces a valid checksum just as
 easily). :meth:`Manifest.parse` checks every field — types, dtypes, shapes against byte ranges,
@@ -36,7 +44,9 @@ if TYPE_CHECKING:
     from .storage.base import Storage
 
 FORMAT = "nebula_ckpt"
-VERSION = 1
+VERSION = 2
+#: manifests of one process (world_size 1) are still written as version 1: any reader reads them
+SINGLE_VERSION = 1
 MANIFEST = "manifest.json"
 COMMIT = "COMMIT"
 # ASCII digits only (``\d`` also matches other scripts' digits) and no leading zeros, so the
@@ -45,6 +55,7 @@ _STEP_RE = re.compile(r"step-(0|[1-9][0-9]*)")
 _SHARD_RE = re.compile(r"shard-g(0|[1-9][0-9]*)-r(0|[1-9][0-9]*)\.safetensors")
 _SHARD_PREFIX_RE = re.compile(r"shard-g([0-9]+)-r[0-9]+\.safetensors")
 _SHARD_OWNER_RE = re.compile(r"shard-g([0-9]+)-r([0-9]+)\.safetensors")
+_PLACEMENT_RE = re.compile(r"R|S\((0|[1-9][0-9]?)\)")
 _DEVICE_RE = re.compile(r"(cpu|cuda)(:(0|[1-9][0-9]{0,3}))?")
 #: Bounds that keep hostile numbers cheap: no file of ours is anywhere near 2**62 bytes.
 MAX_BYTES = 1 << 62
@@ -276,6 +287,45 @@ def _storage_info(info: Any, raw: int, where: str) -> dict[str, Any]:
 
 
 @dataclass(frozen=True)
+class DTensorInfo:
+    """Where a DTensor's local shard lies in the global tensor (``dtensor`` of a tensor record)."""
+
+    shape: tuple[int, ...]           # global shape
+    offsets: tuple[int, ...]         # offsets of this shard in the global tensor
+    placements: tuple[str, ...]      # "R" (replicate) or "S(d)" (shard on dim d), one per mesh dim
+    mesh: tuple[int, ...]            # mesh shape
+
+    def to_json(self) -> dict[str, Any]:
+        """The manifest's JSON object."""
+        return {"shape": list(self.shape), "offsets": list(self.offsets),
+                "placements": list(self.placements), "mesh": list(self.mesh)}
+
+    @staticmethod
+    def parse(d: Any, local: tuple[int, ...], where: str) -> "DTensorInfo":
+        """Validate against the local shard's shape ``local``."""
+        d = _obj(d, where, "dtensor")
+        _only(d, ("shape", "offsets", "placements", "mesh"), where, "dtensor")
+        shape = tuple(_int(x, where, "dtensor.shape[]") for x in _list(d.get("shape"), where, "dtensor.shape"))
+        offs = tuple(_int(x, where, "dtensor.offsets[]") for x in _list(d.get("offsets"), where, "dtensor.offsets"))
+        if len(shape) != len(local) or len(offs) != len(local):
+            raise _bad(where, f"dtensor shape {list(shape)} / offsets {list(offs)} do not match the local "
+                       f"shard's {len(local)} dimensions")
+        for i, (g, o, n) in enumerate(zip(shape, offs, local, strict=True)):
+            if o + n > g:
+                raise _bad(where, f"dtensor dimension {i}: the shard [{o}, {o + n}) lies outside the global size {g}")
+        pl = tuple(_str(x, where, "dtensor.placements[]") for x in _list(d.get("placements"), where,
+                                                                             "dtensor.placements"))
+        mesh = tuple(_int(x, where, "dtensor.mesh[]", lo=1, hi=2**31) for x in _list(d.get("mesh"), where,
+                                                                                     "dtensor.mesh"))
+        if len(pl) != len(mesh) or not mesh or len(mesh) > MAX_NDIM:
+            raise _bad(where, f"dtensor has {len(pl)} placements for a mesh of shape {list(mesh)}")
+        for p in pl:
+            if not _PLACEMENT_RE.fullmatch(p) or (p != "R" and int(p[2:-1]) >= len(local)):
+                raise _bad(where, f"dtensor placement {_short(p)} is not 'R' or 'S(<dim>)' of this tensor")
+        return DTensorInfo(shape, offs, pl, mesh)
+
+
+@dataclass(frozen=True)
 class TensorRecord:
     """One stored tensor: dtype, shape and where its bytes lie (``[start, end)`` of shard ``shard``)."""
 
@@ -287,6 +337,7 @@ class TensorRecord:
     crc32c: int
     device: str = "cpu"
     shard: int = 0
+    dtensor: Optional[DTensorInfo] = None
 
     @property
     def nbytes(self) -> int:
@@ -305,13 +356,15 @@ class TensorRecord:
                                "device": self.device}
         if self.shard:
             out["shard"] = self.shard
+        if self.dtensor is not None:
+            out["dtensor"] = self.dtensor.to_json()
         return out
 
     @staticmethod
     def parse(key: str, d: Any, shards: tuple[ShardRecord, ...], where: str) -> "TensorRecord":
         """Validate one tensor entry against its shard; raise naming the key and the field."""
         d = _obj(d, where, "the tensor entry")
-        _only(d, ("dtype", "shape", "offsets", "crc32c", "device", "shard"), where, "the tensor entry")
+        _only(d, ("dtype", "shape", "offsets", "crc32c", "device", "shard", "dtensor"), where, "the tensor entry")
         if not shards:
             raise _bad(where, "refers to a shard, but the manifest lists none")
         si = _int(d.get("shard", 0), where, "shard", hi=len(shards) - 1)
@@ -337,11 +390,14 @@ class TensorRecord:
         if not _DEVICE_RE.fullmatch(device):
             raise _bad(where, f"device {_short(device)} is not 'cpu', 'cuda' or 'cuda:<n>'")
         crc = _int(d.get("crc32c"), where, "crc32c", hi=2**32 - 1)
-        return TensorRecord(key, dtype, dims, start, end, crc, device, si)
+        dt = None if d.get("dtensor") is None else DTensorInfo.parse(d["dtensor"], dims, where)
+        return TensorRecord(key, dtype, dims, start, end, crc, device, si, dt)
 
 
 _REQUIRED = ("format", "version", "step", "generation", "shards", "tensors", "tree")
-_KNOWN = _REQUIRED + ("time", "checksum", "aliases", "stats")
+_KNOWN = _REQUIRED + ("time", "checksum", "aliases", "stats", "world_size", "ranks", "rank_tree")
+#: most ranks a manifest may name (bounds the work a hostile manifest can ask for)
+MAX_WORLD = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -351,6 +407,8 @@ class Manifest:
     ``tensors`` keeps the stored order; ``tree`` is the typed-JSON structure, already checked
     by :func:`nebula_ckpt.structure.check_tree` (so decoding it cannot meet a malformed node).
     ``extra`` holds top-level fields this version does not know; they are written back as is.
+    A multi-rank manifest (``world_size`` > 1) holds the ranks ``ranks``; use :meth:`rank_tree_of`
+    and :meth:`resolve` with a rank (see the module docstring).
     """
 
     step: int
@@ -359,14 +417,37 @@ class Manifest:
     tensors: Mapping[str, TensorRecord]
     aliases: Mapping[str, str]
     tree: Mapping[str, Any]
-    version: int = VERSION
+    version: int = SINGLE_VERSION
     time: float = 0.0
     checksum: str = "crc32c"
     stats: Mapping[str, Any] = field(default_factory=dict)
     extra: Mapping[str, Any] = field(default_factory=dict)
+    world_size: int = 1
+    ranks: tuple[int, ...] = (0,)
+    rank_tree: Mapping[int, int] = field(default_factory=dict)
 
-    def resolve(self, key: str) -> TensorRecord:
-        """The record of ``key`` or of the key it is tied to; ``KeyError`` if neither exists."""
+    @property
+    def multi_rank(self) -> bool:
+        """Whether this is the checkpoint of a multi-rank job (keys prefixed by rank)."""
+        return self.world_size > 1
+
+    def prefix(self, rank: int) -> str:
+        """Key prefix of ``rank``'s tensors (``""`` in a one-process checkpoint)."""
+        return f"r{rank}/" if self.multi_rank else ""
+
+    def rank_tree_of(self, rank: int) -> Mapping[str, Any]:
+        """The state tree ``rank`` saved (its tensor keys without the rank prefix)."""
+        if not self.multi_rank:
+            return self.tree
+        if rank not in self.rank_tree:
+            raise KeyError(f"rank {rank} is not in this checkpoint (it holds ranks {list(self.ranks)[:8]})")
+        return self.tree["v"][self.rank_tree[rank]]
+
+    def resolve(self, key: str, rank: Optional[int] = None) -> TensorRecord:
+        """The record of ``key`` (of ``rank``, for a multi-rank manifest) or of the key it is tied
+        to; ``KeyError`` if neither exists."""
+        if rank is not None and self.multi_rank:
+            key = f"r{rank}/{key}"
         return self.tensors[self.aliases.get(key, key)]
 
     def to_json(self) -> dict[str, Any]:
@@ -375,6 +456,9 @@ class Manifest:
                "time": self.time, "checksum": self.checksum, "shards": [s.to_json() for s in self.shards],
                "tensors": {k: t.to_json() for k, t in self.tensors.items()}, "aliases": dict(self.aliases),
                "tree": self.tree, "stats": dict(self.stats)}
+        if self.multi_rank:
+            out.update(world_size=self.world_size, ranks=list(self.ranks),
+                       rank_tree={str(r): i for r, i in self.rank_tree.items()})
         out.update(self.extra)
         return out
 
@@ -427,8 +511,6 @@ class Manifest:
 
 
 def _parse_body(m: dict[str, Any], w: str, step: int, version: int) -> Manifest:
-    from .structure import check_tree  # structure imports the dtype table from here
-
     shards = tuple(ShardRecord.parse(s, f"{w}: shards[{i}]") for i, s in enumerate(_list(m["shards"], w, "shards")))
     names = [s.file for s in shards]
     if len(set(names)) != len(names):
@@ -437,7 +519,8 @@ def _parse_body(m: dict[str, Any], w: str, step: int, version: int) -> Manifest:
                for k, v in _obj(m["tensors"], w, "tensors").items()}
     _check_overlaps(tensors, shards, w)
     aliases = _aliases(m.get("aliases", {}), tensors, w)
-    check_tree(m["tree"], set(tensors) | set(aliases), f"{w}: tree")
+    world, ranks, rank_tree = _ranks(m, w, version)
+    _check_trees(m["tree"], set(tensors) | set(aliases), world, rank_tree, w)
     t = m.get("time", 0.0)
     if type(t) not in (int, float):
         raise _bad(w, f"time must be a number, got {type(t).__name__}")
@@ -447,7 +530,56 @@ def _parse_body(m: dict[str, Any], w: str, step: int, version: int) -> Manifest:
                     tensors=types.MappingProxyType(tensors), aliases=types.MappingProxyType(aliases),
                     tree=m["tree"], version=version, time=float(t),
                     stats=types.MappingProxyType(_obj(m.get("stats", {}), w, "stats")),
-                    extra=types.MappingProxyType({k: v for k, v in m.items() if k not in _KNOWN}))
+                    extra=types.MappingProxyType({k: v for k, v in m.items() if k not in _KNOWN}),
+                    world_size=world, ranks=ranks, rank_tree=types.MappingProxyType(rank_tree))
+
+
+def _ranks(m: dict[str, Any], w: str, version: int) -> tuple[int, tuple[int, ...], dict[int, int]]:
+    """``world_size``, the ranks held and rank -> tree index (one-process manifests: 1, (0,), {})."""
+    world = _int(m.get("world_size", 1), w, "world_size", lo=1, hi=MAX_WORLD)
+    if world == 1:
+        if "ranks" in m or "rank_tree" in m:
+            raise _bad(w, "ranks / rank_tree given for a one-process checkpoint (world_size 1)")
+        return 1, (0,), {}
+    if version < 2:
+        raise _bad(w, f"world_size {world} needs format version 2, the manifest says {version}")
+    ranks = tuple(_int(r, w, "ranks[]", hi=world - 1) for r in _list(m.get("ranks"), w, "ranks"))
+    if not ranks or len(set(ranks)) != len(ranks):
+        raise _bad(w, f"ranks must list distinct ranks of the job, got {_short(list(ranks))}")
+    tree = _obj(m["tree"], w, "tree")
+    if tree.get("t") != "list" or type(tree.get("v")) is not list or not tree["v"]:
+        raise _bad(w, "tree of a multi-rank checkpoint must be a list node of the ranks' state trees")
+    raw = _obj(m.get("rank_tree"), w, "rank_tree")
+    rank_tree: dict[int, int] = {}
+    for r in ranks:
+        rank_tree[r] = _int(raw.get(str(r)), w, f"rank_tree[{r}]", hi=len(tree["v"]) - 1)
+    if len(raw) != len(ranks):
+        raise _bad(w, f"rank_tree names {len(raw)} ranks, ranks lists {len(ranks)}")
+    return world, ranks, rank_tree
+
+
+def _check_trees(tree: Any, keys: set[str], world: int, rank_tree: dict[int, int], w: str) -> None:
+    """Check the tree(s): each rank's tree against the keys that rank has."""
+    from .structure import check_tree  # structure imports the dtype table from here
+
+    if world == 1:
+        check_tree(tree, keys, f"{w}: tree")
+        return
+    own: dict[int, set[str]] = {}
+    for k in keys:
+        head, sep, rest = k.partition("/")
+        r = int(head[1:]) if sep and head[:1] == "r" and head[1:].isdigit() and len(head) < 12 else None
+        if r is None or r not in rank_tree or head != f"r{r}":
+            raise _bad(w, f"tensor key {_short(k)} does not start with the prefix of a rank it holds (r<R>/)")
+        own.setdefault(r, set()).add(rest)
+    users: dict[int, list[int]] = {}
+    for r, i in rank_tree.items():
+        users.setdefault(i, []).append(r)
+    for i, node in enumerate(tree["v"]):
+        if i not in users:
+            raise _bad(w, f"tree[{i}] is the tree of no rank")
+        shared = set.intersection(*(own.get(r, set()) for r in users[i]))
+        check_tree(node, shared, f"{w}: tree[{i}] (rank {users[i][0]})")
 
 
 def _check_overlaps(tensors: dict[str, TensorRecord], shards: tuple[ShardRecord, ...], w: str) -> None:
@@ -478,8 +610,15 @@ def _aliases(raw: Any, tensors: dict[str, TensorRecord], w: str) -> dict[str, st
 
 def build_manifest(*, step: int, generation: int, shards: list[dict[str, Any]],
                    tensors: dict[str, dict[str, Any]], aliases: dict[str, str], tree: Any,
-                   stats: dict[str, Any]) -> dict[str, Any]:
-    """The manifest dict (see the README's format section); :meth:`Manifest.parse` reads it back."""
-    return {"format": FORMAT, "version": VERSION, "step": step, "generation": generation,
-            "time": time.time(), "checksum": "crc32c", "shards": shards, "tensors": tensors,
-            "aliases": aliases, "tree": tree, "stats": stats}
+                   stats: dict[str, Any], ranks: Optional[dict[str, Any]] = None) -> dict[str, Any]:
+    """The manifest dict (see the README's format section); :meth:`Manifest.parse` reads it back.
+
+    ``ranks``: for a multi-rank checkpoint, ``{"world_size", "ranks", "rank_tree"}`` (and
+    ``tree`` is then the list node of the distinct trees).
+    """
+    out = {"format": FORMAT, "version": VERSION if ranks else SINGLE_VERSION, "step": step,
+           "generation": generation, "time": time.time(), "checksum": "crc32c", "shards": shards,
+           "tensors": tensors, "aliases": aliases, "tree": tree, "stats": stats}
+    if ranks:
+        out.update(ranks)
+    return out

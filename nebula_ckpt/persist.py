@@ -11,6 +11,21 @@ then applies retention: markers are deleted before data, the newest checkpoint i
 deleted, and leftovers without a marker are removed only when no live writer owns them (an
 older generation, or this rank's own files). A failed step's own files are removed at once.
 
+In a multi-rank job a *shared* tier (every rank sees it) commits one checkpoint for all ranks,
+in three rounds among the ranks (:mod:`nebula_ckpt.coordinator`, metadata only):
+
+1. index: every rank sends its tensor index; replicated tensors get one owner each
+   (:func:`nebula_ckpt.ranks.assign`); the coordinator has already removed an old checkpoint
+   of the same step, so nobody writes into a folder being deleted;
+2. durable: every rank writes its share (``shard-g<G>-r<R>``), checks its snapshot, and sends
+   its shard record, index and tree (or its error);
+3. verdict: the coordinator writes manifest and ``COMMIT`` only if every rank's shard is
+   durable and verified, and tells every rank whether it did. Otherwise each rank removes its
+   shard and the previous checkpoint stays the newest.
+
+A rank's own tier (the memory tier) commits its rank's state alone; restore agrees on a step
+every rank has (:meth:`nebula_ckpt.checkpointer.Checkpointer.load_latest`).
+
 A tier never queues: it holds at most one pending snapshot. When a newer one arrives while the
 tier is still busy, the pending one is dropped *for this tier* (reported on its handle as
 ``tiers_dropped``), so a slow tier never blocks a fast one, nor the training loop.
@@ -27,7 +42,8 @@ from typing import Any, Callable, Optional
 
 from . import knobs
 from . import manifest as mf
-from .coordinator import Coordinator, LocalCoordinator
+from . import ranks
+from .coordinator import PHASE_DURABLE, PHASE_INDEX, PHASE_VERDICT, Coordinator, LocalCoordinator
 from .errors import FencedError, PersistError
 from .fanout import Delivery
 from .fencing import TierFence
@@ -46,6 +62,11 @@ def delete_checkpoint(storage: Storage, step: int) -> None:
     storage.remove_dir(d)
 
 
+class PeerSkipped(PersistError):
+    """Another rank did not write this save on a shared tier (its cadence skipped it, or a newer
+    save replaced it there): the save is dropped on that tier, not failed."""
+
+
 @dataclass(frozen=True)
 class _Item:
     """One step to commit on a tier: its bytes and how to build its manifest."""
@@ -55,6 +76,8 @@ class _Item:
     source: Any                                               # has .view() -> memoryview
     make_manifest: Callable[[int, dict[str, Any]], dict[str, Any]]  # (generation, shard record)
     before_commit: Callable[[], None]                         # raises if it must not commit
+    index: int = 0                                            # the save's number in the job
+    meta: Optional[dict[str, Any]] = None                     # multi-rank: tensors, aliases, tree, stats
 
 
 class TierWriter:
@@ -155,6 +178,9 @@ class TierWriter:
         try:
             self.write(snap, delivery.source,
                        lambda rel: delivery.shard_written(self.storage.local_path(rel)))
+        except PeerSkipped as e:
+            log.info("nebula_ckpt: tier %s: %s", self.name, e)
+            snap.handle._tier_done(self.name, dropped=True)
         except BaseException as e:
             log.error("nebula_ckpt: tier %s failed to write step %d: %s: %s", self.name, snap.step,
                       type(e).__name__, e)
@@ -175,8 +201,20 @@ class TierWriter:
             if failure is not None:
                 raise failure
 
-        self._commit_step(_Item(snap.step, snap.nbytes, source,
-                                lambda gen, shard: build_tier_manifest(snap, gen, shard), confirmed), on_shard)
+        co = self.coordinator
+        if co.world_size == 1:
+            self._commit_step(_Item(snap.step, snap.nbytes, source,
+                                    lambda gen, shard: build_tier_manifest(snap, gen, shard), confirmed), on_shard)
+            return
+        meta = {"tensors": snap.tensor_index, "aliases": snap.plan.aliases, "tree": snap.plan.tree,
+                "stats": {"tensor_bytes": snap.plan.tensor_bytes, "copy_seconds": snap.copy_seconds}}
+
+        def rank_manifest(gen: int, shard: dict[str, Any]) -> dict[str, Any]:
+            return ranks.rank_manifest(step=snap.step, generation=gen, rank=co.rank, world=co.world_size,
+                                       shard=shard, **meta)
+
+        self._commit_step(_Item(snap.step, snap.nbytes, source, rank_manifest, confirmed, snap.index, meta),
+                          on_shard)
 
     def copy_from(self, src: Storage, step: int) -> None:
         """Write the committed checkpoint ``step`` of another (local) tier's storage to this tier.
@@ -186,7 +224,7 @@ class TierWriter:
         """
         d = mf.step_dir(step)
         man = json.loads(src.read_small(f"{d}/{mf.MANIFEST}"))
-        if len(man["shards"]) != 1:
+        if len(man["shards"]) != 1 or self.coordinator.world_size > 1:
             raise ValueError(f"step {step} has {len(man['shards'])} shards; only one-shard checkpoints are copied")
         rec = man["shards"][0]
         data = src.read_buffer(f"{d}/{mf.ShardRecord.parse(rec, d).file}", rec.get("storage"))
@@ -200,6 +238,11 @@ class TierWriter:
 
         self._commit_step(_Item(step, len(data), _View(), manifest, lambda: None), None)
 
+    @property
+    def _shared(self) -> bool:
+        """Whether this tier commits one checkpoint for all ranks (multi-rank, shared tier)."""
+        return self.coordinator.world_size > 1 and self.tier.shared
+
     def _commit_step(self, item: "_Item", on_shard: Optional[Callable[[str], None]]) -> None:
         """The commit protocol for one step on this tier, then retention."""
         st = self.storage
@@ -207,7 +250,13 @@ class TierWriter:
         d = mf.step_dir(item.step)
         self.fence.check(f"write step {item.step}")
         existing = st.list(d)
-        if mf.COMMIT in existing:
+        if self._shared and not self.coordinator.is_coordinator:
+            # The coordinator replaces an old checkpoint of this step before the first round;
+            # this rank writes only after that round, and removes only its own leftovers.
+            for name in existing:
+                if mf.shard_owner(name) is not None and self._stale(name, gen):
+                    st.remove(f"{d}/{name}")
+        elif mf.COMMIT in existing:
             # Saving a step that exists: the new run owns the root (it resumed from an older step
             # or saves the same step again); the old one goes, marker first.
             log.warning("nebula_ckpt: tier %s: replacing existing checkpoint of step %d", self.name, item.step)
@@ -220,11 +269,16 @@ class TierWriter:
                     st.remove(f"{d}/{name}")
         shard = mf.shard_name(gen, self.coordinator.rank)
         try:
-            self._write_files(item, d, shard, gen, on_shard)
+            if self._shared:
+                self._write_shared(item, d, shard, gen, on_shard)
+            else:
+                self._write_files(item, d, shard, gen, on_shard)
         except BaseException:
             self._discard(d, shard)
             raise
         log.info("nebula_ckpt: step %d committed on %s (%.1f MiB)", item.step, self.name, item.nbytes / 2**20)
+        if self._shared and not self.coordinator.is_coordinator:
+            return  # retention of a shared tier is the coordinator's
         try:
             self.prune(keep_step=item.step)
         except FencedError:
@@ -234,31 +288,81 @@ class TierWriter:
 
     def _write_files(self, item: "_Item", d: str, shard: str, gen: int,
                      on_shard: Optional[Callable[[str], None]]) -> None:
-        """Shard; then, once the snapshot is confirmed and every rank's shard is durable here,
-        the manifest and the commit marker (the coordinator's)."""
-        st = self.storage
+        """Shard; then, once the snapshot is confirmed, the manifest and the commit marker."""
         log.debug("nebula_ckpt: phase=shard tier=%s step=%d", self.name, item.step)
+        info = self.runtime.write_shard(f"{d}/{shard}", item.source)
+        if on_shard is not None:
+            on_shard(f"{d}/{shard}")
+        item.before_commit()
+        self._commit_manifest(item.step, gen, item.make_manifest(gen, {"file": shard, "bytes": item.nbytes,
+                                                                       "storage": info}))
+
+    def _commit_manifest(self, step: int, gen: int, manifest: dict[str, Any]) -> None:
+        """Manifest (atomic), fence check, then the create-only commit marker naming its checksum."""
+        st = self.storage
+        d = mf.step_dir(step)
+        mbytes = json.dumps(manifest, separators=(",", ":"), allow_nan=False).encode()
+        log.debug("nebula_ckpt: phase=manifest tier=%s step=%d", self.name, step)
+        st.write_small(f"{d}/{mf.MANIFEST}", mbytes)
+        self.fence.check(f"commit step {step}")
+        log.debug("nebula_ckpt: phase=commit tier=%s step=%d", self.name, step)
+        commit = mf.Commit(step, gen, len(mbytes), get_ops().crc32c_bytes(mbytes))
+        st.write_small(f"{d}/{mf.COMMIT}", commit.to_bytes(), create_only=True)
+
+    def _write_shared(self, item: "_Item", d: str, shard: str, gen: int,
+                      on_shard: Optional[Callable[[str], None]]) -> None:
+        """A multi-rank save on a shared tier: the three rounds of the module docstring."""
+        co, name, idx = self.coordinator, self.name, item.index
+        assert item.meta is not None
+        tensors = item.meta["tensors"]
+        peers = co.round(name, idx, PHASE_INDEX, {"step": item.step, "keys": ranks.summary(tensors)})
+        problem = ranks.peer_problem(peers, item.step, name)
+        if problem is not None:
+            co.abandon(name, idx)
+            raise (PeerSkipped if problem[0] else PersistError)(problem[1])
+        owners = ranks.assign([p["keys"] for p in peers])
+        keep = [k for k in tensors if owners.get(k, co.rank) == co.rank]
+        failure: Optional[BaseException] = None
         try:
-            info = self.runtime.write_shard(f"{d}/{shard}", item.source)
+            log.debug("nebula_ckpt: phase=shard tier=%s step=%d (%d of %d tensors)", name, item.step, len(keep),
+                      len(tensors))
+            parts, index, nbytes = ranks.subset_image(tensors, keep, item.source.view())
+            info = self.runtime.write_parts(f"{d}/{shard}", parts)
             if on_shard is not None:
                 on_shard(f"{d}/{shard}")
             item.before_commit()
-        except BaseException:
-            self.coordinator.shard_durable(item.step, self.name, False)
-            raise
-        if not self.coordinator.shard_durable(item.step, self.name, True):
-            raise PersistError(f"step {item.step}: another rank's shard failed on tier {self.name}; "
-                               "this step is not committed there (the previous checkpoint stays the newest)")
-        if not self.coordinator.is_coordinator:
-            return
-        manifest = item.make_manifest(gen, {"file": shard, "bytes": item.nbytes, "storage": info})
-        mbytes = json.dumps(manifest, separators=(",", ":"), allow_nan=False).encode()
-        log.debug("nebula_ckpt: phase=manifest tier=%s step=%d", self.name, item.step)
-        st.write_small(f"{d}/{mf.MANIFEST}", mbytes)
-        self.fence.check(f"commit step {item.step}")
-        log.debug("nebula_ckpt: phase=commit tier=%s step=%d", self.name, item.step)
-        commit = mf.Commit(item.step, gen, len(mbytes), get_ops().crc32c_bytes(mbytes))
-        st.write_small(f"{d}/{mf.COMMIT}", commit.to_bytes(), create_only=True)
+            mine: dict[str, Any] = {"step": item.step, "shard": {"file": shard, "bytes": nbytes, "storage": info},
+                                    "tensors": index, "aliases": item.meta["aliases"], "tree": item.meta["tree"],
+                                    "stats": item.meta["stats"]}
+        except BaseException as e:
+            failure, mine = e, {"error": f"{type(e).__name__}: {e}"}
+        parts_all = co.round(name, idx, PHASE_DURABLE, mine)
+        if co.is_coordinator:
+            verdict = self._coordinate(item.step, gen, parts_all, owners, failure)
+            co.round(name, idx, PHASE_VERDICT, verdict)
+        else:
+            verdict = co.round(name, idx, PHASE_VERDICT, {})[0]
+        if failure is not None:
+            raise failure
+        if not verdict or not verdict.get("ok"):
+            why = (verdict or {}).get("why", f"rank 0 did not take part in committing step {item.step}")
+            raise (PeerSkipped if (verdict or {}).get("skipped") else PersistError)(why)
+
+    def _coordinate(self, step: int, gen: int, parts: list[Any], owners: dict[str, int],
+                    failure: Optional[BaseException]) -> dict[str, Any]:
+        """The coordinator's commit of a shared tier: manifest + COMMIT if every rank's share is in."""
+        if failure is not None:
+            return {"ok": False, "why": f"step {step} failed on rank 0 (tier {self.name}): {failure}"}
+        problem = ranks.peer_problem(parts, step, self.name)
+        if problem is not None:
+            return {"ok": False, "skipped": problem[0], "why": problem[1]}
+        try:
+            self._commit_manifest(step, gen, ranks.global_manifest(step=step, generation=gen, parts=parts,
+                                                                   owners=owners))
+        except BaseException as e:
+            log.error("nebula_ckpt: tier %s: committing step %d failed: %s", self.name, step, e)
+            return {"ok": False, "why": f"rank 0 could not commit step {step} on tier {self.name}: {e}"}
+        return {"ok": True}
 
     def _stale(self, name: str, gen: int) -> bool:
         """Whether file ``name`` of an uncommitted step belongs to no writer that may still run:

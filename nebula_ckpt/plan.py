@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from .errors import ValidationError
-from .manifest import SAFETENSORS_CODES, VERSION, dtype_name
+from .manifest import SAFETENSORS_CODES, SINGLE_VERSION, DTensorInfo, dtype_name
 from .structure import MAX_DEPTH, Node, encode_leaf
 
 ALIGN = 4096
@@ -71,6 +71,7 @@ class Plan:
     devices: dict[str, str]          # key -> device it came from, for non-CPU tensors only
     optimizers: list[torch.optim.Optimizer] = field(default_factory=list)
     modules_with_buffers: list[torch.nn.Module] = field(default_factory=list)
+    dtensors: dict[str, DTensorInfo] = field(default_factory=dict)  # key -> where its local shard lies
 
     @property
     def tensor_bytes(self) -> int:
@@ -115,6 +116,29 @@ def _check_tensor(t: torch.Tensor, path: str) -> None:
                               "it cannot be stored") from None
 
 
+def _dtensor_parts(t: Any, key: str) -> tuple[torch.Tensor, DTensorInfo]:
+    """A DTensor's local shard and where it lies in the global tensor (Shard / Replicate only)."""
+    from torch.distributed.tensor import Replicate, Shard
+
+    placements = []
+    for p in t.placements:
+        if type(p) is Replicate:
+            placements.append("R")
+        elif type(p) is Shard:
+            placements.append(f"S({p.dim})")
+        else:
+            raise ValidationError(f"state key '{key}': DTensor placement {p} is not supported (only Shard "
+                                  "and Replicate); redistribute it (e.g. t.redistribute(placements=[Replicate()])) "
+                                  "or save t.full_tensor()")
+    chunks = t.__create_chunk_list__()
+    if len(chunks) != 1:
+        raise ValidationError(f"state key '{key}': DTensor has {len(chunks)} local chunks; one is supported")
+    local = t.to_local()
+    info = DTensorInfo(tuple(t.shape), tuple(int(o) for o in chunks[0].offsets), tuple(placements),
+                       tuple(int(n) for n in t.device_mesh.shape))
+    return local, info
+
+
 def _join(path: str, key: str) -> str:
     return f"{path}/{key}" if path else key
 
@@ -127,6 +151,7 @@ class _Flattener:
         self.seen: dict[tuple[Any, ...], str] = {}
         self.optimizers: list[torch.optim.Optimizer] = []
         self.modules: list[torch.nn.Module] = []
+        self.dtensors: dict[str, DTensorInfo] = {}
         self._path_ids: dict[int, str] = {}  # id -> path of the containers being walked (cycles)
 
     def _claim(self, key: str) -> None:
@@ -209,6 +234,8 @@ class _Flattener:
         if key in _RESERVED_KEYS:
             raise ValidationError(f"state key '{key}' is reserved by the safetensors format (its header "
                                   "uses it); rename it")
+        if type(t).__name__ == "DTensor":  # its local shard is stored, with where it lies
+            t, self.dtensors[key] = _dtensor_parts(t, key)
         _check_tensor(t, key)
         if key in self.tensors or key in self.aliases:
             self._claim(key)
@@ -228,6 +255,26 @@ class _Flattener:
 _layout_cache: "collections.OrderedDict[tuple[Any, ...], Layout]" = collections.OrderedDict()
 
 
+def safetensors_header(items: list[tuple[str, torch.dtype, tuple[int, ...], int]]) -> tuple[bytes, list[tuple[int, int]]]:
+    """The header of a safetensors image holding ``items`` (key, dtype, shape, bytes) back to back,
+    in this order: 8-byte length + JSON padded so the data starts on an :data:`ALIGN` boundary,
+    and each item's ``[start, end)`` relative to the data start. Dtypes safetensors lacks are
+    described as ``"U8"`` bytes."""
+    header: dict[str, Any] = {"__metadata__": {"format": "pt", "writer": "nebula_ckpt",
+                                               "nebula_format": str(SINGLE_VERSION)}}
+    pos = 0
+    spans = []
+    for k, dtype, shape, n in items:
+        st = SAFETENSORS_CODES.get(dtype)
+        header[k] = {"dtype": st or "U8", "shape": list(shape) if st else [n], "data_offsets": [pos, pos + n]}
+        spans.append((pos, pos + n))
+        pos += n
+    js = json.dumps(header, separators=(",", ":")).encode()
+    data_start = -(-(8 + len(js)) // ALIGN) * ALIGN
+    js += b" " * (data_start - 8 - len(js))
+    return struct.pack("<Q", len(js)) + js, spans
+
+
 def make_layout(tensors: dict[str, torch.Tensor]) -> tuple[Layout, list[str]]:
     """Return the (cached) layout for these tensors and the keys in layout order."""
     sig = tuple((k, t.dtype, tuple(t.shape)) for k, t in tensors.items())
@@ -237,24 +284,12 @@ def make_layout(tensors: dict[str, torch.Tensor]) -> tuple[Layout, list[str]]:
         return cached, [e.key for e in cached.entries]
     # Largest element size first: every tensor then starts naturally aligned.
     keys = sorted(tensors, key=lambda k: -tensors[k].element_size())
-    header: dict[str, Any] = {"__metadata__": {"format": "pt", "writer": "nebula_ckpt",
-                                               "nebula_format": str(VERSION)}}
-    pos = 0
-    spans = []
-    for k in keys:
-        t = tensors[k]
-        n = t.numel() * t.element_size()
-        st = SAFETENSORS_CODES.get(t.dtype)
-        shape = list(t.shape) if st else [n]
-        header[k] = {"dtype": st or "U8", "shape": shape, "data_offsets": [pos, pos + n]}
-        spans.append((k, t, pos, n))
-        pos += n
-    js = json.dumps(header, separators=(",", ":")).encode()
-    data_start = -(-(8 + len(js)) // ALIGN) * ALIGN
-    js += b" " * (data_start - 8 - len(js))
-    head = struct.pack("<Q", len(js)) + js
-    entries = tuple(TensorEntry(k, dtype_name(t.dtype), tuple(t.shape), data_start + p, n)
-                    for k, t, p, n in spans)
+    head, spans = safetensors_header([(k, tensors[k].dtype, tuple(tensors[k].shape),
+                                       tensors[k].numel() * tensors[k].element_size()) for k in keys])
+    data_start = len(head)
+    pos = spans[-1][1] if spans else 0
+    entries = tuple(TensorEntry(k, dtype_name(tensors[k].dtype), tuple(tensors[k].shape), data_start + p, e - p)
+                    for k, (p, e) in zip(keys, spans, strict=True))
     layout = Layout(entries, head, data_start + pos)
     _layout_cache[sig] = layout
     if len(_layout_cache) > 16:
@@ -295,5 +330,5 @@ def make_plan(step: Any, state: Any, *, allow_pickle: bool = False) -> Plan:
     devices = {k: f"cuda:{t.get_device()}" for k, t in zip(keys, sources, strict=False) if t.is_cuda}
     return Plan(step=step, layout=layout, sources=sources, versions=[t._version for t in sources], tree=tree,
                 aliases=fl.aliases, devices=devices,
-                optimizers=fl.optimizers, modules_with_buffers=modules)
+                optimizers=fl.optimizers, modules_with_buffers=modules, dtensors=fl.dtensors)
 

@@ -40,6 +40,8 @@ class Snapshot:
         self.handle = handle
         self.targets = targets
         self.t_start = t_start
+        #: the save's number in the job (every rank numbers its saves alike)
+        self.index = 0
         self.checksums: list[int] = []  # per layout entry; empty until the copy computed them
         self.tensor_index: dict[str, dict[str, Any]] = {}
         self.copy_seconds = 0.0
@@ -234,6 +236,9 @@ class Stager:
             e.key: {"dtype": e.dtype, "shape": list(e.shape), "offsets": [e.offset, e.offset + e.nbytes],
                     "crc32c": c, "device": devices.get(e.key, "cpu")}
             for e, c in zip(entries, sums, strict=False)}
+        for k, info in snap.plan.dtensors.items():
+            if k in snap.tensor_index:  # a tied key is an alias of the stored one
+                snap.tensor_index[k]["dtensor"] = info.to_json()
         log.debug("nebula_ckpt: step %d staged (%d tensors, %.1f MiB, copy %.1f ms)", snap.step,
                   len(entries), snap.nbytes / 2**20, snap.copy_seconds * 1e3)
         self._deliver(snap, snap.targets)  # takes over the stager's reference

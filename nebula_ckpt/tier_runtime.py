@@ -73,6 +73,10 @@ class TierRuntime:
         """Write the shard image of ``source`` (``.view()``) at ``rel``; return its storage info."""
         return self.storage.write_buffer(rel, source.view())
 
+    def write_parts(self, rel: str, parts: list[memoryview]) -> dict[str, Any]:
+        """Write a rank's share of a snapshot (a header and ranges of it) at ``rel``."""
+        return self.storage.write_parts(rel, parts)
+
     def close(self, runtimes: list["TierRuntime"]) -> None:
         """After the last write of this Checkpointer (``runtimes``: every tier it wrote)."""
 

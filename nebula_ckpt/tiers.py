@@ -70,6 +70,12 @@ class Tier:
         return True
 
     @property
+    def shared(self) -> bool:
+        """Whether every rank of a job sees this tier (one manifest for all ranks, committed by the
+        coordinator) rather than each rank its own (the memory tier: keyed by root and rank)."""
+        return True
+
+    @property
     def name(self) -> str:
         """Short name for logs: ``memory``, ``local:/path``, ``remote:s3://b/p``."""
         return f"{self.kind}:{self.display_url}"
@@ -152,6 +158,11 @@ class MemoryTier(Tier):
     @property
     def persistent(self) -> bool:
         """A tmpfs does not survive a reboot."""
+        return False
+
+    @property
+    def shared(self) -> bool:
+        """Each rank has its own memory tier."""
         return False
 
     def runtime(self, storage: Storage) -> "TierRuntime":

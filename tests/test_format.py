@@ -42,7 +42,7 @@ def test_golden_tiny_checkpoint(tmp_path, shm_dir) -> None:  # noqa: ANN001
     assert hashlib.sha256(data).hexdigest() == GOLDEN_SHARD_SHA256
     assert len(data) == 4096 + 24 + 4  # header padded to 4 KiB, then f32 data, then bf16 data
     man = json.load(open(os.path.join(d, "manifest.json")))
-    assert man["format"] == "nebula_ckpt" and man["version"] == mf.VERSION == 1
+    assert man["format"] == "nebula_ckpt" and man["version"] == mf.SINGLE_VERSION == 1 and mf.VERSION == 2
     assert man["step"] == 12 and man["generation"] == 1 and man["checksum"] == "crc32c"
     assert man["tree"] == GOLDEN_TREE
     assert man["tensors"] == {

@@ -55,6 +55,22 @@ class Storage(ABC):
             and, when the backend encodes, the frame table). Must be JSON-serialisable.
         """
 
+    def write_parts(self, rel: str, parts: "builtins.list[memoryview]") -> dict[str, Any]:
+        """Write ``parts`` back to back as one new file / object (like :meth:`write_buffer`).
+
+        A rank's share of a multi-rank checkpoint is a new header and ranges of the staged
+        snapshot. The default joins them (one copy) and calls :meth:`write_buffer`; local file
+        systems write them in place.
+        """
+        if len(parts) == 1:
+            return self.write_buffer(rel, parts[0])
+        joined = bytearray(sum(len(p) for p in parts))
+        pos = 0
+        for p in parts:
+            joined[pos:pos + len(p)] = p
+            pos += len(p)
+        return self.write_buffer(rel, memoryview(joined))
+
     @abstractmethod
     def read_buffer(self, rel: str, info: Optional[dict[str, Any]] = None, *,
                     expected_bytes: Optional[int] = None) -> Buffer:
