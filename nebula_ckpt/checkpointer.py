@@ -22,7 +22,7 @@ from . import knobs
 from .buffers import StagingPool
 from .coordinator import Coordinator, LocalCoordinator
 from .distributed import default_coordinator
-from .errors import NebulaError, NotFoundError, ValidationError
+from .errors import CorruptCheckpointError, NebulaError, NotFoundError, ValidationError
 from .fanout import fan_out
 from .fencing import Fence, run_id
 from .handle import SaveHandle
@@ -484,15 +484,62 @@ class Checkpointer:
     def _open(self, step: Optional[int] = None, on_damaged: str = "raise") -> Any:
         if on_damaged not in ("raise", "warn"):
             raise ValidationError(f"on_damaged must be 'raise' or 'warn', got {on_damaged!r}")
-        ck = find_and_open(self._tier_pairs(), step=step, on_all_damaged=on_damaged)
-        if step is None:
-            # Every rank must restore the same step: the newest one they all have.
-            agreed = self.coordinator.agree_step([] if ck is None else [ck.step])
-            if ck is not None and agreed != ck.step:
-                ck = None if agreed is None else find_and_open(self._tier_pairs(), step=agreed,
-                                                               on_all_damaged=on_damaged)
+        if self.coordinator.world_size == 1:
+            ck = find_and_open(self._tier_pairs(), step=step, on_all_damaged=on_damaged)
+        else:
+            ck = self._open_agreed(step, on_damaged)
         self.last_restore = None if ck is None else {"step": ck.step, "tier": ck.tier_name}
         return ck
+
+    def _open_agreed(self, step: Optional[int], on_damaged: str) -> Any:
+        """Every rank opens the same step: the newest that every rank can open from some tier.
+
+        Each round, the ranks intersect the steps committed on their tiers (minus those that
+        failed on some rank) and take the newest; each rank opens it (its own memory tier, or its
+        part of the shared tier); if any rank cannot, the step is dropped on all and the next
+        round tries an older one. Runs on the training thread; collectives on the control group.
+        """
+        co = self.coordinator
+        pairs = self._tier_pairs()
+        failed: list[int] = []
+        while True:
+            have: set[int] = set()
+            for t, st in pairs:
+                try:
+                    have.update(committed_steps(st))
+                except Exception as e:
+                    log.warning("nebula_ckpt: cannot list tier %s: %s", t.name, e)
+            if step is not None:
+                have &= {step}
+            agreed = co.agree_step(sorted(have - set(failed)))
+            if agreed is None:
+                if failed and on_damaged == "raise":
+                    raise CorruptCheckpointError(
+                        f"rank {co.rank}: no step is restorable on every rank of {canonical_root(self.root)}: "
+                        f"step(s) {failed} failed to open on some rank (see the ranks' logs for why); "
+                        "`nebula-ckpt verify ROOT` lists damage")
+                return None
+            try:
+                ck = find_and_open(pairs, step=agreed, on_all_damaged="warn", rank=co.rank, world=co.world_size)
+            except Exception as e:
+                log.warning("nebula_ckpt: rank %d cannot open step %d: %s", co.rank, agreed, e)
+                ck = None
+            if co.all_true(ck is not None):
+                return ck
+            log.warning("nebula_ckpt: step %d is not restorable on every rank; trying an older one", agreed)
+            failed.append(agreed)
+
+    def _apply(self, ck: Any, into: Any, map_location: Any, strict: bool) -> None:
+        """Restore ``ck`` into ``into``: directly, or resharded when the layout differs."""
+        if ck.same_layout:
+            apply(ck, into, map_location=map_location, strict=strict, allow_pickle=self.allow_pickle)
+            return
+        from .reshard import load_resharded
+
+        log.info("nebula_ckpt: step %d was saved by %d ranks; resharding it for rank %d of %d", ck.step,
+                 ck.manifest.world_size, self.coordinator.rank, self.coordinator.world_size)
+        load_resharded(ck.storage, ck.step, ck.manifest, into, process_group=self.coordinator.group,
+                       strict=strict, allow_pickle=self.allow_pickle)
 
     def load_latest(self, into: Any = None, *, map_location: Any = None, strict: bool = True,
                     on_damaged: str = "raise") -> Optional[int]:
@@ -521,7 +568,7 @@ class Checkpointer:
         if ck is None:
             return None
         if into is not None:
-            apply(ck, into, map_location=map_location, strict=strict, allow_pickle=self.allow_pickle)
+            self._apply(ck, into, map_location, strict)
         return ck.step
 
     def load(self, step: int, into: Any = None, *, map_location: Any = None, strict: bool = True) -> int:
@@ -536,7 +583,7 @@ class Checkpointer:
             raise NotFoundError(f"no healthy checkpoint of step {step} under {canonical_root(self.root)} "
                                 f"(committed steps: {self.list()})")
         if into is not None:
-            apply(ck, into, map_location=map_location, strict=strict, allow_pickle=self.allow_pickle)
+            self._apply(ck, into, map_location, strict)
         return ck.step
 
     def read(self, step: Optional[int] = None, *, map_location: Any = None) -> tuple[int, Any]:
@@ -549,6 +596,10 @@ class Checkpointer:
         if ck is None:
             raise NotFoundError(f"no healthy checkpoint{'' if step is None else f' of step {step}'} under "
                                 f"{canonical_root(self.root)}")
+        if not ck.same_layout:
+            raise ValidationError(f"step {ck.step} was saved by {ck.manifest.world_size} ranks: read() gives one "
+                                  "rank's state; restore it with load_latest(into) (resharded), or gather it "
+                                  "whole with `nebula-ckpt export`")
         return ck.step, materialize(ck, map_location=map_location, allow_pickle=self.allow_pickle)
 
     def stats(self) -> dict[str, Any]:

@@ -42,6 +42,9 @@ class Coordinator(ABC):
         """Whether this rank writes the global manifest and commit marker (rank 0)."""
         return self.rank == 0
 
+    #: the process group of the ranks (for DCP's collectives when resharding); None in one process
+    group: Any = None
+
     @abstractmethod
     def shared_generation(self, take: Callable[[], int]) -> int:
         """The job's writer generation: ``take()`` runs on the coordinator only, all ranks get it."""

@@ -150,6 +150,7 @@ class DistCoordinator(Coordinator):
         self.world_size = dist.get_world_size(group)
         self._timeout = datetime.timedelta(seconds=timeout_s or knobs.get("commit_timeout_s"))
         self._control = dist.new_group(ranks=ranks, backend="gloo", timeout=self._timeout)
+        self.group = self._control
         self._ranks = ranks
         self._channels: dict[str, _TierChannel] = {}
         self._closed = False

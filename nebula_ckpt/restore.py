@@ -38,23 +38,75 @@ class Candidate:
 
 
 class OpenCheckpoint:
-    """A verified checkpoint: its validated manifest and zero-copy tensor views of its shard bytes."""
+    """A verified checkpoint: its validated manifest and zero-copy tensor views of its shard bytes.
 
-    def __init__(self, manifest: mf.Manifest, buffers: list[torch.Tensor], where: str) -> None:
+    For a multi-rank checkpoint opened for one rank (``rank``), keys, tree and views are that
+    rank's (its tensors may live in other ranks' shards: replicated ones are stored once).
+    Opened without a rank, a multi-rank checkpoint is the whole job's (for resharding, the CLI).
+    """
+
+    def __init__(self, manifest: mf.Manifest, buffers: dict[int, torch.Tensor], where: str,
+                 rank: Optional[int] = None) -> None:
         self.manifest = manifest
         self.step = manifest.step
         self.where = where
+        self.rank = rank
         self.tier_name: Optional[str] = None
+        #: the storage it was read from (set by :func:`find_and_open`)
+        self.storage: Optional[Storage] = None
         self._buffers = buffers
         self._views: dict[str, torch.Tensor] = {}
+        #: DeviceMesh by mesh shape, found in the objects restored into (for DTensor records)
+        self.meshes: dict[tuple[int, ...], Any] = {}
+
+    def as_saved(self, key: str, local: torch.Tensor) -> Any:
+        """``local`` as it was saved: a DTensor again when ``key`` was one (same mesh shape and
+        placements, on the mesh of the objects restored into), else ``local`` itself."""
+        info = self.resolve(key).dtensor
+        if info is None:
+            return local
+        from torch.distributed.tensor import DTensor, Replicate, Shard
+
+        mesh = self.meshes.get(info.mesh)
+        if mesh is None:
+            raise ValidationError(f"restore: key '{key}' was a DTensor on a device mesh of shape {list(info.mesh)}; "
+                                  "`into` holds no DTensor on such a mesh (restore into the model and optimizer "
+                                  "sharded as when saved, or into DCP-style state dicts from get_state_dict)")
+        placements = [Replicate() if p == "R" else Shard(int(p[2:-1])) for p in info.placements]
+        stride, acc = [], 1
+        for n in reversed(info.shape):
+            stride.append(acc)
+            acc *= max(n, 1)
+        return DTensor.from_local(local, mesh, placements, run_check=False, shape=torch.Size(info.shape),
+                                  stride=tuple(reversed(stride)))
+
+    @property
+    def tree(self) -> Any:
+        """The state tree to restore (the rank's, for a multi-rank checkpoint opened for a rank)."""
+        if self.manifest.multi_rank and self.rank is not None:
+            return self.manifest.rank_tree_of(self.rank)
+        return self.manifest.tree
+
+    @property
+    def same_layout(self) -> bool:
+        """Whether the keys of :attr:`tree` are this process's own (no resharding needed)."""
+        return not self.manifest.multi_rank or self.rank is not None
+
+    def resolve(self, key: str) -> mf.TensorRecord:
+        """The stored record of ``key`` (a key of :attr:`tree`)."""
+        return self.manifest.resolve(key, self.rank)
 
     def keys(self) -> list[str]:
         """Stored tensor keys (aliases excluded)."""
         return list(self.manifest.tensors)
 
+    def buffer(self, shard: int) -> torch.Tensor:
+        """The bytes of shard ``shard`` (read and verified when the checkpoint was opened)."""
+        return self._buffers[shard]
+
     def view(self, key: str) -> torch.Tensor:
         """Read-only use view of tensor ``key`` (or of the key it is tied to) over the shard bytes."""
-        rec = self.manifest.resolve(key)
+        rec = self.resolve(key)
         v = self._views.get(rec.key)
         if v is None:
             raw = self._buffers[rec.shard][rec.start:rec.end]
@@ -62,17 +114,17 @@ class OpenCheckpoint:
             self._views[rec.key] = v
         return v
 
-    def tree(self, materialize: Callable[[str, torch.Tensor], Any], allow_pickle: bool) -> Any:
+    def decode_tree(self, materialize: Callable[[str, torch.Tensor], Any], allow_pickle: bool) -> Any:
         """Decode the whole state tree, turning each tensor view into ``materialize(key, view)``."""
         made: dict[str, Any] = {}
 
         def tensor(key: str) -> Any:
-            real = self.manifest.resolve(key).key
+            real = self.resolve(key).key
             if real not in made:
-                made[real] = materialize(real, self.view(real))
+                made[real] = materialize(key, self.view(key))
             return made[real]
 
-        return decode(self.manifest.tree, tensor, allow_pickle)
+        return decode(self.tree, tensor, allow_pickle)
 
 
 def list_candidates(tiers: list[tuple[Tier, Storage]]) -> list[Candidate]:
@@ -88,11 +140,36 @@ def list_candidates(tiers: list[tuple[Tier, Storage]]) -> list[Candidate]:
     return [c for _, _, c in sorted(cands, key=lambda x: (x[0], x[1]))]
 
 
-def open_checkpoint(storage: Storage, step: int, verify: str, where: str) -> OpenCheckpoint:
+def _needed(man: mf.Manifest, rank: Optional[int]) -> dict[int, list[mf.TensorRecord]]:
+    """Shard index -> the records a restore of ``rank`` reads from it (every shard without a rank)."""
+    if rank is None or not man.multi_rank:
+        recs = list(man.tensors.values())
+    else:
+        p = man.prefix(rank)
+        keys = [k for k in list(man.tensors) + list(man.aliases) if k.startswith(p)]
+        recs = list({id(r): r for r in (man.tensors[man.aliases.get(k, k)] for k in keys)}.values())
+    out: dict[int, list[mf.TensorRecord]] = {i: [] for i in range(len(man.shards))} \
+        if rank is None or not man.multi_rank else {}
+    for r in recs:
+        out.setdefault(r.shard, []).append(r)
+    return out
+
+
+class NotThisLayout(Exception):
+    """A healthy checkpoint this process cannot restore: it holds other ranks of another layout
+    (a rank's own memory tier after the world size changed)."""
+
+
+def open_checkpoint(storage: Storage, step: int, verify: str, where: str,
+                    rank: Optional[int] = None, world: int = 1) -> OpenCheckpoint:
     """Read and verify one checkpoint; raise :class:`CorruptCheckpointError` naming what is wrong.
 
     Only ``step-N/COMMIT``, ``step-N/manifest.json`` and the shard files named by the validated
     manifest (plain ``shard-g<G>-r<R>.safetensors`` names) are opened: nothing outside the folder.
+    ``rank`` / ``world``: who restores. A multi-rank checkpoint of the same world size holding
+    ``rank`` is opened for that rank (only the shards holding its tensors are read and verified);
+    one holding every rank of another layout is opened whole (to be resharded); one holding only
+    some ranks of another layout raises :class:`NotThisLayout`.
     """
     ops = get_ops()
     d = mf.step_dir(step)
@@ -107,10 +184,19 @@ def open_checkpoint(storage: Storage, step: int, verify: str, where: str) -> Ope
     if commit.step != step:
         raise CorruptCheckpointError(f"{where}: {mf.COMMIT} is for step {commit.step}, but lies in {d}/")
     man = mf.Manifest.parse(mbytes, where, step)
-    buffers = [_read_shard(storage, man, i, where) for i in range(len(man.shards))]
+    if man.multi_rank:
+        if man.world_size == world and rank in man.ranks:
+            pass
+        elif len(man.ranks) == man.world_size:
+            rank = None  # the whole job's checkpoint: resharded by the caller
+        else:
+            raise NotThisLayout(f"{where}: holds rank(s) {list(man.ranks)[:8]} of a {man.world_size}-rank job; "
+                                f"this process is rank {rank or 0} of {world}")
+    needed = _needed(man, rank)
+    buffers = {i: _read_shard(storage, man, i, where) for i in sorted(needed)}
     if verify == "full":
-        _verify_checksums(man, buffers, where)
-    return OpenCheckpoint(man, buffers, where)
+        _verify_checksums(needed, buffers, where)
+    return OpenCheckpoint(man, buffers, where, rank if man.multi_rank else None)
 
 
 def _read_shard(storage: Storage, man: mf.Manifest, i: int, where: str) -> torch.Tensor:
@@ -132,12 +218,10 @@ def _read_shard(storage: Storage, man: mf.Manifest, i: int, where: str) -> torch
     return torch.frombuffer(mv, dtype=torch.uint8)
 
 
-def _verify_checksums(man: mf.Manifest, buffers: list[torch.Tensor], where: str) -> None:
+def _verify_checksums(needed: dict[int, list[mf.TensorRecord]], buffers: dict[int, torch.Tensor],
+                      where: str) -> None:
     ops = get_ops()
-    by_shard: dict[int, list[mf.TensorRecord]] = {}
-    for rec in man.tensors.values():  # ranges were checked against their shard by Manifest.parse
-        by_shard.setdefault(rec.shard, []).append(rec)
-    for si, recs in by_shard.items():
+    for si, recs in needed.items():  # ranges were checked against their shard by Manifest.parse
         got = ops.crc32c(buffers[si], [r.start for r in recs], [r.nbytes for r in recs])
         for rec, have in zip(recs, got, strict=True):
             if have != rec.crc32c:
@@ -146,7 +230,8 @@ def _verify_checksums(man: mf.Manifest, buffers: list[torch.Tensor], where: str)
 
 
 def find_and_open(tiers: list[tuple[Tier, Storage]], step: Optional[int] = None,
-                  verify: Optional[str] = None, on_all_damaged: str = "raise") -> Optional[OpenCheckpoint]:
+                  verify: Optional[str] = None, on_all_damaged: str = "raise", rank: Optional[int] = None,
+                  world: int = 1) -> Optional[OpenCheckpoint]:
     """Open the newest healthy checkpoint (or the healthy copy of ``step``).
 
     Every candidate that fails to open, for whatever reason, is skipped with a warning.
@@ -157,6 +242,7 @@ def find_and_open(tiers: list[tuple[Tier, Storage]], step: Optional[int] = None,
         verify: ``"full"`` or ``"size"``; None: each tier's own setting.
         on_all_damaged: when committed candidates exist but none is healthy: ``"raise"`` a
             :class:`CorruptCheckpointError` listing them, or ``"warn"`` (log) and return None.
+        rank, world: the restoring process's rank and world size (see :func:`open_checkpoint`).
 
     Returns:
         The open checkpoint, or None when there is no committed checkpoint (of ``step``) at all
@@ -170,7 +256,10 @@ def find_and_open(tiers: list[tuple[Tier, Storage]], step: Optional[int] = None,
             continue
         where = f"tier {c.tier.name} step {c.step}"
         try:
-            ck = open_checkpoint(c.storage, c.step, verify or c.tier.verify, where)
+            ck = open_checkpoint(c.storage, c.step, verify or c.tier.verify, where, rank, world)
+        except NotThisLayout as e:
+            log.info("nebula_ckpt: not restoring %s", e)
+            continue
         except Exception as e:  # KeyError, OverflowError, struct.error, OSError...: all mean damaged
             why = str(e) if isinstance(e, CorruptCheckpointError) else \
                 f"{where}: cannot read it ({type(e).__name__}: {e})"
@@ -178,6 +267,7 @@ def find_and_open(tiers: list[tuple[Tier, Storage]], step: Optional[int] = None,
             skipped.append(why)
             continue
         ck.tier_name = c.tier.name
+        ck.storage = c.storage
         log.info("nebula_ckpt: restoring step %d from tier %s%s", c.step, c.tier.name,
                  f" (skipped {len(skipped)} damaged candidate(s))" if skipped else "")
         return ck
@@ -222,12 +312,38 @@ def _target_device(rec: mf.TensorRecord, map_location: Any) -> Optional[torch.de
 def apply(ck: OpenCheckpoint, into: Any, *, map_location: Any = None, strict: bool = True,
           allow_pickle: bool = False) -> None:
     """Restore ``ck`` into ``into`` in place (same tree shape as what was saved)."""
-    _apply_node(ck, ck.manifest.tree, into, "", map_location, strict, allow_pickle)
+    if any(r.dtensor is not None for r in ck.manifest.tensors.values()):
+        ck.meshes.update(_meshes(into))
+    _apply_node(ck, ck.tree, into, "", map_location, strict, allow_pickle)
+
+
+def _meshes(into: Any) -> dict[tuple[int, ...], Any]:
+    """Device meshes of the DTensors in ``into`` (parameters of modules and optimizers, leaves)."""
+    out: dict[tuple[int, ...], Any] = {}
+    stack, seen = [into], set()
+    while stack:
+        x = stack.pop()
+        if id(x) in seen:
+            continue
+        seen.add(id(x))
+        if isinstance(x, torch.Tensor):
+            mesh = getattr(x, "device_mesh", None)
+            if mesh is not None:
+                out.setdefault(tuple(mesh.shape), mesh)
+        elif isinstance(x, dict):
+            stack.extend(x.values())
+        elif isinstance(x, (list, tuple)):
+            stack.extend(x)
+        elif isinstance(x, torch.nn.Module):
+            stack.extend(x.parameters())
+        elif isinstance(x, torch.optim.Optimizer):
+            stack.extend(p for g in x.param_groups for p in g["params"])
+    return out
 
 
 def materialize(ck: OpenCheckpoint, *, map_location: Any = None, allow_pickle: bool = False) -> Any:
     """Decode the whole checkpoint as a fresh tree of owned tensors and plain values."""
-    return _decode_owned(ck, ck.manifest.tree, map_location, allow_pickle, "")
+    return _decode_owned(ck, ck.tree, map_location, allow_pickle, "")
 
 
 def _tensor_keys(node: Any, out: list[str]) -> list[str]:
@@ -251,14 +367,16 @@ def _owned_batch(ck: OpenCheckpoint, keys: list[str], map_location: Any) -> dict
     Cloning tensor by tensor pays an allocation and a page fault per 4 KiB page for each; a
     single (huge-page) buffer filled by the copy engine avoids both. The tensors are views of it.
     """
-    aliases = ck.manifest.aliases
     # Each stored tensor once, however often the tree names it: with the ranges validated as
     # disjoint by Manifest.parse, the buffers below never exceed the shard's own bytes.
-    real = list(dict.fromkeys(aliases.get(k, k) for k in keys))
+    first: dict[str, str] = {}  # stored key -> the first tree key naming it
+    for k in keys:
+        first.setdefault(ck.resolve(k).key, k)
+    real = list(first.values())
     cpu: list[tuple[str, Optional[torch.device]]] = []
     other: list[tuple[str, Optional[torch.device]]] = []
     for k in real:
-        dev = _target_device(ck.manifest.tensors[k], map_location)
+        dev = _target_device(ck.resolve(k), map_location)
         (cpu if dev is None or dev.type == "cpu" else other).append((k, dev))
     out: dict[str, torch.Tensor] = {}
     # One buffer per dtype: tensors of different dtypes sharing a storage would trip torch.save.
@@ -283,14 +401,14 @@ def _owned_batch(ck: OpenCheckpoint, keys: list[str], map_location: Any) -> dict
     for k, dev in other:
         out[k] = _owned(ck.view(k), dev)
     for k in keys:
-        out[k] = out[aliases.get(k, k)]
+        out[k] = out[first[ck.resolve(k).key]]
     return out
 
 
 def _decode_owned(ck: OpenCheckpoint, node: Mapping[str, Any], map_location: Any, allow_pickle: bool,
                   path: str) -> Any:
     owned = _owned_batch(ck, _tensor_keys(node, []), map_location)
-    return decode(node, owned.__getitem__, allow_pickle, path)
+    return decode(node, lambda k: ck.as_saved(k, owned[k]), allow_pickle, path)
 
 
 def _apply_node(ck: OpenCheckpoint, node: Mapping[str, Any], target: Any, path: str, map_location: Any,
@@ -307,7 +425,7 @@ def _apply_node(ck: OpenCheckpoint, node: Mapping[str, Any], target: Any, path: 
                                   f"the object given in `into` ({type(target).__name__}) has no load_state_dict()")
         if isinstance(target, torch.nn.Module):
             # Zero-copy views: load_state_dict copies them straight into the parameters.
-            state = decode(node["state"], ck.view, allow_pickle, path)
+            state = decode(node["state"], lambda k: ck.as_saved(k, ck.view(k)), allow_pickle, path)
             target.load_state_dict(state, strict=strict)
         else:
             # Optimizers etc. keep the tensors they are given: hand them owned copies.
@@ -316,12 +434,15 @@ def _apply_node(ck: OpenCheckpoint, node: Mapping[str, Any], target: Any, path: 
     if t == "tensor":
         if isinstance(target, torch.Tensor):
             src = ck.view(node["k"])
-            if tuple(target.shape) != tuple(src.shape) or target.dtype != src.dtype:
+            dest = target
+            if ck.resolve(node["k"]).dtensor is not None and hasattr(target, "to_local"):
+                dest = target.to_local()  # a DTensor: this rank's shard is restored into its local part
+            if tuple(dest.shape) != tuple(src.shape) or dest.dtype != src.dtype:
                 raise ValidationError(
                     f"restore: key '{shown}': checkpoint has {src.dtype} {tuple(src.shape)}, the tensor in "
-                    f"`into` is {target.dtype} {tuple(target.shape)}; pass a matching tensor or use read()")
+                    f"`into` is {dest.dtype} {tuple(dest.shape)}; pass a matching tensor or use read()")
             with torch.no_grad():
-                target.copy_(src)
+                dest.copy_(src)
             return target
         return _decode_owned(ck, node, map_location, allow_pickle, path)
     if t in ("dict", "odict") and isinstance(target, dict):

@@ -187,7 +187,7 @@ def test_untouched_checkpoint_reads_back(saved: str) -> None:
     """The re-sealing helper itself leaves a valid checkpoint valid (the cases test the change)."""
     rewrite(saved, lambda m: None)
     ck = open_checkpoint(LocalStorage(saved), 1, "full", "t")
-    state = ck.tree(lambda k, v: v.clone(), allow_pickle=False)
+    state = ck.decode_tree(lambda k, v: v.clone(), allow_pickle=False)
     assert torch.equal(state["w"], torch.arange(6, dtype=torch.float32).reshape(2, 3))
     assert state["w_tied"] is state["w"] and state["meta"] == {"lr": 0.5, 3: "three"}
 
@@ -287,10 +287,10 @@ def test_any_exception_while_opening_is_a_skipped_candidate(tmp_path, shm_dir, e
 
     real = restore.open_checkpoint
 
-    def flaky(storage: Any, step: int, verify: str, where: str) -> Any:
+    def flaky(storage: Any, step: int, verify: str, where: str, *rank_world: Any) -> Any:
         if step == 2:
             raise exc
-        return real(storage, step, verify, where)
+        return real(storage, step, verify, where, *rank_world)
 
     monkeypatch.setattr(restore, "open_checkpoint", flaky)
     ck = find_and_open(_pairs(root))

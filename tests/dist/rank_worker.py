@@ -1,0 +1,121 @@
+"""One rank of a multi-rank test job (run as a subprocess by tests/dist/test_multirank.py).
+
+Usage: python rank_worker.py SCENARIO ROOT OUT   (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT in env)
+
+Every rank trains the same tiny model (DDP: replicated; FSDP2: sharded with ``fully_shard``) with
+AdamW on gloo, saves through ``nebula_ckpt.Checkpointer(ROOT)`` (which finds the process group by
+itself) and writes what it observed as JSON to ``OUT/<scenario>-r<rank>.json`` for the test to check.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+import nebula_ckpt as nc
+
+
+def _model(seed: int) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 8))
+
+
+def _train(model: torch.nn.Module, opt: torch.optim.Optimizer, steps: int, seed: int) -> float:
+    g = torch.Generator().manual_seed(seed)
+    loss = torch.zeros(())
+    for _ in range(steps):
+        x = torch.randn(4, 16, generator=g)
+        loss = model(x).square().mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    return float(loss)
+
+
+def _flat(state: Any, prefix: str = "") -> dict[str, torch.Tensor]:
+    out: dict[str, torch.Tensor] = {}
+    if isinstance(state, dict):
+        for k, v in state.items():
+            out.update(_flat(v, f"{prefix}{k}/"))
+    elif isinstance(state, (list, tuple)):
+        for i, v in enumerate(state):
+            out.update(_flat(v, f"{prefix}{i}/"))
+    elif isinstance(state, torch.Tensor):
+        t = state.to_local() if hasattr(state, "to_local") else state
+        out[prefix.rstrip("/")] = t.detach().clone()
+    return out
+
+
+def _digest(model: torch.nn.Module, opt: torch.optim.Optimizer) -> dict[str, list[float]]:
+    flat = _flat({"model": model.state_dict(), "optim": opt.state_dict()["state"]})
+    return {k: v.double().flatten().tolist() for k, v in flat.items()}
+
+
+def _ddp(seed: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    model = torch.nn.parallel.DistributedDataParallel(_model(seed))
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+
+def _fsdp(seed: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    model = _model(seed)
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    for layer in model:
+        if isinstance(layer, torch.nn.Linear):
+            fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+
+def main() -> None:
+    scenario, root, out = sys.argv[1:4]
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    report: dict[str, Any] = {"rank": rank, "world": world}
+    build = _fsdp if scenario.startswith("fsdp") else _ddp
+    if scenario.endswith("save") or scenario == "kill":
+        model, opt = build(0)
+        with nc.Checkpointer(root) as ck:
+            for step in (1, 2, 3):
+                _train(model, opt, 2, seed=step * 10 + (rank if scenario.startswith("fsdp") else 0))
+                if scenario == "kill" and step == 3:
+                    h = ck.save_async(step, {"model": model, "optim": opt, "step": step})
+                    if rank == world - 1:
+                        os.kill(os.getpid(), signal.SIGKILL)  # dies with its shard of step 3 in flight
+                    try:
+                        h.result(timeout=120)
+                        report["step3"] = "committed"
+                    except Exception as e:  # the others must see the failure, not hang
+                        report["step3"] = f"{type(e).__name__}: {e}"
+                    report["list"] = ck.list(detailed=True)
+                    with open(os.path.join(out, f"{scenario}-r{rank}.json"), "w") as f:
+                        json.dump(report, f)
+                    os._exit(0)  # a job whose rank died is torn down, not closed
+                h = ck.save(step, {"model": model, "optim": opt, "step": step})
+                report.setdefault("written", []).append(h.tiers_written)
+                report[f"digest{step}"] = _digest(model, opt)
+            report["stats"] = ck.stats()
+    else:  # "...load": a new job restores the newest checkpoint every rank has
+        model, opt = build(1234)
+        _train(model, opt, 1, seed=99)  # optimizer state exists (AdamW creates it lazily)
+        state: dict[str, Any] = {"model": model, "optim": opt, "step": -1}
+        with nc.Checkpointer(root) as ck:
+            report["step"] = ck.load_latest(state)
+            report["restored_from"] = ck.last_restore
+        report["saved_step"] = state["step"]
+        report["digest"] = _digest(model, opt)
+    with open(os.path.join(out, f"{scenario}-r{rank}.json"), "w") as f:
+        json.dump(report, f)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
