@@ -75,21 +75,42 @@ def _fsdp(seed: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
     return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
 
 
+def _die_in_shared_write(step: int) -> None:
+    """SIGKILL this rank while it writes its share of ``step`` on the shared tier (its file is
+    half written: the other ranks' rounds see the connection drop)."""
+    from nebula_ckpt.storage.local import LocalStorage
+
+    real = LocalStorage.write_parts
+
+    def write_parts(self: LocalStorage, rel: str, parts: list[memoryview]) -> dict[str, Any]:
+        if rel.startswith(f"step-{step}/"):
+            os.makedirs(os.path.join(self.root, os.path.dirname(rel)), exist_ok=True)
+            with open(os.path.join(self.root, rel), "wb") as f:
+                f.write(bytes(parts[0]))
+            os.kill(os.getpid(), signal.SIGKILL)
+        return real(self, rel, parts)
+
+    LocalStorage.write_parts = write_parts  # type: ignore[method-assign]
+
+
 def main() -> None:
     scenario, root, out = sys.argv[1:4]
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     report: dict[str, Any] = {"rank": rank, "world": world}
     build = _fsdp if scenario.startswith("fsdp") else _ddp
+    memory = os.environ.get("TEST_MEMORY_TIER", "1") == "1"
+    opts = json.loads(os.environ.get("TEST_STORAGE_OPTIONS", "null"))
     if scenario.endswith("save") or scenario == "kill":
         model, opt = build(0)
-        with nc.Checkpointer(root) as ck:
+        if scenario == "kill" and rank == world - 1:
+            _die_in_shared_write(step=3)
+        with nc.Checkpointer(root, memory_tier=memory, storage_options=opts) as ck:
             for step in (1, 2, 3):
                 _train(model, opt, 2, seed=step * 10 + (rank if scenario.startswith("fsdp") else 0))
+                report[f"digest{step}"] = _digest(model, opt)
                 if scenario == "kill" and step == 3:
                     h = ck.save_async(step, {"model": model, "optim": opt, "step": step})
-                    if rank == world - 1:
-                        os.kill(os.getpid(), signal.SIGKILL)  # dies with its shard of step 3 in flight
                     try:
                         h.result(timeout=120)
                         report["step3"] = "committed"
@@ -101,13 +122,12 @@ def main() -> None:
                     os._exit(0)  # a job whose rank died is torn down, not closed
                 h = ck.save(step, {"model": model, "optim": opt, "step": step})
                 report.setdefault("written", []).append(h.tiers_written)
-                report[f"digest{step}"] = _digest(model, opt)
             report["stats"] = ck.stats()
     else:  # "...load": a new job restores the newest checkpoint every rank has
         model, opt = build(1234)
         _train(model, opt, 1, seed=99)  # optimizer state exists (AdamW creates it lazily)
         state: dict[str, Any] = {"model": model, "optim": opt, "step": -1}
-        with nc.Checkpointer(root) as ck:
+        with nc.Checkpointer(root, memory_tier=memory, storage_options=opts) as ck:
             report["step"] = ck.load_latest(state)
             report["restored_from"] = ck.last_restore
         report["saved_step"] = state["step"]

@@ -1,0 +1,114 @@
+"""Multi-rank checkpoints on real torch.distributed ranks (gloo on 127.0.0.1, spawned processes).
+
+Each test launches a job of N ranks of ``rank_worker.py`` (as torchrun would: env://), which
+trains a tiny model with AdamW (DDP replicated, or FSDP2 ``fully_shard`` on CPU), saves steps
+1..3 through ``nebula_ckpt.Checkpointer(root)`` and reports digests of its state; a second job
+restores and reports what it got. Every comparison is bit-exact.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from nebula_ckpt import knobs
+from nebula_ckpt import manifest as mf
+from nebula_ckpt.tiers import memory_tier_path
+
+from .launch import reports, run_ranks
+
+pytestmark = [pytest.mark.timeout(240)]
+
+
+def _job(world: int, scenario: str, root: str, out: Path, shm_dir: str, **env: str) -> list[dict[str, Any]]:
+    done = run_ranks(world, "rank_worker.py", [scenario, root, str(out)], out, shm_dir, env_extra=env)
+    for r, p in enumerate(done):
+        expect_dead = scenario == "kill" and r == world - 1
+        assert (p.returncode == -9) if expect_dead else (p.returncode == 0), f"rank {r}:\n{p.stdout[-4000:]}"
+    return [] if scenario == "kill" else reports(out, scenario, world)
+
+
+def _manifest(root: str, step: int) -> dict[str, Any]:
+    return json.loads(Path(root, mf.step_dir(step), mf.MANIFEST).read_text())
+
+
+@pytest.fixture
+def job_dir(tmp_path: Path) -> Path:
+    out = tmp_path / "out"
+    out.mkdir()
+    return out
+
+
+def test_ddp_two_ranks_write_each_byte_once_and_restore_bit_exact(root: str, shm_dir: str, job_dir: Path) -> None:
+    saved = _job(2, "ddp_save", root, job_dir, shm_dir)
+    man = _manifest(root, 3)
+    assert man["version"] == mf.VERSION and man["world_size"] == 2 and man["ranks"] == [0, 1]
+    assert len(man["tree"]["v"]) == 1 and man["rank_tree"] == {"0": 0, "1": 0}   # one tree for both
+    shards = sorted(n for n in os.listdir(Path(root, "step-3")) if n.startswith("shard-"))
+    assert shards == ["shard-g1-r0.safetensors", "shard-g1-r1.safetensors"]
+    # replicated state is stored once: every key of rank 1 is an alias or stored by one rank only
+    stored = {k.split("/", 1)[1] for k in man["tensors"]}
+    assert len(stored) == len(man["tensors"])                                   # no tensor twice
+    assert all(a.startswith(("r0/", "r1/")) for a in man["aliases"])
+    both = [k for k in man["tensors"] if k.startswith("r0/")], [k for k in man["tensors"] if k.startswith("r1/")]
+    assert both[0] and both[1]                                                  # spread over ranks
+    sizes = [s["bytes"] for s in man["shards"]]
+    assert max(sizes) < 1.5 * min(sizes), sizes                                 # balanced
+    assert saved[0]["digest3"] == saved[1]["digest3"]                           # DDP: replicated
+    loaded = _job(2, "ddp_load", root, job_dir, shm_dir)
+    for r in range(2):
+        assert loaded[r]["step"] == 3 and loaded[r]["saved_step"] == 3
+        assert loaded[r]["digest"] == saved[r]["digest3"]
+
+
+def test_fsdp2_four_ranks_round_trip_with_their_own_shards(root: str, shm_dir: str, job_dir: Path) -> None:
+    saved = _job(4, "fsdp_save", root, job_dir, shm_dir)
+    man = _manifest(root, 3)
+    rec = man["tensors"]["r2/model/0.weight"]
+    assert rec["dtensor"] == {"shape": [32, 16], "offsets": [16, 0], "placements": ["S(0)"], "mesh": [4]}
+    assert rec["shape"] == [8, 16] and rec["shard"] == 2
+    assert saved[0]["digest3"] != saved[1]["digest3"]                           # sharded: differ
+    loaded = _job(4, "fsdp_load", root, job_dir, shm_dir)
+    for r in range(4):
+        assert loaded[r]["step"] == 3 and loaded[r]["digest"] == saved[r]["digest3"], f"rank {r}"
+
+
+def test_a_rank_killed_during_a_save_means_no_commit(root: str, shm_dir: str, job_dir: Path) -> None:
+    _job(2, "kill", root, job_dir, shm_dir, TEST_MEMORY_TIER="0")
+    survivor = json.loads((job_dir / "kill-r0.json").read_text())
+    assert survivor["step3"].startswith("PersistError") and "step 3" in survivor["step3"]
+    assert not Path(root, "step-3", mf.COMMIT).exists() and not Path(root, "step-3", mf.MANIFEST).exists()
+    assert survivor["list"] == {f"local:{root}": [1, 2]}
+    loaded = _job(2, "load", root, job_dir, shm_dir, TEST_MEMORY_TIER="0")
+    for r in range(2):
+        assert loaded[r]["step"] == 2 and loaded[r]["restored_from"]["tier"] == f"local:{root}"
+        assert loaded[r]["digest"] == survivor["digest2"]                        # DDP: the same on every rank
+
+
+def test_restart_agrees_on_a_step_every_rank_has(root: str, shm_dir: str, job_dir: Path) -> None:
+    """The killed job left step 3 in each rank's memory tier (memory commits first, per rank)
+    but not on the shared root. A restart restores step 3 from memory on every rank; once one
+    rank's memory tier has lost it, every rank agrees on step 2 instead."""
+    _job(2, "kill", root, job_dir, shm_dir)
+    survivor = json.loads((job_dir / "kill-r0.json").read_text())
+    assert not Path(root, "step-3", mf.COMMIT).exists()
+    with knobs.override(shm_dir=shm_dir):
+        mems = [memory_tier_path(root, r) for r in range(2)]
+    assert all(Path(m, "step-3", mf.COMMIT).exists() for m in mems)
+    backup = Path(job_dir, "mem1-step-3")
+    shutil.copytree(Path(mems[1], "step-3"), backup)
+    loaded = _job(2, "load", root, job_dir, shm_dir)
+    for r in range(2):
+        assert loaded[r]["step"] == 3 and loaded[r]["restored_from"]["tier"].startswith("memory:")
+        assert loaded[r]["digest"] == survivor["digest3"]
+    # rank 1's memory tier loses step 3 (a rebooted node): rank 0 alone still has it
+    shutil.rmtree(Path(mems[1], "step-3"), ignore_errors=True)
+    assert Path(mems[0], "step-3", mf.COMMIT).exists()
+    loaded = _job(2, "load", root, job_dir, shm_dir)
+    for r in range(2):
+        assert loaded[r]["step"] == 2 and loaded[r]["digest"] == survivor["digest2"], loaded[r]["restored_from"]
