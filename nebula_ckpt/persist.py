@@ -40,9 +40,8 @@ import threading
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
-from . import knobs
+from . import knobs, ranks
 from . import manifest as mf
-from . import ranks
 from .coordinator import PHASE_DURABLE, PHASE_INDEX, PHASE_VERDICT, Coordinator, LocalCoordinator
 from .errors import FencedError, PersistError
 from .fanout import Delivery
@@ -206,7 +205,7 @@ class TierWriter:
             self._commit_step(_Item(snap.step, snap.nbytes, source,
                                     lambda gen, shard: build_tier_manifest(snap, gen, shard), confirmed), on_shard)
             return
-        meta = {"tensors": snap.tensor_index, "aliases": snap.plan.aliases, "tree": snap.plan.tree,
+        meta: dict[str, Any] = {"tensors": snap.tensor_index, "aliases": snap.plan.aliases, "tree": snap.plan.tree,
                 "stats": {"tensor_bytes": snap.plan.tensor_bytes, "copy_seconds": snap.copy_seconds}}
 
         def rank_manifest(gen: int, shard: dict[str, Any]) -> dict[str, Any]:

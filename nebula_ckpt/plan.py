@@ -255,7 +255,8 @@ class _Flattener:
 _layout_cache: "collections.OrderedDict[tuple[Any, ...], Layout]" = collections.OrderedDict()
 
 
-def safetensors_header(items: list[tuple[str, torch.dtype, tuple[int, ...], int]]) -> tuple[bytes, list[tuple[int, int]]]:
+def safetensors_header(items: list[tuple[str, torch.dtype, tuple[int, ...], int]]
+                       ) -> tuple[bytes, list[tuple[int, int]]]:
     """The header of a safetensors image holding ``items`` (key, dtype, shape, bytes) back to back,
     in this order: 8-byte length + JSON padded so the data starts on an :data:`ALIGN` boundary,
     and each item's ``[start, end)`` relative to the data start. Dtypes safetensors lacks are
