@@ -29,7 +29,7 @@ from typing import Any, Callable, Optional, Sequence
 import torch.distributed as dist
 
 from . import knobs
-from .coordinator import PHASES, Coordinator
+from .coordinator import PHASE_DURABLE, PHASE_INDEX, PHASES, Coordinator
 from .errors import PersistError
 
 log = logging.getLogger(__name__)
@@ -47,7 +47,7 @@ class _TierChannel:
 
     def __init__(self, name: str, group: Any, world: int, every: int) -> None:
         self.name = name
-        self._group = group
+        self.group = group
         self._world = world
         self._every = max(1, every)
         self._posts: dict[tuple[int, int], Any] = {}
@@ -76,8 +76,9 @@ class _TierChannel:
             self._cond.wait_for(lambda: (index, phase) in self._results or self._broken is not None)
             if (index, phase) in self._results:
                 return self._results.pop((index, phase))
-            raise PersistError(f"tier {self.name}: step round {index}/{phase} failed: {self._broken}") \
-                from self._broken
+            raise PersistError(f"tier {self.name}: the ranks could not agree on save {index} (round {phase}): a "
+                               f"rank died, left or timed out ({self._broken}); nothing was committed there"
+                               ) from self._broken
 
     def abandon(self, index: int) -> None:
         with self._cond:
@@ -103,6 +104,19 @@ class _TierChannel:
         if self._next[1] == 0:
             self._abandoned.discard(index)
 
+    def _collective(self, phase: int, out: list[Any], payload: Any) -> None:
+        """Index round: every rank gets every payload; durable round: the coordinator gets them;
+        verdict round: every rank gets the coordinator's (``out[0]``)."""
+        if phase == PHASE_INDEX:
+            dist.all_gather_object(out, payload, group=self.group)
+        elif phase == PHASE_DURABLE:
+            dst = dist.get_global_rank(self.group, 0)
+            dist.gather_object(payload, out if dist.get_rank(self.group) == 0 else None, dst=dst, group=self.group)
+        else:
+            box = [payload]
+            dist.broadcast_object_list(box, src=dist.get_global_rank(self.group, 0), group=self.group)
+            out[0] = box[0]
+
     def _run(self) -> None:
         while True:
             with self._cond:
@@ -116,10 +130,10 @@ class _TierChannel:
                 payload = self._posts.pop((index, phase), None)
             out: list[Any] = [None] * self._world
             try:
-                dist.all_gather_object(out, payload, group=self._group)
+                self._collective(phase, out, payload)
             except BaseException as e:  # a dead rank, a timeout: every later round fails too
-                log.error("nebula_ckpt: tier %s: ranks' round %d/%d failed: %s: %s", self.name, index, phase,
-                          type(e).__name__, e)
+                log.error("nebula_ckpt: tier %s: the ranks' round %d of save %d failed (a rank died, left or "
+                          "timed out): %s: %s", self.name, phase, index, type(e).__name__, e)
                 with self._cond:
                     self._broken = e
                     self._cond.notify_all()
@@ -200,8 +214,20 @@ class DistCoordinator(Coordinator):
         return all(self._gather(bool(ok)))
 
     def close(self, saves: int = 0) -> None:
+        """Finish the rounds of the ``saves`` saves, then free the groups (after a barrier, so no
+        rank frees a group a peer still uses). Every rank calls it (``Checkpointer.close``)."""
         if self._closed:
             return
         self._closed = True
         for ch in self._channels.values():
             ch.close(saves, self._timeout.total_seconds() * 2)
+        try:
+            dist.barrier(group=self._control)
+        except Exception as e:  # a rank died: its groups die with the job
+            log.warning("nebula_ckpt: rank %d: closing the checkpoint protocol without every rank: %s", self.rank, e)
+            return
+        for g in [ch.group for ch in self._channels.values()] + [self._control]:
+            try:
+                dist.destroy_process_group(g)
+            except Exception as e:  # best effort: the default group may already be gone
+                log.debug("nebula_ckpt: cannot free a protocol group: %s", e)
