@@ -94,7 +94,7 @@ class _TierChannel:
 
     def _ready(self) -> bool:
         index, phase = self._next
-        if self._end is not None and index >= self._end:
+        if self._end is not None and index >= self._end and phase == 0:
             return True
         return (index, phase) in self._posts or index in self._abandoned or not self.has_rounds(index)
 
@@ -122,15 +122,24 @@ class _TierChannel:
             with self._cond:
                 self._cond.wait_for(self._ready)
                 index, phase = self._next
-                if self._end is not None and index >= self._end:
-                    return
-                if not self.has_rounds(index):
+                ending = self._end is not None and index >= self._end
+                if not ending and not self.has_rounds(index):
                     self._advance()
                     continue
-                payload = self._posts.pop((index, phase), None)
+                # The last round tells the others how many saves this rank made; it meets
+                # their last round, or the first round of a save this rank never made.
+                payload = {"end": self._end} if ending else self._posts.pop((index, phase), None)
             out: list[Any] = [None] * self._world
             try:
-                self._collective(phase, out, payload)
+                self._collective(PHASE_INDEX if ending else phase, out, payload)
+                ended = [(r, e["end"]) for r, e in enumerate(out) if isinstance(e, dict) and "end" in e]
+                if ended and not ending:
+                    raise PersistError(f"rank(s) {[r for r, _ in ended][:8]} closed their Checkpointer after "
+                                       f"{ended[0][1]} save(s), while this rank makes save {index + 1}: every rank "
+                                       "must call save_async the same number of times, then close()")
+                if ended and len(ended) < self._world and ending:
+                    raise PersistError(f"this rank closed after {self._end} save(s) while rank(s) "
+                                       f"{[r for r, e in enumerate(out) if r not in dict(ended)][:8]} make more")
             except BaseException as e:  # a dead rank, a timeout: every later round fails too
                 log.error("nebula_ckpt: tier %s: the ranks' round %d of save %d failed (a rank died, left or "
                           "timed out): %s: %s", self.name, phase, index, type(e).__name__, e)
@@ -139,6 +148,8 @@ class _TierChannel:
                     self._cond.notify_all()
                 return
             with self._cond:
+                if ending:
+                    return
                 if payload is not None:
                     self._results[(index, phase)] = out
                 self._advance()

@@ -123,6 +123,18 @@ def main() -> None:
                 h = ck.save(step, {"model": model, "optim": opt, "step": step})
                 report.setdefault("written", []).append(h.tiers_written)
             report["stats"] = ck.stats()
+    elif scenario == "mismatch":  # the last rank makes one save fewer than the others
+        model, opt = build(0)
+        with nc.Checkpointer(root, memory_tier=memory, storage_options=opts) as ck:
+            for step in range(1, 4 if rank < world - 1 else 3):
+                h = ck.save_async(step, {"model": model, "step": step})
+                try:
+                    h.result(timeout=120)
+                    report[f"step{step}"] = "committed"
+                except Exception as e:
+                    report[f"step{step}"] = f"{type(e).__name__}: {e}"
+                    break
+            report["list"] = ck.list(detailed=True)
     else:  # "...load": a new job restores the newest checkpoint every rank has
         model, opt = build(1234)
         _train(model, opt, 1, seed=99)  # optimizer state exists (AdamW creates it lazily)

@@ -112,3 +112,12 @@ def test_restart_agrees_on_a_step_every_rank_has(root: str, shm_dir: str, job_di
     loaded = _job(2, "load", root, job_dir, shm_dir)
     for r in range(2):
         assert loaded[r]["step"] == 2 and loaded[r]["digest"] == survivor["digest2"], loaded[r]["restored_from"]
+
+
+def test_ranks_that_save_a_different_number_of_times_get_a_clear_error(root: str, shm_dir: str,
+                                                                       job_dir: Path) -> None:
+    got = _job(2, "mismatch", root, job_dir, shm_dir, TEST_MEMORY_TIER="0", NEBULA_COMMIT_TIMEOUT_S="60")
+    assert got[1] == dict(got[1], step1="committed", step2="committed")
+    assert got[0]["step1"] == got[0]["step2"] == "committed"
+    assert "closed their Checkpointer after 2 save(s)" in got[0]["step3"], got[0]["step3"]
+    assert got[0]["list"] == {f"local:{root}": [1, 2]}
