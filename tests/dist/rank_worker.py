@@ -35,7 +35,7 @@ def _train(model: torch.nn.Module, opt: torch.optim.Optimizer, steps: int, seed:
         opt.zero_grad()
         loss.backward()
         opt.step()
-    return float(loss)
+    return float(loss.detach())
 
 
 def _flat(state: Any, prefix: str = "") -> dict[str, torch.Tensor]:
@@ -110,7 +110,8 @@ def main() -> None:
                 _train(model, opt, 2, seed=step * 10 + (rank if scenario.startswith("fsdp") else 0))
                 report[f"digest{step}"] = _digest(model, opt)
                 if scenario == "kill" and step == 3:
-                    h = ck.save_async(step, {"model": model, "optim": opt, "step": step})
+                    h = ck.save_async(step, {"model": model, "optim": opt, "step": step,
+                                             "mine": torch.full((3,), float(rank))})
                     try:
                         h.result(timeout=120)
                         report["step3"] = "committed"
@@ -120,7 +121,8 @@ def main() -> None:
                     with open(os.path.join(out, f"{scenario}-r{rank}.json"), "w") as f:
                         json.dump(report, f)
                     os._exit(0)  # a job whose rank died is torn down, not closed
-                h = ck.save(step, {"model": model, "optim": opt, "step": step})
+                # "mine" differs between ranks (like a per-rank RNG state): never taken for a replica
+                h = ck.save(step, {"model": model, "optim": opt, "step": step, "mine": torch.full((3,), float(rank))})
                 report.setdefault("written", []).append(h.tiers_written)
             report["stats"] = ck.stats()
     elif scenario == "mismatch":  # the last rank makes one save fewer than the others
@@ -138,11 +140,12 @@ def main() -> None:
     else:  # "...load": a new job restores the newest checkpoint every rank has
         model, opt = build(1234)
         _train(model, opt, 1, seed=99)  # optimizer state exists (AdamW creates it lazily)
-        state: dict[str, Any] = {"model": model, "optim": opt, "step": -1}
+        state: dict[str, Any] = {"model": model, "optim": opt, "step": -1, "mine": torch.zeros(3)}
         with nc.Checkpointer(root, memory_tier=memory, storage_options=opts) as ck:
             report["step"] = ck.load_latest(state)
             report["restored_from"] = ck.last_restore
         report["saved_step"] = state["step"]
+        report["mine"] = state["mine"].tolist()
         report["digest"] = _digest(model, opt)
     with open(os.path.join(out, f"{scenario}-r{rank}.json"), "w") as f:
         json.dump(report, f)

@@ -52,18 +52,19 @@ def test_ddp_two_ranks_write_each_byte_once_and_restore_bit_exact(root: str, shm
     shards = sorted(n for n in os.listdir(Path(root, "step-3")) if n.startswith("shard-"))
     assert shards == ["shard-g1-r0.safetensors", "shard-g1-r1.safetensors"]
     # replicated state is stored once: every key of rank 1 is an alias or stored by one rank only
-    stored = {k.split("/", 1)[1] for k in man["tensors"]}
-    assert len(stored) == len(man["tensors"])                                   # no tensor twice
+    stored = {k.split("/", 1)[1] for k in man["tensors"] if not k.endswith("/mine")}
+    assert len(stored) == len(man["tensors"]) - 2                               # no replica twice
     assert all(a.startswith(("r0/", "r1/")) for a in man["aliases"])
     both = [k for k in man["tensors"] if k.startswith("r0/")], [k for k in man["tensors"] if k.startswith("r1/")]
     assert both[0] and both[1]                                                  # spread over ranks
     sizes = [s["bytes"] for s in man["shards"]]
     assert max(sizes) < 1.5 * min(sizes), sizes                                 # balanced
     assert saved[0]["digest3"] == saved[1]["digest3"]                           # DDP: replicated
+    assert "r0/mine" in man["tensors"] and "r1/mine" in man["tensors"]        # differs: both stored
     loaded = _job(2, "ddp_load", root, job_dir, shm_dir)
     for r in range(2):
         assert loaded[r]["step"] == 3 and loaded[r]["saved_step"] == 3
-        assert loaded[r]["digest"] == saved[r]["digest3"]
+        assert loaded[r]["digest"] == saved[r]["digest3"] and loaded[r]["mine"] == [float(r)] * 3
 
 
 def test_fsdp2_four_ranks_round_trip_with_their_own_shards(root: str, shm_dir: str, job_dir: Path) -> None:
