@@ -154,8 +154,9 @@ class Checkpointer:
         self._open_tiers(*self._choose_tiers(storage_options, tiers, memory_tier))
         self._fence = Fence(self._root_storage, self.coordinator)
         if self.coordinator.world_size > 1:
-            # Collectives belong here, where every rank is (the constructor): the job's writer
-            # generation, and the rounds of each shared tier.
+            # Collectives belong here, where every rank is (the constructor): one root for all
+            # ranks, the job's writer generation, and the rounds of each shared tier.
+            self._check_shared_root()
             _ = self._fence.generation
             for rt in self._runtimes:
                 if rt.tier.shared:
@@ -213,6 +214,23 @@ class Checkpointer:
                 self._runtimes.append(rt)
             else:
                 rt.release()
+
+    def _check_shared_root(self) -> None:
+        """Every rank must see the same root: on a root that is not shared (a node-local path in a
+        multi-node job) each node would hold a part of every checkpoint and none would restore."""
+        ids = self.coordinator.exchange(self.run_id)
+        if len(set(ids)) > 1:
+            groups: dict[str, list[int]] = {}
+            for r, i in enumerate(ids):
+                groups.setdefault(i, []).append(r)
+            for rt in self._runtimes:
+                rt.release()
+            if self._own_root_storage:
+                self._root_storage.close()
+            raise ValidationError(
+                f"root {canonical_root(self.root)} is not the same place for every rank: ranks see "
+                f"{len(groups)} different roots (by run id: {[g[:4] for g in groups.values()]}); use a path "
+                "on a file system every node mounts, or a blob URL (az://, s3://), for a multi-rank job")
 
     # -- properties -----------------------------------------------------------------------------
     @property

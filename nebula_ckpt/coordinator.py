@@ -72,6 +72,10 @@ class Coordinator(ABC):
     def all_true(self, ok: bool) -> bool:
         """Whether ``ok`` holds on every rank (restore: every rank opened the agreed step)."""
 
+    @abstractmethod
+    def exchange(self, value: Any) -> list[Any]:
+        """Every rank's ``value`` (small metadata), by rank. Training thread, never while saving."""
+
     def close(self, saves: int = 0) -> None:
         """After ``saves`` save indexes were handed out: finish their rounds, release (idempotent)."""
 
@@ -90,3 +94,6 @@ class LocalCoordinator(Coordinator):
 
     def all_true(self, ok: bool) -> bool:
         return ok
+
+    def exchange(self, value: Any) -> list[Any]:
+        return [value]

@@ -211,6 +211,9 @@ class DistCoordinator(Coordinator):
         if ch is not None:
             ch.abandon(index)
 
+    def exchange(self, value: Any) -> list[Any]:
+        return self._gather(value)
+
     def _gather(self, value: Any) -> list[Any]:
         out: list[Any] = [None] * self.world_size
         dist.all_gather_object(out, value, group=self._control)

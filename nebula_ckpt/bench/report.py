@@ -12,6 +12,9 @@ Targets (from the benchmark issue), each reported as met / not met / n/a - never
   same state (warm, and cold where the page cache could be emptied);
 * staging memory: nebula ``stats()["staging_bytes"]`` <= 1.1x the state bytes, and host memory
   flat across 100 saves of a small state (RSS growth after the first 10 saves <= 8 MiB).
+* multi-rank (``--ranks``, computed in :mod:`~.ranks`): nebula blocking per rank <= 2x the
+  single-process figure; time to commit falling as ranks share the replicated bytes; ahead of
+  ``dcp.async_save`` (blocking, time to commit, overhead) on every row.
 """
 
 from __future__ import annotations
@@ -249,7 +252,11 @@ def evaluate_targets(results: dict[str, Any]) -> list[dict[str, Any]]:
     throughput = _throughput_target(workloads)
     if throughput is not None:
         out.append(throughput)
-    out.append(_flat_target(results))
+    if not results.get("settings", {}).get("ranks_only"):
+        out.append(_flat_target(results))
+    from .ranks import evaluate_targets as ranks_targets  # ranks imports this module's formatting
+
+    out.extend(ranks_targets(results))
     return out
 
 
@@ -337,10 +344,30 @@ def _busy(m: dict[str, Any]) -> bool:
     return any(la and la[0] > 0.5 * cores for la in (m.get("loadavg_start"), m.get("loadavg_end")))
 
 
+def _single_process_sections(results: dict[str, Any]) -> list[str]:
+    """The limits measured and the single-process workloads' tables."""
+    lim = results.get("limits", {})
+    lines = ["## Limits measured in this run", "", "| limit | GB/s | samples |", "|---|---:|---|"]
+    for key, title in (("seq_write_fsync", "sequential write (16 MiB chunks) + fsync"),
+                       ("memcpy", "copy_ into a pre-touched buffer"), ("d2h_pinned", "CUDA D2H into pinned")):
+        v = lim.get(key) or {}
+        if v.get("gbps") is not None:
+            lines.append(f"| {title}, {fmt_b(v.get('bytes'))} | {v['gbps']:.2f} | "
+                         + ", ".join(f"{g:.2f}" for g in v.get("samples_gbps", [])) + " |")
+        elif v.get("error"):
+            lines.append(f"| {title} | n/a | {v['error']} |")
+    lines += ["", "## Results", "", METHOD, ""]
+    for w in results.get("workloads", []):
+        if w.get("status") != "ok":
+            lines += [f"### {w['name']}: skipped - {w.get('reason')}", ""]
+            continue
+        lines += [workload_table(w), ""]
+    return lines
+
+
 def render_markdown(results: dict[str, Any]) -> str:
     """The whole ``results.md``."""
     m = results.get("machine", {})
-    lim = results.get("limits", {})
     st = results.get("settings", {})
     lines = ["# nebula_ckpt benchmark", "",
              f"{results.get('created')} · `{' '.join(results.get('argv', []))}`"
@@ -357,30 +384,20 @@ def render_markdown(results: dict[str, Any]) -> str:
              f"- device: {results.get('device')}; reps {st.get('reps')} (+1 warm-up) per system; "
              f"throughput loops of {st.get('steps')} steps",
              f"- load average at start / end: {_load(m.get('loadavg_start'))} / {_load(m.get('loadavg_end'))}"
-             + (" - **other work was running: timings are noisy**" if _busy(m) else ""),
-             "", "## Limits measured in this run", "",
-             "| limit | GB/s | samples |", "|---|---:|---|"]
-    for key, title in (("seq_write_fsync", "sequential write (16 MiB chunks) + fsync"),
-                       ("memcpy", "copy_ into a pre-touched buffer"), ("d2h_pinned", "CUDA D2H into pinned")):
-        v = lim.get(key) or {}
-        if v.get("gbps") is not None:
-            lines.append(f"| {title}, {fmt_b(v.get('bytes'))} | {v['gbps']:.2f} | "
-                         + ", ".join(f"{g:.2f}" for g in v.get("samples_gbps", [])) + " |")
-        elif v.get("error"):
-            lines.append(f"| {title} | n/a | {v['error']} |")
-    lines += ["", "## Results", "", METHOD, ""]
-    for w in results.get("workloads", []):
-        if w.get("status") != "ok":
-            lines += [f"### {w['name']}: skipped - {w.get('reason')}", ""]
-            continue
-        lines += [workload_table(w), ""]
+             + (" - **other work was running: timings are noisy**" if _busy(m) else ""), ""]
+    if not st.get("ranks_only"):  # --ranks-only: no limits, no single-process workloads
+        lines += _single_process_sections(results)
+    from .ranks import render_markdown as ranks_markdown
+
+    lines += ranks_markdown(results)
     lines += ["## Targets", "", "| target | workload | value | threshold | verdict | detail |",
               "|---|---|---|---|---|---|"]
     for t in results.get("targets", []):
         verdict = {True: "✅ met", False: "❌ not met", None: "n/a"}[t["met"]]
         lines.append(f"| {t['title']} | {t.get('workload') or '-'} | {t['value']} | {t['threshold']} "
                      f"| {verdict} | {t.get('detail', '')} |")
-    lines += ["", "## How each system is called", ""]
+    if results.get("peers"):
+        lines += ["", "## How each system is called", ""]
     for name, p in results.get("peers", {}).items():
         lines.append(f"- **{name}**: {p['calls']}. Durability: {p['durability']}.")
     cold = {s.get("cold_method") for w in results.get("workloads", []) for s in w.get("systems", [])

@@ -17,6 +17,10 @@ then every system in turn, each against a fresh directory of the target:
    and K steps with a save on the first step plus the rest of that save's persist (backlog).
 
 Then, for nebula_ckpt, 100 saves of a small state to check that host memory stays flat.
+
+With ``--ranks 2,4``: the multi-rank cases of :mod:`~.ranks` (jobs of spawned ranks, DDP + AdamW,
+nebula vs ``dcp.save`` vs ``dcp.async_save``) and nebula's commit protocol time
+(``--protocol-ranks``); ``--ranks-only`` skips everything else.
 """
 
 from __future__ import annotations
@@ -41,6 +45,7 @@ from typing import Any, Iterator, Optional
 import torch
 
 from . import limits as limits_mod
+from . import ranks as ranks_mod
 from . import report as report_mod
 from . import workloads as wl
 from .limits import PeakRss, dir_bytes, evict, io_write_bytes, resident_fraction, rss_bytes, shm_used_bytes
@@ -392,6 +397,17 @@ def build_parser() -> argparse.ArgumentParser:
                    help="for cold restores, fall back to 'echo 1 > /proc/sys/vm/drop_caches' (whole "
                         "machine; root) when posix_fadvise leaves pages resident")
     p.add_argument("--no-plot", action="store_true", help="skip results.png")
+    p.add_argument("--ranks", default=None,
+                   help="multi-rank cases: comma-separated rank counts, e.g. 2,4 (spawned gloo ranks, DDP "
+                        "+ AdamW; nebula vs dcp.save vs dcp.async_save, plus a single-process nebula reference)")
+    p.add_argument("--ranks-model", choices=list(ranks_mod.RANK_MODELS), default=None,
+                   help="model of the multi-rank cases (default small, ~89 MB of state; tiny with --quick)")
+    p.add_argument("--protocol-ranks", default=None,
+                   help="rank counts of nebula's commit-protocol timing with a tiny state (default 2,4,8; "
+                        "the --ranks counts with --quick; 0 = skip); runs only with --ranks")
+    p.add_argument("--ranks-only", action="store_true",
+                   help="with --ranks: only the multi-rank cases (no single-process workloads, limits or "
+                        "memory check)")
     p.add_argument("-q", "--quiet", action="store_true", help="warnings only, no progress bar")
     return p
 
@@ -416,6 +432,17 @@ def resolve_args(argv: Optional[list[str]]) -> argparse.Namespace:
     for name in ("reps", "interval", "steps"):
         if getattr(a, name) < 1:
             p.error(f"--{name} must be >= 1")
+    try:
+        a.ranks = ranks_mod.parse_ranks(a.ranks)
+        a.protocol_ranks = (ranks_mod.parse_ranks(a.protocol_ranks, "--protocol-ranks")
+                            if a.protocol_ranks is not None else (list(a.ranks) if a.quick else [2, 4, 8]))
+    except ValueError as e:
+        p.error(str(e))
+    if not a.ranks:
+        a.protocol_ranks = []
+        if a.ranks_only:
+            p.error("--ranks-only needs --ranks")
+    a.ranks_model = a.ranks_model or ("tiny" if a.quick else "small")
     root = repo_root()
     a.out = Path(a.out) if a.out else root / "benchmarks" / "results"
     a.bench_out = root / "bench_out"
@@ -523,8 +550,10 @@ def _new_results(a: argparse.Namespace, device: torch.device, target: str,
         "argv": a.argv, "quick": a.quick, "device": str(device), "target": target,
         "settings": {"reps": a.reps, "interval": a.interval, "steps": a.steps, "systems": a.systems,
                      "models": a.models, "batch_size": a.batch_size, "seq_len": a.seq_len,
-                     "optimizer": a.optimizer, "flat_saves": a.flat_saves},
-        "peers": {n: {"calls": PEERS[n].calls, "durability": PEERS[n].durability} for n in a.systems},
+                     "optimizer": a.optimizer, "flat_saves": a.flat_saves, "ranks": a.ranks,
+                     "protocol_ranks": a.protocol_ranks, "ranks_model": a.ranks_model, "ranks_only": a.ranks_only},
+        "peers": {n: {"calls": PEERS[n].calls, "durability": PEERS[n].durability}
+                  for n in ([] if a.ranks_only else a.systems)},
         "machine": machine, "workloads": [],
     }
 
@@ -569,7 +598,10 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
     machine = _describe_machine(base, target)
     results = _new_results(a, device, target, machine)
     try:
-        _measure_all(results, a, device, target, base)
+        if not a.ranks_only:
+            _measure_all(results, a, device, target, base)
+        if a.ranks:
+            results["ranks"] = ranks_mod.run(a, base)
     finally:
         if made_temp is not None and not a.keep:
             shutil.rmtree(made_temp, ignore_errors=True)

@@ -125,6 +125,12 @@ def main() -> None:
                 h = ck.save(step, {"model": model, "optim": opt, "step": step, "mine": torch.full((3,), float(rank))})
                 report.setdefault("written", []).append(h.tiers_written)
             report["stats"] = ck.stats()
+    elif scenario == "split_root":  # a node-local path: every rank sees another folder
+        try:
+            nc.Checkpointer(f"{root}-node{rank}", memory_tier=memory)
+            report["error"] = None
+        except nc.ValidationError as e:
+            report["error"] = str(e)
     elif scenario == "mismatch":  # the last rank makes one save fewer than the others
         model, opt = build(0)
         with nc.Checkpointer(root, memory_tier=memory, storage_options=opts) as ck:

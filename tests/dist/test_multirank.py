@@ -122,3 +122,10 @@ def test_ranks_that_save_a_different_number_of_times_get_a_clear_error(root: str
     assert got[0]["step1"] == got[0]["step2"] == "committed"
     assert "closed their Checkpointer after 2 save(s)" in got[0]["step3"], got[0]["step3"]
     assert got[0]["list"] == {f"local:{root}": [1, 2]}
+
+
+def test_a_root_that_is_not_shared_between_ranks_is_refused(root: str, shm_dir: str, job_dir: Path) -> None:
+    got = _job(2, "split_root", root, job_dir, shm_dir)
+    for r in range(2):
+        assert got[r]["error"] and "is not the same place for every rank" in got[r]["error"]
+        assert not Path(f"{root}-node{r}", "step-0").exists()
