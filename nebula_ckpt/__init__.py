@@ -25,6 +25,8 @@ from typing import Any, Optional
 from . import knobs
 from ._version import __version__ as __version__
 from .checkpointer import Checkpointer
+from .coordinator import Coordinator, LocalCoordinator
+from .distributed import DistCoordinator
 from .errors import (
     ConsistencyError,
     CorruptCheckpointError,
@@ -40,7 +42,7 @@ from .tiers import LocalTier, MemoryTier, RemoteTier, Tier
 
 __all__ = [
     "Checkpointer", "SaveHandle", "MemoryTier", "LocalTier", "RemoteTier", "Tier",
-    "save_async", "load_latest", "close_all",
+    "save_async", "load_latest", "close_all", "Coordinator", "LocalCoordinator", "DistCoordinator",
     "NebulaError", "ValidationError", "PersistError", "ConsistencyError", "CorruptCheckpointError",
     "FencedError", "NotFoundError", "PickleNotAllowedError",
 ]
