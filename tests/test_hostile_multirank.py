@@ -14,7 +14,6 @@ from typing import Any, Callable
 
 import pytest
 import torch
-from test_hostile_manifest import Man, rewrite
 
 import nebula_ckpt as nc
 from nebula_ckpt import manifest as mf
@@ -23,6 +22,7 @@ from nebula_ckpt.coordinator import LocalCoordinator
 from nebula_ckpt.errors import CorruptCheckpointError
 from nebula_ckpt.restore import NotThisLayout, open_checkpoint
 from nebula_ckpt.storage.local import LocalStorage
+from test_hostile_manifest import Man, rewrite
 
 
 class RankZeroOfTwo(LocalCoordinator):
