@@ -7,8 +7,10 @@ gloo groups of ``torch.distributed``), not a change of the pipeline:
 * ``shared_generation`` — one writer generation per job: the coordinator rank takes it on the
   root (create-only), every rank uses it (shard names carry it, fencing checks it);
 * ``round`` — on a shared tier's writer thread: one exchange of metadata (never tensor data)
-  among all ranks about save number ``index`` of the job, in a fixed sequence of phases (the
-  tensor index for deduplication, then "my shard is durable", then the coordinator's verdict).
+  among all ranks about save number ``index`` of the job, in a fixed sequence of phases: a
+  digest of the replicable tensors (so identical replicas cost a hash, not an index), their
+  index only when the digests differ, "my shard is durable" (to the coordinator), and the
+  coordinator's verdict (to all).
   Every rank runs the same rounds in the same order: a save a rank does not write on a tier (its
   cadence skipped it, it was dropped or failed) is ``abandon``-ed there and the rank takes part
   with ``None``;
@@ -25,8 +27,8 @@ from abc import ABC, abstractmethod
 from typing import Any, Callable, Optional, Sequence
 
 #: the phases of one save on a shared tier, in order (see :mod:`nebula_ckpt.persist`)
-PHASE_INDEX, PHASE_DURABLE, PHASE_VERDICT = 0, 1, 2
-PHASES = 3
+PHASE_DIGEST, PHASE_INDEX, PHASE_DURABLE, PHASE_VERDICT = 0, 1, 2, 3
+PHASES = 4
 
 
 class Coordinator(ABC):

@@ -29,7 +29,7 @@ from typing import Any, Callable, Optional, Sequence
 import torch.distributed as dist
 
 from . import knobs
-from .coordinator import PHASE_DURABLE, PHASE_INDEX, PHASES, Coordinator
+from .coordinator import PHASE_DURABLE, PHASE_VERDICT, PHASES, Coordinator
 from .errors import PersistError
 
 log = logging.getLogger(__name__)
@@ -105,14 +105,15 @@ class _TierChannel:
             self._abandoned.discard(index)
 
     def _collective(self, phase: int, out: list[Any], payload: Any) -> None:
-        """Index round: every rank gets every payload; durable round: the coordinator gets them;
-        verdict round: every rank gets the coordinator's (``out[0]``)."""
-        if phase == PHASE_INDEX:
+        """Digest and index rounds: every rank gets every payload; durable round: the coordinator
+        gets them; verdict round: every rank gets the coordinator's (``out[0]``)."""
+        if phase < PHASE_DURABLE:
             dist.all_gather_object(out, payload, group=self.group)
         elif phase == PHASE_DURABLE:
             dst = dist.get_global_rank(self.group, 0)
             dist.gather_object(payload, out if dist.get_rank(self.group) == 0 else None, dst=dst, group=self.group)
         else:
+            assert phase == PHASE_VERDICT
             box = [payload]
             dist.broadcast_object_list(box, src=dist.get_global_rank(self.group, 0), group=self.group)
             out[0] = box[0]
@@ -131,7 +132,7 @@ class _TierChannel:
                 payload = {"end": self._end} if ending else self._posts.pop((index, phase), None)
             out: list[Any] = [None] * self._world
             try:
-                self._collective(PHASE_INDEX if ending else phase, out, payload)
+                self._collective(0 if ending else phase, out, payload)
                 ended = [(r, e["end"]) for r, e in enumerate(out) if isinstance(e, dict) and "end" in e]
                 if ended and not ending:
                     raise PersistError(f"rank(s) {[r for r, _ in ended][:8]} closed their Checkpointer after "

@@ -14,9 +14,10 @@ older generation, or this rank's own files). A failed step's own files are remov
 In a multi-rank job a *shared* tier (every rank sees it) commits one checkpoint for all ranks,
 in three rounds among the ranks (:mod:`nebula_ckpt.coordinator`, metadata only):
 
-1. index: every rank sends its tensor index; replicated tensors get one owner each
-   (:func:`nebula_ckpt.ranks.assign`); the coordinator has already removed an old checkpoint
-   of the same step, so nobody writes into a folder being deleted;
+1. digest, then index: every rank sends a hash of its replicable tensors' index (and of its
+   tree); only when the hashes differ do the ranks send the index itself. Replicated tensors
+   get one owner each (:func:`nebula_ckpt.ranks.assign`). The coordinator has already removed
+   an old checkpoint of the same step, so nobody writes into a folder being deleted;
 2. durable: every rank writes its share (``shard-g<G>-r<R>``), checks its snapshot, and sends
    its shard record, index and tree (or its error);
 3. verdict: the coordinator writes manifest and ``COMMIT`` only if every rank's shard is
@@ -42,7 +43,7 @@ from typing import Any, Callable, Optional
 
 from . import knobs, ranks
 from . import manifest as mf
-from .coordinator import PHASE_DURABLE, PHASE_INDEX, PHASE_VERDICT, Coordinator, LocalCoordinator
+from .coordinator import PHASE_DIGEST, PHASE_DURABLE, PHASE_INDEX, PHASE_VERDICT, Coordinator, LocalCoordinator
 from .errors import FencedError, PersistError
 from .fanout import Delivery
 from .fencing import TierFence
@@ -314,12 +315,24 @@ class TierWriter:
         co, name, idx = self.coordinator, self.name, item.index
         assert item.meta is not None
         tensors = item.meta["tensors"]
-        peers = co.round(name, idx, PHASE_INDEX, {"step": item.step, "keys": ranks.summary(tensors)})
+        rep, sharded = ranks.summary(tensors)
+        mine_digest = ranks.digest(rep)
+        tree_digest = ranks.digest(item.meta["tree"])
+        peers = co.round(name, idx, PHASE_DIGEST, {"step": item.step, "digest": mine_digest, "tree": tree_digest,
+                                                  "sharded": sharded})
         problem = ranks.peer_problem(peers, item.step, name)
         if problem is not None:
             co.abandon(name, idx)
             raise (PeerSkipped if problem[0] else PersistError)(problem[1])
-        owners = ranks.assign([p["keys"] for p in peers])
+        if all(p["digest"] == mine_digest for p in peers):  # the usual DDP case: a hash was enough
+            co.round(name, idx, PHASE_INDEX, {})
+            summaries = [rep] * len(peers)
+        else:  # every rank sees the same digests, so every rank takes this branch
+            got = co.round(name, idx, PHASE_INDEX, {"keys": rep})
+            if any(g is None for g in got):
+                raise PersistError(f"step {item.step}: a rank left the index round on tier {name}")
+            summaries = [g["keys"] for g in got]
+        owners = ranks.assign(summaries, [p["sharded"] for p in peers])
         keep = [k for k in tensors if owners.get(k, co.rank) == co.rank]
         failure: Optional[BaseException] = None
         try:
@@ -330,9 +343,10 @@ class TierWriter:
             if on_shard is not None:
                 on_shard(f"{d}/{shard}")
             item.before_commit()
+            same_tree = tree_digest == peers[0]["tree"] and not co.is_coordinator
             mine: dict[str, Any] = {"step": item.step, "shard": {"file": shard, "bytes": nbytes, "storage": info},
-                                    "tensors": index, "aliases": item.meta["aliases"], "tree": item.meta["tree"],
-                                    "stats": item.meta["stats"]}
+                                    "tensors": index, "aliases": item.meta["aliases"],
+                                    "tree": None if same_tree else item.meta["tree"], "stats": item.meta["stats"]}
         except BaseException as e:
             failure, mine = e, {"error": f"{type(e).__name__}: {e}"}
         parts_all = co.round(name, idx, PHASE_DURABLE, mine)

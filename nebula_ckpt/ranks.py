@@ -2,7 +2,7 @@
 
 Pure functions over metadata (no I/O, no collectives), used by the tier writers:
 
-* :func:`summary` / :func:`assign` — deduplication of replicated state, as DCP's save planner
+* :func:`summary` / :func:`digest` / :func:`assign` — deduplication of replicated state, as DCP's save planner
   does it: a tensor every rank holds under the same key with the same dtype, shape and
   checksum (DDP parameters and optimizer state, replicated buffers, a DTensor placed
   ``Replicate`` everywhere) is written once, by one rank; the owners are chosen so the bytes
@@ -18,6 +18,7 @@ Pure functions over metadata (no I/O, no collectives), used by the tier writers:
 
 from __future__ import annotations
 
+import hashlib
 import json
 from typing import Any, Optional
 
@@ -25,28 +26,46 @@ from . import manifest as mf
 from .plan import safetensors_header
 
 
-def summary(tensor_index: dict[str, dict[str, Any]]) -> dict[str, tuple[int, int, str, tuple[int, ...], bool]]:
-    """What the ranks compare before writing: key -> (bytes, crc32c, dtype, shape, replicable)."""
-    out = {}
+Entry = tuple[int, int, str, tuple[int, ...]]
+
+
+def summary(tensor_index: dict[str, dict[str, Any]]) -> tuple[dict[str, Entry], int]:
+    """What the ranks compare before writing: the replicable tensors (plain ones and DTensors
+    placed ``Replicate`` everywhere) as key -> (bytes, crc32c, dtype, shape), and the bytes of
+    the others (sharded: this rank's own, never a replica)."""
+    out: dict[str, Entry] = {}
+    sharded = 0
     for k, rec in tensor_index.items():
         start, end = rec["offsets"]
         dt = rec.get("dtensor")
-        replicable = dt is None or all(p == "R" for p in dt["placements"])
-        out[k] = (end - start, rec["crc32c"], rec["dtype"], tuple(rec["shape"]), replicable)
-    return out
+        if dt is None or all(p == "R" for p in dt["placements"]):
+            out[k] = (end - start, rec["crc32c"], rec["dtype"], tuple(rec["shape"]))
+        else:
+            sharded += end - start
+    return out, sharded
 
 
-def assign(summaries: list[dict[str, tuple[int, int, str, tuple[int, ...], bool]]]) -> dict[str, int]:
+def digest(value: Any) -> str:
+    """A short, order-independent hash of a summary or tree (equal on ranks that hold the same)."""
+    text = json.dumps(sorted(value.items()) if isinstance(value, dict) and "t" not in value else value,
+                      separators=(",", ":"))
+    return hashlib.sha256(text.encode()).hexdigest()[:32]
+
+
+def assign(summaries: list[dict[str, Entry]], base: Optional[list[int]] = None) -> dict[str, int]:
     """Owner rank of every replicated key (every rank computes the same answer from the same input).
 
-    A key is replicated when every rank has it, replicable, with equal bytes, checksum, dtype and
-    shape. Keys not in the result are written by every rank that has them.
+    A key is replicated when every rank has it with equal bytes, checksum, dtype and shape. Keys
+    not in the result are written by every rank that has them. ``base``: bytes each rank writes
+    anyway (its sharded state), so owners balance the total.
     """
     if len(summaries) < 2:
         return {}
     first = summaries[0]
-    replicated = [k for k, v in first.items() if v[4] and all(s.get(k) == v for s in summaries[1:])]
-    load = [sum(v[0] for k, v in s.items() if k not in set(replicated)) for s in summaries]
+    replicated = [k for k, v in first.items() if all(s.get(k) == v for s in summaries[1:])]
+    rep = set(replicated)
+    load = [(base[i] if base else 0) + sum(v[0] for k, v in s.items() if k not in rep)
+            for i, s in enumerate(summaries)]
     owners: dict[str, int] = {}
     for k in sorted(replicated, key=lambda k: (-first[k][0], k)):
         r = min(range(len(load)), key=lambda i: (load[i], i))
@@ -117,10 +136,11 @@ def global_manifest(*, step: int, generation: int, parts: list[dict[str, Any]],
                 aliases[p + k] = f"r{q}/{k}"
         for a, b in part["aliases"].items():
             aliases[p + a] = aliases.get(p + b, p + b)
-        text = json.dumps(part["tree"], separators=(",", ":"))
+        tree = part["tree"] if part.get("tree") is not None else parts[0]["tree"]  # None: same as rank 0's
+        text = json.dumps(tree, separators=(",", ":"))
         rank_tree[r] = seen_trees.setdefault(text, len(trees))
         if rank_tree[r] == len(trees):
-            trees.append(part["tree"])
+            trees.append(tree)
         tensor_bytes += int(part["stats"].get("tensor_bytes", 0))
     stats: dict[str, Any] = {"tensor_bytes": tensor_bytes, "ranks_bytes": [s["bytes"] for s in shards],
                              "copy_seconds": max(float(p["stats"].get("copy_seconds", 0.0)) for p in parts)}

@@ -98,13 +98,25 @@ def test_hostile_multi_rank_manifest_is_refused(mem: str, change: Callable[[Man]
 
 
 def test_replicas_are_assigned_alike_on_every_rank_and_balanced() -> None:
-    a = {"w": (400, 1, "float32", (100,), True), "b": (40, 2, "float32", (10,), True),
-         "v": (400, 3, "float32", (100,), True), "own": (8, 4, "float32", (2,), True)}
-    b = dict(a, own=(8, 5, "float32", (2,), True))            # differs: not a replica
-    c = dict(a, v=(400, 3, "float32", (100,), False))         # a sharded DTensor: not a replica
+    a = {"w": (400, 1, "float32", (100,)), "b": (40, 2, "float32", (10,)),
+         "v": (400, 3, "float32", (100,)), "own": (8, 4, "float32", (2,))}
+    b = dict(a, own=(8, 5, "float32", (2,)))                  # differs: not a replica
     owners = ranks.assign([a, b])
     assert owners == ranks.assign([dict(reversed(list(a.items()))), b])   # order-independent
     assert "own" not in owners and set(owners) == {"w", "b", "v"}
     assert owners["w"] != owners["v"]                                     # the two big ones split
-    assert "v" not in ranks.assign([c, c])
     assert ranks.assign([a]) == {}
+    # rank 1 writes 10 kB of sharded state anyway: the replicas go to rank 0
+    assert set(ranks.assign([a, a], base=[0, 10_000]).values()) == {0}
+
+
+def test_summary_holds_only_replicable_tensors_and_digests_ignore_order() -> None:
+    idx = {"w": {"offsets": [0, 8], "crc32c": 1, "dtype": "float32", "shape": [2]},
+           "s": {"offsets": [8, 16], "crc32c": 2, "dtype": "float32", "shape": [2],
+                 "dtensor": {"placements": ["S(0)"]}},
+           "r": {"offsets": [16, 24], "crc32c": 3, "dtype": "float32", "shape": [2],
+                 "dtensor": {"placements": ["R"]}}}
+    rep, sharded = ranks.summary(idx)
+    assert set(rep) == {"w", "r"} and sharded == 8
+    assert ranks.digest(rep) == ranks.digest(dict(reversed(list(rep.items()))))
+    assert ranks.digest(rep) != ranks.digest(dict(rep, w=(8, 9, "float32", (2,))))

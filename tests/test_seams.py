@@ -10,7 +10,7 @@ import torch
 
 import nebula_ckpt as nc
 from nebula_ckpt import manifest as mf
-from nebula_ckpt.coordinator import PHASE_DURABLE, PHASE_INDEX, PHASE_VERDICT, LocalCoordinator
+from nebula_ckpt.coordinator import PHASE_DIGEST, PHASE_DURABLE, PHASE_INDEX, PHASE_VERDICT, LocalCoordinator
 from nebula_ckpt.storage.local import LocalStorage
 from nebula_ckpt.tiers import memory_tier_path
 
@@ -38,7 +38,7 @@ class FailingPeer(LocalCoordinator):
 
     def round(self, tier: str, index: int, phase: int, payload: Any) -> list[Any]:
         self.rounds.append((tier, index, phase))
-        if phase == PHASE_INDEX:
+        if phase in (PHASE_DIGEST, PHASE_INDEX):
             return [payload, payload]
         if phase == PHASE_DURABLE:
             return [payload, {"error": "OSError: [Errno 28] No space left on device"}]
@@ -64,7 +64,7 @@ def test_no_commit_unless_every_rank_reports_its_shard_durable(root: str) -> Non
             ck.save(2, {"w": torch.full((4,), 2.0)})
         assert ck.list() == []
         assert not os.path.exists(os.path.join(root, "step-2"))   # our shard went with it
-        assert [p for _, i, p in coord.rounds if i == 0] == [PHASE_INDEX, PHASE_DURABLE, PHASE_VERDICT]
+        assert [p for _, i, p in coord.rounds if i == 0] == [PHASE_DIGEST, PHASE_INDEX, PHASE_DURABLE, PHASE_VERDICT]
 
 
 def test_cleanup_never_deletes_a_peer_ranks_shard_of_this_generation(root: str) -> None:
