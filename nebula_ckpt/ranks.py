@@ -25,7 +25,6 @@ from typing import Any, Optional
 from . import manifest as mf
 from .plan import safetensors_header
 
-
 Entry = tuple[int, int, str, tuple[int, ...]]
 
 
