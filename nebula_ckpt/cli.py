@@ -1,5 +1,9 @@
 """The ``nebula-ckpt`` command line: ls, verify, inspect, export, gc, bench.
 
+Multi-rank checkpoints (format v2) are understood everywhere: ls and verify show the job's
+world size and check every rank's shard, inspect shows global shapes and which rank stores
+what, export gathers one full, unsharded file (keys without the ``r<R>/`` rank prefix).
+
 Exit codes: 0 success; 1 damage found (verify) or nothing to act on; 2 bad usage.
 ls, verify, inspect and export take ``--json`` for scripts and ``--storage-options JSON`` for
 remote roots; gc takes ``--json`` too (bench has options of its own: ``nebula-ckpt bench --help``).
@@ -19,7 +23,7 @@ from . import manifest as mf
 from .errors import CorruptCheckpointError, NebulaError
 from .fencing import read_run_id
 from .memtier import Owner
-from .restore import materialize, open_checkpoint
+from .restore import NotThisLayout, OpenCheckpoint, materialize, open_checkpoint
 from .storage.base import Storage
 from .tiers import Tier, canonical_root, default_tiers
 
@@ -75,10 +79,44 @@ def _storage_options(text: str) -> dict[str, Any]:
     return value
 
 
+def _open_any(st: Storage, step: int, verify: str, where: str) -> OpenCheckpoint:
+    """Open (and verify) ``step`` whatever it holds: a one-process checkpoint, a whole multi-rank
+    job, or the ranks of one that a rank's own memory tier holds (each rank's part is checked)."""
+    try:
+        return open_checkpoint(st, step, verify, where)
+    except NotThisLayout:
+        from .dcp import read_manifest
+
+        man = read_manifest(st, step, where)
+        ck = None
+        for r in man.ranks:
+            ck = open_checkpoint(st, step, verify, where, rank=r, world=man.world_size)
+        assert ck is not None  # Manifest.parse: a multi-rank manifest holds at least one rank
+        return ck
+
+
+def _ranks_json(man: Optional[mf.Manifest]) -> dict[str, Any]:
+    """World size, ranks held and shards (with the rank that wrote each) of a manifest."""
+    if man is None:
+        return {"world_size": None, "ranks": None, "shards": None}
+    return {"world_size": man.world_size, "ranks": list(man.ranks),
+            "shards": [{"file": sh.file, "rank": (mf.shard_owner(sh.file) or (0, 0))[1], "bytes": sh.bytes}
+                       for sh in man.shards]}
+
+
+def _ranks_text(man: Optional[mf.Manifest]) -> str:
+    """``"4-rank job, 4 shards"`` / ``"rank 1 of a 4-rank job"``; ``""`` for one process."""
+    if man is None or not man.multi_rank:
+        return ""
+    if len(man.ranks) == man.world_size:
+        return f"{man.world_size}-rank job, {len(man.shards)} shard(s)"
+    return f"rank(s) {','.join(map(str, man.ranks[:8]))} of a {man.world_size}-rank job"
+
+
 def _check(st: Storage, tier: Tier, step: int, verify: str) -> tuple[bool, str, Optional[mf.Manifest]]:
     where = f"tier {tier.name} step {step}"
     try:
-        ck = open_checkpoint(st, step, verify, where)
+        ck = _open_any(st, step, verify, where)
     except CorruptCheckpointError as e:
         return False, str(e), None
     except Exception as e:  # unreadable counts as damaged, with the reason
@@ -101,18 +139,20 @@ def cmd_ls(args: argparse.Namespace) -> int:
         rows.append({"tier": tier.name, "step": step, "committed": committed, "healthy": healthy,
                      "verified": verify if committed else None, "bytes": stored, "raw_bytes": raw,
                      "compression_ratio": (raw / stored) if raw and stored else None,
-                     "problem": None if healthy else why})
+                     "problem": None if healthy else why, **_ranks_json(man), "_man": man})
+    mans = [r.pop("_man") for r in rows]
     if args.json:
         _out(json.dumps(rows, indent=2))
     else:
         if not rows:
             _out(f"no checkpoints under {args.root}")
-        for r in rows:
+        for r, man in zip(rows, mans, strict=True):
             cr = r["compression_ratio"]
             ratio = f"  x{cr:.2f}" if cr and cr > 1.01 else ""
+            job = f"  ({_ranks_text(man)})" if _ranks_text(man) else ""
             ok = "committed (not verified)" if args.quick else "healthy"
             state = ok if r["healthy"] else ("DAMAGED: " + str(r["problem"]) if r["committed"] else "uncommitted")
-            _out(f"{r['tier']:<60} step {r['step']:>8}  {r['bytes'] / 2**20:10.1f} MiB{ratio}  {state}")
+            _out(f"{r['tier']:<60} step {r['step']:>8}  {r['bytes'] / 2**20:10.1f} MiB{ratio}{job}  {state}")
     # like verify: exit 1 when nothing is there or a committed checkpoint is damaged
     return 0 if rows and not any(r["committed"] and not r["healthy"] for r in rows) else 1
 
@@ -130,13 +170,16 @@ def cmd_verify(args: argparse.Namespace) -> int:
                 todo.append((tier, st, step))
     results = []
     for tier, st, step in tqdm(todo, desc="verifying", unit="ckpt", disable=args.json or not todo):
-        ok, why, _ = _check(st, tier, step, "full")
-        results.append({"tier": tier.name, "step": step, "healthy": ok, "problem": None if ok else why})
+        ok, why, man = _check(st, tier, step, "full")
+        results.append({"tier": tier.name, "step": step, "healthy": ok, "problem": None if ok else why,
+                        **_ranks_json(man), "_man": man})
+    mans = [r.pop("_man") for r in results]
     if args.json:
         _out(json.dumps(results, indent=2))
     else:
-        for r in results:
-            _out(f"{'OK     ' if r['healthy'] else 'DAMAGED'} {r['tier']} step {r['step']}"
+        for r, man in zip(results, mans, strict=True):
+            job = f" ({_ranks_text(man)}: every shard verified)" if _ranks_text(man) else ""
+            _out(f"{'OK     ' if r['healthy'] else 'DAMAGED'} {r['tier']} step {r['step']}{job}"
                  + ("" if r["healthy"] else f": {r['problem']}"))
     if not results:
         _out(f"no committed checkpoint{'' if args.step is None else f' of step {args.step}'} under {args.root}")
@@ -144,13 +187,15 @@ def cmd_verify(args: argparse.Namespace) -> int:
     return 0 if all(r["healthy"] for r in results) else 1
 
 
-def _open_step(args: argparse.Namespace, verify: str) -> Any:
+def _open_step(args: argparse.Namespace, verify: str) -> OpenCheckpoint:
+    """The first tier's healthy copy of ``--step`` (a rank's memory-tier part of a multi-rank
+    checkpoint included)."""
     errors = []
     for tier, st in _tiers(args.root, args.storage_options):
         if args.step not in mf.step_dirs(st):
             continue
         try:
-            return open_checkpoint(st, args.step, verify, f"tier {tier.name} step {args.step}")
+            return _open_any(st, args.step, verify, f"tier {tier.name} step {args.step}")
         except Exception as e:
             errors.append(str(e))
     raise NebulaError(f"no healthy checkpoint of step {args.step} under {args.root}"
@@ -191,10 +236,74 @@ def _leaf_text(v: Mapping[str, Any]) -> str:
     return f"{v.get('v')!r} ({t})"
 
 
+def _pieces_text(holders: list[tuple[int, str, mf.TensorRecord]], man: mf.Manifest, limit: int = 6) -> str:
+    """Which rank holds what of one logical tensor, and in whose shard it is stored."""
+    parts = []
+    for rank, full, rec in holders[:limit]:
+        owner = (mf.shard_owner(man.shards[rec.shard].file) or (0, rank))[1]
+        where = "" if owner == rank and full == rec.key else f" in r{owner}'s shard"
+        if rec.dtensor is not None:
+            parts.append(f"r{rank} {rec.shape}@{rec.dtensor.offsets}{where}")
+        else:
+            parts.append(f"r{rank}{where}")
+    more = f", ... (+{len(holders) - limit} ranks)" if len(holders) > limit else ""
+    return ", ".join(parts) + more
+
+
+def _inspect_multi(ck: OpenCheckpoint, as_json: bool) -> None:
+    """inspect of a multi-rank checkpoint: global shapes, who stores what, per-rank shards."""
+    from .dcp import logical_tensors
+
+    man = ck.manifest
+    logical = logical_tensors(man)
+    if as_json:
+        raw = man.to_json()
+        info = {k: raw[k] for k in ("step", "generation", "tensors", "aliases", "tree", "shards",
+                                    "world_size", "ranks", "rank_tree")}
+        info["logical"] = {}
+        for key, holders in logical.items():
+            dt = holders[0][2].dtensor
+            info["logical"][key] = {
+                "dtype": holders[0][2].dtype, "shape": list(dt.shape if dt else holders[0][2].shape),
+                "placements": list(dt.placements) if dt else None, "mesh": list(dt.mesh) if dt else None,
+                "pieces": [{"rank": r, "key": full, "stored_as": rec.key, "shard": man.shards[rec.shard].file,
+                            "shape": list(rec.shape), "offsets": list(rec.dtensor.offsets) if rec.dtensor else None}
+                           for r, full, rec in holders]}
+        _out(json.dumps(info, indent=2))
+        return
+    _out(f"step {man.step}  ({ck.where}, format v{man.version}, {_ranks_text(man)}, {len(man.tensors)} tensors "
+         f"stored, {len(man.aliases)} aliases)")
+    _out("shards:")
+    for sh in man.shards:
+        owner = mf.shard_owner(sh.file)
+        _out(f"  {sh.file:<40} rank {owner[1] if owner else '?':<6} {sh.bytes:>14} bytes")
+    _out(f"\n{'key':<48} {'dtype':<10} {'global shape':<18} {'placement':<14} held by (local shape@offsets)")
+    for key, holders in logical.items():
+        rec = holders[0][2]
+        dt = rec.dtensor
+        shape = dt.shape if dt else rec.shape
+        place = (",".join(dt.placements) + f" {list(dt.mesh)}") if dt else "plain"
+        _out(f"{key:<48} {rec.dtype:<10} {str(shape):<18} {place:<14} {_pieces_text(holders, man)}")
+    users: dict[int, list[int]] = {}
+    for r, i in sorted(man.rank_tree.items()):
+        users.setdefault(i, []).append(r)
+    for n, (i, ranks) in enumerate(sorted(users.items(), key=lambda x: x[1][0])):
+        if n == 2:
+            _out(f"\n... {len(users) - 2} more distinct structure(s) (--json shows them all)")
+            break
+        shown = ",".join(map(str, ranks[:16])) + (",..." if len(ranks) > 16 else "")
+        _out(f"\nstructure (rank(s) {shown}):")
+        for line in _tree_text(man.tree["v"][i], "  "):
+            _out(line)
+
+
 def cmd_inspect(args: argparse.Namespace) -> int:
     """Tensor table and non-tensor structure of one step (sizes checked, not checksums)."""
     ck = _open_step(args, "size")
     man: mf.Manifest = ck.manifest
+    if man.multi_rank:
+        _inspect_multi(ck, args.json)
+        return 0
     if args.json:
         raw = man.to_json()
         _out(json.dumps({k: raw[k] for k in ("step", "generation", "tensors", "aliases", "tree", "shards")},
@@ -212,32 +321,73 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     return 0
 
 
+def _export_source(args: argparse.Namespace) -> tuple[Any, int, Any, mf.Manifest]:
+    """What to export from the first tier with a healthy copy of ``--step``: for a one-process
+    checkpoint its verified open checkpoint, for a multi-rank one every tensor gathered whole
+    (``(ck_or_None, step, full_tensors_or_None, manifest)``)."""
+    from .dcp import read_manifest
+    from .reshard import gather_full
+
+    errors = []
+    for tier, st in _tiers(args.root, args.storage_options):
+        if args.step not in mf.step_dirs(st):
+            continue
+        where = f"tier {tier.name} step {args.step}"
+        try:
+            man = read_manifest(st, args.step, where)
+            if not man.multi_rank:
+                ck = open_checkpoint(st, args.step, "full", where)
+                return ck, ck.step, None, ck.manifest
+            if len(man.ranks) != man.world_size:
+                raise NebulaError(f"{where}: holds only {_ranks_text(man)} (a rank's memory tier); "
+                                  "export needs every rank's shard")
+            return None, man.step, gather_full(st, args.step, man, verify=True), man
+        except Exception as e:
+            errors.append(str(e))
+    raise NebulaError(f"no healthy checkpoint of step {args.step} under {args.root}"
+                      + (f" ({'; '.join(errors)})" if errors else ""))
+
+
 def cmd_export(args: argparse.Namespace) -> int:
-    """Write one fully verified step as a torch.save or safetensors file."""
+    """Write one fully verified step as a torch.save or safetensors file (a multi-rank
+    checkpoint gathered into full, unsharded tensors)."""
     import torch
     from tqdm import tqdm
+
+    from .structure import decode
 
     to = args.to
     folder = os.path.dirname(os.path.abspath(to))
     if not os.path.isdir(folder):
         raise NebulaError(f"export: folder {folder} (of --to) does not exist; create it first")
-    ck = _open_step(args, "full")
+    ck, step, full, man = _export_source(args)
     fmt = args.format or ("safetensors" if to.endswith(".safetensors") else "torch")
     if fmt == "safetensors":
         from safetensors.torch import save_file
 
-        keys = ck.keys()
-        tensors = {}
-        for k in tqdm(keys, desc="export", unit="tensor", disable=args.json):
-            v = ck.view(k)
-            tensors[k] = v.reshape(-1).view(torch.uint8).clone().view(v.dtype).reshape(v.shape)
-        save_file(tensors, to, metadata={"nebula_step": str(ck.step),
-                                         "nebula_aliases": json.dumps(dict(ck.manifest.aliases))})
+        meta = {"nebula_step": str(step)}
+        if full is not None:
+            tensors = full
+            meta.update(nebula_aliases="{}", nebula_world_size=str(man.world_size))
+        else:
+            tensors = {}
+            for k in tqdm(ck.keys(), desc="export", unit="tensor", disable=args.json):
+                v = ck.view(k)
+                tensors[k] = v.reshape(-1).view(torch.uint8).clone().view(v.dtype).reshape(v.shape)
+            meta["nebula_aliases"] = json.dumps(dict(man.aliases))
+        save_file(tensors, to, metadata=meta)
     else:
-        state = materialize(ck, map_location="cpu", allow_pickle=args.allow_pickle)
+        if full is not None:
+            lowest = min(man.ranks)
+            state = decode(man.rank_tree_of(lowest), full.__getitem__, args.allow_pickle)
+        else:
+            state = materialize(ck, map_location="cpu", allow_pickle=args.allow_pickle)
         torch.save(state, to)
-    info = {"step": ck.step, "to": to, "format": fmt}
-    _out(json.dumps(info) if args.json else f"exported step {ck.step} to {to} ({fmt})")
+    info = {"step": step, "to": to, "format": fmt}
+    if full is not None:
+        info["world_size"] = man.world_size
+    _out(json.dumps(info) if args.json else
+         f"exported step {step} to {to} ({fmt}{', gathered from ' + _ranks_text(man) if full is not None else ''})")
     return 0
 
 

@@ -193,13 +193,13 @@ def open_checkpoint(storage: Storage, step: int, verify: str, where: str,
             raise NotThisLayout(f"{where}: holds rank(s) {list(man.ranks)[:8]} of a {man.world_size}-rank job; "
                                 f"this process is rank {rank or 0} of {world}")
     needed = _needed(man, rank)
-    buffers = {i: _read_shard(storage, man, i, where) for i in sorted(needed)}
+    buffers = {i: read_shard(storage, man, i, where) for i in sorted(needed)}
     if verify == "full":
         _verify_checksums(needed, buffers, where)
     return OpenCheckpoint(man, buffers, where, rank if man.multi_rank else None)
 
 
-def _read_shard(storage: Storage, man: mf.Manifest, i: int, where: str) -> torch.Tensor:
+def read_shard(storage: Storage, man: mf.Manifest, i: int, where: str) -> torch.Tensor:
     """Shard ``i`` as a uint8 tensor, after checking its size and its header length."""
     sh = man.shards[i]
     rel = f"{mf.step_dir(man.step)}/{sh.file}"
@@ -346,7 +346,7 @@ def materialize(ck: OpenCheckpoint, *, map_location: Any = None, allow_pickle: b
     return _decode_owned(ck, ck.tree, map_location, allow_pickle, "")
 
 
-def _tensor_keys(node: Any, out: list[str]) -> list[str]:
+def tensor_keys(node: Any, out: list[str]) -> list[str]:
     """Every tensor key referenced under ``node`` (typed JSON), in order (no recursion)."""
     stack = [node]
     while stack:
@@ -407,7 +407,7 @@ def _owned_batch(ck: OpenCheckpoint, keys: list[str], map_location: Any) -> dict
 
 def _decode_owned(ck: OpenCheckpoint, node: Mapping[str, Any], map_location: Any, allow_pickle: bool,
                   path: str) -> Any:
-    owned = _owned_batch(ck, _tensor_keys(node, []), map_location)
+    owned = _owned_batch(ck, tensor_keys(node, []), map_location)
     return decode(node, lambda k: ck.as_saved(k, owned[k]), allow_pickle, path)
 
 

@@ -1,0 +1,549 @@
+"""Read nebula_ckpt checkpoints with ``torch.distributed.checkpoint`` (DCP).
+
+:class:`NebulaStorageReader` is a DCP ``StorageReader`` over our format, so DCP's planner does
+the resharding: a checkpoint written by N ranks (FSDP2, TP, DDP, or one process) loads into M
+ranks of any mesh, or into one process::
+
+    import torch.distributed.checkpoint as dcp
+    from nebula_ckpt.dcp import NebulaStorageReader
+
+    sd = {"model": model.state_dict(), "optim": opt.state_dict(), "step": 0}
+    dcp.load(sd, storage_reader=NebulaStorageReader("/ckpt/run-42"))   # newest committed step
+    model.load_state_dict(sd["model"]); opt.load_state_dict(sd["optim"])
+
+What DCP sees (:meth:`NebulaStorageReader.read_metadata`):
+
+* every logical tensor under its saved key (``"model/0.weight"``: the state-tree path joined
+  with ``/``, without the ``r<R>/`` rank prefix), with its **global** shape and one chunk per
+  stored piece: a DTensor gives one chunk per rank's local shard (replicated copies once), a
+  plain tensor one full chunk, from the lowest rank that has it (DCP semantics: one logical
+  value per key);
+* the same tensors under the names DCP's own flattening gives a nested state dict
+  (``"model.0.weight"``, ``"optim.state.0.exp_avg"``), so nested state dicts load directly;
+* non-tensor leaves (``"step"``, ``"optim.param_groups.0.lr"``, ...) as bytes entries under
+  DCP's flattened names, with the value of the lowest rank. Values stored with pickle are
+  only exposed with ``allow_pickle=True``.
+
+Everything read is verified: the commit marker and manifest (:meth:`Manifest.parse`), the
+consistency of the ranks' records (global shapes, dtypes, chunks covering the tensor), the size
+of each shard, and the CRC32C of every stored tensor that is read (once per reader). Damage
+raises :class:`~nebula_ckpt.errors.CorruptCheckpointError` naming the key and the file.
+"""
+
+from __future__ import annotations
+
+import io
+import itertools
+import logging
+import math
+import os
+import uuid
+from dataclasses import dataclass
+from typing import Any, Mapping, Optional, Union
+
+import torch
+from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    StorageMeta,
+    TensorProperties,
+    TensorStorageMetadata,
+)
+from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
+from torch.distributed.checkpoint.storage import StorageReader
+from torch.futures import Future
+
+from . import manifest as mf
+from .errors import CorruptCheckpointError, NotFoundError, ValidationError
+from .native import get_ops
+from .storage.base import Storage
+from .structure import decode
+
+log = logging.getLogger(__name__)
+
+#: chunk lists longer than this are checked by volume only (pairwise overlap checks are quadratic)
+_PAIRWISE_LIMIT = 64
+
+
+@dataclass(frozen=True)
+class TensorRef:
+    """Where one chunk of :attr:`NebulaStorageReader.metadata` lives: a stored manifest key."""
+
+    key: str
+
+
+@dataclass(frozen=True)
+class BytesRef:
+    """A non-tensor leaf exposed to DCP (served as ``torch.save`` bytes of its decoded value)."""
+
+    fqn: str
+
+
+def read_manifest(storage: Storage, step: int, where: Optional[str] = None) -> mf.Manifest:
+    """The validated manifest of committed ``step`` on ``storage``.
+
+    Checks the commit marker (step, manifest size and CRC32C) before parsing the manifest.
+
+    Raises:
+        CorruptCheckpointError: naming ``where`` and what is wrong (missing files included).
+    """
+    where = where or f"{storage.display_url} step {step}"
+    d = mf.step_dir(step)
+    try:
+        commit = mf.Commit.parse(storage.read_small(f"{d}/{mf.COMMIT}"), where)
+        mbytes = storage.read_small(f"{d}/{mf.MANIFEST}")
+    except FileNotFoundError as e:
+        raise CorruptCheckpointError(f"{where}: {e.filename or e} is missing") from None
+    if commit.step != step:
+        raise CorruptCheckpointError(f"{where}: {mf.COMMIT} is for step {commit.step}, but lies in {d}/")
+    if len(mbytes) != commit.manifest_bytes or get_ops().crc32c_bytes(mbytes) != commit.manifest_crc32c:
+        raise CorruptCheckpointError(f"{where}: manifest.json does not match its commit marker "
+                                     "(size or checksum differs): garbled or replaced")
+    return mf.Manifest.parse(mbytes, where, step)
+
+
+def newest_manifest(storage: Storage) -> mf.Manifest:
+    """The manifest of the newest committed step whose manifest is healthy (damaged ones are
+    skipped with a warning).
+
+    Raises:
+        NotFoundError: no committed step at all.
+        CorruptCheckpointError: committed steps exist, but every manifest is damaged.
+    """
+    problems = []
+    for step in reversed(mf.committed_steps(storage)):
+        try:
+            return read_manifest(storage, step)
+        except CorruptCheckpointError as e:
+            log.warning("nebula_ckpt: skipping %s", e)
+            problems.append(str(e))
+    if problems:
+        raise CorruptCheckpointError(f"no healthy checkpoint under {storage.display_url}: "
+                                     + "; ".join(problems[:5]))
+    raise NotFoundError(f"no committed checkpoint under {storage.display_url}")
+
+
+def logical_tensors(man: mf.Manifest) -> dict[str, list[tuple[int, str, mf.TensorRecord]]]:
+    """Logical key (no ``r<R>/`` prefix) -> ``(rank, its manifest key, stored record)`` of every
+    rank holding it, lowest rank first (aliases resolved to the record they name). A one-process
+    manifest gives each key once, as rank 0."""
+    groups: dict[str, list[tuple[int, str, mf.TensorRecord]]] = {}
+    for full in itertools.chain(man.tensors, man.aliases):
+        rec = man.tensors[man.aliases.get(full, full)]
+        if man.multi_rank:
+            head, _, key = full.partition("/")
+            rank = int(head[1:])  # Manifest.parse checked every key starts with a held rank's prefix
+        else:
+            rank, key = 0, full
+        groups.setdefault(key, []).append((rank, full, rec))
+    for holders in groups.values():
+        holders.sort(key=lambda x: x[0])
+    # the saved order (of the lowest rank's tree, then the others'), not the storage order
+    from .restore import tensor_keys
+
+    order: list[str] = []
+    trees = sorted(set(man.rank_tree.values()), key=lambda i: min(r for r, j in man.rank_tree.items() if j == i))
+    for node in ([man.tree["v"][i] for i in trees] if man.multi_rank else [man.tree]):
+        order.extend(tensor_keys(node, []))
+    ordered = {k: groups[k] for k in order if k in groups}
+    ordered.update(groups)
+    return ordered
+
+
+def _storage_for(root: Union[str, "os.PathLike[str]"], storage_options: Optional[dict[str, Any]]) -> Storage:
+    from .tiers import tier_for_root
+
+    tier = tier_for_root(os.fspath(root), storage_options)
+    tier.validate()
+    return tier.make_storage()
+
+
+def _split_checkpoint_id(checkpoint_id: Union[str, "os.PathLike[str]"]) -> tuple[str, Optional[int]]:
+    """``"/ckpt/run/step-12"`` -> ``("/ckpt/run", 12)``; a root -> ``(root, None)``."""
+    text = os.fspath(checkpoint_id).rstrip("/")
+    head, _, tail = text.rpartition("/")
+    step = mf.parse_step_dir(tail) if head else None
+    return (head, step) if step is not None else (text, None)
+
+
+class NebulaStorageReader(StorageReader):
+    """A DCP ``StorageReader`` over one committed nebula_ckpt checkpoint (any world size).
+
+    Args:
+        root_or_storage: the checkpoint root (a path or fsspec URL: its persistent tier is read),
+            ``"<root>/step-N"``, or an open :class:`~nebula_ckpt.storage.base.Storage`.
+        step: the step to read; None: the newest committed step with a healthy manifest.
+        storage_options: fsspec options for a remote root.
+        verify: check the CRC32C of every stored tensor read (each once per reader).
+        allow_pickle: also expose non-tensor leaves stored with pickle (trusted checkpoints only).
+        manifest: the already validated manifest of ``step`` on this storage (skips reading it).
+
+    The manifest is read, validated and turned into DCP metadata here, so a damaged or hostile
+    checkpoint raises :class:`CorruptCheckpointError` from the constructor, before DCP starts.
+    A reader built from a root owns its storage: :meth:`close` it (or use ``with``).
+
+    Raises:
+        NotFoundError: no committed checkpoint (of ``step``).
+        CorruptCheckpointError: the checkpoint is damaged or inconsistent.
+        ValidationError: the checkpoint holds only some ranks of its job (a rank's memory tier).
+    """
+
+    def __init__(self, root_or_storage: Union[str, "os.PathLike[str]", Storage], step: Optional[int] = None, *,
+                 storage_options: Optional[dict[str, Any]] = None, verify: bool = True,
+                 allow_pickle: bool = False, manifest: Optional[mf.Manifest] = None) -> None:
+        super().__init__()
+        self.verify = verify
+        self.allow_pickle = allow_pickle
+        self._storage_options = storage_options
+        self._owned: Optional[Storage] = None
+        self._verified: set[str] = set()
+        try:
+            self._open(root_or_storage, step, manifest)
+        except BaseException:
+            self.close()
+            raise
+
+    # -- opening ---------------------------------------------------------------------------------
+
+    def _open(self, root_or_storage: Union[str, "os.PathLike[str]", Storage], step: Optional[int],
+              manifest: Optional[mf.Manifest]) -> None:
+        if isinstance(root_or_storage, Storage):
+            storage = root_or_storage
+        else:
+            root, id_step = _split_checkpoint_id(root_or_storage)
+            if step is None:
+                step = id_step
+            elif id_step is not None and id_step != step:
+                raise ValidationError(f"NebulaStorageReader: {os.fspath(root_or_storage)!r} names step {id_step}, "
+                                      f"but step={step} was given")
+            storage = _storage_for(root, self._storage_options)
+            self.close()
+            self._owned = storage
+        self.storage = storage
+        if manifest is not None:
+            if step is not None and manifest.step != step:
+                raise ValidationError(f"NebulaStorageReader: the manifest given is of step {manifest.step}, "
+                                      f"not {step}")
+            man = manifest
+        elif step is None:
+            man = newest_manifest(storage)
+        else:
+            if not storage.exists(f"{mf.step_dir(step)}/{mf.COMMIT}"):
+                raise NotFoundError(f"no committed checkpoint of step {step} under {storage.display_url} "
+                                    f"(committed steps: {mf.committed_steps(storage)[-8:]})")
+            man = read_manifest(storage, step)
+        self.manifest = man
+        self.step = man.step
+        self.where = f"{storage.display_url} step {man.step}"
+        if man.multi_rank and len(man.ranks) != man.world_size:
+            raise ValidationError(f"{self.where}: holds rank(s) {list(man.ranks)[:8]} of a {man.world_size}-rank job "
+                                  "only (a rank's own memory tier); read the shared root, which holds every rank")
+        self._bytes_values: dict[str, Any] = {}
+        self.metadata, self._keys = self._build_metadata()
+        self.storage_data: dict[MetadataIndex, Any] = self.metadata.storage_data
+        self._verified = set()
+
+    def close(self) -> None:
+        """Close the storage this reader opened (not one it was given)."""
+        if self._owned is not None:
+            self._owned.close()
+            self._owned = None
+
+    def __enter__(self) -> "NebulaStorageReader":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    @property
+    def keys(self) -> list[str]:
+        """The logical tensor keys (saved paths joined with ``/``, no rank prefix), in saved order."""
+        return list(self._keys)
+
+    @property
+    def checkpoint_id(self) -> str:
+        """``<root>/step-N`` (display form, never with credentials)."""
+        return f"{self.storage.display_url.rstrip('/')}/{mf.step_dir(self.step)}"
+
+    # -- metadata --------------------------------------------------------------------------------
+
+    def _logical(self) -> dict[str, list[tuple[int, mf.TensorRecord]]]:
+        """Logical key -> ``(rank, stored record)`` of every rank holding it, lowest rank first."""
+        return {k: [(r, rec) for r, _, rec in v] for k, v in logical_tensors(self.manifest).items()}
+
+    def _chunks(self, key: str, holders: list[tuple[int, mf.TensorRecord]]
+                ) -> tuple[mf.TensorRecord, tuple[int, ...], list[tuple[tuple[int, ...], mf.TensorRecord]]]:
+        """(first record, global shape, [(offsets, record)]) of logical ``key``, checked."""
+        first_rank, first = holders[0]
+        if first.dtensor is None:
+            kinds = [r for r, rec in holders if rec.dtensor is not None]
+            if kinds:
+                raise CorruptCheckpointError(f"{self.where}: key '{key}' is a plain tensor on rank {first_rank} "
+                                             f"but a DTensor on rank {kinds[0]}: the ranks' records disagree")
+            return first, first.shape, [((0,) * len(first.shape), first)]
+        shape = first.dtensor.shape
+        by_offsets: dict[tuple[int, ...], mf.TensorRecord] = {}
+        for rank, rec in holders:
+            info = rec.dtensor
+            if info is None or info.shape != shape or rec.dtype != first.dtype:
+                what = "a plain tensor" if info is None else f"{rec.dtype} of global shape {list(info.shape)}"
+                raise CorruptCheckpointError(
+                    f"{self.where}: key '{key}' is {what} on rank {rank} but {first.dtype} of global shape "
+                    f"{list(shape)} on rank {first_rank}: the ranks' records disagree")
+            have = by_offsets.get(info.offsets)
+            if have is None:
+                by_offsets[info.offsets] = rec
+            elif have.shape != rec.shape:
+                raise CorruptCheckpointError(
+                    f"{self.where}: key '{key}': two shards start at {list(info.offsets)} with different shapes "
+                    f"({list(have.shape)} in {self._file(have)}, {list(rec.shape)} in {self._file(rec)})")
+        chunks = sorted(by_offsets.items())
+        numel = math.prod(shape)
+        if numel == 0:
+            return first, shape, chunks[:1]
+        chunks = [(o, rec) for o, rec in chunks if math.prod(rec.shape)]
+        covered = sum(math.prod(rec.shape) for _, rec in chunks)
+        if covered != numel or not self._disjoint(chunks):
+            raise CorruptCheckpointError(
+                f"{self.where}: key '{key}': the ranks' shards ({len(chunks)} distinct) cover {covered} elements "
+                f"of a global tensor of {numel} {list(shape)}" + (" and overlap" if covered == numel else "")
+                + ": a shard is missing or misplaced")
+        return first, shape, chunks
+
+    @staticmethod
+    def _disjoint(chunks: list[tuple[tuple[int, ...], mf.TensorRecord]]) -> bool:
+        if len(chunks) > _PAIRWISE_LIMIT:
+            return True  # the volume check above catches duplicates; crafted overlap+hole only reads stale data
+        for (oa, ra), (ob, rb) in itertools.combinations(chunks, 2):
+            if all(a < b + nb and b < a + na for a, na, b, nb in zip(oa, ra.shape, ob, rb.shape, strict=True)):
+                return False
+        return True
+
+    def _file(self, rec: mf.TensorRecord) -> str:
+        return self.manifest.shards[rec.shard].file
+
+    def _build_metadata(self) -> tuple[Metadata, list[str]]:
+        sdm: dict[str, Any] = {}
+        data: dict[MetadataIndex, Any] = {}
+        chunk_refs: dict[str, list[tuple[tuple[int, ...], TensorRef]]] = {}
+        for key, holders in self._logical().items():
+            first, shape, chunks = self._chunks(key, holders)
+            sdm[key] = TensorStorageMetadata(
+                properties=TensorProperties(dtype=first.torch_dtype), size=torch.Size(shape),
+                chunks=[ChunkStorageMetadata(offsets=torch.Size(o), sizes=torch.Size(rec.shape)) for o, rec in chunks])
+            chunk_refs[key] = [(o, TensorRef(rec.key)) for o, rec in chunks]
+            for o, ref in chunk_refs[key]:
+                data[MetadataIndex(key, o)] = ref
+        keys = list(sdm)
+        for fqn, value in self._dcp_names().items():
+            if fqn in sdm:
+                continue  # a saved key already (flat state dicts), or a name two leaves share
+            if isinstance(value, str):
+                sdm[fqn] = sdm[value]
+                for o, ref in chunk_refs[value]:
+                    data[MetadataIndex(fqn, o)] = ref
+            elif isinstance(value, _Leaf):
+                sdm[fqn] = BytesStorageMetadata()
+                data[MetadataIndex(fqn)] = BytesRef(fqn)
+                self._bytes_values[fqn] = value.value
+        meta = Metadata(state_dict_metadata=sdm, storage_data=data,
+                        storage_meta=StorageMeta(checkpoint_id=self.checkpoint_id, load_id=uuid.uuid4().hex))
+        return meta, keys
+
+    def _dcp_names(self) -> dict[str, Any]:
+        """DCP's flattened name -> logical tensor key (str) or :class:`_Leaf` value, from the
+        saved trees (lowest rank first). Empty when DCP's flattening is unavailable."""
+        try:
+            from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+        except ImportError:  # private API of DCP: without it, only the saved keys are exposed
+            return {}
+        man = self.manifest
+        trees: list[Mapping[str, Any]] = []
+        if man.multi_rank:
+            seen: set[int] = set()
+            for r in sorted(man.ranks):
+                if man.rank_tree[r] not in seen:
+                    seen.add(man.rank_tree[r])
+                    trees.append(man.rank_tree_of(r))
+        else:
+            trees.append(man.tree)
+        from .restore import tensor_keys
+
+        out: dict[str, Any] = {}
+        named: set[str] = set()
+        for n, tree in enumerate(trees):
+            if n and named.issuperset(tensor_keys(tree, [])):
+                continue  # another rank's tree with the same tensors: its values are not the lowest rank's
+            marks: dict[int, str] = {}
+            keep: list[torch.Tensor] = []
+
+            def mark(key: str, marks: dict[int, str] = marks, keep: list[torch.Tensor] = keep) -> torch.Tensor:
+                t = torch.empty(0)
+                keep.append(t)
+                marks[id(t)] = key
+                return t
+
+            try:
+                value = decode(_without_pickles(tree) if not self.allow_pickle else tree, mark, self.allow_pickle)
+                if not isinstance(value, Mapping):
+                    continue
+                flat, _ = flatten_state_dict(dict(value))
+            except Exception as e:  # duplicate flattened names etc.: expose the saved keys only
+                log.info("nebula_ckpt: %s: DCP-style names not exposed (%s: %s)", self.where, type(e).__name__, e)
+                continue
+            for fqn, v in flat.items():
+                if fqn in out:
+                    continue
+                if isinstance(v, torch.Tensor):
+                    if id(v) in marks:
+                        out[fqn] = marks[id(v)]
+                        named.add(marks[id(v)])
+                elif not _holds(v, marks):
+                    out[fqn] = _Leaf(v)
+        return out
+
+    # -- the StorageReader protocol --------------------------------------------------------------
+
+    def reset(self, checkpoint_id: Union[str, "os.PathLike[str]", None] = None) -> None:
+        """Start a new load; with ``checkpoint_id`` (a root or ``<root>/step-N``), read that instead."""
+        if checkpoint_id is not None:
+            self._open(checkpoint_id, None, None)
+        self._verified = set()
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: Union[str, "os.PathLike[str]"]) -> bool:
+        """Whether ``checkpoint_id`` looks like a nebula_ckpt root or step folder (local paths are
+        checked for a committed step; remote URLs are assumed readable)."""
+        try:
+            root, step = _split_checkpoint_id(checkpoint_id)
+        except TypeError:
+            return False
+        if "://" in root and not root.startswith("file://"):
+            return True
+        path = root.removeprefix("file://")
+        if step is not None:
+            return os.path.isfile(os.path.join(path, mf.step_dir(step), mf.COMMIT))
+        try:
+            return any(os.path.isfile(os.path.join(path, n, mf.COMMIT))
+                       for n in os.listdir(path) if mf.parse_step_dir(n) is not None)
+        except OSError:
+            return False
+
+    def read_metadata(self) -> Metadata:
+        """DCP metadata of the checkpoint (built and checked when the reader was opened)."""
+        return self.metadata
+
+    def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        """Take the storage index of ``metadata`` (it must be this reader's)."""
+        if not isinstance(metadata.storage_data, dict):
+            raise ValidationError("NebulaStorageReader: the metadata given was not read by a NebulaStorageReader")
+        self.storage_data = metadata.storage_data
+
+    def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
+        """No storage-specific changes."""
+        return plan
+
+    def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
+        """No storage-specific changes."""
+        return plans
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        """Serve ``plan``'s read items: shard by shard, verify each stored tensor read (once),
+        copy the requested part of each into the tensor the planner resolves."""
+        per_shard: dict[int, list[tuple[ReadItem, mf.TensorRecord]]] = {}
+        for item in plan.items:
+            ref = self.storage_data.get(item.storage_index)
+            if ref is None:
+                raise ValidationError(f"{self.where}: the load plan asks for {item.storage_index}, which this "
+                                      "checkpoint does not hold (a plan made from other metadata?)")
+            if item.type == LoadItemType.BYTE_IO:
+                if not isinstance(ref, BytesRef):
+                    raise ValidationError(f"{self.where}: '{item.storage_index.fqn}' is a tensor, not a value")
+                buf = io.BytesIO()
+                torch.save(self._bytes_values[ref.fqn], buf)
+                buf.seek(0)
+                planner.load_bytes(item, buf)
+                continue
+            if not isinstance(ref, TensorRef):
+                raise ValidationError(f"{self.where}: '{item.storage_index.fqn}' is a value, not a tensor")
+            rec = self.manifest.tensors[ref.key]
+            per_shard.setdefault(rec.shard, []).append((item, rec))
+        for si in sorted(per_shard):
+            self._read_from_shard(si, per_shard[si], planner)
+        fut: Future[None] = Future()
+        fut.set_result(None)
+        return fut
+
+    def _read_from_shard(self, si: int, items: list[tuple[ReadItem, mf.TensorRecord]], planner: LoadPlanner) -> None:
+        from .restore import read_shard
+
+        buf = read_shard(self.storage, self.manifest, si, self.where)
+        if self.verify:
+            todo = list({rec.key: rec for _, rec in items if rec.key not in self._verified}.values())
+            if todo:
+                got = get_ops().crc32c(buf, [r.start for r in todo], [r.nbytes for r in todo])
+                for rec, have in zip(todo, got, strict=True):
+                    if have != rec.crc32c:
+                        raise CorruptCheckpointError(
+                            f"{self.where}: checksum mismatch in tensor '{rec.key}' of {self._file(rec)} "
+                            f"(crc32c {have:#010x}, manifest {rec.crc32c:#010x})")
+                    self._verified.add(rec.key)
+        for item, rec in items:
+            src = buf[rec.start:rec.end].view(rec.torch_dtype).reshape(rec.shape)
+            src = _narrow(src, item.storage_offsets, item.lengths)
+            target = planner.resolve_tensor(item).detach()
+            if target.size() != src.size():
+                raise ValidationError(f"{self.where}: key '{item.dest_index.fqn}': the planner's target has shape "
+                                      f"{list(target.size())}, the stored piece {list(src.size())}")
+            target.copy_(src)
+            planner.commit_tensor(item, target)
+
+
+@dataclass(frozen=True)
+class _Leaf:
+    """A non-tensor value of a saved tree (wrapped, so a str value is never taken for a key)."""
+
+    value: Any
+
+
+#: stands in for a pickled leaf when DCP names are derived without allow_pickle
+_PICKLE_MARK = f"\0nebula_ckpt pickled value {uuid.uuid4().hex}\0"
+
+
+def _without_pickles(tree: Mapping[str, Any]) -> Mapping[str, Any]:
+    """A copy of ``tree`` whose pickled leaves are replaced by a marker (they are not exposed)."""
+    def walk(node: Any) -> Any:
+        if isinstance(node, dict):
+            if node.get("t") == "pickle":
+                return {"t": "str", "v": _PICKLE_MARK}
+            return {k: walk(v) for k, v in node.items()}
+        if isinstance(node, list):
+            return [walk(v) for v in node]
+        return node
+
+    out: Mapping[str, Any] = walk(tree)
+    return out
+
+
+def _holds(value: Any, marks: Mapping[int, str]) -> bool:
+    """Whether ``value`` holds a tensor or a pickled leaf (such values are not exposed)."""
+    stack = [value]
+    while stack:
+        v = stack.pop()
+        if isinstance(v, torch.Tensor) or (isinstance(v, str) and v == _PICKLE_MARK):
+            return True
+        if isinstance(v, Mapping):
+            stack.extend(v.keys())
+            stack.extend(v.values())
+        elif isinstance(v, (list, tuple)):
+            stack.extend(v)
+    return False
+
+
+def _narrow(t: torch.Tensor, offsets: torch.Size, lengths: torch.Size) -> torch.Tensor:
+    for dim, (o, n) in enumerate(zip(offsets, lengths, strict=True)):
+        if o != 0 or n != t.size(dim):
+            t = t.narrow(dim, o, n)
+    return t

@@ -1,0 +1,256 @@
+"""``torch.distributed.checkpoint.load`` through NebulaStorageReader: one process and real ranks,
+one-process (v1) and multi-rank (v2) checkpoints, bit-exact; hostile manifests and damaged
+shards surface as CorruptCheckpointError naming what is wrong, never as a crash.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
+
+import nebula_ckpt as nc
+from conftest import make_training, train_step
+from nebula_ckpt import manifest as mf
+from nebula_ckpt.cli import main as cli
+from nebula_ckpt.dcp import NebulaStorageReader
+from nebula_ckpt.errors import CorruptCheckpointError, NotFoundError, ValidationError
+from nebula_ckpt.reshard import gather_full
+from nebula_ckpt.storage.local import LocalStorage
+
+from .test_reshard import (
+    assert_bit_exact,
+    flip_byte_of,
+    fsdp_jobs,
+    plain_model,
+    reference,
+    rewrite_manifest,
+    state_of,
+)
+
+pytestmark = [pytest.mark.timeout(240), pytest.mark.filterwarnings("ignore:torch.distributed is disabled")]
+
+
+@pytest.fixture
+def v1_root(root: str) -> tuple[str, Any, Any, Any]:
+    """A one-process checkpoint of TinyNet (tied weights, BatchNorm) + AdamW + StepLR at step 3."""
+    model, opt, sched = make_training(0)
+    for i in range(3):
+        train_step(model, opt, sched, i)
+    with nc.Checkpointer(root, memory_tier=False) as ck:
+        ck.save(3, {"model": model, "optim": opt, "sched": sched, "step": 3})
+    return root, model, opt, sched
+
+
+def _same_training_state(a: tuple[Any, Any], b: tuple[Any, Any]) -> None:
+    for k, v in a[0].state_dict().items():
+        assert torch.equal(v, b[0].state_dict()[k]), k
+    sa, sb = a[1].state_dict(), b[1].state_dict()
+    assert sa["param_groups"] == sb["param_groups"]
+    for i, st in sa["state"].items():
+        for k, v in st.items():
+            assert torch.equal(v, sb["state"][i][k]), (i, k)
+
+
+def test_dcp_load_of_a_one_process_checkpoint_bit_exact(v1_root: tuple[str, Any, Any, Any]) -> None:
+    root, model, opt, _ = v1_root
+    fresh, fopt, fsched = make_training(1)
+    train_step(fresh, fopt, fsched, 0)
+    # nested state dicts: DCP flattens them to "model.lin.weight", "optim.state.0.exp_avg", ...
+    sd = {"model": fresh.state_dict(), "optim": fopt.state_dict(), "step": 0}
+    with NebulaStorageReader(root) as reader:
+        assert reader.step == 3 and "model/head.weight" in reader.keys   # the tied key is a key too
+        dcp.load(sd, storage_reader=reader)
+    fresh.load_state_dict(sd["model"])
+    fopt.load_state_dict(sd["optim"])
+    assert sd["step"] == 3 and fopt.param_groups[0]["lr"] == opt.param_groups[0]["lr"]
+    _same_training_state((model, opt), (fresh, fopt))
+    # a flat state dict keyed like the checkpoint ("model/lin.weight") reads the same bytes
+    flat = {k: torch.zeros_like(v) for k, v in model.state_dict().items()}
+    dcp.load({f"model/{k}": v for k, v in flat.items()}, storage_reader=NebulaStorageReader(root, 3))
+    for k, v in model.state_dict().items():
+        assert torch.equal(flat[k], v), k
+
+
+def test_reader_finds_steps_and_checkpoint_ids(v1_root: tuple[str, Any, Any, Any], tmp_path: Path) -> None:
+    root = v1_root[0]
+    assert NebulaStorageReader(f"{root}/step-3").step == 3
+    assert NebulaStorageReader.validate_checkpoint_id(root) and NebulaStorageReader.validate_checkpoint_id(
+        f"{root}/step-3")
+    assert not NebulaStorageReader.validate_checkpoint_id(str(tmp_path / "nothing"))
+    with pytest.raises(NotFoundError, match="step 9"):
+        NebulaStorageReader(root, 9)
+    with pytest.raises(NotFoundError):
+        NebulaStorageReader(str(tmp_path / "empty"))
+    # dcp.load(checkpoint_id=...) re-points a reader (reset)
+    reader = NebulaStorageReader(LocalStorage(root))
+    model = v1_root[1]
+    sd = {"model": {k: torch.zeros_like(v) for k, v in model.state_dict().items()}}
+    dcp.load(sd, checkpoint_id=f"{root}/step-3", storage_reader=reader)
+    assert torch.equal(sd["model"]["lin.weight"], model.lin.weight)
+    full = gather_full(reader.storage, 3, reader.manifest)
+    assert torch.equal(full["model/head.weight"], model.head.weight) and "model/emb.weight" in full
+
+
+def test_dcp_load_on_two_ranks_of_a_four_rank_checkpoint_bit_exact() -> None:
+    """The 2-rank job loaded nested FSDP2 state dicts (DTensors over 2 ranks) with dcp.load."""
+    got = torch.load(fsdp_jobs()["out"] / "dcp.pt", weights_only=True)
+    assert got["step"] == 5 and got["lr"] == 0.0123
+    assert_bit_exact(reference(), got)
+
+
+def test_dcp_load_in_one_process_of_a_four_rank_checkpoint_bit_exact() -> None:
+    model, opt = plain_model(seed=11)
+    sd = {"model": model.state_dict(), "optim": opt.state_dict()}
+    reader = NebulaStorageReader(str(fsdp_jobs()["root4"]))
+    md = reader.read_metadata().state_dict_metadata["model/2.weight"]
+    assert tuple(md.size) == (6, 32) and len(md.chunks) == 3        # rank 3's shard of it is empty
+    assert [tuple(c.offsets) for c in md.chunks] == [(0, 0), (2, 0), (4, 0)]
+    dcp.load(sd, storage_reader=reader)
+    model.load_state_dict(sd["model"])
+    opt.load_state_dict(sd["optim"])
+    assert_bit_exact(reference(), state_of(model, opt))
+
+
+@pytest.fixture
+def root4(tmp_path: Path) -> Path:
+    dst = tmp_path / "root4"
+    shutil.copytree(fsdp_jobs()["root4"], dst)
+    return dst
+
+
+def _dtensor(key: str, **change: Any) -> Any:
+    def edit(man: dict[str, Any]) -> None:
+        man["tensors"][key]["dtensor"].update(change)
+    return edit
+
+
+@pytest.mark.parametrize("edit, match", [
+    # refused by Manifest.parse already
+    (_dtensor("r1/model/0.weight", offsets=[30, 0]), "outside the global size"),
+    (_dtensor("r1/model/0.weight", offsets=[8]), "do not match"),
+    (_dtensor("r1/model/0.weight", placements=["S(5)"]), "placement"),
+    # well-formed records that disagree across ranks: refused by the reader
+    (_dtensor("r1/model/0.weight", offsets=[0, 0]), "cover 384 elements of a global tensor of 512"),
+    (_dtensor("r2/model/0.weight", offsets=[4, 0]), "overlap"),
+    (_dtensor("r1/model/0.weight", shape=[64, 16]), "model/0.weight.*rank 1.*disagree"),
+    (lambda man: man["tensors"]["r3/model/0.bias"].pop("dtensor"), "model/0.bias.*plain tensor on rank 3"),
+])
+def test_hostile_manifests_are_corrupt_checkpoints(root4: Path, edit: Any, match: str) -> None:
+    rewrite_manifest(root4, 5, edit)
+    with pytest.raises(CorruptCheckpointError, match=match):
+        NebulaStorageReader(str(root4))
+    with pytest.raises(CorruptCheckpointError):  # dcp.load never starts: the reader is refused first
+        dcp.load({"model.0.weight": torch.zeros(32, 16)}, storage_reader=NebulaStorageReader(str(root4), 5))
+
+
+def test_a_damaged_shard_fails_dcp_load_naming_key_and_file(root4: Path) -> None:
+    shard = flip_byte_of(root4, 5, "r2/optim/state/1/exp_avg")
+    model, opt = plain_model(seed=12)
+    sd = {"model": model.state_dict()}
+    dcp.load(sd, storage_reader=NebulaStorageReader(str(root4)))   # the damaged tensor is not read
+    # DCP reports a failed read as a CheckpointException (a BaseException) carrying each rank's error
+    with pytest.raises(CheckpointException) as ei:
+        dcp.load({"optim": opt.state_dict()}, storage_reader=NebulaStorageReader(str(root4)))
+    err = ei.value.failures[0][0]
+    assert isinstance(err, CorruptCheckpointError) and "r2/optim/state/1/exp_avg" in str(err) and shard in str(err)
+    # verify=False reads it anyway (the caller vouches for the bytes)
+    dcp.load({"optim": opt.state_dict()}, storage_reader=NebulaStorageReader(str(root4), verify=False))
+
+
+def test_a_newer_damaged_manifest_falls_back_to_the_older_step(v1_root: tuple[str, Any, Any, Any]) -> None:
+    root, model, opt, sched = v1_root
+    with nc.Checkpointer(root, memory_tier=False) as ck:
+        ck.save(4, {"model": model, "optim": opt, "sched": sched, "step": 4})
+    (Path(root) / mf.step_dir(4) / mf.MANIFEST).write_text(json.dumps({"garbled": True}))
+    assert NebulaStorageReader(root).step == 3
+    with pytest.raises(CorruptCheckpointError, match="commit marker"):
+        NebulaStorageReader(root, 4)
+
+
+def test_a_memory_tier_copy_of_one_rank_is_refused_but_verifiable(root4: Path,
+                                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    def only_rank0(man: dict[str, Any]) -> None:
+        keep = {k: v for k, v in man["tensors"].items() if k.startswith("r0/")}
+        for a, b in list(man["aliases"].items()):
+            if a.startswith("r0/"):
+                keep[a] = man["tensors"][b]  # rank 0's own copy of what another rank stored
+        man["tensors"] = keep
+        man["aliases"] = {}
+        man["ranks"], man["rank_tree"] = [0], {"0": 0}
+
+    rewrite_manifest(root4, 5, only_rank0)
+    with pytest.raises(ValidationError, match="rank's own memory tier"):
+        NebulaStorageReader(str(root4))
+    # the CLI checks such a copy rank by rank (it is what a rank's memory tier holds)
+    assert cli(["verify", str(root4)]) == 0
+    assert "rank(s) 0 of a 4-rank job" in capsys.readouterr().out
+    assert cli(["export", str(root4), "--step", "5", "--to", str(root4 / "x.pt")]) == 1
+    assert "export needs every rank's shard" in capsys.readouterr().err
+
+
+def _write_multi_rank(root: Path, step: int, world: int, pieces: dict[int, dict[str, Any]],
+                      aliases: dict[str, str]) -> None:
+    """A multi-rank checkpoint written by hand: ``pieces[rank][key] = (tensor, dtensor-json or None)``;
+    every rank saved the tree ``{key: tensor}`` of the same keys (aliases: ``"r1/k" -> "r0/k"``)."""
+    from nebula_ckpt.native import get_ops
+    from nebula_ckpt.plan import safetensors_header
+
+    d = root / mf.step_dir(step)
+    d.mkdir(parents=True)
+    shards, tensors = [], {}
+    for rank in sorted(pieces):
+        items = [(f"r{rank}/{k}", t.contiguous()) for k, (t, _) in pieces[rank].items()]
+        head, spans = safetensors_header([(k, t.dtype, tuple(t.shape), t.numel() * t.element_size()) for k, t in items])
+        data = b"".join(t.numpy().tobytes() for _, t in items)
+        name = mf.shard_name(1, rank)
+        (d / name).write_bytes(head + data)
+        shards.append({"file": name, "bytes": len(head) + len(data)})
+        for (k, t), (a, b), (_, info) in zip(items, spans, pieces[rank].values(), strict=True):
+            raw = t.numpy().tobytes()
+            tensors[k] = {"dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape),
+                          "offsets": [len(head) + a, len(head) + b], "crc32c": get_ops().crc32c_bytes(raw),
+                          "shard": len(shards) - 1, **({"dtensor": info} if info else {})}
+    keys = sorted({k for p in pieces.values() for k in p} | {a.split("/", 1)[1] for a in aliases})
+    tree = {"t": "dict", "v": [[{"t": "str", "v": k}, {"t": "tensor", "k": k}] for k in keys]}
+    man = mf.build_manifest(step=step, generation=1, shards=shards, tensors=tensors, aliases=aliases,
+                            tree={"t": "list", "v": [tree]}, stats={},
+                            ranks={"world_size": world, "ranks": list(range(world)),
+                                   "rank_tree": {str(r): 0 for r in range(world)}})
+    mb = json.dumps(man).encode()
+    (d / mf.MANIFEST).write_bytes(mb)
+    (d / mf.COMMIT).write_bytes(mf.Commit(step, 1, len(mb), get_ops().crc32c_bytes(mb)).to_bytes())
+
+
+def test_two_dim_mesh_replicas_are_read_once_and_the_lowest_rank_wins(tmp_path: Path) -> None:
+    """Mesh (2, 2), placements (S(0), R): ranks 0/1 and 2/3 hold the same rows (rank 1 stores its
+    own copy, rank 3 aliases rank 2's); a plain tensor that differs per rank is rank 0's."""
+    w = torch.arange(12, dtype=torch.float32).reshape(4, 3)
+
+    def piece(r: int) -> Any:
+        rows = w[:2] if r < 2 else w[2:]
+        return rows, {"shape": [4, 3], "offsets": [0 if r < 2 else 2, 0], "placements": ["S(0)", "R"], "mesh": [2, 2]}
+
+    pieces = {r: {"w": piece(r), "b": (torch.full((3,), float(r)), None)} for r in range(3)}
+    pieces[3] = {"b": (torch.full((3,), 3.0), None)}
+    root = tmp_path / "ck"
+    _write_multi_rank(root, 1, 4, pieces, aliases={"r3/w": "r2/w"})
+    reader = NebulaStorageReader(str(root))
+    md = reader.metadata.state_dict_metadata
+    assert [tuple(c.offsets) for c in md["w"].chunks] == [(0, 0), (2, 0)] and tuple(md["w"].size) == (4, 3)
+    assert len(md["b"].chunks) == 1
+    sd = {"w": torch.zeros(4, 3), "b": torch.zeros(3)}
+    dcp.load(sd, storage_reader=reader)
+    assert torch.equal(sd["w"], w) and torch.equal(sd["b"], torch.zeros(3))
+    # a one-process model of the full tensors restores from it
+    into = {"w": torch.zeros(4, 3), "b": torch.ones(3)}
+    from nebula_ckpt.reshard import load_resharded
+
+    load_resharded(reader.storage, 1, reader.manifest, into)
+    assert torch.equal(into["w"], w) and torch.equal(into["b"], torch.zeros(3))
