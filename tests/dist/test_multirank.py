@@ -77,6 +77,15 @@ def test_fsdp2_four_ranks_round_trip_with_their_own_shards(root: str, shm_dir: s
     loaded = _job(4, "fsdp_load", root, job_dir, shm_dir)
     for r in range(4):
         assert loaded[r]["step"] == 3 and loaded[r]["digest"] == saved[r]["digest3"], f"rank {r}"
+    # The same checkpoint into 2 ranks, through load_latest: resharded by DCP's planner. Rank q
+    # of 2 holds the rows of ranks 2q and 2q+1 of 4 (every dim-0 shard here splits evenly).
+    two = _job(2, "fsdp_load", root, job_dir, shm_dir)
+    for q in range(2):
+        assert two[q]["step"] == 3 and two[q]["saved_step"] == 3
+        assert set(two[q]["digest"]) == set(saved[0]["digest3"])
+        for k, got in two[q]["digest"].items():
+            a, b = saved[2 * q]["digest3"][k], saved[2 * q + 1]["digest3"][k]
+            assert got == (a if a == b and len(a) == 1 else a + b), (q, k)   # "step" counts: replicated
 
 
 def test_a_rank_killed_during_a_save_means_no_commit(root: str, shm_dir: str, job_dir: Path) -> None:
