@@ -57,6 +57,24 @@ def _digest(model: torch.nn.Module, opt: torch.optim.Optimizer) -> dict[str, lis
     return {k: v.double().flatten().tolist() for k, v in flat.items()}
 
 
+def _full_digest(state: Any) -> dict[str, list[float]]:
+    """Every tensor of ``state`` whole (DTensors gathered: a collective, same order on all ranks)."""
+    def full(t: torch.Tensor) -> torch.Tensor:
+        return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+    flat: dict[str, list[float]] = {}
+    stack: list[tuple[str, Any]] = [("", state)]
+    while stack:
+        path, v = stack.pop(0)
+        if isinstance(v, dict):
+            stack.extend((f"{path}{k}/", x) for k, x in v.items())
+        elif isinstance(v, (list, tuple)):
+            stack.extend((f"{path}{i}/", x) for i, x in enumerate(v))
+        elif isinstance(v, torch.Tensor):
+            flat[path.rstrip("/")] = full(v).detach().double().flatten().tolist()
+    return flat
+
+
 def _ddp(seed: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
     model = torch.nn.parallel.DistributedDataParallel(_model(seed))
     return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
@@ -125,6 +143,19 @@ def main() -> None:
                 h = ck.save(step, {"model": model, "optim": opt, "step": step, "mine": torch.full((3,), float(rank))})
                 report.setdefault("written", []).append(h.tiers_written)
             report["stats"] = ck.stats()
+    elif scenario in ("sdict_write", "sdict_read"):  # DCP-style state dicts from get_state_dict (FSDP2)
+        from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+        model, opt = _fsdp(0 if scenario == "sdict_write" else 1234)
+        _train(model, opt, 2 if scenario == "sdict_write" else 1, seed=7 + rank)
+        msd, osd = get_state_dict(model, opt)
+        with nc.Checkpointer(root, memory_tier=memory, storage_options=opts) as ck:
+            if scenario == "sdict_write":
+                ck.save(1, {"model": msd, "optim": osd})
+            else:
+                report["step"] = ck.load_latest({"model": msd, "optim": osd})
+                set_state_dict(model, opt, model_state_dict=msd, optim_state_dict=osd)
+        report["full"] = _full_digest(get_state_dict(model, opt))
     elif scenario == "split_root":  # a node-local path: every rank sees another folder
         try:
             nc.Checkpointer(f"{root}-node{rank}", memory_tier=memory)

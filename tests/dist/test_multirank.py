@@ -138,3 +138,17 @@ def test_a_root_that_is_not_shared_between_ranks_is_refused(root: str, shm_dir: 
     for r in range(2):
         assert got[r]["error"] and "is not the same place for every rank" in got[r]["error"]
         assert not Path(f"{root}-node{r}", "step-0").exists()
+
+
+def test_fsdp2_state_dicts_from_get_state_dict_round_trip_and_reshard(root: str, shm_dir: str,
+                                                                      job_dir: Path) -> None:
+    """The DCP-style path: save get_state_dict(model, opt), restore into get_state_dict templates
+    and set_state_dict, on the same 2 ranks and (resharded) on 4."""
+    saved = _job(2, "sdict_write", root, job_dir, shm_dir)
+    assert saved[0]["full"] == saved[1]["full"]
+    man = _manifest(root, 1)
+    assert any("dtensor" in rec for rec in man["tensors"].values())
+    for world in (2, 4):
+        got = _job(world, "sdict_read", root, job_dir, shm_dir)
+        for r in range(world):
+            assert got[r]["step"] == 1 and got[r]["full"] == saved[0]["full"], (world, r)
