@@ -31,6 +31,16 @@ PHASE_DIGEST, PHASE_INDEX, PHASE_DURABLE, PHASE_VERDICT = 0, 1, 2, 3
 PHASES = 4
 
 
+class _Skip:
+    def __repr__(self) -> str:
+        return "SKIP"
+
+
+#: the payload of a round every rank skips by the same decision (taken from an earlier round's
+#: result, which every rank has alike): no collective runs, the round returns ``[]``
+SKIP: Any = _Skip()
+
+
 class Coordinator(ABC):
     """How the ranks of one job agree (see the module docstring for who calls what, when)."""
 

@@ -29,7 +29,7 @@ from typing import Any, Callable, Optional, Sequence
 import torch.distributed as dist
 
 from . import knobs
-from .coordinator import PHASE_DURABLE, PHASE_VERDICT, PHASES, Coordinator
+from .coordinator import PHASE_DURABLE, PHASE_VERDICT, PHASES, SKIP, Coordinator
 from .errors import PersistError
 
 log = logging.getLogger(__name__)
@@ -131,6 +131,12 @@ class _TierChannel:
                 # their last round, or the first round of a save this rank never made.
                 payload = {"end": self._end} if ending else self._posts.pop((index, phase), None)
             out: list[Any] = [None] * self._world
+            if payload is SKIP:  # every rank skips this round by the same decision
+                with self._cond:
+                    self._results[(index, phase)] = []
+                    self._advance()
+                    self._cond.notify_all()
+                continue
             try:
                 self._collective(0 if ending else phase, out, payload)
                 ended = [(r, e["end"]) for r, e in enumerate(out) if isinstance(e, dict) and "end" in e]

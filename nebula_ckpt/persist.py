@@ -43,7 +43,15 @@ from typing import Any, Callable, Optional
 
 from . import knobs, ranks
 from . import manifest as mf
-from .coordinator import PHASE_DIGEST, PHASE_DURABLE, PHASE_INDEX, PHASE_VERDICT, Coordinator, LocalCoordinator
+from .coordinator import (
+    PHASE_DIGEST,
+    PHASE_DURABLE,
+    PHASE_INDEX,
+    PHASE_VERDICT,
+    SKIP,
+    Coordinator,
+    LocalCoordinator,
+)
 from .errors import FencedError, PersistError
 from .fanout import Delivery
 from .fencing import TierFence
@@ -325,7 +333,7 @@ class TierWriter:
             co.abandon(name, idx)
             raise (PeerSkipped if problem[0] else PersistError)(problem[1])
         if all(p["digest"] == mine_digest for p in peers):  # the usual DDP case: a hash was enough
-            co.round(name, idx, PHASE_INDEX, {})
+            co.round(name, idx, PHASE_INDEX, SKIP)  # every rank saw the same digests: no collective
             summaries = [rep] * len(peers)
         else:  # every rank sees the same digests, so every rank takes this branch
             got = co.round(name, idx, PHASE_INDEX, {"keys": rep})
