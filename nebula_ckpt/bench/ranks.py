@@ -64,9 +64,10 @@ import tempfile
 import threading
 import time
 import traceback
-from dataclasses import asdict, dataclass, field
+from concurrent.futures import Future
+from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import Any, Optional, Sequence, cast
 
 import torch
 
@@ -130,7 +131,6 @@ class JobSpec:
     threads: int = 1               # torch intra-op threads per rank
     timeout_s: float = 600.0       # process-group and commit-round timeout
     keep: bool = False
-    extra: dict[str, Any] = field(default_factory=dict)
 
 
 def parse_ranks(text: Optional[str], flag: str = "--ranks") -> list[int]:
@@ -246,13 +246,41 @@ class RankDcpAsyncSave(DcpAsyncSave):
         with _quiet_dcp():
             resp = dcp.async_save(_dcp_state(state_fn()), checkpoint_id=str(path), process_group=self.group,
                                   no_dist=self.world == 1)
-        self._future = getattr(resp, "upload_completion", resp)
+        # torch >= 2.9 may return AsyncSaveResponse(staging_completion, upload_completion)
+        self._future = cast(Future, getattr(resp, "upload_completion", resp))
         self._pending_path = path
 
     def prune(self) -> None:
         if self.rank == 0:
             super().prune()
         self._older.clear()
+
+
+class RankNebula(Nebula):
+    """nebula's ``Checkpointer(root)`` (default tiers), its coordinator timestamping the protocol's
+    rounds: with several ranks, the :class:`TimedCoordinator` replaces the default
+    ``DistCoordinator`` over all ranks it is a subclass of (the same protocol, timed)."""
+
+    def __init__(self, world: int = 1) -> None:
+        super().__init__()
+        self.world = world
+        self.coordinator: Any = None
+
+    def open(self, root: Path | str) -> None:
+        import nebula_ckpt as nc
+
+        self.root = root if isinstance(root, Path) else None
+        self.url = str(root)
+        if isinstance(root, Path):
+            root.mkdir(parents=True, exist_ok=True)
+        self.coordinator = TimedCoordinator.create() if self.world > 1 else None
+        self.ck = nc.Checkpointer(str(root), coordinator=self.coordinator)
+        self._handle = None
+        self._handles = []
+
+    def events(self) -> list[dict[str, Any]]:
+        """The timestamped rounds so far (empty in one process)."""
+        return list(getattr(self.coordinator, "events", []))
 
 
 def _fsync_dirs(path: Path) -> None:
@@ -265,7 +293,7 @@ def _fsync_dirs(path: Path) -> None:
 def make_peer(name: str, rank: int, world: int, group: Any) -> Peer:
     """The system ``name`` for this rank (``group``: DCP's own gloo group)."""
     if name == "nebula":
-        return Nebula()
+        return RankNebula(world)
     if name == "dcp_save":
         return RankDcpSave(rank, world, group)
     if name == "dcp_async_save":
@@ -274,7 +302,9 @@ def make_peer(name: str, rank: int, world: int, group: Any) -> Peer:
 
 
 CALLS = {"nebula": "nc.Checkpointer(root) on every rank (default tiers; coordinates the ranks of the process "
-                   "group itself); h = ck.save_async(step, {model, optim, step}); h.wait_snapshot(); h.result()",
+                   "group itself; here with coordinator=a DistCoordinator subclass that only timestamps the "
+                   "protocol's rounds); h = ck.save_async(step, {model, optim, step}); h.wait_snapshot(); "
+                   "h.result()",
          "dcp_save": RankDcpSave.calls, "dcp_async_save": RankDcpAsyncSave.calls}
 
 
@@ -312,7 +342,8 @@ def _timed_save(peer: Peer, w: wl.Workload, step: int) -> dict[str, float]:
     th.join()
     if error:
         raise error[0]
-    return {"t0": t0, "done": done_at[0], "call": t1 - t0, "stall": t3 - t2, "blocking": (t1 - t0) + (t3 - t2)}
+    return {"step": step, "t0": t0, "done": done_at[0], "call": t1 - t0, "stall": t3 - t2,
+            "blocking": (t1 - t0) + (t3 - t2)}
 
 
 def _idle_save(peer: Peer, w: wl.Workload, step: int) -> dict[str, float]:
@@ -321,7 +352,7 @@ def _idle_save(peer: Peer, w: wl.Workload, step: int) -> dict[str, float]:
     peer.save(step, lambda: w.state(step))
     peer.wait_safe()
     peer.wait_durable()
-    return {"t0": t0, "done": time.monotonic()}
+    return {"step": step, "t0": t0, "done": time.monotonic()}
 
 
 def _measure_system(peer: Peer, w: wl.Workload, spec: JobSpec, rank: int, step: int,
@@ -352,6 +383,8 @@ def _measure_system(peer: Peer, w: wl.Workload, spec: JobSpec, rank: int, step: 
     _measure_throughput(peer, w, loop, th, step, baselines, 0)
     rec["throughput"] = th["throughput"]
     rec["end_step"] = step + spec.steps
+    if isinstance(peer, RankNebula):
+        rec["events"] = peer.events()
     if isinstance(peer, Nebula):
         rec["stats"] = {k: v for k, v in peer.stats().items() if isinstance(v, (int, float, str))}
     return rec
@@ -390,6 +423,7 @@ def _compare_job(spec: JobSpec, rank: int, out: Path) -> None:
         peer.close()
         step = rec.pop("end_step")
         rec.update(rank=rank, world=spec.world, system=name, step_s=step_s, state_bytes=w.state_bytes,
+                   cores_per_rank=_cores() / spec.world,
                    params=w.params, num_tensors=w.num_tensors, description=w.description)
         _write_json(out / f"r{rank}-{name}.json", rec)
         _barrier()
@@ -505,6 +539,10 @@ def worker_main(argv: Sequence[str]) -> int:
 
 
 # --------------------------------------------------------------------------- parent: launching jobs
+
+def _cores() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
 
 def _free_port() -> int:
     with socket.socket() as s:
@@ -686,27 +724,88 @@ def aggregate(recs: list[dict[str, Any]]) -> dict[str, Any]:
     row["step_s"] = max(rec.get("step_s", 0.0) for rec in recs)
     if recs[0].get("stats"):
         row["stats_rank0"] = recs[0]["stats"]
+    if any(rec.get("events") for rec in recs):
+        row["phases"] = phase_medians(recs, "reps")
+        row["phases_idle"] = phase_medians(recs, "idle")
+    row["cores_per_rank"] = recs[0].get("cores_per_rank")
     return row
+
+
+#: the phases of one nebula save on the shared tier (see :func:`save_phases`)
+PHASE_NAMES = ("to_rounds", "pre_rounds", "shard_write", "protocol", "ack")
+
+
+def round_maps(recs: list[dict[str, Any]]) -> list[dict[int, dict[int, dict[str, Any]]]]:
+    """Per rank: step -> phase -> timestamped round. The step of a save's rounds is the one its
+    first round's payload names (every round of one (tier, save index) belongs to one step)."""
+    out = []
+    for rec in recs:
+        evs = rec.get("events") or []
+        idx_step: dict[tuple[str, int], int] = {}
+        for e in sorted(evs, key=lambda e: e["phase"]):
+            if e.get("step") is not None:
+                idx_step.setdefault((e["tier"], e["index"]), int(e["step"]))
+        m: dict[int, dict[int, dict[str, Any]]] = {}
+        for e in evs:
+            step = idx_step.get((e["tier"], e["index"]))
+            if step is not None:
+                m.setdefault(step, {})[e["phase"]] = e
+        out.append(m)
+    return out
+
+
+def save_phases(saves: list[dict[str, Any]], maps: list[dict[int, dict[int, dict[str, Any]]]],
+                step: int) -> Optional[dict[str, float]]:
+    """Where one multi-rank nebula save spent its time, from every rank's save record and rounds
+    (None without every round). Each phase is the slowest rank's:
+
+    * ``to_rounds``: save call -> the tier thread posting the save's first round (snapshot, queueing);
+    * ``pre_rounds``: the rounds before the shard write (digest / tensor index: who writes what),
+      waiting for the slowest rank included;
+    * ``shard_write``: those rounds done -> this rank's shard durable (posting the "durable" round);
+    * ``protocol``: the last rank's shard durable -> rank 0 entering the verdict round (manifest and
+      COMMIT written): the commit protocol proper;
+    * ``ack``: -> every rank's ``result()`` returned (the verdict round, the handles).
+
+    The phase numbers come from :mod:`nebula_ckpt.coordinator` (``PHASE_DURABLE``, ``PHASE_VERDICT``).
+    """
+    from nebula_ckpt.coordinator import PHASE_DURABLE, PHASE_VERDICT
+
+    ev = [m.get(step, {}) for m in maps]
+    pre = [[e[k] for k in sorted(e) if k < PHASE_DURABLE] for e in ev]
+    if any(PHASE_DURABLE not in e or not p for e, p in zip(ev, pre, strict=True)) or PHASE_VERDICT not in ev[0]:
+        return None
+    last_durable = max(e[PHASE_DURABLE]["enter"] for e in ev)
+    verdict = ev[0][PHASE_VERDICT]["enter"]
+    return {"to_rounds": max(p[0]["enter"] - s["t0"] for p, s in zip(pre, saves, strict=True)),
+            "pre_rounds": max(p[-1]["exit"] - p[0]["enter"] for p in pre),
+            "shard_write": max(e[PHASE_DURABLE]["enter"] - p[-1]["exit"] for e, p in zip(ev, pre, strict=True)),
+            "protocol": verdict - last_durable,
+            "ack": max(s["done"] for s in saves) - verdict}
+
+
+def phase_medians(recs: list[dict[str, Any]], key: str) -> Optional[dict[str, Any]]:
+    """Median of each of :data:`PHASE_NAMES` over the saves ``rec[key]`` of every rank (None if no
+    save has its rounds)."""
+    maps = round_maps(recs)
+    n = min(len(rec.get(key) or []) for rec in recs)
+    got = []
+    for i in range(n):
+        saves = [rec[key][i] for rec in recs]
+        if saves[0].get("step") is None or saves[0].get("warmup"):
+            continue
+        ph = save_phases(saves, maps, int(saves[0]["step"]))
+        if ph is not None:
+            got.append(ph)
+    if not got:
+        return None
+    return {"saves": len(got), **{k: statistics.median(g[k] for g in got) for k in PHASE_NAMES}}
 
 
 def aggregate_protocol(recs: list[dict[str, Any]]) -> dict[str, Any]:
     """Protocol times per save from every rank's timestamped rounds and saves."""
     world = len(recs)
-    from nebula_ckpt.coordinator import PHASE_DURABLE, PHASE_INDEX, PHASE_VERDICT
-
-    def rounds(rec: dict[str, Any]) -> dict[tuple[int, int], dict[str, Any]]:
-        evs = rec["events"]
-        tiers = {e["tier"] for e in evs}
-        tier = max(tiers, key=lambda t: sum(1 for e in evs if e["tier"] == t)) if tiers else None
-        return {(e["index"], e["phase"]): e for e in evs if e["tier"] == tier}
-
-    per = [rounds(rec) for rec in recs]
-    # save index -> step, from the index round's payload (falls back to the order of the saves)
-    idx_step = {k[0]: e["step"] for k, e in per[0].items() if k[1] == PHASE_INDEX and e.get("step") is not None}
-    indices = sorted({k[0] for k in per[0]})
-    if len(idx_step) < len(indices):
-        idx_step = dict(zip(indices, [s["step"] for s in recs[0]["saves"]], strict=False))
-    step_idx = {s: i for i, s in idx_step.items()}
+    maps = round_maps(recs)
     proto, ack, commit, shard_write, mtime = [], [], [], [], []
     for i, s0 in enumerate(recs[0]["saves"]):
         if s0.get("warmup"):
@@ -716,26 +815,16 @@ def aggregate_protocol(recs: list[dict[str, Any]]) -> dict[str, Any]:
         f = s0.get("files") or {}
         if f.get("commit") and f.get("shards"):
             mtime.append((f["commit"] - max(f["shards"].values())) / 1e9)
-        idx = step_idx.get(s0["step"])
-        if idx is None:
-            continue
-        durable = [p.get((idx, PHASE_DURABLE)) for p in per]
-        starts = [p.get((idx, PHASE_INDEX)) for p in per]
-        verdict = per[0].get((idx, PHASE_VERDICT))
-        evs = [e for e in durable if e is not None]
-        if len(evs) < world or verdict is None:
-            continue
-        last_durable = max(e["enter"] for e in evs)
-        proto.append(verdict["enter"] - last_durable)
-        ack.append(max(s["done"] for s in save) - last_durable)
-        pairs = [(e, st) for e, st in zip(evs, starts, strict=True) if st is not None]
-        if len(pairs) == world:
-            shard_write.append(max(e["enter"] - st["exit"] for e, st in pairs))
+        ph = save_phases(save, maps, int(s0["step"]))
+        if ph is not None:
+            proto.append(ph["protocol"])
+            ack.append(ph["protocol"] + ph["ack"])
+            shard_write.append(ph["shard_write"])
     row: dict[str, Any] = {"status": "ok", "reason": None, "ranks": world, "saves": len(commit),
                            "state_bytes": recs[0].get("state_bytes"),
                            "protocol_s": summary(proto), "protocol_ack_s": summary(ack),
                            "protocol_mtime_s": summary(mtime), "shard_write_s": summary(shard_write),
-                           "commit_s": summary(commit), "rounds_seen": len(per[0])}
+                           "commit_s": summary(commit), "phases": phase_medians(recs, "saves")}
     if not proto:
         row["note"] = ("no timestamped protocol rounds (the coordinator's round() was not called): "
                        "protocol taken from file mtimes only")
@@ -755,7 +844,7 @@ def run(a: argparse.Namespace, base: Optional[Any]) -> dict[str, Any]:
         sec["error"] = "multi-rank cases write local files: give a local --target"
         log.warning("multi-rank cases skipped: %s", sec["error"])
         return sec
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    cores = _cores()
     work = Path(tempfile.mkdtemp(prefix="ranks-", dir=str(base)))
     quick = bool(a.quick)
     deadline = 150.0 if quick else 1200.0
@@ -802,6 +891,18 @@ def _med(row: Optional[dict[str, Any]], key: str) -> Optional[float]:
     return v.get("median") if isinstance(v, dict) else None
 
 
+def _cpr(row: Optional[dict[str, Any]]) -> str:
+    c = (row or {}).get("cores_per_rank")
+    return "n/a" if c is None else f"{c:g}"
+
+
+def _phase_line(label: str, ph: Optional[dict[str, Any]]) -> str:
+    if not ph:
+        return ""
+    return (f"{label}: " + ", ".join(f"{k.replace('_', ' ')} {fmt_s(ph[k])}" for k in PHASE_NAMES)
+            + f" ({ph['saves']} saves)")
+
+
 def evaluate_targets(results: dict[str, Any]) -> list[dict[str, Any]]:
     """The multi-rank targets (``met`` None for n/a): blocking per rank within 2x of one process,
     time to commit falling as ranks share the replicated bytes, ahead of ``dcp.async_save``."""
@@ -822,7 +923,8 @@ def evaluate_targets(results: dict[str, Any]) -> list[dict[str, Any]]:
         r = nb / sb
         out.append(_target("ranks_blocking", title, r <= BLOCKING_FACTOR, f"{r:.2f}x ({fmt_s(nb)} vs {fmt_s(sb)})",
                            f"<= {BLOCKING_FACTOR:g}x", f"{world} ranks",
-                           f"slowest rank per rep; p95 {fmt_s((neb or {}).get('blocking_s', {}).get('p95'))}"))
+                           f"slowest rank per rep; p95 {fmt_s((neb or {}).get('blocking_s', {}).get('p95'))}; "
+                           f"cores per rank {_cpr(neb)} vs {_cpr(single)} for the single process"))
     # persist time falling as the ranks share the replicated bytes
     seq = [(1, single)] + [(w, _row(sec, w, "nebula")) for w in sec["ranks"]]
     have = [(w, _med(r, "commit_idle_s"), (r or {}).get("bytes_max_rank")) for w, r in seq]
@@ -899,6 +1001,14 @@ def render_markdown(results: dict[str, Any]) -> list[str]:
             lines.append(_row_line("1 (one process)", {**sec["single"], "system": "nebula"}))
         for r in sec.get("rows", []):
             lines.append(_row_line(str(r["world"]), r))
+        phases = [_phase_line(f"{r['world']} ranks, {kind}", r.get(key)) for r in sec.get("rows", [])
+                  if r.get("system") == "nebula" for kind, key in (("training", "phases"), ("idle", "phases_idle"))]
+        if any(phases):
+            lines += ["", "Where nebula's multi-rank saves spend their time (medians of the slowest rank per phase: "
+                      "save call -> first protocol round posted, the rounds before the shard write (who writes "
+                      "what), shard write until durable, last shard durable -> COMMIT written, -> every rank's "
+                      "result()):", ""]
+            lines += [f"- {ln}" for ln in phases if ln]
         lines += ["", "How each system is called:", ""]
         lines += [f"- **{n}**: {c}." for n, c in sec.get("calls", {}).items()]
         lines.append("")
@@ -908,19 +1018,22 @@ def render_markdown(results: dict[str, Any]) -> list[str]:
                   "the verdict round (manifest.json and COMMIT written) minus the last rank entering the "
                   "'durable' round (its shard fsynced): gather of the shard records, manifest, commit marker. "
                   "Until acknowledged: until every rank's `result()` returned. By mtimes: COMMIT's mtime minus "
-                  "the newest shard's (includes that shard's fsync). Medians (p95).", "",
-                  "| ranks | state | saves | protocol | until acknowledged | by mtimes | slowest shard write "
-                  "| time to commit | status |", "|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+                  "the newest shard's (includes that shard's fsync). Rounds before the shard: the protocol's "
+                  "rounds that decide who writes what (median). Medians (p95).", "",
+                  "| ranks | state | saves | protocol | until acknowledged | by mtimes | rounds before the shard "
+                  "| slowest shard write | time to commit | status |",
+                  "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
         for p in sec["protocol"]:
             if p.get("status") != "ok":
-                lines.append(f"| {p['world']} |" + " n/a |" * 7 + f" {p.get('status')}: {p.get('reason')} |")
+                lines.append(f"| {p['world']} |" + " n/a |" * 8 + f" {p.get('status')}: {p.get('reason')} |")
                 continue
 
             def mp(key: str, p: dict[str, Any] = p) -> str:
                 return f"{fmt_s(p[key]['median'])} ({fmt_s(p[key]['p95'])})"
 
             lines.append(f"| {p['world']} | {fmt_b(p.get('state_bytes'))} | {p['saves']} | {mp('protocol_s')} "
-                         f"| {mp('protocol_ack_s')} | {mp('protocol_mtime_s')} | {mp('shard_write_s')} "
+                         f"| {mp('protocol_ack_s')} | {mp('protocol_mtime_s')} "
+                         f"| {fmt_s((p.get('phases') or {}).get('pre_rounds'))} | {mp('shard_write_s')} "
                          f"| {mp('commit_s')} | {p.get('note', 'ok')} |")
         lines.append("")
     return lines
