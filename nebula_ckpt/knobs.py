@@ -32,14 +32,18 @@ def _bool(s: str) -> bool:
 
 
 def _default_threads() -> int:
-    return max(1, min(8, os.cpu_count() or 1))
+    """Cores shared by the ranks on this host (``LOCAL_WORLD_SIZE``, set by torchrun), at most 8:
+    ranks that each start a thread per core only make the copies fight for the cores."""
+    ranks_here = int(os.environ.get("LOCAL_WORLD_SIZE") or 1)
+    return max(1, min(8, (os.cpu_count() or 1) // max(1, ranks_here)))
 
 
 _KNOBS: dict[str, _Knob] = {
     "copy_threads": _Knob("NEBULA_COPY_THREADS", None, int,
-                          "native threads that copy CPU tensors into staging buffers (default: cores, max 8)"),
+                          "native threads that copy CPU tensors into staging buffers (default: cores / ranks on the "
+                          "host, max 8)"),
     "io_threads": _Knob("NEBULA_IO_THREADS", None, int,
-                        "parallel pwrite / checksum threads per file (default: cores, max 8)"),
+                        "parallel pwrite / checksum threads per file (default: cores / ranks on the host, max 8)"),
     "write_chunk_bytes": _Knob("NEBULA_WRITE_CHUNK_BYTES", 16 << 20, int,
                                "bytes per pwrite call on local tiers"),
     "o_direct": _Knob("NEBULA_O_DIRECT", True, _bool,

@@ -562,6 +562,7 @@ def launch(spec: JobSpec, deadline_s: float) -> list[Optional[int]]:
     procs: list[subprocess.Popen[bytes]] = []
     for r in range(spec.world):
         env = dict(os.environ, RANK=str(r), WORLD_SIZE=str(spec.world), LOCAL_RANK=str(r),
+                   LOCAL_WORLD_SIZE=str(spec.world),
                    MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS=str(spec.threads),
                    NEBULA_COMMIT_TIMEOUT_S=os.environ.get("NEBULA_COMMIT_TIMEOUT_S", str(spec.timeout_s)),
                    PYTHONPATH=pkg_root + os.pathsep + os.environ.get("PYTHONPATH", ""))

@@ -25,7 +25,8 @@ def run_ranks(world: int, script: str, args: list[str], out: Path, shm_dir: str,
     port = free_port()
     procs = []
     for r in range(world):
-        env = dict(os.environ, RANK=str(r), WORLD_SIZE=str(world), LOCAL_RANK=str(r), MASTER_ADDR="127.0.0.1",
+        env = dict(os.environ, RANK=str(r), WORLD_SIZE=str(world), LOCAL_RANK=str(r), LOCAL_WORLD_SIZE=str(world),
+                   MASTER_ADDR="127.0.0.1",
                    MASTER_PORT=str(port), NEBULA_SHM_DIR=shm_dir, OMP_NUM_THREADS="1",
                    PYTHONPATH=str(HERE.parents[1]) + os.pathsep + os.environ.get("PYTHONPATH", ""),
                    **(env_extra or {}))
