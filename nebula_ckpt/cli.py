@@ -85,7 +85,6 @@ def _open_any(st: Storage, step: int, verify: str, where: str) -> OpenCheckpoint
     try:
         return open_checkpoint(st, step, verify, where)
     except NotThisLayout:
-        from .dcp import read_manifest
 
         man = read_manifest(st, step, where)
         ck = None
@@ -325,7 +324,6 @@ def _export_source(args: argparse.Namespace) -> tuple[Any, int, Any, mf.Manifest
     """What to export from the first tier with a healthy copy of ``--step``: for a one-process
     checkpoint its verified open checkpoint, for a multi-rank one every tensor gathered whole
     (``(ck_or_None, step, full_tensors_or_None, manifest)``)."""
-    from .dcp import read_manifest
     from .reshard import gather_full
 
     errors = []

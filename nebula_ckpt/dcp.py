@@ -58,6 +58,7 @@ from torch.futures import Future
 from . import manifest as mf
 from .errors import CorruptCheckpointError, NotFoundError, ValidationError
 from .native import get_ops
+from .restore import read_manifest
 from .storage.base import Storage
 from .structure import decode
 
@@ -79,29 +80,6 @@ class BytesRef:
     """A non-tensor leaf exposed to DCP (served as ``torch.save`` bytes of its decoded value)."""
 
     fqn: str
-
-
-def read_manifest(storage: Storage, step: int, where: Optional[str] = None) -> mf.Manifest:
-    """The validated manifest of committed ``step`` on ``storage``.
-
-    Checks the commit marker (step, manifest size and CRC32C) before parsing the manifest.
-
-    Raises:
-        CorruptCheckpointError: naming ``where`` and what is wrong (missing files included).
-    """
-    where = where or f"{storage.display_url} step {step}"
-    d = mf.step_dir(step)
-    try:
-        commit = mf.Commit.parse(storage.read_small(f"{d}/{mf.COMMIT}"), where)
-        mbytes = storage.read_small(f"{d}/{mf.MANIFEST}")
-    except FileNotFoundError as e:
-        raise CorruptCheckpointError(f"{where}: {e.filename or e} is missing") from None
-    if commit.step != step:
-        raise CorruptCheckpointError(f"{where}: {mf.COMMIT} is for step {commit.step}, but lies in {d}/")
-    if len(mbytes) != commit.manifest_bytes or get_ops().crc32c_bytes(mbytes) != commit.manifest_crc32c:
-        raise CorruptCheckpointError(f"{where}: manifest.json does not match its commit marker "
-                                     "(size or checksum differs): garbled or replaced")
-    return mf.Manifest.parse(mbytes, where, step)
 
 
 def newest_manifest(storage: Storage) -> mf.Manifest:

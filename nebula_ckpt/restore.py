@@ -155,6 +155,29 @@ def _needed(man: mf.Manifest, rank: Optional[int]) -> dict[int, list[mf.TensorRe
     return out
 
 
+def read_manifest(storage: Storage, step: int, where: Optional[str] = None) -> mf.Manifest:
+    """The validated manifest of committed ``step`` on ``storage``.
+
+    Checks the commit marker (step, manifest size and CRC32C) before parsing the manifest.
+
+    Raises:
+        CorruptCheckpointError: naming ``where`` and what is wrong (missing files included).
+    """
+    where = where or f"{storage.display_url} step {step}"
+    d = mf.step_dir(step)
+    try:
+        commit = mf.Commit.parse(storage.read_small(f"{d}/{mf.COMMIT}"), where)
+        mbytes = storage.read_small(f"{d}/{mf.MANIFEST}")
+    except FileNotFoundError as e:
+        raise CorruptCheckpointError(f"{where}: {e.filename or e} is missing") from None
+    if len(mbytes) != commit.manifest_bytes or get_ops().crc32c_bytes(mbytes) != commit.manifest_crc32c:
+        raise CorruptCheckpointError(f"{where}: manifest.json does not match its commit marker "
+                                     "(size or checksum differs): garbled or replaced")
+    if commit.step != step:
+        raise CorruptCheckpointError(f"{where}: {mf.COMMIT} is for step {commit.step}, but lies in {d}/")
+    return mf.Manifest.parse(mbytes, where, step)
+
+
 class NotThisLayout(Exception):
     """A healthy checkpoint this process cannot restore: it holds other ranks of another layout
     (a rank's own memory tier after the world size changed)."""
@@ -171,19 +194,7 @@ def open_checkpoint(storage: Storage, step: int, verify: str, where: str,
     one holding every rank of another layout is opened whole (to be resharded); one holding only
     some ranks of another layout raises :class:`NotThisLayout`.
     """
-    ops = get_ops()
-    d = mf.step_dir(step)
-    try:
-        commit = mf.Commit.parse(storage.read_small(f"{d}/{mf.COMMIT}"), where)
-        mbytes = storage.read_small(f"{d}/{mf.MANIFEST}")
-    except FileNotFoundError as e:
-        raise CorruptCheckpointError(f"{where}: {e.filename or e} is missing") from None
-    if len(mbytes) != commit.manifest_bytes or ops.crc32c_bytes(mbytes) != commit.manifest_crc32c:
-        raise CorruptCheckpointError(f"{where}: manifest.json does not match its commit marker "
-                                     "(size or checksum differs): garbled or replaced")
-    if commit.step != step:
-        raise CorruptCheckpointError(f"{where}: {mf.COMMIT} is for step {commit.step}, but lies in {d}/")
-    man = mf.Manifest.parse(mbytes, where, step)
+    man = read_manifest(storage, step, where)
     if man.multi_rank:
         if man.world_size == world and rank in man.ranks:
             pass
