@@ -23,7 +23,7 @@ from . import manifest as mf
 from .errors import CorruptCheckpointError, NebulaError
 from .fencing import read_run_id
 from .memtier import Owner
-from .restore import NotThisLayout, OpenCheckpoint, materialize, open_checkpoint
+from .restore import NotThisLayout, OpenCheckpoint, materialize, open_checkpoint, read_manifest
 from .storage.base import Storage
 from .tiers import Tier, canonical_root, default_tiers
 
@@ -85,7 +85,6 @@ def _open_any(st: Storage, step: int, verify: str, where: str) -> OpenCheckpoint
     try:
         return open_checkpoint(st, step, verify, where)
     except NotThisLayout:
-
         man = read_manifest(st, step, where)
         ck = None
         for r in man.ranks:
