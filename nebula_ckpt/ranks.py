@@ -22,6 +22,7 @@ import hashlib
 import json
 from typing import Any, Optional
 
+from . import knobs
 from . import manifest as mf
 from .plan import safetensors_header
 
@@ -56,8 +57,12 @@ def assign(summaries: list[dict[str, Entry]], base: Optional[list[int]] = None) 
 
     A key is replicated when every rank has it with equal bytes, checksum, dtype and shape. Keys
     not in the result are written by every rank that has them. ``base``: bytes each rank writes
-    anyway (its sharded state), so owners balance the total.
+    anyway (its sharded state), so owners balance the total. Replicas under the knob
+    ``small_replica_bytes`` (optimizer step counts, scalars) all belong to rank 0: a rank that
+    restores a sharded (FSDP) state then reads its own shard and rank 0's, not a piece of every
+    rank's (a whole download each, on a blob store).
     """
+    small = int(knobs.get("small_replica_bytes"))
     if len(summaries) < 2:
         return {}
     first = summaries[0]
@@ -67,7 +72,7 @@ def assign(summaries: list[dict[str, Entry]], base: Optional[list[int]] = None) 
             for i, s in enumerate(summaries)]
     owners: dict[str, int] = {}
     for k in sorted(replicated, key=lambda k: (-first[k][0], k)):
-        r = min(range(len(load)), key=lambda i: (load[i], i))
+        r = 0 if first[k][0] < small else min(range(len(load)), key=lambda i: (load[i], i))
         owners[k] = r
         load[r] += first[k][0]
     return owners

@@ -16,8 +16,8 @@ import pytest
 import torch
 
 import nebula_ckpt as nc
+from nebula_ckpt import knobs, ranks
 from nebula_ckpt import manifest as mf
-from nebula_ckpt import ranks
 from nebula_ckpt.coordinator import LocalCoordinator
 from nebula_ckpt.errors import CorruptCheckpointError
 from nebula_ckpt.restore import NotThisLayout, open_checkpoint
@@ -98,16 +98,21 @@ def test_hostile_multi_rank_manifest_is_refused(mem: str, change: Callable[[Man]
 
 
 def test_replicas_are_assigned_alike_on_every_rank_and_balanced() -> None:
-    a = {"w": (400, 1, "float32", (100,)), "b": (40, 2, "float32", (10,)),
-         "v": (400, 3, "float32", (100,)), "own": (8, 4, "float32", (2,))}
+    mb = knobs.get("small_replica_bytes")
+    a = {"w": (4 * mb, 1, "float32", (mb,)), "b": (40, 2, "float32", (10,)),
+         "v": (4 * mb, 3, "float32", (mb,)), "own": (8, 4, "float32", (2,))}
     b = dict(a, own=(8, 5, "float32", (2,)))                  # differs: not a replica
     owners = ranks.assign([a, b])
     assert owners == ranks.assign([dict(reversed(list(a.items()))), b])   # order-independent
     assert "own" not in owners and set(owners) == {"w", "b", "v"}
     assert owners["w"] != owners["v"]                                     # the two big ones split
+    assert owners["b"] == 0                        # a small replica: rank 0's, not spread
     assert ranks.assign([a]) == {}
-    # rank 1 writes 10 kB of sharded state anyway: the replicas go to rank 0
-    assert set(ranks.assign([a, a], base=[0, 10_000]).values()) == {0}
+    # rank 1 writes 100 MB of sharded state anyway: the big replicas go to rank 0
+    assert set(ranks.assign([a, a], base=[0, 100 * mb]).values()) == {0}
+    # four ranks: the two big ones on two ranks, every small one on rank 0
+    four = ranks.assign([a, a, a, a])
+    assert len({four["w"], four["v"]}) == 2 and four["b"] == 0
 
 
 def test_summary_holds_only_replicable_tensors_and_digests_ignore_order() -> None:
