@@ -76,7 +76,7 @@ _KNOBS: dict[str, _Knob] = {
     "commit_timeout_s": _Knob("NEBULA_COMMIT_TIMEOUT_S", 600.0, float,
                               "multi-rank: how long a rank waits for the others in one round of the "
                               "checkpoint protocol (a rank that died fails the save sooner)"),
-    "small_replica_bytes": _Knob("NEBULA_SMALL_REPLICA_BYTES", 1 << 20, int,
+    "small_replica_bytes": _Knob("NEBULA_SMALL_REPLICA_BYTES", 64 << 10, int,
                                  "multi-rank: replicated tensors smaller than this are all written by "
                                  "rank 0 (larger ones are spread over the ranks)"),
     "exit_timeout_s": _Knob("NEBULA_EXIT_TIMEOUT_S", 300.0, float,

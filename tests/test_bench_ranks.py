@@ -60,11 +60,14 @@ def test_quick_two_ranks_report(tmp_path: Path) -> None:
         assert len(per) == r["ranks"] and all(_positive(b) for b in per), (name, per)
         assert r["ckpt_bytes"] == sum(per) and _positive(r["state_bytes"])
 
-    # replicated state: each rank writes a share, not the whole state
-    for name in ("nebula", "dcp_save"):
-        r = rows[name]
-        if r["status"] == "ok":
-            assert max(r["bytes_per_rank"]) < r["state_bytes"], (name, r["bytes_per_rank"], r["state_bytes"])
+    # replicated state is written once in all, not once per rank (nebula: this micro model's
+    # replicas are mostly under 64 KiB, so rank 0 writes most of them; DCP spreads them)
+    r = rows["nebula"]
+    if r["status"] == "ok":
+        assert sum(r["bytes_per_rank"]) < 1.1 * r["state_bytes"], (r["bytes_per_rank"], r["state_bytes"])
+    r = rows["dcp_save"]
+    if r["status"] == "ok":
+        assert max(r["bytes_per_rank"]) < r["state_bytes"], (r["bytes_per_rank"], r["state_bytes"])
 
     (prot,) = sec["protocol"]
     assert prot["world"] == 2

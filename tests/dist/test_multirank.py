@@ -45,7 +45,7 @@ def job_dir(tmp_path: Path) -> Path:
 
 
 def test_ddp_two_ranks_write_each_byte_once_and_restore_bit_exact(root: str, shm_dir: str, job_dir: Path) -> None:
-    # every replica of this small model is under 1 MiB: spread them all, as large ones are
+    # every replica of this small model is under 64 KiB: spread them all, as large ones are
     saved = _job(2, "ddp_save", root, job_dir, shm_dir, NEBULA_SMALL_REPLICA_BYTES="0")
     man = _manifest(root, 3)
     assert man["version"] == mf.VERSION and man["world_size"] == 2 and man["ranks"] == [0, 1]
