@@ -12,6 +12,11 @@ hard-linking the slot file as its shard, so the bytes are copied once (tensors -
 twice, and the disk / remote tiers read the same mapping. A slot file some committed memory-tier
 checkpoint still links to is *live*: it is that tier's storage, not staging, and is never reused
 until retention unlinks the checkpoint.
+
+Creating a slot file costs a page fault per 4 KiB page of tmpfs (about 0.4-1 GB/s here): seconds
+for a state of several GB. States of at least ``slot_ahead_bytes`` therefore never create one on
+the training thread: a save that finds no slot file ready stages in an anonymous (huge-page)
+buffer, which the memory tier copies, while the next slot file is made by a background thread.
 """
 
 from __future__ import annotations
@@ -131,6 +136,10 @@ class StagingPool:
         self.allocations = 0
         self._closed = False
         self._warned_shm = False
+        #: background thread making a slot file ahead of need (see :meth:`_prepare_ahead`)
+        self._preparer: Optional[threading.Thread] = None
+        self._preparing_bytes = 0
+        self._ahead_failed: Optional[int] = None  # size whose slot file could not be made
 
     @property
     def allocated_bytes(self) -> int:
@@ -193,18 +202,22 @@ class StagingPool:
         if self._closed:
             raise RuntimeError("the checkpointer is closed")
         staging = self._trim()
+        use_file = self.slot_dir is not None and not pinned
+        ahead = use_file and nbytes >= knobs.get("slot_ahead_bytes")
         free = [s for s in staging if not s.in_use and s.pinned == pinned]
         fit = [s for s in free if s.fits(nbytes)]
         if fit:  # slot files first: the memory tier can link them instead of copying
             slot = min(fit, key=lambda s: (s.path is None, s.capacity))
             slot.in_use = True
+            if ahead:
+                self._prepare_ahead(nbytes, took_file=slot.path is not None)
             return slot
-        use_file = self.slot_dir is not None and not pinned
-        size = max(nbytes, 1) if use_file else -(-max(nbytes, 1) // _ROUND) * _ROUND
-        total = sum(s.capacity for s in staging)
+        size = max(nbytes, 1) if use_file and not ahead else -(-max(nbytes, 1) // _ROUND) * _ROUND
+        total = sum(s.capacity for s in staging) + self._preparing_bytes
 
         def room() -> bool:
-            return len(staging) < self.max_slots and (self.max_bytes is None or total + size <= self.max_bytes)
+            return len(staging) + (self._preparer is not None) < self.max_slots and \
+                (self.max_bytes is None or total + size <= self.max_bytes)
 
         # Drop free buffers that do not fit (or are of the other kind) to make room.
         for s in [s for s in staging if not s.in_use]:
@@ -216,7 +229,7 @@ class StagingPool:
             s.free()
         if not room():
             return None
-        made = self._new_slot(size) if use_file else None
+        made = self._new_slot(size) if use_file and not ahead else None
         if made is None:
             rounded = -(-max(nbytes, 1) // _ROUND) * _ROUND
             if self.max_bytes is None or total + rounded <= self.max_bytes:
@@ -228,7 +241,80 @@ class StagingPool:
         self._slots.append(slot)
         log.debug("nebula_ckpt: staging %s of %.1f MiB allocated (%d slots)",
                   "slot file" if slot.path else "buffer", slot.capacity / 2**20, len(self._slots))
+        if ahead:
+            self._prepare_ahead(nbytes, took_file=False)
         return slot
+
+    def prepare(self, nbytes: int, pinned: bool) -> None:
+        """Make a staging buffer for a save of ``nbytes`` in the background, unless one is free.
+
+        A slot file where saves stage in slot files, else an anonymous (pinned, for GPU states)
+        buffer: the first save then finds its buffer faulted in, as later saves do.
+        """
+        self.check_fits(nbytes)
+        with self._cond:
+            if self._closed or any(not s.in_use and s.pinned == pinned and s.fits(nbytes)
+                                   for s in self._slots if not s.live()):
+                return
+            self._prepare_ahead(nbytes, took_file=False, pinned=pinned)
+
+    def _prepare_ahead(self, nbytes: int, took_file: bool, pinned: bool = False) -> None:
+        """Start making a staging buffer of ``nbytes`` in the background if the next save will want one.
+
+        Called with the lock held, after a save of a large state took a slot (or by
+        :meth:`prepare`). A save that had to take an anonymous buffer wants a slot file next
+        time; one that took the only slot file of its size will see it linked by the memory
+        tier, so the save after it wants a second one (two slot files per size is the steady
+        state: the memory tier's checkpoint and the next save's staging). Nothing is started when
+        a free slot file is ready, one is being made, making one failed before, or it would not
+        fit in ``max_slots`` / ``max_bytes`` (idle anonymous buffers count as free: the new one
+        replaces one of them).
+        """
+        as_file = self.slot_dir is not None and not pinned
+        size = nbytes if as_file else -(-max(nbytes, 1) // _ROUND) * _ROUND
+        if self._preparer is not None or self._ahead_failed == size or self._closed:
+            return
+        files = [s for s in self._slots if s.path is not None and s.capacity == nbytes]
+        if as_file and any(not s.in_use and not s.live() for s in files):
+            return
+        if took_file and len(files) >= 2:
+            return
+        staging = [s for s in self._slots if not s.live()]
+        kept = [s for s in staging if s.in_use or s.path is not None]
+        if len(kept) + 1 > self.max_slots:
+            return
+        if self.max_bytes is not None and sum(s.capacity for s in kept) + size > self.max_bytes:
+            return
+        self._preparing_bytes = size
+        self._preparer = threading.Thread(target=self._make_ahead, args=(size, as_file, pinned),
+                                          name="nebula-slot-ahead", daemon=True)
+        self._preparer.start()
+
+    def _make_ahead(self, size: int, as_file: bool, pinned: bool) -> None:
+        """Body of the background thread of :meth:`_prepare_ahead`."""
+        slot: Optional[Slot] = None
+        try:
+            if as_file:
+                slot = self._new_slot(size)
+            else:
+                slot = Slot(get_ops().alloc(size, pinned), pinned)
+        except Exception as e:  # out of memory, no pinned memory: the save allocates as before
+            log.warning("nebula_ckpt: staging buffer of %.1f MiB not made ahead: %s", size / 2**20, e)
+        finally:
+            with self._cond:
+                self._preparer = None
+                self._preparing_bytes = 0
+                if slot is None:
+                    self._ahead_failed = size
+                elif self._closed:
+                    slot.free()
+                else:
+                    self._slots.append(slot)
+                    self.allocations += 1
+                    self._trim()  # an idle anonymous buffer it replaces goes now
+                    log.debug("nebula_ckpt: staging %s of %.1f MiB made ahead of need",
+                              "slot file" if slot.path else "buffer", size / 2**20)
+                self._cond.notify_all()
 
     def _new_slot(self, size: int) -> Optional[Slot]:
         """A slot file, or None (logged once) when the tmpfs has no room for one."""
@@ -259,9 +345,16 @@ class StagingPool:
             self._cond.notify_all()
 
     def close(self) -> None:
-        """Free every idle buffer (slot file names too; linked checkpoints keep their bytes)."""
+        """Free every idle buffer (slot file names too; linked checkpoints keep their bytes).
+
+        A slot file being made ahead of need is waited for, then freed.
+        """
         with self._cond:
             self._closed = True
+            preparer = self._preparer
+        if preparer is not None:
+            preparer.join()
+        with self._cond:
             for s in self._slots:
                 if not s.in_use:
                     s.free()

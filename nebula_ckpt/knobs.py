@@ -52,6 +52,10 @@ _KNOBS: dict[str, _Knob] = {
                             "ignore the C++ extension and run the pure-PyTorch path"),
     "shm_dir": _Knob("NEBULA_SHM_DIR", "/dev/shm", str,
                      "where the memory tier lives (a tmpfs that survives a process crash)"),
+    "slot_ahead_bytes": _Knob("NEBULA_SLOT_AHEAD_BYTES", 32 << 20, int,
+                              "states at least this large never create a memory-tier slot file on the "
+                              "training thread: a save with no slot file ready stages in a huge-page "
+                              "buffer while the next slot file is made in the background"),
     "shm_min_free_fraction": _Knob("NEBULA_SHM_MIN_FREE", 0.1, float,
                                    "memory tier is skipped when it would leave less free than this"),
     "remote_part_bytes": _Knob("NEBULA_REMOTE_PART_BYTES", 32 << 20, int,

@@ -12,7 +12,10 @@ import logging
 import os
 import subprocess
 import sys
+import threading
+import time
 
+import pytest
 import torch
 
 import nebula_ckpt as nc
@@ -119,3 +122,87 @@ def test_no_room_in_shm_falls_back_to_copying(root: str, caplog) -> None:  # noq
             assert torch.equal(ck.read(2)[1]["a"], _state(2)["a"])
             assert ck.stats()["memory_tier_slot_bytes"] == 0
     assert any("no slot file" in r.getMessage() for r in caplog.records)
+
+
+# -- slot files made ahead of need (off the training thread) ------------------------------------------
+
+def _wait_ahead(ck: nc.Checkpointer, timeout: float = 30.0) -> None:
+    """Wait until no slot file is being made in the background."""
+    deadline = time.monotonic() + timeout
+    while ck._pool._preparer is not None:
+        assert time.monotonic() < deadline, "slot file made ahead never finished"
+        time.sleep(0.01)
+
+
+def test_large_first_save_stages_anonymously_and_the_next_links_a_file_made_ahead(root: str, shm_dir: str) -> None:
+    """A state of at least slot_ahead_bytes never creates a slot file on the training thread:
+    the first save copies through an anonymous buffer, the next ones link files made ahead."""
+    with knobs.override(slot_ahead_bytes=0), nc.Checkpointer(root) as ck:
+        ck.save(1, _state(1))
+        assert os.stat(_memory_shard(ck, 1)).st_nlink == 1  # no slot file yet: the memory tier copied
+        _wait_ahead(ck)
+        assert len(os.listdir(_slot_dir(ck))) == 1
+        for step in range(2, 7):
+            ck.save(step, _state(step))
+            assert os.stat(_memory_shard(ck, step)).st_nlink == 2, f"step {step} was copied, not linked"
+            _wait_ahead(ck)
+            got = ck.read(step)[1]
+            assert ck.last_restore["tier"].startswith("memory:")
+            assert torch.equal(got["a"], _state(step)["a"]) and torch.equal(got["b"], _state(step)["b"])
+        # steady state: the memory tier's checkpoint and the next save's staging, nothing more
+        assert len(os.listdir(_slot_dir(ck))) == 2
+        assert ck.stats()["staging_allocations"] == 3  # the anonymous buffer of save 1 + two files
+
+
+def test_files_made_ahead_never_overwrite_a_live_checkpoint(root: str, shm_dir: str) -> None:
+    mem = nc.MemoryTier(keep_last=2)
+    with knobs.override(slot_ahead_bytes=0), nc.Checkpointer(root, tiers=[mem, nc.LocalTier(root)]) as ck:
+        for step in range(1, 9):
+            ck.save(step, _state(step))
+            for s in ck.list(detailed=True)[ck.tiers[0].name]:
+                got = ck.read(s)[1]
+                assert torch.equal(got["a"], _state(s)["a"]), f"memory-tier step {s} was overwritten"
+        assert ck.stats()["staging_allocations"] <= 5, ck.stats()
+
+
+def test_prepare_makes_the_first_save_find_its_slot_file(root: str, shm_dir: str) -> None:
+    with knobs.override(slot_ahead_bytes=0), nc.Checkpointer(root) as ck:
+        ck.prepare(_state(0))
+        _wait_ahead(ck)
+        assert ck.stats()["staging_allocations"] == 1
+        ck.save(1, _state(1))
+        assert os.stat(_memory_shard(ck, 1)).st_nlink == 2  # linked: staged in the prepared file
+        _wait_ahead(ck)  # the memory tier links that file: a second one is made for save 2
+        assert ck.stats()["staging_allocations"] == 2
+        ck.save(2, _state(2))
+        assert os.stat(_memory_shard(ck, 2)).st_nlink == 2
+        assert torch.equal(ck.read(1)[1]["a"], _state(1)["a"]) or ck.list() == [2]
+        assert torch.equal(ck.read(2)[1]["a"], _state(2)["a"])
+
+
+def test_prepare_without_a_memory_tier_makes_an_anonymous_buffer(root: str) -> None:
+    with nc.Checkpointer(root, tiers=[nc.LocalTier(root)]) as ck:
+        ck.prepare(_state(0))
+        _wait_ahead(ck)
+        ck.save(1, _state(1))
+        ck.save(2, _state(2))
+        assert ck.stats()["staging_allocations"] == 1  # both saves staged in the prepared buffer
+        assert torch.equal(ck.read(2)[1]["b"], _state(2)["b"])
+
+
+def test_prepare_checks_the_state_and_writes_nothing(root: str, shm_dir: str) -> None:
+    with nc.Checkpointer(root) as ck:
+        with pytest.raises(nc.ValidationError, match="bad"):
+            ck.prepare({"bad": object()})
+        assert ck.list() == []
+
+
+def test_close_while_a_file_is_made_ahead_leaves_nothing(root: str, shm_dir: str) -> None:
+    ck = nc.Checkpointer(root, tiers=[nc.MemoryTier()])
+    big = {"a": torch.zeros(64 << 20, dtype=torch.uint8)}
+    ck.prepare(big)
+    slot_dir = _slot_dir(ck)
+    ck.close()  # joins the background thread, then frees what it made
+    assert ck._pool._preparer is None
+    assert not os.path.isdir(slot_dir) or os.listdir(slot_dir) == []
+    assert not any(t.name == "nebula-slot-ahead" for t in threading.enumerate())
