@@ -21,6 +21,7 @@ buffer, which the memory tier copies, while the next slot file is made by a back
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import mmap
 import os
@@ -32,7 +33,7 @@ import torch
 
 from . import knobs
 from .errors import ValidationError
-from .memtier import slot_file_name
+from .memtier import own_spare_slot_files, slot_file_name
 from .native import get_ops
 
 log = logging.getLogger(__name__)
@@ -91,15 +92,34 @@ def create_slot_file(slot_dir: str, nbytes: int) -> Slot:
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
     try:
         os.posix_fallocate(fd, 0, nbytes)  # pages exist now: ENOSPC here, never SIGBUS later
-        flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
-        mm = mmap.mmap(fd, nbytes, flags=flags, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        return _map_slot(fd, path, nbytes)
     except BaseException:
         os.unlink(path)
         raise
     finally:
         os.close(fd)
-    buf = torch.frombuffer(mm, dtype=torch.uint8)
-    return Slot(buf, False, path=path, _mm=mm)
+
+
+def adopt_slot_file(path: str, nbytes: int) -> Slot:
+    """Map the existing slot file ``path`` (a spare of exactly ``nbytes``, its pages allocated).
+
+    Raises:
+        OSError: it is gone, is a link, or is not ``nbytes`` long.
+    """
+    fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW)
+    try:
+        if os.fstat(fd).st_size != nbytes:
+            raise OSError(f"slot file {path} is not {nbytes} bytes")
+        os.posix_fallocate(fd, 0, nbytes)  # a no-op for a whole file: no hole can SIGBUS later
+        return _map_slot(fd, path, nbytes)
+    finally:
+        os.close(fd)
+
+
+def _map_slot(fd: int, path: str, nbytes: int) -> Slot:
+    flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+    mm = mmap.mmap(fd, nbytes, flags=flags, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+    return Slot(torch.frombuffer(mm, dtype=torch.uint8), False, path=path, _mm=mm)
 
 
 def _shm_room(slot_dir: str, nbytes: int) -> bool:
@@ -229,7 +249,7 @@ class StagingPool:
             s.free()
         if not room():
             return None
-        made = self._new_slot(size) if use_file and not ahead else None
+        made = (self._adopt_spare(nbytes) if ahead else self._new_slot(size)) if use_file else None
         if made is None:
             rounded = -(-max(nbytes, 1) // _ROUND) * _ROUND
             if self.max_bytes is None or total + rounded <= self.max_bytes:
@@ -242,7 +262,7 @@ class StagingPool:
         log.debug("nebula_ckpt: staging %s of %.1f MiB allocated (%d slots)",
                   "slot file" if slot.path else "buffer", slot.capacity / 2**20, len(self._slots))
         if ahead:
-            self._prepare_ahead(nbytes, took_file=False)
+            self._prepare_ahead(nbytes, took_file=slot.path is not None)
         return slot
 
     def prepare(self, nbytes: int, pinned: bool) -> None:
@@ -316,9 +336,26 @@ class StagingPool:
                               "slot file" if slot.path else "buffer", size / 2**20)
                 self._cond.notify_all()
 
+    def _adopt_spare(self, size: int) -> Optional[Slot]:
+        """A spare slot file of exactly ``size`` that a finished process left (its tmpfs pages
+        exist already: mapping it costs no page allocation), or None."""
+        if self.slot_dir is None:
+            return None
+        mine = {sl.path for sl in self._slots if sl.path is not None}
+        for path, have in own_spare_slot_files(self.slot_dir, mine):
+            if have == size:
+                try:
+                    return adopt_slot_file(path, size)
+                except OSError as e:
+                    log.debug("nebula_ckpt: spare slot file %s not adopted: %s", path, e)
+        return None
+
     def _new_slot(self, size: int) -> Optional[Slot]:
         """A slot file, or None (logged once) when the tmpfs has no room for one."""
         assert self.slot_dir is not None
+        spare = self._adopt_spare(size)
+        if spare is not None:
+            return spare
         why = None
         if not _shm_room(self.slot_dir, size):
             why = f"less than {knobs.get('shm_min_free_fraction'):.0%} of it would stay free"
@@ -359,4 +396,8 @@ class StagingPool:
                 if not s.in_use:
                     s.free()
             self._slots = [s for s in self._slots if s.in_use]
+            if self.slot_dir is not None:  # spares taken over from finished processes, never used
+                for path, _ in own_spare_slot_files(self.slot_dir, {s.path for s in self._slots if s.path}):
+                    with contextlib.suppress(FileNotFoundError):
+                        os.unlink(path)
             self._cond.notify_all()

@@ -171,9 +171,13 @@ def _pid_alive(pid: int) -> bool:
 
 
 def sweep_slot_files(slot_dir: str) -> int:
-    """Remove the names of slot files left by processes that are gone; return how many.
+    """Take over the slot files left by processes that are gone; return how many names were removed.
 
-    A checkpoint that links such a file keeps its bytes until its own retention removes it.
+    A name whose file a checkpoint still links is removed (the checkpoint keeps the bytes until
+    its own retention removes it). A file nothing links any more is an idle staging buffer whose
+    tmpfs pages already exist: it is renamed to this process (a *spare*, see
+    :func:`own_spare_slot_files`) instead of being freed, so the next save can stage in it
+    without paying for new pages, and freeing it costs the restore nothing.
     """
     removed = 0
     try:
@@ -184,14 +188,40 @@ def sweep_slot_files(slot_dir: str) -> int:
         pid = _slot_owner(name)
         if pid is None or pid == os.getpid() or _pid_alive(pid):
             continue
+        path = os.path.join(slot_dir, name)
         try:
-            os.unlink(os.path.join(slot_dir, name))
-            removed += 1
+            st = os.lstat(path)
+            if stat.S_ISREG(st.st_mode) and st.st_nlink == 1 and st.st_uid == os.getuid():
+                os.rename(path, os.path.join(slot_dir, slot_file_name()))
+            else:
+                os.unlink(path)
+                removed += 1
         except FileNotFoundError:
             pass
     if removed:
         log.info("nebula_ckpt: removed %d slot file name(s) of finished processes in %s", removed, slot_dir)
     return removed
+
+
+def own_spare_slot_files(slot_dir: str, exclude: set[str]) -> list[tuple[str, int]]:
+    """``(path, size)`` of this process's slot files in ``slot_dir`` not in ``exclude`` that no
+    checkpoint links: spares taken over by :func:`sweep_slot_files`, free to stage in."""
+    out: list[tuple[str, int]] = []
+    try:
+        names = os.listdir(slot_dir)
+    except FileNotFoundError:
+        return out
+    for name in names:
+        path = os.path.join(slot_dir, name)
+        if _slot_owner(name) != os.getpid() or path in exclude:
+            continue
+        try:
+            st = os.lstat(path)
+        except FileNotFoundError:
+            continue
+        if stat.S_ISREG(st.st_mode) and st.st_nlink == 1 and st.st_uid == os.getuid():
+            out.append((path, st.st_size))
+    return out
 
 
 # -- claims -------------------------------------------------------------------------------------------

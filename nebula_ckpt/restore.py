@@ -10,6 +10,7 @@ are copied once, from the page cache straight into the existing parameters.
 from __future__ import annotations
 
 import logging
+import mmap
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Optional
 
@@ -46,7 +47,7 @@ class OpenCheckpoint:
     """
 
     def __init__(self, manifest: mf.Manifest, buffers: dict[int, torch.Tensor], where: str,
-                 rank: Optional[int] = None) -> None:
+                 rank: Optional[int] = None, maps: Optional[dict[int, mmap.mmap]] = None) -> None:
         self.manifest = manifest
         self.step = manifest.step
         self.where = where
@@ -55,6 +56,12 @@ class OpenCheckpoint:
         #: the storage it was read from (set by :func:`find_and_open`)
         self.storage: Optional[Storage] = None
         self._buffers = buffers
+        #: shard index -> the file mapping under its buffer (local and memory tiers)
+        self._maps = maps or {}
+        #: records whose checksum is still to be checked (opened with ``defer_verify``)
+        self.unverified: dict[int, list[mf.TensorRecord]] = {}
+        #: the restore staged for this checkpoint by :func:`find_and_open`'s ``stage`` (run it to apply)
+        self.pending: Optional[Callable[[], None]] = None
         self._views: dict[str, torch.Tensor] = {}
         #: DeviceMesh by mesh shape, found in the objects restored into (for DTensor records)
         self.meshes: dict[tuple[int, ...], Any] = {}
@@ -103,6 +110,43 @@ class OpenCheckpoint:
     def buffer(self, shard: int) -> torch.Tensor:
         """The bytes of shard ``shard`` (read and verified when the checkpoint was opened)."""
         return self._buffers[shard]
+
+    def drop(self, recs: list[mf.TensorRecord]) -> None:
+        """Unmap the pages under ``recs`` from this process (they stay in the page cache / tmpfs).
+
+        The shard mappings are private and never written, so dropping a page loses nothing: a
+        later read maps it again. Restores call this for bytes already copied, which keeps the
+        mapped shard from adding its whole size to the process's resident memory.
+        """
+        for r in recs:
+            _advise(self._maps.get(r.shard), r.start, r.end, _MADV_DONTNEED)
+
+    def verified_by_copy(self, recs: list[mf.TensorRecord], crcs: list[int]) -> None:
+        """Compare the checksums the copy engine took of ``recs`` while copying them with the
+        manifest; those still unverified count as verified now.
+
+        Raises:
+            CorruptCheckpointError: naming the tensor whose bytes differ.
+        """
+        if not crcs:
+            return  # a path that takes none (device copies): verify_rest() checks them
+        for rec, have in zip(recs, crcs, strict=True):
+            if have != rec.crc32c:
+                raise CorruptCheckpointError(f"{self.where}: checksum mismatch in tensor '{rec.key}' "
+                                             f"(crc32c {have:#010x}, manifest {rec.crc32c:#010x})")
+        done = {id(r) for r in recs}
+        for si in list(self.unverified):
+            self.unverified[si] = [r for r in self.unverified[si] if id(r) not in done]
+
+    def verify_rest(self) -> None:
+        """Check the checksums of every record not verified yet (parallel, a chunk at a time).
+
+        Raises:
+            CorruptCheckpointError: naming the tensor whose bytes differ.
+        """
+        todo = {si: recs for si, recs in self.unverified.items() if recs}
+        self.unverified = {}
+        _verify_checksums(todo, self._buffers, self.where, self._maps)
 
     def view(self, key: str) -> torch.Tensor:
         """Read-only use view of tensor ``key`` (or of the key it is tied to) over the shard bytes."""
@@ -184,7 +228,7 @@ class NotThisLayout(Exception):
 
 
 def open_checkpoint(storage: Storage, step: int, verify: str, where: str,
-                    rank: Optional[int] = None, world: int = 1) -> OpenCheckpoint:
+                    rank: Optional[int] = None, world: int = 1, defer_verify: bool = False) -> OpenCheckpoint:
     """Read and verify one checkpoint; raise :class:`CorruptCheckpointError` naming what is wrong.
 
     Only ``step-N/COMMIT``, ``step-N/manifest.json`` and the shard files named by the validated
@@ -193,6 +237,8 @@ def open_checkpoint(storage: Storage, step: int, verify: str, where: str,
     ``rank`` is opened for that rank (only the shards holding its tensors are read and verified);
     one holding every rank of another layout is opened whole (to be resharded); one holding only
     some ranks of another layout raises :class:`NotThisLayout`.
+    ``defer_verify``: with ``verify="full"``, leave the checksums to the caller (the copies of a
+    staged restore check them as they go; :meth:`OpenCheckpoint.verify_rest` checks the rest).
     """
     man = read_manifest(storage, step, where)
     if man.multi_rank:
@@ -204,14 +250,24 @@ def open_checkpoint(storage: Storage, step: int, verify: str, where: str,
             raise NotThisLayout(f"{where}: holds rank(s) {list(man.ranks)[:8]} of a {man.world_size}-rank job; "
                                 f"this process is rank {rank or 0} of {world}")
     needed = _needed(man, rank)
-    buffers = {i: read_shard(storage, man, i, where) for i in sorted(needed)}
+    read = {i: _read_shard(storage, man, i, where) for i in sorted(needed)}
+    buffers = {i: b for i, (b, _) in read.items()}
+    maps = {i: m for i, (_, m) in read.items() if m is not None}
+    ck = OpenCheckpoint(man, buffers, where, rank if man.multi_rank else None, maps)
     if verify == "full":
-        _verify_checksums(needed, buffers, where)
-    return OpenCheckpoint(man, buffers, where, rank if man.multi_rank else None)
+        ck.unverified = needed
+        if not defer_verify:
+            ck.verify_rest()
+    return ck
 
 
 def read_shard(storage: Storage, man: mf.Manifest, i: int, where: str) -> torch.Tensor:
     """Shard ``i`` as a uint8 tensor, after checking its size and its header length."""
+    return _read_shard(storage, man, i, where)[0]
+
+
+def _read_shard(storage: Storage, man: mf.Manifest, i: int, where: str) -> tuple[torch.Tensor, Optional[mmap.mmap]]:
+    """:func:`read_shard`, and the file mapping under the tensor (None for bytes read into memory)."""
     sh = man.shards[i]
     rel = f"{mf.step_dir(man.step)}/{sh.file}"
     try:
@@ -226,23 +282,69 @@ def read_shard(storage: Storage, man: mf.Manifest, i: int, where: str) -> torch.
         raise CorruptCheckpointError(f"{where}: shard {sh.file} decodes to {len(mv)} bytes, "
                                      f"expected {sh.bytes}")
     man.check_data_start(i, 8 + int.from_bytes(bytes(mv[:8]), "little"), where)
-    return torch.frombuffer(mv, dtype=torch.uint8)
+    mm = getattr(mv, "obj", None)
+    return torch.frombuffer(mv, dtype=torch.uint8), mm if isinstance(mm, mmap.mmap) else None
+
+
+# madvise advice values (Linux): the mmap module lacks MADV_POPULATE_READ before Python 3.13.
+_MADV_DONTNEED = getattr(mmap, "MADV_DONTNEED", 4)
+_MADV_POPULATE_READ = 22
+#: bytes checksummed or copied between two drops of the mapped source pages
+_CHUNK = 64 << 20
+
+
+def _advise(mm: Optional[mmap.mmap], start: int, end: int, advice: int) -> None:
+    """``madvise`` the pages of ``mm`` covering ``[start, end)``; a no-op without a map or on error."""
+    if mm is None or end <= start:
+        return
+    lo = start - start % mmap.PAGESIZE
+    try:
+        mm.madvise(advice, lo, min(end, len(mm)) - lo)
+    except (OSError, ValueError):
+        pass  # an old kernel without MADV_POPULATE_READ: pages fault in as they are read
+
+
+def _chunks(recs: list[mf.TensorRecord]) -> list[list[mf.TensorRecord]]:
+    """``recs`` in shard order, in consecutive groups of at most a sixteenth of their bytes (4 to
+    64 MiB; a larger record is a group of its own): what is mapped at once stays small."""
+    limit = max(4 << 20, min(_CHUNK, sum(r.nbytes for r in recs) // 16))
+    out: list[list[mf.TensorRecord]] = []
+    size = limit
+    for r in sorted(recs, key=lambda r: r.start):
+        if size + r.nbytes > limit:
+            out.append([])
+            size = 0
+        out[-1].append(r)
+        size += r.nbytes
+    return out
 
 
 def _verify_checksums(needed: dict[int, list[mf.TensorRecord]], buffers: dict[int, torch.Tensor],
-                      where: str) -> None:
+                      where: str, maps: Optional[dict[int, mmap.mmap]] = None) -> None:
+    """Check the CRC32C of every record, on all threads, a chunk at a time.
+
+    A mapped chunk is populated in one call (not a fault per page) and dropped once checked, so
+    verifying a shard never makes the whole shard resident in this process.
+    """
     ops = get_ops()
+    maps = maps or {}
     for si, recs in needed.items():  # ranges were checked against their shard by Manifest.parse
-        got = ops.crc32c(buffers[si], [r.start for r in recs], [r.nbytes for r in recs])
-        for rec, have in zip(recs, got, strict=True):
-            if have != rec.crc32c:
-                raise CorruptCheckpointError(f"{where}: checksum mismatch in tensor '{rec.key}' "
-                                             f"(crc32c {have:#010x}, manifest {rec.crc32c:#010x})")
+        mm = maps.get(si)
+        for group in _chunks(recs):
+            lo, hi = group[0].start, group[-1].end
+            _advise(mm, lo, hi, _MADV_POPULATE_READ)
+            got = ops.crc32c(buffers[si], [r.start for r in group], [r.nbytes for r in group])
+            _advise(mm, lo, hi, _MADV_DONTNEED)
+            for rec, have in zip(group, got, strict=True):
+                if have != rec.crc32c:
+                    raise CorruptCheckpointError(f"{where}: checksum mismatch in tensor '{rec.key}' "
+                                                 f"(crc32c {have:#010x}, manifest {rec.crc32c:#010x})")
 
 
 def find_and_open(tiers: list[tuple[Tier, Storage]], step: Optional[int] = None,
                   verify: Optional[str] = None, on_all_damaged: str = "raise", rank: Optional[int] = None,
-                  world: int = 1) -> Optional[OpenCheckpoint]:
+                  world: int = 1, stage: Optional[Callable[[OpenCheckpoint], None]] = None
+                  ) -> Optional[OpenCheckpoint]:
     """Open the newest healthy checkpoint (or the healthy copy of ``step``).
 
     Every candidate that fails to open, for whatever reason, is skipped with a warning.
@@ -254,6 +356,9 @@ def find_and_open(tiers: list[tuple[Tier, Storage]], step: Optional[int] = None,
         on_all_damaged: when committed candidates exist but none is healthy: ``"raise"`` a
             :class:`CorruptCheckpointError` listing them, or ``"warn"`` (log) and return None.
         rank, world: the restoring process's rank and world size (see :func:`open_checkpoint`).
+        stage: called with each candidate opened (checksums deferred to it, see
+            :func:`stage_restore`); a candidate it finds damaged is skipped like one that fails
+            to open, before anything was restored from it.
 
     Returns:
         The open checkpoint, or None when there is no committed checkpoint (of ``step``) at all
@@ -267,7 +372,10 @@ def find_and_open(tiers: list[tuple[Tier, Storage]], step: Optional[int] = None,
             continue
         where = f"tier {c.tier.name} step {c.step}"
         try:
-            ck = open_checkpoint(c.storage, c.step, verify or c.tier.verify, where, rank, world)
+            ck = open_checkpoint(c.storage, c.step, verify or c.tier.verify, where, rank, world,
+                                 defer_verify=stage is not None)
+            if stage is not None:
+                stage(ck)
         except NotThisLayout as e:
             log.info("nebula_ckpt: not restoring %s", e)
             continue
@@ -312,20 +420,78 @@ def _owned(view: torch.Tensor, device: Optional[torch.device]) -> torch.Tensor:
 
 
 def _target_device(rec: mf.TensorRecord, map_location: Any) -> Optional[torch.device]:
+    """Where a created tensor goes, with ``map_location`` as :func:`torch.load` takes it.
+
+    ``None`` (the saved device, CPU where CUDA is missing), a device or string, a dict mapping
+    saved locations to new ones (``{"cuda:1": "cuda:0"}``; other locations stay), or a callable
+    ``f(storage, location)`` returning a storage (or tensor) on the target device, or None for
+    the default.
+    """
+    saved = torch.device(rec.device)  # validated: "cpu", "cuda" or "cuda:<n>"
+    if isinstance(map_location, dict):
+        mapped = map_location.get(rec.device, map_location.get(str(saved)))
+        return _target_device(rec, mapped)
+    if callable(map_location):
+        # torch.load passes the tensor's CPU storage; an empty one tells the target as well
+        # without copying anything to where the callable moves it.
+        got = map_location(torch.empty(0, dtype=torch.uint8).untyped_storage(), rec.device)
+        if got is None:
+            return _target_device(rec, None)
+        dev = getattr(got, "device", None)
+        if not isinstance(dev, torch.device):
+            raise ValidationError(f"restore: map_location({rec.device!r}) returned {type(got).__name__}, "
+                                  "not a storage or tensor (torch.load's callable form) or None")
+        return dev
     if map_location is not None:
         return torch.device(map_location)
-    dev = torch.device(rec.device)  # validated: "cpu", "cuda" or "cuda:<n>"
-    if dev.type == "cuda" and not torch.cuda.is_available():
+    if saved.type == "cuda" and not torch.cuda.is_available():
         return torch.device("cpu")
-    return dev
+    return saved
+
+
+def stage_restore(into: Any, *, map_location: Any = None, strict: bool = True,
+                  allow_pickle: bool = False) -> Callable[[OpenCheckpoint], None]:
+    """A ``stage`` for :func:`find_and_open` that prepares restoring each candidate into ``into``.
+
+    Sets ``ck.pending`` to what applies it (same layout), after :func:`stage_apply` read and
+    verified everything; for a checkpoint of another layout it only verifies (resharding reads
+    what it needs itself).
+    """
+    def stage(ck: OpenCheckpoint) -> None:
+        if ck.same_layout:
+            ck.pending = stage_apply(ck, into, map_location=map_location, strict=strict, allow_pickle=allow_pickle)
+        else:
+            ck.verify_rest()
+    return stage
 
 
 def apply(ck: OpenCheckpoint, into: Any, *, map_location: Any = None, strict: bool = True,
           allow_pickle: bool = False) -> None:
     """Restore ``ck`` into ``into`` in place (same tree shape as what was saved)."""
+    stage_apply(ck, into, map_location=map_location, strict=strict, allow_pickle=allow_pickle)()
+
+
+def stage_apply(ck: OpenCheckpoint, into: Any, *, map_location: Any = None, strict: bool = True,
+                allow_pickle: bool = False) -> Callable[[], None]:
+    """Everything of a restore of ``ck`` into ``into`` but the changes; returns what makes them.
+
+    Matches the checkpoint's tree against ``into`` (keys, shapes, dtypes: ``ValidationError``),
+    makes the owned copies (optimizer state, new tensors) in parallel while checking their
+    checksums, and checks the checksums of the bytes that will be copied into existing tensors
+    (``CorruptCheckpointError``). Nothing in ``into`` has changed when this returns or raises;
+    the returned function applies it.
+    """
     if any(r.dtensor is not None for r in ck.manifest.tensors.values()):
         ck.meshes.update(_meshes(into))
-    _apply_node(ck, ck.tree, into, "", map_location, strict, allow_pickle)
+    st = _Staged(ck, map_location, allow_pickle)
+    run = _plan_node(st, ck.tree, into, "", strict)
+    st.materialize()
+    ck.verify_rest()
+
+    def go() -> None:
+        run()
+        ck.pending = None
+    return go
 
 
 def _meshes(into: Any) -> dict[tuple[int, ...], Any]:
@@ -354,7 +520,40 @@ def _meshes(into: Any) -> dict[tuple[int, ...], Any]:
 
 def materialize(ck: OpenCheckpoint, *, map_location: Any = None, allow_pickle: bool = False) -> Any:
     """Decode the whole checkpoint as a fresh tree of owned tensors and plain values."""
-    return _decode_owned(ck, ck.tree, map_location, allow_pickle, "")
+    st = _Staged(ck, map_location, allow_pickle)
+    tree = st.decode_owned(ck.tree, "")
+    st.materialize()
+    ck.verify_rest()
+    return tree()
+
+
+class _Staged:
+    """The owned copies a restore makes: registered while planning, made at once, then decoded."""
+
+    def __init__(self, ck: OpenCheckpoint, map_location: Any, allow_pickle: bool) -> None:
+        self.ck = ck
+        self.map_location = map_location
+        self.allow_pickle = allow_pickle
+        self._groups: list[list[str]] = []
+        self._owned: list[dict[str, torch.Tensor]] = []
+
+    def decode_owned(self, node: Mapping[str, Any], path: str) -> Callable[[], Any]:
+        """Register the tensors of ``node`` for owned copies; return what decodes ``node`` with them.
+
+        Each node gets buffers of its own (an optimizer's state never shares a storage with
+        another object's, so saving one never writes the other's bytes).
+        """
+        i = len(self._groups)
+        self._groups.append(tensor_keys(node, []))
+
+        def decoded() -> Any:
+            owned = self._owned[i]
+            return decode(node, lambda k: self.ck.as_saved(k, owned[k]), self.allow_pickle, path)
+        return decoded
+
+    def materialize(self) -> None:
+        """Make every registered owned copy (checksums checked while copying)."""
+        self._owned = [_owned_batch(self.ck, keys, self.map_location) for keys in self._groups]
 
 
 def tensor_keys(node: Any, out: list[str]) -> list[str]:
@@ -373,10 +572,14 @@ def tensor_keys(node: Any, out: list[str]) -> list[str]:
 
 
 def _owned_batch(ck: OpenCheckpoint, keys: list[str], map_location: Any) -> dict[str, torch.Tensor]:
-    """Owned copies of many tensors: one pre-faulted host buffer, one parallel native copy.
+    """Owned copies of many tensors: one pre-faulted host buffer per dtype, parallel native copies.
 
     Cloning tensor by tensor pays an allocation and a page fault per 4 KiB page for each; a
-    single (huge-page) buffer filled by the copy engine avoids both. The tensors are views of it.
+    single (huge-page, pre-faulted on all threads) buffer filled by the copy engine avoids both.
+    The tensors are views of it. The copies go a chunk at a time: the source pages of a chunk
+    are dropped from this process once copied (the restore's extra resident memory stays near
+    the owned bytes), and the checksums the engine takes while copying are compared with the
+    manifest again, so bytes that changed in the file since they were verified never pass.
     """
     # Each stored tensor once, however often the tree names it: with the ranges validated as
     # disjoint by Manifest.parse, the buffers below never exceed the shard's own bytes.
@@ -396,19 +599,23 @@ def _owned_batch(ck: OpenCheckpoint, keys: list[str], map_location: Any) -> dict
         v = ck.view(k)
         groups.setdefault(v.dtype, []).append((k, v))
     ops = get_ops()
-    jobs = []
     for items in groups.values():
         offsets, total = [], 0
         for _, v in items:
             offsets.append(total)
             total += -(-(v.numel() * v.element_size()) // 64) * 64
         buf = ops.alloc(total) if total else torch.empty(0, dtype=torch.uint8)
-        jobs.append(ops.enqueue_copy([v for _, v in items], buf, offsets))
-        for (k, v), off in zip(items, offsets, strict=True):
+        at = {k: off for (k, _), off in zip(items, offsets, strict=True)}
+        views = dict(items)
+        for chunk in _chunks([ck.resolve(k) for k, _ in items]):
+            names = [first[r.key] for r in chunk]
+            job = ops.enqueue_copy([views[n] for n in names], buf, [at[n] for n in names])
+            job.wait()
+            ck.drop(chunk)
+            ck.verified_by_copy(chunk, job.checksums())
+        for k, v in items:
             n = v.numel() * v.element_size()
-            out[k] = buf[off:off + n].view(v.dtype).reshape(v.shape)
-    for job in jobs:
-        job.wait()
+            out[k] = buf[at[k]:at[k] + n].view(v.dtype).reshape(v.shape)
     for k, dev in other:
         out[k] = _owned(ck.view(k), dev)
     for k in keys:
@@ -416,64 +623,107 @@ def _owned_batch(ck: OpenCheckpoint, keys: list[str], map_location: Any) -> dict
     return out
 
 
-def _decode_owned(ck: OpenCheckpoint, node: Mapping[str, Any], map_location: Any, allow_pickle: bool,
-                  path: str) -> Any:
-    owned = _owned_batch(ck, tensor_keys(node, []), map_location)
-    return decode(node, lambda k: ck.as_saved(k, owned[k]), allow_pickle, path)
-
-
-def _apply_node(ck: OpenCheckpoint, node: Mapping[str, Any], target: Any, path: str, map_location: Any,
-                strict: bool, allow_pickle: bool) -> Any:
-    """Restore ``node`` into ``target`` where possible; return the value to store in the parent."""
+def _plan_node(st: _Staged, node: Mapping[str, Any], target: Any, path: str, strict: bool) -> Callable[[], Any]:
+    """Plan restoring ``node`` into ``target``: validate now, return what restores it and gives
+    the value to store in the parent."""
+    ck = st.ck
     t = node["t"]
     shown = path or "<root>"
     if t == "stateful":
-        load = getattr(target, "load_state_dict", None)
-        if not callable(load):
+        if not callable(getattr(target, "load_state_dict", None)):
             if target is None or not strict:
-                return _decode_owned(ck, node, map_location, allow_pickle, path)
+                return st.decode_owned(node, path)
             raise ValidationError(f"restore: checkpoint key '{shown}' holds a {node.get('cls')} state, but "
                                   f"the object given in `into` ({type(target).__name__}) has no load_state_dict()")
         if isinstance(target, torch.nn.Module):
-            # Zero-copy views: load_state_dict copies them straight into the parameters.
-            state = decode(node["state"], lambda k: ck.as_saved(k, ck.view(k)), allow_pickle, path)
-            target.load_state_dict(state, strict=strict)
-        else:
-            # Optimizers etc. keep the tensors they are given: hand them owned copies.
-            target.load_state_dict(_decode_owned(ck, node["state"], map_location, allow_pickle, path))
-        return target
+            keys = tensor_keys(node["state"], [])
+
+            def load_module() -> Any:
+                # Zero-copy views: load_state_dict copies them straight into the parameters, and
+                # each submodule's source pages are unmapped once it is loaded.
+                state = decode(node["state"], lambda k: ck.as_saved(k, ck.view(k)), st.allow_pickle, path)
+                hooks = _drop_after_each_submodule(ck, target, node["state"])
+                try:
+                    target.load_state_dict(state, strict=strict)
+                finally:
+                    for h in hooks:
+                        h.remove()
+                del state
+                ck.drop([ck.resolve(k) for k in keys])
+                return target
+            return load_module
+        # Optimizers etc. keep the tensors they are given: hand them owned copies.
+        state = st.decode_owned(node["state"], path)
+
+        def load_object() -> Any:
+            target.load_state_dict(state())
+            return target
+        return load_object
     if t == "tensor":
-        if isinstance(target, torch.Tensor):
-            src = ck.view(node["k"])
-            dest = target
-            if ck.resolve(node["k"]).dtensor is not None and hasattr(target, "to_local"):
-                dest = target.to_local()  # a DTensor: this rank's shard is restored into its local part
-            if tuple(dest.shape) != tuple(src.shape) or dest.dtype != src.dtype:
-                raise ValidationError(
-                    f"restore: key '{shown}': checkpoint has {src.dtype} {tuple(src.shape)}, the tensor in "
-                    f"`into` is {dest.dtype} {tuple(dest.shape)}; pass a matching tensor or use read()")
+        if not isinstance(target, torch.Tensor):
+            return st.decode_owned(node, path)
+        src = ck.view(node["k"])
+        dest = target
+        if ck.resolve(node["k"]).dtensor is not None and hasattr(target, "to_local"):
+            dest = target.to_local()  # a DTensor: this rank's shard is restored into its local part
+        if tuple(dest.shape) != tuple(src.shape) or dest.dtype != src.dtype:
+            raise ValidationError(
+                f"restore: key '{shown}': checkpoint has {src.dtype} {tuple(src.shape)}, the tensor in "
+                f"`into` is {dest.dtype} {tuple(dest.shape)}; pass a matching tensor or use read()")
+
+        def copy_into() -> Any:
             with torch.no_grad():
                 dest.copy_(src)
+            ck.drop([ck.resolve(node["k"])])
             return target
-        return _decode_owned(ck, node, map_location, allow_pickle, path)
+        return copy_into
     if t in ("dict", "odict") and isinstance(target, dict):
-        saved_keys = []
+        saved_keys, subs = [], []
         for k_node, v_node in node["v"]:
             k = decode(k_node, ck.view, False, path)
             saved_keys.append(k)
-            sub = f"{path}/{k}" if path else str(k)
-            target[k] = _apply_node(ck, v_node, target.get(k), sub, map_location, strict, allow_pickle)
+            subs.append((k, _plan_node(st, v_node, target.get(k), f"{path}/{k}" if path else str(k), strict)))
         missing = [k for k in target if k not in saved_keys]
         if missing and strict:
             raise ValidationError(f"restore: `into` has key(s) {missing} under '{shown}' that the checkpoint "
                                   f"of step {ck.step} does not have; pass strict=False to leave them as they are")
-        return target
-    if t == "list" and isinstance(target, list) and len(target) == len(node["v"]):
-        for i, v_node in enumerate(node["v"]):
-            target[i] = _apply_node(ck, v_node, target[i], f"{path}/{i}", map_location, strict, allow_pickle)
-        return target
-    if t == "tuple" and isinstance(target, tuple) and len(target) == len(node["v"]):
-        # Tuples are immutable: restore what can be restored in place, rebuild the tuple.
-        return tuple(_apply_node(ck, v, target[i], f"{path}/{i}", map_location, strict, allow_pickle)
-                     for i, v in enumerate(node["v"]))
-    return _decode_owned(ck, node, map_location, allow_pickle, path)
+
+        def fill() -> Any:
+            for k, f in subs:
+                target[k] = f()
+            return target
+        return fill
+    if t in ("list", "tuple") and isinstance(target, list if t == "list" else tuple) \
+            and len(target) == len(node["v"]):
+        items = [_plan_node(st, v, target[i], f"{path}/{i}", strict) for i, v in enumerate(node["v"])]
+        if t == "tuple":  # immutable: restore what can be restored in place, rebuild the tuple
+            return lambda: tuple(f() for f in items)
+
+        seq: Any = target
+
+        def fill_list() -> Any:
+            for i, f in enumerate(items):
+                seq[i] = f()
+            return seq
+        return fill_list
+    return st.decode_owned(node, path)
+
+
+def _drop_after_each_submodule(ck: OpenCheckpoint, module: torch.nn.Module, state: Mapping[str, Any]) -> list[Any]:
+    """Post hooks on ``module`` and its submodules that unmap the source pages of their own
+    parameters and buffers as soon as ``load_state_dict`` has copied them (so a model's restore
+    never has its whole mapped source resident). Keys it cannot match are dropped by the caller
+    after the load."""
+    recs: dict[str, mf.TensorRecord] = {}
+    if state.get("t") in ("dict", "odict"):
+        for k_node, v_node in state["v"]:
+            if isinstance(v_node, dict) and v_node.get("t") == "tensor" and isinstance(k_node, dict) \
+                    and k_node.get("t") == "str":
+                recs[k_node["v"]] = ck.resolve(v_node["k"])
+    hooks = []
+    for name, sub in module.named_modules():
+        mine = [recs[f"{name}.{n}" if name else n] for n in (*sub._parameters, *sub._buffers)
+                if (f"{name}.{n}" if name else n) in recs]
+        if mine:
+            hooks.append(sub.register_load_state_dict_post_hook(lambda _m, _k, mine=mine: ck.drop(mine)))
+    return hooks

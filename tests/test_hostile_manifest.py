@@ -287,15 +287,15 @@ def test_any_exception_while_opening_is_a_skipped_candidate(tmp_path, shm_dir, e
 
     real = restore.open_checkpoint
 
-    def flaky(storage: Any, step: int, verify: str, where: str, *rank_world: Any) -> Any:
+    def flaky(storage: Any, step: int, verify: str, where: str, *rank_world: Any, **kw: Any) -> Any:
         if step == 2:
             raise exc
-        return real(storage, step, verify, where, *rank_world)
+        return real(storage, step, verify, where, *rank_world, **kw)
 
     monkeypatch.setattr(restore, "open_checkpoint", flaky)
     ck = find_and_open(_pairs(root))
     assert ck is not None and ck.step == 1
-    monkeypatch.setattr(restore, "open_checkpoint", lambda *a: (_ for _ in ()).throw(exc))
+    monkeypatch.setattr(restore, "open_checkpoint", lambda *a, **kw: (_ for _ in ()).throw(exc))
     with pytest.raises(CorruptCheckpointError, match=type(exc).__name__):
         find_and_open(_pairs(root))
 

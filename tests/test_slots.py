@@ -89,27 +89,58 @@ def test_close_removes_own_slot_names_and_keeps_checkpoints(root: str, shm_dir: 
 
 
 def test_slot_names_of_a_killed_process_are_swept(root: str, shm_dir: str) -> None:
+    """A dead writer's slot names go: the one its newest checkpoint links is unlinked (the
+    checkpoint keeps the bytes), its idle staging file becomes a spare of the new process, which
+    the next save of that size stages in (no new tmpfs pages), and close() leaves no name."""
     code = f"""
 import os, torch, nebula_ckpt as nc
 ck = nc.Checkpointer({root!r})
 for s in (1, 2):
     ck.save(s, {{"a": torch.full((64, 1024), float(s)), "b": torch.arange(5000, dtype=torch.int64) + s}})
+print(os.getpid())
 os._exit(0)   # no close(): as after a crash
 """
     env = dict(os.environ, NEBULA_SHM_DIR=shm_dir)
-    subprocess.run([sys.executable, "-c", code], check=True, env=env, cwd=os.getcwd())
+    dead = subprocess.run([sys.executable, "-c", code], check=True, env=env, cwd=os.getcwd(),
+                          capture_output=True, text=True).stdout.split()[-1]
     ck = nc.Checkpointer(root)
     try:
         slot_dir = _slot_dir(ck)
-        assert os.listdir(slot_dir) == [], "slot names of the dead writer were not swept"
+        left = os.listdir(slot_dir)
+        assert not [n for n in left if n.startswith(f"slot-{dead}-")], "slot names of the dead writer were not swept"
+        assert [n for n in left if n.startswith(f"slot-{os.getpid()}-")] == left and len(left) == 1, left
+        spare = os.path.join(slot_dir, left[0])
+        assert os.stat(spare).st_nlink == 1  # the idle staging file: linked by no checkpoint
         assert os.stat(_memory_shard(ck, 2)).st_nlink == 1  # the checkpoint holds its bytes alone
         step, got = ck.read()
         assert step == 2 and ck.last_restore["tier"].startswith("memory:")
         assert torch.equal(got["a"], _state(2)["a"])
-        ck.save(3, _state(3))  # and the new writer goes on with slots of its own
+        inode = os.stat(spare).st_ino
+        ck.save(3, _state(3))  # and the new writer stages in the spare
+        assert os.stat(_memory_shard(ck, 3)).st_ino == inode
+        assert ck.stats()["staging_allocations"] == 1
         assert torch.equal(ck.read(3)[1]["b"], _state(3)["b"])
+        assert torch.equal(ck.read(2)[1]["b"], _state(2)["b"]) or ck.list() == [3]
     finally:
         ck.close()
+
+
+def test_unused_spares_are_removed_at_close(root: str, shm_dir: str) -> None:
+    code = f"""
+import os, torch, nebula_ckpt as nc
+ck = nc.Checkpointer({root!r}, tiers=[nc.MemoryTier(), nc.LocalTier({root!r})])
+for s in (1, 2):
+    ck.save(s, {{"a": torch.full((64, 1024), float(s))}})
+os._exit(0)
+"""
+    env = dict(os.environ, NEBULA_SHM_DIR=shm_dir)
+    subprocess.run([sys.executable, "-c", code], check=True, env=env, cwd=os.getcwd())
+    ck = nc.Checkpointer(root, tiers=[nc.MemoryTier(), nc.LocalTier(root)])
+    slot_dir = _slot_dir(ck)
+    assert len(os.listdir(slot_dir)) == 1  # the spare
+    ck.save(3, {"a": torch.zeros(10)})  # another size: the spare is not used
+    ck.close()
+    assert not os.path.isdir(slot_dir) or os.listdir(slot_dir) == []
 
 
 def test_no_room_in_shm_falls_back_to_copying(root: str, caplog) -> None:  # noqa: ANN001
