@@ -24,6 +24,10 @@ What DCP sees (:meth:`NebulaStorageReader.read_metadata`):
   DCP's flattened names, with the value of the lowest rank. Values stored with pickle are
   only exposed with ``allow_pickle=True``.
 
+Writing: :class:`NebulaStorageWriter` (``from nebula_ckpt.dcp import NebulaStorageWriter``, defined in
+:mod:`nebula_ckpt.dcp_writer`) is the matching ``StorageWriter``: ``dcp.save`` / ``dcp.async_save``
+write a normal nebula_ckpt checkpoint.
+
 Everything read is verified: the commit marker and manifest (:meth:`Manifest.parse`), the
 consistency of the ranks' records (global shapes, dtypes, chunks covering the tensor), the size
 of each shard, and the CRC32C of every stored tensor that is read (once per reader). Damage
@@ -518,6 +522,15 @@ def _holds(value: Any, marks: Mapping[int, str]) -> bool:
         elif isinstance(v, (list, tuple)):
             stack.extend(v)
     return False
+
+
+def __getattr__(name: str) -> Any:
+    """``NebulaStorageWriter`` lives in :mod:`nebula_ckpt.dcp_writer` (imported on first use)."""
+    if name == "NebulaStorageWriter":
+        from .dcp_writer import NebulaStorageWriter
+
+        return NebulaStorageWriter
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def _narrow(t: torch.Tensor, offsets: torch.Size, lengths: torch.Size) -> torch.Tensor:

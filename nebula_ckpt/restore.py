@@ -629,6 +629,11 @@ def _plan_node(st: _Staged, node: Mapping[str, Any], target: Any, path: str, str
     ck = st.ck
     t = node["t"]
     shown = path or "<root>"
+    if t in ("dict", "odict") and not isinstance(target, dict) and callable(getattr(target, "load_state_dict", None)):
+        # a state dict saved as a plain dict (DCP's writer, a framework's dict) restored into the
+        # object it came from: load it into the object, never replace the object by the dict
+        node = {"t": "stateful", "cls": type(target).__name__, "state": node}
+        t = "stateful"
     if t == "stateful":
         if not callable(getattr(target, "load_state_dict", None)):
             if target is None or not strict:

@@ -158,3 +158,19 @@ def test_restoring_from_the_memory_tier_never_makes_the_shard_resident(root: str
     got = json.loads(out.splitlines()[-1])
     assert got["step"] == 1 and got["tier"].startswith("memory:"), got
     assert got["extra"] <= 0.67 + 0.15, got  # before: ~1.67 (the whole shard mapped + the copies)
+
+
+def test_a_state_dict_saved_as_a_dict_restores_into_its_objects(tmp_path: Path) -> None:
+    """What DCP's writer and frameworks save (plain state dicts) restores into the live module
+    and optimizer, instead of silently replacing them with dicts."""
+    root = str(tmp_path / "ck")
+    model, opt = _trained()
+    with nc.Checkpointer(root, memory_tier=False) as ck:
+        ck.save(1, {"model": model.state_dict(), "optim": opt.state_dict()})
+    want = _snapshot(model, opt)
+    fresh, fresh_opt = _trained(seed=1)
+    into = {"model": fresh, "optim": fresh_opt}
+    with nc.Checkpointer(root, memory_tier=False) as ck:
+        assert ck.load_latest(into=into) == 1
+    assert into["model"] is fresh and into["optim"] is fresh_opt
+    assert _equal(_snapshot(fresh, fresh_opt), want)
