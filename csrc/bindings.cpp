@@ -188,11 +188,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def(
           "enqueue",
           [](CopyEngine& e, const std::vector<at::Tensor>& srcs, const at::Tensor& dst,
-             const std::vector<int64_t>& offsets) {
-            return std::shared_ptr<CopyJob>(e.enqueue(srcs, dst, offsets).release(), JobDeleter{});
+             const std::vector<int64_t>& offsets, bool checksum) {
+            return std::shared_ptr<CopyJob>(e.enqueue(srcs, dst, offsets, checksum).release(),
+                                            JobDeleter{});
           },
-          py::arg("srcs"), py::arg("dst"), py::arg("offsets"), py::call_guard<GilRelease>(),
-          "Copy each srcs[i]'s contiguous bytes to dst[offsets[i]:...] asynchronously.")
+          py::arg("srcs"), py::arg("dst"), py::arg("offsets"), py::arg("checksum") = true,
+          py::call_guard<GilRelease>(),
+          "Copy each srcs[i]'s contiguous bytes to dst[offsets[i]:...] asynchronously "
+          "(checksum=False: plain copies, checksums() empty).")
       .def("close", &CopyEngine::close, py::call_guard<GilRelease>(),
            "Finish queued copies and join the threads now (idempotent); enqueue fails after.")
       .def_property_readonly("num_threads", &CopyEngine::num_threads);

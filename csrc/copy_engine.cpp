@@ -88,6 +88,7 @@ struct JobState {
   std::vector<int64_t> first_piece;                     // per source; -1: nothing copied on CPU
   std::vector<int64_t> n_pieces;                        // per source
   Clock::time_point start;
+  bool checksum = true;  // false: plain memcpy, the caller hashes the staged bytes
 
   std::mutex mu;
   std::condition_variable cv;
@@ -136,7 +137,9 @@ struct JobState {
     if (!skip) {
       try {
         for (const Piece& p : pieces) {
-          if (!p.strided) {
+          if (!p.strided && !checksum) {
+            std::memcpy(p.to, p.from, p.len);
+          } else if (!p.strided) {
             bool changed = false;
             piece_crc[p.id] = copy_crc(p.to, p.from, p.len, &changed);
             if (changed) torn[p.src].store(true, std::memory_order_relaxed);
@@ -153,7 +156,7 @@ struct JobState {
             // Hash the staged bytes, so the checksum matches them whatever
             // happened to the source meanwhile (a torn strided copy is only
             // caught by the version counter).
-            piece_crc[p.id] = crc32c_update(0, p.to, p.len);
+            if (checksum) piece_crc[p.id] = crc32c_update(0, p.to, p.len);
           }
           piece_done(p.src);
         }
@@ -230,7 +233,8 @@ std::vector<int64_t> CopyJob::modified() {
 std::vector<int64_t> CopyJob::checksums() {
   wait();
   std::vector<int64_t> out;
-  if (cuda_) return out;  // device copies are not checksummed here: the caller hashes the buffer
+  // Device copies, and copies without checksums, are not hashed here: the caller hashes the buffer.
+  if (cuda_ || !state_->checksum) return out;
   out.reserve(state_->srcs.size());
   for (size_t i = 0; i < state_->first_piece.size(); ++i) {
     uint32_t crc = 0;
@@ -272,7 +276,7 @@ void CopyEngine::close() {
 
 std::unique_ptr<CopyJob> CopyEngine::enqueue(const std::vector<at::Tensor>& srcs,
                                              const at::Tensor& dst,
-                                             const std::vector<int64_t>& offsets) {
+                                             const std::vector<int64_t>& offsets, bool checksum) {
   // ---- validate everything before anything is queued ----
   TORCH_CHECK(srcs.size() == offsets.size(), "enqueue: got ", srcs.size(), " srcs but ",
               offsets.size(), " offsets");
@@ -316,6 +320,7 @@ std::unique_ptr<CopyJob> CopyEngine::enqueue(const std::vector<at::Tensor>& srcs
   // ---- build the job ----
   auto st = std::make_shared<JobState>();
   st->start = Clock::now();
+  st->checksum = checksum;
   st->srcs = srcs;
   st->dst = dst;
   st->versions.resize(srcs.size(), -1);

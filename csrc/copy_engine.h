@@ -48,8 +48,8 @@ class CopyJob {
   // CRC32C of the bytes staged for every source (waits for the copy), taken
   // while copying so the staging buffer is not read again: always those of
   // the staged bytes, even when a source changed under the copy. Empty when
-  // the job has device (CUDA) sources, whose bytes the caller hashes from
-  // the buffer.
+  // the job has device (CUDA) sources or was enqueued with checksum=false:
+  // the caller hashes the bytes from the buffer.
   std::vector<int64_t> checksums();
   // Seconds from enqueue until the last copy finished (or until now).
   double seconds();
@@ -72,8 +72,12 @@ class CopyEngine {
 
   // Validate everything, then queue the copies and return at once.
   // srcs[i]'s contiguous byte image goes to dst[offsets[i], offsets[i] + nbytes_i).
+  // checksum=false: plain copies at memcpy speed, no CRC32C and no check of the
+  // bytes of a block against a hash taken before its copy (version counters
+  // are still compared); checksums() is then empty and the caller hashes the
+  // staged bytes itself, off the critical path.
   std::unique_ptr<CopyJob> enqueue(const std::vector<at::Tensor>& srcs, const at::Tensor& dst,
-                                   const std::vector<int64_t>& offsets);
+                                   const std::vector<int64_t>& offsets, bool checksum = true);
 
   // Worker threads; 0 once closed.
   int num_threads() {

@@ -55,10 +55,13 @@ class CopyEngine:
         """Finish the queued copies and join the threads now (idempotent).
 
         ``enqueue`` raises RuntimeError afterwards."""
-    def enqueue(self, srcs: list[torch.Tensor], dst: torch.Tensor, offsets: list[int]) -> CopyJob:
+    def enqueue(self, srcs: list[torch.Tensor], dst: torch.Tensor, offsets: list[int],
+                checksum: bool = True) -> CopyJob:
         """Validate, then asynchronously copy each srcs[i]'s contiguous bytes into dst at offsets[i].
 
-        ``dst``: a 1-D uint8 CPU tensor."""
+        ``dst``: a 1-D uint8 CPU tensor. ``checksum=False``: plain copies at memcpy speed, no CRC32C
+        and no check of a block's bytes against a hash taken before its copy (version counters are
+        still compared); ``checksums()`` is then empty."""
 
 def crc32c(buf: torch.Tensor, offsets: list[int], lengths: list[int], num_threads: int) -> list[int]:
     """CRC32C of each byte range [offsets[i], offsets[i] + lengths[i]) of a 1-D contiguous uint8 CPU tensor."""

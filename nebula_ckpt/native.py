@@ -75,7 +75,9 @@ class _FallbackJob:
     ``copy_`` (which aborts the process).
     """
 
-    def __init__(self, srcs: Sequence[torch.Tensor], dst: torch.Tensor, offsets: Sequence[int]) -> None:
+    def __init__(self, srcs: Sequence[torch.Tensor], dst: torch.Tensor, offsets: Sequence[int],
+                 checksum: bool = True) -> None:
+        self._checksum = checksum
         self._srcs = list(srcs)
         self._dst = dst
         self._offsets = list(offsets)
@@ -95,7 +97,9 @@ class _FallbackJob:
                 for i, (src, off) in enumerate(zip(self._srcs, self._offsets, strict=True)):
                     n = src.numel() * src.element_size()
                     crc, torn = 0, False
-                    if n:
+                    if n and not self._checksum:
+                        self._dst[off:off + n].copy_(_byte_view(src))
+                    elif n:
                         staged = self._dst[off:off + n]
                         staged.copy_(_byte_view(src))
                         # The checksum is that of the staged bytes; a source whose bytes differ
@@ -126,7 +130,7 @@ class _FallbackJob:
 
     def checksums(self) -> list[int]:
         self.wait()
-        return list(self._checksums)
+        return list(self._checksums) if self._checksum else []
 
 
 class FallbackOps:
@@ -141,9 +145,12 @@ class FallbackOps:
         return buf[:nbytes]
 
     def enqueue_copy(self, srcs: Sequence[torch.Tensor], dst: torch.Tensor,
-                     offsets: Sequence[int]) -> CopyJob:
-        """Start copying ``srcs`` into ``dst`` at ``offsets`` on a background thread."""
-        return _FallbackJob(srcs, dst, offsets)
+                     offsets: Sequence[int], checksum: bool = True) -> CopyJob:
+        """Start copying ``srcs`` into ``dst`` at ``offsets`` on a background thread.
+
+        ``checksum=False``: plain copies; ``checksums()`` is empty (hash the buffer afterwards).
+        """
+        return _FallbackJob(srcs, dst, offsets, checksum)
 
     def crc32c(self, buf: torch.Tensor, offsets: Sequence[int], lengths: Sequence[int]) -> list[int]:
         """CRC32C of each ``buf[offset:offset+length]``."""
@@ -249,8 +256,8 @@ class NativeOps(FallbackOps):
         return self._C.alloc_host_buffer(nbytes, pinned, int(knobs.get("copy_threads")))
 
     def enqueue_copy(self, srcs: Sequence[torch.Tensor], dst: torch.Tensor,
-                     offsets: Sequence[int]) -> CopyJob:
-        return self._get_engine().enqueue(list(srcs), dst, list(offsets))
+                     offsets: Sequence[int], checksum: bool = True) -> CopyJob:
+        return self._get_engine().enqueue(list(srcs), dst, list(offsets), checksum)
 
     def crc32c(self, buf: torch.Tensor, offsets: Sequence[int], lengths: Sequence[int]) -> list[int]:
         return list(self._C.crc32c(buf, list(offsets), list(lengths), int(knobs.get("io_threads"))))

@@ -246,6 +246,30 @@ def test_job_outlives_dropped_python_refs():
     del eng
 
 
+@pytest.mark.parametrize("path", ["native", "fallback"])
+def test_copies_without_checksums_are_the_same_bytes(path):
+    """checksum=False (what synchronous saves use: the stager hashes the staged bytes later, off
+    the training thread) copies every layout exactly, returns no checksums, and still reports a
+    source whose version counter moved during the copy."""
+    from nebula_ckpt.native import fallback_ops, get_ops
+
+    ops = get_ops() if path == "native" else fallback_ops()
+    srcs = [make((i % 7 + 1, 33), ALL_DTYPES[i % len(ALL_DTYPES)], seed=i) for i in range(40)]
+    srcs += [torch.randn(3 * MiB), torch.randn(64, 64).t(), torch.tensor(5.0)]
+    offsets, pos = [], 0
+    for t in srcs:
+        offsets.append(pos)
+        pos += t.numel() * t.element_size() + 3
+    dst = torch.full((pos,), 0xAB, dtype=torch.uint8)
+    job = ops.enqueue_copy(srcs, dst, offsets, checksum=False)
+    job.wait()
+    assert job.checksums() == []
+    assert_images(srcs, dst, offsets)
+    assert job.modified() == []
+    with_sums = ops.enqueue_copy(srcs, torch.empty_like(dst), offsets)
+    assert len(with_sums.checksums()) == len(srcs)  # the default still checksums while copying
+
+
 def test_modified_reports_in_place_update():
     # One thread, FIFO: the big tensor is copied first, so `small` is copied
     # (and its version re-read) well after the add_ below. We only assert when
