@@ -66,17 +66,17 @@ def _shared(root: str, **kwargs: Any) -> Checkpointer:
         return ck
 
 
-def save_async(root: str, step: int, state: Any, **kwargs: Any) -> SaveHandle:
+def save_async(root: str, step: int, state: Any, *, tag: Optional[str] = None, **kwargs: Any) -> SaveHandle:
     """One-liner: ``save_async`` on a per-root :class:`Checkpointer` shared by the process.
 
     The first call for a ``root`` creates it with ``kwargs``; it is closed at exit (or by
-    :func:`close_all`).
+    :func:`close_all`). ``tag``: see :meth:`Checkpointer.save_async`.
 
     Example::
 
         nc.save_async("/ckpt/run", step, {"model": model, "optim": opt})
     """
-    return _shared(root, **kwargs).save_async(step, state)
+    return _shared(root, **kwargs).save_async(step, state, tag=tag)
 
 
 def load_latest(root: str, into: Any = None, **kwargs: Any) -> Optional[int]:

@@ -11,10 +11,11 @@ Only this module knows the order of the stages. Threads:
 from __future__ import annotations
 
 import atexit
+import builtins
 import logging
 import threading
 import weakref
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 
@@ -26,19 +27,27 @@ from .errors import CorruptCheckpointError, NebulaError, NotFoundError, Validati
 from .fanout import fan_out
 from .fencing import Fence, run_id
 from .handle import SaveHandle
-from .manifest import committed_steps
+from .manifest import COMMIT, check_tag, committed_steps, step_dir
 from .memtier import Owner
 from .native import describe as native_describe
 from .native import get_ops, monotonic
 from .persist import TierWriter
-from .plan import make_plan
-from .restore import apply, find_and_open, materialize
+from .plan import check_step, make_plan
+from .restore import apply, find_and_open, materialize, read_manifest, stage_restore
 from .snapshot import Snapshot, Stager
 from .storage.base import Storage
 from .tier_runtime import TierRuntime
 from .tiers import Tier, canonical_root, default_tiers, now, tier_for_root
 
 log = logging.getLogger("nebula_ckpt")
+
+#: prepares the restore of one opened candidate (see :func:`~nebula_ckpt.restore.stage_restore`)
+Stage = Callable[[Any], None]
+
+#: Unguarded tensors (see the consistency rule) on the CPU up to this many bytes in all are copied
+#: on the training thread, so that an asynchronous save of, e.g., a model, its optimizer and an RNG
+#: state still overlaps its copy; more, or any on a GPU, make the save synchronous.
+SMALL_UNGUARDED_BYTES = 1 << 20
 
 #: every Checkpointer not yet closed (strong references: a forgotten one must still be flushed at
 #: interpreter exit, see :func:`_close_at_exit`; close() removes it)
@@ -110,7 +119,9 @@ class Checkpointer:
             consistency rule). ``"auto"`` (default): ``"sync"`` for states on the CPU (the copy
             competes with training for the same cores and memory anyway, and changes through
             ``.data`` or numpy, which no version counter sees, cannot tear it), ``"async"`` when
-            the state has CUDA tensors (the device-to-host copy then overlaps compute).
+            the state has CUDA tensors (the device-to-host copy then overlaps compute). A state
+            holding live tensors no hook guards (a plain dict of ``state_dict()`` results) is
+            always taken synchronously (see the consistency rule).
         coordinator: how the ranks of a job agree (writer generation, commit, restore step).
             Default: with an initialised ``torch.distributed`` process group of several ranks, a
             :class:`~nebula_ckpt.distributed.DistCoordinator` over all of them (construct the
@@ -136,6 +147,18 @@ class Checkpointer:
     change through ``.data`` or numpy made before the copy reached that tensor is invisible to
     any check, which is why CPU states default to ``"sync"``. A committed checkpoint's bytes
     always match its checksums.
+
+    Only tensors reached through a module or an optimizer passed *as an object* have such a
+    mutation point to hook. A save whose state holds other live tensors (a plain dict such as
+    ``{"state_dict": model.state_dict(), "optimizer_states": [opt.state_dict()]}``, what
+    frameworks hand over) is therefore taken synchronously whatever ``snapshot`` says: it returns
+    once the copy is done, so changing those tensors afterwards never reaches the checkpoint.
+    (Up to :data:`SMALL_UNGUARDED_BYTES` of such tensors on the CPU, e.g. an RNG state saved
+    beside a model and optimizer, are copied on the spot instead, and the rest still overlaps.)
+    Optimizer wrappers (accelerate's ``AcceleratedOptimizer``, Lightning's ``LightningOptimizer``,
+    DeepSpeed's) are saved through their own ``state_dict()`` and hooked on the
+    ``torch.optim.Optimizer`` they wrap; module wrappers (DDP, ``torch.compile``'s
+    ``OptimizedModule``) are modules and hooked as they are (call the object you saved).
     """
 
     def __init__(self, root: str, *, storage_options: Optional[dict[str, Any]] = None,
@@ -172,6 +195,7 @@ class Checkpointer:
         self._hook_handles: list[Any] = []
         self._save_index = 0
         self._closed = False
+        self._told_unguarded = False
         #: ``{"step", "tier"}`` of the last restore (``None`` before any).
         self.last_restore: Optional[dict[str, Any]] = None
         _open_checkpointers.add(self)
@@ -270,22 +294,37 @@ class Checkpointer:
         self._start()
         self._pool.prepare(plan.layout.total_bytes, any(t.is_cuda for t in plan.sources))
 
-    def save_async(self, step: int, state: Any) -> SaveHandle:
+    def save_async(self, step: int, state: Any, *, tag: Optional[str] = None) -> SaveHandle:
         """Snapshot ``state`` and persist it in the background.
 
-        Returns as soon as the copy into host memory is enqueued. See the class docstring for the
-        consistency rule.
+        Returns once the copy into host memory is done (``snapshot="sync"``, and always for a
+        state holding live tensors no hook guards, such as a plain dict of ``state_dict()``
+        results) or enqueued (``"async"``: the next ``optimizer.step()`` / forward waits for it).
+        See the class docstring for the consistency rule.
+
+        A checkpoint of several named parts (DeepSpeed's successive ``save(state_dict, path)``
+        calls between ``create(tag)`` and ``commit(tag)``, Azure ML Nebula's
+        ``Checkpoint.save(name, obj)``) is one state ``{name: obj, ...}`` saved once, at commit,
+        with the framework's tag as ``tag``: nothing else is needed.
 
         Args:
             step: non-negative int; names the checkpoint (``step-<N>/``).
-            state: tree of dicts / lists / tuples with tensors, plain values, and objects with
-                ``state_dict()`` (modules, optimizers, schedulers, GradScaler) as leaves.
+            state: tree of dicts / lists / tuples with tensors, NumPy arrays and scalars (stored
+                without pickle: RNG states round-trip), plain values, and objects with
+                ``state_dict()`` (modules, optimizers and their wrappers, schedulers, GradScaler)
+                as leaves.
+            tag: a name for the checkpoint, as frameworks address them (Lightning's path,
+                DeepSpeed's tag): 1-256 characters of ``A-Z a-z 0-9 _ . ~ : @ = + , / -``. It is
+                recorded in the manifest; :meth:`tags`, ``load(tag=...)``, ``read(tag=...)`` and
+                ``remove(tag=...)`` find the checkpoint by it. Several steps may carry one tag
+                (the newest is the one it names); retention treats tagged checkpoints like any other.
 
         Returns:
             A :class:`SaveHandle`.
 
         Raises:
-            ValidationError: bad input, naming the key; nothing was written.
+            ValidationError: bad input (state, step or tag), naming the key or field; nothing was
+                written.
             PersistError: an earlier save failed and was not yet seen (``on_persist_error="raise"``).
         """
         if self._closed:
@@ -293,7 +332,7 @@ class Checkpointer:
         self._confirm_inflight()
         self._raise_unseen()
         t0 = monotonic()
-        plan = make_plan(step, state, allow_pickle=self.allow_pickle)
+        plan = make_plan(step, state, allow_pickle=self.allow_pickle, tag=tag)
         self._pool.check_fits(plan.layout.total_bytes)
         writers = self._start()
         t_now = now()
@@ -313,12 +352,13 @@ class Checkpointer:
         for w in writers:
             if w not in targets:
                 self.coordinator.abandon(w.name, idx)
-        handle = SaveHandle(plan.step, [w.name for w in targets])
+        handle = SaveHandle(plan.step, [w.name for w in targets], plan.tag)
         handle._bind_settled(lambda tier: self.coordinator.abandon(tier, idx))
         if not targets:
             handle._skip("no tier's cadence wanted this save")
             return handle
         pinned = any(t.is_cuda for t in plan.sources)
+        overlap = self._may_overlap(plan, pinned)
         slot = self._pool.acquire(plan.layout.total_bytes, pinned, self._reclaim)
         if slot is None:
             log.warning("nebula_ckpt: step %d skipped: every staging buffer is still being persisted "
@@ -330,33 +370,83 @@ class Checkpointer:
         try:
             header = plan.layout.header
             slot.buffer.numpy().data[: len(header)] = header  # plain memcpy (ATen copy_ costs ms here)
-            job = get_ops().enqueue_copy(plan.sources, slot.buffer, [e.offset for e in plan.layout.entries])
+            # A save the training thread waits for copies at memcpy speed: the stager takes the
+            # checksums of the staged bytes afterwards, off the training thread (nothing can
+            # change them). An overlapped copy checksums while copying and checks each block
+            # against a hash taken before its copy (writes through .data / numpy during it).
+            job = get_ops().enqueue_copy(plan.sources, slot.buffer, [e.offset for e in plan.layout.entries],
+                                         checksum=overlap)
         except BaseException:
             self._pool.release(slot)  # nothing is in flight: the slot goes back
             raise
         snap = Snapshot(plan, slot, job, handle, self._pool, targets, t0)
-        snap.index = idx
-        handle._bind_confirm(snap.confirm)
-        sync = self.snapshot == "sync" or (self.snapshot == "auto" and not pinned) \
-            or not self._install_hooks(plan.optimizers, plan.modules_with_buffers)
-        if sync:
-            snap.confirm()  # the copy is done and checked before we return: nothing can tear it
-        with self._lock:
-            if not sync:
-                self._inflight = [s for s in self._inflight if not s.confirmed] + [snap]
-            self._handles = [h for h in self._handles if not (h.done() and (h.seen or h.error() is None))]
-            self._handles.append(handle)
-        assert self._stager is not None
-        self._stager.submit(snap)
+        try:
+            snap.index = idx
+            handle._bind_confirm(snap.confirm)
+            if overlap:
+                overlap = self._install_hooks(plan.optimizers, plan.modules_with_buffers)
+            if not overlap:
+                snap.confirm()  # the copy is done and checked before we return: nothing can tear it
+            with self._lock:
+                if overlap:
+                    self._inflight = [s for s in self._inflight if not s.confirmed] + [snap]
+                self._handles = [h for h in self._handles if not (h.done() and (h.seen or h.error() is None))]
+                self._handles.append(handle)
+            assert self._stager is not None
+            self._stager.submit(snap)  # last: from here on the stager owns the snapshot
+        except BaseException as e:
+            self._take_back(snap, handle, e)
+            raise
         return handle
+
+    def _may_overlap(self, plan: Any, pinned: bool) -> bool:
+        """Whether this save may return before its copy is done: the snapshot mode asks for it and
+        every tensor has a mutation point the hooks guard. The few small CPU tensors that have
+        none (an RNG state beside a model) are copied here instead (:data:`SMALL_UNGUARDED_BYTES`)."""
+        if self.snapshot == "sync" or (self.snapshot == "auto" and not pinned):
+            return False
+        if not plan.unguarded:
+            return True
+        srcs = [plan.sources[i] for i in plan.unguarded]
+        if not any(t.is_cuda for t in srcs) and \
+                sum(t.numel() * t.element_size() for t in srcs) <= SMALL_UNGUARDED_BYTES:
+            try:
+                copies = [t.clone() for t in srcs]
+            except Exception:  # a dtype without clone(): copy it with the rest, synchronously
+                copies = []
+            if copies:
+                for i, c in zip(plan.unguarded, copies, strict=True):
+                    plan.sources[i], plan.versions[i] = c, c._version
+                return True
+        if not self._told_unguarded:
+            self._told_unguarded = True
+            keys = [plan.layout.entries[i].key for i in plan.unguarded]
+            log.info("nebula_ckpt: snapshot=%r, but tensor(s) %s%s of the state are not inside a module or optimizer "
+                     "passed as an object, so no hook can make their next change wait for the copy: such saves "
+                     "return once the copy is done (pass the model and optimizer themselves to overlap it)",
+                     self.snapshot, keys[:3], f" and {len(keys) - 3} more" if len(keys) > 3 else "")
+        return False
+
+    def _take_back(self, snap: Snapshot, handle: SaveHandle, error: BaseException) -> None:
+        """``save_async`` failed after enqueuing its copy: wait for the copy (it writes into the
+        slot), give the slot back and end the handle with ``error``, so that nothing of this save
+        stays in flight (``wait()`` / ``close()`` do not wait for it, the next save gets a slot)."""
+        try:
+            snap.finish_copy()
+        finally:
+            with self._lock:
+                self._inflight = [s for s in self._inflight if s is not snap]
+                self._handles = [h for h in self._handles if h is not handle]
+            handle._abort(error)
+            snap.release()
 
     def _reclaim(self) -> bool:
         """Free staging buffers held only by snapshots slow tiers have not started on."""
         return any([w.drop_pending() for w in self._writers or []])
 
-    def save(self, step: int, state: Any) -> SaveHandle:
-        """Synchronous save: :meth:`save_async` then wait until durable (raises on failure)."""
-        h = self.save_async(step, state)
+    def save(self, step: int, state: Any, *, tag: Optional[str] = None) -> SaveHandle:
+        """Synchronous save: :meth:`save_async` (same arguments) then wait until durable (raises on failure)."""
+        h = self.save_async(step, state, tag=tag)
         h.result()
         return h
 
@@ -509,24 +599,111 @@ class Checkpointer:
 
         Args:
             detailed: return ``{tier name: [steps]}`` instead.
+
+        See :meth:`tags` for the steps' tags.
         """
         per = {t.name: committed_steps(st) for t, st in self._tier_pairs()}
         if detailed:
             return per
         return sorted({s for steps in per.values() for s in steps})
 
-    def _open(self, step: Optional[int] = None, on_damaged: str = "raise") -> Any:
+    def _step_tags(self, check_shards: bool) -> dict[int, Optional[str]]:
+        """Step -> tag (None: untagged) of every committed step with a valid manifest on some tier
+        (commit marker, manifest checksum, every field); ``check_shards``: and every shard file
+        it names present with its recorded size (the check of ``nebula-ckpt ls --quick``)."""
+        out: dict[int, Optional[str]] = {}
+        for t, st in self._tier_pairs():
+            try:
+                steps = committed_steps(st)
+            except Exception as e:
+                log.warning("nebula_ckpt: cannot list tier %s: %s", t.name, e)
+                continue
+            for s in steps:
+                if s in out:
+                    continue
+                try:
+                    man = read_manifest(st, s, f"tier {t.name} step {s}")
+                    if check_shards:
+                        for sh in man.shards:
+                            if st.size(f"{step_dir(s)}/{sh.file}") != sh.stored_bytes:
+                                raise CorruptCheckpointError(f"tier {t.name} step {s}: shard {sh.file} has the "
+                                                             "wrong size")
+                except Exception as e:  # damaged or gone meanwhile: not a healthy checkpoint here
+                    log.debug("nebula_ckpt: tags: skipping tier %s step %d: %s", t.name, s, e)
+                    continue
+                out[s] = man.tag
+        return out
+
+    def tags(self) -> dict[str, int]:
+        """Tag -> the newest step holding it, over the healthy committed checkpoints of every tier.
+
+        Healthy here: the commit marker, the manifest and the shard sizes check out (full
+        checksums are verified when a checkpoint is loaded). Untagged checkpoints are not listed.
+        Each call reads the manifest of every committed step (no cache). In a multi-rank job each
+        rank answers from the tiers it sees (its memory tier and the shared ones).
+
+        Example::
+
+            ckpt.save(1200, state, tag="epoch=3-step=1200.ckpt")
+            ckpt.tags()    # {"epoch=3-step=1200.ckpt": 1200}
+        """
+        out: dict[str, int] = {}
+        for step, tag in sorted(self._step_tags(check_shards=True).items()):
+            if tag is not None:
+                out[tag] = step  # ascending steps: the newest one holding a tag wins
+        return out
+
+    def _steps_tagged(self, tag: str) -> builtins.list[int]:
+        """Committed steps whose manifest carries ``tag``, newest first."""
+        return sorted((s for s, t in self._step_tags(check_shards=False).items() if t == tag), reverse=True)
+
+    @staticmethod
+    def _one_of(what: str, step: Optional[int], tag: Optional[str]) -> None:
+        """Validate the ``step`` / ``tag`` pair of ``load`` / ``remove``: exactly one of them."""
+        if (step is None) == (tag is None):
+            raise ValidationError(f"{what}(): give either step or tag (exactly one of them), got step={step!r}, "
+                                  f"tag={tag!r}")
+        if step is not None:
+            check_step(step)
+        else:
+            check_tag(tag)
+
+    def _open(self, step: Optional[int] = None, on_damaged: str = "raise", tag: Optional[str] = None,
+              stage: Optional[Stage] = None) -> Any:
+        """Open ``step`` (None: the newest), or the newest healthy step tagged ``tag``.
+
+        ``stage`` (:func:`~nebula_ckpt.restore.stage_restore`): prepares the restore of each
+        candidate; one it finds damaged is skipped like one that does not open.
+        """
         if on_damaged not in ("raise", "warn"):
             raise ValidationError(f"on_damaged must be 'raise' or 'warn', got {on_damaged!r}")
-        if self.coordinator.world_size == 1:
-            ck = find_and_open(self._tier_pairs(), step=step, on_all_damaged=on_damaged)
+        if self.coordinator.world_size > 1:
+            ck = self._open_agreed(step, on_damaged, None if tag is None else self._steps_tagged(tag), stage)
+        elif tag is not None:
+            ck = self._open_tagged(tag, stage)
         else:
-            ck = self._open_agreed(step, on_damaged)
+            ck = find_and_open(self._tier_pairs(), step=step, on_all_damaged=on_damaged, stage=stage)
         self.last_restore = None if ck is None else {"step": ck.step, "tier": ck.tier_name}
         return ck
 
-    def _open_agreed(self, step: Optional[int], on_damaged: str) -> Any:
-        """Every rank opens the same step: the newest that every rank can open from some tier.
+    def _open_tagged(self, tag: str, stage: Optional[Stage] = None) -> Any:
+        """One process: the newest step tagged ``tag`` that opens healthy (older ones with the
+        same tag are the fallback, as for ``load_latest``); None when no step holds the tag."""
+        steps = self._steps_tagged(tag)
+        for s in steps:
+            ck = find_and_open(self._tier_pairs(), step=s, on_all_damaged="warn", stage=stage)
+            if ck is not None:
+                return ck
+        if steps:
+            raise CorruptCheckpointError(f"every checkpoint tagged {tag!r} under {canonical_root(self.root)} (steps "
+                                         f"{steps}) is damaged (the log names each copy); `nebula-ckpt verify ROOT` "
+                                         "lists damage")
+        return None
+
+    def _open_agreed(self, step: Optional[int], on_damaged: str, among: Optional[builtins.list[int]] = None,
+                     stage: Optional[Stage] = None) -> Any:
+        """Every rank opens the same step: the newest that every rank can open from some tier
+        (of ``among``, when given: the steps this rank sees with the tag asked for).
 
         Each round, the ranks intersect the steps committed on their tiers (minus those that
         failed on some rank) and take the newest; each rank opens it (its own memory tier, or its
@@ -545,6 +722,8 @@ class Checkpointer:
                     log.warning("nebula_ckpt: cannot list tier %s: %s", t.name, e)
             if step is not None:
                 have &= {step}
+            if among is not None:
+                have &= set(among)
             agreed = co.agree_step(sorted(have - set(failed)))
             if agreed is None:
                 if failed and on_damaged == "raise":
@@ -553,18 +732,36 @@ class Checkpointer:
                         f"step(s) {failed} failed to open on some rank (see the ranks' logs for why); "
                         "`nebula-ckpt verify ROOT` lists damage")
                 return None
+            mismatch: Optional[ValidationError] = None
             try:
-                ck = find_and_open(pairs, step=agreed, on_all_damaged="warn", rank=co.rank, world=co.world_size)
+                ck = find_and_open(pairs, step=agreed, on_all_damaged="warn", rank=co.rank, world=co.world_size,
+                                   stage=stage)
+            except ValidationError as e:  # this rank's `into`: raised on every rank, after the round
+                ck, mismatch = None, e
             except Exception as e:
                 log.warning("nebula_ckpt: rank %d cannot open step %d: %s", co.rank, agreed, e)
                 ck = None
+            if not co.all_true(mismatch is None):
+                raise mismatch or ValidationError(
+                    f"rank {co.rank}: restoring step {agreed} failed on another rank because its `into` does not "
+                    "match the checkpoint (that rank's error says how); nothing was restored")
             if co.all_true(ck is not None):
                 return ck
             log.warning("nebula_ckpt: step %d is not restorable on every rank; trying an older one", agreed)
             failed.append(agreed)
 
+    def _not_found(self, step: Optional[int], tag: Optional[str]) -> NotFoundError:
+        if tag is not None:
+            return NotFoundError(f"no healthy checkpoint tagged {tag!r} under {canonical_root(self.root)} "
+                                 f"(tags: {sorted(self.tags())[:20]})")
+        return NotFoundError(f"no healthy checkpoint{'' if step is None else f' of step {step}'} under "
+                             f"{canonical_root(self.root)} (committed steps: {self.list()})")
+
     def _apply(self, ck: Any, into: Any, map_location: Any, strict: bool) -> None:
         """Restore ``ck`` into ``into``: directly, or resharded when the layout differs."""
+        if ck.pending is not None:  # staged while opening: read, matched and verified already
+            ck.pending()
+            return
         if ck.same_layout:
             apply(ck, into, map_location=map_location, strict=strict, allow_pickle=self.allow_pickle)
             return
@@ -598,43 +795,113 @@ class Checkpointer:
         Raises:
             CorruptCheckpointError: committed checkpoints exist but all are damaged (see above).
         """
-        ck = self._open(on_damaged=on_damaged)
+        ck = self._open(on_damaged=on_damaged, stage=self._stage(into, map_location, strict))
         if ck is None:
             return None
         if into is not None:
             self._apply(ck, into, map_location, strict)
         return ck.step
 
-    def load(self, step: int, into: Any = None, *, map_location: Any = None, strict: bool = True) -> int:
-        """Restore ``step`` (its healthiest copy on the fastest tier) into ``into``.
+    def _stage(self, into: Any, map_location: Any, strict: bool) -> Optional[Stage]:
+        """What prepares a restore into ``into`` while the candidates are opened (None: no ``into``)."""
+        if into is None:
+            return None
+        return stage_restore(into, map_location=map_location, strict=strict, allow_pickle=self.allow_pickle)
+
+    def load(self, step: Optional[int] = None, into: Any = None, *, map_location: Any = None, strict: bool = True,
+             tag: Optional[str] = None) -> int:
+        """Restore ``step``, or the newest step tagged ``tag`` (exactly one of them), into ``into``;
+        return the step restored.
+
+        The healthiest copy on the fastest tier is used; for a tag whose newest step is damaged
+        on every tier, the next older step with the same tag (logged).
+
+        Example::
+
+            ckpt.load(tag="epoch=3-step=1200.ckpt", into={"model": model, "optim": opt})
 
         Raises:
-            NotFoundError: ``step`` is committed on no tier.
+            ValidationError: neither or both of ``step`` and ``tag``, or a malformed one.
+            NotFoundError: nothing committed is that step / carries that tag.
             CorruptCheckpointError: it is, but every copy is damaged (the message names each).
         """
-        ck = self._open(step)
+        self._one_of("load", step, tag)
+        ck = self._open(step, tag=tag, stage=self._stage(into, map_location, strict))
         if ck is None:
-            raise NotFoundError(f"no healthy checkpoint of step {step} under {canonical_root(self.root)} "
-                                f"(committed steps: {self.list()})")
+            raise self._not_found(step, tag)
         if into is not None:
             self._apply(ck, into, map_location, strict)
         return ck.step
 
-    def read(self, step: Optional[int] = None, *, map_location: Any = None) -> tuple[int, Any]:
-        """Return ``(step, state)`` as a fresh tree (tensors owned, stateful objects as their state dicts).
+    def read(self, step: Optional[int] = None, *, map_location: Any = None,
+             tag: Optional[str] = None) -> tuple[int, Any]:
+        """Return ``(step, state)`` as a fresh tree (tensors owned, stateful objects as their state
+        dicts, NumPy values as NumPy values): of ``step``, of the newest step tagged ``tag``, or
+        (neither given) of the newest healthy step.
 
         Raises:
-            NotFoundError: nothing healthy (of ``step``, if given).
+            ValidationError: both ``step`` and ``tag`` given, or a malformed one.
+            NotFoundError: nothing healthy (of ``step`` / with ``tag``, if given).
         """
-        ck = self._open(step)
+        if step is not None or tag is not None:
+            self._one_of("read", step, tag)
+        ck = self._open(step, tag=tag)
         if ck is None:
-            raise NotFoundError(f"no healthy checkpoint{'' if step is None else f' of step {step}'} under "
-                                f"{canonical_root(self.root)}")
+            raise self._not_found(step, tag)
         if not ck.same_layout:
             raise ValidationError(f"step {ck.step} was saved by {ck.manifest.world_size} ranks: read() gives one "
                                   "rank's state; restore it with load_latest(into) (resharded), or gather it "
                                   "whole with `nebula-ckpt export`")
         return ck.step, materialize(ck, map_location=map_location, allow_pickle=self.allow_pickle)
+
+    def remove(self, step: Optional[int] = None, *, tag: Optional[str] = None) -> builtins.list[int]:
+        """Delete committed checkpoints from every tier: ``step``, or every step tagged ``tag``
+        (exactly one of them); return the steps deleted.
+
+        Deletion is retention's (commit marker first, so a reader never sees half a checkpoint;
+        the writer generation checked first, so a stale process never deletes a newer run's
+        checkpoints), serialised with retention. A save of that step / with that tag still in
+        flight in this process is waited for first, so a checkpoint being written is never
+        touched. This is what a framework's "remove checkpoint" maps to (Lightning's
+        ``remove_checkpoint(path)`` with the path as tag).
+
+        Multi-rank jobs: a shared tier's checkpoint is removed by the coordinator (rank 0) only,
+        each rank's own tier (memory) by that rank: call it on every rank. Called on rank 0
+        alone, the other ranks' memory tiers keep their part until retention drops it, and it is
+        never restored (rank 0 lacks it, and restore agrees on a step every rank has).
+
+        Raises:
+            ValidationError: neither or both of ``step`` and ``tag``, or a malformed one.
+            NotFoundError: nothing committed is that step / carries that tag (one process).
+            FencedError: a newer writer owns the root; nothing was deleted on that tier.
+        """
+        if self._closed:
+            raise NebulaError("remove() on a closed Checkpointer")
+        self._one_of("remove", step, tag)
+        self._confirm_inflight()
+        with self._lock:
+            pending = [h for h in self._handles if not h.done() and (h.step == step if tag is None else h.tag == tag)]
+        for h in pending:
+            h._wait_durable(None)
+        steps = [step] if step is not None else self._steps_tagged(tag or "")
+        writers = self._start()
+        co = self.coordinator
+        removed: set[int] = set()
+        for w in writers:
+            if co.world_size > 1 and w.tier.shared and not co.is_coordinator:
+                continue  # the shared tier's checkpoint is the coordinator's to delete
+            for s in steps:
+                if w.remove(s):
+                    removed.add(s)
+        written = {w.name for w in writers}
+        for t, st in self._tier_pairs():
+            left = [s for s in steps if t.name not in written and st.exists(f"{step_dir(s)}/{COMMIT}")]
+            if left:
+                log.warning("nebula_ckpt: remove(): tier %s is not written by this process; step(s) %s stay there",
+                            t.name, left)
+        if not removed and co.world_size == 1:
+            raise self._not_found(step, tag)
+        return sorted(removed)
 
     def stats(self) -> dict[str, Any]:
         """Counters for monitoring and benchmarks."""

@@ -7,7 +7,9 @@ what, export gathers one full, unsharded file (keys without the ``r<R>/`` rank p
 Exit codes: 0 success; 1 damage found (verify) or nothing to act on; 2 bad usage.
 ls, verify, inspect and export take ``--json`` for scripts and ``--storage-options JSON`` for
 remote roots; gc takes ``--json`` too (bench has options of its own: ``nebula-ckpt bench --help``).
-``ls`` verifies every checksum like ``verify`` (``ls --quick`` checks sizes only).
+``ls`` verifies every checksum like ``verify`` (``ls --quick`` checks sizes only) and shows
+each checkpoint's tag. ``export --key model`` writes only what the state held under ``model``,
+named by the module's own ``state_dict()`` keys (what Hugging Face's ``from_pretrained`` loads).
 """
 
 from __future__ import annotations
@@ -134,7 +136,8 @@ def cmd_ls(args: argparse.Namespace) -> int:
         healthy, why, man = _check(st, tier, step, verify) if committed else (False, "no commit marker", None)
         raw = sum(s.bytes for s in man.shards) if man is not None else None
         stored = _dir_bytes(st, step)
-        rows.append({"tier": tier.name, "step": step, "committed": committed, "healthy": healthy,
+        rows.append({"tier": tier.name, "step": step, "tag": man.tag if man is not None else None,
+                     "committed": committed, "healthy": healthy,
                      "verified": verify if committed else None, "bytes": stored, "raw_bytes": raw,
                      "compression_ratio": (raw / stored) if raw and stored else None,
                      "problem": None if healthy else why, **_ranks_json(man), "_man": man})
@@ -148,9 +151,10 @@ def cmd_ls(args: argparse.Namespace) -> int:
             cr = r["compression_ratio"]
             ratio = f"  x{cr:.2f}" if cr and cr > 1.01 else ""
             job = f"  ({_ranks_text(man)})" if _ranks_text(man) else ""
+            tag = f"  tag={r['tag']}" if r["tag"] is not None else ""
             ok = "committed (not verified)" if args.quick else "healthy"
             state = ok if r["healthy"] else ("DAMAGED: " + str(r["problem"]) if r["committed"] else "uncommitted")
-            _out(f"{r['tier']:<60} step {r['step']:>8}  {r['bytes'] / 2**20:10.1f} MiB{ratio}{job}  {state}")
+            _out(f"{r['tier']:<60} step {r['step']:>8}  {r['bytes'] / 2**20:10.1f} MiB{ratio}{job}{tag}  {state}")
     # like verify: exit 1 when nothing is there or a committed checkpoint is damaged
     return 0 if rows and not any(r["committed"] and not r["healthy"] for r in rows) else 1
 
@@ -231,6 +235,12 @@ def _leaf_text(v: Mapping[str, Any]) -> str:
         return f"{t}[{len(v['v'])}]"
     if t == "none":
         return "None"
+    if t == "ndarray":
+        return f"<numpy {v['dtype']} array, tensor {v['v']['k']}>"
+    if t == "npscalar":
+        from .structure import decode
+
+        return f"{decode(v, lambda k: None, False)!r} (numpy {v['dtype']})"
     return f"{v.get('v')!r} ({t})"
 
 
@@ -304,10 +314,12 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         return 0
     if args.json:
         raw = man.to_json()
-        _out(json.dumps({k: raw[k] for k in ("step", "generation", "tensors", "aliases", "tree", "shards")},
-                        indent=2))
+        info = {k: raw[k] for k in ("step", "generation", "tensors", "aliases", "tree", "shards")}
+        info["tag"] = man.tag
+        _out(json.dumps(info, indent=2))
         return 0
-    _out(f"step {man.step}  ({ck.where}, format v{man.version}, {len(man.tensors)} tensors)")
+    tag = f", tag {man.tag}" if man.tag is not None else ""
+    _out(f"step {man.step}  ({ck.where}, format v{man.version}, {len(man.tensors)} tensors{tag})")
     _out(f"{'key':<60} {'dtype':<14} {'shape':<24} {'bytes':>12}  crc32c")
     for k, e in man.tensors.items():
         _out(f"{k:<60} {e.dtype:<14} {str(e.shape):<24} {e.nbytes:>12}  {e.crc32c:#010x}")
@@ -345,42 +357,113 @@ def _export_source(args: argparse.Namespace) -> tuple[Any, int, Any, mf.Manifest
                       + (f" ({'; '.join(errors)})" if errors else ""))
 
 
+def _subtree(tree: Mapping[str, Any], key: str) -> Mapping[str, Any]:
+    """The node of ``tree`` at the saved key path ``key`` (``"model"``, ``"state/model"``):
+    through dict keys (as text) and list indices, looking through stateful objects."""
+    node = tree
+    walked: list[str] = []
+    for part in key.split("/"):
+        while node["t"] == "stateful":
+            node = node["state"]
+        found: Optional[Mapping[str, Any]] = None
+        if node["t"] in ("dict", "odict"):
+            found = next((v for k, v in node["v"] if str(k["v"]) == part), None)
+        elif node["t"] in ("list", "tuple") and part.isdigit() and int(part) < len(node["v"]):
+            found = node["v"][int(part)]
+        if found is None:
+            here = "/".join(walked) or "the top level"
+            keys = [str(k["v"]) for k, _ in node["v"]][:20] if node["t"] in ("dict", "odict") else []
+            raise NebulaError(f"export: --key {key!r}: the checkpoint has no key {part!r} at {here}"
+                              + (f" (keys there: {keys})" if keys else f" (a {node['t']} is there)"))
+        walked.append(part)
+        node = found
+    return node
+
+
+def _owned_copy(v: Any) -> Any:
+    """An owned CPU copy of a tensor view over shard bytes (byte copy: any dtype)."""
+    import torch
+
+    return v.reshape(-1).view(torch.uint8).clone().view(v.dtype).reshape(v.shape)
+
+
 def cmd_export(args: argparse.Namespace) -> int:
     """Write one fully verified step as a torch.save or safetensors file (a multi-rank
-    checkpoint gathered into full, unsharded tensors)."""
+    checkpoint gathered into full, unsharded tensors).
+
+    ``--key K`` exports only what the state held under ``K`` (a module saved as ``{"model":
+    model, ...}``: ``--key model``), each tensor named by its key below ``K``: for a module, its
+    own ``state_dict()`` keys, so ``transformers``' ``from_pretrained`` loads the file (safetensors
+    metadata ``format: pt`` included). Tied weights are written as separate copies under each name.
+    """
     import torch
     from tqdm import tqdm
 
+    from .restore import tensor_keys
     from .structure import decode
 
     to = args.to
     folder = os.path.dirname(os.path.abspath(to))
     if not os.path.isdir(folder):
         raise NebulaError(f"export: folder {folder} (of --to) does not exist; create it first")
+    key = None if args.key is None else args.key.strip("/")
+    if key == "":
+        raise NebulaError("export: --key must name a key of the saved state, e.g. --key model")
     ck, step, full, man = _export_source(args)
+    tree = man.rank_tree_of(min(man.ranks)) if full is not None else ck.tree
+    node = tree if key is None else _subtree(tree, key)
     fmt = args.format or ("safetensors" if to.endswith(".safetensors") else "torch")
     if fmt == "safetensors":
         from safetensors.torch import save_file
 
-        meta = {"nebula_step": str(step)}
-        if full is not None:
+        meta = {"format": "pt", "nebula_step": str(step)}
+        if key is not None:
+            prefix = key + "/"
+            keys = tensor_keys(node, [])
+            outside = [k for k in keys if not k.startswith(prefix)]
+            if not keys or outside:
+                raise NebulaError(f"export: --key {key!r} holds {'no tensors' if not keys else 'a tensor itself'}; "
+                                  "name the dict or module whose tensors to export (e.g. --key model)")
+            made: dict[str, Any] = {}
+            tensors = {}
+            for k in tqdm(keys, desc="export", unit="tensor", disable=args.json):
+                if full is not None:
+                    tensors[k[len(prefix):]] = full[k].clone()
+                    continue
+                real = ck.resolve(k).key
+                if real in made:  # tied: a copy of its own (safetensors refuses shared memory)
+                    tensors[k[len(prefix):]] = made[real].clone()
+                else:
+                    tensors[k[len(prefix):]] = made[real] = _owned_copy(ck.view(k))
+            meta.update(nebula_key=key)
+        elif full is not None:
             tensors = full
             meta.update(nebula_aliases="{}", nebula_world_size=str(man.world_size))
         else:
             tensors = {}
             for k in tqdm(ck.keys(), desc="export", unit="tensor", disable=args.json):
-                v = ck.view(k)
-                tensors[k] = v.reshape(-1).view(torch.uint8).clone().view(v.dtype).reshape(v.shape)
+                tensors[k] = _owned_copy(ck.view(k))
             meta["nebula_aliases"] = json.dumps(dict(man.aliases))
         save_file(tensors, to, metadata=meta)
     else:
         if full is not None:
-            lowest = min(man.ranks)
-            state = decode(man.rank_tree_of(lowest), full.__getitem__, args.allow_pickle)
-        else:
+            state = decode(node, full.__getitem__, args.allow_pickle)
+        elif key is None:
             state = materialize(ck, map_location="cpu", allow_pickle=args.allow_pickle)
+        else:
+            owned: dict[str, Any] = {}
+
+            def tensor(k: str) -> Any:
+                real = ck.resolve(k).key
+                if real not in owned:
+                    owned[real] = _owned_copy(ck.view(k))
+                return owned[real]
+
+            state = decode(node, tensor, args.allow_pickle, key)
         torch.save(state, to)
     info = {"step": step, "to": to, "format": fmt}
+    if key is not None:
+        info["key"] = key
     if full is not None:
         info["world_size"] = man.world_size
     _out(json.dumps(info) if args.json else
@@ -448,6 +531,9 @@ def _parser() -> argparse.ArgumentParser:
     sp.add_argument("--step", type=int, required=True)
     sp.add_argument("--to", required=True, help="output file (.safetensors -> safetensors, else torch.save)")
     sp.add_argument("--format", choices=["torch", "safetensors"], default=None)
+    sp.add_argument("--key", default=None, metavar="KEY",
+                    help="export only what the state held under KEY (e.g. 'model'), named by the keys below it: "
+                         "a module's own state_dict() keys, as Hugging Face's from_pretrained expects")
     sp.add_argument("--allow-pickle", action="store_true", help="allow pickled leaves (trusted checkpoints only)")
     sp = sub.add_parser("gc", help="free memory tiers (/dev/shm) no run will restore from")
     sp.add_argument("--dry-run", action="store_true", help="show the decisions, remove nothing")

@@ -18,6 +18,7 @@ class SaveHandle:
 
     Attributes:
         step: the step saved.
+        tag: the tag given to ``save_async`` (None without one).
         tiers_written: names of the tiers where this checkpoint committed.
         tiers_dropped: tiers that skipped it because they were still busy with an older save
             (a slow tier never queues saves; it takes the newest one when it is free).
@@ -25,8 +26,9 @@ class SaveHandle:
             buffer with ``on_full="skip"``), else ``None``.
     """
 
-    def __init__(self, step: int, tiers: list[str]) -> None:
+    def __init__(self, step: int, tiers: list[str], tag: Optional[str] = None) -> None:
         self.step = step
+        self.tag = tag
         self.tiers_written: list[str] = []
         self.tiers_dropped: list[str] = []
         self.skipped: Optional[str] = None
@@ -155,6 +157,17 @@ class SaveHandle:
             if not self._pending:
                 self._durable.set()
         self._settle([tier])
+
+    def _abort(self, error: BaseException) -> None:
+        """``save_async`` itself failed after the copy was enqueued (the checkpointer has waited
+        for the copy and taken the snapshot back): the save is over, with ``error``, and nothing
+        of it is in flight. The caller got ``error`` raised, so it counts as seen."""
+        with self._lock:
+            self._fail_snapshot(error)
+            self._pending.clear()
+            self.seen = True
+        self._snapshot.set()
+        self._durable.set()
 
     def _skip(self, reason: str) -> None:
         self.skipped = reason

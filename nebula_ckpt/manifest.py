@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING, Any, Mapping, Optional
 
 import torch
 
-from .errors import CorruptCheckpointError
+from .errors import CorruptCheckpointError, ValidationError
 
 if TYPE_CHECKING:
     from .storage.base import Storage
@@ -136,6 +136,45 @@ def shard_generation(name: str) -> Optional[int]:
 def is_shard_name(name: str) -> bool:
     """Whether ``name`` is exactly a shard file name of this format (a plain name, no path)."""
     return _SHARD_RE.fullmatch(name) is not None
+
+
+# -- tags ------------------------------------------------------------------------------------
+
+#: longest tag (a file path used as a tag fits)
+MAX_TAG_CHARS = 256
+_TAG_RE = re.compile(r"[A-Za-z0-9_.~:@=+,/-]+")
+_TAG_RULE = (f"1 to {MAX_TAG_CHARS} characters of A-Z a-z 0-9 and _ . ~ : @ = + , / - "
+             "(no spaces, quotes or control characters)")
+
+
+def tag_problem(tag: object) -> Optional[str]:
+    """Why ``tag`` is not a valid checkpoint tag, or None when it is (see :func:`check_tag`)."""
+    if type(tag) is not str:
+        return f"must be a str, got {type(tag).__name__} {_short(tag)}"
+    if not tag or len(tag) > MAX_TAG_CHARS or not _TAG_RE.fullmatch(tag):
+        return f"{_short(tag)} is not {_TAG_RULE}"
+    return None
+
+
+def check_tag(tag: object) -> Optional[str]:
+    """Validate a tag given to ``save_async`` / ``load`` / ``read`` / ``remove`` (None passes).
+
+    A tag names a checkpoint the way a framework does (Lightning's path, DeepSpeed's ``tag``,
+    Azure ML Nebula's tag): 1 to 256 characters of ``A-Z a-z 0-9`` and ``_ . ~ : @ = + , / -``
+    (no spaces, quotes or control characters), so a file path or name is a valid tag.
+
+    Raises:
+        ValidationError: naming the field and the rule.
+    """
+    if tag is None:
+        return None
+    why = tag_problem(tag)
+    if why is not None:
+        raise ValidationError(f"tag {why}; e.g. 'epoch=3-step=1200.ckpt' or 'global_step1200' "
+                              "(a path's characters are allowed)")
+    assert isinstance(tag, str)
+    return tag
+
 
 
 # -- field checks ----------------------------------------------------------------------------
@@ -395,7 +434,7 @@ class TensorRecord:
 
 
 _REQUIRED = ("format", "version", "step", "generation", "shards", "tensors", "tree")
-_KNOWN = _REQUIRED + ("time", "checksum", "aliases", "stats", "world_size", "ranks", "rank_tree")
+_KNOWN = _REQUIRED + ("time", "checksum", "aliases", "stats", "world_size", "ranks", "rank_tree", "tag")
 #: most ranks a manifest may name (bounds the work a hostile manifest can ask for)
 MAX_WORLD = 1 << 20
 
@@ -407,6 +446,8 @@ class Manifest:
     ``tensors`` keeps the stored order; ``tree`` is the typed-JSON structure, already checked
     by :func:`nebula_ckpt.structure.check_tree` (so decoding it cannot meet a malformed node).
     ``extra`` holds top-level fields this version does not know; they are written back as is.
+    ``tag``: the name given to ``save_async(..., tag=...)``, or None (an optional field: manifests
+    without it, all those written before tags existed included, read as untagged).
     A multi-rank manifest (``world_size`` > 1) holds the ranks ``ranks``; use :meth:`rank_tree_of`
     and :meth:`resolve` with a rank (see the module docstring).
     """
@@ -425,6 +466,7 @@ class Manifest:
     world_size: int = 1
     ranks: tuple[int, ...] = (0,)
     rank_tree: Mapping[int, int] = field(default_factory=dict)
+    tag: Optional[str] = None
 
     @property
     def multi_rank(self) -> bool:
@@ -459,6 +501,8 @@ class Manifest:
         if self.multi_rank:
             out.update(world_size=self.world_size, ranks=list(self.ranks),
                        rank_tree={str(r): i for r, i in self.rank_tree.items()})
+        if self.tag is not None:
+            out["tag"] = self.tag
         out.update(self.extra)
         return out
 
@@ -526,12 +570,15 @@ def _parse_body(m: dict[str, Any], w: str, step: int, version: int) -> Manifest:
         raise _bad(w, f"time must be a number, got {type(t).__name__}")
     if m.get("checksum", "crc32c") != "crc32c":
         raise _bad(w, f"checksum {_short(m.get('checksum'))} is unknown (this nebula_ckpt uses 'crc32c')")
+    tag = m.get("tag")
+    if "tag" in m and tag_problem(tag) is not None:  # optional, but when present a valid tag
+        raise _bad(w, f"tag {tag_problem(tag)}")
     return Manifest(step=step, generation=_int(m["generation"], w, "generation"), shards=shards,
                     tensors=types.MappingProxyType(tensors), aliases=types.MappingProxyType(aliases),
                     tree=m["tree"], version=version, time=float(t),
                     stats=types.MappingProxyType(_obj(m.get("stats", {}), w, "stats")),
                     extra=types.MappingProxyType({k: v for k, v in m.items() if k not in _KNOWN}),
-                    world_size=world, ranks=ranks, rank_tree=types.MappingProxyType(rank_tree))
+                    world_size=world, ranks=ranks, rank_tree=types.MappingProxyType(rank_tree), tag=tag)
 
 
 def _ranks(m: dict[str, Any], w: str, version: int) -> tuple[int, tuple[int, ...], dict[int, int]]:
@@ -610,15 +657,19 @@ def _aliases(raw: Any, tensors: dict[str, TensorRecord], w: str) -> dict[str, st
 
 def build_manifest(*, step: int, generation: int, shards: list[dict[str, Any]],
                    tensors: dict[str, dict[str, Any]], aliases: dict[str, str], tree: Any,
-                   stats: dict[str, Any], ranks: Optional[dict[str, Any]] = None) -> dict[str, Any]:
+                   stats: dict[str, Any], ranks: Optional[dict[str, Any]] = None,
+                   tag: Optional[str] = None) -> dict[str, Any]:
     """The manifest dict (see the README's format section); :meth:`Manifest.parse` reads it back.
 
     ``ranks``: for a multi-rank checkpoint, ``{"world_size", "ranks", "rank_tree"}`` (and
-    ``tree`` is then the list node of the distinct trees).
+    ``tree`` is then the list node of the distinct trees). ``tag``: written only when given (an
+    optional field, so untagged manifests are byte for byte what they were before tags).
     """
     out = {"format": FORMAT, "version": VERSION if ranks else SINGLE_VERSION, "step": step,
            "generation": generation, "time": time.time(), "checksum": "crc32c", "shards": shards,
            "tensors": tensors, "aliases": aliases, "tree": tree, "stats": stats}
     if ranks:
         out.update(ranks)
+    if tag is not None:
+        out["tag"] = tag
     return out

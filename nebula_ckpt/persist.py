@@ -10,6 +10,8 @@ For each snapshot a tier writes, in this order (the commit protocol)::
 then applies retention: markers are deleted before data, the newest checkpoint is never
 deleted, and leftovers without a marker are removed only when no live writer owns them (an
 older generation, or this rank's own files). A failed step's own files are removed at once.
+:meth:`TierWriter.remove` (``Checkpointer.remove``) deletes a committed checkpoint the same way
+(fence checked, marker first), serialised with retention.
 
 In a multi-rank job a *shared* tier (every rank sees it) commits one checkpoint for all ranks,
 in three rounds among the ranks (:mod:`nebula_ckpt.coordinator`, metadata only):
@@ -63,6 +65,13 @@ from .tier_runtime import TierRuntime
 log = logging.getLogger(__name__)
 
 
+def _tagged(manifest: dict[str, Any], tag: Optional[str]) -> dict[str, Any]:
+    """``manifest`` with the optional ``tag`` field (only when there is a tag)."""
+    if tag is not None:
+        manifest["tag"] = tag
+    return manifest
+
+
 def delete_checkpoint(storage: Storage, step: int) -> None:
     """Delete a checkpoint: marker first (it stops being visible), then its data."""
     d = mf.step_dir(step)
@@ -86,6 +95,7 @@ class _Item:
     before_commit: Callable[[], None]                         # raises if it must not commit
     index: int = 0                                            # the save's number in the job
     meta: Optional[dict[str, Any]] = None                     # multi-rank: tensors, aliases, tree, stats
+    tag: Optional[str] = None                                 # multi-rank: the checkpoint's tag
 
 
 class TierWriter:
@@ -116,6 +126,8 @@ class TierWriter:
         self._busy = False
         self._closing = False
         self._cond = threading.Condition()
+        #: held while checkpoints are deleted (retention on the writer thread, remove() on the caller's)
+        self._delete_lock = threading.Lock()
         self._thread = threading.Thread(target=self._run, name=f"nebula-{self.tier.kind}-writer", daemon=True)
         self._thread.start()
 
@@ -218,11 +230,11 @@ class TierWriter:
                 "stats": {"tensor_bytes": snap.plan.tensor_bytes, "copy_seconds": snap.copy_seconds}}
 
         def rank_manifest(gen: int, shard: dict[str, Any]) -> dict[str, Any]:
-            return ranks.rank_manifest(step=snap.step, generation=gen, rank=co.rank, world=co.world_size,
-                                       shard=shard, **meta)
+            return _tagged(ranks.rank_manifest(step=snap.step, generation=gen, rank=co.rank, world=co.world_size,
+                                               shard=shard, **meta), snap.plan.tag)
 
-        self._commit_step(_Item(snap.step, snap.nbytes, source, rank_manifest, confirmed, snap.index, meta),
-                          on_shard)
+        self._commit_step(_Item(snap.step, snap.nbytes, source, rank_manifest, confirmed, snap.index, meta,
+                                snap.plan.tag), on_shard)
 
     def copy_from(self, src: Storage, step: int) -> None:
         """Write the committed checkpoint ``step`` of another (local) tier's storage to this tier.
@@ -359,7 +371,7 @@ class TierWriter:
             failure, mine = e, {"error": f"{type(e).__name__}: {e}"}
         parts_all = co.round(name, idx, PHASE_DURABLE, mine)
         if co.is_coordinator:
-            verdict = self._coordinate(item.step, gen, parts_all, owners, failure)
+            verdict = self._coordinate(item.step, gen, parts_all, owners, failure, item.tag)
             co.round(name, idx, PHASE_VERDICT, verdict)
         else:
             verdict = co.round(name, idx, PHASE_VERDICT, {})[0]
@@ -370,7 +382,7 @@ class TierWriter:
             raise (PeerSkipped if (verdict or {}).get("skipped") else PersistError)(why)
 
     def _coordinate(self, step: int, gen: int, parts: list[Any], owners: dict[str, int],
-                    failure: Optional[BaseException]) -> dict[str, Any]:
+                    failure: Optional[BaseException], tag: Optional[str] = None) -> dict[str, Any]:
         """The coordinator's commit of a shared tier: manifest + COMMIT if every rank's share is in."""
         if failure is not None:
             return {"ok": False, "why": f"step {step} failed on rank 0 (tier {self.name}): {failure}"}
@@ -378,8 +390,8 @@ class TierWriter:
         if problem is not None:
             return {"ok": False, "skipped": problem[0], "why": problem[1]}
         try:
-            self._commit_manifest(step, gen, ranks.global_manifest(step=step, generation=gen, parts=parts,
-                                                                   owners=owners))
+            self._commit_manifest(step, gen, _tagged(ranks.global_manifest(step=step, generation=gen, parts=parts,
+                                                                           owners=owners), tag))
         except BaseException as e:
             log.error("nebula_ckpt: tier %s: committing step %d failed: %s", self.name, step, e)
             return {"ok": False, "why": f"rank 0 could not commit step {step} on tier {self.name}: {e}"}
@@ -412,8 +424,30 @@ class TierWriter:
             log.warning("nebula_ckpt: tier %s: cannot remove the files of failed step folder %s: %s",
                         self.name, d, e)
 
+    def remove(self, step: int) -> bool:
+        """Delete the committed checkpoint ``step`` from this tier as retention does (fence checked,
+        commit marker first, then its data); False when the tier holds no committed ``step``.
+
+        The caller makes sure no save of ``step`` is in flight (``Checkpointer.remove`` waits for
+        them); retention on the writer thread is held off meanwhile.
+
+        Raises:
+            FencedError: a newer writer owns the root: nothing is deleted.
+        """
+        with self._delete_lock:
+            if not self.storage.exists(f"{mf.step_dir(step)}/{mf.COMMIT}"):
+                return False
+            self.fence.check(f"remove step {step}")
+            log.info("nebula_ckpt: tier %s: removing step %d (remove())", self.name, step)
+            delete_checkpoint(self.storage, step)
+            return True
+
     def prune(self, keep_step: Optional[int] = None) -> None:
         """Apply ``keep_last`` / ``keep_every`` and remove leftovers no live writer owns."""
+        with self._delete_lock:
+            self._prune(keep_step)
+
+    def _prune(self, keep_step: Optional[int]) -> None:
         st = self.storage
         gen = self.fence.generation
         names = st.list("")

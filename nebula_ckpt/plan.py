@@ -4,6 +4,15 @@ This is the single validation point of a save: every problem with the state (met
 tensors, colliding keys, values JSON cannot hold, bad steps) raises a
 :class:`~nebula_ckpt.errors.ValidationError` naming the key, before anything is copied or written.
 
+While walking it also notes, for the consistency rule of asynchronous snapshots, which tensors a
+hook guards: those reached through a module or an optimizer (the next forward / ``step()`` waits
+for the copy) and NumPy arrays (copied on the training thread); every other tensor (a plain dict
+of live tensors such as ``model.state_dict()``) is *unguarded*, and
+:class:`~nebula_ckpt.checkpointer.Checkpointer` takes such a save synchronously. Optimizer
+wrappers (accelerate's ``AcceleratedOptimizer``, Lightning's ``LightningOptimizer``,
+DeepSpeed's ZeRO optimizers: an ``optimizer`` attribute, possibly nested) are saved through their
+own ``state_dict()`` and hooked on the innermost ``torch.optim.Optimizer`` (:func:`inner_optimizer`).
+
 The layout is the image of one safetensors file: an 8-byte header length, the JSON header
 (padded so the data starts on a 4096-byte boundary), then the tensors back to back, ordered by
 element size so each is naturally aligned. It depends only on (key, dtype, shape) of every
@@ -15,14 +24,15 @@ from __future__ import annotations
 import collections
 import json
 import struct
+import sys
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Optional
 
 import torch
 
 from .errors import ValidationError
-from .manifest import SAFETENSORS_CODES, SINGLE_VERSION, DTensorInfo, dtype_name
-from .structure import MAX_DEPTH, Node, encode_leaf
+from .manifest import SAFETENSORS_CODES, SINGLE_VERSION, DTensorInfo, check_tag, dtype_name
+from .structure import MAX_DEPTH, Node, encode_leaf, numpy_code
 
 ALIGN = 4096
 #: largest step: it must fit a signed 64-bit integer (file names, manifests, other readers).
@@ -72,6 +82,9 @@ class Plan:
     optimizers: list[torch.optim.Optimizer] = field(default_factory=list)
     modules_with_buffers: list[torch.nn.Module] = field(default_factory=list)
     dtensors: dict[str, DTensorInfo] = field(default_factory=dict)  # key -> where its local shard lies
+    tag: Optional[str] = None        # the checkpoint's name (save_async(tag=...)), validated
+    #: indices into ``sources`` of tensors no hook guards (see the module docstring)
+    unguarded: list[int] = field(default_factory=list)
 
     @property
     def tensor_bytes(self) -> int:
@@ -139,6 +152,50 @@ def _dtensor_parts(t: Any, key: str) -> tuple[torch.Tensor, DTensorInfo]:
     return local, info
 
 
+#: how deep a chain of optimizer wrappers (``.optimizer`` of ``.optimizer`` ...) is followed
+_MAX_WRAPPERS = 8
+
+
+def _schedulers() -> tuple[type, ...]:
+    lr = torch.optim.lr_scheduler
+    return tuple(c for c in (getattr(lr, "LRScheduler", None), getattr(lr, "ReduceLROnPlateau", None)) if c)
+
+
+def inner_optimizer(obj: Any) -> Optional[torch.optim.Optimizer]:
+    """The innermost ``torch.optim.Optimizer`` an object with ``state_dict()`` stands for, or None.
+
+    An optimizer is its own answer unless it wraps another: accelerate's ``AcceleratedOptimizer``
+    (an ``Optimizer`` subclass without PyTorch's hook machinery) and DeepSpeed's optimizer
+    wrappers keep the real optimizer in ``.optimizer``, Lightning's ``LightningOptimizer`` in
+    ``._optimizer``; wrappers may be nested. The chain is followed (at most
+    :data:`_MAX_WRAPPERS` deep, never in a cycle) and the innermost optimizer in it returned: the
+    one whose ``step()`` really changes the state, so the one to hook. Learning-rate schedulers
+    (which also have ``.optimizer``) are not wrappers.
+    """
+    if isinstance(obj, _schedulers()) and not isinstance(obj, torch.optim.Optimizer):
+        return None
+    found = obj if isinstance(obj, torch.optim.Optimizer) else None
+    seen = {id(obj)}
+    cur = obj
+    for _ in range(_MAX_WRAPPERS):
+        nxt = None
+        for attr in ("optimizer", "_optimizer"):
+            try:
+                cand = getattr(cur, attr, None)
+            except Exception:  # a property that raises: not a wrapper through this attribute
+                cand = None
+            if cand is not None and id(cand) not in seen and not isinstance(cand, (type, str, int, float)):
+                nxt = cand
+                break
+        if nxt is None:
+            break
+        seen.add(id(nxt))
+        if isinstance(nxt, torch.optim.Optimizer):
+            found = nxt
+        cur = nxt
+    return found
+
+
 def _join(path: str, key: str) -> str:
     return f"{path}/{key}" if path else key
 
@@ -152,6 +209,8 @@ class _Flattener:
         self.optimizers: list[torch.optim.Optimizer] = []
         self.modules: list[torch.nn.Module] = []
         self.dtensors: dict[str, DTensorInfo] = {}
+        self.unguarded: set[str] = set()      # keys of tensors no hook guards
+        self._guarded = 0                     # > 0 while inside a module / optimizer being hooked
         self._path_ids: dict[int, str] = {}  # id -> path of the containers being walked (cycles)
 
     def _claim(self, key: str) -> None:
@@ -164,6 +223,9 @@ class _Flattener:
     def walk(self, value: Any, path: str, depth: int = 0) -> Node:
         if isinstance(value, torch.Tensor):
             return self.tensor(value, path)
+        np = sys.modules.get("numpy")  # only a state that holds NumPy values has it imported
+        if np is not None and type(value) is np.ndarray:
+            return self.ndarray(value, path)
         if isinstance(value, (dict, list, tuple)) or hasattr(value, "state_dict"):
             if depth >= MAX_DEPTH:
                 raise ValidationError(f"state key '{path[:200]}': the state is nested more than {MAX_DEPTH} "
@@ -216,20 +278,44 @@ class _Flattener:
             return {"t": tag, "v": [self.walk(v, _join(path, str(i)), depth) for i, v in enumerate(value)]}
         sd = getattr(value, "state_dict", None)
         if callable(sd) and not isinstance(value, type):
-            if isinstance(value, torch.optim.Optimizer):
-                self.optimizers.append(value)
-            if isinstance(value, torch.nn.Module):
+            hooked = isinstance(value, torch.nn.Module)
+            if hooked:
                 self.modules.append(value)
+            else:
+                # The wrapper's state_dict() is saved as asked; the hook goes on the optimizer
+                # whose step() changes the tensors (accelerate, Lightning, DeepSpeed wrappers).
+                inner = inner_optimizer(value)
+                if inner is not None:
+                    self.optimizers.append(inner)
+                    hooked = True
             try:
                 state = sd()
             except Exception as e:
                 raise ValidationError(f"state key '{path}': {type(value).__name__}.state_dict() raised "
                                       f"{type(e).__name__}: {e}") from e
-            return {"t": "stateful", "cls": f"{type(value).__module__}.{type(value).__qualname__}",
-                    "state": self.walk(state, path, depth)}
+            self._guarded += hooked
+            try:
+                node = self.walk(state, path, depth)
+            finally:
+                self._guarded -= hooked
+            return {"t": "stateful", "cls": f"{type(value).__module__}.{type(value).__qualname__}", "state": node}
         return encode_leaf(value, path or "<root>", self.allow_pickle)
 
-    def tensor(self, t: torch.Tensor, path: str) -> Node:
+    def ndarray(self, a: Any, path: str) -> Node:
+        """A NumPy array: stored as a tensor made from a C-contiguous copy (taken now, so the saved
+        values are those of this moment whatever happens to ``a`` later), in native byte order;
+        the node records the dtype (byte order included) it comes back as."""
+        key = path or "<root>"
+        code = numpy_code(a.dtype)
+        if code is None:
+            return encode_leaf(a, key, self.allow_pickle)  # object / str / structured: pickle or a clear error
+        import numpy as np
+
+        copy = np.array(a, dtype=a.dtype.newbyteorder("="), order="C", copy=True)
+        return {"t": "ndarray", "dtype": code, "v": self.tensor(torch.from_numpy(copy), path, owned=True)}
+
+    def tensor(self, t: torch.Tensor, path: str, owned: bool = False) -> Node:
+        """A tensor leaf; ``owned``: a copy made by the walk (no one else can change it)."""
         key = path or "<root>"
         if key in _RESERVED_KEYS:
             raise ValidationError(f"state key '{key}' is reserved by the safetensors format (its header "
@@ -249,6 +335,8 @@ class _Flattener:
                 return {"t": "tensor", "k": key}
             self.seen[ident] = key
         self.tensors[key] = t
+        if not (owned or self._guarded):
+            self.unguarded.add(key)
         return {"t": "tensor", "k": key}
 
 
@@ -310,19 +398,21 @@ def check_step(step: Any) -> int:
     return step
 
 
-def make_plan(step: Any, state: Any, *, allow_pickle: bool = False) -> Plan:
+def make_plan(step: Any, state: Any, *, allow_pickle: bool = False, tag: Optional[str] = None) -> Plan:
     """Flatten and validate ``state``; raise :class:`ValidationError` naming the key on bad input.
 
     Args:
         step: non-negative int.
-        state: a tree of dicts / lists / tuples whose leaves are tensors, plain values, or objects
-            with ``state_dict()``.
+        state: a tree of dicts / lists / tuples whose leaves are tensors, NumPy arrays and
+            scalars, plain values, or objects with ``state_dict()``.
         allow_pickle: store values typed JSON cannot hold with pickle.
+        tag: the checkpoint's name, or None (see :func:`nebula_ckpt.manifest.check_tag`).
 
     Returns:
         The :class:`Plan`; nothing has been copied or written yet.
     """
     step = check_step(step)
+    tag = check_tag(tag)
     fl = _Flattener(allow_pickle)
     tree = fl.walk(state, "")
     layout, keys = make_layout(fl.tensors)
@@ -331,5 +421,6 @@ def make_plan(step: Any, state: Any, *, allow_pickle: bool = False) -> Plan:
     devices = {k: f"cuda:{t.get_device()}" for k, t in zip(keys, sources, strict=False) if t.is_cuda}
     return Plan(step=step, layout=layout, sources=sources, versions=[t._version for t in sources], tree=tree,
                 aliases=fl.aliases, devices=devices,
-                optimizers=fl.optimizers, modules_with_buffers=modules, dtensors=fl.dtensors)
+                optimizers=fl.optimizers, modules_with_buffers=modules, dtensors=fl.dtensors, tag=tag,
+                unguarded=[i for i, k in enumerate(keys) if k in fl.unguarded])
 

@@ -309,9 +309,9 @@ def _chunks(recs: list[mf.TensorRecord]) -> list[list[mf.TensorRecord]]:
     64 MiB; a larger record is a group of its own): what is mapped at once stays small."""
     limit = max(4 << 20, min(_CHUNK, sum(r.nbytes for r in recs) // 16))
     out: list[list[mf.TensorRecord]] = []
-    size = limit
+    size = 0
     for r in sorted(recs, key=lambda r: r.start):
-        if size + r.nbytes > limit:
+        if not out or size + r.nbytes > limit:
             out.append([])
             size = 0
         out[-1].append(r)
@@ -358,7 +358,8 @@ def find_and_open(tiers: list[tuple[Tier, Storage]], step: Optional[int] = None,
         rank, world: the restoring process's rank and world size (see :func:`open_checkpoint`).
         stage: called with each candidate opened (checksums deferred to it, see
             :func:`stage_restore`); a candidate it finds damaged is skipped like one that fails
-            to open, before anything was restored from it.
+            to open, before anything was restored from it. Its ``ValidationError`` (``into``
+            does not match) is raised.
 
     Returns:
         The open checkpoint, or None when there is no committed checkpoint (of ``step``) at all
@@ -376,6 +377,8 @@ def find_and_open(tiers: list[tuple[Tier, Storage]], step: Optional[int] = None,
                                  defer_verify=stage is not None)
             if stage is not None:
                 stage(ck)
+        except ValidationError:
+            raise  # the caller's `into` does not match: every candidate would say the same
         except NotThisLayout as e:
             log.info("nebula_ckpt: not restoring %s", e)
             continue

@@ -249,4 +249,4 @@ def build_tier_manifest(snap: Snapshot, generation: int, shard: dict[str, Any]) 
     return mf.build_manifest(step=snap.step, generation=generation, shards=[shard],
                              tensors=snap.tensor_index, aliases=snap.plan.aliases, tree=snap.plan.tree,
                              stats={"tensor_bytes": snap.plan.tensor_bytes,
-                                    "copy_seconds": snap.copy_seconds})
+                                    "copy_seconds": snap.copy_seconds}, tag=snap.plan.tag)

@@ -4,6 +4,14 @@ Plain JSON loses types (tuples become lists, int keys become strings, ``inf`` is
 every node is stored as ``{"t": <type>, ...}``. Tensors appear as ``{"t": "tensor", "k": key}``
 references into the shard index; objects with ``state_dict()`` as ``{"t": "stateful", ...}``.
 
+NumPy values need no pickle: an array of a numeric or bool dtype is stored as a tensor (its
+bytes in the shard, checksummed like any tensor) under ``{"t": "ndarray", "dtype": "<f4",
+"v": {"t": "tensor", "k": key}}`` and comes back as an array of the same dtype (byte order
+included) and shape; a NumPy scalar is ``{"t": "npscalar", "dtype": "<f4", "v": base64 of its
+bytes}``. So RNG states (``np.random.get_state()``, ``Generator.bit_generator.state``,
+``random.getstate()``, ``torch.get_rng_state()``) round-trip bit-exact without pickle. Object,
+string, structured and ``longdouble`` arrays still need ``allow_pickle=True``.
+
 Nothing here ever executes code from a checkpoint: values that typed JSON cannot hold are only
 accepted with ``allow_pickle=True``, and decoding them again requires ``allow_pickle=True``.
 A tree read from storage is checked whole by :func:`check_tree` (when its manifest is parsed)
@@ -16,7 +24,9 @@ import base64
 import binascii
 import collections
 import pickle
-from typing import Any, Callable, Mapping
+import re
+import sys
+from typing import Any, Callable, Mapping, Optional
 
 import torch
 
@@ -31,6 +41,54 @@ Node = dict[str, Any]
 MAX_DEPTH = 256
 _CONTAINERS = ("dict", "odict", "list", "tuple")
 
+#: NumPy dtype codes (``dtype.str`` without the byte-order character) stored without pickle, and
+#: the torch dtype an array of each is stored as.
+NUMPY_KINDS: dict[str, torch.dtype] = {
+    "b1": torch.bool, "i1": torch.int8, "i2": torch.int16, "i4": torch.int32, "i8": torch.int64,
+    "u1": torch.uint8, "u2": torch.uint16, "u4": torch.uint32, "u8": torch.uint64,
+    "f2": torch.float16, "f4": torch.float32, "f8": torch.float64, "c8": torch.complex64, "c16": torch.complex128,
+}
+# One-byte codes have no byte order ("|"); the others are little ("<") or big (">") endian.
+_NUMPY_CODE_RE = re.compile(r"\|(b1|i1|u1)|[<>](i2|i4|i8|u2|u4|u8|f2|f4|f8|c8|c16)")
+_NUMPY_SUPPORTED = "bool, int8-int64, uint8-uint64, float16/32/64, complex64/128"
+
+
+def numpy_code(dtype: Any) -> Optional[str]:
+    """``dtype.str`` (e.g. ``"<f4"``) of a NumPy dtype stored without pickle, else None."""
+    code = getattr(dtype, "str", None)
+    if type(code) is not str or not _NUMPY_CODE_RE.fullmatch(code) or dtype.fields is not None:
+        return None
+    return code
+
+
+def _numpy() -> Any:
+    """NumPy, imported on first need (only a checkpoint holding NumPy values needs it)."""
+    try:
+        import numpy
+    except ImportError as e:  # pragma: no cover - numpy is a dependency
+        raise CorruptCheckpointError("this checkpoint holds NumPy values: install numpy to read it") from e
+    return numpy
+
+
+def is_numpy_array(value: Any) -> bool:
+    """Whether ``value`` is a NumPy array (of any subclass); never imports NumPy."""
+    np = sys.modules.get("numpy")
+    return np is not None and isinstance(value, np.ndarray)
+
+
+def ndarray_from_tensor(t: Any, code: str, path: str) -> Any:
+    """The NumPy array an ``ndarray`` node stands for: an owned copy of tensor ``t``'s values as
+    dtype ``code`` (its byte order restored). Raises :class:`CorruptCheckpointError` when the
+    stored tensor's dtype is not the one ``code`` is stored as."""
+    np = _numpy()
+    want = NUMPY_KINDS[code[1:]]
+    local = t.to_local() if hasattr(t, "to_local") else t
+    if local.dtype != want:
+        raise CorruptCheckpointError(f"checkpoint key '{path or '<root>'}': a NumPy {code} array is stored as "
+                                     f"{want}, but its tensor is {local.dtype}")
+    arr = np.array(local.detach().cpu().numpy(), copy=True)  # owned: never a view of shard bytes
+    return arr if arr.dtype.str == code else arr.astype(np.dtype(code))
+
 
 def encode_float(x: float) -> str:
     """Exact text form of a float (``float.hex``), inf and nan included."""
@@ -38,9 +96,16 @@ def encode_float(x: float) -> str:
 
 
 def encode_leaf(value: Any, path: str, allow_pickle: bool) -> Node:
-    """Encode one non-container, non-tensor leaf; raise naming ``path`` when impossible."""
+    """Encode one non-container, non-tensor leaf; raise naming ``path`` when impossible.
+
+    NumPy arrays are tensors (:mod:`nebula_ckpt.plan` stores them); a NumPy array reaching this
+    function has a dtype that needs pickle.
+    """
     if value is None:
         return {"t": "none"}
+    np = sys.modules.get("numpy")
+    if np is not None and isinstance(value, np.generic) and numpy_code(value.dtype) is not None:
+        return {"t": "npscalar", "dtype": value.dtype.str, "v": base64.b64encode(value.tobytes()).decode("ascii")}
     if isinstance(value, bool):
         return {"t": "bool", "v": value}
     if isinstance(value, int):
@@ -57,6 +122,12 @@ def encode_leaf(value: Any, path: str, allow_pickle: bool) -> Node:
         return {"t": "dtype", "v": str(value).removeprefix("torch.")}
     if isinstance(value, torch.device):
         return {"t": "device", "v": str(value)}
+    if np is not None and isinstance(value, np.ndarray) and not allow_pickle:
+        raise ValidationError(
+            f"state key '{path}': a NumPy array of dtype {value.dtype} ({type(value).__name__}) is stored without "
+            f"pickle only as a plain ndarray of a numeric or bool dtype ({_NUMPY_SUPPORTED}); convert it "
+            "(e.g. np.asarray(x).astype(np.float64)), or pass allow_pickle=True to save it with pickle "
+            "(loading will then also need allow_pickle=True).")
     if allow_pickle:
         try:
             blob = pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)
@@ -68,7 +139,8 @@ def encode_leaf(value: Any, path: str, allow_pickle: bool) -> Node:
     raise ValidationError(
         f"state key '{path}': a value of type {type(value).__module__}.{type(value).__qualname__} "
         "cannot be stored as typed JSON (supported: None, bool, int, float, complex, str, bytes, "
-        "torch.dtype, torch.device, dict, list, tuple, tensors and objects with state_dict()). "
+        "torch.dtype, torch.device, dict, list, tuple, tensors, numeric NumPy arrays and scalars, and "
+        "objects with state_dict()). "
         "Convert it, or pass allow_pickle=True to save it with pickle (loading will then also "
         "need allow_pickle=True).")
 
@@ -96,6 +168,11 @@ def decode(node: Mapping[str, Any], tensor: Callable[[str], Any], allow_pickle: 
         return torch.Size(node["v"])
     if t == "tensor":
         return tensor(node["k"])
+    if t == "ndarray":
+        return ndarray_from_tensor(tensor(node["v"]["k"]), node["dtype"], path)
+    if t == "npscalar":
+        np = _numpy()
+        return np.frombuffer(base64.b64decode(node["v"]), dtype=np.dtype(node["dtype"]))[0]
     if t == "stateful":
         return decode(node["state"], tensor, allow_pickle, path)
     if t == "none":
@@ -194,12 +271,34 @@ def check_tree(tree: Any, tensor_keys: "set[str] | frozenset[str]", where: str) 
             if type(node.get("k")) is not str or node["k"] not in tensor_keys:
                 raise _fail(where, path, f"tensor reference {str(node.get('k'))[:80]!r} names no "
                             "tensor of the manifest")
+        elif t == "ndarray":
+            _check_numpy_code(node, where, path)
+            inner = node.get("v")
+            if type(inner) is not dict or inner.get("t") != "tensor" or type(inner.get("k")) is not str \
+                    or inner["k"] not in tensor_keys:
+                raise _fail(where, path, f"an 'ndarray' node needs 'v' as a tensor reference to a tensor of the "
+                            f"manifest, got {_kind(inner)}")
+        elif t == "npscalar":
+            code = _check_numpy_code(node, where, path)
+            v = node.get("v")
+            size = int(code[2:])
+            if type(v) is not str or not _b64(v) or len(base64.b64decode(v)) != size:
+                raise _fail(where, path, f"an 'npscalar' node of dtype {code} needs 'v' as base64 text of "
+                            f"{size} bytes, got {_kind(v)}")
         elif t in _LEAF_CHECKS:
             ok, want = _LEAF_CHECKS[t]
             if "v" not in node or not ok(node["v"]):
                 raise _fail(where, path, f"a {t!r} node needs 'v' as {want}, got {_kind(node.get('v'))}")
         elif t != "none":
             raise _fail(where, path, f"unknown node type {t[:40]!r} (checkpoint from a newer nebula_ckpt?)")
+
+
+def _check_numpy_code(node: Node, where: str, path: str) -> str:
+    code = node.get("dtype")
+    if type(code) is not str or not _NUMPY_CODE_RE.fullmatch(code):
+        raise _fail(where, path, f"a {node['t']!r} node needs 'dtype' as a NumPy dtype code of "
+                    f"{_NUMPY_SUPPORTED} (e.g. '<f4', '|b1'), got {_kind(code)}")
+    return code
 
 
 def _kind(v: Any) -> str:

@@ -174,3 +174,12 @@ def test_a_state_dict_saved_as_a_dict_restores_into_its_objects(tmp_path: Path) 
         assert ck.load_latest(into=into) == 1
     assert into["model"] is fresh and into["optim"] is fresh_opt
     assert _equal(_snapshot(fresh, fresh_opt), want)
+
+
+def test_empty_tensors_first_in_the_shard_restore(tmp_path: Path) -> None:
+    root = str(tmp_path / "ck")
+    with nc.Checkpointer(root, memory_tier=False) as ck:
+        ck.save(1, {"e": torch.zeros(0, dtype=torch.int64), "w": torch.ones(3), "z": torch.zeros(0, 4)})
+        out = {"e": None, "w": None, "z": None}
+        assert ck.load_latest(into=out) == 1
+        assert out["e"].shape == (0,) and torch.equal(out["w"], torch.ones(3)) and out["z"].shape == (0, 4)

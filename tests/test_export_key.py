@@ -1,0 +1,83 @@
+"""`nebula-ckpt export --key model`: a file whose keys are the module's own state_dict() keys, as
+Hugging Face's from_pretrained loads it (issue #13)."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+from safetensors import safe_open
+
+import nebula_ckpt as nc
+from conftest import TinyNet
+from nebula_ckpt.cli import main
+
+
+@pytest.fixture
+def saved(root: str) -> TinyNet:
+    torch.manual_seed(0)
+    model = TinyNet()
+    opt = torch.optim.AdamW(model.parameters())
+    model(torch.randint(0, 32, (8,))).sum().backward()
+    opt.step()
+    with nc.Checkpointer(root) as ck:
+        ck.save(3, {"model": model, "optim": opt, "step": 3, "extra": {"ema": {"w": torch.ones(2)}}})
+    return model
+
+
+def test_safetensors_export_has_the_modules_own_keys(root: str, saved: TinyNet, tmp_path,  # noqa: ANN001
+                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    out = str(tmp_path / "model.safetensors")
+    assert main(["export", root, "--step", "3", "--to", out, "--key", "model", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out) == {"step": 3, "to": out, "format": "safetensors", "key": "model"}
+    want = saved.state_dict()
+    with safe_open(out, "pt") as f:
+        assert set(f.keys()) == set(want)           # "emb.weight", "bn.running_mean", ... : no "model/" prefix
+        assert f.metadata()["format"] == "pt"       # transformers refuses safetensors files without it
+        for k, v in want.items():
+            assert torch.equal(f.get_tensor(k), v), k
+        assert torch.equal(f.get_tensor("head.weight"), f.get_tensor("emb.weight"))   # tied: both names
+    # what from_pretrained does with it, in essence: a strict load into a fresh module
+    from safetensors.torch import load_file
+
+    fresh = TinyNet()
+    fresh.load_state_dict(load_file(out), strict=True)
+    assert torch.equal(fresh.lin.weight, saved.lin.weight)
+
+
+def test_torch_export_of_a_key(root: str, saved: TinyNet, tmp_path) -> None:  # noqa: ANN001
+    out = str(tmp_path / "pytorch_model.bin")
+    assert main(["export", root, "--step", "3", "--to", out, "--key", "model"]) == 0
+    sd = torch.load(out, weights_only=True)
+    assert list(sd) == list(saved.state_dict())
+    TinyNet().load_state_dict(sd, strict=True)
+    assert sd["head.weight"].data_ptr() == sd["emb.weight"].data_ptr()   # tied stays tied in a .pt
+    nested = str(tmp_path / "ema.safetensors")
+    assert main(["export", root, "--step", "3", "--to", nested, "--key", "extra/ema"]) == 0
+    with safe_open(nested, "pt") as f:
+        assert list(f.keys()) == ["w"]
+
+
+@pytest.mark.parametrize("key, message", [
+    ("modle", "no key 'modle' at the top level (keys there: ['model', 'optim', 'step', 'extra'])"),
+    ("model/nope", "no key 'nope' at model"),
+    ("step", "holds no tensors"),
+    ("extra/ema/w", "holds a tensor itself"),
+    ("/", "--key must name a key"),
+])
+def test_bad_key_is_a_clear_error(root: str, saved: TinyNet, tmp_path, key: str, message: str,  # noqa: ANN001
+                                  capsys: pytest.CaptureFixture[str]) -> None:
+    out = str(tmp_path / "x.safetensors")
+    assert main(["export", root, "--step", "3", "--to", out, "--key", key]) == 1
+    assert message in capsys.readouterr().err
+    assert not os.path.exists(out)
+
+
+def test_whole_export_is_unchanged_but_loadable_by_transformers(root: str, saved: TinyNet,  # noqa: ANN001
+                                                                tmp_path) -> None:
+    out = str(tmp_path / "all.safetensors")
+    assert main(["export", root, "--step", "3", "--to", out]) == 0
+    with safe_open(out, "pt") as f:
+        assert "model/lin.weight" in f.keys() and f.metadata()["format"] == "pt"
