@@ -22,6 +22,7 @@ namespace {
 constexpr size_t kPage = 4096;
 constexpr size_t kHugePage = size_t{2} << 20;
 constexpr size_t kPrefaultChunk = size_t{4} << 20;
+constexpr size_t kFreshMapping = size_t{64} << 20;  // above glibc's largest mmap threshold
 
 inline size_t round_up(size_t v, size_t a) { return (v + a - 1) / a * a; }
 
@@ -55,14 +56,23 @@ at::Tensor alloc_host_buffer(int64_t nbytes, bool pinned, int64_t prefault_threa
 
   // Pre-fault by writing zeros: touching every page now moves the page-fault
   // cost out of the (latency critical) snapshot copy, and guarantees the
-  // buffer reads as zeros.
-  const size_t n_chunks = (alloc_bytes + kPrefaultChunk - 1) / kPrefaultChunk;
+  // buffer reads as zeros. prefault_threads == 0: no pass at all, for a
+  // buffer a parallel copy fills at once (its threads take the faults, in
+  // huge pages where the kernel gives them, and the pages are written once).
+  // glibc serves blocks over its largest mmap threshold (32 MiB) with fresh
+  // anonymous mappings, which the kernel hands out zeroed; smaller blocks may
+  // be recycled heap, so they are zeroed here either way.
   auto* base = static_cast<uint8_t*>(ptr);
-  parallel_run(clamp_threads(prefault_threads), n_chunks, [&](size_t i) {
-    const size_t begin = i * kPrefaultChunk;
-    const size_t len = std::min(kPrefaultChunk, alloc_bytes - begin);
-    std::memset(base + begin, 0, len);
-  });
+  if (prefault_threads <= 0 && alloc_bytes < kFreshMapping) std::memset(base, 0, alloc_bytes);
+  const size_t n_chunks =
+      prefault_threads <= 0 ? 0 : (alloc_bytes + kPrefaultChunk - 1) / kPrefaultChunk;
+  if (n_chunks > 0) {
+    parallel_run(clamp_threads(prefault_threads), n_chunks, [&](size_t i) {
+      const size_t begin = i * kPrefaultChunk;
+      const size_t len = std::min(kPrefaultChunk, alloc_bytes - begin);
+      std::memset(base + begin, 0, len);
+    });
+  }
 
   bool registered = false;
 #ifdef NEBULA_WITH_CUDA

@@ -11,7 +11,8 @@ namespace nebula {
 //  * aligned to 2 MiB when nbytes >= 2 MiB (and advised MADV_HUGEPAGE), else 4096,
 //  * allocated in a multiple of 4096 bytes (so O_DIRECT-sized blocks fit),
 //  * pre-faulted by writing zeros with `prefault_threads` threads, so the first
-//    checkpoint copy does not pay page faults,
+//    checkpoint copy does not pay page faults (0: not touched, for a buffer a
+//    parallel copy fills right away; it still reads as zeros),
 //  * page-locked with cudaHostRegister when `pinned` (CUDA build only).
 // The memory is released (and unregistered) by the tensor's deleter.
 // Blocking; call without the GIL.

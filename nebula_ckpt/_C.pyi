@@ -17,7 +17,8 @@ def build_info() -> _BuildInfo:
 def alloc_host_buffer(nbytes: int, pinned: bool = False, prefault_threads: int = 1) -> torch.Tensor:
     """Zero-filled, pre-faulted 1-D uint8 CPU tensor over 4 KiB (>= 2 MiB: 2 MiB) aligned memory.
 
-    ``pinned`` needs the CUDA build."""
+    ``prefault_threads=0``: not pre-faulted (zero-filled all the same): for a buffer a parallel copy
+    fills right away, whose threads then take the page faults. ``pinned`` needs the CUDA build."""
 
 class CopyJob:
     """Handle of one asynchronous ``CopyEngine.enqueue``; keeps its sources and destination alive.

@@ -254,7 +254,9 @@ class StagingPool:
             rounded = -(-max(nbytes, 1) // _ROUND) * _ROUND
             if self.max_bytes is None or total + rounded <= self.max_bytes:
                 size = rounded  # else the exact size room() was checked with
-            made = Slot(get_ops().alloc(size, pinned), pinned)
+            # Filled by this save's copy at once: its threads take the page faults (a pinned
+            # buffer is registered, so its pages are faulted anyway).
+            made = Slot(get_ops().alloc(size, pinned, prefault=pinned), pinned)
         slot = made
         slot.in_use = True
         self.allocations += 1
@@ -277,6 +279,13 @@ class StagingPool:
                                    for s in self._slots if not s.live()):
                 return
             self._prepare_ahead(nbytes, took_file=False, pinned=pinned)
+
+    def wait_prepared(self, timeout: Optional[float] = None) -> None:
+        """Wait until no staging buffer is being made in the background."""
+        with self._cond:
+            preparer = self._preparer
+        if preparer is not None:
+            preparer.join(timeout)
 
     def _prepare_ahead(self, nbytes: int, took_file: bool, pinned: bool = False) -> None:
         """Start making a staging buffer of ``nbytes`` in the background if the next save will want one.

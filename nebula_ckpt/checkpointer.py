@@ -278,21 +278,23 @@ class Checkpointer:
         return self._writers
 
     # -- saving -----------------------------------------------------------------------------------
-    def prepare(self, state: Any) -> None:
+    def prepare(self, state: Any, *, wait: bool = False) -> None:
         """Make the staging memory for saves of ``state`` now, in the background (optional).
 
         The first save of a state otherwise finds no staging buffer and pays for fresh memory
         (page faults, and on a virtual machine the host backing it) on the training thread. Call
         this once the state has its final size: after ``load_latest`` restored it, or after the
-        first optimizer step created the optimizer's state. Returns at once; a save that comes
-        before the buffer is ready allocates as it would have. Checks ``state`` like
-        :meth:`save_async` (``ValidationError``, nothing written).
+        first optimizer step created the optimizer's state. Returns at once (``wait=True``: once
+        the buffer is ready); a save that comes before the buffer is ready allocates as it would
+        have. Checks ``state`` like :meth:`save_async` (``ValidationError``, nothing written).
         """
         if self._closed:
             raise NebulaError("prepare() on a closed Checkpointer")
         plan = make_plan(0, state, allow_pickle=self.allow_pickle)
         self._start()
         self._pool.prepare(plan.layout.total_bytes, any(t.is_cuda for t in plan.sources))
+        if wait:
+            self._pool.wait_prepared()
 
     def save_async(self, step: int, state: Any, *, tag: Optional[str] = None) -> SaveHandle:
         """Snapshot ``state`` and persist it in the background.

@@ -138,8 +138,11 @@ class FallbackOps:
 
     name = "pure-pytorch"
 
-    def alloc(self, nbytes: int, pinned: bool = False) -> torch.Tensor:
-        """A zero-filled (pre-faulted) uint8 host buffer of ``nbytes``."""
+    def alloc(self, nbytes: int, pinned: bool = False, prefault: bool = True) -> torch.Tensor:
+        """A zero-filled uint8 host buffer of ``nbytes``, pre-faulted unless ``prefault=False``
+        (a buffer a parallel copy fills right away: its threads take the page faults)."""
+        if not prefault and not pinned:
+            return torch.zeros(nbytes, dtype=torch.uint8)  # calloc: fresh pages are not touched
         buf = torch.empty(max(nbytes, 1), dtype=torch.uint8, pin_memory=pinned)
         buf.zero_()  # touch every page now, not on the first snapshot
         return buf[:nbytes]
@@ -252,8 +255,9 @@ class NativeOps(FallbackOps):
                 self._engine = self._C.CopyEngine(int(knobs.get("copy_threads")))
             return self._engine
 
-    def alloc(self, nbytes: int, pinned: bool = False) -> torch.Tensor:
-        return self._C.alloc_host_buffer(nbytes, pinned, int(knobs.get("copy_threads")))
+    def alloc(self, nbytes: int, pinned: bool = False, prefault: bool = True) -> torch.Tensor:
+        threads = int(knobs.get("copy_threads")) if prefault or pinned else 0
+        return self._C.alloc_host_buffer(nbytes, pinned, threads)
 
     def enqueue_copy(self, srcs: Sequence[torch.Tensor], dst: torch.Tensor,
                      offsets: Sequence[int], checksum: bool = True) -> CopyJob:

@@ -448,6 +448,19 @@ def test_alloc_host_buffer(nbytes):
     assert int(t.sum()) == 7 * nbytes
 
 
+@pytest.mark.parametrize("nbytes", [0, 4096, 3 * MiB + 1, 80 * MiB])
+def test_alloc_host_buffer_without_prefault_still_reads_zero(nbytes):
+    """prefault_threads=0 (a buffer a parallel copy fills at once) skips the zeroing pass, but a
+    recycled heap block of a freed dirty buffer must never show through."""
+    for _ in range(3):
+        dirty = _C.alloc_host_buffer(nbytes, prefault_threads=1)
+        dirty.fill_(0xEE)
+        del dirty
+        t = _C.alloc_host_buffer(nbytes, prefault_threads=0)
+        assert t.numel() == nbytes and t.data_ptr() % 4096 == 0
+        assert int(t.count_nonzero()) == 0
+
+
 def test_alloc_host_buffer_defaults_and_errors():
     t = _C.alloc_host_buffer(8192)
     assert t.numel() == 8192

@@ -198,8 +198,8 @@ def test_files_made_ahead_never_overwrite_a_live_checkpoint(root: str, shm_dir: 
 
 def test_prepare_makes_the_first_save_find_its_slot_file(root: str, shm_dir: str) -> None:
     with knobs.override(slot_ahead_bytes=0), nc.Checkpointer(root) as ck:
-        ck.prepare(_state(0))
-        _wait_ahead(ck)
+        ck.prepare(_state(0), wait=True)
+        assert ck._pool._preparer is None
         assert ck.stats()["staging_allocations"] == 1
         ck.save(1, _state(1))
         assert os.stat(_memory_shard(ck, 1)).st_nlink == 2  # linked: staged in the prepared file
