@@ -15,6 +15,11 @@ Targets (from the benchmark issue), each reported as met / not met / n/a - never
 * multi-rank (``--ranks``, computed in :mod:`~.ranks`): nebula blocking per rank <= 2x the
   single-process figure; time to commit falling as ranks share the replicated bytes; ahead of
   ``dcp.async_save`` (blocking, time to commit, overhead) on every row.
+* recovery (``--recovery``, computed in :mod:`~.recovery`), per state size: restart from nebula's
+  memory tier to the first optimizer step <= 0.5x the better of ``torch.load`` and
+  ``torch.load(mmap=True)``; its extra peak RSS <= 1.1x the state; local-root restore, warm and
+  cold, no slower than ``torch.load``; the first two saves' stall <= 1.2x the later saves';
+  a save's stall <= 1.2x one copy of the state into pre-touched buffers.
 """
 
 from __future__ import annotations
@@ -252,11 +257,14 @@ def evaluate_targets(results: dict[str, Any]) -> list[dict[str, Any]]:
     throughput = _throughput_target(workloads)
     if throughput is not None:
         out.append(throughput)
-    if not results.get("settings", {}).get("ranks_only"):
+    st = results.get("settings", {})
+    if not (st.get("ranks_only") or st.get("recovery_only")):
         out.append(_flat_target(results))
     from .ranks import evaluate_targets as ranks_targets  # ranks imports this module's formatting
+    from .recovery import evaluate_targets as recovery_targets  # so does recovery
 
     out.extend(ranks_targets(results))
+    out.extend(recovery_targets(results))
     return out
 
 
@@ -385,11 +393,13 @@ def render_markdown(results: dict[str, Any]) -> str:
              f"throughput loops of {st.get('steps')} steps",
              f"- load average at start / end: {_load(m.get('loadavg_start'))} / {_load(m.get('loadavg_end'))}"
              + (" - **other work was running: timings are noisy**" if _busy(m) else ""), ""]
-    if not st.get("ranks_only"):  # --ranks-only: no limits, no single-process workloads
+    if not (st.get("ranks_only") or st.get("recovery_only")):  # no limits, no single-process workloads
         lines += _single_process_sections(results)
     from .ranks import render_markdown as ranks_markdown
+    from .recovery import render_markdown as recovery_markdown
 
     lines += ranks_markdown(results)
+    lines += recovery_markdown(results)
     lines += ["## Targets", "", "| target | workload | value | threshold | verdict | detail |",
               "|---|---|---|---|---|---|"]
     for t in results.get("targets", []):

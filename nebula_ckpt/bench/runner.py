@@ -21,6 +21,11 @@ Then, for nebula_ckpt, 100 saves of a small state to check that host memory stay
 With ``--ranks 2,4``: the multi-rank cases of :mod:`~.ranks` (jobs of spawned ranks, DDP + AdamW,
 nebula vs ``dcp.save`` vs ``dcp.async_save``) and nebula's commit protocol time
 (``--protocol-ranks``); ``--ranks-only`` skips everything else.
+
+With ``--recovery``: the recovery benchmark of :mod:`~.recovery` (restart after a crash to the first
+optimizer step, in fresh processes, from nebula's memory tier, its local root and ``torch.load``;
+the stalls of a fresh process's first saves; a save's stall against one copy of the state), at
+``--recovery-sizes`` GB; ``--recovery-only`` skips the single-process workloads.
 """
 
 from __future__ import annotations
@@ -46,6 +51,7 @@ import torch
 
 from . import limits as limits_mod
 from . import ranks as ranks_mod
+from . import recovery as recovery_mod
 from . import report as report_mod
 from . import workloads as wl
 from .limits import PeakRss, dir_bytes, evict, io_write_bytes, resident_fraction, rss_bytes, shm_used_bytes
@@ -408,6 +414,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ranks-only", action="store_true",
                    help="with --ranks: only the multi-rank cases (no single-process workloads, limits or "
                         "memory check)")
+    p.add_argument("--recovery", action="store_true",
+                   help="also the recovery benchmark: restart after a crash (SIGKILL) to the first optimizer "
+                        "step in fresh processes, nebula memory tier / local root vs torch.load (mmap or not); "
+                        "first-save stalls; save stall vs one copy of the state (MLP + AdamW)")
+    p.add_argument("--recovery-sizes", default=None,
+                   help="state sizes in GB of the recovery benchmark, e.g. 0.3,1.2 (default 0.3,1.2,3,4; 0.3 with "
+                        "--quick; sizes that do not fit in RAM / the shm folder are skipped); implies --recovery")
+    p.add_argument("--recovery-reps", type=int, default=None,
+                   help="repetitions per size, each with fresh processes (default 3; 1 with --quick)")
+    p.add_argument("--recovery-only", action="store_true",
+                   help="only the recovery benchmark (no single-process workloads, limits or memory check; "
+                        "multi-rank cases only with --ranks); implies --recovery")
     p.add_argument("-q", "--quiet", action="store_true", help="warnings only, no progress bar")
     return p
 
@@ -443,6 +461,15 @@ def resolve_args(argv: Optional[list[str]]) -> argparse.Namespace:
         if a.ranks_only:
             p.error("--ranks-only needs --ranks")
     a.ranks_model = a.ranks_model or ("tiny" if a.quick else "small")
+    try:
+        sizes = recovery_mod.parse_sizes(a.recovery_sizes)
+    except ValueError as e:
+        p.error(str(e))
+    a.recovery = bool(a.recovery or a.recovery_only or sizes)
+    a.recovery_sizes = sizes or list(recovery_mod.QUICK_SIZES if a.quick else recovery_mod.DEFAULT_SIZES)
+    a.recovery_reps = a.recovery_reps if a.recovery_reps is not None else (1 if a.quick else 3)
+    if a.recovery_reps < 1:
+        p.error("--recovery-reps must be >= 1")
     root = repo_root()
     a.out = Path(a.out) if a.out else root / "benchmarks" / "results"
     a.bench_out = root / "bench_out"
@@ -551,9 +578,11 @@ def _new_results(a: argparse.Namespace, device: torch.device, target: str,
         "settings": {"reps": a.reps, "interval": a.interval, "steps": a.steps, "systems": a.systems,
                      "models": a.models, "batch_size": a.batch_size, "seq_len": a.seq_len,
                      "optimizer": a.optimizer, "flat_saves": a.flat_saves, "ranks": a.ranks,
-                     "protocol_ranks": a.protocol_ranks, "ranks_model": a.ranks_model, "ranks_only": a.ranks_only},
+                     "protocol_ranks": a.protocol_ranks, "ranks_model": a.ranks_model, "ranks_only": a.ranks_only,
+                     "recovery": a.recovery, "recovery_sizes": a.recovery_sizes if a.recovery else None,
+                     "recovery_reps": a.recovery_reps if a.recovery else None, "recovery_only": a.recovery_only},
         "peers": {n: {"calls": PEERS[n].calls, "durability": PEERS[n].durability}
-                  for n in ([] if a.ranks_only else a.systems)},
+                  for n in ([] if a.ranks_only or a.recovery_only else a.systems)},
         "machine": machine, "workloads": [],
     }
 
@@ -598,10 +627,12 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
     machine = _describe_machine(base, target)
     results = _new_results(a, device, target, machine)
     try:
-        if not a.ranks_only:
+        if not (a.ranks_only or a.recovery_only):
             _measure_all(results, a, device, target, base)
         if a.ranks:
             results["ranks"] = ranks_mod.run(a, base)
+        if a.recovery:
+            results["recovery"] = recovery_mod.run(a, base)
     finally:
         if made_temp is not None and not a.keep:
             shutil.rmtree(made_temp, ignore_errors=True)
