@@ -116,6 +116,8 @@ setup(
         "zstd": ["zstandard"],
         "bench": ["matplotlib", "psutil"],
         "test": ["pytest", "psutil"],
+        # framework integrations (nebula_ckpt.integrations.*): versions they are tested with
+        "huggingface": ["transformers>=5.0", "accelerate>=1.1.0"],
     },
     entry_points={"console_scripts": ["nebula-ckpt = nebula_ckpt.cli:main"]},
     ext_modules=ext_modules,

@@ -1,0 +1,129 @@
+"""A tiny, deterministic Hugging Face ``Trainer`` run (GPT-2 of 2 layers, 32 wide, an in-memory
+dataset), used in-process by the tests and as a subprocess by the crash test.
+
+``python hf_worker.py OUT ROOT RESULT [--kill-at K] [--resume] [--stock]``: train, checkpointing
+every ``SAVE_STEPS`` through nebula_ckpt (``--stock``: HF's own folders), writing to RESULT (JSON)
+the loss of every step as ``float.hex`` and what was restored. ``--kill-at K``: at the end of step K,
+wait until every save so far is durable, write RESULT, then SIGKILL this process. ``--resume``:
+``train(resume_from_checkpoint=True)``.
+
+Deterministic on purpose: one intra-op thread, seeded model, data order (``data_seed``) and
+dropout (kept on: the restored RNG states must reproduce it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import sys
+from typing import Any, Optional
+
+import torch
+
+MAX_STEPS = 16
+SAVE_STEPS = 5
+SEED = 7
+VOCAB, SEQ, N = 64, 16, 32
+
+
+class TinyData(torch.utils.data.Dataset):
+    """``N`` random token sequences; labels = inputs (causal LM)."""
+
+    def __init__(self, n: int = N, seed: int = 0) -> None:
+        g = torch.Generator().manual_seed(seed)
+        self.ids = torch.randint(0, VOCAB, (n, SEQ), generator=g)
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        return {"input_ids": self.ids[i], "labels": self.ids[i]}
+
+
+def make_model(seed: int = SEED) -> Any:
+    from transformers import GPT2Config, GPT2LMHeadModel, set_seed
+
+    set_seed(seed)
+    cfg = GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=VOCAB, n_positions=SEQ, bos_token_id=0,
+                     eos_token_id=0)  # dropout stays at GPT-2's 0.1
+    return GPT2LMHeadModel(cfg)
+
+
+def make_trainer(out: str, root: Optional[str] = None, *, stock: bool = False, max_steps: int = MAX_STEPS,
+                 save_steps: int = SAVE_STEPS, callbacks: tuple = (), eval_dataset: Any = None,
+                 nebula_options: Optional[dict[str, Any]] = None, trainer_cls: Any = None, **args_kw: Any) -> Any:
+    """A Trainer over the tiny model and data: ``NebulaTrainer`` (checkpoints in ``root``), or
+    ``trainer_cls`` / stock ``Trainer`` with ``stock``."""
+    from transformers import Trainer, TrainingArguments
+
+    torch.set_num_threads(1)
+    kw: dict[str, Any] = dict(output_dir=out, max_steps=max_steps, per_device_train_batch_size=4, learning_rate=3e-3,
+                              warmup_steps=2, weight_decay=0.01, logging_steps=1, save_strategy="steps",
+                              save_steps=save_steps, report_to=[], seed=SEED, data_seed=SEED, use_cpu=True,
+                              dataloader_num_workers=0, disable_tqdm=True)
+    kw.update(args_kw)
+    args = TrainingArguments(**kw)
+    model = make_model()
+    common = dict(model=model, args=args, train_dataset=TinyData(), eval_dataset=eval_dataset,
+                  callbacks=list(callbacks))
+    if stock or trainer_cls is not None:
+        return (trainer_cls or Trainer)(**common)
+    from nebula_ckpt.integrations.huggingface import NebulaTrainer
+
+    return NebulaTrainer(**common, nebula_root=root, nebula_options=nebula_options)
+
+
+def loss_recorder() -> tuple[Any, dict[int, str]]:
+    """A callback recording each logged step's loss as ``float.hex``, and the dict it fills."""
+    from transformers import TrainerCallback
+
+    losses: dict[int, str] = {}
+
+    class Record(TrainerCallback):
+        def on_log(self, args: Any, state: Any, control: Any, logs: Optional[dict] = None, **kw: Any) -> None:
+            if logs and "loss" in logs:
+                losses[state.global_step] = float(logs["loss"]).hex()
+
+    return Record(), losses
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    from transformers import TrainerCallback
+
+    p = argparse.ArgumentParser()
+    p.add_argument("out")
+    p.add_argument("root")
+    p.add_argument("result")
+    p.add_argument("--kill-at", type=int, default=None)
+    p.add_argument("--resume", action="store_true")
+    p.add_argument("--stock", action="store_true")
+    a = p.parse_args(argv)
+    record, losses = loss_recorder()
+    holder: dict[str, Any] = {}
+
+    def write(**extra: Any) -> None:
+        with open(a.result + ".tmp", "w") as f:
+            json.dump({"losses": losses, **extra}, f)
+        os.replace(a.result + ".tmp", a.result)
+
+    class Kill(TrainerCallback):
+        def on_step_end(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
+            if state.global_step == a.kill_at:
+                tr = holder["trainer"]
+                if not a.stock:
+                    tr.nebula.wait()  # at least one checkpoint committed before the kill
+                write(killed_at=state.global_step, committed=[] if a.stock else tr.nebula.list())
+                os.kill(os.getpid(), signal.SIGKILL)
+
+    tr = make_trainer(a.out, a.root, stock=a.stock, callbacks=(record, Kill()))
+    holder["trainer"] = tr
+    tr.train(resume_from_checkpoint=True if a.resume else None)
+    restored = None if a.stock else tr.nebula_restored
+    write(restored=restored, final_step=tr.state.global_step)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
