@@ -1,0 +1,380 @@
+"""NebulaCheckpointIO with real PyTorch Lightning: top-k / last / removal through every tier,
+bit-identical resume after SIGKILL, background failures surfacing from fit."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import traceback
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+pl = pytest.importorskip("pytorch_lightning", reason="PyTorch Lightning is not installed: "
+                         "pip install 'nebula_ckpt[lightning]' (pytorch-lightning) to run these tests")
+
+from pytorch_lightning.callbacks import Callback, ModelCheckpoint  # noqa: E402
+
+import nebula_ckpt as nc  # noqa: E402
+from faults import FaultyTier  # noqa: E402
+from integrations.lightning_worker import (  # noqa: E402
+    BATCH,
+    SEED,
+    ResumableLoader,
+    TinyModule,
+    make_data,
+    make_trainer,
+)
+from nebula_ckpt.integrations.lightning import (  # noqa: E402
+    POINTER_FORMAT,
+    NebulaCheckpointIO,
+    load_checkpoint,
+    read_pointer,
+    tag_for_path,
+    write_pointer,
+)
+
+WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "lightning_worker.py")
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def _state(seed: int = 0) -> dict[str, Any]:
+    """A Lightning-shaped checkpoint dict (live tensors, optimizer state, plain values)."""
+    torch.manual_seed(seed)
+    model = torch.nn.Linear(8, 4)
+    opt = torch.optim.AdamW(model.parameters())
+    model(torch.randn(2, 8)).sum().backward()
+    opt.step()
+    return {"epoch": seed, "global_step": 10 * seed, "pytorch-lightning_version": pl.__version__,
+            "state_dict": model.state_dict(), "optimizer_states": [opt.state_dict()],
+            "callbacks": {"ModelCheckpoint{'monitor': 'val_loss'}": {"best_k_models": {"/a/b.ckpt": torch.tensor(.5)}}},
+            "hyper_parameters": {"lr": 1e-3, "name": "x"}}
+
+
+def _assert_same(a: Any, b: Any, where: str = "") -> None:
+    if isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b), where
+    elif isinstance(a, np.ndarray):
+        assert isinstance(b, np.ndarray) and a.dtype == b.dtype and np.array_equal(a, b), where
+    elif isinstance(a, dict):
+        assert isinstance(b, dict) and list(a) == list(b), where
+        for k in a:
+            _assert_same(a[k], b[k], f"{where}/{k}")
+    elif isinstance(a, (list, tuple)):
+        assert type(a) is type(b) and len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b, strict=True)):
+            _assert_same(x, y, f"{where}[{i}]")
+    else:
+        assert a == b and type(a) is type(b), where
+
+
+def _tier_steps(root: str) -> dict[str, set[int]]:
+    """Committed steps per tier of ``root`` (a fresh reader)."""
+    with nc.Checkpointer(root) as ck:
+        return {t: set(s) for t, s in ck.list(detailed=True).items()}
+
+
+def _pointers(dirpath: str) -> dict[str, dict[str, Any]]:
+    out = {}
+    for name in sorted(os.listdir(dirpath)):
+        p = os.path.join(dirpath, name)
+        ptr = read_pointer(p)
+        if ptr is not None:
+            out[name] = ptr
+    return out
+
+
+# -- units -----------------------------------------------------------------------------------------
+def test_is_a_lightning_checkpoint_io(root: str) -> None:
+    from lightning_fabric.plugins import CheckpointIO
+
+    io = NebulaCheckpointIO(root)
+    assert isinstance(io, CheckpointIO)
+    with pytest.raises(TypeError, match="storage_options"):
+        io.save_checkpoint({"a": 1}, os.path.join(root, "..", "x.ckpt"), storage_options={"x": 1})
+
+
+def test_tag_for_path(tmp_path, monkeypatch) -> None:  # noqa: ANN001
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "ckpts").mkdir()
+    plain = tag_for_path("ckpts/epoch=3-step=1200.ckpt")
+    assert plain == f"{os.path.realpath(tmp_path)}/ckpts/epoch=3-step=1200.ckpt"
+    assert tag_for_path("./ckpts/epoch=3-step=1200.ckpt") == plain
+    odd = tag_for_path("ckpts/val loss='0.5' ~x.ckpt")
+    assert " " not in odd and "'" not in odd and odd.endswith("val~20loss=~270.5~27~20~7ex.ckpt")
+    assert tag_for_path("ckpts/a b.ckpt") != tag_for_path("ckpts/a~20b.ckpt")  # the escape is escaped too
+    long1, long2 = tag_for_path("ckpts/" + "é" * 300 + "1.ckpt"), tag_for_path("ckpts/" + "é" * 300 + "2.ckpt")
+    assert long1 != long2 and len(long1) <= 256 and len(long2) <= 256
+    assert tag_for_path("s3://bucket/run/last.ckpt") == "s3://bucket/run/last.ckpt"
+
+
+def test_pointer_is_atomic_json_and_torch_files_are_not_pointers(tmp_path) -> None:  # noqa: ANN001
+    p = str(tmp_path / "d" / "last.ckpt")
+    write_pointer(p, {"format": POINTER_FORMAT, "root": "/r", "step": 3, "tag": "/d/last.ckpt"})
+    assert read_pointer(p) == {"format": POINTER_FORMAT, "root": "/r", "step": 3, "tag": "/d/last.ckpt"}
+    assert os.listdir(tmp_path / "d") == ["last.ckpt"]  # no temporary file left behind
+    assert (os.stat(p).st_mode & 0o777) == 0o666 & ~_umask()
+    t = str(tmp_path / "t.ckpt")
+    torch.save({"state_dict": {"w": torch.ones(2)}}, t)
+    assert read_pointer(t) is None
+    assert read_pointer(str(tmp_path / "missing.ckpt")) is None
+    bad = str(tmp_path / "bad.ckpt")
+    with open(bad, "w") as f:
+        json.dump({"format": POINTER_FORMAT, "root": "/r", "step": "3", "tag": "x"}, f)
+    with pytest.raises(nc.NebulaError, match="'step'"):
+        read_pointer(bad)
+
+
+def _umask() -> int:
+    old = os.umask(0)
+    os.umask(old)
+    return old
+
+
+def test_save_load_resave_remove(root: str, tmp_path) -> None:  # noqa: ANN001
+    io = NebulaCheckpointIO(root)
+    d = tmp_path / "ckpts"
+    a, last = str(d / "epoch=0-step=10.ckpt"), str(d / "last.ckpt")
+    try:
+        s0 = _state(0)
+        io.save_checkpoint(s0, a)
+        io.save_checkpoint(_state(1), last)
+        io.save_checkpoint(_state(2), last)  # a path saved again: the older step goes once this one is durable
+        io.wait()
+        assert io.last_save_seconds is not None
+        tags = io.checkpointer.tags()
+        assert tags == {tag_for_path(a): 0, tag_for_path(last): 2}
+        assert {t: set(s) for t, s in io.checkpointer.list(detailed=True).items()} == {
+            io.checkpointer.tiers[0].name: {2}, io.checkpointer.tiers[1].name: {0, 2}}
+        _assert_same(io.load_checkpoint(a), s0)
+        _assert_same(io.load_checkpoint(last), _state(2))
+        # save_last="link": removing the link leaves its target
+        link = str(d / "last-link.ckpt")
+        os.symlink(os.path.basename(a), link)
+        _assert_same(io.load_checkpoint(link), s0)
+        io.remove_checkpoint(link)
+        assert not os.path.lexists(link) and os.path.exists(a)
+        io.remove_checkpoint(a)
+        assert not os.path.exists(a)
+        assert set(io.checkpointer.tags()) == {tag_for_path(last)}
+        with pytest.raises(FileNotFoundError):
+            io.load_checkpoint(a)
+    finally:
+        io.teardown()
+    per = _tier_steps(root)
+    assert per.pop(f"local:{os.path.realpath(root)}") == {2}
+    assert list(per.values()) == [set()]  # close() freed the memory tier
+
+
+def test_pointer_to_uncommitted_save_loads_previous(root: str, tmp_path, caplog) -> None:  # noqa: ANN001
+    """The pointer is written when the save starts; killed before the commit, the path resolves to
+    the newest committed checkpoint saved at it."""
+    io = NebulaCheckpointIO(root)
+    last = str(tmp_path / "last.ckpt")
+    try:
+        io.save_checkpoint(_state(1), last)
+        io.wait()
+        ptr = read_pointer(last)
+        assert ptr is not None
+        write_pointer(last, {**ptr, "step": 99})  # as if the save of step 99 had been killed
+        with caplog.at_level(logging.WARNING, logger="nebula_ckpt"):
+            _assert_same(io.load_checkpoint(last), _state(1))
+        assert "never committed" in caplog.text
+    finally:
+        io.teardown()
+
+
+def test_foreign_torch_file_loads(root: str, tmp_path) -> None:  # noqa: ANN001
+    p = str(tmp_path / "from-elsewhere.ckpt")
+    torch.save(_state(3), p)
+    io = NebulaCheckpointIO(root)
+    _assert_same(io.load_checkpoint(p), _state(3))
+    io.remove_checkpoint(p)
+    assert not os.path.exists(p)
+    io.teardown()
+
+
+# -- real fits -----------------------------------------------------------------------------------------
+class _CheckTiers(Callback):
+    """At every epoch end: every tier holds exactly the checkpoints whose pointers exist."""
+
+    def __init__(self, io: NebulaCheckpointIO, dirpath: str) -> None:
+        self.io, self.dirpath, self.checked = io, dirpath, 0
+
+    def on_train_epoch_end(self, trainer: Any, pl_module: Any) -> None:
+        if not os.path.isdir(self.dirpath):
+            return
+        self.io.wait()
+        live = {p["step"] for p in _pointers(self.dirpath).values()}
+        per = self.io.checkpointer.list(detailed=True)
+        mem, disk = (set(per[t.name]) for t in self.io.checkpointer.tiers)
+        assert disk == live, (disk, live)
+        assert mem <= live and len(mem) == 1, (mem, live)
+        self.checked += 1
+
+
+@pytest.mark.timeout(120)
+def test_fit_top_k_last_and_resume_last(root: str, tmp_path) -> None:  # noqa: ANN001
+    torch.manual_seed(SEED)
+    x, y = make_data()
+    val = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x[:16], y[:16]), batch_size=8)
+    dirpath = str(tmp_path / "ckpts")
+    io = NebulaCheckpointIO(root)
+    check = _CheckTiers(io, dirpath)
+    cb = ModelCheckpoint(dirpath=dirpath, monitor="val_loss", save_top_k=2, save_last=True)
+    model = TinyModule()
+    trainer = make_trainer(io, dirpath, [check], max_epochs=5, checkpoint_callback=cb)
+    trainer.fit(model, ResumableLoader(x, y, BATCH, SEED), val)
+    assert check.checked >= 4
+
+    files = _pointers(dirpath)
+    kept = {os.path.basename(p) for p in cb.best_k_models} | {"last.ckpt"}
+    assert set(files) == kept and len(kept) == 3, (set(files), kept)
+    assert set(os.listdir(dirpath)) == kept  # no temporary or stray files
+    with nc.Checkpointer(root) as ck:
+        tags = ck.tags()
+        assert tags == {tag_for_path(os.path.join(dirpath, n)): p["step"] for n, p in files.items()}
+        # everything else (top-k files that fell out, older "last" saves) is gone from every tier
+        assert set(ck.list()) == {p["step"] for p in files.values()}
+    # the best checkpoint is the model of that epoch
+    best = io.load_checkpoint(cb.best_model_path)
+    assert best["global_step"] == files[os.path.basename(cb.best_model_path)]["global_step"]
+    io.teardown()
+    # without a Trainer or plugin (what LightningModule.load_from_checkpoint cannot do with a pointer)
+    standalone = load_checkpoint(cb.best_model_path)
+    _assert_same(standalone, best)
+    again = TinyModule(**standalone["hyper_parameters"])
+    again.load_state_dict(standalone["state_dict"])
+
+    # resume from "last" in a new Trainer (new plugin, same root): one more epoch
+    io2 = NebulaCheckpointIO(root)
+    model2 = TinyModule()
+    cb2 = ModelCheckpoint(dirpath=dirpath, monitor="val_loss", save_top_k=2, save_last=True)
+    trainer2 = make_trainer(io2, dirpath, max_epochs=6, checkpoint_callback=cb2)
+    trainer2.fit(model2, ResumableLoader(x, y, BATCH, SEED), val, ckpt_path="last")
+    assert trainer2.global_step == 6 * (64 // BATCH) and trainer2.current_epoch == 6
+    assert set(_pointers(dirpath)) == {os.path.basename(p) for p in cb2.best_k_models} | {"last.ckpt"}
+    with nc.Checkpointer(root) as ck:
+        assert set(ck.list()) == {p["step"] for p in _pointers(dirpath).values()}
+        assert ck.read(tag=tag_for_path(os.path.join(dirpath, "last.ckpt")))[1]["epoch"] == 5
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("when", ["next_save", "teardown"])
+def test_background_failure_surfaces_from_fit(tmp_path, shm_dir: str, when: str) -> None:  # noqa: ANN001
+    """A persist that fails in the background is raised by the next save, or by teardown at the end of fit."""
+    x, y = make_data()
+    root = str(tmp_path / "ckpt")
+    # every_n_train_steps=5 over 8 steps: one save (step 0, at global step 5) ...; 16 steps: saves 0, 1, 2, 3
+    tier = FaultyTier(root, fail_at="shard", fail_steps={0})
+    io = NebulaCheckpointIO(root, tiers=[tier])
+    dirpath = str(tmp_path / "ckpts")
+    cb = ModelCheckpoint(dirpath=dirpath, every_n_train_steps=5, save_top_k=-1)
+    trainer = make_trainer(io, dirpath, max_epochs=2 if when == "next_save" else 1, checkpoint_callback=cb)
+    with pytest.raises(nc.PersistError, match="injected failure") as ei:
+        trainer.fit(TinyModule(), ResumableLoader(x, y, BATCH, SEED))
+    if when == "next_save":
+        assert trainer.global_step == 10  # the second save (global step 10) raised it: training stopped there
+    else:
+        assert trainer.global_step == 8  # the end of fit
+    assert "step 0" in str(ei.value)
+    raised_in = [f.name for f in traceback.extract_tb(ei.value.__traceback__)]
+    assert ("save_checkpoint" if when == "next_save" else "teardown") in raised_in, raised_in
+    io.teardown()  # already closed: nothing raised twice
+
+
+# -- crash and resume (subprocesses) -------------------------------------------------------------------
+def _run_worker(tmp: str, name: str, root: str, dirpath: str, env: dict[str, str], *extra: str) -> int:
+    log_path = os.path.join(tmp, f"{name}.log")
+    with open(log_path, "w") as logf:
+        proc = subprocess.run([sys.executable, WORKER, "--root", root, "--dirpath", dirpath, "--out", tmp,
+                               "--name", name, *extra], env=env, stdout=logf, stderr=subprocess.STDOUT,
+                              timeout=240, cwd=REPO)
+    if proc.returncode not in (0, -signal.SIGKILL):
+        with open(log_path) as f:
+            pytest.fail(f"worker {name} exited {proc.returncode}:\n{f.read()[-4000:]}")
+    return proc.returncode
+
+
+def _losses(path: str) -> dict[int, str]:
+    out: dict[int, str] = {}
+    with open(path) as f:
+        for line in f:
+            step, loss = line.split()
+            out[int(step)] = loss
+    return out
+
+
+@pytest.fixture(scope="module")
+def reference_run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """The uninterrupted run: per-step losses and the final digest."""
+    tmp = str(tmp_path_factory.mktemp("lightning-ref"))
+    shm = _private_shm(tmp)
+    try:
+        env = {**os.environ, "NEBULA_SHM_DIR": shm, "PYTHONWARNINGS": "ignore"}
+        _run_worker(tmp, "full", os.path.join(tmp, "root"), os.path.join(tmp, "ckpts"), env)
+    finally:
+        shutil.rmtree(shm, ignore_errors=True)
+    with open(os.path.join(tmp, "final-full.json")) as f:
+        final = json.load(f)
+    return {"losses": _losses(os.path.join(tmp, "losses-full.txt")), **final}
+
+
+def _private_shm(tmp: str) -> str:
+    """A private memory-tier folder on the real tmpfs (/dev/shm) where there is one."""
+    base = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else tmp
+    return tempfile.mkdtemp(prefix="nebula-test-lightning-", dir=base)
+
+
+@pytest.mark.slow
+@pytest.mark.crash
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("resume_from", ["memory", "disk"])
+def test_sigkill_then_resume_last_is_bit_identical(reference_run: dict[str, Any], tmp_path, shm_dir: str,  # noqa: ANN001
+                                                   resume_from: str) -> None:
+    """Killed with SIGKILL right after the saves of global step 10 started; a new process resumes
+    with ckpt_path="last" (from the memory tier, or from disk after the memory tier is wiped: the
+    step-10 checkpoint if it reached the disk, else the step-5 one, through the pointer's fallback)
+    and its per-step losses and final parameters / optimizer state are bit-identical to an
+    uninterrupted run's."""
+    tmp, shm = str(tmp_path), shm_dir
+    env = {**os.environ, "NEBULA_SHM_DIR": shm, "PYTHONWARNINGS": "ignore"}
+    root, dirpath = os.path.join(tmp, "root"), os.path.join(tmp, "ckpts")
+    # "memory": killed once the newest last.ckpt is in the memory tier (the disk may still be writing it);
+    # "disk": killed as soon as anything committed, then the memory tier is wiped
+    when = "memory" if resume_from == "memory" else "any"
+    assert _run_worker(tmp, "crash", root, dirpath, env, "--kill-at", "10", "--kill-when", when) == -signal.SIGKILL
+    assert not os.path.exists(os.path.join(tmp, "final-crash.json"))
+    ref = reference_run["losses"]
+    before = _losses(os.path.join(tmp, "losses-crash.txt"))
+    assert max(before) == 9 and all(before[s] == ref[s] for s in before)  # steps 0..9 ran, then the kill
+    if resume_from == "disk":
+        shutil.rmtree(shm)
+        os.makedirs(shm)
+        with nc.Checkpointer(root, memory_tier=False) as ck:
+            assert ck.list(), "nothing committed on disk before the kill"
+    _run_worker(tmp, "resume", root, dirpath, env, "--resume")
+    with open(os.path.join(tmp, "final-resume.json")) as f:
+        final = json.load(f)
+    after = _losses(os.path.join(tmp, "losses-resume.txt"))
+    assert final["resumed_from"] in ((10,) if resume_from == "memory" else (5, 10)), final
+    assert min(after) == final["resumed_from"] and max(after) == max(ref)
+    mismatched = {s: (after[s], ref[s]) for s in after if after[s] != ref[s]}
+    assert not mismatched, f"losses differ after resuming from step {final['resumed_from']}: {mismatched}"
+    assert final["digest"] == reference_run["digest"] and final["global_step"] == reference_run["global_step"]
+    with open(os.path.join(tmp, "resume.log")) as f:
+        text = f.read()
+    loaded = [ln for ln in text.splitlines() if "nebula_ckpt.integrations.lightning" in ln and "last.ckpt" in ln]
+    assert len(loaded) == 1, text[-3000:]
+    if resume_from == "memory":
+        assert "from tier memory:" in loaded[0], loaded
+    else:
+        assert f"from tier local:{os.path.realpath(root)}" in loaded[0], loaded
