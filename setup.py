@@ -119,6 +119,7 @@ setup(
         # framework integrations (nebula_ckpt.integrations.*): versions they are tested with
         "huggingface": ["transformers>=5.0", "accelerate>=1.1.0"],
         "lightning": ["pytorch-lightning>=2.6"],
+        "deepspeed": ["deepspeed>=0.19"],
     },
     entry_points={"console_scripts": ["nebula-ckpt = nebula_ckpt.cli:main"]},
     ext_modules=ext_modules,

@@ -33,6 +33,7 @@ quiet $VPY -m pip install -q "numpy" "safetensors>=0.4" "fsspec>=2023.1" "zstand
 quiet $VPY -m pip install -q "accelerate==1.15.0"
 quiet $VPY -m pip install -q "transformers==5.23.0" "tokenizers==0.23.3" "huggingface-hub==2.4.0"
 quiet $VPY -m pip install -q "pytorch-lightning==2.6.6"
+DS_BUILD_OPS=0 quiet $VPY -m pip install -q "deepspeed==0.19.8"   # no CUDA ops built: the tests run it on CPU
 echo "bootstrap: building the C++ extension (nebula_ckpt._C)"
 if ! quiet $VPY -m pip install -q --no-build-isolation --no-deps -e . ; then
   echo "bootstrap: WARNING: the C++ extension failed to build; installing the pure-PyTorch path" >&2

@@ -1,0 +1,490 @@
+"""DeepSpeed checkpoints through nebula_ckpt: ``engine.save_checkpoint`` / ``engine.load_checkpoint``
+unchanged, the bytes in a :class:`~nebula_ckpt.Checkpointer` (memory tier, disk, blob).
+
+Switch it on once, after ``deepspeed.initialize``::
+
+    import deepspeed
+    from nebula_ckpt.integrations import deepspeed as nds
+
+    engine, opt, _, sched = deepspeed.initialize(model=model, optimizer=opt, config=ds_config)
+    nds.enable(engine, "/ckpt/run-42")            # or "az://c/run-42", tiers=[...], keep_last=...
+    ...
+    engine.save_checkpoint("/ckpt/ds", tag=f"global_step{engine.global_steps}")   # as before
+    ...
+    engine.load_checkpoint("/ckpt/ds")            # tag=None: the one DeepSpeed's `latest` names
+
+Why a function and not a config key: DeepSpeed 0.19.8 picks its checkpoint engine in
+``DeepSpeedEngine._configure_checkpointing`` from a fixed list (torch.save, its "fast" /
+"decoupled" writers, DataStates); it has no plug-in entry and it removed its own ``nebula``
+config block (a leftover one is ignored). ``enable`` replaces ``engine.checkpoint_engine``, the
+attribute every save / load goes through, with a :class:`NebulaCkptEngine` (named so to stay
+clear of DeepSpeed's former ``NebulaCheckpointEngine``). Call it on every rank (in a multi-rank
+job the Checkpointer's constructor is a collective). One change to who writes what: every
+data-parallel rank includes the model states in its checkpoint (DeepSpeed has only data-parallel
+rank 0 save them), so each rank restores everything it reads from its own memory tier; on a
+shared tier those replicated bytes are stored once (nebula_ckpt's replica dedup).
+
+What happens on ``save_checkpoint(save_dir, tag)``:
+
+* DeepSpeed calls ``create(tag)``, then ``save(state_dict, path)`` once per file (the model states
+  ``<tag>/mp_rank_00_model_states.pt``, each ZeRO rank's
+  ``<tag>/zero_pp_rank_<r>_mp_rank_00_optim_states.pt``, MoE expert files ...), then
+  ``commit(tag)``. The engine collects the ``save`` calls and, at ``commit``, saves them as *one*
+  checkpoint ``{path relative to save_dir/tag: state_dict}`` with ``save_async(step, parts,
+  tag=tag)``. DeepSpeed's state dicts hold live tensors, so the copy into host memory is done
+  when ``commit`` returns (no clone first: ``preserves_storage_sharing()`` is False, nebula_ckpt
+  stores each tensor's own bytes); persisting runs in the background.
+* ``commit`` returns once the checkpoint is committed on its first tier (the memory tier, in
+  milliseconds; ``durable="all"`` waits for every tier, ``"snapshot"`` for none). Only then does
+  it write, for every saved path, a small *pointer file* at that path (JSON naming the root, tag,
+  step and part, written atomically), and DeepSpeed then writes its own ``latest`` file. So a
+  process killed at any moment never leaves ``latest`` or a pointer naming a checkpoint that no
+  tier holds. The pointers keep DeepSpeed's own file checks working (``load_checkpoint`` globs
+  ``<tag>/mp_rank_*_model_states.pt``; ZeRO checks ``os.path.exists`` on partition files).
+* The step number is ``engine.global_steps``, or the next free number when that step is already
+  taken by a committed checkpoint (two tags saved at one global step stay two checkpoints). In a
+  multi-rank job the ranks agree on it (the maximum).
+* Files DeepSpeed writes *outside* the tag folder (``save_16bit_model``'s consolidated weights,
+  meant for other tools) are written with ``torch.save`` as before.
+
+What happens on ``load_checkpoint(save_dir, tag=None)``: DeepSpeed reads ``latest`` (when no tag
+is given) and calls ``load(path)`` for each file; the engine reads the pointer, restores the
+newest healthy checkpoint carrying that tag from the fastest tier that has it (CRC32C-checked;
+a damaged copy falls back to the next tier, then to an older checkpoint with the same tag) once
+per ``load_checkpoint``, and hands each part out (parts served are dropped from its cache). A path
+holding an ordinary ``torch.save`` file (a checkpoint written before ``enable``) is loaded with
+``torch.load`` as DeepSpeed would.
+
+Things to know:
+
+* Retention is nebula_ckpt's: ``keep_last`` (default 3) checkpoints per tier, ``keep_every``
+  milestones. The pointer files of a checkpoint that retention deleted stay on disk; loading
+  that tag then raises ``NotFoundError`` naming the tags still held.
+* ``allow_pickle=True`` is the default here: DeepSpeed's states hold Python objects (its
+  ``LossScaler``, ZeRO's ``fragment_address`` tuples) that typed JSON cannot hold, and DeepSpeed
+  itself loads its files with ``torch.load(weights_only=False)``. Tensors are never pickled.
+* Tools that read the tag folder's files directly (``zero_to_fp32.py``, universal checkpoint
+  conversion) see pointers: :func:`materialize` writes the real ``torch.save`` files of a tag.
+* The root must not be ``save_dir`` itself (nebula_ckpt owns the ``step-<N>`` folders of its root).
+* A ``save_dir`` that was lost (a new machine, a node-local disk) while the checkpoints survive on
+  a slower tier: :meth:`NebulaCkptEngine.restore_pointers` writes the pointers and ``latest`` of
+  the newest (or a given) tag again, then ``load_checkpoint`` works as usual.
+* Not supported: DeepSpeed features that read files other ranks wrote (ZeRO's
+  ``elastic_checkpoint``, pipeline-parallel layer files with several data-parallel ranks, loading
+  on another data-parallel world size) or that read the folder directly (universal checkpoints,
+  NVMe-offload folders are copied by DeepSpeed itself, as real files): such a load raises
+  ``NotFoundError`` naming the missing part, or ``materialize`` the tag first.
+* Call :meth:`NebulaCkptEngine.close` (or let interpreter exit do it) to finish the background
+  persists; DeepSpeed's ``engine.destroy()`` does not.
+* Loads are read into host memory (``map_location`` other than a device, such as DeepSpeed's
+  ``lambda storage, loc: storage``, keeps them there); DeepSpeed copies them into the model and
+  optimizer, as with ``torch.load``.
+
+Install: ``pip install 'nebula_ckpt[deepspeed]'`` (DeepSpeed 0.19.8; on a machine without CUDA,
+``DS_BUILD_OPS=0`` and ``DS_ACCELERATOR=cpu``).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import threading
+import time
+import weakref
+from typing import Any, Callable, Optional
+
+import torch
+
+from ..checkpointer import Checkpointer
+from ..errors import NotFoundError, PersistError, ValidationError
+from ..manifest import check_tag
+from ..tiers import canonical_root
+
+log = logging.getLogger("nebula_ckpt")
+
+try:
+    from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointCommitInfo, CheckpointEngine
+except ImportError as _e:  # pragma: no cover - exercised only without deepspeed
+    raise ImportError("nebula_ckpt.integrations.deepspeed needs DeepSpeed: pip install 'nebula_ckpt[deepspeed]' "
+                      f"(DS_BUILD_OPS=0 on a machine without CUDA): {_e}") from _e
+
+__all__ = ["NebulaCkptEngine", "enable", "materialize", "POINTER_FORMAT"]
+
+#: ``format`` field of a pointer file (JSON) left at each path DeepSpeed saved (its version is the
+#: number after the slash)
+POINTER_FORMAT = "nebula_ckpt.deepspeed/1"
+_POINTER_MAX_BYTES = 64 * 1024
+_DURABLE = ("first", "all", "snapshot")
+
+
+def _read_pointer(path: str) -> Optional[dict[str, Any]]:
+    """The pointer stored at ``path``, or None when ``path`` holds something else (a torch.save file)."""
+    with open(path, "rb") as f:
+        head = f.read(_POINTER_MAX_BYTES + 1)
+    if not head.startswith(b"{") or len(head) > _POINTER_MAX_BYTES:
+        return None
+    try:
+        ptr = json.loads(head.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError):
+        return None
+    if not isinstance(ptr, dict) or not str(ptr.get("format", "")).startswith("nebula_ckpt.deepspeed/"):
+        return None
+    if ptr["format"] != POINTER_FORMAT:
+        raise ValidationError(f"{path}: pointer format {ptr['format']!r} is not {POINTER_FORMAT!r} (written by a "
+                              "newer nebula_ckpt? upgrade it)")
+    for field, typ in (("root", str), ("tag", str), ("key", str), ("step", int)):
+        if type(ptr.get(field)) is not typ:
+            raise ValidationError(f"{path}: nebula_ckpt pointer file has no valid {field!r}: {ptr!r}")
+    return ptr
+
+
+def _write_pointer(path: str, pointer: dict[str, Any]) -> None:
+    """Write ``pointer`` at ``path`` atomically (a reader sees the old file or the new one)."""
+    tmp = f"{path}.nebula-tmp-{os.getpid()}-{threading.get_ident()}"
+    try:
+        with open(tmp, "w") as f:
+            json.dump(pointer, f, sort_keys=True)
+            f.write("\n")
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+
+
+def _to_device(obj: Any, device: torch.device) -> Any:
+    if isinstance(obj, torch.Tensor):
+        return obj.to(device)
+    if isinstance(obj, dict):
+        for k, v in obj.items():
+            obj[k] = _to_device(v, device)
+        return obj
+    if isinstance(obj, list):
+        return [_to_device(v, device) for v in obj]
+    if isinstance(obj, tuple) and not hasattr(obj, "_fields"):
+        return tuple(_to_device(v, device) for v in obj)
+    return obj
+
+
+class NebulaCkptEngine(CheckpointEngine):
+    """A DeepSpeed ``CheckpointEngine`` writing through a :class:`~nebula_ckpt.Checkpointer`.
+
+    Usually made by :func:`enable`. See the module docstring for what each call does.
+
+    Args:
+        root: the Checkpointer's root (path or fsspec URL); or pass ``checkpointer``.
+        checkpointer: an existing :class:`~nebula_ckpt.Checkpointer` to write through (not closed
+            by :meth:`close` unless ``own=True``).
+        step_fn: the step of the next checkpoint (``enable`` passes ``engine.global_steps``);
+            without it, the next free number.
+        durable: when ``commit`` returns: ``"first"`` (default) committed on the first tier (the
+            memory tier: ``latest`` never names a checkpoint no tier holds), ``"all"`` on every
+            tier, ``"snapshot"`` once the copy into host memory is done.
+        **checkpointer_kwargs: for the Checkpointer made from ``root`` (``tiers``, ``keep_last``,
+            ``storage_options`` ...; ``allow_pickle`` defaults to True here).
+    """
+
+    def __init__(self, root: Optional[str] = None, *, checkpointer: Optional[Checkpointer] = None,
+                 step_fn: Optional[Callable[[], int]] = None, durable: str = "first", own: Optional[bool] = None,
+                 **checkpointer_kwargs: Any) -> None:
+        super().__init__(None)
+        self.name = "NebulaCkptEngine"
+        if durable not in _DURABLE:
+            raise ValidationError(f"durable must be one of {_DURABLE}, got {durable!r}")
+        if (root is None) == (checkpointer is None):
+            raise ValidationError("NebulaCkptEngine: give either root or checkpointer (exactly one)")
+        if checkpointer is None:
+            checkpointer_kwargs.setdefault("allow_pickle", True)
+            checkpointer = Checkpointer(str(root), **checkpointer_kwargs)
+            own = True if own is None else own
+        elif checkpointer_kwargs:
+            raise ValidationError(f"NebulaCkptEngine: {sorted(checkpointer_kwargs)} apply to a Checkpointer made "
+                                  "from root; the one given is used as it is")
+        #: the Checkpointer every save and load goes through
+        self.checkpointer = checkpointer
+        self._own = bool(own)
+        self._root = canonical_root(checkpointer.root)
+        self._step_fn = step_fn
+        self.durable = durable
+        self._info: Optional[CheckpointCommitInfo] = None
+        self._parts: dict[str, Any] = {}
+        self._paths: dict[str, str] = {}
+        self._last_step: Optional[int] = None
+        # (tag, step, {key: state_dict}) of the checkpoint being loaded; parts are dropped as served
+        self._cache: Optional[tuple[str, int, dict[str, Any]]] = None
+
+    def __repr__(self) -> str:
+        return f"NebulaCkptEngine({self._root!r})"
+
+    # -- saving -----------------------------------------------------------------------------------
+    def _tag_dir(self) -> Optional[str]:
+        if self._info is None:
+            return None
+        return os.path.abspath(os.path.join(self._info.save_dir, str(self._info.tag)))
+
+    def create(self, info: CheckpointCommitInfo) -> None:
+        """Start collecting the files of checkpoint ``info.tag`` (raises on a tag nebula_ckpt refuses)."""
+        check_tag(str(info.tag))
+        if os.path.realpath(os.path.abspath(info.save_dir)) == self._root:
+            raise ValidationError(f"DeepSpeed save_dir {info.save_dir!r} is the nebula_ckpt root itself: give "
+                                  "enable() / NebulaCkptEngine a root of its own (it owns the step-<N> folders there)")
+        if self._parts:
+            log.warning("nebula_ckpt: DeepSpeed checkpoint %r was never committed; its %d part(s) are dropped",
+                        self._info.tag if self._info else None, len(self._parts))
+        self._info = info
+        self._parts = {}
+        self._paths = {}
+        self._cache = None
+
+    def save(self, state_dict: Any, path: str) -> None:
+        """Keep ``state_dict`` as the part ``path`` of the checkpoint being created (saved at commit)."""
+        tag_dir = self._tag_dir()
+        apath = os.path.abspath(path)
+        if tag_dir is None or os.path.commonpath([tag_dir, apath]) != tag_dir or apath == tag_dir:
+            # outside a checkpoint's folder (save_16bit_model): an ordinary file for other tools
+            torch.save(state_dict, path)
+            return
+        key = os.path.relpath(apath, tag_dir).replace(os.sep, "/")
+        if key in self._parts:
+            log.warning("nebula_ckpt: DeepSpeed saved %s twice in checkpoint %r; the second one is kept", path,
+                        self._info.tag if self._info else None)
+        self._parts[key] = state_dict
+        self._paths[key] = path
+
+    def _next_step(self, parts: int) -> Optional[int]:
+        """The step of the checkpoint being committed; None when no rank has anything to save."""
+        if self._last_step is None:
+            self._last_step = max(self.checkpointer.list(), default=-1)
+        step = max(int(self._step_fn()) if self._step_fn is not None else 0, self._last_step + 1)
+        co = self.checkpointer.coordinator
+        if co.world_size == 1:
+            return step if parts else None
+        # every rank commits (DeepSpeed calls it on all): the ranks save together or not at all, at
+        # one step (a rank without parts of its own saves an empty state)
+        got = co.exchange((parts, step))
+        if not any(n for n, _ in got):
+            return None
+        return max(int(s) for _, s in got)
+
+    def _wait(self, handle: Any) -> None:
+        if self.durable == "all":
+            handle.result()
+        elif self.durable == "first":
+            delay = 0.0005
+            while not handle.tiers_written and not handle.done():
+                time.sleep(delay)
+                delay = min(delay * 2, 0.01)
+        else:
+            handle.wait_snapshot()
+            return
+        if not handle.tiers_written:
+            handle.result()  # raises why no tier took it, if one failed
+            raise PersistError(f"DeepSpeed checkpoint {handle.tag!r} (step {handle.step}) was written by no tier "
+                               f"(skipped: {handle.skipped}; dropped by: {handle.tiers_dropped})")
+
+    def commit(self, info: CheckpointCommitInfo) -> bool:
+        """Save the collected parts as one checkpoint tagged ``info.tag``; then write the pointers."""
+        parts, paths = self._parts, self._paths
+        self._parts, self._paths = {}, {}
+        step = self._next_step(len(parts))
+        if step is None:  # nothing was saved in a tag folder (save_16bit_model)
+            return True
+        tag = str(info.tag)
+        handle = self.checkpointer.save_async(step, parts, tag=tag)
+        self._last_step = step
+        self._wait(handle)
+        for key, path in paths.items():
+            _write_pointer(path, {"format": POINTER_FORMAT, "root": self._root,
+                                  "tag": tag, "step": step, "key": key})
+        log.info("nebula_ckpt: DeepSpeed checkpoint %r is step %d (%d part(s)) under %s", tag, step, len(parts),
+                 self._root)
+        return True
+
+    def is_data_parallel_writer(self, dp_rank: int) -> bool:
+        """True on every rank: each rank's checkpoint holds the parts it reads back (the model states
+        too), so it restores from its own memory tier; a shared tier stores replicated bytes once."""
+        return True
+
+    def preserves_storage_sharing(self) -> bool:
+        """False: nebula_ckpt stores each tensor's own bytes, so DeepSpeed need not clone views first."""
+        return False
+
+    # -- loading ----------------------------------------------------------------------------------
+    def load(self, path: str, map_location: Any = None) -> Any:
+        """The state dict DeepSpeed saved at ``path`` (from the newest healthy copy of its checkpoint)."""
+        ptr = _read_pointer(path)
+        if ptr is None:  # an ordinary torch.save file (written before enable(), or outside a tag folder)
+            return torch.load(path, map_location=map_location, weights_only=False)
+        if ptr["root"] != self._root:
+            raise ValidationError(f"{path} points into the nebula_ckpt root {ptr['root']!r}, but this engine uses "
+                                  f"{self._root!r}: enable(engine, {ptr['root']!r}) to load it")
+        tag, key = ptr["tag"], ptr["key"]
+        cache = self._cache
+        if cache is None or cache[0] != tag or key not in cache[2]:
+            try:
+                step, tree = self.checkpointer.read(tag=tag, map_location="cpu")
+            except NotFoundError as e:
+                raise NotFoundError(f"{path}: DeepSpeed checkpoint {tag!r} (step {ptr['step']}) is no longer held "
+                                    f"under {self._root} (deleted by retention? keep_last / keep_every decide): "
+                                    f"{e}") from e
+            if step != ptr["step"]:
+                log.warning("nebula_ckpt: %s: step %d of tag %r is not restorable; loading step %d with that tag",
+                            path, ptr["step"], tag, step)
+            if not isinstance(tree, dict):
+                raise ValidationError(f"checkpoint {tag!r} (step {step}) under {self._root} was not written by "
+                                      "NebulaCkptEngine (no parts)")
+            cache = self._cache = (tag, step, tree)
+        tree = cache[2]
+        if key not in tree:
+            raise NotFoundError(f"{path}: checkpoint {tag!r} (step {cache[1]}) under {self._root} has no part "
+                                f"{key!r} (parts: {sorted(tree)})")
+        part = tree.pop(key)
+        if not tree:
+            self._cache = None
+        if isinstance(map_location, (str, torch.device)) and torch.device(map_location).type != "cpu":
+            part = _to_device(part, torch.device(map_location))
+        return part
+
+    def restore_pointers(self, save_dir: str, tag: Optional[str] = None) -> Optional[str]:
+        """Write the pointer files of checkpoint ``tag`` (default: the newest tagged checkpoint held on
+        any tier) under ``save_dir`` where they are missing, and DeepSpeed's ``latest`` naming it (rank
+        0); return the tag, or None when no tagged checkpoint is held.
+
+        For a ``save_dir`` that was lost while the checkpoints survive on a tier (a new machine, a
+        node-local disk); ``engine.load_checkpoint(save_dir)`` then restores as usual (the parts
+        read here are kept for it). Multi-rank: call it on every rank.
+        """
+        if tag is None:
+            held = self.checkpointer.tags()
+            co = self.checkpointer.coordinator
+            if co.world_size > 1:  # the newest tag every rank holds
+                common = set.intersection(*[set(t) for t in co.exchange(sorted(held))])
+                held = {t: s for t, s in held.items() if t in common}
+            if not held:
+                return None
+            tag = max(held, key=lambda t: (held[t], t))
+        step, tree = self.checkpointer.read(tag=tag, map_location="cpu")
+        if not isinstance(tree, dict):
+            raise ValidationError(f"checkpoint {tag!r} (step {step}) under {self._root} was not written by "
+                                  "NebulaCkptEngine (no parts)")
+        for key in tree:
+            for rel in (tag, key):  # names read back from a checkpoint: never a path out of save_dir
+                if not isinstance(rel, str) or rel.startswith("/") or ".." in rel.split("/") or "\\" in rel:
+                    raise ValidationError(f"checkpoint {tag!r} (step {step}) under {self._root}: part {rel!r} is not "
+                                          "a relative path inside a tag folder")
+            path = os.path.join(save_dir, tag, *key.split("/"))
+            if not os.path.exists(path):
+                os.makedirs(os.path.dirname(path), exist_ok=True)
+                _write_pointer(path, {"format": POINTER_FORMAT, "root": self._root,
+                                      "tag": tag, "step": step, "key": key})
+        if self.checkpointer.coordinator.rank == 0:
+            tmp = os.path.join(save_dir, f"latest.nebula-tmp-{os.getpid()}")
+            with open(tmp, "w") as f:
+                f.write(tag)
+            os.replace(tmp, os.path.join(save_dir, "latest"))
+        self._cache = (tag, step, tree)
+        log.info("nebula_ckpt: pointers of DeepSpeed checkpoint %r (step %d) restored under %s", tag, step, save_dir)
+        return tag
+
+    # -- lifetime ---------------------------------------------------------------------------------
+    def wait(self, timeout: Optional[float] = None) -> None:
+        """Wait for the background persists (raises a failure not yet seen)."""
+        self.checkpointer.wait(timeout)
+
+    def close(self, timeout: Optional[float] = None) -> None:
+        """Finish the background persists; close the Checkpointer when this engine made it."""
+        self._cache = None
+        if self._own:
+            self.checkpointer.close(timeout)
+        else:
+            self.checkpointer.wait(timeout)
+
+
+def enable(engine: Any, root: Optional[str] = None, *, checkpointer: Optional[Checkpointer] = None,
+           durable: str = "first", **checkpointer_kwargs: Any) -> NebulaCkptEngine:
+    """Route ``engine.save_checkpoint`` / ``engine.load_checkpoint`` through nebula_ckpt; return the
+    :class:`NebulaCkptEngine` now in ``engine.checkpoint_engine``.
+
+    Args:
+        engine: a ``deepspeed.DeepSpeedEngine`` (from ``deepspeed.initialize``).
+        root: the nebula_ckpt root (path or fsspec URL; not the ``save_dir`` given to DeepSpeed),
+            or ``checkpointer``: an existing :class:`~nebula_ckpt.Checkpointer`.
+        durable: see :class:`NebulaCkptEngine`.
+        **checkpointer_kwargs: for the Checkpointer made from ``root`` (``tiers``, ``keep_last`` ...).
+
+    Example::
+
+        engine, *_ = deepspeed.initialize(model=model, optimizer=opt, config=cfg)
+        ckpt_engine = nebula_ckpt.integrations.deepspeed.enable(engine, "/ckpt/run-42")
+        engine.load_checkpoint("/ckpt/ds")        # resume, if `latest` is there
+        ...
+        engine.save_checkpoint("/ckpt/ds")        # tag global_step<N>
+        ckpt_engine.close()
+    """
+    old = getattr(engine, "checkpoint_engine", None)
+    if isinstance(old, NebulaCkptEngine):
+        raise ValidationError(f"enable(): this DeepSpeed engine already writes through {old!r}")
+    if old is not None and old.is_decoupled():
+        raise ValidationError(f"enable(): DeepSpeed's {type(old).__name__} (decoupled checkpointing) is configured; "
+                              "remove the `checkpoint.writer` section from the DeepSpeed config")
+    if old is not None and type(old).__name__ != "TorchCheckpointEngine":
+        log.warning("nebula_ckpt: replacing DeepSpeed's %s by NebulaCkptEngine", type(old).__name__)
+    ref = weakref.ref(engine)
+
+    def step() -> int:
+        e = ref()
+        return int(getattr(e, "global_steps", 0) or 0) if e is not None else 0
+
+    ce = NebulaCkptEngine(root, checkpointer=checkpointer, step_fn=step, durable=durable, **checkpointer_kwargs)
+    engine.checkpoint_engine = ce
+    # DeepSpeed decided at initialize() which ranks save the model states (data-parallel rank 0);
+    # here every rank does (see NebulaCkptEngine.is_data_parallel_writer)
+    engine.save_non_zero_checkpoint = True
+    return ce
+
+
+def materialize(save_dir: str, tag: Optional[str] = None, *, checkpointer: Optional[Checkpointer] = None) -> list[str]:
+    """Replace the pointer files of DeepSpeed checkpoint ``tag`` (default: the one ``save_dir/latest``
+    names) by the ``torch.save`` files DeepSpeed would have written, for tools that read them
+    directly (``zero_to_fp32.py``, universal checkpoint conversion). Returns the paths written.
+
+    Reads through ``checkpointer`` when given, else opens the root the pointers name (read only).
+    In a multi-rank job call it on every rank (the read is collective); each rank writes its parts.
+    """
+    if tag is None:
+        with open(os.path.join(save_dir, "latest")) as f:
+            tag = f.read().strip()
+    tag_dir = os.path.join(save_dir, tag)
+    pointers: dict[str, dict[str, Any]] = {}
+    for dirpath, _, files in os.walk(tag_dir):
+        for name in files:
+            p = os.path.join(dirpath, name)
+            ptr = _read_pointer(p)
+            if ptr is not None:
+                pointers[p] = ptr
+    if not pointers:
+        return []
+    roots = {p["root"] for p in pointers.values()}
+    tags = {p["tag"] for p in pointers.values()}
+    if len(roots) != 1 or len(tags) != 1:
+        raise ValidationError(f"{tag_dir}: pointers name several roots / tags: {sorted(roots)} {sorted(tags)}")
+    ck = checkpointer or Checkpointer(roots.pop(), allow_pickle=True)
+    try:
+        _, tree = ck.read(tag=tags.pop(), map_location="cpu")
+        written = []
+        for p, ptr in sorted(pointers.items()):
+            if ptr["key"] not in tree:
+                if ck.coordinator.world_size > 1:
+                    continue  # another rank's part: that rank writes it
+                raise NotFoundError(f"{p}: checkpoint {ptr['tag']!r} under {ptr['root']} has no part {ptr['key']!r}")
+            tmp = f"{p}.nebula-tmp-{os.getpid()}"
+            torch.save(tree[ptr["key"]], tmp)
+            os.replace(tmp, p)
+            written.append(p)
+        return written
+    finally:
+        if checkpointer is None:
+            ck.close()

@@ -1,0 +1,290 @@
+"""A one-rank DeepSpeed job on the CPU (gloo), run as a subprocess by ``test_deepspeed.py``.
+
+    python ds_worker.py roundtrip STAGE ROOT SAVE_DIR OUT.json
+        train a few steps, engine.save_checkpoint through nebula_ckpt, load it into a fresh
+        engine (other seed) and compare everything bit for bit; write the verdict to OUT.json
+    python ds_worker.py train STAGE ROOT SAVE_DIR OUT.json STEPS EVERY [KILL_AT] [resume]
+        train STEPS steps (fixed seed, dropout), save_checkpoint every EVERY steps, append each
+        step's loss (float.hex) to OUT.json lines; with KILL_AT: SIGKILL itself after that step;
+        with "resume": load_checkpoint(SAVE_DIR) first and go on from the step it restored
+
+DeepSpeed is made to run without building any op: ``DS_ACCELERATOR=cpu`` and no JIT-built
+shared-memory collective (one rank has nothing to share; gloo does the rest).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import sys
+from typing import Any
+
+os.environ.setdefault("DS_ACCELERATOR", "cpu")
+
+import torch  # noqa: E402
+
+HIDDEN = 32
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def init_rank() -> None:
+    """A rank of a gloo job as a launcher describes it (env://); alone, rank 0 of 1."""
+    for k, v in dict(MASTER_ADDR="127.0.0.1", RANK="0", WORLD_SIZE="1", LOCAL_RANK="0",
+                     LOCAL_WORLD_SIZE="1").items():
+        os.environ.setdefault(k, v)
+    os.environ.setdefault("MASTER_PORT", str(free_port()))
+    import deepspeed.ops
+
+    # Probing op compatibility runs the compiler and makes DeepSpeed JIT-build its shared-memory
+    # collective (over a minute on 2 cores); a CPU job of one rank needs neither.
+    deepspeed.ops.__compatible_ops__ = {}  # type: ignore[attr-defined]
+    torch.set_num_threads(1)
+
+
+class Net(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = torch.nn.Linear(16, HIDDEN)
+        self.drop = torch.nn.Dropout(0.1)
+        self.hid = torch.nn.Linear(HIDDEN, HIDDEN)
+        self.out = torch.nn.Linear(HIDDEN, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(torch.relu(self.hid(self.drop(torch.relu(self.inp(x))))))
+
+
+def make_engine(stage: int, seed: int) -> Any:
+    import deepspeed
+
+    torch.manual_seed(seed)
+    model = Net()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
+    cfg = {"train_micro_batch_size_per_gpu": 8, "gradient_clipping": 1.0, "steps_per_print": 10**9,
+           "zero_optimization": {"stage": stage},
+           "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": 0.0, "warmup_max_lr": 1e-2,
+                                                        "warmup_num_steps": 5}}}
+    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=opt, config=cfg)
+    return engine
+
+
+def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1000 + step)
+    x = torch.randn(8, 16, generator=g)
+    return x, x.sum(dim=1, keepdim=True).sin()
+
+
+def train_step(engine: Any, step: int) -> float:
+    x, y = batch(step)
+    loss = torch.nn.functional.mse_loss(engine(x), y)
+    engine.backward(loss)
+    engine.step()
+    return float(loss.detach())
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
+
+
+def _diff(a: Any, b: Any, path: str, out: list[str]) -> None:
+    """Every place where ``a`` and ``b`` differ (tensors bit for bit: dtype, shape, bytes)."""
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)):
+            out.append(f"{path}: {type(a).__name__} vs {type(b).__name__}")
+        elif a.dtype != b.dtype or a.shape != b.shape:
+            out.append(f"{path}: {a.dtype}{tuple(a.shape)} vs {b.dtype}{tuple(b.shape)}")
+        elif not torch.equal(_bytes(a), _bytes(b)):
+            out.append(f"{path}: values differ")
+    elif isinstance(a, dict) and isinstance(b, dict):
+        if list(a) != list(b):
+            out.append(f"{path}: keys {list(a)} vs {list(b)}")
+        for k in a:
+            if k in b:
+                _diff(a[k], b[k], f"{path}/{k}", out)
+    elif isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        if type(a) is not type(b) or len(a) != len(b):
+            out.append(f"{path}: {type(a).__name__}[{len(a)}] vs {type(b).__name__}[{len(b)}]")
+        for i, (x, y) in enumerate(zip(a, b, strict=False)):
+            _diff(x, y, f"{path}[{i}]", out)
+    elif hasattr(a, "__dict__") and not isinstance(a, type):
+        if type(a) is not type(b):
+            out.append(f"{path}: {type(a).__name__} vs {type(b).__name__}")
+        else:
+            _diff(vars(a), vars(b), f"{path}.", out)
+    elif a != b and not (a != a and b != b):  # NaN == NaN here
+        out.append(f"{path}: {a!r} vs {b!r}")
+
+
+def _snap(obj: Any) -> Any:
+    """A copy of ``obj`` that later training cannot change (tensors cloned, containers rebuilt)."""
+    import copy
+
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().clone()
+    if isinstance(obj, dict):
+        return type(obj)((k, _snap(v)) for k, v in obj.items())
+    if isinstance(obj, list):
+        return [_snap(v) for v in obj]
+    if isinstance(obj, tuple):
+        vals = [_snap(v) for v in obj]
+        return type(obj)(*vals) if hasattr(obj, "_fields") else type(obj)(vals)
+    return copy.deepcopy(obj)
+
+
+def full_state(engine: Any) -> dict[str, Any]:
+    return _snap({"module": engine.module.state_dict(), "optimizer": engine.optimizer.state_dict(),
+                          "lr_scheduler": engine.lr_scheduler.state_dict(), "global_steps": engine.global_steps,
+                          "global_samples": engine.global_samples, "skipped_steps": engine.skipped_steps})
+
+
+def roundtrip(stage: int, root: str, save_dir: str, out: str) -> None:
+    from nebula_ckpt.integrations.deepspeed import NebulaCkptEngine, enable, materialize
+
+    init_rank()
+    a = make_engine(stage, seed=0)
+    ce = enable(a, root)
+    for s in range(3):
+        train_step(a, s)
+    saved_first = full_state(a)
+    a.save_checkpoint(save_dir, tag="first")
+    for s in range(3, 5):
+        train_step(a, s)
+    saved = full_state(a)
+    rng = torch.get_rng_state()
+    a.save_checkpoint(save_dir, client_state={"rng": rng, "note": "x"})  # tag global_step5
+    ce.wait()
+    tag = open(os.path.join(save_dir, "latest")).read().strip()
+    files = sorted(os.path.relpath(os.path.join(d, f), save_dir) for d, _, fs in os.walk(save_dir) for f in fs)
+    pointers = {f: json.load(open(os.path.join(save_dir, f)))["key"] for f in files if f.endswith(".pt")}
+    tags = ce.checkpointer.tags()
+    loss_a = train_step(a, 5)
+
+    b = make_engine(stage, seed=1)  # other weights, no optimizer state yet
+    ceb = enable(b, root)
+    assert isinstance(b.checkpoint_engine, NebulaCkptEngine)
+    before: list[str] = []
+    _diff(saved["module"], b.module.state_dict(), "module", before)
+    load_path, client = b.load_checkpoint(save_dir)  # the tag `latest` names
+    restored = full_state(b)
+    mismatches: list[str] = []
+    _diff(saved, restored, "", mismatches)
+    client_ok = torch.equal(client["rng"], rng) and client["note"] == "x"
+    tier = ceb.checkpointer.last_restore
+    torch.set_rng_state(client["rng"])  # dropout goes on as in `a`
+    loss_b = train_step(b, 5)
+    # the torch.save files of tag "first" for other tools; DeepSpeed's own loader reads them
+    written = materialize(save_dir, "first", checkpointer=ceb.checkpointer)
+    real = [torch.load(p, weights_only=False)["global_steps"] for p in written if "model_states" in p]
+    b.load_checkpoint(save_dir, tag="first")
+    _diff(saved_first, full_state(b), "first", mismatches)
+    ce.close()
+    ceb.close()
+    json.dump({"tag": tag, "files": files, "pointers": pointers, "tags": tags, "load_path": load_path,
+               "differed_before": len(before), "mismatches": mismatches, "client_ok": client_ok,
+               "restored_from": tier,
+               "materialized": [os.path.relpath(p, save_dir) for p in written], "real": real,
+               "next_loss": [loss_a.hex(), loss_b.hex()], "optimizer_type": type(a.optimizer).__name__},
+              open(out, "w"))
+
+
+def train(stage: int, root: str, save_dir: str, out: str, steps: int, every: int, kill_at: int,
+          resume: bool) -> None:
+    from nebula_ckpt.integrations.deepspeed import enable
+
+    init_rank()
+    engine = make_engine(stage, seed=0)
+    ce = enable(engine, root)
+    start = 0
+    with open(out, "a") as f:
+        if resume:
+            path, client = engine.load_checkpoint(save_dir)
+            assert path is not None, "nothing to resume from"
+            torch.set_rng_state(client["rng"])
+            start = engine.global_steps
+            f.write(json.dumps({"resumed": start, "tier": ce.checkpointer.last_restore}) + "\n")
+        for step in range(start, steps):
+            loss = train_step(engine, step)
+            f.write(json.dumps({"step": engine.global_steps, "loss": loss.hex()}) + "\n")
+            f.flush()
+            if engine.global_steps % every == 0:
+                engine.save_checkpoint(save_dir, client_state={"rng": torch.get_rng_state()})
+                f.write(json.dumps({"saved": engine.global_steps}) + "\n")
+                f.flush()
+            if engine.global_steps == kill_at:
+                os.kill(os.getpid(), signal.SIGKILL)
+    ce.close()
+
+
+def units(root: str, save_dir: str, out: str) -> None:
+    """The engine's contract without a DeepSpeed engine: what each call does at the edges."""
+    from deepspeed.runtime.checkpoint_engine import CheckpointCommitInfo
+
+    from nebula_ckpt.errors import NotFoundError, ValidationError
+    from nebula_ckpt.integrations.deepspeed import POINTER_FORMAT, NebulaCkptEngine
+
+    res: dict[str, Any] = {}
+    ce = NebulaCkptEngine(root, keep_last=1)
+    ce.makedirs(save_dir, exist_ok=True)
+
+    def save(tag: str, parts: dict[str, Any]) -> None:
+        info = CheckpointCommitInfo(tag=tag, save_dir=save_dir, save_latest=True)
+        ce.create(info)
+        for rel, sd in parts.items():
+            os.makedirs(os.path.dirname(os.path.join(save_dir, rel)), exist_ok=True)
+            ce.save(state_dict=sd, path=os.path.join(save_dir, rel))
+        ce.commit(info)
+
+    t = torch.arange(6, dtype=torch.float32)
+    save("a", {"a/m.pt": {"w": t, "n": 1}, "a/sub/z.pt": {"w": t * 2}, "fp16.bin": {"w": t * 3}})
+    ptr = json.load(open(os.path.join(save_dir, "a/m.pt")))
+    res["pointer"] = [ptr["format"] == POINTER_FORMAT, ptr["tag"], ptr["key"], ptr["step"]]
+    res["outside_is_torch_save"] = torch.equal(torch.load(os.path.join(save_dir, "fp16.bin"))["w"], t * 3)
+    res["nested_key"] = json.load(open(os.path.join(save_dir, "a/sub/z.pt")))["key"]
+    res["load"] = [torch.equal(ce.load(os.path.join(save_dir, "a/sub/z.pt"))["w"], t * 2),
+                   ce.load(os.path.join(save_dir, "a/m.pt"), map_location="cpu")["n"]]
+    res["load_again"] = torch.equal(ce.load(os.path.join(save_dir, "a/m.pt"))["w"], t)  # re-read after served
+    torch.save({"plain": t}, os.path.join(save_dir, "old.pt"))
+    res["torch_save_file"] = torch.equal(ce.load(os.path.join(save_dir, "old.pt"))["plain"], t)
+    save("b", {"b/m.pt": {"w": t + 1}})  # keep_last=1: "a" is gone
+    ce.wait()
+    res["steps"] = ce.checkpointer.list()
+    try:
+        ce.load(os.path.join(save_dir, "a/m.pt"))
+        res["retention"] = "loaded"
+    except NotFoundError as e:
+        res["retention"] = str(e)
+    import shutil
+
+    shutil.rmtree(save_dir)  # a lost save_dir: the checkpoints are still held by the tiers
+    res["restore_pointers"] = ce.restore_pointers(save_dir)
+    res["latest"] = open(os.path.join(save_dir, "latest")).read()
+    res["after_restore"] = torch.equal(ce.load(os.path.join(save_dir, "b/m.pt"))["w"], t + 1)
+    errors = {}
+    for name, info in [("bad_tag", CheckpointCommitInfo(tag="has space", save_dir=save_dir, save_latest=True)),
+                       ("root_is_save_dir", CheckpointCommitInfo(tag="c", save_dir=root, save_latest=True))]:
+        try:
+            ce.create(info)
+            errors[name] = "accepted"
+        except ValidationError as e:
+            errors[name] = str(e)
+    res["errors"] = errors
+    ce.close()
+    json.dump(res, open(out, "w"))
+
+
+if __name__ == "__main__":
+    mode, stage_s, root_a, save_dir_a, out_a = sys.argv[1:6]
+    if mode == "units":
+        units(root_a, save_dir_a, out_a)
+    elif mode == "roundtrip":
+        roundtrip(int(stage_s), root_a, save_dir_a, out_a)
+    else:
+        rest = sys.argv[6:]
+        train(int(stage_s), root_a, save_dir_a, out_a, int(rest[0]), int(rest[1]),
+              int(rest[2]) if len(rest) > 2 else -1, "resume" in rest[3:])
