@@ -86,10 +86,8 @@ Install: ``pip install 'nebula_ckpt[deepspeed]'`` (DeepSpeed 0.19.8; on a machin
 
 from __future__ import annotations
 
-import json
 import logging
 import os
-import threading
 import time
 import weakref
 from typing import Any, Callable, Optional
@@ -100,6 +98,7 @@ from ..checkpointer import Checkpointer
 from ..errors import NotFoundError, PersistError, ValidationError
 from ..manifest import check_tag
 from ..tiers import canonical_root
+from .pointers import MAX_POINTER_BYTES, parse_pointer, write_local_pointer
 
 log = logging.getLogger("nebula_ckpt")
 
@@ -114,45 +113,14 @@ __all__ = ["NebulaCkptEngine", "enable", "materialize", "POINTER_FORMAT"]
 #: ``format`` field of a pointer file (JSON) left at each path DeepSpeed saved (its version is the
 #: number after the slash)
 POINTER_FORMAT = "nebula_ckpt.deepspeed/1"
-_POINTER_MAX_BYTES = 64 * 1024
 _DURABLE = ("first", "all", "snapshot")
 
 
 def _read_pointer(path: str) -> Optional[dict[str, Any]]:
     """The pointer stored at ``path``, or None when ``path`` holds something else (a torch.save file)."""
     with open(path, "rb") as f:
-        head = f.read(_POINTER_MAX_BYTES + 1)
-    if not head.startswith(b"{") or len(head) > _POINTER_MAX_BYTES:
-        return None
-    try:
-        ptr = json.loads(head.decode("utf-8"))
-    except (UnicodeDecodeError, ValueError):
-        return None
-    if not isinstance(ptr, dict) or not str(ptr.get("format", "")).startswith("nebula_ckpt.deepspeed/"):
-        return None
-    if ptr["format"] != POINTER_FORMAT:
-        raise ValidationError(f"{path}: pointer format {ptr['format']!r} is not {POINTER_FORMAT!r} (written by a "
-                              "newer nebula_ckpt? upgrade it)")
-    for field, typ in (("root", str), ("tag", str), ("key", str), ("step", int)):
-        if type(ptr.get(field)) is not typ:
-            raise ValidationError(f"{path}: nebula_ckpt pointer file has no valid {field!r}: {ptr!r}")
-    return ptr
-
-
-def _write_pointer(path: str, pointer: dict[str, Any]) -> None:
-    """Write ``pointer`` at ``path`` atomically (a reader sees the old file or the new one)."""
-    tmp = f"{path}.nebula-tmp-{os.getpid()}-{threading.get_ident()}"
-    try:
-        with open(tmp, "w") as f:
-            json.dump(pointer, f, sort_keys=True)
-            f.write("\n")
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
+        head = f.read(MAX_POINTER_BYTES + 1)
+    return parse_pointer(head, path, POINTER_FORMAT, {"root": str, "tag": str, "key": str, "step": int})
 
 
 def _to_device(obj: Any, device: torch.device) -> Any:
@@ -297,7 +265,7 @@ class NebulaCkptEngine(CheckpointEngine):
         self._last_step = step
         self._wait(handle)
         for key, path in paths.items():
-            _write_pointer(path, {"format": POINTER_FORMAT, "root": self._root,
+            write_local_pointer(path, {"format": POINTER_FORMAT, "root": self._root,
                                   "tag": tag, "step": step, "key": key})
         log.info("nebula_ckpt: DeepSpeed checkpoint %r is step %d (%d part(s)) under %s", tag, step, len(parts),
                  self._root)
@@ -378,7 +346,7 @@ class NebulaCkptEngine(CheckpointEngine):
             path = os.path.join(save_dir, tag, *key.split("/"))
             if not os.path.exists(path):
                 os.makedirs(os.path.dirname(path), exist_ok=True)
-                _write_pointer(path, {"format": POINTER_FORMAT, "root": self._root,
+                write_local_pointer(path, {"format": POINTER_FORMAT, "root": self._root,
                                       "tag": tag, "step": step, "key": key})
         if self.checkpointer.coordinator.rank == 0:
             tmp = os.path.join(save_dir, f"latest.nebula-tmp-{os.getpid()}")

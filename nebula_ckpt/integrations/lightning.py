@@ -96,7 +96,6 @@ import json
 import logging
 import os
 import sys
-import tempfile
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Optional, Sequence
@@ -107,13 +106,13 @@ from ..errors import NebulaError, NotFoundError
 from ..handle import SaveHandle
 from ..manifest import MAX_TAG_CHARS, tag_problem
 from ..tiers import Tier, canonical_root
+from .pointers import MAX_POINTER_BYTES, parse_pointer, write_local_pointer
 
 log = logging.getLogger(__name__)
 
 #: ``format`` field of a pointer file (its version is the number after the slash)
 POINTER_FORMAT = "nebula_ckpt.lightning/1"
 #: a file larger than this is never taken for a pointer (a pointer is a few hundred bytes)
-MAX_POINTER_BYTES = 64 << 10
 #: the root tier's retention: Lightning decides what is deleted, through remove_checkpoint
 KEEP_ALL = 1 << 40
 
@@ -193,55 +192,16 @@ def _fs(path: str) -> Any:
 
 
 def write_pointer(path: str, pointer: dict[str, Any]) -> None:
-    """Write the pointer file at ``path`` atomically: a local file is written under a temporary
-    name in the same folder, fsync'd and renamed over ``path`` (then the folder is fsync'd); a URL
-    with one PUT (blob stores replace an object atomically)."""
-    data = (json.dumps(pointer, indent=1, sort_keys=True) + "\n").encode()
+    """Write the pointer file at ``path`` atomically: a local file under a temporary name in the
+    same folder, fsync'd and renamed over ``path`` (its temporary name never matches Lightning's
+    ``last*.ckpt`` glob); a URL with one PUT (blob stores replace an object atomically)."""
     if not _is_local(path):
+        data = (json.dumps(pointer, indent=1, sort_keys=True) + "\n").encode()
         fs = _fs(path)
         fs.makedirs(os.path.dirname(path), exist_ok=True)
         fs.pipe_file(path, data)
         return
-    path = _local(path)
-    folder = os.path.dirname(os.path.abspath(path))
-    os.makedirs(folder, exist_ok=True)
-    # the temporary name never matches Lightning's "last*.ckpt" glob (its suffix is not .ckpt)
-    fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", suffix=".nebula-tmp", dir=folder)
-    try:
-        os.fchmod(fd, 0o666 & ~_umask())  # as an ordinary checkpoint file (mkstemp makes it 0600)
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
-    try:
-        dfd = os.open(folder, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(dfd)
-    except OSError:
-        pass
-    finally:
-        os.close(dfd)
-
-
-def _umask() -> int:
-    """The process umask, read without changing it (``os.umask`` would race other threads)."""
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("Umask:"):
-                    return int(line.split()[1], 8)
-    except (OSError, ValueError, IndexError):
-        pass
-    return 0o022
+    write_local_pointer(_local(path), pointer)
 
 
 def read_pointer(path: str) -> Optional[dict[str, Any]]:
@@ -259,20 +219,9 @@ def read_pointer(path: str) -> Optional[dict[str, Any]]:
             data = fs.cat_file(path)
     except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
         return None
-    if len(data) > MAX_POINTER_BYTES or not data.lstrip().startswith(b"{"):
+    ptr = parse_pointer(data, path, POINTER_FORMAT, {"root": str, "tag": str, "step": int})
+    if ptr is None:
         return None
-    try:
-        ptr = json.loads(data)
-    except (UnicodeDecodeError, ValueError):
-        return None
-    if not isinstance(ptr, dict) or not str(ptr.get("format", "")).startswith("nebula_ckpt.lightning/"):
-        return None
-    if ptr["format"] != POINTER_FORMAT:
-        raise NebulaError(f"{path}: pointer format {ptr['format']!r} is not {POINTER_FORMAT!r} (written by a newer "
-                          "nebula_ckpt?)")
-    for key, typ in (("root", str), ("tag", str), ("step", int)):
-        if not isinstance(ptr.get(key), typ) or isinstance(ptr.get(key), bool):
-            raise NebulaError(f"{path}: pointer field {key!r} must be a {typ.__name__}, got {ptr.get(key)!r}")
     why = tag_problem(ptr["tag"])
     if why is not None:
         raise NebulaError(f"{path}: pointer field 'tag': {why}")

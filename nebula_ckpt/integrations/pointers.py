@@ -1,0 +1,92 @@
+"""Pointer files: what a framework sees at a checkpoint path when the bytes live in our tiers.
+
+Lightning and DeepSpeed check, glob and list their checkpoint paths themselves, so their adapters
+write a small JSON record at each path (which root, step and tag hold the checkpoint) and read it
+back on load. One format family per adapter (``nebula_ckpt.<adapter>/<version>``); anything else
+at a path (a ``torch.save`` file) is not a pointer and is loaded the framework's own way.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from typing import Any, Optional
+
+from ..errors import ValidationError
+
+#: a pointer is a few hundred bytes; anything larger at a path is some other file
+MAX_POINTER_BYTES = 64 << 10
+
+
+def parse_pointer(data: bytes, path: str, fmt: str, fields: dict[str, type]) -> Optional[dict[str, Any]]:
+    """The pointer record in ``data`` (read from ``path``), or None when it is not one of ``fmt``'s
+    family (``"nebula_ckpt.lightning/1"``: family ``nebula_ckpt.lightning/``).
+
+    Raises:
+        ValidationError: a pointer of the family with another version or a missing / mistyped
+            field in ``fields`` (name -> type), naming the file and the field.
+    """
+    if len(data) > MAX_POINTER_BYTES or not data.lstrip().startswith(b"{"):
+        return None
+    try:
+        ptr = json.loads(data)
+    except (UnicodeDecodeError, ValueError):
+        return None
+    family = fmt.rsplit("/", 1)[0] + "/"
+    if not isinstance(ptr, dict) or not str(ptr.get("format", "")).startswith(family):
+        return None
+    if ptr["format"] != fmt:
+        raise ValidationError(f"{path}: pointer format {ptr['format']!r} is not {fmt!r} (written by a newer "
+                              "nebula_ckpt? upgrade it)")
+    for name, typ in fields.items():
+        if type(ptr.get(name)) is not typ:
+            raise ValidationError(f"{path}: pointer field {name!r} must be a {typ.__name__}, got {ptr.get(name)!r}")
+    return ptr
+
+
+def write_local_pointer(path: str, pointer: dict[str, Any], mode: Optional[int] = None) -> None:
+    """Write ``pointer`` at the local ``path`` atomically: a temporary file in the same folder
+    (never matching a ``*.ckpt`` / ``*.pt`` glob), fsync'd, renamed over ``path``, folder fsync'd.
+
+    ``mode``: the file's permissions (default: as ``open`` would make it, under the umask).
+    """
+    data = (json.dumps(pointer, indent=1, sort_keys=True) + "\n").encode()
+    folder = os.path.dirname(os.path.abspath(path))
+    os.makedirs(folder, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", suffix=".nebula-tmp", dir=folder)
+    try:
+        os.fchmod(fd, mode if mode is not None else 0o666 & ~_umask())  # mkstemp makes it 0600
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+    try:
+        dfd = os.open(folder, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(dfd)
+    except OSError:
+        pass
+    finally:
+        os.close(dfd)
+
+
+def _umask() -> int:
+    """The process's umask, read without changing it (``/proc/self/status``; 0o022 otherwise)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    return 0o022
