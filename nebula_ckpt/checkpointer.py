@@ -609,6 +609,17 @@ class Checkpointer:
             return per
         return sorted({s for steps in per.values() for s in steps})
 
+    @property
+    def closed(self) -> bool:
+        """Whether :meth:`close` was called."""
+        return self._closed
+
+    def steps(self, *, check_shards: bool = True) -> dict[int, Optional[str]]:
+        """Step -> tag (None: untagged) of every committed step whose manifest checks out on some
+        tier (marker, manifest checksum, every field; ``check_shards``: and every shard file there
+        with its recorded size). Reads each manifest; what :meth:`tags` is built on."""
+        return self._step_tags(check_shards)
+
     def _step_tags(self, check_shards: bool) -> dict[int, Optional[str]]:
         """Step -> tag (None: untagged) of every committed step with a valid manifest on some tier
         (commit marker, manifest checksum, every field); ``check_shards``: and every shard file

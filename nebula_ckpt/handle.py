@@ -134,9 +134,14 @@ class SaveHandle:
         if self._snapshot_error is None:
             self._snapshot_error = error
 
-    def _wait_durable(self, timeout: Optional[float]) -> bool:
-        """Wait until every tier that took the save is done; False on timeout."""
+    def wait(self, timeout: Optional[float] = None) -> bool:
+        """Wait until every tier that took the save is done (written, dropped or failed); False on
+        timeout. Unlike :meth:`result` it raises nothing and does not mark a failure as seen, so
+        the checkpointer still raises it from the next ``save_async`` / ``wait`` / ``close``."""
         return self._durable.wait(timeout)
+
+    def _wait_durable(self, timeout: Optional[float]) -> bool:
+        return self.wait(timeout)
 
     def _set_snapshot(self, error: Optional[BaseException] = None) -> None:
         self._snapshot_error = error

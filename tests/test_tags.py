@@ -242,3 +242,18 @@ def test_one_liner_takes_a_tag(root: str) -> None:
     nc.close_all()
     with nc.Checkpointer(root) as ck:
         assert ck.tags() == {"five": 5}
+
+
+def test_public_steps_closed_and_handle_wait(tmp_path) -> None:  # noqa: ANN001
+    """What adapters use instead of private state: steps() with their tags, closed, and a
+    handle's wait() that reports durability without marking a failure as seen."""
+    root = str(tmp_path / "ck")
+    ck = nc.Checkpointer(root, memory_tier=False, keep_last=5)
+    h = ck.save_async(1, {"w": torch.ones(2)}, tag="one")
+    assert h.wait(timeout=60) is True and h.done()
+    assert len(h.result()) == 1
+    ck.save(2, {"w": torch.ones(2)})
+    assert ck.steps() == {1: "one", 2: None} and ck.steps(check_shards=False) == {1: "one", 2: None}
+    assert not ck.closed
+    ck.close()
+    assert ck.closed

@@ -92,6 +92,8 @@ class _Session:
         #: checkpointers that read another root (``persist_path=`` of the getters)
         self.readers: dict[str, Checkpointer] = {}
         self.export_dir: Optional[str] = None
+        #: the newest commit's save (the next commit waits until the fastest tier took it)
+        self.last_handle: Optional[SaveHandle] = None
         steps = ck.list()
         newest = max(steps) if steps else 0
         if ck.coordinator.world_size > 1:  # every rank hands out the same step numbers
@@ -463,7 +465,9 @@ def _commit(s: _Session, p: _Parts) -> None:
     size = _nbytes(state)
     start = time.time()
     t0 = monotonic()
+    _first_tier_took_the_last(s)
     handle = s.ck.save_async(step, state, tag=tag)  # raises before anything is written on bad input
+    s.last_handle = handle
     blocking = monotonic() - t0
     s.next_step = step + 1
     p.tag, p.step, p.handle, p.parts = tag, step, handle, {}
@@ -480,9 +484,21 @@ def _commit(s: _Session, p: _Parts) -> None:
     s.watchers = [t for t in s.watchers if t.is_alive()] + [w]
 
 
+def _first_tier_took_the_last(s: _Session) -> None:
+    """Wait until the previous commit is written on the fastest tier (the memory tier: a few ms
+    after its copy). A tier drops a save it has not started when a newer one arrives; Nebula
+    kept every commit in memory, so a commit must never be dropped there."""
+    prev = s.last_handle
+    if prev is None or not s.ck.tiers:
+        return
+    first = s.ck.tiers[0].name
+    while not prev.done() and first not in prev.tiers_written and first not in prev.tiers_dropped:
+        prev.wait(0.002)
+
+
 def _watch(s: _Session, handle: SaveHandle, entry: dict[str, Any], t0: float) -> None:
     """Fill in a history entry once its save is over (never raises: the error stays the handle's)."""
-    handle._wait_durable(None)  # not result(): a failure stays unseen, so the next call raises it
+    handle.wait()  # not result(): a failure stays unseen, so the next call raises it
     duration = monotonic() - t0
     err = handle.error()
     with s.lock:

@@ -241,7 +241,7 @@ class NebulaCheckpointMixin:
     def nebula(self) -> Checkpointer:
         """The :class:`~nebula_ckpt.Checkpointer` of this trainer (created at first use; closed at
         the end of ``train()``, and opened again by the next use: close it when done with it)."""
-        if self._nebula_ckpt is None or self._nebula_ckpt._closed:
+        if self._nebula_ckpt is None or self._nebula_ckpt.closed:
             opts = dict(self._nebula_options)
             opts.setdefault("keep_last", _KEEP_ALL)
             self._nebula_ckpt = Checkpointer(self._nebula_root, **opts)
@@ -485,7 +485,7 @@ class NebulaCheckpointMixin:
         """End of ``train()``: wait for the saves, apply the limit, close the checkpointer (on an
         exception only close, logging what fails, so the original error stays the one raised)."""
         ck = self._nebula_ckpt
-        if ck is None or ck._closed:
+        if ck is None or ck.closed:
             return
         if not ok:
             try:
@@ -581,7 +581,7 @@ class _Housekeeping(TrainerCallback):
             return
         if not tr._nebula_prepared:
             tr._nebula_prepare()
-        if tr._nebula_inflight and tr._nebula_ckpt is not None and not tr._nebula_ckpt._closed:
+        if tr._nebula_inflight and tr._nebula_ckpt is not None and not tr._nebula_ckpt.closed:
             tr._nebula_rotate()
 
 

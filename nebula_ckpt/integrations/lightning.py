@@ -316,7 +316,7 @@ class NebulaCheckpointIO(_CheckpointIO):
         """The step of the next save: one past every committed step on the first save, which also
         learns which steps carry which tag (older copies of a path, e.g. left by a crash)."""
         if self._next_step is None:
-            by_step = ck._step_tags(check_shards=False)
+            by_step = ck.steps(check_shards=False)
             self._next_step = max(by_step, default=-1) + 1
             for s, t in sorted(by_step.items()):
                 if t is not None:
