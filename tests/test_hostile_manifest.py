@@ -235,9 +235,9 @@ def test_repeated_tree_references_allocate_once(saved: str, monkeypatch: pytest.
         def __getattr__(self, name: str) -> Any:
             return getattr(real, name)
 
-        def alloc(self, n: int) -> torch.Tensor:
+        def alloc(self, n: int, *args: Any, **kw: Any) -> torch.Tensor:
             allocated.append(n)
-            return real.alloc(n)
+            return real.alloc(n, *args, **kw)
 
     monkeypatch.setattr(restore, "get_ops", lambda: Counting())
     ck = open_checkpoint(LocalStorage(saved), 1, "full", "t")
