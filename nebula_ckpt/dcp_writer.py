@@ -89,8 +89,8 @@ from . import manifest as mf
 from .coordinator import LocalCoordinator
 from .errors import ConsistencyError, FencedError, NebulaError, PersistError, ValidationError
 from .fencing import WRITERS_DIR, Fence
-from .native import get_ops
-from .plan import MAX_INT_BITS, check_step, safetensors_header
+from .native import byte_view, get_ops
+from .plan import MAX_INT_BITS, check_step, placement_codes, safetensors_header
 from .storage.base import Storage
 from .structure import MAX_DEPTH, Node, encode_leaf
 
@@ -316,18 +316,6 @@ def _child(v: Any) -> Node:
 
 # -- tensors ---------------------------------------------------------------------------------------------
 
-def _byte_view(t: torch.Tensor) -> torch.Tensor:
-    """The bytes of ``t`` as a contiguous 1-D uint8 CPU tensor (a view when ``t`` is a contiguous CPU tensor)."""
-    t = t.detach()
-    if t.device.type != "cpu":
-        t = t.to("cpu")
-    if t.dim() == 0:
-        t = t.reshape(1)
-    if not t.is_contiguous():
-        t = t.contiguous()
-    return t.reshape(-1).view(torch.uint8)
-
-
 def _crc(b: torch.Tensor) -> int:
     return get_ops().crc32c(b, [0], [b.numel()])[0] if b.numel() else 0
 
@@ -335,19 +323,11 @@ def _crc(b: torch.Tensor) -> int:
 def _placements(obj: Any, fqn: str, item: WriteItem, world: int) -> tuple[tuple[str, ...], tuple[int, ...]]:
     """Placements and mesh shape of the DTensor behind a SHARD item (derived from the chunk for
     other sharded tensors: ``S(d)`` on the first dimension it does not span, over ``world``)."""
-    from torch.distributed.tensor import DTensor, Replicate, Shard
+    from torch.distributed.tensor import DTensor
 
     if isinstance(obj, DTensor):
-        out = []
-        for p in obj.placements:
-            if type(p) is Replicate:
-                out.append("R")
-            elif type(p) is Shard:
-                out.append(f"S({p.dim})")
-            else:
-                raise ValidationError(f"NebulaStorageWriter: state key '{fqn}': DTensor placement {p} is not supported "
-                                      "(only Shard and Replicate); redistribute it, or save t.full_tensor()")
-        return tuple(out), tuple(int(n) for n in obj.device_mesh.shape)
+        codes = placement_codes(obj.placements, f"NebulaStorageWriter: state key '{fqn}'")
+        return codes, tuple(int(n) for n in obj.device_mesh.shape)
     td = item.tensor_data
     assert td is not None and td.chunk is not None
     dims = [d for d, (n, g) in enumerate(zip(td.chunk.sizes, td.size, strict=True)) if n != g]
@@ -700,7 +680,7 @@ class NebulaStorageWriter(StorageWriter):
                 continue
             if ident is not None:
                 tied[ident] = key
-            data = _byte_view(t)
+            data = byte_view(t.cpu())  # a view of a contiguous CPU tensor
             stored.append((key, rec, data, data._version))
             out.append((item, _Written(info.save_id, info.rank, fqn, offsets, key, rec, None, None, shard), n))
         return stored

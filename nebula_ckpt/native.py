@@ -57,7 +57,7 @@ class CopyJob(Protocol):
         """CRC32C of each source's staged bytes (waits); empty: not computed, hash the buffer."""
 
 
-def _byte_view(t: torch.Tensor) -> torch.Tensor:
+def byte_view(t: torch.Tensor) -> torch.Tensor:
     """The contiguous byte image of ``t`` as a 1-D uint8 tensor (may copy if non-contiguous)."""
     t = t.detach()
     if t.dim() == 0:
@@ -98,16 +98,16 @@ class _FallbackJob:
                     n = src.numel() * src.element_size()
                     crc, torn = 0, False
                     if n and not self._checksum:
-                        self._dst[off:off + n].copy_(_byte_view(src))
+                        self._dst[off:off + n].copy_(byte_view(src))
                     elif n:
                         staged = self._dst[off:off + n]
-                        staged.copy_(_byte_view(src))
+                        staged.copy_(byte_view(src))
                         # The checksum is that of the staged bytes; a source whose bytes differ
                         # from them after the copy was written meanwhile (a device source is
                         # left to its version counter: re-reading it would cost a transfer).
                         crc = _crc.crc32c(staged.numpy().data)
                         if src.device.type == "cpu":
-                            torn = _crc.crc32c(_byte_view(src).numpy().data) != crc
+                            torn = _crc.crc32c(byte_view(src).numpy().data) != crc
                     self._checksums.append(int(crc))
                     if torn or src._version != self._versions[i]:
                         self._modified.append(i)

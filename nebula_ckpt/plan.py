@@ -129,25 +129,36 @@ def _check_tensor(t: torch.Tensor, path: str) -> None:
                               "it cannot be stored") from None
 
 
-def _dtensor_parts(t: Any, key: str) -> tuple[torch.Tensor, DTensorInfo]:
-    """A DTensor's local shard and where it lies in the global tensor (Shard / Replicate only)."""
+def placement_codes(placements: Any, where: str) -> tuple[str, ...]:
+    """DTensor placements as the manifest writes them: ``"R"`` for ``Replicate``, ``"S(d)"`` for
+    ``Shard(d)``.
+
+    Raises:
+        ValidationError: another placement (``Partial``, strided shards), named with ``where``.
+    """
     from torch.distributed.tensor import Replicate, Shard
 
-    placements = []
-    for p in t.placements:
+    out = []
+    for p in placements:
         if type(p) is Replicate:
-            placements.append("R")
+            out.append("R")
         elif type(p) is Shard:
-            placements.append(f"S({p.dim})")
+            out.append(f"S({p.dim})")
         else:
-            raise ValidationError(f"state key '{key}': DTensor placement {p} is not supported (only Shard "
-                                  "and Replicate); redistribute it (e.g. t.redistribute(placements=[Replicate()])) "
-                                  "or save t.full_tensor()")
+            raise ValidationError(f"{where}: DTensor placement {p} is not supported (only Shard and Replicate); "
+                                  "redistribute it (e.g. t.redistribute(placements=[Replicate()])) or save "
+                                  "t.full_tensor()")
+    return tuple(out)
+
+
+def _dtensor_parts(t: Any, key: str) -> tuple[torch.Tensor, DTensorInfo]:
+    """A DTensor's local shard and where it lies in the global tensor (Shard / Replicate only)."""
+    placements = placement_codes(t.placements, f"state key '{key}'")
     chunks = t.__create_chunk_list__()
     if len(chunks) != 1:
         raise ValidationError(f"state key '{key}': DTensor has {len(chunks)} local chunks; one is supported")
     local = t.to_local()
-    info = DTensorInfo(tuple(t.shape), tuple(int(o) for o in chunks[0].offsets), tuple(placements),
+    info = DTensorInfo(tuple(t.shape), tuple(int(o) for o in chunks[0].offsets), placements,
                        tuple(int(n) for n in t.device_mesh.shape))
     return local, info
 

@@ -73,6 +73,7 @@ from typing import Any, Optional, Sequence
 import torch
 from torch import nn
 
+from ..storage.local import fsync_dir
 from .limits import PeakRss, evict, resident_fraction
 from .report import _target, fmt_b, fmt_s
 
@@ -272,14 +273,6 @@ def _status_fields(*names: str) -> dict[str, Optional[int]]:
     return out
 
 
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def _write_result(path: str, obj: dict[str, Any]) -> None:
     """Write ``obj`` as JSON, durably (a worker may SIGKILL itself right after)."""
     tmp = path + ".tmp"
@@ -288,7 +281,7 @@ def _write_result(path: str, obj: dict[str, Any]) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
-    _fsync_dir(Path(path).parent)
+    fsync_dir(Path(path).parent)
 
 
 def _torch_save(model: nn.Module, opt: torch.optim.Optimizer, step: int, path: Path) -> float:
@@ -298,7 +291,7 @@ def _torch_save(model: nn.Module, opt: torch.optim.Optimizer, step: int, path: P
         torch.save({"model": model.state_dict(), "optim": opt.state_dict(), "step": step}, f)
         f.flush()
         os.fsync(f.fileno())
-    _fsync_dir(path.parent)
+    fsync_dir(path.parent)
     return time.perf_counter() - t0
 
 

@@ -8,12 +8,14 @@ at a path (a ``torch.save`` file) is not a pointer and is loaded the framework's
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import tempfile
 from typing import Any, Optional
 
 from ..errors import ValidationError
+from ..storage.local import fsync_dir
 
 #: a pointer is a few hundred bytes; anything larger at a path is some other file
 MAX_POINTER_BYTES = 64 << 10
@@ -68,16 +70,8 @@ def write_local_pointer(path: str, pointer: dict[str, Any], mode: Optional[int] 
         except OSError:
             pass
         raise
-    try:
-        dfd = os.open(folder, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(dfd)
-    except OSError:
-        pass
-    finally:
-        os.close(dfd)
+    with contextlib.suppress(OSError):  # a folder that cannot be fsync'd (some network file systems)
+        fsync_dir(folder)
 
 
 def _umask() -> int:

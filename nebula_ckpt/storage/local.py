@@ -26,7 +26,8 @@ from .base import Buffer, Storage
 log = logging.getLogger(__name__)
 
 
-def _fsync_dir(path: str) -> None:
+def fsync_dir(path: "str | os.PathLike[str]") -> None:
+    """fsync a folder, so the names created, renamed or removed in it are durable."""
     fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
     try:
         os.fsync(fd)
@@ -105,7 +106,7 @@ class LocalStorage(Storage):
         if self.private:
             os.chmod(path, self._file_mode)
         if self.fsync:
-            _fsync_dir(os.path.dirname(path))
+            fsync_dir(os.path.dirname(path))
         return {"stored_bytes": n}
 
     def write_parts(self, rel: str, parts: list[memoryview]) -> dict[str, Any]:
@@ -130,7 +131,7 @@ class LocalStorage(Storage):
         if self.private:
             os.chmod(path, self._file_mode)
         if self.fsync:
-            _fsync_dir(os.path.dirname(path))
+            fsync_dir(os.path.dirname(path))
         return {"stored_bytes": n}
 
     def link_file(self, src: str, rel: str) -> dict[str, Any]:
@@ -143,7 +144,7 @@ class LocalStorage(Storage):
         self._makedirs(os.path.dirname(path))
         os.link(src, path)
         if self.fsync:
-            _fsync_dir(os.path.dirname(path))
+            fsync_dir(os.path.dirname(path))
         return {"stored_bytes": os.stat(path).st_size}
 
     def read_buffer(self, rel: str, info: Optional[dict[str, Any]] = None, *,
@@ -189,7 +190,7 @@ class LocalStorage(Storage):
                 pass
             raise
         if self.fsync:
-            _fsync_dir(d)
+            fsync_dir(d)
 
     def read_small(self, rel: str) -> bytes:
         with _open_nofollow(self._p(rel)) as f:
@@ -226,7 +227,7 @@ class LocalStorage(Storage):
             pass
         else:
             if self.fsync:
-                _fsync_dir(parent)
+                fsync_dir(parent)
 
     def remove_dir(self, rel: str) -> None:
         if rel:
