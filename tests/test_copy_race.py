@@ -20,7 +20,7 @@ crc32c = pytest.importorskip("crc32c")
 MiB = 1 << 20
 
 
-def _writer(src: torch.Tensor, how: str, stop: threading.Event) -> None:
+def _writer(src: torch.Tensor, how: str, stop: threading.Event, started: threading.Event) -> None:
     arr = src.numpy()
     i = 0
     while not stop.is_set():
@@ -29,6 +29,7 @@ def _writer(src: torch.Tensor, how: str, stop: threading.Event) -> None:
             src.data.fill_(float(i))  # a separate version counter: src._version does not move
         else:
             arr[:] = i
+        started.set()
 
 
 @pytest.mark.parametrize("how", ["data", "numpy"])
@@ -37,13 +38,16 @@ def test_concurrent_writes_are_flagged_or_checksummed_as_staged(ops_path: str, h
     src = torch.zeros(4 * MiB)  # 16 MiB: each copy spans many 64 KiB blocks and pieces
     n = src.numel() * src.element_size()
     dst = ops.alloc(n)
-    stop = threading.Event()
-    th = threading.Thread(target=_writer, args=(src, how, stop), daemon=True)
+    stop, started = threading.Event(), threading.Event()
+    th = threading.Thread(target=_writer, args=(src, how, stop, started), daemon=True)
     th.start()
+    assert started.wait(30), "the writer thread never ran"
     mismatched, flagged, rounds = [], 0, 0
-    deadline = time.monotonic() + 6.0
+    # At least 60 rounds, and on until a torn copy was seen: on a loaded 2-core machine the
+    # writer may not run during any of the first 60 copies (a CI run saw exactly that).
+    deadline = time.monotonic() + 60.0
     try:
-        while rounds < 60 and time.monotonic() < deadline:
+        while (rounds < 60 or not flagged) and time.monotonic() < deadline:
             rounds += 1
             job = ops.enqueue_copy([src], dst, [0])
             job.wait()

@@ -27,7 +27,7 @@ def test_100_saves_no_host_memory_growth(tmp_path, shm_dir, ops_path: str) -> No
             model(torch.randn(2, 512)).sum().backward()
             opt.step()
             opt.zero_grad()
-            if step in (9, 99):
+            if step in (19, 99):
                 ck.wait()
                 gc.collect()
                 rss.append(proc.memory_info().rss)
@@ -40,7 +40,7 @@ def test_100_saves_no_host_memory_growth(tmp_path, shm_dir, ops_path: str) -> No
         # newest always committed; retention bounds what stays (a busy disk tier may drop saves)
         assert all(steps[-1] == 99 and len(steps) <= 2 for steps in per_tier.values()), per_tier
     growth = rss[1] - rss[0]
-    assert growth < state_bytes // 2, f"RSS grew by {growth / 2**20:.1f} MiB over 90 saves"
+    assert growth < state_bytes // 2, f"RSS grew by {growth / 2**20:.1f} MiB over 80 saves"
 
 
 def test_on_full_skip_drops_save_instead_of_growing(tmp_path) -> None:  # noqa: ANN001
