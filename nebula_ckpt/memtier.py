@@ -283,6 +283,36 @@ def try_lock(folder: str) -> Optional[int]:
     return fd
 
 
+def remove_if_unused(folder: str, allowed: tuple[str, ...]) -> bool:
+    """Remove ``folder`` if it holds nothing but ``allowed`` names (an empty ``.slots`` included) and
+    no live process holds its lock; True if removed. Done under the lock, so a writer that takes
+    it first keeps the folder; one that comes after finds it gone and makes it again."""
+    fd = try_lock(folder)
+    if fd is None:
+        return False
+    try:
+        names = os.listdir(folder)
+        if any(n not in allowed for n in names):
+            return False
+        for n in names:
+            p = os.path.join(folder, n)
+            if os.path.isdir(p) and not os.path.islink(p):
+                if os.listdir(p):
+                    return False
+                os.rmdir(p)
+        for n in names:
+            p = os.path.join(folder, n)
+            if os.path.lexists(p) and not os.path.isdir(p):
+                os.unlink(p)
+        os.rmdir(folder)
+        return True
+    except OSError as e:
+        log.debug("nebula_ckpt: memory tier %s not removed: %s", folder, e)
+        return False
+    finally:
+        os.close(fd)
+
+
 def clear_folder(folder: str, keep: tuple[str, ...] = (LOCK_FILE,)) -> None:
     """Remove everything in ``folder`` but ``keep`` (never following symlinks)."""
     for name in os.listdir(folder):

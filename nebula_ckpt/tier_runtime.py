@@ -20,7 +20,19 @@ import logging
 import os
 from typing import TYPE_CHECKING, Any, Optional
 
-from .memtier import SLOT_DIR, Claim, ClaimRefused, Owner, read_owner, secure_folder, secure_subfolder, sweep_slot_files
+from .memtier import (
+    LOCK_FILE,
+    ROOT_FILE,
+    SLOT_DIR,
+    Claim,
+    ClaimRefused,
+    Owner,
+    read_owner,
+    remove_if_unused,
+    secure_folder,
+    secure_subfolder,
+    sweep_slot_files,
+)
 from .storage.base import Storage
 
 if TYPE_CHECKING:
@@ -104,6 +116,8 @@ class MemoryTierRuntime(TierRuntime):
         self._memory_tier = tier
         self._claim: Optional[Claim] = None
         self._slots: Optional[str] = None
+        self._owner: Optional[Owner] = None
+        self._created = False  # open() made the folder: release() removes it if nothing was put in
 
     @property
     def folder(self) -> str:
@@ -123,7 +137,9 @@ class MemoryTierRuntime(TierRuntime):
         if why:
             log.info("nebula_ckpt: memory tier skipped: %s", why)
             return False
+        self._owner = owner
         try:
+            self._created = not os.path.isdir(self.folder)
             self._secure(create=True)
             self._claim = Claim(self.folder, owner)
             if os.path.isdir(os.path.join(self.folder, SLOT_DIR)):
@@ -135,7 +151,13 @@ class MemoryTierRuntime(TierRuntime):
         return True
 
     def open_for_writing(self) -> bool:
-        assert self._claim is not None
+        assert self._claim is not None and self._owner is not None
+        if not os.path.isdir(self.folder):
+            # removed since open() (a reader on the same root closed, or `nebula-ckpt gc`): again
+            self._claim.release()
+            if not self.open(self._owner):
+                return False
+            self._created = False
         if not self._claim.lock():
             log.warning("nebula_ckpt: memory tier %s is written by another live process on the same "
                         "root (a second job on one root?); this one saves without it", self.folder)
@@ -197,5 +219,10 @@ class MemoryTierRuntime(TierRuntime):
 
     def release(self) -> None:
         if self._claim is not None:
+            wrote = self._claim.locked
             self._claim.release()
+            if self._created and not wrote:
+                # a Checkpointer that only read leaves no empty folder behind in /dev/shm
+                remove_if_unused(self.folder, (LOCK_FILE, ROOT_FILE, SLOT_DIR))
+            self._claim = None
         super().release()

@@ -180,6 +180,31 @@ def test_second_live_writer_on_same_root_does_not_write_the_memory_tier(root: st
         assert "memory" in _written_kinds(third)
 
 
+def test_a_checkpointer_that_only_reads_leaves_no_folder(root: str) -> None:
+    with nc.Checkpointer(root, memory_tier=False) as ck:
+        ck.save(1, {"w": torch.ones(2)})
+    folder = memory_tier_path(root)
+    with nc.Checkpointer(root) as reader:
+        assert os.path.isdir(folder)  # claimed while open
+        assert reader.load_latest() == 1
+    assert not os.path.exists(folder)
+
+
+def test_a_reader_closing_before_a_writers_first_save_leaves_the_writer_its_tier(root: str) -> None:
+    folder = memory_tier_path(root)
+    reader = nc.Checkpointer(root)        # makes the folder
+    writer = nc.Checkpointer(root)        # claims the same folder, has not saved yet
+    reader.close()                        # removes it: nothing was ever put in
+    assert not os.path.exists(folder)
+    writer.save(1, {"w": torch.ones(2)})  # makes it again, and writes it
+    assert "memory" in _written_kinds(writer) and os.path.isdir(folder)
+    assert writer.list(detailed=True)[writer.tiers[0].name] == [1]
+    with nc.Checkpointer(root) as other:  # a folder with a checkpoint is never removed by a reader
+        assert other.load_latest() == 1
+    assert os.path.isdir(folder)
+    writer.close()
+
+
 def _gc(shm_dir: str, *args: str) -> list[dict]:
     from contextlib import redirect_stdout
     from io import StringIO
