@@ -28,7 +28,7 @@ from .dcp import NebulaStorageReader
 from .errors import CorruptCheckpointError, NebulaError, ValidationError
 from .restore import tensor_keys
 from .storage.base import Storage
-from .structure import decode
+from .structure import decode, ndarray_from_tensor
 
 log = logging.getLogger(__name__)
 
@@ -85,6 +85,10 @@ class _Matcher:
         keys = tensor_keys(node, [])
         if not keys:
             return self._decoded(node, path)
+        arrays = _ndarray_keys(node, [])
+        if len(arrays) == len(keys):  # NumPy values only (an RNG state): they come back like values
+            bufs = {k: self._buffer(k) for k in keys}
+            return lambda: decode(node, bufs.__getitem__, self.allow_pickle, path)
         if self.strict:
             raise ValidationError(f"reshard ({self.where}): checkpoint key '{keys[0]}' has no tensor to be "
                                   f"restored into: {why}. Build `into` like the saved state ({_OPTIM_HINT}), "
@@ -107,6 +111,8 @@ class _Matcher:
         t = inner["t"]
         if t == "tensor":
             return self._tensor(inner["k"], target, path)
+        if t == "ndarray":  # a NumPy leaf: its tensor is read into a buffer, then replaces `target`
+            return self._ndarray(inner, path)
         if t in ("dict", "odict") and isinstance(target, dict):
             return self._dict(inner, target, path)
         if t in ("list", "tuple") and isinstance(target, (list, tuple)) and len(target) == len(inner["v"]):
@@ -133,6 +139,20 @@ class _Matcher:
                 "saved model and dtypes (the layout may differ, the global shapes may not)")
         self.flat[key] = target
         return None
+
+    def _buffer(self, key: str) -> torch.Tensor:
+        """A tensor the load fills with stored tensor ``key`` whole (the one already planned, if any)."""
+        md = self.md.get(key)
+        if not isinstance(md, TensorStorageMetadata):
+            raise CorruptCheckpointError(f"{self.where}: the saved tree names tensor '{key}', which no rank stored")
+        buf = self.flat.get(key)
+        if not isinstance(buf, torch.Tensor):
+            buf = self.flat[key] = torch.empty(tuple(md.size), dtype=md.properties.dtype)
+        return buf
+
+    def _ndarray(self, node: Mapping[str, Any], path: str) -> Thunk:
+        buf = self._buffer(node["v"]["k"])
+        return lambda: ndarray_from_tensor(buf, node["dtype"], path)
 
     def _dict(self, node: Mapping[str, Any], target: dict[Any, Any], path: str) -> Optional[Thunk]:
         saved = []
@@ -162,6 +182,21 @@ class _Matcher:
         if all(r is None for r in repls):
             return None
         return lambda: tuple(target[i] if r is None else r() for i, r in enumerate(repls))
+
+
+def _ndarray_keys(node: Any, out: list[str]) -> list[str]:
+    """The tensor keys under ``node`` that NumPy ``ndarray`` nodes reference."""
+    stack = [node]
+    while stack:
+        n = stack.pop()
+        if isinstance(n, dict):
+            if n.get("t") == "ndarray" and isinstance(n.get("v"), dict):
+                out.append(n["v"].get("k"))
+            else:
+                stack.extend(v for v in n.values() if isinstance(v, (dict, list)))
+        elif isinstance(n, list):
+            stack.extend(n)
+    return out
 
 
 def _setter(container: Any, key: Any, make: Thunk) -> Thunk:

@@ -220,3 +220,29 @@ def test_ndarray_node_over_a_tensor_of_another_dtype_is_refused(tmp_path, shm_di
     with nc.Checkpointer(root, memory_tier=False) as ck:
         with pytest.raises(CorruptCheckpointError, match="key 'a': a NumPy <i4 array is stored as torch.int32"):
             ck.read(1)
+
+
+def test_numpy_leaves_come_back_through_a_resharding_restore(tmp_path) -> None:  # noqa: ANN001
+    """The resharding path (any world size, DCP underneath) restores NumPy leaves as arrays too:
+    into a slot holding anything, and where ``into`` has no entry for them."""
+    from nebula_ckpt.dcp import newest_manifest
+    from nebula_ckpt.reshard import load_resharded
+    from nebula_ckpt.storage.local import LocalStorage
+
+    root = str(tmp_path / "ck")
+    arrays = {"f": _random_array(np.float64, (3, 5), 1), "i": _random_array(np.int16, (7,), 2),
+              "b": (_random_array(np.uint8, (4, 2), 3) & 1).astype(bool)}  # canonical bools: DCP copies them
+    w = torch.randn(6, 4)
+    with nc.Checkpointer(root, memory_tier=False) as ck:
+        ck.save(3, {"w": w, "arrays": arrays, "last": arrays["f"][0].copy(), "seed": np.random.get_state()})
+    storage = LocalStorage(root)
+    man = newest_manifest(storage)
+    into: dict[str, Any] = {"w": torch.zeros(6, 4), "arrays": {"f": None, "i": None, "b": np.zeros(1)},
+                            "seed": None}
+    load_resharded(storage, man.step, man, into, strict=False)
+    assert torch.equal(into["w"], w)
+    for k, a in arrays.items():
+        assert _same(into["arrays"][k], a), k
+    assert _same(into["last"], arrays["f"][0])  # not in `into`: added, like any saved value
+    want = np.random.get_state()
+    assert into["seed"][0] == want[0] and _same(into["seed"][1], want[1]) and into["seed"][2:] == want[2:]
