@@ -166,8 +166,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       "Build/runtime capabilities of the extension.");
 
   m.def("alloc_host_buffer", &alloc_host_buffer, py::arg("nbytes"), py::arg("pinned") = false,
-        py::arg("prefault_threads") = 1, py::call_guard<GilRelease>(),
-        "Page-aligned, pre-faulted 1-D uint8 CPU tensor of nbytes (optionally pinned).");
+        py::arg("prefault_threads") = 1, py::arg("huge_pages") = false, py::call_guard<GilRelease>(),
+        "Page-aligned, pre-faulted 1-D uint8 CPU tensor of nbytes (optionally pinned; huge_pages: "
+        "advise transparent huge pages).");
 
   py::class_<CopyJob, std::shared_ptr<CopyJob>>(m, "CopyJob",
                                                 "Handle of one asynchronous CopyEngine.enqueue.")

@@ -23,12 +23,17 @@ constexpr size_t kPage = 4096;
 constexpr size_t kHugePage = size_t{2} << 20;
 constexpr size_t kPrefaultChunk = size_t{4} << 20;
 constexpr size_t kFreshMapping = size_t{64} << 20;  // above glibc's largest mmap threshold
+#ifdef MADV_POPULATE_WRITE
+constexpr int kMadvPopulateWrite = MADV_POPULATE_WRITE;
+#else
+constexpr int kMadvPopulateWrite = 23;  // Linux 5.14; older kernels fail with EINVAL: memset then
+#endif
 
 inline size_t round_up(size_t v, size_t a) { return (v + a - 1) / a * a; }
 
 }  // namespace
 
-at::Tensor alloc_host_buffer(int64_t nbytes, bool pinned, int64_t prefault_threads) {
+at::Tensor alloc_host_buffer(int64_t nbytes, bool pinned, int64_t prefault_threads, bool huge_pages) {
   TORCH_CHECK(nbytes >= 0, "alloc_host_buffer: nbytes must be >= 0, got ", nbytes);
 #ifndef NEBULA_WITH_CUDA
   // Fail before touching memory: a CPU-only build cannot page-lock.
@@ -47,30 +52,34 @@ at::Tensor alloc_host_buffer(int64_t nbytes, bool pinned, int64_t prefault_threa
               " bytes: ", std::strerror(rc));
 
 #ifdef MADV_HUGEPAGE
-  if (alignment == kHugePage) {
-    // Transparent huge pages cut TLB misses during multi-GB memcpy. Only a
-    // hint: failure (THP disabled) is harmless.
+  if (huge_pages && alignment == kHugePage) {
+    // Transparent huge pages cut TLB misses and page faults where the OS
+    // hands them out cheaply. Only a hint: failure (THP disabled) is harmless.
+    // Off by default (knob huge_pages): on VMs that give freed memory back to
+    // the host, a fresh huge page costs far more than 512 small ones.
     (void)madvise(ptr, alloc_bytes, MADV_HUGEPAGE);
   }
 #endif
 
-  // Pre-fault by writing zeros: touching every page now moves the page-fault
-  // cost out of the (latency critical) snapshot copy, and guarantees the
-  // buffer reads as zeros. prefault_threads == 0: no pass at all, for a
-  // buffer a parallel copy fills at once (its threads take the faults, in
-  // huge pages where the kernel gives them, and the pages are written once).
+  // Pre-fault: touching every page now moves the page-fault cost out of the
+  // (latency critical) snapshot copy, and guarantees the buffer reads as zeros.
   // glibc serves blocks over its largest mmap threshold (32 MiB) with fresh
-  // anonymous mappings, which the kernel hands out zeroed; smaller blocks may
-  // be recycled heap, so they are zeroed here either way.
+  // anonymous mappings, which the kernel hands out zeroed: those are populated
+  // with MADV_POPULATE_WRITE, one call per 4 MiB chunk instead of a trap per
+  // page (a kernel without it, < 5.14, gets the zeros written). Smaller blocks
+  // may be recycled heap, so they are written with zeros either way.
+  // prefault_threads == 0: no pass at all, for a buffer a parallel copy fills
+  // at once (its threads take the faults, and the pages are written once).
   auto* base = static_cast<uint8_t*>(ptr);
   if (prefault_threads <= 0 && alloc_bytes < kFreshMapping) std::memset(base, 0, alloc_bytes);
+  const bool fresh = alloc_bytes >= kFreshMapping;
   const size_t n_chunks =
       prefault_threads <= 0 ? 0 : (alloc_bytes + kPrefaultChunk - 1) / kPrefaultChunk;
   if (n_chunks > 0) {
     parallel_run(clamp_threads(prefault_threads), n_chunks, [&](size_t i) {
       const size_t begin = i * kPrefaultChunk;
       const size_t len = std::min(kPrefaultChunk, alloc_bytes - begin);
-      std::memset(base + begin, 0, len);
+      if (!fresh || madvise(base + begin, len, kMadvPopulateWrite) != 0) std::memset(base + begin, 0, len);
     });
   }
 

@@ -14,8 +14,11 @@ class _BuildInfo(TypedDict):
 def build_info() -> _BuildInfo:
     """Version and capabilities: CUDA build, hardware CRC32C in use, O_DIRECT known."""
 
-def alloc_host_buffer(nbytes: int, pinned: bool = False, prefault_threads: int = 1) -> torch.Tensor:
+def alloc_host_buffer(nbytes: int, pinned: bool = False, prefault_threads: int = 1,
+                      huge_pages: bool = False) -> torch.Tensor:
     """Zero-filled, pre-faulted 1-D uint8 CPU tensor over 4 KiB (>= 2 MiB: 2 MiB) aligned memory.
+
+    ``huge_pages``: advise transparent huge pages (MADV_HUGEPAGE) for a buffer of 2 MiB or more.
 
     ``prefault_threads=0``: not pre-faulted (zero-filled all the same): for a buffer a parallel copy
     fills right away, whose threads then take the page faults. ``pinned`` needs the CUDA build."""

@@ -54,8 +54,13 @@ _KNOBS: dict[str, _Knob] = {
                      "where the memory tier lives (a tmpfs that survives a process crash)"),
     "slot_ahead_bytes": _Knob("NEBULA_SLOT_AHEAD_BYTES", 32 << 20, int,
                               "states at least this large never create a memory-tier slot file on the "
-                              "training thread: a save with no slot file ready stages in a huge-page "
+                              "training thread: a save with no slot file ready stages in an anonymous "
                               "buffer while the next slot file is made in the background"),
+    "huge_pages": _Knob("NEBULA_HUGE_PAGES", False, _bool,
+                        "advise transparent huge pages for staging and restore buffers (off: on VMs "
+                        "that return freed memory to the host, such as the one the README's "
+                        "benchmarks ran on, a fresh huge page costs 3-7x more than 512 small ones; "
+                        "try it on bare metal)"),
     "shm_min_free_fraction": _Knob("NEBULA_SHM_MIN_FREE", 0.1, float,
                                    "memory tier is skipped when it would leave less free than this"),
     "remote_part_bytes": _Knob("NEBULA_REMOTE_PART_BYTES", 32 << 20, int,

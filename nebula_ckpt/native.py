@@ -257,7 +257,7 @@ class NativeOps(FallbackOps):
 
     def alloc(self, nbytes: int, pinned: bool = False, prefault: bool = True) -> torch.Tensor:
         threads = int(knobs.get("copy_threads")) if prefault or pinned else 0
-        return self._C.alloc_host_buffer(nbytes, pinned, threads)
+        return self._C.alloc_host_buffer(nbytes, pinned, threads, bool(knobs.get("huge_pages")))
 
     def enqueue_copy(self, srcs: Sequence[torch.Tensor], dst: torch.Tensor,
                      offsets: Sequence[int], checksum: bool = True) -> CopyJob:

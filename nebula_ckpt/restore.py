@@ -578,7 +578,7 @@ def _owned_batch(ck: OpenCheckpoint, keys: list[str], map_location: Any) -> dict
     """Owned copies of many tensors: one host buffer per dtype, filled by parallel native copies.
 
     Cloning tensor by tensor pays an allocation and a page fault per 4 KiB page for each; a
-    single (huge-page) buffer filled by the copy engine's threads, which take its page faults
+    single buffer filled by the copy engine's threads, which take its page faults
     as they copy, avoids both.
     The tensors are views of it. The copies go a chunk at a time: the source pages of a chunk
     are dropped from this process once copied (the restore's extra resident memory stays near
@@ -608,7 +608,7 @@ def _owned_batch(ck: OpenCheckpoint, keys: list[str], map_location: Any) -> dict
         for _, v in items:
             offsets.append(total)
             total += -(-(v.numel() * v.element_size()) // 64) * 64
-        # not pre-faulted: the copy threads fault the pages (in huge pages) as they fill them,
+        # not pre-faulted: the copy threads fault the pages as they fill them,
         # so the buffer is written once, not zeroed first and then copied into
         buf = ops.alloc(total, prefault=False) if total else torch.empty(0, dtype=torch.uint8)
         at = {k: off for (k, _), off in zip(items, offsets, strict=True)}
