@@ -15,8 +15,8 @@ until retention unlinks the checkpoint.
 
 Creating a slot file costs a page fault per 4 KiB page of tmpfs (about 0.4-1 GB/s here): seconds
 for a state of several GB. States of at least ``slot_ahead_bytes`` therefore never create one on
-the training thread: a save that finds no slot file ready stages in an anonymous (huge-page)
-buffer, which the memory tier copies, while the next slot file is made by a background thread.
+the training thread: a save that finds no slot file ready stages in an anonymous buffer, which
+the memory tier copies, while the next slot file is made by a background thread.
 """
 
 from __future__ import annotations
@@ -39,6 +39,8 @@ from .native import get_ops
 log = logging.getLogger(__name__)
 
 _ROUND = 2 << 20
+#: longest a slot made ahead waits for the copy of the save that asked for it
+_AHEAD_WAIT_S = 60.0
 
 
 @dataclass(eq=False)
@@ -160,6 +162,10 @@ class StagingPool:
         self._preparer: Optional[threading.Thread] = None
         self._preparing_bytes = 0
         self._ahead_failed: Optional[int] = None  # size whose slot file could not be made
+        #: set while no save's copy is running: a slot made ahead waits for it, so that it does
+        #: not take the cores and memory bandwidth of the snapshot that asked for it
+        self._copies_idle = threading.Event()
+        self._copies_idle.set()
 
     @property
     def allocated_bytes(self) -> int:
@@ -194,6 +200,7 @@ class StagingPool:
                 slot = self._take(nbytes, pinned)
                 if slot is not None:
                     return slot
+                self._copies_idle.set()  # no copy follows
                 if reclaimed or reclaim is None:
                     if self.on_full == "skip":
                         return None
@@ -218,9 +225,14 @@ class StagingPool:
             extra -= 1
         return staging
 
+    def copy_done(self) -> None:
+        """A save's copy into its slot finished (any thread): a slot may be made ahead now."""
+        self._copies_idle.set()
+
     def _take(self, nbytes: int, pinned: bool) -> Optional[Slot]:
         if self._closed:
             raise RuntimeError("the checkpointer is closed")
+        self._copies_idle.clear()  # the caller copies into what it takes (copy_done() after)
         staging = self._trim()
         use_file = self.slot_dir is not None and not pinned
         ahead = use_file and nbytes >= knobs.get("slot_ahead_bytes")
@@ -322,6 +334,7 @@ class StagingPool:
     def _make_ahead(self, size: int, as_file: bool, pinned: bool) -> None:
         """Body of the background thread of :meth:`_prepare_ahead`."""
         slot: Optional[Slot] = None
+        self._copies_idle.wait(_AHEAD_WAIT_S)
         try:
             if as_file:
                 slot = self._new_slot(size)
@@ -381,6 +394,7 @@ class StagingPool:
 
     def release(self, slot: Slot) -> None:
         """Give ``slot`` back."""
+        self._copies_idle.set()  # its copy is over (or never ran: a save that failed to start)
         with self._cond:
             slot.in_use = False
             if self._closed and slot in self._slots:
@@ -398,6 +412,7 @@ class StagingPool:
         with self._cond:
             self._closed = True
             preparer = self._preparer
+        self._copies_idle.set()  # a preparer waiting for a copy goes on (and frees what it made)
         if preparer is not None:
             preparer.join()
         with self._cond:

@@ -80,6 +80,7 @@ class Snapshot:
                     err = self._consistency_error(changed)
             except BaseException as e:
                 err = e
+            self._pool.copy_done()
             self.copy_seconds = monotonic() - self.t_start
             self._copied = True
             self.job = None  # type: ignore[assignment]  # drop the source tensor references
