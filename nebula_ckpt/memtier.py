@@ -287,7 +287,10 @@ def remove_if_unused(folder: str, allowed: tuple[str, ...]) -> bool:
     """Remove ``folder`` if it holds nothing but ``allowed`` names (an empty ``.slots`` included) and
     no live process holds its lock; True if removed. Done under the lock, so a writer that takes
     it first keeps the folder; one that comes after finds it gone and makes it again."""
-    fd = try_lock(folder)
+    try:
+        fd = try_lock(folder)
+    except OSError:  # already gone (another reader, `nebula-ckpt gc`), or not ours to lock
+        return False
     if fd is None:
         return False
     try:
