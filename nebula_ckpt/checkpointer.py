@@ -20,6 +20,7 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 
 from . import knobs
+from .adopt import adoption_for
 from .buffers import StagingPool
 from .coordinator import Coordinator, LocalCoordinator
 from .distributed import default_coordinator
@@ -819,7 +820,9 @@ class Checkpointer:
         """What prepares a restore into ``into`` while the candidates are opened (None: no ``into``)."""
         if into is None:
             return None
-        return stage_restore(into, map_location=map_location, strict=strict, allow_pickle=self.allow_pickle)
+        return stage_restore(into, map_location=map_location, strict=strict, allow_pickle=self.allow_pickle,
+                             adopt=lambda ck: adoption_for(self._runtimes, ck, self._writers is not None,
+                                                           self.coordinator.world_size))
 
     def load(self, step: Optional[int] = None, into: Any = None, *, map_location: Any = None, strict: bool = True,
              tag: Optional[str] = None) -> int:

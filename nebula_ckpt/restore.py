@@ -65,6 +65,8 @@ class OpenCheckpoint:
         self._views: dict[str, torch.Tensor] = {}
         #: DeviceMesh by mesh shape, found in the objects restored into (for DTensor records)
         self.meshes: dict[tuple[int, ...], Any] = {}
+        #: the memory tier's pages handed to this process instead of owned copies (:mod:`.adopt`)
+        self.adoption: Optional[Any] = None
 
     def as_saved(self, key: str, local: torch.Tensor) -> Any:
         """``local`` as it was saved: a DTensor again when ``key`` was one (same mesh shape and
@@ -375,6 +377,8 @@ def find_and_open(tiers: list[tuple[Tier, Storage]], step: Optional[int] = None,
         try:
             ck = open_checkpoint(c.storage, c.step, verify or c.tier.verify, where, rank, world,
                                  defer_verify=stage is not None)
+            ck.tier_name = c.tier.name
+            ck.storage = c.storage
             if stage is not None:
                 stage(ck)
         except ValidationError:
@@ -388,8 +392,6 @@ def find_and_open(tiers: list[tuple[Tier, Storage]], step: Optional[int] = None,
             log.warning("nebula_ckpt: skipping %s", why)
             skipped.append(why)
             continue
-        ck.tier_name = c.tier.name
-        ck.storage = c.storage
         log.info("nebula_ckpt: restoring step %d from tier %s%s", c.step, c.tier.name,
                  f" (skipped {len(skipped)} damaged candidate(s))" if skipped else "")
         return ck
@@ -453,14 +455,18 @@ def _target_device(rec: mf.TensorRecord, map_location: Any) -> Optional[torch.de
 
 
 def stage_restore(into: Any, *, map_location: Any = None, strict: bool = True,
-                  allow_pickle: bool = False) -> Callable[[OpenCheckpoint], None]:
+                  allow_pickle: bool = False, adopt: Optional[Callable[[OpenCheckpoint], Any]] = None
+                  ) -> Callable[[OpenCheckpoint], None]:
     """A ``stage`` for :func:`find_and_open` that prepares restoring each candidate into ``into``.
 
     Sets ``ck.pending`` to what applies it (same layout), after :func:`stage_apply` read and
     verified everything; for a checkpoint of another layout it only verifies (resharding reads
-    what it needs itself).
+    what it needs itself). ``adopt(ck)``: the :class:`~nebula_ckpt.adopt.Adoption` of a
+    candidate whose pages may be handed over instead of copied, or None.
     """
     def stage(ck: OpenCheckpoint) -> None:
+        if ck.same_layout and adopt is not None and _all_cpu(map_location):
+            ck.adoption = adopt(ck)
         if ck.same_layout:
             ck.pending = stage_apply(ck, into, map_location=map_location, strict=strict, allow_pickle=allow_pickle)
         else:
@@ -488,13 +494,35 @@ def stage_apply(ck: OpenCheckpoint, into: Any, *, map_location: Any = None, stri
         ck.meshes.update(_meshes(into))
     st = _Staged(ck, map_location, allow_pickle)
     run = _plan_node(st, ck.tree, into, "", strict)
-    st.materialize()
-    ck.verify_rest()
+    try:
+        st.materialize()
+        ck.verify_rest()
+    except BaseException:
+        if ck.adoption is not None:
+            ck.adoption.finish()  # nothing was handed over: the tier keeps its checkpoint
+        raise
 
     def go() -> None:
-        run()
+        adoption = ck.adoption
+        if adoption is not None and not adoption.give_up():
+            st.own_adopted(adoption.adopted)  # the tier keeps the file: never write through it
+        try:
+            run()
+        finally:
+            if adoption is not None:
+                adoption.finish()
         ck.pending = None
     return go
+
+
+def _all_cpu(map_location: Any) -> bool:
+    """Whether ``map_location`` leaves created tensors on the CPU (what adoption can hand out)."""
+    if map_location is None:
+        return True
+    try:
+        return torch.device(map_location).type == "cpu"
+    except (TypeError, RuntimeError, ValueError):
+        return False  # a dict or callable: per-tensor devices, copied as before
 
 
 def _meshes(into: Any) -> dict[tuple[int, ...], Any]:
@@ -558,6 +586,17 @@ class _Staged:
         """Make every registered owned copy (checksums checked while copying)."""
         self._owned = [_owned_batch(self.ck, keys, self.map_location) for keys in self._groups]
 
+    def own_adopted(self, adopted: set[int]) -> None:
+        """Replace the tensors adopted from the memory tier (ids in ``adopted``) by owned copies:
+        the tier kept the step, so its file must never be written through them."""
+        copies: dict[int, torch.Tensor] = {}
+        for owned in self._owned:
+            for k, t in owned.items():
+                if id(t) in adopted:
+                    if id(t) not in copies:
+                        copies[id(t)] = t.clone()
+                    owned[k] = copies[id(t)]
+
 
 def tensor_keys(node: Any, out: list[str]) -> list[str]:
     """Every tensor key referenced under ``node`` (typed JSON), in order (no recursion)."""
@@ -597,6 +636,15 @@ def _owned_batch(ck: OpenCheckpoint, keys: list[str], map_location: Any) -> dict
         dev = _target_device(ck.resolve(k), map_location)
         (cpu if dev is None or dev.type == "cpu" else other).append((k, dev))
     out: dict[str, torch.Tensor] = {}
+    if ck.adoption is not None and not ck.adoption.refused and cpu:  # views of the tier's pages
+        try:
+            adopted = ck.adoption.tensors([ck.resolve(k) for k, _ in cpu])
+        except OSError as e:  # the file cannot be mapped for writing: copy, as without adoption
+            log.info("nebula_ckpt: %s: copying instead of adopting the memory tier's pages (%s)", ck.where, e)
+            ck.adoption.refused = True  # what an earlier group adopted is copied at apply time
+        else:
+            out.update((k, t) for (k, _), t in zip(cpu, adopted, strict=True))
+            cpu = []
     # One buffer per dtype: tensors of different dtypes sharing a storage would trip torch.save.
     groups: dict[torch.dtype, list[tuple[str, torch.Tensor]]] = {}
     for k, _ in cpu:

@@ -171,6 +171,11 @@ class MemoryTierRuntime(TierRuntime):
     def staging_dir(self) -> Optional[str]:
         return self._slots
 
+    def lock_for_adoption(self) -> bool:
+        """Take the folder's lock, as the first save would (kept): True when this process may
+        delete a checkpoint of the tier to hand its pages over (:mod:`nebula_ckpt.adopt`)."""
+        return self._claim is not None and os.path.isdir(self.folder) and self._claim.lock()
+
     def unreadable(self, owner: Owner) -> Optional[str]:
         try:
             self._secure(create=False)

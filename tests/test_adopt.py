@@ -1,0 +1,179 @@
+"""A restart adopts the memory tier's pages instead of copying them (nebula_ckpt/adopt.py).
+
+Each test crashes a real saving process (SIGKILL after the save is durable), restarts in this
+process, and checks what was promised: the restored state is bit-exact, the optimizer's tensors
+are views of the tier's (now unnamed) shard file, the tier no longer offers that step, nothing the
+checkpointer writes later ever lands in the adopted pages, and every case where adoption is not
+safe copies instead (the tier keeps its checkpoint).
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import signal
+import subprocess
+import sys
+from typing import Any
+
+import pytest
+import torch
+
+import nebula_ckpt as nc
+from nebula_ckpt import knobs
+from nebula_ckpt.tiers import memory_tier_path
+
+pytestmark = pytest.mark.skipif(not os.path.isdir("/dev/shm"), reason="needs a tmpfs memory tier")
+
+_SAVER = r"""
+import os, signal, sys, torch, nebula_ckpt as nc
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 8))
+opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+for _ in range(3):
+    model(torch.randn(4, 64)).square().mean().backward(); opt.step(); opt.zero_grad()
+ck = nc.Checkpointer(sys.argv[1])
+ck.save(7, {"model": model, "optim": opt, "step": 7})
+torch.save({"model": model.state_dict(), "optim": opt.state_dict()}, sys.argv[2])
+if sys.argv[3] == "memory-only":   # as if the crash came before the disk tier committed it
+    import shutil; shutil.rmtree(os.path.join(sys.argv[1], "step-7"))
+os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+def _model() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(1)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 8))
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+
+def _crash(root: str, shm_dir: str, ref: str, mode: str = "durable") -> dict[str, Any]:
+    env = dict(os.environ, NEBULA_SHM_DIR=shm_dir)
+    r = subprocess.run([sys.executable, "-c", _SAVER, root, ref, mode], env=env, capture_output=True, timeout=120)
+    assert r.returncode == -signal.SIGKILL, r.stderr.decode()[-3000:]
+    return torch.load(ref, weights_only=True)
+
+
+def _same(model: torch.nn.Module, opt: torch.optim.Optimizer, want: dict[str, Any]) -> bool:
+    got_m, got_o = model.state_dict(), opt.state_dict()
+    if any(not torch.equal(got_m[k], v) for k, v in want["model"].items()):
+        return False
+    for i, st in want["optim"]["state"].items():
+        for k, v in st.items():
+            if not torch.equal(got_o["state"][i][k], v):
+                return False
+    return True
+
+
+def _adopted_mappings(folder: str) -> list[str]:
+    """Lines of /proc/self/maps for files of the memory tier that no longer have a name."""
+    with open("/proc/self/maps") as f:
+        return [line for line in f if folder in line and line.rstrip().endswith("(deleted)")]
+
+
+def _opt_tensors(opt: torch.optim.Optimizer) -> list[torch.Tensor]:
+    return [v for st in opt.state.values() for v in st.values() if isinstance(v, torch.Tensor)]
+
+
+def test_restart_adopts_the_pages_and_the_tier_gives_the_step_up(root: str, shm_dir: str, tmp_path) -> None:  # noqa: ANN001
+    want = _crash(root, shm_dir, str(tmp_path / "ref.pt"))
+    folder = memory_tier_path(root)
+    model, opt = _model()
+    with nc.Checkpointer(root) as ck:
+        assert ck.load_latest(into={"model": model, "optim": opt, "step": 0}) == 7
+        assert ck.last_restore["tier"].startswith("memory:")
+        assert _same(model, opt, want)
+        assert _adopted_mappings(folder), "the optimizer state is not a view of the tier's shard file"
+        mem = ck.tiers[0].name
+        assert ck.list(detailed=True)[mem] == []          # the tier gave step 7 up ...
+        assert 7 in ck.list(detailed=True)[ck.tiers[1].name]  # ... which stays on disk
+        # the adopted tensors are ordinary tensors: torch.save writes their bytes alone
+        buf = io.BytesIO()
+        torch.save(opt.state_dict(), buf)
+        state_bytes = sum(t.numel() * t.element_size() for t in _opt_tensors(opt))
+        assert len(buf.getvalue()) < state_bytes + (64 << 10)
+    with nc.Checkpointer(root) as again:  # a second restart finds step 7 on disk
+        m2, o2 = _model()
+        assert again.load_latest(into={"model": m2, "optim": o2, "step": 0}) == 7
+        assert again.last_restore["tier"].startswith("local:") and _same(m2, o2, want)
+
+
+def test_training_and_saving_after_adoption_never_write_the_adopted_pages(root: str, shm_dir: str, tmp_path) -> None:  # noqa: ANN001
+    _crash(root, shm_dir, str(tmp_path / "ref.pt"))
+    model, opt = _model()
+    with nc.Checkpointer(root, keep_last=2) as ck:
+        assert ck.load_latest(into={"model": model, "optim": opt, "step": 0}) == 7
+        assert _adopted_mappings(memory_tier_path(root))
+        saved: dict[int, list[torch.Tensor]] = {}
+        for step in range(8, 14):  # slot files are made, linked, retired and reused meanwhile
+            model(torch.randn(4, 64)).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+            before = [t.clone() for t in _opt_tensors(opt)]
+            ck.save_async(step, {"model": model, "optim": opt, "step": step}).result()
+            assert all(torch.equal(a, b) for a, b in zip(before, _opt_tensors(opt), strict=True)), \
+                f"save {step} changed the live optimizer state"
+            saved[step] = before
+        for step in (12, 13):  # what each tier holds is what was live at that save
+            _, got = ck.read(step)
+            flat = [v for st in got["optim"]["state"].values() for v in st.values() if isinstance(v, torch.Tensor)]
+            assert all(torch.equal(a, b) for a, b in zip(saved[step], flat, strict=True)), step
+
+
+def test_a_step_only_the_memory_tier_holds_is_copied_and_kept(root: str, shm_dir: str, tmp_path) -> None:  # noqa: ANN001
+    want = _crash(root, shm_dir, str(tmp_path / "ref.pt"), mode="memory-only")
+    folder = memory_tier_path(root)
+    model, opt = _model()
+    with nc.Checkpointer(root) as ck:
+        assert ck.load_latest(into={"model": model, "optim": opt, "step": 0}) == 7
+        assert ck.last_restore["tier"].startswith("memory:") and _same(model, opt, want)
+        assert not _adopted_mappings(folder)
+        assert ck.list(detailed=True)[ck.tiers[0].name] == [7]  # its only copy is kept
+
+
+def test_knob_off_copies(root: str, shm_dir: str, tmp_path) -> None:  # noqa: ANN001
+    want = _crash(root, shm_dir, str(tmp_path / "ref.pt"))
+    model, opt = _model()
+    with knobs.override(adopt_memory_tier=False), nc.Checkpointer(root) as ck:
+        assert ck.load_latest(into={"model": model, "optim": opt, "step": 0}) == 7
+        assert _same(model, opt, want) and not _adopted_mappings(memory_tier_path(root))
+        assert ck.list(detailed=True)[ck.tiers[0].name] == [7]
+
+
+def test_another_live_writer_of_the_tier_means_a_copy(root: str) -> None:
+    model, opt = _model()
+    model(torch.randn(4, 64)).square().mean().backward()
+    opt.step()
+    with nc.Checkpointer(root) as writer:
+        writer.save(3, {"model": model, "optim": opt})  # holds the memory tier's lock
+        m2, o2 = _model()
+        with nc.Checkpointer(root) as reader:
+            assert reader.load_latest(into={"model": m2, "optim": o2}) == 3
+            assert reader.last_restore["tier"].startswith("memory:")
+            assert not _adopted_mappings(memory_tier_path(root))
+        assert writer.list(detailed=True)[writer.tiers[0].name] == [3]
+        # the writer's own restore never adopts its own slot files either
+        m3, o3 = _model()
+        assert writer.load_latest(into={"model": m3, "optim": o3}) == 3
+        assert not _adopted_mappings(memory_tier_path(root))
+        assert writer.list(detailed=True)[writer.tiers[0].name] == [3]
+
+
+def test_damaged_adopted_bytes_fall_back_and_leave_into_alone(root: str, shm_dir: str, tmp_path) -> None:  # noqa: ANN001
+    import json
+
+    want = _crash(root, shm_dir, str(tmp_path / "ref.pt"))
+    folder = memory_tier_path(root)
+    man = json.load(open(os.path.join(folder, "step-7", "manifest.json")))
+    key = next(k for k in man["tensors"] if "exp_avg_sq" in k)
+    shard = os.path.join(folder, "step-7", man["shards"][man["tensors"][key].get("shard", 0)]["file"])
+    with open(shard, "r+b") as f:  # one flipped bit in an optimizer tensor adoption would hand out
+        f.seek(man["tensors"][key]["offsets"][0])
+        b = f.read(1)
+        f.seek(man["tensors"][key]["offsets"][0])
+        f.write(bytes([b[0] ^ 1]))
+    model, opt = _model()
+    with nc.Checkpointer(root) as ck:
+        assert ck.load_latest(into={"model": model, "optim": opt, "step": 0}) == 7
+        assert ck.last_restore["tier"].startswith("local:") and _same(model, opt, want)
+        assert not _adopted_mappings(folder)
