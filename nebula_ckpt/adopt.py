@@ -198,15 +198,21 @@ def adoption_for(runtimes: list[Any], ck: "OpenCheckpoint", saved: bool, world_s
 
 
 def _durable_elsewhere(runtimes: list[Any], ck: "OpenCheckpoint") -> bool:
-    """Whether a persistent tier holds the same checkpoint committed (same step and generation)."""
+    """Whether a persistent tier holds the same checkpoint committed (same step and writer
+    generation), with a manifest that parses and every shard file at its recorded size (the
+    bytes are not re-read: that would cost the full read adoption saves)."""
+    from .restore import read_manifest
+
     for rt in runtimes:
         if not rt.persistent:
             continue
         st: Storage = rt.storage
         try:
-            commit = mf.Commit.parse(st.read_small(f"{mf.step_dir(ck.step)}/{mf.COMMIT}"), rt.name)
+            man = read_manifest(st, ck.step, f"tier {rt.name} step {ck.step}")
+            if man.generation != ck.manifest.generation:
+                continue
+            if all(st.size(f"{mf.step_dir(ck.step)}/{sh.file}") == sh.stored_bytes for sh in man.shards):
+                return True
         except Exception:  # absent, unreadable, damaged: not this tier
             continue
-        if commit.step == ck.step and commit.generation == ck.manifest.generation:
-            return True
     return False

@@ -177,3 +177,18 @@ def test_damaged_adopted_bytes_fall_back_and_leave_into_alone(root: str, shm_dir
         assert ck.load_latest(into={"model": model, "optim": opt, "step": 0}) == 7
         assert ck.last_restore["tier"].startswith("local:") and _same(model, opt, want)
         assert not _adopted_mappings(folder)
+
+
+def test_a_truncated_disk_copy_is_not_durable_enough_to_give_the_memory_copy_up(root: str, shm_dir: str,
+                                                                               tmp_path) -> None:  # noqa: ANN001
+    want = _crash(root, shm_dir, str(tmp_path / "ref.pt"))
+    step_dir = os.path.join(root, "step-7")
+    shard = next(os.path.join(step_dir, n) for n in os.listdir(step_dir) if n.endswith(".safetensors"))
+    with open(shard, "r+b") as f:
+        f.truncate(os.path.getsize(shard) // 2)
+    model, opt = _model()
+    with nc.Checkpointer(root) as ck:
+        assert ck.load_latest(into={"model": model, "optim": opt, "step": 0}) == 7
+        assert ck.last_restore["tier"].startswith("memory:") and _same(model, opt, want)
+        assert not _adopted_mappings(memory_tier_path(root))
+        assert ck.list(detailed=True)[ck.tiers[0].name] == [7]  # the only good copy stays
