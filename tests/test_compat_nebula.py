@@ -13,7 +13,6 @@ import copy
 import csv
 import json
 import os
-import select
 import signal
 import subprocess
 import sys
@@ -27,6 +26,7 @@ import torch
 import nebula_ckpt as nc
 import nebula_ckpt.compat.torch_nebula as tn
 from nebula_ckpt.compat import install_aliases
+from proc_lines import lines
 
 HERE = Path(__file__).resolve().parent
 EXAMPLE = HERE.parent / "examples" / "nebula_compat.py"
@@ -265,23 +265,6 @@ def test_clear_errors(root: str, monkeypatch: pytest.MonkeyPatch) -> None:
     assert tn.get_latest_checkpoint().tag == "global_step2"  # type: ignore[union-attr]
 
 
-def _lines(proc: subprocess.Popen[str], deadline: float) -> Iterator[str]:
-    assert proc.stdout is not None
-    buf, fd = "", proc.stdout.fileno()
-    while time.monotonic() < deadline:
-        if not select.select([fd], [], [], 0.5)[0]:
-            if proc.poll() is not None:
-                return
-            continue
-        chunk = os.read(fd, 65536).decode(errors="replace")
-        if not chunk:
-            return
-        buf += chunk
-        while "\n" in buf:
-            line, buf = buf.split("\n", 1)
-            yield line
-
-
 def _env(shm_dir: str) -> dict[str, str]:
     return dict(os.environ, NEBULA_SHM_DIR=shm_dir,
                 PYTHONPATH=os.pathsep.join([str(HERE.parent), str(HERE), os.environ.get("PYTHONPATH", "")]))
@@ -297,7 +280,7 @@ def test_sigkill_after_commit_resumes_in_a_new_process(root: str, shm_dir: str) 
     committed: dict[str, str] = {}
     out: list[str] = []
     try:
-        for line in _lines(proc, time.monotonic() + 90):
+        for line in lines(proc, time.monotonic() + 90):
             out.append(line)
             if line.startswith("COMMITTED "):
                 _, tag, dig = line.split()

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import os
 import random
-import select
 import signal
 import subprocess
 import sys
@@ -23,6 +22,7 @@ import pytest
 import torch
 
 from crash.worker import STEPS, reference_digests
+from proc_lines import lines
 
 PHASES = ["snapshot", "shard", "manifest", "commit", "prune"]
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -32,25 +32,6 @@ def _spawn(root: str, env: dict[str, str]) -> subprocess.Popen[str]:
     return subprocess.Popen([sys.executable, "-u", os.path.join(HERE, "worker.py"), root],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
                             cwd=os.path.dirname(HERE))
-
-
-def _lines(proc: subprocess.Popen[str], deadline: float):  # noqa: ANN202
-    assert proc.stdout is not None
-    buf = ""
-    fd = proc.stdout.fileno()
-    while time.monotonic() < deadline:
-        r, _, _ = select.select([fd], [], [], 0.5)
-        if not r:
-            if proc.poll() is not None:
-                return
-            continue
-        chunk = os.read(fd, 65536).decode(errors="replace")
-        if not chunk:
-            return
-        buf += chunk
-        while "\n" in buf:
-            line, buf = buf.split("\n", 1)
-            yield line
 
 
 @pytest.mark.slow
@@ -82,7 +63,7 @@ def test_sigkill_at_every_phase_restores_bit_exact(tmp_path, shm_dir) -> None:  
         killed_at = None
         t_restored = None
         try:
-            for line in _lines(proc, time.monotonic() + 120):
+            for line in lines(proc, time.monotonic() + 120):
                 if line.startswith("RESTORED"):
                     _, step, dig, tier = line.split(" ", 3)
                     if step == "none":
