@@ -498,7 +498,7 @@ class Checkpointer:
         with self._lock:
             handles = list(self._handles)
         for h in handles:
-            if not h._wait_durable(timeout):
+            if not h.wait(timeout):
                 raise TimeoutError(f"save of step {h.step} not durable after {timeout} s")
         for w in self._writers or []:
             w.wait_idle(timeout)
@@ -898,7 +898,7 @@ class Checkpointer:
         with self._lock:
             pending = [h for h in self._handles if not h.done() and (h.step == step if tag is None else h.tag == tag)]
         for h in pending:
-            h._wait_durable(None)
+            h.wait(None)
         steps = [step] if step is not None else self._steps_tagged(tag or "")
         writers = self._start()
         co = self.coordinator

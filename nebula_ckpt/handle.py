@@ -140,9 +140,6 @@ class SaveHandle:
         the checkpointer still raises it from the next ``save_async`` / ``wait`` / ``close``."""
         return self._durable.wait(timeout)
 
-    def _wait_durable(self, timeout: Optional[float]) -> bool:
-        return self.wait(timeout)
-
     def _set_snapshot(self, error: Optional[BaseException] = None) -> None:
         self._snapshot_error = error
         self._snapshot.set()

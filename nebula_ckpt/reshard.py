@@ -28,7 +28,7 @@ from .dcp import NebulaStorageReader
 from .errors import CorruptCheckpointError, NebulaError, ValidationError
 from .restore import tensor_keys
 from .storage.base import Storage
-from .structure import decode, ndarray_from_tensor
+from .structure import decode
 
 log = logging.getLogger(__name__)
 
@@ -85,10 +85,8 @@ class _Matcher:
         keys = tensor_keys(node, [])
         if not keys:
             return self._decoded(node, path)
-        arrays = _ndarray_keys(node, [])
-        if len(arrays) == len(keys):  # NumPy values only (an RNG state): they come back like values
-            bufs = {k: self._buffer(k) for k in keys}
-            return lambda: decode(node, bufs.__getitem__, self.allow_pickle, path)
+        if len(_ndarray_keys(node, [])) == len(keys):  # NumPy values only (an RNG state): values
+            return self._values(node, path)
         if self.strict:
             raise ValidationError(f"reshard ({self.where}): checkpoint key '{keys[0]}' has no tensor to be "
                                   f"restored into: {why}. Build `into` like the saved state ({_OPTIM_HINT}), "
@@ -112,7 +110,7 @@ class _Matcher:
         if t == "tensor":
             return self._tensor(inner["k"], target, path)
         if t == "ndarray":  # a NumPy leaf: its tensor is read into a buffer, then replaces `target`
-            return self._ndarray(inner, path)
+            return self._values(inner, path)
         if t in ("dict", "odict") and isinstance(target, dict):
             return self._dict(inner, target, path)
         if t in ("list", "tuple") and isinstance(target, (list, tuple)) and len(target) == len(inner["v"]):
@@ -150,9 +148,10 @@ class _Matcher:
             buf = self.flat[key] = torch.empty(tuple(md.size), dtype=md.properties.dtype)
         return buf
 
-    def _ndarray(self, node: Mapping[str, Any], path: str) -> Thunk:
-        buf = self._buffer(node["v"]["k"])
-        return lambda: ndarray_from_tensor(buf, node["dtype"], path)
+    def _values(self, node: Mapping[str, Any], path: str) -> Thunk:
+        """``node`` decoded as a value (its tensors read whole into buffers) that replaces ``into``'s."""
+        bufs = {k: self._buffer(k) for k in tensor_keys(node, [])}
+        return lambda: decode(node, bufs.__getitem__, self.allow_pickle, path)
 
     def _dict(self, node: Mapping[str, Any], target: dict[Any, Any], path: str) -> Optional[Thunk]:
         saved = []

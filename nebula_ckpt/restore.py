@@ -465,9 +465,9 @@ def stage_restore(into: Any, *, map_location: Any = None, strict: bool = True,
     candidate whose pages may be handed over instead of copied, or None.
     """
     def stage(ck: OpenCheckpoint) -> None:
-        if ck.same_layout and adopt is not None and _all_cpu(map_location):
-            ck.adoption = adopt(ck)
         if ck.same_layout:
+            if adopt is not None and _all_cpu(map_location):
+                ck.adoption = adopt(ck)
             ck.pending = stage_apply(ck, into, map_location=map_location, strict=strict, allow_pickle=allow_pickle)
         else:
             ck.verify_rest()
