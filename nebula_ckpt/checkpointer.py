@@ -197,7 +197,8 @@ class Checkpointer:
         self._save_index = 0
         self._closed = False
         self._told_unguarded = False
-        #: ``{"step", "tier"}`` of the last restore (``None`` before any).
+        #: ``{"step", "tier", "adopted_bytes"}`` of the last restore (``None`` before any);
+        #: ``adopted_bytes``: bytes the memory tier handed over without a copy (:mod:`.adopt`).
         self.last_restore: Optional[dict[str, Any]] = None
         _open_checkpointers.add(self)
         log.info("nebula_ckpt: checkpointer on %s, tiers %s, %s path", canonical_root(root),
@@ -697,7 +698,7 @@ class Checkpointer:
             ck = self._open_tagged(tag, stage)
         else:
             ck = find_and_open(self._tier_pairs(), step=step, on_all_damaged=on_damaged, stage=stage)
-        self.last_restore = None if ck is None else {"step": ck.step, "tier": ck.tier_name}
+        self.last_restore = None if ck is None else {"step": ck.step, "tier": ck.tier_name, "adopted_bytes": 0}
         return ck
 
     def _open_tagged(self, tag: str, stage: Optional[Stage] = None) -> Any:
@@ -775,6 +776,8 @@ class Checkpointer:
         """Restore ``ck`` into ``into``: directly, or resharded when the layout differs."""
         if ck.pending is not None:  # staged while opening: read, matched and verified already
             ck.pending()
+            if ck.adoption is not None and self.last_restore is not None:
+                self.last_restore["adopted_bytes"] = ck.adoption.handed_bytes
             return
         if ck.same_layout:
             apply(ck, into, map_location=map_location, strict=strict, allow_pickle=self.allow_pickle)

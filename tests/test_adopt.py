@@ -84,6 +84,7 @@ def test_restart_adopts_the_pages_and_the_tier_gives_the_step_up(root: str, shm_
         assert ck.last_restore["tier"].startswith("memory:")
         assert _same(model, opt, want)
         assert _adopted_mappings(folder), "the optimizer state is not a view of the tier's shard file"
+        assert ck.last_restore["adopted_bytes"] == sum(t.numel() * t.element_size() for t in _opt_tensors(opt))
         mem = ck.tiers[0].name
         assert ck.list(detailed=True)[mem] == []          # the tier gave step 7 up ...
         assert 7 in ck.list(detailed=True)[ck.tiers[1].name]  # ... which stays on disk
@@ -96,6 +97,7 @@ def test_restart_adopts_the_pages_and_the_tier_gives_the_step_up(root: str, shm_
         m2, o2 = _model()
         assert again.load_latest(into={"model": m2, "optim": o2, "step": 0}) == 7
         assert again.last_restore["tier"].startswith("local:") and _same(m2, o2, want)
+        assert again.last_restore["adopted_bytes"] == 0
 
 
 def test_training_and_saving_after_adoption_never_write_the_adopted_pages(root: str, shm_dir: str, tmp_path) -> None:  # noqa: ANN001
@@ -127,7 +129,7 @@ def test_a_step_only_the_memory_tier_holds_is_copied_and_kept(root: str, shm_dir
     with nc.Checkpointer(root) as ck:
         assert ck.load_latest(into={"model": model, "optim": opt, "step": 0}) == 7
         assert ck.last_restore["tier"].startswith("memory:") and _same(model, opt, want)
-        assert not _adopted_mappings(folder)
+        assert not _adopted_mappings(folder) and ck.last_restore["adopted_bytes"] == 0
         assert ck.list(detailed=True)[ck.tiers[0].name] == [7]  # its only copy is kept
 
 
@@ -150,7 +152,7 @@ def test_another_live_writer_of_the_tier_means_a_copy(root: str) -> None:
         with nc.Checkpointer(root) as reader:
             assert reader.load_latest(into={"model": m2, "optim": o2}) == 3
             assert reader.last_restore["tier"].startswith("memory:")
-            assert not _adopted_mappings(memory_tier_path(root))
+            assert not _adopted_mappings(memory_tier_path(root)) and reader.last_restore["adopted_bytes"] == 0
         assert writer.list(detailed=True)[writer.tiers[0].name] == [3]
         # the writer's own restore never adopts its own slot files either
         m3, o3 = _model()

@@ -41,8 +41,9 @@ parameter bytes). For each size, every figure comes from the same run, the peers
    fsync of the same state for reference.
 3. **Snapshot at the floor**: the later saves' stall (training thread idle, nothing in the
    background) against one plain copy of the state (``dst.copy_(src)`` for every tensor) into
-   buffers allocated and touched once before, median of several, measured after the
-   checkpointer is closed, in the same process.
+   buffers allocated and touched once (after the first saves), one copy right after each later
+   save's ``result()``: the pairs share the machine's conditions of the moment (on a shared VM
+   memory bandwidth drifts by 2x within a minute); medians of both.
 
 Sizes that do not fit (free RAM, free space in the shm folder and on the target's disk) are
 skipped and say so. Every process runs under a deadline; every memory tier the benchmark made is
@@ -130,8 +131,12 @@ METHOD = (
     "first step = until one full training step (forward, backward, `optimizer.step()`) after it is done (a "
     "mapped load pays its page faults there). Extra peak RSS = the process's VmHWM after that step (high-water "
     "mark reset just before the load) minus its VmRSS before the load, as a multiple of the state bytes; pages of "
-    "a mapped file (shm or page cache) count once touched. Bit-exact: the state after the first step has the "
-    "digest the saving process reached with the same step from the state it saved. nebula_memory restarts right "
+    "a mapped file (shm or page cache) count once touched; of the load alone = the same at the end of the load "
+    "(the optimizer state a restore must create is 2/3 of the state with AdamW: 0.67x is the floor; the first "
+    "step adds the gradients, 1/3, and AdamW's temporaries, one or two of the largest parameter's size). Handed "
+    "over = bytes the memory tier gave the restart without a copy (`last_restore['adopted_bytes']`). Bit-exact: "
+    "the state after the first step has the digest the saving process reached with the same step from the "
+    "state it saved. nebula_memory restarts right "
     "after the saving process was SIGKILLed; warm: the files were read once just before; cold: evicted with "
     "posix_fadvise(DONTNEED). Medians over the repetitions, each with its own fresh processes.")
 
@@ -244,7 +249,6 @@ class WorkerSpec:
     path: str = ""  # restart: the root (nebula) or the file (torch)
     expect_tier: str = ""  # restart, nebula: the kind of tier the restore must come from
     saves: int = 8  # saves: saves made
-    copies: int = 5  # saves: plain copies of the state timed
     torch_reps: int = 2  # saves: torch.save + fsync timed
     prepare: bool = False  # saves: Checkpointer.prepare(state) made the staging before the first save
 
@@ -354,16 +358,18 @@ def _restart_worker(spec: WorkerSpec) -> None:
             got = sd["step"]
             del sd
         t1 = time.perf_counter()
+        peak_load = peak.peak()
         after_load = _status_fields("VmRSS", "RssAnon", "RssFile", "RssShmem")
         train_step(model, opt, x)
         t2 = time.perf_counter()
         hwm = peak.peak()
         res["rss_method"] = peak.method
     res.update(load_s=t1 - t0, first_step_s=t2 - t0, step_s=t2 - t1, rss_before=before, peak_rss=hwm,
-               extra_rss_bytes=hwm - before, after_load=after_load,
+               extra_rss_bytes=hwm - before, extra_rss_load_bytes=peak_load - before, after_load=after_load,
                after_step=_status_fields("VmRSS", "RssAnon", "RssFile", "RssShmem"), step=got)
     if ck is not None:
         res["last_restore"] = ck.last_restore
+        res["adopted_bytes"] = int((ck.last_restore or {}).get("adopted_bytes") or 0)
         tier = str((ck.last_restore or {}).get("tier") or "")
         res["tier"] = tier
         res["tier_ok"] = tier.split(":", 1)[0] == spec.expect_tier
@@ -387,8 +393,15 @@ def _saves_worker(spec: WorkerSpec) -> None:
         ck.prepare({"model": model, "optim": opt, "step": 0}, wait=True)
     saves: list[dict[str, float]] = []
     steps: list[float] = []
+    copies: list[float] = []
+    src = state_tensors(model, opt)
+    dst: list[torch.Tensor] = []
     try:
         for i in range(1, spec.saves + 1):
+            if i == FIRST_SAVES + 1:  # after the first saves: they must find a fresh process
+                dst = [torch.empty_like(t) for t in src]
+                for t in dst:
+                    t.zero_()  # every page touched before timing
             x = batch(g, i)
             t0 = time.perf_counter()
             train_step(model, opt, x)
@@ -401,22 +414,17 @@ def _saves_worker(spec: WorkerSpec) -> None:
             written = h.result()
             t3 = time.perf_counter()
             saves.append({"call_s": t1 - t0, "stall_s": t2 - t0, "durable_s": t3 - t0, "tiers": len(written)})
+            if dst:  # one plain copy right after each later save: the same conditions, paired
+                t0 = time.perf_counter()
+                for a, b in zip(dst, src, strict=True):
+                    a.copy_(b)
+                copies.append(time.perf_counter() - t0)
         res["stats"] = ck.stats()
     finally:
         ck.close()
+    del dst
     res["saves"] = saves
     res["train_step_s"] = steps
-    src = state_tensors(model, opt)
-    dst = [torch.empty_like(t) for t in src]
-    for t in dst:
-        t.zero_()  # every page touched before timing
-    copies = []
-    for _ in range(spec.copies):
-        t0 = time.perf_counter()
-        for a, b in zip(dst, src, strict=True):
-            a.copy_(b)
-        copies.append(time.perf_counter() - t0)
-    del dst
     res["copy_s"] = copies
     ts = []
     for r in range(spec.torch_reps):
@@ -647,9 +655,10 @@ def aggregate_row(row: str, system: str, cache: str, reps: list[dict[str, Any]],
                            "reason": None, "calls": CALLS[system]}
     errors = [r["error"] for r in reps if "error" in r]
     if ok:
-        for key in ("load_s", "first_step_s", "step_s", "extra_rss_bytes"):
+        for key in ("load_s", "first_step_s", "step_s", "extra_rss_bytes", "extra_rss_load_bytes"):
             out[key] = summary([float(r[key]) for r in ok])
         out["extra_rss_ratio"] = out["extra_rss_bytes"]["median"] / state_bytes
+        out["extra_rss_load_ratio"] = out["extra_rss_load_bytes"]["median"] / state_bytes
         out["restore_ok"] = all(r.get("restore_ok") is True for r in ok)
         out["tiers"] = sorted({r["tier"] for r in ok if r.get("tier")})
         fr = [r["resident_fraction"] for r in ok if r.get("resident_fraction") is not None]
@@ -660,6 +669,7 @@ def aggregate_row(row: str, system: str, cache: str, reps: list[dict[str, Any]],
             out["tier_ok"] = all(r.get("tier_ok") is True for r in ok)
         if system == "nebula_memory":
             out["from_memory_tier"] = out["tier_ok"]
+            out["adopted_bytes"] = min(int(r.get("adopted_bytes") or 0) for r in ok)
     else:
         out["restore_ok"] = False
     if errors:
@@ -732,11 +742,11 @@ def _first_saves(g: Geometry, sdir: Path, threads: int, quick: bool, deadline: f
     log.info("recovery %s: first saves of a fresh process%s", g.describe(), " after prepare()" if prepared else "")
     sdir.mkdir(parents=True, exist_ok=True)
     gb = g.state_bytes / 1e9
-    nsaves = FIRST_SAVES + (2 if quick else 4)
+    nsaves = FIRST_SAVES + (2 if quick else 6)
     try:
         res, why = launch(WorkerSpec(role="saves", width=g.width, layers=g.layers, threads=threads,
                                      result=str(sdir / "saves.json"), dir=str(sdir), saves=nsaves,
-                                     copies=3 if quick else 5, torch_reps=1 if quick else 2, prepare=prepared),
+                                     torch_reps=1 if quick else 2, prepare=prepared),
                           sdir, "saves", deadline + 30.0 * gb * nsaves)
     finally:
         _remove_memory_tier(_memory_tier_of(sdir / "nebula"))
@@ -826,10 +836,13 @@ def _rss_target(s: dict[str, Any]) -> dict[str, Any]:
         return _target("recovery_rss", title, None, "n/a", f"<= {RSS_FACTOR:g}x", _label(s), "nebula_memory failed")
     r = mem["extra_rss_ratio"]
     peers = [(n, _row(s, n)) for n in ("torch_load", "torch_load_mmap")]
-    others = "; ".join(f"{n} {p['extra_rss_ratio']:.2f}x" for n, p in peers if p is not None)
+    others = "; ".join(f"{n} {p['extra_rss_ratio']:.2f}x (load alone {p['extra_rss_load_ratio']:.2f}x)"
+                       for n, p in peers if p is not None)
     return _target("recovery_rss", title, r <= RSS_FACTOR, f"{r:.2f}x ({fmt_b(_med(mem, 'extra_rss_bytes'))})",
                    f"<= {RSS_FACTOR:g}x", _label(s),
-                   f"VmHWM - VmRSS before the load; includes the first step's gradients and AdamW state; {others}")
+                   f"VmHWM - VmRSS before the load; includes the first step's gradients and AdamW temporaries; "
+                   f"the load alone {mem['extra_rss_load_ratio']:.2f}x (the optimizer state it creates: 0.67x); "
+                   f"{others}")
 
 
 def _local_target(s: dict[str, Any]) -> dict[str, Any]:
@@ -874,7 +887,8 @@ def _floor_target(s: dict[str, Any]) -> dict[str, Any]:
     return _target("recovery_floor", title, r <= FLOOR_FACTOR,
                    f"{r:.2f}x ({fmt_s(sv['later_stall_s']['median'])} vs {fmt_s(sv['copy_s']['median'])})",
                    f"<= {FLOOR_FACTOR:g}x", _label(s),
-                   f"both idle, medians; copy {sv['copy_gbps']:.2f} GB/s (dst.copy_(src) per tensor)")
+                   f"both idle, medians, one copy right after each save; copy {sv['copy_gbps']:.2f} GB/s "
+                   "(dst.copy_(src) per tensor)")
 
 
 def evaluate_targets(results: dict[str, Any]) -> list[dict[str, Any]]:
@@ -896,13 +910,15 @@ def evaluate_targets(results: dict[str, Any]) -> list[dict[str, Any]]:
 def _restart_line(s: dict[str, Any], r: dict[str, Any]) -> str:
     size = f"{fmt_b(s['state_bytes'])}"
     if r.get("load_s") is None:
-        return f"| {size} | {r['row']} | {r['cache']} |" + " n/a |" * 5 + f" {r.get('reason')} |"
+        return f"| {size} | {r['row']} | {r['cache']} |" + " n/a |" * 7 + f" {r.get('reason')} |"
     tiers = ", ".join(sorted({t.split(":", 1)[0] for t in r.get("tiers", [])})) or "-"
     exact = "yes" if r.get("restore_ok") else "**NO**"
     status = "ok" if r["status"] == "ok" else f"**{r['reason']}**"
+    load_rss = f"{r['extra_rss_load_ratio']:.2f}x" if r.get("extra_rss_load_ratio") is not None else "n/a"
+    handed = fmt_b(r["adopted_bytes"]) if r.get("adopted_bytes") else "-"
     return (f"| {size} | {r['row']} | {r['cache']} | {fmt_s(_med(r, 'load_s'))} | {fmt_s(_med(r, 'first_step_s'))} "
             f"| {fmt_s(_med(r, 'step_s'))} | {r['extra_rss_ratio']:.2f}x ({fmt_b(_med(r, 'extra_rss_bytes'))}) "
-            f"| {tiers} | {exact} | {status} |")
+            f"| {load_rss} | {tiers} | {handed} | {exact} | {status} |")
 
 
 def _pressure_note(sec: dict[str, Any]) -> str:
@@ -928,16 +944,18 @@ def render_markdown(results: dict[str, Any]) -> list[str]:
               f"`{sec.get('shm_dir')}`." + _pressure_note(sec), "", METHOD, "",
               "### Restart to the first optimizer step", "",
               "| state | system | page cache | load | to first step done | first step alone | extra peak RSS "
-              "| restored from | bit-exact | status |", "|---|---|---|---:|---:|---:|---:|---|---|---|"]
+              "| of the load alone | restored from | handed over | bit-exact | status |",
+              "|---|---|---|---:|---:|---:|---:|---:|---|---:|---|---|"]
     for s in sizes:
         if s.get("status") != "ok":
-            lines.append(f"| {s['size_gb']:g} GB | - | - |" + " n/a |" * 6 + f" {s.get('reason')} |")
+            lines.append(f"| {s['size_gb']:g} GB | - | - |" + " n/a |" * 8 + f" {s.get('reason')} |")
             continue
         lines += [_restart_line(s, r) for r in s["rows"]]
     lines += ["", "### First saves of a fresh process and the snapshot floor", "",
               "Stall = `save_async` call + `handle.wait_snapshot()`, after a training step, nothing in the "
               "background (each save's `result()` waited for, untimed). One copy = `dst.copy_(src)` for every "
-              "tensor into buffers allocated and touched before, after the checkpointer closed, same process.", "",
+              "tensor into buffers allocated and touched before, one right after each later save (paired: the same "
+              "moment's conditions), same process.", "",
               "| state | model | staging | save 1 | save 2 | save 3 | save 4 | later saves (median) "
               "| one copy (median) | stall / copy | torch.save + fsync | training step | status |",
               "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
