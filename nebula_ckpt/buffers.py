@@ -16,7 +16,8 @@ until retention unlinks the checkpoint.
 Creating a slot file costs a page fault per 4 KiB page of tmpfs (about 0.4-1 GB/s here): seconds
 for a state of several GB. States of at least ``slot_ahead_bytes`` therefore never create one on
 the training thread: a save that finds no slot file ready stages in an anonymous buffer, which
-the memory tier copies, while the next slot file is made by a background thread.
+the memory tier copies, while the next slot file is made by a background thread; once two slot
+files of its size exist, that anonymous buffer is freed.
 """
 
 from __future__ import annotations
@@ -211,9 +212,11 @@ class StagingPool:
             reclaim()
 
     def _trim(self) -> list[Slot]:
-        """Free idle staging slots beyond ``max_slots`` (a slot file stops being live when the
-        memory tier's retention drops its checkpoint, which can leave one staging slot too many);
-        return the staging slots left."""
+        """Free idle anonymous buffers slot files replaced (:meth:`_retire_anonymous`) and idle
+        staging slots beyond ``max_slots`` (a slot file stops being live when the memory tier's
+        retention drops its checkpoint, which can leave one staging slot too many); return the
+        staging slots left."""
+        self._retire_anonymous()
         staging = [s for s in self._slots if not s.live()]
         extra = len(staging) - self.max_slots
         for s in sorted((s for s in staging if not s.in_use), key=lambda s: s.path is not None):
@@ -357,6 +360,20 @@ class StagingPool:
                     log.debug("nebula_ckpt: staging %s of %.1f MiB made ahead of need",
                               "slot file" if slot.path else "buffer", size / 2**20)
                 self._cond.notify_all()
+
+    def _retire_anonymous(self) -> None:
+        """Free each idle unpinned anonymous buffer that two slot files of a size it would serve
+        have replaced (the steady state: the memory tier's checkpoint and the next save's
+        staging; saves stage in slot files first). Kept, such a buffer (the first save's, made
+        while no slot file was ready) would hold a state's worth of memory for the rest of the
+        job. Lock held."""
+        sizes = [s.capacity for s in self._slots if s.path is not None]
+        for s in [s for s in self._slots if s.path is None and not s.in_use and not s.pinned]:
+            if any(sizes.count(n) >= 2 and s.fits(n) for n in set(sizes)):
+                log.debug("nebula_ckpt: anonymous staging buffer of %.1f MiB freed (slot files replace it)",
+                          s.capacity / 2**20)
+                self._slots.remove(s)
+                s.free()
 
     def _adopt_spare(self, size: int) -> Optional[Slot]:
         """A spare slot file of exactly ``size`` that a finished process left (its tmpfs pages

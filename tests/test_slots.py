@@ -183,6 +183,11 @@ def test_large_first_save_stages_anonymously_and_the_next_links_a_file_made_ahea
         # steady state: the memory tier's checkpoint and the next save's staging, nothing more
         assert len(os.listdir(_slot_dir(ck))) == 2
         assert ck.stats()["staging_allocations"] == 3  # the anonymous buffer of save 1 + two files
+        # ... and save 1's anonymous buffer was freed once a slot file replaced it: the staging
+        # left is the one slot file the memory tier does not link
+        nbytes = os.path.getsize(_memory_shard(ck, 6))
+        assert ck.stats()["staging_bytes"] == nbytes, ck.stats()
+        assert [s.path is not None for s in ck._pool._slots] == [True, True]
 
 
 def test_files_made_ahead_never_overwrite_a_live_checkpoint(root: str, shm_dir: str) -> None:
