@@ -27,6 +27,7 @@ import logging
 import mmap
 import os
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
@@ -163,6 +164,8 @@ class StagingPool:
         self._preparer: Optional[threading.Thread] = None
         self._preparing_bytes = 0
         self._ahead_failed: Optional[int] = None  # size whose slot file could not be made
+        #: (size, 2) while prepare() makes the two slot files of the steady state
+        self._prepared_files: Optional[tuple[int, int]] = None
         #: set while no save's copy is running: a slot made ahead waits for it, so that it does
         #: not take the cores and memory bandwidth of the snapshot that asked for it
         self._copies_idle = threading.Event()
@@ -283,24 +286,33 @@ class StagingPool:
         return slot
 
     def prepare(self, nbytes: int, pinned: bool) -> None:
-        """Make a staging buffer for a save of ``nbytes`` in the background, unless one is free.
+        """Make the staging for saves of ``nbytes`` in the background, unless it is there.
 
-        A slot file where saves stage in slot files, else an anonymous (pinned, for GPU states)
-        buffer: the first save then finds its buffer faulted in, as later saves do.
+        Where saves stage in slot files, the two of the steady state (the memory tier links the
+        first save's file as its checkpoint, so the second save needs the other one), made one
+        after the other; else one anonymous (pinned, for GPU states) buffer. The first saves then
+        find their buffers faulted in, as later saves do, and nothing is made while they run.
         """
         self.check_fits(nbytes)
         with self._cond:
-            if self._closed or any(not s.in_use and s.pinned == pinned and s.fits(nbytes)
-                                   for s in self._slots if not s.live()):
+            as_file = self.slot_dir is not None and not pinned
+            self._prepared_files = (nbytes, 2) if as_file else None
+            if self._closed or (not as_file and any(not s.in_use and s.pinned == pinned and s.fits(nbytes)
+                                                    for s in self._slots if not s.live())):
                 return
             self._prepare_ahead(nbytes, took_file=False, pinned=pinned)
 
     def wait_prepared(self, timeout: Optional[float] = None) -> None:
-        """Wait until no staging buffer is being made in the background."""
-        with self._cond:
-            preparer = self._preparer
-        if preparer is not None:
-            preparer.join(timeout)
+        """Wait until no staging buffer is being made in the background (``timeout``: in all)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            with self._cond:
+                preparer = self._preparer
+            if preparer is None:
+                return
+            preparer.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
+            if deadline is not None and time.monotonic() >= deadline:
+                return
 
     def _prepare_ahead(self, nbytes: int, took_file: bool, pinned: bool = False) -> None:
         """Start making a staging buffer of ``nbytes`` in the background if the next save will want one.
@@ -319,7 +331,9 @@ class StagingPool:
         if self._preparer is not None or self._ahead_failed == size or self._closed:
             return
         files = [s for s in self._slots if s.path is not None and s.capacity == nbytes]
-        if as_file and any(not s.in_use and not s.live() for s in files):
+        # prepare(): both files of the steady state, free; otherwise one free file is enough
+        want = 2 if self._prepared_files == (nbytes, 2) else 1
+        if as_file and sum(1 for s in files if not s.in_use and not s.live()) >= want:
             return
         if took_file and len(files) >= 2:
             return
@@ -359,6 +373,10 @@ class StagingPool:
                     self._trim()  # an idle anonymous buffer it replaces goes now
                     log.debug("nebula_ckpt: staging %s of %.1f MiB made ahead of need",
                               "slot file" if slot.path else "buffer", size / 2**20)
+                    if self._prepared_files == (size, 2) and slot.path is not None:
+                        self._prepare_ahead(size, took_file=False)  # prepare(): the steady state's second
+                if self._preparer is None:
+                    self._prepared_files = None
                 self._cond.notify_all()
 
     def _retire_anonymous(self) -> None:

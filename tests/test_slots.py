@@ -201,19 +201,22 @@ def test_files_made_ahead_never_overwrite_a_live_checkpoint(root: str, shm_dir: 
         assert ck.stats()["staging_allocations"] <= 5, ck.stats()
 
 
-def test_prepare_makes_the_first_save_find_its_slot_file(root: str, shm_dir: str) -> None:
+def test_prepare_makes_the_first_saves_find_their_slot_files(root: str, shm_dir: str) -> None:
+    """prepare() makes both files of the steady state: the memory tier links the first save's
+    file as its checkpoint, the second save stages in the other; nothing is made meanwhile."""
     with knobs.override(slot_ahead_bytes=0), nc.Checkpointer(root) as ck:
         ck.prepare(_state(0), wait=True)
         assert ck._pool._preparer is None
-        assert ck.stats()["staging_allocations"] == 1
-        ck.save(1, _state(1))
-        assert os.stat(_memory_shard(ck, 1)).st_nlink == 2  # linked: staged in the prepared file
-        _wait_ahead(ck)  # the memory tier links that file: a second one is made for save 2
         assert ck.stats()["staging_allocations"] == 2
-        ck.save(2, _state(2))
-        assert os.stat(_memory_shard(ck, 2)).st_nlink == 2
-        assert torch.equal(ck.read(1)[1]["a"], _state(1)["a"]) or ck.list() == [2]
-        assert torch.equal(ck.read(2)[1]["a"], _state(2)["a"])
+        files = sorted(os.listdir(_slot_dir(ck)))
+        assert len(files) == 2
+        for step in (1, 2, 3, 4):
+            ck.save(step, _state(step))
+            assert os.stat(_memory_shard(ck, step)).st_nlink == 2  # linked: staged in a prepared file
+            assert ck._pool._preparer is None, f"save {step} had a file made meanwhile"
+            assert torch.equal(ck.read(step)[1]["a"], _state(step)["a"])
+        assert ck.stats()["staging_allocations"] == 2 and sorted(os.listdir(_slot_dir(ck))) == files
+        assert ck.stats()["staging_bytes"] == os.path.getsize(_memory_shard(ck, 4))  # the other file
 
 
 def test_prepare_without_a_memory_tier_makes_an_anonymous_buffer(root: str) -> None:
