@@ -5,7 +5,9 @@ dataset), used in-process by the tests and as a subprocess by the crash test.
 every ``SAVE_STEPS`` through nebula_ckpt (``--stock``: HF's own folders), writing to RESULT (JSON)
 the loss of every step as ``float.hex`` and what was restored. ``--kill-at K``: at the end of step K,
 wait until every save so far is durable, write RESULT, then SIGKILL this process. ``--resume``:
-``train(resume_from_checkpoint=True)``.
+``train(resume_from_checkpoint=True)``. Launched as a rank of a multi-rank job (``WORLD_SIZE`` > 1,
+env:// as torchrun sets it), HF trains with DDP on gloo and each rank writes ``RESULT.r<rank>``; the
+ranks meet in a barrier before the kill, so both die with checkpoint-K committed.
 
 Deterministic on purpose: one intra-op thread, seeded model, data order (``data_seed``) and
 dropout (kept on: the restored RNG states must reproduce it).
@@ -100,6 +102,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--resume", action="store_true")
     p.add_argument("--stock", action="store_true")
     a = p.parse_args(argv)
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        a.result = f"{a.result}.r{os.environ['RANK']}"
     record, losses = loss_recorder()
     holder: dict[str, Any] = {}
 
@@ -114,6 +118,8 @@ def main(argv: Optional[list[str]] = None) -> int:
                 tr = holder["trainer"]
                 if not a.stock:
                     tr.nebula.wait()  # at least one checkpoint committed before the kill
+                if torch.distributed.is_available() and torch.distributed.is_initialized():
+                    torch.distributed.barrier()  # every rank is here: none dies while another commits
                 write(killed_at=state.global_step, committed=[] if a.stock else tr.nebula.list())
                 os.kill(os.getpid(), signal.SIGKILL)
 

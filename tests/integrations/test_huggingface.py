@@ -95,6 +95,49 @@ def test_sigkill_then_resume_gives_bit_identical_losses(tmp_path, shm_dir: str) 
     assert {k: got[k] for k in got} == {k: want[k] for k in got}   # float.hex: bit-identical
 
 
+@pytest.mark.slow
+@pytest.mark.crash
+@pytest.mark.timeout(400)
+def test_two_ranks_sigkill_then_resume_gives_bit_identical_losses(tmp_path, shm_dir: str) -> None:  # noqa: ANN001
+    """The same under DDP with 2 ranks (gloo, env:// as torchrun sets it): both ranks SIGKILLed at
+    step 12 once checkpoint-10 committed on both; a new 2-rank job resumes from each rank's memory
+    tier and every later step's loss (HF's mean over the ranks) equals an uninterrupted 2-rank run's."""
+    from dist.launch import run_ranks
+
+    def job(name: str, *flags: str) -> tuple[list[subprocess.CompletedProcess[str]], list[dict[str, Any]]]:
+        """One 2-rank job on root ``<name>/nebula``; each rank's result (``{}`` if it wrote none)."""
+        result = tmp_path / f"{name}.json"
+        for r in range(2):
+            (tmp_path / f"{name}.json.r{r}").unlink(missing_ok=True)
+        procs = run_ranks(2, "../integrations/hf_worker.py",
+                          [str(tmp_path / "out" / name), str(tmp_path / name / "nebula"), str(result), *flags],
+                          tmp_path, shm_dir, timeout=300)
+        paths = [tmp_path / f"{name}.json.r{r}" for r in range(2)]
+        return procs, [json.loads(p.read_text()) if p.exists() else {} for p in paths]
+
+    procs, ref = job("ref")
+    assert all(p.returncode == 0 for p in procs), procs[0].stdout[-3000:] + procs[1].stdout[-3000:]
+    want = ref[0]["losses"]
+    assert len(want) == hf_worker.MAX_STEPS and ref[1]["losses"] == want  # HF logs the mean over ranks
+
+    procs, crashed = job("run", "--kill-at", "12")
+    assert [p.returncode for p in procs] == [-9, -9], procs[0].stdout[-3000:] + procs[1].stdout[-3000:]
+    for before in crashed:
+        assert before["killed_at"] == 12 and before["committed"] == [5, 10]
+        assert all(before["losses"][k] == want[k] for k in before["losses"])
+    man = json.loads((tmp_path / "run" / "nebula" / "step-10" / "manifest.json").read_text())
+    assert man["world_size"] == 2, man.get("world_size")  # one checkpoint of both ranks, committed once
+
+    procs, resumed = job("run", "--resume")
+    assert all(p.returncode == 0 for p in procs), procs[0].stdout[-3000:] + procs[1].stdout[-3000:]
+    for after in resumed:
+        assert after["restored"]["step"] == 10 and after["restored"]["tier"].startswith("memory"), after["restored"]
+        assert after["final_step"] == hf_worker.MAX_STEPS
+        got = after["losses"]
+        assert sorted(map(int, got)) == list(range(11, hf_worker.MAX_STEPS + 1))
+        assert got == {k: want[k] for k in got}   # float.hex: bit-identical
+
+
 # -- retention, damage, best model -----------------------------------------------------------------
 @pytest.mark.slow
 @pytest.mark.timeout(120)
