@@ -6,11 +6,18 @@ prints ``COMMITTED <tag> <digest>`` once each is durable, then waits to be SIGKI
 tier, which must survive the kill.
 ``resume ROOT``: a new process resumes from ``get_latest_checkpoint()`` and prints
 ``RESUMED <tag> <step> <tier> <digest>``, trains one more step and commits it, then shuts down.
+``train-kill ROOT``: ``train``, then SIGKILL itself once the commits are durable.
+
+As a rank of a multi-rank job (``WORLD_SIZE`` > 1, env:// as torchrun sets it) every rank does
+the same on gloo, on data of its own (so each rank's state differs, as with sharded optimizers);
+``train-kill`` ranks meet in a barrier before they die.
 """
 
 from __future__ import annotations
 
 import hashlib
+import os
+import signal
 import sys
 import time
 
@@ -26,7 +33,8 @@ def make() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
 
 
 def train_step(model: torch.nn.Module, opt: torch.optim.Optimizer, step: int) -> None:
-    x = torch.randn(4, 16, generator=torch.Generator().manual_seed(step))
+    rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+    x = torch.randn(4, 16, generator=torch.Generator().manual_seed(step + 1000 * rank))
     (model(x) - x).pow(2).mean().backward()
     opt.step()
     opt.zero_grad()
@@ -48,9 +56,11 @@ def digest(model: torch.nn.Module, opt: torch.optim.Optimizer) -> str:
 def main() -> None:
     mode, root = sys.argv[1], sys.argv[2]
     torch.set_num_threads(1)
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        torch.distributed.init_process_group("gloo")
     tn.init(persistent_storage_path=root, persistent_time_interval=3600, num_of_version_in_retention=2)
     model, opt = make()
-    if mode == "train":
+    if mode in ("train", "train-kill"):
         for step in (1, 2, 3):
             train_step(model, opt, step)
             ckpt = tn.Checkpoint(f"global_step{step}", 2)
@@ -59,6 +69,10 @@ def main() -> None:
             ckpt.commit()
             tn.flush_persistence()
             print(f"COMMITTED global_step{step} {digest(model, opt)}", flush=True)
+        if mode == "train-kill":
+            if torch.distributed.is_initialized():
+                torch.distributed.barrier()  # every rank's commits are durable: none dies mid-commit
+            os.kill(os.getpid(), signal.SIGKILL)
         time.sleep(600)  # the test kills us here
         return
     latest = tn.get_latest_checkpoint()

@@ -303,6 +303,34 @@ def test_sigkill_after_commit_resumes_in_a_new_process(root: str, shm_dir: str) 
         assert ck.tags() == {"global_step1": 1, "global_step4": 4}
 
 
+@pytest.mark.slow
+@pytest.mark.crash
+@pytest.mark.timeout(300)
+def test_two_ranks_sigkilled_after_commit_resume_each_rank_bit_exact(tmp_path: Path, shm_dir: str) -> None:
+    """The same with 2 ranks (gloo, env://), each on data of its own: both SIGKILLed after their
+    commits; a new 2-rank job resumes every rank from its memory tier with its own state."""
+    from dist.launch import run_ranks
+
+    root = str(tmp_path / "root")
+    procs = run_ranks(2, "../compat_nebula_worker.py", ["train-kill", root], tmp_path, shm_dir, timeout=120)
+    assert [p.returncode for p in procs] == [-9, -9], procs[0].stdout[-3000:] + procs[1].stdout[-3000:]
+    committed = [dict(line.split()[1:3] for line in p.stdout.splitlines() if line.startswith("COMMITTED "))
+                 for p in procs]
+    assert [sorted(c) for c in committed] == [["global_step1", "global_step2", "global_step3"]] * 2, committed
+    assert committed[0]["global_step3"] != committed[1]["global_step3"]  # each rank has a state of its own
+    import json
+
+    man = json.loads((Path(root) / "step-1" / "manifest.json").read_text())  # the one on disk (interval)
+    assert man["world_size"] == 2 and man["tag"] == "global_step1", (man.get("world_size"), man.get("tag"))
+    procs = run_ranks(2, "../compat_nebula_worker.py", ["resume", root], tmp_path, shm_dir, timeout=120)
+    for r, p in enumerate(procs):
+        assert p.returncode == 0, p.stdout[-3000:]
+        _, tag, step, tier, dig = next(ln for ln in p.stdout.splitlines() if ln.startswith("RESUMED")).split()
+        assert (tag, step, tier) == ("global_step3", "3", "memory"), (r, tag, step, tier)
+        assert dig == committed[r]["global_step3"], f"rank {r} did not get its own state back"
+        assert "DONE" in p.stdout
+
+
 def test_example_runs(tmp_path: Path, shm_dir: str) -> None:
     res = subprocess.run([sys.executable, str(EXAMPLE), "--root", str(tmp_path / "ckpt")], capture_output=True,
                          text=True, env=_env(shm_dir), timeout=120)
