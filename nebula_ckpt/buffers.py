@@ -164,8 +164,8 @@ class StagingPool:
         self._preparer: Optional[threading.Thread] = None
         self._preparing_bytes = 0
         self._ahead_failed: Optional[int] = None  # size whose slot file could not be made
-        #: (size, 2) while prepare() makes the two slot files of the steady state
-        self._prepared_files: Optional[tuple[int, int]] = None
+        #: size of the slot files prepare() is making (two: the steady state's), else None
+        self._preparing_two: Optional[int] = None
         #: set while no save's copy is running: a slot made ahead waits for it, so that it does
         #: not take the cores and memory bandwidth of the snapshot that asked for it
         self._copies_idle = threading.Event()
@@ -296,7 +296,7 @@ class StagingPool:
         self.check_fits(nbytes)
         with self._cond:
             as_file = self.slot_dir is not None and not pinned
-            self._prepared_files = (nbytes, 2) if as_file else None
+            self._preparing_two = nbytes if as_file else None
             if self._closed or (not as_file and any(not s.in_use and s.pinned == pinned and s.fits(nbytes)
                                                     for s in self._slots if not s.live())):
                 return
@@ -332,7 +332,7 @@ class StagingPool:
             return
         files = [s for s in self._slots if s.path is not None and s.capacity == nbytes]
         # prepare(): both files of the steady state, free; otherwise one free file is enough
-        want = 2 if self._prepared_files == (nbytes, 2) else 1
+        want = 2 if self._preparing_two == nbytes else 1
         if as_file and sum(1 for s in files if not s.in_use and not s.live()) >= want:
             return
         if took_file and len(files) >= 2:
@@ -373,10 +373,10 @@ class StagingPool:
                     self._trim()  # an idle anonymous buffer it replaces goes now
                     log.debug("nebula_ckpt: staging %s of %.1f MiB made ahead of need",
                               "slot file" if slot.path else "buffer", size / 2**20)
-                    if self._prepared_files == (size, 2) and slot.path is not None:
+                    if self._preparing_two == size and slot.path is not None:
                         self._prepare_ahead(size, took_file=False)  # prepare(): the steady state's second
                 if self._preparer is None:
-                    self._prepared_files = None
+                    self._preparing_two = None
                 self._cond.notify_all()
 
     def _retire_anonymous(self) -> None:
