@@ -10,8 +10,10 @@ That is safe only if nothing else can ever read those bytes as a checkpoint, or 
 
 * the checkpoint must be committed on a persistent tier too, same step and same writer
   generation (giving up the memory tier's copy loses nothing);
-* this process must hold the memory tier's lock (no other live process writes it) and must not
-  have saved through this Checkpointer yet (none of its own slot files is involved);
+* this process must hold the memory tier's lock while it deletes the step (no other live
+  process writes it; the lock is given back right after, so a process that only restores never
+  keeps a restarted job from writing the tier) and must not have saved through this
+  Checkpointer yet (none of its own slot files is involved);
 * single process, CPU tensors only;
 * at apply time, before the tensors are handed out, the checkpoint is deleted from the memory
   tier (commit marker first). If that fails, or another name still links the file, the adopted
@@ -127,15 +129,18 @@ class Adoption:
 
         if self.refused or not self._used:
             return False  # nothing adopted (or not all of it could be): the tier keeps the step
+        # This process has not saved (a condition of adoption): it holds the lock only for this.
+        if not self._runtime.lock_for_adoption():
+            return False
         try:
-            if not self._runtime.lock_for_adoption():
-                return False
             delete_checkpoint(self._runtime.storage, self._ck.step)
             linked = [os.fstat(fd).st_nlink for fd, _ in self._files.values()]
         except OSError as e:
             log.warning("nebula_ckpt: memory tier %s: step %d not handed over (%s); copying it instead",
                         self._runtime.name, self._ck.step, e)
             return False
+        finally:
+            self._runtime.unlock_after_adoption()
         if any(linked):
             log.warning("nebula_ckpt: memory tier %s: a shard of step %d is still linked elsewhere; "
                         "copying it instead", self._runtime.name, self._ck.step)

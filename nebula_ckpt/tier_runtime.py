@@ -172,9 +172,17 @@ class MemoryTierRuntime(TierRuntime):
         return self._slots
 
     def lock_for_adoption(self) -> bool:
-        """Take the folder's lock, as the first save would (kept): True when this process may
-        delete a checkpoint of the tier to hand its pages over (:mod:`nebula_ckpt.adopt`)."""
+        """Take the folder's lock, as a save would: True when this process may delete a
+        checkpoint of the tier to hand its pages over (:mod:`nebula_ckpt.adopt`). Give it back
+        with :meth:`unlock_after_adoption`."""
         return self._claim is not None and os.path.isdir(self.folder) and self._claim.lock()
+
+    def unlock_after_adoption(self) -> None:
+        """Give the lock back once the handed-over step is deleted (its file has no name left, so
+        nothing of the tier's protects it any more): a process that only restores (an evaluation
+        script) must not keep a restarted job from writing the tier. A later save takes it again."""
+        if self._claim is not None:
+            self._claim.release()
 
     def unreadable(self, owner: Owner) -> Optional[str]:
         try:

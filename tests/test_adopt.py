@@ -100,6 +100,27 @@ def test_restart_adopts_the_pages_and_the_tier_gives_the_step_up(root: str, shm_
         assert again.last_restore["adopted_bytes"] == 0
 
 
+def test_a_process_that_only_restores_does_not_keep_the_tier_from_a_restarted_job(root: str, shm_dir: str,
+                                                                                   tmp_path, caplog) -> None:  # noqa: ANN001
+    """An evaluation script restores (and adopts) right after the crash and stays open; the job,
+    restarted beside it, still writes the memory tier (the lock was given back after the hand-over)."""
+    import logging
+
+    want = _crash(root, shm_dir, str(tmp_path / "ref.pt"))
+    model, opt = _model()
+    with nc.Checkpointer(root) as reader:
+        assert reader.load_latest(into={"model": model, "optim": opt, "step": 0}) == 7
+        assert reader.last_restore["adopted_bytes"] > 0 and _same(model, opt, want)
+        m2, o2 = _model()
+        with caplog.at_level(logging.WARNING, logger="nebula_ckpt"), nc.Checkpointer(root) as job:
+            assert job.load_latest(into={"model": m2, "optim": o2, "step": 0}) == 7  # from disk now
+            assert job.last_restore["tier"].startswith("local:") and _same(m2, o2, want)
+            job.save(8, {"model": m2, "optim": o2, "step": 8})
+            assert job.list(detailed=True)[job.tiers[0].name] == [8], "the restarted job could not write the tier"
+        assert not [r for r in caplog.records if "another live process" in r.getMessage()]
+        assert _same(model, opt, want)  # the reader's adopted state is untouched by the job's save
+
+
 def test_training_and_saving_after_adoption_never_write_the_adopted_pages(root: str, shm_dir: str, tmp_path) -> None:  # noqa: ANN001
     _crash(root, shm_dir, str(tmp_path / "ref.pt"))
     model, opt = _model()
