@@ -677,6 +677,61 @@ def _owned_batch(ck: OpenCheckpoint, keys: list[str], map_location: Any) -> dict
     return out
 
 
+#: the load / state-dict machinery of torch.nn.Module; a module that changes it (a hook, an
+#: override outside torch.nn) may load keys or shapes other than its state_dict() shows
+_LOAD_HOOKS = ("_load_state_dict_pre_hooks", "_load_state_dict_post_hooks", "_state_dict_hooks",
+               "_state_dict_pre_hooks")
+_LOAD_METHODS = ("load_state_dict", "_load_from_state_dict", "state_dict", "_save_to_state_dict")
+
+
+def _predictable(module: torch.nn.Module) -> bool:
+    """Whether ``module.load_state_dict`` does exactly what torch.nn's does: it accepts the keys
+    of ``state_dict()`` with their shapes and nothing else (no hooks, no overrides outside torch.nn)."""
+    for m in module.modules():
+        if any(getattr(m, h, None) for h in _LOAD_HOOKS):
+            return False
+        for name in _LOAD_METHODS:
+            owner = next((c for c in type(m).__mro__ if name in c.__dict__), None)
+            if owner is not None and not owner.__module__.startswith("torch.nn."):
+                return False
+    return True
+
+
+def _check_module_state(ck: OpenCheckpoint, state: Mapping[str, Any], target: torch.nn.Module, shown: str,
+                        strict: bool) -> None:
+    """Refuse, before anything changes, a module state that ``load_state_dict`` would refuse only
+    after it copied what matches: keys missing or unexpected (``strict``) and shapes that differ
+    (always), named. Checked where the module's loading is torch.nn's own (see :func:`_predictable`);
+    anything else is left to the module (which may raise after a partial load, as with torch)."""
+    if state.get("t") not in ("dict", "odict") or not _predictable(target):
+        return
+    want = target.state_dict(keep_vars=True)
+    saved: dict[str, Any] = {}
+    for k_node, v_node in state["v"]:
+        k = decode(k_node, ck.view, False, shown)
+        saved[k] = v_node
+    if strict:
+        missing = [k for k in want if k not in saved]
+        unexpected = [k for k in saved if k not in want]
+        if missing or unexpected:
+            raise ValidationError(
+                f"restore: the {type(target).__name__} under '{shown}' does not match the checkpoint of step "
+                f"{ck.step}: missing in the checkpoint {missing[:5]}{' ...' if len(missing) > 5 else ''}, "
+                f"not in the module {unexpected[:5]}{' ...' if len(unexpected) > 5 else ''}; build the model the "
+                "checkpoint was saved from, or pass strict=False (keys only: shapes must match)")
+    for k, v_node in saved.items():
+        have = want.get(k)
+        if not isinstance(v_node, dict) or v_node.get("t") != "tensor" or have is None or type(have) not in (
+                torch.Tensor, torch.nn.Parameter, torch.nn.Buffer):
+            continue
+        rec = ck.resolve(v_node["k"])
+        if rec.dtensor is None and tuple(rec.shape) != tuple(have.shape):
+            raise ValidationError(
+                f"restore: key '{shown}/{k}': the checkpoint of step {ck.step} has shape {tuple(rec.shape)}, "
+                f"the {type(target).__name__} has {tuple(have.shape)}; build the model the checkpoint was saved "
+                "from, or use read() to look at it")
+
+
 def _plan_node(st: _Staged, node: Mapping[str, Any], target: Any, path: str, strict: bool) -> Callable[[], Any]:
     """Plan restoring ``node`` into ``target``: validate now, return what restores it and gives
     the value to store in the parent."""
@@ -695,6 +750,7 @@ def _plan_node(st: _Staged, node: Mapping[str, Any], target: Any, path: str, str
             raise ValidationError(f"restore: checkpoint key '{shown}' holds a {node.get('cls')} state, but "
                                   f"the object given in `into` ({type(target).__name__}) has no load_state_dict()")
         if isinstance(target, torch.nn.Module):
+            _check_module_state(ck, node["state"], target, shown, strict)
             keys = tensor_keys(node["state"], [])
 
             def load_module() -> Any:

@@ -215,3 +215,23 @@ def test_a_truncated_disk_copy_is_not_durable_enough_to_give_the_memory_copy_up(
         assert ck.last_restore["tier"].startswith("memory:") and _same(model, opt, want)
         assert not _adopted_mappings(memory_tier_path(root))
         assert ck.list(detailed=True)[ck.tiers[0].name] == [7]  # the only good copy stays
+
+
+def test_a_mismatched_into_adopts_nothing_and_the_tier_keeps_the_step(root: str, shm_dir: str, tmp_path) -> None:  # noqa: ANN001
+    """A restore into a model of another shape is refused before anything changes: no page is
+    handed over, the tier still offers the step, and a correct restore afterwards adopts it."""
+    want = _crash(root, shm_dir, str(tmp_path / "ref.pt"))
+    torch.manual_seed(1)
+    wrong = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.ReLU(), torch.nn.Linear(128, 8))
+    wrong_opt = torch.optim.AdamW(wrong.parameters(), lr=1e-2)
+    before = {k: v.clone() for k, v in wrong.state_dict().items()}
+    with nc.Checkpointer(root) as ck:
+        with pytest.raises(nc.ValidationError, match="shape"):
+            ck.load_latest(into={"model": wrong, "optim": wrong_opt, "step": 0})
+        assert all(torch.equal(before[k], v) for k, v in wrong.state_dict().items()) and not wrong_opt.state
+        assert not _adopted_mappings(memory_tier_path(root))
+        assert ck.list(detailed=True)[ck.tiers[0].name] == [7]
+        model, opt = _model()
+        assert ck.load_latest(into={"model": model, "optim": opt, "step": 0}) == 7
+        assert ck.last_restore["tier"].startswith("memory:") and ck.last_restore["adopted_bytes"] > 0
+        assert _same(model, opt, want)

@@ -123,3 +123,71 @@ def test_loading_never_executes_code_by_default(root: str, tmp_path) -> None:  #
         with pytest.raises(nc.PickleNotAllowedError, match="would execute code"):
             ck.read(1)
     assert not os.path.exists(marker)
+
+
+# -- restoring into a model that does not match ----------------------------------------------------
+def _mlp(hidden: int, extra: bool = False) -> torch.nn.Module:
+    torch.manual_seed(hidden)
+    layers = [torch.nn.Linear(16, hidden), torch.nn.BatchNorm1d(hidden), torch.nn.Linear(hidden, 4)]
+    return torch.nn.Sequential(*layers, *([torch.nn.Linear(4, 4)] if extra else []))
+
+
+def _saved(root: str) -> None:
+    model = _mlp(32)
+    opt = torch.optim.AdamW(model.parameters())
+    model(torch.randn(8, 16)).sum().backward()
+    opt.step()
+    with nc.Checkpointer(root) as ck:
+        ck.save(5, {"optim": opt, "model": model, "step": 5})  # the optimizer first: it would load first
+
+
+def _values(model: torch.nn.Module, opt: torch.optim.Optimizer) -> list[torch.Tensor]:
+    return [t.clone() for t in model.state_dict().values()] + \
+        [v.clone() for s in opt.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
+
+
+@pytest.mark.parametrize("memory_tier", [True, False])
+@pytest.mark.parametrize("case", ["shape", "keys", "shape-not-strict"])
+def test_a_model_that_does_not_match_is_refused_before_anything_changes(root: str, memory_tier: bool,
+                                                                         case: str) -> None:
+    """torch's load_state_dict copies every matching tensor before it raises for the others; the
+    restore names the mismatch first, with the model and the optimizer untouched."""
+    _saved(root)
+    model = _mlp(32 if case == "keys" else 48, extra=case == "keys")
+    opt = torch.optim.AdamW(model.parameters())
+    before = _values(model, opt)
+    want = "missing in the checkpoint .'3.weight', '3.bias'." if case == "keys" else \
+        r"key 'model/0.weight': the checkpoint of step 5 has shape \(32, 16\), the Sequential has \(48, 16\)"
+    with nc.Checkpointer(root, memory_tier=memory_tier) as ck:
+        with pytest.raises(nc.ValidationError, match=want):
+            ck.load_latest(into={"optim": opt, "model": model, "step": 0}, strict=case != "shape-not-strict")
+    after = _values(model, opt)
+    assert len(after) == len(before) and all(torch.equal(a, b) for a, b in zip(before, after, strict=True))
+    assert not opt.state
+
+
+def test_strict_false_loads_the_keys_both_have(root: str) -> None:
+    _saved(root)
+    with nc.Checkpointer(root) as ck:
+        ref = ck.read(5)[1]["model"]
+        model = _mlp(32, extra=True)
+        extra = model[3].weight.detach().clone()
+        ck.load_latest(into={"model": model}, strict=False)
+    assert torch.equal(model[0].weight, ref["0.weight"]) and torch.equal(model[3].weight, extra)
+
+
+def test_a_module_whose_load_hooks_rename_keys_is_left_to_them(root: str) -> None:
+    """A module with its own loading (here a pre-hook that maps a legacy key) is not second-guessed."""
+    with nc.Checkpointer(root) as ck:
+        ck.save(1, {"model": {"old.weight": torch.ones(4, 4), "old.bias": torch.zeros(4)}})
+    model = torch.nn.Sequential()
+    model.add_module("new", torch.nn.Linear(4, 4))
+
+    def rename(state: dict, prefix: str, *args: object) -> None:
+        for k in [k for k in state if k.startswith(prefix + "old.")]:
+            state[prefix + "new." + k[len(prefix) + 4:]] = state.pop(k)
+
+    model._register_load_state_dict_pre_hook(rename)
+    with nc.Checkpointer(root) as ck:
+        ck.load_latest(into={"model": model})
+    assert torch.equal(model.new.weight, torch.ones(4, 4)) and torch.equal(model.new.bias, torch.zeros(4))
