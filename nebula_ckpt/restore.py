@@ -732,6 +732,30 @@ def _check_module_state(ck: OpenCheckpoint, state: Mapping[str, Any], target: to
                 "from, or use read() to look at it")
 
 
+def _check_optimizer_state(ck: OpenCheckpoint, state: Mapping[str, Any], target: Any, shown: str) -> None:
+    """Refuse, before anything changes, an optimizer state whose parameter groups do not match
+    ``target``'s (what ``torch.optim.Optimizer.load_state_dict`` refuses, but only when it is
+    applied, after the objects before it in ``into`` were loaded). Optimizers with loading of
+    their own are left to it."""
+    if not isinstance(target, torch.optim.Optimizer) or state.get("t") not in ("dict", "odict") or \
+            type(target).load_state_dict is not torch.optim.Optimizer.load_state_dict:
+        return
+    node = next((v for k, v in state["v"] if decode(k, ck.view, False, shown) == "param_groups"), None)
+    if node is None:
+        return
+    try:
+        groups = decode(node, ck.view, False, shown)
+        saved = [len(g["params"]) for g in groups]
+    except Exception:  # not the shape torch writes: let load_state_dict say what it thinks
+        return
+    have = [len(g["params"]) for g in target.param_groups]
+    if saved != have:
+        raise ValidationError(
+            f"restore: the {type(target).__name__} under '{shown}' does not match the checkpoint of step {ck.step}: "
+            f"it has {len(have)} parameter group(s) of {have} parameters, the checkpoint {len(saved)} of {saved}; "
+            "build the optimizer over the same parameters, in the same groups, as when it was saved")
+
+
 def _plan_node(st: _Staged, node: Mapping[str, Any], target: Any, path: str, strict: bool) -> Callable[[], Any]:
     """Plan restoring ``node`` into ``target``: validate now, return what restores it and gives
     the value to store in the parent."""
@@ -768,6 +792,7 @@ def _plan_node(st: _Staged, node: Mapping[str, Any], target: Any, path: str, str
                 return target
             return load_module
         # Optimizers etc. keep the tensors they are given: hand them owned copies.
+        _check_optimizer_state(ck, node["state"], target, shown)
         state = st.decode_owned(node["state"], path)
 
         def load_object() -> Any:

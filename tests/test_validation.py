@@ -154,7 +154,7 @@ def test_a_model_that_does_not_match_is_refused_before_anything_changes(root: st
     restore names the mismatch first, with the model and the optimizer untouched."""
     _saved(root)
     model = _mlp(32 if case == "keys" else 48, extra=case == "keys")
-    opt = torch.optim.AdamW(model.parameters())
+    opt = torch.optim.AdamW(model[:3].parameters())  # as many parameters as saved: the model is what differs
     before = _values(model, opt)
     want = "missing in the checkpoint .'3.weight', '3.bias'." if case == "keys" else \
         r"key 'model/0.weight': the checkpoint of step 5 has shape \(32, 16\), the Sequential has \(48, 16\)"
@@ -191,3 +191,18 @@ def test_a_module_whose_load_hooks_rename_keys_is_left_to_them(root: str) -> Non
     with nc.Checkpointer(root) as ck:
         ck.load_latest(into={"model": model})
     assert torch.equal(model.new.weight, torch.ones(4, 4)) and torch.equal(model.new.bias, torch.zeros(4))
+
+
+@pytest.mark.parametrize("memory_tier", [True, False])
+def test_an_optimizer_with_other_parameter_groups_is_refused_before_the_model_loads(root: str,
+                                                                                   memory_tier: bool) -> None:
+    _saved(root)
+    model = _mlp(32)
+    opt = torch.optim.AdamW([{"params": model[0].parameters()}, {"params": list(model[1:].parameters())}])
+    before = _values(model, opt)
+    with nc.Checkpointer(root, memory_tier=memory_tier) as ck:
+        with pytest.raises(nc.ValidationError, match=r"2 parameter group\(s\) of \[2, 4\] parameters, the checkpoint "
+                                                     r"1 of \[6\]"):
+            ck.load_latest(into={"model": model, "optim": opt, "step": 0})
+    after = _values(model, opt)
+    assert all(torch.equal(a, b) for a, b in zip(before, after, strict=True)) and not opt.state
