@@ -493,8 +493,8 @@ def stage_apply(ck: OpenCheckpoint, into: Any, *, map_location: Any = None, stri
     if any(r.dtensor is not None for r in ck.manifest.tensors.values()):
         ck.meshes.update(_meshes(into))
     st = _Staged(ck, map_location, allow_pickle)
-    run = _plan_node(st, ck.tree, into, "", strict)
     try:
+        run = _plan_node(st, ck.tree, into, "", strict)
         st.materialize()
         ck.verify_rest()
     except BaseException:
