@@ -70,8 +70,11 @@ class Adoption:
         self.refused = False
         #: ids of the tensors that are views of the shared mappings
         self.adopted: set[int] = set()
-        #: bytes of tensors handed over without a copy (set once the tier gave the step up)
-        self.handed_bytes = 0
+
+    @property
+    def handed_bytes(self) -> int:
+        """Bytes of tensors handed over without a copy (0 until the tier gave the step up)."""
+        return sum(hi - lo for used in self._used.values() for lo, hi in used) if self.given_up else 0
 
     def map(self, shard: int) -> mmap.mmap:
         """A shared, writable mapping of shard ``shard`` (opened once)."""
@@ -146,7 +149,6 @@ class Adoption:
                         "copying it instead", self._runtime.name, self._ck.step)
             return False
         self.given_up = True
-        self.handed_bytes = sum(hi - lo for used in self._used.values() for lo, hi in used)
         log.info("nebula_ckpt: step %d handed over from memory tier %s without a copy (the tier holds the "
                  "next save; the step stays on the slower tiers)", self._ck.step, self._runtime.name)
         return True

@@ -10,6 +10,8 @@ safe copies instead (the tier keeps its checkpoint).
 from __future__ import annotations
 
 import io
+import json
+import logging
 import os
 import signal
 import subprocess
@@ -104,8 +106,6 @@ def test_a_process_that_only_restores_does_not_keep_the_tier_from_a_restarted_jo
                                                                                    tmp_path, caplog) -> None:  # noqa: ANN001
     """An evaluation script restores (and adopts) right after the crash and stays open; the job,
     restarted beside it, still writes the memory tier (the lock was given back after the hand-over)."""
-    import logging
-
     want = _crash(root, shm_dir, str(tmp_path / "ref.pt"))
     model, opt = _model()
     with nc.Checkpointer(root) as reader:
@@ -183,8 +183,6 @@ def test_another_live_writer_of_the_tier_means_a_copy(root: str) -> None:
 
 
 def test_damaged_adopted_bytes_fall_back_and_leave_into_alone(root: str, shm_dir: str, tmp_path) -> None:  # noqa: ANN001
-    import json
-
     want = _crash(root, shm_dir, str(tmp_path / "ref.pt"))
     folder = memory_tier_path(root)
     man = json.load(open(os.path.join(folder, "step-7", "manifest.json")))

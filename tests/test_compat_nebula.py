@@ -318,8 +318,6 @@ def test_two_ranks_sigkilled_after_commit_resume_each_rank_bit_exact(tmp_path: P
                  for p in procs]
     assert [sorted(c) for c in committed] == [["global_step1", "global_step2", "global_step3"]] * 2, committed
     assert committed[0]["global_step3"] != committed[1]["global_step3"]  # each rank has a state of its own
-    import json
-
     man = json.loads((Path(root) / "step-1" / "manifest.json").read_text())  # the one on disk (interval)
     assert man["world_size"] == 2 and man["tag"] == "global_step1", (man.get("world_size"), man.get("tag"))
     procs = run_ranks(2, "../compat_nebula_worker.py", ["resume", root], tmp_path, shm_dir, timeout=120)
