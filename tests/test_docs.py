@@ -31,7 +31,8 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 PRELUDES = Path(__file__).resolve().parent / "doc_preludes"
 PAGES = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
-_BLOCK = re.compile(r"(?:<!--\s*doctest:\s*(?P<directive>[^>]*?)\s*-->[ \t]*\n[ \t]*)?```python\n(?P<code>.*?)```", re.S)
+_BLOCK = re.compile(r"(?:<!--\s*doctest:\s*(?P<directive>[^>]*?)\s*-->[ \t]*\n[ \t]*)?```python\n(?P<code>.*?)```",
+                    re.S)
 _ROOTS = re.compile(r"([\"'])/(ckpt|shared|nvme)/")
 
 

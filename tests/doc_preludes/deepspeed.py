@@ -3,6 +3,7 @@ import os
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 import torch  # noqa: E402
+
 from integrations.ds_worker import Net, init_rank  # noqa: E402
 
 init_rank()
