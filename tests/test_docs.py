@@ -163,3 +163,23 @@ def test_quickstart_example_resumes_bit_exact(tmp_path: Path) -> None:
     final = [ln for ln in clean.stdout.splitlines() if ln.startswith("final loss")]
     assert final and final == [ln for ln in resumed.stdout.splitlines() if ln.startswith("final loss")], (
         clean.stdout, resumed.stdout)
+
+
+_CITED = re.compile(r"`(tests/[\w/]+\.py)::(\w+)`")
+
+
+def test_every_guarantee_names_tests_that_exist() -> None:
+    """docs/guarantees.md and SECURITY.md promise only what a test proves: each guarantee of the
+    guarantees page has a ``Tests:`` line, and every test either page names is defined."""
+    page = (REPO / "docs" / "guarantees.md").read_text()
+    bullets = page.split("\n- **")[1:]
+    assert len(bullets) >= 10, "the guarantees page lost its bullets: did the format change?"
+    for b in bullets:
+        assert "Tests: `" in b, f"guarantee without tests: {b[:80]!r}"
+    cited = _CITED.findall(page) + _CITED.findall((REPO / "SECURITY.md").read_text())
+    missing = []
+    for path, name in cited:
+        src = REPO / path
+        if not src.is_file() or not re.search(rf"^\s*def {name}\(", src.read_text(), re.M):
+            missing.append(f"{path}::{name}")
+    assert not missing, f"named as proof but not defined: {missing}"
