@@ -37,11 +37,11 @@ from .errors import (
     PickleNotAllowedError,
     ValidationError,
 )
-from .handle import SaveHandle
+from .handle import SaveHandle, SaveMetrics
 from .tiers import LocalTier, MemoryTier, RemoteTier, Tier
 
 __all__ = [
-    "Checkpointer", "SaveHandle", "MemoryTier", "LocalTier", "RemoteTier", "Tier",
+    "Checkpointer", "SaveHandle", "SaveMetrics", "MemoryTier", "LocalTier", "RemoteTier", "Tier",
     "save_async", "load_latest", "close_all", "Coordinator", "LocalCoordinator", "DistCoordinator",
     "NebulaError", "ValidationError", "PersistError", "ConsistencyError", "CorruptCheckpointError",
     "FencedError", "NotFoundError", "PickleNotAllowedError",

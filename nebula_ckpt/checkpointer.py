@@ -195,6 +195,8 @@ class Checkpointer:
         self._hooked: "weakref.WeakSet[Any]" = weakref.WeakSet()
         self._hook_handles: list[Any] = []
         self._save_index = 0
+        self._metrics: dict[str, Any] = {"saves_finished": 0, "bytes_saved": 0, "blocked_s_total": 0.0,
+                                         "blocked_s_max": 0.0, "durable_s_last": {}, "last_save": None}
         self._closed = False
         self._told_unguarded = False
         #: ``{"step", "tier", "adopted_bytes"}`` of the last restore (``None`` before any);
@@ -357,9 +359,11 @@ class Checkpointer:
             if w not in targets:
                 self.coordinator.abandon(w.name, idx)
         handle = SaveHandle(plan.step, [w.name for w in targets], plan.tag)
+        handle._begin(t0, plan.layout.total_bytes, self._save_finished)
         handle._bind_settled(lambda tier: self.coordinator.abandon(tier, idx))
         if not targets:
             handle._skip("no tier's cadence wanted this save")
+            handle._returned()
             return handle
         pinned = any(t.is_cuda for t in plan.sources)
         overlap = self._may_overlap(plan, pinned)
@@ -368,6 +372,7 @@ class Checkpointer:
             log.warning("nebula_ckpt: step %d skipped: every staging buffer is still being persisted "
                         "(on_full='skip')", plan.step)
             handle._skip("no free staging buffer (on_full='skip')")
+            handle._returned()
             return handle
         for w in targets:  # the save goes ahead: only now does it count for every_seconds
             w.took(t_now)
@@ -401,6 +406,7 @@ class Checkpointer:
         except BaseException as e:
             self._take_back(snap, handle, e)
             raise
+        handle._returned()
         return handle
 
     def _may_overlap(self, plan: Any, pinned: bool) -> bool:
@@ -461,7 +467,9 @@ class Checkpointer:
         with self._lock:
             pending, self._inflight = self._inflight, []
         for s in pending:
+            t = monotonic()
             s.confirm()
+            s.handle._add_stall(monotonic() - t)
 
     def _install_hooks(self, optimizers: list[Any], modules: list[torch.nn.Module]) -> bool:
         """Make the next step / forward wait for the copy; False if an object cannot be hooked
@@ -923,9 +931,32 @@ class Checkpointer:
         return sorted(removed)
 
     def stats(self) -> dict[str, Any]:
-        """Counters for monitoring and benchmarks."""
+        """Counters for monitoring and benchmarks.
+
+        ``saves``: ``save_async`` calls; ``saves_finished``: saves over on every tier;
+        ``bytes_saved``: their snapshot bytes; ``blocked_s_total`` / ``blocked_s_max``: what
+        they cost the training thread; ``last_save``: the newest finished save's
+        :meth:`SaveMetrics.to_dict`; ``durable_s_last``: per tier, seconds until durable for the
+        newest save it wrote; staging and memory-tier bytes as allocated now.
+        """
+        with self._lock:
+            m = dict(self._metrics)
+            m["durable_s_last"] = dict(self._metrics["durable_s_last"])
         return {"staging_bytes": self._pool.allocated_bytes, "memory_tier_slot_bytes": self._pool.memory_tier_bytes,
                 "staging_allocations": self._pool.allocations,
                 "saves": self._save_index, "path": native_describe()["path"],
-                "tiers": [rt.name for rt in self._runtimes]}
+                "tiers": [rt.name for rt in self._runtimes], **m}
+
+    def _save_finished(self, handle: SaveHandle) -> None:
+        """A save is over on every tier (a writer thread calls this): fold its metrics in."""
+        m = handle.metrics
+        with self._lock:
+            c = self._metrics
+            c["saves_finished"] += 1
+            c["bytes_saved"] += m.bytes
+            if m.blocked_s is not None:
+                c["blocked_s_total"] += m.blocked_s
+                c["blocked_s_max"] = max(c["blocked_s_max"], m.blocked_s)
+            c["durable_s_last"].update(m.durable_s)
+            c["last_save"] = m.to_dict()
 
