@@ -233,6 +233,8 @@ class Checkpointer:
         by_name = {rt.name: rt.storage for rt in runtimes}
         self._root_storage = by_name.get(root_tier.name) or root_tier.make_storage()
         self._own_root_storage = root_tier.name not in by_name
+        if self._own_root_storage:
+            self._root_storage.check_access()
         #: id of this incarnation of the root (``_nebula/run.json``); fast tiers are tied to it
         self.run_id = run_id(self._root_storage)
         owner = Owner(canonical_root(self.root), self.run_id)

@@ -144,3 +144,14 @@ def override(**values: Any) -> Iterator[None]:
 def describe() -> dict[str, tuple[str, Any, str]]:
     """Return ``{name: (env var, current value, doc)}`` for every knob."""
     return {n: (k.env, get(n), k.doc) for n, k in _KNOBS.items()}
+
+
+def table() -> str:
+    """Every knob as a readable table: name, environment variable, current value, meaning.
+
+    ``python -c "from nebula_ckpt import knobs; print(knobs.table())"`` prints it.
+    """
+    rows = [("knob", "environment", "value", "meaning")]
+    rows += [(n, env, repr(value), doc) for n, (env, value, doc) in describe().items()]
+    w = [max(len(r[i]) for r in rows) for i in range(3)]
+    return "\n".join(f"{a:<{w[0]}}  {b:<{w[1]}}  {c:<{w[2]}}  {d}" for a, b, c, d in rows)

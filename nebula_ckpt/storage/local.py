@@ -19,7 +19,7 @@ from typing import Any, Optional
 
 import torch
 
-from ..errors import CorruptCheckpointError
+from ..errors import CorruptCheckpointError, ValidationError
 from ..native import get_ops
 from .base import Buffer, Storage
 
@@ -58,6 +58,25 @@ class LocalStorage(Storage):
         self.fsync = fsync
         self._dir_mode = 0o700 if private else 0o755
         self._file_mode = 0o600 if private else 0o644
+
+    def check_access(self) -> None:
+        """Fail fast when the root cannot be a folder: it, or a folder above it, is a file.
+
+        Raises:
+            ValidationError: naming the path and what is there instead.
+        """
+        path = self.root
+        while True:
+            if os.path.exists(path):
+                if not os.path.isdir(path):
+                    what = "the root" if path == self.root else f"'{path}', a folder above the root,"
+                    raise ValidationError(f"{self.display_url}: {what} is a file, not a folder: a checkpoint root "
+                                          "must be a folder path (existing or not); pick another path")
+                return
+            parent = os.path.dirname(path)
+            if parent == path:
+                return
+            path = parent
 
     def _p(self, rel: str) -> str:
         """Absolute path of ``rel``, refusing anything that leaves the root or passes a symlink.

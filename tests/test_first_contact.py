@@ -1,0 +1,45 @@
+"""First contact: the mistakes a new user makes get a clear answer, and nothing is written."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+import nebula_ckpt as nc
+from nebula_ckpt import knobs
+
+
+def _tree(*roots: str) -> set[str]:
+    out = set()
+    for r in roots:
+        for d, dirs, files in os.walk(r):
+            out.update(os.path.join(d, n) for n in dirs + files)
+    return out
+
+
+@pytest.mark.parametrize("where", ["root", "below", "local_tier"])
+def test_a_file_where_a_folder_belongs_is_a_validation_error_before_anything_is_written(
+        tmp_path, shm_dir, where) -> None:  # noqa: ANN001
+    f = tmp_path / "a_file"
+    f.write_text("not a folder")
+    before = _tree(str(tmp_path), shm_dir)
+    with pytest.raises(nc.ValidationError, match="is a file, not a folder") as e:
+        if where == "root":
+            nc.Checkpointer(str(f))
+        elif where == "below":
+            nc.Checkpointer(str(f / "run" / "x"))
+        else:
+            nc.Checkpointer(str(tmp_path / "root"), tiers=[nc.MemoryTier(), nc.LocalTier(str(f / "disk"))])
+    assert str(f) in str(e.value)
+    assert _tree(str(tmp_path), shm_dir) == before  # no folder, no run.json, no memory tier
+    assert f.read_text() == "not a folder"
+
+
+def test_knobs_are_listed_as_a_readable_table() -> None:
+    text = knobs.table()
+    lines = text.splitlines()
+    assert lines[0].split() == ["knob", "environment", "value", "meaning"]
+    for name, (env, value, _doc) in knobs.describe().items():
+        row = next(ln for ln in lines if ln.startswith(name + " "))
+        assert env in row and repr(value) in row
