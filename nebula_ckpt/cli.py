@@ -480,12 +480,9 @@ def cmd_gc(args: argparse.Namespace) -> int:
     decisions = memgc.collect(args.shm_dir, force=args.force)
     rows = []
     for d in tqdm(decisions, desc="gc", unit="tier", disable=args.json or len(decisions) < 2, file=sys.stderr):
-        row = d.as_dict()
         if d.remove and not args.dry_run:
-            row["removed"] = memgc.remove(d)
-            if not row["removed"]:
-                row["reason"] = "taken by a live process meanwhile; kept"
-        rows.append(row)
+            d = memgc.remove(d)  # decided again under the tier's lock: what it says is what happened
+        rows.append(d.as_dict())
     if args.json:
         _out(json.dumps(rows, indent=2))
         return 0
@@ -538,7 +535,9 @@ def _parser() -> argparse.ArgumentParser:
     sp = sub.add_parser("gc", help="free memory tiers (/dev/shm) no run will restore from")
     sp.add_argument("--dry-run", action="store_true", help="show the decisions, remove nothing")
     sp.add_argument("--force", action="store_true",
-                    help="also remove tiers whose newest step is only in memory, and those of remote roots")
+                    help="also remove tiers whose newest step is only in memory (the root lacks it, is gone, "
+                         "or belongs to another run), losing those steps; a root that cannot be checked keeps "
+                         "its tier even so")
     sp.add_argument("--shm-dir", default=None, help="the tmpfs to look in (default: NEBULA_SHM_DIR or /dev/shm)")
     sp.add_argument("--json", action="store_true", help="machine-readable output")
     sub.add_parser("bench", help="benchmark against torch.save and peers (see --help)", add_help=False)
