@@ -59,14 +59,30 @@ def _tiers(root: str, storage_options: Optional[dict[str, Any]]) -> list[tuple[T
 
 
 def _dir_bytes(st: Storage, step: int) -> int:
+    """Bytes stored in the folder of ``step``; a file that cannot be sized (gone, a folder, a
+    symlink the storage refuses to follow) counts nothing: the step's check reports why."""
     d = mf.step_dir(step)
     total = 0
     for n in st.list(d):
         try:
             total += st.size(f"{d}/{n}")
-        except (FileNotFoundError, IsADirectoryError):
+        except OSError:
             pass
     return total
+
+
+def _commit_state(st: Storage, tier: Tier, step: int) -> tuple[bool, Optional[str]]:
+    """``(committed, problem)`` of ``step``: whether its commit marker is there, and why the step
+    cannot be trusted when that cannot be checked safely. A marker or a step folder that is a
+    symlink (never followed), or one that cannot be read, counts as committed and damaged: the
+    step is there by name and must not pass for an uncommitted leftover."""
+    try:
+        st.size(f"{mf.step_dir(step)}/{mf.COMMIT}")
+    except FileNotFoundError:
+        return False, None
+    except OSError as e:
+        return True, f"tier {tier.name} step {step}: {type(e).__name__}: {e}"
+    return True, None
 
 
 def _storage_options(text: str) -> dict[str, Any]:
@@ -132,8 +148,13 @@ def cmd_ls(args: argparse.Namespace) -> int:
     verify = "size" if args.quick else "full"
     rows: list[dict[str, Any]] = []
     for tier, st, step in tqdm(todo, desc="checking", unit="ckpt", disable=args.json or args.quick or not todo):
-        committed = st.exists(f"{mf.step_dir(step)}/{mf.COMMIT}")
-        healthy, why, man = _check(st, tier, step, verify) if committed else (False, "no commit marker", None)
+        committed, refused = _commit_state(st, tier, step)
+        if refused:
+            healthy, why, man = False, refused, None
+        elif committed:
+            healthy, why, man = _check(st, tier, step, verify)
+        else:
+            healthy, why, man = False, "no commit marker", None
         raw = sum(s.bytes for s in man.shards) if man is not None else None
         stored = _dir_bytes(st, step)
         rows.append({"tier": tier.name, "step": step, "tag": man.tag if man is not None else None,
@@ -168,11 +189,12 @@ def cmd_verify(args: argparse.Namespace) -> int:
         for step in mf.step_dirs(st):
             if args.step is not None and step != args.step:
                 continue
-            if st.exists(f"{mf.step_dir(step)}/{mf.COMMIT}"):
-                todo.append((tier, st, step))
+            committed, refused = _commit_state(st, tier, step)
+            if committed:
+                todo.append((tier, st, step, refused))
     results = []
-    for tier, st, step in tqdm(todo, desc="verifying", unit="ckpt", disable=args.json or not todo):
-        ok, why, man = _check(st, tier, step, "full")
+    for tier, st, step, refused in tqdm(todo, desc="verifying", unit="ckpt", disable=args.json or not todo):
+        ok, why, man = (False, refused, None) if refused else _check(st, tier, step, "full")
         results.append({"tier": tier.name, "step": step, "healthy": ok, "problem": None if ok else why,
                         **_ranks_json(man), "_man": man})
     mans = [r.pop("_man") for r in results]
