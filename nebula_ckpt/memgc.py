@@ -90,9 +90,11 @@ def _committed(folder: str) -> list[int]:
 
 
 def _steps_text(steps: list[int]) -> str:
-    shown = ", ".join(map(str, steps[-8:]))
-    return (f"step {shown}" if len(steps) == 1 else
-            f"steps {'..., ' if len(steps) > 8 else ''}{shown}{f' ({len(steps)} in all)' if len(steps) > 8 else ''}")
+    """``"step 7"`` / ``"steps 3, 7"`` (the newest eight of a long list)."""
+    if len(steps) == 1:
+        return f"step {steps[0]}"
+    more = f"{len(steps)} in all, the newest " if len(steps) > 8 else ""
+    return f"steps {more}{', '.join(map(str, steps[-8:]))}"
 
 
 def _local_root_gone(root: str) -> bool:
@@ -156,7 +158,9 @@ def _ask_root(root: str, run_id: Optional[str], step: int) -> RootAnswer:
         st = FsspecStorage(_root_url(root))
     try:
         present, have = _run_record(st)
-        if not present and not local and not st.list(""):
+        if not present and not st.list(""):
+            if local:  # an existing empty folder is what an unmounted mount point shows
+                raise OSError(f"{root} is an empty folder: a mount point that is not mounted?")
             return RootAnswer(ONLY_HERE, f"its root {root} is gone (the store holds nothing there)")
         if not present and run_id is not None:
             raise OSError(f"{root} holds no run record ({RUN_FILE}): a mount point that is not mounted, "
