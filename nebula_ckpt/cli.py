@@ -494,7 +494,7 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 
 def cmd_gc(args: argparse.Namespace) -> int:
-    """Free memory tiers no run will restore from (policy: :mod:`nebula_ckpt.memgc`)."""
+    """Free memory tiers whose checkpoints are safe elsewhere (policy: :mod:`nebula_ckpt.memgc`)."""
     from tqdm import tqdm
 
     from . import memgc
@@ -554,7 +554,7 @@ def _parser() -> argparse.ArgumentParser:
                     help="export only what the state held under KEY (e.g. 'model'), named by the keys below it: "
                          "a module's own state_dict() keys, as Hugging Face's from_pretrained expects")
     sp.add_argument("--allow-pickle", action="store_true", help="allow pickled leaves (trusted checkpoints only)")
-    sp = sub.add_parser("gc", help="free memory tiers (/dev/shm) no run will restore from")
+    sp = sub.add_parser("gc", help="free memory tiers (/dev/shm) whose checkpoints are safe on their root")
     sp.add_argument("--dry-run", action="store_true", help="show the decisions, remove nothing")
     sp.add_argument("--force", action="store_true",
                     help="also remove tiers whose newest step is only in memory (the root lacks it, is gone, "

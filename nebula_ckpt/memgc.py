@@ -1,4 +1,4 @@
-"""Garbage collection of memory tiers: RAM in ``/dev/shm`` that no run will restore from.
+"""Garbage collection of memory tiers: RAM in ``/dev/shm`` whose checkpoints are safe on their root.
 
 A memory tier outlives its process on purpose (a restart resumes from it), so a job that
 crashed and is never restarted leaves its checkpoints in RAM. The policy (``nebula-ckpt gc``):
