@@ -59,14 +59,30 @@ def _tiers(root: str, storage_options: Optional[dict[str, Any]]) -> list[tuple[T
 
 
 def _dir_bytes(st: Storage, step: int) -> int:
+    """Bytes stored in the folder of ``step``; a file that cannot be sized (gone, a folder, a
+    symlink the storage refuses to follow) counts nothing: the step's check reports why."""
     d = mf.step_dir(step)
     total = 0
     for n in st.list(d):
         try:
             total += st.size(f"{d}/{n}")
-        except (FileNotFoundError, IsADirectoryError):
+        except OSError:
             pass
     return total
+
+
+def _commit_state(st: Storage, tier: Tier, step: int) -> tuple[bool, Optional[str]]:
+    """``(committed, problem)`` of ``step``: whether its commit marker is there, and why the step
+    cannot be trusted when that cannot be checked safely. A marker or a step folder that is a
+    symlink (never followed), or one that cannot be read, counts as committed and damaged: the
+    step is there by name and must not pass for an uncommitted leftover."""
+    try:
+        st.size(f"{mf.step_dir(step)}/{mf.COMMIT}")
+    except FileNotFoundError:
+        return False, None
+    except OSError as e:
+        return True, f"tier {tier.name} step {step}: {type(e).__name__}: {e}"
+    return True, None
 
 
 def _storage_options(text: str) -> dict[str, Any]:
@@ -132,8 +148,13 @@ def cmd_ls(args: argparse.Namespace) -> int:
     verify = "size" if args.quick else "full"
     rows: list[dict[str, Any]] = []
     for tier, st, step in tqdm(todo, desc="checking", unit="ckpt", disable=args.json or args.quick or not todo):
-        committed = st.exists(f"{mf.step_dir(step)}/{mf.COMMIT}")
-        healthy, why, man = _check(st, tier, step, verify) if committed else (False, "no commit marker", None)
+        committed, refused = _commit_state(st, tier, step)
+        if refused:
+            healthy, why, man = False, refused, None
+        elif committed:
+            healthy, why, man = _check(st, tier, step, verify)
+        else:
+            healthy, why, man = False, "no commit marker", None
         raw = sum(s.bytes for s in man.shards) if man is not None else None
         stored = _dir_bytes(st, step)
         rows.append({"tier": tier.name, "step": step, "tag": man.tag if man is not None else None,
@@ -168,11 +189,12 @@ def cmd_verify(args: argparse.Namespace) -> int:
         for step in mf.step_dirs(st):
             if args.step is not None and step != args.step:
                 continue
-            if st.exists(f"{mf.step_dir(step)}/{mf.COMMIT}"):
-                todo.append((tier, st, step))
+            committed, refused = _commit_state(st, tier, step)
+            if committed:
+                todo.append((tier, st, step, refused))
     results = []
-    for tier, st, step in tqdm(todo, desc="verifying", unit="ckpt", disable=args.json or not todo):
-        ok, why, man = _check(st, tier, step, "full")
+    for tier, st, step, refused in tqdm(todo, desc="verifying", unit="ckpt", disable=args.json or not todo):
+        ok, why, man = (False, refused, None) if refused else _check(st, tier, step, "full")
         results.append({"tier": tier.name, "step": step, "healthy": ok, "problem": None if ok else why,
                         **_ranks_json(man), "_man": man})
     mans = [r.pop("_man") for r in results]
@@ -472,7 +494,7 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 
 def cmd_gc(args: argparse.Namespace) -> int:
-    """Free memory tiers no run will restore from (policy: :mod:`nebula_ckpt.memgc`)."""
+    """Free memory tiers whose checkpoints are safe elsewhere (policy: :mod:`nebula_ckpt.memgc`)."""
     from tqdm import tqdm
 
     from . import memgc
@@ -480,12 +502,9 @@ def cmd_gc(args: argparse.Namespace) -> int:
     decisions = memgc.collect(args.shm_dir, force=args.force)
     rows = []
     for d in tqdm(decisions, desc="gc", unit="tier", disable=args.json or len(decisions) < 2, file=sys.stderr):
-        row = d.as_dict()
         if d.remove and not args.dry_run:
-            row["removed"] = memgc.remove(d)
-            if not row["removed"]:
-                row["reason"] = "taken by a live process meanwhile; kept"
-        rows.append(row)
+            d = memgc.remove(d)  # decided again under the tier's lock: what it says is what happened
+        rows.append(d.as_dict())
     if args.json:
         _out(json.dumps(rows, indent=2))
         return 0
@@ -535,10 +554,12 @@ def _parser() -> argparse.ArgumentParser:
                     help="export only what the state held under KEY (e.g. 'model'), named by the keys below it: "
                          "a module's own state_dict() keys, as Hugging Face's from_pretrained expects")
     sp.add_argument("--allow-pickle", action="store_true", help="allow pickled leaves (trusted checkpoints only)")
-    sp = sub.add_parser("gc", help="free memory tiers (/dev/shm) no run will restore from")
+    sp = sub.add_parser("gc", help="free memory tiers (/dev/shm) whose checkpoints are safe on their root")
     sp.add_argument("--dry-run", action="store_true", help="show the decisions, remove nothing")
     sp.add_argument("--force", action="store_true",
-                    help="also remove tiers whose newest step is only in memory, and those of remote roots")
+                    help="also remove tiers whose newest step is only in memory (the root lacks it, is gone, "
+                         "or belongs to another run), losing those steps; a root that cannot be checked keeps "
+                         "its tier even so")
     sp.add_argument("--shm-dir", default=None, help="the tmpfs to look in (default: NEBULA_SHM_DIR or /dev/shm)")
     sp.add_argument("--json", action="store_true", help="machine-readable output")
     sub.add_parser("bench", help="benchmark against torch.save and peers (see --help)", add_help=False)

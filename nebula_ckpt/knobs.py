@@ -95,6 +95,10 @@ _KNOBS: dict[str, _Knob] = {
     "exit_timeout_s": _Knob("NEBULA_EXIT_TIMEOUT_S", 300.0, float,
                             "how long interpreter exit waits for the pending saves of a Checkpointer "
                             "that was never closed"),
+    "gc_root_timeout_s": _Knob("NEBULA_GC_ROOT_TIMEOUT_S", 60.0, float,
+                               "how long `nebula-ckpt gc` waits for a memory tier's root (a mount, a blob "
+                               "store) to answer; a root that does not answer in time is unknown, and its "
+                               "memory tier is kept"),
     "log_level": _Knob("NEBULA_LOG_LEVEL", None, str,
                        "level of the 'nebula_ckpt' logger if set (DEBUG, INFO, ...)"),
 }

@@ -370,7 +370,8 @@ class Claim:
         if have is None:
             if any(n != LOCK_FILE for n in os.listdir(self.folder)):
                 raise ClaimRefused(f"{self.folder} holds files but no readable {ROOT_FILE} file, so it "
-                                   "is nobody's memory tier; it is not used. Remove it (nebula-ckpt gc)")
+                                   "is nobody's memory tier; it is not used. Remove it (nebula-ckpt gc; "
+                                   "--force if it holds committed checkpoints)")
             if not locked:
                 raise ClaimRefused(f"{self.folder} {busy}")
             _write_owner(self.folder, owner)
@@ -436,14 +437,32 @@ def scan(shm_dir: Optional[str] = None) -> list[Found]:
         return []
     out = []
     for name in names:
-        folder = os.path.join(base, name)
         try:
-            secure_folder(folder, default_layout=True, create=False)
-        except OSError as e:
-            out.append(Found(folder, None, False, str(e), 0))
+            out.append(look(os.path.join(base, name)))
+        except FileNotFoundError:  # removed since the listing (a reader closing, another gc)
             continue
+    return out
+
+
+def look(folder: str, *, locked: bool = False) -> Found:
+    """How the memory-tier folder ``folder`` (``<shm_dir>/nebula_ckpt-<uid>/<name>``) is now.
+
+    ``locked``: this process holds the folder's lock (``gc`` deciding again before it removes),
+    so the folder is not in use by anyone else and the lock is not probed.
+
+    Raises:
+        FileNotFoundError: the folder is gone.
+    """
+    try:
+        secure_folder(folder, default_layout=True, create=False)
+    except FileNotFoundError:
+        raise
+    except OSError as e:
+        return Found(folder, None, False, str(e), 0)
+    in_use = False
+    if not locked:
         fd = try_lock(folder)
         if fd is not None:
             os.close(fd)
-        out.append(Found(folder, read_owner(folder), fd is None, None, tree_bytes(folder)))
-    return out
+        in_use = fd is None
+    return Found(folder, read_owner(folder), in_use, None, tree_bytes(folder))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -176,3 +177,53 @@ def test_storage_options_must_be_an_object(capsys: pytest.CaptureFixture[str]) -
     assert ei.value.code == 2
     err = capsys.readouterr().err
     assert "JSON object" in err and "SECRET" not in err
+
+
+def _link_into_step(root: str, step: int, what: str, elsewhere: str) -> str:
+    """Replace ``what`` of ``step`` (its shard, manifest, commit marker or whole folder) by a
+    symlink to an intact copy outside the root; return the link's path below the root."""
+    d = os.path.join(root, f"step-{step}")
+    if what == "step folder":
+        shutil.copytree(d, elsewhere)
+        shutil.rmtree(d)
+        os.symlink(elsewhere, d)
+        return f"step-{step}"
+    name = {"shard": next((f for f in os.listdir(d) if f.endswith(".safetensors")), ""),
+            "manifest": "manifest.json", "commit marker": "COMMIT"}[what]
+    shutil.copy(os.path.join(d, name), elsewhere)
+    os.unlink(os.path.join(d, name))
+    os.symlink(elsewhere, os.path.join(d, name))
+    return f"step-{step}/{name}"
+
+
+@pytest.mark.parametrize("what", ["shard", "manifest", "commit marker", "step folder"])
+def test_a_symlink_in_a_step_is_damage_to_every_command(saved: str, tmp_path, what: str,  # noqa: ANN001
+                                                         capsys: pytest.CaptureFixture[str],
+                                                         caplog: pytest.LogCaptureFixture) -> None:
+    """Links inside a tier are never followed, so a step with one (even to an intact copy) cannot be
+    read: ls lists it DAMAGED naming the link, verify exits 1 naming it, inspect and export refuse
+    it naming it, and a restore falls back to the older healthy step."""
+    link = _link_into_step(saved, 2, what, str(tmp_path / "elsewhere"))
+    assert main(["ls", saved, "--json"]) == 1
+    rows = {r["step"]: r for r in json.loads(capsys.readouterr().out)}
+    assert rows[1]["healthy"] and not rows[3]["committed"]
+    assert rows[2]["committed"] and not rows[2]["healthy"], rows[2]
+    assert f"'{link}'" in rows[2]["problem"] and "symlink" in rows[2]["problem"], rows[2]
+    assert main(["ls", saved]) == 1
+    line2 = next(ln for ln in capsys.readouterr().out.splitlines() if "step        2" in ln)
+    assert "DAMAGED" in line2 and f"'{link}'" in line2
+    for args in ([], ["--step", "2"]):
+        assert main(["verify", saved, *args]) == 1
+        out = capsys.readouterr().out
+        assert "DAMAGED local" in out and "step 2" in out and f"'{link}'" in out, out
+    assert main(["verify", saved, "--step", "1"]) == 0
+    capsys.readouterr()
+    for cmd in (["inspect"], ["export", "--to", str(tmp_path / "out.pt")]):
+        assert main([cmd[0], saved, "--step", "2", *cmd[1:]]) == 1
+        err = capsys.readouterr().err
+        assert f"'{link}'" in err and "symlink" in err, err
+    assert not os.path.exists(tmp_path / "out.pt")
+    model = torch.nn.Linear(8, 4)
+    with nc.Checkpointer(saved, memory_tier=False) as ck:
+        assert ck.load_latest(into={"model": model}) == 1
+    assert any(f"'{link}'" in r.getMessage() for r in caplog.records if r.levelname == "WARNING"), caplog.text

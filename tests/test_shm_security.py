@@ -6,22 +6,28 @@ or by a group/other-writable mode, which the library must refuse the same way.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import shutil
 import signal
 import subprocess
 import sys
+import threading
 
 import pytest
 import torch
 
 import nebula_ckpt as nc
-from nebula_ckpt import memgc, memtier
+from flaky_fs import SCHEME, FlakyFileSystem, hanging, raising, register
+from nebula_ckpt import knobs, memgc, memtier
 from nebula_ckpt.cli import main as cli_main
+from nebula_ckpt.manifest import committed_steps
+from nebula_ckpt.storage.local import LocalStorage
 from nebula_ckpt.tiers import canonical_root, memory_tier_path
 
 IS_ROOT = os.geteuid() == 0
+TESTS = os.path.dirname(os.path.abspath(__file__))
 
 
 def _plant(root: str, *, step: int, value: float, mode: int = 0o700, uid: int | None = None) -> str:
@@ -215,34 +221,152 @@ def _gc(shm_dir: str, *args: str) -> list[dict]:
     return json.loads(buf.getvalue())
 
 
+def _job(root: str, shm_dir: str, *, persistent_every: int = 100, steps: tuple[int, ...] = (0, 7),
+         resume_from: int | None = None) -> None:
+    """Run a job on ``root`` (memory tier + the root's tier with cadence ``persistent_every``) that
+    saves ``steps`` and dies (SIGKILL); with ``resume_from``, it first restores that step."""
+    persistent = "RemoteTier" if "://" in root else "LocalTier"
+    code = f"""
+import os, signal, sys, torch
+sys.path.insert(0, {TESTS!r})
+import flaky_fs
+flaky_fs.register()
+import nebula_ckpt as nc
+ck = nc.Checkpointer({root!r}, tiers=[nc.MemoryTier(), nc.{persistent}({root!r}, every={persistent_every})])
+if {resume_from!r} is not None:
+    assert ck.load_latest() == {resume_from!r}, ck.list(detailed=True)
+for s in {steps!r}:
+    ck.save(s, {{"w": torch.full((2,), float(s))}})
+os.kill(os.getpid(), signal.SIGKILL)
+"""
+    r = subprocess.run([sys.executable, "-c", code], env=dict(os.environ, NEBULA_SHM_DIR=shm_dir),
+                       capture_output=True, timeout=300)
+    assert r.returncode == -signal.SIGKILL, r.stderr.decode()
+
+
+def _mem_steps(folder: str) -> list[int]:
+    return committed_steps(LocalStorage(folder, private=True, fsync=False))
+
+
 def test_gc_policy(tmp_path, shm_dir: str) -> None:  # noqa: ANN001
     gone, durable, only_mem, live = (str(tmp_path / n) for n in ("gone", "durable", "only", "live"))
     _crash_after_save(gone, shm_dir, 1, 1.0)
     shutil.rmtree(gone)
     _crash_after_save(durable, shm_dir, 2, 2.0)      # committed on memory and on disk
-    code = f"""
-import os, signal, torch, nebula_ckpt as nc
-ck = nc.Checkpointer({only_mem!r}, tiers=[nc.MemoryTier(), nc.LocalTier({only_mem!r}, every=100)])
-ck.save(0, {{"w": torch.zeros(2)}})
-ck.save(7, {{"w": torch.ones(2)}})
-os.kill(os.getpid(), signal.SIGKILL)
-"""
-    subprocess.run([sys.executable, "-c", code], env=dict(os.environ, NEBULA_SHM_DIR=shm_dir), timeout=120)
+    _job(only_mem, shm_dir)                          # step 0 on both, step 7 only in memory
     with nc.Checkpointer(live) as holder:
         holder.save(1, {"w": torch.ones(2)})
         rows = {r["root"]: r for r in _gc(shm_dir, "--dry-run")}
-        assert rows[canonical_root(gone)]["remove"] and "gone" in rows[canonical_root(gone)]["reason"]
+        assert not rows[canonical_root(gone)]["remove"] and "gone" in rows[canonical_root(gone)]["reason"]
         assert rows[canonical_root(durable)]["remove"] and "durable" in rows[canonical_root(durable)]["reason"]
         assert not rows[canonical_root(only_mem)]["remove"]
         assert not rows[canonical_root(live)]["remove"] and rows[canonical_root(live)]["in_use"]
         assert len(memtier.scan(shm_dir)) == 4            # dry run removed nothing
         _gc(shm_dir)
         left = {f.owner.root for f in memtier.scan(shm_dir) if f.owner}
-        assert left == {canonical_root(only_mem), canonical_root(live)}
-        _gc(shm_dir, "--force")
+        # only the durable one goes: a gone root's tier holds the only copy of its step
+        assert left == {canonical_root(gone), canonical_root(only_mem), canonical_root(live)}
+        rows = {r["root"]: r for r in _gc(shm_dir, "--force")}
+        assert "lost" in rows[canonical_root(gone)]["reason"] and "step 1" in rows[canonical_root(gone)]["reason"]
+        assert "lost" in rows[canonical_root(only_mem)]["reason"] and "7" in rows[canonical_root(only_mem)]["reason"]
         left = {f.owner.root for f in memtier.scan(shm_dir) if f.owner}
         assert left == {canonical_root(live)}              # in use: never removed, even forced
     assert holder.list() == [1]
+
+
+def test_gc_keeps_a_memory_tier_whose_local_root_cannot_be_reached(tmp_path, shm_dir: str) -> None:  # noqa: ANN001
+    """A root that is unreachable (a mount down: its path passes a file or a link loop, or an empty
+    folder stands where it was) is not gone: its tier is kept, even with --force. Only a root whose
+    parent lists no such name is gone, and then only --force removes the only copy, saying so."""
+    mnt, away = tmp_path / "mnt", tmp_path / "mnt.away"
+    root = str(mnt / "run")
+    _job(root, shm_dir)                       # step 0 on disk and in memory, step 7 only in memory
+    folder = memory_tier_path(root)
+    assert _mem_steps(folder) == [7]
+    outages = {"a path component is a file": lambda: mnt.write_bytes(b""),
+               "a symlink loop": lambda: os.symlink(mnt.name, mnt),
+               "an empty folder where the root was": lambda: (mnt / "run").mkdir(parents=True)}
+    for outage, make in outages.items():
+        os.rename(mnt, away)
+        make()
+        for force in ((), ("--force",)):
+            (row,) = _gc(shm_dir, *force)
+            assert not row["remove"] and not row.get("removed"), (outage, force, row)
+            assert "step 7" in row["reason"] and root in row["reason"], (outage, row)
+            assert _mem_steps(folder) == [7], (outage, force)
+        if mnt.is_dir() and not mnt.is_symlink():
+            shutil.rmtree(mnt)
+        else:
+            os.unlink(mnt)
+        os.rename(away, mnt)
+    (row,) = _gc(shm_dir)                     # reachable: step 7 is only in memory
+    assert not row["remove"] and "only in memory" in row["reason"]
+    shutil.rmtree(mnt / "run")                # gone: its parent is there and lists no "run"
+    (row,) = _gc(shm_dir)
+    assert not row["remove"] and "gone" in row["reason"] and "--force" in row["reason"]
+    assert _mem_steps(folder) == [7]
+    (row,) = _gc(shm_dir, "--force")
+    assert row["removed"] and "step 7" in row["reason"] and "lost" in row["reason"], row
+    assert not os.path.exists(folder)
+
+
+def test_gc_checks_a_remote_root_and_keeps_the_tier_while_the_store_fails(tmp_path, shm_dir: str) -> None:  # noqa: ANN001
+    """A remote root whose store errs, times out or does not answer is unknown: kept, even with
+    --force. Once it answers, a tier whose newest step is durable there goes; a root the store
+    says is not there is gone, and only --force removes its tier's only copy."""
+    register()
+    only_mem, durable = f"{SCHEME}://{tmp_path}/bucket/only", f"{SCHEME}://{tmp_path}/bucket/durable"
+    _job(only_mem, shm_dir)                            # step 7 only in memory
+    _job(durable, shm_dir, persistent_every=1, steps=(3,))  # step 3 in memory and on the store
+    release = threading.Event()
+    faults = {"I/O error": raising(OSError(errno.EIO, "connection reset by peer")),
+              "timeout": raising(TimeoutError("read timed out")),
+              "no answer": hanging(release)}
+    try:
+        with knobs.override(remote_retries=1, gc_root_timeout_s=1.0):
+            for name, fault in faults.items():
+                FlakyFileSystem.fault = fault
+                for force in ((), ("--force",)):
+                    rows = _gc(shm_dir, *force)
+                    assert len(rows) == 2 and not any(r["remove"] or r.get("removed") for r in rows), (name, rows)
+                    assert all("cannot check" in r["reason"] for r in rows), (name, rows)
+    finally:
+        FlakyFileSystem.fault = None
+        release.set()
+    assert len(memtier.scan(shm_dir)) == 2
+    rows = {r["root"]: r for r in _gc(shm_dir)}        # the store answers again
+    assert rows[canonical_root(durable)]["removed"] and "durable" in rows[canonical_root(durable)]["reason"]
+    assert not rows[canonical_root(only_mem)]["remove"] and "only in memory" in rows[canonical_root(only_mem)]["reason"]
+    shutil.rmtree(tmp_path / "bucket")                 # the store says: nothing there
+    (row,) = _gc(shm_dir)
+    assert not row["remove"] and "gone" in row["reason"]
+    (row,) = _gc(shm_dir, "--force")
+    assert row["removed"] and "step 7" in row["reason"] and "lost" in row["reason"], row
+    assert memtier.scan(shm_dir) == []
+
+
+def test_gc_decides_again_under_the_tier_lock(root: str, shm_dir: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """gc decided to remove a tier (its newest step was durable); before it removes it, the job
+    restarts and saves a step only in memory. Deciding again under the lock keeps that step."""
+    _crash_after_save(root, shm_dir, 1, 1.0)           # step 1 in memory and on disk
+    folder = memory_tier_path(root)
+    real_collect = memgc.collect
+
+    def collect_then_job_restarts(*args: object, **kwargs: object) -> list[memgc.Decision]:
+        decisions = real_collect(*args, **kwargs)      # type: ignore[arg-type]
+        assert [(d.remove, "durable" in d.reason) for d in decisions] == [(True, True)], decisions
+        # the interleaving: after gc decided, before it removes, the job restarts and saves steps 2
+        # (its first save goes to disk too) and 3 (only in memory)
+        _job(root, shm_dir, resume_from=1, steps=(2, 3))
+        return decisions
+
+    monkeypatch.setattr(memgc, "collect", collect_then_job_restarts)
+    (row,) = _gc(shm_dir)
+    assert not row.get("removed") and "step 3" in row["reason"] and "only in memory" in row["reason"], row
+    assert _mem_steps(folder) == [3]
+    monkeypatch.undo()
+    with nc.Checkpointer(root, tiers=[nc.MemoryTier(), nc.LocalTier(root, every=100)]) as ck:
+        assert ck.load_latest() == 3 and ck.last_restore["tier"].startswith("memory:")
 
 
 def test_gc_decisions_never_touch_unsafe_folders(root: str, shm_dir: str) -> None:

@@ -232,7 +232,8 @@ class LocalStorage(Storage):
         except OSError as e:
             if e.errno != errno.ELOOP:
                 raise
-            return False
+            log.warning("nebula_ckpt: %s", e.strerror)
+            return False  # behind a link: not ours, so not there (said, as list() does)
 
     def size(self, rel: str) -> int:
         return os.stat(self._p(rel)).st_size
