@@ -35,6 +35,27 @@ def _env_flag(name: str) -> bool:
     return os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on")
 
 
+def _torch_cxx_runtime() -> list[str]:
+    """The shared libstdc++ this process (i.e. torch) runs on, as a link input; [] if none is mapped.
+
+    Call after ``import torch``. The extension passes C++ runtime objects to torch's libraries
+    (``std::ostream`` through c10's ``operator<<`` when building an error message, ``std::string``
+    in ``c10::Error``), so it must use torch's libstdc++, not a private copy. Toolchains that
+    link libstdc++ statically by default (some images wrap g++ with ``-static-libstdc++``) gave
+    the extension its own copy: its locale facet ids differ from the shared library's, and the
+    first error message that streamed a ``c10::Device`` crashed the process (SIGSEGV in
+    ``CopyEngine::enqueue``). Naming the shared library ahead of the driver's implicit
+    ``-lstdc++`` makes the linker bind every C++ runtime symbol to it (an archive is only searched
+    for symbols still undefined).
+    """
+    try:
+        with open("/proc/self/maps", encoding="utf-8") as f:
+            paths = {line.split()[-1] for line in f if "/libstdc++.so" in line}
+    except OSError:  # not Linux
+        return []
+    return sorted(p for p in paths if os.path.isfile(p))[:1]
+
+
 def _extensions_and_cmdclass():
     if _env_flag("NEBULA_NO_EXTENSION"):
         return [], {}
@@ -77,7 +98,7 @@ def _extensions_and_cmdclass():
         name="nebula_ckpt._C",
         include_dirs=[os.path.join(ROOT, "csrc")],
         define_macros=define_macros,
-        extra_link_args=["-lpthread"],
+        extra_link_args=_torch_cxx_runtime() + ["-lpthread"],
     )
     if with_cuda:
         define_macros.append(("NEBULA_WITH_CUDA", None))
