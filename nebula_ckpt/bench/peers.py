@@ -595,7 +595,8 @@ class SnapshotFloor(Peer):
         plan = make_plan(step, state_fn())
         ops = get_ops()
         if self._buf is None or self._buf.numel() < plan.layout.total_bytes:
-            self._buf = ops.alloc(plan.layout.total_bytes)
+            # pinned for a GPU state, as nebula's own staging is: the floor is a DMA, not a pageable copy
+            self._buf = ops.alloc(plan.layout.total_bytes, pinned=any(t.is_cuda for t in plan.sources))
         self._job = ops.enqueue_copy(plan.sources, self._buf, [e.offset for e in plan.layout.entries])
 
     def wait_safe(self) -> None:
