@@ -650,7 +650,7 @@ def get_last_checkpoint(output_dir: str, root: Optional[str] = None,
     where = root or os.path.join(output_dir, "nebula")
     tags: dict[str, int] = {}
     if "://" in where or os.path.isdir(where):
-        with Checkpointer(where, storage_options=storage_options, keep_last=_KEEP_ALL) as ck:
+        with Checkpointer(where, storage_options=storage_options, read_only=True) as ck:
             tags = {t: s for t, s in ck.tags().items() if _CKPT_TAG.match(t)}
     if tags:
         return os.path.join(output_dir, max(tags, key=tags.__getitem__))
@@ -663,7 +663,7 @@ def _opened(root: Union[str, Checkpointer], storage_options: Optional[dict[str, 
     if isinstance(root, Checkpointer):
         yield root
         return
-    with Checkpointer(root, storage_options=storage_options, keep_last=_KEEP_ALL) as ck:
+    with Checkpointer(root, storage_options=storage_options, read_only=True) as ck:  # a read writes nothing
         yield ck
 
 

@@ -106,7 +106,7 @@ from ..errors import NebulaError, NotFoundError
 from ..handle import SaveHandle
 from ..manifest import MAX_TAG_CHARS, tag_problem
 from ..tiers import Tier, canonical_root
-from .pointers import MAX_POINTER_BYTES, parse_pointer, write_local_pointer
+from .pointers import MAX_POINTER_BYTES, parse_pointer, read_pointer_head, write_local_pointer
 
 log = logging.getLogger(__name__)
 
@@ -210,8 +210,7 @@ def read_pointer(path: str) -> Optional[dict[str, Any]]:
     :class:`NebulaError` naming the field."""
     try:
         if _is_local(path):
-            with open(_local(path), "rb") as f:
-                data = f.read(MAX_POINTER_BYTES + 1)
+            data = read_pointer_head(_local(path))  # never blocks on a FIFO, never follows a link loop
         else:
             fs = _fs(path)
             if not fs.exists(path) or fs.size(path) > MAX_POINTER_BYTES:
@@ -382,7 +381,9 @@ class NebulaCheckpointIO(_CheckpointIO):
         own = canonical_root(ptr["root"]) == canonical_root(self.root)
         if own and self._inflight is not None and self._inflight.tag == ptr["tag"]:
             self._settle(self.checkpointer)  # the save being read: wait until it is durable
-        ck = self.checkpointer if own else self._reader(ptr["root"])
+        # the writer when this plugin already writes the root; else a reader that creates nothing
+        # (the root a file names may not exist, or be another run's)
+        ck = self._ckpt if own and self._ckpt is not None else self._reader(ptr["root"], own)
         try:
             try:
                 step, tree = ck.read(tag=ptr["tag"], map_location=map_location)
@@ -390,7 +391,7 @@ class NebulaCheckpointIO(_CheckpointIO):
                 raise NotFoundError(f"{path}: no committed checkpoint of this path under {ptr['root']} (its save of "
                                     f"step {ptr['step']} never committed and there is no earlier one): {e}") from e
         finally:
-            if not own:
+            if ck is not self._ckpt:
                 ck.close()
         tier = (ck.last_restore or {}).get("tier")
         if step != ptr["step"]:
@@ -485,11 +486,16 @@ class NebulaCheckpointIO(_CheckpointIO):
         if older:
             log.debug("nebula_ckpt: %s: removed superseded step(s) %s", done.path, older)
 
-    def _reader(self, root: str) -> Checkpointer:
-        """A Checkpointer for reading a pointer into another root (same storage options)."""
+    def _reader(self, root: str, own: bool = False) -> Checkpointer:
+        """A read-only Checkpointer on the root a pointer names (``own``: this plugin's root, read
+        through its tiers): it creates nothing there, not even the root's folder."""
         o = self._options
+        if own:
+            return Checkpointer(self.root, storage_options=o["storage_options"], tiers=o["tiers"],
+                                memory_tier=o["memory_tier"], allow_pickle=o["allow_pickle"],
+                                coordinator=LocalCoordinator(), read_only=True)
         return Checkpointer(root, storage_options=o["storage_options"] if not _is_local(root) else None,
-                            allow_pickle=o["allow_pickle"], coordinator=LocalCoordinator())
+                            allow_pickle=o["allow_pickle"], coordinator=LocalCoordinator(), read_only=True)
 
     def __getstate__(self) -> dict[str, Any]:
         """Picklable (``ddp_spawn`` sends the plugin to its workers): without the live Checkpointer."""
