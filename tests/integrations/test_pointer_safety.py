@@ -171,6 +171,21 @@ def test_reading_a_real_checkpoint_writes_nothing(tmp_path, shm_dir: str) -> Non
     assert _tree(str(tmp_path), shm_dir) == before
 
 
+@pytest.mark.timeout(120)
+def test_huggingface_last_checkpoint_never_names_a_path_outside_output_dir(tmp_path, shm_dir: str) -> None:  # noqa: ANN001
+    """A tag read back from the root becomes ``<output_dir>/<tag>``, which ``train`` opens: a tag
+    climbing out of the output dir (valid as a tag: ``.`` and ``/`` are tag characters) is never
+    returned, the newest checkpoint inside it is."""
+    hf = pytest.importorskip("nebula_ckpt.integrations.huggingface", reason="transformers is not installed")
+    out_dir = str(tmp_path / "out")
+    root = os.path.join(out_dir, "nebula")
+    with nc.Checkpointer(root, keep_last=10) as ck:
+        ck.save(3, {"model": {"w": torch.ones(2)}}, tag="checkpoint-3")
+        for i, tag in enumerate(("./checkpoint-7", "/abs/checkpoint-8", "../../elsewhere/checkpoint-9")):
+            ck.save(7 + i, {"model": {"w": torch.ones(2)}}, tag=tag)
+    assert hf.get_last_checkpoint(out_dir) == os.path.join(out_dir, "checkpoint-3")
+
+
 def test_read_only_checkpointer_refuses_to_write(tmp_path, shm_dir: str) -> None:  # noqa: ANN001
     root = str(tmp_path / "nothing")
     with nc.Checkpointer(root, read_only=True) as ck:
