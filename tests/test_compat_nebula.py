@@ -172,6 +172,19 @@ def test_longest_tag_gets_a_latest_checkpoint_path(root: str, part: str) -> None
     assert paths[0] != paths[1]
 
 
+def test_latest_checkpoint_paths_of_different_tags_never_share_a_file(root: str) -> None:
+    """Tags and part names that read the same once made file-name safe ("a/b" and "a_b") get
+    different files: a path handed out earlier keeps its content."""
+    tn.init(persistent_storage_path=root)
+    got = []
+    for i, tag in enumerate(("a/b", "a_b")):
+        c = tn.Checkpoint(tag, 1)
+        c.save("checkpoint", {"w": torch.full((2,), float(i))})
+        got.append(tn.get_latest_checkpoint_path())
+    assert got[0] != got[1]
+    assert torch.equal(torch.load(got[0], weights_only=True)["w"], torch.zeros(2))
+
+
 def test_retention_and_interval(root: str) -> None:
     """num_of_version_in_retention -> keep_last of both tiers; persistent_time_interval ->
     every_seconds of the persistent tier (a commit inside the interval stays in memory, and

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import atexit
 import csv
+import hashlib
 import logging
 import math
 import os
@@ -620,7 +621,10 @@ def get_latest_checkpoint_path(name: str = "checkpoint", persist_path: Optional[
         if s.export_dir is None:
             s.export_dir = tempfile.mkdtemp(prefix="torch_nebula-export-")
         safe = "".join(c if c.isalnum() or c in "._-=" else "_" for c in f"{latest.tag}__{name}")
-        path = os.path.join(s.export_dir, safe_name(safe))  # a long tag: hashed into the name
+        # the readable part is lossy ("a/b" and "a_b"), so a hash of (tag, name) keeps two parts
+        # apart; a name longer than NAME_MAX is cut and hashed whole (safe_name)
+        digest = hashlib.sha256(f"{latest.tag}\0{name}".encode("utf-8", "surrogateescape")).hexdigest()[:12]
+        path = os.path.join(s.export_dir, safe_name(f"{safe}~{digest}"))
     torch.save(obj, path)
     return path
 
