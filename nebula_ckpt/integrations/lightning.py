@@ -478,7 +478,7 @@ class NebulaCheckpointIO(_CheckpointIO):
         out = []
         for folder in sorted(folders):
             for p in _small_files(folder):
-                if p == skip_abs:
+                if p == skip_abs or p.endswith(".nebula-tmp"):  # a pointer being written (or left by a crash)
                     continue
                 try:
                     ptr = read_pointer(p)
