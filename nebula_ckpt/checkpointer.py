@@ -26,7 +26,7 @@ from .coordinator import Coordinator, LocalCoordinator
 from .distributed import default_coordinator
 from .errors import CorruptCheckpointError, NebulaError, NotFoundError, ValidationError
 from .fanout import fan_out
-from .fencing import Fence, run_id
+from .fencing import Fence, read_run_id, run_id
 from .handle import SaveHandle
 from .manifest import COMMIT, check_tag, committed_steps, step_dir
 from .memtier import Owner
@@ -128,6 +128,12 @@ class Checkpointer:
             :class:`~nebula_ckpt.distributed.DistCoordinator` over all of them (construct the
             Checkpointer on every rank, in the same order: the constructor is a collective);
             otherwise :class:`~nebula_ckpt.coordinator.LocalCoordinator` (one process).
+        read_only: open the root for reading only (``list``, ``tags``, ``steps``, ``read``,
+            ``load``, ``load_latest``): nothing is created, claimed or written on any tier, not
+            even the root's folder or its ``_nebula/run.json`` (a root that does not exist reads
+            as empty); the memory tier is read when it holds this root's current run. ``save_async``,
+            ``prepare`` and ``remove`` raise. What reads a root named by a file (a framework's
+            pointer file) opens it so.
 
     Example::
 
@@ -166,8 +172,10 @@ class Checkpointer:
                  tiers: Optional[Sequence[Tier]] = None, keep_last: int = 3,
                  max_host_bytes: Optional[int] = None, memory_tier: bool = True, on_full: str = "wait",
                  allow_pickle: bool = False, on_persist_error: str = "raise", snapshot: str = "auto",
-                 coordinator: Optional[Coordinator] = None) -> None:
+                 coordinator: Optional[Coordinator] = None, read_only: bool = False) -> None:
         _check_arguments(root, keep_last, max_host_bytes, on_full, on_persist_error, snapshot)
+        #: opened for reading only (see ``read_only``)
+        self.read_only = bool(read_only)
         self.snapshot = snapshot
         #: how the ranks of the job agree (one process: :class:`LocalCoordinator`, a no-op)
         self.coordinator = coordinator or default_coordinator() or LocalCoordinator()
@@ -177,7 +185,7 @@ class Checkpointer:
         self.on_persist_error = on_persist_error
         self._open_tiers(*self._choose_tiers(storage_options, tiers, memory_tier))
         self._fence = Fence(self._root_storage, self.coordinator)
-        if self.coordinator.world_size > 1:
+        if self.coordinator.world_size > 1 and not self.read_only:
             # Collectives belong here, where every rank is (the constructor): one root for all
             # ranks, the job's writer generation, and the rounds of each shared tier.
             self._check_shared_root()
@@ -226,9 +234,13 @@ class Checkpointer:
         return chosen, root_tier
 
     def _open_tiers(self, chosen: list[Tier], root_tier: Tier) -> None:
-        """Reach every tier (fail fast), take the root's run id, let each tier open for this run."""
+        """Reach every tier (fail fast), take the root's run id, let each tier open for this run.
+
+        Read only: the run id is only read (None: no run ever opened the root) and a tier is
+        used when :meth:`~nebula_ckpt.tier_runtime.TierRuntime.unreadable` allows it, which
+        creates, claims and writes nothing."""
         runtimes = [t.runtime(t.make_storage()) for t in chosen]
-        for rt in runtimes:  # fail fast, before leaving anything behind
+        for rt in runtimes:  # fail fast, before leaving anything behind (a listing: nothing written)
             rt.storage.check_access()
         by_name = {rt.name: rt.storage for rt in runtimes}
         self._root_storage = by_name.get(root_tier.name) or root_tier.make_storage()
@@ -236,13 +248,16 @@ class Checkpointer:
         if self._own_root_storage:
             self._root_storage.check_access()
         #: id of this incarnation of the root (``_nebula/run.json``); fast tiers are tied to it
-        self.run_id = run_id(self._root_storage)
+        self.run_id: Optional[str] = read_run_id(self._root_storage) if self.read_only else run_id(self._root_storage)
         owner = Owner(canonical_root(self.root), self.run_id)
         self._runtimes: list[TierRuntime] = []
         for rt in runtimes:
-            if rt.open(owner):
+            why = (rt.unreadable(owner) or None) if self.read_only else (None if rt.open(owner) else "refused")
+            if why is None:
                 self._runtimes.append(rt)
             else:
+                if self.read_only:
+                    log.debug("nebula_ckpt: tier %s not read: %s", rt.name, why)
                 rt.release()
 
     def _check_shared_root(self) -> None:
@@ -261,6 +276,11 @@ class Checkpointer:
                 f"root {canonical_root(self.root)} is not the same place for every rank: ranks see "
                 f"{len(groups)} different roots (by run id: {[g[:4] for g in groups.values()]}); use a path "
                 "on a file system every node mounts, or a blob URL (az://, s3://), for a multi-rank job")
+
+    def _check_writable(self, what: str) -> None:
+        if self.read_only:
+            raise NebulaError(f"{what}() on a read-only Checkpointer of {canonical_root(self.root)} (opened with "
+                              "read_only=True, which never writes): open it without read_only to write")
 
     # -- properties -----------------------------------------------------------------------------
     @property
@@ -296,6 +316,7 @@ class Checkpointer:
         """
         if self._closed:
             raise NebulaError("prepare() on a closed Checkpointer")
+        self._check_writable("prepare")
         plan = make_plan(0, state, allow_pickle=self.allow_pickle)
         self._start()
         self._pool.prepare(plan.layout.total_bytes, any(t.is_cuda for t in plan.sources))
@@ -337,6 +358,7 @@ class Checkpointer:
         """
         if self._closed:
             raise NebulaError("save_async() on a closed Checkpointer")
+        self._check_writable("save_async")
         self._confirm_inflight()
         self._raise_unseen()
         t0 = monotonic()
@@ -833,8 +855,9 @@ class Checkpointer:
         """What prepares a restore into ``into`` while the candidates are opened (None: no ``into``)."""
         if into is None:
             return None
+        no_adoption = self._writers is not None or self.read_only  # a reader deletes nothing, even in memory
         return stage_restore(into, map_location=map_location, strict=strict, allow_pickle=self.allow_pickle,
-                             adopt=lambda ck: adoption_for(self._runtimes, ck, self._writers is not None,
+                             adopt=lambda ck: adoption_for(self._runtimes, ck, no_adoption,
                                                            self.coordinator.world_size))
 
     def load(self, step: Optional[int] = None, into: Any = None, *, map_location: Any = None, strict: bool = True,
@@ -906,6 +929,7 @@ class Checkpointer:
         """
         if self._closed:
             raise NebulaError("remove() on a closed Checkpointer")
+        self._check_writable("remove")
         self._one_of("remove", step, tag)
         self._confirm_inflight()
         with self._lock:

@@ -154,6 +154,37 @@ def test_docs_sample_arguments_and_deepspeed_style(root: str, tmp_path: Path,
     assert tn.get_latest_checkpoint(persist_path=str(tmp_path / "nothing-here")) is None
 
 
+@pytest.mark.parametrize("part", ["checkpoint", "é" * 120], ids=["ascii_part", "multibyte_part"])
+def test_longest_tag_gets_a_latest_checkpoint_path(root: str, part: str) -> None:
+    """A valid 256-character tag (the longest check_tag allows; tags are ASCII), with an ASCII or a
+    multi-byte part name: get_latest_checkpoint_path's file name stays within NAME_MAX (the tag
+    and name hashed into it), and two long tags sharing a head get different files."""
+    tn.init(persistent_storage_path=root)
+    paths = []
+    for i, tag in enumerate(("t" * 255 + "1", "t" * 255 + "2")):
+        nc.manifest.check_tag(tag)
+        c = tn.Checkpoint(tag, 1)
+        c.save(part, {"w": torch.full((3,), float(i))})
+        path = tn.get_latest_checkpoint_path(part)
+        assert path is not None and len(os.path.basename(path).encode()) <= 255
+        assert torch.equal(torch.load(path, weights_only=True)["w"], torch.full((3,), float(i)))
+        paths.append(path)
+    assert paths[0] != paths[1]
+
+
+def test_latest_checkpoint_paths_of_different_tags_never_share_a_file(root: str) -> None:
+    """Tags and part names that read the same once made file-name safe ("a/b" and "a_b") get
+    different files: a path handed out earlier keeps its content."""
+    tn.init(persistent_storage_path=root)
+    got = []
+    for i, tag in enumerate(("a/b", "a_b")):
+        c = tn.Checkpoint(tag, 1)
+        c.save("checkpoint", {"w": torch.full((2,), float(i))})
+        got.append(tn.get_latest_checkpoint_path())
+    assert got[0] != got[1]
+    assert torch.equal(torch.load(got[0], weights_only=True)["w"], torch.zeros(2))
+
+
 def test_retention_and_interval(root: str) -> None:
     """num_of_version_in_retention -> keep_last of both tiers; persistent_time_interval ->
     every_seconds of the persistent tier (a commit inside the interval stays in memory, and

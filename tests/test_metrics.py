@@ -23,9 +23,10 @@ def test_each_save_reports_blocking_snapshot_and_durable_per_tier(tmp_path, capl
     state = _state()
     caplog.set_level(logging.INFO, logger="nebula_ckpt")
     with nc.Checkpointer(str(tmp_path / "root"), tiers=[nc.MemoryTier(), nc.LocalTier(str(tmp_path / "disk"))]) as ck:
-        handles = [ck.save_async(s, state) for s in (1, 2, 3)]
-        for h in handles:
-            h.result()
+        handles = []
+        for s in (1, 2, 3):  # each waited for: a busy tier would drop a save (tested elsewhere)
+            handles.append(ck.save_async(s, state))
+            handles[-1].result()
         tiers = ck.stats()["tiers"]
         for h in handles:
             m = h.metrics

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import atexit
 import csv
+import hashlib
 import logging
 import math
 import os
@@ -47,6 +48,7 @@ import torch
 from ..checkpointer import Checkpointer
 from ..errors import NebulaError, NotFoundError, ValidationError
 from ..handle import SaveHandle
+from ..integrations.pointers import safe_name
 from ..manifest import check_tag
 from ..native import monotonic
 from ..tiers import MemoryTier, canonical_root, tier_for_root
@@ -537,7 +539,7 @@ def _reader_for(s: _Session, persist_path: Optional[str]) -> tuple[str, Checkpoi
             if "://" not in path and not os.path.isdir(path):
                 raise NotFoundError(f"torch_nebula: persist_path {path!r} does not exist")
             ck = Checkpointer(path, storage_options=s.settings["storage_options"] if "://" in path else None,
-                              memory_tier=s.settings["memory"])
+                              memory_tier=s.settings["memory"], read_only=True)
             s.readers[key] = ck
         return path, ck
 
@@ -619,7 +621,10 @@ def get_latest_checkpoint_path(name: str = "checkpoint", persist_path: Optional[
         if s.export_dir is None:
             s.export_dir = tempfile.mkdtemp(prefix="torch_nebula-export-")
         safe = "".join(c if c.isalnum() or c in "._-=" else "_" for c in f"{latest.tag}__{name}")
-        path = os.path.join(s.export_dir, safe)
+        # the readable part is lossy ("a/b" and "a_b"), so a hash of (tag, name) keeps two parts
+        # apart; a name longer than NAME_MAX is cut and hashed whole (safe_name)
+        digest = hashlib.sha256(f"{latest.tag}\0{name}".encode("utf-8", "surrogateescape")).hexdigest()[:12]
+        path = os.path.join(s.export_dir, safe_name(f"{safe}~{digest}"))
     torch.save(obj, path)
     return path
 

@@ -98,7 +98,7 @@ from ..checkpointer import Checkpointer
 from ..errors import NotFoundError, PersistError, ValidationError
 from ..manifest import check_tag
 from ..tiers import canonical_root
-from .pointers import MAX_POINTER_BYTES, parse_pointer, write_local_pointer
+from .pointers import NAME_MAX, parse_pointer, read_pointer_head, safe_name, write_local_pointer
 
 log = logging.getLogger("nebula_ckpt")
 
@@ -118,9 +118,19 @@ _DURABLE = ("first", "all", "snapshot")
 
 def _read_pointer(path: str) -> Optional[dict[str, Any]]:
     """The pointer stored at ``path``, or None when ``path`` holds something else (a torch.save file)."""
-    with open(path, "rb") as f:
-        head = f.read(MAX_POINTER_BYTES + 1)
+    head = read_pointer_head(path)  # never blocks on a FIFO, never follows a symlink loop
     return parse_pointer(head, path, POINTER_FORMAT, {"root": str, "tag": str, "key": str, "step": int})
+
+
+def _check_tag_folder(tag: str) -> None:
+    """DeepSpeed keeps a tag's files in the folder ``<save_dir>/<tag>``: refuse, before anything is
+    written, a (valid) tag whose folder name a file system cannot hold."""
+    check_tag(tag)
+    long = [c for c in tag.split("/") if len(c.encode()) > NAME_MAX]
+    if long:
+        raise ValidationError(f"DeepSpeed tag {tag[:40]!r}... ({len(tag)} characters) names the folder "
+                              f"<save_dir>/{tag[:20]}...: a folder name longer than {NAME_MAX} bytes, which no file "
+                              f"system holds; give save_checkpoint a shorter tag")
 
 
 def _to_device(obj: Any, device: torch.device) -> Any:
@@ -195,7 +205,7 @@ class NebulaCkptEngine(CheckpointEngine):
 
     def create(self, info: CheckpointCommitInfo) -> None:
         """Start collecting the files of checkpoint ``info.tag`` (raises on a tag nebula_ckpt refuses)."""
-        check_tag(str(info.tag))
+        _check_tag_folder(str(info.tag))
         if os.path.realpath(os.path.abspath(info.save_dir)) == self._root:
             raise ValidationError(f"DeepSpeed save_dir {info.save_dir!r} is the nebula_ckpt root itself: give "
                                   "enable() / NebulaCkptEngine a root of its own (it owns the step-<N> folders there)")
@@ -334,6 +344,7 @@ class NebulaCkptEngine(CheckpointEngine):
             if not held:
                 return None
             tag = max(held, key=lambda t: (held[t], t))
+        _check_tag_folder(tag)
         step, tree = self.checkpointer.read(tag=tag, map_location="cpu")
         if not isinstance(tree, dict):
             raise ValidationError(f"checkpoint {tag!r} (step {step}) under {self._root} was not written by "
@@ -439,7 +450,8 @@ def materialize(save_dir: str, tag: Optional[str] = None, *, checkpointer: Optio
     tags = {p["tag"] for p in pointers.values()}
     if len(roots) != 1 or len(tags) != 1:
         raise ValidationError(f"{tag_dir}: pointers name several roots / tags: {sorted(roots)} {sorted(tags)}")
-    ck = checkpointer or Checkpointer(roots.pop(), allow_pickle=True)
+    # the root a file names is only read: nothing is created there (not even its folder)
+    ck = checkpointer or Checkpointer(roots.pop(), allow_pickle=True, read_only=True)
     try:
         _, tree = ck.read(tag=tags.pop(), map_location="cpu")
         written = []
@@ -448,7 +460,7 @@ def materialize(save_dir: str, tag: Optional[str] = None, *, checkpointer: Optio
                 if ck.coordinator.world_size > 1:
                     continue  # another rank's part: that rank writes it
                 raise NotFoundError(f"{p}: checkpoint {ptr['tag']!r} under {ptr['root']} has no part {ptr['key']!r}")
-            tmp = f"{p}.nebula-tmp-{os.getpid()}"
+            tmp = os.path.join(os.path.dirname(p), safe_name(f"{os.path.basename(p)}.nebula-tmp-{os.getpid()}"))
             torch.save(tree[ptr["key"]], tmp)
             os.replace(tmp, p)
             written.append(p)

@@ -134,6 +134,14 @@ TRAINER_STATE_NAME = "trainer_state.json"
 #: the core's own ``keep_last`` is set out of the way unless the caller gives one
 _KEEP_ALL = 2**31 - 1
 _CKPT_TAG = re.compile(r"^(?:.*/)?" + re.escape(PREFIX_CHECKPOINT_DIR) + r"-(\d+)$")
+
+
+def _is_checkpoint_tag(tag: str) -> bool:
+    """Whether ``tag`` (read back from a checkpoint) names an HF checkpoint folder *inside* the
+    output dir: ``checkpoint-N``, maybe below relative folders; never ``..``, ``.`` or absolute
+    (it becomes ``<output_dir>/<tag>``, which ``train`` then opens)."""
+    return bool(_CKPT_TAG.match(tag)) and not tag.startswith("/") \
+        and not any(part in ("", ".", "..") for part in tag.split("/"))
 #: device modules whose RNG state HF's rng_state.pth holds besides python / numpy / cpu
 _DEVICE_RNG = ("cuda", "npu", "hpu", "mlu", "musa")
 
@@ -246,7 +254,7 @@ class NebulaCheckpointMixin:
             opts.setdefault("keep_last", _KEEP_ALL)
             self._nebula_ckpt = Checkpointer(self._nebula_root, **opts)
             self._nebula_prepared = False
-            self._nebula_committed = {t: s for t, s in self._nebula_ckpt.tags().items() if _CKPT_TAG.match(t)}
+            self._nebula_committed = {t: s for t, s in self._nebula_ckpt.tags().items() if _is_checkpoint_tag(t)}
             self._nebula_inflight = []
         return self._nebula_ckpt
 
@@ -650,8 +658,8 @@ def get_last_checkpoint(output_dir: str, root: Optional[str] = None,
     where = root or os.path.join(output_dir, "nebula")
     tags: dict[str, int] = {}
     if "://" in where or os.path.isdir(where):
-        with Checkpointer(where, storage_options=storage_options, keep_last=_KEEP_ALL) as ck:
-            tags = {t: s for t, s in ck.tags().items() if _CKPT_TAG.match(t)}
+        with Checkpointer(where, storage_options=storage_options, read_only=True) as ck:
+            tags = {t: s for t, s in ck.tags().items() if _is_checkpoint_tag(t)}
     if tags:
         return os.path.join(output_dir, max(tags, key=tags.__getitem__))
     return hf_last(output_dir) if os.path.isdir(output_dir) else None
@@ -663,7 +671,7 @@ def _opened(root: Union[str, Checkpointer], storage_options: Optional[dict[str, 
     if isinstance(root, Checkpointer):
         yield root
         return
-    with Checkpointer(root, storage_options=storage_options, keep_last=_KEEP_ALL) as ck:
+    with Checkpointer(root, storage_options=storage_options, read_only=True) as ck:  # a read writes nothing
         yield ck
 
 

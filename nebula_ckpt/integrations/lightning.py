@@ -27,8 +27,9 @@ To keep all of that working unchanged, :meth:`NebulaCheckpointIO.save_checkpoint
    ``step`` is not Lightning's ``global_step`` (top-k and ``last.ckpt`` are two checkpoints of
    one global step, and a committed step is never overwritten) but a counter of this root's
    saves: one more than the newest committed step when the plugin starts.
-2. A small JSON *pointer file* at ``path`` (``{"format", "root", "step", "tag", "global_step",
-   "epoch"}``, written to a temporary name, fsync'd and renamed over ``path``, so it is never torn).
+2. A small JSON *pointer file* at ``path`` (``{"format", "root", "step", "tag", "path",
+   "global_step", "epoch"}``; ``path``: where it was written, so a copy still names it), written
+   to a temporary name, fsync'd and renamed over ``path``, so it is never torn.
    ``exists``, globbing, modification times and symlinks are Lightning's as before.
 
 :meth:`~NebulaCheckpointIO.load_checkpoint` reads the pointer and restores the newest *committed*
@@ -36,10 +37,20 @@ checkpoint carrying its tag (``Checkpointer.read(tag=...)``, every checksum veri
 crash the pointer may name a save that never committed (it is written when the save starts),
 and the tag then resolves to the previous checkpoint saved at that path, e.g. the ``last.ckpt``
 before, which is exactly what survived. A path that is not a pointer (a ``torch.save`` file from
-another run) is loaded with Lightning's ``TorchCheckpointIO``.
+another run) is loaded with Lightning's ``TorchCheckpointIO``. The root a pointer names is opened
+read-only unless it is the plugin's own root and the plugin already writes it: a load creates
+nothing there, whatever a (crafted) pointer names.
 :meth:`~NebulaCheckpointIO.remove_checkpoint` removes the tag's checkpoints from every tier
 (``Checkpointer.remove(tag=...)``: commit marker first) and then the pointer; a symlink is only
-unlinked (with ``save_last="link"`` it points at a checkpoint that stays).
+unlinked (with ``save_last="link"`` it points at a checkpoint that stays). A pointer file may be a
+*copy* (Lightning copies ``epoch=N.ckpt`` to ``last.ckpt`` where ``save_last="link"`` cannot link;
+a user's ``cp``): it names the checkpoint of the path it was copied from. So the checkpoint is
+removed only when no other pointer file names it: the file at the path it was written at, the
+files in the folder of the one removed and in every folder the plugin saved to are looked at
+(pointer-sized files only). While one does, only the file goes; once the last of them is gone
+(removed through the plugin, or replaced behind its back as Lightning replaces ``last.ckpt``), the
+checkpoint is removed at the plugin's next save, removal or teardown. A copy kept in another
+folder is not seen (load it with :func:`load_checkpoint` and ``torch.save`` it to keep it).
 
 Retention belongs to Lightning: the root's tier keeps every checkpoint (``keep_last`` is set
 beyond reach) and only Lightning's ``remove_checkpoint`` deletes. A path saved again
@@ -106,7 +117,7 @@ from ..errors import NebulaError, NotFoundError
 from ..handle import SaveHandle
 from ..manifest import MAX_TAG_CHARS, tag_problem
 from ..tiers import Tier, canonical_root
-from .pointers import MAX_POINTER_BYTES, parse_pointer, write_local_pointer
+from .pointers import MAX_POINTER_BYTES, parse_pointer, read_pointer_head, write_local_pointer
 
 log = logging.getLogger(__name__)
 
@@ -210,8 +221,7 @@ def read_pointer(path: str) -> Optional[dict[str, Any]]:
     :class:`NebulaError` naming the field."""
     try:
         if _is_local(path):
-            with open(_local(path), "rb") as f:
-                data = f.read(MAX_POINTER_BYTES + 1)
+            data = read_pointer_head(_local(path))  # never blocks on a FIFO, never follows a link loop
         else:
             fs = _fs(path)
             if not fs.exists(path) or fs.size(path) > MAX_POINTER_BYTES:
@@ -294,6 +304,10 @@ class NebulaCheckpointIO(_CheckpointIO):
         self._next_step: Optional[int] = None
         #: committed (or in-flight) steps per tag known to this plugin, for removing superseded ones
         self._tag_steps: dict[str, list[int]] = {}
+        #: folders this plugin wrote pointer files in (where copies of them are looked for)
+        self._folders: set[str] = set()
+        #: tag -> folders: checkpoints whose pointer was removed while a copy still named them
+        self._deferred: dict[str, set[str]] = {}
         self.last_save_seconds: Optional[float] = None
 
     # -- the Checkpointer ---------------------------------------------------------------------------
@@ -345,14 +359,16 @@ class NebulaCheckpointIO(_CheckpointIO):
         path = os.fspath(path)
         ck = self.checkpointer
         self._settle(ck)
+        self._drop_unreferenced(ck)
         step = self._start_saving(ck)
         tag = tag_for_path(path)
         handle = ck.save_async(step, checkpoint, tag=tag)
         self._next_step = step + 1
         self._inflight = _InFlight(handle, tag, path)
         self._tag_steps.setdefault(tag, []).append(step)
+        self._folders.add(_folder(path))
         write_pointer(path, {"format": POINTER_FORMAT, "root": canonical_root(self.root), "step": step, "tag": tag,
-                             "global_step": _plain_int(checkpoint.get("global_step")),
+                             "path": _abs(path), "global_step": _plain_int(checkpoint.get("global_step")),
                              "epoch": _plain_int(checkpoint.get("epoch"))})
         self.last_save_seconds = time.perf_counter() - t0
         log.debug("nebula_ckpt: Lightning checkpoint %s -> step %d (%.1f ms blocking)", path, step,
@@ -382,7 +398,9 @@ class NebulaCheckpointIO(_CheckpointIO):
         own = canonical_root(ptr["root"]) == canonical_root(self.root)
         if own and self._inflight is not None and self._inflight.tag == ptr["tag"]:
             self._settle(self.checkpointer)  # the save being read: wait until it is durable
-        ck = self.checkpointer if own else self._reader(ptr["root"])
+        # the writer when this plugin already writes the root; else a reader that creates nothing
+        # (the root a file names may not exist, or be another run's)
+        ck = self._ckpt if own and self._ckpt is not None else self._reader(ptr["root"], own)
         try:
             try:
                 step, tree = ck.read(tag=ptr["tag"], map_location=map_location)
@@ -390,7 +408,7 @@ class NebulaCheckpointIO(_CheckpointIO):
                 raise NotFoundError(f"{path}: no committed checkpoint of this path under {ptr['root']} (its save of "
                                     f"step {ptr['step']} never committed and there is no earlier one): {e}") from e
         finally:
-            if not own:
+            if ck is not self._ckpt:
                 ck.close()
         tier = (ck.last_restore or {}).get("tier")
         if step != ptr["step"]:
@@ -404,8 +422,17 @@ class NebulaCheckpointIO(_CheckpointIO):
         return tree
 
     def remove_checkpoint(self, path: Any) -> None:
-        """Remove the checkpoint saved at ``path`` from every tier, then its pointer file. A
-        symlink (``save_last="link"``) is only unlinked; a file that is not a pointer is deleted."""
+        """Remove the pointer file at ``path``, and the checkpoint it names from every tier when
+        no other pointer file still names it. A symlink (``save_last="link"``) is only unlinked;
+        a file that is not a pointer is deleted (with the checkpoints tagged with its path).
+
+        A pointer file may be a copy (Lightning copies ``epoch=N.ckpt`` to ``last.ckpt`` where
+        ``save_last="link"`` cannot make a link; a user's ``cp``): its content names the checkpoint
+        of the path it was written at. The checkpoint stays while a pointer file at that path, in
+        the folder of ``path`` or in a folder this plugin saved to still names it; it is removed
+        once the last of them is gone (at this plugin's next save, removal or teardown, when the
+        last one was replaced behind its back, as Lightning replaces ``last.ckpt``).
+        """
         path = os.fspath(path)
         if _is_local(path) and os.path.islink(_local(path)):
             os.remove(_local(path))
@@ -416,16 +443,59 @@ class NebulaCheckpointIO(_CheckpointIO):
                         ptr["root"])
         else:
             tag = ptr["tag"] if ptr is not None else tag_for_path(path)
-            ck = self.checkpointer
-            if self._inflight is not None and self._inflight.tag == tag:
-                self._settle(ck)
-            try:
-                removed = ck.remove(tag=tag)
-                log.debug("nebula_ckpt: removed %s (step(s) %s)", path, removed)
-            except NotFoundError:
-                log.info("nebula_ckpt: %s: no committed checkpoint carries its tag; removing the file only", path)
-            self._tag_steps.pop(tag, None)
+            folders = {_folder(path), *self._folders}
+            written_at = (ptr or {}).get("path")
+            if isinstance(written_at, str) and _is_local(written_at) == _is_local(path):
+                folders.add(_folder(written_at))  # where the original is (never another kind of store)
+            others = self._referrers(tag, folders, skip=path)
+            if others:
+                log.info("nebula_ckpt: %s: its checkpoint stays, %s still name(s) it; removing the file only", path,
+                         others[:3])
+                self._deferred.setdefault(tag, set()).update(folders)
+            else:
+                self._remove_tag(tag, path)
         _remove_file(path)
+        if self._ckpt is not None:
+            self._drop_unreferenced(self._ckpt)
+
+    def _remove_tag(self, tag: str, why: str) -> None:
+        """Remove every checkpoint tagged ``tag`` from every tier (the save in flight with it first)."""
+        ck = self.checkpointer
+        if self._inflight is not None and self._inflight.tag == tag:
+            self._settle(ck)
+        try:
+            removed = ck.remove(tag=tag)
+            log.debug("nebula_ckpt: removed %s (step(s) %s)", why, removed)
+        except NotFoundError:
+            log.info("nebula_ckpt: %s: no committed checkpoint carries its tag; removing the file only", why)
+        self._tag_steps.pop(tag, None)
+        self._deferred.pop(tag, None)
+
+    def _referrers(self, tag: str, folders: set[str], skip: Optional[str] = None) -> list[str]:
+        """Pointer files in ``folders`` (but ``skip``) naming the checkpoint tagged ``tag`` of this root."""
+        mine = canonical_root(self.root)
+        skip_abs = _abs(skip) if skip is not None else None
+        out = []
+        for folder in sorted(folders):
+            for p in _small_files(folder):
+                if p == skip_abs or p.endswith(".nebula-tmp"):  # a pointer being written (or left by a crash)
+                    continue
+                try:
+                    ptr = read_pointer(p)
+                except (NebulaError, OSError):
+                    continue  # not a readable pointer: names nothing
+                if ptr is not None and ptr["tag"] == tag and canonical_root(ptr["root"]) == mine:
+                    out.append(p)
+        return out
+
+    def _drop_unreferenced(self, ck: Checkpointer) -> None:
+        """Remove the checkpoints whose removal waited for a copy of their pointer, once no pointer
+        file names them any more (the copy removed or replaced, e.g. Lightning's ``last.ckpt``)."""
+        for tag, folders in list(self._deferred.items()):
+            if self._inflight is not None and self._inflight.tag == tag:
+                continue  # saved again: its path names it
+            if not self._referrers(tag, folders):
+                self._remove_tag(tag, f"the checkpoint of {tag} (no pointer file names it any more)")
 
     def teardown(self) -> None:
         """End of ``fit`` / ``validate`` ...: wait for every save, remove superseded steps, close
@@ -442,6 +512,7 @@ class NebulaCheckpointIO(_CheckpointIO):
         try:
             try:
                 self._settle(ck)
+                self._drop_unreferenced(ck)
             finally:
                 self._inflight = None
                 ck.close()
@@ -485,18 +556,23 @@ class NebulaCheckpointIO(_CheckpointIO):
         if older:
             log.debug("nebula_ckpt: %s: removed superseded step(s) %s", done.path, older)
 
-    def _reader(self, root: str) -> Checkpointer:
-        """A Checkpointer for reading a pointer into another root (same storage options)."""
+    def _reader(self, root: str, own: bool = False) -> Checkpointer:
+        """A read-only Checkpointer on the root a pointer names (``own``: this plugin's root, read
+        through its tiers): it creates nothing there, not even the root's folder."""
         o = self._options
+        if own:
+            return Checkpointer(self.root, storage_options=o["storage_options"], tiers=o["tiers"],
+                                memory_tier=o["memory_tier"], allow_pickle=o["allow_pickle"],
+                                coordinator=LocalCoordinator(), read_only=True)
         return Checkpointer(root, storage_options=o["storage_options"] if not _is_local(root) else None,
-                            allow_pickle=o["allow_pickle"], coordinator=LocalCoordinator())
+                            allow_pickle=o["allow_pickle"], coordinator=LocalCoordinator(), read_only=True)
 
     def __getstate__(self) -> dict[str, Any]:
         """Picklable (``ddp_spawn`` sends the plugin to its workers): without the live Checkpointer."""
         if self._inflight is not None:
             raise NebulaError("NebulaCheckpointIO cannot be pickled while a save is in flight; call wait() first")
         state = dict(self.__dict__)
-        state.update(_ckpt=None, _inflight=None, _next_step=None, _tag_steps={})
+        state.update(_ckpt=None, _inflight=None, _next_step=None, _tag_steps={}, _deferred={})
         return state
 
 
@@ -538,6 +614,38 @@ def _plain_int(v: Any) -> Optional[int]:
         return int(v) if v is not None else None
     except (TypeError, ValueError):
         return None
+
+
+def _abs(path: str) -> str:
+    """``path`` as the pointer files record it: local paths absolute (folder resolved, as
+    :func:`tag_for_path`), URLs as they are."""
+    if _is_local(path):
+        p = _local(path)
+        return os.path.join(os.path.realpath(os.path.dirname(os.path.abspath(os.path.expanduser(p)))),
+                            os.path.basename(p))
+    return path
+
+
+def _folder(path: str) -> str:
+    return os.path.dirname(_abs(path))
+
+
+def _small_files(folder: str) -> list[str]:
+    """Paths of the files in ``folder`` small enough to be pointers (none when it is missing)."""
+    if _is_local(folder):
+        try:
+            with os.scandir(_local(folder)) as it:
+                # a symlink is not a copy: it names whatever its target names (save_last="link")
+                return [os.path.join(folder, e.name) for e in it if e.is_file(follow_symlinks=False)
+                        and e.stat(follow_symlinks=False).st_size <= MAX_POINTER_BYTES]
+        except OSError:
+            return []
+    try:
+        entries = _fs(folder).ls(folder, detail=True)
+    except (OSError, ValueError):
+        return []
+    return [e["name"] if "://" in e["name"] else f"{folder.split('://')[0]}://{e['name']}" for e in entries
+            if e.get("type") == "file" and (e.get("size") or 0) <= MAX_POINTER_BYTES]
 
 
 def _exists(path: str) -> bool:

@@ -9,8 +9,11 @@ at a path (a ``torch.save`` file) is not a pointer and is loaded the framework's
 from __future__ import annotations
 
 import contextlib
+import errno
+import hashlib
 import json
 import os
+import stat
 import tempfile
 from typing import Any, Optional
 
@@ -19,6 +22,51 @@ from ..storage.local import fsync_dir
 
 #: a pointer is a few hundred bytes; anything larger at a path is some other file
 MAX_POINTER_BYTES = 64 << 10
+#: the longest file or folder name (bytes) Linux file systems take (NAME_MAX)
+NAME_MAX = 255
+
+
+def safe_name(name: str, limit: int = NAME_MAX) -> str:
+    """``name`` as one path component of at most ``limit`` bytes (UTF-8): unchanged when it fits,
+    else its head (never cut inside a character), ``~`` and a hash of the whole name, so two
+    long names that share a head still differ. Whatever names the file (a tag) stays in its content.
+    """
+    raw = name.encode("utf-8", "surrogateescape")
+    if len(raw) <= limit:
+        return name
+    digest = "~" + hashlib.sha256(raw).hexdigest()[:32]
+    head = raw[: max(0, limit - len(digest))].decode("utf-8", "ignore")  # "ignore": drop a split character
+    return head + digest
+
+
+def read_pointer_head(path: str) -> bytes:
+    """The first ``MAX_POINTER_BYTES + 1`` bytes of the local file ``path`` (symlinks followed,
+    as a framework's ``last.ckpt`` link is), never blocking: a FIFO, socket or device at ``path``
+    is refused instead of being read.
+
+    Raises:
+        FileNotFoundError / IsADirectoryError / NotADirectoryError: as ``open``.
+        ValidationError: ``path`` is not a regular file (named, with what it is).
+        OSError: ``ELOOP`` for a symlink loop, naming the path.
+    """
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise OSError(errno.ELOOP, f"{path}: a loop of symbolic links, not a checkpoint file (remove it)",
+                          path) from None
+        raise
+    try:
+        st = os.fstat(fd)
+        if stat.S_ISDIR(st.st_mode):
+            raise IsADirectoryError(errno.EISDIR, "Is a directory", path)
+        if not stat.S_ISREG(st.st_mode):
+            raise ValidationError(f"{path} is not a regular file (mode {stat.filemode(st.st_mode)}): a checkpoint "
+                                  "path holds a file; refusing to read it")
+        with os.fdopen(os.dup(fd), "rb") as f:
+            return f.read(MAX_POINTER_BYTES + 1)
+    finally:
+        os.close(fd)
 
 
 def parse_pointer(data: bytes, path: str, fmt: str, fields: dict[str, type]) -> Optional[dict[str, Any]]:
@@ -56,7 +104,9 @@ def write_local_pointer(path: str, pointer: dict[str, Any], mode: Optional[int] 
     data = (json.dumps(pointer, indent=1, sort_keys=True) + "\n").encode()
     folder = os.path.dirname(os.path.abspath(path))
     os.makedirs(folder, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", suffix=".nebula-tmp", dir=folder)
+    # the temporary name stays within NAME_MAX whatever the length of ``path``'s own name
+    prefix = "." + safe_name(os.path.basename(path), NAME_MAX - 40) + "."
+    fd, tmp = tempfile.mkstemp(prefix=prefix, suffix=".nebula-tmp", dir=folder)
     try:
         os.fchmod(fd, mode if mode is not None else 0o666 & ~_umask())  # mkstemp makes it 0600
         with os.fdopen(fd, "wb") as f:

@@ -278,10 +278,72 @@ def units(root: str, save_dir: str, out: str) -> None:
     json.dump(res, open(out, "w"))
 
 
+def _tree(top: str) -> set[str]:
+    return {os.path.join(d, n) for d, dirs, files in os.walk(top) for n in dirs + files}
+
+
+def _error(fn: Any, seconds: float = 20) -> str:
+    """``"<Type>: <message>"`` of what ``fn()`` raises (in a thread: a blocking read shows as such)."""
+    import threading
+
+    box: list[str] = ["returned"]
+
+    def run() -> None:
+        try:
+            fn()
+        except Exception as e:
+            box[0] = f"{type(e).__name__}: {e}"
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    t.join(seconds)
+    return "blocked" if t.is_alive() else box[0]
+
+
+def hostile(root: str, save_dir: str, out: str) -> None:
+    """Hostile pointers and tags: a pointer naming a root that does not exist, a FIFO at a
+    DeepSpeed path, a valid tag too long for a folder name."""
+    from deepspeed.runtime.checkpoint_engine import CheckpointCommitInfo
+
+    import nebula_ckpt as nc
+    from nebula_ckpt.integrations.deepspeed import POINTER_FORMAT, NebulaCkptEngine, materialize
+
+    res: dict[str, Any] = {}
+    top = os.path.dirname(os.path.abspath(save_dir))
+    shm = os.environ["NEBULA_SHM_DIR"]
+    os.makedirs(os.path.join(save_dir, "t"))
+    victim = os.path.join(top, "victim", "root")
+    with open(os.path.join(save_dir, "t", "mp_rank_00_model_states.pt"), "w") as f:
+        json.dump({"format": POINTER_FORMAT, "root": victim, "tag": "t", "key": "mp_rank_00_model_states.pt",
+                   "step": 0}, f)
+    before = _tree(top) | _tree(shm)
+    res["materialize"] = _error(lambda: materialize(save_dir, "t"))
+    res["created"] = sorted((_tree(top) | _tree(shm)) - before)
+
+    ce = NebulaCkptEngine(root)
+    fifo = os.path.join(save_dir, "t", "fifo.pt")
+    os.mkfifo(fifo)
+    res["fifo"] = _error(lambda: ce.load(fifo))
+    long_tag = "g" * 256
+    before = _tree(top)
+    info = CheckpointCommitInfo(tag=long_tag, save_dir=save_dir, save_latest=True)
+    res["long_tag_create"] = _error(lambda: ce.create(info))
+    res["long_tag_written"] = sorted(_tree(top) - before)
+    ce.close()
+    with nc.Checkpointer(root, allow_pickle=True) as other:  # a valid tag, written by another tool
+        other.save(5, {"mp_rank_00_model_states.pt": {"w": torch.ones(2)}}, tag=long_tag)
+    ce = NebulaCkptEngine(root)
+    res["long_tag_restore"] = _error(lambda: ce.restore_pointers(os.path.join(top, "ds2")))
+    ce.close()
+    json.dump(res, open(out, "w"))
+
+
 if __name__ == "__main__":
     mode, stage_s, root_a, save_dir_a, out_a = sys.argv[1:6]
     if mode == "units":
         units(root_a, save_dir_a, out_a)
+    elif mode == "hostile":
+        hostile(root_a, save_dir_a, out_a)
     elif mode == "roundtrip":
         roundtrip(int(stage_s), root_a, save_dir_a, out_a)
     else:

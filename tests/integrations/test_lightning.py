@@ -202,6 +202,103 @@ def test_foreign_torch_file_loads(root: str, tmp_path) -> None:  # noqa: ANN001
     io.teardown()
 
 
+def test_removing_a_copy_of_a_pointer_keeps_what_another_pointer_names(root: str, tmp_path) -> None:  # noqa: ANN001
+    """A pointer file's content names the checkpoint of the path it was written at; a copy of it
+    (a user's backup, Lightning's ``last.ckpt`` where it cannot link) names the same one. Removing
+    any of them removes the checkpoint only once no other pointer file names it."""
+    io = NebulaCheckpointIO(root)
+    d = tmp_path / "ckpts"
+    a, backup, last = str(d / "epoch=1.ckpt"), str(d / "backup.ckpt"), str(d / "last.ckpt")
+    elsewhere = str(tmp_path / "keep" / "mine.ckpt")
+    try:
+        io.save_checkpoint(_state(1), a)
+        io.wait()
+        shutil.copy(a, backup)
+        shutil.copy(a, str(d / ".epoch=1.ckpt.x1y2z3.nebula-tmp"))  # a pointer's temporary file left by a crash
+        os.makedirs(os.path.dirname(elsewhere))
+        shutil.copy(a, elsewhere)
+        io.remove_checkpoint(backup)  # a copy beside the original
+        assert not os.path.exists(backup)
+        _assert_same(io.load_checkpoint(a), _state(1))
+        io.remove_checkpoint(elsewhere)  # a copy in another folder: the original is where it says
+        assert not os.path.exists(elsewhere)
+        _assert_same(io.load_checkpoint(a), _state(1))
+        # the original goes while a copy of it still names its checkpoint (top-k eviction of the
+        # file last.ckpt was copied from): the checkpoint stays for the copy
+        shutil.copy(a, last)
+        io.remove_checkpoint(a)
+        assert not os.path.exists(a)
+        _assert_same(io.load_checkpoint(last), _state(1))
+        assert set(io.checkpointer.tags()) == {tag_for_path(a)}
+        # Lightning replaces last.ckpt itself (os.remove, then a new link or copy): the checkpoint no
+        # pointer file names any more is removed at the plugin's next save
+        os.remove(last)
+        b = str(d / "epoch=2.ckpt")
+        io.save_checkpoint(_state(2), b)
+        io.wait()
+        assert set(io.checkpointer.tags()) == {tag_for_path(b)}
+        # removing the last pointer file of a checkpoint removes it
+        io.remove_checkpoint(b)
+        assert io.checkpointer.tags() == {} and os.listdir(d) == [".epoch=1.ckpt.x1y2z3.nebula-tmp"]
+    finally:
+        io.teardown()
+
+
+class _AllPointersLoad(Callback):
+    """At every epoch end: every pointer file in the folder loads (none names a removed checkpoint)."""
+
+    def __init__(self, io: NebulaCheckpointIO, dirpath: str) -> None:
+        self.io, self.dirpath, self.checked = io, dirpath, 0
+
+    def on_train_epoch_end(self, trainer: Any, pl_module: Any) -> None:
+        if not os.path.isdir(self.dirpath):
+            return
+        self.io.wait()
+        for name in sorted(os.listdir(self.dirpath)):
+            got = self.io.load_checkpoint(os.path.join(self.dirpath, name))
+            assert "state_dict" in got, name
+            self.checked += 1
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("save_last,links,last_name", [
+    ("link", False, "last-{epoch}"),   # Lightning copies the pointer (no symlinks), last-N removed each epoch
+    ("link", False, "last"),           # ... last.ckpt replaced by a copy with os.remove, behind the plugin
+    ("link", True, "last-{epoch}"),    # real symlinks
+    (True, True, "last-{epoch}"),      # last-N saved as checkpoints of their own
+], ids=["link-copied-last-N", "link-copied-last", "link-symlink-last-N", "save_last-last-N"])
+def test_fit_save_last_copies_and_links_never_lose_a_checkpoint(root: str, tmp_path, monkeypatch,  # noqa: ANN001
+                                                                save_last: Any, links: bool,
+                                                                last_name: str) -> None:
+    """A real Trainer with save_top_k and save_last: top-k eviction and the removal of an older
+    last file never remove a checkpoint another pointer file (a copy) still names; at the end the
+    root holds exactly the checkpoints the pointer files name (nothing dangling, nothing leaked)."""
+    if not links:  # as on a file system (or platform) without symlinks: Lightning falls back to copying
+        def no_symlink(*_: Any, **__: Any) -> None:
+            raise OSError(1, "symlinks not permitted here")
+        monkeypatch.setattr(os, "symlink", no_symlink)
+    torch.manual_seed(SEED)
+    x, y = make_data()
+    val = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x[:16], y[:16]), batch_size=8)
+    dirpath = str(tmp_path / "ckpts")
+    io = NebulaCheckpointIO(root)
+    check = _AllPointersLoad(io, dirpath)
+    cb = ModelCheckpoint(dirpath=dirpath, monitor="val_loss", save_top_k=2, save_last=save_last)
+    cb.CHECKPOINT_NAME_LAST = last_name
+    trainer = make_trainer(io, dirpath, [check], max_epochs=6, checkpoint_callback=cb)
+    trainer.fit(TinyModule(), ResumableLoader(x, y, BATCH, SEED), val)
+    assert check.checked >= 10
+    names = sorted(os.listdir(dirpath))
+    files = {n: read_pointer(os.path.join(dirpath, n)) for n in names}
+    if not links:
+        assert not any(os.path.islink(os.path.join(dirpath, n)) for n in names)
+    assert {os.path.basename(p) for p in cb.best_k_models} <= set(names) and len(names) == 3, names
+    for n in names:
+        assert "state_dict" in load_checkpoint(os.path.join(dirpath, n)), n
+    with nc.Checkpointer(root, read_only=True) as ck:
+        assert set(ck.tags()) == {p["tag"] for p in files.values() if p is not None}, (names, ck.tags())
+
+
 # -- real fits -----------------------------------------------------------------------------------------
 class _CheckTiers(Callback):
     """At every epoch end: every tier holds exactly the checkpoints whose pointers exist."""
