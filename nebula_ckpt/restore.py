@@ -497,6 +497,9 @@ def stage_apply(ck: OpenCheckpoint, into: Any, *, map_location: Any = None, stri
         run = _plan_node(st, ck.tree, into, "", strict)
         st.materialize()
         ck.verify_rest()
+        if ck.adoption is not None and not ck.adoption.give_up():
+            # the claim was not won: never write through the file, copy (checked) what it would hand out
+            st.own_adopted(ck.adoption.adopted)
     except BaseException:
         if ck.adoption is not None:
             ck.adoption.finish()  # nothing was handed over: the tier keeps its checkpoint
@@ -504,8 +507,6 @@ def stage_apply(ck: OpenCheckpoint, into: Any, *, map_location: Any = None, stri
 
     def go() -> None:
         adoption = ck.adoption
-        if adoption is not None and not adoption.give_up():
-            st.own_adopted(adoption.adopted)  # the tier keeps the file: never write through it
         try:
             run()
         finally:
@@ -586,16 +587,25 @@ class _Staged:
         """Make every registered owned copy (checksums checked while copying)."""
         self._owned = [_owned_batch(self.ck, keys, self.map_location) for keys in self._groups]
 
-    def own_adopted(self, adopted: set[int]) -> None:
-        """Replace the tensors adopted from the memory tier (ids in ``adopted``) by owned copies:
-        the tier kept the step, so its file must never be written through them."""
+    def own_adopted(self, adopted: Mapping[int, mf.TensorRecord]) -> None:
+        """Replace the tensors adopted from the memory tier (ids in ``adopted``, with their
+        records) by owned copies, their checksums checked: the claim on the tier's file was not
+        won, so it must never be written through them.
+
+        Raises:
+            CorruptCheckpointError: a copy's bytes differ from the manifest's checksum.
+        """
         copies: dict[int, torch.Tensor] = {}
         for owned in self._owned:
             for k, t in owned.items():
                 if id(t) in adopted:
                     if id(t) not in copies:
-                        copies[id(t)] = t.clone()
+                        copies[id(t)] = _owned(t, None)
                     owned[k] = copies[id(t)]
+        ops = get_ops()
+        for i, c in copies.items():
+            raw = c.reshape(-1).view(torch.uint8)
+            self.ck.verified_by_copy([adopted[i]], ops.crc32c(raw, [0], [raw.numel()]))
 
 
 def tensor_keys(node: Any, out: list[str]) -> list[str]:
@@ -641,7 +651,7 @@ def _owned_batch(ck: OpenCheckpoint, keys: list[str], map_location: Any) -> dict
             adopted = ck.adoption.tensors([ck.resolve(k) for k, _ in cpu])
         except OSError as e:  # the file cannot be mapped for writing: copy, as without adoption
             log.info("nebula_ckpt: %s: copying instead of adopting the memory tier's pages (%s)", ck.where, e)
-            ck.adoption.refused = True  # what an earlier group adopted is copied at apply time
+            ck.adoption.refused = True  # what an earlier group adopted is copied at the end of staging
         else:
             out.update((k, t) for (k, _), t in zip(cpu, adopted, strict=True))
             cpu = []
