@@ -16,7 +16,7 @@ import os
 import signal
 import subprocess
 import sys
-from typing import Any
+from typing import Any, Callable, Optional
 
 import pytest
 import torch
@@ -324,10 +324,11 @@ def _await(gates: str, name: str, procs: list[subprocess.Popen]) -> None:
         time.sleep(0.01)
 
 
-def _restore_pinned(root: str, shm_dir: str, ref: str, gates: str, modes: list[str]) -> list[dict[str, Any]]:
-    """Run one restorer per mode; all open the memory tier's step before any goes on, then each
-    restores in turn (0, 1, ...) to the end, then each changes its optimizer state in turn, then
-    all check theirs."""
+def _restore_pinned(root: str, shm_dir: str, ref: str, gates: str, modes: list[str],
+                    meanwhile: Optional[Callable[[], None]] = None) -> list[dict[str, Any]]:
+    """Run one restorer per mode; all open the memory tier's step before any goes on (then
+    ``meanwhile`` runs), then each restores in turn (0, 1, ...) to the end, then each changes its
+    optimizer state in turn, then all check theirs."""
     env = dict(os.environ, NEBULA_SHM_DIR=shm_dir)
     procs = [subprocess.Popen([sys.executable, "-c", _RESTORER, root, gates, ref, str(i), m], env=env,
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -335,6 +336,8 @@ def _restore_pinned(root: str, shm_dir: str, ref: str, gates: str, modes: list[s
     try:
         for i in range(len(modes)):
             _await(gates, f"opened-{i}", procs)
+        if meanwhile is not None:
+            meanwhile()
         for i in range(len(modes)):
             _gate(gates, f"turn-{i}")
             _await(gates, f"restored-{i}", procs)
@@ -371,3 +374,35 @@ def test_restarts_at_once_never_share_the_pages(root: str, shm_dir: str, tmp_pat
     for i, r in enumerate(results):
         assert r["model_ok"], f"restorer {i}'s model is not the checkpoint's: {results}"
         assert r["optim_changed_by_others"] == 0, f"restorer {i}'s optimizer state was written by another: {results}"
+
+
+def test_a_live_writer_never_reuses_a_file_another_process_restores_from(root: str, shm_dir: str, tmp_path) -> None:  # noqa: ANN001
+    """A restorer (an evaluation script) has staged step 1 from the memory tier of a job that goes
+    on saving (pinned: staged, the model's bytes still to be copied). Retention drops step 1 and the
+    job's next saves take staging slot files again: never the one the restorer still reads."""
+    model, opt = _model()
+    ref = str(tmp_path / "ref.pt")
+    gates = tmp_path / "gates"
+    gates.mkdir()
+
+    def train() -> None:
+        model(torch.randn(4, 64)).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+
+    train()
+    with nc.Checkpointer(root) as job:
+        job.save(1, {"model": model, "optim": opt, "step": 1})
+        torch.save({"model": model.state_dict(), "optim": opt.state_dict()}, ref)
+
+        def saves_on() -> None:  # step 1 leaves the memory tier; its slot file is free to stage in again
+            for step in (2, 3, 4):
+                train()
+                job.save(step, {"model": model, "optim": opt, "step": step})
+            assert job.list(detailed=True)[job.tiers[0].name] == [4]
+
+        results = _restore_pinned(root, shm_dir, ref, str(gates), ["copy"], meanwhile=saves_on)
+    r = results[0]
+    assert r["step"] == 1 and r["tier"].startswith("memory:"), results
+    assert r["model_ok"], f"the job's saves wrote the file the restorer read: {results}"
+    assert r["optim_changed_by_others"] == 0, results

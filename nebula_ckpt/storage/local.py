@@ -86,6 +86,24 @@ def hold_alone(fd: int) -> bool:
     return True
 
 
+def read_elsewhere(path: str) -> bool:
+    """Whether another process holds a reader lock (:func:`hold_read`) on the file at ``path``
+    (False when it is gone): its bytes must not change."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return False
+    try:
+        pid = os.getpid()
+        for start, length in ((0, pid), (pid + 1, 0)):
+            got = fcntl.fcntl(fd, fcntl.F_OFD_GETLK, struct.pack(_FLOCK, fcntl.F_WRLCK, os.SEEK_SET, start, length, 0))
+            if struct.unpack(_FLOCK, got)[0] != fcntl.F_UNLCK:
+                return True
+        return False
+    finally:
+        os.close(fd)
+
+
 def let_go(fd: int) -> None:
     """Undo :func:`hold_alone` (this process still reads the file)."""
     pid = os.getpid()
