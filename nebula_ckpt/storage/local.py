@@ -54,13 +54,40 @@ def _open_nofollow(path: str) -> Any:
 # granted, keeps every later reader lock from being granted.
 
 _FLOCK = "@hhqqi4x"  # struct flock: l_type, l_whence, l_start, l_len (0: to the end), l_pid
+#: open-file-description locks (Linux >= 3.15); without them no reader can be seen, so no file is
+#: ever taken over (adoption copies) and readers register nothing
+_OFD: dict[str, Optional[int]] = {"set": getattr(fcntl, "F_OFD_SETLK", None),
+                                  "get": getattr(fcntl, "F_OFD_GETLK", None)}
+
+
+class _NoOfdLocks(Exception):
+    pass
+
+
+def _ofd(fd: int, op: str, kind: int, start: int, length: int) -> bytes:
+    cmd = _OFD[op]
+    if cmd is None:
+        raise _NoOfdLocks()
+    try:
+        return fcntl.fcntl(fd, cmd, struct.pack(_FLOCK, kind, os.SEEK_SET, start, length, 0))
+    except OSError as e:
+        if e.errno == errno.EINVAL and _OFD["set"] is not None:
+            log.info("nebula_ckpt: no open-file-description locks here (%s): memory-tier pages are copied, "
+                     "never handed over", e)
+            _OFD["set"] = _OFD["get"] = None
+            raise _NoOfdLocks() from None
+        raise
 
 
 def _ofd_lock(fd: int, kind: int, start: int, length: int) -> bool:
     """Set (or clear) an open-file-description lock on ``[start, start + length)`` (0: to the
-    end); False when another open file holds a conflicting one."""
+    end); False when another open file holds a conflicting one.
+
+    Raises:
+        _NoOfdLocks: the system has none.
+    """
     try:
-        fcntl.fcntl(fd, fcntl.F_OFD_SETLK, struct.pack(_FLOCK, kind, os.SEEK_SET, start, length, 0))
+        _ofd(fd, "set", kind, start, length)
     except OSError as e:
         if e.errno in (errno.EAGAIN, errno.EACCES):
             return False
@@ -71,12 +98,23 @@ def _ofd_lock(fd: int, kind: int, start: int, length: int) -> bool:
 def hold_read(fd: int) -> bool:
     """Register the open file ``fd`` as read by this process (until the last descriptor of it
     closes, a mapping's included); False when another process has taken the file over."""
-    return _ofd_lock(fd, fcntl.F_RDLCK, os.getpid(), 1)
+    try:
+        return _ofd_lock(fd, fcntl.F_RDLCK, os.getpid(), 1)
+    except _NoOfdLocks:
+        return True  # nothing can take a file over here (hold_alone is always False)
 
 
 def hold_alone(fd: int) -> bool:
     """Take the file of ``fd`` over: True when no other process holds it open for reading (by
-    :func:`hold_read`), and from then on none can; False (nothing taken) otherwise."""
+    :func:`hold_read`), and from then on none can; False (nothing taken) otherwise, and always
+    where the system has no open-file-description locks."""
+    try:
+        return _hold_alone(fd)
+    except _NoOfdLocks:
+        return False
+
+
+def _hold_alone(fd: int) -> bool:
     pid = os.getpid()
     if not _ofd_lock(fd, fcntl.F_WRLCK, 0, pid):
         return False
@@ -96,9 +134,11 @@ def read_elsewhere(path: str) -> bool:
     try:
         pid = os.getpid()
         for start, length in ((0, pid), (pid + 1, 0)):
-            got = fcntl.fcntl(fd, fcntl.F_OFD_GETLK, struct.pack(_FLOCK, fcntl.F_WRLCK, os.SEEK_SET, start, length, 0))
+            got = _ofd(fd, "get", fcntl.F_WRLCK, start, length)
             if struct.unpack(_FLOCK, got)[0] != fcntl.F_UNLCK:
                 return True
+        return False
+    except _NoOfdLocks:
         return False
     finally:
         os.close(fd)
@@ -107,8 +147,11 @@ def read_elsewhere(path: str) -> bool:
 def let_go(fd: int) -> None:
     """Undo :func:`hold_alone` (this process still reads the file)."""
     pid = os.getpid()
-    _ofd_lock(fd, fcntl.F_UNLCK, 0, pid)
-    _ofd_lock(fd, fcntl.F_UNLCK, pid + 1, 0)
+    try:
+        _ofd_lock(fd, fcntl.F_UNLCK, 0, pid)
+        _ofd_lock(fd, fcntl.F_UNLCK, pid + 1, 0)
+    except _NoOfdLocks:
+        pass
 
 
 class LocalStorage(Storage):
