@@ -15,9 +15,19 @@ That is safe only if nothing else can ever read those bytes as a checkpoint, or 
   keeps a restarted job from writing the tier) and must not have saved through this
   Checkpointer yet (none of its own slot files is involved);
 * single process, CPU tensors only;
-* at apply time, before the tensors are handed out, the checkpoint is deleted from the memory
-  tier (commit marker first). If that fails, or another name still links the file, the adopted
-  tensors are replaced by owned copies: a file that the tier may reuse is never written through.
+* the hand-over is a claim that one process alone can win: every process that reads a memory-tier
+  file holds a reader lock on it for as long as it maps it (see
+  :func:`nebula_ckpt.storage.local.hold_read`), and the claim, under the tier's lock, takes the
+  file over only when no other process holds one (:func:`~nebula_ckpt.storage.local.hold_alone`),
+  the step is still committed and its names still link the very files this process verified.
+  Then the checkpoint is deleted from the memory tier (commit marker first) and no name may link
+  the file any more. Once claimed, no other process can start reading the file, and none was
+  reading it: the pages this process writes (an optimizer step) or gives back to the tmpfs are
+  nobody else's. The claim comes at the end of staging, once everything is verified, before
+  anything in ``into`` changes. A process that does not win it (another one holds or reads the
+  file, the step is gone or was replaced, the tier's lock is held, another name links the file)
+  copies the adopted tensors instead and checks the copies' checksums, still while staging: a
+  mismatch skips the candidate as damaged, like any other.
 
 The file stays alive, unnamed, as long as any adopted tensor does; its pages no adopted tensor
 covers (the model's bytes, the header) are given back to the tmpfs once the restore is applied.
@@ -40,6 +50,7 @@ import torch
 
 from . import manifest as mf
 from .native import get_ops
+from .storage.local import hold_alone, hold_read, let_go
 
 if TYPE_CHECKING:
     from .restore import OpenCheckpoint
@@ -68,8 +79,8 @@ class Adoption:
         self.given_up = False
         #: a shard could not be mapped for writing: nothing is handed over, adopted views get copied
         self.refused = False
-        #: ids of the tensors that are views of the shared mappings
-        self.adopted: set[int] = set()
+        #: the tensors that are views of the shared mappings (by id), with their records
+        self.adopted: dict[int, mf.TensorRecord] = {}
 
     @property
     def handed_bytes(self) -> int:
@@ -85,6 +96,8 @@ class Adoption:
                 raise OSError(errno.EXDEV, "the memory tier is not a local file system")
             fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
             try:
+                if not hold_read(fd):
+                    raise OSError(errno.EBUSY, f"{path} was taken over by another process")
                 size = os.fstat(fd).st_size
                 if size != sh.bytes:
                     raise OSError(errno.EINVAL, f"{path} has {size} bytes, the manifest says {sh.bytes}")
@@ -121,13 +134,14 @@ class Adoption:
                 continue
             out.append(torch.frombuffer(self.map(r.shard), dtype=r.torch_dtype, count=numel,
                                         offset=r.start).reshape(r.shape))
-            self.adopted.add(id(out[-1]))
+            self.adopted[id(out[-1])] = r
             self._used.setdefault(r.shard, []).append((r.start, r.end))
         return out
 
     def give_up(self) -> bool:
-        """Delete the checkpoint from the memory tier so that its file is this process's alone;
-        False when that cannot be made sure (the adopted tensors must then be copied)."""
+        """Claim the file(s): take them over and delete the checkpoint from the memory tier, so
+        that they are this process's alone; False when the claim is not won (see the module
+        docstring: the adopted tensors must then be copied)."""
         from .persist import delete_checkpoint
 
         if self.refused or not self._used:
@@ -135,23 +149,52 @@ class Adoption:
         # This process has not saved (a condition of adoption): it holds the lock only for this.
         if not self._runtime.lock_for_adoption():
             return False
+        held: list[int] = []
         try:
-            delete_checkpoint(self._runtime.storage, self._ck.step)
-            linked = [os.fstat(fd).st_nlink for fd, _ in self._files.values()]
+            why = self._not_ours()
+            if why is None:
+                for fd, _ in self._files.values():
+                    if not hold_alone(fd):
+                        why = "another process has it open"
+                        break
+                    held.append(fd)
+            if why is None:
+                delete_checkpoint(self._runtime.storage, self._ck.step)
+                if any(os.fstat(fd).st_nlink for fd, _ in self._files.values()):
+                    why = "a shard is still linked elsewhere"
         except OSError as e:
-            log.warning("nebula_ckpt: memory tier %s: step %d not handed over (%s); copying it instead",
-                        self._runtime.name, self._ck.step, e)
-            return False
+            why = str(e)
         finally:
             self._runtime.unlock_after_adoption()
-        if any(linked):
-            log.warning("nebula_ckpt: memory tier %s: a shard of step %d is still linked elsewhere; "
-                        "copying it instead", self._runtime.name, self._ck.step)
+        if why is not None:
+            for fd in held:
+                let_go(fd)
+            log.info("nebula_ckpt: memory tier %s: step %d not handed over (%s); copying it instead",
+                     self._runtime.name, self._ck.step, why)
             return False
         self.given_up = True
         log.info("nebula_ckpt: step %d handed over from memory tier %s without a copy (the tier holds the "
                  "next save; the step stays on the slower tiers)", self._ck.step, self._runtime.name)
         return True
+
+    def _not_ours(self) -> "str | None":
+        """Why the tier's step is no longer the one this process verified (None: it is): its commit
+        marker is gone, or a shard's name links another file (deleted, replaced, re-saved)."""
+        storage = self._runtime.storage
+        d = mf.step_dir(self._ck.step)
+        if not storage.exists(f"{d}/{mf.COMMIT}"):
+            return "the step is gone from the tier (another process took it, or retention deleted it)"
+        shards = self._ck.manifest.shards
+        for si, (fd, _) in self._files.items():
+            path = storage.local_path(f"{d}/{shards[si].file}")
+            try:
+                st = os.stat(path, follow_symlinks=False) if path else None
+            except FileNotFoundError:
+                st = None
+            have = os.fstat(fd)
+            if st is None or (st.st_dev, st.st_ino) != (have.st_dev, have.st_ino):
+                return f"shard {shards[si].file} is no longer the file this process verified"
+        return None
 
     def finish(self) -> None:
         """After the restore was applied (or given up): close the files (the mappings live on in

@@ -11,7 +11,8 @@ folder (tmpfs), mapped shared and pre-faulted. The memory tier then "writes" a s
 hard-linking the slot file as its shard, so the bytes are copied once (tensors -> slot) instead of
 twice, and the disk / remote tiers read the same mapping. A slot file some committed memory-tier
 checkpoint still links to is *live*: it is that tier's storage, not staging, and is never reused
-until retention unlinks the checkpoint.
+until retention unlinks the checkpoint, nor while another process still reads it (a restore of
+that checkpoint holds a reader lock on the file: see :mod:`nebula_ckpt.storage.local`).
 
 Creating a slot file costs a page fault per 4 KiB page of tmpfs (about 0.4-1 GB/s here): seconds
 for a state of several GB. States of at least ``slot_ahead_bytes`` therefore never create one on
@@ -37,6 +38,7 @@ from . import knobs
 from .errors import ValidationError
 from .memtier import own_spare_slot_files, slot_file_name
 from .native import get_ops
+from .storage.local import read_elsewhere
 
 log = logging.getLogger(__name__)
 
@@ -62,11 +64,13 @@ class Slot:
         return int(self.buffer.numel())
 
     def live(self) -> bool:
-        """Whether a committed memory-tier checkpoint still links to this slot file."""
+        """Whether a committed memory-tier checkpoint still links to this slot file, or another
+        process still reads it (a restore of a checkpoint that linked it: see
+        :func:`~nebula_ckpt.storage.local.read_elsewhere`); either way it is not staged in."""
         if self.path is None:
             return False
         try:
-            return os.stat(self.path).st_nlink > 1
+            return os.stat(self.path).st_nlink > 1 or read_elsewhere(self.path)
         except FileNotFoundError:
             return False
 

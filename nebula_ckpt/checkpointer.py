@@ -34,7 +34,7 @@ from .native import describe as native_describe
 from .native import get_ops, monotonic
 from .persist import TierWriter
 from .plan import check_step, make_plan
-from .restore import apply, find_and_open, materialize, read_manifest, stage_restore
+from .restore import apply, find_and_open, list_candidates, materialize, read_manifest, stage_restore
 from .snapshot import Snapshot, Stager
 from .storage.base import Storage
 from .tier_runtime import TierRuntime
@@ -185,6 +185,12 @@ class Checkpointer:
         self.on_persist_error = on_persist_error
         self._open_tiers(*self._choose_tiers(storage_options, tiers, memory_tier))
         self._fence = Fence(self._root_storage, self.coordinator)
+        runtimes = list(self._runtimes)
+
+        def give_back() -> None:  # fenced on one tier, fenced on all: the memory tier's lock goes
+            for rt in runtimes:
+                rt.fenced()
+        self._fence.on_fenced(give_back)
         if self.coordinator.world_size > 1 and not self.read_only:
             # Collectives belong here, where every rank is (the constructor): one root for all
             # ranks, the job's writer generation, and the rounds of each shared tier.
@@ -759,30 +765,25 @@ class Checkpointer:
         """
         co = self.coordinator
         pairs = self._tier_pairs()
-        failed: list[int] = []
+        failed: list[tuple[int, int]] = []
         while True:
-            have: set[int] = set()
-            for t, st in pairs:
-                try:
-                    have.update(committed_steps(st))
-                except Exception as e:
-                    log.warning("nebula_ckpt: cannot list tier %s: %s", t.name, e)
-            if step is not None:
-                have &= {step}
-            if among is not None:
-                have &= set(among)
-            agreed = co.agree_step(sorted(have - set(failed)))
-            if agreed is None:
+            # (writer generation, step): a stale writer's steps never win over a newer writer's
+            have = {c.order for c in list_candidates(pairs)
+                    if (step is None or c.step == step) and (among is None or c.step in among)}
+            newest = co.agree_step(sorted(have - set(failed)))
+            if newest is None:
                 if failed and on_damaged == "raise":
                     raise CorruptCheckpointError(
                         f"rank {co.rank}: no step is restorable on every rank of {canonical_root(self.root)}: "
-                        f"step(s) {failed} failed to open on some rank (see the ranks' logs for why); "
+                        f"step(s) {sorted({s for _, s in failed})} failed to open on some rank (see the ranks' "
+                        "logs for why); "
                         "`nebula-ckpt verify ROOT` lists damage")
                 return None
+            generation, agreed = newest
             mismatch: Optional[ValidationError] = None
             try:
                 ck = find_and_open(pairs, step=agreed, on_all_damaged="warn", rank=co.rank, world=co.world_size,
-                                   stage=stage)
+                                   stage=stage, generation=generation)
             except ValidationError as e:  # this rank's `into`: raised on every rank, after the round
                 ck, mismatch = None, e
             except Exception as e:
@@ -795,7 +796,7 @@ class Checkpointer:
             if co.all_true(ck is not None):
                 return ck
             log.warning("nebula_ckpt: step %d is not restorable on every rank; trying an older one", agreed)
-            failed.append(agreed)
+            failed.append(newest)
 
     def _not_found(self, step: Optional[int], tag: Optional[str]) -> NotFoundError:
         if tag is not None:

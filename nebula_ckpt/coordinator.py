@@ -77,8 +77,9 @@ class Coordinator(ABC):
         """This rank does not write save ``index`` on ``tier`` (its later phases answer ``None``)."""
 
     @abstractmethod
-    def agree_step(self, candidates: Sequence[int]) -> Optional[int]:
-        """The newest of ``candidates`` (this rank's restorable steps) that every rank has."""
+    def agree_step(self, candidates: Sequence[tuple[int, int]]) -> Optional[tuple[int, int]]:
+        """The newest of ``candidates`` (this rank's restorable ``(writer generation, step)``
+        pairs, compared as tuples: generation first) that every rank has."""
 
     @abstractmethod
     def all_true(self, ok: bool) -> bool:
@@ -101,7 +102,7 @@ class LocalCoordinator(Coordinator):
     def round(self, tier: str, index: int, phase: int, payload: Any) -> list[Any]:
         return [payload]
 
-    def agree_step(self, candidates: Sequence[int]) -> Optional[int]:
+    def agree_step(self, candidates: Sequence[tuple[int, int]]) -> Optional[tuple[int, int]]:
         return max(candidates, default=None)
 
     def all_true(self, ok: bool) -> bool:

@@ -226,8 +226,8 @@ class DistCoordinator(Coordinator):
         dist.all_gather_object(out, value, group=self._control)
         return out
 
-    def agree_step(self, candidates: Sequence[int]) -> Optional[int]:
-        sets = [set(c) for c in self._gather(sorted(set(candidates)))]
+    def agree_step(self, candidates: Sequence[tuple[int, int]]) -> Optional[tuple[int, int]]:
+        sets = [{tuple(x) for x in c} for c in self._gather(sorted(set(candidates)))]
         common = set.intersection(*sets) if sets else set()
         return max(common, default=None)
 

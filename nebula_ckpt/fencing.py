@@ -9,6 +9,14 @@ a manifest, the commit marker and before any deletion, a writer checks *that tie
 generation; if one exists, it raises :class:`~nebula_ckpt.errors.FencedError` and stops. Checking
 each tier on its own storage keeps a fast tier working while a remote root is unreachable.
 
+A writer fenced on one tier is fenced on all of them: the first :class:`FencedError` stops it
+for good (every later check, on every tier, raises), and it gives back what it holds (the memory
+tier's lock), so it commits nothing more anywhere. A fast tier that the newer writer never wrote
+(a memory tier whose lock the stale writer held) would otherwise go on taking the stale writer's
+steps. What it committed before it learnt it was fenced carries its older generation, and
+restore never prefers an older generation's checkpoint to a newer one's
+(:func:`nebula_ckpt.restore.list_candidates`).
+
 The check and the commit are two operations, so a takeover in between can still race; then the
 stale writer's manifest may replace the new one's, which the commit marker's manifest checksum
 detects: that checkpoint is skipped on restore, never loaded torn.
@@ -24,7 +32,7 @@ import socket
 import threading
 import time
 import uuid
-from typing import Optional
+from typing import Callable, Optional
 
 from .coordinator import Coordinator, LocalCoordinator
 from .errors import FencedError, NebulaError
@@ -94,6 +102,31 @@ class Fence:
         self._coordinator = coordinator or LocalCoordinator()
         self._generation: Optional[int] = None
         self._lock = threading.Lock()
+        self._fenced: Optional[str] = None
+        self._on_fenced: list[Callable[[], None]] = []
+
+    @property
+    def fenced(self) -> Optional[str]:
+        """Why this writer is fenced (the first :class:`FencedError`'s message), or None."""
+        return self._fenced
+
+    def on_fenced(self, action: Callable[[], None]) -> None:
+        """Run ``action`` (once) when this writer is fenced: give back what it holds."""
+        self._on_fenced.append(action)
+
+    def stop(self, why: str) -> None:
+        """Record that this writer is fenced (``why``) and run the :meth:`on_fenced` actions once."""
+        with self._lock:
+            if self._fenced is not None:
+                return
+            self._fenced = why
+            actions, self._on_fenced = self._on_fenced, []
+        log.error("nebula_ckpt: %s", why)
+        for action in actions:
+            try:
+                action()
+            except Exception as e:  # giving back is best effort: the writer is stopped anyway
+                log.warning("nebula_ckpt: a fenced writer could not give back what it holds: %s", e)
 
     @property
     def generation(self) -> int:
@@ -137,7 +170,11 @@ class TierFence:
         return self._fence.generation
 
     def check(self, what: str) -> None:
-        """Raise :class:`FencedError` if a newer writer wrote to this tier (``what``: the action)."""
+        """Raise :class:`FencedError` if a newer writer wrote to this tier, or this writer was
+        fenced on any tier before (``what``: the action)."""
+        fenced = self._fence.fenced
+        if fenced is not None:
+            raise FencedError(f"{self.storage.display_url}: this writer does not {what}: it was fenced ({fenced})")
         g = self.generation
         if not self._recorded:
             try:
@@ -147,7 +184,9 @@ class TierFence:
             self._recorded = True
         gens = _generations(self.storage)
         if gens and gens[-1] > g:
-            raise FencedError(
-                f"{self.storage.display_url}: a newer writer (generation {gens[-1]}) took over this "
-                f"checkpoint root, so this writer (generation {g}) does not {what}. This happens when "
-                "a stale process keeps running after its job was restarted; stop it.")
+            why = (f"{self.storage.display_url}: a newer writer (generation {gens[-1]}) took over this "
+                   f"checkpoint root, so this writer (generation {g}) does not {what}, nor write anything "
+                   "more on any tier. This happens when a stale process keeps running after its job was "
+                   "restarted; stop it.")
+            self._fence.stop(why)
+            raise FencedError(why)

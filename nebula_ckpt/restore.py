@@ -1,10 +1,12 @@
 """Restore: find the newest healthy checkpoint on any tier, verify it, load it in place.
 
-Candidates are every committed step on every tier, newest step first and, for one step, the
-fastest tier first. Each is verified (commit marker, manifest checksum, shard sizes and, with
-``verify="full"``, the CRC32C of every tensor) before a single byte reaches the user's
-tensors; on any mismatch the next candidate is tried. Local tiers are memory-mapped, so tensors
-are copied once, from the page cache straight into the existing parameters.
+Candidates are every committed step on every tier: the newest writer generation first (a
+checkpoint of a stale writer, fenced since, never wins over a newer writer's, whatever its step
+number and tier), then the newest step, then, for one step, the fastest tier. Each is verified
+(commit marker, manifest checksum, shard sizes and, with ``verify="full"``, the CRC32C of every
+tensor) before a single byte reaches the user's tensors; on any mismatch the next candidate is
+tried. Local tiers are memory-mapped, so tensors are copied once, from the page cache straight
+into the existing parameters.
 """
 
 from __future__ import annotations
@@ -31,11 +33,18 @@ ON_ALL_DAMAGED = ("raise", "warn")
 
 @dataclass(frozen=True)
 class Candidate:
-    """A committed step on one tier."""
+    """A committed step on one tier, with the writer generation its commit marker names (-1 when
+    the marker cannot be read: such a candidate comes last, and fails to open)."""
 
     step: int
     tier: Tier
     storage: Storage
+    generation: int = -1
+
+    @property
+    def order(self) -> tuple[int, int]:
+        """What makes a candidate newer: its writer generation first, then its step."""
+        return (self.generation, self.step)
 
 
 class OpenCheckpoint:
@@ -174,16 +183,32 @@ class OpenCheckpoint:
 
 
 def list_candidates(tiers: list[tuple[Tier, Storage]]) -> list[Candidate]:
-    """Every committed step on every tier: newest first, fastest tier first within a step."""
-    cands: list[tuple[int, int, Candidate]] = []
+    """Every committed step on every tier: newest writer generation first, then newest step, then
+    fastest tier (the order of ``tiers``).
+
+    The generation comes first because a writer fenced by a newer one may have gone on committing
+    higher steps on a tier the newer one never wrote (its memory tier): those steps are a run
+    that was abandoned, never the one to resume.
+    """
+    cands: list[tuple[int, int, int, Candidate]] = []
     for i, (tier, st) in enumerate(tiers):
         try:
             steps = mf.committed_steps(st)
         except Exception as e:
             log.warning("nebula_ckpt: cannot list tier %s: %s", tier.name, e)
             continue
-        cands.extend((-s, i, Candidate(s, tier, st)) for s in steps)
-    return [c for _, _, c in sorted(cands, key=lambda x: (x[0], x[1]))]
+        for s in steps:
+            g = _commit_generation(st, s)
+            cands.append((-g, -s, i, Candidate(s, tier, st, g)))
+    return [c for *_, c in sorted(cands, key=lambda x: x[:3])]
+
+
+def _commit_generation(storage: Storage, step: int) -> int:
+    """The writer generation the commit marker of ``step`` names; -1 when it cannot be read."""
+    try:
+        return mf.Commit.parse(storage.read_small(f"{mf.step_dir(step)}/{mf.COMMIT}"), f"step {step}").generation
+    except Exception:  # missing since listed, unreadable, garbled: opening it says what is wrong
+        return -1
 
 
 def _needed(man: mf.Manifest, rank: Optional[int]) -> dict[int, list[mf.TensorRecord]]:
@@ -345,15 +370,16 @@ def _verify_checksums(needed: dict[int, list[mf.TensorRecord]], buffers: dict[in
 
 def find_and_open(tiers: list[tuple[Tier, Storage]], step: Optional[int] = None,
                   verify: Optional[str] = None, on_all_damaged: str = "raise", rank: Optional[int] = None,
-                  world: int = 1, stage: Optional[Callable[[OpenCheckpoint], None]] = None
-                  ) -> Optional[OpenCheckpoint]:
+                  world: int = 1, stage: Optional[Callable[[OpenCheckpoint], None]] = None,
+                  generation: Optional[int] = None) -> Optional[OpenCheckpoint]:
     """Open the newest healthy checkpoint (or the healthy copy of ``step``).
 
     Every candidate that fails to open, for whatever reason, is skipped with a warning.
 
     Args:
         tiers: ``(tier, storage)`` pairs, fastest first.
-        step: only this step; None: the newest healthy one.
+        step: only this step; None: the newest healthy one (newest writer generation first).
+        generation: only checkpoints of this writer generation (the one the ranks agreed on).
         verify: ``"full"`` or ``"size"``; None: each tier's own setting.
         on_all_damaged: when committed candidates exist but none is healthy: ``"raise"`` a
             :class:`CorruptCheckpointError` listing them, or ``"warn"`` (log) and return None.
@@ -371,7 +397,7 @@ def find_and_open(tiers: list[tuple[Tier, Storage]], step: Optional[int] = None,
         raise ValidationError(f"on_all_damaged must be one of {ON_ALL_DAMAGED}, got {on_all_damaged!r}")
     skipped: list[str] = []
     for c in list_candidates(tiers):
-        if step is not None and c.step != step:
+        if (step is not None and c.step != step) or (generation is not None and c.generation != generation):
             continue
         where = f"tier {c.tier.name} step {c.step}"
         try:
@@ -497,6 +523,9 @@ def stage_apply(ck: OpenCheckpoint, into: Any, *, map_location: Any = None, stri
         run = _plan_node(st, ck.tree, into, "", strict)
         st.materialize()
         ck.verify_rest()
+        if ck.adoption is not None and not ck.adoption.give_up():
+            # the claim was not won: never write through the file, copy (checked) what it would hand out
+            st.own_adopted(ck.adoption.adopted)
     except BaseException:
         if ck.adoption is not None:
             ck.adoption.finish()  # nothing was handed over: the tier keeps its checkpoint
@@ -504,8 +533,6 @@ def stage_apply(ck: OpenCheckpoint, into: Any, *, map_location: Any = None, stri
 
     def go() -> None:
         adoption = ck.adoption
-        if adoption is not None and not adoption.give_up():
-            st.own_adopted(adoption.adopted)  # the tier keeps the file: never write through it
         try:
             run()
         finally:
@@ -586,16 +613,25 @@ class _Staged:
         """Make every registered owned copy (checksums checked while copying)."""
         self._owned = [_owned_batch(self.ck, keys, self.map_location) for keys in self._groups]
 
-    def own_adopted(self, adopted: set[int]) -> None:
-        """Replace the tensors adopted from the memory tier (ids in ``adopted``) by owned copies:
-        the tier kept the step, so its file must never be written through them."""
+    def own_adopted(self, adopted: Mapping[int, mf.TensorRecord]) -> None:
+        """Replace the tensors adopted from the memory tier (ids in ``adopted``, with their
+        records) by owned copies, their checksums checked: the claim on the tier's file was not
+        won, so it must never be written through them.
+
+        Raises:
+            CorruptCheckpointError: a copy's bytes differ from the manifest's checksum.
+        """
         copies: dict[int, torch.Tensor] = {}
         for owned in self._owned:
             for k, t in owned.items():
                 if id(t) in adopted:
                     if id(t) not in copies:
-                        copies[id(t)] = t.clone()
+                        copies[id(t)] = _owned(t, None)
                     owned[k] = copies[id(t)]
+        ops = get_ops()
+        for i, c in copies.items():
+            raw = c.reshape(-1).view(torch.uint8)
+            self.ck.verified_by_copy([adopted[i]], ops.crc32c(raw, [0], [raw.numel()]))
 
 
 def tensor_keys(node: Any, out: list[str]) -> list[str]:
@@ -641,7 +677,7 @@ def _owned_batch(ck: OpenCheckpoint, keys: list[str], map_location: Any) -> dict
             adopted = ck.adoption.tensors([ck.resolve(k) for k, _ in cpu])
         except OSError as e:  # the file cannot be mapped for writing: copy, as without adoption
             log.info("nebula_ckpt: %s: copying instead of adopting the memory tier's pages (%s)", ck.where, e)
-            ck.adoption.refused = True  # what an earlier group adopted is copied at apply time
+            ck.adoption.refused = True  # what an earlier group adopted is copied at the end of staging
         else:
             out.update((k, t) for (k, _), t in zip(cpu, adopted, strict=True))
             cpu = []

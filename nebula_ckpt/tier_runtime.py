@@ -89,6 +89,10 @@ class TierRuntime:
         """Write a rank's share of a snapshot (a header and ranges of it) at ``rel``."""
         return self.storage.write_parts(rel, parts)
 
+    def fenced(self) -> None:
+        """This writer was fenced (a newer writer owns the root): give back what lets it write.
+        Any thread."""
+
     def close(self, runtimes: list["TierRuntime"]) -> None:
         """After the last write of this Checkpointer (``runtimes``: every tier it wrote)."""
 
@@ -182,6 +186,13 @@ class MemoryTierRuntime(TierRuntime):
         nothing of the tier's protects it any more): a process that only restores (an evaluation
         script) must not keep a restarted job from writing the tier. A later save takes it again."""
         if self._claim is not None:
+            self._claim.release()
+
+    def fenced(self) -> None:
+        """Give the folder's lock back: a fenced writer writes the tier no more, and the newer
+        writer (or its restart) may take it. The folder and its checkpoints stay."""
+        if self._claim is not None and self._claim.locked:
+            log.warning("nebula_ckpt: memory tier %s: this writer was fenced; giving the tier up", self.folder)
             self._claim.release()
 
     def unreadable(self, owner: Owner) -> Optional[str]:

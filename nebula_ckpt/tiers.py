@@ -175,7 +175,7 @@ class MemoryTier(Tier):
         from .storage.local import LocalStorage
 
         assert self.path is not None, "MemoryTier.bind() was not called"
-        return LocalStorage(self.path, private=True, fsync=False)
+        return LocalStorage(self.path, private=True, fsync=False, hold_reads=True)
 
 
 @dataclass

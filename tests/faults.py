@@ -55,3 +55,26 @@ class FaultyTier(nc.LocalTier):
 
     def make_storage(self) -> LocalStorage:
         return FaultyStorage(self.path, self.fail_at, self.pause_at, self.gate, self.reached, self.fail_steps)
+
+
+def renumber_step(folder: str, step: int, new_step: int) -> None:
+    """Copy committed ``step`` of the tier folder ``folder`` as a committed ``new_step`` of the same
+    writer generation (manifest and marker rewritten, shard bytes as they are): a higher step of
+    the same writer, as a stale writer leaves on its memory tier."""
+    import json
+    import os
+    import shutil
+
+    from nebula_ckpt import manifest as mf
+    from nebula_ckpt.native import get_ops
+
+    src, dst = os.path.join(folder, mf.step_dir(step)), os.path.join(folder, mf.step_dir(new_step))
+    shutil.copytree(src, dst)
+    with open(os.path.join(dst, mf.MANIFEST)) as f:
+        man = json.load(f)
+    man["step"] = new_step
+    mbytes = json.dumps(man).encode()
+    with open(os.path.join(dst, mf.MANIFEST), "wb") as f:
+        f.write(mbytes)
+    with open(os.path.join(dst, mf.COMMIT), "wb") as f:
+        f.write(mf.Commit(new_step, man["generation"], len(mbytes), get_ops().crc32c_bytes(mbytes)).to_bytes())

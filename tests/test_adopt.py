@@ -16,7 +16,7 @@ import os
 import signal
 import subprocess
 import sys
-from typing import Any
+from typing import Any, Callable, Optional
 
 import pytest
 import torch
@@ -233,3 +233,176 @@ def test_a_mismatched_into_adopts_nothing_and_the_tier_keeps_the_step(root: str,
         assert ck.load_latest(into={"model": model, "optim": opt, "step": 0}) == 7
         assert ck.last_restore["tier"].startswith("memory:") and ck.last_restore["adopted_bytes"] > 0
         assert _same(model, opt, want)
+
+
+# A restorer whose restore pauses at a named point: it signals `opened-<me>` once it holds the
+# memory tier's checkpoint (adopting: staged, its tensors views of the tier's file, right before
+# the hand-over; copying: staged, the model's bytes still to be copied) and waits for the gate
+# `turn-<me>`; after the restore it waits for `mutate-<me>`, adds <me>+1 to every optimizer
+# tensor (what an optimizer step does to adopted pages), signals `mutated-<me>`, waits for `check`
+# and reports whether its tensors hold exactly the checkpoint plus its own change.
+_RESTORER = r"""
+import json, os, sys, time, torch, nebula_ckpt as nc
+import threading
+from nebula_ckpt import adopt, knobs, restore
+root, gates, ref, me, mode = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4]), sys.argv[5]
+
+def gate(name):
+    path = os.path.join(gates, name)
+    t0 = time.time()
+    while not os.path.exists(path):
+        if time.time() - t0 > 120:
+            raise SystemExit(f"restorer {me}: gate {name} never opened")
+        time.sleep(0.005)
+
+def signal(name):
+    open(os.path.join(gates, name), "w").close()
+
+def pause():
+    signal(f"opened-{me}")
+    gate(f"turn-{me}")
+
+if mode == "adopt":  # staged, its tensors views of the tier's file: right before the hand-over
+    give_up = adopt.Adoption.give_up
+    def paused_give_up(self):
+        pause()
+        return give_up(self)
+    adopt.Adoption.give_up = paused_give_up
+else:  # staged (read, verified, owned copies made); what is copied into the model comes next
+    staged = restore.stage_apply
+    def stage_apply(ck, *a, **kw):
+        go = staged(ck, *a, **kw)
+        if ck.tier_name.startswith("memory:"):
+            pause()
+        return go
+    restore.stage_apply = stage_apply
+
+torch.manual_seed(1)
+model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 8))
+opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+want = torch.load(ref, weights_only=True)
+with knobs.override(adopt_memory_tier=mode == "adopt"):
+    ck = nc.Checkpointer(root)
+    step = ck.load_latest(into={"model": model, "optim": opt, "step": 0})
+info = dict(step=step, tier=ck.last_restore["tier"], adopted=ck.last_restore["adopted_bytes"])
+for t in threading.enumerate():  # pages given back to the tmpfs are given back before the next goes on
+    if t.name == "nebula-adopt-free":
+        t.join()
+signal(f"restored-{me}")
+gate(f"mutate-{me}")
+with torch.no_grad():
+    for st in opt.state.values():
+        for v in st.values():
+            v.add_(me + 1)
+signal(f"mutated-{me}")
+gate("check")
+got_m = model.state_dict()
+info["model_ok"] = all(torch.equal(got_m[k], v) for k, v in want["model"].items())
+bad = 0
+for i, st in want["optim"]["state"].items():
+    for k, v in st.items():
+        bad += not torch.equal(opt.state_dict()["state"][i][k], v + (me + 1))
+info["optim_changed_by_others"] = bad
+print("RESULT " + json.dumps(info), flush=True)
+ck.close()
+"""
+
+
+def _gate(gates: str, name: str) -> None:
+    open(os.path.join(gates, name), "w").close()
+
+
+def _await(gates: str, name: str, procs: list[subprocess.Popen]) -> None:
+    import time
+
+    t0 = time.time()
+    while not os.path.exists(os.path.join(gates, name)):
+        for p in procs:
+            if p.poll() is not None:
+                raise AssertionError(f"a restorer exited early waiting for {name}: {p.stderr.read()[-3000:]}")
+        assert time.time() - t0 < 180, f"{name} never came"
+        time.sleep(0.01)
+
+
+def _restore_pinned(root: str, shm_dir: str, ref: str, gates: str, modes: list[str],
+                    meanwhile: Optional[Callable[[], None]] = None) -> list[dict[str, Any]]:
+    """Run one restorer per mode; all open the memory tier's step before any goes on (then
+    ``meanwhile`` runs), then each restores in turn (0, 1, ...) to the end, then each changes its
+    optimizer state in turn, then all check theirs."""
+    env = dict(os.environ, NEBULA_SHM_DIR=shm_dir)
+    procs = [subprocess.Popen([sys.executable, "-c", _RESTORER, root, gates, ref, str(i), m], env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for i, m in enumerate(modes)]
+    try:
+        for i in range(len(modes)):
+            _await(gates, f"opened-{i}", procs)
+        if meanwhile is not None:
+            meanwhile()
+        for i in range(len(modes)):
+            _gate(gates, f"turn-{i}")
+            _await(gates, f"restored-{i}", procs)
+        for i in range(len(modes)):
+            _gate(gates, f"mutate-{i}")
+            _await(gates, f"mutated-{i}", procs)
+        _gate(gates, "check")
+        out = []
+        for p in procs:
+            stdout, stderr = p.communicate(timeout=120)
+            assert p.returncode == 0, stderr[-3000:]
+            out.append(json.loads(next(line for line in stdout.splitlines() if line.startswith("RESULT "))[7:]))
+        return out
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+
+
+@pytest.mark.parametrize("modes", [["adopt", "adopt"], ["adopt", "adopt", "adopt"], ["copy", "adopt", "adopt"],
+                                   ["adopt", "copy"]])
+def test_restarts_at_once_never_share_the_pages(root: str, shm_dir: str, tmp_path, modes: list[str]) -> None:  # noqa: ANN001
+    """Several processes restore the same step from the memory tier at once (pinned: every one has
+    it open before the first goes on). At most one may hold the file's pages; every other one
+    copies, and none of them ever sees another's changes (optimizer steps, freed pages)."""
+    ref = str(tmp_path / "ref.pt")
+    _crash(root, shm_dir, ref)
+    gates = tmp_path / "gates"
+    gates.mkdir()
+    results = _restore_pinned(root, shm_dir, ref, str(gates), modes)
+    assert all(r["step"] == 7 for r in results), results
+    assert sum(r["adopted"] > 0 for r in results) <= 1, f"two processes were handed the same pages: {results}"
+    for i, r in enumerate(results):
+        assert r["model_ok"], f"restorer {i}'s model is not the checkpoint's: {results}"
+        assert r["optim_changed_by_others"] == 0, f"restorer {i}'s optimizer state was written by another: {results}"
+
+
+def test_a_live_writer_never_reuses_a_file_another_process_restores_from(root: str, shm_dir: str, tmp_path) -> None:  # noqa: ANN001
+    """A restorer (an evaluation script) has staged step 1 from the memory tier of a job that goes
+    on saving (pinned: staged, the model's bytes still to be copied). Retention drops step 1 and the
+    job's next saves take staging slot files again: never the one the restorer still reads."""
+    model, opt = _model()
+    ref = str(tmp_path / "ref.pt")
+    gates = tmp_path / "gates"
+    gates.mkdir()
+
+    def train() -> None:
+        model(torch.randn(4, 64)).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+
+    train()
+    with nc.Checkpointer(root) as job:
+        job.save(1, {"model": model, "optim": opt, "step": 1})
+        torch.save({"model": model.state_dict(), "optim": opt.state_dict()}, ref)
+
+        def saves_on() -> None:  # step 1 leaves the memory tier; its slot file is free to stage in again
+            for step in (2, 3, 4):
+                train()
+                job.save(step, {"model": model, "optim": opt, "step": step})
+            assert job.list(detailed=True)[job.tiers[0].name] == [4]
+
+        results = _restore_pinned(root, shm_dir, ref, str(gates), ["copy"], meanwhile=saves_on)
+    r = results[0]
+    assert r["step"] == 1 and r["tier"].startswith("memory:"), results
+    assert r["model_ok"], f"the job's saves wrote the file the restorer read: {results}"
+    assert r["optim_changed_by_others"] == 0, results

@@ -9,11 +9,13 @@ the old state or the new one, never a zero-filled file.
 from __future__ import annotations
 
 import errno
+import fcntl
 import logging
 import mmap
 import os
 import shutil
 import stat
+import struct
 import uuid
 from typing import Any, Optional
 
@@ -40,6 +42,118 @@ def _open_nofollow(path: str) -> Any:
     return os.fdopen(os.open(path, os.O_RDONLY | os.O_NOFOLLOW), "rb")
 
 
+# -- readers of a file, as open-file-description locks ------------------------------------------
+#
+# A file that one process may take over (the memory tier's shard files: see nebula_ckpt.adopt)
+# is read only under a *reader lock*: a shared lock on the byte at offset <pid> of the file,
+# taken on the descriptor that is mapped. Open-file-description locks belong to the opened file,
+# not the process, so the mapping keeps the lock (Python's mmap holds a duplicate of the
+# descriptor) exactly as long as anything reads through it, and it dies with the process. A
+# process takes the file over only with :func:`hold_alone`: an exclusive lock on every byte but
+# its own, which is granted only while no other process holds a reader lock, and which, once
+# granted, keeps every later reader lock from being granted.
+
+_FLOCK = "@hhqqi4x"  # struct flock: l_type, l_whence, l_start, l_len (0: to the end), l_pid
+#: open-file-description locks (Linux >= 3.15); without them no reader can be seen, so no file is
+#: ever taken over (adoption copies) and readers register nothing
+_OFD: dict[str, Optional[int]] = {"set": getattr(fcntl, "F_OFD_SETLK", None),
+                                  "get": getattr(fcntl, "F_OFD_GETLK", None)}
+
+
+class _NoOfdLocks(Exception):
+    pass
+
+
+def _ofd(fd: int, op: str, kind: int, start: int, length: int) -> bytes:
+    cmd = _OFD[op]
+    if cmd is None:
+        raise _NoOfdLocks()
+    try:
+        return fcntl.fcntl(fd, cmd, struct.pack(_FLOCK, kind, os.SEEK_SET, start, length, 0))
+    except OSError as e:
+        if e.errno == errno.EINVAL and _OFD["set"] is not None:
+            log.info("nebula_ckpt: no open-file-description locks here (%s): memory-tier pages are copied, "
+                     "never handed over", e)
+            _OFD["set"] = _OFD["get"] = None
+            raise _NoOfdLocks() from None
+        raise
+
+
+def _ofd_lock(fd: int, kind: int, start: int, length: int) -> bool:
+    """Set (or clear) an open-file-description lock on ``[start, start + length)`` (0: to the
+    end); False when another open file holds a conflicting one.
+
+    Raises:
+        _NoOfdLocks: the system has none.
+    """
+    try:
+        _ofd(fd, "set", kind, start, length)
+    except OSError as e:
+        if e.errno in (errno.EAGAIN, errno.EACCES):
+            return False
+        raise
+    return True
+
+
+def hold_read(fd: int) -> bool:
+    """Register the open file ``fd`` as read by this process (until the last descriptor of it
+    closes, a mapping's included); False when another process has taken the file over."""
+    try:
+        return _ofd_lock(fd, fcntl.F_RDLCK, os.getpid(), 1)
+    except _NoOfdLocks:
+        return True  # nothing can take a file over here (hold_alone is always False)
+
+
+def hold_alone(fd: int) -> bool:
+    """Take the file of ``fd`` over: True when no other process holds it open for reading (by
+    :func:`hold_read`), and from then on none can; False (nothing taken) otherwise, and always
+    where the system has no open-file-description locks."""
+    try:
+        return _hold_alone(fd)
+    except _NoOfdLocks:
+        return False
+
+
+def _hold_alone(fd: int) -> bool:
+    pid = os.getpid()
+    if not _ofd_lock(fd, fcntl.F_WRLCK, 0, pid):
+        return False
+    if not _ofd_lock(fd, fcntl.F_WRLCK, pid + 1, 0):
+        _ofd_lock(fd, fcntl.F_UNLCK, 0, pid)
+        return False
+    return True
+
+
+def read_elsewhere(path: str) -> bool:
+    """Whether another process holds a reader lock (:func:`hold_read`) on the file at ``path``
+    (False when it is gone): its bytes must not change."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return False
+    try:
+        pid = os.getpid()
+        for start, length in ((0, pid), (pid + 1, 0)):
+            got = _ofd(fd, "get", fcntl.F_WRLCK, start, length)
+            if struct.unpack(_FLOCK, got)[0] != fcntl.F_UNLCK:
+                return True
+        return False
+    except _NoOfdLocks:
+        return False
+    finally:
+        os.close(fd)
+
+
+def let_go(fd: int) -> None:
+    """Undo :func:`hold_alone` (this process still reads the file)."""
+    pid = os.getpid()
+    try:
+        _ofd_lock(fd, fcntl.F_UNLCK, 0, pid)
+        _ofd_lock(fd, fcntl.F_UNLCK, pid + 1, 0)
+    except _NoOfdLocks:
+        pass
+
+
 class LocalStorage(Storage):
     """Storage in a local directory.
 
@@ -47,15 +161,19 @@ class LocalStorage(Storage):
         root: directory (created if missing).
         private: create directories 0700 and files 0600 (memory tier: owner only).
         fsync: fsync files and directories (off for tmpfs, where it is a no-op anyway).
+        hold_reads: every mapping :meth:`read_buffer` makes holds a reader lock on its file
+            (:func:`hold_read`): the memory tier, whose files a restart may take over. A file
+            already taken over reads as missing.
     """
 
     is_local = True
 
-    def __init__(self, root: str, *, private: bool = False, fsync: bool = True) -> None:
+    def __init__(self, root: str, *, private: bool = False, fsync: bool = True, hold_reads: bool = False) -> None:
         self.root = os.path.abspath(os.path.expanduser(root))
         self.display_url = self.root
         self.private = private
         self.fsync = fsync
+        self.hold_reads = hold_reads
         self._dir_mode = 0o700 if private else 0o755
         self._file_mode = 0o600 if private else 0o644
 
@@ -175,6 +293,9 @@ class LocalStorage(Storage):
                 raise CorruptCheckpointError(f"{path} has {size} bytes, the manifest says {expected_bytes}")
             if size == 0:
                 return memoryview(bytearray())
+            if self.hold_reads and not hold_read(f.fileno()):
+                raise FileNotFoundError(errno.ENOENT, f"{path} was taken over by another process (a restart "
+                                        "adopted it); it is no checkpoint any more", path)
             # A private (copy-on-write) map gives a writable buffer torch accepts without ever
             # writing to the file; pages are shared with the page cache until touched.
             mm = mmap.mmap(f.fileno(), size, flags=mmap.MAP_PRIVATE,
