@@ -151,8 +151,9 @@ def test_save_total_limit_on_every_tier_and_resume_skips_damage(tmp_path, shm_di
 
     class Look(TrainerCallback):
         def on_save(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
-            if state.global_step == 6:
-                tr.nebula.wait()    # 2, 4, 6 durable: the end of step 7 applies the limit
+            # every save durable before the next: a busy disk tier would otherwise drop one for a
+            # newer save (by design, tested elsewhere) and the tiers' step lists would vary with load
+            tr.nebula.wait()    # after 6: 2, 4, 6 durable, and the end of step 7 applies the limit
 
         def on_step_begin(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
             if state.global_step == 7:   # (the step about to run is 8)
