@@ -69,7 +69,7 @@ from .native import get_ops
 from .restore import OpenCheckpoint, find_and_open, read_manifest
 from .storage.base import Storage
 from .structure import decode
-from .tiers import Tier, tier_for_root
+from .tiers import Tier, refuse_url_credentials, tier_for_root
 
 log = logging.getLogger(__name__)
 
@@ -242,6 +242,7 @@ class NebulaStorageReader(StorageReader):
             storage = root_or_storage
             tier: Tier = _GivenStorage(storage)
         else:
+            refuse_url_credentials(root_or_storage)  # before it is parsed or shown in any message
             root, id_step = _split_checkpoint_id(root_or_storage)
             if step is None:
                 step = id_step
