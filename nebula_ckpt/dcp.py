@@ -200,9 +200,12 @@ class NebulaStorageReader(StorageReader):
     The step is chosen and verified here with the health check of ``load_latest``
     (:func:`~nebula_ckpt.restore.find_and_open`: commit marker, manifest, every shard's size and,
     with ``verify``, every tensor's CRC32C), then turned into DCP metadata, so a damaged or hostile
-    checkpoint is skipped or raises from the constructor, before DCP's planner runs. The verified
-    shard bytes serve the reads (mapped for a local root; held in memory for a remote one until
-    :meth:`close`). A reader built from a root owns its storage: :meth:`close` it (or use ``with``).
+    checkpoint is skipped or raises from the constructor, before DCP's planner runs. The whole
+    step is verified (the planner decides only later which pieces this rank reads), on every
+    rank; the verified shard bytes then serve the reads (mapped for a local root; held in memory
+    for a remote one until :meth:`close`). Ranks whose readers chose different steps (a root
+    that is not shared) fail the load in :meth:`prepare_global_plan`, before anything is read.
+    A reader built from a root owns its storage: :meth:`close` it (or use ``with``).
 
     Attributes:
         step: the step read (logged at INFO when the reader opens; when newer steps were damaged,

@@ -71,7 +71,7 @@ def _entry_points(tmp_path: Path) -> dict[str, Callable[[str], Any]]:
     from nebula_ckpt.cli import main as cli
     from nebula_ckpt.compat import torch_nebula
     from nebula_ckpt.dcp import NebulaStorageReader, NebulaStorageWriter
-    from nebula_ckpt.integrations.huggingface import export_pretrained
+    from nebula_ckpt.integrations.huggingface import _nebula_setup, export_pretrained
     from nebula_ckpt.storage.remote import FsspecStorage
 
     local = str(tmp_path / "local")
@@ -114,6 +114,8 @@ def _entry_points(tmp_path: Path) -> dict[str, Callable[[str], Any]]:
         "NebulaStorageWriter_step_id": lambda url: NebulaStorageWriter(f"{url}/step-4", step=3),
         "lightning": lightning,
         "huggingface_export": lambda url: export_pretrained(url, str(tmp_path / "hf")),
+        # what Trainer(nebula_root=...) runs after transformers' own __init__
+        "huggingface_trainer": lambda url: _nebula_setup(object(), url, None),
         "torch_nebula_init": lambda url: torch_nebula.init(persistent_storage_path=url, memory_tier=False),
         "torch_nebula_init_tuple": lambda url: torch_nebula.init(persistent_storage_path=(url,), memory_tier=False),
     }
@@ -122,7 +124,7 @@ def _entry_points(tmp_path: Path) -> dict[str, Callable[[str], Any]]:
 ENTRY_POINTS = ["Checkpointer", "save_async", "load_latest", "RemoteTier", "FsspecStorage", "cli_ls",
                 "cli_verify_verbose", "cli_export", "NebulaStorageReader", "NebulaStorageReader_step_id",
                 "dcp_load_checkpoint_id", "NebulaStorageWriter", "NebulaStorageWriter_step_id", "lightning",
-                "huggingface_export", "torch_nebula_init", "torch_nebula_init_tuple"]
+                "huggingface_export", "huggingface_trainer", "torch_nebula_init", "torch_nebula_init_tuple"]
 
 
 @pytest.mark.parametrize("entry", ENTRY_POINTS)
