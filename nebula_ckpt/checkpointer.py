@@ -38,7 +38,7 @@ from .restore import apply, find_and_open, list_candidates, materialize, read_ma
 from .snapshot import Snapshot, Stager
 from .storage.base import Storage
 from .tier_runtime import TierRuntime
-from .tiers import Tier, canonical_root, default_tiers, now, tier_for_root
+from .tiers import Tier, canonical_root, default_tiers, now, refuse_url_credentials, tier_for_root
 
 log = logging.getLogger("nebula_ckpt")
 
@@ -60,6 +60,7 @@ def _check_arguments(root: Any, keep_last: Any, max_host_bytes: Any, on_full: An
     """The constructor's validation, all before anything is touched."""
     if not isinstance(root, str) or not root:
         raise ValidationError(f"root must be a non-empty path or URL string, got {root!r}")
+    refuse_url_credentials(root)  # before the root is parsed, logged or written anywhere
     if not isinstance(keep_last, int) or keep_last < 1:
         raise ValidationError(f"keep_last must be an int >= 1 (the newest checkpoint is always kept), "
                               f"got {keep_last!r}")

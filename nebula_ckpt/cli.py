@@ -27,7 +27,7 @@ from .fencing import read_run_id
 from .memtier import Owner
 from .restore import NotThisLayout, OpenCheckpoint, materialize, open_checkpoint, read_manifest
 from .storage.base import Storage
-from .tiers import Tier, canonical_root, default_tiers
+from .tiers import Tier, canonical_root, default_tiers, refuse_url_credentials, strip_credentials
 
 log = logging.getLogger(__name__)
 
@@ -167,7 +167,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
         _out(json.dumps(rows, indent=2))
     else:
         if not rows:
-            _out(f"no checkpoints under {args.root}")
+            _out(f"no checkpoints under {strip_credentials(args.root)}")
         for r, man in zip(rows, mans, strict=True):
             cr = r["compression_ratio"]
             ratio = f"  x{cr:.2f}" if cr and cr > 1.01 else ""
@@ -206,7 +206,8 @@ def cmd_verify(args: argparse.Namespace) -> int:
             _out(f"{'OK     ' if r['healthy'] else 'DAMAGED'} {r['tier']} step {r['step']}{job}"
                  + ("" if r["healthy"] else f": {r['problem']}"))
     if not results:
-        _out(f"no committed checkpoint{'' if args.step is None else f' of step {args.step}'} under {args.root}")
+        which = "" if args.step is None else f" of step {args.step}"
+        _out(f"no committed checkpoint{which} under {strip_credentials(args.root)}")
         return 1
     return 0 if all(r["healthy"] for r in results) else 1
 
@@ -222,7 +223,7 @@ def _open_step(args: argparse.Namespace, verify: str) -> OpenCheckpoint:
             return _open_any(st, args.step, verify, f"tier {tier.name} step {args.step}")
         except Exception as e:
             errors.append(str(e))
-    raise NebulaError(f"no healthy checkpoint of step {args.step} under {args.root}"
+    raise NebulaError(f"no healthy checkpoint of step {args.step} under {strip_credentials(args.root)}"
                       + (f" ({'; '.join(errors)})" if errors else ""))
 
 
@@ -375,7 +376,7 @@ def _export_source(args: argparse.Namespace) -> tuple[Any, int, Any, mf.Manifest
             return None, man.step, gather_full(st, args.step, man, verify=True), man
         except Exception as e:
             errors.append(str(e))
-    raise NebulaError(f"no healthy checkpoint of step {args.step} under {args.root}"
+    raise NebulaError(f"no healthy checkpoint of step {args.step} under {strip_credentials(args.root)}"
                       + (f" ({'; '.join(errors)})" if errors else ""))
 
 
@@ -576,6 +577,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(levelname)s %(name)s: %(message)s")
     try:
+        refuse_url_credentials(getattr(args, "root", None))  # before the root is parsed, logged or shown
         return {"ls": cmd_ls, "verify": cmd_verify, "inspect": cmd_inspect, "export": cmd_export,
                 "gc": cmd_gc}[args.cmd](args)
     except (NebulaError, OSError) as e:

@@ -28,14 +28,18 @@ Writing: :class:`NebulaStorageWriter` (``from nebula_ckpt.dcp import NebulaStora
 :mod:`nebula_ckpt.dcp_writer`) is the matching ``StorageWriter``: ``dcp.save`` / ``dcp.async_save``
 write a normal nebula_ckpt checkpoint.
 
-Everything read is verified: the commit marker and manifest (:meth:`Manifest.parse`), the
-consistency of the ranks' records (global shapes, dtypes, chunks covering the tensor), the size
-of each shard, and the CRC32C of every stored tensor that is read (once per reader). Damage
-raises :class:`~nebula_ckpt.errors.CorruptCheckpointError` naming the key and the file.
+Everything read is verified before DCP plans the load, by the check ``load_latest`` makes
+(:func:`~nebula_ckpt.restore.find_and_open`): the commit marker and manifest
+(:meth:`Manifest.parse`), the size of every shard and the CRC32C of every stored tensor; then the
+consistency of the ranks' records (global shapes, dtypes, chunks covering the tensor). Without
+an explicit step, a damaged newer step is skipped (a warning names the damage) and the newest
+healthy one is read (logged, and :attr:`NebulaStorageReader.step`); an explicit step that is
+damaged raises :class:`~nebula_ckpt.errors.CorruptCheckpointError` naming the damage.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import itertools
 import logging
@@ -62,9 +66,10 @@ from torch.futures import Future
 from . import manifest as mf
 from .errors import CorruptCheckpointError, NotFoundError, ValidationError
 from .native import get_ops
-from .restore import read_manifest
+from .restore import OpenCheckpoint, find_and_open, read_manifest
 from .storage.base import Storage
 from .structure import decode
+from .tiers import Tier, refuse_url_credentials, tier_for_root
 
 log = logging.getLogger(__name__)
 
@@ -77,6 +82,13 @@ class TensorRef:
     """Where one chunk of :attr:`NebulaStorageReader.metadata` lives: a stored manifest key."""
 
     key: str
+
+
+@dataclass(frozen=True)
+class _ChosenStep:
+    """The step a rank's reader reads, carried in its local load plan."""
+
+    step: int
 
 
 @dataclass(frozen=True)
@@ -134,12 +146,33 @@ def logical_tensors(man: mf.Manifest) -> dict[str, list[tuple[int, str, mf.Tenso
     return ordered
 
 
-def _storage_for(root: Union[str, "os.PathLike[str]"], storage_options: Optional[dict[str, Any]]) -> Storage:
-    from .tiers import tier_for_root
-
+def _tier_for(root: Union[str, "os.PathLike[str]"], storage_options: Optional[dict[str, Any]]) -> Tier:
     tier = tier_for_root(os.fspath(root), storage_options)
     tier.validate()
-    return tier.make_storage()
+    return tier
+
+
+def _partial_job(storage: Storage, man: mf.Manifest) -> ValidationError:
+    return ValidationError(f"{storage.display_url} step {man.step}: holds rank(s) {list(man.ranks)[:8]} of a "
+                           f"{man.world_size}-rank job only (a rank's own memory tier); read the shared root, "
+                           "which holds every rank")
+
+
+def _storage_for(root: Union[str, "os.PathLike[str]"], storage_options: Optional[dict[str, Any]]) -> Storage:
+    return _tier_for(root, storage_options).make_storage()
+
+
+class _GivenStorage(Tier):
+    """The tier of a :class:`Storage` handed to the reader (for :func:`find_and_open`'s logs)."""
+
+    def __init__(self, storage: Storage) -> None:
+        super().__init__()
+        self.kind = "storage"
+        self._url = storage.display_url
+
+    @property
+    def display_url(self) -> str:
+        return self._url
 
 
 def _split_checkpoint_id(checkpoint_id: Union[str, "os.PathLike[str]"]) -> tuple[str, Optional[int]]:
@@ -156,15 +189,28 @@ class NebulaStorageReader(StorageReader):
     Args:
         root_or_storage: the checkpoint root (a path or fsspec URL: its persistent tier is read),
             ``"<root>/step-N"``, or an open :class:`~nebula_ckpt.storage.base.Storage`.
-        step: the step to read; None: the newest committed step with a healthy manifest.
+        step: the step to read (never replaced by another: damaged, it raises); None: the newest
+            healthy committed step.
         storage_options: fsspec options for a remote root.
-        verify: check the CRC32C of every stored tensor read (each once per reader).
+        verify: check the CRC32C of every stored tensor when opening (False: sizes only).
         allow_pickle: also expose non-tensor leaves stored with pickle (trusted checkpoints only).
-        manifest: the already validated manifest of ``step`` on this storage (skips reading it).
+        manifest: the already validated manifest of ``step`` on this storage, whose shards the
+            caller verified (skips the check; each tensor's CRC32C is then checked as it is read).
 
-    The manifest is read, validated and turned into DCP metadata here, so a damaged or hostile
-    checkpoint raises :class:`CorruptCheckpointError` from the constructor, before DCP starts.
+    The step is chosen and verified here with the health check of ``load_latest``
+    (:func:`~nebula_ckpt.restore.find_and_open`: commit marker, manifest, every shard's size and,
+    with ``verify``, every tensor's CRC32C), then turned into DCP metadata, so a damaged or hostile
+    checkpoint is skipped or raises from the constructor, before DCP's planner runs. The whole
+    step is verified (the planner decides only later which pieces this rank reads), on every
+    rank; the verified shard bytes then serve the reads (mapped for a local root; held in memory
+    for a remote one until :meth:`close`). Ranks whose readers chose different steps (a root
+    that is not shared) fail the load in :meth:`prepare_global_plan`, before anything is read.
     A reader built from a root owns its storage: :meth:`close` it (or use ``with``).
+
+    Attributes:
+        step: the step read (logged at INFO when the reader opens; when newer steps were damaged,
+            each was skipped with a WARNING naming the damage).
+        manifest: its validated manifest.
 
     Raises:
         NotFoundError: no committed checkpoint (of ``step``).
@@ -181,6 +227,9 @@ class NebulaStorageReader(StorageReader):
         self._storage_options = storage_options
         self._owned: Optional[Storage] = None
         self._verified: set[str] = set()
+        #: the step opened and verified up front (its shard bytes serve the reads); None when the
+        #: caller gave the manifest
+        self._ck: Optional[OpenCheckpoint] = None
         try:
             self._open(root_or_storage, step, manifest)
         except BaseException:
@@ -191,16 +240,20 @@ class NebulaStorageReader(StorageReader):
 
     def _open(self, root_or_storage: Union[str, "os.PathLike[str]", Storage], step: Optional[int],
               manifest: Optional[mf.Manifest]) -> None:
+        self._ck = None
         if isinstance(root_or_storage, Storage):
             storage = root_or_storage
+            tier: Tier = _GivenStorage(storage)
         else:
+            refuse_url_credentials(root_or_storage)  # before it is parsed or shown in any message
             root, id_step = _split_checkpoint_id(root_or_storage)
             if step is None:
                 step = id_step
             elif id_step is not None and id_step != step:
                 raise ValidationError(f"NebulaStorageReader: {os.fspath(root_or_storage)!r} names step {id_step}, "
                                       f"but step={step} was given")
-            storage = _storage_for(root, self._storage_options)
+            tier = _tier_for(root, self._storage_options)
+            storage = tier.make_storage()
             self.close()
             self._owned = storage
         self.storage = storage
@@ -209,26 +262,48 @@ class NebulaStorageReader(StorageReader):
                 raise ValidationError(f"NebulaStorageReader: the manifest given is of step {manifest.step}, "
                                       f"not {step}")
             man = manifest
-        elif step is None:
-            man = newest_manifest(storage)
+            if man.multi_rank and len(man.ranks) != man.world_size:
+                raise _partial_job(storage, man)
         else:
-            if not storage.exists(f"{mf.step_dir(step)}/{mf.COMMIT}"):
-                raise NotFoundError(f"no committed checkpoint of step {step} under {storage.display_url} "
-                                    f"(committed steps: {mf.committed_steps(storage)[-8:]})")
-            man = read_manifest(storage, step)
+            self._ck = self._open_healthy(tier, storage, step)
+            man = self._ck.manifest
         self.manifest = man
         self.step = man.step
         self.where = f"{storage.display_url} step {man.step}"
-        if man.multi_rank and len(man.ranks) != man.world_size:
-            raise ValidationError(f"{self.where}: holds rank(s) {list(man.ranks)[:8]} of a {man.world_size}-rank job "
-                                  "only (a rank's own memory tier); read the shared root, which holds every rank")
         self._bytes_values: dict[str, Any] = {}
         self.metadata, self._keys = self._build_metadata()
         self.storage_data: dict[MetadataIndex, Any] = self.metadata.storage_data
-        self._verified = set()
+        self._verified = set(man.tensors) if self._ck is not None and self.verify else set()
+
+    def _open_healthy(self, tier: Tier, storage: Storage, step: Optional[int]) -> OpenCheckpoint:
+        """Open and verify the step to read, with the health check of ``load_latest``
+        (:func:`~nebula_ckpt.restore.find_and_open`: commit marker, manifest, the size of every
+        shard and, with ``verify``, the checksum of every stored tensor), before DCP plans anything.
+
+        Without ``step``: the newest healthy step (damaged newer ones are skipped with a warning).
+        With ``step``: that step or an error naming what is damaged, never another step.
+        """
+        if step is not None and not storage.exists(f"{mf.step_dir(step)}/{mf.COMMIT}"):
+            raise NotFoundError(f"no committed checkpoint of step {step} under {storage.display_url} "
+                                f"(committed steps: {mf.committed_steps(storage)[-8:]})")
+        # rank None: the whole job's checkpoint (DCP's planner decides which rank reads what)
+        ck = find_and_open([(tier, storage)], step=step, verify="full" if self.verify else "size",
+                           on_all_damaged="raise")
+        if ck is None:
+            steps = mf.committed_steps(storage)
+            if not steps:
+                raise NotFoundError(f"no committed checkpoint under {storage.display_url}")
+            # every candidate was healthy but held only some ranks (find_and_open skipped it as such)
+            raise _partial_job(storage, read_manifest(storage, steps[-1] if step is None else step))
+        newest = step is None and ck.step != mf.committed_steps(storage)[-1]
+        log.info("nebula_ckpt: NebulaStorageReader reads step %d of %s%s", ck.step, storage.display_url,
+                 " (the newest healthy step: newer ones are damaged, see the warnings above)" if newest else "")
+        return ck
 
     def close(self) -> None:
-        """Close the storage this reader opened (not one it was given)."""
+        """Release the verified shard bytes and close the storage this reader opened (not one it
+        was given)."""
+        self._ck = None
         if self._owned is not None:
             self._owned.close()
             self._owned = None
@@ -392,7 +467,6 @@ class NebulaStorageReader(StorageReader):
         """Start a new load; with ``checkpoint_id`` (a root or ``<root>/step-N``), read that instead."""
         if checkpoint_id is not None:
             self._open(checkpoint_id, None, None)
-        self._verified = set()
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: Union[str, "os.PathLike[str]"]) -> bool:
@@ -424,11 +498,22 @@ class NebulaStorageReader(StorageReader):
         self.storage_data = metadata.storage_data
 
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
-        """No storage-specific changes."""
-        return plan
+        """Tag the plan with the step this rank's reader chose (checked by :meth:`prepare_global_plan`)."""
+        return dataclasses.replace(plan, storage_data=_ChosenStep(self.step))
 
     def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
-        """No storage-specific changes."""
+        """Check that every rank's reader chose the same step (each picks the newest healthy one on
+        its own: ranks that see different steps must not load a mix of them).
+
+        Raises:
+            ValidationError: naming the step of each rank.
+        """
+        steps = [p.storage_data.step if isinstance(p.storage_data, _ChosenStep) else None for p in plans]
+        if len(set(steps)) > 1:
+            raise ValidationError(
+                f"NebulaStorageReader: the ranks chose different steps to load ({dict(enumerate(steps))}, by rank): "
+                "their readers see different checkpoints under the root (a root that is not shared, or a step "
+                "damaged for some ranks); pass the same step=... on every rank, or read a shared root")
         return plans
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
@@ -461,7 +546,8 @@ class NebulaStorageReader(StorageReader):
     def _read_from_shard(self, si: int, items: list[tuple[ReadItem, mf.TensorRecord]], planner: LoadPlanner) -> None:
         from .restore import read_shard
 
-        buf = read_shard(self.storage, self.manifest, si, self.where)
+        buf = self._ck.buffer(si) if self._ck is not None else read_shard(self.storage, self.manifest, si,
+                                                                          self.where)
         if self.verify:
             todo = list({rec.key: rec for _, rec in items if rec.key not in self._verified}.values())
             if todo:
@@ -481,6 +567,8 @@ class NebulaStorageReader(StorageReader):
                                       f"{list(target.size())}, the stored piece {list(src.size())}")
             target.copy_(src)
             planner.commit_tensor(item, target)
+        if self._ck is not None:
+            self._ck.drop([rec for _, rec in items])  # copied: unmap its pages (a mapped local shard)
 
 
 @dataclass(frozen=True)

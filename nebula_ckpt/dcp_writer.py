@@ -93,6 +93,7 @@ from .native import byte_view, get_ops
 from .plan import MAX_INT_BITS, check_step, placement_codes, safetensors_header
 from .storage.base import Storage
 from .structure import MAX_DEPTH, Node, encode_leaf
+from .tiers import refuse_url_credentials
 
 log = logging.getLogger(__name__)
 
@@ -449,6 +450,7 @@ class NebulaStorageWriter(StorageWriter):
     # -- where -----------------------------------------------------------------------------------
 
     def _set_root_and_step(self, root: Optional[StepId], step: Optional[int]) -> None:
+        refuse_url_credentials(root)  # before it is parsed or shown in any message
         id_root, id_step = _split_id(root) if root is not None else (None, None)
         if step is not None and id_step is not None and id_step != step:
             raise ValidationError(f"NebulaStorageWriter: {root!r} names step {id_step}, but step={step} was given")

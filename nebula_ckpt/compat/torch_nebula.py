@@ -51,7 +51,7 @@ from ..handle import SaveHandle
 from ..integrations.pointers import safe_name
 from ..manifest import check_tag
 from ..native import monotonic
-from ..tiers import MemoryTier, canonical_root, tier_for_root
+from ..tiers import MemoryTier, canonical_root, refuse_url_credentials, tier_for_root
 
 log = logging.getLogger("nebula_ckpt")
 
@@ -120,6 +120,8 @@ def _storage_path(path: Any) -> str:
     """``persistent_storage_path`` as a string (or the environment variable Nebula read)."""
     if path is None:
         path = os.environ.get("NEBULA_PERSISTENT_STORAGE_PATH") or None
+    refuse_url_credentials(path[0] if isinstance(path, (tuple, list)) and len(path) == 1 else path,
+                           "persistent_storage_path")
     if isinstance(path, (tuple, list)) and len(path) == 1:
         # Nebula's documentation writes `persistent_storage_path="/tmp/test",` (a trailing comma)
         log.warning("torch_nebula.init(): persistent_storage_path is a 1-tuple %r (a trailing comma?); using %r",
@@ -530,6 +532,7 @@ def _reader_for(s: _Session, persist_path: Optional[str]) -> tuple[str, Checkpoi
     if not isinstance(persist_path, (str, os.PathLike)) or not os.fspath(persist_path):
         raise ValidationError(f"torch_nebula: persist_path must be a path or URL string, got {persist_path!r}")
     path = os.fspath(persist_path)
+    refuse_url_credentials(path, "persist_path")
     key = canonical_root(path)
     if key == s.settings["root"]:
         return s.root, s.ck

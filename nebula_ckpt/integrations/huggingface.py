@@ -99,6 +99,7 @@ import torch
 from ..checkpointer import Checkpointer
 from ..errors import NebulaError, NotFoundError, ValidationError
 from ..handle import SaveHandle
+from ..tiers import refuse_url_credentials
 
 try:
     import transformers
@@ -594,6 +595,7 @@ class _Housekeeping(TrainerCallback):
 
 
 def _nebula_setup(trainer: Any, root: Optional[str], options: Optional[dict[str, Any]]) -> None:
+    refuse_url_credentials(root, "nebula_root")
     if not any(isinstance(cb, _Housekeeping) for cb in trainer.callback_handler.callbacks):
         trainer.add_callback(_Housekeeping(trainer))
     trainer._nebula_root = root or os.path.join(trainer.args.output_dir, "nebula")

@@ -116,7 +116,7 @@ from ..coordinator import LocalCoordinator
 from ..errors import NebulaError, NotFoundError
 from ..handle import SaveHandle
 from ..manifest import MAX_TAG_CHARS, tag_problem
-from ..tiers import Tier, canonical_root
+from ..tiers import Tier, canonical_root, refuse_url_credentials
 from .pointers import MAX_POINTER_BYTES, parse_pointer, read_pointer_head, write_local_pointer
 
 log = logging.getLogger(__name__)
@@ -290,6 +290,7 @@ class NebulaCheckpointIO(_CheckpointIO):
         super().__init__()
         if not isinstance(root, str) or not root:
             raise NebulaError(f"NebulaCheckpointIO: root must be a non-empty path or URL string, got {root!r}")
+        refuse_url_credentials(root)  # before it is kept, logged or written into a pointer file
         self.root = root
         self._options: dict[str, Any] = {"storage_options": storage_options, "tiers": tiers,
                                          "memory_tier": memory_tier, "max_host_bytes": max_host_bytes,

@@ -19,7 +19,7 @@ import nebula_ckpt as nc
 from conftest import make_training, train_step
 from nebula_ckpt import manifest as mf
 from nebula_ckpt.cli import main as cli
-from nebula_ckpt.dcp import NebulaStorageReader
+from nebula_ckpt.dcp import NebulaStorageReader, newest_manifest
 from nebula_ckpt.errors import CorruptCheckpointError, NotFoundError, ValidationError
 from nebula_ckpt.reshard import gather_full
 from nebula_ckpt.storage.local import LocalStorage
@@ -150,18 +150,30 @@ def test_hostile_manifests_are_corrupt_checkpoints(root4: Path, edit: Any, match
         dcp.load({"model.0.weight": torch.zeros(32, 16)}, storage_reader=NebulaStorageReader(str(root4), 5))
 
 
-def test_a_damaged_shard_fails_dcp_load_naming_key_and_file(root4: Path) -> None:
-    shard = flip_byte_of(root4, 5, "r2/optim/state/1/exp_avg")
+def test_a_damaged_shard_is_refused_before_dcp_load_naming_the_key(root4: Path) -> None:
+    flip_byte_of(root4, 5, "r2/optim/state/1/exp_avg")
     model, opt = plain_model(seed=12)
-    sd = {"model": model.state_dict()}
-    dcp.load(sd, storage_reader=NebulaStorageReader(str(root4)))   # the damaged tensor is not read
-    # DCP reports a failed read as a CheckpointException (a BaseException) carrying each rank's error
-    with pytest.raises(CheckpointException) as ei:
-        dcp.load({"optim": opt.state_dict()}, storage_reader=NebulaStorageReader(str(root4)))
-    err = ei.value.failures[0][0]
-    assert isinstance(err, CorruptCheckpointError) and "r2/optim/state/1/exp_avg" in str(err) and shard in str(err)
+    # the whole step is verified when the reader opens, before DCP plans (even a load of the model
+    # only, which would not read the damaged tensor): no healthy step is left, and step 5 is damaged
+    with pytest.raises(CorruptCheckpointError, match="(?s)no healthy checkpoint.*r2/optim/state/1/exp_avg"):
+        NebulaStorageReader(str(root4))
+    with pytest.raises(CorruptCheckpointError, match="(?s)step 5.*r2/optim/state/1/exp_avg"):
+        NebulaStorageReader(str(root4), 5)
     # verify=False reads it anyway (the caller vouches for the bytes)
     dcp.load({"optim": opt.state_dict()}, storage_reader=NebulaStorageReader(str(root4), verify=False))
+
+
+def test_bytes_damaged_after_the_reader_opened_fail_the_read_naming_key_and_file(root4: Path) -> None:
+    """A reader given the manifest (the resharding restore, which verified the step) checks the
+    checksum of each tensor as DCP reads it."""
+    reader = NebulaStorageReader(LocalStorage(str(root4)), 5, manifest=newest_manifest(LocalStorage(str(root4))))
+    shard = flip_byte_of(root4, 5, "r2/optim/state/1/exp_avg")
+    _, opt = plain_model(seed=12)
+    # DCP reports a failed read as a CheckpointException (a BaseException) carrying each rank's error
+    with pytest.raises(CheckpointException) as ei:
+        dcp.load({"optim": opt.state_dict()}, storage_reader=reader)
+    err = ei.value.failures[0][0]
+    assert isinstance(err, CorruptCheckpointError) and "r2/optim/state/1/exp_avg" in str(err) and shard in str(err)
 
 
 def test_a_newer_damaged_manifest_falls_back_to_the_older_step(v1_root: tuple[str, Any, Any, Any]) -> None:
@@ -254,3 +266,124 @@ def test_two_dim_mesh_replicas_are_read_once_and_the_lowest_rank_wins(tmp_path: 
 
     load_resharded(reader.storage, 1, reader.manifest, into)
     assert torch.equal(into["w"], w) and torch.equal(into["b"], torch.zeros(3))
+
+
+# -- a damaged newest step: the reader falls back to the newest healthy one, as load_latest does --
+
+def _w(step: int) -> torch.Tensor:
+    return torch.arange(12, dtype=torch.float32).reshape(4, 3) + 100 * step
+
+
+def _two_rank_steps(root: Path, steps: tuple[int, ...] = (1, 2)) -> None:
+    """Steps of a 2-rank job: ``w`` sharded by rows over the ranks, ``b`` a plain tensor per rank."""
+    for step in steps:
+        pieces = {r: {"w": (_w(step)[2 * r:2 * r + 2],
+                            {"shape": [4, 3], "offsets": [2 * r, 0], "placements": ["S(0)"], "mesh": [2]}),
+                      "b": (torch.full((3,), float(step * 10 + r)), None)} for r in range(2)}
+        _write_multi_rank(root, step, 2, pieces, aliases={})
+
+
+def _flip(root: Path, step: int) -> str:
+    flip_byte_of(root, step, "r1/w")
+    return "checksum mismatch in tensor 'r1/w'"
+
+
+def _truncate(root: Path, step: int) -> str:
+    shard = root / mf.step_dir(step) / mf.shard_name(1, 1)
+    shard.write_bytes(shard.read_bytes()[:-1])
+    return shard.name
+
+
+def _drop_rank(root: Path, step: int) -> str:
+    (root / mf.step_dir(step) / mf.shard_name(1, 1)).unlink()
+    return mf.shard_name(1, 1)
+
+
+def _world(n: int) -> Any:
+    def damage(root: Path, step: int) -> str:
+        rewrite_manifest(root, step, lambda man: man.update(world_size=n))
+        return f"{n}-rank job" if n > 2 else "one-process checkpoint"
+    return damage
+
+
+DAMAGE = {"flipped_byte": _flip, "truncated_shard": _truncate, "missing_rank": _drop_rank,
+          "world_size_3": _world(3), "world_size_1": _world(1)}
+
+
+@pytest.mark.parametrize("kind", sorted(DAMAGE))
+def test_reader_falls_back_past_a_damaged_newest_step(tmp_path: Path, kind: str,
+                                                      caplog: pytest.LogCaptureFixture) -> None:
+    root = tmp_path / "ck"
+    _two_rank_steps(root)
+    named = DAMAGE[kind](root, 2)
+    with caplog.at_level("INFO", logger="nebula_ckpt"):
+        reader = NebulaStorageReader(str(root))
+    assert reader.step == 1
+    assert any("step 1" in r.getMessage() and "NebulaStorageReader" in r.getMessage() for r in caplog.records)
+    sd = {"w": torch.zeros(4, 3), "b": torch.zeros(3)}
+    dcp.load(sd, storage_reader=reader)
+    assert torch.equal(sd["w"], _w(1)) and torch.equal(sd["b"], torch.full((3,), 10.0))
+    # the same check as load_latest: it restores the same step
+    into = {"w": torch.zeros(4, 3), "b": torch.zeros(3)}
+    with nc.Checkpointer(str(root), memory_tier=False) as ck:
+        assert ck.load_latest(into=into) == 1 and torch.equal(into["w"], _w(1))
+    # step 2 asked for by name is never replaced by another: it raises, naming the damage
+    with pytest.raises((CorruptCheckpointError, ValidationError), match="step 2") as ei:
+        NebulaStorageReader(str(root), 2)
+    assert named in str(ei.value)
+    with pytest.raises((CorruptCheckpointError, ValidationError), match=named):
+        NebulaStorageReader(f"{root}/step-2")
+
+
+@pytest.mark.parametrize("kind", ["flipped_byte", "truncated_shard", "missing_shard"])
+def test_reader_falls_back_past_a_damaged_one_process_step(v1_root: tuple[str, Any, Any, Any], kind: str) -> None:
+    root, model, opt, sched = v1_root
+    with nc.Checkpointer(root, memory_tier=False) as ck:
+        ck.save(4, {"model": model, "optim": opt, "sched": sched, "step": 4})
+    (shard,) = (Path(root) / mf.step_dir(4)).glob("shard-*.safetensors")
+    if kind == "flipped_byte":
+        flip_byte_of(Path(root), 4, "optim/state/0/exp_avg")
+    elif kind == "truncated_shard":
+        shard.write_bytes(shard.read_bytes()[:-7])
+    else:
+        shard.unlink()
+    reader = NebulaStorageReader(root)
+    assert reader.step == 3
+    sd = {"optim": opt.state_dict(), "step": 0}
+    dcp.load(sd, storage_reader=reader)
+    assert sd["step"] == 3
+    with pytest.raises(CorruptCheckpointError, match="step 4") as ei:
+        NebulaStorageReader(root, 4)
+    assert ("'optim/state/0/exp_avg'" if kind == "flipped_byte" else shard.name) in str(ei.value)
+
+
+@pytest.mark.slow
+def test_two_gloo_ranks_fall_back_past_a_damaged_newest_step(tmp_path: Path) -> None:
+    from .launch import run_ranks
+
+    roots = []
+    for kind, damage in sorted(DAMAGE.items()):
+        root = tmp_path / kind
+        _two_rank_steps(root)
+        damage(root, 2)
+        roots.append(str(root))
+    healthy = tmp_path / "healthy"
+    _two_rank_steps(healthy)
+    # roots that are not shared: each rank its own, rank 1's newest step damaged (it alone falls back)
+    for r in range(2):
+        _two_rank_steps(tmp_path / f"own{r}")
+    _flip(tmp_path / "own1", 2)
+    own = str(tmp_path / "own{rank}")
+    out = tmp_path / "out"
+    out.mkdir()
+    done = run_ranks(2, "dcp_fallback_worker.py", [str(out), str(healthy), own, *roots], out,
+                     str(tmp_path / "shm"), timeout=200)
+    assert all(p.returncode == 0 for p in done), "\n".join(p.stdout[-3000:] for p in done)
+    for r in range(2):
+        got = json.loads((out / f"fallback-r{r}.json").read_text())
+        assert got[str(healthy)]["step"] == 2 and got[str(healthy)]["w"] == _w(2).tolist()
+        # never a mix of steps: the load fails on every rank, naming each rank's step
+        assert "chose different steps" in got[own].get("error", "") and "{0: 2, 1: 1}" in got[own]["error"], got[own]
+        for root in roots:
+            assert got[root].get("step") == 1, (r, root, got[root])
+            assert got[root]["w"] == _w(1).tolist() and got[root]["b"] == [10.0] * 3, (r, root)

@@ -51,7 +51,8 @@ class FsspecStorage(Storage):
 
     Args:
         url: tier root, e.g. ``"az://container/prefix"``, ``"s3://bucket/prefix"``,
-            ``"memory://ckpt"``. A query string or ``user:password@`` in the URL is never shown.
+            ``"memory://ckpt"``. A query string in the URL is never shown; a ``user:password@``
+            is refused (credentials go in ``storage_options``).
         storage_options: passed to the fsspec filesystem (credentials, endpoint, ...). Defaults
             added when absent: connect / read timeouts of 10 s / 60 s, capped by the knob
             ``remote_timeout_s`` (S3: ``config_kwargs`` ``connect_timeout`` /

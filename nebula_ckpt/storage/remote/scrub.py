@@ -102,10 +102,10 @@ class SafeUrl:
     """A tier URL split into what may be shown and what the filesystem needs.
 
     Attributes:
-        display: the URL without ``user:password@`` and query string (safe to log).
-        clean: the URL the filesystem is opened with (no query string, no password).
+        display: the URL without its query string (safe to log).
+        clean: the URL the filesystem is opened with (no query string).
         scheme: the URL scheme (``"file"`` when there is none).
-        secrets: the password / query values found in the URL (to scrub).
+        secrets: the query values found in the URL (to scrub).
     """
 
     display: str
@@ -118,17 +118,20 @@ class SafeUrl:
 
     @classmethod
     def parse(cls, url: str) -> "SafeUrl":
-        """Split ``url``; a query string or a ``user:password@`` is never part of ``display``."""
+        """Split ``url``; a query string is never part of ``display``.
+
+        Raises:
+            ValidationError: the URL carries a password (``user:password@``): credentials go in
+                ``storage_options`` (see :func:`~nebula_ckpt.tiers.refuse_url_credentials`); a
+                user name alone (Azure's ``container@account``) stays.
+        """
+        from ...tiers import refuse_url_credentials  # tiers imports storage: not at module level
+
+        refuse_url_credentials(url, "remote tier")  # before urlsplit, whose errors quote the host part
         secrets: set[str] = set()
         parts = urllib.parse.urlsplit(url)
         netloc = parts.netloc
         clean = url.split("?", 1)[0]
-        if "@" in netloc:
-            userinfo, _, host = netloc.rpartition("@")
-            if ":" in userinfo:  # user:password@host -> drop it (az's container@account stays)
-                secrets.update(x for x in userinfo.split(":", 1) if x)
-                netloc = host
-                clean = urllib.parse.urlunsplit((parts.scheme, netloc, parts.path, "", ""))
         if parts.query:
             secrets.add(parts.query)
             secrets.update(v for _, v in urllib.parse.parse_qsl(parts.query)
