@@ -2,13 +2,43 @@
 
 from __future__ import annotations
 
+import ctypes
 import gc
+from typing import Any, Callable, Optional
 
 import psutil
 import pytest
 import torch
 
 import nebula_ckpt as nc
+
+
+def _malloc_trim() -> Optional[Callable[[int], int]]:
+    """glibc's ``malloc_trim`` (returns the allocator's free pages to the OS), or None elsewhere."""
+    try:
+        return ctypes.CDLL(None).malloc_trim
+    except (OSError, AttributeError):
+        return None
+
+
+def _rss_beside_pool(proc: psutil.Process, ck: Any) -> tuple[int, int, int]:
+    """``(RSS not held by the staging pool, RSS, pool bytes)`` of an idle checkpointer.
+
+    What the pool holds (staging buffers, and the slot files the memory tier's checkpoints link:
+    mapped and pre-faulted, so resident) varies between saves by design: a second staging slot
+    is made only when a save comes while a slower tier still reads the first, so whether a job
+    holds two slot files or three depends on timing, and the pool's own bounds are asserted
+    apart. Free memory the C allocator keeps for reuse (a freed gradient's pages) is returned
+    first; what stays is memory something still uses.
+    """
+    gc.collect()
+    trim = _malloc_trim()
+    if trim is not None:
+        trim(0)
+    s = ck.stats()
+    pool = s["staging_bytes"] + s["memory_tier_slot_bytes"]
+    rss = proc.memory_info().rss
+    return rss - pool, rss, pool
 
 
 @pytest.mark.slow
@@ -29,18 +59,26 @@ def test_100_saves_no_host_memory_growth(tmp_path, shm_dir, ops_path: str) -> No
             opt.zero_grad()
             if step in (19, 99):
                 ck.wait()
-                gc.collect()
-                rss.append(proc.memory_info().rss)
+                rss.append(_rss_beside_pool(proc, ck))
                 slots = ck.stats()
                 # staging: at most two slots (one filling, one a slower tier still reads), each the
-                # shard image; the memory tier's own checkpoint (keep_last=2) is apart from it
+                # shard image; the memory tier's own checkpoint (its keep_last=1; two while a newer one
+                # commits) is apart from it
                 assert slots["staging_bytes"] <= 2 * (state_bytes * 1.1 + (2 << 20)), slots
                 assert slots["memory_tier_slot_bytes"] <= 2 * (state_bytes * 1.1 + (2 << 20)), slots
         per_tier = ck.list(detailed=True)
         # newest always committed; retention bounds what stays (a busy disk tier may drop saves)
         assert all(steps[-1] == 99 and len(steps) <= 2 for steps in per_tier.values()), per_tier
-    growth = rss[1] - rss[0]
-    assert growth < state_bytes // 2, f"RSS grew by {growth / 2**20:.1f} MiB over 80 saves"
+    if _malloc_trim() is None:
+        pytest.skip("without glibc's malloc_trim the allocator's free pages cannot be told from growth")
+    # Everything else the process holds must not grow with saves: a buffer or mapping kept per
+    # save (about 50 KiB a save or more) fails this.
+    growth = rss[1][0] - rss[0][0]
+    bound = state_bytes // 4
+    assert growth < bound, (
+        f"RSS beside the staging pool grew by {growth / 2**20:.1f} MiB over 80 saves (bound "
+        f"{bound / 2**20:.1f} MiB); RSS {rss[0][1] / 2**20:.1f} -> {rss[1][1] / 2**20:.1f} MiB, pool "
+        f"{rss[0][2] / 2**20:.1f} -> {rss[1][2] / 2**20:.1f} MiB")
 
 
 def test_on_full_skip_drops_save_instead_of_growing(tmp_path) -> None:  # noqa: ANN001
