@@ -34,6 +34,8 @@ BAD = [
     ("object", {"cfg": {"fn": object()}}, "cfg/fn", "allow_pickle"),
     ("namedtuple", {"nt": collections.namedtuple("P", "x y")(1, 2)}, "'nt'", "namedtuple"),
     ("bad-key", {"d": {(1, 2): 3}}, "'d'", "key"),
+    ("huge-int", {"d": {"n": 2**5000}}, "d/n", "4096 bits"),
+    ("huge-int-key", {"d": {2**5000: 1}}, "'d'", "4096 bits"),
 ]
 
 
