@@ -568,7 +568,7 @@ def _parse_body(m: dict[str, Any], w: str, step: int, version: int) -> Manifest:
     _check_overlaps(tensors, shards, w)
     aliases = _aliases(m.get("aliases", {}), tensors, w)
     world, ranks, rank_tree = _ranks(m, w, version)
-    _check_trees(m["tree"], set(tensors) | set(aliases), world, rank_tree, w)
+    _check_trees(m["tree"], tensors, aliases, world, rank_tree, w)
     _check_dtensors(tensors, aliases, shards, world, len(ranks) == world, w)
     t = m.get("time", 0.0)
     if type(t) not in (int, float):
@@ -610,27 +610,32 @@ def _ranks(m: dict[str, Any], w: str, version: int) -> tuple[int, tuple[int, ...
     return world, ranks, rank_tree
 
 
-def _check_trees(tree: Any, keys: set[str], world: int, rank_tree: dict[int, int], w: str) -> None:
-    """Check the tree(s): each rank's tree against the keys that rank has."""
+def _check_trees(tree: Any, tensors: dict[str, TensorRecord], aliases: dict[str, str], world: int,
+                 rank_tree: dict[int, int], w: str) -> None:
+    """Check the tree(s): each rank's tree against the keys that rank has, and their dtypes."""
     from .structure import check_tree  # structure imports the dtype table from here
 
+    dtypes = {k: tensors[aliases.get(k, k)].dtype for k in itertools.chain(tensors, aliases)}
     if world == 1:
-        check_tree(tree, keys, f"{w}: tree")
+        check_tree(tree, dtypes, f"{w}: tree")
         return
-    own: dict[int, set[str]] = {}
-    for k in keys:
+    own: dict[int, dict[str, str]] = {}
+    for k, dtype in dtypes.items():
         head, sep, rest = k.partition("/")
         r = int(head[1:]) if sep and head[:1] == "r" and head[1:].isdigit() and len(head) < 12 else None
         if r is None or r not in rank_tree or head != f"r{r}":
             raise _bad(w, f"tensor key {_short(k)} does not start with the prefix of a rank it holds (r<R>/)")
-        own.setdefault(r, set()).add(rest)
+        own.setdefault(r, {})[rest] = dtype
     users: dict[int, list[int]] = {}
     for r, i in rank_tree.items():
         users.setdefault(i, []).append(r)
     for i, node in enumerate(tree["v"]):
         if i not in users:
             raise _bad(w, f"tree[{i}] is the tree of no rank")
-        shared = set.intersection(*(own.get(r, set()) for r in users[i]))
+        held = [own.get(r, {}) for r in users[i]]
+        # a key every rank of this tree holds; its dtype, or None where the ranks' dtypes differ
+        shared = {k: (dt if all(h[k] == dt for h in held) else None)
+                  for k, dt in held[0].items() if all(k in h for h in held)}
         check_tree(node, shared, f"{w}: tree[{i}] (rank {users[i][0]})")
 
 

@@ -266,19 +266,22 @@ _LEAF_CHECKS: dict[str, tuple[Callable[[Any], bool], str]] = {
 }
 
 
-def check_tree(tree: Any, tensor_keys: "set[str] | frozenset[str]", where: str) -> None:
+def check_tree(tree: Any, tensor_keys: Mapping[str, Optional[str]], where: str) -> None:
     """Check a whole typed-JSON tree in one pass, without recursion.
 
     Args:
         tree: the ``tree`` of a manifest, as loaded from JSON.
-        tensor_keys: the keys ``{"t": "tensor"}`` nodes may name (stored tensors and aliases).
+        tensor_keys: the keys ``{"t": "tensor"}`` nodes may name (stored tensors and aliases),
+            each with the dtype name of its stored tensor (None: not one dtype; no NumPy array
+            may then be stored in it).
         where: names the manifest in errors.
 
     Raises:
         CorruptCheckpointError: naming the path in the tree of the first malformed node: unknown
-            node type, missing or ill-typed field, bad base64 / hex float / dtype / device, a
-            tensor reference to a key that does not exist, a dict key that is not a str/int
-            node, or nesting deeper than :data:`MAX_DEPTH`.
+            node type, missing or ill-typed field, a value the writer never writes (see
+            ``_LEAF_CHECKS``), a tensor reference to a key that does not exist, a NumPy array
+            over a tensor of another dtype, a dict key that is not a str/int node, or nesting
+            deeper than :data:`MAX_DEPTH`.
     """
     stack: list[tuple[Any, str, int]] = [(tree, "", 0)]
     while stack:
@@ -295,12 +298,16 @@ def check_tree(tree: Any, tensor_keys: "set[str] | frozenset[str]", where: str) 
                 raise _fail(where, path, f"tensor reference {str(node.get('k'))[:80]!r} names no "
                             "tensor of the manifest")
         elif t == "ndarray":
-            _check_numpy_code(node, where, path)
+            code = _check_numpy_code(node, where, path)
             inner = node.get("v")
             if type(inner) is not dict or inner.get("t") != "tensor" or type(inner.get("k")) is not str \
                     or inner["k"] not in tensor_keys:
                 raise _fail(where, path, f"an 'ndarray' node needs 'v' as a tensor reference to a tensor of the "
                             f"manifest, got {_kind(inner)}")
+            stored = tensor_keys[inner["k"]]
+            if stored is None or DTYPES.get(stored) != NUMPY_KINDS[code[1:]]:
+                raise _fail(where, path, f"a NumPy {code} array is stored as {NUMPY_KINDS[code[1:]]}, but its tensor "
+                            f"{inner['k'][:80]!r} is {stored or 'of other dtypes on the ranks sharing this tree'}")
         elif t == "npscalar":
             code = _check_numpy_code(node, where, path)
             v = node.get("v")

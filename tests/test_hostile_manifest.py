@@ -101,6 +101,8 @@ HOSTILE_LEAVES: list[tuple[str, Man, str]] = [
      "4096 bits"),
     ("npscalar_bad_base64", {"t": "npscalar", "dtype": "<f4", "v": "!!!!"}, "base64"),
     ("bytes_with_newlines", {"t": "bytes", "v": "AAAA\nAAAA"}, "base64"),
+    # an array leaf over a stored tensor of another dtype (the tensor "w" is float32)
+    ("ndarray_over_other_dtype", {"t": "ndarray", "dtype": "<i4", "v": {"t": "tensor", "k": "w"}}, "float32"),
 ]
 
 # (id, manifest change, text the error must contain)
