@@ -29,9 +29,9 @@ Writing: :class:`NebulaStorageWriter` (``from nebula_ckpt.dcp import NebulaStora
 write a normal nebula_ckpt checkpoint.
 
 Everything read is verified: the commit marker and manifest (:meth:`Manifest.parse`, which also
-checks that the ranks' records agree: global shapes, dtypes, chunks covering each tensor exactly), the size
-of each shard, and the CRC32C of every stored tensor that is read (once per reader). Damage
-raises :class:`~nebula_ckpt.errors.CorruptCheckpointError` naming the key and the file.
+checks that the ranks' records agree: global shapes, dtypes, chunks covering each tensor
+exactly), the size of each shard, and the CRC32C of every stored tensor that is read (once per
+reader). Damage raises :class:`~nebula_ckpt.errors.CorruptCheckpointError` naming the key and the file.
 """
 
 from __future__ import annotations
