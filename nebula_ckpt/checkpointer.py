@@ -834,7 +834,12 @@ class Checkpointer:
             into: the same tree shape as saved: objects get ``load_state_dict``, tensors are copied
                 into, dict entries are replaced. ``None``: only find and verify.
             map_location: device for tensors that are created (not copied into).
-            strict: require ``into`` and the checkpoint to have the same keys.
+            strict: require ``into`` and the checkpoint to have the same keys, both ways: a key
+                the checkpoint holds that ``into`` lacks (a forgotten scheduler), a key of ``into``
+                the checkpoint lacks, or an object / tensor in ``into`` where something else was
+                saved raises :class:`ValidationError` naming every such key, with ``into``
+                untouched. ``strict=False`` restores the keys both have and puts a key only the
+                checkpoint has into its dict as the saved value.
             on_damaged: when committed checkpoints exist but none of them is restorable:
                 ``"raise"`` (default) :class:`CorruptCheckpointError` naming every damaged copy,
                 so a damaged root never silently restarts training from step 0; ``"warn"``: log

@@ -30,20 +30,18 @@ write a normal nebula_ckpt checkpoint.
 
 Everything read is verified before DCP plans the load, by the check ``load_latest`` makes
 (:func:`~nebula_ckpt.restore.find_and_open`): the commit marker and manifest
-(:meth:`Manifest.parse`), the size of every shard and the CRC32C of every stored tensor; then the
-consistency of the ranks' records (global shapes, dtypes, chunks covering the tensor). Without
-an explicit step, a damaged newer step is skipped (a warning names the damage) and the newest
-healthy one is read (logged, and :attr:`NebulaStorageReader.step`); an explicit step that is
-damaged raises :class:`~nebula_ckpt.errors.CorruptCheckpointError` naming the damage.
+(:meth:`Manifest.parse`, which also checks that the ranks' records agree: global shapes, dtypes,
+chunks covering each tensor exactly), the size of every shard and the CRC32C of every stored
+tensor. Without an explicit step, a damaged newer step is skipped (a warning names the damage)
+and the newest healthy one is read (logged, and :attr:`NebulaStorageReader.step`); an explicit
+step that is damaged raises :class:`~nebula_ckpt.errors.CorruptCheckpointError` naming the damage.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import io
-import itertools
 import logging
-import math
 import os
 import uuid
 from dataclasses import dataclass
@@ -72,10 +70,6 @@ from .structure import decode
 from .tiers import Tier, refuse_url_credentials, tier_for_root
 
 log = logging.getLogger(__name__)
-
-#: chunk lists longer than this are checked by volume only (pairwise overlap checks are quadratic)
-_PAIRWISE_LIMIT = 64
-
 
 @dataclass(frozen=True)
 class TensorRef:
@@ -123,17 +117,7 @@ def logical_tensors(man: mf.Manifest) -> dict[str, list[tuple[int, str, mf.Tenso
     """Logical key (no ``r<R>/`` prefix) -> ``(rank, its manifest key, stored record)`` of every
     rank holding it, lowest rank first (aliases resolved to the record they name). A one-process
     manifest gives each key once, as rank 0."""
-    groups: dict[str, list[tuple[int, str, mf.TensorRecord]]] = {}
-    for full in itertools.chain(man.tensors, man.aliases):
-        rec = man.tensors[man.aliases.get(full, full)]
-        if man.multi_rank:
-            head, _, key = full.partition("/")
-            rank = int(head[1:])  # Manifest.parse checked every key starts with a held rank's prefix
-        else:
-            rank, key = 0, full
-        groups.setdefault(key, []).append((rank, full, rec))
-    for holders in groups.values():
-        holders.sort(key=lambda x: x[0])
+    groups = mf.logical_groups(man.tensors, man.aliases, man.multi_rank)
     # the saved order (of the lowest rank's tree, then the others'), not the storage order
     from .restore import tensor_keys
 
@@ -332,51 +316,15 @@ class NebulaStorageReader(StorageReader):
 
     def _chunks(self, key: str, holders: list[tuple[int, mf.TensorRecord]]
                 ) -> tuple[mf.TensorRecord, tuple[int, ...], list[tuple[tuple[int, ...], mf.TensorRecord]]]:
-        """(first record, global shape, [(offsets, record)]) of logical ``key``, checked."""
-        first_rank, first = holders[0]
+        """(first record, global shape, [(offsets, record)]) of logical ``key``: the ranks' records
+        were checked to agree and (every rank held) to cover the tensor exactly by :meth:`Manifest.parse`."""
+        first = holders[0][1]
         if first.dtensor is None:
-            kinds = [r for r, rec in holders if rec.dtensor is not None]
-            if kinds:
-                raise CorruptCheckpointError(f"{self.where}: key '{key}' is a plain tensor on rank {first_rank} "
-                                             f"but a DTensor on rank {kinds[0]}: the ranks' records disagree")
             return first, first.shape, [((0,) * len(first.shape), first)]
-        shape = first.dtensor.shape
-        by_offsets: dict[tuple[int, ...], mf.TensorRecord] = {}
-        for rank, rec in holders:
-            info = rec.dtensor
-            if info is None or info.shape != shape or rec.dtype != first.dtype:
-                what = "a plain tensor" if info is None else f"{rec.dtype} of global shape {list(info.shape)}"
-                raise CorruptCheckpointError(
-                    f"{self.where}: key '{key}' is {what} on rank {rank} but {first.dtype} of global shape "
-                    f"{list(shape)} on rank {first_rank}: the ranks' records disagree")
-            have = by_offsets.get(info.offsets)
-            if have is None:
-                by_offsets[info.offsets] = rec
-            elif have.shape != rec.shape:
-                raise CorruptCheckpointError(
-                    f"{self.where}: key '{key}': two shards start at {list(info.offsets)} with different shapes "
-                    f"({list(have.shape)} in {self._file(have)}, {list(rec.shape)} in {self._file(rec)})")
-        chunks = sorted(by_offsets.items())
-        numel = math.prod(shape)
-        if numel == 0:
-            return first, shape, chunks[:1]
-        chunks = [(o, rec) for o, rec in chunks if math.prod(rec.shape)]
-        covered = sum(math.prod(rec.shape) for _, rec in chunks)
-        if covered != numel or not self._disjoint(chunks):
-            raise CorruptCheckpointError(
-                f"{self.where}: key '{key}': the ranks' shards ({len(chunks)} distinct) cover {covered} elements "
-                f"of a global tensor of {numel} {list(shape)}" + (" and overlap" if covered == numel else "")
-                + ": a shard is missing or misplaced")
+        shape, chunks = mf.dtensor_chunks(key, holders, self.manifest.shards, self.where)
+        if not chunks:  # an empty global tensor: one (empty) chunk describes it
+            chunks = [(first.dtensor.offsets, first)]
         return first, shape, chunks
-
-    @staticmethod
-    def _disjoint(chunks: list[tuple[tuple[int, ...], mf.TensorRecord]]) -> bool:
-        if len(chunks) > _PAIRWISE_LIMIT:
-            return True  # the volume check above catches duplicates; crafted overlap+hole only reads stale data
-        for (oa, ra), (ob, rb) in itertools.combinations(chunks, 2):
-            if all(a < b + nb and b < a + na for a, na, b, nb in zip(oa, ra.shape, ob, rb.shape, strict=True)):
-                return False
-        return True
 
     def _file(self, rec: mf.TensorRecord) -> str:
         return self.manifest.shards[rec.shard].file

@@ -90,9 +90,9 @@ from .coordinator import LocalCoordinator
 from .errors import ConsistencyError, FencedError, NebulaError, PersistError, ValidationError
 from .fencing import WRITERS_DIR, Fence
 from .native import byte_view, get_ops
-from .plan import MAX_INT_BITS, check_step, placement_codes, safetensors_header
+from .plan import check_step, placement_codes, safetensors_header
 from .storage.base import Storage
-from .structure import MAX_DEPTH, Node, encode_leaf
+from .structure import MAX_DEPTH, MAX_INT_BITS, Node, encode_leaf
 from .tiers import refuse_url_credentials
 
 log = logging.getLogger(__name__)
@@ -184,7 +184,7 @@ def _encode_plain(value: Any, path: str, depth: int = 0) -> Node:
         for k, v in value.items():
             if type(k) is str:
                 kn: Node = {"t": "str", "v": k}
-            elif type(k) is int:
+            elif type(k) is int and k.bit_length() <= MAX_INT_BITS:
                 kn = {"t": "int", "v": k}
             else:
                 raise _NotPlain(f"dict key {k!r} of type {type(k).__name__}")

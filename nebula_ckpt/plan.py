@@ -32,13 +32,11 @@ import torch
 
 from .errors import ValidationError
 from .manifest import SAFETENSORS_CODES, SINGLE_VERSION, DTensorInfo, check_tag, dtype_name
-from .structure import MAX_DEPTH, Node, encode_leaf, numpy_code
+from .structure import MAX_DEPTH, Node, check_int, encode_leaf, numpy_code
 
 ALIGN = 4096
 #: largest step: it must fit a signed 64-bit integer (file names, manifests, other readers).
 MAX_STEP = 2**63 - 1
-#: largest plain int leaf, in bits (JSON readers refuse integers of thousands of digits).
-MAX_INT_BITS = 4096
 #: tensor keys safetensors reserves for itself.
 _RESERVED_KEYS = frozenset({"__metadata__"})
 
@@ -251,9 +249,6 @@ class _Flattener:
                 return self._walk_container(value, path, depth + 1)
             finally:
                 del self._path_ids[id(value)]
-        if type(value) is int and value.bit_length() > MAX_INT_BITS:
-            raise ValidationError(f"state key '{path or '<root>'}': int with {value.bit_length()} bits is too "
-                                  f"large to store (limit {MAX_INT_BITS} bits); store it as str or bytes")
         return encode_leaf(value, path or "<root>", self.allow_pickle)
 
     def _walk_container(self, value: Any, path: str, depth: int) -> Node:
@@ -266,7 +261,7 @@ class _Flattener:
                 if tk is str:
                     knode: Node = {"t": "str", "v": k}
                 elif tk is int:
-                    knode = {"t": "int", "v": k}
+                    knode = {"t": "int", "v": check_int(k, path)}
                 elif isinstance(k, (str, int)) and not isinstance(k, bool):
                     knode = encode_leaf(k, path, False)
                 else:

@@ -26,7 +26,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from . import manifest as mf
 from .dcp import NebulaStorageReader
 from .errors import CorruptCheckpointError, NebulaError, ValidationError
-from .restore import tensor_keys
+from .restore import KeyMismatch, describe, describe_node, holds_state, tensor_keys
 from .storage.base import Storage
 from .structure import decode
 
@@ -69,6 +69,10 @@ class _Matcher:
         self.allow_pickle = allow_pickle
         self.flat: dict[str, Any] = {}
         self.actions: list[Thunk] = []
+        #: keys only one side has (raised together with ``strict``, see :class:`KeyMismatch`)
+        self.unmatched = KeyMismatch()
+        #: > 0 while walking the state dict of an object in ``into`` (filled, then given back to it)
+        self._in_object = 0
 
     def _decoded(self, node: Mapping[str, Any], path: str) -> Thunk:
         def make() -> Any:
@@ -103,18 +107,28 @@ class _Matcher:
         if not isinstance(target, (torch.Tensor, dict, list, tuple)) and callable(getattr(target, "state_dict", None)) \
                 and callable(getattr(target, "load_state_dict", None)) and inner["t"] in ("dict", "odict"):
             sd = target.state_dict()
-            repl = self.walk(inner, sd, path)
+            self._in_object += 1
+            try:
+                repl = self.walk(inner, sd, path)
+            finally:
+                self._in_object -= 1
             self.actions.append(lambda: target.load_state_dict(sd if repl is None else repl()))
             return None
         t = inner["t"]
         if t == "tensor":
             return self._tensor(inner["k"], target, path)
-        if t == "ndarray":  # a NumPy leaf: its tensor is read into a buffer, then replaces `target`
-            return self._values(inner, path)
         if t in ("dict", "odict") and isinstance(target, dict):
             return self._dict(inner, target, path)
         if t in ("list", "tuple") and isinstance(target, (list, tuple)) and len(target) == len(inner["v"]):
             return self._sequence(inner, target, path)
+        if self.strict and holds_state(target):
+            # the saved value would replace `target`, and the tensors or objects in it keep their old state
+            raise ValidationError(f"reshard ({self.where}): checkpoint key '{path or '<root>'}' holds "
+                                  f"{describe_node(inner)}, `into` holds {describe(target)} there, which it cannot "
+                                  "be restored into; build `into` like the saved state, or pass strict=False to "
+                                  "replace it by the saved value")
+        if t == "ndarray":  # a NumPy leaf: its tensor is read into a buffer, then replaces `target`
+            return self._values(inner, path)
         if t in ("dict", "odict", "list", "tuple"):
             if target is None or not tensor_keys(inner, []):
                 return self._missing(inner, path, f"`into` holds {type(target).__name__} at '{path or '<root>'}'")
@@ -161,14 +175,16 @@ class _Matcher:
             sub = f"{path}/{k}" if path else str(k)
             if k in target:
                 repl = self.walk(v_node, target[k], sub)
+            elif self.strict and not self._in_object:
+                # a dict of `into` lacks it (an object's own state dict is filled and given back to it)
+                self.unmatched.saved_only.append(sub)
+                continue
             else:
                 repl = self._missing(v_node, sub, f"`into` has no entry '{sub}'")
             if repl is not None:
                 self.actions.append(_setter(target, k, repl))
-        extra = [k for k in target if k not in saved]
-        if extra and self.strict:
-            raise ValidationError(f"reshard ({self.where}): `into` has key(s) {extra[:8]} under '{path or '<root>'}' "
-                                  "that the checkpoint does not have; pass strict=False to leave them as they are")
+        keys = set(saved)
+        self.unmatched.into_only.extend(f"{path}/{k}" if path else str(k) for k in target if k not in keys)
         return None
 
     def _sequence(self, node: Mapping[str, Any], target: Any, path: str) -> Optional[Thunk]:
@@ -230,8 +246,11 @@ def load_resharded(storage: Storage, step: int, manifest: mf.Manifest, into: Any
         into: the state to fill: the same tree as saved (model, optimizer, values, ...), in any
             layout: DTensors of another mesh, plain full tensors, ...
         process_group: the group of the ranks restoring (None: the default group, if any).
-        strict: a saved tensor without a tensor to go into, or a key of ``into`` the checkpoint
-            lacks, raises :class:`ValidationError` (else: logged and skipped / left as is).
+        strict: a saved key a dict of ``into`` lacks, a key of ``into`` the checkpoint lacks, a
+            saved tensor without a tensor to go into, or a tensor / object of ``into`` where the
+            checkpoint holds something else raises :class:`ValidationError` naming the keys,
+            before anything changes (else: a saved value is put in place, tensors without a place
+            are logged and skipped, keys only ``into`` has are left as they are).
         allow_pickle: decode values stored with pickle (trusted checkpoints only).
 
     Raises:
@@ -243,6 +262,8 @@ def load_resharded(storage: Storage, step: int, manifest: mf.Manifest, into: Any
     tree = manifest.rank_tree_of(ranks[0])
     matcher = _Matcher(reader, strict, allow_pickle)
     repl = matcher.walk(tree, into, "")
+    if strict:
+        matcher.unmatched.check(f"reshard ({reader.where}): the checkpoint")
     if repl is not None:
         raise ValidationError(f"reshard ({reader.where}): `into` ({_describe(into)}) cannot be filled in place; "
                               "pass a dict, list, model or optimizer")

@@ -521,6 +521,8 @@ def stage_apply(ck: OpenCheckpoint, into: Any, *, map_location: Any = None, stri
     st = _Staged(ck, map_location, allow_pickle)
     try:
         run = _plan_node(st, ck.tree, into, "", strict)
+        if strict:
+            st.unmatched.check(f"restore: the checkpoint of step {ck.step}")
         st.materialize()
         ck.verify_rest()
         if ck.adoption is not None and not ck.adoption.give_up():
@@ -585,6 +587,75 @@ def materialize(ck: OpenCheckpoint, *, map_location: Any = None, allow_pickle: b
     return tree()
 
 
+class KeyMismatch:
+    """The keys a restore found on one side only: held by the checkpoint but not by ``into``
+    (they would not be restored: a forgotten scheduler) and held by ``into`` but not saved."""
+
+    #: keys named in the error, of each side
+    SHOWN = 10
+
+    def __init__(self) -> None:
+        self.saved_only: list[str] = []
+        self.into_only: list[str] = []
+
+    def check(self, what: str) -> None:
+        """Raise :class:`ValidationError` naming the keys of either side (``what``: the checkpoint).
+
+        Called after the whole tree is matched, before anything in ``into`` changes."""
+        if not self.saved_only and not self.into_only:
+            return
+        parts, fixes = [], []
+        if self.saved_only:
+            parts.append(f"holds key(s) {_names(self.saved_only, self.SHOWN)} that `into` lacks (they would not be "
+                         "restored)")
+            fixes.append("add them to `into` (e.g. the scheduler or value saved under that key)")
+        if self.into_only:
+            parts.append(f"lacks key(s) {_names(self.into_only, self.SHOWN)} that `into` has")
+            fixes.append("build `into` like the saved state")
+        raise ValidationError(f"{what} " + " and ".join(parts) + "; " + ", or ".join(fixes)
+                              + ", or pass strict=False to restore only the keys both have (a key only the "
+                              "checkpoint has is then put into its dict as the saved value)")
+
+
+def _names(keys: list[str], n: int) -> str:
+    return f"{keys[:n]}" + (f" and {len(keys) - n} more" if len(keys) > n else "")
+
+
+def holds_state(x: Any) -> bool:
+    """Whether ``x`` is, or contains (in dicts, lists, tuples), a tensor or an object with
+    ``load_state_dict``: something a restore fills, which replacing would leave as it was."""
+    stack, seen = [x], set()
+    while stack:
+        y = stack.pop()
+        if id(y) in seen:
+            continue
+        seen.add(id(y))
+        if isinstance(y, torch.Tensor) or (not isinstance(y, type) and callable(getattr(y, "load_state_dict", None))):
+            return True
+        if isinstance(y, dict):
+            stack.extend(y.values())
+        elif isinstance(y, (list, tuple)):
+            stack.extend(y)
+    return False
+
+
+def describe(x: Any) -> str:
+    """``x`` in a few words, for errors (``a list of 2 item(s)``, ``a Linear``)."""
+    if isinstance(x, (list, tuple, dict)):
+        return f"a {type(x).__name__} of {len(x)} item(s)"
+    return f"a {type(x).__name__}"
+
+
+def describe_node(node: Mapping[str, Any]) -> str:
+    """A saved typed-JSON node in a few words (``a list of 3 item(s)``, ``a Linear state``)."""
+    t = node["t"]
+    if t in ("dict", "odict", "list", "tuple"):
+        return f"a {'dict' if t == 'odict' else t} of {len(node['v'])} item(s)"
+    if t == "stateful":
+        return f"a {node.get('cls', 'object')} state"
+    return f"a {t}"
+
+
 class _Staged:
     """The owned copies a restore makes: registered while planning, made at once, then decoded."""
 
@@ -594,6 +665,8 @@ class _Staged:
         self.allow_pickle = allow_pickle
         self._groups: list[list[str]] = []
         self._owned: list[dict[str, torch.Tensor]] = []
+        #: keys only one side has (checked after planning, with ``strict``)
+        self.unmatched = KeyMismatch()
 
     def decode_owned(self, node: Mapping[str, Any], path: str) -> Callable[[], Any]:
         """Register the tensors of ``node`` for owned copies; return what decodes ``node`` with them.
@@ -835,9 +908,7 @@ def _plan_node(st: _Staged, node: Mapping[str, Any], target: Any, path: str, str
             target.load_state_dict(state())
             return target
         return load_object
-    if t == "tensor":
-        if not isinstance(target, torch.Tensor):
-            return st.decode_owned(node, path)
+    if t == "tensor" and isinstance(target, torch.Tensor):
         src = ck.view(node["k"])
         dest = target
         if ck.resolve(node["k"]).dtensor is not None and hasattr(target, "to_local"):
@@ -854,15 +925,17 @@ def _plan_node(st: _Staged, node: Mapping[str, Any], target: Any, path: str, str
             return target
         return copy_into
     if t in ("dict", "odict") and isinstance(target, dict):
-        saved_keys, subs = [], []
+        saved_keys, subs = set(), []
         for k_node, v_node in node["v"]:
             k = decode(k_node, ck.view, False, path)
-            saved_keys.append(k)
-            subs.append((k, _plan_node(st, v_node, target.get(k), f"{path}/{k}" if path else str(k), strict)))
-        missing = [k for k in target if k not in saved_keys]
-        if missing and strict:
-            raise ValidationError(f"restore: `into` has key(s) {missing} under '{shown}' that the checkpoint "
-                                  f"of step {ck.step} does not have; pass strict=False to leave them as they are")
+            saved_keys.add(k)
+            sub = f"{path}/{k}" if path else str(k)
+            if k not in target:
+                st.unmatched.saved_only.append(sub)
+                if strict:
+                    continue  # refused once every key is known (see KeyMismatch)
+            subs.append((k, _plan_node(st, v_node, target.get(k), sub, strict)))
+        st.unmatched.into_only.extend(f"{path}/{k}" if path else str(k) for k in target if k not in saved_keys)
 
         def fill() -> Any:
             for k, f in subs:
@@ -882,6 +955,13 @@ def _plan_node(st: _Staged, node: Mapping[str, Any], target: Any, path: str, str
                 seq[i] = f()
             return seq
         return fill_list
+    if strict and (not path and target is not None or holds_state(target)):
+        # the saved value would replace `target` in its parent (at the root: be dropped), and what
+        # `target` holds would silently keep its old state
+        raise ValidationError(
+            f"restore: checkpoint key '{shown}' holds {describe_node(node)} (step {ck.step}), `into` holds "
+            f"{describe(target)} there, which it cannot be restored into; build `into` like the saved state, "
+            "or pass strict=False to replace it by the saved value")
     return st.decode_owned(node, path)
 
 

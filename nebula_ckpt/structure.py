@@ -39,6 +39,11 @@ Node = dict[str, Any]
 #: the writer's bound (``plan.MAX_DEPTH``), counted the same way. Real state trees are a few
 #: levels deep; the bound keeps decoding (one Python frame per level) far from the recursion limit.
 MAX_DEPTH = 256
+#: Largest int (leaf or dict key) a checkpoint may hold, in bits: the writer refuses larger ones
+#: (JSON readers refuse integers of thousands of digits), the reader refuses them too.
+MAX_INT_BITS = 4096
+#: A ``torch.Size`` dimension is an int64 (``torch.Size`` refuses larger values when decoded).
+MAX_DIM = 2**63 - 1
 _CONTAINERS = ("dict", "odict", "list", "tuple")
 
 #: NumPy dtype codes (``dtype.str`` without the byte-order character) stored without pickle, and
@@ -109,7 +114,7 @@ def encode_leaf(value: Any, path: str, allow_pickle: bool) -> Node:
     if isinstance(value, bool):
         return {"t": "bool", "v": value}
     if isinstance(value, int):
-        return {"t": "int", "v": int(value)}
+        return {"t": "int", "v": check_int(int(value), path)}
     if isinstance(value, float):
         return {"t": "float", "v": encode_float(value)}
     if isinstance(value, complex):
@@ -143,6 +148,15 @@ def encode_leaf(value: Any, path: str, allow_pickle: bool) -> Node:
         "objects with state_dict()). "
         "Convert it, or pass allow_pickle=True to save it with pickle (loading will then also "
         "need allow_pickle=True).")
+
+
+def check_int(value: int, path: str) -> int:
+    """``value`` if it has at most :data:`MAX_INT_BITS` bits, else a :class:`ValidationError`
+    naming ``path`` (a leaf or dict key being saved)."""
+    if value.bit_length() > MAX_INT_BITS:
+        raise ValidationError(f"state key '{path or '<root>'}': int with {value.bit_length()} bits is too "
+                              f"large to store (limit {MAX_INT_BITS} bits); store it as str or bytes")
+    return value
 
 
 def decode(node: Mapping[str, Any], tensor: Callable[[str], Any], allow_pickle: bool, path: str = "") -> Any:
@@ -212,50 +226,62 @@ def _b64(v: Any) -> bool:
 
 
 def _hex(v: Any) -> bool:
+    """Whether ``v`` is a float exactly as the writer writes it (``float.hex()``: one text per value,
+    none that overflows or rounds)."""
     try:
-        float.fromhex(v)
-        return True
-    except (ValueError, TypeError):
+        return type(v) is str and float.fromhex(v).hex() == v
+    except (ValueError, TypeError, OverflowError):
         return False
 
 
 def _device(v: Any) -> bool:
+    """Whether ``v`` is a device string as the writer writes it (``str(torch.device)``): torch
+    parses other spellings into other devices (``"cuda:128"`` reads as a negative index)."""
     try:
-        torch.device(v)
-        return type(v) is str
+        return type(v) is str and str(torch.device(v)) == v
     except (RuntimeError, TypeError, ValueError):
         return False
 
 
+def _int_ok(v: Any) -> bool:
+    return type(v) is int and v.bit_length() <= MAX_INT_BITS
+
+
+def _size_ok(v: Any) -> bool:
+    return type(v) is list and all(type(x) is int and 0 <= x <= MAX_DIM for x in v)
+
+
 _LEAF_CHECKS: dict[str, tuple[Callable[[Any], bool], str]] = {
     "bool": (lambda v: type(v) is bool, "a JSON boolean"),
-    "int": (lambda v: type(v) is int, "a JSON integer"),
+    "int": (_int_ok, f"a JSON integer of at most {MAX_INT_BITS} bits"),
     "str": (lambda v: type(v) is str, "a string"),
-    "float": (lambda v: type(v) is str and _hex(v), "a float.hex() string"),
-    "complex": (lambda v: type(v) is list and len(v) == 2 and all(type(x) is str and _hex(x) for x in v),
-                "two float.hex() strings"),
+    "float": (_hex, "a float.hex() string of a float"),
+    "complex": (lambda v: type(v) is list and len(v) == 2 and all(_hex(x) for x in v),
+                "two float.hex() strings of floats"),
     "bytes": (lambda v: type(v) is str and _b64(v), "base64 text"),
     "pickle": (lambda v: type(v) is str and _b64(v), "base64 text"),
     "dtype": (lambda v: type(v) is str and v in DTYPES, "a torch dtype name"),
-    "device": (_device, "a torch device string"),
-    "size": (lambda v: type(v) is list and all(type(x) is int and x >= 0 for x in v),
-             "a list of non-negative integers"),
+    "device": (_device, "a torch device string as str(torch.device) gives it"),
+    "size": (_size_ok, "a list of non-negative int64 dimensions"),
 }
 
 
-def check_tree(tree: Any, tensor_keys: "set[str] | frozenset[str]", where: str) -> None:
+def check_tree(tree: Any, tensor_keys: Mapping[str, Optional[str]], where: str) -> None:
     """Check a whole typed-JSON tree in one pass, without recursion.
 
     Args:
         tree: the ``tree`` of a manifest, as loaded from JSON.
-        tensor_keys: the keys ``{"t": "tensor"}`` nodes may name (stored tensors and aliases).
+        tensor_keys: the keys ``{"t": "tensor"}`` nodes may name (stored tensors and aliases),
+            each with the dtype name of its stored tensor (None: not one dtype; no NumPy array
+            may then be stored in it).
         where: names the manifest in errors.
 
     Raises:
         CorruptCheckpointError: naming the path in the tree of the first malformed node: unknown
-            node type, missing or ill-typed field, bad base64 / hex float / dtype / device, a
-            tensor reference to a key that does not exist, a dict key that is not a str/int
-            node, or nesting deeper than :data:`MAX_DEPTH`.
+            node type, missing or ill-typed field, a value the writer never writes (see
+            ``_LEAF_CHECKS``), a tensor reference to a key that does not exist, a NumPy array
+            over a tensor of another dtype, a dict key that is not a str/int node, or nesting
+            deeper than :data:`MAX_DEPTH`.
     """
     stack: list[tuple[Any, str, int]] = [(tree, "", 0)]
     while stack:
@@ -272,12 +298,16 @@ def check_tree(tree: Any, tensor_keys: "set[str] | frozenset[str]", where: str) 
                 raise _fail(where, path, f"tensor reference {str(node.get('k'))[:80]!r} names no "
                             "tensor of the manifest")
         elif t == "ndarray":
-            _check_numpy_code(node, where, path)
+            code = _check_numpy_code(node, where, path)
             inner = node.get("v")
             if type(inner) is not dict or inner.get("t") != "tensor" or type(inner.get("k")) is not str \
                     or inner["k"] not in tensor_keys:
                 raise _fail(where, path, f"an 'ndarray' node needs 'v' as a tensor reference to a tensor of the "
                             f"manifest, got {_kind(inner)}")
+            stored = tensor_keys[inner["k"]]
+            if stored is None or DTYPES.get(stored) != NUMPY_KINDS[code[1:]]:
+                raise _fail(where, path, f"a NumPy {code} array is stored as {NUMPY_KINDS[code[1:]]}, but its tensor "
+                            f"{inner['k'][:80]!r} is {stored or 'of other dtypes on the ranks sharing this tree'}")
         elif t == "npscalar":
             code = _check_numpy_code(node, where, path)
             v = node.get("v")
@@ -325,6 +355,9 @@ def _children(node: Node, t: str, path: str, depth: int, where: str) -> list[tup
         k = pair[0]
         if type(k) is not dict or (k.get("t"), type(k.get("v"))) not in (("str", str), ("int", int)):
             raise _fail(where, path, f"dict item {i}: a key must be a str or int node, got {_kind(k)}")
+        if not (k["t"] == "str" or _int_ok(k["v"])):
+            raise _fail(where, path, f"dict item {i}: an int key must have at most {MAX_INT_BITS} bits, "
+                        f"got one of {k['v'].bit_length()} bits")
         if k["v"] in seen:
             raise _fail(where, path, f"dict key {str(k['v'])[:80]!r} occurs twice")
         seen.add(k["v"])

@@ -86,6 +86,25 @@ def _dup_ranges(n: int) -> Callable[[Man], None]:
     return fn
 
 
+# Typed leaves whose value passes a type check but not the writer's bounds, or that decode to
+# something other than what they say: (id, node, text the error must contain).
+HOSTILE_LEAVES: list[tuple[str, Man, str]] = [
+    ("size_beyond_int64", {"t": "size", "v": [10**30]}, "int64"),
+    ("size_dim_2_63", {"t": "size", "v": [3, 2**63]}, "int64"),
+    ("float_overflows", {"t": "float", "v": "0x1p+99999"}, "float.hex"),
+    ("complex_overflows", {"t": "complex", "v": ["0x1p+0", "-0x1.8p+5000"]}, "float.hex"),
+    ("float_with_spaces", {"t": "float", "v": " 0x1p+0 "}, "float.hex"),
+    ("device_index_wraps", {"t": "device", "v": "cuda:128"}, "device string"),   # torch reads cuda:-128
+    ("device_not_canonical", {"t": "device", "v": "cpu:00"}, "device string"),
+    ("int_beyond_writer_bound", {"t": "int", "v": 2**5000}, "4096 bits"),
+    ("dict_key_beyond_writer_bound", {"t": "dict", "v": [[{"t": "int", "v": -(2**5000)}, {"t": "none"}]]},
+     "4096 bits"),
+    ("npscalar_bad_base64", {"t": "npscalar", "dtype": "<f4", "v": "!!!!"}, "base64"),
+    ("bytes_with_newlines", {"t": "bytes", "v": "AAAA\nAAAA"}, "base64"),
+    # an array leaf over a stored tensor of another dtype (the tensor "w" is float32)
+    ("ndarray_over_other_dtype", {"t": "ndarray", "dtype": "<i4", "v": {"t": "tensor", "k": "w"}}, "float32"),
+]
+
 # (id, manifest change, text the error must contain)
 MANIFEST_CASES: list[tuple[str, Callable[[Man], Any], str]] = [
     ("bogus_dtype", lambda m: _t(m).update(dtype="float99"), "dtype 'float99'"),
@@ -146,6 +165,7 @@ MANIFEST_CASES: list[tuple[str, Callable[[Man], Any], str]] = [
     ("tree_bad_device", _set_leaf({"t": "device", "v": "warp:9"}), "device string"),
     ("tree_bad_size", _set_leaf({"t": "size", "v": [2, -1]}), "non-negative"),
     ("tree_missing_tensor", _set_leaf({"t": "tensor", "k": "nope"}), "names no tensor"),
+    *[(f"tree_{name}", _set_leaf(node), expect) for name, node, expect in HOSTILE_LEAVES],
     ("tree_node_not_object", _set_leaf([1, 2]), "must be a JSON object"),
     ("tree_list_not_list", _set_leaf({"t": "list", "v": {"a": 1}}), "needs 'v' as a JSON list"),
     ("tree_dict_key_float", _set_leaf({"t": "dict", "v": [[{"t": "float", "v": "0x1p+0"}, {"t": "none"}]]}),
@@ -322,3 +342,29 @@ def test_deepest_tree_the_writer_accepts_reads_back(tmp_path, shm_dir) -> None: 
     for _ in range(MAX_DEPTH - 1):
         back = back[0] if isinstance(back, list) else next(iter(back.values()))
     assert torch.equal(back["leaf"], torch.ones(2))
+
+
+@pytest.mark.parametrize("node,expect", [c[1:] for c in HOSTILE_LEAVES], ids=[c[0] for c in HOSTILE_LEAVES])
+def test_a_step_with_a_hostile_leaf_is_damaged_everywhere(tmp_path, shm_dir, node: Man, expect: str,  # noqa: ANN001
+                                                          capsys: pytest.CaptureFixture[str]) -> None:
+    """A leaf of the right type but an impossible value (a torch.Size dim beyond int64, a device
+    index torch wraps around, a float that overflows) makes its step DAMAGED: the restore falls
+    back to the older step, and export refuses it (exit 1, the reason named, no traceback)."""
+    root = str(tmp_path / "root")
+    with nc.Checkpointer(root, memory_tier=False) as ck:
+        for step in (1, 2):
+            ck.save(step, {"w": torch.full((3,), float(step)), "meta": {"shape": torch.Size([2, 3]), "n": step}})
+    rewrite(root, lambda m: _tree_item(m, "meta")[1]["v"].__setitem__(0, [{"t": "str", "v": "shape"}, node]), step=2)
+    into: dict[str, Any] = {"w": torch.zeros(3), "meta": None}
+    with nc.Checkpointer(root, memory_tier=False) as ck:
+        assert ck.load_latest(into=into) == 1
+    assert torch.equal(into["w"], torch.ones(3)) and into["meta"] == {"shape": torch.Size([2, 3]), "n": 1}
+    capsys.readouterr()
+    out = str(tmp_path / "out.pt")
+    assert main(["export", root, "--step", "2", "--to", out]) == 1
+    err = capsys.readouterr().err
+    assert expect in err and "Traceback" not in err and not os.path.exists(out), err
+    assert main(["verify", root, "--step", "2"]) == 1
+    assert expect in capsys.readouterr().out
+    assert main(["export", root, "--step", "1", "--to", out]) == 0
+    assert torch.load(out, weights_only=True)["meta"]["shape"] == torch.Size([2, 3])

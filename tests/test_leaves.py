@@ -204,8 +204,8 @@ GOOD_ND = {"t": "ndarray", "dtype": "<f4", "v": {"t": "tensor", "k": "w"}}
 ])
 def test_malformed_numpy_nodes_are_refused(node: dict[str, Any], what: str) -> None:
     with pytest.raises(CorruptCheckpointError, match=what):
-        check_tree({"t": "dict", "v": [[{"t": "str", "v": "x"}, node]]}, {"w"}, "m")
-    check_tree({"t": "list", "v": [GOOD_ND, {"t": "npscalar", "dtype": "|b1", "v": "AQ=="}]}, {"w"}, "m")
+        check_tree({"t": "dict", "v": [[{"t": "str", "v": "x"}, node]]}, {"w": "float32"}, "m")
+    check_tree({"t": "list", "v": [GOOD_ND, {"t": "npscalar", "dtype": "|b1", "v": "AQ=="}]}, {"w": "float32"}, "m")
 
 
 def test_ndarray_node_over_a_tensor_of_another_dtype_is_refused(tmp_path, shm_dir) -> None:  # noqa: ANN001
@@ -218,7 +218,8 @@ def test_ndarray_node_over_a_tensor_of_another_dtype_is_refused(tmp_path, shm_di
 
     rewrite(root, lie)
     with nc.Checkpointer(root, memory_tier=False) as ck:
-        with pytest.raises(CorruptCheckpointError, match="key 'a': a NumPy <i4 array is stored as torch.int32"):
+        with pytest.raises(CorruptCheckpointError, match="node 'a': a NumPy <i4 array is stored as torch.int32, "
+                                                         "but its tensor 'a' is float32"):
             ck.read(1)
 
 

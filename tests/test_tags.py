@@ -126,7 +126,7 @@ def test_damaged_newest_tagged_step_falls_back_to_an_older_one(root: str) -> Non
     with nc.Checkpointer(root, memory_tier=False) as ck:
         assert ck.read(tag="best")[0] == 1        # step 2's checksum fails: the older "best"
         with pytest.raises(nc.CorruptCheckpointError, match="checksum mismatch"):
-            ck.load(2, into={})
+            ck.load(2, into=_state(0))
 
 
 def test_remove_deletes_from_every_tier_marker_first(root: str, shm_dir: str) -> None:

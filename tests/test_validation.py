@@ -5,11 +5,13 @@ from __future__ import annotations
 import collections
 import os
 import pickle
+from typing import Any
 
 import pytest
 import torch
 
 import nebula_ckpt as nc
+from conftest import make_training, train_step
 
 
 def _snapshot_tree(path: str) -> dict[str, bytes]:
@@ -32,6 +34,8 @@ BAD = [
     ("object", {"cfg": {"fn": object()}}, "cfg/fn", "allow_pickle"),
     ("namedtuple", {"nt": collections.namedtuple("P", "x y")(1, 2)}, "'nt'", "namedtuple"),
     ("bad-key", {"d": {(1, 2): 3}}, "'d'", "key"),
+    ("huge-int", {"d": {"n": 2**5000}}, "d/n", "4096 bits"),
+    ("huge-int-key", {"d": {2**5000: 1}}, "'d'", "4096 bits"),
 ]
 
 
@@ -206,3 +210,99 @@ def test_an_optimizer_with_other_parameter_groups_is_refused_before_the_model_lo
             ck.load_latest(into={"model": model, "optim": opt, "step": 0})
     after = _values(model, opt)
     assert all(torch.equal(a, b) for a, b in zip(before, after, strict=True)) and not opt.state
+
+
+# -- strict holds both ways: what the checkpoint holds and `into` lacks ------------------------------
+def _training_saved(root: str, memory_tier: bool = True) -> None:
+    """A run that saved its scheduler too, at step 4 (the scheduler's learning rate halves every 3 steps)."""
+    model, opt, sched = make_training(0)
+    for i in range(4):
+        train_step(model, opt, sched, i)
+    with nc.Checkpointer(root, memory_tier=memory_tier) as ck:
+        ck.save(4, {"model": model, "optim": opt, "sched": sched, "extra": {"seen": 4, "best": 0.5}, "step": 4})
+
+
+def _all_values(model: torch.nn.Module, opt: torch.optim.Optimizer) -> list[Any]:
+    return [t.clone() for t in model.state_dict().values()] + [repr(opt.state_dict())]
+
+
+@pytest.mark.parametrize("memory_tier", [True, False])
+def test_a_forgotten_scheduler_is_refused_naming_it_before_anything_changes(root: str, memory_tier: bool) -> None:
+    """`into` without the saved scheduler (and without a nested entry) used to restore the rest and
+    drop those silently: the resumed run's learning rate, and so its losses, differ."""
+    _training_saved(root, memory_tier)
+    model, opt, sched = make_training(1)
+    train_step(model, opt, sched, 0)                     # the optimizer has state of its own
+    before = _all_values(model, opt)
+    into = {"model": model, "optim": opt, "extra": {"seen": 0}, "step": 0}
+    with nc.Checkpointer(root, memory_tier=memory_tier) as ck:
+        with pytest.raises(nc.ValidationError) as ei:
+            ck.load_latest(into=into)
+    msg = str(ei.value)
+    assert "'sched'" in msg and "'extra/best'" in msg and "step 4" in msg, msg
+    assert "add them to `into`" in msg and "strict=False" in msg, msg
+    assert into == {"model": model, "optim": opt, "extra": {"seen": 0}, "step": 0}
+    after = _all_values(model, opt)
+    assert all(torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b
+               for a, b in zip(before, after, strict=True))
+    # with the scheduler in `into`, the run resumes with the saved learning rate
+    with nc.Checkpointer(root, memory_tier=memory_tier) as ck:
+        into = {"model": model, "optim": opt, "sched": sched, "extra": {"seen": 0, "best": 0.0}, "step": 0}
+        assert ck.load_latest(into=into) == 4
+    assert sched.last_epoch == 4 and opt.param_groups[0]["lr"] == 1e-2 * 0.5
+    assert into["extra"] == {"seen": 4, "best": 0.5} and into["step"] == 4
+
+
+def test_strict_false_restores_the_keys_into_has(root: str) -> None:
+    _training_saved(root)
+    model, opt, _ = make_training(1)
+    with nc.Checkpointer(root) as ck:
+        ref = ck.read(4)[1]["model"]
+        into: dict[str, Any] = {"model": model, "step": 0}
+        assert ck.load_latest(into=into, strict=False) == 4
+    assert into["step"] == 4 and all(torch.equal(v, ref[k]) for k, v in model.state_dict().items())
+
+
+def test_into_of_another_shape_than_saved_is_refused_not_skipped(root: str) -> None:
+    """Where `into` holds objects the saved value cannot go into (a tuple saved, a dict given; a
+    list of two models for three saved), strict refuses instead of leaving them as they are."""
+    models = [torch.nn.Linear(2, 2) for _ in range(3)]
+    with nc.Checkpointer(root) as ck:
+        ck.save(1, {"models": models})
+        ck.save(2, (models[0], models[1]))
+    fresh = [torch.nn.Linear(2, 2) for _ in range(2)]
+    before = [m.weight.detach().clone() for m in fresh]
+    with nc.Checkpointer(root) as ck:
+        with pytest.raises(nc.ValidationError, match="'<root>'.*tuple of 2.*dict"):
+            ck.load_latest(into={"models": fresh})
+        with pytest.raises(nc.ValidationError, match="'models'.*list of 3.*list of 2"):
+            ck.load(1, into={"models": fresh})
+        assert ck.load_latest(into=tuple(fresh)) == 2
+    assert all(torch.equal(m.weight, s.weight) for m, s in zip(fresh, models, strict=False))
+    assert not torch.equal(fresh[0].weight, before[0])
+
+
+def test_a_resharding_restore_is_strict_both_ways(tmp_path) -> None:  # noqa: ANN001
+    """The resharding path (another world size, DCP underneath) refuses the forgotten scheduler too."""
+    from nebula_ckpt.dcp import newest_manifest
+    from nebula_ckpt.reshard import load_resharded
+    from nebula_ckpt.storage.local import LocalStorage
+
+    root = str(tmp_path / "ck")
+    _training_saved(root, memory_tier=False)
+    storage = LocalStorage(root)
+    man = newest_manifest(storage)
+    model, opt, sched = make_training(1)
+    train_step(model, opt, sched, 0)
+    before = _all_values(model, opt)
+    into = {"model": model, "optim": opt, "extra": {"seen": 0}, "step": 0}
+    with pytest.raises(nc.ValidationError) as ei:
+        load_resharded(storage, man.step, man, into)
+    msg = str(ei.value)
+    assert "'sched'" in msg and "'extra/best'" in msg and "strict=False" in msg, msg
+    assert into == {"model": model, "optim": opt, "extra": {"seen": 0}, "step": 0}
+    after = _all_values(model, opt)
+    assert all(torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b
+               for a, b in zip(before, after, strict=True))
+    load_resharded(storage, man.step, man, into, strict=False)   # said explicitly: the rest is restored
+    assert into["step"] == 4 and into["extra"] == {"seen": 4, "best": 0.5}

@@ -23,6 +23,7 @@ from nebula_ckpt.dcp import NebulaStorageReader, newest_manifest
 from nebula_ckpt.errors import CorruptCheckpointError, NotFoundError, ValidationError
 from nebula_ckpt.reshard import gather_full
 from nebula_ckpt.storage.local import LocalStorage
+from test_hostile_multirank import write_multi_rank
 
 from .test_reshard import (
     assert_bit_exact,
@@ -207,39 +208,6 @@ def test_a_memory_tier_copy_of_one_rank_is_refused_but_verifiable(root4: Path,
     assert "export needs every rank's shard" in capsys.readouterr().err
 
 
-def _write_multi_rank(root: Path, step: int, world: int, pieces: dict[int, dict[str, Any]],
-                      aliases: dict[str, str]) -> None:
-    """A multi-rank checkpoint written by hand: ``pieces[rank][key] = (tensor, dtensor-json or None)``;
-    every rank saved the tree ``{key: tensor}`` of the same keys (aliases: ``"r1/k" -> "r0/k"``)."""
-    from nebula_ckpt.native import get_ops
-    from nebula_ckpt.plan import safetensors_header
-
-    d = root / mf.step_dir(step)
-    d.mkdir(parents=True)
-    shards, tensors = [], {}
-    for rank in sorted(pieces):
-        items = [(f"r{rank}/{k}", t.contiguous()) for k, (t, _) in pieces[rank].items()]
-        head, spans = safetensors_header([(k, t.dtype, tuple(t.shape), t.numel() * t.element_size()) for k, t in items])
-        data = b"".join(t.numpy().tobytes() for _, t in items)
-        name = mf.shard_name(1, rank)
-        (d / name).write_bytes(head + data)
-        shards.append({"file": name, "bytes": len(head) + len(data)})
-        for (k, t), (a, b), (_, info) in zip(items, spans, pieces[rank].values(), strict=True):
-            raw = t.numpy().tobytes()
-            tensors[k] = {"dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape),
-                          "offsets": [len(head) + a, len(head) + b], "crc32c": get_ops().crc32c_bytes(raw),
-                          "shard": len(shards) - 1, **({"dtensor": info} if info else {})}
-    keys = sorted({k for p in pieces.values() for k in p} | {a.split("/", 1)[1] for a in aliases})
-    tree = {"t": "dict", "v": [[{"t": "str", "v": k}, {"t": "tensor", "k": k}] for k in keys]}
-    man = mf.build_manifest(step=step, generation=1, shards=shards, tensors=tensors, aliases=aliases,
-                            tree={"t": "list", "v": [tree]}, stats={},
-                            ranks={"world_size": world, "ranks": list(range(world)),
-                                   "rank_tree": {str(r): 0 for r in range(world)}})
-    mb = json.dumps(man).encode()
-    (d / mf.MANIFEST).write_bytes(mb)
-    (d / mf.COMMIT).write_bytes(mf.Commit(step, 1, len(mb), get_ops().crc32c_bytes(mb)).to_bytes())
-
-
 def test_two_dim_mesh_replicas_are_read_once_and_the_lowest_rank_wins(tmp_path: Path) -> None:
     """Mesh (2, 2), placements (S(0), R): ranks 0/1 and 2/3 hold the same rows (rank 1 stores its
     own copy, rank 3 aliases rank 2's); a plain tensor that differs per rank is rank 0's."""
@@ -252,7 +220,7 @@ def test_two_dim_mesh_replicas_are_read_once_and_the_lowest_rank_wins(tmp_path: 
     pieces = {r: {"w": piece(r), "b": (torch.full((3,), float(r)), None)} for r in range(3)}
     pieces[3] = {"b": (torch.full((3,), 3.0), None)}
     root = tmp_path / "ck"
-    _write_multi_rank(root, 1, 4, pieces, aliases={"r3/w": "r2/w"})
+    write_multi_rank(root, 1, 4, pieces, aliases={"r3/w": "r2/w"})
     reader = NebulaStorageReader(str(root))
     md = reader.metadata.state_dict_metadata
     assert [tuple(c.offsets) for c in md["w"].chunks] == [(0, 0), (2, 0)] and tuple(md["w"].size) == (4, 3)
