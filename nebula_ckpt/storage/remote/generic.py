@@ -141,6 +141,17 @@ class GenericFsspecStorage(FsspecStorage):
         self._invalidate(path)
 
 
+    def remove_empty_dir(self, rel: str) -> None:
+        """An empty folder of a file system with folders (``file://``, ``memory://``) goes; a
+        non-empty or missing one, or a scheme without folders, is left as it is."""
+        path = self._path(rel)
+        try:
+            self._fs.rmdir(path)
+        except (OSError, NotImplementedError) as e:  # not empty, missing, or no folders at all
+            logger.debug("remote tier %s: %s stays: %s", self.display_url, rel, e)
+        self._invalidate(path)
+
+
 def _local_write_small(path: str, payload: bytes, create_only: bool) -> None:
     """file://: tmp + fsync + rename (or link for create-only) + directory fsync."""
     parent = os.path.dirname(path) or "."
