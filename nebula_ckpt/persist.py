@@ -500,10 +500,11 @@ class TierWriter:
     def _stale(self, name: str, gen: int) -> bool:
         """Whether file ``name`` of an uncommitted step belongs to no writer that may still run:
         an older generation, or this very rank of this generation. A same-generation peer rank's
-        shard is in flight; a manifest is the coordinator's to replace."""
+        shard is in flight; a manifest is the committing rank's to replace (the coordinator's on
+        a shared tier, this rank's on its own tier)."""
         owner = mf.shard_owner(name)
-        if owner is None:
-            return self.coordinator.is_coordinator
+        if owner is None:  # the manifest (or a temp file) of whoever commits on this tier
+            return self.coordinator.is_coordinator or not self._shared
         return owner[0] < gen or owner == (gen, self.coordinator.rank)
 
     def _is_link(self, rel: str) -> bool:

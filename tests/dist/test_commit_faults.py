@@ -18,8 +18,10 @@ from typing import Any, Iterator
 
 import pytest
 
+from nebula_ckpt import knobs
 from nebula_ckpt import manifest as mf
 from nebula_ckpt.cli import main as cli
+from nebula_ckpt.tiers import memory_tier_path
 
 from .launch import reports, run_ranks
 
@@ -124,6 +126,20 @@ def test_rank1_killed_after_its_shard_before_reporting_commits_nothing(
     loaded = _resume(root, job_dir, shm_dir, 2, got[0]["digest2"])
     assert loaded[0]["list"] == [1, 2, 4]
     assert not Path(root, "step-3").exists()
+
+
+def test_a_rank_killed_at_its_memory_commit_leaves_nothing_its_next_job_keeps(
+        root: str, shm_dir: str, job_dir: Path) -> None:
+    """The last rank dies at the COMMIT write of step 3 on its own memory tier (its manifest is
+    written): the restarted job's first save sweeps that folder on that rank's memory tier too."""
+    got = _job("mem_before_commit", root, job_dir, shm_dir, dead=(1,))
+    assert got[0]["step3"].startswith("PersistError") and "step 3" in got[0]["step3"], got[0]["step3"]
+    with knobs.override(shm_dir=shm_dir):
+        mem1 = memory_tier_path(root, 1)
+    assert sorted(os.listdir(Path(mem1, "step-3"))) == [mf.MANIFEST, mf.shard_name(1, 1)]
+    loaded = _resume(root, job_dir, shm_dir, 2, got[0]["digest2"], memory=True)
+    assert loaded[1]["memory"] is not None and "step-3" not in loaded[1]["memory"], loaded[1]["memory"]
+    assert "step-4" in loaded[1]["memory"]
 
 
 @pytest.fixture
