@@ -52,8 +52,11 @@ returns one record per item (offsets, CRC32C taken before and re-checked after t
 strictly re-parses the manifest, checks that a :class:`~nebula_ckpt.dcp.NebulaStorageReader`
 accepts it, then writes ``manifest.json`` and the create-only ``COMMIT`` last. A failure on any
 rank means DCP never calls :meth:`finish`: no ``COMMIT``, the step stays invisible; the failing
-rank removes its own shard at once, the others' are removed by this process's next DCP save on the
-root (or by any later writer of a newer generation, ``Checkpointer`` retention included).
+rank removes its own shard at once (and the step folder, if that emptied it), the others' are
+removed by this process's next DCP save on the root (or by any later writer of a newer
+generation, ``Checkpointer`` retention included). A ``COMMIT`` write that reports an error may
+still have created the marker (a lost response on a blob store): then nothing of the step is
+removed, and the error says the step may have committed.
 
 A job that resumes with ``Checkpointer`` and saves with DCP (or saves with both) shares one
 generation in each process: they do not fence each other. Do not run a ``Checkpointer`` save and

@@ -167,3 +167,17 @@ def test_a_commit_write_that_reports_an_error_deletes_nothing(tmp_path, capsys) 
     w = torch.zeros(64, 64)
     with nc.Checkpointer(root, tiers=[nc.LocalTier(root, keep_last=5)]) as ck:
         assert ck.load(2, into={"w": w, "step": 0}) == 2 and torch.all(w == 2)
+
+
+def test_remove_empty_dir_removes_only_an_empty_folder(tmp_path) -> None:  # noqa: ANN001
+    st = LocalStorage(str(tmp_path / "root"))
+    st.write_small("step-1/a", b"x")
+    st.write_small("step-1/b", b"y")
+    st.remove_empty_dir("step-1")                  # not empty: stays, files and all
+    assert sorted(st.list("step-1")) == ["a", "b"]
+    st.remove("step-1/a")
+    st.remove("step-1/b")
+    assert st.list("") == ["step-1"]
+    st.remove_empty_dir("step-1")
+    st.remove_empty_dir("step-9")                  # missing: nothing to do
+    assert st.list("") == []

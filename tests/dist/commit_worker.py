@@ -11,6 +11,8 @@ hook only adds a SIGKILL, a pause or an error at that point):
 * ``before_commit``  rank 0 SIGKILLs itself at the ``COMMIT`` write of step 3, before it;
 * ``before_report``  the last rank SIGKILLs itself right after its shard of step 3 is written
                      (durable), before it reports it to rank 0;
+* ``slow_report``    the last rank stalls right after its shard of step 3 is written until rank 0's
+                     round timed out and its save reported back (``OUT/decided-r0``), then reports;
 * ``slow_commit``    rank 0 stalls at the ``COMMIT`` write of step 3 until the last rank's round
                      timed out and its save reported back (a file in OUT says so), then commits;
 * ``mem_before_commit`` (memory tier on) the last rank SIGKILLs itself at the ``COMMIT`` write of
@@ -142,6 +144,8 @@ def _install(scenario: str, rank: int, world: int, out: str) -> None:
         _after_shard(FAULT_STEP, _kill_self)
     elif scenario == "mem_before_commit" and rank == world - 1:
         _at_commit(FAULT_STEP, _kill_self, lambda: None, under=os.environ["NEBULA_SHM_DIR"])
+    elif scenario == "slow_report" and rank == world - 1:
+        _after_shard(FAULT_STEP, lambda: _wait_for(os.path.join(out, "decided-r0")))
     elif scenario == "slow_commit" and rank == 0:
         _at_commit(FAULT_STEP, lambda: _wait_for(os.path.join(out, f"decided-r{world - 1}")), lambda: None)
     elif scenario == "disk_full":

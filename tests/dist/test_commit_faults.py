@@ -99,6 +99,23 @@ def test_rank0_stalled_at_commit_while_rank1_times_out_keeps_every_shard(
     _resume(root, job_dir, shm_dir, 3, got[0]["digest3"])
 
 
+def test_rank0_timing_out_on_a_slow_rank_commits_nothing_and_deletes_only_its_own(
+        root: str, shm_dir: str, job_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Rank 1 is slow to report its (durable) shard of step 3: rank 0's round times out, so rank 0
+    knows it did not commit and removes its own shard; rank 1 reports later and, hearing no
+    verdict, cannot know: it keeps its shard. Step 2 is restored; the restart sweeps step 3."""
+    got = _job("slow_report", root, job_dir, shm_dir, NEBULA_COMMIT_TIMEOUT_S="20")
+    assert got[0]["step3"].startswith("PersistError") and "may have committed" not in got[0]["step3"], got[0]
+    assert "may have committed" in got[1]["step3"], got[1]["step3"]
+    assert not Path(root, "step-3", mf.COMMIT).exists() and not Path(root, "step-3", mf.MANIFEST).exists()
+    assert not Path(root, "step-3", mf.shard_name(1, 0)).exists()
+    assert got[0]["list"] == [1, 2]
+    assert _verify(root, capsys) == {1: True, 2: True}
+    loaded = _resume(root, job_dir, shm_dir, 2, got[0]["digest2"])
+    assert loaded[0]["list"] == [1, 2, 4]
+    assert not Path(root, "step-3").exists()
+
+
 def test_rank0_killed_before_commit_leaves_step2_and_the_sweep_clears_step3(
         root: str, shm_dir: str, job_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """Rank 0 dies at the COMMIT write of step 3, before it: rank 1 cannot know whether step 3
