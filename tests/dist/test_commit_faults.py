@@ -91,11 +91,13 @@ def test_rank0_stalled_at_commit_while_rank1_times_out_keeps_every_shard(
     """Rank 0 is slow to write step 3's COMMIT; rank 1's round times out first and its save
     reports failure. Rank 0 then commits: rank 1's shard must still be there."""
     got = _job("slow_commit", root, job_dir, shm_dir, NEBULA_COMMIT_TIMEOUT_S="20")
+    assert Path(root, "step-3", mf.COMMIT).exists()
+    for r in range(WORLD):
+        assert Path(root, "step-3", mf.shard_name(1, r)).exists(), f"rank {r} deleted its shard of a committed step"
+    assert _verify(root, capsys) == {1: True, 2: True, 3: True}
     assert got[0]["step3"] == "committed", got[0]["step3"]
     assert got[1]["step3"].startswith("PersistError") and "step 3" in got[1]["step3"], got[1]["step3"]
     assert "may have committed" in got[1]["step3"], got[1]["step3"]
-    assert Path(root, "step-3", mf.shard_name(1, 1)).exists(), "rank 1 deleted its shard of a committed step"
-    assert _verify(root, capsys) == {1: True, 2: True, 3: True}
     _resume(root, job_dir, shm_dir, 3, got[0]["digest3"])
 
 
