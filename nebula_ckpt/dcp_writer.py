@@ -52,8 +52,11 @@ returns one record per item (offsets, CRC32C taken before and re-checked after t
 strictly re-parses the manifest, checks that a :class:`~nebula_ckpt.dcp.NebulaStorageReader`
 accepts it, then writes ``manifest.json`` and the create-only ``COMMIT`` last. A failure on any
 rank means DCP never calls :meth:`finish`: no ``COMMIT``, the step stays invisible; the failing
-rank removes its own shard at once, the others' are removed by this process's next DCP save on the
-root (or by any later writer of a newer generation, ``Checkpointer`` retention included).
+rank removes its own shard at once (and the step folder, if that emptied it), the others' are
+removed by this process's next DCP save on the root (or by any later writer of a newer
+generation, ``Checkpointer`` retention included). A ``COMMIT`` write that reports an error may
+still have created the marker (a lost response on a blob store): then nothing of the step is
+removed, and the error says the step may have committed.
 
 A job that resumes with ``Checkpointer`` and saves with DCP (or saves with both) shares one
 generation in each process: they do not fence each other. Do not run a ``Checkpointer`` save and
@@ -91,7 +94,7 @@ from .errors import ConsistencyError, FencedError, NebulaError, PersistError, Va
 from .fencing import WRITERS_DIR, Fence
 from .native import byte_view, get_ops
 from .plan import check_step, placement_codes, safetensors_header
-from .storage.base import Storage
+from .storage.base import Storage, never_created
 from .structure import MAX_DEPTH, MAX_INT_BITS, Node, encode_leaf
 from .tiers import refuse_url_credentials
 
@@ -624,8 +627,9 @@ class NebulaStorageWriter(StorageWriter):
         try:
             shard.update(self._write_shard(rel, tensors))
         except BaseException:
-            try:
+            try:  # DCP never calls finish() now: no COMMIT can come; the last rank out removes the folder
                 st.remove(rel)
+                st.remove_empty_dir(d)
             except Exception as e:
                 log.warning("nebula_ckpt: %s: cannot remove the failed shard %s: %s", self.where, name, e)
             raise
@@ -740,18 +744,27 @@ class NebulaStorageWriter(StorageWriter):
             raise
         gen = man["generation"]
         fence = Fence(st, _ProcessGeneration(st, gen)).for_tier(st)
+        rel = f"{d}/{mf.COMMIT}"
         try:
             self._refuse_committed()
             fence.check(f"commit step {step}")
             self._wrote_manifest = True
             st.write_small(f"{d}/{mf.MANIFEST}", mbytes)
             fence.check(f"commit step {step}")
-            commit = mf.Commit(step, gen, len(mbytes), get_ops().crc32c_bytes(mbytes))
-            st.write_small(f"{d}/{mf.COMMIT}", commit.to_bytes(), create_only=True)
+        except BaseException:
+            self._abandon(d)
+            raise
+        commit = mf.Commit(step, gen, len(mbytes), get_ops().crc32c_bytes(mbytes))
+        try:
+            st.write_small(rel, commit.to_bytes(), create_only=True)
         except FileExistsError:
             raise ValidationError(f"NebulaStorageWriter: step {step} was committed under {st.display_url} by another "
                                   "writer while this save ran; its checkpoint is left as it is") from None
-        except BaseException:
+        except BaseException as e:
+            if not never_created(st, rel):  # the marker may exist, or still land: nothing of the step goes
+                raise PersistError(f"{self.where}: step {step} may have committed: the write of its COMMIT reported "
+                                   f"an error ({type(e).__name__}: {e}); its files are kept (a later save of a newer "
+                                   "job removes them if it never committed)") from e
             self._abandon(d)
             raise
         log.info("nebula_ckpt: DCP save of step %d committed under %s (%d rank(s), %.1f MiB)", step, st.display_url,
@@ -896,8 +909,7 @@ class NebulaStorageWriter(StorageWriter):
                 owner = mf.shard_owner(n)
                 if (owner is not None and owner[0] == self._gen) or (n == mf.MANIFEST and self._wrote_manifest):
                     st.remove(f"{d}/{n}")
-            if not st.list(d):
-                st.remove_dir(d)
+            st.remove_empty_dir(d)
         except Exception as e:
             log.warning("nebula_ckpt: %s: cannot remove the files of the failed save: %s", self.where, e)
 

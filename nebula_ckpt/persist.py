@@ -9,7 +9,12 @@ For each snapshot a tier writes, in this order (the commit protocol)::
 
 then applies retention: markers are deleted before data, the newest checkpoint is never
 deleted, and leftovers without a marker are removed only when no live writer owns them (an
-older generation, or this rank's own files). A failed step's own files are removed at once.
+older generation, or this rank's own files). A failed step's own files (and its folder, once
+empty) are removed at once, but only while its ``COMMIT`` certainly does not exist: once the
+marker may have been written (its write began and did not certainly fail; on a rank other than
+the coordinator: once its shard record may have reached the coordinator) a failure deletes
+nothing of that step (:class:`CommitUncertain`); if it never committed, its files are leftovers
+that the sweep of a newer generation (a restarted job's first save) removes.
 :meth:`TierWriter.remove` (``Checkpointer.remove``) deletes a committed checkpoint the same way
 (fence checked, marker first), serialised with retention.
 
@@ -24,7 +29,10 @@ in three rounds among the ranks (:mod:`nebula_ckpt.coordinator`, metadata only):
    its shard record, index and tree (or its error);
 3. verdict: the coordinator writes manifest and ``COMMIT`` only if every rank's shard is
    durable and verified, and tells every rank whether it did. Otherwise each rank removes its
-   shard and the previous checkpoint stays the newest.
+   shard and the previous checkpoint stays the newest. A rank that hears no verdict (the
+   coordinator died or timed out after it sent its record) cannot know whether the step
+   committed: it looks for the ``COMMIT`` once (there: the save succeeded) and otherwise
+   keeps its shard and reports :class:`CommitUncertain`.
 
 A rank's own tier (the memory tier) commits its rank's state alone; restore agrees on a step
 every rank has (:meth:`nebula_ckpt.checkpointer.Checkpointer.load_latest`).
@@ -59,7 +67,7 @@ from .fanout import Delivery
 from .fencing import TierFence
 from .native import get_ops
 from .snapshot import Snapshot, build_tier_manifest
-from .storage.base import Storage
+from .storage.base import Storage, never_created
 from .tier_runtime import TierRuntime
 
 log = logging.getLogger(__name__)
@@ -77,6 +85,21 @@ def delete_checkpoint(storage: Storage, step: int) -> None:
     d = mf.step_dir(step)
     storage.remove(f"{d}/{mf.COMMIT}")
     storage.remove_dir(d)
+
+
+class CommitUncertain(PersistError):
+    """A save whose ``COMMIT`` may exist although this rank could not confirm it (the
+    coordinator died or timed out after every shard was durable, or the marker's own write
+    reported an error). Nothing of the step is deleted: if it committed, it is whole; if not,
+    its files are uncommitted leftovers that a later sweep removes."""
+
+
+@dataclass
+class _Progress:
+    """How far the commit of one step on one tier got (decides what its failure path removes)."""
+
+    #: the step's COMMIT may exist (or still appear): a failure deletes nothing of the step
+    may_commit: bool = False
 
 
 class PeerSkipped(PersistError):
@@ -128,6 +151,9 @@ class TierWriter:
         self._cond = threading.Condition()
         #: held while checkpoints are deleted (retention on the writer thread, remove() on the caller's)
         self._delete_lock = threading.Lock()
+        #: steps whose commit this writer could not confirm (CommitUncertain): never deleted as
+        #: leftovers nor written again by this process; a restart (a newer generation) sweeps them
+        self._uncertain: set[int] = set()
         self._thread = threading.Thread(target=self._run, name=f"nebula-{self.tier.kind}-writer", daemon=True)
         self._thread.start()
 
@@ -269,13 +295,16 @@ class TierWriter:
         gen = self.fence.generation
         d = mf.step_dir(item.step)
         self.fence.check(f"write step {item.step}")
+        self._check_uncertain(item.step)
         existing = st.list(d)
         if self._shared and not self.coordinator.is_coordinator:
-            # The coordinator replaces an old checkpoint of this step before the first round;
-            # this rank writes only after that round, and removes only its own leftovers.
-            for name in existing:
-                if mf.shard_owner(name) is not None and self._stale(name, gen):
-                    st.remove(f"{d}/{name}")
+            # The coordinator replaces an old checkpoint of this step before the first round
+            # (marker first); this rank writes only after that round, and removes only its own
+            # leftovers of an uncommitted step: never a shard of a checkpoint still committed.
+            if mf.COMMIT not in existing:
+                for name in existing:
+                    if mf.shard_owner(name) is not None and self._stale(name, gen):
+                        st.remove(f"{d}/{name}")
         elif mf.COMMIT in existing:
             # Saving a step that exists: the new run owns the root (it resumed from an older step
             # or saves the same step again); the old one goes, marker first.
@@ -288,14 +317,22 @@ class TierWriter:
                 if self._stale(name, gen):
                     st.remove(f"{d}/{name}")
         shard = mf.shard_name(gen, self.coordinator.rank)
+        progress = _Progress()
         try:
             if self._shared:
-                self._write_shared(item, d, shard, gen, on_shard)
+                self._write_shared(item, d, shard, gen, on_shard, progress)
             else:
-                self._write_files(item, d, shard, gen, on_shard)
-        except BaseException:
-            self._discard(d, shard)
-            raise
+                self._write_files(item, d, shard, gen, on_shard, progress)
+        except BaseException as e:
+            if not progress.may_commit:
+                self._discard(d, shard)
+                raise
+            self._uncertain.add(item.step)  # committed or not, nothing of the step may go now
+            if isinstance(e, CommitUncertain):
+                raise
+            raise CommitUncertain(f"step {item.step} may have committed on tier {self.name}: the write of its "
+                                  f"COMMIT reported an error ({type(e).__name__}: {e}); its files are kept (a "
+                                  "restart removes them if it never committed)") from e
         log.info("nebula_ckpt: step %d committed on %s (%.1f MiB)", item.step, self.name, item.nbytes / 2**20)
         if self._shared and not self.coordinator.is_coordinator:
             return  # retention of a shared tier is the coordinator's
@@ -307,7 +344,7 @@ class TierWriter:
             log.warning("nebula_ckpt: tier %s: retention failed: %s", self.name, e)
 
     def _write_files(self, item: "_Item", d: str, shard: str, gen: int,
-                     on_shard: Optional[Callable[[str], None]]) -> None:
+                     on_shard: Optional[Callable[[str], None]], progress: _Progress) -> None:
         """Shard; then, once the snapshot is confirmed, the manifest and the commit marker."""
         log.debug("nebula_ckpt: phase=shard tier=%s step=%d", self.name, item.step)
         info = self.runtime.write_shard(f"{d}/{shard}", item.source)
@@ -315,10 +352,14 @@ class TierWriter:
             on_shard(f"{d}/{shard}")
         item.before_commit()
         self._commit_manifest(item.step, gen, item.make_manifest(gen, {"file": shard, "bytes": item.nbytes,
-                                                                       "storage": info}))
+                                                                       "storage": info}), progress)
 
-    def _commit_manifest(self, step: int, gen: int, manifest: dict[str, Any]) -> None:
-        """Manifest (atomic), fence check, then the create-only commit marker naming its checksum."""
+    def _commit_manifest(self, step: int, gen: int, manifest: dict[str, Any], progress: _Progress) -> None:
+        """Manifest (atomic), fence check, then the create-only commit marker naming its checksum.
+
+        From the start of the marker's write on, ``progress.may_commit``: a write that reports an
+        error may still have created it (a lost response, a failed directory fsync).
+        """
         st = self.storage
         d = mf.step_dir(step)
         mbytes = json.dumps(manifest, separators=(",", ":"), allow_nan=False).encode()
@@ -327,10 +368,15 @@ class TierWriter:
         self.fence.check(f"commit step {step}")
         log.debug("nebula_ckpt: phase=commit tier=%s step=%d", self.name, step)
         commit = mf.Commit(step, gen, len(mbytes), get_ops().crc32c_bytes(mbytes))
-        st.write_small(f"{d}/{mf.COMMIT}", commit.to_bytes(), create_only=True)
+        progress.may_commit = True
+        try:
+            st.write_small(f"{d}/{mf.COMMIT}", commit.to_bytes(), create_only=True)
+        except BaseException:
+            progress.may_commit = not never_created(st, f"{d}/{mf.COMMIT}")
+            raise
 
     def _write_shared(self, item: "_Item", d: str, shard: str, gen: int,
-                      on_shard: Optional[Callable[[str], None]]) -> None:
+                      on_shard: Optional[Callable[[str], None]], progress: _Progress) -> None:
         """A multi-rank save on a shared tier: the three rounds of the module docstring."""
         co, name, idx = self.coordinator, self.name, item.index
         assert item.meta is not None
@@ -369,21 +415,50 @@ class TierWriter:
                                     "tree": None if same_tree else item.meta["tree"], "stats": item.meta["stats"]}
         except BaseException as e:
             failure, mine = e, {"error": f"{type(e).__name__}: {e}"}
-        parts_all = co.round(name, idx, PHASE_DURABLE, mine)
         if co.is_coordinator:
-            verdict = self._coordinate(item.step, gen, parts_all, owners, failure, item.tag)
-            co.round(name, idx, PHASE_VERDICT, verdict)
+            verdict = self._coordinate(item.step, gen, co.round(name, idx, PHASE_DURABLE, mine), owners, failure,
+                                       progress, item.tag)
+            try:
+                co.round(name, idx, PHASE_VERDICT, verdict)
+            except PersistError as e:
+                if not verdict.get("ok"):
+                    raise
+                log.warning("nebula_ckpt: tier %s: step %d is committed, but the other ranks could not be told: %s",
+                            name, item.step, e)
         else:
-            verdict = co.round(name, idx, PHASE_VERDICT, {})[0]
+            # Once this rank's record may have reached the coordinator, the step may commit at
+            # any moment: only a verdict (or the COMMIT itself) tells this rank whether it did.
+            progress.may_commit = failure is None
+            try:
+                co.round(name, idx, PHASE_DURABLE, mine)
+                verdict = co.round(name, idx, PHASE_VERDICT, {})[0] or {}
+            except PersistError as e:
+                if failure is not None:
+                    raise failure from e
+                if self._committed(item.step, gen):
+                    log.warning("nebula_ckpt: tier %s: no verdict from rank 0 on step %d (%s), but its COMMIT is "
+                                "there: the step is committed", name, item.step, e)
+                    return
+                raise CommitUncertain(f"step {item.step} may have committed on tier {name}: rank 0 died, left or "
+                                      f"timed out after this rank's shard was durable ({e}), and no COMMIT was there "
+                                      "yet; this rank keeps its files of it (a restart removes them if it never "
+                                      "committed)") from e
+            progress.may_commit = bool(verdict.get("ok") or verdict.get("uncertain"))
         if failure is not None:
             raise failure
-        if not verdict or not verdict.get("ok"):
-            why = (verdict or {}).get("why", f"rank 0 did not take part in committing step {item.step}")
-            raise (PeerSkipped if (verdict or {}).get("skipped") else PersistError)(why)
+        if not verdict.get("ok"):
+            why = verdict.get("why", f"rank 0 did not take part in committing step {item.step}")
+            raise (CommitUncertain if verdict.get("uncertain") else PeerSkipped if verdict.get("skipped")
+                   else PersistError)(why)
 
     def _coordinate(self, step: int, gen: int, parts: list[Any], owners: dict[str, int],
-                    failure: Optional[BaseException], tag: Optional[str] = None) -> dict[str, Any]:
-        """The coordinator's commit of a shared tier: manifest + COMMIT if every rank's share is in."""
+                    failure: Optional[BaseException], progress: _Progress,
+                    tag: Optional[str] = None) -> dict[str, Any]:
+        """The coordinator's commit of a shared tier: manifest + COMMIT if every rank's share is in.
+
+        The verdict: ``ok``, or not with ``why`` (and ``skipped`` when a rank only did not write
+        it), or ``uncertain`` when the marker's write failed (it may exist: nobody deletes).
+        """
         if failure is not None:
             return {"ok": False, "why": f"step {step} failed on rank 0 (tier {self.name}): {failure}"}
         problem = ranks.peer_problem(parts, step, self.name)
@@ -391,19 +466,45 @@ class TierWriter:
             return {"ok": False, "skipped": problem[0], "why": problem[1]}
         try:
             self._commit_manifest(step, gen, _tagged(ranks.global_manifest(step=step, generation=gen, parts=parts,
-                                                                           owners=owners), tag))
+                                                                           owners=owners), tag), progress)
         except BaseException as e:
             log.error("nebula_ckpt: tier %s: committing step %d failed: %s", self.name, step, e)
+            if progress.may_commit:
+                return {"ok": False, "uncertain": True,
+                        "why": f"step {step} may have committed on tier {self.name}: rank 0's write of its COMMIT "
+                               f"reported an error ({type(e).__name__}: {e}); every rank keeps its files of it"}
             return {"ok": False, "why": f"rank 0 could not commit step {step} on tier {self.name}: {e}"}
         return {"ok": True}
+
+    def _committed(self, step: int, gen: int) -> bool:
+        """Whether this generation's ``COMMIT`` of ``step`` is on the tier (read back; False when unsure)."""
+        d = mf.step_dir(step)
+        try:
+            c = mf.Commit.parse(self.storage.read_small(f"{d}/{mf.COMMIT}"), f"{self.storage.display_url}/{d}")
+        except Exception as e:  # missing, unreadable: not known to be committed
+            log.debug("nebula_ckpt: tier %s: no readable COMMIT of step %d: %s", self.name, step, e)
+            return False
+        return c.step == step and c.generation == gen
+
+    def _check_uncertain(self, step: int) -> None:
+        """Refuse to write ``step`` again while an earlier save of it may still commit here."""
+        if step not in self._uncertain:
+            return
+        if self.storage.exists(f"{mf.step_dir(step)}/{mf.COMMIT}"):
+            self._uncertain.discard(step)  # it did commit: an ordinary checkpoint from now on
+            return
+        raise PersistError(f"step {step} is not written again on tier {self.name}: an earlier save of it may still "
+                           "commit there (its outcome was never confirmed; see the earlier error). Save another step, "
+                           "or restart the job")
 
     def _stale(self, name: str, gen: int) -> bool:
         """Whether file ``name`` of an uncommitted step belongs to no writer that may still run:
         an older generation, or this very rank of this generation. A same-generation peer rank's
-        shard is in flight; a manifest is the coordinator's to replace."""
+        shard is in flight; a manifest is the committing rank's to replace (the coordinator's on
+        a shared tier, this rank's on its own tier)."""
         owner = mf.shard_owner(name)
-        if owner is None:
-            return self.coordinator.is_coordinator
+        if owner is None:  # the manifest (or a temp file) of whoever commits on this tier
+            return self.coordinator.is_coordinator or not self._shared
         return owner[0] < gen or owner == (gen, self.coordinator.rank)
 
     def _is_link(self, rel: str) -> bool:
@@ -412,14 +513,24 @@ class TierWriter:
         return root is not None and os.path.islink(os.path.join(root, rel))
 
     def _discard(self, d: str, shard: str) -> None:
-        """After a failed write: remove this writer's files of the step (never a peer's)."""
+        """After a save that certainly did not commit: remove what it wrote of the step (this
+        rank's shard; the manifest when this rank commits here and no newer writer is in the
+        folder), then the folder if that left it empty. Never a committed step's files, nor a
+        peer's: each rank removes its own, and the last one to finish removes the folder
+        (``remove_empty_dir`` is atomic), so no empty folder is left behind."""
         st = self.storage
+        gen = self.fence.generation
         try:
-            left = set(st.list(d))
-            if left <= {shard, mf.MANIFEST}:
-                st.remove_dir(d)
-            else:  # another writer's files are there too (a newer generation): leave them
-                st.remove(f"{d}/{shard}")
+            names = st.list(d)
+            if mf.COMMIT in names:  # not this save's marker (it never wrote one), but a checkpoint all the same
+                log.warning("nebula_ckpt: tier %s: %s holds a COMMIT; nothing of it is removed", self.name, d)
+                return
+            newer = any((o := mf.shard_owner(n)) is not None and o[0] > gen for n in names)
+            mine_manifest = not newer and (self.coordinator.is_coordinator or not self._shared)
+            for n in names:
+                if n == shard or (n == mf.MANIFEST and mine_manifest):
+                    st.remove(f"{d}/{n}")
+            st.remove_empty_dir(d)
         except Exception as e:
             log.warning("nebula_ckpt: tier %s: cannot remove the files of failed step folder %s: %s",
                         self.name, d, e)
@@ -469,7 +580,7 @@ class TierWriter:
             busy_step = self._pending.snap.step if self._pending is not None else None
         leftovers = []
         for s in uncommitted:
-            if s == busy_step:
+            if s == busy_step or s in self._uncertain:
                 continue
             if all(self._stale(n, gen) for n in st.list(mf.step_dir(s))):
                 leftovers.append(s)

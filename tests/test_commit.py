@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import errno
+import json
 import os
 
 import pytest
@@ -9,6 +11,9 @@ import torch
 
 import nebula_ckpt as nc
 from faults import STAGES, FaultyTier
+from nebula_ckpt import manifest as mf
+from nebula_ckpt.cli import main as cli
+from nebula_ckpt.storage.local import LocalStorage
 
 
 def _state(v: float) -> dict[str, object]:
@@ -109,3 +114,70 @@ def test_cadence_every_nth_save(tmp_path) -> None:  # noqa: ANN001
         per = ck.list(detailed=True)
     assert per[f"local:{fast}"] == list(range(7))
     assert per[f"local:{slow}"] == [0, 3, 6]
+
+
+class _LostCommit:
+    """The ``commit`` stage of one step on an object store whose response is lost: the write
+    reports an error, and the request lands only later (:meth:`land`)."""
+
+    def __init__(self, step: int) -> None:
+        self.step, self.pending = step, []
+        self.real = LocalStorage.write_small
+
+    def write_small(self, st: LocalStorage, rel: str, data: bytes, *, create_only: bool = False) -> None:
+        if rel == f"step-{self.step}/{mf.COMMIT}":
+            self.pending.append((st, rel, data))
+            raise OSError(errno.ETIMEDOUT, "injected at stage 'commit': the response was lost")
+        self.real(st, rel, data, create_only=create_only)
+
+    def install(self, mp: pytest.MonkeyPatch) -> None:
+        lost = self
+        mp.setattr(LocalStorage, "failed_create_is_final", False, raising=False)  # as on a blob store
+        mp.setattr(LocalStorage, "write_small", lambda st, rel, data, *, create_only=False:
+                   lost.write_small(st, rel, data, create_only=create_only))
+
+    def land(self) -> None:
+        for st, rel, data in self.pending:
+            self.real(st, rel, data, create_only=True)
+
+
+def test_a_commit_write_that_reports_an_error_deletes_nothing(tmp_path, capsys) -> None:  # noqa: ANN001
+    """The COMMIT write fails, but its request lands afterwards: the step must still be whole."""
+    root = str(tmp_path / "ck")
+    lost = _LostCommit(2)
+    with pytest.MonkeyPatch.context() as mp:
+        lost.install(mp)
+        ck = nc.Checkpointer(root, tiers=[nc.LocalTier(root, keep_last=5)], on_persist_error="log")
+        ck.save(1, _state(1))
+        h = ck.save_async(2, _state(2))
+        with pytest.raises(nc.PersistError) as ei:
+            h.result()
+        assert os.path.exists(os.path.join(root, "step-2", mf.MANIFEST))       # nothing of it deleted
+        assert "may have committed" in str(ei.value)
+        h = ck.save_async(2, _state(2))                                          # never written over
+        with pytest.raises(nc.PersistError, match="not written again"):
+            h.result()
+        ck.save(3, _state(3))                                                    # no sweep of step 2 either
+        lost.land()
+        ck.close()
+    capsys.readouterr()
+    assert cli(["verify", root, "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert {r["step"]: r["healthy"] for r in rows} == {1: True, 2: True, 3: True}
+    w = torch.zeros(64, 64)
+    with nc.Checkpointer(root, tiers=[nc.LocalTier(root, keep_last=5)]) as ck:
+        assert ck.load(2, into={"w": w, "step": 0}) == 2 and torch.all(w == 2)
+
+
+def test_remove_empty_dir_removes_only_an_empty_folder(tmp_path) -> None:  # noqa: ANN001
+    st = LocalStorage(str(tmp_path / "root"))
+    st.write_small("step-1/a", b"x")
+    st.write_small("step-1/b", b"y")
+    st.remove_empty_dir("step-1")                  # not empty: stays, files and all
+    assert sorted(st.list("step-1")) == ["a", "b"]
+    st.remove("step-1/a")
+    st.remove("step-1/b")
+    assert st.list("") == ["step-1"]
+    st.remove_empty_dir("step-1")
+    st.remove_empty_dir("step-9")                  # missing: nothing to do
+    assert st.list("") == []

@@ -14,10 +14,25 @@ from __future__ import annotations
 
 import builtins
 import errno
+import logging
 from abc import ABC, abstractmethod
 from typing import Any, Optional
 
 Buffer = memoryview
+
+log = logging.getLogger(__name__)
+
+
+def never_created(storage: "Storage", rel: str) -> bool:
+    """After a ``create_only`` write of ``rel`` raised: whether it certainly created nothing, now
+    or later (the file is absent and the storage's failed creates are final). False when unsure."""
+    if not storage.failed_create_is_final:
+        return False
+    try:
+        return not storage.exists(rel)
+    except Exception as e:  # cannot look: it may be there
+        log.warning("nebula_ckpt: %s: cannot tell whether %s exists: %s", storage.display_url, rel, e)
+        return False
 
 
 class Storage(ABC):
@@ -33,6 +48,10 @@ class Storage(ABC):
     display_url: str
     #: True when files live on a POSIX file system reachable with ``open``/``mmap``.
     is_local: bool = False
+    #: True when a ``create_only`` write that raised and left no file can no longer create it (a
+    #: POSIX file system: the ``link`` is done or not when the call returns). False for object
+    #: stores: a request whose response was lost may still land later.
+    failed_create_is_final: bool = False
 
     @abstractmethod
     def write_buffer(self, rel: str, data: Buffer) -> dict[str, Any]:
@@ -116,6 +135,10 @@ class Storage(ABC):
         """Delete ``rel`` and everything under it; a missing directory is not an error."""
 
     # -- optional capabilities: the defaults are what a storage without them does -------------------
+
+    def remove_empty_dir(self, rel: str) -> None:
+        """Delete folder ``rel`` only if nothing is in it (one atomic step: a file another writer
+        creates meanwhile keeps it). Default: nothing (an object store has no empty folders)."""
 
     def check_access(self) -> None:
         """Fail fast (before anything is written) if the storage cannot be reached or written.

@@ -167,6 +167,7 @@ class LocalStorage(Storage):
     """
 
     is_local = True
+    failed_create_is_final = True
 
     def __init__(self, root: str, *, private: bool = False, fsync: bool = True, hold_reads: bool = False) -> None:
         self.root = os.path.abspath(os.path.expanduser(root))
@@ -378,6 +379,19 @@ class LocalStorage(Storage):
                 os.unlink(path)
                 return
         shutil.rmtree(self._p(rel), ignore_errors=True)
+
+    def remove_empty_dir(self, rel: str) -> None:
+        """``rmdir``: the folder goes only when empty; a missing or non-empty one is left as it is."""
+        head, _, name = rel.rpartition("/")
+        parent = self._p(head)
+        try:
+            os.rmdir(os.path.join(parent, name))  # never follows a link: ENOTDIR for one
+        except OSError as e:
+            if e.errno not in (errno.ENOENT, errno.ENOTEMPTY, errno.EEXIST, errno.ENOTDIR):
+                raise
+        else:
+            if self.fsync:
+                fsync_dir(parent)
 
     def local_path(self, rel: str) -> str:
         """Absolute path of ``rel`` (checked like every other path: no links, no ``..``)."""

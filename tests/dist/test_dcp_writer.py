@@ -7,6 +7,7 @@ overwritten, and a rank failing (or killed) while writing leaves no COMMIT.
 from __future__ import annotations
 
 import atexit
+import errno
 import json
 import os
 import shutil
@@ -179,7 +180,7 @@ def test_a_failing_write_leaves_no_commit_and_the_next_save_cleans_up(root: str)
             dcp.save(sd, storage_writer=NebulaStorageWriter(root, step=2))
     assert "no space left" in str(_failure(ei.value))
     d = Path(root) / "step-2"
-    assert not (d / mf.COMMIT).exists() and not list(d.glob("shard-*"))   # its own shard is removed
+    assert not d.exists()   # its own shard is removed, then the folder it left empty
     assert NebulaStorageReader(root).step == 1 and mf.committed_steps(LocalStorage(root)) == [1]
 
     # a tensor modified while it is written: refused, nothing committed
@@ -196,9 +197,42 @@ def test_a_failing_write_leaves_no_commit_and_the_next_save_cleans_up(root: str)
         with pytest.raises(CheckpointException) as ei:
             dcp.save({"model": model.state_dict()}, storage_writer=NebulaStorageWriter(root, step=3))
     assert isinstance(_failure(ei.value), ConsistencyError)
-    assert not list((Path(root) / "step-3").iterdir())   # its shard is removed at once
+    assert not (Path(root) / "step-3").exists()   # its shard is removed at once, then its empty folder
     dcp.save(sd, storage_writer=NebulaStorageWriter(root, step=4))
     assert sorted(p.name for p in Path(root).iterdir() if p.name.startswith("step-")) == ["step-1", "step-4"]
+
+
+def test_a_commit_write_that_reports_an_error_deletes_nothing(root: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """The COMMIT write reports an error (a lost response on a blob store) and its request lands
+    afterwards: nothing of the step was deleted, so it is whole and restores bit-exact."""
+    model, opt, _ = _trained(steps=1)
+    sd = {"model": model.state_dict(), "optim": opt.state_dict(), "step": 1}
+    real = LocalStorage.write_small
+    late: list[tuple[LocalStorage, str, bytes]] = []
+
+    def lost(self: LocalStorage, rel: str, data: bytes, *, create_only: bool = False) -> None:
+        if rel == f"step-1/{mf.COMMIT}":
+            late.append((self, rel, data))
+            raise OSError(errno.ETIMEDOUT, "injected at stage 'commit': the response was lost")
+        real(self, rel, data, create_only=create_only)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(LocalStorage, "write_small", lost)
+        mp.setattr(LocalStorage, "failed_create_is_final", False, raising=False)  # as on a blob store
+        with pytest.raises(CheckpointException) as ei:
+            dcp.save(sd, storage_writer=NebulaStorageWriter(root, step=1))
+    d = Path(root) / "step-1"
+    assert (d / mf.MANIFEST).exists() and list(d.glob("shard-*"))            # nothing of it deleted
+    assert "may have committed" in str(_failure(ei.value))
+    for st, rel, data in late:                                                # the request lands
+        real(st, rel, data, create_only=True)
+    assert cli(["verify", root]) == 0 and "DAMAGED" not in capsys.readouterr().out
+    fresh, fopt, _ = _trained(seed=1, steps=1)
+    into: dict[str, Any] = {"model": fresh.state_dict(), "optim": fopt.state_dict(), "step": 0}
+    with nc.Checkpointer(root, memory_tier=False) as ck:
+        assert ck.load_latest(into=into) == 1
+    fopt.load_state_dict(into["optim"])
+    _same((model, opt), (fresh, fopt))
 
 
 def test_the_coordinator_commits_only_shards_it_sees_with_their_size(root: str, tmp_path: Path) -> None:

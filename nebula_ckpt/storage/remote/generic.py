@@ -23,6 +23,8 @@ logger = logging.getLogger("nebula_ckpt.storage.remote")
 #: (verified by the tests); for others, fsspec's generic version is exists-then-write
 _CREATE_ONLY_VERIFIED = {"memory", "file", "local"}
 _warned_create_only: set[str] = set()
+#: schemes with real folders, where a failed step's emptied folder is removed
+_FOLDER_SCHEMES = {"memory", "file", "local"}
 
 
 class _StreamSink(Sink):
@@ -138,6 +140,20 @@ class GenericFsspecStorage(FsspecStorage):
             self._retry("remove dir", rel, rm_tree)
         except FileNotFoundError:
             pass
+        self._invalidate(path)
+
+
+    def remove_empty_dir(self, rel: str) -> None:
+        """An empty folder of a file system with folders (``file://``, ``memory://``) goes; a
+        non-empty or missing one is left as it is. Other schemes: nothing (their ``rmdir`` may
+        mean a bucket, and an object store has no empty folders)."""
+        if self._protocol not in _FOLDER_SCHEMES:
+            return
+        path = self._path(rel)
+        try:
+            self._fs.rmdir(path)
+        except (OSError, NotImplementedError) as e:  # not empty, missing, or no folders at all
+            logger.debug("remote tier %s: %s stays: %s", self.display_url, rel, e)
         self._invalidate(path)
 
 
