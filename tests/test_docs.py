@@ -159,7 +159,9 @@ def test_quickstart_example_resumes_bit_exact(tmp_path: Path) -> None:
     assert crashed.returncode == -9, f"the run should have been SIGKILLed: {crashed.returncode} {crashed.stderr}"
     resumed = run("crashed")
     assert resumed.returncode == 0, resumed.stderr
-    assert "resumed from step 30" in resumed.stdout, resumed.stdout
+    # step 30's save may not have committed before the kill at step 35 (it persists in the
+    # background): the resume is from the newest step that did, and ends bit-identical all the same
+    assert re.search(r"^resumed from step (10|20|30) ", resumed.stdout, re.M), resumed.stdout
     final = [ln for ln in clean.stdout.splitlines() if ln.startswith("final loss")]
     assert final and final == [ln for ln in resumed.stdout.splitlines() if ln.startswith("final loss")], (
         clean.stdout, resumed.stdout)
