@@ -34,12 +34,14 @@ ON_ALL_DAMAGED = ("raise", "warn")
 @dataclass(frozen=True)
 class Candidate:
     """A committed step on one tier, with the writer generation its commit marker names (-1 when
-    the marker cannot be read: such a candidate comes last, and fails to open)."""
+    the marker cannot be read: ``problem`` then says why, and the candidate is reported as
+    damaged, never opened)."""
 
     step: int
     tier: Tier
     storage: Storage
     generation: int = -1
+    problem: Optional[str] = None
 
     @property
     def order(self) -> tuple[int, int]:
@@ -198,17 +200,20 @@ def list_candidates(tiers: list[tuple[Tier, Storage]]) -> list[Candidate]:
             log.warning("nebula_ckpt: cannot list tier %s: %s", tier.name, e)
             continue
         for s in steps:
-            g = _commit_generation(st, s)
-            cands.append((-g, -s, i, Candidate(s, tier, st, g)))
+            g, problem = _commit_generation(st, s)
+            cands.append((-g, -s, i, Candidate(s, tier, st, g, problem)))
     return [c for *_, c in sorted(cands, key=lambda x: x[:3])]
 
 
-def _commit_generation(storage: Storage, step: int) -> int:
-    """The writer generation the commit marker of ``step`` names; -1 when it cannot be read."""
+def _commit_generation(storage: Storage, step: int) -> tuple[int, Optional[str]]:
+    """The writer generation the commit marker of ``step`` names, or ``(-1, why)`` when the marker
+    cannot be read (missing since listed, unreadable, garbled)."""
     try:
-        return mf.Commit.parse(storage.read_small(f"{mf.step_dir(step)}/{mf.COMMIT}"), f"step {step}").generation
-    except Exception:  # missing since listed, unreadable, garbled: opening it says what is wrong
-        return -1
+        return mf.Commit.parse(storage.read_small(f"{mf.step_dir(step)}/{mf.COMMIT}"),
+                               f"step {step}").generation, None
+    except Exception as e:
+        return -1, str(e) if isinstance(e, CorruptCheckpointError) else \
+            f"commit marker is unreadable ({type(e).__name__}: {e})"
 
 
 def _needed(man: mf.Manifest, rank: Optional[int]) -> dict[int, list[mf.TensorRecord]]:
@@ -396,8 +401,14 @@ def find_and_open(tiers: list[tuple[Tier, Storage]], step: Optional[int] = None,
     if on_all_damaged not in ON_ALL_DAMAGED:
         raise ValidationError(f"on_all_damaged must be one of {ON_ALL_DAMAGED}, got {on_all_damaged!r}")
     skipped: list[str] = []
-    for c in list_candidates(tiers):
-        if (step is not None and c.step != step) or (generation is not None and c.generation != generation):
+    cands = [c for c in list_candidates(tiers) if step is None or c.step == step]
+    for c in cands:  # a marker that cannot be read is damage, reported whatever the order says
+        if c.problem is not None:
+            why = f"tier {c.tier.name} step {c.step}: {c.problem}"
+            log.warning("nebula_ckpt: skipping %s", why)
+            skipped.append(why)
+    for c in cands:
+        if c.problem is not None or (generation is not None and c.generation != generation):
             continue
         where = f"tier {c.tier.name} step {c.step}"
         try:
