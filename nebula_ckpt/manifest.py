@@ -113,6 +113,16 @@ def committed_steps(storage: "Storage") -> list[int]:
     return [s for s in step_dirs(storage) if storage.exists(f"{step_dir(s)}/{COMMIT}")]
 
 
+def read_commit(storage: "Storage", step: int, where: str) -> "Commit":
+    """The parsed commit marker of ``step`` on ``storage`` (the one reader of markers).
+
+    Raises:
+        FileNotFoundError / OSError: it cannot be read.
+        CorruptCheckpointError: it is malformed (naming ``where``).
+    """
+    return Commit.parse(storage.read_small(f"{step_dir(step)}/{COMMIT}"), where)
+
+
 def shard_name(generation: int, rank: int = 0) -> str:
     """File name of a shard."""
     return f"shard-g{generation}-r{rank}.safetensors"

@@ -480,7 +480,7 @@ class TierWriter:
         """Whether this generation's ``COMMIT`` of ``step`` is on the tier (read back; False when unsure)."""
         d = mf.step_dir(step)
         try:
-            c = mf.Commit.parse(self.storage.read_small(f"{d}/{mf.COMMIT}"), f"{self.storage.display_url}/{d}")
+            c = mf.read_commit(self.storage, step, f"{self.storage.display_url}/{d}")
         except Exception as e:  # missing, unreadable: not known to be committed
             log.debug("nebula_ckpt: tier %s: no readable COMMIT of step %d: %s", self.name, step, e)
             return False

@@ -209,8 +209,7 @@ def _commit_generation(storage: Storage, step: int) -> tuple[int, Optional[str]]
     """The writer generation the commit marker of ``step`` names, or ``(-1, why)`` when the marker
     cannot be read (missing since listed, unreadable, garbled)."""
     try:
-        return mf.Commit.parse(storage.read_small(f"{mf.step_dir(step)}/{mf.COMMIT}"),
-                               f"step {step}").generation, None
+        return mf.read_commit(storage, step, f"step {step}").generation, None
     except Exception as e:
         return -1, str(e) if isinstance(e, CorruptCheckpointError) else \
             f"commit marker is unreadable ({type(e).__name__}: {e})"
@@ -242,7 +241,7 @@ def read_manifest(storage: Storage, step: int, where: Optional[str] = None) -> m
     where = where or f"{storage.display_url} step {step}"
     d = mf.step_dir(step)
     try:
-        commit = mf.Commit.parse(storage.read_small(f"{d}/{mf.COMMIT}"), where)
+        commit = mf.read_commit(storage, step, where)
         mbytes = storage.read_small(f"{d}/{mf.MANIFEST}")
     except FileNotFoundError as e:
         raise CorruptCheckpointError(f"{where}: {e.filename or e} is missing") from None
