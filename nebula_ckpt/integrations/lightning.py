@@ -117,7 +117,7 @@ from ..errors import NebulaError, NotFoundError
 from ..handle import SaveHandle
 from ..manifest import MAX_TAG_CHARS, tag_problem
 from ..tiers import Tier, canonical_root, refuse_url_credentials
-from .pointers import MAX_POINTER_BYTES, parse_pointer, read_pointer_head, write_local_pointer
+from .pointers import MAX_POINTER_BYTES, TMP_SUFFIX, parse_pointer, read_pointer_head, write_local_pointer
 
 log = logging.getLogger(__name__)
 
@@ -479,7 +479,7 @@ class NebulaCheckpointIO(_CheckpointIO):
         out = []
         for folder in sorted(folders):
             for p in _small_files(folder):
-                if p == skip_abs or p.endswith(".nebula-tmp"):  # a pointer being written (or left by a crash)
+                if p == skip_abs or p.endswith(TMP_SUFFIX):  # a pointer being written (or left by a crash)
                     continue
                 try:
                     ptr = read_pointer(p)

@@ -22,6 +22,8 @@ from ..storage.local import fsync_dir
 
 #: a pointer is a few hundred bytes; anything larger at a path is some other file
 MAX_POINTER_BYTES = 64 << 10
+#: the suffix of a pointer file being written (a crash may leave one): never a pointer itself
+TMP_SUFFIX = ".nebula-tmp"
 #: the longest file or folder name (bytes) Linux file systems take (NAME_MAX)
 NAME_MAX = 255
 
@@ -106,7 +108,7 @@ def write_local_pointer(path: str, pointer: dict[str, Any], mode: Optional[int] 
     os.makedirs(folder, exist_ok=True)
     # the temporary name stays within NAME_MAX whatever the length of ``path``'s own name
     prefix = "." + safe_name(os.path.basename(path), NAME_MAX - 40) + "."
-    fd, tmp = tempfile.mkstemp(prefix=prefix, suffix=".nebula-tmp", dir=folder)
+    fd, tmp = tempfile.mkstemp(prefix=prefix, suffix=TMP_SUFFIX, dir=folder)
     try:
         os.fchmod(fd, mode if mode is not None else 0o666 & ~_umask())  # mkstemp makes it 0600
         with os.fdopen(fd, "wb") as f:
