@@ -248,7 +248,7 @@ def _two_rank_steps(root: Path, steps: tuple[int, ...] = (1, 2)) -> None:
         pieces = {r: {"w": (_w(step)[2 * r:2 * r + 2],
                             {"shape": [4, 3], "offsets": [2 * r, 0], "placements": ["S(0)"], "mesh": [2]}),
                       "b": (torch.full((3,), float(step * 10 + r)), None)} for r in range(2)}
-        _write_multi_rank(root, step, 2, pieces, aliases={})
+        write_multi_rank(root, step, 2, pieces, aliases={})
 
 
 def _flip(root: Path, step: int) -> str:
