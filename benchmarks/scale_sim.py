@@ -13,11 +13,11 @@ the snapshot stage records (dtype, shape, byte range, CRC32C, DTensor placement)
 
 Per size it measures, on the paths a real job runs:
 
-1. the rounds (:mod:`nebula_ckpt.persist`): one rank's ``summary`` / ``digest`` / ``assign`` (CPU),
+1. the rounds (:mod:`nebula_ckpt.save.persist`): one rank's ``summary`` / ``digest`` / ``assign`` (CPU),
    the bytes rank 0 receives in the digest and durable rounds (``all_gather_object`` pickles);
 2. rank 0's commit: ``ranks.global_manifest`` + serialising it (CPU), the bytes it writes;
 3. a restoring rank: the bytes it reads and its CPU to parse the manifest (``Manifest.parse``) and
-   to build the resharding plan's metadata (:class:`nebula_ckpt.dcp.NebulaStorageReader` opened
+   to build the resharding plan's metadata (:class:`nebula_ckpt.dcp.reader.NebulaStorageReader` opened
    on a real folder whose shards are sparse files);
 4. beside it, DCP's own planner: ``DefaultSavePlanner.create_global_plan`` over the same number of
    local plans of the same items, and the size of the metadata DCP writes.
@@ -43,8 +43,9 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from nebula_ckpt import manifest as mf
-from nebula_ckpt import native, ranks
+from nebula_ckpt import native
+from nebula_ckpt.format import manifest as mf
+from nebula_ckpt.ranks import shards as ranks
 
 ROWS, COLS = 64, 1024  # a rank's piece of each parameter (fp32): the bytes do not matter here
 
@@ -152,7 +153,7 @@ def simulate(kind: str, world: int, tensors: int, workdir: str, budget_s: float,
     text = b""
 
     def reshard_plan() -> Any:
-        from nebula_ckpt.dcp import NebulaStorageReader
+        from nebula_ckpt.dcp.reader import NebulaStorageReader
         with NebulaStorageReader(root, step=1, verify=False) as reader:
             return len(reader.read_metadata().state_dict_metadata)
     run("rank: reshard plan metadata (s)", reshard_plan)

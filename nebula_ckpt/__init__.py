@@ -22,12 +22,10 @@ import logging
 import threading
 from typing import Any, Optional
 
-from . import knobs
-from ._version import __version__ as __version__
-from .checkpointer import Checkpointer
-from .coordinator import Coordinator, LocalCoordinator
-from .distributed import DistCoordinator
-from .errors import (
+from nebula_ckpt import knobs
+from nebula_ckpt._version import __version__ as __version__
+from nebula_ckpt.checkpointer import Checkpointer
+from nebula_ckpt.errors import (
     ConsistencyError,
     CorruptCheckpointError,
     FencedError,
@@ -37,8 +35,10 @@ from .errors import (
     PickleNotAllowedError,
     ValidationError,
 )
-from .handle import SaveHandle, SaveMetrics
-from .tiers import LocalTier, MemoryTier, RemoteTier, Tier
+from nebula_ckpt.handle import SaveHandle, SaveMetrics
+from nebula_ckpt.ranks.coordinator import Coordinator, LocalCoordinator
+from nebula_ckpt.ranks.distributed import DistCoordinator
+from nebula_ckpt.tiers.settings import LocalTier, MemoryTier, RemoteTier, Tier
 
 __all__ = [
     "Checkpointer", "SaveHandle", "SaveMetrics", "MemoryTier", "LocalTier", "RemoteTier", "Tier",

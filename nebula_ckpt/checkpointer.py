@@ -19,30 +19,30 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch
 
-from . import knobs
-from .adopt import adoption_for
-from .buffers import StagingPool
-from .coordinator import Coordinator, LocalCoordinator
-from .distributed import default_coordinator
-from .errors import CorruptCheckpointError, NebulaError, NotFoundError, ValidationError
-from .fanout import fan_out
-from .fencing import Fence, read_run_id, run_id
-from .handle import SaveHandle
-from .manifest import COMMIT, check_tag, committed_steps, step_dir
-from .memtier import Owner
-from .native import describe as native_describe
-from .native import get_ops, monotonic
-from .persist import TierWriter
-from .plan import check_step, make_plan
-from .restore import apply, find_and_open, list_candidates, materialize, read_manifest, stage_restore
-from .snapshot import Snapshot, Stager
-from .storage.base import Storage
-from .tier_runtime import TierRuntime
-from .tiers import Tier, canonical_root, default_tiers, now, refuse_url_credentials, tier_for_root
+from nebula_ckpt import knobs
+from nebula_ckpt.errors import CorruptCheckpointError, NebulaError, NotFoundError, ValidationError
+from nebula_ckpt.format.manifest import COMMIT, check_tag, committed_steps, step_dir
+from nebula_ckpt.handle import SaveHandle
+from nebula_ckpt.native import describe as native_describe
+from nebula_ckpt.native import get_ops, monotonic
+from nebula_ckpt.ranks.coordinator import Coordinator, LocalCoordinator
+from nebula_ckpt.ranks.distributed import default_coordinator
+from nebula_ckpt.ranks.fencing import Fence, read_run_id, run_id
+from nebula_ckpt.restore.adopt import adoption_for
+from nebula_ckpt.restore.core import apply, find_and_open, list_candidates, materialize, read_manifest, stage_restore
+from nebula_ckpt.save.buffers import StagingPool
+from nebula_ckpt.save.fanout import fan_out
+from nebula_ckpt.save.persist import TierWriter
+from nebula_ckpt.save.plan import check_step, make_plan
+from nebula_ckpt.save.snapshot import Snapshot, Stager
+from nebula_ckpt.storage.base import Storage
+from nebula_ckpt.tiers.memory.shm import Owner
+from nebula_ckpt.tiers.runtime import TierRuntime
+from nebula_ckpt.tiers.settings import Tier, canonical_root, default_tiers, now, refuse_url_credentials, tier_for_root
 
 log = logging.getLogger("nebula_ckpt")
 
-#: prepares the restore of one opened candidate (see :func:`~nebula_ckpt.restore.stage_restore`)
+#: prepares the restore of one opened candidate (see :func:`~nebula_ckpt.restore.core.stage_restore`)
 Stage = Callable[[Any], None]
 
 #: Unguarded tensors (see the consistency rule) on the CPU up to this many bytes in all are copied
@@ -126,9 +126,9 @@ class Checkpointer:
             always taken synchronously (see the consistency rule).
         coordinator: how the ranks of a job agree (writer generation, commit, restore step).
             Default: with an initialised ``torch.distributed`` process group of several ranks, a
-            :class:`~nebula_ckpt.distributed.DistCoordinator` over all of them (construct the
+            :class:`~nebula_ckpt.ranks.distributed.DistCoordinator` over all of them (construct the
             Checkpointer on every rank, in the same order: the constructor is a collective);
-            otherwise :class:`~nebula_ckpt.coordinator.LocalCoordinator` (one process).
+            otherwise :class:`~nebula_ckpt.ranks.coordinator.LocalCoordinator` (one process).
         read_only: open the root for reading only (``list``, ``tags``, ``steps``, ``read``,
             ``load``, ``load_latest``): nothing is created, claimed or written on any tier, not
             even the root's folder or its ``_nebula/run.json`` (a root that does not exist reads
@@ -244,7 +244,7 @@ class Checkpointer:
         """Reach every tier (fail fast), take the root's run id, let each tier open for this run.
 
         Read only: the run id is only read (None: no run ever opened the root) and a tier is
-        used when :meth:`~nebula_ckpt.tier_runtime.TierRuntime.unreadable` allows it, which
+        used when :meth:`~nebula_ckpt.tiers.runtime.TierRuntime.unreadable` allows it, which
         creates, claims and writes nothing."""
         runtimes = [t.runtime(t.make_storage()) for t in chosen]
         for rt in runtimes:  # fail fast, before leaving anything behind (a listing: nothing written)
@@ -726,7 +726,7 @@ class Checkpointer:
               stage: Optional[Stage] = None) -> Any:
         """Open ``step`` (None: the newest), or the newest healthy step tagged ``tag``.
 
-        ``stage`` (:func:`~nebula_ckpt.restore.stage_restore`): prepares the restore of each
+        ``stage`` (:func:`~nebula_ckpt.restore.core.stage_restore`): prepares the restore of each
         candidate; one it finds damaged is skipped like one that does not open.
         """
         if on_damaged not in ("raise", "warn"):
@@ -816,7 +816,7 @@ class Checkpointer:
         if ck.same_layout:
             apply(ck, into, map_location=map_location, strict=strict, allow_pickle=self.allow_pickle)
             return
-        from .reshard import load_resharded
+        from nebula_ckpt.restore.reshard import load_resharded
 
         log.info("nebula_ckpt: step %d was saved by %d ranks; resharding it for rank %d of %d", ck.step,
                  ck.manifest.world_size, self.coordinator.rank, self.coordinator.world_size)

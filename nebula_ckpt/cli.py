@@ -21,13 +21,13 @@ import os
 import sys
 from typing import Any, Mapping, Optional, Sequence
 
-from . import manifest as mf
-from .errors import CorruptCheckpointError, NebulaError
-from .fencing import read_run_id
-from .memtier import Owner
-from .restore import NotThisLayout, OpenCheckpoint, materialize, open_checkpoint, read_manifest
-from .storage.base import Storage
-from .tiers import Tier, canonical_root, default_tiers, refuse_url_credentials, strip_credentials
+from nebula_ckpt.errors import CorruptCheckpointError, NebulaError
+from nebula_ckpt.format import manifest as mf
+from nebula_ckpt.ranks.fencing import read_run_id
+from nebula_ckpt.restore.core import NotThisLayout, OpenCheckpoint, materialize, open_checkpoint, read_manifest
+from nebula_ckpt.storage.base import Storage
+from nebula_ckpt.tiers.memory.shm import Owner
+from nebula_ckpt.tiers.settings import Tier, canonical_root, default_tiers, refuse_url_credentials, strip_credentials
 
 log = logging.getLogger(__name__)
 
@@ -261,7 +261,7 @@ def _leaf_text(v: Mapping[str, Any]) -> str:
     if t == "ndarray":
         return f"<numpy {v['dtype']} array, tensor {v['v']['k']}>"
     if t == "npscalar":
-        from .structure import decode
+        from nebula_ckpt.format.tree import decode
 
         return f"{decode(v, lambda k: None, False)!r} (numpy {v['dtype']})"
     return f"{v.get('v')!r} ({t})"
@@ -283,7 +283,7 @@ def _pieces_text(holders: list[tuple[int, str, mf.TensorRecord]], man: mf.Manife
 
 def _inspect_multi(ck: OpenCheckpoint, as_json: bool) -> None:
     """inspect of a multi-rank checkpoint: global shapes, who stores what, per-rank shards."""
-    from .dcp import logical_tensors
+    from nebula_ckpt.dcp.reader import logical_tensors
 
     man = ck.manifest
     logical = logical_tensors(man)
@@ -358,7 +358,7 @@ def _export_source(args: argparse.Namespace) -> tuple[Any, int, Any, mf.Manifest
     """What to export from the first tier with a healthy copy of ``--step``: for a one-process
     checkpoint its verified open checkpoint, for a multi-rank one every tensor gathered whole
     (``(ck_or_None, step, full_tensors_or_None, manifest)``)."""
-    from .reshard import gather_full
+    from nebula_ckpt.restore.reshard import gather_full
 
     errors = []
     for tier, st in _tiers(args.root, args.storage_options):
@@ -422,8 +422,8 @@ def cmd_export(args: argparse.Namespace) -> int:
     import torch
     from tqdm import tqdm
 
-    from .restore import tensor_keys
-    from .structure import decode
+    from nebula_ckpt.format.tree import decode
+    from nebula_ckpt.restore.core import tensor_keys
 
     to = args.to
     folder = os.path.dirname(os.path.abspath(to))
@@ -495,10 +495,10 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 
 def cmd_gc(args: argparse.Namespace) -> int:
-    """Free memory tiers whose checkpoints are safe elsewhere (policy: :mod:`nebula_ckpt.memgc`)."""
+    """Free memory tiers whose checkpoints are safe elsewhere (policy: :mod:`nebula_ckpt.tiers.memory.gc`)."""
     from tqdm import tqdm
 
-    from . import memgc
+    from nebula_ckpt.tiers.memory import gc as memgc
 
     decisions = memgc.collect(args.shm_dir, force=args.force)
     rows = []
@@ -519,7 +519,7 @@ def cmd_gc(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(argv: Sequence[str]) -> int:
-    from .bench.runner import main as bench_main
+    from benchmarks.runner import main as bench_main
 
     return int(bench_main(list(argv)) or 0)
 

@@ -5,6 +5,11 @@ Every error says what went wrong, for which key / path / tier, and how to fix it
 
 from __future__ import annotations
 
+__all__ = [
+    "NebulaError", "ValidationError", "ConsistencyError", "PersistError", "FencedError",
+    "CorruptCheckpointError", "NotFoundError", "PickleNotAllowedError",
+]
+
 
 class NebulaError(Exception):
     """Base class of every error this library raises on purpose."""

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from time import monotonic
 from typing import Any, Callable, Optional
 
-from .errors import FencedError, NebulaError, PersistError
+from nebula_ckpt.errors import FencedError, NebulaError, PersistError
 
 log = logging.getLogger(__name__)
 

@@ -36,7 +36,7 @@ from typing import Any, Optional, Protocol, Sequence
 
 import torch
 
-from . import knobs
+from nebula_ckpt import knobs
 
 log = logging.getLogger(__name__)
 
@@ -288,7 +288,7 @@ _fallback = FallbackOps()
 def _load_native() -> FallbackOps:
     global _native_error
     try:
-        from . import _C
+        from nebula_ckpt import _C
 
         ops = NativeOps(_C)
         log.info("nebula_ckpt: running the native path (C++ extension %s)", ops.info)
@@ -335,7 +335,7 @@ def fallback_ops() -> FallbackOps:
 def native_available() -> bool:
     """Whether the C++ extension imports."""
     try:
-        from . import _C  # noqa: F401
+        from nebula_ckpt import _C  # noqa: F401
     except Exception:
         return False
     return True

@@ -65,7 +65,7 @@ def renumber_step(folder: str, step: int, new_step: int) -> None:
     import os
     import shutil
 
-    from nebula_ckpt import manifest as mf
+    from nebula_ckpt.format import manifest as mf
     from nebula_ckpt.native import get_ops
 
     src, dst = os.path.join(folder, mf.step_dir(step)), os.path.join(folder, mf.step_dir(new_step))

@@ -23,7 +23,7 @@ import torch
 
 import nebula_ckpt as nc
 from nebula_ckpt import knobs
-from nebula_ckpt.tiers import memory_tier_path
+from nebula_ckpt.tiers.settings import memory_tier_path
 
 pytestmark = pytest.mark.skipif(not os.path.isdir("/dev/shm"), reason="needs a tmpfs memory tier")
 
@@ -244,7 +244,9 @@ def test_a_mismatched_into_adopts_nothing_and_the_tier_keeps_the_step(root: str,
 _RESTORER = r"""
 import json, os, sys, time, torch, nebula_ckpt as nc
 import threading
-from nebula_ckpt import adopt, knobs, restore
+from nebula_ckpt import knobs
+from nebula_ckpt.restore import adopt
+from nebula_ckpt.restore import core as restore
 root, gates, ref, me, mode = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4]), sys.argv[5]
 
 def gate(name):

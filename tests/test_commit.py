@@ -11,8 +11,8 @@ import torch
 
 import nebula_ckpt as nc
 from faults import STAGES, FaultyTier
-from nebula_ckpt import manifest as mf
 from nebula_ckpt.cli import main as cli
+from nebula_ckpt.format import manifest as mf
 from nebula_ckpt.storage.local import LocalStorage
 
 

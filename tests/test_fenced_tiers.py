@@ -23,10 +23,10 @@ import torch
 
 import nebula_ckpt as nc
 from faults import renumber_step
-from nebula_ckpt import manifest as mf
-from nebula_ckpt.memtier import try_lock
+from nebula_ckpt.format import manifest as mf
 from nebula_ckpt.storage.local import LocalStorage
-from nebula_ckpt.tiers import memory_tier_path
+from nebula_ckpt.tiers.memory.shm import try_lock
+from nebula_ckpt.tiers.settings import memory_tier_path
 
 pytestmark = pytest.mark.skipif(not os.path.isdir("/dev/shm"), reason="needs a tmpfs memory tier")
 

@@ -14,7 +14,7 @@ import torch
 from safetensors import safe_open
 
 import nebula_ckpt as nc
-from nebula_ckpt import manifest as mf
+from nebula_ckpt.format import manifest as mf
 
 GOLDEN_SHARD_SHA256 = "fa43f29431b5101ea2571d7dc18c0227709cfc8ecbaa39a7ded399d815be2515"
 GOLDEN_TREE = {"t": "dict", "v": [
@@ -82,7 +82,7 @@ def test_golden_manifest_parses_to_typed_records_and_back(tmp_path, shm_dir) -> 
 
 def test_one_dtype_table() -> None:
     """The format module's dtype table covers what the writer stores (plan.py's copy must agree)."""
-    from nebula_ckpt import plan
+    from nebula_ckpt.save import plan
 
     assert getattr(plan, "_ST_DTYPES", mf.SAFETENSORS_CODES) == mf.SAFETENSORS_CODES
     for d in mf.SAFETENSORS_CODES:

@@ -21,9 +21,9 @@ import torch
 import nebula_ckpt as nc
 from nebula_ckpt.cli import main
 from nebula_ckpt.errors import CorruptCheckpointError
-from nebula_ckpt.restore import find_and_open, open_checkpoint
+from nebula_ckpt.restore.core import find_and_open, open_checkpoint
 from nebula_ckpt.storage.local import LocalStorage
-from nebula_ckpt.tiers import LocalTier
+from nebula_ckpt.tiers.settings import LocalTier
 
 Man = dict[str, Any]
 
@@ -246,7 +246,7 @@ def test_repeated_tree_references_allocate_once(saved: str, monkeypatch: pytest.
     """A tree naming one tensor many times costs its bytes once: never more than the shard holds."""
     many = {"t": "list", "v": [{"t": "tensor", "k": "w"}] * 5000}
     rewrite(saved, lambda m: _tree_item(m, "meta").__setitem__(1, many))
-    import nebula_ckpt.restore as restore
+    import nebula_ckpt.restore.core as restore
 
     real = restore.get_ops()
     allocated: list[int] = []
@@ -303,7 +303,7 @@ def test_any_exception_while_opening_is_a_skipped_candidate(tmp_path, shm_dir, e
     with nc.Checkpointer(root, memory_tier=False, keep_last=5) as ck:
         ck.save(1, {"w": torch.ones(3)})
         ck.save(2, {"w": torch.full((3,), 2.0)})
-    import nebula_ckpt.restore as restore
+    import nebula_ckpt.restore.core as restore
 
     real = restore.open_checkpoint
 
@@ -327,8 +327,8 @@ def test_on_all_damaged_is_checked(tmp_path) -> None:  # noqa: ANN001
 
 def test_deepest_tree_the_writer_accepts_reads_back(tmp_path, shm_dir) -> None:  # noqa: ANN001
     """Reader and writer agree on the depth bound: the deepest state save() takes loads again."""
-    from nebula_ckpt import plan
-    from nebula_ckpt.structure import MAX_DEPTH
+    from nebula_ckpt.format.tree import MAX_DEPTH
+    from nebula_ckpt.save import plan
 
     assert getattr(plan, "MAX_DEPTH", MAX_DEPTH) == MAX_DEPTH
     state: Any = {"leaf": torch.ones(2)}

@@ -19,13 +19,14 @@ import pytest
 import torch
 
 import nebula_ckpt as nc
-from nebula_ckpt import knobs, ranks
-from nebula_ckpt import manifest as mf
+from nebula_ckpt import knobs
 from nebula_ckpt.cli import main as cli
-from nebula_ckpt.coordinator import LocalCoordinator
 from nebula_ckpt.dcp import NebulaStorageReader
 from nebula_ckpt.errors import CorruptCheckpointError
-from nebula_ckpt.restore import NotThisLayout, open_checkpoint
+from nebula_ckpt.format import manifest as mf
+from nebula_ckpt.ranks import shards as ranks
+from nebula_ckpt.ranks.coordinator import LocalCoordinator
+from nebula_ckpt.restore.core import NotThisLayout, open_checkpoint
 from nebula_ckpt.storage.local import LocalStorage
 from test_hostile_manifest import Man, rewrite
 
@@ -139,7 +140,7 @@ def write_multi_rank(root: Path, step: int, world: int, pieces: dict[int, dict[s
     """A multi-rank checkpoint written by hand: ``pieces[rank][key] = (tensor, dtensor-json or None)``;
     every rank saved the tree ``{key: tensor}`` of the same keys (aliases: ``"r1/k" -> "r0/k"``)."""
     from nebula_ckpt.native import get_ops
-    from nebula_ckpt.plan import safetensors_header
+    from nebula_ckpt.save.plan import safetensors_header
 
     aliases = aliases or {}
     d = root / mf.step_dir(step)

@@ -14,8 +14,8 @@ from safetensors import safe_open
 
 import nebula_ckpt as nc
 from nebula_ckpt.errors import CorruptCheckpointError
-from nebula_ckpt.plan import make_plan
-from nebula_ckpt.structure import check_tree
+from nebula_ckpt.format.tree import check_tree
+from nebula_ckpt.save.plan import make_plan
 from test_hostile_manifest import rewrite
 
 NUMERIC = [np.bool_, np.int8, np.int16, np.int32, np.int64, np.uint8, np.uint16, np.uint32, np.uint64,
@@ -226,8 +226,8 @@ def test_ndarray_node_over_a_tensor_of_another_dtype_is_refused(tmp_path, shm_di
 def test_numpy_leaves_come_back_through_a_resharding_restore(tmp_path) -> None:  # noqa: ANN001
     """The resharding path (any world size, DCP underneath) restores NumPy leaves as arrays too:
     into a slot holding anything, and where ``into`` has no entry for them."""
-    from nebula_ckpt.dcp import newest_manifest
-    from nebula_ckpt.reshard import load_resharded
+    from nebula_ckpt.dcp.reader import newest_manifest
+    from nebula_ckpt.restore.reshard import load_resharded
     from nebula_ckpt.storage.local import LocalStorage
 
     root = str(tmp_path / "ck")

@@ -11,7 +11,7 @@ import torch
 
 import nebula_ckpt as nc
 from nebula_ckpt import checkpointer
-from nebula_ckpt.plan import make_plan
+from nebula_ckpt.save.plan import make_plan
 
 
 def _framework_state() -> dict[str, object]:

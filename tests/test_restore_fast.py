@@ -20,9 +20,9 @@ import pytest
 import torch
 
 import nebula_ckpt as nc
-from nebula_ckpt import manifest as mf
-from nebula_ckpt.restore import materialize, open_checkpoint, read_manifest
-from nebula_ckpt.tiers import LocalTier
+from nebula_ckpt.format import manifest as mf
+from nebula_ckpt.restore.core import materialize, open_checkpoint, read_manifest
+from nebula_ckpt.tiers.settings import LocalTier
 
 
 def _trained(seed: int = 0, width: int = 64) -> tuple[torch.nn.Module, torch.optim.Optimizer]:

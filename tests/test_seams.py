@@ -9,10 +9,10 @@ import pytest
 import torch
 
 import nebula_ckpt as nc
-from nebula_ckpt import manifest as mf
-from nebula_ckpt.coordinator import PHASE_DIGEST, PHASE_DURABLE, PHASE_INDEX, PHASE_VERDICT, LocalCoordinator
+from nebula_ckpt.format import manifest as mf
+from nebula_ckpt.ranks.coordinator import PHASE_DIGEST, PHASE_DURABLE, PHASE_INDEX, PHASE_VERDICT, LocalCoordinator
 from nebula_ckpt.storage.local import LocalStorage
-from nebula_ckpt.tiers import memory_tier_path
+from nebula_ckpt.tiers.settings import memory_tier_path
 
 
 class RankCoordinator(LocalCoordinator):

@@ -20,11 +20,13 @@ import torch
 
 import nebula_ckpt as nc
 from flaky_fs import SCHEME, FlakyFileSystem, hanging, raising, register
-from nebula_ckpt import knobs, memgc, memtier
+from nebula_ckpt import knobs
 from nebula_ckpt.cli import main as cli_main
-from nebula_ckpt.manifest import committed_steps
+from nebula_ckpt.format.manifest import committed_steps
 from nebula_ckpt.storage.local import LocalStorage
-from nebula_ckpt.tiers import canonical_root, memory_tier_path
+from nebula_ckpt.tiers.memory import gc as memgc
+from nebula_ckpt.tiers.memory import shm as memtier
+from nebula_ckpt.tiers.settings import canonical_root, memory_tier_path
 
 IS_ROOT = os.geteuid() == 0
 TESTS = os.path.dirname(os.path.abspath(__file__))

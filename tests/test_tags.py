@@ -11,8 +11,8 @@ import pytest
 import torch
 
 import nebula_ckpt as nc
-from nebula_ckpt import manifest as mf
 from nebula_ckpt.cli import main
+from nebula_ckpt.format import manifest as mf
 from test_hostile_manifest import rewrite
 
 

@@ -15,8 +15,9 @@ import pytest
 import torch
 
 import nebula_ckpt as nc
-from nebula_ckpt import knobs, tiers
+from nebula_ckpt import knobs
 from nebula_ckpt.errors import ValidationError
+from nebula_ckpt.tiers import settings as tiers
 
 KEY_ID = "AKIAIOSFODNN7EXAMPLE"
 #: (URL, the secret it carries): the password shapes of a URL's user info

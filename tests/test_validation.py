@@ -113,7 +113,7 @@ def test_loading_never_executes_code_by_default(root: str, tmp_path) -> None:  #
     import base64
     import json
 
-    from nebula_ckpt.manifest import Commit
+    from nebula_ckpt.format.manifest import Commit
     from nebula_ckpt.native import get_ops
     d = os.path.join(root, "step-1")
     man = json.load(open(os.path.join(d, "manifest.json")))
@@ -284,8 +284,8 @@ def test_into_of_another_shape_than_saved_is_refused_not_skipped(root: str) -> N
 
 def test_a_resharding_restore_is_strict_both_ways(tmp_path) -> None:  # noqa: ANN001
     """The resharding path (another world size, DCP underneath) refuses the forgotten scheduler too."""
-    from nebula_ckpt.dcp import newest_manifest
-    from nebula_ckpt.reshard import load_resharded
+    from nebula_ckpt.dcp.reader import newest_manifest
+    from nebula_ckpt.restore.reshard import load_resharded
     from nebula_ckpt.storage.local import LocalStorage
 
     root = str(tmp_path / "ck")

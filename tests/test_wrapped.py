@@ -11,9 +11,9 @@ import pytest
 import torch
 
 import nebula_ckpt as nc
-from nebula_ckpt import snapshot as snapshot_mod
 from nebula_ckpt.checkpointer import Checkpointer
-from nebula_ckpt.plan import inner_optimizer, make_plan
+from nebula_ckpt.save import snapshot as snapshot_mod
+from nebula_ckpt.save.plan import inner_optimizer, make_plan
 
 
 class AcceleratedLike(torch.optim.Optimizer):

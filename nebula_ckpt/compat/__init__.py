@@ -16,7 +16,7 @@ from __future__ import annotations
 import sys
 from typing import Sequence
 
-from ..errors import NebulaError
+from nebula_ckpt.errors import NebulaError
 
 __all__ = ["install_aliases"]
 

@@ -45,13 +45,13 @@ from typing import Any, Optional
 
 import torch
 
-from ..checkpointer import Checkpointer
-from ..errors import NebulaError, NotFoundError, ValidationError
-from ..handle import SaveHandle
-from ..integrations.pointers import safe_name
-from ..manifest import check_tag
-from ..native import monotonic
-from ..tiers import MemoryTier, canonical_root, refuse_url_credentials, tier_for_root
+from nebula_ckpt.checkpointer import Checkpointer
+from nebula_ckpt.errors import NebulaError, NotFoundError, ValidationError
+from nebula_ckpt.format.manifest import check_tag
+from nebula_ckpt.handle import SaveHandle
+from nebula_ckpt.integrations.pointers import safe_name
+from nebula_ckpt.native import monotonic
+from nebula_ckpt.tiers.settings import MemoryTier, canonical_root, refuse_url_credentials, tier_for_root
 
 log = logging.getLogger("nebula_ckpt")
 

@@ -96,10 +96,10 @@ from typing import Any, Iterator, Optional, Union
 import numpy as np
 import torch
 
-from ..checkpointer import Checkpointer
-from ..errors import NebulaError, NotFoundError, ValidationError
-from ..handle import SaveHandle
-from ..tiers import refuse_url_credentials
+from nebula_ckpt.checkpointer import Checkpointer
+from nebula_ckpt.errors import NebulaError, NotFoundError, ValidationError
+from nebula_ckpt.handle import SaveHandle
+from nebula_ckpt.tiers.settings import refuse_url_credentials
 
 try:
     import transformers

@@ -111,13 +111,19 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Optional, Sequence
 
-from ..checkpointer import Checkpointer
-from ..coordinator import LocalCoordinator
-from ..errors import NebulaError, NotFoundError
-from ..handle import SaveHandle
-from ..manifest import MAX_TAG_CHARS, tag_problem
-from ..tiers import Tier, canonical_root, refuse_url_credentials
-from .pointers import MAX_POINTER_BYTES, TMP_SUFFIX, parse_pointer, read_pointer_head, write_local_pointer
+from nebula_ckpt.checkpointer import Checkpointer
+from nebula_ckpt.errors import NebulaError, NotFoundError
+from nebula_ckpt.format.manifest import MAX_TAG_CHARS, tag_problem
+from nebula_ckpt.handle import SaveHandle
+from nebula_ckpt.integrations.pointers import (
+    MAX_POINTER_BYTES,
+    TMP_SUFFIX,
+    parse_pointer,
+    read_pointer_head,
+    write_local_pointer,
+)
+from nebula_ckpt.ranks.coordinator import LocalCoordinator
+from nebula_ckpt.tiers.settings import Tier, canonical_root, refuse_url_credentials
 
 log = logging.getLogger(__name__)
 

@@ -17,8 +17,8 @@ import stat
 import tempfile
 from typing import Any, Optional
 
-from ..errors import ValidationError
-from ..storage.local import fsync_dir
+from nebula_ckpt.errors import ValidationError
+from nebula_ckpt.storage.local import fsync_dir
 
 #: a pointer is a few hundred bytes; anything larger at a path is some other file
 MAX_POINTER_BYTES = 64 << 10

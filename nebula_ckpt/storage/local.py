@@ -21,9 +21,9 @@ from typing import Any, Optional
 
 import torch
 
-from ..errors import CorruptCheckpointError, ValidationError
-from ..native import get_ops
-from .base import Buffer, Storage
+from nebula_ckpt.errors import CorruptCheckpointError, ValidationError
+from nebula_ckpt.native import get_ops
+from nebula_ckpt.storage.base import Buffer, Storage
 
 log = logging.getLogger(__name__)
 
@@ -44,7 +44,7 @@ def _open_nofollow(path: str) -> Any:
 
 # -- readers of a file, as open-file-description locks ------------------------------------------
 #
-# A file that one process may take over (the memory tier's shard files: see nebula_ckpt.adopt)
+# A file that one process may take over (the memory tier's shard files: see nebula_ckpt.restore.adopt)
 # is read only under a *reader lock*: a shared lock on the byte at offset <pid> of the file,
 # taken on the descriptor that is mapped. Open-file-description locks belong to the opened file,
 # not the process, so the mapping keeps the lock (Python's mmap holds a duplicate of the

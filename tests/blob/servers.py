@@ -1,7 +1,7 @@
 """Loopback blob servers for the tests: Azurite (Azure Blob) and moto (S3).
 
 The launching (127.0.0.1, port 0, stop / start on the same port with the same data, moto's
-signing helper) is :mod:`nebula_ckpt.bench.emulators`, shared with the remote benchmark. This
+signing helper) is :mod:`benchmarks.emulators`, shared with the remote benchmark. This
 module adds what only the tests need:
 
 * each server starts at construction and holds a session container (``url_prefix``);
@@ -21,7 +21,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Optional
 
-from nebula_ckpt.bench.emulators import INSTALL_SCRIPT, AzuriteEmulator, Emulator, EmulatorUnavailable, MotoEmulator
+from benchmarks.emulators import INSTALL_SCRIPT, AzuriteEmulator, Emulator, EmulatorUnavailable, MotoEmulator
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -16,7 +16,7 @@ import fsspec
 import pytest
 
 from dist.launch import reports, run_ranks  # tests/dist (pytest puts tests/ on sys.path)
-from nebula_ckpt import manifest as mf
+from nebula_ckpt.format import manifest as mf
 
 from .conftest import Store, _store
 

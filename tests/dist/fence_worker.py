@@ -26,10 +26,10 @@ import torch
 import torch.distributed as dist
 
 import nebula_ckpt as nc
-from nebula_ckpt import manifest as mf
-from nebula_ckpt.memtier import try_lock
+from nebula_ckpt.format import manifest as mf
+from nebula_ckpt.tiers.memory.shm import try_lock
 from nebula_ckpt.storage.local import LocalStorage
-from nebula_ckpt.tiers import memory_tier_path
+from nebula_ckpt.tiers.settings import memory_tier_path
 
 
 def _gate(gates: str, name: str) -> None:

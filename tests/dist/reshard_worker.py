@@ -8,7 +8,7 @@ AdamW, saves step 5 through ``nebula_ckpt.Checkpointer(ROOT)`` and rank 0 writes
 it is empty.
 
 ``load``: a job of another world size builds the same model sharded over its own ranks and
-(a) restores ROOT with ``nebula_ckpt.reshard.load_resharded`` -> ``OUT/resharded.pt``;
+(a) restores ROOT with ``nebula_ckpt.restore.reshard.load_resharded`` -> ``OUT/resharded.pt``;
 (b) loads it again with ``dcp.load`` through ``NebulaStorageReader`` into fresh nested state
 dicts -> ``OUT/dcp.pt``; (c) saves the restored state as step 6 under ROOT2 (a checkpoint of
 this world size, for the CLI export test).
@@ -80,8 +80,8 @@ def main() -> None:
         import torch.distributed.checkpoint as dcp
 
         from nebula_ckpt.dcp import NebulaStorageReader
-        from nebula_ckpt.dcp import newest_manifest as newest
-        from nebula_ckpt.reshard import load_resharded
+        from nebula_ckpt.dcp.reader import newest_manifest as newest
+        from nebula_ckpt.restore.reshard import load_resharded
         from nebula_ckpt.storage.local import LocalStorage
 
         model, opt = build(1234)

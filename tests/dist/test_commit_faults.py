@@ -19,9 +19,9 @@ from typing import Any, Iterator
 import pytest
 
 from nebula_ckpt import knobs
-from nebula_ckpt import manifest as mf
+from nebula_ckpt.format import manifest as mf
 from nebula_ckpt.cli import main as cli
-from nebula_ckpt.tiers import memory_tier_path
+from nebula_ckpt.tiers.settings import memory_tier_path
 
 from .launch import reports, run_ranks
 

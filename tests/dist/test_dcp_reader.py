@@ -17,11 +17,11 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 import nebula_ckpt as nc
 from conftest import make_training, train_step
-from nebula_ckpt import manifest as mf
+from nebula_ckpt.format import manifest as mf
 from nebula_ckpt.cli import main as cli
-from nebula_ckpt.dcp import NebulaStorageReader, newest_manifest
+from nebula_ckpt.dcp.reader import NebulaStorageReader, newest_manifest
 from nebula_ckpt.errors import CorruptCheckpointError, NotFoundError, ValidationError
-from nebula_ckpt.reshard import gather_full
+from nebula_ckpt.restore.reshard import gather_full
 from nebula_ckpt.storage.local import LocalStorage
 from test_hostile_multirank import write_multi_rank
 
@@ -230,7 +230,7 @@ def test_two_dim_mesh_replicas_are_read_once_and_the_lowest_rank_wins(tmp_path: 
     assert torch.equal(sd["w"], w) and torch.equal(sd["b"], torch.zeros(3))
     # a one-process model of the full tensors restores from it
     into = {"w": torch.zeros(4, 3), "b": torch.ones(3)}
-    from nebula_ckpt.reshard import load_resharded
+    from nebula_ckpt.restore.reshard import load_resharded
 
     load_resharded(reader.storage, 1, reader.manifest, into)
     assert torch.equal(into["w"], w) and torch.equal(into["b"], torch.zeros(3))

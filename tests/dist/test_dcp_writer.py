@@ -25,7 +25,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 import nebula_ckpt as nc
 from conftest import make_training, train_step
-from nebula_ckpt import manifest as mf
+from nebula_ckpt.format import manifest as mf
 from nebula_ckpt.cli import main as cli
 from nebula_ckpt.dcp import NebulaStorageReader, NebulaStorageWriter
 from nebula_ckpt.errors import ConsistencyError, ValidationError

@@ -17,8 +17,8 @@ from typing import Any
 import pytest
 
 from nebula_ckpt import knobs
-from nebula_ckpt import manifest as mf
-from nebula_ckpt.tiers import memory_tier_path
+from nebula_ckpt.format import manifest as mf
+from nebula_ckpt.tiers.settings import memory_tier_path
 
 from .launch import reports, run_ranks
 

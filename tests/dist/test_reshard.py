@@ -19,12 +19,12 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from nebula_ckpt import manifest as mf
+from nebula_ckpt.format import manifest as mf
 from nebula_ckpt.cli import main as cli
-from nebula_ckpt.dcp import newest_manifest
+from nebula_ckpt.dcp.reader import newest_manifest
 from nebula_ckpt.errors import CorruptCheckpointError, ValidationError
 from nebula_ckpt.native import get_ops
-from nebula_ckpt.reshard import gather_full, load_resharded
+from nebula_ckpt.restore.reshard import gather_full, load_resharded
 from nebula_ckpt.storage.local import LocalStorage
 
 from .launch import run_ranks

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from nebula_ckpt import manifest as mf
+from nebula_ckpt.format import manifest as mf
 
 from .launch import reports, run_ranks
 

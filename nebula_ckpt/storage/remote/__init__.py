@@ -20,20 +20,20 @@ The package, by concern:
 * :mod:`.frames`: zstd framing and the validation of storage info before any allocation.
 """
 
-from .azure import AzureBlobStorage
-from .base import FsspecStorage
-from .errors import (
-                     CorruptRemoteDataError,
-                     RemoteAuthError,
-                     RemoteBackendError,
-                     RemoteContainerNotFoundError,
-                     RemoteStorageError,
-                     RemoteUnavailableError,
-                     StorageInfoError,
+from nebula_ckpt.storage.remote.azure import AzureBlobStorage
+from nebula_ckpt.storage.remote.base import FsspecStorage
+from nebula_ckpt.storage.remote.errors import (
+    CorruptRemoteDataError,
+    RemoteAuthError,
+    RemoteBackendError,
+    RemoteContainerNotFoundError,
+    RemoteStorageError,
+    RemoteUnavailableError,
+    StorageInfoError,
 )
-from .generic import GenericFsspecStorage
-from .registry import storage_class_for
-from .s3 import S3Storage
+from nebula_ckpt.storage.remote.generic import GenericFsspecStorage
+from nebula_ckpt.storage.remote.registry import storage_class_for
+from nebula_ckpt.storage.remote.s3 import S3Storage
 
 __all__ = [
     "FsspecStorage", "S3Storage", "AzureBlobStorage", "GenericFsspecStorage", "storage_class_for",

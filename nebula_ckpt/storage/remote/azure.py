@@ -12,9 +12,9 @@ import base64
 import logging
 from typing import Any
 
-from .base import FsspecStorage
-from .retry import Attempt
-from .upload import PartLimits, Sink
+from nebula_ckpt.storage.remote.base import FsspecStorage
+from nebula_ckpt.storage.remote.retry import Attempt
+from nebula_ckpt.storage.remote.upload import PartLimits, Sink
 
 logger = logging.getLogger("nebula_ckpt.storage.remote")
 

@@ -28,15 +28,15 @@ import threading
 import time
 from typing import Any, Callable, ClassVar, Optional, TypeVar
 
-from ... import knobs
-from ..base import Buffer, Storage
-from . import retry
-from .errors import CorruptRemoteDataError, RemoteStorageError, storage_error
-from .frames import ReadTask, compressor, download, plan_read, zstd_module
-from .registry import filesystem_class, storage_class_for
-from .retry import Attempt, RetryPolicy, classify, describe
-from .scrub import SafeUrl, Scrubber, collect_secrets
-from .upload import PartLimits, PartUpload, Sink, byte_view
+from nebula_ckpt import knobs
+from nebula_ckpt.storage.base import Buffer, Storage
+from nebula_ckpt.storage.remote import retry
+from nebula_ckpt.storage.remote.errors import CorruptRemoteDataError, RemoteStorageError, storage_error
+from nebula_ckpt.storage.remote.frames import ReadTask, compressor, download, plan_read, zstd_module
+from nebula_ckpt.storage.remote.registry import filesystem_class, storage_class_for
+from nebula_ckpt.storage.remote.retry import Attempt, RetryPolicy, classify, describe
+from nebula_ckpt.storage.remote.scrub import SafeUrl, Scrubber, collect_secrets
+from nebula_ckpt.storage.remote.upload import PartLimits, PartUpload, Sink, byte_view
 
 logger = logging.getLogger("nebula_ckpt.storage.remote")
 

@@ -10,8 +10,8 @@ from __future__ import annotations
 import errno
 from typing import Any, Callable, Optional
 
-from ...errors import CorruptCheckpointError, NebulaError
-from .retry import Kind, describe
+from nebula_ckpt.errors import CorruptCheckpointError, NebulaError
+from nebula_ckpt.storage.remote.retry import Kind, describe
 
 
 class RemoteStorageError(NebulaError, OSError):

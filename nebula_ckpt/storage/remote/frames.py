@@ -19,7 +19,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
-from .errors import StorageInfoError
+from nebula_ckpt.storage.remote.errors import StorageInfoError
 
 _MiB = 1 << 20
 #: zstd's densest block is an RLE block: a 3-byte header plus 1 byte for up to 128 KiB, so no

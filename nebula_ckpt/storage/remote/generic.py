@@ -13,9 +13,9 @@ import os
 import uuid
 from typing import Any
 
-from .base import FsspecStorage
-from .retry import Attempt
-from .upload import Sink
+from nebula_ckpt.storage.remote.base import FsspecStorage
+from nebula_ckpt.storage.remote.retry import Attempt
+from nebula_ckpt.storage.remote.upload import Sink
 
 logger = logging.getLogger("nebula_ckpt.storage.remote")
 

@@ -6,7 +6,7 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # pragma: no cover
-    from .base import FsspecStorage
+    from nebula_ckpt.storage.remote.base import FsspecStorage
 
 _AZURE_HINT = "pip install 'nebula_ckpt[azure]'  (adlfs, azure-storage-blob)"
 _S3_HINT = "pip install 'nebula_ckpt[s3]'  (s3fs)"

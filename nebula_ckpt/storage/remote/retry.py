@@ -16,7 +16,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable, Generic, Optional, TypeVar
 
-from ... import knobs
+from nebula_ckpt import knobs
 
 T = TypeVar("T")
 

@@ -12,10 +12,10 @@ from __future__ import annotations
 import logging
 from typing import Any, Optional
 
-from ... import knobs
-from .base import FsspecStorage
-from .retry import Attempt, Kind, RetryPolicy, classify, describe
-from .upload import PartLimits, Sink, ViewReader
+from nebula_ckpt import knobs
+from nebula_ckpt.storage.remote.base import FsspecStorage
+from nebula_ckpt.storage.remote.retry import Attempt, Kind, RetryPolicy, classify, describe
+from nebula_ckpt.storage.remote.upload import PartLimits, Sink, ViewReader
 
 logger = logging.getLogger("nebula_ckpt.storage.remote")
 

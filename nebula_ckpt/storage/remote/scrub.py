@@ -122,10 +122,10 @@ class SafeUrl:
 
         Raises:
             ValidationError: the URL carries a password (``user:password@``): credentials go in
-                ``storage_options`` (see :func:`~nebula_ckpt.tiers.refuse_url_credentials`); a
+                ``storage_options`` (see :func:`~nebula_ckpt.tiers.settings.refuse_url_credentials`); a
                 user name alone (Azure's ``container@account``) stays.
         """
-        from ...tiers import refuse_url_credentials  # tiers imports storage: not at module level
+        from nebula_ckpt.tiers.settings import refuse_url_credentials  # tiers imports storage: not at module level
 
         refuse_url_credentials(url, "remote tier")  # before urlsplit, whose errors quote the host part
         secrets: set[str] = set()

@@ -16,8 +16,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Iterator, Optional, TypeVar, Union
 
-from .errors import RemoteStorageError
-from .retry import Attempt
+from nebula_ckpt.storage.remote.errors import RemoteStorageError
+from nebula_ckpt.storage.remote.retry import Attempt
 
 T = TypeVar("T")
 _MiB = 1 << 20

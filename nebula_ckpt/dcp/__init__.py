@@ -1,0 +1,12 @@
+"""``torch.distributed.checkpoint`` (DCP) over nebula_ckpt checkpoints: a reader and a writer.
+
+``dcp.load(sd, storage_reader=NebulaStorageReader(root))`` reads the newest healthy committed step
+into any mesh (DCP's planner reshards); ``dcp.save(sd, storage_writer=NebulaStorageWriter(root,
+step=N))`` writes a normal nebula_ckpt checkpoint. The reader is :mod:`~nebula_ckpt.dcp.reader`,
+the writer :mod:`~nebula_ckpt.dcp.writer`.
+"""
+
+from nebula_ckpt.dcp.reader import NebulaStorageReader
+from nebula_ckpt.dcp.writer import NebulaStorageWriter
+
+__all__ = ["NebulaStorageReader", "NebulaStorageWriter"]

@@ -1,0 +1,1 @@
+"""The on-disk format: names, dtypes, the safetensors header, manifests and the typed tree."""

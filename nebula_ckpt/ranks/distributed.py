@@ -1,0 +1,254 @@
+"""Multi-rank coordination on ``torch.distributed``: :class:`DistCoordinator`.
+
+The checkpoint protocol runs on gloo groups of its own, created once per :class:`Checkpointer`
+(the same call on every rank): one *control* group (writer generation, restore agreement: called
+on the training thread, never while shards are being written) and one group per shared tier,
+driven by one thread per tier. Only metadata crosses them (``all_gather_object`` of small
+dicts: tensor index entries, shard records, verdicts); tensor data never does. With an NCCL
+default group the protocol still runs on gloo (CPU, no GPU stream involved).
+
+Why a thread per tier: a tier's rounds must run in the same order on every rank, but each rank's
+tier writer reaches a save at its own pace, may drop or skip saves, and tiers run at different
+speeds. The tier's thread runs the rounds strictly in (save index, phase) order; a writer posts
+its payload and waits for the result, and a save a rank does not write on the tier is abandoned
+(its rounds get ``None`` from this rank). So tiers never wait for each other and every rank runs
+the identical sequence of collectives on each group.
+
+A rank that dies makes the collectives of the others fail (gloo: connection closed) or time out
+(``knobs.commit_timeout_s``): that save is not committed anywhere, the error reaches the handles,
+and the later rounds on that group fail at once (the job has to restart, as it would anyway).
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import threading
+from typing import Any, Callable, Optional, Sequence
+
+import torch.distributed as dist
+
+from nebula_ckpt import knobs
+from nebula_ckpt.errors import PersistError
+from nebula_ckpt.ranks.coordinator import PHASE_DURABLE, PHASE_VERDICT, PHASES, SKIP, Coordinator
+
+log = logging.getLogger(__name__)
+
+
+def default_coordinator() -> Optional["DistCoordinator"]:
+    """A :class:`DistCoordinator` when a process group of more than one rank is initialised."""
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        return DistCoordinator()
+    return None
+
+
+class _TierChannel:
+    """Ordered rounds of one shared tier on its own gloo group, run by one thread."""
+
+    def __init__(self, name: str, group: Any, world: int, every: int) -> None:
+        self.name = name
+        self.group = group
+        self._world = world
+        self._every = max(1, every)
+        self._posts: dict[tuple[int, int], Any] = {}
+        self._abandoned: set[int] = set()
+        self._results: dict[tuple[int, int], list[Any]] = {}
+        self._next = (0, 0)
+        self._end: Optional[int] = None
+        self._broken: Optional[BaseException] = None
+        self._cond = threading.Condition()
+        self._thread = threading.Thread(target=self._run, name=f"nebula-rounds-{name}", daemon=True)
+        self._thread.start()
+
+    def has_rounds(self, index: int) -> bool:
+        """Saves the tier's ``every=N`` cadence skips on every rank have no rounds at all."""
+        return index % self._every == 0
+
+    def round(self, index: int, phase: int, payload: Any) -> list[Any]:
+        with self._cond:
+            if self._broken is not None:
+                raise PersistError(f"tier {self.name}: the ranks' checkpoint protocol failed earlier "
+                                   f"({self._broken}); restart the job") from self._broken
+            if (index, phase) < self._next:
+                raise PersistError(f"tier {self.name}: save {index} phase {phase} posted after its round ran")
+            self._posts[(index, phase)] = payload
+            self._cond.notify_all()
+            self._cond.wait_for(lambda: (index, phase) in self._results or self._broken is not None)
+            if (index, phase) in self._results:
+                return self._results.pop((index, phase))
+            raise PersistError(f"tier {self.name}: the ranks could not agree on save {index} (round {phase}): a "
+                               f"rank died, left or timed out ({self._broken}); nothing was committed there"
+                               ) from self._broken
+
+    def abandon(self, index: int) -> None:
+        with self._cond:
+            if index >= self._next[0]:  # an abandon after the save's rounds ran changes nothing
+                self._abandoned.add(index)
+                self._cond.notify_all()
+
+    def close(self, end: int, timeout: Optional[float]) -> None:
+        with self._cond:
+            self._end = end
+            self._cond.notify_all()
+        self._thread.join(timeout)
+
+    def _ready(self) -> bool:
+        index, phase = self._next
+        if self._end is not None and index >= self._end and phase == 0:
+            return True
+        return (index, phase) in self._posts or index in self._abandoned or not self.has_rounds(index)
+
+    def _advance(self) -> None:
+        index, phase = self._next
+        self._next = (index, phase + 1) if phase + 1 < PHASES else (index + 1, 0)
+        if self._next[1] == 0:
+            self._abandoned.discard(index)
+
+    def _collective(self, phase: int, out: list[Any], payload: Any) -> None:
+        """Digest and index rounds: every rank gets every payload; durable round: the coordinator
+        gets them; verdict round: every rank gets the coordinator's (``out[0]``)."""
+        if phase < PHASE_DURABLE:
+            dist.all_gather_object(out, payload, group=self.group)
+        elif phase == PHASE_DURABLE:
+            dst = dist.get_global_rank(self.group, 0)
+            dist.gather_object(payload, out if dist.get_rank(self.group) == 0 else None, dst=dst, group=self.group)
+        else:
+            assert phase == PHASE_VERDICT
+            box = [payload]
+            dist.broadcast_object_list(box, src=dist.get_global_rank(self.group, 0), group=self.group)
+            out[0] = box[0]
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                self._cond.wait_for(self._ready)
+                index, phase = self._next
+                ending = self._end is not None and index >= self._end
+                if not ending and not self.has_rounds(index):
+                    self._advance()
+                    continue
+                # The last round tells the others how many saves this rank made; it meets
+                # their last round, or the first round of a save this rank never made.
+                payload = {"end": self._end} if ending else self._posts.pop((index, phase), None)
+            out: list[Any] = [None] * self._world
+            if payload is SKIP:  # every rank skips this round by the same decision
+                with self._cond:
+                    self._results[(index, phase)] = []
+                    self._advance()
+                    self._cond.notify_all()
+                continue
+            try:
+                self._collective(0 if ending else phase, out, payload)
+                ended = [(r, e["end"]) for r, e in enumerate(out) if isinstance(e, dict) and "end" in e]
+                if ended and not ending:
+                    raise PersistError(f"rank(s) {[r for r, _ in ended][:8]} closed their Checkpointer after "
+                                       f"{ended[0][1]} save(s), while this rank makes save {index + 1}: every rank "
+                                       "must call save_async the same number of times, then close()")
+                if ended and len(ended) < self._world and ending:
+                    raise PersistError(f"this rank closed after {self._end} save(s) while rank(s) "
+                                       f"{[r for r, e in enumerate(out) if r not in dict(ended)][:8]} make more")
+            except BaseException as e:  # a dead rank, a timeout: every later round fails too
+                log.error("nebula_ckpt: tier %s: the ranks' round %d of save %d failed (a rank died, left or "
+                          "timed out): %s: %s", self.name, phase, index, type(e).__name__, e)
+                with self._cond:
+                    self._broken = e
+                    self._cond.notify_all()
+                return
+            with self._cond:
+                if ending:
+                    return
+                if payload is not None:
+                    self._results[(index, phase)] = out
+                self._advance()
+                self._cond.notify_all()
+
+
+class DistCoordinator(Coordinator):
+    """The ranks of a ``torch.distributed`` job (rank 0 commits).
+
+    Args:
+        group: the ranks taking part (default: the default group, i.e. every rank). Created on
+            every rank of it, in the same order (the constructor is a collective).
+        timeout_s: how long a round waits for the slowest rank (default ``commit_timeout_s``).
+    """
+
+    def __init__(self, group: Any = None, timeout_s: Optional[float] = None) -> None:
+        if not (dist.is_available() and dist.is_initialized()):
+            raise PersistError("DistCoordinator needs an initialised torch.distributed process group "
+                               "(torch.distributed.init_process_group)")
+        self._parent = group
+        ranks = None if group is None else dist.get_process_group_ranks(group)
+        self.rank = dist.get_rank(group)
+        self.world_size = dist.get_world_size(group)
+        self._timeout = datetime.timedelta(seconds=timeout_s or knobs.get("commit_timeout_s"))
+        self._control = dist.new_group(ranks=ranks, backend="gloo", timeout=self._timeout)
+        self.group = self._control
+        self._ranks = ranks
+        self._channels: dict[str, _TierChannel] = {}
+        self._closed = False
+
+    def __repr__(self) -> str:
+        return f"DistCoordinator(rank={self.rank}, world_size={self.world_size})"
+
+    def shared_generation(self, take: Callable[[], int]) -> int:
+        box: list[Any] = [None]
+        if self.is_coordinator:
+            try:
+                box[0] = take()
+            except BaseException as e:  # the others must learn it too, not hang
+                box[0] = f"{type(e).__name__}: {e}"
+        dist.broadcast_object_list(box, src=self._global(0), group=self._control)
+        if not isinstance(box[0], int):
+            raise PersistError(f"rank 0 could not take the writer generation: {box[0]}")
+        return box[0]
+
+    def _global(self, rank: int) -> int:
+        return rank if self._ranks is None else self._ranks[rank]
+
+    def open_tier(self, tier: str, every: int = 1) -> None:
+        if tier not in self._channels:
+            group = dist.new_group(ranks=self._ranks, backend="gloo", timeout=self._timeout)
+            self._channels[tier] = _TierChannel(tier, group, self.world_size, every)
+
+    def round(self, tier: str, index: int, phase: int, payload: Any) -> list[Any]:
+        return self._channels[tier].round(index, phase, payload)
+
+    def abandon(self, tier: str, index: int) -> None:
+        ch = self._channels.get(tier)
+        if ch is not None:
+            ch.abandon(index)
+
+    def exchange(self, value: Any) -> list[Any]:
+        return self._gather(value)
+
+    def _gather(self, value: Any) -> list[Any]:
+        out: list[Any] = [None] * self.world_size
+        dist.all_gather_object(out, value, group=self._control)
+        return out
+
+    def agree_step(self, candidates: Sequence[tuple[int, int]]) -> Optional[tuple[int, int]]:
+        sets = [{tuple(x) for x in c} for c in self._gather(sorted(set(candidates)))]
+        common = set.intersection(*sets) if sets else set()
+        return max(common, default=None)
+
+    def all_true(self, ok: bool) -> bool:
+        return all(self._gather(bool(ok)))
+
+    def close(self, saves: int = 0) -> None:
+        """Finish the rounds of the ``saves`` saves, then free the groups (after a barrier, so no
+        rank frees a group a peer still uses). Every rank calls it (``Checkpointer.close``)."""
+        if self._closed:
+            return
+        self._closed = True
+        for ch in self._channels.values():
+            ch.close(saves, self._timeout.total_seconds() * 2)
+        try:
+            dist.barrier(group=self._control)
+        except Exception as e:  # a rank died: its groups die with the job
+            log.warning("nebula_ckpt: rank %d: closing the checkpoint protocol without every rank: %s", self.rank, e)
+            return
+        for g in [ch.group for ch in self._channels.values()] + [self._control]:
+            try:
+                dist.destroy_process_group(g)
+            except Exception as e:  # best effort: the default group may already be gone
+                log.debug("nebula_ckpt: cannot free a protocol group: %s", e)

@@ -1,0 +1,192 @@
+"""Writer generations: how a stale writer is kept from touching a newer run's checkpoints.
+
+Every writer takes a generation number before its first write, by *creating* the object
+``_nebula/writers/g-<n>.json`` in the root with create-only semantics (``link`` on file systems,
+``If-None-Match: *`` on blob stores): two writers can never get the same number. Before its first
+write to any other tier, the writer records its generation there too. Shard files carry the
+generation in their name, so writers never overwrite each other's data. Before writing a shard,
+a manifest, the commit marker and before any deletion, a writer checks *that tier* for a higher
+generation; if one exists, it raises :class:`~nebula_ckpt.errors.FencedError` and stops. Checking
+each tier on its own storage keeps a fast tier working while a remote root is unreachable.
+
+A writer fenced on one tier is fenced on all of them: the first :class:`FencedError` stops it
+for good (every later check, on every tier, raises), and it gives back what it holds (the memory
+tier's lock), so it commits nothing more anywhere. A fast tier that the newer writer never wrote
+(a memory tier whose lock the stale writer held) would otherwise go on taking the stale writer's
+steps. What it committed before it learnt it was fenced carries its older generation, and
+restore never prefers an older generation's checkpoint to a newer one's
+(:func:`nebula_ckpt.restore.core.list_candidates`).
+
+The check and the commit are two operations, so a takeover in between can still race; then the
+stale writer's manifest may replace the new one's, which the commit marker's manifest checksum
+detects: that checkpoint is skipped on restore, never loaded torn.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import socket
+import threading
+import time
+import uuid
+from typing import Callable, Optional
+
+from nebula_ckpt.errors import FencedError, NebulaError
+from nebula_ckpt.ranks.coordinator import Coordinator, LocalCoordinator
+from nebula_ckpt.storage.base import Storage
+
+log = logging.getLogger(__name__)
+
+WRITERS_DIR = "_nebula/writers"
+RUN_FILE = "_nebula/run.json"
+_G_RE = re.compile(r"^g-(\d+)\.json$")
+_KEEP_RECORDS = 16
+
+
+def read_run_id(storage: Storage) -> Optional[str]:
+    """The run id recorded on a persistent root, or ``None`` (no run has opened it yet)."""
+    try:
+        d = json.loads(storage.read_small(RUN_FILE))
+    except FileNotFoundError:
+        return None
+    except ValueError:
+        return None
+    run = d.get("run_id") if isinstance(d, dict) else None
+    return run if isinstance(run, str) else None
+
+
+def run_id(storage: Storage) -> str:
+    """The run id of the persistent root ``storage``, recorded there (create-only) on first use.
+
+    It ties fast tiers (the memory tier) to this incarnation of the root: a root deleted and
+    started again gets a new id, so checkpoints of the earlier run left in memory never come back.
+    """
+    have = read_run_id(storage)
+    if have is not None:
+        return have
+    new = uuid.uuid4().hex
+    try:
+        storage.write_small(RUN_FILE, json.dumps({"run_id": new, "host": socket.gethostname(),
+                                                  "time": time.time()}).encode(), create_only=True)
+    except FileExistsError:  # another process created it first: theirs is the run's id
+        have = read_run_id(storage)
+        if have is None:
+            raise NebulaError(f"{storage.display_url}: {RUN_FILE} exists but is unreadable; "
+                              "remove it if no job is running on this root") from None
+        return have
+    return new
+
+
+def _generations(storage: Storage) -> list[int]:
+    out = []
+    for name in storage.list(WRITERS_DIR):
+        m = _G_RE.match(name)
+        if m:
+            out.append(int(m.group(1)))
+    return sorted(out)
+
+
+class Fence:
+    """The generation of one writer (one job: every rank shares it) on one root storage. Thread-safe.
+
+    Args:
+        storage: the persistent root.
+        coordinator: takes the generation once per job and shares it with every rank.
+    """
+
+    def __init__(self, storage: Storage, coordinator: Optional[Coordinator] = None) -> None:
+        self.storage = storage
+        self._coordinator = coordinator or LocalCoordinator()
+        self._generation: Optional[int] = None
+        self._lock = threading.Lock()
+        self._fenced: Optional[str] = None
+        self._on_fenced: list[Callable[[], None]] = []
+
+    @property
+    def fenced(self) -> Optional[str]:
+        """Why this writer is fenced (the first :class:`FencedError`'s message), or None."""
+        return self._fenced
+
+    def on_fenced(self, action: Callable[[], None]) -> None:
+        """Run ``action`` (once) when this writer is fenced: give back what it holds."""
+        self._on_fenced.append(action)
+
+    def stop(self, why: str) -> None:
+        """Record that this writer is fenced (``why``) and run the :meth:`on_fenced` actions once."""
+        with self._lock:
+            if self._fenced is not None:
+                return
+            self._fenced = why
+            actions, self._on_fenced = self._on_fenced, []
+        log.error("nebula_ckpt: %s", why)
+        for action in actions:
+            try:
+                action()
+            except Exception as e:  # giving back is best effort: the writer is stopped anyway
+                log.warning("nebula_ckpt: a fenced writer could not give back what it holds: %s", e)
+
+    @property
+    def generation(self) -> int:
+        """This writer's generation, taken on first use."""
+        with self._lock:
+            if self._generation is None:
+                self._generation = self._coordinator.shared_generation(self._acquire)
+            return self._generation
+
+    def _acquire(self) -> int:
+        info = json.dumps({"host": socket.gethostname(), "pid": os.getpid(), "time": time.time()}).encode()
+        for _ in range(100):
+            gens = _generations(self.storage)
+            g = (gens[-1] + 1) if gens else 1
+            try:
+                self.storage.write_small(f"{WRITERS_DIR}/g-{g}.json", info, create_only=True)
+            except FileExistsError:
+                continue  # another writer took g at the same moment: take the next one
+            for old in gens[:-_KEEP_RECORDS]:
+                self.storage.remove(f"{WRITERS_DIR}/g-{old}.json")
+            log.info("nebula_ckpt: writer generation %d on %s", g, self.storage.display_url)
+            return g
+        raise FencedError(f"{self.storage.display_url}: could not take a writer generation after 100 tries")
+
+    def for_tier(self, storage: Storage) -> "TierFence":
+        """The fence of one tier (checks that tier's own storage)."""
+        return TierFence(self, storage)
+
+
+class TierFence:
+    """A writer's generation as seen on one tier's storage."""
+
+    def __init__(self, fence: Fence, storage: Storage) -> None:
+        self._fence = fence
+        self.storage = storage
+        self._recorded = storage is fence.storage
+
+    @property
+    def generation(self) -> int:
+        """The writer's generation (taken from the root on first use)."""
+        return self._fence.generation
+
+    def check(self, what: str) -> None:
+        """Raise :class:`FencedError` if a newer writer wrote to this tier, or this writer was
+        fenced on any tier before (``what``: the action)."""
+        fenced = self._fence.fenced
+        if fenced is not None:
+            raise FencedError(f"{self.storage.display_url}: this writer does not {what}: it was fenced ({fenced})")
+        g = self.generation
+        if not self._recorded:
+            try:
+                self.storage.write_small(f"{WRITERS_DIR}/g-{g}.json", b"{}", create_only=True)
+            except FileExistsError:
+                pass
+            self._recorded = True
+        gens = _generations(self.storage)
+        if gens and gens[-1] > g:
+            why = (f"{self.storage.display_url}: a newer writer (generation {gens[-1]}) took over this "
+                   f"checkpoint root, so this writer (generation {g}) does not {what}, nor write anything "
+                   "more on any tier. This happens when a stale process keeps running after its job was "
+                   "restarted; stop it.")
+            self._fence.stop(why)
+            raise FencedError(why)

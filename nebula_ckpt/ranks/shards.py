@@ -1,0 +1,173 @@
+"""Multi-rank checkpoints: who writes which tensor, each rank's shard image, the manifests.
+
+Pure functions over metadata (no I/O, no collectives), used by the tier writers:
+
+* :func:`summary` / :func:`digest` / :func:`assign` — deduplication of replicated state, as DCP's save planner
+  does it: a tensor every rank holds under the same key with the same dtype, shape and
+  checksum (DDP parameters and optimizer state, replicated buffers, a DTensor placed
+  ``Replicate`` everywhere) is written once, by one rank; the owners are chosen so the bytes
+  each rank writes are balanced (largest first, to the rank with the fewest bytes so far). The
+  checksums were taken while copying, so a tensor that *differs* between ranks (per-rank RNG
+  state, say) is never mistaken for a replica: each rank then writes its own.
+* :func:`subset_image` — the safetensors image of a rank's share: a new header and the byte
+  ranges of the staged snapshot (no copy).
+* :func:`rank_manifest` / :func:`global_manifest` — the manifest of a rank's own tier (memory)
+  and the coordinator's manifest on a shared tier (format version 2, see
+  :mod:`nebula_ckpt.format.manifest`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from typing import Any, Optional
+
+from nebula_ckpt import knobs
+from nebula_ckpt.format import manifest as mf
+from nebula_ckpt.save.plan import safetensors_header
+
+Entry = tuple[int, int, str, tuple[int, ...]]
+
+
+def summary(tensor_index: dict[str, dict[str, Any]]) -> tuple[dict[str, Entry], int]:
+    """What the ranks compare before writing: the replicable tensors (plain ones and DTensors
+    placed ``Replicate`` everywhere) as key -> (bytes, crc32c, dtype, shape), and the bytes of
+    the others (sharded: this rank's own, never a replica)."""
+    out: dict[str, Entry] = {}
+    sharded = 0
+    for k, rec in tensor_index.items():
+        start, end = rec["offsets"]
+        dt = rec.get("dtensor")
+        if dt is None or all(p == "R" for p in dt["placements"]):
+            out[k] = (end - start, rec["crc32c"], rec["dtype"], tuple(rec["shape"]))
+        else:
+            sharded += end - start
+    return out, sharded
+
+
+def digest(value: Any) -> str:
+    """A short, order-independent hash of a summary or tree (equal on ranks that hold the same)."""
+    text = json.dumps(sorted(value.items()) if isinstance(value, dict) and "t" not in value else value,
+                      separators=(",", ":"))
+    return hashlib.sha256(text.encode()).hexdigest()[:32]
+
+
+def assign(summaries: list[dict[str, Entry]], base: Optional[list[int]] = None) -> dict[str, int]:
+    """Owner rank of every replicated key (every rank computes the same answer from the same input).
+
+    A key is replicated when every rank has it with equal bytes, checksum, dtype and shape. Keys
+    not in the result are written by every rank that has them. ``base``: bytes each rank writes
+    anyway (its sharded state), so owners balance the total. Replicas under the knob
+    ``small_replica_bytes`` (optimizer step counts, scalars) all belong to rank 0: a rank that
+    restores a sharded (FSDP) state then reads its own shard and rank 0's, not a piece of every
+    rank's (a whole download each, on a blob store).
+    """
+    small = int(knobs.get("small_replica_bytes"))
+    if len(summaries) < 2:
+        return {}
+    first = summaries[0]
+    replicated = [k for k, v in first.items() if all(s.get(k) == v for s in summaries[1:])]
+    rep = set(replicated)
+    load = [(base[i] if base else 0) + sum(v[0] for k, v in s.items() if k not in rep)
+            for i, s in enumerate(summaries)]
+    owners: dict[str, int] = {}
+    for k in sorted(replicated, key=lambda k: (-first[k][0], k)):
+        r = 0 if first[k][0] < small else min(range(len(load)), key=lambda i: (load[i], i))
+        owners[k] = r
+        load[r] += first[k][0]
+    return owners
+
+
+def subset_image(tensor_index: dict[str, dict[str, Any]], keep: list[str],
+                 view: memoryview) -> tuple[list[memoryview], dict[str, dict[str, Any]], int]:
+    """The safetensors image of the tensors ``keep`` of a staged snapshot ``view``.
+
+    Returns ``(parts, index, nbytes)``: the image as parts to write back to back (the new header,
+    then ranges of ``view``: no bytes are copied), the tensor index of the image (offsets in it,
+    checksums unchanged) and its size. Tensors keep their order in the snapshot, so each stays
+    naturally aligned.
+    """
+    keys = sorted(keep, key=lambda k: tensor_index[k]["offsets"][0])
+    items = [(k, mf.TENSOR_DTYPES[tensor_index[k]["dtype"]], tuple(tensor_index[k]["shape"]),
+              tensor_index[k]["offsets"][1] - tensor_index[k]["offsets"][0]) for k in keys]
+    head, spans = safetensors_header(items)
+    parts: list[memoryview] = [memoryview(head)]
+    index: dict[str, dict[str, Any]] = {}
+    for k, (p, e) in zip(keys, spans, strict=True):
+        rec = tensor_index[k]
+        start, end = rec["offsets"]
+        if end > start:
+            parts.append(view[start:end])
+        index[k] = dict(rec, offsets=[len(head) + p, len(head) + e])
+    return parts, index, len(head) + (spans[-1][1] if spans else 0)
+
+
+def _ranks_field(world: int, ranks: list[int], rank_tree: dict[int, int]) -> dict[str, Any]:
+    return {"world_size": world, "ranks": ranks, "rank_tree": {str(r): i for r, i in rank_tree.items()}}
+
+
+def rank_manifest(*, step: int, generation: int, rank: int, world: int, shard: dict[str, Any],
+                  tensors: dict[str, dict[str, Any]], aliases: dict[str, str], tree: Any,
+                  stats: dict[str, Any]) -> dict[str, Any]:
+    """The manifest of one rank's own checkpoint (its memory tier): only its state, keys prefixed."""
+    p = f"r{rank}/"
+    return mf.build_manifest(step=step, generation=generation, shards=[shard],
+                             tensors={p + k: v for k, v in tensors.items()},
+                             aliases={p + a: p + b for a, b in aliases.items()},
+                             tree={"t": "list", "v": [tree]}, stats=stats,
+                             ranks=_ranks_field(world, [rank], {rank: 0}))
+
+
+def global_manifest(*, step: int, generation: int, parts: list[dict[str, Any]],
+                    owners: dict[str, int]) -> dict[str, Any]:
+    """The coordinator's manifest of a shared tier from every rank's ``parts[r]``.
+
+    ``parts[r]``: ``{"shard", "tensors" (the rank's image index), "aliases" (tied keys), "tree",
+    "stats"}``; ``owners``: the owner of each replicated key (:func:`assign`).
+    """
+    shards, tensors, aliases = [], {}, {}
+    trees: list[Any] = []
+    seen_trees: dict[str, int] = {}
+    rank_tree: dict[int, int] = {}
+    tensor_bytes = 0
+    for r, part in enumerate(parts):
+        shards.append(part["shard"])
+        p = f"r{r}/"
+        for k, rec in part["tensors"].items():
+            tensors[p + k] = dict(rec, shard=r) if r else rec
+        for k, q in owners.items():
+            if q != r:
+                aliases[p + k] = f"r{q}/{k}"
+        for a, b in part["aliases"].items():
+            aliases[p + a] = aliases.get(p + b, p + b)
+        tree = part["tree"] if part.get("tree") is not None else parts[0]["tree"]  # None: same as rank 0's
+        text = json.dumps(tree, separators=(",", ":"))
+        rank_tree[r] = seen_trees.setdefault(text, len(trees))
+        if rank_tree[r] == len(trees):
+            trees.append(tree)
+        tensor_bytes += int(part["stats"].get("tensor_bytes", 0))
+    stats: dict[str, Any] = {"tensor_bytes": tensor_bytes, "ranks_bytes": [s["bytes"] for s in shards],
+                             "copy_seconds": max(float(p["stats"].get("copy_seconds", 0.0)) for p in parts)}
+    return mf.build_manifest(step=step, generation=generation, shards=shards, tensors=tensors, aliases=aliases,
+                             tree={"t": "list", "v": trees}, stats=stats,
+                             ranks=_ranks_field(len(parts), list(range(len(parts))), rank_tree))
+
+
+def peer_problem(entries: list[Any], step: int, tier: str) -> Optional[tuple[bool, str]]:
+    """Why a save cannot commit on ``tier`` from the ranks' phase payloads, or None.
+
+    Returns ``(skipped, why)``: ``skipped`` when a rank only did not write it (its cadence, a
+    newer save, no staging buffer) rather than failed.
+    """
+    missing = [r for r, e in enumerate(entries) if e is None]
+    if missing:
+        return True, (f"rank(s) {missing[:8]} did not write step {step} on tier {tier} (skipped or dropped "
+                      "there); it is not committed on that tier")
+    failed = [(r, e["error"]) for r, e in enumerate(entries) if "error" in e]
+    if failed:
+        return False, f"step {step} failed on rank(s) {[r for r, _ in failed][:8]} (tier {tier}): {failed[0][1]}"
+    steps = {e["step"] for e in entries if "step" in e}
+    if len(steps) > 1:
+        return False, (f"the ranks saved different steps as one save ({sorted(steps)[:8]}): every rank must "
+                       "call save_async with the same step in the same order")
+    return None

@@ -1,0 +1,271 @@
+"""Restore from the memory tier without a copy: the restarted process adopts the tier's pages.
+
+After a crash, the memory tier (a tmpfs) still holds the newest checkpoint, byte for byte what
+the restarted process needs. Copying it into fresh memory costs a page fault per page and
+doubles the RAM the state takes. Instead, the tensors a restore *creates* (the optimizer state,
+new tensors; not the model's parameters, which exist and are copied into) become views of a
+shared mapping of the tier's shard file.
+
+That is safe only if nothing else can ever read those bytes as a checkpoint, or write them:
+
+* the checkpoint must be committed on a persistent tier too, same step and same writer
+  generation (giving up the memory tier's copy loses nothing);
+* this process must hold the memory tier's lock while it deletes the step (no other live
+  process writes it; the lock is given back right after, so a process that only restores never
+  keeps a restarted job from writing the tier) and must not have saved through this
+  Checkpointer yet (none of its own slot files is involved);
+* single process, CPU tensors only;
+* the hand-over is a claim that one process alone can win: every process that reads a memory-tier
+  file holds a reader lock on it for as long as it maps it (see
+  :func:`nebula_ckpt.storage.local.hold_read`), and the claim, under the tier's lock, takes the
+  file over only when no other process holds one (:func:`~nebula_ckpt.storage.local.hold_alone`),
+  the step is still committed and its names still link the very files this process verified.
+  Then the checkpoint is deleted from the memory tier (commit marker first) and no name may link
+  the file any more. Once claimed, no other process can start reading the file, and none was
+  reading it: the pages this process writes (an optimizer step) or gives back to the tmpfs are
+  nobody else's. The claim comes at the end of staging, once everything is verified, before
+  anything in ``into`` changes. A process that does not win it (another one holds or reads the
+  file, the step is gone or was replaced, the tier's lock is held, another name links the file)
+  copies the adopted tensors instead and checks the copies' checksums, still while staging: a
+  mismatch skips the candidate as damaged, like any other.
+
+The file stays alive, unnamed, as long as any adopted tensor does; its pages no adopted tensor
+covers (the model's bytes, the header) are given back to the tmpfs once the restore is applied.
+The checksums of the adopted bytes are checked (in parallel, a chunk at a time) before anything
+in ``into`` changes, as for copies. Knob ``adopt_memory_tier`` turns it off.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import logging
+import math
+import mmap
+import os
+import threading
+from typing import TYPE_CHECKING, Any, Optional
+
+import torch
+
+from nebula_ckpt.format import manifest as mf
+from nebula_ckpt.native import get_ops
+from nebula_ckpt.storage.local import hold_alone, hold_read, let_go
+
+if TYPE_CHECKING:
+    from nebula_ckpt.restore.core import OpenCheckpoint
+    from nebula_ckpt.storage.base import Storage
+    from nebula_ckpt.tiers.runtime import MemoryTierRuntime
+
+log = logging.getLogger(__name__)
+
+_FALLOC_FL_KEEP_SIZE = 0x01
+_FALLOC_FL_PUNCH_HOLE = 0x02
+
+
+class Adoption:
+    """The pages of one memory-tier checkpoint, handed to this process (see the module docstring).
+
+    Args:
+        runtime: the memory tier's runtime (its lock and storage).
+        ck: the checkpoint opened from that tier.
+    """
+
+    def __init__(self, runtime: "MemoryTierRuntime", ck: "OpenCheckpoint") -> None:
+        self._runtime = runtime
+        self._ck = ck
+        self._files: dict[int, tuple[int, mmap.mmap]] = {}  # shard -> (fd, shared mapping)
+        self._used: dict[int, list[tuple[int, int]]] = {}   # shard -> byte ranges of adopted tensors
+        self.given_up = False
+        #: a shard could not be mapped for writing: nothing is handed over, adopted views get copied
+        self.refused = False
+        #: the tensors that are views of the shared mappings (by id), with their records
+        self.adopted: dict[int, mf.TensorRecord] = {}
+
+    @property
+    def handed_bytes(self) -> int:
+        """Bytes of tensors handed over without a copy (0 until the tier gave the step up)."""
+        return sum(hi - lo for used in self._used.values() for lo, hi in used) if self.given_up else 0
+
+    def map(self, shard: int) -> mmap.mmap:
+        """A shared, writable mapping of shard ``shard`` (opened once)."""
+        if shard not in self._files:
+            sh = self._ck.manifest.shards[shard]
+            path = self._runtime.storage.local_path(f"{mf.step_dir(self._ck.step)}/{sh.file}")
+            if path is None:
+                raise OSError(errno.EXDEV, "the memory tier is not a local file system")
+            fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
+            try:
+                if not hold_read(fd):
+                    raise OSError(errno.EBUSY, f"{path} was taken over by another process")
+                size = os.fstat(fd).st_size
+                if size != sh.bytes:
+                    raise OSError(errno.EINVAL, f"{path} has {size} bytes, the manifest says {sh.bytes}")
+                mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+            except BaseException:
+                os.close(fd)
+                raise
+            self._files[shard] = (fd, mm)
+        return self._files[shard][1]
+
+    def tensors(self, recs: list[mf.TensorRecord]) -> list[torch.Tensor]:
+        """Views of ``recs`` over the shared mappings, after checking their checksums.
+
+        Raises:
+            CorruptCheckpointError: naming the tensor whose bytes differ (nothing handed out).
+        """
+        from nebula_ckpt.restore.core import _chunks
+
+        # No populate call first: the checksum pass maps the pages (tmpfs read faults map them
+        # 16 at a time, and writable: the first optimizer step takes no fault); populating them
+        # for writing cost more than the whole pass (0.18 s for 0.8 GB here).
+        ops = get_ops()
+        for si in sorted({r.shard for r in recs}):
+            mm = self.map(si)
+            whole = torch.frombuffer(mm, dtype=torch.uint8)
+            for group in _chunks([r for r in recs if r.shard == si]):
+                crcs = ops.crc32c(whole, [r.start for r in group], [r.nbytes for r in group])
+                self._ck.verified_by_copy(group, crcs)
+        out = []
+        for r in recs:
+            numel = math.prod(r.shape)
+            if numel == 0:
+                out.append(torch.empty(r.shape, dtype=r.torch_dtype))
+                continue
+            out.append(torch.frombuffer(self.map(r.shard), dtype=r.torch_dtype, count=numel,
+                                        offset=r.start).reshape(r.shape))
+            self.adopted[id(out[-1])] = r
+            self._used.setdefault(r.shard, []).append((r.start, r.end))
+        return out
+
+    def give_up(self) -> bool:
+        """Claim the file(s): take them over and delete the checkpoint from the memory tier, so
+        that they are this process's alone; False when the claim is not won (see the module
+        docstring: the adopted tensors must then be copied)."""
+        from nebula_ckpt.save.persist import delete_checkpoint
+
+        if self.refused or not self._used:
+            return False  # nothing adopted (or not all of it could be): the tier keeps the step
+        # This process has not saved (a condition of adoption): it holds the lock only for this.
+        if not self._runtime.lock_for_adoption():
+            return False
+        held: list[int] = []
+        try:
+            why = self._not_ours()
+            if why is None:
+                for fd, _ in self._files.values():
+                    if not hold_alone(fd):
+                        why = "another process has it open"
+                        break
+                    held.append(fd)
+            if why is None:
+                delete_checkpoint(self._runtime.storage, self._ck.step)
+                if any(os.fstat(fd).st_nlink for fd, _ in self._files.values()):
+                    why = "a shard is still linked elsewhere"
+        except OSError as e:
+            why = str(e)
+        finally:
+            self._runtime.unlock_after_adoption()
+        if why is not None:
+            for fd in held:
+                let_go(fd)
+            log.info("nebula_ckpt: memory tier %s: step %d not handed over (%s); copying it instead",
+                     self._runtime.name, self._ck.step, why)
+            return False
+        self.given_up = True
+        log.info("nebula_ckpt: step %d handed over from memory tier %s without a copy (the tier holds the "
+                 "next save; the step stays on the slower tiers)", self._ck.step, self._runtime.name)
+        return True
+
+    def _not_ours(self) -> "str | None":
+        """Why the tier's step is no longer the one this process verified (None: it is): its commit
+        marker is gone, or a shard's name links another file (deleted, replaced, re-saved)."""
+        storage = self._runtime.storage
+        d = mf.step_dir(self._ck.step)
+        if not storage.exists(f"{d}/{mf.COMMIT}"):
+            return "the step is gone from the tier (another process took it, or retention deleted it)"
+        shards = self._ck.manifest.shards
+        for si, (fd, _) in self._files.items():
+            path = storage.local_path(f"{d}/{shards[si].file}")
+            try:
+                st = os.stat(path, follow_symlinks=False) if path else None
+            except FileNotFoundError:
+                st = None
+            have = os.fstat(fd)
+            if st is None or (st.st_dev, st.st_ino) != (have.st_dev, have.st_ino):
+                return f"shard {shards[si].file} is no longer the file this process verified"
+        return None
+
+    def finish(self) -> None:
+        """After the restore was applied (or given up): close the files (the mappings live on in
+        the tensors) and, once handed over, give the tmpfs back the pages no adopted tensor covers,
+        on a background thread (it only frees memory)."""
+        shards = self._ck.manifest.shards
+        files = [(fd, shards[si].bytes, self._used.get(si, [])) for si, (fd, _) in self._files.items()]
+        self._files.clear()
+        if not self.given_up:
+            for fd, _, _ in files:
+                os.close(fd)
+            return
+
+        def free() -> None:
+            for fd, size, used in files:
+                try:
+                    _punch_outside(fd, size, used)
+                finally:
+                    os.close(fd)
+        threading.Thread(target=free, name="nebula-adopt-free", daemon=True).start()
+
+
+def _punch_outside(fd: int, size: int, used: list[tuple[int, int]]) -> None:
+    """Free the whole pages of the file ``fd`` that no range of ``used`` touches."""
+    page = mmap.PAGESIZE
+    holes, at = [], 0
+    for lo, hi in sorted(used):
+        start = -(-at // page) * page
+        end = lo // page * page
+        if end > start:
+            holes.append((start, end - start))
+        at = max(at, hi)
+    start = -(-at // page) * page
+    if size > start:
+        holes.append((start, size - start))
+    libc = ctypes.CDLL(None, use_errno=True)
+    for off, n in holes:
+        if libc.fallocate(fd, _FALLOC_FL_PUNCH_HOLE | _FALLOC_FL_KEEP_SIZE, ctypes.c_long(off), ctypes.c_long(n)) != 0:
+            log.debug("nebula_ckpt: punching a hole failed: %s", os.strerror(ctypes.get_errno()))
+            return
+
+
+def adoption_for(runtimes: list[Any], ck: "OpenCheckpoint", saved: bool, world_size: int) -> Optional[Adoption]:
+    """The adoption of ``ck`` if every condition of the module docstring holds, else None."""
+    from nebula_ckpt import knobs
+    from nebula_ckpt.tiers.runtime import MemoryTierRuntime
+
+    if not knobs.get("adopt_memory_tier") or saved or world_size > 1 or ck.manifest.multi_rank:
+        return None
+    mem = next((rt for rt in runtimes if isinstance(rt, MemoryTierRuntime) and rt.name == ck.tier_name), None)
+    if mem is None or not _durable_elsewhere(runtimes, ck):
+        return None
+    return Adoption(mem, ck)
+
+
+def _durable_elsewhere(runtimes: list[Any], ck: "OpenCheckpoint") -> bool:
+    """Whether a persistent tier holds the same checkpoint committed (same step and writer
+    generation), with a manifest that parses and every shard file at its recorded size (the
+    bytes are not re-read: that would cost the full read adoption saves)."""
+    from nebula_ckpt.restore.core import read_manifest
+
+    for rt in runtimes:
+        if not rt.persistent:
+            continue
+        st: Storage = rt.storage
+        try:
+            man = read_manifest(st, ck.step, f"tier {rt.name} step {ck.step}")
+            if man.generation != ck.manifest.generation:
+                continue
+            if all(st.size(f"{mf.step_dir(ck.step)}/{sh.file}") == sh.stored_bytes for sh in man.shards):
+                return True
+        except Exception:  # absent, unreadable, damaged: not this tier
+            continue
+    return False

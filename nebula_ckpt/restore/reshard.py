@@ -1,0 +1,294 @@
+"""Restore a multi-rank checkpoint into another layout: other world size or mesh, or one process.
+
+:func:`load_resharded` walks ``into`` the way the saver walks a state (dicts, lists and tuples
+keyed by their path joined with ``/``; tensors and DTensors as leaves; objects with
+``state_dict()`` replaced by their state dict and given it back with ``load_state_dict`` once
+filled), hands the tensor leaves to ``torch.distributed.checkpoint.load`` through
+:class:`~nebula_ckpt.dcp.reader.NebulaStorageReader` (DCP's planner computes which stored pieces each
+rank's tensors overlap, so DTensor local shards are filled in place), then sets the non-tensor
+leaves (ints, learning rates, param_groups, ...) from the saved tree of the lowest rank.
+
+Nothing in ``into`` changes before every key has been matched: a mismatch raises
+:class:`~nebula_ckpt.errors.ValidationError` naming the key first.
+
+:func:`gather_full` gathers every logical tensor as one full CPU tensor (the CLI's ``export``).
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+from typing import Any, Callable, Mapping, Optional
+
+import torch
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+from nebula_ckpt.dcp.reader import NebulaStorageReader
+from nebula_ckpt.errors import CorruptCheckpointError, NebulaError, ValidationError
+from nebula_ckpt.format import manifest as mf
+from nebula_ckpt.format.tree import decode
+from nebula_ckpt.restore.core import KeyMismatch, describe, describe_node, holds_state, tensor_keys
+from nebula_ckpt.storage.base import Storage
+
+log = logging.getLogger(__name__)
+
+Thunk = Callable[[], Any]
+
+_OPTIM_HINT = ("if it is optimizer state, `into`'s optimizer has none yet: create it first (e.g. one "
+               "optimizer.step() with zero gradients), or restore DCP-style state dicts from "
+               "torch.distributed.checkpoint.state_dict.get_state_dict(model, optimizer)")
+
+
+def _dcp_load(flat: dict[str, Any], reader: NebulaStorageReader, process_group: Any, no_dist: bool) -> None:
+    """``dcp.load`` of ``flat``; a failure on any rank is raised as the library error it was."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            dcp.load(flat, storage_reader=reader, process_group=process_group, no_dist=no_dist)
+    except CheckpointException as e:  # a BaseException: raised by DCP when some rank failed
+        failures = sorted(e.failures.items())
+        for rank, (exc, _) in failures:
+            if isinstance(exc, NebulaError):
+                raise type(exc)(f"rank {rank}: {exc}") from e
+        rank, (exc, _) = failures[0] if failures else (-1, (e, None))
+        raise NebulaError(f"resharded restore of {reader.where} failed on rank {rank}: "
+                          f"{type(exc).__name__}: {exc}") from e
+
+
+class _Matcher:
+    """Matches a saved tree against ``into`` without changing anything: collects the tensors to
+    fill (``flat``) and the deferred assignments / ``load_state_dict`` calls (``actions``)."""
+
+    def __init__(self, reader: NebulaStorageReader, strict: bool, allow_pickle: bool) -> None:
+        self.md = reader.metadata.state_dict_metadata
+        self.where = reader.where
+        self.strict = strict
+        self.allow_pickle = allow_pickle
+        self.flat: dict[str, Any] = {}
+        self.actions: list[Thunk] = []
+        #: keys only one side has (raised together with ``strict``, see :class:`KeyMismatch`)
+        self.unmatched = KeyMismatch()
+        #: > 0 while walking the state dict of an object in ``into`` (filled, then given back to it)
+        self._in_object = 0
+
+    def _decoded(self, node: Mapping[str, Any], path: str) -> Thunk:
+        def make() -> Any:
+            return decode(node, self._no_tensor, self.allow_pickle, path)
+        return make
+
+    @staticmethod
+    def _no_tensor(key: str) -> Any:
+        raise AssertionError(f"tensor {key} in a subtree without tensors")  # guarded by tensor_keys
+
+    def _missing(self, node: Mapping[str, Any], path: str, why: str) -> Optional[Thunk]:
+        """``node`` (saved) has nowhere to go in ``into``: a plain value replaces; tensors are an
+        error (strict) or left out (logged)."""
+        keys = tensor_keys(node, [])
+        if not keys:
+            return self._decoded(node, path)
+        if len(_ndarray_keys(node, [])) == len(keys):  # NumPy values only (an RNG state): values
+            return self._values(node, path)
+        if self.strict:
+            raise ValidationError(f"reshard ({self.where}): checkpoint key '{keys[0]}' has no tensor to be "
+                                  f"restored into: {why}. Build `into` like the saved state ({_OPTIM_HINT}), "
+                                  "or pass strict=False to skip it")
+        log.warning("nebula_ckpt: reshard (%s): not restoring %d tensor(s) under '%s' (%s)", self.where, len(keys),
+                    path or "<root>", why)
+        return None
+
+    def walk(self, node: Mapping[str, Any], target: Any, path: str) -> Optional[Thunk]:
+        """Match ``node`` with ``target``; return a thunk making the value that replaces
+        ``target`` in its parent, or None when ``target`` stays (filled in place)."""
+        t = node["t"]
+        inner = node["state"] if t == "stateful" else node
+        if not isinstance(target, (torch.Tensor, dict, list, tuple)) and callable(getattr(target, "state_dict", None)) \
+                and callable(getattr(target, "load_state_dict", None)) and inner["t"] in ("dict", "odict"):
+            sd = target.state_dict()
+            self._in_object += 1
+            try:
+                repl = self.walk(inner, sd, path)
+            finally:
+                self._in_object -= 1
+            self.actions.append(lambda: target.load_state_dict(sd if repl is None else repl()))
+            return None
+        t = inner["t"]
+        if t == "tensor":
+            return self._tensor(inner["k"], target, path)
+        if t in ("dict", "odict") and isinstance(target, dict):
+            return self._dict(inner, target, path)
+        if t in ("list", "tuple") and isinstance(target, (list, tuple)) and len(target) == len(inner["v"]):
+            return self._sequence(inner, target, path)
+        if self.strict and holds_state(target):
+            # the saved value would replace `target`, and the tensors or objects in it keep their old state
+            raise ValidationError(f"reshard ({self.where}): checkpoint key '{path or '<root>'}' holds "
+                                  f"{describe_node(inner)}, `into` holds {describe(target)} there, which it cannot "
+                                  "be restored into; build `into` like the saved state, or pass strict=False to "
+                                  "replace it by the saved value")
+        if t == "ndarray":  # a NumPy leaf: its tensor is read into a buffer, then replaces `target`
+            return self._values(inner, path)
+        if t in ("dict", "odict", "list", "tuple"):
+            if target is None or not tensor_keys(inner, []):
+                return self._missing(inner, path, f"`into` holds {type(target).__name__} at '{path or '<root>'}'")
+            raise ValidationError(f"reshard ({self.where}): '{path or '<root>'}' is a {t} of {len(inner['v'])} "
+                                  f"item(s) holding tensors in the checkpoint, `into` holds {_describe(target)}; "
+                                  "build `into` like the saved state")
+        return self._decoded(inner, path)  # a plain value: the saved one replaces what `into` holds
+
+    def _tensor(self, key: str, target: Any, path: str) -> Optional[Thunk]:
+        if not isinstance(target, torch.Tensor):
+            return self._missing({"t": "tensor", "k": key}, path,
+                                 f"`into` holds {type(target).__name__} at '{path or '<root>'}'")
+        md = self.md.get(key)
+        if not isinstance(md, TensorStorageMetadata):
+            raise CorruptCheckpointError(f"{self.where}: the saved tree names tensor '{key}', which no rank stored")
+        if tuple(target.shape) != tuple(md.size) or target.dtype != md.properties.dtype:
+            raise ValidationError(
+                f"reshard ({self.where}): key '{key}': checkpoint has {md.properties.dtype} of global shape "
+                f"{tuple(md.size)}, `into` holds {target.dtype} {tuple(target.shape)}; build `into` with the "
+                "saved model and dtypes (the layout may differ, the global shapes may not)")
+        self.flat[key] = target
+        return None
+
+    def _buffer(self, key: str) -> torch.Tensor:
+        """A tensor the load fills with stored tensor ``key`` whole (the one already planned, if any)."""
+        md = self.md.get(key)
+        if not isinstance(md, TensorStorageMetadata):
+            raise CorruptCheckpointError(f"{self.where}: the saved tree names tensor '{key}', which no rank stored")
+        buf = self.flat.get(key)
+        if not isinstance(buf, torch.Tensor):
+            buf = self.flat[key] = torch.empty(tuple(md.size), dtype=md.properties.dtype)
+        return buf
+
+    def _values(self, node: Mapping[str, Any], path: str) -> Thunk:
+        """``node`` decoded as a value (its tensors read whole into buffers) that replaces ``into``'s."""
+        bufs = {k: self._buffer(k) for k in tensor_keys(node, [])}
+        return lambda: decode(node, bufs.__getitem__, self.allow_pickle, path)
+
+    def _dict(self, node: Mapping[str, Any], target: dict[Any, Any], path: str) -> Optional[Thunk]:
+        saved = []
+        for k_node, v_node in node["v"]:
+            k = decode(k_node, self._no_tensor, False, path)
+            saved.append(k)
+            sub = f"{path}/{k}" if path else str(k)
+            if k in target:
+                repl = self.walk(v_node, target[k], sub)
+            elif self.strict and not self._in_object:
+                # a dict of `into` lacks it (an object's own state dict is filled and given back to it)
+                self.unmatched.saved_only.append(sub)
+                continue
+            else:
+                repl = self._missing(v_node, sub, f"`into` has no entry '{sub}'")
+            if repl is not None:
+                self.actions.append(_setter(target, k, repl))
+        keys = set(saved)
+        self.unmatched.into_only.extend(f"{path}/{k}" if path else str(k) for k in target if k not in keys)
+        return None
+
+    def _sequence(self, node: Mapping[str, Any], target: Any, path: str) -> Optional[Thunk]:
+        repls = [self.walk(v, target[i], f"{path}/{i}") for i, v in enumerate(node["v"])]
+        if isinstance(target, list):
+            for i, repl in enumerate(repls):
+                if repl is not None:
+                    self.actions.append(_setter(target, i, repl))
+            return None
+        if all(r is None for r in repls):
+            return None
+        return lambda: tuple(target[i] if r is None else r() for i, r in enumerate(repls))
+
+
+def _ndarray_keys(node: Any, out: list[str]) -> list[str]:
+    """The tensor keys under ``node`` that NumPy ``ndarray`` nodes reference."""
+    stack = [node]
+    while stack:
+        n = stack.pop()
+        if isinstance(n, dict):
+            if n.get("t") == "ndarray" and isinstance(n.get("v"), dict):
+                out.append(n["v"].get("k"))
+            else:
+                stack.extend(v for v in n.values() if isinstance(v, (dict, list)))
+        elif isinstance(n, list):
+            stack.extend(n)
+    return out
+
+
+def _setter(container: Any, key: Any, make: Thunk) -> Thunk:
+    def act() -> None:
+        container[key] = make()
+    return act
+
+
+def _describe(x: Any) -> str:
+    if isinstance(x, (list, tuple)):
+        return f"a {type(x).__name__} of {len(x)} item(s)"
+    return f"a {type(x).__name__}"
+
+
+def _dist_ready() -> bool:
+    import torch.distributed as dist
+
+    return dist.is_available() and dist.is_initialized()
+
+
+def load_resharded(storage: Storage, step: int, manifest: mf.Manifest, into: Any, *, process_group: Any = None,
+                   strict: bool = True, allow_pickle: bool = False) -> None:
+    """Restore checkpoint ``step`` (saved by any number of ranks) into ``into``, in place.
+
+    Every rank of the current job calls it with the same structure of ``into`` (DCP's load is a
+    collective over ``process_group``); in one process (no process group initialised) it runs alone.
+
+    Args:
+        storage: where the checkpoint lies (a tier holding every rank: the shared root).
+        step: its step.
+        manifest: its validated manifest (``Manifest.parse``).
+        into: the state to fill: the same tree as saved (model, optimizer, values, ...), in any
+            layout: DTensors of another mesh, plain full tensors, ...
+        process_group: the group of the ranks restoring (None: the default group, if any).
+        strict: a saved key a dict of ``into`` lacks, a key of ``into`` the checkpoint lacks, a
+            saved tensor without a tensor to go into, or a tensor / object of ``into`` where the
+            checkpoint holds something else raises :class:`ValidationError` naming the keys,
+            before anything changes (else: a saved value is put in place, tensors without a place
+            are logged and skipped, keys only ``into`` has are left as they are).
+        allow_pickle: decode values stored with pickle (trusted checkpoints only).
+
+    Raises:
+        ValidationError: ``into`` does not match the saved state (named key, and how to fix it).
+        CorruptCheckpointError: the checkpoint is damaged (named key and file).
+    """
+    reader = NebulaStorageReader(storage, step, manifest=manifest, allow_pickle=allow_pickle)
+    ranks = sorted(manifest.ranks) if manifest.multi_rank else [0]
+    tree = manifest.rank_tree_of(ranks[0])
+    matcher = _Matcher(reader, strict, allow_pickle)
+    repl = matcher.walk(tree, into, "")
+    if strict:
+        matcher.unmatched.check(f"reshard ({reader.where}): the checkpoint")
+    if repl is not None:
+        raise ValidationError(f"reshard ({reader.where}): `into` ({_describe(into)}) cannot be filled in place; "
+                              "pass a dict, list, model or optimizer")
+    log.info("nebula_ckpt: resharding %s: %d tensor(s) of %d saved rank(s)", reader.where, len(matcher.flat),
+             manifest.world_size)
+    _dcp_load(matcher.flat, reader, process_group, no_dist=process_group is None and not _dist_ready())
+    for act in matcher.actions:
+        act()
+
+
+def gather_full(storage: Storage, step: int, manifest: mf.Manifest, *, verify: bool = True) -> dict[str, torch.Tensor]:
+    """Every logical tensor of checkpoint ``step`` as one full, unsharded CPU tensor.
+
+    Keys are the saved keys without the ``r<R>/`` prefix (``"model/0.weight"``); DTensors are
+    assembled from every rank's shard; a plain tensor is the lowest rank's. Runs in this process
+    alone (no collectives, even inside a distributed job).
+
+    Raises:
+        CorruptCheckpointError: the checkpoint is damaged (named key and file).
+    """
+    reader = NebulaStorageReader(storage, step, manifest=manifest, verify=verify)
+    out = {}
+    for k in reader.keys:
+        md = reader.metadata.state_dict_metadata[k]
+        assert isinstance(md, TensorStorageMetadata)  # reader.keys are its tensors
+        out[k] = torch.empty(md.size, dtype=md.properties.dtype)
+    _dcp_load(out, reader, None, no_dist=True)
+    return out

@@ -1,0 +1,1 @@
+"""The save path: plan -> buffers -> snapshot -> fan-out -> persist (tier writers, commit)."""

@@ -1,0 +1,466 @@
+"""Staging buffers: a bounded pool of pre-faulted host buffers, reused across saves.
+
+A save takes one buffer (a *slot*) big enough for its whole shard image and gives it back once
+every tier that took the snapshot has written it. Buffers are allocated on first need, rounded up
+to 2 MiB, and reused while they are large enough: later saves of the same state allocate nothing.
+When no slot is free, a save waits (``on_full="wait"``, the default) or is skipped
+(``on_full="skip"``); memory never grows past ``max_host_bytes``.
+
+With a memory tier, CPU saves stage into *slot files*: files in the memory tier's ``.slots/``
+folder (tmpfs), mapped shared and pre-faulted. The memory tier then "writes" a snapshot by
+hard-linking the slot file as its shard, so the bytes are copied once (tensors -> slot) instead of
+twice, and the disk / remote tiers read the same mapping. A slot file some committed memory-tier
+checkpoint still links to is *live*: it is that tier's storage, not staging, and is never reused
+until retention unlinks the checkpoint, nor while another process still reads it (a restore of
+that checkpoint holds a reader lock on the file: see :mod:`nebula_ckpt.storage.local`).
+
+Creating a slot file costs a page fault per 4 KiB page of tmpfs (about 0.4-1 GB/s here): seconds
+for a state of several GB. States of at least ``slot_ahead_bytes`` therefore never create one on
+the training thread: a save that finds no slot file ready stages in an anonymous buffer, which
+the memory tier copies, while the next slot file is made by a background thread; once two slot
+files of its size exist, that anonymous buffer is freed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import mmap
+import os
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
+
+import torch
+
+from nebula_ckpt import knobs
+from nebula_ckpt.errors import ValidationError
+from nebula_ckpt.native import get_ops
+from nebula_ckpt.storage.local import read_elsewhere
+from nebula_ckpt.tiers.memory.shm import own_spare_slot_files, slot_file_name
+
+log = logging.getLogger(__name__)
+
+_ROUND = 2 << 20
+#: longest a slot made ahead waits for the copy of the save that asked for it
+_AHEAD_WAIT_S = 60.0
+
+
+@dataclass(eq=False)
+class Slot:
+    """One staging buffer."""
+
+    buffer: torch.Tensor       # 1-D uint8, capacity bytes
+    pinned: bool
+    in_use: bool = field(default=False)
+    #: slot file (exactly ``capacity`` bytes) the memory tier may link as its shard; None: anonymous
+    path: Optional[str] = None
+    _mm: Any = field(default=None, repr=False)
+
+    @property
+    def capacity(self) -> int:
+        """Bytes available."""
+        return int(self.buffer.numel())
+
+    def live(self) -> bool:
+        """Whether a committed memory-tier checkpoint still links to this slot file, or another
+        process still reads it (a restore of a checkpoint that linked it: see
+        :func:`~nebula_ckpt.storage.local.read_elsewhere`); either way it is not staged in."""
+        if self.path is None:
+            return False
+        try:
+            return os.stat(self.path).st_nlink > 1 or read_elsewhere(self.path)
+        except FileNotFoundError:
+            return False
+
+    def fits(self, nbytes: int) -> bool:
+        """Whether a shard image of ``nbytes`` can be staged here (slot files: exactly that size)."""
+        return self.capacity == nbytes if self.path is not None else self.capacity >= nbytes
+
+    def free(self) -> None:
+        """Drop the buffer (a slot file's name goes too; a checkpoint linking it keeps its bytes)."""
+        if self.path is not None:
+            try:
+                os.unlink(self.path)
+            except FileNotFoundError:
+                pass
+        self.buffer = torch.empty(0, dtype=torch.uint8)
+        self._mm = None
+
+
+def create_slot_file(slot_dir: str, nbytes: int) -> Slot:
+    """A new slot file of exactly ``nbytes`` in ``slot_dir``, allocated and mapped pre-faulted.
+
+    Raises:
+        OSError: no room on the tmpfs (``ENOSPC``) or no such folder.
+    """
+    os.makedirs(slot_dir, mode=0o700, exist_ok=True)
+    path = os.path.join(slot_dir, slot_file_name())
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        os.posix_fallocate(fd, 0, nbytes)  # pages exist now: ENOSPC here, never SIGBUS later
+        return _map_slot(fd, path, nbytes)
+    except BaseException:
+        os.unlink(path)
+        raise
+    finally:
+        os.close(fd)
+
+
+def adopt_slot_file(path: str, nbytes: int) -> Slot:
+    """Map the existing slot file ``path`` (a spare of exactly ``nbytes``, its pages allocated).
+
+    Raises:
+        OSError: it is gone, is a link, or is not ``nbytes`` long.
+    """
+    fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW)
+    try:
+        if os.fstat(fd).st_size != nbytes:
+            raise OSError(f"slot file {path} is not {nbytes} bytes")
+        os.posix_fallocate(fd, 0, nbytes)  # a no-op for a whole file: no hole can SIGBUS later
+        return _map_slot(fd, path, nbytes)
+    finally:
+        os.close(fd)
+
+
+def _map_slot(fd: int, path: str, nbytes: int) -> Slot:
+    flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+    mm = mmap.mmap(fd, nbytes, flags=flags, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+    return Slot(torch.frombuffer(mm, dtype=torch.uint8), False, path=path, _mm=mm)
+
+
+def _shm_room(slot_dir: str, nbytes: int) -> bool:
+    """Whether a slot file of ``nbytes`` leaves the tmpfs at least ``shm_min_free_fraction`` free."""
+    try:
+        st = os.statvfs(os.path.dirname(slot_dir))
+    except OSError:
+        return False
+    total, free = st.f_blocks * st.f_frsize, st.f_bavail * st.f_frsize
+    return free - nbytes >= knobs.get("shm_min_free_fraction") * total
+
+
+class StagingPool:
+    """A bounded set of reusable host buffers.
+
+    Args:
+        max_bytes: cap on the sum of all staging buffers (``None``: only ``max_slots`` bounds it).
+            Live slot files (memory-tier checkpoints) are that tier's storage and not counted.
+        max_slots: most staging buffers at once (1 = no overlap between consecutive saves' persists).
+        on_full: ``"wait"`` or ``"skip"`` when every slot is busy.
+        slot_dir: folder for slot files (the memory tier's ``.slots``); ``None``: anonymous only.
+    """
+
+    def __init__(self, max_bytes: Optional[int], max_slots: int, on_full: str,
+                 slot_dir: Optional[str] = None) -> None:
+        if on_full not in ("wait", "skip"):
+            raise ValidationError(f"on_full must be 'wait' or 'skip', got {on_full!r}")
+        self.max_bytes = max_bytes
+        self.max_slots = max_slots
+        self.on_full = on_full
+        self.slot_dir = slot_dir
+        self._slots: list[Slot] = []
+        self._cond = threading.Condition()
+        self.allocations = 0
+        self._closed = False
+        self._warned_shm = False
+        #: background thread making a slot file ahead of need (see :meth:`_prepare_ahead`)
+        self._preparer: Optional[threading.Thread] = None
+        self._preparing_bytes = 0
+        self._ahead_failed: Optional[int] = None  # size whose slot file could not be made
+        #: size of the slot files prepare() is making (two: the steady state's), else None
+        self._preparing_two: Optional[int] = None
+        #: set while no save's copy is running: a slot made ahead waits for it, so that it does
+        #: not take the cores and memory bandwidth of the snapshot that asked for it
+        self._copies_idle = threading.Event()
+        self._copies_idle.set()
+
+    @property
+    def allocated_bytes(self) -> int:
+        """Staging bytes held by the pool now (slot files that hold a memory-tier checkpoint excluded)."""
+        with self._cond:
+            return sum(s.capacity for s in self._slots if not s.live())
+
+    @property
+    def memory_tier_bytes(self) -> int:
+        """Bytes of slot files that hold a committed memory-tier checkpoint (that tier's storage)."""
+        with self._cond:
+            return sum(s.capacity for s in self._slots if s.live())
+
+    def check_fits(self, nbytes: int) -> None:
+        """Raise a clear error if one save of ``nbytes`` can never fit."""
+        if self.max_bytes is not None and nbytes > self.max_bytes:
+            raise ValidationError(
+                f"this state needs {nbytes / 2**20:.1f} MiB of host staging memory but "
+                f"max_host_bytes is {self.max_bytes / 2**20:.1f} MiB; raise max_host_bytes")
+
+    def acquire(self, nbytes: int, pinned: bool,
+                reclaim: Optional[Callable[[], bool]] = None) -> Optional[Slot]:
+        """A free slot of at least ``nbytes``; ``None`` when skipped by policy.
+
+        ``reclaim()`` is called (without the pool's lock) when every slot is busy: it drops
+        snapshots that slow tiers hold but have not started writing, which may free a slot.
+        """
+        self.check_fits(nbytes)
+        reclaimed = False
+        while True:
+            with self._cond:
+                slot = self._take(nbytes, pinned)
+                if slot is not None:
+                    return slot
+                self._copies_idle.set()  # no copy follows
+                if reclaimed or reclaim is None:
+                    if self.on_full == "skip":
+                        return None
+                    self._cond.wait(0.25)
+                    reclaimed = False
+                    continue
+            reclaimed = True
+            reclaim()
+
+    def _trim(self) -> list[Slot]:
+        """Free idle anonymous buffers slot files replaced (:meth:`_retire_anonymous`) and idle
+        staging slots beyond ``max_slots`` (a slot file stops being live when the memory tier's
+        retention drops its checkpoint, which can leave one staging slot too many); return the
+        staging slots left."""
+        self._retire_anonymous()
+        staging = [s for s in self._slots if not s.live()]
+        extra = len(staging) - self.max_slots
+        for s in sorted((s for s in staging if not s.in_use), key=lambda s: s.path is not None):
+            if extra <= 0:
+                break
+            self._slots.remove(s)
+            staging.remove(s)
+            s.free()
+            extra -= 1
+        return staging
+
+    def copy_done(self) -> None:
+        """A save's copy into its slot finished (any thread): a slot may be made ahead now."""
+        self._copies_idle.set()
+
+    def _take(self, nbytes: int, pinned: bool) -> Optional[Slot]:
+        if self._closed:
+            raise RuntimeError("the checkpointer is closed")
+        self._copies_idle.clear()  # the caller copies into what it takes (copy_done() after)
+        staging = self._trim()
+        use_file = self.slot_dir is not None and not pinned
+        ahead = use_file and nbytes >= knobs.get("slot_ahead_bytes")
+        free = [s for s in staging if not s.in_use and s.pinned == pinned]
+        fit = [s for s in free if s.fits(nbytes)]
+        if fit:  # slot files first: the memory tier can link them instead of copying
+            slot = min(fit, key=lambda s: (s.path is None, s.capacity))
+            slot.in_use = True
+            if ahead:
+                self._prepare_ahead(nbytes, took_file=slot.path is not None)
+            return slot
+        size = max(nbytes, 1) if use_file and not ahead else -(-max(nbytes, 1) // _ROUND) * _ROUND
+        total = sum(s.capacity for s in staging) + self._preparing_bytes
+
+        def room() -> bool:
+            return len(staging) + (self._preparer is not None) < self.max_slots and \
+                (self.max_bytes is None or total + size <= self.max_bytes)
+
+        # Drop free buffers that do not fit (or are of the other kind) to make room.
+        for s in [s for s in staging if not s.in_use]:
+            if room():
+                break
+            self._slots.remove(s)
+            staging.remove(s)
+            total -= s.capacity
+            s.free()
+        if not room():
+            return None
+        made = (self._adopt_spare(nbytes) if ahead else self._new_slot(size)) if use_file else None
+        if made is None:
+            rounded = -(-max(nbytes, 1) // _ROUND) * _ROUND
+            if self.max_bytes is None or total + rounded <= self.max_bytes:
+                size = rounded  # else the exact size room() was checked with
+            # Filled by this save's copy at once: its threads take the page faults (a pinned
+            # buffer is registered, so its pages are faulted anyway).
+            made = Slot(get_ops().alloc(size, pinned, prefault=pinned), pinned)
+        slot = made
+        slot.in_use = True
+        self.allocations += 1
+        self._slots.append(slot)
+        log.debug("nebula_ckpt: staging %s of %.1f MiB allocated (%d slots)",
+                  "slot file" if slot.path else "buffer", slot.capacity / 2**20, len(self._slots))
+        if ahead:
+            self._prepare_ahead(nbytes, took_file=slot.path is not None)
+        return slot
+
+    def prepare(self, nbytes: int, pinned: bool) -> None:
+        """Make the staging for saves of ``nbytes`` in the background, unless it is there.
+
+        Where saves stage in slot files, the two of the steady state (the memory tier links the
+        first save's file as its checkpoint, so the second save needs the other one), made one
+        after the other; else one anonymous (pinned, for GPU states) buffer. The first saves then
+        find their buffers faulted in, as later saves do, and nothing is made while they run.
+        """
+        self.check_fits(nbytes)
+        with self._cond:
+            as_file = self.slot_dir is not None and not pinned
+            self._preparing_two = nbytes if as_file else None
+            if self._closed or (not as_file and any(not s.in_use and s.pinned == pinned and s.fits(nbytes)
+                                                    for s in self._slots if not s.live())):
+                return
+            self._prepare_ahead(nbytes, took_file=False, pinned=pinned)
+
+    def wait_prepared(self, timeout: Optional[float] = None) -> None:
+        """Wait until no staging buffer is being made in the background (``timeout``: in all)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            with self._cond:
+                preparer = self._preparer
+            if preparer is None:
+                return
+            preparer.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
+            if deadline is not None and time.monotonic() >= deadline:
+                return
+
+    def _prepare_ahead(self, nbytes: int, took_file: bool, pinned: bool = False) -> None:
+        """Start making a staging buffer of ``nbytes`` in the background if the next save will want one.
+
+        Called with the lock held, after a save of a large state took a slot (or by
+        :meth:`prepare`). A save that had to take an anonymous buffer wants a slot file next
+        time; one that took the only slot file of its size will see it linked by the memory
+        tier, so the save after it wants a second one (two slot files per size is the steady
+        state: the memory tier's checkpoint and the next save's staging). Nothing is started when
+        a free slot file is ready, one is being made, making one failed before, or it would not
+        fit in ``max_slots`` / ``max_bytes`` (idle anonymous buffers count as free: the new one
+        replaces one of them).
+        """
+        as_file = self.slot_dir is not None and not pinned
+        size = nbytes if as_file else -(-max(nbytes, 1) // _ROUND) * _ROUND
+        if self._preparer is not None or self._ahead_failed == size or self._closed:
+            return
+        files = [s for s in self._slots if s.path is not None and s.capacity == nbytes]
+        # prepare(): both files of the steady state, free; otherwise one free file is enough
+        want = 2 if self._preparing_two == nbytes else 1
+        if as_file and sum(1 for s in files if not s.in_use and not s.live()) >= want:
+            return
+        if took_file and len(files) >= 2:
+            return
+        staging = [s for s in self._slots if not s.live()]
+        kept = [s for s in staging if s.in_use or s.path is not None]
+        if len(kept) + 1 > self.max_slots:
+            return
+        if self.max_bytes is not None and sum(s.capacity for s in kept) + size > self.max_bytes:
+            return
+        self._preparing_bytes = size
+        self._preparer = threading.Thread(target=self._make_ahead, args=(size, as_file, pinned),
+                                          name="nebula-slot-ahead", daemon=True)
+        self._preparer.start()
+
+    def _make_ahead(self, size: int, as_file: bool, pinned: bool) -> None:
+        """Body of the background thread of :meth:`_prepare_ahead`."""
+        slot: Optional[Slot] = None
+        self._copies_idle.wait(_AHEAD_WAIT_S)
+        try:
+            if as_file:
+                slot = self._new_slot(size)
+            else:
+                slot = Slot(get_ops().alloc(size, pinned), pinned)
+        except Exception as e:  # out of memory, no pinned memory: the save allocates as before
+            log.warning("nebula_ckpt: staging buffer of %.1f MiB not made ahead: %s", size / 2**20, e)
+        finally:
+            with self._cond:
+                self._preparer = None
+                self._preparing_bytes = 0
+                if slot is None:
+                    self._ahead_failed = size
+                elif self._closed:
+                    slot.free()
+                else:
+                    self._slots.append(slot)
+                    self.allocations += 1
+                    self._trim()  # an idle anonymous buffer it replaces goes now
+                    log.debug("nebula_ckpt: staging %s of %.1f MiB made ahead of need",
+                              "slot file" if slot.path else "buffer", size / 2**20)
+                    if self._preparing_two == size and slot.path is not None:
+                        self._prepare_ahead(size, took_file=False)  # prepare(): the steady state's second
+                if self._preparer is None:
+                    self._preparing_two = None
+                self._cond.notify_all()
+
+    def _retire_anonymous(self) -> None:
+        """Free each idle unpinned anonymous buffer that two slot files of a size it would serve
+        have replaced (the steady state: the memory tier's checkpoint and the next save's
+        staging; saves stage in slot files first). Kept, such a buffer (the first save's, made
+        while no slot file was ready) would hold a state's worth of memory for the rest of the
+        job. Lock held."""
+        sizes = [s.capacity for s in self._slots if s.path is not None]
+        for s in [s for s in self._slots if s.path is None and not s.in_use and not s.pinned]:
+            if any(sizes.count(n) >= 2 and s.fits(n) for n in set(sizes)):
+                log.debug("nebula_ckpt: anonymous staging buffer of %.1f MiB freed (slot files replace it)",
+                          s.capacity / 2**20)
+                self._slots.remove(s)
+                s.free()
+
+    def _adopt_spare(self, size: int) -> Optional[Slot]:
+        """A spare slot file of exactly ``size`` that a finished process left (its tmpfs pages
+        exist already: mapping it costs no page allocation), or None."""
+        if self.slot_dir is None:
+            return None
+        mine = {sl.path for sl in self._slots if sl.path is not None}
+        for path, have in own_spare_slot_files(self.slot_dir, mine):
+            if have == size:
+                try:
+                    return adopt_slot_file(path, size)
+                except OSError as e:
+                    log.debug("nebula_ckpt: spare slot file %s not adopted: %s", path, e)
+        return None
+
+    def _new_slot(self, size: int) -> Optional[Slot]:
+        """A slot file, or None (logged once) when the tmpfs has no room for one."""
+        assert self.slot_dir is not None
+        spare = self._adopt_spare(size)
+        if spare is not None:
+            return spare
+        why = None
+        if not _shm_room(self.slot_dir, size):
+            why = f"less than {knobs.get('shm_min_free_fraction'):.0%} of it would stay free"
+        else:
+            try:
+                return create_slot_file(self.slot_dir, size)
+            except OSError as e:
+                why = str(e)
+        if not self._warned_shm:
+            log.warning("nebula_ckpt: no slot file of %.1f MiB in %s (%s): staging in process memory, "
+                        "the memory tier copies from it", size / 2**20, self.slot_dir, why)
+            self._warned_shm = True
+        return None
+
+    def release(self, slot: Slot) -> None:
+        """Give ``slot`` back."""
+        self._copies_idle.set()  # its copy is over (or never ran: a save that failed to start)
+        with self._cond:
+            slot.in_use = False
+            if self._closed and slot in self._slots:
+                self._slots.remove(slot)
+                slot.free()
+            elif not self._closed:
+                self._trim()
+            self._cond.notify_all()
+
+    def close(self) -> None:
+        """Free every idle buffer (slot file names too; linked checkpoints keep their bytes).
+
+        A slot file being made ahead of need is waited for, then freed.
+        """
+        with self._cond:
+            self._closed = True
+            preparer = self._preparer
+        self._copies_idle.set()  # a preparer waiting for a copy goes on (and frees what it made)
+        if preparer is not None:
+            preparer.join()
+        with self._cond:
+            for s in self._slots:
+                if not s.in_use:
+                    s.free()
+            self._slots = [s for s in self._slots if s.in_use]
+            if self.slot_dir is not None:  # spares taken over from finished processes, never used
+                for path, _ in own_spare_slot_files(self.slot_dir, {s.path for s in self._slots if s.path}):
+                    with contextlib.suppress(FileNotFoundError):
+                        os.unlink(path)
+            self._cond.notify_all()

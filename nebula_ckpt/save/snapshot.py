@@ -1,0 +1,253 @@
+"""Snapshot: copy the planned tensors into a staging buffer and settle the verdict.
+
+The training thread enqueues the copy (one native call for all tensors); with
+``snapshot="sync"`` it also waits for it. The copy threads checksum each block of the staged
+bytes while copying and flag a source that changed under them. The stager thread waits for the
+copy, records the tensor index (dtypes, offsets, checksums) and hands the snapshot to the tiers
+through :func:`nebula_ckpt.save.fanout.fan_out`. The training thread confirms the verdict (version
+counters) before any tier commits.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from typing import Any, Callable, Optional
+
+from nebula_ckpt.errors import ConsistencyError
+from nebula_ckpt.format import manifest as mf
+from nebula_ckpt.handle import SaveHandle
+from nebula_ckpt.native import CopyJob, get_ops, monotonic
+from nebula_ckpt.save.buffers import Slot, StagingPool
+from nebula_ckpt.save.plan import Plan
+
+log = logging.getLogger(__name__)
+
+
+class Snapshot:
+    """One save in flight: its plan, its staging slot and the copy job.
+
+    The slot is reference-counted: the stager holds it until it has offered the snapshot to the
+    tiers, each tier that takes it holds it until written; the last release returns it to the pool.
+    """
+
+    def __init__(self, plan: Plan, slot: Slot, job: CopyJob, handle: SaveHandle, pool: StagingPool,
+                 targets: list[Any], t_start: float) -> None:
+        self.plan = plan
+        self.slot = slot
+        self.job = job
+        self.handle = handle
+        self.targets = targets
+        self.t_start = t_start
+        #: the save's number in the job (every rank numbers its saves alike)
+        self.index = 0
+        self.checksums: list[int] = []  # per layout entry; empty until the copy computed them
+        self.tensor_index: dict[str, dict[str, Any]] = {}
+        self.copy_seconds = 0.0
+        self._pool = pool
+        self._refs = 1
+        self._lock = threading.Lock()
+        self._copy_lock = threading.Lock()
+        self._copied = False
+        self._confirmed = threading.Event()
+
+    @property
+    def step(self) -> int:
+        """Step of this snapshot."""
+        return self.plan.step
+
+    @property
+    def nbytes(self) -> int:
+        """Size of the shard image."""
+        return self.plan.layout.total_bytes
+
+    def view(self) -> memoryview:
+        """The shard image (a zero-copy memoryview of the staging buffer)."""
+        return self.slot.buffer.numpy().data[: self.nbytes]
+
+    def finish_copy(self) -> None:
+        """Wait for the copy (idempotent, any thread) and settle the snapshot verdict."""
+        with self._copy_lock:
+            if self._copied:
+                return
+            err: Optional[BaseException] = None
+            try:
+                self.job.wait()
+                self.checksums = self.job.checksums()
+                changed = self.job.modified()
+                if changed:
+                    err = self._consistency_error(changed)
+            except BaseException as e:
+                err = e
+            self._pool.copy_done()
+            self.copy_seconds = monotonic() - self.t_start
+            self._copied = True
+            self.job = None  # type: ignore[assignment]  # drop the source tensor references
+            self.handle._set_snapshot(err)
+
+    def confirm(self) -> None:
+        """Settle the consistency verdict: no saved tensor changed since ``save_async``.
+
+        In-place kernels bump a tensor's version counter only when they finish, so a check on the
+        copy threads can miss a write still in flight. Called on the training thread (hooks,
+        ``save_async``, ``wait``, handle methods), every kernel it launched before has finished,
+        which makes the check exact. Tier writers wait for this verdict before committing and run
+        it themselves after ``confirm_timeout_s`` (best effort) if the training thread is silent.
+        """
+        self.finish_copy()
+        with self._copy_lock:
+            if self._confirmed.is_set():
+                return
+            if self.handle._snapshot_failure() is None:
+                changed = [i for i, (t, v) in enumerate(zip(self.plan.sources, self.plan.versions, strict=False))
+                           if t._version != v]
+                if changed:
+                    self.handle._fail_snapshot(self._consistency_error(changed))
+            self.plan.sources = []  # release the training tensors
+            self._confirmed.set()
+
+    def wait_confirmed(self, timeout: float) -> None:
+        """Wait for :meth:`confirm` from the training thread; do it here after ``timeout`` s."""
+        if not self._confirmed.wait(timeout):
+            self.confirm()
+
+    @property
+    def confirmed(self) -> bool:
+        """Whether the consistency verdict is settled."""
+        return self._confirmed.is_set()
+
+    def _consistency_error(self, changed: list[int]) -> ConsistencyError:
+        keys = [self.plan.layout.entries[i].key for i in changed[:5]]
+        more = f" and {len(changed) - 5} more" if len(changed) > 5 else ""
+        return ConsistencyError(
+            f"step {self.step}: tensor(s) {keys}{more} changed in place while the snapshot was being "
+            "copied, so this checkpoint would not be the state at save_async(); it was not written. "
+            "Call handle.wait_snapshot() before changing tensors in place outside optimizer.step() "
+            "(which waits by itself).")
+
+    def acquire(self, n: int = 1) -> None:
+        """Take ``n`` more references to the staging slot."""
+        with self._lock:
+            self._refs += n
+
+    def release(self) -> None:
+        """Drop one reference; the last one returns the slot to the pool."""
+        with self._lock:
+            self._refs -= 1
+            last = self._refs == 0
+        if last:
+            self._pool.release(self.slot)
+
+
+class SlotSource:
+    """A tier's view of a snapshot: the staging buffer itself (holds one slot reference)."""
+
+    def __init__(self, snap: Snapshot) -> None:
+        self._snap: Optional[Snapshot] = snap
+
+    def view(self) -> memoryview:
+        """The shard image."""
+        assert self._snap is not None
+        return self._snap.view()
+
+    @property
+    def path(self) -> Optional[str]:
+        """The slot file holding exactly the shard image (memory tier links it), or None."""
+        return self._snap.slot.path if self._snap is not None else None
+
+    def release(self) -> None:
+        """Drop the slot reference (idempotent)."""
+        if self._snap is not None:
+            self._snap.release()
+            self._snap = None
+
+
+class FileSource:
+    """A tier's view of a snapshot: the shard file a faster tier (memory) already wrote.
+
+    Mapped at hand-off, so the faster tier's retention may unlink the file meanwhile: the mapping
+    keeps the bytes alive until released. This is what lets the staging buffer go back to the
+    pool as soon as the memory tier has its copy, while disk and remote tiers drain on their own.
+    """
+
+    def __init__(self, path: str, nbytes: int) -> None:
+        import mmap
+
+        with open(path, "rb") as f:
+            self._mm: Optional[mmap.mmap] = mmap.mmap(f.fileno(), nbytes, flags=mmap.MAP_PRIVATE,
+                                                      prot=mmap.PROT_READ | mmap.PROT_WRITE) if nbytes else None
+        self._nbytes = nbytes
+
+    def view(self) -> memoryview:
+        """The shard image."""
+        return memoryview(self._mm) if self._mm is not None else memoryview(bytearray())
+
+    def release(self) -> None:
+        """Unmap (when no view is left; otherwise when the last view goes)."""
+        self._mm = None
+
+
+class Stager:
+    """The thread between the training thread and the tier writers."""
+
+    def __init__(self, name: str, deliver: Callable[[Snapshot, list[Any]], None]) -> None:
+        self._deliver = deliver  # fanout.fan_out: routes the staged snapshot to its tiers
+        self._q: "queue.Queue[Optional[Snapshot]]" = queue.Queue()
+        self._thread = threading.Thread(target=self._run, name=f"nebula-stager-{name}", daemon=True)
+        self._thread.start()
+
+    def submit(self, snap: Snapshot) -> None:
+        """Hand over a snapshot whose copy is enqueued."""
+        self._q.put(snap)
+
+    def close(self) -> None:
+        """Finish the queued snapshots and stop."""
+        self._q.put(None)
+        self._thread.join()
+
+    def _run(self) -> None:
+        while True:
+            snap = self._q.get()
+            if snap is None:
+                return
+            try:
+                self._stage(snap)
+            except BaseException as e:  # never let the thread die; report on the handle
+                log.exception("nebula_ckpt: staging step %d failed", snap.step)
+                if not snap.handle._snapshot_settled():
+                    snap.handle._set_snapshot(e)
+                else:
+                    for t in snap.targets:
+                        snap.handle._tier_done(t.name, e)
+                snap.release()
+
+    def _stage(self, snap: Snapshot) -> None:
+        log.debug("nebula_ckpt: phase=snapshot step=%d", snap.step)
+        snap.finish_copy()
+        if snap.handle._snapshot_failure() is not None:
+            snap.release()
+            return
+        entries = snap.plan.layout.entries
+        sums = snap.checksums  # taken by the copy threads while copying (native CPU path)
+        if len(sums) != len(entries):
+            sums = get_ops().crc32c(snap.slot.buffer, [e.offset for e in entries], [e.nbytes for e in entries])
+        devices = snap.plan.devices
+        snap.tensor_index = {
+            e.key: {"dtype": e.dtype, "shape": list(e.shape), "offsets": [e.offset, e.offset + e.nbytes],
+                    "crc32c": c, "device": devices.get(e.key, "cpu")}
+            for e, c in zip(entries, sums, strict=False)}
+        for k, info in snap.plan.dtensors.items():
+            if k in snap.tensor_index:  # a tied key is an alias of the stored one
+                snap.tensor_index[k]["dtensor"] = info.to_json()
+        log.debug("nebula_ckpt: step %d staged (%d tensors, %.1f MiB, copy %.1f ms)", snap.step,
+                  len(entries), snap.nbytes / 2**20, snap.copy_seconds * 1e3)
+        self._deliver(snap, snap.targets)  # takes over the stager's reference
+
+
+def build_tier_manifest(snap: Snapshot, generation: int, shard: dict[str, Any]) -> dict[str, Any]:
+    """The manifest of ``snap`` as written on one tier."""
+    return mf.build_manifest(step=snap.step, generation=generation, shards=[shard],
+                             tensors=snap.tensor_index, aliases=snap.plan.aliases, tree=snap.plan.tree,
+                             stats={"tensor_bytes": snap.plan.tensor_bytes,
+                                    "copy_seconds": snap.copy_seconds}, tag=snap.plan.tag)

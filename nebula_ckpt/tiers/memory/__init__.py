@@ -1,0 +1,1 @@
+"""The memory tier: its home in /dev/shm, slot files, garbage collection."""

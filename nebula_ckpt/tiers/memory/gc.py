@@ -1,0 +1,275 @@
+"""Garbage collection of memory tiers: RAM in ``/dev/shm`` whose checkpoints are safe on their root.
+
+A memory tier outlives its process on purpose (a restart resumes from it), so a job that
+crashed and is never restarted leaves its checkpoints in RAM. The policy (``nebula-ckpt gc``):
+
+==============================================  ==============================================
+memory tier                                     decision
+==============================================  ==============================================
+in use (a live process holds its lock)          kept
+not safely ours (owner, mode, symlink)          kept, never touched (reported)
+no committed step                               removed: nothing to lose
+newest step also committed on the root          removed: durable there
+root that cannot be checked (see below)         kept, even with ``--force``
+newest step only in memory: the root lacks it,  kept, unless ``--force`` (which says which
+the root is gone, the root now belongs to       steps are lost)
+another run, or no ``ROOT`` file names a root
+==============================================  ==============================================
+
+The root is asked, never presumed. A root is *gone* only when that is known: a local root does
+not exist and its nearest existing parent folder lists no such name; a remote root's store
+answers "not found" and holds nothing there. Any other answer (a permission or I/O error, a
+path that passes a file or a link loop, an existing root without its run record, as an
+unmounted mount point shows, a failing or missing fsspec backend, no answer within
+``NEBULA_GC_ROOT_TIMEOUT_S``) leaves the root *unknown*, and the tier is kept. Remote roots are
+reached with the credentials of the environment (no storage options).
+
+Nothing is removed on the strength of an earlier look: :func:`remove` takes the tier's lock,
+looks at the tier again, decides again and removes only if that decision says so, so a job that
+restarted and saved meanwhile keeps its steps.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import threading
+from dataclasses import dataclass, replace
+from typing import Optional
+
+from nebula_ckpt import knobs
+from nebula_ckpt.format import manifest as mf
+from nebula_ckpt.ranks.fencing import RUN_FILE
+from nebula_ckpt.storage.base import Storage
+from nebula_ckpt.storage.local import LocalStorage
+from nebula_ckpt.tiers.memory.shm import Found, look, scan, try_lock
+
+log = logging.getLogger(__name__)
+
+#: what the root says about a memory tier's newest step
+DURABLE, ONLY_HERE, UNKNOWN = "durable", "only-here", "unknown"
+
+
+@dataclass(frozen=True)
+class Decision:
+    """What ``gc`` does with one memory tier, and why."""
+
+    found: Found
+    remove: bool
+    reason: str
+    #: ``--force`` was given (:func:`remove` decides again with it)
+    forced: bool = False
+    #: set by :func:`remove`: whether the folder was removed
+    removed: Optional[bool] = None
+
+    def as_dict(self) -> dict[str, object]:
+        """For ``--json``."""
+        f = self.found
+        out: dict[str, object] = {
+            "folder": f.folder, "root": f.owner.root if f.owner else None,
+            "run_id": f.owner.run_id if f.owner else None, "in_use": f.in_use, "bytes": f.nbytes,
+            "remove": self.remove, "reason": self.reason}
+        if self.removed is not None:
+            out["removed"] = self.removed
+        return out
+
+
+@dataclass(frozen=True)
+class RootAnswer:
+    """What a memory tier's root says about the tier's newest step."""
+
+    verdict: str                          # DURABLE, ONLY_HERE or UNKNOWN
+    why: str
+    on_root: frozenset[int] = frozenset()  # steps of the same run committed on the root
+
+
+def _committed(folder: str) -> list[int]:
+    return mf.committed_steps(LocalStorage(folder, private=True, fsync=False))
+
+
+def _steps_text(steps: list[int]) -> str:
+    """``"step 7"`` / ``"steps 3, 7"`` (the newest eight of a long list)."""
+    if len(steps) == 1:
+        return f"step {steps[0]}"
+    more = f"{len(steps)} in all, the newest " if len(steps) > 8 else ""
+    return f"steps {more}{', '.join(map(str, steps[-8:]))}"
+
+
+def _local_root_gone(root: str) -> bool:
+    """Whether local ``root`` is known to be gone: it does not exist and its nearest existing
+    parent folder can be listed and lists no such name. False when it exists.
+
+    Raises:
+        OSError: when that cannot be told (a permission or I/O error, a path passing a file or a
+            link loop, a name listed that cannot be found): the root is unknown.
+    """
+    try:
+        os.stat(root)
+        return False
+    except FileNotFoundError:
+        pass
+    path = root
+    while True:
+        parent = os.path.dirname(path)
+        if parent == path:
+            raise OSError(f"{root} cannot be found, yet no parent folder of it lacks it")
+        try:
+            names = os.listdir(parent)
+        except FileNotFoundError:
+            path = parent
+            continue
+        if os.path.basename(path) in names:  # a dangling link, or a folder that does not answer
+            raise OSError(f"{path} is listed in {parent} but cannot be reached")
+        return True
+
+
+def _root_url(root: str) -> str:
+    """The URL to reach a remote root recorded in canonical form (``memory:/x`` -> ``memory:///x``)."""
+    scheme, _, rest = root.partition(":")
+    return root if rest.startswith("//") else f"{scheme}://{rest}"
+
+
+def _run_record(st: Storage) -> tuple[bool, Optional[str]]:
+    """``(present, run id)`` of the root's run record; raises when it cannot be read or parsed."""
+    try:
+        raw = st.read_small(RUN_FILE)
+    except FileNotFoundError:
+        return False, None
+    d = json.loads(raw)
+    run = d.get("run_id") if isinstance(d, dict) else None
+    if not isinstance(run, str):
+        raise ValueError(f"{RUN_FILE} holds no run id")
+    return True, run
+
+
+def _ask_root(root: str, run_id: Optional[str], step: int) -> RootAnswer:
+    """What ``root`` says about ``step`` of run ``run_id`` (raises when it cannot tell)."""
+    local = os.path.isabs(root)
+    if local and _local_root_gone(root):
+        return RootAnswer(ONLY_HERE, f"its root {root} is gone")
+    st: Storage
+    if local:
+        st = LocalStorage(root)
+    else:
+        from nebula_ckpt.storage.remote import FsspecStorage
+
+        st = FsspecStorage(_root_url(root))
+    try:
+        present, have = _run_record(st)
+        if not present and not st.list(""):
+            if local:  # an existing empty folder is what an unmounted mount point shows
+                raise OSError(f"{root} is an empty folder: a mount point that is not mounted?")
+            return RootAnswer(ONLY_HERE, f"its root {root} is gone (the store holds nothing there)")
+        if not present and run_id is not None:
+            raise OSError(f"{root} holds no run record ({RUN_FILE}): a mount point that is not mounted, "
+                          "or a root emptied or re-created and not used since")
+        if have != run_id:
+            return RootAnswer(ONLY_HERE, f"its root {root} now belongs to another run")
+        try:
+            st.size(f"{mf.step_dir(step)}/{mf.COMMIT}")
+        except FileNotFoundError:
+            try:
+                on_root = frozenset(mf.committed_steps(st))
+            except Exception:  # noqa: BLE001 - only refines the list of lost steps
+                on_root = frozenset()
+            return RootAnswer(ONLY_HERE, f"its root {root} does not hold step {step}", on_root)
+        return RootAnswer(DURABLE, f"newest step {step} is durable on {root}")
+    finally:
+        st.close()
+
+
+def ask_root(root: str, run_id: Optional[str], step: int) -> RootAnswer:
+    """What ``root`` says about ``step`` of run ``run_id``: :data:`DURABLE` (committed there),
+    :data:`ONLY_HERE` (known not to be there: the root lacks it, is gone, or belongs to another
+    run) or :data:`UNKNOWN` (any error, or no answer within the ``gc_root_timeout_s`` knob).
+
+    The root is asked on a daemon thread, so a mount or a store that hangs costs the deadline,
+    not the command.
+    """
+    timeout = float(knobs.get("gc_root_timeout_s"))
+    box: list[RootAnswer] = []
+
+    def run() -> None:
+        try:
+            box.append(_ask_root(root, run_id, step))
+        except Exception as e:  # noqa: BLE001 - any failure leaves the root unknown
+            box.append(RootAnswer(UNKNOWN, f"cannot check its root {root} ({type(e).__name__}: {e})"))
+
+    t = threading.Thread(target=run, name="nebula-gc-root", daemon=True)
+    t.start()
+    t.join(timeout)
+    if not box:
+        return RootAnswer(UNKNOWN, f"cannot check its root {root}: no answer within {timeout:g} s "
+                                   "(NEBULA_GC_ROOT_TIMEOUT_S)")
+    return box[0]
+
+
+def _only_copy(f: Found, force: bool, why: str, lost: list[int]) -> Decision:
+    """Keep a tier whose ``lost`` steps exist nowhere else; ``--force`` removes it, saying so."""
+    steps = _steps_text(lost)
+    if force:
+        return Decision(f, True, f"{why}; --force: {steps}, only in memory, lost", force)
+    return Decision(f, False, f"{why}; {steps} only in memory: kept (restart the job to resume from it, "
+                              f"or --force to remove the tier and lose {'it' if len(lost) == 1 else 'them'})", force)
+
+
+def decide(f: Found, force: bool = False) -> Decision:
+    """Apply the module's policy to one memory tier (the root is asked: see :func:`ask_root`)."""
+    if f.problem:
+        return Decision(f, False, f"not safely ours, not touched: {f.problem}", force)
+    if f.in_use:
+        return Decision(f, False, "in use by a live process", force)
+    try:
+        steps = _committed(f.folder)
+    except OSError as e:
+        return Decision(f, False, f"cannot list its checkpoints ({e}); kept", force)
+    if not steps:
+        return Decision(f, True, "holds no committed checkpoint", force)
+    if f.owner is None:
+        return _only_copy(f, force, "no ROOT file: nobody's memory tier, never restored from", steps)
+    answer = ask_root(f.owner.root, f.owner.run_id, steps[-1])
+    if answer.verdict == DURABLE:
+        return Decision(f, True, answer.why, force)
+    if answer.verdict == UNKNOWN:
+        return Decision(f, False, f"{answer.why}: newest step {steps[-1]} may exist only in memory; kept, "
+                                  "even with --force (remove the folder by hand once the root is known to "
+                                  "be gone)", force)
+    return _only_copy(f, force, answer.why, [s for s in steps if s not in answer.on_root])
+
+
+def collect(shm_dir: Optional[str] = None, force: bool = False) -> list[Decision]:
+    """Decisions for every memory tier of this user (nothing is removed: :func:`remove` acts)."""
+    return [decide(f, force) for f in scan(shm_dir)]
+
+
+def remove(d: Decision) -> Decision:
+    """Remove the memory tier of ``d`` if that is still right: under the tier's lock, look at it
+    again, decide again (with ``d``'s ``--force``) and remove only if that decision says so.
+
+    Returns:
+        The decision made under the lock, its ``removed`` set; a tier a live process holds, or
+        one that vanished meanwhile, is reported kept.
+    """
+    folder = d.found.folder
+    try:
+        before = look(folder)  # still safely ours before its LOCK file is opened
+        if before.problem or before.in_use:
+            return replace(decide(before, d.forced), removed=False)
+        fd = try_lock(folder)
+    except FileNotFoundError:
+        return replace(d, remove=False, reason="gone meanwhile (removed by another process)", removed=False)
+    except OSError as e:
+        return replace(d, remove=False, reason=f"cannot take its lock ({e}); kept", removed=False)
+    if fd is None:
+        return replace(d, remove=False, reason="taken by a live process meanwhile; kept", removed=False)
+    try:
+        now = decide(look(folder, locked=True), d.forced)
+        if not now.remove:
+            log.info("nebula_ckpt: gc: %s kept after all: %s", folder, now.reason)
+            return replace(now, removed=False)
+        shutil.rmtree(folder, ignore_errors=True)
+        return replace(now, removed=not os.path.lexists(folder))
+    finally:
+        os.close(fd)

@@ -1,0 +1,289 @@
+"""The shape of the package, checked: what a newcomer relies on when walking the code.
+
+- no import cycles between nebula_ckpt's modules, counting imports inside functions (type-only
+  imports under ``if TYPE_CHECKING:`` excepted);
+- no module over 500 lines and no function over 60;
+- no module reads another module's private names (``from m import _x``, ``m._x``);
+- ``knobs.py`` is the only reader of the environment;
+- ``integrations/`` and ``compat/`` use the public API only (names in a public module's ``__all__``);
+- the benchmark harness lives outside the installed package.
+
+The rules are read from the source with :mod:`ast`; each failure names the file and line.
+"""
+
+from __future__ import annotations
+
+import ast
+import pathlib
+from collections import defaultdict
+from collections.abc import Iterator
+
+import pytest
+
+PKG = pathlib.Path(__file__).resolve().parent.parent / "nebula_ckpt"
+MAX_MODULE_LINES = 500
+MAX_FUNCTION_LINES = 60
+# the public surface integrations and compat may use (each name must be in the module's __all__)
+PUBLIC_MODULES = {"nebula_ckpt", "nebula_ckpt.errors", "nebula_ckpt.knobs", "nebula_ckpt.dcp", "nebula_ckpt.tiers"}
+
+
+
+def _modules() -> dict[str, pathlib.Path]:
+    out = {}
+    for p in sorted(PKG.rglob("*.py")):
+        parts = p.relative_to(PKG.parent).with_suffix("").parts
+        name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+        out[name] = p
+    return out
+
+
+MODULES = _modules()
+
+
+def _package_of(name: str, path: pathlib.Path) -> str:
+    return name if path.name == "__init__.py" else name.rpartition(".")[0]
+
+
+def _type_checking_nodes(tree: ast.AST) -> set[int]:
+    skip: set[int] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            for sub in node.body:
+                skip.update(id(n) for n in ast.walk(sub))
+    return skip
+
+
+def _imports(name: str, path: pathlib.Path) -> Iterator[tuple[int, str, list[str]]]:
+    """(line, imported module, names taken from it) for every nebula_ckpt import, type-only ones excepted."""
+    tree = ast.parse(path.read_text())
+    skip = _type_checking_nodes(tree)
+    pkg = _package_of(name, path)
+    for node in ast.walk(tree):
+        if id(node) in skip:
+            continue
+        if isinstance(node, ast.Import):
+            for a in node.names:
+                if a.name.split(".")[0] == "nebula_ckpt":
+                    yield node.lineno, a.name, []
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = pkg.split(".")[: len(pkg.split(".")) - node.level + 1]
+                mod = ".".join(base + ([node.module] if node.module else []))
+            else:
+                mod = node.module or ""
+            if mod.split(".")[0] != "nebula_ckpt":
+                continue
+            plain = []
+            for a in node.names:
+                sub = f"{mod}.{a.name}"
+                if sub in MODULES:
+                    yield node.lineno, sub, []
+                else:
+                    plain.append(a.name)
+            if plain:
+                yield node.lineno, mod, plain
+
+
+def _resolve(mod: str) -> str:
+    while mod not in MODULES and "." in mod:
+        mod = mod.rpartition(".")[0]
+    return mod
+
+
+def test_no_import_cycles() -> None:
+    graph: dict[str, set[str]] = defaultdict(set)
+    where: dict[tuple[str, str], str] = {}
+    for name, path in MODULES.items():
+        for line, mod, _ in _imports(name, path):
+            target = _resolve(mod)
+            if target != name and target in MODULES:
+                graph[name].add(target)
+                where.setdefault((name, target), f"{path.relative_to(PKG.parent)}:{line}")
+    # a package's __init__ is run before its modules: an edge *into* a package __init__ from one of
+    # its own modules is part of Python's package import, not a cycle of ours
+    cycles = []
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on: set[str] = set()
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w in graph.get(v, ()):
+            if MODULES[w].name == "__init__.py" and v.startswith(w + "."):
+                continue
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                cycles.append(sorted(comp))
+
+    for v in sorted(MODULES):
+        if v not in index:
+            visit(v)
+    described = []
+    for comp in cycles:
+        edges = [f"{a} -> {b} ({where[(a, b)]})" for a in comp for b in comp if (a, b) in where]
+        described.append("cycle: " + ", ".join(comp) + "\n    " + "\n    ".join(edges))
+    assert not cycles, "\n".join(described)
+
+
+def _sizes() -> Iterator[tuple[str, int, int]]:
+    for name, path in MODULES.items():
+        text = path.read_text()
+        yield name, len(text.splitlines()), 0
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                assert node.end_lineno is not None
+                yield f"{name}:{node.name}", node.end_lineno - node.lineno + 1, node.lineno
+
+
+def test_no_module_or_function_too_large() -> None:
+    over = []
+    for what, n, line in _sizes():
+        limit = MAX_FUNCTION_LINES if line else MAX_MODULE_LINES
+        if n > limit:
+            over.append(f"{what}: {n} lines (limit {limit})")
+    assert not over, "split these:\n  " + "\n  ".join(over)
+
+
+def test_no_private_names_across_modules() -> None:
+    found = []
+    for name, path in MODULES.items():
+        tree = ast.parse(path.read_text())
+        aliases: dict[str, str] = {}
+        for line, mod, names in _imports(name, path):
+            target = _resolve(mod)
+            for n in names:
+                if n.startswith("_") and not n.startswith("__") and n != "_C" and target != name:
+                    found.append(f"{path.relative_to(PKG.parent)}:{line} imports {n} from {mod}")
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("nebula_ckpt"):
+                for a in node.names:
+                    if f"{node.module}.{a.name}" in MODULES:
+                        aliases[a.asname or a.name] = f"{node.module}.{a.name}"
+            elif isinstance(node, ast.Import):
+                for a in node.names:
+                    if a.name.startswith("nebula_ckpt") and a.asname:
+                        aliases[a.asname] = a.name
+        for node in ast.walk(tree):
+            if (
+                isinstance(node, ast.Attribute)
+                and isinstance(node.value, ast.Name)
+                and node.value.id in aliases
+                and node.attr.startswith("_")
+                and not node.attr.startswith("__")
+                and node.attr != "_C"
+            ):
+                found.append(f"{path.relative_to(PKG.parent)}:{node.lineno} reads {node.value.id}.{node.attr}")
+    assert not found, "\n".join(found)
+
+
+def _private_definitions() -> dict[str, set[str]]:
+    """private name -> modules that define it (a ``def _x``, a ``self._x = ...`` or a class-level ``_x``)."""
+    defined: dict[str, set[str]] = defaultdict(set)
+    for name, path in MODULES.items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                defined[node.name].add(name)
+            elif isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "self":
+                if isinstance(node.ctx, ast.Store):
+                    defined[node.attr].add(name)
+            elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+                defined[node.target.id].add(name)
+    return {k: v for k, v in defined.items() if k.startswith("_") and not k.startswith("__")}
+
+
+def test_no_private_attributes_of_another_modules_objects() -> None:
+    """``obj._x`` where ``_x`` belongs to a class of another module (``self._x`` is the class's own)."""
+    defined = _private_definitions()
+    found = []
+    for name, path in MODULES.items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not (isinstance(node, ast.Attribute) and node.attr in defined):
+                continue
+            base = node.value
+            if isinstance(base, ast.Name) and base.id in {"self", "cls"}:
+                continue
+            if isinstance(base, ast.Call) and isinstance(base.func, ast.Name) and base.func.id == "super":
+                continue
+            if name not in defined[node.attr]:
+                owners = ", ".join(sorted(defined[node.attr]))
+                where = f"{path.relative_to(PKG.parent)}:{node.lineno}"
+                found.append(f"{where} uses {ast.unparse(node)} (private to {owners})")
+    assert not found, "\n".join(found)
+
+
+@pytest.mark.parametrize("folder", ["integrations", "compat"])
+def test_adapters_set_no_private_attributes_on_framework_objects(folder: str) -> None:
+    found = []
+    for name, path in MODULES.items():
+        if not name.startswith(f"nebula_ckpt.{folder}"):
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if (
+                isinstance(node, ast.Attribute)
+                and isinstance(node.ctx, ast.Store)
+                and node.attr.startswith("_")
+                and not node.attr.startswith("__")
+                and not (isinstance(node.value, ast.Name) and node.value.id in {"self", "cls"})
+            ):
+                found.append(f"{path.relative_to(PKG.parent)}:{node.lineno} sets {ast.unparse(node)}")
+    assert not found, "\n".join(found)
+
+
+def test_knobs_is_the_only_reader_of_the_environment() -> None:
+    found = []
+    for name, path in MODULES.items():
+        if name == "nebula_ckpt.knobs":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Attribute) and node.attr in {"environ", "getenv", "environb"}:
+                if isinstance(node.value, ast.Name) and node.value.id == "os":
+                    found.append(f"{path.relative_to(PKG.parent)}:{node.lineno} reads os.{node.attr}")
+    assert not found, "read the environment through nebula_ckpt.knobs:\n" + "\n".join(found)
+
+
+def _public_names(module: str) -> set[str]:
+    tree = ast.parse(MODULES[module].read_text())
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == "__all__" for t in node.targets):
+            return set(ast.literal_eval(node.value))
+    return set()
+
+
+@pytest.mark.parametrize("folder", ["integrations", "compat"])
+def test_adapters_use_the_public_api_only(folder: str) -> None:
+    found = []
+    for name, path in MODULES.items():
+        if not name.startswith(f"nebula_ckpt.{folder}"):
+            continue
+        for line, mod, names in _imports(name, path):
+            if mod.startswith(f"nebula_ckpt.{folder}") or mod.startswith("nebula_ckpt.integrations"):
+                continue
+            where = f"{path.relative_to(PKG.parent)}:{line}"
+            if mod not in PUBLIC_MODULES:
+                found.append(f"{where} imports the internal module {mod}")
+                continue
+            missing = [n for n in names if n not in _public_names(mod)]
+            if missing:
+                found.append(f"{where} imports {missing} from {mod}, not in its __all__")
+    assert not found, "\n".join(found)
+
+
+def test_the_benchmark_harness_is_not_installed() -> None:
+    assert not (PKG / "bench").exists(), "the benchmark harness belongs in benchmarks/, outside the package"
+    shipped = [str(p.relative_to(PKG.parent)) for p in PKG.rglob("*.py") if "emulators" in p.name or "peers" in p.name]
+    assert not shipped, shipped
