@@ -36,6 +36,7 @@ from nebula_ckpt.save.persist import TierWriter
 from nebula_ckpt.save.plan import check_step, make_plan
 from nebula_ckpt.save.snapshot import Snapshot, Stager
 from nebula_ckpt.storage.base import Storage
+from nebula_ckpt.tiers.memory.replicas import PART as REPLICAS, start_replicator
 from nebula_ckpt.tiers.memory.shm import Owner
 from nebula_ckpt.tiers.runtime import TierRuntime
 from nebula_ckpt.tiers.settings import Tier, canonical_root, default_tiers, now, refuse_url_credentials, tier_for_root
@@ -184,7 +185,8 @@ class Checkpointer:
         self._keep_last = keep_last
         self.allow_pickle = allow_pickle
         self.on_persist_error = on_persist_error
-        self._open_tiers(*self._choose_tiers(storage_options, tiers, memory_tier))
+        chosen, root_tier = self._choose_tiers(storage_options, tiers, memory_tier)
+        self._open_tiers(chosen, root_tier)
         self._fence = Fence(self._root_storage, self.coordinator)
         runtimes = list(self._runtimes)
 
@@ -200,6 +202,13 @@ class Checkpointer:
             for rt in self._runtimes:
                 if rt.tier.shared:
                     self.coordinator.open_tier(rt.name, rt.tier.every)
+        #: copies of the memory tier on partner nodes (``MemoryTier(replicas=k)``), or None
+        try:
+            self._replicator = start_replicator(chosen, self._runtimes, self.coordinator, self.read_only)
+        except BaseException:
+            for rt in self._runtimes:
+                rt.release()
+            raise
         # A second staging slot lets the next save start while a slower tier still reads one.
         self._pool = StagingPool(max_host_bytes, 1 if len(self._runtimes) == 1 else 2, on_full)
         self._writers: Optional[list[TierWriter]] = None
@@ -217,6 +226,7 @@ class Checkpointer:
         #: ``{"step", "tier", "adopted_bytes"}`` of the last restore (``None`` before any);
         #: ``adopted_bytes``: bytes the memory tier handed over without a copy (:mod:`.adopt`).
         self.last_restore: Optional[dict[str, Any]] = None
+        self._recovered: Optional[dict[str, Any]] = None
         _open_checkpointers.add(self)
         log.info("nebula_ckpt: checkpointer on %s, tiers %s, %s path", canonical_root(root),
                  [rt.name for rt in self._runtimes], native_describe()["path"])
@@ -376,12 +386,17 @@ class Checkpointer:
         with self._lock:
             idx = self._save_index
             self._save_index += 1
+            if self._replicator is not None:
+                self._replicator.submit(idx)
         try:
             return self._save_indexed(idx, plan, writers, t_now, t0)
         except BaseException:
             for w in writers:  # the ranks' rounds of this save go on without this rank
                 self.coordinator.abandon(w.name, idx)
             raise
+        finally:
+            if self._replicator is not None:
+                self._replicator.submitted(idx)
 
     def _save_indexed(self, idx: int, plan: Any, writers: list[TierWriter], t_now: float, t0: float) -> SaveHandle:
         """The rest of :meth:`save_async` for save number ``idx`` of this job."""
@@ -389,9 +404,17 @@ class Checkpointer:
         for w in writers:
             if w not in targets:
                 self.coordinator.abandon(w.name, idx)
-        handle = SaveHandle(plan.step, [w.name for w in targets], plan.tag)
+        repl, mem = self._replicator, next((w.name for w in targets if not w.tier.shared), None)
+        handle = SaveHandle(plan.step, [w.name for w in targets] + ([REPLICAS] if repl and mem else []), plan.tag)
         handle._begin(t0, plan.layout.total_bytes, self._save_finished)
-        handle._bind_settled(lambda tier: self.coordinator.abandon(tier, idx))
+        if repl is not None and mem is not None:
+            repl.attach(idx, handle)
+
+        def settled(tier: str) -> None:
+            self.coordinator.abandon(tier, idx)
+            if repl is not None and tier == mem:
+                repl.settled(idx)
+        handle._bind_settled(settled)
         if not targets:
             handle._skip("no tier's cadence wanted this save")
             handle._returned()
@@ -583,11 +606,15 @@ class Checkpointer:
                 w.wait_idle()
             self._flush_newest()
             written = [w.runtime for w in self._writers or []]
+            if self._replicator is not None:
+                self._replicator.close()  # its last rounds, before the memory tier may go
             for rt in written:
                 rt.close(written)   # e.g. the memory tier frees its RAM when that is safe
             for w in self._writers or []:
                 w.close()
             self.coordinator.close(self._save_index)
+            if self._replicator is not None:
+                self._replicator.release()
             self._pool.close()
         for rt in self._runtimes:
             rt.release()
@@ -738,6 +765,11 @@ class Checkpointer:
         else:
             ck = find_and_open(self._tier_pairs(), step=step, on_all_damaged=on_damaged, stage=stage)
         self.last_restore = None if ck is None else {"step": ck.step, "tier": ck.tier_name, "adopted_bytes": 0}
+        rec, self._recovered = self._recovered, None
+        if ck is not None and rec is not None and rec["step"] == ck.step:
+            # where each rank's copy was before the restore (its own memory tier, a partner's replica
+            # pulled into its memory tier, or a shared tier); ``tier`` is where this rank read it
+            self.last_restore.update(sources=rec["sources"], source=rec["sources"][self.coordinator.rank])
         return ck
 
     def _open_tagged(self, tag: str, stage: Optional[Stage] = None) -> Any:
@@ -767,6 +799,9 @@ class Checkpointer:
         co = self.coordinator
         pairs = self._tier_pairs()
         failed: list[tuple[int, int]] = []
+        if self._replicator is not None:  # lost memory-tier copies come back from partners first
+            self._recovered = self._replicator.recover(
+                [c.order for c in list_candidates([(t, s) for t, s in pairs if t.shared])], step, among)
         while True:
             # (writer generation, step): a stale writer's steps never win over a newer writer's
             have = {c.order for c in list_candidates(pairs)
@@ -978,7 +1013,8 @@ class Checkpointer:
         return {"staging_bytes": self._pool.allocated_bytes, "memory_tier_slot_bytes": self._pool.memory_tier_bytes,
                 "staging_allocations": self._pool.allocations,
                 "saves": self._save_index, "path": native_describe()["path"],
-                "tiers": [rt.name for rt in self._runtimes], **m}
+                "tiers": [rt.name for rt in self._runtimes], **m,
+                **({"replicas": self._replicator.stats()} if self._replicator is not None else {})}
 
     def _save_finished(self, handle: SaveHandle) -> None:
         """A save is over on every tier (a writer thread calls this): fold its metrics in."""

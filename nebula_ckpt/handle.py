@@ -177,6 +177,15 @@ class SaveHandle:
         err.__cause__ = next(iter(self._errors.values()))
         return err
 
+    def part_done(self, part: str, error: Optional[BaseException] = None, dropped: bool = False) -> None:
+        """A part of this save that is not a tier writer (the memory tier's ``replicas``, named
+        when the save began) is over: written, ``dropped`` or failed with ``error``. Library use;
+        a part of a save already over (skipped, aborted) is ignored."""
+        with self._lock:
+            if part not in self._pending:
+                return
+        self._tier_done(part, error, dropped)
+
     # -- the library's side of the handle: other modules call these methods, never touch fields -----
     def _bind_confirm(self, confirm: Callable[[], None]) -> None:
         """The training-thread check ``wait_snapshot()`` / ``result()`` run first (checkpointer)."""
