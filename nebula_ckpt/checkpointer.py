@@ -36,7 +36,8 @@ from nebula_ckpt.save.persist import TierWriter
 from nebula_ckpt.save.plan import check_step, make_plan
 from nebula_ckpt.save.snapshot import Snapshot, Stager
 from nebula_ckpt.storage.base import Storage
-from nebula_ckpt.tiers.memory.replicas import PART as REPLICAS, start_replicator
+from nebula_ckpt.tiers.memory.replicas import PART as REPLICAS
+from nebula_ckpt.tiers.memory.replicas import start_replicator
 from nebula_ckpt.tiers.memory.shm import Owner
 from nebula_ckpt.tiers.runtime import TierRuntime
 from nebula_ckpt.tiers.settings import Tier, canonical_root, default_tiers, now, refuse_url_credentials, tier_for_root
@@ -404,17 +405,7 @@ class Checkpointer:
         for w in writers:
             if w not in targets:
                 self.coordinator.abandon(w.name, idx)
-        repl, mem = self._replicator, next((w.name for w in targets if not w.tier.shared), None)
-        handle = SaveHandle(plan.step, [w.name for w in targets] + ([REPLICAS] if repl and mem else []), plan.tag)
-        handle._begin(t0, plan.layout.total_bytes, self._save_finished)
-        if repl is not None and mem is not None:
-            repl.attach(idx, handle)
-
-        def settled(tier: str) -> None:
-            self.coordinator.abandon(tier, idx)
-            if repl is not None and tier == mem:
-                repl.settled(idx)
-        handle._bind_settled(settled)
+        handle = self._new_handle(idx, plan, targets, t0)
         if not targets:
             handle._skip("no tier's cadence wanted this save")
             handle._returned()
@@ -461,6 +452,21 @@ class Checkpointer:
             self._take_back(snap, handle, e)
             raise
         handle._returned()
+        return handle
+
+    def _new_handle(self, idx: int, plan: Any, targets: list[TierWriter], t0: float) -> SaveHandle:
+        """The handle of save ``idx``: its tiers, and the memory tier's replicas when it goes there."""
+        repl, mem = self._replicator, next((w.name for w in targets if not w.tier.shared), None)
+        handle = SaveHandle(plan.step, [w.name for w in targets] + ([REPLICAS] if repl and mem else []), plan.tag)
+        handle._begin(t0, plan.layout.total_bytes, self._save_finished)
+        if repl is not None and mem is not None:
+            repl.attach(idx, handle)
+
+        def settled(tier: str) -> None:  # the ranks' protocol, and the replicas' round, hear of it
+            self.coordinator.abandon(tier, idx)
+            if repl is not None and tier == mem:
+                repl.settled(idx)
+        handle._bind_settled(settled)
         return handle
 
     def _may_overlap(self, plan: Any, pinned: bool) -> bool:
@@ -766,7 +772,7 @@ class Checkpointer:
             ck = find_and_open(self._tier_pairs(), step=step, on_all_damaged=on_damaged, stage=stage)
         self.last_restore = None if ck is None else {"step": ck.step, "tier": ck.tier_name, "adopted_bytes": 0}
         rec, self._recovered = self._recovered, None
-        if ck is not None and rec is not None and rec["step"] == ck.step:
+        if self.last_restore is not None and rec is not None and rec["step"] == ck.step:
             # where each rank's copy was before the restore (its own memory tier, a partner's replica
             # pulled into its memory tier, or a shared tier); ``tier`` is where this rank read it
             self.last_restore.update(sources=rec["sources"], source=rec["sources"][self.coordinator.rank])

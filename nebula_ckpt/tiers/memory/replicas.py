@@ -109,8 +109,8 @@ class Replicator:
         self._tasks: collections.deque[tuple[str, Any]] = collections.deque()
         self._cond = threading.Condition()
         self._broken: Optional[BaseException] = None
-        self._counters = {"rounds": 0, "sent_bytes": 0, "received_bytes": 0, "failed": 0, "pulled_bytes": 0,
-                          "last_round_s": None, "peak_incoming_bytes": 0}
+        self._counters: dict[str, Any] = {"rounds": 0, "sent_bytes": 0, "received_bytes": 0, "failed": 0,
+                                          "pulled_bytes": 0, "last_round_s": None, "peak_incoming_bytes": 0}
         self._thread = threading.Thread(target=self._run, name="nebula-replicas", daemon=True)
         self._thread.start()
         log.info("nebula_ckpt: rank %d on node %s: memory-tier replicas on rank(s) %s; holding rank(s) %s",
@@ -198,12 +198,15 @@ class Replicator:
                     save = self._saves.pop(arg)
                 self._save_round(save)
             else:
-                shared, step, among, box, done = arg
-                try:
-                    box["result"] = self._guarded(lambda: self._recover(shared, step, among))
-                except BaseException as e:
-                    box["error"] = e
-                done.set()
+                self._recover_task(*arg)
+
+    def _recover_task(self, shared: list[tuple[int, int]], step: Optional[int], among: Optional[Sequence[int]],
+                      box: dict[str, Any], done: threading.Event) -> None:
+        try:
+            box["result"] = self._guarded(lambda: self._recover(shared, step, among))
+        except BaseException as e:
+            box["error"] = e
+        done.set()
 
     def _task_ready(self, task: tuple[str, Any]) -> bool:
         return task[0] != "save" or self._saves[task[1]].ready()
@@ -279,7 +282,8 @@ class Replicator:
         if mine is None:
             return None
         with self._cond:
-            self._counters["sent_bytes"] += mine["bytes"] * sum(accepts[p].get(self.rank) is True for p in self.partners)
+            sent = sum(accepts[p].get(self.rank) is True for p in self.partners)
+            self._counters["sent_bytes"] += mine["bytes"] * sent
         return [f"partner rank {p}: {outcomes[p].get(self.rank)}" for p in self.partners
                 if outcomes[p].get(self.rank) is not None]
 
@@ -437,7 +441,7 @@ def start_replicator(tiers: Sequence[Any], runtimes: Sequence[Any], coordinator:
     """
     mem = next((t for t in tiers if isinstance(t, MemoryTier)), None)
     k = mem.replicas if mem is not None else 0
-    if not k or read_only:
+    if mem is None or not k or read_only:
         return None
     if coordinator.world_size < 2 or coordinator.group is None:
         raise ValidationError(f"MemoryTier(replicas={k}) needs a job of several ranks on {k + 1} or more nodes "
