@@ -64,7 +64,7 @@ class Job:
 
 
 def _check_exact(saved: list[dict[str, Any]], restored: list[dict[str, Any]], step: int) -> None:
-    for r, (s, got) in enumerate(zip(saved, restored)):
+    for r, (s, got) in enumerate(zip(saved, restored, strict=True)):
         assert got["step"] == step, f"rank {r} restored step {got['step']}, expected {step}"
         assert got["digest"] == s["digests"][str(step)], f"rank {r}: restored state differs from step {step}"
 
@@ -109,8 +109,7 @@ def test_sigkill_while_receiving_leaves_no_partial_replica_visible(tmp_path: Pat
     job.lose(1)
     got = job.run("restore")
     assert all(g["step"] == 1 for g in got)
-    for r, g in enumerate(got):
-        assert g["last_restore"]["tier"].startswith("local:")
+    assert all(g["last_restore"]["tier"].startswith("local:") for g in got)
     assert not list(held[0].parent.glob(".incoming-*"))                  # swept by the restart
 
 
@@ -130,17 +129,23 @@ def test_a_corrupted_replica_is_detected_and_the_next_source_used(tmp_path: Path
     assert got[2]["last_restore"]["tier"].startswith("local:")
 
 
-@pytest.mark.parametrize("k,lost,step", [(1, (1,), 3), (1, (0, 1), 1), (2, (0, 1), 3)])
-def test_three_nodes(tmp_path: Path, k: int, lost: tuple[int, ...], step: int) -> None:
+@pytest.mark.parametrize("k,cases", [(1, [((1,), 3), ((0, 1), 1)]), (2, [((0, 1), 3), ((0, 1, 2), None)])])
+def test_three_nodes(tmp_path: Path, k: int, cases: list[tuple[tuple[int, ...], Any]]) -> None:
     """k=1: one node lost costs nothing; losing both holders of rank 0's copy (its node and its
-    partner's) falls back to the newest step every rank still has (disk). k=2: two nodes lost."""
+    partner's) falls back to the newest step every rank still has (disk, step 1). k=2: two nodes
+    lost cost nothing; all three lost: the disk's step 1."""
     job = Job(tmp_path, "0,1,2", k=k)
     saved = job.run("save")
-    partners = saved[0]["stats"]["replicas"]["partners"]
-    assert len(partners) == k and 0 not in partners
-    job.lose(*lost)
-    got = job.run("restore")
-    _check_exact(saved, got, step)
+    for r, s in enumerate(saved):
+        partners = s["stats"]["replicas"]["partners"]
+        assert len(set(partners)) == k and r not in partners
+        assert s["stats"]["replicas"]["held_bytes"] > 0
+    snap = job.snapshot("after-save")
+    for lost, step in cases:
+        job.restore_from(snap)
+        job.lose(*lost)
+        got = job.run("restore")
+        _check_exact(saved, got, step or 1)
 
 
 def test_too_few_nodes_for_k_is_refused_on_every_rank(tmp_path: Path) -> None:
