@@ -16,6 +16,10 @@ from typing import Any
 
 import pytest
 
+from nebula_ckpt import knobs
+from nebula_ckpt.errors import ValidationError
+from nebula_ckpt.save.epilogue import persist_memory
+
 from .launch import run_ranks
 
 pytestmark = [pytest.mark.timeout(300)]
@@ -76,6 +80,8 @@ def test_a_step_only_in_memory_survives_the_loss_of_either_node(tmp_path: Path) 
         assert not s["errors"] and all("replicas" in w for w in s["written"].values())
         assert s["stats"]["replicas"]["held_bytes"] > 0 and s["stats"]["replicas"]["sent_bytes"] > 0
     assert sorted(os.listdir(job.root)) == ["_nebula", "step-1"]
+    with knobs.override(shm_dir=str(job.shm / "n0")), pytest.raises(ValidationError, match="4-rank job"):
+        persist_memory(job.root)  # one node's part of a multi-rank step cannot be the root's step
     snap = job.snapshot("after-save")
     for lost in (0, 1):
         job.restore_from(snap)
