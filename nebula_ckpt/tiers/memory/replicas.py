@@ -165,7 +165,7 @@ class Replicator:
         with self._cond:
             self._tasks.append(("end", None))
             self._cond.notify_all()
-        self._thread.join(timeout)
+        self._thread.join(timeout if timeout is not None else 2 * float(knobs.get("replica_timeout_s")))
 
     def release(self) -> None:
         """Free the group (after every rank is done with it: call after the ranks' closing barrier)."""
@@ -249,33 +249,50 @@ class Replicator:
         else:
             handle.part_done(PART)
 
-    def _mine(self, handle: Any) -> Optional[dict[str, Any]]:
-        """What this rank sends for the save of ``handle``: its committed memory-tier step."""
+    def _mine(self, handle: Any) -> tuple[Optional[dict[str, Any]], list[int]]:
+        """What this rank sends for the save of ``handle`` (its committed memory-tier step) and
+        its files, opened now: retention may unlink them while they are sent, never unmap them."""
         if handle is None or self.folder is None or not any(t.startswith("memory") for t in handle.tiers_written):
-            return None
+            return None, []
+        fds: list[int] = []
         try:
             gen = next(g for g, s in committed(self.folder) if s == handle.step)
+            d = os.path.join(self.folder, mf.step_dir(handle.step))
             files = step_files(self.folder, handle.step)
-        except (StopIteration, OSError):
-            return None
-        return {"step": handle.step, "gen": gen, "files": files, "bytes": sum(n for _, n in files)}
+            for name, _ in files:
+                fds.append(os.open(os.path.join(d, name), os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC))
+        except (StopIteration, OSError):  # retention took it already: a newer step is on its way
+            for fd in fds:
+                os.close(fd)
+            return None, []
+        return {"step": handle.step, "gen": gen, "files": files, "bytes": sum(n for _, n in files)}, fds
+
+    def _superseded(self) -> bool:
+        """Whether a newer save is already in this rank's memory tier (this one is then not sent:
+        like a slow tier, replication never queues saves)."""
+        with self._cond:
+            return any(s.memory_done and s.handle is not None for s in self._saves.values())
 
     def _replicate(self, handle: Any) -> Optional[list[str]]:
         """One save round; the errors of this rank's replicas (None: this rank sent nothing)."""
-        mine = self._mine(handle)
-        infos = self._gather(mine)
-        accept = {s: self._room_for(infos[s]) for s in self.sources if infos[s] is not None}
-        accepts = self._gather(accept)
-        works: list[Any] = []
-        if mine is not None:
-            d = os.path.join(self.folder or "", mf.step_dir(mine["step"]))
-            for p in self.partners:
-                if accepts[p].get(self.rank) is True:
-                    works += self._send(d, mine["files"], p)
-        incoming = {s: self._receive(infos[s], s, works) for s in accept if accept[s] is True}
-        for w, _ in works:
-            w.wait()
-        works.clear()
+        mine, fds = self._mine(None if self._superseded() else handle)
+        try:
+            infos = self._gather(mine)
+            accept = {s: self._room_for(infos[s]) for s in self.sources if infos[s] is not None}
+            accepts = self._gather(accept)
+            works: list[Any] = []
+            if mine is not None:
+                paths = [f"/proc/self/fd/{fd}" for fd in fds]
+                for p in self.partners:
+                    if accepts[p].get(self.rank) is True:
+                        works += self._send(paths, mine["files"], p)
+            incoming = {s: self._receive(infos[s], s, works) for s in accept if accept[s] is True}
+            for w, _ in works:
+                w.wait()
+            works.clear()
+        finally:
+            for fd in fds:
+                os.close(fd)
         outcome = {s: self._commit_replica(s, infos[s], inc) for s, inc in incoming.items()}
         outcome.update({s: why for s, why in accept.items() if why is not True})
         outcomes = self._gather(outcome)
@@ -298,38 +315,51 @@ class Replicator:
                     "(NEBULA_SHM_MIN_FREE)")
         return True
 
-    def _send(self, d: str, files: list[tuple[str, int]], dst: int) -> list[Any]:
+    def _send(self, paths: list[str], files: list[tuple[str, int]], dst: int) -> list[Any]:
+        """Start sending ``files`` (mapped read-only from ``paths``: no copy) to rank ``dst``."""
         works = []
-        for i, (name, size) in enumerate(files):
+        for i, ((_, size), path) in enumerate(zip(files, paths, strict=True)):
             if size:
-                t = torch.from_file(os.path.join(d, name), shared=False, size=size, dtype=torch.uint8)
+                t = torch.from_file(path, shared=False, size=size, dtype=torch.uint8)
                 works.append((dist.isend(t, dst=self._ranks[dst], group=self._group, tag=i), t))
         return works
 
-    def _receive(self, info: dict[str, Any], src: int, works: list[Any]) -> str:
-        """Start receiving ``info``'s files from rank ``src`` into a new incoming folder; return it."""
+    def _receive(self, info: dict[str, Any], src: int, works: list[Any]) -> Any:
+        """Start receiving ``info``'s files from rank ``src`` into a new incoming folder; return
+        it, or why not (the bytes are then received into scratch memory: the ranks stay in step)."""
         assert self.store is not None
-        inc = self.store.incoming(int(info["step"]))
-        d = os.path.join(inc, mf.step_dir(int(info["step"])))
         with self._cond:
             self._counters["peak_incoming_bytes"] = max(self._counters["peak_incoming_bytes"], int(info["bytes"]))
-        for i, (name, size) in enumerate(info["files"]):
-            if not safe_name(name):  # the sender lists only these: a garbled list is a broken group
-                raise PersistError(f"rank {src} sent a file named {name!r}; refusing it")
-            fd = os.open(os.path.join(d, name), os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600)
-            try:
-                os.ftruncate(fd, size)
-            finally:
-                os.close(fd)
-            if size:
-                t = torch.from_file(os.path.join(d, name), shared=True, size=size, dtype=torch.uint8)
+        try:
+            inc: Any = self.store.incoming(int(info["step"]))
+            targets = [self._target(inc, int(info["step"]), name, size, src) for name, size in info["files"]]
+        except OSError as e:
+            log.warning("nebula_ckpt: rank %d cannot receive rank %d's step: %s", self.rank, src, e)
+            inc = f"{type(e).__name__}: {e}"
+            targets = [torch.empty(size, dtype=torch.uint8) for _, size in info["files"]]
+        for i, t in enumerate(targets):
+            if t.numel():
                 works.append((dist.irecv(t, src=self._ranks[src], group=self._group, tag=i), t))
         return inc
+
+    def _target(self, inc: str, step: int, name: str, size: int, src: int) -> torch.Tensor:
+        """The file ``name`` of the incoming copy, made and mapped to receive into."""
+        if not safe_name(name):  # the sender lists only these names
+            raise OSError(f"rank {src} sent a file named {name!r}; refusing it")
+        path = os.path.join(inc, mf.step_dir(step), name)
+        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY | os.O_NOFOLLOW, 0o600)
+        try:
+            os.ftruncate(fd, size)
+        finally:
+            os.close(fd)
+        return torch.from_file(path, shared=True, size=size, dtype=torch.uint8) if size else torch.empty(0)
 
     def _commit_replica(self, src: int, info: dict[str, Any], inc: str) -> Optional[str]:
         """Verify the copy of ``src``'s step in ``inc`` and make it visible; None, or why not."""
         assert self.store is not None
         step = int(info["step"])
+        if not os.path.isabs(inc):  # it could not be received into the memory tier: why
+            return inc
         try:
             self._check_copy(inc, step, src, int(info["gen"]))
             self.store.publish(inc, step, self.store.source_dir(src))
@@ -406,7 +436,8 @@ class Replicator:
         for r, files in offers.items():
             if files is not None:
                 assert self.store is not None
-                works += self._send(os.path.join(self.store.source_dir(r), mf.step_dir(target[1])), files, r)
+                d = os.path.join(self.store.source_dir(r), mf.step_dir(target[1]))
+                works += self._send([os.path.join(d, n) for n, _ in files], files, r)
         inc = None
         files = offered[assign[self.rank]].get(self.rank) if self.rank in assign else None
         if files is not None:
@@ -416,7 +447,9 @@ class Replicator:
             w.wait()
         works.clear()
         ok = False
-        if inc is not None:
+        if inc is not None and not os.path.isabs(inc):
+            log.warning("nebula_ckpt: rank %d cannot receive its step: %s", self.rank, inc)
+        elif inc is not None:
             assert self.store is not None and self.folder is not None
             try:
                 self._check_copy(inc, target[1], self.rank, target[0])
