@@ -518,6 +518,22 @@ def cmd_gc(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_persist_memory(args: argparse.Namespace) -> int:
+    """Put the memory tier's newest step on the root (:mod:`nebula_ckpt.save.epilogue`): exit 0
+    when it is there (copied now or already), 2 when the root is multi-rank or in use."""
+    from nebula_ckpt.errors import ValidationError
+    from nebula_ckpt.save.epilogue import persist_memory
+
+    try:
+        got = persist_memory(args.root, args.storage_options)
+    except ValidationError as e:
+        sys.stderr.write(f"nebula-ckpt: {e}\n")
+        return 2
+    _out(json.dumps(got) if args.json else
+         (f"copied step {got['step']} to the root" if got["copied"] else f"nothing to copy: {got['why']}"))
+    return 0
+
+
 def cmd_bench(argv: Sequence[str]) -> int:
     from benchmarks.runner import main as bench_main
 
@@ -563,6 +579,8 @@ def _parser() -> argparse.ArgumentParser:
                          "its tier even so")
     sp.add_argument("--shm-dir", default=None, help="the tmpfs to look in (default: NEBULA_SHM_DIR or /dev/shm)")
     sp.add_argument("--json", action="store_true", help="machine-readable output")
+    sp = sub.add_parser("persist-memory", help="put the memory tier's newest step on the root (job epilogue)")
+    common(sp)
     sub.add_parser("bench", help="benchmark against torch.save and peers (see --help)", add_help=False)
     return p
 
@@ -579,7 +597,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     try:
         refuse_url_credentials(getattr(args, "root", None))  # before the root is parsed, logged or shown
         return {"ls": cmd_ls, "verify": cmd_verify, "inspect": cmd_inspect, "export": cmd_export,
-                "gc": cmd_gc}[args.cmd](args)
+                "gc": cmd_gc, "persist-memory": cmd_persist_memory}[args.cmd](args)
     except (NebulaError, OSError) as e:
         sys.stderr.write(f"nebula-ckpt: {e}\n")
         return 1

@@ -68,3 +68,19 @@ def test_a_live_writer_is_left_alone(root: str, shm_dir: str) -> None:
 
 def test_nothing_to_do(tmp_path: Path, shm_dir: str) -> None:
     assert persist_memory(str(tmp_path / "never"))["step"] is None
+
+
+def test_the_command(root: str, shm_dir: str, capsys: pytest.CaptureFixture[str]) -> None:
+    from nebula_ckpt.cli import main
+
+    _job_that_dies(root, shm_dir)
+    assert main(["persist-memory", root, "--json"]) == 0
+    assert '"copied": true' in capsys.readouterr().out
+    assert Path(root, "step-3", "COMMIT").exists()
+    assert main(["persist-memory", root]) == 0
+    assert "nothing to copy" in capsys.readouterr().out
+    with nc.Checkpointer(root, tiers=[nc.MemoryTier(), nc.LocalTier(root, every=10)]) as ck:
+        ck.save(4, {"w": torch.ones(4)}).result()   # on both tiers
+        ck.save(5, {"w": torch.ones(4)}).result()   # in memory only
+        assert main(["persist-memory", root]) == 2    # a live writer holds the memory tier
+        assert "live process" in capsys.readouterr().err
