@@ -88,3 +88,19 @@ def test_a_newer_writer_generation_wins_and_step_filters_apply() -> None:
     assert recovery.choose_target(views) == (2, 3)
     assert recovery.choose_target(views, step=9) == (1, 9)
     assert recovery.choose_target(views, among=[1, 2]) is None
+
+
+def test_only_steps_of_this_world_size_are_offered_from_memory(tmp_path, shm_dir: str) -> None:  # noqa: ANN001
+    """A restart on another world size restores through the shared tiers (resharding), never a
+    rank's part of the old layout from memory or a replica."""
+    import torch
+
+    from nebula_ckpt.tiers.memory.replica_store import committed, of_world
+
+    folder = str(tmp_path / "tier")
+    with nc.Checkpointer(folder, memory_tier=False) as ck:
+        ck.save(1, {"w": torch.ones(3)}).result()
+    have = committed(folder)
+    assert [s for _, s in have] == [1]
+    assert of_world(folder, have, 1) == have
+    assert of_world(folder, have, 2) == []

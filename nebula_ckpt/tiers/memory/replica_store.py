@@ -27,7 +27,7 @@ import uuid
 from typing import Optional
 
 from nebula_ckpt.format import manifest as mf
-from nebula_ckpt.restore.core import open_checkpoint
+from nebula_ckpt.restore.core import open_checkpoint, read_manifest
 from nebula_ckpt.storage.local import LocalStorage
 
 log = logging.getLogger(__name__)
@@ -69,6 +69,25 @@ def committed(folder: str) -> list[tuple[int, int]]:
         except Exception as e:  # a damaged marker is no copy
             log.debug("nebula_ckpt: %s step %d: unreadable commit marker: %s", folder, s, e)
     return sorted(out)
+
+
+def of_world(folder: str, orders: list[tuple[int, int]], world: int) -> list[tuple[int, int]]:
+    """Those of ``orders`` (committed steps in ``folder``) saved by a job of ``world`` ranks: a
+    rank's part of another world size is restored through the shared tiers, never from memory."""
+    st = LocalStorage(folder, private=True, fsync=False)
+    out = []
+    try:
+        for g, s in orders:
+            try:
+                man = read_manifest(st, s)
+            except Exception as e:  # a damaged copy is no source
+                log.debug("nebula_ckpt: %s step %d: %s", folder, s, e)
+                continue
+            if man.world_size == world:
+                out.append((g, s))
+    finally:
+        st.close()
+    return out
 
 
 def verify_step(folder: str, step: int, rank: int, world: int, verify: str = "full") -> None:

@@ -50,6 +50,7 @@ from nebula_ckpt.tiers.memory import recovery
 from nebula_ckpt.tiers.memory.replica_store import (
     ReplicaStore,
     committed,
+    of_world,
     safe_name,
     step_files,
     verify_step,
@@ -380,8 +381,12 @@ class Replicator:
 
     # -- restore ------------------------------------------------------------------------------
     def _view(self, shared: list[tuple[int, int]]) -> dict[str, Any]:
-        return {"own": committed(self.folder) if self.folder else [], "shared": shared,
-                "held": self.store.held() if self.store is not None else {}, "can_pull": self.store is not None}
+        """What this rank can offer: own steps and replicas of this world size, the shared tiers'."""
+        own = of_world(self.folder, committed(self.folder), self.world) if self.folder else []
+        store = self.store
+        held = {} if store is None else \
+            {r: of_world(store.source_dir(r), o, self.world) for r, o in store.held().items()}
+        return {"own": own, "shared": shared, "held": held, "can_pull": self.store is not None}
 
     def _own_ok(self, target: tuple[int, int]) -> bool:
         if self.folder is None or target not in committed(self.folder):
