@@ -382,14 +382,15 @@ class Replicator:
     # -- restore ------------------------------------------------------------------------------
     def _view(self, shared: list[tuple[int, int]]) -> dict[str, Any]:
         """What this rank can offer: own steps and replicas of this world size, the shared tiers'."""
-        own = of_world(self.folder, committed(self.folder), self.world) if self.folder else []
+        own = [o for o in of_world(self.folder, committed(self.folder), self.world) if self._own_ok(o)] \
+            if self.folder else []
         store = self.store
         held = {} if store is None else \
             {r: of_world(store.source_dir(r), o, self.world) for r, o in store.held().items()}
         return {"own": own, "shared": shared, "held": held, "can_pull": self.store is not None}
 
     def _own_ok(self, target: tuple[int, int]) -> bool:
-        if self.folder is None or target not in committed(self.folder):
+        if self.folder is None:
             return False
         try:  # sizes and markers: a memory tier that lost files pulls; the checksums come at restore
             verify_step(self.folder, target[1], self.rank, self.world, "size")
@@ -406,7 +407,7 @@ class Replicator:
             target = recovery.choose_target(views, step, among, excluded)
             if target is None:
                 return {"step": None, "generation": None, "sources": [None] * self.world}
-            got: dict[int, str] = {r: "memory" for r, ok in enumerate(self._gather(self._own_ok(target))) if ok}
+            got: dict[int, str] = {r: "memory" for r, v in enumerate(views) if target in {tuple(o) for o in v["own"]}}
             pending = [r for r in range(self.world) if r not in got]
             attempt = 0
             while pending:
