@@ -293,6 +293,7 @@ def test_export_creates_the_folder_of_to(saved: str, tmp_path, capsys: pytest.Ca
     deep = tmp_path / "no" / "such" / "dir" / "x.pt"
     assert main(["export", saved, "--step", "2", "--to", str(deep)]) == 0
     assert torch.load(deep, weights_only=True)["step"] == 2
+    capsys.readouterr()
     # --to naming a folder (existing, or ending in a separator): a file named for the step inside it
     for folder in (str(tmp_path / "out") + os.sep, str(tmp_path / "no")):
         assert main(["export", saved, "--step", "2", "--to", folder, "--json"]) == 0
@@ -344,9 +345,13 @@ def test_compression_ratio_only_when_compressed(tmp_path, shm_dir, capsys: pytes
 
 def _ls_on_a_terminal(root: str, *extra: str, delay: str | None = None) -> str:
     """stderr of ``nebula-ckpt ls`` run with a pseudo-terminal as its stderr."""
+    import fcntl
     import pty
+    import struct
+    import termios
 
     master, slave = pty.openpty()
+    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 100, 0, 0))  # a new pty is 0 columns wide
     env = dict(os.environ)
     env.pop("NEBULA_PROGRESS_DELAY_S", None)
     if delay is not None:
