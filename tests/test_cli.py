@@ -382,3 +382,40 @@ def test_progress_bars_only_on_a_terminal_for_long_work(saved: str, capsys: pyte
     assert "checking" in _ls_on_a_terminal(saved, delay="0")  # long work on a terminal (any work, at delay 0)
     assert "checking" not in _ls_on_a_terminal(saved, "--json", delay="0")
     assert "checking" not in _ls_on_a_terminal(saved)  # two small checkpoints: done before the bar's delay
+
+
+# -- nebula-ckpt bench: the harness of a checkout, else the quick benchmark ---------------------------
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _installed_copy(tmp_path) -> str:  # noqa: ANN001
+    """The package alone in a site-packages-like folder (what pip installs: no benchmarks/ beside it)."""
+    site = tmp_path / "site-packages"
+    shutil.copytree(os.path.join(REPO, "nebula_ckpt"), site / "nebula_ckpt",
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    return str(site)
+
+
+def _bench_help(pythonpath: str, cwd: str) -> subprocess.CompletedProcess[str]:
+    env = dict(os.environ, PYTHONPATH=pythonpath)
+    return subprocess.run([sys.executable, "-m", "nebula_ckpt.cli", "bench", "--help"], cwd=cwd, env=env,
+                          capture_output=True, text=True, timeout=300)
+
+
+def test_bench_runs_the_harness_of_a_checkout(tmp_path) -> None:  # noqa: ANN001
+    from nebula_ckpt.cli.bench import find_checkout
+
+    assert find_checkout(str(tmp_path)) == REPO  # the folder above the imported package
+    r = _bench_help(REPO, str(tmp_path))  # the package of a checkout, run from elsewhere
+    assert r.returncode == 0 and "usage: nebula-ckpt bench" in r.stdout and "--systems" in r.stdout, r.stderr
+    r = _bench_help(_installed_copy(tmp_path), REPO)  # an installed package, run from a checkout
+    assert r.returncode == 0 and "--systems" in r.stdout, r.stderr
+
+
+def test_bench_without_a_checkout_runs_the_quick_benchmark(tmp_path) -> None:  # noqa: ANN001
+    r = _bench_help(_installed_copy(tmp_path), str(tmp_path))
+    assert "--systems" not in r.stdout and "Traceback" not in r.stderr, r.stderr
+    if os.path.exists(os.path.join(REPO, "nebula_ckpt", "quickbench.py")):
+        assert r.returncode == 0 and "usage:" in r.stdout, r.stderr
+    else:
+        assert r.returncode == 1 and "nebula_ckpt.quickbench" in r.stderr and "checkout" in r.stderr, r.stderr
