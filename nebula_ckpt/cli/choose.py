@@ -96,8 +96,8 @@ def open_chosen(args: argparse.Namespace, opener: Callable[[Storage, int, str], 
         except Exception as e:
             errors.append(str(e))
             continue
-        for e in errors:
-            note(f"skipped (damaged): {e}")
+        for skipped in errors:
+            note(f"skipped (damaged): {skipped}")
         return result
     root = strip_credentials(args.root)
     if args.tag is not None and not found:

@@ -13,20 +13,20 @@ from nebula_ckpt.tiers.memory import gc as memgc
 def cmd_gc(args: argparse.Namespace) -> int:
     """Decide for every memory tier of this user, remove what may go (``--dry-run``: nothing)."""
     decisions = memgc.collect(args.shm_dir, force=args.force)
-    rows = []
+    done = []
     for d in progress(decisions, "gc", "tier", quiet=args.json):
         if d.remove and not args.dry_run:
             d = memgc.remove(d)  # decided again under the tier's lock: what it says is what happened
-        rows.append(d.as_dict())
+        done.append(d)
     if args.json:
-        out(json.dumps(rows, indent=2))
+        out(json.dumps([d.as_dict() for d in done], indent=2))
         return 0
-    if not rows:
+    if not done:
         out("no memory tiers of this user")
-    for r in rows:
-        verb = ("would remove" if args.dry_run else ("removed" if r.get("removed") else "kept")) \
-            if r["remove"] else "keep"
-        out(f"{verb:<12} {human_bytes(r['bytes']):>10}  {r['folder']}  root={r['root']}  ({r['reason']})")
+    for d in done:
+        verb = ("would remove" if args.dry_run else ("removed" if d.removed else "kept")) if d.remove else "keep"
+        root = d.found.owner.root if d.found.owner else None
+        out(f"{verb:<12} {human_bytes(d.found.nbytes):>10}  {d.found.folder}  root={root}  ({d.reason})")
     return 0
 
 
