@@ -47,6 +47,8 @@ class Checkpoint:
         check_tag(tag)
         n = _check_num_of_files(num_of_files)
         self._session = s
+        #: the root it was found under (None: the one ``init`` named)
+        self._root: Optional[str] = None
         self._cache: dict[str, Any] = {}
         self._cache_location: Any = None
         with s.lock:
@@ -189,15 +191,10 @@ class Checkpoint:
         self._cache, self._cache_location = tree, map_location
         return part
 
-    #: the root this checkpoint was found under (None: the one ``init`` named)
-    _root: Optional[str] = None
-
 
 def _same_location(a: Any, b: Any) -> bool:
     """Whether two ``map_location`` values are the same (callables and dicts: the same object)."""
     return a is b or (type(a) is type(b) and isinstance(a, (str, torch.device)) and a == b)
-
-
 
 
 def committed_checkpoint(s: Session, root: Optional[str], tag: str, step: int) -> Checkpoint:

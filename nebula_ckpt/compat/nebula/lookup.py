@@ -23,7 +23,6 @@ def _tagged(s: Session, persist_path: Optional[str]) -> tuple[Optional[str], Che
     return (None if ck is s.ck else path), ck, ck.tags()
 
 
-
 def get_latest_checkpoint(persist_path: Optional[str] = None) -> Optional[Checkpoint]:
     """The newest committed checkpoint (on any tier: memory first), or ``None`` when there is none.
 

@@ -62,12 +62,12 @@ _session_lock = threading.Lock()
 
 
 def current_session() -> Session:
+    """The session ``init`` started; raises when there is none."""
     s = _session
     if s is None:
         raise NebulaError("torch_nebula: call init(persistent_storage_path=...) first (nebula_ckpt needs the "
                           "checkpoint root before any checkpoint is saved or looked up)")
     return s
-
 
 
 class Parts:

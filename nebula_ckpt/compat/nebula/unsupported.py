@@ -12,7 +12,6 @@ class UnsupportedError(NebulaError, NotImplementedError):
     """A part of Nebula's API that nebula_ckpt does not provide; the message says what to use instead."""
 
 
-
 class NebulaCheckpointIO:
     """Nebula's Lightning plugin: not provided here (see :mod:`nebula_ckpt.integrations.lightning`)."""
 
