@@ -21,7 +21,8 @@ import torch
 
 import nebula_ckpt as nc
 from nebula_ckpt.format import manifest as mf
-from nebula_ckpt.restore.core import materialize, open_checkpoint, read_manifest
+from nebula_ckpt.restore.apply import materialize
+from nebula_ckpt.restore.open import open_checkpoint, read_manifest
 from nebula_ckpt.tiers.settings import LocalTier
 
 

@@ -266,7 +266,7 @@ def test_save_async_that_raises_leaves_nothing_in_flight(root: str, monkeypatch:
         _interrupt_once(monkeypatch, snapshot_mod.Stager, "submit")
     with pytest.raises(KeyboardInterrupt):
         ck.save_async(2, {"model": model, "optim": opt})
-    assert ck._inflight == [] and all(h.done() for h in ck._handles)
+    assert ck._saves.inflight == [] and all(h.done() for h in ck._saves.handles)
     _in_thread(ck.wait, 30)
     # the one staging slot came back: the next save goes through (on_full="wait" would hang)
     h = _in_thread(lambda: ck.save(3, {"model": model, "optim": opt}))

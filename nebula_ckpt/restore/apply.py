@@ -22,6 +22,7 @@ from nebula_ckpt.restore.copies import all_cpu, owned, owned_batch
 from nebula_ckpt.restore.open import OpenCheckpoint
 from nebula_ckpt.restore.walk import Thunk, TreeWalk, tensor_keys
 
+
 def stage_restore(into: Any, *, map_location: Any = None, strict: bool = True,
                   allow_pickle: bool = False, adopt: Optional[Callable[[OpenCheckpoint], Any]] = None
                   ) -> Callable[[OpenCheckpoint], None]:
@@ -183,8 +184,9 @@ def drop_after_each_submodule(ck: OpenCheckpoint, module: torch.nn.Module, state
                 recs[k_node["v"]] = ck.resolve(v_node["k"])
     hooks = []
     for name, sub in module.named_modules():
-        mine = [recs[f"{name}.{n}" if name else n] for n in (*sub._parameters, *sub._buffers)
-                if (f"{name}.{n}" if name else n) in recs]
+        own = [n for n, _ in sub.named_parameters(recurse=False, remove_duplicate=False)]
+        own += [n for n, _ in sub.named_buffers(recurse=False, remove_duplicate=False)]
+        mine = [recs[f"{name}.{n}" if name else n] for n in own if (f"{name}.{n}" if name else n) in recs]
         if mine:
             hooks.append(sub.register_load_state_dict_post_hook(lambda _m, _k, mine=mine: ck.drop(mine)))
     return hooks

@@ -99,8 +99,8 @@ def find_and_open(tiers: list[tuple[Tier, Storage]], step: Optional[int] = None,
         rank, world: the restoring process's rank and world size (see
             :func:`~nebula_ckpt.restore.open.open_checkpoint`).
         stage: called with each candidate opened (checksums deferred to it, see
-            :func:`~nebula_ckpt.restore.apply.stage_restore`); a candidate it finds damaged is skipped like one that fails
-            to open, before anything was restored from it. Its ``ValidationError`` (``into``
+            :func:`~nebula_ckpt.restore.apply.stage_restore`); a candidate it finds damaged is
+            skipped like one that fails to open, before anything was restored from it. Its ``ValidationError`` (``into``
             does not match) is raised.
 
     Returns:
