@@ -161,12 +161,12 @@ class Checkpointer:
         self.root = root
         self.allow_pickle = allow_pickle
         self.on_persist_error = on_persist_error
-        self._root = open_root(root, storage_options, tiers, memory_tier, self.coordinator, self.read_only)
+        self._opened = open_root(root, storage_options, tiers, memory_tier, self.coordinator, self.read_only)
         #: id of this incarnation of the root (``_nebula/run.json``); fast tiers are tied to it
-        self.run_id: Optional[str] = self._root.run_id
-        self._runtimes = runtimes = self._root.runtimes
+        self.run_id: Optional[str] = self._opened.run_id
+        self._runtimes = runtimes = self._opened.runtimes
         shown = canonical_root(root)
-        self._saves = SavePipeline(runtimes, self._root.fence, self.coordinator, shown, keep_last=keep_last,
+        self._saves = SavePipeline(runtimes, self._opened.fence, self.coordinator, shown, keep_last=keep_last,
                                    max_host_bytes=max_host_bytes, on_full=on_full, snapshot=snapshot,
                                    allow_pickle=allow_pickle, on_persist_error=on_persist_error)
         # a reader deletes nothing, even in memory; a writer's saves may be what the tier holds
@@ -300,7 +300,7 @@ class Checkpointer:
         """
         _open_checkpointers.discard(self)
         self._saves.shutdown(join)
-        self._root.release()
+        self._opened.release()
 
     def __enter__(self) -> "Checkpointer":
         return self

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import nebula_ckpt as nc
-from nebula_ckpt.checkpointer import Checkpointer
+from nebula_ckpt.save.pipeline import SavePipeline
 from nebula_ckpt.save import snapshot as snapshot_mod
 from nebula_ckpt.save.plan import inner_optimizer, make_plan
 
@@ -261,7 +261,7 @@ def test_save_async_that_raises_leaves_nothing_in_flight(root: str, monkeypatch:
     if where == "confirm":
         _interrupt_once(monkeypatch, snapshot_mod.Snapshot, "confirm")
     elif where == "hooks":
-        _interrupt_once(monkeypatch, Checkpointer, "_install_hooks")
+        _interrupt_once(monkeypatch, SavePipeline, "_install_hooks")
     else:
         _interrupt_once(monkeypatch, snapshot_mod.Stager, "submit")
     with pytest.raises(KeyboardInterrupt):
