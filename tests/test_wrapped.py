@@ -11,8 +11,8 @@ import pytest
 import torch
 
 import nebula_ckpt as nc
-from nebula_ckpt.save.pipeline import SavePipeline
 from nebula_ckpt.save import snapshot as snapshot_mod
+from nebula_ckpt.save.pipeline import SavePipeline
 from nebula_ckpt.save.plan import inner_optimizer, make_plan
 
 

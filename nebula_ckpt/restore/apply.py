@@ -26,7 +26,8 @@ from nebula_ckpt.restore.walk import Thunk, TreeWalk, tensor_keys
 def stage_restore(into: Any, *, map_location: Any = None, strict: bool = True,
                   allow_pickle: bool = False, adopt: Optional[Callable[[OpenCheckpoint], Any]] = None
                   ) -> Callable[[OpenCheckpoint], None]:
-    """A ``stage`` for :func:`~nebula_ckpt.restore.select.find_and_open` that prepares restoring each candidate into ``into``.
+    """A ``stage`` for :func:`~nebula_ckpt.restore.select.find_and_open` that prepares restoring
+    each candidate into ``into``.
 
     Sets ``ck.pending`` to what applies it (same layout), after :func:`stage_apply` read and
     verified everything; for a checkpoint of another layout it only verifies (resharding reads
