@@ -14,7 +14,7 @@ from typing import Callable, TypeVar, Union
 from nebula_ckpt.cli.common import commit_state, note, open_tiers
 from nebula_ckpt.errors import NebulaError
 from nebula_ckpt.format import manifest as mf
-from nebula_ckpt.restore.core import read_manifest
+from nebula_ckpt.restore.open import read_manifest
 from nebula_ckpt.storage.base import Storage
 from nebula_ckpt.tiers.settings import Tier, strip_credentials
 

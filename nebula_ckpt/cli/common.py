@@ -16,7 +16,7 @@ from nebula_ckpt import knobs
 from nebula_ckpt.errors import CorruptCheckpointError
 from nebula_ckpt.format import manifest as mf
 from nebula_ckpt.ranks.fencing import read_run_id
-from nebula_ckpt.restore.core import NotThisLayout, OpenCheckpoint, open_checkpoint, read_manifest
+from nebula_ckpt.restore.open import NotThisLayout, OpenCheckpoint, open_checkpoint, read_manifest
 from nebula_ckpt.storage.base import Storage
 from nebula_ckpt.tiers.memory.shm import Owner
 from nebula_ckpt.tiers.settings import Tier, canonical_root, default_tiers

@@ -28,7 +28,9 @@ from nebula_ckpt.cli.common import note, out, progress, ranks_text
 from nebula_ckpt.errors import NebulaError
 from nebula_ckpt.format import manifest as mf
 from nebula_ckpt.format.tree import decode
-from nebula_ckpt.restore.core import OpenCheckpoint, materialize, open_checkpoint, read_manifest, tensor_keys
+from nebula_ckpt.restore.apply import materialize
+from nebula_ckpt.restore.open import OpenCheckpoint, open_checkpoint, read_manifest
+from nebula_ckpt.restore.walk import tensor_keys
 from nebula_ckpt.storage.base import Storage
 
 #: file names in a ``--to`` folder with ``--key`` (what ``from_pretrained`` looks for), by format

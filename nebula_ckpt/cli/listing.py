@@ -21,7 +21,7 @@ from nebula_ckpt.cli.common import (
     ranks_text,
 )
 from nebula_ckpt.format import manifest as mf
-from nebula_ckpt.restore.core import OpenCheckpoint
+from nebula_ckpt.restore.open import OpenCheckpoint
 from nebula_ckpt.storage.base import Storage
 from nebula_ckpt.tiers.settings import Tier, strip_credentials
 
