@@ -32,9 +32,9 @@ from nebula_ckpt.restore.adopt import adoption_for
 from nebula_ckpt.restore.core import apply, find_and_open, list_candidates, materialize, read_manifest, stage_restore
 from nebula_ckpt.save.buffers import StagingPool
 from nebula_ckpt.save.fanout import fan_out
-from nebula_ckpt.save.writer import TierWriter
 from nebula_ckpt.save.plan import check_step, make_plan
 from nebula_ckpt.save.snapshot import Snapshot, Stager
+from nebula_ckpt.save.writer import TierWriter
 from nebula_ckpt.storage.base import Storage
 from nebula_ckpt.tiers.memory.shm import Owner
 from nebula_ckpt.tiers.runtime import TierRuntime

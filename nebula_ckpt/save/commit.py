@@ -61,8 +61,9 @@ def commit_manifest(storage: Storage, fence: TierFence, step: int, mbytes: bytes
                     progress: CommitProgress, tier: str) -> None:
     """Write ``step``'s manifest (``mbytes``, atomic), check the fence, then create its ``COMMIT``.
 
-    ``tier`` names the storage in the logs. ``progress.may_commit`` is set once the marker's write begins, and cleared again only when
-    a failed write certainly created nothing (:func:`~nebula_ckpt.storage.base.never_created`).
+    ``tier`` names the storage in the logs. ``progress.may_commit`` is set once the marker's
+    write begins, and cleared again only when a failed write certainly created nothing
+    (:func:`~nebula_ckpt.storage.base.never_created`).
 
     Raises:
         FencedError: a newer writer took over ``storage`` (nothing was committed).
