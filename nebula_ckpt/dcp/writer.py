@@ -44,13 +44,15 @@ How DCP's items map onto the format:
   plan and so are not stored (as with DCP's own format).
 
 Commit protocol and crash safety: the coordinator refuses a step that is already committed,
-takes a writer generation on the root (once per process and root, :mod:`nebula_ckpt.ranks.fencing`:
-a newer writer on the same root fences this one), removes leftovers of failed writes, and hands
+takes a writer generation on the root (once per process and root, :mod:`nebula_ckpt.ranks.process_fence`:
+a newer writer on the same root fences this one), removes leftovers of failed writes (the sweep
+of the tier writers' retention, :mod:`nebula_ckpt.save.sweep`), and hands
 every rank ``(step, generation)`` through DCP's global plan. Each rank writes its shard and
 returns one record per item (offsets, CRC32C taken before and re-checked after the write). In
 :meth:`finish` the coordinator checks every rank's shard is there with its size, builds and
 strictly re-parses the manifest, checks that a :class:`~nebula_ckpt.dcp.reader.NebulaStorageReader`
-accepts it, then writes ``manifest.json`` and the create-only ``COMMIT`` last. A failure on any
+accepts it, then writes ``manifest.json`` and the create-only ``COMMIT`` last, as the tier writers
+do (:func:`nebula_ckpt.save.commit.commit_manifest`, the one commit step). A failure on any
 rank means DCP never calls :meth:`finish`: no ``COMMIT``, the step stays invisible; the failing
 rank removes its own shard at once (and the step folder, if that emptied it), the others' are
 removed by this process's next DCP save on the root (or by any later writer of a newer
