@@ -77,7 +77,7 @@ def dcp_names(man: mf.Manifest, allow_pickle: bool, where: str) -> dict[str, Any
                 trees.append(man.rank_tree_of(r))
     else:
         trees.append(man.tree)
-    from nebula_ckpt.restore.core import tensor_keys
+    from nebula_ckpt.restore.walk import tensor_keys
 
     out: dict[str, Any] = {}
     named: set[str] = set()
