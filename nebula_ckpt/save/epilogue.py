@@ -23,8 +23,8 @@ from typing import Any, Optional
 from nebula_ckpt.errors import NebulaError, ValidationError
 from nebula_ckpt.format.manifest import committed_steps
 from nebula_ckpt.ranks.fencing import Fence, read_run_id
-from nebula_ckpt.restore.core import open_checkpoint, read_manifest
-from nebula_ckpt.save.persist import TierWriter
+from nebula_ckpt.restore.open import open_checkpoint, read_manifest
+from nebula_ckpt.save.writer import TierWriter
 from nebula_ckpt.tiers.memory.shm import Owner
 from nebula_ckpt.tiers.settings import MemoryTier, canonical_root, tier_for_root
 

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any, Optional
 from nebula_ckpt.save.snapshot import FileSource, SlotSource, Snapshot
 
 if TYPE_CHECKING:
-    from nebula_ckpt.save.persist import TierWriter
+    from nebula_ckpt.save.writer import TierWriter
 
 log = logging.getLogger(__name__)
 
@@ -67,7 +67,7 @@ class Delivery:
         """The tier skips this snapshot (a newer one came while it was busy): so do its feeds."""
         log.info("nebula_ckpt: tier %s dropped step %d (%s)", writer_name, self.snap.step, why)
         for name in [writer_name, *(w.name for w in self.downstream)]:
-            self.snap.handle._tier_done(name, dropped=True)
+            self.snap.handle.progress.tier_done(name, dropped=True)
         self.source.release()
 
 

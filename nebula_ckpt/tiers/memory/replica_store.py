@@ -27,7 +27,7 @@ import uuid
 from typing import Optional
 
 from nebula_ckpt.format import manifest as mf
-from nebula_ckpt.restore.core import open_checkpoint, read_manifest
+from nebula_ckpt.restore.open import open_checkpoint, read_manifest
 from nebula_ckpt.storage.local import LocalStorage
 
 log = logging.getLogger(__name__)

@@ -243,12 +243,12 @@ class Replicator:
         if handle is None:
             return
         if errors is None:
-            handle.part_done(PART, dropped=True)
+            handle.progress.part_done(PART, dropped=True)
         elif errors:
-            handle.part_done(PART, PersistError(f"step {handle.step}: memory-tier replicas failed: "
+            handle.progress.part_done(PART, PersistError(f"step {handle.step}: memory-tier replicas failed: "
                                                 + "; ".join(errors)))
         else:
-            handle.part_done(PART)
+            handle.progress.part_done(PART)
 
     def _mine(self, handle: Any) -> tuple[Optional[dict[str, Any]], list[int]]:
         """What this rank sends for the save of ``handle`` (its committed memory-tier step) and
