@@ -96,6 +96,8 @@ def test_engine_contract(tmp_path, shm_dir) -> None:  # noqa: ANN001
     assert r["load"] == [True, 1] and r["load_again"] is True
     assert r["torch_save_file"] is True
     assert r["steps"] == [1]
+    assert r["tag_folders"] == ["b"]  # keep_last=1 dropped "a": its tag folder went with it
+    assert r["default_keeps"] == [[0, 1, 2, 3, 4], ["k1", "k2", "k3", "k4", "k5"]]
     assert "no longer held" in r["retention"] and "'b'" in r["retention"]
     assert r["restore_pointers"] == "b" and r["latest"] == "b" and r["after_restore"] is True
     assert "has space" in r["errors"]["bad_tag"]
@@ -122,6 +124,7 @@ def test_zero_save_load_bit_exact(tmp_path, shm_dir, stage: int) -> None:  # noq
     assert r["restored_from"]["step"] == 5 and r["restored_from"]["tier"].startswith("memory:")
     assert r["next_loss"][0] == r["next_loss"][1]
     assert r["materialized"] == [f"first/{p}" for p in parts] and r["real"] == [3]
+    assert r["fp32_mismatch"] == ([] if stage > 0 else "not run")  # zero_to_fp32 reads the pointer files
 
 
 @pytest.mark.timeout(110)
