@@ -287,6 +287,7 @@ def units(root: str, save_dir: str, out: str) -> None:
         os.makedirs(os.path.join(save_dir + "-all", tag), exist_ok=True)
         keep.save(state_dict={"w": t}, path=os.path.join(save_dir + "-all", tag, "m.pt"))
         keep.commit(info)
+        keep.wait()  # each one durable (a busy disk tier would skip a save for a newer one)
     keep.close()
     res["default_keeps"] = [sorted(keep.checkpointer.list()), sorted(os.listdir(save_dir + "-all"))]
     shutil.rmtree(save_dir)  # a lost save_dir: the checkpoints are still held by the tiers
