@@ -162,6 +162,7 @@ class NebulaCheckpointIO(_CheckpointIO):
         self._refs = PointerRefs(root)
         #: (global step, metrics) of the saves settled since take_metrics() last ran
         self._finished: list[tuple[Optional[int], SaveMetrics]] = []
+        self._kinds: dict[str, str] = {}
         self.last_save_seconds: Optional[float] = None
 
     # -- the Checkpointer ---------------------------------------------------------------------------
@@ -178,6 +179,9 @@ class NebulaCheckpointIO(_CheckpointIO):
                                       coordinator=LocalCoordinator())
             self._next_step = None
             self._tag_steps = {}
+            kinds = [t.kind for t in self._ckpt.tiers]
+            self._kinds = {t.name: t.kind if kinds.count(t.kind) == 1 else f"{t.kind}{i}"
+                           for i, t in enumerate(self._ckpt.tiers)}
         return self._ckpt
 
     def _start_saving(self, ck: Checkpointer) -> int:
@@ -395,10 +399,8 @@ class NebulaCheckpointIO(_CheckpointIO):
 
     def tier_kinds(self) -> dict[str, str]:
         """Tier name -> a short name for metrics (``memory``, ``local``, ``remote``; numbered when
-        two tiers are of one kind)."""
-        tiers = self._ckpt.tiers if self._ckpt is not None else []
-        kinds = [t.kind for t in tiers]
-        return {t.name: t.kind if kinds.count(t.kind) == 1 else f"{t.kind}{i}" for i, t in enumerate(tiers)}
+        two tiers are of one kind), of the tiers this plugin saved to last."""
+        return dict(self._kinds)
 
     def _settle(self, ck: Checkpointer) -> None:
         """Wait for the save in flight (raising its failure), then remove the steps it superseded."""

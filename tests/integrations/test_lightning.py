@@ -475,3 +475,107 @@ def test_sigkill_then_resume_last_is_bit_identical(reference_run: dict[str, Any]
         assert "from tier memory:" in loaded[0], loaded
     else:
         assert f"from tier local:{os.path.realpath(root)}" in loaded[0], loaded
+
+
+@pytest.mark.slow
+@pytest.mark.crash
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("how", ["mv", "cp"])
+def test_run_folder_moved_or_copied_resumes_bit_identical(reference_run: dict[str, Any], tmp_path,  # noqa: ANN001
+                                                          shm_dir: str, how: str) -> None:
+    """A run folder holding the root and the checkpoint folder, SIGKILLed mid-run, then moved
+    (``mv``) or copied (``cp -r``) elsewhere: ``ckpt_path="last"`` in the new place resumes from the
+    root inside it (the pointers name it relative to themselves), bit-identical to an
+    uninterrupted run; a copy leaves the original untouched."""
+    env = {**os.environ, "NEBULA_SHM_DIR": shm_dir, "PYTHONWARNINGS": "ignore"}
+    old, new = tmp_path / "run", tmp_path / "elsewhere" / "run2"
+    tmp = str(tmp_path)
+    rc = _run_worker(tmp, "crash", str(old / "nebula"), str(old / "ckpts"), env, "--kill-at", "10",
+                     "--kill-when", "any")
+    assert rc == -signal.SIGKILL
+    with nc.Checkpointer(str(old / "nebula"), memory_tier=False) as ck:
+        committed = ck.list()
+    assert committed, "nothing committed on disk before the kill"
+    new.parent.mkdir()
+    if how == "mv":
+        shutil.move(str(old), str(new))
+    else:
+        shutil.copytree(str(old), str(new), symlinks=True)
+    _run_worker(tmp, "resume", str(new / "nebula"), str(new / "ckpts"), env, "--resume")
+    with open(os.path.join(tmp, "final-resume.json")) as f:
+        final = json.load(f)
+    ref = reference_run["losses"]
+    after = _losses(os.path.join(tmp, "losses-resume.txt"))
+    assert final["resumed_from"] in (5, 10) and min(after) == final["resumed_from"] and max(after) == max(ref)
+    assert {s: after[s] for s in after} == {s: ref[s] for s in after}
+    assert final["digest"] == reference_run["digest"] and final["global_step"] == reference_run["global_step"]
+    with open(os.path.join(tmp, "resume.log")) as f:
+        text = f.read()
+    loaded = [ln for ln in text.splitlines() if "nebula_ckpt.integrations.lightning" in ln and "last.ckpt" in ln]
+    assert len(loaded) == 1 and f"from tier local:{os.path.realpath(new / 'nebula')}" in loaded[0], text[-3000:]
+    if how == "cp":
+        with nc.Checkpointer(str(old / "nebula"), memory_tier=False, read_only=True) as ck:
+            assert ck.list() == committed  # the original run is as it was
+    # the new run's pointers all load, and name checkpoints of its own root
+    for name in os.listdir(new / "ckpts"):
+        assert "state_dict" in load_checkpoint(str(new / "ckpts" / name)), name
+    # every checkpoint the new root holds is named by a pointer file (nothing leaked by the move)
+    with nc.Checkpointer(str(new / "nebula"), read_only=True) as ck:
+        named = {p["tag"] for p in _pointers(str(new / "ckpts")).values()}
+        assert set(ck.tags()) == named, (ck.tags(), named)
+
+
+def test_torch_load_of_a_pointer_file(root: str, tmp_path) -> None:  # noqa: ANN001
+    """``LightningModule.load_from_checkpoint`` (Lightning's own ``torch.load``, weights_only by
+    default) reads a pointer file; in a process that never imported the adapter,
+    ``torch.load(weights_only=True)`` refuses it naming the adapter's ``open_pointer``, and
+    ``weights_only=False`` returns the checkpoint."""
+    torch.manual_seed(0)
+    model = TinyModule(hidden=8)
+    dirpath = str(tmp_path / "ckpts")
+    io = NebulaCheckpointIO(root)
+    x, y = make_data()
+    trainer = make_trainer(io, dirpath, max_epochs=1, checkpoint_callback=ModelCheckpoint(dirpath=dirpath))
+    trainer.fit(model, ResumableLoader(x, y, BATCH, SEED))
+    path = os.path.join(dirpath, os.listdir(dirpath)[0])
+    assert read_pointer(path) is not None
+    again = TinyModule.load_from_checkpoint(path)
+    _assert_same(dict(again.state_dict()), dict(model.state_dict()))
+    code = ("import sys, torch\n"
+            f"p = {path!r}\n"
+            "try:\n    torch.load(p, weights_only=True)\nexcept Exception as e:\n    print('REFUSED', e)\n"
+            "ck = torch.load(p, weights_only=False)\n"
+            "print('KEYS', sorted(ck['state_dict']))\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "PYTHONPATH": REPO}, cwd=REPO)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "REFUSED" in out.stdout and "nebula_ckpt.integrations.lightning.open_pointer" in out.stdout, out.stdout
+    assert f"KEYS {sorted(model.state_dict())}" in out.stdout, out.stdout
+
+
+def test_save_metrics_reach_the_trainers_logger(root: str, tmp_path) -> None:  # noqa: ANN001
+    """NebulaSaveMetrics logs every save's blocked / snapshot / durable-per-tier times, bytes and
+    throughput through the Trainer's loggers, at the global step of the save."""
+    from pytorch_lightning.loggers import CSVLogger
+
+    from nebula_ckpt.integrations.lightning import NebulaSaveMetrics
+
+    dirpath = str(tmp_path / "ckpts")
+    io = NebulaCheckpointIO(root)
+    metrics = NebulaSaveMetrics(io)
+    x, y = make_data()
+    cb = ModelCheckpoint(dirpath=dirpath, every_n_train_steps=4, save_top_k=-1)
+    trainer = make_trainer(io, dirpath, [metrics], max_epochs=2, checkpoint_callback=cb,
+                           logger=CSVLogger(str(tmp_path / "logs")))
+    trainer.fit(TinyModule(), ResumableLoader(x, y, BATCH, SEED))
+    assert [s for s, _ in metrics.logged] == [4, 8, 12, 16]
+    for _, values in metrics.logged:
+        assert values["nebula/bytes"] > 0 and 0 < values["nebula/blocked_s"] < 60
+        assert values["nebula/snapshot_s"] >= 0
+        assert set(k.split("/", 2)[2] for k in values if k.startswith("nebula/durable_s/")) == {"memory", "local"}
+        assert values["nebula/throughput_MBps/local"] > 0
+    import csv
+
+    with open(os.path.join(trainer.logger.log_dir, "metrics.csv")) as f:
+        rows = [r for r in csv.DictReader(f) if r.get("nebula/durable_s/local")]
+    assert sorted(int(r["step"]) for r in rows) == [4, 8, 12, 16]
