@@ -34,6 +34,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
+from nebula_ckpt import canonical_root
 from nebula_ckpt.errors import ValidationError
 
 #: a pointer is a kilobyte or two; anything larger at a path is some other file
@@ -287,3 +288,74 @@ def loading_path() -> Optional[str]:
             return None
         frame = frame.f_back  # type: ignore[assignment]
     return None
+
+
+def _any_record(path: str) -> Optional[dict[str, Any]]:
+    """The record of the pointer file ``path`` of any adapter, or None (not a pointer, unreadable)."""
+    try:
+        data = read_pointer_head(path)
+    except (OSError, ValidationError):
+        return None
+    if len(data) > MAX_POINTER_BYTES:
+        return None
+    if data.startswith(_ZIP_MAGIC):
+        ptr = _record_in_archive(data)
+    else:
+        try:
+            ptr = json.loads(data) if data.lstrip().startswith(b"{") else None
+        except (UnicodeDecodeError, ValueError):
+            return None
+    ok = isinstance(ptr, dict) and str(ptr.get("format", "")).startswith("nebula_ckpt.")
+    return ptr if ok and isinstance(ptr.get("root"), str) else None
+
+
+def _is_root(folder: str) -> bool:
+    """Whether ``folder`` looks like a Checkpointer root (its ``_nebula`` folder or a ``step-<N>`` folder)."""
+    try:
+        names = os.listdir(folder)
+    except OSError:
+        return False
+    return "_nebula" in names or any(n.startswith("step-") and n[5:].isdigit() for n in names)
+
+
+def find_roots(path: str, depth: int = 2) -> list[str]:
+    """The checkpoint roots ``path`` refers to, for tools given a framework's path (``nebula-ckpt ls``):
+
+    * a pointer file (Lightning's ``last.ckpt``, a DeepSpeed ``mp_rank_00_model_states.pt``): the
+      root it names (where its run folder is now, if it moved);
+    * a root itself: ``[path]``;
+    * a folder holding pointer files within ``depth`` levels (Lightning's ``dirpath``, a DeepSpeed
+      save folder and its tag folders) or roots (a Hugging Face ``output_dir`` and its ``nebula``
+      root): every root they name.
+
+    Roots come once each (canonical form), in the order found; ``[]`` when nothing refers to one.
+    """
+    path = _local(os.fspath(path))
+    if os.path.isfile(path):
+        ptr = _any_record(path)
+        return [] if ptr is None else [canonical_root(candidate_roots(ptr, path)[0])]
+    if not os.path.isdir(path):
+        return []
+    if _is_root(path):
+        return [os.path.realpath(path)]
+    found: list[str] = []
+    for dirpath, dirs, files in os.walk(path):
+        level = os.path.relpath(dirpath, path).count(os.sep) + (dirpath != path)
+        dirs.sort()
+        for d in list(dirs):
+            if _is_root(os.path.join(dirpath, d)):
+                dirs.remove(d)  # a root's own files are not pointers
+                found.append(os.path.realpath(os.path.join(dirpath, d)))
+        for name in sorted(files):
+            p = os.path.join(dirpath, name)
+            try:
+                if name.endswith(TMP_SUFFIX) or os.path.getsize(p) > MAX_POINTER_BYTES:
+                    continue
+            except OSError:
+                continue  # a dangling link
+            ptr = _any_record(p)
+            if ptr is not None:
+                found.append(canonical_root(candidate_roots(ptr, p)[0]))
+        if level >= depth:
+            dirs.clear()
+    return list(dict.fromkeys(found))

@@ -268,6 +268,9 @@ def units(root: str, save_dir: str, out: str) -> None:
     save("b", {"b/m.pt": {"w": t + 1}})  # keep_last=1: "a" is gone, and its tag folder with it
     ce.wait()
     res["steps"] = ce.checkpointer.list()
+    from nebula_ckpt.integrations.pointers import find_roots
+
+    res["find_roots"] = [find_roots(save_dir), find_roots(os.path.join(save_dir, "b", "m.pt"))]
     res["tag_folders"] = sorted(n for n in os.listdir(save_dir) if os.path.isdir(os.path.join(save_dir, n)))
     # a pointer file of a dropped checkpoint (kept by hand) says so when loaded
     shutil.copytree(os.path.join(save_dir, "b"), os.path.join(save_dir, "a"))

@@ -96,6 +96,7 @@ def test_engine_contract(tmp_path, shm_dir) -> None:  # noqa: ANN001
     assert r["load"] == [True, 1] and r["load_again"] is True
     assert r["torch_save_file"] is True
     assert r["steps"] == [1]
+    assert r["find_roots"] == [[os.path.realpath(tmp_path / "root")]] * 2  # nebula-ckpt ls <save_dir> finds it
     assert r["tag_folders"] == ["b"]  # keep_last=1 dropped "a": its tag folder went with it
     assert r["default_keeps"] == [[0, 1, 2, 3, 4], ["k1", "k2", "k3", "k4", "k5"]]
     assert "no longer held" in r["retention"] and "'b'" in r["retention"]

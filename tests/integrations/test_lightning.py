@@ -579,3 +579,30 @@ def test_save_metrics_reach_the_trainers_logger(root: str, tmp_path) -> None:  #
     with open(os.path.join(trainer.logger.log_dir, "metrics.csv")) as f:
         rows = [r for r in csv.DictReader(f) if r.get("nebula/durable_s/local")]
     assert sorted(int(r["step"]) for r in rows) == [4, 8, 12, 16]
+
+
+def test_find_roots_of_pointer_files_and_folders(root: str, tmp_path) -> None:  # noqa: ANN001
+    """find_roots resolves a pointer file, Lightning's dirpath, a root, a Hugging Face output_dir
+    (its ``nebula`` root) to the roots they refer to; a folder of plain files to none."""
+    from nebula_ckpt.integrations.pointers import find_roots
+
+    io = NebulaCheckpointIO(root)
+    d = tmp_path / "ckpts"
+    try:
+        io.save_checkpoint(_state(1), str(d / "last.ckpt"))
+        io.save_checkpoint(_state(2), str(d / "sub" / "epoch=2.ckpt"))
+    finally:
+        io.teardown()
+    mine = [os.path.realpath(root)]
+    assert find_roots(str(d / "last.ckpt")) == mine
+    assert find_roots(str(d)) == mine and find_roots(root) == mine
+    out = tmp_path / "hf-out"
+    with nc.Checkpointer(str(out / "nebula"), memory_tier=False) as ck:
+        ck.save(1, {"w": torch.ones(2)}, tag="checkpoint-1")
+    (out / "runs").mkdir()
+    assert find_roots(str(out)) == [os.path.realpath(out / "nebula")]
+    plain = tmp_path / "plain"
+    plain.mkdir()
+    torch.save({"w": torch.ones(2)}, str(plain / "x.ckpt"))
+    assert find_roots(str(plain)) == [] and find_roots(str(plain / "x.ckpt")) == []
+    assert find_roots(str(tmp_path / "missing")) == []
