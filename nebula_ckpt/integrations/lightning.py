@@ -9,9 +9,7 @@ One line in the user's script::
                       ModelCheckpoint(dirpath="ckpts", monitor="val_loss", save_top_k=3, save_last=True)])
     trainer.fit(model, ckpt_path="last")     # resumes from the newest committed "last.ckpt", if any
 
-Works with ``pytorch_lightning`` (``pip install 'nebula_ckpt[lightning]'``) and with the unified
-``lightning`` package: the class is a ``CheckpointIO`` of whichever is installed, and is
-registered as one of the other when both are.
+Works with ``pytorch_lightning`` (``pip install 'nebula_ckpt[lightning]'``) and the unified ``lightning``.
 
 Design: Lightning addresses checkpoints by file path and keeps its own bookkeeping on the file
 system (``ModelCheckpoint``'s existence checks, its ``last*.ckpt`` glob for ``ckpt_path="last"``,
@@ -37,20 +35,13 @@ written at, in the folder of the file removed and in the folders the plugin save
 is only unlinked. Retention belongs to Lightning (the root keeps everything else); a path saved
 again gets a new step and the older one is removed once the new one is durable.
 
-Blocking: Lightning hands over live ``state_dict()`` tensors, so ``save_checkpoint`` returns once
-they are copied into host memory; checksums, shards, fsync, commit and pruning run in the
-background. The plugin keeps one save in flight (a save arriving while the previous one persists
-waits for it: the core would otherwise drop a pending save for a newer one, and each top-k file
-must reach the root). Background failures are raised by the next save and by :meth:`teardown` at
-the end of ``fit`` (logged instead while another exception propagates).
+Blocking: ``save_checkpoint`` returns once the live tensors are copied into host memory; the rest
+runs in the background, one save in flight (each top-k file must reach the root). Background
+failures are raised by the next save and by :meth:`teardown` at the end of ``fit``.
+:class:`NebulaSaveMetrics` logs what each save cost to the Trainer's loggers.
 
-Metrics: :class:`NebulaSaveMetrics` logs each save's blocked time, snapshot time, time until
-durable and throughput per tier and bytes to the Trainer's loggers.
-
-Multi-process strategies: Lightning calls ``save_checkpoint`` / ``remove_checkpoint`` on global
-rank 0 only, so the plugin writes as one process (``LocalCoordinator``); ``load_checkpoint`` runs on
-every rank. Strategies that save sharded state themselves (FSDP sharded, DeepSpeed) do not go
-through a ``CheckpointIO`` for it.
+Lightning saves and removes on global rank 0 only, so the plugin writes as one process; it loads
+on every rank. Strategies saving sharded state themselves (FSDP sharded, DeepSpeed) bypass it.
 """
 
 from __future__ import annotations
@@ -86,6 +77,7 @@ from nebula_ckpt.integrations.lightning_support import (
     local,
     plain_int,
     read_pointer,
+    reader,
     remove_file,
     tag_for_path,
     write_pointer_file,
@@ -242,10 +234,9 @@ class NebulaCheckpointIO(_CheckpointIO):
         """Lightning's checkpoint dict saved at ``path``: the newest committed checkpoint carrying
         the pointer's tag (read from the fastest tier holding it, every checksum verified).
 
-        The root is the one the pointer names, found where the pointer is now when its run folder
-        was moved or copied. ``weights_only`` has nothing to guard here (nothing is unpickled unless
-        the plugin was made with ``allow_pickle=True``). A ``path`` that is not a pointer is loaded
-        with Lightning's ``TorchCheckpointIO`` (a ``torch.save`` checkpoint from elsewhere).
+        The root is the one the pointer names (found where the pointer is now, if its run folder
+        moved). Nothing is unpickled unless the plugin has ``allow_pickle=True``. A ``path`` that
+        is not a pointer is loaded with Lightning's ``TorchCheckpointIO``.
 
         Raises:
             FileNotFoundError: nothing at ``path``; :class:`~nebula_ckpt.NotFoundError` (a
@@ -290,7 +281,7 @@ class NebulaCheckpointIO(_CheckpointIO):
             self._settle(self.checkpointer)  # the save being read: wait until it is durable
         # the writer when this plugin already writes the root; else a reader that creates nothing
         # (the root a file names may not exist, or be another run's)
-        ck = self._ckpt if own and self._ckpt is not None else self._reader(root, own)
+        ck = self._ckpt if own and self._ckpt is not None else reader(self.root if own else root, self._options, own)
         try:
             step, tree = ck.read(tag=ptr["tag"], map_location=map_location)
         except NotFoundError as e:
@@ -303,14 +294,8 @@ class NebulaCheckpointIO(_CheckpointIO):
     def remove_checkpoint(self, path: Any) -> None:
         """Remove the pointer file at ``path``, and the checkpoint it names from every tier when
         no other pointer file still names it. A symlink (``save_last="link"``) is only unlinked;
-        a file that is not a pointer is deleted (with the checkpoints tagged with its path).
-
-        A pointer file may be a copy (Lightning copies ``epoch=N.ckpt`` to ``last.ckpt`` where
-        ``save_last="link"`` cannot make a link; a user's ``cp``): its content names the checkpoint
-        of the path it was written at. The checkpoint stays while a pointer file at that path, in
-        the folder of ``path`` or in a folder this plugin saved to still names it; it is removed
-        once the last of them is gone (at this plugin's next save or teardown, when the last one
-        was replaced behind its back, as Lightning replaces ``last.ckpt``).
+        a file that is not a pointer is deleted (with the checkpoints tagged with its path). Where
+        copies of a pointer file are looked for: :mod:`~nebula_ckpt.integrations.lightning_refs`.
         """
         path = os.fspath(path)
         if is_local(path) and os.path.islink(local(path)):
@@ -429,17 +414,6 @@ class NebulaCheckpointIO(_CheckpointIO):
         self._tag_steps[done.tag] = [s for s in self._tag_steps.get(done.tag, []) if s >= done.handle.step]
         if older:
             log.debug("nebula_ckpt: %s: removed superseded step(s) %s", done.path, older)
-
-    def _reader(self, root: str, own: bool = False) -> Checkpointer:
-        """A read-only Checkpointer on the root a pointer names (``own``: this plugin's root, read
-        through its tiers): it creates nothing there, not even the root's folder."""
-        o = self._options
-        if own:
-            return Checkpointer(self.root, storage_options=o["storage_options"], tiers=o["tiers"],
-                                memory_tier=o["memory_tier"], allow_pickle=o["allow_pickle"],
-                                coordinator=LocalCoordinator(), read_only=True)
-        return Checkpointer(root, storage_options=o["storage_options"] if not is_local(root) else None,
-                            allow_pickle=o["allow_pickle"], coordinator=LocalCoordinator(), read_only=True)
 
     def __getstate__(self) -> dict[str, Any]:
         """Picklable (``ddp_spawn`` sends the plugin to its workers): without the live Checkpointer."""

@@ -13,7 +13,7 @@ import importlib
 import os
 from typing import Any, Callable, Optional
 
-from nebula_ckpt import MAX_TAG_CHARS, check_tag
+from nebula_ckpt import MAX_TAG_CHARS, Checkpointer, LocalCoordinator, check_tag
 from nebula_ckpt.errors import NebulaError, ValidationError
 from nebula_ckpt.integrations.pointers import (
     MAX_POINTER_BYTES,
@@ -199,3 +199,16 @@ def exists(path: str) -> bool:
     if is_local(path):
         return os.path.exists(local(path))
     return bool(fs_of(path).exists(path))
+
+
+def reader(root: str, options: dict[str, Any], own: bool) -> Checkpointer:
+    """A read-only Checkpointer on the root a pointer names: it creates nothing there, not even the
+    root's folder. ``own``: the plugin's root, read through the plugin's tiers (``options``: the
+    plugin's Checkpointer options); else the root's default tiers."""
+    o = options
+    if own:
+        return Checkpointer(root, storage_options=o["storage_options"], tiers=o["tiers"],
+                            memory_tier=o["memory_tier"], allow_pickle=o["allow_pickle"],
+                            coordinator=LocalCoordinator(), read_only=True)
+    return Checkpointer(root, storage_options=o["storage_options"] if not is_local(root) else None,
+                        allow_pickle=o["allow_pickle"], coordinator=LocalCoordinator(), read_only=True)
