@@ -140,7 +140,8 @@ def open_pointer(record: dict[str, Any]) -> Any:
     """What ``torch.load(path, weights_only=False)`` of a pointer file returns: the part of the
     checkpoint it names (a pointer's pickle is the call ``open_pointer(record)``), read from its
     root (read only; found where the save folder is now when it moved with its root). So
-    ``zero_to_fp32.py`` and DeepSpeed's stock engine read the engine's files. Not an allowed
+    ``zero_to_fp32.py`` and DeepSpeed's stock engine read the engine's files (of a one-rank save;
+    a multi-rank save's other parts need :func:`materialize` on every rank). Not an allowed
     global of ``weights_only=True``: DeepSpeed's states need pickle (``torch.load`` then refuses
     the file, naming this function). Tensors are on the CPU.
     """
@@ -156,7 +157,9 @@ def open_pointer(record: dict[str, Any]) -> Any:
             _OPENED[(root, tag)] = ck.read(tag=tag, map_location="cpu")
     step, tree = _OPENED[(root, tag)]
     if not isinstance(tree, dict) or key not in tree:
-        raise NotFoundError(f"{where}: checkpoint {tag!r} (step {step}) under {root} has no part {key!r}")
+        raise NotFoundError(f"{where}: checkpoint {tag!r} (step {step}) under {root} has no part {key!r} (another "
+                            "rank's part of a multi-rank save, which one process cannot read: run "
+                            "materialize(save_dir, tag) on every rank of the job first)")
     part = tree.pop(key)
     if not tree:
         _OPENED.clear()

@@ -217,10 +217,12 @@ class NebulaCheckpointIO(_CheckpointIO):
         self._inflight = _InFlight(handle, tag, path, plain_int(checkpoint.get("global_step")))
         self._tag_steps.setdefault(tag, []).append(step)
         self._refs.saved_at(path)
-        self._refs.replacing(path, tag)
+        replaced = self._refs.replacing(path, tag)
         root = canonical_root(self.root)
         record = {"format": POINTER_FORMAT, "root": root, "step": step, "tag": tag, "path": abs_path(path),
                   "global_step": plain_int(checkpoint.get("global_step")), "epoch": plain_int(checkpoint.get("epoch"))}
+        if replaced is not None:  # until this save commits, the path's checkpoint is the one it replaces
+            record.update(prev_tag=replaced["tag"], prev_step=replaced["step"])
         rel = relative_root(root, path)
         if rel is not None:
             record["root_rel"] = rel
@@ -253,39 +255,41 @@ class NebulaCheckpointIO(_CheckpointIO):
         return self.load_pointer(ptr, path, map_location)
 
     def load_pointer(self, ptr: dict[str, Any], path: str, map_location: Optional[Any] = None) -> dict[str, Any]:
-        """The checkpoint dict the pointer record ``ptr`` (read at ``path``) names (see
-        :meth:`load_checkpoint`)."""
+        """The checkpoint dict the pointer ``ptr`` (read at ``path``) names: its tag's newest committed
+        checkpoint, else (never committed) the one it replaced under another tag (``prev_tag``)."""
         tried = []
-        for root in candidate_roots(ptr, path):
-            got = self._read_from(root, ptr, map_location)
-            if isinstance(got, str):
-                tried.append(got)
-                continue
-            step, tree, tier = got
-            if step != ptr["step"]:
-                log.warning("nebula_ckpt: %s: its save of step %d never committed (the process was killed first?); "
-                            "loaded step %d from tier %s, the newest committed checkpoint of this path", path,
-                            ptr["step"], step, tier)
-            else:
-                log.info("nebula_ckpt: loaded %s (step %d, from tier %s)", path, step, tier)
-            if not isinstance(tree, dict):
-                raise NebulaError(f"{path}: step {step} does not hold a Lightning checkpoint dict")
-            return tree
+        prev = ptr.get("prev_tag")
+        for tag in [ptr["tag"], *([prev] if isinstance(prev, str) and prev != ptr["tag"] else [])]:
+            for root in candidate_roots(ptr, path):
+                got = self._read_from(root, tag, map_location)
+                if isinstance(got, str):
+                    tried.append(got)
+                    continue
+                step, tree, tier = got
+                if step != ptr["step"]:
+                    log.warning("nebula_ckpt: %s: its save of step %d never committed (the process was killed "
+                                "first?); loaded step %d from tier %s, the newest committed checkpoint of this path",
+                                path, ptr["step"], step, tier)
+                else:
+                    log.info("nebula_ckpt: loaded %s (step %d, from tier %s)", path, step, tier)
+                if not isinstance(tree, dict):
+                    raise NebulaError(f"{path}: step {step} does not hold a Lightning checkpoint dict")
+                return tree
         raise NotFoundError(f"{path}: no committed checkpoint of this path (its save of step {ptr['step']} never "
                             f"committed and there is no earlier one): {'; '.join(tried)}")
 
-    def _read_from(self, root: str, ptr: dict[str, Any], map_location: Any) -> Any:
-        """``(step, tree, tier)`` of the pointer's tag under ``root``, or why not (a str)."""
+    def _read_from(self, root: str, tag: str, map_location: Any) -> Any:
+        """``(step, tree, tier)`` of ``tag``'s newest committed checkpoint under ``root``, or why not (a str)."""
         own = canonical_root(root) == canonical_root(self.root)
-        if own and self._inflight is not None and self._inflight.tag == ptr["tag"]:
+        if own and self._inflight is not None and self._inflight.tag == tag:
             self._settle(self.checkpointer)  # the save being read: wait until it is durable
         # the writer when this plugin already writes the root; else a reader that creates nothing
         # (the root a file names may not exist, or be another run's)
         ck = self._ckpt if own and self._ckpt is not None else reader(self.root if own else root, self._options, own)
         try:
-            step, tree = ck.read(tag=ptr["tag"], map_location=map_location)
+            step, tree = ck.read(tag=tag, map_location=map_location)
         except NotFoundError as e:
-            return f"under {root}: {e}"
+            return f"{tag} under {root}: {e}"
         finally:
             if ck is not self._ckpt:
                 ck.close()
@@ -314,14 +318,13 @@ class NebulaCheckpointIO(_CheckpointIO):
                          others[:3])
                 self._refs.deferred.setdefault(tag, set()).update(folders)
             else:
-                self._remove_tag(tag, path)
+                self._remove_tag(self.checkpointer, tag, path)
         remove_file(path)
         if self._ckpt is not None:
             self._drop_unreferenced(self._ckpt)
 
-    def _remove_tag(self, tag: str, why: str) -> None:
+    def _remove_tag(self, ck: Checkpointer, tag: str, why: str) -> None:
         """Remove every checkpoint tagged ``tag`` from every tier (the save in flight with it first)."""
-        ck = self.checkpointer
         if self._inflight is not None and self._inflight.tag == tag:
             self._settle(ck)
         try:
@@ -339,7 +342,7 @@ class NebulaCheckpointIO(_CheckpointIO):
         if self._inflight is not None:
             return
         for tag in self._refs.unreferenced():
-            self._remove_tag(tag, f"the checkpoint of {tag} (no pointer file names it any more)")
+            self._remove_tag(ck, tag, f"the checkpoint of {tag} (no pointer file names it any more)")
 
     def teardown(self) -> None:
         """End of ``fit`` / ``validate`` ...: wait for every save, remove superseded steps, close

@@ -40,15 +40,18 @@ class PointerRefs:
         """The plugin writes a pointer at ``path``."""
         self.folders.add(folder_of(path))
 
-    def replacing(self, path: str, tag: str) -> None:
+    def replacing(self, path: str, tag: str) -> Optional[dict[str, Any]]:
         """The pointer at ``path`` is about to name ``tag``: a checkpoint of this root it named under
-        another tag waits until no pointer file names it."""
+        another tag (saved before the run folder moved) waits until no pointer file names it; its
+        record is returned (the new pointer names it as ``prev_tag``, read when ``tag`` never committed)."""
         try:
             old = read_pointer(path)
         except (NebulaError, OSError):
-            return
-        if old is not None and old["tag"] != tag and self.owns(old, path):
-            self.deferred.setdefault(old["tag"], set()).update({folder_of(path), *self.folders})
+            return None
+        if old is None or old["tag"] == tag or not self.owns(old, path):
+            return None
+        self.deferred.setdefault(old["tag"], set()).update({folder_of(path), *self.folders})
+        return old
 
     def folders_for(self, path: str, ptr: Optional[dict[str, Any]]) -> set[str]:
         """Where pointer files naming the checkpoint of ``ptr`` (read at ``path``) are looked for."""
@@ -59,7 +62,8 @@ class PointerRefs:
         return folders
 
     def referrers(self, tag: str, folders: set[str], skip: Optional[str] = None) -> list[str]:
-        """Pointer files in ``folders`` (but ``skip``) naming the checkpoint tagged ``tag`` of this root."""
+        """Pointer files in ``folders`` (but ``skip``) naming the checkpoint tagged ``tag`` of this root
+        (as their tag, or as the previous one they fall back to)."""
         skip_abs = abs_path(skip) if skip is not None else None
         out = []
         for folder in sorted(folders):
@@ -70,7 +74,7 @@ class PointerRefs:
                     ptr = read_pointer(p)
                 except (NebulaError, OSError):
                     continue  # not a readable pointer: names nothing
-                if ptr is not None and ptr["tag"] == tag and self.owns(ptr, p):
+                if ptr is not None and tag in (ptr["tag"], ptr.get("prev_tag")) and self.owns(ptr, p):
                     out.append(p)
         return out
 

@@ -134,10 +134,12 @@ def read_pointer(path: str) -> Optional[dict[str, Any]]:
     ptr = parse_pointer(data, path, POINTER_FORMAT, POINTER_FIELDS)
     if ptr is None:
         return None
-    try:
-        check_tag(ptr["tag"])
-    except ValidationError as e:
-        raise NebulaError(f"{path}: pointer field 'tag': {e}") from None
+    for field in ("tag", "prev_tag"):
+        if field in ptr:
+            try:
+                check_tag(ptr[field])
+            except ValidationError as e:
+                raise NebulaError(f"{path}: pointer field {field!r}: {e}") from None
     return ptr
 
 

@@ -501,6 +501,10 @@ def test_run_folder_moved_or_copied_resumes_bit_identical(reference_run: dict[st
         shutil.move(str(old), str(new))
     else:
         shutil.copytree(str(old), str(new), symlinks=True)
+    if how == "mv":  # the old root is gone: a pointer written before the move finds the root beside it
+        moved = str(new / "ckpts" / "last.ckpt")
+        before = TinyModule.load_from_checkpoint(moved)  # Lightning's own torch.load of the file
+        _assert_same(dict(before.state_dict()), load_checkpoint(moved)["state_dict"])
     _run_worker(tmp, "resume", str(new / "nebula"), str(new / "ckpts"), env, "--resume")
     with open(os.path.join(tmp, "final-resume.json")) as f:
         final = json.load(f)
@@ -606,3 +610,33 @@ def test_find_roots_of_pointer_files_and_folders(root: str, tmp_path) -> None:  
     torch.save({"w": torch.ones(2)}, str(plain / "x.ckpt"))
     assert find_roots(str(plain)) == [] and find_roots(str(plain / "x.ckpt")) == []
     assert find_roots(str(tmp_path / "missing")) == []
+
+
+def test_a_moved_pointer_saved_over_falls_back_then_frees_the_old_checkpoint(root: str, tmp_path) -> None:  # noqa: ANN001
+    """A pointer file moved with its run folder names its checkpoint under the old path's tag. A
+    save at the new path gets the new path's tag; until it commits, loading the path falls back
+    to the checkpoint it replaced (prev_tag), and once it is durable the old one is removed (no
+    pointer file names it any more)."""
+    io = NebulaCheckpointIO(root)
+    old, new = tmp_path / "a" / "last.ckpt", tmp_path / "b" / "last.ckpt"
+    try:
+        io.save_checkpoint(_state(1), str(old))
+        io.wait()
+        new.parent.mkdir()
+        shutil.move(str(old), str(new))  # as mv of the run folder moves it
+        io.save_checkpoint(_state(2), str(new))
+        ptr = read_pointer(str(new))
+        assert ptr is not None and ptr["prev_tag"] == tag_for_path(str(old)) and ptr["tag"] == tag_for_path(str(new))
+        io.wait()
+        # killed before that save committed: the pointer names a step that never committed
+        write_pointer(str(new), {**ptr, "tag": tag_for_path(str(new)) + "x", "step": 99})
+        _assert_same(io.load_checkpoint(str(new)), _state(1))
+        write_pointer(str(new), ptr)
+        _assert_same(io.load_checkpoint(str(new)), _state(2))
+        io.save_checkpoint(_state(3), str(new))  # the second save at the path: nothing falls back any more
+        io.wait()
+        assert "prev_tag" not in (read_pointer(str(new)) or {})
+    finally:
+        io.teardown()
+    with nc.Checkpointer(root, read_only=True) as ck:
+        assert set(ck.tags()) == {tag_for_path(str(new))}
