@@ -465,19 +465,21 @@ def _load_record(ptr: dict[str, Any], path: str, map_location: Any, storage_opti
 
 def open_pointer(record: dict[str, Any]) -> dict[str, Any]:
     """What ``torch.load`` of a pointer file returns: the checkpoint dict it names (its pickle is
-    the call ``open_pointer(record)``), so ``LightningModule.load_from_checkpoint(path)`` and
-    other readers of checkpoint files work on the plugin's files.
+    the call ``open_pointer(record)``), so ``LightningModule.load_from_checkpoint(path)`` works.
 
-    With ``torch.load(weights_only=False)`` it runs wherever this module can be imported; under
-    ``weights_only=True`` (torch's default) once it is an allowed global, which importing this
-    module does (``torch.serialization.add_safe_globals``); without that, torch refuses the file
-    naming this function. It reads like :func:`load_checkpoint` with ``allow_pickle=False`` (the
-    named root is opened read-only, nothing of the checkpoint is unpickled); tensors are on the CPU.
+    Runs under ``weights_only=False``, and under ``weights_only=True`` (torch's default) once it is
+    an allowed global, which importing this module makes it; without that, torch refuses the file
+    naming this function. It reads a local root only, read-only, without unpickling anything (as
+    :func:`load_checkpoint` with ``allow_pickle=False``); tensors are on the CPU.
     """
     path = loading_path()
-    ptr = check_record(record, path or "<pointer file>", POINTER_FORMAT, POINTER_FIELDS)
+    where = path or "the file torch.load reads"
+    ptr = check_record(record, where, POINTER_FORMAT, POINTER_FIELDS)
     if ptr is None:
-        raise NebulaError(f"{path or 'the file torch.load reads'} is not a NebulaCheckpointIO pointer: {record!r}")
+        raise NebulaError(f"{where} is not a NebulaCheckpointIO pointer: {record!r}")
+    if not is_local(ptr["root"]):  # never a network request from a file's content alone
+        raise NebulaError(f"{where} is a NebulaCheckpointIO pointer into the remote root {ptr['root']}: load it with "
+                          "nebula_ckpt.integrations.lightning.load_checkpoint(path, storage_options=...)")
     return _load_record(ptr, path or ptr.get("path") or ptr["root"], None, None, False)
 
 

@@ -640,3 +640,14 @@ def test_a_moved_pointer_saved_over_falls_back_then_frees_the_old_checkpoint(roo
         io.teardown()
     with nc.Checkpointer(root, read_only=True) as ck:
         assert set(ck.tags()) == {tag_for_path(str(new))}
+
+
+def test_torch_load_of_a_pointer_never_reaches_a_remote_root(tmp_path) -> None:  # noqa: ANN001
+    """A pointer naming a remote root is not followed by ``torch.load`` (no network request from a
+    file's content): the error names the file and what to call instead."""
+    p = str(tmp_path / "x.ckpt")
+    write_pointer(p, {"format": POINTER_FORMAT, "root": "s3://bucket/run", "step": 0, "tag": "x"})
+    with pytest.raises(nc.NebulaError, match=r"remote root s3://bucket/run.*load_checkpoint\(path, storage_options"):
+        torch.load(p, weights_only=True)
+    with pytest.raises(nc.NebulaError, match=r"x\.ckpt is a NebulaCheckpointIO pointer"):
+        torch.load(p, weights_only=False)
