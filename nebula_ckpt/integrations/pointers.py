@@ -359,3 +359,21 @@ def find_roots(path: str, depth: int = 2) -> list[str]:
         if level >= depth:
             dirs.clear()
     return list(dict.fromkeys(found))
+
+
+def find_root(path: str) -> str:
+    """The one root a command line's ``ROOT`` argument means (``nebula-ckpt ls last.ckpt``):
+    ``path`` itself when it is a root, a URL, or refers to no root; else the root
+    :func:`find_roots` finds.
+
+    Raises:
+        ValidationError: ``path`` refers to several roots (named, to pick one).
+    """
+    if "://" in path and not path.startswith("file://"):
+        return path
+    roots = find_roots(path)
+    if not roots or (os.path.isdir(_local(path)) and _is_root(_local(path))):
+        return path
+    if len(roots) > 1:
+        raise ValidationError(f"{path} refers to {len(roots)} checkpoint roots: {', '.join(roots)}; give one of them")
+    return roots[0]

@@ -588,7 +588,7 @@ def test_save_metrics_reach_the_trainers_logger(root: str, tmp_path) -> None:  #
 def test_find_roots_of_pointer_files_and_folders(root: str, tmp_path) -> None:  # noqa: ANN001
     """find_roots resolves a pointer file, Lightning's dirpath, a root, a Hugging Face output_dir
     (its ``nebula`` root) to the roots they refer to; a folder of plain files to none."""
-    from nebula_ckpt.integrations.pointers import find_roots
+    from nebula_ckpt.integrations.pointers import find_root, find_roots
 
     io = NebulaCheckpointIO(root)
     d = tmp_path / "ckpts"
@@ -610,6 +610,16 @@ def test_find_roots_of_pointer_files_and_folders(root: str, tmp_path) -> None:  
     torch.save({"w": torch.ones(2)}, str(plain / "x.ckpt"))
     assert find_roots(str(plain)) == [] and find_roots(str(plain / "x.ckpt")) == []
     assert find_roots(str(tmp_path / "missing")) == []
+    # what a command line's ROOT argument means
+    assert find_root(str(d / "last.ckpt")) == mine[0] and find_root(root) == root
+    assert find_root(str(plain)) == str(plain) and find_root("s3://b/run") == "s3://b/run"
+    other = NebulaCheckpointIO(str(tmp_path / "other-root"))
+    try:
+        other.save_checkpoint(_state(3), str(d / "from-other.ckpt"))
+    finally:
+        other.teardown()
+    with pytest.raises(nc.ValidationError, match="refers to 2 checkpoint roots"):
+        find_root(str(d))
 
 
 def test_a_moved_pointer_saved_over_falls_back_then_frees_the_old_checkpoint(root: str, tmp_path) -> None:  # noqa: ANN001
