@@ -3,7 +3,7 @@
     python ds_worker.py roundtrip STAGE ROOT SAVE_DIR OUT.json
         train a few steps, engine.save_checkpoint through nebula_ckpt, load it into a fresh
         engine (other seed) and compare everything bit for bit; write the verdict to OUT.json
-    python ds_worker.py train STAGE ROOT SAVE_DIR OUT.json STEPS EVERY [KILL_AT] [resume]
+    python ds_worker.py train STAGE ROOT SAVE_DIR OUT.json STEPS EVERY [KILL_AT] [resume] [durable_all]
         train STEPS steps (fixed seed, dropout), save_checkpoint every EVERY steps, append each
         step's loss (float.hex) to OUT.json lines; with KILL_AT: SIGKILL itself after that step;
         with "resume": load_checkpoint(SAVE_DIR) first and go on from the step it restored
@@ -206,12 +206,12 @@ def roundtrip(stage: int, root: str, save_dir: str, out: str) -> None:
 
 
 def train(stage: int, root: str, save_dir: str, out: str, steps: int, every: int, kill_at: int,
-          resume: bool) -> None:
+          resume: bool, durable: str = "first") -> None:
     from nebula_ckpt.integrations.deepspeed import enable
 
     init_rank()
     engine = make_engine(stage, seed=0)
-    ce = enable(engine, root)
+    ce = enable(engine, root, durable=durable)
     start = 0
     with open(out, "a") as f:
         if resume:
@@ -381,4 +381,5 @@ if __name__ == "__main__":
     else:
         rest = sys.argv[6:]
         train(int(stage_s), root_a, save_dir_a, out_a, int(rest[0]), int(rest[1]),
-              int(rest[2]) if len(rest) > 2 else -1, "resume" in rest[3:])
+              int(rest[2]) if len(rest) > 2 else -1, "resume" in rest[3:],
+              "all" if "durable_all" in rest[3:] else "first")
