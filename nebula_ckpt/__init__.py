@@ -39,7 +39,15 @@ from nebula_ckpt.format.manifest import MAX_TAG_CHARS, check_tag
 from nebula_ckpt.handle import SaveHandle, SaveMetrics
 from nebula_ckpt.ranks.coordinator import Coordinator, LocalCoordinator
 from nebula_ckpt.ranks.distributed import DistCoordinator
-from nebula_ckpt.tiers.settings import LocalTier, MemoryTier, RemoteTier, Tier, canonical_root, refuse_url_credentials
+from nebula_ckpt.tiers.settings import (
+    LocalTier,
+    MemoryTier,
+    RemoteTier,
+    Tier,
+    canonical_root,
+    refuse_url_credentials,
+    tier_for_root,
+)
 
 __all__ = [
     "Checkpointer", "SaveHandle", "SaveMetrics", "MemoryTier", "LocalTier", "RemoteTier", "Tier",
@@ -47,7 +55,7 @@ __all__ = [
     "NebulaError", "ValidationError", "PersistError", "ConsistencyError", "CorruptCheckpointError",
     "FencedError", "NotFoundError", "PickleNotAllowedError",
     # for adapters (integrations, compat): tags, root identity, URL checks
-    "check_tag", "MAX_TAG_CHARS", "canonical_root", "refuse_url_credentials",
+    "check_tag", "MAX_TAG_CHARS", "canonical_root", "refuse_url_credentials", "tier_for_root",
 ]
 
 # No NullHandler on purpose: without a logging configuration, Python's last-resort handler prints
