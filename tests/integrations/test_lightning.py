@@ -622,6 +622,27 @@ def test_find_roots_of_pointer_files_and_folders(root: str, tmp_path) -> None:  
         find_root(str(d))
 
 
+def test_nebula_ckpt_ls_of_a_pointer_file_and_a_dirpath(root: str, tmp_path, capsys) -> None:  # noqa: ANN001
+    """``nebula-ckpt ls`` given Lightning's checkpoint file or its dirpath lists the root they name."""
+    from nebula_ckpt.cli import main
+
+    io = NebulaCheckpointIO(root)
+    d = tmp_path / "ckpts"
+    try:
+        io.save_checkpoint(_state(1), str(d / "epoch=1.ckpt"))
+        io.save_checkpoint(_state(2), str(d / "last.ckpt"))
+    finally:
+        io.teardown()
+    capsys.readouterr()
+    for given in (str(d / "last.ckpt"), str(d)):
+        assert main(["ls", given, "--json"]) == 0
+        rows = json.loads(capsys.readouterr().out)
+        assert {(r["step"], r["tag"]) for r in rows if r["healthy"]} == {
+            (0, tag_for_path(str(d / "epoch=1.ckpt"))), (1, tag_for_path(str(d / "last.ckpt")))}
+    assert main(["ls", str(d / "last.ckpt")]) == 0
+    assert f"-> checkpoint root {os.path.realpath(root)}" in capsys.readouterr().out
+
+
 def test_a_moved_pointer_saved_over_falls_back_then_frees_the_old_checkpoint(root: str, tmp_path) -> None:  # noqa: ANN001
     """A pointer file moved with its run folder names its checkpoint under the old path's tag. A
     save at the new path gets the new path's tag; until it commits, loading the path falls back
