@@ -38,13 +38,13 @@ from nebula_ckpt.errors import (
 from nebula_ckpt.handle import SaveHandle, SaveMetrics
 from nebula_ckpt.ranks.coordinator import Coordinator, LocalCoordinator
 from nebula_ckpt.ranks.distributed import DistCoordinator
-from nebula_ckpt.tiers.settings import LocalTier, MemoryTier, RemoteTier, Tier
+from nebula_ckpt.tiers.settings import LocalTier, MemoryTier, RemoteTier, Tier, refuse_url_credentials
 
 __all__ = [
     "Checkpointer", "SaveHandle", "SaveMetrics", "MemoryTier", "LocalTier", "RemoteTier", "Tier",
     "save_async", "load_latest", "close_all", "Coordinator", "LocalCoordinator", "DistCoordinator",
     "NebulaError", "ValidationError", "PersistError", "ConsistencyError", "CorruptCheckpointError",
-    "FencedError", "NotFoundError", "PickleNotAllowedError",
+    "FencedError", "NotFoundError", "PickleNotAllowedError", "refuse_url_credentials",
 ]
 
 # No NullHandler on purpose: without a logging configuration, Python's last-resort handler prints
