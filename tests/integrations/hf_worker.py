@@ -1,8 +1,8 @@
 """A tiny, deterministic Hugging Face ``Trainer`` run (GPT-2 of 2 layers, 32 wide, an in-memory
 dataset), used in-process by the tests and as a subprocess by the crash test.
 
-``python hf_worker.py OUT ROOT RESULT [--kill-at K] [--resume] [--stock] [--deepspeed STAGE] [--peft]``: train, checkpointing
-every ``SAVE_STEPS`` through nebula_ckpt (``--stock``: HF's own folders), writing to RESULT (JSON)
+``python hf_worker.py OUT ROOT RESULT [--kill-at K] [--resume] [--stock] [--deepspeed STAGE] [--peft]``:
+train, checkpointing every ``SAVE_STEPS`` through nebula_ckpt (``--stock``: HF's own folders), writing to RESULT (JSON)
 the loss of every step as ``float.hex`` and what was restored. ``--kill-at K``: at the end of step K,
 wait until every save so far is durable, write RESULT, then SIGKILL this process. ``--resume``:
 ``train(resume_from_checkpoint=True)``. Launched as a rank of a multi-rank job (``WORLD_SIZE`` > 1,

@@ -170,7 +170,7 @@ def load_deepspeed(trainer: Any, saved: dict[str, Any]) -> None:
 def _peft(trainer: Any) -> bool:
     """Whether the trainer's model is a PEFT model (as HF asks before saving under DeepSpeed)."""
     try:
-        from peft import PeftMixedModel, PeftModel
+        from peft import PeftMixedModel, PeftModel  # type: ignore[import-not-found,unused-ignore]
     except ImportError:
         return False
     return isinstance(trainer.model, (PeftModel, PeftMixedModel))

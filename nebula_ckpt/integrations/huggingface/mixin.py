@@ -13,14 +13,14 @@ import os
 import weakref
 from typing import Any, Optional, Union
 
+from transformers import Trainer, TrainerCallback
+from transformers.training_args import ParallelMode
+
 import nebula_ckpt as nc
 from nebula_ckpt.integrations.huggingface import resuming, saving
 from nebula_ckpt.integrations.huggingface.common import RunState, attach, run_of
 from nebula_ckpt.integrations.huggingface.engines import check_supported, engine_of, load_deepspeed
 from nebula_ckpt.integrations.huggingface.rng import set_rng_states
-
-from transformers import Trainer, TrainerCallback
-from transformers.training_args import ParallelMode
 
 log = logging.getLogger("nebula_ckpt")
 

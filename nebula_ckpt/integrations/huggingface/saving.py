@@ -13,6 +13,11 @@ import logging
 import os
 from typing import Any, Optional
 
+import transformers
+from transformers.trainer_callback import ExportableState
+from transformers.trainer_utils import SaveStrategy
+from transformers.training_args import ParallelMode
+
 import nebula_ckpt as nc
 from nebula_ckpt.integrations.huggingface.common import (
     FORMAT,
@@ -23,11 +28,6 @@ from nebula_ckpt.integrations.huggingface.common import (
 )
 from nebula_ckpt.integrations.huggingface.engines import engine_of, save_deepspeed
 from nebula_ckpt.integrations.huggingface.rng import rng_states
-
-import transformers
-from transformers.trainer_callback import ExportableState
-from transformers.trainer_utils import SaveStrategy
-from transformers.training_args import ParallelMode
 
 log = logging.getLogger("nebula_ckpt")
 
