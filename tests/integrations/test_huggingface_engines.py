@@ -85,7 +85,8 @@ def test_deepspeed_sigkill_then_resume_is_bit_identical(tmp_path, shm_dir: str, 
     with nc.Checkpointer(str(tmp_path / "run" / "nebula"), allow_pickle=True, memory_tier=False) as ck:
         _, tree = ck.read(tag="checkpoint-16")
     parts = tree["deepspeed"]["parts"]
-    assert tree["deepspeed"]["tag"] == "global_step16" and "mp_rank_00_model_states.pt" in parts
+    assert tree["deepspeed"]["tag"] == "global_step16"
+    assert any(k.endswith("mp_rank_00_model_states.pt") for k in parts), sorted(parts)  # zero_pp_rank_0_... on ZeRO-3
     assert any(k.startswith("zero_pp_rank_0_") and k.endswith("optim_states.pt") for k in parts), sorted(parts)
 
 
