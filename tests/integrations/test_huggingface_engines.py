@@ -98,3 +98,47 @@ def test_peft_lora_sigkill_then_resume_is_bit_identical(tmp_path, shm_dir: str) 
     """A LoRA adapter (peft) on the tiny GPT-2: the whole model state (frozen base too), the
     optimizer of the adapter's weights and the RNG states come back exactly."""
     crash_and_resume(tmp_path, shm_dir, "--peft")
+
+
+@needs_deepspeed
+@pytest.mark.slow
+@pytest.mark.crash
+@pytest.mark.timeout(600)
+def test_deepspeed_two_ranks_sigkill_then_resume_is_bit_identical(tmp_path, shm_dir: str) -> None:  # noqa: ANN001
+    """ZeRO-2 on 2 gloo ranks: each rank's checkpoint part holds its own optimizer partition; both
+    ranks SIGKILLed at step 12 (checkpoint-10 committed on both), a new 2-rank job resumes each
+    rank from its memory tier, and every later loss equals an uninterrupted 2-rank run's."""
+    from dist.launch import run_ranks
+
+    def job(name: str, *flags: str) -> tuple[list[Any], list[dict[str, Any]]]:
+        result = tmp_path / f"{name}.json"
+        for r in range(2):
+            (tmp_path / f"{name}.json.r{r}").unlink(missing_ok=True)
+        procs = run_ranks(2, "../integrations/hf_worker.py",
+                          [str(tmp_path / "out" / name), str(tmp_path / name / "nebula"), str(result),
+                           "--deepspeed", "2", *flags], tmp_path, shm_dir, timeout=500,
+                          env_extra={"DS_ACCELERATOR": "cpu"})
+        paths = [tmp_path / f"{name}.json.r{r}" for r in range(2)]
+        return procs, [json.loads(p.read_text()) if p.exists() else {} for p in paths]
+
+    procs, ref = job("ref")
+    assert all(p.returncode == 0 for p in procs), procs[0].stdout[-3000:] + procs[1].stdout[-3000:]
+    want = ref[0]["losses"]
+    assert len(want) == hf_worker.MAX_STEPS and ref[1]["losses"] == want
+
+    procs, crashed = job("run", "--kill-at", "12")
+    assert [p.returncode for p in procs] == [-9, -9], procs[0].stdout[-3000:] + procs[1].stdout[-3000:]
+    for before in crashed:
+        assert before["killed_at"] == 12 and before["committed"] == [5, 10]
+    man = json.loads((tmp_path / "run" / "nebula" / "step-10" / "manifest.json").read_text())
+    assert man["world_size"] == 2, man.get("world_size")
+
+    procs, resumed = job("run", "--resume")
+    assert all(p.returncode == 0 for p in procs), procs[0].stdout[-3000:] + procs[1].stdout[-3000:]
+    for r, after in enumerate(resumed):
+        assert after["restored"]["step"] == 10 and after["restored"]["tier"].startswith("memory"), after["restored"]
+        got = after["losses"]
+        assert sorted(map(int, got)) == list(range(11, hf_worker.MAX_STEPS + 1))
+        assert got == {k: want[k] for k in got}   # float.hex: bit-identical
+        assert (after["model"], after["optimizer"], after["rng"]) == (ref[r]["model"], ref[r]["optimizer"],
+                                                                      ref[r]["rng"])

@@ -100,7 +100,11 @@ _RUNS: "weakref.WeakKeyDictionary[Any, RunState]" = weakref.WeakKeyDictionary()
 
 
 def attach(trainer: Any, run: RunState) -> None:
-    """Make ``run`` the state of ``trainer`` (replacing any earlier one)."""
+    """Make ``run`` the state of ``trainer``; an earlier one's open Checkpointer is closed first
+    (its pending saves written)."""
+    old = _RUNS.get(trainer)
+    if old is not None and old.ckpt is not None and not old.ckpt.closed:
+        old.ckpt.close()
     _RUNS[trainer] = run
 
 
