@@ -132,13 +132,16 @@ def save_deepspeed(trainer: Any, step: int) -> dict[str, Any]:
     folder = tempfile.mkdtemp(prefix="nebula-hf-ds-")
     tag = DS_TAG.format(step)
     collector = make_collector(os.path.join(os.path.abspath(folder), tag))
-    old = engine.checkpoint_engine
+    old, old_writer = engine.checkpoint_engine, engine.save_non_zero_checkpoint
     engine.checkpoint_engine = collector
+    # DeepSpeed decided at initialize() that only data-parallel rank 0 saves the model states;
+    # here every rank does, so each rank's part of the checkpoint holds all it loads back
+    engine.save_non_zero_checkpoint = True
     try:
         kw = {"exclude_frozen_parameters": True} if _peft(trainer) and _accepts_exclude(engine) else {}
         engine.save_checkpoint(folder, tag=tag, **kw)
     finally:
-        engine.checkpoint_engine = old
+        engine.checkpoint_engine, engine.save_non_zero_checkpoint = old, old_writer
         shutil.rmtree(folder, ignore_errors=True)
     return {"tag": tag, "parts": collector.parts}
 

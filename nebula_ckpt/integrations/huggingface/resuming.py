@@ -10,6 +10,7 @@ import json
 import logging
 import os
 import shutil
+import sys
 import tempfile
 from typing import Any, Iterator, Optional
 
@@ -134,6 +135,9 @@ def finish(trainer: Any, ok: bool) -> None:
     if ck is None or ck.closed:
         return
     if not ok:
+        # said before closing: in a multi-rank job close() waits for the other ranks, which may be
+        # blocked in a collective of the training loop that this rank will never join
+        log.error("nebula_ckpt: train() failed (%r); closing the checkpointer", sys.exc_info()[1], exc_info=True)
         try:
             ck.close()
         except Exception as e:
