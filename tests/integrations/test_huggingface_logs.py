@@ -27,6 +27,19 @@ def _one_thread() -> Any:
     torch.set_num_threads(n)
 
 
+def _durable(holder: dict[str, Any]) -> Any:
+    """A callback making every save durable before training goes on: a busy disk tier would
+    otherwise drop a save for a newer one (by design), and which checkpoints each tier holds would
+    vary with the machine's load. ``holder["trainer"]``: the trainer."""
+    from transformers import TrainerCallback
+
+    class Durable(TrainerCallback):
+        def on_save(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
+            holder["trainer"].nebula.wait()
+
+    return Durable()
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_each_save_reports_its_metrics_into_the_trainer_logs(tmp_path, shm_dir: str) -> None:  # noqa: ANN001
@@ -40,7 +53,9 @@ def test_each_save_reports_its_metrics_into_the_trainer_logs(tmp_path, shm_dir: 
             if logs and "nebula/step" in logs:
                 seen.append(dict(logs))
 
-    tr = hf_worker.make_trainer(out, None, max_steps=6, save_steps=2, callbacks=(record, Look()))
+    holder: dict[str, Any] = {}
+    tr = hf_worker.make_trainer(out, None, max_steps=6, save_steps=2, callbacks=(record, Look(), _durable(holder)))
+    holder["trainer"] = tr
     tr.train()
     saves = [h for h in tr.state.log_history if "nebula/step" in h]
     assert sorted(int(h["nebula/step"]) for h in saves) == [2, 4, 6]
@@ -85,11 +100,13 @@ def test_export_pretrained_takes_the_best_checkpoint_and_writes_tied_weights_onc
     from safetensors import safe_open
     from transformers import GPT2LMHeadModel
 
+    holder: dict[str, Any] = {}
     out, root = str(tmp_path / "out"), str(tmp_path / "root")
     # the eval set is unrelated random tokens: its loss rises as the model fits the train set
     tr = hf_worker.make_trainer(out, root, max_steps=6, save_steps=2, eval_strategy="steps", eval_steps=2,
                                 load_best_model_at_end=True, metric_for_best_model="loss", greater_is_better=False,
-                                eval_dataset=hf_worker.TinyData(8, seed=1))
+                                eval_dataset=hf_worker.TinyData(8, seed=1), callbacks=(_durable(holder),))
+    holder["trainer"] = tr
     tr.train()
     evals = {h["step"]: h["eval_loss"] for h in tr.state.log_history if "eval_loss" in h}
     best = min(evals, key=evals.__getitem__)
