@@ -1,7 +1,13 @@
 """Every tunable of nebula_ckpt, in one place.
 
-Each knob has an environment variable, a getter, and can be overridden in tests with
-:func:`override`. Nothing else in the library reads ``os.environ``.
+Each knob has an environment variable, a getter (:func:`get`: an :func:`override` first, then
+the environment, then the default), a line of documentation (:func:`describe`, :func:`table`),
+and can be overridden in tests with :func:`override`. The library's own tunables are read here
+and nowhere else (``tests/test_architecture.py`` checks that no other module reads
+``os.environ``). Variables that belong to other programs are not knobs: the Azure ML Nebula
+compatibility layer (:mod:`nebula_ckpt.compat.torch_nebula`) honours that product's
+``NEBULA_PERSISTENT_*`` / ``NEBULA_MEMORY_BUFFER_SIZE`` settings, and ``LOCAL_WORLD_SIZE``
+(set by torchrun) sizes the default thread counts below.
 
 Example::
 
@@ -56,6 +62,10 @@ _KNOBS: dict[str, _Knob] = {
                               "states at least this large never create a memory-tier slot file on the "
                               "training thread: a save with no slot file ready stages in an anonymous "
                               "buffer while the next slot file is made in the background"),
+    "slot_ahead_wait_s": _Knob("NEBULA_SLOT_AHEAD_WAIT_S", 60.0, float,
+                               "longest a staging buffer made in the background waits for the copy of "
+                               "the save that asked for it to finish (so that it does not take that "
+                               "copy's cores and memory bandwidth) before it is made anyway"),
     "huge_pages": _Knob("NEBULA_HUGE_PAGES", False, _bool,
                         "advise transparent huge pages for staging and restore buffers (off: on VMs "
                         "that return freed memory to the host, such as the one the README's "

@@ -43,8 +43,6 @@ from nebula_ckpt.tiers.memory.shm import own_spare_slot_files, slot_file_name
 log = logging.getLogger(__name__)
 
 _ROUND = 2 << 20
-#: longest a slot made ahead waits for the copy of the save that asked for it
-_AHEAD_WAIT_S = 60.0
 
 
 @dataclass(eq=False)
@@ -355,7 +353,7 @@ class StagingPool:
     def _make_ahead(self, size: int, as_file: bool, pinned: bool) -> None:
         """Body of the background thread of :meth:`_prepare_ahead`."""
         slot: Optional[Slot] = None
-        self._copies_idle.wait(_AHEAD_WAIT_S)
+        self._copies_idle.wait(knobs.get("slot_ahead_wait_s"))
         try:
             if as_file:
                 slot = self._new_slot(size)
