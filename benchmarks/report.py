@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-from benchmarks import ranks, recovery
+from benchmarks import rank_report, recovery_report
 from benchmarks.common import fmt_b, fmt_pct, fmt_s, target
 from benchmarks.limits import COLD_RESIDENT_MAX
 
@@ -224,8 +224,8 @@ def evaluate_targets(results: dict[str, Any]) -> list[dict[str, Any]]:
     st = results.get("settings", {})
     if not (st.get("ranks_only") or st.get("recovery_only")):
         out.append(_flat_target(results))
-    out.extend(ranks.evaluate_targets(results))
-    out.extend(recovery.evaluate_targets(results))
+    out.extend(rank_report.evaluate_targets(results))
+    out.extend(recovery_report.evaluate_targets(results))
     return out
 
 
@@ -356,8 +356,8 @@ def render_markdown(results: dict[str, Any]) -> str:
              + (" - **other work was running: timings are noisy**" if _busy(m) else ""), ""]
     if not (st.get("ranks_only") or st.get("recovery_only")):  # no limits, no single-process workloads
         lines += _single_process_sections(results)
-    lines += ranks.render_markdown(results)
-    lines += recovery.render_markdown(results)
+    lines += rank_report.render_markdown(results)
+    lines += recovery_report.render_markdown(results)
     lines += ["## Targets", "", "| target | workload | value | threshold | verdict | detail |",
               "|---|---|---|---|---|---|"]
     for t in results.get("targets", []):

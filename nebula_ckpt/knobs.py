@@ -44,12 +44,22 @@ def _default_threads() -> int:
     return max(1, min(8, (os.cpu_count() or 1) // max(1, ranks_here)))
 
 
+def _default_fault_threads() -> int:
+    """The cores of this rank the copy threads leave idle, at most 8."""
+    ranks_here = int(os.environ.get("LOCAL_WORLD_SIZE") or 1)
+    return max(0, min(8, (os.cpu_count() or 1) // max(1, ranks_here) - int(get("copy_threads"))))
+
+
 _KNOBS: dict[str, _Knob] = {
     "copy_threads": _Knob("NEBULA_COPY_THREADS", None, int,
                           "native threads that copy CPU tensors into staging buffers (default: cores / ranks on the "
                           "host, max 8)"),
     "io_threads": _Knob("NEBULA_IO_THREADS", None, int,
                         "parallel pwrite / checksum threads per file (default: cores / ranks on the host, max 8)"),
+    "fault_ahead_threads": _Knob("NEBULA_FAULT_AHEAD_THREADS", None, int,
+                                 "threads that fault in a fresh staging buffer's pages from its end while "
+                                 "the first save's copy fills it from the start (default: the cores of "
+                                 "this rank the copy threads leave idle, max 8; 0: the copy faults them)"),
     "write_chunk_bytes": _Knob("NEBULA_WRITE_CHUNK_BYTES", 16 << 20, int,
                                "bytes per pwrite call on local tiers"),
     "o_direct": _Knob("NEBULA_O_DIRECT", True, _bool,
@@ -131,6 +141,8 @@ def get(name: str) -> Any:
             raise ValueError(f"environment variable {knob.env}={raw!r} is not valid: {e}") from None
     if name in ("copy_threads", "io_threads") and knob.default is None:
         return _default_threads()
+    if name == "fault_ahead_threads" and knob.default is None:
+        return _default_fault_threads()
     return knob.default
 
 

@@ -37,6 +37,7 @@ import torch
 from nebula_ckpt import knobs
 from nebula_ckpt.errors import ValidationError
 from nebula_ckpt.native import get_ops
+from nebula_ckpt.save.prefault import FaultAhead, threads_for
 from nebula_ckpt.storage.local import read_elsewhere
 from nebula_ckpt.tiers.memory.shm import own_spare_slot_files, slot_file_name
 
@@ -172,6 +173,8 @@ class StagingPool:
         #: not take the cores and memory bandwidth of the snapshot that asked for it
         self._copies_idle = threading.Event()
         self._copies_idle.set()
+        #: threads faulting in fresh anonymous buffers ahead of their first copy (see prefault.py)
+        self._faulters: list[FaultAhead] = []
 
     @property
     def allocated_bytes(self) -> int:
@@ -277,6 +280,9 @@ class StagingPool:
             # Filled by this save's copy at once: its threads take the page faults (a pinned
             # buffer is registered, so its pages are faulted anyway).
             made = Slot(get_ops().alloc(size, pinned, prefault=pinned), pinned)
+            if not pinned and threads_for(size):  # idle cores fault its pages ahead of the copy
+                self._faulters = [f for f in self._faulters if f.running()]
+                self._faulters.append(FaultAhead(made.buffer, threads_for(size)))
         slot = made
         slot.in_use = True
         self.allocations += 1
@@ -452,6 +458,8 @@ class StagingPool:
         self._copies_idle.set()  # a preparer waiting for a copy goes on (and frees what it made)
         if preparer is not None:
             preparer.join()
+        for f in self._faulters:
+            f.stop()
         with self._cond:
             for s in self._slots:
                 if not s.in_use:

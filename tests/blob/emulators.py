@@ -387,3 +387,4 @@ class MotoEmulator(Emulator):
         assert self.proc is not None and self.proc.stdin is not None
         self.proc.stdin.write(cmd + "\n")
         self.proc.stdin.flush()
+        return self._expect(reply)

@@ -22,7 +22,6 @@ if TYPE_CHECKING:
 _HOST = "127.0.0.1"
 
 
-
 def _create_signing_user() -> None:  # pragma: no cover - runs in the helper process
     """Create an allow-all IAM user and print its access key as ``credentials KEY SECRET``."""
     from moto.core import DEFAULT_ACCOUNT_ID
