@@ -129,6 +129,16 @@ def _map_slot(fd: int, path: str, nbytes: int) -> Slot:
     return Slot(torch.frombuffer(mm, dtype=torch.uint8), False, path=path, _mm=mm)
 
 
+def _fresh_anonymous(nbytes: int) -> Slot:
+    """A staging buffer of fresh anonymous pages, none of them touched: the save's copy (and the
+    fault-ahead threads) fault them in as they fill it. A mapping of its own, whatever its size:
+    a block of the heap would have to be zeroed first, on the training thread."""
+    mm = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    if knobs.get("huge_pages") and hasattr(mmap, "MADV_HUGEPAGE"):
+        mm.madvise(mmap.MADV_HUGEPAGE)
+    return Slot(torch.frombuffer(mm, dtype=torch.uint8), False, _mm=mm)
+
+
 def _shm_room(slot_dir: str, nbytes: int) -> bool:
     """Whether a slot file of ``nbytes`` leaves the tmpfs at least ``shm_min_free_fraction`` free."""
     try:
@@ -279,7 +289,7 @@ class StagingPool:
                 size = rounded  # else the exact size room() was checked with
             # Filled by this save's copy at once: its threads take the page faults (a pinned
             # buffer is registered, so its pages are faulted anyway).
-            made = Slot(get_ops().alloc(size, pinned, prefault=pinned), pinned)
+            made = Slot(get_ops().alloc(size, True, prefault=True), True) if pinned else _fresh_anonymous(size)
             if not pinned and threads_for(size):  # idle cores fault its pages ahead of the copy
                 self._faulters = [f for f in self._faulters if f.running()]
                 self._faulters.append(FaultAhead(made.buffer, threads_for(size)))
