@@ -58,7 +58,8 @@ def one_rep(size_gb: float, setting: str, work: Path, threads: int, saves: int) 
 def summarize(reps: list[dict[str, Any]]) -> dict[str, Any]:
     """Medians over repetitions, and the ratios of the medians."""
     med = {k: statistics.median(r[k] for r in reps) for k in ("first_s", "second_s", "later_s", "torch_save_s")}
-    return {**med, "reps": reps, "state_bytes": reps[0]["state_bytes"], "first_vs_later": med["first_s"] / med["later_s"],
+    return {**med, "reps": reps, "state_bytes": reps[0]["state_bytes"],
+            "first_vs_later": med["first_s"] / med["later_s"],
             "first_vs_torch_save": med["first_s"] / med["torch_save_s"]}
 
 
