@@ -82,3 +82,17 @@ def test_no_thread_is_started_when_the_knob_is_zero(root: str, monkeypatch: pyte
         with nc.Checkpointer(root) as ck:
             ck.save_async(1, {"w": torch.ones(16 * MB)}).result()
     assert started == []
+
+
+def test_a_finished_fault_ahead_keeps_no_buffer_alive() -> None:
+    import gc
+    import weakref
+
+    buf = get_ops().alloc(32 * MB, False, prefault=False)
+    ahead = prefault.FaultAhead(buf, 2)
+    ahead.join()
+    ref = weakref.ref(buf)
+    del buf
+    gc.collect()
+    assert ref() is None, "a buffer the pool freed would stay mapped as long as its faulter object lives"
+    assert not ahead.running()

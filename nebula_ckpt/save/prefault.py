@@ -65,30 +65,30 @@ class FaultAhead:
     """Background threads populating ``buf``'s pages from its end (see the module docstring).
 
     Args:
-        buf: a 1-D uint8 CPU tensor whose pages are not faulted in yet; the threads hold a
-            reference to it, so its memory outlives them even if the pool frees the slot.
+        buf: a 1-D uint8 CPU tensor whose pages are not faulted in yet; each thread holds a
+            reference to it while it runs (so the memory outlives it if the pool frees the slot
+            meanwhile) and drops it when done (so a buffer the pool freed is not kept alive).
         threads: number of threads (each takes an equal part, the last part first).
     """
 
     def __init__(self, buf: torch.Tensor, threads: int) -> None:
-        self._buf = buf
         self._stop = threading.Event()
         self.faulted_bytes = 0
         self._lock = threading.Lock()
         n = buf.numel()
         parts = [(n * k // threads, n * (k + 1) // threads) for k in range(threads)]
-        self._threads = [threading.Thread(target=self._run, args=(lo, hi), name=f"nebula-fault-ahead-{k}",
+        self._threads = [threading.Thread(target=self._run, args=(buf, lo, hi), name=f"nebula-fault-ahead-{k}",
                                           daemon=True) for k, (lo, hi) in enumerate(reversed(parts))]
         for t in self._threads:
             t.start()
 
-    def _run(self, lo: int, hi: int) -> None:
+    def _run(self, buf: torch.Tensor, lo: int, hi: int) -> None:
         global _unsupported
         madvise = _madvise()
         if madvise is None:
             return
         page = 4096
-        base = self._buf.data_ptr()
+        base = buf.data_ptr()
         end = hi
         while end > lo and not self._stop.is_set():
             start = max(lo, end - CHUNK_BYTES)
