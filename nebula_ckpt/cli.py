@@ -24,7 +24,8 @@ from typing import Any, Mapping, Optional, Sequence
 from nebula_ckpt.errors import CorruptCheckpointError, NebulaError
 from nebula_ckpt.format import manifest as mf
 from nebula_ckpt.ranks.fencing import read_run_id
-from nebula_ckpt.restore.core import NotThisLayout, OpenCheckpoint, materialize, open_checkpoint, read_manifest
+from nebula_ckpt.restore.apply import materialize
+from nebula_ckpt.restore.open import NotThisLayout, OpenCheckpoint, open_checkpoint, read_manifest
 from nebula_ckpt.storage.base import Storage
 from nebula_ckpt.tiers.memory.shm import Owner
 from nebula_ckpt.tiers.settings import Tier, canonical_root, default_tiers, refuse_url_credentials, strip_credentials
@@ -423,7 +424,7 @@ def cmd_export(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
     from nebula_ckpt.format.tree import decode
-    from nebula_ckpt.restore.core import tensor_keys
+    from nebula_ckpt.restore.walk import tensor_keys
 
     to = args.to
     folder = os.path.dirname(os.path.abspath(to))

@@ -26,7 +26,7 @@ from nebula_ckpt.errors import CorruptCheckpointError
 from nebula_ckpt.format import manifest as mf
 from nebula_ckpt.ranks import shards as ranks
 from nebula_ckpt.ranks.coordinator import LocalCoordinator
-from nebula_ckpt.restore.core import NotThisLayout, open_checkpoint
+from nebula_ckpt.restore.open import NotThisLayout, open_checkpoint
 from nebula_ckpt.storage.local import LocalStorage
 from test_hostile_manifest import Man, rewrite
 
