@@ -80,7 +80,9 @@ def run_id(storage: Storage) -> str:
     return new
 
 
-def _generations(storage: Storage) -> list[int]:
+def generations(storage: Storage) -> list[int]:
+    """The writer generations recorded on ``storage`` (``_nebula/writers/g-<n>.json``), ascending
+    (the one listing of them)."""
     out = []
     for name in storage.list(WRITERS_DIR):
         m = _G_RE.match(name)
@@ -139,7 +141,7 @@ class Fence:
     def _acquire(self) -> int:
         info = json.dumps({"host": socket.gethostname(), "pid": os.getpid(), "time": time.time()}).encode()
         for _ in range(100):
-            gens = _generations(self.storage)
+            gens = generations(self.storage)
             g = (gens[-1] + 1) if gens else 1
             try:
                 self.storage.write_small(f"{WRITERS_DIR}/g-{g}.json", info, create_only=True)
@@ -182,7 +184,7 @@ class TierFence:
             except FileExistsError:
                 pass
             self._recorded = True
-        gens = _generations(self.storage)
+        gens = generations(self.storage)
         if gens and gens[-1] > g:
             why = (f"{self.storage.display_url}: a newer writer (generation {gens[-1]}) took over this "
                    f"checkpoint root, so this writer (generation {g}) does not {what}, nor write anything "

@@ -2,7 +2,7 @@
 
 A :class:`~nebula_ckpt.tiers.settings.Tier` is configuration (cadence, retention, where). Its runtime,
 made by ``tier.runtime(storage)``, owns everything special about it, so the orchestration
-(:mod:`nebula_ckpt.checkpointer`, :mod:`nebula_ckpt.save.persist`, :mod:`nebula_ckpt.save.snapshot`)
+(:mod:`nebula_ckpt.checkpointer`, :mod:`nebula_ckpt.save.writer`, :mod:`nebula_ckpt.save.snapshot`)
 loops over runtimes without asking which kind a tier is.
 
 Call order, all on the thread that owns the Checkpointer unless said otherwise:
