@@ -24,6 +24,7 @@ from nebula_ckpt.restore.restorer import Restorer
 from nebula_ckpt.root import open_root
 from nebula_ckpt.save.pipeline import SavePipeline
 from nebula_ckpt.save.plan import check_step
+from nebula_ckpt.tiers.memory.replicas import start_replicator
 from nebula_ckpt.tiers.settings import Tier, canonical_root, refuse_url_credentials
 
 log = logging.getLogger("nebula_ckpt")
@@ -172,6 +173,12 @@ class Checkpointer:
         # a reader deletes nothing, even in memory; a writer's saves may be what the tier holds
         self._restores = Restorer(runtimes, self.coordinator, shown, allow_pickle,
                                   may_adopt=lambda: self._saves.writers is None and not self.read_only)
+        try:  # copies of the memory tier on partner nodes (MemoryTier(replicas=k)): a collective
+            self._saves.replicator = self._restores.replicator = \
+                start_replicator(list(tiers or []), runtimes, self.coordinator, self.read_only)
+        except BaseException:
+            self._opened.release()
+            raise
         self._closed = False
         _open_checkpointers.add(self)
         log.info("nebula_ckpt: checkpointer on %s, tiers %s, %s path", shown,

@@ -276,6 +276,15 @@ class SaveProgress:
             h._durable.set()
         h._settle([tier])
 
+    def part_done(self, part: str, error: Optional[BaseException] = None, dropped: bool = False) -> None:
+        """A part of the save that is not a tier writer (the memory tier's ``replicas``, named with
+        the tiers when the save began) is over, as :meth:`tier_done` says; ignored when the save
+        is over already (skipped, aborted)."""
+        with self._h._lock:
+            if part not in self._h._pending:
+                return
+        self.tier_done(part, error, dropped)
+
     def abort(self, error: BaseException) -> None:
         """``save_async`` itself failed after the copy was enqueued (the pipeline has waited for
         the copy and taken the snapshot back): the save is over, with ``error``, and nothing of

@@ -119,6 +119,13 @@ _KNOBS: dict[str, _Knob] = {
                                "how long `nebula-ckpt gc` waits for a memory tier's root (a mount, a blob "
                                "store) to answer; a root that does not answer in time is unknown, and its "
                                "memory tier is kept"),
+    "node_id": _Knob("NEBULA_NODE_ID", None, str,
+                     "the node this process runs on, for memory-tier replicas (default: the host name); "
+                     "ranks with one node id share a fate, so replicas go to other node ids. Tests "
+                     "simulate nodes on one machine with it (each with its own NEBULA_SHM_DIR)"),
+    "replica_timeout_s": _Knob("NEBULA_REPLICA_TIMEOUT_S", 600.0, float,
+                               "multi-rank: how long a memory-tier replica transfer (one round of sends and "
+                               "receives among the ranks) may take before the replicas of that save fail"),
     "small_unguarded_bytes": _Knob("NEBULA_SMALL_UNGUARDED_BYTES", 1 << 20, int,
                                    "unguarded CPU tensors (no module or optimizer hook can make their next "
                                    "change wait for the copy) up to this many bytes in all are copied on the "

@@ -1,4 +1,4 @@
-"""The ``nebula-ckpt`` command line: ls, verify, inspect, export, gc, bench.
+"""The ``nebula-ckpt`` command line: ls, verify, inspect, export, gc, persist-memory, bench.
 
 Multi-rank checkpoints (format v2) are understood everywhere: ls and verify show the job's
 world size and check every rank's shard, inspect shows global shapes and which rank stores
@@ -27,6 +27,7 @@ from nebula_ckpt.cli.common import close_opened, storage_options_arg
 from nebula_ckpt.cli.export import add_export_parser, cmd_export
 from nebula_ckpt.cli.gc import add_gc_parser, cmd_gc
 from nebula_ckpt.cli.listing import cmd_inspect, cmd_ls
+from nebula_ckpt.cli.persist_memory import add_persist_memory_parser, cmd_persist_memory
 from nebula_ckpt.cli.verify import cmd_verify
 from nebula_ckpt.errors import NebulaError, PickleNotAllowedError
 from nebula_ckpt.tiers.settings import refuse_url_credentials
@@ -34,7 +35,8 @@ from nebula_ckpt.tiers.settings import refuse_url_credentials
 __all__ = ["main", "build_parser"]
 
 COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
-    "ls": cmd_ls, "verify": cmd_verify, "inspect": cmd_inspect, "export": cmd_export, "gc": cmd_gc}
+    "ls": cmd_ls, "verify": cmd_verify, "inspect": cmd_inspect, "export": cmd_export, "gc": cmd_gc,
+    "persist-memory": cmd_persist_memory}
 
 
 def _common(sp: argparse.ArgumentParser) -> None:
@@ -63,6 +65,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_choice_arguments(sp)
     add_export_parser(sub, _common)
     add_gc_parser(sub)
+    add_persist_memory_parser(sub, _common)
     sub.add_parser("bench", help="benchmark against torch.save (and peers, from a checkout); see bench --help",
                    add_help=False)
     return p

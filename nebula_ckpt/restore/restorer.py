@@ -19,7 +19,7 @@ from nebula_ckpt.ranks.coordinator import Coordinator
 from nebula_ckpt.restore.adopt import adoption_for
 from nebula_ckpt.restore.apply import apply, materialize, stage_restore
 from nebula_ckpt.restore.open import OpenCheckpoint, read_manifest
-from nebula_ckpt.restore.select import Stage, find_and_open, open_agreed, open_tagged
+from nebula_ckpt.restore.select import Stage, find_and_open, list_candidates, open_agreed, open_tagged
 from nebula_ckpt.storage.base import Storage
 from nebula_ckpt.tiers.runtime import TierRuntime
 from nebula_ckpt.tiers.settings import Tier
@@ -46,8 +46,11 @@ class Restorer:
         self.root = root
         self.allow_pickle = allow_pickle
         self._may_adopt = may_adopt
-        #: ``{"step", "tier", "adopted_bytes"}`` of the last restore (``None`` before any)
+        #: ``{"step", "tier", "adopted_bytes"}`` of the last restore (``None`` before any); with
+        #: memory-tier replicas also ``sources`` (where each rank's copy was) and ``source`` (this rank's)
         self.last_restore: Optional[dict[str, Any]] = None
+        #: memory-tier replicas on partner nodes (:mod:`nebula_ckpt.tiers.memory.replicas`), or None
+        self.replicator: Any = None
 
     def tier_pairs(self) -> list[tuple[Tier, Storage]]:
         """``(tier, storage)`` of every tier read, fastest first."""
@@ -117,14 +120,22 @@ class Restorer:
         if on_damaged not in ("raise", "warn"):
             raise ValidationError(f"on_damaged must be 'raise' or 'warn', got {on_damaged!r}")
         pairs = self.tier_pairs()
+        rec = None
         if self.coordinator.world_size > 1:
             among = None if tag is None else self.steps_tagged(tag)
+            if self.replicator is not None:  # lost memory-tier copies come back from partners first
+                shared = [c.order for c in list_candidates([(t, s) for t, s in pairs if t.shared])]
+                rec = self.replicator.recover(shared, step, among)
             ck = open_agreed(pairs, self.coordinator, self.root, step, on_damaged, among, stage)
         elif tag is not None:
             ck = open_tagged(pairs, self.steps_tagged(tag), tag, self.root, stage)
         else:
             ck = find_and_open(pairs, step=step, on_all_damaged=on_damaged, stage=stage)
         self.last_restore = None if ck is None else {"step": ck.step, "tier": ck.tier_name, "adopted_bytes": 0}
+        if ck is not None and self.last_restore is not None and rec is not None and rec["step"] == ck.step:
+            # where each rank's copy was before the restore: its own memory tier, a partner's
+            # replica (pulled into its memory tier), a shared tier; ``tier``: where this rank read it
+            self.last_restore.update(sources=rec["sources"], source=rec["sources"][self.coordinator.rank])
         return ck
 
     def stage(self, into: Any, map_location: Any, strict: bool) -> Optional[Stage]:

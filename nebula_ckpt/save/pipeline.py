@@ -33,6 +33,7 @@ from nebula_ckpt.save.fanout import fan_out
 from nebula_ckpt.save.plan import Plan, make_plan
 from nebula_ckpt.save.snapshot import Snapshot, Stager
 from nebula_ckpt.save.writer import TierWriter
+from nebula_ckpt.tiers.memory.replicas import PART as REPLICAS
 from nebula_ckpt.tiers.runtime import TierRuntime
 from nebula_ckpt.tiers.settings import now
 
@@ -86,6 +87,8 @@ class SavePipeline:
         self._metrics: dict[str, Any] = {"saves_finished": 0, "bytes_saved": 0, "blocked_s_total": 0.0,
                                          "blocked_s_max": 0.0, "durable_s_last": {}, "last_save": None}
         self._told_unguarded = False
+        #: copies of the memory tier on partner nodes (:mod:`nebula_ckpt.tiers.memory.replicas`), or None
+        self.replicator: Any = None
 
     def start(self) -> list[TierWriter]:
         """At the first save: the tiers this process writes, their writer threads, the stager."""
@@ -119,15 +122,21 @@ class SavePipeline:
         self.pool.check_fits(plan.layout.total_bytes)
         writers = self.start()
         t_now = now()
+        repl = self.replicator
         with self._lock:
             idx = self.count
             self.count += 1
+            if repl is not None:
+                repl.submit(idx)  # its round comes next, in the same order on every rank
         try:
             return self._save_indexed(idx, plan, writers, t_now, t0)
         except BaseException:
             for w in writers:  # the ranks' rounds of this save go on without this rank
                 self.coordinator.abandon(w.name, idx)
             raise
+        finally:
+            if repl is not None:
+                repl.submitted(idx)
 
     def _save_indexed(self, idx: int, plan: Plan, writers: list[TierWriter], t_now: float, t0: float) -> SaveHandle:
         """The rest of :meth:`save_async` for save number ``idx`` of this job."""
@@ -135,10 +144,8 @@ class SavePipeline:
         for w in writers:
             if w not in targets:
                 self.coordinator.abandon(w.name, idx)
-        handle = SaveHandle(plan.step, [w.name for w in targets], plan.tag)
+        handle = self._new_handle(idx, plan, targets, t0)
         progress = handle.progress
-        progress.begin(t0, plan.layout.total_bytes, self._save_finished)
-        progress.bind_settled(lambda tier: self.coordinator.abandon(tier, idx))
         if not targets:
             progress.skip("no tier's cadence wanted this save")
             progress.returned()
@@ -169,6 +176,21 @@ class SavePipeline:
         snap = Snapshot(plan, slot, job, handle, self.pool, targets, t0, index=idx)
         self._hand_over(snap, overlap)
         progress.returned()
+        return handle
+
+    def _new_handle(self, idx: int, plan: Plan, targets: list[TierWriter], t0: float) -> SaveHandle:
+        """The handle of save ``idx``: its tiers, and the memory tier's replicas when it goes there."""
+        repl, mem = self.replicator, next((w.name for w in targets if not w.tier.shared), None)
+        handle = SaveHandle(plan.step, [w.name for w in targets] + ([REPLICAS] if repl and mem else []), plan.tag)
+        handle.progress.begin(t0, plan.layout.total_bytes, self._save_finished)
+        if repl is not None and mem is not None:
+            repl.attach(idx, handle)
+
+        def settled(tier: str) -> None:  # the ranks' protocol, and the replicas' round, hear of it
+            self.coordinator.abandon(tier, idx)
+            if repl is not None and tier == mem:
+                repl.settled(idx)
+        handle.progress.bind_settled(settled)
         return handle
 
     def _hand_over(self, snap: Snapshot, overlap: bool) -> None:
@@ -298,12 +320,16 @@ class SavePipeline:
         for w in self.writers or []:
             w.wait_idle()
         self._flush_newest()
+        if self.replicator is not None:
+            self.replicator.close()  # its last rounds, before the memory tier may go
         written = [w.runtime for w in self.writers or []]
         for rt in written:
             rt.close(written)   # e.g. the memory tier frees its RAM when that is safe
         for w in self.writers or []:
             w.close()
         self.coordinator.close(self.count)
+        if self.replicator is not None:
+            self.replicator.release()
         self.pool.close()
 
     def _flush_newest(self) -> None:
@@ -339,7 +365,8 @@ class SavePipeline:
             m = dict(self._metrics)
             m["durable_s_last"] = dict(self._metrics["durable_s_last"])
         return {"staging_bytes": self.pool.allocated_bytes, "memory_tier_slot_bytes": self.pool.memory_tier_bytes,
-                "staging_allocations": self.pool.allocations, "saves": self.count, **m}
+                "staging_allocations": self.pool.allocations, "saves": self.count, **m,
+                **({"replicas": self.replicator.stats()} if self.replicator is not None else {})}
 
     def _save_finished(self, handle: SaveHandle) -> None:
         """A save is over on every tier (a writer thread calls this): fold its metrics in."""

@@ -134,17 +134,29 @@ class MemoryTier(Tier):
     Args:
         path: folder to use; default: ``<shm_dir>/nebula_ckpt-<uid>/<hash of root>``.
         keep_last: default 1 (the previous checkpoint is deleted only after the new one commits).
+        replicas: copies of each rank's memory-tier step kept in the memory tier of ``replicas``
+            partner ranks on other nodes, so that losing up to that many nodes loses no rank's
+            newest step (:mod:`nebula_ckpt.tiers.memory.replicas`). Default 0: a copy costs the
+            partner's RAM and a transfer per save, and a job on one node has no partner.
     """
 
     path: Optional[str] = None
+    replicas: int = 0
     #: True when the folder is the default ``<shm_dir>/nebula_ckpt-<uid>/<hash>`` (set by bind)
     default_layout: bool = field(default=False, init=False)
 
-    def __init__(self, path: Optional[str] = None, *, keep_last: int = 1, **kw: Any) -> None:
+    def __init__(self, path: Optional[str] = None, *, keep_last: int = 1, replicas: int = 0, **kw: Any) -> None:
         super().__init__(keep_last=keep_last, **kw)
         self.kind = "memory"
         self.path = path
+        self.replicas = replicas
         self.default_layout = False
+
+    def validate(self) -> None:
+        super().validate()
+        if not isinstance(self.replicas, int) or isinstance(self.replicas, bool) or self.replicas < 0:
+            raise ValidationError(f"tier {self.name}: replicas must be an int >= 0 (copies on other nodes), "
+                                  f"got {self.replicas!r}")
 
     def bind(self, root_url: str, rank: int = 0) -> None:
         """Resolve the default folder for ``root_url`` and ``rank`` (called by the Checkpointer)."""

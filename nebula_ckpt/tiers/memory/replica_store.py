@@ -1,0 +1,200 @@
+"""Replicas in a rank's memory tier: where they live, how one becomes visible, what is kept.
+
+A rank's memory-tier folder ``M`` holds, beside its own ``step-N/`` checkpoints:
+
+* ``M/replicas/r<R>/step-N/`` — a verified copy of rank ``R``'s memory-tier step ``N``: the same
+  files (``COMMIT``, ``manifest.json``, the shard), byte for byte;
+* ``M/replicas/.incoming-<id>/step-N/`` — a copy being received. It becomes visible by one
+  ``rename`` into place, and only after every file arrived whole and the copy opened with every
+  checksum verified (commit marker, manifest, each tensor's CRC32C): a receiver killed at any
+  moment leaves an ``.incoming-*`` folder, which no reader lists and the next start sweeps.
+
+A step pulled back at restore (its owner lost its memory tier) lands in ``M/step-N/`` the same
+way: received under ``.incoming-*``, verified, renamed into place.
+
+Retention: per source rank, the newest ``keep`` replicas stay (the memory tier's ``keep_last``);
+an older one goes once a newer one is visible. So a rank holds at most ``keep + 1`` steps of each
+rank it is a partner of (the extra one while it is received).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import shutil
+import uuid
+from typing import Optional
+
+from nebula_ckpt.format import manifest as mf
+from nebula_ckpt.restore.open import open_checkpoint, read_manifest
+from nebula_ckpt.storage.local import LocalStorage
+
+log = logging.getLogger(__name__)
+
+REPLICA_DIR = "replicas"
+INCOMING_PREFIX = ".incoming-"
+#: the only file names a step folder sent between ranks may hold
+_FILE_RE = re.compile(r"^(COMMIT|manifest\.json|shard-g\d+-r\d+\.safetensors)$")
+_SOURCE_RE = re.compile(r"^r(\d+)$")
+
+
+def step_files(folder: str, step: int) -> list[tuple[str, int]]:
+    """``(name, size)`` of the files of ``folder/step-N`` that a copy carries, commit marker last.
+
+    Raises:
+        FileNotFoundError: the step is not committed there.
+    """
+    d = os.path.join(folder, mf.step_dir(step))
+    if not os.path.isfile(os.path.join(d, mf.COMMIT)):
+        raise FileNotFoundError(f"{d} holds no committed step")
+    names = sorted(n for n in os.listdir(d) if _FILE_RE.match(n) and n != mf.COMMIT)
+    return [(n, os.path.getsize(os.path.join(d, n))) for n in names + [mf.COMMIT]]
+
+
+def safe_name(name: str) -> bool:
+    """Whether ``name`` may be written into a step folder received from another rank."""
+    return bool(_FILE_RE.match(name))
+
+
+def committed(folder: str) -> list[tuple[int, int]]:
+    """``(writer generation, step)`` of the committed steps in ``folder`` (unreadable markers skipped)."""
+    if not os.path.isdir(folder):
+        return []
+    st = LocalStorage(folder, private=True, fsync=False)
+    out = []
+    for s in mf.committed_steps(st):
+        try:
+            out.append((mf.read_commit(st, s, f"{folder} step {s}").generation, s))
+        except Exception as e:  # a damaged marker is no copy
+            log.debug("nebula_ckpt: %s step %d: unreadable commit marker: %s", folder, s, e)
+    return sorted(out)
+
+
+def of_world(folder: str, orders: list[tuple[int, int]], world: int) -> list[tuple[int, int]]:
+    """Those of ``orders`` (committed steps in ``folder``) saved by a job of ``world`` ranks: a
+    rank's part of another world size is restored through the shared tiers, never from memory."""
+    st = LocalStorage(folder, private=True, fsync=False)
+    out = []
+    try:
+        for g, s in orders:
+            try:
+                man = read_manifest(st, s)
+            except Exception as e:  # a damaged copy is no source
+                log.debug("nebula_ckpt: %s step %d: %s", folder, s, e)
+                continue
+            if man.world_size == world:
+                out.append((g, s))
+    finally:
+        st.close()
+    return out
+
+
+def verify_step(folder: str, step: int, rank: int, world: int, verify: str = "full") -> None:
+    """Open ``folder/step-N`` as rank ``rank`` of ``world`` would, checking ``verify`` (every
+    checksum with ``"full"``, file sizes with ``"size"``).
+
+    Raises:
+        CorruptCheckpointError / OSError / NotThisLayout: it is not a healthy copy.
+    """
+    st = LocalStorage(folder, private=True, fsync=False)
+    try:
+        open_checkpoint(st, step, verify, f"{folder} step {step}", rank, world)
+    finally:
+        st.close()
+
+
+def folder_bytes(path: str) -> int:
+    """Bytes of the files under ``path`` (0 when it does not exist)."""
+    total = 0
+    for dirpath, _, files in os.walk(path):
+        for f in files:
+            try:
+                total += os.lstat(os.path.join(dirpath, f)).st_size
+            except OSError:
+                pass
+    return total
+
+
+class ReplicaStore:
+    """The replicas a rank holds in its memory-tier folder ``folder`` (see the module docstring)."""
+
+    def __init__(self, folder: str) -> None:
+        self.folder = folder
+        self.base = os.path.join(folder, REPLICA_DIR)
+
+    def source_dir(self, rank: int) -> str:
+        """Folder of the replicas of ``rank``."""
+        return os.path.join(self.base, f"r{rank}")
+
+    def sweep(self) -> None:
+        """Remove copies a killed receiver left half-done (never visible; no reader lists them)."""
+        if not os.path.isdir(self.base):
+            return
+        for n in os.listdir(self.base):
+            if n.startswith(INCOMING_PREFIX):
+                shutil.rmtree(os.path.join(self.base, n), ignore_errors=True)
+
+    def incoming(self, step: int) -> str:
+        """A new private folder ``.incoming-<id>/step-N`` to receive a copy into."""
+        os.makedirs(self.base, mode=0o700, exist_ok=True)
+        root = os.path.join(self.base, f"{INCOMING_PREFIX}{uuid.uuid4().hex[:12]}")
+        os.mkdir(root, 0o700)
+        os.mkdir(os.path.join(root, mf.step_dir(step)), 0o700)
+        return root
+
+    def discard(self, incoming: str) -> None:
+        """Drop a copy that failed (its folder, whatever it holds)."""
+        shutil.rmtree(incoming, ignore_errors=True)
+
+    def publish(self, incoming: str, step: int, dest: str) -> None:
+        """Make the verified copy in ``incoming`` visible as ``dest/step-N`` (one rename; a damaged
+        copy already there is moved aside first and removed after)."""
+        os.makedirs(dest, mode=0o700, exist_ok=True)
+        target = os.path.join(dest, mf.step_dir(step))
+        old = None
+        if os.path.lexists(target):
+            old = os.path.join(self.base, f"{INCOMING_PREFIX}old-{uuid.uuid4().hex[:12]}")
+            os.rename(target, old)
+        os.rename(os.path.join(incoming, mf.step_dir(step)), target)
+        shutil.rmtree(incoming, ignore_errors=True)
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+
+    def held(self) -> dict[int, list[tuple[int, int]]]:
+        """Source rank -> ``(generation, step)`` of the visible replicas of it."""
+        out: dict[int, list[tuple[int, int]]] = {}
+        if not os.path.isdir(self.base):
+            return out
+        for n in os.listdir(self.base):
+            m = _SOURCE_RE.match(n)
+            if m:
+                have = committed(os.path.join(self.base, n))
+                if have:
+                    out[int(m.group(1))] = have
+        return out
+
+    def prune(self, rank: int, keep: int) -> None:
+        """Keep the newest ``keep`` replicas of ``rank`` (commit marker first, as retention does)."""
+        d = self.source_dir(rank)
+        steps = [s for _, s in committed(d)]
+        for s in sorted(steps)[:-keep] if keep > 0 else steps:
+            sd = os.path.join(d, mf.step_dir(s))
+            try:
+                os.unlink(os.path.join(sd, mf.COMMIT))
+            except OSError:
+                pass
+            shutil.rmtree(sd, ignore_errors=True)
+
+    def held_bytes(self) -> int:
+        """Bytes of every replica held (and copies being received)."""
+        return folder_bytes(self.base)
+
+    def free_after(self, nbytes: int) -> Optional[float]:
+        """Fraction of the tmpfs left free after ``nbytes`` more (None if unknown)."""
+        try:
+            sv = os.statvfs(self.folder)
+        except OSError:
+            return None
+        total = sv.f_blocks * sv.f_frsize
+        return None if total <= 0 else (sv.f_bavail * sv.f_frsize - nbytes) / total

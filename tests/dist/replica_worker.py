@@ -1,0 +1,121 @@
+"""One rank of a memory-tier replica test job (run by tests/dist/test_replicas.py).
+
+Usage: python replica_worker.py SCENARIO ROOT OUT SHM_BASE NODES_OF K [DISK_EVERY] [STEPS]
+
+``NODES_OF`` maps ranks to simulated nodes (``"0,0,1,1"``: ranks 0 and 1 on node n0, ...); each
+simulated node has its own memory tier under ``SHM_BASE/n<i>`` (``NEBULA_SHM_DIR``) and its id in
+``NEBULA_NODE_ID``. Scenarios:
+
+* ``save``: train, save steps 1..STEPS to ``[MemoryTier(replicas=K), LocalTier(ROOT, every=DISK_EVERY)]``,
+  wait for every handle (replicas included), report each step's state digest, then end like a
+  crash (``os._exit``: nothing is closed, the memory tiers stay);
+* ``save_kill_receiving``: as ``save``, but a rank holding replicas SIGKILLs itself while a copy
+  is being received (after the bytes arrived, before it is verified and made visible);
+* ``restore``: a fresh model, ``load_latest`` into it, report the step, the digest, ``last_restore``
+  and ``stats()``, then close.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import signal
+import sys
+from typing import Any
+
+SCENARIO, ROOT, OUT, SHM_BASE, NODES_OF, K = sys.argv[1:7]
+DISK_EVERY = int(sys.argv[7]) if len(sys.argv) > 7 else 1000
+STEPS = int(sys.argv[8]) if len(sys.argv) > 8 else 3
+RANK = int(os.environ["RANK"])
+NODE = NODES_OF.split(",")[RANK]
+os.environ["NEBULA_NODE_ID"] = f"n{NODE}"
+os.environ["NEBULA_SHM_DIR"] = os.path.join(SHM_BASE, f"n{NODE}")
+os.makedirs(os.environ["NEBULA_SHM_DIR"], exist_ok=True)
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+import nebula_ckpt as nc  # noqa: E402
+from nebula_ckpt.tiers.memory import replica_store  # noqa: E402
+
+
+def _state(seed: int) -> dict[str, Any]:
+    torch.manual_seed(seed)
+    model = torch.nn.Linear(32, 16)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    return {"model": model, "optim": opt, "extra": torch.zeros(64)}
+
+
+def _train(st: dict[str, Any], step: int) -> None:
+    g = torch.Generator().manual_seed(1000 * RANK + step)
+    loss = st["model"](torch.randn(4, 32, generator=g)).square().mean()
+    st["optim"].zero_grad()
+    loss.backward()
+    st["optim"].step()
+    st["extra"].add_(RANK + step)
+
+
+def _digest(st: dict[str, Any]) -> str:
+    h = hashlib.sha256()
+    flat = {"model": st["model"].state_dict(), "extra": st["extra"]}
+    for k, v in sorted(flat["model"].items()):
+        h.update(k.encode() + v.numpy().tobytes())
+    h.update(flat["extra"].numpy().tobytes())
+    for k, s in sorted(st["optim"].state_dict()["state"].items()):
+        for name, t in sorted(s.items()):
+            h.update(f"{k}/{name}".encode() + t.numpy().tobytes())
+    return h.hexdigest()
+
+
+def _tiers() -> list[nc.Tier]:
+    return [nc.MemoryTier(replicas=int(K)), nc.LocalTier(ROOT, every=DISK_EVERY)]
+
+
+def _report(data: dict[str, Any]) -> None:
+    with open(os.path.join(OUT, f"{SCENARIO}-r{RANK}.json"), "w") as f:
+        json.dump(data, f, default=str)
+
+
+def _kill_while_receiving() -> None:
+    """A holder dies with a copy's bytes received but not yet verified nor visible."""
+    real = replica_store.verify_step
+
+    def dying(folder: str, *a: Any, **kw: Any) -> None:
+        if ".incoming-" in folder:
+            os.kill(os.getpid(), signal.SIGKILL)
+        real(folder, *a, **kw)
+    replica_store.verify_step = dying
+    from nebula_ckpt.tiers.memory import replicas
+    replicas.verify_step = dying  # the name the transfer calls
+
+
+def save() -> None:
+    st = _state(RANK)
+    ck = nc.Checkpointer(ROOT, tiers=_tiers())
+    digests, written, errors = {}, {}, {}
+    for step in range(1, STEPS + 1):
+        _train(st, step)
+        if SCENARIO == "save_kill_receiving" and step == STEPS and RANK == 1:
+            _kill_while_receiving()
+        h = ck.save_async(step, st)
+        digests[step] = _digest(st)
+        try:
+            written[step] = h.result()
+        except nc.NebulaError as e:
+            errors[step] = str(e)
+    _report({"digests": digests, "written": written, "errors": errors, "stats": ck.stats()})
+    os._exit(0)
+
+
+def restore() -> None:
+    st = _state(100 + RANK)
+    with nc.Checkpointer(ROOT, tiers=_tiers()) as ck:
+        step = ck.load_latest(st)
+        _report({"step": step, "digest": _digest(st), "last_restore": ck.last_restore, "stats": ck.stats()})
+
+
+if __name__ == "__main__":
+    dist.init_process_group("gloo")
+    {"save": save, "save_kill_receiving": save, "restore": restore}[SCENARIO]()
+    dist.destroy_process_group()

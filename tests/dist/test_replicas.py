@@ -1,0 +1,165 @@
+"""Memory-tier replicas on partner nodes, on real ranks (gloo on 127.0.0.1, spawned processes).
+
+Nodes are simulated: each rank gets ``NEBULA_NODE_ID=n<i>`` and its node's own ``NEBULA_SHM_DIR``
+(see ``replica_worker.py``). A node is lost by deleting its memory-tier folder after the job
+ended like a crash (nothing closed); the restarted job's ranks on it start empty. Every state
+comparison is bit-exact (a SHA-256 of every tensor's bytes, model and optimizer).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from nebula_ckpt import knobs
+from nebula_ckpt.errors import ValidationError
+from nebula_ckpt.save.epilogue import persist_memory
+
+from .launch import run_ranks
+
+pytestmark = [pytest.mark.timeout(300)]
+
+
+class Job:
+    """Save / restore jobs of ``replica_worker.py`` on simulated nodes, one shm folder per node."""
+
+    def __init__(self, tmp: Path, nodes_of: str, k: int, disk_every: int = 1000, steps: int = 3) -> None:
+        self.tmp, self.nodes_of, self.k = tmp, nodes_of, k
+        self.world = len(nodes_of.split(","))
+        self.root, self.shm = str(tmp / "root"), tmp / "shm"
+        self.extra = [str(disk_every), str(steps)]
+        self.runs = 0
+
+    def run(self, scenario: str, expect_killed: tuple[int, ...] = ()) -> list[dict[str, Any]]:
+        self.runs += 1
+        out = self.tmp / f"out{self.runs}"
+        out.mkdir()
+        done = run_ranks(self.world, "replica_worker.py",
+                         [scenario, self.root, str(out), str(self.shm), self.nodes_of, str(self.k), *self.extra],
+                         out, str(self.shm), timeout=200)
+        for r, p in enumerate(done):
+            want = -9 if r in expect_killed else 0
+            assert p.returncode == want, f"rank {r} ended with {p.returncode}:\n{p.stdout[-4000:]}"
+        return [json.loads((out / f"{scenario}-r{r}.json").read_text())
+                if r not in expect_killed else {} for r in range(self.world)]
+
+    def lose(self, *nodes: int) -> None:
+        """The nodes' RAM is gone (their memory-tier folders and everything in them)."""
+        for n in nodes:
+            shutil.rmtree(self.shm / f"n{n}")
+
+    def snapshot(self, name: str) -> Path:
+        """A copy of every node's memory tier, to lose different nodes from the same state."""
+        dst = self.tmp / name
+        shutil.copytree(self.shm, dst, symlinks=True)
+        return dst
+
+    def restore_from(self, snap: Path) -> None:
+        shutil.rmtree(self.shm)
+        shutil.copytree(snap, self.shm, symlinks=True)
+
+    def replica_dirs(self, node: int) -> list[Path]:
+        return sorted((self.shm / f"n{node}").glob("nebula_ckpt-*/*/replicas/*"))
+
+
+def _check_exact(saved: list[dict[str, Any]], restored: list[dict[str, Any]], step: int) -> None:
+    for r, (s, got) in enumerate(zip(saved, restored, strict=True)):
+        assert got["step"] == step, f"rank {r} restored step {got['step']}, expected {step}"
+        assert got["digest"] == s["digests"][str(step)], f"rank {r}: restored state differs from step {step}"
+
+
+def test_a_step_only_in_memory_survives_the_loss_of_either_node(tmp_path: Path) -> None:
+    job = Job(tmp_path, "0,0,1,1", k=1)
+    saved = job.run("save")
+    for s in saved:  # every save's replicas committed; only step 1 reached the disk tier
+        assert not s["errors"] and all("replicas" in w for w in s["written"].values())
+        assert s["stats"]["replicas"]["held_bytes"] > 0 and s["stats"]["replicas"]["sent_bytes"] > 0
+    assert sorted(os.listdir(job.root)) == ["_nebula", "step-1"]
+    with knobs.override(shm_dir=str(job.shm / "n0")), pytest.raises(ValidationError, match="4-rank job"):
+        persist_memory(job.root)  # one node's part of a multi-rank step cannot be the root's step
+    snap = job.snapshot("after-save")
+    for lost in (0, 1):
+        job.restore_from(snap)
+        job.lose(lost)
+        got = job.run("restore")
+        _check_exact(saved, got, 3)
+        lost_ranks = [r for r, n in enumerate(job.nodes_of.split(",")) if int(n) == lost]
+        for r, g in enumerate(got):
+            src = g["last_restore"]["source"]
+            if r in lost_ranks:
+                assert src.startswith("replica from rank ") and int(src.split()[-1]) not in lost_ranks, src
+            else:
+                assert src == "memory"
+            assert g["last_restore"]["tier"].startswith("memory:")  # the pulled copy is read from its memory tier
+        # the pulled copies stay in the restarted node's memory tier
+        assert len(list((job.shm / f"n{lost}").glob("nebula_ckpt-*/*/step-3/COMMIT"))) == len(lost_ranks)
+
+
+def test_sigkill_while_receiving_leaves_no_partial_replica_visible(tmp_path: Path) -> None:
+    job = Job(tmp_path, "0,0,1,1", k=1)
+    # rank 1 (node 0) holds rank 3's replicas; it is killed receiving step 3's copy
+    saved = job.run("save_kill_receiving", expect_killed=(1,))
+    assert any(str(3) in s.get("errors", {}) for s in saved if s), "the others saw the round fail"
+    held = [d for d in job.replica_dirs(0) if d.name == "r3"]
+    assert len(held) == 1
+    assert sorted(p.name for p in held[0].iterdir()) == ["step-2"]       # step 3 never became visible
+    leftovers = list(held[0].parent.glob(".incoming-*"))
+    assert leftovers and any(leftovers[0].glob("step-3/shard-*"))        # it was being received
+    # rank 3's node is lost too: its newest copy anywhere is step 2, rank 0 only keeps step 3 in
+    # memory: the newest step every rank can get is step 1 on the disk tier
+    job.lose(1)
+    got = job.run("restore")
+    assert all(g["step"] == 1 for g in got)
+    assert all(g["last_restore"]["tier"].startswith("local:") for g in got)
+    assert not list(held[0].parent.glob(".incoming-*"))                  # swept by the restart
+
+
+def test_a_corrupted_replica_is_detected_and_the_next_source_used(tmp_path: Path) -> None:
+    job = Job(tmp_path, "0,0,1,1", k=1, disk_every=1)
+    saved = job.run("save")
+    job.lose(1)
+    # rank 2's copy (held by rank 0 on node 0): flip one byte of tensor data
+    shard = next(p for d in job.replica_dirs(0) if d.name == "r2" for p in d.glob("step-3/shard-*"))
+    data = bytearray(shard.read_bytes())
+    data[-5] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    got = job.run("restore")
+    _check_exact(saved, got, 3)
+    sources = got[0]["last_restore"]["sources"]
+    assert sources == ["memory", "memory", "shared tier", "replica from rank 1"], sources
+    assert got[2]["last_restore"]["tier"].startswith("local:")
+
+
+@pytest.mark.parametrize("k,cases", [(1, [((1,), 3), ((0, 1), 1)]), (2, [((0, 1), 3), ((0, 1, 2), None)])])
+def test_three_nodes(tmp_path: Path, k: int, cases: list[tuple[tuple[int, ...], Any]]) -> None:
+    """k=1: one node lost costs nothing; losing both holders of rank 0's copy (its node and its
+    partner's) falls back to the newest step every rank still has (disk, step 1). k=2: two nodes
+    lost cost nothing; all three lost: the disk's step 1."""
+    job = Job(tmp_path, "0,1,2", k=k)
+    saved = job.run("save")
+    for r, s in enumerate(saved):
+        partners = s["stats"]["replicas"]["partners"]
+        assert len(set(partners)) == k and r not in partners
+        assert s["stats"]["replicas"]["held_bytes"] > 0
+    snap = job.snapshot("after-save")
+    for lost, step in cases:
+        job.restore_from(snap)
+        job.lose(*lost)
+        got = job.run("restore")
+        _check_exact(saved, got, step or 1)
+
+
+def test_too_few_nodes_for_k_is_refused_on_every_rank(tmp_path: Path) -> None:
+    job = Job(tmp_path, "0,0,1,1", k=2)
+    out = tmp_path / "out"
+    out.mkdir()
+    done = run_ranks(4, "replica_worker.py", ["save", job.root, str(out), str(job.shm), job.nodes_of, "2"],
+                     out, str(job.shm), timeout=200)
+    for p in done:
+        assert p.returncode != 0
+        assert "ValidationError" in p.stdout and "replicas=2" in p.stdout and "2 node(s)" in p.stdout, p.stdout[-2000:]

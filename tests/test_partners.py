@@ -1,0 +1,106 @@
+"""Partner choice for memory-tier replicas and the restore plan (pure functions; the transfer
+itself runs on real ranks in tests/dist/test_replicas.py)."""
+
+from __future__ import annotations
+
+import pytest
+
+import nebula_ckpt as nc
+from nebula_ckpt import knobs
+from nebula_ckpt.errors import ValidationError
+from nebula_ckpt.ranks.partners import choose_partners, node_id, sources_of
+from nebula_ckpt.tiers.memory import recovery
+
+LAYOUTS = [
+    ["a", "a", "b", "b"],
+    ["a", "b", "c"],
+    ["a", "a", "a", "b", "b", "c"],            # uneven nodes
+    ["x", "y", "x", "y", "z", "z", "w", "w"],  # ranks interleaved over nodes
+]
+
+
+@pytest.mark.parametrize("nodes", LAYOUTS)
+def test_partners_are_on_other_nodes_and_never_share_one(nodes: list[str]) -> None:
+    n_nodes = len(set(nodes))
+    for k in range(0, n_nodes):
+        partners = choose_partners(nodes, k)
+        assert len(partners) == len(nodes)
+        for r, ps in enumerate(partners):
+            assert len(ps) == k
+            where = [nodes[p] for p in ps]
+            assert nodes[r] not in where, f"rank {r} has a partner on its own node: {ps}"
+            assert len(set(where)) == k, f"rank {r}'s partners share a node: {ps}"
+        # every copy has a holder that knows it holds it
+        assert sum(len(sources_of(partners, r)) for r in range(len(nodes))) == k * len(nodes)
+
+
+def test_even_nodes_spread_the_copies_evenly() -> None:
+    nodes = ["a"] * 4 + ["b"] * 4 + ["c"] * 4
+    partners = choose_partners(nodes, 2)
+    assert all(len(sources_of(partners, r)) == 2 for r in range(len(nodes)))
+
+
+@pytest.mark.parametrize("nodes,k", [(["a", "a"], 1), (["a", "b"], 2), (["a", "b", "c"], 3)])
+def test_too_few_nodes_names_the_numbers(nodes: list[str], k: int) -> None:
+    with pytest.raises(ValidationError) as e:
+        choose_partners(nodes, k)
+    msg = str(e.value)
+    assert f"replicas={k}" in msg and f"at least {k + 1} nodes" in msg and f"{len(set(nodes))} node(s)" in msg
+
+
+def test_bad_replica_counts_are_refused_before_anything_is_written(tmp_path) -> None:
+    for bad in (-1, 1.5, True, "1"):
+        with pytest.raises(ValidationError, match="replicas"):
+            nc.Checkpointer(str(tmp_path / "r"), tiers=[nc.MemoryTier(replicas=bad), nc.LocalTier(str(tmp_path / "r"))])
+    assert not (tmp_path / "r").exists() or not any((tmp_path / "r").glob("step-*"))
+
+
+def test_one_process_has_no_partner_node(tmp_path, shm_dir: str) -> None:
+    with pytest.raises(ValidationError, match="no partner"):
+        nc.Checkpointer(str(tmp_path / "r"), tiers=[nc.MemoryTier(replicas=1), nc.LocalTier(str(tmp_path / "r"))])
+
+
+def test_node_id_comes_from_the_knob() -> None:
+    with knobs.override(node_id="rack7-node3"):
+        assert node_id() == "rack7-node3"
+    assert node_id()  # the host name otherwise
+
+
+def _view(own=(), held=None, shared=(), can_pull=True):  # type: ignore[no-untyped-def]
+    return {"own": list(own), "held": held or {}, "shared": list(shared), "can_pull": can_pull}
+
+
+def test_target_is_the_newest_step_every_rank_can_get() -> None:
+    # rank 1 lost its node: its step 5 is held by rank 0; the disk has step 2
+    views = [_view(own=[(1, 5)], held={1: [(1, 5)]}, shared=[(1, 2)]), _view(shared=[(1, 2)])]
+    assert recovery.choose_target(views) == (1, 5)
+    assert recovery.assignments(views, (1, 5), [1], 0) == {1: 0}
+    assert recovery.assignments(views, (1, 5), [1], 1) == {}
+    # the holder's copy failed: step 5 excluded, the disk's step 2 is next
+    assert recovery.choose_target(views, excluded=[(1, 5)]) == (1, 2)
+    # a rank that cannot receive (no memory tier) cannot use replicas
+    views[1]["can_pull"] = False
+    assert recovery.choose_target(views) == (1, 2)
+
+
+def test_a_newer_writer_generation_wins_and_step_filters_apply() -> None:
+    views = [_view(own=[(1, 9), (2, 3)], held={1: [(2, 3)]}), _view(own=[(1, 9)], held={0: [(2, 3)]})]
+    assert recovery.choose_target(views) == (2, 3)
+    assert recovery.choose_target(views, step=9) == (1, 9)
+    assert recovery.choose_target(views, among=[1, 2]) is None
+
+
+def test_only_steps_of_this_world_size_are_offered_from_memory(tmp_path, shm_dir: str) -> None:  # noqa: ANN001
+    """A restart on another world size restores through the shared tiers (resharding), never a
+    rank's part of the old layout from memory or a replica."""
+    import torch
+
+    from nebula_ckpt.tiers.memory.replica_store import committed, of_world
+
+    folder = str(tmp_path / "tier")
+    with nc.Checkpointer(folder, memory_tier=False) as ck:
+        ck.save(1, {"w": torch.ones(3)}).result()
+    have = committed(folder)
+    assert [s for _, s in have] == [1]
+    assert of_world(folder, have, 1) == have
+    assert of_world(folder, have, 2) == []
