@@ -45,6 +45,8 @@ import torch
 
 from nebula_ckpt import native
 from nebula_ckpt.format import manifest as mf
+from nebula_ckpt.format import names as fmt_names
+from nebula_ckpt.format.commit import Commit
 from nebula_ckpt.ranks import shards as ranks
 
 ROWS, COLS = 64, 1024  # a rank's piece of each parameter (fp32): the bytes do not matter here
@@ -123,7 +125,7 @@ def simulate(kind: str, world: int, tensors: int, workdir: str, budget_s: float,
             n = idx[k]["offsets"][1] - idx[k]["offsets"][0]
             mine[k] = dict(idx[k], offsets=[off, off + n])
             off += n
-        parts.append({"step": 1, "shard": {"file": mf.shard_name(1, r), "bytes": off,
+        parts.append({"step": 1, "shard": {"file": fmt_names.shard_name(1, r), "bytes": off,
                                            "storage": {"stored_bytes": off}},
                       "tensors": mine, "aliases": {}, "tree": tree if r == 0 else None, "stats": {"tensor_bytes": 0}})
     s.values["rank 0 receives: durable round (B)"] = sum(len(pickle.dumps(p)) for p in parts)
@@ -139,15 +141,15 @@ def simulate(kind: str, world: int, tensors: int, workdir: str, budget_s: float,
     s.values["rank 0 writes (B)"] = float(len(text))
     s.values["rank reads at restore (B)"] = float(len(text))
     root = os.path.join(workdir, f"{kind}-{world}")
-    step_dir = os.path.join(root, mf.step_dir(1))
+    step_dir = os.path.join(root, fmt_names.step_dir(1))
     os.makedirs(step_dir, exist_ok=True)
     for sh in man["shards"]:
         with open(os.path.join(step_dir, sh["file"]), "wb") as f:
             f.truncate(sh["bytes"])  # sparse: the reader checks sizes, never reads bytes here
-    with open(os.path.join(step_dir, mf.MANIFEST), "wb") as f:
+    with open(os.path.join(step_dir, fmt_names.MANIFEST), "wb") as f:
         f.write(text)
-    with open(os.path.join(step_dir, mf.COMMIT), "wb") as f:
-        f.write(mf.Commit(1, 1, len(text), native.get_ops().crc32c_bytes(text)).to_bytes())
+    with open(os.path.join(step_dir, fmt_names.COMMIT), "wb") as f:
+        f.write(Commit(1, 1, len(text), native.get_ops().crc32c_bytes(text)).to_bytes())
     man, parts = {}, []  # free before the restore side
     run("rank: parse manifest (s)", lambda: mf.Manifest.parse(json.loads(text), "sim", 1))
     text = b""

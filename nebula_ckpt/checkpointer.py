@@ -21,7 +21,8 @@ import torch
 
 from nebula_ckpt import knobs
 from nebula_ckpt.errors import CorruptCheckpointError, NebulaError, NotFoundError, ValidationError
-from nebula_ckpt.format.manifest import COMMIT, check_tag, committed_steps, step_dir
+from nebula_ckpt.format.commit import committed_steps
+from nebula_ckpt.format.names import COMMIT, check_tag, step_dir
 from nebula_ckpt.handle import SaveHandle
 from nebula_ckpt.native import describe as native_describe
 from nebula_ckpt.native import get_ops, monotonic

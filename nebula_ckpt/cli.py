@@ -23,6 +23,9 @@ from typing import Any, Mapping, Optional, Sequence
 
 from nebula_ckpt.errors import CorruptCheckpointError, NebulaError
 from nebula_ckpt.format import manifest as mf
+from nebula_ckpt.format.commit import step_dirs
+from nebula_ckpt.format.names import COMMIT, shard_owner, step_dir
+from nebula_ckpt.format.records import TensorRecord
 from nebula_ckpt.ranks.fencing import read_run_id
 from nebula_ckpt.restore.core import NotThisLayout, OpenCheckpoint, materialize, open_checkpoint, read_manifest
 from nebula_ckpt.storage.base import Storage
@@ -61,7 +64,7 @@ def _tiers(root: str, storage_options: Optional[dict[str, Any]]) -> list[tuple[T
 def _dir_bytes(st: Storage, step: int) -> int:
     """Bytes stored in the folder of ``step``; a file that cannot be sized (gone, a folder, a
     symlink the storage refuses to follow) counts nothing: the step's check reports why."""
-    d = mf.step_dir(step)
+    d = step_dir(step)
     total = 0
     for n in st.list(d):
         try:
@@ -77,7 +80,7 @@ def _commit_state(st: Storage, tier: Tier, step: int) -> tuple[bool, Optional[st
     symlink (never followed), or one that cannot be read, counts as committed and damaged: the
     step is there by name and must not pass for an uncommitted leftover."""
     try:
-        st.size(f"{mf.step_dir(step)}/{mf.COMMIT}")
+        st.size(f"{step_dir(step)}/{COMMIT}")
     except FileNotFoundError:
         return False, None
     except OSError as e:
@@ -116,7 +119,7 @@ def _ranks_json(man: Optional[mf.Manifest]) -> dict[str, Any]:
     if man is None:
         return {"world_size": None, "ranks": None, "shards": None}
     return {"world_size": man.world_size, "ranks": list(man.ranks),
-            "shards": [{"file": sh.file, "rank": (mf.shard_owner(sh.file) or (0, 0))[1], "bytes": sh.bytes}
+            "shards": [{"file": sh.file, "rank": (shard_owner(sh.file) or (0, 0))[1], "bytes": sh.bytes}
                        for sh in man.shards]}
 
 
@@ -144,7 +147,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
     """Steps per tier with size and state; full checksums unless ``--quick`` (sizes only)."""
     from tqdm import tqdm
 
-    todo = [(tier, st, step) for tier, st in _tiers(args.root, args.storage_options) for step in mf.step_dirs(st)]
+    todo = [(tier, st, step) for tier, st in _tiers(args.root, args.storage_options) for step in step_dirs(st)]
     verify = "size" if args.quick else "full"
     rows: list[dict[str, Any]] = []
     for tier, st, step in tqdm(todo, desc="checking", unit="ckpt", disable=args.json or args.quick or not todo):
@@ -186,7 +189,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
     todo = []
     for tier, st in _tiers(args.root, args.storage_options):
-        for step in mf.step_dirs(st):
+        for step in step_dirs(st):
             if args.step is not None and step != args.step:
                 continue
             committed, refused = _commit_state(st, tier, step)
@@ -217,7 +220,7 @@ def _open_step(args: argparse.Namespace, verify: str) -> OpenCheckpoint:
     checkpoint included)."""
     errors = []
     for tier, st in _tiers(args.root, args.storage_options):
-        if args.step not in mf.step_dirs(st):
+        if args.step not in step_dirs(st):
             continue
         try:
             return _open_any(st, args.step, verify, f"tier {tier.name} step {args.step}")
@@ -267,11 +270,11 @@ def _leaf_text(v: Mapping[str, Any]) -> str:
     return f"{v.get('v')!r} ({t})"
 
 
-def _pieces_text(holders: list[tuple[int, str, mf.TensorRecord]], man: mf.Manifest, limit: int = 6) -> str:
+def _pieces_text(holders: list[tuple[int, str, TensorRecord]], man: mf.Manifest, limit: int = 6) -> str:
     """Which rank holds what of one logical tensor, and in whose shard it is stored."""
     parts = []
     for rank, full, rec in holders[:limit]:
-        owner = (mf.shard_owner(man.shards[rec.shard].file) or (0, rank))[1]
+        owner = (shard_owner(man.shards[rec.shard].file) or (0, rank))[1]
         where = "" if owner == rank and full == rec.key else f" in r{owner}'s shard"
         if rec.dtensor is not None:
             parts.append(f"r{rank} {rec.shape}@{rec.dtensor.offsets}{where}")
@@ -306,7 +309,7 @@ def _inspect_multi(ck: OpenCheckpoint, as_json: bool) -> None:
          f"stored, {len(man.aliases)} aliases)")
     _out("shards:")
     for sh in man.shards:
-        owner = mf.shard_owner(sh.file)
+        owner = shard_owner(sh.file)
         _out(f"  {sh.file:<40} rank {owner[1] if owner else '?':<6} {sh.bytes:>14} bytes")
     _out(f"\n{'key':<48} {'dtype':<10} {'global shape':<18} {'placement':<14} held by (local shape@offsets)")
     for key, holders in logical.items():
@@ -362,7 +365,7 @@ def _export_source(args: argparse.Namespace) -> tuple[Any, int, Any, mf.Manifest
 
     errors = []
     for tier, st in _tiers(args.root, args.storage_options):
-        if args.step not in mf.step_dirs(st):
+        if args.step not in step_dirs(st):
             continue
         where = f"tier {tier.name} step {args.step}"
         try:

@@ -20,7 +20,7 @@ import pytest
 import torch
 
 import nebula_ckpt as nc
-from nebula_ckpt.format import manifest as mf
+from nebula_ckpt.format.names import step_dir
 from nebula_ckpt.restore.core import materialize, open_checkpoint, read_manifest
 from nebula_ckpt.tiers.settings import LocalTier
 
@@ -53,7 +53,7 @@ def _flip_in(root: str, step: int, key_part: str) -> None:
     man = read_manifest(st, step)
     st.close()
     rec = next(r for k, r in man.tensors.items() if key_part in k and r.nbytes)
-    path = Path(root, mf.step_dir(step), man.shards[rec.shard].file)
+    path = Path(root, step_dir(step), man.shards[rec.shard].file)
     with open(path, "r+b") as f:  # in place: a private mapping of the file shows the new byte
         f.seek(rec.start)
         b = f.read(1)

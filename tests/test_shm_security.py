@@ -22,7 +22,7 @@ import nebula_ckpt as nc
 from flaky_fs import SCHEME, FlakyFileSystem, hanging, raising, register
 from nebula_ckpt import knobs
 from nebula_ckpt.cli import main as cli_main
-from nebula_ckpt.format.manifest import committed_steps
+from nebula_ckpt.format.commit import committed_steps
 from nebula_ckpt.storage.local import LocalStorage
 from nebula_ckpt.tiers.memory import gc as memgc
 from nebula_ckpt.tiers.memory import shm as memtier

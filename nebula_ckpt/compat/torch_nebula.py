@@ -47,7 +47,7 @@ import torch
 
 from nebula_ckpt.checkpointer import Checkpointer
 from nebula_ckpt.errors import NebulaError, NotFoundError, ValidationError
-from nebula_ckpt.format.manifest import check_tag
+from nebula_ckpt.format.names import check_tag
 from nebula_ckpt.handle import SaveHandle
 from nebula_ckpt.integrations.pointers import safe_name
 from nebula_ckpt.native import monotonic

@@ -90,11 +90,15 @@ from torch.futures import Future
 
 from nebula_ckpt.errors import ConsistencyError, FencedError, NebulaError, PersistError, ValidationError
 from nebula_ckpt.format import manifest as mf
+from nebula_ckpt.format.commit import Commit, step_dirs
+from nebula_ckpt.format.dtypes import TENSOR_DTYPES, dtype_name
+from nebula_ckpt.format.names import COMMIT, MANIFEST, parse_step_dir, shard_name, shard_owner, step_dir
 from nebula_ckpt.format.tree import MAX_DEPTH, MAX_INT_BITS, Node, encode_leaf
 from nebula_ckpt.native import byte_view, get_ops
 from nebula_ckpt.ranks.coordinator import LocalCoordinator
 from nebula_ckpt.ranks.fencing import WRITERS_DIR, Fence
-from nebula_ckpt.save.plan import check_step, placement_codes, safetensors_header
+from nebula_ckpt.format.header import safetensors_header
+from nebula_ckpt.save.plan import check_step, placement_codes
 from nebula_ckpt.storage.base import Storage, never_created
 from nebula_ckpt.tiers.settings import refuse_url_credentials
 
@@ -408,11 +412,11 @@ def _split_id(checkpoint_id: StepId) -> tuple[Optional[str], Optional[int]]:
     if not isinstance(text, str):
         raise ValidationError(f"NebulaStorageWriter: checkpoint_id must be a str path, got {type(text).__name__}")
     text = text.rstrip("/")
-    step = mf.parse_step_dir(text)
+    step = parse_step_dir(text)
     if step is not None:
         return None, step
     head, _, tail = text.rpartition("/")
-    step = mf.parse_step_dir(tail) if head else None
+    step = parse_step_dir(tail) if head else None
     return (head, step) if step is not None else (text, None)
 
 
@@ -479,7 +483,7 @@ class NebulaStorageWriter(StorageWriter):
         """``<root>/step-N`` (display form, never with credentials); None before a step is set."""
         if self.step is None:
             return None
-        return f"{self.storage.display_url.rstrip('/')}/{mf.step_dir(self.step)}"
+        return f"{self.storage.display_url.rstrip('/')}/{step_dir(self.step)}"
 
     @property
     def where(self) -> str:
@@ -542,8 +546,8 @@ class NebulaStorageWriter(StorageWriter):
                 td = item.tensor_data
                 if td is None or td.chunk is None:
                     raise ValidationError(f"NebulaStorageWriter: state key '{fqn}': a tensor item without bounds")
-                dt = mf.dtype_name(td.properties.dtype)
-                if dt not in mf.TENSOR_DTYPES:
+                dt = dtype_name(td.properties.dtype)
+                if dt not in TENSOR_DTYPES:
                     raise ValidationError(f"NebulaStorageWriter: state key '{fqn}': dtype {dt} cannot be stored "
                                           "(quantized, or without a byte size)")
                 held.append((fqn, tuple(int(o) for o in td.chunk.offsets)))
@@ -576,13 +580,13 @@ class NebulaStorageWriter(StorageWriter):
             self._paths_of.append(paths)
             self._keys.append({f: _key(f, paths) for f, _ in p.storage_data.held})
         st = self.storage
-        d = mf.step_dir(step)
+        d = step_dir(step)
         self._refuse_committed()
         fence = Fence(st, _ProcessGeneration(st))
         gen = self._gen = fence.generation
         fence.for_tier(st).check(f"write step {step}")
         for name in st.list(d):  # leftovers of failed writes of this step (older, or ours)
-            owner = mf.shard_owner(name)
+            owner = shard_owner(name)
             if owner is None or owner[0] <= gen:
                 st.remove(f"{d}/{name}")
         self._sweep(gen, step)
@@ -607,13 +611,13 @@ class NebulaStorageWriter(StorageWriter):
             raise ValidationError("NebulaStorageWriter does not support DCP's plan caching "
                                   "(DefaultSavePlanner(enable_plan_caching=True))")
         st = self.storage
-        d = mf.step_dir(info.step)
-        if st.exists(f"{d}/{mf.COMMIT}"):
+        d = step_dir(info.step)
+        if st.exists(f"{d}/{COMMIT}"):
             raise ValidationError(f"NebulaStorageWriter: step {info.step} was committed under {st.display_url} "
                                   "while this save ran; nothing is overwritten")
         prefix = f"r{info.rank}/" if info.world > 1 else ""
         paths = _paths(plan.planner_data)
-        name = mf.shard_name(info.generation, info.rank)
+        name = shard_name(info.generation, info.rank)
         shard: dict[str, Any] = {"file": name}
         out: list[tuple[WriteItem, _Written, int]] = []
         # values first: a value that cannot be stored fails the save before any byte is written
@@ -670,7 +674,7 @@ class NebulaStorageWriter(StorageWriter):
                                       "meta tensors cannot be stored; convert it to a dense tensor with data")
             offsets = tuple(int(o) for o in td.chunk.offsets)
             key = prefix + _key(fqn, paths)
-            rec: dict[str, Any] = {"dtype": mf.dtype_name(t.dtype), "shape": list(sizes),
+            rec: dict[str, Any] = {"dtype": dtype_name(t.dtype), "shape": list(sizes),
                                    "device": f"cuda:{t.get_device()}" if t.is_cuda else "cpu"}
             if item.type == WriteItemType.SHARD:
                 obj = objects.get(fqn) if isinstance(objects, dict) else None
@@ -694,8 +698,8 @@ class NebulaStorageWriter(StorageWriter):
     def _write_shard(self, rel: str, tensors: list[_Stored]) -> dict[str, Any]:
         """The rank's safetensors image, written straight from the tensors' memory and fsync'd;
         each tensor's CRC32C is taken before the write and checked again after it."""
-        order = sorted(range(len(tensors)), key=lambda i: -mf.TENSOR_DTYPES[tensors[i][1]["dtype"]].itemsize)
-        head, spans = safetensors_header([(tensors[i][0], mf.TENSOR_DTYPES[tensors[i][1]["dtype"]],
+        order = sorted(range(len(tensors)), key=lambda i: -TENSOR_DTYPES[tensors[i][1]["dtype"]].itemsize)
+        head, spans = safetensors_header([(tensors[i][0], TENSOR_DTYPES[tensors[i][1]["dtype"]],
                                            tuple(tensors[i][1]["shape"]), tensors[i][2].numel()) for i in order])
         parts: list[memoryview] = [memoryview(head)]
         for i, (a, b) in zip(order, spans, strict=True):
@@ -726,7 +730,7 @@ class NebulaStorageWriter(StorageWriter):
         world = len(results)
         if world != len(self._held):
             raise PersistError(f"{self.where}: {world} ranks reported writes, {len(self._held)} planned")
-        d = mf.step_dir(step)
+        d = step_dir(step)
         st = self.storage
         self._wrote_manifest = False
         try:
@@ -744,17 +748,17 @@ class NebulaStorageWriter(StorageWriter):
             raise
         gen = man["generation"]
         fence = Fence(st, _ProcessGeneration(st, gen)).for_tier(st)
-        rel = f"{d}/{mf.COMMIT}"
+        rel = f"{d}/{COMMIT}"
         try:
             self._refuse_committed()
             fence.check(f"commit step {step}")
             self._wrote_manifest = True
-            st.write_small(f"{d}/{mf.MANIFEST}", mbytes)
+            st.write_small(f"{d}/{MANIFEST}", mbytes)
             fence.check(f"commit step {step}")
         except BaseException:
             self._abandon(d)
             raise
-        commit = mf.Commit(step, gen, len(mbytes), get_ops().crc32c_bytes(mbytes))
+        commit = Commit(step, gen, len(mbytes), get_ops().crc32c_bytes(mbytes))
         try:
             st.write_small(rel, commit.to_bytes(), create_only=True)
         except FileExistsError:
@@ -794,13 +798,13 @@ class NebulaStorageWriter(StorageWriter):
         empty = len(safetensors_header([])[0])
         shards: list[dict[str, Any]] = []
         for r in range(world):
-            sh: dict[str, Any] = written[r][0].shard if written[r] else {"file": mf.shard_name(gen, r), "bytes": empty,
+            sh: dict[str, Any] = written[r][0].shard if written[r] else {"file": shard_name(gen, r), "bytes": empty,
                                                           "storage": {"stored_bytes": empty}}
-            if sh.get("file") != mf.shard_name(gen, r) or "bytes" not in sh:
+            if sh.get("file") != shard_name(gen, r) or "bytes" not in sh:
                 raise PersistError(f"{self.where}: rank {r} wrote {sh.get('file')!r}, expected "
-                                   f"{mf.shard_name(gen, r)} (another save's plan?)")
+                                   f"{shard_name(gen, r)} (another save's plan?)")
             try:
-                size = self.storage.size(f"{mf.step_dir(step)}/{sh['file']}")
+                size = self.storage.size(f"{step_dir(step)}/{sh['file']}")
             except FileNotFoundError:
                 raise PersistError(f"{self.where}: rank {r}'s shard {sh['file']} is not under "
                                    f"{self.storage.display_url}: every rank must write to the same root (a path "
@@ -891,10 +895,10 @@ class NebulaStorageWriter(StorageWriter):
 
     def _refuse_committed(self) -> None:
         st = self.storage
-        if st.exists(f"{mf.step_dir(self.step or 0)}/{mf.COMMIT}"):
+        if st.exists(f"{step_dir(self.step or 0)}/{COMMIT}"):
             raise ValidationError(
                 f"NebulaStorageWriter: step {self.step} is already committed under {st.display_url} "
-                f"({mf.step_dir(self.step or 0)}/{mf.COMMIT}); a committed checkpoint is never overwritten: save "
+                f"({step_dir(self.step or 0)}/{COMMIT}); a committed checkpoint is never overwritten: save "
                 "another step, or delete that one first")
 
     def _abandon(self, d: str) -> None:
@@ -903,11 +907,11 @@ class NebulaStorageWriter(StorageWriter):
         st = self.storage
         try:
             names = st.list(d)
-            if mf.COMMIT in names:
+            if COMMIT in names:
                 return
             for n in names:
-                owner = mf.shard_owner(n)
-                if (owner is not None and owner[0] == self._gen) or (n == mf.MANIFEST and self._wrote_manifest):
+                owner = shard_owner(n)
+                if (owner is not None and owner[0] == self._gen) or (n == MANIFEST and self._wrote_manifest):
                     st.remove(f"{d}/{n}")
             st.remove_empty_dir(d)
         except Exception as e:
@@ -920,13 +924,13 @@ class NebulaStorageWriter(StorageWriter):
         with _GEN_LOCK:
             failed = _UNFINISHED.pop(st.display_url, set()) - {step}
         try:
-            for s in mf.step_dirs(st):
-                d = mf.step_dir(s)
-                if s == step or st.exists(f"{d}/{mf.COMMIT}"):
+            for s in step_dirs(st):
+                d = step_dir(s)
+                if s == step or st.exists(f"{d}/{COMMIT}"):
                     continue
                 names = st.list(d)
-                owners = [mf.shard_owner(n) for n in names]
-                if s in failed or all(o is None and n == mf.MANIFEST or o is not None and o[0] < gen for n, o in
+                owners = [shard_owner(n) for n in names]
+                if s in failed or all(o is None and n == MANIFEST or o is not None and o[0] < gen for n, o in
                                       zip(names, owners, strict=True)):
                     log.info("nebula_ckpt: %s: removing uncommitted leftovers of step %d", st.display_url, s)
                     st.remove_dir(d)

@@ -113,7 +113,7 @@ from typing import TYPE_CHECKING, Any, Optional, Sequence
 
 from nebula_ckpt.checkpointer import Checkpointer
 from nebula_ckpt.errors import NebulaError, NotFoundError
-from nebula_ckpt.format.manifest import MAX_TAG_CHARS, tag_problem
+from nebula_ckpt.format.names import MAX_TAG_CHARS, tag_problem
 from nebula_ckpt.handle import SaveHandle
 from nebula_ckpt.integrations.pointers import (
     MAX_POINTER_BYTES,

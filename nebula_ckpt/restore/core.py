@@ -20,6 +20,10 @@ import torch
 
 from nebula_ckpt.errors import CorruptCheckpointError, ValidationError
 from nebula_ckpt.format import manifest as mf
+from nebula_ckpt.format.commit import committed_steps, read_commit
+from nebula_ckpt.format.header import data_start
+from nebula_ckpt.format.names import COMMIT, MANIFEST, step_dir
+from nebula_ckpt.format.records import TensorRecord
 from nebula_ckpt.format.tree import decode
 from nebula_ckpt.native import get_ops
 from nebula_ckpt.storage.base import Storage
@@ -70,7 +74,7 @@ class OpenCheckpoint:
         #: shard index -> the file mapping under its buffer (local and memory tiers)
         self._maps = maps or {}
         #: records whose checksum is still to be checked (opened with ``defer_verify``)
-        self.unverified: dict[int, list[mf.TensorRecord]] = {}
+        self.unverified: dict[int, list[TensorRecord]] = {}
         #: the restore staged for this checkpoint by :func:`find_and_open`'s ``stage`` (run it to apply)
         self.pending: Optional[Callable[[], None]] = None
         self._views: dict[str, torch.Tensor] = {}
@@ -112,7 +116,7 @@ class OpenCheckpoint:
         """Whether the keys of :attr:`tree` are this process's own (no resharding needed)."""
         return not self.manifest.multi_rank or self.rank is not None
 
-    def resolve(self, key: str) -> mf.TensorRecord:
+    def resolve(self, key: str) -> TensorRecord:
         """The stored record of ``key`` (a key of :attr:`tree`)."""
         return self.manifest.resolve(key, self.rank)
 
@@ -124,7 +128,7 @@ class OpenCheckpoint:
         """The bytes of shard ``shard`` (read and verified when the checkpoint was opened)."""
         return self._buffers[shard]
 
-    def drop(self, recs: list[mf.TensorRecord]) -> None:
+    def drop(self, recs: list[TensorRecord]) -> None:
         """Unmap the pages under ``recs`` from this process (they stay in the page cache / tmpfs).
 
         The shard mappings are private and never written, so dropping a page loses nothing: a
@@ -134,7 +138,7 @@ class OpenCheckpoint:
         for r in recs:
             _advise(self._maps.get(r.shard), r.start, r.end, _MADV_DONTNEED)
 
-    def verified_by_copy(self, recs: list[mf.TensorRecord], crcs: list[int]) -> None:
+    def verified_by_copy(self, recs: list[TensorRecord], crcs: list[int]) -> None:
         """Compare the checksums the copy engine took of ``recs`` while copying them with the
         manifest; those still unverified count as verified now.
 
@@ -195,7 +199,7 @@ def list_candidates(tiers: list[tuple[Tier, Storage]]) -> list[Candidate]:
     cands: list[tuple[int, int, int, Candidate]] = []
     for i, (tier, st) in enumerate(tiers):
         try:
-            steps = mf.committed_steps(st)
+            steps = committed_steps(st)
         except Exception as e:
             log.warning("nebula_ckpt: cannot list tier %s: %s", tier.name, e)
             continue
@@ -209,13 +213,13 @@ def _commit_generation(storage: Storage, step: int) -> tuple[int, Optional[str]]
     """The writer generation the commit marker of ``step`` names, or ``(-1, why)`` when the marker
     cannot be read (missing since listed, unreadable, garbled)."""
     try:
-        return mf.read_commit(storage, step, f"step {step}").generation, None
+        return read_commit(storage, step, f"step {step}").generation, None
     except Exception as e:
         return -1, str(e) if isinstance(e, CorruptCheckpointError) else \
             f"commit marker is unreadable ({type(e).__name__}: {e})"
 
 
-def _needed(man: mf.Manifest, rank: Optional[int]) -> dict[int, list[mf.TensorRecord]]:
+def _needed(man: mf.Manifest, rank: Optional[int]) -> dict[int, list[TensorRecord]]:
     """Shard index -> the records a restore of ``rank`` reads from it (every shard without a rank)."""
     if rank is None or not man.multi_rank:
         recs = list(man.tensors.values())
@@ -223,7 +227,7 @@ def _needed(man: mf.Manifest, rank: Optional[int]) -> dict[int, list[mf.TensorRe
         p = man.prefix(rank)
         keys = [k for k in list(man.tensors) + list(man.aliases) if k.startswith(p)]
         recs = list({id(r): r for r in (man.tensors[man.aliases.get(k, k)] for k in keys)}.values())
-    out: dict[int, list[mf.TensorRecord]] = {i: [] for i in range(len(man.shards))} \
+    out: dict[int, list[TensorRecord]] = {i: [] for i in range(len(man.shards))} \
         if rank is None or not man.multi_rank else {}
     for r in recs:
         out.setdefault(r.shard, []).append(r)
@@ -239,17 +243,17 @@ def read_manifest(storage: Storage, step: int, where: Optional[str] = None) -> m
         CorruptCheckpointError: naming ``where`` and what is wrong (missing files included).
     """
     where = where or f"{storage.display_url} step {step}"
-    d = mf.step_dir(step)
+    d = step_dir(step)
     try:
-        commit = mf.read_commit(storage, step, where)
-        mbytes = storage.read_small(f"{d}/{mf.MANIFEST}")
+        commit = read_commit(storage, step, where)
+        mbytes = storage.read_small(f"{d}/{MANIFEST}")
     except FileNotFoundError as e:
         raise CorruptCheckpointError(f"{where}: {e.filename or e} is missing") from None
     if len(mbytes) != commit.manifest_bytes or get_ops().crc32c_bytes(mbytes) != commit.manifest_crc32c:
         raise CorruptCheckpointError(f"{where}: manifest.json does not match its commit marker "
                                      "(size or checksum differs): garbled or replaced")
     if commit.step != step:
-        raise CorruptCheckpointError(f"{where}: {mf.COMMIT} is for step {commit.step}, but lies in {d}/")
+        raise CorruptCheckpointError(f"{where}: {COMMIT} is for step {commit.step}, but lies in {d}/")
     return mf.Manifest.parse(mbytes, where, step)
 
 
@@ -300,7 +304,7 @@ def read_shard(storage: Storage, man: mf.Manifest, i: int, where: str) -> torch.
 def _read_shard(storage: Storage, man: mf.Manifest, i: int, where: str) -> tuple[torch.Tensor, Optional[mmap.mmap]]:
     """:func:`read_shard`, and the file mapping under the tensor (None for bytes read into memory)."""
     sh = man.shards[i]
-    rel = f"{mf.step_dir(man.step)}/{sh.file}"
+    rel = f"{step_dir(man.step)}/{sh.file}"
     try:
         stored = storage.size(rel)
     except FileNotFoundError:
@@ -312,7 +316,7 @@ def _read_shard(storage: Storage, man: mf.Manifest, i: int, where: str) -> tuple
     if len(mv) != sh.bytes:
         raise CorruptCheckpointError(f"{where}: shard {sh.file} decodes to {len(mv)} bytes, "
                                      f"expected {sh.bytes}")
-    man.check_data_start(i, 8 + int.from_bytes(bytes(mv[:8]), "little"), where)
+    man.check_data_start(i, data_start(mv), where)
     mm = getattr(mv, "obj", None)
     return torch.frombuffer(mv, dtype=torch.uint8), mm if isinstance(mm, mmap.mmap) else None
 
@@ -335,11 +339,11 @@ def _advise(mm: Optional[mmap.mmap], start: int, end: int, advice: int) -> None:
         pass  # an old kernel without MADV_POPULATE_READ: pages fault in as they are read
 
 
-def _chunks(recs: list[mf.TensorRecord]) -> list[list[mf.TensorRecord]]:
+def _chunks(recs: list[TensorRecord]) -> list[list[TensorRecord]]:
     """``recs`` in shard order, in consecutive groups of at most a sixteenth of their bytes (4 to
     64 MiB; a larger record is a group of its own): what is mapped at once stays small."""
     limit = max(4 << 20, min(_CHUNK, sum(r.nbytes for r in recs) // 16))
-    out: list[list[mf.TensorRecord]] = []
+    out: list[list[TensorRecord]] = []
     size = 0
     for r in sorted(recs, key=lambda r: r.start):
         if not out or size + r.nbytes > limit:
@@ -350,7 +354,7 @@ def _chunks(recs: list[mf.TensorRecord]) -> list[list[mf.TensorRecord]]:
     return out
 
 
-def _verify_checksums(needed: dict[int, list[mf.TensorRecord]], buffers: dict[int, torch.Tensor],
+def _verify_checksums(needed: dict[int, list[TensorRecord]], buffers: dict[int, torch.Tensor],
                       where: str, maps: Optional[dict[int, mmap.mmap]] = None) -> None:
     """Check the CRC32C of every record, on all threads, a chunk at a time.
 
@@ -460,7 +464,7 @@ def _owned(view: torch.Tensor, device: Optional[torch.device]) -> torch.Tensor:
     return out
 
 
-def _target_device(rec: mf.TensorRecord, map_location: Any) -> Optional[torch.device]:
+def _target_device(rec: TensorRecord, map_location: Any) -> Optional[torch.device]:
     """Where a created tensor goes, with ``map_location`` as :func:`torch.load` takes it.
 
     ``None`` (the saved device, CPU where CUDA is missing), a device or string, a dict mapping
@@ -696,7 +700,7 @@ class _Staged:
         """Make every registered owned copy (checksums checked while copying)."""
         self._owned = [_owned_batch(self.ck, keys, self.map_location) for keys in self._groups]
 
-    def own_adopted(self, adopted: Mapping[int, mf.TensorRecord]) -> None:
+    def own_adopted(self, adopted: Mapping[int, TensorRecord]) -> None:
         """Replace the tensors adopted from the memory tier (ids in ``adopted``, with their
         records) by owned copies, their checksums checked: the claim on the tier's file was not
         won, so it must never be written through them.
@@ -980,7 +984,7 @@ def _drop_after_each_submodule(ck: OpenCheckpoint, module: torch.nn.Module, stat
     parameters and buffers as soon as ``load_state_dict`` has copied them (so a model's restore
     never has its whole mapped source resident). Keys it cannot match are dropped by the caller
     after the load."""
-    recs: dict[str, mf.TensorRecord] = {}
+    recs: dict[str, TensorRecord] = {}
     if state.get("t") in ("dict", "odict"):
         for k_node, v_node in state["v"]:
             if isinstance(v_node, dict) and v_node.get("t") == "tensor" and isinstance(k_node, dict) \

@@ -53,7 +53,17 @@ from typing import Any, Callable, Optional
 
 from nebula_ckpt import knobs
 from nebula_ckpt.errors import FencedError, PersistError
-from nebula_ckpt.format import manifest as mf
+from nebula_ckpt.format.commit import Commit, read_commit
+from nebula_ckpt.format.names import (
+    COMMIT,
+    MANIFEST,
+    parse_step_dir,
+    shard_generation,
+    shard_name,
+    shard_owner,
+    step_dir,
+)
+from nebula_ckpt.format.records import ShardRecord
 from nebula_ckpt.native import get_ops
 from nebula_ckpt.ranks import shards as ranks
 from nebula_ckpt.ranks.coordinator import (
@@ -83,8 +93,8 @@ def _tagged(manifest: dict[str, Any], tag: Optional[str]) -> dict[str, Any]:
 
 def delete_checkpoint(storage: Storage, step: int) -> None:
     """Delete a checkpoint: marker first (it stops being visible), then its data."""
-    d = mf.step_dir(step)
-    storage.remove(f"{d}/{mf.COMMIT}")
+    d = step_dir(step)
+    storage.remove(f"{d}/{COMMIT}")
     storage.remove_dir(d)
 
 
@@ -269,12 +279,12 @@ class TierWriter:
         Used by ``Checkpointer.close()`` to put the newest step on tiers whose cadence skipped it.
         The source's manifest is taken as is but for this tier's generation and shard record.
         """
-        d = mf.step_dir(step)
-        man = json.loads(src.read_small(f"{d}/{mf.MANIFEST}"))
+        d = step_dir(step)
+        man = json.loads(src.read_small(f"{d}/{MANIFEST}"))
         if len(man["shards"]) != 1 or self.coordinator.world_size > 1:
             raise ValueError(f"step {step} has {len(man['shards'])} shards; only one-shard checkpoints are copied")
         rec = man["shards"][0]
-        data = src.read_buffer(f"{d}/{mf.ShardRecord.parse(rec, d).file}", rec.get("storage"))
+        data = src.read_buffer(f"{d}/{ShardRecord.parse(rec, d).file}", rec.get("storage"))
 
         class _View:
             def view(self) -> memoryview:
@@ -294,7 +304,7 @@ class TierWriter:
         """The commit protocol for one step on this tier, then retention."""
         st = self.storage
         gen = self.fence.generation
-        d = mf.step_dir(item.step)
+        d = step_dir(item.step)
         self.fence.check(f"write step {item.step}")
         self._check_uncertain(item.step)
         existing = st.list(d)
@@ -302,11 +312,11 @@ class TierWriter:
             # The coordinator replaces an old checkpoint of this step before the first round
             # (marker first); this rank writes only after that round, and removes only its own
             # leftovers of an uncommitted step: never a shard of a checkpoint still committed.
-            if mf.COMMIT not in existing:
+            if COMMIT not in existing:
                 for name in existing:
-                    if mf.shard_owner(name) is not None and self._stale(name, gen):
+                    if shard_owner(name) is not None and self._stale(name, gen):
                         st.remove(f"{d}/{name}")
-        elif mf.COMMIT in existing:
+        elif COMMIT in existing:
             # Saving a step that exists: the new run owns the root (it resumed from an older step
             # or saves the same step again); the old one goes, marker first.
             log.warning("nebula_ckpt: tier %s: replacing existing checkpoint of step %d", self.name, item.step)
@@ -317,7 +327,7 @@ class TierWriter:
             for name in existing:  # leftovers of crashed writers of this step, never a live peer's
                 if self._stale(name, gen):
                     st.remove(f"{d}/{name}")
-        shard = mf.shard_name(gen, self.coordinator.rank)
+        shard = shard_name(gen, self.coordinator.rank)
         progress = _Progress()
         try:
             if self._shared:
@@ -362,18 +372,18 @@ class TierWriter:
         error may still have created it (a lost response, a failed directory fsync).
         """
         st = self.storage
-        d = mf.step_dir(step)
+        d = step_dir(step)
         mbytes = json.dumps(manifest, separators=(",", ":"), allow_nan=False).encode()
         log.debug("nebula_ckpt: phase=manifest tier=%s step=%d", self.name, step)
-        st.write_small(f"{d}/{mf.MANIFEST}", mbytes)
+        st.write_small(f"{d}/{MANIFEST}", mbytes)
         self.fence.check(f"commit step {step}")
         log.debug("nebula_ckpt: phase=commit tier=%s step=%d", self.name, step)
-        commit = mf.Commit(step, gen, len(mbytes), get_ops().crc32c_bytes(mbytes))
+        commit = Commit(step, gen, len(mbytes), get_ops().crc32c_bytes(mbytes))
         progress.may_commit = True
         try:
-            st.write_small(f"{d}/{mf.COMMIT}", commit.to_bytes(), create_only=True)
+            st.write_small(f"{d}/{COMMIT}", commit.to_bytes(), create_only=True)
         except BaseException:
-            progress.may_commit = not never_created(st, f"{d}/{mf.COMMIT}")
+            progress.may_commit = not never_created(st, f"{d}/{COMMIT}")
             raise
 
     def _write_shared(self, item: "_Item", d: str, shard: str, gen: int,
@@ -479,9 +489,9 @@ class TierWriter:
 
     def _committed(self, step: int, gen: int) -> bool:
         """Whether this generation's ``COMMIT`` of ``step`` is on the tier (read back; False when unsure)."""
-        d = mf.step_dir(step)
+        d = step_dir(step)
         try:
-            c = mf.read_commit(self.storage, step, f"{self.storage.display_url}/{d}")
+            c = read_commit(self.storage, step, f"{self.storage.display_url}/{d}")
         except Exception as e:  # missing, unreadable: not known to be committed
             log.debug("nebula_ckpt: tier %s: no readable COMMIT of step %d: %s", self.name, step, e)
             return False
@@ -491,7 +501,7 @@ class TierWriter:
         """Refuse to write ``step`` again while an earlier save of it may still commit here."""
         if step not in self._uncertain:
             return
-        if self.storage.exists(f"{mf.step_dir(step)}/{mf.COMMIT}"):
+        if self.storage.exists(f"{step_dir(step)}/{COMMIT}"):
             self._uncertain.discard(step)  # it did commit: an ordinary checkpoint from now on
             return
         raise PersistError(f"step {step} is not written again on tier {self.name}: an earlier save of it may still "
@@ -503,7 +513,7 @@ class TierWriter:
         an older generation, or this very rank of this generation. A same-generation peer rank's
         shard is in flight; a manifest is the committing rank's to replace (the coordinator's on
         a shared tier, this rank's on its own tier)."""
-        owner = mf.shard_owner(name)
+        owner = shard_owner(name)
         if owner is None:  # the manifest (or a temp file) of whoever commits on this tier
             return self.coordinator.is_coordinator or not self._shared
         return owner[0] < gen or owner == (gen, self.coordinator.rank)
@@ -523,13 +533,13 @@ class TierWriter:
         gen = self.fence.generation
         try:
             names = st.list(d)
-            if mf.COMMIT in names:  # not this save's marker (it never wrote one), but a checkpoint all the same
+            if COMMIT in names:  # not this save's marker (it never wrote one), but a checkpoint all the same
                 log.warning("nebula_ckpt: tier %s: %s holds a COMMIT; nothing of it is removed", self.name, d)
                 return
-            newer = any((o := mf.shard_owner(n)) is not None and o[0] > gen for n in names)
+            newer = any((o := shard_owner(n)) is not None and o[0] > gen for n in names)
             mine_manifest = not newer and (self.coordinator.is_coordinator or not self._shared)
             for n in names:
-                if n == shard or (n == mf.MANIFEST and mine_manifest):
+                if n == shard or (n == MANIFEST and mine_manifest):
                     st.remove(f"{d}/{n}")
             st.remove_empty_dir(d)
         except Exception as e:
@@ -547,7 +557,7 @@ class TierWriter:
             FencedError: a newer writer owns the root: nothing is deleted.
         """
         with self._delete_lock:
-            if not self.storage.exists(f"{mf.step_dir(step)}/{mf.COMMIT}"):
+            if not self.storage.exists(f"{step_dir(step)}/{COMMIT}"):
                 return False
             self.fence.check(f"remove step {step}")
             log.info("nebula_ckpt: tier %s: removing step %d (remove())", self.name, step)
@@ -566,10 +576,10 @@ class TierWriter:
         committed: list[int] = []
         uncommitted: list[int] = []
         for name in names:
-            s = mf.parse_step_dir(name)
+            s = parse_step_dir(name)
             if s is None:
                 continue
-            (committed if st.exists(f"{name}/{mf.COMMIT}") else uncommitted).append(s)
+            (committed if st.exists(f"{name}/{COMMIT}") else uncommitted).append(s)
         committed.sort()
         keep = set(committed[-self.keep_last:])
         if keep_step is not None:
@@ -583,11 +593,11 @@ class TierWriter:
         for s in uncommitted:
             if s == busy_step or s in self._uncertain:
                 continue
-            if all(self._stale(n, gen) for n in st.list(mf.step_dir(s))):
+            if all(self._stale(n, gen) for n in st.list(step_dir(s))):
                 leftovers.append(s)
         abandoned = []
         for rel, upload_id in st.incomplete_uploads():
-            g = mf.shard_generation(rel.rsplit("/", 1)[-1])
+            g = shard_generation(rel.rsplit("/", 1)[-1])
             if g is not None and g <= gen:  # ours are never in flight while we prune
                 abandoned.append((rel, upload_id))
         if not doomed and not leftovers and not abandoned:
@@ -599,7 +609,7 @@ class TierWriter:
             delete_checkpoint(st, s)
         for s in leftovers:
             log.info("nebula_ckpt: tier %s: removing uncommitted leftovers of step %d", self.name, s)
-            st.remove_dir(mf.step_dir(s))
+            st.remove_dir(step_dir(s))
         for rel, upload_id in abandoned:
             log.info("nebula_ckpt: tier %s: aborting the abandoned upload of %s", self.name, rel)
             st.abort_upload(rel, upload_id)

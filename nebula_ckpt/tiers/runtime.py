@@ -219,7 +219,7 @@ class MemoryTierRuntime(TierRuntime):
         return self.storage.write_buffer(rel, source.view())
 
     def close(self, runtimes: list[TierRuntime]) -> None:
-        from nebula_ckpt.format.manifest import committed_steps
+        from nebula_ckpt.format.commit import committed_steps
 
         if self._claim is None or not self._claim.locked:
             return  # never written by this process: not ours to remove
