@@ -38,7 +38,7 @@ from nebula_ckpt.errors import (
 from nebula_ckpt.handle import SaveHandle, SaveMetrics
 from nebula_ckpt.ranks.coordinator import Coordinator, LocalCoordinator
 from nebula_ckpt.ranks.distributed import DistCoordinator
-from nebula_ckpt.tiers.settings import LocalTier, MemoryTier, RemoteTier, Tier
+from nebula_ckpt.tiers import LocalTier, MemoryTier, RemoteTier, Tier
 
 __all__ = [
     "Checkpointer", "SaveHandle", "SaveMetrics", "MemoryTier", "LocalTier", "RemoteTier", "Tier",

@@ -37,9 +37,12 @@ from nebula_ckpt.save.persist import TierWriter
 from nebula_ckpt.save.plan import check_step, make_plan
 from nebula_ckpt.save.snapshot import Snapshot, Stager
 from nebula_ckpt.storage.base import Storage
+from nebula_ckpt.storage.urls import canonical_root, refuse_url_credentials
+from nebula_ckpt.tiers.base import Tier, now
+from nebula_ckpt.tiers.factory import runtime_for
 from nebula_ckpt.tiers.memory.shm import Owner
+from nebula_ckpt.tiers.roots import default_tiers, tier_for_root
 from nebula_ckpt.tiers.runtime import TierRuntime
-from nebula_ckpt.tiers.settings import Tier, canonical_root, default_tiers, now, refuse_url_credentials, tier_for_root
 
 log = logging.getLogger("nebula_ckpt")
 
@@ -247,7 +250,7 @@ class Checkpointer:
         Read only: the run id is only read (None: no run ever opened the root) and a tier is
         used when :meth:`~nebula_ckpt.tiers.runtime.TierRuntime.unreadable` allows it, which
         creates, claims and writes nothing."""
-        runtimes = [t.runtime(t.make_storage()) for t in chosen]
+        runtimes = [runtime_for(t, t.make_storage()) for t in chosen]
         for rt in runtimes:  # fail fast, before leaving anything behind (a listing: nothing written)
             rt.storage.check_access()
         by_name = {rt.name: rt.storage for rt in runtimes}

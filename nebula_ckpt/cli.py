@@ -29,8 +29,11 @@ from nebula_ckpt.format.records import TensorRecord
 from nebula_ckpt.ranks.fencing import read_run_id
 from nebula_ckpt.restore.core import NotThisLayout, OpenCheckpoint, materialize, open_checkpoint, read_manifest
 from nebula_ckpt.storage.base import Storage
+from nebula_ckpt.storage.urls import canonical_root, refuse_url_credentials, strip_credentials
+from nebula_ckpt.tiers.base import Tier
+from nebula_ckpt.tiers.factory import runtime_for
 from nebula_ckpt.tiers.memory.shm import Owner
-from nebula_ckpt.tiers.settings import Tier, canonical_root, default_tiers, refuse_url_credentials, strip_credentials
+from nebula_ckpt.tiers.roots import default_tiers
 
 log = logging.getLogger(__name__)
 
@@ -50,7 +53,7 @@ def _tiers(root: str, storage_options: Optional[dict[str, Any]]) -> list[tuple[T
     owner = Owner(canonical_root(root), read_run_id(root_storage))
     out = []
     for t in tiers:
-        rt = t.runtime(root_storage if t is tiers[-1] else t.make_storage())
+        rt = runtime_for(t, root_storage if t is tiers[-1] else t.make_storage())
         why = rt.unreadable(owner)
         if why:
             log.info("nebula_ckpt: tier %s not shown: %s", t.name, why)

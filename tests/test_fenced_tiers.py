@@ -27,7 +27,7 @@ from nebula_ckpt.format.commit import committed_steps
 from nebula_ckpt.format.names import step_dir
 from nebula_ckpt.storage.local import LocalStorage
 from nebula_ckpt.tiers.memory.shm import try_lock
-from nebula_ckpt.tiers.settings import memory_tier_path
+from nebula_ckpt.tiers.memory.tier import memory_tier_path
 
 pytestmark = pytest.mark.skipif(not os.path.isdir("/dev/shm"), reason="needs a tmpfs memory tier")
 

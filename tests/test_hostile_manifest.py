@@ -23,7 +23,7 @@ from nebula_ckpt.cli import main
 from nebula_ckpt.errors import CorruptCheckpointError
 from nebula_ckpt.restore.core import find_and_open, open_checkpoint
 from nebula_ckpt.storage.local import LocalStorage
-from nebula_ckpt.tiers.settings import LocalTier
+from nebula_ckpt.tiers.local import LocalTier
 
 Man = dict[str, Any]
 

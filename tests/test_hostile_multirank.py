@@ -142,8 +142,8 @@ def write_multi_rank(root: Path, step: int, world: int, pieces: dict[int, dict[s
                      aliases: Optional[dict[str, str]] = None) -> None:
     """A multi-rank checkpoint written by hand: ``pieces[rank][key] = (tensor, dtensor-json or None)``;
     every rank saved the tree ``{key: tensor}`` of the same keys (aliases: ``"r1/k" -> "r0/k"``)."""
-    from nebula_ckpt.native import get_ops
     from nebula_ckpt.format.header import safetensors_header
+    from nebula_ckpt.native import get_ops
 
     aliases = aliases or {}
     d = root / step_dir(step)

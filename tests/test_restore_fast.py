@@ -22,7 +22,7 @@ import torch
 import nebula_ckpt as nc
 from nebula_ckpt.format.names import step_dir
 from nebula_ckpt.restore.core import materialize, open_checkpoint, read_manifest
-from nebula_ckpt.tiers.settings import LocalTier
+from nebula_ckpt.tiers.local import LocalTier
 
 
 def _trained(seed: int = 0, width: int = 64) -> tuple[torch.nn.Module, torch.optim.Optimizer]:

@@ -12,7 +12,7 @@ import nebula_ckpt as nc
 from nebula_ckpt.format.names import shard_name, shard_owner
 from nebula_ckpt.ranks.coordinator import PHASE_DIGEST, PHASE_DURABLE, PHASE_INDEX, PHASE_VERDICT, LocalCoordinator
 from nebula_ckpt.storage.local import LocalStorage
-from nebula_ckpt.tiers.settings import memory_tier_path
+from nebula_ckpt.tiers.memory.tier import memory_tier_path
 
 
 class RankCoordinator(LocalCoordinator):

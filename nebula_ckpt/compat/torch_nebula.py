@@ -51,7 +51,7 @@ from nebula_ckpt.format.names import check_tag
 from nebula_ckpt.handle import SaveHandle
 from nebula_ckpt.integrations.pointers import safe_name
 from nebula_ckpt.native import monotonic
-from nebula_ckpt.tiers.settings import MemoryTier, canonical_root, refuse_url_credentials, tier_for_root
+from nebula_ckpt.tiers import MemoryTier, canonical_root, refuse_url_credentials, tier_for_root
 
 log = logging.getLogger("nebula_ckpt")
 

@@ -70,7 +70,9 @@ from nebula_ckpt.format.tree import decode
 from nebula_ckpt.native import get_ops
 from nebula_ckpt.restore.core import OpenCheckpoint, find_and_open, read_manifest
 from nebula_ckpt.storage.base import Storage
-from nebula_ckpt.tiers.settings import Tier, refuse_url_credentials, tier_for_root
+from nebula_ckpt.storage.urls import refuse_url_credentials
+from nebula_ckpt.tiers.base import Tier
+from nebula_ckpt.tiers.roots import tier_for_root
 
 log = logging.getLogger(__name__)
 

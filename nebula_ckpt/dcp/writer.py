@@ -92,15 +92,23 @@ from nebula_ckpt.errors import ConsistencyError, FencedError, NebulaError, Persi
 from nebula_ckpt.format import manifest as mf
 from nebula_ckpt.format.commit import Commit, step_dirs
 from nebula_ckpt.format.dtypes import TENSOR_DTYPES, dtype_name
-from nebula_ckpt.format.names import COMMIT, MANIFEST, parse_step_dir, shard_name, shard_owner, step_dir
+from nebula_ckpt.format.header import safetensors_header
+from nebula_ckpt.format.names import (
+    COMMIT,
+    MANIFEST,
+    WRITERS_DIR,
+    parse_step_dir,
+    shard_name,
+    shard_owner,
+    step_dir,
+)
 from nebula_ckpt.format.tree import MAX_DEPTH, MAX_INT_BITS, Node, encode_leaf
 from nebula_ckpt.native import byte_view, get_ops
 from nebula_ckpt.ranks.coordinator import LocalCoordinator
-from nebula_ckpt.ranks.fencing import WRITERS_DIR, Fence
-from nebula_ckpt.format.header import safetensors_header
+from nebula_ckpt.ranks.fencing import Fence
 from nebula_ckpt.save.plan import check_step, placement_codes
 from nebula_ckpt.storage.base import Storage, never_created
-from nebula_ckpt.tiers.settings import refuse_url_credentials
+from nebula_ckpt.storage.urls import refuse_url_credentials
 
 log = logging.getLogger(__name__)
 

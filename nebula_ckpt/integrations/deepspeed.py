@@ -98,7 +98,7 @@ from nebula_ckpt.checkpointer import Checkpointer
 from nebula_ckpt.errors import NotFoundError, PersistError, ValidationError
 from nebula_ckpt.format.names import check_tag
 from nebula_ckpt.integrations.pointers import NAME_MAX, parse_pointer, read_pointer_head, safe_name, write_local_pointer
-from nebula_ckpt.tiers.settings import canonical_root
+from nebula_ckpt.tiers import canonical_root
 
 log = logging.getLogger("nebula_ckpt")
 

@@ -99,7 +99,7 @@ import torch
 from nebula_ckpt.checkpointer import Checkpointer
 from nebula_ckpt.errors import NebulaError, NotFoundError, ValidationError
 from nebula_ckpt.handle import SaveHandle
-from nebula_ckpt.tiers.settings import refuse_url_credentials
+from nebula_ckpt.tiers import refuse_url_credentials
 
 try:
     import transformers

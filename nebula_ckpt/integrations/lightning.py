@@ -123,7 +123,7 @@ from nebula_ckpt.integrations.pointers import (
     write_local_pointer,
 )
 from nebula_ckpt.ranks.coordinator import LocalCoordinator
-from nebula_ckpt.tiers.settings import Tier, canonical_root, refuse_url_credentials
+from nebula_ckpt.tiers import Tier, canonical_root, refuse_url_credentials
 
 log = logging.getLogger(__name__)
 

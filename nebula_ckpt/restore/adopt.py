@@ -56,7 +56,7 @@ from nebula_ckpt.storage.local import hold_alone, hold_read, let_go
 if TYPE_CHECKING:
     from nebula_ckpt.restore.core import OpenCheckpoint
     from nebula_ckpt.storage.base import Storage
-    from nebula_ckpt.tiers.runtime import MemoryTierRuntime
+    from nebula_ckpt.tiers.memory.runtime import MemoryTierRuntime
 
 log = logging.getLogger(__name__)
 
@@ -241,7 +241,7 @@ def _punch_outside(fd: int, size: int, used: list[tuple[int, int]]) -> None:
 def adoption_for(runtimes: list[Any], ck: "OpenCheckpoint", saved: bool, world_size: int) -> Optional[Adoption]:
     """The adoption of ``ck`` if every condition of the module docstring holds, else None."""
     from nebula_ckpt import knobs
-    from nebula_ckpt.tiers.runtime import MemoryTierRuntime
+    from nebula_ckpt.tiers.memory.runtime import MemoryTierRuntime
 
     if not knobs.get("adopt_memory_tier") or saved or world_size > 1 or ck.manifest.multi_rank:
         return None

@@ -27,7 +27,7 @@ from nebula_ckpt.format.records import TensorRecord
 from nebula_ckpt.format.tree import decode
 from nebula_ckpt.native import get_ops
 from nebula_ckpt.storage.base import Storage
-from nebula_ckpt.tiers.settings import Tier
+from nebula_ckpt.tiers.base import Tier
 
 log = logging.getLogger(__name__)
 

@@ -29,7 +29,7 @@ import nebula_ckpt as nc
 from nebula_ckpt.format.commit import committed_steps
 from nebula_ckpt.tiers.memory.shm import try_lock
 from nebula_ckpt.storage.local import LocalStorage
-from nebula_ckpt.tiers.settings import memory_tier_path
+from nebula_ckpt.tiers.memory.tier import memory_tier_path
 
 
 def _gate(gates: str, name: str) -> None:

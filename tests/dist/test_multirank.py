@@ -18,7 +18,7 @@ import pytest
 
 from nebula_ckpt import knobs
 from nebula_ckpt.format.names import COMMIT, MANIFEST, VERSION, step_dir
-from nebula_ckpt.tiers.settings import memory_tier_path
+from nebula_ckpt.tiers.memory.tier import memory_tier_path
 
 from .launch import reports, run_ranks
 

@@ -41,8 +41,7 @@ from typing import Optional
 
 from nebula_ckpt import knobs
 from nebula_ckpt.format.commit import committed_steps
-from nebula_ckpt.format.names import COMMIT, step_dir
-from nebula_ckpt.ranks.fencing import RUN_FILE
+from nebula_ckpt.format.names import COMMIT, RUN_FILE, step_dir
 from nebula_ckpt.storage.base import Storage
 from nebula_ckpt.storage.local import LocalStorage
 from nebula_ckpt.tiers.memory.shm import Found, look, scan, try_lock
