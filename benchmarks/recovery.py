@@ -76,7 +76,7 @@ from torch import nn
 
 from benchmarks.limits import PeakRss, evict, resident_fraction
 from benchmarks.report import _target, fmt_b, fmt_s
-from nebula_ckpt.storage.local import fsync_dir
+from nebula_ckpt.storage.atomic import fsync_dir
 
 log = logging.getLogger(__name__)
 

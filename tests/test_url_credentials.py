@@ -194,7 +194,7 @@ def test_an_azure_container_at_account_url_opens_as_adlfs_reads_it() -> None:
     st = FsspecStorage(url, {"account_key": "bm90LWEtcmVhbC1rZXk="})
     try:
         assert st._root == "container/run/a"
-        assert st._fs.account_name == "account"
+        assert st.fs.account_name == "account"
         assert st.display_url == url and nc.RemoteTier(url).display_url == url
     finally:
         st.close()

@@ -45,7 +45,7 @@ def safetensors_header(items: list[tuple[str, torch.dtype, tuple[int, ...], int]
     return struct.pack("<Q", len(js)) + js, spans
 
 
-def data_start(head: bytes) -> int:
+def data_start(head: "bytes | memoryview") -> int:
     """Where tensor data starts in a shard whose first 8 bytes are ``head``: 8 + the header length
     they hold (unchecked: :meth:`~nebula_ckpt.format.manifest.Manifest.check_data_start` checks it)."""
     return 8 + int.from_bytes(bytes(head[:8]), "little")

@@ -8,17 +8,15 @@ at a path (a ``torch.save`` file) is not a pointer and is loaded the framework's
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import hashlib
 import json
 import os
 import stat
-import tempfile
 from typing import Any, Optional
 
+from nebula_ckpt import write_file_atomic
 from nebula_ckpt.errors import ValidationError
-from nebula_ckpt.storage.local import fsync_dir
 
 #: a pointer is a few hundred bytes; anything larger at a path is some other file
 MAX_POINTER_BYTES = 64 << 10
@@ -104,35 +102,7 @@ def write_local_pointer(path: str, pointer: dict[str, Any], mode: Optional[int] 
     ``mode``: the file's permissions (default: as ``open`` would make it, under the umask).
     """
     data = (json.dumps(pointer, indent=1, sort_keys=True) + "\n").encode()
-    folder = os.path.dirname(os.path.abspath(path))
-    os.makedirs(folder, exist_ok=True)
-    # the temporary name stays within NAME_MAX whatever the length of ``path``'s own name
-    prefix = "." + safe_name(os.path.basename(path), NAME_MAX - 40) + "."
-    fd, tmp = tempfile.mkstemp(prefix=prefix, suffix=TMP_SUFFIX, dir=folder)
-    try:
-        os.fchmod(fd, mode if mode is not None else 0o666 & ~_umask())  # mkstemp makes it 0600
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
-    with contextlib.suppress(OSError):  # a folder that cannot be fsync'd (some network file systems)
-        fsync_dir(folder)
-
-
-def _umask() -> int:
-    """The process's umask, read without changing it (``/proc/self/status``; 0o022 otherwise)."""
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("Umask:"):
-                    return int(line.split()[1], 8)
-    except (OSError, ValueError, IndexError):
-        pass
-    return 0o022
+    # ``mode`` None: 0o666 less the umask, as ``open`` makes files; a folder that cannot be fsync'd
+    # (some network file systems) leaves the pointer in place all the same
+    write_file_atomic(path, data, mode=0o666 if mode is None else mode, exact_mode=mode is not None,
+                      strict_dir_fsync=False, tmp_suffix=TMP_SUFFIX)

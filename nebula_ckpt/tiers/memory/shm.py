@@ -33,6 +33,7 @@ from typing import Optional
 
 from nebula_ckpt import knobs
 from nebula_ckpt.format.names import LOCK_FILE, ROOT_FILE, slot_file_name, slot_owner
+from nebula_ckpt.storage.atomic import write_file_atomic
 
 log = logging.getLogger(__name__)
 
@@ -253,11 +254,7 @@ def read_owner(folder: str) -> Optional[Owner]:
 
 
 def _write_owner(folder: str, owner: Owner) -> None:
-    tmp = os.path.join(folder, f".{ROOT_FILE}.tmp-{os.getpid()}")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
-    with os.fdopen(fd, "wb") as f:
-        f.write(owner.to_bytes())
-    os.replace(tmp, os.path.join(folder, ROOT_FILE))
+    write_file_atomic(os.path.join(folder, ROOT_FILE), owner.to_bytes(), mode=0o600, fsync=False, dir_mode=None)
 
 
 def try_lock(folder: str) -> Optional[int]:
