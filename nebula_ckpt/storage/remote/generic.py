@@ -84,6 +84,10 @@ class GenericFsspecStorage(FsspecStorage):
 
     See :class:`FsspecStorage` for the arguments (``storage_options`` go to the filesystem
     unchanged). The URL may name no container (``memory://``).
+
+    Attributes:
+        is_local_fs: the filesystem is a local one (``file://``): streams are fsync'd, folders
+            made, small files written by :func:`~nebula_ckpt.storage.atomic.write_file_atomic`.
     """
 
     _is_backend = True
@@ -99,7 +103,8 @@ class GenericFsspecStorage(FsspecStorage):
         return _StreamSink(self, path)
 
     def prepare_parent(self, path: str) -> None:
-        # on file://, writing into a missing folder fails unless the fs has auto_mkdir
+        """Make the folder of ``path`` before an object is streamed to it (on ``file://``, writing
+        into a missing folder fails unless the fs has auto_mkdir; elsewhere nothing to do)."""
         if self.is_local_fs:
             parent = path.rsplit("/", 1)[0]
             if parent:
