@@ -26,7 +26,7 @@ import torch
 import nebula_ckpt as nc
 import nebula_ckpt.compat.torch_nebula as tn
 from nebula_ckpt.compat import install_aliases
-from nebula_ckpt.format.manifest import check_tag
+from nebula_ckpt.format.names import check_tag
 from proc_lines import lines
 
 HERE = Path(__file__).resolve().parent
