@@ -366,6 +366,6 @@ def test_exact_coverage_agrees_with_counting_every_element() -> None:
 
 
 def test_a_layout_beyond_the_work_bound_is_refused_not_waited_for(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(mf, "_TILING_WORK_PER_CHUNK", 0)
+    monkeypatch.setattr("nebula_ckpt.format.dtensors.TILING_WORK_PER_CHUNK", 0)
     with pytest.raises(CorruptCheckpointError, match="too irregular to check"):
         mf.Manifest.parse(_layout_manifest((50, 200), _bricks(50, 100)), "t")
