@@ -61,7 +61,7 @@ _registry_lock = threading.Lock()
 def _shared(root: str, **kwargs: Any) -> Checkpointer:
     with _registry_lock:
         ck = _registry.get(root)
-        if ck is None or ck._closed:
+        if ck is None or ck.closed:
             ck = Checkpointer(root, **kwargs)
             _registry[root] = ck
         return ck

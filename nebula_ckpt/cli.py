@@ -27,7 +27,8 @@ from nebula_ckpt.format.commit import step_dirs
 from nebula_ckpt.format.names import COMMIT, shard_owner, step_dir
 from nebula_ckpt.format.records import TensorRecord
 from nebula_ckpt.ranks.fencing import read_run_id
-from nebula_ckpt.restore.core import NotThisLayout, OpenCheckpoint, materialize, open_checkpoint, read_manifest
+from nebula_ckpt.restore.apply import materialize
+from nebula_ckpt.restore.open import NotThisLayout, OpenCheckpoint, open_checkpoint, read_manifest
 from nebula_ckpt.storage.base import Storage
 from nebula_ckpt.storage.urls import canonical_root, refuse_url_credentials, strip_credentials
 from nebula_ckpt.tiers.base import Tier
@@ -429,7 +430,7 @@ def cmd_export(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
     from nebula_ckpt.format.tree import decode
-    from nebula_ckpt.restore.core import tensor_keys
+    from nebula_ckpt.restore.walk import tensor_keys
 
     to = args.to
     folder = os.path.dirname(os.path.abspath(to))

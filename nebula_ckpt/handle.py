@@ -102,6 +102,8 @@ class SaveHandle:
         self._snapshot_at: Optional[float] = None
         self._durable_at: dict[str, float] = {}
         self._finished: Optional[Callable[["SaveHandle"], None]] = None
+        #: the save pipeline's side of this handle (not for users: see :class:`SaveProgress`)
+        self.progress = SaveProgress(self)
         if not tiers:
             self._snapshot.set()
             self._durable.set()
@@ -122,7 +124,7 @@ class SaveHandle:
         if finish is not None and timeout is None:
             t = monotonic()
             finish()  # waits for the copy itself (GIL released), not for the stager thread
-            self._add_stall(monotonic() - t)
+            self.progress.add_stall(monotonic() - t)
         if not self._snapshot.wait(timeout):
             raise TimeoutError(f"snapshot of step {self.step} not finished after {timeout} s")
         if self._snapshot_error is not None:
@@ -177,77 +179,16 @@ class SaveHandle:
         err.__cause__ = next(iter(self._errors.values()))
         return err
 
-    # -- the library's side of the handle: other modules call these methods, never touch fields -----
-    def _bind_confirm(self, confirm: Callable[[], None]) -> None:
-        """The training-thread check ``wait_snapshot()`` / ``result()`` run first (checkpointer)."""
-        self._confirm = confirm
-
-    def _bind_settled(self, settled: Callable[[str], None]) -> None:
-        """Called with a tier's name once the save is over on that tier, however it ended
-        (the checkpointer tells the ranks' protocol that this rank is done with the save there)."""
-        self._settled = settled
-
-    def _settle(self, tiers: "list[str]") -> None:
-        if self._settled is not None:
-            for t in tiers:
-                self._settled(t)
-
-    def _begin(self, t0: float, nbytes: int, finished: Optional[Callable[["SaveHandle"], None]] = None) -> None:
-        """When ``save_async`` started (monotonic), the snapshot's size, and who hears of the end."""
-        self._t0, self._bytes, self._finished = t0, nbytes, finished
-
-    def _returned(self) -> None:
-        """``save_async`` is returning to the training thread now."""
-        self._blocked = monotonic() - self._t0
-
-    def _add_stall(self, seconds: float) -> None:
-        """The training thread waited ``seconds`` for this save's copy (a hook, ``wait_snapshot``)."""
-        with self._lock:
-            self._stalled += seconds
-
-    def _snapshot_failure(self) -> Optional[BaseException]:
-        """Why the snapshot failed, or None (tier writers check it before committing)."""
-        return self._snapshot_error
-
-    def _snapshot_settled(self) -> bool:
-        """Whether the copy's verdict is in."""
-        return self._snapshot.is_set()
-
-    def _fail_snapshot(self, error: BaseException) -> None:
-        """A later check (the training-thread confirmation) found the snapshot torn; keep the first."""
-        if self._snapshot_error is None:
-            self._snapshot_error = error
-
     def wait(self, timeout: Optional[float] = None) -> bool:
         """Wait until every tier that took the save is done (written, dropped or failed); False on
         timeout. Unlike :meth:`result` it raises nothing and does not mark a failure as seen, so
         the checkpointer still raises it from the next ``save_async`` / ``wait`` / ``close``."""
         return self._durable.wait(timeout)
 
-    def _set_snapshot(self, error: Optional[BaseException] = None) -> None:
-        if self._snapshot_at is None:
-            self._snapshot_at = monotonic()
-        self._snapshot_error = error
-        self._snapshot.set()
-        if error is not None:
-            self._durable.set()
-            self._settle(list(self._pending))
-
-    def _tier_done(self, tier: str, error: Optional[BaseException] = None, dropped: bool = False) -> None:
-        with self._lock:
-            if dropped:
-                self.tiers_dropped.append(tier)
-            elif error is not None:
-                self._errors[tier] = error
-            else:
-                self.tiers_written.append(tier)
-                self._durable_at[tier] = monotonic()
-            self._pending.discard(tier)
-            last = not self._pending
-        if last:
-            self._report()
-            self._durable.set()
-        self._settle([tier])
+    def _settle(self, tiers: "list[str]") -> None:
+        if self._settled is not None:
+            for t in tiers:
+                self._settled(t)
 
     def _report(self) -> None:
         """The save is over on every tier: one INFO line, and the checkpointer's counters."""
@@ -260,20 +201,98 @@ class SaveHandle:
             except Exception as e:  # counters must never break a save
                 log.debug("nebula_ckpt: save metrics callback failed: %s", e)
 
-    def _abort(self, error: BaseException) -> None:
-        """``save_async`` itself failed after the copy was enqueued (the checkpointer has waited
-        for the copy and taken the snapshot back): the save is over, with ``error``, and nothing
-        of it is in flight. The caller got ``error`` raised, so it counts as seen."""
-        with self._lock:
-            self._fail_snapshot(error)
-            self._pending.clear()
-            self.seen = True
-        self._snapshot.set()
-        self._durable.set()
 
-    def _skip(self, reason: str) -> None:
-        self.skipped = reason
-        self._settle(list(self._pending))
-        self._pending.clear()
-        self._snapshot.set()
-        self._durable.set()
+class SaveProgress:
+    """The save pipeline's side of one :class:`SaveHandle` (``handle.progress``): what the
+    pipeline (:mod:`nebula_ckpt.save.pipeline`), the snapshot, the fan-out and the tier writers
+    report on the save as it goes. Users read the outcome through the handle itself.
+    """
+
+    def __init__(self, handle: SaveHandle) -> None:
+        self._h = handle
+
+    def begin(self, t0: float, nbytes: int, finished: Optional[Callable[[SaveHandle], None]] = None) -> None:
+        """When ``save_async`` started (monotonic), the snapshot's size, and who hears of the end."""
+        h = self._h
+        h._t0, h._bytes, h._finished = t0, nbytes, finished
+
+    def bind_confirm(self, confirm: Callable[[], None]) -> None:
+        """The training-thread check ``wait_snapshot()`` / ``result()`` run first."""
+        self._h._confirm = confirm
+
+    def bind_settled(self, settled: Callable[[str], None]) -> None:
+        """Called with a tier's name once the save is over on that tier, however it ended
+        (the pipeline tells the ranks' protocol that this rank is done with the save there)."""
+        self._h._settled = settled
+
+    def returned(self) -> None:
+        """``save_async`` is returning to the training thread now."""
+        self._h._blocked = monotonic() - self._h._t0
+
+    def add_stall(self, seconds: float) -> None:
+        """The training thread waited ``seconds`` for this save's copy (a hook, ``wait_snapshot``)."""
+        with self._h._lock:
+            self._h._stalled += seconds
+
+    def snapshot_failure(self) -> Optional[BaseException]:
+        """Why the snapshot failed, or None (tier writers check it before committing)."""
+        return self._h._snapshot_error
+
+    def snapshot_settled(self) -> bool:
+        """Whether the copy's verdict is in."""
+        return self._h._snapshot.is_set()
+
+    def fail_snapshot(self, error: BaseException) -> None:
+        """A later check (the training-thread confirmation) found the snapshot torn; keep the first."""
+        if self._h._snapshot_error is None:
+            self._h._snapshot_error = error
+
+    def set_snapshot(self, error: Optional[BaseException] = None) -> None:
+        """The copy is done (``error``: it failed, and so did the save on every tier)."""
+        h = self._h
+        if h._snapshot_at is None:
+            h._snapshot_at = monotonic()
+        h._snapshot_error = error
+        h._snapshot.set()
+        if error is not None:
+            h._durable.set()
+            h._settle(list(h._pending))
+
+    def tier_done(self, tier: str, error: Optional[BaseException] = None, dropped: bool = False) -> None:
+        """The save is over on ``tier``: written, failed with ``error``, or ``dropped`` for a newer one."""
+        h = self._h
+        with h._lock:
+            if dropped:
+                h.tiers_dropped.append(tier)
+            elif error is not None:
+                h._errors[tier] = error
+            else:
+                h.tiers_written.append(tier)
+                h._durable_at[tier] = monotonic()
+            h._pending.discard(tier)
+            last = not h._pending
+        if last:
+            h._report()
+            h._durable.set()
+        h._settle([tier])
+
+    def abort(self, error: BaseException) -> None:
+        """``save_async`` itself failed after the copy was enqueued (the pipeline has waited for
+        the copy and taken the snapshot back): the save is over, with ``error``, and nothing of
+        it is in flight. The caller got ``error`` raised, so it counts as seen."""
+        h = self._h
+        with h._lock:
+            self.fail_snapshot(error)
+            h._pending.clear()
+            h.seen = True
+        h._snapshot.set()
+        h._durable.set()
+
+    def skip(self, reason: str) -> None:
+        """Nothing is saved, for ``reason`` (no tier's cadence wanted it, no free staging buffer)."""
+        h = self._h
+        h.skipped = reason
+        h._settle(list(h._pending))
+        h._pending.clear()
+        h._snapshot.set()
+        h._durable.set()

@@ -99,6 +99,14 @@ _KNOBS: dict[str, _Knob] = {
                                "how long `nebula-ckpt gc` waits for a memory tier's root (a mount, a blob "
                                "store) to answer; a root that does not answer in time is unknown, and its "
                                "memory tier is kept"),
+    "small_unguarded_bytes": _Knob("NEBULA_SMALL_UNGUARDED_BYTES", 1 << 20, int,
+                                   "unguarded CPU tensors (no module or optimizer hook can make their next "
+                                   "change wait for the copy) up to this many bytes in all are copied on the "
+                                   "training thread, so the rest of an asynchronous save still overlaps; "
+                                   "more, or any on a GPU, make the save synchronous"),
+    "restore_chunk_bytes": _Knob("NEBULA_RESTORE_CHUNK_BYTES", 64 << 20, int,
+                                 "restore: most bytes checksummed or copied between two drops of the mapped "
+                                 "source pages (what a restore keeps resident beyond the owned bytes)"),
     "log_level": _Knob("NEBULA_LOG_LEVEL", None, str,
                        "level of the 'nebula_ckpt' logger if set (DEBUG, INFO, ...)"),
 }

@@ -246,7 +246,7 @@ import json, os, sys, time, torch, nebula_ckpt as nc
 import threading
 from nebula_ckpt import knobs
 from nebula_ckpt.restore import adopt
-from nebula_ckpt.restore import core as restore
+from nebula_ckpt.restore import apply as restore
 root, gates, ref, me, mode = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4]), sys.argv[5]
 
 def gate(name):

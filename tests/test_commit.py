@@ -74,7 +74,7 @@ def test_unseen_background_error_raised_from_next_calls(tmp_path) -> None:  # no
 
     ck = nc.Checkpointer(root, tiers=[FaultyTier(root, fail_at="commit", fail_steps={5})])
     ck.save_async(5, _state(5))
-    ck._handles[-1]._durable.wait(30)
+    ck._saves.handles[-1].wait(30)
     with pytest.raises(nc.PersistError, match="step 5"):
         ck.save_async(6, _state(6))
     with pytest.raises(nc.PersistError, match="step 7"):

@@ -21,7 +21,8 @@ import torch
 import nebula_ckpt as nc
 from nebula_ckpt.cli import main
 from nebula_ckpt.errors import CorruptCheckpointError
-from nebula_ckpt.restore.core import find_and_open, open_checkpoint
+from nebula_ckpt.restore.open import open_checkpoint
+from nebula_ckpt.restore.select import find_and_open
 from nebula_ckpt.storage.local import LocalStorage
 from nebula_ckpt.tiers.local import LocalTier
 
@@ -246,9 +247,10 @@ def test_repeated_tree_references_allocate_once(saved: str, monkeypatch: pytest.
     """A tree naming one tensor many times costs its bytes once: never more than the shard holds."""
     many = {"t": "list", "v": [{"t": "tensor", "k": "w"}] * 5000}
     rewrite(saved, lambda m: _tree_item(m, "meta").__setitem__(1, many))
-    import nebula_ckpt.restore.core as restore
+    import nebula_ckpt.restore.copies as copies
+    from nebula_ckpt.restore.apply import materialize
 
-    real = restore.get_ops()
+    real = copies.get_ops()
     allocated: list[int] = []
 
     class Counting:
@@ -259,9 +261,9 @@ def test_repeated_tree_references_allocate_once(saved: str, monkeypatch: pytest.
             allocated.append(n)
             return real.alloc(n, *args, **kw)
 
-    monkeypatch.setattr(restore, "get_ops", lambda: Counting())
+    monkeypatch.setattr(copies, "get_ops", lambda: Counting())
     ck = open_checkpoint(LocalStorage(saved), 1, "full", "t")
-    tree = restore.materialize(ck)
+    tree = materialize(ck)
     assert len(tree["meta"]) == 5000 and all(t is tree["w"] for t in tree["meta"])
     shard_bytes = ck.manifest.shards[0].bytes
     assert sum(allocated) <= shard_bytes, (allocated, shard_bytes)
@@ -303,7 +305,7 @@ def test_any_exception_while_opening_is_a_skipped_candidate(tmp_path, shm_dir, e
     with nc.Checkpointer(root, memory_tier=False, keep_last=5) as ck:
         ck.save(1, {"w": torch.ones(3)})
         ck.save(2, {"w": torch.full((3,), 2.0)})
-    import nebula_ckpt.restore.core as restore
+    import nebula_ckpt.restore.select as restore
 
     real = restore.open_checkpoint
 

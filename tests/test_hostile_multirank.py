@@ -29,7 +29,7 @@ from nebula_ckpt.format.dtensors import tiles
 from nebula_ckpt.format.names import COMMIT, MANIFEST, shard_name, step_dir
 from nebula_ckpt.ranks import shards as ranks
 from nebula_ckpt.ranks.coordinator import LocalCoordinator
-from nebula_ckpt.restore.core import NotThisLayout, open_checkpoint
+from nebula_ckpt.restore.open import NotThisLayout, open_checkpoint
 from nebula_ckpt.storage.local import LocalStorage
 from test_hostile_manifest import Man, rewrite
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import nebula_ckpt as nc
-from nebula_ckpt import checkpointer
+from nebula_ckpt import knobs
 from nebula_ckpt.save.plan import make_plan
 
 
@@ -92,11 +92,11 @@ def test_small_unguarded_tensors_are_copied_and_the_rest_overlaps(root: str) -> 
 def test_large_unguarded_state_is_synchronous_and_says_so(root: str, caplog: pytest.LogCaptureFixture) -> None:
     model = torch.nn.Linear(256, 256)
     opt = torch.optim.SGD(model.parameters(), lr=1.0)
-    big = torch.zeros(checkpointer.SMALL_UNGUARDED_BYTES // 4 + 1)
+    big = torch.zeros(knobs.get("small_unguarded_bytes") // 4 + 1)
     with caplog.at_level(logging.INFO, logger="nebula_ckpt"):
         with nc.Checkpointer(root, snapshot="async") as ck:
             h = ck.save_async(1, {"model": model, "optim": opt, "ema": {"big": big}})
-            assert ck._inflight == [] and len(opt._optimizer_step_pre_hooks) == 0   # taken synchronously
+            assert ck._saves.inflight == [] and len(opt._optimizer_step_pre_hooks) == 0   # taken synchronously
             big.numpy()[:] = 1
             h.result()
             ck.save(2, {"model": model, "optim": opt, "ema": {"big": big}})
@@ -104,3 +104,21 @@ def test_large_unguarded_state_is_synchronous_and_says_so(root: str, caplog: pyt
     assert not back["ema"]["big"].any()
     told = [r for r in caplog.records if "no hook" in r.getMessage()]
     assert len(told) == 1 and "'ema/big'" in told[0].getMessage()    # once per checkpointer
+
+
+def test_small_unguarded_bytes_is_a_knob(root: str) -> None:
+    """The bound on unguarded tensors copied on the spot is the knob ``small_unguarded_bytes``:
+    set below the RNG state's size, the same save that overlaps by default is taken synchronously."""
+    model = torch.nn.Linear(256, 256)
+    opt = torch.optim.SGD(model.parameters(), lr=1.0)
+    rng = torch.get_rng_state()
+    with knobs.override(small_unguarded_bytes=rng.numel() - 1):
+        with nc.Checkpointer(root, snapshot="async") as ck:
+            h = ck.save_async(1, {"model": model, "optim": opt, "rng": rng})
+            assert ck._saves.inflight == [] and len(opt._optimizer_step_pre_hooks) == 0   # synchronous
+            h.result()
+    with knobs.override(small_unguarded_bytes=rng.numel()):
+        with nc.Checkpointer(root, snapshot="async") as ck:
+            h = ck.save_async(2, {"model": model, "optim": opt, "rng": rng})
+            assert len(opt._optimizer_step_pre_hooks) == 1                                # overlapped
+            h.result()

@@ -21,7 +21,9 @@ import torch
 
 import nebula_ckpt as nc
 from nebula_ckpt.format.names import step_dir
-from nebula_ckpt.restore.core import materialize, open_checkpoint, read_manifest
+from nebula_ckpt.format.records import TensorRecord
+from nebula_ckpt.restore.apply import materialize
+from nebula_ckpt.restore.open import open_checkpoint, read_manifest
 from nebula_ckpt.tiers.local import LocalTier
 
 
@@ -183,3 +185,20 @@ def test_empty_tensors_first_in_the_shard_restore(tmp_path: Path) -> None:
         out = {"e": None, "w": None, "z": None}
         assert ck.load_latest(into=out) == 1
         assert out["e"].shape == (0,) and torch.equal(out["w"], torch.ones(3)) and out["z"].shape == (0, 4)
+
+
+def test_restore_chunk_bytes_is_a_knob() -> None:
+    """What a restore maps, checksums and copies at once is bounded by the knob
+    ``restore_chunk_bytes`` (between 4 MiB and a sixteenth of the bytes restored)."""
+    from nebula_ckpt import knobs
+    from nebula_ckpt.restore.open import chunks
+
+    mib = 1 << 20
+    recs = [TensorRecord(f"t{i}", "uint8", (mib,), i * mib, (i + 1) * mib, 0) for i in range(256)]
+    assert [len(g) for g in chunks(recs)] == [16] * 16                   # a sixteenth of 256 MiB
+    with knobs.override(restore_chunk_bytes=8 * mib):
+        groups = chunks(list(reversed(recs)))
+    assert [len(g) for g in groups] == [8] * 32
+    assert [r.start for g in groups for r in g] == [r.start for r in recs]   # in shard order
+    with knobs.override(restore_chunk_bytes=mib):
+        assert [len(g) for g in chunks(recs)] == [4] * 64                 # never below 4 MiB

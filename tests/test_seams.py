@@ -87,12 +87,12 @@ def test_a_skipped_save_does_not_use_up_the_every_seconds_window(tmp_path) -> No
     hourly = nc.LocalTier(root, every_seconds=3600)
     ck = nc.Checkpointer(root, tiers=[hourly], on_full="skip")
     state = {"w": torch.ones(1024)}
-    (writer,) = ck._start()
-    held = ck._pool.acquire(1 << 20, False)            # every staging buffer is busy ...
+    (writer,) = ck._saves.start()
+    held = ck._saves.pool.acquire(1 << 20, False)            # every staging buffer is busy ...
     assert held is not None
     h = ck.save_async(1, state)
     assert h.skipped is not None and "staging" in h.skipped   # ... so this save is skipped
-    ck._pool.release(held)
+    ck._saves.pool.release(held)
     h = ck.save_async(2, state)                         # the hour has not started: the tier takes it
     assert h.result() == [hourly.name]
     assert ck.save_async(3, state).skipped is not None  # now it has
@@ -134,7 +134,7 @@ def test_slot_goes_back_when_the_copy_cannot_be_enqueued(root: str, monkeypatch:
         with pytest.raises(RuntimeError, match="injected"):
             ck.save_async(1, {"w": torch.ones(4)})
         monkeypatch.setattr(native.get_ops(), "enqueue_copy", real)
-        assert all(not s.in_use for s in ck._pool._slots)
+        assert all(not s.in_use for s in ck._saves.pool._slots)
         ck.save(2, {"w": torch.ones(4)})            # nothing left in flight: the next save works
         assert ck.list() == [2]
 

@@ -172,7 +172,7 @@ def test_restart_of_same_run_still_resumes_from_memory(root: str, shm_dir: str) 
 
 
 def _written_kinds(ck: nc.Checkpointer) -> list[str]:
-    return [w.tier.kind for w in ck._writers or []]
+    return [w.tier.kind for w in ck._saves.writers or []]
 
 
 def test_second_live_writer_on_same_root_does_not_write_the_memory_tier(root: str) -> None:

@@ -160,7 +160,7 @@ def test_no_room_in_shm_falls_back_to_copying(root: str, caplog) -> None:  # noq
 def _wait_ahead(ck: nc.Checkpointer, timeout: float = 30.0) -> None:
     """Wait until no slot file is being made in the background."""
     deadline = time.monotonic() + timeout
-    while ck._pool._preparer is not None:
+    while ck._saves.pool._preparer is not None:
         assert time.monotonic() < deadline, "slot file made ahead never finished"
         time.sleep(0.01)
 
@@ -187,7 +187,7 @@ def test_large_first_save_stages_anonymously_and_the_next_links_a_file_made_ahea
         # left is the one slot file the memory tier does not link
         nbytes = os.path.getsize(_memory_shard(ck, 6))
         assert ck.stats()["staging_bytes"] == nbytes, ck.stats()
-        assert [s.path is not None for s in ck._pool._slots] == [True, True]
+        assert [s.path is not None for s in ck._saves.pool._slots] == [True, True]
 
 
 def test_files_made_ahead_never_overwrite_a_live_checkpoint(root: str, shm_dir: str) -> None:
@@ -206,14 +206,14 @@ def test_prepare_makes_the_first_saves_find_their_slot_files(root: str, shm_dir:
     file as its checkpoint, the second save stages in the other; nothing is made meanwhile."""
     with knobs.override(slot_ahead_bytes=0), nc.Checkpointer(root) as ck:
         ck.prepare(_state(0), wait=True)
-        assert ck._pool._preparer is None
+        assert ck._saves.pool._preparer is None
         assert ck.stats()["staging_allocations"] == 2
         files = sorted(os.listdir(_slot_dir(ck)))
         assert len(files) == 2
         for step in (1, 2, 3, 4):
             ck.save(step, _state(step))
             assert os.stat(_memory_shard(ck, step)).st_nlink == 2  # linked: staged in a prepared file
-            assert ck._pool._preparer is None, f"save {step} had a file made meanwhile"
+            assert ck._saves.pool._preparer is None, f"save {step} had a file made meanwhile"
             assert torch.equal(ck.read(step)[1]["a"], _state(step)["a"])
         assert ck.stats()["staging_allocations"] == 2 and sorted(os.listdir(_slot_dir(ck))) == files
         assert ck.stats()["staging_bytes"] == os.path.getsize(_memory_shard(ck, 4))  # the other file
@@ -242,6 +242,6 @@ def test_close_while_a_file_is_made_ahead_leaves_nothing(root: str, shm_dir: str
     ck.prepare(big)
     slot_dir = _slot_dir(ck)
     ck.close()  # joins the background thread, then frees what it made
-    assert ck._pool._preparer is None
+    assert ck._saves.pool._preparer is None
     assert not os.path.isdir(slot_dir) or os.listdir(slot_dir) == []
     assert not any(t.name == "nebula-slot-ahead" for t in threading.enumerate())

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 import nebula_ckpt as nc
-from nebula_ckpt.checkpointer import Checkpointer
 from nebula_ckpt.save import snapshot as snapshot_mod
+from nebula_ckpt.save.pipeline import SavePipeline
 from nebula_ckpt.save.plan import inner_optimizer, make_plan
 
 
@@ -261,12 +261,12 @@ def test_save_async_that_raises_leaves_nothing_in_flight(root: str, monkeypatch:
     if where == "confirm":
         _interrupt_once(monkeypatch, snapshot_mod.Snapshot, "confirm")
     elif where == "hooks":
-        _interrupt_once(monkeypatch, Checkpointer, "_install_hooks")
+        _interrupt_once(monkeypatch, SavePipeline, "_install_hooks")
     else:
         _interrupt_once(monkeypatch, snapshot_mod.Stager, "submit")
     with pytest.raises(KeyboardInterrupt):
         ck.save_async(2, {"model": model, "optim": opt})
-    assert ck._inflight == [] and all(h.done() for h in ck._handles)
+    assert ck._saves.inflight == [] and all(h.done() for h in ck._saves.handles)
     _in_thread(ck.wait, 30)
     # the one staging slot came back: the next save goes through (on_full="wait" would hang)
     h = _in_thread(lambda: ck.save(3, {"model": model, "optim": opt}))

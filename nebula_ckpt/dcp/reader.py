@@ -28,7 +28,7 @@ Writing: :class:`NebulaStorageWriter` (:mod:`nebula_ckpt.dcp.writer`) is the mat
 ``StorageWriter``: ``dcp.save`` / ``dcp.async_save`` write a normal nebula_ckpt checkpoint.
 
 Everything read is verified before DCP plans the load, by the check ``load_latest`` makes
-(:func:`~nebula_ckpt.restore.core.find_and_open`): the commit marker and manifest
+(:func:`~nebula_ckpt.restore.select.find_and_open`): the commit marker and manifest
 (:meth:`Manifest.parse`, which also checks that the ranks' records agree: global shapes, dtypes,
 chunks covering each tensor exactly), the size of every shard and the CRC32C of every stored
 tensor. Without an explicit step, a damaged newer step is skipped (a warning names the damage)
@@ -68,7 +68,8 @@ from nebula_ckpt.format.names import COMMIT, parse_step_dir, step_dir
 from nebula_ckpt.format.records import TensorRecord
 from nebula_ckpt.format.tree import decode
 from nebula_ckpt.native import get_ops
-from nebula_ckpt.restore.core import OpenCheckpoint, find_and_open, read_manifest
+from nebula_ckpt.restore.open import OpenCheckpoint, read_manifest
+from nebula_ckpt.restore.select import find_and_open
 from nebula_ckpt.storage.base import Storage
 from nebula_ckpt.storage.urls import refuse_url_credentials
 from nebula_ckpt.tiers.base import Tier
@@ -124,7 +125,7 @@ def logical_tensors(man: mf.Manifest) -> dict[str, list[tuple[int, str, TensorRe
     manifest gives each key once, as rank 0."""
     groups = logical_groups(man.tensors, man.aliases, man.multi_rank)
     # the saved order (of the lowest rank's tree, then the others'), not the storage order
-    from nebula_ckpt.restore.core import tensor_keys
+    from nebula_ckpt.restore.walk import tensor_keys
 
     order: list[str] = []
     trees = sorted(set(man.rank_tree.values()), key=lambda i: min(r for r, j in man.rank_tree.items() if j == i))
@@ -187,7 +188,7 @@ class NebulaStorageReader(StorageReader):
             caller verified (skips the check; each tensor's CRC32C is then checked as it is read).
 
     The step is chosen and verified here with the health check of ``load_latest``
-    (:func:`~nebula_ckpt.restore.core.find_and_open`: commit marker, manifest, every shard's size and,
+    (:func:`~nebula_ckpt.restore.select.find_and_open`: commit marker, manifest, every shard's size and,
     with ``verify``, every tensor's CRC32C), then turned into DCP metadata, so a damaged or hostile
     checkpoint is skipped or raises from the constructor, before DCP's planner runs. The whole
     step is verified (the planner decides only later which pieces this rank reads), on every
@@ -266,7 +267,7 @@ class NebulaStorageReader(StorageReader):
 
     def _open_healthy(self, tier: Tier, storage: Storage, step: Optional[int]) -> OpenCheckpoint:
         """Open and verify the step to read, with the health check of ``load_latest``
-        (:func:`~nebula_ckpt.restore.core.find_and_open`: commit marker, manifest, the size of every
+        (:func:`~nebula_ckpt.restore.select.find_and_open`: commit marker, manifest, the size of every
         shard and, with ``verify``, the checksum of every stored tensor), before DCP plans anything.
 
         Without ``step``: the newest healthy step (damaged newer ones are skipped with a warning).
@@ -379,7 +380,7 @@ class NebulaStorageReader(StorageReader):
                     trees.append(man.rank_tree_of(r))
         else:
             trees.append(man.tree)
-        from nebula_ckpt.restore.core import tensor_keys
+        from nebula_ckpt.restore.walk import tensor_keys
 
         out: dict[str, Any] = {}
         named: set[str] = set()
@@ -497,7 +498,7 @@ class NebulaStorageReader(StorageReader):
         return fut
 
     def _read_from_shard(self, si: int, items: list[tuple[ReadItem, TensorRecord]], planner: LoadPlanner) -> None:
-        from nebula_ckpt.restore.core import read_shard
+        from nebula_ckpt.restore.open import read_shard
 
         buf = self._ck.buffer(si) if self._ck is not None else read_shard(self.storage, self.manifest, si,
                                                                           self.where)

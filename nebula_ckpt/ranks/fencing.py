@@ -15,7 +15,7 @@ tier's lock), so it commits nothing more anywhere. A fast tier that the newer wr
 (a memory tier whose lock the stale writer held) would otherwise go on taking the stale writer's
 steps. What it committed before it learnt it was fenced carries its older generation, and
 restore never prefers an older generation's checkpoint to a newer one's
-(:func:`nebula_ckpt.restore.core.list_candidates`).
+(:func:`nebula_ckpt.restore.select.list_candidates`).
 
 The check and the commit are two operations, so a takeover in between can still race; then the
 stale writer's manifest may replace the new one's, which the commit marker's manifest checksum

@@ -51,10 +51,10 @@ import torch
 from nebula_ckpt.format.names import COMMIT, step_dir
 from nebula_ckpt.format.records import TensorRecord
 from nebula_ckpt.native import get_ops
+from nebula_ckpt.restore.open import OpenCheckpoint, chunks, read_manifest
 from nebula_ckpt.storage.local import hold_alone, hold_read, let_go
 
 if TYPE_CHECKING:
-    from nebula_ckpt.restore.core import OpenCheckpoint
     from nebula_ckpt.storage.base import Storage
     from nebula_ckpt.tiers.memory.runtime import MemoryTierRuntime
 
@@ -115,8 +115,6 @@ class Adoption:
         Raises:
             CorruptCheckpointError: naming the tensor whose bytes differ (nothing handed out).
         """
-        from nebula_ckpt.restore.core import _chunks
-
         # No populate call first: the checksum pass maps the pages (tmpfs read faults map them
         # 16 at a time, and writable: the first optimizer step takes no fault); populating them
         # for writing cost more than the whole pass (0.18 s for 0.8 GB here).
@@ -124,7 +122,7 @@ class Adoption:
         for si in sorted({r.shard for r in recs}):
             mm = self.map(si)
             whole = torch.frombuffer(mm, dtype=torch.uint8)
-            for group in _chunks([r for r in recs if r.shard == si]):
+            for group in chunks([r for r in recs if r.shard == si]):
                 crcs = ops.crc32c(whole, [r.start for r in group], [r.nbytes for r in group])
                 self._ck.verified_by_copy(group, crcs)
         out = []
@@ -255,8 +253,6 @@ def _durable_elsewhere(runtimes: list[Any], ck: "OpenCheckpoint") -> bool:
     """Whether a persistent tier holds the same checkpoint committed (same step and writer
     generation), with a manifest that parses and every shard file at its recorded size (the
     bytes are not re-read: that would cost the full read adoption saves)."""
-    from nebula_ckpt.restore.core import read_manifest
-
     for rt in runtimes:
         if not rt.persistent:
             continue

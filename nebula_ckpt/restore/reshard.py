@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import logging
 import warnings
-from typing import Any, Callable, Mapping, Optional
+from typing import Any, Mapping, Optional
 
 import torch
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
@@ -27,12 +27,11 @@ from nebula_ckpt.dcp.reader import NebulaStorageReader
 from nebula_ckpt.errors import CorruptCheckpointError, NebulaError, ValidationError
 from nebula_ckpt.format import manifest as mf
 from nebula_ckpt.format.tree import decode
-from nebula_ckpt.restore.core import KeyMismatch, describe, describe_node, holds_state, tensor_keys
+from nebula_ckpt.restore.walk import Thunk, TreeWalk, describe, tensor_keys
 from nebula_ckpt.storage.base import Storage
 
 log = logging.getLogger(__name__)
 
-Thunk = Callable[[], Any]
 
 _OPTIM_HINT = ("if it is optimizer state, `into`'s optimizer has none yet: create it first (e.g. one "
                "optimizer.step() with zero gradients), or restore DCP-style state dicts from "
@@ -58,21 +57,22 @@ def _dcp_load(flat: dict[str, Any], reader: NebulaStorageReader, process_group: 
                           f"{type(exc).__name__}: {exc}") from e
 
 
-class _Matcher:
+class _Matcher(TreeWalk[Optional[Thunk]]):
     """Matches a saved tree against ``into`` without changing anything: collects the tensors to
-    fill (``flat``) and the deferred assignments / ``load_state_dict`` calls (``actions``)."""
+    fill (``flat``) and the deferred assignments / ``load_state_dict`` calls (``actions``).
+
+    Each node gives a thunk making the value that replaces its part of ``into`` in the parent,
+    or None when that part stays (filled in place)."""
+
+    exact_sequences = False
 
     def __init__(self, reader: NebulaStorageReader, strict: bool, allow_pickle: bool) -> None:
+        super().__init__(strict, f"reshard ({reader.where})")
         self.md = reader.metadata.state_dict_metadata
-        self.where = reader.where
-        self.strict = strict
+        self.src = reader.where
         self.allow_pickle = allow_pickle
         self.flat: dict[str, Any] = {}
         self.actions: list[Thunk] = []
-        #: keys only one side has (raised together with ``strict``, see :class:`KeyMismatch`)
-        self.unmatched = KeyMismatch()
-        #: > 0 while walking the state dict of an object in ``into`` (filled, then given back to it)
-        self._in_object = 0
 
     def _decoded(self, node: Mapping[str, Any], path: str) -> Thunk:
         def make() -> Any:
@@ -92,61 +92,44 @@ class _Matcher:
         if len(_ndarray_keys(node, [])) == len(keys):  # NumPy values only (an RNG state): values
             return self._values(node, path)
         if self.strict:
-            raise ValidationError(f"reshard ({self.where}): checkpoint key '{keys[0]}' has no tensor to be "
+            raise ValidationError(f"{self.where}: checkpoint key '{keys[0]}' has no tensor to be "
                                   f"restored into: {why}. Build `into` like the saved state ({_OPTIM_HINT}), "
                                   "or pass strict=False to skip it")
-        log.warning("nebula_ckpt: reshard (%s): not restoring %d tensor(s) under '%s' (%s)", self.where, len(keys),
+        log.warning("nebula_ckpt: reshard (%s): not restoring %d tensor(s) under '%s' (%s)", self.src, len(keys),
                     path or "<root>", why)
         return None
 
-    def walk(self, node: Mapping[str, Any], target: Any, path: str) -> Optional[Thunk]:
-        """Match ``node`` with ``target``; return a thunk making the value that replaces
-        ``target`` in its parent, or None when ``target`` stays (filled in place)."""
-        t = node["t"]
-        inner = node["state"] if t == "stateful" else node
-        if not isinstance(target, (torch.Tensor, dict, list, tuple)) and callable(getattr(target, "state_dict", None)) \
-                and callable(getattr(target, "load_state_dict", None)) and inner["t"] in ("dict", "odict"):
-            sd = target.state_dict()
-            self._in_object += 1
-            try:
-                repl = self.walk(inner, sd, path)
-            finally:
-                self._in_object -= 1
-            self.actions.append(lambda: target.load_state_dict(sd if repl is None else repl()))
-            return None
-        t = inner["t"]
-        if t == "tensor":
-            return self._tensor(inner["k"], target, path)
-        if t in ("dict", "odict") and isinstance(target, dict):
-            return self._dict(inner, target, path)
-        if t in ("list", "tuple") and isinstance(target, (list, tuple)) and len(target) == len(inner["v"]):
-            return self._sequence(inner, target, path)
-        if self.strict and holds_state(target):
-            # the saved value would replace `target`, and the tensors or objects in it keep their old state
-            raise ValidationError(f"reshard ({self.where}): checkpoint key '{path or '<root>'}' holds "
-                                  f"{describe_node(inner)}, `into` holds {describe(target)} there, which it cannot "
-                                  "be restored into; build `into` like the saved state, or pass strict=False to "
-                                  "replace it by the saved value")
-        if t == "ndarray":  # a NumPy leaf: its tensor is read into a buffer, then replaces `target`
-            return self._values(inner, path)
-        if t in ("dict", "odict", "list", "tuple"):
-            if target is None or not tensor_keys(inner, []):
-                return self._missing(inner, path, f"`into` holds {type(target).__name__} at '{path or '<root>'}'")
-            raise ValidationError(f"reshard ({self.where}): '{path or '<root>'}' is a {t} of {len(inner['v'])} "
-                                  f"item(s) holding tensors in the checkpoint, `into` holds {_describe(target)}; "
-                                  "build `into` like the saved state")
-        return self._decoded(inner, path)  # a plain value: the saved one replaces what `into` holds
+    def is_object(self, node: Mapping[str, Any], target: Any) -> bool:
+        inner = node["state"] if node["t"] == "stateful" else node
+        return not isinstance(target, (torch.Tensor, dict, list, tuple)) \
+            and callable(getattr(target, "state_dict", None)) and callable(getattr(target, "load_state_dict", None)) \
+            and inner["t"] in ("dict", "odict")
 
-    def _tensor(self, key: str, target: Any, path: str) -> Optional[Thunk]:
+    def on_object(self, node: Mapping[str, Any], target: Any, path: str) -> Optional[Thunk]:
+        """The object's state dict is filled like a dict, then given back with ``load_state_dict``."""
+        sd = target.state_dict()
+        self.inside_object += 1
+        try:
+            repl = self.walk(self.unwrap(node), sd, path)
+        finally:
+            self.inside_object -= 1
+        self.actions.append(lambda: target.load_state_dict(sd if repl is None else repl()))
+        return None
+
+    def unwrap(self, node: Mapping[str, Any]) -> Mapping[str, Any]:
+        return node["state"] if node["t"] == "stateful" else node
+
+    def on_tensor(self, node: Mapping[str, Any], target: Any, path: str) -> Optional[Thunk]:
+        key = node["k"]
         if not isinstance(target, torch.Tensor):
             return self._missing({"t": "tensor", "k": key}, path,
                                  f"`into` holds {type(target).__name__} at '{path or '<root>'}'")
         md = self.md.get(key)
         if not isinstance(md, TensorStorageMetadata):
-            raise CorruptCheckpointError(f"{self.where}: the saved tree names tensor '{key}', which no rank stored")
+            raise CorruptCheckpointError(f"{self.src}: the saved tree names tensor '{key}', which no rank stored")
         if tuple(target.shape) != tuple(md.size) or target.dtype != md.properties.dtype:
             raise ValidationError(
-                f"reshard ({self.where}): key '{key}': checkpoint has {md.properties.dtype} of global shape "
+                f"{self.where}: key '{key}': checkpoint has {md.properties.dtype} of global shape "
                 f"{tuple(md.size)}, `into` holds {target.dtype} {tuple(target.shape)}; build `into` with the "
                 "saved model and dtypes (the layout may differ, the global shapes may not)")
         self.flat[key] = target
@@ -156,7 +139,7 @@ class _Matcher:
         """A tensor the load fills with stored tensor ``key`` whole (the one already planned, if any)."""
         md = self.md.get(key)
         if not isinstance(md, TensorStorageMetadata):
-            raise CorruptCheckpointError(f"{self.where}: the saved tree names tensor '{key}', which no rank stored")
+            raise CorruptCheckpointError(f"{self.src}: the saved tree names tensor '{key}', which no rank stored")
         buf = self.flat.get(key)
         if not isinstance(buf, torch.Tensor):
             buf = self.flat[key] = torch.empty(tuple(md.size), dtype=md.properties.dtype)
@@ -167,36 +150,38 @@ class _Matcher:
         bufs = {k: self._buffer(k) for k in tensor_keys(node, [])}
         return lambda: decode(node, bufs.__getitem__, self.allow_pickle, path)
 
-    def _dict(self, node: Mapping[str, Any], target: dict[Any, Any], path: str) -> Optional[Thunk]:
-        saved = []
-        for k_node, v_node in node["v"]:
-            k = decode(k_node, self._no_tensor, False, path)
-            saved.append(k)
-            sub = f"{path}/{k}" if path else str(k)
-            if k in target:
-                repl = self.walk(v_node, target[k], sub)
-            elif self.strict and not self._in_object:
-                # a dict of `into` lacks it (an object's own state dict is filled and given back to it)
-                self.unmatched.saved_only.append(sub)
-                continue
-            else:
-                repl = self._missing(v_node, sub, f"`into` has no entry '{sub}'")
+    def on_missing(self, node: Mapping[str, Any], path: str) -> Optional[Thunk]:
+        return self._missing(node, path, f"`into` has no entry '{path}'")
+
+    def on_dict(self, node: Mapping[str, Any], target: dict[Any, Any], children: list[tuple[Any, Optional[Thunk]]],
+                path: str) -> Optional[Thunk]:
+        for k, repl in children:
             if repl is not None:
                 self.actions.append(_setter(target, k, repl))
-        keys = set(saved)
-        self.unmatched.into_only.extend(f"{path}/{k}" if path else str(k) for k in target if k not in keys)
         return None
 
-    def _sequence(self, node: Mapping[str, Any], target: Any, path: str) -> Optional[Thunk]:
-        repls = [self.walk(v, target[i], f"{path}/{i}") for i, v in enumerate(node["v"])]
+    def on_sequence(self, node: Mapping[str, Any], target: Any, children: list[Optional[Thunk]],
+                    path: str) -> Optional[Thunk]:
         if isinstance(target, list):
-            for i, repl in enumerate(repls):
+            for i, repl in enumerate(children):
                 if repl is not None:
                     self.actions.append(_setter(target, i, repl))
             return None
-        if all(r is None for r in repls):
+        if all(r is None for r in children):
             return None
-        return lambda: tuple(target[i] if r is None else r() for i, r in enumerate(repls))
+        return lambda: tuple(target[i] if r is None else r() for i, r in enumerate(children))
+
+    def on_value(self, node: Mapping[str, Any], target: Any, path: str) -> Optional[Thunk]:
+        t = node["t"]
+        if t == "ndarray":  # a NumPy leaf: its tensor is read into a buffer, then replaces `target`
+            return self._values(node, path)
+        if t in ("dict", "odict", "list", "tuple"):
+            if target is None or not tensor_keys(node, []):
+                return self._missing(node, path, f"`into` holds {type(target).__name__} at '{path or '<root>'}'")
+            raise ValidationError(f"{self.where}: '{path or '<root>'}' is a {t} of {len(node['v'])} "
+                                  f"item(s) holding tensors in the checkpoint, `into` holds {describe(target)}; "
+                                  "build `into` like the saved state")
+        return self._decoded(node, path)  # a plain value: the saved one replaces what `into` holds
 
 
 def _ndarray_keys(node: Any, out: list[str]) -> list[str]:
@@ -218,12 +203,6 @@ def _setter(container: Any, key: Any, make: Thunk) -> Thunk:
     def act() -> None:
         container[key] = make()
     return act
-
-
-def _describe(x: Any) -> str:
-    if isinstance(x, (list, tuple)):
-        return f"a {type(x).__name__} of {len(x)} item(s)"
-    return f"a {type(x).__name__}"
 
 
 def _dist_ready() -> bool:
@@ -265,7 +244,7 @@ def load_resharded(storage: Storage, step: int, manifest: mf.Manifest, into: Any
     if strict:
         matcher.unmatched.check(f"reshard ({reader.where}): the checkpoint")
     if repl is not None:
-        raise ValidationError(f"reshard ({reader.where}): `into` ({_describe(into)}) cannot be filled in place; "
+        raise ValidationError(f"reshard ({reader.where}): `into` ({describe(into)}) cannot be filled in place; "
                               "pass a dict, list, model or optimizer")
     log.info("nebula_ckpt: resharding %s: %d tensor(s) of %d saved rank(s)", reader.where, len(matcher.flat),
              manifest.world_size)

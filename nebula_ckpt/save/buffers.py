@@ -176,6 +176,15 @@ class StagingPool:
         self._copies_idle = threading.Event()
         self._copies_idle.set()
 
+    def serve_writers(self, slot_dir: Optional[str], max_slots: int) -> None:
+        """Fit the pool to the tiers this process writes, once they are known (before the first
+        save): their slot folder (a tier that links staged files, the memory tier: CPU saves then
+        stage in its slot files, so the bytes are copied once) and the staging buffers they need
+        at once (``max_slots``)."""
+        with self._cond:
+            self.slot_dir = slot_dir
+            self.max_slots = max_slots
+
     @property
     def allocated_bytes(self) -> int:
         """Staging bytes held by the pool now (slot files that hold a memory-tier checkpoint excluded)."""

@@ -67,7 +67,7 @@ class Delivery:
         """The tier skips this snapshot (a newer one came while it was busy): so do its feeds."""
         log.info("nebula_ckpt: tier %s dropped step %d (%s)", writer_name, self.snap.step, why)
         for name in [writer_name, *(w.name for w in self.downstream)]:
-            self.snap.handle._tier_done(name, dropped=True)
+            self.snap.handle.progress.tier_done(name, dropped=True)
         self.source.release()
 
 

@@ -237,13 +237,13 @@ class TierWriter:
                        lambda rel: delivery.shard_written(self.storage.local_path(rel)))
         except PeerSkipped as e:
             log.info("nebula_ckpt: tier %s: %s", self.name, e)
-            snap.handle._tier_done(self.name, dropped=True)
+            snap.handle.progress.tier_done(self.name, dropped=True)
         except BaseException as e:
             log.error("nebula_ckpt: tier %s failed to write step %d: %s: %s", self.name, snap.step,
                       type(e).__name__, e)
-            snap.handle._tier_done(self.name, e)
+            snap.handle.progress.tier_done(self.name, e)
         else:
-            snap.handle._tier_done(self.name)
+            snap.handle.progress.tier_done(self.name)
         finally:
             delivery.finish()
 
@@ -254,7 +254,7 @@ class TierWriter:
         """
         def confirmed() -> None:
             snap.wait_confirmed(knobs.get("confirm_timeout_s"))
-            failure = snap.handle._snapshot_failure()
+            failure = snap.handle.progress.snapshot_failure()
             if failure is not None:
                 raise failure
 

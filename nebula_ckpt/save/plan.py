@@ -87,6 +87,28 @@ class Plan:
         """Bytes of tensor data."""
         return self.layout.total_bytes - self.layout.data_start
 
+    def copy_unguarded(self, max_bytes: int) -> bool:
+        """Replace the unguarded sources by copies taken now, when they are all on the CPU and
+        ``max_bytes`` at most in all (an RNG state beside a model): the rest of the save may then
+        overlap the training thread. Whether every unguarded source is now a copy (True when
+        there is none)."""
+        if not self.unguarded:
+            return True
+        srcs = [self.sources[i] for i in self.unguarded]
+        if any(t.is_cuda for t in srcs) or sum(t.numel() * t.element_size() for t in srcs) > max_bytes:
+            return False
+        try:
+            copies = [t.clone() for t in srcs]
+        except Exception:  # a dtype without clone(): copied with the rest, synchronously
+            return False
+        for i, c in zip(self.unguarded, copies, strict=True):
+            self.sources[i], self.versions[i] = c, c._version
+        return True
+
+    def release_sources(self) -> None:
+        """Drop the references to the training tensors (the snapshot's verdict is settled)."""
+        self.sources = []
+
 
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
 _STRIDED = torch.strided

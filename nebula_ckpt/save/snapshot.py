@@ -33,7 +33,7 @@ class Snapshot:
     """
 
     def __init__(self, plan: Plan, slot: Slot, job: CopyJob, handle: SaveHandle, pool: StagingPool,
-                 targets: list[Any], t_start: float) -> None:
+                 targets: list[Any], t_start: float, index: int = 0) -> None:
         self.plan = plan
         self.slot = slot
         self.job = job
@@ -41,7 +41,7 @@ class Snapshot:
         self.targets = targets
         self.t_start = t_start
         #: the save's number in the job (every rank numbers its saves alike)
-        self.index = 0
+        self.index = index
         self.checksums: list[int] = []  # per layout entry; empty until the copy computed them
         self.tensor_index: dict[str, dict[str, Any]] = {}
         self.copy_seconds = 0.0
@@ -84,7 +84,7 @@ class Snapshot:
             self.copy_seconds = monotonic() - self.t_start
             self._copied = True
             self.job = None  # type: ignore[assignment]  # drop the source tensor references
-            self.handle._set_snapshot(err)
+            self.handle.progress.set_snapshot(err)
 
     def confirm(self) -> None:
         """Settle the consistency verdict: no saved tensor changed since ``save_async``.
@@ -99,12 +99,12 @@ class Snapshot:
         with self._copy_lock:
             if self._confirmed.is_set():
                 return
-            if self.handle._snapshot_failure() is None:
+            if self.handle.progress.snapshot_failure() is None:
                 changed = [i for i, (t, v) in enumerate(zip(self.plan.sources, self.plan.versions, strict=False))
                            if t._version != v]
                 if changed:
-                    self.handle._fail_snapshot(self._consistency_error(changed))
-            self.plan.sources = []  # release the training tensors
+                    self.handle.progress.fail_snapshot(self._consistency_error(changed))
+            self.plan.release_sources()
             self._confirmed.set()
 
     def wait_confirmed(self, timeout: float) -> None:
@@ -215,17 +215,17 @@ class Stager:
                 self._stage(snap)
             except BaseException as e:  # never let the thread die; report on the handle
                 log.exception("nebula_ckpt: staging step %d failed", snap.step)
-                if not snap.handle._snapshot_settled():
-                    snap.handle._set_snapshot(e)
+                if not snap.handle.progress.snapshot_settled():
+                    snap.handle.progress.set_snapshot(e)
                 else:
                     for t in snap.targets:
-                        snap.handle._tier_done(t.name, e)
+                        snap.handle.progress.tier_done(t.name, e)
                 snap.release()
 
     def _stage(self, snap: Snapshot) -> None:
         log.debug("nebula_ckpt: phase=snapshot step=%d", snap.step)
         snap.finish_copy()
-        if snap.handle._snapshot_failure() is not None:
+        if snap.handle.progress.snapshot_failure() is not None:
             snap.release()
             return
         entries = snap.plan.layout.entries

@@ -1,0 +1,294 @@
+"""Restore an opened checkpoint into ``into`` in place: match, validate, copy, then apply.
+
+:func:`stage_apply` walks the saved tree against ``into`` (:class:`~nebula_ckpt.restore.walk.TreeWalk`):
+keys, shapes and dtypes are checked and every owned copy is made (checksums checked while
+copying) before anything in ``into`` changes; what it returns makes the changes. Modules load
+zero-copy views of the mapped shard bytes (each submodule's source pages unmapped once loaded);
+optimizers and new values get owned copies (:mod:`nebula_ckpt.restore.copies`).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Mapping, Optional
+
+import torch
+
+from nebula_ckpt.errors import ValidationError
+from nebula_ckpt.format.records import TensorRecord
+from nebula_ckpt.format.tree import decode
+from nebula_ckpt.native import get_ops
+from nebula_ckpt.restore.checks import check_module_state, check_optimizer_state
+from nebula_ckpt.restore.copies import all_cpu, owned, owned_batch
+from nebula_ckpt.restore.open import OpenCheckpoint
+from nebula_ckpt.restore.walk import Thunk, TreeWalk, tensor_keys
+
+
+def stage_restore(into: Any, *, map_location: Any = None, strict: bool = True,
+                  allow_pickle: bool = False, adopt: Optional[Callable[[OpenCheckpoint], Any]] = None
+                  ) -> Callable[[OpenCheckpoint], None]:
+    """A ``stage`` for :func:`~nebula_ckpt.restore.select.find_and_open` that prepares restoring
+    each candidate into ``into``.
+
+    Sets ``ck.pending`` to what applies it (same layout), after :func:`stage_apply` read and
+    verified everything; for a checkpoint of another layout it only verifies (resharding reads
+    what it needs itself). ``adopt(ck)``: the :class:`~nebula_ckpt.restore.adopt.Adoption` of a
+    candidate whose pages may be handed over instead of copied, or None.
+    """
+    def stage(ck: OpenCheckpoint) -> None:
+        if ck.same_layout:
+            if adopt is not None and all_cpu(map_location):
+                ck.adoption = adopt(ck)
+            ck.pending = stage_apply(ck, into, map_location=map_location, strict=strict, allow_pickle=allow_pickle)
+        else:
+            ck.verify_rest()
+    return stage
+
+
+def apply(ck: OpenCheckpoint, into: Any, *, map_location: Any = None, strict: bool = True,
+          allow_pickle: bool = False) -> None:
+    """Restore ``ck`` into ``into`` in place (same tree shape as what was saved)."""
+    stage_apply(ck, into, map_location=map_location, strict=strict, allow_pickle=allow_pickle)()
+
+
+def stage_apply(ck: OpenCheckpoint, into: Any, *, map_location: Any = None, strict: bool = True,
+                allow_pickle: bool = False) -> Callable[[], None]:
+    """Everything of a restore of ``ck`` into ``into`` but the changes; returns what makes them.
+
+    Matches the checkpoint's tree against ``into`` (keys, shapes, dtypes: ``ValidationError``),
+    makes the owned copies (optimizer state, new tensors) in parallel while checking their
+    checksums, and checks the checksums of the bytes that will be copied into existing tensors
+    (``CorruptCheckpointError``). Nothing in ``into`` has changed when this returns or raises;
+    the returned function applies it.
+    """
+    if any(r.dtensor is not None for r in ck.manifest.tensors.values()):
+        ck.meshes.update(meshes(into))
+    st = Staged(ck, map_location, allow_pickle)
+    try:
+        walk = RestoreWalk(st, strict)
+        run = walk.walk(ck.tree, into, "")
+        if strict:
+            walk.unmatched.check(f"restore: the checkpoint of step {ck.step}")
+        st.materialize()
+        ck.verify_rest()
+        if ck.adoption is not None and not ck.adoption.give_up():
+            # the claim was not won: never write through the file, copy (checked) what it would hand out
+            st.own_adopted(ck.adoption.adopted)
+    except BaseException:
+        if ck.adoption is not None:
+            ck.adoption.finish()  # nothing was handed over: the tier keeps its checkpoint
+        raise
+
+    def go() -> None:
+        adoption = ck.adoption
+        try:
+            run()
+        finally:
+            if adoption is not None:
+                adoption.finish()
+        ck.pending = None
+    return go
+
+
+def meshes(into: Any) -> dict[tuple[int, ...], Any]:
+    """Device meshes of the DTensors in ``into`` (parameters of modules and optimizers, leaves)."""
+    out: dict[tuple[int, ...], Any] = {}
+    stack, seen = [into], set()
+    while stack:
+        x = stack.pop()
+        if id(x) in seen:
+            continue
+        seen.add(id(x))
+        if isinstance(x, torch.Tensor):
+            mesh = getattr(x, "device_mesh", None)
+            if mesh is not None:
+                out.setdefault(tuple(mesh.shape), mesh)
+        elif isinstance(x, dict):
+            stack.extend(x.values())
+        elif isinstance(x, (list, tuple)):
+            stack.extend(x)
+        elif isinstance(x, torch.nn.Module):
+            stack.extend(x.parameters())
+        elif isinstance(x, torch.optim.Optimizer):
+            stack.extend(p for g in x.param_groups for p in g["params"])
+    return out
+
+
+def materialize(ck: OpenCheckpoint, *, map_location: Any = None, allow_pickle: bool = False) -> Any:
+    """Decode the whole checkpoint as a fresh tree of owned tensors and plain values."""
+    st = Staged(ck, map_location, allow_pickle)
+    tree = st.decode_owned(ck.tree, "")
+    st.materialize()
+    ck.verify_rest()
+    return tree()
+
+
+class Staged:
+    """The owned copies a restore makes: registered while planning, made at once, then decoded."""
+
+    def __init__(self, ck: OpenCheckpoint, map_location: Any, allow_pickle: bool) -> None:
+        self.ck = ck
+        self.map_location = map_location
+        self.allow_pickle = allow_pickle
+        self._groups: list[list[str]] = []
+        self._owned: list[dict[str, torch.Tensor]] = []
+
+    def decode_owned(self, node: Mapping[str, Any], path: str) -> Callable[[], Any]:
+        """Register the tensors of ``node`` for owned copies; return what decodes ``node`` with them.
+
+        Each node gets buffers of its own (an optimizer's state never shares a storage with
+        another object's, so saving one never writes the other's bytes).
+        """
+        i = len(self._groups)
+        self._groups.append(tensor_keys(node, []))
+
+        def decoded() -> Any:
+            made = self._owned[i]
+            return decode(node, lambda k: self.ck.as_saved(k, made[k]), self.allow_pickle, path)
+        return decoded
+
+    def materialize(self) -> None:
+        """Make every registered owned copy (checksums checked while copying)."""
+        self._owned = [owned_batch(self.ck, keys, self.map_location) for keys in self._groups]
+
+    def own_adopted(self, adopted: Mapping[int, TensorRecord]) -> None:
+        """Replace the tensors adopted from the memory tier (ids in ``adopted``, with their
+        records) by owned copies, their checksums checked: the claim on the tier's file was not
+        won, so it must never be written through them.
+
+        Raises:
+            CorruptCheckpointError: a copy's bytes differ from the manifest's checksum.
+        """
+        copies: dict[int, torch.Tensor] = {}
+        for made in self._owned:
+            for k, t in made.items():
+                if id(t) in adopted:
+                    if id(t) not in copies:
+                        copies[id(t)] = owned(t, None)
+                    made[k] = copies[id(t)]
+        ops = get_ops()
+        for i, c in copies.items():
+            raw = c.reshape(-1).view(torch.uint8)
+            self.ck.verified_by_copy([adopted[i]], ops.crc32c(raw, [0], [raw.numel()]))
+
+
+
+def drop_after_each_submodule(ck: OpenCheckpoint, module: torch.nn.Module, state: Mapping[str, Any]) -> list[Any]:
+    """Post hooks on ``module`` and its submodules that unmap the source pages of their own
+    parameters and buffers as soon as ``load_state_dict`` has copied them (so a model's restore
+    never has its whole mapped source resident). Keys it cannot match are dropped by the caller
+    after the load."""
+    recs: dict[str, TensorRecord] = {}
+    if state.get("t") in ("dict", "odict"):
+        for k_node, v_node in state["v"]:
+            if isinstance(v_node, dict) and v_node.get("t") == "tensor" and isinstance(k_node, dict) \
+                    and k_node.get("t") == "str":
+                recs[k_node["v"]] = ck.resolve(v_node["k"])
+    hooks = []
+    for name, sub in module.named_modules():
+        own = [n for n, _ in sub.named_parameters(recurse=False, remove_duplicate=False)]
+        own += [n for n, _ in sub.named_buffers(recurse=False, remove_duplicate=False)]
+        mine = [recs[f"{name}.{n}" if name else n] for n in own if (f"{name}.{n}" if name else n) in recs]
+        if mine:
+            hooks.append(sub.register_load_state_dict_post_hook(lambda _m, _k, mine=mine: ck.drop(mine)))
+    return hooks
+
+
+class RestoreWalk(TreeWalk[Thunk]):
+    """The walk of a restore in place: each node of the saved tree gives what restores it into
+    its part of ``into`` (validated now; the owned copies it needs registered with ``st``)."""
+
+    def __init__(self, st: Staged, strict: bool) -> None:
+        super().__init__(strict, f"restore (step {st.ck.step})")
+        self.st = st
+        self.ck = st.ck
+
+    def is_object(self, node: Mapping[str, Any], target: Any) -> bool:
+        # a state dict saved as a plain dict (DCP's writer, a framework's dict) restored into the
+        # object it came from is loaded into the object, never replaces it
+        return node["t"] == "stateful" or node["t"] in ("dict", "odict") and not isinstance(target, dict) \
+            and callable(getattr(target, "load_state_dict", None))
+
+    def on_object(self, node: Mapping[str, Any], target: Any, path: str) -> Thunk:
+        if node["t"] != "stateful":
+            node = {"t": "stateful", "cls": type(target).__name__, "state": node}
+        shown = path or "<root>"
+        if not callable(getattr(target, "load_state_dict", None)):
+            if target is None or not self.strict:
+                return self.st.decode_owned(node, path)
+            raise ValidationError(f"restore: checkpoint key '{shown}' holds a {node.get('cls')} state, but "
+                                  f"the object given in `into` ({type(target).__name__}) has no load_state_dict()")
+        if isinstance(target, torch.nn.Module):
+            check_module_state(self.ck, node["state"], target, shown, self.strict)
+            return self._load_module(node["state"], target, path)
+        # Optimizers etc. keep the tensors they are given: hand them owned copies.
+        check_optimizer_state(self.ck, node["state"], target, shown)
+        state = self.st.decode_owned(node["state"], path)
+
+        def load_object() -> Any:
+            target.load_state_dict(state())
+            return target
+        return load_object
+
+    def _load_module(self, state_node: Mapping[str, Any], target: torch.nn.Module, path: str) -> Thunk:
+        ck, strict, allow_pickle = self.ck, self.strict, self.st.allow_pickle
+        keys = tensor_keys(state_node, [])
+
+        def load_module() -> Any:
+            # Zero-copy views: load_state_dict copies them straight into the parameters, and
+            # each submodule's source pages are unmapped once it is loaded.
+            state = decode(state_node, lambda k: ck.as_saved(k, ck.view(k)), allow_pickle, path)
+            hooks = drop_after_each_submodule(ck, target, state_node)
+            try:
+                target.load_state_dict(state, strict=strict)
+            finally:
+                for h in hooks:
+                    h.remove()
+            del state
+            ck.drop([ck.resolve(k) for k in keys])
+            return target
+        return load_module
+
+    def on_tensor(self, node: Mapping[str, Any], target: Any, path: str) -> Thunk:
+        if not isinstance(target, torch.Tensor):
+            return self.replace(node, target, path)
+        ck = self.ck
+        src = ck.view(node["k"])
+        dest = target
+        if ck.resolve(node["k"]).dtensor is not None and hasattr(target, "to_local"):
+            dest = target.to_local()  # a DTensor: this rank's shard is restored into its local part
+        if tuple(dest.shape) != tuple(src.shape) or dest.dtype != src.dtype:
+            raise ValidationError(
+                f"restore: key '{path or '<root>'}': checkpoint has {src.dtype} {tuple(src.shape)}, the tensor in "
+                f"`into` is {dest.dtype} {tuple(dest.shape)}; pass a matching tensor or use read()")
+
+        def copy_into() -> Any:
+            with torch.no_grad():
+                dest.copy_(src)
+            ck.drop([ck.resolve(node["k"])])
+            return target
+        return copy_into
+
+    def on_dict(self, node: Mapping[str, Any], target: dict[Any, Any], children: list[tuple[Any, Thunk]],
+                path: str) -> Thunk:
+        def fill() -> Any:
+            for k, f in children:
+                target[k] = f()
+            return target
+        return fill
+
+    def on_sequence(self, node: Mapping[str, Any], target: Any, children: list[Thunk], path: str) -> Thunk:
+        if node["t"] == "tuple":  # immutable: restore what can be restored in place, rebuild the tuple
+            return lambda: tuple(f() for f in children)
+
+        def fill_list() -> Any:
+            for i, f in enumerate(children):
+                target[i] = f()
+            return target
+        return fill_list
+
+    def on_value(self, node: Mapping[str, Any], target: Any, path: str) -> Thunk:
+        return self.st.decode_owned(node, path)
+
+    def refuse(self, node: Mapping[str, Any], target: Any, path: str) -> bool:
+        # at the root, any object would be dropped for the saved value
+        return self.strict and (not path and target is not None or super().refuse(node, target, path))

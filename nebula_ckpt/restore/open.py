@@ -1,0 +1,323 @@
+"""Open one checkpoint: commit marker, manifest, shard sizes and checksums, then zero-copy views.
+
+:func:`open_checkpoint` reads and verifies one committed step (commit marker, manifest checksum,
+shard sizes and, with ``verify="full"``, the CRC32C of every tensor) before a single byte reaches
+the user's tensors, and returns an :class:`OpenCheckpoint`: the validated manifest and views of
+the shard bytes. Local tiers are memory-mapped, so tensors are copied once, from the page cache
+straight into the existing parameters; :func:`chunks` bounds what is mapped at once.
+Which step to open, on which tier, is :mod:`nebula_ckpt.restore.select`'s.
+"""
+
+from __future__ import annotations
+
+import logging
+import mmap
+from typing import Any, Callable, Optional
+
+import torch
+
+from nebula_ckpt import knobs
+from nebula_ckpt.errors import CorruptCheckpointError, ValidationError
+from nebula_ckpt.format import manifest as mf
+from nebula_ckpt.format.commit import read_commit
+from nebula_ckpt.format.header import data_start
+from nebula_ckpt.format.names import COMMIT, MANIFEST, step_dir
+from nebula_ckpt.format.records import TensorRecord
+from nebula_ckpt.format.tree import decode
+from nebula_ckpt.native import get_ops
+from nebula_ckpt.storage.base import Storage
+
+log = logging.getLogger(__name__)
+
+# madvise advice values (Linux): the mmap module lacks MADV_POPULATE_READ before Python 3.13.
+_MADV_DONTNEED = getattr(mmap, "MADV_DONTNEED", 4)
+_MADV_POPULATE_READ = 22
+
+class OpenCheckpoint:
+    """A verified checkpoint: its validated manifest and zero-copy tensor views of its shard bytes.
+
+    For a multi-rank checkpoint opened for one rank (``rank``), keys, tree and views are that
+    rank's (its tensors may live in other ranks' shards: replicated ones are stored once).
+    Opened without a rank, a multi-rank checkpoint is the whole job's (for resharding, the CLI).
+    """
+
+    def __init__(self, manifest: mf.Manifest, buffers: dict[int, torch.Tensor], where: str,
+                 rank: Optional[int] = None, maps: Optional[dict[int, mmap.mmap]] = None) -> None:
+        self.manifest = manifest
+        self.step = manifest.step
+        self.where = where
+        self.rank = rank
+        self.tier_name: Optional[str] = None
+        #: the storage it was read from (set by :func:`~nebula_ckpt.restore.select.find_and_open`)
+        self.storage: Optional[Storage] = None
+        self._buffers = buffers
+        #: shard index -> the file mapping under its buffer (local and memory tiers)
+        self._maps = maps or {}
+        #: records whose checksum is still to be checked (opened with ``defer_verify``)
+        self.unverified: dict[int, list[TensorRecord]] = {}
+        #: the restore staged for this checkpoint while it was opened (run it to apply; see
+        #: :func:`~nebula_ckpt.restore.select.find_and_open`'s ``stage``)
+        self.pending: Optional[Callable[[], None]] = None
+        self._views: dict[str, torch.Tensor] = {}
+        #: DeviceMesh by mesh shape, found in the objects restored into (for DTensor records)
+        self.meshes: dict[tuple[int, ...], Any] = {}
+        #: the memory tier's pages handed to this process instead of owned copies (:mod:`nebula_ckpt.restore.adopt`)
+        self.adoption: Optional[Any] = None
+
+    def as_saved(self, key: str, local: torch.Tensor) -> Any:
+        """``local`` as it was saved: a DTensor again when ``key`` was one (same mesh shape and
+        placements, on the mesh of the objects restored into), else ``local`` itself."""
+        info = self.resolve(key).dtensor
+        if info is None:
+            return local
+        from torch.distributed.tensor import DTensor, Replicate, Shard
+
+        mesh = self.meshes.get(info.mesh)
+        if mesh is None:
+            raise ValidationError(f"restore: key '{key}' was a DTensor on a device mesh of shape {list(info.mesh)}; "
+                                  "`into` holds no DTensor on such a mesh (restore into the model and optimizer "
+                                  "sharded as when saved, or into DCP-style state dicts from get_state_dict)")
+        placements = [Replicate() if p == "R" else Shard(int(p[2:-1])) for p in info.placements]
+        stride, acc = [], 1
+        for n in reversed(info.shape):
+            stride.append(acc)
+            acc *= max(n, 1)
+        return DTensor.from_local(local, mesh, placements, run_check=False, shape=torch.Size(info.shape),
+                                  stride=tuple(reversed(stride)))
+
+    @property
+    def tree(self) -> Any:
+        """The state tree to restore (the rank's, for a multi-rank checkpoint opened for a rank)."""
+        if self.manifest.multi_rank and self.rank is not None:
+            return self.manifest.rank_tree_of(self.rank)
+        return self.manifest.tree
+
+    @property
+    def same_layout(self) -> bool:
+        """Whether the keys of :attr:`tree` are this process's own (no resharding needed)."""
+        return not self.manifest.multi_rank or self.rank is not None
+
+    def resolve(self, key: str) -> TensorRecord:
+        """The stored record of ``key`` (a key of :attr:`tree`)."""
+        return self.manifest.resolve(key, self.rank)
+
+    def keys(self) -> list[str]:
+        """Stored tensor keys (aliases excluded)."""
+        return list(self.manifest.tensors)
+
+    def buffer(self, shard: int) -> torch.Tensor:
+        """The bytes of shard ``shard`` (read and verified when the checkpoint was opened)."""
+        return self._buffers[shard]
+
+    def drop(self, recs: list[TensorRecord]) -> None:
+        """Unmap the pages under ``recs`` from this process (they stay in the page cache / tmpfs).
+
+        The shard mappings are private and never written, so dropping a page loses nothing: a
+        later read maps it again. Restores call this for bytes already copied, which keeps the
+        mapped shard from adding its whole size to the process's resident memory.
+        """
+        for r in recs:
+            _advise(self._maps.get(r.shard), r.start, r.end, _MADV_DONTNEED)
+
+    def verified_by_copy(self, recs: list[TensorRecord], crcs: list[int]) -> None:
+        """Compare the checksums the copy engine took of ``recs`` while copying them with the
+        manifest; those still unverified count as verified now.
+
+        Raises:
+            CorruptCheckpointError: naming the tensor whose bytes differ.
+        """
+        if not crcs:
+            return  # a path that takes none (device copies): verify_rest() checks them
+        for rec, have in zip(recs, crcs, strict=True):
+            if have != rec.crc32c:
+                raise CorruptCheckpointError(f"{self.where}: checksum mismatch in tensor '{rec.key}' "
+                                             f"(crc32c {have:#010x}, manifest {rec.crc32c:#010x})")
+        done = {id(r) for r in recs}
+        for si in list(self.unverified):
+            self.unverified[si] = [r for r in self.unverified[si] if id(r) not in done]
+
+    def verify_rest(self) -> None:
+        """Check the checksums of every record not verified yet (parallel, a chunk at a time).
+
+        Raises:
+            CorruptCheckpointError: naming the tensor whose bytes differ.
+        """
+        todo = {si: recs for si, recs in self.unverified.items() if recs}
+        self.unverified = {}
+        _verify_checksums(todo, self._buffers, self.where, self._maps)
+
+    def view(self, key: str) -> torch.Tensor:
+        """Read-only use view of tensor ``key`` (or of the key it is tied to) over the shard bytes."""
+        rec = self.resolve(key)
+        v = self._views.get(rec.key)
+        if v is None:
+            raw = self._buffers[rec.shard][rec.start:rec.end]
+            v = raw.view(rec.torch_dtype).reshape(rec.shape)
+            self._views[rec.key] = v
+        return v
+
+    def decode_tree(self, materialize: Callable[[str, torch.Tensor], Any], allow_pickle: bool) -> Any:
+        """Decode the whole state tree, turning each tensor view into ``materialize(key, view)``."""
+        made: dict[str, Any] = {}
+
+        def tensor(key: str) -> Any:
+            real = self.resolve(key).key
+            if real not in made:
+                made[real] = materialize(key, self.view(key))
+            return made[real]
+
+        return decode(self.tree, tensor, allow_pickle)
+
+
+
+def _needed(man: mf.Manifest, rank: Optional[int]) -> dict[int, list[TensorRecord]]:
+    """Shard index -> the records a restore of ``rank`` reads from it (every shard without a rank)."""
+    if rank is None or not man.multi_rank:
+        recs = list(man.tensors.values())
+    else:
+        p = man.prefix(rank)
+        keys = [k for k in list(man.tensors) + list(man.aliases) if k.startswith(p)]
+        recs = list({id(r): r for r in (man.tensors[man.aliases.get(k, k)] for k in keys)}.values())
+    out: dict[int, list[TensorRecord]] = {i: [] for i in range(len(man.shards))} \
+        if rank is None or not man.multi_rank else {}
+    for r in recs:
+        out.setdefault(r.shard, []).append(r)
+    return out
+
+
+def read_manifest(storage: Storage, step: int, where: Optional[str] = None) -> mf.Manifest:
+    """The validated manifest of committed ``step`` on ``storage``.
+
+    Checks the commit marker (step, manifest size and CRC32C) before parsing the manifest.
+
+    Raises:
+        CorruptCheckpointError: naming ``where`` and what is wrong (missing files included).
+    """
+    where = where or f"{storage.display_url} step {step}"
+    d = step_dir(step)
+    try:
+        commit = read_commit(storage, step, where)
+        mbytes = storage.read_small(f"{d}/{MANIFEST}")
+    except FileNotFoundError as e:
+        raise CorruptCheckpointError(f"{where}: {e.filename or e} is missing") from None
+    if len(mbytes) != commit.manifest_bytes or get_ops().crc32c_bytes(mbytes) != commit.manifest_crc32c:
+        raise CorruptCheckpointError(f"{where}: manifest.json does not match its commit marker "
+                                     "(size or checksum differs): garbled or replaced")
+    if commit.step != step:
+        raise CorruptCheckpointError(f"{where}: {COMMIT} is for step {commit.step}, but lies in {d}/")
+    return mf.Manifest.parse(mbytes, where, step)
+
+
+class NotThisLayout(Exception):
+    """A healthy checkpoint this process cannot restore: it holds other ranks of another layout
+    (a rank's own memory tier after the world size changed)."""
+
+
+def open_checkpoint(storage: Storage, step: int, verify: str, where: str,
+                    rank: Optional[int] = None, world: int = 1, defer_verify: bool = False) -> OpenCheckpoint:
+    """Read and verify one checkpoint; raise :class:`CorruptCheckpointError` naming what is wrong.
+
+    Only ``step-N/COMMIT``, ``step-N/manifest.json`` and the shard files named by the validated
+    manifest (plain ``shard-g<G>-r<R>.safetensors`` names) are opened: nothing outside the folder.
+    ``rank`` / ``world``: who restores. A multi-rank checkpoint of the same world size holding
+    ``rank`` is opened for that rank (only the shards holding its tensors are read and verified);
+    one holding every rank of another layout is opened whole (to be resharded); one holding only
+    some ranks of another layout raises :class:`NotThisLayout`.
+    ``defer_verify``: with ``verify="full"``, leave the checksums to the caller (the copies of a
+    staged restore check them as they go; :meth:`OpenCheckpoint.verify_rest` checks the rest).
+    """
+    man = read_manifest(storage, step, where)
+    if man.multi_rank:
+        if man.world_size == world and rank in man.ranks:
+            pass
+        elif len(man.ranks) == man.world_size:
+            rank = None  # the whole job's checkpoint: resharded by the caller
+        else:
+            raise NotThisLayout(f"{where}: holds rank(s) {list(man.ranks)[:8]} of a {man.world_size}-rank job; "
+                                f"this process is rank {rank or 0} of {world}")
+    needed = _needed(man, rank)
+    read = {i: _read_shard(storage, man, i, where) for i in sorted(needed)}
+    buffers = {i: b for i, (b, _) in read.items()}
+    maps = {i: m for i, (_, m) in read.items() if m is not None}
+    ck = OpenCheckpoint(man, buffers, where, rank if man.multi_rank else None, maps)
+    if verify == "full":
+        ck.unverified = needed
+        if not defer_verify:
+            ck.verify_rest()
+    return ck
+
+
+def read_shard(storage: Storage, man: mf.Manifest, i: int, where: str) -> torch.Tensor:
+    """Shard ``i`` as a uint8 tensor, after checking its size and its header length."""
+    return _read_shard(storage, man, i, where)[0]
+
+
+def _read_shard(storage: Storage, man: mf.Manifest, i: int, where: str) -> tuple[torch.Tensor, Optional[mmap.mmap]]:
+    """:func:`read_shard`, and the file mapping under the tensor (None for bytes read into memory)."""
+    sh = man.shards[i]
+    rel = f"{step_dir(man.step)}/{sh.file}"
+    try:
+        stored = storage.size(rel)
+    except FileNotFoundError:
+        raise CorruptCheckpointError(f"{where}: shard {sh.file} is missing") from None
+    if stored != sh.stored_bytes:
+        raise CorruptCheckpointError(f"{where}: shard {sh.file} has {stored} bytes, manifest says "
+                                     f"{sh.stored_bytes} (truncated or torn write)")
+    mv = storage.read_buffer(rel, dict(sh.storage or {}), expected_bytes=sh.bytes)
+    if len(mv) != sh.bytes:
+        raise CorruptCheckpointError(f"{where}: shard {sh.file} decodes to {len(mv)} bytes, "
+                                     f"expected {sh.bytes}")
+    man.check_data_start(i, data_start(mv), where)
+    mm = getattr(mv, "obj", None)
+    return torch.frombuffer(mv, dtype=torch.uint8), mm if isinstance(mm, mmap.mmap) else None
+
+
+
+def _advise(mm: Optional[mmap.mmap], start: int, end: int, advice: int) -> None:
+    """``madvise`` the pages of ``mm`` covering ``[start, end)``; a no-op without a map or on error."""
+    if mm is None or end <= start:
+        return
+    lo = start - start % mmap.PAGESIZE
+    try:
+        mm.madvise(advice, lo, min(end, len(mm)) - lo)
+    except (OSError, ValueError):
+        pass  # an old kernel without MADV_POPULATE_READ: pages fault in as they are read
+
+
+def chunks(recs: list[TensorRecord]) -> list[list[TensorRecord]]:
+    """``recs`` in shard order, in consecutive groups of at most a sixteenth of their bytes (4 to
+    ``restore_chunk_bytes`` (knob); a larger record is a group of its own): what is mapped at once
+    stays small."""
+    limit = max(4 << 20, min(knobs.get("restore_chunk_bytes"), sum(r.nbytes for r in recs) // 16))
+    out: list[list[TensorRecord]] = []
+    size = 0
+    for r in sorted(recs, key=lambda r: r.start):
+        if not out or size + r.nbytes > limit:
+            out.append([])
+            size = 0
+        out[-1].append(r)
+        size += r.nbytes
+    return out
+
+
+def _verify_checksums(needed: dict[int, list[TensorRecord]], buffers: dict[int, torch.Tensor],
+                      where: str, maps: Optional[dict[int, mmap.mmap]] = None) -> None:
+    """Check the CRC32C of every record, on all threads, a chunk at a time.
+
+    A mapped chunk is populated in one call (not a fault per page) and dropped once checked, so
+    verifying a shard never makes the whole shard resident in this process.
+    """
+    ops = get_ops()
+    maps = maps or {}
+    for si, recs in needed.items():  # ranges were checked against their shard by Manifest.parse
+        mm = maps.get(si)
+        for group in chunks(recs):
+            lo, hi = group[0].start, group[-1].end
+            _advise(mm, lo, hi, _MADV_POPULATE_READ)
+            got = ops.crc32c(buffers[si], [r.start for r in group], [r.nbytes for r in group])
+            _advise(mm, lo, hi, _MADV_DONTNEED)
+            for rec, have in zip(group, got, strict=True):
+                if have != rec.crc32c:
+                    raise CorruptCheckpointError(f"{where}: checksum mismatch in tensor '{rec.key}' "
+                                                 f"(crc32c {have:#010x}, manifest {rec.crc32c:#010x})")
+

@@ -1,0 +1,179 @@
+"""The restore side of a Checkpointer: listing, finding and opening a step, loading it into ``into``.
+
+Only this module knows the order of the restore stages: select a candidate
+(:mod:`~nebula_ckpt.restore.select`; in a multi-rank job the ranks agree on it), open and verify
+it (:mod:`~nebula_ckpt.restore.open`) while staging the restore into ``into``
+(:mod:`~nebula_ckpt.restore.apply`, handing over the memory tier's pages where it may:
+:mod:`~nebula_ckpt.restore.adopt`), then apply it, or reshard it when it was saved in another
+layout (:mod:`~nebula_ckpt.restore.reshard`).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Callable, Optional
+
+from nebula_ckpt.errors import CorruptCheckpointError, NotFoundError, ValidationError
+from nebula_ckpt.format.commit import committed_steps
+from nebula_ckpt.format.names import step_dir
+from nebula_ckpt.ranks.coordinator import Coordinator
+from nebula_ckpt.restore.adopt import adoption_for
+from nebula_ckpt.restore.apply import apply, materialize, stage_restore
+from nebula_ckpt.restore.open import OpenCheckpoint, read_manifest
+from nebula_ckpt.restore.select import Stage, find_and_open, open_agreed, open_tagged
+from nebula_ckpt.storage.base import Storage
+from nebula_ckpt.tiers.base import Tier
+from nebula_ckpt.tiers.runtime import TierRuntime
+
+log = logging.getLogger("nebula_ckpt")
+
+
+class Restorer:
+    """Lists and restores the checkpoints of one root over its tiers.
+
+    Args:
+        runtimes: the tiers opened for this run, fastest first.
+        coordinator: how the ranks of the job agree on the step to restore.
+        root: the run's root, as shown in messages.
+        allow_pickle: load values stored with pickle.
+        may_adopt: whether the memory tier's pages may be handed over instead of copied now
+            (not once this process saved, nor for a reader, which deletes nothing).
+    """
+
+    def __init__(self, runtimes: list[TierRuntime], coordinator: Coordinator, root: str, allow_pickle: bool,
+                 may_adopt: Callable[[], bool]) -> None:
+        self._runtimes = runtimes
+        self.coordinator = coordinator
+        self.root = root
+        self.allow_pickle = allow_pickle
+        self._may_adopt = may_adopt
+        #: ``{"step", "tier", "adopted_bytes"}`` of the last restore (``None`` before any)
+        self.last_restore: Optional[dict[str, Any]] = None
+
+    def tier_pairs(self) -> list[tuple[Tier, Storage]]:
+        """``(tier, storage)`` of every tier read, fastest first."""
+        return [(rt.tier, rt.storage) for rt in self._runtimes]
+
+    # -- listing ------------------------------------------------------------------------------------
+    def committed(self) -> dict[str, list[int]]:
+        """Tier name -> its committed steps, ascending."""
+        return {t.name: committed_steps(st) for t, st in self.tier_pairs()}
+
+    def step_tags(self, check_shards: bool) -> dict[int, Optional[str]]:
+        """Step -> tag (None: untagged) of every committed step with a valid manifest on some tier
+        (commit marker, manifest checksum, every field); ``check_shards``: and every shard file
+        it names present with its recorded size (the check of ``nebula-ckpt ls --quick``)."""
+        out: dict[int, Optional[str]] = {}
+        for t, st in self.tier_pairs():
+            try:
+                steps = committed_steps(st)
+            except Exception as e:
+                log.warning("nebula_ckpt: cannot list tier %s: %s", t.name, e)
+                continue
+            for s in steps:
+                if s in out:
+                    continue
+                try:
+                    man = read_manifest(st, s, f"tier {t.name} step {s}")
+                    if check_shards:
+                        for sh in man.shards:
+                            if st.size(f"{step_dir(s)}/{sh.file}") != sh.stored_bytes:
+                                raise CorruptCheckpointError(f"tier {t.name} step {s}: shard {sh.file} has the "
+                                                             "wrong size")
+                except Exception as e:  # damaged or gone meanwhile: not a healthy checkpoint here
+                    log.debug("nebula_ckpt: tags: skipping tier %s step %d: %s", t.name, s, e)
+                    continue
+                out[s] = man.tag
+        return out
+
+    def tags(self) -> dict[str, int]:
+        """Tag -> the newest step holding it (see :meth:`Checkpointer.tags`)."""
+        out: dict[str, int] = {}
+        for step, tag in sorted(self.step_tags(check_shards=True).items()):
+            if tag is not None:
+                out[tag] = step  # ascending steps: the newest one holding a tag wins
+        return out
+
+    def steps_tagged(self, tag: str) -> list[int]:
+        """Committed steps whose manifest carries ``tag``, newest first."""
+        return sorted((s for s, t in self.step_tags(check_shards=False).items() if t == tag), reverse=True)
+
+    def not_found(self, step: Optional[int], tag: Optional[str]) -> NotFoundError:
+        """The error for nothing healthy of ``step`` / with ``tag`` (or at all)."""
+        if tag is not None:
+            return NotFoundError(f"no healthy checkpoint tagged {tag!r} under {self.root} "
+                                 f"(tags: {sorted(self.tags())[:20]})")
+        steps = sorted({s for steps in self.committed().values() for s in steps})
+        return NotFoundError(f"no healthy checkpoint{'' if step is None else f' of step {step}'} under "
+                             f"{self.root} (committed steps: {steps})")
+
+    # -- opening and loading -------------------------------------------------------------------------
+    def open(self, step: Optional[int] = None, on_damaged: str = "raise", tag: Optional[str] = None,
+             stage: Optional[Stage] = None) -> Optional[OpenCheckpoint]:
+        """Open ``step`` (None: the newest), or the newest healthy step tagged ``tag``.
+
+        ``stage`` (:meth:`stage`): prepares the restore of each candidate; one it finds damaged is
+        skipped like one that does not open.
+        """
+        if on_damaged not in ("raise", "warn"):
+            raise ValidationError(f"on_damaged must be 'raise' or 'warn', got {on_damaged!r}")
+        pairs = self.tier_pairs()
+        if self.coordinator.world_size > 1:
+            among = None if tag is None else self.steps_tagged(tag)
+            ck = open_agreed(pairs, self.coordinator, self.root, step, on_damaged, among, stage)
+        elif tag is not None:
+            ck = open_tagged(pairs, self.steps_tagged(tag), tag, self.root, stage)
+        else:
+            ck = find_and_open(pairs, step=step, on_all_damaged=on_damaged, stage=stage)
+        self.last_restore = None if ck is None else {"step": ck.step, "tier": ck.tier_name, "adopted_bytes": 0}
+        return ck
+
+    def stage(self, into: Any, map_location: Any, strict: bool) -> Optional[Stage]:
+        """What prepares a restore into ``into`` while the candidates are opened (None: no ``into``)."""
+        if into is None:
+            return None
+        no_adoption = not self._may_adopt()
+        return stage_restore(into, map_location=map_location, strict=strict, allow_pickle=self.allow_pickle,
+                             adopt=lambda ck: adoption_for(self._runtimes, ck, no_adoption,
+                                                           self.coordinator.world_size))
+
+    def apply(self, ck: OpenCheckpoint, into: Any, map_location: Any, strict: bool) -> None:
+        """Restore ``ck`` into ``into``: as staged, directly, or resharded when the layout differs."""
+        if ck.pending is not None:  # staged while opening: read, matched and verified already
+            ck.pending()
+            if ck.adoption is not None and self.last_restore is not None:
+                self.last_restore["adopted_bytes"] = ck.adoption.handed_bytes
+            return
+        if ck.same_layout:
+            apply(ck, into, map_location=map_location, strict=strict, allow_pickle=self.allow_pickle)
+            return
+        log.info("nebula_ckpt: step %d was saved by %d ranks; resharding it for rank %d of %d", ck.step,
+                 ck.manifest.world_size, self.coordinator.rank, self.coordinator.world_size)
+        assert ck.storage is not None  # set by find_and_open
+        # imported here: resharding brings in torch.distributed.checkpoint, which plain restores never need
+        from nebula_ckpt.restore.reshard import load_resharded
+
+        load_resharded(ck.storage, ck.step, ck.manifest, into, process_group=self.coordinator.group,
+                       strict=strict, allow_pickle=self.allow_pickle)
+
+    def load(self, step: Optional[int], tag: Optional[str], into: Any, map_location: Any, strict: bool,
+             on_damaged: str = "raise") -> Optional[int]:
+        """Open ``step`` / the newest tagged ``tag`` / the newest, restore it into ``into`` (when
+        given); the step, or None when nothing is committed (of ``step`` / with ``tag``)."""
+        ck = self.open(step, on_damaged=on_damaged, tag=tag, stage=self.stage(into, map_location, strict))
+        if ck is None:
+            return None
+        if into is not None:
+            self.apply(ck, into, map_location, strict)
+        return ck.step
+
+    def read(self, step: Optional[int], tag: Optional[str], map_location: Any) -> tuple[int, Any]:
+        """``(step, state)`` as a fresh tree (see :meth:`Checkpointer.read`)."""
+        ck = self.open(step, tag=tag)
+        if ck is None:
+            raise self.not_found(step, tag)
+        if not ck.same_layout:
+            raise ValidationError(f"step {ck.step} was saved by {ck.manifest.world_size} ranks: read() gives one "
+                                  "rank's state; restore it with load_latest(into) (resharded), or gather it "
+                                  "whole with `nebula-ckpt export`")
+        return ck.step, materialize(ck, map_location=map_location, allow_pickle=self.allow_pickle)

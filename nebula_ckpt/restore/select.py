@@ -1,0 +1,247 @@
+"""Which checkpoint a restore opens: the candidates, their order, the agreement of the ranks.
+
+Candidates are every committed step on every tier: the newest writer generation first (a
+checkpoint of a stale writer, fenced since, never wins over a newer writer's, whatever its step
+number and tier), then the newest step, then, for one step, the fastest tier. Each is opened and
+verified (:func:`~nebula_ckpt.restore.open.open_checkpoint`); on any damage the next candidate is
+tried (:func:`find_and_open`). In a multi-rank job every rank opens the same step, the newest
+that every rank can open (:func:`open_agreed`).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+from nebula_ckpt.errors import CorruptCheckpointError, ValidationError
+from nebula_ckpt.format.commit import committed_steps, read_commit
+from nebula_ckpt.ranks.coordinator import Coordinator
+from nebula_ckpt.restore.open import NotThisLayout, OpenCheckpoint, open_checkpoint
+from nebula_ckpt.storage.base import Storage
+from nebula_ckpt.tiers.base import Tier
+
+log = logging.getLogger(__name__)
+
+#: prepares the restore of one opened candidate (see :func:`~nebula_ckpt.restore.apply.stage_restore`)
+Stage = Callable[[OpenCheckpoint], None]
+
+#: What :func:`find_and_open` does when committed checkpoints exist but none is healthy.
+ON_ALL_DAMAGED = ("raise", "warn")
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """A committed step on one tier, with the writer generation its commit marker names (-1 when
+    the marker cannot be read: ``problem`` then says why, and the candidate is reported as
+    damaged, never opened)."""
+
+    step: int
+    tier: Tier
+    storage: Storage
+    generation: int = -1
+    problem: Optional[str] = None
+
+    @property
+    def order(self) -> tuple[int, int]:
+        """What makes a candidate newer: its writer generation first, then its step."""
+        return (self.generation, self.step)
+
+
+
+def list_candidates(tiers: list[tuple[Tier, Storage]]) -> list[Candidate]:
+    """Every committed step on every tier: newest writer generation first, then newest step, then
+    fastest tier (the order of ``tiers``).
+
+    The generation comes first because a writer fenced by a newer one may have gone on committing
+    higher steps on a tier the newer one never wrote (its memory tier): those steps are a run
+    that was abandoned, never the one to resume.
+    """
+    cands: list[tuple[int, int, int, Candidate]] = []
+    for i, (tier, st) in enumerate(tiers):
+        try:
+            steps = committed_steps(st)
+        except Exception as e:
+            log.warning("nebula_ckpt: cannot list tier %s: %s", tier.name, e)
+            continue
+        for s in steps:
+            g, problem = _commit_generation(st, s)
+            cands.append((-g, -s, i, Candidate(s, tier, st, g, problem)))
+    return [c for *_, c in sorted(cands, key=lambda x: x[:3])]
+
+
+def _commit_generation(storage: Storage, step: int) -> tuple[int, Optional[str]]:
+    """The writer generation the commit marker of ``step`` names, or ``(-1, why)`` when the marker
+    cannot be read (missing since listed, unreadable, garbled)."""
+    try:
+        return read_commit(storage, step, f"step {step}").generation, None
+    except Exception as e:
+        return -1, str(e) if isinstance(e, CorruptCheckpointError) else \
+            f"commit marker is unreadable ({type(e).__name__}: {e})"
+
+
+
+def find_and_open(tiers: list[tuple[Tier, Storage]], step: Optional[int] = None,
+                  verify: Optional[str] = None, on_all_damaged: str = "raise", rank: Optional[int] = None,
+                  world: int = 1, stage: Optional[Stage] = None,
+                  generation: Optional[int] = None) -> Optional[OpenCheckpoint]:
+    """Open the newest healthy checkpoint (or the healthy copy of ``step``).
+
+    Every candidate that fails to open, for whatever reason, is skipped with a warning.
+
+    Args:
+        tiers: ``(tier, storage)`` pairs, fastest first.
+        step: only this step; None: the newest healthy one (newest writer generation first).
+        generation: only checkpoints of this writer generation (the one the ranks agreed on).
+        verify: ``"full"`` or ``"size"``; None: each tier's own setting.
+        on_all_damaged: when committed candidates exist but none is healthy: ``"raise"`` a
+            :class:`CorruptCheckpointError` listing them, or ``"warn"`` (log) and return None.
+        rank, world: the restoring process's rank and world size (see
+            :func:`~nebula_ckpt.restore.open.open_checkpoint`).
+        stage: called with each candidate opened (checksums deferred to it, see
+            :func:`~nebula_ckpt.restore.apply.stage_restore`); a candidate it finds damaged is
+            skipped like one that fails to open, before anything was restored from it. Its ``ValidationError`` (``into``
+            does not match) is raised.
+
+    Returns:
+        The open checkpoint, or None when there is no committed checkpoint (of ``step``) at all
+        (or all are damaged and ``on_all_damaged="warn"``).
+    """
+    if on_all_damaged not in ON_ALL_DAMAGED:
+        raise ValidationError(f"on_all_damaged must be one of {ON_ALL_DAMAGED}, got {on_all_damaged!r}")
+    skipped: list[str] = []
+    cands = [c for c in list_candidates(tiers) if step is None or c.step == step]
+    for c in cands:  # a marker that cannot be read is damage, reported whatever the order says
+        if c.problem is not None:
+            why = f"tier {c.tier.name} step {c.step}: {c.problem}"
+            log.warning("nebula_ckpt: skipping %s", why)
+            skipped.append(why)
+    for c in cands:
+        if c.problem is not None or (generation is not None and c.generation != generation):
+            continue
+        ck = _open_candidate(c, verify, rank, world, stage, skipped)
+        if ck is not None:
+            log.info("nebula_ckpt: restoring step %d from tier %s%s", c.step, c.tier.name,
+                     f" (skipped {len(skipped)} damaged candidate(s))" if skipped else "")
+            return ck
+    if skipped:
+        msg = _all_damaged_message(tiers, step, skipped)
+        if on_all_damaged == "raise":
+            raise CorruptCheckpointError(msg)
+        log.warning("nebula_ckpt: %s", msg)
+    return None
+
+
+def _open_candidate(c: Candidate, verify: Optional[str], rank: Optional[int], world: int,
+                    stage: Optional[Stage], skipped: list[str]) -> Optional[OpenCheckpoint]:
+    """Open (and stage) candidate ``c``; None when it is damaged (why appended to ``skipped``) or
+    of a layout this process cannot restore.
+
+    Raises:
+        ValidationError: ``stage`` found that ``into`` does not match (every candidate would say so).
+    """
+    where = f"tier {c.tier.name} step {c.step}"
+    try:
+        ck = open_checkpoint(c.storage, c.step, verify or c.tier.verify, where, rank, world,
+                             defer_verify=stage is not None)
+        ck.tier_name = c.tier.name
+        ck.storage = c.storage
+        if stage is not None:
+            stage(ck)
+    except ValidationError:
+        raise  # the caller's `into` does not match: every candidate would say the same
+    except NotThisLayout as e:
+        log.info("nebula_ckpt: not restoring %s", e)
+        return None
+    except Exception as e:  # KeyError, OverflowError, struct.error, OSError...: all mean damaged
+        why = str(e) if isinstance(e, CorruptCheckpointError) else \
+            f"{where}: cannot read it ({type(e).__name__}: {e})"
+        log.warning("nebula_ckpt: skipping %s", why)
+        skipped.append(why)
+        return None
+    return ck
+
+
+def _all_damaged_message(tiers: list[tuple[Tier, Storage]], step: Optional[int], skipped: list[str]) -> str:
+    roots = ", ".join(sorted({t.name for t, _ in tiers}))
+    listing = "\n".join(f"  - {s}" for s in skipped)
+    return (f"no healthy checkpoint{f' of step {step}' if step is not None else ''}: all "
+            f"{len(skipped)} committed candidate(s) are damaged:\n{listing}\n"
+            "To proceed, restore an older copy of the damaged step folders, or delete them (the next "
+            f"load then uses an older step, or none); `nebula-ckpt verify ROOT` lists them (tiers: {roots}).")
+
+
+
+def open_tagged(tiers: list[tuple[Tier, Storage]], steps: list[int], tag: str, root: str,
+                stage: Optional[Stage] = None) -> Optional[OpenCheckpoint]:
+    """One process: the newest of ``steps`` (those tagged ``tag``, newest first) that opens healthy
+    (older ones with the same tag are the fallback, as for ``load_latest``); None when no step
+    holds the tag.
+
+    Raises:
+        CorruptCheckpointError: every step tagged ``tag`` is damaged (``root`` names where).
+    """
+    for s in steps:
+        ck = find_and_open(tiers, step=s, on_all_damaged="warn", stage=stage)
+        if ck is not None:
+            return ck
+    if steps:
+        raise CorruptCheckpointError(f"every checkpoint tagged {tag!r} under {root} (steps {steps}) is damaged "
+                                     "(the log names each copy); `nebula-ckpt verify ROOT` lists damage")
+    return None
+
+
+def open_agreed(tiers: list[tuple[Tier, Storage]], co: Coordinator, root: str, step: Optional[int],
+                on_damaged: str, among: Optional[list[int]] = None,
+                stage: Optional[Stage] = None) -> Optional[OpenCheckpoint]:
+    """Every rank opens the same step: the newest that every rank can open from some tier (of
+    ``among``, when given: the steps this rank sees with the tag asked for).
+
+    Each round, the ranks intersect the steps committed on their tiers (minus those that failed
+    on some rank) and take the newest; each rank opens it (its own memory tier, or its part of
+    the shared tier); if any rank cannot, the step is dropped on all and the next round tries an
+    older one. Runs on the training thread; collectives on ``co``'s control group.
+    """
+    failed: list[tuple[int, int]] = []
+    while True:
+        # (writer generation, step): a stale writer's steps never win over a newer writer's
+        have = {c.order for c in list_candidates(tiers)
+                if (step is None or c.step == step) and (among is None or c.step in among)}
+        newest = co.agree_step(sorted(have - set(failed)))
+        if newest is None:
+            if failed and on_damaged == "raise":
+                raise CorruptCheckpointError(
+                    f"rank {co.rank}: no step is restorable on every rank of {root}: step(s) "
+                    f"{sorted({s for _, s in failed})} failed to open on some rank (see the ranks' logs for why); "
+                    "`nebula-ckpt verify ROOT` lists damage")
+            return None
+        ck = _open_round(tiers, co, newest, stage)
+        if ck is not None:
+            return ck
+        log.warning("nebula_ckpt: step %d is not restorable on every rank; trying an older one", newest[1])
+        failed.append(newest)
+
+
+def _open_round(tiers: list[tuple[Tier, Storage]], co: Coordinator, newest: tuple[int, int],
+                stage: Optional[Stage]) -> Optional[OpenCheckpoint]:
+    """One round of :func:`open_agreed`: every rank opens ``(generation, step)``; the checkpoint
+    when every rank could, else None.
+
+    Raises:
+        ValidationError: some rank's ``into`` does not match (raised on every rank).
+    """
+    generation, agreed = newest
+    mismatch: Optional[ValidationError] = None
+    try:
+        ck = find_and_open(tiers, step=agreed, on_all_damaged="warn", rank=co.rank, world=co.world_size,
+                           stage=stage, generation=generation)
+    except ValidationError as e:  # this rank's `into`: raised on every rank, after the round
+        ck, mismatch = None, e
+    except Exception as e:
+        log.warning("nebula_ckpt: rank %d cannot open step %d: %s", co.rank, agreed, e)
+        ck = None
+    if not co.all_true(mismatch is None):
+        raise mismatch or ValidationError(
+            f"rank {co.rank}: restoring step {agreed} failed on another rank because its `into` does not "
+            "match the checkpoint (that rank's error says how); nothing was restored")
+    return ck if co.all_true(ck is not None) else None

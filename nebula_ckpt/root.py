@@ -1,0 +1,133 @@
+"""A checkpoint root opened for one run: its tiers chosen, reached and opened, its run id, its fence.
+
+:func:`open_root` is what a :class:`~nebula_ckpt.checkpointer.Checkpointer` does first: bind and
+validate the tiers, reach each one (fail fast, before anything is left behind), read or take the
+root's run id (``_nebula/run.json``), let each tier open for that run (the memory tier claims
+its folder), and set up the writer fence; in a multi-rank job, the collectives every rank runs
+while opening (one root for all ranks, the job's writer generation, the shared tiers' rounds).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Optional, Sequence
+
+from nebula_ckpt.errors import ValidationError
+from nebula_ckpt.ranks.coordinator import Coordinator
+from nebula_ckpt.ranks.fencing import Fence, read_run_id, run_id
+from nebula_ckpt.storage.base import Storage
+from nebula_ckpt.storage.urls import canonical_root
+from nebula_ckpt.tiers.base import Tier
+from nebula_ckpt.tiers.factory import runtime_for
+from nebula_ckpt.tiers.memory.shm import Owner
+from nebula_ckpt.tiers.roots import default_tiers, tier_for_root
+from nebula_ckpt.tiers.runtime import TierRuntime
+
+log = logging.getLogger("nebula_ckpt")
+
+
+class OpenRoot:
+    """The tiers of a root opened for this run (see :func:`open_root`).
+
+    Attributes:
+        runtimes: the tiers opened (read only: those readable), fastest first.
+        run_id: id of this incarnation of the root (None: read only, and no run ever opened it).
+        fence: the writer fence on the root's persistent tier.
+    """
+
+    def __init__(self, runtimes: list[TierRuntime], root_storage: Storage, own_root_storage: bool,
+                 run_id: Optional[str], coordinator: Coordinator) -> None:
+        self.runtimes = runtimes
+        self.run_id = run_id
+        self.root_storage = root_storage
+        self._own_root_storage = own_root_storage
+        self.fence = Fence(root_storage, coordinator)
+
+        def give_back() -> None:  # fenced on one tier, fenced on all: the memory tier's lock goes
+            for rt in runtimes:
+                rt.fenced()
+        self.fence.on_fenced(give_back)
+
+    def release(self) -> None:
+        """Release every tier (and the root's storage, when it is no tier's)."""
+        for rt in self.runtimes:
+            rt.release()
+        if self._own_root_storage:
+            self.root_storage.close()
+
+
+def choose_tiers(root: str, storage_options: Optional[dict[str, Any]], tiers: Optional[Sequence[Tier]],
+                 memory_tier: bool, rank: int) -> tuple[list[Tier], Tier]:
+    """The tiers to use (validated, bound to root and rank) and the persistent root's tier."""
+    root_tier = tier_for_root(root, storage_options)
+    if tiers is None:
+        chosen: list[Tier] = default_tiers(root, storage_options, memory_tier, rank)
+        root_tier = chosen[-1]
+    else:
+        chosen = list(tiers)
+        if not chosen:
+            raise ValidationError("tiers must name at least one tier")
+    for t in chosen:
+        if not isinstance(t, Tier):
+            raise ValidationError(f"tiers must be Tier objects (MemoryTier, LocalTier, RemoteTier), got {t!r}")
+        t.bind(root, rank)
+        t.validate()
+    return chosen, root_tier
+
+
+def open_root(root: str, storage_options: Optional[dict[str, Any]], tiers: Optional[Sequence[Tier]],
+              memory_tier: bool, coordinator: Coordinator, read_only: bool) -> OpenRoot:
+    """Reach every tier (fail fast), take the root's run id, let each tier open for this run.
+
+    Read only: the run id is only read (None: no run ever opened the root) and a tier is used
+    when :meth:`~nebula_ckpt.tiers.runtime.TierRuntime.unreadable` allows it, which creates,
+    claims and writes nothing. Multi-rank (not read only): the constructor's collectives.
+
+    Raises:
+        ValidationError: bad tiers, or ranks that see different roots (nothing is kept open).
+    """
+    chosen, root_tier = choose_tiers(root, storage_options, tiers, memory_tier, coordinator.rank)
+    runtimes = [runtime_for(t, t.make_storage()) for t in chosen]
+    for rt in runtimes:  # fail fast, before leaving anything behind (a listing: nothing written)
+        rt.storage.check_access()
+    by_name = {rt.name: rt.storage for rt in runtimes}
+    root_storage = by_name.get(root_tier.name) or root_tier.make_storage()
+    own = root_tier.name not in by_name
+    if own:
+        root_storage.check_access()
+    rid = read_run_id(root_storage) if read_only else run_id(root_storage)
+    owner = Owner(canonical_root(root), rid)
+    opened: list[TierRuntime] = []
+    for rt in runtimes:
+        why = (rt.unreadable(owner) or None) if read_only else (None if rt.open(owner) else "refused")
+        if why is None:
+            opened.append(rt)
+        else:
+            if read_only:
+                log.debug("nebula_ckpt: tier %s not read: %s", rt.name, why)
+            rt.release()
+    out = OpenRoot(opened, root_storage, own, rid, coordinator)
+    if coordinator.world_size > 1 and not read_only:
+        # Collectives belong here, where every rank is (the constructor): one root for all
+        # ranks, the job's writer generation, and the rounds of each shared tier.
+        _check_shared_root(out, root, coordinator)
+        _ = out.fence.generation
+        for rt in opened:
+            if rt.tier.shared:
+                coordinator.open_tier(rt.name, rt.tier.every)
+    return out
+
+
+def _check_shared_root(opened: OpenRoot, root: str, coordinator: Coordinator) -> None:
+    """Every rank must see the same root: on a root that is not shared (a node-local path in a
+    multi-node job) each node would hold a part of every checkpoint and none would restore."""
+    ids = coordinator.exchange(opened.run_id)
+    if len(set(ids)) > 1:
+        groups: dict[str, list[int]] = {}
+        for r, i in enumerate(ids):
+            groups.setdefault(i, []).append(r)
+        opened.release()
+        raise ValidationError(
+            f"root {canonical_root(root)} is not the same place for every rank: ranks see "
+            f"{len(groups)} different roots (by run id: {[g[:4] for g in groups.values()]}); use a path "
+            "on a file system every node mounts, or a blob URL (az://, s3://), for a multi-rank job")

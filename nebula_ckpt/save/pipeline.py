@@ -1,0 +1,355 @@
+"""The save pipeline: plan -> snapshot -> fan-out -> persist, in order, with its threads.
+
+Only this module knows the order of the save stages. Threads:
+
+* the training thread runs :meth:`SavePipeline.save_async` up to enqueuing the copy (and, for a
+  save that does not overlap, waiting for it and settling the verdict);
+* one stager thread waits for copies, records the tensor index and fans snapshots out to tiers;
+* one writer thread per tier persists them.
+
+The overlap policy lives here too: a save returns before its copy is done only when every tensor
+has a mutation point (an optimizer's step, a module's forward) whose hook makes the next change
+wait for the copy; see :class:`~nebula_ckpt.checkpointer.Checkpointer`'s consistency rule.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import weakref
+from typing import Any, Callable, Optional
+
+import torch
+
+from nebula_ckpt import knobs
+from nebula_ckpt.errors import NebulaError
+from nebula_ckpt.format.commit import committed_steps
+from nebula_ckpt.handle import SaveHandle
+from nebula_ckpt.native import get_ops, monotonic
+from nebula_ckpt.ranks.coordinator import Coordinator
+from nebula_ckpt.ranks.fencing import Fence
+from nebula_ckpt.save.buffers import StagingPool
+from nebula_ckpt.save.fanout import fan_out
+from nebula_ckpt.save.persist import TierWriter
+from nebula_ckpt.save.plan import Plan, make_plan
+from nebula_ckpt.save.snapshot import Snapshot, Stager
+from nebula_ckpt.tiers.base import now
+from nebula_ckpt.tiers.runtime import TierRuntime
+
+log = logging.getLogger("nebula_ckpt")
+
+
+class SavePipeline:
+    """The saves of one :class:`~nebula_ckpt.checkpointer.Checkpointer`: staging memory, the
+    stager and tier writer threads (started at the first save), the handles in flight, the hooks
+    that guard overlapped copies, and the counters.
+
+    Args:
+        runtimes: the tiers opened for this run, fastest first (those this process writes are
+            chosen at the first save).
+        fence: the root's writer fence (each tier writer checks it before committing).
+        coordinator: how the ranks of the job agree (save numbers, commit rounds).
+        root: the run's root (names the stager thread and errors).
+        keep_last: committed checkpoints kept per tier unless the tier says otherwise.
+        max_host_bytes, on_full: the staging pool's cap and policy (see the Checkpointer).
+        snapshot: ``"auto"``, ``"sync"`` or ``"async"`` (see the Checkpointer).
+        allow_pickle: allow values typed JSON cannot hold, via pickle.
+        on_persist_error: ``"raise"`` or ``"log"`` (see the Checkpointer).
+    """
+
+    def __init__(self, runtimes: list[TierRuntime], fence: Fence, coordinator: Coordinator, root: str, *,
+                 keep_last: int, max_host_bytes: Optional[int], on_full: str, snapshot: str, allow_pickle: bool,
+                 on_persist_error: str) -> None:
+        self._runtimes = runtimes
+        self._fence = fence
+        self.coordinator = coordinator
+        self.root = root
+        self._keep_last = keep_last
+        self.snapshot = snapshot
+        self.allow_pickle = allow_pickle
+        self.on_persist_error = on_persist_error
+        # A second staging slot lets the next save start while a slower tier still reads one.
+        #: the staging buffers (fitted to the written tiers at the first save)
+        self.pool = StagingPool(max_host_bytes, 1 if len(runtimes) == 1 else 2, on_full)
+        #: the tier writers (None until the first save)
+        self.writers: Optional[list[TierWriter]] = None
+        self._stager: Optional[Stager] = None
+        self._lock = threading.Lock()
+        #: the handles of saves not yet over, or over with a failure not yet seen
+        self.handles: list[SaveHandle] = []
+        #: snapshots whose overlapped copy the training thread has not confirmed yet
+        self.inflight: list[Snapshot] = []
+        self._hooked: "weakref.WeakSet[Any]" = weakref.WeakSet()
+        self._hook_handles: list[Any] = []
+        #: ``save_async`` calls so far (every rank numbers its saves alike)
+        self.count = 0
+        self._metrics: dict[str, Any] = {"saves_finished": 0, "bytes_saved": 0, "blocked_s_total": 0.0,
+                                         "blocked_s_max": 0.0, "durable_s_last": {}, "last_save": None}
+        self._told_unguarded = False
+
+    def start(self) -> list[TierWriter]:
+        """At the first save: the tiers this process writes, their writer threads, the stager."""
+        if self.writers is None:
+            writing = [rt for rt in self._runtimes if rt.open_for_writing()]
+            if not writing:
+                raise NebulaError(f"no tier of {self.root} can be written by this process")
+            # With a tier that links staged files (the memory tier), CPU saves stage in its slot
+            # files: the bytes are copied once. Reading tiers that are not written stays possible.
+            self.pool.serve_writers(next((d for d in (rt.staging_dir() for rt in writing) if d), None),
+                                    1 if len(writing) == 1 else 2)
+            self.writers = [TierWriter(rt, self._fence.for_tier(rt.storage), rt.tier.keep_last or self._keep_last,
+                                       self.coordinator) for rt in writing]
+            self._stager = Stager(self.root[-24:], fan_out)
+        return self.writers
+
+    def prepare(self, state: Any, wait: bool) -> None:
+        """Make the staging memory for saves of ``state`` (see :meth:`Checkpointer.prepare`)."""
+        plan = make_plan(0, state, allow_pickle=self.allow_pickle)
+        self.start()
+        self.pool.prepare(plan.layout.total_bytes, any(t.is_cuda for t in plan.sources))
+        if wait:
+            self.pool.wait_prepared()
+
+    def save_async(self, step: int, state: Any, tag: Optional[str]) -> SaveHandle:
+        """Plan, snapshot and hand ``state`` to the tiers (see :meth:`Checkpointer.save_async`)."""
+        self.confirm_inflight()
+        self.raise_unseen()
+        t0 = monotonic()
+        plan = make_plan(step, state, allow_pickle=self.allow_pickle, tag=tag)
+        self.pool.check_fits(plan.layout.total_bytes)
+        writers = self.start()
+        t_now = now()
+        with self._lock:
+            idx = self.count
+            self.count += 1
+        try:
+            return self._save_indexed(idx, plan, writers, t_now, t0)
+        except BaseException:
+            for w in writers:  # the ranks' rounds of this save go on without this rank
+                self.coordinator.abandon(w.name, idx)
+            raise
+
+    def _save_indexed(self, idx: int, plan: Plan, writers: list[TierWriter], t_now: float, t0: float) -> SaveHandle:
+        """The rest of :meth:`save_async` for save number ``idx`` of this job."""
+        targets = [w for w in writers if w.wants(idx, t_now)]
+        for w in writers:
+            if w not in targets:
+                self.coordinator.abandon(w.name, idx)
+        handle = SaveHandle(plan.step, [w.name for w in targets], plan.tag)
+        progress = handle.progress
+        progress.begin(t0, plan.layout.total_bytes, self._save_finished)
+        progress.bind_settled(lambda tier: self.coordinator.abandon(tier, idx))
+        if not targets:
+            progress.skip("no tier's cadence wanted this save")
+            progress.returned()
+            return handle
+        pinned = any(t.is_cuda for t in plan.sources)
+        overlap = self._may_overlap(plan, pinned)
+        slot = self.pool.acquire(plan.layout.total_bytes, pinned, self._reclaim)
+        if slot is None:
+            log.warning("nebula_ckpt: step %d skipped: every staging buffer is still being persisted "
+                        "(on_full='skip')", plan.step)
+            progress.skip("no free staging buffer (on_full='skip')")
+            progress.returned()
+            return handle
+        for w in targets:  # the save goes ahead: only now does it count for every_seconds
+            w.took(t_now)
+        try:
+            header = plan.layout.header
+            slot.buffer.numpy().data[: len(header)] = header  # plain memcpy (ATen copy_ costs ms here)
+            # A save the training thread waits for copies at memcpy speed: the stager takes the
+            # checksums of the staged bytes afterwards, off the training thread (nothing can
+            # change them). An overlapped copy checksums while copying and checks each block
+            # against a hash taken before its copy (writes through .data / numpy during it).
+            job = get_ops().enqueue_copy(plan.sources, slot.buffer, [e.offset for e in plan.layout.entries],
+                                         checksum=overlap)
+        except BaseException:
+            self.pool.release(slot)  # nothing is in flight: the slot goes back
+            raise
+        snap = Snapshot(plan, slot, job, handle, self.pool, targets, t0, index=idx)
+        self._hand_over(snap, overlap)
+        progress.returned()
+        return handle
+
+    def _hand_over(self, snap: Snapshot, overlap: bool) -> None:
+        """Confirm ``snap`` now (no overlap) or guard it with hooks, track its handle, and give
+        it to the stager; on any failure take it back (see :meth:`_take_back`)."""
+        handle = snap.handle
+        try:
+            handle.progress.bind_confirm(snap.confirm)
+            if overlap:
+                overlap = self._install_hooks(snap.plan.optimizers, snap.plan.modules_with_buffers)
+            if not overlap:
+                snap.confirm()  # the copy is done and checked before we return: nothing can tear it
+            with self._lock:
+                if overlap:
+                    self.inflight = [s for s in self.inflight if not s.confirmed] + [snap]
+                self.handles = [h for h in self.handles if not (h.done() and (h.seen or h.error() is None))]
+                self.handles.append(handle)
+            assert self._stager is not None
+            self._stager.submit(snap)  # last: from here on the stager owns the snapshot
+        except BaseException as e:
+            self._take_back(snap, e)
+            raise
+
+    def _may_overlap(self, plan: Plan, pinned: bool) -> bool:
+        """Whether this save may return before its copy is done: the snapshot mode asks for it and
+        every tensor has a mutation point the hooks guard. The few small CPU tensors that have
+        none (an RNG state beside a model) are copied here instead (knob ``small_unguarded_bytes``)."""
+        if self.snapshot == "sync" or (self.snapshot == "auto" and not pinned):
+            return False
+        if plan.copy_unguarded(knobs.get("small_unguarded_bytes")):
+            return True
+        if not self._told_unguarded:
+            self._told_unguarded = True
+            keys = [plan.layout.entries[i].key for i in plan.unguarded]
+            log.info("nebula_ckpt: snapshot=%r, but tensor(s) %s%s of the state are not inside a module or optimizer "
+                     "passed as an object, so no hook can make their next change wait for the copy: such saves "
+                     "return once the copy is done (pass the model and optimizer themselves to overlap it)",
+                     self.snapshot, keys[:3], f" and {len(keys) - 3} more" if len(keys) > 3 else "")
+        return False
+
+    def _take_back(self, snap: Snapshot, error: BaseException) -> None:
+        """``save_async`` failed after enqueuing its copy: wait for the copy (it writes into the
+        slot), give the slot back and end the handle with ``error``, so that nothing of this save
+        stays in flight (``wait()`` / ``close()`` do not wait for it, the next save gets a slot)."""
+        try:
+            snap.finish_copy()
+        finally:
+            with self._lock:
+                self.inflight = [s for s in self.inflight if s is not snap]
+                self.handles = [h for h in self.handles if h is not snap.handle]
+            snap.handle.progress.abort(error)
+            snap.release()
+
+    def _reclaim(self) -> bool:
+        """Free staging buffers held only by snapshots slow tiers have not started on."""
+        return any([w.drop_pending() for w in self.writers or []])
+
+    def confirm_inflight(self, *_: Any, **__: Any) -> None:
+        """Hook body (training thread): wait for pending snapshot copies and confirm them."""
+        if not self.inflight:
+            return
+        with self._lock:
+            pending, self.inflight = self.inflight, []
+        for s in pending:
+            t = monotonic()
+            s.confirm()
+            s.handle.progress.add_stall(monotonic() - t)
+
+    def _install_hooks(self, optimizers: list[Any], modules: list[torch.nn.Module]) -> bool:
+        """Make the next step / forward wait for the copy; False if an object cannot be hooked
+        (a wrapped optimizer without PyTorch's hook machinery): the save then waits itself."""
+        try:
+            for opt in optimizers:
+                if opt not in self._hooked:
+                    self._hook_handles.append(opt.register_step_pre_hook(self.confirm_inflight))
+                    self._hooked.add(opt)
+            for m in modules:
+                if m not in self._hooked:
+                    self._hook_handles.append(m.register_forward_pre_hook(self.confirm_inflight))
+                    self._hooked.add(m)
+        except Exception as e:
+            log.debug("nebula_ckpt: cannot hook %s (%s): this save waits for its copy", type(e).__name__, e)
+            return False
+        return True
+
+    def raise_unseen(self) -> None:
+        """Raise the first failure no handle has shown yet (``on_persist_error="raise"``)."""
+        if self.on_persist_error != "raise":
+            return
+        with self._lock:
+            for h in self.handles:
+                if h.done() and not h.seen and h.error() is not None:
+                    h.seen = True
+                    raise h.error()  # type: ignore[misc]
+
+    def pending(self, match: Callable[[SaveHandle], bool]) -> list[SaveHandle]:
+        """The handles of saves still in flight that ``match`` selects."""
+        with self._lock:
+            return [h for h in self.handles if not h.done() and match(h)]
+
+    def wait(self, timeout: Optional[float] = None) -> None:
+        """Block until every save so far is durable (see :meth:`Checkpointer.wait`)."""
+        self.confirm_inflight()
+        with self._lock:
+            handles = list(self.handles)
+        for h in handles:
+            if not h.wait(timeout):
+                raise TimeoutError(f"save of step {h.step} not durable after {timeout} s")
+        for w in self.writers or []:
+            w.wait_idle(timeout)
+        self.raise_unseen()
+
+    def shutdown(self, join: bool) -> None:
+        """Stop hooks and threads, free staging, let each written tier close (the memory tier
+        frees its RAM when its newest step is safe elsewhere).
+
+        ``join=False`` (a timed-out close): nothing is waited for or removed; the daemon threads
+        end with the process and a restart finds whatever had committed.
+        """
+        for hh in self._hook_handles:
+            hh.remove()
+        self._hook_handles.clear()
+        if not join:
+            return
+        if self._stager is not None:
+            self._stager.close()
+        for w in self.writers or []:
+            w.wait_idle()
+        self._flush_newest()
+        written = [w.runtime for w in self.writers or []]
+        for rt in written:
+            rt.close(written)   # e.g. the memory tier frees its RAM when that is safe
+        for w in self.writers or []:
+            w.close()
+        self.coordinator.close(self.count)
+        self.pool.close()
+
+    def _flush_newest(self) -> None:
+        """Put the newest committed step on every persistent tier that lacks it (cadence, drops).
+
+        A disk or remote tier with ``every=N`` (or one that dropped saves while busy) would
+        otherwise end the job older than the memory tier, which does not survive a reboot.
+        """
+        if self.writers is None:
+            return  # nothing was saved by this checkpointer
+        if self.coordinator.world_size > 1:
+            return  # a multi-rank copy would need every rank again: not done at close (see README)
+        have = {w.name: set(committed_steps(w.storage)) for w in self.writers}
+        newest = max((max(s) for s in have.values() if s), default=None)
+        if newest is None:
+            return
+        src = next((w.storage for w in self.writers if newest in have[w.name] and w.storage.is_local), None)
+        for w in self.writers:
+            if not w.tier.persistent or newest in have[w.name]:
+                continue
+            try:
+                if src is None:
+                    raise NebulaError("no tier with a local copy of it")
+                w.copy_from(src, newest)
+                log.info("nebula_ckpt: close() put the newest step %d on %s", newest, w.name)
+            except Exception as e:
+                log.error("nebula_ckpt: close() could not put the newest step %d on %s (it ends at step "
+                          "%s): %s: %s", newest, w.name, max(have[w.name], default=None), type(e).__name__, e)
+
+    def stats(self) -> dict[str, Any]:
+        """The save counters of :meth:`Checkpointer.stats`."""
+        with self._lock:
+            m = dict(self._metrics)
+            m["durable_s_last"] = dict(self._metrics["durable_s_last"])
+        return {"staging_bytes": self.pool.allocated_bytes, "memory_tier_slot_bytes": self.pool.memory_tier_bytes,
+                "staging_allocations": self.pool.allocations, "saves": self.count, **m}
+
+    def _save_finished(self, handle: SaveHandle) -> None:
+        """A save is over on every tier (a writer thread calls this): fold its metrics in."""
+        m = handle.metrics
+        with self._lock:
+            c = self._metrics
+            c["saves_finished"] += 1
+            c["bytes_saved"] += m.bytes
+            if m.blocked_s is not None:
+                c["blocked_s_total"] += m.blocked_s
+                c["blocked_s_max"] = max(c["blocked_s_max"], m.blocked_s)
+            c["durable_s_last"].update(m.durable_s)
+            c["last_save"] = m.to_dict()
