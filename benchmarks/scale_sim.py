@@ -13,7 +13,7 @@ the snapshot stage records (dtype, shape, byte range, CRC32C, DTensor placement)
 
 Per size it measures, on the paths a real job runs:
 
-1. the rounds (:mod:`nebula_ckpt.save.persist`): one rank's ``summary`` / ``digest`` / ``assign`` (CPU),
+1. the rounds (:mod:`nebula_ckpt.save.rounds`): one rank's ``summary`` / ``digest`` / ``assign`` (CPU),
    the bytes rank 0 receives in the digest and durable rounds (``all_gather_object`` pickles);
 2. rank 0's commit: ``ranks.global_manifest`` + serialising it (CPU), the bytes it writes;
 3. a restoring rank: the bytes it reads and its CPU to parse the manifest (``Manifest.parse``) and

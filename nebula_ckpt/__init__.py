@@ -35,17 +35,27 @@ from nebula_ckpt.errors import (
     PickleNotAllowedError,
     ValidationError,
 )
+from nebula_ckpt.format.names import check_tag
 from nebula_ckpt.handle import SaveHandle, SaveMetrics
 from nebula_ckpt.ranks.coordinator import Coordinator, LocalCoordinator
 from nebula_ckpt.ranks.distributed import DistCoordinator
 from nebula_ckpt.storage.atomic import write_file_atomic
-from nebula_ckpt.tiers import LocalTier, MemoryTier, RemoteTier, Tier
+from nebula_ckpt.tiers import (
+    LocalTier,
+    MemoryTier,
+    RemoteTier,
+    Tier,
+    canonical_root,
+    refuse_url_credentials,
+    tier_for_root,
+)
 
 __all__ = [
     "Checkpointer", "SaveHandle", "SaveMetrics", "MemoryTier", "LocalTier", "RemoteTier", "Tier",
     "save_async", "load_latest", "close_all", "Coordinator", "LocalCoordinator", "DistCoordinator",
     "NebulaError", "ValidationError", "PersistError", "ConsistencyError", "CorruptCheckpointError",
-    "FencedError", "NotFoundError", "PickleNotAllowedError", "write_file_atomic",
+    "FencedError", "NotFoundError", "PickleNotAllowedError",
+    "check_tag", "canonical_root", "refuse_url_credentials", "tier_for_root", "write_file_atomic",
 ]
 
 # No NullHandler on purpose: without a logging configuration, Python's last-resort handler prints

@@ -109,6 +109,19 @@ _KNOBS: dict[str, _Knob] = {
                                  "source pages (what a restore keeps resident beyond the owned bytes)"),
     "log_level": _Knob("NEBULA_LOG_LEVEL", None, str,
                        "level of the 'nebula_ckpt' logger if set (DEBUG, INFO, ...)"),
+    "progress_delay_s": _Knob("NEBULA_PROGRESS_DELAY_S", 2.0, float,
+                              "seconds a `nebula-ckpt` command works before it draws a progress bar "
+                              "(only on a terminal, never with --json)"),
+    "persistent_storage_path": _Knob("NEBULA_PERSISTENT_STORAGE_PATH", None, str,
+                                     "torch_nebula compat: the root when init() is given no "
+                                     "persistent_storage_path (as Azure ML Nebula read it)"),
+    "persistent_time_interval": _Knob("NEBULA_PERSISTENT_TIME_INTERVAL", None, str,
+                                      "torch_nebula compat: seconds between persisted checkpoints when "
+                                      "init() is given no persistent_time_interval"),
+    "memory_buffer_size": _Knob("NEBULA_MEMORY_BUFFER_SIZE", None, str,
+                                "torch_nebula compat: Azure ML Nebula's streaming buffer size; ignored "
+                                "(init() warns): nebula_ckpt stages whole checkpoints, capped by "
+                                "max_host_bytes"),
 }
 
 _overrides: dict[str, Any] = {}
@@ -153,17 +166,35 @@ def override(**values: Any) -> Iterator[None]:
             _overrides.update(saved)
 
 
-def describe() -> dict[str, tuple[str, Any, str]]:
-    """Return ``{name: (env var, current value, doc)}`` for every knob."""
-    return {n: (k.env, get(n), k.doc) for n, k in _KNOBS.items()}
+class KnobTable(dict[str, tuple[str, Any, str]]):
+    """``{name: (env var, current value, doc)}`` of every knob; printed, a readable table
+    (:func:`table`), not one long dict on a line."""
+
+    def __str__(self) -> str:
+        return render_table(self)
+
+    def __repr__(self) -> str:
+        return render_table(self)
+
+
+def describe() -> KnobTable:
+    """Return ``{name: (env var, current value, doc)}`` for every knob (printed: :func:`table`)."""
+    return KnobTable({n: (k.env, get(n), k.doc) for n, k in _KNOBS.items()})
+
+
+def render_table(described: dict[str, tuple[str, Any, str]]) -> str:
+    """``described`` (what :func:`describe` returns) as a table: knob, environment variable,
+    current value, meaning."""
+    rows = [("knob", "environment", "value", "meaning")]
+    rows += [(n, env, repr(value), doc) for n, (env, value, doc) in described.items()]
+    w = [max(len(r[i]) for r in rows) for i in range(3)]
+    return "\n".join(f"{a:<{w[0]}}  {b:<{w[1]}}  {c:<{w[2]}}  {d}" for a, b, c, d in rows)
 
 
 def table() -> str:
     """Every knob as a readable table: name, environment variable, current value, meaning.
 
-    ``python -c "from nebula_ckpt import knobs; print(knobs.table())"`` prints it.
+    ``python -c "from nebula_ckpt import knobs; print(knobs.table())"`` prints it (as does
+    ``print(knobs.describe())``).
     """
-    rows = [("knob", "environment", "value", "meaning")]
-    rows += [(n, env, repr(value), doc) for n, (env, value, doc) in describe().items()]
-    w = [max(len(r[i]) for r in rows) for i in range(3)]
-    return "\n".join(f"{a:<{w[0]}}  {b:<{w[1]}}  {c:<{w[2]}}  {d}" for a, b, c, d in rows)
+    return render_table(describe())

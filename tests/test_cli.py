@@ -27,6 +27,11 @@ def saved(root: str) -> str:
     return root
 
 
+def _row(out: str, step: int) -> str:
+    """The row of ``step`` in ``nebula-ckpt ls``'s table (columns: tier, step, size, tag, state)."""
+    return next(ln for ln in out.splitlines()[1:] if ln.split()[1:2] == [str(step)])
+
+
 def test_ls_json(saved: str, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["ls", saved, "--json"]) == 0
     rows = json.loads(capsys.readouterr().out)
@@ -38,7 +43,7 @@ def test_ls_json(saved: str, capsys: pytest.CaptureFixture[str]) -> None:
 def test_ls_text_and_empty(saved: str, tmp_path, capsys: pytest.CaptureFixture[str]) -> None:  # noqa: ANN001
     assert main(["ls", saved]) == 0
     out = capsys.readouterr().out
-    assert "step        1" in out and "healthy" in out and "uncommitted" in out
+    assert "healthy" in _row(out, 1) and "uncommitted" in _row(out, 3)
     assert main(["ls", str(tmp_path / "nothing")]) == 1
 
 
@@ -106,9 +111,9 @@ def test_ls_checks_checksums_like_verify(saved: str, capsys: pytest.CaptureFixtu
     assert captured.err == ""  # --json: no progress bar
     assert main(["ls", saved]) == 1
     captured = capsys.readouterr()
-    line2 = next(ln for ln in captured.out.splitlines() if "step        2" in ln)
+    line2 = _row(captured.out, 2)
     assert "DAMAGED" in line2 and "checksum mismatch" in line2
-    assert "checking" in captured.err  # the progress bar, on stderr
+    assert captured.err == ""  # no progress bar: stderr is no terminal
     assert main(["verify", saved, "--step", "2"]) == 1
 
 
@@ -117,14 +122,14 @@ def test_ls_quick_checks_sizes_only(saved: str, capsys: pytest.CaptureFixture[st
     assert main(["ls", saved, "--quick"]) == 0
     out = capsys.readouterr().out
     assert "healthy" not in out
-    line2 = next(ln for ln in out.splitlines() if "step        2" in ln)
+    line2 = _row(out, 2)
     assert "committed (not verified)" in line2
     assert main(["ls", saved, "--quick", "--json"]) == 0
     rows = {r["step"]: r for r in json.loads(capsys.readouterr().out)}
     assert rows[2]["verified"] == "size" and rows[2]["committed"]
     os.truncate(os.path.join(saved, "step-1", "shard-g1-r0.safetensors"), 100)
     assert main(["ls", saved, "--quick"]) == 1
-    line1 = next(ln for ln in capsys.readouterr().out.splitlines() if "step        1" in ln)
+    line1 = _row(capsys.readouterr().out, 1)
     assert "DAMAGED" in line1 and "truncated" in line1
 
 
@@ -152,12 +157,6 @@ def test_inspect_and_export_fail_cleanly_on_damage(saved: str, tmp_path, cmd: li
     assert r.returncode == 1, r.stderr
     assert "Traceback" not in r.stderr and "float99" in r.stderr and "step 2" in r.stderr, r.stderr
     assert not os.path.exists(tmp_path / "out.pt") and not os.path.exists(tmp_path / "out.safetensors")
-
-
-def test_export_unwritable_target_fails_cleanly(saved: str, tmp_path, capsys: pytest.CaptureFixture[str]) -> None:  # noqa: ANN001
-    assert main(["export", saved, "--step", "2", "--to", str(tmp_path / "no" / "such" / "dir" / "x.pt")]) == 1
-    err = capsys.readouterr().err
-    assert "does not exist" in err and "Traceback" not in err
 
 
 @pytest.mark.parametrize("cmd", ["ls", "verify", "inspect", "export"])
@@ -210,7 +209,7 @@ def test_a_symlink_in_a_step_is_damage_to_every_command(saved: str, tmp_path, wh
     assert rows[2]["committed"] and not rows[2]["healthy"], rows[2]
     assert f"'{link}'" in rows[2]["problem"] and "symlink" in rows[2]["problem"], rows[2]
     assert main(["ls", saved]) == 1
-    line2 = next(ln for ln in capsys.readouterr().out.splitlines() if "step        2" in ln)
+    line2 = _row(capsys.readouterr().out, 2)
     assert "DAMAGED" in line2 and f"'{link}'" in line2
     for args in ([], ["--step", "2"]):
         assert main(["verify", saved, *args]) == 1
@@ -227,3 +226,196 @@ def test_a_symlink_in_a_step_is_damage_to_every_command(saved: str, tmp_path, wh
     with nc.Checkpointer(saved, memory_tier=False) as ck:
         assert ck.load_latest(into={"model": model, "step": 0, "cfg": None}) == 1
     assert any(f"'{link}'" in r.getMessage() for r in caplog.records if r.levelname == "WARNING"), caplog.text
+
+
+# -- what a new user runs into ---------------------------------------------------------------------
+@pytest.fixture
+def tagged(root: str) -> str:
+    """Steps 1, 2, 3 tagged warmup, epoch-1, epoch-1 (a tag saved twice: its newest step counts)."""
+    model = torch.nn.Linear(8, 4)
+    with nc.Checkpointer(root, memory_tier=False) as ck:
+        for step, tag in ((1, "warmup"), (2, "epoch-1"), (3, "epoch-1")):
+            ck.save(step, {"model": model, "step": step}, tag=tag)
+    return root
+
+
+def test_inspect_and_export_take_a_tag_or_latest(tagged: str, tmp_path,  # noqa: ANN001
+                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["inspect", tagged, "--tag", "warmup", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["step"] == 1
+    assert main(["inspect", tagged, "--tag", "epoch-1"]) == 0
+    assert capsys.readouterr().out.startswith("step 3 ")
+    for latest in (["--step", "latest"], []):  # no --step / --tag: the newest healthy step
+        assert main(["inspect", tagged, *latest, "--json"]) == 0
+        assert json.loads(capsys.readouterr().out)["step"] == 3
+    out = str(tmp_path / "warm.pt")
+    assert main(["export", tagged, "--tag", "warmup", "--to", out, "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["step"] == 1 and torch.load(out, weights_only=True)["step"] == 1
+    assert main(["export", tagged, "--step", "latest", "--to", out]) == 0
+    assert torch.load(out, weights_only=True)["step"] == 3
+    capsys.readouterr()
+    assert main(["inspect", tagged, "--tag", "epoch-9"]) == 1
+    err = capsys.readouterr().err
+    assert "no committed checkpoint tagged 'epoch-9'" in err and "'warmup'" in err and "'epoch-1'" in err
+    _flip_last_byte(tagged, 3)  # the newest is damaged: latest is the newest healthy one
+    assert main(["export", tagged, "--to", out, "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["step"] == 2
+
+
+@pytest.mark.parametrize("argv", [["--step", "3", "--tag", "warmup"], ["--step", "soon"]])
+def test_step_and_tag_usage_errors(tagged: str, argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as ei:
+        main(["inspect", tagged, *argv])
+    assert ei.value.code == 2
+    assert "--step" in capsys.readouterr().err
+
+
+class Opaque:
+    """A value only pickle can store."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+
+def test_the_pickle_hint_names_the_cli_flag(root: str, tmp_path, capsys: pytest.CaptureFixture[str]) -> None:  # noqa: ANN001
+    with nc.Checkpointer(root, memory_tier=False, allow_pickle=True) as ck:
+        ck.save(1, {"w": torch.ones(2), "obj": Opaque(7)})
+    out = str(tmp_path / "x.pt")
+    assert main(["export", root, "--step", "1", "--to", out]) == 1
+    err = capsys.readouterr().err
+    assert "--allow-pickle" in err and "allow_pickle=True" not in err and "'obj'" in err, err
+    assert not os.path.exists(out)
+    assert main(["export", root, "--step", "1", "--to", out, "--allow-pickle"]) == 0
+    assert torch.load(out, weights_only=False)["obj"].n == 7
+
+
+def test_export_creates_the_folder_of_to(saved: str, tmp_path, capsys: pytest.CaptureFixture[str]) -> None:  # noqa: ANN001
+    deep = tmp_path / "no" / "such" / "dir" / "x.pt"
+    assert main(["export", saved, "--step", "2", "--to", str(deep)]) == 0
+    assert torch.load(deep, weights_only=True)["step"] == 2
+    capsys.readouterr()
+    # --to naming a folder (existing, or ending in a separator): a file named for the step inside it
+    for folder in (str(tmp_path / "out") + os.sep, str(tmp_path / "no")):
+        assert main(["export", saved, "--step", "2", "--to", folder, "--json"]) == 0
+        info = json.loads(capsys.readouterr().out)
+        assert info["to"] == os.path.join(folder.rstrip(os.sep), "step-2.safetensors")
+        assert set(load_file(info["to"])) == {"model/weight", "model/bias"}
+    # a failed export creates no folder
+    _flip_last_byte(saved, 1)
+    assert main(["export", saved, "--step", "1", "--to", str(tmp_path / "new" / "x.pt")]) == 1
+    assert not os.path.exists(tmp_path / "new")
+
+
+def test_export_to_below_a_file_is_a_clear_error(saved: str, tmp_path, capsys: pytest.CaptureFixture[str]) -> None:  # noqa: ANN001
+    (tmp_path / "a_file").write_text("keep me")
+    assert main(["export", saved, "--step", "2", "--to", str(tmp_path / "a_file" / "x.pt")]) == 1
+    err = capsys.readouterr().err
+    assert "a_file" in err and "not a folder" in err and "Traceback" not in err, err
+    assert (tmp_path / "a_file").read_text() == "keep me"
+
+
+def test_ls_has_a_header_and_human_sizes(saved: str, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["ls", saved]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].split() == ["tier", "step", "size", "tag", "state"]
+    row = _row("\n".join(lines), 2)
+    assert " B " in row or "KiB" in row, row  # a 200-byte checkpoint is not "0.0 MiB"
+    assert "0.0 MiB" not in "\n".join(lines)
+    from nebula_ckpt.cli.common import human_bytes
+
+    assert [human_bytes(n) for n in (0, 999, 1536, 5 * 2**20, 3 * 2**40)] == \
+        ["0 B", "999 B", "1.5 KiB", "5.0 MiB", "3.0 TiB"]
+
+
+def test_compression_ratio_only_when_compressed(tmp_path, shm_dir, capsys: pytest.CaptureFixture[str]) -> None:  # noqa: ANN001
+    state = {"w": torch.zeros(64, 1024)}  # compresses well
+    plain, packed = "memory://nebula-cli-ratio/plain", "memory://nebula-cli-ratio/packed"
+    for url, comp in ((plain, None), (packed, "zstd")):
+        with nc.Checkpointer(url, tiers=[nc.RemoteTier(url, compression=comp)]) as ck:
+            ck.save(1, state)
+    assert main(["ls", plain, "--json"]) == 0
+    (row,) = json.loads(capsys.readouterr().out)
+    assert row["compression_ratio"] is None and row["compression"] is None
+    assert main(["ls", packed, "--json"]) == 0
+    (row,) = json.loads(capsys.readouterr().out)
+    assert row["compression"] == "zstd" and row["compression_ratio"] > 10
+    assert main(["ls", packed]) == 0
+    assert "zstd x" in capsys.readouterr().out
+
+
+def _ls_on_a_terminal(root: str, *extra: str, delay: str | None = None) -> str:
+    """stderr of ``nebula-ckpt ls`` run with a pseudo-terminal as its stderr."""
+    import fcntl
+    import pty
+    import struct
+    import termios
+
+    master, slave = pty.openpty()
+    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 100, 0, 0))  # a new pty is 0 columns wide
+    env = dict(os.environ)
+    env.pop("NEBULA_PROGRESS_DELAY_S", None)
+    if delay is not None:
+        env["NEBULA_PROGRESS_DELAY_S"] = delay
+    try:
+        r = subprocess.run([sys.executable, "-m", "nebula_ckpt.cli", "ls", root, *extra], stdout=subprocess.PIPE,
+                           stderr=slave, env=env, timeout=120)
+        os.close(slave)
+        chunks = []
+        while True:
+            try:
+                chunk = os.read(master, 65536)
+            except OSError:  # EIO: the child's side is closed and everything was read
+                break
+            if not chunk:
+                break
+            chunks.append(chunk)
+    finally:
+        os.close(master)
+    assert r.returncode == 0
+    return b"".join(chunks).decode(errors="replace")
+
+
+def test_progress_bars_only_on_a_terminal_for_long_work(saved: str, capsys: pytest.CaptureFixture[str]) -> None:
+    os.rmdir(os.path.join(saved, "step-3"))  # no leftover: ls exits 0
+    assert main(["ls", saved]) == 0
+    assert capsys.readouterr().err == ""  # stderr is no terminal here
+    assert "checking" in _ls_on_a_terminal(saved, delay="0")  # long work on a terminal (any work, at delay 0)
+    assert "checking" not in _ls_on_a_terminal(saved, "--json", delay="0")
+    assert "checking" not in _ls_on_a_terminal(saved)  # two small checkpoints: done before the bar's delay
+
+
+# -- nebula-ckpt bench: the harness of a checkout, else the quick benchmark ---------------------------
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _installed_copy(tmp_path) -> str:  # noqa: ANN001
+    """The package alone in a site-packages-like folder (what pip installs: no benchmarks/ beside it)."""
+    site = tmp_path / "site-packages"
+    shutil.copytree(os.path.join(REPO, "nebula_ckpt"), site / "nebula_ckpt",
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    return str(site)
+
+
+def _bench_help(pythonpath: str, cwd: str) -> subprocess.CompletedProcess[str]:
+    env = dict(os.environ, PYTHONPATH=pythonpath)
+    return subprocess.run([sys.executable, "-m", "nebula_ckpt.cli", "bench", "--help"], cwd=cwd, env=env,
+                          capture_output=True, text=True, timeout=300)
+
+
+def test_bench_runs_the_harness_of_a_checkout(tmp_path) -> None:  # noqa: ANN001
+    from nebula_ckpt.cli.bench import find_checkout
+
+    assert find_checkout(str(tmp_path)) == REPO  # the folder above the imported package
+    r = _bench_help(REPO, str(tmp_path))  # the package of a checkout, run from elsewhere
+    assert r.returncode == 0 and "usage: nebula-ckpt bench" in r.stdout and "--systems" in r.stdout, r.stderr
+    r = _bench_help(_installed_copy(tmp_path), REPO)  # an installed package, run from a checkout
+    assert r.returncode == 0 and "--systems" in r.stdout, r.stderr
+
+
+def test_bench_without_a_checkout_runs_the_quick_benchmark(tmp_path) -> None:  # noqa: ANN001
+    r = _bench_help(_installed_copy(tmp_path), str(tmp_path))
+    assert "--systems" not in r.stdout and "Traceback" not in r.stderr, r.stderr
+    if os.path.exists(os.path.join(REPO, "nebula_ckpt", "quickbench.py")):
+        assert r.returncode == 0 and "usage:" in r.stdout, r.stderr
+    else:
+        assert r.returncode == 1 and "nebula_ckpt.quickbench" in r.stderr and "checkout" in r.stderr, r.stderr

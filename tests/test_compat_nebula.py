@@ -26,7 +26,6 @@ import torch
 import nebula_ckpt as nc
 import nebula_ckpt.compat.torch_nebula as tn
 from nebula_ckpt.compat import install_aliases
-from nebula_ckpt.format.names import check_tag
 from proc_lines import lines
 
 HERE = Path(__file__).resolve().parent
@@ -163,7 +162,7 @@ def test_longest_tag_gets_a_latest_checkpoint_path(root: str, part: str) -> None
     tn.init(persistent_storage_path=root)
     paths = []
     for i, tag in enumerate(("t" * 255 + "1", "t" * 255 + "2")):
-        check_tag(tag)
+        nc.check_tag(tag)  # a valid tag
         c = tn.Checkpoint(tag, 1)
         c.save(part, {"w": torch.full((3,), float(i))})
         path = tn.get_latest_checkpoint_path(part)
@@ -228,6 +227,27 @@ def test_histories(root: str, tmp_path: Path) -> None:
     rows = list(csv.DictReader(open(tn.write_checkpoint_histories(str(tmp_path / "checkpointHistories.csv")))))
     assert len(rows) == 1 and rows[0]["tag"] == "global_step1" and rows[0]["parts"] == "model;optimizer"
     assert float(rows[0]["duration_seconds"]) == h["duration_seconds"]
+
+
+def test_init_reads_nebulas_environment_variables(root: str, monkeypatch: pytest.MonkeyPatch,
+                                                  caplog: pytest.LogCaptureFixture) -> None:
+    """Nebula's environment variables, read through nebula_ckpt.knobs (the one reader of the environment)."""
+    from nebula_ckpt import knobs
+
+    monkeypatch.setenv("NEBULA_PERSISTENT_STORAGE_PATH", root)
+    monkeypatch.setenv("NEBULA_PERSISTENT_TIME_INTERVAL", "3600")
+    monkeypatch.setenv("NEBULA_MEMORY_BUFFER_SIZE", "1048576")
+    tn.init()
+    ck = tn.checkpointer()
+    assert os.path.realpath(ck.root) == os.path.realpath(root)
+    assert [t.every_seconds for t in ck.tiers] == [None, 3600.0]  # the persistent tier's interval
+    assert "NEBULA_MEMORY_BUFFER_SIZE is ignored" in caplog.text
+    tn.shutdown()
+    monkeypatch.delenv("NEBULA_PERSISTENT_STORAGE_PATH")
+    with knobs.override(persistent_storage_path=root, persistent_time_interval="0"):
+        tn.init()
+        assert [t.every_seconds for t in tn.checkpointer().tiers] == [None, None]  # 0: every commit persists
+    tn.shutdown()
 
 
 def test_clear_errors(root: str, monkeypatch: pytest.MonkeyPatch) -> None:

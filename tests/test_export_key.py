@@ -31,7 +31,8 @@ def test_safetensors_export_has_the_modules_own_keys(root: str, saved: TinyNet, 
                                                      capsys: pytest.CaptureFixture[str]) -> None:
     out = str(tmp_path / "model.safetensors")
     assert main(["export", root, "--step", "3", "--to", out, "--key", "model", "--json"]) == 0
-    assert json.loads(capsys.readouterr().out) == {"step": 3, "to": out, "format": "safetensors", "key": "model"}
+    assert json.loads(capsys.readouterr().out) == {"step": 3, "to": out, "format": "safetensors", "key": "model",
+                                                  "config": None}
     want = saved.state_dict()
     with safe_open(out, "pt") as f:
         assert set(f.keys()) == set(want)           # "emb.weight", "bn.running_mean", ... : no "model/" prefix
@@ -81,3 +82,55 @@ def test_whole_export_is_unchanged_but_loadable_by_transformers(root: str, saved
     assert main(["export", root, "--step", "3", "--to", out]) == 0
     with safe_open(out, "pt") as f:
         assert "model/lin.weight" in f.keys() and f.metadata()["format"] == "pt"
+
+
+def _tiny_gpt2() -> "torch.nn.Module":
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    return GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=40, n_positions=16))
+
+
+def test_export_key_writes_the_saved_hugging_face_config(root: str, tmp_path,  # noqa: ANN001
+                                                         capsys: pytest.CaptureFixture[str]) -> None:
+    """The Hugging Face integration saves the model's config as ``config`` beside ``model``:
+    ``export --key model`` writes it as config.json next to the weights, so ``from_pretrained``
+    of the folder builds the saved architecture (not a default one)."""
+    from transformers import GPT2LMHeadModel
+
+    model = _tiny_gpt2()
+    with nc.Checkpointer(root, memory_tier=False) as ck:
+        ck.save(5, {"model": model, "config": model.config.to_json_string(), "step": 5})
+    out = tmp_path / "hf" / "model.safetensors"
+    assert main(["export", root, "--step", "5", "--to", str(out), "--key", "model", "--json"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert info["config"] == str(tmp_path / "hf" / "config.json")
+    assert json.loads((tmp_path / "hf" / "config.json").read_text())["n_embd"] == 16
+    loaded = GPT2LMHeadModel.from_pretrained(str(tmp_path / "hf"))
+    assert loaded.config.n_embd == 16 and loaded.config.vocab_size == 40
+    for k, v in model.state_dict().items():
+        assert torch.equal(loaded.state_dict()[k], v), k
+    # a different config.json already there is never overwritten: a clear error, nothing written
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "config.json").write_text('{"n_embd": 99}')
+    assert main(["export", root, "--step", "5", "--to", str(tmp_path / "other"), "--key", "model"]) == 1
+    err = capsys.readouterr().err
+    assert "config.json" in err and "differs" in err, err
+    assert (tmp_path / "other" / "config.json").read_text() == '{"n_embd": 99}'
+    assert os.listdir(tmp_path / "other") == ["config.json"]
+    # into a folder: the file names from_pretrained looks for
+    assert main(["export", root, "--step", "5", "--to", str(tmp_path / "pt") + os.sep, "--key", "model",
+                 "--format", "torch", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["to"] == str(tmp_path / "pt" / "pytorch_model.bin")
+    assert GPT2LMHeadModel.from_pretrained(str(tmp_path / "pt")).config.n_embd == 16
+
+
+def test_export_key_without_a_config_says_so(root: str, saved: TinyNet, tmp_path,  # noqa: ANN001
+                                             capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "model.safetensors"
+    assert main(["export", root, "--step", "3", "--to", str(out), "--key", "model", "--json"]) == 0
+    captured = capsys.readouterr()
+    assert json.loads(captured.out)["config"] is None
+    assert not (tmp_path / "config.json").exists()
+    assert "no Hugging Face config" in captured.err and "config.json" in captured.err, captured.err
+    assert "save_pretrained" in captured.err  # the fix, named

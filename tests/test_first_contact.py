@@ -43,3 +43,11 @@ def test_knobs_are_listed_as_a_readable_table() -> None:
     for name, (env, value, _doc) in knobs.describe().items():
         row = next(ln for ln in lines if ln.startswith(name + " "))
         assert env in row and repr(value) in row
+
+
+def test_printing_knobs_describe_shows_the_table(capsys: pytest.CaptureFixture[str]) -> None:
+    described = knobs.describe()
+    print(described)
+    assert capsys.readouterr().out.strip() == knobs.table()  # not one raw dict on a line
+    env, value, doc = described["copy_threads"]  # still the mapping it was
+    assert env == "NEBULA_COPY_THREADS" and value == knobs.get("copy_threads") and doc

@@ -44,7 +44,7 @@ import logging
 import os
 import uuid
 from dataclasses import dataclass
-from typing import Any, Mapping, Optional, Union
+from typing import Any, Optional, Union
 
 import torch
 from torch.distributed.checkpoint.metadata import (
@@ -60,20 +60,20 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
+from nebula_ckpt.dcp.flat_names import ExposedValue, dcp_names
+from nebula_ckpt.dcp.roots import GivenStorage, partial_job, split_checkpoint_id, tier_for
 from nebula_ckpt.errors import CorruptCheckpointError, NotFoundError, ValidationError
 from nebula_ckpt.format import manifest as mf
 from nebula_ckpt.format.commit import committed_steps
 from nebula_ckpt.format.dtensors import dtensor_chunks, logical_groups
 from nebula_ckpt.format.names import COMMIT, parse_step_dir, step_dir
 from nebula_ckpt.format.records import TensorRecord
-from nebula_ckpt.format.tree import decode
 from nebula_ckpt.native import get_ops
 from nebula_ckpt.restore.open import OpenCheckpoint, read_manifest
 from nebula_ckpt.restore.select import find_and_open
 from nebula_ckpt.storage.base import Storage
 from nebula_ckpt.storage.urls import refuse_url_credentials
 from nebula_ckpt.tiers.base import Tier
-from nebula_ckpt.tiers.roots import tier_for_root
 
 log = logging.getLogger(__name__)
 
@@ -136,43 +136,6 @@ def logical_tensors(man: mf.Manifest) -> dict[str, list[tuple[int, str, TensorRe
     return ordered
 
 
-def _tier_for(root: Union[str, "os.PathLike[str]"], storage_options: Optional[dict[str, Any]]) -> Tier:
-    tier = tier_for_root(os.fspath(root), storage_options)
-    tier.validate()
-    return tier
-
-
-def _partial_job(storage: Storage, man: mf.Manifest) -> ValidationError:
-    return ValidationError(f"{storage.display_url} step {man.step}: holds rank(s) {list(man.ranks)[:8]} of a "
-                           f"{man.world_size}-rank job only (a rank's own memory tier); read the shared root, "
-                           "which holds every rank")
-
-
-def _storage_for(root: Union[str, "os.PathLike[str]"], storage_options: Optional[dict[str, Any]]) -> Storage:
-    return _tier_for(root, storage_options).make_storage()
-
-
-class _GivenStorage(Tier):
-    """The tier of a :class:`Storage` handed to the reader (for :func:`find_and_open`'s logs)."""
-
-    def __init__(self, storage: Storage) -> None:
-        super().__init__()
-        self.kind = "storage"
-        self._url = storage.display_url
-
-    @property
-    def display_url(self) -> str:
-        return self._url
-
-
-def _split_checkpoint_id(checkpoint_id: Union[str, "os.PathLike[str]"]) -> tuple[str, Optional[int]]:
-    """``"/ckpt/run/step-12"`` -> ``("/ckpt/run", 12)``; a root -> ``(root, None)``."""
-    text = os.fspath(checkpoint_id).rstrip("/")
-    head, _, tail = text.rpartition("/")
-    step = parse_step_dir(tail) if head else None
-    return (head, step) if step is not None else (text, None)
-
-
 class NebulaStorageReader(StorageReader):
     """A DCP ``StorageReader`` over one committed nebula_ckpt checkpoint (any world size).
 
@@ -233,16 +196,16 @@ class NebulaStorageReader(StorageReader):
         self._ck = None
         if isinstance(root_or_storage, Storage):
             storage = root_or_storage
-            tier: Tier = _GivenStorage(storage)
+            tier: Tier = GivenStorage(storage)
         else:
             refuse_url_credentials(root_or_storage)  # before it is parsed or shown in any message
-            root, id_step = _split_checkpoint_id(root_or_storage)
+            root, id_step = split_checkpoint_id(root_or_storage)
             if step is None:
                 step = id_step
             elif id_step is not None and id_step != step:
                 raise ValidationError(f"NebulaStorageReader: {os.fspath(root_or_storage)!r} names step {id_step}, "
                                       f"but step={step} was given")
-            tier = _tier_for(root, self._storage_options)
+            tier = tier_for(root, self._storage_options)
             storage = tier.make_storage()
             self.close()
             self._owned = storage
@@ -253,7 +216,7 @@ class NebulaStorageReader(StorageReader):
                                       f"not {step}")
             man = manifest
             if man.multi_rank and len(man.ranks) != man.world_size:
-                raise _partial_job(storage, man)
+                raise partial_job(storage, man)
         else:
             self._ck = self._open_healthy(tier, storage, step)
             man = self._ck.manifest
@@ -284,7 +247,7 @@ class NebulaStorageReader(StorageReader):
             if not steps:
                 raise NotFoundError(f"no committed checkpoint under {storage.display_url}")
             # every candidate was healthy but held only some ranks (find_and_open skipped it as such)
-            raise _partial_job(storage, read_manifest(storage, steps[-1] if step is None else step))
+            raise partial_job(storage, read_manifest(storage, steps[-1] if step is None else step))
         newest = step is None and ck.step != committed_steps(storage)[-1]
         log.info("nebula_ckpt: NebulaStorageReader reads step %d of %s%s", ck.step, storage.display_url,
                  " (the newest healthy step: newer ones are damaged, see the warnings above)" if newest else "")
@@ -348,72 +311,20 @@ class NebulaStorageReader(StorageReader):
             for o, ref in chunk_refs[key]:
                 data[MetadataIndex(key, o)] = ref
         keys = list(sdm)
-        for fqn, value in self._dcp_names().items():
+        for fqn, value in dcp_names(self.manifest, self.allow_pickle, self.where).items():
             if fqn in sdm:
                 continue  # a saved key already (flat state dicts), or a name two leaves share
             if isinstance(value, str):
                 sdm[fqn] = sdm[value]
                 for o, ref in chunk_refs[value]:
                     data[MetadataIndex(fqn, o)] = ref
-            elif isinstance(value, _Leaf):
+            elif isinstance(value, ExposedValue):
                 sdm[fqn] = BytesStorageMetadata()
                 data[MetadataIndex(fqn)] = BytesRef(fqn)
                 self._bytes_values[fqn] = value.value
         meta = Metadata(state_dict_metadata=sdm, storage_data=data,
                         storage_meta=StorageMeta(checkpoint_id=self.checkpoint_id, load_id=uuid.uuid4().hex))
         return meta, keys
-
-    def _dcp_names(self) -> dict[str, Any]:
-        """DCP's flattened name -> logical tensor key (str) or :class:`_Leaf` value, from the
-        saved trees (lowest rank first). Empty when DCP's flattening is unavailable."""
-        try:
-            from torch.distributed.checkpoint._nested_dict import flatten_state_dict
-        except ImportError:  # private API of DCP: without it, only the saved keys are exposed
-            return {}
-        man = self.manifest
-        trees: list[Mapping[str, Any]] = []
-        if man.multi_rank:
-            seen: set[int] = set()
-            for r in sorted(man.ranks):
-                if man.rank_tree[r] not in seen:
-                    seen.add(man.rank_tree[r])
-                    trees.append(man.rank_tree_of(r))
-        else:
-            trees.append(man.tree)
-        from nebula_ckpt.restore.walk import tensor_keys
-
-        out: dict[str, Any] = {}
-        named: set[str] = set()
-        for n, tree in enumerate(trees):
-            if n and named.issuperset(tensor_keys(tree, [])):
-                continue  # another rank's tree with the same tensors: its values are not the lowest rank's
-            marks: dict[int, str] = {}
-            keep: list[torch.Tensor] = []
-
-            def mark(key: str, marks: dict[int, str] = marks, keep: list[torch.Tensor] = keep) -> torch.Tensor:
-                t = torch.empty(0)
-                keep.append(t)
-                marks[id(t)] = key
-                return t
-
-            try:
-                value = decode(_without_pickles(tree) if not self.allow_pickle else tree, mark, self.allow_pickle)
-                if not isinstance(value, Mapping):
-                    continue
-                flat, _ = flatten_state_dict(dict(value))
-            except Exception as e:  # duplicate flattened names etc.: expose the saved keys only
-                log.info("nebula_ckpt: %s: DCP-style names not exposed (%s: %s)", self.where, type(e).__name__, e)
-                continue
-            for fqn, v in flat.items():
-                if fqn in out:
-                    continue
-                if isinstance(v, torch.Tensor):
-                    if id(v) in marks:
-                        out[fqn] = marks[id(v)]
-                        named.add(marks[id(v)])
-                elif not _holds(v, marks):
-                    out[fqn] = _Leaf(v)
-        return out
 
     # -- the StorageReader protocol --------------------------------------------------------------
 
@@ -427,7 +338,7 @@ class NebulaStorageReader(StorageReader):
         """Whether ``checkpoint_id`` looks like a nebula_ckpt root or step folder (local paths are
         checked for a committed step; remote URLs are assumed readable)."""
         try:
-            root, step = _split_checkpoint_id(checkpoint_id)
+            root, step = split_checkpoint_id(checkpoint_id)
         except TypeError:
             return False
         if "://" in root and not root.startswith("file://"):
@@ -523,47 +434,6 @@ class NebulaStorageReader(StorageReader):
             planner.commit_tensor(item, target)
         if self._ck is not None:
             self._ck.drop([rec for _, rec in items])  # copied: unmap its pages (a mapped local shard)
-
-
-@dataclass(frozen=True)
-class _Leaf:
-    """A non-tensor value of a saved tree (wrapped, so a str value is never taken for a key)."""
-
-    value: Any
-
-
-#: stands in for a pickled leaf when DCP names are derived without allow_pickle
-_PICKLE_MARK = f"\0nebula_ckpt pickled value {uuid.uuid4().hex}\0"
-
-
-def _without_pickles(tree: Mapping[str, Any]) -> Mapping[str, Any]:
-    """A copy of ``tree`` whose pickled leaves are replaced by a marker (they are not exposed)."""
-    def walk(node: Any) -> Any:
-        if isinstance(node, dict):
-            if node.get("t") == "pickle":
-                return {"t": "str", "v": _PICKLE_MARK}
-            return {k: walk(v) for k, v in node.items()}
-        if isinstance(node, list):
-            return [walk(v) for v in node]
-        return node
-
-    out: Mapping[str, Any] = walk(tree)
-    return out
-
-
-def _holds(value: Any, marks: Mapping[int, str]) -> bool:
-    """Whether ``value`` holds a tensor or a pickled leaf (such values are not exposed)."""
-    stack = [value]
-    while stack:
-        v = stack.pop()
-        if isinstance(v, torch.Tensor) or (isinstance(v, str) and v == _PICKLE_MARK):
-            return True
-        if isinstance(v, Mapping):
-            stack.extend(v.keys())
-            stack.extend(v.values())
-        elif isinstance(v, (list, tuple)):
-            stack.extend(v)
-    return False
 
 
 def _narrow(t: torch.Tensor, offsets: torch.Size, lengths: torch.Size) -> torch.Tensor:

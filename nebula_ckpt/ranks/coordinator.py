@@ -26,7 +26,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from typing import Any, Callable, Optional, Sequence
 
-#: the phases of one save on a shared tier, in order (see :mod:`nebula_ckpt.save.persist`)
+#: the phases of one save on a shared tier, in order (see :mod:`nebula_ckpt.save.rounds`)
 PHASE_DIGEST, PHASE_INDEX, PHASE_DURABLE, PHASE_VERDICT = 0, 1, 2, 3
 PHASES = 4
 

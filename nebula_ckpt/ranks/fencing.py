@@ -77,7 +77,9 @@ def run_id(storage: Storage) -> str:
     return new
 
 
-def _generations(storage: Storage) -> list[int]:
+def generations(storage: Storage) -> list[int]:
+    """The writer generations recorded on ``storage`` (``_nebula/writers/g-<n>.json``), ascending
+    (the one listing of them)."""
     return sorted(g for g in map(writer_generation, storage.list(WRITERS_DIR)) if g is not None)
 
 
@@ -131,7 +133,7 @@ class Fence:
     def _acquire(self) -> int:
         info = json.dumps({"host": socket.gethostname(), "pid": os.getpid(), "time": time.time()}).encode()
         for _ in range(100):
-            gens = _generations(self.storage)
+            gens = generations(self.storage)
             g = (gens[-1] + 1) if gens else 1
             try:
                 self.storage.write_small(writer_record(g), info, create_only=True)
@@ -174,7 +176,7 @@ class TierFence:
             except FileExistsError:
                 pass
             self._recorded = True
-        gens = _generations(self.storage)
+        gens = generations(self.storage)
         if gens and gens[-1] > g:
             why = (f"{self.storage.display_url}: a newer writer (generation {gens[-1]}) took over this "
                    f"checkpoint root, so this writer (generation {g}) does not {what}, nor write anything "

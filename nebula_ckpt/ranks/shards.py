@@ -1,6 +1,6 @@
 """Multi-rank checkpoints: who writes which tensor, each rank's shard image, the manifests.
 
-Pure functions over metadata (no I/O, no collectives), used by the tier writers:
+Pure functions over metadata (no I/O, no collectives), used by the tier writers and the DCP writer:
 
 * :func:`summary` / :func:`digest` / :func:`assign` — deduplication of replicated state, as DCP's save planner
   does it: a tensor every rank holds under the same key with the same dtype, shape and
@@ -13,7 +13,8 @@ Pure functions over metadata (no I/O, no collectives), used by the tier writers:
   ranges of the staged snapshot (no copy).
 * :func:`rank_manifest` / :func:`global_manifest` — the manifest of a rank's own tier (memory)
   and the coordinator's manifest on a shared tier (format version 2, see
-  :mod:`nebula_ckpt.format.manifest`).
+  :mod:`nebula_ckpt.format.manifest`); both that one and the DCP writer's multi-rank manifest
+  are built by :func:`ranks_manifest`.
 """
 
 from __future__ import annotations
@@ -119,6 +120,33 @@ def rank_manifest(*, step: int, generation: int, rank: int, world: int, shard: d
                              ranks=_ranks_field(world, [rank], {rank: 0}))
 
 
+def stored_record(record: dict[str, Any], rank: int) -> dict[str, Any]:
+    """A tensor record of rank ``rank``'s shard as a multi-rank manifest stores it (``shard``: its
+    shard's index, left out for rank 0's)."""
+    return dict(record, shard=rank) if rank else record
+
+
+def ranks_manifest(*, step: int, generation: int, shards: list[dict[str, Any]], tensors: dict[str, dict[str, Any]],
+                   aliases: dict[str, str], trees: list[Any], stats: dict[str, Any]) -> dict[str, Any]:
+    """The manifest of a checkpoint every rank wrote a shard of (the one builder of them: the
+    tier writers' :func:`global_manifest` and the DCP writer use it).
+
+    ``trees[r]``: rank ``r``'s typed tree; equal trees are stored once (``rank_tree`` maps each
+    rank to its tree). ``tensors`` and ``aliases`` carry the ``r<R>/`` key prefixes.
+    """
+    stored: list[Any] = []
+    seen: dict[str, int] = {}
+    rank_tree: dict[int, int] = {}
+    for r, tree in enumerate(trees):
+        text = json.dumps(tree, sort_keys=True, separators=(",", ":"))
+        rank_tree[r] = seen.setdefault(text, len(stored))
+        if rank_tree[r] == len(stored):
+            stored.append(tree)
+    return mf.build_manifest(step=step, generation=generation, shards=shards, tensors=tensors, aliases=aliases,
+                             tree={"t": "list", "v": stored}, stats=stats,
+                             ranks=_ranks_field(len(trees), list(range(len(trees))), rank_tree))
+
+
 def global_manifest(*, step: int, generation: int, parts: list[dict[str, Any]],
                     owners: dict[str, int]) -> dict[str, Any]:
     """The coordinator's manifest of a shared tier from every rank's ``parts[r]``.
@@ -128,30 +156,23 @@ def global_manifest(*, step: int, generation: int, parts: list[dict[str, Any]],
     """
     shards, tensors, aliases = [], {}, {}
     trees: list[Any] = []
-    seen_trees: dict[str, int] = {}
-    rank_tree: dict[int, int] = {}
     tensor_bytes = 0
     for r, part in enumerate(parts):
         shards.append(part["shard"])
         p = f"r{r}/"
         for k, rec in part["tensors"].items():
-            tensors[p + k] = dict(rec, shard=r) if r else rec
+            tensors[p + k] = stored_record(rec, r)
         for k, q in owners.items():
             if q != r:
                 aliases[p + k] = f"r{q}/{k}"
         for a, b in part["aliases"].items():
             aliases[p + a] = aliases.get(p + b, p + b)
-        tree = part["tree"] if part.get("tree") is not None else parts[0]["tree"]  # None: same as rank 0's
-        text = json.dumps(tree, separators=(",", ":"))
-        rank_tree[r] = seen_trees.setdefault(text, len(trees))
-        if rank_tree[r] == len(trees):
-            trees.append(tree)
+        trees.append(part["tree"] if part.get("tree") is not None else parts[0]["tree"])  # None: same as rank 0's
         tensor_bytes += int(part["stats"].get("tensor_bytes", 0))
     stats: dict[str, Any] = {"tensor_bytes": tensor_bytes, "ranks_bytes": [s["bytes"] for s in shards],
                              "copy_seconds": max(float(p["stats"].get("copy_seconds", 0.0)) for p in parts)}
-    return mf.build_manifest(step=step, generation=generation, shards=shards, tensors=tensors, aliases=aliases,
-                             tree={"t": "list", "v": trees}, stats=stats,
-                             ranks=_ranks_field(len(parts), list(range(len(parts))), rank_tree))
+    return ranks_manifest(step=step, generation=generation, shards=shards, tensors=tensors, aliases=aliases,
+                          trees=trees, stats=stats)
 
 
 def peer_problem(entries: list[Any], step: int, tier: str) -> Optional[tuple[bool, str]]:

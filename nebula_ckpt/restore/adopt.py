@@ -141,7 +141,7 @@ class Adoption:
         """Claim the file(s): take them over and delete the checkpoint from the memory tier, so
         that they are this process's alone; False when the claim is not won (see the module
         docstring: the adopted tensors must then be copied)."""
-        from nebula_ckpt.save.persist import delete_checkpoint
+        from nebula_ckpt.save.commit import delete_checkpoint
 
         if self.refused or not self._used:
             return False  # nothing adopted (or not all of it could be): the tier keeps the step

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any, Optional
 from nebula_ckpt.save.snapshot import FileSource, SlotSource, Snapshot
 
 if TYPE_CHECKING:
-    from nebula_ckpt.save.persist import TierWriter
+    from nebula_ckpt.save.writer import TierWriter
 
 log = logging.getLogger(__name__)
 

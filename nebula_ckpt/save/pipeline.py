@@ -30,9 +30,9 @@ from nebula_ckpt.ranks.coordinator import Coordinator
 from nebula_ckpt.ranks.fencing import Fence
 from nebula_ckpt.save.buffers import StagingPool
 from nebula_ckpt.save.fanout import fan_out
-from nebula_ckpt.save.persist import TierWriter
 from nebula_ckpt.save.plan import Plan, make_plan
 from nebula_ckpt.save.snapshot import Snapshot, Stager
+from nebula_ckpt.save.writer import TierWriter
 from nebula_ckpt.tiers.base import now
 from nebula_ckpt.tiers.runtime import TierRuntime
 

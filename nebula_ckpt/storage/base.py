@@ -2,7 +2,7 @@
 
 A tier (memory, local, remote) writes a checkpoint as: shard files, then ``manifest.json``,
 then the commit marker. Storage backends only provide these primitives; the ordering and the
-commit protocol live in :mod:`nebula_ckpt.save.persist`.
+commit protocol live in :mod:`nebula_ckpt.save.writer`.
 
 Threading: ``write_*`` / ``remove*`` are called from the tier's own writer thread; ``read_*``,
 ``list``, ``exists`` and ``size`` may be called from any thread (restore, CLI).
@@ -38,7 +38,7 @@ def never_created(storage: "Storage", rel: str) -> bool:
 class Storage(ABC):
     """Abstract storage backend rooted at one directory / URL prefix.
 
-    Call order for one checkpoint (see :mod:`nebula_ckpt.save.persist`):
+    Call order for one checkpoint (see :mod:`nebula_ckpt.save.writer`):
     ``write_buffer`` for every shard -> ``write_small("step-N/manifest.json")`` ->
     ``write_small("step-N/COMMIT", create_only=True)``. Deletion goes the other way:
     ``remove("step-N/COMMIT")`` first, then ``remove_dir("step-N")``.

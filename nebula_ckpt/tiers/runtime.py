@@ -3,7 +3,7 @@
 A :class:`~nebula_ckpt.tiers.base.Tier` is configuration (cadence, retention, where). Its runtime,
 made by :func:`nebula_ckpt.tiers.factory.runtime_for`, owns everything special about it (the memory
 tier's is :class:`~nebula_ckpt.tiers.memory.runtime.MemoryTierRuntime`), so the orchestration
-(:mod:`nebula_ckpt.checkpointer`, :mod:`nebula_ckpt.save.persist`, :mod:`nebula_ckpt.save.snapshot`)
+(:mod:`nebula_ckpt.checkpointer`, :mod:`nebula_ckpt.save.writer`, :mod:`nebula_ckpt.save.snapshot`)
 loops over runtimes without asking which kind a tier is.
 
 Call order, all on the thread that owns the Checkpointer unless said otherwise:

@@ -1,0 +1,104 @@
+"""The ``nebula-ckpt`` command line: ls, verify, inspect, export, gc, bench.
+
+Multi-rank checkpoints (format v2) are understood everywhere: ls and verify show the job's
+world size and check every rank's shard, inspect shows global shapes and which rank stores
+what, export gathers one full, unsharded file (keys without the ``r<R>/`` rank prefix).
+
+Exit codes: 0 success; 1 damage found (verify) or nothing to act on; 2 bad usage.
+ls, verify, inspect and export take ``--json`` for scripts and ``--storage-options JSON`` for
+remote roots; gc takes ``--json`` too (bench has options of its own: ``nebula-ckpt bench --help``).
+``ls`` verifies every checksum like ``verify`` (``ls --quick`` checks sizes only) and shows
+each checkpoint's tag. inspect and export read ``--step N``, ``--tag NAME`` or (neither, or
+``--step latest``) the newest healthy step. ``export --key model`` writes only what the state
+held under ``model``, named by the module's own ``state_dict()`` keys (what Hugging Face's
+``from_pretrained`` loads), with the saved Hugging Face config as ``config.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from typing import Callable, Optional, Sequence
+
+from nebula_ckpt.cli.bench import cmd_bench
+from nebula_ckpt.cli.choose import add_choice_arguments
+from nebula_ckpt.cli.common import close_opened, storage_options_arg
+from nebula_ckpt.cli.export import add_export_parser, cmd_export
+from nebula_ckpt.cli.gc import add_gc_parser, cmd_gc
+from nebula_ckpt.cli.listing import cmd_inspect, cmd_ls
+from nebula_ckpt.cli.verify import cmd_verify
+from nebula_ckpt.errors import NebulaError, PickleNotAllowedError
+from nebula_ckpt.storage.urls import refuse_url_credentials
+
+__all__ = ["main", "build_parser"]
+
+COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
+    "ls": cmd_ls, "verify": cmd_verify, "inspect": cmd_inspect, "export": cmd_export, "gc": cmd_gc}
+
+
+def _common(sp: argparse.ArgumentParser) -> None:
+    """The arguments of every command that reads a root."""
+    sp.add_argument("root", help="checkpoint root: a path or fsspec URL")
+    sp.add_argument("--json", action="store_true", help="machine-readable output")
+    sp.add_argument("--storage-options", type=storage_options_arg, default=None, metavar="JSON",
+                    help="fsspec storage options for a remote root, as JSON")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The parser of ``nebula-ckpt`` (``bench`` is listed; its arguments are the harness's own)."""
+    p = argparse.ArgumentParser(prog="nebula-ckpt", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
+    sub = p.add_subparsers(dest="cmd", required=True)
+    sp = sub.add_parser("ls", help="steps per tier, sizes, healthy/DAMAGED (checksums verified)")
+    _common(sp)
+    sp.add_argument("--quick", action="store_true",
+                    help="check sizes only, not checksums (rows say 'committed (not verified)')")
+    sp = sub.add_parser("verify", help="full checksum check; exit 1 on damage")
+    _common(sp)
+    sp.add_argument("--step", type=int, default=None, help="only this step (default: every committed step)")
+    sp = sub.add_parser("inspect", help="tensor table and non-tensor structure of a step")
+    _common(sp)
+    add_choice_arguments(sp)
+    add_export_parser(sub, _common)
+    add_gc_parser(sub)
+    sub.add_parser("bench", help="benchmark against torch.save (and peers, from a checkout); see bench --help",
+                   add_help=False)
+    return p
+
+
+def _run(args: argparse.Namespace) -> int:
+    """Run one parsed command; errors become one line on stderr and exit code 1."""
+    try:
+        refuse_url_credentials(getattr(args, "root", None))  # before the root is parsed, logged or shown
+        return COMMANDS[args.cmd](args)
+    except PickleNotAllowedError as e:  # the library's hint names its argument; here it is a flag
+        sys.stderr.write(f"nebula-ckpt: {str(e).replace('allow_pickle=True', '--allow-pickle')}\n")
+        return 1
+    except (NebulaError, OSError) as e:
+        sys.stderr.write(f"nebula-ckpt: {e}\n")
+        return 1
+    except Exception as e:  # damaged input must never end in a traceback; -v shows it
+        if args.verbose:
+            raise
+        sys.stderr.write(f"nebula-ckpt: {type(e).__name__}: {e} (run with -v for the traceback)\n")
+        return 1
+    finally:
+        close_opened()
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """Entry point of ``nebula-ckpt``: parse ``argv`` (default ``sys.argv[1:]``), run, return the exit code."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] == "bench":
+        logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+        try:
+            return cmd_bench(argv[1:])
+        except NebulaError as e:
+            sys.stderr.write(f"{e}\n")
+            return 1
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
+                        format="%(levelname)s %(name)s: %(message)s")
+    return _run(args)

@@ -1,0 +1,295 @@
+"""``nebula-ckpt export``: one verified checkpoint as a single ``torch.save`` or safetensors file.
+
+A multi-rank checkpoint is gathered into full, unsharded tensors. ``--key K`` exports only what
+the state held under ``K`` (a module saved as ``{"model": model, ...}``: ``--key model``), each
+tensor named by its key below ``K``: for a module, its own ``state_dict()`` keys, so
+``transformers``' ``from_pretrained`` loads the file (safetensors metadata ``format: pt``
+included). Tied weights are written as separate copies under each name in safetensors, tied in
+a ``.pt``. When the checkpoint holds a Hugging Face config beside ``K`` (the Hugging Face
+integration saves it as ``config``), ``config.json`` is written next to the file; when it holds
+none, the command says so.
+
+``--to`` names a file, or a folder (one that exists, or a path ending in ``/``): then the file in
+it is ``model.safetensors`` / ``pytorch_model.bin`` with ``--key`` (the names ``from_pretrained``
+looks for), ``step-<N>.safetensors`` / ``step-<N>.pt`` without. Missing folders are created once
+the checkpoint is verified; the file is written under a temporary name and renamed into place.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping, Optional
+
+from nebula_ckpt.cli.choose import add_choice_arguments, open_chosen
+from nebula_ckpt.cli.common import note, out, progress, ranks_text
+from nebula_ckpt.errors import NebulaError
+from nebula_ckpt.format import manifest as mf
+from nebula_ckpt.format.tree import decode
+from nebula_ckpt.restore.apply import materialize
+from nebula_ckpt.restore.open import OpenCheckpoint, open_checkpoint, read_manifest
+from nebula_ckpt.restore.walk import tensor_keys
+from nebula_ckpt.storage.base import Storage
+
+#: file names in a ``--to`` folder with ``--key`` (what ``from_pretrained`` looks for), by format
+PRETRAINED_NAMES = {"safetensors": "model.safetensors", "torch": "pytorch_model.bin"}
+CONFIG_NAME = "config.json"
+
+
+@dataclass
+class Source:
+    """What one export reads: a verified one-process checkpoint (``ck``), or a multi-rank one
+    gathered whole (``full``: every tensor by key)."""
+
+    step: int
+    man: mf.Manifest
+    ck: Optional[OpenCheckpoint] = None
+    full: Optional[dict[str, Any]] = None
+
+    @property
+    def tree(self) -> Mapping[str, Any]:
+        """The saved state's typed tree (rank 0's structure for a multi-rank checkpoint)."""
+        if self.ck is not None:
+            return self.ck.tree
+        return self.man.rank_tree_of(min(self.man.ranks))
+
+
+def open_source(st: Storage, step: int, where: str) -> Source:
+    """Open and fully verify ``step`` for export (gathering a multi-rank checkpoint)."""
+    from nebula_ckpt.restore.reshard import gather_full
+
+    man = read_manifest(st, step, where)
+    if not man.multi_rank:
+        ck = open_checkpoint(st, step, "full", where)
+        return Source(ck.step, ck.manifest, ck=ck)
+    if len(man.ranks) != man.world_size:
+        raise NebulaError(f"{where}: holds only {ranks_text(man)} (a rank's memory tier); export needs every "
+                          "rank's shard")
+    return Source(man.step, man, full=gather_full(st, step, man, verify=True))
+
+
+def subtree(tree: Mapping[str, Any], key: str) -> Mapping[str, Any]:
+    """The node of ``tree`` at the saved key path ``key`` (``"model"``, ``"state/model"``):
+    through dict keys (as text) and list indices, looking through stateful objects."""
+    node = tree
+    walked: list[str] = []
+    for part in key.split("/"):
+        while node["t"] == "stateful":
+            node = node["state"]
+        found: Optional[Mapping[str, Any]] = None
+        if node["t"] in ("dict", "odict"):
+            found = next((v for k, v in node["v"] if str(k["v"]) == part), None)
+        elif node["t"] in ("list", "tuple") and part.isdigit() and int(part) < len(node["v"]):
+            found = node["v"][int(part)]
+        if found is None:
+            here = "/".join(walked) or "the top level"
+            keys = [str(k["v"]) for k, _ in node["v"]][:20] if node["t"] in ("dict", "odict") else []
+            raise NebulaError(f"export: --key {key!r}: the checkpoint has no key {part!r} at {here}"
+                              + (f" (keys there: {keys})" if keys else f" (a {node['t']} is there)"))
+        walked.append(part)
+        node = found
+    return node
+
+
+def owned_copy(v: Any) -> Any:
+    """An owned CPU copy of a tensor view over shard bytes (byte copy: any dtype)."""
+    import torch
+
+    return v.reshape(-1).view(torch.uint8).clone().view(v.dtype).reshape(v.shape)
+
+
+def _shared_copies(src: Source) -> Callable[[str], Any]:
+    """Key -> an owned tensor, one copy per stored tensor (tied keys share it)."""
+    owned: dict[str, Any] = {}
+
+    def tensor(k: str) -> Any:
+        if src.full is not None:
+            return src.full[k]
+        assert src.ck is not None
+        real = src.ck.resolve(k).key
+        if real not in owned:
+            owned[real] = owned_copy(src.ck.view(k))
+        return owned[real]
+    return tensor
+
+
+def safetensors_payload(src: Source, node: Mapping[str, Any], key: Optional[str],
+                        quiet: bool) -> tuple[dict[str, Any], dict[str, str]]:
+    """The tensors and metadata of a safetensors export (tied tensors as separate copies:
+    safetensors refuses shared memory)."""
+    meta = {"format": "pt", "nebula_step": str(src.step)}
+    if key is None:
+        if src.full is not None:
+            meta.update(nebula_aliases="{}", nebula_world_size=str(src.man.world_size))
+            return src.full, meta
+        assert src.ck is not None
+        meta["nebula_aliases"] = json.dumps(dict(src.man.aliases))
+        return {k: owned_copy(src.ck.view(k)) for k in progress(list(src.ck.keys()), "export", "tensor", quiet)}, meta
+    prefix = key + "/"
+    keys = tensor_keys(node, [])
+    if not keys or any(not k.startswith(prefix) for k in keys):
+        raise NebulaError(f"export: --key {key!r} holds {'no tensors' if not keys else 'a tensor itself'}; "
+                          "name the dict or module whose tensors to export (e.g. --key model)")
+    tensor = _shared_copies(src)
+    tensors, seen = {}, set()
+    for k in progress(keys, "export", "tensor", quiet):
+        t = tensor(k)
+        tensors[k[len(prefix):]] = t.clone() if id(t) in seen or src.full is not None else t
+        seen.add(id(t))
+    meta["nebula_key"] = key
+    return tensors, meta
+
+
+def torch_payload(src: Source, node: Mapping[str, Any], key: Optional[str], allow_pickle: bool) -> Any:
+    """The state a ``torch.save`` export writes (tied tensors stay tied)."""
+    if src.full is not None:
+        return decode(node, src.full.__getitem__, allow_pickle)
+    assert src.ck is not None
+    if key is None:
+        return materialize(src.ck, map_location="cpu", allow_pickle=allow_pickle)
+    return decode(node, _shared_copies(src), allow_pickle, key)
+
+
+def folder_named(to: str) -> bool:
+    """Whether ``--to`` names a folder (one that exists, or a path ending in a separator)."""
+    return to.endswith(("/", os.sep)) or os.path.isdir(to)
+
+
+def check_folder(folder: str) -> None:
+    """Refuse a ``--to`` folder below a file, before anything is read or written."""
+    probe = os.path.abspath(folder)
+    while not os.path.exists(probe):
+        probe = os.path.dirname(probe)
+    if not os.path.isdir(probe):
+        raise NebulaError(f"export: --to: {probe} is a file, not a folder; name a file in a folder (missing "
+                          "folders are created)")
+
+
+def target(to: str, fmt: Optional[str], key: Optional[str], step: int) -> tuple[str, str]:
+    """``(file to write, format)`` for ``--to`` and ``--format``."""
+    if not folder_named(to):
+        return to, fmt or ("safetensors" if to.endswith(".safetensors") else "torch")
+    fmt = fmt or "safetensors"
+    suffix = "safetensors" if fmt == "safetensors" else "pt"
+    name = PRETRAINED_NAMES[fmt] if key is not None else f"step-{step}.{suffix}"
+    return os.path.join(to.rstrip("/" + os.sep) or to, name), fmt
+
+
+def saved_config(tree: Mapping[str, Any], key: str) -> Optional[str]:
+    """The Hugging Face config saved beside ``key`` (the integration's ``config``: the model's
+    ``config.json`` text), or None when there is none (or it is no JSON object)."""
+    parent = key.rpartition("/")[0]
+    try:
+        node = subtree(tree, f"{parent}/config" if parent else "config")
+    except NebulaError:
+        return None
+    if node["t"] != "str":
+        return None
+    try:
+        parsed = json.loads(node["v"])
+    except ValueError:
+        return None
+    return node["v"] if isinstance(parsed, dict) else None
+
+
+def config_to_write(folder: str, config: str) -> Optional[str]:
+    """The path to write ``config`` at, None when the same config is there already.
+
+    Raises:
+        NebulaError: a different ``config.json`` is there (never overwritten).
+    """
+    path = os.path.join(folder, CONFIG_NAME)
+    if not os.path.lexists(path):
+        return path
+    try:
+        with open(path, encoding="utf-8") as f:
+            same = json.load(f) == json.loads(config)
+    except (OSError, ValueError):
+        same = False
+    if same:
+        return None
+    raise NebulaError(f"export: {path} exists and differs from the config saved in the checkpoint; it is not "
+                      "overwritten: remove it, or export into another folder")
+
+
+def write_atomically(path: str, write: Callable[[str], None]) -> None:
+    """``write(tmp)`` next to ``path``, then rename it into place (a failed write leaves ``path`` as it was)."""
+    tmp = f"{path}.nebula-export-{os.getpid()}.tmp"
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    finally:
+        if os.path.lexists(tmp):
+            os.unlink(tmp)
+
+
+def _write_text(text: str) -> Callable[[str], None]:
+    def write(p: str) -> None:
+        with open(p, "w", encoding="utf-8") as f:
+            f.write(text)
+    return write
+
+
+def _no_config_warning(step: int, key: str, folder: str) -> str:
+    return (f"warning: step {step} holds no Hugging Face config beside {key!r}, so no {CONFIG_NAME} was written; "
+            f"from_pretrained needs one next to the weights (without it a default config is built): write it with "
+            f"model.config.save_pretrained({folder!r}), or save the config in the checkpoint as the Hugging Face "
+            "integration does (state['config'] = model.config.to_json_string())")
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    """Write one fully verified checkpoint as a torch.save or safetensors file (see the module)."""
+    import torch
+    from safetensors.torch import save_file
+
+    key = None if args.key is None else args.key.strip("/")
+    if key == "":
+        raise NebulaError("export: --key must name a key of the saved state, e.g. --key model")
+    check_folder(args.to if folder_named(args.to) else os.path.dirname(os.path.abspath(args.to)))
+    src = open_chosen(args, open_source)
+    path, fmt = target(args.to, args.format, key, src.step)
+    folder = os.path.dirname(os.path.abspath(path))
+    node = src.tree if key is None else subtree(src.tree, key)
+    if fmt == "safetensors":
+        tensors, meta = safetensors_payload(src, node, key, args.json)
+        write: Callable[[str], None] = lambda p: save_file(tensors, p, metadata=meta)  # noqa: E731
+    else:
+        state = torch_payload(src, node, key, args.allow_pickle)
+        write = lambda p: torch.save(state, p)  # noqa: E731
+    config = saved_config(src.tree, key) if key is not None else None
+    config_path = config_to_write(folder, config) if config is not None else None
+    os.makedirs(folder, exist_ok=True)
+    write_atomically(path, write)
+    if config_path is not None and config is not None:
+        write_atomically(config_path, _write_text(config))
+    info: dict[str, Any] = {"step": src.step, "to": path, "format": fmt}
+    if key is not None:
+        info["key"] = key
+        info["config"] = os.path.join(folder, CONFIG_NAME) if config is not None else None
+        if config is None:
+            note(_no_config_warning(src.step, key, folder))
+    if src.full is not None:
+        info["world_size"] = src.man.world_size
+    gathered = f", gathered from {ranks_text(src.man)}" if src.full is not None else ""
+    out(json.dumps(info) if args.json else f"exported step {src.step} to {path} ({fmt}{gathered})")
+    return 0
+
+
+def add_export_parser(sub: "argparse._SubParsersAction[argparse.ArgumentParser]",
+                      common: Callable[[argparse.ArgumentParser], None]) -> None:
+    """The ``export`` subcommand and its options."""
+    sp = sub.add_parser("export", help="write a step as one torch.save or safetensors file")
+    common(sp)
+    add_choice_arguments(sp)
+    sp.add_argument("--to", required=True, metavar="FILE|FOLDER/",
+                    help="output file (.safetensors -> safetensors, else torch.save), or a folder (an existing "
+                         "one, or ending in '/'): model.safetensors / pytorch_model.bin in it with --key, "
+                         "step-N.safetensors / .pt without; missing folders are created")
+    sp.add_argument("--format", choices=["torch", "safetensors"], default=None)
+    sp.add_argument("--key", default=None, metavar="KEY",
+                    help="export only what the state held under KEY (e.g. 'model'), named by the keys below it: "
+                         "a module's own state_dict() keys, as Hugging Face's from_pretrained expects; a Hugging "
+                         "Face config saved beside it is written as config.json")
+    sp.add_argument("--allow-pickle", action="store_true", help="allow pickled leaves (trusted checkpoints only)")

@@ -1,0 +1,42 @@
+"""``nebula-ckpt gc``: free memory tiers whose checkpoints are safe elsewhere (the policy is
+:mod:`nebula_ckpt.tiers.memory.gc`; this is its command line)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from nebula_ckpt.cli.common import human_bytes, out, progress
+from nebula_ckpt.tiers.memory import gc as memgc
+
+
+def cmd_gc(args: argparse.Namespace) -> int:
+    """Decide for every memory tier of this user, remove what may go (``--dry-run``: nothing)."""
+    decisions = memgc.collect(args.shm_dir, force=args.force)
+    done = []
+    for d in progress(decisions, "gc", "tier", quiet=args.json):
+        if d.remove and not args.dry_run:
+            d = memgc.remove(d)  # decided again under the tier's lock: what it says is what happened
+        done.append(d)
+    if args.json:
+        out(json.dumps([d.as_dict() for d in done], indent=2))
+        return 0
+    if not done:
+        out("no memory tiers of this user")
+    for d in done:
+        verb = ("would remove" if args.dry_run else ("removed" if d.removed else "kept")) if d.remove else "keep"
+        root = d.found.owner.root if d.found.owner else None
+        out(f"{verb:<12} {human_bytes(d.found.nbytes):>10}  {d.found.folder}  root={root}  ({d.reason})")
+    return 0
+
+
+def add_gc_parser(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None:
+    """The ``gc`` subcommand and its options."""
+    sp = sub.add_parser("gc", help="free memory tiers (/dev/shm) whose checkpoints are safe on their root")
+    sp.add_argument("--dry-run", action="store_true", help="show the decisions, remove nothing")
+    sp.add_argument("--force", action="store_true",
+                    help="also remove tiers whose newest step is only in memory (the root lacks it, is gone, "
+                         "or belongs to another run), losing those steps; a root that cannot be checked keeps "
+                         "its tier even so")
+    sp.add_argument("--shm-dir", default=None, help="the tmpfs to look in (default: NEBULA_SHM_DIR or /dev/shm)")
+    sp.add_argument("--json", action="store_true", help="machine-readable output")

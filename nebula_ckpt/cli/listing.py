@@ -1,0 +1,224 @@
+"""``nebula-ckpt ls`` (every step of every tier, its size and health) and ``nebula-ckpt inspect``
+(the tensor table and the non-tensor structure of one step)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from typing import Any, Mapping, Optional
+
+from nebula_ckpt.cli.choose import open_chosen
+from nebula_ckpt.cli.common import (
+    check,
+    commit_state,
+    dir_bytes,
+    human_bytes,
+    open_any,
+    open_tiers,
+    out,
+    progress,
+    ranks_json,
+    ranks_text,
+)
+from nebula_ckpt.format import manifest as mf
+from nebula_ckpt.format.commit import step_dirs
+from nebula_ckpt.format.names import shard_owner
+from nebula_ckpt.format.records import TensorRecord
+from nebula_ckpt.restore.open import OpenCheckpoint
+from nebula_ckpt.storage.base import Storage
+from nebula_ckpt.storage.urls import strip_credentials
+from nebula_ckpt.tiers.base import Tier
+
+
+def _compression(man: Optional[mf.Manifest]) -> tuple[Optional[str], Optional[float]]:
+    """``(codec, raw / stored bytes of the shards)`` when the shards are compressed, else ``(None, None)``."""
+    if man is None:
+        return None, None
+    codecs = {str((sh.storage or {}).get("compression")) for sh in man.shards if (sh.storage or {}).get("compression")}
+    if not codecs:
+        return None, None
+    stored = sum(sh.stored_bytes for sh in man.shards)
+    return ",".join(sorted(codecs)), (sum(sh.bytes for sh in man.shards) / stored if stored else None)
+
+
+def _ls_row(tier: Tier, st: Storage, step: int, verify: str) -> tuple[dict[str, Any], Optional[mf.Manifest]]:
+    """The ``ls --json`` row of one step of one tier, and its manifest (None when not healthy)."""
+    committed, refused = commit_state(st, tier, step)
+    if refused:
+        healthy, why, man = False, refused, None
+    elif committed:
+        healthy, why, man = check(st, tier, step, verify)
+    else:
+        healthy, why, man = False, "no commit marker", None
+    codec, ratio = _compression(man)
+    row = {"tier": tier.name, "step": step, "tag": man.tag if man is not None else None,
+           "committed": committed, "healthy": healthy, "verified": verify if committed else None,
+           "bytes": dir_bytes(st, step), "raw_bytes": sum(s.bytes for s in man.shards) if man is not None else None,
+           "compression": codec, "compression_ratio": ratio, "problem": None if healthy else why,
+           **ranks_json(man)}
+    return row, man
+
+
+def _ls_table(rows: list[dict[str, Any]], mans: list[Optional[mf.Manifest]], quick: bool) -> list[str]:
+    """``ls``'s text: a header row, then one row per step of each tier."""
+    cells = [("tier", "step", "size", "tag", "state")]
+    for r, man in zip(rows, mans, strict=True):
+        size = human_bytes(r["bytes"])
+        if r["compression"]:
+            size += f" ({r['compression']} x{r['compression_ratio']:.2f})"
+        ok = "committed (not verified)" if quick else "healthy"
+        state = ok if r["healthy"] else ("DAMAGED: " + str(r["problem"]) if r["committed"] else "uncommitted")
+        if ranks_text(man):
+            state += f" ({ranks_text(man)})"
+        cells.append((r["tier"], str(r["step"]), size, r["tag"] if r["tag"] is not None else "-", state))
+    w = [max(len(c[i]) for c in cells) for i in range(4)]
+    return [f"{a:<{w[0]}}  {b:>{w[1]}}  {c:>{w[2]}}  {d:<{w[3]}}  {e}" for a, b, c, d, e in cells]
+
+
+def cmd_ls(args: argparse.Namespace) -> int:
+    """Steps per tier with size and state; full checksums unless ``--quick`` (sizes only).
+
+    Exit 1 when nothing is there or a committed checkpoint is damaged (as ``verify``)."""
+    todo = [(tier, st, step) for tier, st in open_tiers(args.root, args.storage_options) for step in step_dirs(st)]
+    verify = "size" if args.quick else "full"
+    rows: list[dict[str, Any]] = []
+    mans: list[Optional[mf.Manifest]] = []
+    for tier, st, step in progress(todo, "checking", "ckpt", quiet=args.json):
+        row, man = _ls_row(tier, st, step, verify)
+        rows.append(row)
+        mans.append(man)
+    if args.json:
+        out(json.dumps(rows, indent=2))
+    elif not rows:
+        out(f"no checkpoints under {strip_credentials(args.root)}")
+    else:
+        for line in _ls_table(rows, mans, args.quick):
+            out(line)
+    return 0 if rows and not any(r["committed"] and not r["healthy"] for r in rows) else 1
+
+
+def _tree_text(node: Mapping[str, Any], indent: str = "") -> list[str]:
+    t = node["t"]
+    if t in ("dict", "odict"):
+        lines = []
+        for k, v in node["v"]:
+            head = f"{indent}{k['v']!r}:"
+            if v["t"] in ("dict", "odict", "list", "tuple", "stateful"):
+                lines.append(head + (f"  <{v.get('cls')}>" if v["t"] == "stateful" else ""))
+                lines += _tree_text(v["state"] if v["t"] == "stateful" else v, indent + "  ")
+            else:
+                lines.append(f"{head} {_leaf_text(v)}")
+        return lines
+    if t in ("list", "tuple"):
+        return [f"{indent}[{i}] {_leaf_text(v)}" if v["t"] not in ("dict", "odict", "list", "tuple")
+                else f"{indent}[{i}]:\n" + "\n".join(_tree_text(v, indent + "  "))
+                for i, v in enumerate(node["v"])]
+    if t == "stateful":
+        return _tree_text(node["state"], indent)
+    return [indent + _leaf_text(node)]
+
+
+def _leaf_text(v: Mapping[str, Any]) -> str:
+    t = v["t"]
+    if t == "tensor":
+        return f"<tensor {v['k']}>"
+    if t == "float":
+        return repr(float.fromhex(v["v"]))
+    if t in ("list", "tuple"):
+        return f"{t}[{len(v['v'])}]"
+    if t == "none":
+        return "None"
+    if t == "ndarray":
+        return f"<numpy {v['dtype']} array, tensor {v['v']['k']}>"
+    if t == "npscalar":
+        from nebula_ckpt.format.tree import decode
+
+        return f"{decode(v, lambda k: None, False)!r} (numpy {v['dtype']})"
+    return f"{v.get('v')!r} ({t})"
+
+
+def _pieces_text(holders: list[tuple[int, str, TensorRecord]], man: mf.Manifest, limit: int = 6) -> str:
+    """Which rank holds what of one logical tensor, and in whose shard it is stored."""
+    parts = []
+    for rank, full, rec in holders[:limit]:
+        owner = (shard_owner(man.shards[rec.shard].file) or (0, rank))[1]
+        where = "" if owner == rank and full == rec.key else f" in r{owner}'s shard"
+        if rec.dtensor is not None:
+            parts.append(f"r{rank} {rec.shape}@{rec.dtensor.offsets}{where}")
+        else:
+            parts.append(f"r{rank}{where}")
+    more = f", ... (+{len(holders) - limit} ranks)" if len(holders) > limit else ""
+    return ", ".join(parts) + more
+
+
+def _inspect_multi(ck: OpenCheckpoint, as_json: bool) -> None:
+    """inspect of a multi-rank checkpoint: global shapes, who stores what, per-rank shards."""
+    from nebula_ckpt.dcp.reader import logical_tensors
+
+    man = ck.manifest
+    logical = logical_tensors(man)
+    if as_json:
+        raw = man.to_json()
+        info = {k: raw[k] for k in ("step", "generation", "tensors", "aliases", "tree", "shards",
+                                    "world_size", "ranks", "rank_tree")}
+        info["logical"] = {}
+        for key, holders in logical.items():
+            dt = holders[0][2].dtensor
+            info["logical"][key] = {
+                "dtype": holders[0][2].dtype, "shape": list(dt.shape if dt else holders[0][2].shape),
+                "placements": list(dt.placements) if dt else None, "mesh": list(dt.mesh) if dt else None,
+                "pieces": [{"rank": r, "key": full, "stored_as": rec.key, "shard": man.shards[rec.shard].file,
+                            "shape": list(rec.shape), "offsets": list(rec.dtensor.offsets) if rec.dtensor else None}
+                           for r, full, rec in holders]}
+        out(json.dumps(info, indent=2))
+        return
+    out(f"step {man.step}  ({ck.where}, format v{man.version}, {ranks_text(man)}, {len(man.tensors)} tensors "
+         f"stored, {len(man.aliases)} aliases)")
+    out("shards:")
+    for sh in man.shards:
+        owner = shard_owner(sh.file)
+        out(f"  {sh.file:<40} rank {owner[1] if owner else '?':<6} {sh.bytes:>14} bytes")
+    out(f"\n{'key':<48} {'dtype':<10} {'global shape':<18} {'placement':<14} held by (local shape@offsets)")
+    for key, holders in logical.items():
+        rec = holders[0][2]
+        dt = rec.dtensor
+        shape = dt.shape if dt else rec.shape
+        place = (",".join(dt.placements) + f" {list(dt.mesh)}") if dt else "plain"
+        out(f"{key:<48} {rec.dtype:<10} {str(shape):<18} {place:<14} {_pieces_text(holders, man)}")
+    users: dict[int, list[int]] = {}
+    for r, i in sorted(man.rank_tree.items()):
+        users.setdefault(i, []).append(r)
+    for n, (i, ranks) in enumerate(sorted(users.items(), key=lambda x: x[1][0])):
+        if n == 2:
+            out(f"\n... {len(users) - 2} more distinct structure(s) (--json shows them all)")
+            break
+        shown = ",".join(map(str, ranks[:16])) + (",..." if len(ranks) > 16 else "")
+        out(f"\nstructure (rank(s) {shown}):")
+        for line in _tree_text(man.tree["v"][i], "  "):
+            out(line)
+
+
+def cmd_inspect(args: argparse.Namespace) -> int:
+    """Tensor table and non-tensor structure of one step (sizes checked, not checksums)."""
+    ck = open_chosen(args, lambda st, step, where: open_any(st, step, "size", where))
+    man: mf.Manifest = ck.manifest
+    if man.multi_rank:
+        _inspect_multi(ck, args.json)
+        return 0
+    if args.json:
+        raw = man.to_json()
+        info = {k: raw[k] for k in ("step", "generation", "tensors", "aliases", "tree", "shards")}
+        info["tag"] = man.tag
+        out(json.dumps(info, indent=2))
+        return 0
+    tag = f", tag {man.tag}" if man.tag is not None else ""
+    out(f"step {man.step}  ({ck.where}, format v{man.version}, {len(man.tensors)} tensors{tag})")
+    out(f"{'key':<60} {'dtype':<14} {'shape':<24} {'bytes':>12}  crc32c")
+    for k, e in man.tensors.items():
+        out(f"{k:<60} {e.dtype:<14} {str(e.shape):<24} {e.nbytes:>12}  {e.crc32c:#010x}")
+    for a, b in man.aliases.items():
+        out(f"{a:<60} -> {b} (tied)")
+    out("\nstructure:")
+    for line in _tree_text(man.tree, "  "):
+        out(line)
+    return 0

@@ -1,0 +1,164 @@
+"""The manifest of a DCP save, built by the coordinator from every rank's write results.
+
+Each rank reports one :class:`~nebula_ckpt.dcp.plans.Written` per item it wrote; the coordinator
+checks every rank's shard is on the root with the size it wrote, that every item of DCP's global
+metadata was written by some rank, rebuilds each rank's typed tree from the paths of what it held
+(items DCP dropped as duplicates become aliases of the copy another rank stored), and builds the
+manifest: a one-process one directly, a multi-rank one with the builder the tier writers use
+(:func:`nebula_ckpt.ranks.shards.ranks_manifest`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Optional
+
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, TensorStorageMetadata
+from torch.distributed.checkpoint.storage import WriteResult
+
+from nebula_ckpt.dcp.plans import Held, Written
+from nebula_ckpt.dcp.tree import Box, Leaf, insert, optimizer_keys, to_node
+from nebula_ckpt.dcp.values import decoded
+from nebula_ckpt.errors import PersistError
+from nebula_ckpt.format import manifest as mf
+from nebula_ckpt.format.header import safetensors_header
+from nebula_ckpt.format.names import shard_name, step_dir
+from nebula_ckpt.format.tree import Node
+from nebula_ckpt.ranks.shards import ranks_manifest, stored_record
+from nebula_ckpt.storage.base import Storage
+
+#: (fqn, chunk offsets) -> (rank, stored manifest key) of every stored tensor piece
+Pieces = dict[Held, tuple[int, str]]
+
+
+@dataclasses.dataclass
+class RankPlans:
+    """What the coordinator recorded of every rank's local plan (index: the rank)."""
+
+    held: list[tuple[Held, ...]] = dataclasses.field(default_factory=list)
+    keys: list[dict[str, str]] = dataclasses.field(default_factory=list)
+    paths: list[dict[str, tuple[Any, ...]]] = dataclasses.field(default_factory=list)
+
+
+@dataclasses.dataclass
+class DcpSave:
+    """One DCP save as the coordinator finishes it."""
+
+    storage: Storage
+    where: str               # the root and step, for messages
+    step: int
+    generation: int
+    plans: RankPlans
+
+
+def dcp_manifest(save: DcpSave, metadata: Metadata, results: list[list[WriteResult]]) -> dict[str, Any]:
+    """The manifest of ``save`` (raises :class:`PersistError` naming what is missing)."""
+    written, save_id = _written(save, results)
+    multi = len(results) > 1
+    shards = _shards(save, written)
+    pieces: Pieces = {}
+    values: dict[str, Leaf] = {}
+    tensors: dict[str, dict[str, Any]] = {}
+    aliases: dict[str, str] = {}
+    for r, mine in enumerate(written):
+        for w in mine:
+            if w.node is not None:
+                values[w.fqn] = (w.node, decoded(w.node))
+                continue
+            if w.alias_of is not None:
+                aliases[w.key] = w.alias_of
+            else:
+                assert w.record is not None
+                tensors[w.key] = stored_record(dict(w.record), r)
+            pieces[(w.fqn, w.offsets)] = (r, w.alias_of or w.key)
+    _check_coverage(save.where, metadata, pieces, values)
+    trees = [_tree(save, r, pieces, values, aliases, multi) for r in range(len(results))]
+    for a in [a for a in aliases if a in tensors]:
+        del aliases[a]  # a rank's own copy (a tensor DCP did not deduplicate) is no alias
+    tensor_bytes = sum(int(r["offsets"][1]) - int(r["offsets"][0]) for r in tensors.values())
+    stats: dict[str, Any] = {"tensor_bytes": tensor_bytes, "writer": "torch.distributed.checkpoint",
+                             "dcp_save_id": save_id or ""}
+    if not multi:
+        return mf.build_manifest(step=save.step, generation=save.generation, shards=shards, tensors=tensors,
+                                 aliases=aliases, tree=trees[0], stats=stats)
+    stats["ranks_bytes"] = [s["bytes"] for s in shards]
+    return ranks_manifest(step=save.step, generation=save.generation, shards=shards, tensors=tensors,
+                          aliases=aliases, trees=trees, stats=stats)
+
+
+def _written(save: DcpSave, results: list[list[WriteResult]]) -> tuple[list[list[Written]], Optional[str]]:
+    """Every rank's records (all of one save), and that save's id."""
+    written: list[list[Written]] = []
+    save_id: Optional[str] = None
+    for r, wrs in enumerate(results):
+        mine = []
+        for wr in wrs:
+            w = wr.storage_data
+            if not isinstance(w, Written) or w.rank != r or (save_id is not None and w.save_id != save_id):
+                raise PersistError(f"{save.where}: rank {r} reported a write of another save (cached plans are "
+                                   "not supported)")
+            save_id = w.save_id
+            mine.append(w)
+        written.append(mine)
+    return written, save_id
+
+
+def _shards(save: DcpSave, written: list[list[Written]]) -> list[dict[str, Any]]:
+    """Every rank's shard record, each checked on the root (there, with the size written)."""
+    gen, st = save.generation, save.storage
+    empty = len(safetensors_header([])[0])
+    shards: list[dict[str, Any]] = []
+    for r, mine in enumerate(written):
+        sh: dict[str, Any] = mine[0].shard if mine else {"file": shard_name(gen, r), "bytes": empty,
+                                                         "storage": {"stored_bytes": empty}}
+        if sh.get("file") != shard_name(gen, r) or "bytes" not in sh:
+            raise PersistError(f"{save.where}: rank {r} wrote {sh.get('file')!r}, expected "
+                               f"{shard_name(gen, r)} (another save's plan?)")
+        try:
+            size = st.size(f"{step_dir(save.step)}/{sh['file']}")
+        except FileNotFoundError:
+            raise PersistError(f"{save.where}: rank {r}'s shard {sh['file']} is not under {st.display_url}: every "
+                               "rank must write to the same root (a path every node mounts, or a URL)") from None
+        info = sh.get("storage")
+        stored = int(info.get("stored_bytes", sh["bytes"])) if isinstance(info, dict) else int(sh["bytes"])
+        if size != stored:
+            raise PersistError(f"{save.where}: rank {r}'s shard {sh['file']} has {size} bytes, {stored} written")
+        shards.append({"file": sh["file"], "bytes": sh["bytes"], "storage": sh.get("storage")})
+    return shards
+
+
+def _tree(save: DcpSave, r: int, pieces: Pieces, values: dict[str, Leaf], aliases: dict[str, str],
+          multi: bool) -> Node:
+    """Rank ``r``'s typed tree from the paths of what it held; a held piece another rank stored
+    (DCP's dedup) becomes an alias of that copy (added to ``aliases``)."""
+    prefix = f"r{r}/" if multi else ""
+    root = Box("dict")
+    paths = save.plans.paths[r]
+    for fqn, offsets in save.plans.held[r]:
+        key = save.plans.keys[r][fqn]
+        if offsets is None:
+            if fqn not in values:
+                raise PersistError(f"{save.where}: no rank wrote the value of '{fqn}'")
+            leaf: Leaf = values[fqn]
+        else:
+            owner = pieces.get((fqn, offsets))
+            if owner is None:
+                raise PersistError(f"{save.where}: no rank wrote '{fqn}' at offsets {list(offsets)}")
+            if owner[0] != r or owner[1] != prefix + key:
+                aliases[prefix + key] = owner[1]
+            leaf = ({"t": "tensor", "k": key}, None)
+        insert(root, paths.get(fqn, (fqn,)), leaf, fqn)
+    optimizer_keys(root)
+    return to_node(root)
+
+
+def _check_coverage(where: str, metadata: Metadata, pieces: Pieces, values: dict[str, Any]) -> None:
+    """Every item of DCP's global metadata was written by some rank."""
+    for fqn, md in metadata.state_dict_metadata.items():
+        if isinstance(md, BytesStorageMetadata):
+            if fqn not in values:
+                raise PersistError(f"{where}: no rank wrote the value of '{fqn}'")
+        elif isinstance(md, TensorStorageMetadata):
+            for c in md.chunks:
+                if (fqn, tuple(int(o) for o in c.offsets)) not in pieces:
+                    raise PersistError(f"{where}: no rank wrote '{fqn}' at offsets {list(c.offsets)}")

@@ -1,0 +1,102 @@
+"""The commit protocol's last step, shared by every writer of checkpoints.
+
+Both the tier writers (:mod:`nebula_ckpt.save.writer`, ``Checkpointer.save``) and the DCP
+writer (:class:`nebula_ckpt.dcp.writer.NebulaStorageWriter`) commit a step the same way, once
+every rank's shard of it is durable and the ranks agreed (the coordinator's rounds on a shared
+tier, :mod:`nebula_ckpt.save.rounds`; DCP's own collectives for the DCP writer)::
+
+    step-N/manifest.json   (the committing rank's; tmp + fsync + rename, or a new object)
+    -- fence check: no newer writer took over this storage --
+    step-N/COMMIT          (create-only, last; names the manifest's size and CRC32C)
+
+:func:`commit_manifest` is that step. From the moment the marker's write begins, the step *may*
+be committed (:attr:`CommitProgress.may_commit`): a write that reports an error may still have
+created it (a lost response on a blob store, a failed directory fsync). Then nothing of the step
+may be deleted: the writer reports :class:`CommitUncertain` (or says the step may have
+committed), and a later writer of a newer generation removes the files if it never did.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+from nebula_ckpt.errors import PersistError
+from nebula_ckpt.format.commit import Commit, read_commit
+from nebula_ckpt.format.names import COMMIT, MANIFEST, step_dir
+from nebula_ckpt.native import get_ops
+from nebula_ckpt.ranks.fencing import TierFence
+from nebula_ckpt.storage.base import Storage, never_created
+
+log = logging.getLogger(__name__)
+
+
+class CommitUncertain(PersistError):
+    """A save whose ``COMMIT`` may exist although this rank could not confirm it (the
+    coordinator died or timed out after every shard was durable, or the marker's own write
+    reported an error). Nothing of the step is deleted: if it committed, it is whole; if not,
+    its files are uncommitted leftovers that a later sweep removes."""
+
+
+class PeerSkipped(PersistError):
+    """Another rank did not write this save on a shared tier (its cadence skipped it, or a newer
+    save replaced it there): the save is dropped on that tier, not failed."""
+
+
+@dataclass
+class CommitProgress:
+    """How far the commit of one step got (decides what its failure path may remove)."""
+
+    #: the step's COMMIT may exist (or still appear): a failure deletes nothing of the step
+    may_commit: bool = False
+
+
+def encode_manifest(manifest: dict[str, Any]) -> bytes:
+    """The bytes of ``manifest`` as stored (compact JSON; NaN and infinities refused)."""
+    return json.dumps(manifest, separators=(",", ":"), allow_nan=False).encode()
+
+
+def commit_manifest(storage: Storage, fence: TierFence, step: int, mbytes: bytes,
+                    progress: CommitProgress, tier: str) -> None:
+    """Write ``step``'s manifest (``mbytes``, atomic), check the fence, then create its ``COMMIT``.
+
+    ``tier`` names the storage in the logs. ``progress.may_commit`` is set once the marker's
+    write begins, and cleared again only when a failed write certainly created nothing
+    (:func:`~nebula_ckpt.storage.base.never_created`).
+
+    Raises:
+        FencedError: a newer writer took over ``storage`` (nothing was committed).
+        FileExistsError: the step already has a ``COMMIT`` (another writer's).
+        OSError and others: the storage's errors, as they come.
+    """
+    d = step_dir(step)
+    log.debug("nebula_ckpt: phase=manifest tier=%s step=%d", tier, step)
+    storage.write_small(f"{d}/{MANIFEST}", mbytes)
+    fence.check(f"commit step {step}")
+    log.debug("nebula_ckpt: phase=commit tier=%s step=%d", tier, step)
+    commit = Commit(step, fence.generation, len(mbytes), get_ops().crc32c_bytes(mbytes))
+    progress.may_commit = True
+    try:
+        storage.write_small(f"{d}/{COMMIT}", commit.to_bytes(), create_only=True)
+    except BaseException:
+        progress.may_commit = not never_created(storage, f"{d}/{COMMIT}")
+        raise
+
+
+def is_committed(storage: Storage, step: int, generation: int) -> bool:
+    """Whether ``generation``'s ``COMMIT`` of ``step`` is on ``storage`` (read back; False when unsure)."""
+    try:
+        c = read_commit(storage, step, f"{storage.display_url}/{step_dir(step)}")
+    except Exception as e:  # missing, unreadable: not known to be committed
+        log.debug("nebula_ckpt: %s: no readable COMMIT of step %d: %s", storage.display_url, step, e)
+        return False
+    return c.step == step and c.generation == generation
+
+
+def delete_checkpoint(storage: Storage, step: int) -> None:
+    """Delete a checkpoint: marker first (it stops being visible), then its data."""
+    d = step_dir(step)
+    storage.remove(f"{d}/{COMMIT}")
+    storage.remove_dir(d)

@@ -1,0 +1,213 @@
+"""The commit of one multi-rank save on a shared tier: three rounds among the ranks.
+
+Every rank sees a *shared* tier, and the ranks commit one checkpoint of the step on it together
+(:mod:`nebula_ckpt.ranks.coordinator` carries the rounds; metadata only):
+
+1. digest, then index: every rank sends a hash of its replicable tensors' index (and of its
+   tree); only when the hashes differ do the ranks send the index itself. Replicated tensors
+   get one owner each (:func:`nebula_ckpt.ranks.shards.assign`). The coordinator has already
+   removed an old checkpoint of the same step, so nobody writes into a folder being deleted;
+2. durable: every rank writes its share (``shard-g<G>-r<R>``), checks its snapshot, and sends
+   its shard record, index and tree (or its error);
+3. verdict: the coordinator writes manifest and ``COMMIT`` (:func:`nebula_ckpt.save.commit.commit_manifest`)
+   only if every rank's shard is durable and verified, and tells every rank whether it did.
+   Otherwise each rank removes its shard and the previous checkpoint stays the newest. A rank
+   that hears no verdict (the coordinator died or timed out after it sent its record) cannot
+   know whether the step committed: it looks for the ``COMMIT`` once (there: the save
+   succeeded) and otherwise keeps its shard and reports :class:`~nebula_ckpt.save.commit.CommitUncertain`.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+from nebula_ckpt.errors import PersistError
+from nebula_ckpt.ranks import shards as ranks
+from nebula_ckpt.ranks.coordinator import PHASE_DIGEST, PHASE_DURABLE, PHASE_INDEX, PHASE_VERDICT, SKIP, Coordinator
+from nebula_ckpt.ranks.fencing import TierFence
+from nebula_ckpt.save.commit import (
+    CommitProgress,
+    CommitUncertain,
+    PeerSkipped,
+    commit_manifest,
+    encode_manifest,
+    is_committed,
+)
+from nebula_ckpt.tiers.runtime import TierRuntime
+
+log = logging.getLogger(__name__)
+
+
+def tagged(manifest: dict[str, Any], tag: Optional[str]) -> dict[str, Any]:
+    """``manifest`` with the optional ``tag`` field (only when there is a tag)."""
+    if tag is not None:
+        manifest["tag"] = tag
+    return manifest
+
+
+@dataclass(frozen=True)
+class SharedSave:
+    """One rank's save of one step on a shared tier: its bytes and its metadata.
+
+    ``meta``: ``tensors`` (the staged snapshot's index), ``aliases``, ``tree`` and ``stats``.
+    """
+
+    step: int
+    index: int                                  # the save's number in the job (names its rounds)
+    source: Any                                 # has .view() -> memoryview: the staged snapshot
+    meta: dict[str, Any]
+    before_commit: Callable[[], None]           # raises if it must not commit
+    tag: Optional[str] = None
+
+
+class SharedCommit:
+    """The three rounds of the module docstring for one tier.
+
+    Args:
+        runtime: the tier's runtime (writes the shard).
+        fence: the writer generation, checked on this tier's storage.
+        coordinator: the ranks' agreement.
+    """
+
+    def __init__(self, runtime: TierRuntime, fence: TierFence, coordinator: Coordinator) -> None:
+        self.runtime = runtime
+        self.storage = runtime.storage
+        self.fence = fence
+        self.coordinator = coordinator
+        self.name = runtime.name
+
+    def run(self, save: SharedSave, d: str, shard: str, on_shard: Optional[Callable[[str], None]],
+            progress: CommitProgress) -> None:
+        """Commit ``save`` with every rank (this rank's shard: file ``shard`` of folder ``d``).
+
+        Raises:
+            PeerSkipped: another rank did not write this save here (dropped, not failed).
+            CommitUncertain: the step may have committed; nothing of it may be deleted.
+            PersistError and others: it did not commit.
+        """
+        co = self.coordinator
+        owners, peers, tree_digest = self._agree(save)
+        failure: Optional[BaseException] = None
+        try:
+            mine = self._write_share(save, d, shard, owners, on_shard)
+            if tree_digest == peers[0]["tree"] and not co.is_coordinator:
+                mine["tree"] = None  # the same as rank 0's: not sent again
+        except BaseException as e:
+            failure, mine = e, {"error": f"{type(e).__name__}: {e}"}
+        if co.is_coordinator:
+            verdict = self._lead(save, mine, owners, failure, progress)
+        else:
+            got = self._follow(save, mine, failure, progress)
+            if got is None:
+                return  # no verdict came, but the COMMIT is there
+            verdict = got
+        if failure is not None:
+            raise failure
+        if not verdict.get("ok"):
+            why = verdict.get("why", f"rank 0 did not take part in committing step {save.step}")
+            raise (CommitUncertain if verdict.get("uncertain") else PeerSkipped if verdict.get("skipped")
+                   else PersistError)(why)
+
+    def _agree(self, save: SharedSave) -> tuple[dict[str, int], list[Any], str]:
+        """Rounds 1 (digest, index): the owner of every replicated key, the peers' digests, and
+        the digest of this rank's tree."""
+        co, name, idx = self.coordinator, self.name, save.index
+        rep, sharded = ranks.summary(save.meta["tensors"])
+        mine_digest = ranks.digest(rep)
+        tree_digest = ranks.digest(save.meta["tree"])
+        peers = co.round(name, idx, PHASE_DIGEST, {"step": save.step, "digest": mine_digest, "tree": tree_digest,
+                                                  "sharded": sharded})
+        problem = ranks.peer_problem(peers, save.step, name)
+        if problem is not None:
+            co.abandon(name, idx)
+            raise (PeerSkipped if problem[0] else PersistError)(problem[1])
+        if all(p["digest"] == mine_digest for p in peers):  # the usual DDP case: a hash was enough
+            co.round(name, idx, PHASE_INDEX, SKIP)  # every rank saw the same digests: no collective
+            summaries = [rep] * len(peers)
+        else:  # every rank sees the same digests, so every rank takes this branch
+            got = co.round(name, idx, PHASE_INDEX, {"keys": rep})
+            if any(g is None for g in got):
+                raise PersistError(f"step {save.step}: a rank left the index round on tier {name}")
+            summaries = [g["keys"] for g in got]
+        return ranks.assign(summaries, [p["sharded"] for p in peers]), peers, tree_digest
+
+    def _write_share(self, save: SharedSave, d: str, shard: str, owners: dict[str, int],
+                     on_shard: Optional[Callable[[str], None]]) -> dict[str, Any]:
+        """This rank's share (durable), the snapshot confirmed: its record for round 2."""
+        tensors = save.meta["tensors"]
+        keep = [k for k in tensors if owners.get(k, self.coordinator.rank) == self.coordinator.rank]
+        log.debug("nebula_ckpt: phase=shard tier=%s step=%d (%d of %d tensors)", self.name, save.step, len(keep),
+                  len(tensors))
+        parts, index, nbytes = ranks.subset_image(tensors, keep, save.source.view())
+        info = self.runtime.write_parts(f"{d}/{shard}", parts)
+        if on_shard is not None:
+            on_shard(f"{d}/{shard}")
+        save.before_commit()
+        return {"step": save.step, "shard": {"file": shard, "bytes": nbytes, "storage": info},
+                "tensors": index, "aliases": save.meta["aliases"], "tree": save.meta["tree"],
+                "stats": save.meta["stats"]}
+
+    def _lead(self, save: SharedSave, mine: dict[str, Any], owners: dict[str, int],
+              failure: Optional[BaseException], progress: CommitProgress) -> dict[str, Any]:
+        """The coordinator: rounds 2 and 3 (its commit, then the verdict to every rank); the verdict."""
+        co, name, idx = self.coordinator, self.name, save.index
+        verdict = self._coordinate(save, co.round(name, idx, PHASE_DURABLE, mine), owners, failure, progress)
+        try:
+            co.round(name, idx, PHASE_VERDICT, verdict)
+        except PersistError as e:
+            if not verdict.get("ok"):
+                raise
+            log.warning("nebula_ckpt: tier %s: step %d is committed, but the other ranks could not be told: %s",
+                        name, save.step, e)
+        return verdict
+
+    def _follow(self, save: SharedSave, mine: dict[str, Any], failure: Optional[BaseException],
+                progress: CommitProgress) -> Optional[dict[str, Any]]:
+        """Another rank: rounds 2 and 3; the verdict (None: none came, but the COMMIT is there)."""
+        co, name, idx = self.coordinator, self.name, save.index
+        # Once this rank's record may have reached the coordinator, the step may commit at
+        # any moment: only a verdict (or the COMMIT itself) tells this rank whether it did.
+        progress.may_commit = failure is None
+        try:
+            co.round(name, idx, PHASE_DURABLE, mine)
+            verdict = co.round(name, idx, PHASE_VERDICT, {})[0] or {}
+        except PersistError as e:
+            if failure is not None:
+                raise failure from e
+            if is_committed(self.storage, save.step, self.fence.generation):
+                log.warning("nebula_ckpt: tier %s: no verdict from rank 0 on step %d (%s), but its COMMIT is "
+                            "there: the step is committed", name, save.step, e)
+                return None
+            raise CommitUncertain(f"step {save.step} may have committed on tier {name}: rank 0 died, left or "
+                                  f"timed out after this rank's shard was durable ({e}), and no COMMIT was there "
+                                  "yet; this rank keeps its files of it (a restart removes them if it never "
+                                  "committed)") from e
+        progress.may_commit = bool(verdict.get("ok") or verdict.get("uncertain"))
+        return verdict
+
+    def _coordinate(self, save: SharedSave, parts: list[Any], owners: dict[str, int],
+                    failure: Optional[BaseException], progress: CommitProgress) -> dict[str, Any]:
+        """The coordinator's commit: manifest + COMMIT if every rank's share is in.
+
+        The verdict: ``ok``, or not with ``why`` (and ``skipped`` when a rank only did not write
+        it), or ``uncertain`` when the marker's write failed (it may exist: nobody deletes).
+        """
+        step, name = save.step, self.name
+        if failure is not None:
+            return {"ok": False, "why": f"step {step} failed on rank 0 (tier {name}): {failure}"}
+        problem = ranks.peer_problem(parts, step, name)
+        if problem is not None:
+            return {"ok": False, "skipped": problem[0], "why": problem[1]}
+        try:
+            man = ranks.global_manifest(step=step, generation=self.fence.generation, parts=parts, owners=owners)
+            commit_manifest(self.storage, self.fence, step, encode_manifest(tagged(man, save.tag)), progress, name)
+        except BaseException as e:
+            log.error("nebula_ckpt: tier %s: committing step %d failed: %s", name, step, e)
+            if progress.may_commit:
+                return {"ok": False, "uncertain": True,
+                        "why": f"step {step} may have committed on tier {name}: rank 0's write of its COMMIT "
+                               f"reported an error ({type(e).__name__}: {e}); every rank keeps its files of it"}
+            return {"ok": False, "why": f"rank 0 could not commit step {step} on tier {name}: {e}"}
+        return {"ok": True}

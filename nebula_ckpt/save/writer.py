@@ -1,0 +1,400 @@
+"""The tier writers: one thread per tier, writing snapshots as committed checkpoints.
+
+For each snapshot a tier writes, in this order (the commit protocol)::
+
+    step-N/shard-g<G>-r<R>.safetensors (durable: fsync / completed upload; R = this rank)
+    -- the snapshot is confirmed consistent, every rank's shard is durable (coordinator) --
+    step-N/manifest.json               (the coordinator's; tmp + fsync + rename, or a new object)
+    step-N/COMMIT                      (the coordinator's; create-only, last)
+
+The last two are :func:`nebula_ckpt.save.commit.commit_manifest`, which the DCP writer shares.
+Then the tier applies retention: markers are deleted before data, the newest checkpoint is
+never deleted, and leftovers without a marker are removed only when no live writer owns them
+(:mod:`nebula_ckpt.save.sweep`: an older generation, or this rank's own files). A failed step's
+own files (and its folder, once empty) are removed at once, but only while its ``COMMIT``
+certainly does not exist: once the marker may have been written (its write began and did not
+certainly fail; on a rank other than the coordinator: once its shard record may have reached the
+coordinator) a failure deletes nothing of that step (:class:`~nebula_ckpt.save.commit.CommitUncertain`);
+if it never committed, its files are leftovers that the sweep of a newer generation (a restarted
+job's first save) removes. :meth:`TierWriter.remove` (``Checkpointer.remove``) deletes a
+committed checkpoint the same way (fence checked, marker first), serialised with retention.
+
+In a multi-rank job a *shared* tier (every rank sees it) commits one checkpoint for all ranks,
+in three rounds among the ranks (:mod:`nebula_ckpt.save.rounds`). A rank's own tier (the memory
+tier) commits its rank's state alone; restore agrees on a step every rank has
+(:meth:`nebula_ckpt.checkpointer.Checkpointer.load_latest`).
+
+A tier never queues: it holds at most one pending snapshot. When a newer one arrives while the
+tier is still busy, the pending one is dropped *for this tier* (reported on its handle as
+``tiers_dropped``), so a slow tier never blocks a fast one, nor the training loop.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import threading
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+from nebula_ckpt import knobs
+from nebula_ckpt.errors import FencedError, PersistError
+from nebula_ckpt.format.names import COMMIT, MANIFEST, shard_name, shard_owner, step_dir
+from nebula_ckpt.format.records import ShardRecord
+from nebula_ckpt.ranks import shards as ranks
+from nebula_ckpt.ranks.coordinator import Coordinator, LocalCoordinator
+from nebula_ckpt.ranks.fencing import TierFence
+from nebula_ckpt.save import sweep
+from nebula_ckpt.save.commit import (
+    CommitProgress,
+    CommitUncertain,
+    PeerSkipped,
+    commit_manifest,
+    delete_checkpoint,
+    encode_manifest,
+)
+from nebula_ckpt.save.fanout import Delivery
+from nebula_ckpt.save.rounds import SharedCommit, SharedSave, tagged
+from nebula_ckpt.save.snapshot import Snapshot, build_tier_manifest
+from nebula_ckpt.storage.base import Storage
+from nebula_ckpt.tiers.runtime import TierRuntime
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class _Item:
+    """One step to commit on a tier: its bytes and how to build its manifest."""
+
+    step: int
+    nbytes: int
+    source: Any                                               # has .view() -> memoryview
+    make_manifest: Callable[[int, dict[str, Any]], dict[str, Any]]  # (generation, shard record)
+    before_commit: Callable[[], None]                         # raises if it must not commit
+    index: int = 0                                            # the save's number in the job
+    meta: Optional[dict[str, Any]] = None                     # multi-rank: tensors, aliases, tree, stats
+    tag: Optional[str] = None                                 # multi-rank: the checkpoint's tag
+
+
+class TierWriter:
+    """Writes snapshots to one tier on its own thread.
+
+    The writer also holds the tier's cadence state: :meth:`wants` asks, :meth:`took` records,
+    and only a save that really goes ahead (it got a staging buffer) is recorded.
+
+    Args:
+        runtime: the tier's runtime (its settings, storage and special behaviour).
+        fence: the writer generation, checked on this tier's storage.
+        keep_last: default retention when the tier has none.
+        coordinator: the ranks' agreement (a no-op in one process): the commit of a step goes
+            ahead only when every rank's shard of it is durable on this tier.
+    """
+
+    def __init__(self, runtime: TierRuntime, fence: TierFence, keep_last: int,
+                 coordinator: Optional[Coordinator] = None) -> None:
+        self.runtime = runtime
+        self.coordinator = coordinator or LocalCoordinator()
+        self.tier = runtime.tier
+        self.storage = runtime.storage
+        self.fence = fence
+        self.keep_last = self.tier.keep_last or keep_last
+        self.name = runtime.name
+        self._last_time: Optional[float] = None
+        self._pending: Optional[Delivery] = None
+        self._busy = False
+        self._closing = False
+        self._cond = threading.Condition()
+        #: held while checkpoints are deleted (retention on the writer thread, remove() on the caller's)
+        self._delete_lock = threading.Lock()
+        #: steps whose commit this writer could not confirm (CommitUncertain): never deleted as
+        #: leftovers nor written again by this process; a restart (a newer generation) sweeps them
+        self._uncertain: set[int] = set()
+        self._thread = threading.Thread(target=self._run, name=f"nebula-{self.tier.kind}-writer", daemon=True)
+        self._thread.start()
+
+    # -- cadence (training thread) ----------------------------------------------------------------
+    def wants(self, save_index: int, now: float) -> bool:
+        """Whether this tier takes the ``save_index``-th save (0-based) by its cadence (no state change)."""
+        if save_index % self.tier.every:
+            return False
+        every_s = self.tier.every_seconds
+        return every_s is None or self._last_time is None or now - self._last_time >= every_s
+
+    def took(self, now: float) -> None:
+        """Record that a save went ahead on this tier at ``now`` (starts its ``every_seconds`` window)."""
+        self._last_time = now
+
+    # -- called from other threads ---------------------------------------------------------------
+    def offer(self, delivery: Delivery) -> None:
+        """Take a snapshot to write (the tier now owns ``delivery``); a pending older one is dropped."""
+        with self._cond:
+            dropped, self._pending = self._pending, delivery
+            self._cond.notify_all()
+        if dropped is not None:
+            dropped.drop(self.name, f"still busy; step {delivery.snap.step} is newer")
+
+    def drop_pending(self) -> bool:
+        """Drop the snapshot waiting for this tier while it writes an older one; True if any.
+
+        An idle tier is about to start on its pending snapshot, so that one is kept.
+        """
+        with self._cond:
+            if not self._busy:
+                return False
+            dropped, self._pending = self._pending, None
+            self._cond.notify_all()
+        if dropped is None:
+            return False
+        dropped.drop(self.name, "to free its staging buffer for a newer save")
+        return True
+
+    def wait_idle(self, timeout: Optional[float] = None) -> bool:
+        """Block until idle; False on timeout."""
+        with self._cond:
+            return self._cond.wait_for(lambda: self._pending is None and not self._busy, timeout)
+
+    def close(self) -> None:
+        """Write what is pending, then stop the thread."""
+        with self._cond:
+            self._closing = True
+            self._cond.notify_all()
+        self._thread.join()
+
+    # -- the writer thread -------------------------------------------------------------------------
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                self._cond.wait_for(lambda: self._pending is not None or self._closing)
+                if self._pending is None:
+                    return
+                delivery, self._pending = self._pending, None
+                self._busy = True
+            self._write_one(delivery)
+            with self._cond:
+                self._busy = False
+                self._cond.notify_all()
+
+    def _write_one(self, delivery: Delivery) -> None:
+        snap = delivery.snap
+        try:
+            self.write(snap, delivery.source,
+                       lambda rel: delivery.shard_written(self.storage.local_path(rel)))
+        except PeerSkipped as e:
+            log.info("nebula_ckpt: tier %s: %s", self.name, e)
+            snap.handle.progress.tier_done(self.name, dropped=True)
+        except BaseException as e:
+            log.error("nebula_ckpt: tier %s failed to write step %d: %s: %s", self.name, snap.step,
+                      type(e).__name__, e)
+            snap.handle.progress.tier_done(self.name, e)
+        else:
+            snap.handle.progress.tier_done(self.name)
+        finally:
+            delivery.finish()
+
+    def write(self, snap: Snapshot, source: Any, on_shard: Optional[Callable[[str], None]] = None) -> None:
+        """Write one snapshot (bytes from ``source``) as a committed checkpoint, then apply retention.
+
+        ``on_shard(rel)`` is called once the shard file is durable, before manifest and commit.
+        """
+        def confirmed() -> None:
+            snap.wait_confirmed(knobs.get("confirm_timeout_s"))
+            failure = snap.handle.progress.snapshot_failure()
+            if failure is not None:
+                raise failure
+
+        co = self.coordinator
+        if co.world_size == 1:
+            self._commit_step(_Item(snap.step, snap.nbytes, source,
+                                    lambda gen, shard: build_tier_manifest(snap, gen, shard), confirmed), on_shard)
+            return
+        meta: dict[str, Any] = {"tensors": snap.tensor_index, "aliases": snap.plan.aliases, "tree": snap.plan.tree,
+                "stats": {"tensor_bytes": snap.plan.tensor_bytes, "copy_seconds": snap.copy_seconds}}
+
+        def rank_manifest(gen: int, shard: dict[str, Any]) -> dict[str, Any]:
+            return tagged(ranks.rank_manifest(step=snap.step, generation=gen, rank=co.rank, world=co.world_size,
+                                               shard=shard, **meta), snap.plan.tag)
+
+        self._commit_step(_Item(snap.step, snap.nbytes, source, rank_manifest, confirmed, snap.index, meta,
+                                snap.plan.tag), on_shard)
+
+    def copy_from(self, src: Storage, step: int) -> None:
+        """Write the committed checkpoint ``step`` of another (local) tier's storage to this tier.
+
+        Used by ``Checkpointer.close()`` to put the newest step on tiers whose cadence skipped it.
+        The source's manifest is taken as is but for this tier's generation and shard record.
+        """
+        d = step_dir(step)
+        man = json.loads(src.read_small(f"{d}/{MANIFEST}"))
+        if len(man["shards"]) != 1 or self.coordinator.world_size > 1:
+            raise ValueError(f"step {step} has {len(man['shards'])} shards; only one-shard checkpoints are copied")
+        rec = man["shards"][0]
+        data = src.read_buffer(f"{d}/{ShardRecord.parse(rec, d).file}", rec.get("storage"))
+
+        class _View:
+            def view(self) -> memoryview:
+                return data
+
+        def manifest(gen: int, shard: dict[str, Any]) -> dict[str, Any]:
+            return dict(man, generation=gen, shards=[shard])
+
+        self._commit_step(_Item(step, len(data), _View(), manifest, lambda: None), None)
+
+    @property
+    def _shared(self) -> bool:
+        """Whether this tier commits one checkpoint for all ranks (multi-rank, shared tier)."""
+        return self.coordinator.world_size > 1 and self.tier.shared
+
+    @property
+    def _owner(self) -> sweep.Ownership:
+        """Which leftovers this rank may remove on this tier (:mod:`nebula_ckpt.save.sweep`)."""
+        return sweep.Ownership(self.fence.generation, self.coordinator.rank,
+                               self.coordinator.is_coordinator or not self._shared)
+
+    def _commit_step(self, item: "_Item", on_shard: Optional[Callable[[str], None]]) -> None:
+        """The commit protocol for one step on this tier, then retention."""
+        gen = self.fence.generation
+        d = step_dir(item.step)
+        self.fence.check(f"write step {item.step}")
+        self._check_uncertain(item.step)
+        self._clear_step(item.step)
+        shard = shard_name(gen, self.coordinator.rank)
+        progress = CommitProgress()
+        try:
+            if self._shared:
+                assert item.meta is not None
+                SharedCommit(self.runtime, self.fence, self.coordinator).run(
+                    SharedSave(item.step, item.index, item.source, item.meta, item.before_commit, item.tag),
+                    d, shard, on_shard, progress)
+            else:
+                self._write_files(item, d, shard, gen, on_shard, progress)
+        except BaseException as e:
+            if not progress.may_commit:
+                self._discard(item.step, shard)
+                raise
+            self._uncertain.add(item.step)  # committed or not, nothing of the step may go now
+            if isinstance(e, CommitUncertain):
+                raise
+            raise CommitUncertain(f"step {item.step} may have committed on tier {self.name}: the write of its "
+                                  f"COMMIT reported an error ({type(e).__name__}: {e}); its files are kept (a "
+                                  "restart removes them if it never committed)") from e
+        log.info("nebula_ckpt: step %d committed on %s (%.1f MiB)", item.step, self.name, item.nbytes / 2**20)
+        if self._shared and not self.coordinator.is_coordinator:
+            return  # retention of a shared tier is the coordinator's
+        try:
+            self.prune(keep_step=item.step)
+        except FencedError:
+            raise
+        except Exception as e:  # retention is best effort: the checkpoint itself is committed
+            log.warning("nebula_ckpt: tier %s: retention failed: %s", self.name, e)
+
+    def _clear_step(self, step: int) -> None:
+        """Before writing ``step``: make its folder ready (what is removed is never a live writer's)."""
+        st = self.storage
+        d = step_dir(step)
+        owner = self._owner
+        existing = st.list(d)
+        if self._shared and not self.coordinator.is_coordinator:
+            # The coordinator replaces an old checkpoint of this step before the first round
+            # (marker first); this rank writes only after that round, and removes only its own
+            # leftovers of an uncommitted step: never a shard of a checkpoint still committed.
+            if COMMIT not in existing:
+                sweep.clear_step(st, step, lambda n: shard_owner(n) is not None and owner.stale(n))
+        elif COMMIT in existing:
+            # Saving a step that exists: the new run owns the root (it resumed from an older step
+            # or saves the same step again); the old one goes, marker first.
+            log.warning("nebula_ckpt: tier %s: replacing existing checkpoint of step %d", self.name, step)
+            delete_checkpoint(st, step)
+        elif self._is_link(d):
+            st.remove_dir(d)  # a planted link in place of the folder: unlinked, never followed
+        else:  # leftovers of crashed writers of this step, never a live peer's
+            sweep.clear_step(st, step, owner.stale)
+
+    def _write_files(self, item: "_Item", d: str, shard: str, gen: int,
+                     on_shard: Optional[Callable[[str], None]], progress: CommitProgress) -> None:
+        """Shard; then, once the snapshot is confirmed, the manifest and the commit marker."""
+        log.debug("nebula_ckpt: phase=shard tier=%s step=%d", self.name, item.step)
+        info = self.runtime.write_shard(f"{d}/{shard}", item.source)
+        if on_shard is not None:
+            on_shard(f"{d}/{shard}")
+        item.before_commit()
+        manifest = item.make_manifest(gen, {"file": shard, "bytes": item.nbytes, "storage": info})
+        commit_manifest(self.storage, self.fence, item.step, encode_manifest(manifest), progress, self.name)
+
+    def _check_uncertain(self, step: int) -> None:
+        """Refuse to write ``step`` again while an earlier save of it may still commit here."""
+        if step not in self._uncertain:
+            return
+        if self.storage.exists(f"{step_dir(step)}/{COMMIT}"):
+            self._uncertain.discard(step)  # it did commit: an ordinary checkpoint from now on
+            return
+        raise PersistError(f"step {step} is not written again on tier {self.name}: an earlier save of it may still "
+                           "commit there (its outcome was never confirmed; see the earlier error). Save another step, "
+                           "or restart the job")
+
+    def _is_link(self, rel: str) -> bool:
+        """Whether ``rel`` is a symlink on a local file system (a tier never follows one)."""
+        root = self.storage.local_path("")
+        return root is not None and os.path.islink(os.path.join(root, rel))
+
+    def _discard(self, step: int, shard: str) -> None:
+        """After a save that certainly did not commit: remove what it wrote of the step (this
+        rank's shard; the manifest when this rank commits here and no newer writer is in the
+        folder), then the folder if that left it empty (:func:`nebula_ckpt.save.sweep.discard_files`)."""
+        gen = self.fence.generation
+        st = self.storage
+        names = []
+        try:
+            names = st.list(step_dir(step))
+        except Exception as e:  # discard_files reports it
+            log.debug("nebula_ckpt: tier %s: cannot list step %d: %s", self.name, step, e)
+        newer = any((o := shard_owner(n)) is not None and o[0] > gen for n in names)
+        mine_manifest = not newer and self._owner.commits_here
+        sweep.discard_files(st, step, lambda n: n == shard or (n == MANIFEST and mine_manifest),
+                            f"tier {self.name}")
+
+    def remove(self, step: int) -> bool:
+        """Delete the committed checkpoint ``step`` from this tier as retention does (fence checked,
+        commit marker first, then its data); False when the tier holds no committed ``step``.
+
+        The caller makes sure no save of ``step`` is in flight (``Checkpointer.remove`` waits for
+        them); retention on the writer thread is held off meanwhile.
+
+        Raises:
+            FencedError: a newer writer owns the root: nothing is deleted.
+        """
+        with self._delete_lock:
+            if not self.storage.exists(f"{step_dir(step)}/{COMMIT}"):
+                return False
+            self.fence.check(f"remove step {step}")
+            log.info("nebula_ckpt: tier %s: removing step %d (remove())", self.name, step)
+            delete_checkpoint(self.storage, step)
+            return True
+
+    def prune(self, keep_step: Optional[int] = None) -> None:
+        """Apply ``keep_last`` / ``keep_every`` and remove leftovers no live writer owns."""
+        with self._delete_lock:
+            self._prune(keep_step)
+
+    def _prune(self, keep_step: Optional[int]) -> None:
+        st = self.storage
+        committed, uncommitted = sweep.scan_steps(st)
+        keep = set(committed[-self.keep_last:])
+        if keep_step is not None:
+            keep.add(keep_step)
+        if self.tier.keep_every:
+            keep.update(s for s in committed if s % self.tier.keep_every == 0)
+        doomed = [s for s in committed if s not in keep]
+        with self._cond:
+            busy_step = self._pending.snap.step if self._pending is not None else None
+        candidates = [s for s in uncommitted if s != busy_step and s not in self._uncertain]
+        leftovers = sweep.leftover_steps(st, candidates, self._owner)
+        abandoned = sweep.abandoned_uploads(st, self.fence.generation)  # ours are never in flight while we prune
+        if not doomed and not leftovers and not abandoned:
+            return
+        self.fence.check("delete old checkpoints")
+        log.debug("nebula_ckpt: phase=prune tier=%s step=%s", self.name, keep_step)
+        for s in doomed:
+            log.debug("nebula_ckpt: tier %s: retention deletes step %d", self.name, s)
+            delete_checkpoint(st, s)
+        sweep.remove_leftovers(st, leftovers, abandoned, f"tier {self.name}")
