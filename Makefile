@@ -30,18 +30,19 @@ lint: install
 	@$(VPY) -c "import importlib.metadata as m, sys; \
 	  sys.exit(m.version('ruff') != '$(RUFF_VERSION)' or m.version('mypy') != '$(MYPY_VERSION)')" 2>/dev/null \
 	  || $(VPY) -m pip install -q "ruff==$(RUFF_VERSION)" "mypy==$(MYPY_VERSION)"
-	$(VPY) -m ruff check --output-format concise nebula_ckpt tests
+	$(VPY) -m ruff check --output-format concise nebula_ckpt tests benchmarks
 	$(VPY) -m mypy nebula_ckpt
 
 # peers only the full benchmark needs; the installed torch is pinned so pip never swaps it
 bench-deps: install
 	$(VPY) -m pip install -q "torchsnapshot==0.1.0" "torch==$$($(VPY) -c 'import torch; print(torch.__version__.split("+")[0])')"
 
+# the full harness lives in benchmarks/ (not installed): run it from the checkout
 bench: bench-deps
-	$(VPY) -m nebula_ckpt.cli bench
+	$(VPY) -m benchmarks.run
 
 bench-quick: install
-	$(VPY) -m nebula_ckpt.cli bench --quick --out bench_out/quick
+	$(VPY) -m benchmarks.run --quick --out bench_out/quick
 
 clean:
 	rm -rf .venv build *.egg-info nebula_ckpt/*.so bench_out demo_ckpt

@@ -1,179 +1,34 @@
-"""The checkpointing systems the benchmark compares, behind one small interface.
-
-Call order (on the training thread, except ``wait_durable``, which the runner calls from a
-waiter thread while training goes on, to timestamp when the save became durable)::
-
-    peer.open(root)                     # once, untimed
-    peer.save(step, state_fn)           # timed: returns when training may continue
-    peer.wait_safe()                    # timed as a stall: before the next optimizer.step()
-    peer.wait_durable()                 # returns once the checkpoint is on disk and fsynced
-    peer.prune()                        # untimed: drop all but the newest checkpoint
-    peer.restore(into)                  # timed: load the newest checkpoint in place
-    peer.close()
-
-``state_fn()`` returns the live state ``{"model": nn.Module, "optim": Optimizer, "step": int}``;
-peers that need plain state dicts call :func:`plain_state_dict` inside ``save`` so the cost of
-``state_dict()`` is counted for everyone.
-
-"Durable" means the same thing for every system: the data files and the directory entries that
-name them have been fsynced. Where a library does not fsync by itself, the benchmark does it in
-``save`` (blocking systems) or ``wait_durable`` (async systems) and says so in ``durability``;
-that time is counted.
+"""The checkpointing systems the benchmark compares: torch.save (plain and on a thread as
+Lightning does), safetensors, DCP (``save`` / ``async_save``), torchsnapshot, nebula_ckpt (default
+tiers / local only), and the bare snapshot copy as a floor; :data:`PEERS` names them in report
+order. The interface and what "durable" means for all of them: :mod:`benchmarks.peer_base`.
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import os
-import shutil
-import warnings
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Callable, Iterator, Optional, cast
+from typing import Any, Optional, cast
 
 import torch
 
+from benchmarks.peer_base import (
+    Peer,
+    PeerUnavailable,
+    StateFn,
+    fsync_path,
+    fsync_tree,
+    list_files,
+    load_plain,
+    plain_state_dict,
+    quiet_dcp,
+)
+
 log = logging.getLogger(__name__)
 
-StateFn = Callable[[], dict[str, Any]]
-
-
-
-@contextlib.contextmanager
-def _quiet_dcp() -> Iterator[None]:
-    # DCP warns on every call without a process group that it assumes a single process - which
-    # is exactly what no_dist=True asks for.
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        yield
-
-
-class PeerUnavailable(RuntimeError):
-    """The system cannot run here; the message says why (recorded in the results)."""
-
-
-# --------------------------------------------------------------------------- helpers
-
-def fsync_path(path: str | os.PathLike) -> None:
-    """fsync one file or directory by path."""
-    flags = os.O_RDONLY | (os.O_DIRECTORY if os.path.isdir(path) else 0)
-    fd = os.open(path, flags)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def fsync_tree(root: str | os.PathLike[str]) -> None:
-    """fsync every file under ``root``, then every directory bottom-up, then ``root``'s parent."""
-    for dirpath, _dirs, files in os.walk(root, topdown=False):
-        for f in files:
-            fsync_path(os.path.join(dirpath, f))
-        fsync_path(dirpath)
-    fsync_path(os.path.dirname(os.path.abspath(root)))
-
-
-def list_files(root: str | os.PathLike) -> list[Path]:
-    """Every regular file under ``root`` (or ``[root]`` for a file)."""
-    root = Path(root)
-    if root.is_file():
-        return [root]
-    return [Path(d) / f for d, _, fs in os.walk(root) for f in fs]
-
-
-def plain_state_dict(state: dict[str, Any]) -> dict[str, Any]:
-    """``{"model": module, "optim": opt, "step": n}`` -> plain ``state_dict()`` values."""
-    return {"model": state["model"].state_dict(), "optim": state["optim"].state_dict(),
-            "step": state["step"]}
-
-
-def load_plain(into: dict[str, Any], sd: dict[str, Any]) -> int:
-    """Load a plain state dict into the live ``into`` objects; return the step."""
-    into["model"].load_state_dict(sd["model"])
-    into["optim"].load_state_dict(sd["optim"])
-    return int(sd["step"])
-
-
-def _rmtree(path: Path) -> None:
-    shutil.rmtree(path, ignore_errors=True) if path.is_dir() else path.unlink(missing_ok=True)
-
-
-# --------------------------------------------------------------------------- base
-
-class Peer:
-    """One checkpointing system. Subclasses set ``name``, ``calls`` and ``durability``."""
-
-    name = "peer"
-    #: how the library is called (goes into the report)
-    calls = ""
-    #: how durability (fsync) is reached and who does it
-    durability = ""
-    #: True where save() returns before the snapshot is complete (wait_safe() may block)
-    overlaps_snapshot = False
-    #: True where save() itself makes the checkpoint durable (nothing runs in the background)
-    blocking = False
-
-    def __init__(self) -> None:
-        self.root: Optional[Path] = None
-        self._latest: Optional[Path] = None
-        self._older: list[Path] = []
-
-    def check(self, target: str) -> None:
-        """Raise :class:`PeerUnavailable` if this system cannot run against ``target``."""
-        if "://" in target and not target.startswith("file://"):
-            raise PeerUnavailable(f"{self.name} writes local files only; target {target} is a URL")
-
-    def open(self, root: Path) -> None:
-        """Prepare to write under ``root`` (a fresh, empty directory)."""
-        self.root = root
-        root.mkdir(parents=True, exist_ok=True)
-
-    def save(self, step: int, state_fn: StateFn) -> None:
-        """Start (or do) a checkpoint of ``state_fn()``; return when training may continue."""
-        raise NotImplementedError
-
-    def wait_safe(self) -> None:
-        """Block until the state may be modified again (no-op when ``save`` already copied it)."""
-
-    def wait_durable(self) -> None:
-        """Block until the last checkpoint is durable (fsynced); raise its error if it failed."""
-
-    def restore(self, into: dict[str, Any]) -> int:
-        """Load the newest checkpoint into the live objects of ``into``; return its step."""
-        raise NotImplementedError
-
-    def files(self) -> list[Path]:
-        """Files of the newest checkpoint (sizes, page-cache eviction)."""
-        return list_files(self._latest) if self._latest else []
-
-    def prune(self) -> None:
-        """Delete every checkpoint but the newest (not timed)."""
-        for p in self._older:
-            _rmtree(p)
-        self._older.clear()
-
-    def stats(self) -> dict[str, Any]:
-        """Library-specific statistics (empty by default)."""
-        return {}
-
-    def reset_counters(self) -> None:
-        """Start counting saves the system dropped or skipped (see :meth:`counters`)."""
-
-    def counters(self) -> dict[str, Any]:
-        """Saves since :meth:`reset_counters` that were not persisted everywhere (empty if n/a)."""
-        return {}
-
-    def close(self) -> None:
-        """Release threads and buffers."""
-
-    def _new_path(self, step: int, suffix: str = "") -> Path:
-        assert self.root is not None, "open() was not called"
-        if self._latest is not None:
-            self._older.append(self._latest)
-        self._latest = self.root / f"step_{step:08d}{suffix}"
-        return self._latest
 
 
 # --------------------------------------------------------------------------- torch.save
@@ -356,7 +211,7 @@ class DcpSave(Peer):
         import torch.distributed.checkpoint as dcp
 
         path = self._new_path(step)
-        with _quiet_dcp():
+        with quiet_dcp():
             dcp.save(plain_state_dict(state_fn()), checkpoint_id=str(path), no_dist=True)
         fsync_path(path)
         fsync_path(path.parent)
@@ -366,7 +221,7 @@ class DcpSave(Peer):
 
         assert self._latest is not None
         sd = plain_state_dict({**into, "step": 0})
-        with _quiet_dcp():
+        with quiet_dcp():
             dcp.load(sd, checkpoint_id=str(self._latest), no_dist=True)
         return load_plain(into, sd)
 
@@ -391,7 +246,7 @@ class DcpAsyncSave(DcpSave):
         # one upload in flight at a time, as torchtitan does: wait for the previous one first
         self.wait_durable()
         path = self._new_path(step)
-        with _quiet_dcp():
+        with quiet_dcp():
             resp = dcp.async_save(plain_state_dict(state_fn()), checkpoint_id=str(path), no_dist=True)
         # torch >= 2.9 may return AsyncSaveResponse(staging_completion, upload_completion)
         self._future = cast(Future, getattr(resp, "upload_completion", resp))

@@ -53,8 +53,6 @@ removed (``NEBULA_SHM_DIR`` is honoured, as by the library).
 from __future__ import annotations
 
 import argparse
-import gc
-import hashlib
 import json
 import logging
 import math
@@ -66,386 +64,28 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
 import torch
-from torch import nn
 
-from benchmarks.limits import PeakRss, evict, resident_fraction
-from benchmarks.report import _target, fmt_b, fmt_s
-from nebula_ckpt.storage.atomic import fsync_dir
+from benchmarks.common import fmt_b, fmt_s
+from benchmarks.limits import evict, resident_fraction
+from benchmarks.recovery_report import CALLS, METHOD, ROWS, aggregate_row, aggregate_saves
+from benchmarks.recovery_worker import FIRST_SAVES, Geometry, WorkerSpec, geometry, layout, worker_main
 
 log = logging.getLogger(__name__)
 
 #: state sizes (GB) of the full run and of ``--quick``
 DEFAULT_SIZES = (0.3, 1.2, 3.0, 4.0)
 QUICK_SIZES = (0.3,)
-#: widest layer of the MLP; narrower only where two such layers would exceed the size asked for
-MAX_WIDTH = 4096
-#: rows of the synthetic batch of every training step
-BATCH = 8
-#: restart rows, in report order: (row name, system restarted, page cache before the restart)
-ROWS: tuple[tuple[str, str, str], ...] = (
-    ("nebula_memory", "nebula_memory", "after crash"),
-    ("nebula_local", "nebula_local", "warm"),
-    ("torch_load", "torch_load", "warm"),
-    ("torch_load_mmap", "torch_load_mmap", "warm"),
-    ("nebula_local_cold", "nebula_local", "cold"),
-    ("torch_load_cold", "torch_load", "cold"),
-    ("torch_load_mmap_cold", "torch_load_mmap", "cold"),
-)
-#: saves of the first-save measurement: the first ``FIRST_SAVES`` are reported one by one
-FIRST_SAVES = 4
-#: targets (see :func:`evaluate_targets`)
-MEMORY_SPEEDUP = 0.5
-RSS_FACTOR = 1.1
-FIRST_SAVE_FACTOR = 1.2
-FLOOR_FACTOR = 1.2
 #: host memory, shm space and disk space a size needs, as multiples of its state bytes: the saving
 #: process holds the state, its gradients, a staging buffer and the memory tier's copy; the
 #: memory tier needs ~2-3x in the shm folder while a new save stages beside the last checkpoint
 NEED_RAM = 4.0
 NEED_SHM = 3.0
 NEED_DISK = 3.5
-#: the step the saving process saves (its first training step)
-SAVED_STEP = 1
-
-CALLS = {
-    "nebula_memory": "saving process: nc.Checkpointer(root) (default tiers: memory tier + root), h = "
-                     "ck.save_async(1, {model, optim, step}); h.result(); os.kill(getpid(), SIGKILL). Restart: "
-                     "nc.Checkpointer(root).load_latest(into={model, optim, step}) (must restore from the memory tier)",
-    "nebula_local": "saving process: nc.Checkpointer(root, memory_tier=False), save_async -> result() -> close(). "
-                    "Restart: nc.Checkpointer(root).load_latest(into=...) (no memory tier: reads the root)",
-    "torch_load": "saving process: torch.save({model: sd, optim: osd, step}, f) + fsync(file, dir). Restart: "
-                  "sd = torch.load(f, map_location='cpu', weights_only=True); model.load_state_dict(sd['model']); "
-                  "opt.load_state_dict(sd['optim'])",
-    "torch_load_mmap": "same file; torch.load(f, map_location='cpu', weights_only=True, mmap=True)",
-}
-
-METHOD = (
-    "Each restart is a fresh process with the model and AdamW already built (optimizer state empty). Load = from "
-    "before the load call (`nc.Checkpointer(root)` included) until `load_latest` / `load_state_dict` returns; to "
-    "first step = until one full training step (forward, backward, `optimizer.step()`) after it is done (a "
-    "mapped load pays its page faults there). Extra peak RSS = the process's VmHWM after that step (high-water "
-    "mark reset just before the load) minus its VmRSS before the load, as a multiple of the state bytes; pages of "
-    "a mapped file (shm or page cache) count once touched; of the load alone = the same at the end of the load "
-    "(the optimizer state a restore must create is 2/3 of the state with AdamW: 0.67x is the floor; the first "
-    "step adds the gradients, 1/3, and AdamW's temporaries, one or two of the largest parameter's size). Handed "
-    "over = bytes the memory tier gave the restart without a copy (`last_restore['adopted_bytes']`). Bit-exact: "
-    "the state after the first step has the digest the saving process reached with the same step from the "
-    "state it saved. nebula_memory restarts right "
-    "after the saving process was SIGKILLed; warm: the files were read once just before; cold: evicted with "
-    "posix_fadvise(DONTNEED). Medians over the repetitions, each with its own fresh processes.")
-
-
-# --------------------------------------------------------------------------- the state
-
-@dataclass(frozen=True)
-class Geometry:
-    """Shape of the MLP: ``layers`` x ``nn.Linear(width, width)``."""
-
-    width: int
-    layers: int
-    batch: int = BATCH
-
-    @property
-    def params(self) -> int:
-        """Parameters (weights and biases)."""
-        return self.layers * (self.width * self.width + self.width)
-
-    @property
-    def state_bytes(self) -> int:
-        """fp32 parameters + AdamW's exp_avg and exp_avg_sq, plus one scalar step per parameter tensor."""
-        return 3 * 4 * self.params + 2 * self.layers * 4
-
-    def describe(self) -> str:
-        """``"6 x Linear(4096, 4096) + AdamW"``."""
-        return f"{self.layers} x Linear({self.width}, {self.width}) + AdamW"
-
-
-def geometry(state_gb: float, max_width: int = MAX_WIDTH) -> Geometry:
-    """The MLP whose AdamW state is closest to ``state_gb`` GB: layers of ``max_width`` (at least 2
-    layers; narrower layers, a multiple of 64, when two full-width ones would be too big)."""
-    if not state_gb > 0:
-        raise ValueError(f"state size must be > 0 GB, got {state_gb}")
-    target = state_gb * 1e9
-    per_layer = 12 * (max_width * max_width + max_width)
-    layers = max(2, round(target / per_layer))
-    width = min(max_width, max(64, round(math.sqrt(target / (12 * layers)) / 64) * 64))
-    return Geometry(width=width, layers=layers)
-
-
-def build(g: Geometry, seed: int) -> tuple[nn.Module, torch.optim.Optimizer]:
-    """The model (seeded) and its AdamW, optimizer state empty as after construction."""
-    torch.manual_seed(seed)
-    model = nn.Sequential(*[nn.Linear(g.width, g.width) for _ in range(g.layers)])
-    return model, torch.optim.AdamW(model.parameters(), lr=1e-4)
-
-
-def batch(g: Geometry, step: int) -> torch.Tensor:
-    """The input of training step ``step`` (the same in every process)."""
-    return torch.randn(g.batch, g.width, generator=torch.Generator().manual_seed(1000 + step))
-
-
-def train_step(model: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor) -> None:
-    """Forward, backward, ``optimizer.step()``, gradients dropped."""
-    model(x).square().mean().backward()
-    opt.step()
-    opt.zero_grad(set_to_none=True)
-
-
-def state_tensors(model: nn.Module, opt: torch.optim.Optimizer) -> list[torch.Tensor]:
-    """Every tensor of the checkpointed state (model state dict, optimizer state)."""
-    out = list(model.state_dict().values())
-    for st in opt.state.values():
-        out += [v for v in st.values() if isinstance(v, torch.Tensor)]
-    return out
-
-
-def digest(model: nn.Module, opt: torch.optim.Optimizer, step: int) -> str:
-    """Fingerprint of the state: CRC32C of every tensor's bytes (with its name, dtype and shape),
-    the optimizer's parameter groups and ``step``. Equal digests: bit-identical states."""
-    import crc32c
-
-    h = hashlib.sha256(f"step={step};".encode())
-
-    def add(name: str, v: Any) -> None:
-        if isinstance(v, torch.Tensor):
-            t = v.detach().reshape(-1).contiguous()
-            h.update(f"{name}:{t.dtype}:{tuple(v.shape)}:".encode())
-            h.update(int(crc32c.crc32c(t.view(torch.uint8).numpy().data)).to_bytes(4, "little"))
-        else:
-            h.update(f"{name}={v!r};".encode())
-
-    for k, v in model.state_dict().items():
-        add(f"model/{k}", v)
-    osd = opt.state_dict()
-    for pid in sorted(osd["state"]):
-        for k in sorted(osd["state"][pid]):
-            add(f"optim/{pid}/{k}", osd["state"][pid][k])
-    for i, grp in enumerate(osd["param_groups"]):
-        for k in sorted(grp):
-            add(f"group/{i}/{k}", grp[k])
-    return h.hexdigest()[:32]
-
-
-# --------------------------------------------------------------------------- worker processes
-
-@dataclass
-class WorkerSpec:
-    """What one worker process does (written as JSON, passed by path)."""
-
-    role: str  # "save" | "restart" | "saves"
-    width: int
-    layers: int
-    threads: int
-    result: str
-    batch: int = BATCH
-    dir: str = ""  # save / saves: where to write
-    system: str = ""  # restart: the system restarted
-    path: str = ""  # restart: the root (nebula) or the file (torch)
-    expect_tier: str = ""  # restart, nebula: the kind of tier the restore must come from
-    saves: int = 8  # saves: saves made
-    torch_reps: int = 2  # saves: torch.save + fsync timed
-    prepare: bool = False  # saves: Checkpointer.prepare(state) made the staging before the first save
-
-    @property
-    def geometry(self) -> Geometry:
-        """The model's shape."""
-        return Geometry(width=self.width, layers=self.layers, batch=self.batch)
-
-
-def layout(d: Path) -> dict[str, Path]:
-    """Where the saving process writes each system's checkpoint under ``d``."""
-    return {"torch": d / "torch.pt", "nebula_local": d / "nebula_local", "nebula_memory": d / "nebula"}
-
-
-def _status_fields(*names: str) -> dict[str, Optional[int]]:
-    """Fields of ``/proc/self/status`` in bytes (``None`` where missing)."""
-    out: dict[str, Optional[int]] = dict.fromkeys(names)
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                key, _, rest = line.partition(":")
-                if key in out:
-                    out[key] = int(rest.split()[0]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    return out
-
-
-def _write_result(path: str, obj: dict[str, Any]) -> None:
-    """Write ``obj`` as JSON, durably (a worker may SIGKILL itself right after)."""
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        json.dump(obj, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    fsync_dir(Path(path).parent)
-
-
-def _torch_save(model: nn.Module, opt: torch.optim.Optimizer, step: int, path: Path) -> float:
-    """``torch.save`` of the plain state dicts + fsync of the file and its folder; return seconds."""
-    t0 = time.perf_counter()
-    with open(path, "wb") as f:
-        torch.save({"model": model.state_dict(), "optim": opt.state_dict(), "step": step}, f)
-        f.flush()
-        os.fsync(f.fileno())
-    fsync_dir(path.parent)
-    return time.perf_counter() - t0
-
-
-def _save_worker(spec: WorkerSpec) -> None:
-    """Build the state, one training step, save it with every system, record the digests, SIGKILL."""
-    import nebula_ckpt as nc
-
-    g = spec.geometry
-    paths = layout(Path(spec.dir))
-    model, opt = build(g, seed=0)
-    train_step(model, opt, batch(g, SAVED_STEP))
-    res: dict[str, Any] = {"state_bytes": sum(t.numel() * t.element_size() for t in state_tensors(model, opt)),
-                           "num_tensors": len(state_tensors(model, opt)), "step": SAVED_STEP,
-                           "digest_saved": digest(model, opt, SAVED_STEP)}
-    res["torch_save_s"] = _torch_save(model, opt, SAVED_STEP, paths["torch"])
-    state = {"model": model, "optim": opt, "step": SAVED_STEP}
-    t0 = time.perf_counter()
-    ck = nc.Checkpointer(str(paths["nebula_local"]), memory_tier=False)
-    ck.save_async(SAVED_STEP, state).result()
-    ck.close()
-    res["nebula_local_save_s"] = time.perf_counter() - t0
-    t0 = time.perf_counter()
-    ck = nc.Checkpointer(str(paths["nebula_memory"]))
-    res["memory_tier"] = any(getattr(t, "kind", "") == "memory" for t in ck.tiers)
-    res["nebula_memory_tiers_written"] = ck.save_async(SAVED_STEP, state).result()
-    res["nebula_memory_save_s"] = time.perf_counter() - t0
-    # the reference of the restarts' check: the same first step from the saved state
-    train_step(model, opt, batch(g, SAVED_STEP + 1))
-    res["digest_after_step"] = digest(model, opt, SAVED_STEP)
-    _write_result(spec.result, res)
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os.kill(os.getpid(), signal.SIGKILL)  # a crash: the memory tier stays
-
-
-def _restart_worker(spec: WorkerSpec) -> None:
-    """Build model + optimizer, then (timed) load and one training step; record times, RSS, digest."""
-    g = spec.geometry
-    if spec.system.startswith("nebula"):
-        import nebula_ckpt as nc
-    model, opt = build(g, seed=1)  # not the saved values: a restore that does nothing cannot pass
-    x = batch(g, SAVED_STEP + 1)
-    res: dict[str, Any] = {"system": spec.system}
-    ck: Any = None
-    got: Any = None
-    gc.collect()
-    before = _status_fields("VmRSS")["VmRSS"] or 0
-    with PeakRss() as peak:
-        t0 = time.perf_counter()
-        if spec.system.startswith("nebula"):
-            ck = nc.Checkpointer(spec.path)
-            res["open_s"] = time.perf_counter() - t0
-            state = {"model": model, "optim": opt, "step": 0}
-            ck.load_latest(into=state)
-            got = state["step"]
-        else:
-            sd = torch.load(spec.path, map_location="cpu", weights_only=True, mmap=spec.system == "torch_load_mmap")
-            model.load_state_dict(sd["model"])
-            opt.load_state_dict(sd["optim"])
-            got = sd["step"]
-            del sd
-        t1 = time.perf_counter()
-        peak_load = peak.peak()
-        after_load = _status_fields("VmRSS", "RssAnon", "RssFile", "RssShmem")
-        train_step(model, opt, x)
-        t2 = time.perf_counter()
-        hwm = peak.peak()
-        res["rss_method"] = peak.method
-    res.update(load_s=t1 - t0, first_step_s=t2 - t0, step_s=t2 - t1, rss_before=before, peak_rss=hwm,
-               extra_rss_bytes=hwm - before, extra_rss_load_bytes=peak_load - before, after_load=after_load,
-               after_step=_status_fields("VmRSS", "RssAnon", "RssFile", "RssShmem"), step=got)
-    if ck is not None:
-        res["last_restore"] = ck.last_restore
-        res["adopted_bytes"] = int((ck.last_restore or {}).get("adopted_bytes") or 0)
-        tier = str((ck.last_restore or {}).get("tier") or "")
-        res["tier"] = tier
-        res["tier_ok"] = tier.split(":", 1)[0] == spec.expect_tier
-        ck.close()
-    res["digest_after_step"] = digest(model, opt, got if isinstance(got, int) else -1)
-    _write_result(spec.result, res)
-
-
-def _saves_worker(spec: WorkerSpec) -> None:
-    """First saves of a fresh process, the later saves, one plain copy of the state, torch.save."""
-    import nebula_ckpt as nc
-
-    g = spec.geometry
-    d = Path(spec.dir)
-    model, opt = build(g, seed=0)
-    train_step(model, opt, batch(g, 0))
-    res: dict[str, Any] = {"state_bytes": sum(t.numel() * t.element_size() for t in state_tensors(model, opt))}
-    ck = nc.Checkpointer(str(d / "nebula"))
-    res["tiers"] = [t.name for t in ck.tiers]
-    if spec.prepare:  # as a job does once its state has its size (untimed: training steps run meanwhile)
-        ck.prepare({"model": model, "optim": opt, "step": 0}, wait=True)
-    saves: list[dict[str, float]] = []
-    steps: list[float] = []
-    copies: list[float] = []
-    src = state_tensors(model, opt)
-    dst: list[torch.Tensor] = []
-    try:
-        for i in range(1, spec.saves + 1):
-            if i == FIRST_SAVES + 1:  # after the first saves: they must find a fresh process
-                dst = [torch.empty_like(t) for t in src]
-                for t in dst:
-                    t.zero_()  # every page touched before timing
-            x = batch(g, i)
-            t0 = time.perf_counter()
-            train_step(model, opt, x)
-            steps.append(time.perf_counter() - t0)
-            t0 = time.perf_counter()
-            h = ck.save_async(i, {"model": model, "optim": opt, "step": i})
-            t1 = time.perf_counter()
-            h.wait_snapshot()
-            t2 = time.perf_counter()
-            written = h.result()
-            t3 = time.perf_counter()
-            saves.append({"call_s": t1 - t0, "stall_s": t2 - t0, "durable_s": t3 - t0, "tiers": len(written)})
-            if dst:  # one plain copy right after each later save: the same conditions, paired
-                t0 = time.perf_counter()
-                for a, b in zip(dst, src, strict=True):
-                    a.copy_(b)
-                copies.append(time.perf_counter() - t0)
-        res["stats"] = ck.stats()
-    finally:
-        ck.close()
-    del dst
-    res["saves"] = saves
-    res["train_step_s"] = steps
-    res["copy_s"] = copies
-    ts = []
-    for r in range(spec.torch_reps):
-        p = d / f"torch-{r}.pt"
-        ts.append(_torch_save(model, opt, spec.saves, p))
-        p.unlink()
-    res["torch_save_s"] = ts
-    _write_result(spec.result, res)
-
-
-def worker_main(argv: Sequence[str]) -> int:
-    """``python -m benchmarks.recovery worker ROLE SPEC.json``."""
-    if len(argv) != 2 or argv[0] not in ("save", "restart", "saves"):
-        raise SystemExit("usage: python -m benchmarks.recovery worker {save,restart,saves} SPEC.json")
-    spec = WorkerSpec(**json.loads(Path(argv[1]).read_text()))
-    if spec.role != argv[0]:
-        raise ValueError(f"spec is for role {spec.role!r}, not {argv[0]!r}")
-    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    torch.set_num_threads(spec.threads)
-    {"save": _save_worker, "restart": _restart_worker, "saves": _saves_worker}[spec.role](spec)
-    return 0
 
 
 # --------------------------------------------------------------------------- the parent
@@ -540,12 +180,12 @@ def launch(spec: WorkerSpec, work: Path, name: str, timeout_s: float,
     spec_path = work / f"{name}.spec.json"
     spec_path.write_text(json.dumps(asdict(spec)))
     log_path = work / f"{name}.log"
-    pkg_root = str(Path(__file__).resolve().parents[2])
+    pkg_root = str(Path(__file__).resolve().parents[1])
     env = dict(os.environ, OMP_NUM_THREADS=str(spec.threads),
                PYTHONPATH=pkg_root + os.pathsep + os.environ.get("PYTHONPATH", ""))
     rc: Optional[int] = None
     with open(log_path, "wb") as logf:
-        proc = subprocess.Popen([sys.executable, "-m", "benchmarks.recovery", "worker", spec.role,
+        proc = subprocess.Popen([sys.executable, "-m", "benchmarks.recovery_worker", spec.role,
                                  str(spec_path)], env=env, stdout=logf, stderr=subprocess.STDOUT, cwd=pkg_root)
         try:
             rc = proc.wait(timeout_s)
@@ -576,7 +216,7 @@ def _read_through(files: list[Path]) -> None:
 
 
 def _files(path: Path) -> list[Path]:
-    from benchmarks.peers import list_files
+    from benchmarks.peer_base import list_files
 
     return list_files(path) if path.exists() else []
 
@@ -637,67 +277,6 @@ def run_rep(g: Geometry, work: Path, rep: int, threads: int, deadline_s: float,
         for m in mem_tiers:  # a restore-only Checkpointer does not remove a memory tier it did not write
             _remove_memory_tier(m)
         shutil.rmtree(d, ignore_errors=True)
-    return out
-
-
-def summary(samples: list[float]) -> dict[str, Any]:
-    """median / p95 / min / max (the runner's :func:`~benchmarks.runner.summary`)."""
-    from benchmarks.runner import summary as _summary
-
-    return _summary(samples)
-
-
-def aggregate_row(row: str, system: str, cache: str, reps: list[dict[str, Any]],
-                  state_bytes: int) -> dict[str, Any]:
-    """One restart row over the repetitions: medians, restore and tier checks, status."""
-    ok = [r for r in reps if "error" not in r]
-    out: dict[str, Any] = {"row": row, "system": system, "cache": cache, "reps": reps, "status": "ok",
-                           "reason": None, "calls": CALLS[system]}
-    errors = [r["error"] for r in reps if "error" in r]
-    if ok:
-        for key in ("load_s", "first_step_s", "step_s", "extra_rss_bytes", "extra_rss_load_bytes"):
-            out[key] = summary([float(r[key]) for r in ok])
-        out["extra_rss_ratio"] = out["extra_rss_bytes"]["median"] / state_bytes
-        out["extra_rss_load_ratio"] = out["extra_rss_load_bytes"]["median"] / state_bytes
-        out["restore_ok"] = all(r.get("restore_ok") is True for r in ok)
-        out["tiers"] = sorted({r["tier"] for r in ok if r.get("tier")})
-        fr = [r["resident_fraction"] for r in ok if r.get("resident_fraction") is not None]
-        out["resident_fraction"] = max(fr) if cache == "cold" and fr else (min(fr) if fr else None)
-        if any(r.get("open_s") is not None for r in ok):
-            out["open_s"] = summary([float(r["open_s"]) for r in ok if r.get("open_s") is not None])
-        if system.startswith("nebula"):
-            out["tier_ok"] = all(r.get("tier_ok") is True for r in ok)
-        if system == "nebula_memory":
-            out["from_memory_tier"] = out["tier_ok"]
-            out["adopted_bytes"] = min(int(r.get("adopted_bytes") or 0) for r in ok)
-    else:
-        out["restore_ok"] = False
-    if errors:
-        out.update(status="error", reason=f"{len(errors)} of {len(reps)} repetition(s) failed: {errors[0]}")
-    elif out.get("tier_ok") is False:
-        want = "the memory tier" if system == "nebula_memory" else "the local root"
-        out.update(status="error", reason=f"restored from {', '.join(out['tiers']) or 'nothing'}, not {want}")
-    elif out["restore_ok"] is not True:
-        out.update(status="error", reason="restored state is not bit-exact (digest after the first step differs)")
-    return out
-
-
-def aggregate_saves(res: dict[str, Any]) -> dict[str, Any]:
-    """The first-save and floor figures of one ``saves`` worker."""
-    stalls = [s["stall_s"] for s in res["saves"]]
-    later = stalls[FIRST_SAVES:]
-    out = {"status": "ok", "reason": None, "tiers": res["tiers"], "state_bytes": res["state_bytes"],
-           "first_stalls_s": stalls[:FIRST_SAVES], "later_stall_s": summary(later),
-           "calls_s": [s["call_s"] for s in res["saves"]], "durable_s": [s["durable_s"] for s in res["saves"]],
-           "torch_save_s": summary(res["torch_save_s"]), "copy_s": summary(res["copy_s"]),
-           "train_step_s": summary(res["train_step_s"]), "stats": res.get("stats")}
-    if not any(str(t).startswith("memory:") for t in res["tiers"]):
-        out["note"] = "no memory tier (the shm folder refused it): saves went to the local root only"
-    lm = out["later_stall_s"]["median"]
-    out["first_two_ratio"] = max(stalls[:2]) / lm if lm else None
-    cm = out["copy_s"]["median"]
-    out["floor_ratio"] = lm / cm if lm is not None and cm else None
-    out["copy_gbps"] = res["state_bytes"] / cm / 1e9 if cm else None
     return out
 
 
@@ -795,188 +374,6 @@ def run(a: argparse.Namespace, base: Optional[Path]) -> dict[str, Any]:
         user_dir.rmdir()
     return sec
 
-
-# --------------------------------------------------------------------------- targets and report
-
-def _row(size: dict[str, Any], name: str) -> Optional[dict[str, Any]]:
-    r = next((r for r in size.get("rows", []) if r["row"] == name), None)
-    return r if r and r.get("status") == "ok" else None
-
-
-def _med(r: Optional[dict[str, Any]], key: str) -> Optional[float]:
-    v = (r or {}).get(key)
-    return v.get("median") if isinstance(v, dict) else None
-
-
-def _label(size: dict[str, Any]) -> str:
-    return f"{size['size_gb']:g} GB"
-
-
-def _memory_target(s: dict[str, Any]) -> dict[str, Any]:
-    title = f"restart from memory <= {MEMORY_SPEEDUP:g}x the better of torch.load / mmap (to first step)"
-    mem = _row(s, "nebula_memory")
-    peers = [(n, _med(_row(s, n), "first_step_s")) for n in ("torch_load", "torch_load_mmap")]
-    have = [(n, t) for n, t in peers if t is not None]
-    m = _med(mem, "first_step_s")
-    if m is None or not have:
-        why = "nebula_memory did not restore from the memory tier" if m is None else "no torch.load row"
-        return _target("recovery_memory", title, None, "n/a", f"<= {MEMORY_SPEEDUP:g}x", _label(s), why)
-    best, bt = min(have, key=lambda x: x[1])
-    r = m / bt
-    return _target("recovery_memory", title, r <= MEMORY_SPEEDUP, f"{r:.2f}x ({fmt_s(m)} vs {fmt_s(bt)} {best})",
-                   f"<= {MEMORY_SPEEDUP:g}x", _label(s),
-                   f"page cache warm for torch; load alone {fmt_s(_med(mem, 'load_s'))} vs "
-                   f"{fmt_s(_med(_row(s, best), 'load_s'))}")
-
-
-def _rss_target(s: dict[str, Any]) -> dict[str, Any]:
-    title = f"nebula_memory extra peak RSS <= {RSS_FACTOR:g}x state (restart + first step)"
-    mem = _row(s, "nebula_memory")
-    if mem is None:
-        return _target("recovery_rss", title, None, "n/a", f"<= {RSS_FACTOR:g}x", _label(s), "nebula_memory failed")
-    r = mem["extra_rss_ratio"]
-    peers = [(n, _row(s, n)) for n in ("torch_load", "torch_load_mmap")]
-    others = "; ".join(f"{n} {p['extra_rss_ratio']:.2f}x (load alone {p['extra_rss_load_ratio']:.2f}x)"
-                       for n, p in peers if p is not None)
-    return _target("recovery_rss", title, r <= RSS_FACTOR, f"{r:.2f}x ({fmt_b(_med(mem, 'extra_rss_bytes'))})",
-                   f"<= {RSS_FACTOR:g}x", _label(s),
-                   f"VmHWM - VmRSS before the load; includes the first step's gradients and AdamW temporaries; "
-                   f"the load alone {mem['extra_rss_load_ratio']:.2f}x (the optimizer state it creates: 0.67x); "
-                   f"{others}")
-
-
-def _local_target(s: dict[str, Any]) -> dict[str, Any]:
-    title = "nebula_local restore warm and cold <= torch.load (to first step)"
-    parts, met = [], True
-    for cache, nl_name, tl_name in (("warm", "nebula_local", "torch_load"),
-                                    ("cold", "nebula_local_cold", "torch_load_cold")):
-        nl, tl = _med(_row(s, nl_name), "first_step_s"), _med(_row(s, tl_name), "first_step_s")
-        if nl is None or tl is None:
-            return _target("recovery_local", title, None, "n/a", "<= torch.load", _label(s),
-                           f"{nl_name} or {tl_name} did not run")
-        met = met and nl <= tl
-        parts.append(f"{cache} {fmt_s(nl)} vs {fmt_s(tl)}")
-    cold = _row(s, "nebula_local_cold") or {}
-    return _target("recovery_local", title, met, "; ".join(parts), "<= torch.load + load_state_dict", _label(s),
-                   f"cold: posix_fadvise(DONTNEED), {cold.get('resident_fraction') or 0:.0%} of the files "
-                   "still cached before the restart")
-
-
-def _first_save_target(s: dict[str, Any], key: str = "saves") -> dict[str, Any]:
-    title = f"first two saves' stall <= {FIRST_SAVE_FACTOR:g}x later saves' median" + \
-        (" (after prepare())" if key == "saves_prepared" else "")
-    sv = s.get(key) or {}
-    if sv.get("status") != "ok" or sv.get("first_two_ratio") is None:
-        return _target("recovery_first_saves", title, None, "n/a", f"<= {FIRST_SAVE_FACTOR:g}x", _label(s),
-                       sv.get("reason") or "not measured")
-    r = sv["first_two_ratio"]
-    return _target("recovery_first_saves", title, r <= FIRST_SAVE_FACTOR,
-                   f"{r:.2f}x ({' / '.join(fmt_s(x) for x in sv['first_stalls_s'][:2])} vs "
-                   f"{fmt_s(sv['later_stall_s']['median'])})", f"<= {FIRST_SAVE_FACTOR:g}x", _label(s),
-                   "stall = save_async call + wait_snapshot(); saves 3-4: "
-                   + " / ".join(fmt_s(x) for x in sv["first_stalls_s"][2:]))
-
-
-def _floor_target(s: dict[str, Any]) -> dict[str, Any]:
-    title = f"save stall <= {FLOOR_FACTOR:g}x one copy of the state into pre-touched buffers"
-    sv = s.get("saves") or {}
-    if sv.get("status") != "ok" or sv.get("floor_ratio") is None:
-        return _target("recovery_floor", title, None, "n/a", f"<= {FLOOR_FACTOR:g}x", _label(s),
-                       sv.get("reason") or "not measured")
-    r = sv["floor_ratio"]
-    return _target("recovery_floor", title, r <= FLOOR_FACTOR,
-                   f"{r:.2f}x ({fmt_s(sv['later_stall_s']['median'])} vs {fmt_s(sv['copy_s']['median'])})",
-                   f"<= {FLOOR_FACTOR:g}x", _label(s),
-                   f"both idle, medians, one copy right after each save; copy {sv['copy_gbps']:.2f} GB/s "
-                   "(dst.copy_(src) per tensor)")
-
-
-def evaluate_targets(results: dict[str, Any]) -> list[dict[str, Any]]:
-    """The recovery targets per size that ran (``met`` None for n/a); skipped sizes give none."""
-    sec = results.get("recovery")
-    if not sec or sec.get("error"):
-        return []
-    out: list[dict[str, Any]] = []
-    for s in sec.get("sizes", []):
-        if s.get("status") != "ok":
-            out.append(_target("recovery_skipped", "recovery targets", None, "n/a", "-", f"{s['size_gb']:g} GB",
-                               str(s.get("reason"))))
-            continue
-        out += [_memory_target(s), _rss_target(s), _local_target(s), _first_save_target(s),
-                _first_save_target(s, "saves_prepared"), _floor_target(s)]
-    return out
-
-
-def _restart_line(s: dict[str, Any], r: dict[str, Any]) -> str:
-    size = f"{fmt_b(s['state_bytes'])}"
-    if r.get("load_s") is None:
-        return f"| {size} | {r['row']} | {r['cache']} |" + " n/a |" * 7 + f" {r.get('reason')} |"
-    tiers = ", ".join(sorted({t.split(":", 1)[0] for t in r.get("tiers", [])})) or "-"
-    exact = "yes" if r.get("restore_ok") else "**NO**"
-    status = "ok" if r["status"] == "ok" else f"**{r['reason']}**"
-    load_rss = f"{r['extra_rss_load_ratio']:.2f}x" if r.get("extra_rss_load_ratio") is not None else "n/a"
-    handed = fmt_b(r["adopted_bytes"]) if r.get("adopted_bytes") else "-"
-    return (f"| {size} | {r['row']} | {r['cache']} | {fmt_s(_med(r, 'load_s'))} | {fmt_s(_med(r, 'first_step_s'))} "
-            f"| {fmt_s(_med(r, 'step_s'))} | {r['extra_rss_ratio']:.2f}x ({fmt_b(_med(r, 'extra_rss_bytes'))}) "
-            f"| {load_rss} | {tiers} | {handed} | {exact} | {status} |")
-
-
-def _pressure_note(sec: dict[str, Any]) -> str:
-    ps = [p for p in (sec.get("cpu_pressure_start"), sec.get("cpu_pressure_end")) if p is not None]
-    if not ps:
-        return ""
-    note = (" CPU pressure (share of time some task waited for a CPU, last 10 s) at start / end: "
-            + " / ".join(f"{p:.0%}" for p in ps))
-    return note + (" - **other work competed for the CPUs: timings are noisy**." if max(ps) > 0.2 else ".")
-
-
-def render_markdown(results: dict[str, Any]) -> list[str]:
-    """The ``## Recovery after a crash`` section of ``results.md`` (empty when it did not run)."""
-    sec = results.get("recovery")
-    if not sec:
-        return []
-    lines = ["## Recovery after a crash", ""]
-    if sec.get("error"):
-        return lines + [f"Not run: {sec['error']}", ""]
-    sizes = sec.get("sizes", [])
-    lines += [f"MLP + AdamW sized to {', '.join(f'{x:g}' for x in sec.get('sizes_gb', []))} GB of state; "
-              f"{sec.get('reps')} repetition(s), {sec.get('threads')} torch threads; memory tier in "
-              f"`{sec.get('shm_dir')}`." + _pressure_note(sec), "", METHOD, "",
-              "### Restart to the first optimizer step", "",
-              "| state | system | page cache | load | to first step done | first step alone | extra peak RSS "
-              "| of the load alone | restored from | handed over | bit-exact | status |",
-              "|---|---|---|---:|---:|---:|---:|---:|---|---:|---|---|"]
-    for s in sizes:
-        if s.get("status") != "ok":
-            lines.append(f"| {s['size_gb']:g} GB | - | - |" + " n/a |" * 8 + f" {s.get('reason')} |")
-            continue
-        lines += [_restart_line(s, r) for r in s["rows"]]
-    lines += ["", "### First saves of a fresh process and the snapshot floor", "",
-              "Stall = `save_async` call + `handle.wait_snapshot()`, after a training step, nothing in the "
-              "background (each save's `result()` waited for, untimed). One copy = `dst.copy_(src)` for every "
-              "tensor into buffers allocated and touched before, one right after each later save (paired: the same "
-              "moment's conditions), same process.", "",
-              "| state | model | staging | save 1 | save 2 | save 3 | save 4 | later saves (median) "
-              "| one copy (median) | stall / copy | torch.save + fsync | training step | status |",
-              "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
-    for s, key in ((s, k) for s in sizes for k in ("saves", "saves_prepared")):
-        sv = s.get(key) or {}
-        how = "`prepare(state)` first" if key == "saves_prepared" else "default"
-        head = f"| {fmt_b(s.get('state_bytes'))} | {s.get('description', '-')} | {how} |"
-        if s.get("status") != "ok" or sv.get("status") != "ok":
-            lines.append(head + " n/a |" * 9 + f" {s.get('reason') or sv.get('reason')} |")
-            continue
-        firsts = [fmt_s(x) for x in sv["first_stalls_s"]] + ["n/a"] * (FIRST_SAVES - len(sv["first_stalls_s"]))
-        ratio = f"{sv['floor_ratio']:.2f}x" if sv.get("floor_ratio") is not None else "n/a"
-        lines.append(head + " " + " | ".join(firsts) + f" | {fmt_s(sv['later_stall_s']['median'])} "
-                     f"| {fmt_s(sv['copy_s']['median'])} | {ratio} | {fmt_s(sv['torch_save_s']['median'])} "
-                     f"| {fmt_s(sv['train_step_s']['median'])} | {sv.get('note') or 'ok'} |")
-    lines += ["", "How each system saves and restarts:", ""]
-    lines += [f"- **{n}**: {c}." for n, c in sec.get("calls", {}).items()]
-    if sec.get("shm_left"):
-        lines += ["", f"**Memory tiers left behind (removed by the benchmark): {', '.join(sec['shm_left'])}**"]
-    lines.append("")
-    return lines
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

@@ -1,7 +1,7 @@
 """Remote-tier throughput against a plain fsspec transfer of the same bytes to the same server.
 
 For each target (a URL, or the local emulators Azurite and moto of
-:mod:`benchmarks.emulators`, the ones the test suite uses), in one run:
+``tests/blob/emulators.py``, the ones the test suite uses), in one run:
 
 * **upload**: time until a checkpoint is durable on a remote-only ``Checkpointer`` (shard +
   manifest + commit) versus ``fs.put_file`` of the very same shard file;
@@ -93,7 +93,8 @@ def measure(url: str, storage_options: dict[str, Any], mb: int, reps: int) -> di
 
 def _emulators() -> Iterator[tuple[str, str, dict[str, Any]]]:
     """``(name, container URL, storage options)`` per emulator, each closed after its turn."""
-    from benchmarks.emulators import AzuriteEmulator, Emulator, MotoEmulator
+    # the launchers belong to the test suite (tests/blob/emulators.py); a checkout has both
+    from tests.blob.emulators import AzuriteEmulator, Emulator, MotoEmulator
 
     for name, cls in (("azurite", AzuriteEmulator), ("moto_s3", MotoEmulator)):
         emulator: Emulator = cls()

@@ -24,9 +24,10 @@ Targets (from the benchmark issue), each reported as met / not met / n/a - never
 
 from __future__ import annotations
 
-import math
 from typing import Any, Optional
 
+from benchmarks import rank_report, recovery_report
+from benchmarks.common import fmt_b, fmt_pct, fmt_s, target
 from benchmarks.limits import COLD_RESIDENT_MAX
 
 DEFAULT_WORKLOAD = "124m"
@@ -47,37 +48,6 @@ METHOD = (
 FLAT_RSS_SLACK = 8 << 20
 
 
-# --------------------------------------------------------------------------- formatting
-
-def fmt_s(x: Optional[float]) -> str:
-    """Seconds, with a unit that keeps 3 significant figures."""
-    if x is None or (isinstance(x, float) and math.isnan(x)):
-        return "n/a"
-    if x < 1e-3:
-        return f"{x * 1e6:.0f} µs"
-    if x < 1:
-        return f"{x * 1e3:.1f} ms"
-    return f"{x:.2f} s"
-
-
-def fmt_b(n: Optional[float]) -> str:
-    """Bytes in decimal units."""
-    if n is None:
-        return "n/a"
-    sign = "-" if n < 0 else ""
-    n = abs(n)
-    for unit in ("B", "KB", "MB", "GB", "TB"):
-        if n < 1000 or unit == "TB":
-            return f"{sign}{n:.0f} {unit}" if unit == "B" else f"{sign}{n:.2f} {unit}"
-        n /= 1000.0
-    return f"{sign}{n:.2f} TB"
-
-
-def fmt_pct(x: Optional[float]) -> str:
-    """Fraction as a percentage."""
-    return "n/a" if x is None else f"{100 * x:+.1f}%"
-
-
 def _med(res: dict[str, Any], key: str) -> Optional[float]:
     v = res.get(key)
     return v.get("median") if isinstance(v, dict) else None
@@ -89,25 +59,19 @@ def _ok(w: dict[str, Any]) -> dict[str, dict[str, Any]]:
 
 # --------------------------------------------------------------------------- targets
 
-def _target(tid: str, title: str, met: Optional[bool], value: str, threshold: str,
-            workload: Optional[str] = None, detail: str = "") -> dict[str, Any]:
-    return {"id": tid, "title": title, "workload": workload, "met": met, "value": value,
-            "threshold": threshold, "detail": detail}
-
-
 def _blocking_target(ok: dict[str, dict[str, Any]], name: str, limit_block: float) -> dict[str, Any]:
     """Nebula's blocking time as a fraction of torch.save's on one workload."""
     neb, ts = ok.get("nebula") or ok.get("nebula_local"), ok.get("torch_save")
     nb, tb = _med(neb or {}, "blocking_s"), _med(ts or {}, "blocking_s")
     if neb and nb is not None and tb:
         r = nb / tb
-        return _target("blocking", f"{neb['name']} blocking <= {limit_block:.1%} of torch.save",
+        return target("blocking", f"{neb['name']} blocking <= {limit_block:.1%} of torch.save",
                        r <= limit_block, f"{r:.2%} ({fmt_s(nb)} vs {fmt_s(tb)})",
                        f"<= {limit_block:.1%}", name,
                        f"p95: {fmt_s(neb['blocking_s']['p95'])}; save_async call alone: "
                        f"{fmt_s(_med(neb, 'call_s'))}, stall before the next optimizer step: "
                        f"{fmt_s(_med(neb, 'stall_s'))}")
-    return _target("blocking", "nebula blocking <= 1% of torch.save", None,
+    return target("blocking", "nebula blocking <= 1% of torch.save", None,
                    "n/a", f"<= {limit_block:.1%}", name, "nebula or torch_save did not run")
 
 
@@ -117,14 +81,14 @@ def _persist_bw_target(ok: dict[str, dict[str, Any]], name: str, seq: dict[str, 
     if nl and seq.get("gbps"):
         idle = nl.get("persist_idle_gbps", nl["persist_gbps"])
         r = idle / seq["gbps"]
-        return _target("persist_bw", "nebula_local persist bandwidth >= 85% of seq write+fsync",
+        return target("persist_bw", "nebula_local persist bandwidth >= 85% of seq write+fsync",
                        r >= 0.85, f"{r:.0%} ({idle:.2f} vs {seq['gbps']:.2f} GB/s)",
                        ">= 85%", name, "state bytes / median time to durable with the training "
                        "thread idle, as the limit is measured (while a training step runs: "
                        f"{nl['persist_gbps']:.2f} GB/s = {nl['persist_gbps'] / seq['gbps']:.0%}); "
                        "the limit is the best of its samples "
                        + ", ".join(f"{g:.2f}" for g in seq["samples_gbps"]))
-    return _target("persist_bw", "nebula_local persist bandwidth >= 85% of seq write+fsync",
+    return target("persist_bw", "nebula_local persist bandwidth >= 85% of seq write+fsync",
                    None, "n/a", ">= 85%", name,
                    "nebula_local did not run" if not nl else "no write limit measured")
 
@@ -133,7 +97,7 @@ def _restore_target(ok: dict[str, dict[str, Any]], name: str) -> dict[str, Any]:
     """nebula_local's warm (and, where measurable, cold) restore against torch.load."""
     nl, ts = ok.get("nebula_local"), ok.get("torch_save")
     if not (nl and ts):
-        return _target("restore", "nebula_local restore no slower than torch.load", None, "n/a",
+        return target("restore", "nebula_local restore no slower than torch.load", None, "n/a",
                        "<= torch.load", name, "nebula_local or torch_save did not run")
     warm = nl["restore_warm_s"] <= ts["restore_warm_s"]
     cold_ok = (nl.get("restore_cold_s") is not None and ts.get("restore_cold_s") is not None
@@ -144,7 +108,7 @@ def _restore_target(ok: dict[str, dict[str, Any]], name: str) -> dict[str, Any]:
     val = f"warm {fmt_s(nl['restore_warm_s'])} vs {fmt_s(ts['restore_warm_s'])}"
     if cold_ok:
         val += f"; cold {fmt_s(nl['restore_cold_s'])} vs {fmt_s(ts['restore_cold_s'])}"
-    return _target("restore", "nebula_local restore no slower than torch.load", met, val,
+    return target("restore", "nebula_local restore no slower than torch.load", met, val,
                    "<= torch.load + load_state_dict", name,
                    f"cold: {nl.get('cold_method')}" if cold_ok else "cold not measured")
 
@@ -156,14 +120,14 @@ def _staging_target(ok: dict[str, dict[str, Any]], w: dict[str, Any]) -> dict[st
     reported = [(s["name"], (s.get("stats") or {}).get("staging_bytes")) for s in st]
     staging = [(n, b) for n, b in reported if isinstance(b, (int, float))]
     if not staging:
-        return _target("staging", "staging host memory <= 1.1x state bytes", None, "n/a",
+        return target("staging", "staging host memory <= 1.1x state bytes", None, "n/a",
                        "<= 1.10x", name, "ck.stats()['staging_bytes'] not available")
     n, b = max(staging, key=lambda x: x[1])
     r = b / w["state_bytes"]
     mem = [(s["name"], (s.get("stats") or {}).get("memory_tier_slot_bytes")) for s in st]
     detail = "; ".join(f"{sn}: the memory tier's own checkpoint is {fmt_b(mb)} of slot files "
                        "in /dev/shm (its storage, not staging)" for sn, mb in mem if mb)
-    return _target("staging", "staging host memory <= 1.1x state bytes", r <= 1.1,
+    return target("staging", "staging host memory <= 1.1x state bytes", r <= 1.1,
                    f"{r:.2f}x ({fmt_b(b)}, {n})", "<= 1.10x", name, detail)
 
 
@@ -218,13 +182,13 @@ def _throughput_target(workloads: list[dict[str, Any]]) -> Optional[dict[str, An
     ok = _ok(chosen)
     neb = ok.get("nebula") or ok.get("nebula_local")
     if not neb:
-        return _target("throughput", "nebula throughput overhead <= 3% and lowest", None, "n/a",
+        return target("throughput", "nebula throughput overhead <= 3% and lowest", None, "n/a",
                        "<= 3%", chosen["name"], "nebula did not run")
     ov = neb["throughput"]["overhead"]
     others = {n: s["throughput"]["overhead"] for n, s in ok.items()
               if n not in ("nebula", "nebula_local")}
     lower = all(ov < o for o in others.values())
-    return _target("throughput", f"{neb['name']} throughput overhead <= 3% and lowest",
+    return target("throughput", f"{neb['name']} throughput overhead <= 3% and lowest",
                    ov <= 0.03 and lower, fmt_pct(ov), "<= 3% and < every peer",
                    chosen["name"], "; ".join(_throughput_notes(chosen, neb, others)))
 
@@ -233,12 +197,12 @@ def _flat_target(results: dict[str, Any]) -> dict[str, Any]:
     """Host memory (RSS and staging) flat across many saves of a small state."""
     flat = results.get("memory_flatness")
     if not flat or "error" in flat:
-        return _target("flat", "host memory flat across 100 saves", None, "n/a", "", None,
+        return target("flat", "host memory flat across 100 saves", None, "n/a", "", None,
                        (flat or {}).get("error", "not run"))
     g = flat["rss_growth_bytes"]
     s0, s1 = flat.get("staging_after_warmup"), flat.get("staging_after_last")
     staging_flat = s0 is None or s0 == s1
-    return _target("flat", f"host memory flat across {flat['saves']} saves", g <= FLAT_RSS_SLACK
+    return target("flat", f"host memory flat across {flat['saves']} saves", g <= FLAT_RSS_SLACK
                    and staging_flat, f"RSS {fmt_b(g)} after save {flat['after_warmup_save']}; "
                    f"staging {fmt_b(s0)} -> {fmt_b(s1)}", f"RSS growth <= {fmt_b(FLAT_RSS_SLACK)}, "
                    "staging unchanged", None, f"state {fmt_b(flat['state_bytes'])}, nebula default tiers")
@@ -260,11 +224,8 @@ def evaluate_targets(results: dict[str, Any]) -> list[dict[str, Any]]:
     st = results.get("settings", {})
     if not (st.get("ranks_only") or st.get("recovery_only")):
         out.append(_flat_target(results))
-    from benchmarks.ranks import evaluate_targets as ranks_targets  # ranks imports this module's formatting
-    from benchmarks.recovery import evaluate_targets as recovery_targets  # so does recovery
-
-    out.extend(ranks_targets(results))
-    out.extend(recovery_targets(results))
+    out.extend(rank_report.evaluate_targets(results))
+    out.extend(recovery_report.evaluate_targets(results))
     return out
 
 
@@ -395,11 +356,8 @@ def render_markdown(results: dict[str, Any]) -> str:
              + (" - **other work was running: timings are noisy**" if _busy(m) else ""), ""]
     if not (st.get("ranks_only") or st.get("recovery_only")):  # no limits, no single-process workloads
         lines += _single_process_sections(results)
-    from benchmarks.ranks import render_markdown as ranks_markdown
-    from benchmarks.recovery import render_markdown as recovery_markdown
-
-    lines += ranks_markdown(results)
-    lines += recovery_markdown(results)
+    lines += rank_report.render_markdown(results)
+    lines += recovery_report.render_markdown(results)
     lines += ["## Targets", "", "| target | workload | value | threshold | verdict | detail |",
               "|---|---|---|---|---|---|"]
     for t in results.get("targets", []):

@@ -45,7 +45,7 @@ import torch
 
 from nebula_ckpt import native
 from nebula_ckpt.format import manifest as mf
-from nebula_ckpt.format import names as fmt_names
+from nebula_ckpt.format import names as fnames
 from nebula_ckpt.format.commit import Commit
 from nebula_ckpt.ranks import shards as ranks
 
@@ -96,6 +96,33 @@ def timed(fn: Callable[[], Any]) -> tuple[Any, float]:
     return out, time.process_time() - t
 
 
+def durable_part(rank: int, idx: dict[str, dict[str, Any]], owners: dict[str, int],
+                 tree: Optional[dict[str, Any]]) -> dict[str, Any]:
+    """What ``rank`` sends in the durable round: its share of ``idx``, laid out as
+    ``ranks.subset_image`` lays it out (``tree``: rank 0's only)."""
+    mine, off = {}, 4096
+    for k in (k for k in idx if owners.get(k, rank) == rank):
+        n = idx[k]["offsets"][1] - idx[k]["offsets"][0]
+        mine[k] = dict(idx[k], offsets=[off, off + n])
+        off += n
+    return {"step": 1, "shard": {"file": fnames.shard_name(1, rank), "bytes": off, "storage": {"stored_bytes": off}},
+            "tensors": mine, "aliases": {}, "tree": tree, "stats": {"tensor_bytes": 0}}
+
+
+def write_step(root: str, man: dict[str, Any], text: bytes) -> None:
+    """Step 1 of ``root`` committed on disk: sparse shards of the manifest's sizes (the reader
+    checks sizes, never reads bytes here), the manifest ``text`` and its commit marker."""
+    step_dir = os.path.join(root, fnames.step_dir(1))
+    os.makedirs(step_dir, exist_ok=True)
+    for sh in man["shards"]:
+        with open(os.path.join(step_dir, sh["file"]), "wb") as f:
+            f.truncate(sh["bytes"])
+    with open(os.path.join(step_dir, fnames.MANIFEST), "wb") as f:
+        f.write(text)
+    with open(os.path.join(step_dir, fnames.COMMIT), "wb") as f:
+        f.write(Commit(1, 1, len(text), native.get_ops().crc32c_bytes(text)).to_bytes())
+
+
 def simulate(kind: str, world: int, tensors: int, workdir: str, budget_s: float,
              predict: Callable[[str, int], Optional[float]]) -> Sample:
     """One simulated job of ``world`` ranks: every cost named in the module docstring."""
@@ -118,16 +145,7 @@ def simulate(kind: str, world: int, tensors: int, workdir: str, budget_s: float,
     payload1 = {"step": 1, "digest": digest, "tree": ranks.digest(tree), "sharded": sharded}
     s.values["rank 0 receives: digest round (B)"] = world * len(pickle.dumps(payload1))
     owners = run("rank: assign owners (s)", lambda: ranks.assign([rep] * world, [sharded] * world)) or {}
-    parts = []
-    for r, idx in enumerate(indexes):
-        mine, off = {}, 4096  # the rank's share laid out as ranks.subset_image lays it out
-        for k in (k for k in idx if owners.get(k, r) == r):
-            n = idx[k]["offsets"][1] - idx[k]["offsets"][0]
-            mine[k] = dict(idx[k], offsets=[off, off + n])
-            off += n
-        parts.append({"step": 1, "shard": {"file": fmt_names.shard_name(1, r), "bytes": off,
-                                           "storage": {"stored_bytes": off}},
-                      "tensors": mine, "aliases": {}, "tree": tree if r == 0 else None, "stats": {"tensor_bytes": 0}})
+    parts = [durable_part(r, idx, owners, tree if r == 0 else None) for r, idx in enumerate(indexes)]
     s.values["rank 0 receives: durable round (B)"] = sum(len(pickle.dumps(p)) for p in parts)
     s.values["rank: sends in durable round (B)"] = float(len(pickle.dumps(parts[-1])))
     man = run("rank 0: build manifest (s)", lambda: ranks.global_manifest(step=1, generation=1, parts=parts,
@@ -141,15 +159,7 @@ def simulate(kind: str, world: int, tensors: int, workdir: str, budget_s: float,
     s.values["rank 0 writes (B)"] = float(len(text))
     s.values["rank reads at restore (B)"] = float(len(text))
     root = os.path.join(workdir, f"{kind}-{world}")
-    step_dir = os.path.join(root, fmt_names.step_dir(1))
-    os.makedirs(step_dir, exist_ok=True)
-    for sh in man["shards"]:
-        with open(os.path.join(step_dir, sh["file"]), "wb") as f:
-            f.truncate(sh["bytes"])  # sparse: the reader checks sizes, never reads bytes here
-    with open(os.path.join(step_dir, fmt_names.MANIFEST), "wb") as f:
-        f.write(text)
-    with open(os.path.join(step_dir, fmt_names.COMMIT), "wb") as f:
-        f.write(Commit(1, 1, len(text), native.get_ops().crc32c_bytes(text)).to_bytes())
+    write_step(root, man, text)
     man, parts = {}, []  # free before the restore side
     run("rank: parse manifest (s)", lambda: mf.Manifest.parse(json.loads(text), "sim", 1))
     text = b""

@@ -35,7 +35,7 @@ from nebula_ckpt.errors import (
     PickleNotAllowedError,
     ValidationError,
 )
-from nebula_ckpt.format.names import check_tag
+from nebula_ckpt.format.names import MAX_TAG_CHARS, check_tag
 from nebula_ckpt.handle import SaveHandle, SaveMetrics
 from nebula_ckpt.ranks.coordinator import Coordinator, LocalCoordinator
 from nebula_ckpt.ranks.distributed import DistCoordinator
@@ -55,7 +55,8 @@ __all__ = [
     "save_async", "load_latest", "close_all", "Coordinator", "LocalCoordinator", "DistCoordinator",
     "NebulaError", "ValidationError", "PersistError", "ConsistencyError", "CorruptCheckpointError",
     "FencedError", "NotFoundError", "PickleNotAllowedError",
-    "check_tag", "canonical_root", "refuse_url_credentials", "tier_for_root", "write_file_atomic",
+    # for adapters (integrations, compat): tags, root identity, URL checks
+    "check_tag", "MAX_TAG_CHARS", "canonical_root", "refuse_url_credentials", "tier_for_root", "write_file_atomic",
 ]
 
 # No NullHandler on purpose: without a logging configuration, Python's last-resort handler prints

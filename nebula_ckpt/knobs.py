@@ -1,7 +1,13 @@
 """Every tunable of nebula_ckpt, in one place.
 
-Each knob has an environment variable, a getter, and can be overridden in tests with
-:func:`override`. Nothing else in the library reads ``os.environ``.
+Each knob has an environment variable, a getter (:func:`get`: an :func:`override` first, then
+the environment, then the default), a line of documentation (:func:`describe`, :func:`table`),
+and can be overridden in tests with :func:`override`. The library's own tunables are read here
+and nowhere else (``tests/test_architecture.py`` checks that no other module reads
+``os.environ``). Variables that belong to other programs are not knobs: the Azure ML Nebula
+compatibility layer (:mod:`nebula_ckpt.compat.torch_nebula`) honours that product's
+``NEBULA_PERSISTENT_*`` / ``NEBULA_MEMORY_BUFFER_SIZE`` settings, and ``LOCAL_WORLD_SIZE``
+(set by torchrun) sizes the default thread counts below.
 
 Example::
 
@@ -38,12 +44,22 @@ def _default_threads() -> int:
     return max(1, min(8, (os.cpu_count() or 1) // max(1, ranks_here)))
 
 
+def _default_fault_threads() -> int:
+    """The cores of this rank the copy threads leave idle, at most 8."""
+    ranks_here = int(os.environ.get("LOCAL_WORLD_SIZE") or 1)
+    return max(0, min(8, (os.cpu_count() or 1) // max(1, ranks_here) - int(get("copy_threads"))))
+
+
 _KNOBS: dict[str, _Knob] = {
     "copy_threads": _Knob("NEBULA_COPY_THREADS", None, int,
                           "native threads that copy CPU tensors into staging buffers (default: cores / ranks on the "
                           "host, max 8)"),
     "io_threads": _Knob("NEBULA_IO_THREADS", None, int,
                         "parallel pwrite / checksum threads per file (default: cores / ranks on the host, max 8)"),
+    "fault_ahead_threads": _Knob("NEBULA_FAULT_AHEAD_THREADS", None, int,
+                                 "threads that fault in a fresh staging buffer's pages from its end while "
+                                 "the first save's copy fills it from the start (default: the cores of "
+                                 "this rank the copy threads leave idle, max 8; 0: the copy faults them)"),
     "write_chunk_bytes": _Knob("NEBULA_WRITE_CHUNK_BYTES", 16 << 20, int,
                                "bytes per pwrite call on local tiers"),
     "o_direct": _Knob("NEBULA_O_DIRECT", True, _bool,
@@ -56,6 +72,10 @@ _KNOBS: dict[str, _Knob] = {
                               "states at least this large never create a memory-tier slot file on the "
                               "training thread: a save with no slot file ready stages in an anonymous "
                               "buffer while the next slot file is made in the background"),
+    "slot_ahead_wait_s": _Knob("NEBULA_SLOT_AHEAD_WAIT_S", 60.0, float,
+                               "longest a staging buffer made in the background waits for the copy of "
+                               "the save that asked for it to finish (so that it does not take that "
+                               "copy's cores and memory bandwidth) before it is made anyway"),
     "huge_pages": _Knob("NEBULA_HUGE_PAGES", False, _bool,
                         "advise transparent huge pages for staging and restore buffers (off: on VMs "
                         "that return freed memory to the host, such as the one the README's "
@@ -142,6 +162,8 @@ def get(name: str) -> Any:
             raise ValueError(f"environment variable {knob.env}={raw!r} is not valid: {e}") from None
     if name in ("copy_threads", "io_threads") and knob.default is None:
         return _default_threads()
+    if name == "fault_ahead_threads" and knob.default is None:
+        return _default_fault_threads()
     return knob.default
 
 

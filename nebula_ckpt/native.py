@@ -1,17 +1,23 @@
 """One facade over the hot primitives: the C++ extension when it loads, pure PyTorch otherwise.
 
-The rest of the library calls only :data:`ops` (an :class:`NativeOps` or :class:`FallbackOps`).
-Both produce the same bytes and the same checksums (CRC32C); ``tests/test_paths.py`` compares
-them. Which path runs is logged once, at first use.
+The rest of the library reaches them through :func:`get_ops`, which returns a
+:class:`NativeOps` (the extension ``nebula_ckpt._C`` loaded) or the :class:`FallbackOps` (it did
+not, or the ``disable_native`` knob is set); :func:`fallback_ops` returns the latter always and
+:func:`describe` says which path runs and why. Both produce the same bytes and the same checksums
+(CRC32C); ``tests/test_paths.py`` compares them. Which path runs is logged once, at first use.
 
-Hot primitives:
+Hot primitives (methods of both classes):
 
-* ``alloc(nbytes, pinned)`` — a pre-faulted, page-aligned host buffer (uint8 tensor).
-* ``enqueue_copy(srcs, dst, offsets)`` — copy every source's bytes into ``dst`` at its offset,
-  returning a job at once; the copy runs on native threads (GIL released).
-* ``crc32c(buf, offsets, lengths)`` — checksums of byte ranges, in parallel.
-* ``write_file(path, buf, offset, nbytes)`` — parallel ``pwrite`` (+ ``O_DIRECT``) and fsync;
-  failures raise :class:`OSError` with the real ``errno`` and the path on both paths.
+* ``alloc(nbytes, pinned=False, prefault=True)`` — a zero-filled, page-aligned host buffer (uint8
+  tensor), its pages faulted in now unless ``prefault=False`` (for a buffer a parallel copy fills
+  at once: its threads take the faults); ``pinned`` needs the CUDA build.
+* ``enqueue_copy(srcs, dst, offsets, checksum=True)`` — copy every source's bytes into ``dst`` at
+  its offset, returning a :class:`CopyJob` at once; the copy runs on native threads (GIL released).
+* ``crc32c(buf, offsets, lengths)`` / ``crc32c_bytes(data)`` — checksums of byte ranges (in
+  parallel) / of one bytes-like object.
+* ``write_file(path, buf, offset, nbytes, fsync=True)`` — parallel ``pwrite`` (+ ``O_DIRECT``) and
+  fsync; ``read_file(path, buf, offset, nbytes)`` — parallel ``pread``. Failures raise
+  :class:`OSError` with the real ``errno`` and the path on both paths.
 
 Checksums of a copy are always those of the *staged* bytes, and a source written while it is
 being copied (even through ``.data`` or a numpy view, which bypass the version counter) is

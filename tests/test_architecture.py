@@ -287,3 +287,68 @@ def test_the_benchmark_harness_is_not_installed() -> None:
     assert not (PKG / "bench").exists(), "the benchmark harness belongs in benchmarks/, outside the package"
     shipped = [str(p.relative_to(PKG.parent)) for p in PKG.rglob("*.py") if "emulators" in p.name or "peers" in p.name]
     assert not shipped, shipped
+
+
+BENCH = PKG.parent / "benchmarks"
+
+
+def _bench_modules() -> dict[str, pathlib.Path]:
+    return {f"benchmarks.{p.stem}" if p.stem != "__init__" else "benchmarks": p for p in sorted(BENCH.glob("*.py"))}
+
+
+def _bench_imports(path: pathlib.Path, modules: dict[str, pathlib.Path]) -> Iterator[tuple[int, str, list[str]]]:
+    """(line, benchmarks module, names taken from it) for every import of the harness's own modules."""
+    tree = ast.parse(path.read_text())
+    skip = _type_checking_nodes(tree)
+    for node in ast.walk(tree):
+        if id(node) in skip:
+            continue
+        if isinstance(node, ast.Import):
+            yield from ((node.lineno, a.name, []) for a in node.names if a.name in modules)
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "benchmarks":
+            mod = node.module or ""
+            subs = [a.name for a in node.names if f"{mod}.{a.name}" in modules]
+            yield from ((node.lineno, f"{mod}.{s}", []) for s in subs)
+            plain = [a.name for a in node.names if a.name not in subs]
+            if plain and mod in modules:
+                yield node.lineno, mod, plain
+
+
+def test_the_benchmark_harness_has_the_package_shape() -> None:
+    """benchmarks/ (outside the package) keeps the package's rules: no import cycles (imports inside
+    functions count), no module over 500 lines or function over 60, no private names across modules."""
+    modules = _bench_modules()
+    graph: dict[str, set[str]] = defaultdict(set)
+    problems = []
+    for name, path in modules.items():
+        rel = path.relative_to(BENCH.parent)
+        for line, mod, names in _bench_imports(path, modules):
+            if mod != name and mod != "benchmarks":
+                graph[name].add(mod)
+            problems += [f"{rel}:{line} imports {n} from {mod}" for n in names if n.startswith("_")]
+        text = path.read_text()
+        if len(text.splitlines()) > MAX_MODULE_LINES:
+            problems.append(f"{rel}: {len(text.splitlines())} lines (limit {MAX_MODULE_LINES})")
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                assert node.end_lineno is not None
+                n = node.end_lineno - node.lineno + 1
+                if n > MAX_FUNCTION_LINES:
+                    problems.append(f"{rel}:{node.lineno} {node.name}: {n} lines (limit {MAX_FUNCTION_LINES})")
+            if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.attr.startswith("_") \
+                    and not node.attr.startswith("__") and f"benchmarks.{node.value.id}" in modules:
+                problems.append(f"{rel}:{node.lineno} reads {node.value.id}.{node.attr}")
+
+    def reaches(start: str, goal: str) -> bool:
+        seen, todo = set(), [start]
+        while todo:
+            v = todo.pop()
+            if v == goal:
+                return True
+            if v not in seen:
+                seen.add(v)
+                todo.extend(graph.get(v, ()))
+        return False
+
+    problems += sorted({f"cycle: {a} -> {b} -> ... -> {a}" for a in graph for b in graph[a] if reaches(b, a)})
+    assert not problems, "\n".join(problems)

@@ -31,7 +31,7 @@ def test_quick_two_ranks_report(tmp_path: Path) -> None:
     shm = tmp_path / "shm"
     shm.mkdir()
     env = {**os.environ, "NEBULA_SHM_DIR": str(shm)}  # keep the memory tier out of /dev/shm
-    cmd = [sys.executable, "-m", "nebula_ckpt.cli", "bench", "--quick", "--quiet", "--ranks", "2", "--ranks-only",
+    cmd = [sys.executable, "-m", "benchmarks.run", "--quick", "--quiet", "--ranks", "2", "--ranks-only",
            "--ranks-model", "micro", "--reps", "2", "--interval", "2", "--steps", "2", "--out", str(out),
            "--target", str(tmp_path / "target"), "--no-plot"]
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=170)

@@ -37,7 +37,7 @@ def test_recovery_quick_report(tmp_path: Path, shm_dir: str) -> None:
     # OpenMP barriers (30 ms -> 200 ms at this size), which would swamp the ratios below. 2 repetitions
     # (about 50 s on an idle machine; the timeouts allow for busy neighbours): the guards use the best of each.
     env = {**os.environ, "NEBULA_SHM_DIR": shm_dir, "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "nebula_ckpt.cli", "bench", "--recovery-only", "--quick", "--quiet",
+    cmd = [sys.executable, "-m", "benchmarks.run", "--recovery-only", "--quick", "--quiet",
            "--recovery-sizes", "0.05", "--recovery-reps", "2", "--out", str(out),
            "--target", str(tmp_path / "target"), "--no-plot"]
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=290)

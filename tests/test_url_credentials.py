@@ -72,7 +72,8 @@ def _entry_points(tmp_path: Path) -> dict[str, Callable[[str], Any]]:
     from nebula_ckpt.cli import main as cli
     from nebula_ckpt.compat import torch_nebula
     from nebula_ckpt.dcp import NebulaStorageReader, NebulaStorageWriter
-    from nebula_ckpt.integrations.huggingface import _nebula_setup, export_pretrained
+    from nebula_ckpt.integrations.huggingface import export_pretrained
+    from nebula_ckpt.integrations.huggingface.mixin import setup_trainer
     from nebula_ckpt.storage.remote import FsspecStorage
 
     local = str(tmp_path / "local")
@@ -116,7 +117,7 @@ def _entry_points(tmp_path: Path) -> dict[str, Callable[[str], Any]]:
         "lightning": lightning,
         "huggingface_export": lambda url: export_pretrained(url, str(tmp_path / "hf")),
         # what Trainer(nebula_root=...) runs after transformers' own __init__
-        "huggingface_trainer": lambda url: _nebula_setup(object(), url, None),
+        "huggingface_trainer": lambda url: setup_trainer(object(), url, None),
         "torch_nebula_init": lambda url: torch_nebula.init(persistent_storage_path=url, memory_tier=False),
         "torch_nebula_init_tuple": lambda url: torch_nebula.init(persistent_storage_path=(url,), memory_tier=False),
     }

@@ -24,6 +24,7 @@ from nebula_ckpt.format import manifest as mf
 from nebula_ckpt.format.commit import step_dirs
 from nebula_ckpt.format.names import shard_owner
 from nebula_ckpt.format.records import TensorRecord
+from nebula_ckpt.integrations.pointers import find_root
 from nebula_ckpt.restore.open import OpenCheckpoint
 from nebula_ckpt.storage.base import Storage
 from nebula_ckpt.storage.urls import strip_credentials
@@ -78,7 +79,11 @@ def _ls_table(rows: list[dict[str, Any]], mans: list[Optional[mf.Manifest]], qui
 def cmd_ls(args: argparse.Namespace) -> int:
     """Steps per tier with size and state; full checksums unless ``--quick`` (sizes only).
 
-    Exit 1 when nothing is there or a committed checkpoint is damaged (as ``verify``)."""
+    Exit 1 when nothing is there or a committed checkpoint is damaged (as ``verify``). ``ROOT`` may
+    be a framework's path: a pointer file, Lightning's dirpath, a DeepSpeed save folder, an HF output_dir."""
+    given, args.root = args.root, find_root(args.root)
+    if args.root != given and not args.json:
+        out(f"{given} -> checkpoint root {args.root}")
     todo = [(tier, st, step) for tier, st in open_tiers(args.root, args.storage_options) for step in step_dirs(st)]
     verify = "size" if args.quick else "full"
     rows: list[dict[str, Any]] = []

@@ -57,14 +57,19 @@ holding an ordinary ``torch.save`` file (a checkpoint written before ``enable``)
 
 Things to know:
 
-* Retention is nebula_ckpt's: ``keep_last`` (default 3) checkpoints per tier, ``keep_every``
-  milestones. The pointer files of a checkpoint that retention deleted stay on disk; loading
-  that tag then raises ``NotFoundError`` naming the tags still held.
+* Retention is DeepSpeed's by default: every checkpoint is kept (the memory tier keeps its newest).
+  With ``keep_last=N`` (or ``keep_every``, or a Checkpointer of your own) nebula_ckpt's retention
+  drops older checkpoints per tier, and the engine removes the pointer files (and the tag folder,
+  once empty) of every tag no tier holds any more, at each commit and at ``wait`` / ``close``.
 * ``allow_pickle=True`` is the default here: DeepSpeed's states hold Python objects (its
   ``LossScaler``, ZeRO's ``fragment_address`` tuples) that typed JSON cannot hold, and DeepSpeed
   itself loads its files with ``torch.load(weights_only=False)``. Tensors are never pickled.
-* Tools that read the tag folder's files directly (``zero_to_fp32.py``, universal checkpoint
-  conversion) see pointers: :func:`materialize` writes the real ``torch.save`` files of a tag.
+* The pointer files are ``torch.save`` archives whose pickle calls :func:`open_pointer`: tools that
+  read the tag folder's files with ``torch.load(weights_only=False)`` (``zero_to_fp32.py``,
+  DeepSpeed's own engine without ``enable``) get the part the file names, read from the root.
+  :func:`materialize` writes the real ``torch.save`` files of a tag.
+* A save folder moved or copied with its root (both in one run folder) still loads: the pointers
+  name the root relative to themselves too.
 * The root must not be ``save_dir`` itself (nebula_ckpt owns the ``step-<N>`` folders of its root).
 * A ``save_dir`` that was lost (a new machine, a node-local disk) while the checkpoints survive on
   a slower tier: :meth:`NebulaCkptEngine.restore_pointers` writes the pointers and ``latest`` of
@@ -94,11 +99,20 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from nebula_ckpt.checkpointer import Checkpointer
+from nebula_ckpt import Checkpointer, canonical_root, check_tag
 from nebula_ckpt.errors import NotFoundError, PersistError, ValidationError
-from nebula_ckpt.format.names import check_tag
-from nebula_ckpt.integrations.pointers import NAME_MAX, parse_pointer, read_pointer_head, safe_name, write_local_pointer
-from nebula_ckpt.tiers import canonical_root
+from nebula_ckpt.integrations.deepspeed_files import (
+    POINTER_FORMAT,
+    materialize,
+    open_pointer,
+    pointers_in,
+    read_pointer,
+    remove_empty_folders,
+    root_of,
+    tag_folders,
+    write_pointer,
+)
+from nebula_ckpt.integrations.pointers import NAME_MAX, candidate_roots
 
 log = logging.getLogger("nebula_ckpt")
 
@@ -108,18 +122,11 @@ except ImportError as _e:  # pragma: no cover - exercised only without deepspeed
     raise ImportError("nebula_ckpt.integrations.deepspeed needs DeepSpeed: pip install 'nebula_ckpt[deepspeed]' "
                       f"(DS_BUILD_OPS=0 on a machine without CUDA): {_e}") from _e
 
-__all__ = ["NebulaCkptEngine", "enable", "materialize", "POINTER_FORMAT"]
+__all__ = ["NebulaCkptEngine", "enable", "materialize", "open_pointer", "POINTER_FORMAT", "KEEP_ALL"]
 
-#: ``format`` field of a pointer file (JSON) left at each path DeepSpeed saved (its version is the
-#: number after the slash)
-POINTER_FORMAT = "nebula_ckpt.deepspeed/1"
 _DURABLE = ("first", "all", "snapshot")
-
-
-def _read_pointer(path: str) -> Optional[dict[str, Any]]:
-    """The pointer stored at ``path``, or None when ``path`` holds something else (a torch.save file)."""
-    head = read_pointer_head(path)  # never blocks on a FIFO, never follows a symlink loop
-    return parse_pointer(head, path, POINTER_FORMAT, {"root": str, "tag": str, "key": str, "step": int})
+#: the default ``keep_last``: every checkpoint is kept, as stock DeepSpeed does
+KEEP_ALL = 1 << 40
 
 
 def _check_tag_folder(tag: str) -> None:
@@ -174,8 +181,11 @@ class NebulaCkptEngine(CheckpointEngine):
             raise ValidationError(f"durable must be one of {_DURABLE}, got {durable!r}")
         if (root is None) == (checkpointer is None):
             raise ValidationError("NebulaCkptEngine: give either root or checkpointer (exactly one)")
+        #: drop the pointer files of checkpoints retention removed (a retention the user chose)
+        self.prune = checkpointer is not None or any(k in checkpointer_kwargs for k in ("keep_last", "tiers"))
         if checkpointer is None:
             checkpointer_kwargs.setdefault("allow_pickle", True)
+            checkpointer_kwargs.setdefault("keep_last", KEEP_ALL)  # as stock DeepSpeed: keep every checkpoint
             checkpointer = Checkpointer(str(root), **checkpointer_kwargs)
             own = True if own is None else own
         elif checkpointer_kwargs:
@@ -191,6 +201,8 @@ class NebulaCkptEngine(CheckpointEngine):
         self._parts: dict[str, Any] = {}
         self._paths: dict[str, str] = {}
         self._last_step: Optional[int] = None
+        #: the save folders DeepSpeed saved into (whose tag folders prune() looks at)
+        self._save_dirs: set[str] = set()
         # (tag, step, {key: state_dict}) of the checkpoint being loaded; parts are dropped as served
         self._cache: Optional[tuple[str, int, dict[str, Any]]] = None
 
@@ -213,6 +225,7 @@ class NebulaCkptEngine(CheckpointEngine):
             log.warning("nebula_ckpt: DeepSpeed checkpoint %r was never committed; its %d part(s) are dropped",
                         self._info.tag if self._info else None, len(self._parts))
         self._info = info
+        self._save_dirs.add(os.path.abspath(info.save_dir))
         self._parts = {}
         self._paths = {}
         self._cache = None
@@ -275,11 +288,30 @@ class NebulaCkptEngine(CheckpointEngine):
         self._last_step = step
         self._wait(handle)
         for key, path in paths.items():
-            write_local_pointer(path, {"format": POINTER_FORMAT, "root": self._root,
-                                  "tag": tag, "step": step, "key": key})
+            write_pointer(path, self._root, tag, step, key)
         log.info("nebula_ckpt: DeepSpeed checkpoint %r is step %d (%d part(s)) under %s", tag, step, len(parts),
                  self._root)
+        if self.prune:
+            self.prune_pointers()
         return True
+
+    def prune_pointers(self) -> list[str]:
+        """Remove the pointer files (and tag folders left empty) of the checkpoints of this root no
+        tier holds any more (dropped by retention); return the folders looked at and emptied.
+        Runs at each commit and at :meth:`wait` / :meth:`close` when retention may drop checkpoints."""
+        held = set(self.checkpointer.tags())
+        emptied = []
+        for save_dir in sorted(self._save_dirs):
+            for tag_dir in tag_folders(save_dir):
+                gone = [p for p, ptr in pointers_in(tag_dir).items()
+                        if ptr["tag"] not in held and canonical_root(root_of(ptr, p)) == self._root]
+                for p in gone:
+                    os.remove(p)
+                if gone and remove_empty_folders(tag_dir):
+                    emptied.append(tag_dir)
+        if emptied:
+            log.info("nebula_ckpt: removed the DeepSpeed tag folder(s) of checkpoints retention dropped: %s", emptied)
+        return emptied
 
     def is_data_parallel_writer(self, dp_rank: int) -> bool:
         """True on every rank: each rank's checkpoint holds the parts it reads back (the model states
@@ -293,12 +325,13 @@ class NebulaCkptEngine(CheckpointEngine):
     # -- loading ----------------------------------------------------------------------------------
     def load(self, path: str, map_location: Any = None) -> Any:
         """The state dict DeepSpeed saved at ``path`` (from the newest healthy copy of its checkpoint)."""
-        ptr = _read_pointer(path)
+        ptr = read_pointer(path)
         if ptr is None:  # an ordinary torch.save file (written before enable(), or outside a tag folder)
             return torch.load(path, map_location=map_location, weights_only=False)
-        if ptr["root"] != self._root:
-            raise ValidationError(f"{path} points into the nebula_ckpt root {ptr['root']!r}, but this engine uses "
-                                  f"{self._root!r}: enable(engine, {ptr['root']!r}) to load it")
+        if all(canonical_root(r) != self._root for r in candidate_roots(ptr, path)):
+            root = root_of(ptr, path)
+            raise ValidationError(f"{path} points into the nebula_ckpt root {root!r}, but this engine uses "
+                                  f"{self._root!r}: enable(engine, {root!r}) to load it")
         tag, key = ptr["tag"], ptr["key"]
         cache = self._cache
         if cache is None or cache[0] != tag or key not in cache[2]:
@@ -357,8 +390,7 @@ class NebulaCkptEngine(CheckpointEngine):
             path = os.path.join(save_dir, tag, *key.split("/"))
             if not os.path.exists(path):
                 os.makedirs(os.path.dirname(path), exist_ok=True)
-                write_local_pointer(path, {"format": POINTER_FORMAT, "root": self._root,
-                                      "tag": tag, "step": step, "key": key})
+                write_pointer(path, self._root, tag, step, key)
         if self.checkpointer.coordinator.rank == 0:
             tmp = os.path.join(save_dir, f"latest.nebula-tmp-{os.getpid()}")
             with open(tmp, "w") as f:
@@ -370,16 +402,20 @@ class NebulaCkptEngine(CheckpointEngine):
 
     # -- lifetime ---------------------------------------------------------------------------------
     def wait(self, timeout: Optional[float] = None) -> None:
-        """Wait for the background persists (raises a failure not yet seen)."""
+        """Wait for the background persists (raises a failure not yet seen); then drop the
+        pointers of checkpoints retention removed (see :meth:`prune_pointers`)."""
         self.checkpointer.wait(timeout)
+        if self.prune:
+            self.prune_pointers()
 
     def close(self, timeout: Optional[float] = None) -> None:
         """Finish the background persists; close the Checkpointer when this engine made it."""
         self._cache = None
+        if self.checkpointer.closed:
+            return
+        self.wait(timeout)
         if self._own:
             self.checkpointer.close(timeout)
-        else:
-            self.checkpointer.wait(timeout)
 
 
 def enable(engine: Any, root: Optional[str] = None, *, checkpointer: Optional[Checkpointer] = None,
@@ -425,46 +461,3 @@ def enable(engine: Any, root: Optional[str] = None, *, checkpointer: Optional[Ch
     return ce
 
 
-def materialize(save_dir: str, tag: Optional[str] = None, *, checkpointer: Optional[Checkpointer] = None) -> list[str]:
-    """Replace the pointer files of DeepSpeed checkpoint ``tag`` (default: the one ``save_dir/latest``
-    names) by the ``torch.save`` files DeepSpeed would have written, for tools that read them
-    directly (``zero_to_fp32.py``, universal checkpoint conversion). Returns the paths written.
-
-    Reads through ``checkpointer`` when given, else opens the root the pointers name (read only).
-    In a multi-rank job call it on every rank (the read is collective); each rank writes its parts.
-    """
-    if tag is None:
-        with open(os.path.join(save_dir, "latest")) as f:
-            tag = f.read().strip()
-    tag_dir = os.path.join(save_dir, tag)
-    pointers: dict[str, dict[str, Any]] = {}
-    for dirpath, _, files in os.walk(tag_dir):
-        for name in files:
-            p = os.path.join(dirpath, name)
-            ptr = _read_pointer(p)
-            if ptr is not None:
-                pointers[p] = ptr
-    if not pointers:
-        return []
-    roots = {p["root"] for p in pointers.values()}
-    tags = {p["tag"] for p in pointers.values()}
-    if len(roots) != 1 or len(tags) != 1:
-        raise ValidationError(f"{tag_dir}: pointers name several roots / tags: {sorted(roots)} {sorted(tags)}")
-    # the root a file names is only read: nothing is created there (not even its folder)
-    ck = checkpointer or Checkpointer(roots.pop(), allow_pickle=True, read_only=True)
-    try:
-        _, tree = ck.read(tag=tags.pop(), map_location="cpu")
-        written = []
-        for p, ptr in sorted(pointers.items()):
-            if ptr["key"] not in tree:
-                if ck.coordinator.world_size > 1:
-                    continue  # another rank's part: that rank writes it
-                raise NotFoundError(f"{p}: checkpoint {ptr['tag']!r} under {ptr['root']} has no part {ptr['key']!r}")
-            tmp = os.path.join(os.path.dirname(p), safe_name(f"{os.path.basename(p)}.nebula-tmp-{os.getpid()}"))
-            torch.save(tree[ptr["key"]], tmp)
-            os.replace(tmp, p)
-            written.append(p)
-        return written
-    finally:
-        if checkpointer is None:
-            ck.close()

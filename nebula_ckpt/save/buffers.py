@@ -38,14 +38,13 @@ from nebula_ckpt import knobs
 from nebula_ckpt.errors import ValidationError
 from nebula_ckpt.format.names import slot_file_name
 from nebula_ckpt.native import get_ops
+from nebula_ckpt.save.prefault import FaultAhead, threads_for
 from nebula_ckpt.storage.local import read_elsewhere
 from nebula_ckpt.tiers.memory.shm import own_spare_slot_files
 
 log = logging.getLogger(__name__)
 
 _ROUND = 2 << 20
-#: longest a slot made ahead waits for the copy of the save that asked for it
-_AHEAD_WAIT_S = 60.0
 
 
 @dataclass(eq=False)
@@ -131,6 +130,16 @@ def _map_slot(fd: int, path: str, nbytes: int) -> Slot:
     return Slot(torch.frombuffer(mm, dtype=torch.uint8), False, path=path, _mm=mm)
 
 
+def _fresh_anonymous(nbytes: int) -> Slot:
+    """A staging buffer of fresh anonymous pages, none of them touched: the save's copy (and the
+    fault-ahead threads) fault them in as they fill it. A mapping of its own, whatever its size:
+    a block of the heap would have to be zeroed first, on the training thread."""
+    mm = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    if knobs.get("huge_pages") and hasattr(mmap, "MADV_HUGEPAGE"):
+        mm.madvise(mmap.MADV_HUGEPAGE)
+    return Slot(torch.frombuffer(mm, dtype=torch.uint8), False, _mm=mm)
+
+
 def _shm_room(slot_dir: str, nbytes: int) -> bool:
     """Whether a slot file of ``nbytes`` leaves the tmpfs at least ``shm_min_free_fraction`` free."""
     try:
@@ -175,6 +184,8 @@ class StagingPool:
         #: not take the cores and memory bandwidth of the snapshot that asked for it
         self._copies_idle = threading.Event()
         self._copies_idle.set()
+        #: threads faulting in fresh anonymous buffers ahead of their first copy (see prefault.py)
+        self._faulters: list[FaultAhead] = []
 
     def serve_writers(self, slot_dir: Optional[str], max_slots: int) -> None:
         """Fit the pool to the tiers this process writes, once they are known (before the first
@@ -288,7 +299,10 @@ class StagingPool:
                 size = rounded  # else the exact size room() was checked with
             # Filled by this save's copy at once: its threads take the page faults (a pinned
             # buffer is registered, so its pages are faulted anyway).
-            made = Slot(get_ops().alloc(size, pinned, prefault=pinned), pinned)
+            made = Slot(get_ops().alloc(size, True, prefault=True), True) if pinned else _fresh_anonymous(size)
+            if not pinned and threads_for(size):  # idle cores fault its pages ahead of the copy
+                self._faulters = [f for f in self._faulters if f.running()]
+                self._faulters.append(FaultAhead(made.buffer, threads_for(size)))
         slot = made
         slot.in_use = True
         self.allocations += 1
@@ -365,7 +379,7 @@ class StagingPool:
     def _make_ahead(self, size: int, as_file: bool, pinned: bool) -> None:
         """Body of the background thread of :meth:`_prepare_ahead`."""
         slot: Optional[Slot] = None
-        self._copies_idle.wait(_AHEAD_WAIT_S)
+        self._copies_idle.wait(knobs.get("slot_ahead_wait_s"))
         try:
             if as_file:
                 slot = self._new_slot(size)
@@ -464,6 +478,8 @@ class StagingPool:
         self._copies_idle.set()  # a preparer waiting for a copy goes on (and frees what it made)
         if preparer is not None:
             preparer.join()
+        for f in self._faulters:
+            f.stop()
         with self._cond:
             for s in self._slots:
                 if not s.in_use:

@@ -1,8 +1,7 @@
 """Loopback blob servers for the tests: Azurite (Azure Blob) and moto (S3).
 
 The launching (127.0.0.1, port 0, stop / start on the same port with the same data, moto's
-signing helper) is :mod:`benchmarks.emulators`, shared with the remote benchmark. This
-module adds what only the tests need:
+signing helper) is :mod:`.emulators`, which the remote benchmark borrows. This module adds what only the tests need:
 
 * each server starts at construction and holds a session container (``url_prefix``);
 * :meth:`BlobServer.new_container` returns a :class:`BlobLocation`, plain data that can be
@@ -21,7 +20,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Optional
 
-from benchmarks.emulators import INSTALL_SCRIPT, AzuriteEmulator, Emulator, EmulatorUnavailable, MotoEmulator
+from .emulators import INSTALL_SCRIPT, AzuriteEmulator, Emulator, EmulatorUnavailable, MotoEmulator
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -3,7 +3,7 @@
     python ds_worker.py roundtrip STAGE ROOT SAVE_DIR OUT.json
         train a few steps, engine.save_checkpoint through nebula_ckpt, load it into a fresh
         engine (other seed) and compare everything bit for bit; write the verdict to OUT.json
-    python ds_worker.py train STAGE ROOT SAVE_DIR OUT.json STEPS EVERY [KILL_AT] [resume]
+    python ds_worker.py train STAGE ROOT SAVE_DIR OUT.json STEPS EVERY [KILL_AT] [resume] [durable_all]
         train STEPS steps (fixed seed, dropout), save_checkpoint every EVERY steps, append each
         step's loss (float.hex) to OUT.json lines; with KILL_AT: SIGKILL itself after that step;
         with "resume": load_checkpoint(SAVE_DIR) first and go on from the step it restored
@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import socket
 import sys
@@ -145,6 +146,7 @@ def full_state(engine: Any) -> dict[str, Any]:
 
 def roundtrip(stage: int, root: str, save_dir: str, out: str) -> None:
     from nebula_ckpt.integrations.deepspeed import NebulaCkptEngine, enable, materialize
+    from nebula_ckpt.integrations.deepspeed_files import read_pointer
 
     init_rank()
     a = make_engine(stage, seed=0)
@@ -161,9 +163,18 @@ def roundtrip(stage: int, root: str, save_dir: str, out: str) -> None:
     ce.wait()
     tag = open(os.path.join(save_dir, "latest")).read().strip()
     files = sorted(os.path.relpath(os.path.join(d, f), save_dir) for d, _, fs in os.walk(save_dir) for f in fs)
-    pointers = {f: json.load(open(os.path.join(save_dir, f)))["key"] for f in files if f.endswith(".pt")}
+    pointers = {f: read_pointer(os.path.join(save_dir, f))["key"] for f in files if f.endswith(".pt")}
     tags = ce.checkpointer.tags()
     loss_a = train_step(a, 5)
+    # DeepSpeed's own zero_to_fp32 reads the pointer files with torch.load (they redirect to the root)
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    fp32_mismatch: Any = "not run"
+    if stage > 0 and int(os.environ.get("WORLD_SIZE", "1")) == 1:  # one process reads one rank's checkpoint
+        fp32 = get_fp32_state_dict_from_zero_checkpoint(save_dir, tag=tag)
+        fp32_mismatch = []
+        _diff({k: v.float() for k, v in saved["module"].items()}, {k: fp32[k] for k in saved["module"]}, "fp32",
+              fp32_mismatch)
 
     b = make_engine(stage, seed=1)  # other weights, no optimizer state yet
     ceb = enable(b, root)
@@ -189,17 +200,18 @@ def roundtrip(stage: int, root: str, save_dir: str, out: str) -> None:
                "differed_before": len(before), "mismatches": mismatches, "client_ok": client_ok,
                "restored_from": tier,
                "materialized": [os.path.relpath(p, save_dir) for p in written], "real": real,
-               "next_loss": [loss_a.hex(), loss_b.hex()], "optimizer_type": type(a.optimizer).__name__},
+               "next_loss": [loss_a.hex(), loss_b.hex()], "optimizer_type": type(a.optimizer).__name__,
+               "fp32_mismatch": fp32_mismatch},
               open(out, "w"))
 
 
 def train(stage: int, root: str, save_dir: str, out: str, steps: int, every: int, kill_at: int,
-          resume: bool) -> None:
+          resume: bool, durable: str = "first") -> None:
     from nebula_ckpt.integrations.deepspeed import enable
 
     init_rank()
     engine = make_engine(stage, seed=0)
-    ce = enable(engine, root)
+    ce = enable(engine, root, durable=durable)
     start = 0
     with open(out, "a") as f:
         if resume:
@@ -227,6 +239,8 @@ def units(root: str, save_dir: str, out: str) -> None:
 
     from nebula_ckpt.errors import NotFoundError, ValidationError
     from nebula_ckpt.integrations.deepspeed import POINTER_FORMAT, NebulaCkptEngine
+    from nebula_ckpt.integrations.deepspeed_files import open_pointer, read_pointer
+    from nebula_ckpt.integrations.pointers import encode_pointer
 
     res: dict[str, Any] = {}
     ce = NebulaCkptEngine(root, keep_last=1)
@@ -242,25 +256,43 @@ def units(root: str, save_dir: str, out: str) -> None:
 
     t = torch.arange(6, dtype=torch.float32)
     save("a", {"a/m.pt": {"w": t, "n": 1}, "a/sub/z.pt": {"w": t * 2}, "fp16.bin": {"w": t * 3}})
-    ptr = json.load(open(os.path.join(save_dir, "a/m.pt")))
+    ptr = read_pointer(os.path.join(save_dir, "a/m.pt"))
     res["pointer"] = [ptr["format"] == POINTER_FORMAT, ptr["tag"], ptr["key"], ptr["step"]]
     res["outside_is_torch_save"] = torch.equal(torch.load(os.path.join(save_dir, "fp16.bin"))["w"], t * 3)
-    res["nested_key"] = json.load(open(os.path.join(save_dir, "a/sub/z.pt")))["key"]
+    res["nested_key"] = read_pointer(os.path.join(save_dir, "a/sub/z.pt"))["key"]
     res["load"] = [torch.equal(ce.load(os.path.join(save_dir, "a/sub/z.pt"))["w"], t * 2),
                    ce.load(os.path.join(save_dir, "a/m.pt"), map_location="cpu")["n"]]
     res["load_again"] = torch.equal(ce.load(os.path.join(save_dir, "a/m.pt"))["w"], t)  # re-read after served
     torch.save({"plain": t}, os.path.join(save_dir, "old.pt"))
     res["torch_save_file"] = torch.equal(ce.load(os.path.join(save_dir, "old.pt"))["plain"], t)
-    save("b", {"b/m.pt": {"w": t + 1}})  # keep_last=1: "a" is gone
+    save("b", {"b/m.pt": {"w": t + 1}})  # keep_last=1: "a" is gone, and its tag folder with it
     ce.wait()
     res["steps"] = ce.checkpointer.list()
+    from nebula_ckpt.integrations.pointers import find_roots
+
+    res["find_roots"] = [find_roots(save_dir), find_roots(os.path.join(save_dir, "b", "m.pt"))]
+    res["tag_folders"] = sorted(n for n in os.listdir(save_dir) if os.path.isdir(os.path.join(save_dir, n)))
+    # a pointer file of a dropped checkpoint (kept by hand) says so when loaded
+    shutil.copytree(os.path.join(save_dir, "b"), os.path.join(save_dir, "a"))
+    with open(os.path.join(save_dir, "a", "m.pt"), "wb") as f:
+        f.write(encode_pointer({**read_pointer(os.path.join(save_dir, "b/m.pt")), "tag": "a"}, open_pointer))
     try:
         ce.load(os.path.join(save_dir, "a/m.pt"))
         res["retention"] = "loaded"
     except NotFoundError as e:
         res["retention"] = str(e)
-    import shutil
-
+    shutil.rmtree(os.path.join(save_dir, "a"))
+    # the default keeps every checkpoint, as stock DeepSpeed does
+    keep = NebulaCkptEngine(root + "-all")
+    for tag in ("k1", "k2", "k3", "k4", "k5"):
+        info = CheckpointCommitInfo(tag=tag, save_dir=save_dir + "-all", save_latest=True)
+        keep.create(info)
+        os.makedirs(os.path.join(save_dir + "-all", tag), exist_ok=True)
+        keep.save(state_dict={"w": t}, path=os.path.join(save_dir + "-all", tag, "m.pt"))
+        keep.commit(info)
+        keep.wait()  # each one durable (a busy disk tier would skip a save for a newer one)
+    keep.close()
+    res["default_keeps"] = [sorted(keep.checkpointer.list()), sorted(os.listdir(save_dir + "-all"))]
     shutil.rmtree(save_dir)  # a lost save_dir: the checkpoints are still held by the tiers
     res["restore_pointers"] = ce.restore_pointers(save_dir)
     res["latest"] = open(os.path.join(save_dir, "latest")).read()
@@ -349,4 +381,5 @@ if __name__ == "__main__":
     else:
         rest = sys.argv[6:]
         train(int(stage_s), root_a, save_dir_a, out_a, int(rest[0]), int(rest[1]),
-              int(rest[2]) if len(rest) > 2 else -1, "resume" in rest[3:])
+              int(rest[2]) if len(rest) > 2 else -1, "resume" in rest[3:],
+              "all" if "durable_all" in rest[3:] else "first")

@@ -1,13 +1,15 @@
 """A tiny, deterministic Hugging Face ``Trainer`` run (GPT-2 of 2 layers, 32 wide, an in-memory
 dataset), used in-process by the tests and as a subprocess by the crash test.
 
-``python hf_worker.py OUT ROOT RESULT [--kill-at K] [--resume] [--stock]``: train, checkpointing
-every ``SAVE_STEPS`` through nebula_ckpt (``--stock``: HF's own folders), writing to RESULT (JSON)
+``python hf_worker.py OUT ROOT RESULT [--kill-at K] [--resume] [--stock] [--deepspeed STAGE] [--peft]``:
+train, checkpointing every ``SAVE_STEPS`` through nebula_ckpt (``--stock``: HF's own folders), writing to RESULT (JSON)
 the loss of every step as ``float.hex`` and what was restored. ``--kill-at K``: at the end of step K,
 wait until every save so far is durable, write RESULT, then SIGKILL this process. ``--resume``:
 ``train(resume_from_checkpoint=True)``. Launched as a rank of a multi-rank job (``WORLD_SIZE`` > 1,
 env:// as torchrun sets it), HF trains with DDP on gloo and each rank writes ``RESULT.r<rank>``; the
-ranks meet in a barrier before the kill, so both die with checkpoint-K committed.
+ranks meet in a barrier before the kill, so both die with checkpoint-K committed. ``--deepspeed
+STAGE``: HF's DeepSpeed integration with ZeRO stage STAGE on the CPU (``DS_ACCELERATOR=cpu``, one
+gloo rank unless launched as several). ``--peft``: the model is a LoRA adapter (peft) over the GPT-2.
 
 Deterministic on purpose: one intra-op thread, seeded model, data order (``data_seed``) and
 dropout (kept on: the restored RNG states must reproduce it).
@@ -53,9 +55,43 @@ def make_model(seed: int = SEED) -> Any:
     return GPT2LMHeadModel(cfg)
 
 
+def make_peft_model(seed: int = SEED) -> Any:
+    """The tiny GPT-2 with a LoRA adapter on its attention (peft): only the adapter trains."""
+    from peft import LoraConfig, get_peft_model
+
+    model = make_model(seed)
+    return get_peft_model(model, LoraConfig(r=4, lora_alpha=8, lora_dropout=0.1, target_modules=["c_attn"],
+                                            fan_in_fan_out=True, task_type="CAUSAL_LM"))
+
+
+def deepspeed_config(stage: int) -> dict[str, Any]:
+    """A DeepSpeed config for HF's integration ("auto" values come from TrainingArguments)."""
+    return {"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
+            "gradient_clipping": "auto", "zero_optimization": {"stage": stage}, "steps_per_print": 10**9}
+
+
+def deepspeed_on_cpu() -> None:
+    """What DeepSpeed needs to run on the CPU without building ops: the CPU accelerator, a rank's
+    env:// variables (rank 0 of 1 unless a launcher set them), and no op-compatibility probe (it
+    JIT-builds a shared-memory collective: over a minute on 2 cores, useless to one rank)."""
+    import socket
+
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    if "MASTER_PORT" not in os.environ:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            os.environ["MASTER_PORT"] = str(s.getsockname()[1])
+    for k, v in dict(MASTER_ADDR="127.0.0.1", RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1").items():
+        os.environ.setdefault(k, v)
+    import deepspeed.ops
+
+    deepspeed.ops.__compatible_ops__ = {}  # type: ignore[attr-defined]
+
+
 def make_trainer(out: str, root: Optional[str] = None, *, stock: bool = False, max_steps: int = MAX_STEPS,
                  save_steps: int = SAVE_STEPS, callbacks: tuple = (), eval_dataset: Any = None,
-                 nebula_options: Optional[dict[str, Any]] = None, trainer_cls: Any = None, **args_kw: Any) -> Any:
+                 nebula_options: Optional[dict[str, Any]] = None, trainer_cls: Any = None, peft: bool = False,
+                 **args_kw: Any) -> Any:
     """A Trainer over the tiny model and data: ``NebulaTrainer`` (checkpoints in ``root``), or
     ``trainer_cls`` / stock ``Trainer`` with ``stock``."""
     from transformers import Trainer, TrainingArguments
@@ -67,7 +103,7 @@ def make_trainer(out: str, root: Optional[str] = None, *, stock: bool = False, m
                               dataloader_num_workers=0, disable_tqdm=True)
     kw.update(args_kw)
     args = TrainingArguments(**kw)
-    model = make_model()
+    model = make_peft_model() if peft else make_model()
     common = dict(model=model, args=args, train_dataset=TinyData(), eval_dataset=eval_dataset,
                   callbacks=list(callbacks))
     if stock or trainer_cls is not None:
@@ -91,6 +127,31 @@ def loss_recorder() -> tuple[Any, dict[int, str]]:
     return Record(), losses
 
 
+def digest(obj: Any) -> str:
+    """SHA-256 of every tensor (bytes, dtype, shape) and scalar in a state tree, in key order."""
+    import hashlib
+
+    h = hashlib.sha256()
+
+    def walk(o: Any) -> None:
+        if isinstance(o, torch.Tensor):
+            t = o.detach().cpu().contiguous()
+            h.update(f"{t.dtype}{tuple(t.shape)}".encode())
+            h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+        elif isinstance(o, dict):
+            for k in sorted(o, key=str):
+                h.update(str(k).encode())
+                walk(o[k])
+        elif isinstance(o, (list, tuple)):
+            for v in o:
+                walk(v)
+        else:
+            h.update(repr(o).encode())
+
+    walk(obj)
+    return h.hexdigest()
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     from transformers import TrainerCallback
 
@@ -101,7 +162,13 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--kill-at", type=int, default=None)
     p.add_argument("--resume", action="store_true")
     p.add_argument("--stock", action="store_true")
+    p.add_argument("--deepspeed", type=int, default=None)
+    p.add_argument("--peft", action="store_true")
     a = p.parse_args(argv)
+    kw: dict[str, Any] = {"peft": a.peft}
+    if a.deepspeed is not None:
+        deepspeed_on_cpu()
+        kw["deepspeed"] = deepspeed_config(a.deepspeed)
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         a.result = f"{a.result}.r{os.environ['RANK']}"
     record, losses = loss_recorder()
@@ -123,11 +190,13 @@ def main(argv: Optional[list[str]] = None) -> int:
                 write(killed_at=state.global_step, committed=[] if a.stock else tr.nebula.list())
                 os.kill(os.getpid(), signal.SIGKILL)
 
-    tr = make_trainer(a.out, a.root, stock=a.stock, callbacks=(record, Kill()))
+    tr = make_trainer(a.out, a.root, stock=a.stock, callbacks=(record, Kill()), **kw)
     holder["trainer"] = tr
     tr.train(resume_from_checkpoint=True if a.resume else None)
     restored = None if a.stock else tr.nebula_restored
-    write(restored=restored, final_step=tr.state.global_step)
+    model = {k: v for k, v in tr.model.state_dict().items() if not a.peft or "lora_" in k}
+    write(restored=restored, final_step=tr.state.global_step, model=digest(model),
+          optimizer=digest(tr.optimizer.state_dict()), rng=digest(torch.random.get_rng_state()))
     return 0
 
 

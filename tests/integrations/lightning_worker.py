@@ -189,10 +189,11 @@ class _KillAt(Callback):
 
 def make_trainer(plugin: NebulaCheckpointIO, dirpath: str, callbacks: Optional[list[Callback]] = None,
                  max_epochs: int = EPOCHS, **kw: Any) -> pl.Trainer:
+    kw.setdefault("logger", False)
     ckpt_cb = kw.pop("checkpoint_callback", None) or ModelCheckpoint(
         dirpath=dirpath, every_n_train_steps=EVERY_N_STEPS, save_top_k=2, monitor="train_loss", save_last=True)
     return pl.Trainer(accelerator="cpu", devices=1, max_epochs=max_epochs, plugins=[plugin],
-                      callbacks=[*(callbacks or []), ckpt_cb], logger=False, enable_progress_bar=False,
+                      callbacks=[*(callbacks or []), ckpt_cb], enable_progress_bar=False,
                       enable_model_summary=False, num_sanity_val_steps=0,
                       default_root_dir=os.path.dirname(dirpath), **kw)
 

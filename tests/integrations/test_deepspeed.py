@@ -96,6 +96,9 @@ def test_engine_contract(tmp_path, shm_dir) -> None:  # noqa: ANN001
     assert r["load"] == [True, 1] and r["load_again"] is True
     assert r["torch_save_file"] is True
     assert r["steps"] == [1]
+    assert r["find_roots"] == [[os.path.realpath(tmp_path / "root")]] * 2  # nebula-ckpt ls <save_dir> finds it
+    assert r["tag_folders"] == ["b"]  # keep_last=1 dropped "a": its tag folder went with it
+    assert r["default_keeps"] == [[0, 1, 2, 3, 4], ["k1", "k2", "k3", "k4", "k5"]]
     assert "no longer held" in r["retention"] and "'b'" in r["retention"]
     assert r["restore_pointers"] == "b" and r["latest"] == "b" and r["after_restore"] is True
     assert "has space" in r["errors"]["bad_tag"]
@@ -122,6 +125,7 @@ def test_zero_save_load_bit_exact(tmp_path, shm_dir, stage: int) -> None:  # noq
     assert r["restored_from"]["step"] == 5 and r["restored_from"]["tier"].startswith("memory:")
     assert r["next_loss"][0] == r["next_loss"][1]
     assert r["materialized"] == [f"first/{p}" for p in parts] and r["real"] == [3]
+    assert r["fp32_mismatch"] == ([] if stage > 0 else "not run")  # zero_to_fp32 reads the pointer files
 
 
 @pytest.mark.timeout(110)
@@ -181,6 +185,42 @@ def test_sigkill_then_resume_gives_identical_losses(tmp_path, shm_dir) -> None: 
     # the records after the resume line are the resumed run's
     resumed_losses = {r["step"]: r["loss"] for r in recs[recs.index(resumed[0]) + 1:] if "loss" in r}
     assert resumed_losses == {s: reference[s] for s in range(kill_at + 1, steps + 1)}
+
+
+@pytest.mark.crash
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("how", ["mv", "cp"])
+def test_run_folder_moved_or_copied_resumes_identical(tmp_path, shm_dir, how: str) -> None:  # noqa: ANN001
+    """A run folder holding the nebula_ckpt root and DeepSpeed's save folder, SIGKILLed right after
+    the checkpoint of step 6 is durable, then moved (``mv``) or copied (``cp -r``): DeepSpeed's
+    ``load_checkpoint`` in the new place reads the root beside it (the pointers name it relative to
+    themselves) and steps 7-10 give an uninterrupted run's losses, bit for bit."""
+    import shutil
+
+    steps, every, kill_at = 10, 3, 6
+    ref_out = str(tmp_path / "ref.jsonl")
+    ref = _start(["train", 2, tmp_path / "ref_root", tmp_path / "ref_ds", ref_out, steps, every], shm_dir)
+    old, new = tmp_path / "run", tmp_path / "elsewhere" / "run2"
+    rc, out = _finish(_start(["train", 2, old / "root", old / "ds", tmp_path / "crash.jsonl", steps, every, kill_at,
+                              "-", "durable_all"], shm_dir))
+    assert rc == -signal.SIGKILL, f"the training process was not killed (rc {rc}):\n{out[-6000:]}"
+    new.parent.mkdir()
+    if how == "mv":
+        shutil.move(str(old), str(new))
+    else:
+        shutil.copytree(str(old), str(new), symlinks=True)
+    run_out = str(tmp_path / "resume.jsonl")
+    _run(["train", 2, new / "root", new / "ds", run_out, steps, every, -1, "resume"], shm_dir)
+    rc, out = _finish(ref)
+    assert rc == 0, f"reference run failed:\n{out[-6000:]}"
+    reference, _ = _losses(ref_out)
+    after, recs = _losses(run_out)
+    resumed = [r for r in recs if "resumed" in r]
+    assert len(resumed) == 1 and resumed[0]["resumed"] == kill_at, recs
+    assert resumed[0]["tier"]["tier"] == f"local:{os.path.realpath(new / 'root')}", resumed
+    assert after == {s: reference[s] for s in range(kill_at + 1, steps + 1)}
+    if how == "cp":  # the original is untouched
+        assert (old / "ds" / "latest").read_text().strip() == f"global_step{kill_at}"
 
 
 @pytest.mark.timeout(110)

@@ -475,3 +475,210 @@ def test_sigkill_then_resume_last_is_bit_identical(reference_run: dict[str, Any]
         assert "from tier memory:" in loaded[0], loaded
     else:
         assert f"from tier local:{os.path.realpath(root)}" in loaded[0], loaded
+
+
+@pytest.mark.slow
+@pytest.mark.crash
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("how", ["mv", "cp"])
+def test_run_folder_moved_or_copied_resumes_bit_identical(reference_run: dict[str, Any], tmp_path,  # noqa: ANN001
+                                                          shm_dir: str, how: str) -> None:
+    """A run folder holding the root and the checkpoint folder, SIGKILLed mid-run, then moved
+    (``mv``) or copied (``cp -r``) elsewhere: ``ckpt_path="last"`` in the new place resumes from the
+    root inside it (the pointers name it relative to themselves), bit-identical to an
+    uninterrupted run; a copy leaves the original untouched."""
+    env = {**os.environ, "NEBULA_SHM_DIR": shm_dir, "PYTHONWARNINGS": "ignore"}
+    old, new = tmp_path / "run", tmp_path / "elsewhere" / "run2"
+    tmp = str(tmp_path)
+    rc = _run_worker(tmp, "crash", str(old / "nebula"), str(old / "ckpts"), env, "--kill-at", "10",
+                     "--kill-when", "any")
+    assert rc == -signal.SIGKILL
+    with nc.Checkpointer(str(old / "nebula"), memory_tier=False) as ck:
+        committed = ck.list()
+    assert committed, "nothing committed on disk before the kill"
+    new.parent.mkdir()
+    if how == "mv":
+        shutil.move(str(old), str(new))
+    else:
+        shutil.copytree(str(old), str(new), symlinks=True)
+    if how == "mv":  # the old root is gone: a pointer written before the move finds the root beside it
+        moved = str(new / "ckpts" / "last.ckpt")
+        before = TinyModule.load_from_checkpoint(moved)  # Lightning's own torch.load of the file
+        _assert_same(dict(before.state_dict()), load_checkpoint(moved)["state_dict"])
+    _run_worker(tmp, "resume", str(new / "nebula"), str(new / "ckpts"), env, "--resume")
+    with open(os.path.join(tmp, "final-resume.json")) as f:
+        final = json.load(f)
+    ref = reference_run["losses"]
+    after = _losses(os.path.join(tmp, "losses-resume.txt"))
+    assert final["resumed_from"] in (5, 10) and min(after) == final["resumed_from"] and max(after) == max(ref)
+    assert {s: after[s] for s in after} == {s: ref[s] for s in after}
+    assert final["digest"] == reference_run["digest"] and final["global_step"] == reference_run["global_step"]
+    with open(os.path.join(tmp, "resume.log")) as f:
+        text = f.read()
+    loaded = [ln for ln in text.splitlines() if "nebula_ckpt.integrations.lightning" in ln and "last.ckpt" in ln]
+    assert len(loaded) == 1 and f"from tier local:{os.path.realpath(new / 'nebula')}" in loaded[0], text[-3000:]
+    if how == "cp":
+        with nc.Checkpointer(str(old / "nebula"), memory_tier=False, read_only=True) as ck:
+            assert ck.list() == committed  # the original run is as it was
+    # the new run's pointers all load, and name checkpoints of its own root
+    for name in os.listdir(new / "ckpts"):
+        assert "state_dict" in load_checkpoint(str(new / "ckpts" / name)), name
+    # every checkpoint the new root holds is named by a pointer file (nothing leaked by the move)
+    with nc.Checkpointer(str(new / "nebula"), read_only=True) as ck:
+        named = {p["tag"] for p in _pointers(str(new / "ckpts")).values()}
+        assert set(ck.tags()) == named, (ck.tags(), named)
+
+
+def test_torch_load_of_a_pointer_file(root: str, tmp_path) -> None:  # noqa: ANN001
+    """``LightningModule.load_from_checkpoint`` (Lightning's own ``torch.load``, weights_only by
+    default) reads a pointer file; in a process that never imported the adapter,
+    ``torch.load(weights_only=True)`` refuses it naming the adapter's ``open_pointer``, and
+    ``weights_only=False`` returns the checkpoint."""
+    torch.manual_seed(0)
+    model = TinyModule(hidden=8)
+    dirpath = str(tmp_path / "ckpts")
+    io = NebulaCheckpointIO(root)
+    x, y = make_data()
+    trainer = make_trainer(io, dirpath, max_epochs=1, checkpoint_callback=ModelCheckpoint(dirpath=dirpath))
+    trainer.fit(model, ResumableLoader(x, y, BATCH, SEED))
+    path = os.path.join(dirpath, os.listdir(dirpath)[0])
+    assert read_pointer(path) is not None
+    again = TinyModule.load_from_checkpoint(path)
+    _assert_same(dict(again.state_dict()), dict(model.state_dict()))
+    code = ("import sys, torch\n"
+            f"p = {path!r}\n"
+            "try:\n    torch.load(p, weights_only=True)\nexcept Exception as e:\n    print('REFUSED', e)\n"
+            "ck = torch.load(p, weights_only=False)\n"
+            "print('KEYS', sorted(ck['state_dict']))\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "PYTHONPATH": REPO}, cwd=REPO)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "REFUSED" in out.stdout and "nebula_ckpt.integrations.lightning.open_pointer" in out.stdout, out.stdout
+    assert f"KEYS {sorted(model.state_dict())}" in out.stdout, out.stdout
+
+
+def test_save_metrics_reach_the_trainers_logger(root: str, tmp_path) -> None:  # noqa: ANN001
+    """NebulaSaveMetrics logs every save's blocked / snapshot / durable-per-tier times, bytes and
+    throughput through the Trainer's loggers, at the global step of the save."""
+    from pytorch_lightning.loggers import CSVLogger
+
+    from nebula_ckpt.integrations.lightning import NebulaSaveMetrics
+
+    dirpath = str(tmp_path / "ckpts")
+    io = NebulaCheckpointIO(root)
+    metrics = NebulaSaveMetrics(io)
+    x, y = make_data()
+    cb = ModelCheckpoint(dirpath=dirpath, every_n_train_steps=4, save_top_k=-1)
+    trainer = make_trainer(io, dirpath, [metrics], max_epochs=2, checkpoint_callback=cb,
+                           logger=CSVLogger(str(tmp_path / "logs")))
+    trainer.fit(TinyModule(), ResumableLoader(x, y, BATCH, SEED))
+    assert [s for s, _ in metrics.logged] == [4, 8, 12, 16]
+    for _, values in metrics.logged:
+        assert values["nebula/bytes"] > 0 and 0 < values["nebula/blocked_s"] < 60
+        assert values["nebula/snapshot_s"] >= 0
+        assert set(k.split("/", 2)[2] for k in values if k.startswith("nebula/durable_s/")) == {"memory", "local"}
+        assert values["nebula/throughput_MBps/local"] > 0
+    import csv
+
+    with open(os.path.join(trainer.logger.log_dir, "metrics.csv")) as f:
+        rows = [r for r in csv.DictReader(f) if r.get("nebula/durable_s/local")]
+    assert sorted(int(r["step"]) for r in rows) == [4, 8, 12, 16]
+
+
+def test_find_roots_of_pointer_files_and_folders(root: str, tmp_path) -> None:  # noqa: ANN001
+    """find_roots resolves a pointer file, Lightning's dirpath, a root, a Hugging Face output_dir
+    (its ``nebula`` root) to the roots they refer to; a folder of plain files to none."""
+    from nebula_ckpt.integrations.pointers import find_root, find_roots
+
+    io = NebulaCheckpointIO(root)
+    d = tmp_path / "ckpts"
+    try:
+        io.save_checkpoint(_state(1), str(d / "last.ckpt"))
+        io.save_checkpoint(_state(2), str(d / "sub" / "epoch=2.ckpt"))
+    finally:
+        io.teardown()
+    mine = [os.path.realpath(root)]
+    assert find_roots(str(d / "last.ckpt")) == mine
+    assert find_roots(str(d)) == mine and find_roots(root) == mine
+    out = tmp_path / "hf-out"
+    with nc.Checkpointer(str(out / "nebula"), memory_tier=False) as ck:
+        ck.save(1, {"w": torch.ones(2)}, tag="checkpoint-1")
+    (out / "runs").mkdir()
+    assert find_roots(str(out)) == [os.path.realpath(out / "nebula")]
+    plain = tmp_path / "plain"
+    plain.mkdir()
+    torch.save({"w": torch.ones(2)}, str(plain / "x.ckpt"))
+    assert find_roots(str(plain)) == [] and find_roots(str(plain / "x.ckpt")) == []
+    assert find_roots(str(tmp_path / "missing")) == []
+    # what a command line's ROOT argument means
+    assert find_root(str(d / "last.ckpt")) == mine[0] and find_root(root) == root
+    assert find_root(str(plain)) == str(plain) and find_root("s3://b/run") == "s3://b/run"
+    other = NebulaCheckpointIO(str(tmp_path / "other-root"))
+    try:
+        other.save_checkpoint(_state(3), str(d / "from-other.ckpt"))
+    finally:
+        other.teardown()
+    with pytest.raises(nc.ValidationError, match="refers to 2 checkpoint roots"):
+        find_root(str(d))
+
+
+def test_nebula_ckpt_ls_of_a_pointer_file_and_a_dirpath(root: str, tmp_path, capsys) -> None:  # noqa: ANN001
+    """``nebula-ckpt ls`` given Lightning's checkpoint file or its dirpath lists the root they name."""
+    from nebula_ckpt.cli import main
+
+    io = NebulaCheckpointIO(root)
+    d = tmp_path / "ckpts"
+    try:
+        io.save_checkpoint(_state(1), str(d / "epoch=1.ckpt"))
+        io.save_checkpoint(_state(2), str(d / "last.ckpt"))
+    finally:
+        io.teardown()
+    capsys.readouterr()
+    for given in (str(d / "last.ckpt"), str(d)):
+        assert main(["ls", given, "--json"]) == 0
+        rows = json.loads(capsys.readouterr().out)
+        assert {(r["step"], r["tag"]) for r in rows if r["healthy"]} == {
+            (0, tag_for_path(str(d / "epoch=1.ckpt"))), (1, tag_for_path(str(d / "last.ckpt")))}
+    assert main(["ls", str(d / "last.ckpt")]) == 0
+    assert f"-> checkpoint root {os.path.realpath(root)}" in capsys.readouterr().out
+
+
+def test_a_moved_pointer_saved_over_falls_back_then_frees_the_old_checkpoint(root: str, tmp_path) -> None:  # noqa: ANN001
+    """A pointer file moved with its run folder names its checkpoint under the old path's tag. A
+    save at the new path gets the new path's tag; until it commits, loading the path falls back
+    to the checkpoint it replaced (prev_tag), and once it is durable the old one is removed (no
+    pointer file names it any more)."""
+    io = NebulaCheckpointIO(root)
+    old, new = tmp_path / "a" / "last.ckpt", tmp_path / "b" / "last.ckpt"
+    try:
+        io.save_checkpoint(_state(1), str(old))
+        io.wait()
+        new.parent.mkdir()
+        shutil.move(str(old), str(new))  # as mv of the run folder moves it
+        io.save_checkpoint(_state(2), str(new))
+        ptr = read_pointer(str(new))
+        assert ptr is not None and ptr["prev_tag"] == tag_for_path(str(old)) and ptr["tag"] == tag_for_path(str(new))
+        io.wait()
+        # killed before that save committed: the pointer names a step that never committed
+        write_pointer(str(new), {**ptr, "tag": tag_for_path(str(new)) + "x", "step": 99})
+        _assert_same(io.load_checkpoint(str(new)), _state(1))
+        write_pointer(str(new), ptr)
+        _assert_same(io.load_checkpoint(str(new)), _state(2))
+        io.save_checkpoint(_state(3), str(new))  # the second save at the path: nothing falls back any more
+        io.wait()
+        assert "prev_tag" not in (read_pointer(str(new)) or {})
+    finally:
+        io.teardown()
+    with nc.Checkpointer(root, read_only=True) as ck:
+        assert set(ck.tags()) == {tag_for_path(str(new))}
+
+
+def test_torch_load_of_a_pointer_never_reaches_a_remote_root(tmp_path) -> None:  # noqa: ANN001
+    """A pointer naming a remote root is not followed by ``torch.load`` (no network request from a
+    file's content): the error names the file and what to call instead."""
+    p = str(tmp_path / "x.ckpt")
+    write_pointer(p, {"format": POINTER_FORMAT, "root": "s3://bucket/run", "step": 0, "tag": "x"})
+    with pytest.raises(nc.NebulaError, match=r"remote root s3://bucket/run.*load_checkpoint\(path, storage_options"):
+        torch.load(p, weights_only=True)
+    with pytest.raises(nc.NebulaError, match=r"x\.ckpt is a NebulaCheckpointIO pointer"):
+        torch.load(p, weights_only=False)

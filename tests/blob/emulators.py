@@ -1,10 +1,13 @@
 """Blob-store emulators on 127.0.0.1: Azurite (Azure Blob) and moto (S3).
 
-The remote benchmark (``python -m benchmarks.remote --emulators``) measures against
-these, and the blob tests (``tests/blob/servers.py``) build their servers on them, so there is
-one way to launch either. Install them with ``scripts/install_blob_servers.sh`` (Azurite 3.35.0
-from npm into ``<repo>/.node``, the last version that runs on Node 20; ``moto[server]``,
-``adlfs``, ``s3fs`` from PyPI).
+The blob tests build their servers on these (:mod:`.servers` adds what only the tests need),
+and the remote benchmark (``python -m benchmarks.remote --emulators``) borrows them, so there is
+one way to launch either. They belong to the tests: the suite must run from a checkout without
+the benchmark harness, and neither folder is installed with the package.
+
+Install them with ``scripts/install_blob_servers.sh`` (Azurite 3.35.0 from npm into
+``<repo>/.node``, the last version that runs on Node 20; ``moto[server]``, ``adlfs``, ``s3fs``
+from PyPI).
 
 Both listen on 127.0.0.1 only, on a port the OS picks (port 0; the real port is parsed from
 the server's first log line). ``stop()`` takes the endpoint away and ``start()`` brings it back
@@ -14,8 +17,8 @@ on the SAME port with the SAME data:
   ``--location``; ``--skipApiVersionCheck`` because the SDK speaks a newer API version than
   Azurite, ``--disableTelemetry`` so that it never reaches an outside host. ``stop()`` sends
   TERM (Azurite saves its metadata on a clean exit), waits up to 10 s, then KILLs.
-* moto has no on-disk persistence, so it runs inside a small helper process (this file, run
-  as a script) that keeps the in-memory S3 state; ``stop()`` closes the listening socket *and*
+* moto has no on-disk persistence, so it runs inside a small helper process
+  (:mod:`.moto_helper`, run as a script) that keeps the in-memory S3 state; ``stop()`` closes the listening socket *and*
   every open client connection (clients see refused / reset connections, like a crashed
   server) and ``start()`` listens again on the same port. The helper enforces request signing
   (``INITIAL_NO_AUTH_ACTION_COUNT=0``) with an IAM user it creates, so a wrong secret is
@@ -32,13 +35,11 @@ Example::
 from __future__ import annotations
 
 import http.client
-import json
 import os
 import queue
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -50,7 +51,7 @@ from types import TracebackType
 from typing import TYPE_CHECKING, Any, Optional
 
 if TYPE_CHECKING:
-    from werkzeug.serving import WSGIRequestHandler
+    pass
 
 __all__ = ["AzuriteEmulator", "Emulator", "EmulatorUnavailable", "MotoEmulator", "INSTALL_SCRIPT"]
 
@@ -334,7 +335,7 @@ class MotoEmulator(Emulator):
             # the helper's stdout carries the control protocol; its stderr goes to the log file.
             # Run by path, not with -m: the helper needs moto only, not torch and nebula_ckpt.
             self.proc = subprocess.Popen(
-                [sys.executable, str(Path(__file__).resolve()), "--moto-helper"],
+                [sys.executable, str(Path(__file__).resolve().with_name("moto_helper.py"))],
                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, cwd=self.tmp,
                 env={**os.environ, "INITIAL_NO_AUTH_ACTION_COUNT": "0"}, text=True, bufsize=1,
                 start_new_session=True)
@@ -387,122 +388,3 @@ class MotoEmulator(Emulator):
         self.proc.stdin.write(cmd + "\n")
         self.proc.stdin.flush()
         return self._expect(reply)
-
-
-# ------------------------------------------------------------------------------------------
-# moto helper process (python emulators.py --moto-helper)
-# ------------------------------------------------------------------------------------------
-
-
-def _create_signing_user() -> None:  # pragma: no cover - runs in the helper process
-    """Create an allow-all IAM user and print its access key as ``credentials KEY SECRET``."""
-    from moto.core import DEFAULT_ACCOUNT_ID
-    from moto.iam.models import iam_backends
-
-    iam = iam_backends[DEFAULT_ACCOUNT_ID]["aws"]
-    iam.create_user(region_name="us-east-1", user_name="nebula-emulator")
-    iam.put_user_policy("nebula-emulator", "allow-all", json.dumps({
-        "Version": "2012-10-17",
-        "Statement": [{"Effect": "Allow", "Action": "*", "Resource": "*"}]}))
-    ak = iam.create_access_key("nebula-emulator")
-    print(f"credentials {ak.access_key_id} {ak.secret_access_key}", flush=True)
-
-
-def _connection_tracking_handler(conns: set[socket.socket],
-                                 conns_lock: threading.Lock) -> "type[WSGIRequestHandler]":  # pragma: no cover
-    """A quiet moto request handler class that keeps every open client connection in ``conns``."""
-    from moto.moto_server.werkzeug_app import MotoRequestHandler
-
-    class Handler(MotoRequestHandler):
-        def setup(self) -> None:
-            super().setup()
-            with conns_lock:
-                conns.add(self.connection)
-
-        def finish(self) -> None:
-            with conns_lock:
-                conns.discard(self.connection)
-            try:
-                super().finish()
-            except OSError:
-                pass
-
-        def log_message(self, *args: Any) -> None:  # quiet
-            pass
-
-    return Handler
-
-
-class _MotoHelperServer:  # pragma: no cover - runs in the helper process
-    """moto's S3 app behind a threaded werkzeug server that can be stopped (dropping every open
-    client connection) and started again on a given port, keeping moto's in-memory state."""
-
-    def __init__(self) -> None:
-        from moto.moto_server.werkzeug_app import DomainDispatcherApplication, create_backend_app
-
-        self._conns: set[socket.socket] = set()
-        self._conns_lock = threading.Lock()
-        self._handler = _connection_tracking_handler(self._conns, self._conns_lock)
-        self._app = DomainDispatcherApplication(create_backend_app)
-        self._state: dict[str, Any] = {}
-
-    def serve(self, port: int) -> None:
-        """Listen on ``port`` (0: the OS picks) and print the ``Running on`` line with the real port."""
-        from werkzeug.serving import make_server
-
-        srv = make_server(_HOST, port, self._app, threaded=True, request_handler=self._handler)
-        t = threading.Thread(target=srv.serve_forever, daemon=True)
-        t.start()
-        self._state.update(server=srv, thread=t)
-        print(f"Running on http://{_HOST}:{srv.server_address[1]}", flush=True)
-
-    def stop(self) -> None:
-        """Close the listening socket and shut down every open client connection."""
-        srv = self._state.pop("server", None)
-        if srv is not None:
-            srv.shutdown()
-            self._state.pop("thread").join()
-            srv.server_close()
-        with self._conns_lock:
-            for c in list(self._conns):
-                try:  # the handler thread then fails its read/write and closes it
-                    c.shutdown(socket.SHUT_RDWR)
-                except OSError:
-                    pass
-            self._conns.clear()
-        print("stopped", flush=True)
-
-
-def _serve_commands(server: _MotoHelperServer) -> None:  # pragma: no cover - runs in the helper process
-    """Obey stdin commands (``stop``, ``start PORT``) until ``quit`` or end of input."""
-    for line in sys.stdin:
-        cmd = line.split()
-        if not cmd:
-            continue
-        if cmd[0] == "stop":
-            server.stop()
-        elif cmd[0] == "start":
-            server.serve(int(cmd[1]))
-        elif cmd[0] == "quit":
-            break
-
-
-def _moto_helper_main() -> None:  # pragma: no cover - runs in the helper process
-    """Serve moto S3 on 127.0.0.1; stdin commands: ``stop``, ``start PORT``, ``quit``."""
-    import logging
-
-    os.environ["INITIAL_NO_AUTH_ACTION_COUNT"] = "0"  # enforce request signing (set before moto loads)
-    logging.getLogger("werkzeug").setLevel(logging.ERROR)
-    _create_signing_user()
-    server = _MotoHelperServer()
-    server.serve(0)
-    _serve_commands(server)
-    server.stop()
-
-
-if __name__ == "__main__" and "--moto-helper" in sys.argv:
-    # run as a script, Python put this folder first on sys.path: drop it so that its module
-    # names (remote, limits, report, ...) can never shadow what moto and werkzeug import
-    _here = os.path.dirname(os.path.realpath(__file__))
-    sys.path[:] = [p for p in sys.path if os.path.realpath(p or ".") != _here]
-    _moto_helper_main()

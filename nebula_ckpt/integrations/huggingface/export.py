@@ -1,0 +1,160 @@
+"""Leaving nebula_ckpt: the files the rest of the Hugging Face world reads (``from_pretrained``
+folders, the stock ``checkpoint-N/`` layout), and ``get_last_checkpoint`` for HF scripts.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+from typing import Any, Iterator, Optional, Union
+
+import torch
+
+import nebula_ckpt as nc
+from nebula_ckpt.integrations.huggingface.common import TRAINER_STATE_NAME, is_checkpoint_tag
+
+log = logging.getLogger("nebula_ckpt")
+
+
+def get_last_checkpoint(output_dir: str, root: Optional[str] = None,
+                        storage_options: Optional[dict[str, Any]] = None) -> Optional[str]:
+    """Drop-in for ``transformers.trainer_utils.get_last_checkpoint`` in scripts written as
+    ``trainer.train(resume_from_checkpoint=get_last_checkpoint(output_dir))``: the newest
+    nebula_ckpt checkpoint under ``root`` (default ``<output_dir>/nebula``) as the path HF would
+    have used (``<output_dir>/checkpoint-N``, which :class:`NebulaTrainer` resumes from), else HF's
+    own answer (a real folder, or None).
+
+    It names the newest checkpoint whose marker, manifest and shard sizes check out; its checksums
+    are verified when it is loaded. ``resume_from_checkpoint=True`` also falls back past one that
+    fails them.
+    """
+    from transformers.trainer_utils import get_last_checkpoint as hf_last
+
+    where = root or os.path.join(output_dir, "nebula")
+    tags: dict[str, int] = {}
+    if "://" in where or os.path.isdir(where):
+        with nc.Checkpointer(where, storage_options=storage_options, read_only=True) as ck:
+            tags = {t: s for t, s in ck.tags().items() if is_checkpoint_tag(t)}
+    if tags:
+        return os.path.join(output_dir, max(tags, key=tags.__getitem__))
+    return hf_last(output_dir) if os.path.isdir(output_dir) else None
+
+
+@contextlib.contextmanager
+def _opened(root: Union[str, nc.Checkpointer], storage_options: Optional[dict[str, Any]]) -> Iterator[nc.Checkpointer]:
+    if isinstance(root, nc.Checkpointer):
+        yield root
+        return
+    with nc.Checkpointer(root, storage_options=storage_options, read_only=True) as ck:  # a read writes nothing
+        yield ck
+
+
+def _read(root: Union[str, nc.Checkpointer], step: Optional[int], tag: Optional[str],
+          storage_options: Optional[dict[str, Any]], best: bool = False) -> tuple[int, dict[str, Any]]:
+    """The checkpoint named (default: the newest healthy one; with ``best``, the best one the
+    newest one's trainer state names, when it is still held)."""
+    with _opened(root, storage_options) as ck:
+        if step is not None or tag is not None:
+            n, tree = ck.read(step, tag=tag)
+        else:
+            n, tree = ck.read()
+            chosen = _best_tag(tree, ck) if best else None
+            if chosen is not None:
+                log.info("nebula_ckpt: exporting the best checkpoint %s, not the newest (step %d)", chosen, n)
+                n, tree = ck.read(tag=chosen)
+    if not isinstance(tree, dict) or "model" not in tree:
+        what = "a DeepSpeed checkpoint: its weights are partitioned in the engine's files" \
+            if isinstance(tree, dict) and "deepspeed" in tree else "no 'model' key"
+        raise nc.ValidationError(f"step {n}: not a checkpoint of the Hugging Face integration with the model's "
+                                 f"weights ({what}); see docs/integrations.md")
+    return n, tree
+
+
+def _best_tag(tree: Any, ck: nc.Checkpointer) -> Optional[str]:
+    """The tag of the best checkpoint (``load_best_model_at_end``) the trainer state of ``tree``
+    names, when that checkpoint is held and is not ``tree``'s own; else None."""
+    if not isinstance(tree, dict) or not isinstance(tree.get("trainer_state"), str):
+        return None
+    best = json.loads(tree["trainer_state"]).get("best_model_checkpoint")
+    if not best:
+        return None
+    tag = os.path.basename(str(best).rstrip("/"))
+    own = json.loads(tree["trainer_state"]).get("global_step")
+    if not is_checkpoint_tag(tag) or ck.tags().get(tag) in (None, own):
+        return None
+    return tag
+
+
+def _write_pretrained(tree: dict[str, Any], out_dir: str, config: Any, need_config: bool = True) -> None:
+    from safetensors.torch import save_file
+
+    os.makedirs(out_dir, exist_ok=True)
+    seen: set[tuple[Any, ...]] = set()
+    tensors: dict[str, torch.Tensor] = {}
+    for k, v in tree["model"].items():
+        if not isinstance(v, torch.Tensor):
+            continue
+        key = (v.untyped_storage().data_ptr(), v.storage_offset(), tuple(v.shape), v.stride(), v.dtype)
+        if key in seen:  # a tied weight (lm_head = embeddings): written once, as HF does; re-tied at load
+            log.debug("nebula_ckpt: %s is tied to an earlier weight: not written again", k)
+            continue
+        seen.add(key)
+        tensors[k] = v.detach().contiguous()
+    save_file(tensors, os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
+    if config is not None:
+        if hasattr(config, "save_pretrained"):
+            config.save_pretrained(out_dir)
+        else:
+            with open(os.path.join(out_dir, "config.json"), "w", encoding="utf-8") as f:
+                f.write(config if isinstance(config, str) else json.dumps(config, indent=2))
+    elif tree.get("config"):
+        with open(os.path.join(out_dir, "config.json"), "w", encoding="utf-8") as f:
+            f.write(tree["config"])
+    elif need_config:
+        raise nc.ValidationError("the checkpoint holds no model config (the model has no .config): pass config=")
+
+
+def export_pretrained(root: Union[str, nc.Checkpointer], out_dir: str, *, step: Optional[int] = None,
+                      tag: Optional[str] = None, config: Any = None, best: bool = True,
+                      storage_options: Optional[dict[str, Any]] = None) -> int:
+    """Write ``config.json`` and ``model.safetensors`` of a checkpoint into ``out_dir``, so that
+    ``AutoModel*.from_pretrained(out_dir)`` loads it; return the step written.
+
+    Args:
+        root: the checkpoint root (or an open :class:`~nebula_ckpt.Checkpointer`, e.g. ``trainer.nebula``).
+        step / tag: which checkpoint (at most one); default the best one the trainer kept
+            (``load_best_model_at_end``: ``best_model_checkpoint`` of the newest checkpoint's
+            trainer state) when it is still held, else the newest healthy one.
+        best: False exports the newest healthy checkpoint even when a best one is recorded.
+        config: a ``PretrainedConfig`` (or its JSON text) to write instead of the one saved
+            with the checkpoint.
+
+    The whole checkpoint is read (verified) into host memory; for a model much larger than the
+    host's memory, ``nebula-ckpt export ROOT --step N --to out/model.safetensors --key model``
+    reads only the weights (and gathers a multi-rank checkpoint).
+    """
+    n, tree = _read(root, step, tag, storage_options, best=best)
+    _write_pretrained(tree, out_dir, config)
+    return n
+
+
+def to_hf_checkpoint(root: Union[str, nc.Checkpointer], out_dir: str, *, step: Optional[int] = None,
+                     tag: Optional[str] = None, storage_options: Optional[dict[str, Any]] = None) -> int:
+    """Write a checkpoint as the ``checkpoint-N/`` folder stock ``Trainer`` writes (``config.json``,
+    ``model.safetensors``, ``optimizer.pt``, ``scheduler.pt``, ``scaler.pt``, ``rng_state.pth``,
+    ``trainer_state.json``), for tools that read only that layout; return the step written.
+
+    ``Trainer.train(resume_from_checkpoint=out_dir)`` resumes from it. Not needed to resume with
+    :class:`NebulaTrainer` (which reads the checkpoint directly, without this ``torch.save``).
+    """
+    n, tree = _read(root, step, tag, storage_options)
+    _write_pretrained(tree, out_dir, None, need_config=False)
+    for key, name in (("optimizer", "optimizer.pt"), ("scheduler", "scheduler.pt"), ("scaler", "scaler.pt"),
+                      ("rng", "rng_state.pth")):
+        if key in tree:
+            torch.save(tree[key], os.path.join(out_dir, name))
+    with open(os.path.join(out_dir, TRAINER_STATE_NAME), "w", encoding="utf-8") as f:
+        f.write(tree["trainer_state"])
+    return n

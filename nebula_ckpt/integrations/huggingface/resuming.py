@@ -1,0 +1,151 @@
+"""Resuming a Hugging Face ``Trainer`` from nebula_ckpt: what ``resume_from_checkpoint`` names,
+reading that checkpoint once (verified, fastest healthy tier), the one-file folder ``Trainer.train``
+opens by path, and the end of ``train()`` (saves durable, limit applied, checkpointer closed).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import shutil
+import sys
+import tempfile
+from typing import Any, Iterator, Optional
+
+import nebula_ckpt as nc
+from nebula_ckpt.integrations.huggingface.common import TRAINER_STATE_NAME, run_of, tag_for
+from nebula_ckpt.integrations.huggingface.saving import checkpointer, rotate, settle, tag_of_path
+
+log = logging.getLogger("nebula_ckpt")
+
+#: what :func:`find` returns for ``resume_from_checkpoint=True`` when nothing exists yet
+FRESH = ("fresh", None)
+
+
+def find(trainer: Any, resume: Any) -> Optional[tuple[str, Any]]:
+    """What ``resume_from_checkpoint`` names in nebula_ckpt: ``("latest", None)``, ``("tag", tag)``,
+    ``("step", n)``; :data:`FRESH` for ``True`` when there is no checkpoint at all (a first run);
+    None for HF's own handling (nothing given, a real checkpoint folder, or ``True`` with HF
+    folders but nothing in nebula_ckpt)."""
+    if resume is None or resume is False:
+        return None
+    if resume is True:
+        if checkpointer(trainer).list():
+            return ("latest", None)
+        from transformers.trainer_utils import get_last_checkpoint as hf_last
+
+        out = trainer.args.output_dir
+        if os.path.isdir(out) and hf_last(out) is not None:
+            return None
+        log.info("nebula_ckpt: resume_from_checkpoint=True: no checkpoint under %s nor in %s yet; starting fresh",
+                 run_of(trainer).root, out)
+        return FRESH
+    if isinstance(resume, int):
+        return ("step", resume)
+    if not isinstance(resume, (str, os.PathLike)):
+        raise nc.ValidationError("resume_from_checkpoint must be a bool, a step (int), a tag or a path, "
+                                 f"got {resume!r}")
+    path = os.fspath(resume)
+    if os.path.isfile(os.path.join(path, TRAINER_STATE_NAME)):
+        return None  # an HF checkpoint folder: stock resume
+    tags = checkpointer(trainer).tags()
+    for cand in (path, tag_of_path(trainer, path), os.path.basename(path.rstrip("/" + os.sep))):
+        if cand in tags:
+            return ("tag", cand)
+    raise nc.NotFoundError(f"resume_from_checkpoint={path!r}: no checkpoint folder there and no healthy nebula_ckpt "
+                           f"checkpoint tagged so under {run_of(trainer).root} (tags: {sorted(tags)[-10:]})")
+
+
+def read(trainer: Any, how: tuple[str, Any]) -> tuple[int, dict[str, Any]]:
+    """Read the checkpoint ``how`` names (see :func:`find`); check it was saved by this integration."""
+    kind, what = how
+    run = run_of(trainer)
+    ck = checkpointer(trainer)
+    if kind == "latest":
+        step, tree = ck.read()
+    elif kind == "tag":
+        step, tree = ck.read(tag=what)
+    else:
+        step, tree = ck.read(step=what)
+    if not isinstance(tree, dict) or not isinstance(tree.get("trainer_state"), str) \
+            or ("model" not in tree and "deepspeed" not in tree):
+        keys = list(tree)[:8] if isinstance(tree, dict) else type(tree).__name__
+        raise nc.ValidationError(f"step {step} under {run.root} was not saved by the Hugging Face "
+                                 f"integration (top-level keys {keys}); name one of its checkpoints "
+                                 f"(tags: {sorted(ck.tags())[-10:]})")
+    run.restored = dict(ck.last_restore or {"step": step})
+    log.info("nebula_ckpt: resuming from step %d (tier %s) of %s", step, run.restored.get("tier"), run.root)
+    return step, tree
+
+
+@contextlib.contextmanager
+def stub(trainer: Any, how: Optional[tuple[str, Any]]) -> Iterator[Optional[str]]:
+    """Read the checkpoint to resume from; yield a folder holding its ``trainer_state.json``
+    (the only file ``Trainer.train`` opens by path), removed afterwards."""
+    if how is None or how == FRESH:
+        yield None
+        return
+    run = run_of(trainer)
+    step, tree = read(trainer, how)
+    ts = json.loads(tree["trainer_state"])
+    # HF drops a best checkpoint whose folder is missing (with a warning): kept aside, put back
+    # by restore_best when nebula_ckpt still has it
+    run.resume_best = ts.pop("best_model_checkpoint", None)
+    ts["best_model_checkpoint"] = None
+    folder = tempfile.mkdtemp(prefix=f"nebula-hf-{tag_for(step)}-")
+    try:
+        with open(os.path.join(folder, TRAINER_STATE_NAME), "w", encoding="utf-8") as f:
+            json.dump(ts, f)
+        run.resume = tree
+        yield folder
+    finally:
+        run.resume = None
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def restore_best(trainer: Any) -> None:
+    """After ``_init_training_state``: the resumed state's best checkpoint, when still held."""
+    run = run_of(trainer)
+    best = run.resume_best
+    run.resume_best = None
+    if run.resume is None or best is None:
+        return
+    if tag_of_path(trainer, best) in run.committed:
+        trainer.state.best_model_checkpoint = best
+    else:
+        log.warning("nebula_ckpt: the best checkpoint %s of the resumed state is not in %s anymore; "
+                    "ignoring it for this run", best, run.root)
+
+
+def part(trainer: Any, key: str) -> Any:
+    """A part of the checkpoint being resumed, handed over once (its memory freed as soon as it
+    is loaded) unless ``auto_find_batch_size`` may run the loop, and so the loads, again."""
+    tree = run_of(trainer).resume
+    assert tree is not None
+    return tree[key] if trainer.args.auto_find_batch_size else tree.pop(key)
+
+
+def finish(trainer: Any, ok: bool) -> None:
+    """End of ``train()``: wait for the saves, report them, apply the limit, close the
+    checkpointer (on an exception only close, logging what fails, so the original error stays
+    the one raised)."""
+    ck = run_of(trainer).ckpt
+    if ck is None or ck.closed:
+        return
+    if not ok:
+        # said before closing: in a multi-rank job close() waits for the other ranks, which may be
+        # blocked in a collective of the training loop that this rank will never join
+        log.error("nebula_ckpt: train() failed (%r); closing the checkpointer", sys.exc_info()[1], exc_info=True)
+        try:
+            ck.close()
+        except Exception as e:
+            log.error("nebula_ckpt: closing the checkpointer after a failed train() also failed: %s", e)
+        return
+    try:
+        ck.wait()  # raises a failed save (once: close() then does not raise it again)
+        settle(trainer)
+        rotate(trainer, final=True)
+    finally:
+        ck.close()

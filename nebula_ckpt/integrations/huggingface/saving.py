@@ -1,0 +1,235 @@
+"""Saving a Hugging Face ``Trainer``'s checkpoint through nebula_ckpt: the state one checkpoint
+holds, the save itself, ``save_total_limit`` over the committed checkpoints, and each save's
+metrics reported into the trainer's logs.
+
+Every function takes the trainer; its nebula_ckpt state is :func:`~.common.run_of` (trainer).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+from typing import Any, Optional
+
+import transformers
+from transformers.trainer_callback import ExportableState
+from transformers.trainer_utils import SaveStrategy
+from transformers.training_args import ParallelMode
+
+import nebula_ckpt as nc
+from nebula_ckpt.integrations.huggingface.common import (
+    FORMAT,
+    KEEP_ALL,
+    is_checkpoint_tag,
+    run_of,
+    tag_for,
+)
+from nebula_ckpt.integrations.huggingface.engines import engine_of, save_deepspeed
+from nebula_ckpt.integrations.huggingface.rng import rng_states
+
+log = logging.getLogger("nebula_ckpt")
+
+
+def checkpointer(trainer: Any) -> nc.Checkpointer:
+    """The trainer's :class:`~nebula_ckpt.Checkpointer`, made (again) when there is none open."""
+    run = run_of(trainer)
+    if run.ckpt is None or run.ckpt.closed:
+        opts = dict(run.options)
+        opts.setdefault("keep_last", KEEP_ALL)
+        if engine_of(trainer) == "DeepSpeed":
+            # DeepSpeed's states hold Python objects (its LossScaler, ZeRO's fragment addresses) that
+            # typed values cannot: its own files are pickles too. Tensors are never pickled.
+            opts.setdefault("allow_pickle", True)
+        run.ckpt = nc.Checkpointer(run.root, **opts)
+        run.prepared = False
+        run.committed = {t: s for t, s in run.ckpt.tags().items() if is_checkpoint_tag(t)}
+        run.inflight = []
+    return run.ckpt
+
+
+def tag_of_path(trainer: Any, path: Optional[str]) -> Optional[str]:
+    """The tag of a checkpoint named the way HF names folders (``<output_dir>/checkpoint-N``,
+    ``checkpoint-N``); None when ``path`` is None."""
+    if path is None:
+        return None
+    out = os.path.abspath(trainer.args.output_dir)
+    p = os.path.abspath(path)
+    if p.startswith(out + os.sep):
+        return os.path.relpath(p, out).replace(os.sep, "/")
+    return path.replace(os.sep, "/").strip("/")
+
+
+def metrics_logs(m: nc.SaveMetrics) -> dict[str, float]:
+    """One save's :class:`~nebula_ckpt.SaveMetrics` as the flat numbers ``Trainer.log`` takes
+    (``nebula/...`` keys: seconds, bytes, MB/s per tier)."""
+    logs: dict[str, float] = {"nebula/step": float(m.step), "nebula/bytes": float(m.bytes)}
+    if m.blocked_s is not None:
+        logs["nebula/blocked_s"] = m.blocked_s
+    if m.snapshot_s is not None:
+        logs["nebula/snapshot_s"] = m.snapshot_s
+    for tier, name in _short_names(list(m.durable_s)).items():
+        logs[f"nebula/durable_s/{name}"] = m.durable_s[tier]
+        rate = m.throughput(tier)
+        if rate is not None:
+            logs[f"nebula/throughput_MBps/{name}"] = rate / 1e6
+    if m.failed:
+        logs["nebula/failed_tiers"] = float(len(m.failed))
+    return logs
+
+
+def _short_names(tiers: list[str]) -> dict[str, str]:
+    """Tier name -> its kind (``memory``, ``local``, ``remote``), numbered when a kind repeats
+    (``local``, ``local_2``): the full names hold paths, too long for a logger's keys."""
+    out: dict[str, str] = {}
+    seen: dict[str, int] = {}
+    for t in tiers:
+        kind = t.split(":", 1)[0]
+        seen[kind] = seen.get(kind, 0) + 1
+        out[t] = kind if seen[kind] == 1 else f"{kind}_{seen[kind]}"
+    return out
+
+
+def settle(trainer: Any) -> None:
+    """Count the saves that are now over: durable ones become committed checkpoints (failed ones
+    do not: the core raises their error from the next save / wait), and each one's metrics go
+    into the trainer's logs (``state.log_history`` and the ``report_to`` loggers)."""
+    run = run_of(trainer)
+    left = []
+    for h in run.inflight:
+        if not h.done():
+            left.append(h)
+            continue
+        if h.error() is None and h.skipped is None and h.tiers_written and h.tag:
+            run.committed[h.tag] = h.step
+        if run.log_metrics and h.skipped is None:
+            _log(trainer, metrics_logs(h.metrics))
+    run.inflight = left
+
+
+def _log(trainer: Any, logs: dict[str, float]) -> None:
+    """``Trainer.log`` without eating the step's own log: HF's ``on_log`` clears
+    ``control.should_log``, which the training loop reads after the step's callbacks."""
+    wanted = trainer.control.should_log
+    trainer.log(logs)
+    trainer.control.should_log = wanted
+
+
+def rotate(trainer: Any, final: bool = False) -> None:
+    """HF's ``rotate_checkpoints`` over the committed checkpoints (newest and best kept); with
+    ``final``, also ``_finalize_training``'s rule (limit 1 and a best one: only the best stays)."""
+    run = run_of(trainer)
+    limit = trainer.args.save_total_limit
+    if limit is None or limit <= 0 or run.ckpt is None:
+        return
+    settle(trainer)
+    committed = sorted(run.committed.items(), key=lambda kv: kv[1])
+    if len(committed) <= limit:
+        return
+    best = tag_of_path(trainer, trainer.state.best_model_checkpoint)
+    protected = {committed[-1][0]}
+    if best in run.committed:
+        protected.add(best)
+        if final and limit == 1:
+            protected = {best}
+    keep = max(limit, len(protected))
+    remaining = len(committed)
+    for tag, _ in committed:
+        if remaining <= keep:
+            break
+        if tag in protected:
+            continue
+        try:
+            run.ckpt.remove(tag=tag)
+            log.info("nebula_ckpt: removed %s (save_total_limit=%d)", tag, limit)
+        except nc.NotFoundError:
+            pass  # gone already (another process, or retention of an explicit tier)
+        del run.committed[tag]
+        remaining -= 1
+
+
+def build_state(trainer: Any) -> dict[str, Any]:
+    """The state one checkpoint holds (see :data:`~.common.STATE_KEYS`): the live objects
+    themselves, so that ``save_async`` copies their tensors once (and, on a GPU, overlaps the copy)."""
+    args = trainer.args
+    ds = engine_of(trainer) == "DeepSpeed"
+    state: dict[str, Any] = {}
+    if ds:
+        # the engine writes model, optimizer (its ZeRO partitions) and its own scheduler
+        state["deepspeed"] = save_deepspeed(trainer, int(trainer.state.global_step))
+    else:
+        state["model"] = trainer.model
+    if not args.save_only_model:
+        if not ds:
+            state["optimizer"] = trainer.optimizer
+        if not ds or not _is_ds_scheduler(trainer.lr_scheduler):
+            state["scheduler"] = trainer.lr_scheduler
+        scaler = getattr(trainer.accelerator, "scaler", None)
+        if scaler is not None:
+            state["scaler"] = scaler
+        state["rng"] = rng_states(args.parallel_mode == ParallelMode.DISTRIBUTED)
+    state["trainer_state"] = json.dumps(dataclasses.asdict(trainer.state), indent=2, sort_keys=True) + "\n"
+    to_json = getattr(getattr(trainer.model, "config", None), "to_json_string", None)
+    state["config"] = to_json() if callable(to_json) else None
+    state["hf"] = {"format": FORMAT, "transformers": transformers.__version__, "world_size": int(args.world_size)}
+    return state
+
+
+def _is_ds_scheduler(scheduler: Any) -> bool:
+    return type(scheduler).__name__ == "DeepSpeedSchedulerWrapper"
+
+
+def prepare(trainer: Any) -> None:
+    """After the first optimizer step (the optimizer's state exists): make the staging memory of
+    the checkpoints in the background (:meth:`~nebula_ckpt.Checkpointer.prepare`), so the first
+    save blocks no longer than the later ones."""
+    run = run_of(trainer)
+    run.prepared = True
+    if trainer.args.save_strategy == SaveStrategy.NO or trainer.hp_search_backend is not None \
+            or trainer.optimizer is None or engine_of(trainer) == "DeepSpeed":
+        return  # (DeepSpeed: its parts exist only inside save_checkpoint)
+    ck = checkpointer(trainer)
+    run.prepared = True  # (a new Checkpointer starts unprepared)
+    try:
+        ck.prepare(build_state(trainer))
+    except nc.NebulaError as e:  # the first save raises it, with the trainer's context
+        log.debug("nebula_ckpt: prepare() failed: %s", e)
+
+
+def _mark_best(trainer: Any, tag: str, run_dir: str) -> None:
+    """As HF: the best checkpoint becomes ``state.best_model_checkpoint`` once it exists."""
+    run = run_of(trainer)
+    if trainer.args.save_strategy in (SaveStrategy.STEPS, SaveStrategy.EPOCH, SaveStrategy.BEST) \
+            and trainer.state.best_global_step:
+        best = tag_for(trainer.state.best_global_step)
+        if best in run.committed or best == tag or any(h.tag == best for h in run.inflight):
+            trainer.state.best_model_checkpoint = os.path.join(run_dir, best)
+
+
+def save_checkpoint(trainer: Any, run_dir: str) -> nc.SaveHandle:
+    """``Trainer._save_checkpoint`` (outside hyperparameter search) as one ``save_async``."""
+    run = run_of(trainer)
+    tag = tag_for(trainer.state.global_step)
+    ck = checkpointer(trainer)
+    settle(trainer)
+    _mark_best(trainer, tag, run_dir)
+    # as HF, the stateful callbacks' state goes into the trainer state (on every rank: each
+    # rank's checkpoint holds its own trainer state)
+    for cb in [c for c in trainer.callback_handler.callbacks + [trainer.control] if isinstance(c, ExportableState)]:
+        name = cb.__class__.__name__
+        if isinstance(trainer.state.stateful_callbacks.get(name), list):
+            trainer.state.stateful_callbacks[name].append(cb.state())
+        else:
+            trainer.state.stateful_callbacks[name] = cb.state()
+    state = build_state(trainer)
+    handle = ck.save_async(int(trainer.state.global_step), state, tag=tag)
+    if "deepspeed" in state:
+        handle.wait_snapshot()  # DeepSpeed's parts are live tensors no hook guards: copied before training goes on
+    run.committed.pop(tag, None)  # replaced by this save (same step)
+    run.inflight.append(handle)
+    if trainer.args.push_to_hub and run.once("hub"):
+        log.warning("nebula_ckpt: push_to_hub: checkpoints live in nebula_ckpt and are not pushed at save "
+                    "time; trainer.push_to_hub() pushes the final model")
+    rotate(trainer)
+    return handle
