@@ -110,7 +110,7 @@ def _shm_dir() -> str:
 
 
 def _memory_tier_of(root: Path) -> str:
-    from nebula_ckpt.tiers.settings import memory_tier_path
+    from nebula_ckpt.tiers.memory.tier import memory_tier_path
 
     return memory_tier_path(str(root))
 

@@ -45,6 +45,8 @@ import torch
 
 from nebula_ckpt import native
 from nebula_ckpt.format import manifest as mf
+from nebula_ckpt.format import names as fnames
+from nebula_ckpt.format.commit import Commit
 from nebula_ckpt.ranks import shards as ranks
 
 ROWS, COLS = 64, 1024  # a rank's piece of each parameter (fp32): the bytes do not matter here
@@ -103,22 +105,22 @@ def durable_part(rank: int, idx: dict[str, dict[str, Any]], owners: dict[str, in
         n = idx[k]["offsets"][1] - idx[k]["offsets"][0]
         mine[k] = dict(idx[k], offsets=[off, off + n])
         off += n
-    return {"step": 1, "shard": {"file": mf.shard_name(1, rank), "bytes": off, "storage": {"stored_bytes": off}},
+    return {"step": 1, "shard": {"file": fnames.shard_name(1, rank), "bytes": off, "storage": {"stored_bytes": off}},
             "tensors": mine, "aliases": {}, "tree": tree, "stats": {"tensor_bytes": 0}}
 
 
 def write_step(root: str, man: dict[str, Any], text: bytes) -> None:
     """Step 1 of ``root`` committed on disk: sparse shards of the manifest's sizes (the reader
     checks sizes, never reads bytes here), the manifest ``text`` and its commit marker."""
-    step_dir = os.path.join(root, mf.step_dir(1))
+    step_dir = os.path.join(root, fnames.step_dir(1))
     os.makedirs(step_dir, exist_ok=True)
     for sh in man["shards"]:
         with open(os.path.join(step_dir, sh["file"]), "wb") as f:
             f.truncate(sh["bytes"])
-    with open(os.path.join(step_dir, mf.MANIFEST), "wb") as f:
+    with open(os.path.join(step_dir, fnames.MANIFEST), "wb") as f:
         f.write(text)
-    with open(os.path.join(step_dir, mf.COMMIT), "wb") as f:
-        f.write(mf.Commit(1, 1, len(text), native.get_ops().crc32c_bytes(text)).to_bytes())
+    with open(os.path.join(step_dir, fnames.COMMIT), "wb") as f:
+        f.write(Commit(1, 1, len(text), native.get_ops().crc32c_bytes(text)).to_bytes())
 
 
 def simulate(kind: str, world: int, tensors: int, workdir: str, budget_s: float,

@@ -35,11 +35,12 @@ from nebula_ckpt.errors import (
     PickleNotAllowedError,
     ValidationError,
 )
-from nebula_ckpt.format.manifest import MAX_TAG_CHARS, check_tag
+from nebula_ckpt.format.names import MAX_TAG_CHARS, check_tag
 from nebula_ckpt.handle import SaveHandle, SaveMetrics
 from nebula_ckpt.ranks.coordinator import Coordinator, LocalCoordinator
 from nebula_ckpt.ranks.distributed import DistCoordinator
-from nebula_ckpt.tiers.settings import (
+from nebula_ckpt.storage.atomic import write_file_atomic
+from nebula_ckpt.tiers import (
     LocalTier,
     MemoryTier,
     RemoteTier,
@@ -55,7 +56,7 @@ __all__ = [
     "NebulaError", "ValidationError", "PersistError", "ConsistencyError", "CorruptCheckpointError",
     "FencedError", "NotFoundError", "PickleNotAllowedError",
     # for adapters (integrations, compat): tags, root identity, URL checks
-    "check_tag", "MAX_TAG_CHARS", "canonical_root", "refuse_url_credentials", "tier_for_root",
+    "check_tag", "MAX_TAG_CHARS", "canonical_root", "refuse_url_credentials", "tier_for_root", "write_file_atomic",
 ]
 
 # No NullHandler on purpose: without a logging configuration, Python's last-resort handler prints

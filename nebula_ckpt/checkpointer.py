@@ -15,7 +15,7 @@ from typing import Any, Optional, Sequence
 
 from nebula_ckpt import knobs
 from nebula_ckpt.errors import NebulaError, ValidationError
-from nebula_ckpt.format.manifest import COMMIT, check_tag, step_dir
+from nebula_ckpt.format.names import COMMIT, check_tag, step_dir
 from nebula_ckpt.handle import SaveHandle
 from nebula_ckpt.native import describe as native_describe
 from nebula_ckpt.ranks.coordinator import Coordinator, LocalCoordinator
@@ -24,8 +24,9 @@ from nebula_ckpt.restore.restorer import Restorer
 from nebula_ckpt.root import open_root
 from nebula_ckpt.save.pipeline import SavePipeline
 from nebula_ckpt.save.plan import check_step
+from nebula_ckpt.storage.urls import canonical_root, refuse_url_credentials
+from nebula_ckpt.tiers.base import Tier
 from nebula_ckpt.tiers.memory.replicas import start_replicator
-from nebula_ckpt.tiers.settings import Tier, canonical_root, refuse_url_credentials
 
 log = logging.getLogger("nebula_ckpt")
 

@@ -177,7 +177,7 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def _run_all(args: argparse.Namespace, logs: dict[str, str], say: Callable[..., None]) -> bool:
     """Steps 1-3 in fresh directories: reference run, crashing run, resumed run; False if the resume failed."""
-    from nebula_ckpt.tiers.settings import memory_tier_path
+    from nebula_ckpt.tiers.memory.tier import memory_tier_path
 
     shutil.rmtree(args.root, ignore_errors=True)
     os.makedirs(args.root)

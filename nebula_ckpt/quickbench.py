@@ -45,8 +45,8 @@ import torch
 
 from nebula_ckpt.checkpointer import Checkpointer
 from nebula_ckpt.errors import ValidationError
-from nebula_ckpt.storage.local import fsync_dir
-from nebula_ckpt.tiers.settings import memory_tier_path
+from nebula_ckpt.storage.atomic import fsync_dir
+from nebula_ckpt.tiers.memory.tier import memory_tier_path
 
 __all__ = ["Options", "main", "run", "render"]
 

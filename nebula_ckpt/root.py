@@ -16,9 +16,12 @@ from nebula_ckpt.errors import ValidationError
 from nebula_ckpt.ranks.coordinator import Coordinator
 from nebula_ckpt.ranks.fencing import Fence, read_run_id, run_id
 from nebula_ckpt.storage.base import Storage
+from nebula_ckpt.storage.urls import canonical_root
+from nebula_ckpt.tiers.base import Tier
+from nebula_ckpt.tiers.factory import runtime_for
 from nebula_ckpt.tiers.memory.shm import Owner
+from nebula_ckpt.tiers.roots import default_tiers, tier_for_root
 from nebula_ckpt.tiers.runtime import TierRuntime
-from nebula_ckpt.tiers.settings import Tier, canonical_root, default_tiers, tier_for_root
 
 log = logging.getLogger("nebula_ckpt")
 
@@ -84,7 +87,7 @@ def open_root(root: str, storage_options: Optional[dict[str, Any]], tiers: Optio
         ValidationError: bad tiers, or ranks that see different roots (nothing is kept open).
     """
     chosen, root_tier = choose_tiers(root, storage_options, tiers, memory_tier, coordinator.rank)
-    runtimes = [t.runtime(t.make_storage()) for t in chosen]
+    runtimes = [runtime_for(t, t.make_storage()) for t in chosen]
     for rt in runtimes:  # fail fast, before leaving anything behind (a listing: nothing written)
         rt.storage.check_access()
     by_name = {rt.name: rt.storage for rt in runtimes}

@@ -65,16 +65,17 @@ def renumber_step(folder: str, step: int, new_step: int) -> None:
     import os
     import shutil
 
-    from nebula_ckpt.format import manifest as mf
+    from nebula_ckpt.format.commit import Commit
+    from nebula_ckpt.format.names import COMMIT, MANIFEST, step_dir
     from nebula_ckpt.native import get_ops
 
-    src, dst = os.path.join(folder, mf.step_dir(step)), os.path.join(folder, mf.step_dir(new_step))
+    src, dst = os.path.join(folder, step_dir(step)), os.path.join(folder, step_dir(new_step))
     shutil.copytree(src, dst)
-    with open(os.path.join(dst, mf.MANIFEST)) as f:
+    with open(os.path.join(dst, MANIFEST)) as f:
         man = json.load(f)
     man["step"] = new_step
     mbytes = json.dumps(man).encode()
-    with open(os.path.join(dst, mf.MANIFEST), "wb") as f:
+    with open(os.path.join(dst, MANIFEST), "wb") as f:
         f.write(mbytes)
-    with open(os.path.join(dst, mf.COMMIT), "wb") as f:
-        f.write(mf.Commit(new_step, man["generation"], len(mbytes), get_ops().crc32c_bytes(mbytes)).to_bytes())
+    with open(os.path.join(dst, COMMIT), "wb") as f:
+        f.write(Commit(new_step, man["generation"], len(mbytes), get_ops().crc32c_bytes(mbytes)).to_bytes())

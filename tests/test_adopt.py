@@ -23,7 +23,7 @@ import torch
 
 import nebula_ckpt as nc
 from nebula_ckpt import knobs
-from nebula_ckpt.tiers.settings import memory_tier_path
+from nebula_ckpt.tiers.memory.tier import memory_tier_path
 
 pytestmark = pytest.mark.skipif(not os.path.isdir("/dev/shm"), reason="needs a tmpfs memory tier")
 

@@ -12,7 +12,7 @@ import torch
 import nebula_ckpt as nc
 from faults import STAGES, FaultyTier
 from nebula_ckpt.cli import main as cli
-from nebula_ckpt.format import manifest as mf
+from nebula_ckpt.format.names import COMMIT, MANIFEST
 from nebula_ckpt.storage.local import LocalStorage
 
 
@@ -125,7 +125,7 @@ class _LostCommit:
         self.real = LocalStorage.write_small
 
     def write_small(self, st: LocalStorage, rel: str, data: bytes, *, create_only: bool = False) -> None:
-        if rel == f"step-{self.step}/{mf.COMMIT}":
+        if rel == f"step-{self.step}/{COMMIT}":
             self.pending.append((st, rel, data))
             raise OSError(errno.ETIMEDOUT, "injected at stage 'commit': the response was lost")
         self.real(st, rel, data, create_only=create_only)
@@ -152,7 +152,7 @@ def test_a_commit_write_that_reports_an_error_deletes_nothing(tmp_path, capsys) 
         h = ck.save_async(2, _state(2))
         with pytest.raises(nc.PersistError) as ei:
             h.result()
-        assert os.path.exists(os.path.join(root, "step-2", mf.MANIFEST))       # nothing of it deleted
+        assert os.path.exists(os.path.join(root, "step-2", MANIFEST))       # nothing of it deleted
         assert "may have committed" in str(ei.value)
         h = ck.save_async(2, _state(2))                                          # never written over
         with pytest.raises(nc.PersistError, match="not written again"):

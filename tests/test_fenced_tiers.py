@@ -23,10 +23,11 @@ import torch
 
 import nebula_ckpt as nc
 from faults import renumber_step
-from nebula_ckpt.format import manifest as mf
+from nebula_ckpt.format.commit import committed_steps
+from nebula_ckpt.format.names import step_dir
 from nebula_ckpt.storage.local import LocalStorage
 from nebula_ckpt.tiers.memory.shm import try_lock
-from nebula_ckpt.tiers.settings import memory_tier_path
+from nebula_ckpt.tiers.memory.tier import memory_tier_path
 
 pytestmark = pytest.mark.skipif(not os.path.isdir("/dev/shm"), reason="needs a tmpfs memory tier")
 
@@ -92,7 +93,7 @@ def test_a_fenced_writer_stops_on_every_tier_and_never_wins_the_restart(root: st
             got = json.load(f)
         assert got["10"] == got["11"] == got["12"] == "fenced", got
         # once fenced (step 10 on the root at the latest), nothing more is committed on any tier ...
-        mem_steps = mf.committed_steps(LocalStorage(folder))
+        mem_steps = committed_steps(LocalStorage(folder))
         assert 11 not in mem_steps and 12 not in mem_steps, f"the fenced writer went on committing: {mem_steps}"
         assert got["11-written"] == got["12-written"] == [], got
         # ... and the memory tier's lock is given back while the stale process still runs
@@ -127,7 +128,7 @@ def test_an_older_generation_never_wins_even_with_a_higher_step_on_the_fastest_t
     # the memory tier's step 1 of generation 1 becomes "step 9" of generation 1
     folder = memory_tier_path(root)
     renumber_step(folder, 1, 9)
-    shutil.rmtree(os.path.join(folder, mf.step_dir(1)))
+    shutil.rmtree(os.path.join(folder, step_dir(1)))
     with nc.Checkpointer(root, memory_tier=False) as newer:  # generation 2, root only
         newer.save(5, {"w": torch.full((64,), 5.0), "who": "newer"})
     with nc.Checkpointer(root) as again:

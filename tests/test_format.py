@@ -15,6 +15,9 @@ from safetensors import safe_open
 
 import nebula_ckpt as nc
 from nebula_ckpt.format import manifest as mf
+from nebula_ckpt.format.dtypes import DTYPES, SAFETENSORS_CODES, TENSOR_DTYPES, dtype_name
+from nebula_ckpt.format.names import SINGLE_VERSION, VERSION, is_shard_name, parse_step_dir, shard_generation
+from nebula_ckpt.format.records import ShardRecord, TensorRecord
 
 GOLDEN_SHARD_SHA256 = "fa43f29431b5101ea2571d7dc18c0227709cfc8ecbaa39a7ded399d815be2515"
 GOLDEN_TREE = {"t": "dict", "v": [
@@ -42,7 +45,7 @@ def test_golden_tiny_checkpoint(tmp_path, shm_dir) -> None:  # noqa: ANN001
     assert hashlib.sha256(data).hexdigest() == GOLDEN_SHARD_SHA256
     assert len(data) == 4096 + 24 + 4  # header padded to 4 KiB, then f32 data, then bf16 data
     man = json.load(open(os.path.join(d, "manifest.json")))
-    assert man["format"] == "nebula_ckpt" and man["version"] == mf.SINGLE_VERSION == 1 and mf.VERSION == 2
+    assert man["format"] == "nebula_ckpt" and man["version"] == SINGLE_VERSION == 1 and VERSION == 2
     assert man["step"] == 12 and man["generation"] == 1 and man["checksum"] == "crc32c"
     assert man["tree"] == GOLDEN_TREE
     assert man["tensors"] == {
@@ -72,10 +75,10 @@ def test_golden_manifest_parses_to_typed_records_and_back(tmp_path, shm_dir) -> 
     raw = open(os.path.join(root, "step-12", "manifest.json"), "rb").read()
     man = mf.Manifest.parse(raw, "golden", step=12)
     assert man.step == 12 and man.generation == 1 and man.version == 1
-    assert man.tensors["w"] == mf.TensorRecord("w", "float32", (2, 3), 4096, 4120,
+    assert man.tensors["w"] == TensorRecord("w", "float32", (2, 3), 4096, 4120,
                                                man.tensors["w"].crc32c, "cpu", 0)
     assert man.tensors["h"].torch_dtype == torch.bfloat16 and man.tensors["h"].nbytes == 4
-    assert man.shards == (mf.ShardRecord("shard-g1-r0.safetensors", 4124, {"stored_bytes": 4124}),)
+    assert man.shards == (ShardRecord("shard-g1-r0.safetensors", 4124, {"stored_bytes": 4124}),)
     assert man.to_json() == json.loads(raw)
     assert mf.Manifest.parse(raw, "golden").to_json() == json.loads(raw)
 
@@ -84,17 +87,17 @@ def test_one_dtype_table() -> None:
     """The format module's dtype table covers what the writer stores (plan.py's copy must agree)."""
     from nebula_ckpt.save import plan
 
-    assert getattr(plan, "_ST_DTYPES", mf.SAFETENSORS_CODES) == mf.SAFETENSORS_CODES
-    for d in mf.SAFETENSORS_CODES:
-        assert mf.TENSOR_DTYPES[mf.dtype_name(d)] is d
-    assert "qint8" in mf.DTYPES and "qint8" not in mf.TENSOR_DTYPES
+    assert getattr(plan, "_ST_DTYPES", SAFETENSORS_CODES) == SAFETENSORS_CODES
+    for d in SAFETENSORS_CODES:
+        assert TENSOR_DTYPES[dtype_name(d)] is d
+    assert "qint8" in DTYPES and "qint8" not in TENSOR_DTYPES
 
 
 def test_names_are_strict() -> None:
-    assert mf.parse_step_dir("step-42") == 42 and mf.parse_step_dir("step-0") == 0
+    assert parse_step_dir("step-42") == 42 and parse_step_dir("step-0") == 0
     for bad in ("step-042", "step-4x", "step--1", "step-\u0661\u0662", "xstep-1", "step-1/.."):
-        assert mf.parse_step_dir(bad) is None, bad
-    assert mf.shard_generation("shard-g3-r0.safetensors") == 3 and mf.is_shard_name("shard-g3-r0.safetensors")
+        assert parse_step_dir(bad) is None, bad
+    assert shard_generation("shard-g3-r0.safetensors") == 3 and is_shard_name("shard-g3-r0.safetensors")
     for bad in ("shard-g3-r0.safetensors.tmp", "../shard-g3-r0.safetensors", "shard-g03-r0.safetensors",
                 "shard-g\u0663-r0.safetensors", "a/shard-g3-r0.safetensors", ""):
-        assert not mf.is_shard_name(bad), bad
+        assert not is_shard_name(bad), bad

@@ -24,7 +24,7 @@ from nebula_ckpt.errors import CorruptCheckpointError
 from nebula_ckpt.restore.open import open_checkpoint
 from nebula_ckpt.restore.select import find_and_open
 from nebula_ckpt.storage.local import LocalStorage
-from nebula_ckpt.tiers.settings import LocalTier
+from nebula_ckpt.tiers.local import LocalTier
 
 Man = dict[str, Any]
 

@@ -24,6 +24,9 @@ from nebula_ckpt.cli import main as cli
 from nebula_ckpt.dcp import NebulaStorageReader
 from nebula_ckpt.errors import CorruptCheckpointError
 from nebula_ckpt.format import manifest as mf
+from nebula_ckpt.format.commit import Commit
+from nebula_ckpt.format.dtensors import tiles
+from nebula_ckpt.format.names import COMMIT, MANIFEST, shard_name, step_dir
 from nebula_ckpt.ranks import shards as ranks
 from nebula_ckpt.ranks.coordinator import LocalCoordinator
 from nebula_ckpt.restore.open import NotThisLayout, open_checkpoint
@@ -52,7 +55,7 @@ def _open(path: str, rank: int = 0, world: int = 2) -> Any:
 
 
 def test_a_ranks_own_checkpoint_is_version_2_and_reads_back(mem: str) -> None:
-    man = json.load(open(os.path.join(mem, "step-1", mf.MANIFEST)))
+    man = json.load(open(os.path.join(mem, "step-1", MANIFEST)))
     assert man["version"] == 2 and man["world_size"] == 2 and man["ranks"] == [0]
     assert set(man["tensors"]) == {"r0/w", "r0/b"} and man["rank_tree"] == {"0": 0}
     ck = _open(mem)
@@ -139,18 +142,18 @@ def write_multi_rank(root: Path, step: int, world: int, pieces: dict[int, dict[s
                      aliases: Optional[dict[str, str]] = None) -> None:
     """A multi-rank checkpoint written by hand: ``pieces[rank][key] = (tensor, dtensor-json or None)``;
     every rank saved the tree ``{key: tensor}`` of the same keys (aliases: ``"r1/k" -> "r0/k"``)."""
+    from nebula_ckpt.format.header import safetensors_header
     from nebula_ckpt.native import get_ops
-    from nebula_ckpt.save.plan import safetensors_header
 
     aliases = aliases or {}
-    d = root / mf.step_dir(step)
+    d = root / step_dir(step)
     d.mkdir(parents=True)
     shards, tensors = [], {}
     for rank in sorted(pieces):
         items = [(f"r{rank}/{k}", t.contiguous()) for k, (t, _) in pieces[rank].items()]
         head, spans = safetensors_header([(k, t.dtype, tuple(t.shape), t.numel() * t.element_size()) for k, t in items])
         data = b"".join(t.numpy().tobytes() for _, t in items)
-        name = mf.shard_name(1, rank)
+        name = shard_name(1, rank)
         (d / name).write_bytes(head + data)
         shards.append({"file": name, "bytes": len(head) + len(data)})
         for (k, t), (a, b), (_, info) in zip(items, spans, pieces[rank].values(), strict=True):
@@ -165,8 +168,8 @@ def write_multi_rank(root: Path, step: int, world: int, pieces: dict[int, dict[s
                             ranks={"world_size": world, "ranks": list(range(world)),
                                    "rank_tree": {str(r): 0 for r in range(world)}})
     mb = json.dumps(man).encode()
-    (d / mf.MANIFEST).write_bytes(mb)
-    (d / mf.COMMIT).write_bytes(mf.Commit(step, 1, len(mb), get_ops().crc32c_bytes(mb)).to_bytes())
+    (d / MANIFEST).write_bytes(mb)
+    (d / COMMIT).write_bytes(Commit(step, 1, len(mb), get_ops().crc32c_bytes(mb)).to_bytes())
 
 
 W = torch.arange(12, dtype=torch.float32).reshape(4, 3)
@@ -276,7 +279,7 @@ def _layout_manifest(shape: tuple[int, ...], boxes: list[tuple[tuple[int, ...], 
     shards, tensors = [], {}
     for r, (offs, sizes) in enumerate(boxes):
         n = 4 * math.prod(sizes)
-        shards.append({"file": mf.shard_name(1, r), "bytes": 8 + n})
+        shards.append({"file": shard_name(1, r), "bytes": 8 + n})
         tensors[f"r{r}/w"] = {"dtype": "float32", "shape": list(sizes), "offsets": [8, 8 + n], "crc32c": 0,
                               "shard": r, "dtensor": {"shape": list(shape), "offsets": list(offs),
                                                       "placements": ["S(0)", "S(1)"], "mesh": [len(boxes), 1]}}
@@ -357,12 +360,12 @@ def test_exact_coverage_agrees_with_counting_every_element() -> None:
         for box in boxes:
             count[tuple(slice(a, b) for a, b in box)] += 1
         exact = bool((count == 1).all())
-        assert mf._tiles(shape, boxes, "w", "t") is exact, (shape, boxes)
+        assert tiles(shape, boxes, "w", "t") is exact, (shape, boxes)
         seen[exact] += 1
     assert min(seen.values()) > 50   # both outcomes were exercised
 
 
 def test_a_layout_beyond_the_work_bound_is_refused_not_waited_for(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(mf, "_TILING_WORK_PER_CHUNK", 0)
+    monkeypatch.setattr("nebula_ckpt.format.dtensors.TILING_WORK_PER_CHUNK", 0)
     with pytest.raises(CorruptCheckpointError, match="too irregular to check"):
         mf.Manifest.parse(_layout_manifest((50, 200), _bricks(50, 100)), "t")

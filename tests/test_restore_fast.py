@@ -20,10 +20,11 @@ import pytest
 import torch
 
 import nebula_ckpt as nc
-from nebula_ckpt.format import manifest as mf
+from nebula_ckpt.format.names import step_dir
+from nebula_ckpt.format.records import TensorRecord
 from nebula_ckpt.restore.apply import materialize
 from nebula_ckpt.restore.open import open_checkpoint, read_manifest
-from nebula_ckpt.tiers.settings import LocalTier
+from nebula_ckpt.tiers.local import LocalTier
 
 
 def _trained(seed: int = 0, width: int = 64) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
@@ -54,7 +55,7 @@ def _flip_in(root: str, step: int, key_part: str) -> None:
     man = read_manifest(st, step)
     st.close()
     rec = next(r for k, r in man.tensors.items() if key_part in k and r.nbytes)
-    path = Path(root, mf.step_dir(step), man.shards[rec.shard].file)
+    path = Path(root, step_dir(step), man.shards[rec.shard].file)
     with open(path, "r+b") as f:  # in place: a private mapping of the file shows the new byte
         f.seek(rec.start)
         b = f.read(1)
@@ -193,7 +194,7 @@ def test_restore_chunk_bytes_is_a_knob() -> None:
     from nebula_ckpt.restore.open import chunks
 
     mib = 1 << 20
-    recs = [mf.TensorRecord(f"t{i}", "uint8", (mib,), i * mib, (i + 1) * mib, 0) for i in range(256)]
+    recs = [TensorRecord(f"t{i}", "uint8", (mib,), i * mib, (i + 1) * mib, 0) for i in range(256)]
     assert [len(g) for g in chunks(recs)] == [16] * 16                   # a sixteenth of 256 MiB
     with knobs.override(restore_chunk_bytes=8 * mib):
         groups = chunks(list(reversed(recs)))

@@ -9,10 +9,10 @@ import pytest
 import torch
 
 import nebula_ckpt as nc
-from nebula_ckpt.format import manifest as mf
+from nebula_ckpt.format.names import shard_name, shard_owner
 from nebula_ckpt.ranks.coordinator import PHASE_DIGEST, PHASE_DURABLE, PHASE_INDEX, PHASE_VERDICT, LocalCoordinator
 from nebula_ckpt.storage.local import LocalStorage
-from nebula_ckpt.tiers.settings import memory_tier_path
+from nebula_ckpt.tiers.memory.tier import memory_tier_path
 
 
 class RankCoordinator(LocalCoordinator):
@@ -70,15 +70,15 @@ def test_no_commit_unless_every_rank_reports_its_shard_durable(root: str) -> Non
 def test_cleanup_never_deletes_a_peer_ranks_shard_of_this_generation(root: str) -> None:
     with nc.Checkpointer(root, memory_tier=False) as ck:
         ck.save(1, {"w": torch.ones(4)})
-        gen = int(mf.shard_owner(next(n for n in os.listdir(os.path.join(root, "step-1"))
+        gen = int(shard_owner(next(n for n in os.listdir(os.path.join(root, "step-1"))
                                       if n.startswith("shard-")))[0])
         st = LocalStorage(root)
         # a peer rank's shard of the same generation, in flight for step 2, and an old crash's file
-        st.write_small(f"step-2/{mf.shard_name(gen, 1)}", b"peer")
-        st.write_small(f"step-3/{mf.shard_name(gen - 1, 0) if gen > 1 else 'x.tmp'}", b"old")
+        st.write_small(f"step-2/{shard_name(gen, 1)}", b"peer")
+        st.write_small(f"step-3/{shard_name(gen - 1, 0) if gen > 1 else 'x.tmp'}", b"old")
         ck.save(2, {"w": torch.full((4,), 2.0)})
         ck.save(4, {"w": torch.full((4,), 4.0)})
-        assert mf.shard_name(gen, 1) in os.listdir(os.path.join(root, "step-2"))  # kept: not ours
+        assert shard_name(gen, 1) in os.listdir(os.path.join(root, "step-2"))  # kept: not ours
         assert not os.path.exists(os.path.join(root, "step-3"))                   # crash leftover: gone
 
 

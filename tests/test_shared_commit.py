@@ -26,7 +26,8 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 import nebula_ckpt as nc
 from nebula_ckpt.dcp import NebulaStorageWriter
-from nebula_ckpt.format import manifest as mf
+from nebula_ckpt.format.commit import committed_steps
+from nebula_ckpt.format.names import COMMIT, MANIFEST, shard_name
 from nebula_ckpt.storage.local import LocalStorage
 
 pytestmark = [pytest.mark.timeout(120), pytest.mark.filterwarnings("ignore:torch.distributed is disabled")]
@@ -83,7 +84,7 @@ def _faulty_write_small(fail: Callable[[str], bool], landed: list[tuple[Any, str
 
     def write_small(self: LocalStorage, rel: str, data: bytes, *, create_only: bool = False) -> None:
         if fail(rel):
-            if rel.endswith(mf.COMMIT):
+            if rel.endswith(COMMIT):
                 landed.append((self, rel, data))
             raise OSError(errno.ETIMEDOUT, f"injected: writing {rel} failed")
         real(self, rel, data, create_only=create_only)
@@ -94,14 +95,14 @@ def _faulty_write_small(fail: Callable[[str], bool], landed: list[tuple[Any, str
 @pytest.mark.parametrize("stage", ["manifest", "commit"])
 def test_a_failure_before_the_marker_exists_removes_the_step(job: _Writer, stage: str) -> None:
     job.save(1)
-    name = mf.MANIFEST if stage == "manifest" else mf.COMMIT
+    name = MANIFEST if stage == "manifest" else COMMIT
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(LocalStorage, "write_small", _faulty_write_small(lambda rel: rel == f"step-2/{name}", []))
         with pytest.raises((nc.NebulaError, OSError), match="injected") as ei:  # DCP: the storage's error
             job.save(2)
     assert "may have committed" not in str(ei.value)
     assert not (Path(job.root) / "step-2").exists()      # its shard and manifest, then the empty folder
-    assert mf.committed_steps(LocalStorage(job.root)) == [1]
+    assert committed_steps(LocalStorage(job.root)) == [1]
     _restored(job.root, 1)
 
 
@@ -110,16 +111,16 @@ def test_a_commit_write_that_may_have_landed_deletes_nothing(job: _Writer) -> No
     landed: list[tuple[Any, str, bytes]] = []
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(LocalStorage, "failed_create_is_final", False, raising=False)  # as on a blob store
-        mp.setattr(LocalStorage, "write_small", _faulty_write_small(lambda rel: rel == f"step-2/{mf.COMMIT}", landed))
+        mp.setattr(LocalStorage, "write_small", _faulty_write_small(lambda rel: rel == f"step-2/{COMMIT}", landed))
         with pytest.raises(nc.PersistError, match="may have committed"):
             job.save(2)
     d = Path(job.root) / "step-2"
-    assert (d / mf.MANIFEST).exists() and len(list(d.glob("shard-*"))) == 1   # nothing of it deleted
-    assert mf.committed_steps(LocalStorage(job.root)) == [1]
+    assert (d / MANIFEST).exists() and len(list(d.glob("shard-*"))) == 1   # nothing of it deleted
+    assert committed_steps(LocalStorage(job.root)) == [1]
     assert len(landed) == 1
     for st, rel, data in landed:                                               # the request lands
         LocalStorage.write_small(st, rel, data, create_only=True)
-    assert mf.committed_steps(LocalStorage(job.root)) == [1, 2]
+    assert committed_steps(LocalStorage(job.root)) == [1, 2]
     _restored(job.root, 2)
 
 
@@ -132,17 +133,17 @@ def test_leftovers_of_an_older_writer_are_swept_and_a_live_peers_kept(job: _Writ
     (writers / "g-1.json").write_text(json.dumps({"host": "elsewhere", "pid": 1, "time": 0.0}))
     crashed = root / "step-5"
     crashed.mkdir()
-    (crashed / mf.shard_name(1, 0)).write_bytes(b"\0" * 128)
-    (crashed / f".{mf.MANIFEST}.tmp-0123456789ab").write_bytes(b"{")
+    (crashed / shard_name(1, 0)).write_bytes(b"\0" * 128)
+    (crashed / f".{MANIFEST}.tmp-0123456789ab").write_bytes(b"{")
     job.save(1)                                   # this job: a newer generation, which sweeps them
-    gen = json.loads((root / "step-1" / mf.MANIFEST).read_bytes())["generation"]
+    gen = json.loads((root / "step-1" / MANIFEST).read_bytes())["generation"]
     assert gen > 1
     assert not crashed.exists()
     # a peer rank of this very job still writing step 6: never its files
     peer = root / "step-6"
     peer.mkdir()
-    (peer / mf.shard_name(gen, 1)).write_bytes(b"\0" * 128)
+    (peer / shard_name(gen, 1)).write_bytes(b"\0" * 128)
     job.save(2)
     assert sorted(p.name for p in root.iterdir() if p.name.startswith("step-")) == ["step-1", "step-2", "step-6"]
-    assert os.listdir(peer) == [mf.shard_name(gen, 1)]
+    assert os.listdir(peer) == [shard_name(gen, 1)]
     _restored(job.root, 2)

@@ -22,11 +22,12 @@ import nebula_ckpt as nc
 from flaky_fs import SCHEME, FlakyFileSystem, hanging, raising, register
 from nebula_ckpt import knobs
 from nebula_ckpt.cli import main as cli_main
-from nebula_ckpt.format.manifest import committed_steps
+from nebula_ckpt.format.commit import committed_steps
 from nebula_ckpt.storage.local import LocalStorage
+from nebula_ckpt.storage.urls import canonical_root
 from nebula_ckpt.tiers.memory import gc as memgc
 from nebula_ckpt.tiers.memory import shm as memtier
-from nebula_ckpt.tiers.settings import canonical_root, memory_tier_path
+from nebula_ckpt.tiers.memory.tier import memory_tier_path
 
 IS_ROOT = os.geteuid() == 0
 TESTS = os.path.dirname(os.path.abspath(__file__))
@@ -248,6 +249,22 @@ os.kill(os.getpid(), signal.SIGKILL)
 
 def _mem_steps(folder: str) -> list[int]:
     return committed_steps(LocalStorage(folder, private=True, fsync=False))
+
+
+def test_memory_tier_folder_checks_and_gc_use_one_uid(root: str, shm_dir: str,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """A process whose real and effective uids differ (a setuid launcher): the memory tier's folder,
+    the ownership checks and `gc`'s scan all name one user, the effective one (who owns what the
+    process creates), so `gc` finds the tier the job made."""
+    euid = os.geteuid()
+    monkeypatch.setattr(os, "getuid", lambda: euid + 1)
+    with nc.Checkpointer(root) as ck:
+        ck.save(1, {"w": torch.ones(4)})
+        assert _tiers_kinds(ck)[0] == "memory"
+        folder = memory_tier_path(root)
+        assert os.path.basename(os.path.dirname(folder)) == f"nebula_ckpt-{euid}" == memtier.user_dir_name()
+        assert [f.folder for f in memtier.scan(shm_dir)] == [folder]
+        assert committed_steps(LocalStorage(folder, private=True, fsync=False)) == [1]
 
 
 def test_gc_policy(tmp_path, shm_dir: str) -> None:  # noqa: ANN001

@@ -20,7 +20,7 @@ import torch
 
 import nebula_ckpt as nc
 from nebula_ckpt import knobs
-from nebula_ckpt.tiers.memory.shm import SLOT_DIR
+from nebula_ckpt.format.names import SLOT_DIR
 
 
 def _state(step: int) -> dict[str, torch.Tensor]:

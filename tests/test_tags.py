@@ -13,6 +13,7 @@ import torch
 import nebula_ckpt as nc
 from nebula_ckpt.cli import main
 from nebula_ckpt.format import manifest as mf
+from nebula_ckpt.format.names import MAX_TAG_CHARS
 from test_hostile_manifest import rewrite
 
 
@@ -84,7 +85,7 @@ def test_long_path_like_tag_is_fine(root: str) -> None:
     tag = "lightning_logs/version_0/checkpoints/epoch=3-step=1200,val_loss=0.12.ckpt"
     with nc.Checkpointer(root) as ck:
         ck.save(1200, _state(1), tag=tag)
-        ck.save(1300, _state(2), tag="x" * mf.MAX_TAG_CHARS)
+        ck.save(1300, _state(2), tag="x" * MAX_TAG_CHARS)
         assert ck.tags() == {tag: 1200, "x" * 256: 1300}
 
 

@@ -17,7 +17,7 @@ import torch
 import nebula_ckpt as nc
 from nebula_ckpt import knobs
 from nebula_ckpt.errors import ValidationError
-from nebula_ckpt.tiers import settings as tiers
+from nebula_ckpt.storage import urls
 
 KEY_ID = "AKIAIOSFODNN7EXAMPLE"
 #: (URL, the secret it carries): the password shapes of a URL's user info
@@ -162,10 +162,10 @@ def test_credentials_in_a_url_are_refused_and_never_shown(tmp_path: Path, entry:
 @pytest.mark.parametrize("url, secret", SHAPES, ids=IDS)
 def test_the_check_refuses_every_password_shape_without_showing_it(url: str, secret: str) -> None:
     with pytest.raises(ValidationError, match="carries a password.*storage_options") as ei:
-        tiers.refuse_url_credentials(url)
+        urls.refuse_url_credentials(url)
     assert not [p for p in _pieces(secret) if p in _chain_text(ei.value)]
     # the display helpers never parse such a URL: no secret, no parser error
-    for text in (tiers.strip_credentials(url), tiers.canonical_root(url)):
+    for text in (urls.strip_credentials(url), urls.canonical_root(url)):
         assert not [p for p in _pieces(secret) if p in text], text
 
 
@@ -182,7 +182,7 @@ def test_the_check_refuses_every_password_shape_without_showing_it(url: str, sec
     "/tmp/a:b@c/run",                                       # a local path: not a URL
 ])
 def test_urls_without_a_password_are_accepted(url: str) -> None:
-    tiers.refuse_url_credentials(url)
+    urls.refuse_url_credentials(url)
 
 
 def test_an_azure_container_at_account_url_opens_as_adlfs_reads_it() -> None:
@@ -195,7 +195,7 @@ def test_an_azure_container_at_account_url_opens_as_adlfs_reads_it() -> None:
     st = FsspecStorage(url, {"account_key": "bm90LWEtcmVhbC1rZXk="})
     try:
         assert st._root == "container/run/a"
-        assert st._fs.account_name == "account"
+        assert st.fs.account_name == "account"
         assert st.display_url == url and nc.RemoteTier(url).display_url == url
     finally:
         st.close()

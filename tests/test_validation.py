@@ -113,7 +113,7 @@ def test_loading_never_executes_code_by_default(root: str, tmp_path) -> None:  #
     import base64
     import json
 
-    from nebula_ckpt.format.manifest import Commit
+    from nebula_ckpt.format.commit import Commit
     from nebula_ckpt.native import get_ops
     d = os.path.join(root, "step-1")
     man = json.load(open(os.path.join(d, "manifest.json")))

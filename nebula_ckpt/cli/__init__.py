@@ -30,7 +30,7 @@ from nebula_ckpt.cli.listing import cmd_inspect, cmd_ls
 from nebula_ckpt.cli.persist_memory import add_persist_memory_parser, cmd_persist_memory
 from nebula_ckpt.cli.verify import cmd_verify
 from nebula_ckpt.errors import NebulaError, PickleNotAllowedError
-from nebula_ckpt.tiers.settings import refuse_url_credentials
+from nebula_ckpt.storage.urls import refuse_url_credentials
 
 __all__ = ["main", "build_parser"]
 

@@ -13,10 +13,11 @@ from typing import Callable, TypeVar, Union
 
 from nebula_ckpt.cli.common import commit_state, note, open_tiers
 from nebula_ckpt.errors import NebulaError
-from nebula_ckpt.format import manifest as mf
+from nebula_ckpt.format.commit import step_dirs
 from nebula_ckpt.restore.open import read_manifest
 from nebula_ckpt.storage.base import Storage
-from nebula_ckpt.tiers.settings import Tier, strip_credentials
+from nebula_ckpt.storage.urls import strip_credentials
+from nebula_ckpt.tiers.base import Tier
 
 T = TypeVar("T")
 
@@ -62,7 +63,7 @@ def candidates(args: argparse.Namespace, tiers: list[tuple[Tier, Storage]]) -> t
     found: list[Candidate] = []
     tags: list[str] = []
     for tier, st in tiers:
-        for step in mf.step_dirs(st):
+        for step in step_dirs(st):
             if isinstance(args.step, int):
                 if step == args.step:
                     found.append((step, tier, st))

@@ -15,11 +15,15 @@ from typing import Any, Iterable, Optional, Sequence, TypeVar
 from nebula_ckpt import knobs
 from nebula_ckpt.errors import CorruptCheckpointError
 from nebula_ckpt.format import manifest as mf
+from nebula_ckpt.format.names import COMMIT, shard_owner, step_dir
 from nebula_ckpt.ranks.fencing import read_run_id
 from nebula_ckpt.restore.open import NotThisLayout, OpenCheckpoint, open_checkpoint, read_manifest
 from nebula_ckpt.storage.base import Storage
+from nebula_ckpt.storage.urls import canonical_root
+from nebula_ckpt.tiers.base import Tier
+from nebula_ckpt.tiers.factory import runtime_for
 from nebula_ckpt.tiers.memory.shm import Owner
-from nebula_ckpt.tiers.settings import Tier, canonical_root, default_tiers
+from nebula_ckpt.tiers.roots import default_tiers
 
 log = logging.getLogger(__name__)
 
@@ -52,7 +56,7 @@ def open_tiers(root: str, storage_options: Optional[dict[str, Any]]) -> list[tup
     owner = Owner(canonical_root(root), read_run_id(root_storage))
     found = []
     for t in tiers:
-        rt = t.runtime(root_storage if t is tiers[-1] else t.make_storage())
+        rt = runtime_for(t, root_storage if t is tiers[-1] else t.make_storage())
         why = rt.unreadable(owner)
         if why:
             log.info("nebula_ckpt: tier %s not shown: %s", t.name, why)
@@ -66,7 +70,7 @@ def open_tiers(root: str, storage_options: Optional[dict[str, Any]]) -> list[tup
 def dir_bytes(st: Storage, step: int) -> int:
     """Bytes stored in the folder of ``step``; a file that cannot be sized (gone, a folder, a
     symlink the storage refuses to follow) counts nothing: the step's check reports why."""
-    d = mf.step_dir(step)
+    d = step_dir(step)
     total = 0
     for n in st.list(d):
         try:
@@ -82,7 +86,7 @@ def commit_state(st: Storage, tier: Tier, step: int) -> tuple[bool, Optional[str
     symlink (never followed), or one that cannot be read, counts as committed and damaged: the
     step is there by name and must not pass for an uncommitted leftover."""
     try:
-        st.size(f"{mf.step_dir(step)}/{mf.COMMIT}")
+        st.size(f"{step_dir(step)}/{COMMIT}")
     except FileNotFoundError:
         return False, None
     except OSError as e:
@@ -133,7 +137,7 @@ def ranks_json(man: Optional[mf.Manifest]) -> dict[str, Any]:
     if man is None:
         return {"world_size": None, "ranks": None, "shards": None}
     return {"world_size": man.world_size, "ranks": list(man.ranks),
-            "shards": [{"file": sh.file, "rank": (mf.shard_owner(sh.file) or (0, 0))[1], "bytes": sh.bytes}
+            "shards": [{"file": sh.file, "rank": (shard_owner(sh.file) or (0, 0))[1], "bytes": sh.bytes}
                        for sh in man.shards]}
 
 

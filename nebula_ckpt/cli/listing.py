@@ -21,10 +21,14 @@ from nebula_ckpt.cli.common import (
     ranks_text,
 )
 from nebula_ckpt.format import manifest as mf
+from nebula_ckpt.format.commit import step_dirs
+from nebula_ckpt.format.names import shard_owner
+from nebula_ckpt.format.records import TensorRecord
 from nebula_ckpt.integrations.pointers import find_root
 from nebula_ckpt.restore.open import OpenCheckpoint
 from nebula_ckpt.storage.base import Storage
-from nebula_ckpt.tiers.settings import Tier, strip_credentials
+from nebula_ckpt.storage.urls import strip_credentials
+from nebula_ckpt.tiers.base import Tier
 
 
 def _compression(man: Optional[mf.Manifest]) -> tuple[Optional[str], Optional[float]]:
@@ -80,7 +84,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
     given, args.root = args.root, find_root(args.root)
     if args.root != given and not args.json:
         out(f"{given} -> checkpoint root {args.root}")
-    todo = [(tier, st, step) for tier, st in open_tiers(args.root, args.storage_options) for step in mf.step_dirs(st)]
+    todo = [(tier, st, step) for tier, st in open_tiers(args.root, args.storage_options) for step in step_dirs(st)]
     verify = "size" if args.quick else "full"
     rows: list[dict[str, Any]] = []
     mans: list[Optional[mf.Manifest]] = []
@@ -138,11 +142,11 @@ def _leaf_text(v: Mapping[str, Any]) -> str:
     return f"{v.get('v')!r} ({t})"
 
 
-def _pieces_text(holders: list[tuple[int, str, mf.TensorRecord]], man: mf.Manifest, limit: int = 6) -> str:
+def _pieces_text(holders: list[tuple[int, str, TensorRecord]], man: mf.Manifest, limit: int = 6) -> str:
     """Which rank holds what of one logical tensor, and in whose shard it is stored."""
     parts = []
     for rank, full, rec in holders[:limit]:
-        owner = (mf.shard_owner(man.shards[rec.shard].file) or (0, rank))[1]
+        owner = (shard_owner(man.shards[rec.shard].file) or (0, rank))[1]
         where = "" if owner == rank and full == rec.key else f" in r{owner}'s shard"
         if rec.dtensor is not None:
             parts.append(f"r{rank} {rec.shape}@{rec.dtensor.offsets}{where}")
@@ -177,7 +181,7 @@ def _inspect_multi(ck: OpenCheckpoint, as_json: bool) -> None:
          f"stored, {len(man.aliases)} aliases)")
     out("shards:")
     for sh in man.shards:
-        owner = mf.shard_owner(sh.file)
+        owner = shard_owner(sh.file)
         out(f"  {sh.file:<40} rank {owner[1] if owner else '?':<6} {sh.bytes:>14} bytes")
     out(f"\n{'key':<48} {'dtype':<10} {'global shape':<18} {'placement':<14} held by (local shape@offsets)")
     for key, holders in logical.items():

@@ -6,8 +6,8 @@ import argparse
 import json
 
 from nebula_ckpt.cli.common import check, commit_state, open_tiers, out, progress, ranks_json, ranks_text
-from nebula_ckpt.format import manifest as mf
-from nebula_ckpt.tiers.settings import strip_credentials
+from nebula_ckpt.format.commit import step_dirs
+from nebula_ckpt.storage.urls import strip_credentials
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
@@ -15,7 +15,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
     damage, or when there is nothing to check."""
     todo = []
     for tier, st in open_tiers(args.root, args.storage_options):
-        for step in mf.step_dirs(st):
+        for step in step_dirs(st):
             if args.step is not None and step != args.step:
                 continue
             committed, refused = commit_state(st, tier, step)

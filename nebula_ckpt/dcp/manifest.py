@@ -21,9 +21,10 @@ from nebula_ckpt.dcp.tree import Box, Leaf, insert, optimizer_keys, to_node
 from nebula_ckpt.dcp.values import decoded
 from nebula_ckpt.errors import PersistError
 from nebula_ckpt.format import manifest as mf
+from nebula_ckpt.format.header import safetensors_header
+from nebula_ckpt.format.names import shard_name, step_dir
 from nebula_ckpt.format.tree import Node
 from nebula_ckpt.ranks.shards import ranks_manifest, stored_record
-from nebula_ckpt.save.plan import safetensors_header
 from nebula_ckpt.storage.base import Storage
 
 #: (fqn, chunk offsets) -> (rank, stored manifest key) of every stored tensor piece
@@ -108,13 +109,13 @@ def _shards(save: DcpSave, written: list[list[Written]]) -> list[dict[str, Any]]
     empty = len(safetensors_header([])[0])
     shards: list[dict[str, Any]] = []
     for r, mine in enumerate(written):
-        sh: dict[str, Any] = mine[0].shard if mine else {"file": mf.shard_name(gen, r), "bytes": empty,
+        sh: dict[str, Any] = mine[0].shard if mine else {"file": shard_name(gen, r), "bytes": empty,
                                                          "storage": {"stored_bytes": empty}}
-        if sh.get("file") != mf.shard_name(gen, r) or "bytes" not in sh:
+        if sh.get("file") != shard_name(gen, r) or "bytes" not in sh:
             raise PersistError(f"{save.where}: rank {r} wrote {sh.get('file')!r}, expected "
-                               f"{mf.shard_name(gen, r)} (another save's plan?)")
+                               f"{shard_name(gen, r)} (another save's plan?)")
         try:
-            size = st.size(f"{mf.step_dir(save.step)}/{sh['file']}")
+            size = st.size(f"{step_dir(save.step)}/{sh['file']}")
         except FileNotFoundError:
             raise PersistError(f"{save.where}: rank {r}'s shard {sh['file']} is not under {st.display_url}: every "
                                "rank must write to the same root (a path every node mounts, or a URL)") from None

@@ -64,11 +64,16 @@ from nebula_ckpt.dcp.flat_names import ExposedValue, dcp_names
 from nebula_ckpt.dcp.roots import GivenStorage, partial_job, split_checkpoint_id, tier_for
 from nebula_ckpt.errors import CorruptCheckpointError, NotFoundError, ValidationError
 from nebula_ckpt.format import manifest as mf
+from nebula_ckpt.format.commit import committed_steps
+from nebula_ckpt.format.dtensors import dtensor_chunks, logical_groups
+from nebula_ckpt.format.names import COMMIT, parse_step_dir, step_dir
+from nebula_ckpt.format.records import TensorRecord
 from nebula_ckpt.native import get_ops
 from nebula_ckpt.restore.open import OpenCheckpoint, read_manifest
 from nebula_ckpt.restore.select import find_and_open
 from nebula_ckpt.storage.base import Storage
-from nebula_ckpt.tiers.settings import Tier, refuse_url_credentials
+from nebula_ckpt.storage.urls import refuse_url_credentials
+from nebula_ckpt.tiers.base import Tier
 
 log = logging.getLogger(__name__)
 
@@ -102,7 +107,7 @@ def newest_manifest(storage: Storage) -> mf.Manifest:
         CorruptCheckpointError: committed steps exist, but every manifest is damaged.
     """
     problems = []
-    for step in reversed(mf.committed_steps(storage)):
+    for step in reversed(committed_steps(storage)):
         try:
             return read_manifest(storage, step)
         except CorruptCheckpointError as e:
@@ -114,11 +119,11 @@ def newest_manifest(storage: Storage) -> mf.Manifest:
     raise NotFoundError(f"no committed checkpoint under {storage.display_url}")
 
 
-def logical_tensors(man: mf.Manifest) -> dict[str, list[tuple[int, str, mf.TensorRecord]]]:
+def logical_tensors(man: mf.Manifest) -> dict[str, list[tuple[int, str, TensorRecord]]]:
     """Logical key (no ``r<R>/`` prefix) -> ``(rank, its manifest key, stored record)`` of every
     rank holding it, lowest rank first (aliases resolved to the record they name). A one-process
     manifest gives each key once, as rank 0."""
-    groups = mf.logical_groups(man.tensors, man.aliases, man.multi_rank)
+    groups = logical_groups(man.tensors, man.aliases, man.multi_rank)
     # the saved order (of the lowest rank's tree, then the others'), not the storage order
     from nebula_ckpt.restore.walk import tensor_keys
 
@@ -231,19 +236,19 @@ class NebulaStorageReader(StorageReader):
         Without ``step``: the newest healthy step (damaged newer ones are skipped with a warning).
         With ``step``: that step or an error naming what is damaged, never another step.
         """
-        if step is not None and not storage.exists(f"{mf.step_dir(step)}/{mf.COMMIT}"):
+        if step is not None and not storage.exists(f"{step_dir(step)}/{COMMIT}"):
             raise NotFoundError(f"no committed checkpoint of step {step} under {storage.display_url} "
-                                f"(committed steps: {mf.committed_steps(storage)[-8:]})")
+                                f"(committed steps: {committed_steps(storage)[-8:]})")
         # rank None: the whole job's checkpoint (DCP's planner decides which rank reads what)
         ck = find_and_open([(tier, storage)], step=step, verify="full" if self.verify else "size",
                            on_all_damaged="raise")
         if ck is None:
-            steps = mf.committed_steps(storage)
+            steps = committed_steps(storage)
             if not steps:
                 raise NotFoundError(f"no committed checkpoint under {storage.display_url}")
             # every candidate was healthy but held only some ranks (find_and_open skipped it as such)
             raise partial_job(storage, read_manifest(storage, steps[-1] if step is None else step))
-        newest = step is None and ck.step != mf.committed_steps(storage)[-1]
+        newest = step is None and ck.step != committed_steps(storage)[-1]
         log.info("nebula_ckpt: NebulaStorageReader reads step %d of %s%s", ck.step, storage.display_url,
                  " (the newest healthy step: newer ones are damaged, see the warnings above)" if newest else "")
         return ck
@@ -270,27 +275,27 @@ class NebulaStorageReader(StorageReader):
     @property
     def checkpoint_id(self) -> str:
         """``<root>/step-N`` (display form, never with credentials)."""
-        return f"{self.storage.display_url.rstrip('/')}/{mf.step_dir(self.step)}"
+        return f"{self.storage.display_url.rstrip('/')}/{step_dir(self.step)}"
 
     # -- metadata --------------------------------------------------------------------------------
 
-    def _logical(self) -> dict[str, list[tuple[int, mf.TensorRecord]]]:
+    def _logical(self) -> dict[str, list[tuple[int, TensorRecord]]]:
         """Logical key -> ``(rank, stored record)`` of every rank holding it, lowest rank first."""
         return {k: [(r, rec) for r, _, rec in v] for k, v in logical_tensors(self.manifest).items()}
 
-    def _chunks(self, key: str, holders: list[tuple[int, mf.TensorRecord]]
-                ) -> tuple[mf.TensorRecord, tuple[int, ...], list[tuple[tuple[int, ...], mf.TensorRecord]]]:
+    def _chunks(self, key: str, holders: list[tuple[int, TensorRecord]]
+                ) -> tuple[TensorRecord, tuple[int, ...], list[tuple[tuple[int, ...], TensorRecord]]]:
         """(first record, global shape, [(offsets, record)]) of logical ``key``: the ranks' records
         were checked to agree and (every rank held) to cover the tensor exactly by :meth:`Manifest.parse`."""
         first = holders[0][1]
         if first.dtensor is None:
             return first, first.shape, [((0,) * len(first.shape), first)]
-        shape, chunks = mf.dtensor_chunks(key, holders, self.manifest.shards, self.where)
+        shape, chunks = dtensor_chunks(key, holders, self.manifest.shards, self.where)
         if not chunks:  # an empty global tensor: one (empty) chunk describes it
             chunks = [(first.dtensor.offsets, first)]
         return first, shape, chunks
 
-    def _file(self, rec: mf.TensorRecord) -> str:
+    def _file(self, rec: TensorRecord) -> str:
         return self.manifest.shards[rec.shard].file
 
     def _build_metadata(self) -> tuple[Metadata, list[str]]:
@@ -340,10 +345,10 @@ class NebulaStorageReader(StorageReader):
             return True
         path = root.removeprefix("file://")
         if step is not None:
-            return os.path.isfile(os.path.join(path, mf.step_dir(step), mf.COMMIT))
+            return os.path.isfile(os.path.join(path, step_dir(step), COMMIT))
         try:
-            return any(os.path.isfile(os.path.join(path, n, mf.COMMIT))
-                       for n in os.listdir(path) if mf.parse_step_dir(n) is not None)
+            return any(os.path.isfile(os.path.join(path, n, COMMIT))
+                       for n in os.listdir(path) if parse_step_dir(n) is not None)
         except OSError:
             return False
 
@@ -379,7 +384,7 @@ class NebulaStorageReader(StorageReader):
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         """Serve ``plan``'s read items: shard by shard, verify each stored tensor read (once),
         copy the requested part of each into the tensor the planner resolves."""
-        per_shard: dict[int, list[tuple[ReadItem, mf.TensorRecord]]] = {}
+        per_shard: dict[int, list[tuple[ReadItem, TensorRecord]]] = {}
         for item in plan.items:
             ref = self.storage_data.get(item.storage_index)
             if ref is None:
@@ -403,7 +408,7 @@ class NebulaStorageReader(StorageReader):
         fut.set_result(None)
         return fut
 
-    def _read_from_shard(self, si: int, items: list[tuple[ReadItem, mf.TensorRecord]], planner: LoadPlanner) -> None:
+    def _read_from_shard(self, si: int, items: list[tuple[ReadItem, TensorRecord]], planner: LoadPlanner) -> None:
         from nebula_ckpt.restore.open import read_shard
 
         buf = self._ck.buffer(si) if self._ck is not None else read_shard(self.storage, self.manifest, si,

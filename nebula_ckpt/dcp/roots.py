@@ -1,6 +1,6 @@
 """Where DCP's reader and writer find a checkpoint: a root (path or URL) and its step.
 
-A root is opened as its persistent tier would be (:func:`nebula_ckpt.tiers.settings.tier_for_root`,
+A root is opened as its persistent tier would be (:func:`nebula_ckpt.tiers.roots.tier_for_root`,
 validated); ``"<root>/step-N"`` names a step under a root.
 """
 
@@ -11,8 +11,10 @@ from typing import Any, Optional, Union
 
 from nebula_ckpt.errors import ValidationError
 from nebula_ckpt.format import manifest as mf
+from nebula_ckpt.format.names import parse_step_dir
 from nebula_ckpt.storage.base import Storage
-from nebula_ckpt.tiers.settings import Tier, tier_for_root
+from nebula_ckpt.tiers.base import Tier
+from nebula_ckpt.tiers.roots import tier_for_root
 
 
 def tier_for(root: Union[str, "os.PathLike[str]"], storage_options: Optional[dict[str, Any]]) -> Tier:
@@ -52,5 +54,5 @@ def split_checkpoint_id(checkpoint_id: Union[str, "os.PathLike[str]"]) -> tuple[
     """``"/ckpt/run/step-12"`` -> ``("/ckpt/run", 12)``; a root -> ``(root, None)``."""
     text = os.fspath(checkpoint_id).rstrip("/")
     head, _, tail = text.rpartition("/")
-    step = mf.parse_step_dir(tail) if head else None
+    step = parse_step_dir(tail) if head else None
     return (head, step) if step is not None else (text, None)

@@ -15,9 +15,10 @@ from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteIte
 from nebula_ckpt.dcp.plans import GlobalPlanData, Stored, Written
 from nebula_ckpt.dcp.values import manifest_key
 from nebula_ckpt.errors import ConsistencyError, ValidationError
-from nebula_ckpt.format import manifest as mf
+from nebula_ckpt.format.dtypes import TENSOR_DTYPES, dtype_name
+from nebula_ckpt.format.header import safetensors_header
 from nebula_ckpt.native import byte_view, get_ops
-from nebula_ckpt.save.plan import placement_codes, safetensors_header
+from nebula_ckpt.save.plan import placement_codes
 from nebula_ckpt.storage.base import Storage
 
 
@@ -73,7 +74,7 @@ def tensor_parts(plan: SavePlan, planner: SavePlanner, info: GlobalPlanData, pre
                                   "meta tensors cannot be stored; convert it to a dense tensor with data")
         offsets = tuple(int(o) for o in td.chunk.offsets)
         key = prefix + manifest_key(fqn, paths)
-        rec: dict[str, Any] = {"dtype": mf.dtype_name(t.dtype), "shape": list(sizes),
+        rec: dict[str, Any] = {"dtype": dtype_name(t.dtype), "shape": list(sizes),
                                "device": f"cuda:{t.get_device()}" if t.is_cuda else "cpu"}
         if item.type == WriteItemType.SHARD:
             obj = objects.get(fqn) if isinstance(objects, dict) else None
@@ -97,8 +98,8 @@ def tensor_parts(plan: SavePlan, planner: SavePlanner, info: GlobalPlanData, pre
 def write_shard(storage: Storage, rel: str, tensors: list[Stored], where: str) -> dict[str, Any]:
     """The rank's safetensors image, written straight from the tensors' memory and fsync'd;
     each tensor's CRC32C is taken before the write and checked again after it."""
-    order = sorted(range(len(tensors)), key=lambda i: -mf.TENSOR_DTYPES[tensors[i][1]["dtype"]].itemsize)
-    head, spans = safetensors_header([(tensors[i][0], mf.TENSOR_DTYPES[tensors[i][1]["dtype"]],
+    order = sorted(range(len(tensors)), key=lambda i: -TENSOR_DTYPES[tensors[i][1]["dtype"]].itemsize)
+    head, spans = safetensors_header([(tensors[i][0], TENSOR_DTYPES[tensors[i][1]["dtype"]],
                                        tuple(tensors[i][1]["shape"]), tensors[i][2].numel()) for i in order])
     parts: list[memoryview] = [memoryview(head)]
     for i, (a, b) in zip(order, spans, strict=True):

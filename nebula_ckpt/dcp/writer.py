@@ -86,12 +86,14 @@ from nebula_ckpt.dcp.shard import tensor_parts, write_shard
 from nebula_ckpt.dcp.values import check_keys, encode_value, fqn_paths, manifest_key
 from nebula_ckpt.errors import FencedError, NebulaError, PersistError, ValidationError
 from nebula_ckpt.format import manifest as mf
+from nebula_ckpt.format.dtypes import TENSOR_DTYPES, dtype_name
+from nebula_ckpt.format.names import COMMIT, MANIFEST, parse_step_dir, shard_name, shard_owner, step_dir
 from nebula_ckpt.ranks.process_fence import process_fence
 from nebula_ckpt.save import sweep
 from nebula_ckpt.save.commit import CommitProgress, commit_manifest, encode_manifest
 from nebula_ckpt.save.plan import check_step
 from nebula_ckpt.storage.base import Storage
-from nebula_ckpt.tiers.settings import refuse_url_credentials
+from nebula_ckpt.storage.urls import refuse_url_credentials
 
 log = logging.getLogger(__name__)
 
@@ -113,11 +115,11 @@ def _split_id(checkpoint_id: StepId) -> tuple[Optional[str], Optional[int]]:
     if not isinstance(text, str):
         raise ValidationError(f"NebulaStorageWriter: checkpoint_id must be a str path, got {type(text).__name__}")
     text = text.rstrip("/")
-    step = mf.parse_step_dir(text)
+    step = parse_step_dir(text)
     if step is not None:
         return None, step
     head, _, tail = text.rpartition("/")
-    step = mf.parse_step_dir(tail) if head else None
+    step = parse_step_dir(tail) if head else None
     return (head, step) if step is not None else (text, None)
 
 
@@ -180,7 +182,7 @@ class NebulaStorageWriter(StorageWriter):
         """``<root>/step-N`` (display form, never with credentials); None before a step is set."""
         if self.step is None:
             return None
-        return f"{self.storage.display_url.rstrip('/')}/{mf.step_dir(self.step)}"
+        return f"{self.storage.display_url.rstrip('/')}/{step_dir(self.step)}"
 
     @property
     def where(self) -> str:
@@ -243,8 +245,8 @@ class NebulaStorageWriter(StorageWriter):
                 td = item.tensor_data
                 if td is None or td.chunk is None:
                     raise ValidationError(f"NebulaStorageWriter: state key '{fqn}': a tensor item without bounds")
-                dt = mf.dtype_name(td.properties.dtype)
-                if dt not in mf.TENSOR_DTYPES:
+                dt = dtype_name(td.properties.dtype)
+                if dt not in TENSOR_DTYPES:
                     raise ValidationError(f"NebulaStorageWriter: state key '{fqn}': dtype {dt} cannot be stored "
                                           "(quantized, or without a byte size)")
                 held.append((fqn, tuple(int(o) for o in td.chunk.offsets)))
@@ -304,13 +306,13 @@ class NebulaStorageWriter(StorageWriter):
             raise ValidationError("NebulaStorageWriter does not support DCP's plan caching "
                                   "(DefaultSavePlanner(enable_plan_caching=True))")
         st = self.storage
-        d = mf.step_dir(info.step)
-        if st.exists(f"{d}/{mf.COMMIT}"):
+        d = step_dir(info.step)
+        if st.exists(f"{d}/{COMMIT}"):
             raise ValidationError(f"NebulaStorageWriter: step {info.step} was committed under {st.display_url} "
                                   "while this save ran; nothing is overwritten")
         prefix = f"r{info.rank}/" if info.world > 1 else ""
         paths = fqn_paths(plan.planner_data)
-        name = mf.shard_name(info.generation, info.rank)
+        name = shard_name(info.generation, info.rank)
         shard: dict[str, Any] = {"file": name}
         out: list[tuple[WriteItem, Written, int]] = []
         # values first: a value that cannot be stored fails the save before any byte is written
@@ -407,18 +409,18 @@ class NebulaStorageWriter(StorageWriter):
 
     def _refuse_committed(self) -> None:
         st = self.storage
-        if st.exists(f"{mf.step_dir(self.step or 0)}/{mf.COMMIT}"):
+        if st.exists(f"{step_dir(self.step or 0)}/{COMMIT}"):
             raise ValidationError(
                 f"NebulaStorageWriter: step {self.step} is already committed under {st.display_url} "
-                f"({mf.step_dir(self.step or 0)}/{mf.COMMIT}); a committed checkpoint is never overwritten: save "
+                f"({step_dir(self.step or 0)}/{COMMIT}); a committed checkpoint is never overwritten: save "
                 "another step, or delete that one first")
 
     def _abandon(self, step: int) -> None:
         """After a failed commit: remove this save's files of the step (its generation's shards, the
         manifest it wrote), never a committed step's nor another writer's."""
         def doomed(n: str) -> bool:
-            owner = mf.shard_owner(n)
-            return (owner is not None and owner[0] == self._gen) or (n == mf.MANIFEST and self._wrote_manifest)
+            owner = shard_owner(n)
+            return (owner is not None and owner[0] == self._gen) or (n == MANIFEST and self._wrote_manifest)
 
         sweep.discard_files(self.storage, step, doomed, self.where)
 

@@ -31,7 +31,7 @@ from typing import Any, Callable, Mapping, Optional
 import torch
 
 from nebula_ckpt.errors import CorruptCheckpointError, PickleNotAllowedError, ValidationError
-from nebula_ckpt.format.manifest import DTYPES
+from nebula_ckpt.format.dtypes import DTYPES
 
 Node = dict[str, Any]
 

@@ -28,13 +28,12 @@ import os
 import pickle
 import stat
 import sys
-import tempfile
 import zipfile
 from typing import Any, Callable, Optional
 
 import torch
 
-from nebula_ckpt import canonical_root
+from nebula_ckpt import canonical_root, write_file_atomic
 from nebula_ckpt.errors import ValidationError
 
 #: a pointer is a kilobyte or two; anything larger at a path is some other file
@@ -196,44 +195,10 @@ def write_local_pointer(path: str, data: bytes, mode: Optional[int] = None) -> N
 
     ``mode``: the file's permissions (default: as ``open`` would make it, under the umask).
     """
-    folder = os.path.dirname(os.path.abspath(path))
-    os.makedirs(folder, exist_ok=True)
-    # the temporary name stays within NAME_MAX whatever the length of ``path``'s own name
-    prefix = "." + safe_name(os.path.basename(path), NAME_MAX - 40) + "."
-    fd, tmp = tempfile.mkstemp(prefix=prefix, suffix=TMP_SUFFIX, dir=folder)
-    try:
-        os.fchmod(fd, mode if mode is not None else 0o666 & ~_umask())  # mkstemp makes it 0600
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
-    try:  # a folder that cannot be fsync'd (some network file systems) is left as it is
-        dfd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
-        try:
-            os.fsync(dfd)
-        finally:
-            os.close(dfd)
-    except OSError:
-        pass
-
-
-def _umask() -> int:
-    """The process's umask, read without changing it (``/proc/self/status``; 0o022 otherwise)."""
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("Umask:"):
-                    return int(line.split()[1], 8)
-    except (OSError, ValueError, IndexError):
-        pass
-    return 0o022
+    # ``mode`` None: 0o666 less the umask, as ``open`` makes files; a folder that cannot be fsync'd
+    # (some network file systems) leaves the pointer in place all the same
+    write_file_atomic(path, data, mode=0o666 if mode is None else mode, exact_mode=mode is not None,
+                      strict_dir_fsync=False, tmp_suffix=TMP_SUFFIX)
 
 
 def _is_local(path: str) -> bool:

@@ -27,7 +27,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import re
 import socket
 import threading
 import time
@@ -35,14 +34,12 @@ import uuid
 from typing import Callable, Optional
 
 from nebula_ckpt.errors import FencedError, NebulaError
+from nebula_ckpt.format.names import RUN_FILE, WRITERS_DIR, writer_generation, writer_record
 from nebula_ckpt.ranks.coordinator import Coordinator, LocalCoordinator
 from nebula_ckpt.storage.base import Storage
 
 log = logging.getLogger(__name__)
 
-WRITERS_DIR = "_nebula/writers"
-RUN_FILE = "_nebula/run.json"
-_G_RE = re.compile(r"^g-(\d+)\.json$")
 _KEEP_RECORDS = 16
 
 
@@ -83,12 +80,7 @@ def run_id(storage: Storage) -> str:
 def generations(storage: Storage) -> list[int]:
     """The writer generations recorded on ``storage`` (``_nebula/writers/g-<n>.json``), ascending
     (the one listing of them)."""
-    out = []
-    for name in storage.list(WRITERS_DIR):
-        m = _G_RE.match(name)
-        if m:
-            out.append(int(m.group(1)))
-    return sorted(out)
+    return sorted(g for g in map(writer_generation, storage.list(WRITERS_DIR)) if g is not None)
 
 
 class Fence:
@@ -144,11 +136,11 @@ class Fence:
             gens = generations(self.storage)
             g = (gens[-1] + 1) if gens else 1
             try:
-                self.storage.write_small(f"{WRITERS_DIR}/g-{g}.json", info, create_only=True)
+                self.storage.write_small(writer_record(g), info, create_only=True)
             except FileExistsError:
                 continue  # another writer took g at the same moment: take the next one
             for old in gens[:-_KEEP_RECORDS]:
-                self.storage.remove(f"{WRITERS_DIR}/g-{old}.json")
+                self.storage.remove(writer_record(old))
             log.info("nebula_ckpt: writer generation %d on %s", g, self.storage.display_url)
             return g
         raise FencedError(f"{self.storage.display_url}: could not take a writer generation after 100 tries")
@@ -180,7 +172,7 @@ class TierFence:
         g = self.generation
         if not self._recorded:
             try:
-                self.storage.write_small(f"{WRITERS_DIR}/g-{g}.json", b"{}", create_only=True)
+                self.storage.write_small(writer_record(g), b"{}", create_only=True)
             except FileExistsError:
                 pass
             self._recorded = True

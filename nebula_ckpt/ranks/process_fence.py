@@ -16,8 +16,9 @@ import socket
 import threading
 from typing import Callable, Optional
 
+from nebula_ckpt.format.names import writer_record
 from nebula_ckpt.ranks.coordinator import LocalCoordinator
-from nebula_ckpt.ranks.fencing import WRITERS_DIR, Fence, generations
+from nebula_ckpt.ranks.fencing import Fence, generations
 from nebula_ckpt.storage.base import Storage
 
 #: writer generation per (process, root): one job writing many steps keeps one generation
@@ -40,7 +41,7 @@ def _process_start() -> float:
 def _taken_here(storage: Storage, g: int) -> bool:
     """Whether generation ``g`` was taken by this very process (a Checkpointer of it, say)."""
     try:
-        rec = json.loads(storage.read_small(f"{WRITERS_DIR}/g-{g}.json"))
+        rec = json.loads(storage.read_small(writer_record(g)))
     except (OSError, ValueError):
         return False
     return isinstance(rec, dict) and rec.get("host") == socket.gethostname() and rec.get("pid") == os.getpid() \

@@ -25,7 +25,8 @@ from typing import Any, Optional
 
 from nebula_ckpt import knobs
 from nebula_ckpt.format import manifest as mf
-from nebula_ckpt.save.plan import safetensors_header
+from nebula_ckpt.format.dtypes import TENSOR_DTYPES
+from nebula_ckpt.format.header import safetensors_header
 
 Entry = tuple[int, int, str, tuple[int, ...]]
 
@@ -89,7 +90,7 @@ def subset_image(tensor_index: dict[str, dict[str, Any]], keep: list[str],
     naturally aligned.
     """
     keys = sorted(keep, key=lambda k: tensor_index[k]["offsets"][0])
-    items = [(k, mf.TENSOR_DTYPES[tensor_index[k]["dtype"]], tuple(tensor_index[k]["shape"]),
+    items = [(k, TENSOR_DTYPES[tensor_index[k]["dtype"]], tuple(tensor_index[k]["shape"]),
               tensor_index[k]["offsets"][1] - tensor_index[k]["offsets"][0]) for k in keys]
     head, spans = safetensors_header(items)
     parts: list[memoryview] = [memoryview(head)]

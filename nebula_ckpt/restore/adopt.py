@@ -48,14 +48,15 @@ from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 
-from nebula_ckpt.format import manifest as mf
+from nebula_ckpt.format.names import COMMIT, step_dir
+from nebula_ckpt.format.records import TensorRecord
 from nebula_ckpt.native import get_ops
 from nebula_ckpt.restore.open import OpenCheckpoint, chunks, read_manifest
 from nebula_ckpt.storage.local import hold_alone, hold_read, let_go
 
 if TYPE_CHECKING:
     from nebula_ckpt.storage.base import Storage
-    from nebula_ckpt.tiers.runtime import MemoryTierRuntime
+    from nebula_ckpt.tiers.memory.runtime import MemoryTierRuntime
 
 log = logging.getLogger(__name__)
 
@@ -80,7 +81,7 @@ class Adoption:
         #: a shard could not be mapped for writing: nothing is handed over, adopted views get copied
         self.refused = False
         #: the tensors that are views of the shared mappings (by id), with their records
-        self.adopted: dict[int, mf.TensorRecord] = {}
+        self.adopted: dict[int, TensorRecord] = {}
 
     @property
     def handed_bytes(self) -> int:
@@ -91,7 +92,7 @@ class Adoption:
         """A shared, writable mapping of shard ``shard`` (opened once)."""
         if shard not in self._files:
             sh = self._ck.manifest.shards[shard]
-            path = self._runtime.storage.local_path(f"{mf.step_dir(self._ck.step)}/{sh.file}")
+            path = self._runtime.storage.local_path(f"{step_dir(self._ck.step)}/{sh.file}")
             if path is None:
                 raise OSError(errno.EXDEV, "the memory tier is not a local file system")
             fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
@@ -108,7 +109,7 @@ class Adoption:
             self._files[shard] = (fd, mm)
         return self._files[shard][1]
 
-    def tensors(self, recs: list[mf.TensorRecord]) -> list[torch.Tensor]:
+    def tensors(self, recs: list[TensorRecord]) -> list[torch.Tensor]:
         """Views of ``recs`` over the shared mappings, after checking their checksums.
 
         Raises:
@@ -179,8 +180,8 @@ class Adoption:
         """Why the tier's step is no longer the one this process verified (None: it is): its commit
         marker is gone, or a shard's name links another file (deleted, replaced, re-saved)."""
         storage = self._runtime.storage
-        d = mf.step_dir(self._ck.step)
-        if not storage.exists(f"{d}/{mf.COMMIT}"):
+        d = step_dir(self._ck.step)
+        if not storage.exists(f"{d}/{COMMIT}"):
             return "the step is gone from the tier (another process took it, or retention deleted it)"
         shards = self._ck.manifest.shards
         for si, (fd, _) in self._files.items():
@@ -238,7 +239,7 @@ def _punch_outside(fd: int, size: int, used: list[tuple[int, int]]) -> None:
 def adoption_for(runtimes: list[Any], ck: "OpenCheckpoint", saved: bool, world_size: int) -> Optional[Adoption]:
     """The adoption of ``ck`` if every condition of the module docstring holds, else None."""
     from nebula_ckpt import knobs
-    from nebula_ckpt.tiers.runtime import MemoryTierRuntime
+    from nebula_ckpt.tiers.memory.runtime import MemoryTierRuntime
 
     if not knobs.get("adopt_memory_tier") or saved or world_size > 1 or ck.manifest.multi_rank:
         return None
@@ -260,7 +261,7 @@ def _durable_elsewhere(runtimes: list[Any], ck: "OpenCheckpoint") -> bool:
             man = read_manifest(st, ck.step, f"tier {rt.name} step {ck.step}")
             if man.generation != ck.manifest.generation:
                 continue
-            if all(st.size(f"{mf.step_dir(ck.step)}/{sh.file}") == sh.stored_bytes for sh in man.shards):
+            if all(st.size(f"{step_dir(ck.step)}/{sh.file}") == sh.stored_bytes for sh in man.shards):
                 return True
         except Exception:  # absent, unreadable, damaged: not this tier
             continue

@@ -14,7 +14,7 @@ from typing import Any, Callable, Mapping, Optional
 import torch
 
 from nebula_ckpt.errors import ValidationError
-from nebula_ckpt.format import manifest as mf
+from nebula_ckpt.format.records import TensorRecord
 from nebula_ckpt.format.tree import decode
 from nebula_ckpt.native import get_ops
 from nebula_ckpt.restore.checks import check_module_state, check_optimizer_state
@@ -150,7 +150,7 @@ class Staged:
         """Make every registered owned copy (checksums checked while copying)."""
         self._owned = [owned_batch(self.ck, keys, self.map_location) for keys in self._groups]
 
-    def own_adopted(self, adopted: Mapping[int, mf.TensorRecord]) -> None:
+    def own_adopted(self, adopted: Mapping[int, TensorRecord]) -> None:
         """Replace the tensors adopted from the memory tier (ids in ``adopted``, with their
         records) by owned copies, their checksums checked: the claim on the tier's file was not
         won, so it must never be written through them.
@@ -177,7 +177,7 @@ def drop_after_each_submodule(ck: OpenCheckpoint, module: torch.nn.Module, state
     parameters and buffers as soon as ``load_state_dict`` has copied them (so a model's restore
     never has its whole mapped source resident). Keys it cannot match are dropped by the caller
     after the load."""
-    recs: dict[str, mf.TensorRecord] = {}
+    recs: dict[str, TensorRecord] = {}
     if state.get("t") in ("dict", "odict"):
         for k_node, v_node in state["v"]:
             if isinstance(v_node, dict) and v_node.get("t") == "tensor" and isinstance(k_node, dict) \

@@ -16,7 +16,7 @@ from typing import Any, Optional
 import torch
 
 from nebula_ckpt.errors import ValidationError
-from nebula_ckpt.format import manifest as mf
+from nebula_ckpt.format.records import TensorRecord
 from nebula_ckpt.native import get_ops
 from nebula_ckpt.restore.open import OpenCheckpoint, chunks
 
@@ -34,7 +34,7 @@ def owned(view: torch.Tensor, device: Optional[torch.device]) -> torch.Tensor:
     return out
 
 
-def target_device(rec: mf.TensorRecord, map_location: Any) -> Optional[torch.device]:
+def target_device(rec: TensorRecord, map_location: Any) -> Optional[torch.device]:
     """Where a created tensor goes, with ``map_location`` as :func:`torch.load` takes it.
 
     ``None`` (the saved device, CPU where CUDA is missing), a device or string, a dict mapping

@@ -19,6 +19,10 @@ import torch
 from nebula_ckpt import knobs
 from nebula_ckpt.errors import CorruptCheckpointError, ValidationError
 from nebula_ckpt.format import manifest as mf
+from nebula_ckpt.format.commit import read_commit
+from nebula_ckpt.format.header import data_start
+from nebula_ckpt.format.names import COMMIT, MANIFEST, step_dir
+from nebula_ckpt.format.records import TensorRecord
 from nebula_ckpt.format.tree import decode
 from nebula_ckpt.native import get_ops
 from nebula_ckpt.storage.base import Storage
@@ -50,7 +54,7 @@ class OpenCheckpoint:
         #: shard index -> the file mapping under its buffer (local and memory tiers)
         self._maps = maps or {}
         #: records whose checksum is still to be checked (opened with ``defer_verify``)
-        self.unverified: dict[int, list[mf.TensorRecord]] = {}
+        self.unverified: dict[int, list[TensorRecord]] = {}
         #: the restore staged for this checkpoint while it was opened (run it to apply; see
         #: :func:`~nebula_ckpt.restore.select.find_and_open`'s ``stage``)
         self.pending: Optional[Callable[[], None]] = None
@@ -93,7 +97,7 @@ class OpenCheckpoint:
         """Whether the keys of :attr:`tree` are this process's own (no resharding needed)."""
         return not self.manifest.multi_rank or self.rank is not None
 
-    def resolve(self, key: str) -> mf.TensorRecord:
+    def resolve(self, key: str) -> TensorRecord:
         """The stored record of ``key`` (a key of :attr:`tree`)."""
         return self.manifest.resolve(key, self.rank)
 
@@ -105,7 +109,7 @@ class OpenCheckpoint:
         """The bytes of shard ``shard`` (read and verified when the checkpoint was opened)."""
         return self._buffers[shard]
 
-    def drop(self, recs: list[mf.TensorRecord]) -> None:
+    def drop(self, recs: list[TensorRecord]) -> None:
         """Unmap the pages under ``recs`` from this process (they stay in the page cache / tmpfs).
 
         The shard mappings are private and never written, so dropping a page loses nothing: a
@@ -115,7 +119,7 @@ class OpenCheckpoint:
         for r in recs:
             _advise(self._maps.get(r.shard), r.start, r.end, _MADV_DONTNEED)
 
-    def verified_by_copy(self, recs: list[mf.TensorRecord], crcs: list[int]) -> None:
+    def verified_by_copy(self, recs: list[TensorRecord], crcs: list[int]) -> None:
         """Compare the checksums the copy engine took of ``recs`` while copying them with the
         manifest; those still unverified count as verified now.
 
@@ -166,7 +170,7 @@ class OpenCheckpoint:
 
 
 
-def _needed(man: mf.Manifest, rank: Optional[int]) -> dict[int, list[mf.TensorRecord]]:
+def _needed(man: mf.Manifest, rank: Optional[int]) -> dict[int, list[TensorRecord]]:
     """Shard index -> the records a restore of ``rank`` reads from it (every shard without a rank)."""
     if rank is None or not man.multi_rank:
         recs = list(man.tensors.values())
@@ -174,7 +178,7 @@ def _needed(man: mf.Manifest, rank: Optional[int]) -> dict[int, list[mf.TensorRe
         p = man.prefix(rank)
         keys = [k for k in list(man.tensors) + list(man.aliases) if k.startswith(p)]
         recs = list({id(r): r for r in (man.tensors[man.aliases.get(k, k)] for k in keys)}.values())
-    out: dict[int, list[mf.TensorRecord]] = {i: [] for i in range(len(man.shards))} \
+    out: dict[int, list[TensorRecord]] = {i: [] for i in range(len(man.shards))} \
         if rank is None or not man.multi_rank else {}
     for r in recs:
         out.setdefault(r.shard, []).append(r)
@@ -190,17 +194,17 @@ def read_manifest(storage: Storage, step: int, where: Optional[str] = None) -> m
         CorruptCheckpointError: naming ``where`` and what is wrong (missing files included).
     """
     where = where or f"{storage.display_url} step {step}"
-    d = mf.step_dir(step)
+    d = step_dir(step)
     try:
-        commit = mf.read_commit(storage, step, where)
-        mbytes = storage.read_small(f"{d}/{mf.MANIFEST}")
+        commit = read_commit(storage, step, where)
+        mbytes = storage.read_small(f"{d}/{MANIFEST}")
     except FileNotFoundError as e:
         raise CorruptCheckpointError(f"{where}: {e.filename or e} is missing") from None
     if len(mbytes) != commit.manifest_bytes or get_ops().crc32c_bytes(mbytes) != commit.manifest_crc32c:
         raise CorruptCheckpointError(f"{where}: manifest.json does not match its commit marker "
                                      "(size or checksum differs): garbled or replaced")
     if commit.step != step:
-        raise CorruptCheckpointError(f"{where}: {mf.COMMIT} is for step {commit.step}, but lies in {d}/")
+        raise CorruptCheckpointError(f"{where}: {COMMIT} is for step {commit.step}, but lies in {d}/")
     return mf.Manifest.parse(mbytes, where, step)
 
 
@@ -251,7 +255,7 @@ def read_shard(storage: Storage, man: mf.Manifest, i: int, where: str) -> torch.
 def _read_shard(storage: Storage, man: mf.Manifest, i: int, where: str) -> tuple[torch.Tensor, Optional[mmap.mmap]]:
     """:func:`read_shard`, and the file mapping under the tensor (None for bytes read into memory)."""
     sh = man.shards[i]
-    rel = f"{mf.step_dir(man.step)}/{sh.file}"
+    rel = f"{step_dir(man.step)}/{sh.file}"
     try:
         stored = storage.size(rel)
     except FileNotFoundError:
@@ -263,7 +267,7 @@ def _read_shard(storage: Storage, man: mf.Manifest, i: int, where: str) -> tuple
     if len(mv) != sh.bytes:
         raise CorruptCheckpointError(f"{where}: shard {sh.file} decodes to {len(mv)} bytes, "
                                      f"expected {sh.bytes}")
-    man.check_data_start(i, 8 + int.from_bytes(bytes(mv[:8]), "little"), where)
+    man.check_data_start(i, data_start(mv), where)
     mm = getattr(mv, "obj", None)
     return torch.frombuffer(mv, dtype=torch.uint8), mm if isinstance(mm, mmap.mmap) else None
 
@@ -280,12 +284,12 @@ def _advise(mm: Optional[mmap.mmap], start: int, end: int, advice: int) -> None:
         pass  # an old kernel without MADV_POPULATE_READ: pages fault in as they are read
 
 
-def chunks(recs: list[mf.TensorRecord]) -> list[list[mf.TensorRecord]]:
+def chunks(recs: list[TensorRecord]) -> list[list[TensorRecord]]:
     """``recs`` in shard order, in consecutive groups of at most a sixteenth of their bytes (4 to
     ``restore_chunk_bytes`` (knob); a larger record is a group of its own): what is mapped at once
     stays small."""
     limit = max(4 << 20, min(knobs.get("restore_chunk_bytes"), sum(r.nbytes for r in recs) // 16))
-    out: list[list[mf.TensorRecord]] = []
+    out: list[list[TensorRecord]] = []
     size = 0
     for r in sorted(recs, key=lambda r: r.start):
         if not out or size + r.nbytes > limit:
@@ -296,7 +300,7 @@ def chunks(recs: list[mf.TensorRecord]) -> list[list[mf.TensorRecord]]:
     return out
 
 
-def _verify_checksums(needed: dict[int, list[mf.TensorRecord]], buffers: dict[int, torch.Tensor],
+def _verify_checksums(needed: dict[int, list[TensorRecord]], buffers: dict[int, torch.Tensor],
                       where: str, maps: Optional[dict[int, mmap.mmap]] = None) -> None:
     """Check the CRC32C of every record, on all threads, a chunk at a time.
 

@@ -14,15 +14,16 @@ import logging
 from typing import Any, Callable, Optional
 
 from nebula_ckpt.errors import CorruptCheckpointError, NotFoundError, ValidationError
-from nebula_ckpt.format.manifest import committed_steps, step_dir
+from nebula_ckpt.format.commit import committed_steps
+from nebula_ckpt.format.names import step_dir
 from nebula_ckpt.ranks.coordinator import Coordinator
 from nebula_ckpt.restore.adopt import adoption_for
 from nebula_ckpt.restore.apply import apply, materialize, stage_restore
 from nebula_ckpt.restore.open import OpenCheckpoint, read_manifest
 from nebula_ckpt.restore.select import Stage, find_and_open, list_candidates, open_agreed, open_tagged
 from nebula_ckpt.storage.base import Storage
+from nebula_ckpt.tiers.base import Tier
 from nebula_ckpt.tiers.runtime import TierRuntime
-from nebula_ckpt.tiers.settings import Tier
 
 log = logging.getLogger("nebula_ckpt")
 

@@ -15,11 +15,11 @@ from dataclasses import dataclass
 from typing import Callable, Optional
 
 from nebula_ckpt.errors import CorruptCheckpointError, ValidationError
-from nebula_ckpt.format import manifest as mf
+from nebula_ckpt.format.commit import committed_steps, read_commit
 from nebula_ckpt.ranks.coordinator import Coordinator
 from nebula_ckpt.restore.open import NotThisLayout, OpenCheckpoint, open_checkpoint
 from nebula_ckpt.storage.base import Storage
-from nebula_ckpt.tiers.settings import Tier
+from nebula_ckpt.tiers.base import Tier
 
 log = logging.getLogger(__name__)
 
@@ -60,7 +60,7 @@ def list_candidates(tiers: list[tuple[Tier, Storage]]) -> list[Candidate]:
     cands: list[tuple[int, int, int, Candidate]] = []
     for i, (tier, st) in enumerate(tiers):
         try:
-            steps = mf.committed_steps(st)
+            steps = committed_steps(st)
         except Exception as e:
             log.warning("nebula_ckpt: cannot list tier %s: %s", tier.name, e)
             continue
@@ -74,7 +74,7 @@ def _commit_generation(storage: Storage, step: int) -> tuple[int, Optional[str]]
     """The writer generation the commit marker of ``step`` names, or ``(-1, why)`` when the marker
     cannot be read (missing since listed, unreadable, garbled)."""
     try:
-        return mf.read_commit(storage, step, f"step {step}").generation, None
+        return read_commit(storage, step, f"step {step}").generation, None
     except Exception as e:
         return -1, str(e) if isinstance(e, CorruptCheckpointError) else \
             f"commit marker is unreadable ({type(e).__name__}: {e})"

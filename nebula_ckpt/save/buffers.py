@@ -36,10 +36,11 @@ import torch
 
 from nebula_ckpt import knobs
 from nebula_ckpt.errors import ValidationError
+from nebula_ckpt.format.names import slot_file_name
 from nebula_ckpt.native import get_ops
 from nebula_ckpt.save.prefault import FaultAhead, threads_for
 from nebula_ckpt.storage.local import read_elsewhere
-from nebula_ckpt.tiers.memory.shm import own_spare_slot_files, slot_file_name
+from nebula_ckpt.tiers.memory.shm import own_spare_slot_files
 
 log = logging.getLogger(__name__)
 

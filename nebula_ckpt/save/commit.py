@@ -24,7 +24,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from nebula_ckpt.errors import PersistError
-from nebula_ckpt.format import manifest as mf
+from nebula_ckpt.format.commit import Commit, read_commit
+from nebula_ckpt.format.names import COMMIT, MANIFEST, step_dir
 from nebula_ckpt.native import get_ops
 from nebula_ckpt.ranks.fencing import TierFence
 from nebula_ckpt.storage.base import Storage, never_created
@@ -70,24 +71,24 @@ def commit_manifest(storage: Storage, fence: TierFence, step: int, mbytes: bytes
         FileExistsError: the step already has a ``COMMIT`` (another writer's).
         OSError and others: the storage's errors, as they come.
     """
-    d = mf.step_dir(step)
+    d = step_dir(step)
     log.debug("nebula_ckpt: phase=manifest tier=%s step=%d", tier, step)
-    storage.write_small(f"{d}/{mf.MANIFEST}", mbytes)
+    storage.write_small(f"{d}/{MANIFEST}", mbytes)
     fence.check(f"commit step {step}")
     log.debug("nebula_ckpt: phase=commit tier=%s step=%d", tier, step)
-    commit = mf.Commit(step, fence.generation, len(mbytes), get_ops().crc32c_bytes(mbytes))
+    commit = Commit(step, fence.generation, len(mbytes), get_ops().crc32c_bytes(mbytes))
     progress.may_commit = True
     try:
-        storage.write_small(f"{d}/{mf.COMMIT}", commit.to_bytes(), create_only=True)
+        storage.write_small(f"{d}/{COMMIT}", commit.to_bytes(), create_only=True)
     except BaseException:
-        progress.may_commit = not never_created(storage, f"{d}/{mf.COMMIT}")
+        progress.may_commit = not never_created(storage, f"{d}/{COMMIT}")
         raise
 
 
 def is_committed(storage: Storage, step: int, generation: int) -> bool:
     """Whether ``generation``'s ``COMMIT`` of ``step`` is on ``storage`` (read back; False when unsure)."""
     try:
-        c = mf.read_commit(storage, step, f"{storage.display_url}/{mf.step_dir(step)}")
+        c = read_commit(storage, step, f"{storage.display_url}/{step_dir(step)}")
     except Exception as e:  # missing, unreadable: not known to be committed
         log.debug("nebula_ckpt: %s: no readable COMMIT of step %d: %s", storage.display_url, step, e)
         return False
@@ -96,6 +97,6 @@ def is_committed(storage: Storage, step: int, generation: int) -> bool:
 
 def delete_checkpoint(storage: Storage, step: int) -> None:
     """Delete a checkpoint: marker first (it stops being visible), then its data."""
-    d = mf.step_dir(step)
-    storage.remove(f"{d}/{mf.COMMIT}")
+    d = step_dir(step)
+    storage.remove(f"{d}/{COMMIT}")
     storage.remove_dir(d)

@@ -21,12 +21,15 @@ import logging
 from typing import Any, Optional
 
 from nebula_ckpt.errors import NebulaError, ValidationError
-from nebula_ckpt.format.manifest import committed_steps
+from nebula_ckpt.format.commit import committed_steps
 from nebula_ckpt.ranks.fencing import Fence, read_run_id
 from nebula_ckpt.restore.open import open_checkpoint, read_manifest
 from nebula_ckpt.save.writer import TierWriter
+from nebula_ckpt.storage.urls import canonical_root
+from nebula_ckpt.tiers.factory import runtime_for
 from nebula_ckpt.tiers.memory.shm import Owner
-from nebula_ckpt.tiers.settings import MemoryTier, canonical_root, tier_for_root
+from nebula_ckpt.tiers.memory.tier import MemoryTier
+from nebula_ckpt.tiers.roots import tier_for_root
 
 log = logging.getLogger(__name__)
 
@@ -48,7 +51,7 @@ def persist_memory(root: str, storage_options: Optional[dict[str, Any]] = None, 
     root_storage = root_tier.make_storage()
     mem = MemoryTier()
     mem.bind(root, 0)
-    rt = mem.runtime(mem.make_storage())
+    rt = runtime_for(mem, mem.make_storage())
     try:
         rid = read_run_id(root_storage)
         if rid is None:
@@ -86,7 +89,7 @@ def _check_copyable(rt: Any, step: int, steps: list[int]) -> None:
 
 def _copy(rt: Any, root_tier: Any, root_storage: Any, step: int, keep_last: int) -> None:
     fence = Fence(root_storage)
-    writer = TierWriter(root_tier.runtime(root_storage), fence.for_tier(root_storage), keep_last)
+    writer = TierWriter(runtime_for(root_tier, root_storage), fence.for_tier(root_storage), keep_last)
     try:
         writer.copy_from(rt.storage, step)
     except Exception as e:

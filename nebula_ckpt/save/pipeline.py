@@ -23,7 +23,7 @@ import torch
 
 from nebula_ckpt import knobs
 from nebula_ckpt.errors import NebulaError
-from nebula_ckpt.format.manifest import committed_steps
+from nebula_ckpt.format.commit import committed_steps
 from nebula_ckpt.handle import SaveHandle
 from nebula_ckpt.native import get_ops, monotonic
 from nebula_ckpt.ranks.coordinator import Coordinator
@@ -33,9 +33,9 @@ from nebula_ckpt.save.fanout import fan_out
 from nebula_ckpt.save.plan import Plan, make_plan
 from nebula_ckpt.save.snapshot import Snapshot, Stager
 from nebula_ckpt.save.writer import TierWriter
+from nebula_ckpt.tiers.base import now
 from nebula_ckpt.tiers.memory.replicas import PART as REPLICAS
 from nebula_ckpt.tiers.runtime import TierRuntime
-from nebula_ckpt.tiers.settings import now
 
 log = logging.getLogger("nebula_ckpt")
 

@@ -22,8 +22,6 @@ tensor, so it is cached and reused while the state keeps its shapes.
 from __future__ import annotations
 
 import collections
-import json
-import struct
 import sys
 from dataclasses import dataclass, field
 from typing import Any, Optional
@@ -31,14 +29,14 @@ from typing import Any, Optional
 import torch
 
 from nebula_ckpt.errors import ValidationError
-from nebula_ckpt.format.manifest import SAFETENSORS_CODES, SINGLE_VERSION, DTensorInfo, check_tag, dtype_name
+from nebula_ckpt.format.dtypes import dtype_name
+from nebula_ckpt.format.header import RESERVED_KEYS, safetensors_header
+from nebula_ckpt.format.names import check_tag
+from nebula_ckpt.format.records import DTensorInfo
 from nebula_ckpt.format.tree import MAX_DEPTH, Node, check_int, encode_leaf, numpy_code
 
-ALIGN = 4096
 #: largest step: it must fit a signed 64-bit integer (file names, manifests, other readers).
 MAX_STEP = 2**63 - 1
-#: tensor keys safetensors reserves for itself.
-_RESERVED_KEYS = frozenset({"__metadata__"})
 
 
 @dataclass(frozen=True)
@@ -345,7 +343,7 @@ class _Flattener:
     def tensor(self, t: torch.Tensor, path: str, owned: bool = False) -> Node:
         """A tensor leaf; ``owned``: a copy made by the walk (no one else can change it)."""
         key = path or "<root>"
-        if key in _RESERVED_KEYS:
+        if key in RESERVED_KEYS:
             raise ValidationError(f"state key '{key}' is reserved by the safetensors format (its header "
                                   "uses it); rename it")
         if type(t).__name__ == "DTensor":  # its local shard is stored, with where it lies
@@ -369,27 +367,6 @@ class _Flattener:
 
 
 _layout_cache: "collections.OrderedDict[tuple[Any, ...], Layout]" = collections.OrderedDict()
-
-
-def safetensors_header(items: list[tuple[str, torch.dtype, tuple[int, ...], int]]
-                       ) -> tuple[bytes, list[tuple[int, int]]]:
-    """The header of a safetensors image holding ``items`` (key, dtype, shape, bytes) back to back,
-    in this order: 8-byte length + JSON padded so the data starts on an :data:`ALIGN` boundary,
-    and each item's ``[start, end)`` relative to the data start. Dtypes safetensors lacks are
-    described as ``"U8"`` bytes."""
-    header: dict[str, Any] = {"__metadata__": {"format": "pt", "writer": "nebula_ckpt",
-                                               "nebula_format": str(SINGLE_VERSION)}}
-    pos = 0
-    spans = []
-    for k, dtype, shape, n in items:
-        st = SAFETENSORS_CODES.get(dtype)
-        header[k] = {"dtype": st or "U8", "shape": list(shape) if st else [n], "data_offsets": [pos, pos + n]}
-        spans.append((pos, pos + n))
-        pos += n
-    js = json.dumps(header, separators=(",", ":")).encode()
-    data_start = -(-(8 + len(js)) // ALIGN) * ALIGN
-    js += b" " * (data_start - 8 - len(js))
-    return struct.pack("<Q", len(js)) + js, spans
 
 
 def make_layout(tensors: dict[str, torch.Tensor]) -> tuple[Layout, list[str]]:
@@ -434,7 +411,7 @@ def make_plan(step: Any, state: Any, *, allow_pickle: bool = False, tag: Optiona
         state: a tree of dicts / lists / tuples whose leaves are tensors, NumPy arrays and
             scalars, plain values, or objects with ``state_dict()``.
         allow_pickle: store values typed JSON cannot hold with pickle.
-        tag: the checkpoint's name, or None (see :func:`nebula_ckpt.format.manifest.check_tag`).
+        tag: the checkpoint's name, or None (see :func:`nebula_ckpt.format.names.check_tag`).
 
     Returns:
         The :class:`Plan`; nothing has been copied or written yet.

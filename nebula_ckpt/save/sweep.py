@@ -15,7 +15,8 @@ import logging
 from dataclasses import dataclass
 from typing import Callable, Container
 
-from nebula_ckpt.format import manifest as mf
+from nebula_ckpt.format.commit import step_dirs
+from nebula_ckpt.format.names import COMMIT, shard_generation, shard_owner, step_dir
 from nebula_ckpt.storage.base import Storage
 
 log = logging.getLogger(__name__)
@@ -42,7 +43,7 @@ class Ownership:
         ``ours_failed``: this generation's save of the step is known to have ended without a
         commit, so every rank's shard of this generation in it is stale too.
         """
-        owner = mf.shard_owner(name)
+        owner = shard_owner(name)
         if owner is None:  # the manifest (or a temp file) of whoever commits on this storage
             return self.commits_here
         if ours_failed and owner[0] == self.generation:
@@ -55,15 +56,15 @@ def scan_steps(storage: Storage) -> tuple[list[int], list[int]]:
     ascending."""
     committed: list[int] = []
     uncommitted: list[int] = []
-    for s in mf.step_dirs(storage):
-        (committed if storage.exists(f"{mf.step_dir(s)}/{mf.COMMIT}") else uncommitted).append(s)
+    for s in step_dirs(storage):
+        (committed if storage.exists(f"{step_dir(s)}/{COMMIT}") else uncommitted).append(s)
     return committed, uncommitted
 
 
 def leftover_steps(storage: Storage, steps: list[int], owner: Ownership, failed: Container[int] = ()) -> list[int]:
     """Those of the uncommitted ``steps`` whose every file is stale (``failed``: steps this
     generation's save of which ended without a commit)."""
-    return [s for s in steps if all(owner.stale(n, s in failed) for n in storage.list(mf.step_dir(s)))]
+    return [s for s in steps if all(owner.stale(n, s in failed) for n in storage.list(step_dir(s)))]
 
 
 def abandoned_uploads(storage: Storage, generation: int) -> list[tuple[str, str]]:
@@ -71,7 +72,7 @@ def abandoned_uploads(storage: Storage, generation: int) -> list[tuple[str, str]
     this writer's is in flight while it sweeps, and an older writer's never completes."""
     out = []
     for rel, upload_id in storage.incomplete_uploads():
-        g = mf.shard_generation(rel.rsplit("/", 1)[-1])
+        g = shard_generation(rel.rsplit("/", 1)[-1])
         if g is not None and g <= generation:
             out.append((rel, upload_id))
     return out
@@ -82,7 +83,7 @@ def remove_leftovers(storage: Storage, steps: list[int], uploads: list[tuple[str
     (the caller checked its fence first)."""
     for s in steps:
         log.info("nebula_ckpt: %s: removing uncommitted leftovers of step %d", where, s)
-        storage.remove_dir(mf.step_dir(s))
+        storage.remove_dir(step_dir(s))
     for rel, upload_id in uploads:
         log.info("nebula_ckpt: %s: aborting the abandoned upload of %s", where, rel)
         storage.abort_upload(rel, upload_id)
@@ -91,7 +92,7 @@ def remove_leftovers(storage: Storage, steps: list[int], uploads: list[tuple[str
 def clear_step(storage: Storage, step: int, stale: Callable[[str], bool]) -> None:
     """Before writing ``step``: remove the files of its folder that ``stale`` names (leftovers of
     crashed writers of the step, never a live peer's)."""
-    d = mf.step_dir(step)
+    d = step_dir(step)
     for name in storage.list(d):
         if stale(name):
             storage.remove(f"{d}/{name}")
@@ -103,10 +104,10 @@ def discard_files(storage: Storage, step: int, doomed: Callable[[str], bool], wh
     holding a ``COMMIT`` (not this save's marker, but a checkpoint all the same). Each rank
     removes its own files and the last one removes the folder (``remove_empty_dir`` is atomic),
     so no empty folder is left behind. Best effort: a failure is logged."""
-    d = mf.step_dir(step)
+    d = step_dir(step)
     try:
         names = storage.list(d)
-        if mf.COMMIT in names:
+        if COMMIT in names:
             log.warning("nebula_ckpt: %s: %s holds a COMMIT; nothing of it is removed", where, d)
             return
         for n in names:

@@ -40,7 +40,8 @@ from typing import Any, Callable, Optional
 
 from nebula_ckpt import knobs
 from nebula_ckpt.errors import FencedError, PersistError
-from nebula_ckpt.format import manifest as mf
+from nebula_ckpt.format.names import COMMIT, MANIFEST, shard_name, shard_owner, step_dir
+from nebula_ckpt.format.records import ShardRecord
 from nebula_ckpt.ranks import shards as ranks
 from nebula_ckpt.ranks.coordinator import Coordinator, LocalCoordinator
 from nebula_ckpt.ranks.fencing import TierFence
@@ -223,12 +224,12 @@ class TierWriter:
         Used by ``Checkpointer.close()`` to put the newest step on tiers whose cadence skipped it.
         The source's manifest is taken as is but for this tier's generation and shard record.
         """
-        d = mf.step_dir(step)
-        man = json.loads(src.read_small(f"{d}/{mf.MANIFEST}"))
+        d = step_dir(step)
+        man = json.loads(src.read_small(f"{d}/{MANIFEST}"))
         if len(man["shards"]) != 1 or self.coordinator.world_size > 1:
             raise ValueError(f"step {step} has {len(man['shards'])} shards; only one-shard checkpoints are copied")
         rec = man["shards"][0]
-        data = src.read_buffer(f"{d}/{mf.ShardRecord.parse(rec, d).file}", rec.get("storage"))
+        data = src.read_buffer(f"{d}/{ShardRecord.parse(rec, d).file}", rec.get("storage"))
 
         class _View:
             def view(self) -> memoryview:
@@ -253,11 +254,11 @@ class TierWriter:
     def _commit_step(self, item: "_Item", on_shard: Optional[Callable[[str], None]]) -> None:
         """The commit protocol for one step on this tier, then retention."""
         gen = self.fence.generation
-        d = mf.step_dir(item.step)
+        d = step_dir(item.step)
         self.fence.check(f"write step {item.step}")
         self._check_uncertain(item.step)
         self._clear_step(item.step)
-        shard = mf.shard_name(gen, self.coordinator.rank)
+        shard = shard_name(gen, self.coordinator.rank)
         progress = CommitProgress()
         try:
             if self._shared:
@@ -290,16 +291,16 @@ class TierWriter:
     def _clear_step(self, step: int) -> None:
         """Before writing ``step``: make its folder ready (what is removed is never a live writer's)."""
         st = self.storage
-        d = mf.step_dir(step)
+        d = step_dir(step)
         owner = self._owner
         existing = st.list(d)
         if self._shared and not self.coordinator.is_coordinator:
             # The coordinator replaces an old checkpoint of this step before the first round
             # (marker first); this rank writes only after that round, and removes only its own
             # leftovers of an uncommitted step: never a shard of a checkpoint still committed.
-            if mf.COMMIT not in existing:
-                sweep.clear_step(st, step, lambda n: mf.shard_owner(n) is not None and owner.stale(n))
-        elif mf.COMMIT in existing:
+            if COMMIT not in existing:
+                sweep.clear_step(st, step, lambda n: shard_owner(n) is not None and owner.stale(n))
+        elif COMMIT in existing:
             # Saving a step that exists: the new run owns the root (it resumed from an older step
             # or saves the same step again); the old one goes, marker first.
             log.warning("nebula_ckpt: tier %s: replacing existing checkpoint of step %d", self.name, step)
@@ -324,7 +325,7 @@ class TierWriter:
         """Refuse to write ``step`` again while an earlier save of it may still commit here."""
         if step not in self._uncertain:
             return
-        if self.storage.exists(f"{mf.step_dir(step)}/{mf.COMMIT}"):
+        if self.storage.exists(f"{step_dir(step)}/{COMMIT}"):
             self._uncertain.discard(step)  # it did commit: an ordinary checkpoint from now on
             return
         raise PersistError(f"step {step} is not written again on tier {self.name}: an earlier save of it may still "
@@ -344,12 +345,12 @@ class TierWriter:
         st = self.storage
         names = []
         try:
-            names = st.list(mf.step_dir(step))
+            names = st.list(step_dir(step))
         except Exception as e:  # discard_files reports it
             log.debug("nebula_ckpt: tier %s: cannot list step %d: %s", self.name, step, e)
-        newer = any((o := mf.shard_owner(n)) is not None and o[0] > gen for n in names)
+        newer = any((o := shard_owner(n)) is not None and o[0] > gen for n in names)
         mine_manifest = not newer and self._owner.commits_here
-        sweep.discard_files(st, step, lambda n: n == shard or (n == mf.MANIFEST and mine_manifest),
+        sweep.discard_files(st, step, lambda n: n == shard or (n == MANIFEST and mine_manifest),
                             f"tier {self.name}")
 
     def remove(self, step: int) -> bool:
@@ -363,7 +364,7 @@ class TierWriter:
             FencedError: a newer writer owns the root: nothing is deleted.
         """
         with self._delete_lock:
-            if not self.storage.exists(f"{mf.step_dir(step)}/{mf.COMMIT}"):
+            if not self.storage.exists(f"{step_dir(step)}/{COMMIT}"):
                 return False
             self.fence.check(f"remove step {step}")
             log.info("nebula_ckpt: tier %s: removing step %d (remove())", self.name, step)

@@ -1,9 +1,9 @@
 """POSIX file-system storage: local disks, NFS, and ``/dev/shm`` for the memory tier.
 
 Durability: shard data is written with parallel ``pwrite`` (``O_DIRECT`` where allowed) and
-fsync'd by the native writer; small files go through a temp file in the same directory, fsync,
-rename (or ``link`` for create-only), then an fsync of the directory, so a crash leaves either
-the old state or the new one, never a zero-filled file.
+fsync'd by the native writer; small files are written by :func:`~nebula_ckpt.storage.atomic.write_file_atomic`
+(a temp file in the same directory, fsync, rename or ``link`` for create-only, directory fsync),
+so a crash leaves either the old state or the new one, never a zero-filled file.
 """
 
 from __future__ import annotations
@@ -16,25 +16,16 @@ import os
 import shutil
 import stat
 import struct
-import uuid
 from typing import Any, Optional
 
 import torch
 
 from nebula_ckpt.errors import CorruptCheckpointError, ValidationError
 from nebula_ckpt.native import get_ops
+from nebula_ckpt.storage.atomic import fsync_dir, write_file_atomic
 from nebula_ckpt.storage.base import Buffer, Storage
 
 log = logging.getLogger(__name__)
-
-
-def fsync_dir(path: "str | os.PathLike[str]") -> None:
-    """fsync a folder, so the names created, renamed or removed in it are durable."""
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _open_nofollow(path: str) -> Any:
@@ -308,30 +299,9 @@ class LocalStorage(Storage):
         return memoryview(mm)
 
     def write_small(self, rel: str, data: bytes, *, create_only: bool = False) -> None:
-        path = self._p(rel)
-        d = os.path.dirname(path)
-        self._makedirs(d)
-        tmp = os.path.join(d, f".{os.path.basename(path)}.tmp-{uuid.uuid4().hex[:12]}")
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, self._file_mode)
-        try:
-            with os.fdopen(fd, "wb") as f:
-                f.write(data)
-                f.flush()
-                if self.fsync:
-                    os.fsync(f.fileno())
-            if create_only:
-                os.link(tmp, path)  # atomic; EEXIST if someone else committed first
-                os.unlink(tmp)
-            else:
-                os.replace(tmp, path)
-        except BaseException:
-            try:
-                os.unlink(tmp)
-            except FileNotFoundError:
-                pass
-            raise
-        if self.fsync:
-            fsync_dir(d)
+        """Atomic and durable (:func:`~nebula_ckpt.storage.atomic.write_file_atomic`)."""
+        write_file_atomic(self._p(rel), data, create_only=create_only, mode=self._file_mode, fsync=self.fsync,
+                          dir_mode=self._dir_mode)
 
     def read_small(self, rel: str) -> bytes:
         with _open_nofollow(self._p(rel)) as f:

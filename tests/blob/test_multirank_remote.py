@@ -16,7 +16,7 @@ import fsspec
 import pytest
 
 from dist.launch import reports, run_ranks  # tests/dist (pytest puts tests/ on sys.path)
-from nebula_ckpt.format import manifest as mf
+from nebula_ckpt.format.names import COMMIT, MANIFEST
 
 from .conftest import Store, _store
 
@@ -44,8 +44,8 @@ def test_two_ranks_share_the_remote_tier_on_azurite(azure: Store, shm_dir: str, 
     fs = fsspec.filesystem("az", **azure.storage_options)
     path = url.removeprefix("az://")
     names = sorted(p.rsplit("/", 1)[-1] for p in fs.ls(f"{path}/step-3", detail=False))
-    assert names == [mf.COMMIT, mf.MANIFEST, "shard-g1-r0.safetensors", "shard-g1-r1.safetensors"]
-    man = json.loads(fs.cat_file(f"{path}/step-3/{mf.MANIFEST}"))
+    assert names == [COMMIT, MANIFEST, "shard-g1-r0.safetensors", "shard-g1-r1.safetensors"]
+    man = json.loads(fs.cat_file(f"{path}/step-3/{MANIFEST}"))
     assert man["world_size"] == 2 and man["ranks"] == [0, 1]
     shutil.rmtree(shm_dir)  # the memory tiers are gone (a new node): the blob store must do
     Path(shm_dir).mkdir()

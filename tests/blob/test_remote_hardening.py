@@ -175,14 +175,14 @@ def test_client_timeouts_follow_the_knob_unless_set(moto_s3: Any) -> None:
     with knobs.override(remote_timeout_s=4.0):
         st = FsspecStorage(url, opts)
         user = FsspecStorage(url, dict(opts, config_kwargs={"read_timeout": 99, "retries": {"max_attempts": 2}}))
-    cfg = st._fs.config_kwargs  # what s3fs hands to botocore's Config
+    cfg = st.fs.config_kwargs  # what s3fs hands to botocore's Config
     assert cfg["connect_timeout"] == 4.0 and cfg["read_timeout"] == 4.0
     assert cfg["retries"]["max_attempts"] == 0
-    ucfg = user._fs.config_kwargs
+    ucfg = user.fs.config_kwargs
     assert ucfg["read_timeout"] == 99 and ucfg["connect_timeout"] == 4.0
     assert ucfg["retries"] == {"max_attempts": 2}
     with knobs.override(remote_timeout_s=300.0):
-        assert FsspecStorage(url, opts)._fs.config_kwargs["read_timeout"] == 60.0  # default kept
+        assert FsspecStorage(url, opts).fs.config_kwargs["read_timeout"] == 60.0  # default kept
 
 
 # ------------------------------------------------------------- 3. secrets

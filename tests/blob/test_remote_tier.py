@@ -121,7 +121,7 @@ def test_remote_root_restores_on_a_fresh_machine(blob_store: Store, shm_dir: str
     with knobs.override(shm_dir=str(fresh_shm), remote_part_bytes=part, remote_concurrency=4):
         fresh = nc.Checkpointer(url, storage_options=opts, tiers=[nc.RemoteTier(url, storage_options=opts)])
         ranged: list[tuple[Any, Any]] = []
-        fs = fresh._runtimes[0].storage._fs  # type: ignore[attr-defined]
+        fs = fresh._runtimes[0].storage.fs  # type: ignore[attr-defined]
         real_cat = fs.cat_file
 
         def counting_cat(path: str, start: Any = None, end: Any = None, **kw: Any) -> Any:

@@ -26,10 +26,10 @@ import torch
 import torch.distributed as dist
 
 import nebula_ckpt as nc
-from nebula_ckpt.format import manifest as mf
+from nebula_ckpt.format.commit import committed_steps
 from nebula_ckpt.tiers.memory.shm import try_lock
 from nebula_ckpt.storage.local import LocalStorage
-from nebula_ckpt.tiers.settings import memory_tier_path
+from nebula_ckpt.tiers.memory.tier import memory_tier_path
 
 
 def _gate(gates: str, name: str) -> None:
@@ -67,7 +67,7 @@ def main() -> None:
                 report[str(step)] = "fenced"
             report[f"{step}-written"] = list(h.tiers_written)
         folder = memory_tier_path(root, rank)
-        report["memory_steps"] = mf.committed_steps(LocalStorage(folder))
+        report["memory_steps"] = committed_steps(LocalStorage(folder))
         fd = try_lock(folder)
         report["memory_lock_free"] = fd is not None
         if fd is not None:

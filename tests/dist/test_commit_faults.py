@@ -19,9 +19,9 @@ from typing import Any, Iterator
 import pytest
 
 from nebula_ckpt import knobs
-from nebula_ckpt.format import manifest as mf
+from nebula_ckpt.format.names import COMMIT, MANIFEST, shard_name
 from nebula_ckpt.cli import main as cli
-from nebula_ckpt.tiers.settings import memory_tier_path
+from nebula_ckpt.tiers.memory.tier import memory_tier_path
 
 from .launch import reports, run_ranks
 
@@ -78,8 +78,8 @@ def test_rank0_killed_right_after_commit_keeps_every_shard(root: str, shm_dir: s
     but the step is committed; rank 1 must not delete its shard of it."""
     got = _job("after_commit", root, job_dir, shm_dir, dead=(0,))
     survivor = got[1]
-    assert Path(root, "step-3", mf.COMMIT).exists()
-    assert Path(root, "step-3", mf.shard_name(1, 1)).exists(), "rank 1 deleted its shard of a committed step"
+    assert Path(root, "step-3", COMMIT).exists()
+    assert Path(root, "step-3", shard_name(1, 1)).exists(), "rank 1 deleted its shard of a committed step"
     assert survivor["step3"] == "committed", survivor["step3"]    # it re-checked: the COMMIT is there
     assert _verify(root, capsys) == {1: True, 2: True, 3: True}
     loaded = _resume(root, job_dir, shm_dir, 3, survivor["digest3"])
@@ -91,9 +91,9 @@ def test_rank0_stalled_at_commit_while_rank1_times_out_keeps_every_shard(
     """Rank 0 is slow to write step 3's COMMIT; rank 1's round times out first and its save
     reports failure. Rank 0 then commits: rank 1's shard must still be there."""
     got = _job("slow_commit", root, job_dir, shm_dir, NEBULA_COMMIT_TIMEOUT_S="20")
-    assert Path(root, "step-3", mf.COMMIT).exists()
+    assert Path(root, "step-3", COMMIT).exists()
     for r in range(WORLD):
-        assert Path(root, "step-3", mf.shard_name(1, r)).exists(), f"rank {r} deleted its shard of a committed step"
+        assert Path(root, "step-3", shard_name(1, r)).exists(), f"rank {r} deleted its shard of a committed step"
     assert _verify(root, capsys) == {1: True, 2: True, 3: True}
     assert got[0]["step3"] == "committed", got[0]["step3"]
     assert got[1]["step3"].startswith("PersistError") and "step 3" in got[1]["step3"], got[1]["step3"]
@@ -109,8 +109,8 @@ def test_rank0_timing_out_on_a_slow_rank_commits_nothing_and_deletes_only_its_ow
     got = _job("slow_report", root, job_dir, shm_dir, NEBULA_COMMIT_TIMEOUT_S="20")
     assert got[0]["step3"].startswith("PersistError") and "may have committed" not in got[0]["step3"], got[0]
     assert "may have committed" in got[1]["step3"], got[1]["step3"]
-    assert not Path(root, "step-3", mf.COMMIT).exists() and not Path(root, "step-3", mf.MANIFEST).exists()
-    assert not Path(root, "step-3", mf.shard_name(1, 0)).exists()
+    assert not Path(root, "step-3", COMMIT).exists() and not Path(root, "step-3", MANIFEST).exists()
+    assert not Path(root, "step-3", shard_name(1, 0)).exists()
     assert got[0]["list"] == [1, 2]
     assert _verify(root, capsys) == {1: True, 2: True}
     loaded = _resume(root, job_dir, shm_dir, 2, got[0]["digest2"])
@@ -125,8 +125,8 @@ def test_rank0_killed_before_commit_leaves_step2_and_the_sweep_clears_step3(
     job's first save sweeps step 3's leftovers."""
     got = _job("before_commit", root, job_dir, shm_dir, dead=(0,))
     assert got[1]["step3"].startswith("PersistError") and "may have committed" in got[1]["step3"], got[1]["step3"]
-    assert not Path(root, "step-3", mf.COMMIT).exists()
-    assert Path(root, "step-3", mf.shard_name(1, 1)).exists()       # kept: the commit was not known
+    assert not Path(root, "step-3", COMMIT).exists()
+    assert Path(root, "step-3", shard_name(1, 1)).exists()       # kept: the commit was not known
     assert _verify(root, capsys) == {1: True, 2: True}
     loaded = _resume(root, job_dir, shm_dir, 2, got[1]["digest2"])
     assert loaded[0]["list"] == [1, 2, 4]
@@ -138,8 +138,8 @@ def test_rank1_killed_after_its_shard_before_reporting_commits_nothing(
     got = _job("before_report", root, job_dir, shm_dir, dead=(1,))
     assert got[0]["step3"].startswith("PersistError") and "step 3" in got[0]["step3"], got[0]["step3"]
     assert "may have committed" not in got[0]["step3"]               # rank 0 commits: it knows it did not
-    assert not Path(root, "step-3", mf.COMMIT).exists() and not Path(root, "step-3", mf.MANIFEST).exists()
-    assert not Path(root, "step-3", mf.shard_name(1, 0)).exists()    # rank 0 removed its own at once
+    assert not Path(root, "step-3", COMMIT).exists() and not Path(root, "step-3", MANIFEST).exists()
+    assert not Path(root, "step-3", shard_name(1, 0)).exists()    # rank 0 removed its own at once
     assert got[0]["list"] == [1, 2]
     assert _verify(root, capsys) == {1: True, 2: True}
     loaded = _resume(root, job_dir, shm_dir, 2, got[0]["digest2"])
@@ -155,7 +155,7 @@ def test_a_rank_killed_at_its_memory_commit_leaves_nothing_its_next_job_keeps(
     assert got[0]["step3"].startswith("PersistError") and "step 3" in got[0]["step3"], got[0]["step3"]
     with knobs.override(shm_dir=shm_dir):
         mem1 = memory_tier_path(root, 1)
-    assert sorted(os.listdir(Path(mem1, "step-3"))) == [mf.MANIFEST, mf.shard_name(1, 1)]
+    assert sorted(os.listdir(Path(mem1, "step-3"))) == [MANIFEST, shard_name(1, 1)]
     loaded = _resume(root, job_dir, shm_dir, 2, got[0]["digest2"], memory=True)
     assert loaded[1]["memory"] is not None and "step-3" not in loaded[1]["memory"], loaded[1]["memory"]
     assert "step-4" in loaded[1]["memory"]

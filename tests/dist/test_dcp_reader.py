@@ -17,7 +17,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 import nebula_ckpt as nc
 from conftest import make_training, train_step
-from nebula_ckpt.format import manifest as mf
+from nebula_ckpt.format.names import MANIFEST, shard_name, step_dir
 from nebula_ckpt.cli import main as cli
 from nebula_ckpt.dcp.reader import NebulaStorageReader, newest_manifest
 from nebula_ckpt.errors import CorruptCheckpointError, NotFoundError, ValidationError
@@ -181,7 +181,7 @@ def test_a_newer_damaged_manifest_falls_back_to_the_older_step(v1_root: tuple[st
     root, model, opt, sched = v1_root
     with nc.Checkpointer(root, memory_tier=False) as ck:
         ck.save(4, {"model": model, "optim": opt, "sched": sched, "step": 4})
-    (Path(root) / mf.step_dir(4) / mf.MANIFEST).write_text(json.dumps({"garbled": True}))
+    (Path(root) / step_dir(4) / MANIFEST).write_text(json.dumps({"garbled": True}))
     assert NebulaStorageReader(root).step == 3
     with pytest.raises(CorruptCheckpointError, match="commit marker"):
         NebulaStorageReader(root, 4)
@@ -257,14 +257,14 @@ def _flip(root: Path, step: int) -> str:
 
 
 def _truncate(root: Path, step: int) -> str:
-    shard = root / mf.step_dir(step) / mf.shard_name(1, 1)
+    shard = root / step_dir(step) / shard_name(1, 1)
     shard.write_bytes(shard.read_bytes()[:-1])
     return shard.name
 
 
 def _drop_rank(root: Path, step: int) -> str:
-    (root / mf.step_dir(step) / mf.shard_name(1, 1)).unlink()
-    return mf.shard_name(1, 1)
+    (root / step_dir(step) / shard_name(1, 1)).unlink()
+    return shard_name(1, 1)
 
 
 def _world(n: int) -> Any:
@@ -308,7 +308,7 @@ def test_reader_falls_back_past_a_damaged_one_process_step(v1_root: tuple[str, A
     root, model, opt, sched = v1_root
     with nc.Checkpointer(root, memory_tier=False) as ck:
         ck.save(4, {"model": model, "optim": opt, "sched": sched, "step": 4})
-    (shard,) = (Path(root) / mf.step_dir(4)).glob("shard-*.safetensors")
+    (shard,) = (Path(root) / step_dir(4)).glob("shard-*.safetensors")
     if kind == "flipped_byte":
         flip_byte_of(Path(root), 4, "optim/state/0/exp_avg")
     elif kind == "truncated_shard":

@@ -25,7 +25,9 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 import nebula_ckpt as nc
 from conftest import make_training, train_step
+from nebula_ckpt.format.commit import committed_steps
 from nebula_ckpt.format import manifest as mf
+from nebula_ckpt.format.names import COMMIT, MANIFEST
 from nebula_ckpt.cli import main as cli
 from nebula_ckpt.dcp import NebulaStorageReader, NebulaStorageWriter
 from nebula_ckpt.errors import ConsistencyError, ValidationError
@@ -84,7 +86,7 @@ def test_one_process_dcp_save_reads_back_bit_exact_everywhere(root: str, capsys:
 
     d = Path(root) / "step-3"
     assert sorted(p.name for p in d.iterdir()) == ["COMMIT", "manifest.json", "shard-g1-r0.safetensors"]
-    man = mf.Manifest.parse((d / mf.MANIFEST).read_bytes(), "test", 3)
+    man = mf.Manifest.parse((d / MANIFEST).read_bytes(), "test", 3)
     assert man.version == 1 and man.world_size == 1
     assert man.aliases == {"model/head.weight": "model/emb.weight"}            # tied: stored once
     assert "optim/state/0/exp_avg" in man.tensors
@@ -131,7 +133,7 @@ def test_steps_from_the_constructor_or_checkpoint_id_and_committed_steps_are_ref
     dcp.save(sd, storage_writer=w, checkpoint_id="step-8")                # "step-N"
     dcp.save(sd, storage_writer=NebulaStorageWriter(root), checkpoint_id=f"{root}/step-9")
     dcp.save(sd, storage_writer=NebulaStorageWriter(f"{root}/step-10"))
-    assert mf.committed_steps(LocalStorage(root)) == [7, 8, 9, 10]
+    assert committed_steps(LocalStorage(root)) == [7, 8, 9, 10]
     assert NebulaStorageWriter.validate_checkpoint_id("step-3") and NebulaStorageWriter.validate_checkpoint_id(4)
     assert not NebulaStorageWriter.validate_checkpoint_id("/some/root")
 
@@ -144,7 +146,7 @@ def test_steps_from_the_constructor_or_checkpoint_id_and_committed_steps_are_ref
     assert "no step to write" in str(_failure(ei.value))
     with pytest.raises(ValidationError, match="names step 5, but step=6"):
         NebulaStorageWriter(f"{root}/step-5", step=6)
-    assert mf.committed_steps(LocalStorage(root)) == [7, 8, 9, 10]
+    assert committed_steps(LocalStorage(root)) == [7, 8, 9, 10]
     m3 = {k: torch.zeros_like(v) for k, v in model.state_dict().items()}
     dcp.load({"model": m3}, storage_reader=NebulaStorageReader(root, 7))
     assert all(torch.equal(m3[k], v) for k, v in model.state_dict().items())
@@ -181,7 +183,7 @@ def test_a_failing_write_leaves_no_commit_and_the_next_save_cleans_up(root: str)
     assert "no space left" in str(_failure(ei.value))
     d = Path(root) / "step-2"
     assert not d.exists()   # its own shard is removed, then the folder it left empty
-    assert NebulaStorageReader(root).step == 1 and mf.committed_steps(LocalStorage(root)) == [1]
+    assert NebulaStorageReader(root).step == 1 and committed_steps(LocalStorage(root)) == [1]
 
     # a tensor modified while it is written: refused, nothing committed
     real = LocalStorage.write_parts
@@ -211,7 +213,7 @@ def test_a_commit_write_that_reports_an_error_deletes_nothing(root: str, capsys:
     late: list[tuple[LocalStorage, str, bytes]] = []
 
     def lost(self: LocalStorage, rel: str, data: bytes, *, create_only: bool = False) -> None:
-        if rel == f"step-1/{mf.COMMIT}":
+        if rel == f"step-1/{COMMIT}":
             late.append((self, rel, data))
             raise OSError(errno.ETIMEDOUT, "injected at stage 'commit': the response was lost")
         real(self, rel, data, create_only=create_only)
@@ -222,7 +224,7 @@ def test_a_commit_write_that_reports_an_error_deletes_nothing(root: str, capsys:
         with pytest.raises(CheckpointException) as ei:
             dcp.save(sd, storage_writer=NebulaStorageWriter(root, step=1))
     d = Path(root) / "step-1"
-    assert (d / mf.MANIFEST).exists() and list(d.glob("shard-*"))            # nothing of it deleted
+    assert (d / MANIFEST).exists() and list(d.glob("shard-*"))            # nothing of it deleted
     assert "may have committed" in str(_failure(ei.value))
     for st, rel, data in late:                                                # the request lands
         real(st, rel, data, create_only=True)
@@ -263,7 +265,7 @@ def test_values_are_typed_json_or_refused_without_allow_pickle(root: str) -> Non
         dcp.save(sd, storage_writer=NebulaStorageWriter(root, step=1))
     err = _failure(ei.value)
     assert isinstance(err, ValidationError) and "'tags'" in str(err) and "allow_pickle=True" in str(err)
-    assert not (Path(root) / "step-1" / mf.COMMIT).exists()
+    assert not (Path(root) / "step-1" / COMMIT).exists()
 
     dcp.save(sd, storage_writer=NebulaStorageWriter(root, step=1, allow_pickle=True))
     with nc.Checkpointer(root, memory_tier=False, allow_pickle=True) as ck:
@@ -285,7 +287,7 @@ def test_checkpointer_and_dcp_saves_of_one_process_share_the_root(root: str) -> 
         dcp.save({"model": model.state_dict()}, storage_writer=NebulaStorageWriter(root, step=2))
         ck.save(3, {"model": model, "optim": opt})
         dcp.save({"model": model.state_dict()}, storage_writer=NebulaStorageWriter(root, step=4))
-    assert mf.committed_steps(LocalStorage(root)) == [1, 2, 3, 4]
+    assert committed_steps(LocalStorage(root)) == [1, 2, 3, 4]
     assert {p.name for p in Path(root).glob("step-*/shard-*")} == {"shard-g1-r0.safetensors"}
     # another process's newer generation fences this one (a stale job must not commit)
     LocalStorage(root).write_small("_nebula/writers/g-2.json", json.dumps(
@@ -293,7 +295,7 @@ def test_checkpointer_and_dcp_saves_of_one_process_share_the_root(root: str) -> 
     with pytest.raises(CheckpointException) as ei:
         dcp.save({"model": model.state_dict()}, storage_writer=NebulaStorageWriter(root, step=5))
     assert "newer writer (generation 2)" in str(_failure(ei.value))
-    assert not (Path(root) / "step-5" / mf.COMMIT).exists()
+    assert not (Path(root) / "step-5" / COMMIT).exists()
 
 
 def _raw(t: torch.Tensor) -> bytes:
@@ -373,7 +375,7 @@ def test_two_fsdp2_ranks_write_a_normal_multi_rank_checkpoint() -> None:
     d = root / "step-5"
     assert sorted(p.name for p in d.iterdir()) == ["COMMIT", "manifest.json", "shard-g1-r0.safetensors",
                                                    "shard-g1-r1.safetensors"]
-    man = mf.Manifest.parse((d / mf.MANIFEST).read_bytes(), "test", 5)
+    man = mf.Manifest.parse((d / MANIFEST).read_bytes(), "test", 5)
     assert man.world_size == 2 and man.ranks == (0, 1) and man.stats["writer"] == "torch.distributed.checkpoint"
     for r in range(2):  # each rank's local shard of an FSDP2 parameter, with where it lies
         info = man.tensors[f"r{r}/model/2.weight"].dtensor
@@ -426,7 +428,7 @@ def test_one_process_loads_the_two_rank_checkpoint_bit_exact() -> None:
 
 def test_async_save_on_two_ranks_and_a_committed_step_is_refused() -> None:
     p = jobs()
-    assert (p["root"] / "step-6" / mf.COMMIT).exists()
+    assert (p["root"] / "step-6" / COMMIT).exists()
     for rep in reports(p["out"], "save", WORLD):
         assert "step 5 is already committed" in rep["again5"]
 
@@ -435,7 +437,7 @@ def test_a_rank_failing_in_write_data_means_no_commit() -> None:
     p = jobs()
     for rep in reports(p["out"], "save", WORLD):
         assert "injected: no space left" in rep["step7"] and f"rank {WORLD - 1}" in rep["step7"]
-        assert mf.COMMIT not in (rep["after7"] or []) and mf.MANIFEST not in (rep["after7"] or [])
+        assert COMMIT not in (rep["after7"] or []) and MANIFEST not in (rep["after7"] or [])
         assert f"shard-g1-r{WORLD - 1}.safetensors" not in (rep["after7"] or [])
     assert not (p["root"] / "step-7").exists()   # the next save (step 8) removed what was left
 
@@ -444,9 +446,9 @@ def test_a_rank_killed_in_write_data_means_no_commit(capsys: pytest.CaptureFixtu
     p = jobs()
     rep = json.loads((p["out"] / "kill-r0.json").read_text())
     assert rep["step9"] != "committed"
-    assert not (p["root"] / "step-9" / mf.COMMIT).exists()
+    assert not (p["root"] / "step-9" / COMMIT).exists()
     assert NebulaStorageReader(str(p["root"])).step == 8
-    assert mf.committed_steps(LocalStorage(str(p["root"]))) == [5, 6, 8]
+    assert committed_steps(LocalStorage(str(p["root"]))) == [5, 6, 8]
     assert cli(["verify", str(p["root"])]) == 0
     out = capsys.readouterr().out
     assert out.count("OK ") == 3 and "DAMAGED" not in out

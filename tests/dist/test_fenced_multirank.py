@@ -20,7 +20,7 @@ import torch
 from faults import renumber_step
 
 from nebula_ckpt import knobs
-from nebula_ckpt.tiers.settings import memory_tier_path
+from nebula_ckpt.tiers.memory.tier import memory_tier_path
 
 from .launch import reports, run_ranks
 

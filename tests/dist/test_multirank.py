@@ -17,8 +17,8 @@ from typing import Any
 import pytest
 
 from nebula_ckpt import knobs
-from nebula_ckpt.format import manifest as mf
-from nebula_ckpt.tiers.settings import memory_tier_path
+from nebula_ckpt.format.names import COMMIT, MANIFEST, VERSION, step_dir
+from nebula_ckpt.tiers.memory.tier import memory_tier_path
 
 from .launch import reports, run_ranks
 
@@ -34,7 +34,7 @@ def _job(world: int, scenario: str, root: str, out: Path, shm_dir: str, **env: s
 
 
 def _manifest(root: str, step: int) -> dict[str, Any]:
-    return json.loads(Path(root, mf.step_dir(step), mf.MANIFEST).read_text())
+    return json.loads(Path(root, step_dir(step), MANIFEST).read_text())
 
 
 @pytest.fixture
@@ -51,7 +51,7 @@ def test_ddp_ranks_write_each_byte_once_and_restore_bit_exact(world: int, root: 
     saved = _job(world, "ddp_save", root, job_dir, shm_dir, NEBULA_SMALL_REPLICA_BYTES="0")
     man = _manifest(root, 3)
     ranks = list(range(world))
-    assert man["version"] == mf.VERSION and man["world_size"] == world and man["ranks"] == ranks
+    assert man["version"] == VERSION and man["world_size"] == world and man["ranks"] == ranks
     assert len(man["tree"]["v"]) == 1 and man["rank_tree"] == {str(r): 0 for r in ranks}  # one tree for all
     shards = sorted(n for n in os.listdir(Path(root, "step-3")) if n.startswith("shard-"))
     assert shards == [f"shard-g1-r{r}.safetensors" for r in ranks]
@@ -98,7 +98,7 @@ def test_a_rank_killed_during_a_save_means_no_commit(root: str, shm_dir: str, jo
     _job(2, "kill", root, job_dir, shm_dir, TEST_MEMORY_TIER="0")
     survivor = json.loads((job_dir / "kill-r0.json").read_text())
     assert survivor["step3"].startswith("PersistError") and "step 3" in survivor["step3"]
-    assert not Path(root, "step-3", mf.COMMIT).exists() and not Path(root, "step-3", mf.MANIFEST).exists()
+    assert not Path(root, "step-3", COMMIT).exists() and not Path(root, "step-3", MANIFEST).exists()
     assert survivor["list"] == {f"local:{root}": [1, 2]}
     loaded = _job(2, "load", root, job_dir, shm_dir, TEST_MEMORY_TIER="0")
     for r in range(2):
@@ -112,10 +112,10 @@ def test_restart_agrees_on_a_step_every_rank_has(root: str, shm_dir: str, job_di
     rank's memory tier has lost it, every rank agrees on step 2 instead."""
     _job(2, "kill", root, job_dir, shm_dir)
     survivor = json.loads((job_dir / "kill-r0.json").read_text())
-    assert not Path(root, "step-3", mf.COMMIT).exists()
+    assert not Path(root, "step-3", COMMIT).exists()
     with knobs.override(shm_dir=shm_dir):
         mems = [memory_tier_path(root, r) for r in range(2)]
-    assert all(Path(m, "step-3", mf.COMMIT).exists() for m in mems)
+    assert all(Path(m, "step-3", COMMIT).exists() for m in mems)
     backup = Path(job_dir, "mem1-step-3")
     shutil.copytree(Path(mems[1], "step-3"), backup)
     loaded = _job(2, "load", root, job_dir, shm_dir)
@@ -124,7 +124,7 @@ def test_restart_agrees_on_a_step_every_rank_has(root: str, shm_dir: str, job_di
         assert loaded[r]["digest"] == survivor["digest3"]
     # rank 1's memory tier loses step 3 (a rebooted node): rank 0 alone still has it
     shutil.rmtree(Path(mems[1], "step-3"), ignore_errors=True)
-    assert Path(mems[0], "step-3", mf.COMMIT).exists()
+    assert Path(mems[0], "step-3", COMMIT).exists()
     loaded = _job(2, "load", root, job_dir, shm_dir)
     for r in range(2):
         assert loaded[r]["step"] == 2 and loaded[r]["digest"] == survivor["digest2"], loaded[r]["restored_from"]

@@ -19,7 +19,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from nebula_ckpt.format import manifest as mf
+from nebula_ckpt.format.commit import Commit
+from nebula_ckpt.format.names import COMMIT, MANIFEST, step_dir
+from nebula_ckpt.format.records import DTensorInfo
 from nebula_ckpt.cli import main as cli
 from nebula_ckpt.dcp.reader import newest_manifest
 from nebula_ckpt.errors import CorruptCheckpointError, ValidationError
@@ -101,18 +103,18 @@ def assert_bit_exact(ref: dict[str, Any], got: dict[str, Any]) -> None:
 
 def rewrite_manifest(root: Path, step: int, change: Callable[[dict[str, Any]], None]) -> None:
     """Edit a manifest and commit it again with a valid checksum (a buggy or hostile writer)."""
-    d = root / mf.step_dir(step)
-    man = json.loads((d / mf.MANIFEST).read_text())
+    d = root / step_dir(step)
+    man = json.loads((d / MANIFEST).read_text())
     change(man)
     data = json.dumps(man).encode()
-    (d / mf.MANIFEST).write_bytes(data)
-    (d / mf.COMMIT).write_bytes(mf.Commit(step, man["generation"], len(data), get_ops().crc32c_bytes(data)).to_bytes())
+    (d / MANIFEST).write_bytes(data)
+    (d / COMMIT).write_bytes(Commit(step, man["generation"], len(data), get_ops().crc32c_bytes(data)).to_bytes())
 
 
 def flip_byte_of(root: Path, step: int, key: str) -> str:
     """Flip the first data byte of stored tensor ``key``; return its shard's file name."""
-    d = root / mf.step_dir(step)
-    man = json.loads((d / mf.MANIFEST).read_text())
+    d = root / step_dir(step)
+    man = json.loads((d / MANIFEST).read_text())
     rec = man["tensors"][key]
     shard = man["shards"][rec.get("shard", 0)]["file"]
     with open(d / shard, "r+b") as f:
@@ -138,7 +140,7 @@ def test_four_fsdp2_ranks_restore_into_two_ranks_bit_exact() -> None:
     # the 2-rank job saved what it restored: a checkpoint of 2 ranks, each with its own shard
     man = newest_manifest(LocalStorage(str(fsdp_jobs()["root2"])))
     assert man.world_size == 2 and man.step == 6
-    assert man.resolve("model/0.weight", 1).dtensor == mf.DTensorInfo((32, 16), (16, 0), ("S(0)",), (2,))
+    assert man.resolve("model/0.weight", 1).dtensor == DTensorInfo((32, 16), (16, 0), ("S(0)",), (2,))
 
 
 def test_four_fsdp2_ranks_restore_into_one_process_bit_exact(root4: Path) -> None:

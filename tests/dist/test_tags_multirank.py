@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from nebula_ckpt.format import manifest as mf
+from nebula_ckpt.format.names import MANIFEST, step_dir
 
 from .launch import reports, run_ranks
 
@@ -21,7 +21,7 @@ def test_two_ranks_tag_load_by_tag_and_remove(root: str, shm_dir: str, tmp_path:
     for r, p in enumerate(done):
         assert p.returncode == 0, f"rank {r}:\n{p.stdout[-4000:]}"
     got = reports(out, "tags", 2)
-    man = json.loads(Path(root, mf.step_dir(1), mf.MANIFEST).read_text())
+    man = json.loads(Path(root, step_dir(1), MANIFEST).read_text())
     assert man["world_size"] == 2 and man["tag"] == "a"               # the shared tier's one manifest
     for r in range(2):
         assert got[r]["tags"] == {"a": 1, "b": 3}

@@ -10,14 +10,18 @@ a create-only write (``If-None-Match: *``).
 
 The package, by concern:
 
-* :mod:`.base`: the common logic of every backend (Storage API, retries, read plan);
+* :mod:`.base`: the common logic of every backend (Storage API, read plan; ``fs`` and ``scrub``
+  are what the backends build their own calls on);
+* :mod:`.calls`: one request under the retry policy, failing with our scrubbed exception;
+* :mod:`.paths`: relative paths checked, objects named in messages, listings normalised;
 * :mod:`.s3`, :mod:`.azure`, :mod:`.generic`: one backend class per service;
 * :mod:`.retry`: error classification and the retry loop with a deadline (knobs
   ``remote_retries``, ``remote_backoff_s``, ``remote_backoff_max_s``, ``remote_timeout_s``);
 * :mod:`.errors`: the exceptions, and the one function that turns a backend exception into ours;
 * :mod:`.scrub`: what a credential looks like; every message and log line goes through it;
 * :mod:`.upload`: upload streams, part sizing and the parallel multi-part pipeline;
-* :mod:`.frames`: zstd framing and the validation of storage info before any allocation.
+* :mod:`.frames`: zstd framing and the validation of storage info before any allocation (the
+  frame table by :func:`nebula_ckpt.format.storage_info.frame_table`, as when a manifest is parsed).
 """
 
 from nebula_ckpt.storage.remote.azure import AzureBlobStorage

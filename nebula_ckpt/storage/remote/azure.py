@@ -28,8 +28,8 @@ class _AzureSink(Sink):
 
     def __init__(self, storage: "AzureBlobStorage", path: str) -> None:
         self._st = storage
-        container, blob, _ = storage._fs.split_path(path)
-        self._client = storage._fs.service_client.get_blob_client(container, blob)
+        container, blob, _ = storage.fs.split_path(path)
+        self._client = storage.fs.service_client.get_blob_client(container, blob)
 
     @staticmethod
     def _block_id(index: int) -> str:
@@ -43,16 +43,16 @@ class _AzureSink(Sink):
             return
         if isinstance(body, memoryview):
             body = body.tobytes()
-        self._st._run(self._client.upload_blob, attempt, body, length=len(body), overwrite=True)
+        self._st.run_sdk(self._client.upload_blob, attempt, body, length=len(body), overwrite=True)
 
     def put_part(self, index: int, body: Any, attempt: Attempt) -> Any:
         bid = self._block_id(index)
-        self._st._run(self._client.stage_block, attempt, bid, body, length=len(body))
+        self._st.run_sdk(self._client.stage_block, attempt, bid, body, length=len(body))
         return bid
 
     def complete(self, tokens: list[Any], stored_bytes: int, attempt: Attempt) -> None:
         from azure.storage.blob import BlobBlock
-        self._st._run(self._client.commit_block_list, attempt,
+        self._st.run_sdk(self._client.commit_block_list, attempt,
                       [BlobBlock(block_id=b) for b in tokens])
 
 
@@ -100,17 +100,17 @@ class AzureBlobStorage(FsspecStorage):
             cc.timeout = options["connection_timeout"]
             cc.read_timeout = options["read_timeout"]
 
-    def _run(self, coro_fn: Any, attempt: Attempt, *args: Any, **kw: Any) -> Any:
+    def run_sdk(self, coro_fn: Any, attempt: Attempt, *args: Any, **kw: Any) -> Any:
         """Run an async SDK call on adlfs's loop, cut off at the attempt's deadline."""
         from fsspec.asyn import sync
-        return sync(self._fs.loop, coro_fn, *args, timeout=attempt.timeout, **kw, **self._request_kw)
+        return sync(self.fs.loop, coro_fn, *args, timeout=attempt.timeout, **kw, **self._request_kw)
 
     def _sink(self, path: str) -> Sink:
         return _AzureSink(self, path)
 
     def _probe(self, attempt: Attempt) -> None:
-        container, key, _ = self._fs.split_path(self._root)
-        cc = self._fs.service_client.get_container_client(container)
+        container, key, _ = self.fs.split_path(self._root)
+        cc = self.fs.service_client.get_container_client(container)
         request_kw = self._request_kw
 
         async def first_page() -> None:
@@ -122,8 +122,8 @@ class AzureBlobStorage(FsspecStorage):
                 break
 
         from fsspec.asyn import sync
-        sync(self._fs.loop, first_page, timeout=attempt.timeout)
+        sync(self.fs.loop, first_page, timeout=attempt.timeout)
 
     def _close_client(self) -> None:
         from fsspec.asyn import sync
-        sync(self._fs.loop, self._fs.service_client.close, timeout=5)
+        sync(self.fs.loop, self.fs.service_client.close, timeout=5)

@@ -30,9 +30,10 @@ from typing import Any, Callable, ClassVar, Optional, TypeVar
 
 from nebula_ckpt import knobs
 from nebula_ckpt.storage.base import Buffer, Storage
-from nebula_ckpt.storage.remote import retry
+from nebula_ckpt.storage.remote.calls import abandoned_error, call_with_retries
 from nebula_ckpt.storage.remote.errors import CorruptRemoteDataError, RemoteStorageError, storage_error
 from nebula_ckpt.storage.remote.frames import ReadTask, compressor, download, plan_read, zstd_module
+from nebula_ckpt.storage.remote.paths import child_names, object_path, objects_under, where
 from nebula_ckpt.storage.remote.registry import filesystem_class, storage_class_for
 from nebula_ckpt.storage.remote.retry import Attempt, RetryPolicy, classify, describe
 from nebula_ckpt.storage.remote.scrub import SafeUrl, Scrubber, collect_secrets
@@ -69,6 +70,11 @@ class FsspecStorage(Storage):
         compression: the ``compression`` it was built with.
         on_part_uploaded: optional test/progress hook ``f(rel, part_index)`` called from the
             upload thread after each part of a multi-part upload has been accepted.
+        fs: the fsspec filesystem (private to this object: never from fsspec's instance cache).
+            For backends and their upload sinks (:mod:`.s3`, :mod:`.azure`, :mod:`.generic`),
+            which make the service's own calls through it.
+        scrub: the tier's :class:`~.scrub.Scrubber`: every text a backend logs or raises goes
+            through it.
 
     Raises:
         ImportError: the fsspec backend for the URL's scheme, or for ``compression="zstd"`` the
@@ -112,7 +118,7 @@ class FsspecStorage(Storage):
             zstd_module()  # a missing package fails here, before anything is uploaded
         self.compression = compression
         options = dict(storage_options or {})
-        self._scrub = Scrubber(collect_secrets(options) | safe.secrets)
+        self.scrub = Scrubber(collect_secrets(options) | safe.secrets)
         self.on_part_uploaded: Optional[Callable[[str, int], None]] = None
         self._closed = False
         self._protocol = safe.scheme
@@ -122,9 +128,9 @@ class FsspecStorage(Storage):
         timeout = RetryPolicy.from_knobs().timeout_s
         self._set_default_options(options, min(_DEFAULT_CONNECT_TIMEOUT_S, timeout),
                                   min(_DEFAULT_READ_TIMEOUT_S, timeout))
-        self._fs = self._open_filesystem(fs_cls, options)
+        self.fs = self._open_filesystem(fs_cls, options)
         # async filesystems (s3fs, adlfs) accept a per-call timeout that cancels the request
-        self._bounded_calls = bool(getattr(self._fs, "async_impl", False))
+        self._bounded_calls = bool(getattr(self.fs, "async_impl", False))
         self._root = fs_cls._strip_protocol(safe.clean).rstrip("/")
         if not self._root and self.needs_container:
             raise ValueError(f"remote tier {self.display_url}: the URL needs a container/bucket "
@@ -173,20 +179,14 @@ class FsspecStorage(Storage):
         return {"timeout": attempt.timeout} if self._bounded_calls else {}
 
     def _path(self, rel: str) -> str:
-        rel = (rel or "").strip("/")
-        if rel and any(comp in ("", ".", "..") for comp in rel.split("/")):
-            raise ValueError(f"remote tier {self.display_url}: invalid relative path {rel!r}")
-        if not rel:
-            return self._root
-        return f"{self._root}/{rel}" if self._root else rel
+        return object_path(self._root, rel, self.display_url)
 
     def _where(self, rel: str) -> str:
-        rel = (rel or "").strip("/")
-        return f"{self.display_url}/{rel}" if rel else self.display_url
+        return where(self.display_url, rel)
 
     def _invalidate(self, path: str = "") -> None:
         try:
-            self._fs.invalidate_cache(path or None)
+            self.fs.invalidate_cache(path or None)
         except Exception:  # noqa: BLE001 - best effort
             pass
 
@@ -199,42 +199,16 @@ class FsspecStorage(Storage):
     def _error(self, op: str, rel: str, exc: BaseException, kind: str, attempts: int) -> BaseException:
         """Our scrubbed exception for backend exception ``exc`` (raise it outside ``except``)."""
         return storage_error(exc, kind, op=op, url=self.display_url, rel=rel, attempts=attempts,
-                             scrub=self._scrub)
+                             scrub=self.scrub)
 
     def _abandoned(self, op: str, rel: str) -> RemoteStorageError:
-        err = RemoteStorageError(f"{op} {self._where(rel)} abandoned: a sibling part failed",
-                                 url=self.display_url, rel=rel, op=op)
-        err.abandoned = True
-        return err
+        return abandoned_error(op, rel, self.display_url)
 
     def _retry(self, op: str, rel: str, fn: Callable[[Attempt], T], *,
                abort: Optional[threading.Event] = None) -> T:
-        """Run ``fn(attempt)`` under the retry policy of the ``remote_*`` knobs.
-
-        Raises our scrubbed exception (never the backend's) once attempts or the deadline are
-        exhausted or the error is permanent. ``abort`` (set by a failed sibling part) stops
-        retrying early.
-        """
+        """Run ``fn(attempt)`` under the retry policy (:func:`.calls.call_with_retries`)."""
         self._check_open()
-        policy = RetryPolicy.from_knobs()
-
-        def log_retry(e: BaseException, attempt: int, delay: float) -> None:
-            logger.warning("remote tier %s: %s %s failed (attempt %d/%d): %s; retrying in %.2fs",
-                           self.display_url, op, rel or "/", attempt, policy.attempts,
-                           self._scrub(describe(e)), delay)
-
-        out = retry.run(fn, policy, on_retry=log_retry, passthrough=(RemoteStorageError,),
-                        abort=abort)
-        if out.ok:
-            return out.value  # type: ignore[return-value]
-        if out.abandoned or out.failure is None:
-            raise self._abandoned(op, rel)
-        err = storage_error(out.failure, out.kind, op=op, url=self.display_url, rel=rel,
-                            attempts=out.attempts, scrub=self._scrub,
-                            elapsed_s=out.elapsed_s if out.out_of_time else None,
-                            deadline_s=policy.timeout_s if out.out_of_time else None)
-        out.failure = None  # keep the unscrubbed exception out of the traceback's frames
-        raise err
+        return call_with_retries(fn, op=op, rel=rel, url=self.display_url, scrub=self.scrub, abort=abort)
 
     # ------------------------------------------------------------------ Storage API: writes
 
@@ -335,10 +309,10 @@ class FsspecStorage(Storage):
 
         def put(attempt: Attempt) -> None:
             if not create_only:
-                self._fs.pipe_file(path, payload, **self._limit(attempt))
+                self.fs.pipe_file(path, payload, **self._limit(attempt))
                 return
             try:
-                self._fs.pipe_file(path, payload, mode="create", **self._limit(attempt))
+                self.fs.pipe_file(path, payload, mode="create", **self._limit(attempt))
             except FileExistsError:
                 if attempt.number > 1 and self._holds(path, payload, attempt):
                     logger.info("remote tier %s: create-only write of %s found its own earlier "
@@ -351,7 +325,7 @@ class FsspecStorage(Storage):
     def _holds(self, path: str, payload: bytes, attempt: Attempt) -> bool:
         """Whether ``path`` holds ``payload`` (our first attempt landed, its response was lost)."""
         try:
-            return bool(self._fs.cat_file(path, **self._limit(attempt)) == payload)
+            return bool(self.fs.cat_file(path, **self._limit(attempt)) == payload)
         except Exception:  # noqa: BLE001 - the caller reports the FileExistsError
             return False
 
@@ -359,7 +333,7 @@ class FsspecStorage(Storage):
         """Delete object ``rel``; a missing object is not an error (same on every backend)."""
         path = self._path(rel)
         try:
-            self._retry("remove", rel, lambda attempt: self._fs.rm_file(path, **self._limit(attempt)))
+            self._retry("remove", rel, lambda attempt: self.fs.rm_file(path, **self._limit(attempt)))
         except FileNotFoundError:
             pass
         self._invalidate(path)
@@ -374,18 +348,17 @@ class FsspecStorage(Storage):
 
         def find(attempt: Attempt) -> list[str]:
             self._invalidate(path)
-            return list(self._fs.find(path, withdirs=False, **self._limit(attempt)))
+            return list(self.fs.find(path, withdirs=False, **self._limit(attempt)))
 
         try:
             found = self._retry("list for remove", rel, find)
         except FileNotFoundError:
             found = []
-        me = path.strip("/")
-        victims = [f for f in found if f.strip("/") == me or f.strip("/").startswith(me + "/")]
+        victims = objects_under(found, path)
         if victims:
             def rm_many(attempt: Attempt) -> None:
                 try:
-                    self._fs.rm(victims, **self._limit(attempt))
+                    self.fs.rm(victims, **self._limit(attempt))
                 except FileNotFoundError:
                     pass
 
@@ -410,12 +383,12 @@ class FsspecStorage(Storage):
         if self._closed:
             return
         self._closed = True
-        if getattr(self, "_fs", None) is None:
+        if getattr(self, "fs", None) is None:
             return
         try:
             self._close_client()
         except Exception as e:  # noqa: BLE001 - best effort
-            logger.debug("remote tier %s: close: %s", self.display_url, self._scrub(describe(e)))
+            logger.debug("remote tier %s: close: %s", self.display_url, self.scrub(describe(e)))
 
     # ------------------------------------------------------------------ Storage API: reads
 
@@ -452,7 +425,7 @@ class FsspecStorage(Storage):
 
         def fetch(t: ReadTask) -> bytes:
             end = t.stored_off + t.stored_len
-            return self._retry(f"read range {t.stored_off}-{end}", rel, lambda attempt: self._fs.cat_file(
+            return self._retry(f"read range {t.stored_off}-{end}", rel, lambda attempt: self.fs.cat_file(
                 path, start=t.stored_off, end=end, **self._limit(attempt)))
 
         def corrupt(message: str, op: str) -> BaseException:
@@ -469,7 +442,7 @@ class FsspecStorage(Storage):
     def read_small(self, rel: str) -> bytes:
         """Return the whole content of ``rel``. Raises ``FileNotFoundError``."""
         path = self._path(rel)
-        return self._retry("read", rel, lambda attempt: self._fs.cat_file(path, **self._limit(attempt)))
+        return self._retry("read", rel, lambda attempt: self.fs.cat_file(path, **self._limit(attempt)))
 
     def list(self, rel_dir: str = "") -> list[str]:
         """Sorted names (not paths) of the direct children of ``rel_dir``; ``[]`` if missing.
@@ -484,29 +457,20 @@ class FsspecStorage(Storage):
 
         def ls(attempt: Attempt) -> list[Any]:
             self._invalidate(path)
-            return self._fs.ls(path, detail=True, **self._limit(attempt))
+            return self.fs.ls(path, detail=True, **self._limit(attempt))
 
         try:
             entries = self._retry("list", rel_dir, ls)
         except FileNotFoundError:
             return []
-        me = path.strip("/")
-        names: set[str] = set()
-        for e in entries:
-            name = (e["name"] if isinstance(e, dict) else str(e)).rstrip("/")
-            if name.strip("/") == me:
-                continue  # the directory (or file) itself
-            base = name.rsplit("/", 1)[-1]
-            if base:
-                names.add(base)
-        return sorted(names)
+        return child_names(entries, path)
 
     def _info(self, rel: str) -> Optional[dict[str, Any]]:
         path = self._path(rel)
 
         def info(attempt: Attempt) -> dict[str, Any]:
             self._invalidate(path)
-            return self._fs.info(path, **self._limit(attempt))
+            return self.fs.info(path, **self._limit(attempt))
 
         try:
             return self._retry("stat", rel, info)

@@ -7,9 +7,10 @@ decompresses it straight into its raw offset.
 
 The storage info comes from a file, so :func:`plan_read` validates it against the object's
 real size *before* a byte is allocated: every number a non-negative int within bounds, the
-frame count bounded by the object size, stored lengths summing to the object's size, raw
-lengths to the recorded / expected raw size, and no frame claiming more than zstd can possibly
-expand to. A 181-byte object cannot make a restore allocate 1.5 GiB.
+frame table as :func:`~nebula_ckpt.format.storage_info.frame_table` checks it (frame count
+bounded by the object size, stored lengths summing to it, no frame claiming more than zstd can
+possibly expand to), raw lengths summing to the recorded / expected raw size. A 181-byte object
+cannot make a restore allocate 1.5 GiB.
 """
 
 from __future__ import annotations
@@ -19,16 +20,12 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
+from nebula_ckpt.format.storage_info import frame_table
 from nebula_ckpt.storage.remote.errors import StorageInfoError
 
 _MiB = 1 << 20
-#: zstd's densest block is an RLE block: a 3-byte header plus 1 byte for up to 128 KiB, so no
-#: frame decompresses to more than 32768 times its stored size
-ZSTD_MAX_RATIO = (128 << 10) // 4
 #: no object (raw or stored) is larger than this (1 PiB): a sanity bound on every number
 MAX_OBJECT_BYTES = 1 << 50
-#: at most this many frames per object (a table this long is ~20 MB of JSON)
-MAX_FRAMES = 1_000_000
 
 
 def zstd_module() -> Any:
@@ -127,32 +124,14 @@ def _count(value: Any, what: str, where: str, limit: int = MAX_OBJECT_BYTES) -> 
 
 
 def _zstd_tasks(frames: Any, object_size: int, where: str) -> list[ReadTask]:
-    """Validated read tasks of a zstd frame table against the object's real size."""
-    if not isinstance(frames, list):
-        raise StorageInfoError(f"{where}: storage info 'frames' is {type(frames).__name__}, not a "
-                               f"list of [raw_len, stored_len]")
-    # every frame holds at least one stored byte: an object of n bytes has at most n frames
-    if len(frames) > min(MAX_FRAMES, max(1, object_size)):
-        raise StorageInfoError(f"{where}: storage info lists {len(frames)} zstd frames for an "
-                               f"object of {object_size} bytes; the manifest is damaged")
+    """Read tasks of a zstd frame table, validated against the object's real size
+    (:func:`~nebula_ckpt.format.storage_info.frame_table`, the one check of frame tables)."""
     tasks: list[ReadTask] = []
     soff = roff = 0
-    for i, pair in enumerate(frames):
-        if not isinstance(pair, list) or len(pair) != 2:
-            raise StorageInfoError(f"{where}: zstd frame {i} is {pair!r:.80}, not [raw_len, stored_len]")
-        raw = _count(pair[0], f"frames[{i}].raw_len", where)
-        stored = _count(pair[1], f"frames[{i}].stored_len", where, object_size)
-        if stored == 0 or raw > stored * ZSTD_MAX_RATIO:
-            raise StorageInfoError(f"{where}: zstd frame {i} claims {raw} raw bytes from {stored} "
-                                   f"stored bytes, more than zstd can expand to; the manifest is "
-                                   f"damaged")
+    for raw, stored in frame_table(frames, object_size, where, StorageInfoError):
         tasks.append(ReadTask(soff, stored, roff, raw))
         soff += stored
         roff += raw
-    if soff != object_size:
-        raise StorageInfoError(f"{where}: zstd frames hold {soff} bytes but the object has "
-                               f"{object_size}; the object was replaced or truncated, or the "
-                               f"manifest is damaged")
     return tasks
 
 

@@ -10,9 +10,9 @@ from __future__ import annotations
 import io
 import logging
 import os
-import uuid
 from typing import Any
 
+from nebula_ckpt.storage.atomic import write_file_atomic
 from nebula_ckpt.storage.remote.base import FsspecStorage
 from nebula_ckpt.storage.remote.retry import Attempt
 from nebula_ckpt.storage.remote.upload import Sink
@@ -47,8 +47,8 @@ class _StreamSink(Sink):
             raise
 
     def begin(self, attempt: Attempt) -> None:
-        self._st._prepare_parent(self._path)
-        self._f = self._st._fs.open(self._path, "wb")
+        self._st.prepare_parent(self._path)
+        self._f = self._st.fs.open(self._path, "wb")
 
     def put_part(self, index: int, body: Any, attempt: Attempt) -> Any:
         self._f.write(body)
@@ -58,7 +58,7 @@ class _StreamSink(Sink):
         f, self._f = self._f, None
         try:
             f.flush()
-            if self._st._is_local_fs:
+            if self._st.is_local_fs:
                 try:
                     os.fsync(f.fileno())
                 except (AttributeError, OSError, io.UnsupportedOperation):
@@ -74,7 +74,7 @@ class _StreamSink(Sink):
             except Exception:  # noqa: BLE001 - best effort
                 pass
         try:
-            self._st._fs.rm_file(self._path)
+            self._st.fs.rm_file(self._path)
         except Exception:  # noqa: BLE001 - best effort
             pass
 
@@ -84,6 +84,10 @@ class GenericFsspecStorage(FsspecStorage):
 
     See :class:`FsspecStorage` for the arguments (``storage_options`` go to the filesystem
     unchanged). The URL may name no container (``memory://``).
+
+    Attributes:
+        is_local_fs: the filesystem is a local one (``file://``): streams are fsync'd, folders
+            made, small files written by :func:`~nebula_ckpt.storage.atomic.write_file_atomic`.
     """
 
     _is_backend = True
@@ -92,32 +96,33 @@ class GenericFsspecStorage(FsspecStorage):
     def __init__(self, url: str, storage_options: dict[str, Any] | None = None, *,
                  compression: str | None = None) -> None:
         super().__init__(url, storage_options, compression=compression)
-        protocols = self._fs.protocol if isinstance(self._fs.protocol, tuple) else (self._fs.protocol,)
-        self._is_local_fs = "file" in protocols
+        protocols = self.fs.protocol if isinstance(self.fs.protocol, tuple) else (self.fs.protocol,)
+        self.is_local_fs = "file" in protocols
 
     def _sink(self, path: str) -> Sink:
         return _StreamSink(self, path)
 
-    def _prepare_parent(self, path: str) -> None:
-        # on file://, writing into a missing folder fails unless the fs has auto_mkdir
-        if self._is_local_fs:
+    def prepare_parent(self, path: str) -> None:
+        """Make the folder of ``path`` before an object is streamed to it (on ``file://``, writing
+        into a missing folder fails unless the fs has auto_mkdir; elsewhere nothing to do)."""
+        if self.is_local_fs:
             parent = path.rsplit("/", 1)[0]
             if parent:
-                self._fs.makedirs(parent, exist_ok=True)
+                self.fs.makedirs(parent, exist_ok=True)
 
     def _probe(self, attempt: Attempt) -> None:
-        if self._is_local_fs:
-            self._fs.makedirs(self._root, exist_ok=True)
+        if self.is_local_fs:
+            self.fs.makedirs(self._root, exist_ok=True)
         try:
-            self._fs.ls(self._root, detail=False)
+            self.fs.ls(self._root, detail=False)
         except FileNotFoundError:
             pass
 
     def write_small(self, rel: str, data: bytes, *, create_only: bool = False) -> None:
         """See :meth:`FsspecStorage.write_small`; on ``file://``: tmp + fsync + rename / link."""
-        if self._is_local_fs:
+        if self.is_local_fs:
             path, payload = self._path(rel), bytes(data)
-            self._retry("write", rel, lambda attempt: _local_write_small(path, payload, create_only))
+            self._retry("write", rel, lambda attempt: write_file_atomic(path, payload, create_only=create_only))
             return
         if create_only and self._protocol not in _CREATE_ONLY_VERIFIED \
                 and self._protocol not in _warned_create_only:
@@ -134,7 +139,7 @@ class GenericFsspecStorage(FsspecStorage):
 
         def rm_tree(attempt: Attempt) -> None:
             self._invalidate(path)
-            self._fs.rm(path, recursive=True)
+            self.fs.rm(path, recursive=True)
 
         try:
             self._retry("remove dir", rel, rm_tree)
@@ -151,31 +156,7 @@ class GenericFsspecStorage(FsspecStorage):
             return
         path = self._path(rel)
         try:
-            self._fs.rmdir(path)
+            self.fs.rmdir(path)
         except (OSError, NotImplementedError) as e:  # not empty, missing, or no folders at all
             logger.debug("remote tier %s: %s stays: %s", self.display_url, rel, e)
         self._invalidate(path)
-
-
-def _local_write_small(path: str, payload: bytes, create_only: bool) -> None:
-    """file://: tmp + fsync + rename (or link for create-only) + directory fsync."""
-    parent = os.path.dirname(path) or "."
-    os.makedirs(parent, exist_ok=True)
-    tmp = os.path.join(parent, f".{os.path.basename(path)}.tmp-{uuid.uuid4().hex}")
-    with open(tmp, "wb") as f:
-        f.write(payload)
-        f.flush()
-        os.fsync(f.fileno())
-    try:
-        if create_only:
-            os.link(tmp, path)  # fails with FileExistsError if present
-        else:
-            os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-    fd = os.open(parent, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)

@@ -29,11 +29,11 @@ class _S3Sink(Sink):
 
     def __init__(self, storage: "S3Storage", path: str) -> None:
         self._st = storage
-        self._bucket, self._key, _ = storage._fs.split_path(path)
+        self._bucket, self._key, _ = storage.fs.split_path(path)
         self._upload_id: Optional[str] = None
 
     def _call(self, method: str, attempt: Attempt, **kw: Any) -> Any:
-        return self._st._call(method, attempt, Bucket=self._bucket, Key=self._key, **kw)
+        return self._st.call_s3(method, attempt, Bucket=self._bucket, Key=self._key, **kw)
 
     def put_single(self, body: Any, attempt: Attempt) -> None:
         self._call("put_object", attempt, Body=ViewReader(body), ContentLength=len(body))
@@ -69,7 +69,7 @@ class _S3Sink(Sink):
             logger.warning("%s: could not abort the multipart upload of %s/%s (%s); its parts "
                            "stay until retention or a bucket lifecycle rule removes them",
                            self._st.display_url, self._bucket, self._key,
-                           self._st._scrub(describe(e)))
+                           self._st.scrub(describe(e)))
 
 
 class S3Storage(FsspecStorage):
@@ -100,16 +100,16 @@ class S3Storage(FsspecStorage):
         # loop governs, with the deadline
         fs.retries = 1
 
-    def _call(self, method: str, attempt: Attempt, **kw: Any) -> Any:
+    def call_s3(self, method: str, attempt: Attempt, **kw: Any) -> Any:
         """One S3 API call through s3fs's client, cut off at the attempt's deadline."""
-        return self._fs.call_s3(method, timeout=attempt.timeout, **kw)
+        return self.fs.call_s3(method, timeout=attempt.timeout, **kw)
 
     def _sink(self, path: str) -> Sink:
         return _S3Sink(self, path)
 
     def _probe(self, attempt: Attempt) -> None:
-        bucket, key, _ = self._fs.split_path(self._root)
-        self._call("list_objects_v2", attempt, Bucket=bucket, Prefix=f"{key}/" if key else "",
+        bucket, key, _ = self.fs.split_path(self._root)
+        self.call_s3("list_objects_v2", attempt, Bucket=bucket, Prefix=f"{key}/" if key else "",
                    MaxKeys=1)
 
     def incomplete_uploads(self) -> list[tuple[str, str]]:
@@ -118,14 +118,14 @@ class S3Storage(FsspecStorage):
         A writer killed mid-upload leaves its parts stored (and billed) with no object to list;
         retention aborts them.
         """
-        bucket, key, _ = self._fs.split_path(self._path(""))
+        bucket, key, _ = self.fs.split_path(self._path(""))
         prefix = key.rstrip("/") + "/" if key else ""
 
         def ls(attempt: Attempt) -> list[tuple[str, str]]:
             out: list[tuple[str, str]] = []
             kw: dict[str, Any] = {"Bucket": bucket, "Prefix": prefix}
             while True:
-                page = self._call("list_multipart_uploads", attempt, **kw)
+                page = self.call_s3("list_multipart_uploads", attempt, **kw)
                 out.extend((u["Key"][len(prefix):], u["UploadId"]) for u in page.get("Uploads", []))
                 if not page.get("IsTruncated"):
                     return out
@@ -135,17 +135,17 @@ class S3Storage(FsspecStorage):
 
     def abort_upload(self, rel: str, upload_id: str) -> None:
         """Abort one incomplete multi-part upload; an upload already gone is not an error."""
-        bucket, key, _ = self._fs.split_path(self._path(rel))
+        bucket, key, _ = self.fs.split_path(self._path(rel))
         try:
-            self._retry("abort multipart upload", rel, lambda attempt: self._call(
+            self._retry("abort multipart upload", rel, lambda attempt: self.call_s3(
                 "abort_multipart_upload", attempt, Bucket=bucket, Key=key, UploadId=upload_id))
         except FileNotFoundError:
             pass
 
     def _close_client(self) -> None:
         # s3fs has no public close of its aiobotocore client; ``_s3`` is where it keeps it
-        s3 = getattr(self._fs, "_s3", None)
+        s3 = getattr(self.fs, "_s3", None)
         if s3 is not None:
             from fsspec.asyn import sync
-            sync(self._fs.loop, s3.close, timeout=5)
-            self._fs._s3 = None
+            sync(self.fs.loop, s3.close, timeout=5)
+            self.fs._s3 = None

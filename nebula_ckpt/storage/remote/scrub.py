@@ -12,6 +12,8 @@ import urllib.parse
 from dataclasses import dataclass
 from typing import Any, Iterable, Optional
 
+from nebula_ckpt.storage.urls import refuse_url_credentials
+
 #: option names whose values are credentials (matched anywhere in the name, case-insensitive)
 _SENSITIVE_KEY = re.compile(
     r"(?i)(key|secret|token|passw|sas|signature|credential|connection_string|conn_str|auth|sig)")
@@ -122,11 +124,9 @@ class SafeUrl:
 
         Raises:
             ValidationError: the URL carries a password (``user:password@``): credentials go in
-                ``storage_options`` (see :func:`~nebula_ckpt.tiers.settings.refuse_url_credentials`); a
+                ``storage_options`` (see :func:`~nebula_ckpt.storage.urls.refuse_url_credentials`); a
                 user name alone (Azure's ``container@account``) stays.
         """
-        from nebula_ckpt.tiers.settings import refuse_url_credentials  # tiers imports storage: not at module level
-
         refuse_url_credentials(url, "remote tier")  # before urlsplit, whose errors quote the host part
         secrets: set[str] = set()
         parts = urllib.parse.urlsplit(url)

@@ -40,8 +40,8 @@ from dataclasses import dataclass, replace
 from typing import Optional
 
 from nebula_ckpt import knobs
-from nebula_ckpt.format import manifest as mf
-from nebula_ckpt.ranks.fencing import RUN_FILE
+from nebula_ckpt.format.commit import committed_steps
+from nebula_ckpt.format.names import COMMIT, RUN_FILE, step_dir
 from nebula_ckpt.storage.base import Storage
 from nebula_ckpt.storage.local import LocalStorage
 from nebula_ckpt.tiers.memory.shm import Found, look, scan, try_lock
@@ -86,7 +86,7 @@ class RootAnswer:
 
 
 def _committed(folder: str) -> list[int]:
-    return mf.committed_steps(LocalStorage(folder, private=True, fsync=False))
+    return committed_steps(LocalStorage(folder, private=True, fsync=False))
 
 
 def _steps_text(steps: list[int]) -> str:
@@ -168,10 +168,10 @@ def _ask_root(root: str, run_id: Optional[str], step: int) -> RootAnswer:
         if have != run_id:
             return RootAnswer(ONLY_HERE, f"its root {root} now belongs to another run")
         try:
-            st.size(f"{mf.step_dir(step)}/{mf.COMMIT}")
+            st.size(f"{step_dir(step)}/{COMMIT}")
         except FileNotFoundError:
             try:
-                on_root = frozenset(mf.committed_steps(st))
+                on_root = frozenset(committed_steps(st))
             except Exception:  # noqa: BLE001 - only refines the list of lost steps
                 on_root = frozenset()
             return RootAnswer(ONLY_HERE, f"its root {root} does not hold step {step}", on_root)

@@ -26,7 +26,8 @@ import shutil
 import uuid
 from typing import Optional
 
-from nebula_ckpt.format import manifest as mf
+from nebula_ckpt.format.commit import committed_steps, read_commit
+from nebula_ckpt.format.names import COMMIT, step_dir
 from nebula_ckpt.restore.open import open_checkpoint, read_manifest
 from nebula_ckpt.storage.local import LocalStorage
 
@@ -45,11 +46,11 @@ def step_files(folder: str, step: int) -> list[tuple[str, int]]:
     Raises:
         FileNotFoundError: the step is not committed there.
     """
-    d = os.path.join(folder, mf.step_dir(step))
-    if not os.path.isfile(os.path.join(d, mf.COMMIT)):
+    d = os.path.join(folder, step_dir(step))
+    if not os.path.isfile(os.path.join(d, COMMIT)):
         raise FileNotFoundError(f"{d} holds no committed step")
-    names = sorted(n for n in os.listdir(d) if _FILE_RE.match(n) and n != mf.COMMIT)
-    return [(n, os.path.getsize(os.path.join(d, n))) for n in names + [mf.COMMIT]]
+    names = sorted(n for n in os.listdir(d) if _FILE_RE.match(n) and n != COMMIT)
+    return [(n, os.path.getsize(os.path.join(d, n))) for n in names + [COMMIT]]
 
 
 def safe_name(name: str) -> bool:
@@ -63,9 +64,9 @@ def committed(folder: str) -> list[tuple[int, int]]:
         return []
     st = LocalStorage(folder, private=True, fsync=False)
     out = []
-    for s in mf.committed_steps(st):
+    for s in committed_steps(st):
         try:
-            out.append((mf.read_commit(st, s, f"{folder} step {s}").generation, s))
+            out.append((read_commit(st, s, f"{folder} step {s}").generation, s))
         except Exception as e:  # a damaged marker is no copy
             log.debug("nebula_ckpt: %s step %d: unreadable commit marker: %s", folder, s, e)
     return sorted(out)
@@ -140,7 +141,7 @@ class ReplicaStore:
         os.makedirs(self.base, mode=0o700, exist_ok=True)
         root = os.path.join(self.base, f"{INCOMING_PREFIX}{uuid.uuid4().hex[:12]}")
         os.mkdir(root, 0o700)
-        os.mkdir(os.path.join(root, mf.step_dir(step)), 0o700)
+        os.mkdir(os.path.join(root, step_dir(step)), 0o700)
         return root
 
     def discard(self, incoming: str) -> None:
@@ -151,12 +152,12 @@ class ReplicaStore:
         """Make the verified copy in ``incoming`` visible as ``dest/step-N`` (one rename; a damaged
         copy already there is moved aside first and removed after)."""
         os.makedirs(dest, mode=0o700, exist_ok=True)
-        target = os.path.join(dest, mf.step_dir(step))
+        target = os.path.join(dest, step_dir(step))
         old = None
         if os.path.lexists(target):
             old = os.path.join(self.base, f"{INCOMING_PREFIX}old-{uuid.uuid4().hex[:12]}")
             os.rename(target, old)
-        os.rename(os.path.join(incoming, mf.step_dir(step)), target)
+        os.rename(os.path.join(incoming, step_dir(step)), target)
         shutil.rmtree(incoming, ignore_errors=True)
         if old is not None:
             shutil.rmtree(old, ignore_errors=True)
@@ -179,9 +180,9 @@ class ReplicaStore:
         d = self.source_dir(rank)
         steps = [s for _, s in committed(d)]
         for s in sorted(steps)[:-keep] if keep > 0 else steps:
-            sd = os.path.join(d, mf.step_dir(s))
+            sd = os.path.join(d, step_dir(s))
             try:
-                os.unlink(os.path.join(sd, mf.COMMIT))
+                os.unlink(os.path.join(sd, COMMIT))
             except OSError:
                 pass
             shutil.rmtree(sd, ignore_errors=True)

@@ -44,7 +44,7 @@ import torch.distributed as dist
 
 from nebula_ckpt import knobs
 from nebula_ckpt.errors import PersistError, ValidationError
-from nebula_ckpt.format import manifest as mf
+from nebula_ckpt.format.names import step_dir
 from nebula_ckpt.ranks.partners import choose_partners, node_id, sources_of
 from nebula_ckpt.tiers.memory import recovery
 from nebula_ckpt.tiers.memory.replica_store import (
@@ -55,7 +55,7 @@ from nebula_ckpt.tiers.memory.replica_store import (
     step_files,
     verify_step,
 )
-from nebula_ckpt.tiers.settings import MemoryTier
+from nebula_ckpt.tiers.memory.tier import MemoryTier
 
 log = logging.getLogger(__name__)
 
@@ -258,7 +258,7 @@ class Replicator:
         fds: list[int] = []
         try:
             gen = next(g for g, s in committed(self.folder) if s == handle.step)
-            d = os.path.join(self.folder, mf.step_dir(handle.step))
+            d = os.path.join(self.folder, step_dir(handle.step))
             files = step_files(self.folder, handle.step)
             for name, _ in files:
                 fds.append(os.open(os.path.join(d, name), os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC))
@@ -347,7 +347,7 @@ class Replicator:
         """The file ``name`` of the incoming copy, made and mapped to receive into."""
         if not safe_name(name):  # the sender lists only these names
             raise OSError(f"rank {src} sent a file named {name!r}; refusing it")
-        path = os.path.join(inc, mf.step_dir(step), name)
+        path = os.path.join(inc, step_dir(step), name)
         fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY | os.O_NOFOLLOW, 0o600)
         try:
             os.ftruncate(fd, size)
@@ -442,7 +442,7 @@ class Replicator:
         for r, files in offers.items():
             if files is not None:
                 assert self.store is not None
-                d = os.path.join(self.store.source_dir(r), mf.step_dir(target[1]))
+                d = os.path.join(self.store.source_dir(r), step_dir(target[1]))
                 works += self._send([os.path.join(d, n) for n, _ in files], files, r)
         inc = None
         files = offered[assign[self.rank]].get(self.rank) if self.rank in assign else None

@@ -28,31 +28,36 @@ import logging
 import os
 import shutil
 import stat
-import uuid
 from dataclasses import dataclass
 from typing import Optional
 
 from nebula_ckpt import knobs
+from nebula_ckpt.format.names import LOCK_FILE, ROOT_FILE, slot_file_name, slot_owner
+from nebula_ckpt.storage.atomic import write_file_atomic
 
 log = logging.getLogger(__name__)
-
-ROOT_FILE = "ROOT"
-LOCK_FILE = "LOCK"
 
 
 class UnsafeFolderError(OSError):
     """A folder on the memory tier's path is not safely ours (owner, mode or symlink)."""
 
 
+def current_uid() -> int:
+    """The user the memory tier belongs to: the effective uid, which owns the folders and files
+    this process creates (0 where the system has no uids). The one uid of the memory tier: its
+    folder's name, the ownership checks and the slot-file sweeps all use it."""
+    return os.geteuid() if hasattr(os, "geteuid") else 0
+
+
 def user_dir_name() -> str:
     """Name of this user's folder in the tmpfs (``nebula_ckpt-<uid>``)."""
-    return f"nebula_ckpt-{os.geteuid()}"
+    return f"nebula_ckpt-{current_uid()}"
 
 
 def _check_base(path: str, st: os.stat_result) -> None:
     if not stat.S_ISDIR(st.st_mode):
         raise UnsafeFolderError(errno.ENOTDIR, f"{path} is not a directory")
-    if st.st_uid not in (0, os.geteuid()):
+    if st.st_uid not in (0, current_uid()):
         raise UnsafeFolderError(errno.EPERM, f"{path} is owned by uid {st.st_uid}, not by root or this user")
     if st.st_mode & 0o022 and not st.st_mode & stat.S_ISVTX:
         raise UnsafeFolderError(errno.EPERM, f"{path} is writable by other users and has no sticky bit, "
@@ -64,9 +69,9 @@ def _check_private(path: str, st: os.stat_result) -> None:
         raise UnsafeFolderError(errno.ELOOP, f"{path} is a symlink; refusing to follow it")
     if not stat.S_ISDIR(st.st_mode):
         raise UnsafeFolderError(errno.ENOTDIR, f"{path} is not a directory")
-    if st.st_uid != os.geteuid():
+    if st.st_uid != current_uid():
         raise UnsafeFolderError(errno.EPERM, f"{path} is owned by uid {st.st_uid}, not by this user "
-                                f"({os.geteuid()}): another user created it, so it is not used. Remove it "
+                                f"({current_uid()}): another user created it, so it is not used. Remove it "
                                 "(as its owner or root) or set NEBULA_SHM_DIR to a private folder")
     if st.st_mode & 0o022:
         raise UnsafeFolderError(errno.EPERM, f"{path} has mode {stat.S_IMODE(st.st_mode):04o}: other users "
@@ -144,22 +149,6 @@ def secure_subfolder(parent: str, name: str) -> str:
     return os.path.join(parent, name)
 
 
-#: the memory tier's folder of staging slot files (see :mod:`nebula_ckpt.save.buffers`)
-SLOT_DIR = ".slots"
-
-
-def slot_file_name() -> str:
-    """A new slot file name: ``slot-<pid>-<random>`` (the pid tells sweeps whose it is)."""
-    return f"slot-{os.getpid()}-{uuid.uuid4().hex[:12]}"
-
-
-def _slot_owner(name: str) -> Optional[int]:
-    parts = name.split("-")
-    if len(parts) == 3 and parts[0] == "slot" and parts[1].isdigit():
-        return int(parts[1])
-    return None
-
-
 def _pid_alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -185,13 +174,13 @@ def sweep_slot_files(slot_dir: str) -> int:
     except FileNotFoundError:
         return 0
     for name in names:
-        pid = _slot_owner(name)
+        pid = slot_owner(name)
         if pid is None or pid == os.getpid() or _pid_alive(pid):
             continue
         path = os.path.join(slot_dir, name)
         try:
             st = os.lstat(path)
-            if stat.S_ISREG(st.st_mode) and st.st_nlink == 1 and st.st_uid == os.getuid():
+            if stat.S_ISREG(st.st_mode) and st.st_nlink == 1 and st.st_uid == current_uid():
                 os.rename(path, os.path.join(slot_dir, slot_file_name()))
             else:
                 os.unlink(path)
@@ -213,13 +202,13 @@ def own_spare_slot_files(slot_dir: str, exclude: set[str]) -> list[tuple[str, in
         return out
     for name in names:
         path = os.path.join(slot_dir, name)
-        if _slot_owner(name) != os.getpid() or path in exclude:
+        if slot_owner(name) != os.getpid() or path in exclude:
             continue
         try:
             st = os.lstat(path)
         except FileNotFoundError:
             continue
-        if stat.S_ISREG(st.st_mode) and st.st_nlink == 1 and st.st_uid == os.getuid():
+        if stat.S_ISREG(st.st_mode) and st.st_nlink == 1 and st.st_uid == current_uid():
             out.append((path, st.st_size))
     return out
 
@@ -265,11 +254,7 @@ def read_owner(folder: str) -> Optional[Owner]:
 
 
 def _write_owner(folder: str, owner: Owner) -> None:
-    tmp = os.path.join(folder, f".{ROOT_FILE}.tmp-{os.getpid()}")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
-    with os.fdopen(fd, "wb") as f:
-        f.write(owner.to_bytes())
-    os.replace(tmp, os.path.join(folder, ROOT_FILE))
+    write_file_atomic(os.path.join(folder, ROOT_FILE), owner.to_bytes(), mode=0o600, fsync=False, dir_mode=None)
 
 
 def try_lock(folder: str) -> Optional[int]:

@@ -1,0 +1,161 @@
+"""What things are called on disk: folders, files, markers, tags, and the format's versions.
+
+A checkpoint of step N on a tier is the folder ``step-N/`` holding::
+
+    shard-g<G>-r<R>.safetensors   tensor bytes (safetensors layout, openable by any tool)
+    manifest.json                 format version, step, tensor index with checksums, typed tree
+    COMMIT                        written last; names the manifest's size and CRC32C
+
+``G`` is the writer generation, ``R`` the rank. Beside the steps, a persistent root holds
+``_nebula/run.json`` (the run id) and ``_nebula/writers/g-<G>.json`` (one record per writer
+generation, see :mod:`nebula_ckpt.ranks.fencing`). A memory-tier folder also holds ``ROOT`` (whose
+checkpoints these are), ``LOCK`` (held by the process writing it) and ``.slots/`` (staging slot
+files ``slot-<pid>-<random>``, see :mod:`nebula_ckpt.tiers.memory.shm`).
+
+Every name a reader builds from a parsed number is the very name it listed: numbers are ASCII
+digits without leading zeros (``\\d`` also matches other scripts' digits).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import uuid
+from typing import Optional
+
+from nebula_ckpt.errors import ValidationError
+from nebula_ckpt.format.checks import short
+
+# -- the format ---------------------------------------------------------------------------------
+
+FORMAT = "nebula_ckpt"
+VERSION = 2
+#: manifests of one process (world_size 1) are still written as version 1: any reader reads them
+SINGLE_VERSION = 1
+
+# -- a step folder --------------------------------------------------------------------------------
+
+MANIFEST = "manifest.json"
+COMMIT = "COMMIT"
+_STEP_RE = re.compile(r"step-(0|[1-9][0-9]*)")
+_SHARD_RE = re.compile(r"shard-g(0|[1-9][0-9]*)-r(0|[1-9][0-9]*)\.safetensors")
+_SHARD_PREFIX_RE = re.compile(r"shard-g([0-9]+)-r[0-9]+\.safetensors")
+_SHARD_OWNER_RE = re.compile(r"shard-g([0-9]+)-r([0-9]+)\.safetensors")
+
+
+def step_dir(step: int) -> str:
+    """Folder name of ``step``."""
+    return f"step-{step}"
+
+
+def parse_step_dir(name: str) -> Optional[int]:
+    """``"step-42"`` -> 42; anything else (``"step-042"``, ``"step-x"``) -> None."""
+    m = _STEP_RE.fullmatch(name.rstrip("/"))
+    return int(m.group(1)) if m else None
+
+
+def shard_name(generation: int, rank: int = 0) -> str:
+    """File name of a shard."""
+    return f"shard-g{generation}-r{rank}.safetensors"
+
+
+def shard_owner(name: str) -> Optional[tuple[int, int]]:
+    """``(generation, rank)`` of the writer of a shard file (or of a partial file named like one)."""
+    m = _SHARD_OWNER_RE.match(name)
+    return (int(m.group(1)), int(m.group(2))) if m else None
+
+
+def shard_generation(name: str) -> Optional[int]:
+    """Writer generation encoded in a shard file name (or a name starting like one), or None.
+
+    Prefix match on purpose: cleanup must also see the generation of a writer's partial files.
+    Readers check names with :func:`is_shard_name`.
+    """
+    m = _SHARD_PREFIX_RE.match(name)
+    return int(m.group(1)) if m else None
+
+
+def is_shard_name(name: str) -> bool:
+    """Whether ``name`` is exactly a shard file name of this format (a plain name, no path)."""
+    return _SHARD_RE.fullmatch(name) is not None
+
+
+# -- a persistent root's records ------------------------------------------------------------------
+
+#: folder of the writer generation records
+WRITERS_DIR = "_nebula/writers"
+#: the root's run record (its run id)
+RUN_FILE = "_nebula/run.json"
+_WRITER_RE = re.compile(r"^g-(\d+)\.json$")
+
+
+def writer_record(generation: int) -> str:
+    """Path (in the root) of the record of writer generation ``generation``."""
+    return f"{WRITERS_DIR}/g-{generation}.json"
+
+
+def writer_generation(name: str) -> Optional[int]:
+    """The generation a file name listed in :data:`WRITERS_DIR` records (``"g-7.json"`` -> 7), or None."""
+    m = _WRITER_RE.match(name)
+    return int(m.group(1)) if m else None
+
+
+# -- a memory-tier folder -----------------------------------------------------------------------------
+
+#: names the root and run whose checkpoints the folder holds
+ROOT_FILE = "ROOT"
+#: locked (``flock``) by the process that writes the folder
+LOCK_FILE = "LOCK"
+#: the folder of staging slot files (see :mod:`nebula_ckpt.save.buffers`)
+SLOT_DIR = ".slots"
+
+
+def slot_file_name() -> str:
+    """A new slot file name: ``slot-<pid>-<random>`` (the pid tells sweeps whose it is)."""
+    return f"slot-{os.getpid()}-{uuid.uuid4().hex[:12]}"
+
+
+def slot_owner(name: str) -> Optional[int]:
+    """The pid a slot file name carries, or None for another name."""
+    parts = name.split("-")
+    if len(parts) == 3 and parts[0] == "slot" and parts[1].isdigit():
+        return int(parts[1])
+    return None
+
+
+# -- tags ---------------------------------------------------------------------------------------------
+
+#: longest tag (a file path used as a tag fits)
+MAX_TAG_CHARS = 256
+_TAG_RE = re.compile(r"[A-Za-z0-9_.~:@=+,/-]+")
+_TAG_RULE = (f"1 to {MAX_TAG_CHARS} characters of A-Z a-z 0-9 and _ . ~ : @ = + , / - "
+             "(no spaces, quotes or control characters)")
+
+
+def tag_problem(tag: object) -> Optional[str]:
+    """Why ``tag`` is not a valid checkpoint tag, or None when it is (see :func:`check_tag`)."""
+    if type(tag) is not str:
+        return f"must be a str, got {type(tag).__name__} {short(tag)}"
+    if not tag or len(tag) > MAX_TAG_CHARS or not _TAG_RE.fullmatch(tag):
+        return f"{short(tag)} is not {_TAG_RULE}"
+    return None
+
+
+def check_tag(tag: object) -> Optional[str]:
+    """Validate a tag given to ``save_async`` / ``load`` / ``read`` / ``remove`` (None passes).
+
+    A tag names a checkpoint the way a framework does (Lightning's path, DeepSpeed's ``tag``,
+    Azure ML Nebula's tag): 1 to 256 characters of ``A-Z a-z 0-9`` and ``_ . ~ : @ = + , / -``
+    (no spaces, quotes or control characters), so a file path or name is a valid tag.
+
+    Raises:
+        ValidationError: naming the field and the rule.
+    """
+    if tag is None:
+        return None
+    why = tag_problem(tag)
+    if why is not None:
+        raise ValidationError(f"tag {why}; e.g. 'epoch=3-step=1200.ckpt' or 'global_step1200' "
+                              "(a path's characters are allowed)")
+    assert isinstance(tag, str)
+    return tag

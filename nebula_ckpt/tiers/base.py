@@ -1,0 +1,82 @@
+"""The settings every tier shares: cadence, retention, restore check, and where it lives.
+
+A tier is plain configuration. What it *does* while a Checkpointer runs is its runtime
+(:mod:`nebula_ckpt.tiers.runtime`), made from the settings by :func:`nebula_ckpt.tiers.factory.runtime_for`;
+the settings never know their runtime, so the two never import each other.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Optional
+
+from nebula_ckpt.errors import ValidationError
+from nebula_ckpt.storage.base import Storage
+
+
+@dataclass
+class Tier:
+    """Common settings of a tier.
+
+    Args:
+        every: persist every N-th save of the checkpointer (1 = every save).
+        every_seconds: persist at most once per this many seconds (``None`` = no time limit).
+        keep_last: committed checkpoints to keep on this tier (``None``: the checkpointer's).
+        keep_every: also keep forever every step divisible by this (milestones).
+        verify: restore check: ``"full"`` (sizes + every checksum), ``"size"`` (sizes only).
+    """
+
+    every: int = 1
+    every_seconds: Optional[float] = None
+    keep_last: Optional[int] = None
+    keep_every: Optional[int] = None
+    verify: str = "full"
+    kind: str = field(default="local", init=False)
+
+    def bind(self, root_url: str, rank: int = 0) -> None:
+        """Resolve settings that depend on the Checkpointer's root and rank (called by it)."""
+
+    def validate(self) -> None:
+        """Raise :class:`ValidationError` on bad settings."""
+        if not isinstance(self.every, int) or self.every < 1:
+            raise ValidationError(f"tier {self.name}: every must be an int >= 1, got {self.every!r}")
+        if self.every_seconds is not None and self.every_seconds < 0:
+            raise ValidationError(f"tier {self.name}: every_seconds must be >= 0")
+        if self.keep_last is not None and (not isinstance(self.keep_last, int) or self.keep_last < 1):
+            raise ValidationError(f"tier {self.name}: keep_last must be an int >= 1 (the newest "
+                                  f"checkpoint is never deleted), got {self.keep_last!r}")
+        if self.keep_every is not None and (not isinstance(self.keep_every, int) or self.keep_every < 1):
+            raise ValidationError(f"tier {self.name}: keep_every must be an int >= 1")
+        if self.verify not in ("full", "size"):
+            raise ValidationError(f"tier {self.name}: verify must be 'full' or 'size'")
+
+    @property
+    def persistent(self) -> bool:
+        """Whether the tier survives a reboot (``close()`` leaves the newest step on every such tier)."""
+        return True
+
+    @property
+    def shared(self) -> bool:
+        """Whether every rank of a job sees this tier (one manifest for all ranks, committed by the
+        coordinator) rather than each rank its own (the memory tier: keyed by root and rank)."""
+        return True
+
+    @property
+    def name(self) -> str:
+        """Short name for logs: ``memory``, ``local:/path``, ``remote:s3://b/p``."""
+        return f"{self.kind}:{self.display_url}"
+
+    @property
+    def display_url(self) -> str:
+        """Location without credentials."""
+        raise NotImplementedError
+
+    def make_storage(self) -> Storage:
+        """Create the storage backend of this tier."""
+        raise NotImplementedError
+
+
+def now() -> float:
+    """Clock for cadences."""
+    return time.monotonic()

@@ -1,0 +1,172 @@
+"""The memory tier at run time: a verified, claimed, locked ``/dev/shm`` folder whose shards are links."""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any, Optional
+
+from nebula_ckpt.format.commit import committed_steps
+from nebula_ckpt.format.names import LOCK_FILE, ROOT_FILE, SLOT_DIR
+from nebula_ckpt.storage.base import Storage
+from nebula_ckpt.tiers.memory.shm import (
+    Claim,
+    ClaimRefused,
+    Owner,
+    read_owner,
+    remove_if_unused,
+    secure_folder,
+    secure_subfolder,
+    sweep_slot_files,
+)
+from nebula_ckpt.tiers.memory.tier import MemoryTier, shm_available
+from nebula_ckpt.tiers.runtime import TierRuntime
+
+log = logging.getLogger(__name__)
+
+
+class MemoryTierRuntime(TierRuntime):
+    """The memory tier (``/dev/shm``): a verified, claimed, locked folder whose shards are links.
+
+    * ``open`` verifies the folder chain and claims it for the run (:mod:`nebula_ckpt.tiers.memory.shm`);
+    * ``open_for_writing`` takes the folder's lock: a second live process on the same root reads
+      this tier but never writes it;
+    * CPU saves stage into files of its ``.slots/`` folder, and the shard is a hard link of the
+      slot (one copy of the bytes); slower tiers then read the shard it wrote;
+    * ``close`` removes the folder when the newest step it holds is committed on a persistent
+      tier (a clean end); otherwise it stays for a restart (``nebula-ckpt gc`` frees it later).
+    """
+
+    feeds_slower = True
+
+    def __init__(self, tier: MemoryTier, storage: Storage) -> None:
+        super().__init__(tier, storage)
+        self._memory_tier = tier
+        self._claim: Optional[Claim] = None
+        self._slots: Optional[str] = None
+        self._owner: Optional[Owner] = None
+        self._created = False  # open() made the folder: release() removes it if nothing was put in
+
+    @property
+    def folder(self) -> str:
+        """The tier's folder."""
+        path = self._memory_tier.path
+        assert path is not None, "MemoryTier.bind() was not called"
+        return path
+
+    def _secure(self, create: bool) -> None:
+        """Create (or only verify) the folder chain; raises as :func:`~nebula_ckpt.tiers.memory.shm.secure_folder`."""
+        secure_folder(self.folder, default_layout=self._memory_tier.default_layout, create=create)
+
+    def open(self, owner: Owner) -> bool:
+        why = shm_available(self.folder)
+        if why:
+            log.info("nebula_ckpt: memory tier skipped: %s", why)
+            return False
+        self._owner = owner
+        try:
+            self._created = not os.path.isdir(self.folder)
+            self._secure(create=True)
+            self._claim = Claim(self.folder, owner)
+            if os.path.isdir(os.path.join(self.folder, SLOT_DIR)):
+                # names of slot files of processes that are gone (their checkpoints keep the bytes)
+                sweep_slot_files(secure_subfolder(self.folder, SLOT_DIR))
+        except (OSError, ClaimRefused) as e:
+            log.warning("nebula_ckpt: memory tier not used: %s", e)
+            return False
+        return True
+
+    def open_for_writing(self) -> bool:
+        assert self._claim is not None and self._owner is not None
+        if not os.path.isdir(self.folder):
+            # removed since open() (a reader on the same root closed, or `nebula-ckpt gc`): again
+            self._claim.release()
+            if not self.open(self._owner):
+                return False
+            self._created = False
+        if not self._claim.lock():
+            log.warning("nebula_ckpt: memory tier %s is written by another live process on the same "
+                        "root (a second job on one root?); this one saves without it", self.folder)
+            return False
+        try:  # open() already swept the names of dead processes' slot files
+            self._slots = secure_subfolder(self.folder, SLOT_DIR)
+        except OSError as e:
+            log.warning("nebula_ckpt: memory tier %s: no staging slot files (%s); copying instead", self.folder, e)
+        return True
+
+    def staging_dir(self) -> Optional[str]:
+        return self._slots
+
+    def lock_for_adoption(self) -> bool:
+        """Take the folder's lock, as a save would: True when this process may delete a
+        checkpoint of the tier to hand its pages over (:mod:`nebula_ckpt.restore.adopt`). Give it back
+        with :meth:`unlock_after_adoption`."""
+        return self._claim is not None and os.path.isdir(self.folder) and self._claim.lock()
+
+    def unlock_after_adoption(self) -> None:
+        """Give the lock back once the handed-over step is deleted (its file has no name left, so
+        nothing of the tier's protects it any more): a process that only restores (an evaluation
+        script) must not keep a restarted job from writing the tier. A later save takes it again."""
+        if self._claim is not None:
+            self._claim.release()
+
+    def fenced(self) -> None:
+        """Give the folder's lock back: a fenced writer writes the tier no more, and the newer
+        writer (or its restart) may take it. The folder and its checkpoints stay."""
+        if self._claim is not None and self._claim.locked:
+            log.warning("nebula_ckpt: memory tier %s: this writer was fenced; giving the tier up", self.folder)
+            self._claim.release()
+
+    def unreadable(self, owner: Owner) -> Optional[str]:
+        try:
+            self._secure(create=False)
+        except FileNotFoundError:
+            return "no memory tier"
+        except OSError as e:
+            return str(e)
+        have = read_owner(self.folder)
+        if have is None or have.root != owner.root:
+            return "its ROOT file names no or another root"
+        if have.run_id != owner.run_id:
+            return f"it holds an earlier run of {owner.root} (cleared by the next job on this root)"
+        return None
+
+    def write_shard(self, rel: str, source: Any) -> dict[str, Any]:
+        path = getattr(source, "path", None)
+        if path is not None:
+            try:
+                return self.storage.link_file(path, rel)
+            except OSError as e:  # another file system, or the slot file is gone: copy instead
+                log.debug("nebula_ckpt: tier %s: linking %s failed (%s); copying", self.name, path, e)
+        return self.storage.write_buffer(rel, source.view())
+
+    def close(self, runtimes: list[TierRuntime]) -> None:
+        if self._claim is None or not self._claim.locked:
+            return  # never written by this process: not ours to remove
+        persistent = [rt for rt in runtimes if rt.persistent]
+        if not persistent:
+            return
+        try:
+            mem_steps = committed_steps(self.storage)
+            safe: set[int] = set()
+            for rt in persistent:
+                safe.update(committed_steps(rt.storage))
+        except Exception as e:
+            log.warning("nebula_ckpt: memory tier %s kept: cannot check the slower tiers (%s)", self.folder, e)
+            return
+        if mem_steps and max(mem_steps) not in safe:
+            log.warning("nebula_ckpt: memory tier %s kept: its newest step %d is committed on no "
+                        "slower tier", self.folder, max(mem_steps))
+            return
+        self.storage.remove_dir("")  # a clean close: the state is safe on a slower tier; free the RAM
+        log.debug("nebula_ckpt: memory tier %s removed", self.folder)
+
+    def release(self) -> None:
+        if self._claim is not None:
+            wrote = self._claim.locked
+            self._claim.release()
+            if self._created and not wrote:
+                # a Checkpointer that only read leaves no empty folder behind in /dev/shm
+                remove_if_unused(self.folder, (LOCK_FILE, ROOT_FILE, SLOT_DIR))
+            self._claim = None
+        super().release()

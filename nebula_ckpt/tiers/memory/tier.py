@@ -1,0 +1,98 @@
+"""The memory tier's settings: host memory in a tmpfs (``/dev/shm``) that outlives the process.
+
+Its default folder is ``<shm_dir>/nebula_ckpt-<uid>/<hash of root and rank>``
+(:func:`memory_tier_path`); what it does at run time (claims, locks, slot files, links) is
+:class:`~nebula_ckpt.tiers.memory.runtime.MemoryTierRuntime`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from nebula_ckpt import knobs
+from nebula_ckpt.errors import ValidationError
+from nebula_ckpt.storage.base import Storage
+from nebula_ckpt.storage.local import LocalStorage
+from nebula_ckpt.storage.urls import canonical_root
+from nebula_ckpt.tiers.base import Tier
+from nebula_ckpt.tiers.memory.shm import user_dir_name
+
+
+@dataclass
+class MemoryTier(Tier):
+    """Host memory that survives a crash of the training process (``/dev/shm``, a tmpfs).
+
+    Files are owner-only and removed by a clean ``close()``; after a crash a new process with the
+    same ``root`` finds them (the folder name is a hash of the root URL, checked against a
+    ``ROOT`` file inside, so another run's memory tier is never taken for this one's).
+
+    Args:
+        path: folder to use; default: ``<shm_dir>/nebula_ckpt-<uid>/<hash of root>``.
+        keep_last: default 1 (the previous checkpoint is deleted only after the new one commits).
+        replicas: copies of each rank's memory-tier step kept in the memory tier of ``replicas``
+            partner ranks on other nodes, so that losing up to that many nodes loses no rank's
+            newest step (:mod:`nebula_ckpt.tiers.memory.replicas`). Default 0: a copy costs the
+            partner's RAM and a transfer per save, and a job on one node has no partner.
+    """
+
+    path: Optional[str] = None
+    replicas: int = 0
+    #: True when the folder is the default ``<shm_dir>/nebula_ckpt-<uid>/<hash>`` (set by bind)
+    default_layout: bool = field(default=False, init=False)
+
+    def __init__(self, path: Optional[str] = None, *, keep_last: int = 1, replicas: int = 0, **kw: Any) -> None:
+        super().__init__(keep_last=keep_last, **kw)
+        self.kind = "memory"
+        self.path = path
+        self.replicas = replicas
+        self.default_layout = False
+
+    def validate(self) -> None:
+        super().validate()
+        if not isinstance(self.replicas, int) or isinstance(self.replicas, bool) or self.replicas < 0:
+            raise ValidationError(f"tier {self.name}: replicas must be an int >= 0 (copies on other nodes), "
+                                  f"got {self.replicas!r}")
+
+    def bind(self, root_url: str, rank: int = 0) -> None:
+        """Resolve the default folder for ``root_url`` and ``rank`` (called by the Checkpointer)."""
+        if self.path is None:
+            self.path = memory_tier_path(root_url, rank)
+            self.default_layout = True
+
+    @property
+    def display_url(self) -> str:
+        return self.path or "<unbound>"
+
+    @property
+    def persistent(self) -> bool:
+        """A tmpfs does not survive a reboot."""
+        return False
+
+    @property
+    def shared(self) -> bool:
+        """Each rank has its own memory tier."""
+        return False
+
+    def make_storage(self) -> Storage:
+        assert self.path is not None, "MemoryTier.bind() was not called"
+        return LocalStorage(self.path, private=True, fsync=False, hold_reads=True)
+
+
+def memory_tier_path(root: str, rank: int = 0) -> str:
+    """Default memory-tier folder for ``root`` and ``rank`` (ranks on one host never share one)."""
+    ident = canonical_root(root) + (f"#rank={rank}" if rank else "")
+    digest = hashlib.sha256(ident.encode()).hexdigest()[:16]
+    return os.path.join(knobs.get("shm_dir"), user_dir_name(), digest)
+
+
+def shm_available(path: str) -> Optional[str]:
+    """``None`` if the memory tier can live at ``path``, else the reason it cannot."""
+    base = os.path.dirname(os.path.dirname(path))
+    if not os.path.isdir(base):
+        return f"{base} does not exist"
+    if not os.access(base, os.W_OK):
+        return f"{base} is not writable"
+    return None
