@@ -31,7 +31,7 @@ lint: install
 	  sys.exit(m.version('ruff') != '$(RUFF_VERSION)' or m.version('mypy') != '$(MYPY_VERSION)')" 2>/dev/null \
 	  || $(VPY) -m pip install -q "ruff==$(RUFF_VERSION)" "mypy==$(MYPY_VERSION)"
 	$(VPY) -m ruff check --output-format concise nebula_ckpt tests benchmarks
-	$(VPY) -m mypy nebula_ckpt
+	$(VPY) -m mypy nebula_ckpt benchmarks
 
 # peers only the full benchmark needs; the installed torch is pinned so pip never swaps it
 bench-deps: install

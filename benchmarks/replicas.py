@@ -236,7 +236,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         _rank_main(json.loads(Path(args.rank_job).read_text()))
         return 0
     sys.path.insert(0, str(REPO))
-    from benchmarks.emulators import AzuriteEmulator
+    from tests.blob.emulators import AzuriteEmulator  # the test suite's launcher; a checkout has both
 
     res: dict[str, Any] = {"machine": _machine(), "recovery": {}, "loop": {}}
     global SHM
