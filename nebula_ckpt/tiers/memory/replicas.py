@@ -389,11 +389,14 @@ class Replicator:
             {r: of_world(store.source_dir(r), o, self.world) for r, o in store.held().items()}
         return {"own": own, "shared": shared, "held": held, "can_pull": self.store is not None}
 
-    def _own_ok(self, target: tuple[int, int]) -> bool:
+    def _own_ok(self, target: tuple[int, int], verify: str = "size") -> bool:
+        """Whether this rank's own memory-tier copy of ``target`` passes ``verify`` (``"size"``:
+        markers and file sizes, for every step offered; ``"full"``: every checksum too, for the
+        step agreed on, so a copy with flipped bytes is pulled like a lost one)."""
         if self.folder is None:
             return False
-        try:  # sizes and markers: a memory tier that lost files pulls; the checksums come at restore
-            verify_step(self.folder, target[1], self.rank, self.world, "size")
+        try:
+            verify_step(self.folder, target[1], self.rank, self.world, verify)
             return True
         except Exception as e:
             log.warning("nebula_ckpt: rank %d: own memory-tier copy of step %d is damaged: %s", self.rank, target[1], e)
@@ -408,6 +411,10 @@ class Replicator:
             if target is None:
                 return {"step": None, "generation": None, "sources": [None] * self.world}
             got: dict[int, str] = {r: "memory" for r, v in enumerate(views) if target in {tuple(o) for o in v["own"]}}
+            # an own copy whose bytes fail their checksums is pulled like a lost one (every rank
+            # learns which, so all compute the same pulls); nothing of ``into`` has changed yet
+            damaged = self._gather(self.rank in got and not self._own_ok(target, "full"))
+            got = {r: src for r, src in got.items() if not damaged[r]}
             pending = [r for r in range(self.world) if r not in got]
             attempt = 0
             while pending:
