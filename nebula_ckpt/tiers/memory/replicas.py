@@ -19,9 +19,10 @@ rounds in the same order on every rank:
   the partner and why). The training thread never waits for any of it; ``handle.result()`` does.
 * a **recover round** at restore (the training thread hands it over and waits): the ranks exchange
   what they hold, agree on the newest step every rank can get (:mod:`.recovery`), and each rank
-  whose own copy is gone pulls it from a holder over the same group into its own memory tier
-  (verified before it becomes visible, so nothing of ``into`` changes for a bad copy; the next
-  holder, then the shared tier, are the fallbacks). The normal restore then finds the step there.
+  whose own copy of it is gone or damaged (its checksums are checked first) pulls it from a holder
+  over the same group into its own memory tier (verified before it becomes visible, so nothing of
+  ``into`` changes for a bad copy; the next holder, then the shared tier, are the fallbacks). The
+  normal restore then finds the step there.
 
 A rank that dies makes the group's collectives fail or time out (``knobs.replica_timeout_s``):
 the round's replicas fail on the other ranks, and every later round fails at once (the job
