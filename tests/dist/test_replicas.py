@@ -163,3 +163,42 @@ def test_too_few_nodes_for_k_is_refused_on_every_rank(tmp_path: Path) -> None:
     for p in done:
         assert p.returncode != 0
         assert "ValidationError" in p.stdout and "replicas=2" in p.stdout and "2 node(s)" in p.stdout, p.stdout[-2000:]
+
+
+
+def _flip(path: Path) -> bytes:
+    """Flip one byte of tensor data in ``path`` (same size); its bytes before."""
+    before = path.read_bytes()
+    data = bytearray(before)
+    data[-5] ^= 0xFF
+    path.write_bytes(bytes(data))
+    return before
+
+
+@pytest.mark.parametrize("replica_damaged", [False, True])
+def test_a_rank_whose_own_copy_is_corrupted_pulls_it_from_its_partner(tmp_path: Path, replica_damaged: bool) -> None:
+    """Rank 2's own memory-tier copy of the newest step (in no shared tier) keeps its sizes but
+    not its bytes: it pulls that step from its partner's replica, and no rank falls back to an
+    older step. When that replica is damaged too, every rank falls back alike (disk, step 1)."""
+    job = Job(tmp_path, "0,0,1,1", k=1)
+    saved = job.run("save")
+    assert sorted(os.listdir(job.root)) == ["_nebula", "step-1"]
+    shard = next(p for p in (job.shm / "n1").glob("nebula_ckpt-*/*/step-3/shard-*-r2.safetensors")
+                 if "replicas" not in p.parts)
+    healthy = _flip(shard)
+    if replica_damaged:
+        held = [p for d in job.replica_dirs(0) if d.name == "r2" for p in d.glob("step-3/shard-*")]
+        assert len(held) == 1
+        _flip(held[0])
+    got = job.run("restore")
+    if replica_damaged:
+        _check_exact(saved, got, 1)
+        assert all(g["last_restore"]["tier"].startswith("local:") for g in got)
+        return
+    _check_exact(saved, got, 3)
+    sources = got[0]["last_restore"]["sources"]
+    assert all(g["last_restore"]["sources"] == sources for g in got)
+    assert sources[2].startswith("replica from rank ") and int(sources[2].split()[-1]) in (0, 1), sources
+    assert [s for r, s in enumerate(sources) if r != 2] == ["memory"] * 3, sources
+    assert got[2]["last_restore"]["tier"].startswith("memory:")  # read from its memory tier
+    assert shard.read_bytes() == healthy  # the damaged copy was replaced by the verified pulled one

@@ -10,8 +10,8 @@ Pure functions of what every rank reported (its *view*, gathered by
 
 A rank can get a step when its own memory tier holds it, some other live rank holds a replica of
 it (and it can receive one), or a shared tier holds it. The target is the newest step every rank
-can get; ranks whose own copy is gone pull it from the holders in turn (one holder per attempt,
-the next holder when a copy fails its checksums); a rank none of whose holders delivers falls
+can get; ranks whose own copy is gone or damaged pull it from the holders in turn (one holder
+per attempt, the next holder when a copy fails its checksums); a rank none of whose holders delivers falls
 back to the shared tier, and when that lacks the step too, the step is excluded and the next
 newest one is planned.
 """

@@ -19,9 +19,10 @@ rounds in the same order on every rank:
   the partner and why). The training thread never waits for any of it; ``handle.result()`` does.
 * a **recover round** at restore (the training thread hands it over and waits): the ranks exchange
   what they hold, agree on the newest step every rank can get (:mod:`.recovery`), and each rank
-  whose own copy is gone pulls it from a holder over the same group into its own memory tier
-  (verified before it becomes visible, so nothing of ``into`` changes for a bad copy; the next
-  holder, then the shared tier, are the fallbacks). The normal restore then finds the step there.
+  whose own copy of it is gone or damaged (its checksums are checked first) pulls it from a holder
+  over the same group into its own memory tier (verified before it becomes visible, so nothing of
+  ``into`` changes for a bad copy; the next holder, then the shared tier, are the fallbacks). The
+  normal restore then finds the step there.
 
 A rank that dies makes the group's collectives fail or time out (``knobs.replica_timeout_s``):
 the round's replicas fail on the other ranks, and every later round fails at once (the job
@@ -389,11 +390,14 @@ class Replicator:
             {r: of_world(store.source_dir(r), o, self.world) for r, o in store.held().items()}
         return {"own": own, "shared": shared, "held": held, "can_pull": self.store is not None}
 
-    def _own_ok(self, target: tuple[int, int]) -> bool:
+    def _own_ok(self, target: tuple[int, int], verify: str = "size") -> bool:
+        """Whether this rank's own memory-tier copy of ``target`` passes ``verify`` (``"size"``:
+        markers and file sizes, for every step offered; ``"full"``: every checksum too, for the
+        step agreed on, so a copy with flipped bytes is pulled like a lost one)."""
         if self.folder is None:
             return False
-        try:  # sizes and markers: a memory tier that lost files pulls; the checksums come at restore
-            verify_step(self.folder, target[1], self.rank, self.world, "size")
+        try:
+            verify_step(self.folder, target[1], self.rank, self.world, verify)
             return True
         except Exception as e:
             log.warning("nebula_ckpt: rank %d: own memory-tier copy of step %d is damaged: %s", self.rank, target[1], e)
@@ -408,6 +412,10 @@ class Replicator:
             if target is None:
                 return {"step": None, "generation": None, "sources": [None] * self.world}
             got: dict[int, str] = {r: "memory" for r, v in enumerate(views) if target in {tuple(o) for o in v["own"]}}
+            # an own copy whose bytes fail their checksums is pulled like a lost one (every rank
+            # learns which, so all compute the same pulls); nothing of ``into`` has changed yet
+            damaged = self._gather(self.rank in got and not self._own_ok(target, "full"))
+            got = {r: src for r, src in got.items() if not damaged[r]}
             pending = [r for r in range(self.world) if r not in got]
             attempt = 0
             while pending:
