@@ -231,7 +231,10 @@ def test_cli_ls_and_inspect_show_tags(root: str, capsys: pytest.CaptureFixture[s
     assert [(r["step"], r["tag"]) for r in rows] == [(1, "epoch=0.ckpt"), (2, None)]
     assert main(["ls", root]) == 0
     out = capsys.readouterr().out
-    assert "tag=epoch=0.ckpt" in out and out.count("tag=") == 1
+    header, *lines = out.splitlines()
+    assert header.split()[-2:] == ["tag", "state"]
+    by_step = {int(line.split()[1]): line.split() for line in lines}
+    assert by_step[1][-2] == "epoch=0.ckpt" and by_step[2][-2] == "-"  # the tag column; untagged: -
     assert main(["inspect", root, "--step", "1"]) == 0
     assert "tag epoch=0.ckpt" in capsys.readouterr().out
     assert main(["inspect", root, "--step", "1", "--json"]) == 0
