@@ -99,7 +99,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from nebula_ckpt import Checkpointer, canonical_root, check_tag
+from nebula_ckpt import Checkpointer, canonical_root, check_tag, write_file_atomic
 from nebula_ckpt.errors import NotFoundError, PersistError, ValidationError
 from nebula_ckpt.integrations.deepspeed_files import (
     POINTER_FORMAT,
@@ -392,10 +392,8 @@ class NebulaCkptEngine(CheckpointEngine):
                 os.makedirs(os.path.dirname(path), exist_ok=True)
                 write_pointer(path, self._root, tag, step, key)
         if self.checkpointer.coordinator.rank == 0:
-            tmp = os.path.join(save_dir, f"latest.nebula-tmp-{os.getpid()}")
-            with open(tmp, "w") as f:
-                f.write(tag)
-            os.replace(tmp, os.path.join(save_dir, "latest"))
+            write_file_atomic(os.path.join(save_dir, "latest"), tag.encode(), strict_dir_fsync=False,
+                              tmp_suffix=".nebula-tmp")
         self._cache = (tag, step, tree)
         log.info("nebula_ckpt: pointers of DeepSpeed checkpoint %r (step %d) restored under %s", tag, step, save_dir)
         return tag
