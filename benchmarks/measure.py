@@ -48,7 +48,9 @@ def train_loop(w: wl.Workload, steps: int, interval: int, peer: Optional[Peer] =
 
 
 def one_save(peer: Peer, w: wl.Workload, step: int) -> dict[str, float]:
-    """One measured save (see the module docstring); returns call/stall/blocking/durable."""
+    """One measured save (see the module docstring): call/stall/blocking/durable in seconds, and
+    the save's start ``t0`` and durable moment ``done`` on ``time.monotonic`` (comparable across
+    the ranks of one machine)."""
     done_at: list[float] = []
     error: list[BaseException] = []
 
@@ -57,25 +59,25 @@ def one_save(peer: Peer, w: wl.Workload, step: int) -> dict[str, float]:
             peer.wait_durable()
         except BaseException as e:  # re-raised on the training thread below
             error.append(e)
-        done_at.append(time.perf_counter())
+        done_at.append(time.monotonic())
 
-    t0 = time.perf_counter()
+    t0 = time.monotonic()
     peer.save(step, lambda: w.state(step))
-    t1 = time.perf_counter()
+    t1 = time.monotonic()
     th = threading.Thread(target=waiter, name="bench-durable", daemon=True)
     th.start()
     w.forward_backward()
     w.sync()
-    t2 = time.perf_counter()
+    t2 = time.monotonic()
     peer.wait_safe()
-    t3 = time.perf_counter()
+    t3 = time.monotonic()
     w.optimizer_step()
     w.sync()
     th.join()
     if error:
         raise error[0]
-    return {"call": t1 - t0, "stall": t3 - t2, "blocking": (t1 - t0) + (t3 - t2),
-            "durable": done_at[0] - t0}
+    return {"step": step, "t0": t0, "done": done_at[0], "call": t1 - t0, "stall": t3 - t2,
+            "blocking": (t1 - t0) + (t3 - t2), "durable": done_at[0] - t0}
 
 
 def idle_save(peer: Peer, w: wl.Workload, step: int) -> float:

@@ -16,7 +16,6 @@ import logging
 import os
 import shutil
 import sys
-import threading
 import time
 import traceback
 from dataclasses import dataclass
@@ -27,7 +26,7 @@ import torch
 
 from benchmarks import workloads as wl
 from benchmarks.common import usable_cores
-from benchmarks.measure import measure_throughput, train_loop
+from benchmarks.measure import measure_throughput, one_save, train_loop
 from benchmarks.peer_base import Peer
 from benchmarks.peers import Nebula
 from benchmarks.rank_peers import NEBULA_SHARD, RankNebula, TimedCoordinator, make_peer
@@ -113,35 +112,6 @@ def _barrier() -> None:
         dist.barrier()
 
 
-def _timed_save(peer: Peer, w: wl.Workload, step: int) -> dict[str, float]:
-    """One save during training (see the runner's ``_one_save``), with absolute timestamps."""
-    done_at: list[float] = []
-    error: list[BaseException] = []
-
-    def waiter() -> None:
-        try:
-            peer.wait_durable()
-        except BaseException as e:  # re-raised on the training thread below
-            error.append(e)
-        done_at.append(time.monotonic())
-
-    t0 = time.monotonic()
-    peer.save(step, lambda: w.state(step))
-    t1 = time.monotonic()
-    th = threading.Thread(target=waiter, name="bench-durable", daemon=True)
-    th.start()
-    w.forward_backward()
-    t2 = time.monotonic()
-    peer.wait_safe()
-    t3 = time.monotonic()
-    w.optimizer_step()
-    th.join()
-    if error:
-        raise error[0]
-    return {"step": step, "t0": t0, "done": done_at[0], "call": t1 - t0, "stall": t3 - t2,
-            "blocking": (t1 - t0) + (t3 - t2)}
-
-
 def _idle_save(peer: Peer, w: wl.Workload, step: int) -> dict[str, float]:
     """Save and wait until durable, nothing else running; absolute timestamps."""
     t0 = time.monotonic()
@@ -159,7 +129,7 @@ def _measure_system(peer: Peer, w: wl.Workload, spec: JobSpec, rank: int, step: 
         step += 1
         w.train_step()
         _barrier()
-        rec["reps"].append(_timed_save(peer, w, step))
+        rec["reps"].append(one_save(peer, w, step))
         if r == 0 and not peer.blocking:
             for _ in range(min(3, spec.reps)):
                 step += 1
