@@ -14,9 +14,8 @@ from typing import Any
 import torch
 
 from nebula_ckpt.errors import NebulaError, ValidationError
+from nebula_ckpt.format.header import RESERVED_KEYS
 from nebula_ckpt.format.tree import MAX_DEPTH, MAX_INT_BITS, Node, decode, encode_leaf
-
-_RESERVED = frozenset({"__metadata__"})
 
 
 def fqn_paths(planner_data: Any) -> dict[str, tuple[Any, ...]]:
@@ -35,7 +34,7 @@ def check_keys(fqns: list[str], paths: dict[str, tuple[Any, ...]]) -> None:
     seen: dict[str, str] = {}
     for fqn in fqns:
         key = manifest_key(fqn, paths)
-        if not key or key in _RESERVED:
+        if not key or key in RESERVED_KEYS:
             raise ValidationError(f"NebulaStorageWriter: state key '{fqn}' maps to the key {key!r}, which the "
                                   "format cannot store (empty, or reserved by safetensors); rename it")
         other = seen.setdefault(key, fqn)
