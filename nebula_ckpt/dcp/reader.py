@@ -68,6 +68,7 @@ from nebula_ckpt.format.commit import committed_steps
 from nebula_ckpt.format.dtensors import dtensor_chunks, logical_groups
 from nebula_ckpt.format.names import COMMIT, parse_step_dir, step_dir
 from nebula_ckpt.format.records import TensorRecord
+from nebula_ckpt.format.references import shard_path
 from nebula_ckpt.native import get_ops
 from nebula_ckpt.restore.open import OpenCheckpoint, read_manifest
 from nebula_ckpt.restore.select import find_and_open
@@ -296,7 +297,9 @@ class NebulaStorageReader(StorageReader):
         return first, shape, chunks
 
     def _file(self, rec: TensorRecord) -> str:
-        return self.manifest.shards[rec.shard].file
+        """Where ``rec``'s bytes lie: ``step-<S>/<shard file>`` (an earlier step's folder for a
+        tensor an incremental checkpoint refers to)."""
+        return shard_path(self.manifest, rec.shard)
 
     def _build_metadata(self) -> tuple[Metadata, list[str]]:
         sdm: dict[str, Any] = {}
