@@ -98,13 +98,13 @@ def test_verify_checks_the_referenced_bytes_and_names_the_step_that_holds_them(
     assert rc == 0 and rows[3]["base_steps"] == [1]
     assert main(["verify", chain, "--step", "3"]) == 0
     assert "refers to step 1" in capsys.readouterr().out
-    _flip_tensor_byte(chain, 1, "model/trunk/weight")   # a frozen tensor: only step 1's folder holds it
+    _flip_tensor_byte(chain, 1, "model/trunk.weight")   # a frozen tensor: only step 1's folder holds it
     rc, rows = _rows(capsys, "verify", chain)
     assert rc == 1
     assert [s for s, r in rows.items() if not r["healthy"]] == [1, 2, 3]
     for s in (2, 3):
         why = rows[s]["problem"]
-        assert "model/trunk/weight" in why and "step 1" in why and "step-1/" in why, why
+        assert "model/trunk.weight" in why and "step 1" in why and "step-1/" in why, why
     # step 3 alone: its own files are intact, the bytes it refers to are not
     assert main(["verify", chain, "--step", "3"]) == 1
     out = capsys.readouterr().out
@@ -125,7 +125,7 @@ def test_inspect_says_where_each_tensor_is_stored(chain: str, capsys: pytest.Cap
     out = capsys.readouterr().out
     assert "refers to step 1" in out.splitlines()[0]
     row = {ln.split()[0]: ln for ln in out.splitlines()[2:] if ln.startswith(("model/", "optim/"))}
-    assert row["model/trunk/weight"].endswith("step 1") and row["model/head/weight"].endswith("step 3")
+    assert row["model/trunk.weight"].endswith("step 1") and row["model/head.weight"].endswith("step 3")
     assert main(["inspect", chain, "--step", "3", "--json"]) == 0
     info = json.loads(capsys.readouterr().out)
     assert info["base_steps"] == [1] and any(sh.get("step") == 1 for sh in info["shards"])
@@ -144,7 +144,7 @@ def test_export_reads_the_referenced_tensors(root: str, tmp_path, to: str) -> No
 
 def test_export_of_a_step_whose_referenced_bytes_are_damaged_writes_nothing(
         chain: str, tmp_path, capsys: pytest.CaptureFixture[str]) -> None:  # noqa: ANN001
-    _flip_tensor_byte(chain, 1, "model/trunk/weight")
+    _flip_tensor_byte(chain, 1, "model/trunk.weight")
     assert main(["export", chain, "--step", "3", "--to", str(tmp_path / "x.safetensors")]) == 1
     assert "step-1/" in capsys.readouterr().err
     assert not os.path.exists(tmp_path / "x.safetensors")
