@@ -142,11 +142,35 @@ class Incremental:
 
     def committed(self, manifest: dict[str, Any], full: bool) -> None:
         """The tier committed ``manifest``: the next save builds on it."""
-        parsed = Manifest.parse(manifest, "the manifest just committed", manifest["step"])
+        self._set_base(Manifest.parse(manifest, "the manifest just committed", manifest["step"]), full)
+
+    def committed_share(self, step: int, generation: int, share: dict[str, Any]) -> None:
+        """A multi-rank save committed on a shared tier: the next one builds on this rank's
+        ``share`` of it (its shard record, ``refs``, tensor index and ``sha256``)."""
+        where = f"step {step}: this rank's share"
+        shards = (ShardRecord.parse(share["shard"], where),
+                  *(ShardRecord.parse(r, where) for r in share.get("refs", [])))
+        tensors = {k: TensorRecord.parse(k, v, shards, where) for k, v in share["tensors"].items()}
+        base = Manifest(step=step, generation=generation, shards=shards, tensors=tensors, aliases={}, tree={},
+                        hashes=dict(share.get("sha256", {})))
+        self._set_base(base, not share.get("refs"))
+
+    def _set_base(self, base: Manifest, full: bool) -> None:
         with self._lock:
-            self._base = parsed
+            self._base = base
             self._since_full = 0 if full else self._since_full + 1
             self._pinned = set()
+
+    def declare(self) -> Optional[int]:
+        """Multi-rank: the step this rank's next save would build on (None: it will be full),
+        pinned until that save is over; the ranks build on it only when every rank names the
+        same step (so that rank 0, which deletes, holds it too)."""
+        with self._lock:
+            base = self._base
+            if not self.enabled or self._next_is_full() or base is None:
+                return None
+            self._pinned = {base.step} | {s.step for s in base.shards if s.step is not None}
+            return base.step
 
     def forget(self) -> None:
         """The base is no longer certain (a failed or uncertain commit, a removal): next save is full."""
