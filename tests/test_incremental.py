@@ -227,3 +227,17 @@ def test_an_incremental_shard_opens_with_safe_open(tmp_path, shm_dir) -> None:  
     with safe_open(os.path.join(root, "step-1", "shard-g1-r0.safetensors"), "pt") as f:
         assert list(f.keys()) == ["train"]
         assert torch.equal(f.get_tensor("train"), torch.full((64,), 2.0))
+
+
+def test_close_puts_an_incremental_newest_step_whole_on_a_tier_that_skipped_it(tmp_path, shm_dir) -> None:  # noqa: ANN001
+    a, b = str(tmp_path / "a"), str(tmp_path / "b")
+    frozen, train = _frozen(), torch.zeros(64)
+    with nc.Checkpointer(a, tiers=[nc.LocalTier(a), nc.LocalTier(b, every=3)], keep_last=10) as ck:
+        for step in range(5):
+            train += 1
+            ck.save(step, _state(frozen, train, step))
+    assert len(_man(a, 4)["shards"]) == 2  # incremental on the tier that took every save
+    assert len(_man(b, 4)["shards"]) == 1  # copied at close(): whole
+    with nc.Checkpointer(b, tiers=[nc.LocalTier(b)], read_only=True) as ck:
+        got, state = ck.read(4)
+    assert got == 4 and torch.equal(state["frozen"], frozen) and torch.equal(state["train"], train)

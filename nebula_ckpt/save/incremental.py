@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from typing import Any, Iterable, Optional
 
 from nebula_ckpt import knobs
+from nebula_ckpt.format.header import safetensors_header
 from nebula_ckpt.format.manifest import Manifest
 from nebula_ckpt.format.records import ShardRecord, TensorRecord
 
@@ -219,3 +220,25 @@ def hashes_for(targets: list[Any], view: memoryview, index: dict[str, dict[str, 
         assert want is not None
         want |= keys
     return hash_staged(view, index, index if want is None else want)
+
+
+def whole_image(man: Manifest, shards: list[Any]) -> tuple[list[memoryview], dict[str, dict[str, Any]], int]:
+    """The one-shard safetensors image of checkpoint ``man`` (``shards[i]``: the bytes of its
+    shard ``i``, which may lie in earlier steps): ``(parts, tensor records, bytes)``. Tensors go
+    largest element first, so each stays naturally aligned; records keep the manifest's order."""
+    keys = sorted(man.tensors, key=lambda k: -man.tensors[k].torch_dtype.itemsize)
+    head, spans = safetensors_header([(k, man.tensors[k].torch_dtype, man.tensors[k].shape, man.tensors[k].nbytes)
+                                      for k in keys])
+    parts: list[memoryview] = [memoryview(head)]
+    at: dict[str, list[int]] = {}
+    for k, (p, e) in zip(keys, spans, strict=True):
+        rec = man.tensors[k]
+        if rec.nbytes:
+            parts.append(memoryview(shards[rec.shard]).cast("B")[rec.start:rec.end])
+        at[k] = [len(head) + p, len(head) + e]
+    records = {}
+    for k, rec in man.tensors.items():
+        out = rec.to_json()
+        out.pop("shard", None)
+        records[k] = dict(out, offsets=at[k])
+    return parts, records, len(head) + (spans[-1][1] if spans else 0)

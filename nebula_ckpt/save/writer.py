@@ -41,9 +41,9 @@ from typing import Any, Callable, Optional
 from nebula_ckpt import knobs
 from nebula_ckpt.errors import FencedError, PersistError
 from nebula_ckpt.format.commit import committed_steps
+from nebula_ckpt.format.manifest import Manifest
 from nebula_ckpt.format.names import COMMIT, MANIFEST, shard_name, shard_owner, step_dir
-from nebula_ckpt.format.records import ShardRecord
-from nebula_ckpt.format.references import protected_steps, referrers
+from nebula_ckpt.format.references import protected_steps, referrers, shard_path
 from nebula_ckpt.ranks import shards as ranks
 from nebula_ckpt.ranks.coordinator import Coordinator, LocalCoordinator
 from nebula_ckpt.ranks.fencing import TierFence
@@ -57,7 +57,7 @@ from nebula_ckpt.save.commit import (
     encode_manifest,
 )
 from nebula_ckpt.save.fanout import Delivery
-from nebula_ckpt.save.incremental import Incremental, manifest_parts
+from nebula_ckpt.save.incremental import Incremental, manifest_parts, whole_image
 from nebula_ckpt.save.rounds import SharedCommit, SharedSave, tagged
 from nebula_ckpt.save.snapshot import Snapshot, build_tier_manifest
 from nebula_ckpt.storage.base import Storage
@@ -256,23 +256,21 @@ class TierWriter:
         """Write the committed checkpoint ``step`` of another (local) tier's storage to this tier.
 
         Used by ``Checkpointer.close()`` to put the newest step on tiers whose cadence skipped it.
-        The source's manifest is taken as is but for this tier's generation and shard record.
+        The source's manifest is taken as is but for this tier's generation and shard record; an
+        incremental one is written whole here (its tensors gathered from the shards it refers to).
         """
         d = step_dir(step)
-        man = json.loads(src.read_small(f"{d}/{MANIFEST}"))
-        if len(man["shards"]) != 1 or self.coordinator.world_size > 1:
-            raise ValueError(f"step {step} has {len(man['shards'])} shards; only one-shard checkpoints are copied")
-        rec = man["shards"][0]
-        data = src.read_buffer(f"{d}/{ShardRecord.parse(rec, d).file}", rec.get("storage"))
-
-        class _View:
-            def view(self) -> memoryview:
-                return data
+        raw = src.read_small(f"{d}/{MANIFEST}")
+        man, parsed = json.loads(raw), Manifest.parse(raw, f"{src.display_url} step {step}", step)
+        if parsed.multi_rank or self.coordinator.world_size > 1:
+            raise ValueError(f"step {step} is a multi-rank checkpoint; only one-process checkpoints are copied")
+        data = [src.read_buffer(shard_path(parsed, i), dict(sh.storage or {})) for i, sh in enumerate(parsed.shards)]
+        parts, tensors, nbytes = whole_image(parsed, data)
 
         def manifest(gen: int, shard: dict[str, Any]) -> dict[str, Any]:
-            return dict(man, generation=gen, shards=[shard])
+            return dict(man, generation=gen, shards=[shard], tensors=tensors)
 
-        self._commit_step(_Item(step, len(data), _View(), manifest, lambda: None), None)
+        self._commit_step(_Item(step, nbytes, None, manifest, lambda: None, parts=lambda: parts), None)
 
     @property
     def _shared(self) -> bool:

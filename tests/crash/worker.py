@@ -74,7 +74,7 @@ def main() -> None:
     import nebula_ckpt as nc
 
     model, opt = make()
-    ck = nc.Checkpointer(root, keep_last=2)
+    ck = nc.Checkpointer(root, keep_last=2, memory_tier=not FROZEN)  # frozen: restores from the incremental disk tier
     state = {"model": model, "optim": opt, "step": -1}
     got = ck.load_latest(into=state)
     if got is None:
