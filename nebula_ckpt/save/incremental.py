@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from typing import Any, Iterable, Optional
 
 from nebula_ckpt import knobs
+from nebula_ckpt.format.header import safetensors_header
 from nebula_ckpt.format.manifest import Manifest
 from nebula_ckpt.format.records import ShardRecord, TensorRecord
 
@@ -142,11 +143,35 @@ class Incremental:
 
     def committed(self, manifest: dict[str, Any], full: bool) -> None:
         """The tier committed ``manifest``: the next save builds on it."""
-        parsed = Manifest.parse(manifest, "the manifest just committed", manifest["step"])
+        self._set_base(Manifest.parse(manifest, "the manifest just committed", manifest["step"]), full)
+
+    def committed_share(self, step: int, generation: int, share: dict[str, Any]) -> None:
+        """A multi-rank save committed on a shared tier: the next one builds on this rank's
+        ``share`` of it (its shard record, ``refs``, tensor index and ``sha256``)."""
+        where = f"step {step}: this rank's share"
+        shards = (ShardRecord.parse(share["shard"], where),
+                  *(ShardRecord.parse(r, where) for r in share.get("refs", [])))
+        tensors = {k: TensorRecord.parse(k, v, shards, where) for k, v in share["tensors"].items()}
+        base = Manifest(step=step, generation=generation, shards=shards, tensors=tensors, aliases={}, tree={},
+                        hashes=dict(share.get("sha256", {})))
+        self._set_base(base, not share.get("refs"))
+
+    def _set_base(self, base: Manifest, full: bool) -> None:
         with self._lock:
-            self._base = parsed
+            self._base = base
             self._since_full = 0 if full else self._since_full + 1
             self._pinned = set()
+
+    def declare(self) -> Optional[int]:
+        """Multi-rank: the step this rank's next save would build on (None: it will be full),
+        pinned until that save is over; the ranks build on it only when every rank names the
+        same step (so that rank 0, which deletes, holds it too)."""
+        with self._lock:
+            base = self._base
+            if not self.enabled or self._next_is_full() or base is None:
+                return None
+            self._pinned = {base.step} | {s.step for s in base.shards if s.step is not None}
+            return base.step
 
     def forget(self) -> None:
         """The base is no longer certain (a failed or uncertain commit, a removal): next save is full."""
@@ -195,3 +220,25 @@ def hashes_for(targets: list[Any], view: memoryview, index: dict[str, dict[str, 
         assert want is not None
         want |= keys
     return hash_staged(view, index, index if want is None else want)
+
+
+def whole_image(man: Manifest, shards: list[Any]) -> tuple[list[memoryview], dict[str, dict[str, Any]], int]:
+    """The one-shard safetensors image of checkpoint ``man`` (``shards[i]``: the bytes of its
+    shard ``i``, which may lie in earlier steps): ``(parts, tensor records, bytes)``. Tensors go
+    largest element first, so each stays naturally aligned; records keep the manifest's order."""
+    keys = sorted(man.tensors, key=lambda k: -man.tensors[k].torch_dtype.itemsize)
+    head, spans = safetensors_header([(k, man.tensors[k].torch_dtype, man.tensors[k].shape, man.tensors[k].nbytes)
+                                      for k in keys])
+    parts: list[memoryview] = [memoryview(head)]
+    at: dict[str, list[int]] = {}
+    for k, (p, e) in zip(keys, spans, strict=True):
+        rec = man.tensors[k]
+        if rec.nbytes:
+            parts.append(memoryview(shards[rec.shard]).cast("B")[rec.start:rec.end])
+        at[k] = [len(head) + p, len(head) + e]
+    records = {}
+    for k, rec in man.tensors.items():
+        out = rec.to_json()
+        out.pop("shard", None)
+        records[k] = dict(out, offsets=at[k])
+    return parts, records, len(head) + (spans[-1][1] if spans else 0)

@@ -41,9 +41,9 @@ from typing import Any, Callable, Optional
 from nebula_ckpt import knobs
 from nebula_ckpt.errors import FencedError, PersistError
 from nebula_ckpt.format.commit import committed_steps
+from nebula_ckpt.format.manifest import Manifest
 from nebula_ckpt.format.names import COMMIT, MANIFEST, shard_name, shard_owner, step_dir
-from nebula_ckpt.format.records import ShardRecord
-from nebula_ckpt.format.references import protected_steps, referrers
+from nebula_ckpt.format.references import protected_steps, referrers, shard_path
 from nebula_ckpt.ranks import shards as ranks
 from nebula_ckpt.ranks.coordinator import Coordinator, LocalCoordinator
 from nebula_ckpt.ranks.fencing import TierFence
@@ -57,7 +57,7 @@ from nebula_ckpt.save.commit import (
     encode_manifest,
 )
 from nebula_ckpt.save.fanout import Delivery
-from nebula_ckpt.save.incremental import Incremental, manifest_parts
+from nebula_ckpt.save.incremental import Incremental, manifest_parts, whole_image
 from nebula_ckpt.save.rounds import SharedCommit, SharedSave, tagged
 from nebula_ckpt.save.snapshot import Snapshot, build_tier_manifest
 from nebula_ckpt.storage.base import Storage
@@ -80,6 +80,7 @@ class _Item:
     tag: Optional[str] = None                                 # multi-rank: the checkpoint's tag
     parts: Optional[Callable[[], list[memoryview]]] = None    # an incremental save's own shard image
     full: bool = True                                         # whether the step refers to no other step
+    hashes: Optional[dict[str, str]] = None                   # multi-rank: SHA-256 of staged tensors
 
 
 class TierWriter:
@@ -118,7 +119,8 @@ class TierWriter:
         #: leftovers nor written again by this process; a restart (a newer generation) sweeps them
         self._uncertain: set[int] = set()
         #: this tier's base and cadence of full saves
-        self.incremental = Incremental(incremental and self.tier.persistent and self.coordinator.world_size == 1)
+        self.incremental = Incremental(incremental and self.tier.persistent
+                                       and (self.coordinator.world_size == 1 or self.tier.shared))
         #: committed steps remove() was asked to delete while a later checkpoint refers to their
         #: bytes: retention deletes them once nothing does
         self._deferred: set[int] = set()
@@ -227,7 +229,7 @@ class TierWriter:
                                                shard=shard, **meta), snap.plan.tag)
 
         return self._commit_step(_Item(snap.step, snap.nbytes, source, rank_manifest, confirmed, snap.index, meta,
-                                       snap.plan.tag), on_shard)
+                                       snap.plan.tag, hashes=snap.hashes), on_shard)
 
     def _single_item(self, snap: Snapshot, source: Any, confirmed: Callable[[], None]) -> _Item:
         """The step of a one-process job: full, or incremental on this tier's base."""
@@ -254,23 +256,21 @@ class TierWriter:
         """Write the committed checkpoint ``step`` of another (local) tier's storage to this tier.
 
         Used by ``Checkpointer.close()`` to put the newest step on tiers whose cadence skipped it.
-        The source's manifest is taken as is but for this tier's generation and shard record.
+        The source's manifest is taken as is but for this tier's generation and shard record; an
+        incremental one is written whole here (its tensors gathered from the shards it refers to).
         """
         d = step_dir(step)
-        man = json.loads(src.read_small(f"{d}/{MANIFEST}"))
-        if len(man["shards"]) != 1 or self.coordinator.world_size > 1:
-            raise ValueError(f"step {step} has {len(man['shards'])} shards; only one-shard checkpoints are copied")
-        rec = man["shards"][0]
-        data = src.read_buffer(f"{d}/{ShardRecord.parse(rec, d).file}", rec.get("storage"))
-
-        class _View:
-            def view(self) -> memoryview:
-                return data
+        raw = src.read_small(f"{d}/{MANIFEST}")
+        man, parsed = json.loads(raw), Manifest.parse(raw, f"{src.display_url} step {step}", step)
+        if parsed.multi_rank or self.coordinator.world_size > 1:
+            raise ValueError(f"step {step} is a multi-rank checkpoint; only one-process checkpoints are copied")
+        data = [src.read_buffer(shard_path(parsed, i), dict(sh.storage or {})) for i, sh in enumerate(parsed.shards)]
+        parts, tensors, nbytes = whole_image(parsed, data)
 
         def manifest(gen: int, shard: dict[str, Any]) -> dict[str, Any]:
-            return dict(man, generation=gen, shards=[shard])
+            return dict(man, generation=gen, shards=[shard], tensors=tensors)
 
-        self._commit_step(_Item(step, len(data), _View(), manifest, lambda: None), None)
+        self._commit_step(_Item(step, nbytes, None, manifest, lambda: None, parts=lambda: parts), None)
 
     @property
     def _shared(self) -> bool:
@@ -293,12 +293,15 @@ class TierWriter:
         shard = shard_name(gen, self.coordinator.rank)
         progress = CommitProgress()
         committed: Optional[dict[str, Any]] = None
+        share: Optional[dict[str, Any]] = None
+        written = item.nbytes
         try:
             if self._shared:
                 assert item.meta is not None
-                SharedCommit(self.runtime, self.fence, self.coordinator).run(
-                    SharedSave(item.step, item.index, item.source, item.meta, item.before_commit, item.tag),
-                    d, shard, on_shard, progress)
+                share = SharedCommit(self.runtime, self.fence, self.coordinator, self.incremental).run(
+                    SharedSave(item.step, item.index, item.source, item.meta, item.before_commit, item.tag,
+                               item.hashes), d, shard, on_shard, progress)
+                written = share["shard"]["bytes"]
             else:
                 committed = self._write_files(item, d, shard, gen, on_shard, progress)
         except BaseException as e:
@@ -312,19 +315,28 @@ class TierWriter:
             raise CommitUncertain(f"step {item.step} may have committed on tier {self.name}: the write of its "
                                   f"COMMIT reported an error ({type(e).__name__}: {e}); its files are kept (a "
                                   "restart removes them if it never committed)") from e
-        log.info("nebula_ckpt: step %d committed on %s (%.1f MiB%s)", item.step, self.name, item.nbytes / 2**20,
-                 "" if item.full else ", incremental")
-        if committed is not None and self.incremental.enabled:
-            self.incremental.committed(committed, item.full)
+        full = item.full and not (share or {}).get("refs")
+        log.info("nebula_ckpt: step %d committed on %s (%.1f MiB%s)", item.step, self.name, written / 2**20,
+                 "" if full else ", incremental")
+        if self.incremental.enabled:
+            self._new_base(item, gen, committed, share)
         if self._shared and not self.coordinator.is_coordinator:
-            return item.nbytes  # retention of a shared tier is the coordinator's
+            return written  # retention of a shared tier is the coordinator's
         try:
             self.prune(keep_step=item.step)
         except FencedError:
             raise
         except Exception as e:  # retention is best effort: the checkpoint itself is committed
             log.warning("nebula_ckpt: tier %s: retention failed: %s", self.name, e)
-        return item.nbytes
+        return written
+
+    def _new_base(self, item: "_Item", gen: int, manifest: Optional[dict[str, Any]],
+                  share: Optional[dict[str, Any]]) -> None:
+        """The step just committed is what this tier's next save builds on."""
+        if manifest is not None:
+            self.incremental.committed(manifest, item.full)
+        elif share is not None:
+            self.incremental.committed_share(item.step, gen, share)
 
     def _clear_step(self, step: int) -> None:
         """Before writing ``step``: make its folder ready (what is removed is never a live writer's)."""
