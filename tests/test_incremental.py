@@ -241,3 +241,54 @@ def test_close_puts_an_incremental_newest_step_whole_on_a_tier_that_skipped_it(t
     with nc.Checkpointer(b, tiers=[nc.LocalTier(b)], read_only=True) as ck:
         got, state = ck.read(4)
     assert got == 4 and torch.equal(state["frozen"], frozen) and torch.equal(state["train"], train)
+
+
+def test_a_stale_fenced_writer_cannot_drop_a_referenced_base(tmp_path, shm_dir) -> None:  # noqa: ANN001
+    root = str(tmp_path / "ck")
+    frozen, train = _frozen(), torch.zeros(64)
+    stale = nc.Checkpointer(root, memory_tier=False, keep_last=1, on_persist_error="log")
+    try:
+        stale.save(0, _state(frozen, train, 0))
+        train += 1
+        stale.save(1, _state(frozen, train, 1))  # refers to step 0
+        want = train.clone()
+        with nc.Checkpointer(root, memory_tier=False, keep_last=5) as newer:  # a restart beside it
+            newer.save(2, _state(frozen, train + 1, 2))  # a new generation: full
+            assert len(_man(root, 2)["shards"]) == 1
+        with pytest.raises(nc.FencedError):
+            stale.remove(step=0)
+        h = stale.save_async(3, _state(frozen, train, 3))
+        assert h.wait(60) and isinstance(h.error(), nc.FencedError) and not h.tiers_written
+    finally:
+        stale.close()
+    assert sorted(n for n in os.listdir(root) if n.startswith("step-")) == ["step-0", "step-1", "step-2"]
+    got = _restore(root, 1)
+    assert torch.equal(got["frozen"], frozen) and torch.equal(got["train"], want)
+
+
+def test_saving_a_referenced_step_again_drops_the_steps_that_refer_to_it(tmp_path, shm_dir) -> None:  # noqa: ANN001
+    root = str(tmp_path / "ck")
+    frozen, train = _frozen(), torch.zeros(64)
+    with nc.Checkpointer(root, memory_tier=False, keep_last=10) as ck:
+        for step in range(3):
+            train += 1
+            ck.save(step, _state(frozen, train, step))  # 1 and 2 refer to 0
+    other = frozen + 1  # a run resumed from before step 0 saves step 0 again, with other bytes
+    with nc.Checkpointer(root, memory_tier=False, keep_last=10) as ck:
+        ck.save(0, _state(other, train, 0))
+        assert ck.list() == [0]  # 1 and 2 referred to the old step 0's bytes: gone with it
+    got = _restore(root, 0)
+    assert torch.equal(got["frozen"], other)
+
+
+def test_saving_the_same_step_again_in_one_run_is_full_and_restores(tmp_path, shm_dir) -> None:  # noqa: ANN001
+    root = str(tmp_path / "ck")
+    frozen, train = _frozen(), torch.zeros(64)
+    with nc.Checkpointer(root, memory_tier=False, keep_last=10) as ck:
+        ck.save(0, _state(frozen, train, 0))
+        ck.save(1, _state(frozen, train, 1))
+        train += 1
+        h = ck.save(1, _state(frozen, train, 1))  # its base would be itself: written whole
+        assert list(h.metrics.written_bytes.values()) == [h.metrics.bytes]
+    got = _restore(root, 1)
+    assert torch.equal(got["frozen"], frozen) and torch.equal(got["train"], train)

@@ -111,14 +111,16 @@ class Incremental:
         return {k for k, rec in index.items()
                 if (old := base.tensors.get(k)) is not None and rec["crc32c"] == old.crc32c}
 
-    def delta(self, index: dict[str, dict[str, Any]], hashes: dict[str, str], generation: int) -> Optional[Delta]:
-        """The incremental save of ``index`` on this tier, or None for a full one (see the module)."""
+    def delta(self, step: int, index: dict[str, dict[str, Any]], hashes: dict[str, str],
+              generation: int) -> Optional[Delta]:
+        """The incremental save of ``index`` as ``step`` on this tier, or None for a full one (see
+        the module; a base that is not older than ``step`` makes it full too)."""
         with self._lock:
             base = self._base
             if not self.enabled or self._next_is_full() or base is None:
                 return None
             self._pinned = {base.step} | {s.step for s in base.shards if s.step is not None}
-        if base.generation != generation or set(index) != set(base.tensors):
+        if base.generation != generation or base.step >= step or set(index) != set(base.tensors):
             return None
         reused: dict[str, TensorRecord] = {}
         for k, rec in index.items():

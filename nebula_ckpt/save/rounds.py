@@ -153,7 +153,8 @@ class SharedCommit:
         hashes = save.hashes or {}
         delta = None
         if base is not None and self.incremental is not None:
-            delta = self.incremental.delta({k: tensors[k] for k in keep}, hashes, self.fence.generation)
+            delta = self.incremental.delta(save.step, {k: tensors[k] for k in keep}, hashes,
+                                           self.fence.generation)
             delta = delta if delta is not None and delta.base == base else None
         write = keep if delta is None else delta.write
         log.debug("nebula_ckpt: phase=shard tier=%s step=%d (%d of %d tensors)", self.name, save.step, len(write),

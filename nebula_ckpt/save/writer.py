@@ -233,7 +233,7 @@ class TierWriter:
 
     def _single_item(self, snap: Snapshot, source: Any, confirmed: Callable[[], None]) -> _Item:
         """The step of a one-process job: full, or incremental on this tier's base."""
-        delta = self.incremental.delta(snap.tensor_index, snap.hashes, self.fence.generation)
+        delta = self.incremental.delta(snap.step, snap.tensor_index, snap.hashes, self.fence.generation)
         if delta is None:
             return _Item(snap.step, snap.nbytes, source, lambda gen, shard: build_tier_manifest(snap, gen, shard),
                          confirmed)
@@ -354,11 +354,25 @@ class TierWriter:
             # Saving a step that exists: the new run owns the root (it resumed from an older step
             # or saves the same step again); the old one goes, marker first.
             log.warning("nebula_ckpt: tier %s: replacing existing checkpoint of step %d", self.name, step)
+            self._drop_referrers(step)
             delete_checkpoint(st, step)
         elif self._is_link(d):
             st.remove_dir(d)  # a planted link in place of the folder: unlinked, never followed
         else:  # leftovers of crashed writers of this step, never a live peer's
             sweep.clear_step(st, step, owner.stale)
+
+    def _drop_referrers(self, step: int) -> None:
+        """Before the committed ``step`` is replaced: the committed steps that refer to its bytes
+        (the run resumed from an older step; they are of the timeline it left) go first, marker
+        first, so no committed step ever refers to bytes that are gone."""
+        users = referrers(self.storage, committed_steps(self.storage), step)
+        if users:
+            log.warning("nebula_ckpt: tier %s: step(s) %s refer to the bytes of step %d, which is saved again: they "
+                        "are deleted first (the run resumed from an older step)", self.name, users[:8], step)
+        with self._delete_lock:
+            for s in users:
+                delete_checkpoint(self.storage, s)
+        self.incremental.forget()
 
     def _write_files(self, item: "_Item", d: str, shard: str, gen: int,
                      on_shard: Optional[Callable[[str], None]], progress: CommitProgress) -> dict[str, Any]:

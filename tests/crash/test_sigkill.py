@@ -122,5 +122,7 @@ def test_sigkill_at_every_phase_restores_bit_exact(tmp_path, shm_dir, frozen) ->
     assert set(hit) >= set(PHASES), f"phases hit: {hit}"
     assert sum(hit.values()) >= kills
     assert (incremental_commits > 0) == frozen, incremental_commits
+    if frozen:  # no memory tier: every restore read an incremental chain from disk
+        assert set(restored_from) == {"local"}, restored_from
     assert restored_from, "no restore happened"
     print(f"kills per phase: {hit}; restores per tier: {restored_from}")
