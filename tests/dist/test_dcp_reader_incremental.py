@@ -160,3 +160,54 @@ def test_a_lost_base_is_refused_naming_it(chain: tuple[str, dict[int, dict[str, 
     shutil.rmtree(Path(root) / step_dir(1))
     with pytest.raises(CorruptCheckpointError, match="(?s)step 4.*step 1"):
         NebulaStorageReader(root, 4)
+
+
+def _load_all(root: str, step: int) -> dict[str, torch.Tensor]:
+    with NebulaStorageReader(root, step) as reader:
+        sd = {}
+        for k in reader.keys:
+            md = reader.metadata.state_dict_metadata[k]
+            sd[k] = torch.full(tuple(md.size), -7, dtype=md.properties.dtype)  # type: ignore[union-attr]
+        dcp.load(sd, storage_reader=reader)
+    return sd
+
+
+def test_a_two_rank_chain_loads_in_one_process_and_exports_through_references(
+        root: str, shm_dir: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Two gloo ranks save steps 1..4 of a DDP model with a frozen parameter and a per-rank tensor
+    that never changes (each rank's share of steps 2..4 refers to its step-1 shard); one process
+    reads every step through DCP, the CLI verifies and exports step 4."""
+    from nebula_ckpt.cli import main as cli
+    from nebula_ckpt.format.references import references
+    from nebula_ckpt.restore.reshard import gather_full
+
+    from .launch import run_ranks
+
+    out = tmp_path / "out"
+    out.mkdir()
+    for r, p in enumerate(run_ranks(2, "rank_worker.py", ["frozen_save", root, str(out)], out, shm_dir,
+                                    env_extra={"TEST_MEMORY_TIER": "0"})):
+        assert p.returncode == 0, f"rank {r}:\n{p.stdout[-4000:]}"
+    st = LocalStorage(root)
+    man4 = read_manifest(st, 4)
+    assert man4.multi_rank and references(man4) == {1}
+    first, last = _load_all(root, 1), _load_all(root, 4)
+    frozen = next(k for k in first if k.endswith("frozen"))
+    assert _held_by(root, 4, f"r0/{frozen}") == 1 and _held_by(root, 4, "r1/still") == 1
+    assert first.keys() == last.keys() and torch.equal(first[frozen], last[frozen])
+    assert torch.equal(last["still"], torch.zeros(8192))   # DCP semantics: the lowest rank's value
+    assert any(not torch.equal(first[k], last[k]) for k in first if k.startswith("model/"))   # it trained
+    _equal(gather_full(st, 4, man4), last)   # the resharding path (a reader given the manifest)
+
+    dest = tmp_path / "step4.safetensors"
+    assert cli(["export", root, "--step", "4", "--to", str(dest)]) == 0
+    from safetensors.torch import load_file
+
+    _equal(load_file(str(dest)), last)
+    assert cli(["verify", root, "--step", "4"]) == 0
+    assert "2-rank job" in capsys.readouterr().out
+    rel = _flip(root, 1, "r1/still")   # rank 1's share: only its step-1 shard holds it
+    assert rel == "step-1/shard-g1-r1.safetensors"
+    assert cli(["verify", root, "--step", "4"]) == 1
+    text = capsys.readouterr().out
+    assert "DAMAGED" in text and "r1/still" in text and rel in text, text
