@@ -34,6 +34,11 @@ chunks covering each tensor exactly), the size of every shard and the CRC32C of 
 tensor. Without an explicit step, a damaged newer step is skipped (a warning names the damage)
 and the newest healthy one is read (logged, and :attr:`NebulaStorageReader.step`); an explicit
 step that is damaged raises :class:`~nebula_ckpt.errors.CorruptCheckpointError` naming the damage.
+
+Incremental checkpoints read like full ones: a tensor the step refers to is read from the
+earlier step's shard that holds it (its manifest lists that shard with ``step``), with the same
+checks (the referenced step committed and listing that file, the tensor's CRC32C); errors name
+the file as ``step-<S>/<shard>``.
 """
 
 from __future__ import annotations
