@@ -450,12 +450,12 @@ class Checkpointer:
         checkpoints), serialised with retention. A save of that step / with that tag still in
         flight in this process is waited for first, so a checkpoint being written is never
         touched. This is what a framework's "remove checkpoint" maps to (Lightning's
-        ``remove_checkpoint(path)`` with the path as tag).
+        ``remove_checkpoint(path)`` with the path as tag). A step whose bytes a later incremental
+        checkpoint refers to stays (listed) until none does; then retention deletes it.
 
         Multi-rank jobs: a shared tier's checkpoint is removed by the coordinator (rank 0) only,
-        each rank's own tier (memory) by that rank: call it on every rank. Called on rank 0
-        alone, the other ranks' memory tiers keep their part until retention drops it, and it is
-        never restored (rank 0 lacks it, and restore agrees on a step every rank has).
+        each rank's own tier (memory) by that rank: call it on every rank. Called on rank 0 alone,
+        the other ranks' memory tiers keep their part until retention drops it, never restored.
 
         Raises:
             ValidationError: neither or both of ``step`` and ``tag``, or a malformed one.

@@ -292,3 +292,28 @@ def test_saving_the_same_step_again_in_one_run_is_full_and_restores(tmp_path, sh
         assert list(h.metrics.written_bytes.values()) == [h.metrics.bytes]
     got = _restore(root, 1)
     assert torch.equal(got["frozen"], frozen) and torch.equal(got["train"], train)
+
+
+def test_a_flipped_byte_in_a_referenced_shard_is_caught(tmp_path, shm_dir) -> None:  # noqa: ANN001
+    root = str(tmp_path / "ck")
+    _chain(root)
+    path = os.path.join(root, "step-0", "shard-g1-r0.safetensors")
+    with open(path, "r+b") as f:
+        f.seek(_man(root, 0)["tensors"]["frozen"]["offsets"][0] + 100)  # step 1 takes "frozen" from step 0
+        b = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([b[0] ^ 1]))
+    with nc.Checkpointer(root, tiers=[nc.LocalTier(root, verify="full")], read_only=True) as ck:
+        with pytest.raises(CorruptCheckpointError, match="checksum mismatch in tensor 'frozen'"):
+            ck.read(1)
+
+
+def test_a_missing_referenced_folder_is_corrupt(tmp_path, shm_dir) -> None:  # noqa: ANN001
+    import shutil
+
+    root = str(tmp_path / "ck")
+    _chain(root)
+    shutil.rmtree(os.path.join(root, "step-0"))
+    with nc.Checkpointer(root, memory_tier=False, read_only=True) as ck:
+        with pytest.raises(CorruptCheckpointError, match="refers to step 0"):
+            ck.read(1)
