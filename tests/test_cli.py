@@ -22,6 +22,9 @@ def saved(root: str) -> str:
     model = torch.nn.Linear(8, 4)
     with nc.Checkpointer(root, memory_tier=False) as ck:
         ck.save(1, {"model": model, "step": 1, "cfg": {"lr": 0.1, "betas": (0.9, 0.99)}})
+        with torch.no_grad():  # trained between saves: step 2's own shard holds its tensors
+            for p in model.parameters():
+                p.add_(1.0)
         ck.save(2, {"model": model, "step": 2, "cfg": {"lr": 0.1, "betas": (0.9, 0.99)}})
     os.makedirs(os.path.join(root, "step-3"))  # an uncommitted leftover
     return root
@@ -235,6 +238,9 @@ def tagged(root: str) -> str:
     model = torch.nn.Linear(8, 4)
     with nc.Checkpointer(root, memory_tier=False) as ck:
         for step, tag in ((1, "warmup"), (2, "epoch-1"), (3, "epoch-1")):
+            with torch.no_grad():  # trained between saves: each step's own shard holds its tensors
+                for p in model.parameters():
+                    p.add_(1.0)
             ck.save(step, {"model": model, "step": step}, tag=tag)
     return root
 
