@@ -11,7 +11,8 @@ drawn from a generator seeded by rank and step; dropout draws from the global RN
 
 ``run``: train, saving; with KILL_AT, at the end of that step wait until the saves are durable,
 meet the other ranks in a barrier, write ``OUT/run-r<rank>.json`` and SIGKILL this process.
-Without it, run to the end (the uninterrupted reference). ``resume``: build the model from
+Without it, run to the end (the uninterrupted reference; rank 0 also writes the whole model's
+state at each save, ``OUT/full-<step>.pt``). ``resume``: build the model from
 another seed, read the newest checkpoint with ``fsdp.read_sharded`` (before sharding, as the
 Trainer does), shard, load it with ``fsdp.load_sharded`` and ``rng.set_rng_states``, train to
 the end. ``mismatch``: the same with a wider hidden layer: the load must refuse it (the error
@@ -139,6 +140,9 @@ def main() -> None:
             state = {KEY: sharded_state(model, opt), "scheduler": sched, "rng": rng_states(True), "step": s}
             ck.save_async(s, state, tag=f"checkpoint-{s}").wait_snapshot()
             report["saved"][s] = digest(model, opt)
+            full = {k: v.full_tensor() for k, v in model.state_dict().items()}  # a collective
+            if rank == 0 and kill_at is None and mode == "run":
+                torch.save(full, os.path.join(out, f"full-{s}.pt"))
         if s == kill_at:
             ck.wait()
             dist.barrier()  # every rank's saves are durable: none dies while another commits

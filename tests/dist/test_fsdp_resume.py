@@ -1,7 +1,7 @@
 """FSDP2 through the Hugging Face integration's FSDP functions, on 2 real gloo ranks: both ranks
 SIGKILLed after a committed save, a new job resumes bit-identically (every later loss, the whole
 model and optimizer state), from the memory tier and, the memory tier gone, from disk; a model
-of another shape is refused before anything is loaded.
+of another shape is refused before anything is loaded; the CLI exports the whole weights.
 
 The ranks run ``tests/dist/fsdp_worker.py``, which calls what ``NebulaTrainer`` calls under FSDP
 (``integrations.huggingface.fsdp``: ``sharded_state``, ``read_sharded``, ``load_sharded``; and
@@ -60,6 +60,25 @@ def test_fsdp2_two_ranks_sigkill_then_resume_is_bit_identical(tmp_path: Path) ->
             assert sorted(map(int, after["losses"])) == [7, 8, 9, 10]
             assert after["losses"] == {k: ref[r]["losses"][k] for k in after["losses"]}   # float.hex
             assert after["final"] == ref[r]["final"]
+
+
+def test_fsdp2_checkpoint_exports_the_whole_model(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """``nebula-ckpt export --key fsdp/model`` gathers the ranks' shards into the whole weights."""
+    import torch
+    from safetensors.torch import load_file
+
+    from nebula_ckpt.cli import main as cli
+
+    rcs, _ = _job(tmp_path, "saved", "run", tmp_path / "root", tmp_path / "shm")
+    assert rcs == [0, 0]
+    dest = tmp_path / "weights"
+    dest.mkdir()
+    assert cli(["export", str(tmp_path / "root"), "--step", "6", "--key", "fsdp/model", "--to", str(dest)]) == 0
+    got = load_file(str(dest / "model.safetensors"))
+    want = torch.load(tmp_path / "saved" / "full-6.pt", weights_only=True)
+    assert sorted(got) == sorted(want) == ["0.bias", "0.weight", "3.bias", "3.weight"]
+    for k in want:
+        assert torch.equal(got[k], want[k]), k
 
 
 def test_fsdp2_resume_into_another_model_is_refused_before_loading(tmp_path: Path) -> None:
