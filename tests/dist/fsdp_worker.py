@@ -15,7 +15,8 @@ Without it, run to the end (the uninterrupted reference; rank 0 also writes the 
 state at each save, ``OUT/full-<step>.pt``). ``resume``: build the model from
 another seed, read the newest checkpoint with ``fsdp.read_sharded`` (before sharding, as the
 Trainer does), shard, load it with ``fsdp.load_sharded`` and ``rng.set_rng_states``, train to
-the end. ``mismatch``: the same with a wider hidden layer: the load must refuse it (the error
+the end. ``mismatch``: the same with a wider hidden layer (or, run with another number of ranks, the
+same read): the read or the load must refuse it (the error
 and the model's digests before / after go into the report) and leave the weights as they were
 (the fresh optimizer gets its zero state: ``get_state_dict``'s rule). Each rank writes its losses (``float.hex``), digests of the whole (unsharded) model and
 optimizer state after each save / the load, and at the end.
@@ -119,10 +120,11 @@ def main() -> None:
         first = saved_step + 1
     elif mode == "mismatch":
         model = build(seed=99, hidden=40)
-        saved_step, tree = read_sharded(ck)
-        opt, sched = shard(model)
         before = digest(model, None)
         try:
+            saved_step, tree = read_sharded(ck)
+            opt, sched = shard(model)
+            before = digest(model, None)
             load_sharded(model, opt, tree[KEY])
         except nc.ValidationError as e:
             report["error"] = str(e)

@@ -1,7 +1,7 @@
 """FSDP2 through the Hugging Face integration's FSDP functions, on 2 real gloo ranks: both ranks
 SIGKILLed after a committed save, a new job resumes bit-identically (every later loss, the whole
 model and optimizer state), from the memory tier and, the memory tier gone, from disk; a model
-of another shape is refused before anything is loaded; the CLI exports the whole weights.
+of another shape, or a job of another size, is refused before anything is loaded; the CLI exports the whole weights.
 
 The ranks run ``tests/dist/fsdp_worker.py``, which calls what ``NebulaTrainer`` calls under FSDP
 (``integrations.huggingface.fsdp``: ``sharded_state``, ``read_sharded``, ``load_sharded``; and
@@ -26,12 +26,13 @@ pytestmark = [pytest.mark.timeout(400), pytest.mark.crash, pytest.mark.slow,
               pytest.mark.filterwarnings("ignore:torch.distributed is disabled")]
 
 
-def _job(tmp: Path, name: str, mode: str, root: Path, shm: Path, *extra: str) -> tuple[list[int], list[dict[str, Any]]]:
+def _job(tmp: Path, name: str, mode: str, root: Path, shm: Path, *extra: str,
+         world: int = 2) -> tuple[list[int], list[dict[str, Any]]]:
     out = tmp / name
     out.mkdir()
     shm.mkdir(exist_ok=True)
-    done = run_ranks(2, "fsdp_worker.py", [mode, str(root), str(out), *extra], out, str(shm), timeout=300)
-    files = [out / f"{mode}-r{r}.json" for r in range(2)]
+    done = run_ranks(world, "fsdp_worker.py", [mode, str(root), str(out), *extra], out, str(shm), timeout=300)
+    files = [out / f"{mode}-r{r}.json" for r in range(world)]
     reports = [json.loads(f.read_text()) if f.exists() else {"tail": done[r].stdout[-3000:]}
                for r, f in enumerate(files)]
     return [p.returncode for p in done], reports
@@ -79,9 +80,14 @@ def test_fsdp2_checkpoint_exports_the_whole_model(tmp_path: Path, capsys: pytest
     assert sorted(got) == sorted(want) == ["0.bias", "0.weight", "3.bias", "3.weight"]
     for k in want:
         assert torch.equal(got[k], want[k]), k
+    import nebula_ckpt as nc
+    from nebula_ckpt.integrations.huggingface import export_pretrained
+
+    with pytest.raises(nc.ValidationError, match="nebula-ckpt export"):   # one rank's shards are no model
+        export_pretrained(str(tmp_path / "root"), str(tmp_path / "hf"), step=6)
 
 
-def test_fsdp2_resume_into_another_model_is_refused_before_loading(tmp_path: Path) -> None:
+def test_fsdp2_resume_into_another_model_or_world_size_is_refused_before_loading(tmp_path: Path) -> None:
     shm = tmp_path / "shm"
     rcs, _ = _job(tmp_path, "saved", "run", tmp_path / "root", shm)
     assert rcs == [0, 0]
@@ -90,3 +96,7 @@ def test_fsdp2_resume_into_another_model_is_refused_before_loading(tmp_path: Pat
     for r in got:
         assert "'fsdp/model/0.weight'" in r["error"] and "(32, 16)" in r["error"] and "(40, 16)" in r["error"], r
         assert r["before"] == r["after"]                   # nothing was loaded
+    rcs, got = _job(tmp_path, "one-rank", "mismatch", tmp_path / "root", shm, world=1)
+    assert rcs == [0], got
+    assert "no 'fsdp' state this job of 1 rank(s) can resume" in got[0]["error"], got
+    assert "with the world size it was saved with" in got[0]["error"]

@@ -48,6 +48,8 @@ def engine_of(trainer: Any) -> Optional[str]:
 def check_supported(trainer: Any) -> None:
     """Raise :class:`~nebula_ckpt.NebulaError` for an engine this integration cannot save."""
     engine = engine_of(trainer)
+    if engine == "FSDP":
+        _check_fsdp(trainer)
     if engine is None or engine in ("DeepSpeed", "FSDP"):
         return
     raise nc.NebulaError(
@@ -55,6 +57,24 @@ def check_supported(trainer: Any) -> None:
         "model sharded across ranks and writes its own files. Train with FSDP (torch, through accelerate), "
         "DeepSpeed ZeRO (1-3) or DDP, which NebulaTrainer saves and resumes, or use the stock Trainer "
         "checkpoints for this run")
+
+
+def _check_fsdp(trainer: Any) -> None:
+    """Refuse the FSDP setups whose state is not DTensors on a 1-D mesh of every rank: FSDP1
+    (accelerate gives it no device mesh: its sharded state holds ``ShardedTensor``s) and
+    accelerate's multi-dimensional parallelism (HSDP, tensor / context parallel)."""
+    state = getattr(getattr(trainer, "accelerator", None), "state", None)
+    plugin = getattr(state, "fsdp_plugin", None)
+    if int(getattr(plugin, "fsdp_version", 2) or 2) == 1:
+        raise nc.NebulaError("nebula_ckpt's Hugging Face integration saves FSDP2 (fsdp_config={'version': 2}, "
+                             "transformers' default), not FSDP1: FSDP1's sharded state holds ShardedTensors. Use "
+                             "FSDP2, or the stock Trainer checkpoints for this run")
+    pc = getattr(trainer.accelerator, "parallelism_config", None)
+    dims = [n for n in ("dp_replicate_size", "tp_size", "cp_size", "sp_size") if getattr(pc, n, 1) not in (None, 1)]
+    if dims:
+        raise nc.NebulaError(f"nebula_ckpt's Hugging Face integration resumes FSDP sharded over one mesh dimension "
+                             f"of every rank; this accelerate parallelism config also sets {dims}. Use plain FSDP2, "
+                             "or the stock Trainer checkpoints for this run")
 
 
 def _base() -> Any:

@@ -1,12 +1,13 @@
-"""FSDP's sharded state as part of one nebula_ckpt checkpoint (torch FSDP2 ``fully_shard``, and
-FSDP1 where its sharded state dict holds DTensors): what a Hugging Face ``Trainer`` under
-accelerate's FSDP plugin saves and resumes, as plain functions of a model and an optimizer.
+"""FSDP's sharded state as part of one nebula_ckpt checkpoint (torch FSDP2 ``fully_shard``; any
+model whose ``get_state_dict`` gives DTensors on a 1-D mesh): what a Hugging Face ``Trainer``
+under accelerate's FSDP plugin saves and resumes, as plain functions of a model and an optimizer.
 
 Every rank saves its own shards: :func:`sharded_state` is
 ``torch.distributed.checkpoint.state_dict.get_state_dict`` (model and optimizer state by
 parameter name, each value a DTensor holding this rank's shard), stored under the checkpoint key
 :data:`KEY` as DTensors (their global shape, offsets and mesh are recorded: ``nebula-ckpt export``
-gathers them whole, and another world size reshards them). A resume reads the checkpoint with
+gathers them whole). A resume needs the world size and the 1-D mesh of every rank it was saved
+with. A resume reads the checkpoint with
 :func:`read_sharded` before the model is wrapped (a Trainer needs its trainer state that early)
 and :func:`load_sharded` copies the shards into the wrapped model and optimizer through
 ``set_state_dict`` once they exist.
@@ -14,15 +15,11 @@ and :func:`load_sharded` copies the shards into the wrapped model and optimizer 
 
 from __future__ import annotations
 
-import functools
-import logging
 from typing import Any, Optional
 
 import torch
 
 import nebula_ckpt as nc
-
-log = logging.getLogger("nebula_ckpt")
 
 #: the checkpoint key of the FSDP state: ``{"model": ..., "optimizer": ...}`` (optimizer absent
 #: with ``save_only_model``)
@@ -57,6 +54,7 @@ def sharded_state(model: torch.nn.Module, optimizer: Any = None) -> dict[str, An
     """
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
 
+    out: dict[str, Any]
     if optimizer is None:
         out = {"model": get_model_state_dict(model, options=_options())}
     else:
@@ -75,12 +73,13 @@ def _refuse_sharded_tensors(tree: Any, path: str) -> None:
             _refuse_sharded_tensors(v, f"{path}/{i}")
     elif type(tree).__name__ == "ShardedTensor":
         raise nc.NebulaError(f"nebula_ckpt: the FSDP state holds a ShardedTensor at '{path}' (FSDP1 without a "
-                             "device mesh); nebula_ckpt stores DTensor shards: train with FSDP2 (accelerate: "
-                             "fsdp_version 2) or give FSDP1 a device mesh")
+                             "device mesh); nebula_ckpt stores DTensor shards: train with FSDP2 (transformers: "
+                             "fsdp_config={'version': 2}) or give FSDP1 a device mesh")
 
 
-@functools.lru_cache(maxsize=None)
 def _probe(world: int) -> torch.Tensor:
+    """An empty DTensor on a CPU mesh of every rank: in the tree a checkpoint is restored into, it
+    gives the restore the mesh to put the saved DTensors on (no collective: ``run_check=False``)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor, Replicate
 
@@ -94,21 +93,33 @@ def read_sharded(ck: nc.Checkpointer, step: Optional[int] = None, tag: Optional[
     rank (``Checkpointer.read`` needs the live ones), to be handed to :func:`load_sharded`.
 
     Raises:
-        ValidationError: the checkpoint's DTensors were on another mesh (another world size, or a
-            mesh of more than one dimension).
+        ValidationError: the checkpoint holds no FSDP state this job can read: saved by another
+            number of ranks, or its DTensors on a mesh of more than one dimension.
     """
     import torch.distributed as dist
 
     if not (dist.is_available() and dist.is_initialized()):
         return ck.read(step, tag=tag)  # no DTensor can have been saved by this process's kind of job
-    into: dict[str, Any] = {_PROBE: _probe(dist.get_world_size())}
-    if step is None and tag is None:
-        got = ck.load_latest(into, strict=False)
-        if got is None:
-            raise nc.NotFoundError("no committed checkpoint to resume from")
-    else:
-        got = ck.load(step, into, strict=False, tag=tag)
+    world = dist.get_world_size()
+    into: dict[str, Any] = {_PROBE: _probe(world)}
+    try:
+        if step is None and tag is None:
+            got = ck.load_latest(into, strict=False)
+            if got is None:
+                raise nc.NotFoundError("no committed checkpoint to resume from")
+        else:
+            got = ck.load(step, into, strict=False, tag=tag)
+    except nc.ValidationError as e:
+        raise nc.ValidationError(f"{e} (an FSDP checkpoint is read before the model is sharded, onto a 1-D mesh of "
+                                 f"all {world} ranks: resume with the world size it was saved with, on FSDP's "
+                                 "default 1-D mesh)") from e
     del into[_PROBE]
+    if KEY not in into:  # a job of another size reshards what it can into `into`: the shards are not among it
+        saved = into.get("hf", {}).get("world_size") if isinstance(into.get("hf"), dict) else None
+        raise nc.ValidationError(
+            f"step {got}: no '{KEY}' state this job of {world} rank(s) can resume (keys read: {sorted(into)[:8]}"
+            + (f"; saved by {saved} rank(s)" if saved else "") + "): resume an FSDP checkpoint with the world "
+            "size it was saved with, or gather its weights with `nebula-ckpt export ROOT --key fsdp/model`")
     return got, into
 
 
@@ -164,7 +175,7 @@ def _pair(saved: Any, live: Any, path: str, pairs: list[tuple[torch.Tensor, torc
             live[k] = _pair(saved[k], live[k], f"{path}/{k}", pairs)
         return live
     if isinstance(live, list) and isinstance(saved, list) and len(live) == len(saved):
-        return [_pair(s, v, f"{path}/{i}", pairs) for i, (s, v) in enumerate(zip(saved, live))]
+        return [_pair(s, v, f"{path}/{i}", pairs) for i, (s, v) in enumerate(zip(saved, live, strict=True))]
     return saved
 
 
