@@ -12,6 +12,8 @@ STAGE``: HF's DeepSpeed integration with ZeRO stage STAGE on the CPU (``DS_ACCEL
 gloo rank unless launched as several). ``--peft``: the model is a LoRA adapter (peft) over the GPT-2.
 ``--record-saves``: after each save, wait until it is durable and record its metrics
 (``Checkpointer.stats()``'s ``last_save``) under ``saves`` in RESULT.
+``--fsdp``: FSDP2 through accelerate (each GPT-2 block and the root ``fully_shard``-ed) on the
+GPUs, one per rank: accelerate turns FSDP on only for accelerator devices.
 
 Deterministic on purpose: one intra-op thread, seeded model, data order (``data_seed``) and
 dropout (kept on: the restored RNG states must reproduce it).
@@ -137,7 +139,8 @@ def digest(obj: Any) -> str:
 
     def walk(o: Any) -> None:
         if isinstance(o, torch.Tensor):
-            t = o.detach().cpu().contiguous()
+            # a DTensor (FSDP) whole: a collective, which every rank reaches in the same key order
+            t = (o.full_tensor() if hasattr(o, "full_tensor") else o).detach().cpu().contiguous()
             h.update(f"{t.dtype}{tuple(t.shape)}".encode())
             h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
         elif isinstance(o, dict):
@@ -167,8 +170,12 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--deepspeed", type=int, default=None)
     p.add_argument("--peft", action="store_true")
     p.add_argument("--record-saves", action="store_true")
+    p.add_argument("--fsdp", action="store_true")
     a = p.parse_args(argv)
     kw: dict[str, Any] = {"peft": a.peft}
+    if a.fsdp:
+        kw.update(fsdp=True, fsdp_config={"version": 2, "transformer_layer_cls_to_wrap": ["GPT2Block"]},
+                  use_cpu=False)
     if a.deepspeed is not None:
         deepspeed_on_cpu()
         kw["deepspeed"] = deepspeed_config(a.deepspeed)
