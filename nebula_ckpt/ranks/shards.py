@@ -127,17 +127,23 @@ def stored_record(record: dict[str, Any], rank: int) -> dict[str, Any]:
 
 
 def ranks_manifest(*, step: int, generation: int, shards: list[dict[str, Any]], tensors: dict[str, dict[str, Any]],
-                   aliases: dict[str, str], trees: list[Any], stats: dict[str, Any]) -> dict[str, Any]:
+                   aliases: dict[str, str], trees: list[Any], stats: dict[str, Any],
+                   same_trees: Optional[list[bool]] = None) -> dict[str, Any]:
     """The manifest of a checkpoint every rank wrote a shard of (the one builder of them: the
-    tier writers' :func:`global_manifest` and the DCP writer use it).
+    tier writers' :func:`global_manifest`, the version 3 :func:`nebula_ckpt.ranks.layout.layout_manifest`
+    and the DCP writer use it).
 
     ``trees[r]``: rank ``r``'s typed tree; equal trees are stored once (``rank_tree`` maps each
-    rank to its tree). ``tensors`` and ``aliases`` carry the ``r<R>/`` key prefixes.
+    rank to its tree). ``same_trees[r]``: rank ``r``'s tree is known to be rank 0's (compared by
+    digest), so it is not serialised again. ``tensors`` and ``aliases`` carry the ``r<R>/`` key prefixes.
     """
     stored: list[Any] = []
     seen: dict[str, int] = {}
     rank_tree: dict[int, int] = {}
     for r, tree in enumerate(trees):
+        if r and same_trees is not None and same_trees[r]:
+            rank_tree[r] = 0
+            continue
         text = json.dumps(tree, sort_keys=True, separators=(",", ":"))
         rank_tree[r] = seen.setdefault(text, len(stored))
         if rank_tree[r] == len(stored):

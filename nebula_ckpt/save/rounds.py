@@ -7,8 +7,11 @@ Every rank sees a *shared* tier, and the ranks commit one checkpoint of the step
    tree); only when the hashes differ do the ranks send the index itself. Replicated tensors
    get one owner each (:func:`nebula_ckpt.ranks.shards.assign`). The coordinator has already
    removed an old checkpoint of the same step, so nobody writes into a folder being deleted;
-2. durable: every rank writes its share (``shard-g<G>-r<R>``), checks its snapshot, and sends
-   its shard record, index and tree (or its error);
+2. durable: every rank writes its share (``shard-g<G>-r<R>``) and, beside it, its tensor records
+   (``records-g<G>-r<R>.json``), checks its snapshot, and sends a record of a size independent of
+   its number of tensors: its shard, its records file's name, size and CRC32C, its tree only when
+   it differs from rank 0's, its DTensor table only when no lower rank sent the same one (or its
+   error; :mod:`nebula_ckpt.ranks.layout`);
 3. verdict: the coordinator writes manifest and ``COMMIT`` (:func:`nebula_ckpt.save.commit.commit_manifest`)
    only if every rank's shard is durable and verified, and tells every rank whether it did.
    Otherwise each rank removes its shard and the previous checkpoint stays the newest. A rank
@@ -24,7 +27,9 @@ from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 from nebula_ckpt.errors import PersistError
+from nebula_ckpt.native import get_ops
 from nebula_ckpt.ranks import shards as ranks
+from nebula_ckpt.ranks.layout import first_of_class, layout_manifest, records_payload, signature
 from nebula_ckpt.ranks.coordinator import PHASE_DIGEST, PHASE_DURABLE, PHASE_INDEX, PHASE_VERDICT, SKIP, Coordinator
 from nebula_ckpt.ranks.fencing import TierFence
 from nebula_ckpt.save.commit import (
@@ -91,9 +96,7 @@ class SharedCommit:
         owners, peers, tree_digest = self._agree(save)
         failure: Optional[BaseException] = None
         try:
-            mine = self._write_share(save, d, shard, owners, on_shard)
-            if tree_digest == peers[0]["tree"] and not co.is_coordinator:
-                mine["tree"] = None  # the same as rank 0's: not sent again
+            mine = self._write_share(save, d, shard, owners, on_shard, peers, tree_digest)
         except BaseException as e:
             failure, mine = e, {"error": f"{type(e).__name__}: {e}"}
         if co.is_coordinator:
@@ -118,7 +121,7 @@ class SharedCommit:
         mine_digest = ranks.digest(rep)
         tree_digest = ranks.digest(save.meta["tree"])
         peers = co.round(name, idx, PHASE_DIGEST, {"step": save.step, "digest": mine_digest, "tree": tree_digest,
-                                                  "sharded": sharded})
+                                                  "sharded": sharded, "dt": ranks.digest(signature(save.meta["tensors"]))})
         problem = ranks.peer_problem(peers, save.step, name)
         if problem is not None:
             co.abandon(name, idx)
@@ -134,20 +137,25 @@ class SharedCommit:
         return ranks.assign(summaries, [p["sharded"] for p in peers]), peers, tree_digest
 
     def _write_share(self, save: SharedSave, d: str, shard: str, owners: dict[str, int],
-                     on_shard: Optional[Callable[[str], None]]) -> dict[str, Any]:
-        """This rank's share (durable), the snapshot confirmed: its record for round 2."""
+                     on_shard: Optional[Callable[[str], None]], peers: list[Any], tree_digest: str) -> dict[str, Any]:
+        """This rank's share and its records file (durable), the snapshot confirmed: its record for round 2."""
+        co = self.coordinator
         tensors = save.meta["tensors"]
         keep = [k for k in tensors if owners.get(k, self.coordinator.rank) == self.coordinator.rank]
         log.debug("nebula_ckpt: phase=shard tier=%s step=%d (%d of %d tensors)", self.name, save.step, len(keep),
                   len(tensors))
         parts, index, nbytes = ranks.subset_image(tensors, keep, save.source.view())
         info = self.runtime.write_parts(f"{d}/{shard}", parts)
+        name, data, payload = records_payload(
+            step=save.step, generation=self.fence.generation, rank=co.rank, world=co.world_size,
+            shard={"file": shard, "bytes": nbytes, "storage": info}, index=index, aliases=save.meta["aliases"],
+            meta=save.meta, send_tree=co.is_coordinator or tree_digest != peers[0]["tree"],
+            send_table=first_of_class(co.rank, [p["dt"] for p in peers]), crc=get_ops().crc32c_bytes)
+        self.storage.write_small(f"{d}/{name}", data)
         if on_shard is not None:
             on_shard(f"{d}/{shard}")
         save.before_commit()
-        return {"step": save.step, "shard": {"file": shard, "bytes": nbytes, "storage": info},
-                "tensors": index, "aliases": save.meta["aliases"], "tree": save.meta["tree"],
-                "stats": save.meta["stats"]}
+        return payload
 
     def _lead(self, save: SharedSave, mine: dict[str, Any], owners: dict[str, int],
               failure: Optional[BaseException], progress: CommitProgress) -> dict[str, Any]:
@@ -201,7 +209,7 @@ class SharedCommit:
         if problem is not None:
             return {"ok": False, "skipped": problem[0], "why": problem[1]}
         try:
-            man = ranks.global_manifest(step=step, generation=self.fence.generation, parts=parts, owners=owners)
+            man = layout_manifest(step=step, generation=self.fence.generation, parts=parts, owners=owners)
             commit_manifest(self.storage, self.fence, step, encode_manifest(tagged(man, save.tag)), progress, name)
         except BaseException as e:
             log.error("nebula_ckpt: tier %s: committing step %d failed: %s", name, step, e)

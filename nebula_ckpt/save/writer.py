@@ -40,7 +40,7 @@ from typing import Any, Callable, Optional
 
 from nebula_ckpt import knobs
 from nebula_ckpt.errors import FencedError, PersistError
-from nebula_ckpt.format.names import COMMIT, MANIFEST, shard_name, shard_owner, step_dir
+from nebula_ckpt.format.names import COMMIT, MANIFEST, records_name, shard_name, shard_owner, step_dir
 from nebula_ckpt.format.records import ShardRecord
 from nebula_ckpt.ranks import shards as ranks
 from nebula_ckpt.ranks.coordinator import Coordinator, LocalCoordinator
@@ -350,7 +350,8 @@ class TierWriter:
             log.debug("nebula_ckpt: tier %s: cannot list step %d: %s", self.name, step, e)
         newer = any((o := shard_owner(n)) is not None and o[0] > gen for n in names)
         mine_manifest = not newer and self._owner.commits_here
-        sweep.discard_files(st, step, lambda n: n == shard or (n == MANIFEST and mine_manifest),
+        records = records_name(gen, self.coordinator.rank)
+        sweep.discard_files(st, step, lambda n: n in (shard, records) or (n == MANIFEST and mine_manifest),
                             f"tier {self.name}")
 
     def remove(self, step: int) -> bool:
