@@ -149,7 +149,7 @@ MANIFEST_CASES: list[tuple[str, Callable[[Man], Any], str]] = [
     ("unknown_compression", lambda m: m["shards"][0]["storage"].update(compression="lz4"), "compression 'lz4'"),
     ("step_mismatch", lambda m: m.update(step=7), "step is 7"),
     ("step_not_int", lambda m: m.update(step="1"), "step must be an integer"),
-    ("newer_version", lambda m: m.update(version=3), "newer than this nebula_ckpt"),
+    ("newer_version", lambda m: m.update(version=4), "newer than this nebula_ckpt"),
     ("version_not_int", lambda m: m.update(version="1"), "version must be an integer"),
     ("wrong_format", lambda m: m.update(format="other"), "not a nebula_ckpt manifest"),
     ("missing_tree", lambda m: m.pop("tree"), "lacks field(s) ['tree']"),

@@ -32,12 +32,12 @@ import json
 import math
 import types
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping, Optional
 
 from nebula_ckpt.format.checks import as_int, as_list, as_obj, as_str, bad, only_fields, short
 from nebula_ckpt.format.dtensors import check_dtensors
 from nebula_ckpt.format.dtypes import TENSOR_DTYPES
-from nebula_ckpt.format.grid import on_grid
+from nebula_ckpt.format.grid import Region, holders, on_grid
 from nebula_ckpt.format.names import LAYOUT_VERSION, is_records_name
 from nebula_ckpt.format.records import DTensorInfo, ShardRecord, TensorRecord
 from nebula_ckpt.format.tree import check_tree
@@ -180,7 +180,7 @@ def parse_records(data: bytes, man: "Manifest", rank: int, read_crc: Callable[[b
     tensors = {}
     for k, v in as_obj(d.get("tensors"), w, "tensors").items():
         rw = f"{w}: tensors[{short(k)}]"
-        if as_obj(v, rw, "the tensor entry").get("shard", 0) != 0:
+        if "shard" in as_obj(v, rw, "the tensor entry"):
             raise bad(rw, "shard must be left out (a records file describes its rank's shard only)")
         rec = TensorRecord.parse(as_str(k, rw, "key"), v, shard, rw)
         tensors[p + k] = dataclasses.replace(rec, key=p + k, shard=rank)
@@ -309,3 +309,17 @@ def grid_of(records: Iterable[Mapping[str, Any]], rank: int, world: int) -> bool
                 dt["shape"], dt["placements"], dt["mesh"], rank, world, dt["offsets"], rec["shape"]):
             return False
     return True
+
+
+def ranks_for(layout: RanksLayout, regions: Mapping[str, Region]) -> Optional[set[int]]:
+    """The ranks whose records a reader of ``regions`` (logical DTensor key -> ``(offsets, shape)``
+    in the global tensor) needs, found on the grid without reading any records (plus the owners of
+    the replicated tensors); None when the checkpoint is not on the grid (then: every rank).
+    The work is the number of chunks overlapping the regions, whatever the number of ranks."""
+    if not layout.grid:
+        return None
+    out = set(layout.owners.values())
+    for key, region in regions.items():
+        spec = layout.dtensors[key]
+        out.update(r for r, _ in holders(spec.shape, spec.placements, spec.mesh, region))
+    return out

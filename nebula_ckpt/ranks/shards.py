@@ -20,6 +20,7 @@ Pure functions over metadata (no I/O, no collectives), used by the tier writers 
 from __future__ import annotations
 
 import hashlib
+import heapq
 import json
 from typing import Any, Optional
 
@@ -68,15 +69,29 @@ def assign(summaries: list[dict[str, Entry]], base: Optional[list[int]] = None) 
     if len(summaries) < 2:
         return {}
     first = summaries[0]
-    replicated = [k for k, v in first.items() if all(s.get(k) == v for s in summaries[1:])]
-    rep = set(replicated)
-    load = [(base[i] if base else 0) + sum(v[0] for k, v in s.items() if k not in rep)
-            for i, s in enumerate(summaries)]
+    if all(s is first for s in summaries):  # equal digests (DDP): every key is replicated, no rank holds more
+        replicated = list(first)
+        load = [base[i] if base else 0 for i in range(len(summaries))]
+    else:
+        replicated = [k for k, v in first.items() if all(s.get(k) == v for s in summaries[1:])]
+        rep = set(replicated)
+        load = [(base[i] if base else 0) + sum(v[0] for k, v in s.items() if k not in rep)
+                for i, s in enumerate(summaries)]
+    heap = [(n, i) for i, n in enumerate(load)]  # the least loaded rank, lowest first: O(log ranks) a key
+    heapq.heapify(heap)
     owners: dict[str, int] = {}
     for k in sorted(replicated, key=lambda k: (-first[k][0], k)):
-        r = 0 if first[k][0] < small else min(range(len(load)), key=lambda i: (load[i], i))
+        nbytes = first[k][0]
+        if nbytes < small:
+            owners[k] = 0
+            load[0] += nbytes
+            continue
+        while heap[0][0] != load[heap[0][1]]:  # an entry made stale by a small replica on rank 0
+            heapq.heapreplace(heap, (load[heap[0][1]], heap[0][1]))
+        r = heap[0][1]
         owners[k] = r
-        load[r] += first[k][0]
+        load[r] += nbytes
+        heapq.heapreplace(heap, (load[r], r))
     return owners
 
 
