@@ -147,6 +147,14 @@ def placeholder(template: dict[str, Any], rank: int) -> dict[str, Any]:
     return p
 
 
+def commit(step_dir: str, text: bytes) -> None:
+    """Write the manifest ``text`` and its commit marker into ``step_dir``."""
+    with open(os.path.join(step_dir, fnames.MANIFEST), "wb") as f:
+        f.write(text)
+    with open(os.path.join(step_dir, fnames.COMMIT), "wb") as f:
+        f.write(Commit(1, 1, len(text), native.get_ops().crc32c_bytes(text)).to_bytes())
+
+
 def reshard_regions(job: Job, man: Any) -> dict[str, Any]:
     """The regions the last rank of a job of half the ranks restores (its dim-0 rows of each DTensor)."""
     half = max(1, job.world // 2)
@@ -208,23 +216,8 @@ def simulate(kind: str, world: int, tensors: int, workdir: str, budget_s: float,
     text = run("rank 0: encode manifest (s)", lambda: encode_manifest(man))
     parts.clear()
     s.values["rank 0 writes (B)"] = float(len(text))
-    with open(os.path.join(step_dir, fnames.MANIFEST), "wb") as f:
-        f.write(text)
-    with open(os.path.join(step_dir, fnames.COMMIT), "wb") as f:
-        f.write(Commit(1, 1, len(text), native.get_ops().crc32c_bytes(text)).to_bytes())
-    st = LocalStorage(root)
-    got = run("rank: restore plan: manifest + its records (s)", lambda: read_manifest(st, 1, "sim", ranks=[reader]))
-    s.values["rank reads at restore (B)"] = float(len(text) + records_bytes(got.layout, [reader]))
-    if kind == "fsdp":
-        def reshard() -> int:
-            main = read_main_manifest(st, 1, "sim")
-            need = ranks_for(main.layout, reshard_regions(job, main))
-            assert need is not None
-            loaded = read_manifest(st, 1, "sim", ranks=sorted(need - set(main.layout.owners.values())))
-            return len(text) + records_bytes(loaded.layout, loaded.layout.loaded)
-        got_bytes = run("rank: reshard plan: find + read its sources' records (s)", reshard)
-        if got_bytes is not None:
-            s.values["rank reads to reshard (B)"] = float(got_bytes)
+    commit(step_dir, text)
+    restore_side(job, LocalStorage(root), len(text), s, run)
     shutil.rmtree(root, ignore_errors=True)
     s.values[WHOLE] = sum(v for n, v in s.values.items() if n.startswith("rank") and n.endswith("(s)"))
     dcp_planner(job, s, run, predict, budget_s)
@@ -233,6 +226,26 @@ def simulate(kind: str, world: int, tensors: int, workdir: str, budget_s: float,
     if dcp:
         s.values["dcp planner / whole metadata path (x)"] = dcp / s.values[WHOLE]
     return s
+
+
+def restore_side(job: Job, st: LocalStorage, main_bytes: int, s: Sample,
+                 run: Callable[[str, Callable[[], Any]], Any]) -> None:
+    """Steps 3 and 4 of the module docstring, on the committed folder of ``st``."""
+    reader = job.world - 1
+    got = run("rank: restore plan: manifest + its records (s)", lambda: read_manifest(st, 1, "sim", ranks=[reader]))
+    s.values["rank reads at restore (B)"] = float(main_bytes + records_bytes(got.layout, [reader]))
+    if job.kind != "fsdp":
+        return  # plain replicated tensors reshard from their owners: the restore above
+
+    def reshard() -> int:
+        main = read_main_manifest(st, 1, "sim")
+        need = ranks_for(main.layout, reshard_regions(job, main))
+        assert need is not None
+        loaded = read_manifest(st, 1, "sim", ranks=sorted(need - set(main.layout.owners.values())))
+        return main_bytes + records_bytes(loaded.layout, loaded.layout.loaded)
+    got_bytes = run("rank: reshard plan: find + read its sources' records (s)", reshard)
+    if got_bytes is not None:
+        s.values["rank reads to reshard (B)"] = float(got_bytes)
 
 
 def dcp_planner(job: Job, s: Sample, run: Callable[[str, Callable[[], Any]], Any],

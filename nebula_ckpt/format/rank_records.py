@@ -28,6 +28,7 @@ manifest as a version 2 reader knows it, holding those ranks' tensors.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import math
 import types
@@ -213,7 +214,7 @@ def _check_dtensors(tensors: dict[str, TensorRecord], man: "Manifest", rank: int
             raise bad(w, f"key '{key}': rank {rank}'s chunk {list(rec.shape)} at {list(info.offsets)} is not where "
                        "the grid the manifest declares puts it")
     spans = sorted((t.start, t.end, k) for k, t in tensors.items() if t.nbytes)
-    for (_, e0, k0), (b1, _, k1) in zip(spans, spans[1:]):
+    for (_, e0, k0), (b1, _, k1) in itertools.pairwise(spans):
         if b1 < e0:
             raise bad(w, f"tensors {k0!r} and {k1!r} overlap in {man.shards[rank].file}; every tensor must own "
                        "its bytes")

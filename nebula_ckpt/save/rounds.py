@@ -29,9 +29,9 @@ from typing import Any, Callable, Optional
 from nebula_ckpt.errors import PersistError
 from nebula_ckpt.native import get_ops
 from nebula_ckpt.ranks import shards as ranks
-from nebula_ckpt.ranks.layout import first_of_class, layout_manifest, records_payload, signature
 from nebula_ckpt.ranks.coordinator import PHASE_DIGEST, PHASE_DURABLE, PHASE_INDEX, PHASE_VERDICT, SKIP, Coordinator
 from nebula_ckpt.ranks.fencing import TierFence
+from nebula_ckpt.ranks.layout import first_of_class, layout_manifest, records_payload, signature
 from nebula_ckpt.save.commit import (
     CommitProgress,
     CommitUncertain,
@@ -120,8 +120,9 @@ class SharedCommit:
         rep, sharded = ranks.summary(save.meta["tensors"])
         mine_digest = ranks.digest(rep)
         tree_digest = ranks.digest(save.meta["tree"])
+        dt_digest = ranks.digest(signature(save.meta["tensors"]))  # what its DTensor records must agree on
         peers = co.round(name, idx, PHASE_DIGEST, {"step": save.step, "digest": mine_digest, "tree": tree_digest,
-                                                  "sharded": sharded, "dt": ranks.digest(signature(save.meta["tensors"]))})
+                                                  "sharded": sharded, "dt": dt_digest})
         problem = ranks.peer_problem(peers, save.step, name)
         if problem is not None:
             co.abandon(name, idx)
