@@ -1,7 +1,7 @@
 """Metadata at thousands of ranks, simulated in one process: what each step of a save's commit and
 a restore's planning costs as the number of ranks grows, with no tensor data.
 
-    python -m benchmarks.scale_sim --out benchmarks/results/scale-sim-$(date +%F)   # 1,024 / 4,096 / 16,384 ranks
+    python -m benchmarks.scale_sim --out benchmarks/results/scale-sim-$(date +%F)   # 256 to 16,384 ranks
 
 It runs the library's real metadata code (format version 3: each rank's records beside its shard)
 on synthetic per-rank tensor indexes shaped like the ones the snapshot stage records (dtype, shape,
@@ -25,7 +25,9 @@ Per size it measures, on the paths a real job runs:
 4. a rank resharding into half the ranks: :func:`nebula_ckpt.format.rank_records.ranks_for` of
    its regions on the grid, then reading those ranks' records, the bytes it reads;
 5. beside it, DCP's own planner: ``DefaultSavePlanner.create_global_plan`` over the same number of
-   local plans of the same items, and the size of the metadata DCP writes.
+   local plans of the same items, and the size of the metadata DCP writes; above
+   ``--dcp-max-ranks`` (its local plans alone take GBs of memory) its time is extrapolated with
+   the exponent fitted below, and the report says so.
 
 The simulated ranks' payloads are real for every rank whose records any measured step reads
 (rank 0, the restoring rank, the owners of replicas, the resharding rank's sources); the others
@@ -167,7 +169,7 @@ def reshard_regions(job: Job, man: Any) -> dict[str, Any]:
 
 
 def simulate(kind: str, world: int, tensors: int, workdir: str, budget_s: float,
-             predict: Callable[[str, int], Optional[float]]) -> Sample:
+             predict: Callable[[str, int], Optional[float]], dcp_max: int) -> Sample:
     """One simulated job of ``world`` ranks: every cost named in the module docstring."""
     s = Sample(world)
 
@@ -220,7 +222,7 @@ def simulate(kind: str, world: int, tensors: int, workdir: str, budget_s: float,
     restore_side(job, LocalStorage(root), len(text), s, run)
     shutil.rmtree(root, ignore_errors=True)
     s.values[WHOLE] = sum(v for n, v in s.values.items() if n.startswith("rank") and n.endswith("(s)"))
-    dcp_planner(job, s, run, predict, budget_s)
+    dcp_planner(job, s, run, predict, budget_s, dcp_max)
     name = "dcp rank 0: create_global_plan (s)"
     dcp = s.values.get(name, s.values.get(EXTRAPOLATED + name))
     if dcp:
@@ -249,7 +251,7 @@ def restore_side(job: Job, st: LocalStorage, main_bytes: int, s: Sample,
 
 
 def dcp_planner(job: Job, s: Sample, run: Callable[[str, Callable[[], Any]], Any],
-                predict: Callable[[str, int], Optional[float]], budget_s: float) -> None:
+                predict: Callable[[str, int], Optional[float]], budget_s: float, max_ranks: int) -> None:
     """DCP's save planner over ``world`` local plans of the same items (what ``dcp.save`` runs on rank 0)."""
     from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
     from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
@@ -262,8 +264,9 @@ def dcp_planner(job: Job, s: Sample, run: Callable[[str, Callable[[], Any]], Any
 
     name = "dcp rank 0: create_global_plan (s)"
     guess = predict(name, job.world)
-    if guess is not None and guess > budget_s:  # building its plans alone would take as long
-        s.skipped[name] = f"predicted {guess:.0f} s > budget {budget_s:.0f} s (extrapolated with its exponent)"
+    if guess is not None and (guess > budget_s or job.world > max_ranks):  # its plans alone take as long
+        s.skipped[name] = (f"not run above {max_ranks:,} ranks (--dcp-max-ranks) or over {budget_s:.0f} s: "
+                           f"{guess:.1f} s extrapolated with its exponent")
         s.values[EXTRAPOLATED + name] = guess
         return
 
@@ -331,7 +334,9 @@ def report(kind: str, tensors: int, samples: list[Sample]) -> tuple[str, dict[st
 
 def main(argv: Optional[list[str]] = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--ranks", default="1024,4096,16384", help="comma-separated simulated world sizes")
+    p.add_argument("--ranks", default="256,1024,4096,16384", help="comma-separated simulated world sizes")
+    p.add_argument("--dcp-max-ranks", type=int, default=1024,
+                   help="run DCP's planner up to this size (its local plans take GBs beyond), extrapolate above")
     p.add_argument("--tensors", type=int, default=1000, help="tensors per rank")
     p.add_argument("--kinds", default="fsdp,ddp")
     p.add_argument("--budget-s", type=float, default=120.0, help="skip a step predicted to take longer")
@@ -352,7 +357,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                 return None if f is None else f[1] * world ** f[0]
 
             for n in sizes:
-                samples.append(simulate(kind, n, a.tensors, work, a.budget_s, predict))
+                samples.append(simulate(kind, n, a.tensors, work, a.budget_s, predict, a.dcp_max_ranks))
                 print(f"{kind} {n} ranks: " + ", ".join(f"{k} {fmt(k, v)}" for k, v in samples[-1].values.items()),
                       flush=True)
             text, fits = report(kind, a.tensors, samples)
