@@ -282,11 +282,15 @@ def _check_trees(man: "Manifest", focus: list[int], tensors: dict[str, TensorRec
                  where: str) -> None:
     """Each loaded rank's tree against the keys it holds (a tree shared by several ranks is walked
     once; the others' keys and dtypes must equal the first's)."""
+    held: dict[int, dict[str, str]] = {r: {} for r in focus}
+    for k in itertools.chain(tensors, aliases):  # one pass: every key starts with a loaded rank's prefix
+        head, _, rest = k.partition("/")
+        mine = held.get(int(head[1:]))
+        if mine is not None:
+            mine[rest] = tensors[aliases.get(k, k)].dtype
     seen: dict[int, dict[str, str]] = {}
     for r in focus:
-        p = f"r{r}/"
-        n = len(p)
-        keys = {k[n:]: tensors[aliases.get(k, k)].dtype for k in (*tensors, *aliases) if k.startswith(p)}
+        keys = held[r]
         i = man.rank_tree[r]
         if i not in seen:
             check_tree(man.tree["v"][i], keys, f"{where}: tree[{i}] (rank {r})")
