@@ -11,10 +11,10 @@ Pure functions over metadata (no I/O, no collectives), used by the tier writers 
   state, say) is never mistaken for a replica: each rank then writes its own.
 * :func:`subset_image` — the safetensors image of a rank's share: a new header and the byte
   ranges of the staged snapshot (no copy).
-* :func:`rank_manifest` / :func:`global_manifest` — the manifest of a rank's own tier (memory)
-  and the coordinator's manifest on a shared tier (format version 2, see
-  :mod:`nebula_ckpt.format.manifest`); both that one and the DCP writer's multi-rank manifest
-  are built by :func:`ranks_manifest`.
+* :func:`rank_manifest` — the manifest of a rank's own tier (memory; format version 2, see
+  :mod:`nebula_ckpt.format.manifest`); it, the DCP writer's multi-rank manifest (version 2) and
+  the coordinator's manifest on a shared tier (version 3, :mod:`nebula_ckpt.ranks.layout`) are
+  built by :func:`ranks_manifest`.
 """
 
 from __future__ import annotations
@@ -145,8 +145,8 @@ def ranks_manifest(*, step: int, generation: int, shards: list[dict[str, Any]], 
                    aliases: dict[str, str], trees: list[Any], stats: dict[str, Any],
                    same_trees: Optional[list[bool]] = None) -> dict[str, Any]:
     """The manifest of a checkpoint every rank wrote a shard of (the one builder of them: the
-    tier writers' :func:`global_manifest`, the version 3 :func:`nebula_ckpt.ranks.layout.layout_manifest`
-    and the DCP writer use it).
+    version 3 :func:`nebula_ckpt.ranks.layout.layout_manifest` of the tier writers and the DCP
+    writer use it).
 
     ``trees[r]``: rank ``r``'s typed tree; equal trees are stored once (``rank_tree`` maps each
     rank to its tree). ``same_trees[r]``: rank ``r``'s tree is known to be rank 0's (compared by
@@ -166,34 +166,6 @@ def ranks_manifest(*, step: int, generation: int, shards: list[dict[str, Any]], 
     return mf.build_manifest(step=step, generation=generation, shards=shards, tensors=tensors, aliases=aliases,
                              tree={"t": "list", "v": stored}, stats=stats,
                              ranks=_ranks_field(len(trees), list(range(len(trees))), rank_tree))
-
-
-def global_manifest(*, step: int, generation: int, parts: list[dict[str, Any]],
-                    owners: dict[str, int]) -> dict[str, Any]:
-    """The coordinator's manifest of a shared tier from every rank's ``parts[r]``.
-
-    ``parts[r]``: ``{"shard", "tensors" (the rank's image index), "aliases" (tied keys), "tree",
-    "stats"}``; ``owners``: the owner of each replicated key (:func:`assign`).
-    """
-    shards, tensors, aliases = [], {}, {}
-    trees: list[Any] = []
-    tensor_bytes = 0
-    for r, part in enumerate(parts):
-        shards.append(part["shard"])
-        p = f"r{r}/"
-        for k, rec in part["tensors"].items():
-            tensors[p + k] = stored_record(rec, r)
-        for k, q in owners.items():
-            if q != r:
-                aliases[p + k] = f"r{q}/{k}"
-        for a, b in part["aliases"].items():
-            aliases[p + a] = aliases.get(p + b, p + b)
-        trees.append(part["tree"] if part.get("tree") is not None else parts[0]["tree"])  # None: same as rank 0's
-        tensor_bytes += int(part["stats"].get("tensor_bytes", 0))
-    stats: dict[str, Any] = {"tensor_bytes": tensor_bytes, "ranks_bytes": [s["bytes"] for s in shards],
-                             "copy_seconds": max(float(p["stats"].get("copy_seconds", 0.0)) for p in parts)}
-    return ranks_manifest(step=step, generation=generation, shards=shards, tensors=tensors, aliases=aliases,
-                          trees=trees, stats=stats)
 
 
 def peer_problem(entries: list[Any], step: int, tier: str) -> Optional[tuple[bool, str]]:
