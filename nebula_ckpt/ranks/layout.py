@@ -16,8 +16,8 @@ Pure functions over metadata (no I/O, no collectives), used by the commit rounds
 * :func:`layout_manifest` — rank 0's manifest from those records: it grows with the number of
   ranks (one shard and one records entry each, plus the shards they refer to, listed once each)
   plus the number of tensors (owners, DTensor table), never their product. Disagreeing DTensor
-  tables refuse the commit, naming the key and the ranks. The rest of the manifest is built by :func:`nebula_ckpt.ranks.shards.ranks_manifest`,
-  the builder of every multi-rank manifest.
+  tables refuse the commit, naming the key and the ranks. The rest of the manifest is built by
+  :func:`nebula_ckpt.ranks.shards.ranks_manifest`, the builder of every multi-rank manifest.
 """
 
 from __future__ import annotations
