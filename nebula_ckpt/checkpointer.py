@@ -36,7 +36,7 @@ _open_checkpointers: "set[Checkpointer]" = set()
 
 
 def _check_arguments(root: Any, keep_last: Any, max_host_bytes: Any, on_full: Any, on_persist_error: Any,
-                     snapshot: Any) -> None:
+                     snapshot: Any, incremental: Any) -> None:
     """The constructor's validation, all before anything is touched."""
     if not isinstance(root, str) or not root:
         raise ValidationError(f"root must be a non-empty path or URL string, got {root!r}")
@@ -52,6 +52,8 @@ def _check_arguments(root: Any, keep_last: Any, max_host_bytes: Any, on_full: An
         raise ValidationError(f"on_persist_error must be 'raise' or 'log', got {on_persist_error!r}")
     if snapshot not in ("auto", "sync", "async"):
         raise ValidationError(f"snapshot must be 'auto', 'sync' or 'async', got {snapshot!r}")
+    if not isinstance(incremental, bool):
+        raise ValidationError(f"incremental must be True or False, got {incremental!r}")
 
 
 def _close_at_exit() -> None:
@@ -115,6 +117,9 @@ class Checkpointer:
             as empty); the memory tier is read when it holds this root's current run. ``save_async``,
             ``prepare`` and ``remove`` raise. What reads a root named by a file (a framework's
             pointer file) opens it so.
+        incremental: (default True) a save writes to the disk and remote tiers only the tensors
+            that changed since that tier's previous save and refers to its bytes for the rest;
+            every ``NEBULA_INCREMENTAL_FULL_EVERY``-th save is full. False: every save is full.
 
     Example::
 
@@ -153,8 +158,8 @@ class Checkpointer:
                  tiers: Optional[Sequence[Tier]] = None, keep_last: int = 3,
                  max_host_bytes: Optional[int] = None, memory_tier: bool = True, on_full: str = "wait",
                  allow_pickle: bool = False, on_persist_error: str = "raise", snapshot: str = "auto",
-                 coordinator: Optional[Coordinator] = None, read_only: bool = False) -> None:
-        _check_arguments(root, keep_last, max_host_bytes, on_full, on_persist_error, snapshot)
+                 coordinator: Optional[Coordinator] = None, read_only: bool = False, incremental: bool = True) -> None:
+        _check_arguments(root, keep_last, max_host_bytes, on_full, on_persist_error, snapshot, incremental)
         #: opened for reading only (see ``read_only``)
         self.read_only = bool(read_only)
         self.snapshot = snapshot
@@ -170,7 +175,8 @@ class Checkpointer:
         shown = canonical_root(root)
         self._saves = SavePipeline(runtimes, self._opened.fence, self.coordinator, shown, keep_last=keep_last,
                                    max_host_bytes=max_host_bytes, on_full=on_full, snapshot=snapshot,
-                                   allow_pickle=allow_pickle, on_persist_error=on_persist_error)
+                                   allow_pickle=allow_pickle, on_persist_error=on_persist_error,
+                                   incremental=incremental)
         # a reader deletes nothing, even in memory; a writer's saves may be what the tier holds
         self._restores = Restorer(runtimes, self.coordinator, shown, allow_pickle,
                                   may_adopt=lambda: self._saves.writers is None and not self.read_only)
@@ -444,12 +450,12 @@ class Checkpointer:
         checkpoints), serialised with retention. A save of that step / with that tag still in
         flight in this process is waited for first, so a checkpoint being written is never
         touched. This is what a framework's "remove checkpoint" maps to (Lightning's
-        ``remove_checkpoint(path)`` with the path as tag).
+        ``remove_checkpoint(path)`` with the path as tag). A step whose bytes a later incremental
+        checkpoint refers to stays (listed) until none does; then retention deletes it.
 
         Multi-rank jobs: a shared tier's checkpoint is removed by the coordinator (rank 0) only,
-        each rank's own tier (memory) by that rank: call it on every rank. Called on rank 0
-        alone, the other ranks' memory tiers keep their part until retention drops it, and it is
-        never restored (rank 0 lacks it, and restore agrees on a step every rank has).
+        each rank's own tier (memory) by that rank: call it on every rank. Called on rank 0 alone,
+        the other ranks' memory tiers keep their part until retention drops it, never restored.
 
         Raises:
             ValidationError: neither or both of ``step`` and ``tag``, or a malformed one.

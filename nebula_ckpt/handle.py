@@ -31,6 +31,8 @@ class SaveMetrics:
         snapshot_s: until the copy into host memory was done (safe to change the state).
         durable_s: tier name -> until the checkpoint was committed there (written tiers only).
         tiers_dropped: tiers that skipped it for a newer save; ``failed``: tiers that failed.
+        written_bytes: tier name -> bytes of the shard this save wrote there (less than ``bytes``
+            for an incremental save, which writes only the tensors that changed).
     """
 
     step: int
@@ -40,6 +42,7 @@ class SaveMetrics:
     durable_s: dict[str, float] = field(default_factory=dict)
     tiers_dropped: tuple[str, ...] = ()
     failed: tuple[str, ...] = ()
+    written_bytes: dict[str, int] = field(default_factory=dict)
 
     def throughput(self, tier: str) -> Optional[float]:
         """Bytes per second from the start of the save until durable on ``tier`` (None if not written)."""
@@ -51,7 +54,8 @@ class SaveMetrics:
         return {"step": self.step, "bytes": self.bytes, "blocked_s": self.blocked_s, "snapshot_s": self.snapshot_s,
                 "durable_s": dict(self.durable_s),
                 "throughput_bytes_per_s": {t: self.throughput(t) for t in self.durable_s},
-                "tiers_dropped": list(self.tiers_dropped), "failed": list(self.failed)}
+                "tiers_dropped": list(self.tiers_dropped), "failed": list(self.failed),
+                "written_bytes": dict(self.written_bytes)}
 
     def summary(self) -> str:
         """One line for a log: ``step 100: 1.49 GB, blocked 12.1 ms, snapshot 12.1 ms, durable memory 0.41 s, ...``."""
@@ -101,6 +105,7 @@ class SaveHandle:
         self._stalled = 0.0
         self._snapshot_at: Optional[float] = None
         self._durable_at: dict[str, float] = {}
+        self._written: dict[str, int] = {}
         self._finished: Optional[Callable[["SaveHandle"], None]] = None
         #: the save pipeline's side of this handle (not for users: see :class:`SaveProgress`)
         self.progress = SaveProgress(self)
@@ -139,7 +144,7 @@ class SaveHandle:
             return SaveMetrics(self.step, self._bytes, blocked,
                                None if self._snapshot_at is None else self._snapshot_at - self._t0,
                                {t: at - self._t0 for t, at in self._durable_at.items()},
-                               tuple(self.tiers_dropped), tuple(self._errors))
+                               tuple(self.tiers_dropped), tuple(self._errors), dict(self._written))
 
     def done(self) -> bool:
         """Whether the save has finished on every tier (successfully or not)."""
@@ -258,8 +263,10 @@ class SaveProgress:
             h._durable.set()
             h._settle(list(h._pending))
 
-    def tier_done(self, tier: str, error: Optional[BaseException] = None, dropped: bool = False) -> None:
-        """The save is over on ``tier``: written, failed with ``error``, or ``dropped`` for a newer one."""
+    def tier_done(self, tier: str, error: Optional[BaseException] = None, dropped: bool = False,
+                  written: Optional[int] = None) -> None:
+        """The save is over on ``tier``: written (``written``: the bytes of its shard there), failed
+        with ``error``, or ``dropped`` for a newer one."""
         h = self._h
         with h._lock:
             if dropped:
@@ -269,6 +276,8 @@ class SaveProgress:
             else:
                 h.tiers_written.append(tier)
                 h._durable_at[tier] = monotonic()
+                if written is not None:
+                    h._written[tier] = written
             h._pending.discard(tier)
             last = not h._pending
         if last:

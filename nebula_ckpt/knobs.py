@@ -131,6 +131,13 @@ _KNOBS: dict[str, _Knob] = {
                                    "change wait for the copy) up to this many bytes in all are copied on the "
                                    "training thread, so the rest of an asynchronous save still overlaps; "
                                    "more, or any on a GPU, make the save synchronous"),
+    "incremental_full_every": _Knob("NEBULA_INCREMENTAL_FULL_EVERY", 10, int,
+                                    "incremental saves: every N-th save a tier writes is a full checkpoint "
+                                    "(N >= 1; 1: every save full), so the steps a checkpoint refers to stay "
+                                    "few and retention can drop old ones"),
+    "hash_threads": _Knob("NEBULA_HASH_THREADS", None, int,
+                          "incremental saves: threads that take the SHA-256 of staged tensors off the "
+                          "training thread (default: io_threads)"),
     "restore_chunk_bytes": _Knob("NEBULA_RESTORE_CHUNK_BYTES", 64 << 20, int,
                                  "restore: most bytes checksummed or copied between two drops of the mapped "
                                  "source pages (what a restore keeps resident beyond the owned bytes)"),
@@ -167,7 +174,7 @@ def get(name: str) -> Any:
             return knob.parse(raw)
         except ValueError as e:
             raise ValueError(f"environment variable {knob.env}={raw!r} is not valid: {e}") from None
-    if name in ("copy_threads", "io_threads") and knob.default is None:
+    if name in ("copy_threads", "io_threads", "hash_threads") and knob.default is None:
         return _default_threads()
     if name == "fault_ahead_threads" and knob.default is None:
         return _default_fault_threads()

@@ -35,6 +35,10 @@ class FaultyStorage(LocalStorage):
         self._stage("shard", rel)
         return super().write_buffer(rel, data)
 
+    def write_parts(self, rel: str, parts: list[memoryview]) -> dict[str, Any]:  # incremental shards
+        self._stage("shard", rel)
+        return super().write_parts(rel, parts)
+
     def write_small(self, rel: str, data: bytes, *, create_only: bool = False) -> None:
         if rel.endswith("manifest.json"):
             self._stage("manifest", rel)

@@ -22,13 +22,22 @@ def saved(root: str) -> str:
     model = torch.nn.Linear(8, 4)
     with nc.Checkpointer(root, memory_tier=False) as ck:
         ck.save(1, {"model": model, "step": 1, "cfg": {"lr": 0.1, "betas": (0.9, 0.99)}})
+        _train(model)   # each step holds bytes of its own (incremental saves write what changed)
         ck.save(2, {"model": model, "step": 2, "cfg": {"lr": 0.1, "betas": (0.9, 0.99)}})
     os.makedirs(os.path.join(root, "step-3"))  # an uncommitted leftover
     return root
 
 
+def _train(model: torch.nn.Module) -> None:
+    """Change every parameter, as a training step would."""
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.5)
+
+
 def _row(out: str, step: int) -> str:
-    """The row of ``step`` in ``nebula-ckpt ls``'s table (columns: tier, step, size, tag, state)."""
+    """The row of ``step`` in ``nebula-ckpt ls``'s table (columns: tier, step, written, referenced,
+    needs, tag, state)."""
     return next(ln for ln in out.splitlines()[1:] if ln.split()[1:2] == [str(step)])
 
 
@@ -235,6 +244,7 @@ def tagged(root: str) -> str:
     model = torch.nn.Linear(8, 4)
     with nc.Checkpointer(root, memory_tier=False) as ck:
         for step, tag in ((1, "warmup"), (2, "epoch-1"), (3, "epoch-1")):
+            _train(model)
             ck.save(step, {"model": model, "step": step}, tag=tag)
     return root
 
@@ -317,7 +327,7 @@ def test_export_to_below_a_file_is_a_clear_error(saved: str, tmp_path, capsys: p
 def test_ls_has_a_header_and_human_sizes(saved: str, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["ls", saved]) == 0
     lines = capsys.readouterr().out.splitlines()
-    assert lines[0].split() == ["tier", "step", "size", "tag", "state"]
+    assert lines[0].split() == ["tier", "step", "written", "referenced", "needs", "tag", "state"]
     row = _row("\n".join(lines), 2)
     assert " B " in row or "KiB" in row, row  # a 200-byte checkpoint is not "0.0 MiB"
     assert "0.0 MiB" not in "\n".join(lines)

@@ -10,11 +10,13 @@ import hashlib
 import json
 import os
 
+import pytest
 import torch
 from safetensors import safe_open
 
 import nebula_ckpt as nc
 from nebula_ckpt.format import manifest as mf
+from nebula_ckpt.format.checks import only_fields
 from nebula_ckpt.format.dtypes import DTYPES, SAFETENSORS_CODES, TENSOR_DTYPES, dtype_name
 from nebula_ckpt.format.names import SINGLE_VERSION, VERSION, is_shard_name, parse_step_dir, shard_generation
 from nebula_ckpt.format.records import ShardRecord, TensorRecord
@@ -101,3 +103,33 @@ def test_names_are_strict() -> None:
     for bad in ("shard-g3-r0.safetensors.tmp", "../shard-g3-r0.safetensors", "shard-g03-r0.safetensors",
                 "shard-g\u0663-r0.safetensors", "a/shard-g3-r0.safetensors", ""):
         assert not is_shard_name(bad), bad
+
+
+def test_golden_incremental_manifest(tmp_path, shm_dir) -> None:  # noqa: ANN001
+    """A save that changed only ``h`` writes a shard of ``h`` and refers to step 12's shard for ``w``."""
+    root = str(tmp_path / "ck")
+    with nc.Checkpointer(root, memory_tier=False) as ck:
+        ck.save(12, _state())
+        state = _state()
+        state["h"] = torch.tensor([0.5, 4.0], dtype=torch.bfloat16)
+        ck.save(13, state)
+    d = os.path.join(root, "step-13")
+    man = json.load(open(os.path.join(d, "manifest.json")))
+    base = json.load(open(os.path.join(root, "step-12", "manifest.json")))
+    own = os.path.getsize(os.path.join(d, "shard-g1-r0.safetensors"))
+    assert own == 4096 + 4  # the header, then h alone
+    assert man["shards"] == [{"file": "shard-g1-r0.safetensors", "bytes": own, "storage": {"stored_bytes": own}},
+                             {"file": "shard-g1-r0.safetensors", "bytes": 4124, "storage": {"stored_bytes": 4124},
+                              "step": 12}]
+    assert man["tensors"]["w"] == dict(base["tensors"]["w"], shard=1)  # the base's record, in shard 1
+    assert man["tensors"]["h"] == {"dtype": "bfloat16", "shape": [2], "offsets": [4096, 4100],
+                                   "crc32c": man["tensors"]["h"]["crc32c"], "device": "cpu"}
+    assert man["sha256"]["w"] == base["sha256"]["w"] == hashlib.sha256(
+        _state()["w"].numpy().tobytes()).hexdigest()
+    assert man["version"] == SINGLE_VERSION
+    parsed = mf.Manifest.parse(json.dumps(man), "golden", step=13)
+    assert parsed.shards[1] == ShardRecord("shard-g1-r0.safetensors", 4124, {"stored_bytes": 4124}, 12)
+    assert parsed.to_json() == man
+    # a reader that knows no references (its shard entry has these fields) refuses it, never misreads it
+    with pytest.raises(nc.CorruptCheckpointError, match="step"):
+        only_fields(man["shards"][1], ("file", "bytes", "storage"), "old reader", "the shard entry")

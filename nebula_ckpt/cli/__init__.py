@@ -8,7 +8,10 @@ Exit codes: 0 success; 1 damage found (verify) or nothing to act on; 2 bad usage
 ls, verify, inspect and export take ``--json`` for scripts and ``--storage-options JSON`` for
 remote roots; gc takes ``--json`` too (bench has options of its own: ``nebula-ckpt bench --help``).
 ``ls`` verifies every checksum like ``verify`` (``ls --quick`` checks sizes only) and shows
-each checkpoint's tag. inspect and export read ``--step N``, ``--tag NAME`` or (neither, or
+each checkpoint's tag and what it adds: the bytes its own folder holds, and for an incremental
+checkpoint the bytes it refers to in earlier steps' folders and which steps those are. verify,
+inspect and export follow the references (damage there is named with the step that holds it).
+inspect and export read ``--step N``, ``--tag NAME`` or (neither, or
 ``--step latest``) the newest healthy step. ``export --key model`` writes only what the state
 held under ``model``, named by the module's own ``state_dict()`` keys (what Hugging Face's
 ``from_pretrained`` loads), with the saved Hugging Face config as ``config.json``.

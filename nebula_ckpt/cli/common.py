@@ -16,6 +16,7 @@ from nebula_ckpt import knobs
 from nebula_ckpt.errors import CorruptCheckpointError
 from nebula_ckpt.format import manifest as mf
 from nebula_ckpt.format.names import COMMIT, shard_owner, step_dir
+from nebula_ckpt.format.references import references, shard_path
 from nebula_ckpt.ranks.fencing import read_run_id
 from nebula_ckpt.restore.open import NotThisLayout, OpenCheckpoint, open_checkpoint, read_manifest
 from nebula_ckpt.storage.base import Storage
@@ -108,16 +109,52 @@ def storage_options_arg(text: str) -> dict[str, Any]:
 
 def open_any(st: Storage, step: int, verify: str, where: str) -> OpenCheckpoint:
     """Open (and verify) ``step`` whatever it holds: a one-process checkpoint, a whole multi-rank
-    job, or the ranks of one that a rank's own memory tier holds (each rank's part is checked)."""
+    job, or the ranks of one that a rank's own memory tier holds (each rank's part is checked).
+    An incremental step's referenced bytes are checked too; a damaged one is named with the
+    step whose folder holds it."""
     try:
-        return open_checkpoint(st, step, verify, where)
+        return _verified(open_checkpoint(st, step, verify, where, defer_verify=True))
     except NotThisLayout:
         man = read_manifest(st, step, where)
         ck = None
         for r in man.ranks:
-            ck = open_checkpoint(st, step, verify, where, rank=r, world=man.world_size)
+            ck = _verified(open_checkpoint(st, step, verify, where, rank=r, world=man.world_size, defer_verify=True))
         assert ck is not None  # Manifest.parse: a multi-rank manifest holds at least one rank
         return ck
+
+
+def _verified(ck: OpenCheckpoint) -> OpenCheckpoint:
+    """Check the checksums still to check, a shard at a time, so that damage in bytes another
+    step's folder holds (an incremental checkpoint's references) is named with that step."""
+    todo = ck.unverified
+    for si in sorted(todo):
+        ck.unverified = {si: todo[si]}
+        try:
+            ck.verify_rest()
+        except CorruptCheckpointError as e:
+            sh = ck.manifest.shards[si]
+            if sh.step is None:
+                raise
+            raise CorruptCheckpointError(f"{e} (bytes held by step {sh.step}: {shard_path(ck.manifest, si)})") from None
+    return ck
+
+
+def references_json(man: Optional[mf.Manifest]) -> dict[str, Any]:
+    """What an incremental checkpoint takes from earlier steps: the steps it needs and their bytes."""
+    if man is None:
+        return {"base_steps": None, "referenced_bytes": None}
+    return {"base_steps": sorted(references(man)),
+            "referenced_bytes": sum(sh.stored_bytes for sh in man.shards if sh.step is not None)}
+
+
+def references_text(man: Optional[mf.Manifest]) -> str:
+    """``"refers to step 5 (480.0 MiB)"``; ``""`` for a full checkpoint."""
+    refs = references_json(man)
+    if not refs["base_steps"]:
+        return ""
+    steps = ",".join(map(str, refs["base_steps"]))
+    plural = "s" if len(refs["base_steps"]) > 1 else ""
+    return f"refers to step{plural} {steps} ({human_bytes(refs['referenced_bytes'])})"
 
 
 def check(st: Storage, tier: Tier, step: int, verify: str) -> tuple[bool, str, Optional[mf.Manifest]]:
@@ -137,8 +174,8 @@ def ranks_json(man: Optional[mf.Manifest]) -> dict[str, Any]:
     if man is None:
         return {"world_size": None, "ranks": None, "shards": None}
     return {"world_size": man.world_size, "ranks": list(man.ranks),
-            "shards": [{"file": sh.file, "rank": (shard_owner(sh.file) or (0, 0))[1], "bytes": sh.bytes}
-                       for sh in man.shards]}
+            "shards": [{"file": sh.file, "rank": (shard_owner(sh.file) or (0, 0))[1], "bytes": sh.bytes,
+                        "step": sh.folder_step(man.step)} for sh in man.shards]}
 
 
 def ranks_text(man: Optional[mf.Manifest]) -> str:

@@ -24,12 +24,12 @@ from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Optional
 
 from nebula_ckpt.cli.choose import add_choice_arguments, open_chosen
-from nebula_ckpt.cli.common import note, out, progress, ranks_text
+from nebula_ckpt.cli.common import note, open_any, out, progress, ranks_text
 from nebula_ckpt.errors import NebulaError
 from nebula_ckpt.format import manifest as mf
 from nebula_ckpt.format.tree import decode
 from nebula_ckpt.restore.apply import materialize
-from nebula_ckpt.restore.open import OpenCheckpoint, open_checkpoint, read_manifest
+from nebula_ckpt.restore.open import OpenCheckpoint, read_manifest
 from nebula_ckpt.restore.walk import tensor_keys
 from nebula_ckpt.storage.base import Storage
 
@@ -62,7 +62,7 @@ def open_source(st: Storage, step: int, where: str) -> Source:
 
     man = read_manifest(st, step, where)
     if not man.multi_rank:
-        ck = open_checkpoint(st, step, "full", where)
+        ck = open_any(st, step, "full", where)   # referenced bytes of earlier steps too
         return Source(ck.step, ck.manifest, ck=ck)
     if len(man.ranks) != man.world_size:
         raise NebulaError(f"{where}: holds only {ranks_text(man)} (a rank's memory tier); export needs every "

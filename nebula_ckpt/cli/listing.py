@@ -19,6 +19,8 @@ from nebula_ckpt.cli.common import (
     progress,
     ranks_json,
     ranks_text,
+    references_json,
+    references_text,
 )
 from nebula_ckpt.format import manifest as mf
 from nebula_ckpt.format.commit import step_dirs
@@ -56,13 +58,16 @@ def _ls_row(tier: Tier, st: Storage, step: int, verify: str) -> tuple[dict[str, 
            "committed": committed, "healthy": healthy, "verified": verify if committed else None,
            "bytes": dir_bytes(st, step), "raw_bytes": sum(s.bytes for s in man.shards) if man is not None else None,
            "compression": codec, "compression_ratio": ratio, "problem": None if healthy else why,
-           **ranks_json(man)}
+           **references_json(man), **ranks_json(man)}
     return row, man
 
 
 def _ls_table(rows: list[dict[str, Any]], mans: list[Optional[mf.Manifest]], quick: bool) -> list[str]:
-    """``ls``'s text: a header row, then one row per step of each tier."""
-    cells = [("tier", "step", "size", "tag", "state")]
+    """``ls``'s text: a header row, then one row per step of each tier. ``written``: the bytes of
+    the step's own folder; ``referenced``: those it reads from earlier steps' folders (an
+    incremental checkpoint), which ``needs`` names (``-``: a full checkpoint; ``?``: unknown, the
+    step is not healthy)."""
+    cells = [("tier", "step", "written", "referenced", "needs", "tag", "state")]
     for r, man in zip(rows, mans, strict=True):
         size = human_bytes(r["bytes"])
         if r["compression"]:
@@ -71,9 +76,16 @@ def _ls_table(rows: list[dict[str, Any]], mans: list[Optional[mf.Manifest]], qui
         state = ok if r["healthy"] else ("DAMAGED: " + str(r["problem"]) if r["committed"] else "uncommitted")
         if ranks_text(man):
             state += f" ({ranks_text(man)})"
-        cells.append((r["tier"], str(r["step"]), size, r["tag"] if r["tag"] is not None else "-", state))
-    w = [max(len(c[i]) for c in cells) for i in range(4)]
-    return [f"{a:<{w[0]}}  {b:>{w[1]}}  {c:>{w[2]}}  {d:<{w[3]}}  {e}" for a, b, c, d, e in cells]
+        if man is None:
+            refs, needs = ("?", "?") if r["committed"] else ("-", "-")
+        elif r["base_steps"]:
+            refs, needs = human_bytes(r["referenced_bytes"]), ",".join(map(str, r["base_steps"]))
+        else:
+            refs, needs = "-", "-"
+        cells.append((r["tier"], str(r["step"]), size, refs, needs, r["tag"] if r["tag"] is not None else "-", state))
+    w = [max(len(c[i]) for c in cells) for i in range(6)]
+    return [f"{a:<{w[0]}}  {b:>{w[1]}}  {c:>{w[2]}}  {d:>{w[3]}}  {e:<{w[4]}}  {f:<{w[5]}}  {g}"
+            for a, b, c, d, e, f, g in cells]
 
 
 def cmd_ls(args: argparse.Namespace) -> int:
@@ -166,6 +178,7 @@ def _inspect_multi(ck: OpenCheckpoint, as_json: bool) -> None:
         raw = man.to_json()
         info = {k: raw[k] for k in ("step", "generation", "tensors", "aliases", "tree", "shards",
                                     "world_size", "ranks", "rank_tree")}
+        info.update(references_json(man))
         info["logical"] = {}
         for key, holders in logical.items():
             dt = holders[0][2].dtensor
@@ -182,7 +195,8 @@ def _inspect_multi(ck: OpenCheckpoint, as_json: bool) -> None:
     out("shards:")
     for sh in man.shards:
         owner = shard_owner(sh.file)
-        out(f"  {sh.file:<40} rank {owner[1] if owner else '?':<6} {sh.bytes:>14} bytes")
+        held = "" if sh.step is None else f"  (in step {sh.step})"
+        out(f"  {sh.file:<40} rank {owner[1] if owner else '?':<6} {sh.bytes:>14} bytes{held}")
     out(f"\n{'key':<48} {'dtype':<10} {'global shape':<18} {'placement':<14} held by (local shape@offsets)")
     for key, holders in logical.items():
         rec = holders[0][2]
@@ -214,13 +228,16 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         raw = man.to_json()
         info = {k: raw[k] for k in ("step", "generation", "tensors", "aliases", "tree", "shards")}
         info["tag"] = man.tag
+        info.update(references_json(man))
         out(json.dumps(info, indent=2))
         return 0
     tag = f", tag {man.tag}" if man.tag is not None else ""
-    out(f"step {man.step}  ({ck.where}, format v{man.version}, {len(man.tensors)} tensors{tag})")
-    out(f"{'key':<60} {'dtype':<14} {'shape':<24} {'bytes':>12}  crc32c")
+    refs = f", {references_text(man)}" if references_text(man) else ""
+    out(f"step {man.step}  ({ck.where}, format v{man.version}, {len(man.tensors)} tensors{tag}{refs})")
+    out(f"{'key':<60} {'dtype':<14} {'shape':<24} {'bytes':>12}  {'crc32c':<10}  stored in")
     for k, e in man.tensors.items():
-        out(f"{k:<60} {e.dtype:<14} {str(e.shape):<24} {e.nbytes:>12}  {e.crc32c:#010x}")
+        held = man.shards[e.shard].folder_step(man.step)
+        out(f"{k:<60} {e.dtype:<14} {str(e.shape):<24} {e.nbytes:>12}  {e.crc32c:#010x}  step {held}")
     for a, b in man.aliases.items():
         out(f"{a:<60} -> {b} (tied)")
     out("\nstructure:")

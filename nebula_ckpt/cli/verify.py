@@ -5,7 +5,17 @@ from __future__ import annotations
 import argparse
 import json
 
-from nebula_ckpt.cli.common import check, commit_state, open_tiers, out, progress, ranks_json, ranks_text
+from nebula_ckpt.cli.common import (
+    check,
+    commit_state,
+    open_tiers,
+    out,
+    progress,
+    ranks_json,
+    ranks_text,
+    references_json,
+    references_text,
+)
 from nebula_ckpt.format.commit import step_dirs
 from nebula_ckpt.storage.urls import strip_credentials
 
@@ -26,13 +36,15 @@ def cmd_verify(args: argparse.Namespace) -> int:
     for tier, st, step, refused in progress(todo, "verifying", "ckpt", quiet=args.json):
         ok, why, man = (False, refused, None) if refused else check(st, tier, step, "full")
         results.append({"tier": tier.name, "step": step, "healthy": ok, "problem": None if ok else why,
-                        **ranks_json(man)})
+                        **references_json(man), **ranks_json(man)})
         mans.append(man)
     if args.json:
         out(json.dumps(results, indent=2))
     else:
         for r, man in zip(results, mans, strict=True):
             job = f" ({ranks_text(man)}: every shard verified)" if ranks_text(man) else ""
+            if references_text(man):
+                job += f" ({references_text(man)}: verified)"
             out(f"{'OK     ' if r['healthy'] else 'DAMAGED'} {r['tier']} step {r['step']}{job}"
                 + ("" if r["healthy"] else f": {r['problem']}"))
     if not results:

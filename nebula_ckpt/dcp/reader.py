@@ -34,6 +34,11 @@ chunks covering each tensor exactly), the size of every shard and the CRC32C of 
 tensor. Without an explicit step, a damaged newer step is skipped (a warning names the damage)
 and the newest healthy one is read (logged, and :attr:`NebulaStorageReader.step`); an explicit
 step that is damaged raises :class:`~nebula_ckpt.errors.CorruptCheckpointError` naming the damage.
+
+Incremental checkpoints read like full ones: a tensor the step refers to is read from the
+earlier step's shard that holds it (its manifest lists that shard with ``step``), with the same
+checks (the referenced step committed and listing that file, the tensor's CRC32C); errors name
+the file as ``step-<S>/<shard>``.
 """
 
 from __future__ import annotations
@@ -68,6 +73,7 @@ from nebula_ckpt.format.commit import committed_steps
 from nebula_ckpt.format.dtensors import dtensor_chunks, logical_groups
 from nebula_ckpt.format.names import COMMIT, parse_step_dir, step_dir
 from nebula_ckpt.format.records import TensorRecord
+from nebula_ckpt.format.references import shard_path
 from nebula_ckpt.native import get_ops
 from nebula_ckpt.restore.open import OpenCheckpoint, read_manifest
 from nebula_ckpt.restore.select import find_and_open
@@ -296,7 +302,9 @@ class NebulaStorageReader(StorageReader):
         return first, shape, chunks
 
     def _file(self, rec: TensorRecord) -> str:
-        return self.manifest.shards[rec.shard].file
+        """Where ``rec``'s bytes lie: ``step-<S>/<shard file>`` (an earlier step's folder for a
+        tensor an incremental checkpoint refers to)."""
+        return shard_path(self.manifest, rec.shard)
 
     def _build_metadata(self) -> tuple[Metadata, list[str]]:
         sdm: dict[str, Any] = {}

@@ -40,7 +40,8 @@ from nebula_ckpt.format.records import ShardRecord, TensorRecord
 from nebula_ckpt.format.tree import check_tree
 
 _REQUIRED = ("format", "version", "step", "generation", "shards", "tensors", "tree")
-_KNOWN = _REQUIRED + ("time", "checksum", "aliases", "stats", "world_size", "ranks", "rank_tree", "tag")
+_KNOWN = _REQUIRED + ("time", "checksum", "aliases", "stats", "world_size", "ranks", "rank_tree", "tag", "sha256")
+_HEX = frozenset("0123456789abcdef")
 #: most ranks a manifest may name (bounds the work a hostile manifest can ask for)
 MAX_WORLD = 1 << 20
 
@@ -73,6 +74,8 @@ class Manifest:
     ranks: tuple[int, ...] = (0,)
     rank_tree: Mapping[int, int] = field(default_factory=dict)
     tag: Optional[str] = None
+    #: tensor key -> SHA-256 (hex) of its bytes, for the tensors whose hash the writer took
+    hashes: Mapping[str, str] = field(default_factory=dict)
 
     @property
     def multi_rank(self) -> bool:
@@ -109,6 +112,8 @@ class Manifest:
                        rank_tree={str(r): i for r, i in self.rank_tree.items()})
         if self.tag is not None:
             out["tag"] = self.tag
+        if self.hashes:
+            out["sha256"] = dict(self.hashes)
         out.update(self.extra)
         return out
 
@@ -162,9 +167,13 @@ class Manifest:
 
 def _parse_body(m: dict[str, Any], w: str, step: int, version: int) -> Manifest:
     shards = tuple(ShardRecord.parse(s, f"{w}: shards[{i}]") for i, s in enumerate(as_list(m["shards"], w, "shards")))
-    names = [s.file for s in shards]
+    names = [(s.folder_step(step), s.file) for s in shards]
     if len(set(names)) != len(names):
         raise bad(w, f"shards lists a file twice ({names})")
+    for i, s in enumerate(shards):
+        if s.step is not None and s.step >= step:
+            raise bad(w, f"shards[{i}] ({s.file}) refers to step {s.step}, not an earlier step than {step}: "
+                       "an incremental checkpoint refers only to the bytes of earlier checkpoints")
     tensors = {as_str(k, w, "tensor key"): TensorRecord.parse(k, v, shards, f"{w}: tensors[{short(k)}]")
                for k, v in as_obj(m["tensors"], w, "tensors").items()}
     _check_overlaps(tensors, shards, w)
@@ -180,12 +189,27 @@ def _parse_body(m: dict[str, Any], w: str, step: int, version: int) -> Manifest:
     tag = m.get("tag")
     if "tag" in m and tag_problem(tag) is not None:  # optional, but when present a valid tag
         raise bad(w, f"tag {tag_problem(tag)}")
+    hashes = _hashes(m.get("sha256", {}), tensors, w)
     return Manifest(step=step, generation=as_int(m["generation"], w, "generation"), shards=shards,
                     tensors=types.MappingProxyType(tensors), aliases=types.MappingProxyType(aliases),
                     tree=m["tree"], version=version, time=float(t),
                     stats=types.MappingProxyType(as_obj(m.get("stats", {}), w, "stats")),
                     extra=types.MappingProxyType({k: v for k, v in m.items() if k not in _KNOWN}),
-                    world_size=world, ranks=ranks, rank_tree=types.MappingProxyType(rank_tree), tag=tag)
+                    world_size=world, ranks=ranks, rank_tree=types.MappingProxyType(rank_tree), tag=tag,
+                    hashes=types.MappingProxyType(hashes))
+
+
+def _hashes(raw: Any, tensors: dict[str, TensorRecord], w: str) -> dict[str, str]:
+    """``sha256``: stored tensor key -> 64 lowercase hex digits."""
+    out: dict[str, str] = {}
+    for k, v in as_obj(raw, w, "sha256").items():
+        if k not in tensors:
+            raise bad(w, f"sha256[{short(k)}]: no such stored tensor in the manifest")
+        v = as_str(v, w, f"sha256[{short(k)}]")
+        if len(v) != 64 or not set(v) <= _HEX:
+            raise bad(w, f"sha256[{short(k)}] = {short(v)} is not 64 lowercase hex digits")
+        out[k] = v
+    return out
 
 
 def _ranks(m: dict[str, Any], w: str, version: int) -> tuple[int, tuple[int, ...], dict[int, int]]:
@@ -268,12 +292,13 @@ def _aliases(raw: Any, tensors: dict[str, TensorRecord], w: str) -> dict[str, st
 def build_manifest(*, step: int, generation: int, shards: list[dict[str, Any]],
                    tensors: dict[str, dict[str, Any]], aliases: dict[str, str], tree: Any,
                    stats: dict[str, Any], ranks: Optional[dict[str, Any]] = None,
-                   tag: Optional[str] = None) -> dict[str, Any]:
+                   tag: Optional[str] = None, hashes: Optional[dict[str, str]] = None) -> dict[str, Any]:
     """The manifest dict (see the README's format section); :meth:`Manifest.parse` reads it back.
 
     ``ranks``: for a multi-rank checkpoint, ``{"world_size", "ranks", "rank_tree"}`` (and
     ``tree`` is then the list node of the distinct trees). ``tag``: written only when given (an
     optional field, so untagged manifests are byte for byte what they were before tags).
+    ``hashes``: tensor key -> SHA-256 hex of its bytes (``sha256``, written only when given).
     """
     out = {"format": FORMAT, "version": VERSION if ranks else SINGLE_VERSION, "step": step,
            "generation": generation, "time": time.time(), "checksum": "crc32c", "shards": shards,
@@ -282,4 +307,6 @@ def build_manifest(*, step: int, generation: int, shards: list[dict[str, Any]],
         out.update(ranks)
     if tag is not None:
         out["tag"] = tag
+    if hashes:
+        out["sha256"] = hashes
     return out

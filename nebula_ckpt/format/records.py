@@ -28,11 +28,21 @@ _DEVICE_RE = re.compile(r"(cpu|cuda)(:(0|[1-9][0-9]{0,3}))?")
 
 @dataclass(frozen=True)
 class ShardRecord:
-    """One shard file of a checkpoint: its validated plain name, raw size and storage info."""
+    """One shard file of a checkpoint: its validated plain name, raw size and storage info.
+
+    ``step``: None for a file of the checkpoint's own folder; in an incremental checkpoint, the
+    earlier step whose folder (on the same tier) holds the file, always the step that physically
+    holds it (:mod:`nebula_ckpt.format.references`).
+    """
 
     file: str
     bytes: int
     storage: Optional[Mapping[str, Any]] = None
+    step: Optional[int] = None
+
+    def folder_step(self, own: int) -> int:
+        """The step whose folder holds this file, in a checkpoint of step ``own``."""
+        return own if self.step is None else self.step
 
     @property
     def stored_bytes(self) -> int:
@@ -44,13 +54,15 @@ class ShardRecord:
         out: dict[str, Any] = {"file": self.file, "bytes": self.bytes}
         if self.storage is not None:
             out["storage"] = json.loads(json.dumps(dict(self.storage)))
+        if self.step is not None:
+            out["step"] = self.step
         return out
 
     @staticmethod
     def parse(d: Any, where: str) -> "ShardRecord":
         """Validate one entry of ``shards``; raise :class:`CorruptCheckpointError` naming the field."""
         d = as_obj(d, where, "the shard entry")
-        only_fields(d, ("file", "bytes", "storage"), where, "the shard entry")
+        only_fields(d, ("file", "bytes", "storage", "step"), where, "the shard entry")
         name = as_str(d.get("file"), where, "file")
         if not is_shard_name(name):
             raise bad(where, f"file {short(name)} is not a shard name of this format "
@@ -61,7 +73,8 @@ class ShardRecord:
         info = d.get("storage")
         if info is not None:
             info = types.MappingProxyType(check_storage_info(info, n, f"{where}.storage"))
-        return ShardRecord(name, n, info)
+        ref = None if "step" not in d else as_int(d["step"], where, "step")
+        return ShardRecord(name, n, info, ref)
 
 
 @dataclass(frozen=True)

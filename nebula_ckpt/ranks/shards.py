@@ -127,7 +127,8 @@ def stored_record(record: dict[str, Any], rank: int) -> dict[str, Any]:
 
 
 def ranks_manifest(*, step: int, generation: int, shards: list[dict[str, Any]], tensors: dict[str, dict[str, Any]],
-                   aliases: dict[str, str], trees: list[Any], stats: dict[str, Any]) -> dict[str, Any]:
+                   aliases: dict[str, str], trees: list[Any], stats: dict[str, Any],
+                   hashes: Optional[dict[str, str]] = None) -> dict[str, Any]:
     """The manifest of a checkpoint every rank wrote a shard of (the one builder of them: the
     tier writers' :func:`global_manifest` and the DCP writer use it).
 
@@ -144,7 +145,7 @@ def ranks_manifest(*, step: int, generation: int, shards: list[dict[str, Any]], 
             stored.append(tree)
     return mf.build_manifest(step=step, generation=generation, shards=shards, tensors=tensors, aliases=aliases,
                              tree={"t": "list", "v": stored}, stats=stats,
-                             ranks=_ranks_field(len(trees), list(range(len(trees))), rank_tree))
+                             ranks=_ranks_field(len(trees), list(range(len(trees))), rank_tree), hashes=hashes)
 
 
 def global_manifest(*, step: int, generation: int, parts: list[dict[str, Any]],
@@ -152,16 +153,27 @@ def global_manifest(*, step: int, generation: int, parts: list[dict[str, Any]],
     """The coordinator's manifest of a shared tier from every rank's ``parts[r]``.
 
     ``parts[r]``: ``{"shard", "tensors" (the rank's image index), "aliases" (tied keys), "tree",
-    "stats"}``; ``owners``: the owner of each replicated key (:func:`assign`).
+    "stats"}``; ``owners``: the owner of each replicated key (:func:`assign`). An incremental
+    share also has ``refs`` (shards of earlier steps; a record with ``shard`` j >= 1 lies in
+    ``refs[j - 1]``, listed after every rank's own shard) and ``sha256``.
     """
     shards, tensors, aliases = [], {}, {}
+    refs: list[dict[str, Any]] = []
+    ref_at: dict[tuple[int, str], int] = {}
+    hashes: dict[str, str] = {}
     trees: list[Any] = []
     tensor_bytes = 0
     for r, part in enumerate(parts):
         shards.append(part["shard"])
         p = f"r{r}/"
+        local = {}
+        for j, ref in enumerate(part.get("refs", []), start=1):
+            local[j] = ref_at.setdefault((ref["step"], ref["file"]), len(parts) + len(refs))
+            if local[j] == len(parts) + len(refs):
+                refs.append(ref)
         for k, rec in part["tensors"].items():
-            tensors[p + k] = stored_record(rec, r)
+            tensors[p + k] = dict(rec, shard=local[rec["shard"]]) if "shard" in rec else stored_record(rec, r)
+        hashes.update({p + k: h for k, h in part.get("sha256", {}).items()})
         for k, q in owners.items():
             if q != r:
                 aliases[p + k] = f"r{q}/{k}"
@@ -171,8 +183,8 @@ def global_manifest(*, step: int, generation: int, parts: list[dict[str, Any]],
         tensor_bytes += int(part["stats"].get("tensor_bytes", 0))
     stats: dict[str, Any] = {"tensor_bytes": tensor_bytes, "ranks_bytes": [s["bytes"] for s in shards],
                              "copy_seconds": max(float(p["stats"].get("copy_seconds", 0.0)) for p in parts)}
-    return ranks_manifest(step=step, generation=generation, shards=shards, tensors=tensors, aliases=aliases,
-                          trees=trees, stats=stats)
+    return ranks_manifest(step=step, generation=generation, shards=shards + refs, tensors=tensors, aliases=aliases,
+                          trees=trees, stats=stats, hashes=hashes)
 
 
 def peer_problem(entries: list[Any], step: int, tier: str) -> Optional[tuple[bool, str]]:

@@ -50,6 +50,7 @@ import torch
 
 from nebula_ckpt.format.names import COMMIT, step_dir
 from nebula_ckpt.format.records import TensorRecord
+from nebula_ckpt.format.references import shard_path
 from nebula_ckpt.native import get_ops
 from nebula_ckpt.restore.open import OpenCheckpoint, chunks, read_manifest
 from nebula_ckpt.storage.local import hold_alone, hold_read, let_go
@@ -92,7 +93,7 @@ class Adoption:
         """A shared, writable mapping of shard ``shard`` (opened once)."""
         if shard not in self._files:
             sh = self._ck.manifest.shards[shard]
-            path = self._runtime.storage.local_path(f"{step_dir(self._ck.step)}/{sh.file}")
+            path = self._runtime.storage.local_path(shard_path(self._ck.manifest, shard))
             if path is None:
                 raise OSError(errno.EXDEV, "the memory tier is not a local file system")
             fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
@@ -185,7 +186,7 @@ class Adoption:
             return "the step is gone from the tier (another process took it, or retention deleted it)"
         shards = self._ck.manifest.shards
         for si, (fd, _) in self._files.items():
-            path = storage.local_path(f"{d}/{shards[si].file}")
+            path = storage.local_path(shard_path(self._ck.manifest, si))
             try:
                 st = os.stat(path, follow_symlinks=False) if path else None
             except FileNotFoundError:
@@ -241,7 +242,8 @@ def adoption_for(runtimes: list[Any], ck: "OpenCheckpoint", saved: bool, world_s
     from nebula_ckpt import knobs
     from nebula_ckpt.tiers.memory.runtime import MemoryTierRuntime
 
-    if not knobs.get("adopt_memory_tier") or saved or world_size > 1 or ck.manifest.multi_rank:
+    if not knobs.get("adopt_memory_tier") or saved or world_size > 1 or ck.manifest.multi_rank \
+            or any(s.step is not None for s in ck.manifest.shards):  # refers to other steps: theirs to keep
         return None
     mem = next((rt for rt in runtimes if isinstance(rt, MemoryTierRuntime) and rt.name == ck.tier_name), None)
     if mem is None or not _durable_elsewhere(runtimes, ck):
@@ -261,7 +263,7 @@ def _durable_elsewhere(runtimes: list[Any], ck: "OpenCheckpoint") -> bool:
             man = read_manifest(st, ck.step, f"tier {rt.name} step {ck.step}")
             if man.generation != ck.manifest.generation:
                 continue
-            if all(st.size(f"{step_dir(ck.step)}/{sh.file}") == sh.stored_bytes for sh in man.shards):
+            if all(st.size(shard_path(man, i)) == sh.stored_bytes for i, sh in enumerate(man.shards)):
                 return True
         except Exception:  # absent, unreadable, damaged: not this tier
             continue

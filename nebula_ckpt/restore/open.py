@@ -23,6 +23,7 @@ from nebula_ckpt.format.commit import read_commit
 from nebula_ckpt.format.header import data_start
 from nebula_ckpt.format.names import COMMIT, MANIFEST, step_dir
 from nebula_ckpt.format.records import TensorRecord
+from nebula_ckpt.format.references import shard_path
 from nebula_ckpt.format.tree import decode
 from nebula_ckpt.native import get_ops
 from nebula_ckpt.storage.base import Storage
@@ -236,6 +237,7 @@ def open_checkpoint(storage: Storage, step: int, verify: str, where: str,
             raise NotThisLayout(f"{where}: holds rank(s) {list(man.ranks)[:8]} of a {man.world_size}-rank job; "
                                 f"this process is rank {rank or 0} of {world}")
     needed = _needed(man, rank)
+    check_references(storage, man, {i for i in needed if man.shards[i].step is not None}, where)
     read = {i: _read_shard(storage, man, i, where) for i in sorted(needed)}
     buffers = {i: b for i, (b, _) in read.items()}
     maps = {i: m for i, (_, m) in read.items() if m is not None}
@@ -247,6 +249,28 @@ def open_checkpoint(storage: Storage, step: int, verify: str, where: str,
     return ck
 
 
+def check_references(storage: Storage, man: mf.Manifest, shards: set[int], where: str) -> None:
+    """Check the shards ``shards`` of ``man`` that lie in earlier steps' folders: each such step
+    is committed on ``storage`` and its manifest lists the very file (same size and storage info)
+    as its own. Their tensors' checksums are checked with the rest (``verify="full"``).
+
+    Raises:
+        CorruptCheckpointError: naming the referenced step and shard.
+    """
+    for i in sorted(shards):
+        sh = man.shards[i]
+        assert sh.step is not None
+        at = f"{where}: shards[{i}] refers to step {sh.step}'s {sh.file}"
+        try:
+            base = read_manifest(storage, sh.step, f"{where} (referenced step {sh.step})")
+        except CorruptCheckpointError as e:
+            raise CorruptCheckpointError(f"{at}, which is not a healthy committed checkpoint: {e}") from None
+        own = next((b for b in base.shards if b.step is None and b.file == sh.file), None)
+        if own is None or own.bytes != sh.bytes or dict(own.storage or {}) != dict(sh.storage or {}):
+            raise CorruptCheckpointError(f"{at}, but step {sh.step}'s manifest lists "
+                                         f"{'no such shard' if own is None else 'it with another size or storage'}")
+
+
 def read_shard(storage: Storage, man: mf.Manifest, i: int, where: str) -> torch.Tensor:
     """Shard ``i`` as a uint8 tensor, after checking its size and its header length."""
     return _read_shard(storage, man, i, where)[0]
@@ -255,7 +279,7 @@ def read_shard(storage: Storage, man: mf.Manifest, i: int, where: str) -> torch.
 def _read_shard(storage: Storage, man: mf.Manifest, i: int, where: str) -> tuple[torch.Tensor, Optional[mmap.mmap]]:
     """:func:`read_shard`, and the file mapping under the tensor (None for bytes read into memory)."""
     sh = man.shards[i]
-    rel = f"{step_dir(man.step)}/{sh.file}"
+    rel = shard_path(man, i)
     try:
         stored = storage.size(rel)
     except FileNotFoundError:

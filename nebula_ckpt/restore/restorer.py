@@ -15,7 +15,7 @@ from typing import Any, Callable, Optional
 
 from nebula_ckpt.errors import CorruptCheckpointError, NotFoundError, ValidationError
 from nebula_ckpt.format.commit import committed_steps
-from nebula_ckpt.format.names import step_dir
+from nebula_ckpt.format.references import shard_path
 from nebula_ckpt.ranks.coordinator import Coordinator
 from nebula_ckpt.restore.adopt import adoption_for
 from nebula_ckpt.restore.apply import apply, materialize, stage_restore
@@ -79,8 +79,8 @@ class Restorer:
                 try:
                     man = read_manifest(st, s, f"tier {t.name} step {s}")
                     if check_shards:
-                        for sh in man.shards:
-                            if st.size(f"{step_dir(s)}/{sh.file}") != sh.stored_bytes:
+                        for i, sh in enumerate(man.shards):
+                            if st.size(shard_path(man, i)) != sh.stored_bytes:
                                 raise CorruptCheckpointError(f"tier {t.name} step {s}: shard {sh.file} has the "
                                                              "wrong size")
                 except Exception as e:  # damaged or gone meanwhile: not a healthy checkpoint here

@@ -56,11 +56,12 @@ class SavePipeline:
         snapshot: ``"auto"``, ``"sync"`` or ``"async"`` (see the Checkpointer).
         allow_pickle: allow values typed JSON cannot hold, via pickle.
         on_persist_error: ``"raise"`` or ``"log"`` (see the Checkpointer).
+        incremental: whether persistent tiers write only what changed (see the Checkpointer).
     """
 
     def __init__(self, runtimes: list[TierRuntime], fence: Fence, coordinator: Coordinator, root: str, *,
                  keep_last: int, max_host_bytes: Optional[int], on_full: str, snapshot: str, allow_pickle: bool,
-                 on_persist_error: str) -> None:
+                 on_persist_error: str, incremental: bool = True) -> None:
         self._runtimes = runtimes
         self._fence = fence
         self.coordinator = coordinator
@@ -69,6 +70,7 @@ class SavePipeline:
         self.snapshot = snapshot
         self.allow_pickle = allow_pickle
         self.on_persist_error = on_persist_error
+        self.incremental = incremental
         # A second staging slot lets the next save start while a slower tier still reads one.
         #: the staging buffers (fitted to the written tiers at the first save)
         self.pool = StagingPool(max_host_bytes, 1 if len(runtimes) == 1 else 2, on_full)
@@ -84,7 +86,8 @@ class SavePipeline:
         self._hook_handles: list[Any] = []
         #: ``save_async`` calls so far (every rank numbers its saves alike)
         self.count = 0
-        self._metrics: dict[str, Any] = {"saves_finished": 0, "bytes_saved": 0, "blocked_s_total": 0.0,
+        self._metrics: dict[str, Any] = {"saves_finished": 0, "bytes_saved": 0, "bytes_written": {},
+                                         "blocked_s_total": 0.0,
                                          "blocked_s_max": 0.0, "durable_s_last": {}, "last_save": None}
         self._told_unguarded = False
         #: copies of the memory tier on partner nodes (:mod:`nebula_ckpt.tiers.memory.replicas`), or None
@@ -101,7 +104,7 @@ class SavePipeline:
             self.pool.serve_writers(next((d for d in (rt.staging_dir() for rt in writing) if d), None),
                                     1 if len(writing) == 1 else 2)
             self.writers = [TierWriter(rt, self._fence.for_tier(rt.storage), rt.tier.keep_last or self._keep_last,
-                                       self.coordinator) for rt in writing]
+                                       self.coordinator, self.incremental) for rt in writing]
             self._stager = Stager(self.root[-24:], fan_out)
         return self.writers
 
@@ -364,6 +367,7 @@ class SavePipeline:
         with self._lock:
             m = dict(self._metrics)
             m["durable_s_last"] = dict(self._metrics["durable_s_last"])
+            m["bytes_written"] = dict(self._metrics["bytes_written"])
         return {"staging_bytes": self.pool.allocated_bytes, "memory_tier_slot_bytes": self.pool.memory_tier_bytes,
                 "staging_allocations": self.pool.allocations, "saves": self.count, **m,
                 **({"replicas": self.replicator.stats()} if self.replicator is not None else {})}
@@ -375,6 +379,8 @@ class SavePipeline:
             c = self._metrics
             c["saves_finished"] += 1
             c["bytes_saved"] += m.bytes
+            for t, n in m.written_bytes.items():
+                c["bytes_written"][t] = c["bytes_written"].get(t, 0) + n
             if m.blocked_s is not None:
                 c["blocked_s_total"] += m.blocked_s
                 c["blocked_s_max"] = max(c["blocked_s_max"], m.blocked_s)

@@ -35,6 +35,7 @@ from nebula_ckpt.save.commit import (
     encode_manifest,
     is_committed,
 )
+from nebula_ckpt.save.incremental import Incremental
 from nebula_ckpt.tiers.runtime import TierRuntime
 
 log = logging.getLogger(__name__)
@@ -60,6 +61,7 @@ class SharedSave:
     meta: dict[str, Any]
     before_commit: Callable[[], None]           # raises if it must not commit
     tag: Optional[str] = None
+    hashes: Optional[dict[str, str]] = None     # SHA-256 of staged tensors (incremental saves)
 
 
 class SharedCommit:
@@ -69,18 +71,22 @@ class SharedCommit:
         runtime: the tier's runtime (writes the shard).
         fence: the writer generation, checked on this tier's storage.
         coordinator: the ranks' agreement.
+        incremental: this rank's base on the tier (:mod:`nebula_ckpt.save.incremental`), or None.
     """
 
-    def __init__(self, runtime: TierRuntime, fence: TierFence, coordinator: Coordinator) -> None:
+    def __init__(self, runtime: TierRuntime, fence: TierFence, coordinator: Coordinator,
+                 incremental: Optional[Incremental] = None) -> None:
         self.runtime = runtime
+        self.incremental = incremental
         self.storage = runtime.storage
         self.fence = fence
         self.coordinator = coordinator
         self.name = runtime.name
 
     def run(self, save: SharedSave, d: str, shard: str, on_shard: Optional[Callable[[str], None]],
-            progress: CommitProgress) -> None:
-        """Commit ``save`` with every rank (this rank's shard: file ``shard`` of folder ``d``).
+            progress: CommitProgress) -> dict[str, Any]:
+        """Commit ``save`` with every rank (this rank's shard: file ``shard`` of folder ``d``);
+        return this rank's share of the committed step (what its next save builds on).
 
         Raises:
             PeerSkipped: another rank did not write this save here (dropped, not failed).
@@ -89,9 +95,11 @@ class SharedCommit:
         """
         co = self.coordinator
         owners, peers, tree_digest = self._agree(save)
+        bases = {p.get("base") for p in peers}
+        base = bases.pop() if len(bases) == 1 else None  # every rank builds on the same step, or none does
         failure: Optional[BaseException] = None
         try:
-            mine = self._write_share(save, d, shard, owners, on_shard)
+            mine = self._write_share(save, d, shard, owners, on_shard, base)
             if tree_digest == peers[0]["tree"] and not co.is_coordinator:
                 mine["tree"] = None  # the same as rank 0's: not sent again
         except BaseException as e:
@@ -101,7 +109,7 @@ class SharedCommit:
         else:
             got = self._follow(save, mine, failure, progress)
             if got is None:
-                return  # no verdict came, but the COMMIT is there
+                return mine  # no verdict came, but the COMMIT is there
             verdict = got
         if failure is not None:
             raise failure
@@ -109,6 +117,7 @@ class SharedCommit:
             why = verdict.get("why", f"rank 0 did not take part in committing step {save.step}")
             raise (CommitUncertain if verdict.get("uncertain") else PeerSkipped if verdict.get("skipped")
                    else PersistError)(why)
+        return mine
 
     def _agree(self, save: SharedSave) -> tuple[dict[str, int], list[Any], str]:
         """Rounds 1 (digest, index): the owner of every replicated key, the peers' digests, and
@@ -117,8 +126,9 @@ class SharedCommit:
         rep, sharded = ranks.summary(save.meta["tensors"])
         mine_digest = ranks.digest(rep)
         tree_digest = ranks.digest(save.meta["tree"])
+        base = self.incremental.declare() if self.incremental is not None else None
         peers = co.round(name, idx, PHASE_DIGEST, {"step": save.step, "digest": mine_digest, "tree": tree_digest,
-                                                  "sharded": sharded})
+                                                  "sharded": sharded, "base": base})
         problem = ranks.peer_problem(peers, save.step, name)
         if problem is not None:
             co.abandon(name, idx)
@@ -134,20 +144,31 @@ class SharedCommit:
         return ranks.assign(summaries, [p["sharded"] for p in peers]), peers, tree_digest
 
     def _write_share(self, save: SharedSave, d: str, shard: str, owners: dict[str, int],
-                     on_shard: Optional[Callable[[str], None]]) -> dict[str, Any]:
-        """This rank's share (durable), the snapshot confirmed: its record for round 2."""
+                     on_shard: Optional[Callable[[str], None]], base: Optional[int]) -> dict[str, Any]:
+        """This rank's share (durable), the snapshot confirmed: its record for round 2. With a
+        ``base`` step every rank agreed on, the rank writes only its tensors that changed since
+        (``refs``: the earlier shards holding the rest; its records point at them from 1 on)."""
         tensors = save.meta["tensors"]
         keep = [k for k in tensors if owners.get(k, self.coordinator.rank) == self.coordinator.rank]
-        log.debug("nebula_ckpt: phase=shard tier=%s step=%d (%d of %d tensors)", self.name, save.step, len(keep),
+        hashes = save.hashes or {}
+        delta = None
+        if base is not None and self.incremental is not None:
+            delta = self.incremental.delta(save.step, {k: tensors[k] for k in keep}, hashes,
+                                           self.fence.generation)
+            delta = delta if delta is not None and delta.base == base else None
+        write = keep if delta is None else delta.write
+        log.debug("nebula_ckpt: phase=shard tier=%s step=%d (%d of %d tensors)", self.name, save.step, len(write),
                   len(tensors))
-        parts, index, nbytes = ranks.subset_image(tensors, keep, save.source.view())
+        parts, index, nbytes = ranks.subset_image(tensors, write, save.source.view())
         info = self.runtime.write_parts(f"{d}/{shard}", parts)
-        if on_shard is not None:
+        if on_shard is not None and delta is None:
             on_shard(f"{d}/{shard}")
         save.before_commit()
         return {"step": save.step, "shard": {"file": shard, "bytes": nbytes, "storage": info},
-                "tensors": index, "aliases": save.meta["aliases"], "tree": save.meta["tree"],
-                "stats": save.meta["stats"]}
+                "tensors": {k: index[k] if k in index else delta.reused[k] for k in keep} if delta else index,
+                "refs": [r.to_json() for r in delta.refs] if delta else [],
+                "sha256": {k: hashes[k] for k in keep if k in hashes},
+                "aliases": save.meta["aliases"], "tree": save.meta["tree"], "stats": save.meta["stats"]}
 
     def _lead(self, save: SharedSave, mine: dict[str, Any], owners: dict[str, int],
               failure: Optional[BaseException], progress: CommitProgress) -> dict[str, Any]:

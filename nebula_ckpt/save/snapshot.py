@@ -3,7 +3,8 @@
 The training thread enqueues the copy (one native call for all tensors); with
 ``snapshot="sync"`` it also waits for it. The copy threads checksum each block of the staged
 bytes while copying and flag a source that changed under them. The stager thread waits for the
-copy, records the tensor index (dtypes, offsets, checksums) and hands the snapshot to the tiers
+copy, records the tensor index (dtypes, offsets, checksums), takes the SHA-256 that incremental
+tiers need (:mod:`nebula_ckpt.save.incremental`) and hands the snapshot to the tiers
 through :func:`nebula_ckpt.save.fanout.fan_out`. The training thread confirms the verdict (version
 counters) before any tier commits.
 """
@@ -20,6 +21,7 @@ from nebula_ckpt.format import manifest as mf
 from nebula_ckpt.handle import SaveHandle
 from nebula_ckpt.native import CopyJob, get_ops, monotonic
 from nebula_ckpt.save.buffers import Slot, StagingPool
+from nebula_ckpt.save.incremental import hashes_for
 from nebula_ckpt.save.plan import Plan
 
 log = logging.getLogger(__name__)
@@ -44,6 +46,8 @@ class Snapshot:
         self.index = index
         self.checksums: list[int] = []  # per layout entry; empty until the copy computed them
         self.tensor_index: dict[str, dict[str, Any]] = {}
+        #: key -> SHA-256 of the staged bytes, for the tensors incremental tiers need (stager thread)
+        self.hashes: dict[str, str] = {}
         self.copy_seconds = 0.0
         self._pool = pool
         self._refs = 1
@@ -240,6 +244,7 @@ class Stager:
         for k, info in snap.plan.dtensors.items():
             if k in snap.tensor_index:  # a tied key is an alias of the stored one
                 snap.tensor_index[k]["dtensor"] = info.to_json()
+        snap.hashes = hashes_for(snap.targets, snap.view(), snap.tensor_index)
         log.debug("nebula_ckpt: step %d staged (%d tensors, %.1f MiB, copy %.1f ms)", snap.step,
                   len(entries), snap.nbytes / 2**20, snap.copy_seconds * 1e3)
         self._deliver(snap, snap.targets)  # takes over the stager's reference
@@ -250,4 +255,4 @@ def build_tier_manifest(snap: Snapshot, generation: int, shard: dict[str, Any]) 
     return mf.build_manifest(step=snap.step, generation=generation, shards=[shard],
                              tensors=snap.tensor_index, aliases=snap.plan.aliases, tree=snap.plan.tree,
                              stats={"tensor_bytes": snap.plan.tensor_bytes,
-                                    "copy_seconds": snap.copy_seconds}, tag=snap.plan.tag)
+                                    "copy_seconds": snap.copy_seconds}, tag=snap.plan.tag, hashes=snap.hashes)

@@ -40,8 +40,10 @@ from typing import Any, Callable, Optional
 
 from nebula_ckpt import knobs
 from nebula_ckpt.errors import FencedError, PersistError
+from nebula_ckpt.format.commit import committed_steps
+from nebula_ckpt.format.manifest import Manifest
 from nebula_ckpt.format.names import COMMIT, MANIFEST, shard_name, shard_owner, step_dir
-from nebula_ckpt.format.records import ShardRecord
+from nebula_ckpt.format.references import protected_steps, referrers, shard_path
 from nebula_ckpt.ranks import shards as ranks
 from nebula_ckpt.ranks.coordinator import Coordinator, LocalCoordinator
 from nebula_ckpt.ranks.fencing import TierFence
@@ -55,6 +57,7 @@ from nebula_ckpt.save.commit import (
     encode_manifest,
 )
 from nebula_ckpt.save.fanout import Delivery
+from nebula_ckpt.save.incremental import Incremental, manifest_parts, whole_image
 from nebula_ckpt.save.rounds import SharedCommit, SharedSave, tagged
 from nebula_ckpt.save.snapshot import Snapshot, build_tier_manifest
 from nebula_ckpt.storage.base import Storage
@@ -75,6 +78,9 @@ class _Item:
     index: int = 0                                            # the save's number in the job
     meta: Optional[dict[str, Any]] = None                     # multi-rank: tensors, aliases, tree, stats
     tag: Optional[str] = None                                 # multi-rank: the checkpoint's tag
+    parts: Optional[Callable[[], list[memoryview]]] = None    # an incremental save's own shard image
+    full: bool = True                                         # whether the step refers to no other step
+    hashes: Optional[dict[str, str]] = None                   # multi-rank: SHA-256 of staged tensors
 
 
 class TierWriter:
@@ -89,10 +95,12 @@ class TierWriter:
         keep_last: default retention when the tier has none.
         coordinator: the ranks' agreement (a no-op in one process): the commit of a step goes
             ahead only when every rank's shard of it is durable on this tier.
+        incremental: write only the tensors that changed since this tier's last save
+            (:mod:`nebula_ckpt.save.incremental`; persistent tiers of one-process jobs).
     """
 
     def __init__(self, runtime: TierRuntime, fence: TierFence, keep_last: int,
-                 coordinator: Optional[Coordinator] = None) -> None:
+                 coordinator: Optional[Coordinator] = None, incremental: bool = True) -> None:
         self.runtime = runtime
         self.coordinator = coordinator or LocalCoordinator()
         self.tier = runtime.tier
@@ -110,6 +118,12 @@ class TierWriter:
         #: steps whose commit this writer could not confirm (CommitUncertain): never deleted as
         #: leftovers nor written again by this process; a restart (a newer generation) sweeps them
         self._uncertain: set[int] = set()
+        #: this tier's base and cadence of full saves
+        self.incremental = Incremental(incremental and self.tier.persistent
+                                       and (self.coordinator.world_size == 1 or self.tier.shared))
+        #: committed steps remove() was asked to delete while a later checkpoint refers to their
+        #: bytes: retention deletes them once nothing does
+        self._deferred: set[int] = set()
         self._thread = threading.Thread(target=self._run, name=f"nebula-{self.tier.kind}-writer", daemon=True)
         self._thread.start()
 
@@ -178,8 +192,8 @@ class TierWriter:
     def _write_one(self, delivery: Delivery) -> None:
         snap = delivery.snap
         try:
-            self.write(snap, delivery.source,
-                       lambda rel: delivery.shard_written(self.storage.local_path(rel)))
+            written = self.write(snap, delivery.source,
+                                 lambda rel: delivery.shard_written(self.storage.local_path(rel)))
         except PeerSkipped as e:
             log.info("nebula_ckpt: tier %s: %s", self.name, e)
             snap.handle.progress.tier_done(self.name, dropped=True)
@@ -188,12 +202,13 @@ class TierWriter:
                       type(e).__name__, e)
             snap.handle.progress.tier_done(self.name, e)
         else:
-            snap.handle.progress.tier_done(self.name)
+            snap.handle.progress.tier_done(self.name, written=written)
         finally:
             delivery.finish()
 
-    def write(self, snap: Snapshot, source: Any, on_shard: Optional[Callable[[str], None]] = None) -> None:
-        """Write one snapshot (bytes from ``source``) as a committed checkpoint, then apply retention.
+    def write(self, snap: Snapshot, source: Any, on_shard: Optional[Callable[[str], None]] = None) -> int:
+        """Write one snapshot (bytes from ``source``) as a committed checkpoint, then apply retention;
+        return the bytes of the shard written (less than the snapshot's for an incremental save).
 
         ``on_shard(rel)`` is called once the shard file is durable, before manifest and commit.
         """
@@ -205,9 +220,7 @@ class TierWriter:
 
         co = self.coordinator
         if co.world_size == 1:
-            self._commit_step(_Item(snap.step, snap.nbytes, source,
-                                    lambda gen, shard: build_tier_manifest(snap, gen, shard), confirmed), on_shard)
-            return
+            return self._commit_step(self._single_item(snap, source, confirmed), on_shard)
         meta: dict[str, Any] = {"tensors": snap.tensor_index, "aliases": snap.plan.aliases, "tree": snap.plan.tree,
                 "stats": {"tensor_bytes": snap.plan.tensor_bytes, "copy_seconds": snap.copy_seconds}}
 
@@ -215,30 +228,49 @@ class TierWriter:
             return tagged(ranks.rank_manifest(step=snap.step, generation=gen, rank=co.rank, world=co.world_size,
                                                shard=shard, **meta), snap.plan.tag)
 
-        self._commit_step(_Item(snap.step, snap.nbytes, source, rank_manifest, confirmed, snap.index, meta,
-                                snap.plan.tag), on_shard)
+        return self._commit_step(_Item(snap.step, snap.nbytes, source, rank_manifest, confirmed, snap.index, meta,
+                                       snap.plan.tag, hashes=snap.hashes), on_shard)
+
+    def _single_item(self, snap: Snapshot, source: Any, confirmed: Callable[[], None]) -> _Item:
+        """The step of a one-process job: full, or incremental on this tier's base."""
+        delta = self.incremental.delta(snap.step, snap.tensor_index, snap.hashes, self.fence.generation)
+        if delta is None:
+            return _Item(snap.step, snap.nbytes, source, lambda gen, shard: build_tier_manifest(snap, gen, shard),
+                         confirmed)
+        parts, image_index, nbytes = ranks.subset_image(snap.tensor_index, delta.write, source.view())
+
+        def manifest(gen: int, shard: dict[str, Any]) -> dict[str, Any]:
+            out = build_tier_manifest(snap, gen, shard)
+            got = manifest_parts(delta, snap.tensor_index, image_index, snap.hashes, shard)
+            out.update(shards=got["shards"], tensors=got["tensors"])
+            out["stats"] = dict(out["stats"], base_step=delta.base, reused_bytes=delta.reused_bytes)
+            if got["hashes"]:
+                out["sha256"] = got["hashes"]
+            return out
+
+        log.debug("nebula_ckpt: tier %s: step %d builds on step %d (%d of %d tensors written)", self.name,
+                  snap.step, delta.base, len(delta.write), len(snap.tensor_index))
+        return _Item(snap.step, nbytes, source, manifest, confirmed, parts=lambda: parts, full=False)
 
     def copy_from(self, src: Storage, step: int) -> None:
         """Write the committed checkpoint ``step`` of another (local) tier's storage to this tier.
 
         Used by ``Checkpointer.close()`` to put the newest step on tiers whose cadence skipped it.
-        The source's manifest is taken as is but for this tier's generation and shard record.
+        The source's manifest is taken as is but for this tier's generation and shard record; an
+        incremental one is written whole here (its tensors gathered from the shards it refers to).
         """
         d = step_dir(step)
-        man = json.loads(src.read_small(f"{d}/{MANIFEST}"))
-        if len(man["shards"]) != 1 or self.coordinator.world_size > 1:
-            raise ValueError(f"step {step} has {len(man['shards'])} shards; only one-shard checkpoints are copied")
-        rec = man["shards"][0]
-        data = src.read_buffer(f"{d}/{ShardRecord.parse(rec, d).file}", rec.get("storage"))
-
-        class _View:
-            def view(self) -> memoryview:
-                return data
+        raw = src.read_small(f"{d}/{MANIFEST}")
+        man, parsed = json.loads(raw), Manifest.parse(raw, f"{src.display_url} step {step}", step)
+        if parsed.multi_rank or self.coordinator.world_size > 1:
+            raise ValueError(f"step {step} is a multi-rank checkpoint; only one-process checkpoints are copied")
+        data = [src.read_buffer(shard_path(parsed, i), dict(sh.storage or {})) for i, sh in enumerate(parsed.shards)]
+        parts, tensors, nbytes = whole_image(parsed, data)
 
         def manifest(gen: int, shard: dict[str, Any]) -> dict[str, Any]:
-            return dict(man, generation=gen, shards=[shard])
+            return dict(man, generation=gen, shards=[shard], tensors=tensors)
 
-        self._commit_step(_Item(step, len(data), _View(), manifest, lambda: None), None)
+        self._commit_step(_Item(step, nbytes, None, manifest, lambda: None, parts=lambda: parts), None)
 
     @property
     def _shared(self) -> bool:
@@ -251,8 +283,8 @@ class TierWriter:
         return sweep.Ownership(self.fence.generation, self.coordinator.rank,
                                self.coordinator.is_coordinator or not self._shared)
 
-    def _commit_step(self, item: "_Item", on_shard: Optional[Callable[[str], None]]) -> None:
-        """The commit protocol for one step on this tier, then retention."""
+    def _commit_step(self, item: "_Item", on_shard: Optional[Callable[[str], None]]) -> int:
+        """The commit protocol for one step on this tier, then retention; the shard's bytes."""
         gen = self.fence.generation
         d = step_dir(item.step)
         self.fence.check(f"write step {item.step}")
@@ -260,15 +292,20 @@ class TierWriter:
         self._clear_step(item.step)
         shard = shard_name(gen, self.coordinator.rank)
         progress = CommitProgress()
+        committed: Optional[dict[str, Any]] = None
+        share: Optional[dict[str, Any]] = None
+        written = item.nbytes
         try:
             if self._shared:
                 assert item.meta is not None
-                SharedCommit(self.runtime, self.fence, self.coordinator).run(
-                    SharedSave(item.step, item.index, item.source, item.meta, item.before_commit, item.tag),
-                    d, shard, on_shard, progress)
+                share = SharedCommit(self.runtime, self.fence, self.coordinator, self.incremental).run(
+                    SharedSave(item.step, item.index, item.source, item.meta, item.before_commit, item.tag,
+                               item.hashes), d, shard, on_shard, progress)
+                written = share["shard"]["bytes"]
             else:
-                self._write_files(item, d, shard, gen, on_shard, progress)
+                committed = self._write_files(item, d, shard, gen, on_shard, progress)
         except BaseException as e:
+            self.incremental.forget()
             if not progress.may_commit:
                 self._discard(item.step, shard)
                 raise
@@ -278,15 +315,28 @@ class TierWriter:
             raise CommitUncertain(f"step {item.step} may have committed on tier {self.name}: the write of its "
                                   f"COMMIT reported an error ({type(e).__name__}: {e}); its files are kept (a "
                                   "restart removes them if it never committed)") from e
-        log.info("nebula_ckpt: step %d committed on %s (%.1f MiB)", item.step, self.name, item.nbytes / 2**20)
+        full = item.full and not (share or {}).get("refs")
+        log.info("nebula_ckpt: step %d committed on %s (%.1f MiB%s)", item.step, self.name, written / 2**20,
+                 "" if full else ", incremental")
+        if self.incremental.enabled:
+            self._new_base(item, gen, committed, share)
         if self._shared and not self.coordinator.is_coordinator:
-            return  # retention of a shared tier is the coordinator's
+            return written  # retention of a shared tier is the coordinator's
         try:
             self.prune(keep_step=item.step)
         except FencedError:
             raise
         except Exception as e:  # retention is best effort: the checkpoint itself is committed
             log.warning("nebula_ckpt: tier %s: retention failed: %s", self.name, e)
+        return written
+
+    def _new_base(self, item: "_Item", gen: int, manifest: Optional[dict[str, Any]],
+                  share: Optional[dict[str, Any]]) -> None:
+        """The step just committed is what this tier's next save builds on."""
+        if manifest is not None:
+            self.incremental.committed(manifest, item.full)
+        elif share is not None:
+            self.incremental.committed_share(item.step, gen, share)
 
     def _clear_step(self, step: int) -> None:
         """Before writing ``step``: make its folder ready (what is removed is never a live writer's)."""
@@ -304,22 +354,40 @@ class TierWriter:
             # Saving a step that exists: the new run owns the root (it resumed from an older step
             # or saves the same step again); the old one goes, marker first.
             log.warning("nebula_ckpt: tier %s: replacing existing checkpoint of step %d", self.name, step)
+            self._drop_referrers(step)
             delete_checkpoint(st, step)
         elif self._is_link(d):
             st.remove_dir(d)  # a planted link in place of the folder: unlinked, never followed
         else:  # leftovers of crashed writers of this step, never a live peer's
             sweep.clear_step(st, step, owner.stale)
 
+    def _drop_referrers(self, step: int) -> None:
+        """Before the committed ``step`` is replaced: the committed steps that refer to its bytes
+        (the run resumed from an older step; they are of the timeline it left) go first, marker
+        first, so no committed step ever refers to bytes that are gone."""
+        users = referrers(self.storage, committed_steps(self.storage), step)
+        if users:
+            log.warning("nebula_ckpt: tier %s: step(s) %s refer to the bytes of step %d, which is saved again: they "
+                        "are deleted first (the run resumed from an older step)", self.name, users[:8], step)
+        with self._delete_lock:
+            for s in users:
+                delete_checkpoint(self.storage, s)
+        self.incremental.forget()
+
     def _write_files(self, item: "_Item", d: str, shard: str, gen: int,
-                     on_shard: Optional[Callable[[str], None]], progress: CommitProgress) -> None:
-        """Shard; then, once the snapshot is confirmed, the manifest and the commit marker."""
+                     on_shard: Optional[Callable[[str], None]], progress: CommitProgress) -> dict[str, Any]:
+        """Shard; then, once the snapshot is confirmed, the manifest and the commit marker (returned)."""
         log.debug("nebula_ckpt: phase=shard tier=%s step=%d", self.name, item.step)
-        info = self.runtime.write_shard(f"{d}/{shard}", item.source)
-        if on_shard is not None:
+        if item.parts is not None:
+            info = self.runtime.write_parts(f"{d}/{shard}", item.parts())
+        else:
+            info = self.runtime.write_shard(f"{d}/{shard}", item.source)
+        if on_shard is not None and item.parts is None:  # a slower tier is fed only a whole image
             on_shard(f"{d}/{shard}")
         item.before_commit()
         manifest = item.make_manifest(gen, {"file": shard, "bytes": item.nbytes, "storage": info})
         commit_manifest(self.storage, self.fence, item.step, encode_manifest(manifest), progress, self.name)
+        return manifest
 
     def _check_uncertain(self, step: int) -> None:
         """Refuse to write ``step`` again while an earlier save of it may still commit here."""
@@ -367,6 +435,13 @@ class TierWriter:
             if not self.storage.exists(f"{step_dir(step)}/{COMMIT}"):
                 return False
             self.fence.check(f"remove step {step}")
+            users = referrers(self.storage, committed_steps(self.storage), step)
+            if users or not self.incremental.let_go(step):
+                log.info("nebula_ckpt: tier %s: step %d is kept while step(s) %s refer to its bytes (incremental "
+                         "checkpoints); retention deletes it once none does", self.name, step,
+                         users[:8] or "being saved")
+                self._deferred.add(step)
+                return True
             log.info("nebula_ckpt: tier %s: removing step %d (remove())", self.name, step)
             delete_checkpoint(self.storage, step)
             return True
@@ -380,10 +455,14 @@ class TierWriter:
         st = self.storage
         committed, uncommitted = sweep.scan_steps(st)
         keep = set(committed[-self.keep_last:])
-        if keep_step is not None:
-            keep.add(keep_step)
         if self.tier.keep_every:
             keep.update(s for s in committed if s % self.tier.keep_every == 0)
+        self._deferred &= set(committed)
+        keep -= self._deferred  # remove() asked for them: they go once nothing refers to them
+        if keep_step is not None:
+            keep.add(keep_step)
+        # a kept step's references and what a save in flight builds on stay (format.references)
+        keep = protected_steps(st, (keep | self.incremental.pinned()) & set(committed)) | keep
         doomed = [s for s in committed if s not in keep]
         with self._cond:
             busy_step = self._pending.snap.step if self._pending is not None else None
@@ -397,4 +476,5 @@ class TierWriter:
         for s in doomed:
             log.debug("nebula_ckpt: tier %s: retention deletes step %d", self.name, s)
             delete_checkpoint(st, s)
+            self._deferred.discard(s)
         sweep.remove_leftovers(st, leftovers, abandoned, f"tier {self.name}")

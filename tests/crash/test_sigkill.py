@@ -36,19 +36,24 @@ def _spawn(root: str, env: dict[str, str]) -> subprocess.Popen[str]:
 
 @pytest.mark.slow
 @pytest.mark.crash
-def test_sigkill_at_every_phase_restores_bit_exact(tmp_path, shm_dir) -> None:  # noqa: ANN001
+@pytest.mark.parametrize("frozen", [False, True], ids=["full", "incremental"])
+def test_sigkill_at_every_phase_restores_bit_exact(tmp_path, shm_dir, frozen) -> None:  # noqa: ANN001
+    """``incremental``: a large frozen parameter makes most saves incremental and every 3rd full,
+    so kills land in incremental saves and in the retention that drops their base."""
     seed = int(os.environ.get("NEBULA_CRASH_SEED", "20261123"))
-    kills = int(os.environ.get("NEBULA_CRASH_KILLS", "55"))
+    kills = int(os.environ.get("NEBULA_CRASH_KILLS", "30" if frozen else "55"))
     rng = random.Random(seed)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        ref = reference_digests(STEPS)
+        ref = reference_digests(STEPS, frozen)
     finally:
         torch.set_num_threads(threads)
     root = str(tmp_path / "ckpt")
     env = dict(os.environ, NEBULA_SHM_DIR=shm_dir, PYTHONPATH=os.pathsep.join(
-        [os.path.dirname(HERE), os.path.dirname(os.path.dirname(HERE)), os.environ.get("PYTHONPATH", "")]))
+        [os.path.dirname(HERE), os.path.dirname(os.path.dirname(HERE)), os.environ.get("PYTHONPATH", "")]),
+        NEBULA_CRASH_FROZEN="1" if frozen else "0", NEBULA_INCREMENTAL_FULL_EVERY="3")
+    incremental_commits = 0
     newest_committed = -1
     restored_from: dict[str, int] = {}
     hit: dict[str, int] = {}
@@ -78,6 +83,8 @@ def test_sigkill_at_every_phase_restores_bit_exact(tmp_path, shm_dir) -> None:  
                         restored = s
                         restored_from[tier.split(":")[0]] = restored_from.get(tier.split(":")[0], 0) + 1
                     t_restored = time.monotonic()
+                elif "committed on" in line and "incremental)" in line:
+                    incremental_commits += 1
                 elif line.startswith("COMMITTED"):
                     newest_committed = max(newest_committed, int(line.split()[1]))
                 elif line.startswith("FINISHED"):
@@ -113,6 +120,9 @@ def test_sigkill_at_every_phase_restores_bit_exact(tmp_path, shm_dir) -> None:  
         cycles += 1
     print(f"{cycles} kills in {time.monotonic() - t0:.0f} s")
     assert set(hit) >= set(PHASES), f"phases hit: {hit}"
-    assert sum(hit.values()) >= 50
+    assert sum(hit.values()) >= kills
+    assert (incremental_commits > 0) == frozen, incremental_commits
+    if frozen:  # no memory tier: every restore read an incremental chain from disk
+        assert set(restored_from) == {"local"}, restored_from
     assert restored_from, "no restore happened"
     print(f"kills per phase: {hit}; restores per tier: {restored_from}")

@@ -9,16 +9,21 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import os
 import sys
 
 import torch
 
 STEPS = 400
+#: NEBULA_CRASH_FROZEN=1: the model also holds a large frozen parameter, so saves are incremental
+FROZEN = os.environ.get("NEBULA_CRASH_FROZEN") == "1"
 
 
-def make() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+def make(frozen: bool = FROZEN) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.ReLU(), torch.nn.Linear(128, 64))
+    if frozen:
+        model.register_parameter("frozen", torch.nn.Parameter(torch.randn(512, 512), requires_grad=False))
     opt = torch.optim.Adam(model.parameters(), lr=1e-3)
     return model, opt
 
@@ -42,9 +47,9 @@ def digest(model: torch.nn.Module, opt: torch.optim.Optimizer, step: int) -> str
     return h.hexdigest()[:16]
 
 
-def reference_digests(n: int) -> dict[int, str]:
+def reference_digests(n: int, frozen: bool = FROZEN) -> dict[int, str]:
     """Digest of the state after step s, for s < n (training from scratch, same code)."""
-    model, opt = make()
+    model, opt = make(frozen)
     out = {}
     for s in range(n):
         train_step(model, opt, s)
@@ -69,7 +74,7 @@ def main() -> None:
     import nebula_ckpt as nc
 
     model, opt = make()
-    ck = nc.Checkpointer(root, keep_last=2)
+    ck = nc.Checkpointer(root, keep_last=2, memory_tier=not FROZEN)  # frozen: restores from the incremental disk tier
     state = {"model": model, "optim": opt, "step": -1}
     got = ck.load_latest(into=state)
     if got is None:

@@ -80,6 +80,14 @@ def _ddp(seed: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
     return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
 
 
+def _frozen_ddp(seed: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    """DDP with a large frozen parameter (the same on every rank): its saves are incremental."""
+    inner = _model(seed)
+    inner.register_parameter("frozen", torch.nn.Parameter(torch.randn(128, 256), requires_grad=False))
+    model = torch.nn.parallel.DistributedDataParallel(inner)
+    return model, torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+
+
 def _fsdp(seed: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
@@ -116,7 +124,9 @@ def main() -> None:
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     report: dict[str, Any] = {"rank": rank, "world": world}
-    build = _fsdp if scenario.startswith("fsdp") else _ddp
+    build = _fsdp if scenario.startswith("fsdp") else _frozen_ddp if scenario.startswith("frozen") else _ddp
+    # a per-rank tensor that never changes: each rank's own share of a save refers to it
+    still = {"still": torch.full((8192,), float(rank))} if scenario.startswith("frozen") else {}
     memory = os.environ.get("TEST_MEMORY_TIER", "1") == "1"
     opts = json.loads(os.environ.get("TEST_STORAGE_OPTIONS", "null"))
     if scenario.endswith("save") or scenario == "kill":
@@ -124,7 +134,7 @@ def main() -> None:
         if scenario == "kill" and rank == world - 1:
             _die_in_shared_write(step=3)
         with nc.Checkpointer(root, memory_tier=memory, storage_options=opts) as ck:
-            for step in (1, 2, 3):
+            for step in ((1, 2, 3, 4) if scenario.startswith("frozen") else (1, 2, 3)):
                 _train(model, opt, 2, seed=step * 10 + (rank if scenario.startswith("fsdp") else 0))
                 report[f"digest{step}"] = _digest(model, opt)
                 if scenario == "kill" and step == 3:
@@ -140,8 +150,10 @@ def main() -> None:
                         json.dump(report, f)
                     os._exit(0)  # a job whose rank died is torn down, not closed
                 # "mine" differs between ranks (like a per-rank RNG state): never taken for a replica
-                h = ck.save(step, {"model": model, "optim": opt, "step": step, "mine": torch.full((3,), float(rank))})
+                h = ck.save(step, {"model": model, "optim": opt, "step": step, "mine": torch.full((3,), float(rank)),
+                                   **still})
                 report.setdefault("written", []).append(h.tiers_written)
+                report.setdefault("written_bytes", []).append(h.metrics.written_bytes)
             report["stats"] = ck.stats()
     elif scenario in ("sdict_write", "sdict_read"):  # DCP-style state dicts from get_state_dict (FSDP2)
         from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
@@ -177,12 +189,14 @@ def main() -> None:
     else:  # "...load": a new job restores the newest checkpoint every rank has
         model, opt = build(1234)
         _train(model, opt, 1, seed=99)  # optimizer state exists (AdamW creates it lazily)
-        state: dict[str, Any] = {"model": model, "optim": opt, "step": -1, "mine": torch.zeros(3)}
+        state: dict[str, Any] = {"model": model, "optim": opt, "step": -1, "mine": torch.zeros(3),
+                                 **{k: torch.zeros_like(v) for k, v in still.items()}}
         with nc.Checkpointer(root, memory_tier=memory, storage_options=opts) as ck:
             report["step"] = ck.load_latest(state)
             report["restored_from"] = ck.last_restore
         report["saved_step"] = state["step"]
         report["mine"] = state["mine"].tolist()
+        report["still"] = state["still"].tolist() if still else None
         report["digest"] = _digest(model, opt)
     with open(os.path.join(out, f"{scenario}-r{rank}.json"), "w") as f:
         json.dump(report, f)

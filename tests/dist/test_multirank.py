@@ -71,6 +71,31 @@ def test_ddp_ranks_write_each_byte_once_and_restore_bit_exact(world: int, root: 
         assert loaded[r]["digest"] == saved[r]["digest3"] and loaded[r]["mine"] == [float(r)] * 3
 
 
+def test_incremental_chain_each_rank_writes_only_its_changed_share(root: str, shm_dir: str, job_dir: Path) -> None:
+    """Two ranks save steps 1..4 of a DDP model with a large frozen parameter and a per-rank
+    tensor that never changes: step 1 is full, steps 2..4 write only what changed and refer to
+    step 1's shards (each rank for its own share); a new job restores step 4 bit-exact."""
+    saved = _job(2, "frozen_save", root, job_dir, shm_dir, TEST_MEMORY_TIER="0")
+    full = _manifest(root, 1)
+    assert all("step" not in s for s in full["shards"]) and len(full["sha256"]) == len(full["tensors"])
+    for step in (2, 3, 4):
+        man = _manifest(root, step)
+        own, refs = man["shards"][:2], man["shards"][2:]
+        assert [s["file"] for s in own] == ["shard-g1-r0.safetensors", "shard-g1-r1.safetensors"]
+        assert sorted((s["step"], s["file"]) for s in refs) == [(1, "shard-g1-r0.safetensors"),
+                                                               (1, "shard-g1-r1.safetensors")], refs
+        for r in range(2):  # each rank's own "still" lies in its step-1 shard
+            rec = man["tensors"][f"r{r}/still"]
+            assert man["shards"][rec["shard"]] == dict(full["shards"][r], step=1)
+    for r in range(2):
+        written = [next(iter(w.values())) for w in saved[r]["written_bytes"]]
+        assert all(n < written[0] / 2 for n in written[1:]), written
+    loaded = _job(2, "frozen_load", root, job_dir, shm_dir, TEST_MEMORY_TIER="0")
+    for r in range(2):
+        assert loaded[r]["step"] == 4 and loaded[r]["digest"] == saved[r]["digest4"]
+        assert loaded[r]["still"] == [float(r)] * 8192 and loaded[r]["mine"] == [float(r)] * 3
+
+
 def test_fsdp2_four_ranks_round_trip_with_their_own_shards(root: str, shm_dir: str, job_dir: Path) -> None:
     saved = _job(4, "fsdp_save", root, job_dir, shm_dir)
     man = _manifest(root, 3)

@@ -10,6 +10,8 @@ env:// as torchrun sets it), HF trains with DDP on gloo and each rank writes ``R
 ranks meet in a barrier before the kill, so both die with checkpoint-K committed. ``--deepspeed
 STAGE``: HF's DeepSpeed integration with ZeRO stage STAGE on the CPU (``DS_ACCELERATOR=cpu``, one
 gloo rank unless launched as several). ``--peft``: the model is a LoRA adapter (peft) over the GPT-2.
+``--record-saves``: after each save, wait until it is durable and record its metrics
+(``Checkpointer.stats()``'s ``last_save``) under ``saves`` in RESULT.
 ``--fsdp``: FSDP2 through accelerate (each GPT-2 block and the root ``fully_shard``-ed) on the
 GPUs, one per rank: accelerate turns FSDP on only for accelerator devices.
 
@@ -167,6 +169,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--stock", action="store_true")
     p.add_argument("--deepspeed", type=int, default=None)
     p.add_argument("--peft", action="store_true")
+    p.add_argument("--record-saves", action="store_true")
     p.add_argument("--fsdp", action="store_true")
     a = p.parse_args(argv)
     kw: dict[str, Any] = {"peft": a.peft}
@@ -180,10 +183,11 @@ def main(argv: Optional[list[str]] = None) -> int:
         a.result = f"{a.result}.r{os.environ['RANK']}"
     record, losses = loss_recorder()
     holder: dict[str, Any] = {}
+    saves: list[dict[str, Any]] = []
 
     def write(**extra: Any) -> None:
         with open(a.result + ".tmp", "w") as f:
-            json.dump({"losses": losses, **extra}, f)
+            json.dump({"losses": losses, "saves": saves, **extra}, f)
         os.replace(a.result + ".tmp", a.result)
 
     class Kill(TrainerCallback):
@@ -197,7 +201,13 @@ def main(argv: Optional[list[str]] = None) -> int:
                 write(killed_at=state.global_step, committed=[] if a.stock else tr.nebula.list())
                 os.kill(os.getpid(), signal.SIGKILL)
 
-    tr = make_trainer(a.out, a.root, stock=a.stock, callbacks=(record, Kill()), **kw)
+    class RecordSaves(TrainerCallback):
+        def on_save(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
+            holder["trainer"].nebula.wait()
+            saves.append(holder["trainer"].nebula.stats()["last_save"])
+
+    extra = (RecordSaves(),) if a.record_saves else ()
+    tr = make_trainer(a.out, a.root, stock=a.stock, callbacks=(record, Kill(), *extra), **kw)
     holder["trainer"] = tr
     tr.train(resume_from_checkpoint=True if a.resume else None)
     restored = None if a.stock else tr.nebula_restored

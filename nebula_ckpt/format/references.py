@@ -1,0 +1,68 @@
+"""References between checkpoints: which earlier steps' bytes a committed step needs.
+
+An incremental checkpoint writes only the tensors that changed since the checkpoint it builds
+on; its manifest lists, beside its own shard, the shards of earlier steps of the same tier that
+hold the rest (a :class:`~nebula_ckpt.format.records.ShardRecord` with ``step``). A reference
+always names the step that physically holds the file, so one level is the whole story: the steps
+a committed step needs are exactly the ``step`` fields of its shards.
+
+This module is the one place that answers "which steps must stay because a kept step needs
+them": writer retention, ``Checkpointer.remove``, the sweep, ``nebula-ckpt gc`` and the fencing
+of a stale writer all ask it (:func:`protected_steps`), so none of them drops bytes a committed
+checkpoint refers to.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Iterable
+
+from nebula_ckpt.errors import CorruptCheckpointError
+from nebula_ckpt.format.manifest import Manifest
+from nebula_ckpt.format.names import MANIFEST, step_dir
+
+if TYPE_CHECKING:
+    from nebula_ckpt.storage.base import Storage
+
+log = logging.getLogger(__name__)
+
+
+def references(man: Manifest) -> set[int]:
+    """The earlier steps whose folders hold shards of ``man`` (empty for a full checkpoint)."""
+    return {s.step for s in man.shards if s.step is not None}
+
+
+def shard_path(man: Manifest, i: int) -> str:
+    """Path of shard ``i`` of ``man`` relative to the tier root (``step-<S>/<file>``)."""
+    sh = man.shards[i]
+    return f"{step_dir(sh.folder_step(man.step))}/{sh.file}"
+
+
+def read_references(storage: "Storage", step: int) -> set[int]:
+    """The steps the committed ``step`` on ``storage`` refers to.
+
+    A manifest that is missing or malformed names nothing (its checkpoint cannot be restored
+    anyway, and it is reported where it is read). Any other error (an unreachable remote tier)
+    propagates: the caller must then delete nothing, since it cannot know what is needed.
+    """
+    where = f"{storage.display_url} step {step}"
+    try:
+        raw = storage.read_small(f"{step_dir(step)}/{MANIFEST}")
+        return references(Manifest.parse(raw, where, step))
+    except (FileNotFoundError, CorruptCheckpointError) as e:
+        log.debug("nebula_ckpt: %s: no references read (%s)", where, e)
+        return set()
+
+
+def protected_steps(storage: "Storage", kept: Iterable[int]) -> set[int]:
+    """``kept`` and every step a kept committed step refers to: what deletion must leave alone."""
+    kept = set(kept)
+    out = set(kept)
+    for s in kept:
+        out |= read_references(storage, s)
+    return out
+
+
+def referrers(storage: "Storage", committed: Iterable[int], step: int) -> list[int]:
+    """The committed steps (of ``committed``, other than ``step``) that refer to ``step``."""
+    return sorted(s for s in committed if s > step and step in read_references(storage, s))

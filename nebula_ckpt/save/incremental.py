@@ -1,0 +1,246 @@
+"""Incremental saves: write only the tensors that changed since the checkpoint a tier builds on.
+
+Each persistent tier's writer keeps its *base*: the last checkpoint it committed there in this
+process (:class:`Incremental`). A save whose tensors have the base's keys, dtypes and shapes
+writes a shard of the tensors that changed and refers to the base's shards for the rest
+(:func:`nebula_ckpt.format.references.references`); any other save is full, and so is every
+``full_every``-th save of a tier (knob ``incremental_full_every``), which keeps the steps a
+checkpoint refers to few and lets retention drop old ones.
+
+Equality is known, never guessed. A tensor is unchanged only when its CRC32C, dtype, shape,
+device and DTensor record equal the base's **and** the SHA-256 of its staged bytes equals the one
+the base recorded. The CRC is a cheap filter (a different CRC is a change, nothing more is
+done); a 32-bit CRC equal by chance (or by construction: CRC is linear) is caught by the SHA-256.
+The hashes are taken of the staged bytes (what is written), so a change made in any way (an
+optimizer, ``.data``, NumPy, a raw pointer) is seen; they are taken on the stager thread by
+``hash_threads`` threads (``hashlib`` releases the GIL), never on the training thread, only for
+the tensors whose CRC equals the base's (and for every tensor of a save that will be full, so
+the next one can build on it), and recorded in the manifest (``sha256``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, Iterable, Optional
+
+from nebula_ckpt import knobs
+from nebula_ckpt.format.header import safetensors_header
+from nebula_ckpt.format.manifest import Manifest
+from nebula_ckpt.format.records import ShardRecord, TensorRecord
+
+#: an incremental save whose changed tensors hold more than this share of the bytes is full
+MAX_CHANGED_SHARE = 0.5
+
+
+@dataclass(frozen=True)
+class Delta:
+    """An incremental save on one tier: what it writes and what it takes from earlier steps.
+
+    ``write``: keys written in the step's own shard; ``reused``: key -> the record of an unchanged
+    tensor (its shard index already renumbered into ``refs``); ``refs``: the shards of earlier
+    steps, in manifest order after the own shard (index 1, 2, ...); ``base``: the step built on.
+    """
+
+    write: list[str]
+    reused: dict[str, dict[str, Any]]
+    refs: list[ShardRecord]
+    base: int
+    reused_bytes: int
+
+
+def hash_staged(view: memoryview, index: dict[str, dict[str, Any]], keys: Iterable[str]) -> dict[str, str]:
+    """SHA-256 (hex) of the staged bytes of ``keys`` (their ``offsets`` in ``view``), in parallel."""
+    todo = [k for k in keys if k in index]
+    if not todo:
+        return {}
+
+    def one(k: str) -> str:
+        start, end = index[k]["offsets"]
+        return hashlib.sha256(view[start:end]).hexdigest()
+
+    threads = max(1, int(knobs.get("hash_threads")))
+    if threads == 1 or len(todo) == 1:
+        return {k: one(k) for k in todo}
+    with ThreadPoolExecutor(threads, thread_name_prefix="nebula-hash") as ex:
+        return dict(zip(todo, ex.map(one, todo), strict=True))
+
+
+def _same_kind(rec: dict[str, Any], old: TensorRecord) -> bool:
+    """Same dtype and shape (else the save is full)."""
+    return rec["dtype"] == old.dtype and tuple(rec["shape"]) == old.shape
+
+
+def _same_bytes(rec: dict[str, Any], sha: Optional[str], old: TensorRecord, old_sha: Optional[str]) -> bool:
+    """Whether the staged tensor certainly equals the base's: CRC, device, DTensor record and SHA-256."""
+    dt = None if old.dtensor is None else old.dtensor.to_json()
+    return (rec["crc32c"] == old.crc32c and rec.get("device", "cpu") == old.device and rec.get("dtensor") == dt
+            and sha is not None and sha == old_sha)
+
+
+class Incremental:
+    """One tier's incremental state: its base and the cadence of full saves (thread-safe).
+
+    Args:
+        enabled: False makes every save full (``Checkpointer(incremental=False)``, the memory
+            tier, multi-rank jobs).
+        full_every: every ``full_every``-th save is full (1: all of them).
+    """
+
+    def __init__(self, enabled: bool, full_every: Optional[int] = None) -> None:
+        self.enabled = enabled
+        self.full_every = max(1, int(full_every if full_every is not None else knobs.get("incremental_full_every")))
+        self._lock = threading.Lock()
+        self._base: Optional[Manifest] = None
+        self._since_full = 0
+        self._pinned: set[int] = set()
+
+    def _next_is_full(self) -> bool:
+        return self._base is None or self._since_full + 1 >= self.full_every
+
+    def hash_keys(self, index: dict[str, dict[str, Any]]) -> Optional[set[str]]:
+        """The keys of a staged save whose SHA-256 this tier needs (None: all of them)."""
+        if not self.enabled:
+            return set()
+        with self._lock:
+            base = self._base
+            if self._next_is_full() or base is None:
+                return None
+        return {k for k, rec in index.items()
+                if (old := base.tensors.get(k)) is not None and rec["crc32c"] == old.crc32c}
+
+    def delta(self, step: int, index: dict[str, dict[str, Any]], hashes: dict[str, str],
+              generation: int) -> Optional[Delta]:
+        """The incremental save of ``index`` as ``step`` on this tier, or None for a full one (see
+        the module; a base that is not older than ``step`` makes it full too)."""
+        with self._lock:
+            base = self._base
+            if not self.enabled or self._next_is_full() or base is None:
+                return None
+            self._pinned = {base.step} | {s.step for s in base.shards if s.step is not None}
+        if base.generation != generation or base.step >= step or set(index) != set(base.tensors):
+            return None
+        reused: dict[str, TensorRecord] = {}
+        for k, rec in index.items():
+            old = base.tensors[k]
+            if not _same_kind(rec, old):
+                return None
+            if _same_bytes(rec, hashes.get(k), old, base.hashes.get(k)):
+                reused[k] = old
+        total = sum(r["offsets"][1] - r["offsets"][0] for r in index.values())
+        kept = sum(r.nbytes for r in reused.values())
+        if not reused or total - kept > MAX_CHANGED_SHARE * total:
+            return None
+        renumber: dict[int, int] = {}
+        refs: list[ShardRecord] = []
+        for old in reused.values():
+            if old.shard not in renumber:
+                sh = base.shards[old.shard]
+                renumber[old.shard] = len(refs) + 1
+                refs.append(ShardRecord(sh.file, sh.bytes, sh.storage, sh.folder_step(base.step)))
+        out = {k: {**old.to_json(), "shard": renumber[old.shard]} for k, old in reused.items()}
+        return Delta([k for k in index if k not in reused], out, refs, base.step, kept)
+
+    def committed(self, manifest: dict[str, Any], full: bool) -> None:
+        """The tier committed ``manifest``: the next save builds on it."""
+        self._set_base(Manifest.parse(manifest, "the manifest just committed", manifest["step"]), full)
+
+    def committed_share(self, step: int, generation: int, share: dict[str, Any]) -> None:
+        """A multi-rank save committed on a shared tier: the next one builds on this rank's
+        ``share`` of it (its shard record, ``refs``, tensor index and ``sha256``)."""
+        where = f"step {step}: this rank's share"
+        shards = (ShardRecord.parse(share["shard"], where),
+                  *(ShardRecord.parse(r, where) for r in share.get("refs", [])))
+        tensors = {k: TensorRecord.parse(k, v, shards, where) for k, v in share["tensors"].items()}
+        base = Manifest(step=step, generation=generation, shards=shards, tensors=tensors, aliases={}, tree={},
+                        hashes=dict(share.get("sha256", {})))
+        self._set_base(base, not share.get("refs"))
+
+    def _set_base(self, base: Manifest, full: bool) -> None:
+        with self._lock:
+            self._base = base
+            self._since_full = 0 if full else self._since_full + 1
+            self._pinned = set()
+
+    def declare(self) -> Optional[int]:
+        """Multi-rank: the step this rank's next save would build on (None: it will be full),
+        pinned until that save is over; the ranks build on it only when every rank names the
+        same step (so that rank 0, which deletes, holds it too)."""
+        with self._lock:
+            base = self._base
+            if not self.enabled or self._next_is_full() or base is None:
+                return None
+            self._pinned = {base.step} | {s.step for s in base.shards if s.step is not None}
+            return base.step
+
+    def forget(self) -> None:
+        """The base is no longer certain (a failed or uncertain commit, a removal): next save is full."""
+        with self._lock:
+            self._base = None
+            self._pinned = set()
+
+    def let_go(self, step: int) -> bool:
+        """Whether committed ``step`` may be deleted now (no save in flight refers to it); when it
+        is the base, the next save is full."""
+        with self._lock:
+            if step in self._pinned:
+                return False
+            if self._base is not None and self._base.step == step:
+                self._base = None
+            return True
+
+    def pinned(self) -> set[int]:
+        """Steps this tier's base or a save in flight refers to: never deleted meanwhile."""
+        with self._lock:
+            base = self._base
+            out = set(self._pinned)
+        if base is not None:
+            out.add(base.step)
+            out.update(s.step for s in base.shards if s.step is not None)
+        return out
+
+
+def manifest_parts(delta: Delta, index: dict[str, dict[str, Any]], image_index: dict[str, dict[str, Any]],
+                   hashes: dict[str, str], own_shard: dict[str, Any]) -> dict[str, Any]:
+    """The ``shards``, ``tensors`` and ``sha256`` of an incremental manifest (stored order kept)."""
+    tensors = {k: image_index[k] if k in image_index else delta.reused[k] for k in index}
+    return {"shards": [own_shard] + [r.to_json() for r in delta.refs], "tensors": tensors,
+            "hashes": {k: v for k, v in hashes.items() if k in index}}
+
+
+def hashes_for(targets: list[Any], view: memoryview, index: dict[str, dict[str, Any]]) -> dict[str, str]:
+    """The SHA-256 of the staged tensors that the tiers ``targets`` (tier writers, each with an
+    ``incremental`` :class:`Incremental`) need, taken once for all of them."""
+    want: Optional[set[str]] = set()
+    for t in targets:
+        keys = t.incremental.hash_keys(index)
+        if keys is None:
+            want = None
+            break
+        assert want is not None
+        want |= keys
+    return hash_staged(view, index, index if want is None else want)
+
+
+def whole_image(man: Manifest, shards: list[Any]) -> tuple[list[memoryview], dict[str, dict[str, Any]], int]:
+    """The one-shard safetensors image of checkpoint ``man`` (``shards[i]``: the bytes of its
+    shard ``i``, which may lie in earlier steps): ``(parts, tensor records, bytes)``. Tensors go
+    largest element first, so each stays naturally aligned; records keep the manifest's order."""
+    keys = sorted(man.tensors, key=lambda k: -man.tensors[k].torch_dtype.itemsize)
+    head, spans = safetensors_header([(k, man.tensors[k].torch_dtype, man.tensors[k].shape, man.tensors[k].nbytes)
+                                      for k in keys])
+    parts: list[memoryview] = [memoryview(head)]
+    at: dict[str, list[int]] = {}
+    for k, (p, e) in zip(keys, spans, strict=True):
+        rec = man.tensors[k]
+        if rec.nbytes:
+            parts.append(memoryview(shards[rec.shard]).cast("B")[rec.start:rec.end])
+        at[k] = [len(head) + p, len(head) + e]
+    records = {}
+    for k, rec in man.tensors.items():
+        out = rec.to_json()
+        out.pop("shard", None)
+        records[k] = dict(out, offsets=at[k])
+    return parts, records, len(head) + (spans[-1][1] if spans else 0)
