@@ -9,7 +9,8 @@ whose own copy is gone receives it from a holder over the replicas' channel into
 its checksums (so a copy with flipped bytes is pulled like a lost one, in the next round). A
 pulled copy becomes visible in the memory tier only once every checksum of it passed; nothing of
 ``into`` has changed at any point. One gather per round tells every rank who succeeded; a failed
-pull tries the next holder, then the shared tiers. The normal restore then finds the step.
+pull tries the next holder, then the shared tiers. The normal restore then finds the step, and
+reads a memory-tier copy checked here without checking its checksums a second time.
 
 Two gathers in all when nothing is damaged (the views, then the outcome of the one pull round).
 """
@@ -37,23 +38,27 @@ def recover(rp: Replication, shared: list[Order], step: Optional[int],
     tier (a collective; see the module docstring).
 
     Returns:
-        ``{"step", "generation", "sources"}``: ``sources[r]`` says where rank ``r``'s copy is
-        (``"memory"``, ``"replica from rank H"``, ``"shared tier"``); ``step`` None when no
-        step is available to every rank.
+        ``{"step", "generation", "sources", "checked"}``: ``sources[r]`` says where rank ``r``'s
+        copy is (``"memory"``, ``"replica from rank H"``, ``"shared tier"``); ``step`` None when no
+        step is available to every rank; ``checked``: whether this rank's memory-tier copy had
+        every checksum checked here (its own copy, or the one it pulled).
     """
     views = rp.channel.gather(_view(rp, shared))
     excluded: set[Order] = set()
     while True:
         target = recovery.choose_target(views, step, among, excluded)
         if target is None:
-            return {"step": None, "generation": None, "sources": [None] * rp.world}
+            return {"step": None, "generation": None, "sources": [None] * rp.world, "checked": False}
         got = _get_everywhere(rp, views, target)
         if target in recovery.shared_orders(views):
             got.update({r: "shared tier" for r in range(rp.world) if r not in got})
         if len(got) == rp.world:
             log.info("nebula_ckpt: rank %d: step %d is on every rank (%s)", rp.rank, target[1],
                      ", ".join(f"rank {r}: {got[r]}" for r in sorted(got)))
-            return {"step": target[1], "generation": target[0], "sources": [got[r] for r in range(rp.world)]}
+            # every copy in a memory tier now had every checksum checked this round: the restore
+            # need not check them again
+            return {"step": target[1], "generation": target[0], "sources": [got[r] for r in range(rp.world)],
+                    "checked": got[rp.rank] != "shared tier"}
         log.warning("nebula_ckpt: step %d cannot be had by rank(s) %s (every holder lost or damaged); "
                     "trying an older step", target[1], [r for r in range(rp.world) if r not in got])
         excluded.add(target)

@@ -127,13 +127,8 @@ class Replicator:
     def recover(self, shared: Sequence[tuple[int, int]], step: Optional[int] = None,
                 among: Optional[Sequence[int]] = None) -> dict[str, Any]:
         """Make the newest step every rank can get present in every rank's memory tier or a shared
-        tier, pulling lost copies from their holders (a collective; every rank calls it).
-
-        Returns:
-            ``{"step", "generation", "sources"}``: ``sources[r]`` says where rank ``r``'s copy is
-            (``"memory"``, ``"replica from rank H"``, ``"shared tier"``); ``step`` None when no
-            step is available to every rank.
-        """
+        tier, pulling lost copies from their holders (a collective; every rank calls it). Returns
+        :func:`~nebula_ckpt.tiers.memory.replica_recover.recover`'s answer."""
         box: dict[str, Any] = {}
         done = threading.Event()
         with self._cond:
