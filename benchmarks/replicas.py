@@ -19,6 +19,8 @@ Run (writes ``results.md`` and ``results.json`` into ``--out``)::
 
     python -m benchmarks.replicas --worlds 2 4 --mb 48 --repeats 3 \\
         --out benchmarks/results/replicas-2026-11-25
+
+``--parts recovery`` (or ``loop``) measures one half only.
 """
 
 from __future__ import annotations
