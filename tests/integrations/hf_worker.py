@@ -10,6 +10,8 @@ env:// as torchrun sets it), HF trains with DDP on gloo and each rank writes ``R
 ranks meet in a barrier before the kill, so both die with checkpoint-K committed. ``--deepspeed
 STAGE``: HF's DeepSpeed integration with ZeRO stage STAGE on the CPU (``DS_ACCELERATOR=cpu``, one
 gloo rank unless launched as several). ``--peft``: the model is a LoRA adapter (peft) over the GPT-2.
+``--fsdp``: FSDP2 through accelerate (each GPT-2 block and the root ``fully_shard``-ed) on the
+GPUs, one per rank: accelerate turns FSDP on only for accelerator devices.
 
 Deterministic on purpose: one intra-op thread, seeded model, data order (``data_seed``) and
 dropout (kept on: the restored RNG states must reproduce it).
@@ -135,7 +137,8 @@ def digest(obj: Any) -> str:
 
     def walk(o: Any) -> None:
         if isinstance(o, torch.Tensor):
-            t = o.detach().cpu().contiguous()
+            # a DTensor (FSDP) whole: a collective, which every rank reaches in the same key order
+            t = (o.full_tensor() if hasattr(o, "full_tensor") else o).detach().cpu().contiguous()
             h.update(f"{t.dtype}{tuple(t.shape)}".encode())
             h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
         elif isinstance(o, dict):
@@ -164,8 +167,12 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--stock", action="store_true")
     p.add_argument("--deepspeed", type=int, default=None)
     p.add_argument("--peft", action="store_true")
+    p.add_argument("--fsdp", action="store_true")
     a = p.parse_args(argv)
     kw: dict[str, Any] = {"peft": a.peft}
+    if a.fsdp:
+        kw.update(fsdp=True, fsdp_config={"version": 2, "transformer_layer_cls_to_wrap": ["GPT2Block"]},
+                  use_cpu=False)
     if a.deepspeed is not None:
         deepspeed_on_cpu()
         kw["deepspeed"] = deepspeed_config(a.deepspeed)

@@ -5,8 +5,10 @@ with the same weights, optimizer state and RNG state.
 
 DeepSpeed runs on the CPU (``DS_ACCELERATOR=cpu``, one gloo rank, no op built), each job in a
 subprocess (``hf_worker.py --deepspeed STAGE``) so DeepSpeed's process-wide state stays there.
-FSDP is not here: accelerate 1.15 turns FSDP on only for accelerator devices (MULTI_GPU and
-kin), never for MULTI_CPU, so it cannot run on this machine; the integration refuses it clearly.
+FSDP with the real Trainer is not here: accelerate turns FSDP on only for accelerator devices
+(MULTI_GPU and kin), never for MULTI_CPU. The functions the FSDP path calls run on 2 CPU ranks
+with FSDP2 in ``tests/dist/test_fsdp_resume.py``; the Trainer + accelerate run needs a GPU
+(``test_huggingface_fsdp_gpu.py``). FSDP on XLA, which has no path, is refused here.
 """
 
 from __future__ import annotations
@@ -142,3 +144,13 @@ def test_deepspeed_two_ranks_sigkill_then_resume_is_bit_identical(tmp_path, shm_
         assert got == {k: want[k] for k in got}   # float.hex: bit-identical
         assert (after["model"], after["optimizer"], after["rng"]) == (ref[r]["model"], ref[r]["optimizer"],
                                                                       ref[r]["rng"])
+
+
+def test_fsdp_on_xla_is_refused_with_a_clear_error(tmp_path) -> None:  # noqa: ANN001
+    """A Trainer with FSDP on XLA (no path through nebula_ckpt) is refused when it is built,
+    naming the engine and what is handled instead; nothing is written."""
+    import nebula_ckpt as nc
+
+    with pytest.raises(nc.NebulaError, match=r"does not handle FSDP-XLA training.*Train with FSDP \(torch"):
+        hf_worker.make_trainer(str(tmp_path / "out"), str(tmp_path / "nebula"), fsdp=True, fsdp_config={"xla": True})
+    assert not (tmp_path / "nebula").exists()

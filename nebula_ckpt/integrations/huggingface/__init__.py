@@ -31,7 +31,11 @@ What happens:
 * **DeepSpeed** (ZeRO 0-3): the engine's own files (model states, each rank's ZeRO partition)
   are kept as parts of the same checkpoint, no ``torch.save``; resume hands them back to
   ``engine.load_checkpoint``. These checkpoints are written with pickle allowed (DeepSpeed's
-  states hold Python objects). FSDP and SageMaker model parallelism are refused with a clear error.
+  states hold Python objects).
+* **FSDP** (torch FSDP2 through accelerate): each rank saves its shards of model and optimizer
+  (``get_state_dict``: DTensors) in the same checkpoint; resume loads them into the wrapped model
+  with ``set_state_dict`` (:mod:`.fsdp`). FSDP on XLA and SageMaker model parallelism are refused
+  with a clear error.
 * **PEFT / LoRA models** save the whole model state (the frozen base too) and resume exactly.
 * **``save_total_limit``** is HF's, applied with :meth:`~nebula_ckpt.Checkpointer.remove` on every
   tier (the best checkpoint kept), once a newer checkpoint is durable; exact when ``train()`` returns.
@@ -48,7 +52,7 @@ reads before any callback runs; rebuilding a ``checkpoint-N/`` folder at resume 
 itself uses (checked at import: transformers 5.x, tested with 5.23.0).
 
 Limits: hyperparameter search saves the stock way; checkpoints are not pushed to the Hub at save
-time; the tokenizer is not part of the checkpoint. Multi-rank (``torchrun`` + DDP or DeepSpeed):
+time; the tokenizer is not part of the checkpoint. Multi-rank (``torchrun`` + DDP, DeepSpeed or FSDP):
 every rank saves and restores its own part of one multi-rank checkpoint.
 """
 

@@ -36,8 +36,10 @@ if _missing:  # pragma: no cover - another transformers generation
 #: ``rng`` (HF's rng_state.pth layout), ``trainer_state`` (the text of trainer_state.json),
 #: ``config`` (the model's config.json text, or None), ``hf`` (format version, transformers version).
 #: Under DeepSpeed, ``deepspeed`` (the files ``engine.save_checkpoint`` writes, by relative path)
-#: holds the model, optimizer and scheduler instead.
-STATE_KEYS = ("model", "optimizer", "scheduler", "scaler", "rng", "trainer_state", "config", "hf", "deepspeed")
+#: holds the model, optimizer and scheduler instead; under FSDP, ``fsdp`` (``{"model", "optimizer"}``:
+#: each rank's shards as DTensors, by parameter name) holds the model and optimizer.
+STATE_KEYS = ("model", "optimizer", "scheduler", "scaler", "rng", "trainer_state", "config", "hf", "deepspeed",
+              "fsdp")
 FORMAT = 1
 TRAINER_STATE_NAME = "trainer_state.json"
 #: retention on the persistent tiers is this integration's (``save_total_limit``, best kept):

@@ -9,7 +9,8 @@ and those parts go into the trainer's one checkpoint under the key ``deepspeed``
 ``engine.load_checkpoint`` on a folder of empty placeholder files (DeepSpeed checks that the
 files exist) with a :class:`PartsServer` handing out the restored parts.
 
-FSDP (accelerate's FSDP plugin) and SageMaker model parallelism are refused with a clear error.
+FSDP (accelerate's FSDP plugin) keeps its sharded state as DTensors in the checkpoint (see
+:mod:`.fsdp`); FSDP on XLA and SageMaker model parallelism are refused with a clear error.
 """
 
 from __future__ import annotations
@@ -47,12 +48,33 @@ def engine_of(trainer: Any) -> Optional[str]:
 def check_supported(trainer: Any) -> None:
     """Raise :class:`~nebula_ckpt.NebulaError` for an engine this integration cannot save."""
     engine = engine_of(trainer)
-    if engine is None or engine == "DeepSpeed":
+    if engine == "FSDP":
+        _check_fsdp(trainer)
+    if engine is None or engine in ("DeepSpeed", "FSDP"):
         return
     raise nc.NebulaError(
         f"nebula_ckpt's Hugging Face integration does not handle {engine} training yet: that engine keeps the "
-        "model sharded across ranks and writes its own files. Train with DeepSpeed ZeRO (1-3; NebulaTrainer "
-        "saves and resumes it) or DDP, or use the stock Trainer checkpoints for this run")
+        "model sharded across ranks and writes its own files. Train with FSDP (torch, through accelerate), "
+        "DeepSpeed ZeRO (1-3) or DDP, which NebulaTrainer saves and resumes, or use the stock Trainer "
+        "checkpoints for this run")
+
+
+def _check_fsdp(trainer: Any) -> None:
+    """Refuse the FSDP setups whose state is not DTensors on a 1-D mesh of every rank: FSDP1
+    (accelerate gives it no device mesh: its sharded state holds ``ShardedTensor``s) and
+    accelerate's multi-dimensional parallelism (HSDP, tensor / context parallel)."""
+    state = getattr(getattr(trainer, "accelerator", None), "state", None)
+    plugin = getattr(state, "fsdp_plugin", None)
+    if int(getattr(plugin, "fsdp_version", 2) or 2) == 1:
+        raise nc.NebulaError("nebula_ckpt's Hugging Face integration saves FSDP2 (fsdp_config={'version': 2}, "
+                             "transformers' default), not FSDP1: FSDP1's sharded state holds ShardedTensors. Use "
+                             "FSDP2, or the stock Trainer checkpoints for this run")
+    pc = getattr(trainer.accelerator, "parallelism_config", None)
+    dims = [n for n in ("dp_replicate_size", "tp_size", "cp_size", "sp_size") if getattr(pc, n, 1) not in (None, 1)]
+    if dims:
+        raise nc.NebulaError(f"nebula_ckpt's Hugging Face integration resumes FSDP sharded over one mesh dimension "
+                             f"of every rank; this accelerate parallelism config also sets {dims}. Use plain FSDP2, "
+                             "or the stock Trainer checkpoints for this run")
 
 
 def _base() -> Any:

@@ -20,6 +20,8 @@ import nebula_ckpt as nc
 from nebula_ckpt.integrations.huggingface import resuming, saving
 from nebula_ckpt.integrations.huggingface.common import RunState, attach, run_of
 from nebula_ckpt.integrations.huggingface.engines import check_supported, engine_of, load_deepspeed
+from nebula_ckpt.integrations.huggingface.fsdp import KEY as FSDP_KEY
+from nebula_ckpt.integrations.huggingface.fsdp import load_sharded, read_sharded
 from nebula_ckpt.integrations.huggingface.rng import set_rng_states
 
 log = logging.getLogger("nebula_ckpt")
@@ -113,9 +115,14 @@ class NebulaCheckpointMixin:
         return model, loader
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model: Any = None) -> None:
-        if run_of(self).resume is None:
+        tree = run_of(self).resume
+        if tree is None:
             return super()._load_from_checkpoint(resume_from_checkpoint, model)  # type: ignore[misc]
         target = self.model if model is None else model  # type: ignore[attr-defined]
+        if FSDP_KEY in tree:
+            # FSDP: called once the model is sharded and its optimizer made; both loaded here
+            load_sharded(target, self.optimizer, resuming.part(self, FSDP_KEY))  # type: ignore[attr-defined]
+            return
         target.load_state_dict(resuming.part(self, "model"), strict=True)
 
     def _load_optimizer_and_scheduler(self, checkpoint: Optional[str]) -> None:
@@ -156,6 +163,10 @@ class NebulaCheckpointMixin:
         if tag not in self.nebula.tags():
             return super()._load_best_model()  # type: ignore[misc]
         log.info("nebula_ckpt: loading the best model from %s (score: %s)", tag, t.state.best_metric)
+        if engine_of(self) == "FSDP":
+            _, tree = read_sharded(self.nebula, tag=tag)
+            load_sharded(t.model_wrapped, None, {"model": tree[FSDP_KEY]["model"]})
+            return
         _, tree = self.nebula.read(tag=tag)
         if "deepspeed" in tree:
             load_deepspeed(self, tree["deepspeed"])
@@ -197,6 +208,8 @@ def setup_trainer(trainer: Any, root: Optional[str], options: Optional[dict[str,
     if engine_of(trainer) == "DeepSpeed":
         log.info("nebula_ckpt: DeepSpeed training: each checkpoint holds the engine's own files "
                  "(model, ZeRO partitions) as parts, written with pickle allowed")
+    elif engine_of(trainer) == "FSDP":
+        log.info("nebula_ckpt: FSDP training: each rank saves its shards of model and optimizer (DTensors)")
 
 
 class NebulaTrainer(NebulaCheckpointMixin, Trainer):

@@ -16,6 +16,9 @@ from typing import Any, Iterator, Optional
 
 import nebula_ckpt as nc
 from nebula_ckpt.integrations.huggingface.common import TRAINER_STATE_NAME, run_of, tag_for
+from nebula_ckpt.integrations.huggingface.engines import engine_of
+from nebula_ckpt.integrations.huggingface.fsdp import KEY as FSDP_KEY
+from nebula_ckpt.integrations.huggingface.fsdp import read_sharded
 from nebula_ckpt.integrations.huggingface.saving import checkpointer, rotate, settle, tag_of_path
 
 log = logging.getLogger("nebula_ckpt")
@@ -63,14 +66,17 @@ def read(trainer: Any, how: tuple[str, Any]) -> tuple[int, dict[str, Any]]:
     kind, what = how
     run = run_of(trainer)
     ck = checkpointer(trainer)
-    if kind == "latest":
+    if engine_of(trainer) == "FSDP":
+        # read before the model is sharded: its DTensors on a mesh of every rank until load_sharded
+        step, tree = read_sharded(ck, what if kind == "step" else None, what if kind == "tag" else None)
+    elif kind == "latest":
         step, tree = ck.read()
     elif kind == "tag":
         step, tree = ck.read(tag=what)
     else:
         step, tree = ck.read(step=what)
     if not isinstance(tree, dict) or not isinstance(tree.get("trainer_state"), str) \
-            or ("model" not in tree and "deepspeed" not in tree):
+            or not any(k in tree for k in ("model", "deepspeed", FSDP_KEY)):
         keys = list(tree)[:8] if isinstance(tree, dict) else type(tree).__name__
         raise nc.ValidationError(f"step {step} under {run.root} was not saved by the Hugging Face "
                                  f"integration (top-level keys {keys}); name one of its checkpoints "

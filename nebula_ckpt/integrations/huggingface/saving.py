@@ -27,6 +27,8 @@ from nebula_ckpt.integrations.huggingface.common import (
     tag_for,
 )
 from nebula_ckpt.integrations.huggingface.engines import engine_of, save_deepspeed
+from nebula_ckpt.integrations.huggingface.fsdp import KEY as FSDP_KEY
+from nebula_ckpt.integrations.huggingface.fsdp import sharded_state
 from nebula_ckpt.integrations.huggingface.rng import rng_states
 
 log = logging.getLogger("nebula_ckpt")
@@ -153,15 +155,19 @@ def build_state(trainer: Any) -> dict[str, Any]:
     """The state one checkpoint holds (see :data:`~.common.STATE_KEYS`): the live objects
     themselves, so that ``save_async`` copies their tensors once (and, on a GPU, overlaps the copy)."""
     args = trainer.args
-    ds = engine_of(trainer) == "DeepSpeed"
+    engine = engine_of(trainer)
+    ds = engine == "DeepSpeed"
     state: dict[str, Any] = {}
     if ds:
         # the engine writes model, optimizer (its ZeRO partitions) and its own scheduler
         state["deepspeed"] = save_deepspeed(trainer, int(trainer.state.global_step))
+    elif engine == "FSDP":
+        # this rank's shards of model and optimizer, as DTensors (the optimizer's by parameter name)
+        state[FSDP_KEY] = sharded_state(trainer.model_wrapped, None if args.save_only_model else trainer.optimizer)
     else:
         state["model"] = trainer.model
     if not args.save_only_model:
-        if not ds:
+        if not ds and engine != "FSDP":
             state["optimizer"] = trainer.optimizer
         if not ds or not _is_ds_scheduler(trainer.lr_scheduler):
             state["scheduler"] = trainer.lr_scheduler
@@ -224,8 +230,9 @@ def save_checkpoint(trainer: Any, run_dir: str) -> nc.SaveHandle:
             trainer.state.stateful_callbacks[name] = cb.state()
     state = build_state(trainer)
     handle = ck.save_async(int(trainer.state.global_step), state, tag=tag)
-    if "deepspeed" in state:
-        handle.wait_snapshot()  # DeepSpeed's parts are live tensors no hook guards: copied before training goes on
+    if "deepspeed" in state or FSDP_KEY in state:
+        # DeepSpeed's parts and FSDP's state dicts are live tensors no hook guards: copied before training goes on
+        handle.wait_snapshot()
     run.committed.pop(tag, None)  # replaced by this save (same step)
     run.inflight.append(handle)
     if trainer.args.push_to_hub and run.once("hub"):
