@@ -19,6 +19,8 @@ Run (writes ``results.md`` and ``results.json`` into ``--out``)::
 
     python -m benchmarks.replicas --worlds 2 4 --mb 48 --repeats 3 \\
         --out benchmarks/results/replicas-2026-11-25
+
+``--parts recovery`` (or ``loop``) measures one half only.
 """
 
 from __future__ import annotations
@@ -231,6 +233,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--iters", type=int, default=40)
     ap.add_argument("--save-every", type=int, default=5)
     ap.add_argument("--out", default="benchmarks/results/replicas")
+    ap.add_argument("--parts", nargs="+", choices=("recovery", "loop"), default=["recovery", "loop"],
+                    help="what to measure (default: both)")
     args = ap.parse_args(argv)
     if args.rank_job:
         _rank_main(json.loads(Path(args.rank_job).read_text()))
@@ -246,10 +250,11 @@ def main(argv: Optional[list[str]] = None) -> int:
         tmp, SHM = Path(t), Path(s)
         remote = az.create_container("replicas")
         for w in args.worlds:
-            res["recovery"][w] = _recovery(w, args, tmp, remote, az.storage_options)
-            res["loop"][w] = _loop_cost(w, args, tmp)
-            print(json.dumps({w: {"recovery": res["recovery"][w]["median"],
-                                  "loop": res["loop"][w]["median"]}}, default=str), flush=True)
+            if "recovery" in args.parts:
+                res["recovery"][w] = _recovery(w, args, tmp, remote, az.storage_options)
+            if "loop" in args.parts:
+                res["loop"][w] = _loop_cost(w, args, tmp)
+            print(json.dumps({w: {part: res[part][w]["median"] for part in args.parts}}, default=str), flush=True)
     res["machine"]["load_avg_after"] = os.getloadavg()
     os.makedirs(args.out, exist_ok=True)
     Path(args.out, "results.json").write_text(json.dumps(res, indent=1, default=str))

@@ -317,3 +317,24 @@ def test_a_missing_referenced_folder_is_corrupt(tmp_path, shm_dir) -> None:  # n
     with nc.Checkpointer(root, memory_tier=False, read_only=True) as ck:
         with pytest.raises(CorruptCheckpointError, match="refers to step 0"):
             ck.read(1)
+
+
+def test_only_a_first_save_hashes_every_tensor_and_a_full_save_keeps_the_chain(tmp_path, shm_dir) -> None:  # noqa: ANN001
+    """A tensor whose CRC32C differs from the base's is certainly changed: it is never hashed, so
+    dense training pays no SHA-256; the frozen tensor's hash is recorded in every save (the
+    cadence-full ones included), so the save after a full one still refers to it."""
+    root = str(tmp_path / "ck")
+    frozen, train = _frozen(), torch.zeros(256)
+    with knobs.override(incremental_full_every=3), nc.Checkpointer(root, memory_tier=False, keep_last=20) as ck:
+        for step in range(7):
+            train += 1.0
+            ck.save(step, _state(frozen, train, step))
+    hashed = {step: set(_man(root, step).get("sha256", {})) for step in range(7)}
+    assert hashed[0] == {"frozen", "train"}, hashed[0]  # no base: everything
+    for step in range(1, 7):
+        assert hashed[step] == {"frozen"}, (step, hashed[step])
+    refs = {step: [s.get("step") for s in _man(root, step)["shards"][1:]] for step in range(7)}
+    assert refs == {0: [], 1: [0], 2: [0], 3: [], 4: [3], 5: [3], 6: []}, refs
+    for step in range(7):
+        got = _restore(root, step)
+        assert torch.equal(got["frozen"], frozen) and float(got["train"][0]) == step + 1.0

@@ -74,13 +74,14 @@ def test_target_is_the_newest_step_every_rank_can_get() -> None:
     # rank 1 lost its node: its step 5 is held by rank 0; the disk has step 2
     views = [_view(own=[(1, 5)], held={1: [(1, 5)]}, shared=[(1, 2)]), _view(shared=[(1, 2)])]
     assert recovery.choose_target(views) == (1, 5)
-    assert recovery.assignments(views, (1, 5), [1], 0) == {1: 0}
-    assert recovery.assignments(views, (1, 5), [1], 1) == {}
+    assert recovery.assignments(views, (1, 5), {1: 0}) == {1: 0}
+    assert recovery.assignments(views, (1, 5), {1: 1}) == {}
     # the holder's copy failed: step 5 excluded, the disk's step 2 is next
     assert recovery.choose_target(views, excluded=[(1, 5)]) == (1, 2)
     # a rank that cannot receive (no memory tier) cannot use replicas
     views[1]["can_pull"] = False
     assert recovery.choose_target(views) == (1, 2)
+    assert recovery.assignments(views, (1, 5), {1: 0}) == {}
 
 
 def test_a_newer_writer_generation_wins_and_step_filters_apply() -> None:

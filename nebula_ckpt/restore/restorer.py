@@ -127,7 +127,7 @@ class Restorer:
             if self.replicator is not None:  # lost memory-tier copies come back from partners first
                 shared = [c.order for c in list_candidates([(t, s) for t, s in pairs if t.shared])]
                 rec = self.replicator.recover(shared, step, among)
-            ck = open_agreed(pairs, self.coordinator, self.root, step, on_damaged, among, stage)
+            ck = open_agreed(pairs, self.coordinator, self.root, step, on_damaged, among, stage, self._checked(rec))
         elif tag is not None:
             ck = open_tagged(pairs, self.steps_tagged(tag), tag, self.root, stage)
         else:
@@ -138,6 +138,14 @@ class Restorer:
             # replica (pulled into its memory tier), a shared tier; ``tier``: where this rank read it
             self.last_restore.update(sources=rec["sources"], source=rec["sources"][self.coordinator.rank])
         return ck
+
+    def _checked(self, rec: Optional[dict[str, Any]]) -> Optional[tuple[str, int, int]]:
+        """The memory-tier copy the replicas' recover round checked in full on this rank (its own
+        copy, or the one it pulled), which the restore then need not check again; None if none."""
+        mem = next((t for t, _ in self.tier_pairs() if not t.shared), None)
+        if rec is None or mem is None or not rec.get("checked") or rec["step"] is None:
+            return None
+        return (mem.name, int(rec["generation"]), int(rec["step"]))
 
     def stage(self, into: Any, map_location: Any, strict: bool) -> Optional[Stage]:
         """What prepares a restore into ``into`` while the candidates are opened (None: no ``into``)."""

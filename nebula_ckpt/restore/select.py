@@ -26,6 +26,11 @@ log = logging.getLogger(__name__)
 #: prepares the restore of one opened candidate (see :func:`~nebula_ckpt.restore.apply.stage_restore`)
 Stage = Callable[[OpenCheckpoint], None]
 
+#: ``(tier name, writer generation, step)`` of a copy whose every checksum this process checked
+#: during this restore (a memory-tier copy, by the replicas' recover round): opened checking sizes
+#: only, so its bytes are not checked twice. Copies on other tiers, or of other steps, are not.
+Checked = Optional[tuple[str, int, int]]
+
 #: What :func:`find_and_open` does when committed checkpoints exist but none is healthy.
 ON_ALL_DAMAGED = ("raise", "warn")
 
@@ -84,7 +89,7 @@ def _commit_generation(storage: Storage, step: int) -> tuple[int, Optional[str]]
 def find_and_open(tiers: list[tuple[Tier, Storage]], step: Optional[int] = None,
                   verify: Optional[str] = None, on_all_damaged: str = "raise", rank: Optional[int] = None,
                   world: int = 1, stage: Optional[Stage] = None,
-                  generation: Optional[int] = None) -> Optional[OpenCheckpoint]:
+                  generation: Optional[int] = None, checked: Checked = None) -> Optional[OpenCheckpoint]:
     """Open the newest healthy checkpoint (or the healthy copy of ``step``).
 
     Every candidate that fails to open, for whatever reason, is skipped with a warning.
@@ -93,6 +98,7 @@ def find_and_open(tiers: list[tuple[Tier, Storage]], step: Optional[int] = None,
         tiers: ``(tier, storage)`` pairs, fastest first.
         step: only this step; None: the newest healthy one (newest writer generation first).
         generation: only checkpoints of this writer generation (the one the ranks agreed on).
+        checked: the copy this process checked already (see :data:`Checked`).
         verify: ``"full"`` or ``"size"``; None: each tier's own setting.
         on_all_damaged: when committed candidates exist but none is healthy: ``"raise"`` a
             :class:`CorruptCheckpointError` listing them, or ``"warn"`` (log) and return None.
@@ -119,7 +125,8 @@ def find_and_open(tiers: list[tuple[Tier, Storage]], step: Optional[int] = None,
     for c in cands:
         if c.problem is not None or (generation is not None and c.generation != generation):
             continue
-        ck = _open_candidate(c, verify, rank, world, stage, skipped)
+        how = verify or ("size" if checked == (c.tier.name, c.generation, c.step) else c.tier.verify)
+        ck = _open_candidate(c, how, rank, world, stage, skipped)
         if ck is not None:
             log.info("nebula_ckpt: restoring step %d from tier %s%s", c.step, c.tier.name,
                      f" (skipped {len(skipped)} damaged candidate(s))" if skipped else "")
@@ -132,7 +139,7 @@ def find_and_open(tiers: list[tuple[Tier, Storage]], step: Optional[int] = None,
     return None
 
 
-def _open_candidate(c: Candidate, verify: Optional[str], rank: Optional[int], world: int,
+def _open_candidate(c: Candidate, verify: str, rank: Optional[int], world: int,
                     stage: Optional[Stage], skipped: list[str]) -> Optional[OpenCheckpoint]:
     """Open (and stage) candidate ``c``; None when it is damaged (why appended to ``skipped``) or
     of a layout this process cannot restore.
@@ -142,7 +149,7 @@ def _open_candidate(c: Candidate, verify: Optional[str], rank: Optional[int], wo
     """
     where = f"tier {c.tier.name} step {c.step}"
     try:
-        ck = open_checkpoint(c.storage, c.step, verify or c.tier.verify, where, rank, world,
+        ck = open_checkpoint(c.storage, c.step, verify, where, rank, world,
                              defer_verify=stage is not None)
         ck.tier_name = c.tier.name
         ck.storage = c.storage
@@ -193,14 +200,15 @@ def open_tagged(tiers: list[tuple[Tier, Storage]], steps: list[int], tag: str, r
 
 def open_agreed(tiers: list[tuple[Tier, Storage]], co: Coordinator, root: str, step: Optional[int],
                 on_damaged: str, among: Optional[list[int]] = None,
-                stage: Optional[Stage] = None) -> Optional[OpenCheckpoint]:
+                stage: Optional[Stage] = None, checked: Checked = None) -> Optional[OpenCheckpoint]:
     """Every rank opens the same step: the newest that every rank can open from some tier (of
     ``among``, when given: the steps this rank sees with the tag asked for).
 
     Each round, the ranks intersect the steps committed on their tiers (minus those that failed
     on some rank) and take the newest; each rank opens it (its own memory tier, or its part of
     the shared tier); if any rank cannot, the step is dropped on all and the next round tries an
-    older one. Runs on the training thread; collectives on ``co``'s control group.
+    older one. Runs on the training thread; collectives on ``co``'s control group. ``checked``:
+    see :data:`Checked`.
     """
     failed: list[tuple[int, int]] = []
     while True:
@@ -215,7 +223,7 @@ def open_agreed(tiers: list[tuple[Tier, Storage]], co: Coordinator, root: str, s
                     f"{sorted({s for _, s in failed})} failed to open on some rank (see the ranks' logs for why); "
                     "`nebula-ckpt verify ROOT` lists damage")
             return None
-        ck = _open_round(tiers, co, newest, stage)
+        ck = _open_round(tiers, co, newest, stage, checked)
         if ck is not None:
             return ck
         log.warning("nebula_ckpt: step %d is not restorable on every rank; trying an older one", newest[1])
@@ -223,7 +231,7 @@ def open_agreed(tiers: list[tuple[Tier, Storage]], co: Coordinator, root: str, s
 
 
 def _open_round(tiers: list[tuple[Tier, Storage]], co: Coordinator, newest: tuple[int, int],
-                stage: Optional[Stage]) -> Optional[OpenCheckpoint]:
+                stage: Optional[Stage], checked: Checked = None) -> Optional[OpenCheckpoint]:
     """One round of :func:`open_agreed`: every rank opens ``(generation, step)``; the checkpoint
     when every rank could, else None.
 
@@ -234,7 +242,7 @@ def _open_round(tiers: list[tuple[Tier, Storage]], co: Coordinator, newest: tupl
     mismatch: Optional[ValidationError] = None
     try:
         ck = find_and_open(tiers, step=agreed, on_all_damaged="warn", rank=co.rank, world=co.world_size,
-                           stage=stage, generation=generation)
+                           stage=stage, generation=generation, checked=checked)
     except ValidationError as e:  # this rank's `into`: raised on every rank, after the round
         ck, mismatch = None, e
     except Exception as e:

@@ -14,8 +14,9 @@ done); a 32-bit CRC equal by chance (or by construction: CRC is linear) is caugh
 The hashes are taken of the staged bytes (what is written), so a change made in any way (an
 optimizer, ``.data``, NumPy, a raw pointer) is seen; they are taken on the stager thread by
 ``hash_threads`` threads (``hashlib`` releases the GIL), never on the training thread, only for
-the tensors whose CRC equals the base's (and for every tensor of a save that will be full, so
-the next one can build on it), and recorded in the manifest (``sha256``).
+the tensors whose CRC equals the base's (and for every tensor of a tier's first save, which has
+no base), and recorded in the manifest (``sha256``). A tensor that changes save after save (dense
+training) is never hashed: its CRC already differs.
 """
 
 from __future__ import annotations
@@ -101,13 +102,21 @@ class Incremental:
         return self._base is None or self._since_full + 1 >= self.full_every
 
     def hash_keys(self, index: dict[str, dict[str, Any]]) -> Optional[set[str]]:
-        """The keys of a staged save whose SHA-256 this tier needs (None: all of them)."""
+        """The keys of a staged save whose SHA-256 this tier needs (None: all of them).
+
+        Without a base (a tier's first save in this process, or after a failure) every tensor is
+        hashed, so that the next save can build on this one. With a base, only the tensors whose
+        CRC32C equals the base's are candidates for "unchanged", and only they are hashed, in a
+        full save too (a cadence-full save is the next one's base: a frozen tensor's CRC matches
+        there as well, so its hash is recorded for it). A tensor that changed from the base is
+        written anyway and needs no hash; in dense training, where every tensor changes, a save
+        hashes next to nothing."""
         if not self.enabled:
             return set()
         with self._lock:
             base = self._base
-            if self._next_is_full() or base is None:
-                return None
+        if base is None:
+            return None
         return {k for k, rec in index.items()
                 if (old := base.tensors.get(k)) is not None and rec["crc32c"] == old.crc32c}
 

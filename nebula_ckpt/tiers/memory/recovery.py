@@ -1,7 +1,7 @@
 """Where every rank's state comes from at restore, when memory-tier replicas exist: the plan.
 
 Pure functions of what every rank reported (its *view*, gathered by
-:class:`~nebula_ckpt.tiers.memory.replicas.Replicator`), so every rank computes the same plan:
+:mod:`~nebula_ckpt.tiers.memory.replica_recover`), so every rank computes the same plan:
 
 * ``own``: ``(generation, step)`` committed in the rank's own memory tier;
 * ``held``: source rank -> ``(generation, step)`` of the replicas the rank holds of it;
@@ -18,7 +18,7 @@ newest one is planned.
 
 from __future__ import annotations
 
-from typing import Any, Iterable, Optional, Sequence
+from typing import Any, Iterable, Mapping, Optional, Sequence
 
 Order = tuple[int, int]
 
@@ -58,13 +58,13 @@ def choose_target(views: Sequence[dict[str, Any]], step: Optional[int] = None,
     return max(common, default=None)
 
 
-def assignments(views: Sequence[dict[str, Any]], target: Order, pending: Iterable[int],
-                attempt: int) -> dict[int, int]:
-    """Requester -> holder for pull attempt ``attempt`` (0: first holder, 1: the next, ...)."""
+def assignments(views: Sequence[dict[str, Any]], target: Order, attempts: Mapping[int, int]) -> dict[int, int]:
+    """Requester -> holder for the next pull: ``attempts[r]`` is how many of ``r``'s holders it
+    tried already (0: its first holder, 1: the next, ...); a rank that cannot receive a copy (no
+    memory tier) or has tried every holder gets none."""
     out = {}
-    for r in pending:
-        hs = holders(views, r, target)
+    for r, attempt in attempts.items():
+        hs = holders(views, r, target) if views[r].get("can_pull") else []
         if attempt < len(hs):
             out[r] = hs[attempt]
     return out
-

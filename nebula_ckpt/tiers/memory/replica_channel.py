@@ -1,0 +1,164 @@
+"""The replicas' own channel between ranks: a gloo group, its gathers, and files moved zero-copy.
+
+One :class:`Channel` per :class:`~nebula_ckpt.tiers.memory.replicas.Replicator` (never the
+training group, never the checkpoint protocol's groups). Files are sent straight from a
+read-only mapping of the sender's memory-tier file (no snapshot, no copy in this process) and
+received straight into a mapping of the receiver's new file under ``.incoming-*`` (see
+:mod:`~nebula_ckpt.tiers.memory.replica_store`). :class:`Replication` bundles what the save
+rounds (:mod:`~nebula_ckpt.tiers.memory.replica_save`) and the recover round
+(:mod:`~nebula_ckpt.tiers.memory.replica_recover`) share.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+import threading
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+
+from nebula_ckpt.format.names import step_dir
+from nebula_ckpt.tiers.memory.replica_store import ReplicaStore, safe_name
+
+log = logging.getLogger(__name__)
+
+#: ``(work, tensor)`` of a transfer in flight (the tensor lives until the work is done)
+Works = list[tuple[Any, torch.Tensor]]
+
+
+class Counters:
+    """What replication moved (bytes, rounds, failures), safe to read from any thread."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._values: dict[str, Any] = {"rounds": 0, "sent_bytes": 0, "received_bytes": 0, "failed": 0,
+                                        "pulled_bytes": 0, "last_round_s": None, "peak_incoming_bytes": 0}
+
+    def add(self, name: str, n: int) -> None:
+        """Add ``n`` to counter ``name``."""
+        with self._lock:
+            self._values[name] += n
+
+    def set(self, name: str, value: Any) -> None:
+        """Set ``name`` to ``value``."""
+        with self._lock:
+            self._values[name] = value
+
+    def peak(self, name: str, value: int) -> None:
+        """Raise ``name`` to ``value`` when it is higher."""
+        with self._lock:
+            self._values[name] = max(self._values[name], value)
+
+    def snapshot(self) -> dict[str, Any]:
+        """Every counter, now."""
+        with self._lock:
+            return dict(self._values)
+
+
+class Channel:
+    """A gloo group of the job's ranks for the replicas alone (a collective to create).
+
+    Args:
+        ranks: the global ranks of the checkpoint's control group, by group rank.
+        rank: this process's rank in that group.
+        timeout_s: how long a gather or transfer waits for the other ranks.
+    """
+
+    def __init__(self, ranks: list[int], rank: int, timeout_s: float) -> None:
+        self.ranks = ranks
+        self.rank = rank
+        self.world = len(ranks)
+        self._group = dist.new_group(ranks=ranks, backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))
+
+    def gather(self, value: Any) -> list[Any]:
+        """Every rank's ``value``, by rank (a collective)."""
+        out: list[Any] = [None] * self.world
+        dist.all_gather_object(out, value, group=self._group)
+        return out
+
+    def send(self, paths: list[str], files: list[tuple[str, int]], dst: int, works: Works) -> None:
+        """Start sending ``files`` (``(name, size)``, mapped read-only from ``paths``: no copy) to
+        rank ``dst``. A file that cannot be mapped (gone meanwhile) is sent as zeros of its size,
+        so the ranks stay in step; the receiver's checksums then reject the copy."""
+        for i, ((_, size), path) in enumerate(zip(files, paths, strict=True)):
+            if not size:
+                continue
+            try:
+                t = torch.from_file(path, shared=False, size=size, dtype=torch.uint8)
+            except (OSError, RuntimeError) as e:
+                log.warning("nebula_ckpt: rank %d cannot read %s to send it to rank %d: %s", self.rank, path, dst, e)
+                t = torch.zeros(size, dtype=torch.uint8)
+            works.append((dist.isend(t, dst=self.ranks[dst], group=self._group, tag=i), t))
+
+    def receive(self, store: ReplicaStore, info: dict[str, Any], src: int, works: Works) -> str:
+        """Start receiving ``info``'s files from rank ``src`` into a new incoming folder of
+        ``store``; return its path, or why not (the bytes then go to scratch memory: the ranks
+        stay in step)."""
+        step = int(info["step"])
+        try:
+            inc = store.incoming(step)
+            targets = [_target(inc, step, name, size, src) for name, size in info["files"]]
+        except OSError as e:
+            log.warning("nebula_ckpt: rank %d cannot receive rank %d's step: %s", self.rank, src, e)
+            inc = f"{type(e).__name__}: {e}"
+            targets = [torch.empty(size, dtype=torch.uint8) for _, size in info["files"]]
+        for i, t in enumerate(targets):
+            if t.numel():
+                works.append((dist.irecv(t, src=self.ranks[src], group=self._group, tag=i), t))
+        return inc
+
+    @staticmethod
+    def wait(works: Works) -> None:
+        """Wait for every transfer of ``works`` (raises when one failed), then forget them."""
+        for w, _ in works:
+            w.wait()
+        works.clear()
+
+    def release(self) -> None:
+        """Free the group (after every rank is done with it)."""
+        try:
+            dist.destroy_process_group(self._group)
+        except Exception as e:  # best effort, as the protocol's groups
+            log.debug("nebula_ckpt: cannot free the replica group: %s", e)
+
+
+def _target(inc: str, step: int, name: str, size: int, src: int) -> torch.Tensor:
+    """The file ``name`` of the incoming copy, made and mapped to receive into."""
+    if not safe_name(name):  # the sender lists only these names
+        raise OSError(f"rank {src} sent a file named {name!r}; refusing it")
+    path = os.path.join(inc, step_dir(step), name)
+    fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY | os.O_NOFOLLOW, 0o600)
+    try:
+        os.ftruncate(fd, size)
+    finally:
+        os.close(fd)
+    return torch.from_file(path, shared=True, size=size, dtype=torch.uint8) if size else torch.empty(0)
+
+
+@dataclass
+class Replication:
+    """What one rank's replication works with: the channel, its memory tier and replicas, its
+    partners (who hold its copies) and sources (whose copies it holds)."""
+
+    channel: Channel
+    folder: Optional[str]
+    store: Optional[ReplicaStore]
+    k: int
+    keep: int
+    partners: list[int]
+    sources: list[int]
+    counters: Counters = field(default_factory=Counters)
+
+    @property
+    def rank(self) -> int:
+        """This rank (in the checkpoint's group)."""
+        return self.channel.rank
+
+    @property
+    def world(self) -> int:
+        """The job's number of ranks."""
+        return self.channel.world

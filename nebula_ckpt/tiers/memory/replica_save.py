@@ -1,0 +1,119 @@
+"""One save round of the replicas: each rank's committed memory-tier step goes to its partners.
+
+Run by the :class:`~nebula_ckpt.tiers.memory.replicas.Replicator`'s thread, in the same order on
+every rank, once this rank's memory tier is done with the save: the ranks exchange what they
+committed (file names and sizes; ``None`` for a rank whose memory tier did not commit it), each
+receiver says which copies it has room for (``knobs.shm_min_free``), each rank sends its files to
+its partners straight from the memory tier (a read-only mapping of the staged shard: no second
+snapshot), each receiver writes them into an ``.incoming-*`` folder, verifies every checksum and
+only then renames the copy into place, prunes older replicas of that rank, and the ranks exchange
+the outcome.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any, Optional
+
+from nebula_ckpt import knobs
+from nebula_ckpt.errors import PersistError
+from nebula_ckpt.format.names import step_dir
+from nebula_ckpt.tiers.memory import replica_store
+from nebula_ckpt.tiers.memory.replica_channel import Replication, Works
+from nebula_ckpt.tiers.memory.replica_store import committed, step_files
+
+log = logging.getLogger(__name__)
+
+
+def replicate(rp: Replication, handle: Any) -> Optional[list[str]]:
+    """One save round (``handle``: this rank's save, None when it sends nothing this round); the
+    errors of this rank's replicas (None: this rank sent nothing)."""
+    ch = rp.channel
+    mine, fds = _mine(rp, handle)
+    incoming: dict[int, str] = {}
+    try:
+        infos = ch.gather(mine)
+        accept = {s: _room_for(rp, infos[s]) for s in rp.sources if infos[s] is not None}
+        accepts = ch.gather(accept)
+        works: Works = []
+        if mine is not None:
+            paths = [f"/proc/self/fd/{fd}" for fd in fds]
+            for p in rp.partners:
+                if accepts[p].get(rp.rank) is True:
+                    ch.send(paths, mine["files"], p, works)
+        assert rp.store is not None or not any(v is True for v in accept.values())
+        for s, ok in accept.items():
+            if ok is True and rp.store is not None:
+                rp.counters.peak("peak_incoming_bytes", int(infos[s]["bytes"]))
+                incoming[s] = ch.receive(rp.store, infos[s], s, works)
+        ch.wait(works)
+    finally:
+        for fd in fds:
+            os.close(fd)
+    outcome = {s: commit_replica(rp, s, infos[s], inc) for s, inc in incoming.items()}
+    outcome.update({s: why for s, why in accept.items() if why is not True})
+    outcomes = ch.gather(outcome)
+    if mine is None:
+        return None
+    sent = sum(accepts[p].get(rp.rank) is True for p in rp.partners)
+    rp.counters.add("sent_bytes", mine["bytes"] * sent)
+    return [f"partner rank {p}: {outcomes[p].get(rp.rank)}" for p in rp.partners
+            if outcomes[p].get(rp.rank) is not None]
+
+
+def _mine(rp: Replication, handle: Any) -> tuple[Optional[dict[str, Any]], list[int]]:
+    """What this rank sends for the save of ``handle`` (its committed memory-tier step) and
+    its files, opened now: retention may unlink them while they are sent, never unmap them."""
+    if handle is None or rp.folder is None or not any(t.startswith("memory") for t in handle.tiers_written):
+        return None, []
+    fds: list[int] = []
+    try:
+        gen = next(g for g, s in committed(rp.folder) if s == handle.step)
+        d = os.path.join(rp.folder, step_dir(handle.step))
+        files = step_files(rp.folder, handle.step)
+        for name, _ in files:
+            fds.append(os.open(os.path.join(d, name), os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC))
+    except (StopIteration, OSError):  # retention took it already: a newer step is on its way
+        for fd in fds:
+            os.close(fd)
+        return None, []
+    return {"step": handle.step, "gen": gen, "files": files, "bytes": sum(n for _, n in files)}, fds
+
+
+def _room_for(rp: Replication, info: dict[str, Any]) -> Any:
+    """True, or why this rank cannot hold that copy."""
+    if rp.store is None:
+        return "it has no usable memory tier"
+    left = rp.store.free_after(int(info["bytes"]))
+    floor = float(knobs.get("shm_min_free_fraction"))
+    if left is not None and left < floor:
+        return (f"its memory tier would keep less than {floor:.0%} free with {info['bytes']} more bytes "
+                "(NEBULA_SHM_MIN_FREE)")
+    return True
+
+
+def commit_replica(rp: Replication, src: int, info: dict[str, Any], inc: str) -> Optional[str]:
+    """Verify the copy of ``src``'s step in ``inc`` and make it visible; None, or why not."""
+    assert rp.store is not None
+    step = int(info["step"])
+    if not os.path.isabs(inc):  # it could not be received into the memory tier: why
+        return inc
+    try:
+        check_copy(inc, step, src, rp.world, int(info["gen"]))
+        rp.store.publish(inc, step, rp.store.source_dir(src))
+        rp.store.prune(src, rp.keep)
+    except Exception as e:
+        rp.store.discard(inc)
+        log.warning("nebula_ckpt: rank %d: the replica of rank %d's step %d is not kept: %s", rp.rank, src, step, e)
+        return f"{type(e).__name__}: {e}"
+    rp.counters.add("received_bytes", int(info["bytes"]))
+    return None
+
+
+def check_copy(inc: str, step: int, rank: int, world: int, gen: int) -> None:
+    """Raise unless the copy of ``rank``'s ``step`` received into ``inc`` opens with every
+    checksum verified and carries writer generation ``gen``."""
+    replica_store.verify_step(inc, step, rank, world, "full")
+    if (gen, step) not in committed(inc):
+        raise PersistError(f"the copy of step {step} does not carry writer generation {gen}")
