@@ -1,11 +1,11 @@
 """Metadata at thousands of ranks, simulated in one process: what each step of a save's commit and
 a restore's planning costs as the number of ranks grows, with no tensor data.
 
-    python -m benchmarks.scale_sim                         # 64..1,024 ranks x 1,000 tensors
-    python -m benchmarks.scale_sim --ranks 256,1024,4096 --tensors 1000 --out benchmarks/results/scale-sim
+    python -m benchmarks.scale_sim --out benchmarks/results/scale-sim-$(date +%F)   # 256 to 16,384 ranks
 
-It runs the library's real metadata code on synthetic per-rank tensor indexes shaped like the ones
-the snapshot stage records (dtype, shape, byte range, CRC32C, DTensor placement):
+It runs the library's real metadata code (format version 3: each rank's records beside its shard)
+on synthetic per-rank tensor indexes shaped like the ones the snapshot stage records (dtype, shape,
+byte range, CRC32C, DTensor placement):
 
 * ``fsdp``: every rank holds a ``Shard(0)`` piece of every parameter and of its two AdamW moments,
   plus a replicated 0-dim step count per parameter (what ``fully_shard`` + AdamW records);
@@ -13,23 +13,36 @@ the snapshot stage records (dtype, shape, byte range, CRC32C, DTensor placement)
 
 Per size it measures, on the paths a real job runs:
 
-1. the rounds (:mod:`nebula_ckpt.save.rounds`): one rank's ``summary`` / ``digest`` / ``assign`` (CPU),
-   the bytes rank 0 receives in the digest and durable rounds (``all_gather_object`` pickles);
-2. rank 0's commit: ``ranks.global_manifest`` + serialising it (CPU), the bytes it writes;
-3. a restoring rank: the bytes it reads and its CPU to parse the manifest (``Manifest.parse``) and
-   to build the resharding plan's metadata (:class:`nebula_ckpt.dcp.reader.NebulaStorageReader` opened
-   on a real folder whose shards are sparse files);
-4. beside it, DCP's own planner: ``DefaultSavePlanner.create_global_plan`` over the same number of
-   local plans of the same items, and the size of the metadata DCP writes.
+1. one rank's part of the rounds (:mod:`nebula_ckpt.save.rounds`): the digest round's payload
+   (``summary`` / ``digest`` of the replicas, tree and DTensor table), ``assign`` of the owners,
+   and its durable-round payload with its records file
+   (:func:`nebula_ckpt.ranks.layout.records_payload`: subset image index, records JSON, CRC32C,
+   table, grid check); the bytes rank 0 receives in both rounds (``all_gather_object`` pickles);
+2. rank 0's commit: :func:`~nebula_ckpt.ranks.layout.layout_manifest` and its encoding, the bytes it writes;
+3. a restoring rank (the last one) at the same world size:
+   :func:`nebula_ckpt.restore.open.read_manifest` of its ranks on a real folder (commit marker,
+   manifest, its records and the owners', every one validated), the bytes it reads;
+4. a rank resharding into half the ranks: :func:`nebula_ckpt.format.rank_records.ranks_for` of
+   its regions on the grid, then reading those ranks' records, the bytes it reads;
+5. beside it, DCP's own planner: ``DefaultSavePlanner.create_global_plan`` over the same number of
+   local plans of the same items, and the size of the metadata DCP writes; above
+   ``--dcp-max-ranks`` (its local plans alone take GBs of memory) its time is extrapolated with
+   the exponent fitted below, and the report says so.
+
+The simulated ranks' payloads are real for every rank whose records any measured step reads
+(rank 0, the restoring rank, the owners of replicas, the resharding rank's sources); the others
+are copies of a real one under their own file names with a placeholder checksum, and their
+records files are not written: a step that read one would fail.
 
 Each figure is fitted to ``a * ranks**k`` (least squares on the logs): ``k`` is the growth
-exponent printed in the report. A step is skipped at sizes where the previous one predicts more
-than ``--budget-s`` seconds, and the report says so.
+exponent printed in the report. A step is skipped at sizes where the previous ones predict more
+than ``--budget-s`` seconds (the report then extrapolates it, saying so).
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import gc
 import json
 import math
@@ -44,12 +57,19 @@ from typing import Any, Callable, Optional
 import torch
 
 from nebula_ckpt import native
-from nebula_ckpt.format import manifest as mf
 from nebula_ckpt.format import names as fnames
 from nebula_ckpt.format.commit import Commit
+from nebula_ckpt.format.rank_records import ranks_for, records_bytes
 from nebula_ckpt.ranks import shards as ranks
+from nebula_ckpt.ranks.layout import first_of_class, layout_manifest, records_payload, signature
+from nebula_ckpt.restore.open import read_main_manifest, read_manifest
+from nebula_ckpt.save.commit import encode_manifest
+from nebula_ckpt.storage.local import LocalStorage
 
 ROWS, COLS = 64, 1024  # a rank's piece of each parameter (fp32): the bytes do not matter here
+NO_BYTES = memoryview(b"")
+WHOLE = "whole metadata path: every step above (s)"
+EXTRAPOLATED = "extrapolated: "  # subset_image slices the staged snapshot: nothing to slice here
 
 
 @dataclass
@@ -96,35 +116,60 @@ def timed(fn: Callable[[], Any]) -> tuple[Any, float]:
     return out, time.process_time() - t
 
 
-def durable_part(rank: int, idx: dict[str, dict[str, Any]], owners: dict[str, int],
-                 tree: Optional[dict[str, Any]]) -> dict[str, Any]:
-    """What ``rank`` sends in the durable round: its share of ``idx``, laid out as
-    ``ranks.subset_image`` lays it out (``tree``: rank 0's only)."""
-    mine, off = {}, 4096
-    for k in (k for k in idx if owners.get(k, rank) == rank):
-        n = idx[k]["offsets"][1] - idx[k]["offsets"][0]
-        mine[k] = dict(idx[k], offsets=[off, off + n])
-        off += n
-    return {"step": 1, "shard": {"file": fnames.shard_name(1, rank), "bytes": off, "storage": {"stored_bytes": off}},
-            "tensors": mine, "aliases": {}, "tree": tree, "stats": {"tensor_bytes": 0}}
+class Job:
+    """One simulated job: each rank's index on demand (FSDP ranks differ; DDP ranks are alike)."""
+
+    def __init__(self, kind: str, world: int, tensors: int) -> None:
+        self.kind, self.world, self.tensors = kind, world, tensors
+        self._ddp = rank_index(kind, 0, world, tensors) if kind == "ddp" else None
+
+    def index(self, rank: int) -> dict[str, dict[str, Any]]:
+        return self._ddp if self._ddp is not None else rank_index(self.kind, rank, self.world, self.tensors)
 
 
-def write_step(root: str, man: dict[str, Any], text: bytes) -> None:
-    """Step 1 of ``root`` committed on disk: sparse shards of the manifest's sizes (the reader
-    checks sizes, never reads bytes here), the manifest ``text`` and its commit marker."""
-    step_dir = os.path.join(root, fnames.step_dir(1))
-    os.makedirs(step_dir, exist_ok=True)
-    for sh in man["shards"]:
-        with open(os.path.join(step_dir, sh["file"]), "wb") as f:
-            f.truncate(sh["bytes"])
+def durable(job: Job, rank: int, owners: dict[str, int], tree: Any,
+            dts: list[str]) -> tuple[str, bytes, dict[str, Any]]:
+    """What ``rank`` writes (its records file) and sends in the durable round, as the rounds make them."""
+    idx = job.index(rank)
+    keep = [k for k in idx if owners.get(k, rank) == rank]
+    _, index, nbytes = ranks.subset_image(idx, keep, NO_BYTES)
+    meta = {"tensors": idx, "tree": tree, "stats": {"tensor_bytes": nbytes, "copy_seconds": 0.1}}
+    shard = {"file": fnames.shard_name(1, rank), "bytes": nbytes, "storage": {"stored_bytes": nbytes}}
+    return records_payload(step=1, generation=1, rank=rank, world=job.world, shard=shard,
+                           index=index, aliases={}, meta=meta, send_tree=rank == 0,
+                           send_table=first_of_class(rank, dts), crc=native.get_ops().crc32c_bytes)
+
+
+def placeholder(template: dict[str, Any], rank: int) -> dict[str, Any]:
+    """A rank whose records no measured step reads: a real payload's copy under its own names."""
+    p = copy.deepcopy(template)
+    p["shard"]["file"] = fnames.shard_name(1, rank)
+    p["records"].update(file=fnames.records_name(1, rank), crc32c=0)
+    p.update(tree=None, table=None)
+    return p
+
+
+def commit(step_dir: str, text: bytes) -> None:
+    """Write the manifest ``text`` and its commit marker into ``step_dir``."""
     with open(os.path.join(step_dir, fnames.MANIFEST), "wb") as f:
         f.write(text)
     with open(os.path.join(step_dir, fnames.COMMIT), "wb") as f:
         f.write(Commit(1, 1, len(text), native.get_ops().crc32c_bytes(text)).to_bytes())
 
 
+def reshard_regions(job: Job, man: Any) -> dict[str, Any]:
+    """The regions the last rank of a job of half the ranks restores (its dim-0 rows of each DTensor)."""
+    half = max(1, job.world // 2)
+    q = half - 1
+    out = {}
+    for key, spec in man.layout.dtensors.items():
+        rows = -(-spec.shape[0] // half)
+        out[key] = ((q * rows, 0), (min(spec.shape[0], (q + 1) * rows) - q * rows, spec.shape[1]))
+    return out
+
+
 def simulate(kind: str, world: int, tensors: int, workdir: str, budget_s: float,
-             predict: Callable[[str, int], Optional[float]]) -> Sample:
+             predict: Callable[[str, int], Optional[float]], dcp_max: int) -> Sample:
     """One simulated job of ``world`` ranks: every cost named in the module docstring."""
     s = Sample(world)
 
@@ -137,44 +182,76 @@ def simulate(kind: str, world: int, tensors: int, workdir: str, budget_s: float,
         s.values[name] = cpu
         return out
 
-    # every rank's index differs only in offsets / checksums: build each one (rank 0 receives them all)
-    indexes = [rank_index(kind, r, world, tensors) for r in range(world)]
-    tree = rank_tree(indexes[0])
-    rep, sharded = run("rank: summary+digest (s)", lambda: ranks.summary(indexes[0]))
-    digest = ranks.digest(rep)
-    payload1 = {"step": 1, "digest": digest, "tree": ranks.digest(tree), "sharded": sharded}
-    s.values["rank 0 receives: digest round (B)"] = world * len(pickle.dumps(payload1))
-    owners = run("rank: assign owners (s)", lambda: ranks.assign([rep] * world, [sharded] * world)) or {}
-    parts = [durable_part(r, idx, owners, tree if r == 0 else None) for r, idx in enumerate(indexes)]
-    s.values["rank 0 receives: durable round (B)"] = sum(len(pickle.dumps(p)) for p in parts)
-    s.values["rank: sends in durable round (B)"] = float(len(pickle.dumps(parts[-1])))
-    man = run("rank 0: build manifest (s)", lambda: ranks.global_manifest(step=1, generation=1, parts=parts,
-                                                                         owners=owners))
-    indexes.clear()  # free: rank 0 keeps only the parts
-    if man is None:
-        return s
-    text = run("rank 0: serialise manifest (s)", lambda: json.dumps(man, separators=(",", ":")).encode())
-    if text is None:
-        return s
-    s.values["rank 0 writes (B)"] = float(len(text))
-    s.values["rank reads at restore (B)"] = float(len(text))
-    root = os.path.join(workdir, f"{kind}-{world}")
-    write_step(root, man, text)
-    man, parts = {}, []  # free before the restore side
-    run("rank: parse manifest (s)", lambda: mf.Manifest.parse(json.loads(text), "sim", 1))
-    text = b""
+    job = Job(kind, world, tensors)
+    reader = world - 1
+    idx = job.index(reader)
+    tree = rank_tree(idx)
 
-    def reshard_plan() -> Any:
-        from nebula_ckpt.dcp.reader import NebulaStorageReader
-        with NebulaStorageReader(root, step=1, verify=False) as reader:
-            return len(reader.read_metadata().state_dict_metadata)
-    run("rank: reshard plan metadata (s)", reshard_plan)
+    def digest_round() -> tuple[Any, int, dict[str, Any]]:
+        rep, sharded = ranks.summary(idx)
+        return rep, sharded, {"step": 1, "digest": ranks.digest(rep), "tree": ranks.digest(tree), "sharded": sharded,
+                              "dt": ranks.digest(signature(idx))}
+    rep, sharded, p1 = run("rank: digest round payload (s)", digest_round)
+    s.values["rank 0 receives: digest round (B)"] = float(world * len(pickle.dumps(p1)))
+    owners = run("rank: assign owners (s)", lambda: ranks.assign([rep] * world, [sharded] * world))
+    dts = [p1["dt"]] * world
+    # the ranks whose records a measured step reads: real payloads and files
+    half = max(1, world // 2)
+    real = {0, reader, *owners.values(), *range(max(0, 2 * (half - 1) - 1), world)} if kind == "fsdp" else \
+        {0, reader, *owners.values()}
+    _, _, mine = run("rank: durable payload + records file (s)", lambda: durable(job, reader, owners, tree, dts))
+    s.values["rank: sends in durable round (B)"] = float(len(pickle.dumps(mine)))
+    root = os.path.join(workdir, f"{kind}-{world}")
+    step_dir = os.path.join(root, fnames.step_dir(1))
+    os.makedirs(step_dir, exist_ok=True)
+    parts: list[dict[str, Any]] = []
+    for r in range(world):
+        if r in real:
+            name, data, payload = durable(job, r, owners, tree, dts)
+            with open(os.path.join(step_dir, name), "wb") as f:
+                f.write(data)
+        else:
+            payload = placeholder(mine, r)
+        parts.append(payload)
+    s.values["rank 0 receives: durable round (B)"] = float(sum(len(pickle.dumps(p)) for p in parts))
+    man = run("rank 0: build manifest (s)", lambda: layout_manifest(step=1, generation=1, parts=parts, owners=owners))
+    text = run("rank 0: encode manifest (s)", lambda: encode_manifest(man))
+    parts.clear()
+    s.values["rank 0 writes (B)"] = float(len(text))
+    commit(step_dir, text)
+    restore_side(job, LocalStorage(root), len(text), s, run)
     shutil.rmtree(root, ignore_errors=True)
-    dcp_planner(kind, world, tensors, s, run)
+    s.values[WHOLE] = sum(v for n, v in s.values.items() if n.startswith("rank") and n.endswith("(s)"))
+    dcp_planner(job, s, run, predict, budget_s, dcp_max)
+    name = "dcp rank 0: create_global_plan (s)"
+    dcp = s.values.get(name, s.values.get(EXTRAPOLATED + name))
+    if dcp:
+        s.values["dcp planner / whole metadata path (x)"] = dcp / s.values[WHOLE]
     return s
 
 
-def dcp_planner(kind: str, world: int, tensors: int, s: Sample, run: Callable[[str, Callable[[], Any]], Any]) -> None:
+def restore_side(job: Job, st: LocalStorage, main_bytes: int, s: Sample,
+                 run: Callable[[str, Callable[[], Any]], Any]) -> None:
+    """Steps 3 and 4 of the module docstring, on the committed folder of ``st``."""
+    reader = job.world - 1
+    got = run("rank: restore plan: manifest + its records (s)", lambda: read_manifest(st, 1, "sim", ranks=[reader]))
+    s.values["rank reads at restore (B)"] = float(main_bytes + records_bytes(got.layout, [reader]))
+    if job.kind != "fsdp":
+        return  # plain replicated tensors reshard from their owners: the restore above
+
+    def reshard() -> int:
+        main = read_main_manifest(st, 1, "sim")
+        need = ranks_for(main.layout, reshard_regions(job, main))
+        assert need is not None
+        loaded = read_manifest(st, 1, "sim", ranks=sorted(need - set(main.layout.owners.values())))
+        return main_bytes + records_bytes(loaded.layout, loaded.layout.loaded)
+    got_bytes = run("rank: reshard plan: find + read its sources' records (s)", reshard)
+    if got_bytes is not None:
+        s.values["rank reads to reshard (B)"] = float(got_bytes)
+
+
+def dcp_planner(job: Job, s: Sample, run: Callable[[str, Callable[[], Any]], Any],
+                predict: Callable[[str, int], Optional[float]], budget_s: float, max_ranks: int) -> None:
     """DCP's save planner over ``world`` local plans of the same items (what ``dcp.save`` runs on rank 0)."""
     from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
     from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
@@ -185,9 +262,17 @@ def dcp_planner(kind: str, world: int, tensors: int, s: Sample, run: Callable[[s
         WriteItemType,
     )
 
+    name = "dcp rank 0: create_global_plan (s)"
+    guess = predict(name, job.world)
+    if guess is not None and (guess > budget_s or job.world > max_ranks):  # its plans alone take as long
+        s.skipped[name] = (f"not run above {max_ranks:,} ranks (--dcp-max-ranks) or over {budget_s:.0f} s: "
+                           f"{guess:.1f} s extrapolated with its exponent")
+        s.values[EXTRAPOLATED + name] = guess
+        return
+
     def plan(r: int) -> SavePlan:
         items = []
-        for key, rec in rank_index(kind, r, world, tensors).items():
+        for key, rec in job.index(r).items():
             dt = rec.get("dtensor")
             size = torch.Size(dt["shape"] if dt else rec["shape"])
             offs = torch.Size(dt["offsets"] if dt else [0] * len(rec["shape"]))
@@ -197,10 +282,10 @@ def dcp_planner(kind: str, world: int, tensors: int, s: Sample, run: Callable[[s
                                        properties=TensorProperties(dtype=torch.float32), size=size)))
         return SavePlan(items, planner_data={})
 
-    plans = [plan(r) for r in range(world)]
+    plans = [plan(r) for r in range(job.world)]
     s.values["dcp rank 0 receives: local plans (B)"] = float(sum(len(pickle.dumps(p)) for p in plans))
     planner = DefaultSavePlanner()
-    out = run("dcp rank 0: create_global_plan (s)", lambda: planner.create_global_plan(plans))
+    out = run(name, lambda: planner.create_global_plan(plans))
     if out is not None:
         s.values["dcp rank 0 writes: metadata (B)"] = float(len(pickle.dumps(out[1])))
 
@@ -218,6 +303,8 @@ def fit(points: list[tuple[int, float]]) -> Optional[tuple[float, float]]:
 
 
 def fmt(name: str, v: float) -> str:
+    if name.endswith("(x)"):
+        return f"{v:.1f}x"
     if name.endswith("(s)"):
         return f"{v * 1e3:.1f} ms" if v < 1 else f"{v:.2f} s"
     for unit, div in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
@@ -233,7 +320,11 @@ def report(kind: str, tensors: int, samples: list[Sample]) -> tuple[str, dict[st
              "|---|" + "---:|" * len(samples) + "---:|"]
     fits: dict[str, Any] = {}
     for n in names:
-        row = [fmt(n, s.values[n]) if n in s.values else "skipped" for s in samples]
+        if n.startswith(EXTRAPOLATED):
+            continue
+        row = [fmt(n, s.values[n]) if n in s.values else
+               f"~{fmt(n, s.values[EXTRAPOLATED + n])} (extrapolated)" if EXTRAPOLATED + n in s.values else "skipped"
+               for s in samples]
         f = fit([(s.ranks, s.values[n]) for s in samples if n in s.values])
         fits[n] = None if f is None else {"k": f[0], "a": f[1]}
         lines.append(f"| {n} | " + " | ".join(row) + f" | {'' if f is None else f'{f[0]:.2f}'} |")
@@ -243,12 +334,15 @@ def report(kind: str, tensors: int, samples: list[Sample]) -> tuple[str, dict[st
 
 def main(argv: Optional[list[str]] = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--ranks", default="64,256,1024", help="comma-separated simulated world sizes")
+    p.add_argument("--ranks", default="256,1024,4096,16384", help="comma-separated simulated world sizes")
+    p.add_argument("--dcp-max-ranks", type=int, default=1024,
+                   help="run DCP's planner up to this size (its local plans take GBs beyond), extrapolate above")
     p.add_argument("--tensors", type=int, default=1000, help="tensors per rank")
     p.add_argument("--kinds", default="fsdp,ddp")
     p.add_argument("--budget-s", type=float, default=120.0, help="skip a step predicted to take longer")
     p.add_argument("--out", default=None, help="folder for results.md / results.json")
     a = p.parse_args(argv)
+    started = time.monotonic()
     sizes = sorted(int(x) for x in a.ranks.split(","))
     md = ["# Metadata at scale (simulated, one process, no tensor data)", "",
           f"`python -m benchmarks.scale_sim --ranks {a.ranks} --tensors {a.tensors}`; CPU seconds "
@@ -263,13 +357,14 @@ def main(argv: Optional[list[str]] = None) -> int:
                 return None if f is None else f[1] * world ** f[0]
 
             for n in sizes:
-                samples.append(simulate(kind, n, a.tensors, work, a.budget_s, predict))
+                samples.append(simulate(kind, n, a.tensors, work, a.budget_s, predict, a.dcp_max_ranks))
                 print(f"{kind} {n} ranks: " + ", ".join(f"{k} {fmt(k, v)}" for k, v in samples[-1].values.items()),
                       flush=True)
             text, fits = report(kind, a.tensors, samples)
             md.append(text)
             doc["kinds"][kind] = {"samples": [{"ranks": s.ranks, "values": s.values, "skipped": s.skipped}
                                               for s in samples], "fits": fits}
+    md.append(f"Wall time of the whole run: {time.monotonic() - started:.0f} s.\n")
     out = "\n".join(md)
     print(out)
     if a.out:

@@ -14,7 +14,7 @@ from typing import Callable, TypeVar, Union
 from nebula_ckpt.cli.common import commit_state, note, open_tiers
 from nebula_ckpt.errors import NebulaError
 from nebula_ckpt.format.commit import step_dirs
-from nebula_ckpt.restore.open import read_manifest
+from nebula_ckpt.restore.open import read_main_manifest
 from nebula_ckpt.storage.base import Storage
 from nebula_ckpt.storage.urls import strip_credentials
 from nebula_ckpt.tiers.base import Tier
@@ -69,7 +69,7 @@ def candidates(args: argparse.Namespace, tiers: list[tuple[Tier, Storage]]) -> t
                     found.append((step, tier, st))
             elif args.tag is not None:
                 try:
-                    tag = read_manifest(st, step, f"tier {tier.name} step {step}").tag
+                    tag = read_main_manifest(st, step, f"tier {tier.name} step {step}").tag
                 except Exception:  # damaged: not found by its tag (ls and verify show it)
                     continue
                 if tag == args.tag:

@@ -63,3 +63,20 @@ def only_fields(d: dict[str, Any], allowed: tuple[str, ...], where: str, what: s
     if extra:
         raise bad(where, f"{what} has unknown field(s) {extra[:5]} (allowed: {list(allowed)})",
                   "a newer format needs a newer manifest version")
+
+
+_HEX = frozenset("0123456789abcdef")
+
+
+def as_hashes(raw: Any, stored: Any, where: str) -> dict[str, str]:
+    """A ``sha256`` map: each key one of ``stored`` (the stored tensor keys), each value 64
+    lowercase hex digits."""
+    out: dict[str, str] = {}
+    for k, v in as_obj(raw, where, "sha256").items():
+        if k not in stored:
+            raise bad(where, f"sha256[{short(k)}]: no such stored tensor")
+        v = as_str(v, where, f"sha256[{short(k)}]")
+        if len(v) != 64 or not set(v) <= _HEX:
+            raise bad(where, f"sha256[{short(k)}] = {short(v)} is not 64 lowercase hex digits")
+        out[k] = v
+    return out

@@ -22,6 +22,11 @@ ranges against their shard and each other, aliases, shard file names, the typed 
 records of each DTensor (alike on every rank and, with every rank held, covering the global
 tensor exactly) — and raises :class:`CorruptCheckpointError` naming the file and the field.
 Readers use only the typed records it returns.
+
+Format version 3 keeps each rank's records in a file beside its shard
+(:mod:`nebula_ckpt.format.rank_records`): its manifest parses to a :class:`Manifest` whose
+``layout`` names those files and whose ``tensors`` are empty until
+:func:`~nebula_ckpt.format.rank_records.with_records` loads the records of the ranks a reader needs.
 """
 
 from __future__ import annotations
@@ -33,15 +38,16 @@ import types
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Optional
 
-from nebula_ckpt.format.checks import as_int, as_list, as_obj, as_str, bad, short
+from nebula_ckpt.format.checks import as_hashes, as_int, as_list, as_obj, as_str, bad, short
 from nebula_ckpt.format.dtensors import check_dtensors
-from nebula_ckpt.format.names import FORMAT, MANIFEST, SINGLE_VERSION, VERSION, step_dir, tag_problem
+from nebula_ckpt.format.names import FORMAT, LAYOUT_VERSION, MANIFEST, SINGLE_VERSION, VERSION, step_dir, tag_problem
+from nebula_ckpt.format.rank_records import LAYOUT_FIELDS, RanksLayout, parse_layout
 from nebula_ckpt.format.records import ShardRecord, TensorRecord
 from nebula_ckpt.format.tree import check_tree
 
 _REQUIRED = ("format", "version", "step", "generation", "shards", "tensors", "tree")
-_KNOWN = _REQUIRED + ("time", "checksum", "aliases", "stats", "world_size", "ranks", "rank_tree", "tag", "sha256")
-_HEX = frozenset("0123456789abcdef")
+_KNOWN = (_REQUIRED + ("time", "checksum", "aliases", "stats", "world_size", "ranks", "rank_tree", "tag", "sha256")
+          + LAYOUT_FIELDS)
 #: most ranks a manifest may name (bounds the work a hostile manifest can ask for)
 MAX_WORLD = 1 << 20
 
@@ -76,6 +82,8 @@ class Manifest:
     tag: Optional[str] = None
     #: tensor key -> SHA-256 (hex) of its bytes, for the tensors whose hash the writer took
     hashes: Mapping[str, str] = field(default_factory=dict)
+    #: version 3: the ranks' records files (and which of them ``tensors`` holds); None before
+    layout: Optional[RanksLayout] = None
 
     @property
     def multi_rank(self) -> bool:
@@ -105,14 +113,17 @@ class Manifest:
         """The manifest as the writer's JSON dict (see :func:`build_manifest`)."""
         out = {"format": FORMAT, "version": self.version, "step": self.step, "generation": self.generation,
                "time": self.time, "checksum": self.checksum, "shards": [s.to_json() for s in self.shards],
-               "tensors": {k: t.to_json() for k, t in self.tensors.items()}, "aliases": dict(self.aliases),
+               "tensors": {} if self.layout else {k: t.to_json() for k, t in self.tensors.items()},
+               "aliases": {} if self.layout else dict(self.aliases),
                "tree": self.tree, "stats": dict(self.stats)}
         if self.multi_rank:
             out.update(world_size=self.world_size, ranks=list(self.ranks),
                        rank_tree={str(r): i for r, i in self.rank_tree.items()})
+        if self.layout is not None:
+            out.update(self.layout.to_json())
         if self.tag is not None:
             out["tag"] = self.tag
-        if self.hashes:
+        if self.hashes and self.layout is None:  # version 3: the hashes are in the ranks' records files
             out["sha256"] = dict(self.hashes)
         out.update(self.extra)
         return out
@@ -153,8 +164,8 @@ class Manifest:
         if m.get("format") != FORMAT:
             raise bad(w, f"format is {short(m.get('format'))}, not {FORMAT!r}: not a nebula_ckpt manifest")
         version = as_int(m.get("version"), w, "version", lo=1, hi=2**31)
-        if version > VERSION:
-            raise bad(w, f"version {version} is newer than this nebula_ckpt understands ({VERSION})",
+        if version > LAYOUT_VERSION:
+            raise bad(w, f"version {version} is newer than this nebula_ckpt understands ({LAYOUT_VERSION})",
                        "upgrade nebula_ckpt")
         missing = [k for k in _REQUIRED if k not in m]
         if missing:
@@ -179,8 +190,10 @@ def _parse_body(m: dict[str, Any], w: str, step: int, version: int) -> Manifest:
     _check_overlaps(tensors, shards, w)
     aliases = _aliases(m.get("aliases", {}), tensors, w)
     world, ranks, rank_tree = _ranks(m, w, version)
-    _check_trees(m["tree"], tensors, aliases, world, rank_tree, w)
-    check_dtensors(tensors, aliases, shards, world, len(ranks) == world, w)
+    layout = parse_layout(m, w, shards, world, ranks) if version >= LAYOUT_VERSION else None
+    if layout is None:  # version 3: checked when the ranks' records are loaded
+        _check_trees(m["tree"], tensors, aliases, world, rank_tree, w)
+        check_dtensors(tensors, aliases, shards, world, len(ranks) == world, w)
     t = m.get("time", 0.0)
     if type(t) not in (int, float):
         raise bad(w, f"time must be a number, got {type(t).__name__}")
@@ -189,27 +202,15 @@ def _parse_body(m: dict[str, Any], w: str, step: int, version: int) -> Manifest:
     tag = m.get("tag")
     if "tag" in m and tag_problem(tag) is not None:  # optional, but when present a valid tag
         raise bad(w, f"tag {tag_problem(tag)}")
-    hashes = _hashes(m.get("sha256", {}), tensors, w)
+    hashes = as_hashes(m.get("sha256", {}), tensors, w)
     return Manifest(step=step, generation=as_int(m["generation"], w, "generation"), shards=shards,
                     tensors=types.MappingProxyType(tensors), aliases=types.MappingProxyType(aliases),
                     tree=m["tree"], version=version, time=float(t),
                     stats=types.MappingProxyType(as_obj(m.get("stats", {}), w, "stats")),
                     extra=types.MappingProxyType({k: v for k, v in m.items() if k not in _KNOWN}),
                     world_size=world, ranks=ranks, rank_tree=types.MappingProxyType(rank_tree), tag=tag,
-                    hashes=types.MappingProxyType(hashes))
+                    hashes=types.MappingProxyType(hashes), layout=layout)
 
-
-def _hashes(raw: Any, tensors: dict[str, TensorRecord], w: str) -> dict[str, str]:
-    """``sha256``: stored tensor key -> 64 lowercase hex digits."""
-    out: dict[str, str] = {}
-    for k, v in as_obj(raw, w, "sha256").items():
-        if k not in tensors:
-            raise bad(w, f"sha256[{short(k)}]: no such stored tensor in the manifest")
-        v = as_str(v, w, f"sha256[{short(k)}]")
-        if len(v) != 64 or not set(v) <= _HEX:
-            raise bad(w, f"sha256[{short(k)}] = {short(v)} is not 64 lowercase hex digits")
-        out[k] = v
-    return out
 
 
 def _ranks(m: dict[str, Any], w: str, version: int) -> tuple[int, tuple[int, ...], dict[int, int]]:

@@ -30,6 +30,9 @@ from nebula_ckpt.format.checks import short
 
 FORMAT = "nebula_ckpt"
 VERSION = 2
+#: multi-rank manifests whose tensor records live in one records file per rank, beside its shard
+#: (:mod:`nebula_ckpt.format.rank_records`); the newest version this nebula_ckpt reads
+LAYOUT_VERSION = 3
 #: manifests of one process (world_size 1) are still written as version 1: any reader reads them
 SINGLE_VERSION = 1
 
@@ -40,7 +43,8 @@ COMMIT = "COMMIT"
 _STEP_RE = re.compile(r"step-(0|[1-9][0-9]*)")
 _SHARD_RE = re.compile(r"shard-g(0|[1-9][0-9]*)-r(0|[1-9][0-9]*)\.safetensors")
 _SHARD_PREFIX_RE = re.compile(r"shard-g([0-9]+)-r[0-9]+\.safetensors")
-_SHARD_OWNER_RE = re.compile(r"shard-g([0-9]+)-r([0-9]+)\.safetensors")
+_SHARD_OWNER_RE = re.compile(r"(?:shard-g([0-9]+)-r([0-9]+)\.safetensors|records-g([0-9]+)-r([0-9]+)\.json)")
+_RECORDS_RE = re.compile(r"records-g(0|[1-9][0-9]*)-r(0|[1-9][0-9]*)\.json")
 
 
 def step_dir(step: int) -> str:
@@ -59,10 +63,24 @@ def shard_name(generation: int, rank: int = 0) -> str:
     return f"shard-g{generation}-r{rank}.safetensors"
 
 
+def records_name(generation: int, rank: int) -> str:
+    """File name of a rank's tensor records (beside its shard, format version 3)."""
+    return f"records-g{generation}-r{rank}.json"
+
+
+def is_records_name(name: str) -> bool:
+    """Whether ``name`` is exactly a records file name of this format (a plain name, no path)."""
+    return _RECORDS_RE.fullmatch(name) is not None
+
+
 def shard_owner(name: str) -> Optional[tuple[int, int]]:
-    """``(generation, rank)`` of the writer of a shard file (or of a partial file named like one)."""
+    """``(generation, rank)`` of the writer of a shard or records file (or of a partial file
+    named like one)."""
     m = _SHARD_OWNER_RE.match(name)
-    return (int(m.group(1)), int(m.group(2))) if m else None
+    if not m:
+        return None
+    g, r = (m.group(1), m.group(2)) if m.group(1) is not None else (m.group(3), m.group(4))
+    return int(g), int(r)
 
 
 def shard_generation(name: str) -> Optional[int]:

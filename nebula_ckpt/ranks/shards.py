@@ -11,15 +11,16 @@ Pure functions over metadata (no I/O, no collectives), used by the tier writers 
   state, say) is never mistaken for a replica: each rank then writes its own.
 * :func:`subset_image` — the safetensors image of a rank's share: a new header and the byte
   ranges of the staged snapshot (no copy).
-* :func:`rank_manifest` / :func:`global_manifest` — the manifest of a rank's own tier (memory)
-  and the coordinator's manifest on a shared tier (format version 2, see
-  :mod:`nebula_ckpt.format.manifest`); both that one and the DCP writer's multi-rank manifest
-  are built by :func:`ranks_manifest`.
+* :func:`rank_manifest` — the manifest of a rank's own tier (memory; format version 2, see
+  :mod:`nebula_ckpt.format.manifest`); it, the DCP writer's multi-rank manifest (version 2) and
+  the coordinator's manifest on a shared tier (version 3, :mod:`nebula_ckpt.ranks.layout`) are
+  built by :func:`ranks_manifest`.
 """
 
 from __future__ import annotations
 
 import hashlib
+import heapq
 import json
 from typing import Any, Optional
 
@@ -68,15 +69,29 @@ def assign(summaries: list[dict[str, Entry]], base: Optional[list[int]] = None) 
     if len(summaries) < 2:
         return {}
     first = summaries[0]
-    replicated = [k for k, v in first.items() if all(s.get(k) == v for s in summaries[1:])]
-    rep = set(replicated)
-    load = [(base[i] if base else 0) + sum(v[0] for k, v in s.items() if k not in rep)
-            for i, s in enumerate(summaries)]
+    if all(s is first for s in summaries):  # equal digests (DDP): every key is replicated, no rank holds more
+        replicated = list(first)
+        load = [base[i] if base else 0 for i in range(len(summaries))]
+    else:
+        replicated = [k for k, v in first.items() if all(s.get(k) == v for s in summaries[1:])]
+        rep = set(replicated)
+        load = [(base[i] if base else 0) + sum(v[0] for k, v in s.items() if k not in rep)
+                for i, s in enumerate(summaries)]
+    heap = [(n, i) for i, n in enumerate(load)]  # the least loaded rank, lowest first: O(log ranks) a key
+    heapq.heapify(heap)
     owners: dict[str, int] = {}
     for k in sorted(replicated, key=lambda k: (-first[k][0], k)):
-        r = 0 if first[k][0] < small else min(range(len(load)), key=lambda i: (load[i], i))
+        nbytes = first[k][0]
+        if nbytes < small:
+            owners[k] = 0
+            load[0] += nbytes
+            continue
+        while heap[0][0] != load[heap[0][1]]:  # an entry made stale by a small replica on rank 0
+            heapq.heapreplace(heap, (load[heap[0][1]], heap[0][1]))
+        r = heap[0][1]
         owners[k] = r
-        load[r] += first[k][0]
+        load[r] += nbytes
+        heapq.heapreplace(heap, (load[r], r))
     return owners
 
 
@@ -128,17 +143,23 @@ def stored_record(record: dict[str, Any], rank: int) -> dict[str, Any]:
 
 def ranks_manifest(*, step: int, generation: int, shards: list[dict[str, Any]], tensors: dict[str, dict[str, Any]],
                    aliases: dict[str, str], trees: list[Any], stats: dict[str, Any],
-                   hashes: Optional[dict[str, str]] = None) -> dict[str, Any]:
+                   same_trees: Optional[list[bool]] = None, hashes: Optional[dict[str, str]] = None) -> dict[str, Any]:
     """The manifest of a checkpoint every rank wrote a shard of (the one builder of them: the
-    tier writers' :func:`global_manifest` and the DCP writer use it).
+    version 3 :func:`nebula_ckpt.ranks.layout.layout_manifest` of the tier writers and the DCP
+    writer use it).
 
     ``trees[r]``: rank ``r``'s typed tree; equal trees are stored once (``rank_tree`` maps each
-    rank to its tree). ``tensors`` and ``aliases`` carry the ``r<R>/`` key prefixes.
+    rank to its tree). ``same_trees[r]``: rank ``r``'s tree is known to be rank 0's (compared by
+    digest), so it is not serialised again. ``tensors`` and ``aliases`` carry the ``r<R>/`` key prefixes;
+    ``hashes`` (``sha256``): key -> SHA-256 hex of the stored tensors whose hash the writer took.
     """
     stored: list[Any] = []
     seen: dict[str, int] = {}
     rank_tree: dict[int, int] = {}
     for r, tree in enumerate(trees):
+        if r and same_trees is not None and same_trees[r]:
+            rank_tree[r] = 0
+            continue
         text = json.dumps(tree, sort_keys=True, separators=(",", ":"))
         rank_tree[r] = seen.setdefault(text, len(stored))
         if rank_tree[r] == len(stored):
@@ -146,45 +167,6 @@ def ranks_manifest(*, step: int, generation: int, shards: list[dict[str, Any]], 
     return mf.build_manifest(step=step, generation=generation, shards=shards, tensors=tensors, aliases=aliases,
                              tree={"t": "list", "v": stored}, stats=stats,
                              ranks=_ranks_field(len(trees), list(range(len(trees))), rank_tree), hashes=hashes)
-
-
-def global_manifest(*, step: int, generation: int, parts: list[dict[str, Any]],
-                    owners: dict[str, int]) -> dict[str, Any]:
-    """The coordinator's manifest of a shared tier from every rank's ``parts[r]``.
-
-    ``parts[r]``: ``{"shard", "tensors" (the rank's image index), "aliases" (tied keys), "tree",
-    "stats"}``; ``owners``: the owner of each replicated key (:func:`assign`). An incremental
-    share also has ``refs`` (shards of earlier steps; a record with ``shard`` j >= 1 lies in
-    ``refs[j - 1]``, listed after every rank's own shard) and ``sha256``.
-    """
-    shards, tensors, aliases = [], {}, {}
-    refs: list[dict[str, Any]] = []
-    ref_at: dict[tuple[int, str], int] = {}
-    hashes: dict[str, str] = {}
-    trees: list[Any] = []
-    tensor_bytes = 0
-    for r, part in enumerate(parts):
-        shards.append(part["shard"])
-        p = f"r{r}/"
-        local = {}
-        for j, ref in enumerate(part.get("refs", []), start=1):
-            local[j] = ref_at.setdefault((ref["step"], ref["file"]), len(parts) + len(refs))
-            if local[j] == len(parts) + len(refs):
-                refs.append(ref)
-        for k, rec in part["tensors"].items():
-            tensors[p + k] = dict(rec, shard=local[rec["shard"]]) if "shard" in rec else stored_record(rec, r)
-        hashes.update({p + k: h for k, h in part.get("sha256", {}).items()})
-        for k, q in owners.items():
-            if q != r:
-                aliases[p + k] = f"r{q}/{k}"
-        for a, b in part["aliases"].items():
-            aliases[p + a] = aliases.get(p + b, p + b)
-        trees.append(part["tree"] if part.get("tree") is not None else parts[0]["tree"])  # None: same as rank 0's
-        tensor_bytes += int(part["stats"].get("tensor_bytes", 0))
-    stats: dict[str, Any] = {"tensor_bytes": tensor_bytes, "ranks_bytes": [s["bytes"] for s in shards],
-                             "copy_seconds": max(float(p["stats"].get("copy_seconds", 0.0)) for p in parts)}
-    return ranks_manifest(step=step, generation=generation, shards=shards + refs, tensors=tensors, aliases=aliases,
-                          trees=trees, stats=stats, hashes=hashes)
 
 
 def peer_problem(entries: list[Any], step: int, tier: str) -> Optional[tuple[bool, str]]:

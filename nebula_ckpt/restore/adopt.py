@@ -52,7 +52,7 @@ from nebula_ckpt.format.names import COMMIT, step_dir
 from nebula_ckpt.format.records import TensorRecord
 from nebula_ckpt.format.references import shard_path
 from nebula_ckpt.native import get_ops
-from nebula_ckpt.restore.open import OpenCheckpoint, chunks, read_manifest
+from nebula_ckpt.restore.open import OpenCheckpoint, chunks, read_main_manifest
 from nebula_ckpt.storage.local import hold_alone, hold_read, let_go
 
 if TYPE_CHECKING:
@@ -260,10 +260,12 @@ def _durable_elsewhere(runtimes: list[Any], ck: "OpenCheckpoint") -> bool:
             continue
         st: Storage = rt.storage
         try:
-            man = read_manifest(st, ck.step, f"tier {rt.name} step {ck.step}")
+            man = read_main_manifest(st, ck.step, f"tier {rt.name} step {ck.step}")
             if man.generation != ck.manifest.generation:
                 continue
-            if all(st.size(shard_path(man, i)) == sh.stored_bytes for i, sh in enumerate(man.shards)):
+            files = [(shard_path(man, i), sh.stored_bytes) for i, sh in enumerate(man.shards)] + \
+                [(f"{step_dir(ck.step)}/{ref.file}", ref.bytes) for ref in (man.layout.records if man.layout else ())]
+            if all(st.size(path) == n for path, n in files):
                 return True
         except Exception:  # absent, unreadable, damaged: not this tier
             continue

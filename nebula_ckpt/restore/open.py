@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 import mmap
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterable, Optional
 
 import torch
 
@@ -22,6 +22,7 @@ from nebula_ckpt.format import manifest as mf
 from nebula_ckpt.format.commit import read_commit
 from nebula_ckpt.format.header import data_start
 from nebula_ckpt.format.names import COMMIT, MANIFEST, step_dir
+from nebula_ckpt.format.rank_records import with_records
 from nebula_ckpt.format.records import TensorRecord
 from nebula_ckpt.format.references import shard_path
 from nebula_ckpt.format.tree import decode
@@ -186,8 +187,40 @@ def _needed(man: mf.Manifest, rank: Optional[int]) -> dict[int, list[TensorRecor
     return out
 
 
-def read_manifest(storage: Storage, step: int, where: Optional[str] = None) -> mf.Manifest:
-    """The validated manifest of committed ``step`` on ``storage``.
+def read_manifest(storage: Storage, step: int, where: Optional[str] = None,
+                  ranks: Optional[Iterable[int]] = None) -> mf.Manifest:
+    """The validated manifest of committed ``step`` on ``storage``, holding the tensor records of
+    ``ranks`` (None: of every rank; a version 3 manifest reads them from the ranks' records
+    files, :func:`load_records`).
+
+    Raises:
+        CorruptCheckpointError: naming ``where`` and what is wrong (missing files included).
+    """
+    where = where or f"{storage.display_url} step {step}"
+    man = read_main_manifest(storage, step, where)
+    return load_records(storage, man, man.ranks if ranks is None else ranks, where)
+
+
+def load_records(storage: Storage, man: mf.Manifest, ranks: Iterable[int], where: str) -> mf.Manifest:
+    """``man`` holding the records of ``ranks`` (and of the ranks storing the replicated tensors
+    they alias): a version 3 manifest reads and validates their records files; older versions
+    hold every record already (returned as they are)."""
+    if man.layout is None:
+        return man
+    d = step_dir(man.step)
+
+    def read(name: str) -> bytes:
+        try:
+            return storage.read_small(f"{d}/{name}")
+        except FileNotFoundError:
+            raise CorruptCheckpointError(f"{where}: records file {name} is missing") from None
+
+    return with_records(man, read, get_ops().crc32c_bytes, ranks, where)
+
+
+def read_main_manifest(storage: Storage, step: int, where: Optional[str] = None) -> mf.Manifest:
+    """The validated ``manifest.json`` of committed ``step`` alone (a version 3 manifest's tensor
+    records are not read: :func:`load_records`).
 
     Checks the commit marker (step, manifest size and CRC32C) before parsing the manifest.
 
@@ -227,7 +260,7 @@ def open_checkpoint(storage: Storage, step: int, verify: str, where: str,
     ``defer_verify``: with ``verify="full"``, leave the checksums to the caller (the copies of a
     staged restore check them as they go; :meth:`OpenCheckpoint.verify_rest` checks the rest).
     """
-    man = read_manifest(storage, step, where)
+    man = read_main_manifest(storage, step, where)
     if man.multi_rank:
         if man.world_size == world and rank in man.ranks:
             pass
@@ -236,6 +269,7 @@ def open_checkpoint(storage: Storage, step: int, verify: str, where: str,
         else:
             raise NotThisLayout(f"{where}: holds rank(s) {list(man.ranks)[:8]} of a {man.world_size}-rank job; "
                                 f"this process is rank {rank or 0} of {world}")
+    man = load_records(storage, man, man.ranks if rank is None else [rank], where)
     needed = _needed(man, rank)
     check_references(storage, man, {i for i in needed if man.shards[i].step is not None}, where)
     read = {i: _read_shard(storage, man, i, where) for i in sorted(needed)}
@@ -262,7 +296,7 @@ def check_references(storage: Storage, man: mf.Manifest, shards: set[int], where
         assert sh.step is not None
         at = f"{where}: shards[{i}] refers to step {sh.step}'s {sh.file}"
         try:
-            base = read_manifest(storage, sh.step, f"{where} (referenced step {sh.step})")
+            base = read_main_manifest(storage, sh.step, f"{where} (referenced step {sh.step})")
         except CorruptCheckpointError as e:
             raise CorruptCheckpointError(f"{at}, which is not a healthy committed checkpoint: {e}") from None
         own = next((b for b in base.shards if b.step is None and b.file == sh.file), None)

@@ -19,7 +19,7 @@ from nebula_ckpt.format.references import shard_path
 from nebula_ckpt.ranks.coordinator import Coordinator
 from nebula_ckpt.restore.adopt import adoption_for
 from nebula_ckpt.restore.apply import apply, materialize, stage_restore
-from nebula_ckpt.restore.open import OpenCheckpoint, read_manifest
+from nebula_ckpt.restore.open import OpenCheckpoint, read_main_manifest
 from nebula_ckpt.restore.select import Stage, find_and_open, list_candidates, open_agreed, open_tagged
 from nebula_ckpt.storage.base import Storage
 from nebula_ckpt.tiers.base import Tier
@@ -77,7 +77,7 @@ class Restorer:
                 if s in out:
                     continue
                 try:
-                    man = read_manifest(st, s, f"tier {t.name} step {s}")
+                    man = read_main_manifest(st, s, f"tier {t.name} step {s}")
                     if check_shards:
                         for i, sh in enumerate(man.shards):
                             if st.size(shard_path(man, i)) != sh.stored_bytes:

@@ -15,8 +15,9 @@ The hashes are taken of the staged bytes (what is written), so a change made in 
 optimizer, ``.data``, NumPy, a raw pointer) is seen; they are taken on the stager thread by
 ``hash_threads`` threads (``hashlib`` releases the GIL), never on the training thread, only for
 the tensors whose CRC equals the base's (and for every tensor of a tier's first save, which has
-no base), and recorded in the manifest (``sha256``). A tensor that changes save after save (dense
-training) is never hashed: its CRC already differs.
+no base), and recorded in the manifest (``sha256``; in a multi-rank checkpoint of format
+version 3, in each rank's records file, :mod:`nebula_ckpt.format.rank_records`). A tensor that
+changes save after save (dense training) is never hashed: its CRC already differs.
 """
 
 from __future__ import annotations

@@ -5,10 +5,17 @@ Every rank sees a *shared* tier, and the ranks commit one checkpoint of the step
 
 1. digest, then index: every rank sends a hash of its replicable tensors' index (and of its
    tree); only when the hashes differ do the ranks send the index itself. Replicated tensors
-   get one owner each (:func:`nebula_ckpt.ranks.shards.assign`). The coordinator has already
-   removed an old checkpoint of the same step, so nobody writes into a folder being deleted;
-2. durable: every rank writes its share (``shard-g<G>-r<R>``), checks its snapshot, and sends
-   its shard record, index and tree (or its error);
+   get one owner each (:func:`nebula_ckpt.ranks.shards.assign`); each rank also names the step
+   its incremental save would build on, and the ranks build on it only when all name the same
+   (:mod:`nebula_ckpt.save.incremental`). The coordinator has already removed an old checkpoint
+   of the same step, so nobody writes into a folder being deleted;
+2. durable: every rank writes its share (``shard-g<G>-r<R>``) and, beside it, its tensor records
+   (``records-g<G>-r<R>.json``; an incremental share's shard holds only its changed tensors, its
+   records file the references to the earlier shards holding the rest and the tensors' SHA-256),
+   checks its snapshot, and sends a record of a size independent of its number of tensors: its
+   shard (and the earlier ones it refers to), its records file's name, size and CRC32C, its tree
+   only when it differs from rank 0's, its DTensor table only when no lower rank sent the same one (or its
+   error; :mod:`nebula_ckpt.ranks.layout`);
 3. verdict: the coordinator writes manifest and ``COMMIT`` (:func:`nebula_ckpt.save.commit.commit_manifest`)
    only if every rank's shard is durable and verified, and tells every rank whether it did.
    Otherwise each rank removes its shard and the previous checkpoint stays the newest. A rank
@@ -24,9 +31,11 @@ from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 from nebula_ckpt.errors import PersistError
+from nebula_ckpt.native import get_ops
 from nebula_ckpt.ranks import shards as ranks
 from nebula_ckpt.ranks.coordinator import PHASE_DIGEST, PHASE_DURABLE, PHASE_INDEX, PHASE_VERDICT, SKIP, Coordinator
 from nebula_ckpt.ranks.fencing import TierFence
+from nebula_ckpt.ranks.layout import first_of_class, layout_manifest, records_payload, signature
 from nebula_ckpt.save.commit import (
     CommitProgress,
     CommitUncertain,
@@ -98,10 +107,9 @@ class SharedCommit:
         bases = {p.get("base") for p in peers}
         base = bases.pop() if len(bases) == 1 else None  # every rank builds on the same step, or none does
         failure: Optional[BaseException] = None
+        share: dict[str, Any] = {}
         try:
-            mine = self._write_share(save, d, shard, owners, on_shard, base)
-            if tree_digest == peers[0]["tree"] and not co.is_coordinator:
-                mine["tree"] = None  # the same as rank 0's: not sent again
+            mine, share = self._write_share(save, d, shard, owners, on_shard, peers, tree_digest, base)
         except BaseException as e:
             failure, mine = e, {"error": f"{type(e).__name__}: {e}"}
         if co.is_coordinator:
@@ -109,7 +117,7 @@ class SharedCommit:
         else:
             got = self._follow(save, mine, failure, progress)
             if got is None:
-                return mine  # no verdict came, but the COMMIT is there
+                return share  # no verdict came, but the COMMIT is there
             verdict = got
         if failure is not None:
             raise failure
@@ -117,7 +125,7 @@ class SharedCommit:
             why = verdict.get("why", f"rank 0 did not take part in committing step {save.step}")
             raise (CommitUncertain if verdict.get("uncertain") else PeerSkipped if verdict.get("skipped")
                    else PersistError)(why)
-        return mine
+        return share
 
     def _agree(self, save: SharedSave) -> tuple[dict[str, int], list[Any], str]:
         """Rounds 1 (digest, index): the owner of every replicated key, the peers' digests, and
@@ -127,8 +135,9 @@ class SharedCommit:
         mine_digest = ranks.digest(rep)
         tree_digest = ranks.digest(save.meta["tree"])
         base = self.incremental.declare() if self.incremental is not None else None
+        dt_digest = ranks.digest(signature(save.meta["tensors"]))  # what its DTensor records must agree on
         peers = co.round(name, idx, PHASE_DIGEST, {"step": save.step, "digest": mine_digest, "tree": tree_digest,
-                                                  "sharded": sharded, "base": base})
+                                                  "sharded": sharded, "dt": dt_digest, "base": base})
         problem = ranks.peer_problem(peers, save.step, name)
         if problem is not None:
             co.abandon(name, idx)
@@ -144,31 +153,41 @@ class SharedCommit:
         return ranks.assign(summaries, [p["sharded"] for p in peers]), peers, tree_digest
 
     def _write_share(self, save: SharedSave, d: str, shard: str, owners: dict[str, int],
-                     on_shard: Optional[Callable[[str], None]], base: Optional[int]) -> dict[str, Any]:
-        """This rank's share (durable), the snapshot confirmed: its record for round 2. With a
-        ``base`` step every rank agreed on, the rank writes only its tensors that changed since
-        (``refs``: the earlier shards holding the rest; its records point at them from 1 on)."""
+                     on_shard: Optional[Callable[[str], None]], peers: list[Any], tree_digest: str,
+                     base: Optional[int]) -> tuple[dict[str, Any], dict[str, Any]]:
+        """This rank's share and its records file (durable), the snapshot confirmed: its record for
+        round 2, and its share as its records file holds it (``shard``, ``refs``, ``tensors``,
+        ``sha256``: what its next save builds on). With a ``base`` step every rank agreed on, the
+        rank writes only its tensors that changed since (``refs``: the earlier shards holding the
+        rest; its records point at them from 1 on)."""
+        co = self.coordinator
         tensors = save.meta["tensors"]
-        keep = [k for k in tensors if owners.get(k, self.coordinator.rank) == self.coordinator.rank]
+        keep = [k for k in tensors if owners.get(k, co.rank) == co.rank]
         hashes = save.hashes or {}
         delta = None
         if base is not None and self.incremental is not None:
-            delta = self.incremental.delta(save.step, {k: tensors[k] for k in keep}, hashes,
-                                           self.fence.generation)
+            delta = self.incremental.delta(save.step, {k: tensors[k] for k in keep}, hashes, self.fence.generation)
             delta = delta if delta is not None and delta.base == base else None
         write = keep if delta is None else delta.write
         log.debug("nebula_ckpt: phase=shard tier=%s step=%d (%d of %d tensors)", self.name, save.step, len(write),
                   len(tensors))
         parts, index, nbytes = ranks.subset_image(tensors, write, save.source.view())
         info = self.runtime.write_parts(f"{d}/{shard}", parts)
+        own = {"file": shard, "bytes": nbytes, "storage": info}
+        records = {k: index[k] if k in index else delta.reused[k] for k in keep} if delta else index
+        refs = [r.to_json() for r in delta.refs] if delta else []
+        sha = {k: hashes[k] for k in keep if k in hashes}
+        name, data, payload = records_payload(
+            step=save.step, generation=self.fence.generation, rank=co.rank, world=co.world_size, shard=own,
+            index=records, aliases=save.meta["aliases"], meta=save.meta,
+            send_tree=co.is_coordinator or tree_digest != peers[0]["tree"],
+            send_table=first_of_class(co.rank, [p["dt"] for p in peers]), crc=get_ops().crc32c_bytes,
+            refs=refs, hashes=sha)
+        self.storage.write_small(f"{d}/{name}", data)
         if on_shard is not None and delta is None:
             on_shard(f"{d}/{shard}")
         save.before_commit()
-        return {"step": save.step, "shard": {"file": shard, "bytes": nbytes, "storage": info},
-                "tensors": {k: index[k] if k in index else delta.reused[k] for k in keep} if delta else index,
-                "refs": [r.to_json() for r in delta.refs] if delta else [],
-                "sha256": {k: hashes[k] for k in keep if k in hashes},
-                "aliases": save.meta["aliases"], "tree": save.meta["tree"], "stats": save.meta["stats"]}
+        return payload, {"shard": own, "refs": refs, "tensors": records, "sha256": sha}
 
     def _lead(self, save: SharedSave, mine: dict[str, Any], owners: dict[str, int],
               failure: Optional[BaseException], progress: CommitProgress) -> dict[str, Any]:
@@ -222,7 +241,7 @@ class SharedCommit:
         if problem is not None:
             return {"ok": False, "skipped": problem[0], "why": problem[1]}
         try:
-            man = ranks.global_manifest(step=step, generation=self.fence.generation, parts=parts, owners=owners)
+            man = layout_manifest(step=step, generation=self.fence.generation, parts=parts, owners=owners)
             commit_manifest(self.storage, self.fence, step, encode_manifest(tagged(man, save.tag)), progress, name)
         except BaseException as e:
             log.error("nebula_ckpt: tier %s: committing step %d failed: %s", name, step, e)

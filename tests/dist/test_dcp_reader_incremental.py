@@ -5,7 +5,6 @@ bytes a step refers to is refused naming the step folder that holds them.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
@@ -17,9 +16,10 @@ from torch.distributed.checkpoint.api import CheckpointException
 import nebula_ckpt as nc
 from nebula_ckpt.dcp.reader import NebulaStorageReader
 from nebula_ckpt.errors import CorruptCheckpointError
-from nebula_ckpt.format.names import MANIFEST, step_dir
+from nebula_ckpt.format.names import step_dir
 from nebula_ckpt.restore.open import read_manifest
 from nebula_ckpt.storage.local import LocalStorage
+from records_view import flat_manifest
 
 pytestmark = [pytest.mark.timeout(240), pytest.mark.filterwarnings("ignore:torch.distributed is disabled")]
 
@@ -94,7 +94,7 @@ def _held_by(root: str, step: int, key: str) -> int:
 
 def _flip(root: str, step: int, key: str) -> str:
     """Flip the first byte of stored tensor ``key`` of ``step`` where it lies; the file's path."""
-    man = json.loads((Path(root) / step_dir(step) / MANIFEST).read_text())
+    man = flat_manifest(Path(root) / step_dir(step))   # a multi-rank step: its ranks' records merged in
     rec = man["tensors"][key]
     sh = man["shards"][rec.get("shard", 0)]
     rel = f"{step_dir(sh.get('step', step))}/{sh['file']}"

@@ -29,6 +29,8 @@ from nebula_ckpt.native import get_ops
 from nebula_ckpt.restore.reshard import gather_full, load_resharded
 from nebula_ckpt.storage.local import LocalStorage
 
+from records_view import flat_manifest, seal
+
 from .launch import run_ranks
 
 pytestmark = [pytest.mark.timeout(240), pytest.mark.filterwarnings("ignore:torch.distributed is disabled")]
@@ -102,19 +104,18 @@ def assert_bit_exact(ref: dict[str, Any], got: dict[str, Any]) -> None:
 
 
 def rewrite_manifest(root: Path, step: int, change: Callable[[dict[str, Any]], None]) -> None:
-    """Edit a manifest and commit it again with a valid checksum (a buggy or hostile writer)."""
+    """Edit a manifest (every rank's records merged in) and commit it again with valid checksums
+    (a buggy or hostile writer)."""
     d = root / step_dir(step)
-    man = json.loads((d / MANIFEST).read_text())
+    man = flat_manifest(d)
     change(man)
-    data = json.dumps(man).encode()
-    (d / MANIFEST).write_bytes(data)
-    (d / COMMIT).write_bytes(Commit(step, man["generation"], len(data), get_ops().crc32c_bytes(data)).to_bytes())
+    seal(d, man)
 
 
 def flip_byte_of(root: Path, step: int, key: str) -> str:
     """Flip the first data byte of stored tensor ``key``; return its shard's file name."""
     d = root / step_dir(step)
-    man = json.loads((d / MANIFEST).read_text())
+    man = flat_manifest(d)
     rec = man["tensors"][key]
     shard = man["shards"][rec.get("shard", 0)]["file"]
     with open(d / shard, "r+b") as f:

@@ -1,0 +1,309 @@
+"""Format version 3 on real ranks: each rank's records beside its shard, read only where needed.
+
+One real 2-rank FSDP2 job (gloo on 127.0.0.1) saves through ``nebula_ckpt.Checkpointer``; each
+test works on a copy of its checkpoint. The records files read from disk are input, never truth:
+a garbled, hostile or missing one is refused with a ``CorruptCheckpointError`` naming the file,
+the rank and the field, before any byte of a tensor is used.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import uuid
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+import crc32c
+import pytest
+import torch
+
+from nebula_ckpt.errors import CorruptCheckpointError
+from nebula_ckpt.format.names import LAYOUT_VERSION, MANIFEST
+from nebula_ckpt.format.references import references
+from nebula_ckpt.restore.open import open_checkpoint, read_main_manifest
+from nebula_ckpt.storage.local import LocalStorage
+from records_view import flat_manifest
+
+from .launch import run_ranks
+
+pytestmark = [pytest.mark.timeout(240)]
+STEP = 3
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """The root of a real 2-rank FSDP2 job's checkpoints (steps 1..3)."""
+    base = tmp_path_factory.mktemp("records")
+    shm = os.path.join("/dev/shm" if os.access("/dev/shm", os.W_OK) else str(base), f"nebula-test-{uuid.uuid4().hex[:10]}")
+    os.makedirs(shm)
+    out = base / "out"
+    out.mkdir()
+    try:
+        done = run_ranks(2, "rank_worker.py", ["fsdp_save", str(base / "ckpt"), str(out)], out, shm,
+                         env_extra={"TEST_MEMORY_TIER": "0"})
+        assert all(p.returncode == 0 for p in done), done[0].stdout[-3000:] + done[1].stdout[-3000:]
+        yield base / "ckpt"
+    finally:
+        shutil.rmtree(shm, ignore_errors=True)
+
+
+@pytest.fixture
+def root(saved: Path, tmp_path: Path) -> Path:
+    dst = tmp_path / "ckpt"
+    shutil.copytree(saved, dst)
+    return dst
+
+
+class CountingStorage(LocalStorage):
+    """A local storage that records the small files it reads (what a restore opens)."""
+
+    def __init__(self, path: str) -> None:
+        super().__init__(path)
+        self.read: list[str] = []
+
+    def read_small(self, rel: str) -> bytes:
+        self.read.append(rel.rsplit("/", 1)[-1])
+        return super().read_small(rel)
+
+
+def _records(root: Path) -> list[Path]:
+    man = json.loads((root / f"step-{STEP}" / MANIFEST).read_text())
+    return [root / f"step-{STEP}" / ref["file"] for ref in man["records"]]
+
+
+def _reseal(root: Path, rank: int, fn: Callable[[dict[str, Any]], Any], step: int = STEP) -> None:
+    """Apply ``fn`` to rank ``rank``'s records and re-seal them: the manifest names the new size
+    and CRC32C, and the COMMIT the new manifest's (every checksum valid; only the content lies)."""
+    d = root / f"step-{step}"
+    man = json.loads((d / MANIFEST).read_text())
+    path = d / man["records"][rank]["file"]
+    recs = json.loads(path.read_text())
+    fn(recs)
+    data = json.dumps(recs, separators=(",", ":")).encode()
+    path.write_bytes(data)
+    man["records"][rank].update(bytes=len(data), crc32c=crc32c.crc32c(data))
+    mb = json.dumps(man, separators=(",", ":")).encode()
+    (d / MANIFEST).write_bytes(mb)
+    commit = json.loads((d / "COMMIT").read_text())
+    commit.update(manifest_bytes=len(mb), manifest_crc32c=crc32c.crc32c(mb))
+    (d / "COMMIT").write_text(json.dumps(commit))
+
+
+def _open(root: Path, rank: int = 1, world: int = 2, step: int = STEP) -> Any:
+    return open_checkpoint(CountingStorage(str(root)), step, "full", "t", rank, world)
+
+
+def test_manifest_holds_per_rank_entries_and_records_lie_beside_the_shards(root: Path) -> None:
+    d = root / f"step-{STEP}"
+    man = json.loads((d / MANIFEST).read_text())
+    assert man["version"] == LAYOUT_VERSION and man["tensors"] == {} and man["aliases"] == {}
+    assert [r["file"] for r in man["records"]] == ["records-g1-r0.json", "records-g1-r1.json"]
+    for ref in man["records"]:
+        data = (d / ref["file"]).read_bytes()
+        assert ref["bytes"] == len(data) and ref["crc32c"] == crc32c.crc32c(data)
+    assert man["grid"] is True                              # fully_shard's dim-0 chunks: DTensor's own layout
+    assert man["dtensors"]["model/0.weight"] == {"dtype": "float32", "shape": [32, 16], "placements": ["S(0)"],
+                                                 "mesh": [2]}
+    assert man["owners"] and set(man["owners"].values()) == {0}  # the small replicas (AdamW step counts)
+    flat = flat_manifest(d)
+    assert flat["tensors"]["r1/model/0.weight"]["dtensor"]["offsets"] == [16, 0]
+    assert all(flat["aliases"][f"r1/{k}"] == f"r0/{k}" for k in man["owners"])
+
+
+def test_a_rank_reads_its_own_records_and_the_owners_only(root: Path) -> None:
+    ck = _open(root, rank=1)
+    assert sorted(n for n in ck_storage_reads(root, 1) if n.startswith("records")) == \
+        ["records-g1-r0.json", "records-g1-r1.json"]             # its own + rank 0's (owner of replicas)
+    assert ck.view("model/0.weight").shape == (16, 16)
+    _records(root)[1].unlink()
+    ck0 = _open(root, rank=0)                                    # rank 0 never needs rank 1's records
+    assert ck0.view("model/0.weight").shape == (16, 16)
+    with pytest.raises(CorruptCheckpointError, match="records file records-g1-r1.json is missing"):
+        _open(root, rank=1)
+
+
+def ck_storage_reads(root: Path, rank: int) -> list[str]:
+    st = CountingStorage(str(root))
+    open_checkpoint(st, STEP, "full", "t", rank, 2)
+    return st.read
+
+
+def test_the_whole_job_read_for_resharding_checks_coverage(root: Path) -> None:
+    ck = _open(root, rank=0, world=1)                           # another world size: every rank's records
+    assert ck.rank is None and {k.split("/", 1)[0] for k in ck.keys()} == {"r0", "r1"}
+    _reseal(root, 1, lambda r: r["tensors"]["model/0.weight"]["dtensor"].update(offsets=[0, 0]))
+    with pytest.raises(CorruptCheckpointError, match="records-g1-r1.json \\(rank 1\\).*not where the grid"):
+        _open(root, rank=0, world=1)
+
+
+def test_a_garbled_records_file_is_refused_naming_file_and_rank(root: Path) -> None:
+    path = _records(root)[1]
+    data = bytearray(path.read_bytes())
+    data[data.index(b'"dtype"') + 10] ^= 1                       # one flipped bit, same size
+    path.write_bytes(bytes(data))
+    with pytest.raises(CorruptCheckpointError, match="records-g1-r1.json \\(rank 1\\).*checksum"):
+        _open(root, rank=1)
+
+
+def _tensor(key: str, **kw: Any) -> Callable[[dict[str, Any]], None]:
+    return lambda r: r["tensors"][key].update(kw)
+
+
+HOSTILE: list[tuple[str, int, Callable[[dict[str, Any]], Any], str]] = [
+    ("dtype", 1, _tensor("model/0.weight", dtype="float99"), "dtype 'float99'"),
+    ("offsets_outside_shard", 1, _tensor("model/0.weight", offsets=[0, 1 << 40]), "offsets[1]"),
+    ("shard_without_refs", 1, _tensor("model/0.weight", shard=1), "shard = 1 is out of range [0, 0]"),
+    ("unknown_field", 1, _tensor("model/0.weight", evil=1), "unknown field"),
+    ("wrong_rank", 1, lambda r: r.update(rank=0), "expected step 3 rank 1"),
+    ("wrong_step", 1, lambda r: r.update(step=2), "expected step 3 rank 1"),
+    ("not_records", 1, lambda r: r.update(format="x"), "format / version"),
+    ("dtensor_disagrees", 1, lambda r: r["tensors"]["model/0.weight"]["dtensor"].update(shape=[64, 16]),
+     "disagrees with the manifest's dtensors"),
+    ("dtensor_dropped", 1, lambda r: r["tensors"]["model/0.weight"].pop("dtensor"), "plain tensor on rank 1"),
+    ("owner_lacks_key", 0, lambda r: r["tensors"].pop(next(k for k in r["tensors"] if k.endswith("/step"))),
+     "which its records lack"),
+    ("alias_to_nothing", 1, lambda r: r["aliases"].update(x="nope"), "no such tensor"),
+    ("tree_key_missing", 1, lambda r: r["tensors"].pop("model/0.bias"), "rank 1"),
+]
+
+
+@pytest.mark.parametrize("rank,change,expect", [c[1:] for c in HOSTILE], ids=[c[0] for c in HOSTILE])
+def test_hostile_records_are_refused_naming_file_rank_and_field(root: Path, rank: int,
+                                                                 change: Callable[[dict[str, Any]], Any],
+                                                                 expect: str) -> None:
+    _reseal(root, rank, change)
+    with pytest.raises(CorruptCheckpointError) as e:
+        _open(root, rank=1)
+    assert expect in str(e.value) and ("rank 1" in str(e.value) or "rank 0" in str(e.value)), str(e.value)
+
+
+def test_hostile_main_manifest_fields_are_refused(root: Path) -> None:
+    d = root / f"step-{STEP}"
+    st = LocalStorage(str(root))
+    for change, expect in [(lambda m: m["records"][1].update(file="records-g1-r0.json"), "rank 1's records file"),
+                           (lambda m: m["records"].pop(), "records lists 1 file"),
+                           (lambda m: m["owners"].update(x=5), "owners['x'] = 5"),
+                           (lambda m: m.update(grid="yes"), "grid must be true or false"),
+                           (lambda m: m["tensors"].update({"r0/x": {"dtype": "float32", "shape": [0], "offsets": [8, 8], "crc32c": 0}}),
+                            "must be empty"),
+                           (lambda m: m["dtensors"]["model/0.weight"].update(placements=["P"]), "placement 'P'")]:
+        shutil.copy(d / MANIFEST, d / "keep")
+        shutil.copy(d / "COMMIT", d / "keep2")
+        man = json.loads((d / MANIFEST).read_text())
+        change(man)
+        mb = json.dumps(man).encode()
+        (d / MANIFEST).write_bytes(mb)
+        commit = json.loads((d / "COMMIT").read_text())
+        commit.update(manifest_bytes=len(mb), manifest_crc32c=crc32c.crc32c(mb))
+        (d / "COMMIT").write_text(json.dumps(commit))
+        with pytest.raises(CorruptCheckpointError, match=re.escape(expect)):
+            read_main_manifest(st, STEP)
+        shutil.move(d / "keep", d / MANIFEST)
+        shutil.move(d / "keep2", d / "COMMIT")
+    assert torch.is_tensor(_open(root, rank=1).view("model/0.weight"))
+
+
+def test_a_replica_stored_by_a_rank_that_does_not_own_it_is_refused(root: Path) -> None:
+    man = json.loads((root / f"step-{STEP}" / MANIFEST).read_text())
+    key = next(iter(man["owners"]))
+    empty = {"dtype": "float32", "shape": [0], "offsets": [0, 0], "crc32c": 0, "device": "cpu"}
+    _reseal(root, 1, lambda r: r["tensors"].update({key: empty}))
+    with pytest.raises(CorruptCheckpointError, match=re.escape(f"'{key}' is stored by rank 1 but owned by rank 0")):
+        _open(root, rank=1)
+
+
+# An incremental chain (steps 1..4 of a DDP model with a large frozen parameter and a per-rank
+# tensor that never changes): steps 2..4 refer to step 1's shards from each rank's records file.
+CHAIN = 4
+
+
+@pytest.fixture(scope="module")
+def chain_saved(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """The root of a real 2-rank job's incremental chain (steps 1..4)."""
+    base = tmp_path_factory.mktemp("chain")
+    shm = os.path.join("/dev/shm" if os.access("/dev/shm", os.W_OK) else str(base), f"nebula-test-{uuid.uuid4().hex[:10]}")
+    os.makedirs(shm)
+    out = base / "out"
+    out.mkdir()
+    try:
+        done = run_ranks(2, "rank_worker.py", ["frozen_save", str(base / "ckpt"), str(out)], out, shm,
+                         env_extra={"TEST_MEMORY_TIER": "0"})
+        assert all(p.returncode == 0 for p in done), done[0].stdout[-3000:] + done[1].stdout[-3000:]
+        yield base / "ckpt"
+    finally:
+        shutil.rmtree(shm, ignore_errors=True)
+
+
+@pytest.fixture
+def chain(chain_saved: Path, tmp_path: Path) -> Path:
+    dst = tmp_path / "chain"
+    shutil.copytree(chain_saved, dst)
+    return dst
+
+
+def test_incremental_references_live_in_each_ranks_records_and_in_the_main_shards(chain: Path) -> None:
+    d = chain / f"step-{CHAIN}"
+    man = json.loads((d / MANIFEST).read_text())
+    assert man["version"] == LAYOUT_VERSION and "sha256" not in man and man["tensors"] == {}
+    refs = [(s["step"], s["file"]) for s in man["shards"][2:]]   # after the ranks' own shards, once each
+    assert refs == [(1, "shard-g1-r0.safetensors"), (1, "shard-g1-r1.safetensors")]
+    assert references(read_main_manifest(LocalStorage(str(chain)), CHAIN)) == {1}
+    base = json.loads((chain / "step-1" / MANIFEST).read_text())
+    for r in range(2):
+        recs = json.loads((d / man["records"][r]["file"]).read_text())
+        assert [dict(x) for x in recs["refs"]] == [dict(base["shards"][r], step=1)]  # its own base shard only
+        assert recs["tensors"]["still"]["shard"] == 1                              # lies in refs[0]
+        assert "still" in recs["sha256"] and set(recs["sha256"]) <= set(recs["tensors"])  # the unchanged ones
+        step1 = json.loads((chain / "step-1" / base["records"][r]["file"]).read_text())
+        assert recs["sha256"]["still"] == step1["sha256"]["still"]
+        assert "refs" not in step1 and all("shard" not in t for t in step1["tensors"].values())
+    ck = _open(chain, rank=1, step=CHAIN)                        # reads step 1's shard of rank 1
+    assert ck.manifest.resolve("still", 1).shard == 3 and ck.manifest.hashes["r1/still"] == recs["sha256"]["still"]
+    assert torch.equal(ck.view("still"), torch.full((8192,), 1.0))
+
+
+def _ref(**kw: Any) -> Callable[[dict[str, Any]], None]:
+    return lambda r: r["refs"][0].update(kw)
+
+
+HOSTILE_REFS: list[tuple[str, Callable[[dict[str, Any]], Any], str]] = [
+    ("ref_step_not_earlier", _ref(step=CHAIN), f"refers to step {CHAIN}, not an earlier step"),
+    ("ref_step_later", _ref(step=CHAIN + 5), "not an earlier step"),
+    ("ref_without_step", lambda r: r["refs"][0].pop("step"), "refers to step None"),
+    ("ref_not_in_manifest", _ref(file="shard-g1-r0.safetensors", step=2), "is not among the manifest's shards"),
+    ("ref_other_size", _ref(bytes=9000, storage={"stored_bytes": 9000}), "is not among the manifest's shards"),
+    ("ref_bad_name", _ref(file="../x.safetensors"), "file"),
+    ("shard_out_of_range", _tensor("still", shard=2), "shard = 2 is out of range [0, 1]"),
+    ("shard_negative", _tensor("still", shard=-1), "shard = -1 is out of range"),
+    ("shard_into_ref_past_its_end", _tensor("still", shard=1, offsets=[1 << 30, (1 << 30) + 32768]), "offsets"),
+    ("sha256_bad_hex", lambda r: r["sha256"].update(still="Z" * 64), "is not 64 lowercase hex digits"),
+    ("sha256_short", lambda r: r["sha256"].update(still="ab"), "is not 64 lowercase hex digits"),
+    ("sha256_not_stored", lambda r: r["sha256"].update(nope="0" * 64), "no such stored tensor"),
+    ("sha256_not_object", lambda r: r.update(sha256=[1]), "sha256"),
+    ("refs_not_list", lambda r: r.update(refs={"a": 1}), "refs"),
+]
+
+
+@pytest.mark.parametrize("change,expect", [c[1:] for c in HOSTILE_REFS], ids=[c[0] for c in HOSTILE_REFS])
+def test_hostile_references_in_records_are_refused(chain: Path, change: Callable[[dict[str, Any]], Any],
+                                                   expect: str) -> None:
+    _reseal(chain, 1, change, step=CHAIN)
+    with pytest.raises(CorruptCheckpointError) as e:
+        _open(chain, rank=1, step=CHAIN)
+    assert expect in str(e.value) and "records-g1-r1.json (rank 1)" in str(e.value), str(e.value)
+
+
+def test_a_main_manifest_listing_a_reference_among_the_own_shards_is_refused(chain: Path) -> None:
+    d = chain / f"step-{CHAIN}"
+    man = json.loads((d / MANIFEST).read_text())
+    man["shards"][1], man["shards"][2] = man["shards"][2], man["shards"][1]
+    mb = json.dumps(man).encode()
+    (d / MANIFEST).write_bytes(mb)
+    commit = json.loads((d / "COMMIT").read_text())
+    commit.update(manifest_bytes=len(mb), manifest_crc32c=crc32c.crc32c(mb))
+    (d / "COMMIT").write_text(json.dumps(commit))
+    with pytest.raises(CorruptCheckpointError, match="one shard each"):
+        read_main_manifest(LocalStorage(str(chain)), CHAIN)

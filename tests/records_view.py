@@ -1,0 +1,92 @@
+"""Tests' view of a multi-rank checkpoint folder: the manifest with every rank's records merged in.
+
+A version 3 checkpoint keeps each rank's tensor records in ``records-g<G>-r<R>.json`` beside its
+shard; tests that look at every record at once read them through :func:`flat_manifest`, which
+gives the JSON a version 2 manifest would hold (``tensors`` with ``r<R>/`` keys and ``shard``,
+``aliases`` of replicated and tied keys, ``sha256`` with ``r<R>/`` keys; an incremental share's
+records pointing at ``refs[j - 1]`` get the index of that shard in the manifest's ``shards``),
+straight from the files (no library code).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+
+def flat_manifest(step_folder: Path) -> dict[str, Any]:
+    """The manifest of ``step_folder`` with the ranks' records merged into ``tensors`` / ``aliases``."""
+    man = json.loads((step_folder / "manifest.json").read_text())
+    if man["version"] < 3:
+        return man
+    tensors: dict[str, Any] = {}
+    aliases: dict[str, str] = {}
+    hashes: dict[str, str] = {}
+    own: list[dict[str, str]] = []
+    at = {(s["step"], s["file"]): i for i, s in enumerate(man["shards"]) if "step" in s}
+    for r, ref in enumerate(man["records"]):
+        recs = json.loads((step_folder / ref["file"]).read_text())
+        glob = [r] + [at[(x["step"], x["file"])] for x in recs.get("refs", [])]
+        for k, v in recs["tensors"].items():
+            i = glob[v.get("shard", 0)]
+            tensors[f"r{r}/{k}"] = dict(v, shard=i) if i else {f: x for f, x in v.items() if f != "shard"}
+        hashes.update({f"r{r}/{k}": h for k, h in recs.get("sha256", {}).items()})
+        own.append(recs["aliases"])
+    for r, mine in enumerate(own):
+        for k, q in man["owners"].items():
+            if q != r:
+                aliases[f"r{r}/{k}"] = f"r{q}/{k}"
+        for a, b in mine.items():
+            aliases[f"r{r}/{a}"] = aliases.get(f"r{r}/{b}", f"r{r}/{b}")
+    return dict(man, tensors=tensors, aliases=aliases, **({"sha256": hashes} if hashes else {}))
+
+
+def seal(step_folder: Path, flat: dict[str, Any]) -> None:
+    """Write ``flat`` (a :func:`flat_manifest` view, edited) back, every checksum valid (a buggy or
+    hostile writer): a version 3 view is split into the ranks' records files again (each rank's
+    own aliases kept as they were; size and CRC32C in the manifest), then the manifest and the
+    COMMIT naming it. A view whose version was set below 3 is written as that manifest, whole."""
+    import crc32c
+
+    man = dict(flat)
+    if man["version"] >= 3:
+        per_rank: list[dict[str, Any]] = [{} for _ in man["records"]]
+        sha: list[dict[str, str]] = [{} for _ in man["records"]]
+        for k, h in man.pop("sha256", {}).items():
+            head, _, key = k.partition("/")
+            sha[int(head[1:])][key] = h
+        for k, v in man["tensors"].items():
+            head, _, key = k.partition("/")
+            per_rank[int(head[1:])][key] = v
+        for r, ref in enumerate(man["records"]):
+            path = step_folder / ref["file"]
+            recs = json.loads(path.read_text()) if path.exists() else {"aliases": {}}
+            local = {r: 0} | {i: j for j, i in enumerate(
+                [next(i for i, s in enumerate(man["shards"]) if (s.get("step"), s["file"]) == (x["step"], x["file"]))
+                 for x in recs.get("refs", [])], start=1)}
+            recs.update(tensors={k: _local_record(v, local) for k, v in per_rank[r].items()})
+            if sha[r] or "sha256" in recs:
+                recs["sha256"] = sha[r]
+            data = json.dumps(recs, separators=(",", ":")).encode()
+            path.write_bytes(data)
+            ref.update(bytes=len(data), crc32c=crc32c.crc32c(data))
+        man.update(tensors={}, aliases={})
+    mb = json.dumps(man, separators=(",", ":")).encode()
+    (step_folder / "manifest.json").write_bytes(mb)
+    commit = json.loads((step_folder / "COMMIT").read_text())
+    commit.update(manifest_bytes=len(mb), manifest_crc32c=crc32c.crc32c(mb))
+    (step_folder / "COMMIT").write_text(json.dumps(commit))
+
+
+def _local_record(v: dict[str, Any], local: dict[int, int]) -> dict[str, Any]:
+    """A flat view's record as its rank's records file holds it (``shard``: 0, left out, or j >= 1)."""
+    j = local.get(v.get("shard", 0), 0)
+    return {f: x for f, x in v.items() if f != "shard"} | ({"shard": j} if j else {})
+
+
+def as_version_2(flat: dict[str, Any]) -> None:
+    """Turn a :func:`flat_manifest` view into a version 2 manifest (every record inline)."""
+    for f in ("records", "owners", "dtensors", "grid"):
+        flat.pop(f, None)
+    flat["version"] = 2
