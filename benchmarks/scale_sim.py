@@ -235,15 +235,18 @@ def restore_side(job: Job, st: LocalStorage, main_bytes: int, s: Sample,
     """Steps 3 and 4 of the module docstring, on the committed folder of ``st``."""
     reader = job.world - 1
     got = run("rank: restore plan: manifest + its records (s)", lambda: read_manifest(st, 1, "sim", ranks=[reader]))
+    assert got.layout is not None, "the simulated job writes format version 3"
     s.values["rank reads at restore (B)"] = float(main_bytes + records_bytes(got.layout, [reader]))
     if job.kind != "fsdp":
         return  # plain replicated tensors reshard from their owners: the restore above
 
     def reshard() -> int:
         main = read_main_manifest(st, 1, "sim")
+        assert main.layout is not None, "the simulated job writes format version 3"
         need = ranks_for(main.layout, reshard_regions(job, main))
         assert need is not None
         loaded = read_manifest(st, 1, "sim", ranks=sorted(need - set(main.layout.owners.values())))
+        assert loaded.layout is not None
         return main_bytes + records_bytes(loaded.layout, loaded.layout.loaded)
     got_bytes = run("rank: reshard plan: find + read its sources' records (s)", reshard)
     if got_bytes is not None:
