@@ -138,6 +138,10 @@ _KNOBS: dict[str, _Knob] = {
     "hash_threads": _Knob("NEBULA_HASH_THREADS", None, int,
                           "incremental saves: threads that take the SHA-256 of staged tensors off the "
                           "training thread (default: io_threads)"),
+    "hash_nice": _Knob("NEBULA_HASH_NICE", 10, int,
+                       "incremental saves: the hash threads run this much nicer than the process "
+                       "(Linux, 0-19; 0: same priority), so that on a machine without idle cores "
+                       "hashing yields to training instead of taking its cores"),
     "restore_chunk_bytes": _Knob("NEBULA_RESTORE_CHUNK_BYTES", 64 << 20, int,
                                  "restore: most bytes checksummed or copied between two drops of the mapped "
                                  "source pages (what a restore keeps resident beyond the owned bytes)"),

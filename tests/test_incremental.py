@@ -338,3 +338,30 @@ def test_only_a_first_save_hashes_every_tensor_and_a_full_save_keeps_the_chain(t
     for step in range(7):
         got = _restore(root, step)
         assert torch.equal(got["frozen"], frozen) and float(got["train"][0]) == step + 1.0
+
+
+def test_the_hash_threads_yield_to_training(tmp_path, shm_dir) -> None:  # noqa: ANN001
+    """The SHA-256 threads run niced (knob hash_nice), so they never compete with training for a core."""
+    import threading
+
+    from nebula_ckpt.save import incremental
+
+    seen: list[int] = []
+    real = incremental.yield_to_training
+
+    def spy() -> None:
+        real()
+        seen.append(os.getpriority(os.PRIO_PROCESS, threading.get_native_id()))
+
+    base = os.getpriority(os.PRIO_PROCESS, 0)
+    data = bytes(range(256)) * 64
+    index = {"a": {"offsets": [0, 8192]}, "b": {"offsets": [8192, 16384]}}
+    try:
+        incremental.yield_to_training = spy
+        with knobs.override(hash_nice=7, hash_threads=2):
+            got = incremental.hash_staged(memoryview(data), index, ["a", "b"])
+    finally:
+        incremental.yield_to_training = real
+    assert seen and all(p == min(19, base + 7) for p in seen), (base, seen)
+    assert got["a"] == got["b"] == __import__("hashlib").sha256(data[:8192]).hexdigest()
+    assert os.getpriority(os.PRIO_PROCESS, 0) == base  # the calling (training) thread is untouched

@@ -13,7 +13,7 @@ the base recorded. The CRC is a cheap filter (a different CRC is a change, nothi
 done); a 32-bit CRC equal by chance (or by construction: CRC is linear) is caught by the SHA-256.
 The hashes are taken of the staged bytes (what is written), so a change made in any way (an
 optimizer, ``.data``, NumPy, a raw pointer) is seen; they are taken on the stager thread by
-``hash_threads`` threads (``hashlib`` releases the GIL), never on the training thread, only for
+``hash_threads`` threads (``hashlib`` releases the GIL) niced by ``hash_nice``, never on the training thread, only for
 the tensors whose CRC equals the base's (and for every tensor of a tier's first save, which has
 no base), and recorded in the manifest (``sha256``; in a multi-rank checkpoint of format
 version 3, in each rank's records file, :mod:`nebula_ckpt.format.rank_records`). A tensor that
@@ -23,6 +23,7 @@ changes save after save (dense training) is never hashed: its CRC already differ
 from __future__ import annotations
 
 import hashlib
+import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -63,11 +64,23 @@ def hash_staged(view: memoryview, index: dict[str, dict[str, Any]], keys: Iterab
         start, end = index[k]["offsets"]
         return hashlib.sha256(view[start:end]).hexdigest()
 
-    threads = max(1, int(knobs.get("hash_threads")))
-    if threads == 1 or len(todo) == 1:
-        return {k: one(k) for k in todo}
-    with ThreadPoolExecutor(threads, thread_name_prefix="nebula-hash") as ex:
+    threads = max(1, min(len(todo), int(knobs.get("hash_threads"))))
+    with ThreadPoolExecutor(threads, thread_name_prefix="nebula-hash", initializer=yield_to_training) as ex:
         return dict(zip(todo, ex.map(one, todo), strict=True))
+
+
+def yield_to_training() -> None:
+    """Lower the calling thread's scheduling priority by the knob ``hash_nice`` (Linux: a
+    thread's nice value is its own), so that where no core is idle the hash threads take what
+    training leaves instead of competing with it. A no-op where the OS refuses."""
+    nice = max(0, min(19, int(knobs.get("hash_nice"))))
+    if not nice or not hasattr(os, "setpriority"):
+        return
+    try:
+        tid = threading.get_native_id()
+        os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + nice))
+    except OSError:
+        pass
 
 
 def _same_kind(rec: dict[str, Any], old: TensorRecord) -> bool:
