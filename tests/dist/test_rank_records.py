@@ -33,21 +33,26 @@ pytestmark = [pytest.mark.timeout(240)]
 STEP = 3
 
 
-@pytest.fixture(scope="module")
-def saved(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
-    """The root of a real 2-rank FSDP2 job's checkpoints (steps 1..3)."""
-    base = tmp_path_factory.mktemp("records")
+def _two_rank_job(tmp_path_factory: pytest.TempPathFactory, folder: str, role: str) -> Iterator[Path]:
+    """Run ``rank_worker.py role`` on 2 real gloo ranks (no memory tier); yield its root."""
+    base = tmp_path_factory.mktemp(folder)
     shm = os.path.join("/dev/shm" if os.access("/dev/shm", os.W_OK) else str(base), f"nebula-test-{uuid.uuid4().hex[:10]}")
     os.makedirs(shm)
     out = base / "out"
     out.mkdir()
     try:
-        done = run_ranks(2, "rank_worker.py", ["fsdp_save", str(base / "ckpt"), str(out)], out, shm,
+        done = run_ranks(2, "rank_worker.py", [role, str(base / "ckpt"), str(out)], out, shm,
                          env_extra={"TEST_MEMORY_TIER": "0"})
         assert all(p.returncode == 0 for p in done), done[0].stdout[-3000:] + done[1].stdout[-3000:]
         yield base / "ckpt"
     finally:
         shutil.rmtree(shm, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """The root of a real 2-rank FSDP2 job's checkpoints (steps 1..3)."""
+    yield from _two_rank_job(tmp_path_factory, "records", "fsdp_save")
 
 
 @pytest.fixture
@@ -223,18 +228,7 @@ CHAIN = 4
 @pytest.fixture(scope="module")
 def chain_saved(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     """The root of a real 2-rank job's incremental chain (steps 1..4)."""
-    base = tmp_path_factory.mktemp("chain")
-    shm = os.path.join("/dev/shm" if os.access("/dev/shm", os.W_OK) else str(base), f"nebula-test-{uuid.uuid4().hex[:10]}")
-    os.makedirs(shm)
-    out = base / "out"
-    out.mkdir()
-    try:
-        done = run_ranks(2, "rank_worker.py", ["frozen_save", str(base / "ckpt"), str(out)], out, shm,
-                         env_extra={"TEST_MEMORY_TIER": "0"})
-        assert all(p.returncode == 0 for p in done), done[0].stdout[-3000:] + done[1].stdout[-3000:]
-        yield base / "ckpt"
-    finally:
-        shutil.rmtree(shm, ignore_errors=True)
+    yield from _two_rank_job(tmp_path_factory, "chain", "frozen_save")
 
 
 @pytest.fixture
