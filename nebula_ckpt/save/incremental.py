@@ -226,11 +226,10 @@ class Incremental:
 
 
 def manifest_parts(delta: Delta, index: dict[str, dict[str, Any]], image_index: dict[str, dict[str, Any]],
-                   hashes: dict[str, str], own_shard: dict[str, Any]) -> dict[str, Any]:
-    """The ``shards``, ``tensors`` and ``sha256`` of an incremental manifest (stored order kept)."""
+                   own_shard: dict[str, Any]) -> dict[str, Any]:
+    """The ``shards`` and ``tensors`` of an incremental manifest (stored order kept)."""
     tensors = {k: image_index[k] if k in image_index else delta.reused[k] for k in index}
-    return {"shards": [own_shard] + [r.to_json() for r in delta.refs], "tensors": tensors,
-            "hashes": {k: v for k, v in hashes.items() if k in index}}
+    return {"shards": [own_shard] + [r.to_json() for r in delta.refs], "tensors": tensors}
 
 
 def hashes_for(targets: list[Any], view: memoryview, index: dict[str, dict[str, Any]]) -> dict[str, str]:

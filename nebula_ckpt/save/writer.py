@@ -240,12 +240,9 @@ class TierWriter:
         parts, image_index, nbytes = ranks.subset_image(snap.tensor_index, delta.write, source.view())
 
         def manifest(gen: int, shard: dict[str, Any]) -> dict[str, Any]:
-            out = build_tier_manifest(snap, gen, shard)
-            got = manifest_parts(delta, snap.tensor_index, image_index, snap.hashes, shard)
-            out.update(shards=got["shards"], tensors=got["tensors"])
+            out = build_tier_manifest(snap, gen, shard)  # sha256 included: the staged tensors' hashes
+            out.update(manifest_parts(delta, snap.tensor_index, image_index, shard))
             out["stats"] = dict(out["stats"], base_step=delta.base, reused_bytes=delta.reused_bytes)
-            if got["hashes"]:
-                out["sha256"] = got["hashes"]
             return out
 
         log.debug("nebula_ckpt: tier %s: step %d builds on step %d (%d of %d tensors written)", self.name,
