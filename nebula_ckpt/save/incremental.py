@@ -18,21 +18,36 @@ the tensors whose CRC equals the base's (and for every tensor of a tier's first 
 no base), and recorded in the manifest (``sha256``; in a multi-rank checkpoint of format
 version 3, in each rank's records file, :mod:`nebula_ckpt.format.rank_records`). A tensor that
 changes save after save (dense training) is never hashed: its CRC already differs.
+
+The memory tier (``compare=True``) hashes nothing: its base's bytes are still in host memory (the
+base step's shard files in the tmpfs), so a tensor whose CRC32C, device and DTensor record equal
+the base's is unchanged only when its staged bytes equal the base's byte for byte
+(:class:`BaseBytes`, a compare at memory speed on the writer thread, never on the training thread).
 """
 
 from __future__ import annotations
 
 import hashlib
+import mmap
 import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Iterable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Optional
+
+import torch
 
 from nebula_ckpt import knobs
 from nebula_ckpt.format.header import safetensors_header
 from nebula_ckpt.format.manifest import Manifest
 from nebula_ckpt.format.records import ShardRecord, TensorRecord
+from nebula_ckpt.format.references import shard_path
+
+if TYPE_CHECKING:
+    from nebula_ckpt.storage.base import Storage
+
+#: ``same(base, key, old)``: whether the staged bytes of ``key`` equal those of ``old`` in ``base``
+SameBytes = Callable[[Manifest, str, TensorRecord], bool]
 
 #: an incremental save whose changed tensors hold more than this share of the bytes is full
 MAX_CHANGED_SHARE = 0.5
@@ -88,24 +103,31 @@ def _same_kind(rec: dict[str, Any], old: TensorRecord) -> bool:
     return rec["dtype"] == old.dtype and tuple(rec["shape"]) == old.shape
 
 
+def _same_record(rec: dict[str, Any], old: TensorRecord) -> bool:
+    """The cheap filter: CRC32C, device and DTensor record equal the base's (else it changed)."""
+    dt = None if old.dtensor is None else old.dtensor.to_json()
+    return rec["crc32c"] == old.crc32c and rec.get("device", "cpu") == old.device and rec.get("dtensor") == dt
+
+
 def _same_bytes(rec: dict[str, Any], sha: Optional[str], old: TensorRecord, old_sha: Optional[str]) -> bool:
     """Whether the staged tensor certainly equals the base's: CRC, device, DTensor record and SHA-256."""
-    dt = None if old.dtensor is None else old.dtensor.to_json()
-    return (rec["crc32c"] == old.crc32c and rec.get("device", "cpu") == old.device and rec.get("dtensor") == dt
-            and sha is not None and sha == old_sha)
+    return _same_record(rec, old) and sha is not None and sha == old_sha
 
 
 class Incremental:
     """One tier's incremental state: its base and the cadence of full saves (thread-safe).
 
     Args:
-        enabled: False makes every save full (``Checkpointer(incremental=False)``, the memory
-            tier, multi-rank jobs).
+        enabled: False makes every save full (``Checkpointer(incremental=False)``, a memory tier
+            with replicas, a rank's own tier in a multi-rank job).
         full_every: every ``full_every``-th save is full (1: all of them).
+        compare: equality is decided by comparing the staged bytes with the base's bytes, which
+            the caller of :meth:`delta` reads (``same``; the memory tier): nothing is hashed.
     """
 
-    def __init__(self, enabled: bool, full_every: Optional[int] = None) -> None:
+    def __init__(self, enabled: bool, full_every: Optional[int] = None, compare: bool = False) -> None:
         self.enabled = enabled
+        self.compare = compare
         self.full_every = max(1, int(full_every if full_every is not None else knobs.get("incremental_full_every")))
         self._lock = threading.Lock()
         self._base: Optional[Manifest] = None
@@ -124,8 +146,8 @@ class Incremental:
         full save too (a cadence-full save is the next one's base: a frozen tensor's CRC matches
         there as well, so its hash is recorded for it). A tensor that changed from the base is
         written anyway and needs no hash; in dense training, where every tensor changes, a save
-        hashes next to nothing."""
-        if not self.enabled:
+        hashes next to nothing. A tier that compares bytes (``compare``) needs no hash."""
+        if not self.enabled or self.compare:
             return set()
         with self._lock:
             base = self._base
@@ -135,22 +157,30 @@ class Incremental:
                 if (old := base.tensors.get(k)) is not None and rec["crc32c"] == old.crc32c}
 
     def delta(self, step: int, index: dict[str, dict[str, Any]], hashes: dict[str, str],
-              generation: int) -> Optional[Delta]:
+              generation: int, same: Optional[SameBytes] = None) -> Optional[Delta]:
         """The incremental save of ``index`` as ``step`` on this tier, or None for a full one (see
-        the module; a base that is not older than ``step`` makes it full too)."""
+        the module; a base that is not older than ``step`` makes it full too). A tier that
+        compares bytes passes ``same`` (without it, such a tier's saves are full).
+
+        Raises:
+            OSError: ``same`` could not read the base's bytes (the caller saves in full).
+        """
         with self._lock:
             base = self._base
-            if not self.enabled or self._next_is_full() or base is None:
+            if not self.enabled or self._next_is_full() or base is None or (self.compare and same is None):
                 return None
             self._pinned = {base.step} | {s.step for s in base.shards if s.step is not None}
         if base.generation != generation or base.step >= step or set(index) != set(base.tensors):
             return None
+        if not all(_same_kind(rec, base.tensors[k]) for k, rec in index.items()):
+            return None
         reused: dict[str, TensorRecord] = {}
         for k, rec in index.items():
             old = base.tensors[k]
-            if not _same_kind(rec, old):
-                return None
-            if _same_bytes(rec, hashes.get(k), old, base.hashes.get(k)):
+            if same is not None and self.compare:
+                if _same_record(rec, old) and same(base, k, old):
+                    reused[k] = old
+            elif _same_bytes(rec, hashes.get(k), old, base.hashes.get(k)):
                 reused[k] = old
         total = sum(r["offsets"][1] - r["offsets"][0] for r in index.values())
         kept = sum(r.nbytes for r in reused.values())
@@ -266,3 +296,57 @@ def whole_image(man: Manifest, shards: list[Any]) -> tuple[list[memoryview], dic
         out.pop("shard", None)
         records[k] = dict(out, offsets=at[k])
     return parts, records, len(head) + (spans[-1][1] if spans else 0)
+
+
+class BaseBytes:
+    """The bytes of a base checkpoint on a local tier (the memory tier), mapped as needed, compared
+    byte for byte with the staged bytes of a save (:meth:`same`, the ``same`` of
+    :meth:`Incremental.delta`). A context manager: the mappings go at exit.
+
+    Args:
+        storage: the tier's storage (a local file system: ``local_path`` names the files).
+        staged: the save's shard image; ``index``: its tensor records (``offsets`` in ``staged``).
+    """
+
+    def __init__(self, storage: "Storage", staged: memoryview, index: dict[str, dict[str, Any]]) -> None:
+        self._storage = storage
+        self._staged = staged
+        self._index = index
+        self._maps: dict[str, mmap.mmap] = {}
+
+    def __enter__(self) -> "BaseBytes":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for mm in self._maps.values():
+            mm.close()
+        self._maps.clear()
+
+    def _map(self, base: Manifest, shard: int) -> mmap.mmap:
+        rel = shard_path(base, shard)
+        if rel not in self._maps:
+            path = self._storage.local_path(rel)
+            if path is None:
+                raise OSError(f"{rel}: the tier is not a local file system")
+            with open(path, "rb") as f:  # private and writable, never written: no copy, no warning
+                self._maps[rel] = mmap.mmap(f.fileno(), 0, flags=mmap.MAP_PRIVATE,
+                                            prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        return self._maps[rel]
+
+    def same(self, base: Manifest, key: str, old: TensorRecord) -> bool:
+        """Whether the staged bytes of ``key`` equal those of its record ``old`` in ``base``.
+
+        Raises:
+            OSError: the base's shard file cannot be read (gone, or shorter than its record).
+        """
+        start, end = self._index[key]["offsets"]
+        if end - start != old.nbytes:
+            return False
+        if not old.nbytes:
+            return True
+        mm = self._map(base, old.shard)
+        if len(mm) < old.end:
+            raise OSError(f"{shard_path(base, old.shard)} holds {len(mm)} bytes, {key} needs {old.end}")
+        mine = torch.frombuffer(self._staged, dtype=torch.uint8, count=old.nbytes, offset=start)
+        theirs = torch.frombuffer(mm, dtype=torch.uint8, count=old.nbytes, offset=old.start)
+        return torch.equal(mine, theirs)  # bytes, not values: NaN, -0.0 and +0.0 are told apart

@@ -57,7 +57,7 @@ from nebula_ckpt.save.commit import (
     encode_manifest,
 )
 from nebula_ckpt.save.fanout import Delivery
-from nebula_ckpt.save.incremental import Incremental, manifest_parts, whole_image
+from nebula_ckpt.save.incremental import BaseBytes, Delta, Incremental, manifest_parts, whole_image
 from nebula_ckpt.save.rounds import SharedCommit, SharedSave, tagged
 from nebula_ckpt.save.snapshot import Snapshot, build_tier_manifest
 from nebula_ckpt.storage.base import Storage
@@ -118,14 +118,22 @@ class TierWriter:
         #: steps whose commit this writer could not confirm (CommitUncertain): never deleted as
         #: leftovers nor written again by this process; a restart (a newer generation) sweeps them
         self._uncertain: set[int] = set()
-        #: this tier's base and cadence of full saves
-        self.incremental = Incremental(incremental and self.tier.persistent
-                                       and (self.coordinator.world_size == 1 or self.tier.shared))
+        #: this tier's base and cadence of full saves (the memory tier compares bytes instead of hashing)
+        self.incremental = Incremental(incremental and self._may_build_on_base(), compare=not self.tier.persistent)
         #: committed steps remove() was asked to delete while a later checkpoint refers to their
         #: bytes: retention deletes them once nothing does
         self._deferred: set[int] = set()
         self._thread = threading.Thread(target=self._run, name=f"nebula-{self.tier.kind}-writer", daemon=True)
         self._thread.start()
+
+    def _may_build_on_base(self) -> bool:
+        """Whether saves on this tier may be incremental: a persistent tier of a one-process job
+        or a shared one; the memory tier of a one-process job without replicas (a replica carries
+        its step's own files, never the base's, so with replicas every step stays whole)."""
+        if self.tier.persistent:
+            return self.coordinator.world_size == 1 or self.tier.shared
+        return (self.coordinator.world_size == 1 and not getattr(self.tier, "replicas", 0)
+                and self.storage.local_path("") is not None)
 
     # -- cadence (training thread) ----------------------------------------------------------------
     def wants(self, save_index: int, now: float) -> bool:
@@ -233,7 +241,7 @@ class TierWriter:
 
     def _single_item(self, snap: Snapshot, source: Any, confirmed: Callable[[], None]) -> _Item:
         """The step of a one-process job: full, or incremental on this tier's base."""
-        delta = self.incremental.delta(snap.step, snap.tensor_index, snap.hashes, self.fence.generation)
+        delta = self._delta(snap, source)
         if delta is None:
             return _Item(snap.step, snap.nbytes, source, lambda gen, shard: build_tier_manifest(snap, gen, shard),
                          confirmed)
@@ -248,6 +256,22 @@ class TierWriter:
         log.debug("nebula_ckpt: tier %s: step %d builds on step %d (%d of %d tensors written)", self.name,
                   snap.step, delta.base, len(delta.write), len(snap.tensor_index))
         return _Item(snap.step, nbytes, source, manifest, confirmed, parts=lambda: parts, full=False)
+
+    def _delta(self, snap: Snapshot, source: Any) -> Optional[Delta]:
+        """The incremental save of ``snap`` on this tier's base, or None (full). A tier that
+        compares bytes (the memory tier) reads its base's shards here; if they cannot be read,
+        the save is full."""
+        inc = self.incremental
+        if not inc.compare:
+            return inc.delta(snap.step, snap.tensor_index, snap.hashes, self.fence.generation)
+        try:
+            with BaseBytes(self.storage, source.view(), snap.tensor_index) as base:
+                return inc.delta(snap.step, snap.tensor_index, snap.hashes, self.fence.generation, base.same)
+        except OSError as e:
+            log.warning("nebula_ckpt: tier %s: step %d is saved whole: the bytes of its base cannot be read (%s)",
+                        self.name, snap.step, e)
+            inc.forget()
+            return None
 
     def copy_from(self, src: Storage, step: int) -> None:
         """Write the committed checkpoint ``step`` of another (local) tier's storage to this tier.
