@@ -173,3 +173,61 @@ def test_incremental_false_keeps_the_memory_tier_whole(tmp_path, shm_dir) -> Non
             ck.save(step, {"frozen": frozen, "train": train})
             assert len(_man(folder, step)["shards"]) == 1
             assert _step_bytes(folder, step) >= frozen.nbytes
+
+
+_SAVER = r"""
+import os, signal, sys, torch, nebula_ckpt as nc
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 8))
+model.register_parameter("frozen", torch.nn.Parameter(torch.randn(512, 512), requires_grad=False))
+opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+ck = nc.Checkpointer(sys.argv[1], tiers=[nc.MemoryTier(keep_last=5), nc.LocalTier(sys.argv[1])])
+for step in range(2):
+    model(torch.randn(4, 64)).square().mean().backward(); opt.step(); opt.zero_grad()
+    ck.save(step, {"model": model, "optim": opt, "step": step})
+    torch.save({"model": model.state_dict(), "optim": opt.state_dict()}, f"{sys.argv[2]}-{step}")
+os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+def _model() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(1)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 8))
+    model.register_parameter("frozen", torch.nn.Parameter(torch.zeros(512, 512), requires_grad=False))
+    return model, torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+
+
+def _same(model: torch.nn.Module, opt: torch.optim.Optimizer, want: dict) -> bool:
+    got_m, got_o = model.state_dict(), opt.state_dict()
+    return all(torch.equal(got_m[k], v) for k, v in want["model"].items()) and all(
+        torch.equal(got_o["state"][i][k], v) for i, st in want["optim"]["state"].items() for k, v in st.items())
+
+
+def test_after_a_crash_the_chain_restores_from_the_memory_tier_and_a_base_is_never_adopted_away(
+        tmp_path, shm_dir) -> None:  # noqa: ANN001
+    """A SIGKILLed saver leaves step 0 (full) and step 1 (incremental on it) in the memory tier.
+    Loading step 0 would hand its pages over (zero-copy adoption deletes the step from the tier),
+    but step 1 refers to its bytes: it is copied instead, and step 1 still restores from memory."""
+    import signal
+    import subprocess
+    import sys
+
+    root, ref = str(tmp_path / "ck"), str(tmp_path / "ref")
+    env = dict(os.environ, NEBULA_SHM_DIR=shm_dir, PYTHONPATH=os.pathsep.join(
+        [os.path.dirname(os.path.dirname(os.path.abspath(__file__))), os.environ.get("PYTHONPATH", "")]))
+    r = subprocess.run([sys.executable, "-c", _SAVER, root, ref], env=env, capture_output=True, timeout=180)
+    assert r.returncode == -signal.SIGKILL, r.stderr.decode()[-3000:]
+    want = [torch.load(f"{ref}-{s}", weights_only=True) for s in range(2)]
+    tiers = [nc.MemoryTier(keep_last=5), nc.LocalTier(root)]
+    with nc.Checkpointer(root, tiers=tiers) as ck:
+        folder = _folder(ck)
+        assert [s.get("step") for s in _man(folder, 1)["shards"]] == [None, 0]  # incremental in memory
+        model, opt = _model()
+        assert ck.load(0, into={"model": model, "optim": opt, "step": -1}) == 0
+        assert ck.last_restore is not None and ck.last_restore["tier"].startswith("memory")
+        assert _same(model, opt, want[0])
+        assert os.path.exists(os.path.join(folder, "step-0", "COMMIT"))  # not handed over: step 1 needs it
+        model, opt = _model()
+        assert ck.load_latest(into={"model": model, "optim": opt, "step": -1}) == 1
+        assert ck.last_restore is not None and ck.last_restore["tier"].startswith("memory")
+        assert _same(model, opt, want[1])
