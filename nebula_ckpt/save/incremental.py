@@ -28,6 +28,7 @@ the base's is unchanged only when its staged bytes equal the base's byte for byt
 from __future__ import annotations
 
 import hashlib
+import logging
 import mmap
 import os
 import threading
@@ -48,6 +49,8 @@ if TYPE_CHECKING:
 
 #: ``same(base, key, old)``: whether the staged bytes of ``key`` equal those of ``old`` in ``base``
 SameBytes = Callable[[Manifest, str, TensorRecord], bool]
+
+log = logging.getLogger(__name__)
 
 #: an incremental save whose changed tensors hold more than this share of the bytes is full
 MAX_CHANGED_SHARE = 0.5
@@ -296,6 +299,23 @@ def whole_image(man: Manifest, shards: list[Any]) -> tuple[list[memoryview], dic
         out.pop("shard", None)
         records[k] = dict(out, offsets=at[k])
     return parts, records, len(head) + (spans[-1][1] if spans else 0)
+
+
+def tier_delta(inc: Incremental, storage: "Storage", step: int, index: dict[str, dict[str, Any]],
+               hashes: dict[str, str], generation: int, staged: memoryview, tier: str) -> Optional[Delta]:
+    """The incremental save of ``index`` (staged in ``staged``) as ``step`` on the tier of ``inc``
+    and ``storage``, or None (full). A tier that compares bytes (the memory tier) reads its base's
+    shards here (:class:`BaseBytes`); if they cannot be read, the save is full."""
+    if not inc.compare:
+        return inc.delta(step, index, hashes, generation)
+    try:
+        with BaseBytes(storage, staged, index) as base:
+            return inc.delta(step, index, hashes, generation, base.same)
+    except OSError as e:
+        log.warning("nebula_ckpt: tier %s: step %d is saved whole: the bytes of its base cannot be read (%s)",
+                    tier, step, e)
+        inc.forget()
+        return None
 
 
 class BaseBytes:

@@ -57,7 +57,7 @@ from nebula_ckpt.save.commit import (
     encode_manifest,
 )
 from nebula_ckpt.save.fanout import Delivery
-from nebula_ckpt.save.incremental import BaseBytes, Delta, Incremental, manifest_parts, whole_image
+from nebula_ckpt.save.incremental import Incremental, manifest_parts, tier_delta, whole_image
 from nebula_ckpt.save.rounds import SharedCommit, SharedSave, tagged
 from nebula_ckpt.save.snapshot import Snapshot, build_tier_manifest
 from nebula_ckpt.storage.base import Storage
@@ -241,7 +241,8 @@ class TierWriter:
 
     def _single_item(self, snap: Snapshot, source: Any, confirmed: Callable[[], None]) -> _Item:
         """The step of a one-process job: full, or incremental on this tier's base."""
-        delta = self._delta(snap, source)
+        delta = tier_delta(self.incremental, self.storage, snap.step, snap.tensor_index, snap.hashes,
+                           self.fence.generation, source.view(), self.name)
         if delta is None:
             return _Item(snap.step, snap.nbytes, source, lambda gen, shard: build_tier_manifest(snap, gen, shard),
                          confirmed)
@@ -256,22 +257,6 @@ class TierWriter:
         log.debug("nebula_ckpt: tier %s: step %d builds on step %d (%d of %d tensors written)", self.name,
                   snap.step, delta.base, len(delta.write), len(snap.tensor_index))
         return _Item(snap.step, nbytes, source, manifest, confirmed, parts=lambda: parts, full=False)
-
-    def _delta(self, snap: Snapshot, source: Any) -> Optional[Delta]:
-        """The incremental save of ``snap`` on this tier's base, or None (full). A tier that
-        compares bytes (the memory tier) reads its base's shards here; if they cannot be read,
-        the save is full."""
-        inc = self.incremental
-        if not inc.compare:
-            return inc.delta(snap.step, snap.tensor_index, snap.hashes, self.fence.generation)
-        try:
-            with BaseBytes(self.storage, source.view(), snap.tensor_index) as base:
-                return inc.delta(snap.step, snap.tensor_index, snap.hashes, self.fence.generation, base.same)
-        except OSError as e:
-            log.warning("nebula_ckpt: tier %s: step %d is saved whole: the bytes of its base cannot be read (%s)",
-                        self.name, snap.step, e)
-            inc.forget()
-            return None
 
     def copy_from(self, src: Storage, step: int) -> None:
         """Write the committed checkpoint ``step`` of another (local) tier's storage to this tier.
