@@ -231,3 +231,22 @@ def test_after_a_crash_the_chain_restores_from_the_memory_tier_and_a_base_is_nev
         assert ck.load_latest(into={"model": model, "optim": opt, "step": -1}) == 1
         assert ck.last_restore is not None and ck.last_restore["tier"].startswith("memory")
         assert _same(model, opt, want[1])
+
+
+def test_persist_memory_writes_an_incremental_memory_step_whole_on_the_root(tmp_path, shm_dir) -> None:  # noqa: ANN001
+    from nebula_ckpt.save.epilogue import persist_memory
+
+    root = str(tmp_path / "ck")
+    frozen, train = _frozen(), torch.zeros(64)
+    with _mem_ck(root) as ck:
+        for step in range(2):
+            train += 1
+            ck.save(step, {"frozen": frozen, "train": train})
+        assert len(_man(_folder(ck), 1)["shards"]) == 2  # incremental in memory
+    got = persist_memory(root)
+    assert got["step"] == 1 and got["copied"], got
+    with open(os.path.join(root, "step-1", "manifest.json")) as f:
+        assert len(json.load(f)["shards"]) == 1  # whole on the root: no reference to a step it lacks
+    with nc.Checkpointer(root, memory_tier=False, read_only=True) as ck:
+        got_step, state = ck.read(1)
+        assert got_step == 1 and torch.equal(state["frozen"], frozen) and torch.equal(state["train"], train)
