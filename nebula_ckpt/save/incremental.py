@@ -22,35 +22,26 @@ changes save after save (dense training) is never hashed: its CRC already differ
 The memory tier (``compare=True``) hashes nothing: its base's bytes are still in host memory (the
 base step's shard files in the tmpfs), so a tensor whose CRC32C, device and DTensor record equal
 the base's is unchanged only when its staged bytes equal the base's byte for byte
-(:class:`BaseBytes`, a compare at memory speed on the writer thread, never on the training thread).
+(:mod:`nebula_ckpt.save.compare`, at memory speed on niced threads, never on the training thread).
 """
 
 from __future__ import annotations
 
 import hashlib
-import logging
-import mmap
 import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Iterable, Optional
-
-import torch
+from typing import Any, Callable, Iterable, Optional
 
 from nebula_ckpt import knobs
 from nebula_ckpt.format.header import safetensors_header
 from nebula_ckpt.format.manifest import Manifest
 from nebula_ckpt.format.records import ShardRecord, TensorRecord
-from nebula_ckpt.format.references import shard_path
 
-if TYPE_CHECKING:
-    from nebula_ckpt.storage.base import Storage
-
-#: ``same(base, key, old)``: whether the staged bytes of ``key`` equal those of ``old`` in ``base``
-SameBytes = Callable[[Manifest, str, TensorRecord], bool]
-
-log = logging.getLogger(__name__)
+#: ``same(base, candidates)``: the keys of ``candidates`` (key -> its record in ``base``) whose
+#: staged bytes equal the base's (:class:`nebula_ckpt.save.compare.BaseBytes`)
+SameBytes = Callable[[Manifest, dict[str, TensorRecord]], set[str]]
 
 #: an incremental save whose changed tensors hold more than this share of the bytes is full
 MAX_CHANGED_SHARE = 0.5
@@ -177,14 +168,12 @@ class Incremental:
             return None
         if not all(_same_kind(rec, base.tensors[k]) for k, rec in index.items()):
             return None
-        reused: dict[str, TensorRecord] = {}
-        for k, rec in index.items():
-            old = base.tensors[k]
-            if same is not None and self.compare:
-                if _same_record(rec, old) and same(base, k, old):
-                    reused[k] = old
-            elif _same_bytes(rec, hashes.get(k), old, base.hashes.get(k)):
-                reused[k] = old
+        if same is not None and self.compare:
+            equal = same(base, {k: base.tensors[k] for k, rec in index.items() if _same_record(rec, base.tensors[k])})
+            reused = {k: base.tensors[k] for k in index if k in equal}
+        else:
+            reused = {k: base.tensors[k] for k, rec in index.items()
+                      if _same_bytes(rec, hashes.get(k), base.tensors[k], base.hashes.get(k))}
         total = sum(r["offsets"][1] - r["offsets"][0] for r in index.values())
         kept = sum(r.nbytes for r in reused.values())
         if not reused or total - kept > MAX_CHANGED_SHARE * total:
@@ -300,73 +289,3 @@ def whole_image(man: Manifest, shards: list[Any]) -> tuple[list[memoryview], dic
         records[k] = dict(out, offsets=at[k])
     return parts, records, len(head) + (spans[-1][1] if spans else 0)
 
-
-def tier_delta(inc: Incremental, storage: "Storage", step: int, index: dict[str, dict[str, Any]],
-               hashes: dict[str, str], generation: int, staged: memoryview, tier: str) -> Optional[Delta]:
-    """The incremental save of ``index`` (staged in ``staged``) as ``step`` on the tier of ``inc``
-    and ``storage``, or None (full). A tier that compares bytes (the memory tier) reads its base's
-    shards here (:class:`BaseBytes`); if they cannot be read, the save is full."""
-    if not inc.compare:
-        return inc.delta(step, index, hashes, generation)
-    try:
-        with BaseBytes(storage, staged, index) as base:
-            return inc.delta(step, index, hashes, generation, base.same)
-    except OSError as e:
-        log.warning("nebula_ckpt: tier %s: step %d is saved whole: the bytes of its base cannot be read (%s)",
-                    tier, step, e)
-        inc.forget()
-        return None
-
-
-class BaseBytes:
-    """The bytes of a base checkpoint on a local tier (the memory tier), mapped as needed, compared
-    byte for byte with the staged bytes of a save (:meth:`same`, the ``same`` of
-    :meth:`Incremental.delta`). A context manager: the mappings go at exit.
-
-    Args:
-        storage: the tier's storage (a local file system: ``local_path`` names the files).
-        staged: the save's shard image; ``index``: its tensor records (``offsets`` in ``staged``).
-    """
-
-    def __init__(self, storage: "Storage", staged: memoryview, index: dict[str, dict[str, Any]]) -> None:
-        self._storage = storage
-        self._staged = staged
-        self._index = index
-        self._maps: dict[str, mmap.mmap] = {}
-
-    def __enter__(self) -> "BaseBytes":
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        for mm in self._maps.values():
-            mm.close()
-        self._maps.clear()
-
-    def _map(self, base: Manifest, shard: int) -> mmap.mmap:
-        rel = shard_path(base, shard)
-        if rel not in self._maps:
-            path = self._storage.local_path(rel)
-            if path is None:
-                raise OSError(f"{rel}: the tier is not a local file system")
-            with open(path, "rb") as f:  # private and writable, never written: no copy, no warning
-                self._maps[rel] = mmap.mmap(f.fileno(), 0, flags=mmap.MAP_PRIVATE,
-                                            prot=mmap.PROT_READ | mmap.PROT_WRITE)
-        return self._maps[rel]
-
-    def same(self, base: Manifest, key: str, old: TensorRecord) -> bool:
-        """Whether the staged bytes of ``key`` equal those of its record ``old`` in ``base``.
-
-        Raises:
-            OSError: the base's shard file cannot be read (gone, or shorter than its record).
-        """
-        start, end = self._index[key]["offsets"]
-        if end - start != old.nbytes:
-            return False
-        if not old.nbytes:
-            return True
-        mm = self._map(base, old.shard)
-        if len(mm) < old.end:
-            raise OSError(f"{shard_path(base, old.shard)} holds {len(mm)} bytes, {key} needs {old.end}")
-        mine = torch.frombuffer(self._staged, dtype=torch.uint8, count=old.nbytes, offset=start)
-        theirs = torch.frombuffer(mm, dtype=torch.uint8, count=old.nbytes, offset=old.start)
-        return torch.equal(mine, theirs)  # bytes, not values: NaN, -0.0 and +0.0 are told apart

@@ -56,8 +56,9 @@ from nebula_ckpt.save.commit import (
     delete_checkpoint,
     encode_manifest,
 )
+from nebula_ckpt.save.compare import tier_delta
 from nebula_ckpt.save.fanout import Delivery
-from nebula_ckpt.save.incremental import Incremental, manifest_parts, tier_delta, whole_image
+from nebula_ckpt.save.incremental import Incremental, manifest_parts, whole_image
 from nebula_ckpt.save.rounds import SharedCommit, SharedSave, tagged
 from nebula_ckpt.save.snapshot import Snapshot, build_tier_manifest
 from nebula_ckpt.storage.base import Storage
