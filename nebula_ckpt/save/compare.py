@@ -112,6 +112,16 @@ class BaseBytes:
         return out | {j[0] for j, eq in zip(jobs, equal, strict=True) if eq}
 
 
+def may_build_on_base(tier: Any, world_size: int, storage: "Storage") -> bool:
+    """Whether saves on ``tier`` may be incremental: a persistent tier of a one-process job or a
+    shared one; the memory tier (it compares bytes) of a one-process job without replicas (a
+    replica carries its step's own files, never the base's, so with replicas every step stays
+    whole) on a local file system."""
+    if tier.persistent:
+        return world_size == 1 or bool(tier.shared)
+    return world_size == 1 and not getattr(tier, "replicas", 0) and storage.local_path("") is not None
+
+
 def tier_delta(inc: Incremental, storage: "Storage", step: int, index: dict[str, dict[str, Any]],
                hashes: dict[str, str], generation: int, staged: memoryview, tier: str) -> Optional[Delta]:
     """The incremental save of ``index`` (staged in ``staged``) as ``step`` on the tier of ``inc``

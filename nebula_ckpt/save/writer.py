@@ -31,6 +31,7 @@ tier is still busy, the pending one is dropped *for this tier* (reported on its 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -39,7 +40,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 from nebula_ckpt import knobs
-from nebula_ckpt.errors import FencedError, PersistError
+from nebula_ckpt.errors import FencedError, NebulaError, PersistError
 from nebula_ckpt.format.commit import committed_steps
 from nebula_ckpt.format.manifest import Manifest
 from nebula_ckpt.format.names import COMMIT, MANIFEST, records_name, shard_name, shard_owner, step_dir
@@ -47,6 +48,7 @@ from nebula_ckpt.format.references import protected_steps, referrers, shard_path
 from nebula_ckpt.ranks import shards as ranks
 from nebula_ckpt.ranks.coordinator import Coordinator, LocalCoordinator
 from nebula_ckpt.ranks.fencing import TierFence
+from nebula_ckpt.restore.open import read_manifest
 from nebula_ckpt.save import sweep
 from nebula_ckpt.save.commit import (
     CommitProgress,
@@ -56,7 +58,7 @@ from nebula_ckpt.save.commit import (
     delete_checkpoint,
     encode_manifest,
 )
-from nebula_ckpt.save.compare import tier_delta
+from nebula_ckpt.save.compare import may_build_on_base, tier_delta
 from nebula_ckpt.save.fanout import Delivery
 from nebula_ckpt.save.incremental import Incremental, manifest_parts, whole_image
 from nebula_ckpt.save.rounds import SharedCommit, SharedSave, tagged
@@ -120,21 +122,29 @@ class TierWriter:
         #: leftovers nor written again by this process; a restart (a newer generation) sweeps them
         self._uncertain: set[int] = set()
         #: this tier's base and cadence of full saves (the memory tier compares bytes instead of hashing)
-        self.incremental = Incremental(incremental and self._may_build_on_base(), compare=not self.tier.persistent)
+        on_base = incremental and may_build_on_base(self.tier, self.coordinator.world_size, self.storage)
+        self.incremental = Incremental(on_base, compare=not self.tier.persistent)
         #: committed steps remove() was asked to delete while a later checkpoint refers to their
         #: bytes: retention deletes them once nothing does
         self._deferred: set[int] = set()
         self._thread = threading.Thread(target=self._run, name=f"nebula-{self.tier.kind}-writer", daemon=True)
         self._thread.start()
 
-    def _may_build_on_base(self) -> bool:
-        """Whether saves on this tier may be incremental: a persistent tier of a one-process job
-        or a shared one; the memory tier of a one-process job without replicas (a replica carries
-        its step's own files, never the base's, so with replicas every step stays whole)."""
-        if self.tier.persistent:
-            return self.coordinator.world_size == 1 or self.tier.shared
-        return (self.coordinator.world_size == 1 and not getattr(self.tier, "replicas", 0)
-                and self.storage.local_path("") is not None)
+    def seed(self, step: int) -> None:
+        """A restarted job restored committed ``step`` from this tier (every tensor verified against
+        its CRC32C): the next save here may build on it instead of being full (one-process jobs,
+        persistent tiers, no save made yet). A step that cannot be read is logged and ignored."""
+        if not self.incremental.enabled or not self.tier.persistent or self.coordinator.world_size > 1:
+            return
+        where = f"{self.storage.display_url} step {step}"
+        try:
+            man = read_manifest(self.storage, step, where)
+        except (NebulaError, OSError) as e:
+            log.info("nebula_ckpt: tier %s: the next save is full (cannot build on restored %s: %s)",
+                     self.name, where, e)
+            return
+        if self.incremental.seed(dataclasses.replace(man, generation=self.fence.generation)):
+            log.info("nebula_ckpt: tier %s: the next save builds on restored step %d", self.name, step)
 
     # -- cadence (training thread) ----------------------------------------------------------------
     def wants(self, save_index: int, now: float) -> bool:
