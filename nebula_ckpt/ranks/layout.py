@@ -62,8 +62,9 @@ def records_payload(*, step: int, generation: int, rank: int, world: int, shard:
     return name, data, payload
 
 
-def _table(parts: list[dict[str, Any]], step: int) -> dict[str, dict[str, Any]]:
-    """The union of the ranks' DTensor tables; PersistError when two disagree on a key."""
+def layout_tables(parts: list[dict[str, Any]], step: int) -> dict[str, dict[str, Any]]:
+    """The union of the ranks' DTensor tables (the manifest's ``dtensors``); PersistError when two
+    disagree on a key."""
     table: dict[str, tuple[int, list[Any]]] = {}
     for r, part in enumerate(parts):
         for k, spec in (part.get("table") or {}).items():
@@ -84,7 +85,7 @@ def layout_manifest(*, step: int, generation: int, parts: list[dict[str, Any]],
     Raises:
         PersistError: the ranks' DTensor tables disagree (named key and ranks).
     """
-    table = _table(parts, step)
+    table = layout_tables(parts, step)
     tree0 = parts[0]["tree"]
     trees: list[Any] = [tree0 if p.get("tree") is None else p["tree"] for p in parts]
     shards = [p["shard"] for p in parts]
