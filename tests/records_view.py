@@ -105,7 +105,7 @@ def seal(step_folder: Path, flat: dict[str, Any]) -> None:
         man.update(tensors={}, aliases={})
         if man["version"] >= 4:
             index = json.loads((step_folder / "ranks.json").read_text())
-            for e, ref in zip(index["ranks"], man["records"]):
+            for e, ref in zip(index["ranks"], man["records"], strict=True):
                 e["records"] = ref
             data = json.dumps(index, separators=(",", ":")).encode()
             (step_folder / "ranks.json").write_bytes(data)

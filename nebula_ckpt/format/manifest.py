@@ -40,8 +40,16 @@ from typing import Any, Mapping, Optional, Sequence
 
 from nebula_ckpt.format.checks import as_hashes, as_int, as_list, as_obj, as_str, bad, short
 from nebula_ckpt.format.dtensors import check_dtensors
-from nebula_ckpt.format.names import (FORMAT, LAYOUT_VERSION, MANIFEST, SINGLE_VERSION, SPLIT_VERSION, VERSION, step_dir,
-                                      tag_problem)
+from nebula_ckpt.format.names import (
+    FORMAT,
+    LAYOUT_VERSION,
+    MANIFEST,
+    SINGLE_VERSION,
+    SPLIT_VERSION,
+    VERSION,
+    step_dir,
+    tag_problem,
+)
 from nebula_ckpt.format.rank_index import SPLIT_FIELDS, parse_split
 from nebula_ckpt.format.rank_records import LAYOUT_FIELDS, RanksLayout, parse_layout
 from nebula_ckpt.format.records import ShardRecord, TensorRecord
@@ -194,13 +202,15 @@ def _parse_body(m: dict[str, Any], w: str, step: int, version: int) -> Manifest:
                for k, v in as_obj(m["tensors"], w, "tensors").items()}
     _check_overlaps(tensors, shards, w)
     aliases = _aliases(m.get("aliases", {}), tensors, w)
+    layout: Optional[RanksLayout] = None
     if version >= SPLIT_VERSION:  # no per-rank field: ranks, tree indices and shards are in the ranks' files
-        world, layout = parse_split(m, w, step, shards, tensors, aliases)
+        world, layout = parse_split(m, w, step, shards, tensors, aliases, MAX_WORLD)
         ranks: Sequence[int] = range(world)
         rank_tree: dict[int, int] = {}
     else:
         world, ranks, rank_tree = _ranks(m, w, version)
-        layout = parse_layout(m, w, shards, world, tuple(ranks)) if version >= LAYOUT_VERSION else None
+        if version >= LAYOUT_VERSION:
+            layout = parse_layout(m, w, shards, world, tuple(ranks))
     if layout is None:  # version 3: checked when the ranks' records are loaded
         _check_trees(m["tree"], tensors, aliases, world, rank_tree, w)
         check_dtensors(tensors, aliases, shards, world, len(ranks) == world, w)

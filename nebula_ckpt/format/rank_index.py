@@ -42,8 +42,15 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping, Optional
 from nebula_ckpt.format.checks import as_hashes, as_int, as_list, as_obj, as_str, bad, only_fields, short
 from nebula_ckpt.format.dtensors import check_dtensors
 from nebula_ckpt.format.names import RANKS_FILE, SPLIT_VERSION, records_name, shard_name
-from nebula_ckpt.format.rank_records import (RECORDS_FORMAT, RanksLayout, RecordsRef, check_rank_dtensors,
-                                             check_rank_trees, parse_tables, rank_aliases)
+from nebula_ckpt.format.rank_records import (
+    RECORDS_FORMAT,
+    RanksLayout,
+    RecordsRef,
+    check_rank_dtensors,
+    check_rank_trees,
+    parse_tables,
+    rank_aliases,
+)
 from nebula_ckpt.format.records import ShardRecord, TensorRecord
 
 if TYPE_CHECKING:
@@ -104,14 +111,13 @@ def encode_ranks_index(*, step: int, generation: int, save_id: str, ranks: list[
 
 
 def parse_split(m: dict[str, Any], w: str, step: int, shards: tuple[ShardRecord, ...],
-                tensors: Mapping[str, Any], aliases: Mapping[str, str]) -> tuple[int, RanksLayout]:
+                tensors: Mapping[str, Any], aliases: Mapping[str, str], max_world: int) -> tuple[int, RanksLayout]:
     """``(world size, layout)`` of version 4 manifest ``m``: its per-rank fields are absent."""
-    from nebula_ckpt.format.manifest import MAX_WORLD
-
-    world = as_int(m.get("world_size"), w, "world_size", lo=2, hi=MAX_WORLD)
+    world = as_int(m.get("world_size"), w, "world_size", lo=2, hi=max_world)
     if shards or tensors or aliases or any(k in m for k in ("ranks", "rank_tree", "records", "sha256")):
         raise bad(w, f"a version {SPLIT_VERSION} manifest holds no per-rank field (shards, tensors and aliases "
-                   "empty; no ranks, rank_tree, records or sha256): they are in ranks.json and the ranks' records files")
+                   "empty; no ranks, rank_tree, records or sha256): they are in ranks.json and the ranks' "
+                   "records files")
     save_id = as_str(m.get("save_id"), w, "save_id")
     if not _HEX.fullmatch(save_id):
         raise bad(w, f"save_id {short(save_id)} is not 16 to 64 lowercase hex digits")
@@ -149,8 +155,8 @@ def with_index(man: "Manifest", data: bytes, read_crc: Callable[[bytes], int], w
                    f"{layout.ranks_file.bytes}): garbled or replaced")
     try:
         d = as_obj(json.loads(data), w, "ranks.json")
-    except ValueError as e:
-        raise bad(w, f"is not valid JSON ({e})") from None
+    except ValueError as err:
+        raise bad(w, f"is not valid JSON ({err})") from None
     _check_head(d, man, w, RANKS_FORMAT, None)
     entries = as_list(d.get("ranks"), w, "ranks")
     if len(entries) != man.world_size:
@@ -158,9 +164,9 @@ def with_index(man: "Manifest", data: bytes, read_crc: Callable[[bytes], int], w
     shards: list[ShardRecord] = []
     records: list[RecordsRef] = []
     rank_tree: dict[int, int] = {}
-    for r, e in enumerate(entries):
+    for r, raw in enumerate(entries):
         rw = f"{w}: ranks[{r}]"
-        e = as_obj(e, rw, "the rank entry")
+        e = as_obj(raw, rw, "the rank entry")
         only_fields(e, ("shard", "records", "tree"), rw, "the rank entry")
         shards.append(_own_shard(e.get("shard"), man, r, rw))
         rec = as_obj(e.get("records"), rw, "records")
@@ -169,8 +175,8 @@ def with_index(man: "Manifest", data: bytes, read_crc: Callable[[bytes], int], w
         records.append(RecordsRef(rec["file"], as_int(rec.get("bytes"), rw, "records.bytes", lo=2, hi=1 << 40),
                                   as_int(rec.get("crc32c"), rw, "records.crc32c", hi=2**32 - 1)))
         rank_tree[r] = _tree_index(e.get("tree"), layout, rw)
-    for i, raw in enumerate(as_list(d.get("refs", []), w, "refs")):
-        shards.append(_ref_shard(raw, man, f"{w}: refs[{i}]"))
+    for i, ref in enumerate(as_list(d.get("refs", []), w, "refs")):
+        shards.append(_ref_shard(ref, man, f"{w}: refs[{i}]"))
     if len({(s.step, s.file) for s in shards}) != len(shards):
         raise bad(w, "lists a shard twice")
     lay = dataclasses.replace(layout, records=tuple(records), shard_of=types.MappingProxyType(
@@ -240,7 +246,7 @@ def load_split(man: "Manifest", read: Callable[[str], bytes], read_crc: Callable
     shards = list(man.shards)
     shard_of = dict(layout.shard_of)
     rank_tree = dict(man.rank_tree)
-    at = {(s.step, s.file): i for i, s in enumerate(shards) if s.step is not None}
+    at: dict[tuple[Optional[int], str], int] = {(s.step, s.file): i for i, s in enumerate(shards) if s.step is not None}
     raw: dict[int, tuple[dict[str, Any], list[int], tuple[ShardRecord, ...], str]] = {}
     for r in sorted(layout.providers(focus)):
         name = records_name(man.generation, r)

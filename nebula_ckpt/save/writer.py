@@ -416,8 +416,8 @@ class TierWriter:
         newer = any((o := shard_owner(n)) is not None and o[0] > gen for n in names)
         mine_manifest = not newer and self._owner.commits_here
         records = records_name(gen, self.coordinator.rank)
-        sweep.discard_files(st, step, lambda n: n in (shard, records) or (n in (MANIFEST, RANKS_FILE) and mine_manifest),
-                            f"tier {self.name}")
+        sweep.discard_files(st, step, lambda n: n in (shard, records) or (n in (MANIFEST, RANKS_FILE)
+                                                                            and mine_manifest), f"tier {self.name}")
 
     def remove(self, step: int) -> bool:
         """Delete the committed checkpoint ``step`` from this tier as retention does (fence checked,
