@@ -6,19 +6,21 @@ Every rank sees a *shared* tier, and the ranks commit one checkpoint of the step
 1. digest, then index: every rank sends a hash of its replicable tensors' index (and of its
    tree; rank 0 also sends the save id it drew for this attempt, which every rank's records
    file carries: :mod:`nebula_ckpt.format.rank_index`); only when the hashes differ do the
-   ranks send the index itself. Replicated tensors get one owner each (:func:`nebula_ckpt.ranks.shards.assign`); each rank also names the step
-   its incremental save would build on, and the ranks build on it only when all name the same
+   ranks send the index itself. Replicated tensors get one owner each
+   (:func:`nebula_ckpt.ranks.shards.assign`); each rank also names the step its incremental
+   save would build on, and the ranks build on it only when all name the same
    (:mod:`nebula_ckpt.save.incremental`). The coordinator has already removed an old checkpoint
    of the same step, so nobody writes into a folder being deleted;
 2. durable: every rank writes its share (``shard-g<G>-r<R>``) and, beside it, its tensor records
    (``records-g<G>-r<R>.json``, sealed with its own CRC32C; an incremental share's shard holds
-   only its changed tensors, its records file the references to the earlier shards holding the rest and the tensors' SHA-256),
-   checks its snapshot, and sends a record of a size independent of its number of tensors: its
-   shard (and the earlier ones it refers to), its records file's name, size and CRC32C, its tree
-   only when it differs from rank 0's, its DTensor table only when no lower rank sent the same one (or its
-   error; :mod:`nebula_ckpt.ranks.split`);
+   only its changed tensors, its records file the references to the earlier shards holding the
+   rest and the tensors' SHA-256), checks its snapshot, and sends a record of a size independent
+   of its number of tensors: its shard (and the earlier ones it refers to), its records file's
+   name, size and CRC32C, its tree only when it differs from rank 0's, its DTensor table only
+   when no lower rank sent the same one (or its error; :mod:`nebula_ckpt.ranks.split`);
 3. verdict: the coordinator writes ``ranks.json``, manifest and ``COMMIT``
-   (:func:`nebula_ckpt.save.commit.commit_manifest`) only if every rank's shard is durable and verified, and tells every rank whether it did.
+   (:func:`nebula_ckpt.save.commit.commit_manifest`) only if every rank's shard is durable and
+   verified, and tells every rank whether it did.
    Otherwise each rank removes its shard and the previous checkpoint stays the newest. A rank
    that hears no verdict (the coordinator died or timed out after it sent its record) cannot
    know whether the step committed: it looks for the ``COMMIT`` once (there: the save
