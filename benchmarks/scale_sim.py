@@ -63,10 +63,9 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from nebula_ckpt import native
+from nebula_ckpt import knobs, native
 from nebula_ckpt.format import names as fnames
 from nebula_ckpt.format.commit import Commit
-from nebula_ckpt import knobs
 from nebula_ckpt.format.rank_records import ranks_for
 from nebula_ckpt.ranks import shards as ranks
 from nebula_ckpt.ranks.layout import first_of_class, signature
@@ -150,6 +149,22 @@ def durable(job: Job, rank: int, owners: dict[str, int], tree: Any, tree_digest:
                          send_table=first_of_class(rank, dts), crc=native.get_ops().crc32c_bytes)
 
 
+def every_payload(job: Job, owners: dict[str, int], tree: Any, tree_digest: str, dts: list[str], real: set[int],
+                  template: dict[str, Any], step_dir: str) -> list[dict[str, Any]]:
+    """What rank 0 receives in the durable round: real payloads (and records files written) for
+    the ranks in ``real``, placeholders for the others."""
+    parts: list[dict[str, Any]] = []
+    for r in range(job.world):
+        if r in real:
+            name, data, payload = durable(job, r, owners, tree, tree_digest, dts)
+            with open(os.path.join(step_dir, name), "wb") as f:
+                f.write(data)
+        else:
+            payload = placeholder(template, r)
+        parts.append(payload)
+    return parts
+
+
 def placeholder(template: dict[str, Any], rank: int) -> dict[str, Any]:
     """A rank whose records no measured step reads: a real payload's copy under its own names."""
     p = copy.deepcopy(template)
@@ -218,15 +233,7 @@ def simulate(kind: str, world: int, tensors: int, workdir: str, budget_s: float,
     root = os.path.join(workdir, f"{kind}-{world}")
     step_dir = os.path.join(root, fnames.step_dir(1))
     os.makedirs(step_dir, exist_ok=True)
-    parts: list[dict[str, Any]] = []
-    for r in range(world):
-        if r in real:
-            name, data, payload = durable(job, r, owners, tree, td, dts)
-            with open(os.path.join(step_dir, name), "wb") as f:
-                f.write(data)
-        else:
-            payload = placeholder(mine, r)
-        parts.append(payload)
+    parts = every_payload(job, owners, tree, td, dts, real, mine, step_dir)
     s.values["rank 0 receives: durable round (B)"] = float(sum(len(pickle.dumps(p)) for p in parts))
     man, index = run("rank 0: build manifest + ranks.json (s)", lambda: split_manifest(
         step=1, generation=1, save_id=SAVE_ID, parts=parts, owners=owners, crc=native.get_ops().crc32c_bytes))
