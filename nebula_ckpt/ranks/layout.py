@@ -1,7 +1,9 @@
 """The commit of a multi-rank save in format version 3: what each rank writes and sends, what rank 0 builds.
 
-Pure functions over metadata (no I/O, no collectives), used by the commit rounds
-(:mod:`nebula_ckpt.save.rounds`) and the scale simulation:
+Pure functions over metadata (no I/O, no collectives). The commit rounds
+(:mod:`nebula_ckpt.save.rounds`) write format version 4 (:mod:`nebula_ckpt.ranks.split`), which
+shares :func:`signature`, :func:`first_of_class`, :func:`grid_of` and :func:`layout_tables`; the
+version 3 builders stay as the golden tests' writer of that version (which every reader still reads):
 
 * :func:`signature` / :func:`first_of_class` — each rank hashes what its DTensor records must
   agree on (dtype, global shape, placements, mesh); a rank sends the whole table only when no
