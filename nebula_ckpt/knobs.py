@@ -112,6 +112,10 @@ _KNOBS: dict[str, _Knob] = {
     "small_replica_bytes": _Knob("NEBULA_SMALL_REPLICA_BYTES", 64 << 10, int,
                                  "multi-rank: replicated tensors smaller than this are all written by "
                                  "rank 0 (larger ones are spread over the ranks)"),
+    "replica_owner_ranks": _Knob("NEBULA_REPLICA_OWNER_RANKS", 64, int,
+                                 "multi-rank: replicated tensors are written by ranks 0..N-1 only (0: by "
+                                 "every rank); a restoring rank then reads at most N+1 records files, and "
+                                 "each of those ranks writes about 1/N of the replicated bytes"),
     "exit_timeout_s": _Knob("NEBULA_EXIT_TIMEOUT_S", 300.0, float,
                             "how long interpreter exit waits for the pending saves of a Checkpointer "
                             "that was never closed"),
