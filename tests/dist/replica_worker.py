@@ -102,8 +102,25 @@ def save() -> None:
             written[step] = h.result()
         except nc.NebulaError as e:
             errors[step] = str(e)
-    _report({"digests": digests, "written": written, "errors": errors, "stats": ck.stats()})
+    _report({"digests": digests, "written": written, "errors": errors, "stats": ck.stats(),
+             "nice": {"training": os.getpriority(os.PRIO_PROCESS, 0), "threads": _thread_nice()}})
     os._exit(0)
+
+
+def _thread_nice() -> list[tuple[str, int]]:
+    """``(name, nice)`` of every thread of this process (Linux)."""
+    import threading
+
+    names = {t.native_id: t.name for t in threading.enumerate()}  # Python's names (the OS's are "python")
+    out = []
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{tid}/comm") as f:
+                name = names.get(int(tid)) or f.read().strip()
+            out.append((name, os.getpriority(os.PRIO_PROCESS, int(tid))))
+        except OSError:
+            pass
+    return out
 
 
 def restore() -> None:

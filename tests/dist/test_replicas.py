@@ -80,6 +80,12 @@ def test_a_step_only_in_memory_survives_the_loss_of_either_node(tmp_path: Path) 
         assert not s["errors"] and all("replicas" in w for w in s["written"].values())
         assert s["stats"]["replicas"]["held_bytes"] > 0 and s["stats"]["replicas"]["sent_bytes"] > 0
     assert sorted(os.listdir(job.root)) == ["_nebula", "step-1"]
+    for s in saved:  # the replicas' thread and its channel's TCP loop yield to training (knob replica_nice)
+        base, threads = s["nice"]["training"], s["nice"]["threads"]
+        niced = min(19, base + int(knobs.get("replica_nice")))
+        assert ["nebula-replicas", niced] in threads, threads
+        loops = sorted(n for name, n in threads if name == "gloo_tcp_loop")
+        assert loops[0] == base and niced in loops, threads  # the training group's loop is untouched
     with knobs.override(shm_dir=str(job.shm / "n0")), pytest.raises(ValidationError, match="4-rank job"):
         persist_memory(job.root)  # one node's part of a multi-rank step cannot be the root's step
     snap = job.snapshot("after-save")

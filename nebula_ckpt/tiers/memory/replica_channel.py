@@ -21,6 +21,7 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
+from nebula_ckpt import knobs
 from nebula_ckpt.format.names import step_dir
 from nebula_ckpt.tiers.memory.replica_store import ReplicaStore, safe_name
 
@@ -72,7 +73,30 @@ class Channel:
         self.ranks = ranks
         self.rank = rank
         self.world = len(ranks)
+        before = _thread_ids()
         self._group = dist.new_group(ranks=ranks, backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))
+        #: the threads gloo started for this group (its TCP loop receives the bytes, its workers
+        #: run the gathers): theirs is the CPU a transfer costs beside the calling thread's
+        self._threads = sorted(_thread_ids() - before)
+        self._yielded = False
+
+    def yield_to_training(self) -> None:
+        """Lower the scheduling priority of the calling thread and of this group's threads by the
+        knob ``replica_nice`` (once; Linux: a thread's nice value is its own, and threads the
+        calling thread starts later inherit it), so that where no core is idle the replicas take
+        what training leaves. Called by the replicas' thread before its first save round: a
+        recover round before it (at restore, while training waits) runs at full priority."""
+        if self._yielded:
+            return
+        self._yielded = True
+        nice = max(0, min(19, int(knobs.get("replica_nice"))))
+        if not nice or not hasattr(os, "setpriority"):
+            return
+        for tid in [threading.get_native_id(), *self._threads]:
+            try:
+                os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + nice))
+            except OSError as e:  # gone, or refused: the replicas then run at the process's priority
+                log.debug("nebula_ckpt: cannot lower the priority of thread %d: %s", tid, e)
 
     def gather(self, value: Any) -> list[Any]:
         """Every rank's ``value``, by rank (a collective)."""
@@ -124,6 +148,14 @@ class Channel:
             dist.destroy_process_group(self._group)
         except Exception as e:  # best effort, as the protocol's groups
             log.debug("nebula_ckpt: cannot free the replica group: %s", e)
+
+
+def _thread_ids() -> set[int]:
+    """Native ids of this process's threads now (empty where ``/proc`` does not list them)."""
+    try:
+        return {int(t) for t in os.listdir("/proc/self/task")}
+    except (OSError, ValueError):
+        return set()
 
 
 def _target(inc: str, step: int, name: str, size: int, src: int) -> torch.Tensor:

@@ -198,6 +198,7 @@ class Replicator:
             raise
 
     def _save_round(self, save: _Save) -> None:
+        self._rp.channel.yield_to_training()
         t0 = time.monotonic()
         handle = save.handle
         try:
