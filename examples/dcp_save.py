@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 import warnings
 
 import torch
@@ -102,6 +103,12 @@ def main() -> None:
         print(f"check it: nebula-ckpt verify {args.root}", flush=True)
     if distributed:
         dist.destroy_process_group()
+        if args.fsdp:
+            # FSDP2 on gloo: torch keeps the group's worker threads alive past destroy_process_group,
+            # and one that frees the last collective's tensors while Python shuts down aborts the
+            # process. Everything above is saved and checked: leave without that teardown.
+            sys.stdout.flush()
+            os._exit(0)
 
 
 if __name__ == "__main__":

@@ -92,6 +92,10 @@ class _TierChannel:
             self._cond.notify_all()
         self._thread.join(timeout)
 
+    def running(self) -> bool:
+        """Whether the channel's thread still runs (a round that outlived ``close``'s wait)."""
+        return self._thread.is_alive()
+
     def _ready(self) -> bool:
         index, phase = self._next
         if self._end is not None and index >= self._end and phase == 0:
@@ -197,7 +201,7 @@ class DistCoordinator(Coordinator):
                 box[0] = take()
             except BaseException as e:  # the others must learn it too, not hang
                 box[0] = f"{type(e).__name__}: {e}"
-        dist.broadcast_object_list(box, src=self._global(0), group=self._control)
+        dist.broadcast_object_list(box, src=self._global(0), group=self._live_control())
         if not isinstance(box[0], int):
             raise PersistError(f"rank 0 could not take the writer generation: {box[0]}")
         return box[0]
@@ -207,6 +211,7 @@ class DistCoordinator(Coordinator):
 
     def open_tier(self, tier: str, every: int = 1) -> None:
         if tier not in self._channels:
+            self._live_control()
             group = dist.new_group(ranks=self._ranks, backend="gloo", timeout=self._timeout)
             self._channels[tier] = _TierChannel(tier, group, self.world_size, every)
 
@@ -221,9 +226,15 @@ class DistCoordinator(Coordinator):
     def exchange(self, value: Any) -> list[Any]:
         return self._gather(value)
 
+    def _live_control(self) -> Any:
+        """The control group; a closed coordinator has none (never fall back to the default group)."""
+        if self._control is None:
+            raise PersistError("the checkpoint protocol of this Checkpointer is closed: open a new Checkpointer")
+        return self._control
+
     def _gather(self, value: Any) -> list[Any]:
         out: list[Any] = [None] * self.world_size
-        dist.all_gather_object(out, value, group=self._control)
+        dist.all_gather_object(out, value, group=self._live_control())
         return out
 
     def agree_step(self, candidates: Sequence[tuple[int, int]]) -> Optional[tuple[int, int]]:
@@ -247,8 +258,20 @@ class DistCoordinator(Coordinator):
         except Exception as e:  # a rank died: its groups die with the job
             log.warning("nebula_ckpt: rank %d: closing the checkpoint protocol without every rank: %s", self.rank, e)
             return
-        for g in [ch.group for ch in self._channels.values()] + [self._control]:
+        groups = [ch.group for ch in self._channels.values()] + [self._control]
+        # Drop every reference to the groups here, so that their gloo threads are joined now, on
+        # this thread, and not when a garbage collection (or the interpreter's finalisation) gets to
+        # them: a gloo worker that frees a tensor during finalisation aborts the process.
+        if any(ch.running() for ch in self._channels.values()):
+            return  # a round still runs (it timed out above): its group must outlive it
+        for ch in self._channels.values():
+            ch.group = None
+        self._channels.clear()
+        self._control = self.group = None
+        while groups:
+            g = groups.pop()
             try:
                 dist.destroy_process_group(g)
             except Exception as e:  # best effort: the default group may already be gone
                 log.debug("nebula_ckpt: cannot free a protocol group: %s", e)
+            del g

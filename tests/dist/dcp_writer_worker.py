@@ -178,3 +178,6 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    from launch import leave  # the script's folder is on sys.path
+
+    leave()  # no interpreter teardown: see launch.leave (a torch / gloo abort at exit)

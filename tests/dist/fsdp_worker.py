@@ -167,3 +167,6 @@ def _write(out: str, mode: str, rank: int, report: dict[str, Any]) -> None:
 
 if __name__ == "__main__":
     main()
+    from launch import leave  # the script's folder is on sys.path
+
+    leave()  # no interpreter teardown: see launch.leave (a torch / gloo abort at exit)

@@ -13,6 +13,21 @@ from typing import Any, Optional
 HERE = Path(__file__).resolve().parent
 
 
+def leave(code: int = 0) -> None:
+    """End a worker that used FSDP2 / DTensors on gloo without the interpreter's teardown.
+
+    FSDP2's device mesh keeps the gloo process group alive after ``destroy_process_group`` (torch
+    holds it from C++), so its worker threads are not joined then. A worker thread that drops the
+    last collective's work during the interpreter's teardown frees Python-owned tensors, needs the
+    GIL, is ended by Python, and the process aborts ("terminate called without an active
+    exception", a gloo runLoop thread in ``~AsyncBarrierWork``). Leaving with ``os._exit`` after
+    flushing skips that teardown; every report file is closed before.
+    """
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -9,6 +9,7 @@ tag, removes by tag, and writes what it saw to ``OUT/tags-r<rank>.json``.
 from __future__ import annotations
 
 import json
+import os
 import sys
 
 import numpy as np
@@ -16,6 +17,18 @@ import torch
 import torch.distributed as dist
 
 import nebula_ckpt as nc
+
+
+def gloo_threads() -> int:
+    """Threads of gloo process groups alive in this process (their names come from torch/gloo)."""
+    n = 0
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{tid}/comm") as f:
+                n += "gloo" in f.read()
+        except OSError:  # the thread ended while we looked
+            pass
+    return n
 
 
 def main() -> None:
@@ -26,7 +39,9 @@ def main() -> None:
     model = torch.nn.Linear(8, 8)
     opt = torch.optim.AdamW(model.parameters())
     report: dict[str, object] = {"rank": rank}
+    report["gloo_before"] = gloo_threads()
     with nc.Checkpointer(root, keep_last=10) as ck:
+        report["gloo_open"] = gloo_threads()
         saved_rng = {}
         for step, tag in ((1, "a"), (2, "b"), (3, "b")):
             np.random.seed(100 * rank + step)
@@ -41,6 +56,9 @@ def main() -> None:
         dist.barrier()
         report["after"] = ck.list()
         report["tags_after"] = ck.tags()
+    # close() frees the protocol's gloo groups itself (threads joined now, not at a later garbage
+    # collection or at interpreter exit, where a gloo worker that frees a tensor aborts the process)
+    report["gloo_closed"] = gloo_threads()
     dist.destroy_process_group()
     with open(f"{out}/tags-r{rank}.json", "w") as f:
         json.dump(report, f)

@@ -30,4 +30,7 @@ def test_two_ranks_tag_load_by_tag_and_remove(root: str, shm_dir: str, tmp_path:
         # tier only (which keeps one step: 3)
         assert got[r]["removed"] == ([2, 3] if r == 0 else [3])
         assert got[r]["after"] == [1] and got[r]["tags_after"] == {"a": 1}
+        # the Checkpointer's own gloo groups came and went with it, without a garbage collection
+        assert got[r]["gloo_open"] > got[r]["gloo_before"] > 0, got[r]
+        assert got[r]["gloo_closed"] == got[r]["gloo_before"], got[r]
     assert sorted(p.name for p in Path(root).iterdir() if p.name.startswith("step-")) == ["step-1"]

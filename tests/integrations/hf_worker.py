@@ -218,4 +218,9 @@ def main(argv: Optional[list[str]] = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    # No interpreter teardown after a gloo / FSDP2 run: torch's gloo worker threads may still free
+    # the last collective's tensors then and abort the process (see tests/dist/launch.py `leave`).
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code or 0)

@@ -157,8 +157,11 @@ class Channel:
 
     def release(self) -> None:
         """Free the group (after every rank is done with it)."""
+        group, self._group = self._group, None  # freed now, not by a later garbage collection
+        if group is None:
+            return
         try:
-            dist.destroy_process_group(self._group)
+            dist.destroy_process_group(group)
         except Exception as e:  # best effort, as the protocol's groups
             log.debug("nebula_ckpt: cannot free the replica group: %s", e)
 
