@@ -5,7 +5,9 @@ per node). Every rank trains its own model + AdamW (``--mb`` MB of state per ran
 
 * **Training-loop cost**: ``--iters`` iterations of a fixed compute step, ``save_async`` every
   ``--save-every``, memory tier only, with ``replicas=0`` and ``replicas=1`` (jobs alternate,
-  ``--repeats`` each): iterations per second (slowest rank) and the training thread's blocked time.
+  ``--repeats`` each): iterations per second (slowest rank) and the training thread's blocked time;
+  and each rank's CPU seconds (every thread, from the loop's start until its saves are done), so
+  that what replication costs per MB moved shows even where the ranks share their cores.
 * **Recovery**: one job saves a step to ``[MemoryTier(replicas=1), LocalTier(disk), RemoteTier(Azurite)]``;
   then, from a copy of both nodes' memory tiers each time, a restarted job measures on every rank
   the time from after ``init_process_group`` to its first optimizer step done (the slowest rank
