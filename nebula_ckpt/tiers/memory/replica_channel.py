@@ -130,8 +130,9 @@ class Channel:
         stay in step)."""
         step = int(info["step"])
         maps: list[Optional[mmap.mmap]] = []
+        made: Optional[str] = None
         try:
-            inc = store.incoming(step)
+            inc = made = store.incoming(step)
             for name, size in info["files"]:
                 maps.append(_target(inc, step, name, size, src, store.spare(src, name)))
             targets = [torch.frombuffer(m, dtype=torch.uint8) if m is not None else torch.empty(0, dtype=torch.uint8)
@@ -140,6 +141,8 @@ class Channel:
             log.warning("nebula_ckpt: rank %d cannot receive rank %d's step: %s", self.rank, src, e)
             inc = f"{type(e).__name__}: {e}"
             maps = []
+            if made is not None:  # what was made of it (a spare moved in included) goes now
+                store.discard(made)
             targets = [torch.empty(size, dtype=torch.uint8) for _, size in info["files"]]
         for i, t in enumerate(targets):
             if t.numel():
