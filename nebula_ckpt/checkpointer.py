@@ -177,9 +177,9 @@ class Checkpointer:
                                    max_host_bytes=max_host_bytes, on_full=on_full, snapshot=snapshot,
                                    allow_pickle=allow_pickle, on_persist_error=on_persist_error,
                                    incremental=incremental)
-        # a reader deletes nothing, even in memory; a writer's saves may be what the tier holds
-        self._restores = Restorer(runtimes, self.coordinator, shown, allow_pickle,
-                                  may_adopt=lambda: self._saves.writers is None and not self.read_only)
+        self._restores = Restorer(runtimes, self.coordinator, shown, allow_pickle,  # a reader adopts nothing
+                                  may_adopt=lambda: self._saves.writers is None and not self.read_only,
+                                  on_restored=None if self.read_only else self._saves.restored)
         try:  # copies of the memory tier on partner nodes (MemoryTier(replicas=k)): a collective
             self._saves.replicator = self._restores.replicator = \
                 start_replicator(list(tiers or []), runtimes, self.coordinator, self.read_only)

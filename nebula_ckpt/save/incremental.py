@@ -166,6 +166,23 @@ class Incremental:
         out = {k: {**old.to_json(), "shard": renumber[old.shard]} for k, old in reused.items()}
         return Delta([k for k in index if k not in reused], out, refs, base.step, kept)
 
+    def seed(self, base: Manifest) -> bool:
+        """Build the next save on ``base``, a committed checkpoint this process did not write (the
+        one a restarted job just restored and verified on this tier), when this tier has no base yet.
+
+        ``base.generation`` must be the writer's current one (the caller sets it: the bytes referred
+        to are a committed step's, which no generation deletes while a step refers to them). Its
+        full-save cadence goes on from the number of earlier steps it refers to. A base without
+        SHA-256 hashes leaves every tensor unmatched: that save is full, and the next builds on it.
+        Returns whether it became the base."""
+        with self._lock:
+            if not self.enabled or self._base is not None:
+                return False
+            self._base = base
+            self._since_full = len({s.step for s in base.shards if s.step is not None})
+            self._pinned = set()
+            return True
+
     def committed(self, manifest: dict[str, Any], full: bool) -> None:
         """The tier committed ``manifest``: the next save builds on it."""
         self._set_base(Manifest.parse(manifest, "the manifest just committed", manifest["step"]), full)

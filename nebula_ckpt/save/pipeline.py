@@ -76,6 +76,8 @@ class SavePipeline:
         self.pool = StagingPool(max_host_bytes, 1 if len(runtimes) == 1 else 2, on_full)
         #: the tier writers (None until the first save)
         self.writers: Optional[list[TierWriter]] = None
+        #: (step, tier) of the last restore, for the tier's first save (:meth:`restored`)
+        self._restored: Optional[tuple[int, str]] = None
         self._stager: Optional[Stager] = None
         self._lock = threading.Lock()
         #: the handles of saves not yet over, or over with a failure not yet seen
@@ -106,7 +108,17 @@ class SavePipeline:
             self.writers = [TierWriter(rt, self._fence.for_tier(rt.storage), rt.tier.keep_last or self._keep_last,
                                        self.coordinator, self.incremental) for rt in writing]
             self._stager = Stager(self.root[-24:], fan_out)
+            if self._restored is not None:
+                self.restored(*self._restored)
         return self.writers
+
+    def restored(self, step: int, tier: str) -> None:
+        """``step`` was restored (and verified) from ``tier``: that tier's next save may build on
+        it (:meth:`TierWriter.seed`); remembered until the writers start."""
+        self._restored = (step, tier)
+        for w in self.writers or []:
+            if w.name == tier:
+                w.seed(step)
 
     def prepare(self, state: Any, wait: bool) -> None:
         """Make the staging memory for saves of ``state`` (see :meth:`Checkpointer.prepare`)."""
