@@ -130,6 +130,10 @@ _KNOBS: dict[str, _Knob] = {
     "replica_timeout_s": _Knob("NEBULA_REPLICA_TIMEOUT_S", 600.0, float,
                                "multi-rank: how long a memory-tier replica transfer (one round of sends and "
                                "receives among the ranks) may take before the replicas of that save fail"),
+    "replica_nice": _Knob("NEBULA_REPLICA_NICE", 10, int,
+                          "multi-rank: the threads that move and check memory-tier replicas during "
+                          "training run this much nicer than the process (Linux, 0-19; 0: same priority), "
+                          "so that on a machine without idle cores replication yields to training"),
     "small_unguarded_bytes": _Knob("NEBULA_SMALL_UNGUARDED_BYTES", 1 << 20, int,
                                    "unguarded CPU tensors (no module or optimizer hook can make their next "
                                    "change wait for the copy) up to this many bytes in all are copied on the "
