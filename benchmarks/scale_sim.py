@@ -3,25 +3,32 @@ a restore's planning costs as the number of ranks grows, with no tensor data.
 
     python -m benchmarks.scale_sim --out benchmarks/results/scale-sim-$(date +%F)   # 256 to 16,384 ranks
 
-It runs the library's real metadata code (format version 3: each rank's records beside its shard)
+It runs the library's real metadata code (format version 4: each rank's self-checking records
+beside its shard, rank 0's ``manifest.json`` without per-rank fields, the per-rank table in ``ranks.json``)
 on synthetic per-rank tensor indexes shaped like the ones the snapshot stage records (dtype, shape,
 byte range, CRC32C, DTensor placement):
 
 * ``fsdp``: every rank holds a ``Shard(0)`` piece of every parameter and of its two AdamW moments,
   plus a replicated 0-dim step count per parameter (what ``fully_shard`` + AdamW records);
-* ``ddp``: every rank holds the same full tensors (the replicas the commit writes once).
+* ``ddp``: every rank holds the same full tensors (the replicas the commit writes once), owned by
+  the first ``replica_owner_ranks`` ranks (the knob's default);
+* ``ddp-spread``: the same, with ``replica_owner_ranks`` 0 (the replicas spread over every rank):
+  the trade-off between the records files a restoring rank reads and the bytes the busiest rank writes.
 
 Per size it measures, on the paths a real job runs:
 
 1. one rank's part of the rounds (:mod:`nebula_ckpt.save.rounds`): the digest round's payload
    (``summary`` / ``digest`` of the replicas, tree and DTensor table), ``assign`` of the owners,
    and its durable-round payload with its records file
-   (:func:`nebula_ckpt.ranks.layout.records_payload`: subset image index, records JSON, CRC32C,
-   table, grid check); the bytes rank 0 receives in both rounds (``all_gather_object`` pickles);
-2. rank 0's commit: :func:`~nebula_ckpt.ranks.layout.layout_manifest` and its encoding, the bytes it writes;
+   (:func:`nebula_ckpt.ranks.split.split_payload`: subset image index, sealed records JSON,
+   CRC32C, table, grid check); the bytes rank 0 receives in both rounds (``all_gather_object``
+   pickles); the bytes the busiest rank writes (its shard);
+2. rank 0's commit: :func:`~nebula_ckpt.ranks.split.split_manifest` and the manifest's encoding,
+   the bytes it writes (``manifest.json`` and ``ranks.json``);
 3. a restoring rank (the last one) at the same world size:
-   :func:`nebula_ckpt.restore.open.read_manifest` of its ranks on a real folder (commit marker,
-   manifest, its records and the owners', every one validated), the bytes it reads;
+   :func:`nebula_ckpt.restore.open.read_manifest` of its rank on a real folder (commit marker,
+   manifest, its records and the owners', every one checked and validated; never ``ranks.json``),
+   the bytes and the number of records files it reads;
 4. a rank resharding into half the ranks: :func:`nebula_ckpt.format.rank_records.ranks_for` of
    its regions on the grid, then reading those ranks' records, the bytes it reads;
 5. beside it, DCP's own planner: ``DefaultSavePlanner.create_global_plan`` over the same number of
@@ -56,12 +63,13 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from nebula_ckpt import native
+from nebula_ckpt import knobs, native
 from nebula_ckpt.format import names as fnames
 from nebula_ckpt.format.commit import Commit
-from nebula_ckpt.format.rank_records import ranks_for, records_bytes
+from nebula_ckpt.format.rank_records import ranks_for
 from nebula_ckpt.ranks import shards as ranks
-from nebula_ckpt.ranks.layout import first_of_class, layout_manifest, records_payload, signature
+from nebula_ckpt.ranks.layout import first_of_class, signature
+from nebula_ckpt.ranks.split import split_manifest, split_payload
 from nebula_ckpt.restore.open import read_main_manifest, read_manifest
 from nebula_ckpt.save.commit import encode_manifest
 from nebula_ckpt.storage.local import LocalStorage
@@ -70,6 +78,7 @@ ROWS, COLS = 64, 1024  # a rank's piece of each parameter (fp32): the bytes do n
 NO_BYTES = memoryview(b"")
 WHOLE = "whole metadata path: every step above (s)"
 EXTRAPOLATED = "extrapolated: "  # subset_image slices the staged snapshot: nothing to slice here
+SAVE_ID = "5a7e1d" * 5 + "00"
 
 
 @dataclass
@@ -127,7 +136,7 @@ class Job:
         return self._ddp if self._ddp is not None else rank_index(self.kind, rank, self.world, self.tensors)
 
 
-def durable(job: Job, rank: int, owners: dict[str, int], tree: Any,
+def durable(job: Job, rank: int, owners: dict[str, int], tree: Any, tree_digest: str,
             dts: list[str]) -> tuple[str, bytes, dict[str, Any]]:
     """What ``rank`` writes (its records file) and sends in the durable round, as the rounds make them."""
     idx = job.index(rank)
@@ -135,9 +144,25 @@ def durable(job: Job, rank: int, owners: dict[str, int], tree: Any,
     _, index, nbytes = ranks.subset_image(idx, keep, NO_BYTES)
     meta = {"tensors": idx, "tree": tree, "stats": {"tensor_bytes": nbytes, "copy_seconds": 0.1}}
     shard = {"file": fnames.shard_name(1, rank), "bytes": nbytes, "storage": {"stored_bytes": nbytes}}
-    return records_payload(step=1, generation=1, rank=rank, world=job.world, shard=shard,
-                           index=index, aliases={}, meta=meta, send_tree=rank == 0,
-                           send_table=first_of_class(rank, dts), crc=native.get_ops().crc32c_bytes)
+    return split_payload(step=1, generation=1, rank=rank, world=job.world, save_id=SAVE_ID, shard=shard,
+                         index=index, aliases={}, meta=meta, send_tree=rank == 0, tree_digest=tree_digest,
+                         send_table=first_of_class(rank, dts), crc=native.get_ops().crc32c_bytes)
+
+
+def every_payload(job: Job, owners: dict[str, int], tree: Any, tree_digest: str, dts: list[str], real: set[int],
+                  template: dict[str, Any], step_dir: str) -> list[dict[str, Any]]:
+    """What rank 0 receives in the durable round: real payloads (and records files written) for
+    the ranks in ``real``, placeholders for the others."""
+    parts: list[dict[str, Any]] = []
+    for r in range(job.world):
+        if r in real:
+            name, data, payload = durable(job, r, owners, tree, tree_digest, dts)
+            with open(os.path.join(step_dir, name), "wb") as f:
+                f.write(data)
+        else:
+            payload = placeholder(template, r)
+        parts.append(payload)
+    return parts
 
 
 def placeholder(template: dict[str, Any], rank: int) -> dict[str, Any]:
@@ -149,8 +174,10 @@ def placeholder(template: dict[str, Any], rank: int) -> dict[str, Any]:
     return p
 
 
-def commit(step_dir: str, text: bytes) -> None:
-    """Write the manifest ``text`` and its commit marker into ``step_dir``."""
+def commit(step_dir: str, text: bytes, index: bytes) -> None:
+    """Write ``ranks.json`` (``index``), the manifest ``text`` and its commit marker into ``step_dir``."""
+    with open(os.path.join(step_dir, fnames.RANKS_FILE), "wb") as f:
+        f.write(index)
     with open(os.path.join(step_dir, fnames.MANIFEST), "wb") as f:
         f.write(text)
     with open(os.path.join(step_dir, fnames.COMMIT), "wb") as f:
@@ -182,7 +209,7 @@ def simulate(kind: str, world: int, tensors: int, workdir: str, budget_s: float,
         s.values[name] = cpu
         return out
 
-    job = Job(kind, world, tensors)
+    job = Job(kind.split("-")[0], world, tensors)
     reader = world - 1
     idx = job.index(reader)
     tree = rank_tree(idx)
@@ -190,7 +217,7 @@ def simulate(kind: str, world: int, tensors: int, workdir: str, budget_s: float,
     def digest_round() -> tuple[Any, int, dict[str, Any]]:
         rep, sharded = ranks.summary(idx)
         return rep, sharded, {"step": 1, "digest": ranks.digest(rep), "tree": ranks.digest(tree), "sharded": sharded,
-                              "dt": ranks.digest(signature(idx))}
+                              "dt": ranks.digest(signature(idx)), "base": None, "save_id": SAVE_ID}
     rep, sharded, p1 = run("rank: digest round payload (s)", digest_round)
     s.values["rank 0 receives: digest round (B)"] = float(world * len(pickle.dumps(p1)))
     owners = run("rank: assign owners (s)", lambda: ranks.assign([rep] * world, [sharded] * world))
@@ -199,30 +226,27 @@ def simulate(kind: str, world: int, tensors: int, workdir: str, budget_s: float,
     half = max(1, world // 2)
     real = {0, reader, *owners.values(), *range(max(0, 2 * (half - 1) - 1), world)} if kind == "fsdp" else \
         {0, reader, *owners.values()}
-    _, _, mine = run("rank: durable payload + records file (s)", lambda: durable(job, reader, owners, tree, dts))
+    s.values["busiest rank writes: its shard (B)"] = float(busiest(job, owners))
+    td = p1["tree"]
+    _, _, mine = run("rank: durable payload + records file (s)", lambda: durable(job, reader, owners, tree, td, dts))
     s.values["rank: sends in durable round (B)"] = float(len(pickle.dumps(mine)))
     root = os.path.join(workdir, f"{kind}-{world}")
     step_dir = os.path.join(root, fnames.step_dir(1))
     os.makedirs(step_dir, exist_ok=True)
-    parts: list[dict[str, Any]] = []
-    for r in range(world):
-        if r in real:
-            name, data, payload = durable(job, r, owners, tree, dts)
-            with open(os.path.join(step_dir, name), "wb") as f:
-                f.write(data)
-        else:
-            payload = placeholder(mine, r)
-        parts.append(payload)
+    parts = every_payload(job, owners, tree, td, dts, real, mine, step_dir)
     s.values["rank 0 receives: durable round (B)"] = float(sum(len(pickle.dumps(p)) for p in parts))
-    man = run("rank 0: build manifest (s)", lambda: layout_manifest(step=1, generation=1, parts=parts, owners=owners))
+    man, index = run("rank 0: build manifest + ranks.json (s)", lambda: split_manifest(
+        step=1, generation=1, save_id=SAVE_ID, parts=parts, owners=owners, crc=native.get_ops().crc32c_bytes))
     text = run("rank 0: encode manifest (s)", lambda: encode_manifest(man))
     parts.clear()
-    s.values["rank 0 writes (B)"] = float(len(text))
-    commit(step_dir, text)
+    s.values["rank 0 writes: manifest.json (B)"] = float(len(text))
+    s.values["rank 0 writes: ranks.json (B)"] = float(len(index))
+    commit(step_dir, text, index)
     restore_side(job, LocalStorage(root), len(text), s, run)
     shutil.rmtree(root, ignore_errors=True)
     s.values[WHOLE] = sum(v for n, v in s.values.items() if n.startswith("rank") and n.endswith("(s)"))
-    dcp_planner(job, s, run, predict, budget_s, dcp_max)
+    if dcp_max:
+        dcp_planner(job, s, run, predict, budget_s, dcp_max)
     name = "dcp rank 0: create_global_plan (s)"
     dcp = s.values.get(name, s.values.get(EXTRAPOLATED + name))
     if dcp:
@@ -235,22 +259,40 @@ def restore_side(job: Job, st: LocalStorage, main_bytes: int, s: Sample,
     """Steps 3 and 4 of the module docstring, on the committed folder of ``st``."""
     reader = job.world - 1
     got = run("rank: restore plan: manifest + its records (s)", lambda: read_manifest(st, 1, "sim", ranks=[reader]))
-    assert got.layout is not None, "the simulated job writes format version 3"
-    s.values["rank reads at restore (B)"] = float(main_bytes + records_bytes(got.layout, [reader]))
+    assert got.layout is not None and not got.layout.indexed, "a same-size restore reads no ranks.json"
+    read = got.layout.providers([reader])
+    s.values["rank reads at restore (B)"] = float(main_bytes + files_bytes(st, read))
+    s.values["rank reads at restore: records files (n)"] = float(len(read))
     if job.kind != "fsdp":
         return  # plain replicated tensors reshard from their owners: the restore above
 
     def reshard() -> int:
-        main = read_main_manifest(st, 1, "sim")
-        assert main.layout is not None, "the simulated job writes format version 3"
+        main = read_main_manifest(st, 1, "sim", index=False)  # on the grid: no ranks.json
+        assert main.layout is not None, "the simulated job writes format version 4"
         need = ranks_for(main.layout, reshard_regions(job, main))
         assert need is not None
         loaded = read_manifest(st, 1, "sim", ranks=sorted(need - set(main.layout.owners.values())))
         assert loaded.layout is not None
-        return main_bytes + records_bytes(loaded.layout, loaded.layout.loaded)
+        return main_bytes + files_bytes(st, loaded.layout.providers(loaded.layout.loaded))
     got_bytes = run("rank: reshard plan: find + read its sources' records (s)", reshard)
     if got_bytes is not None:
         s.values["rank reads to reshard (B)"] = float(got_bytes)
+
+
+def files_bytes(st: LocalStorage, ranks_read: set[int]) -> int:
+    """Bytes of the records files of ``ranks_read`` (what a reader of them reads)."""
+    return sum(st.size(f"{fnames.step_dir(1)}/{fnames.records_name(1, r)}") for r in ranks_read)
+
+
+def busiest(job: Job, owners: dict[str, int]) -> int:
+    """Bytes of the largest shard: a rank's unreplicated tensors plus the replicas it owns."""
+    load: dict[int, int] = {}
+    indexes = {r: job.index(r) for r in set(owners.values())}
+    for k, r in owners.items():
+        rec = indexes[r][k]
+        load[r] = load.get(r, 0) + rec["offsets"][1] - rec["offsets"][0]
+    own = sum(rec["offsets"][1] - rec["offsets"][0] for k, rec in job.index(job.world - 1).items() if k not in owners)
+    return own + max(load.values(), default=0)
 
 
 def dcp_planner(job: Job, s: Sample, run: Callable[[str, Callable[[], Any]], Any],
@@ -308,6 +350,8 @@ def fit(points: list[tuple[int, float]]) -> Optional[tuple[float, float]]:
 def fmt(name: str, v: float) -> str:
     if name.endswith("(x)"):
         return f"{v:.1f}x"
+    if name.endswith("(n)"):
+        return f"{v:,.0f}"
     if name.endswith("(s)"):
         return f"{v * 1e3:.1f} ms" if v < 1 else f"{v:.2f} s"
     for unit, div in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
@@ -341,7 +385,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--dcp-max-ranks", type=int, default=1024,
                    help="run DCP's planner up to this size (its local plans take GBs beyond), extrapolate above")
     p.add_argument("--tensors", type=int, default=1000, help="tensors per rank")
-    p.add_argument("--kinds", default="fsdp,ddp")
+    p.add_argument("--kinds", default="fsdp,ddp,ddp-spread")
     p.add_argument("--budget-s", type=float, default=120.0, help="skip a step predicted to take longer")
     p.add_argument("--out", default=None, help="folder for results.md / results.json")
     a = p.parse_args(argv)
@@ -359,8 +403,11 @@ def main(argv: Optional[list[str]] = None) -> int:
                 f = fit([(s.ranks, s.values[name]) for s in samples if name in s.values])
                 return None if f is None else f[1] * world ** f[0]
 
+            block = {"replica_owner_ranks": 0} if kind.endswith("-spread") else {}
             for n in sizes:
-                samples.append(simulate(kind, n, a.tensors, work, a.budget_s, predict, a.dcp_max_ranks))
+                with knobs.override(**block):
+                    samples.append(simulate(kind, n, a.tensors, work, a.budget_s, predict,
+                                            0 if block else a.dcp_max_ranks))
                 print(f"{kind} {n} ranks: " + ", ".join(f"{k} {fmt(k, v)}" for k, v in samples[-1].values.items()),
                       flush=True)
             text, fits = report(kind, a.tensors, samples)

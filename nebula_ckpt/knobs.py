@@ -112,6 +112,10 @@ _KNOBS: dict[str, _Knob] = {
     "small_replica_bytes": _Knob("NEBULA_SMALL_REPLICA_BYTES", 64 << 10, int,
                                  "multi-rank: replicated tensors smaller than this are all written by "
                                  "rank 0 (larger ones are spread over the ranks)"),
+    "replica_owner_ranks": _Knob("NEBULA_REPLICA_OWNER_RANKS", 64, int,
+                                 "multi-rank: replicated tensors are written by ranks 0..N-1 only (0: by "
+                                 "every rank); a restoring rank then reads at most N+1 records files, and "
+                                 "each of those ranks writes about 1/N of the replicated bytes"),
     "exit_timeout_s": _Knob("NEBULA_EXIT_TIMEOUT_S", 300.0, float,
                             "how long interpreter exit waits for the pending saves of a Checkpointer "
                             "that was never closed"),
@@ -126,6 +130,10 @@ _KNOBS: dict[str, _Knob] = {
     "replica_timeout_s": _Knob("NEBULA_REPLICA_TIMEOUT_S", 600.0, float,
                                "multi-rank: how long a memory-tier replica transfer (one round of sends and "
                                "receives among the ranks) may take before the replicas of that save fail"),
+    "replica_nice": _Knob("NEBULA_REPLICA_NICE", 10, int,
+                          "multi-rank: the threads that move and check memory-tier replicas during "
+                          "training run this much nicer than the process (Linux, 0-19; 0: same priority), "
+                          "so that on a machine without idle cores replication yields to training"),
     "small_unguarded_bytes": _Knob("NEBULA_SMALL_UNGUARDED_BYTES", 1 << 20, int,
                                    "unguarded CPU tensors (no module or optimizer hook can make their next "
                                    "change wait for the copy) up to this many bytes in all are copied on the "

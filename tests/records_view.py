@@ -5,7 +5,10 @@ shard; tests that look at every record at once read them through :func:`flat_man
 gives the JSON a version 2 manifest would hold (``tensors`` with ``r<R>/`` keys and ``shard``,
 ``aliases`` of replicated and tied keys, ``sha256`` with ``r<R>/`` keys; an incremental share's
 records pointing at ``refs[j - 1]`` get the index of that shard in the manifest's ``shards``),
-straight from the files (no library code).
+straight from the files (no library code). A version 4 checkpoint's view also holds what its
+``ranks.json`` lists (``shards``: every rank's own, then the earlier ones they refer to;
+``records``; ``ranks`` and ``rank_tree``), and :func:`seal` splits such a view back into records
+files sealed with their own CRC32C, ``ranks.json`` and the manifest.
 """
 
 from __future__ import annotations
@@ -20,6 +23,8 @@ def flat_manifest(step_folder: Path) -> dict[str, Any]:
     man = json.loads((step_folder / "manifest.json").read_text())
     if man["version"] < 3:
         return man
+    if man["version"] >= 4:
+        man = _index_view(step_folder, man)
     tensors: dict[str, Any] = {}
     aliases: dict[str, str] = {}
     hashes: dict[str, str] = {}
@@ -42,6 +47,32 @@ def flat_manifest(step_folder: Path) -> dict[str, Any]:
     return dict(man, tensors=tensors, aliases=aliases, **({"sha256": hashes} if hashes else {}))
 
 
+def _index_view(step_folder: Path, man: dict[str, Any]) -> dict[str, Any]:
+    """A version 4 manifest with what its ranks.json lists, as a version 3 manifest holds it."""
+    index = json.loads((step_folder / "ranks.json").read_text())
+    digests = man["tree_digests"]
+    return dict(man, shards=[e["shard"] for e in index["ranks"]] + index["refs"],
+                records=[e["records"] for e in index["ranks"]], ranks=list(range(man["world_size"])),
+                rank_tree={str(r): digests.index(e["tree"]) for r, e in enumerate(index["ranks"])})
+
+
+def records_body(path: Path) -> dict[str, Any]:
+    """A records file's object (a version 4 one without its ``crc32c`` seal)."""
+    recs = json.loads(path.read_text())
+    recs.pop("crc32c", None)
+    return recs
+
+
+def sealed(recs: dict[str, Any]) -> bytes:
+    """The bytes of a records file: version 4 ones sealed with their own CRC32C (as the writer does)."""
+    import crc32c
+
+    text = json.dumps(recs, separators=(",", ":")).encode()
+    if recs.get("version") != 4:
+        return text
+    return text[:-1] + b',"crc32c":"%08x"}' % crc32c.crc32c(text)
+
+
 def seal(step_folder: Path, flat: dict[str, Any]) -> None:
     """Write ``flat`` (a :func:`flat_manifest` view, edited) back, every checksum valid (a buggy or
     hostile writer): a version 3 view is split into the ranks' records files again (each rank's
@@ -61,17 +92,27 @@ def seal(step_folder: Path, flat: dict[str, Any]) -> None:
             per_rank[int(head[1:])][key] = v
         for r, ref in enumerate(man["records"]):
             path = step_folder / ref["file"]
-            recs = json.loads(path.read_text()) if path.exists() else {"aliases": {}}
+            recs = records_body(path) if path.exists() else {"aliases": {}}
             local = {r: 0} | {i: j for j, i in enumerate(
                 [next(i for i, s in enumerate(man["shards"]) if (s.get("step"), s["file"]) == (x["step"], x["file"]))
                  for x in recs.get("refs", [])], start=1)}
             recs.update(tensors={k: _local_record(v, local) for k, v in per_rank[r].items()})
             if sha[r] or "sha256" in recs:
                 recs["sha256"] = sha[r]
-            data = json.dumps(recs, separators=(",", ":")).encode()
+            data = sealed(recs)
             path.write_bytes(data)
             ref.update(bytes=len(data), crc32c=crc32c.crc32c(data))
         man.update(tensors={}, aliases={})
+        if man["version"] >= 4:
+            index = json.loads((step_folder / "ranks.json").read_text())
+            for e, ref in zip(index["ranks"], man["records"], strict=True):
+                e["records"] = ref
+            data = json.dumps(index, separators=(",", ":")).encode()
+            (step_folder / "ranks.json").write_bytes(data)
+            man["ranks_file"].update(bytes=len(data), crc32c=crc32c.crc32c(data))
+            for f in ("records", "ranks", "rank_tree"):
+                man.pop(f)
+            man["shards"] = []
     mb = json.dumps(man, separators=(",", ":")).encode()
     (step_folder / "manifest.json").write_bytes(mb)
     commit = json.loads((step_folder / "COMMIT").read_text())
@@ -87,6 +128,6 @@ def _local_record(v: dict[str, Any], local: dict[int, int]) -> dict[str, Any]:
 
 def as_version_2(flat: dict[str, Any]) -> None:
     """Turn a :func:`flat_manifest` view into a version 2 manifest (every record inline)."""
-    for f in ("records", "owners", "dtensors", "grid"):
+    for f in ("records", "owners", "dtensors", "grid", "save_id", "tree_digests", "references", "ranks_file"):
         flat.pop(f, None)
     flat["version"] = 2

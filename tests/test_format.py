@@ -224,3 +224,63 @@ def test_golden_version_3_incremental_records_and_references() -> None:
     assert [both.tensors[f"r{r}/h"].shard for r in (0, 1)] == [0, 1]   # each rank's own shard of step 13
     assert both.hashes == {"r0/w": "ab" * 32, "r1/w": "ab" * 32}
     assert "sha256" not in both.to_json()
+
+
+def test_golden_version_4_manifest_ranks_file_and_sealed_records() -> None:
+    """Format version 4 (multi-rank on a shared tier): rank 0's manifest holds no per-rank field
+    (owners, DTensor table, the distinct trees by digest, save id, ranks.json's size and CRC32C);
+    ranks.json lists each rank's shard and records file; each rank's records file carries its
+    shard, its tree's digest and the save id, sealed with its own CRC32C. Built by the writers'
+    own builders, parsed back by the readers'."""
+    import crc32c
+
+    from nebula_ckpt.format.names import SPLIT_VERSION
+    from nebula_ckpt.format.rank_index import load_split, with_index
+    from nebula_ckpt.ranks.split import split_manifest, split_payload
+
+    def rec(off: int, rank: int) -> dict[str, object]:
+        return {"dtype": "float32", "shape": [2, 3], "offsets": [off, off + 24], "crc32c": 7 + rank, "device": "cpu",
+                "dtensor": {"shape": [4, 3], "offsets": [2 * rank, 0], "placements": ["S(0)"], "mesh": [2]}}
+
+    tree = {"t": "dict", "v": [[{"t": "str", "v": "w"}, {"t": "tensor", "k": "w"}],
+                               [{"t": "str", "v": "n"}, {"t": "tensor", "k": "n"}]]}
+    sid = "0123456789abcdef" * 2
+    files, parts = {}, []
+    for r in range(2):
+        tensors = {"w": rec(4096, r), "n": {"dtype": "int64", "shape": [], "offsets": [4120, 4128], "crc32c": 5,
+                                            "device": "cpu"}}
+        index = tensors if r == 0 else {"w": tensors["w"]}
+        name, data, payload = split_payload(
+            step=12, generation=1, rank=r, world=2, save_id=sid,
+            shard={"file": f"shard-g1-r{r}.safetensors", "bytes": 4128}, index=index, aliases={},
+            meta={"tensors": tensors, "tree": tree, "stats": {"tensor_bytes": 32}}, send_tree=r == 0,
+            send_table=r == 0, crc=crc32c.crc32c, tree_digest="d" * 32)
+        files[name] = data
+        parts.append(payload)
+    body = (b'{"format":"nebula_ckpt.records","version":4,"step":12,"generation":1,"rank":1,"world_size":2,'
+            b'"save_id":"' + sid.encode() + b'","shard":{"file":"shard-g1-r1.safetensors","bytes":4128},"tree":"'
+            + b"d" * 32 + b'","tensors":{"w":{"dtype":"float32","shape":[2,3],"offsets":[4096,4120],"crc32c":8,'
+            b'"device":"cpu","dtensor":{"shape":[4,3],"offsets":[2,0],"placements":["S(0)"],"mesh":[2]}}},'
+            b'"aliases":{}}')
+    assert files["records-g1-r1.json"] == body[:-1] + b',"crc32c":"%08x"}' % crc32c.crc32c(body)
+    man, ranks_json = split_manifest(step=12, generation=1, save_id=sid, parts=parts, owners={"n": 0},
+                                     crc=crc32c.crc32c)
+    assert man["version"] == SPLIT_VERSION == 4 and man["tensors"] == {} and man["shards"] == []
+    assert not {"ranks", "rank_tree", "records"} & set(man) and man["world_size"] == 2 and man["save_id"] == sid
+    assert man["tree_digests"] == ["d" * 32] and man["tree"] == {"t": "list", "v": [tree]}
+    assert man["owners"] == {"n": 0} and man["grid"] is True and man["references"] == []
+    assert man["ranks_file"] == {"file": "ranks.json", "bytes": len(ranks_json), "crc32c": crc32c.crc32c(ranks_json)}
+    assert json.loads(ranks_json) == {
+        "format": "nebula_ckpt.ranks", "version": 4, "step": 12, "generation": 1, "save_id": sid, "world_size": 2,
+        "ranks": [{"shard": {"file": f"shard-g1-r{r}.safetensors", "bytes": 4128},
+                   "records": {"file": n, "bytes": len(d), "crc32c": crc32c.crc32c(d)}, "tree": "d" * 32}
+                  for r, (n, d) in enumerate(files.items())], "refs": []}
+    parsed = mf.Manifest.parse(json.dumps(man), "golden", step=12)
+    assert parsed.to_json() == json.loads(json.dumps(man)) and not parsed.tensors and not parsed.shards
+    one = load_split(parsed, files.__getitem__, crc32c.crc32c, [1], "golden")   # rank 1 and the owner, rank 0
+    assert one.resolve("n", 1) == one.tensors["r0/n"] and one.resolve("w", 1).dtensor.offsets == (2, 0)
+    assert one.shards[one.resolve("w", 1).shard].file == "shard-g1-r1.safetensors" and one.rank_tree == {0: 0, 1: 0}
+    whole = load_split(with_index(parsed, ranks_json, crc32c.crc32c, "golden"), files.__getitem__, crc32c.crc32c,
+                       [0, 1], "golden")
+    assert [s.file for s in whole.shards] == ["shard-g1-r0.safetensors", "shard-g1-r1.safetensors"]
+    assert whole.resolve("w", 1).shard == 1 and whole.layout.loaded == frozenset({0, 1})

@@ -154,7 +154,7 @@ MANIFEST_CASES: list[tuple[str, Callable[[Man], Any], str]] = [
     ("sha256_unknown_key", lambda m: m.update(sha256={"nope": "0" * 64}), "no such stored tensor"),
     ("step_mismatch", lambda m: m.update(step=7), "step is 7"),
     ("step_not_int", lambda m: m.update(step="1"), "step must be an integer"),
-    ("newer_version", lambda m: m.update(version=4), "newer than this nebula_ckpt"),
+    ("newer_version", lambda m: m.update(version=5), "newer than this nebula_ckpt"),
     ("version_not_int", lambda m: m.update(version="1"), "version must be an integer"),
     ("wrong_format", lambda m: m.update(format="other"), "not a nebula_ckpt manifest"),
     ("missing_tree", lambda m: m.pop("tree"), "lacks field(s) ['tree']"),

@@ -124,6 +124,22 @@ def test_replicas_are_assigned_alike_on_every_rank_and_balanced() -> None:
     assert len({four["w"], four["v"]}) == 2 and four["b"] == 0
 
 
+def test_replicas_go_to_a_bounded_block_of_owner_ranks() -> None:
+    """A DDP job of 300 ranks and 100 big replicas: with ``replica_owner_ranks`` 8 every replica is
+    owned by ranks 0..7 (a restoring rank reads at most 8 records files of owners), balanced
+    among them; with 0 they spread over 100 ranks (one each), as many files to read."""
+    mb = knobs.get("small_replica_bytes")
+    rep = {f"w{i}": (4 * mb, i, "float32", (mb,)) for i in range(100)}
+    with knobs.override(replica_owner_ranks=8):
+        block = ranks.assign([rep] * 300)
+    with knobs.override(replica_owner_ranks=0):
+        spread = ranks.assign([rep] * 300)
+    assert set(block.values()) == set(range(8))
+    per = [sum(1 for r in block.values() if r == o) for o in range(8)]
+    assert max(per) - min(per) <= 1                                      # 12 or 13 replicas each
+    assert len(set(spread.values())) == 100
+
+
 def test_summary_holds_only_replicable_tensors_and_digests_ignore_order() -> None:
     idx = {"w": {"offsets": [0, 8], "crc32c": 1, "dtype": "float32", "shape": [2]},
            "s": {"offsets": [8, 16], "crc32c": 2, "dtype": "float32", "shape": [2],

@@ -176,8 +176,9 @@ def _inspect_multi(ck: OpenCheckpoint, as_json: bool) -> None:
     logical = logical_tensors(man)
     if as_json:
         raw = man.to_json()
-        info = {k: raw[k] for k in ("step", "generation", "tensors", "aliases", "tree", "shards",
-                                    "world_size", "ranks", "rank_tree")}
+        info = {k: raw[k] for k in ("step", "generation", "tensors", "aliases", "tree", "world_size")}
+        info.update(shards=[sh.to_json() for sh in man.shards], ranks=list(man.ranks),  # version 4: from ranks.json
+                    rank_tree={str(r): i for r, i in man.rank_tree.items()})
         info.update(references_json(man))
         info["logical"] = {}
         for key, holders in logical.items():

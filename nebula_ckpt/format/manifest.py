@@ -36,18 +36,28 @@ import json
 import time
 import types
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Optional
+from typing import Any, Mapping, Optional, Sequence
 
 from nebula_ckpt.format.checks import as_hashes, as_int, as_list, as_obj, as_str, bad, short
 from nebula_ckpt.format.dtensors import check_dtensors
-from nebula_ckpt.format.names import FORMAT, LAYOUT_VERSION, MANIFEST, SINGLE_VERSION, VERSION, step_dir, tag_problem
+from nebula_ckpt.format.names import (
+    FORMAT,
+    LAYOUT_VERSION,
+    MANIFEST,
+    SINGLE_VERSION,
+    SPLIT_VERSION,
+    VERSION,
+    step_dir,
+    tag_problem,
+)
+from nebula_ckpt.format.rank_index import SPLIT_FIELDS, parse_split
 from nebula_ckpt.format.rank_records import LAYOUT_FIELDS, RanksLayout, parse_layout
 from nebula_ckpt.format.records import ShardRecord, TensorRecord
 from nebula_ckpt.format.tree import check_tree
 
 _REQUIRED = ("format", "version", "step", "generation", "shards", "tensors", "tree")
 _KNOWN = (_REQUIRED + ("time", "checksum", "aliases", "stats", "world_size", "ranks", "rank_tree", "tag", "sha256")
-          + LAYOUT_FIELDS)
+          + LAYOUT_FIELDS + SPLIT_FIELDS)
 #: most ranks a manifest may name (bounds the work a hostile manifest can ask for)
 MAX_WORLD = 1 << 20
 
@@ -77,7 +87,7 @@ class Manifest:
     stats: Mapping[str, Any] = field(default_factory=dict)
     extra: Mapping[str, Any] = field(default_factory=dict)
     world_size: int = 1
-    ranks: tuple[int, ...] = (0,)
+    ranks: Sequence[int] = (0,)
     rank_tree: Mapping[int, int] = field(default_factory=dict)
     tag: Optional[str] = None
     #: tensor key -> SHA-256 (hex) of its bytes, for the tensors whose hash the writer took
@@ -116,7 +126,10 @@ class Manifest:
                "tensors": {} if self.layout else {k: t.to_json() for k, t in self.tensors.items()},
                "aliases": {} if self.layout else dict(self.aliases),
                "tree": self.tree, "stats": dict(self.stats)}
-        if self.multi_rank:
+        split = self.layout is not None and self.layout.version >= SPLIT_VERSION
+        if split:  # version 4: the shards, ranks and their trees are in ranks.json and the ranks' records files
+            out.update(shards=[], world_size=self.world_size)
+        elif self.multi_rank:
             out.update(world_size=self.world_size, ranks=list(self.ranks),
                        rank_tree={str(r): i for r, i in self.rank_tree.items()})
         if self.layout is not None:
@@ -164,8 +177,8 @@ class Manifest:
         if m.get("format") != FORMAT:
             raise bad(w, f"format is {short(m.get('format'))}, not {FORMAT!r}: not a nebula_ckpt manifest")
         version = as_int(m.get("version"), w, "version", lo=1, hi=2**31)
-        if version > LAYOUT_VERSION:
-            raise bad(w, f"version {version} is newer than this nebula_ckpt understands ({LAYOUT_VERSION})",
+        if version > SPLIT_VERSION:
+            raise bad(w, f"version {version} is newer than this nebula_ckpt understands ({SPLIT_VERSION})",
                        "upgrade nebula_ckpt")
         missing = [k for k in _REQUIRED if k not in m]
         if missing:
@@ -189,8 +202,15 @@ def _parse_body(m: dict[str, Any], w: str, step: int, version: int) -> Manifest:
                for k, v in as_obj(m["tensors"], w, "tensors").items()}
     _check_overlaps(tensors, shards, w)
     aliases = _aliases(m.get("aliases", {}), tensors, w)
-    world, ranks, rank_tree = _ranks(m, w, version)
-    layout = parse_layout(m, w, shards, world, ranks) if version >= LAYOUT_VERSION else None
+    layout: Optional[RanksLayout] = None
+    if version >= SPLIT_VERSION:  # no per-rank field: ranks, tree indices and shards are in the ranks' files
+        world, layout = parse_split(m, w, step, shards, tensors, aliases, MAX_WORLD)
+        ranks: Sequence[int] = range(world)
+        rank_tree: dict[int, int] = {}
+    else:
+        world, ranks, rank_tree = _ranks(m, w, version)
+        if version >= LAYOUT_VERSION:
+            layout = parse_layout(m, w, shards, world, tuple(ranks))
     if layout is None:  # version 3: checked when the ranks' records are loaded
         _check_trees(m["tree"], tensors, aliases, world, rank_tree, w)
         check_dtensors(tensors, aliases, shards, world, len(ranks) == world, w)

@@ -33,12 +33,18 @@ VERSION = 2
 #: multi-rank manifests whose tensor records live in one records file per rank, beside its shard
 #: (:mod:`nebula_ckpt.format.rank_records`); the newest version this nebula_ckpt reads
 LAYOUT_VERSION = 3
+#: multi-rank manifests that hold only what grows with the tensors: each rank's records file
+#: checks itself (embedded CRC32C, save id, rank) and the per-rank table is ``ranks.json``
+#: (:mod:`nebula_ckpt.format.rank_index`); the newest version this nebula_ckpt reads and writes
+SPLIT_VERSION = 4
 #: manifests of one process (world_size 1) are still written as version 1: any reader reads them
 SINGLE_VERSION = 1
 
 # -- a step folder --------------------------------------------------------------------------------
 
 MANIFEST = "manifest.json"
+#: format version 4: the per-rank table (each rank's shard and records file), written by rank 0
+RANKS_FILE = "ranks.json"
 COMMIT = "COMMIT"
 _STEP_RE = re.compile(r"step-(0|[1-9][0-9]*)")
 _SHARD_RE = re.compile(r"shard-g(0|[1-9][0-9]*)-r(0|[1-9][0-9]*)\.safetensors")

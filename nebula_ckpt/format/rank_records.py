@@ -48,7 +48,7 @@ from nebula_ckpt.format.checks import as_hashes, as_int, as_list, as_obj, as_str
 from nebula_ckpt.format.dtensors import check_dtensors
 from nebula_ckpt.format.dtypes import TENSOR_DTYPES
 from nebula_ckpt.format.grid import Region, holders, on_grid
-from nebula_ckpt.format.names import LAYOUT_VERSION, is_records_name
+from nebula_ckpt.format.names import LAYOUT_VERSION, is_records_name, records_name
 from nebula_ckpt.format.records import DTensorInfo, ShardRecord, TensorRecord
 from nebula_ckpt.format.tree import check_tree
 
@@ -102,11 +102,32 @@ class RanksLayout:
     dtensors: Mapping[str, DTensorSpec]
     grid: bool
     loaded: frozenset[int] = frozenset()
+    #: format version 4 (:mod:`nebula_ckpt.format.rank_index`): the save's id, the digests of the
+    #: distinct trees (``tree_digests[i]`` is that of ``tree["v"][i]``), the steps the ranks refer
+    #: to, ``ranks.json`` as the manifest names it, and where each loaded rank's own shard is in
+    #: the manifest's ``shards``; ``records`` then holds every rank's entry only once
+    #: ``ranks.json`` was read (``indexed``)
+    version: int = 3
+    save_id: str = ""
+    tree_digests: tuple[str, ...] = ()
+    references: frozenset[int] = frozenset()
+    ranks_file: Optional[RecordsRef] = None
+    shard_of: Mapping[int, int] = dataclasses.field(default_factory=dict)
+    indexed: bool = False
 
     def to_json(self) -> dict[str, Any]:
         """The main manifest's fields."""
-        return {"records": [r.to_json() for r in self.records], "owners": dict(self.owners),
-                "dtensors": {k: s.to_json() for k, s in self.dtensors.items()}, "grid": self.grid}
+        tables = {"owners": dict(self.owners), "dtensors": {k: s.to_json() for k, s in self.dtensors.items()},
+                  "grid": self.grid}
+        if self.version < 4:
+            return {"records": [r.to_json() for r in self.records], **tables}
+        assert self.ranks_file is not None
+        return {"save_id": self.save_id, "tree_digests": list(self.tree_digests), **tables,
+                "references": sorted(self.references), "ranks_file": self.ranks_file.to_json()}
+
+    def records_file(self, rank: int, generation: int) -> str:
+        """The name of ``rank``'s records file."""
+        return self.records[rank].file if self.version < 4 else records_name(generation, rank)
 
     def providers(self, ranks: Iterable[int]) -> set[int]:
         """``ranks`` and the ranks whose records hold the replicated tensors they alias."""
@@ -150,6 +171,12 @@ def parse_layout(m: dict[str, Any], w: str, shards: tuple[ShardRecord, ...], wor
                                as_int(d.get("crc32c"), where, "crc32c", hi=2**32 - 1)))
     if len(refs) != world:
         raise bad(w, f"records lists {len(refs)} file(s) for {world} ranks")
+    owners, specs, grid = parse_tables(m, w, world)
+    return RanksLayout(tuple(refs), owners, specs, grid)
+
+
+def parse_tables(m: dict[str, Any], w: str, world: int) -> tuple[Mapping[str, int], Mapping[str, DTensorSpec], bool]:
+    """``owners``, ``dtensors`` and ``grid`` of manifest ``m`` (versions 3 and 4), validated."""
     owners = {as_str(k, w, "owners key"): as_int(v, w, f"owners[{short(k)}]", hi=world - 1)
               for k, v in as_obj(m.get("owners", {}), w, "owners").items()}
     specs = {as_str(k, w, "dtensors key"): _spec(v, f"{w}: dtensors[{short(k)}]")
@@ -157,7 +184,7 @@ def parse_layout(m: dict[str, Any], w: str, shards: tuple[ShardRecord, ...], wor
     grid = m.get("grid", False)
     if type(grid) is not bool:
         raise bad(w, f"grid must be true or false, got {short(grid)}")
-    return RanksLayout(tuple(refs), types.MappingProxyType(owners), types.MappingProxyType(specs), grid)
+    return types.MappingProxyType(owners), types.MappingProxyType(specs), grid
 
 
 def _spec(v: Any, where: str) -> DTensorSpec:
@@ -205,7 +232,7 @@ def parse_records(data: bytes, man: "Manifest", rank: int, read_crc: Callable[[b
         as_obj(v, rw, "the tensor entry")
         rec = TensorRecord.parse(as_str(k, rw, "key"), v, local, rw)
         tensors[p + k] = dataclasses.replace(rec, key=p + k, shard=to_global[rec.shard])
-    _check_dtensors(tensors, man, rank, w)
+    check_rank_dtensors(tensors, man, rank, w)
     aliases = {as_str(a, w, "aliases key"): as_str(b, w, f"aliases[{short(a)}]")
                for a, b in as_obj(d.get("aliases", {}), w, "aliases").items()}
     hashes = as_hashes(d.get("sha256", {}), {k.partition("/")[2] for k in tensors}, w)
@@ -232,7 +259,7 @@ def _shards(raw: Any, man: "Manifest", rank: int, w: str) -> tuple[tuple[ShardRe
     return tuple(local), to_global
 
 
-def _check_dtensors(tensors: dict[str, TensorRecord], man: "Manifest", rank: int, w: str) -> None:
+def check_rank_dtensors(tensors: dict[str, TensorRecord], man: "Manifest", rank: int, w: str) -> None:
     """Each DTensor record agrees with the manifest's ``dtensors`` table and, on the grid, sits
     where the grid puts it; spans inside the shard never overlap."""
     assert man.layout is not None
@@ -284,8 +311,8 @@ def with_records(man: "Manifest", read: Callable[[str], bytes], read_crc: Callab
         own_aliases[r] = al
     aliases: dict[str, str] = {}
     for r in focus:
-        aliases.update(_rank_aliases(man, r, tensors, own_aliases[r], where))
-    _check_trees(man, focus, tensors, aliases, where)
+        aliases.update(rank_aliases(man, r, tensors, own_aliases[r], where))
+    check_rank_trees(man, focus, tensors, aliases, where)
     complete = len(focus) == man.world_size
     if complete:
         check_dtensors(tensors, aliases, man.shards, man.world_size, True, f"{where}: records")
@@ -294,7 +321,7 @@ def with_records(man: "Manifest", read: Callable[[str], bytes], read_crc: Callab
                                layout=dataclasses.replace(layout, loaded=frozenset(focus)))
 
 
-def _rank_aliases(man: "Manifest", r: int, tensors: dict[str, TensorRecord], own: dict[str, str],
+def rank_aliases(man: "Manifest", r: int, tensors: dict[str, TensorRecord], own: dict[str, str],
                   where: str) -> dict[str, str]:
     """Rank ``r``'s aliases, prefixed: the replicated keys it did not store, then its tied keys."""
     assert man.layout is not None
@@ -303,26 +330,26 @@ def _rank_aliases(man: "Manifest", r: int, tensors: dict[str, TensorRecord], own
     for k, q in man.layout.owners.items():
         if q == r:
             if p + k not in tensors:
-                raise bad(f"{where}: {man.layout.records[r].file} (rank {r})",
+                raise bad(f"{where}: {man.layout.records_file(r, man.generation)} (rank {r})",
                           f"owners names rank {r} for '{k}', which its records lack")
         else:
             if p + k in tensors:
-                raise bad(f"{where}: {man.layout.records[r].file} (rank {r})",
+                raise bad(f"{where}: {man.layout.records_file(r, man.generation)} (rank {r})",
                           f"'{k}' is stored by rank {r} but owned by rank {q} in the manifest")
             if f"r{q}/{k}" not in tensors:
-                raise bad(f"{where}: {man.layout.records[q].file} (rank {q})",
+                raise bad(f"{where}: {man.layout.records_file(q, man.generation)} (rank {q})",
                           f"owners names rank {q} for '{k}', which its records lack")
             out[p + k] = f"r{q}/{k}"
     for a, b in own.items():
         target = out.get(p + b, p + b)
         if p + a in tensors or p + a in out or target not in tensors:
-            raise bad(f"{where}: {man.layout.records[r].file} (rank {r})",
+            raise bad(f"{where}: {man.layout.records_file(r, man.generation)} (rank {r})",
                       f"aliases[{short(a)}] -> {short(b)}: {'a stored key' if p + a in tensors else 'no such tensor'}")
         out[p + a] = target
     return out
 
 
-def _check_trees(man: "Manifest", focus: list[int], tensors: dict[str, TensorRecord], aliases: dict[str, str],
+def check_rank_trees(man: "Manifest", focus: list[int], tensors: dict[str, TensorRecord], aliases: dict[str, str],
                  where: str) -> None:
     """Each loaded rank's tree against the keys it holds (a tree shared by several ranks is walked
     once; the others' keys and dtypes must equal the first's)."""

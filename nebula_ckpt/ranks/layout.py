@@ -1,7 +1,9 @@
 """The commit of a multi-rank save in format version 3: what each rank writes and sends, what rank 0 builds.
 
-Pure functions over metadata (no I/O, no collectives), used by the commit rounds
-(:mod:`nebula_ckpt.save.rounds`) and the scale simulation:
+Pure functions over metadata (no I/O, no collectives). The commit rounds
+(:mod:`nebula_ckpt.save.rounds`) write format version 4 (:mod:`nebula_ckpt.ranks.split`), which
+shares :func:`signature`, :func:`first_of_class`, :func:`grid_of` and :func:`layout_tables`; the
+version 3 builders stay as the golden tests' writer of that version (which every reader still reads):
 
 * :func:`signature` / :func:`first_of_class` — each rank hashes what its DTensor records must
   agree on (dtype, global shape, placements, mesh); a rank sends the whole table only when no
@@ -62,8 +64,9 @@ def records_payload(*, step: int, generation: int, rank: int, world: int, shard:
     return name, data, payload
 
 
-def _table(parts: list[dict[str, Any]], step: int) -> dict[str, dict[str, Any]]:
-    """The union of the ranks' DTensor tables; PersistError when two disagree on a key."""
+def layout_tables(parts: list[dict[str, Any]], step: int) -> dict[str, dict[str, Any]]:
+    """The union of the ranks' DTensor tables (the manifest's ``dtensors``); PersistError when two
+    disagree on a key."""
     table: dict[str, tuple[int, list[Any]]] = {}
     for r, part in enumerate(parts):
         for k, spec in (part.get("table") or {}).items():
@@ -84,7 +87,7 @@ def layout_manifest(*, step: int, generation: int, parts: list[dict[str, Any]],
     Raises:
         PersistError: the ranks' DTensor tables disagree (named key and ranks).
     """
-    table = _table(parts, step)
+    table = layout_tables(parts, step)
     tree0 = parts[0]["tree"]
     trees: list[Any] = [tree0 if p.get("tree") is None else p["tree"] for p in parts]
     shards = [p["shard"] for p in parts]

@@ -63,9 +63,12 @@ def assign(summaries: list[dict[str, Entry]], base: Optional[list[int]] = None) 
     anyway (its sharded state), so owners balance the total. Replicas under the knob
     ``small_replica_bytes`` (optimizer step counts, scalars) all belong to rank 0: a rank that
     restores a sharded (FSDP) state then reads its own shard and rank 0's, not a piece of every
-    rank's (a whole download each, on a blob store).
+    rank's (a whole download each, on a blob store). Larger replicas go to the first
+    ``replica_owner_ranks`` ranks only (a contiguous block; 0: every rank), so that a restoring
+    rank reads the records files of that many owners at most, whatever the number of ranks.
     """
     small = int(knobs.get("small_replica_bytes"))
+    block = int(knobs.get("replica_owner_ranks"))
     if len(summaries) < 2:
         return {}
     first = summaries[0]
@@ -77,7 +80,8 @@ def assign(summaries: list[dict[str, Entry]], base: Optional[list[int]] = None) 
         rep = set(replicated)
         load = [(base[i] if base else 0) + sum(v[0] for k, v in s.items() if k not in rep)
                 for i, s in enumerate(summaries)]
-    heap = [(n, i) for i, n in enumerate(load)]  # the least loaded rank, lowest first: O(log ranks) a key
+    eligible = len(load) if block <= 0 else min(block, len(load))
+    heap = [(n, i) for i, n in enumerate(load[:eligible])]  # the least loaded owner, lowest first: O(log) a key
     heapq.heapify(heap)
     owners: dict[str, int] = {}
     for k in sorted(replicated, key=lambda k: (-first[k][0], k)):

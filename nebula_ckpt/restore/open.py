@@ -21,9 +21,10 @@ from nebula_ckpt.errors import CorruptCheckpointError, ValidationError
 from nebula_ckpt.format import manifest as mf
 from nebula_ckpt.format.commit import read_commit
 from nebula_ckpt.format.header import data_start
-from nebula_ckpt.format.names import COMMIT, MANIFEST, step_dir
+from nebula_ckpt.format.names import COMMIT, MANIFEST, RANKS_FILE, SPLIT_VERSION, shard_owner, step_dir
+from nebula_ckpt.format.rank_index import load_split, with_index
 from nebula_ckpt.format.rank_records import with_records
-from nebula_ckpt.format.records import TensorRecord
+from nebula_ckpt.format.records import ShardRecord, TensorRecord
 from nebula_ckpt.format.references import shard_path
 from nebula_ckpt.format.tree import decode
 from nebula_ckpt.native import get_ops
@@ -190,21 +191,22 @@ def _needed(man: mf.Manifest, rank: Optional[int]) -> dict[int, list[TensorRecor
 def read_manifest(storage: Storage, step: int, where: Optional[str] = None,
                   ranks: Optional[Iterable[int]] = None) -> mf.Manifest:
     """The validated manifest of committed ``step`` on ``storage``, holding the tensor records of
-    ``ranks`` (None: of every rank; a version 3 manifest reads them from the ranks' records
-    files, :func:`load_records`).
+    ``ranks`` (None: of every rank; a version 3 or 4 manifest reads them from the ranks' records
+    files, :func:`load_records`). A version 4 checkpoint's ``ranks.json`` is read only for every
+    rank (``ranks`` None): the records files of some ranks check themselves.
 
     Raises:
         CorruptCheckpointError: naming ``where`` and what is wrong (missing files included).
     """
     where = where or f"{storage.display_url} step {step}"
-    man = read_main_manifest(storage, step, where)
+    man = read_main_manifest(storage, step, where, index=ranks is None)
     return load_records(storage, man, man.ranks if ranks is None else ranks, where)
 
 
 def load_records(storage: Storage, man: mf.Manifest, ranks: Iterable[int], where: str) -> mf.Manifest:
     """``man`` holding the records of ``ranks`` (and of the ranks storing the replicated tensors
-    they alias): a version 3 manifest reads and validates their records files; older versions
-    hold every record already (returned as they are)."""
+    they alias): a version 3 or 4 manifest reads and validates their records files; older
+    versions hold every record already (returned as they are)."""
     if man.layout is None:
         return man
     d = step_dir(man.step)
@@ -215,12 +217,16 @@ def load_records(storage: Storage, man: mf.Manifest, ranks: Iterable[int], where
         except FileNotFoundError:
             raise CorruptCheckpointError(f"{where}: records file {name} is missing") from None
 
+    if man.layout.version >= SPLIT_VERSION:
+        return load_split(man, read, get_ops().crc32c_bytes, ranks, where)
     return with_records(man, read, get_ops().crc32c_bytes, ranks, where)
 
 
-def read_main_manifest(storage: Storage, step: int, where: Optional[str] = None) -> mf.Manifest:
-    """The validated ``manifest.json`` of committed ``step`` alone (a version 3 manifest's tensor
-    records are not read: :func:`load_records`).
+def read_main_manifest(storage: Storage, step: int, where: Optional[str] = None, index: bool = True) -> mf.Manifest:
+    """The validated ``manifest.json`` of committed ``step`` alone (a version 3 or 4 manifest's
+    tensor records are not read: :func:`load_records`). ``index``: complete a version 4 manifest
+    from its ``ranks.json`` (every rank's shard, records file and tree; not needed to load the
+    records of some ranks).
 
     Checks the commit marker (step, manifest size and CRC32C) before parsing the manifest.
 
@@ -239,7 +245,14 @@ def read_main_manifest(storage: Storage, step: int, where: Optional[str] = None)
                                      "(size or checksum differs): garbled or replaced")
     if commit.step != step:
         raise CorruptCheckpointError(f"{where}: {COMMIT} is for step {commit.step}, but lies in {d}/")
-    return mf.Manifest.parse(mbytes, where, step)
+    man = mf.Manifest.parse(mbytes, where, step)
+    if index and man.layout is not None and man.layout.version >= SPLIT_VERSION:
+        try:
+            data = storage.read_small(f"{d}/{RANKS_FILE}")
+        except FileNotFoundError:
+            raise CorruptCheckpointError(f"{where}: {RANKS_FILE} is missing") from None
+        man = with_index(man, data, get_ops().crc32c_bytes, where)
+    return man
 
 
 class NotThisLayout(Exception):
@@ -260,12 +273,13 @@ def open_checkpoint(storage: Storage, step: int, verify: str, where: str,
     ``defer_verify``: with ``verify="full"``, leave the checksums to the caller (the copies of a
     staged restore check them as they go; :meth:`OpenCheckpoint.verify_rest` checks the rest).
     """
-    man = read_main_manifest(storage, step, where)
+    man = read_main_manifest(storage, step, where, index=False)
     if man.multi_rank:
         if man.world_size == world and rank in man.ranks:
-            pass
+            pass  # a version 4 checkpoint: this rank's records file and its owners' are all it reads
         elif len(man.ranks) == man.world_size:
             rank = None  # the whole job's checkpoint: resharded by the caller
+            man = read_main_manifest(storage, step, where)
         else:
             raise NotThisLayout(f"{where}: holds rank(s) {list(man.ranks)[:8]} of a {man.world_size}-rank job; "
                                 f"this process is rank {rank or 0} of {world}")
@@ -296,13 +310,27 @@ def check_references(storage: Storage, man: mf.Manifest, shards: set[int], where
         assert sh.step is not None
         at = f"{where}: shards[{i}] refers to step {sh.step}'s {sh.file}"
         try:
-            base = read_main_manifest(storage, sh.step, f"{where} (referenced step {sh.step})")
+            base = _base_of(storage, sh, f"{where} (referenced step {sh.step})")
         except CorruptCheckpointError as e:
             raise CorruptCheckpointError(f"{at}, which is not a healthy committed checkpoint: {e}") from None
         own = next((b for b in base.shards if b.step is None and b.file == sh.file), None)
         if own is None or own.bytes != sh.bytes or dict(own.storage or {}) != dict(sh.storage or {}):
             raise CorruptCheckpointError(f"{at}, but step {sh.step}'s manifest lists "
                                          f"{'no such shard' if own is None else 'it with another size or storage'}")
+
+
+def _base_of(storage: Storage, sh: ShardRecord, where: str) -> mf.Manifest:
+    """The manifest of the step holding ``sh`` (an earlier step's shard), holding that shard's
+    entry: a version 4 step's from the records file of the rank that wrote it (not ``ranks.json``)."""
+    assert sh.step is not None
+    base = read_main_manifest(storage, sh.step, where, index=False)
+    if base.layout is None or base.layout.version < SPLIT_VERSION:
+        return base
+    owner = shard_owner(sh.file)
+    if owner is None or owner[0] != base.generation or not 0 <= owner[1] < base.world_size:
+        raise CorruptCheckpointError(f"{where}: {sh.file} is no shard of step {sh.step} (generation "
+                                     f"{base.generation}, {base.world_size} ranks)")
+    return load_records(storage, base, [owner[1]], where)
 
 
 def read_shard(storage: Storage, man: mf.Manifest, i: int, where: str) -> torch.Tensor:

@@ -4,20 +4,23 @@ Every rank sees a *shared* tier, and the ranks commit one checkpoint of the step
 (:mod:`nebula_ckpt.ranks.coordinator` carries the rounds; metadata only):
 
 1. digest, then index: every rank sends a hash of its replicable tensors' index (and of its
-   tree); only when the hashes differ do the ranks send the index itself. Replicated tensors
-   get one owner each (:func:`nebula_ckpt.ranks.shards.assign`); each rank also names the step
-   its incremental save would build on, and the ranks build on it only when all name the same
+   tree; rank 0 also sends the save id it drew for this attempt, which every rank's records
+   file carries: :mod:`nebula_ckpt.format.rank_index`); only when the hashes differ do the
+   ranks send the index itself. Replicated tensors get one owner each
+   (:func:`nebula_ckpt.ranks.shards.assign`); each rank also names the step its incremental
+   save would build on, and the ranks build on it only when all name the same
    (:mod:`nebula_ckpt.save.incremental`). The coordinator has already removed an old checkpoint
    of the same step, so nobody writes into a folder being deleted;
 2. durable: every rank writes its share (``shard-g<G>-r<R>``) and, beside it, its tensor records
-   (``records-g<G>-r<R>.json``; an incremental share's shard holds only its changed tensors, its
-   records file the references to the earlier shards holding the rest and the tensors' SHA-256),
-   checks its snapshot, and sends a record of a size independent of its number of tensors: its
-   shard (and the earlier ones it refers to), its records file's name, size and CRC32C, its tree
-   only when it differs from rank 0's, its DTensor table only when no lower rank sent the same one (or its
-   error; :mod:`nebula_ckpt.ranks.layout`);
-3. verdict: the coordinator writes manifest and ``COMMIT`` (:func:`nebula_ckpt.save.commit.commit_manifest`)
-   only if every rank's shard is durable and verified, and tells every rank whether it did.
+   (``records-g<G>-r<R>.json``, sealed with its own CRC32C; an incremental share's shard holds
+   only its changed tensors, its records file the references to the earlier shards holding the
+   rest and the tensors' SHA-256), checks its snapshot, and sends a record of a size independent
+   of its number of tensors: its shard (and the earlier ones it refers to), its records file's
+   name, size and CRC32C, its tree only when it differs from rank 0's, its DTensor table only
+   when no lower rank sent the same one (or its error; :mod:`nebula_ckpt.ranks.split`);
+3. verdict: the coordinator writes ``ranks.json``, manifest and ``COMMIT``
+   (:func:`nebula_ckpt.save.commit.commit_manifest`) only if every rank's shard is durable and
+   verified, and tells every rank whether it did.
    Otherwise each rank removes its shard and the previous checkpoint stays the newest. A rank
    that hears no verdict (the coordinator died or timed out after it sent its record) cannot
    know whether the step committed: it looks for the ``COMMIT`` once (there: the save
@@ -31,11 +34,13 @@ from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 from nebula_ckpt.errors import PersistError
+from nebula_ckpt.format.names import RANKS_FILE, step_dir
 from nebula_ckpt.native import get_ops
 from nebula_ckpt.ranks import shards as ranks
 from nebula_ckpt.ranks.coordinator import PHASE_DIGEST, PHASE_DURABLE, PHASE_INDEX, PHASE_VERDICT, SKIP, Coordinator
 from nebula_ckpt.ranks.fencing import TierFence
-from nebula_ckpt.ranks.layout import first_of_class, layout_manifest, records_payload, signature
+from nebula_ckpt.ranks.layout import first_of_class, signature
+from nebula_ckpt.ranks.split import new_save_id, split_manifest, split_payload
 from nebula_ckpt.save.commit import (
     CommitProgress,
     CommitUncertain,
@@ -113,7 +118,7 @@ class SharedCommit:
         except BaseException as e:
             failure, mine = e, {"error": f"{type(e).__name__}: {e}"}
         if co.is_coordinator:
-            verdict = self._lead(save, mine, owners, failure, progress)
+            verdict = self._lead(save, mine, owners, failure, progress, peers[0]["save_id"])
         else:
             got = self._follow(save, mine, failure, progress)
             if got is None:
@@ -136,8 +141,10 @@ class SharedCommit:
         tree_digest = ranks.digest(save.meta["tree"])
         base = self.incremental.declare() if self.incremental is not None else None
         dt_digest = ranks.digest(signature(save.meta["tensors"]))  # what its DTensor records must agree on
+        save_id = new_save_id() if co.is_coordinator else None  # rank 0's is this attempt's
         peers = co.round(name, idx, PHASE_DIGEST, {"step": save.step, "digest": mine_digest, "tree": tree_digest,
-                                                  "sharded": sharded, "dt": dt_digest, "base": base})
+                                                  "sharded": sharded, "dt": dt_digest, "base": base,
+                                                  "save_id": save_id})
         problem = ranks.peer_problem(peers, save.step, name)
         if problem is not None:
             co.abandon(name, idx)
@@ -177,8 +184,9 @@ class SharedCommit:
         records = {k: index[k] if k in index else delta.reused[k] for k in keep} if delta else index
         refs = [r.to_json() for r in delta.refs] if delta else []
         sha = {k: hashes[k] for k in keep if k in hashes}
-        name, data, payload = records_payload(
-            step=save.step, generation=self.fence.generation, rank=co.rank, world=co.world_size, shard=own,
+        name, data, payload = split_payload(
+            step=save.step, generation=self.fence.generation, rank=co.rank, world=co.world_size,
+            save_id=peers[0]["save_id"], shard=own, tree_digest=tree_digest,
             index=records, aliases=save.meta["aliases"], meta=save.meta,
             send_tree=co.is_coordinator or tree_digest != peers[0]["tree"],
             send_table=first_of_class(co.rank, [p["dt"] for p in peers]), crc=get_ops().crc32c_bytes,
@@ -190,10 +198,11 @@ class SharedCommit:
         return payload, {"shard": own, "refs": refs, "tensors": records, "sha256": sha}
 
     def _lead(self, save: SharedSave, mine: dict[str, Any], owners: dict[str, int],
-              failure: Optional[BaseException], progress: CommitProgress) -> dict[str, Any]:
+              failure: Optional[BaseException], progress: CommitProgress, save_id: str) -> dict[str, Any]:
         """The coordinator: rounds 2 and 3 (its commit, then the verdict to every rank); the verdict."""
         co, name, idx = self.coordinator, self.name, save.index
-        verdict = self._coordinate(save, co.round(name, idx, PHASE_DURABLE, mine), owners, failure, progress)
+        verdict = self._coordinate(save, co.round(name, idx, PHASE_DURABLE, mine), owners, failure, progress,
+                                   save_id)
         try:
             co.round(name, idx, PHASE_VERDICT, verdict)
         except PersistError as e:
@@ -228,8 +237,8 @@ class SharedCommit:
         return verdict
 
     def _coordinate(self, save: SharedSave, parts: list[Any], owners: dict[str, int],
-                    failure: Optional[BaseException], progress: CommitProgress) -> dict[str, Any]:
-        """The coordinator's commit: manifest + COMMIT if every rank's share is in.
+                    failure: Optional[BaseException], progress: CommitProgress, save_id: str) -> dict[str, Any]:
+        """The coordinator's commit: ranks.json, manifest + COMMIT if every rank's share is in.
 
         The verdict: ``ok``, or not with ``why`` (and ``skipped`` when a rank only did not write
         it), or ``uncertain`` when the marker's write failed (it may exist: nobody deletes).
@@ -241,7 +250,9 @@ class SharedCommit:
         if problem is not None:
             return {"ok": False, "skipped": problem[0], "why": problem[1]}
         try:
-            man = layout_manifest(step=step, generation=self.fence.generation, parts=parts, owners=owners)
+            man, index = split_manifest(step=step, generation=self.fence.generation, save_id=save_id, parts=parts,
+                                        owners=owners, crc=get_ops().crc32c_bytes)
+            self.storage.write_small(f"{step_dir(step)}/{RANKS_FILE}", index)
             commit_manifest(self.storage, self.fence, step, encode_manifest(tagged(man, save.tag)), progress, name)
         except BaseException as e:
             log.error("nebula_ckpt: tier %s: committing step %d failed: %s", name, step, e)

@@ -43,7 +43,7 @@ from nebula_ckpt import knobs
 from nebula_ckpt.errors import FencedError, NebulaError, PersistError
 from nebula_ckpt.format.commit import committed_steps
 from nebula_ckpt.format.manifest import Manifest
-from nebula_ckpt.format.names import COMMIT, MANIFEST, records_name, shard_name, shard_owner, step_dir
+from nebula_ckpt.format.names import COMMIT, MANIFEST, RANKS_FILE, records_name, shard_name, shard_owner, step_dir
 from nebula_ckpt.format.references import protected_steps, referrers, shard_path
 from nebula_ckpt.ranks import shards as ranks
 from nebula_ckpt.ranks.coordinator import Coordinator, LocalCoordinator
@@ -436,8 +436,8 @@ class TierWriter:
         newer = any((o := shard_owner(n)) is not None and o[0] > gen for n in names)
         mine_manifest = not newer and self._owner.commits_here
         records = records_name(gen, self.coordinator.rank)
-        sweep.discard_files(st, step, lambda n: n in (shard, records) or (n == MANIFEST and mine_manifest),
-                            f"tier {self.name}")
+        sweep.discard_files(st, step, lambda n: n in (shard, records) or (n in (MANIFEST, RANKS_FILE)
+                                                                            and mine_manifest), f"tier {self.name}")
 
     def remove(self, step: int) -> bool:
         """Delete the committed checkpoint ``step`` from this tier as retention does (fence checked,

@@ -17,6 +17,7 @@ simulated node has its own memory tier under ``SHM_BASE/n<i>`` (``NEBULA_SHM_DIR
 
 from __future__ import annotations
 
+import glob
 import hashlib
 import json
 import os
@@ -91,7 +92,7 @@ def _kill_while_receiving() -> None:
 def save() -> None:
     st = _state(RANK)
     ck = nc.Checkpointer(ROOT, tiers=_tiers())
-    digests, written, errors = {}, {}, {}
+    digests, written, errors, inodes = {}, {}, {}, {}
     for step in range(1, STEPS + 1):
         _train(st, step)
         if SCENARIO == "save_kill_receiving" and step == STEPS and RANK == 1:
@@ -102,8 +103,34 @@ def save() -> None:
             written[step] = h.result()
         except nc.NebulaError as e:
             errors[step] = str(e)
-    _report({"digests": digests, "written": written, "errors": errors, "stats": ck.stats()})
+        inodes[step] = _held_inodes(ck, step)  # the round is over on every rank once h is done
+    _report({"digests": digests, "written": written, "errors": errors, "stats": ck.stats(), "inodes": inodes,
+             "nice": {"training": os.getpriority(os.PRIO_PROCESS, 0), "threads": _thread_nice()}})
     os._exit(0)
+
+
+def _held_inodes(ck: nc.Checkpointer, step: int) -> list[int]:
+    """Inode numbers of the shard files of the replicas of ``step`` this rank holds."""
+    shm = os.environ["NEBULA_SHM_DIR"]
+    held = ck.stats()["replicas"]["holding_for"]
+    return sorted(os.stat(p).st_ino for r in held
+                  for p in glob.glob(f"{shm}/nebula_ckpt-*/*/replicas/r{r}/step-{step}/shard-*"))
+
+
+def _thread_nice() -> list[tuple[str, int]]:
+    """``(name, nice)`` of every thread of this process (Linux)."""
+    import threading
+
+    names = {t.native_id: t.name for t in threading.enumerate()}  # Python's names (the OS's are "python")
+    out = []
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{tid}/comm") as f:
+                name = names.get(int(tid)) or f.read().strip()
+            out.append((name, os.getpriority(os.PRIO_PROCESS, int(tid))))
+        except OSError:
+            pass
+    return out
 
 
 def restore() -> None:

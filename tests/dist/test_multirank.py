@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 
 from nebula_ckpt import knobs
-from nebula_ckpt.format.names import COMMIT, LAYOUT_VERSION, MANIFEST, step_dir
+from nebula_ckpt.format.names import COMMIT, MANIFEST, SPLIT_VERSION, step_dir
 from nebula_ckpt.tiers.memory.tier import memory_tier_path
 from records_view import flat_manifest
 
@@ -52,7 +52,7 @@ def test_ddp_ranks_write_each_byte_once_and_restore_bit_exact(world: int, root: 
     saved = _job(world, "ddp_save", root, job_dir, shm_dir, NEBULA_SMALL_REPLICA_BYTES="0")
     man = _manifest(root, 3)
     ranks = list(range(world))
-    assert man["version"] == LAYOUT_VERSION and man["world_size"] == world and man["ranks"] == ranks
+    assert man["version"] == SPLIT_VERSION and man["world_size"] == world and man["ranks"] == ranks
     assert len(man["tree"]["v"]) == 1 and man["rank_tree"] == {str(r): 0 for r in ranks}  # one tree for all
     shards = sorted(n for n in os.listdir(Path(root, "step-3")) if n.startswith("shard-"))
     assert shards == [f"shard-g1-r{r}.safetensors" for r in ranks]

@@ -80,6 +80,14 @@ def test_a_step_only_in_memory_survives_the_loss_of_either_node(tmp_path: Path) 
         assert not s["errors"] and all("replicas" in w for w in s["written"].values())
         assert s["stats"]["replicas"]["held_bytes"] > 0 and s["stats"]["replicas"]["sent_bytes"] > 0
     assert sorted(os.listdir(job.root)) == ["_nebula", "step-1"]
+    for s in saved:  # step 3's copy is received into the files of step 1's, pruned (keep_last=1) as step 2's came
+        assert s["inodes"]["3"] and s["inodes"]["3"] == s["inodes"]["1"] != s["inodes"]["2"], s["inodes"]
+    for s in saved:  # the replicas' thread and its channel's TCP loop yield to training (knob replica_nice)
+        base, threads = s["nice"]["training"], s["nice"]["threads"]
+        niced = min(19, base + int(knobs.get("replica_nice")))
+        assert ["nebula-replicas", niced] in threads, threads
+        loops = sorted(n for name, n in threads if name == "gloo_tcp_loop")
+        assert loops[0] == base and niced in loops, threads  # the training group's loop is untouched
     with knobs.override(shm_dir=str(job.shm / "n0")), pytest.raises(ValidationError, match="4-rank job"):
         persist_memory(job.root)  # one node's part of a multi-rank step cannot be the root's step
     snap = job.snapshot("after-save")

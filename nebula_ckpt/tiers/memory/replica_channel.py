@@ -4,7 +4,9 @@ One :class:`Channel` per :class:`~nebula_ckpt.tiers.memory.replicas.Replicator` 
 training group, never the checkpoint protocol's groups). Files are sent straight from a
 read-only mapping of the sender's memory-tier file (no snapshot, no copy in this process) and
 received straight into a mapping of the receiver's new file under ``.incoming-*`` (see
-:mod:`~nebula_ckpt.tiers.memory.replica_store`). :class:`Replication` bundles what the save
+:mod:`~nebula_ckpt.tiers.memory.replica_store`), made from a spare file when there is one and
+faulted in by one call while the first bytes arrive. The threads that move and check the bytes
+yield to training once saves begin (:meth:`Channel.yield_to_training`). :class:`Replication` bundles what the save
 rounds (:mod:`~nebula_ckpt.tiers.memory.replica_save`) and the recover round
 (:mod:`~nebula_ckpt.tiers.memory.replica_recover`) share.
 """
@@ -13,6 +15,7 @@ from __future__ import annotations
 
 import datetime
 import logging
+import mmap
 import os
 import threading
 from dataclasses import dataclass, field
@@ -21,10 +24,14 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
+from nebula_ckpt import knobs
 from nebula_ckpt.format.names import step_dir
 from nebula_ckpt.tiers.memory.replica_store import ReplicaStore, safe_name
 
 log = logging.getLogger(__name__)
+
+#: ``madvise`` advice: populate (prefault) pages writable (Linux 5.14+; not in :mod:`mmap` before 3.13)
+_MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)
 
 #: ``(work, tensor)`` of a transfer in flight (the tensor lives until the work is done)
 Works = list[tuple[Any, torch.Tensor]]
@@ -72,7 +79,30 @@ class Channel:
         self.ranks = ranks
         self.rank = rank
         self.world = len(ranks)
+        before = _thread_ids()
         self._group = dist.new_group(ranks=ranks, backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))
+        #: the threads gloo started for this group (its TCP loop receives the bytes, its workers
+        #: run the gathers): theirs is the CPU a transfer costs beside the calling thread's
+        self._threads = sorted(_thread_ids() - before)
+        self._yielded = False
+
+    def yield_to_training(self) -> None:
+        """Lower the scheduling priority of the calling thread and of this group's threads by the
+        knob ``replica_nice`` (once; Linux: a thread's nice value is its own, and threads the
+        calling thread starts later inherit it), so that where no core is idle the replicas take
+        what training leaves. Called by the replicas' thread before its first save round: a
+        recover round before it (at restore, while training waits) runs at full priority."""
+        if self._yielded:
+            return
+        self._yielded = True
+        nice = max(0, min(19, int(knobs.get("replica_nice"))))
+        if not nice or not hasattr(os, "setpriority"):
+            return
+        for tid in [threading.get_native_id(), *self._threads]:
+            try:
+                os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + nice))
+            except OSError as e:  # gone, or refused: the replicas then run at the process's priority
+                log.debug("nebula_ckpt: cannot lower the priority of thread %d: %s", tid, e)
 
     def gather(self, value: Any) -> list[Any]:
         """Every rank's ``value``, by rank (a collective)."""
@@ -99,16 +129,26 @@ class Channel:
         ``store``; return its path, or why not (the bytes then go to scratch memory: the ranks
         stay in step)."""
         step = int(info["step"])
+        maps: list[Optional[mmap.mmap]] = []
+        made: Optional[str] = None
         try:
-            inc = store.incoming(step)
-            targets = [_target(inc, step, name, size, src) for name, size in info["files"]]
+            inc = made = store.incoming(step)
+            for name, size in info["files"]:
+                maps.append(_target(inc, step, name, size, src, store.spare(src, name)))
+            targets = [torch.frombuffer(m, dtype=torch.uint8) if m is not None else torch.empty(0, dtype=torch.uint8)
+                       for m in maps]
         except OSError as e:
             log.warning("nebula_ckpt: rank %d cannot receive rank %d's step: %s", self.rank, src, e)
             inc = f"{type(e).__name__}: {e}"
+            maps = []
+            if made is not None:  # what was made of it (a spare moved in included) goes now
+                store.discard(made)
             targets = [torch.empty(size, dtype=torch.uint8) for _, size in info["files"]]
         for i, t in enumerate(targets):
             if t.numel():
                 works.append((dist.irecv(t, src=self.ranks[src], group=self._group, tag=i), t))
+        for m in maps:  # while the first bytes arrive: the pages the rest lands in, in one call
+            _populate(m)
         return inc
 
     @staticmethod
@@ -129,17 +169,44 @@ class Channel:
             log.debug("nebula_ckpt: cannot free the replica group: %s", e)
 
 
-def _target(inc: str, step: int, name: str, size: int, src: int) -> torch.Tensor:
-    """The file ``name`` of the incoming copy, made and mapped to receive into."""
+def _thread_ids() -> set[int]:
+    """Native ids of this process's threads now (empty where ``/proc`` does not list them)."""
+    try:
+        return {int(t) for t in os.listdir("/proc/self/task")}
+    except (OSError, ValueError):
+        return set()
+
+
+def _target(inc: str, step: int, name: str, size: int, src: int, spare: Optional[str]) -> Optional[mmap.mmap]:
+    """The file ``name`` of the incoming copy, made (from ``spare``, a file of an older copy whose
+    pages exist already, when given) and mapped to receive into; None when empty."""
     if not safe_name(name):  # the sender lists only these names
         raise OSError(f"rank {src} sent a file named {name!r}; refusing it")
     path = os.path.join(inc, step_dir(step), name)
-    fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY | os.O_NOFOLLOW, 0o600)
+    exclusive = os.O_EXCL
+    if spare is not None:
+        try:
+            os.rename(spare, path)  # every byte of it is received anew (the checksums tell)
+            exclusive = 0
+        except OSError as e:
+            log.debug("nebula_ckpt: cannot reuse %s: %s", spare, e)
+    fd = os.open(path, os.O_CREAT | exclusive | os.O_RDWR | os.O_NOFOLLOW, 0o600)
     try:
         os.ftruncate(fd, size)
+        return mmap.mmap(fd, size) if size else None
     finally:
         os.close(fd)
-    return torch.from_file(path, shared=True, size=size, dtype=torch.uint8) if size else torch.empty(0)
+
+
+def _populate(m: Optional[mmap.mmap]) -> None:
+    """Fault in every page of ``m`` for writing in one call (Linux 5.14+; else each page faults
+    on its first byte received): far cheaper than a fault per page."""
+    if m is None:
+        return
+    try:
+        m.madvise(_MADV_POPULATE_WRITE)
+    except (OSError, ValueError) as e:
+        log.debug("nebula_ckpt: cannot populate a receive mapping: %s", e)
 
 
 @dataclass

@@ -13,8 +13,12 @@ A step pulled back at restore (its owner lost its memory tier) lands in ``M/step
 way: received under ``.incoming-*``, verified, renamed into place.
 
 Retention: per source rank, the newest ``keep`` replicas stay (the memory tier's ``keep_last``);
-an older one goes once a newer one is visible. So a rank holds at most ``keep + 1`` steps of each
-rank it is a partner of (the extra one while it is received).
+an older one goes once a newer one is visible. Its shard files are not freed but kept as that
+rank's *spares* (``M/replicas/.spare-r<R>/``, never listed by a reader, removed by the next start):
+the next copy of that rank is received into them, whose memory pages then exist already (on a
+tmpfs, allocating and zeroing fresh pages costs more CPU than the bytes' transfer). So a rank holds
+at most ``keep + 1`` steps of each rank it is a partner of (the extra one: the spares, or the copy
+being received into them).
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ log = logging.getLogger(__name__)
 
 REPLICA_DIR = "replicas"
 INCOMING_PREFIX = ".incoming-"
+SPARE_PREFIX = ".spare-"
 #: the only file names a step folder sent between ranks may hold
 _FILE_RE = re.compile(r"^(COMMIT|manifest\.json|shard-g\d+-r\d+\.safetensors)$")
 _SOURCE_RE = re.compile(r"^r(\d+)$")
@@ -133,8 +138,14 @@ class ReplicaStore:
         if not os.path.isdir(self.base):
             return
         for n in os.listdir(self.base):
-            if n.startswith(INCOMING_PREFIX):
+            if n.startswith((INCOMING_PREFIX, SPARE_PREFIX)):
                 shutil.rmtree(os.path.join(self.base, n), ignore_errors=True)
+
+    def spare(self, rank: int, name: str) -> Optional[str]:
+        """The path of a spare file ``name`` of ``rank`` (a shard of a replica pruned before, to
+        receive the next copy into), or None."""
+        path = os.path.join(self.base, f"{SPARE_PREFIX}r{rank}", name)
+        return path if os.path.isfile(path) and not os.path.islink(path) else None
 
     def incoming(self, step: int) -> str:
         """A new private folder ``.incoming-<id>/step-N`` to receive a copy into."""
@@ -185,7 +196,21 @@ class ReplicaStore:
                 os.unlink(os.path.join(sd, COMMIT))
             except OSError:
                 pass
+            self._keep_spares(rank, sd)
             shutil.rmtree(sd, ignore_errors=True)
+
+    def _keep_spares(self, rank: int, step_folder: str) -> None:
+        """Move the shard files of a pruned (no longer committed) copy of ``rank`` to its spares,
+        in place of the spares before."""
+        spares = os.path.join(self.base, f"{SPARE_PREFIX}r{rank}")
+        try:
+            shutil.rmtree(spares, ignore_errors=True)
+            os.mkdir(spares, 0o700)
+            for n in os.listdir(step_folder):
+                if n.startswith("shard-") and _FILE_RE.match(n):
+                    os.rename(os.path.join(step_folder, n), os.path.join(spares, n))
+        except OSError as e:  # no spares: the next copy is received into new files
+            log.debug("nebula_ckpt: cannot keep the files of %s as spares: %s", step_folder, e)
 
     def held_bytes(self) -> int:
         """Bytes of every replica held (and copies being received)."""

@@ -12,7 +12,8 @@ the same order on every rank:
   (:mod:`~nebula_ckpt.tiers.memory.replica_save`): each rank sends its step to its partners, which
   verify and keep it (:mod:`~nebula_ckpt.tiers.memory.replica_store`); the save's handle gets its
   ``replicas`` part done (or failed, naming the partner and why). The training thread never
-  waits for any of it; ``handle.result()`` does.
+  waits for any of it; ``handle.result()`` does. From the first save round on, the thread and its
+  channel's threads run niced (``knobs.replica_nice``): they take what training leaves.
 * a **recover round** at restore (the training thread hands it over and waits:
   :mod:`~nebula_ckpt.tiers.memory.replica_recover`): the ranks agree on the newest step every rank
   can get (:mod:`~nebula_ckpt.tiers.memory.recovery`) and each rank whose own copy of it is gone or
@@ -198,6 +199,7 @@ class Replicator:
             raise
 
     def _save_round(self, save: _Save) -> None:
+        self._rp.channel.yield_to_training()
         t0 = time.monotonic()
         handle = save.handle
         try:

@@ -1,0 +1,90 @@
+"""The commit of a multi-rank save in format version 4: each rank's self-checking records file, rank 0's two files.
+
+Pure functions over metadata (no I/O, no collectives), used by the commit rounds
+(:mod:`nebula_ckpt.save.rounds`) and the scale simulation; the format is
+:mod:`nebula_ckpt.format.rank_index`'s:
+
+* :func:`new_save_id` — the id rank 0 draws for one attempt at committing a step and sends every
+  rank in the first round (each rank's records file carries it);
+* :func:`split_payload` — a rank's records file (its shard entry, its share's records, its tied
+  keys, its tree's digest, the earlier shards it refers to, sealed with its own CRC32C) and the
+  small record it sends rank 0 in the durable round (as :func:`~nebula_ckpt.ranks.layout.records_payload`'s,
+  plus the tree digest);
+* :func:`split_manifest` — rank 0's ``manifest.json`` (what grows with the tensors: owners, DTensor
+  table, the distinct trees, the steps referred to) and ``ranks.json`` (one entry per rank).
+"""
+
+from __future__ import annotations
+
+import secrets
+from typing import Any, Callable, Optional
+
+from nebula_ckpt.format.manifest import build_manifest
+from nebula_ckpt.format.names import RANKS_FILE, SPLIT_VERSION, records_name
+from nebula_ckpt.format.rank_index import encode_ranks_index, encode_split_records
+from nebula_ckpt.ranks.layout import grid_of, layout_tables, signature
+from nebula_ckpt.ranks.shards import digest
+
+
+def new_save_id() -> str:
+    """A fresh random save id (32 hex digits)."""
+    return secrets.token_hex(16)
+
+
+def split_payload(*, step: int, generation: int, rank: int, world: int, save_id: str, shard: dict[str, Any],
+                  index: dict[str, dict[str, Any]], aliases: dict[str, str], meta: dict[str, Any],
+                  send_tree: bool, send_table: bool, crc: Callable[[bytes], int],
+                  refs: Optional[list[dict[str, Any]]] = None, hashes: Optional[dict[str, str]] = None,
+                  tree_digest: Optional[str] = None) -> tuple[str, bytes, dict[str, Any]]:
+    """``(records file name, its bytes, what the rank sends in the durable round)``.
+
+    ``index``: the tensor records of the rank's share (offsets in its shard, or ``shard`` j >= 1:
+    in ``refs[j - 1]``, a shard of an earlier step); ``meta``: the staged snapshot's ``tensors``
+    (every record, for the table and the grid), ``tree`` and ``stats``; ``hashes``: the SHA-256 of
+    the share's tensors; ``tree_digest``: :func:`~nebula_ckpt.ranks.shards.digest` of the tree
+    (computed when not given).
+    """
+    name = records_name(generation, rank)
+    tree = tree_digest or digest(meta["tree"])
+    data = encode_split_records(step=step, generation=generation, rank=rank, world=world, save_id=save_id,
+                                shard=shard, tree=tree, tensors=index, aliases=aliases, refs=refs, hashes=hashes,
+                                crc=crc)
+    payload = {"step": step, "shard": shard, "refs": list(refs or []),
+               "records": {"file": name, "bytes": len(data), "crc32c": crc(data)}, "tree_digest": tree,
+               "tree": meta["tree"] if send_tree else None, "stats": meta["stats"],
+               "table": signature(meta["tensors"]) if send_table else None,
+               "grid": grid_of(meta["tensors"].values(), rank, world)}
+    return name, data, payload
+
+
+def split_manifest(*, step: int, generation: int, save_id: str, parts: list[dict[str, Any]],
+                   owners: dict[str, int], crc: Callable[[bytes], int]) -> tuple[dict[str, Any], bytes]:
+    """Rank 0's version 4 ``(manifest, bytes of ranks.json)`` from every rank's ``parts[r]``
+    (:func:`split_payload`'s payloads); ``owners``: the owner of each replicated key.
+
+    Raises:
+        PersistError: the ranks' DTensor tables disagree (named key and ranks).
+    """
+    table = layout_tables(parts, step)
+    trees: list[Any] = []
+    digests: list[str] = []
+    for p in parts:  # the distinct trees, by digest (a rank sends its tree only when it is not rank 0's)
+        if p["tree_digest"] not in digests:
+            digests.append(p["tree_digest"])
+            trees.append(parts[0]["tree"] if p.get("tree") is None else p["tree"])
+    refs: dict[tuple[int, str], dict[str, Any]] = {}
+    for p in parts:
+        for ref in p.get("refs") or ():
+            refs.setdefault((ref["step"], ref["file"]), ref)
+    index = encode_ranks_index(step=step, generation=generation, save_id=save_id, ranks=[
+        {"shard": p["shard"], "records": p["records"], "tree": p["tree_digest"]} for p in parts],
+        refs=list(refs.values()))
+    stats: dict[str, Any] = {"tensor_bytes": sum(int(p["stats"].get("tensor_bytes", 0)) for p in parts),
+                             "copy_seconds": max(float(p["stats"].get("copy_seconds", 0.0)) for p in parts)}
+    man = build_manifest(step=step, generation=generation, shards=[], tensors={}, aliases={},
+                         tree={"t": "list", "v": trees}, stats=stats)
+    man.update(version=SPLIT_VERSION, world_size=len(parts), save_id=save_id, tree_digests=digests, owners=owners,
+               dtensors=table, grid=all(bool(p.get("grid")) for p in parts),
+               references=sorted({s for s, _ in refs}),
+               ranks_file={"file": RANKS_FILE, "bytes": len(index), "crc32c": crc(index)})
+    return man, index
