@@ -7,6 +7,8 @@ every ``--interval`` training steps, on each setup (``--setups``):
 * ``disk``: ``Checkpointer(root, tiers=[LocalTier(root)])``;
 * ``remote``: ``Checkpointer(url, tiers=[RemoteTier(url)])`` on Azurite (the test suite's launcher,
   ``tests/blob/emulators.py``; ``scripts/install_blob_servers.sh`` installs it),
+* ``memory``: ``Checkpointer(root, tiers=[MemoryTier()])``: the memory tier alone, in a private
+  folder of ``/dev/shm``; a step's bytes are what its own folder holds in the tmpfs,
 
 by each system (``--systems``):
 
@@ -52,7 +54,7 @@ from benchmarks.peers import Nebula, TorchSave
 log = logging.getLogger(__name__)
 
 SYSTEMS = ("nebula_incremental", "nebula_full", "torch_save", "torch_save_adapters")
-SETUPS = ("disk", "remote")
+SETUPS = ("disk", "remote", "memory")
 #: the share of the full state's bytes a later save may write (the issue's target)
 BYTES_TARGET = 0.02
 
@@ -115,7 +117,8 @@ class NebulaTier(Nebula):
         self.setup = setup
         self.storage_options = storage_options or {}
         self.name = "nebula_incremental" if self.incremental else "nebula_full"
-        self.calls = (f"nc.Checkpointer(root, tiers=[{'LocalTier' if setup == 'disk' else 'RemoteTier'}(root)]"
+        kind = {"disk": "LocalTier(root)", "remote": "RemoteTier(root)", "memory": "MemoryTier()"}[setup]
+        self.calls = (f"nc.Checkpointer(root, tiers=[{kind}]"
                       + ("" if self.incremental else ", incremental=False") + "); save_async; wait_snapshot; result")
         self.last_metrics: Optional[dict[str, Any]] = None
 
@@ -134,7 +137,7 @@ class NebulaTier(Nebula):
         self.url = str(root)
         if isinstance(root, Path):
             root.mkdir(parents=True, exist_ok=True)
-            tier: Any = nc.LocalTier(str(root))
+            tier: Any = nc.MemoryTier() if self.setup == "memory" else nc.LocalTier(str(root))
         else:
             tier = nc.RemoteTier(self.url, storage_options=self.storage_options)
         kw: dict[str, Any] = {} if self.incremental else {"incremental": False}
@@ -153,6 +156,10 @@ class NebulaTier(Nebula):
         import fsspec
 
         from nebula_ckpt.format.names import step_dir
+
+        if self.setup == "memory":  # what the step holds in the tmpfs (its own folder's files)
+            folder = Path(self.ck.tiers[0].path or "") / step_dir(step)  # type: ignore[attr-defined]
+            return sum(f.stat().st_size for f in folder.iterdir() if f.is_file())
 
         fs, path = fsspec.core.url_to_fs(self.url, **self.storage_options)
         fs.invalidate_cache()
@@ -332,6 +339,9 @@ def _setups(names: list[str]) -> Iterator[tuple[str, str, Optional[dict[str, Any
         if name == "disk":
             yield name, "", None, None
             continue
+        if name == "memory":
+            yield from _memory_setup()
+            continue
         here = str(Path(__file__).resolve().parents[1])
         if here not in sys.path:
             sys.path.insert(0, here)
@@ -347,6 +357,22 @@ def _setups(names: list[str]) -> Iterator[tuple[str, str, Optional[dict[str, Any
             yield name, az.create_container("incr"), az.storage_options, None
 
 
+def _memory_setup() -> Iterator[tuple[str, str, Optional[dict[str, Any]], Optional[str]]]:
+    """The ``memory`` setup: the memory tier in a private folder of ``/dev/shm`` (the knob
+    ``shm_dir``), removed afterwards (a memory tier alone outlives its Checkpointer)."""
+    from nebula_ckpt import knobs
+
+    if not os.path.isdir("/dev/shm") or not os.access("/dev/shm", os.W_OK):
+        yield "memory", "", None, "no writable /dev/shm"
+        return
+    folder = tempfile.mkdtemp(prefix="nebula-bench-", dir="/dev/shm")
+    try:
+        with knobs.override(shm_dir=folder):
+            yield "memory", "", None, None
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
 def run_setup(setup: str, url: str, so: Optional[dict[str, Any]], w: wl.Workload, work: Path,
               args: argparse.Namespace) -> dict[str, Any]:
     """Every system of ``args.systems`` on one setup, each on a fresh root."""
@@ -359,9 +385,9 @@ def run_setup(setup: str, url: str, so: Optional[dict[str, Any]], w: wl.Workload
         except PeerUnavailable as e:
             out["systems"][system] = {"name": system, "status": "unavailable", "reason": str(e)}
             continue
-        root: Any = work / f"{setup}-{system}" if setup == "disk" else f"{url}/{system}"
+        root: Any = work / f"{setup}-{system}" if setup in ("disk", "memory") else f"{url}/{system}"
         out["systems"][system] = measure_system(peer, w, root, args, baselines)
-        if setup == "disk":
+        if setup in ("disk", "memory"):
             shutil.rmtree(work / f"{setup}-{system}", ignore_errors=True)
         log.warning("%s / %s: %s", setup, system, {k: out["systems"][system].get(k) for k in
                                                    ("status", "reason", "overhead")})
@@ -382,7 +408,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--saves", type=int, default=None, help="saves per system (default 6; 3 with --quick)")
     p.add_argument("--interval", type=int, default=None, help="training steps per save (default 10; 3 with --quick)")
     p.add_argument("--steps", type=int, default=None, help="steps of the throughput run (default 3 x interval)")
-    p.add_argument("--setups", default="disk,remote", help=f"comma-separated of {','.join(SETUPS)}")
+    p.add_argument("--setups", default="disk,remote,memory", help=f"comma-separated of {','.join(SETUPS)}")
     p.add_argument("--systems", default=",".join(SYSTEMS), help=f"comma-separated of {','.join(SYSTEMS)}")
     p.add_argument("--target", default=None, help="folder for the disk setup (default: a temp dir in bench_out/)")
     p.add_argument("--out", default=None, help="folder for results.md / results.json "

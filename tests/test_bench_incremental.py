@@ -41,6 +41,14 @@ def test_quick_run_writes_the_adapter_not_the_base(tmp_path: Path, shm_dir: str)
         assert r["nebula_incremental"]["later_bytes"]["max"] <= changed + 64 * 1024
         assert r["nebula_full"]["later_bytes"]["min"] >= state
         assert r["torch_save"]["status"] == "unavailable"
+    memory = doc["setups"]["memory"]
+    if not memory.get("unavailable"):   # a writable /dev/shm: bytes a step holds in the tmpfs
+        m = memory["systems"]
+        assert m["nebula_incremental"]["restore_bit_exact"] and m["nebula_full"]["restore_bit_exact"]
+        assert m["nebula_incremental"]["first"]["bytes"] >= state
+        assert m["nebula_incremental"]["later_bytes"]["max"] <= changed + 64 * 1024
+        assert m["nebula_full"]["later_bytes"]["min"] >= state
+        assert m["torch_save"]["status"] == "unavailable"
     text = (out / "results.md").read_text()
     assert "| nebula_incremental |" in text and "python -m benchmarks.incremental --quick" in text
     assert "writes <= 2% of a full save's bytes" in text

@@ -19,7 +19,9 @@ That is safe only if nothing else can ever read those bytes as a checkpoint, or 
   file holds a reader lock on it for as long as it maps it (see
   :func:`nebula_ckpt.storage.local.hold_read`), and the claim, under the tier's lock, takes the
   file over only when no other process holds one (:func:`~nebula_ckpt.storage.local.hold_alone`),
-  the step is still committed and its names still link the very files this process verified.
+  the step is still committed, no committed step of the tier refers to its bytes (an incremental
+  step built on it: :mod:`nebula_ckpt.format.references`) and its names still link the very
+  files this process verified.
   Then the checkpoint is deleted from the memory tier (commit marker first) and no name may link
   the file any more. Once claimed, no other process can start reading the file, and none was
   reading it: the pages this process writes (an optimizer step) or gives back to the tmpfs are
@@ -48,9 +50,10 @@ from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 
+from nebula_ckpt.format.commit import committed_steps
 from nebula_ckpt.format.names import COMMIT, step_dir
 from nebula_ckpt.format.records import TensorRecord
-from nebula_ckpt.format.references import shard_path
+from nebula_ckpt.format.references import referrers, shard_path
 from nebula_ckpt.native import get_ops
 from nebula_ckpt.restore.open import OpenCheckpoint, chunks, read_main_manifest
 from nebula_ckpt.storage.local import hold_alone, hold_read, let_go
@@ -184,6 +187,9 @@ class Adoption:
         d = step_dir(self._ck.step)
         if not storage.exists(f"{d}/{COMMIT}"):
             return "the step is gone from the tier (another process took it, or retention deleted it)"
+        users = referrers(storage, committed_steps(storage), self._ck.step)
+        if users:  # an incremental step of the tier refers to these bytes: they stay the tier's
+            return f"step(s) {users[:8]} of the tier refer to its bytes"
         shards = self._ck.manifest.shards
         for si, (fd, _) in self._files.items():
             path = storage.local_path(shard_path(self._ck.manifest, si))

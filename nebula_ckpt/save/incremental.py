@@ -18,6 +18,11 @@ the tensors whose CRC equals the base's (and for every tensor of a tier's first 
 no base), and recorded in the manifest (``sha256``; in a multi-rank checkpoint of format
 version 3, in each rank's records file, :mod:`nebula_ckpt.format.rank_records`). A tensor that
 changes save after save (dense training) is never hashed: its CRC already differs.
+
+The memory tier (``compare=True``) hashes nothing: its base's bytes are still in host memory (the
+base step's shard files in the tmpfs), so a tensor whose CRC32C, device and DTensor record equal
+the base's is unchanged only when its staged bytes equal the base's byte for byte
+(:mod:`nebula_ckpt.save.compare`, at memory speed on niced threads, never on the training thread).
 """
 
 from __future__ import annotations
@@ -27,12 +32,16 @@ import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Iterable, Optional
+from typing import Any, Callable, Iterable, Optional
 
 from nebula_ckpt import knobs
 from nebula_ckpt.format.header import safetensors_header
 from nebula_ckpt.format.manifest import Manifest
 from nebula_ckpt.format.records import ShardRecord, TensorRecord
+
+#: ``same(base, candidates)``: the keys of ``candidates`` (key -> its record in ``base``) whose
+#: staged bytes equal the base's (:class:`nebula_ckpt.save.compare.BaseBytes`)
+SameBytes = Callable[[Manifest, dict[str, TensorRecord]], set[str]]
 
 #: an incremental save whose changed tensors hold more than this share of the bytes is full
 MAX_CHANGED_SHARE = 0.5
@@ -88,24 +97,31 @@ def _same_kind(rec: dict[str, Any], old: TensorRecord) -> bool:
     return rec["dtype"] == old.dtype and tuple(rec["shape"]) == old.shape
 
 
+def _same_record(rec: dict[str, Any], old: TensorRecord) -> bool:
+    """The cheap filter: CRC32C, device and DTensor record equal the base's (else it changed)."""
+    dt = None if old.dtensor is None else old.dtensor.to_json()
+    return rec["crc32c"] == old.crc32c and rec.get("device", "cpu") == old.device and rec.get("dtensor") == dt
+
+
 def _same_bytes(rec: dict[str, Any], sha: Optional[str], old: TensorRecord, old_sha: Optional[str]) -> bool:
     """Whether the staged tensor certainly equals the base's: CRC, device, DTensor record and SHA-256."""
-    dt = None if old.dtensor is None else old.dtensor.to_json()
-    return (rec["crc32c"] == old.crc32c and rec.get("device", "cpu") == old.device and rec.get("dtensor") == dt
-            and sha is not None and sha == old_sha)
+    return _same_record(rec, old) and sha is not None and sha == old_sha
 
 
 class Incremental:
     """One tier's incremental state: its base and the cadence of full saves (thread-safe).
 
     Args:
-        enabled: False makes every save full (``Checkpointer(incremental=False)``, the memory
-            tier, multi-rank jobs).
+        enabled: False makes every save full (``Checkpointer(incremental=False)``, a memory tier
+            with replicas, a rank's own tier in a multi-rank job).
         full_every: every ``full_every``-th save is full (1: all of them).
+        compare: equality is decided by comparing the staged bytes with the base's bytes, which
+            the caller of :meth:`delta` reads (``same``; the memory tier): nothing is hashed.
     """
 
-    def __init__(self, enabled: bool, full_every: Optional[int] = None) -> None:
+    def __init__(self, enabled: bool, full_every: Optional[int] = None, compare: bool = False) -> None:
         self.enabled = enabled
+        self.compare = compare
         self.full_every = max(1, int(full_every if full_every is not None else knobs.get("incremental_full_every")))
         self._lock = threading.Lock()
         self._base: Optional[Manifest] = None
@@ -124,8 +140,8 @@ class Incremental:
         full save too (a cadence-full save is the next one's base: a frozen tensor's CRC matches
         there as well, so its hash is recorded for it). A tensor that changed from the base is
         written anyway and needs no hash; in dense training, where every tensor changes, a save
-        hashes next to nothing."""
-        if not self.enabled:
+        hashes next to nothing. A tier that compares bytes (``compare``) needs no hash."""
+        if not self.enabled or self.compare:
             return set()
         with self._lock:
             base = self._base
@@ -135,23 +151,29 @@ class Incremental:
                 if (old := base.tensors.get(k)) is not None and rec["crc32c"] == old.crc32c}
 
     def delta(self, step: int, index: dict[str, dict[str, Any]], hashes: dict[str, str],
-              generation: int) -> Optional[Delta]:
+              generation: int, same: Optional[SameBytes] = None) -> Optional[Delta]:
         """The incremental save of ``index`` as ``step`` on this tier, or None for a full one (see
-        the module; a base that is not older than ``step`` makes it full too)."""
+        the module; a base that is not older than ``step`` makes it full too). A tier that
+        compares bytes passes ``same`` (without it, such a tier's saves are full).
+
+        Raises:
+            OSError: ``same`` could not read the base's bytes (the caller saves in full).
+        """
         with self._lock:
             base = self._base
-            if not self.enabled or self._next_is_full() or base is None:
+            if not self.enabled or self._next_is_full() or base is None or (self.compare and same is None):
                 return None
             self._pinned = {base.step} | {s.step for s in base.shards if s.step is not None}
         if base.generation != generation or base.step >= step or set(index) != set(base.tensors):
             return None
-        reused: dict[str, TensorRecord] = {}
-        for k, rec in index.items():
-            old = base.tensors[k]
-            if not _same_kind(rec, old):
-                return None
-            if _same_bytes(rec, hashes.get(k), old, base.hashes.get(k)):
-                reused[k] = old
+        if not all(_same_kind(rec, base.tensors[k]) for k, rec in index.items()):
+            return None
+        if same is not None and self.compare:
+            equal = same(base, {k: base.tensors[k] for k, rec in index.items() if _same_record(rec, base.tensors[k])})
+            reused = {k: base.tensors[k] for k in index if k in equal}
+        else:
+            reused = {k: base.tensors[k] for k, rec in index.items()
+                      if _same_bytes(rec, hashes.get(k), base.tensors[k], base.hashes.get(k))}
         total = sum(r["offsets"][1] - r["offsets"][0] for r in index.values())
         kept = sum(r.nbytes for r in reused.values())
         if not reused or total - kept > MAX_CHANGED_SHARE * total:
@@ -283,3 +305,4 @@ def whole_image(man: Manifest, shards: list[Any]) -> tuple[list[memoryview], dic
         out.pop("shard", None)
         records[k] = dict(out, offsets=at[k])
     return parts, records, len(head) + (spans[-1][1] if spans else 0)
+

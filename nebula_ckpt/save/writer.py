@@ -58,6 +58,7 @@ from nebula_ckpt.save.commit import (
     delete_checkpoint,
     encode_manifest,
 )
+from nebula_ckpt.save.compare import may_build_on_base, tier_delta
 from nebula_ckpt.save.fanout import Delivery
 from nebula_ckpt.save.incremental import Incremental, manifest_parts, whole_image
 from nebula_ckpt.save.rounds import SharedCommit, SharedSave, tagged
@@ -120,9 +121,9 @@ class TierWriter:
         #: steps whose commit this writer could not confirm (CommitUncertain): never deleted as
         #: leftovers nor written again by this process; a restart (a newer generation) sweeps them
         self._uncertain: set[int] = set()
-        #: this tier's base and cadence of full saves
-        self.incremental = Incremental(incremental and self.tier.persistent
-                                       and (self.coordinator.world_size == 1 or self.tier.shared))
+        #: this tier's base and cadence of full saves (the memory tier compares bytes instead of hashing)
+        on_base = incremental and may_build_on_base(self.tier, self.coordinator.world_size, self.storage)
+        self.incremental = Incremental(on_base, compare=not self.tier.persistent)
         #: committed steps remove() was asked to delete while a later checkpoint refers to their
         #: bytes: retention deletes them once nothing does
         self._deferred: set[int] = set()
@@ -251,7 +252,8 @@ class TierWriter:
 
     def _single_item(self, snap: Snapshot, source: Any, confirmed: Callable[[], None]) -> _Item:
         """The step of a one-process job: full, or incremental on this tier's base."""
-        delta = self.incremental.delta(snap.step, snap.tensor_index, snap.hashes, self.fence.generation)
+        delta = tier_delta(self.incremental, self.storage, snap.step, snap.tensor_index, snap.hashes,
+                           self.fence.generation, source.view(), self.name)
         if delta is None:
             return _Item(snap.step, snap.nbytes, source, lambda gen, shard: build_tier_manifest(snap, gen, shard),
                          confirmed)

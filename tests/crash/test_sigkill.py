@@ -36,10 +36,12 @@ def _spawn(root: str, env: dict[str, str]) -> subprocess.Popen[str]:
 
 @pytest.mark.slow
 @pytest.mark.crash
-@pytest.mark.parametrize("frozen", [False, True], ids=["full", "incremental"])
-def test_sigkill_at_every_phase_restores_bit_exact(tmp_path, shm_dir, frozen) -> None:  # noqa: ANN001
+@pytest.mark.parametrize("frozen,memory", [(False, True), (True, False), (True, True)],
+                         ids=["full", "incremental", "incremental-memory"])
+def test_sigkill_at_every_phase_restores_bit_exact(tmp_path, shm_dir, frozen, memory) -> None:  # noqa: ANN001
     """``incremental``: a large frozen parameter makes most saves incremental and every 3rd full,
-    so kills land in incremental saves and in the retention that drops their base."""
+    so kills land in incremental saves and in the retention that drops their base (on the disk
+    tier alone; ``incremental-memory``: on the memory tier too, which restores come from)."""
     seed = int(os.environ.get("NEBULA_CRASH_SEED", "20261123"))
     kills = int(os.environ.get("NEBULA_CRASH_KILLS", "30" if frozen else "55"))
     rng = random.Random(seed)
@@ -52,8 +54,9 @@ def test_sigkill_at_every_phase_restores_bit_exact(tmp_path, shm_dir, frozen) ->
     root = str(tmp_path / "ckpt")
     env = dict(os.environ, NEBULA_SHM_DIR=shm_dir, PYTHONPATH=os.pathsep.join(
         [os.path.dirname(HERE), os.path.dirname(os.path.dirname(HERE)), os.environ.get("PYTHONPATH", "")]),
-        NEBULA_CRASH_FROZEN="1" if frozen else "0", NEBULA_INCREMENTAL_FULL_EVERY="3")
-    incremental_commits = 0
+        NEBULA_CRASH_FROZEN="1" if frozen else "0", NEBULA_CRASH_MEMORY="1" if memory else "0",
+        NEBULA_INCREMENTAL_FULL_EVERY="3")
+    incremental_commits = memory_incremental = 0
     newest_committed = -1
     restored_from: dict[str, int] = {}
     hit: dict[str, int] = {}
@@ -85,6 +88,7 @@ def test_sigkill_at_every_phase_restores_bit_exact(tmp_path, shm_dir, frozen) ->
                     t_restored = time.monotonic()
                 elif "committed on" in line and "incremental)" in line:
                     incremental_commits += 1
+                    memory_incremental += "committed on memory:" in line
                 elif line.startswith("COMMITTED"):
                     newest_committed = max(newest_committed, int(line.split()[1]))
                 elif line.startswith("FINISHED"):
@@ -122,7 +126,10 @@ def test_sigkill_at_every_phase_restores_bit_exact(tmp_path, shm_dir, frozen) ->
     assert set(hit) >= set(PHASES), f"phases hit: {hit}"
     assert sum(hit.values()) >= kills
     assert (incremental_commits > 0) == frozen, incremental_commits
-    if frozen:  # no memory tier: every restore read an incremental chain from disk
+    if frozen and not memory:  # no memory tier: every restore read an incremental chain from disk
         assert set(restored_from) == {"local"}, restored_from
+    assert (memory_incremental > 0) == (frozen and memory), memory_incremental
+    if frozen and memory:  # restores read incremental chains from the memory tier
+        assert "memory" in restored_from, restored_from
     assert restored_from, "no restore happened"
     print(f"kills per phase: {hit}; restores per tier: {restored_from}")

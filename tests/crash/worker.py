@@ -17,6 +17,8 @@ import torch
 STEPS = 400
 #: NEBULA_CRASH_FROZEN=1: the model also holds a large frozen parameter, so saves are incremental
 FROZEN = os.environ.get("NEBULA_CRASH_FROZEN") == "1"
+#: NEBULA_CRASH_MEMORY=1 (with FROZEN): the memory tier too, whose saves are then incremental as well
+MEMORY = os.environ.get("NEBULA_CRASH_MEMORY") == "1"
 
 
 def make(frozen: bool = FROZEN) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
@@ -74,7 +76,8 @@ def main() -> None:
     import nebula_ckpt as nc
 
     model, opt = make()
-    ck = nc.Checkpointer(root, keep_last=2, memory_tier=not FROZEN)  # frozen: restores from the incremental disk tier
+    # frozen: restores from the incremental disk tier, or (MEMORY) from the incremental memory tier
+    ck = nc.Checkpointer(root, keep_last=2, memory_tier=MEMORY or not FROZEN)
     state = {"model": model, "optim": opt, "step": -1}
     got = ck.load_latest(into=state)
     if got is None:

@@ -1,0 +1,139 @@
+"""The memory tier's test of "unchanged": the staged bytes compared with the base's, byte for byte.
+
+The memory tier's base is still in host memory (its shard files in the tmpfs), so it needs no
+hash: a tensor whose CRC32C, device and DTensor record equal the base's (the cheap filter of
+:mod:`nebula_ckpt.save.incremental`) is unchanged only when its staged bytes equal the base's.
+The compare is libc's ``memcmp`` (called through ``ctypes``, which releases the GIL) over 16 MiB
+chunks, on ``hash_threads`` threads niced by ``hash_nice`` like the hash
+threads of the persistent tiers: it runs on the tier's writer thread's behalf, never on the
+training thread, and yields to training where no core is idle. Bytes, not values, are compared:
+NaN payloads, -0.0 and +0.0 are told apart.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import mmap
+from concurrent.futures import ThreadPoolExecutor
+from typing import TYPE_CHECKING, Any, Optional
+
+import numpy as np
+
+from nebula_ckpt import knobs
+from nebula_ckpt.format.manifest import Manifest
+from nebula_ckpt.format.records import TensorRecord
+from nebula_ckpt.format.references import shard_path
+from nebula_ckpt.save.incremental import Delta, Incremental, yield_to_training
+
+if TYPE_CHECKING:
+    from nebula_ckpt.storage.base import Storage
+
+log = logging.getLogger(__name__)
+
+_memcmp = ctypes.CDLL(None).memcmp  # a CDLL call releases the GIL
+_memcmp.restype = ctypes.c_int
+_memcmp.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t]
+
+#: bytes one ``memcmp`` call compares (a change is found within one chunk of its place)
+_CHUNK = 16 << 20
+
+
+def equal_at(a: int, b: int, n: int) -> bool:
+    """Whether the ``n`` bytes at addresses ``a`` and ``b`` are equal (the caller keeps both alive)."""
+    for off in range(0, n, _CHUNK):
+        if _memcmp(a + off, b + off, min(_CHUNK, n - off)):
+            return False
+    return True
+
+
+class BaseBytes:
+    """The bytes of a base checkpoint on a local tier (the memory tier), mapped as needed and
+    compared with the staged bytes of a save (:meth:`same`, the ``same`` of
+    :meth:`~nebula_ckpt.save.incremental.Incremental.delta`). A context manager: the mappings go
+    at exit.
+
+    Args:
+        storage: the tier's storage (a local file system: ``local_path`` names the files).
+        staged: the save's shard image; ``index``: its tensor records (``offsets`` in ``staged``).
+    """
+
+    def __init__(self, storage: "Storage", staged: memoryview, index: dict[str, dict[str, Any]]) -> None:
+        self._storage = storage
+        self._staged = np.frombuffer(staged, dtype=np.uint8)
+        self._index = index
+        self._maps: dict[str, tuple[mmap.mmap, np.ndarray]] = {}
+
+    def __enter__(self) -> "BaseBytes":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        mms = [mm for mm, _ in self._maps.values()]
+        self._maps = {}  # the arrays' exports of the mappings go first
+        for mm in mms:
+            mm.close()
+
+    def _map(self, base: Manifest, shard: int) -> np.ndarray:
+        rel = shard_path(base, shard)
+        if rel not in self._maps:
+            path = self._storage.local_path(rel)
+            if path is None:
+                raise OSError(f"{rel}: the tier is not a local file system")
+            with open(path, "rb") as f:
+                mm = mmap.mmap(f.fileno(), 0, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
+            self._maps[rel] = (mm, np.frombuffer(mm, dtype=np.uint8))
+        return self._maps[rel][1]
+
+    def same(self, base: Manifest, candidates: dict[str, TensorRecord]) -> set[str]:
+        """The keys of ``candidates`` (key -> its record in ``base``) whose staged bytes equal the
+        base's, compared in parallel.
+
+        Raises:
+            OSError: a base shard file cannot be read (gone, or shorter than a record says).
+        """
+        jobs: list[tuple[str, int, int, int]] = []
+        out: set[str] = set()
+        for key, old in candidates.items():
+            start, end = self._index[key]["offsets"]
+            if end - start != old.nbytes:
+                continue
+            if not old.nbytes:
+                out.add(key)
+                continue
+            theirs = self._map(base, old.shard)
+            if len(theirs) < old.end:
+                raise OSError(f"{shard_path(base, old.shard)} holds {len(theirs)} bytes, {key} needs {old.end}")
+            jobs.append((key, self._staged.ctypes.data + start, theirs.ctypes.data + old.start, old.nbytes))
+        if not jobs:
+            return out
+        threads = max(1, min(len(jobs), int(knobs.get("hash_threads"))))
+        with ThreadPoolExecutor(threads, thread_name_prefix="nebula-compare", initializer=yield_to_training) as ex:
+            equal = list(ex.map(lambda j: equal_at(j[1], j[2], j[3]), jobs))
+        return out | {j[0] for j, eq in zip(jobs, equal, strict=True) if eq}
+
+
+def may_build_on_base(tier: Any, world_size: int, storage: "Storage") -> bool:
+    """Whether saves on ``tier`` may be incremental: a persistent tier of a one-process job or a
+    shared one; the memory tier (it compares bytes) of a one-process job without replicas (a
+    replica carries its step's own files, never the base's, so with replicas every step stays
+    whole) on a local file system."""
+    if tier.persistent:
+        return world_size == 1 or bool(tier.shared)
+    return world_size == 1 and not getattr(tier, "replicas", 0) and storage.local_path("") is not None
+
+
+def tier_delta(inc: Incremental, storage: "Storage", step: int, index: dict[str, dict[str, Any]],
+               hashes: dict[str, str], generation: int, staged: memoryview, tier: str) -> Optional[Delta]:
+    """The incremental save of ``index`` (staged in ``staged``) as ``step`` on the tier of ``inc``
+    and ``storage``, or None (full). A tier that compares bytes (the memory tier) reads its base's
+    shards here (:class:`BaseBytes`); if they cannot be read, the save is full."""
+    if not inc.compare:
+        return inc.delta(step, index, hashes, generation)
+    try:
+        with BaseBytes(storage, staged, index) as base:
+            return inc.delta(step, index, hashes, generation, base.same)
+    except OSError as e:
+        log.warning("nebula_ckpt: tier %s: step %d is saved whole: the bytes of its base cannot be read (%s)",
+                    tier, step, e)
+        inc.forget()
+        return None
