@@ -39,17 +39,17 @@ import re
 import types
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping, Optional
 
-from nebula_ckpt.format.checks import as_hashes, as_int, as_list, as_obj, as_str, bad, only_fields, short
+from nebula_ckpt.format.checks import as_int, as_list, as_obj, as_str, bad, only_fields, short
 from nebula_ckpt.format.dtensors import check_dtensors
 from nebula_ckpt.format.names import RANKS_FILE, SPLIT_VERSION, records_name, shard_name
 from nebula_ckpt.format.rank_records import (
     RECORDS_FORMAT,
     RanksLayout,
     RecordsRef,
-    check_rank_dtensors,
     check_rank_trees,
     parse_tables,
     rank_aliases,
+    records_body,
 )
 from nebula_ckpt.format.records import ShardRecord, TensorRecord
 
@@ -294,19 +294,9 @@ def _loaded(man: "Manifest", raw: Mapping[int, tuple[dict[str, Any], list[int], 
     hashes: dict[str, str] = {}
     own_aliases: dict[int, dict[str, str]] = {}
     for r, (d, to_global, local, w) in raw.items():
-        p = f"r{r}/"
-        mine: dict[str, TensorRecord] = {}
-        for k, v in as_obj(d.get("tensors"), w, "tensors").items():
-            rw = f"{w}: tensors[{short(k)}]"
-            as_obj(v, rw, "the tensor entry")
-            rec = TensorRecord.parse(as_str(k, rw, "key"), v, local, rw)
-            mine[p + k] = dataclasses.replace(rec, key=p + k, shard=to_global[rec.shard])
-        check_rank_dtensors(mine, man, r, w)
+        mine, own_aliases[r], sha = records_body(d, man, r, local, to_global, w)
         tensors.update(mine)
-        own_aliases[r] = {as_str(a, w, "aliases key"): as_str(b, w, f"aliases[{short(a)}]")
-                          for a, b in as_obj(d.get("aliases", {}), w, "aliases").items()}
-        sha = as_hashes(d.get("sha256", {}), {k.partition("/")[2] for k in mine}, w)
-        hashes.update({p + k: h for k, h in sha.items()})
+        hashes.update(sha)
     aliases: dict[str, str] = {}
     for r in focus:
         aliases.update(rank_aliases(man, r, tensors, own_aliases[r], where))

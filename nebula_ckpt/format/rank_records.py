@@ -42,7 +42,7 @@ import json
 import math
 import types
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping, Optional
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping, Optional, Sequence
 
 from nebula_ckpt.format.checks import as_hashes, as_int, as_list, as_obj, as_str, bad, only_fields, short
 from nebula_ckpt.format.dtensors import check_dtensors
@@ -225,12 +225,20 @@ def parse_records(data: bytes, man: "Manifest", rank: int, read_crc: Callable[[b
         raise bad(w, f"is of step {short(d.get('step'))} rank {short(d.get('rank'))}, expected step {man.step} "
                    f"rank {rank} (moved or replaced)")
     local, to_global = _shards(d.get("refs", []), man, rank, w)
+    return records_body(d, man, rank, local, to_global, w)
+
+
+def records_body(d: dict[str, Any], man: "Manifest", rank: int, local: Sequence[ShardRecord],
+                 to_global: Sequence[int], w: str) -> tuple[dict[str, TensorRecord], dict[str, str], dict[str, str]]:
+    """The tensors (keys prefixed ``r<R>/``, ``shard``: an index of ``man.shards`` through
+    ``to_global``), own aliases and prefixed SHA-256 hashes of rank ``rank``'s parsed records file
+    ``d`` (``local``: the shards its records' ``shard`` indices name), every field checked."""
     p = f"r{rank}/"
     tensors = {}
     for k, v in as_obj(d.get("tensors"), w, "tensors").items():
         rw = f"{w}: tensors[{short(k)}]"
         as_obj(v, rw, "the tensor entry")
-        rec = TensorRecord.parse(as_str(k, rw, "key"), v, local, rw)
+        rec = TensorRecord.parse(as_str(k, rw, "key"), v, tuple(local), rw)
         tensors[p + k] = dataclasses.replace(rec, key=p + k, shard=to_global[rec.shard])
     check_rank_dtensors(tensors, man, rank, w)
     aliases = {as_str(a, w, "aliases key"): as_str(b, w, f"aliases[{short(a)}]")

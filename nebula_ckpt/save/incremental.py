@@ -28,7 +28,6 @@ the base's is unchanged only when its staged bytes equal the base's byte for byt
 from __future__ import annotations
 
 import hashlib
-import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -38,6 +37,7 @@ from nebula_ckpt import knobs
 from nebula_ckpt.format.header import safetensors_header
 from nebula_ckpt.format.manifest import Manifest
 from nebula_ckpt.format.records import ShardRecord, TensorRecord
+from nebula_ckpt.priority import lower_priority
 
 #: ``same(base, candidates)``: the keys of ``candidates`` (key -> its record in ``base``) whose
 #: staged bytes equal the base's (:class:`nebula_ckpt.save.compare.BaseBytes`)
@@ -79,17 +79,9 @@ def hash_staged(view: memoryview, index: dict[str, dict[str, Any]], keys: Iterab
 
 
 def yield_to_training() -> None:
-    """Lower the calling thread's scheduling priority by the knob ``hash_nice`` (Linux: a
-    thread's nice value is its own), so that where no core is idle the hash threads take what
-    training leaves instead of competing with it. A no-op where the OS refuses."""
-    nice = max(0, min(19, int(knobs.get("hash_nice"))))
-    if not nice or not hasattr(os, "setpriority"):
-        return
-    try:
-        tid = threading.get_native_id()
-        os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + nice))
-    except OSError:
-        pass
+    """Lower the calling thread's scheduling priority by the knob ``hash_nice``, so that where no
+    core is idle the hash threads take what training leaves (:mod:`nebula_ckpt.priority`)."""
+    lower_priority(int(knobs.get("hash_nice")))
 
 
 def _same_kind(rec: dict[str, Any], old: TensorRecord) -> bool:

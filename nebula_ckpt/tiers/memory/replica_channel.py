@@ -26,6 +26,7 @@ import torch.distributed as dist
 
 from nebula_ckpt import knobs
 from nebula_ckpt.format.names import step_dir
+from nebula_ckpt.priority import lower_priority
 from nebula_ckpt.tiers.memory.replica_store import ReplicaStore, safe_name
 
 log = logging.getLogger(__name__)
@@ -95,14 +96,7 @@ class Channel:
         if self._yielded:
             return
         self._yielded = True
-        nice = max(0, min(19, int(knobs.get("replica_nice"))))
-        if not nice or not hasattr(os, "setpriority"):
-            return
-        for tid in [threading.get_native_id(), *self._threads]:
-            try:
-                os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + nice))
-            except OSError as e:  # gone, or refused: the replicas then run at the process's priority
-                log.debug("nebula_ckpt: cannot lower the priority of thread %d: %s", tid, e)
+        lower_priority(int(knobs.get("replica_nice")), [threading.get_native_id(), *self._threads])
 
     def gather(self, value: Any) -> list[Any]:
         """Every rank's ``value``, by rank (a collective)."""
