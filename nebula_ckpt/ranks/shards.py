@@ -123,6 +123,12 @@ def subset_image(tensor_index: dict[str, dict[str, Any]], keep: list[str],
     return parts, index, len(head) + (spans[-1][1] if spans else 0)
 
 
+def prefixed(mapping: dict[str, Any], prefix: str) -> dict[str, Any]:
+    """``mapping`` with every key under ``prefix`` (``r<R>/``: a rank's keys in a multi-rank
+    manifest); ``mapping`` itself for an empty prefix."""
+    return {prefix + k: v for k, v in mapping.items()} if prefix else mapping
+
+
 def _ranks_field(world: int, ranks: list[int], rank_tree: dict[int, int]) -> dict[str, Any]:
     return {"world_size": world, "ranks": ranks, "rank_tree": {str(r): i for r, i in rank_tree.items()}}
 

@@ -16,7 +16,7 @@ import ctypes
 import logging
 import mmap
 from concurrent.futures import ThreadPoolExecutor
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import numpy as np
 
@@ -24,7 +24,8 @@ from nebula_ckpt import knobs
 from nebula_ckpt.format.manifest import Manifest
 from nebula_ckpt.format.records import TensorRecord
 from nebula_ckpt.format.references import shard_path
-from nebula_ckpt.save.incremental import Delta, Incremental, yield_to_training
+from nebula_ckpt.ranks.shards import subset_image
+from nebula_ckpt.save.incremental import Delta, Incremental, manifest_parts, yield_to_training
 
 if TYPE_CHECKING:
     from nebula_ckpt.storage.base import Storage
@@ -34,6 +35,9 @@ log = logging.getLogger(__name__)
 _memcmp = ctypes.CDLL(None).memcmp  # a CDLL call releases the GIL
 _memcmp.restype = ctypes.c_int
 _memcmp.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t]
+
+#: builds a step's manifest from ``(writer generation, own shard record)``
+MakeManifest = Callable[[int, dict[str, Any]], dict[str, Any]]
 
 #: bytes one ``memcmp`` call compares (a change is found within one chunk of its place)
 _CHUNK = 16 << 20
@@ -114,12 +118,14 @@ class BaseBytes:
 
 def may_build_on_base(tier: Any, world_size: int, storage: "Storage") -> bool:
     """Whether saves on ``tier`` may be incremental: a persistent tier of a one-process job or a
-    shared one; the memory tier (it compares bytes) of a one-process job without replicas (a
-    replica carries its step's own files, never the base's, so with replicas every step stays
-    whole) on a local file system."""
+    shared one; the memory tier (it compares bytes) of a one-process job, or of each rank of a
+    multi-rank job (a rank's own tier: each rank builds on its own previous step, no agreement
+    needed), without replicas (a replica carries its step's own files, never the base's, so with
+    replicas every step stays whole) on a local file system."""
     if tier.persistent:
         return world_size == 1 or bool(tier.shared)
-    return world_size == 1 and not getattr(tier, "replicas", 0) and storage.local_path("") is not None
+    return (world_size == 1 or not tier.shared) and not getattr(tier, "replicas", 0) \
+        and storage.local_path("") is not None
 
 
 def tier_delta(inc: Incremental, storage: "Storage", step: int, index: dict[str, dict[str, Any]],
@@ -137,3 +143,20 @@ def tier_delta(inc: Incremental, storage: "Storage", step: int, index: dict[str,
                     tier, step, e)
         inc.forget()
         return None
+
+
+def delta_image(delta: Delta, index: dict[str, dict[str, Any]], staged: memoryview,
+                whole: MakeManifest) -> tuple[list[memoryview], int, MakeManifest]:
+    """The own shard of the incremental save ``delta`` of ``index`` (staged in ``staged``): its
+    image as parts (no bytes copied), its size, and its manifest builder ``(generation, shard
+    record) -> manifest``: ``whole``'s (the full save's) with the delta's shards and tensors and
+    the ``base_step`` / ``reused_bytes`` stats."""
+    parts, image_index, nbytes = subset_image(index, delta.write, staged)
+
+    def manifest(gen: int, shard: dict[str, Any]) -> dict[str, Any]:
+        out = whole(gen, shard)
+        out.update(manifest_parts(delta, index, image_index, shard))
+        out["stats"] = dict(out["stats"], base_step=delta.base, reused_bytes=delta.reused_bytes)
+        return out
+
+    return parts, nbytes, manifest

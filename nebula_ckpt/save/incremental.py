@@ -105,7 +105,7 @@ class Incremental:
 
     Args:
         enabled: False makes every save full (``Checkpointer(incremental=False)``, a memory tier
-            with replicas, a rank's own tier in a multi-rank job).
+            with replicas).
         full_every: every ``full_every``-th save is full (1: all of them).
         compare: equality is decided by comparing the staged bytes with the base's bytes, which
             the caller of :meth:`delta` reads (``same``; the memory tier): nothing is hashed.

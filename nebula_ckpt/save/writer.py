@@ -58,9 +58,9 @@ from nebula_ckpt.save.commit import (
     delete_checkpoint,
     encode_manifest,
 )
-from nebula_ckpt.save.compare import may_build_on_base, tier_delta
+from nebula_ckpt.save.compare import MakeManifest, delta_image, may_build_on_base, tier_delta
 from nebula_ckpt.save.fanout import Delivery
-from nebula_ckpt.save.incremental import Incremental, manifest_parts, whole_image
+from nebula_ckpt.save.incremental import Incremental, whole_image
 from nebula_ckpt.save.rounds import SharedCommit, SharedSave, tagged
 from nebula_ckpt.save.snapshot import Snapshot, build_tier_manifest
 from nebula_ckpt.storage.base import Storage
@@ -99,7 +99,7 @@ class TierWriter:
         coordinator: the ranks' agreement (a no-op in one process): the commit of a step goes
             ahead only when every rank's shard of it is durable on this tier.
         incremental: write only the tensors that changed since this tier's last save
-            (:mod:`nebula_ckpt.save.incremental`; persistent tiers of one-process jobs).
+            (:mod:`nebula_ckpt.save.incremental`; :func:`~nebula_ckpt.save.compare.may_build_on_base`).
     """
 
     def __init__(self, runtime: TierRuntime, fence: TierFence, keep_last: int,
@@ -247,26 +247,25 @@ class TierWriter:
             return tagged(ranks.rank_manifest(step=snap.step, generation=gen, rank=co.rank, world=co.world_size,
                                                shard=shard, **meta), snap.plan.tag)
 
+        if not self._shared:  # this rank's own tier (memory): incremental on its own previous step
+            return self._commit_step(self._single_item(snap, source, confirmed, rank_manifest, f"r{co.rank}/"),
+                                     on_shard)
         return self._commit_step(_Item(snap.step, snap.nbytes, source, rank_manifest, confirmed, snap.index, meta,
                                        snap.plan.tag, hashes=snap.hashes), on_shard)
 
-    def _single_item(self, snap: Snapshot, source: Any, confirmed: Callable[[], None]) -> _Item:
-        """The step of a one-process job: full, or incremental on this tier's base."""
-        delta = tier_delta(self.incremental, self.storage, snap.step, snap.tensor_index, snap.hashes,
-                           self.fence.generation, source.view(), self.name)
+    def _single_item(self, snap: Snapshot, source: Any, confirmed: Callable[[], None],
+                     whole: Optional[MakeManifest] = None, prefix: str = "") -> _Item:
+        """The step of a one-process job, or of a rank's own tier (``whole``: its manifest, its
+        keys under ``prefix``): full, or incremental on this tier's base."""
+        whole = whole or (lambda gen, shard: build_tier_manifest(snap, gen, shard))  # sha256 included
+        index, hashes = ranks.prefixed(snap.tensor_index, prefix), ranks.prefixed(snap.hashes, prefix)
+        delta = tier_delta(self.incremental, self.storage, snap.step, index, hashes, self.fence.generation,
+                           source.view(), self.name)
         if delta is None:
-            return _Item(snap.step, snap.nbytes, source, lambda gen, shard: build_tier_manifest(snap, gen, shard),
-                         confirmed)
-        parts, image_index, nbytes = ranks.subset_image(snap.tensor_index, delta.write, source.view())
-
-        def manifest(gen: int, shard: dict[str, Any]) -> dict[str, Any]:
-            out = build_tier_manifest(snap, gen, shard)  # sha256 included: the staged tensors' hashes
-            out.update(manifest_parts(delta, snap.tensor_index, image_index, shard))
-            out["stats"] = dict(out["stats"], base_step=delta.base, reused_bytes=delta.reused_bytes)
-            return out
-
+            return _Item(snap.step, snap.nbytes, source, whole, confirmed)
+        parts, nbytes, manifest = delta_image(delta, index, source.view(), whole)
         log.debug("nebula_ckpt: tier %s: step %d builds on step %d (%d of %d tensors written)", self.name,
-                  snap.step, delta.base, len(delta.write), len(snap.tensor_index))
+                  snap.step, delta.base, len(delta.write), len(index))
         return _Item(snap.step, nbytes, source, manifest, confirmed, parts=lambda: parts, full=False)
 
     def copy_from(self, src: Storage, step: int) -> None:
