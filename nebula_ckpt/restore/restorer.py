@@ -15,6 +15,7 @@ from typing import Any, Callable, Optional
 
 from nebula_ckpt.errors import CorruptCheckpointError, NotFoundError, ValidationError
 from nebula_ckpt.format.commit import committed_steps
+from nebula_ckpt.format.manifest import Manifest
 from nebula_ckpt.format.references import shard_path
 from nebula_ckpt.ranks.coordinator import Coordinator
 from nebula_ckpt.restore.adopt import adoption_for
@@ -38,17 +39,18 @@ class Restorer:
         allow_pickle: load values stored with pickle.
         may_adopt: whether the memory tier's pages may be handed over instead of copied now
             (not once this process saved, nor for a reader, which deletes nothing).
-        on_restored: called with ``(step, tier name)`` after each restore.
+        on_restored: called with ``(step, tier name, its manifest)`` after each restore.
     """
 
     def __init__(self, runtimes: list[TierRuntime], coordinator: Coordinator, root: str, allow_pickle: bool,
-                 may_adopt: Callable[[], bool], on_restored: Optional[Callable[[int, str], None]] = None) -> None:
+                 may_adopt: Callable[[], bool],
+                 on_restored: Optional[Callable[[int, str, Manifest], None]] = None) -> None:
         self._runtimes = runtimes
         self.coordinator = coordinator
         self.root = root
         self.allow_pickle = allow_pickle
         self._may_adopt = may_adopt
-        #: told ``(step, tier)`` after each restore (the tier's next save may build on that step)
+        #: told ``(step, tier, manifest)`` after each restore (the tier's next save may build on it)
         self._on_restored = on_restored
         #: ``{"step", "tier", "adopted_bytes"}`` of the last restore (``None`` before any); with
         #: memory-tier replicas also ``sources`` (where each rank's copy was) and ``source`` (this rank's)
@@ -188,7 +190,7 @@ class Restorer:
         if into is not None:
             self.apply(ck, into, map_location, strict)
         if self._on_restored is not None and ck.tier_name is not None:
-            self._on_restored(ck.step, ck.tier_name)
+            self._on_restored(ck.step, ck.tier_name, ck.manifest)
         return ck.step
 
     def read(self, step: Optional[int], tag: Optional[str], map_location: Any) -> tuple[int, Any]:

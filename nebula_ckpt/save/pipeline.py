@@ -24,6 +24,7 @@ import torch
 from nebula_ckpt import knobs
 from nebula_ckpt.errors import NebulaError
 from nebula_ckpt.format.commit import committed_steps
+from nebula_ckpt.format.manifest import Manifest
 from nebula_ckpt.handle import SaveHandle
 from nebula_ckpt.native import get_ops, monotonic
 from nebula_ckpt.ranks.coordinator import Coordinator
@@ -76,8 +77,8 @@ class SavePipeline:
         self.pool = StagingPool(max_host_bytes, 1 if len(runtimes) == 1 else 2, on_full)
         #: the tier writers (None until the first save)
         self.writers: Optional[list[TierWriter]] = None
-        #: (step, tier) of the last restore, for the tier's first save (:meth:`restored`)
-        self._restored: Optional[tuple[int, str]] = None
+        #: (tier, manifest) of the last restore, for the tier's first save (:meth:`restored`)
+        self._restored: Optional[tuple[str, Manifest]] = None
         self._stager: Optional[Stager] = None
         self._lock = threading.Lock()
         #: the handles of saves not yet over, or over with a failure not yet seen
@@ -109,16 +110,20 @@ class SavePipeline:
                                        self.coordinator, self.incremental) for rt in writing]
             self._stager = Stager(self.root[-24:], fan_out)
             if self._restored is not None:
-                self.restored(*self._restored)
+                self._seed(*self._restored)
         return self.writers
 
-    def restored(self, step: int, tier: str) -> None:
-        """``step`` was restored (and verified) from ``tier``: that tier's next save may build on
-        it (:meth:`TierWriter.seed`); remembered until the writers start."""
-        self._restored = (step, tier)
+    def restored(self, step: int, tier: str, manifest: Manifest) -> None:
+        """Committed ``step`` (its validated ``manifest``) was restored and verified from ``tier``:
+        that tier's next save may build on it (:meth:`TierWriter.seed`); remembered until the
+        writers start."""
+        self._restored = (tier, manifest)
+        self._seed(tier, manifest)
+
+    def _seed(self, tier: str, manifest: Manifest) -> None:
         for w in self.writers or []:
             if w.name == tier:
-                w.seed(step)
+                w.seed(manifest)
 
     def prepare(self, state: Any, wait: bool) -> None:
         """Make the staging memory for saves of ``state`` (see :meth:`Checkpointer.prepare`)."""

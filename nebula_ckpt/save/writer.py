@@ -40,7 +40,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 from nebula_ckpt import knobs
-from nebula_ckpt.errors import FencedError, NebulaError, PersistError
+from nebula_ckpt.errors import FencedError, PersistError
 from nebula_ckpt.format.commit import committed_steps
 from nebula_ckpt.format.manifest import Manifest
 from nebula_ckpt.format.names import COMMIT, MANIFEST, RANKS_FILE, records_name, shard_name, shard_owner, step_dir
@@ -48,7 +48,6 @@ from nebula_ckpt.format.references import protected_steps, referrers, shard_path
 from nebula_ckpt.ranks import shards as ranks
 from nebula_ckpt.ranks.coordinator import Coordinator, LocalCoordinator
 from nebula_ckpt.ranks.fencing import TierFence
-from nebula_ckpt.restore.open import read_manifest
 from nebula_ckpt.save import sweep
 from nebula_ckpt.save.commit import (
     CommitProgress,
@@ -130,21 +129,14 @@ class TierWriter:
         self._thread = threading.Thread(target=self._run, name=f"nebula-{self.tier.kind}-writer", daemon=True)
         self._thread.start()
 
-    def seed(self, step: int) -> None:
-        """A restarted job restored committed ``step`` from this tier (every tensor verified against
-        its CRC32C): the next save here may build on it instead of being full (one-process jobs,
-        persistent tiers, no save made yet). A step that cannot be read is logged and ignored."""
+    def seed(self, man: Manifest) -> None:
+        """A restarted job restored the committed step of ``man`` from this tier (every tensor
+        verified against its CRC32C): the next save here may build on it instead of being full
+        (one-process jobs, persistent tiers, no save made yet)."""
         if not self.incremental.enabled or not self.tier.persistent or self.coordinator.world_size > 1:
             return
-        where = f"{self.storage.display_url} step {step}"
-        try:
-            man = read_manifest(self.storage, step, where)
-        except (NebulaError, OSError) as e:
-            log.info("nebula_ckpt: tier %s: the next save is full (cannot build on restored %s: %s)",
-                     self.name, where, e)
-            return
         if self.incremental.seed(dataclasses.replace(man, generation=self.fence.generation)):
-            log.info("nebula_ckpt: tier %s: the next save builds on restored step %d", self.name, step)
+            log.info("nebula_ckpt: tier %s: the next save builds on restored step %d", self.name, man.step)
 
     # -- cadence (training thread) ----------------------------------------------------------------
     def wants(self, save_index: int, now: float) -> bool:
