@@ -246,13 +246,19 @@ def read_main_manifest(storage: Storage, step: int, where: Optional[str] = None,
     if commit.step != step:
         raise CorruptCheckpointError(f"{where}: {COMMIT} is for step {commit.step}, but lies in {d}/")
     man = mf.Manifest.parse(mbytes, where, step)
-    if index and man.layout is not None and man.layout.version >= SPLIT_VERSION:
-        try:
-            data = storage.read_small(f"{d}/{RANKS_FILE}")
-        except FileNotFoundError:
-            raise CorruptCheckpointError(f"{where}: {RANKS_FILE} is missing") from None
-        man = with_index(man, data, get_ops().crc32c_bytes, where)
-    return man
+    return with_ranks_file(storage, man, where) if index else man
+
+
+def with_ranks_file(storage: Storage, man: mf.Manifest, where: str) -> mf.Manifest:
+    """``man`` completed from its ``ranks.json`` (version 4: every rank's shard, records file and
+    tree, checked against the manifest); any other manifest as it is."""
+    if man.layout is None or man.layout.version < SPLIT_VERSION:
+        return man
+    try:
+        data = storage.read_small(f"{step_dir(man.step)}/{RANKS_FILE}")
+    except FileNotFoundError:
+        raise CorruptCheckpointError(f"{where}: {RANKS_FILE} is missing") from None
+    return with_index(man, data, get_ops().crc32c_bytes, where)
 
 
 class NotThisLayout(Exception):
@@ -279,7 +285,7 @@ def open_checkpoint(storage: Storage, step: int, verify: str, where: str,
             pass  # a version 4 checkpoint: this rank's records file and its owners' are all it reads
         elif len(man.ranks) == man.world_size:
             rank = None  # the whole job's checkpoint: resharded by the caller
-            man = read_main_manifest(storage, step, where)
+            man = with_ranks_file(storage, man, where)
         else:
             raise NotThisLayout(f"{where}: holds rank(s) {list(man.ranks)[:8]} of a {man.world_size}-rank job; "
                                 f"this process is rank {rank or 0} of {world}")
