@@ -258,20 +258,19 @@ class DistCoordinator(Coordinator):
         except Exception as e:  # a rank died: its groups die with the job
             log.warning("nebula_ckpt: rank %d: closing the checkpoint protocol without every rank: %s", self.rank, e)
             return
-        groups = [ch.group for ch in self._channels.values()] + [self._control]
-        # Drop every reference to the groups here, so that their gloo threads are joined now, on
-        # this thread, and not when a garbage collection (or the interpreter's finalisation) gets to
-        # them: a gloo worker that frees a tensor during finalisation aborts the process.
         if any(ch.running() for ch in self._channels.values()):
             return  # a round still runs (it timed out above): its group must outlive it
+        # Drop every reference to the groups here (this method's list goes when it returns), so
+        # that their gloo threads are joined now, on this thread, and not when a garbage collection
+        # (or the interpreter's finalisation) gets to them: a gloo worker that frees a tensor during
+        # finalisation aborts the process.
+        groups = [ch.group for ch in self._channels.values()] + [self._control]
         for ch in self._channels.values():
             ch.group = None
         self._channels.clear()
         self._control = self.group = None
-        while groups:
-            g = groups.pop()
+        for g in groups:
             try:
                 dist.destroy_process_group(g)
             except Exception as e:  # best effort: the default group may already be gone
                 log.debug("nebula_ckpt: cannot free a protocol group: %s", e)
-            del g

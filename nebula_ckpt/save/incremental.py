@@ -160,7 +160,8 @@ class Incremental:
             return None
         if not all(_same_kind(rec, base.tensors[k]) for k, rec in index.items()):
             return None
-        if same is not None and self.compare:
+        if self.compare:
+            assert same is not None  # checked above
             equal = same(base, {k: base.tensors[k] for k, rec in index.items() if _same_record(rec, base.tensors[k])})
             reused = {k: base.tensors[k] for k in index if k in equal}
         else:
@@ -297,4 +298,3 @@ def whole_image(man: Manifest, shards: list[Any]) -> tuple[list[memoryview], dic
         out.pop("shard", None)
         records[k] = dict(out, offsets=at[k])
     return parts, records, len(head) + (spans[-1][1] if spans else 0)
-
