@@ -124,6 +124,8 @@ class SavePipeline:
         for w in self.writers or []:
             if w.name == tier:
                 w.seed(manifest)
+            else:
+                w.seed_local(manifest.step)
 
     def prepare(self, state: Any, wait: bool) -> None:
         """Make the staging memory for saves of ``state`` (see :meth:`Checkpointer.prepare`)."""

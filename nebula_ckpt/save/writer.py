@@ -48,7 +48,7 @@ from nebula_ckpt.format.references import protected_steps, referrers, shard_path
 from nebula_ckpt.ranks import shards as ranks
 from nebula_ckpt.ranks.coordinator import Coordinator, LocalCoordinator
 from nebula_ckpt.ranks.fencing import TierFence
-from nebula_ckpt.save import sweep
+from nebula_ckpt.save import seeding, sweep
 from nebula_ckpt.save.commit import (
     CommitProgress,
     CommitUncertain,
@@ -132,11 +132,33 @@ class TierWriter:
     def seed(self, man: Manifest) -> None:
         """A restarted job restored the committed step of ``man`` from this tier (every tensor
         verified against its CRC32C): the next save here may build on it instead of being full
-        (one-process jobs, persistent tiers, no save made yet)."""
-        if not self.incremental.enabled or not self.tier.persistent or self.coordinator.world_size > 1:
+        (no save made yet). A shared tier of a multi-rank job builds on this rank's share of it
+        when the world size is the same (:func:`~nebula_ckpt.save.seeding.rank_base`); the memory
+        tier, on it only while the tier still holds that very committed step
+        (:func:`~nebula_ckpt.save.seeding.still_committed`)."""
+        co = self.coordinator
+        if not self.incremental.enabled:
             return
-        if self.incremental.seed(dataclasses.replace(man, generation=self.fence.generation)):
-            log.info("nebula_ckpt: tier %s: the next save builds on restored step %d", self.name, man.step)
+        if self.incremental.compare:
+            base = seeding.still_committed(self.storage, man, co.rank, co.world_size)
+        elif co.world_size == 1:
+            base = man
+        else:
+            base = seeding.rank_base(man, co.rank, co.world_size) if self._shared else None
+        self._seed_with(base)
+
+    def seed_local(self, step: int) -> None:
+        """A restarted job restored ``step`` from another tier: a tier that compares bytes (the
+        memory tier) builds its next save on its own newest committed step not newer than
+        ``step`` (:func:`~nebula_ckpt.save.seeding.newest_local`); its equality rests on the
+        bytes compared, never on the restore."""
+        if self.incremental.enabled and self.incremental.compare:
+            co = self.coordinator
+            self._seed_with(seeding.newest_local(self.storage, step, co.rank, co.world_size, self.name))
+
+    def _seed_with(self, base: Optional[Manifest]) -> None:
+        if base is not None and self.incremental.seed(dataclasses.replace(base, generation=self.fence.generation)):
+            log.info("nebula_ckpt: tier %s: the next save builds on restored step %d", self.name, base.step)
 
     # -- cadence (training thread) ----------------------------------------------------------------
     def wants(self, save_index: int, now: float) -> bool:
