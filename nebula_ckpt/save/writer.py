@@ -142,7 +142,7 @@ class TierWriter:
         if self.incremental.compare:
             base = seeding.still_committed(self.storage, man, co.rank, co.world_size)
         elif co.world_size == 1:
-            base = man
+            base = None if man.multi_rank else man  # a resharded multi-rank step holds no share of this process
         else:
             base = seeding.rank_base(man, co.rank, co.world_size) if self._shared else None
         self._seed_with(base)
