@@ -32,6 +32,21 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
+def restart_base(storage: "Storage", man: Manifest, here: bool, compare: bool, shared: bool, rank: int,
+                 world: int, tier: str) -> Optional[Manifest]:
+    """The base of a tier's first save after the restore of ``man`` (read from this tier:
+    ``here``), or None (that save is full): see the module. ``compare``: the tier compares bytes
+    (the memory tier); ``shared``: a shared tier of a multi-rank job."""
+    if compare:
+        return still_committed(storage, man, rank, world) if here else newest_local(storage, man.step, rank, world,
+                                                                                    tier)
+    if not here:
+        return None  # a persistent tier the restore did not read is not built on
+    if world == 1:
+        return None if man.multi_rank else man  # a resharded multi-rank step holds no share of this process
+    return rank_base(man, rank, world) if shared else None
+
+
 def rank_base(man: Manifest, rank: int, world: int) -> Optional[Manifest]:
     """Rank ``rank``'s share of the multi-rank checkpoint ``man`` (its records loaded for this
     rank, as a restore of the same world size opens it) as the base of its next save on a shared
