@@ -513,3 +513,24 @@ def test_a_change_only_in_the_last_byte_of_a_large_tensor_is_written(tmp_path, s
     states.append({"big": big.clone(), "small": small.clone()})
     shards = _saves(str(tmp_path / "ck"), states, mem)
     assert shards[1:4] == [2, 2, 2], shards
+
+
+@pytest.mark.parametrize("verify", [True, False])
+def test_the_dcp_reader_given_a_manifest_refuses_a_replaced_base(tmp_path, shm_dir, verify: bool) -> None:  # noqa: ANN001
+    """A reader handed the manifest (as a resharding restore does) still checks what the step
+    refers to: the referenced step's own records, not just the file's size."""
+    from nebula_ckpt.dcp import NebulaStorageReader
+    from nebula_ckpt.restore.open import read_manifest
+    from nebula_ckpt.restore.reshard import gather_full
+    from nebula_ckpt.storage.local import LocalStorage
+
+    root = str(tmp_path / "ck")
+    want = _chain(root)
+    st = LocalStorage(root)
+    full = gather_full(st, 2, read_manifest(st, 2), verify=verify)
+    assert torch.equal(full["frozen"], want[2]["frozen"]) and torch.equal(full["train"], want[2]["train"])
+    _copy_step_from_another_run(tmp_path, root, 0)
+    with pytest.raises(CorruptCheckpointError, match=r"refers to step 0.*'frozen'"):
+        gather_full(st, 2, read_manifest(st, 2), verify=verify)
+    with pytest.raises(CorruptCheckpointError, match=r"refers to step 0.*'frozen'"):
+        NebulaStorageReader(st, 2, verify=verify)
