@@ -575,3 +575,33 @@ def test_a_memory_tier_base_deleted_by_hand_while_the_job_runs_makes_the_next_sa
         assert len(_man(folder, 2)["shards"]) == 1
         got_step, got = ck.read(2)
     assert got_step == 2 and torch.equal(got["frozen"], frozen) and torch.equal(got["train"], train + 2)
+
+
+def test_saves_where_no_tensor_changed_or_only_the_key_order_did_restore_every_step(tmp_path, shm_dir, mem: bool) -> None:  # noqa: ANN001
+    big, small = _frozen(), torch.arange(16.0)
+    states: list[dict[str, Any]] = [
+        {"big": big, "small": small, "n": 0},
+        {"big": big, "small": small, "n": 1},           # no tensor changed: the own shard holds none
+        {"small": small, "big": big, "n": 2},           # the same tensors, keys in another order
+        {"small": small + 1, "big": big, "n": 3},
+    ]
+    shards = _saves(str(tmp_path / "ck"), states, mem)
+    assert shards[1] == 2, shards
+    if not mem:
+        with safe_open(os.path.join(str(tmp_path / "ck"), "step-1", SHARD), "pt") as f:
+            assert list(f.keys()) == []  # a valid safetensors file all the same
+
+
+def test_a_restarted_writer_builds_on_the_restored_chain_and_retention_keeps_its_base(tmp_path, shm_dir) -> None:  # noqa: ANN001
+    root = str(tmp_path / "ck")
+    want = _chain(root)  # generation 1: 1 and 2 refer to 0
+    frozen, train = _frozen(), want[2]["train"].clone()
+    with nc.Checkpointer(root, memory_tier=False, keep_last=1) as ck:  # generation 2, restarted
+        into = {"frozen": torch.zeros(256, 256), "train": torch.zeros(64), "step": -1}
+        assert ck.load_latest(into=into) == 2
+        train += 1
+        ck.save(3, _state(frozen, train, 3))
+        assert [s.get("step") for s in _man(root, 3)["shards"]] == [None, 0]  # built on the restored step
+        assert ck.list() == [0, 3], ck.list()
+    got = _read(root, 3)
+    assert torch.equal(got["frozen"], frozen) and torch.equal(got["train"], train)
