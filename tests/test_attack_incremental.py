@@ -605,3 +605,36 @@ def test_a_restarted_writer_builds_on_the_restored_chain_and_retention_keeps_its
         assert ck.list() == [0, 3], ck.list()
     got = _read(root, 3)
     assert torch.equal(got["frozen"], frozen) and torch.equal(got["train"], train)
+
+
+def test_only_the_newest_step_folder_copied_elsewhere_is_refused_naming_the_step_it_needs(
+        tmp_path, shm_dir, capsys: pytest.CaptureFixture[str]) -> None:  # noqa: ANN001
+    """The operator copies the newest step's folder alone to another machine: it needs step 0."""
+    root, moved = str(tmp_path / "ck"), str(tmp_path / "moved")
+    _chain(root)
+    os.makedirs(moved)
+    shutil.copytree(os.path.join(root, "step-2"), os.path.join(moved, "step-2"))
+    _assert_refused(moved, 2, "step 2", "refers to step 0", SHARD)
+    capsys.readouterr()
+    assert main(["export", moved, "--step", "2", "--to", str(tmp_path / "x.safetensors")]) == 1
+    err = capsys.readouterr().err
+    assert "refers to step 0" in err and "Traceback" not in err, err
+    assert not os.path.exists(tmp_path / "x.safetensors")
+    assert main(["inspect", moved, "--step", "2"]) == 1
+    err = capsys.readouterr().err
+    assert "refers to step 0" in err and "Traceback" not in err, err
+    with nc.Checkpointer(moved, memory_tier=False) as ck:  # nothing healthy: load_latest raises, naming it
+        with pytest.raises(CorruptCheckpointError, match="refers to step 0"):
+            ck.load_latest(into={"frozen": torch.zeros(256, 256), "train": torch.zeros(64), "step": -1})
+
+
+def test_a_chain_at_huge_step_numbers_restores(tmp_path, shm_dir) -> None:  # noqa: ANN001
+    root = str(tmp_path / "ck")
+    big = 2 ** 40
+    frozen = _frozen()
+    with nc.Checkpointer(root, memory_tier=False) as ck:
+        ck.save(big, _state(frozen, torch.zeros(64), 0))
+        ck.save(big + 1, _state(frozen, torch.ones(64), 1))
+    assert _man(root, big + 1)["shards"][1]["step"] == big
+    got = _read(root, big + 1)
+    assert torch.equal(got["frozen"], frozen) and torch.equal(got["train"], torch.ones(64))
