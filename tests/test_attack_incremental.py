@@ -638,3 +638,27 @@ def test_a_chain_at_huge_step_numbers_restores(tmp_path, shm_dir) -> None:  # no
     assert _man(root, big + 1)["shards"][1]["step"] == big
     got = _read(root, big + 1)
     assert torch.equal(got["frozen"], frozen) and torch.equal(got["train"], torch.ones(64))
+
+
+def test_a_memory_tier_base_replaced_by_another_runs_step_is_refused_after_a_restart(tmp_path, shm_dir) -> None:  # noqa: ANN001
+    """Only the memory tier: the restarted process finds steps 1 and 2 referring to a step 0 that
+    is another run's (same sizes, other bytes): it restores that step 0 as it is, never 1 or 2."""
+    folders = {}
+    for name, seed in (("ck", 1), ("other", 7)):
+        frozen, train = _frozen(seed), torch.zeros(64)
+        with knobs.override(incremental_full_every=10), \
+                nc.Checkpointer(str(tmp_path / name), tiers=[nc.MemoryTier(keep_last=20)]) as ck:  # type: ignore[arg-type]
+            folders[name] = _mem_folder(ck)
+            for step in range(3 if name == "ck" else 1):
+                train += 1
+                ck.save(step, _state(frozen, train, step))
+    assert [s.get("step") for s in _man(folders["ck"], 2)["shards"]] == [None, 0]
+    shutil.rmtree(os.path.join(folders["ck"], "step-0"))
+    shutil.copytree(os.path.join(folders["other"], "step-0"), os.path.join(folders["ck"], "step-0"))
+    with nc.Checkpointer(str(tmp_path / "ck"), tiers=[nc.MemoryTier(keep_last=20)]) as ck:  # type: ignore[arg-type]
+        for step in (1, 2):
+            with pytest.raises(CorruptCheckpointError, match="refers to step 0"):
+                ck.read(step)
+        into = {"frozen": torch.zeros(256, 256), "train": torch.zeros(64), "step": -1}
+        assert ck.load_latest(into=into) == 0
+    assert torch.equal(into["frozen"], _frozen(7))
