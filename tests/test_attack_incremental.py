@@ -577,7 +577,8 @@ def test_a_memory_tier_base_deleted_by_hand_while_the_job_runs_makes_the_next_sa
     assert got_step == 2 and torch.equal(got["frozen"], frozen) and torch.equal(got["train"], train + 2)
 
 
-def test_saves_where_no_tensor_changed_or_only_the_key_order_did_restore_every_step(tmp_path, shm_dir, mem: bool) -> None:  # noqa: ANN001
+def test_saves_where_no_tensor_changed_or_only_the_key_order_did_restore_every_step(
+        tmp_path, shm_dir, mem: bool) -> None:  # noqa: ANN001
     big, small = _frozen(), torch.arange(16.0)
     states: list[dict[str, Any]] = [
         {"big": big, "small": small, "n": 0},
@@ -662,3 +663,22 @@ def test_a_memory_tier_base_replaced_by_another_runs_step_is_refused_after_a_res
         into = {"frozen": torch.zeros(256, 256), "train": torch.zeros(64), "step": -1}
         assert ck.load_latest(into=into) == 0
     assert torch.equal(into["frozen"], _frozen(7))
+
+
+@pytest.mark.parametrize("damage", ["referenced last byte flipped", "shard truncated", "COMMIT deleted"])
+def test_persist_memory_of_a_chain_whose_base_is_damaged_writes_nothing(tmp_path, shm_dir, damage: str) -> None:  # noqa: ANN001
+    from nebula_ckpt.save.epilogue import persist_memory
+
+    root = str(tmp_path / "ck")
+    frozen, train = _frozen(), torch.zeros(64)
+    with knobs.override(incremental_full_every=10), \
+            nc.Checkpointer(root, tiers=[nc.MemoryTier(keep_last=20)]) as ck:  # type: ignore[arg-type]
+        folder = _mem_folder(ck)
+        for step in range(3):
+            train += 1
+            ck.save(step, _state(frozen, train, step))
+    _DAMAGE[damage](os.path.join(folder, "step-0"))
+    with pytest.raises(nc.NebulaError) as e:
+        persist_memory(root)
+    assert "step 0" in str(e.value) or "step-0" in str(e.value), str(e.value)
+    assert not os.path.isdir(root) or not any(n.startswith("step-") for n in os.listdir(root)), os.listdir(root)
