@@ -682,3 +682,22 @@ def test_persist_memory_of_a_chain_whose_base_is_damaged_writes_nothing(tmp_path
         persist_memory(root)
     assert "step 0" in str(e.value) or "step-0" in str(e.value), str(e.value)
     assert not os.path.isdir(root) or not any(n.startswith("step-") for n in os.listdir(root)), os.listdir(root)
+
+
+def test_an_export_with_odd_key_names_is_the_same_bytes_every_time(tmp_path, shm_dir) -> None:  # noqa: ANN001
+    root = str(tmp_path / "ck")
+    state = {"wé\tights/ü": torch.arange(5.0), "\"q\"\\": torch.ones(2, dtype=torch.int8), "n": 1}
+    with nc.Checkpointer(root, memory_tier=False) as ck:
+        ck.save(0, state)
+        ck.save(1, state)  # incremental: every tensor referred to
+    assert len(_man(root, 1)["shards"]) == 2
+    out = []
+    for i in range(3):
+        dest = str(tmp_path / f"x{i}.safetensors")
+        assert main(["export", root, "--step", "1", "--to", dest]) == 0
+        with open(dest, "rb") as f:
+            out.append(f.read())
+    assert out[0] == out[1] == out[2]
+    got = load_file(str(tmp_path / "x0.safetensors"))
+    assert torch.equal(got["wé\tights/ü"], torch.arange(5.0))
+    assert torch.equal(got["\"q\"\\"], torch.ones(2, dtype=torch.int8))
