@@ -742,3 +742,12 @@ def test_gc_keeps_a_memory_tier_whose_newest_step_on_the_root_lacks_its_base(
         into = {"frozen": torch.zeros(256, 256), "train": torch.zeros(64), "step": -1}
         assert ck.load_latest(into=into) == 2  # from the memory tier
     assert torch.equal(into["frozen"], _frozen()) and into["step"] == 2
+
+
+def test_several_zero_size_tensors_at_one_offset_are_referred_to_and_restore(tmp_path, shm_dir, mem: bool) -> None:  # noqa: ANN001
+    big = _frozen()
+    empties = {"e0": torch.zeros(0, 5), "e1": torch.zeros(3, 0, dtype=torch.int8), "e2": torch.zeros(0),
+               "e3": torch.zeros(0, dtype=torch.float64)}
+    states = [{"big": big, **empties, "t": torch.zeros(4)}, {"big": big, **empties, "t": torch.ones(4)}]
+    shards = _saves(str(tmp_path / "ck"), states, mem)
+    assert shards == [1, 2], shards

@@ -334,14 +334,17 @@ def check_references(storage: Storage, man: mf.Manifest, refs: Mapping[int, list
 def _check_records(recs: list[TensorRecord], base: mf.Manifest, own: int, at: str) -> None:
     """Refuse a record of ``recs`` that is not ``base``'s own record of the same bytes (in its
     shard ``own``): same offsets, dtype, shape and CRC32C."""
-    theirs = {(r.start, r.end): r for r in base.tensors.values() if r.shard == own}
+    theirs: dict[tuple[int, int], list[TensorRecord]] = {}
+    for b in base.tensors.values():
+        if b.shard == own:
+            theirs.setdefault((b.start, b.end), []).append(b)  # zero-size tensors may share an offset
     for r in recs:
-        b = theirs.get((r.start, r.end))
-        if b is None or (b.dtype, b.shape, b.crc32c) != (r.dtype, r.shape, r.crc32c):
+        same = theirs.get((r.start, r.end), [])
+        if not any((b.dtype, b.shape, b.crc32c) == (r.dtype, r.shape, r.crc32c) for b in same):
+            held = "" if not same else f" ({same[0].dtype} {list(same[0].shape)}, crc32c {same[0].crc32c:#010x})"
             raise CorruptCheckpointError(
                 f"{at}, but tensor '{r.key}' ({r.dtype} {list(r.shape)}, crc32c {r.crc32c:#010x}) is not what "
-                f"step {base.step} holds at bytes [{r.start}, {r.end}) of it"
-                f"{'' if b is None else f' ({b.dtype} {list(b.shape)}, crc32c {b.crc32c:#010x})'}: the referenced "
+                f"step {base.step} holds at bytes [{r.start}, {r.end}) of it{held}: the referenced "
                 "step was replaced (by another run or another save)")
 
 
