@@ -751,3 +751,28 @@ def test_several_zero_size_tensors_at_one_offset_are_referred_to_and_restore(tmp
     states = [{"big": big, **empties, "t": torch.zeros(4)}, {"big": big, **empties, "t": torch.ones(4)}]
     shards = _saves(str(tmp_path / "ck"), states, mem)
     assert shards == [1, 2], shards
+
+
+def test_overlapping_views_of_one_storage_restore_every_step(tmp_path, shm_dir, mem: bool) -> None:  # noqa: ANN001
+    """The saved tensors are views of one storage (overlapping, strided), changed in place between
+    saves: each step holds what the views showed when it was saved."""
+    root = str(tmp_path / "ck")
+    store = torch.arange(4096, dtype=torch.float32)
+    big = _frozen()
+    state = {"big": big, "a": store[:200], "b": store[100:300], "w": store.view(64, 64)[:, 3], "n": 0}
+    want = []
+    tiers = [nc.MemoryTier(keep_last=20)] if mem else [nc.LocalTier(root)]
+    with knobs.override(incremental_full_every=100), \
+            nc.Checkpointer(root, tiers=tiers, keep_last=20) as ck:  # type: ignore[arg-type]
+        for step in range(3):
+            if step == 2:
+                store[131] = -1.0  # in "a", "b" and "w" (row 2, column 3)
+            ck.save(step, state)
+            want.append({k: v.clone() for k, v in state.items() if isinstance(v, torch.Tensor)})
+        folder = _mem_folder(ck) if mem else root
+        assert len(_man(folder, 1)["shards"]) == 2
+        for step in range(3):
+            _, got = ck.read(step)
+            for k, v in want[step].items():
+                _assert_same(got[k], v, f"step {step}/{k}")
+    assert not torch.equal(want[2]["w"], want[1]["w"]) and torch.equal(want[2]["big"], big)
