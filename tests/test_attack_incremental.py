@@ -776,3 +776,21 @@ def test_overlapping_views_of_one_storage_restore_every_step(tmp_path, shm_dir, 
             for k, v in want[step].items():
                 _assert_same(got[k], v, f"step {step}/{k}")
     assert not torch.equal(want[2]["w"], want[1]["w"]) and torch.equal(want[2]["big"], big)
+
+
+def test_close_writes_an_incremental_step_of_odd_dtypes_whole_on_a_tier_that_skipped_it(tmp_path, shm_dir) -> None:  # noqa: ANN001
+    a, b = str(tmp_path / "a"), str(tmp_path / "b")
+    g = torch.Generator().manual_seed(4)
+    frozen = {"f64": torch.randn(33, generator=g, dtype=torch.float64), "bf16": torch.randn(7, 3).to(torch.bfloat16),
+              "bool": torch.rand(13, generator=g) > 0.5, "c64": torch.randn(5, dtype=torch.complex64),
+              "u8": torch.randint(0, 255, (3,), dtype=torch.uint8), "i16": torch.arange(9, dtype=torch.int16),
+              "empty": torch.zeros(0, 4), "big": _frozen()}
+    train = torch.zeros(5)
+    with nc.Checkpointer(a, tiers=[nc.LocalTier(a), nc.LocalTier(b, every=3)], keep_last=10) as ck:
+        for step in range(5):
+            train += 1
+            ck.save(step, {**frozen, "tied": frozen["f64"], "train": train})
+    assert len(_man(a, 4)["shards"]) == 2 and len(_man(b, 4)["shards"]) == 1
+    got = _read(b, 4)
+    _assert_same({k: got[k] for k in frozen}, frozen, "step 4 on b")
+    assert torch.equal(got["train"], train) and torch.equal(got["tied"], frozen["f64"])
