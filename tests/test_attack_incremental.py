@@ -794,3 +794,30 @@ def test_close_writes_an_incremental_step_of_odd_dtypes_whole_on_a_tier_that_ski
     got = _read(b, 4)
     _assert_same({k: got[k] for k in frozen}, frozen, "step 4 on b")
     assert torch.equal(got["train"], train) and torch.equal(got["tied"], frozen["f64"])
+
+
+@pytest.mark.parametrize("verify", ["full", "size"])
+def test_a_remote_base_replaced_by_another_runs_step_is_refused(shm_dir, verify: str) -> None:  # noqa: ANN001
+    import uuid
+
+    import fsspec
+
+    base = f"memory://nebula-attack-{uuid.uuid4().hex}"
+    url, other = f"{base}/run", f"{base}/other"
+    for where, seed, steps in ((url, 1, 3), (other, 7, 1)):
+        train = torch.zeros(64)
+        with nc.Checkpointer(where, tiers=[nc.RemoteTier(where)], keep_last=20) as ck:
+            for step in range(steps):
+                train += 1
+                ck.save(step, _state(_frozen(seed), train, step))
+    fs = fsspec.filesystem("memory")
+    run, oth = url[len("memory://"):], other[len("memory://"):]
+    assert fs.exists(f"{run}/step-0/{SHARD}")
+    for name in fs.ls(f"{oth}/step-0", detail=False):
+        fs.pipe(f"{run}/step-0/{name.rsplit('/', 1)[-1]}", fs.cat(name))
+    with nc.Checkpointer(url, tiers=[nc.RemoteTier(url, verify=verify)], read_only=True) as ck:
+        for step in (1, 2):
+            with pytest.raises(CorruptCheckpointError, match=r"refers to step 0.*'frozen'"):
+                ck.read(step)
+        assert ck.read(0)[0] == 0  # the step itself: the other run's, as it saved it
+    fs.rm(f"/{base[len('memory://'):]}", recursive=True)
