@@ -212,3 +212,37 @@ def test_a_spare_slot_file_is_never_staged_into_while_a_process_maps_it_copy_on_
         if job.poll() is None:
             job.kill()
             job.wait()
+
+
+def test_a_private_mapping_keeps_every_process_this_one_included_from_taking_or_reusing_the_file(
+        tmp_path) -> None:  # noqa: ANN001
+    """The lock a copy-on-write mapping holds is seen by a claim (hold_alone) and by the spare
+    checks (read_elsewhere) of this process too, not only of others, and it lives as long as the
+    mapping does (the descriptor it was taken on closed at once)."""
+    import gc
+    import mmap
+
+    from nebula_ckpt.storage.local import hold_alone, hold_private, let_go, read_elsewhere
+
+    path = str(tmp_path / "base")
+    with open(path, "wb") as f:
+        f.write(b"x" * 8192)
+    claim = os.open(path, os.O_RDWR)
+    try:
+        assert not read_elsewhere(path) and hold_alone(claim)  # nothing maps it: it can be taken over
+        let_go(claim)
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+        assert hold_private(fd)
+        mm = mmap.mmap(fd, 8192, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        os.close(fd)
+        view = torch.frombuffer(mm, dtype=torch.uint8)
+        assert read_elsewhere(path) and not hold_alone(claim)
+        view[0] = 7  # a private page: the file is unchanged
+        with open(path, "rb") as f:
+            assert f.read(1) == b"x"
+        del view
+        mm.close()
+        gc.collect()
+        assert not read_elsewhere(path) and hold_alone(claim)  # the mapping is gone, and with it the lock
+    finally:
+        os.close(claim)
