@@ -62,8 +62,9 @@ import sys, torch, nebula_ckpt as nc
 root, step, ref = sys.argv[1], int(sys.argv[2]), sys.argv[3]
 with nc.Checkpointer(root, tiers=[nc.MemoryTier(keep_last=2), nc.LocalTier(root, keep_last=3)], read_only=True) as ck:
     got, state = ck.read(step)
+    tier = ck.last_restore["tier"].split(":")[0]
 want = torch.load(ref, weights_only=True)
-print("SAME" if torch.equal(state["frozen"], want["frozen"]) else "DIFFERENT")
+print(tier, "SAME" if torch.equal(state["frozen"], want["frozen"]) else "DIFFERENT")
 """
 
 
@@ -117,7 +118,7 @@ def test_an_incremental_memory_step_is_restored_without_a_copy(root: str, shm_di
         into["frozen"].add_(1.0)
         r = subprocess.run([sys.executable, "-c", _READER, root, "0", str(tmp_path / "ref-0")], env=_env(shm_dir),
                            capture_output=True, timeout=300)
-        assert r.stdout.decode().strip() == "SAME", r.stderr.decode()[-3000:]
+        assert r.stdout.decode().strip() == "memory SAME", r.stderr.decode()[-3000:]
         assert torch.equal(into["frozen"], want[1]["frozen"] + 1.0)
         _, again = ck.read(0)  # and this process reads the tier's base unchanged too
         assert torch.equal(again["frozen"], want[0]["frozen"])
