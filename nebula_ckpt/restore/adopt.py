@@ -176,7 +176,8 @@ class Adoption:
         return self._cow[shard][1]
 
     def tensors(self, recs: list[TensorRecord]) -> list[torch.Tensor]:
-        """Views of ``recs`` over the shared mappings, after checking their checksums.
+        """Views of ``recs`` over the tier's mappings (shared, or copy-on-write for the shards
+        of :attr:`_private`), after checking their checksums.
 
         Raises:
             CorruptCheckpointError: naming the tensor whose bytes differ (nothing handed out).
