@@ -213,9 +213,9 @@ class Checkpointer:
 
     @property
     def last_restore(self) -> Optional[dict[str, Any]]:
-        """``{"step", "tier", "adopted_bytes"}`` of the last restore (``None`` before any);
-        ``adopted_bytes``: bytes the memory tier handed over without a copy
-        (:mod:`nebula_ckpt.restore.adopt`)."""
+        """``{"step", "tier", "adopted_bytes", "copy_on_write_bytes"}`` of the last restore (``None``
+        before any): bytes the memory tier handed over without a copy, and bytes of an incremental
+        step mapped copy-on-write from the step it builds on (:mod:`nebula_ckpt.restore.adopt`)."""
         return self._restores.last_restore
 
     # -- saving -----------------------------------------------------------------------------------

@@ -718,10 +718,6 @@ os._exit(0)  # a crash: nothing closed, the memory tier stays
 """
 
 
-@pytest.mark.xfail(strict=True, reason="tiers/memory/gc.py _ask_root counts the newest memory step as durable once "
-                   "step-N/COMMIT exists on the root, without checking the steps it refers to: with the root's base "
-                   "step deleted by hand, `nebula-ckpt gc` removes the memory tier that holds the only restorable "
-                   "copy of step 2")
 def test_gc_keeps_a_memory_tier_whose_newest_step_on_the_root_lacks_its_base(
         tmp_path, shm_dir, capsys: pytest.CaptureFixture[str]) -> None:  # noqa: ANN001
     import subprocess

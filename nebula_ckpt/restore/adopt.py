@@ -35,6 +35,25 @@ The file stays alive, unnamed, as long as any adopted tensor does; its pages no 
 covers (the model's bytes, the header) are given back to the tmpfs once the restore is applied.
 The checksums of the adopted bytes are checked (in parallel, a chunk at a time) before anything
 in ``into`` changes, as for copies. Knob ``adopt_memory_tier`` turns it off.
+
+**Incremental steps.** A memory-tier step that refers to an earlier step's shard (the base: the
+tensors that did not change, :mod:`nebula_ckpt.format.references`) cannot give those bytes up:
+they are the base's, which the tier keeps. The tensors created from them become views of a
+*copy-on-write* mapping of the base's shard file instead (``MAP_PRIVATE``, opened without
+following links): they share the tmpfs pages at no extra memory, and a page training writes later
+is copied privately by the kernel, never written to the file. So are the tensors of the step's
+own shard when a newer committed step of the tier refers to it. Such a mapping would see a write
+made to the file in place, so the descriptor holds a private-mapping reader lock
+(:func:`nebula_ckpt.storage.local.hold_private`) before anything is checked, and the name must
+still link the very file afterwards (a base deleted meanwhile is copied from instead): from then
+on no process, this one included, takes the file over (:func:`~nebula_ckpt.storage.local.hold_alone`
+fails) or stages into it (a spare slot file of a dead process that retention unlinked:
+:func:`~nebula_ckpt.tiers.memory.shm.sweep_slot_files` and the staging pool skip every file
+:func:`~nebula_ckpt.storage.local.read_elsewhere` reports). Retention may delete the base later:
+the mapping keeps its inode alive, and its pages go when the last view does. A base's pages are
+never punched, and the base is never claimed. The claim of the step's own shard is as above; when
+it is not won, only the own shard's tensors are copied (the copy-on-write ones stay what they are:
+nothing can write them). ``last_restore["copy_on_write_bytes"]`` counts them.
 """
 
 from __future__ import annotations
@@ -56,7 +75,7 @@ from nebula_ckpt.format.records import TensorRecord
 from nebula_ckpt.format.references import referrers, shard_path
 from nebula_ckpt.native import get_ops
 from nebula_ckpt.restore.open import OpenCheckpoint, chunks, read_main_manifest
-from nebula_ckpt.storage.local import hold_alone, hold_read, let_go
+from nebula_ckpt.storage.local import hold_alone, hold_private, hold_read, let_go
 
 if TYPE_CHECKING:
     from nebula_ckpt.storage.base import Storage
@@ -76,24 +95,41 @@ class Adoption:
         ck: the checkpoint opened from that tier.
     """
 
-    def __init__(self, runtime: "MemoryTierRuntime", ck: "OpenCheckpoint") -> None:
+    def __init__(self, runtime: "MemoryTierRuntime", ck: "OpenCheckpoint", private: "set[int]") -> None:
         self._runtime = runtime
         self._ck = ck
         self._files: dict[int, tuple[int, mmap.mmap]] = {}  # shard -> (fd, shared mapping)
         self._used: dict[int, list[tuple[int, int]]] = {}   # shard -> byte ranges of adopted tensors
+        #: shards mapped copy-on-write (a base's; the step's own when a newer step refers to it)
+        self._private = private
+        self._cow: dict[int, tuple[int, mmap.mmap]] = {}    # shard -> (fd, private mapping)
+        self._cow_ids: dict[int, TensorRecord] = {}         # copy-on-write views (by id), their records
         self.given_up = False
         #: a shard could not be mapped for writing: nothing is handed over, adopted views get copied
         self.refused = False
-        #: the tensors that are views of the shared mappings (by id), with their records
-        self.adopted: dict[int, TensorRecord] = {}
+        self._shared_ids: dict[int, TensorRecord] = {}
+
+    @property
+    def adopted(self) -> dict[int, TensorRecord]:
+        """The views (by id, with their records) that must be copied when the claim is not won:
+        those of the shared mappings, and the copy-on-write ones too once adoption was refused."""
+        return {**self._shared_ids, **self._cow_ids} if self.refused else self._shared_ids
 
     @property
     def handed_bytes(self) -> int:
         """Bytes of tensors handed over without a copy (0 until the tier gave the step up)."""
         return sum(hi - lo for used in self._used.values() for lo, hi in used) if self.given_up else 0
 
+    @property
+    def cow_bytes(self) -> int:
+        """Bytes of tensors restored as copy-on-write views of the tier's files (0 once refused)."""
+        return 0 if self.refused else sum(r.nbytes for r in self._cow_ids.values())
+
     def map(self, shard: int) -> mmap.mmap:
-        """A shared, writable mapping of shard ``shard`` (opened once)."""
+        """A shared, writable mapping of shard ``shard`` (opened once), or a private one for a
+        shard mapped copy-on-write."""
+        if shard in self._private:
+            return self._map_private(shard)
         if shard not in self._files:
             sh = self._ck.manifest.shards[shard]
             path = self._runtime.storage.local_path(shard_path(self._ck.manifest, shard))
@@ -113,8 +149,35 @@ class Adoption:
             self._files[shard] = (fd, mm)
         return self._files[shard][1]
 
+    def _map_private(self, shard: int) -> mmap.mmap:
+        """A copy-on-write mapping of shard ``shard``, its descriptor holding a private-mapping
+        reader lock taken before the name is checked to still link it (see the module docstring)."""
+        if shard not in self._cow:
+            sh = self._ck.manifest.shards[shard]
+            path = self._runtime.storage.local_path(shard_path(self._ck.manifest, shard))
+            if path is None:
+                raise OSError(errno.EXDEV, "the memory tier is not a local file system")
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+            try:
+                if not hold_private(fd):
+                    raise OSError(errno.EBUSY, f"{path} cannot be mapped copy-on-write safely (taken over by "
+                                  "another process, or no open-file-description locks here)")
+                have = os.fstat(fd)
+                st = os.stat(path, follow_symlinks=False)
+                if (st.st_dev, st.st_ino) != (have.st_dev, have.st_ino):
+                    raise OSError(errno.ESTALE, f"{path} is no longer the file the checkpoint names")
+                if have.st_size != sh.bytes:
+                    raise OSError(errno.EINVAL, f"{path} has {have.st_size} bytes, the manifest says {sh.bytes}")
+                mm = mmap.mmap(fd, have.st_size, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+            except BaseException:
+                os.close(fd)
+                raise
+            self._cow[shard] = (fd, mm)
+        return self._cow[shard][1]
+
     def tensors(self, recs: list[TensorRecord]) -> list[torch.Tensor]:
-        """Views of ``recs`` over the shared mappings, after checking their checksums.
+        """Views of ``recs`` over the tier's mappings (shared, or copy-on-write for the shards
+        of :attr:`_private`), after checking their checksums.
 
         Raises:
             CorruptCheckpointError: naming the tensor whose bytes differ (nothing handed out).
@@ -137,8 +200,11 @@ class Adoption:
                 continue
             out.append(torch.frombuffer(self.map(r.shard), dtype=r.torch_dtype, count=numel,
                                         offset=r.start).reshape(r.shape))
-            self.adopted[id(out[-1])] = r
-            self._used.setdefault(r.shard, []).append((r.start, r.end))
+            if r.shard in self._private:
+                self._cow_ids[id(out[-1])] = r
+            else:
+                self._shared_ids[id(out[-1])] = r
+                self._used.setdefault(r.shard, []).append((r.start, r.end))
         return out
 
     def give_up(self) -> bool:
@@ -209,6 +275,9 @@ class Adoption:
         shards = self._ck.manifest.shards
         files = [(fd, shards[si].bytes, self._used.get(si, [])) for si, (fd, _) in self._files.items()]
         self._files.clear()
+        for fd, _ in self._cow.values():  # never punched: a base's pages are the tier's
+            os.close(fd)  # the private mapping keeps its own descriptor, and with it the reader lock
+        self._cow.clear()
         if not self.given_up:
             for fd, _, _ in files:
                 os.close(fd)
@@ -248,13 +317,21 @@ def adoption_for(runtimes: list[Any], ck: "OpenCheckpoint", saved: bool, world_s
     from nebula_ckpt import knobs
     from nebula_ckpt.tiers.memory.runtime import MemoryTierRuntime
 
-    if not knobs.get("adopt_memory_tier") or saved or world_size > 1 or ck.manifest.multi_rank \
-            or any(s.step is not None for s in ck.manifest.shards):  # refers to other steps: theirs to keep
+    if not knobs.get("adopt_memory_tier") or saved or world_size > 1 or ck.manifest.multi_rank:
         return None
     mem = next((rt for rt in runtimes if isinstance(rt, MemoryTierRuntime) and rt.name == ck.tier_name), None)
     if mem is None or not _durable_elsewhere(runtimes, ck):
         return None
-    return Adoption(mem, ck)
+    # another step's bytes, or this step's when a newer one refers to them: the tier's to keep
+    private = {i for i, sh in enumerate(ck.manifest.shards) if sh.step is not None}
+    if len(private) < len(ck.manifest.shards):
+        try:
+            if referrers(mem.storage, committed_steps(mem.storage), ck.step):
+                private = set(range(len(ck.manifest.shards)))
+        except OSError as e:
+            log.debug("nebula_ckpt: memory tier %s: referrers of step %d unknown (%s)", mem.name, ck.step, e)
+            private = set(range(len(ck.manifest.shards)))
+    return Adoption(mem, ck, private)
 
 
 def _durable_elsewhere(runtimes: list[Any], ck: "OpenCheckpoint") -> bool:

@@ -52,7 +52,8 @@ class Restorer:
         self._may_adopt = may_adopt
         #: told ``(step, tier, manifest)`` after each restore (the tier's next save may build on it)
         self._on_restored = on_restored
-        #: ``{"step", "tier", "adopted_bytes"}`` of the last restore (``None`` before any); with
+        #: ``{"step", "tier", "adopted_bytes", "copy_on_write_bytes"}`` of the last restore (``None``
+        #: before any); with
         #: memory-tier replicas also ``sources`` (where each rank's copy was) and ``source`` (this rank's)
         self.last_restore: Optional[dict[str, Any]] = None
         #: memory-tier replicas on partner nodes (:mod:`nebula_ckpt.tiers.memory.replicas`), or None
@@ -137,7 +138,8 @@ class Restorer:
             ck = open_tagged(pairs, self.steps_tagged(tag), tag, self.root, stage)
         else:
             ck = find_and_open(pairs, step=step, on_all_damaged=on_damaged, stage=stage)
-        self.last_restore = None if ck is None else {"step": ck.step, "tier": ck.tier_name, "adopted_bytes": 0}
+        self.last_restore = None if ck is None else {"step": ck.step, "tier": ck.tier_name, "adopted_bytes": 0,
+                                                     "copy_on_write_bytes": 0}
         if ck is not None and self.last_restore is not None and rec is not None and rec["step"] == ck.step:
             # where each rank's copy was before the restore: its own memory tier, a partner's
             # replica (pulled into its memory tier), a shared tier; ``tier``: where this rank read it
@@ -166,7 +168,8 @@ class Restorer:
         if ck.pending is not None:  # staged while opening: read, matched and verified already
             ck.pending()
             if ck.adoption is not None and self.last_restore is not None:
-                self.last_restore["adopted_bytes"] = ck.adoption.handed_bytes
+                self.last_restore.update(adopted_bytes=ck.adoption.handed_bytes,
+                                         copy_on_write_bytes=ck.adoption.cow_bytes)
             return
         if ck.same_layout:
             apply(ck, into, map_location=map_location, strict=strict, allow_pickle=self.allow_pickle)

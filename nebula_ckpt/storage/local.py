@@ -43,6 +43,14 @@ def _open_nofollow(path: str) -> Any:
 # process takes the file over only with :func:`hold_alone`: an exclusive lock on every byte but
 # its own, which is granted only while no other process holds a reader lock, and which, once
 # granted, keeps every later reader lock from being granted.
+#
+# A *private* (copy-on-write) mapping of such a file (:func:`hold_private`: an incremental step's
+# base, mapped by a restore) is marked by a reader lock at ``_PRIVATE_AT + <pid>``. Its pages that
+# the process has not written yet are the file's: a write into the file in place would show
+# through. That byte lies in every range :func:`hold_alone` and :func:`read_elsewhere` look at,
+# this process's own included (open-file-description locks conflict between two opens of one
+# file in the same process), so no process, the mapping one included, takes the file over or
+# stages into it while the mapping lives.
 
 _FLOCK = "@hhqqi4x"  # struct flock: l_type, l_whence, l_start, l_len (0: to the end), l_pid
 #: open-file-description locks (Linux >= 3.15); without them no reader can be seen, so no file is
@@ -95,6 +103,22 @@ def hold_read(fd: int) -> bool:
         return True  # nothing can take a file over here (hold_alone is always False)
 
 
+#: where the reader locks of private mappings start (beyond any pid, inside every range checked)
+_PRIVATE_AT = 1 << 40
+
+
+def hold_private(fd: int) -> bool:
+    """Register the open file ``fd`` as mapped copy-on-write by this process (until the last
+    descriptor of it closes, a mapping's included): from then on no process, this one included,
+    takes the file over (:func:`hold_alone`) or writes it in place (:func:`read_elsewhere` is
+    True for it). False when another process has taken the file over, and always where the
+    system has no open-file-description locks (nothing could see the mapping: copy instead)."""
+    try:
+        return _ofd_lock(fd, fcntl.F_RDLCK, _PRIVATE_AT + os.getpid(), 1)
+    except _NoOfdLocks:
+        return False
+
+
 def hold_alone(fd: int) -> bool:
     """Take the file of ``fd`` over: True when no other process holds it open for reading (by
     :func:`hold_read`), and from then on none can; False (nothing taken) otherwise, and always
@@ -116,8 +140,9 @@ def _hold_alone(fd: int) -> bool:
 
 
 def read_elsewhere(path: str) -> bool:
-    """Whether another process holds a reader lock (:func:`hold_read`) on the file at ``path``
-    (False when it is gone): its bytes must not change."""
+    """Whether another process holds a reader lock (:func:`hold_read`) on the file at ``path``,
+    or any process, this one included, maps it copy-on-write (:func:`hold_private`); False when
+    it is gone. Either way its bytes must not change: nothing may stage into it in place."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
     except FileNotFoundError:

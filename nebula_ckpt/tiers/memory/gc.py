@@ -40,8 +40,11 @@ from dataclasses import dataclass, replace
 from typing import Optional
 
 from nebula_ckpt import knobs
+from nebula_ckpt.errors import CorruptCheckpointError
 from nebula_ckpt.format.commit import committed_steps
-from nebula_ckpt.format.names import COMMIT, RUN_FILE, step_dir
+from nebula_ckpt.format.manifest import Manifest
+from nebula_ckpt.format.names import COMMIT, MANIFEST, RUN_FILE, step_dir
+from nebula_ckpt.format.references import references
 from nebula_ckpt.storage.base import Storage
 from nebula_ckpt.storage.local import LocalStorage
 from nebula_ckpt.tiers.memory.shm import Found, look, scan, try_lock
@@ -175,9 +178,33 @@ def _ask_root(root: str, run_id: Optional[str], step: int) -> RootAnswer:
             except Exception:  # noqa: BLE001 - only refines the list of lost steps
                 on_root = frozenset()
             return RootAnswer(ONLY_HERE, f"its root {root} does not hold step {step}", on_root)
+        lacking = _lacking_on_root(st, step)
+        if lacking is not None:
+            try:
+                on_root = frozenset(committed_steps(st)) - {step}
+            except Exception:  # noqa: BLE001 - only refines the list of lost steps
+                on_root = frozenset()
+            return RootAnswer(ONLY_HERE, f"its root {root} holds step {step} but cannot restore it ({lacking})",
+                              on_root)
         return RootAnswer(DURABLE, f"newest step {step} is durable on {root}")
     finally:
         st.close()
+
+
+def _lacking_on_root(st: Storage, step: int) -> Optional[str]:
+    """What keeps committed ``step`` on ``st`` from being restored without this memory tier: its
+    manifest unreadable, or an earlier step it refers to (an incremental step) not committed
+    there; None when nothing is known to lack. Other errors propagate (the root cannot tell)."""
+    try:
+        man = Manifest.parse(st.read_small(f"{step_dir(step)}/{MANIFEST}"), f"{st.display_url} step {step}", step)
+    except (FileNotFoundError, CorruptCheckpointError) as e:
+        return f"its manifest: {e}"
+    for ref in sorted(references(man)):
+        try:
+            st.size(f"{step_dir(ref)}/{COMMIT}")
+        except FileNotFoundError:
+            return f"step {ref}, which holds bytes it refers to, is not committed there"
+    return None
 
 
 def ask_root(root: str, run_id: Optional[str], step: int) -> RootAnswer:

@@ -33,7 +33,7 @@ from typing import Optional
 from nebula_ckpt.format.commit import committed_steps, read_commit
 from nebula_ckpt.format.names import COMMIT, step_dir
 from nebula_ckpt.restore.open import open_checkpoint, read_manifest
-from nebula_ckpt.storage.local import LocalStorage
+from nebula_ckpt.storage.local import LocalStorage, read_elsewhere
 
 log = logging.getLogger(__name__)
 
@@ -143,9 +143,9 @@ class ReplicaStore:
 
     def spare(self, rank: int, name: str) -> Optional[str]:
         """The path of a spare file ``name`` of ``rank`` (a shard of a replica pruned before, to
-        receive the next copy into), or None."""
+        receive the next copy into), or None; never one a process still reads or maps copy-on-write."""
         path = os.path.join(self.base, f"{SPARE_PREFIX}r{rank}", name)
-        return path if os.path.isfile(path) and not os.path.islink(path) else None
+        return path if os.path.isfile(path) and not os.path.islink(path) and not read_elsewhere(path) else None
 
     def incoming(self, step: int) -> str:
         """A new private folder ``.incoming-<id>/step-N`` to receive a copy into."""

@@ -34,6 +34,7 @@ from typing import Optional
 from nebula_ckpt import knobs
 from nebula_ckpt.format.names import LOCK_FILE, ROOT_FILE, slot_file_name, slot_owner
 from nebula_ckpt.storage.atomic import write_file_atomic
+from nebula_ckpt.storage.local import read_elsewhere
 
 log = logging.getLogger(__name__)
 
@@ -166,7 +167,10 @@ def sweep_slot_files(slot_dir: str) -> int:
     its own retention removes it). A file nothing links any more is an idle staging buffer whose
     tmpfs pages already exist: it is renamed to this process (a *spare*, see
     :func:`own_spare_slot_files`) instead of being freed, so the next save can stage in it
-    without paying for new pages, and freeing it costs the restore nothing.
+    without paying for new pages, and freeing it costs the restore nothing. A file that a process
+    still reads or maps copy-on-write (an incremental step's base a restore mapped, whose step
+    retention dropped since: :func:`~nebula_ckpt.storage.local.read_elsewhere`) is never made a
+    spare, since a save would stage into it in place: only its name goes.
     """
     removed = 0
     try:
@@ -180,7 +184,8 @@ def sweep_slot_files(slot_dir: str) -> int:
         path = os.path.join(slot_dir, name)
         try:
             st = os.lstat(path)
-            if stat.S_ISREG(st.st_mode) and st.st_nlink == 1 and st.st_uid == current_uid():
+            if stat.S_ISREG(st.st_mode) and st.st_nlink == 1 and st.st_uid == current_uid() \
+                    and not read_elsewhere(path):
                 os.rename(path, os.path.join(slot_dir, slot_file_name()))
             else:
                 os.unlink(path)
@@ -194,7 +199,8 @@ def sweep_slot_files(slot_dir: str) -> int:
 
 def own_spare_slot_files(slot_dir: str, exclude: set[str]) -> list[tuple[str, int]]:
     """``(path, size)`` of this process's slot files in ``slot_dir`` not in ``exclude`` that no
-    checkpoint links: spares taken over by :func:`sweep_slot_files`, free to stage in."""
+    checkpoint links and no process reads or maps copy-on-write: spares taken over by
+    :func:`sweep_slot_files`, free to stage in."""
     out: list[tuple[str, int]] = []
     try:
         names = os.listdir(slot_dir)
@@ -208,7 +214,8 @@ def own_spare_slot_files(slot_dir: str, exclude: set[str]) -> list[tuple[str, in
             st = os.lstat(path)
         except FileNotFoundError:
             continue
-        if stat.S_ISREG(st.st_mode) and st.st_nlink == 1 and st.st_uid == current_uid():
+        if stat.S_ISREG(st.st_mode) and st.st_nlink == 1 and st.st_uid == current_uid() \
+                and not read_elsewhere(path):
             out.append((path, st.st_size))
     return out
 
