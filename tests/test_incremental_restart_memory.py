@@ -34,8 +34,11 @@ JOB = textwrap.dedent("""
     root, out, steps = sys.argv[1], sys.argv[2], [int(s) for s in sys.argv[3].split(",") if s]
     state = {"frozen": torch.randn(512, 512, generator=torch.Generator().manual_seed(1)),
              "train": torch.zeros(256), "step": -1}
+    if len(sys.argv) > 4:  # restore into nothing: the restore creates the tensors (and adopts the tier's pages)
+        state = {"frozen": None, "train": None, "step": -1}
     ck = nc.Checkpointer(root, keep_last=5)
-    report = {"restored": ck.load_latest(state), "tier": (ck.last_restore or {}).get("tier"), "saves": []}
+    report = {"restored": ck.load_latest(state), "tier": (ck.last_restore or {}).get("tier"), "saves": [],
+              "adopted": (ck.last_restore or {}).get("adopted_bytes", 0)}
     for step in steps:
         state["train"] += step
         state["step"] = step
@@ -50,9 +53,10 @@ JOB = textwrap.dedent("""
 """)
 
 
-def _life(root: str, shm_dir: str, out: str, steps: list[int]) -> dict[str, Any]:
+def _life(root: str, shm_dir: str, out: str, steps: list[int], adopt: bool = False) -> dict[str, Any]:
     env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""), NEBULA_SHM_DIR=shm_dir)
-    p = subprocess.run([sys.executable, "-c", JOB, root, out, ",".join(map(str, steps))], env=env,
+    p = subprocess.run([sys.executable, "-c", JOB, root, out, ",".join(map(str, steps)), *(["adopt"] if adopt else [])],
+                       env=env,
                        capture_output=True, text=True, timeout=180)
     assert p.returncode == -signal.SIGKILL, p.stdout + p.stderr
     with open(out) as f:
@@ -105,3 +109,17 @@ def test_restored_from_disk_the_memory_tier_builds_on_its_own_newest_step(tmp_pa
     again = _life(root, shm_dir, str(tmp_path / "c.json"), [])
     assert again["restored"] == 4 and again["tier"].startswith("memory"), again
     assert again["digest"] == got["digest"]
+
+
+def test_after_an_adopting_restore_the_memory_tier_builds_on_the_base_it_keeps(tmp_path, shm_dir) -> None:  # noqa: ANN001
+    """The restore takes the memory tier's step 2 over (its own shard's pages handed to the new
+    process, the step gone from the tier); step 1, the base step 2 referred to, stays there, and
+    the first save compares with it."""
+    root = str(tmp_path / "ck")
+    _life(root, shm_dir, str(tmp_path / "a.json"), [1, 2])
+    got = _life(root, shm_dir, str(tmp_path / "b.json"), [3], adopt=True)
+    assert got["restored"] == 2 and got["tier"].startswith("memory") and got["adopted"] > 0, got
+    assert _tier(got["saves"][0]["written"], "memory") < 4096 + 2 * 256 * 4, got["saves"]
+    assert [s.get("step") for s in _mem_man(root, shm_dir, 3)["shards"][1:]] == [1]
+    again = _life(root, shm_dir, str(tmp_path / "c.json"), [])
+    assert again["restored"] == 3 and again["digest"] == got["digest"], again

@@ -10,8 +10,9 @@ After a restore it may build on:
   the world size is the same (a resharding restore starts full);
 * the memory tier's restored step, only while the tier still holds that very committed step
   (:func:`still_committed`: an adopted step is gone from the tier);
-* when the restore came from another tier, the memory tier's own newest committed step no newer
-  than the step restored (:func:`newest_local`). The memory tier compares the staged bytes with
+* when the restore came from another tier, or adopted the memory tier's step, the memory tier's
+  own newest committed step no newer than the step restored (:func:`newest_local`; after an
+  adoption, typically the base the adopted step referred to). The memory tier compares the staged bytes with
   its base's bytes, byte for byte, so its equality needs no trust in a hash nor in the restore:
   a base whose bytes differ from the new state only makes those tensors written.
 """
@@ -37,9 +38,9 @@ def restart_base(storage: "Storage", man: Manifest, here: bool, compare: bool, s
     """The base of a tier's first save after the restore of ``man`` (read from this tier:
     ``here``), or None (that save is full): see the module. ``compare``: the tier compares bytes
     (the memory tier); ``shared``: a shared tier of a multi-rank job."""
-    if compare:
-        return still_committed(storage, man, rank, world) if here else newest_local(storage, man.step, rank, world,
-                                                                                    tier)
+    if compare:  # restored here and still held, else (adopted, or restored elsewhere) the tier's own newest
+        return (still_committed(storage, man, rank, world) if here else None) \
+            or newest_local(storage, man.step, rank, world, tier)
     if not here:
         return None  # a persistent tier the restore did not read is not built on
     if world == 1:
