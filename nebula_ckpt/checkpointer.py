@@ -3,8 +3,7 @@
 The save stages (plan -> snapshot -> fan-out -> persist, their threads and the overlap policy)
 are :class:`~nebula_ckpt.save.pipeline.SavePipeline`'s; listing and restoring (candidates, the
 ranks' agreement, opening, applying, resharding) :class:`~nebula_ckpt.restore.restorer.Restorer`'s.
-This module opens the tiers of a root for a run, validates what users pass, and closes it all.
-"""
+This module opens the tiers of a root for a run, validates what users pass, and closes it all."""
 
 from __future__ import annotations
 
@@ -54,6 +53,7 @@ def _check_arguments(root: Any, keep_last: Any, max_host_bytes: Any, on_full: An
         raise ValidationError(f"snapshot must be 'auto', 'sync' or 'async', got {snapshot!r}")
     if not isinstance(incremental, bool):
         raise ValidationError(f"incremental must be True or False, got {incremental!r}")
+    knobs.check_all()  # a knob set out of range (environment or override) fails here, not mid-run
 
 
 def _close_at_exit() -> None:

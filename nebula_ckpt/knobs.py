@@ -31,6 +31,8 @@ class _Knob:
     default: Any
     parse: Callable[[str], Any]
     doc: str
+    #: the smallest value that makes sense (None: any); a value below it is an error naming the knob
+    least: Any = None
 
 
 def _bool(s: str) -> bool:
@@ -142,7 +144,7 @@ _KNOBS: dict[str, _Knob] = {
     "incremental_full_every": _Knob("NEBULA_INCREMENTAL_FULL_EVERY", 10, int,
                                     "incremental saves: every N-th save a tier writes is a full checkpoint "
                                     "(N >= 1; 1: every save full), so the steps a checkpoint refers to stay "
-                                    "few and retention can drop old ones"),
+                                    "few and retention can drop old ones", least=1),
     "hash_threads": _Knob("NEBULA_HASH_THREADS", None, int,
                           "incremental saves: threads that take the SHA-256 of staged tensors off the "
                           "training thread (default: io_threads)"),
@@ -179,18 +181,34 @@ def get(name: str) -> Any:
     knob = _KNOBS[name]
     with _lock:
         if name in _overrides:
-            return _overrides[name]
+            return _checked(name, knob, _overrides[name], "set by knobs.override")
     raw = os.environ.get(knob.env)
     if raw is not None and raw != "":
         try:
-            return knob.parse(raw)
+            value = knob.parse(raw)
         except ValueError as e:
             raise ValueError(f"environment variable {knob.env}={raw!r} is not valid: {e}") from None
+        return _checked(name, knob, value, f"from the environment variable {knob.env}={raw!r}")
     if name in ("copy_threads", "io_threads", "hash_threads") and knob.default is None:
         return _default_threads()
     if name == "fault_ahead_threads" and knob.default is None:
         return _default_fault_threads()
     return knob.default
+
+
+def _checked(name: str, knob: _Knob, value: Any, where: str) -> Any:
+    """``value`` of knob ``name`` (``where`` it came from), or a ValueError when it is below the
+    knob's least value."""
+    if knob.least is not None and value is not None and value < knob.least:
+        raise ValueError(f"knob {name} ({where}) is {value!r}: it must be >= {knob.least}; {knob.doc}")
+    return value
+
+
+def check_all() -> None:
+    """Read every knob that has a least value (a ValueError naming the first one out of range)."""
+    for name, knob in _KNOBS.items():
+        if knob.least is not None:
+            get(name)
 
 
 @contextlib.contextmanager

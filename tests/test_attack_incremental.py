@@ -371,9 +371,6 @@ def test_a_removed_base_goes_once_its_referrers_are_removed_without_another_save
 
 
 @pytest.mark.parametrize("value", [0, -1, -10])
-@pytest.mark.xfail(strict=True, reason="save/incremental.py Incremental.__init__ clamps incremental_full_every "
-                   "with max(1, ...): 0 and negative values silently mean 'every save full' instead of a clear "
-                   "error before anything is written (knobs.py parses it as a plain int)")
 def test_a_full_save_cadence_below_one_is_a_clear_error_before_anything_is_written(
         tmp_path, shm_dir, value: int) -> None:  # noqa: ANN001
     root = str(tmp_path / "ck")
@@ -382,6 +379,14 @@ def test_a_full_save_cadence_below_one_is_a_clear_error_before_anything_is_writt
             with nc.Checkpointer(root, memory_tier=False) as ck:
                 ck.save(0, _state(_frozen(), torch.zeros(64), 0))
     assert not os.path.exists(root) or not any(n.startswith("step-") for n in os.listdir(root))
+
+
+def test_a_full_save_cadence_below_one_from_the_environment_names_the_variable(
+        tmp_path, shm_dir, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: ANN001
+    monkeypatch.setenv("NEBULA_INCREMENTAL_FULL_EVERY", "0")
+    with pytest.raises(ValueError, match="NEBULA_INCREMENTAL_FULL_EVERY='0'.*>= 1"):
+        nc.Checkpointer(str(tmp_path / "ck"), memory_tier=False)
+    assert not (tmp_path / "ck").exists() or not any(n.startswith("step-") for n in os.listdir(tmp_path / "ck"))
 
 
 def test_a_full_save_cadence_of_one_writes_every_save_whole(tmp_path, shm_dir) -> None:  # noqa: ANN001
