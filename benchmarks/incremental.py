@@ -9,6 +9,10 @@ every ``--interval`` training steps, on each setup (``--setups``):
   ``tests/blob/emulators.py``; ``scripts/install_blob_servers.sh`` installs it),
 * ``memory``: ``Checkpointer(root, tiers=[MemoryTier()])``: the memory tier alone, in a private
   folder of ``/dev/shm``; a step's bytes are what its own folder holds in the tmpfs,
+* ``memory+disk``: ``Checkpointer(root, tiers=[MemoryTier(), LocalTier(root)])``: both tiers take
+  every save (the disk tier takes the memory tier's byte compare for the tensors it found
+  unchanged instead of hashing them: :mod:`nebula_ckpt.save.hash_reuse`); a step's bytes are the
+  disk tier's, its time until durable is the later of the two tiers',
 
 by each system (``--systems``):
 
@@ -54,7 +58,7 @@ from benchmarks.peers import Nebula, TorchSave
 log = logging.getLogger(__name__)
 
 SYSTEMS = ("nebula_incremental", "nebula_full", "torch_save", "torch_save_adapters")
-SETUPS = ("disk", "remote", "memory")
+SETUPS = ("disk", "remote", "memory", "memory+disk")
 #: the share of the full state's bytes a later save may write (the issue's target)
 BYTES_TARGET = 0.02
 
@@ -117,7 +121,8 @@ class NebulaTier(Nebula):
         self.setup = setup
         self.storage_options = storage_options or {}
         self.name = "nebula_incremental" if self.incremental else "nebula_full"
-        kind = {"disk": "LocalTier(root)", "remote": "RemoteTier(root)", "memory": "MemoryTier()"}[setup]
+        kind = {"disk": "LocalTier(root)", "remote": "RemoteTier(root)", "memory": "MemoryTier()",
+                "memory+disk": "MemoryTier(), LocalTier(root)"}[setup]
         self.calls = (f"nc.Checkpointer(root, tiers=[{kind}]"
                       + ("" if self.incremental else ", incremental=False") + "); save_async; wait_snapshot; result")
         self.last_metrics: Optional[dict[str, Any]] = None
@@ -137,11 +142,11 @@ class NebulaTier(Nebula):
         self.url = str(root)
         if isinstance(root, Path):
             root.mkdir(parents=True, exist_ok=True)
-            tier: Any = nc.MemoryTier() if self.setup == "memory" else nc.LocalTier(str(root))
+            tiers: list[Any] = local_tiers(self.setup, str(root))
         else:
-            tier = nc.RemoteTier(self.url, storage_options=self.storage_options)
+            tiers = [nc.RemoteTier(self.url, storage_options=self.storage_options)]
         kw: dict[str, Any] = {} if self.incremental else {"incremental": False}
-        self.ck = nc.Checkpointer(self.url, tiers=[tier], storage_options=self.storage_options or None, **kw)
+        self.ck = nc.Checkpointer(self.url, tiers=tiers, storage_options=self.storage_options or None, **kw)
         self._handle = None
         self._handles = []
 
@@ -165,6 +170,14 @@ class NebulaTier(Nebula):
         fs.invalidate_cache()
         found = fs.find(f"{path.rstrip('/')}/{step_dir(step)}", detail=True)
         return sum(int(v.get("size") or 0) for v in found.values())
+
+
+def local_tiers(setup: str, root: str) -> list[Any]:
+    """The tiers of a local ``setup``: the memory tier, the disk tier at ``root``, or both."""
+    import nebula_ckpt as nc
+
+    return {"memory": lambda: [nc.MemoryTier()], "disk": lambda: [nc.LocalTier(root)],
+            "memory+disk": lambda: [nc.MemoryTier(), nc.LocalTier(root)]}[setup]()
 
 
 class NebulaFullTier(NebulaTier):
@@ -339,8 +352,8 @@ def _setups(names: list[str]) -> Iterator[tuple[str, str, Optional[dict[str, Any
         if name == "disk":
             yield name, "", None, None
             continue
-        if name == "memory":
-            yield from _memory_setup()
+        if name in ("memory", "memory+disk"):
+            yield from _memory_setup(name)
             continue
         here = str(Path(__file__).resolve().parents[1])
         if here not in sys.path:
@@ -357,18 +370,19 @@ def _setups(names: list[str]) -> Iterator[tuple[str, str, Optional[dict[str, Any
             yield name, az.create_container("incr"), az.storage_options, None
 
 
-def _memory_setup() -> Iterator[tuple[str, str, Optional[dict[str, Any]], Optional[str]]]:
-    """The ``memory`` setup: the memory tier in a private folder of ``/dev/shm`` (the knob
-    ``shm_dir``), removed afterwards (a memory tier alone outlives its Checkpointer)."""
+def _memory_setup(name: str = "memory") -> Iterator[tuple[str, str, Optional[dict[str, Any]], Optional[str]]]:
+    """The ``memory`` (or ``memory+disk``) setup: the memory tier in a private folder of
+    ``/dev/shm`` (the knob ``shm_dir``), removed afterwards (a memory tier alone outlives its
+    Checkpointer)."""
     from nebula_ckpt import knobs
 
     if not os.path.isdir("/dev/shm") or not os.access("/dev/shm", os.W_OK):
-        yield "memory", "", None, "no writable /dev/shm"
+        yield name, "", None, "no writable /dev/shm"
         return
     folder = tempfile.mkdtemp(prefix="nebula-bench-", dir="/dev/shm")
     try:
         with knobs.override(shm_dir=folder):
-            yield "memory", "", None, None
+            yield name, "", None, None
     finally:
         shutil.rmtree(folder, ignore_errors=True)
 
@@ -385,9 +399,10 @@ def run_setup(setup: str, url: str, so: Optional[dict[str, Any]], w: wl.Workload
         except PeerUnavailable as e:
             out["systems"][system] = {"name": system, "status": "unavailable", "reason": str(e)}
             continue
-        root: Any = work / f"{setup}-{system}" if setup in ("disk", "memory") else f"{url}/{system}"
+        local = setup in ("disk", "memory", "memory+disk")
+        root: Any = work / f"{setup}-{system}" if local else f"{url}/{system}"
         out["systems"][system] = measure_system(peer, w, root, args, baselines)
-        if setup in ("disk", "memory"):
+        if local:
             shutil.rmtree(work / f"{setup}-{system}", ignore_errors=True)
         log.warning("%s / %s: %s", setup, system, {k: out["systems"][system].get(k) for k in
                                                    ("status", "reason", "overhead")})

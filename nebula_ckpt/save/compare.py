@@ -16,6 +16,7 @@ import ctypes
 import logging
 import mmap
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import numpy as np
@@ -128,16 +129,35 @@ def may_build_on_base(tier: Any, world_size: int, storage: "Storage") -> bool:
         and storage.local_path("") is not None
 
 
+@dataclass(frozen=True)
+class Compared:
+    """The staged bytes of a snapshot already compared with the memory tier's base ``base``
+    (the very object that tier's :class:`Incremental` held) on the stager thread: ``candidates``,
+    the keys compared; ``same``, those equal byte for byte (keys as in ``base``)."""
+
+    base: Manifest
+    candidates: frozenset[str]
+    same: frozenset[str]
+
+
 def tier_delta(inc: Incremental, storage: "Storage", step: int, index: dict[str, dict[str, Any]],
-               hashes: dict[str, str], generation: int, staged: memoryview, tier: str) -> Optional[Delta]:
+               hashes: dict[str, str], generation: int, staged: memoryview, tier: str,
+               known: Optional[Compared] = None) -> Optional[Delta]:
     """The incremental save of ``index`` (staged in ``staged``) as ``step`` on the tier of ``inc``
     and ``storage``, or None (full). A tier that compares bytes (the memory tier) reads its base's
-    shards here (:class:`BaseBytes`); if they cannot be read, the save is full."""
+    shards here (:class:`BaseBytes`), but for the keys ``known`` already compared with this very
+    base; if they cannot be read, the save is full."""
     if not inc.compare:
         return inc.delta(step, index, hashes, generation)
     try:
         with BaseBytes(storage, staged, index) as base:
-            return inc.delta(step, index, hashes, generation, base.same)
+            def same(man: Manifest, candidates: dict[str, TensorRecord]) -> set[str]:
+                if known is None or known.base is not man:
+                    return base.same(man, candidates)
+                rest = {k: v for k, v in candidates.items() if k not in known.candidates}
+                return (set(candidates) & known.same) | (base.same(man, rest) if rest else set())
+
+            return inc.delta(step, index, hashes, generation, same)
     except OSError as e:
         log.warning("nebula_ckpt: tier %s: step %d is saved whole: the bytes of its base cannot be read (%s)",
                     tier, step, e)

@@ -84,12 +84,12 @@ def yield_to_training() -> None:
     lower_priority(int(knobs.get("hash_nice")))
 
 
-def _same_kind(rec: dict[str, Any], old: TensorRecord) -> bool:
+def same_kind(rec: dict[str, Any], old: TensorRecord) -> bool:
     """Same dtype and shape (else the save is full)."""
     return rec["dtype"] == old.dtype and tuple(rec["shape"]) == old.shape
 
 
-def _same_record(rec: dict[str, Any], old: TensorRecord) -> bool:
+def same_record(rec: dict[str, Any], old: TensorRecord) -> bool:
     """The cheap filter: CRC32C, device and DTensor record equal the base's (else it changed)."""
     dt = None if old.dtensor is None else old.dtensor.to_json()
     return rec["crc32c"] == old.crc32c and rec.get("device", "cpu") == old.device and rec.get("dtensor") == dt
@@ -97,7 +97,7 @@ def _same_record(rec: dict[str, Any], old: TensorRecord) -> bool:
 
 def _same_bytes(rec: dict[str, Any], sha: Optional[str], old: TensorRecord, old_sha: Optional[str]) -> bool:
     """Whether the staged tensor certainly equals the base's: CRC, device, DTensor record and SHA-256."""
-    return _same_record(rec, old) and sha is not None and sha == old_sha
+    return same_record(rec, old) and sha is not None and sha == old_sha
 
 
 class Incremental:
@@ -119,6 +119,14 @@ class Incremental:
         self._base: Optional[Manifest] = None
         self._since_full = 0
         self._pinned: set[int] = set()
+        #: the snapshot the base was committed from (:attr:`Snapshot.serial`; None: seeded, copied)
+        self._origin: Optional[int] = None
+
+    def current(self) -> tuple[Optional[Manifest], Optional[int]]:
+        """The base (None: the next save is full whatever its bytes) and the serial number of the
+        snapshot it was committed from in this process (None: not known, e.g. a restored step)."""
+        with self._lock:
+            return self._base, self._origin
 
     def _next_is_full(self) -> bool:
         return self._base is None or self._since_full + 1 >= self.full_every
@@ -158,11 +166,11 @@ class Incremental:
             self._pinned = {base.step} | {s.step for s in base.shards if s.step is not None}
         if base.generation != generation or base.step >= step or set(index) != set(base.tensors):
             return None
-        if not all(_same_kind(rec, base.tensors[k]) for k, rec in index.items()):
+        if not all(same_kind(rec, base.tensors[k]) for k, rec in index.items()):
             return None
         if self.compare:
             assert same is not None  # checked above
-            equal = same(base, {k: base.tensors[k] for k, rec in index.items() if _same_record(rec, base.tensors[k])})
+            equal = same(base, {k: base.tensors[k] for k, rec in index.items() if same_record(rec, base.tensors[k])})
             reused = {k: base.tensors[k] for k in index if k in equal}
         else:
             reused = {k: base.tensors[k] for k, rec in index.items()
@@ -196,28 +204,32 @@ class Incremental:
             self._base = base
             self._since_full = len({s.step for s in base.shards if s.step is not None})
             self._pinned = set()
+            self._origin = None
             return True
 
-    def committed(self, manifest: dict[str, Any], full: bool) -> None:
-        """The tier committed ``manifest``: the next save builds on it."""
-        self._set_base(Manifest.parse(manifest, "the manifest just committed", manifest["step"]), full)
+    def committed(self, manifest: dict[str, Any], full: bool, origin: Optional[int] = None) -> None:
+        """The tier committed ``manifest`` (written from snapshot ``origin``, when known): the
+        next save builds on it."""
+        self._set_base(Manifest.parse(manifest, "the manifest just committed", manifest["step"]), full, origin)
 
-    def committed_share(self, step: int, generation: int, share: dict[str, Any]) -> None:
+    def committed_share(self, step: int, generation: int, share: dict[str, Any], origin: Optional[int] = None) -> None:
         """A multi-rank save committed on a shared tier: the next one builds on this rank's
-        ``share`` of it (its shard record, ``refs``, tensor index and ``sha256``)."""
+        ``share`` of it (its shard record, ``refs``, tensor index and ``sha256``; written from
+        snapshot ``origin``, when known)."""
         where = f"step {step}: this rank's share"
         shards = (ShardRecord.parse(share["shard"], where),
                   *(ShardRecord.parse(r, where) for r in share.get("refs", [])))
         tensors = {k: TensorRecord.parse(k, v, shards, where) for k, v in share["tensors"].items()}
         base = Manifest(step=step, generation=generation, shards=shards, tensors=tensors, aliases={}, tree={},
                         hashes=dict(share.get("sha256", {})))
-        self._set_base(base, not share.get("refs"))
+        self._set_base(base, not share.get("refs"), origin)
 
-    def _set_base(self, base: Manifest, full: bool) -> None:
+    def _set_base(self, base: Manifest, full: bool, origin: Optional[int]) -> None:
         with self._lock:
             self._base = base
             self._since_full = 0 if full else self._since_full + 1
             self._pinned = set()
+            self._origin = origin
 
     def declare(self) -> Optional[int]:
         """Multi-rank: the step this rank's next save would build on (None: it will be full),
@@ -264,18 +276,16 @@ def manifest_parts(delta: Delta, index: dict[str, dict[str, Any]], image_index: 
     return {"shards": [own_shard] + [r.to_json() for r in delta.refs], "tensors": tensors}
 
 
-def hashes_for(targets: list[Any], view: memoryview, index: dict[str, dict[str, Any]]) -> dict[str, str]:
-    """The SHA-256 of the staged tensors that the tiers ``targets`` (tier writers, each with an
-    ``incremental`` :class:`Incremental`) need, taken once for all of them."""
-    want: Optional[set[str]] = set()
+def wanted_keys(targets: list[Any], index: dict[str, dict[str, Any]]) -> set[str]:
+    """The keys of ``index`` whose SHA-256 the tiers ``targets`` (tier writers, each with an
+    ``incremental`` :class:`Incremental`) need (:meth:`Incremental.hash_keys`), for all of them."""
+    want: set[str] = set()
     for t in targets:
         keys = t.incremental.hash_keys(index)
         if keys is None:
-            want = None
-            break
-        assert want is not None
+            return set(index)
         want |= keys
-    return hash_staged(view, index, index if want is None else want)
+    return want
 
 
 def whole_image(man: Manifest, shards: list[Any]) -> tuple[list[memoryview], dict[str, dict[str, Any]], int]:

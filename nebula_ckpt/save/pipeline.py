@@ -122,8 +122,7 @@ class SavePipeline:
 
     def _seed(self, tier: str, manifest: Manifest) -> None:
         for w in self.writers or []:
-            if w.name == tier:
-                w.seed(manifest)
+            w.seed(manifest, here=w.name == tier)
 
     def prepare(self, state: Any, wait: bool) -> None:
         """Make the staging memory for saves of ``state`` (see :meth:`Checkpointer.prepare`)."""

@@ -4,13 +4,15 @@ The training thread enqueues the copy (one native call for all tensors); with
 ``snapshot="sync"`` it also waits for it. The copy threads checksum each block of the staged
 bytes while copying and flag a source that changed under them. The stager thread waits for the
 copy, records the tensor index (dtypes, offsets, checksums), takes the SHA-256 that incremental
-tiers need (:mod:`nebula_ckpt.save.incremental`) and hands the snapshot to the tiers
+tiers need (:mod:`nebula_ckpt.save.incremental`; those the memory tier's compare already knows are
+not hashed: :mod:`nebula_ckpt.save.hash_reuse`) and hands the snapshot to the tiers
 through :func:`nebula_ckpt.save.fanout.fan_out`. The training thread confirms the verdict (version
 counters) before any tier commits.
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
 import queue
 import threading
@@ -21,10 +23,13 @@ from nebula_ckpt.format import manifest as mf
 from nebula_ckpt.handle import SaveHandle
 from nebula_ckpt.native import CopyJob, get_ops, monotonic
 from nebula_ckpt.save.buffers import Slot, StagingPool
-from nebula_ckpt.save.incremental import hashes_for
+from nebula_ckpt.save.compare import Compared
+from nebula_ckpt.save.hash_reuse import staged_hashes
 from nebula_ckpt.save.plan import Plan
 
 log = logging.getLogger(__name__)
+
+_SERIALS = itertools.count()
 
 
 class Snapshot:
@@ -48,6 +53,11 @@ class Snapshot:
         self.tensor_index: dict[str, dict[str, Any]] = {}
         #: key -> SHA-256 of the staged bytes, for the tensors incremental tiers need (stager thread)
         self.hashes: dict[str, str] = {}
+        #: the memory tier's compare of the staged bytes with its base, when the stager made it
+        #: (:mod:`nebula_ckpt.save.hash_reuse`)
+        self.compared: Optional[Compared] = None
+        #: this snapshot's number in the process (a tier's base records the snapshot it came from)
+        self.serial = next(_SERIALS)
         self.copy_seconds = 0.0
         self._pool = pool
         self._refs = 1
@@ -244,7 +254,7 @@ class Stager:
         for k, info in snap.plan.dtensors.items():
             if k in snap.tensor_index:  # a tied key is an alias of the stored one
                 snap.tensor_index[k]["dtensor"] = info.to_json()
-        snap.hashes = hashes_for(snap.targets, snap.view(), snap.tensor_index)
+        snap.hashes, snap.compared = staged_hashes(snap.targets, snap.view(), snap.tensor_index)
         log.debug("nebula_ckpt: step %d staged (%d tensors, %.1f MiB, copy %.1f ms)", snap.step,
                   len(entries), snap.nbytes / 2**20, snap.copy_seconds * 1e3)
         self._deliver(snap, snap.targets)  # takes over the stager's reference

@@ -48,7 +48,7 @@ from nebula_ckpt.format.references import protected_steps, referrers, shard_path
 from nebula_ckpt.ranks import shards as ranks
 from nebula_ckpt.ranks.coordinator import Coordinator, LocalCoordinator
 from nebula_ckpt.ranks.fencing import TierFence
-from nebula_ckpt.save import sweep
+from nebula_ckpt.save import seeding, sweep
 from nebula_ckpt.save.commit import (
     CommitProgress,
     CommitUncertain,
@@ -83,6 +83,7 @@ class _Item:
     parts: Optional[Callable[[], list[memoryview]]] = None    # an incremental save's own shard image
     full: bool = True                                         # whether the step refers to no other step
     hashes: Optional[dict[str, str]] = None                   # multi-rank: SHA-256 of staged tensors
+    origin: Optional[int] = None                              # the snapshot's serial (None: a copy)
 
 
 class TierWriter:
@@ -129,14 +130,18 @@ class TierWriter:
         self._thread = threading.Thread(target=self._run, name=f"nebula-{self.tier.kind}-writer", daemon=True)
         self._thread.start()
 
-    def seed(self, man: Manifest) -> None:
-        """A restarted job restored the committed step of ``man`` from this tier (every tensor
-        verified against its CRC32C): the next save here may build on it instead of being full
-        (one-process jobs, persistent tiers, no save made yet)."""
-        if not self.incremental.enabled or not self.tier.persistent or self.coordinator.world_size > 1:
+    def seed(self, man: Manifest, here: bool = True) -> None:
+        """A restarted job restored the committed step of ``man`` from this tier (``here``) or
+        from another one, every tensor verified: the next save here may build on it, or on
+        another committed step of this tier, instead of being full (no save made yet; see
+        :func:`~nebula_ckpt.save.seeding.restart_base`)."""
+        if not self.incremental.enabled:
             return
-        if self.incremental.seed(dataclasses.replace(man, generation=self.fence.generation)):
-            log.info("nebula_ckpt: tier %s: the next save builds on restored step %d", self.name, man.step)
+        co = self.coordinator
+        base = seeding.restart_base(self.storage, man, here, self.incremental.compare, self._shared,
+                                    co.rank, co.world_size, self.name)
+        if base is not None and self.incremental.seed(dataclasses.replace(base, generation=self.fence.generation)):
+            log.info("nebula_ckpt: tier %s: the next save builds on restored step %d", self.name, base.step)
 
     # -- cadence (training thread) ----------------------------------------------------------------
     def wants(self, save_index: int, now: float) -> bool:
@@ -240,10 +245,10 @@ class TierWriter:
                                                shard=shard, **meta), snap.plan.tag)
 
         if not self._shared:  # this rank's own tier (memory): incremental on its own previous step
-            return self._commit_step(self._single_item(snap, source, confirmed, rank_manifest, f"r{co.rank}/"),
+            return self._commit_step(self._single_item(snap, source, confirmed, rank_manifest, self.key_prefix),
                                      on_shard)
         return self._commit_step(_Item(snap.step, snap.nbytes, source, rank_manifest, confirmed, snap.index, meta,
-                                       snap.plan.tag, hashes=snap.hashes), on_shard)
+                                       snap.plan.tag, hashes=snap.hashes, origin=snap.serial), on_shard)
 
     def _single_item(self, snap: Snapshot, source: Any, confirmed: Callable[[], None],
                      whole: Optional[MakeManifest] = None, prefix: str = "") -> _Item:
@@ -252,13 +257,14 @@ class TierWriter:
         whole = whole or (lambda gen, shard: build_tier_manifest(snap, gen, shard))  # sha256 included
         index, hashes = ranks.prefixed(snap.tensor_index, prefix), ranks.prefixed(snap.hashes, prefix)
         delta = tier_delta(self.incremental, self.storage, snap.step, index, hashes, self.fence.generation,
-                           source.view(), self.name)
+                           source.view(), self.name, snap.compared)
         if delta is None:
-            return _Item(snap.step, snap.nbytes, source, whole, confirmed)
+            return _Item(snap.step, snap.nbytes, source, whole, confirmed, origin=snap.serial)
         parts, nbytes, manifest = delta_image(delta, index, source.view(), whole)
         log.debug("nebula_ckpt: tier %s: step %d builds on step %d (%d of %d tensors written)", self.name,
                   snap.step, delta.base, len(delta.write), len(index))
-        return _Item(snap.step, nbytes, source, manifest, confirmed, parts=lambda: parts, full=False)
+        return _Item(snap.step, nbytes, source, manifest, confirmed, parts=lambda: parts, full=False,
+                     origin=snap.serial)
 
     def copy_from(self, src: Storage, step: int) -> None:
         """Write the committed checkpoint ``step`` of another (local) tier's storage to this tier.
@@ -279,6 +285,11 @@ class TierWriter:
             return dict(man, generation=gen, shards=[shard], tensors=tensors)
 
         self._commit_step(_Item(step, nbytes, None, manifest, lambda: None, parts=lambda: parts), None)
+
+    @property
+    def key_prefix(self) -> str:
+        """The prefix of the keys in this tier's manifests: ``r<R>/`` on a rank's own tier, else none."""
+        return f"r{self.coordinator.rank}/" if self.coordinator.world_size > 1 and not self.tier.shared else ""
 
     @property
     def _shared(self) -> bool:
@@ -342,9 +353,9 @@ class TierWriter:
                   share: Optional[dict[str, Any]]) -> None:
         """The step just committed is what this tier's next save builds on."""
         if manifest is not None:
-            self.incremental.committed(manifest, item.full)
+            self.incremental.committed(manifest, item.full, item.origin)
         elif share is not None:
-            self.incremental.committed_share(item.step, gen, share)
+            self.incremental.committed_share(item.step, gen, share, item.origin)
 
     def _clear_step(self, step: int) -> None:
         """Before writing ``step``: make its folder ready (what is removed is never a live writer's)."""
