@@ -360,9 +360,6 @@ def test_a_removed_base_goes_with_the_next_save_once_nothing_refers_to_it(tmp_pa
     assert sorted(n for n in os.listdir(root) if n.startswith("step-")) == ["step-5"]
 
 
-@pytest.mark.xfail(strict=True, reason="save/writer.py TierWriter.remove defers a referenced step in the in-memory "
-                   "set _deferred, deleted only by the next prune (after a save): remove(0), remove(2), remove(1) "
-                   "then close() leaves step 0 committed on disk although remove(0) returned [0]")
 def test_a_removed_base_goes_once_its_referrers_are_removed_without_another_save(tmp_path, shm_dir) -> None:  # noqa: ANN001
     root = str(tmp_path / "ck")
     _chain(root, steps=3)
@@ -549,11 +546,8 @@ def test_the_dcp_reader_given_a_manifest_refuses_a_replaced_base(tmp_path, shm_d
         NebulaStorageReader(st, 2, verify=verify)
 
 
-@pytest.mark.parametrize("damage", ["folder deleted", "COMMIT deleted"])
-@pytest.mark.xfail(strict=True, reason="save/incremental.py Incremental.delta (persistent tiers) builds on its base "
-                   "by hashes alone and never checks that the steps the base refers to are still committed: after "
-                   "an operator deletes the base step by hand, every save until the next full one commits a step "
-                   "referring to the missing step (committed, never restorable)")
+@pytest.mark.parametrize("damage", ["folder deleted", "COMMIT deleted", "manifest deleted", "shard deleted",
+                                    "shard truncated"])
 def test_a_base_deleted_by_hand_while_the_job_runs_makes_the_next_save_whole(
         tmp_path, shm_dir, damage: str) -> None:  # noqa: ANN001
     root = str(tmp_path / "ck")

@@ -23,6 +23,7 @@ import numpy as np
 
 from nebula_ckpt import knobs
 from nebula_ckpt.format.manifest import Manifest
+from nebula_ckpt.format.names import COMMIT, MANIFEST, step_dir
 from nebula_ckpt.format.records import TensorRecord
 from nebula_ckpt.format.references import shard_path
 from nebula_ckpt.ranks.shards import subset_image
@@ -148,7 +149,13 @@ def tier_delta(inc: Incremental, storage: "Storage", step: int, index: dict[str,
     shards here (:class:`BaseBytes`), but for the keys ``known`` already compared with this very
     base; if they cannot be read, the save is full."""
     if not inc.compare:
-        return inc.delta(step, index, hashes, generation)
+        delta = inc.delta(step, index, hashes, generation)
+        lacking = None if delta is None else refs_lacking(storage, delta)
+        if lacking is not None:
+            log.warning("nebula_ckpt: tier %s: step %d is saved whole: %s", tier, step, lacking)
+            inc.forget()
+            return None
+        return delta
     try:
         with BaseBytes(storage, staged, index) as base:
             def same(man: Manifest, candidates: dict[str, TensorRecord]) -> set[str]:
@@ -163,6 +170,26 @@ def tier_delta(inc: Incremental, storage: "Storage", step: int, index: dict[str,
                     tier, step, e)
         inc.forget()
         return None
+
+
+def refs_lacking(storage: "Storage", delta: Delta) -> Optional[str]:
+    """What is missing of the earlier steps ``delta`` refers to on ``storage`` (a persistent tier,
+    which decides by hashes and never reads its base's bytes): a commit marker, or a shard file
+    at its recorded size; None when all are there. An operator who deleted a base by hand must
+    not get a committed step that refers to it (never restorable), nor one that refers to a step
+    the sweep will delete as an uncommitted leftover."""
+    for ref in delta.refs:
+        folder = step_dir(ref.folder_step(delta.base))
+        try:
+            for name in (COMMIT, MANIFEST):  # a reader checks the referenced step's own records
+                if not storage.exists(f"{folder}/{name}"):
+                    return f"{folder}/{name} is gone (that step holds bytes this one would refer to)"
+            size = storage.size(f"{folder}/{ref.file}")
+        except FileNotFoundError:
+            size = -1
+        if size != ref.stored_bytes:
+            return f"{folder}/{ref.file} is gone or has another size (it holds bytes this step would refer to)"
+    return None
 
 
 def delta_image(delta: Delta, index: dict[str, dict[str, Any]], staged: memoryview,

@@ -6,7 +6,8 @@ Shared by the tier writers' retention (:mod:`nebula_ckpt.save.writer`) and the D
 generation, or of this very rank of this generation; a manifest (or a temp file) when this rank
 is the one that commits on this storage. A same-generation peer rank's shard is in flight, a
 newer generation's belongs to the writer that took over; neither is ever removed. A committed
-step's files are never leftovers.
+step's files are never leftovers. Also: the steps ``remove()`` deferred while later steps referred
+to them, deleted once none does (:func:`drop_unreferenced`).
 """
 
 from __future__ import annotations
@@ -15,8 +16,10 @@ import logging
 from dataclasses import dataclass
 from typing import Callable, Container
 
-from nebula_ckpt.format.commit import step_dirs
+from nebula_ckpt.format.commit import committed_steps, step_dirs
 from nebula_ckpt.format.names import COMMIT, shard_generation, shard_owner, step_dir
+from nebula_ckpt.format.references import referrers
+from nebula_ckpt.save.commit import delete_checkpoint
 from nebula_ckpt.storage.base import Storage
 
 log = logging.getLogger(__name__)
@@ -116,3 +119,21 @@ def discard_files(storage: Storage, step: int, doomed: Callable[[str], bool], wh
         storage.remove_empty_dir(d)
     except Exception as e:
         log.warning("nebula_ckpt: %s: cannot remove the files of failed step folder %s: %s", where, d, e)
+
+
+def drop_unreferenced(storage: Storage, deferred: set[int], may_go: Callable[[int], bool], tier: str) -> set[int]:
+    """Delete the committed steps of ``deferred`` (``remove()`` asked for them while a later step
+    referred to their bytes) that no committed step refers to any more and ``may_go`` lets go of
+    (no save in flight builds on them); return the steps no longer deferred (deleted, or gone).
+    Dropping one may free another (a base of the one dropped), so it repeats until none goes."""
+    done: set[int] = set()
+    while True:
+        committed = committed_steps(storage)
+        done |= {s for s in deferred if s not in committed}
+        free = [s for s in sorted(deferred - done) if not referrers(storage, committed, s) and may_go(s)]
+        if not free:
+            return done
+        for s in free:
+            log.info("nebula_ckpt: tier %s: removing step %d (remove() asked for it; nothing refers to it)", tier, s)
+            delete_checkpoint(storage, s)
+        done.update(free)

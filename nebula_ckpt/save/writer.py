@@ -443,10 +443,9 @@ class TierWriter:
 
     def remove(self, step: int) -> bool:
         """Delete the committed checkpoint ``step`` from this tier as retention does (fence checked,
-        commit marker first, then its data); False when the tier holds no committed ``step``.
-
-        The caller makes sure no save of ``step`` is in flight (``Checkpointer.remove`` waits for
-        them); retention on the writer thread is held off meanwhile.
+        commit marker first, then its data), or, while later steps refer to it, as soon as none does
+        (their own removal or retention); False when the tier holds no committed ``step``. The caller
+        makes sure no save of ``step`` is in flight; retention is held off meanwhile.
 
         Raises:
             FencedError: a newer writer owns the root: nothing is deleted.
@@ -458,12 +457,13 @@ class TierWriter:
             users = referrers(self.storage, committed_steps(self.storage), step)
             if users or not self.incremental.let_go(step):
                 log.info("nebula_ckpt: tier %s: step %d is kept while step(s) %s refer to its bytes (incremental "
-                         "checkpoints); retention deletes it once none does", self.name, step,
+                         "checkpoints); it goes once none does", self.name, step,
                          users[:8] or "being saved")
                 self._deferred.add(step)
                 return True
             log.info("nebula_ckpt: tier %s: removing step %d (remove())", self.name, step)
             delete_checkpoint(self.storage, step)
+            self._deferred -= sweep.drop_unreferenced(self.storage, self._deferred, self.incremental.let_go, self.name)
             return True
 
     def prune(self, keep_step: Optional[int] = None) -> None:
