@@ -187,6 +187,11 @@ def _target(inc: str, step: int, name: str, size: int, src: int, spare: Optional
     fd = os.open(path, os.O_CREAT | exclusive | os.O_RDWR | os.O_NOFOLLOW, 0o600)
     try:
         os.ftruncate(fd, size)
+        if size:
+            # the pages, allocated in one call (cheaper than populating a hole page by page), and
+            # a full tmpfs found now (OSError: the copy is refused) rather than by the bytes
+            # received into a hole it has no room for (SIGBUS)
+            os.posix_fallocate(fd, 0, size)
         return mmap.mmap(fd, size) if size else None
     finally:
         os.close(fd)
