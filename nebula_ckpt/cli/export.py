@@ -239,10 +239,36 @@ def _no_config_warning(step: int, key: str, folder: str) -> str:
             "integration does (state['config'] = model.config.to_json_string())")
 
 
+def write_safetensors(tensors: dict[str, Any], meta: dict[str, str], path: str) -> None:
+    """Write ``tensors`` and ``meta`` as the safetensors file ``path``, its metadata in key order."""
+    from safetensors.torch import save_file
+
+    save_file(tensors, path, metadata=meta)
+    sort_metadata(path)
+
+
+def sort_metadata(path: str) -> None:
+    """Rewrite the ``__metadata__`` of the safetensors file ``path`` in key order, in place (same
+    length): safetensors writes it in a random order, and an export of the same step must be the
+    same bytes every time. A header that would not keep its length is left as it is."""
+    with open(path, "r+b") as f:
+        n = int.from_bytes(f.read(8), "little")
+        raw = f.read(n)
+        head = json.loads(raw)
+        meta = head.get("__metadata__")
+        if not isinstance(meta, dict):
+            return
+        head["__metadata__"] = dict(sorted(meta.items()))
+        out = json.dumps(head, separators=(",", ":"), ensure_ascii=False).encode()
+        stripped = raw.rstrip(b" ")
+        if len(out) == len(stripped) and out != stripped:
+            f.seek(8)
+            f.write(out)
+
+
 def cmd_export(args: argparse.Namespace) -> int:
     """Write one fully verified checkpoint as a torch.save or safetensors file (see the module)."""
     import torch
-    from safetensors.torch import save_file
 
     key = None if args.key is None else args.key.strip("/")
     if key == "":
@@ -254,7 +280,7 @@ def cmd_export(args: argparse.Namespace) -> int:
     node = src.tree if key is None else subtree(src.tree, key)
     if fmt == "safetensors":
         tensors, meta = safetensors_payload(src, node, key, args.json)
-        write: Callable[[str], None] = lambda p: save_file(tensors, p, metadata=meta)  # noqa: E731
+        write: Callable[[str], None] = lambda p: write_safetensors(tensors, meta, p)  # noqa: E731
     else:
         state = torch_payload(src, node, key, args.allow_pickle)
         write = lambda p: torch.save(state, p)  # noqa: E731

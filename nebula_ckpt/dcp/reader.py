@@ -186,6 +186,8 @@ class NebulaStorageReader(StorageReader):
         self._storage_options = storage_options
         self._owned: Optional[Storage] = None
         self._verified: set[str] = set()
+        #: referenced shards (an incremental checkpoint's) whose reference was checked
+        self._refs_checked: set[int] = set()
         #: the step opened and verified up front (its shard bytes serve the reads); None when the
         #: caller gave the manifest
         self._ck: Optional[OpenCheckpoint] = None
@@ -417,8 +419,13 @@ class NebulaStorageReader(StorageReader):
         return fut
 
     def _read_from_shard(self, si: int, items: list[tuple[ReadItem, TensorRecord]], planner: LoadPlanner) -> None:
-        from nebula_ckpt.restore.open import read_shard
+        from nebula_ckpt.restore.open import check_references, read_shard
 
+        if self._ck is None and self.manifest.shards[si].step is not None and si not in self._refs_checked:
+            # a manifest handed over: what it refers to is checked here (open_checkpoint's check)
+            recs = [r for r in self.manifest.tensors.values() if r.shard == si]
+            check_references(self.storage, self.manifest, {si: recs}, self.where)
+            self._refs_checked.add(si)
         buf = self._ck.buffer(si) if self._ck is not None else read_shard(self.storage, self.manifest, si,
                                                                           self.where)
         if self.verify:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 import mmap
-from typing import Any, Callable, Iterable, Optional
+from typing import Any, Callable, Iterable, Mapping, Optional
 
 import torch
 
@@ -133,8 +133,7 @@ class OpenCheckpoint:
             return  # a path that takes none (device copies): verify_rest() checks them
         for rec, have in zip(recs, crcs, strict=True):
             if have != rec.crc32c:
-                raise CorruptCheckpointError(f"{self.where}: checksum mismatch in tensor '{rec.key}' "
-                                             f"(crc32c {have:#010x}, manifest {rec.crc32c:#010x})")
+                raise CorruptCheckpointError(mismatch(self.where, rec, have, self.manifest))
         done = {id(r) for r in recs}
         for si in list(self.unverified):
             self.unverified[si] = [r for r in self.unverified[si] if id(r) not in done]
@@ -147,7 +146,7 @@ class OpenCheckpoint:
         """
         todo = {si: recs for si, recs in self.unverified.items() if recs}
         self.unverified = {}
-        _verify_checksums(todo, self._buffers, self.where, self._maps)
+        _verify_checksums(todo, self._buffers, self.where, self._maps, self.manifest)
 
     def view(self, key: str) -> torch.Tensor:
         """Read-only use view of tensor ``key`` (or of the key it is tied to) over the shard bytes."""
@@ -291,7 +290,7 @@ def open_checkpoint(storage: Storage, step: int, verify: str, where: str,
                                 f"this process is rank {rank or 0} of {world}")
     man = load_records(storage, man, man.ranks if rank is None else [rank], where)
     needed = _needed(man, rank)
-    check_references(storage, man, {i for i in needed if man.shards[i].step is not None}, where)
+    check_references(storage, man, {i: recs for i, recs in needed.items() if man.shards[i].step is not None}, where)
     read = {i: _read_shard(storage, man, i, where) for i in sorted(needed)}
     buffers = {i: b for i, (b, _) in read.items()}
     maps = {i: m for i, (_, m) in read.items() if m is not None}
@@ -303,15 +302,19 @@ def open_checkpoint(storage: Storage, step: int, verify: str, where: str,
     return ck
 
 
-def check_references(storage: Storage, man: mf.Manifest, shards: set[int], where: str) -> None:
-    """Check the shards ``shards`` of ``man`` that lie in earlier steps' folders: each such step
-    is committed on ``storage`` and its manifest lists the very file (same size and storage info)
-    as its own. Their tensors' checksums are checked with the rest (``verify="full"``).
+def check_references(storage: Storage, man: mf.Manifest, refs: Mapping[int, list[TensorRecord]],
+                     where: str) -> None:
+    """Check the shards of ``man`` that lie in earlier steps' folders (``refs``: shard index -> the
+    records read from it): each such step is committed on ``storage``, its manifest lists the
+    very file (same size and storage info) as its own, and each record read from it is that
+    step's own record of those bytes (same offsets, dtype, shape and CRC32C), so bytes of another
+    run or another save are refused even where only sizes are checked. Their tensors' checksums
+    are checked with the rest (``verify="full"``).
 
     Raises:
-        CorruptCheckpointError: naming the referenced step and shard.
+        CorruptCheckpointError: naming the referenced step and shard (and the tensor).
     """
-    for i in sorted(shards):
+    for i in sorted(refs):
         sh = man.shards[i]
         assert sh.step is not None
         at = f"{where}: shards[{i}] refers to step {sh.step}'s {sh.file}"
@@ -319,10 +322,30 @@ def check_references(storage: Storage, man: mf.Manifest, shards: set[int], where
             base = _base_of(storage, sh, f"{where} (referenced step {sh.step})")
         except CorruptCheckpointError as e:
             raise CorruptCheckpointError(f"{at}, which is not a healthy committed checkpoint: {e}") from None
-        own = next((b for b in base.shards if b.step is None and b.file == sh.file), None)
-        if own is None or own.bytes != sh.bytes or dict(own.storage or {}) != dict(sh.storage or {}):
+        own = next((j for j, b in enumerate(base.shards) if b.step is None and b.file == sh.file), None)
+        b = None if own is None else base.shards[own]
+        if b is None or b.bytes != sh.bytes or dict(b.storage or {}) != dict(sh.storage or {}):
             raise CorruptCheckpointError(f"{at}, but step {sh.step}'s manifest lists "
-                                         f"{'no such shard' if own is None else 'it with another size or storage'}")
+                                         f"{'no such shard' if b is None else 'it with another size or storage'}")
+        assert own is not None
+        _check_records(refs[i], base, own, at)
+
+
+def _check_records(recs: list[TensorRecord], base: mf.Manifest, own: int, at: str) -> None:
+    """Refuse a record of ``recs`` that is not ``base``'s own record of the same bytes (in its
+    shard ``own``): same offsets, dtype, shape and CRC32C."""
+    theirs: dict[tuple[int, int], list[TensorRecord]] = {}
+    for b in base.tensors.values():
+        if b.shard == own:
+            theirs.setdefault((b.start, b.end), []).append(b)  # zero-size tensors may share an offset
+    for r in recs:
+        same = theirs.get((r.start, r.end), [])
+        if not any((b.dtype, b.shape, b.crc32c) == (r.dtype, r.shape, r.crc32c) for b in same):
+            held = "" if not same else f" ({same[0].dtype} {list(same[0].shape)}, crc32c {same[0].crc32c:#010x})"
+            raise CorruptCheckpointError(
+                f"{at}, but tensor '{r.key}' ({r.dtype} {list(r.shape)}, crc32c {r.crc32c:#010x}) is not what "
+                f"step {base.step} holds at bytes [{r.start}, {r.end}) of it{held}: the referenced "
+                "step was replaced (by another run or another save)")
 
 
 def _base_of(storage: Storage, sh: ShardRecord, where: str) -> mf.Manifest:
@@ -348,16 +371,17 @@ def _read_shard(storage: Storage, man: mf.Manifest, i: int, where: str) -> tuple
     """:func:`read_shard`, and the file mapping under the tensor (None for bytes read into memory)."""
     sh = man.shards[i]
     rel = shard_path(man, i)
+    name = sh.file if sh.step is None else f"{rel} (referenced: step {sh.step} holds it)"
     try:
         stored = storage.size(rel)
     except FileNotFoundError:
-        raise CorruptCheckpointError(f"{where}: shard {sh.file} is missing") from None
+        raise CorruptCheckpointError(f"{where}: shard {name} is missing") from None
     if stored != sh.stored_bytes:
-        raise CorruptCheckpointError(f"{where}: shard {sh.file} has {stored} bytes, manifest says "
+        raise CorruptCheckpointError(f"{where}: shard {name} has {stored} bytes, manifest says "
                                      f"{sh.stored_bytes} (truncated or torn write)")
     mv = storage.read_buffer(rel, dict(sh.storage or {}), expected_bytes=sh.bytes)
     if len(mv) != sh.bytes:
-        raise CorruptCheckpointError(f"{where}: shard {sh.file} decodes to {len(mv)} bytes, "
+        raise CorruptCheckpointError(f"{where}: shard {name} decodes to {len(mv)} bytes, "
                                      f"expected {sh.bytes}")
     man.check_data_start(i, data_start(mv), where)
     mm = getattr(mv, "obj", None)
@@ -392,8 +416,18 @@ def chunks(recs: list[TensorRecord]) -> list[list[TensorRecord]]:
     return out
 
 
+def mismatch(where: str, rec: TensorRecord, have: int, man: Optional[mf.Manifest] = None) -> str:
+    """The error of tensor ``rec`` whose bytes have CRC32C ``have``: in an incremental checkpoint
+    (``man``), bytes an earlier step's folder holds are named with that step and file."""
+    sh = None if man is None else man.shards[rec.shard]
+    held = "" if man is None or sh is None or sh.step is None else \
+        f" (bytes held by step {sh.step}: {shard_path(man, rec.shard)})"
+    return f"{where}: checksum mismatch in tensor '{rec.key}' (crc32c {have:#010x}, manifest {rec.crc32c:#010x}){held}"
+
+
 def _verify_checksums(needed: dict[int, list[TensorRecord]], buffers: dict[int, torch.Tensor],
-                      where: str, maps: Optional[dict[int, mmap.mmap]] = None) -> None:
+                      where: str, maps: Optional[dict[int, mmap.mmap]] = None,
+                      man: Optional[mf.Manifest] = None) -> None:
     """Check the CRC32C of every record, on all threads, a chunk at a time.
 
     A mapped chunk is populated in one call (not a fault per page) and dropped once checked, so
@@ -410,6 +444,5 @@ def _verify_checksums(needed: dict[int, list[TensorRecord]], buffers: dict[int, 
             _advise(mm, lo, hi, _MADV_DONTNEED)
             for rec, have in zip(group, got, strict=True):
                 if have != rec.crc32c:
-                    raise CorruptCheckpointError(f"{where}: checksum mismatch in tensor '{rec.key}' "
-                                                 f"(crc32c {have:#010x}, manifest {rec.crc32c:#010x})")
+                    raise CorruptCheckpointError(mismatch(where, rec, have, man))
 
