@@ -4,8 +4,9 @@ One :class:`Channel` per :class:`~nebula_ckpt.tiers.memory.replicas.Replicator` 
 training group, never the checkpoint protocol's groups). Files are sent straight from a
 read-only mapping of the sender's memory-tier file (no snapshot, no copy in this process) and
 received straight into a mapping of the receiver's new file under ``.incoming-*`` (see
-:mod:`~nebula_ckpt.tiers.memory.replica_store`), made from a spare file when there is one and
-faulted in by one call while the first bytes arrive. The threads that move and check the bytes
+:mod:`~nebula_ckpt.tiers.memory.replica_store`), made from a spare file when there is one, its
+pages allocated by one ``fallocate`` (a tmpfs without room refuses the copy there) and mapped in by
+one call while the first bytes arrive. The threads that move and check the bytes
 yield to training once saves begin (:meth:`Channel.yield_to_training`). :class:`Replication` bundles what the save
 rounds (:mod:`~nebula_ckpt.tiers.memory.replica_save`) and the recover round
 (:mod:`~nebula_ckpt.tiers.memory.replica_recover`) share.
