@@ -105,3 +105,38 @@ def test_only_steps_of_this_world_size_are_offered_from_memory(tmp_path, shm_dir
     assert [s for _, s in have] == [1]
     assert of_world(folder, have, 1) == have
     assert of_world(folder, have, 2) == []
+
+
+def test_a_full_check_of_a_copy_names_the_tensor_whose_bytes_differ(tmp_path) -> None:  # noqa: ANN001
+    """The check a replica or a pulled copy passes before it becomes visible (and a rank's own
+    copy before the restore trusts it): one byte flipped in any tensor is found, naming it; a
+    size check alone would not see it."""
+    import torch
+
+    from nebula_ckpt.errors import CorruptCheckpointError
+    from nebula_ckpt.format.names import step_dir
+    from nebula_ckpt.restore.open import read_manifest
+    from nebula_ckpt.storage.local import LocalStorage
+    from nebula_ckpt.tiers.memory.replica_store import verify_step
+
+    folder = str(tmp_path / "tier")
+    state = {"a": torch.arange(1000, dtype=torch.float32), "b": torch.ones(7, dtype=torch.int64),
+             "c": torch.full((64, 64), 3.0)}
+    with nc.Checkpointer(folder, memory_tier=False) as ck:
+        ck.save(1, state).result()
+    verify_step(folder, 1, 0, 1, "full")
+    st = LocalStorage(folder, private=True, fsync=False)
+    man = read_manifest(st, 1)
+    st.close()
+    for key in ("a", "b", "c"):
+        rec = man.tensors[key]
+        path = tmp_path / "tier" / step_dir(1) / man.shards[rec.shard].file
+        before = path.read_bytes()
+        data = bytearray(before)
+        data[rec.start + rec.nbytes // 2] ^= 0x01
+        path.write_bytes(bytes(data))
+        verify_step(folder, 1, 0, 1, "size")
+        with pytest.raises(CorruptCheckpointError, match=f"'{key}'"):
+            verify_step(folder, 1, 0, 1, "full")
+        path.write_bytes(before)
+    verify_step(folder, 1, 0, 1, "full")

@@ -4,8 +4,9 @@ One :class:`Channel` per :class:`~nebula_ckpt.tiers.memory.replicas.Replicator` 
 training group, never the checkpoint protocol's groups). Files are sent straight from a
 read-only mapping of the sender's memory-tier file (no snapshot, no copy in this process) and
 received straight into a mapping of the receiver's new file under ``.incoming-*`` (see
-:mod:`~nebula_ckpt.tiers.memory.replica_store`), made from a spare file when there is one and
-faulted in by one call while the first bytes arrive. The threads that move and check the bytes
+:mod:`~nebula_ckpt.tiers.memory.replica_store`), made from a spare file when there is one, its
+pages allocated by one ``fallocate`` (a tmpfs without room refuses the copy there) and mapped in by
+one call while the first bytes arrive. The threads that move and check the bytes
 yield to training once saves begin (:meth:`Channel.yield_to_training`). :class:`Replication` bundles what the save
 rounds (:mod:`~nebula_ckpt.tiers.memory.replica_save`) and the recover round
 (:mod:`~nebula_ckpt.tiers.memory.replica_recover`) share.
@@ -104,6 +105,14 @@ class Channel:
         dist.all_gather_object(out, value, group=self._group)
         return out
 
+    def gather_flags(self, flags: tuple[bool, ...]) -> list[tuple[bool, ...]]:
+        """Every rank's ``flags`` (the same number on every rank), by rank: one collective of a
+        few bytes, where :meth:`gather` pickles and takes two."""
+        mine = torch.tensor([int(bool(f)) for f in flags], dtype=torch.uint8)
+        out = [torch.empty_like(mine) for _ in range(self.world)]
+        dist.all_gather(out, mine, group=self._group)
+        return [tuple(bool(x) for x in t.tolist()) for t in out]
+
     def send(self, paths: list[str], files: list[tuple[str, int]], dst: int, works: Works) -> None:
         """Start sending ``files`` (``(name, size)``, mapped read-only from ``paths``: no copy) to
         rank ``dst``. A file that cannot be mapped (gone meanwhile) is sent as zeros of its size,
@@ -187,6 +196,11 @@ def _target(inc: str, step: int, name: str, size: int, src: int, spare: Optional
     fd = os.open(path, os.O_CREAT | exclusive | os.O_RDWR | os.O_NOFOLLOW, 0o600)
     try:
         os.ftruncate(fd, size)
+        if size:
+            # the pages, allocated in one call (cheaper than populating a hole page by page), and
+            # a full tmpfs found now (OSError: the copy is refused) rather than by the bytes
+            # received into a hole it has no room for (SIGBUS)
+            os.posix_fallocate(fd, 0, size)
         return mmap.mmap(fd, size) if size else None
     finally:
         os.close(fd)

@@ -12,7 +12,8 @@ pulled copy becomes visible in the memory tier only once every checksum of it pa
 pull tries the next holder, then the shared tiers. The normal restore then finds the step, and
 reads a memory-tier copy checked here without checking its checksums a second time.
 
-Two gathers in all when nothing is damaged (the views, then the outcome of the one pull round).
+Two exchanges in all when nothing is damaged: the views (a gather of objects), then the outcome
+of the one pull round (two flags per rank, one small collective).
 """
 
 from __future__ import annotations
@@ -142,7 +143,7 @@ def _pull_round(rp: Replication, views: list[dict[str, Any]], assign: dict[int, 
     ok = inc is not None and _keep_pulled(rp, inc, target, assign[rp.rank])
     if ok:
         rp.counters.add("pulled_bytes", sum(n for _, n in files))
-    return [(bool(a), bool(b)) for a, b in ch.gather((ok, damaged))]
+    return [(a, b) for a, b in ch.gather_flags((ok, damaged))]
 
 
 def _keep_pulled(rp: Replication, inc: str, target: Order, holder: int) -> bool:
