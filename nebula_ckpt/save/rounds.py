@@ -49,6 +49,7 @@ from nebula_ckpt.save.commit import (
     encode_manifest,
     is_committed,
 )
+from nebula_ckpt.save.compare import refs_lacking
 from nebula_ckpt.save.incremental import Incremental
 from nebula_ckpt.tiers.runtime import TierRuntime
 
@@ -175,6 +176,11 @@ class SharedCommit:
         if base is not None and self.incremental is not None:
             delta = self.incremental.delta(save.step, {k: tensors[k] for k in keep}, hashes, self.fence.generation)
             delta = delta if delta is not None and delta.base == base else None
+            lacking = None if delta is None else refs_lacking(self.storage, delta)
+            if lacking is not None:  # deleted by hand: this rank's share is whole
+                log.warning("nebula_ckpt: tier %s: step %d: this rank's share is whole: %s", self.name, save.step,
+                            lacking)
+                delta = None
         write = keep if delta is None else delta.write
         log.debug("nebula_ckpt: phase=shard tier=%s step=%d (%d of %d tensors)", self.name, save.step, len(write),
                   len(tensors))

@@ -7,6 +7,8 @@ each stored once on the shared disk tier, by its owner rank; whole in each rank'
 Each life restores whatever is there, saves the steps of ``STEPS`` (comma-separated, may be
 empty) on the memory tier and the shared disk tier, reports what each save wrote per tier and
 the SHA-256 of every tensor, then SIGKILLs itself (a job torn down after its last committed step).
+Scenario ``rmbase``: before its last step, rank 0 deletes the shared tier's folder of the first
+step by hand (the base the last step would build on refers to it).
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 import signal
 import sys
 from typing import Any
@@ -45,6 +48,11 @@ def main() -> None:
         report: dict[str, Any] = {"rank": rank, "restored": ck.load_latest(s),
                                   "tier": (ck.last_restore or {}).get("tier"), "saves": []}
         for step in steps:
+            if scenario == "rmbase" and step == steps[-1]:  # an operator deletes the first step by hand
+                dist.barrier()
+                if rank == 0:
+                    shutil.rmtree(os.path.join(root, f"step-{steps[0]}"))
+                dist.barrier()
             s["train"] += step
             s["step"] = step
             h = ck.save(step, s)

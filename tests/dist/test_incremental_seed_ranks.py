@@ -97,3 +97,18 @@ def test_a_job_of_another_world_size_starts_full(root: str, shm_dir: str, tmp_pa
         step, back = ck.read(3)
     assert step == 3 and digest(back) == digest(s)
     assert torch.equal(back["train"], s["train"])
+
+
+def test_a_base_deleted_by_hand_makes_every_rank_save_its_share_whole(root: str, shm_dir: str, tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    out.mkdir()
+    got = _life(root, out, shm_dir, "rmbase", "1,2,3")  # 2 refers to 1; 1 is deleted before 3 is saved
+    for r in got:
+        assert _tier(r["saves"][1]["written"], "local") < SMALL, r  # step 2 built on step 1
+        assert _tier(r["saves"][2]["written"], "local") > 256 * 1024 * 4, r  # never on the deleted step
+    with open(os.path.join(root, "step-3", "manifest.json")) as f:
+        assert 1 not in json.load(f).get("references", [])
+    _drop_memory_step(root, shm_dir, 3)  # the next job restores step 3 from the shared disk tier
+    again = _life(root, out, shm_dir, "again", "")
+    for r, before in zip(again, got, strict=True):
+        assert r["restored"] == 3 and r["tier"].startswith("local") and r["digest"] == before["digest"], r
