@@ -18,7 +18,9 @@ simulated node has its own memory tier under ``SHM_BASE/n<i>`` (``NEBULA_SHM_DIR
   also reports ``sent_bytes`` after each step and each own memory-tier step's manifest shards
   and own shard size;
 * ``save_frozen_drop``: as ``save_frozen``, but before the last save every rank deletes the
-  replicas it holds of the step before (their partners then lack the base).
+  replicas it holds of the step before (their partners then lack the base);
+* ``save_frozen_flip``: as ``save_frozen``, but before the last save every rank flips a byte of
+  the frozen tensor in the replicas it holds of the step before (the base a copy is made whole from).
 """
 
 from __future__ import annotations
@@ -109,6 +111,8 @@ def save() -> None:
         _train(st, step)
         if SCENARIO == "save_frozen_drop" and step == STEPS:
             _drop_held(ck, step - 1)
+        if SCENARIO == "save_frozen_flip" and step == STEPS:
+            _flip_held(ck, step - 1)
         if SCENARIO == "save_kill_receiving" and step == STEPS and RANK == 1:
             _kill_while_receiving()
         h = ck.save_async(step, st)
@@ -140,6 +144,18 @@ def _drop_held(ck: nc.Checkpointer, step: int) -> None:
         for d in glob.glob(f"{shm}/nebula_ckpt-*/*/replicas/r{r}/step-{step}"):
             os.unlink(os.path.join(d, "COMMIT"))
             shutil.rmtree(d)
+
+
+def _flip_held(ck: nc.Checkpointer, step: int) -> None:
+    """Flip a byte in the middle (the frozen tensor) of the shards of ``step``'s replicas held here."""
+    shm = os.environ["NEBULA_SHM_DIR"]
+    for r in ck.stats()["replicas"]["holding_for"]:
+        for p in glob.glob(f"{shm}/nebula_ckpt-*/*/replicas/r{r}/step-{step}/shard-*"):
+            with open(p, "r+b") as f:
+                f.seek(os.path.getsize(p) // 2)
+                b = f.read(1)
+                f.seek(-1, os.SEEK_CUR)
+                f.write(bytes([b[0] ^ 0xFF]))
 
 
 def _own_step(step: int) -> dict[str, Any]:
@@ -178,5 +194,5 @@ def restore() -> None:
 if __name__ == "__main__":
     dist.init_process_group("gloo")
     {"save": save, "save_kill_receiving": save, "save_frozen": save, "save_frozen_drop": save,
-     "restore": restore, "restore_frozen": restore}[SCENARIO]()
+     "save_frozen_flip": save, "restore": restore, "restore_frozen": restore}[SCENARIO]()
     dist.destroy_process_group()

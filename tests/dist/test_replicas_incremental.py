@@ -60,3 +60,17 @@ def test_a_partner_lacking_the_base_is_sent_it(tmp_path: Path) -> None:
     assert len(_whole_replicas(job, 3)) == 4
     job.lose(1)
     _check_exact(saved, job.run("restore_frozen"), 3)
+
+
+def test_a_damaged_base_fails_the_replica_cleanly(tmp_path: Path) -> None:
+    """A byte of each held replica of step 2 flipped before step 3 was saved: step 3's copies,
+    made whole from those bases, fail their checksums; every save reports its partner's failure,
+    and no partial step 3 is visible or left behind."""
+    job = Job(tmp_path, "0,0,1,1", k=1, steps=3)
+    saved = job.run("save_frozen_flip")
+    for s in saved:
+        assert list(s["errors"]) == ["3"] and "partner rank" in s["errors"]["3"], s["errors"]
+        assert "CorruptCheckpointError" in s["errors"]["3"] or "checksum" in s["errors"]["3"], s["errors"]
+    held = [d for n in (0, 1) for d in job.replica_dirs(n) if not d.name.startswith(".")]
+    assert len(held) == 4 and all(sorted(p.name for p in d.iterdir()) == ["step-2"] for d in held), held
+    assert not [p for n in (0, 1) for p in (job.shm / f"n{n}").glob("nebula_ckpt-*/*/replicas/.incoming-*")]

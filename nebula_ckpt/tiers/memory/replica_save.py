@@ -3,11 +3,13 @@
 Run by the :class:`~nebula_ckpt.tiers.memory.replicas.Replicator`'s thread, in the same order on
 every rank, once this rank's memory tier is done with the save: the ranks exchange what they
 committed (file names and sizes; ``None`` for a rank whose memory tier did not commit it), each
-receiver says which copies it has room for (``knobs.shm_min_free``), each rank sends its files to
-its partners straight from the memory tier (a read-only mapping of the staged shard: no second
-snapshot), each receiver writes them into an ``.incoming-*`` folder, verifies every checksum and
-only then renames the copy into place, prunes older replicas of that rank, and the ranks exchange
-the outcome.
+receiver says which copies it has room for (``knobs.shm_min_free``) and, for an incremental step,
+whether it lacks the replica of its base, each rank sends its files to its partners straight from
+the memory tier (a read-only mapping of the staged shard: no second snapshot), plus the shards the
+step refers to to a partner that lacks its base, each receiver writes them into an ``.incoming-*``
+folder, makes an incremental step whole (:mod:`~nebula_ckpt.tiers.memory.replica_whole`), verifies
+every checksum and only then renames the copy into place, prunes older replicas of that rank, and
+the ranks exchange the outcome.
 """
 
 from __future__ import annotations
