@@ -176,8 +176,9 @@ def local_tiers(setup: str, root: str) -> list[Any]:
     """The tiers of a local ``setup``: the memory tier, the disk tier at ``root``, or both."""
     import nebula_ckpt as nc
 
-    return {"memory": lambda: [nc.MemoryTier()], "disk": lambda: [nc.LocalTier(root)],
-            "memory+disk": lambda: [nc.MemoryTier(), nc.LocalTier(root)]}[setup]()
+    tiers: dict[str, list[Any]] = {"memory": [nc.MemoryTier()], "disk": [nc.LocalTier(root)],
+                                   "memory+disk": [nc.MemoryTier(), nc.LocalTier(root)]}
+    return tiers[setup]
 
 
 class NebulaFullTier(NebulaTier):

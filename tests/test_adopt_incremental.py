@@ -23,6 +23,7 @@ import pytest
 import torch
 
 import nebula_ckpt as nc
+from nebula_ckpt import knobs
 from nebula_ckpt.tiers.memory.tier import memory_tier_path
 
 pytestmark = pytest.mark.skipif(not os.path.isdir("/dev/shm"), reason="needs a tmpfs memory tier")
@@ -146,7 +147,9 @@ def test_restart_adopts_keeps_saving_and_retention_drops_the_base_bit_exact(root
     want = _crash(root, shm_dir, str(tmp_path / "ref"))
     folder = memory_tier_path(root)
     base = os.stat(_shard(folder, 0))
-    with nc.Checkpointer(root, tiers=_tiers(root)) as ck:
+    # the restarted memory tier builds on the base it kept (step 0): a full save every 3rd lets
+    # retention drop the base while the restored frozen tensor still maps it copy-on-write
+    with knobs.override(incremental_full_every=3), nc.Checkpointer(root, tiers=_tiers(root)) as ck:
         into = _into()
         assert ck.load_latest(into=into) == 1
         assert ck.last_restore is not None and ck.last_restore["copy_on_write_bytes"] > 0, ck.last_restore

@@ -128,52 +128,39 @@ class Adoption:
     def map(self, shard: int) -> mmap.mmap:
         """A shared, writable mapping of shard ``shard`` (opened once), or a private one for a
         shard mapped copy-on-write."""
-        if shard in self._private:
-            return self._map_private(shard)
-        if shard not in self._files:
-            sh = self._ck.manifest.shards[shard]
-            path = self._runtime.storage.local_path(shard_path(self._ck.manifest, shard))
-            if path is None:
-                raise OSError(errno.EXDEV, "the memory tier is not a local file system")
-            fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
-            try:
-                if not hold_read(fd):
-                    raise OSError(errno.EBUSY, f"{path} was taken over by another process")
-                size = os.fstat(fd).st_size
-                if size != sh.bytes:
-                    raise OSError(errno.EINVAL, f"{path} has {size} bytes, the manifest says {sh.bytes}")
-                mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
-            except BaseException:
-                os.close(fd)
-                raise
-            self._files[shard] = (fd, mm)
-        return self._files[shard][1]
+        private = shard in self._private
+        files = self._cow if private else self._files
+        if shard not in files:
+            files[shard] = self._open_mapped(shard, private)
+        return files[shard][1]
 
-    def _map_private(self, shard: int) -> mmap.mmap:
-        """A copy-on-write mapping of shard ``shard``, its descriptor holding a private-mapping
-        reader lock taken before the name is checked to still link it (see the module docstring)."""
-        if shard not in self._cow:
-            sh = self._ck.manifest.shards[shard]
-            path = self._runtime.storage.local_path(shard_path(self._ck.manifest, shard))
-            if path is None:
-                raise OSError(errno.EXDEV, "the memory tier is not a local file system")
-            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-            try:
-                if not hold_private(fd):
-                    raise OSError(errno.EBUSY, f"{path} cannot be mapped copy-on-write safely (taken over by "
-                                  "another process, or no open-file-description locks here)")
-                have = os.fstat(fd)
+    def _open_mapped(self, shard: int, private: bool) -> tuple[int, mmap.mmap]:
+        """The descriptor and mapping of shard ``shard``: shared and writable under a reader lock,
+        or copy-on-write under a private-mapping reader lock taken before the name is checked to
+        still link the file (see the module docstring)."""
+        sh = self._ck.manifest.shards[shard]
+        path = self._runtime.storage.local_path(shard_path(self._ck.manifest, shard))
+        if path is None:
+            raise OSError(errno.EXDEV, "the memory tier is not a local file system")
+        fd = os.open(path, (os.O_RDONLY if private else os.O_RDWR) | os.O_NOFOLLOW | os.O_CLOEXEC)
+        try:
+            if not private and not hold_read(fd):
+                raise OSError(errno.EBUSY, f"{path} was taken over by another process")
+            if private and not hold_private(fd):
+                raise OSError(errno.EBUSY, f"{path} cannot be mapped copy-on-write safely (taken over by "
+                              "another process, or no open-file-description locks here)")
+            have = os.fstat(fd)
+            if private:
                 st = os.stat(path, follow_symlinks=False)
                 if (st.st_dev, st.st_ino) != (have.st_dev, have.st_ino):
                     raise OSError(errno.ESTALE, f"{path} is no longer the file the checkpoint names")
-                if have.st_size != sh.bytes:
-                    raise OSError(errno.EINVAL, f"{path} has {have.st_size} bytes, the manifest says {sh.bytes}")
-                mm = mmap.mmap(fd, have.st_size, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
-            except BaseException:
-                os.close(fd)
-                raise
-            self._cow[shard] = (fd, mm)
-        return self._cow[shard][1]
+            if have.st_size != sh.bytes:
+                raise OSError(errno.EINVAL, f"{path} has {have.st_size} bytes, the manifest says {sh.bytes}")
+            return fd, mmap.mmap(fd, have.st_size, flags=mmap.MAP_PRIVATE if private else mmap.MAP_SHARED,
+                                 prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        except BaseException:
+            os.close(fd)
+            raise
 
     def tensors(self, recs: list[TensorRecord]) -> list[torch.Tensor]:
         """Views of ``recs`` over the tier's mappings (shared, or copy-on-write for the shards
