@@ -122,12 +122,11 @@ def may_build_on_base(tier: Any, world_size: int, storage: "Storage") -> bool:
     """Whether saves on ``tier`` may be incremental: a persistent tier of a one-process job or a
     shared one; the memory tier (it compares bytes) of a one-process job, or of each rank of a
     multi-rank job (a rank's own tier: each rank builds on its own previous step, no agreement
-    needed), without replicas (a replica carries its step's own files, never the base's, so with
-    replicas every step stays whole) on a local file system."""
+    needed; with replicas too, which their holders make whole:
+    :mod:`~nebula_ckpt.tiers.memory.replica_whole`) on a local file system."""
     if tier.persistent:
         return world_size == 1 or bool(tier.shared)
-    return (world_size == 1 or not tier.shared) and not getattr(tier, "replicas", 0) \
-        and storage.local_path("") is not None
+    return (world_size == 1 or not tier.shared) and storage.local_path("") is not None
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,15 @@ simulated node has its own memory tier under ``SHM_BASE/n<i>`` (``NEBULA_SHM_DIR
 * ``save_kill_receiving``: as ``save``, but a rank holding replicas SIGKILLs itself while a copy
   is being received (after the bytes arrived, before it is verified and made visible);
 * ``restore``: a fresh model, ``load_latest`` into it, report the step, the digest, ``last_restore``
-  and ``stats()``, then close.
+  and ``stats()``, then close;
+* ``save_frozen`` / ``restore_frozen``: as ``save`` / ``restore`` with a large frozen tensor beside
+  the trained ones (the memory tier's steps after the first are incremental); ``save_frozen``
+  also reports ``sent_bytes`` after each step and each own memory-tier step's manifest shards
+  and own shard size;
+* ``save_frozen_drop``: as ``save_frozen``, but before the last save every rank deletes the
+  replicas it holds of the step before (their partners then lack the base);
+* ``save_frozen_flip``: as ``save_frozen``, but before the last save every rank flips a byte of
+  the frozen tensor in the replicas it holds of the step before (the base a copy is made whole from).
 """
 
 from __future__ import annotations
@@ -21,6 +29,7 @@ import glob
 import hashlib
 import json
 import os
+import shutil
 import signal
 import sys
 from typing import Any
@@ -45,7 +54,10 @@ def _state(seed: int) -> dict[str, Any]:
     torch.manual_seed(seed)
     model = torch.nn.Linear(32, 16)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    return {"model": model, "optim": opt, "extra": torch.zeros(64)}
+    out = {"model": model, "optim": opt, "extra": torch.zeros(64)}
+    if "frozen" in SCENARIO:
+        out["frozen"] = torch.randn(256 * 1024, generator=torch.Generator().manual_seed(seed))
+    return out
 
 
 def _train(st: dict[str, Any], step: int) -> None:
@@ -63,6 +75,8 @@ def _digest(st: dict[str, Any]) -> str:
     for k, v in sorted(flat["model"].items()):
         h.update(k.encode() + v.numpy().tobytes())
     h.update(flat["extra"].numpy().tobytes())
+    if "frozen" in st:
+        h.update(st["frozen"].numpy().tobytes())
     for k, s in sorted(st["optim"].state_dict()["state"].items()):
         for name, t in sorted(s.items()):
             h.update(f"{k}/{name}".encode() + t.numpy().tobytes())
@@ -92,9 +106,13 @@ def _kill_while_receiving() -> None:
 def save() -> None:
     st = _state(RANK)
     ck = nc.Checkpointer(ROOT, tiers=_tiers())
-    digests, written, errors, inodes = {}, {}, {}, {}
+    digests, written, errors, inodes, sent, own = {}, {}, {}, {}, {}, {}
     for step in range(1, STEPS + 1):
         _train(st, step)
+        if SCENARIO == "save_frozen_drop" and step == STEPS:
+            _drop_held(ck, step - 1)
+        if SCENARIO == "save_frozen_flip" and step == STEPS:
+            _flip_held(ck, step - 1)
         if SCENARIO == "save_kill_receiving" and step == STEPS and RANK == 1:
             _kill_while_receiving()
         h = ck.save_async(step, st)
@@ -104,7 +122,9 @@ def save() -> None:
         except nc.NebulaError as e:
             errors[step] = str(e)
         inodes[step] = _held_inodes(ck, step)  # the round is over on every rank once h is done
+        sent[step], own[step] = ck.stats()["replicas"]["sent_bytes"], _own_step(step)
     _report({"digests": digests, "written": written, "errors": errors, "stats": ck.stats(), "inodes": inodes,
+             "sent": sent, "own": own,
              "nice": {"training": os.getpriority(os.PRIO_PROCESS, 0), "threads": _thread_nice()}})
     os._exit(0)
 
@@ -115,6 +135,37 @@ def _held_inodes(ck: nc.Checkpointer, step: int) -> list[int]:
     held = ck.stats()["replicas"]["holding_for"]
     return sorted(os.stat(p).st_ino for r in held
                   for p in glob.glob(f"{shm}/nebula_ckpt-*/*/replicas/r{r}/step-{step}/shard-*"))
+
+
+def _drop_held(ck: nc.Checkpointer, step: int) -> None:
+    """Delete the replicas of ``step`` this rank holds (commit marker first, as pruning does)."""
+    shm = os.environ["NEBULA_SHM_DIR"]
+    for r in ck.stats()["replicas"]["holding_for"]:
+        for d in glob.glob(f"{shm}/nebula_ckpt-*/*/replicas/r{r}/step-{step}"):
+            os.unlink(os.path.join(d, "COMMIT"))
+            shutil.rmtree(d)
+
+
+def _flip_held(ck: nc.Checkpointer, step: int) -> None:
+    """Flip a byte in the middle (the frozen tensor) of the shards of ``step``'s replicas held here."""
+    shm = os.environ["NEBULA_SHM_DIR"]
+    for r in ck.stats()["replicas"]["holding_for"]:
+        for p in glob.glob(f"{shm}/nebula_ckpt-*/*/replicas/r{r}/step-{step}/shard-*"):
+            with open(p, "r+b") as f:
+                f.seek(os.path.getsize(p) // 2)
+                b = f.read(1)
+                f.seek(-1, os.SEEK_CUR)
+                f.write(bytes([b[0] ^ 0xFF]))
+
+
+def _own_step(step: int) -> dict[str, Any]:
+    """This rank's own memory-tier ``step``: its manifest's shard count and its own shard's size."""
+    shm = os.environ["NEBULA_SHM_DIR"]
+    for p in glob.glob(f"{shm}/nebula_ckpt-*/*/step-{step}/shard-*-r{RANK}.safetensors"):
+        if "replicas" not in p.split(os.sep):
+            with open(os.path.join(os.path.dirname(p), "manifest.json")) as f:
+                return {"shards": len(json.load(f)["shards"]), "bytes": os.path.getsize(p)}
+    return {}
 
 
 def _thread_nice() -> list[tuple[str, int]]:
@@ -142,5 +193,6 @@ def restore() -> None:
 
 if __name__ == "__main__":
     dist.init_process_group("gloo")
-    {"save": save, "save_kill_receiving": save, "restore": restore}[SCENARIO]()
+    {"save": save, "save_kill_receiving": save, "save_frozen": save, "save_frozen_drop": save,
+     "save_frozen_flip": save, "restore": restore, "restore_frozen": restore}[SCENARIO]()
     dist.destroy_process_group()

@@ -20,7 +20,7 @@ import mmap
 import os
 import threading
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -127,17 +127,22 @@ class Channel:
                 t = torch.zeros(size, dtype=torch.uint8)
             works.append((dist.isend(t, dst=self.ranks[dst], group=self._group, tag=i), t))
 
-    def receive(self, store: ReplicaStore, info: dict[str, Any], src: int, works: Works) -> str:
+    def receive(self, store: ReplicaStore, info: dict[str, Any], src: int, works: Works,
+                refs: Sequence[tuple[int, str, int]] = ()) -> str:
         """Start receiving ``info``'s files from rank ``src`` into a new incoming folder of
-        ``store``; return its path, or why not (the bytes then go to scratch memory: the ranks
-        stay in step)."""
+        ``store``, then ``refs`` (``(step, name, size)``: shards of earlier steps the step refers
+        to, sent after its own files, each into that step's folder beside it); return its path, or
+        why not (the bytes then go to scratch memory: the ranks stay in step)."""
         step = int(info["step"])
         maps: list[Optional[mmap.mmap]] = []
         made: Optional[str] = None
+        whole = info.get("base") is None  # an incremental step's own shard is small: no spare for it
+        files = [(step, name, size) for name, size in info["files"]] + list(refs)
         try:
             inc = made = store.incoming(step)
-            for name, size in info["files"]:
-                maps.append(_target(inc, step, name, size, src, store.spare(src, name)))
+            for s, name, size in files:
+                spare = store.spare(src, name) if whole and s == step else None
+                maps.append(_target(inc, s, name, size, src, spare))
             targets = [torch.frombuffer(m, dtype=torch.uint8) if m is not None else torch.empty(0, dtype=torch.uint8)
                        for m in maps]
         except OSError as e:
@@ -146,7 +151,7 @@ class Channel:
             maps = []
             if made is not None:  # what was made of it (a spare moved in included) goes now
                 store.discard(made)
-            targets = [torch.empty(size, dtype=torch.uint8) for _, size in info["files"]]
+            targets = [torch.empty(size, dtype=torch.uint8) for _, _, size in files]
         for i, t in enumerate(targets):
             if t.numel():
                 works.append((dist.irecv(t, src=self.ranks[src], group=self._group, tag=i), t))
@@ -185,6 +190,7 @@ def _target(inc: str, step: int, name: str, size: int, src: int, spare: Optional
     pages exist already, when given) and mapped to receive into; None when empty."""
     if not safe_name(name):  # the sender lists only these names
         raise OSError(f"rank {src} sent a file named {name!r}; refusing it")
+    os.makedirs(os.path.join(inc, step_dir(step)), mode=0o700, exist_ok=True)
     path = os.path.join(inc, step_dir(step), name)
     exclusive = os.O_EXCL
     if spare is not None:

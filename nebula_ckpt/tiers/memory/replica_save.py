@@ -3,11 +3,13 @@
 Run by the :class:`~nebula_ckpt.tiers.memory.replicas.Replicator`'s thread, in the same order on
 every rank, once this rank's memory tier is done with the save: the ranks exchange what they
 committed (file names and sizes; ``None`` for a rank whose memory tier did not commit it), each
-receiver says which copies it has room for (``knobs.shm_min_free``), each rank sends its files to
-its partners straight from the memory tier (a read-only mapping of the staged shard: no second
-snapshot), each receiver writes them into an ``.incoming-*`` folder, verifies every checksum and
-only then renames the copy into place, prunes older replicas of that rank, and the ranks exchange
-the outcome.
+receiver says which copies it has room for (``knobs.shm_min_free``) and, for an incremental step,
+whether it lacks the replica of its base, each rank sends its files to its partners straight from
+the memory tier (a read-only mapping of the staged shard: no second snapshot), plus the shards the
+step refers to to a partner that lacks its base, each receiver writes them into an ``.incoming-*``
+folder, makes an incremental step whole (:mod:`~nebula_ckpt.tiers.memory.replica_whole`), verifies
+every checksum and only then renames the copy into place, prunes older replicas of that rank, and
+the ranks exchange the outcome.
 """
 
 from __future__ import annotations
@@ -17,11 +19,12 @@ import os
 from typing import Any, Optional
 
 from nebula_ckpt import knobs
-from nebula_ckpt.errors import PersistError
+from nebula_ckpt.errors import CorruptCheckpointError, PersistError
 from nebula_ckpt.format.names import step_dir
 from nebula_ckpt.tiers.memory import replica_store
 from nebula_ckpt.tiers.memory.replica_channel import Replication, Works
 from nebula_ckpt.tiers.memory.replica_store import committed, step_files
+from nebula_ckpt.tiers.memory.replica_whole import holds_base, materialise, step_base
 
 log = logging.getLogger(__name__)
 
@@ -35,18 +38,25 @@ def replicate(rp: Replication, handle: Any) -> Optional[list[str]]:
     try:
         infos = ch.gather(mine)
         accept = {s: _room_for(rp, infos[s]) for s in rp.sources if infos[s] is not None}
-        accepts = ch.gather(accept)
+        # an incremental step's partner that lacks its base asks for the shards it refers to
+        lacks = {s: _lacks(rp, s, infos[s]) for s, ok in accept.items() if ok is True}
+        accepts = ch.gather((accept, lacks))
         works: Works = []
+        sent = 0
         if mine is not None:
             paths = [f"/proc/self/fd/{fd}" for fd in fds]
+            refs = (mine["base"] or {}).get("refs", [])
             for p in rp.partners:
-                if accepts[p].get(rp.rank) is True:
-                    ch.send(paths, mine["files"], p, works)
+                if accepts[p][0].get(rp.rank) is True:
+                    files = mine["files"] + ([(n, size) for _, n, size in refs] if accepts[p][1].get(rp.rank) else [])
+                    ch.send(paths[:len(files)], files, p, works)
+                    sent += sum(n for _, n in files)
         assert rp.store is not None or not any(v is True for v in accept.values())
         for s, ok in accept.items():
             if ok is True and rp.store is not None:
-                rp.counters.peak("peak_incoming_bytes", int(infos[s]["bytes"]))
-                incoming[s] = ch.receive(rp.store, infos[s], s, works)
+                refs = infos[s]["base"]["refs"] if lacks[s] else []
+                rp.counters.peak("peak_incoming_bytes", int(infos[s]["bytes"]) + sum(n for *_, n in refs))
+                incoming[s] = ch.receive(rp.store, infos[s], s, works, refs)
         ch.wait(works)
     finally:
         for fd in fds:
@@ -56,39 +66,53 @@ def replicate(rp: Replication, handle: Any) -> Optional[list[str]]:
     outcomes = ch.gather(outcome)
     if mine is None:
         return None
-    sent = sum(accepts[p].get(rp.rank) is True for p in rp.partners)
-    rp.counters.add("sent_bytes", mine["bytes"] * sent)
+    rp.counters.add("sent_bytes", sent)
     return [f"partner rank {p}: {outcomes[p].get(rp.rank)}" for p in rp.partners
             if outcomes[p].get(rp.rank) is not None]
 
 
+def _lacks(rp: Replication, src: int, info: dict[str, Any]) -> bool:
+    """Whether this rank needs the shards ``src``'s incremental step refers to (it holds no
+    replica of the step it was built on)."""
+    return info.get("base") is not None and (rp.store is None or not holds_base(rp.store.source_dir(src),
+                                                                                   info["base"]))
+
+
 def _mine(rp: Replication, handle: Any) -> tuple[Optional[dict[str, Any]], list[int]]:
-    """What this rank sends for the save of ``handle`` (its committed memory-tier step) and
-    its files, opened now: retention may unlink them while they are sent, never unmap them."""
+    """What this rank sends for the save of ``handle`` (its committed memory-tier step: its own
+    files, and when it refers to earlier steps, what a partner needs to make it whole) and its
+    files, opened now (the referenced shards after the step's own): retention may unlink them
+    while they are sent, never unmap them."""
     if handle is None or rp.folder is None or not any(t.startswith("memory") for t in handle.tiers_written):
         return None, []
     fds: list[int] = []
     try:
-        gen = next(g for g, s in committed(rp.folder) if s == handle.step)
+        gens = {s: g for g, s in committed(rp.folder)}
+        gen = gens[handle.step]
         d = os.path.join(rp.folder, step_dir(handle.step))
         files = step_files(rp.folder, handle.step)
+        base = step_base(rp.folder, handle.step, gens)
         for name, _ in files:
             fds.append(os.open(os.path.join(d, name), os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC))
-    except (StopIteration, OSError):  # retention took it already: a newer step is on its way
+        for s, name, _ in (base or {}).get("refs", []):
+            fds.append(os.open(os.path.join(rp.folder, step_dir(s), name), os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC))
+    except (KeyError, OSError, CorruptCheckpointError):  # retention took it already: a newer step is on its way
         for fd in fds:
             os.close(fd)
         return None, []
-    return {"step": handle.step, "gen": gen, "files": files, "bytes": sum(n for _, n in files)}, fds
+    return {"step": handle.step, "gen": gen, "files": files, "bytes": sum(n for _, n in files), "base": base}, fds
 
 
 def _room_for(rp: Replication, info: dict[str, Any]) -> Any:
     """True, or why this rank cannot hold that copy."""
     if rp.store is None:
         return "it has no usable memory tier"
-    left = rp.store.free_after(int(info["bytes"]))
+    # an incremental step is held whole: its own bytes and at most those of the shards it refers to
+    nbytes = int(info["bytes"]) + sum(n for *_, n in (info.get("base") or {}).get("refs", []))
+    left = rp.store.free_after(nbytes)
     floor = float(knobs.get("shm_min_free_fraction"))
     if left is not None and left < floor:
-        return (f"its memory tier would keep less than {floor:.0%} free with {info['bytes']} more bytes "
+        return (f"its memory tier would keep less than {floor:.0%} free with {nbytes} more bytes "
                 "(NEBULA_SHM_MIN_FREE)")
     return True
 
@@ -100,6 +124,8 @@ def commit_replica(rp: Replication, src: int, info: dict[str, Any], inc: str) ->
     if not os.path.isabs(inc):  # it could not be received into the memory tier: why
         return inc
     try:
+        if info.get("base") is not None:  # an incremental step: made whole here before it is checked
+            materialise(inc, step, rp.store.source_dir(src), info["base"])
         check_copy(inc, step, src, rp.world, int(info["gen"]))
         rp.store.publish(inc, step, rp.store.source_dir(src))
         rp.store.prune(src, rp.keep)

@@ -3,7 +3,8 @@
 A rank's memory-tier folder ``M`` holds, beside its own ``step-N/`` checkpoints:
 
 * ``M/replicas/r<R>/step-N/`` — a verified copy of rank ``R``'s memory-tier step ``N``: the same
-  files (``COMMIT``, ``manifest.json``, the shard), byte for byte;
+  files (``COMMIT``, ``manifest.json``, the shard), byte for byte, or, for an incremental step,
+  the same step made whole (:mod:`~nebula_ckpt.tiers.memory.replica_whole`);
 * ``M/replicas/.incoming-<id>/step-N/`` — a copy being received. It becomes visible by one
   ``rename`` into place, and only after every file arrived whole and the copy opened with every
   checksum verified (commit marker, manifest, each tensor's CRC32C): a receiver killed at any
