@@ -202,7 +202,8 @@ def delta_image(delta: Delta, index: dict[str, dict[str, Any]], staged: memoryvi
     def manifest(gen: int, shard: dict[str, Any]) -> dict[str, Any]:
         out = whole(gen, shard)
         out.update(manifest_parts(delta, index, image_index, shard))
-        out["stats"] = dict(out["stats"], base_step=delta.base, reused_bytes=delta.reused_bytes)
+        out["stats"] = dict(out["stats"], base_step=delta.base, reused_bytes=delta.reused_bytes,
+                            base_write=delta.base_write)
         return out
 
     return parts, nbytes, manifest

@@ -61,6 +61,8 @@ class Delta:
     refs: list[ShardRecord]
     base: int
     reused_bytes: int
+    #: the base's ``stats.write_id`` (None when it has none): which write of that step it is
+    base_write: Optional[str] = None
 
 
 def hash_staged(view: memoryview, index: dict[str, dict[str, Any]], keys: Iterable[str]) -> dict[str, str]:
@@ -187,7 +189,9 @@ class Incremental:
                 renumber[old.shard] = len(refs) + 1
                 refs.append(ShardRecord(sh.file, sh.bytes, sh.storage, sh.folder_step(base.step)))
         out = {k: {**old.to_json(), "shard": renumber[old.shard]} for k, old in reused.items()}
-        return Delta([k for k in index if k not in reused], out, refs, base.step, kept)
+        write_id = base.stats.get("write_id")
+        return Delta([k for k in index if k not in reused], out, refs, base.step, kept,
+                     write_id if isinstance(write_id, str) else None)
 
     def seed(self, base: Manifest) -> bool:
         """Build the next save on ``base``, a committed checkpoint this process did not write (the

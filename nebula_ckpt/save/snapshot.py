@@ -15,6 +15,7 @@ from __future__ import annotations
 import itertools
 import logging
 import queue
+import secrets
 import threading
 from typing import Any, Callable, Optional
 
@@ -58,6 +59,9 @@ class Snapshot:
         self.compared: Optional[Compared] = None
         #: this snapshot's number in the process (a tier's base records the snapshot it came from)
         self.serial = next(_SERIALS)
+        #: a random name of this write, recorded in its manifests' ``stats`` (``write_id``): two
+        #: saves of one step in one writer generation are told apart without trusting a checksum
+        self.write_id = secrets.token_hex(16)
         self.copy_seconds = 0.0
         self._pool = pool
         self._refs = 1
@@ -70,6 +74,10 @@ class Snapshot:
     def step(self) -> int:
         """Step of this snapshot."""
         return self.plan.step
+
+    def stats(self) -> dict[str, Any]:
+        """The ``stats`` its manifests record: tensor bytes, copy time and :attr:`write_id`."""
+        return {"tensor_bytes": self.plan.tensor_bytes, "copy_seconds": self.copy_seconds, "write_id": self.write_id}
 
     @property
     def nbytes(self) -> int:
@@ -264,5 +272,4 @@ def build_tier_manifest(snap: Snapshot, generation: int, shard: dict[str, Any]) 
     """The manifest of ``snap`` as written on one tier."""
     return mf.build_manifest(step=snap.step, generation=generation, shards=[shard],
                              tensors=snap.tensor_index, aliases=snap.plan.aliases, tree=snap.plan.tree,
-                             stats={"tensor_bytes": snap.plan.tensor_bytes,
-                                    "copy_seconds": snap.copy_seconds}, tag=snap.plan.tag, hashes=snap.hashes)
+                             stats=snap.stats(), tag=snap.plan.tag, hashes=snap.hashes)

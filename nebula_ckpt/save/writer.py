@@ -238,7 +238,7 @@ class TierWriter:
         if co.world_size == 1:
             return self._commit_step(self._single_item(snap, source, confirmed), on_shard)
         meta: dict[str, Any] = {"tensors": snap.tensor_index, "aliases": snap.plan.aliases, "tree": snap.plan.tree,
-                "stats": {"tensor_bytes": snap.plan.tensor_bytes, "copy_seconds": snap.copy_seconds}}
+                                "stats": snap.stats()}
 
         def rank_manifest(gen: int, shard: dict[str, Any]) -> dict[str, Any]:
             return tagged(ranks.rank_manifest(step=snap.step, generation=gen, rank=co.rank, world=co.world_size,

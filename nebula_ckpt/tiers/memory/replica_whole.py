@@ -8,7 +8,8 @@ it: the owner sends its step folder's own files (manifest, commit marker, its sm
 the receiver builds the whole shard from them plus the bytes the step refers to, taken either
 
 * by key from its own verified replica of the step the owner built on (``stats.base_step`` of
-  the manifest, same writer generation): each reused tensor's bytes equal the base's, so the
+  the manifest, same writer generation, and the same write of it: ``stats.base_write`` names the
+  base's ``stats.write_id``, a random name each write records): each reused tensor's bytes equal the base's, so the
   base's record of that key names them, whatever layout the base replica has; or
 * from the referenced shard files themselves, which the owner then sent too (beside the step's
   own files, into ``.incoming-*/step-<B>/``) because the partner said it lacks that base.
@@ -26,7 +27,7 @@ import mmap
 import os
 from typing import Any, Optional
 
-from nebula_ckpt.errors import PersistError
+from nebula_ckpt.errors import CorruptCheckpointError, PersistError
 from nebula_ckpt.format.commit import Commit, read_commit
 from nebula_ckpt.format.manifest import Manifest
 from nebula_ckpt.format.names import COMMIT, MANIFEST, step_dir
@@ -57,12 +58,24 @@ def step_base(folder: str, step: int, gens: dict[int, int]) -> Optional[dict[str
             for i, sh in enumerate(man.shards) if sh.step is not None and sh.step != step]
     base = man.stats.get("base_step")
     base = int(base) if isinstance(base, int) and not isinstance(base, bool) else None
-    return {"base": base, "gen": gens.get(base, gens[step]) if base is not None else None, "refs": refs}
+    write = man.stats.get("base_write")
+    return {"base": base, "gen": gens.get(base, gens[step]) if base is not None else None, "refs": refs,
+            "write": write if isinstance(write, str) else None}
 
 
 def holds_base(held: str, need: dict[str, Any]) -> bool:
-    """Whether the replicas in ``held`` (a source rank's folder) include the base ``need`` names."""
-    return need["base"] is not None and (need["gen"], need["base"]) in committed(held)
+    """Whether the replicas in ``held`` (a source rank's folder) include the base ``need`` names:
+    that step, of that writer generation, and that very write of it (its manifest's
+    ``stats.write_id`` is the one the step was built on: the same step saved twice in one
+    generation is never mistaken for the other, whatever their checksums)."""
+    if need["base"] is None or need.get("write") is None or (need["gen"], need["base"]) not in committed(held):
+        return False
+    try:
+        with open(os.path.join(held, step_dir(int(need["base"])), MANIFEST), "rb") as f:
+            man = Manifest.parse(f.read(), f"{held} step {need['base']}", int(need["base"]))
+    except (OSError, CorruptCheckpointError):
+        return False
+    return man.stats.get("write_id") == need["write"]
 
 
 def materialise(inc: str, step: int, held: str, need: dict[str, Any]) -> int:
@@ -97,7 +110,8 @@ def materialise(inc: str, step: int, held: str, need: dict[str, Any]) -> int:
         os.replace(os.path.join(inc, d, f"{own}.whole"), os.path.join(inc, d, own))
         tensors = info.pop("tensors")
         doc = json.loads(raw)
-        stats = {k: v for k, v in dict(doc.get("stats") or {}).items() if k not in ("base_step", "reused_bytes")}
+        stats = {k: v for k, v in dict(doc.get("stats") or {}).items()
+                 if k not in ("base_step", "reused_bytes", "base_write")}
         doc.update(shards=[{"file": own, "bytes": nbytes, "storage": info}], tensors=tensors, stats=stats)
         mbytes = json.dumps(doc, separators=(",", ":"), allow_nan=False).encode()
         st.write_small(f"{d}/{MANIFEST}", mbytes)
@@ -139,8 +153,10 @@ def _on_base(man: Manifest, inc: str, held: str, base: int,
             tensors[k] = dataclasses.replace(rec, shard=0)
             continue
         old = bman.tensors.get(k)
-        if old is None or old.nbytes != rec.nbytes:
-            raise PersistError(f"the replica of base step {base} holds no {rec.nbytes}-byte tensor {k!r}")
+        same = old is not None and (old.nbytes, old.dtype, old.shape, old.crc32c) == \
+            (rec.nbytes, rec.dtype, rec.shape, rec.crc32c)
+        if old is None or not same:
+            raise PersistError(f"the replica of base step {base} holds no tensor {k!r} as the step records it")
         tensors[k] = dataclasses.replace(rec, shard=1 + old.shard, start=old.start, end=old.end)
     return dataclasses.replace(man, tensors=tensors), shards
 
