@@ -53,8 +53,8 @@ class Restorer:
         #: told ``(step, tier, manifest)`` after each restore (the tier's next save may build on it)
         self._on_restored = on_restored
         #: ``{"step", "tier", "adopted_bytes", "copy_on_write_bytes"}`` of the last restore (``None``
-        #: before any); with
-        #: memory-tier replicas also ``sources`` (where each rank's copy was) and ``source`` (this rank's)
+        #: before any); with memory-tier replicas also ``sources`` (where each rank's copy was) and
+        #: ``source`` (this rank's)
         self.last_restore: Optional[dict[str, Any]] = None
         #: memory-tier replicas on partner nodes (:mod:`nebula_ckpt.tiers.memory.replicas`), or None
         self.replicator: Any = None

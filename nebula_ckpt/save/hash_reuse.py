@@ -5,7 +5,7 @@ A disk or remote tier knows a tensor unchanged by the SHA-256 of its staged byte
 incremental save's cost. The memory tier compares the staged bytes with its base's bytes, byte
 for byte (:mod:`nebula_ckpt.save.compare`), at memory speed. When the memory tier's base and a
 persistent tier's base were both committed *from the same snapshot* of this process (the same
-:attr:`~nebula_ckpt.save.snapshot.Snapshot.serial`, so the same step and the same staged bytes),
+:attr:`~nebula_ckpt.save.snapshot.Snapshot.write_id`, so the same step and the same staged bytes),
 the SHA-256 of a tensor the compare found equal is known without hashing it:
 
 * its staged bytes equal the memory base's bytes of it (``memcmp``, just now, on the stager thread);
@@ -56,38 +56,38 @@ def staged_hashes(targets: list[Any], view: memoryview,
     return {**known, **got}, compared
 
 
-def _peers(mem: Any, targets: list[Any], origin: int) -> list[Any]:
+def _peers(mem: Any, targets: list[Any], origin: str) -> list[Any]:
     """The persistent tiers among ``targets`` whose base was committed from snapshot ``origin``."""
     return [t for t in targets if t is not mem and t.incremental.enabled and not t.incremental.compare
             and t.incremental.current()[1] == origin]
 
 
 def _compare(mem: Any, targets: list[Any], view: memoryview,
-             index: dict[str, dict[str, Any]]) -> tuple[Optional[Compared], int]:
+             index: dict[str, dict[str, Any]]) -> tuple[Optional[Compared], str]:
     """The memory tier's compare of the staged bytes with its base, made only when a persistent
-    tier's base comes from the same snapshot (else ``(None, -1)``)."""
+    tier's base comes from the same snapshot (else ``(None, "")``)."""
     base, origin = mem.incremental.current()
     if base is None or origin is None or not _peers(mem, targets, origin):
-        return None, -1
+        return None, ""
     keyed = prefixed(index, mem.key_prefix)
     cands = {k: old for k, rec in keyed.items()
              if (old := base.tensors.get(k)) is not None and same_kind(rec, old) and same_record(rec, old)}
     if not cands:
-        return None, -1
+        return None, ""
     try:
         with BaseBytes(mem.storage, view, keyed) as bb:
             same = bb.same(base, cands)
     except OSError as e:  # the memory tier's own save reports it; here the tensors are hashed
         log.debug("nebula_ckpt: tier %s: its base cannot be compared: %s", mem.name, e)
-        return None, -1
+        return None, ""
     return Compared(base, frozenset(cands), frozenset(same)), origin
 
 
-def _recorded(compared: Compared, origin: int, prefix: str, targets: list[Any]) -> dict[str, str]:
+def _recorded(compared: Compared, origin: str, prefix: str, targets: list[Any]) -> dict[str, str]:
     """Key -> the SHA-256 a persistent base from snapshot ``origin`` recorded, for the keys the
     compare found equal (keys of the snapshot: ``prefix`` removed)."""
     out: dict[str, str] = {}
-    for t in targets:
+    for t in targets:  # checked again: a writer thread may have moved its base on since the compare
         base, got = t.incremental.current()
         if base is None or got != origin or t.incremental.compare:
             continue

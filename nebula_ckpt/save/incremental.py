@@ -121,11 +121,11 @@ class Incremental:
         self._base: Optional[Manifest] = None
         self._since_full = 0
         self._pinned: set[int] = set()
-        #: the snapshot the base was committed from (:attr:`Snapshot.serial`; None: seeded, copied)
-        self._origin: Optional[int] = None
+        #: the snapshot the base was committed from (:attr:`Snapshot.write_id`; None: seeded, copied)
+        self._origin: Optional[str] = None
 
-    def current(self) -> tuple[Optional[Manifest], Optional[int]]:
-        """The base (None: the next save is full whatever its bytes) and the serial number of the
+    def current(self) -> tuple[Optional[Manifest], Optional[str]]:
+        """The base (None: the next save is full whatever its bytes) and the write id of the
         snapshot it was committed from in this process (None: not known, e.g. a restored step)."""
         with self._lock:
             return self._base, self._origin
@@ -211,12 +211,12 @@ class Incremental:
             self._origin = None
             return True
 
-    def committed(self, manifest: dict[str, Any], full: bool, origin: Optional[int] = None) -> None:
+    def committed(self, manifest: dict[str, Any], full: bool, origin: Optional[str] = None) -> None:
         """The tier committed ``manifest`` (written from snapshot ``origin``, when known): the
         next save builds on it."""
         self._set_base(Manifest.parse(manifest, "the manifest just committed", manifest["step"]), full, origin)
 
-    def committed_share(self, step: int, generation: int, share: dict[str, Any], origin: Optional[int] = None) -> None:
+    def committed_share(self, step: int, generation: int, share: dict[str, Any], origin: Optional[str] = None) -> None:
         """A multi-rank save committed on a shared tier: the next one builds on this rank's
         ``share`` of it (its shard record, ``refs``, tensor index and ``sha256``; written from
         snapshot ``origin``, when known)."""
@@ -228,7 +228,7 @@ class Incremental:
                         hashes=dict(share.get("sha256", {})))
         self._set_base(base, not share.get("refs"), origin)
 
-    def _set_base(self, base: Manifest, full: bool, origin: Optional[int]) -> None:
+    def _set_base(self, base: Manifest, full: bool, origin: Optional[str]) -> None:
         with self._lock:
             self._base = base
             self._since_full = 0 if full else self._since_full + 1

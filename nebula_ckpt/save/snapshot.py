@@ -12,7 +12,6 @@ counters) before any tier commits.
 
 from __future__ import annotations
 
-import itertools
 import logging
 import queue
 import secrets
@@ -29,8 +28,6 @@ from nebula_ckpt.save.hash_reuse import staged_hashes
 from nebula_ckpt.save.plan import Plan
 
 log = logging.getLogger(__name__)
-
-_SERIALS = itertools.count()
 
 
 class Snapshot:
@@ -57,10 +54,9 @@ class Snapshot:
         #: the memory tier's compare of the staged bytes with its base, when the stager made it
         #: (:mod:`nebula_ckpt.save.hash_reuse`)
         self.compared: Optional[Compared] = None
-        #: this snapshot's number in the process (a tier's base records the snapshot it came from)
-        self.serial = next(_SERIALS)
         #: a random name of this write, recorded in its manifests' ``stats`` (``write_id``): two
-        #: saves of one step in one writer generation are told apart without trusting a checksum
+        #: saves of one step in one writer generation are told apart without trusting a checksum,
+        #: and a tier's base records the snapshot it was committed from
         self.write_id = secrets.token_hex(16)
         self.copy_seconds = 0.0
         self._pool = pool

@@ -127,7 +127,7 @@ def drop_unreferenced(storage: Storage, deferred: set[int], may_go: Callable[[in
     (no save in flight builds on them); return the steps no longer deferred (deleted, or gone).
     Dropping one may free another (a base of the one dropped), so it repeats until none goes."""
     done: set[int] = set()
-    while True:
+    while deferred - done:  # nothing deferred (the usual remove()): no listing, no manifest read
         committed = committed_steps(storage)
         done |= {s for s in deferred if s not in committed}
         free = [s for s in sorted(deferred - done) if not referrers(storage, committed, s) and may_go(s)]
@@ -137,3 +137,4 @@ def drop_unreferenced(storage: Storage, deferred: set[int], may_go: Callable[[in
             log.info("nebula_ckpt: tier %s: removing step %d (remove() asked for it; nothing refers to it)", tier, s)
             delete_checkpoint(storage, s)
         done.update(free)
+    return done

@@ -83,7 +83,7 @@ class _Item:
     parts: Optional[Callable[[], list[memoryview]]] = None    # an incremental save's own shard image
     full: bool = True                                         # whether the step refers to no other step
     hashes: Optional[dict[str, str]] = None                   # multi-rank: SHA-256 of staged tensors
-    origin: Optional[int] = None                              # the snapshot's serial (None: a copy)
+    origin: Optional[str] = None                              # the snapshot's write_id (None: a copy)
 
 
 class TierWriter:
@@ -248,7 +248,7 @@ class TierWriter:
             return self._commit_step(self._single_item(snap, source, confirmed, rank_manifest, self.key_prefix),
                                      on_shard)
         return self._commit_step(_Item(snap.step, snap.nbytes, source, rank_manifest, confirmed, snap.index, meta,
-                                       snap.plan.tag, hashes=snap.hashes, origin=snap.serial), on_shard)
+                                       snap.plan.tag, hashes=snap.hashes, origin=snap.write_id), on_shard)
 
     def _single_item(self, snap: Snapshot, source: Any, confirmed: Callable[[], None],
                      whole: Optional[MakeManifest] = None, prefix: str = "") -> _Item:
@@ -259,12 +259,12 @@ class TierWriter:
         delta = tier_delta(self.incremental, self.storage, snap.step, index, hashes, self.fence.generation,
                            source.view(), self.name, snap.compared)
         if delta is None:
-            return _Item(snap.step, snap.nbytes, source, whole, confirmed, origin=snap.serial)
+            return _Item(snap.step, snap.nbytes, source, whole, confirmed, origin=snap.write_id)
         parts, nbytes, manifest = delta_image(delta, index, source.view(), whole)
         log.debug("nebula_ckpt: tier %s: step %d builds on step %d (%d of %d tensors written)", self.name,
                   snap.step, delta.base, len(delta.write), len(index))
         return _Item(snap.step, nbytes, source, manifest, confirmed, parts=lambda: parts, full=False,
-                     origin=snap.serial)
+                     origin=snap.write_id)
 
     def copy_from(self, src: Storage, step: int) -> None:
         """Write the committed checkpoint ``step`` of another (local) tier's storage to this tier.

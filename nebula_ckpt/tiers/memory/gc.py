@@ -173,22 +173,23 @@ def _ask_root(root: str, run_id: Optional[str], step: int) -> RootAnswer:
         try:
             st.size(f"{step_dir(step)}/{COMMIT}")
         except FileNotFoundError:
-            try:
-                on_root = frozenset(committed_steps(st))
-            except Exception:  # noqa: BLE001 - only refines the list of lost steps
-                on_root = frozenset()
-            return RootAnswer(ONLY_HERE, f"its root {root} does not hold step {step}", on_root)
+            return RootAnswer(ONLY_HERE, f"its root {root} does not hold step {step}", _committed_but(st, step))
         lacking = _lacking_on_root(st, step)
         if lacking is not None:
-            try:
-                on_root = frozenset(committed_steps(st)) - {step}
-            except Exception:  # noqa: BLE001 - only refines the list of lost steps
-                on_root = frozenset()
             return RootAnswer(ONLY_HERE, f"its root {root} holds step {step} but cannot restore it ({lacking})",
-                              on_root)
+                              _committed_but(st, step))
         return RootAnswer(DURABLE, f"newest step {step} is durable on {root}")
     finally:
         st.close()
+
+
+def _committed_but(st: Storage, step: int) -> frozenset[int]:
+    """The root's committed steps but ``step`` (empty when they cannot be listed: they only refine
+    the list of lost steps)."""
+    try:
+        return frozenset(committed_steps(st)) - {step}
+    except Exception:  # noqa: BLE001 - only refines the list of lost steps
+        return frozenset()
 
 
 def _lacking_on_root(st: Storage, step: int) -> Optional[str]:

@@ -153,9 +153,8 @@ def _on_base(man: Manifest, inc: str, held: str, base: int,
             tensors[k] = dataclasses.replace(rec, shard=0)
             continue
         old = bman.tensors.get(k)
-        same = old is not None and (old.nbytes, old.dtype, old.shape, old.crc32c) == \
-            (rec.nbytes, rec.dtype, rec.shape, rec.crc32c)
-        if old is None or not same:
+        if old is None or (old.nbytes, old.dtype, old.shape, old.crc32c) != \
+                (rec.nbytes, rec.dtype, rec.shape, rec.crc32c):
             raise PersistError(f"the replica of base step {base} holds no tensor {k!r} as the step records it")
         tensors[k] = dataclasses.replace(rec, shard=1 + old.shard, start=old.start, end=old.end)
     return dataclasses.replace(man, tensors=tensors), shards
