@@ -15,7 +15,6 @@ from __future__ import annotations
 import ctypes
 import logging
 import mmap
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
@@ -28,6 +27,7 @@ from nebula_ckpt.format.records import TensorRecord
 from nebula_ckpt.format.references import shard_path
 from nebula_ckpt.ranks.shards import subset_image
 from nebula_ckpt.save.incremental import Delta, Incremental, manifest_parts, yield_to_training
+from nebula_ckpt.workers import Workers
 
 if TYPE_CHECKING:
     from nebula_ckpt.storage.base import Storage
@@ -113,7 +113,7 @@ class BaseBytes:
         if not jobs:
             return out
         threads = max(1, min(len(jobs), int(knobs.get("hash_threads"))))
-        with ThreadPoolExecutor(threads, thread_name_prefix="nebula-compare", initializer=yield_to_training) as ex:
+        with Workers(threads, thread_name_prefix="nebula-compare", initializer=yield_to_training) as ex:
             equal = list(ex.map(lambda j: equal_at(j[1], j[2], j[3]), jobs))
         return out | {j[0] for j, eq in zip(jobs, equal, strict=True) if eq}
 

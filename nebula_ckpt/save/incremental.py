@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import hashlib
 import threading
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Optional
 
@@ -38,6 +37,7 @@ from nebula_ckpt.format.header import safetensors_header
 from nebula_ckpt.format.manifest import Manifest
 from nebula_ckpt.format.records import ShardRecord, TensorRecord
 from nebula_ckpt.priority import lower_priority
+from nebula_ckpt.workers import Workers
 
 #: ``same(base, candidates)``: the keys of ``candidates`` (key -> its record in ``base``) whose
 #: staged bytes equal the base's (:class:`nebula_ckpt.save.compare.BaseBytes`)
@@ -76,7 +76,7 @@ def hash_staged(view: memoryview, index: dict[str, dict[str, Any]], keys: Iterab
         return hashlib.sha256(view[start:end]).hexdigest()
 
     threads = max(1, min(len(todo), int(knobs.get("hash_threads"))))
-    with ThreadPoolExecutor(threads, thread_name_prefix="nebula-hash", initializer=yield_to_training) as ex:
+    with Workers(threads, thread_name_prefix="nebula-hash", initializer=yield_to_training) as ex:
         return dict(zip(todo, ex.map(one, todo), strict=True))
 
 

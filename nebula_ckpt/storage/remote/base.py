@@ -38,6 +38,7 @@ from nebula_ckpt.storage.remote.registry import filesystem_class, storage_class_
 from nebula_ckpt.storage.remote.retry import Attempt, RetryPolicy, classify, describe
 from nebula_ckpt.storage.remote.scrub import SafeUrl, Scrubber, collect_secrets
 from nebula_ckpt.storage.remote.upload import PartLimits, PartUpload, Sink, byte_view
+from nebula_ckpt.workers import serve_loop
 
 logger = logging.getLogger("nebula_ckpt.storage.remote")
 
@@ -131,6 +132,8 @@ class FsspecStorage(Storage):
         self.fs = self._open_filesystem(fs_cls, options)
         # async filesystems (s3fs, adlfs) accept a per-call timeout that cancels the request
         self._bounded_calls = bool(getattr(self.fs, "async_impl", False))
+        if self._bounded_calls and getattr(self.fs, "loop", None) is not None:
+            serve_loop(self.fs.loop)  # its DNS and credential helpers keep working at interpreter exit
         self._root = fs_cls._strip_protocol(safe.clean).rstrip("/")
         if not self._root and self.needs_container:
             raise ValueError(f"remote tier {self.display_url}: the URL needs a container/bucket "

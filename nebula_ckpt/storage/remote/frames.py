@@ -16,12 +16,12 @@ cannot make a restore allocate 1.5 GiB.
 from __future__ import annotations
 
 import math
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 from nebula_ckpt.format.storage_info import frame_table
 from nebula_ckpt.storage.remote.errors import StorageInfoError
+from nebula_ckpt.workers import Workers
 
 _MiB = 1 << 20
 #: no object (raw or stored) is larger than this (1 PiB): a sanity bound on every number
@@ -214,7 +214,7 @@ def download(plan: ReadPlan, fetch: Callable[[ReadTask], bytes], concurrency: in
         for task in plan.tasks:
             one(task)
         return out
-    with ThreadPoolExecutor(max_workers=min(concurrency, len(plan.tasks)),
+    with Workers(max_workers=min(concurrency, len(plan.tasks)),
                             thread_name_prefix="nebula-remote-down") as pool:
         futures = [pool.submit(one, t) for t in plan.tasks]
         try:

@@ -12,12 +12,13 @@ from __future__ import annotations
 import io
 import math
 import threading
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Iterator, Optional, TypeVar, Union
 
 from nebula_ckpt.storage.remote.errors import RemoteStorageError
 from nebula_ckpt.storage.remote.retry import Attempt
+from nebula_ckpt.workers import Workers
 
 T = TypeVar("T")
 _MiB = 1 << 20
@@ -100,7 +101,7 @@ class PartLimits:
         return min(part, self.max_part) if self.max_part else part
 
 
-def in_order(pool: ThreadPoolExecutor, fn: Callable[[Any], T], items: Iterable[Any],
+def in_order(pool: Workers, fn: Callable[[Any], T], items: Iterable[Any],
              window: int, stop: threading.Event) -> Iterator[T]:
     """``map(fn, items)`` on ``pool`` with at most ``window`` results pending, yielded in order."""
     pending: list[Future] = []
@@ -206,7 +207,7 @@ class PartUpload:
         self.frames: list[list[int]] = []
         self.stored = 0
 
-    def _chunks(self, pool: ThreadPoolExecutor) -> Iterator[Any]:
+    def _chunks(self, pool: Workers) -> Iterator[Any]:
         """The stored bodies in order: slices of ``mv``, or compressed frames."""
         if self.compress is None:
             for off, ln in self.ranges:
@@ -230,7 +231,7 @@ class PartUpload:
         self.on_part(index)
         return token
 
-    def _submit_all(self, pool: ThreadPoolExecutor) -> list[Any]:
+    def _submit_all(self, pool: Workers) -> list[Any]:
         """Feed the parts to the pool (``conc`` in flight); the tokens in part order."""
         slots = threading.BoundedSemaphore(self.conc)
         futures: list[Future] = []
@@ -272,7 +273,7 @@ class PartUpload:
         try:
             self.retry("start multipart upload", sink.begin, None)
             begun = True
-            with ThreadPoolExecutor(max_workers=self.conc, thread_name_prefix="nebula-remote-up") as pool:
+            with Workers(max_workers=self.conc, thread_name_prefix="nebula-remote-up") as pool:
                 tokens = self._submit_all(pool)
             if self.failed.is_set():  # pragma: no cover - defensive
                 raise self.abandoned()
@@ -295,7 +296,7 @@ class PartUpload:
         sink.begin(attempt)
         n = 0
         try:
-            with ThreadPoolExecutor(max_workers=self.conc, thread_name_prefix="nebula-remote-z") as pool:
+            with Workers(max_workers=self.conc, thread_name_prefix="nebula-remote-z") as pool:
                 for index, body in enumerate(self._chunks(pool)):
                     self.stored += len(body)
                     sink.put_part(index, body, attempt)
