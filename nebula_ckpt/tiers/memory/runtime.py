@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 from typing import Any, Optional
@@ -138,7 +139,13 @@ class MemoryTierRuntime(TierRuntime):
                 return self.storage.link_file(path, rel)
             except OSError as e:  # another file system, or the slot file is gone: copy instead
                 log.debug("nebula_ckpt: tier %s: linking %s failed (%s); copying", self.name, path, e)
-        return self.storage.write_buffer(rel, source.view())
+        data = source.view()
+        try:
+            return self.storage.write_buffer(rel, data)
+        except OSError as e:
+            if e.errno != errno.ENOSPC:
+                raise
+            raise no_room_error(self.name, self.folder, rel, len(data), e) from e
 
     def close(self, runtimes: list[TierRuntime]) -> None:
         if self._claim is None or not self._claim.locked:
@@ -170,3 +177,19 @@ class MemoryTierRuntime(TierRuntime):
                 remove_if_unused(self.folder, (LOCK_FILE, ROOT_FILE, SLOT_DIR))
             self._claim = None
         super().release()
+
+
+def no_room_error(tier: str, folder: str, rel: str, needed: int, error: OSError) -> OSError:
+    """The ``ENOSPC`` error of a memory-tier write, saying which tier and file, how many bytes it
+    needed and how many its tmpfs has free, that nothing saved before is lost, and what to do."""
+    try:
+        st = os.statvfs(folder)
+        room = f"{st.f_bavail * st.f_frsize} bytes free of {st.f_blocks * st.f_frsize}"
+    except OSError:
+        room = "free space unknown"
+    where = os.path.join(folder, rel)
+    return OSError(errno.ENOSPC, f"memory tier {tier}: no room on its tmpfs for {where}: it needs {needed} "
+                   f"bytes, its file system has {room} ({error}). The steps it holds before stay intact and the "
+                   "slower tiers still take this save. Free room there (other jobs' files, `nebula-ckpt gc`), "
+                   "keep fewer steps (MemoryTier(keep_last=...)), or put the memory tier on a bigger tmpfs "
+                   "(NEBULA_SHM_DIR, or a larger /dev/shm)")
