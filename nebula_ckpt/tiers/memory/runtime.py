@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import errno
 import logging
+import mmap
 import os
+import weakref
 from typing import Any, Optional
 
 from nebula_ckpt.format.commit import committed_steps
@@ -47,6 +49,8 @@ class MemoryTierRuntime(TierRuntime):
         self._slots: Optional[str] = None
         self._owner: Optional[Owner] = None
         self._created = False  # open() made the folder: release() removes it if nothing was put in
+        #: copy-on-write mappings of this tier's files a restore made: (mapping, path, inode, size)
+        self._cow_maps: list[tuple[weakref.ref[mmap.mmap], str, tuple[int, int], int]] = []
 
     @property
     def folder(self) -> str:
@@ -110,6 +114,25 @@ class MemoryTierRuntime(TierRuntime):
         script) must not keep a restarted job from writing the tier. A later save takes it again."""
         if self._claim is not None:
             self._claim.release()
+
+    def track_copy_on_write(self, mm: mmap.mmap, path: str, st: os.stat_result) -> None:
+        """Count the copy-on-write mapping ``mm`` of the tier's file ``path`` (``st``: its stat) in
+        :meth:`dropped_cow_bytes` for as long as it lives (:mod:`nebula_ckpt.restore.adopt`)."""
+        self._cow_maps.append((weakref.ref(mm), path, (st.st_dev, st.st_ino), st.st_size))
+
+    def dropped_cow_bytes(self) -> int:
+        live = [m for m in self._cow_maps if m[0]() is not None]
+        self._cow_maps = live
+        dropped: dict[tuple[int, int], int] = {}
+        for _, path, ident, size in live:
+            try:
+                st = os.stat(path, follow_symlinks=False)
+                named = (st.st_dev, st.st_ino) == ident
+            except OSError:
+                named = False
+            if not named:  # retention deleted it: only the mappings keep its pages
+                dropped[ident] = size
+        return sum(dropped.values())
 
     def fenced(self) -> None:
         """Give the folder's lock back: a fenced writer writes the tier no more, and the newer
