@@ -170,6 +170,14 @@ class MemoryTierRuntime(TierRuntime):
                 raise
             raise no_room_error(self.name, self.folder, rel, len(data), e) from e
 
+    def write_parts(self, rel: str, parts: list[memoryview]) -> dict[str, Any]:
+        try:
+            return self.storage.write_parts(rel, parts)
+        except OSError as e:
+            if e.errno != errno.ENOSPC:
+                raise
+            raise no_room_error(self.name, self.folder, rel, sum(memoryview(p).nbytes for p in parts), e) from e
+
     def close(self, runtimes: list[TierRuntime]) -> None:
         if self._claim is None or not self._claim.locked:
             return  # never written by this process: not ours to remove
