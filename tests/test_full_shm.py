@@ -169,7 +169,10 @@ def test_a_restart_after_a_save_the_full_tmpfs_refused(
         tmp_path, small_tmpfs: Callable[[str], str], capsys: pytest.CaptureFixture[str]) -> None:  # noqa: ANN001
     """A real process saves into the full tmpfs and is SIGKILLed: the restarted one finds only
     whole committed steps, restores the newest step from the disk tier and the one before from
-    the memory tier, bit-exact, and its next save is on the memory tier again."""
+    the memory tier, bit-exact. Its first save, incremental on the memory tier's step 3, needs
+    room for the changed bytes beside its staged copy and fails there cleanly; the next one,
+    smaller, is on the memory tier again: the failed save's staging file gives its room up
+    (its handle's error keeps no frame's locals, so nothing maps it any more)."""
     shm = small_tmpfs("8m")
     root = str(tmp_path / "ckpt")
     env = dict(os.environ, NEBULA_SHM_DIR=shm,
@@ -191,7 +194,12 @@ def test_a_restart_after_a_save_the_full_tmpfs_refused(
             assert ck.load_latest(into=into) == 4 and ck.last_restore["tier"] == disk
             assert torch.equal(into["w"], _state(4)["w"])
             _check_restores(ck, [1, 2, 3, 4], {3})
-            assert sorted(ck.save(6, _state(6)).tiers_written) == sorted([mem, disk])
+            h5 = ck.save_async(5, _state(5))
+            with pytest.raises(PersistError) as e:
+                h5.result()
+            assert list(e.value.failures) == [mem] and "needs" in str(e.value) and "step-5" in str(e.value)
+            assert [n for n in _nothing_partial(folder) if n.startswith("step-")] == ["step-3"]
+            assert sorted(ck.save(6, _state(6)).tiers_written) == sorted([mem, disk])  # h5 still held
             assert [n for n in _nothing_partial(folder) if n.startswith("step-")] == ["step-6"]
-            _check_restores(ck, [3, 4, 6], {6})
-            _check_cli(root, shm, capsys, {(mem, 6), (disk, 4)})
+            _check_restores(ck, [3, 4, 5, 6], {6})
+            _check_cli(root, shm, capsys, {(mem, 6), (disk, 5)})
