@@ -1,7 +1,7 @@
 """Memory-tier replicas when the partner's tmpfs is really full (a small tmpfs mounted for it,
 skipped where mounting is not permitted), on real ranks (gloo on 127.0.0.1, spawned processes).
 
-Two simulated nodes, one rank each (``full_worker.py``): B's memory tier is an 16 MiB tmpfs that
+Two simulated nodes, one rank each (``full_worker.py``): B's memory tier is a 16 MiB tmpfs that
 "another job" fills before step 2 so that B's own step fits but A's replica does not. A's handle
 reports the replica failed for lack of room; nothing partial is visible in B's replica store; B's
 own memory tier is intact; once the file is gone the next save is replicated again. Losing A
