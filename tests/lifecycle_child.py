@@ -124,6 +124,10 @@ def main() -> None:  # noqa: C901 (one branch per mode, read top to bottom)
         ck.save_async(2, state(2))
         pid = os.fork()
         if pid == 0:  # the child ends normally: its atexit hooks run on the parent's copies
+            try:
+                ck.save_async(9, {"x": 1})  # (no torch op: its thread pool does not survive fork)
+            except nc.NebulaError as e:
+                print(f"CHILD REFUSED {e}", flush=True)
             sys.exit(0)
         _, status = os.waitpid(pid, 0)
         print(f"CHILD {os.waitstatus_to_exitcode(status)}", flush=True)

@@ -126,6 +126,7 @@ def test_forked_child_that_exits_normally_touches_nothing_of_the_parent(root: st
     r = _run(root, shm_dir, "fork")
     assert r.returncode == 0, r.stderr
     assert "CHILD 0" in r.stdout, r.stdout + r.stderr
+    assert "CHILD REFUSED save_async() on a forked (the parent process owns it) Checkpointer of " in r.stdout, r.stdout
     assert "was not closed" not in r.stderr, r.stderr  # the child's exit hook leaves the parent's copy alone
     assert _check_root(root, must_have=range(2))[-1] == 3, r.stderr
 
