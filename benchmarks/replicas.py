@@ -49,7 +49,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 REPO = Path(__file__).resolve().parents[1]
 #: where the simulated nodes' memory tiers live (a tmpfs; set by main)
@@ -85,13 +85,6 @@ def _rank_main(spec: dict[str, Any]) -> None:
         loss.backward()
         opt.step()
 
-    def idle_step(compute_s: float, state: list[torch.Tensor]) -> None:
-        """A model of an accelerator step (see the module docstring): the state changes, the host idles."""
-        with torch.no_grad():
-            for t in state:
-                t.view(-1)[0] += 1.0
-        time.sleep(compute_s)
-
     tiers = _tiers(nc, spec)
     out: dict[str, Any] = {}
     dist.barrier()
@@ -106,13 +99,7 @@ def _rank_main(spec: dict[str, Any]) -> None:
             dist.barrier()
     else:
         train_step()
-        step = train_step
-        if spec.get("loop") == "host-idle":
-            compute_s = _step_s(train_step)
-            out["compute_s"] = compute_s
-            moving = [*model.parameters(), *(v for st in opt.state.values() for v in st.values()
-                                             if torch.is_tensor(v) and v.numel() > 1)]
-            step = lambda: idle_step(compute_s, moving)  # noqa: E731
+        step = _host_idle(train_step, model, opt, out) if spec.get("loop") == "host-idle" else train_step
         with nc.Checkpointer(spec["root"], tiers=tiers) as ck:
             dist.barrier()
             t0, c0, tc0 = time.perf_counter(), _cpu_s(), time.thread_time()
@@ -130,6 +117,23 @@ def _rank_main(spec: dict[str, Any]) -> None:
                 os._exit(_write(spec, rank, out))  # a crash: nothing closed, the memory tiers stay
     _write(spec, rank, out)
     dist.destroy_process_group()
+
+
+def _host_idle(train_step: Callable[[], None], model: Any, opt: Any, out: dict[str, Any]) -> Callable[[], None]:
+    """The host-idle step of this model (see the module docstring): it changes one element of
+    every parameter and optimizer moment, then sleeps for the CPU step's median time (in ``out``)."""
+    import torch
+
+    compute_s = out["compute_s"] = _step_s(train_step)
+    moving = [*model.parameters(), *(v for st in opt.state.values() for v in st.values()
+                                     if torch.is_tensor(v) and v.numel() > 1)]
+
+    def step() -> None:
+        with torch.no_grad():
+            for t in moving:
+                t.view(-1)[0] += 1.0
+        time.sleep(compute_s)
+    return step
 
 
 def _step_s(train_step: Any, n: int = 5) -> float:
