@@ -16,7 +16,8 @@ per node). Every rank trains its own model + AdamW (``--mb`` MB of state per ran
     runs on the device and leaves the host cores idle; here each iteration changes one element of
     every parameter and optimizer moment (the state changes as a device step changes it, so each
     save is as large) and then sleeps for the CPU step's time (its median over a few steps, taken
-    on each rank before the loop): the host cores are idle for the step's length.
+    by the first job's ranks, or ``--step-ms``; the same in every job of a world): the host
+    cores are idle for the step's length.
 * **Recovery**: one job saves a step to ``[MemoryTier(replicas=1), LocalTier(disk), RemoteTier(Azurite)]``;
   then, from a copy of both nodes' memory tiers each time, a restarted job measures on every rank
   the time from after ``init_process_group`` to its first optimizer step done (the slowest rank
@@ -99,7 +100,8 @@ def _rank_main(spec: dict[str, Any]) -> None:
             dist.barrier()
     else:
         train_step()
-        step = _host_idle(train_step, model, opt, out) if spec.get("loop") == "host-idle" else train_step
+        step = train_step if spec.get("loop") != "host-idle" else \
+            _host_idle(train_step, model, opt, out, spec.get("compute_s"))
         with nc.Checkpointer(spec["root"], tiers=tiers) as ck:
             dist.barrier()
             t0, c0, tc0 = time.perf_counter(), _cpu_s(), time.thread_time()
@@ -119,12 +121,14 @@ def _rank_main(spec: dict[str, Any]) -> None:
     dist.destroy_process_group()
 
 
-def _host_idle(train_step: Callable[[], None], model: Any, opt: Any, out: dict[str, Any]) -> Callable[[], None]:
+def _host_idle(train_step: Callable[[], None], model: Any, opt: Any, out: dict[str, Any],
+               spec_s: Optional[float]) -> Callable[[], None]:
     """The host-idle step of this model (see the module docstring): it changes one element of
-    every parameter and optimizer moment, then sleeps for the CPU step's median time (in ``out``)."""
+    every parameter and optimizer moment, then sleeps ``spec_s`` (when given; else the CPU step's
+    median time, measured now) (in ``out``)."""
     import torch
 
-    compute_s = out["compute_s"] = _step_s(train_step)
+    compute_s = out["compute_s"] = float(spec_s) if spec_s else _step_s(train_step)
     moving = [*model.parameters(), *(v for st in opt.state.values() for v in st.values()
                                      if torch.is_tensor(v) and v.numel() > 1)]
 
@@ -196,12 +200,17 @@ def _job(world: int, spec: dict[str, Any], tmp: Path) -> list[dict[str, Any]]:
 
 def _loop_cost(world: int, args: argparse.Namespace, tmp: Path, loop: str = "cpu") -> dict[str, Any]:
     runs: dict[int, list[dict[str, float]]] = {0: [], 1: []}
+    # a host-idle step sleeps the same time in every job of this world (--step-ms, or what the
+    # first job's ranks measured): replicas=0 and 1 compare the same loop
+    step_s = args.step_ms / 1e3 if args.step_ms else None
     for _ in range(args.repeats):
         for k in (0, 1):
             shm = SHM / f"loop-shm-{k}"
             got = _job(world, {"role": "loop", "replicas": k, "root": str(tmp / f"loop-root-{k}-{time.time_ns()}"),
                                "shm": str(shm), "mb": args.mb, "iters": args.iters, "loop": loop,
-                               "save_every": args.save_every}, tmp)
+                               "save_every": args.save_every, "compute_s": step_s}, tmp)
+            if loop == "host-idle" and step_s is None:
+                step_s = statistics.median(g["compute_s"] for g in got)
             shutil.rmtree(shm, ignore_errors=True)
             repl = [g["stats"].get("replicas") or {} for g in got]
             runs[k].append({"loop_s": max(g["loop_s"] for g in got),
@@ -284,8 +293,9 @@ def _report(res: dict[str, Any], args: argparse.Namespace) -> str:
         lines += ["## Training-loop cost, host-idle step (memory tier only, save every "
                   f"{args.save_every} of {args.iters} iterations)", "",
                   "A model of an accelerator step, not a GPU measurement: each iteration changes one element of "
-                  "every parameter and optimizer moment, then sleeps for the CPU step's median time (measured on "
-                  "each rank before the loop), leaving the host cores idle as a step on a GPU does.", ""]
+                  "every parameter and optimizer moment, then sleeps for the CPU step's median time (measured by "
+                  "the first job's ranks, or --step-ms; the same in every job), leaving the host cores idle as a "
+                  "step on a GPU does.", ""]
         lines += _loop_lines(res["loop_host_idle"])
     if res["loop"] and res.get("loop_host_idle"):
         lines += ["## Side by side: replication's loop overhead by kind of step", "",
@@ -340,6 +350,8 @@ def main(argv: Optional[list[str]] = None) -> int:
                     help="what to measure (default: both)")
     ap.add_argument("--loop", nargs="+", choices=("cpu", "host-idle"), default=["cpu", "host-idle"],
                     help="the training loop's kinds of step (default: both; see the module docstring)")
+    ap.add_argument("--step-ms", type=float, default=None,
+                    help="the host-idle step's sleep, ms (default: the CPU step's median, measured by the first job)")
     args = ap.parse_args(argv)
     if args.rank_job:
         _rank_main(json.loads(Path(args.rank_job).read_text()))
