@@ -212,7 +212,12 @@ def _target(inc: str, step: int, name: str, size: int, src: int, spare: Optional
             # the pages, allocated in one call (cheaper than populating a hole page by page), and
             # a full tmpfs found now (OSError: the copy is refused) rather than by the bytes
             # received into a hole it has no room for (SIGBUS)
-            os.posix_fallocate(fd, 0, size)
+            try:
+                os.posix_fallocate(fd, 0, size)
+            except OSError as e:
+                sv = os.statvfs(inc)
+                raise OSError(e.errno, f"{e.strerror}: rank {src}'s {name} needs {size} bytes in {inc}, "
+                              f"its tmpfs has {sv.f_bavail * sv.f_frsize} free (NEBULA_SHM_DIR)") from e
         return mmap.mmap(fd, size) if size else None
     finally:
         os.close(fd)
