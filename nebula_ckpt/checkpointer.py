@@ -10,6 +10,7 @@ from __future__ import annotations
 import atexit
 import builtins
 import logging
+import os
 from typing import Any, Optional, Sequence
 
 from nebula_ckpt import knobs
@@ -21,7 +22,7 @@ from nebula_ckpt.ranks.coordinator import Coordinator, LocalCoordinator
 from nebula_ckpt.ranks.distributed import default_coordinator
 from nebula_ckpt.restore.restorer import Restorer
 from nebula_ckpt.root import open_root
-from nebula_ckpt.save.pipeline import SavePipeline
+from nebula_ckpt.save.pipeline import SavePipeline, exit_hook_ran
 from nebula_ckpt.save.plan import check_step
 from nebula_ckpt.storage.urls import canonical_root, refuse_url_credentials
 from nebula_ckpt.tiers.base import Tier
@@ -57,14 +58,12 @@ def _check_arguments(root: Any, keep_last: Any, max_host_bytes: Any, on_full: An
 
 
 def _close_at_exit() -> None:
-    """Close every checkpointer the program forgot to close, so no accepted save is lost.
-
-    Runs from ``atexit``: before Python stops the writer threads, each pending save is written
-    (its snapshot was taken when ``save_async`` returned, so it is the state the user asked for).
-    """
+    """Close every checkpointer the program forgot to close (or whose close timed out), so no accepted
+    save is lost: from ``atexit``, before Python stops the writer threads, each pending save is written."""
+    exit_hook_ran.set()
     for ck in list(_open_checkpointers):
-        if ck._closed:
-            continue
+        if (ck._closed and not ck._close_unfinished) or ck._pid != os.getpid():
+            continue  # closed, or a copy in a fork's child (the parent's: no threads here, nothing to write)
         pending = ck._saves.count
         log.warning("nebula_ckpt: Checkpointer(%s) was not closed; closing it at exit so its pending "
                     "saves are written (call close() or use it as a context manager)", canonical_root(ck.root))
@@ -186,7 +185,8 @@ class Checkpointer:
         except BaseException:
             self._opened.release()
             raise
-        self._closed = False
+        self._closed = self._close_unfinished = False
+        self._pid = os.getpid()  # a fork's child holds a copy without threads: it never writes or closes it
         _open_checkpointers.add(self)
         log.info("nebula_ckpt: checkpointer on %s, tiers %s, %s path", shown,
                  [rt.name for rt in self._runtimes], native_describe()["path"])
@@ -197,8 +197,9 @@ class Checkpointer:
                               "read_only=True, which never writes): open it without read_only to write")
 
     def _check_open(self, what: str) -> None:
-        if self._closed:
-            raise NebulaError(f"{what}() on a closed Checkpointer")
+        if self._closed or self._pid != os.getpid():
+            raise NebulaError(f"{what}() on a {'closed' if self._closed else 'forked (the parent process owns it)'} "
+                              f"Checkpointer of {canonical_root(self.root)}: open a new one in this process")
 
     # -- properties -------------------------------------------------------------------------------
     @property
@@ -292,28 +293,28 @@ class Checkpointer:
 
         Raises:
             PersistError: a failure not yet seen through a handle.
+            TimeoutError: saves pending after ``timeout`` s; they go on, a later ``close()`` waits again.
         """
-        if self._closed:
+        if (self._closed and not self._close_unfinished) or self._pid != os.getpid():
+            return  # closed, or a fork's child's copy: the parent closes it
+        self._closed, self._close_unfinished = True, False
+        if self._saves.defer_close(self.close):  # a signal handler interrupted save_async on this thread
+            self._close_unfinished = True
             return
-        self._closed = True
-        timed_out = False
         try:
             self.wait(timeout)
         except TimeoutError:
-            timed_out = True
+            self._close_unfinished = True
             raise
         finally:
-            self._shutdown(join=not timed_out)
+            if not self._close_unfinished:
+                self._shutdown()
 
-    def _shutdown(self, join: bool) -> None:
+    def _shutdown(self) -> None:
         """Stop hooks and threads, free staging, let each tier close (the memory tier frees its RAM
-        when its newest step is safe elsewhere), release the tiers.
-
-        ``join=False`` (a timed-out close): nothing is waited for or removed; the daemon threads
-        end with the process and a restart finds whatever had committed.
-        """
+        when its newest step is safe elsewhere), release the tiers."""
         _open_checkpointers.discard(self)
-        self._saves.shutdown(join)
+        self._saves.shutdown(join=True)
         self._opened.release()
 
     def __enter__(self) -> "Checkpointer":
@@ -338,9 +339,7 @@ class Checkpointer:
         See :meth:`tags` for the steps' tags.
         """
         per = self._restores.committed()
-        if detailed:
-            return per
-        return sorted({s for steps in per.values() for s in steps})
+        return per if detailed else sorted({s for steps in per.values() for s in steps})
 
     def steps(self, *, check_shards: bool = True) -> dict[int, Optional[str]]:
         """Step -> tag (None: untagged) of every committed step whose manifest checks out on some

@@ -243,6 +243,14 @@ class NativeOps(FallbackOps):
         self._engine_lock = threading.Lock()
         self._engine: Optional[Any] = C.CopyEngine(int(knobs.get("copy_threads")))
         self.info = dict(C.build_info())
+        os.register_at_fork(after_in_child=self._after_fork_in_child)
+
+    def _after_fork_in_child(self) -> None:
+        """A fork's child has the engine's memory but none of its threads: closing or destroying it
+        there would join threads that do not exist (a crash at the child's exit), so it is kept,
+        unused, for the child's life; the child's first copy starts an engine of its own."""
+        _forked_engines.append(self._engine)
+        self._engine, self._engine_lock = None, threading.Lock()  # the lock may have been held at fork
 
     def close(self) -> None:
         """Finish the queued copies and join the copy threads (called at interpreter exit).
@@ -289,6 +297,7 @@ _lock = threading.Lock()
 _native: Optional[FallbackOps] = None
 _native_error: Optional[str] = None
 _fallback = FallbackOps()
+_forked_engines: list[Any] = []  # the parent's engines in a fork's child: never closed nor freed there
 
 
 def _load_native() -> FallbackOps:

@@ -40,6 +40,10 @@ from nebula_ckpt.tiers.runtime import TierRuntime
 
 log = logging.getLogger("nebula_ckpt")
 
+#: set by the Checkpointer's exit hook: a save accepted after it ran (from an ``atexit`` hook the
+#: program registered before ``import nebula_ckpt``) has no hook left to write it, so it is waited for
+exit_hook_ran = threading.Event()
+
 
 class SavePipeline:
     """The saves of one :class:`~nebula_ckpt.checkpointer.Checkpointer`: staging memory, the
@@ -95,6 +99,8 @@ class SavePipeline:
         self._told_unguarded = False
         #: copies of the memory tier on partner nodes (:mod:`nebula_ckpt.tiers.memory.replicas`), or None
         self.replicator: Any = None
+        self._saving: set[int] = set()  # the threads inside save_async
+        self._deferred_close: Optional[Callable[[], None]] = None
 
     def start(self) -> list[TierWriter]:
         """At the first save: the tiers this process writes, their writer threads, the stager."""
@@ -133,7 +139,32 @@ class SavePipeline:
             self.pool.wait_prepared()
 
     def save_async(self, step: int, state: Any, tag: Optional[str]) -> SaveHandle:
-        """Plan, snapshot and hand ``state`` to the tiers (see :meth:`Checkpointer.save_async`)."""
+        """Plan, snapshot and hand ``state`` to the tiers (see :meth:`Checkpointer.save_async`);
+        then run a close that a signal handler asked for meanwhile (:meth:`defer_close`)."""
+        me = threading.get_ident()
+        self._saving.add(me)
+        try:
+            h = self._save_async(step, state, tag)
+            if exit_hook_ran.is_set():
+                h.wait(knobs.get("exit_timeout_s"))
+            return h
+        finally:
+            self._saving.discard(me)
+            close, self._deferred_close = self._deferred_close, None
+            if close is not None:
+                close()
+
+    def defer_close(self, close: Callable[[], None]) -> bool:
+        """Whether this thread is inside :meth:`save_async` (a signal handler interrupted it): a close
+        waiting here would wait for the locks the interrupted save holds, so ``close`` runs when it returns."""
+        if threading.get_ident() not in self._saving:
+            return False
+        log.warning("nebula_ckpt: close() of %s called inside save_async (from a signal handler): it "
+                    "finishes when that save_async returns (or raises)", self.root)
+        self._deferred_close = close
+        return True
+
+    def _save_async(self, step: int, state: Any, tag: Optional[str]) -> SaveHandle:
         self.confirm_inflight()
         self.raise_unseen()
         t0 = monotonic()
