@@ -16,6 +16,8 @@ import os
 import shutil
 import stat
 import struct
+import threading
+import weakref
 from typing import Any, Optional
 
 import torch
@@ -51,6 +53,24 @@ def _open_nofollow(path: str) -> Any:
 # this process's own included (open-file-description locks conflict between two opens of one
 # file in the same process), so no process, the mapping one included, takes the file over or
 # stages into it while the mapping lives.
+
+# A reader lock of this process is at its own pid's byte, which :func:`read_elsewhere` does not
+# look at (the process's own slot files are always "read" by it). The memory tier's files this
+# process maps to read them (:meth:`LocalStorage.read_buffer`) are therefore also counted in
+# ``_mapped_here`` while the mapping lives: a save of this very process must not stage into a slot
+# file that a restore of it reads (or whose tensors it returned) after retention dropped the step.
+_mapped_here: dict[tuple[int, int], int] = {}  # (st_dev, st_ino) -> live mappings in this process
+_mapped_lock = threading.Lock()
+
+
+def _mapped(key: tuple[int, int], delta: int) -> None:
+    with _mapped_lock:
+        n = _mapped_here.get(key, 0) + delta
+        if n > 0:
+            _mapped_here[key] = n
+        else:
+            _mapped_here.pop(key, None)
+
 
 _FLOCK = "@hhqqi4x"  # struct flock: l_type, l_whence, l_start, l_len (0: to the end), l_pid
 #: open-file-description locks (Linux >= 3.15); without them no reader can be seen, so no file is
@@ -141,13 +161,18 @@ def _hold_alone(fd: int) -> bool:
 
 def read_elsewhere(path: str) -> bool:
     """Whether another process holds a reader lock (:func:`hold_read`) on the file at ``path``,
-    or any process, this one included, maps it copy-on-write (:func:`hold_private`); False when
+    any process, this one included, maps it copy-on-write (:func:`hold_private`), or this
+    process maps it to read it (:meth:`LocalStorage.read_buffer` of the memory tier); False when
     it is gone. Either way its bytes must not change: nothing may stage into it in place."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
     except FileNotFoundError:
         return False
     try:
+        st = os.fstat(fd)
+        with _mapped_lock:
+            if (st.st_dev, st.st_ino) in _mapped_here:
+                return True
         pid = os.getpid()
         for start, length in ((0, pid), (pid + 1, 0)):
             got = _ofd(fd, "get", fcntl.F_WRLCK, start, length)
@@ -317,11 +342,32 @@ class LocalStorage(Storage):
             # writing to the file; pages are shared with the page cache until touched.
             mm = mmap.mmap(f.fileno(), size, flags=mmap.MAP_PRIVATE,
                            prot=mmap.PROT_READ | mmap.PROT_WRITE)
+            if self.hold_reads:
+                self._mapped_while_linked(f.fileno(), path, mm)
         # The whole shard is read (checksums, then copies): start reading all of it from disk now,
         # in large requests, instead of page fault by page fault with a small readahead window.
         if hasattr(mmap, "MADV_WILLNEED"):
             mm.madvise(mmap.MADV_WILLNEED)
         return memoryview(mm)
+
+    @staticmethod
+    def _mapped_while_linked(fd: int, path: str, mm: mmap.mmap) -> None:
+        """Count the mapping ``mm`` of ``fd`` in ``_mapped_here`` for its life, then make sure
+        ``path`` still names that file: a slot file is staged into again only after retention
+        unlinked its step's name, so a save that looked before the count either saw the name
+        (and left the file alone) or unlinked it before this check (the step is gone: raised)."""
+        st = os.fstat(fd)
+        key = (st.st_dev, st.st_ino)
+        _mapped(key, 1)
+        weakref.finalize(mm, _mapped, key, -1)
+        try:
+            now = os.stat(path, follow_symlinks=False)
+        except FileNotFoundError:
+            now = None
+        if now is None or (now.st_dev, now.st_ino) != key:
+            mm.close()
+            raise FileNotFoundError(errno.ENOENT, f"{path} was removed while it was opened (retention "
+                                    "dropped its step)", path)
 
     def write_small(self, rel: str, data: bytes, *, create_only: bool = False) -> None:
         """Atomic and durable (:func:`~nebula_ckpt.storage.atomic.write_file_atomic`)."""
