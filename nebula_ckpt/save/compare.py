@@ -177,12 +177,14 @@ def refs_lacking(storage: "Storage", delta: Delta) -> Optional[str]:
     at its recorded size; None when all are there. An operator who deleted a base by hand must
     not get a committed step that refers to it (never restorable), nor one that refers to a step
     the sweep will delete as an uncommitted leftover."""
+    seen: set[str] = set()  # folders whose markers were found (one look per folder, not per shard)
     for ref in delta.refs:
         folder = step_dir(ref.folder_step(delta.base))
         try:
-            for name in (COMMIT, MANIFEST):  # a reader checks the referenced step's own records
+            for name in () if folder in seen else (COMMIT, MANIFEST):  # a reader checks its own records
                 if not storage.exists(f"{folder}/{name}"):
                     return f"{folder}/{name} is gone (that step holds bytes this one would refer to)"
+            seen.add(folder)
             size = storage.size(f"{folder}/{ref.file}")
         except FileNotFoundError:
             size = -1
