@@ -8,6 +8,16 @@ per node). Every rank trains its own model + AdamW (``--mb`` MB of state per ran
   ``--repeats`` each): iterations per second (slowest rank) and the training thread's blocked time;
   and each rank's CPU seconds (every thread, from the loop's start until its saves are done), so
   that what replication costs per MB moved shows even where the ranks share their cores.
+  Two kinds of step (``--loop``):
+
+  * ``cpu``: the step is the model's forward, backward and AdamW step on the CPU: training keeps
+    every host core busy, so every CPU cycle replication takes is taken from training.
+  * ``host-idle``: a model of an accelerator step, NOT a GPU measurement. On a GPU host the step
+    runs on the device and leaves the host cores idle; here each iteration changes one element of
+    every parameter and optimizer moment (the state changes as a device step changes it, so each
+    save is as large) and then sleeps for the CPU step's time (its median over a few steps, taken
+    by the first job's ranks, or ``--step-ms``; the same in every job of a world): the host
+    cores are idle for the step's length.
 * **Recovery**: one job saves a step to ``[MemoryTier(replicas=1), LocalTier(disk), RemoteTier(Azurite)]``;
   then, from a copy of both nodes' memory tiers each time, a restarted job measures on every rank
   the time from after ``init_process_group`` to its first optimizer step done (the slowest rank
@@ -28,6 +38,7 @@ Run (writes ``results.md`` and ``results.json`` into ``--out``)::
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
@@ -39,12 +50,14 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 REPO = Path(__file__).resolve().parents[1]
 #: where the simulated nodes' memory tiers live (a tmpfs; set by main)
 SHM = Path(tempfile.gettempdir())
 VARIANTS = ("crash-memory", "node-replicas", "node-disk", "node-remote")
+#: where each kind of training step's loop results go in ``results.json``
+LOOP_KEYS = {"cpu": "loop", "host-idle": "loop_host_idle"}
 
 
 # -- one rank (run as a subprocess: python -m benchmarks.replicas --rank-job SPEC.json) ----------
@@ -87,11 +100,13 @@ def _rank_main(spec: dict[str, Any]) -> None:
             dist.barrier()
     else:
         train_step()
+        step = train_step if spec.get("loop") != "host-idle" else \
+            _host_idle(train_step, model, opt, out, spec.get("compute_s"))
         with nc.Checkpointer(spec["root"], tiers=tiers) as ck:
             dist.barrier()
             t0, c0, tc0 = time.perf_counter(), _cpu_s(), time.thread_time()
             for i in range(int(spec["iters"])):
-                train_step()
+                step()
                 if (i + 1) % int(spec["save_every"]) == 0:
                     ck.save_async(i + 1, {"model": model, "optim": opt})
             out["loop_s"] = time.perf_counter() - t0
@@ -104,6 +119,35 @@ def _rank_main(spec: dict[str, Any]) -> None:
                 os._exit(_write(spec, rank, out))  # a crash: nothing closed, the memory tiers stay
     _write(spec, rank, out)
     dist.destroy_process_group()
+
+
+def _host_idle(train_step: Callable[[], None], model: Any, opt: Any, out: dict[str, Any],
+               spec_s: Optional[float]) -> Callable[[], None]:
+    """The host-idle step of this model (see the module docstring): it changes one element of
+    every parameter and optimizer moment, then sleeps ``spec_s`` (when given; else the CPU step's
+    median time, measured now) (in ``out``)."""
+    import torch
+
+    compute_s = out["compute_s"] = float(spec_s) if spec_s else _step_s(train_step)
+    moving = [*model.parameters(), *(v for st in opt.state.values() for v in st.values()
+                                     if torch.is_tensor(v) and v.numel() > 1)]
+
+    def step() -> None:
+        with torch.no_grad():
+            for t in moving:
+                t.view(-1)[0] += 1.0
+        time.sleep(compute_s)
+    return step
+
+
+def _step_s(train_step: Any, n: int = 5) -> float:
+    """The median wall time of ``n`` CPU training steps (what a host-idle step sleeps)."""
+    times = []
+    for _ in range(n):
+        t = time.perf_counter()
+        train_step()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
 
 
 def _cpu_s() -> float:
@@ -154,14 +198,19 @@ def _job(world: int, spec: dict[str, Any], tmp: Path) -> list[dict[str, Any]]:
     return [json.loads((out / f"r{r}.json").read_text()) for r in range(world)]
 
 
-def _loop_cost(world: int, args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
+def _loop_cost(world: int, args: argparse.Namespace, tmp: Path, loop: str = "cpu") -> dict[str, Any]:
     runs: dict[int, list[dict[str, float]]] = {0: [], 1: []}
+    # a host-idle step sleeps the same time in every job of this world (--step-ms, or what the
+    # first job's ranks measured): replicas=0 and 1 compare the same loop
+    step_s = args.step_ms / 1e3 if args.step_ms else None
     for _ in range(args.repeats):
         for k in (0, 1):
             shm = SHM / f"loop-shm-{k}"
             got = _job(world, {"role": "loop", "replicas": k, "root": str(tmp / f"loop-root-{k}-{time.time_ns()}"),
-                               "shm": str(shm), "mb": args.mb, "iters": args.iters,
-                               "save_every": args.save_every}, tmp)
+                               "shm": str(shm), "mb": args.mb, "iters": args.iters, "loop": loop,
+                               "save_every": args.save_every, "compute_s": step_s}, tmp)
+            if loop == "host-idle" and step_s is None:
+                step_s = statistics.median(g["compute_s"] for g in got)
             shutil.rmtree(shm, ignore_errors=True)
             repl = [g["stats"].get("replicas") or {} for g in got]
             runs[k].append({"loop_s": max(g["loop_s"] for g in got),
@@ -171,7 +220,8 @@ def _loop_cost(world: int, args: argparse.Namespace, tmp: Path) -> dict[str, Any
                             "train_cpu_s": statistics.mean(g["train_cpu_s"] for g in got),
                             "moved_mb": statistics.mean((r.get("sent_bytes", 0) + r.get("received_bytes", 0)) / 1e6
                                                         for r in repl),
-                            "rounds": statistics.mean(r.get("rounds", 0) for r in repl)})
+                            "rounds": statistics.mean(r.get("rounds", 0) for r in repl),
+                            "compute_s": statistics.mean(g.get("compute_s", 0.0) for g in got)})
     med = {k: {m: statistics.median(r[m] for r in v) for m in v[0]} for k, v in runs.items()}
     overhead = (med[1]["loop_s"] - med[0]["loop_s"]) / med[0]["loop_s"] * 100
     # what replication costs in CPU, per rank: the extra CPU seconds of a replicas=1 run, per MB
@@ -224,20 +274,51 @@ def _report(res: dict[str, Any], args: argparse.Namespace) -> str:
     lines = ["# Memory-tier replicas: node-loss recovery and training-loop cost", "",
              f"Machine: {res['machine']} (shared with other jobs: noisy; medians of {args.repeats} runs).",
              f"Command: `python -m benchmarks.replicas {' '.join(sys.argv[1:])}`", "",
-             f"State per rank: {args.mb} MB (model + AdamW); ranks as 2 simulated nodes; remote tier: Azurite.", "",
-             "## Recovery, restart to first optimizer step done (slowest rank), seconds", "",
-             "| ranks | process crash, own memory | node lost, replicas | node lost, local disk | "
-             "node lost, remote | replicas / crash | replicas / remote |", "|---|---:|---:|---:|---:|---:|---:|"]
+             f"State per rank: {args.mb} MB (model + AdamW); ranks as 2 simulated nodes; remote tier: Azurite.", ""]
+    if res["recovery"]:
+        lines += ["## Recovery, restart to first optimizer step done (slowest rank), seconds", "",
+                  "| ranks | process crash, own memory | node lost, replicas | node lost, local disk | "
+                  "node lost, remote | replicas / crash | replicas / remote |", "|---|---:|---:|---:|---:|---:|---:|"]
     for w, r in res["recovery"].items():
         m = r["median"]
         lines.append(f"| {w} | {m['crash-memory']:.3f} | {m['node-replicas']:.3f} | {m['node-disk']:.3f} | "
                      f"{m['node-remote']:.3f} | {r['replicas_vs_crash']:.2f}x | {r['replicas_vs_remote']:.2f}x |")
-    lines += ["", "Targets: replicas within 1.5x of a process crash, at most 0.25x of the remote tier.", "",
-              "## Training-loop cost (memory tier only, save every "
-              f"{args.save_every} of {args.iters} iterations)", "",
-              "| ranks | loop s, replicas=0 | loop s, replicas=1 | overhead (pp) | blocked s, 0 | blocked s, 1 |"
-              " replica round s |", "|---|---:|---:|---:|---:|---:|---:|"]
-    for w, c in res["loop"].items():
+    if res["recovery"]:
+        lines += ["", "Targets: replicas within 1.5x of a process crash, at most 0.25x of the remote tier.", ""]
+    if res["loop"]:
+        lines += ["## Training-loop cost (memory tier only, save every "
+                  f"{args.save_every} of {args.iters} iterations)", ""]
+        lines += _loop_lines(res["loop"])
+    if res.get("loop_host_idle"):
+        lines += ["## Training-loop cost, host-idle step (memory tier only, save every "
+                  f"{args.save_every} of {args.iters} iterations)", "",
+                  "A model of an accelerator step, not a GPU measurement: each iteration changes one element of "
+                  "every parameter and optimizer moment, then sleeps for the CPU step's median time (measured by "
+                  "the first job's ranks, or --step-ms; the same in every job), leaving the host cores idle as a "
+                  "step on a GPU does.", ""]
+        lines += _loop_lines(res["loop_host_idle"])
+    if res["loop"] and res.get("loop_host_idle"):
+        lines += ["## Side by side: replication's loop overhead by kind of step", "",
+                  "| ranks | CPU-bound step (pp) | host-idle step (pp) | step s, host-idle | CPU ms per MB, CPU-bound |"
+                  " CPU ms per MB, host-idle |", "|---|---:|---:|---:|---:|---:|"]
+        for w, c in res["loop"].items():
+            h = res["loop_host_idle"].get(w)
+            if h is not None:
+                lines.append(f"| {w} | {c['overhead_pp']:+.1f} | {h['overhead_pp']:+.1f} | "
+                             f"{h['median'][1]['compute_s']:.4f} | {_per_mb(c)} | {_per_mb(h)} |")
+        lines += [""]
+    return "\n".join(lines)
+
+
+def _per_mb(c: dict[str, Any]) -> str:
+    return "-" if c["replica_cpu_ms_per_mb"] is None else f"{c['replica_cpu_ms_per_mb']:.2f}"
+
+
+def _loop_lines(loop: dict[Any, dict[str, Any]]) -> list[str]:
+    """The training-loop tables of one kind of step."""
+    lines = ["| ranks | loop s, replicas=0 | loop s, replicas=1 | overhead (pp) | blocked s, 0 | blocked s, 1 |"
+             " replica round s |", "|---|---:|---:|---:|---:|---:|---:|"]
+    for w, c in loop.items():
         m = c["median"]
         lines.append(f"| {w} | {m[0]['loop_s']:.3f} | {m[1]['loop_s']:.3f} | {c['overhead_pp']:+.1f} | "
                      f"{m[0]['blocked_s']:.3f} | {m[1]['blocked_s']:.3f} | {m[1]['replica_s']:.3f} |")
@@ -247,14 +328,12 @@ def _report(res: dict[str, Any], args: argparse.Namespace) -> str:
               "| ranks | CPU s, replicas=0 | CPU s, replicas=1 | training thread CPU s | rounds | MB moved |"
               " replication CPU s | CPU ms per MB moved | CPU overhead (pp) |",
               "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
-    for w, c in res["loop"].items():
+    for w, c in loop.items():
         m = c["median"]
-        per_mb = "-" if c["replica_cpu_ms_per_mb"] is None else f"{c['replica_cpu_ms_per_mb']:.2f}"
         lines.append(f"| {w} | {m[0]['cpu_s']:.3f} | {m[1]['cpu_s']:.3f} | {m[0]['train_cpu_s']:.3f} | "
-                     f"{m[1]['rounds']:.1f} | {m[1]['moved_mb']:.0f} | {c['replica_cpu_s']:.3f} | {per_mb} | "
+                     f"{m[1]['rounds']:.1f} | {m[1]['moved_mb']:.0f} | {c['replica_cpu_s']:.3f} | {_per_mb(c)} | "
                      f"{c['cpu_overhead_pp']:+.1f} |")
-    lines += [""]
-    return "\n".join(lines)
+    return lines + [""]
 
 
 def main(argv: Optional[list[str]] = None) -> int:
@@ -269,6 +348,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--out", default="benchmarks/results/replicas")
     ap.add_argument("--parts", nargs="+", choices=("recovery", "loop"), default=["recovery", "loop"],
                     help="what to measure (default: both)")
+    ap.add_argument("--loop", nargs="+", choices=("cpu", "host-idle"), default=["cpu", "host-idle"],
+                    help="the training loop's kinds of step (default: both; see the module docstring)")
+    ap.add_argument("--step-ms", type=float, default=None,
+                    help="the host-idle step's sleep, ms (default: the CPU step's median, measured by the first job)")
     args = ap.parse_args(argv)
     if args.rank_job:
         _rank_main(json.loads(Path(args.rank_job).read_text()))
@@ -276,19 +359,22 @@ def main(argv: Optional[list[str]] = None) -> int:
     sys.path.insert(0, str(REPO))
     from tests.blob.emulators import AzuriteEmulator  # the test suite's launcher; a checkout has both
 
-    res: dict[str, Any] = {"machine": _machine(), "recovery": {}, "loop": {}}
+    res: dict[str, Any] = {"machine": _machine(), "recovery": {}, "loop": {}, "loop_host_idle": {}}
     global SHM
-    with tempfile.TemporaryDirectory() as t, \
-            tempfile.TemporaryDirectory(dir="/dev/shm" if os.path.isdir("/dev/shm") else None) as s, \
-            AzuriteEmulator(_azurite()) as az:
-        tmp, SHM = Path(t), Path(s)
-        remote = az.create_container("replicas")
+    with contextlib.ExitStack() as stack:
+        tmp = Path(stack.enter_context(tempfile.TemporaryDirectory()))
+        SHM = Path(stack.enter_context(tempfile.TemporaryDirectory(dir="/dev/shm" if os.path.isdir("/dev/shm")
+                                                                   else None)))
+        az = stack.enter_context(AzuriteEmulator(_azurite())) if "recovery" in args.parts else None
+        remote = az.create_container("replicas") if az is not None else ""
         for w in args.worlds:
-            if "recovery" in args.parts:
+            if az is not None:
                 res["recovery"][w] = _recovery(w, args, tmp, remote, az.storage_options)
             if "loop" in args.parts:
-                res["loop"][w] = _loop_cost(w, args, tmp)
-            print(json.dumps({w: {part: res[part][w]["median"] for part in args.parts}}, default=str), flush=True)
+                for loop in args.loop:
+                    res[LOOP_KEYS[loop]][w] = _loop_cost(w, args, tmp, loop)
+            print(json.dumps({w: {part: res[part][w]["median"] for part in ("recovery", *LOOP_KEYS.values())
+                                  if w in res[part]}}, default=str), flush=True)
     res["machine"]["load_avg_after"] = os.getloadavg()
     os.makedirs(args.out, exist_ok=True)
     Path(args.out, "results.json").write_text(json.dumps(res, indent=1, default=str))

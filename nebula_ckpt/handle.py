@@ -272,7 +272,7 @@ class SaveProgress:
             if dropped:
                 h.tiers_dropped.append(tier)
             elif error is not None:
-                h._errors[tier] = error
+                h._errors[tier] = forget_locals(error)
             else:
                 h.tiers_written.append(tier)
                 h._durable_at[tier] = monotonic()
@@ -314,3 +314,23 @@ class SaveProgress:
         h._pending.clear()
         h._snapshot.set()
         h._durable.set()
+
+
+def forget_locals(error: BaseException) -> BaseException:
+    """``error``, its frames' local variables dropped (the traceback still says where it was
+    raised): a handle keeps its errors as long as the caller keeps it, and a tier writer's frames
+    hold the snapshot, whose staging buffer (a slot file's tmpfs pages) would stay allocated with
+    them. The frames still running (the caller's) are left out of the traceback."""
+    seen: set[int] = set()
+    exc: Optional[BaseException] = error
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        tb = exc.__traceback__
+        while tb is not None:
+            try:
+                tb.tb_frame.clear()
+            except RuntimeError:  # still running: its entry goes, as its locals cannot
+                exc.__traceback__ = tb.tb_next
+            tb = tb.tb_next
+        exc = exc.__cause__ or exc.__context__
+    return error

@@ -2,16 +2,18 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import uuid
-from typing import Iterator
+from typing import Callable, Iterator
 
 import pytest
 import torch
 
 from nebula_ckpt import knobs
 from nebula_ckpt.native import native_available
+from tmpfs_mount import mounted_tmpfs
 
 PATHS = ["native", "fallback"]
 
@@ -37,6 +39,18 @@ def shm_dir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     with knobs.override(shm_dir=d):
         yield d
     shutil.rmtree(d, ignore_errors=True)
+
+
+@pytest.fixture
+def small_tmpfs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Callable[[str], str]]:
+    """Mount real small tmpfs file systems: ``small_tmpfs("8m")`` mounts one on a fresh folder
+    and returns its path; each is unmounted after the test (also when it fails). The test is
+    skipped where mounting is not permitted (needs root / CAP_SYS_ADMIN)."""
+    with contextlib.ExitStack() as stack:
+        def mount(size: str) -> str:
+            path = str(tmp_path_factory.mktemp("tmpfs"))
+            return stack.enter_context(mounted_tmpfs(path, size))
+        yield mount
 
 
 @pytest.fixture

@@ -156,3 +156,48 @@ def test_node_ids_travel_in_fixed_size_and_keep_nodes_apart(node: str) -> None:
     # ids that differ anywhere (past the fixed size too) stay different nodes
     assert unpack_node_id(pack_node_id(node + "2")) != back
     assert choose_partners([back, back, unpack_node_id(pack_node_id(node + "2"))], 1)[0] == [2]
+
+
+def test_a_copy_checked_where_it_landed_names_the_tensor_whose_bytes_differ(tmp_path) -> None:  # noqa: ANN001
+    """A received copy's checksums are taken on the mapping its bytes landed in (no second
+    mapping of the file): one byte flipped there in any tensor is found, naming it; bytes that do
+    not match the shard's size are left to the check through the file."""
+    import mmap
+
+    import torch
+
+    from nebula_ckpt.errors import CorruptCheckpointError
+    from nebula_ckpt.format.names import step_dir
+    from nebula_ckpt.restore.open import read_manifest
+    from nebula_ckpt.storage.local import LocalStorage
+    from nebula_ckpt.tiers.memory.replica_store import verify_step
+
+    folder = str(tmp_path / "tier")
+    state = {"a": torch.arange(1000, dtype=torch.float32), "b": torch.ones(7, dtype=torch.int64),
+             "c": torch.full((64, 64), 3.0)}
+    with nc.Checkpointer(folder, memory_tier=False) as ck:
+        ck.save(1, state).result()
+    st = LocalStorage(folder, private=True, fsync=False)
+    man = read_manifest(st, 1)
+    st.close()
+    shard = man.shards[man.tensors["a"].shard].file
+    with open(tmp_path / "tier" / step_dir(1) / shard, "r+b") as f:
+        mm = mmap.mmap(f.fileno(), 0)
+    try:
+        landed = torch.frombuffer(mm, dtype=torch.uint8)
+        verify_step(folder, 1, 0, 1, "full", landed={shard: landed})
+        for key in ("a", "b", "c"):
+            rec = man.tensors[key]
+            flipped = landed.clone()  # the file keeps its bytes: only the landed ones differ
+            flipped[rec.start + rec.nbytes // 2] ^= 0x01
+            with pytest.raises(CorruptCheckpointError, match=f"'{key}'"):
+                verify_step(folder, 1, 0, 1, "full", landed={shard: flipped})
+            verify_step(folder, 1, 0, 1, "size", landed={shard: flipped})
+        verify_step(folder, 1, 0, 1, "full", landed={shard: landed[:-1]})  # checked through the file
+        landed[man.tensors["c"].start] ^= 0x01  # the file itself: a short buffer falls back to it
+        with pytest.raises(CorruptCheckpointError, match="'c'"):
+            verify_step(folder, 1, 0, 1, "full", landed={shard: landed[:-1]})
+        landed[man.tensors["c"].start] ^= 0x01
+        del landed, flipped
+    finally:
+        mm.close()

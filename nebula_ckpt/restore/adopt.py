@@ -156,8 +156,11 @@ class Adoption:
                     raise OSError(errno.ESTALE, f"{path} is no longer the file the checkpoint names")
             if have.st_size != sh.bytes:
                 raise OSError(errno.EINVAL, f"{path} has {have.st_size} bytes, the manifest says {sh.bytes}")
-            return fd, mmap.mmap(fd, have.st_size, flags=mmap.MAP_PRIVATE if private else mmap.MAP_SHARED,
-                                 prot=mmap.PROT_READ | mmap.PROT_WRITE)
+            mm = mmap.mmap(fd, have.st_size, flags=mmap.MAP_PRIVATE if private else mmap.MAP_SHARED,
+                           prot=mmap.PROT_READ | mmap.PROT_WRITE)
+            if private:  # its pages stay the tier's file's: stats() tells when retention deletes it
+                self._runtime.track_copy_on_write(mm, path, have)
+            return fd, mm
         except BaseException:
             os.close(fd)
             raise

@@ -290,6 +290,13 @@ class StagingPool:
             staging.remove(s)
             total -= s.capacity
             s.free()
+        if use_file and self.slot_dir and not _shm_room(self.slot_dir, size):
+            # a full tmpfs: idle slot files of other sizes make room (for a new one, or the tier's copy)
+            for s in [s for s in staging if not s.in_use and s.path]:
+                self._slots.remove(s)
+                staging.remove(s)
+                total -= s.capacity
+                s.free()
         if not room():
             return None
         made = (self._adopt_spare(nbytes) if ahead else self._new_slot(size)) if use_file else None

@@ -385,6 +385,7 @@ class SavePipeline:
             m["durable_s_last"] = dict(self._metrics["durable_s_last"])
             m["bytes_written"] = dict(self._metrics["bytes_written"])
         return {"staging_bytes": self.pool.allocated_bytes, "memory_tier_slot_bytes": self.pool.memory_tier_bytes,
+                "memory_tier_dropped_cow_bytes": sum(rt.dropped_cow_bytes() for rt in self._runtimes),
                 "staging_allocations": self.pool.allocations, "saves": self.count, **m,
                 **({"replicas": self.replicator.stats()} if self.replicator is not None else {})}
 

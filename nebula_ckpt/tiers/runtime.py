@@ -72,6 +72,11 @@ class TierRuntime:
         """Write a rank's share of a snapshot (a header and ranges of it) at ``rel``."""
         return self.storage.write_parts(rel, parts)
 
+    def dropped_cow_bytes(self) -> int:
+        """Bytes of this tier's files that retention deleted while copy-on-write views a restore of
+        this process made still map them (their pages stay allocated until those tensors go)."""
+        return 0
+
     def fenced(self) -> None:
         """This writer was fenced (a newer writer owns the root): give back what lets it write.
         Any thread."""

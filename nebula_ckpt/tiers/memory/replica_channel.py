@@ -136,11 +136,14 @@ class Channel:
             works.append((dist.isend(t, dst=self.ranks[dst], group=self._group, tag=i), t))
 
     def receive(self, store: ReplicaStore, info: dict[str, Any], src: int, works: Works,
-                refs: Sequence[tuple[int, str, int]] = ()) -> str:
+                refs: Sequence[tuple[int, str, int]] = (),
+                landed: Optional[dict[str, torch.Tensor]] = None) -> str:
         """Start receiving ``info``'s files from rank ``src`` into a new incoming folder of
         ``store``, then ``refs`` (``(step, name, size)``: shards of earlier steps the step refers
         to, sent after its own files, each into that step's folder beside it); return its path, or
-        why not (the bytes then go to scratch memory: the ranks stay in step)."""
+        why not (the bytes then go to scratch memory: the ranks stay in step). ``landed`` (when
+        given) gets the mapping each of the step's own files is received into, by name: their
+        checksums are taken there once the bytes are in, without mapping the files again."""
         step = int(info["step"])
         maps: list[Optional[mmap.mmap]] = []
         made: Optional[str] = None
@@ -153,6 +156,9 @@ class Channel:
                 maps.append(_target(inc, s, name, size, src, spare))
             targets = [torch.frombuffer(m, dtype=torch.uint8) if m is not None else torch.empty(0, dtype=torch.uint8)
                        for m in maps]
+            if landed is not None:
+                landed.update((name, t) for (s, name, _), t in zip(files, targets, strict=True)
+                              if s == step and t.numel())
         except OSError as e:
             log.warning("nebula_ckpt: rank %d cannot receive rank %d's step: %s", self.rank, src, e)
             inc = f"{type(e).__name__}: {e}"
@@ -210,11 +216,16 @@ def _target(inc: str, step: int, name: str, size: int, src: int, spare: Optional
     fd = os.open(path, os.O_CREAT | exclusive | os.O_RDWR | os.O_NOFOLLOW, 0o600)
     try:
         os.ftruncate(fd, size)
-        if size:
+        if size and os.fstat(fd).st_blocks * 512 < size:  # a spare's pages exist already: no hole left
             # the pages, allocated in one call (cheaper than populating a hole page by page), and
             # a full tmpfs found now (OSError: the copy is refused) rather than by the bytes
             # received into a hole it has no room for (SIGBUS)
-            os.posix_fallocate(fd, 0, size)
+            try:
+                os.posix_fallocate(fd, 0, size)
+            except OSError as e:
+                sv = os.statvfs(inc)
+                raise OSError(e.errno, f"{e.strerror}: rank {src}'s {name} needs {size} bytes in {inc}, "
+                              f"its tmpfs has {sv.f_bavail * sv.f_frsize} free (NEBULA_SHM_DIR)") from e
         return mmap.mmap(fd, size) if size else None
     finally:
         os.close(fd)

@@ -16,7 +16,9 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import Any, Optional
+from typing import Any, Mapping, Optional
+
+import torch
 
 from nebula_ckpt import knobs
 from nebula_ckpt.errors import CorruptCheckpointError, PersistError
@@ -35,20 +37,23 @@ def replicate(rp: Replication, handle: Any) -> Optional[list[str]]:
     ch = rp.channel
     mine, fds = _mine(rp, handle)
     incoming: dict[int, str] = {}
+    landed: dict[int, dict[str, torch.Tensor]] = {}
     try:
         infos = ch.gather(mine)
         accept = {s: _room_for(rp, infos[s]) for s in rp.sources if infos[s] is not None}
         # an incremental step's partner that lacks its base asks for the shards it refers to
         lacks = {s: _lacks(rp, s, infos[s]) for s, ok in accept.items() if ok is True}
-        accepts = ch.gather((accept, lacks))
+        # by rank: whether it takes this rank's copy, whether it lacks its base (a receiver's
+        # reasons to refuse one come back with the outcomes)
+        asks = ch.gather_flags(tuple(f for r in range(rp.world) for f in (accept.get(r) is True, lacks.get(r, False))))
         works: Works = []
         sent = 0
         if mine is not None:
             paths = [f"/proc/self/fd/{fd}" for fd in fds]
             refs = (mine["base"] or {}).get("refs", [])
             for p in rp.partners:
-                if accepts[p][0].get(rp.rank) is True:
-                    files = mine["files"] + ([(n, size) for _, n, size in refs] if accepts[p][1].get(rp.rank) else [])
+                if asks[p][2 * rp.rank]:
+                    files = mine["files"] + ([(n, size) for _, n, size in refs] if asks[p][2 * rp.rank + 1] else [])
                     ch.send(paths[:len(files)], files, p, works)
                     sent += sum(n for _, n in files)
         assert rp.store is not None or not any(v is True for v in accept.values())
@@ -56,19 +61,31 @@ def replicate(rp: Replication, handle: Any) -> Optional[list[str]]:
             if ok is True and rp.store is not None:
                 refs = infos[s]["base"]["refs"] if lacks[s] else []
                 rp.counters.peak("peak_incoming_bytes", int(infos[s]["bytes"]) + sum(n for *_, n in refs))
-                incoming[s] = ch.receive(rp.store, infos[s], s, works, refs)
+                # a whole step's files are verified where they land (an incremental one is made whole first)
+                landed[s] = {}
+                incoming[s] = ch.receive(rp.store, infos[s], s, works, refs,
+                                         landed[s] if infos[s].get("base") is None else None)
         ch.wait(works)
     finally:
         for fd in fds:
             os.close(fd)
-    outcome = {s: commit_replica(rp, s, infos[s], inc) for s, inc in incoming.items()}
+    outcome = {s: commit_replica(rp, s, infos[s], inc, landed.pop(s, None)) for s, inc in incoming.items()}
     outcome.update({s: why for s, why in accept.items() if why is not True})
-    outcomes = ch.gather(outcome)
+    outcomes = _outcomes(rp, outcome)
     if mine is None:
         return None
     rp.counters.add("sent_bytes", sent)
     return [f"partner rank {p}: {outcomes[p].get(rp.rank)}" for p in rp.partners
             if outcomes[p].get(rp.rank) is not None]
+
+
+def _outcomes(rp: Replication, outcome: dict[int, Optional[str]]) -> list[dict[int, Optional[str]]]:
+    """Every rank's ``outcome`` (source rank -> why its copy is not kept, None: kept), by rank:
+    one collective of a few bytes when every copy was kept, the reasons gathered only when not."""
+    failed = rp.channel.gather_flags(tuple(outcome.get(r) is not None for r in range(rp.world)))
+    if any(any(f) for f in failed):  # the same answer on every rank: they gather alike
+        return rp.channel.gather(outcome)
+    return [{} for _ in range(rp.world)]
 
 
 def _lacks(rp: Replication, src: int, info: dict[str, Any]) -> bool:
@@ -117,8 +134,10 @@ def _room_for(rp: Replication, info: dict[str, Any]) -> Any:
     return True
 
 
-def commit_replica(rp: Replication, src: int, info: dict[str, Any], inc: str) -> Optional[str]:
-    """Verify the copy of ``src``'s step in ``inc`` and make it visible; None, or why not."""
+def commit_replica(rp: Replication, src: int, info: dict[str, Any], inc: str,
+                   landed: Optional[Mapping[str, torch.Tensor]] = None) -> Optional[str]:
+    """Verify the copy of ``src``'s step in ``inc`` and make it visible; None, or why not.
+    ``landed``: its files as received (by name), whose checksums are taken there."""
     assert rp.store is not None
     step = int(info["step"])
     if not os.path.isabs(inc):  # it could not be received into the memory tier: why
@@ -126,7 +145,7 @@ def commit_replica(rp: Replication, src: int, info: dict[str, Any], inc: str) ->
     try:
         if info.get("base") is not None:  # an incremental step: made whole here before it is checked
             materialise(inc, step, rp.store.source_dir(src), info["base"])
-        check_copy(inc, step, src, rp.world, int(info["gen"]))
+        check_copy(inc, step, src, rp.world, int(info["gen"]), landed)
         rp.store.publish(inc, step, rp.store.source_dir(src))
         rp.store.prune(src, rp.keep)
     except Exception as e:
@@ -137,9 +156,10 @@ def commit_replica(rp: Replication, src: int, info: dict[str, Any], inc: str) ->
     return None
 
 
-def check_copy(inc: str, step: int, rank: int, world: int, gen: int) -> None:
+def check_copy(inc: str, step: int, rank: int, world: int, gen: int,
+               landed: Optional[Mapping[str, torch.Tensor]] = None) -> None:
     """Raise unless the copy of ``rank``'s ``step`` received into ``inc`` opens with every
-    checksum verified and carries writer generation ``gen``."""
-    replica_store.verify_step(inc, step, rank, world, "full")
+    checksum verified (those of ``landed``'s files on those bytes) and carries writer generation ``gen``."""
+    replica_store.verify_step(inc, step, rank, world, "full", landed=landed)
     if (gen, step) not in committed(inc):
         raise PersistError(f"the copy of step {step} does not carry writer generation {gen}")

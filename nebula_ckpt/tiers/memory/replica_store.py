@@ -29,11 +29,14 @@ import os
 import re
 import shutil
 import uuid
-from typing import Optional
+from typing import Mapping, Optional
+
+import torch
 
 from nebula_ckpt.format.commit import committed_steps, read_commit
 from nebula_ckpt.format.names import COMMIT, step_dir
-from nebula_ckpt.restore.open import open_checkpoint, read_manifest
+from nebula_ckpt.native import get_ops
+from nebula_ckpt.restore.open import OpenCheckpoint, open_checkpoint, read_manifest
 from nebula_ckpt.storage.local import LocalStorage, read_elsewhere
 
 log = logging.getLogger(__name__)
@@ -97,18 +100,37 @@ def of_world(folder: str, orders: list[tuple[int, int]], world: int) -> list[tup
     return out
 
 
-def verify_step(folder: str, step: int, rank: int, world: int, verify: str = "full") -> None:
+def verify_step(folder: str, step: int, rank: int, world: int, verify: str = "full",
+                landed: Optional[Mapping[str, torch.Tensor]] = None) -> None:
     """Open ``folder/step-N`` as rank ``rank`` of ``world`` would, checking ``verify`` (every
-    checksum with ``"full"``, file sizes with ``"size"``).
+    checksum with ``"full"``, file sizes with ``"size"``). ``landed``: the bytes of some of the
+    step's own files, by name, as this process already maps them (a copy's files as received):
+    their checksums are taken there, on every thread, instead of through a second mapping.
 
     Raises:
         CorruptCheckpointError / OSError / NotThisLayout: it is not a healthy copy.
     """
     st = LocalStorage(folder, private=True, fsync=False)
     try:
-        open_checkpoint(st, step, verify, f"{folder} step {step}", rank, world)
+        ck = open_checkpoint(st, step, verify, f"{folder} step {step}", rank, world,
+                             defer_verify=bool(landed) and verify == "full")
+        if ck.unverified and landed:
+            _verify_landed(ck, landed)
+            ck.verify_rest()  # what was not landed (none for a whole step), through the files
     finally:
         st.close()
+
+
+def _verify_landed(ck: OpenCheckpoint, landed: Mapping[str, torch.Tensor]) -> None:
+    """Check the records of ``ck`` whose shard is one of ``landed`` against those bytes."""
+    man = ck.manifest
+    for si, recs in list(ck.unverified.items()):
+        sh = man.shards[si]
+        plain = set(sh.storage or {}) <= {"stored_bytes"} and sh.stored_bytes == sh.bytes  # stored as is
+        buf = landed.get(sh.file) if sh.step is None and plain else None
+        if buf is None or not recs or buf.numel() != sh.bytes:
+            continue  # left to verify_rest
+        ck.verified_by_copy(recs, get_ops().crc32c(buf, [r.start for r in recs], [r.nbytes for r in recs]))
 
 
 def folder_bytes(path: str) -> int:

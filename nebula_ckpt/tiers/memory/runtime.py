@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import errno
 import logging
+import mmap
 import os
+import weakref
 from typing import Any, Optional
 
 from nebula_ckpt.format.commit import committed_steps
@@ -46,6 +49,8 @@ class MemoryTierRuntime(TierRuntime):
         self._slots: Optional[str] = None
         self._owner: Optional[Owner] = None
         self._created = False  # open() made the folder: release() removes it if nothing was put in
+        #: copy-on-write mappings of this tier's files a restore made: (mapping, path, inode, size)
+        self._cow_maps: list[tuple[weakref.ref[mmap.mmap], str, tuple[int, int], int]] = []
 
     @property
     def folder(self) -> str:
@@ -110,6 +115,25 @@ class MemoryTierRuntime(TierRuntime):
         if self._claim is not None:
             self._claim.release()
 
+    def track_copy_on_write(self, mm: mmap.mmap, path: str, st: os.stat_result) -> None:
+        """Count the copy-on-write mapping ``mm`` of the tier's file ``path`` (``st``: its stat) in
+        :meth:`dropped_cow_bytes` for as long as it lives (:mod:`nebula_ckpt.restore.adopt`)."""
+        self._cow_maps.append((weakref.ref(mm), path, (st.st_dev, st.st_ino), st.st_size))
+
+    def dropped_cow_bytes(self) -> int:
+        live = [m for m in self._cow_maps if m[0]() is not None]
+        self._cow_maps = live
+        dropped: dict[tuple[int, int], int] = {}
+        for _, path, ident, size in live:
+            try:
+                st = os.stat(path, follow_symlinks=False)
+                named = (st.st_dev, st.st_ino) == ident
+            except OSError:
+                named = False
+            if not named:  # retention deleted it: only the mappings keep its pages
+                dropped[ident] = size
+        return sum(dropped.values())
+
     def fenced(self) -> None:
         """Give the folder's lock back: a fenced writer writes the tier no more, and the newer
         writer (or its restart) may take it. The folder and its checkpoints stay."""
@@ -138,7 +162,21 @@ class MemoryTierRuntime(TierRuntime):
                 return self.storage.link_file(path, rel)
             except OSError as e:  # another file system, or the slot file is gone: copy instead
                 log.debug("nebula_ckpt: tier %s: linking %s failed (%s); copying", self.name, path, e)
-        return self.storage.write_buffer(rel, source.view())
+        data = source.view()
+        try:
+            return self.storage.write_buffer(rel, data)
+        except OSError as e:
+            if e.errno != errno.ENOSPC:
+                raise
+            raise no_room_error(self.name, self.folder, rel, len(data), e) from e
+
+    def write_parts(self, rel: str, parts: list[memoryview]) -> dict[str, Any]:
+        try:
+            return self.storage.write_parts(rel, parts)
+        except OSError as e:
+            if e.errno != errno.ENOSPC:
+                raise
+            raise no_room_error(self.name, self.folder, rel, sum(memoryview(p).nbytes for p in parts), e) from e
 
     def close(self, runtimes: list[TierRuntime]) -> None:
         if self._claim is None or not self._claim.locked:
@@ -170,3 +208,19 @@ class MemoryTierRuntime(TierRuntime):
                 remove_if_unused(self.folder, (LOCK_FILE, ROOT_FILE, SLOT_DIR))
             self._claim = None
         super().release()
+
+
+def no_room_error(tier: str, folder: str, rel: str, needed: int, error: OSError) -> OSError:
+    """The ``ENOSPC`` error of a memory-tier write, saying which tier and file, how many bytes it
+    needed and how many its tmpfs has free, that nothing saved before is lost, and what to do."""
+    try:
+        st = os.statvfs(folder)
+        room = f"{st.f_bavail * st.f_frsize} bytes free of {st.f_blocks * st.f_frsize}"
+    except OSError:
+        room = "free space unknown"
+    where = os.path.join(folder, rel)
+    return OSError(errno.ENOSPC, f"memory tier {tier}: no room on its tmpfs for {where}: it needs {needed} "
+                   f"bytes, its file system has {room} ({error}). The steps it holds before stay intact and the "
+                   "slower tiers still take this save. Free room there (other jobs' files, `nebula-ckpt gc`), "
+                   "keep fewer steps (MemoryTier(keep_last=...)), or put the memory tier on a bigger tmpfs "
+                   "(NEBULA_SHM_DIR, or a larger /dev/shm)")
