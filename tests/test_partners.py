@@ -142,6 +142,22 @@ def test_a_full_check_of_a_copy_names_the_tensor_whose_bytes_differ(tmp_path) ->
     verify_step(folder, 1, 0, 1, "full")
 
 
+@pytest.mark.parametrize("node", ["a", "host-17.example.org", "nœud-ü", "x" * 255, "y" * 4000, "a\0b"])
+def test_node_ids_travel_in_fixed_size_and_keep_nodes_apart(node: str) -> None:
+    from nebula_ckpt.ranks.partners import NODE_ID_BYTES, pack_node_id, unpack_node_id
+
+    packed = pack_node_id(node)
+    assert len(packed) == NODE_ID_BYTES
+    back = unpack_node_id(packed)
+    if len(node.encode()) < NODE_ID_BYTES and "\0" not in node:
+        assert back == node  # the id itself: error messages name it
+    else:
+        assert back.startswith("sha256:")
+    # ids that differ anywhere (past the fixed size too) stay different nodes
+    assert unpack_node_id(pack_node_id(node + "2")) != back
+    assert choose_partners([back, back, unpack_node_id(pack_node_id(node + "2"))], 1)[0] == [2]
+
+
 def test_a_copy_checked_where_it_landed_names_the_tensor_whose_bytes_differ(tmp_path) -> None:  # noqa: ANN001
     """A received copy's checksums are taken on the mapping its bytes landed in (no second
     mapping of the file): one byte flipped there in any tensor is found, naming it; bytes that do

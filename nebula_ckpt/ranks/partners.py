@@ -14,6 +14,7 @@ at least one copy of every rank's step (its own, or one of its partners').
 
 from __future__ import annotations
 
+import hashlib
 import socket
 from typing import Sequence
 
@@ -24,6 +25,24 @@ from nebula_ckpt.errors import ValidationError
 def node_id() -> str:
     """This process's node: ``NEBULA_NODE_ID`` if set, else the host name."""
     return str(knobs.get("node_id") or socket.gethostname())
+
+
+#: bytes a node id takes in the exchange of node ids (one fixed-size collective)
+NODE_ID_BYTES = 256
+
+
+def pack_node_id(node: str) -> bytes:
+    """``node`` as :data:`NODE_ID_BYTES` bytes: its UTF-8, zero-padded (a longer id goes as its
+    SHA-256, which tells nodes apart alike)."""
+    raw = node.encode("utf-8")
+    if len(raw) >= NODE_ID_BYTES or b"\0" in raw:
+        raw = f"sha256:{hashlib.sha256(raw).hexdigest()}".encode()
+    return raw.ljust(NODE_ID_BYTES, b"\0")
+
+
+def unpack_node_id(data: bytes) -> str:
+    """The node id :func:`pack_node_id` packed into ``data``."""
+    return data.rstrip(b"\0").decode("utf-8", errors="replace")
 
 
 def node_order(nodes: Sequence[str]) -> list[str]:

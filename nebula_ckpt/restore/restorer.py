@@ -133,7 +133,9 @@ class Restorer:
             if self.replicator is not None:  # lost memory-tier copies come back from partners first
                 shared = [c.order for c in list_candidates([(t, s) for t, s in pairs if t.shared])]
                 rec = self.replicator.recover(shared, step, among)
-            ck = open_agreed(pairs, self.coordinator, self.root, step, on_damaged, among, stage, self._checked(rec))
+            agreed = None if rec is None or rec["step"] is None else (int(rec["generation"]), int(rec["step"]))
+            ck = open_agreed(pairs, self.coordinator, self.root, step, on_damaged, among, stage, self._checked(rec),
+                             agreed)
         elif tag is not None:
             ck = open_tagged(pairs, self.steps_tagged(tag), tag, self.root, stage)
         else:

@@ -200,7 +200,8 @@ def open_tagged(tiers: list[tuple[Tier, Storage]], steps: list[int], tag: str, r
 
 def open_agreed(tiers: list[tuple[Tier, Storage]], co: Coordinator, root: str, step: Optional[int],
                 on_damaged: str, among: Optional[list[int]] = None,
-                stage: Optional[Stage] = None, checked: Checked = None) -> Optional[OpenCheckpoint]:
+                stage: Optional[Stage] = None, checked: Checked = None,
+                agreed: Optional[tuple[int, int]] = None) -> Optional[OpenCheckpoint]:
     """Every rank opens the same step: the newest that every rank can open from some tier (of
     ``among``, when given: the steps this rank sees with the tag asked for).
 
@@ -208,14 +209,20 @@ def open_agreed(tiers: list[tuple[Tier, Storage]], co: Coordinator, root: str, s
     on some rank) and take the newest; each rank opens it (its own memory tier, or its part of
     the shared tier); if any rank cannot, the step is dropped on all and the next round tries an
     older one. Runs on the training thread; collectives on ``co``'s control group. ``checked``:
-    see :data:`Checked`.
+    see :data:`Checked`. ``agreed``: the ``(writer generation, step)`` the ranks agreed on
+    already, the same on every rank (the replicas' recover round: every rank has it on a tier):
+    the first round opens it without exchanging the candidates.
     """
     failed: list[tuple[int, int]] = []
     while True:
-        # (writer generation, step): a stale writer's steps never win over a newer writer's
-        have = {c.order for c in list_candidates(tiers)
-                if (step is None or c.step == step) and (among is None or c.step in among)}
-        newest = co.agree_step(sorted(have - set(failed)))
+        newest: Optional[tuple[int, int]]
+        if agreed is not None:  # agreed on every rank alike: no exchange for it
+            newest, agreed = agreed, None
+        else:
+            # (writer generation, step): a stale writer's steps never win over a newer writer's
+            have = {c.order for c in list_candidates(tiers)
+                    if (step is None or c.step == step) and (among is None or c.step in among)}
+            newest = co.agree_step(sorted(have - set(failed)))
         if newest is None:
             if failed and on_damaged == "raise":
                 raise CorruptCheckpointError(

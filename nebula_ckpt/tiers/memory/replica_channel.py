@@ -113,6 +113,14 @@ class Channel:
         dist.all_gather(out, mine, group=self._group)
         return [tuple(bool(x) for x in t.tolist()) for t in out]
 
+    def gather_bytes(self, data: bytes) -> list[bytes]:
+        """Every rank's ``data`` (the same length on every rank), by rank: one collective of
+        ``len(data)`` bytes a rank, where :meth:`gather` pickles and takes two."""
+        mine = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        out = [torch.empty_like(mine) for _ in range(self.world)]
+        dist.all_gather(out, mine, group=self._group)
+        return [t.numpy().tobytes() for t in out]
+
     def send(self, paths: list[str], files: list[tuple[str, int]], dst: int, works: Works) -> None:
         """Start sending ``files`` (``(name, size)``, mapped read-only from ``paths``: no copy) to
         rank ``dst``. A file that cannot be mapped (gone meanwhile) is sent as zeros of its size,

@@ -9,8 +9,9 @@ whose own copy is gone receives it from a holder over the replicas' channel into
 its checksums (so a copy with flipped bytes is pulled like a lost one, in the next round). A
 pulled copy becomes visible in the memory tier only once every checksum of it passed; nothing of
 ``into`` has changed at any point. One gather per round tells every rank who succeeded; a failed
-pull tries the next holder, then the shared tiers. The normal restore then finds the step, and
-reads a memory-tier copy checked here without checking its checksums a second time.
+pull tries the next holder, then the shared tiers. The normal restore then opens the step
+agreed here (no second exchange of candidates), and reads a memory-tier copy checked here
+without checking its checksums a second time.
 
 Two exchanges in all when nothing is damaged: the views (a gather of objects), then the outcome
 of the one pull round (two flags per rank, one small collective).

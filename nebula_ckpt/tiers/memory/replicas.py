@@ -39,7 +39,7 @@ import torch.distributed as dist
 
 from nebula_ckpt import knobs
 from nebula_ckpt.errors import PersistError, ValidationError
-from nebula_ckpt.ranks.partners import choose_partners, node_id, sources_of
+from nebula_ckpt.ranks.partners import choose_partners, node_id, pack_node_id, sources_of, unpack_node_id
 from nebula_ckpt.tiers.memory.replica_channel import Channel, Replication
 from nebula_ckpt.tiers.memory.replica_recover import recover
 from nebula_ckpt.tiers.memory.replica_save import replicate
@@ -84,7 +84,7 @@ class Replicator:
                           float(knobs.get("replica_timeout_s")))
         self.rank, self.world = channel.rank, channel.world
         self.node = node_id()
-        self.nodes = channel.gather(self.node)
+        self.nodes = [unpack_node_id(b) for b in channel.gather_bytes(pack_node_id(self.node))]
         partners_all = choose_partners(self.nodes, k)
         store = ReplicaStore(folder) if folder else None
         if store is not None:
