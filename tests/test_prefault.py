@@ -3,6 +3,8 @@ populate its pages while the first save's copy fills it; the snapshot stays exac
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -96,3 +98,27 @@ def test_a_finished_fault_ahead_keeps_no_buffer_alive() -> None:
     gc.collect()
     assert ref() is None, "a buffer the pool freed would stay mapped as long as its faulter object lives"
     assert not ahead.running()
+
+
+def test_populate_mapping_allocates_every_page_of_a_hole(shm_dir: str) -> None:
+    """The receive mappings of replicas are populated through libc (no GIL held): every page of a
+    sparse tmpfs file exists afterwards; a read-only mapping falls back to mmap's own call, and a
+    closed one is a no-op."""
+    import mmap as _mmap
+
+    from nebula_ckpt.save.prefault import advise, populate_mapping
+    path = os.path.join(shm_dir, "hole")
+    fd = os.open(path, os.O_CREAT | os.O_RDWR, 0o600)
+    try:
+        os.ftruncate(fd, 8 << 20)
+        assert os.fstat(fd).st_blocks == 0
+        m = _mmap.mmap(fd, 8 << 20)
+        assert populate_mapping(m)
+        assert os.fstat(fd).st_blocks * 512 >= 8 << 20
+        m.close()
+        assert not advise(m, 0, 4096, 4)
+        ro = _mmap.mmap(fd, 8 << 20, prot=_mmap.PROT_READ)
+        assert advise(ro, 4096, 8192, 4)  # MADV_DONTNEED through mmap.madvise
+        ro.close()
+    finally:
+        os.close(fd)

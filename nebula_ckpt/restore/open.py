@@ -28,6 +28,7 @@ from nebula_ckpt.format.records import ShardRecord, TensorRecord
 from nebula_ckpt.format.references import shard_path
 from nebula_ckpt.format.tree import decode
 from nebula_ckpt.native import get_ops
+from nebula_ckpt.save.prefault import advise
 from nebula_ckpt.storage.base import Storage
 
 log = logging.getLogger(__name__)
@@ -391,13 +392,8 @@ def _read_shard(storage: Storage, man: mf.Manifest, i: int, where: str) -> tuple
 
 def _advise(mm: Optional[mmap.mmap], start: int, end: int, advice: int) -> None:
     """``madvise`` the pages of ``mm`` covering ``[start, end)``; a no-op without a map or on error."""
-    if mm is None or end <= start:
-        return
-    lo = start - start % mmap.PAGESIZE
-    try:
-        mm.madvise(advice, lo, min(end, len(mm)) - lo)
-    except (OSError, ValueError):
-        pass  # an old kernel without MADV_POPULATE_READ: pages fault in as they are read
+    if mm is not None and end > start:  # without the GIL; an old kernel without MADV_POPULATE_READ
+        advise(mm, start, end - start, advice)  # refuses it: pages then fault in as they are read
 
 
 def chunks(recs: list[TensorRecord]) -> list[list[TensorRecord]]:

@@ -28,12 +28,10 @@ import torch.distributed as dist
 from nebula_ckpt import knobs
 from nebula_ckpt.format.names import step_dir
 from nebula_ckpt.priority import lower_priority
+from nebula_ckpt.save.prefault import populate_mapping
 from nebula_ckpt.tiers.memory.replica_store import ReplicaStore, safe_name
 
 log = logging.getLogger(__name__)
-
-#: ``madvise`` advice: populate (prefault) pages writable (Linux 5.14+; not in :mod:`mmap` before 3.13)
-_MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)
 
 #: ``(work, tensor)`` of a transfer in flight (the tensor lives until the work is done)
 Works = list[tuple[Any, torch.Tensor]]
@@ -234,12 +232,8 @@ def _target(inc: str, step: int, name: str, size: int, src: int, spare: Optional
 def _populate(m: Optional[mmap.mmap]) -> None:
     """Fault in every page of ``m`` for writing in one call (Linux 5.14+; else each page faults
     on its first byte received): far cheaper than a fault per page."""
-    if m is None:
-        return
-    try:
-        m.madvise(_MADV_POPULATE_WRITE)
-    except (OSError, ValueError) as e:
-        log.debug("nebula_ckpt: cannot populate a receive mapping: %s", e)
+    if m is not None and not populate_mapping(m):  # without the GIL: the training thread runs on
+        log.debug("nebula_ckpt: cannot populate a receive mapping of %d bytes", len(m))
 
 
 @dataclass
