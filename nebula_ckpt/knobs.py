@@ -196,6 +196,14 @@ def get(name: str) -> Any:
     return knob.default
 
 
+def chosen(name: str) -> bool:
+    """Whether knob ``name`` was set (by the environment or :func:`override`), not left at its default."""
+    with _lock:
+        if name in _overrides:
+            return True
+    return bool(os.environ.get(_KNOBS[name].env))
+
+
 def _checked(name: str, knob: _Knob, value: Any, where: str) -> Any:
     """``value`` of knob ``name`` (``where`` it came from), or a ValueError when it is below the
     knob's least value."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 
 import pytest
+import torch
 
 import nebula_ckpt as nc
 from nebula_ckpt import knobs
@@ -51,3 +52,16 @@ def test_printing_knobs_describe_shows_the_table(capsys: pytest.CaptureFixture[s
     assert capsys.readouterr().out.strip() == knobs.table()  # not one raw dict on a line
     env, value, doc = described["copy_threads"]  # still the mapping it was
     assert env == "NEBULA_COPY_THREADS" and value == knobs.get("copy_threads") and doc
+
+
+def test_a_memory_tier_folder_that_does_not_exist_is_said_loudly(tmp_path, caplog) -> None:  # noqa: ANN001
+    """NEBULA_SHM_DIR set to a folder that is not there: the save still lands on disk, and a
+    warning names the folder (the memory tier is not dropped silently)."""
+    missing = str(tmp_path / "no-such-tmpfs")
+    root = str(tmp_path / "ck")
+    with knobs.override(shm_dir=missing), caplog.at_level("WARNING", logger="nebula_ckpt"):
+        with nc.Checkpointer(root) as ck:
+            ck.save(0, {"w": torch.ones(4)})
+            assert list(ck.list(detailed=True)) == [f"local:{os.path.abspath(root)}"]
+    said = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert any("memory tier skipped" in m and missing in m and "NEBULA_SHM_DIR" in m for m in said), said

@@ -9,6 +9,7 @@ import os
 import weakref
 from typing import Any, Optional
 
+from nebula_ckpt import knobs
 from nebula_ckpt.format.commit import committed_steps
 from nebula_ckpt.format.names import LOCK_FILE, ROOT_FILE, SLOT_DIR
 from nebula_ckpt.storage.base import Storage
@@ -66,7 +67,12 @@ class MemoryTierRuntime(TierRuntime):
     def open(self, owner: Owner) -> bool:
         why = shm_available(self.folder)
         if why:
-            log.info("nebula_ckpt: memory tier skipped: %s", why)
+            if knobs.chosen("shm_dir") or not self._memory_tier.default_layout:  # a place the user chose
+                log.warning("nebula_ckpt: memory tier skipped: %s (the folder chosen for it: NEBULA_SHM_DIR "
+                            "or MemoryTier(path=...)); saves go to the slower tiers only. Create it on a "
+                            "tmpfs, or leave the default /dev/shm", why)
+            else:  # no /dev/shm on this system (macOS): nothing to say beyond the info
+                log.info("nebula_ckpt: memory tier skipped: %s", why)
             return False
         self._owner = owner
         try:
