@@ -25,6 +25,10 @@ def state(step: int) -> dict:
             "meta": {"step": step}}
 
 
+def _raise(e: BaseException) -> None:
+    raise e
+
+
 def _late_checkpointer(root: str, close: bool) -> None:
     """An ``atexit`` hook registered before nebula_ckpt was imported: it runs after the library's hooks."""
     import nebula_ckpt as nc
@@ -51,23 +55,13 @@ def main() -> None:  # noqa: C901 (one branch per mode, read top to bottom)
     ck.save(1, state(1))
     print("READY", flush=True)
 
-    if mode == "sys_exit":
+    ends = {"sys_exit": lambda: sys.exit(3), "os_exit": lambda: os._exit(5),
+            "raise": lambda: _raise(RuntimeError("training diverged")),
+            "sigterm_default": lambda: (os.kill(os.getpid(), signal.SIGTERM), time.sleep(30))}
+    if mode in ends:  # saves pending, then the program ends that way
         for s in (2, 3, 4):
             ck.save_async(s, state(s))
-        sys.exit(3)
-    if mode == "raise":
-        for s in (2, 3, 4):
-            ck.save_async(s, state(s))
-        raise RuntimeError("training diverged")
-    if mode == "os_exit":
-        for s in (2, 3, 4):
-            ck.save_async(s, state(s))
-        os._exit(5)
-    if mode == "sigterm_default":
-        for s in (2, 3, 4):
-            ck.save_async(s, state(s))
-        os.kill(os.getpid(), signal.SIGTERM)
-        time.sleep(30)
+        ends[mode]()
     if mode == "sigterm_handler":
         def on_term(signum: int, frame: object) -> None:
             ck.close()

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import errno
 import os
-import subprocess
 from typing import Iterator
 
 import pytest
 import torch
 
 from nebula_ckpt.native import get_ops
+from tmpfs_mount import mounted_tmpfs
 
 MiB = 1 << 20
 
@@ -18,19 +18,8 @@ MiB = 1 << 20
 @pytest.fixture
 def tiny_fs(tmp_path) -> Iterator[str]:  # noqa: ANN001
     """A real 4 MiB tmpfs (needs root / CAP_SYS_ADMIN; skipped otherwise)."""
-    d = tmp_path / "tiny"
-    d.mkdir()
-    try:
-        r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(d)],
-                           capture_output=True, text=True, timeout=30)
-    except (OSError, subprocess.SubprocessError) as e:
-        pytest.skip(f"cannot mount a tmpfs to fill up: {e}")
-    if r.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs to fill up (needs root/CAP_SYS_ADMIN): {r.stderr.strip()}")
-    try:
-        yield str(d)
-    finally:
-        subprocess.run(["umount", "-l", str(d)], capture_output=True, timeout=30)
+    with mounted_tmpfs(str(tmp_path / "tiny"), "4m") as d:
+        yield d
 
 
 @pytest.mark.parametrize("fsync", [True, False])
