@@ -41,6 +41,10 @@ def _late_checkpointer(root: str, close: bool) -> None:
 
 def main() -> None:  # noqa: C901 (one branch per mode, read top to bottom)
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # a hung child shows where: kill -USR1
+    # an ignored signal is inherited across exec: a test run whose process ignores SIGINT (some
+    # library earlier in the session set it so) must not make Ctrl-C a no-op in the child
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
     root, mode = sys.argv[1], sys.argv[2]
     if mode.startswith("atexit_before_import"):
         atexit.register(_late_checkpointer, root, mode.endswith("closed"))
