@@ -69,7 +69,7 @@ def advise(m: Any, start: int, length: int, advice: int) -> bool:
         return False
     try:
         anchor = ctypes.c_char.from_buffer(m)  # its address (the export ends with this name)
-    except (TypeError, ValueError):  # a read-only or closed mapping: mmap's own call, GIL held
+    except (TypeError, ValueError):  # a read-only mapping: mmap's own call, GIL held
         try:
             m.madvise(advice, lo, end - lo)
             return True

@@ -106,10 +106,7 @@ class Channel:
     def gather_flags(self, flags: tuple[bool, ...]) -> list[tuple[bool, ...]]:
         """Every rank's ``flags`` (the same number on every rank), by rank: one collective of a
         few bytes, where :meth:`gather` pickles and takes two."""
-        mine = torch.tensor([int(bool(f)) for f in flags], dtype=torch.uint8)
-        out = [torch.empty_like(mine) for _ in range(self.world)]
-        dist.all_gather(out, mine, group=self._group)
-        return [tuple(bool(x) for x in t.tolist()) for t in out]
+        return [tuple(bool(x) for x in raw) for raw in self.gather_bytes(bytes(bool(f) for f in flags))]
 
     def gather_bytes(self, data: bytes) -> list[bytes]:
         """Every rank's ``data`` (the same length on every rank), by rank: one collective of

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import logging
 import mmap
 import os
 import weakref
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
 from nebula_ckpt import knobs
 from nebula_ckpt.format.commit import committed_steps
@@ -169,20 +170,22 @@ class MemoryTierRuntime(TierRuntime):
             except OSError as e:  # another file system, or the slot file is gone: copy instead
                 log.debug("nebula_ckpt: tier %s: linking %s failed (%s); copying", self.name, path, e)
         data = source.view()
-        try:
+        with self._room_for(rel, len(data)):
             return self.storage.write_buffer(rel, data)
-        except OSError as e:
-            if e.errno != errno.ENOSPC:
-                raise
-            raise no_room_error(self.name, self.folder, rel, len(data), e) from e
 
     def write_parts(self, rel: str, parts: list[memoryview]) -> dict[str, Any]:
-        try:
+        with self._room_for(rel, sum(memoryview(p).nbytes for p in parts)):
             return self.storage.write_parts(rel, parts)
+
+    @contextlib.contextmanager
+    def _room_for(self, rel: str, needed: int) -> Iterator[None]:
+        """An ``ENOSPC`` of the write inside becomes :func:`no_room_error` (tier, file, sizes, what to do)."""
+        try:
+            yield
         except OSError as e:
             if e.errno != errno.ENOSPC:
                 raise
-            raise no_room_error(self.name, self.folder, rel, sum(memoryview(p).nbytes for p in parts), e) from e
+            raise no_room_error(self.name, self.folder, rel, needed, e) from e
 
     def close(self, runtimes: list[TierRuntime]) -> None:
         if self._claim is None or not self._claim.locked:
