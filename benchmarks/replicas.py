@@ -17,7 +17,15 @@ per node). Every rank trains its own model + AdamW (``--mb`` MB of state per ran
     every parameter and optimizer moment (the state changes as a device step changes it, so each
     save is as large) and then sleeps for the CPU step's time (its median over a few steps, taken
     by the first job's ranks, or ``--step-ms``; the same in every job of a world): the host
-    cores are idle for the step's length.
+    cores are idle for the step's length. The measured step depends on the host's load at that
+    moment (on a shared host it was 5x the quiet one): to compare runs taken under different
+    loads, or code before and after a change, give the same ``--step-ms`` to each.
+
+  Each run also splits the training thread's loop time (:mod:`benchmarks.replicas_threads`):
+  run-queue delay (it was ready, every core busy), other waits (the GIL, a lock, the save
+  pipeline), the ``save_async`` calls, and CPU seconds by thread. A rank's loop holds only
+  ``--iters / --save-every`` saves: where the host is shared, take more ``--repeats`` rather than
+  trusting a single run's overhead.
 * **Recovery**: one job saves a step to ``[MemoryTier(replicas=1), LocalTier(disk), RemoteTier(Azurite)]``;
   then, from a copy of both nodes' memory tiers each time, a restarted job measures on every rank
   the time from after ``init_process_group`` to its first optimizer step done (the slowest rank
