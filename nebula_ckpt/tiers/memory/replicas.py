@@ -8,7 +8,8 @@ One :class:`Replicator` per :class:`~nebula_ckpt.Checkpointer`, with a channel o
 group: :mod:`~nebula_ckpt.tiers.memory.replica_channel`) and one thread that runs its rounds in
 the same order on every rank:
 
-* a **save round** per save index, once this rank's memory tier is done with that save
+* a **save round** per save index, once this rank's memory tier is done with that save and
+  the training thread is not inside ``save_async`` of a later one
   (:mod:`~nebula_ckpt.tiers.memory.replica_save`): each rank sends its step to its partners, which
   verify and keep it (:mod:`~nebula_ckpt.tiers.memory.replica_store`); the save's handle gets its
   ``replicas`` part done (or failed, naming the partner and why). The training thread never
