@@ -3,7 +3,7 @@
 Read by each rank of :mod:`benchmarks.replicas` (Linux ``/proc``; elsewhere the numbers are
 absent, never made up):
 
-* each live thread's CPU seconds (``/proc/self/task/<tid>/stat``), by thread kind: the training
+* each live thread's CPU seconds (``/proc/self/task/<tid>/schedstat``), by thread kind: the training
   thread, the library's named threads (stager, memory-tier writer, replicas, ...; numbers and ids
   dropped from their names) and the native ones Python does not know (gloo's transport and workers);
 * the training thread's run-queue delay (``/proc/thread-self/schedstat``): time it was ready to
@@ -20,8 +20,6 @@ import re
 import threading
 from typing import Any, Optional
 
-_TICK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
-
 
 def thread_cpu() -> dict[str, float]:
     """CPU seconds of this process's live threads so far, summed by kind of thread (empty
@@ -35,11 +33,10 @@ def thread_cpu() -> dict[str, float]:
         return out
     for tid in tids:
         try:
-            with open(f"/proc/self/task/{tid}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-        except OSError:  # it ended meanwhile
+            with open(f"/proc/self/task/{tid}/schedstat") as f:
+                cpu = int(f.read().split()[0]) / 1e9  # ns on a core (stat's utime + stime: 10 ms ticks)
+        except (OSError, ValueError, IndexError):  # it ended meanwhile
             continue
-        cpu = (int(fields[11]) + int(fields[12])) / _TICK  # utime + stime
         name = names.get(int(tid))
         kind = "training" if int(tid) == main else \
             re.sub(r"(-ot)?([-_]\d+)+$", "", name) if name else "native (gloo, torch)"
