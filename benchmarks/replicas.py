@@ -246,6 +246,8 @@ def _loop_cost(world: int, args: argparse.Namespace, tmp: Path, loop: str = "cpu
                             "moved_mb": statistics.mean((r.get("sent_bytes", 0) + r.get("received_bytes", 0)) / 1e6
                                                         for r in repl),
                             "rounds": statistics.mean(r.get("rounds", 0) for r in repl),
+                            "failed_rounds": statistics.mean(r.get("failed", 0) for r in repl),
+                            "sent_mb": statistics.mean(r.get("sent_bytes", 0) / 1e6 for r in repl),
                             "compute_s": statistics.mean(g.get("compute_s", 0.0) for g in got),
                             **threads.rank_means(got)})
     med = {k: {m: statistics.median(r.get(m, 0.0) for r in v) for m in {m for r in v for m in r}}
