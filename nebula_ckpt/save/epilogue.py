@@ -87,7 +87,8 @@ def _refuse_multi_rank_parts(root: str, run_id: str, on_root: set[int]) -> None:
         if found.problem or owner is None or owner.root != canonical_root(root) or owner.run_id != run_id:
             continue
         store = ReplicaStore(found.folder)
-        for what, folder in [("", found.folder)] + [("a replica of ", store.source_dir(r)) for r in sorted(store.held())]:
+        folders = [("", found.folder)] + [("a replica of ", store.source_dir(r)) for r in sorted(store.held())]
+        for what, folder in folders:
             for ranks, size, steps in _parts_of(folder, on_root):
                 world = max(world, size)
                 parts.append(f"{found.folder} ({what}rank {ranks}'s part of step(s) {steps})")
