@@ -175,13 +175,16 @@ def test_uneven_interleaved_nodes_with_odd_ids(tmp_path: Path) -> None:
 
 
 def test_a_stale_node_comes_back_then_the_job_grows(tmp_path: Path) -> None:
-    """Writer generation 1 saves steps 1..5; node B's memory tier is kept aside. The job restarts
-    from step 3 (generation 2) and saves steps 4 (also on disk: the first save after a restart)
-    and 5 with other bytes. Node B is replaced by a node whose memory tier is the kept one: its
-    step 5 is generation 1's. The restore takes generation 2's step 5 on both ranks (node B's
-    from its replica at node A), never the stale one. Then a job of 3 ranks (more nodes) takes
-    the documented path: the shared tier's newest step, resharded, bit-exact."""
-    job = Job(tmp_path, nodes=["a", "b"], k=1, keep=3, same=True)
+    """Writer generation 1 saves steps 1..5 (incremental: a large frozen tensor); node B's memory
+    tier is kept aside. The job restarts from step 3 (generation 2) and saves steps 4 (also on
+    disk: the first save after a restart) and 5 with other bytes. Node B is replaced by a node
+    whose memory tier is the kept one: its step 5 is generation 1's. The restore takes generation
+    2's step 5 on both ranks (node B's pulled from its replica at node A), never the stale one;
+    the job saves on (6, also on disk, then 7, built on the pulled copy), node A is lost, and
+    step 7 comes back. Then a job of 3 ranks (more nodes) takes the documented path: the shared
+    tier's newest step, resharded, bit-exact. The node ids are not UTF-8 (bytes from the
+    environment), and differ only there."""
+    job = Job(tmp_path, nodes=["n\udcff", "n\udcfe"], k=1, keep=3, same=True, frozen=True)
     gen1 = job.run(save=[1, 2, 3, 4, 5])
     stale = tmp_path / "stale-b"
     shutil.copytree(job.node(1), stale, symlinks=True)
@@ -193,16 +196,23 @@ def test_a_stale_node_comes_back_then_the_job_grows(tmp_path: Path) -> None:
     assert sorted(os.listdir(job.spec["root"])) == ["_nebula", "step-1", "step-4"]
     job.lose(1)
     shutil.copytree(stale, job.node(1), symlinks=True)
-    got = job.run(load="latest")
+    got = job.run(load="latest", save=[6, 7])
     for g2, g in zip(gen2, got, strict=True):
         _restored(g, g2, 5)
         assert g["last_restore"]["sources"] == ["memory", "replica from rank 0"], g["last_restore"]
+        assert "replicas" in g["outcome"]["7"]["written"], g["outcome"]
     # node B's stale step 5 was replaced by the pulled one: both ranks' step 5 is generation 2's
     markers = list(job.shm.glob("n*/nebula_ckpt-*/*/step-5/COMMIT"))
     assert len(markers) == 2 and len({json.loads(p.read_text())["generation"] for p in markers}) == 1, markers
+    assert sorted(os.listdir(job.spec["root"]))[-1] == "step-6"
+    job.lose(0)
+    again = job.run(load="latest")
+    for g6, g in zip(got, again, strict=True):
+        _restored(g, g6, 7)
+        assert g["last_restore"]["sources"] == ["replica from rank 1", "memory"], g["last_restore"]
     grown = job.run(nodes=["a", "b", "c"], load="latest")
-    for g in grown:  # memory tiers and replicas hold 2-rank steps: the shared tier's step 4, resharded
-        _restored(g, gen2[0], 4)
+    for g in grown:  # memory tiers and replicas hold 2-rank steps: the shared tier's step 6, resharded
+        _restored(g, got[0], 6)
         assert g["last_restore"]["tier"].startswith("local:"), g["last_restore"]
 
 
