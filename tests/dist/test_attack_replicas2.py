@@ -6,8 +6,8 @@ like a crash. Every state comparison is bit-exact (a SHA-256 of every tensor's b
 optimizer). Each test is one scenario whose jobs check several promises in turn:
 
 * uneven, interleaved nodes with odd ids: partners never on the rank's node, the epilogue command
-  on either node, tampered replicas and links planted in the replica store, one holder serving
-  three pulls at once;
+  on either node (and on one with only replicas left), tampered replicas and links planted in the
+  replica store, one holder serving three pulls at once, a restart with the ranks on other nodes;
 * a replaced node that comes back with a stale memory tier (the same step number, saved by an
   earlier writer generation with other bytes), then a restart with more ranks;
 * saves every iteration (rounds queued behind them), ``close()`` with rounds in flight, and a
@@ -86,13 +86,15 @@ def _restored(got: dict[str, Any], saved: dict[str, Any], step: int) -> None:
     assert got["digest"] == saved["digests"][str(step)], f"rank {got['rank']}: not its state of step {step}"
 
 
-def _no_part_left_behind(job: Job, node: int, own: list[int], copies: list[int]) -> None:
-    """The epilogue command on ``node``: refuses (a multi-rank root), naming each rank whose part
-    of steps 2 and 3 is only in that node's RAM (``own``: in its own memory tier; ``copies``: in
-    a replica held there), and writes nothing."""
+def _no_part_left_behind(job: Job, shm: Path, own: list[int], copies: list[int]) -> None:
+    """The epilogue command on the node whose memory tiers are in ``shm``, twice: refuses (a
+    multi-rank root), naming each rank whose part of steps 2 and 3 is only in that node's RAM
+    (``own``: in its own memory tier; ``copies``: in a replica held there), and writes nothing."""
     root = job.spec["root"]
     before = sorted(os.listdir(root))
-    with knobs.override(shm_dir=str(job.node(node))), pytest.raises(ValidationError) as err:
+    with knobs.override(shm_dir=str(shm)), pytest.raises(ValidationError):
+        persist_memory(root)
+    with knobs.override(shm_dir=str(shm)), pytest.raises(ValidationError) as err:
         persist_memory(root)
     why = str(err.value)
     assert "4-rank job" in why and "Restart the job once with the same world size" in why, why
@@ -100,6 +102,7 @@ def _no_part_left_behind(job: Job, node: int, own: list[int], copies: list[int])
         assert f"(rank [{r}]'s part of step(s) [2, 3])" in why, why
     for r in copies:
         assert f"(a replica of rank [{r}]'s part of step(s) [2, 3])" in why, why
+    assert why.count("part of step(s)") == len(own) + len(copies), why
     assert sorted(os.listdir(root)) == before
 
 
@@ -160,10 +163,15 @@ def test_uneven_interleaved_nodes_with_odd_ids(tmp_path: Path) -> None:
         assert all(len(steps) <= 2 for steps in rep["held_steps"].values()), rep  # keep_last=2
     assert sorted(os.listdir(job.spec["root"])) == ["_nebula", "step-1"]
     # steps 2 and 3 are only in RAM: refused on node B too (where it said "nothing to copy")
-    _no_part_left_behind(job, 0, own=[0, 2, 3], copies=[1])
-    _no_part_left_behind(job, 1, own=[1], copies=[0, 2, 3])
+    _no_part_left_behind(job, job.node(0), own=[0, 2, 3], copies=[1])
+    _no_part_left_behind(job, job.node(1), own=[1], copies=[0, 2, 3])
     snap = tmp_path / "snap-b"
     shutil.copytree(job.node(1), snap, symlinks=True)
+    only = tmp_path / "only-replicas-b"  # node B's rank lost its own steps: only the replicas it holds
+    shutil.copytree(job.node(1), only, symlinks=True)
+    for d in only.glob("nebula_ckpt-*/*/step-*"):
+        shutil.rmtree(d)
+    _no_part_left_behind(job, only, own=[], copies=[0, 2, 3])
     _tamper_checks(job, snap)
     job.lose(0)
     got = job.run(load="latest")
@@ -172,6 +180,12 @@ def test_uneven_interleaved_nodes_with_odd_ids(tmp_path: Path) -> None:
         assert g["last_restore"]["sources"] == ["replica from rank 1", "memory", "replica from rank 1",
                                                  "replica from rank 1"], g["last_restore"]
     assert len(list(job.node(0).glob("nebula_ckpt-*/*/step-3/COMMIT"))) == 3  # the pulled copies stay
+    # a restart that places the ranks on other nodes (a launcher renumbering its nodes): memory
+    # tiers and replicas are found by rank on a node, so none is found; the shared tier's step 1
+    moved = job.run(nodes=[ODD_B, ODD_A, ODD_B, ODD_B], shm_of={ODD_A: "n0", ODD_B: "n1"}, load="latest")
+    for s, g in zip(saved, moved, strict=True):
+        _restored(g, s, 1)
+        assert g["last_restore"]["sources"] == ["shared tier"] * 4, g["last_restore"]
 
 
 def test_a_stale_node_comes_back_then_the_job_grows(tmp_path: Path) -> None:
