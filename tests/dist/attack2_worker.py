@@ -14,7 +14,8 @@ Usage: python attack2_worker.py SPEC_JSON OUT
 * ``same``: every rank trains the same state (a replicated model, restorable in another world
   size); else each rank's state is its own;
 * ``frozen``: a large tensor beside the trained ones that never changes (incremental steps);
-* ``load``: ``"latest"`` (``load_latest``), a step number (``load(step)``), or absent;
+* ``load``: ``"latest"`` (``load_latest``), a step number (``load(step)``), another string (the
+  newest step with that tag: ``load(tag=...)``), or absent; ``tag``: the tag of every save;
 * ``save``: the steps to save after that, in order; ``wait``: wait for each handle before the next
   save (else save every iteration and wait for all at the end); ``seed``: varies the training
   (another run's steps of the same numbers hold other bytes);
@@ -104,7 +105,12 @@ def _restore(ck: nc.Checkpointer, st: dict[str, Any], rep: dict[str, Any]) -> No
     if load is None:
         return
     try:
-        step = ck.load_latest(st) if load == "latest" else ck.load(int(load), st)
+        if load == "latest":
+            step = ck.load_latest(st)
+        elif isinstance(load, str):  # a tag
+            step = ck.load(tag=load, into=st)
+        else:
+            step = ck.load(int(load), st)
     except nc.NebulaError as e:
         rep["restore_error"] = _error(e)
         return
@@ -120,7 +126,7 @@ def _saves(ck: nc.Checkpointer, st: dict[str, Any], rep: dict[str, Any]) -> list
             _settle(pending, outcome)  # every round before it is over, on every rank
             os.kill(os.getpid(), signal.SIGKILL)
         _train(st, step, int(SPEC.get("seed", 0)))
-        h = ck.save_async(step, st)
+        h = ck.save_async(step, st, tag=SPEC.get("tag"))
         digests[step] = _digest(st)
         pending.append(h)
         if SPEC.get("wait", True):

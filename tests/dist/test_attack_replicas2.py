@@ -195,10 +195,10 @@ def test_a_stale_node_comes_back_then_the_job_grows(tmp_path: Path) -> None:
     whose memory tier is the kept one: its step 5 is generation 1's. The restore takes generation
     2's step 5 on both ranks (node B's pulled from its replica at node A), never the stale one;
     the job saves on (6, also on disk, then 7, built on the pulled copy), node A is lost, and
-    step 7 comes back. Then a job of 3 ranks (more nodes) takes the documented path: the shared
+    step 7 comes back (restored by the tag every step carries). Then a job of 3 ranks (more nodes) takes the documented path: the shared
     tier's newest step, resharded, bit-exact. The node ids are not UTF-8 (bytes from the
     environment), and differ only there."""
-    job = Job(tmp_path, nodes=["n\udcff", "n\udcfe"], k=1, keep=3, same=True, frozen=True)
+    job = Job(tmp_path, nodes=["n\udcff", "n\udcfe"], k=1, keep=3, same=True, frozen=True, tag="every")
     gen1 = job.run(save=[1, 2, 3, 4, 5])
     stale = tmp_path / "stale-b"
     shutil.copytree(job.node(1), stale, symlinks=True)
@@ -220,7 +220,9 @@ def test_a_stale_node_comes_back_then_the_job_grows(tmp_path: Path) -> None:
     assert len(markers) == 2 and len({json.loads(p.read_text())["generation"] for p in markers}) == 1, markers
     assert sorted(os.listdir(job.spec["root"]))[-1] == "step-6"
     job.lose(0)
-    again = job.run(load="latest")
+    # by tag: node A's rank sees the tag on the disk's steps only, node B's on its memory tier's
+    # too; every rank plans from the same steps (they chose different ones and waited on each other)
+    again = job.run(load="every", env={"NEBULA_REPLICA_TIMEOUT_S": "60", "NEBULA_COMMIT_TIMEOUT_S": "60"})
     for g6, g in zip(got, again, strict=True):
         _restored(g, g6, 7)
         assert g["last_restore"]["sources"] == ["replica from rank 1", "memory"], g["last_restore"]

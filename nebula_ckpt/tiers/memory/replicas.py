@@ -179,10 +179,18 @@ class Replicator:
     def _recover_task(self, shared: list[tuple[int, int]], step: Optional[int], among: Optional[Sequence[int]],
                       box: dict[str, Any], done: threading.Event) -> None:
         try:
-            box["result"] = self._guarded(lambda: recover(self._rp, shared, step, among))
+            box["result"] = self._guarded(lambda: recover(self._rp, shared, step, self._among_all(among)))
         except BaseException as e:
             box["error"] = e
         done.set()
+
+    def _among_all(self, among: Optional[Sequence[int]]) -> Optional[list[int]]:
+        """The steps any rank sees with the tag asked for (a collective when there is a tag; every
+        rank asks alike): a rank that lost its memory tier sees fewer of them, and every rank must
+        plan from the same steps, else the ranks choose different steps and wait on each other."""
+        if among is None:
+            return None
+        return sorted({int(s) for seen in self._rp.channel.gather(list(among)) for s in seen})
 
     def _task_ready(self, task: tuple[str, Any]) -> bool:
         return task[0] != "save" or self._saves[task[1]].ready()
