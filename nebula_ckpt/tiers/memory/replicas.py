@@ -232,7 +232,7 @@ class Replicator:
     def _why(self, e: BaseException) -> str:
         """What a round that raised ``e`` tells the save's handle: a failed collective (a rank of
         the job died or stalled) names this rank, its node and its partners."""
-        if isinstance(e, PersistError):  # failed earlier: that message says so already
+        if isinstance(e, PersistError) or not isinstance(e, (RuntimeError, OSError)):  # says what it is already
             return f"{type(e).__name__}: {e}"
         partners = ", ".join(f"rank {p} on node {_short(self.nodes[p])}" for p in self.partners)
         return (f"rank {self.rank} on node {_short(self.node)}: the replicas' channel failed (a rank of the job "
