@@ -24,10 +24,9 @@ in three rounds among the ranks (:mod:`nebula_ckpt.save.rounds`). A rank's own t
 tier) commits its rank's state alone; restore agrees on a step every rank has
 (:meth:`nebula_ckpt.checkpointer.Checkpointer.load_latest`).
 
-A tier never queues: it holds at most one pending snapshot. When a newer one arrives while the
-tier is still busy, the pending one is dropped *for this tier* (reported on its handle as
-``tiers_dropped``), so a slow tier never blocks a fast one, nor the training loop.
-"""
+A tier never queues: it holds at most one pending snapshot. When a newer one arrives while the tier is still
+busy, the pending one is dropped *for this tier* (``tiers_dropped`` on its handle), so a slow tier never blocks
+a fast one, nor the training loop."""
 
 from __future__ import annotations
 
@@ -45,6 +44,7 @@ from nebula_ckpt.format.commit import committed_steps
 from nebula_ckpt.format.manifest import Manifest
 from nebula_ckpt.format.names import COMMIT, MANIFEST, RANKS_FILE, records_name, shard_name, shard_owner, step_dir
 from nebula_ckpt.format.references import protected_steps, referrers, shard_path
+from nebula_ckpt.latch import SLICE_S, poll_until
 from nebula_ckpt.ranks import shards as ranks
 from nebula_ckpt.ranks.coordinator import Coordinator, LocalCoordinator
 from nebula_ckpt.ranks.fencing import TierFence
@@ -115,7 +115,9 @@ class TierWriter:
         self._pending: Optional[Delivery] = None
         self._busy = False
         self._closing = False
-        self._cond = threading.Condition()
+        #: the training thread takes it directly (a C call a Ctrl-C cannot cut, unlike Condition.__enter__)
+        self._mutex = threading.RLock()
+        self._cond = threading.Condition(self._mutex)
         #: held while checkpoints are deleted (retention on the writer thread, remove() on the caller's)
         self._delete_lock = threading.Lock()
         #: steps whose commit this writer could not confirm (CommitUncertain): never deleted as
@@ -169,41 +171,39 @@ class TierWriter:
 
         An idle tier is about to start on its pending snapshot, so that one is kept.
         """
-        with self._cond:
+        with self._mutex:  # the training thread (a save that needs a staging buffer)
             if not self._busy:
                 return False
             dropped, self._pending = self._pending, None
-            self._cond.notify_all()
         if dropped is None:
             return False
         dropped.drop(self.name, "to free its staging buffer for a newer save")
         return True
 
     def wait_idle(self, timeout: Optional[float] = None) -> bool:
-        """Block until idle; False on timeout."""
-        with self._cond:
-            return self._cond.wait_for(lambda: self._pending is None and not self._busy, timeout)
+        """Block until idle; False on timeout. Only reads, so a Ctrl-C in it leaves nothing behind."""
+        return poll_until(lambda: self._pending is None and not self._busy, timeout)
 
     def close(self) -> None:
         """Write what is pending, then stop the thread."""
-        with self._cond:
+        with self._mutex:
             self._closing = True
             self._cond.notify_all()
-        self._thread.join()
+        self._thread.join()  # it re-checks every SLICE_S, should a Ctrl-C cut the notify short
 
     # -- the writer thread -------------------------------------------------------------------------
     def _run(self) -> None:
         while True:
             with self._cond:
-                self._cond.wait_for(lambda: self._pending is not None or self._closing)
+                while not self._cond.wait_for(lambda: self._pending is not None or self._closing, SLICE_S):
+                    pass
                 if self._pending is None:
                     return
+                self._busy = True  # first: wait_idle reads both without the lock
                 delivery, self._pending = self._pending, None
-                self._busy = True
             self._write_one(delivery)
-            with self._cond:
+            with self._mutex:  # (no notify: wait_idle polls)
                 self._busy = False
-                self._cond.notify_all()
 
     def _write_one(self, delivery: Delivery) -> None:
         snap = delivery.snap
