@@ -25,8 +25,8 @@ SLICE_S = 0.05
 
 
 class Latch:
-    """A flag set once (``threading.Event`` without ``clear``) whose :meth:`wait` and :meth:`set` a
-    signal handler's exception can interrupt at any point without leaving anything locked."""
+    """A flag (``threading.Event``'s ``set`` / ``clear`` / ``wait``) whose methods a signal handler's
+    exception can interrupt at any point without leaving anything locked."""
 
     __slots__ = ("_flag", "_waiters")
 
@@ -52,8 +52,13 @@ class Latch:
             except RuntimeError:  # not held: a waiter that was interrupted before it blocked
                 pass
 
+    def clear(self) -> None:
+        """Unset the flag (waiters go on waiting)."""
+        self._flag = False
+
     def wait(self, timeout: Optional[float] = None) -> bool:
-        """Block until the flag is set (True) or ``timeout`` seconds passed (False)."""
+        """Block until the flag is set (True, also when it was cleared again since) or ``timeout``
+        seconds passed (False)."""
         if self._flag:
             return True
         deadline = None if timeout is None else monotonic() + timeout
@@ -65,7 +70,8 @@ class Latch:
                 left = SLICE_S if deadline is None else min(SLICE_S, deadline - monotonic())
                 if left <= 0:
                     return False
-                mine.acquire(timeout=left)
+                if mine.acquire(timeout=left):  # set() released it
+                    return True
             return True
         finally:
             try:

@@ -72,17 +72,16 @@ class _Interrupter:
         return self._local
 
 
-def _interrupt_everywhere(ck: object, nc: object) -> None:
+def _interrupt_everywhere(ck: object) -> None:
     """Ctrl-C at every point of ``wait()`` and of ``SaveHandle.result()`` with a save pending, one point per
-    save; after each the next save and wait must work. The program then ends; the exit hook closes."""
-    small = {"w": None}
+    save (a small state: ``w`` is ``s`` everywhere); after each the next save and wait must work. The
+    program then ends; the exit hook closes."""
     import torch
     s = 2
     for what in ("wait", "result"):
         n = 1
         while True:
-            small["w"] = torch.full((1000,), float(s))
-            h = ck.save_async(s, {"w": small["w"], "meta": {"step": s}})  # type: ignore[attr-defined]
+            h = ck.save_async(s, {"w": torch.full((1000,), float(s)), "meta": {"step": s}})  # type: ignore[attr-defined]
             print(f"ACCEPTED {s}", flush=True)
             s += 1
             trap = _Interrupter(n)
@@ -243,7 +242,7 @@ def main() -> None:  # noqa: C901 (one branch per mode, read top to bottom)
         raise AssertionError("SIGINT never came")
     if mode == "interrupt_everywhere":
         faulthandler.dump_traceback_later(90, exit=True)  # a hang shows where, then the child ends
-        _interrupt_everywhere(ck, nc)
+        _interrupt_everywhere(ck)
         return
     if mode == "daemon_thread":
         def loop() -> None:

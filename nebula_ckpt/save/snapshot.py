@@ -212,7 +212,8 @@ class Stager:
 
     def __init__(self, name: str, deliver: Callable[[Snapshot, list[Any]], None]) -> None:
         self._deliver = deliver  # fanout.fan_out: routes the staged snapshot to its tiers
-        self._q: "queue.Queue[Optional[Snapshot]]" = queue.Queue()
+        # a SimpleQueue: put() is one C call, so a Ctrl-C in save_async cannot leave a queue lock held
+        self._q: "queue.SimpleQueue[Optional[Snapshot]]" = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, name=f"nebula-stager-{name}", daemon=True)
         self._thread.start()
 
