@@ -276,6 +276,10 @@ class Checkpointer:
         The memory tier is removed only when its newest checkpoint is also committed on a slower
         tier; otherwise it is kept (and logged), so that a restart can still restore from it.
 
+        Called from a signal handler while this thread is inside another method of this
+        Checkpointer, it returns at once and closes when that call returns or raises (a warning
+        says so; :mod:`nebula_ckpt.reentry`).
+
         Raises:
             PersistError: a failure not yet seen through a handle.
             TimeoutError: saves pending after ``timeout`` s; they go on, a later ``close()`` waits again.
