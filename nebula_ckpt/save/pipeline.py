@@ -397,6 +397,7 @@ class SavePipeline:
             m["bytes_written"] = dict(self._metrics["bytes_written"])
         return {"staging_bytes": self.pool.allocated_bytes, "memory_tier_slot_bytes": self.pool.memory_tier_bytes,
                 "memory_tier_dropped_cow_bytes": sum(rt.dropped_cow_bytes() for rt in self._runtimes),
+                "memory_tier_whole_fallbacks": sum(rt.whole_fallbacks() for rt in self._runtimes),
                 "staging_allocations": self.pool.allocations, "saves": self.count, **m,
                 **({"replicas": self.replicator.stats()} if self.replicator is not None else {})}
 
