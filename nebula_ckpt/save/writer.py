@@ -41,6 +41,7 @@ from nebula_ckpt.format.commit import committed_steps
 from nebula_ckpt.format.manifest import Manifest
 from nebula_ckpt.format.names import COMMIT, MANIFEST, RANKS_FILE, records_name, shard_name, shard_owner, step_dir
 from nebula_ckpt.format.references import protected_steps, referrers, shard_path
+from nebula_ckpt.latch import SLICE_S, poll_until
 from nebula_ckpt.ranks import shards as ranks
 from nebula_ckpt.ranks.coordinator import Coordinator, LocalCoordinator
 from nebula_ckpt.ranks.fencing import TierFence
@@ -96,7 +97,9 @@ class TierWriter:
         self._busy = False
         self._writing: Optional[int] = None  # the step being written
         self._closing = False
-        self._cond = threading.Condition()
+        #: the training thread takes it directly (a C call a Ctrl-C cannot cut, unlike Condition.__enter__)
+        self._mutex = threading.RLock()
+        self._cond = threading.Condition(self._mutex)
         #: held while checkpoints are deleted (retention on the writer thread, remove() on the caller's)
         self._delete_lock = threading.RLock()  # also taken by the fence's take-back (retract)
         #: steps whose commit this writer could not confirm (CommitUncertain): never deleted as
@@ -151,24 +154,22 @@ class TierWriter:
 
         An idle tier is about to start on its pending snapshot, so that one is kept.
         """
-        with self._cond:
+        with self._mutex:  # the training thread (a save that needs a staging buffer)
             if not self._busy:
                 return False
             dropped, self._pending = self._pending, None
-            self._cond.notify_all()
         if dropped is None:
             return False
         dropped.drop(self.name, "to free its staging buffer for a newer save")
         return True
 
     def wait_idle(self, timeout: Optional[float] = None) -> bool:
-        """Block until idle; False on timeout."""
-        with self._cond:
-            return self._cond.wait_for(lambda: self._pending is None and not self._busy, timeout)
+        """Block until idle; False on timeout. Only reads, so a Ctrl-C in it leaves nothing behind."""
+        return poll_until(lambda: self._pending is None and not self._busy, timeout)
 
     def in_flight(self) -> set[int]:
         """The steps this tier is writing or holds pending (see :meth:`retract`)."""
-        with self._cond:
+        with self._mutex:
             pending = self._pending.snap.step if self._pending is not None else None
             return {s for s in (self._writing, pending) if s is not None}
 
@@ -182,24 +183,25 @@ class TierWriter:
 
     def close(self) -> None:
         """Write what is pending, then stop the thread."""
-        with self._cond:
+        with self._mutex:
             self._closing = True
             self._cond.notify_all()
-        self._thread.join()
+        self._thread.join()  # it re-checks every SLICE_S, should a Ctrl-C cut the notify short
 
     # -- the writer thread -------------------------------------------------------------------------
     def _run(self) -> None:
         while True:
             with self._cond:
-                self._cond.wait_for(lambda: self._pending is not None or self._closing)
+                while not self._cond.wait_for(lambda: self._pending is not None or self._closing, SLICE_S):
+                    pass
                 if self._pending is None:
                     return
+                self._busy = True  # first: wait_idle reads both without the lock
                 delivery, self._pending = self._pending, None
-                self._busy, self._writing = True, delivery.snap.step
+                self._writing = delivery.snap.step
             self._write_one(delivery)
-            with self._cond:
+            with self._mutex:  # (no notify: wait_idle polls)
                 self._busy, self._writing = False, None
-                self._cond.notify_all()
 
     def _write_one(self, delivery: Delivery) -> None:
         snap = delivery.snap
