@@ -14,7 +14,9 @@ A step pulled back at restore (its owner lost its memory tier) lands in ``M/step
 way: received under ``.incoming-*``, verified, renamed into place.
 
 Retention: per source rank, the newest ``keep`` replicas stay (the memory tier's ``keep_last``);
-an older one goes once a newer one is visible. Its shard files are not freed but kept as that
+an older one goes once a newer one is visible. Replicas of ranks that are not this rank's sources
+now (an earlier job's partners, another world size) go once this job's first replica is
+visible here. An older replica's shard files are not freed but kept as that
 rank's *spares* (``M/replicas/.spare-r<R>/``, never listed by a reader, removed by the next start):
 the next copy of that rank is received into them, whose memory pages then exist already (on a
 tmpfs, allocating and zeroing fresh pages costs more CPU than the bytes' transfer). So a rank holds
@@ -245,6 +247,25 @@ class ReplicaStore:
                 pass
             self._keep_spares(rank, sd)
             shutil.rmtree(sd, ignore_errors=True)
+
+    def drop_others(self, sources: set[int]) -> list[int]:
+        """Remove the replicas of every rank not in ``sources`` (held for an earlier job whose
+        ranks had other partners, or another world size: no round of this job refreshes or prunes
+        them), commit markers first; the ranks whose copies went. Planted links are left alone."""
+        dropped = []
+        for rank in sorted(set(self.held()) - sources):
+            d = self.source_dir(rank)
+            for _, s in committed(d):
+                try:
+                    os.unlink(os.path.join(d, step_dir(s), COMMIT))
+                except OSError:
+                    pass
+            _remove(d)
+            dropped.append(rank)
+        if dropped:
+            log.info("nebula_ckpt: %s: dropped the replicas of rank(s) %s, no longer this rank's sources",
+                     self.base, dropped)
+        return dropped
 
     def _keep_spares(self, rank: int, step_folder: str) -> None:
         """Move the shard files of a pruned (no longer committed) copy of ``rank`` to its spares,
