@@ -17,7 +17,15 @@ per node). Every rank trains its own model + AdamW (``--mb`` MB of state per ran
     every parameter and optimizer moment (the state changes as a device step changes it, so each
     save is as large) and then sleeps for the CPU step's time (its median over a few steps, taken
     by the first job's ranks, or ``--step-ms``; the same in every job of a world): the host
-    cores are idle for the step's length.
+    cores are idle for the step's length. The measured step depends on the host's load at that
+    moment (on a shared host it was 5x the quiet one): to compare runs taken under different
+    loads, or code before and after a change, give the same ``--step-ms`` to each.
+
+  Each run also splits the training thread's loop time (:mod:`benchmarks.replicas_threads`):
+  run-queue delay (it was ready, every core busy), other waits (the GIL, a lock, the save
+  pipeline), the ``save_async`` calls, and CPU seconds by thread. A rank's loop holds only
+  ``--iters / --save-every`` saves: where the host is shared, take more ``--repeats`` rather than
+  trusting a single run's overhead.
 * **Recovery**: one job saves a step to ``[MemoryTier(replicas=1), LocalTier(disk), RemoteTier(Azurite)]``;
   then, from a copy of both nodes' memory tiers each time, a restarted job measures on every rank
   the time from after ``init_process_group`` to its first optimizer step done (the slowest rank
@@ -51,6 +59,8 @@ import tempfile
 import time
 from pathlib import Path
 from typing import Any, Callable, Optional
+
+from benchmarks import replicas_threads as threads
 
 REPO = Path(__file__).resolve().parents[1]
 #: where the simulated nodes' memory tiers live (a tmpfs; set by main)
@@ -104,21 +114,36 @@ def _rank_main(spec: dict[str, Any]) -> None:
             _host_idle(train_step, model, opt, out, spec.get("compute_s"))
         with nc.Checkpointer(spec["root"], tiers=tiers) as ck:
             dist.barrier()
-            t0, c0, tc0 = time.perf_counter(), _cpu_s(), time.thread_time()
-            for i in range(int(spec["iters"])):
-                step()
-                if (i + 1) % int(spec["save_every"]) == 0:
-                    ck.save_async(i + 1, {"model": model, "optim": opt})
-            out["loop_s"] = time.perf_counter() - t0
-            out["train_cpu_s"] = time.thread_time() - tc0  # the training thread's own CPU
-            ck.wait()
-            out["cpu_s"] = _cpu_s() - c0  # every thread of the rank, until its saves are done
+            _loop(ck, step, {"model": model, "optim": opt}, spec, out)
             out["stats"] = ck.stats()
             dist.barrier()
             if spec["role"] == "save-for-recovery":
                 os._exit(_write(spec, rank, out))  # a crash: nothing closed, the memory tiers stay
     _write(spec, rank, out)
     dist.destroy_process_group()
+
+
+def _loop(ck: Any, step: Callable[[], None], state: dict[str, Any], spec: dict[str, Any], out: dict[str, Any]) -> None:
+    """The measured training loop: ``--iters`` steps, ``save_async`` every ``--save-every``, then
+    the wait for the saves; its times and CPU (see :mod:`benchmarks.replicas_threads`) into ``out``."""
+    th0 = threads.thread_cpu()
+    t0, c0, tc0, s0 = time.perf_counter(), _cpu_s(), time.thread_time(), threads.sched()
+    step_s = save_s = 0.0
+    for i in range(int(spec["iters"])):
+        t = time.perf_counter()
+        step()
+        step_s += time.perf_counter() - t
+        if (i + 1) % int(spec["save_every"]) == 0:
+            t = time.perf_counter()
+            ck.save_async(i + 1, state)
+            save_s += time.perf_counter() - t
+    out["loop_s"] = time.perf_counter() - t0
+    out["train_cpu_s"] = time.thread_time() - tc0  # the training thread's own CPU
+    out.update(threads.breakdown(out["loop_s"], int(spec["iters"]), float(out.get("compute_s", 0.0)),
+                                 step_s, save_s, s0, threads.sched()))
+    ck.wait()
+    out["cpu_s"] = _cpu_s() - c0  # every thread of the rank, until its saves are done
+    out["threads_cpu"] = {k: v - th0.get(k, 0.0) for k, v in threads.thread_cpu().items()}
 
 
 def _host_idle(train_step: Callable[[], None], model: Any, opt: Any, out: dict[str, Any],
@@ -221,8 +246,12 @@ def _loop_cost(world: int, args: argparse.Namespace, tmp: Path, loop: str = "cpu
                             "moved_mb": statistics.mean((r.get("sent_bytes", 0) + r.get("received_bytes", 0)) / 1e6
                                                         for r in repl),
                             "rounds": statistics.mean(r.get("rounds", 0) for r in repl),
-                            "compute_s": statistics.mean(g.get("compute_s", 0.0) for g in got)})
-    med = {k: {m: statistics.median(r[m] for r in v) for m in v[0]} for k, v in runs.items()}
+                            "failed_rounds": statistics.mean(r.get("failed", 0) for r in repl),
+                            "sent_mb": statistics.mean(r.get("sent_bytes", 0) / 1e6 for r in repl),
+                            "compute_s": statistics.mean(g.get("compute_s", 0.0) for g in got),
+                            **threads.rank_means(got)})
+    med = {k: {m: statistics.median(r.get(m, 0.0) for r in v) for m in {m for r in v for m in r}}
+           for k, v in runs.items()}
     overhead = (med[1]["loop_s"] - med[0]["loop_s"]) / med[0]["loop_s"] * 100
     # what replication costs in CPU, per rank: the extra CPU seconds of a replicas=1 run, per MB
     # it sent and received (each rank sends its step and receives a partner's)
@@ -333,7 +362,7 @@ def _loop_lines(loop: dict[Any, dict[str, Any]]) -> list[str]:
         lines.append(f"| {w} | {m[0]['cpu_s']:.3f} | {m[1]['cpu_s']:.3f} | {m[0]['train_cpu_s']:.3f} | "
                      f"{m[1]['rounds']:.1f} | {m[1]['moved_mb']:.0f} | {c['replica_cpu_s']:.3f} | {_per_mb(c)} | "
                      f"{c['cpu_overhead_pp']:+.1f} |")
-    return lines + [""]
+    return lines + [""] + threads.report_lines(loop)
 
 
 def main(argv: Optional[list[str]] = None) -> int:

@@ -40,11 +40,17 @@ def test_loop_both_kinds_of_step(tmp_path: Path) -> None:
         # each rank sent its step and received its partner's in each of the 2 save rounds
         assert med["1"]["rounds"] == 2 and _positive(med["1"]["moved_mb"]), (key, med["1"])
         assert isinstance(res[key]["2"]["overhead_pp"], float)
+        # where the training thread's time and each kind of thread's CPU went
+        for k in ("0", "1"):
+            assert all(isinstance(med[k][w], float) for w in ("step_over_s", "save_call_s", "train_runq_s",
+                                                               "other_wait_s")), (key, k, med[k])
+            assert _positive(med[k]["save_call_s"]) and _positive(med[k]["cpu:training"]), (key, k, med[k])
+        assert _positive(med["1"]["cpu:nebula-replicas"]) and "cpu:nebula-replicas" not in med["0"], (key, med)
     assert res["loop"]["2"]["median"]["1"]["compute_s"] == 0  # the CPU-bound step sleeps nothing
     assert _positive(res["loop_host_idle"]["2"]["median"]["1"]["compute_s"])
 
     md = (out / "results.md").read_text()
     for heading in ("## Training-loop cost (memory tier", "## Training-loop cost, host-idle step",
-                    "## Side by side", "not a GPU measurement"):
+                    "## Side by side", "not a GPU measurement", "Where the time goes"):
         assert heading in md, heading
     assert "## Recovery" not in md

@@ -8,7 +8,8 @@ One :class:`Replicator` per :class:`~nebula_ckpt.Checkpointer`, with a channel o
 group: :mod:`~nebula_ckpt.tiers.memory.replica_channel`) and one thread that runs its rounds in
 the same order on every rank:
 
-* a **save round** per save index, once this rank's memory tier is done with that save
+* a **save round** per save index, once this rank's memory tier is done with that save and
+  the training thread is not inside ``save_async`` of a later one
   (:mod:`~nebula_ckpt.tiers.memory.replica_save`): each rank sends its step to its partners, which
   verify and keep it (:mod:`~nebula_ckpt.tiers.memory.replica_store`); the save's handle gets its
   ``replicas`` part done (or failed, naming the partner and why). The training thread never
@@ -53,13 +54,26 @@ PART = "replicas"
 
 
 @dataclass
-class _Save:
+class SaveRound:
+    """What this rank's replicas thread knows of one save: its handle (None: it does not go to
+    the memory tier), whether ``save_async`` returned, whether the memory tier is done with it."""
+
     handle: Any = None
     submitted: bool = False
     memory_done: bool = False
 
     def ready(self) -> bool:
+        """Whether nothing more can change what this rank sends in the save's round."""
         return self.submitted and (self.handle is None or self.memory_done)
+
+
+def round_may_start(save: SaveRound, later: Sequence[SaveRound]) -> bool:
+    """Whether the round of ``save`` may start now: this rank's memory tier is done with it, and
+    the training thread is not inside ``save_async`` of a ``later`` save (its staging copy and
+    its Python then have the cores and the GIL to themselves: the round waits the few
+    milliseconds until that call returns, and cannot wait longer, as ``save_async`` never waits
+    for a round)."""
+    return save.ready() and all(s.submitted for s in later)
 
 
 class Replicator:
@@ -92,7 +106,7 @@ class Replicator:
         self._rp = Replication(channel, folder, store, k, max(1, keep), partners_all[self.rank],
                                sources_of(partners_all, self.rank))
         self.partners, self.sources = self._rp.partners, self._rp.sources
-        self._saves: dict[int, _Save] = collections.defaultdict(_Save)
+        self._saves: dict[int, SaveRound] = collections.defaultdict(SaveRound)
         self._tasks: collections.deque[tuple[str, Any]] = collections.deque()
         self._cond = threading.Condition()
         self._broken: Optional[BaseException] = None
@@ -193,7 +207,10 @@ class Replicator:
         return sorted({int(s) for seen in self._rp.channel.gather(list(among)) for s in seen})
 
     def _task_ready(self, task: tuple[str, Any]) -> bool:
-        return task[0] != "save" or self._saves[task[1]].ready()
+        if task[0] != "save":
+            return True
+        later = [self._saves[i] for kind, i in self._tasks if kind == "save" and i != task[1]]
+        return round_may_start(self._saves[task[1]], later)
 
     def _guarded(self, fn: Callable[[], Any]) -> Any:
         if self._broken is not None:
@@ -206,7 +223,7 @@ class Replicator:
                 self._broken = e  # a collective failed: the group is out of step for good
             raise
 
-    def _save_round(self, save: _Save) -> None:
+    def _save_round(self, save: SaveRound) -> None:
         self._rp.channel.yield_to_training()
         t0 = time.monotonic()
         handle = save.handle
