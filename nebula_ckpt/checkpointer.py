@@ -14,17 +14,19 @@ import os
 from typing import Any, Optional, Sequence
 
 from nebula_ckpt import knobs
+from nebula_ckpt.arguments import check_arguments
 from nebula_ckpt.errors import NebulaError, ValidationError
 from nebula_ckpt.format.names import COMMIT, check_tag, step_dir
 from nebula_ckpt.handle import SaveHandle
 from nebula_ckpt.native import describe as native_describe
 from nebula_ckpt.ranks.coordinator import Coordinator, LocalCoordinator
 from nebula_ckpt.ranks.distributed import default_coordinator
+from nebula_ckpt.reentry import Calls, guard_methods
 from nebula_ckpt.restore.restorer import Restorer
 from nebula_ckpt.root import open_root
 from nebula_ckpt.save.pipeline import SavePipeline, exit_hook_ran
 from nebula_ckpt.save.plan import check_step
-from nebula_ckpt.storage.urls import canonical_root, refuse_url_credentials
+from nebula_ckpt.storage.urls import canonical_root
 from nebula_ckpt.tiers.base import Tier
 from nebula_ckpt.tiers.memory.replicas import start_replicator
 
@@ -35,28 +37,6 @@ log = logging.getLogger("nebula_ckpt")
 _open_checkpointers: "set[Checkpointer]" = set()
 
 
-def _check_arguments(root: Any, keep_last: Any, max_host_bytes: Any, on_full: Any, on_persist_error: Any,
-                     snapshot: Any, incremental: Any) -> None:
-    """The constructor's validation, all before anything is touched."""
-    if not isinstance(root, str) or not root:
-        raise ValidationError(f"root must be a non-empty path or URL string, got {root!r}")
-    refuse_url_credentials(root)  # before the root is parsed, logged or written anywhere
-    if not isinstance(keep_last, int) or keep_last < 1:
-        raise ValidationError(f"keep_last must be an int >= 1 (the newest checkpoint is always kept), "
-                              f"got {keep_last!r}")
-    if max_host_bytes is not None and (not isinstance(max_host_bytes, int) or max_host_bytes <= 0):
-        raise ValidationError(f"max_host_bytes must be a positive int or None, got {max_host_bytes!r}")
-    if on_full not in ("wait", "skip"):
-        raise ValidationError(f"on_full must be 'wait' or 'skip', got {on_full!r}")
-    if on_persist_error not in ("raise", "log"):
-        raise ValidationError(f"on_persist_error must be 'raise' or 'log', got {on_persist_error!r}")
-    if snapshot not in ("auto", "sync", "async"):
-        raise ValidationError(f"snapshot must be 'auto', 'sync' or 'async', got {snapshot!r}")
-    if not isinstance(incremental, bool):
-        raise ValidationError(f"incremental must be True or False, got {incremental!r}")
-    knobs.check_all()  # a knob set out of range (environment or override) fails here, not mid-run
-
-
 def _close_at_exit() -> None:
     """Close every checkpointer the program forgot to close (or whose close timed out), so no accepted
     save is lost: from ``atexit``, before Python stops the writer threads, each pending save is written."""
@@ -65,8 +45,12 @@ def _close_at_exit() -> None:
         if (ck._closed and not ck._close_unfinished) or ck._pid != os.getpid():
             continue  # closed, or a copy in a fork's child (the parent's: no threads here, nothing to write)
         pending = ck._saves.count
-        log.warning("nebula_ckpt: Checkpointer(%s) was not closed; closing it at exit so its pending "
-                    "saves are written (call close() or use it as a context manager)", canonical_root(ck.root))
+        if ck._close_unfinished:  # a close() that timed out (or was deferred and cut short) is finished here
+            log.warning("nebula_ckpt: Checkpointer(%s): an earlier close() did not finish (it timed out); finishing it "
+                        "at exit: its pending saves are being written now", canonical_root(ck.root))
+        else:
+            log.warning("nebula_ckpt: Checkpointer(%s) was not closed; closing it at exit so its pending "
+                        "saves are written (call close() or use it as a context manager)", canonical_root(ck.root))
         try:
             ck.close(timeout=knobs.get("exit_timeout_s"))
         except BaseException as e:  # at exit nobody can catch it: log it loudly instead
@@ -158,7 +142,8 @@ class Checkpointer:
                  max_host_bytes: Optional[int] = None, memory_tier: bool = True, on_full: str = "wait",
                  allow_pickle: bool = False, on_persist_error: str = "raise", snapshot: str = "auto",
                  coordinator: Optional[Coordinator] = None, read_only: bool = False, incremental: bool = True) -> None:
-        _check_arguments(root, keep_last, max_host_bytes, on_full, on_persist_error, snapshot, incremental)
+        self._calls = Calls()  # who is inside which method: a close() from a signal handler waits for it
+        check_arguments(root, keep_last, max_host_bytes, on_full, on_persist_error, snapshot, incremental)
         #: opened for reading only (see ``read_only``)
         self.read_only = bool(read_only)
         self.snapshot = snapshot
@@ -291,6 +276,10 @@ class Checkpointer:
         The memory tier is removed only when its newest checkpoint is also committed on a slower
         tier; otherwise it is kept (and logged), so that a restart can still restore from it.
 
+        Called from a signal handler while this thread is inside another method of this
+        Checkpointer, it returns at once and closes when that call returns or raises (a warning
+        says so; :mod:`nebula_ckpt.reentry`).
+
         Raises:
             PersistError: a failure not yet seen through a handle.
             TimeoutError: saves pending after ``timeout`` s; they go on, a later ``close()`` waits again.
@@ -298,7 +287,10 @@ class Checkpointer:
         if (self._closed and not self._close_unfinished) or self._pid != os.getpid():
             return  # closed, or a fork's child's copy: the parent closes it
         self._closed, self._close_unfinished = True, False
-        if self._saves.defer_close(self.close):  # a signal handler interrupted save_async on this thread
+        inside = self._calls.defer(self.close)  # a signal handler interrupted a call of this thread
+        if inside is not None:
+            log.warning("nebula_ckpt: close() of %s called inside %s() (from a signal handler): it finishes "
+                        "when that call returns (or raises)", canonical_root(self.root), inside)
             self._close_unfinished = True
             return
         try:
@@ -497,3 +489,6 @@ class Checkpointer:
         newest save it wrote; staging and memory-tier bytes as allocated now.
         """
         return {**self._saves.stats(), "path": native_describe()["path"], "tiers": [rt.name for rt in self._runtimes]}
+
+
+guard_methods(Checkpointer, lambda ck: ck._calls)  # a close() from a signal handler inside one of them: deferred

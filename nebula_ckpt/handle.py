@@ -14,6 +14,7 @@ from time import monotonic
 from typing import Any, Callable, Optional
 
 from nebula_ckpt.errors import FencedError, NebulaError, PersistError
+from nebula_ckpt.latch import Latch
 
 log = logging.getLogger(__name__)
 
@@ -92,9 +93,10 @@ class SaveHandle:
         self._pending = set(tiers)
         self._confirm: Optional[Callable[[], None]] = None
         self._settled: Optional[Callable[[str], None]] = None
-        self._snapshot = threading.Event()
+        # Latches, not Events: a Ctrl-C in a wait on them never leaves a lock held (nebula_ckpt.latch)
+        self._snapshot = Latch()
         self._snapshot_error: Optional[BaseException] = None
-        self._durable = threading.Event()
+        self._durable = Latch()
         self._lock = threading.Lock()
         #: whether the caller has seen this save's outcome (set by result() / wait_snapshot() / the
         #: checkpointer raising it), so a failure is raised once

@@ -39,6 +39,146 @@ def _late_checkpointer(root: str, close: bool) -> None:
         ck.close()
 
 
+class _Interrupter:
+    """Raises ``KeyboardInterrupt`` in the main thread at the ``n``-th point where CPython runs a signal
+    handler (a function's start, right after a call returns, a loop's jump back) inside the library or
+    ``threading``: the points a Ctrl-C can land on, visited one by one (a real signal hits one at random)."""
+
+    def __init__(self, n: int) -> None:
+        import dis
+        self._dis, self.n, self.seen, self._points = dis, n, 0, {}
+
+    def _points_of(self, code: object) -> frozenset:
+        pts = self._points.get(code)
+        if pts is None:
+            ins = list(self._dis.get_instructions(code))
+            pts = frozenset([i.offset for i in ins if i.opname in ("RESUME", "JUMP_BACKWARD")]
+                            + [b.offset for a, b in zip(ins, ins[1:], strict=False) if a.opname == "CALL"])
+            self._points[code] = pts
+        return pts
+
+    def __call__(self, frame, event, arg):  # noqa: ANN001, ANN204 (sys.settrace's signature)
+        f = frame.f_code.co_filename
+        if event == "call" and ("nebula_ckpt" in f or f.endswith("threading.py")):
+            frame.f_trace_opcodes = True
+            return self._local
+        return None
+
+    def _local(self, frame, event, arg):  # noqa: ANN001, ANN202
+        if event == "opcode" and frame.f_lasti in self._points_of(frame.f_code):
+            self.seen += 1
+            if self.seen == self.n:
+                raise KeyboardInterrupt(f"injected at point {self.n}")
+        return self._local
+
+
+def _interrupt_everywhere(ck: object) -> None:
+    """Ctrl-C at every point of ``wait()`` and of ``SaveHandle.result()`` with a save pending, one point per
+    save (a small state: ``w`` is ``s`` everywhere); after each the next save and wait must work. The
+    program then ends; the exit hook closes."""
+    import torch
+    s = 2
+    for what in ("wait", "result"):
+        n = 1
+        while True:
+            h = ck.save_async(s, {"w": torch.full((1000,), float(s)), "meta": {"step": s}})  # type: ignore[attr-defined]
+            print(f"ACCEPTED {s}", flush=True)
+            s += 1
+            trap = _Interrupter(n)
+            sys.settrace(trap)
+            try:
+                ck.wait() if what == "wait" else h.result()  # type: ignore[attr-defined]
+                sys.settrace(None)
+            except KeyboardInterrupt:
+                sys.settrace(None)
+                n += 1
+                continue
+            print(f"INTERRUPTED {what} at {n - 1} points", flush=True)
+            break
+
+
+class _Stop(BaseException):
+    """What the SIGTERM handler raises after close() (as ``sys.exit`` would): it unwinds the interrupted call."""
+
+
+#: the methods a SIGTERM handler's close() is tried inside, with a loop that keeps the main thread in them
+CLOSE_INSIDE = ("prepare", "remove", "load", "load_latest", "read", "wait", "stats")
+
+
+def _as_without_close(method: str, got: object, into: dict, s: int) -> bool:
+    """Whether a call of ``method`` (its loop iteration ``s``) returned what it returns undisturbed."""
+    import torch
+    if method in ("load", "load_latest"):
+        return got == 1 and torch.equal(into["w"], state(1)["w"]) and torch.equal(into["i"], state(1)["i"])
+    if method == "read":
+        return got[0] == 1 and torch.equal(got[1]["w"], state(1)["w"])  # type: ignore[index]
+    if method == "stats":
+        return isinstance(got, dict) and got["saves"] >= 2
+    if method == "remove":
+        return got[1] == [s]  # type: ignore[index]
+    if method == "wait":
+        return got[2] is None and got[0].result() == got[0].tiers_written  # type: ignore[index]
+    return got is None  # prepare
+
+
+def _close_inside(root: str, method: str, unwind: bool) -> None:
+    """A SIGTERM handler that calls close() (then raises, with ``unwind``, as ``sys.exit`` would) lands
+    inside ``method`` of the Checkpointer it closes (a real signal, sent again until it lands there);
+    prints where it landed, what the interrupted call returned and how the close ended."""
+    import torch
+
+    import nebula_ckpt as nc
+    ck = nc.Checkpointer(root, keep_last=10_000)
+    ck.save(0, state(0))
+    ck.save(1, state(1))
+    into = {"w": torch.empty(N), "i": torch.empty(N, dtype=torch.int64), "meta": {"step": -1}}
+    landed: list[str] = []
+
+    def on_term(signum: int, frame: object) -> None:
+        f = frame
+        while f is not None and not (f.f_code.co_name == method and f.f_code.co_filename.endswith("checkpointer.py")):
+            f = f.f_back  # type: ignore[attr-defined]
+        if f is None or landed:  # between two calls (the next signal comes in 5 ms), or after the first
+            return
+        landed.append(f"{frame.f_code.co_name}:{frame.f_lineno}")  # type: ignore[attr-defined]
+        ck.close()
+        if unwind:
+            raise _Stop
+
+    def pelt() -> None:  # SIGTERM every 5 ms until one lands inside the method
+        while not landed:
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(0.005)
+
+    signal.signal(signal.SIGTERM, on_term)
+    threading.Timer(0.05, pelt).start()
+    calls = {"prepare": lambda s: ck.prepare(state(1)), "load": lambda s: ck.load(1, into=into),
+             "load_latest": lambda s: ck.load_latest(into=into), "read": lambda s: ck.read(1),
+             "stats": lambda s: ck.stats(), "remove": lambda s: (ck.save(s, state(s)), ck.remove(s)),
+             "wait": lambda s: (ck.save_async(s, state(s)), print(f"ACCEPTED {method} {s}", flush=True), ck.wait())}
+    got: object = "unwound"
+    try:
+        for s in range(2, 100_000):
+            got = calls[method](s)
+            if landed:
+                break
+        else:
+            raise AssertionError("SIGTERM never came")
+    except _Stop:
+        pass
+    if not unwind:  # the interrupted call went on and returned what it returns without a close
+        print(f"RETURNED {method} {'ok' if _as_without_close(method, got, into, s) else f'WRONG {got!r}'}", flush=True)
+    time.sleep(0.02)  # a signal still in flight reaches the handler (which ignores it)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    try:
+        ck.save_async(9, {"x": 1})
+        after = "still open"
+    except nc.NebulaError as e:
+        after = f"refused: {e}"
+    print(f"INSIDE {method} at {landed[0]}: closed={ck.closed}, finished={not ck._close_unfinished}, {after}",
+          flush=True)
+
+
 def main() -> None:  # noqa: C901 (one branch per mode, read top to bottom)
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # a hung child shows where: kill -USR1
     # an ignored signal is inherited across exec: a test run whose process ignores SIGINT (some
@@ -50,6 +190,12 @@ def main() -> None:  # noqa: C901 (one branch per mode, read top to bottom)
         atexit.register(_late_checkpointer, root, mode.endswith("closed"))
         import nebula_ckpt  # noqa: F401  (its exit hooks are registered after ours: they run first)
         print("READY", flush=True)
+        return
+    if mode == "close_inside_every_method":
+        faulthandler.dump_traceback_later(90, exit=True)  # a deadlock shows where, then the child ends
+        for method in CLOSE_INSIDE:
+            for unwind in (True, False):
+                _close_inside(f"{root}-{method}-{'unwind' if unwind else 'return'}", method, unwind)
         return
     import torch
 
@@ -94,6 +240,10 @@ def main() -> None:  # noqa: C901 (one branch per mode, read top to bottom)
         ck.close()
         time.sleep(30)
         raise AssertionError("SIGINT never came")
+    if mode == "interrupt_everywhere":
+        faulthandler.dump_traceback_later(90, exit=True)  # a hang shows where, then the child ends
+        _interrupt_everywhere(ck)
+        return
     if mode == "daemon_thread":
         def loop() -> None:
             s = 2
@@ -108,13 +258,15 @@ def main() -> None:  # noqa: C901 (one branch per mode, read top to bottom)
         threading.Thread(target=loop, daemon=True).start()
         time.sleep(0.5)
         return  # the main thread ends; the daemon thread is still saving
-    if mode == "close_timeout":
+    if mode in ("close_timeout", "close_timeout_exit"):
         for s in (2, 3, 4):  # 32 MB more each: still being written when close() gives up
             ck.save_async(s, {**state(s), "pad": torch.full((8_000_000,), float(s))})
         try:
             ck.close(timeout=0.001)
         except TimeoutError as e:
             print(f"TIMEOUT {e}", flush=True)
+        if mode == "close_timeout_exit":
+            return  # the exit hook finishes that close
         ck.close()  # a second close: waits for the rest
         print(f"CLOSED {ck.closed}", flush=True)
         return

@@ -23,8 +23,9 @@ import torch
 
 import nebula_ckpt as nc
 from faults import renumber_step
-from nebula_ckpt.format.commit import committed_steps
+from nebula_ckpt.format.commit import Commit, committed_steps, read_commit
 from nebula_ckpt.format.names import step_dir
+from nebula_ckpt.save.commit import retract_step
 from nebula_ckpt.storage.local import LocalStorage
 from nebula_ckpt.tiers.memory.shm import try_lock
 from nebula_ckpt.tiers.memory.tier import memory_tier_path
@@ -137,3 +138,119 @@ def test_an_older_generation_never_wins_even_with_a_higher_step_on_the_fastest_t
         assert again.load_latest(into=state) == 5, again.last_restore
         assert state["who"] == "newer"
         assert again.load(9, into=state) == 9 and state["who"] == "stale"  # by number, still there
+
+
+# The stale writer of a save that is fenced after its memory tier committed: its disk tier (the
+# root) pauses at the named stage `shard` of step 6, after that tier's first fence check passed,
+# until `go`; meanwhile the memory tier commits step 6. The newer writer takes over in between.
+_FENCED_SAVE = r"""
+import json, os, sys, threading, time, torch, nebula_ckpt as nc
+root, gates, tests = sys.argv[1], sys.argv[2], sys.argv[3]
+sys.path.insert(0, tests)
+from faults import FaultyTier
+
+disk = FaultyTier(root, pause_at="shard")
+
+def opener():
+    while not os.path.exists(os.path.join(gates, "go")):
+        time.sleep(0.01)
+    disk.gate.set()
+threading.Thread(target=opener, daemon=True).start()
+
+ck = nc.Checkpointer(root, tiers=[nc.MemoryTier(), disk])
+h = ck.save_async(6, {"w": torch.full((64,), 6.0), "who": "stale"})
+disk.reached.wait(120)
+open(os.path.join(gates, "paused"), "w").close()
+try:
+    h.result(timeout=120)
+    out = "committed"
+except nc.FencedError:
+    out = "fenced"
+with open(os.path.join(gates, "stale.json"), "w") as f:
+    json.dump({"save": out, "listed": ck.list()}, f)
+open(os.path.join(gates, "stale-done"), "w").close()
+time.sleep(600)
+"""
+
+
+def test_a_save_that_ends_fenced_takes_back_what_it_committed_on_its_memory_tier(root: str, shm_dir: str,
+                                                                                  tmp_path) -> None:  # noqa: ANN001
+    """The stale writer's save(6) commits on its memory tier, then is fenced on the root: it ends
+    in FencedError and leaves no step 6 behind, so neither ``list()`` nor ``load(6)`` ever gives
+    the bytes of a writer that was told it was fenced; the newer writer's steps stay."""
+    gates = str(tmp_path / "gates")
+    os.makedirs(gates)
+    env = dict(os.environ, NEBULA_SHM_DIR=shm_dir)
+    tests = os.path.dirname(os.path.abspath(__file__))
+    stale = subprocess.Popen([sys.executable, "-c", _FENCED_SAVE, root, gates, tests], env=env,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    folder = memory_tier_path(root)
+    try:
+        _await(os.path.join(gates, "paused"), stale)
+        _await(os.path.join(folder, step_dir(6), "COMMIT"), stale)  # the memory tier committed step 6
+        with nc.Checkpointer(root, memory_tier=False) as newer:  # the takeover: a newer generation
+            newer.save(3, {"w": torch.full((64,), 3.0), "who": "newer"})
+        open(os.path.join(gates, "go"), "w").close()
+        _await(os.path.join(gates, "stale-done"), stale)
+        with open(os.path.join(gates, "stale.json")) as f:
+            got = json.load(f)
+        assert got["save"] == "fenced", got
+        assert 6 not in committed_steps(LocalStorage(folder)), "the fenced save left its step on the memory tier"
+        assert 6 not in got["listed"], got
+    finally:
+        stale.send_signal(signal.SIGKILL)
+        stale.wait()
+    with nc.Checkpointer(root) as again:
+        assert again.list() == [3]
+        state = {"w": torch.zeros(64), "who": ""}
+        with pytest.raises(nc.NotFoundError):
+            again.load(6, into=state)
+        assert again.load_latest(into=state) == 3 and state["who"] == "newer"
+
+
+def test_two_generations_of_one_step_load_and_list_the_newer_writers(root: str, shm_dir: str) -> None:  # noqa: ARG001
+    """A step number both writers committed (the older one on its memory tier, the newer on the
+    root): ``load(N)`` opens the newer generation's, ``list()`` shows the step once."""
+    with nc.Checkpointer(root, tiers=[nc.MemoryTier()]) as old:  # generation 1, memory tier only
+        old.save(6, {"w": torch.full((64,), 1.0), "who": "old"})
+    with nc.Checkpointer(root, memory_tier=False) as newer:  # generation 2, the root only
+        newer.save(6, {"w": torch.full((64,), 2.0), "who": "newer"})
+    with nc.Checkpointer(root) as again:
+        per = again.list(detailed=True)
+        assert sorted(per.values()) == [[6], [6]], per  # both copies are there ...
+        assert again.list() == [6]
+        state = {"w": torch.zeros(64), "who": ""}
+        assert again.load(6, into=state) == 6
+        assert state["who"] == "newer" and torch.equal(state["w"], torch.full((64,), 2.0))  # ... the newer one wins
+
+
+class _NewerWriterMeanwhile(LocalStorage):
+    """A tier storage on which a newer writer (generation 2) replaces step 6's commit marker at
+    the named stage between the take-back's read of the marker and its removal."""
+
+    def local_path(self, rel: str):  # noqa: ANN201
+        if rel.endswith("/COMMIT") and not getattr(self, "swapped", False):
+            self.swapped = True
+            with open(os.path.join(self.root, rel), "wb") as f:
+                f.write(Commit(6, 2, 1, 0).to_bytes())
+        return super().local_path(rel)
+
+
+def test_a_take_back_never_removes_a_newer_writers_step_of_the_same_number(tmp_path) -> None:  # noqa: ANN001
+    """``retract_step`` removes only its own generation's step: not a newer writer's committed
+    step 6, and not one that replaced its own between its read and its removal."""
+    with nc.Checkpointer(str(tmp_path / "a"), memory_tier=False) as ck:  # generation 1
+        ck.save(6, {"w": torch.ones(4)})
+    st = LocalStorage(str(tmp_path / "a"))
+    assert not retract_step(st, 6, generation=7, tier="t")  # another generation's: kept
+    assert committed_steps(st) == [6]
+    racy = _NewerWriterMeanwhile(str(tmp_path / "a"))
+    assert not retract_step(racy, 6, generation=1, tier="t")  # replaced by generation 2 meanwhile: kept
+    assert racy.swapped and committed_steps(st) == [6]
+    assert read_commit(st, 6, "step 6").generation == 2
+    assert not [n for n in os.listdir(tmp_path / "a" / step_dir(6)) if ".taken-" in n]
+    with nc.Checkpointer(str(tmp_path / "b"), memory_tier=False) as ck:
+        ck.save(6, {"w": torch.ones(4)})
+    st = LocalStorage(str(tmp_path / "b"))
+    assert retract_step(st, 6, generation=1, tier="t")  # its own: taken back, folder and all
+    assert committed_steps(st) == [] and not os.path.exists(tmp_path / "b" / step_dir(6))

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import errno
 import json
+import logging
 import os
 import re
 import signal
@@ -169,10 +170,9 @@ def test_a_restart_after_a_save_the_full_tmpfs_refused(
         tmp_path, small_tmpfs: Callable[[str], str], capsys: pytest.CaptureFixture[str]) -> None:  # noqa: ANN001
     """A real process saves into the full tmpfs and is SIGKILLed: the restarted one finds only
     whole committed steps, restores the newest step from the disk tier and the one before from
-    the memory tier, bit-exact. Its first save, incremental on the memory tier's step 3, needs
-    room for the changed bytes beside its staged copy and fails there cleanly; the next one,
-    smaller, is on the memory tier again: the failed save's staging file gives its room up
-    (its handle's error keeps no frame's locals, so nothing maps it any more)."""
+    the memory tier, bit-exact. Its first save, incremental on the memory tier's step 3, finds no
+    room for the changed bytes beside its staged copy and is written whole there instead (its
+    staged file linked); the next one, smaller, is on the memory tier too."""
     shm = small_tmpfs("8m")
     root = str(tmp_path / "ckpt")
     env = dict(os.environ, NEBULA_SHM_DIR=shm,
@@ -195,11 +195,83 @@ def test_a_restart_after_a_save_the_full_tmpfs_refused(
             assert torch.equal(into["w"], _state(4)["w"])
             _check_restores(ck, [1, 2, 3, 4], {3})
             h5 = ck.save_async(5, _state(5))
-            with pytest.raises(PersistError) as e:
-                h5.result()
-            assert list(e.value.failures) == [mem] and "needs" in str(e.value) and "step-5" in str(e.value)
-            assert [n for n in _nothing_partial(folder) if n.startswith("step-")] == ["step-3"]
-            assert sorted(ck.save(6, _state(6)).tiers_written) == sorted([mem, disk])  # h5 still held
+            assert sorted(h5.result()) == sorted([mem, disk])  # whole on the memory tier
+            assert ck.stats()["memory_tier_whole_fallbacks"] == 1
+            assert [n for n in _nothing_partial(folder) if n.startswith("step-")] == ["step-5"]
+            assert _refers_to(folder, 5) == []
+            # step 3, restored from the memory tier above, is deleted now: no mapping of it may
+            # still hold its tmpfs pages (tests/test_restore_release.py)
+            assert sorted(ck.save(6, _state(6)).tiers_written) == sorted([mem, disk])
             assert [n for n in _nothing_partial(folder) if n.startswith("step-")] == ["step-6"]
             _check_restores(ck, [3, 4, 5, 6], {6})
             _check_cli(root, shm, capsys, {(mem, 6), (disk, 5)})
+
+
+def _big(step: int, frozen_mib: float, w_mib: float) -> dict[str, Any]:
+    """A state of ``frozen_mib`` MiB that never changes and ``w_mib`` MiB that each step changes."""
+    frozen = torch.randn(int(frozen_mib * MiB) // 4, generator=torch.Generator().manual_seed(7))
+    w = torch.randn(int(w_mib * MiB) // 4, generator=torch.Generator().manual_seed(step))
+    return {"frozen": frozen, "w": w}
+
+
+def test_an_incremental_step_without_room_beside_its_staged_copy_is_written_whole(
+        tmp_path, small_tmpfs: Callable[[str], str], caplog: pytest.LogCaptureFixture) -> None:  # noqa: ANN001
+    """Step 5 builds on step 3 (same shapes, only ``w`` changed): its changed 1.5 MiB do not fit
+    the 8 MiB tmpfs beside step 3 and its own staged copy (3.5 MiB each), but the whole step does,
+    as its staged file linked. The memory tier writes it whole (one INFO line saying why,
+    ``stats()`` counts it) instead of failing; every step restores bit-exact."""
+    shm = small_tmpfs("8m")
+    root = str(tmp_path / "ckpt")
+    with knobs.override(shm_dir=shm):
+        with nc.Checkpointer(root, tiers=[nc.MemoryTier(), nc.LocalTier(root, keep_last=10)]) as ck:
+            mem, disk = ck.tiers[0].name, ck.tiers[1].name
+            folder = ck.tiers[0].path
+            assert folder is not None
+            assert sorted(ck.save(3, _state(3)).tiers_written) == sorted([mem, disk])
+            assert ck.stats()["memory_tier_whole_fallbacks"] == 0
+            with caplog.at_level(logging.DEBUG, logger="nebula_ckpt"):
+                h = ck.save_async(5, _state(5))
+                assert sorted(h.result()) == sorted([mem, disk])
+            said = [r for r in caplog.records if "written whole instead" in r.getMessage()]
+            assert len(said) == 1 and said[0].levelno == logging.INFO, [r.getMessage() for r in said]
+            assert "No space left" in said[0].getMessage() and "step-5" in said[0].getMessage()
+            assert ck.stats()["memory_tier_whole_fallbacks"] == 1
+            assert [n for n in _nothing_partial(folder) if n.startswith("step-")] == ["step-5"]
+            assert _refers_to(folder, 5) == []  # whole: it refers to no other step
+            _check_restores(ck, [3, 5], {5})
+            # the next save builds on the whole step 5 and, without room again, is whole again
+            assert sorted(ck.save(7, _state(5) | {"w": _state(3)["w"]}).tiers_written) == sorted([mem, disk])
+            assert ck.stats()["memory_tier_whole_fallbacks"] == 2
+            assert len([r for r in caplog.records if "written whole instead" in r.getMessage()]) == 1
+            into = _blank(5)
+            assert ck.load(7, into=into) == 7 and ck.last_restore["tier"] == mem
+            assert torch.equal(into["w"], _state(3)["w"]) and torch.equal(into["frozen"], _state(3)["frozen"])
+
+
+def test_an_incremental_step_that_fits_neither_way_fails_with_the_clear_error(
+        tmp_path, small_tmpfs: Callable[[str], str]) -> None:  # noqa: ANN001
+    """Step 2 builds on step 1 (6 MiB on the 8 MiB tmpfs): neither its changed 2.5 MiB nor the
+    whole step fit beside step 1 (its staged copy is no file of the tier: no room for one), so
+    the memory tier fails it with its clear no-room error; step 1 stays intact, the disk tier
+    has step 2, and both restore bit-exact."""
+    shm = small_tmpfs("8m")
+    root = str(tmp_path / "ckpt")
+    with knobs.override(shm_dir=shm):
+        with nc.Checkpointer(root, tiers=[nc.MemoryTier(), nc.LocalTier(root, keep_last=10)]) as ck:
+            mem, disk = ck.tiers[0].name, ck.tiers[1].name
+            folder = ck.tiers[0].path
+            assert folder is not None
+            assert sorted(ck.save(1, _big(1, 3.5, 2.5)).tiers_written) == sorted([mem, disk])
+            h = ck.save_async(2, _big(2, 3.5, 2.5))
+            with pytest.raises(PersistError) as e:
+                h.result()
+            assert list(e.value.failures) == [mem] and h.tiers_written == [disk]
+            msg = str(e.value)
+            assert "No space left" in msg and "step-2" in msg and "needs" in msg and "NEBULA_SHM_DIR" in msg, msg
+            assert [n for n in _nothing_partial(folder) if n.startswith("step-")] == ["step-1"]
+            for step in (1, 2):
+                into = {"frozen": torch.zeros(int(3.5 * MiB) // 4), "w": torch.zeros(int(2.5 * MiB) // 4)}
+                assert ck.load(step, into=into) == step
+                assert ck.last_restore["tier"] == (mem if step == 1 else disk)
+                want = _big(step, 3.5, 2.5)
+                assert torch.equal(into["frozen"], want["frozen"]) and torch.equal(into["w"], want["w"])

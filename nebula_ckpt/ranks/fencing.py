@@ -13,9 +13,17 @@ A writer fenced on one tier is fenced on all of them: the first :class:`FencedEr
 for good (every later check, on every tier, raises), and it gives back what it holds (the memory
 tier's lock), so it commits nothing more anywhere. A fast tier that the newer writer never wrote
 (a memory tier whose lock the stale writer held) would otherwise go on taking the stale writer's
-steps. What it committed before it learnt it was fenced carries its older generation, and
-restore never prefers an older generation's checkpoint to a newer one's
-(:func:`nebula_ckpt.restore.select.list_candidates`).
+steps. Every commit marker is written inside :meth:`TierFence.committing`, which refuses once the
+writer is fenced, and :meth:`Fence.stop` waits for a marker being written, so from then on
+nothing of this writer commits anywhere.
+
+A save that ends in :class:`FencedError` must leave nothing behind that ``list()`` or ``load(N)``
+would show: before it gives the memory tier's lock back, :meth:`Fence.stop` asks every tier
+writer to take back the steps of the saves still in flight (:meth:`Fence.retract_with`), which
+removes each one that carries this writer's generation (never a newer writer's step of the same
+number: :func:`nebula_ckpt.save.commit.retract_step`). What it committed in saves that completed
+carries its older generation, and restore never prefers an older generation's checkpoint to a
+newer one's (:func:`nebula_ckpt.restore.select.list_candidates`).
 
 The check and the commit are two operations, so a takeover in between can still race; then the
 stale writer's manifest may replace the new one's, which the commit marker's manifest checksum
@@ -31,7 +39,8 @@ import socket
 import threading
 import time
 import uuid
-from typing import Callable, Optional
+from contextlib import contextmanager
+from typing import Callable, Iterator, Optional, Protocol
 
 from nebula_ckpt.errors import FencedError, NebulaError
 from nebula_ckpt.format.names import RUN_FILE, WRITERS_DIR, writer_generation, writer_record
@@ -77,6 +86,17 @@ def run_id(storage: Storage) -> str:
     return new
 
 
+class Retractor(Protocol):
+    """A tier writer, as :meth:`Fence.stop` sees it: the steps it has in flight, and how it
+    takes back a step a fenced save committed on its tier."""
+
+    def in_flight(self) -> set[int]:
+        """The steps of the saves this tier is writing or holds pending."""
+
+    def retract(self, steps: set[int]) -> None:
+        """Remove this writer's commits of ``steps`` from the tier (best effort, never raises)."""
+
+
 def generations(storage: Storage) -> list[int]:
     """The writer generations recorded on ``storage`` (``_nebula/writers/g-<n>.json``), ascending
     (the one listing of them)."""
@@ -98,6 +118,10 @@ class Fence:
         self._lock = threading.Lock()
         self._fenced: Optional[str] = None
         self._on_fenced: list[Callable[[], None]] = []
+        self._retractors: list[Retractor] = []
+        #: held while a commit marker is written (:meth:`TierFence.committing`) and while
+        #: :meth:`stop` marks the writer fenced: no marker is written after that
+        self._commit_lock = threading.RLock()
 
     @property
     def fenced(self) -> Optional[str]:
@@ -108,14 +132,30 @@ class Fence:
         """Run ``action`` (once) when this writer is fenced: give back what it holds."""
         self._on_fenced.append(action)
 
-    def stop(self, why: str) -> None:
-        """Record that this writer is fenced (``why``) and run the :meth:`on_fenced` actions once."""
+    def retract_with(self, retractor: Retractor) -> None:
+        """Let :meth:`stop` take back, through ``retractor`` (a tier writer), what the saves in
+        flight committed on its tier."""
         with self._lock:
-            if self._fenced is not None:
-                return
-            self._fenced = why
-            actions, self._on_fenced = self._on_fenced, []
+            self._retractors.append(retractor)
+
+    def stop(self, why: str) -> None:
+        """Record that this writer is fenced (``why``); take back what the saves in flight
+        committed (on every tier, this generation's only), then run the :meth:`on_fenced`
+        actions (give the memory tier's lock back), once."""
+        with self._commit_lock:  # a marker being written is complete; none is written after this
+            with self._lock:
+                if self._fenced is not None:
+                    return
+                self._fenced = why
+                actions, self._on_fenced = self._on_fenced, []
+                retractors = list(self._retractors)
         log.error("nebula_ckpt: %s", why)
+        steps: set[int] = set()
+        for r in retractors:
+            steps |= r.in_flight()
+        if steps:
+            for r in retractors:
+                r.retract(steps)
         for action in actions:
             try:
                 action()
@@ -162,6 +202,21 @@ class TierFence:
     def generation(self) -> int:
         """The writer's generation (taken from the root on first use)."""
         return self._fence.generation
+
+    @contextmanager
+    def committing(self, what: str) -> Iterator[None]:
+        """Write a commit marker inside this: it raises :class:`FencedError` once this writer is
+        fenced, and :meth:`Fence.stop` waits for a marker written inside it, so that stop's
+        take-back sees every step this writer committed."""
+        with self._fence._commit_lock:
+            fenced = self._fence.fenced
+            if fenced is not None:
+                raise FencedError(f"{self.storage.display_url}: this writer does not {what}: it was fenced ({fenced})")
+            yield
+
+    def retract_with(self, retractor: Retractor) -> None:
+        """See :meth:`Fence.retract_with`."""
+        self._fence.retract_with(retractor)
 
     def check(self, what: str) -> None:
         """Raise :class:`FencedError` if a newer writer wrote to this tier, or this writer was

@@ -33,16 +33,21 @@ NODE_ID_BYTES = 256
 
 def pack_node_id(node: str) -> bytes:
     """``node`` as :data:`NODE_ID_BYTES` bytes: its UTF-8, zero-padded (a longer id goes as its
-    SHA-256, which tells nodes apart alike)."""
-    raw = node.encode("utf-8")
+    SHA-256, which tells nodes apart alike). An id read from the environment that is not valid
+    UTF-8 holds its bytes as surrogates (Python's ``surrogateescape``): they travel as those bytes."""
+    try:
+        raw = node.encode("utf-8", "surrogateescape")
+    except UnicodeEncodeError:  # a lone surrogate no environment gives: its code points, hashed below
+        raw = b"\0" + node.encode("utf-8", "surrogatepass")
     if len(raw) >= NODE_ID_BYTES or b"\0" in raw:
         raw = f"sha256:{hashlib.sha256(raw).hexdigest()}".encode()
     return raw.ljust(NODE_ID_BYTES, b"\0")
 
 
 def unpack_node_id(data: bytes) -> str:
-    """The node id :func:`pack_node_id` packed into ``data``."""
-    return data.rstrip(b"\0").decode("utf-8", errors="replace")
+    """The node id :func:`pack_node_id` packed into ``data`` (bytes that are not UTF-8 as
+    surrogates: two ids that differ in them stay two nodes)."""
+    return data.rstrip(b"\0").decode("utf-8", errors="surrogateescape")
 
 
 def node_order(nodes: Sequence[str]) -> list[str]:

@@ -65,6 +65,7 @@ import math
 import mmap
 import os
 import threading
+import weakref
 from typing import TYPE_CHECKING, Any, Optional
 
 import torch
@@ -97,7 +98,9 @@ class Adoption:
 
     def __init__(self, runtime: "MemoryTierRuntime", ck: "OpenCheckpoint", private: "set[int]") -> None:
         self._runtime = runtime
-        self._ck = ck
+        # weak: the checkpoint holds its adoption (``ck.adoption``), and a cycle would keep both,
+        # with their mappings of the tier's files (tmpfs pages), alive until a garbage collection
+        self._ck_ref = weakref.ref(ck)
         self._files: dict[int, tuple[int, mmap.mmap]] = {}  # shard -> (fd, shared mapping)
         self._used: dict[int, list[tuple[int, int]]] = {}   # shard -> byte ranges of adopted tensors
         #: shards mapped copy-on-write (a base's; the step's own when a newer step refers to it)
@@ -108,6 +111,14 @@ class Adoption:
         #: a shard could not be mapped for writing: nothing is handed over, adopted views get copied
         self.refused = False
         self._shared_ids: dict[int, TensorRecord] = {}
+
+    @property
+    def _ck(self) -> "OpenCheckpoint":
+        """The checkpoint adopted from (alive while its restore runs)."""
+        ck = self._ck_ref()
+        if ck is None:
+            raise RuntimeError("nebula_ckpt: the checkpoint of this adoption is gone")
+        return ck
 
     @property
     def adopted(self) -> dict[int, TensorRecord]:

@@ -3,8 +3,7 @@
 A save takes one buffer (a *slot*) big enough for its whole shard image and gives it back once
 every tier that took the snapshot has written it. Buffers are allocated on first need, rounded up
 to 2 MiB, and reused while they are large enough: later saves of the same state allocate nothing.
-When no slot is free, a save waits (``on_full="wait"``, the default) or is skipped
-(``on_full="skip"``); memory never grows past ``max_host_bytes``.
+When no slot is free, a save waits (``on_full="wait"``) or is skipped (``"skip"``); never past ``max_host_bytes``.
 
 With a memory tier, CPU saves stage into *slot files*: files in the memory tier's ``.slots/``
 folder (tmpfs), mapped shared and pre-faulted. The memory tier then "writes" a snapshot by
@@ -37,6 +36,7 @@ import torch
 from nebula_ckpt import knobs
 from nebula_ckpt.errors import ValidationError
 from nebula_ckpt.format.names import slot_file_name
+from nebula_ckpt.latch import Latch
 from nebula_ckpt.native import get_ops
 from nebula_ckpt.save.prefault import FaultAhead, threads_for
 from nebula_ckpt.storage.local import read_elsewhere
@@ -170,7 +170,8 @@ class StagingPool:
         self.on_full = on_full
         self.slot_dir = slot_dir
         self._slots: list[Slot] = []
-        self._cond = threading.Condition()
+        self._mutex = threading.RLock()  # taken directly: a C call a Ctrl-C cannot cut (Condition.__enter__ can)
+        self._cond = threading.Condition(self._mutex)
         self.allocations = 0
         self._closed = False
         self._warned_shm = False
@@ -180,9 +181,9 @@ class StagingPool:
         self._ahead_failed: Optional[int] = None  # size whose slot file could not be made
         #: size of the slot files prepare() is making (two: the steady state's), else None
         self._preparing_two: Optional[int] = None
-        #: set while no save's copy is running: a slot made ahead waits for it, so that it does
-        #: not take the cores and memory bandwidth of the snapshot that asked for it
-        self._copies_idle = threading.Event()
+        #: set while no save's copy is running (a Latch: the training thread sets / clears it): a slot made
+        #: ahead waits for it, so that it does not take the cores and memory bandwidth of the snapshot that asked for it
+        self._copies_idle = Latch()
         self._copies_idle.set()
         #: threads faulting in fresh anonymous buffers ahead of their first copy (see prefault.py)
         self._faulters: list[FaultAhead] = []
@@ -192,20 +193,20 @@ class StagingPool:
         save): their slot folder (a tier that links staged files, the memory tier: CPU saves then
         stage in its slot files, so the bytes are copied once) and the staging buffers they need
         at once (``max_slots``)."""
-        with self._cond:
+        with self._mutex:
             self.slot_dir = slot_dir
             self.max_slots = max_slots
 
     @property
     def allocated_bytes(self) -> int:
         """Staging bytes held by the pool now (slot files that hold a memory-tier checkpoint excluded)."""
-        with self._cond:
+        with self._mutex:
             return sum(s.capacity for s in self._slots if not s.live())
 
     @property
     def memory_tier_bytes(self) -> int:
         """Bytes of slot files that hold a committed memory-tier checkpoint (that tier's storage)."""
-        with self._cond:
+        with self._mutex:
             return sum(s.capacity for s in self._slots if s.live())
 
     def check_fits(self, nbytes: int) -> None:
@@ -225,7 +226,7 @@ class StagingPool:
         self.check_fits(nbytes)
         reclaimed = False
         while True:
-            with self._cond:
+            with self._mutex:
                 slot = self._take(nbytes, pinned)
                 if slot is not None:
                     return slot
@@ -329,7 +330,7 @@ class StagingPool:
         find their buffers faulted in, as later saves do, and nothing is made while they run.
         """
         self.check_fits(nbytes)
-        with self._cond:
+        with self._mutex:
             as_file = self.slot_dir is not None and not pinned
             self._preparing_two = nbytes if as_file else None
             if self._closed or (not as_file and any(not s.in_use and s.pinned == pinned and s.fits(nbytes)
@@ -341,7 +342,7 @@ class StagingPool:
         """Wait until no staging buffer is being made in the background (``timeout``: in all)."""
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
-            with self._cond:
+            with self._mutex:
                 preparer = self._preparer
             if preparer is None:
                 return
@@ -395,7 +396,7 @@ class StagingPool:
         except Exception as e:  # out of memory, no pinned memory: the save allocates as before
             log.warning("nebula_ckpt: staging buffer of %.1f MiB not made ahead: %s", size / 2**20, e)
         finally:
-            with self._cond:
+            with self._mutex:
                 self._preparer = None
                 self._preparing_bytes = 0
                 if slot is None:
@@ -465,7 +466,7 @@ class StagingPool:
     def release(self, slot: Slot) -> None:
         """Give ``slot`` back."""
         self._copies_idle.set()  # its copy is over (or never ran: a save that failed to start)
-        with self._cond:
+        with self._mutex:
             slot.in_use = False
             if self._closed and slot in self._slots:
                 self._slots.remove(slot)
@@ -479,7 +480,7 @@ class StagingPool:
 
         A slot file being made ahead of need is waited for, then freed.
         """
-        with self._cond:
+        with self._mutex:
             self._closed = True
             preparer = self._preparer
         self._copies_idle.set()  # a preparer waiting for a copy goes on (and frees what it made)
@@ -487,7 +488,7 @@ class StagingPool:
             preparer.join()
         for f in self._faulters:
             f.stop()
-        with self._cond:
+        with self._mutex:
             for s in self._slots:
                 if not s.in_use:
                     s.free()

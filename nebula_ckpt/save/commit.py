@@ -14,18 +14,26 @@ be committed (:attr:`CommitProgress.may_commit`): a write that reports an error 
 created it (a lost response on a blob store, a failed directory fsync). Then nothing of the step
 may be deleted: the writer reports :class:`CommitUncertain` (or says the step may have
 committed), and a later writer of a newer generation removes the files if it never did.
+
+The marker is written inside :meth:`~nebula_ckpt.ranks.fencing.TierFence.committing`: once the
+writer is fenced none is written. A save fenced after some tier committed its step takes that
+step back (:func:`retract_step`, called by the fence through the tier writers): a step of a writer
+that was told it was fenced must never be listed or loaded.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import os
+import uuid
 from dataclasses import dataclass
 from typing import Any
 
 from nebula_ckpt.errors import PersistError
-from nebula_ckpt.format.commit import Commit, read_commit
-from nebula_ckpt.format.names import COMMIT, MANIFEST, step_dir
+from nebula_ckpt.format.commit import Commit, committed_steps, read_commit
+from nebula_ckpt.format.names import COMMIT, MANIFEST, RANKS_FILE, shard_owner, step_dir
+from nebula_ckpt.format.references import referrers
 from nebula_ckpt.native import get_ops
 from nebula_ckpt.ranks.fencing import TierFence
 from nebula_ckpt.storage.base import Storage, never_created
@@ -77,12 +85,13 @@ def commit_manifest(storage: Storage, fence: TierFence, step: int, mbytes: bytes
     fence.check(f"commit step {step}")
     log.debug("nebula_ckpt: phase=commit tier=%s step=%d", tier, step)
     commit = Commit(step, fence.generation, len(mbytes), get_ops().crc32c_bytes(mbytes))
-    progress.may_commit = True
-    try:
-        storage.write_small(f"{d}/{COMMIT}", commit.to_bytes(), create_only=True)
-    except BaseException:
-        progress.may_commit = not never_created(storage, f"{d}/{COMMIT}")
-        raise
+    with fence.committing(f"commit step {step}"):  # refused once fenced; stop() waits for it
+        progress.may_commit = True
+        try:
+            storage.write_small(f"{d}/{COMMIT}", commit.to_bytes(), create_only=True)
+        except BaseException:
+            progress.may_commit = not never_created(storage, f"{d}/{COMMIT}")
+            raise
 
 
 def is_committed(storage: Storage, step: int, generation: int) -> bool:
@@ -100,3 +109,65 @@ def delete_checkpoint(storage: Storage, step: int) -> None:
     d = step_dir(step)
     storage.remove(f"{d}/{COMMIT}")
     storage.remove_dir(d)
+
+
+def retract_step(storage: Storage, step: int, generation: int, tier: str) -> bool:
+    """Take back ``generation``'s committed ``step`` (a save of it ended fenced): its marker
+    first, then the files of that generation (and the manifest, unless a newer writer's files
+    are in the folder), then the folder if that left it empty. True when it was taken back.
+
+    Never another generation's step of the same number: the marker is taken back only if it
+    names ``generation``; on a local file system it is first renamed away (atomic) and its
+    generation read from the renamed file, so a newer writer's marker written meanwhile is put
+    back, never removed. A step that a committed step still refers to (an incremental one) is
+    kept, with a warning. Best effort: an error is logged, never raised.
+    """
+    d = step_dir(step)
+    try:
+        if not storage.exists(f"{d}/{COMMIT}") or \
+                read_commit(storage, step, f"{tier} step {step}").generation != generation:
+            return False
+        users = referrers(storage, committed_steps(storage), step)
+        if users:
+            log.warning("nebula_ckpt: tier %s: step %d of a fenced save is kept: step(s) %s refer to its bytes",
+                        tier, step, users[:8])
+            return False
+        if not _take_marker(storage, f"{d}/{COMMIT}", generation):
+            return False
+        names = storage.list(d)
+        newer = any((o := shard_owner(n)) is not None and o[0] > generation for n in names)
+        for n in names:
+            o = shard_owner(n)
+            if (o is not None and o[0] == generation) or (not newer and n in (MANIFEST, RANKS_FILE)):
+                storage.remove(f"{d}/{n}")
+        storage.remove_empty_dir(d)
+    except Exception as e:
+        log.warning("nebula_ckpt: tier %s: cannot take back step %d of a fenced save: %s", tier, step, e)
+        return False
+    log.warning("nebula_ckpt: tier %s: step %d taken back: its save was fenced by a newer writer", tier, step)
+    return True
+
+
+def _take_marker(storage: Storage, marker: str, generation: int) -> bool:
+    """Remove the commit marker ``marker`` if it names ``generation`` (see :func:`retract_step`)."""
+    path = storage.local_path(marker)
+    if path is None:  # a blob store: read, then remove (the fence's check-then-act window)
+        storage.remove(marker)
+        return True
+    taken = f"{path}.taken-{uuid.uuid4().hex[:8]}"
+    try:
+        os.rename(path, taken)
+    except FileNotFoundError:
+        return False
+    try:
+        with open(taken, "rb") as f:
+            mine = Commit.parse(f.read(), path).generation == generation
+    except Exception:  # unreadable now: not known to be ours, so it goes back
+        mine = False
+    if not mine:  # a newer writer's marker, written since it was read: back in place
+        try:
+            os.link(taken, path)
+        except FileExistsError:
+            pass
+    os.unlink(taken)
+    return mine

@@ -10,7 +10,9 @@ manifest, commit marker last, under a new writer generation), verifying its chec
 One process (a root written by one rank): done as described. A multi-rank root: each rank's
 memory tier holds only its own part of a step, and the root's checkpoint of a step is one
 manifest for every rank, written by the job's ranks together; an epilogue on one node cannot
-build it, so it refuses (exit status 2) and says which steps are only in RAM. Restart the job
+build it, so it refuses (exit status 2) and says which steps are only in RAM, on whichever node
+it runs: every memory-tier folder of the root's run on this host is looked at (each rank's own
+steps, and the replicas it holds of other ranks' steps), not only rank 0's. Restart the job
 once (same world size: it restores from the memory tiers and replicas) and let it save to the
 persistent tier, or give its disk or blob tier ``every=1``.
 """
@@ -25,9 +27,11 @@ from nebula_ckpt.format.commit import committed_steps
 from nebula_ckpt.ranks.fencing import Fence, read_run_id
 from nebula_ckpt.restore.open import open_checkpoint, read_manifest
 from nebula_ckpt.save.writer import TierWriter
+from nebula_ckpt.storage.local import LocalStorage
 from nebula_ckpt.storage.urls import canonical_root
 from nebula_ckpt.tiers.factory import runtime_for
-from nebula_ckpt.tiers.memory.shm import Owner
+from nebula_ckpt.tiers.memory.replica_store import ReplicaStore, committed
+from nebula_ckpt.tiers.memory.shm import Owner, scan
 from nebula_ckpt.tiers.memory.tier import MemoryTier
 from nebula_ckpt.tiers.roots import tier_for_root
 
@@ -56,6 +60,7 @@ def persist_memory(root: str, storage_options: Optional[dict[str, Any]] = None, 
         rid = read_run_id(root_storage)
         if rid is None:
             return {"step": None, "copied": False, "why": f"{canonical_root(root)} was never written"}
+        _refuse_multi_rank_parts(root, rid, set(committed_steps(root_storage)))
         if not rt.open(Owner(canonical_root(root), rid)):
             return {"step": None, "copied": False, "why": "no memory tier of this root's run on this host"}
         steps = committed_steps(rt.storage)
@@ -71,6 +76,49 @@ def persist_memory(root: str, storage_options: Optional[dict[str, Any]] = None, 
     finally:
         rt.release()
         root_storage.close()
+
+
+def _refuse_multi_rank_parts(root: str, run_id: str, on_root: set[int]) -> None:
+    """Raise when a memory-tier folder of ``root``'s run on this host holds a part of a
+    multi-rank step that the root lacks (a rank's own step, or a replica of another rank's)."""
+    parts, world = [], 0
+    for found in scan():
+        owner = found.owner
+        if found.problem or owner is None or owner.root != canonical_root(root) or owner.run_id != run_id:
+            continue
+        store = ReplicaStore(found.folder)
+        folders = [("", found.folder)] + [("a replica of ", store.source_dir(r)) for r in sorted(store.held())]
+        for what, folder in folders:
+            for ranks, size, steps in _parts_of(folder, on_root):
+                world = max(world, size)
+                parts.append(f"{found.folder} ({what}rank {ranks}'s part of step(s) {steps})")
+    if parts:
+        raise ValidationError(
+            f"this host's memory tier holds parts of a {world}-rank job's checkpoints that are only in memory: "
+            f"{'; '.join(parts[:8])}{' ...' if len(parts) > 8 else ''}. A multi-rank checkpoint on the root is "
+            "written by every rank together, so persist-memory cannot build it from one node. Restart the job "
+            "once with the same world size (it restores from the memory tiers and replicas) and let it save to "
+            "the persistent tier, or give that tier every=1")
+
+
+def _parts_of(folder: str, on_root: set[int]) -> list[tuple[list[int], int, list[int]]]:
+    """``(ranks, world size, steps)`` of the multi-rank steps committed in ``folder`` that the root lacks."""
+    st = LocalStorage(folder, private=True, fsync=False)
+    found: dict[tuple[tuple[int, ...], int], list[int]] = {}
+    try:
+        for _, s in committed(folder):
+            if s in on_root:
+                continue
+            try:
+                man = read_manifest(st, s)
+            except Exception as e:  # a damaged copy is no part of anything
+                log.debug("nebula_ckpt: persist-memory: %s step %d: %s", folder, s, e)
+                continue
+            if man.multi_rank:
+                found.setdefault((tuple(man.ranks), man.world_size), []).append(s)
+    finally:
+        st.close()
+    return [(list(r), w, steps) for (r, w), steps in found.items()]
 
 
 def _check_copyable(rt: Any, step: int, steps: list[int]) -> None:

@@ -99,8 +99,6 @@ class SavePipeline:
         self._told_unguarded = False
         #: copies of the memory tier on partner nodes (:mod:`nebula_ckpt.tiers.memory.replicas`), or None
         self.replicator: Any = None
-        self._saving: set[int] = set()  # the threads inside save_async
-        self._deferred_close: Optional[Callable[[], None]] = None
 
     def start(self) -> list[TierWriter]:
         """At the first save: the tiers this process writes, their writer threads, the stager."""
@@ -139,30 +137,11 @@ class SavePipeline:
             self.pool.wait_prepared()
 
     def save_async(self, step: int, state: Any, tag: Optional[str]) -> SaveHandle:
-        """Plan, snapshot and hand ``state`` to the tiers (see :meth:`Checkpointer.save_async`);
-        then run a close that a signal handler asked for meanwhile (:meth:`defer_close`)."""
-        me = threading.get_ident()
-        self._saving.add(me)
-        try:
-            h = self._save_async(step, state, tag)
-            if exit_hook_ran.is_set():
-                h.wait(knobs.get("exit_timeout_s"))
-            return h
-        finally:
-            self._saving.discard(me)
-            close, self._deferred_close = self._deferred_close, None
-            if close is not None:
-                close()
-
-    def defer_close(self, close: Callable[[], None]) -> bool:
-        """Whether this thread is inside :meth:`save_async` (a signal handler interrupted it): a close
-        waiting here would wait for the locks the interrupted save holds, so ``close`` runs when it returns."""
-        if threading.get_ident() not in self._saving:
-            return False
-        log.warning("nebula_ckpt: close() of %s called inside save_async (from a signal handler): it "
-                    "finishes when that save_async returns (or raises)", self.root)
-        self._deferred_close = close
-        return True
+        """Plan, snapshot and hand ``state`` to the tiers (see :meth:`Checkpointer.save_async`)."""
+        h = self._save_async(step, state, tag)
+        if exit_hook_ran.is_set():
+            h.wait(knobs.get("exit_timeout_s"))
+        return h
 
     def _save_async(self, step: int, state: Any, tag: Optional[str]) -> SaveHandle:
         self.confirm_inflight()
@@ -332,9 +311,10 @@ class SavePipeline:
             return
         with self._lock:
             for h in self.handles:
-                if h.done() and not h.seen and h.error() is not None:
-                    h.seen = True
-                    raise h.error()  # type: ignore[misc]
+                err = h.error() if h.done() and not h.seen else None
+                if err is not None:
+                    h.seen = True  # then raised at once: no call between them that a Ctrl-C could cut
+                    raise err
 
     def pending(self, match: Callable[[SaveHandle], bool]) -> list[SaveHandle]:
         """The handles of saves still in flight that ``match`` selects."""
@@ -417,6 +397,7 @@ class SavePipeline:
             m["bytes_written"] = dict(self._metrics["bytes_written"])
         return {"staging_bytes": self.pool.allocated_bytes, "memory_tier_slot_bytes": self.pool.memory_tier_bytes,
                 "memory_tier_dropped_cow_bytes": sum(rt.dropped_cow_bytes() for rt in self._runtimes),
+                "memory_tier_whole_fallbacks": sum(rt.whole_fallbacks() for rt in self._runtimes),
                 "staging_allocations": self.pool.allocations, "saves": self.count, **m,
                 **({"replicas": self.replicator.stats()} if self.replicator is not None else {})}
 

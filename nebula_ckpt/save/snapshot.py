@@ -21,6 +21,7 @@ from typing import Any, Callable, Optional
 from nebula_ckpt.errors import ConsistencyError
 from nebula_ckpt.format import manifest as mf
 from nebula_ckpt.handle import SaveHandle
+from nebula_ckpt.latch import Latch
 from nebula_ckpt.native import CopyJob, get_ops, monotonic
 from nebula_ckpt.save.buffers import Slot, StagingPool
 from nebula_ckpt.save.compare import Compared
@@ -64,7 +65,7 @@ class Snapshot:
         self._lock = threading.Lock()
         self._copy_lock = threading.Lock()
         self._copied = False
-        self._confirmed = threading.Event()
+        self._confirmed = Latch()  # set on the training thread: a Ctrl-C there leaves no lock held
 
     @property
     def step(self) -> int:
@@ -211,7 +212,8 @@ class Stager:
 
     def __init__(self, name: str, deliver: Callable[[Snapshot, list[Any]], None]) -> None:
         self._deliver = deliver  # fanout.fan_out: routes the staged snapshot to its tiers
-        self._q: "queue.Queue[Optional[Snapshot]]" = queue.Queue()
+        # a SimpleQueue: put() is one C call, so a Ctrl-C in save_async cannot leave a queue lock held
+        self._q: "queue.SimpleQueue[Optional[Snapshot]]" = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, name=f"nebula-stager-{name}", daemon=True)
         self._thread.start()
 

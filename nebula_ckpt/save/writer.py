@@ -8,25 +8,22 @@ For each snapshot a tier writes, in this order (the commit protocol)::
     step-N/COMMIT                      (the coordinator's; create-only, last)
 
 The last two are :func:`nebula_ckpt.save.commit.commit_manifest`, which the DCP writer shares.
-Then the tier applies retention: markers are deleted before data, the newest checkpoint is
-never deleted, and leftovers without a marker are removed only when no live writer owns them
-(:mod:`nebula_ckpt.save.sweep`: an older generation, or this rank's own files). A failed step's
+Then retention: markers go before data, the newest checkpoint never goes, and leftovers without
+a marker go only when no live writer owns them (:mod:`nebula_ckpt.save.sweep`). A failed step's
 own files (and its folder, once empty) are removed at once, but only while its ``COMMIT``
-certainly does not exist: once the marker may have been written (its write began and did not
-certainly fail; on a rank other than the coordinator: once its shard record may have reached the
-coordinator) a failure deletes nothing of that step (:class:`~nebula_ckpt.save.commit.CommitUncertain`);
-if it never committed, its files are leftovers that the sweep of a newer generation (a restarted
-job's first save) removes. :meth:`TierWriter.remove` (``Checkpointer.remove``) deletes a
-committed checkpoint the same way (fence checked, marker first), serialised with retention.
+certainly does not exist: once the marker may have been written (on a rank other than the
+coordinator: once its shard record may have reached the coordinator) a failure deletes nothing
+of that step (:class:`~nebula_ckpt.save.commit.CommitUncertain`); if it never committed, the
+sweep of a newer generation removes its files. :meth:`TierWriter.remove` (``Checkpointer.remove``)
+deletes a committed checkpoint the same way (fence checked, marker first), serialised with
+retention. A save fenced after a tier committed its step takes it back (:meth:`TierWriter.retract`).
 
-In a multi-rank job a *shared* tier (every rank sees it) commits one checkpoint for all ranks,
-in three rounds among the ranks (:mod:`nebula_ckpt.save.rounds`). A rank's own tier (the memory
-tier) commits its rank's state alone; restore agrees on a step every rank has
-(:meth:`nebula_ckpt.checkpointer.Checkpointer.load_latest`).
+In a multi-rank job a *shared* tier commits one checkpoint for all ranks in three rounds
+(:mod:`nebula_ckpt.save.rounds`); a rank's own tier (the memory tier) commits its rank's state
+alone; restore agrees on a step every rank has.
 
-A tier never queues: it holds at most one pending snapshot. When a newer one arrives while the
-tier is still busy, the pending one is dropped *for this tier* (reported on its handle as
-``tiers_dropped``), so a slow tier never blocks a fast one, nor the training loop.
+A tier never queues: it holds at most one pending snapshot; a newer one replaces it *for this
+tier* (reported as ``tiers_dropped``), so a slow tier never blocks a fast one, nor training.
 """
 
 from __future__ import annotations
@@ -36,7 +33,6 @@ import json
 import logging
 import os
 import threading
-from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 from nebula_ckpt import knobs
@@ -45,6 +41,7 @@ from nebula_ckpt.format.commit import committed_steps
 from nebula_ckpt.format.manifest import Manifest
 from nebula_ckpt.format.names import COMMIT, MANIFEST, RANKS_FILE, records_name, shard_name, shard_owner, step_dir
 from nebula_ckpt.format.references import protected_steps, referrers, shard_path
+from nebula_ckpt.latch import SLICE_S, poll_until
 from nebula_ckpt.ranks import shards as ranks
 from nebula_ckpt.ranks.coordinator import Coordinator, LocalCoordinator
 from nebula_ckpt.ranks.fencing import TierFence
@@ -56,34 +53,18 @@ from nebula_ckpt.save.commit import (
     commit_manifest,
     delete_checkpoint,
     encode_manifest,
+    retract_step,
 )
 from nebula_ckpt.save.compare import MakeManifest, delta_image, may_build_on_base, tier_delta
 from nebula_ckpt.save.fanout import Delivery
 from nebula_ckpt.save.incremental import Incremental, whole_image
 from nebula_ckpt.save.rounds import SharedCommit, SharedSave, tagged
 from nebula_ckpt.save.snapshot import Snapshot, build_tier_manifest
+from nebula_ckpt.save.tier_step import TierStep, write_step_shard
 from nebula_ckpt.storage.base import Storage
 from nebula_ckpt.tiers.runtime import TierRuntime
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class _Item:
-    """One step to commit on a tier: its bytes and how to build its manifest."""
-
-    step: int
-    nbytes: int
-    source: Any                                               # has .view() -> memoryview
-    make_manifest: Callable[[int, dict[str, Any]], dict[str, Any]]  # (generation, shard record)
-    before_commit: Callable[[], None]                         # raises if it must not commit
-    index: int = 0                                            # the save's number in the job
-    meta: Optional[dict[str, Any]] = None                     # multi-rank: tensors, aliases, tree, stats
-    tag: Optional[str] = None                                 # multi-rank: the checkpoint's tag
-    parts: Optional[Callable[[], list[memoryview]]] = None    # an incremental save's own shard image
-    full: bool = True                                         # whether the step refers to no other step
-    hashes: Optional[dict[str, str]] = None                   # multi-rank: SHA-256 of staged tensors
-    origin: Optional[str] = None                              # the snapshot's write_id (None: a copy)
 
 
 class TierWriter:
@@ -114,10 +95,13 @@ class TierWriter:
         self._last_time: Optional[float] = None
         self._pending: Optional[Delivery] = None
         self._busy = False
+        self._writing: Optional[int] = None  # the step being written
         self._closing = False
-        self._cond = threading.Condition()
+        #: the training thread takes it directly (a C call a Ctrl-C cannot cut, unlike Condition.__enter__)
+        self._mutex = threading.RLock()
+        self._cond = threading.Condition(self._mutex)
         #: held while checkpoints are deleted (retention on the writer thread, remove() on the caller's)
-        self._delete_lock = threading.Lock()
+        self._delete_lock = threading.RLock()  # also taken by the fence's take-back (retract)
         #: steps whose commit this writer could not confirm (CommitUncertain): never deleted as
         #: leftovers nor written again by this process; a restart (a newer generation) sweeps them
         self._uncertain: set[int] = set()
@@ -127,6 +111,7 @@ class TierWriter:
         #: committed steps remove() was asked to delete while a later checkpoint refers to their
         #: bytes: retention deletes them once nothing does
         self._deferred: set[int] = set()
+        fence.retract_with(self)  # a save ending fenced takes back what it committed here
         self._thread = threading.Thread(target=self._run, name=f"nebula-{self.tier.kind}-writer", daemon=True)
         self._thread.start()
 
@@ -169,41 +154,54 @@ class TierWriter:
 
         An idle tier is about to start on its pending snapshot, so that one is kept.
         """
-        with self._cond:
+        with self._mutex:  # the training thread (a save that needs a staging buffer)
             if not self._busy:
                 return False
             dropped, self._pending = self._pending, None
-            self._cond.notify_all()
         if dropped is None:
             return False
         dropped.drop(self.name, "to free its staging buffer for a newer save")
         return True
 
     def wait_idle(self, timeout: Optional[float] = None) -> bool:
-        """Block until idle; False on timeout."""
-        with self._cond:
-            return self._cond.wait_for(lambda: self._pending is None and not self._busy, timeout)
+        """Block until idle; False on timeout. Only reads, so a Ctrl-C in it leaves nothing behind."""
+        return poll_until(lambda: self._pending is None and not self._busy, timeout)
+
+    def in_flight(self) -> set[int]:
+        """The steps this tier is writing or holds pending (see :meth:`retract`)."""
+        with self._mutex:
+            pending = self._pending.snap.step if self._pending is not None else None
+            return {s for s in (self._writing, pending) if s is not None}
+
+    def retract(self, steps: set[int]) -> None:
+        """The writer was fenced while saving ``steps``: take back its commits of them here, newest
+        first (:func:`~nebula_ckpt.save.commit.retract_step`; only where this rank commits)."""
+        if self._owner.commits_here:
+            with self._delete_lock:
+                for s in sorted(steps, reverse=True):
+                    retract_step(self.storage, s, self.fence.generation, self.name)
 
     def close(self) -> None:
         """Write what is pending, then stop the thread."""
-        with self._cond:
+        with self._mutex:
             self._closing = True
             self._cond.notify_all()
-        self._thread.join()
+        self._thread.join()  # it re-checks every SLICE_S, should a Ctrl-C cut the notify short
 
     # -- the writer thread -------------------------------------------------------------------------
     def _run(self) -> None:
         while True:
             with self._cond:
-                self._cond.wait_for(lambda: self._pending is not None or self._closing)
+                while not self._cond.wait_for(lambda: self._pending is not None or self._closing, SLICE_S):
+                    pass
                 if self._pending is None:
                     return
+                self._busy = True  # first: wait_idle reads both without the lock
                 delivery, self._pending = self._pending, None
-                self._busy = True
+                self._writing = delivery.snap.step
             self._write_one(delivery)
-            with self._cond:
-                self._busy = False
-                self._cond.notify_all()
+            with self._mutex:  # (no notify: wait_idle polls)
+                self._busy, self._writing = False, None
 
     def _write_one(self, delivery: Delivery) -> None:
         snap = delivery.snap
@@ -247,24 +245,25 @@ class TierWriter:
         if not self._shared:  # this rank's own tier (memory): incremental on its own previous step
             return self._commit_step(self._single_item(snap, source, confirmed, rank_manifest, self.key_prefix),
                                      on_shard)
-        return self._commit_step(_Item(snap.step, snap.nbytes, source, rank_manifest, confirmed, snap.index, meta,
+        return self._commit_step(TierStep(snap.step, snap.nbytes, source, rank_manifest, confirmed, snap.index, meta,
                                        snap.plan.tag, hashes=snap.hashes, origin=snap.write_id), on_shard)
 
     def _single_item(self, snap: Snapshot, source: Any, confirmed: Callable[[], None],
-                     whole: Optional[MakeManifest] = None, prefix: str = "") -> _Item:
+                     whole: Optional[MakeManifest] = None, prefix: str = "") -> TierStep:
         """The step of a one-process job, or of a rank's own tier (``whole``: its manifest, its
         keys under ``prefix``): full, or incremental on this tier's base."""
         whole = whole or (lambda gen, shard: build_tier_manifest(snap, gen, shard))  # sha256 included
         index, hashes = ranks.prefixed(snap.tensor_index, prefix), ranks.prefixed(snap.hashes, prefix)
         delta = tier_delta(self.incremental, self.storage, snap.step, index, hashes, self.fence.generation,
                            source.view(), self.name, snap.compared)
+        whole_step = TierStep(snap.step, snap.nbytes, source, whole, confirmed, origin=snap.write_id)
         if delta is None:
-            return _Item(snap.step, snap.nbytes, source, whole, confirmed, origin=snap.write_id)
+            return whole_step
         parts, nbytes, manifest = delta_image(delta, index, source.view(), whole)
         log.debug("nebula_ckpt: tier %s: step %d builds on step %d (%d of %d tensors written)", self.name,
                   snap.step, delta.base, len(delta.write), len(index))
-        return _Item(snap.step, nbytes, source, manifest, confirmed, parts=lambda: parts, full=False,
-                     origin=snap.write_id)
+        return TierStep(snap.step, nbytes, source, manifest, confirmed, parts=lambda: parts, full=False,
+                        origin=snap.write_id, whole=whole_step)
 
     def copy_from(self, src: Storage, step: int) -> None:
         """Write the committed checkpoint ``step`` of another (local) tier's storage to this tier.
@@ -284,7 +283,7 @@ class TierWriter:
         def manifest(gen: int, shard: dict[str, Any]) -> dict[str, Any]:
             return dict(man, generation=gen, shards=[shard], tensors=tensors)
 
-        self._commit_step(_Item(step, nbytes, None, manifest, lambda: None, parts=lambda: parts), None)
+        self._commit_step(TierStep(step, nbytes, None, manifest, lambda: None, parts=lambda: parts), None)
 
     @property
     def key_prefix(self) -> str:
@@ -302,7 +301,7 @@ class TierWriter:
         return sweep.Ownership(self.fence.generation, self.coordinator.rank,
                                self.coordinator.is_coordinator or not self._shared)
 
-    def _commit_step(self, item: "_Item", on_shard: Optional[Callable[[str], None]]) -> int:
+    def _commit_step(self, item: "TierStep", on_shard: Optional[Callable[[str], None]]) -> int:
         """The commit protocol for one step on this tier, then retention; the shard's bytes."""
         gen = self.fence.generation
         d = step_dir(item.step)
@@ -322,7 +321,8 @@ class TierWriter:
                                item.hashes), d, shard, on_shard, progress)
                 written = share["shard"]["bytes"]
             else:
-                committed = self._write_files(item, d, shard, gen, on_shard, progress)
+                committed, item = self._write_files(item, d, shard, gen, on_shard, progress)
+                written = item.nbytes
         except BaseException as e:
             self.incremental.forget()
             if not progress.may_commit:
@@ -349,7 +349,7 @@ class TierWriter:
             log.warning("nebula_ckpt: tier %s: retention failed: %s", self.name, e)
         return written
 
-    def _new_base(self, item: "_Item", gen: int, manifest: Optional[dict[str, Any]],
+    def _new_base(self, item: "TierStep", gen: int, manifest: Optional[dict[str, Any]],
                   share: Optional[dict[str, Any]]) -> None:
         """The step just committed is what this tier's next save builds on."""
         if manifest is not None:
@@ -393,20 +393,19 @@ class TierWriter:
                 delete_checkpoint(self.storage, s)
         self.incremental.forget()
 
-    def _write_files(self, item: "_Item", d: str, shard: str, gen: int,
-                     on_shard: Optional[Callable[[str], None]], progress: CommitProgress) -> dict[str, Any]:
-        """Shard; then, once the snapshot is confirmed, the manifest and the commit marker (returned)."""
+    def _write_files(self, item: "TierStep", d: str, shard: str, gen: int,
+                     on_shard: Optional[Callable[[str], None]],
+                     progress: CommitProgress) -> tuple[dict[str, Any], TierStep]:
+        """Shard; then, once the snapshot is confirmed, the manifest and the commit marker (returned,
+        with the step as written: an incremental one whole where the tier found no room for it)."""
         log.debug("nebula_ckpt: phase=shard tier=%s step=%d", self.name, item.step)
-        if item.parts is not None:
-            info = self.runtime.write_parts(f"{d}/{shard}", item.parts())
-        else:
-            info = self.runtime.write_shard(f"{d}/{shard}", item.source)
+        info, item = write_step_shard(self.runtime, f"{d}/{shard}", item)
         if on_shard is not None and item.parts is None:  # a slower tier is fed only a whole image
             on_shard(f"{d}/{shard}")
         item.before_commit()
         manifest = item.make_manifest(gen, {"file": shard, "bytes": item.nbytes, "storage": info})
         commit_manifest(self.storage, self.fence, item.step, encode_manifest(manifest), progress, self.name)
-        return manifest
+        return manifest, item
 
     def _check_uncertain(self, step: int) -> None:
         """Refuse to write ``step`` again while an earlier save of it may still commit here."""

@@ -72,6 +72,15 @@ class TierRuntime:
         """Write a rank's share of a snapshot (a header and ranges of it) at ``rel``."""
         return self.storage.write_parts(rel, parts)
 
+    def write_whole_instead(self, rel: str, source: Any, error: OSError) -> Optional[dict[str, Any]]:
+        """An incremental step's own shard failed with ``error``: write the whole step (``source``)
+        at ``rel`` instead where this tier can (its storage info), else None (``error`` stands)."""
+        return None
+
+    def whole_fallbacks(self) -> int:
+        """Incremental steps this tier wrote whole instead (:meth:`write_whole_instead`)."""
+        return 0
+
     def dropped_cow_bytes(self) -> int:
         """Bytes of this tier's files that retention deleted while copy-on-write views a restore of
         this process made still map them (their pages stay allocated until those tensors go)."""

@@ -2,7 +2,7 @@
 
 Usage: python fence_worker.py SCENARIO ROOT OUT GATES   (RANK, WORLD_SIZE, MASTER_* in env)
 
-* ``stale``: saves step 1, touches ``GATES/stale-saved-1-r<rank>``, waits for ``GATES/newer-saved``,
+* ``stale``: saves step 1 (its memory tier keeps 3 steps), touches ``GATES/stale-saved-1-r<rank>``, waits for ``GATES/newer-saved``,
   saves steps 10, 11, 12 (each waited for), reports what became of them, what its memory tier
   holds and whether its lock is free, touches ``GATES/stale-done-r<rank>``, waits for
   ``GATES/die`` and SIGKILLs itself (a stale job dies, it does not close);
@@ -54,7 +54,9 @@ def main() -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     report: dict[str, Any] = {"rank": rank}
     if scenario == "stale":
-        ck = nc.Checkpointer(root)
+        # the memory tier keeps step 1 beside a later step: what a save that ended fenced takes
+        # back must leave it there
+        ck = nc.Checkpointer(root, tiers=[nc.MemoryTier(keep_last=3), nc.LocalTier(root)])
         ck.save(1, _state(1, rank, "stale"))
         _touch(gates, f"stale-saved-1-r{rank}")
         _gate(gates, "newer-saved")

@@ -60,14 +60,16 @@ def test_a_fenced_two_rank_job_stops_on_every_tier_and_never_wins_the_restart(ro
     for r in got:
         assert r["10"] == r["11"] == r["12"] == "fenced", r
         assert 11 not in r["memory_steps"] and 12 not in r["memory_steps"], f"the fenced job went on committing: {r}"
+        # its save of step 10 ended fenced: whatever it committed of it is taken back; step 1 stays
+        assert r["memory_steps"] == [1], f"a save that ended fenced left its step, or took another: {r}"
         assert r["11-written"] == r["12-written"] == [], r
         assert r["memory_lock_free"], f"the fenced job still holds rank {r['rank']}'s memory tier: {r}"
-    # Whatever the stale job committed in memory before it knew (step 1, maybe 10) is of the older
-    # generation; to make that case certain, each rank's memory tier also gets a step 20 of it.
+    # What the stale job committed in memory in saves that completed (step 1) is of the older
+    # generation; each rank's memory tier also gets a step 20 of it: a higher step never wins.
     with knobs.override(shm_dir=shm_dir):
         folders = [memory_tier_path(root, r) for r in range(2)]
     for folder, r in zip(folders, got, strict=True):
-        renumber_step(folder, max(r["memory_steps"]), 20)
+        renumber_step(folder, 1, 20)
     loaded = run_ranks(2, "fence_worker.py", ["load", *args], out, shm_dir)
     assert all(p.returncode == 0 for p in loaded), [p.stdout[-3000:] for p in loaded]
     for r in reports(out, "load", 2):

@@ -254,6 +254,8 @@ class Replication:
     partners: list[int]
     sources: list[int]
     counters: Counters = field(default_factory=Counters)
+    #: whether the replicas of ranks that are not :attr:`sources` (an earlier job's) were removed
+    dropped_others: bool = False
 
     @property
     def rank(self) -> int:

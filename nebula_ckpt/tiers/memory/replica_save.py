@@ -148,6 +148,9 @@ def commit_replica(rp: Replication, src: int, info: dict[str, Any], inc: str,
         check_copy(inc, step, src, rp.world, int(info["gen"]), landed)
         rp.store.publish(inc, step, rp.store.source_dir(src))
         rp.store.prune(src, rp.keep)
+        if not rp.dropped_others:  # this job's first copy is here: an earlier job's go
+            rp.dropped_others = True
+            rp.store.drop_others(set(rp.sources))
     except Exception as e:
         rp.store.discard(inc)
         log.warning("nebula_ckpt: rank %d: the replica of rank %d's step %d is not kept: %s", rp.rank, src, step, e)

@@ -14,7 +14,9 @@ A step pulled back at restore (its owner lost its memory tier) lands in ``M/step
 way: received under ``.incoming-*``, verified, renamed into place.
 
 Retention: per source rank, the newest ``keep`` replicas stay (the memory tier's ``keep_last``);
-an older one goes once a newer one is visible. Its shard files are not freed but kept as that
+an older one goes once a newer one is visible. Replicas of ranks that are not this rank's sources
+now (an earlier job's partners, another world size) go once this job's first replica is
+visible here. An older replica's shard files are not freed but kept as that
 rank's *spares* (``M/replicas/.spare-r<R>/``, never listed by a reader, removed by the next start):
 the next copy of that rank is received into them, whose memory pages then exist already (on a
 tmpfs, allocating and zeroing fresh pages costs more CPU than the bytes' transfer). So a rank holds
@@ -46,7 +48,7 @@ INCOMING_PREFIX = ".incoming-"
 SPARE_PREFIX = ".spare-"
 #: the only file names a step folder sent between ranks may hold
 _FILE_RE = re.compile(r"^(COMMIT|manifest\.json|shard-g\d+-r\d+\.safetensors)$")
-_SOURCE_RE = re.compile(r"^r(\d+)$")
+_SOURCE_RE = re.compile(r"^r(0|[1-9]\d*)$")  # the name source_dir gives, nothing else ("r02" is not rank 2's)
 
 
 def step_files(folder: str, step: int) -> list[tuple[str, int]]:
@@ -145,6 +147,26 @@ def folder_bytes(path: str) -> int:
     return total
 
 
+def _planted_link(path: str) -> bool:
+    """Whether ``path`` (an entry of the replica store, which only ever makes folders) is a
+    symlink: not a replica, never listed, written or deleted through (it is logged)."""
+    if not os.path.islink(path):
+        return False
+    log.warning("nebula_ckpt: %s is a symlink, not a replica folder; ignored", path)
+    return True
+
+
+def _remove(path: str) -> None:
+    """Remove ``path``: a folder and what it holds, a symlink itself (never what it points to)."""
+    try:
+        if os.path.islink(path) or not os.path.isdir(path):
+            os.unlink(path)
+        else:
+            shutil.rmtree(path, ignore_errors=True)
+    except OSError as e:
+        log.debug("nebula_ckpt: cannot remove %s: %s", path, e)
+
+
 class ReplicaStore:
     """The replicas a rank holds in its memory-tier folder ``folder`` (see the module docstring)."""
 
@@ -162,7 +184,7 @@ class ReplicaStore:
             return
         for n in os.listdir(self.base):
             if n.startswith((INCOMING_PREFIX, SPARE_PREFIX)):
-                shutil.rmtree(os.path.join(self.base, n), ignore_errors=True)
+                _remove(os.path.join(self.base, n))
 
     def spare(self, rank: int, name: str) -> Optional[str]:
         """The path of a spare file ``name`` of ``rank`` (a shard of a replica pruned before, to
@@ -185,6 +207,8 @@ class ReplicaStore:
     def publish(self, incoming: str, step: int, dest: str) -> None:
         """Make the verified copy in ``incoming`` visible as ``dest/step-N`` (one rename; a damaged
         copy already there is moved aside first and removed after)."""
+        if os.path.islink(dest):  # never write through a link planted in the store
+            os.unlink(dest)
         os.makedirs(dest, mode=0o700, exist_ok=True)
         target = os.path.join(dest, step_dir(step))
         old = None
@@ -203,7 +227,7 @@ class ReplicaStore:
             return out
         for n in os.listdir(self.base):
             m = _SOURCE_RE.match(n)
-            if m:
+            if m and not _planted_link(os.path.join(self.base, n)):
                 have = committed(os.path.join(self.base, n))
                 if have:
                     out[int(m.group(1))] = have
@@ -212,6 +236,8 @@ class ReplicaStore:
     def prune(self, rank: int, keep: int) -> None:
         """Keep the newest ``keep`` replicas of ``rank`` (commit marker first, as retention does)."""
         d = self.source_dir(rank)
+        if _planted_link(d):  # never delete through a link planted in the store
+            return
         steps = [s for _, s in committed(d)]
         for s in sorted(steps)[:-keep] if keep > 0 else steps:
             sd = os.path.join(d, step_dir(s))
@@ -221,6 +247,25 @@ class ReplicaStore:
                 pass
             self._keep_spares(rank, sd)
             shutil.rmtree(sd, ignore_errors=True)
+
+    def drop_others(self, sources: set[int]) -> list[int]:
+        """Remove the replicas of every rank not in ``sources`` (held for an earlier job whose
+        ranks had other partners, or another world size: no round of this job refreshes or prunes
+        them), commit markers first; the ranks whose copies went. Planted links are left alone."""
+        dropped = []
+        for rank in sorted(set(self.held()) - sources):
+            d = self.source_dir(rank)
+            for _, s in committed(d):
+                try:
+                    os.unlink(os.path.join(d, step_dir(s), COMMIT))
+                except OSError:
+                    pass
+            _remove(d)
+            dropped.append(rank)
+        if dropped:
+            log.info("nebula_ckpt: %s: dropped the replicas of rank(s) %s, no longer this rank's sources",
+                     self.base, dropped)
+        return dropped
 
     def _keep_spares(self, rank: int, step_folder: str) -> None:
         """Move the shard files of a pruned (no longer committed) copy of ``rank`` to its spares,

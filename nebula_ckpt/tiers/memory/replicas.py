@@ -179,10 +179,18 @@ class Replicator:
     def _recover_task(self, shared: list[tuple[int, int]], step: Optional[int], among: Optional[Sequence[int]],
                       box: dict[str, Any], done: threading.Event) -> None:
         try:
-            box["result"] = self._guarded(lambda: recover(self._rp, shared, step, among))
+            box["result"] = self._guarded(lambda: recover(self._rp, shared, step, self._among_all(among)))
         except BaseException as e:
             box["error"] = e
         done.set()
+
+    def _among_all(self, among: Optional[Sequence[int]]) -> Optional[list[int]]:
+        """The steps any rank sees with the tag asked for (a collective when there is a tag; every
+        rank asks alike): a rank that lost its memory tier sees fewer of them, and every rank must
+        plan from the same steps, else the ranks choose different steps and wait on each other."""
+        if among is None:
+            return None
+        return sorted({int(s) for seen in self._rp.channel.gather(list(among)) for s in seen})
 
     def _task_ready(self, task: tuple[str, Any]) -> bool:
         return task[0] != "save" or self._saves[task[1]].ready()
@@ -206,7 +214,7 @@ class Replicator:
             errors = self._guarded(lambda: replicate(self._rp, None if self._superseded() else handle))
         except BaseException as e:
             log.error("nebula_ckpt: rank %d: memory-tier replicas failed: %s: %s", self.rank, type(e).__name__, e)
-            errors = [f"{type(e).__name__}: {e}"]
+            errors = [self._why(e)]
         counters = self._rp.counters
         counters.add("rounds", 1)
         counters.set("last_round_s", time.monotonic() - t0)
@@ -221,11 +229,25 @@ class Replicator:
         else:
             handle.progress.part_done(PART)
 
+    def _why(self, e: BaseException) -> str:
+        """What a round that raised ``e`` tells the save's handle: a failed collective (a rank of
+        the job died or stalled) names this rank, its node and its partners."""
+        if isinstance(e, PersistError) or not isinstance(e, (RuntimeError, OSError)):  # says what it is already
+            return f"{type(e).__name__}: {e}"
+        partners = ", ".join(f"rank {p} on node {_short(self.nodes[p])}" for p in self.partners)
+        return (f"rank {self.rank} on node {_short(self.node)}: the replicas' channel failed (a rank of the job "
+                f"died or stalled; this rank's partners: {partners}): {type(e).__name__}: {e}")
+
     def _superseded(self) -> bool:
         """Whether a newer save is already in this rank's memory tier (this one is then not sent:
         like a slow tier, replication never queues saves)."""
         with self._cond:
             return any(s.memory_done and s.handle is not None for s in self._saves.values())
+
+
+def _short(node: str) -> str:
+    """``node`` as a message shows it (quoted, a long id cut)."""
+    return repr(node if len(node) <= 64 else node[:61] + "...")
 
 
 def start_replicator(tiers: Sequence[Any], runtimes: Sequence[Any], coordinator: Any,

@@ -38,6 +38,9 @@ class MemoryTierRuntime(TierRuntime):
       this tier but never writes it;
     * CPU saves stage into files of its ``.slots/`` folder, and the shard is a hard link of the
       slot (one copy of the bytes); slower tiers then read the shard it wrote;
+    * an incremental step needs room for its changed bytes beside the staged copy; where the
+      tmpfs has none, the step is written whole instead (its staged file linked: no room needed),
+      and only if that cannot fit either does the save fail there (:func:`no_room_error`);
     * ``close`` removes the folder when the newest step it holds is committed on a persistent
       tier (a clean end); otherwise it stays for a restart (``nebula-ckpt gc`` frees it later).
     """
@@ -51,6 +54,7 @@ class MemoryTierRuntime(TierRuntime):
         self._slots: Optional[str] = None
         self._owner: Optional[Owner] = None
         self._created = False  # open() made the folder: release() removes it if nothing was put in
+        self._whole_steps = 0  # incremental steps written whole for want of room (write_whole_instead)
         #: copy-on-write mappings of this tier's files a restore made: (mapping, path, inode, size)
         self._cow_maps: list[tuple[weakref.ref[mmap.mmap], str, tuple[int, int], int]] = []
 
@@ -176,6 +180,26 @@ class MemoryTierRuntime(TierRuntime):
     def write_parts(self, rel: str, parts: list[memoryview]) -> dict[str, Any]:
         with self._room_for(rel, sum(memoryview(p).nbytes for p in parts)):
             return self.storage.write_parts(rel, parts)
+
+    def write_whole_instead(self, rel: str, source: Any, error: OSError) -> Optional[dict[str, Any]]:
+        """No room on the tmpfs for an incremental step's changed bytes beside its staged copy
+        (``error``: ENOSPC): write the step whole, as a full save does (its staged slot file
+        linked, which takes no room; a copy otherwise). Logged at INFO the first time (later ones
+        at DEBUG), counted in :meth:`whole_fallbacks`. Raises :func:`no_room_error` when the whole
+        step cannot fit either; None for any other error (it stands)."""
+        if error.errno != errno.ENOSPC:
+            return None
+        self.storage.remove(rel)  # what the failed write left of the step's own shard
+        info = self.write_shard(rel, source)
+        self._whole_steps += 1
+        log.log(logging.INFO if self._whole_steps == 1 else logging.DEBUG,
+                "nebula_ckpt: memory tier %s: no room for the changed bytes of an incremental step beside its "
+                "staged copy (%s); %s written whole instead (its staged copy is the shard: no room needed). "
+                "stats()['memory_tier_whole_fallbacks'] counts these", self.name, error, rel)
+        return info
+
+    def whole_fallbacks(self) -> int:
+        return self._whole_steps
 
     @contextlib.contextmanager
     def _room_for(self, rel: str, needed: int) -> Iterator[None]:

@@ -1,0 +1,32 @@
+"""What the :class:`~nebula_ckpt.checkpointer.Checkpointer` constructor checks before it touches anything."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from nebula_ckpt import knobs
+from nebula_ckpt.errors import ValidationError
+from nebula_ckpt.storage.urls import refuse_url_credentials
+
+
+def check_arguments(root: Any, keep_last: Any, max_host_bytes: Any, on_full: Any, on_persist_error: Any,
+                    snapshot: Any, incremental: Any) -> None:
+    """The :class:`~nebula_ckpt.checkpointer.Checkpointer` constructor's validation, all before anything
+    is touched: a bad value raises :class:`ValidationError` naming it."""
+    if not isinstance(root, str) or not root:
+        raise ValidationError(f"root must be a non-empty path or URL string, got {root!r}")
+    refuse_url_credentials(root)  # before the root is parsed, logged or written anywhere
+    if not isinstance(keep_last, int) or keep_last < 1:
+        raise ValidationError(f"keep_last must be an int >= 1 (the newest checkpoint is always kept), "
+                              f"got {keep_last!r}")
+    if max_host_bytes is not None and (not isinstance(max_host_bytes, int) or max_host_bytes <= 0):
+        raise ValidationError(f"max_host_bytes must be a positive int or None, got {max_host_bytes!r}")
+    if on_full not in ("wait", "skip"):
+        raise ValidationError(f"on_full must be 'wait' or 'skip', got {on_full!r}")
+    if on_persist_error not in ("raise", "log"):
+        raise ValidationError(f"on_persist_error must be 'raise' or 'log', got {on_persist_error!r}")
+    if snapshot not in ("auto", "sync", "async"):
+        raise ValidationError(f"snapshot must be 'auto', 'sync' or 'async', got {snapshot!r}")
+    if not isinstance(incremental, bool):
+        raise ValidationError(f"incremental must be True or False, got {incremental!r}")
+    knobs.check_all()  # a knob set out of range (environment or override) fails here, not mid-run
