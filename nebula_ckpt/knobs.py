@@ -129,6 +129,10 @@ _KNOBS: dict[str, _Knob] = {
                      "the node this process runs on, for memory-tier replicas (default: the host name); "
                      "ranks with one node id share a fate, so replicas go to other node ids. Tests "
                      "simulate nodes on one machine with it (each with its own NEBULA_SHM_DIR)"),
+    "replica_pull_chunk_bytes": _Knob("NEBULA_REPLICA_PULL_CHUNK_BYTES", 8 << 20, int,
+                                      "multi-rank: bytes per transfer of a memory-tier copy pulled from a "
+                                      "partner at restore (the puller allocates the next chunk and checks "
+                                      "the tensors landed while one arrives)"),
     "replica_timeout_s": _Knob("NEBULA_REPLICA_TIMEOUT_S", 600.0, float,
                                "multi-rank: how long a memory-tier replica transfer (one round of sends and "
                                "receives among the ranks) may take before the replicas of that save fail"),

@@ -1,6 +1,7 @@
 """One rank of a replicas-on-a-full-tmpfs job (run by tests/dist/test_replicas_full.py).
 
-Usage: python full_worker.py SCENARIO ROOT OUT SHM_BASE [STEPS FILL_STEP [WHEN]]
+Usage: python full_worker.py save ROOT OUT SHM_BASE [STEPS FILL_STEP [WHEN]]
+       python full_worker.py restore ROOT OUT SHM_BASE [fill KEEP]
 
 Two simulated nodes, one rank each: rank 0 is node ``n0`` (A), rank 1 node ``n1`` (B), each with
 its own ``NEBULA_SHM_DIR`` (``SHM_BASE/n<i>``; the test mounts a small tmpfs there for B) and
@@ -13,7 +14,10 @@ its own ``NEBULA_SHM_DIR`` (``SHM_BASE/n<i>``; the test mounts a small tmpfs the
   has room for A's copy, just before B allocates the copy's files (the race the allocation of a
   copy's pages before any byte lands is there for). Each rank reports, per step, what its handle said and (B) what its
   memory tier holds, then ends like a crash (``os._exit``: nothing closed, the tiers stay).
-* ``restore``: a fresh state, ``load_latest`` into it; report the step, its digest, ``last_restore``.
+* ``restore``: a fresh state, ``load_latest`` into it; report the step, its digest, ``last_restore``,
+  the library's warnings and (B) what its memory tier holds after. With ``restore fill KEEP``, B
+  fills its tmpfs once its Checkpointer is open, leaving KEEP bytes free (less than the copy it
+  pulls: its allocation runs out of room part way).
 """
 
 from __future__ import annotations
@@ -21,12 +25,13 @@ from __future__ import annotations
 import glob
 import hashlib
 import json
+import logging
 import os
 import sys
 from typing import Any
 
 SCENARIO, ROOT, OUT, SHM_BASE = sys.argv[1:5]
-STEPS, FILL_STEP = (int(a) for a in (sys.argv[5:7] if len(sys.argv) > 6 else ("0", "0")))
+STEPS, FILL_STEP = (int(a) for a in (sys.argv[5:7] if len(sys.argv) > 6 and SCENARIO == "save" else ("0", "0")))
 WHEN = sys.argv[7] if len(sys.argv) > 7 else "before"
 RANK = int(os.environ["RANK"])
 os.environ["NEBULA_NODE_ID"] = f"n{RANK}"
@@ -65,11 +70,10 @@ def _free() -> int:
     return st.f_bavail * st.f_frsize
 
 
-def _fill() -> dict[str, int]:
-    """Another job's file on B's tmpfs: what stays free holds B's own step (its shard and a
-    margin) but not A's 2 MiB replica beside it."""
+def _fill(keep: int = NBYTES + MiB) -> dict[str, int]:
+    """Another job's file on B's tmpfs: what stays free (``keep``; by default B's own step, its
+    shard and a margin) does not hold A's 2 MiB replica beside it."""
     before = _free()
-    keep = NBYTES + MiB
     path = os.path.join(SHM, "other-job.bin")
     fd = os.open(path, os.O_CREAT | os.O_WRONLY, 0o600)
     try:
@@ -128,11 +132,26 @@ def save() -> None:
     os._exit(0)
 
 
+class _Warnings(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+
 def restore() -> None:
     st = _state(10_000)
+    warnings = _Warnings()
+    logging.getLogger("nebula_ckpt").addHandler(warnings)
+    filled: dict[str, int] = {}
     with nc.Checkpointer(ROOT, tiers=_tiers()) as ck:
+        if RANK == 1 and len(sys.argv) > 6 and sys.argv[5] == "fill":
+            filled = _fill(int(sys.argv[6]))
         step = ck.load_latest(st)
-        _report({"step": step, "digest": _digest(st), "last_restore": ck.last_restore})
+        _report({"step": step, "digest": _digest(st), "last_restore": ck.last_restore,
+                 "warnings": warnings.messages, "filled": filled, "holds": _holds() if RANK == 1 else None})
 
 
 if __name__ == "__main__":

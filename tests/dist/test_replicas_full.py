@@ -50,6 +50,11 @@ class Job:
         shutil.rmtree(self.shm / "n0")
         (self.shm / "n0").mkdir()
 
+    def lose_b(self) -> None:
+        """Node B's RAM is gone (everything on its tmpfs; the mount stays)."""
+        for entry in os.listdir(self.shm_b):
+            shutil.rmtree(os.path.join(self.shm_b, entry))
+
 
 @pytest.fixture
 def job(tmp_path: Path) -> Any:
@@ -118,3 +123,23 @@ def test_node_a_lost_after_a_refused_replica_restores_the_newest_step_every_rank
     job.lose_a()
     got = job.run("restore")
     _check_exact(saved, got, 1)
+
+
+def test_a_pull_that_runs_out_of_room_part_way_is_refused_and_the_disk_tier_used(job: Job) -> None:
+    """Node B lost; restarted, its tmpfs fills (another job) so that the copy it pulls from A
+    runs out of room part way (chunks of 128 KiB, 256 KiB free for a 512 KiB shard): the chunks
+    after the refused one go to scratch memory (no byte lands in a tmpfs hole: no SIGBUS, the
+    ranks stay in step), the copy is refused with the tmpfs's room named, nothing of it is left
+    on B, and B restores its step from the disk tier, bit-exact."""
+    saved = job.run("save", "1", "5")  # B's tmpfs is not filled while saving
+    assert not any(s["errors"] for s in saved), [s["errors"] for s in saved]
+    job.lose_b()
+    got = job.run("restore", "fill", str(256 << 10), env={"NEBULA_REPLICA_PULL_CHUNK_BYTES": str(128 << 10)})
+    _check_exact(saved, got, 1)
+    a, b = got
+    assert b["filled"]["free_after"] < (512 << 10) < b["filled"]["free_before"], b["filled"]
+    assert a["last_restore"]["source"] == "memory" and b["last_restore"]["source"] == "shared tier", got
+    why = [w for w in b["warnings"] if "cannot receive its step from rank 0" in w]
+    assert why and "No space left on device" in why[0] and "needs" in why[0] and "free" in why[0], b["warnings"]
+    for folder, entries in b["holds"]["replicas"].items():  # nothing of the refused copy is left
+        assert not any(e.startswith(".incoming") for e in entries), (folder, entries)

@@ -168,6 +168,14 @@ class Channel:
             _populate(m)
         return inc
 
+    def post_send(self, t: torch.Tensor, dst: int, tag: int) -> Any:
+        """Start sending ``t`` (contiguous) to rank ``dst`` with ``tag``; its work."""
+        return dist.isend(t, dst=self.ranks[dst], group=self._group, tag=tag)
+
+    def post_receive(self, t: torch.Tensor, src: int, tag: int) -> Any:
+        """Start receiving into ``t`` (contiguous) from rank ``src`` with ``tag``; its work."""
+        return dist.irecv(t, src=self.ranks[src], group=self._group, tag=tag)
+
     @staticmethod
     def wait(works: Works) -> None:
         """Wait for every transfer of ``works`` (raises when one failed), then forget them."""

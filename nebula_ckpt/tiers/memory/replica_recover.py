@@ -5,7 +5,8 @@ thread waits (a collective). The ranks gather one *view* each (own steps, replic
 their files, the shared tiers' steps: :mod:`~nebula_ckpt.tiers.memory.recovery` plans from them
 alike on every rank) and agree on the newest step every rank can get. Then pull rounds: each rank
 whose own copy is gone receives it from a holder over the replicas' channel into an
-``.incoming-*`` folder of its memory tier; meanwhile every rank that has its own copy checks all
+``.incoming-*`` folder of its memory tier, in chunks, checking each tensor as its bytes land
+(:mod:`~nebula_ckpt.tiers.memory.replica_pull`); meanwhile every rank that has its own copy checks all
 its checksums (so a copy with flipped bytes is pulled like a lost one, in the next round). A
 pulled copy becomes visible in the memory tier only once every checksum of it passed; nothing of
 ``into`` has changed at any point. One gather per round tells every rank who succeeded; a failed
@@ -26,7 +27,7 @@ from typing import Any, Optional, Sequence
 from nebula_ckpt.format.names import step_dir
 from nebula_ckpt.tiers.memory import recovery
 from nebula_ckpt.tiers.memory.replica_channel import Replication, Works
-from nebula_ckpt.tiers.memory.replica_save import check_copy
+from nebula_ckpt.tiers.memory.replica_pull import Pull, chunk_bytes, land_and_check, receive_pull, send_pull
 from nebula_ckpt.tiers.memory.replica_store import committed, of_world, step_files, verify_step
 
 log = logging.getLogger(__name__)
@@ -105,7 +106,8 @@ def _view(rp: Replication, shared: list[Order]) -> dict[str, Any]:
                     log.debug("nebula_ckpt: rank %d: replica of rank %d step %d: %s", rp.rank, r, s, e)
                     continue
                 held.setdefault(r, []).append((g, s))
-    return {"own": own, "shared": shared, "held": held, "files": files, "can_pull": store is not None}
+    return {"own": own, "shared": shared, "held": held, "files": files, "can_pull": store is not None,
+            "chunk": chunk_bytes()}
 
 
 def own_ok(rp: Replication, target: Order, verify: str = "size") -> bool:
@@ -133,32 +135,35 @@ def _pull_round(rp: Replication, views: list[dict[str, Any]], assign: dict[int, 
         if h == rp.rank and rp.store is not None:
             files = views[h]["files"][r][step]
             d = os.path.join(rp.store.source_dir(r), step_dir(step))
-            ch.send([os.path.join(d, n) for n, _ in files], files, r, works)
-    inc, files = None, []
+            send_pull(ch, [os.path.join(d, n) for n, _ in files], files, r, int(views[r]["chunk"]), works)
+    pull, files = None, []
     if rp.rank in assign and rp.store is not None:
         files = views[assign[rp.rank]]["files"][rp.rank][step]
-        info = {"step": step, "gen": target[0], "files": files}
-        inc = ch.receive(rp.store, info, assign[rp.rank], works)
+        pull = receive_pull(ch, rp.store, step, files, assign[rp.rank])
     damaged = check_own and not own_ok(rp, target, "full")  # while the bytes move
+    ok = pull is not None and _keep_pulled(rp, pull, target, assign[rp.rank])
     ch.wait(works)
-    ok = inc is not None and _keep_pulled(rp, inc, target, assign[rp.rank])
     if ok:
         rp.counters.add("pulled_bytes", sum(n for _, n in files))
     return [(a, b) for a, b in ch.gather_flags((ok, damaged))]
 
 
-def _keep_pulled(rp: Replication, inc: str, target: Order, holder: int) -> bool:
-    """Verify the copy pulled into ``inc`` and make it this rank's memory-tier step; whether it was."""
+def _keep_pulled(rp: Replication, pull: Pull, target: Order, holder: int) -> bool:
+    """Check the copy ``pull`` brings (every checksum, as its bytes land) and make it this
+    rank's memory-tier step; whether it was. A copy refused or damaged is dropped."""
     assert rp.store is not None and rp.folder is not None
-    if not os.path.isabs(inc):
-        log.warning("nebula_ckpt: rank %d cannot receive its step: %s", rp.rank, inc)
-        return False
     try:
-        check_copy(inc, target[1], rp.rank, rp.world, target[0])
-        rp.store.publish(inc, target[1], rp.folder)
-        return True
-    except Exception as e:
-        rp.store.discard(inc)
-        log.warning("nebula_ckpt: rank %d: the copy of step %d from rank %d is damaged (%s); trying "
-                    "the next source", rp.rank, target[1], holder, e)
-        return False
+        why = land_and_check(pull, target[1], rp.rank, rp.world, target[0])
+    finally:
+        pull.close()
+    if why is None:
+        try:
+            rp.store.publish(pull.inc, target[1], rp.folder)
+            return True
+        except Exception as e:
+            why = f"{type(e).__name__}: {e}"
+    if os.path.isabs(pull.inc):
+        rp.store.discard(pull.inc)
+    log.warning("nebula_ckpt: rank %d: the copy of step %d from rank %d cannot be kept (%s); trying "
+                "the next source", rp.rank, target[1], holder, why)
+    return False
