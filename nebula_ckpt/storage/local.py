@@ -72,6 +72,36 @@ def _mapped(key: tuple[int, int], delta: int) -> None:
             _mapped_here.pop(key, None)
 
 
+class MappedHold:
+    """This process's count of the file at ``path`` as mapped (:func:`read_elsewhere` then says
+    it is read: no save of this process stages into it), taken *before* the caller maps the file:
+    a slot file is staged into again only after its step's name went, so the file mapped after
+    this is the one counted. :meth:`tie` then hands the count to the mapping's owner (released
+    when that object goes); :meth:`release` drops it (the file could not be mapped).
+    :attr:`held` is False when ``path`` was gone."""
+
+    def __init__(self, path: str) -> None:
+        try:
+            st = os.stat(path, follow_symlinks=False)
+            self._key: Optional[tuple[int, int]] = (st.st_dev, st.st_ino)
+            _mapped(self._key, 1)
+        except FileNotFoundError:
+            self._key = None
+        self.held = self._key is not None
+
+    def tie(self, owner: object) -> None:
+        """Keep the count for as long as ``owner`` (e.g. a tensor made from the file) lives."""
+        if self._key is not None:
+            weakref.finalize(owner, _mapped, self._key, -1)
+            self._key = None
+
+    def release(self) -> None:
+        """Drop the count now."""
+        if self._key is not None:
+            _mapped(self._key, -1)
+            self._key = None
+
+
 _FLOCK = "@hhqqi4x"  # struct flock: l_type, l_whence, l_start, l_len (0: to the end), l_pid
 #: open-file-description locks (Linux >= 3.15); without them no reader can be seen, so no file is
 #: ever taken over (adoption copies) and readers register nothing

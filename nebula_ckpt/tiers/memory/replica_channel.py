@@ -29,6 +29,7 @@ from nebula_ckpt import knobs
 from nebula_ckpt.format.names import step_dir
 from nebula_ckpt.priority import lower_priority
 from nebula_ckpt.save.prefault import populate_mapping
+from nebula_ckpt.storage.local import MappedHold
 from nebula_ckpt.tiers.memory.replica_store import ReplicaStore, safe_name
 
 log = logging.getLogger(__name__)
@@ -118,14 +119,19 @@ class Channel:
 
     def send(self, paths: list[str], files: list[tuple[str, int]], dst: int, works: Works) -> None:
         """Start sending ``files`` (``(name, size)``, mapped read-only from ``paths``: no copy) to
-        rank ``dst``. A file that cannot be mapped (gone meanwhile) is sent as zeros of its size,
-        so the ranks stay in step; the receiver's checksums then reject the copy."""
+        rank ``dst``; until each is sent, no save of this process stages into its file (a
+        memory-tier step that retention dropped meanwhile keeps its bytes). A file that cannot be
+        mapped (gone meanwhile) is sent as zeros of its size, so the ranks stay in step; the
+        receiver's checksums then reject the copy."""
         for i, ((_, size), path) in enumerate(zip(files, paths, strict=True)):
             if not size:
                 continue
+            hold = MappedHold(path)  # no save of this process stages into it while it is sent
             try:
                 t = torch.from_file(path, shared=False, size=size, dtype=torch.uint8)
+                hold.tie(t)
             except (OSError, RuntimeError) as e:
+                hold.release()
                 log.warning("nebula_ckpt: rank %d cannot read %s to send it to rank %d: %s", self.rank, path, dst, e)
                 t = torch.zeros(size, dtype=torch.uint8)
             works.append((dist.isend(t, dst=self.ranks[dst], group=self._group, tag=i), t))
