@@ -33,7 +33,6 @@ restore raised (type and message).
 from __future__ import annotations
 
 import glob
-import hashlib
 import json
 import os
 import signal
@@ -54,6 +53,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 import nebula_ckpt as nc  # noqa: E402
+from state_digest import digest as _digest  # noqa: E402
 
 
 def _state() -> dict[str, Any]:
@@ -76,19 +76,6 @@ def _train(st: dict[str, Any], step: int, seed: int) -> None:
     loss.backward()
     st["optim"].step()
     st["extra"].add_(who + step + seed)
-
-
-def _digest(st: dict[str, Any]) -> str:
-    h = hashlib.sha256()
-    for k, v in sorted(st["model"].state_dict().items()):
-        h.update(k.encode() + v.numpy().tobytes())
-    h.update(st["extra"].numpy().tobytes())
-    if "frozen" in st:
-        h.update(st["frozen"].numpy().tobytes())
-    for k, s in sorted(st["optim"].state_dict()["state"].items()):
-        for name, t in sorted(s.items()):
-            h.update(f"{k}/{name}".encode() + t.numpy().tobytes())
-    return h.hexdigest()
 
 
 def _report(data: dict[str, Any]) -> None:

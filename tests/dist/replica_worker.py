@@ -26,7 +26,6 @@ simulated node has its own memory tier under ``SHM_BASE/n<i>`` (``NEBULA_SHM_DIR
 from __future__ import annotations
 
 import glob
-import hashlib
 import json
 import os
 import shutil
@@ -48,6 +47,7 @@ import torch.distributed as dist  # noqa: E402
 
 import nebula_ckpt as nc  # noqa: E402
 from nebula_ckpt.tiers.memory import replica_store  # noqa: E402
+from state_digest import digest as _digest  # noqa: E402
 
 
 def _state(seed: int) -> dict[str, Any]:
@@ -67,20 +67,6 @@ def _train(st: dict[str, Any], step: int) -> None:
     loss.backward()
     st["optim"].step()
     st["extra"].add_(RANK + step)
-
-
-def _digest(st: dict[str, Any]) -> str:
-    h = hashlib.sha256()
-    flat = {"model": st["model"].state_dict(), "extra": st["extra"]}
-    for k, v in sorted(flat["model"].items()):
-        h.update(k.encode() + v.numpy().tobytes())
-    h.update(flat["extra"].numpy().tobytes())
-    if "frozen" in st:
-        h.update(st["frozen"].numpy().tobytes())
-    for k, s in sorted(st["optim"].state_dict()["state"].items()):
-        for name, t in sorted(s.items()):
-            h.update(f"{k}/{name}".encode() + t.numpy().tobytes())
-    return h.hexdigest()
 
 
 def _tiers() -> list[nc.Tier]:
