@@ -77,8 +77,8 @@ class MappedHold:
     it is read: no save of this process stages into it), taken *before* the caller maps the file:
     a slot file is staged into again only after its step's name went, so the file mapped after
     this is the one counted. :meth:`tie` then hands the count to the mapping's owner (released
-    when that object goes); :meth:`release` drops it (the file could not be mapped).
-    :attr:`held` is False when ``path`` was gone."""
+    when that object goes); :meth:`release` drops it (the file could not be mapped). A ``path``
+    that is gone counts nothing."""
 
     def __init__(self, path: str) -> None:
         try:
@@ -87,7 +87,6 @@ class MappedHold:
             _mapped(self._key, 1)
         except FileNotFoundError:
             self._key = None
-        self.held = self._key is not None
 
     def tie(self, owner: object) -> None:
         """Keep the count for as long as ``owner`` (e.g. a tensor made from the file) lives."""

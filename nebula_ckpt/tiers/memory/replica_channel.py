@@ -118,23 +118,29 @@ class Channel:
         return [t.numpy().tobytes() for t in out]
 
     def send(self, paths: list[str], files: list[tuple[str, int]], dst: int, works: Works) -> None:
-        """Start sending ``files`` (``(name, size)``, mapped read-only from ``paths``: no copy) to
-        rank ``dst``; until each is sent, no save of this process stages into its file (a
-        memory-tier step that retention dropped meanwhile keeps its bytes). A file that cannot be
-        mapped (gone meanwhile) is sent as zeros of its size, so the ranks stay in step; the
-        receiver's checksums then reject the copy."""
+        """Start sending ``files`` (``(name, size)``, each as :meth:`mapped_for_send` gives it) to
+        rank ``dst``, one message a file."""
         for i, ((_, size), path) in enumerate(zip(files, paths, strict=True)):
             if not size:
                 continue
-            hold = MappedHold(path)  # no save of this process stages into it while it is sent
-            try:
-                t = torch.from_file(path, shared=False, size=size, dtype=torch.uint8)
-                hold.tie(t)
-            except (OSError, RuntimeError) as e:
-                hold.release()
-                log.warning("nebula_ckpt: rank %d cannot read %s to send it to rank %d: %s", self.rank, path, dst, e)
-                t = torch.zeros(size, dtype=torch.uint8)
+            t = self.mapped_for_send(path, size, dst)
             works.append((dist.isend(t, dst=self.ranks[dst], group=self._group, tag=i), t))
+
+    def mapped_for_send(self, path: str, size: int, dst: int) -> torch.Tensor:
+        """The ``size`` bytes of the file at ``path``, mapped read-only (no copy), to send to rank
+        ``dst``; while the tensor lives no save of this process stages into the file (a
+        memory-tier step that retention dropped meanwhile keeps its bytes). A file that cannot be
+        mapped (gone meanwhile) gives zeros of its size, so the ranks stay in step; the
+        receiver's checksums then reject the copy."""
+        hold = MappedHold(path)
+        try:
+            t = torch.from_file(path, shared=False, size=size, dtype=torch.uint8)
+        except (OSError, RuntimeError) as e:
+            hold.release()
+            log.warning("nebula_ckpt: rank %d cannot read %s to send it to rank %d: %s", self.rank, path, dst, e)
+            return torch.zeros(size, dtype=torch.uint8)
+        hold.tie(t)
+        return t
 
     def receive(self, store: ReplicaStore, info: dict[str, Any], src: int, works: Works,
                 refs: Sequence[tuple[int, str, int]] = (),
@@ -232,12 +238,18 @@ def _target(inc: str, step: int, name: str, size: int, src: int, spare: Optional
             try:
                 os.posix_fallocate(fd, 0, size)
             except OSError as e:
-                sv = os.statvfs(inc)
-                raise OSError(e.errno, f"{e.strerror}: rank {src}'s {name} needs {size} bytes in {inc}, "
-                              f"its tmpfs has {sv.f_bavail * sv.f_frsize} free (NEBULA_SHM_DIR)") from e
+                raise no_room_for_copy(e, src, name, size, inc) from e
         return mmap.mmap(fd, size) if size else None
     finally:
         os.close(fd)
+
+
+def no_room_for_copy(e: OSError, src: int, name: str, size: int, inc: str) -> OSError:
+    """The error of a copy of rank ``src``'s file ``name`` (``size`` bytes) that the tmpfs of
+    ``inc`` refused (``e``, from ``posix_fallocate``): what it needs and the room left."""
+    sv = os.statvfs(inc)
+    return OSError(e.errno, f"{e.strerror}: rank {src}'s {name} needs {size} bytes in {inc}, "
+                   f"its tmpfs has {sv.f_bavail * sv.f_frsize} free (NEBULA_SHM_DIR)")
 
 
 def _populate(m: Optional[mmap.mmap]) -> None:

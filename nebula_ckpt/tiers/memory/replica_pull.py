@@ -35,7 +35,7 @@ from nebula_ckpt.native import get_ops
 from nebula_ckpt.restore.open import OpenCheckpoint, open_checkpoint
 from nebula_ckpt.save.prefault import MADV_POPULATE_WRITE, advise
 from nebula_ckpt.storage.local import LocalStorage
-from nebula_ckpt.tiers.memory.replica_channel import Channel
+from nebula_ckpt.tiers.memory.replica_channel import Channel, no_room_for_copy
 from nebula_ckpt.tiers.memory.replica_store import ReplicaStore, committed, safe_name
 
 log = logging.getLogger(__name__)
@@ -67,12 +67,7 @@ def send_pull(ch: Channel, paths: Sequence[str], files: Sequence[tuple[str, int]
     mapped: dict[int, torch.Tensor] = {}
     for tag, (i, lo, hi) in enumerate(pull_order(files, max(mmap.PAGESIZE, chunk))):
         if i not in mapped:
-            size = int(files[i][1])
-            try:
-                mapped[i] = torch.from_file(paths[i], shared=False, size=size, dtype=torch.uint8)
-            except (OSError, RuntimeError) as e:
-                log.warning("nebula_ckpt: rank %d cannot read %s to send it to rank %d: %s", ch.rank, paths[i], dst, e)
-                mapped[i] = torch.zeros(size, dtype=torch.uint8)
+            mapped[i] = ch.mapped_for_send(paths[i], int(files[i][1]), dst)
         t = mapped[i][lo:hi]
         works.append((ch.post_send(t, dst, tag), t))
 
@@ -190,10 +185,7 @@ def _allocate(pull: Pull, path: str, name: str, lo: int, hi: int, src: int) -> N
     try:
         os.posix_fallocate(fd, lo, hi - lo)
     except OSError as e:
-        sv = os.statvfs(path)
-        size = next(s for n, s in pull.files if n == name)
-        raise OSError(e.errno, f"{e.strerror}: rank {src}'s {name} needs {size} bytes in {pull.inc}, its "
-                      f"tmpfs has {sv.f_bavail * sv.f_frsize} free (NEBULA_SHM_DIR)") from e
+        raise no_room_for_copy(e, src, name, next(s for n, s in pull.files if n == name), pull.inc) from e
     finally:
         os.close(fd)
     if not advise(pull.maps[name], lo, hi - lo, MADV_POPULATE_WRITE):  # without the GIL
