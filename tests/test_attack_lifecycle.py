@@ -14,6 +14,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 
 import pytest
 import torch
@@ -221,6 +222,33 @@ def test_close_from_another_thread_while_saving(root: str) -> None:
     with pytest.raises(nc.NebulaError, match="closed"):
         ck.save_async(4, state(4))
     assert _check_root(root, must_have=range(1))[-1] == 3
+
+
+def _wakeups(native_id: int) -> int:
+    """Context switches of the thread ``native_id`` of this process so far (Linux)."""
+    with open(f"/proc/self/task/{native_id}/status") as f:
+        fields = dict(line.split(":", 1) for line in f)
+    return int(fields["voluntary_ctxt_switches"]) + int(fields["nonvoluntary_ctxt_switches"])
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="needs Linux /proc")
+def test_idle_library_threads_sleep_until_there_is_work(root: str, ops_path: str) -> None:
+    """With no save in flight the tier writers and the stager do not wake at all (a writer that re-checked
+    its queue on a timer woke 20 times a second); the next save wakes them, and wait() returns."""
+    with nc.Checkpointer(root, keep_last=100) as ck:
+        for s in range(3):
+            ck.save(s, state(s))
+        ck.wait()
+        time.sleep(0.2)  # a thread that just finished goes back to sleep
+        threads = {t.name: t.native_id for t in threading.enumerate() if t.name.startswith("nebula-")}
+        assert any("writer" in n for n in threads) and any("stager" in n for n in threads), threads
+        before = {n: _wakeups(tid) for n, tid in threads.items() if tid is not None}
+        time.sleep(0.5)
+        woke = {n: _wakeups(threads[n]) - c for n, c in before.items()}
+        assert all(w == 0 for w in woke.values()), woke
+        ck.save_async(3, state(3))
+        ck.wait()
+        assert ck.list()[-1] == 3
 
 
 def test_read_from_another_thread_while_saving(root: str) -> None:
