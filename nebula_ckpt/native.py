@@ -89,7 +89,7 @@ class _FallbackJob:
                  checksum: bool = True) -> None:
         self._checksum = checksum
         self._srcs = list(srcs)
-        self._dst = dst
+        self._dst: Optional[torch.Tensor] = dst
         self._offsets = list(offsets)
         self._versions = [s._version for s in self._srcs]
         self._modified: list[int] = []
@@ -98,33 +98,41 @@ class _FallbackJob:
         self._done = Latch()
 
     def run(self) -> None:
-        """Copy (on the worker thread); every error is kept for :meth:`wait`, the latch always set."""
-        import crc32c as _crc
+        """Copy (on the worker thread); every error is kept for :meth:`wait`, the latch always set.
 
+        The buffers are let go before the latch is set: a caller that drops them once ``wait()``
+        returned frees them at once."""
         try:
-            with torch.no_grad():
-                for i, (src, off) in enumerate(zip(self._srcs, self._offsets, strict=True)):
-                    n = src.numel() * src.element_size()
-                    crc, torn = 0, False
-                    if n and not self._checksum:
-                        self._dst[off:off + n].copy_(byte_view(src))
-                    elif n:
-                        staged = self._dst[off:off + n]
-                        staged.copy_(byte_view(src))
-                        # The checksum is that of the staged bytes; a source whose bytes differ
-                        # from them after the copy was written meanwhile (a device source is
-                        # left to its version counter: re-reading it would cost a transfer).
-                        crc = _crc.crc32c(staged.numpy().data)
-                        if src.device.type == "cpu":
-                            torn = _crc.crc32c(byte_view(src).numpy().data) != crc
-                    self._checksums.append(int(crc))
-                    if torn or src._version != self._versions[i]:
-                        self._modified.append(i)
+            self._copy()
         except BaseException as e:  # re-raised from wait()
             self._error = e
         finally:
-            self._srcs = []
+            self._srcs, self._dst = [], None
             self._done.set()
+
+    def _copy(self) -> None:
+        import crc32c as _crc
+
+        dst = self._dst
+        assert dst is not None, "a copy job runs once"
+        with torch.no_grad():
+            for i, (src, off) in enumerate(zip(self._srcs, self._offsets, strict=True)):
+                n = src.numel() * src.element_size()
+                crc, torn = 0, False
+                if n and not self._checksum:
+                    dst[off:off + n].copy_(byte_view(src))
+                elif n:
+                    staged = dst[off:off + n]
+                    staged.copy_(byte_view(src))
+                    # The checksum is that of the staged bytes; a source whose bytes differ
+                    # from them after the copy was written meanwhile (a device source is
+                    # left to its version counter: re-reading it would cost a transfer).
+                    crc = _crc.crc32c(staged.numpy().data)
+                    if src.device.type == "cpu":
+                        torn = _crc.crc32c(byte_view(src).numpy().data) != crc
+                self._checksums.append(int(crc))
+                if torn or src._version != self._versions[i]:
+                    self._modified.append(i)
 
     def wait(self) -> None:
         self._done.wait()
@@ -184,6 +192,7 @@ class _CopyWorker:
                 job.run()
             except BaseException:  # a job keeps its own errors: this is a bug, the worker goes on
                 log.exception("nebula_ckpt: copy job %r failed outside its own handling", job)
+            del job  # an idle worker keeps no job (nor its buffer) alive
 
     def drain(self) -> None:
         """Block until every job queued so far has finished (no-op when none ever was)."""
