@@ -133,6 +133,16 @@ _KNOBS: dict[str, _Knob] = {
                                       "multi-rank: bytes per transfer of a memory-tier copy pulled from a "
                                       "partner at restore (the puller allocates the next chunk and checks "
                                       "the tensors landed while one arrives)"),
+    "replica_keep_after_s": _Knob("NEBULA_REPLICA_KEEP_AFTER_S", 1.0, float,
+                                  "multi-rank: after a restore that pulled memory-tier copies from partners, "
+                                  "how long the replicas' thread waits (unless a save or close() comes first) "
+                                  "before pulling them again into the memory tiers, so that the copies do not "
+                                  "compete with the first training steps for the cores"),
+    "replica_pull_huge_pages": _Knob("NEBULA_REPLICA_PULL_HUGE_PAGES", True, _bool,
+                                     "multi-rank: receive a memory-tier copy pulled from a partner at restore "
+                                     "into transparent huge pages where the kernel gives them (48 MB made in "
+                                     "2-4 ms instead of 10-20; off where the kernel's compaction stalls for "
+                                     "huge pages cost more than that)"),
     "replica_timeout_s": _Knob("NEBULA_REPLICA_TIMEOUT_S", 600.0, float,
                                "multi-rank: how long a memory-tier replica transfer (one round of sends and "
                                "receives among the ranks) may take before the replicas of that save fail"),

@@ -23,6 +23,7 @@ from nebula_ckpt.restore.apply import apply, materialize, stage_restore
 from nebula_ckpt.restore.open import OpenCheckpoint, read_main_manifest
 from nebula_ckpt.restore.select import Stage, find_and_open, list_candidates, open_agreed, open_tagged
 from nebula_ckpt.storage.base import Storage
+from nebula_ckpt.storage.buffers import BufferStorage
 from nebula_ckpt.tiers.base import Tier
 from nebula_ckpt.tiers.runtime import TierRuntime
 
@@ -133,6 +134,7 @@ class Restorer:
             if self.replicator is not None:  # lost memory-tier copies come back from partners first
                 shared = [c.order for c in list_candidates([(t, s) for t, s in pairs if t.shared])]
                 rec = self.replicator.recover(shared, step, among)
+                pairs = _with_pulled(pairs, rec, self.coordinator.rank)
             agreed = None if rec is None or rec["step"] is None else (int(rec["generation"]), int(rec["step"]))
             ck = open_agreed(pairs, self.coordinator, self.root, step, on_damaged, among, stage, self._checked(rec),
                              agreed)
@@ -194,7 +196,8 @@ class Restorer:
             return None
         if into is not None:
             self.apply(ck, into, map_location, strict)
-        if self._on_restored is not None and ck.tier_name is not None:
+        if self._on_restored is not None and ck.tier_name is not None and not isinstance(ck.storage, BufferStorage):
+            # a copy pulled from a partner is not (yet) the tier's: the tier's next save is full
             self._on_restored(ck.step, ck.tier_name, ck.manifest)
         return ck.step
 
@@ -208,3 +211,14 @@ class Restorer:
                                   "rank's state; restore it with load_latest(into) (resharded), or gather it "
                                   "whole with `nebula-ckpt export`")
         return ck.step, materialize(ck, map_location=map_location, allow_pickle=self.allow_pickle)
+
+
+def _with_pulled(pairs: list[tuple[Tier, Storage]], rec: dict[str, Any], rank: int) -> list[tuple[Tier, Storage]]:
+    """``pairs`` with the memory tier read through the copy this rank pulled into memory at the
+    recover round, when it did (its files served from memory, the tier's others from the tier:
+    :class:`~nebula_ckpt.storage.buffers.BufferStorage`)."""
+    pulled = rec.get("pulled")
+    if not pulled:
+        return pairs
+    return [(t, BufferStorage(pulled, st, f"step {rec['step']} pulled from {rec['sources'][rank]}"))
+            if not t.shared else (t, st) for t, st in pairs]

@@ -148,3 +148,20 @@ class FaultAhead:
         """Wait until every thread is done."""
         for t in self._threads:
             t.join()
+
+
+#: madvise advice that frees a private anonymous mapping's pages (they read as zeros after)
+MADV_DONTNEED = 4
+
+
+def free_pages(t: torch.Tensor, start: int, end: int) -> bool:
+    """Give back the whole pages of the bytes ``[start, end)`` of ``t`` (a CPU tensor over a private
+    anonymous mapping that nothing reads there any more): ``madvise(MADV_DONTNEED)``, the pages
+    then read as zeros. Whether it was done (False: no libc, nothing page-aligned inside)."""
+    madvise = _madvise()
+    base = t.data_ptr()
+    lo = -(-(base + start) // mmap.PAGESIZE) * mmap.PAGESIZE
+    hi = (base + min(end, t.numel() * t.element_size())) // mmap.PAGESIZE * mmap.PAGESIZE
+    if madvise is None or hi <= lo:
+        return False
+    return bool(madvise(lo, hi - lo, MADV_DONTNEED) == 0)

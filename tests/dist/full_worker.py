@@ -15,9 +15,9 @@ its own ``NEBULA_SHM_DIR`` (``SHM_BASE/n<i>``; the test mounts a small tmpfs the
   copy's pages before any byte lands is there for). Each rank reports, per step, what its handle said and (B) what its
   memory tier holds, then ends like a crash (``os._exit``: nothing closed, the tiers stay).
 * ``restore``: a fresh state, ``load_latest`` into it; report the step, its digest, ``last_restore``,
-  the library's warnings and (B) what its memory tier holds after. With ``restore fill KEEP``, B
-  fills its tmpfs once its Checkpointer is open, leaving KEEP bytes free (less than the copy it
-  pulls: its allocation runs out of room part way).
+  the library's warnings and (B) what its memory tier holds after ``close()``. With ``restore fill
+  KEEP``, B fills its tmpfs once its Checkpointer is open, leaving KEEP bytes free (less than the
+  copy it pulls: its memory tier's copy runs out of room part way).
 """
 
 from __future__ import annotations
@@ -150,8 +150,11 @@ def restore() -> None:
         if RANK == 1 and len(sys.argv) > 6 and sys.argv[5] == "fill":
             filled = _fill(int(sys.argv[6]))
         step = ck.load_latest(st)
-        _report({"step": step, "digest": _digest(st), "last_restore": ck.last_restore,
-                 "warnings": warnings.messages, "filled": filled, "holds": _holds() if RANK == 1 else None})
+        last = ck.last_restore
+    stats = ck.stats()  # after close()
+    # after close(): a copy pulled into memory at the restore is kept in the memory tier by then
+    _report({"step": step, "digest": _digest(st), "last_restore": last, "stats": stats,
+             "warnings": warnings.messages, "filled": filled, "holds": _holds() if RANK == 1 else None})
 
 
 if __name__ == "__main__":

@@ -125,12 +125,14 @@ def test_node_a_lost_after_a_refused_replica_restores_the_newest_step_every_rank
     _check_exact(saved, got, 1)
 
 
-def test_a_pull_that_runs_out_of_room_part_way_is_refused_and_the_disk_tier_used(job: Job) -> None:
-    """Node B lost; restarted, its tmpfs fills (another job) so that the copy it pulls from A
-    runs out of room part way (chunks of 128 KiB, 256 KiB free for a 512 KiB shard): the chunks
-    after the refused one go to scratch memory (no byte lands in a tmpfs hole: no SIGBUS, the
-    ranks stay in step), the copy is refused with the tmpfs's room named, nothing of it is left
-    on B, and B restores its step from the disk tier, bit-exact."""
+def test_a_pull_whose_memory_tier_copy_runs_out_of_room_part_way_still_restores_from_the_replica(job: Job) -> None:
+    """Node B lost; restarted, its tmpfs fills (another job) so that its memory tier cannot take
+    the copy it pulls from A (chunks of 128 KiB, 256 KiB free for a 512 KiB shard). The restore
+    does not need the tmpfs: the copy lands in B's memory, checked, and B restores it bit-exact.
+    Keeping it in B's memory tier (the keep round, at close() at the latest) runs out of room part
+    way: the chunks after the refused one go to scratch memory (no byte lands in a tmpfs hole: no
+    SIGBUS, the ranks stay in step), the copy is refused with the tmpfs's room named, counted, and
+    nothing of it is left on B."""
     saved = job.run("save", "1", "5")  # B's tmpfs is not filled while saving
     assert not any(s["errors"] for s in saved), [s["errors"] for s in saved]
     job.lose_b()
@@ -138,8 +140,10 @@ def test_a_pull_that_runs_out_of_room_part_way_is_refused_and_the_disk_tier_used
     _check_exact(saved, got, 1)
     a, b = got
     assert b["filled"]["free_after"] < (512 << 10) < b["filled"]["free_before"], b["filled"]
-    assert a["last_restore"]["source"] == "memory" and b["last_restore"]["source"] == "shared tier", got
+    assert a["last_restore"]["source"] == "memory" and b["last_restore"]["source"] == "replica from rank 0", got
     why = [w for w in b["warnings"] if "cannot receive its step from rank 0" in w]
     assert why and "No space left on device" in why[0] and "needs" in why[0] and "free" in why[0], b["warnings"]
+    assert any("does not keep the copy of step 1" in w for w in b["warnings"]), b["warnings"]
+    assert b["stats"]["replicas"].get("keep_failed") == 1, b["stats"]["replicas"]
     for folder, entries in b["holds"]["replicas"].items():  # nothing of the refused copy is left
         assert not any(e.startswith(".incoming") for e in entries), (folder, entries)

@@ -44,7 +44,8 @@ class Counters:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._values: dict[str, Any] = {"rounds": 0, "sent_bytes": 0, "received_bytes": 0, "failed": 0,
-                                        "pulled_bytes": 0, "last_round_s": None, "peak_incoming_bytes": 0}
+                                        "pulled_bytes": 0, "keep_failed": 0, "last_keep_s": None, "last_round_s": None,
+                                        "peak_incoming_bytes": 0}
 
     def add(self, name: str, n: int) -> None:
         """Add ``n`` to counter ``name``."""

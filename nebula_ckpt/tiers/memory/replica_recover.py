@@ -4,25 +4,39 @@ Run by the :class:`~nebula_ckpt.tiers.memory.replicas.Replicator`'s thread while
 thread waits (a collective). The ranks gather one *view* each (own steps, replicas held with
 their files, the shared tiers' steps: :mod:`~nebula_ckpt.tiers.memory.recovery` plans from them
 alike on every rank) and agree on the newest step every rank can get. Then pull rounds: each rank
-whose own copy is gone receives it from a holder over the replicas' channel into an
-``.incoming-*`` folder of its memory tier, in chunks, checking each tensor as its bytes land
+whose own copy is gone receives it from a holder over the replicas' channel into anonymous
+memory, in chunks, checking each tensor as its bytes land
 (:mod:`~nebula_ckpt.tiers.memory.replica_pull`); meanwhile every rank that has its own copy checks all
-its checksums (so a copy with flipped bytes is pulled like a lost one, in the next round). A
-pulled copy becomes visible in the memory tier only once every checksum of it passed; nothing of
-``into`` has changed at any point. One gather per round tells every rank who succeeded; a failed
-pull tries the next holder, then the shared tiers. The normal restore then opens the step
-agreed here (no second exchange of candidates), and reads a memory-tier copy checked here
-without checking its checksums a second time.
+its checksums (so a copy with flipped bytes is pulled like a lost one, in the next round). Nothing
+of ``into`` has changed at any point. One gather per round tells every rank who succeeded; a
+failed pull tries the next holder, then the shared tiers. The normal restore then opens the step
+agreed here (no second exchange of candidates): a rank's own memory-tier copy checked here without
+checking its checksums a second time, a pulled copy from the memory it landed in (over the memory
+tier's storage: :class:`~nebula_ckpt.storage.buffers.BufferStorage`), whose pages the restore
+hands out as its tensors instead of copying them.
+
+**The memory tier keeps a pulled copy** (so that the next failure is survivable too): a *keep
+round* (:func:`keep_pulled`) on the replicas' thread, niced like every round after the restore,
+pulls each such copy once more, from the same holder, into an ``.incoming-*`` folder of the rank's
+memory tier (tmpfs pages allocated before each chunk lands, an ``ENOSPC`` refuses it), checks every
+checksum and publishes it. It runs once the first training steps had the cores to themselves
+(knob ``replica_keep_after_s``, 1 s), or as soon as a save's round, another restore or ``close()`` is
+queued on any rank; a rank that saved to its memory tier meanwhile takes no copy. The pulled memory cannot serve:
+the restore's tensors are those pages, and training changes them. Not kept (warned and counted in
+``stats()["replicas"]["keep_failed"]``) when the tmpfs has no room, the holder is gone, or a save
+reached this rank's memory tier first (that save's round makes new copies).
 
 Two exchanges in all when nothing is damaged: the views (a gather of objects), then the outcome
-of the one pull round (two flags per rank, one small collective).
+of the one pull round (two flags per rank, one small collective); the keep round adds one.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
+
+import torch
 
 from nebula_ckpt.format.names import step_dir
 from nebula_ckpt.tiers.memory import recovery
@@ -41,18 +55,22 @@ def recover(rp: Replication, shared: list[Order], step: Optional[int],
     tier (a collective; see the module docstring).
 
     Returns:
-        ``{"step", "generation", "sources", "checked"}``: ``sources[r]`` says where rank ``r``'s
-        copy is (``"memory"``, ``"replica from rank H"``, ``"shared tier"``); ``step`` None when no
-        step is available to every rank; ``checked``: whether this rank's memory-tier copy had
-        every checksum checked here (its own copy, or the one it pulled).
+        ``{"step", "generation", "sources", "checked", "pulled", "keep"}``: ``sources[r]`` says
+        where rank ``r``'s copy is (``"memory"``, ``"replica from rank H"``, ``"shared tier"``);
+        ``step`` None when no step is available to every rank; ``checked``: whether this rank's
+        memory-tier copy had every checksum checked here (its own copy, or the one it pulled);
+        ``pulled``: the files of this rank's pulled copy in memory (``"step-N/name" -> uint8
+        tensor``), or None; ``keep``: what :func:`keep_pulled` needs (the same on every rank).
     """
     views = rp.channel.gather(_view(rp, shared))
     excluded: set[Order] = set()
     while True:
         target = recovery.choose_target(views, step, among, excluded)
         if target is None:
-            return {"step": None, "generation": None, "sources": [None] * rp.world, "checked": False}
-        got = _get_everywhere(rp, views, target)
+            return {"step": None, "generation": None, "sources": [None] * rp.world, "checked": False,
+                    "pulled": None, "keep": None}
+        landed: dict[str, torch.Tensor] = {}
+        got = _get_everywhere(rp, views, target, landed)
         if target in recovery.shared_orders(views):
             got.update({r: "shared tier" for r in range(rp.world) if r not in got})
         if len(got) == rp.world:
@@ -60,16 +78,20 @@ def recover(rp: Replication, shared: list[Order], step: Optional[int],
                      ", ".join(f"rank {r}: {got[r]}" for r in sorted(got)))
             # every copy in a memory tier now had every checksum checked this round: the restore
             # need not check them again
+            holders = {r: int(g.rsplit(" ", 1)[1]) for r, g in got.items() if g.startswith("replica from rank ")}
             return {"step": target[1], "generation": target[0], "sources": [got[r] for r in range(rp.world)],
-                    "checked": got[rp.rank] != "shared tier"}
+                    "checked": got[rp.rank] != "shared tier", "pulled": landed or None,
+                    "keep": (views, holders, target) if holders else None}
         log.warning("nebula_ckpt: step %d cannot be had by rank(s) %s (every holder lost or damaged); "
                     "trying an older step", target[1], [r for r in range(rp.world) if r not in got])
         excluded.add(target)
 
 
-def _get_everywhere(rp: Replication, views: list[dict[str, Any]], target: Order) -> dict[int, str]:
+def _get_everywhere(rp: Replication, views: list[dict[str, Any]], target: Order,
+                    landed: dict[str, torch.Tensor]) -> dict[int, str]:
     """Pull rounds for ``target`` until every rank has it or no holder is left; rank -> where
-    its copy is now (ranks missing: none of their holders delivered a healthy copy)."""
+    its copy is now (ranks missing: none of their holders delivered a healthy copy). This rank's
+    pulled copy, in memory, goes into ``landed``."""
     got: dict[int, str] = {r: "memory" for r, v in enumerate(views) if target in {tuple(o) for o in v["own"]}}
     unchecked = set(got)  # own copies whose checksums are checked during the first round
     attempts = {r: 0 for r in range(rp.world) if r not in got}
@@ -77,7 +99,7 @@ def _get_everywhere(rp: Replication, views: list[dict[str, Any]], target: Order)
         assign = recovery.assignments(views, target, attempts)
         if not assign and not unchecked:
             return got
-        outcome = _pull_round(rp, views, assign, target, rp.rank in unchecked)
+        outcome = _pull_round(rp, views, assign, target, rp.rank in unchecked, landed)
         for r, h in assign.items():
             attempts[r] += 1
             if outcome[r][0]:
@@ -124,11 +146,32 @@ def own_ok(rp: Replication, target: Order, verify: str = "size") -> bool:
         return False
 
 
+def keep_pulled(rp: Replication, keep: Any, saved: bool,
+                may_publish: Callable[[int, Callable[[], None]], bool]) -> None:
+    """The keep round (see the module docstring; a collective: every rank calls it after a
+    recover that answered ``keep``): each rank that pulled its copy into memory, and has not
+    saved to its memory tier since (``saved``), pulls it again, from the same holder, into its
+    memory tier. ``may_publish(step, publish)`` runs ``publish`` when the copy may still become
+    the tier's step (no save reached the tier meanwhile), and says whether it did."""
+    views, holders, target = keep
+    wanted = rp.channel.gather_flags((rp.rank in holders and not saved,))
+    holders = {r: h for r, h in holders.items() if wanted[r][0]}
+    if not holders:
+        return
+    outcome = _pull_round(rp, views, holders, target, False, None, may_publish)
+    if rp.rank in holders and not outcome[rp.rank][0]:
+        rp.counters.add("keep_failed", 1)
+        log.warning("nebula_ckpt: rank %d: its memory tier does not keep the copy of step %d it restored from "
+                    "rank %d (see the warning above); the next save's replicas make new copies", rp.rank,
+                    target[1], holders[rp.rank])
+
+
 def _pull_round(rp: Replication, views: list[dict[str, Any]], assign: dict[int, int], target: Order,
-                check_own: bool) -> list[tuple[bool, bool]]:
-    """Each requester ``r`` receives its ``target`` from holder ``assign[r]`` while this rank
-    checks every checksum of its own copy when ``check_own``; ``(pulled, own copy damaged)``
-    of every rank."""
+                check_own: bool, landed: Optional[dict[str, torch.Tensor]],
+                may_publish: Optional[Callable[[int, Callable[[], None]], bool]] = None) -> list[tuple[bool, bool]]:
+    """Each requester ``r`` receives its ``target`` from holder ``assign[r]`` (into memory, then
+    into ``landed``, when that is given; else into the memory tier) while this rank checks every
+    checksum of its own copy when ``check_own``; ``(pulled, own copy damaged)`` of every rank."""
     ch, step = rp.channel, target[1]
     works: Works = []
     for r, h in assign.items():
@@ -139,31 +182,51 @@ def _pull_round(rp: Replication, views: list[dict[str, Any]], assign: dict[int, 
     pull, files = None, []
     if rp.rank in assign and rp.store is not None:
         files = views[assign[rp.rank]]["files"][rp.rank][step]
-        pull = receive_pull(ch, rp.store, step, files, assign[rp.rank])
+        pull = receive_pull(ch, rp.store, step, files, assign[rp.rank], into_memory=landed is not None)
     damaged = check_own and not own_ok(rp, target, "full")  # while the bytes move
-    ok = pull is not None and _keep_pulled(rp, pull, target, assign[rp.rank])
+    ok = pull is not None and _keep_pulled(rp, pull, target, assign[rp.rank], landed, may_publish)
     ch.wait(works)
     if ok:
         rp.counters.add("pulled_bytes", sum(n for _, n in files))
     return [(a, b) for a, b in ch.gather_flags((ok, damaged))]
 
 
-def _keep_pulled(rp: Replication, pull: Pull, target: Order, holder: int) -> bool:
-    """Check the copy ``pull`` brings (every checksum, as its bytes land) and make it this
-    rank's memory-tier step; whether it was. A copy refused or damaged is dropped."""
+def _keep_pulled(rp: Replication, pull: Pull, target: Order, holder: int,
+                 landed: Optional[dict[str, torch.Tensor]],
+                 may_publish: Optional[Callable[[int, Callable[[], None]], bool]]) -> bool:
+    """Check the copy ``pull`` brings (every checksum, as its bytes land) and hand its files to
+    ``landed`` (in memory) or make it this rank's memory-tier step (through ``may_publish``,
+    when given); whether it was. A copy refused or damaged is dropped."""
     assert rp.store is not None and rp.folder is not None
+    folder, store = rp.folder, rp.store
     try:
         why = land_and_check(pull, target[1], rp.rank, rp.world, target[0])
+        if why is None and landed is not None:
+            landed.update(pull.hand_over(target[1]))
+            return True
     finally:
         pull.close()
     if why is None:
         try:
-            rp.store.publish(pull.inc, target[1], rp.folder)
+            def publish() -> None:
+                store.publish(pull.inc, target[1], folder)
+            if may_publish is None:
+                publish()
+                return True
+            if may_publish(target[1], publish):
+                return True
+            log.info("nebula_ckpt: rank %d: the copy of step %d is not kept in its memory tier: a save reached "
+                     "the tier first", rp.rank, target[1])
+            rp.store.discard(pull.inc)
             return True
         except Exception as e:
             why = f"{type(e).__name__}: {e}"
     if os.path.isabs(pull.inc):
         rp.store.discard(pull.inc)
-    log.warning("nebula_ckpt: rank %d: the copy of step %d from rank %d cannot be kept (%s); trying "
-                "the next source", rp.rank, target[1], holder, why)
+    if may_publish is not None:
+        log.warning("nebula_ckpt: rank %d: the copy of step %d from rank %d is not kept in its memory tier "
+                    "(%s)", rp.rank, target[1], holder, why)
+    else:
+        log.warning("nebula_ckpt: rank %d: the copy of step %d from rank %d cannot be kept (%s); trying "
+                    "the next source", rp.rank, target[1], holder, why)
     return False

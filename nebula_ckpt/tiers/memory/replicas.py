@@ -18,8 +18,9 @@ the same order on every rank:
 * a **recover round** at restore (the training thread hands it over and waits:
   :mod:`~nebula_ckpt.tiers.memory.replica_recover`): the ranks agree on the newest step every rank
   can get (:mod:`~nebula_ckpt.tiers.memory.recovery`) and each rank whose own copy of it is gone or
-  damaged pulls it from a holder into its own memory tier, verified before it becomes visible.
-  The normal restore then finds the step there.
+  damaged pulls it from a holder into memory, verified before the restore reads it; then, once the
+  training thread has the step, a *keep round* (niced) pulls those copies again into the ranks'
+  memory tiers, verified before they become visible.
 
 A rank that dies makes the channel's collectives fail or time out (``knobs.replica_timeout_s``):
 the round's replicas fail on the other ranks, and every later round fails at once (the job
@@ -42,7 +43,7 @@ from nebula_ckpt import knobs
 from nebula_ckpt.errors import PersistError, ValidationError
 from nebula_ckpt.ranks.partners import choose_partners, node_id, pack_node_id, sources_of, unpack_node_id
 from nebula_ckpt.tiers.memory.replica_channel import Channel, Replication
-from nebula_ckpt.tiers.memory.replica_recover import recover
+from nebula_ckpt.tiers.memory.replica_recover import keep_pulled, recover
 from nebula_ckpt.tiers.memory.replica_save import replicate
 from nebula_ckpt.tiers.memory.replica_store import ReplicaStore
 from nebula_ckpt.tiers.memory.tier import MemoryTier
@@ -110,6 +111,8 @@ class Replicator:
         self._tasks: collections.deque[tuple[str, Any]] = collections.deque()
         self._cond = threading.Condition()
         self._broken: Optional[BaseException] = None
+        #: the keep round waiting after a recover that pulled copies into memory, and when it is due
+        self._keep: Optional[tuple[Any, float]] = None
         self._thread = threading.Thread(target=self._run, name="nebula-replicas", daemon=True)
         self._thread.start()
         log.info("nebula_ckpt: rank %d on node %s: memory-tier replicas on rank(s) %s; holding rank(s) %s",
@@ -178,9 +181,19 @@ class Replicator:
     # -- the thread ---------------------------------------------------------------------------
     def _run(self) -> None:
         while True:
+            keep: Optional[tuple[Any, float]] = None
             with self._cond:
-                self._cond.wait_for(lambda: bool(self._tasks) and self._task_ready(self._tasks[0]))
-                kind, arg = self._tasks.popleft()
+                self._cond.wait_for(lambda: (bool(self._tasks) and self._task_ready(self._tasks[0]))
+                                    or self._keep_due(), timeout=self._keep_wait())
+                if self._keep_due():
+                    keep, self._keep = self._keep, None
+                elif not (self._tasks and self._task_ready(self._tasks[0])):
+                    continue  # woken for a keep round not due yet
+                else:
+                    kind, arg = self._tasks.popleft()
+            if keep is not None:
+                self._keep_task(keep[0])
+                continue
             if kind == "end":
                 return
             if kind == "save":
@@ -192,11 +205,57 @@ class Replicator:
 
     def _recover_task(self, shared: list[tuple[int, int]], step: Optional[int], among: Optional[Sequence[int]],
                       box: dict[str, Any], done: threading.Event) -> None:
+        keep = None
         try:
-            box["result"] = self._guarded(lambda: recover(self._rp, shared, step, self._among_all(among)))
+            result = self._guarded(lambda: recover(self._rp, shared, step, self._among_all(among)))
+            keep = result.pop("keep", None)
+            box["result"] = result
         except BaseException as e:
             box["error"] = e
+        if keep is not None:  # the same on every rank: the keep round is a collective, due later
+            with self._cond:
+                self._keep = (keep, time.monotonic() + float(knobs.get("replica_keep_after_s")))
         done.set()
+
+    def _keep_due(self) -> bool:
+        """Whether the keep round waiting (if any) runs now: its time came, or a task is queued
+        (a save's round, a restore, close(): the keep round goes first, in every rank's order)."""
+        return self._keep is not None and (bool(self._tasks) or time.monotonic() >= self._keep[1])
+
+    def _keep_wait(self) -> Optional[float]:
+        """How long the thread may sleep before the keep round waiting is due (None: no keep round)."""
+        return None if self._keep is None else max(0.0, self._keep[1] - time.monotonic())
+
+    def _keep_task(self, keep: Any) -> None:
+        """The keep round after a recover that pulled copies into memory (niced, like every round
+        after the restore; see :func:`~nebula_ckpt.tiers.memory.replica_recover.keep_pulled`)."""
+        self._rp.channel.yield_to_training()
+        t0 = time.monotonic()
+        try:
+            self._guarded(lambda: keep_pulled(self._rp, keep, self._saved_since(), self._may_publish))
+            self._rp.counters.set("last_keep_s", time.monotonic() - t0)
+        except BaseException as e:
+            self._rp.counters.add("keep_failed", 1)
+            log.error("nebula_ckpt: rank %d: keeping the copies pulled at restore in the memory tiers failed: %s",
+                      self.rank, self._why(e))
+
+    def _saved_since(self) -> bool:
+        """Whether a save was handed to this rank's memory tier since the restore (its round
+        makes new copies: a copy pulled at the restore is not kept then)."""
+        with self._cond:
+            return any(s.handle is not None for s in self._saves.values())
+
+    def _may_publish(self, step: int, publish: Callable[[], None]) -> bool:
+        """Run ``publish`` (a pulled copy of ``step`` becomes the memory tier's) unless a save was
+        handed to this rank's memory tier since the restore: that save's step is newer in the
+        training's order (or the same step saved again, whose write owns the tier's folder of it),
+        its write may build on what the tier holds now, and its replicas make new copies. Under
+        the lock :meth:`attach` takes, so no such save can start meanwhile."""
+        with self._cond:
+            if any(s.handle is not None for s in self._saves.values()):
+                return False
+            publish()
+            return True
 
     def _among_all(self, among: Optional[Sequence[int]]) -> Optional[list[int]]:
         """The steps any rank sees with the tag asked for (a collective when there is a tag; every
