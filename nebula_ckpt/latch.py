@@ -1,4 +1,4 @@
-"""Waits that a Ctrl-C can interrupt anywhere without leaving a lock held: :class:`Latch` and :func:`poll_until`.
+"""Waits that a Ctrl-C can interrupt anywhere without leaving a lock held: :class:`Latch` and :class:`Wakeup`.
 
 CPython raises ``KeyboardInterrupt`` (or whatever a signal handler raises) in the main thread at
 any point where it runs signal handlers, which includes the moment right after a lock's
@@ -8,17 +8,18 @@ Ctrl-C in ``Checkpointer.wait()`` could leave a save's event locked, the tier wr
 the save blocked in ``set()`` forever, and the exit hook's ``close()`` hung behind it.
 
 The waits the training thread does here take no lock shared with another thread: a
-:class:`Latch` waiter blocks on a private lock of its own that :meth:`Latch.set` releases, and
-:func:`poll_until` only reads. An interrupted wait leaves at most a stale private lock behind
-(released by ``set()`` later, harmless); an interrupted ``set()`` delays the waiters it had not
-woken yet by one :data:`SLICE_S` (every waiter re-checks the flag that often).
+:class:`Latch` waiter blocks on a private lock of its own that :meth:`Latch.set` releases. An
+interrupted wait leaves at most a stale private lock behind (released by ``set()`` later,
+harmless); an interrupted ``set()`` delays the waiters it had not woken yet by one :data:`SLICE_S`
+(every waiter re-checks the flag that often). A worker thread that sleeps until there is work
+sleeps on a :class:`Wakeup`, which the training thread may ring: a ring is one C call.
 """
 
 from __future__ import annotations
 
 import threading
-from time import monotonic, sleep
-from typing import Callable, Optional
+from time import monotonic
+from typing import Optional
 
 #: the longest a waiter blocks before it checks the flag again (bounds what an interrupted set() costs)
 SLICE_S = 0.05
@@ -30,8 +31,8 @@ class Latch:
 
     __slots__ = ("_flag", "_waiters")
 
-    def __init__(self) -> None:
-        self._flag = False
+    def __init__(self, flag: bool = False) -> None:
+        self._flag = flag
         self._waiters: list[threading.Lock] = []
 
     def is_set(self) -> bool:
@@ -80,15 +81,28 @@ class Latch:
                 pass
 
 
-def poll_until(ready: Callable[[], bool], timeout: Optional[float] = None) -> bool:
-    """Wait until ``ready()`` (which must only read state, taking no lock) is true, checking it at
-    growing intervals up to 10 ms; False when ``timeout`` seconds passed first."""
-    deadline = None if timeout is None else monotonic() + timeout
-    pause = 0.0005
-    while not ready():
-        left = pause if deadline is None else min(pause, deadline - monotonic())
-        if left <= 0:
-            return False
-        sleep(left)
-        pause = min(pause * 2, 0.01)
-    return True
+class Wakeup:
+    """A wake-up call for one thread that sleeps until there is work: :meth:`ring` (any thread) wakes
+    its current or next :meth:`sleep`; rings while it is awake count as one.
+
+    A binary semaphore on one lock, held while no ring is pending: ``ring()`` releases it (one C
+    call, so a Ctrl-C lands before it, no ring, or after it, rung: never half way, and never with
+    a lock left held), ``sleep()`` takes it, with no timeout: an idle sleeper never wakes for nothing.
+    """
+
+    __slots__ = ("_lock",)
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._lock.acquire()
+
+    def ring(self) -> None:
+        """Wake the sleeper (now, or when it next sleeps)."""
+        try:
+            self._lock.release()
+        except RuntimeError:  # not held: a ring is pending already
+            pass
+
+    def sleep(self) -> None:
+        """Block until rung (at once when a ring is pending); only the sleeping thread calls it."""
+        self._lock.acquire()

@@ -27,15 +27,19 @@ compares the staged bytes' CRC32C with the source's after the copy.
 
 Interpreter exit: the native copy threads are joined by an ``atexit`` handler (after pending
 copies finished), and a daemon thread still inside a native call when Python finalizes is parked
-there instead of being torn down (see ``csrc/bindings.cpp``).
+there instead of being torn down (see ``csrc/bindings.cpp``). The pure-PyTorch path copies on one
+daemon worker thread that the same handler waits for, so no copy is cut half way either; a Ctrl-C
+anywhere in ``enqueue_copy`` or a job's ``wait`` leaves nothing locked (:class:`_CopyWorker`).
 """
 
 from __future__ import annotations
 
+import _thread
 import atexit
 import errno
 import logging
 import os
+import queue
 import threading
 import time
 from typing import Any, Optional, Protocol, Sequence
@@ -43,6 +47,7 @@ from typing import Any, Optional, Protocol, Sequence
 import torch
 
 from nebula_ckpt import knobs
+from nebula_ckpt.latch import Latch
 
 log = logging.getLogger(__name__)
 
@@ -74,54 +79,60 @@ def byte_view(t: torch.Tensor) -> torch.Tensor:
 
 
 class _FallbackJob:
-    """Copy job of the pure-PyTorch path: one Python thread copying tensor by tensor.
+    """Copy job of the pure-PyTorch path, run by the copy worker (:class:`_CopyWorker`) tensor by tensor.
 
-    ``copy_`` and ``crc32c`` release the GIL, so the training thread keeps running. The thread is
-    not a daemon: interpreter exit waits for the copy instead of tearing the thread down inside
-    ``copy_`` (which aborts the process).
+    ``copy_`` and ``crc32c`` release the GIL, so the training thread keeps running. Its completion
+    is a :class:`~nebula_ckpt.latch.Latch`: a Ctrl-C inside :meth:`wait` leaves no lock held.
     """
 
     def __init__(self, srcs: Sequence[torch.Tensor], dst: torch.Tensor, offsets: Sequence[int],
                  checksum: bool = True) -> None:
         self._checksum = checksum
         self._srcs = list(srcs)
-        self._dst = dst
+        self._dst: Optional[torch.Tensor] = dst
         self._offsets = list(offsets)
         self._versions = [s._version for s in self._srcs]
         self._modified: list[int] = []
         self._checksums: list[int] = []
         self._error: Optional[BaseException] = None
-        self._done = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="nebula-copy", daemon=False)
-        self._thread.start()
+        self._done = Latch()
 
-    def _run(self) -> None:
-        import crc32c as _crc
+    def run(self) -> None:
+        """Copy (on the worker thread); every error is kept for :meth:`wait`, the latch always set.
 
+        The buffers are let go before the latch is set: a caller that drops them once ``wait()``
+        returned frees them at once."""
         try:
-            with torch.no_grad():
-                for i, (src, off) in enumerate(zip(self._srcs, self._offsets, strict=True)):
-                    n = src.numel() * src.element_size()
-                    crc, torn = 0, False
-                    if n and not self._checksum:
-                        self._dst[off:off + n].copy_(byte_view(src))
-                    elif n:
-                        staged = self._dst[off:off + n]
-                        staged.copy_(byte_view(src))
-                        # The checksum is that of the staged bytes; a source whose bytes differ
-                        # from them after the copy was written meanwhile (a device source is
-                        # left to its version counter: re-reading it would cost a transfer).
-                        crc = _crc.crc32c(staged.numpy().data)
-                        if src.device.type == "cpu":
-                            torn = _crc.crc32c(byte_view(src).numpy().data) != crc
-                    self._checksums.append(int(crc))
-                    if torn or src._version != self._versions[i]:
-                        self._modified.append(i)
+            self._copy()
         except BaseException as e:  # re-raised from wait()
             self._error = e
         finally:
-            self._srcs = []
+            self._srcs, self._dst = [], None
             self._done.set()
+
+    def _copy(self) -> None:
+        import crc32c as _crc
+
+        dst = self._dst
+        assert dst is not None, "a copy job runs once"
+        with torch.no_grad():
+            for i, (src, off) in enumerate(zip(self._srcs, self._offsets, strict=True)):
+                n = src.numel() * src.element_size()
+                crc, torn = 0, False
+                if n and not self._checksum:
+                    dst[off:off + n].copy_(byte_view(src))
+                elif n:
+                    staged = dst[off:off + n]
+                    staged.copy_(byte_view(src))
+                    # The checksum is that of the staged bytes; a source whose bytes differ
+                    # from them after the copy was written meanwhile (a device source is
+                    # left to its version counter: re-reading it would cost a transfer).
+                    crc = _crc.crc32c(staged.numpy().data)
+                    if src.device.type == "cpu":
+                        torn = _crc.crc32c(byte_view(src).numpy().data) != crc
+                self._checksums.append(int(crc))
+                if torn or src._version != self._versions[i]:
+                    self._modified.append(i)
 
     def wait(self) -> None:
         self._done.wait()
@@ -137,6 +148,72 @@ class _FallbackJob:
     def checksums(self) -> list[int]:
         self.wait()
         return list(self._checksums) if self._checksum else []
+
+
+class _CopyWorker:
+    """The one thread that runs the pure-PyTorch path's copy jobs, in the order they came.
+
+    A job is queued (one C call) before a worker is made sure of; the thread that copies holds
+    ``_role`` for its life, so at most one thread ever copies, and one that finds it held ends.
+
+    A Ctrl-C can land anywhere on the caller's side. ``threading.Thread.start()`` waits for the
+    new thread on an ``Event``, where a Ctrl-C can leave the stdlib's lock held (the thread then
+    blocks for good before it runs, and a non-daemon one hangs the exit) or turn into a
+    ``RuntimeError``; so the worker is started by ``_thread.start_new_thread``, one C call that
+    waits for nothing: a Ctrl-C lands before it (no thread; the next job starts one) or after it
+    (the thread runs). Such a thread is not joined at exit, like a daemon; interpreter exit still
+    never tears a copy down half way (that aborts the process): :meth:`drain` runs from an
+    ``atexit`` hook and waits for every job queued so far.
+    """
+
+    def __init__(self) -> None:
+        self._reset()
+        os.register_at_fork(after_in_child=self._reset)
+
+    def _reset(self) -> None:
+        """Fresh state (also in a fork's child: the parent's worker and locks do not exist there)."""
+        self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._role = threading.Lock()  # held by the thread that copies, for its life
+        self._asked = False  # a worker was asked for (drain has something to wait for)
+
+    def submit(self, job: Any) -> None:
+        """Queue ``job`` (anything with ``run()``) and make sure a worker runs."""
+        self._queue.put(job)
+        if not self._role.locked():  # none yet, or one started that has not taken the role yet
+            self._asked = True
+            _thread.start_new_thread(self._work, ())
+
+    def _work(self) -> None:
+        if not self._role.acquire(blocking=False):
+            return  # another thread copies
+        while True:
+            job = self._queue.get()
+            try:
+                job.run()
+            except BaseException:  # a job keeps its own errors: this is a bug, the worker goes on
+                log.exception("nebula_ckpt: copy job %r failed outside its own handling", job)
+            del job  # an idle worker keeps no job (nor its buffer) alive
+
+    def drain(self) -> None:
+        """Block until every job queued so far has finished (no-op when none ever was)."""
+        if not self._asked:
+            return
+        barrier = _Barrier()
+        self.submit(barrier)
+        barrier.done.wait()
+
+
+class _Barrier:
+    """A queued no-op: once it ran, the jobs queued before it have finished (one worker, in order)."""
+
+    def __init__(self) -> None:
+        self.done = Latch()
+
+    def run(self) -> None:
+        self.done.set()
+
+
+_copies = _CopyWorker()
 
 
 class FallbackOps:
@@ -159,7 +236,9 @@ class FallbackOps:
 
         ``checksum=False``: plain copies; ``checksums()`` is empty (hash the buffer afterwards).
         """
-        return _FallbackJob(srcs, dst, offsets, checksum)
+        job = _FallbackJob(srcs, dst, offsets, checksum)
+        _copies.submit(job)
+        return job
 
     def crc32c(self, buf: torch.Tensor, offsets: Sequence[int], lengths: Sequence[int]) -> list[int]:
         """CRC32C of each ``buf[offset:offset+length]``."""
@@ -317,11 +396,13 @@ def _load_native() -> FallbackOps:
 
 
 def _close_native() -> None:
-    """``atexit``: join the native copy threads before the interpreter finalizes.
+    """``atexit``: finish the queued copies (both paths) and join the native copy threads before
+    the interpreter finalizes.
 
     Registered when this module is imported, i.e. before ``nebula_ckpt.close_all``, so it runs
     after it (``atexit`` is last-in, first-out): saves being closed still have their engine.
     """
+    _copies.drain()  # the pure-PyTorch path's copies (tests compare both paths in one process)
     with _lock:
         ops = _native
     if isinstance(ops, NativeOps):

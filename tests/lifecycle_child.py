@@ -44,9 +44,9 @@ class _Interrupter:
     handler (a function's start, right after a call returns, a loop's jump back) inside the library or
     ``threading``: the points a Ctrl-C can land on, visited one by one (a real signal hits one at random)."""
 
-    def __init__(self, n: int) -> None:
+    def __init__(self, n: int, files: tuple[str, ...] = ("nebula_ckpt", "threading.py")) -> None:
         import dis
-        self._dis, self.n, self.seen, self._points = dis, n, 0, {}
+        self._dis, self.n, self.seen, self._points, self._files = dis, n, 0, {}, files
 
     def _points_of(self, code: object) -> frozenset:
         pts = self._points.get(code)
@@ -59,7 +59,7 @@ class _Interrupter:
 
     def __call__(self, frame, event, arg):  # noqa: ANN001, ANN204 (sys.settrace's signature)
         f = frame.f_code.co_filename
-        if event == "call" and ("nebula_ckpt" in f or f.endswith("threading.py")):
+        if event == "call" and any(part in f for part in self._files):
             frame.f_trace_opcodes = True
             return self._local
         return None
@@ -94,6 +94,36 @@ def _interrupt_everywhere(ck: object) -> None:
                 n += 1
                 continue
             print(f"INTERRUPTED {what} at {n - 1} points", flush=True)
+            break
+
+
+def _interrupt_read(root: str, fresh_worker: bool) -> None:
+    """Ctrl-C at every point of ``read()`` of a disk-tier step where it runs code of ``threading`` or of
+    the copy path (:mod:`nebula_ckpt.native`, :mod:`nebula_ckpt.latch`), one point per read; after each
+    the next read must work and return the step's bytes. ``fresh_worker`` (the pure-PyTorch path): each
+    read finds no copy worker started yet, as the first copy of a process does, so the points inside
+    starting it (``Thread.start()`` and its wait for the thread) are visited too."""
+    import torch
+
+    import nebula_ckpt as nc
+    from nebula_ckpt import native
+    with nc.Checkpointer(root, memory_tier=False, read_only=True) as rd:
+        n = 1
+        while True:
+            if fresh_worker:
+                native._copies = native._CopyWorker()
+            trap = _Interrupter(n, ("threading.py", "nebula_ckpt/native.py", "nebula_ckpt/latch.py"))
+            sys.settrace(trap)
+            try:
+                got = rd.read(1)[1]
+                sys.settrace(None)
+            except KeyboardInterrupt:
+                sys.settrace(None)
+                n += 1
+                continue
+            want = state(1)
+            assert torch.equal(got["w"], want["w"]) and torch.equal(got["i"], want["i"]), "step 1 read wrong"
+            print(f"INTERRUPTED read{' fresh' if fresh_worker else ''} at {n - 1} points", flush=True)
             break
 
 
@@ -243,6 +273,12 @@ def main() -> None:  # noqa: C901 (one branch per mode, read top to bottom)
     if mode == "interrupt_everywhere":
         faulthandler.dump_traceback_later(90, exit=True)  # a hang shows where, then the child ends
         _interrupt_everywhere(ck)
+        return
+    if mode == "interrupt_read":
+        faulthandler.dump_traceback_later(30, exit=True)  # a hang shows where, then the child ends
+        from nebula_ckpt.native import describe
+        for fresh in (True, False) if describe()["path"] == "pure-pytorch" else (False,):
+            _interrupt_read(root, fresh)
         return
     if mode == "daemon_thread":
         def loop() -> None:

@@ -14,6 +14,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 
 import pytest
 import torch
@@ -21,12 +22,13 @@ import torch
 import nebula_ckpt as nc
 from lifecycle_child import state
 from nebula_ckpt.cli import main as cli_main
+from nebula_ckpt.native import native_available
 
 CHILD = os.path.join(os.path.dirname(__file__), "lifecycle_child.py")
 
 
-def _run(root: str, shm_dir: str, mode: str) -> subprocess.CompletedProcess[str]:
-    env = dict(os.environ, NEBULA_SHM_DIR=shm_dir,
+def _run(root: str, shm_dir: str, mode: str, **env_extra: str) -> subprocess.CompletedProcess[str]:
+    env = dict(os.environ, NEBULA_SHM_DIR=shm_dir, **env_extra,
                PYTHONPATH=os.pathsep.join([os.path.dirname(os.path.dirname(CHILD)), os.environ.get("PYTHONPATH", "")]))
     return subprocess.run([sys.executable, CHILD, root, mode], capture_output=True, text=True, timeout=60, env=env)
 
@@ -95,12 +97,20 @@ def test_ctrl_c_with_saves_pending(root: str, shm_dir: str, mode: str) -> None:
     assert steps[-1] == last, (steps, last, r.stderr)
 
 
-def test_ctrl_c_at_every_point_of_a_wait_leaves_nothing_held(root: str, shm_dir: str) -> None:
+def _ops_env(ops: str) -> dict[str, str]:
+    """The child's environment for the copy path ``ops`` (``native`` skips without the extension)."""
+    if ops == "native" and not native_available():
+        pytest.skip("C++ extension not built")
+    return {"NEBULA_DISABLE_NATIVE": "1" if ops == "fallback" else "0"}
+
+
+@pytest.mark.parametrize("ops", ["native", "fallback"])
+def test_ctrl_c_at_every_point_of_a_wait_leaves_nothing_held(root: str, shm_dir: str, ops: str) -> None:
     """A KeyboardInterrupt at each point where CPython can deliver one inside ``Checkpointer.wait()`` and
     ``SaveHandle.result()`` (one point per save, saves pending): every next save and wait works, and the
     exit hook writes them all. (A Ctrl-C right after ``Condition.__enter__`` took an ``Event``'s lock left
     it held: the tier writer finishing the save blocked in ``set()``, and so did every later wait.)"""
-    r = _run(root, shm_dir, "interrupt_everywhere")
+    r = _run(root, shm_dir, "interrupt_everywhere", **_ops_env(ops))
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr
     points = {line.split()[1]: int(line.split()[3]) for line in r.stdout.splitlines() if line.startswith("INTERRUPTED")}
     assert points.keys() == {"wait", "result"} and min(points.values()) >= 5, r.stdout[-2000:]
@@ -114,6 +124,23 @@ def test_ctrl_c_at_every_point_of_a_wait_leaves_nothing_held(root: str, shm_dir:
                 _assert_state(got, s)
             else:
                 assert torch.equal(got["w"], torch.full((1000,), float(s))) and got["meta"] == {"step": s}
+
+
+@pytest.mark.parametrize("ops", ["native", "fallback"])
+def test_ctrl_c_at_every_point_of_a_read_leaves_the_copy_path_usable(root: str, shm_dir: str, ops: str) -> None:
+    """A KeyboardInterrupt at each point of ``read()`` of a disk-tier step where it runs the copy path's code
+    or ``threading``'s (one point per read): every next read returns the step's bytes, and the program
+    exits. On the pure-PyTorch path each point is tried once more with no copy worker started yet. (A
+    thread started per copy job hung the exit: a Ctrl-C inside ``Thread.start()``'s wait for the thread
+    left its ``_started`` event locked, the thread blocked before it ran, and the exit joined it.)"""
+    r = _run(root, shm_dir, "interrupt_read", **_ops_env(ops))
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    points = {" ".join(line.split()[1:-3]): int(line.split()[-2]) for line in r.stdout.splitlines()
+              if line.startswith("INTERRUPTED")}
+    want = {"read", "read fresh"} if ops == "fallback" else {"read"}
+    assert points.keys() == want and min(points.values()) >= 10, r.stdout[-2000:]
+    if ops == "fallback":  # the fresh worker's start is one point more
+        assert points["read fresh"] > points["read"], points
 
 
 def test_close_from_a_signal_handler_inside_every_method(root: str, shm_dir: str) -> None:
@@ -195,6 +222,33 @@ def test_close_from_another_thread_while_saving(root: str) -> None:
     with pytest.raises(nc.NebulaError, match="closed"):
         ck.save_async(4, state(4))
     assert _check_root(root, must_have=range(1))[-1] == 3
+
+
+def _wakeups(native_id: int) -> int:
+    """Context switches of the thread ``native_id`` of this process so far (Linux)."""
+    with open(f"/proc/self/task/{native_id}/status") as f:
+        fields = dict(line.split(":", 1) for line in f)
+    return int(fields["voluntary_ctxt_switches"]) + int(fields["nonvoluntary_ctxt_switches"])
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="needs Linux /proc")
+def test_idle_library_threads_sleep_until_there_is_work(root: str, ops_path: str) -> None:
+    """With no save in flight the tier writers and the stager do not wake at all (a writer that re-checked
+    its queue on a timer woke 20 times a second); the next save wakes them, and wait() returns."""
+    with nc.Checkpointer(root, keep_last=100) as ck:
+        for s in range(3):
+            ck.save(s, state(s))
+        ck.wait()
+        time.sleep(0.2)  # a thread that just finished goes back to sleep
+        threads = {t.name: t.native_id for t in threading.enumerate() if t.name.startswith("nebula-")}
+        assert any("writer" in n for n in threads) and any("stager" in n for n in threads), threads
+        before = {n: _wakeups(tid) for n, tid in threads.items() if tid is not None}
+        time.sleep(0.5)
+        woke = {n: _wakeups(threads[n]) - c for n, c in before.items()}
+        assert all(w == 0 for w in woke.values()), woke
+        ck.save_async(3, state(3))
+        ck.wait()
+        assert ck.list()[-1] == 3
 
 
 def test_read_from_another_thread_while_saving(root: str) -> None:

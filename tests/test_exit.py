@@ -91,6 +91,24 @@ ABANDONED_COPIES = AT_FINALIZATION + textwrap.dedent('''
     at_finalization(lambda: time.sleep(0.2))  # finalizers that release the GIL
 ''')
 
+# The pure-PyTorch path's copy worker when the program ends: a copy of 128 MiB still running (it
+# must finish before finalization: a thread torn down inside copy_ aborts the process), or idle
+# after a copy (the exit must not wait for it).
+FALLBACK_COPY_AT_EXIT = AT_FINALIZATION + textwrap.dedent('''
+    import os, sys
+    import torch
+    from nebula_ckpt.native import fallback_ops
+
+    n, size = 32, 1 << 22
+    srcs = [torch.full((size // 4,), float(i)) for i in range(n)]
+    dst = torch.empty(n * size, dtype=torch.uint8)
+    job = fallback_ops().enqueue_copy(srcs, dst, [i * size for i in range(n)])
+    if sys.argv[1] == "idle":
+        job.wait()
+    print("IN FLIGHT" if not job.done() else "IDLE", flush=True)
+    at_finalization(lambda: os.write(1, f"AT FINALIZATION done={job.done()}\\n".encode()))
+''')
+
 SAVE_PICKLED = textwrap.dedent('''
     import sys, torch
     import nebula_ckpt as nc
@@ -137,7 +155,8 @@ SAVE_ASYNC_NO_CLOSE = textwrap.dedent('''
 ''')
 
 
-def _run(args: list[str], tmp_path, expect_rc: int = 0, **env_extra: str) -> None:  # noqa: ANN001
+def _run(args: list[str], tmp_path, expect_rc: int = 0,  # noqa: ANN001
+         **env_extra: str) -> subprocess.CompletedProcess[str]:
     """Run python with ``args`` in a fresh process; it must exit with ``expect_rc``, not abort."""
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), **env_extra)
     env.setdefault("NEBULA_SHM_DIR", str(tmp_path / "shm"))
@@ -146,6 +165,7 @@ def _run(args: list[str], tmp_path, expect_rc: int = 0, **env_extra: str) -> Non
                        cwd=str(tmp_path), env=env)
     assert "terminate called" not in r.stderr, r.stderr[-3000:]
     assert r.returncode == expect_rc, f"exit code {r.returncode}:\n{r.stderr[-3000:]}"
+    return r
 
 
 def _script(tmp_path, name: str, code: str) -> str:  # noqa: ANN001
@@ -162,6 +182,16 @@ def test_native_threads_at_finalization(tmp_path, code: str) -> None:  # noqa: A
     script = _script(tmp_path, "scenario.py", code)
     for _ in range(3):
         _run([script], tmp_path)
+
+
+@pytest.mark.parametrize("when", ["in-flight", "idle"])
+def test_pure_pytorch_copy_worker_at_exit(tmp_path, when: str) -> None:  # noqa: ANN001
+    """The exit waits for a copy the worker is running, and not for an idle worker."""
+    script = _script(tmp_path, "copy_at_exit.py", FALLBACK_COPY_AT_EXIT)
+    for _ in range(2):
+        r = _run([script, when.replace("-", "_")], tmp_path)
+        assert r.stdout.splitlines() == ["IN FLIGHT" if when == "in-flight" else "IDLE",
+                                         "AT FINALIZATION done=True"], r.stdout + r.stderr[-3000:]
 
 
 @pytest.fixture(scope="module")

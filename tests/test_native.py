@@ -270,6 +270,25 @@ def test_copies_without_checksums_are_the_same_bytes(path):
     assert len(with_sums.checksums()) == len(srcs)  # the default still checksums while copying
 
 
+@pytest.mark.parametrize("path", ["native", "fallback"])
+def test_a_finished_copy_keeps_no_buffer_alive(path):
+    """Once a copy finished and its caller dropped the job and the buffers, nothing of the copy path
+    holds them (an idle copy thread must not keep its last job, and that job's staging buffer)."""
+    import gc
+    import weakref
+
+    from nebula_ckpt.native import fallback_ops, get_ops
+
+    ops = get_ops() if path == "native" else fallback_ops()
+    src, dst = torch.randn(MiB), torch.empty(4 * MiB, dtype=torch.uint8)
+    refs = [weakref.ref(src), weakref.ref(dst)]
+    job = ops.enqueue_copy([src], dst, [0])
+    job.wait()
+    del job, src, dst
+    gc.collect()
+    assert [r() is None for r in refs] == [True, True]
+
+
 def test_modified_reports_in_place_update():
     # One thread, FIFO: the big tensor is copied first, so `small` is copied
     # (and its version re-read) well after the add_ below. We only assert when

@@ -41,7 +41,7 @@ from nebula_ckpt.format.commit import committed_steps
 from nebula_ckpt.format.manifest import Manifest
 from nebula_ckpt.format.names import COMMIT, MANIFEST, RANKS_FILE, records_name, shard_name, shard_owner, step_dir
 from nebula_ckpt.format.references import protected_steps, referrers, shard_path
-from nebula_ckpt.latch import SLICE_S, poll_until
+from nebula_ckpt.latch import Latch, Wakeup
 from nebula_ckpt.ranks import shards as ranks
 from nebula_ckpt.ranks.coordinator import Coordinator, LocalCoordinator
 from nebula_ckpt.ranks.fencing import TierFence
@@ -94,12 +94,12 @@ class TierWriter:
         self.name = runtime.name
         self._last_time: Optional[float] = None
         self._pending: Optional[Delivery] = None
-        self._busy = False
-        self._writing: Optional[int] = None  # the step being written
+        self._writing: Optional[int] = None  # the step being written (None: not busy)
         self._closing = False
         #: the training thread takes it directly (a C call a Ctrl-C cannot cut, unlike Condition.__enter__)
         self._mutex = threading.RLock()
-        self._cond = threading.Condition(self._mutex)
+        self._wake = Wakeup()  # offer() and close() ring it; the writer thread sleeps on it while idle
+        self._idle = Latch(True)  # set while nothing is pending or being written (under _mutex)
         #: held while checkpoints are deleted (retention on the writer thread, remove() on the caller's)
         self._delete_lock = threading.RLock()  # also taken by the fence's take-back (retract)
         #: steps whose commit this writer could not confirm (CommitUncertain): never deleted as
@@ -143,9 +143,10 @@ class TierWriter:
     # -- called from other threads ---------------------------------------------------------------
     def offer(self, delivery: Delivery) -> None:
         """Take a snapshot to write (the tier now owns ``delivery``); a pending older one is dropped."""
-        with self._cond:
+        with self._mutex:
             dropped, self._pending = self._pending, delivery
-            self._cond.notify_all()
+            self._idle.clear()
+        self._wake.ring()
         if dropped is not None:
             dropped.drop(self.name, f"still busy; step {delivery.snap.step} is newer")
 
@@ -155,7 +156,7 @@ class TierWriter:
         An idle tier is about to start on its pending snapshot, so that one is kept.
         """
         with self._mutex:  # the training thread (a save that needs a staging buffer)
-            if not self._busy:
+            if self._writing is None:
                 return False
             dropped, self._pending = self._pending, None
         if dropped is None:
@@ -164,8 +165,8 @@ class TierWriter:
         return True
 
     def wait_idle(self, timeout: Optional[float] = None) -> bool:
-        """Block until idle; False on timeout. Only reads, so a Ctrl-C in it leaves nothing behind."""
-        return poll_until(lambda: self._pending is None and not self._busy, timeout)
+        """Block until idle (woken as the writer goes idle); False on timeout. Ctrl-C safe (a Latch)."""
+        return self._idle.wait(timeout)
 
     def in_flight(self) -> set[int]:
         """The steps this tier is writing or holds pending (see :meth:`retract`)."""
@@ -185,23 +186,23 @@ class TierWriter:
         """Write what is pending, then stop the thread."""
         with self._mutex:
             self._closing = True
-            self._cond.notify_all()
-        self._thread.join()  # it re-checks every SLICE_S, should a Ctrl-C cut the notify short
+        self._wake.ring()  # a Ctrl-C before it leaves an idle writer asleep, until the next close() rings
+        self._thread.join()
 
     # -- the writer thread -------------------------------------------------------------------------
     def _run(self) -> None:
         while True:
-            with self._cond:
-                while not self._cond.wait_for(lambda: self._pending is not None or self._closing, SLICE_S):
-                    pass
-                if self._pending is None:
-                    return
-                self._busy = True  # first: wait_idle reads both without the lock
+            with self._mutex:
                 delivery, self._pending = self._pending, None
-                self._writing = delivery.snap.step
+                self._writing = delivery.snap.step if delivery is not None else None
+                if delivery is None:
+                    self._idle.set()  # wakes wait_idle()
+                    if self._closing:
+                        return
+            if delivery is None:
+                self._wake.sleep()  # no timeout: an idle writer does not wake until offer() or close()
+                continue
             self._write_one(delivery)
-            with self._mutex:  # (no notify: wait_idle polls)
-                self._busy, self._writing = False, None
 
     def _write_one(self, delivery: Delivery) -> None:
         snap = delivery.snap
@@ -483,7 +484,7 @@ class TierWriter:
         # a kept step's references and what a save in flight builds on stay (format.references)
         keep = protected_steps(st, (keep | self.incremental.pinned()) & set(committed)) | keep
         doomed = [s for s in committed if s not in keep]
-        with self._cond:
+        with self._mutex:
             busy_step = self._pending.snap.step if self._pending is not None else None
         candidates = [s for s in uncommitted if s != busy_step and s not in self._uncertain]
         leftovers = sweep.leftover_steps(st, candidates, self._owner)
