@@ -16,6 +16,7 @@ Usage: python attack2_worker.py SPEC_JSON OUT
 * ``frozen``: a large tensor beside the trained ones that never changes (incremental steps);
 * ``load``: ``"latest"`` (``load_latest``), a step number (``load(step)``), another string (the
   newest step with that tag: ``load(tag=...)``), or absent; ``tag``: the tag of every save;
+* ``sleep``: seconds to wait after that (training elsewhere);
 * ``save``: the steps to save after that, in order; ``wait``: wait for each handle before the next
   save (else save every iteration and wait for all at the end); ``seed``: varies the training
   (another run's steps of the same numbers hold other bytes);
@@ -155,6 +156,7 @@ def main() -> None:
         return
     st = _state()
     _restore(ck, st, rep)
+    time.sleep(float(SPEC.get("sleep", 0)))
     pending = _saves(ck, st, rep)
     if SPEC.get("end", "crash") == "crash":
         _settle(pending, rep["outcome"])

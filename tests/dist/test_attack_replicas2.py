@@ -11,7 +11,9 @@ optimizer). Each test is one scenario whose jobs check several promises in turn:
 * a replaced node that comes back with a stale memory tier (the same step number, saved by an
   earlier writer generation with other bytes), then a restart with more ranks;
 * saves every iteration (rounds queued behind them), ``close()`` with rounds in flight, and a
-  partner that dies between two saves.
+  partner that dies between two saves;
+* the copy a lost rank pulls into memory at a restore: kept by its memory tier after the first
+  steps (the job then crashes), or not at all when the job saved first; then the other node lost.
 """
 
 from __future__ import annotations
@@ -270,3 +272,49 @@ def test_node_ids_that_are_not_utf8_stay_two_nodes(a: str, b: str) -> None:
     ids = [unpack_node_id(pack_node_id(n)) for n in (a, b)]
     assert ids[0] != ids[1], ids
     assert choose_partners(ids, 1) == [[1], [0]]
+
+
+def _own_steps(job: Job, node: int) -> list[str]:
+    """The committed steps of the memory tier(s) on ``node`` (not the replicas it holds)."""
+    return sorted(p.parent.name for p in job.node(node).glob("nebula_ckpt-*/*/step-*/COMMIT"))
+
+
+def test_the_pulled_copy_is_kept_after_the_first_steps_or_not_when_a_save_came_first(tmp_path: Path) -> None:
+    """Node B lost; its rank restores step 3 from the copy it pulled into memory (its memory tier
+    is empty at that point). Training on for longer than the keep delay, then crashing: B's memory
+    tier holds step 3 (kept by the timer, before the crash), and a restart with A's copy of it gone
+    restores it from there, bit-exact. Saving step 4 at once instead: B's memory tier never gets
+    the pulled step 3 (that save owns what comes next), holds step 4, and losing node A then
+    restores step 4 on both ranks, bit-exact."""
+    job = Job(tmp_path, nodes=["a", "b"], k=1, keep=2)
+    saved = job.run(save=[1, 2, 3])
+    snap = tmp_path / "snap"
+    shutil.copytree(job.shm, snap, symlinks=True)
+    job.lose(1)
+    slow = job.run(load="latest", sleep=3 * float(knobs.get("replica_keep_after_s")))
+    for s, g in zip(saved, slow, strict=True):
+        _restored(g, s, 3)
+    assert slow[1]["last_restore"]["source"] == "replica from rank 0"
+    assert slow[1]["stats"]["replicas"]["last_keep_s"] is not None and slow[1]["stats"]["replicas"]["keep_failed"] == 0
+    assert _own_steps(job, 1) == ["step-3"]  # kept before the job crashed
+    for d in job.node(0).glob("nebula_ckpt-*/*/replicas/r1"):
+        shutil.rmtree(d)  # and A's copy of it gone: B's kept copy is rank 1's only one in RAM
+    again = job.run(load="latest")
+    for s, g in zip(saved, again, strict=True):
+        _restored(g, s, 3)
+    assert [g["last_restore"]["source"] for g in again] == ["memory", "memory"]
+
+    shutil.rmtree(job.shm)
+    shutil.copytree(snap, job.shm, symlinks=True)
+    job.lose(1)
+    fast = job.run(load="latest", save=[4], seed=3)
+    for s, g in zip(saved, fast, strict=True):
+        _restored(g, s, 3)
+        assert "replicas" in g["outcome"]["4"]["written"], g["outcome"]
+    assert _own_steps(job, 1) == ["step-4"], _own_steps(job, 1)  # the pulled step 3 never published
+    assert fast[1]["stats"]["replicas"]["keep_failed"] == 0
+    job.lose(0)
+    last = job.run(load="latest")
+    for f, g in zip(fast, last, strict=True):
+        _restored(g, f, 4)
+    assert [g["last_restore"]["source"] for g in last] == ["replica from rank 1", "memory"]
