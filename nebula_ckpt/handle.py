@@ -299,8 +299,13 @@ class SaveProgress:
     def abort(self, error: BaseException) -> None:
         """``save_async`` itself failed after the copy was enqueued (the pipeline has waited for
         the copy and taken the snapshot back): the save is over, with ``error``, and nothing of
-        it is in flight. The caller got ``error`` raised, so it counts as seen."""
+        it is in flight. The caller got ``error`` raised, so it counts as seen. A signal
+        handler's exception (``KeyboardInterrupt``, ``SystemExit``) is kept as a
+        :class:`NebulaError` that says the save was interrupted."""
         h = self._h
+        if not isinstance(error, Exception):
+            error = NebulaError(f"step {h.step}: save_async() was interrupted ({type(error).__name__}) before it "
+                                "returned: this save was not made")
         with h._lock:
             self.fail_snapshot(error)
             h._pending.clear()

@@ -15,10 +15,12 @@ from __future__ import annotations
 
 import functools
 import inspect
+import logging
 import threading
 from typing import Any, Callable, Optional, TypeVar
 
 F = TypeVar("F", bound=Callable[..., Any])
+log = logging.getLogger("nebula_ckpt")
 
 
 class Calls:
@@ -43,19 +45,40 @@ class Calls:
         return name
 
     def call(self, name: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-        """Run ``fn`` as method ``name`` of the object; then a ``close()`` deferred meanwhile."""
+        """Run ``fn`` as method ``name`` of the object; then a ``close()`` deferred meanwhile.
+
+        When ``fn`` raised (the handler's ``sys.exit()`` or ``KeyboardInterrupt`` unwinding it,
+        typically), that exception goes on as it is: a failure of the deferred close is logged."""
         me = threading.get_ident()
         outer = me not in self._inside
+        raised: Optional[BaseException] = None
         try:
             if outer:  # inside the try: an interrupt after this line still clears it below
                 self._inside[me] = name
             return fn(*args, **kwargs)
+        except BaseException as e:
+            raised = e
+            raise
         finally:
             if outer:
                 self._inside.pop(me, None)
                 close = self._deferred.pop(me, None)
                 if close is not None:
-                    close()
+                    _close_deferred(close, name, raised)
+            raised = None  # no cycle through the traceback
+
+
+def _close_deferred(close: Callable[[], None], name: str, raised: Optional[BaseException]) -> None:
+    """Run a deferred ``close``; if the interrupted call raised, a failure of the close is logged
+    instead of taking the place of that exception."""
+    if raised is None:
+        close()
+        return
+    try:
+        close()
+    except Exception as e:
+        log.error("nebula_ckpt: close() deferred behind %s(), which raised %s, failed: %s: %s", name,
+                  type(raised).__name__, type(e).__name__, e)
 
 
 def guard_methods(cls: type, calls_of: Callable[[Any], Calls], *, skip: tuple[str, ...] = ("close",)) -> None:

@@ -44,9 +44,12 @@ class _Interrupter:
     handler (a function's start, right after a call returns, a loop's jump back) inside the library or
     ``threading``: the points a Ctrl-C can land on, visited one by one (a real signal hits one at random)."""
 
-    def __init__(self, n: int, files: tuple[str, ...] = ("nebula_ckpt", "threading.py")) -> None:
+    def __init__(self, n: int, files: tuple[str, ...] = ("nebula_ckpt", "threading.py"),
+                 raises: "object | None" = None) -> None:
         import dis
         self._dis, self.n, self.seen, self._points, self._files = dis, n, 0, {}, files
+        #: ``raises``: a SIGTERM handler's ``close()`` to call there first; then ``SystemExit(0)`` is raised
+        self._close, self.message = raises, f"injected at point {n}"
 
     def _points_of(self, code: object) -> frozenset:
         pts = self._points.get(code)
@@ -68,7 +71,12 @@ class _Interrupter:
         if event == "opcode" and frame.f_lasti in self._points_of(frame.f_code):
             self.seen += 1
             if self.seen == self.n:
-                raise KeyboardInterrupt(f"injected at point {self.n}")
+                if self._close is None:
+                    raise KeyboardInterrupt(self.message)
+                sys.settrace(None)  # what the handler runs is not traced
+                frame.f_trace_opcodes = False
+                self._close()  # type: ignore[operator]
+                raise SystemExit(self.message)
         return self._local
 
 
@@ -95,6 +103,43 @@ def _interrupt_everywhere(ck: object) -> None:
                 continue
             print(f"INTERRUPTED {what} at {n - 1} points", flush=True)
             break
+
+
+def _say(line: str) -> None:
+    """Print ``line`` with one ``write`` (no buffer a signal handler printing too could find in use)."""
+    os.write(1, f"{line}\n".encode())
+
+
+def _save_until_term(ck: object) -> None:
+    """Save steps 2, 3, ... until the SIGTERM handler ends the program (it lands somewhere in this loop)."""
+    for s in range(2, 10_000):
+        st = state(s)
+        ck.save_async(s, st)  # type: ignore[attr-defined]
+        _say(f"ACCEPTED {s}")
+    raise AssertionError("SIGTERM never came")
+
+
+def _where(frame: object) -> str:
+    """Where a signal handler interrupted :func:`_save_until_term` (``frame``: the frame it interrupted):
+    ``<step> before`` its ``save_async`` call (the newest accepted save is ``step - 1``), ``<step> inside``
+    (it raised to the loop: ``step - 1`` is, and ``step`` may be written) or ``<step> after`` it returned
+    (``step`` was accepted, whether its ``ACCEPTED`` line came or not)."""
+    import dis
+    loop, f = _save_until_term.__code__, frame
+    while f is not None and f.f_code is not loop:  # type: ignore[attr-defined]
+        f = f.f_back  # type: ignore[attr-defined]
+    if f is None or "s" not in f.f_locals:  # type: ignore[attr-defined]
+        return "2 before"
+    ins = list(dis.get_instructions(loop))
+    at = next(i for i, x in enumerate(ins) if x.argval == "save_async")
+    k = next(i for i in range(at, len(ins)) if ins[i].opname == "CALL")
+    call, after = ins[k].offset, ins[k + 1].offset  # the call, and the instruction after it and its caches
+    s, last = f.f_locals["s"], f.f_lasti  # type: ignore[attr-defined]
+    if last < call:
+        return f"{s} before"
+    # the loop's last instruction is the CALL (or one of its caches) while inside it, and also when the
+    # handler runs in the loop itself right after the call returned
+    return f"{s} {'inside' if last < after and f is not frame else 'after'}"
 
 
 def _interrupt_read(root: str, fresh_worker: bool) -> None:
@@ -125,6 +170,60 @@ def _interrupt_read(root: str, fresh_worker: bool) -> None:
             assert torch.equal(got["w"], want["w"]) and torch.equal(got["i"], want["i"]), "step 1 read wrong"
             print(f"INTERRUPTED read{' fresh' if fresh_worker else ''} at {n - 1} points", flush=True)
             break
+
+
+def _small(s: int) -> dict:
+    """A small state for step ``s`` (``w`` is ``s`` everywhere)."""
+    import torch
+    return {"w": torch.full((1000,), float(s)), "meta": {"step": s}}
+
+
+def _interrupt_first_save(root: str) -> None:
+    """A signal handler's exception at every point of a fresh Checkpointer's first ``save_async`` (one point
+    per Checkpointer, each on a root of its own: ``<root>-<way>-<point>``), two ways: ``ki`` (Ctrl-C): the
+    interrupt comes out of ``save_async`` as it is, the next ``save_async`` works and ``close()`` writes it;
+    ``exit`` (a SIGTERM handler that calls ``close()`` then ``sys.exit()``, in the second save of the
+    Checkpointer): the ``SystemExit`` comes out as it is and the deferred close finishes. Prints what each
+    try did for the test to check."""
+    import nebula_ckpt as nc
+    s = 2
+    for how in ("ki", "exit"):
+        n = 1
+        while True:
+            # the memory tier (claimed at the first save) where the first save is cut; the disk tier alone
+            # where the second save is cut, at its points in the library only: the test's time stays short
+            ck = nc.Checkpointer(f"{root}-{how}-{n}", memory_tier=how == "ki")
+            if how == "exit":
+                ck.save_async(s, _small(s))
+                print(f"ACCEPTED {how} {n} {s}", flush=True)
+                s += 1
+            trap = _Interrupter(n, ("nebula_ckpt",), raises=ck.close) if how == "exit" else _Interrupter(n)
+            sys.settrace(trap)
+            try:
+                ck.save_async(s, _small(s))
+                sys.settrace(None)
+                print(f"{'SWALLOWED' if trap.seen >= n else 'CLEAN'} {how} {n} {s}", flush=True)
+            except (KeyboardInterrupt, SystemExit) as e:
+                sys.settrace(None)
+                ok = type(e) is (SystemExit if how == "exit" else KeyboardInterrupt) and str(e) == trap.message
+                print(f"{'RAISED' if ok else 'CHANGED'} {how} {n} {s} {type(e).__name__}: {e}", flush=True)
+            except BaseException as e:  # noqa: BLE001 (printed: the test fails on it)
+                sys.settrace(None)
+                print(f"BECAME {how} {n} {s} {type(e).__name__}: {e}", flush=True)
+            s += 1
+            try:
+                if how == "ki":
+                    ck.save_async(s, _small(s))
+                    print(f"ACCEPTED {how} {n} {s}", flush=True)
+                    s += 1
+                ck.close()
+                print(f"CLOSED {how} {n} {ck.closed and not ck._close_unfinished}", flush=True)
+            except BaseException as e:  # noqa: BLE001
+                print(f"AFTER {how} {n} {type(e).__name__}: {e}", flush=True)
+            if trap.seen < n:
+                print(f"INTERRUPTED first_save {how} at {n - 1} points", flush=True)
+                break
+            n += 1
 
 
 class _Stop(BaseException):
@@ -244,14 +343,16 @@ def main() -> None:  # noqa: C901 (one branch per mode, read top to bottom)
         ends[mode]()
     if mode == "sigterm_handler":
         def on_term(signum: int, frame: object) -> None:
+            _say(f"TERM {_where(frame)}")
             ck.close()
             sys.exit(0)
         signal.signal(signal.SIGTERM, on_term)
         threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGTERM)).start()
-        for s in range(2, 10_000):  # the signal lands somewhere inside save_async
-            ck.save_async(s, state(s))
-            print(f"ACCEPTED {s}", flush=True)
-        raise AssertionError("SIGTERM never came")
+        _save_until_term(ck)
+    if mode == "interrupt_first_save":
+        faulthandler.dump_traceback_later(90, exit=True)  # a hang shows where, then the child ends
+        _interrupt_first_save(root + "-first")
+        return
     if mode in ("sigint_in_save", "sigint_in_wait", "sigint_in_close"):
         for s in (2, 3):
             ck.save_async(s, state(s))

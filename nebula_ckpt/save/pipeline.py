@@ -33,6 +33,7 @@ from nebula_ckpt.save.buffers import StagingPool
 from nebula_ckpt.save.fanout import fan_out
 from nebula_ckpt.save.plan import Plan, make_plan
 from nebula_ckpt.save.snapshot import Snapshot, Stager
+from nebula_ckpt.save.uncut import run_uncut
 from nebula_ckpt.save.writer import TierWriter
 from nebula_ckpt.tiers.base import now
 from nebula_ckpt.tiers.memory.replicas import PART as REPLICAS
@@ -84,6 +85,9 @@ class SavePipeline:
         #: (tier, manifest) of the last restore, for the tier's first save (:meth:`restored`)
         self._restored: Optional[tuple[str, Manifest]] = None
         self._stager: Optional[Stager] = None
+        self._start_lock = threading.Lock()  # taken by the thread that makes the writers (start())
+        #: the number of the save last given to the stager (set just before the C call that queues it)
+        self._handing = -1
         self._lock = threading.Lock()
         #: the handles of saves not yet over, or over with a failure not yet seen
         self.handles: list[SaveHandle] = []
@@ -101,8 +105,21 @@ class SavePipeline:
         self.replicator: Any = None
 
     def start(self) -> list[TierWriter]:
-        """At the first save: the tiers this process writes, their writer threads, the stager."""
-        if self.writers is None:
+        """At the first save: the tiers this process writes, their writer threads, the stager.
+
+        Made on a thread of their own (:func:`~nebula_ckpt.save.uncut.run_uncut`): a Ctrl-C (or a
+        signal handler's exception) in the first ``save_async`` cannot leave them half made or
+        the memory tier claimed twice; the next save finds them made, or waits for them."""
+        writers = self.writers
+        if writers is None:
+            writers = run_uncut(self._start_once, f"nebula-start-{self.root[-24:]}")
+        return writers
+
+    def _start_once(self) -> list[TierWriter]:
+        """Body of :meth:`start` (its own thread; one at a time, once)."""
+        with self._start_lock:
+            if self.writers is not None:
+                return self.writers
             writing = [rt for rt in self._runtimes if rt.open_for_writing()]
             if not writing:
                 raise NebulaError(f"no tier of {self.root} can be written by this process")
@@ -110,12 +127,13 @@ class SavePipeline:
             # files: the bytes are copied once. Reading tiers that are not written stays possible.
             self.pool.serve_writers(next((d for d in (rt.staging_dir() for rt in writing) if d), None),
                                     1 if len(writing) == 1 else 2)
-            self.writers = [TierWriter(rt, self._fence.for_tier(rt.storage), rt.tier.keep_last or self._keep_last,
-                                       self.coordinator, self.incremental) for rt in writing]
+            writers = [TierWriter(rt, self._fence.for_tier(rt.storage), rt.tier.keep_last or self._keep_last,
+                                  self.coordinator, self.incremental) for rt in writing]
             self._stager = Stager(self.root[-24:], fan_out)
+            self.writers = writers  # last: a save that finds them finds the stager too
             if self._restored is not None:
                 self._seed(*self._restored)
-        return self.writers
+            return writers
 
     def restored(self, step: int, tier: str, manifest: Manifest) -> None:
         """Committed ``step`` (its validated ``manifest``) was restored and verified from ``tier``:
@@ -238,7 +256,11 @@ class SavePipeline:
                 self.handles = [h for h in self.handles if not (h.done() and (h.seen or h.error() is None))]
                 self.handles.append(handle)
             assert self._stager is not None
-            self._stager.submit(snap)  # last: from here on the stager owns the snapshot
+            # last: from here on the stager owns the snapshot. Nothing can interrupt between the
+            # two lines (no call), nor inside the queueing (one C call): _take_back tells by
+            # _handing whether the stager got it.
+            self._handing = snap.index
+            self._stager.submit(snap)
         except BaseException as e:
             self._take_back(snap, e)
             raise
@@ -263,7 +285,14 @@ class SavePipeline:
     def _take_back(self, snap: Snapshot, error: BaseException) -> None:
         """``save_async`` failed after enqueuing its copy: wait for the copy (it writes into the
         slot), give the slot back and end the handle with ``error``, so that nothing of this save
-        stays in flight (``wait()`` / ``close()`` do not wait for it, the next save gets a slot)."""
+        stays in flight (``wait()`` / ``close()`` do not wait for it, the next save gets a slot).
+
+        If the stager has the snapshot already (a signal handler's exception right after it was
+        queued), the save goes on like an accepted one; its caller got ``error`` and never the
+        handle, so nothing raises its outcome later (a failure is logged by the tier)."""
+        if self._handing == snap.index:
+            snap.handle.seen = True
+            return
         try:
             snap.finish_copy()
         finally:

@@ -97,8 +97,8 @@ class Snapshot:
                 changed = self.job.modified()
                 if changed:
                     err = self._consistency_error(changed)
-            except BaseException as e:
-                err = e
+            except Exception as e:  # the copy failed; a signal handler's exception (Ctrl-C, sys.exit)
+                err = e             # is the caller's, not the copy's: it propagates, nothing settled
             self._pool.copy_done()
             self.copy_seconds = monotonic() - self.t_start
             self._copied = True
@@ -214,12 +214,11 @@ class Stager:
         self._deliver = deliver  # fanout.fan_out: routes the staged snapshot to its tiers
         # a SimpleQueue: put() is one C call, so a Ctrl-C in save_async cannot leave a queue lock held
         self._q: "queue.SimpleQueue[Optional[Snapshot]]" = queue.SimpleQueue()
+        #: hand over a snapshot whose copy is enqueued: the queue's own ``put``, one C call (a
+        #: signal handler's exception lands before the snapshot is queued or after, never inside)
+        self.submit: Callable[[Snapshot], None] = self._q.put
         self._thread = threading.Thread(target=self._run, name=f"nebula-stager-{name}", daemon=True)
         self._thread.start()
-
-    def submit(self, snap: Snapshot) -> None:
-        """Hand over a snapshot whose copy is enqueued."""
-        self._q.put(snap)
 
     def close(self) -> None:
         """Finish the queued snapshots and stop."""
