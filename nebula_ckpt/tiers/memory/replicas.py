@@ -41,6 +41,7 @@ import torch.distributed as dist
 
 from nebula_ckpt import knobs
 from nebula_ckpt.errors import PersistError, ValidationError
+from nebula_ckpt.latch import Latch
 from nebula_ckpt.ranks.partners import choose_partners, node_id, pack_node_id, sources_of, unpack_node_id
 from nebula_ckpt.tiers.memory.replica_channel import Channel, Replication
 from nebula_ckpt.tiers.memory.replica_recover import keep_pulled, recover
@@ -148,7 +149,7 @@ class Replicator:
         tier, pulling lost copies from their holders (a collective; every rank calls it). Returns
         :func:`~nebula_ckpt.tiers.memory.replica_recover.recover`'s answer."""
         box: dict[str, Any] = {}
-        done = threading.Event()
+        done = Latch()  # the training thread waits: a Ctrl-C there leaves no lock the thread needs held
         with self._cond:
             self._tasks.append(("recover", (list(shared), step, among, box, done)))
             self._cond.notify_all()
@@ -204,7 +205,7 @@ class Replicator:
                 self._recover_task(*arg)
 
     def _recover_task(self, shared: list[tuple[int, int]], step: Optional[int], among: Optional[Sequence[int]],
-                      box: dict[str, Any], done: threading.Event) -> None:
+                      box: dict[str, Any], done: Latch) -> None:
         keep = None
         try:
             result = self._guarded(lambda: recover(self._rp, shared, step, self._among_all(among)))
