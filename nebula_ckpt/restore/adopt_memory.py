@@ -77,9 +77,9 @@ class MemoryAdoption:
         ck = self._ck_ref()
         if ck is None or not self.given_up:
             return
-        for si in self._used:
+        for si, used in self._used.items():
             buf, at = ck.buffer(si), 0
-            for lo, hi in sorted(self._used.get(si, [])) + [(buf.numel(), buf.numel())]:
+            for lo, hi in sorted(used) + [(buf.numel(), buf.numel())]:
                 if lo > at:
                     free_pages(buf, at, lo)
                 at = max(at, hi)

@@ -5,7 +5,7 @@ checked there (:mod:`~nebula_ckpt.tiers.memory.replica_pull`); the restore then 
 were in the memory tier: :class:`BufferStorage` serves those files from the buffers and every other
 path from the tier's own storage (its other steps stay visible). Nothing can be written through
 it. Its buffers are this process's alone, so a restore may hand them out as its tensors instead
-of copying them (:meth:`BufferStorage.files` and :mod:`~nebula_ckpt.restore.adopt`).
+of copying them (:mod:`~nebula_ckpt.restore.adopt_memory`).
 """
 
 from __future__ import annotations
@@ -32,10 +32,6 @@ class BufferStorage(Storage):
         self._files = dict(files)
         self._base = base
         self.display_url = f"{base.display_url} ({what})" if base is not None else what
-
-    def files(self) -> dict[str, torch.Tensor]:
-        """The buffers held, by path."""
-        return dict(self._files)
 
     def _mine(self, rel: str) -> bool:
         """Whether ``rel`` lies in a folder these buffers hold (that folder of the base is hidden:

@@ -32,6 +32,7 @@ of the one pull round (two flags per rank, one small collective); the keep round
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 from typing import Any, Callable, Optional, Sequence
@@ -70,7 +71,8 @@ def recover(rp: Replication, shared: list[Order], step: Optional[int],
             return {"step": None, "generation": None, "sources": [None] * rp.world, "checked": False,
                     "pulled": None, "keep": None}
         landed: dict[str, torch.Tensor] = {}
-        got = _get_everywhere(rp, views, target, landed)
+        holders: dict[int, int] = {}
+        got = _get_everywhere(rp, views, target, landed, holders)
         if target in recovery.shared_orders(views):
             got.update({r: "shared tier" for r in range(rp.world) if r not in got})
         if len(got) == rp.world:
@@ -78,7 +80,6 @@ def recover(rp: Replication, shared: list[Order], step: Optional[int],
                      ", ".join(f"rank {r}: {got[r]}" for r in sorted(got)))
             # every copy in a memory tier now had every checksum checked this round: the restore
             # need not check them again
-            holders = {r: int(g.rsplit(" ", 1)[1]) for r, g in got.items() if g.startswith("replica from rank ")}
             return {"step": target[1], "generation": target[0], "sources": [got[r] for r in range(rp.world)],
                     "checked": got[rp.rank] != "shared tier", "pulled": landed or None,
                     "keep": (views, holders, target) if holders else None}
@@ -88,10 +89,11 @@ def recover(rp: Replication, shared: list[Order], step: Optional[int],
 
 
 def _get_everywhere(rp: Replication, views: list[dict[str, Any]], target: Order,
-                    landed: dict[str, torch.Tensor]) -> dict[int, str]:
+                    landed: dict[str, torch.Tensor], holders: dict[int, int]) -> dict[int, str]:
     """Pull rounds for ``target`` until every rank has it or no holder is left; rank -> where
     its copy is now (ranks missing: none of their holders delivered a healthy copy). This rank's
-    pulled copy, in memory, goes into ``landed``."""
+    pulled copy, in memory, goes into ``landed``; each rank that pulled -> its holder, into
+    ``holders``."""
     got: dict[int, str] = {r: "memory" for r, v in enumerate(views) if target in {tuple(o) for o in v["own"]}}
     unchecked = set(got)  # own copies whose checksums are checked during the first round
     attempts = {r: 0 for r in range(rp.world) if r not in got}
@@ -103,7 +105,7 @@ def _get_everywhere(rp: Replication, views: list[dict[str, Any]], target: Order,
         for r, h in assign.items():
             attempts[r] += 1
             if outcome[r][0]:
-                got[r] = f"replica from rank {h}"
+                got[r], holders[r] = f"replica from rank {h}", h
                 del attempts[r]
         for r in unchecked:
             if outcome[r][1]:  # flipped bytes: pulled like a lost copy, from its first holder
@@ -197,8 +199,8 @@ def _keep_pulled(rp: Replication, pull: Pull, target: Order, holder: int,
     """Check the copy ``pull`` brings (every checksum, as its bytes land) and hand its files to
     ``landed`` (in memory) or make it this rank's memory-tier step (through ``may_publish``,
     when given); whether it was. A copy refused or damaged is dropped."""
-    assert rp.store is not None and rp.folder is not None
-    folder, store = rp.folder, rp.store
+    store, folder = rp.store, rp.folder
+    assert store is not None and folder is not None
     try:
         why = land_and_check(pull, target[1], rp.rank, rp.world, target[0])
         if why is None and landed is not None:
@@ -207,22 +209,19 @@ def _keep_pulled(rp: Replication, pull: Pull, target: Order, holder: int,
     finally:
         pull.close()
     if why is None:
+        publish = functools.partial(store.publish, pull.inc, target[1], folder)
         try:
-            def publish() -> None:
-                store.publish(pull.inc, target[1], folder)
             if may_publish is None:
                 publish()
-                return True
-            if may_publish(target[1], publish):
-                return True
-            log.info("nebula_ckpt: rank %d: the copy of step %d is not kept in its memory tier: a save reached "
-                     "the tier first", rp.rank, target[1])
-            rp.store.discard(pull.inc)
+            elif not may_publish(target[1], publish):
+                log.info("nebula_ckpt: rank %d: the copy of step %d is not kept in its memory tier: a save "
+                         "reached the tier first", rp.rank, target[1])
+                store.discard(pull.inc)
             return True
         except Exception as e:
             why = f"{type(e).__name__}: {e}"
     if os.path.isabs(pull.inc):
-        rp.store.discard(pull.inc)
+        store.discard(pull.inc)
     if may_publish is not None:
         log.warning("nebula_ckpt: rank %d: the copy of step %d from rank %d is not kept in its memory tier "
                     "(%s)", rp.rank, target[1], holder, why)
