@@ -481,6 +481,8 @@ class TierWriter:
         keep -= self._deferred  # remove() asked for them: they go once nothing refers to them
         if keep_step is not None:
             keep.add(keep_step)
+        if self.runtime.keep_also is not None:  # the newest healthy step: never the only good one deleted
+            keep |= self.runtime.keep_also(committed) & set(committed)
         # a kept step's references and what a save in flight builds on stay (format.references)
         keep = protected_steps(st, (keep | self.incremental.pinned()) & set(committed)) | keep
         doomed = [s for s in committed if s not in keep]

@@ -17,7 +17,7 @@ Call order, all on the thread that owns the Checkpointer unless said otherwise:
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from nebula_ckpt.storage.base import Storage
 from nebula_ckpt.tiers.base import Tier
@@ -39,6 +39,9 @@ class TierRuntime:
         self.tier = tier
         self.storage = storage
         self.name = tier.name
+        #: ``keep_also(committed steps)``: steps retention keeps on this tier beside ``keep_last``
+        #: (the newest healthy one, :mod:`nebula_ckpt.health`); called on the tier's writer thread
+        self.keep_also: Optional[Callable[[list[int]], set[int]]] = None
 
     @property
     def persistent(self) -> bool:
