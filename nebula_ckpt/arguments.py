@@ -32,6 +32,7 @@ def check_arguments(root: Any, keep_last: Any, max_host_bytes: Any, on_full: Any
         raise ValidationError(f"incremental must be True or False, got {incremental!r}")
     if health is not None:
         if not isinstance(health, HealthPolicy):
-            raise ValidationError(f"health must be a nebula_ckpt.health.HealthPolicy or None, got {type(health).__name__}")
+            raise ValidationError(f"health must be a nebula_ckpt.health.HealthPolicy or None, got "
+                                  f"{type(health).__name__}")
         health.check()
     knobs.check_all()  # a knob set out of range (environment or override) fails here, not mid-run

@@ -128,7 +128,8 @@ def test_steps_saved_from_a_step_that_went_bad_are_suspect_with_it(root: str) ->
     assert marks(root) == {0: "healthy", 2: "suspect", 4: "suspect", 6: "suspect"}
     got, last = run(root, range(0), keep_last=9)
     assert got == 0 and last is not None
-    assert {x["step"]: x["reason"] for x in last["skipped"]}[4] == "saved from step 2, which went bad (loss nan at step 7)"
+    why = {x["step"]: x["reason"] for x in last["skipped"]}
+    assert why[4] == "saved from step 2, which went bad (loss nan at step 7)"
 
 
 def test_a_nan_long_after_the_restore_blames_no_checkpoint(root: str) -> None:

@@ -59,7 +59,8 @@ def build_parser() -> argparse.ArgumentParser:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
     sub = p.add_subparsers(dest="cmd", required=True)
-    sp = sub.add_parser("ls", help="steps per tier, sizes, verified/DAMAGED (checksums), health (healthy/suspect/unknown)")
+    sp = sub.add_parser("ls", help="steps per tier, sizes, verified/DAMAGED (checksums), health "
+                                   "(healthy/suspect/unknown)")
     _common(sp)
     sp.add_argument("--quick", action="store_true",
                     help="check sizes only, not checksums (rows say 'committed (not verified)')")

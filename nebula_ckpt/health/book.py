@@ -16,6 +16,7 @@ import time
 from dataclasses import dataclass
 from typing import Iterable, Optional
 
+from nebula_ckpt.format.commit import read_commit
 from nebula_ckpt.format.health import (
     BY_REPORT,
     HEALTH_DIR,
@@ -27,7 +28,6 @@ from nebula_ckpt.format.health import (
     health_folder,
     parse_record,
 )
-from nebula_ckpt.format.commit import read_commit
 from nebula_ckpt.format.names import parse_step_dir, step_dir
 from nebula_ckpt.storage.base import Storage
 

@@ -216,7 +216,8 @@ class HealthMonitor:
             try:
                 steps = committed_steps(self.book.storage)
             except Exception as e:  # dropping old records is housekeeping: next time
-                log.debug("nebula_ckpt: cannot list %s to drop old health records: %s", self.book.storage.display_url, e)
+                log.debug("nebula_ckpt: cannot list %s to drop old health records: %s", self.book.storage.display_url,
+                          e)
                 return
             if steps:
                 self.book.prune(older_than=steps[0])

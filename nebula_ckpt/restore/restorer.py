@@ -66,7 +66,8 @@ class Restorer:
         self.replicator: Any = None
         #: the root's health records (a restore of the newest step skips the suspect ones), or None
         self.health = health
-        #: told ``(generation, step, health mark)`` after each restore (:class:`~nebula_ckpt.health.monitor.HealthMonitor`)
+        #: told ``(generation, step, health mark)`` after each restore
+        #: (:class:`~nebula_ckpt.health.monitor.HealthMonitor`)
         self.monitor: Any = None
 
     def tier_pairs(self) -> list[tuple[Tier, Storage]]:

@@ -474,15 +474,13 @@ class TierWriter:
     def _prune(self, keep_step: Optional[int]) -> None:
         st = self.storage
         committed, uncommitted = sweep.scan_steps(st)
-        keep = set(committed[-self.keep_last:])
+        keep = set(committed[-self.keep_last:]) | self.runtime.keep_also(committed)  # + the newest healthy step
         if self.tier.keep_every:
             keep.update(s for s in committed if s % self.tier.keep_every == 0)
         self._deferred &= set(committed)
         keep -= self._deferred  # remove() asked for them: they go once nothing refers to them
         if keep_step is not None:
             keep.add(keep_step)
-        if self.runtime.keep_also is not None:  # the newest healthy step: never the only good one deleted
-            keep |= self.runtime.keep_also(committed) & set(committed)
         # a kept step's references and what a save in flight builds on stay (format.references)
         keep = protected_steps(st, (keep | self.incremental.pinned()) & set(committed)) | keep
         doomed = [s for s in committed if s not in keep]

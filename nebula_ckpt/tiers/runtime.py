@@ -24,6 +24,11 @@ from nebula_ckpt.tiers.base import Tier
 from nebula_ckpt.tiers.memory.shm import Owner
 
 
+def _nothing_more(committed: list[int]) -> set[int]:
+    """What retention keeps beyond ``keep_last`` by default: nothing."""
+    return set()
+
+
 class TierRuntime:
     """A plain tier (local disk, remote store): writes bytes, nothing else to own.
 
@@ -39,9 +44,9 @@ class TierRuntime:
         self.tier = tier
         self.storage = storage
         self.name = tier.name
-        #: ``keep_also(committed steps)``: steps retention keeps on this tier beside ``keep_last``
-        #: (the newest healthy one, :mod:`nebula_ckpt.health`); called on the tier's writer thread
-        self.keep_also: Optional[Callable[[list[int]], set[int]]] = None
+        #: ``keep_also(committed steps)``: those of them retention keeps on this tier beside
+        #: ``keep_last`` (the newest healthy one, :mod:`nebula_ckpt.health`); the tier's writer thread
+        self.keep_also: Callable[[list[int]], set[int]] = _nothing_more
 
     @property
     def persistent(self) -> bool:
