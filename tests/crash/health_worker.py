@@ -7,10 +7,10 @@ environment, a "bad node" corrupts the state at step S: a countdown kept *in the
 loss NaN 4 steps later, so a checkpoint taken in between carries the fault. On a non-finite loss
 the job reports it, says ``NAN <step>`` and dies by SIGKILL (no cleanup runs).
 
-``python health_worker.py ROOT records`` -- write health records of step 5 for ever
-(``WRITING <i>`` before each, ``WROTE <i> <name>`` once it is durable), for the test to kill.
-With ``HEALTH_KILL_AT=link`` the process kills itself inside the write: after the record's
-temporary file is written and fsync'd, right before it gets its name (a create-only ``link``).
+``python health_worker.py ROOT records`` -- for each line on stdin, fork a process that writes
+health records of step 5 for ever (``WRITING <id>`` before each, ``WROTE <id> <name>`` once it is
+durable) for the test to SIGKILL; a line ``link`` makes it kill itself inside its first write,
+after the record's temporary file is written and fsync'd, right before it gets its name.
 """
 
 from __future__ import annotations
@@ -72,23 +72,42 @@ def jobs(root: str) -> None:
     print("FINISHED", flush=True)
 
 
+def _line(text: str) -> None:
+    """One line in one write: the parent's and the forked writer's lines never interleave."""
+    os.write(1, (text + "\n").encode())
+
+
 def records(root: str) -> None:
-    kill_at = os.environ.get("HEALTH_KILL_AT")
-    if kill_at:  # the named stage: after the temporary file is written and fsync'd, before its name
-        real = getattr(os, kill_at)
+    """For each line on stdin (``plain`` or ``link``), fork a writer of records (``CHILD <pid>``)
+    and wait until it is killed (``REAPED <pid>``): one import of torch for every kill."""
+    book = HealthBook(LocalStorage(root))
+    for cycle, line in enumerate(sys.stdin):
+        pid = os.fork()
+        if pid == 0:
+            _write_records(book, cycle, line.strip() == "link")
+        _line(f"CHILD {pid}")
+        os.waitpid(pid, 0)
+        _line(f"REAPED {pid}")
+
+
+def _write_records(book: HealthBook, cycle: int, staged: bool) -> None:
+    """The forked writer: records of step 5 for ever, until it is killed (``staged``: it kills
+    itself after its first record's temporary file is written and fsync'd, before the ``link``
+    that names it)."""
+    if staged:
+        real = os.link
 
         def dying(src: str, dst: str) -> None:
             if "_nebula/health" in dst:
                 os.kill(os.getpid(), signal.SIGKILL)
             real(src, dst)
-        setattr(os, kill_at, dying)
-    book = HealthBook(LocalStorage(root))
+        os.link = dying  # type: ignore[assignment]
     i = 0
     while True:
-        print(f"WRITING {i}", flush=True)
+        _line(f"WRITING {cycle}-{i}")
         rec = book.append(step=5, generation=1, state="suspect" if i % 2 else "healthy", by="user", rank=None,
-                          reason=f"record {i}")
-        print(f"WROTE {i} {rec.name}", flush=True)
+                          reason=f"record {cycle}-{i}")
+        _line(f"WROTE {cycle}-{i} {rec.name}")
         i += 1
 
 

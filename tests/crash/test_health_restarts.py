@@ -25,11 +25,15 @@ from proc_lines import lines
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
+def _env(**extra: str) -> dict[str, str]:
+    tests, repo = os.path.dirname(HERE), os.path.dirname(os.path.dirname(HERE))
+    path = os.pathsep.join([tests, repo, os.environ.get("PYTHONPATH", "")])
+    return dict(os.environ, PYTHONPATH=path, OMP_NUM_THREADS="1", **extra)
+
+
 def _spawn(root: str, mode: str, **env: str) -> subprocess.Popen[str]:
-    e = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.dirname(HERE), os.path.dirname(os.path.dirname(HERE)),
-                                                     os.environ.get("PYTHONPATH", "")]), OMP_NUM_THREADS="1", **env)
     return subprocess.Popen([sys.executable, "-u", os.path.join(HERE, "health_worker.py"), root, mode],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=e)
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=_env(**env))
 
 
 def _job(root: str, kill_after: Optional[int] = None, **env: str) -> tuple[Optional[int], list[int], dict[int, float],
@@ -122,31 +126,37 @@ def test_health_records_survive_sigkill_at_any_point_of_a_write(tmp_path) -> Non
             ck.save(step, {"w": torch.full((4,), float(step))})
     rng = random.Random(20261128)
     wrote: list[str] = []
+    proc = subprocess.Popen([sys.executable, "-u", os.path.join(HERE, "health_worker.py"), root, "records"],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env=_env())
+    assert proc.stdin is not None
     kills = 0
-    for cycle in range(6):
-        staged = cycle % 3 == 2  # every 3rd: killed inside the write, between the fsync'd temporary file and its name
-        proc = _spawn(root, "records", **({"HEALTH_KILL_AT": "link"} if staged else {}))
-        skip, delay = rng.randint(0, 20), rng.uniform(0, 0.004)
-        try:
-            for line in lines(proc, time.monotonic() + 120):
+    try:
+        out = lines(proc, time.monotonic() + 240)
+        for cycle in range(10):
+            staged = cycle % 3 == 2  # every 3rd: killed inside the write, between the fsync'd temp file and its name
+            proc.stdin.write("link\n" if staged else "plain\n")
+            proc.stdin.flush()
+            child = next(int(x.split()[1]) for x in out if x.startswith("CHILD"))
+            skip, delay = rng.randint(0, 20), rng.uniform(0, 0.004)
+            for line in out:
                 if line.startswith("WROTE"):
                     wrote.append(line.split()[2])
-                elif line.startswith("WRITING") and not staged:
-                    if skip > 0:
-                        skip -= 1
-                        continue
+                elif line.startswith("WRITING") and not staged and skip > 0:
+                    skip -= 1
+                elif line.startswith("WRITING") and not staged and skip == 0:
                     time.sleep(delay)
-                    proc.send_signal(signal.SIGKILL)
+                    os.kill(child, signal.SIGKILL)
+                    skip = -1  # killed: the lines still in the pipe are read, nothing more is killed
+                elif line == f"REAPED {child}":
                     break
-        finally:
-            if proc.poll() is None:
-                proc.kill()
-            proc.wait(60)
-            assert proc.stdout is not None
-            proc.stdout.close()
-        assert proc.returncode == -signal.SIGKILL
-        kills += 1
-        _check_records(root, wrote)
-    assert kills == 6 and len(wrote) >= 4
+            kills += 1
+            _check_records(root, wrote)
+    finally:
+        proc.stdin.close()
+        proc.wait(60)
+        assert proc.stdout is not None
+        proc.stdout.close()
+    assert kills == 10 and len(wrote) >= 4
     leftovers = [n for n in os.listdir(os.path.join(root, HEALTH_DIR, "step-5")) if n.startswith(".")]
     assert leftovers, "no kill landed inside a write (the staged kills always do)"
