@@ -10,6 +10,7 @@ import math
 from typing import Any
 
 import fsspec
+import pytest
 import torch
 
 import nebula_ckpt as nc
@@ -17,6 +18,8 @@ from nebula_ckpt import knobs
 from nebula_ckpt.cli import main as cli
 
 from .conftest import Store
+
+pytestmark = [pytest.mark.blob, pytest.mark.timeout(300)]
 
 
 def _ck(url: str, opts: dict[str, Any]) -> nc.Checkpointer:
