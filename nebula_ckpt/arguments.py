@@ -6,11 +6,12 @@ from typing import Any
 
 from nebula_ckpt import knobs
 from nebula_ckpt.errors import ValidationError
+from nebula_ckpt.health.policy import HealthPolicy
 from nebula_ckpt.storage.urls import refuse_url_credentials
 
 
 def check_arguments(root: Any, keep_last: Any, max_host_bytes: Any, on_full: Any, on_persist_error: Any,
-                    snapshot: Any, incremental: Any) -> None:
+                    snapshot: Any, incremental: Any, health: Any = None) -> None:
     """The :class:`~nebula_ckpt.checkpointer.Checkpointer` constructor's validation, all before anything
     is touched: a bad value raises :class:`ValidationError` naming it."""
     if not isinstance(root, str) or not root:
@@ -29,4 +30,9 @@ def check_arguments(root: Any, keep_last: Any, max_host_bytes: Any, on_full: Any
         raise ValidationError(f"snapshot must be 'auto', 'sync' or 'async', got {snapshot!r}")
     if not isinstance(incremental, bool):
         raise ValidationError(f"incremental must be True or False, got {incremental!r}")
+    if health is not None:
+        if not isinstance(health, HealthPolicy):
+            raise ValidationError(f"health must be a nebula_ckpt.health.HealthPolicy or None, got "
+                                  f"{type(health).__name__}")
+        health.check()
     knobs.check_all()  # a knob set out of range (environment or override) fails here, not mid-run

@@ -18,6 +18,8 @@ from nebula_ckpt.arguments import check_arguments
 from nebula_ckpt.errors import NebulaError, ValidationError
 from nebula_ckpt.format.names import COMMIT, check_tag, step_dir
 from nebula_ckpt.handle import SaveHandle
+from nebula_ckpt.health.policy import HealthPolicy
+from nebula_ckpt.health.reports import HealthReports
 from nebula_ckpt.native import describe as native_describe
 from nebula_ckpt.ranks.coordinator import Coordinator, LocalCoordinator
 from nebula_ckpt.ranks.distributed import default_coordinator
@@ -61,7 +63,7 @@ def _close_at_exit() -> None:
 atexit.register(_close_at_exit)
 
 
-class Checkpointer:
+class Checkpointer(HealthReports):
     """Asynchronous, tiered checkpoints of a training job.
 
     Args:
@@ -103,6 +105,7 @@ class Checkpointer:
         incremental: (default True) a save writes to the disk and remote tiers only the tensors
             that changed since that tier's previous save and refers to its bytes for the rest;
             every ``NEBULA_INCREMENTAL_FULL_EVERY``-th save is full. False: every save is full.
+        health: how :meth:`report` marks checkpoints (:class:`~nebula_ckpt.health.HealthPolicy`).
 
     Example::
 
@@ -141,9 +144,10 @@ class Checkpointer:
                  tiers: Optional[Sequence[Tier]] = None, keep_last: int = 3,
                  max_host_bytes: Optional[int] = None, memory_tier: bool = True, on_full: str = "wait",
                  allow_pickle: bool = False, on_persist_error: str = "raise", snapshot: str = "auto",
-                 coordinator: Optional[Coordinator] = None, read_only: bool = False, incremental: bool = True) -> None:
+                 coordinator: Optional[Coordinator] = None, read_only: bool = False, incremental: bool = True,
+                 health: Optional[HealthPolicy] = None) -> None:
         self._calls = Calls()  # who is inside which method: a close() from a signal handler waits for it
-        check_arguments(root, keep_last, max_host_bytes, on_full, on_persist_error, snapshot, incremental)
+        check_arguments(root, keep_last, max_host_bytes, on_full, on_persist_error, snapshot, incremental, health)
         #: opened for reading only (see ``read_only``)
         self.read_only = bool(read_only)
         self.snapshot = snapshot
@@ -164,6 +168,7 @@ class Checkpointer:
         self._restores = Restorer(runtimes, self.coordinator, shown, allow_pickle,  # a reader adopts nothing
                                   may_adopt=lambda: self._saves.writers is None and not self.read_only,
                                   on_restored=None if self.read_only else self._saves.restored)
+        self._open_health(health)  # report() (HealthReports), its marks read by restores and kept by retention
         try:  # copies of the memory tier on partner nodes (MemoryTier(replicas=k)): a collective
             self._saves.replicator = self._restores.replicator = \
                 start_replicator(list(tiers or []), runtimes, self.coordinator, self.read_only)
@@ -199,9 +204,9 @@ class Checkpointer:
 
     @property
     def last_restore(self) -> Optional[dict[str, Any]]:
-        """``{"step", "tier", "adopted_bytes", "copy_on_write_bytes"}`` of the last restore (``None``
-        before any): bytes the memory tier handed over without a copy, and bytes of an incremental
-        step mapped copy-on-write from the step it builds on (:mod:`nebula_ckpt.restore.adopt`)."""
+        """``{"step", "tier", "adopted_bytes", "copy_on_write_bytes", "health", "skipped", ...}`` of the
+        last restore (``None`` before any): bytes handed over by the memory tier, bytes mapped copy-on-write
+        (:mod:`nebula_ckpt.restore.adopt`), its health mark and the suspect steps skipped (:meth:`report`)."""
         return self._restores.last_restore
 
     # -- saving -----------------------------------------------------------------------------------
@@ -254,7 +259,7 @@ class Checkpointer:
         """
         self._check_open("save_async")
         self._check_writable("save_async")
-        return self._saves.save_async(step, state, tag)
+        return self._saved(step, self._saves.save_async(step, state, tag))
 
     def save(self, step: int, state: Any, *, tag: Optional[str] = None) -> SaveHandle:
         """Synchronous save: :meth:`save_async` (same arguments) then wait until durable (raises on failure)."""
@@ -307,6 +312,7 @@ class Checkpointer:
         when its newest step is safe elsewhere), release the tiers."""
         _open_checkpointers.discard(self)
         self._saves.shutdown(join=True)
+        self._close_health()
         self._opened.release()
 
     def __enter__(self) -> "Checkpointer":

@@ -82,12 +82,13 @@ def _close_deferred(close: Callable[[], None], name: str, raised: Optional[BaseE
 
 
 def guard_methods(cls: type, calls_of: Callable[[Any], Calls], *, skip: tuple[str, ...] = ("close",)) -> None:
-    """Wrap every public method of ``cls`` (but ``skip``) so that it runs through
-    ``calls_of(instance)``'s :meth:`Calls.call`."""
-    for name, fn in list(vars(cls).items()):
-        if name.startswith("_") or name in skip or not inspect.isfunction(fn):
-            continue
-        setattr(cls, name, _guarded(name, fn, calls_of))
+    """Wrap every public method of ``cls`` and of its base classes of this package (but ``skip``)
+    so that it runs through ``calls_of(instance)``'s :meth:`Calls.call`."""
+    for klass in [k for k in cls.__mro__ if k.__module__.split(".")[0] == __name__.split(".")[0]]:
+        for name, fn in list(vars(klass).items()):
+            if name.startswith("_") or name in skip or not inspect.isfunction(fn):
+                continue
+            setattr(klass, name, _guarded(name, fn, calls_of))
 
 
 def _guarded(name: str, fn: F, calls_of: Callable[[Any], Calls]) -> F:

@@ -37,7 +37,7 @@ def _train(model: torch.nn.Module) -> None:
 
 def _row(out: str, step: int) -> str:
     """The row of ``step`` in ``nebula-ckpt ls``'s table (columns: tier, step, written, referenced,
-    needs, tag, state)."""
+    needs, tag, state, health)."""
     return next(ln for ln in out.splitlines()[1:] if ln.split()[1:2] == [str(step)])
 
 
@@ -52,7 +52,7 @@ def test_ls_json(saved: str, capsys: pytest.CaptureFixture[str]) -> None:
 def test_ls_text_and_empty(saved: str, tmp_path, capsys: pytest.CaptureFixture[str]) -> None:  # noqa: ANN001
     assert main(["ls", saved]) == 0
     out = capsys.readouterr().out
-    assert "healthy" in _row(out, 1) and "uncommitted" in _row(out, 3)
+    assert _row(out, 1).split()[-2:] == ["verified", "unknown"] and "uncommitted" in _row(out, 3)
     assert main(["ls", str(tmp_path / "nothing")]) == 1
 
 
@@ -130,7 +130,7 @@ def test_ls_quick_checks_sizes_only(saved: str, capsys: pytest.CaptureFixture[st
     _flip_last_byte(saved, 2)
     assert main(["ls", saved, "--quick"]) == 0
     out = capsys.readouterr().out
-    assert "healthy" not in out
+    assert not any(ln.split()[-2:-1] == ["verified"] for ln in out.splitlines())  # no row says it was verified
     line2 = _row(out, 2)
     assert "committed (not verified)" in line2
     assert main(["ls", saved, "--quick", "--json"]) == 0
@@ -327,7 +327,7 @@ def test_export_to_below_a_file_is_a_clear_error(saved: str, tmp_path, capsys: p
 def test_ls_has_a_header_and_human_sizes(saved: str, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["ls", saved]) == 0
     lines = capsys.readouterr().out.splitlines()
-    assert lines[0].split() == ["tier", "step", "written", "referenced", "needs", "tag", "state"]
+    assert lines[0].split() == ["tier", "step", "written", "referenced", "needs", "tag", "state", "health"]
     row = _row("\n".join(lines), 2)
     assert " B " in row or "KiB" in row, row  # a 200-byte checkpoint is not "0.0 MiB"
     assert "0.0 MiB" not in "\n".join(lines)

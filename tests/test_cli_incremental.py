@@ -86,9 +86,10 @@ def test_ls_shows_what_each_step_adds_and_the_steps_it_needs(chain: str, capsys:
         assert {sh["step"] for sh in rows[s]["shards"]} == {1, s}
     assert main(["ls", chain]) == 0
     lines = capsys.readouterr().out.splitlines()
-    assert lines[0].split() == ["tier", "step", "written", "referenced", "needs", "tag", "state"]
+    assert lines[0].split() == ["tier", "step", "written", "referenced", "needs", "tag", "state", "health"]
     cells = {int(ln.split()[1]): ln for ln in lines[1:]}
-    assert "KiB" in cells[3] and cells[3].split()[-3] == "1" and "healthy" in cells[3], cells[3]
+    assert "KiB" in cells[3] and cells[3].split()[-4] == "1" and cells[3].split()[-2:] == ["verified", "unknown"], \
+        cells[3]
     assert cells[1].split()[4:6] == ["-", "-"], cells[1]   # a full checkpoint: needs nothing
 
 

@@ -232,9 +232,9 @@ def test_cli_ls_and_inspect_show_tags(root: str, capsys: pytest.CaptureFixture[s
     assert main(["ls", root]) == 0
     out = capsys.readouterr().out
     header, *lines = out.splitlines()
-    assert header.split()[-2:] == ["tag", "state"]
+    assert header.split()[-3:] == ["tag", "state", "health"]
     by_step = {int(line.split()[1]): line.split() for line in lines}
-    assert by_step[1][-2] == "epoch=0.ckpt" and by_step[2][-2] == "-"  # the tag column; untagged: -
+    assert by_step[1][-3] == "epoch=0.ckpt" and by_step[2][-3] == "-"  # the tag column; untagged: -
     assert main(["inspect", root, "--step", "1"]) == 0
     assert "tag epoch=0.ckpt" in capsys.readouterr().out
     assert main(["inspect", root, "--step", "1", "--json"]) == 0

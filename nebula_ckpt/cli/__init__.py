@@ -1,4 +1,4 @@
-"""The ``nebula-ckpt`` command line: ls, verify, inspect, export, gc, persist-memory, bench.
+"""The ``nebula-ckpt`` command line: ls, verify, inspect, export, mark, gc, persist-memory, bench.
 
 Multi-rank checkpoints (format v2) are understood everywhere: ls and verify show the job's
 world size and check every rank's shard, inspect shows global shapes and which rank stores
@@ -9,7 +9,9 @@ ls, verify, inspect and export take ``--json`` for scripts and ``--storage-optio
 remote roots; gc takes ``--json`` too (bench has options of its own: ``nebula-ckpt bench --help``).
 ``ls`` verifies every checksum like ``verify`` (``ls --quick`` checks sizes only) and shows
 each checkpoint's tag and what it adds: the bytes its own folder holds, and for an incremental
-checkpoint the bytes it refers to in earlier steps' folders and which steps those are. verify,
+checkpoint the bytes it refers to in earlier steps' folders and which steps those are, and its
+health from the training signal (healthy / suspect / unknown; ``mark --healthy STEP`` or
+``--suspect STEP`` sets it by hand). verify,
 inspect and export follow the references (damage there is named with the step that holds it).
 inspect and export read ``--step N``, ``--tag NAME`` or (neither, or
 ``--step latest``) the newest healthy step. ``export --key model`` writes only what the state
@@ -30,6 +32,7 @@ from nebula_ckpt.cli.common import close_opened, storage_options_arg
 from nebula_ckpt.cli.export import add_export_parser, cmd_export
 from nebula_ckpt.cli.gc import add_gc_parser, cmd_gc
 from nebula_ckpt.cli.listing import cmd_inspect, cmd_ls
+from nebula_ckpt.cli.mark import add_mark_parser, cmd_mark
 from nebula_ckpt.cli.persist_memory import add_persist_memory_parser, cmd_persist_memory
 from nebula_ckpt.cli.verify import cmd_verify
 from nebula_ckpt.errors import NebulaError, PickleNotAllowedError
@@ -39,7 +42,7 @@ __all__ = ["main", "build_parser"]
 
 COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
     "ls": cmd_ls, "verify": cmd_verify, "inspect": cmd_inspect, "export": cmd_export, "gc": cmd_gc,
-    "persist-memory": cmd_persist_memory}
+    "persist-memory": cmd_persist_memory, "mark": cmd_mark}
 
 
 def _common(sp: argparse.ArgumentParser) -> None:
@@ -56,7 +59,8 @@ def build_parser() -> argparse.ArgumentParser:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
     sub = p.add_subparsers(dest="cmd", required=True)
-    sp = sub.add_parser("ls", help="steps per tier, sizes, healthy/DAMAGED (checksums verified)")
+    sp = sub.add_parser("ls", help="steps per tier, sizes, verified/DAMAGED (checksums), health "
+                                   "(healthy/suspect/unknown)")
     _common(sp)
     sp.add_argument("--quick", action="store_true",
                     help="check sizes only, not checksums (rows say 'committed (not verified)')")
@@ -67,6 +71,7 @@ def build_parser() -> argparse.ArgumentParser:
     _common(sp)
     add_choice_arguments(sp)
     add_export_parser(sub, _common)
+    add_mark_parser(sub, _common)
     add_gc_parser(sub)
     add_persist_memory_parser(sub, _common)
     sub.add_parser("bench", help="benchmark against torch.save (and peers, from a checkout); see bench --help",

@@ -23,9 +23,10 @@ from nebula_ckpt.cli.common import (
     references_text,
 )
 from nebula_ckpt.format import manifest as mf
-from nebula_ckpt.format.commit import step_dirs
+from nebula_ckpt.format.commit import read_commit, step_dirs
 from nebula_ckpt.format.names import shard_owner
 from nebula_ckpt.format.records import TensorRecord
+from nebula_ckpt.health.book import NO_MARK, HealthView, Mark
 from nebula_ckpt.integrations.pointers import find_root
 from nebula_ckpt.restore.open import OpenCheckpoint
 from nebula_ckpt.storage.base import Storage
@@ -44,7 +45,20 @@ def _compression(man: Optional[mf.Manifest]) -> tuple[Optional[str], Optional[fl
     return ",".join(sorted(codecs)), (sum(sh.bytes for sh in man.shards) / stored if stored else None)
 
 
-def _ls_row(tier: Tier, st: Storage, step: int, verify: str) -> tuple[dict[str, Any], Optional[mf.Manifest]]:
+def _health(view: Optional[HealthView], st: Storage, step: int, man: Optional[mf.Manifest],
+            committed: bool) -> Mark:
+    """The health mark of the committed ``step`` on ``st`` (of the writer generation that holds it)."""
+    if view is None or not committed or not view.has_records(step):
+        return NO_MARK
+    try:
+        generation = man.generation if man is not None else read_commit(st, step, f"step {step}").generation
+    except Exception:  # an unreadable marker: the row says DAMAGED already
+        return NO_MARK
+    return view.mark(generation, step)
+
+
+def _ls_row(tier: Tier, st: Storage, step: int, verify: str,
+            view: Optional[HealthView] = None) -> tuple[dict[str, Any], Optional[mf.Manifest]]:
     """The ``ls --json`` row of one step of one tier, and its manifest (None when not healthy)."""
     committed, refused = commit_state(st, tier, step)
     if refused:
@@ -54,7 +68,9 @@ def _ls_row(tier: Tier, st: Storage, step: int, verify: str) -> tuple[dict[str, 
     else:
         healthy, why, man = False, "no commit marker", None
     codec, ratio = _compression(man)
+    mark = _health(view, st, step, man, committed)
     row = {"tier": tier.name, "step": step, "tag": man.tag if man is not None else None,
+           "health": mark.state if committed else None, "health_reason": mark.reason or None,
            "committed": committed, "healthy": healthy, "verified": verify if committed else None,
            "bytes": dir_bytes(st, step), "raw_bytes": sum(s.bytes for s in man.shards) if man is not None else None,
            "compression": codec, "compression_ratio": ratio, "problem": None if healthy else why,
@@ -66,13 +82,13 @@ def _ls_table(rows: list[dict[str, Any]], mans: list[Optional[mf.Manifest]], qui
     """``ls``'s text: a header row, then one row per step of each tier. ``written``: the bytes of
     the step's own folder; ``referenced``: those it reads from earlier steps' folders (an
     incremental checkpoint), which ``needs`` names (``-``: a full checkpoint; ``?``: unknown, the
-    step is not healthy)."""
-    cells = [("tier", "step", "written", "referenced", "needs", "tag", "state")]
+    step is damaged); ``state``: its checks; ``health``: its mark from the training signal."""
+    cells = [("tier", "step", "written", "referenced", "needs", "tag", "state", "health")]
     for r, man in zip(rows, mans, strict=True):
         size = human_bytes(r["bytes"])
         if r["compression"]:
             size += f" ({r['compression']} x{r['compression_ratio']:.2f})"
-        ok = "committed (not verified)" if quick else "healthy"
+        ok = "committed (not verified)" if quick else "verified"
         state = ok if r["healthy"] else ("DAMAGED: " + str(r["problem"]) if r["committed"] else "uncommitted")
         if ranks_text(man):
             state += f" ({ranks_text(man)})"
@@ -82,10 +98,13 @@ def _ls_table(rows: list[dict[str, Any]], mans: list[Optional[mf.Manifest]], qui
             refs, needs = human_bytes(r["referenced_bytes"]), ",".join(map(str, r["base_steps"]))
         else:
             refs, needs = "-", "-"
-        cells.append((r["tier"], str(r["step"]), size, refs, needs, r["tag"] if r["tag"] is not None else "-", state))
-    w = [max(len(c[i]) for c in cells) for i in range(6)]
-    return [f"{a:<{w[0]}}  {b:>{w[1]}}  {c:>{w[2]}}  {d:>{w[3]}}  {e:<{w[4]}}  {f:<{w[5]}}  {g}"
-            for a, b, c, d, e, f, g in cells]
+        health = "-" if r["health"] is None else r["health"] + (f" ({r['health_reason']})"
+                                                                 if r["health"] == "suspect" else "")
+        cells.append((r["tier"], str(r["step"]), size, refs, needs, r["tag"] if r["tag"] is not None else "-", state,
+                      health))
+    w = [max(len(c[i]) for c in cells) for i in range(7)]
+    return [f"{a:<{w[0]}}  {b:>{w[1]}}  {c:>{w[2]}}  {d:>{w[3]}}  {e:<{w[4]}}  {f:<{w[5]}}  {g:<{w[6]}}  {h}"
+            for a, b, c, d, e, f, g, h in cells]
 
 
 def cmd_ls(args: argparse.Namespace) -> int:
@@ -96,12 +115,14 @@ def cmd_ls(args: argparse.Namespace) -> int:
     given, args.root = args.root, find_root(args.root)
     if args.root != given and not args.json:
         out(f"{given} -> checkpoint root {args.root}")
-    todo = [(tier, st, step) for tier, st in open_tiers(args.root, args.storage_options) for step in step_dirs(st)]
+    pairs = open_tiers(args.root, args.storage_options)
+    todo = [(tier, st, step) for tier, st in pairs for step in step_dirs(st)]
+    view = HealthView(pairs[-1][1]) if pairs else None  # the records are on the root's own tier (listed last)
     verify = "size" if args.quick else "full"
     rows: list[dict[str, Any]] = []
     mans: list[Optional[mf.Manifest]] = []
     for tier, st, step in progress(todo, "checking", "ckpt", quiet=args.json):
-        row, man = _ls_row(tier, st, step, verify)
+        row, man = _ls_row(tier, st, step, verify, view)
         rows.append(row)
         mans.append(man)
     if args.json:

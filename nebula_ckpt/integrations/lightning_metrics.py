@@ -83,8 +83,13 @@ class NebulaSaveMetrics(_Callback):
                 logger.log_metrics(values, step=step if step is not None else trainer.global_step)
 
     def on_train_batch_end(self, trainer: Any, *args: Any, **kwargs: Any) -> None:
-        """A save made at the previous step may be over by now."""
+        """A save made at the previous step may be over by now; the batch's loss goes to
+        :meth:`~nebula_ckpt.Checkpointer.report` on rank 0, which saves (the checkpoints' health)."""
         self.flush(trainer)
+        outputs = args[1] if len(args) > 1 else kwargs.get("outputs")
+        loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
+        if loss is not None and getattr(trainer, "is_global_zero", True):
+            self.io.checkpointer.report(int(trainer.global_step), loss=loss)
 
     def on_train_epoch_end(self, trainer: Any, pl_module: Any) -> None:
         """Saves made at the end of the epoch (``ModelCheckpoint``) may be over by now."""

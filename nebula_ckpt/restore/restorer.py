@@ -17,9 +17,11 @@ from nebula_ckpt.errors import CorruptCheckpointError, NotFoundError, Validation
 from nebula_ckpt.format.commit import committed_steps
 from nebula_ckpt.format.manifest import Manifest
 from nebula_ckpt.format.references import shard_path
+from nebula_ckpt.health.book import HealthBook
 from nebula_ckpt.ranks.coordinator import Coordinator
 from nebula_ckpt.restore.adopt import adoption_for
 from nebula_ckpt.restore.apply import apply, materialize, stage_restore
+from nebula_ckpt.restore.health import HealthChoice, all_suspect_error, say
 from nebula_ckpt.restore.open import OpenCheckpoint, read_main_manifest
 from nebula_ckpt.restore.select import Stage, find_and_open, list_candidates, open_agreed, open_tagged
 from nebula_ckpt.storage.base import Storage
@@ -41,11 +43,14 @@ class Restorer:
         may_adopt: whether the memory tier's pages may be handed over instead of copied now
             (not once this process saved, nor for a reader, which deletes nothing).
         on_restored: called with ``(step, tier name, its manifest)`` after each restore.
+        health: the root's health records: a restore of the newest step skips the checkpoints
+            marked suspect (:mod:`nebula_ckpt.restore.health`).
     """
 
     def __init__(self, runtimes: list[TierRuntime], coordinator: Coordinator, root: str, allow_pickle: bool,
                  may_adopt: Callable[[], bool],
-                 on_restored: Optional[Callable[[int, str, Manifest], None]] = None) -> None:
+                 on_restored: Optional[Callable[[int, str, Manifest], None]] = None,
+                 health: Optional[HealthBook] = None) -> None:
         self._runtimes = runtimes
         self.coordinator = coordinator
         self.root = root
@@ -59,6 +64,11 @@ class Restorer:
         self.last_restore: Optional[dict[str, Any]] = None
         #: memory-tier replicas on partner nodes (:mod:`nebula_ckpt.tiers.memory.replicas`), or None
         self.replicator: Any = None
+        #: the root's health records (a restore of the newest step skips the suspect ones), or None
+        self.health = health
+        #: told ``(generation, step, health mark)`` after each restore
+        #: (:class:`~nebula_ckpt.health.monitor.HealthMonitor`)
+        self.monitor: Any = None
 
     def tier_pairs(self) -> list[tuple[Tier, Storage]]:
         """``(tier, storage)`` of every tier read, fastest first."""
@@ -120,35 +130,66 @@ class Restorer:
     # -- opening and loading -------------------------------------------------------------------------
     def open(self, step: Optional[int] = None, on_damaged: str = "raise", tag: Optional[str] = None,
              stage: Optional[Stage] = None) -> Optional[OpenCheckpoint]:
-        """Open ``step`` (None: the newest), or the newest healthy step tagged ``tag``.
+        """Open ``step`` (None: the newest not marked suspect), or the newest healthy step tagged ``tag``.
 
         ``stage`` (:meth:`stage`): prepares the restore of each candidate; one it finds damaged is
         skipped like one that does not open.
         """
         if on_damaged not in ("raise", "warn"):
             raise ValidationError(f"on_damaged must be 'raise' or 'warn', got {on_damaged!r}")
-        pairs = self.tier_pairs()
-        rec = None
-        if self.coordinator.world_size > 1:
-            among = None if tag is None else self.steps_tagged(tag)
-            if self.replicator is not None:  # lost memory-tier copies come back from partners first
-                shared = [c.order for c in list_candidates([(t, s) for t, s in pairs if t.shared])]
-                rec = self.replicator.recover(shared, step, among)
-                pairs = _with_pulled(pairs, rec, self.coordinator.rank)
-            agreed = None if rec is None or rec["step"] is None else (int(rec["generation"]), int(rec["step"]))
-            ck = open_agreed(pairs, self.coordinator, self.root, step, on_damaged, among, stage, self._checked(rec),
-                             agreed)
-        elif tag is not None:
-            ck = open_tagged(pairs, self.steps_tagged(tag), tag, self.root, stage)
+        co = self.coordinator
+        reads = self.health is not None and (co.world_size == 1 or co.is_coordinator)  # rank 0 decides
+        choice = HealthChoice(self.health.view() if reads and self.health is not None else None,
+                              skip_suspect=step is None and tag is None)
+        if co.world_size > 1:
+            ck, rec = self._open_ranks(step, tag, on_damaged, stage, choice)
+            outcome = co.exchange(choice.outcome(_key(ck)) if co.is_coordinator else None)[0]
         else:
-            ck = find_and_open(pairs, step=step, on_all_damaged=on_damaged, stage=stage)
+            ck, rec = self._open_one(step, tag, on_damaged, stage, choice), None
+            outcome = choice.outcome(_key(ck))
+        say(outcome, None if ck is None else ck.step, self.root)
+        if ck is None and outcome["skipped"]:
+            if on_damaged == "raise":
+                raise all_suspect_error(outcome, self.root)
+            log.warning("nebula_ckpt: %s", all_suspect_error(outcome, self.root))
         self.last_restore = None if ck is None else {"step": ck.step, "tier": ck.tier_name, "adopted_bytes": 0,
-                                                     "copy_on_write_bytes": 0}
+                                                     "copy_on_write_bytes": 0, **outcome}
         if ck is not None and self.last_restore is not None and rec is not None and rec["step"] == ck.step:
             # where each rank's copy was before the restore: its own memory tier, a partner's
             # replica (pulled into its memory tier), a shared tier; ``tier``: where this rank read it
-            self.last_restore.update(sources=rec["sources"], source=rec["sources"][self.coordinator.rank])
+            self.last_restore.update(sources=rec["sources"], source=rec["sources"][co.rank])
         return ck
+
+    def _open_one(self, step: Optional[int], tag: Optional[str], on_damaged: str, stage: Optional[Stage],
+                  choice: HealthChoice) -> Optional[OpenCheckpoint]:
+        """One process: open ``step`` / the newest tagged ``tag`` / the newest not left out by ``choice``."""
+        pairs = self.tier_pairs()
+        if tag is not None:
+            return open_tagged(pairs, self.steps_tagged(tag), tag, self.root, stage)
+        try:
+            return find_and_open(pairs, step=step, on_all_damaged=on_damaged, stage=stage, skip=choice.skips)
+        except CorruptCheckpointError as e:
+            if not choice.skipped:
+                raise
+            raise CorruptCheckpointError(f"{all_suspect_error(choice.outcome(None), self.root)}\n"
+                                         f"The steps not marked suspect are damaged: {e}") from None
+
+    def _open_ranks(self, step: Optional[int], tag: Optional[str], on_damaged: str, stage: Optional[Stage],
+                    choice: HealthChoice) -> tuple[Optional[OpenCheckpoint], Optional[dict[str, Any]]]:
+        """Several ranks: every rank opens the same step (the replicas' recover round first, when
+        there are replicas); the checkpoint and that round's outcome."""
+        pairs = self.tier_pairs()
+        rec = None
+        among = None if tag is None else self.steps_tagged(tag)
+        if self.replicator is not None:  # lost memory-tier copies come back from partners first
+            shared = [c.order for c in list_candidates([(t, s) for t, s in pairs if t.shared])]
+            rec = self.replicator.recover(shared, step, among)
+            pairs = _with_pulled(pairs, rec, self.coordinator.rank)
+        agreed = None if rec is None or rec["step"] is None else (int(rec["generation"]), int(rec["step"]))
+        skip = choice.skips if choice.view is not None else None
+        ck = open_agreed(pairs, self.coordinator, self.root, step, on_damaged, among, stage, self._checked(rec),
+                         agreed, skip)
+        return ck, rec
 
     def _checked(self, rec: Optional[dict[str, Any]]) -> Optional[tuple[str, int, int]]:
         """The memory-tier copy the replicas' recover round checked in full on this rank (its own
@@ -199,7 +240,13 @@ class Restorer:
         if self._on_restored is not None and ck.tier_name is not None and not isinstance(ck.storage, BufferStorage):
             # a copy pulled from a partner is not (yet) the tier's: the tier's next save is full
             self._on_restored(ck.step, ck.tier_name, ck.manifest)
+        self._tell_monitor(ck)
         return ck.step
+
+    def _tell_monitor(self, ck: OpenCheckpoint) -> None:
+        """The reports from now on judge the step restored (:class:`~nebula_ckpt.health.monitor.HealthMonitor`)."""
+        if self.monitor is not None:
+            self.monitor.restored(ck.manifest.generation, ck.step, (self.last_restore or {}).get("health", "unknown"))
 
     def read(self, step: Optional[int], tag: Optional[str], map_location: Any) -> tuple[int, Any]:
         """``(step, state)`` as a fresh tree (see :meth:`Checkpointer.read`)."""
@@ -210,7 +257,14 @@ class Restorer:
             raise ValidationError(f"step {ck.step} was saved by {ck.manifest.world_size} ranks: read() gives one "
                                   "rank's state; restore it with load_latest(into) (resharded), or gather it "
                                   "whole with `nebula-ckpt export`")
-        return ck.step, materialize(ck, map_location=map_location, allow_pickle=self.allow_pickle)
+        state = materialize(ck, map_location=map_location, allow_pickle=self.allow_pickle)
+        self._tell_monitor(ck)  # a framework resumes from read() (Hugging Face's Trainer does)
+        return ck.step, state
+
+
+def _key(ck: Optional[OpenCheckpoint]) -> Optional[tuple[int, int]]:
+    """``(writer generation, step)`` of an open checkpoint: what its health marks are keyed by."""
+    return None if ck is None else (ck.manifest.generation, ck.step)
 
 
 def _with_pulled(pairs: list[tuple[Tier, Storage]], rec: dict[str, Any], rank: int) -> list[tuple[Tier, Storage]]:

@@ -31,6 +31,9 @@ Stage = Callable[[OpenCheckpoint], None]
 #: only, so its bytes are not checked twice. Copies on other tiers, or of other steps, are not.
 Checked = Optional[tuple[str, int, int]]
 
+#: ``skip(generation, step)``: whether a restore leaves that checkpoint out (its health mark)
+Skip = Callable[[int, int], bool]
+
 #: What :func:`find_and_open` does when committed checkpoints exist but none is healthy.
 ON_ALL_DAMAGED = ("raise", "warn")
 
@@ -89,7 +92,8 @@ def _commit_generation(storage: Storage, step: int) -> tuple[int, Optional[str]]
 def find_and_open(tiers: list[tuple[Tier, Storage]], step: Optional[int] = None,
                   verify: Optional[str] = None, on_all_damaged: str = "raise", rank: Optional[int] = None,
                   world: int = 1, stage: Optional[Stage] = None,
-                  generation: Optional[int] = None, checked: Checked = None) -> Optional[OpenCheckpoint]:
+                  generation: Optional[int] = None, checked: Checked = None,
+                  skip: Optional[Skip] = None) -> Optional[OpenCheckpoint]:
     """Open the newest healthy checkpoint (or the healthy copy of ``step``).
 
     Every candidate that fails to open, for whatever reason, is skipped with a warning.
@@ -108,6 +112,8 @@ def find_and_open(tiers: list[tuple[Tier, Storage]], step: Optional[int] = None,
             :func:`~nebula_ckpt.restore.apply.stage_restore`); a candidate it finds damaged is
             skipped like one that fails to open, before anything was restored from it. Its ``ValidationError`` (``into``
             does not match) is raised.
+        skip: ``skip(generation, step)``: leave that checkpoint out (marked suspect, see
+            :mod:`nebula_ckpt.restore.health`); not counted as damaged.
 
     Returns:
         The open checkpoint, or None when there is no committed checkpoint (of ``step``) at all
@@ -124,6 +130,8 @@ def find_and_open(tiers: list[tuple[Tier, Storage]], step: Optional[int] = None,
             skipped.append(why)
     for c in cands:
         if c.problem is not None or (generation is not None and c.generation != generation):
+            continue
+        if skip is not None and skip(c.generation, c.step):
             continue
         how = verify or ("size" if checked == (c.tier.name, c.generation, c.step) else c.tier.verify)
         ck = _open_candidate(c, how, rank, world, stage, skipped)
@@ -201,7 +209,7 @@ def open_tagged(tiers: list[tuple[Tier, Storage]], steps: list[int], tag: str, r
 def open_agreed(tiers: list[tuple[Tier, Storage]], co: Coordinator, root: str, step: Optional[int],
                 on_damaged: str, among: Optional[list[int]] = None,
                 stage: Optional[Stage] = None, checked: Checked = None,
-                agreed: Optional[tuple[int, int]] = None) -> Optional[OpenCheckpoint]:
+                agreed: Optional[tuple[int, int]] = None, skip: Optional[Skip] = None) -> Optional[OpenCheckpoint]:
     """Every rank opens the same step: the newest that every rank can open from some tier (of
     ``among``, when given: the steps this rank sees with the tag asked for).
 
@@ -211,17 +219,21 @@ def open_agreed(tiers: list[tuple[Tier, Storage]], co: Coordinator, root: str, s
     older one. Runs on the training thread; collectives on ``co``'s control group. ``checked``:
     see :data:`Checked`. ``agreed``: the ``(writer generation, step)`` the ranks agreed on
     already, the same on every rank (the replicas' recover round: every rank has it on a tier):
-    the first round opens it without exchanging the candidates.
+    the first round opens it without exchanging the candidates, unless ``skip`` leaves it out on
+    some rank (one exchange). ``skip``: this rank leaves those checkpoints out of what it offers
+    (rank 0 with the health marks: no rank then restores a step it left out).
     """
     failed: list[tuple[int, int]] = []
+    if agreed is not None and not co.all_true(skip is None or not skip(*agreed)):
+        agreed = None  # rank 0 leaves it out: the ranks agree among the others
     while True:
         newest: Optional[tuple[int, int]]
         if agreed is not None:  # agreed on every rank alike: no exchange for it
             newest, agreed = agreed, None
         else:
             # (writer generation, step): a stale writer's steps never win over a newer writer's
-            have = {c.order for c in list_candidates(tiers)
-                    if (step is None or c.step == step) and (among is None or c.step in among)}
+            have = {c.order for c in list_candidates(tiers) if (step is None or c.step == step)
+                    and (among is None or c.step in among) and (skip is None or not skip(*c.order))}
             newest = co.agree_step(sorted(have - set(failed)))
         if newest is None:
             if failed and on_damaged == "raise":

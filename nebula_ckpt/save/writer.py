@@ -474,7 +474,7 @@ class TierWriter:
     def _prune(self, keep_step: Optional[int]) -> None:
         st = self.storage
         committed, uncommitted = sweep.scan_steps(st)
-        keep = set(committed[-self.keep_last:])
+        keep = set(committed[-self.keep_last:]) | self.runtime.keep_also(committed)  # + the newest healthy step
         if self.tier.keep_every:
             keep.update(s for s in committed if s % self.tier.keep_every == 0)
         self._deferred &= set(committed)

@@ -17,11 +17,16 @@ Call order, all on the thread that owns the Checkpointer unless said otherwise:
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from nebula_ckpt.storage.base import Storage
 from nebula_ckpt.tiers.base import Tier
 from nebula_ckpt.tiers.memory.shm import Owner
+
+
+def _nothing_more(committed: list[int]) -> set[int]:
+    """What retention keeps beyond ``keep_last`` by default: nothing."""
+    return set()
 
 
 class TierRuntime:
@@ -39,6 +44,9 @@ class TierRuntime:
         self.tier = tier
         self.storage = storage
         self.name = tier.name
+        #: ``keep_also(committed steps)``: those of them retention keeps on this tier beside
+        #: ``keep_last`` (the newest healthy one, :mod:`nebula_ckpt.health`); the tier's writer thread
+        self.keep_also: Callable[[list[int]], set[int]] = _nothing_more
 
     @property
     def persistent(self) -> bool:

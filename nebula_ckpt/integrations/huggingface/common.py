@@ -76,6 +76,7 @@ class RunState:
         prepared: whether the staging memory was prepared.
         restored: ``{"step": N, "tier": name}`` of the last checkpoint resumed through nebula_ckpt.
         log_metrics: whether each save's metrics go into the trainer's logs.
+        losses: the losses of this step's ``training_step`` calls, reported at its end (health).
     """
 
     root: str
@@ -89,6 +90,7 @@ class RunState:
     prepared: bool = False
     restored: Optional[dict[str, Any]] = None
     log_metrics: bool = True
+    losses: list[Any] = dataclasses.field(default_factory=list)
 
     def once(self, what: str) -> bool:
         """True the first time ``what`` is asked about (a warning given once per trainer)."""

@@ -62,6 +62,12 @@ class NebulaCheckpointMixin:
         restored through nebula_ckpt (None before)."""
         return run_of(self).restored
 
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        """``Trainer.training_step``; its loss is reported at the step's end (:class:`Housekeeping`)."""
+        loss = super().training_step(*args, **kwargs)  # type: ignore[misc]
+        run_of(self).losses.append(loss)
+        return loss
+
     # -- saving ----------------------------------------------------------------------------------
     def _save_checkpoint(self, model: Any, trial: Any) -> None:
         """``Trainer._save_checkpoint`` through :meth:`~nebula_ckpt.Checkpointer.save_async`."""
@@ -175,10 +181,10 @@ class NebulaCheckpointMixin:
 
 
 class Housekeeping(TrainerCallback):
-    """At the end of each step: after the first one, prepare the staging memory; later, report
-    the saves that are over (their metrics into the logs) and apply ``save_total_limit`` as soon
-    as a save that was in flight is durable (a check of the pending handles per step; a deletion
-    only when one is due)."""
+    """At the end of each step: after the first one, prepare the staging memory; report the step's
+    loss (:meth:`~nebula_ckpt.Checkpointer.report`); later, report the saves that are over (their
+    metrics into the logs) and apply ``save_total_limit`` as soon as a save that was in flight is
+    durable (a check of the pending handles per step; a deletion only when one is due)."""
 
     def __init__(self, trainer: Any) -> None:
         self.trainer = weakref.ref(trainer)
@@ -190,6 +196,9 @@ class Housekeeping(TrainerCallback):
         run = run_of(tr)
         if not run.prepared:
             saving.prepare(tr)
+        losses, run.losses = run.losses, []
+        if losses and run.ckpt is not None and not run.ckpt.closed:  # the step's loss: checkpoints' health
+            run.ckpt.report(int(state.global_step), loss=sum(float(x) for x in losses) / len(losses))
         if run.inflight and run.ckpt is not None and not run.ckpt.closed:
             saving.settle(tr)
             saving.rotate(tr)

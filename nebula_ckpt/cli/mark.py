@@ -1,0 +1,81 @@
+"""``nebula-ckpt mark ROOT --healthy STEP`` / ``--suspect STEP``: a person's health mark of a step.
+
+The mark is a health record (:mod:`nebula_ckpt.format.health`) written on the root, by ``user``:
+it decides over every mark the training signal made before it (``--healthy`` clears a suspect
+mark, so the next ``load_latest`` may restore the step again; ``--suspect`` makes it skip the
+step). A later suspect mark from the training signal still overrides it. Every committed copy of
+the step on the root's tiers is marked (each writer generation holding it); nothing else changes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import getpass
+import json
+import socket
+import sys
+from typing import Callable
+
+from nebula_ckpt.cli.common import open_tiers, out
+from nebula_ckpt.format.commit import read_commit
+from nebula_ckpt.format.health import BY_USER, HEALTHY, SUSPECT, clean_reason
+from nebula_ckpt.format.names import COMMIT, step_dir
+from nebula_ckpt.health.book import HealthBook
+from nebula_ckpt.integrations.pointers import find_root
+from nebula_ckpt.storage.base import Storage
+from nebula_ckpt.tiers.base import Tier
+
+
+def _generations(pairs: list[tuple[Tier, Storage]], step: int) -> tuple[set[int], list[str]]:
+    """The writer generations of the committed copies of ``step`` on the root's tiers ``pairs``,
+    and what could not be read."""
+    gens: set[int] = set()
+    problems: list[str] = []
+    for tier, st in pairs:
+        if not st.exists(f"{step_dir(step)}/{COMMIT}"):
+            continue
+        try:
+            gens.add(read_commit(st, step, f"tier {tier.name} step {step}").generation)
+        except Exception as e:  # an unreadable marker: that copy cannot be named, the others can
+            problems.append(f"tier {tier.name}: {type(e).__name__}: {e}")
+    return gens, problems
+
+
+def cmd_mark(args: argparse.Namespace) -> int:
+    """Mark ``--healthy STEP`` or ``--suspect STEP``; exit 1 when the root holds no committed ``STEP``,
+    2 for a negative step."""
+    state, step = (HEALTHY, args.healthy) if args.healthy is not None else (SUSPECT, args.suspect)
+    if step < 0:
+        sys.stderr.write(f"nebula-ckpt: STEP must be a non-negative int, got {step}\n")
+        return 2
+    pairs = open_tiers(find_root(args.root), args.storage_options)
+    gens, problems = _generations(pairs, step)
+    for p in problems:
+        sys.stderr.write(f"nebula-ckpt: cannot read the commit marker of step {step}: {p}\n")
+    if not gens:
+        sys.stderr.write(f"nebula-ckpt: no committed step {step} under {args.root}; nothing marked "
+                         "(`nebula-ckpt ls ROOT` lists the steps)\n")
+        return 1
+    who = f"{getpass.getuser()}@{socket.gethostname()}"
+    reason = clean_reason(args.reason) if args.reason else f"marked {state} by {who} (nebula-ckpt mark)"
+    book = HealthBook(pairs[-1][1])  # the root's own tier: listed last
+    written = [book.append(step=step, generation=g, state=state, by=BY_USER, rank=None, reason=reason)
+               for g in sorted(gens)]
+    if args.json:
+        out(json.dumps([{"step": r.step, "generation": r.generation, "health": r.state, "reason": r.reason,
+                         "record": r.path} for r in written], indent=2))
+    else:
+        for r in written:
+            out(f"step {r.step} (writer generation {r.generation}) marked {r.state}: {r.reason}")
+    return 0
+
+
+def add_mark_parser(sub: "argparse._SubParsersAction[argparse.ArgumentParser]",
+                    common: Callable[[argparse.ArgumentParser], None]) -> None:
+    """The ``mark`` subcommand (``common``: the root, ``--json``, ``--storage-options``)."""
+    sp = sub.add_parser("mark", help="mark a step healthy (clears a suspect mark) or suspect (restores skip it)")
+    common(sp)
+    which = sp.add_mutually_exclusive_group(required=True)
+    which.add_argument("--healthy", type=int, metavar="STEP", help="mark STEP healthy: a restore may pick it again")
+    which.add_argument("--suspect", type=int, metavar="STEP", help="mark STEP suspect: load_latest skips it")
+    sp.add_argument("--reason", default=None, help="why (shown by ls and in the restore's log)")

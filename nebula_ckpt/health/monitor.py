@@ -1,0 +1,235 @@
+"""The training signal of one Checkpointer: from reports to durable health marks.
+
+Called on the training thread: :meth:`HealthMonitor.report` after a step, :meth:`~HealthMonitor.saved`
+after each ``save_async``, :meth:`~HealthMonitor.restored` after each restore. It decides:
+
+- a step saved by this process is marked *healthy* once the next ``healthy_after`` reported steps
+  had a finite loss (written in the background, by rank 0 only: one record per step);
+- a bad report (a non-finite loss, or one the user's rule refuses) within ``suspect_within``
+  reported steps after a restore from step S marks S *suspect*, and with it every step this
+  process saved since (they carry S's state forward); a step saved after a bad report and before
+  any finite one is suspect at once. Suspect marks are written before ``report`` returns, by the
+  rank that saw the bad loss: in a multi-rank job each rank judges its own reports (no collective
+  per step), and since every rank restored the same step and saved the same steps, the marks any
+  rank writes are the job's;
+- a finite loss with a non-finite ``grad_norm`` (a step an AMP loss scaler skipped) neither
+  confirms nor blames anything.
+
+A failure to write a record is logged (ERROR), never raised into the training loop.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import threading
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+from nebula_ckpt.errors import ValidationError
+from nebula_ckpt.format.commit import committed_steps
+from nebula_ckpt.format.health import BY_REPORT, HEALTHY, SUSPECT
+from nebula_ckpt.health.book import HealthBook
+from nebula_ckpt.health.policy import HealthPolicy
+from nebula_ckpt.workers import Workers
+
+log = logging.getLogger("nebula_ckpt")
+
+#: steps waiting for their confirmation at most (a job that saves and never reports holds no more)
+_MAX_PENDING = 64
+#: old steps' records are dropped after every this many healthy marks
+_PRUNE_EVERY = 16
+#: how long close() waits for the healthy marks still being written
+_CLOSE_WAIT_S = 60.0
+
+
+def as_signal(value: Any, name: str, optional: bool = False) -> Optional[float]:
+    """``value`` (a real number, or a one-element tensor or array) as a float.
+
+    Raises:
+        ValidationError: naming ``name``, for anything else.
+    """
+    if value is None and optional:
+        return None
+    if hasattr(value, "numel") and hasattr(value, "item"):  # a tensor: one element
+        if value.numel() != 1 or value.is_complex():
+            raise ValidationError(f"report(): {name} must be a real number or a one-element tensor, got a tensor "
+                                  f"of shape {tuple(value.shape)} and dtype {value.dtype}")
+        value = value.detach().item()
+    elif hasattr(value, "item") and getattr(value, "size", None) == 1:  # a numpy scalar or array
+        value = value.item()
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValidationError(f"report(): {name} must be a real number or a one-element tensor, got "
+                              f"{type(value).__name__}")
+    try:
+        return float(value)
+    except OverflowError:  # an int beyond float: as large a loss as can be
+        return math.inf
+
+
+@dataclass
+class _Pending:
+    """A checkpoint waiting for ``healthy_after`` finite reports (``generation`` None: this writer's)."""
+
+    generation: Optional[int]
+    step: int
+    finite: int = 0
+    first: Optional[int] = None
+
+
+class HealthMonitor:
+    """Turns one Checkpointer's reports into health marks (see the module docstring). Thread-safe.
+
+    Args:
+        book: the root's health records.
+        policy: ``k``, ``N`` and the rule.
+        rank: this process's rank (rank 0 writes the healthy marks).
+        generation: this writer's generation (called once, when a mark of its own step is written).
+    """
+
+    def __init__(self, book: HealthBook, policy: HealthPolicy, rank: int, generation: Callable[[], int]) -> None:
+        self.book = book
+        self.policy = policy
+        self.rank = rank
+        self._generation = generation
+        self._lock = threading.RLock()
+        self._pending: list[_Pending] = []
+        self._restored: Optional[tuple[int, int]] = None
+        self._since_restore = 0
+        self._descendants: list[int] = []
+        self._bad: Optional[str] = None
+        self._last_step: Optional[int] = None
+        self._rule_failed = False
+        self._workers: Optional[Workers] = None
+        self._futures: list[Future[Any]] = []
+        self._healthy_written = 0
+        #: whether this process reported anything yet
+        self.reported = False
+
+    # -- training thread ------------------------------------------------------------------------
+    def report(self, step: int, loss: float, grad_norm: Optional[float]) -> None:
+        """One reported step (validated numbers)."""
+        with self._lock:
+            self.reported = True
+            new = step != self._last_step
+            self._last_step = step
+            if new and self._restored is not None:
+                self._since_restore += 1
+                if self._since_restore > self.policy.suspect_within:  # the restore passed its window
+                    self._restored, self._descendants = None, []
+            why = self._judge(step, loss, grad_norm)
+            if why is not None:
+                self._on_bad(why)
+            elif new and (grad_norm is None or math.isfinite(grad_norm)):
+                self._on_finite(step)
+
+    def saved(self, step: int) -> None:
+        """``save_async(step)`` was accepted."""
+        with self._lock:
+            if self._bad is not None:
+                self._suspect([(None, step, f"saved after a bad report ({self._bad}) and before any finite one")])
+                return
+            if self._restored is not None:
+                self._descendants.append(step)
+            if self.rank == 0:
+                self._pending = [p for p in self._pending if p.step != step][-(_MAX_PENDING - 1):]
+                self._pending.append(_Pending(None, step))
+
+    def restored(self, generation: int, step: int, state: str) -> None:
+        """The checkpoint ``(generation, step)``, marked ``state``, was restored: reports from now
+        on judge it (and a run from it begins: what was pending before is no longer followed)."""
+        with self._lock:
+            self._restored, self._since_restore, self._descendants = (generation, step), 0, []
+            self._bad, self._last_step = None, None
+            self._pending = [_Pending(generation, step)] if self.rank == 0 and state not in (HEALTHY, SUSPECT) else []
+
+    # -- decisions --------------------------------------------------------------------------------
+    def _judge(self, step: int, loss: float, grad_norm: Optional[float]) -> Optional[str]:
+        """Why this report is bad, or None."""
+        if not math.isfinite(loss):
+            return f"loss {loss} at step {step}"
+        if self.policy.rule is None:
+            return None
+        try:
+            why = self.policy.rule(step, loss, grad_norm)
+        except Exception as e:  # a broken rule never stops training; said once
+            if not self._rule_failed:
+                log.error("nebula_ckpt: the health rule raised %s: %s (its verdicts are ignored)", type(e).__name__, e)
+            self._rule_failed = True
+            return None
+        return f"step {step}: {why}" if why else None
+
+    def _on_bad(self, why: str) -> None:
+        if self._restored is not None:
+            g, s = self._restored
+            n = self._since_restore
+            marks: list[tuple[Optional[int], int, str]] = [
+                (g, s, f"{why}, {n} reported step{'s' if n != 1 else ''} after a restore from it")]
+            marks += [(None, d, f"saved from step {s}, which went bad ({why})") for d in self._descendants if d != s]
+            self._restored, self._descendants = None, []
+            self._suspect(marks)
+        self._pending = []  # not confirmed: they stay unknown
+        self._bad = why
+
+    def _on_finite(self, step: int) -> None:
+        self._bad = None
+        done = []
+        for p in self._pending:
+            p.finite += 1
+            p.first = step if p.first is None else p.first
+            if p.finite >= self.policy.healthy_after:
+                done.append(p)
+        for p in done:
+            self._pending.remove(p)
+            span = f"step {p.first}" if p.first == step else f"steps {p.first}-{step}"
+            self._submit(p, f"the loss was finite at the {p.finite} reported step(s) after it ({span})")
+
+    # -- writing ------------------------------------------------------------------------------------
+    def _suspect(self, marks: list[tuple[Optional[int], int, str]]) -> None:
+        """Write suspect marks now (before ``report`` returns): they are what stops a loop."""
+        for generation, step, reason in marks:
+            try:
+                g = self._generation() if generation is None else generation
+                self.book.append(step=step, generation=g, state=SUSPECT, by=BY_REPORT, rank=self.rank, reason=reason)
+            except Exception as e:
+                log.error("nebula_ckpt: could not mark step %d suspect on %s (%s: %s): a restore may pick it again",
+                          step, self.book.storage.display_url, type(e).__name__, e)
+
+    def _submit(self, p: _Pending, reason: str) -> None:
+        """Write a healthy mark in the background."""
+        if self._workers is None:
+            self._workers = Workers(1, "nebula-health")
+        self._futures = [f for f in self._futures if not f.done()]
+        self._futures.append(self._workers.submit(self._write_healthy, p, reason))
+
+    def _write_healthy(self, p: _Pending, reason: str) -> None:
+        try:
+            g = self._generation() if p.generation is None else p.generation
+            self.book.append(step=p.step, generation=g, state=HEALTHY, by=BY_REPORT, rank=self.rank, reason=reason)
+        except Exception as e:
+            log.error("nebula_ckpt: could not mark step %d healthy on %s: %s: %s", p.step,
+                      self.book.storage.display_url, type(e).__name__, e)
+            return
+        self._healthy_written += 1
+        if self._healthy_written % _PRUNE_EVERY == 0:
+            try:
+                steps = committed_steps(self.book.storage)
+            except Exception as e:  # dropping old records is housekeeping: next time
+                log.debug("nebula_ckpt: cannot list %s to drop old health records: %s", self.book.storage.display_url,
+                          e)
+                return
+            if steps:
+                self.book.prune(older_than=steps[0])
+
+    def close(self) -> None:
+        """Wait (a while) for the healthy marks still being written."""
+        with self._lock:
+            futures, workers, self._workers, self._futures = self._futures, self._workers, None, []
+        for f in futures:
+            try:
+                f.result(timeout=_CLOSE_WAIT_S)
+            except Exception as e:  # _write_healthy logs its own failures; a timeout is said here
+                log.warning("nebula_ckpt: a health mark was not written before close: %s: %s", type(e).__name__, e)
+        if workers is not None:
+            workers.shutdown(wait=False)

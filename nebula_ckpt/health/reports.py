@@ -1,0 +1,111 @@
+"""The health side of a :class:`~nebula_ckpt.checkpointer.Checkpointer`: ``report()``, and what ties
+its monitor to the restores and to retention.
+
+:class:`HealthReports` is a base class of ``Checkpointer`` (the facade stays one class; this part
+lives with the rest of :mod:`nebula_ckpt.health`). It uses what the Checkpointer made: its root's
+storage, its restorer, its tiers, its coordinator.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import TYPE_CHECKING, Any, Optional
+
+from nebula_ckpt.health.book import HealthBook, newest_healthy
+from nebula_ckpt.health.monitor import HealthMonitor, as_signal
+from nebula_ckpt.health.policy import HealthPolicy
+from nebula_ckpt.save.plan import check_step
+from nebula_ckpt.storage.base import Storage
+
+if TYPE_CHECKING:
+    from nebula_ckpt.ranks.coordinator import Coordinator
+    from nebula_ckpt.restore.restorer import Restorer
+    from nebula_ckpt.root import OpenRoot
+    from nebula_ckpt.tiers.runtime import TierRuntime
+
+
+class HealthReports:
+    """:meth:`report` and its wiring (a base class of :class:`~nebula_ckpt.checkpointer.Checkpointer`)."""
+
+    #: turns reports into health marks (None: read only)
+    _health: Optional[HealthMonitor] = None
+
+    if TYPE_CHECKING:  # what the Checkpointer provides
+        _opened: OpenRoot
+        _restores: Restorer
+        _runtimes: list[TierRuntime]
+        coordinator: Coordinator
+        read_only: bool
+
+        def _check_open(self, what: str) -> None: ...
+
+        def _check_writable(self, what: str) -> None: ...
+
+    def _open_health(self, policy: Optional[HealthPolicy]) -> None:
+        """Read the root's health marks on restore; turn reports into marks (unless read only);
+        let retention on the persistent tiers keep the newest healthy step."""
+        book = HealthBook(self._opened.root_storage)
+        self._restores.health = book
+        if self.read_only:
+            return
+        fence = self._opened.fence
+        self._health = HealthMonitor(book, policy or HealthPolicy(), self.coordinator.rank, lambda: fence.generation)
+        self._restores.monitor = self._health
+        for rt in self._runtimes:
+            if rt.persistent:
+                rt.keep_also = functools.partial(self._keep_healthy, book, rt.storage)
+
+    def _keep_healthy(self, book: HealthBook, storage: Storage, committed: list[int]) -> set[int]:
+        """Retention (a tier's writer thread): the newest healthy step of ``committed``, once this
+        process reported (a job that never reports keeps exactly what ``keep_last`` says)."""
+        monitor = self._health
+        return newest_healthy(book, storage, committed) if monitor is not None and monitor.reported else set()
+
+    def _saved(self, step: int, handle: Any) -> Any:
+        """``save_async(step)`` returned ``handle``: the monitor follows the step; ``handle``."""
+        if self._health is not None:
+            self._health.saved(step)
+        return handle
+
+    def _close_health(self) -> None:
+        if self._health is not None:
+            self._health.close()
+
+    def report(self, step: int, *, loss: Any, grad_norm: Any = None) -> None:
+        """Report the training signal of ``step`` after the step (every step, or as often as you log).
+
+        A checkpoint is marked *healthy* once the next ``healthy_after`` (2) reported steps had a
+        finite loss, and *suspect* when the loss goes bad (non-finite, or refused by the policy's
+        rule) within ``suspect_within`` (50) reported steps after a restore from it; the steps
+        saved since are suspect with it, and so is a step saved after a bad loss and before a
+        finite one. :meth:`~nebula_ckpt.checkpointer.Checkpointer.load_latest` restores the newest
+        step not marked suspect and says in the log and in ``last_restore`` what it skipped and
+        why (``docs/health.md``).
+
+        Cheap on the training thread: a healthy mark is written in the background, a suspect one
+        before this returns (it is what stops a restart loop): report the loss before anything that
+        may raise on a bad one. Multi-rank jobs: call it on every rank with the loss that rank has
+        (its own or the reduced one); no collective runs.
+
+        Args:
+            step: the step (non-negative int); several reports of one step count as one.
+            loss: a real number or a one-element tensor (a CUDA tensor is read, which waits for the
+                GPU: pass ``loss.item()`` where you have it already).
+            grad_norm: optional, likewise. A finite loss with a non-finite ``grad_norm`` (a step an
+                AMP loss scaler skipped) counts neither way.
+
+        Raises:
+            ValidationError: a bad argument (nothing is recorded).
+
+        Example::
+
+            loss = model(batch).loss
+            ckpt.report(step, loss=loss.item())
+            loss.backward()
+        """
+        self._check_open("report")
+        self._check_writable("report")
+        check_step(step)
+        value, norm = as_signal(loss, "loss"), as_signal(grad_norm, "grad_norm", optional=True)
+        assert self._health is not None and value is not None  # writable; a loss is never None here
+        self._health.report(step, value, norm)
