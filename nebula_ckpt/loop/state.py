@@ -107,6 +107,8 @@ class LoopState:
         self._epoch_start: Optional[Mapping[str, Any]] = None
         #: a restored position not yet reached: (streams at the save, streams at the epoch's start)
         self._pending: Optional[Mapping[str, Any]] = None
+        #: the loader's iterator of the epoch in progress
+        self._live: Optional[Iterator[Any]] = None
 
     # -- the loop ---------------------------------------------------------------------------------
     def epochs(self, n: int) -> Iterator[int]:
@@ -127,6 +129,7 @@ class LoopState:
         self.batch = 0
         self._epoch_done = False
         self._epoch_start = None
+        self._live = None
 
     def __iter__(self) -> Iterator[Any]:
         """The batches of the current epoch still to come (an epoch already over: the next one's)."""
@@ -134,11 +137,13 @@ class LoopState:
             raise ValidationError("LoopState(): iterating it needs the data loader: LoopState(loader)")
         if self._epoch_done:
             self._next_epoch()
-        it = self._start()
-        for item in it:
+        if self._live is None:
+            self._live = self._start()
+        for item in self._live:  # a ``break`` leaves it here: the next ``for`` goes on with it
             self.batch += 1
             self.step += 1
             yield item
+        self._live = None
         self._epoch_done = True
 
     def _start(self) -> Iterator[Any]:
@@ -198,6 +203,7 @@ class LoopState:
         self.epoch, self.batch, self.step = int(state["epoch"]), int(state["batch"]), int(state["step"])
         self._epoch_done = bool(state["epoch_done"])
         self._epoch_start = state.get("epoch_start")
+        self._live = None
         if loader is not None and data.has_own_state(loader) and state.get("loader") is not None \
                 and self.batch and not self._epoch_done:  # else the next iterator starts an epoch afresh
             loader.load_state_dict(_own(state["loader"]))
