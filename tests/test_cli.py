@@ -73,7 +73,7 @@ def test_verify_exit_codes(saved: str, capsys: pytest.CaptureFixture[str]) -> No
 
 
 def test_inspect(saved: str, capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["inspect", saved, "--step", "2"]) == 0
+    assert main(["inspect", saved, "--step", "2", "--full"]) == 0
     out = capsys.readouterr().out
     assert "model/weight" in out and "float32" in out and "(4, 8)" in out
     assert "'betas'" in out and "0.9" in out
@@ -81,6 +81,41 @@ def test_inspect(saved: str, capsys: pytest.CaptureFixture[str]) -> None:
     info = json.loads(capsys.readouterr().out)
     assert info["step"] == 2 and "model/bias" in info["tensors"]
     assert main(["inspect", saved, "--step", "7"]) == 1
+
+
+def test_inspect_summarises_by_default(root: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """A small training run's state (a model, AdamW, a scheduler, a LoopState with every random
+    stream) is a few lines by default: a row per top-level key with its kind, tensors, bytes and
+    other values, and the totals; ``--full`` lists every tensor and value."""
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 1))
+    opt = torch.optim.AdamW(model.parameters())
+    model(torch.randn(2, 8)).sum().backward()
+    opt.step()
+    sched = torch.optim.lr_scheduler.StepLR(opt, 3)
+    with nc.Checkpointer(root, memory_tier=False) as ck:
+        ck.save(5, {"model": model, "optim": opt, "sched": sched, "loop": nc.LoopState(), "step": 5})
+    capsys.readouterr()
+    assert main(["inspect", root]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) <= 10, lines
+    assert lines[0].startswith("step 5  (") and lines[1].split() == ["key", "kind", "tensors", "bytes", "other", "values"]
+    rows = {ln.split()[0]: ln.split() for ln in lines[2:-1]}
+    assert rows["model"][1:3] == ["torch.nn.modules.container.Sequential", "4"]
+    assert rows["optim"][1:3] == ["torch.optim.adamw.AdamW", "12"] and rows["sched"][2] == "0"
+    assert rows["step"][1:] == ["int", "0", "-", "=", "5"]
+    assert int(rows["loop"][2]) >= 4 and int(rows["total"][1]) == 4 + 12 + int(rows["loop"][2]), rows
+    assert main(["inspect", root, "--full"]) == 0
+    full = capsys.readouterr().out
+    assert len(full.splitlines()) > 3 * len(lines) and "model/0.weight" in full
+
+
+def test_a_step_that_is_not_there_is_answered_with_the_steps_that_are(saved: str,
+                                                                      capsys: pytest.CaptureFixture[str]) -> None:
+    for cmd in (["inspect"], ["export", "--to", "never.pt"]):
+        capsys.readouterr()
+        assert main([cmd[0], saved, "--step", "999", *cmd[1:]]) == 1
+        err = capsys.readouterr().err
+        assert "no checkpoint of step 999" in err and "committed steps there: 1, 2" in err, err
 
 
 def test_export_both_formats(saved: str, tmp_path) -> None:  # noqa: ANN001

@@ -63,9 +63,11 @@ def build_parser() -> argparse.ArgumentParser:
     sp = sub.add_parser("verify", help="full checksum check; exit 1 on damage")
     _common(sp)
     sp.add_argument("--step", type=int, default=None, help="only this step (default: every committed step)")
-    sp = sub.add_parser("inspect", help="tensor table and non-tensor structure of a step")
+    sp = sub.add_parser("inspect", help="what a step holds: a row per top-level key (--full: every tensor and value)")
     _common(sp)
     add_choice_arguments(sp)
+    sp.add_argument("--full", action="store_true",
+                    help="list every tensor (dtype, shape, bytes, checksum) and every non-tensor value")
     add_export_parser(sub, _common)
     add_gc_parser(sub)
     add_persist_memory_parser(sub, _common)
