@@ -167,6 +167,39 @@ def test_a_safetensors_export_names_what_it_leaves_out(saved: str, tmp_path,  # 
     assert json.loads(capsys.readouterr().out)["left_out"] == ["step", "cfg/lr", "cfg/betas/0", "cfg/betas/1"]
 
 
+def test_version_says_which_path_runs_and_why(capsys: pytest.CaptureFixture[str]) -> None:
+    from nebula_ckpt import knobs
+    from nebula_ckpt.native import describe
+
+    assert main(["--version"]) == 0
+    line = capsys.readouterr().out.strip()
+    assert line.startswith(f"nebula-ckpt {nc.__version__} ({describe()['path']} path") and torch.__version__ in line
+    with knobs.override(disable_native=True):
+        assert main(["--version"]) == 0
+    assert "(pure-pytorch path: disabled by NEBULA_DISABLE_NATIVE" in capsys.readouterr().out
+
+
+def test_doctor_reports_path_cuda_memory_tier_compiler_and_backends(shm_dir: str,
+                                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    from nebula_ckpt import knobs
+
+    main(["doctor", "--json"])  # exit 0 or 1: depends on this machine
+    f = json.loads(capsys.readouterr().out)
+    assert f["version"] == nc.__version__ and f["path"] in ("native", "pure-pytorch") and f["shm"]["dir"] == shm_dir
+    assert set(f["backends"]) == {"az", "s3", "gs"} and "available" in f["cuda"]
+    free = f["shm"]["bytes"]
+    rc = main(["doctor", "--size-gb", str(free / 1e9)])  # twice the tmpfs' size: too small for it
+    text = capsys.readouterr().out
+    assert rc == 1 and any(ln.startswith("! memory tier:") and "too small" in ln and "--shm-size" in ln
+                           for ln in text.splitlines()), text
+    assert "C++ compiler:" in text and "blob backends:" in text
+    with knobs.override(disable_native=True):
+        rc = main(["doctor", "--size-gb", "0.000001"])
+    text = capsys.readouterr().out
+    assert rc == 1 and "! pure-PyTorch path: disabled by NEBULA_DISABLE_NATIVE" in text, text
+    assert "NEBULA_NO_EXTENSION=1" in text  # a user who chose the pure path on purpose is told it is fine
+
+
 def test_console_script_usage_error() -> None:
     r = subprocess.run([sys.executable, "-m", "nebula_ckpt.cli", "inspect"], capture_output=True, text=True)
     assert r.returncode == 2 and "usage" in r.stderr

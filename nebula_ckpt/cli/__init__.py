@@ -1,4 +1,4 @@
-"""The ``nebula-ckpt`` command line: ls, verify, inspect, export, gc, persist-memory, bench.
+"""The ``nebula-ckpt`` command line: ls, verify, inspect, export, gc, persist-memory, doctor, bench.
 
 Multi-rank checkpoints (format v2) are understood everywhere: ls and verify show the job's
 world size and check every rank's shard, inspect shows global shapes and which rank stores
@@ -26,7 +26,8 @@ from typing import Callable, Optional, Sequence
 
 from nebula_ckpt.cli.bench import cmd_bench
 from nebula_ckpt.cli.choose import add_choice_arguments
-from nebula_ckpt.cli.common import close_opened, storage_options_arg
+from nebula_ckpt.cli.common import close_opened, out, storage_options_arg
+from nebula_ckpt.cli.doctor import add_doctor_parser, cmd_doctor, version_text
 from nebula_ckpt.cli.export import add_export_parser, cmd_export
 from nebula_ckpt.cli.gc import add_gc_parser, cmd_gc
 from nebula_ckpt.cli.listing import cmd_inspect, cmd_ls
@@ -39,7 +40,7 @@ __all__ = ["main", "build_parser"]
 
 COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
     "ls": cmd_ls, "verify": cmd_verify, "inspect": cmd_inspect, "export": cmd_export, "gc": cmd_gc,
-    "persist-memory": cmd_persist_memory}
+    "persist-memory": cmd_persist_memory, "doctor": cmd_doctor}
 
 
 def _common(sp: argparse.ArgumentParser) -> None:
@@ -55,7 +56,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="nebula-ckpt", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
-    sub = p.add_subparsers(dest="cmd", required=True)
+    p.add_argument("--version", action="store_true",
+                   help="the version, whether the native (C++) or the pure-PyTorch path runs and why, torch")
+    sub = p.add_subparsers(dest="cmd")
     sp = sub.add_parser("ls", help="steps per tier, sizes, healthy/DAMAGED (checksums verified)")
     _common(sp)
     sp.add_argument("--quick", action="store_true",
@@ -71,6 +74,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_export_parser(sub, _common)
     add_gc_parser(sub)
     add_persist_memory_parser(sub, _common)
+    add_doctor_parser(sub)
     sub.add_parser("bench", help="benchmark against torch.save (and peers, from a checkout); see bench --help",
                    add_help=False)
     return p
@@ -106,7 +110,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         except NebulaError as e:
             sys.stderr.write(f"{e}\n")
             return 1
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.version:
+        out(version_text())
+        return 0
+    if args.cmd is None:
+        parser.error("a command is required (ls, verify, inspect, export, gc, persist-memory, doctor, bench)")
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(levelname)s %(name)s: %(message)s")
     return _run(args)
