@@ -112,3 +112,21 @@ def test_the_pure_path_is_said_as_what_it_is(how: str, monkeypatch: pytest.Monke
         assert level == "INFO" and "NEBULA_NO_EXTENSION=1" in text and "torch.save" in text, said
     else:
         assert level == "WARNING" and "does not load" in text and "Rebuild" in text, said
+
+
+def test_the_demo_closing_hint_runs_as_typed(tmp_path, shm_dir) -> None:  # noqa: ANN001
+    """``make demo`` ends with ``Try: <cli> ls ROOT``: typed in a shell whose PATH lacks the virtual
+    environment (as after ``make demo``), from the repository and from elsewhere, it runs."""
+    import subprocess
+
+    from nebula_ckpt.demo import cli_command
+
+    root = str(tmp_path / "demo_ckpt")
+    with nc.Checkpointer(root) as ck:
+        ck.save(1, {"w": torch.ones(4)})
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, PATH="/usr/bin:/bin", NEBULA_SHM_DIR=shm_dir)
+    for cwd in (repo, str(tmp_path)):
+        cmd = f"{cli_command(cwd)} ls {root}"
+        r = subprocess.run(cmd, shell=True, cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
+        assert r.returncode == 0 and "healthy" in r.stdout, (cmd, r.stdout, r.stderr[-2000:])
