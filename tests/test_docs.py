@@ -34,6 +34,8 @@ PAGES = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
 _BLOCK = re.compile(r"(?:<!--\s*doctest:\s*(?P<directive>[^>]*?)\s*-->[ \t]*\n[ \t]*)?```python\n(?P<code>.*?)```",
                     re.S)
 _ROOTS = re.compile(r"([\"'])/(ckpt|shared|nvme)/")
+#: the page whose snippets run exactly as written (test_api_page_snippets_run_as_written)
+API_PAGE = REPO / "docs" / "api.md"
 
 
 @dataclass(frozen=True)
@@ -85,8 +87,8 @@ def test_every_snippet_has_a_known_directive() -> None:
             assert (PRELUDES / f"{s.directive.split()[1]}.py").is_file(), f"{s.id}: no prelude {s.directive}"
 
 
-@pytest.mark.parametrize("snippet", [s for s in ALL if not s.directive or s.directive.startswith("prelude")],
-                         ids=lambda s: s.id)
+@pytest.mark.parametrize("snippet", [s for s in ALL if (not s.directive or s.directive.startswith("prelude"))
+                                     and s.page != API_PAGE], ids=lambda s: s.id)
 def test_snippet_runs(snippet: Snippet, tmp_path: Path) -> None:
     code = _ROOTS.sub(lambda m: f"{m.group(1)}{tmp_path}/{m.group(2)}/", snippet.code)
     if snippet.directive:
@@ -141,6 +143,17 @@ def test_skipped_snippet_compiles_and_names_what_exists(snippet: Snippet, tmp_pa
     res = _run(_nebula_reads(snippet.code), tmp_path, timeout=120)
     assert res.returncode == 0, res.stderr[-3000:]
     assert res.stdout.strip() == "", f"{snippet.id} reads what does not exist (as written):\n{res.stdout}"
+
+
+@pytest.mark.parametrize("snippet", [s for s in ALL if s.page == API_PAGE], ids=lambda s: s.id)
+def test_api_page_snippets_run_as_written(snippet: Snippet, tmp_path: Path) -> None:
+    """docs/api.md's snippets run exactly as written (no prelude, no path rewritten) in an empty
+    folder, define what they use, and leave no Checkpointer unclosed."""
+    assert not snippet.directive, f"{snippet.id}: the API page's snippets run as written ({snippet.directive!r})"
+    assert not _ROOTS.search(snippet.code), f"{snippet.id}: an absolute root; use a relative one"
+    res = _run(snippet.code, tmp_path)
+    assert res.returncode == 0, f"{snippet.id} failed:\n{res.stdout[-3000:]}\n{res.stderr[-6000:]}"
+    assert "was not closed" not in res.stderr, res.stderr[-3000:]
 
 
 #: where the example is killed (each run resumes from the previous one's newest save): mid-epoch 0,
