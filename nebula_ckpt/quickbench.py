@@ -162,12 +162,13 @@ def _saves(ck: Checkpointer, state: Any, saves: int) -> tuple[list[float], list[
     return blocking, durable
 
 
-def _shm_room(path: Optional[str]) -> Optional[dict[str, int]]:
+def _shm_room(path: Optional[str]) -> Optional[dict[str, Any]]:
     """The memory tier's bytes in its tmpfs and the tmpfs' size and free bytes (None without one)."""
     if path is None or not os.path.isdir(path):
         return None
     st = os.statvfs(path)
-    return {"tier_bytes": tree_bytes(path), "fs_bytes": st.f_blocks * st.f_frsize, "free_bytes": st.f_bavail * st.f_frsize,
+    return {"tier_bytes": tree_bytes(path), "fs_bytes": st.f_blocks * st.f_frsize,
+            "free_bytes": st.f_bavail * st.f_frsize,
             "shm_dir": os.path.dirname(os.path.dirname(path))}
 
 
@@ -235,7 +236,7 @@ def _copy_into(into: Any, loaded: Any) -> None:
         for k, v in into.items():
             _copy_into(v, loaded[k])
     elif isinstance(into, (list, tuple)):
-        for a, b in zip(into, loaded):
+        for a, b in zip(into, loaded, strict=True):
             _copy_into(a, b)
 
 
@@ -326,7 +327,8 @@ def render(res: dict[str, Any]) -> str:
         lines.append(f"{name:<44}{v:>10.3f}  {sp:>18}  {(f'{r:.2f}x' if r is not None else 'n/a'):>9}")
     lines.append("(vs torch: saves against torch.save + fsync, restores against torch.load + copy)")
     lines.append(f"host memory for the saves: {_size(neb['staging_bytes'])} of staging buffers in the process and "
-                 f"{_size(neb['slot_bytes'])} of slot files in the memory tier (the state: {_size(res['state_bytes'])}); "
+                 f"{_size(neb['slot_bytes'])} of slot files in the memory tier (the state: "
+                 f"{_size(res['state_bytes'])}); "
                  f"peak resident memory of this process: {_size(res['peak_rss_bytes'])}")
     shm = neb["shm"]
     if shm is not None:

@@ -99,7 +99,8 @@ def test_inspect_summarises_by_default(root: str, capsys: pytest.CaptureFixture[
     assert main(["inspect", root]) == 0
     lines = capsys.readouterr().out.splitlines()
     assert len(lines) <= 10, lines
-    assert lines[0].startswith("step 5  (") and lines[1].split() == ["key", "kind", "tensors", "bytes", "other", "values"]
+    assert lines[0].startswith("step 5  (")
+    assert lines[1].split() == ["key", "kind", "tensors", "bytes", "other", "values"]
     rows = {ln.split()[0]: ln.split() for ln in lines[2:-1]}
     assert rows["model"][1:3] == ["torch.nn.modules.container.Sequential", "4"]
     assert rows["optim"][1:3] == ["torch.optim.adamw.AdamW", "12"] and rows["sched"][2] == "0"
@@ -533,7 +534,8 @@ def test_bench_state_is_the_same_command_in_every_install_mode(tmp_path, shm_dir
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
     argv = ["--state", str(state), "--saves", "2", "--torch-reps", "1", "--root", str(tmp_path), "--json"]
-    modes = {"checkout": _bench(REPO, str(elsewhere), *argv), "installed, in a checkout": _bench(installed, REPO, *argv),
+    modes = {"checkout": _bench(REPO, str(elsewhere), *argv),
+             "installed, in a checkout": _bench(installed, REPO, *argv),
              "installed": _bench(installed, str(elsewhere), *argv)}
     for mode, p in modes.items():
         rc, out, err = _done(p)

@@ -176,7 +176,8 @@ def test_quickstart_example_resumes_bit_exact(tmp_path: Path) -> None:
     every loss of every run is the loss of a run that never crashed, bit for bit, and each run
     resumes where the one before it saved last."""
     example = REPO / "examples" / "quickstart.py"
-    chain = [f"run{i}:--root,crashed" + (f",--crash-at,{kill}" if kill else "") for i, kill in enumerate([*KILLS, None])]
+    chain = [f"run{i}:--root,crashed" + (f",--crash-at,{kill}" if kill else "")
+             for i, kill in enumerate([*KILLS, None])]
     res = subprocess.run([sys.executable, str(REPO / "tests" / "example_runs.py"), str(example), str(tmp_path),
                           "bg-clean:--root,clean", *chain], cwd=tmp_path, env=_env(), capture_output=True, text=True,
                          timeout=600)
@@ -196,7 +197,7 @@ def test_quickstart_example_resumes_bit_exact(tmp_path: Path) -> None:
             seen[step] = loss
     assert sorted(seen) == list(range(1, 37))
     assert "resumed" not in runs[0]
-    for text, (step, epoch, batch) in zip(runs[1:], KILLS.values()):
+    for text, (step, epoch, batch) in zip(runs[1:], KILLS.values(), strict=True):
         assert re.search(rf"^resumed at step {step} \(epoch {epoch}, batch {batch}\) from memory:", text, re.M), text
 
 

@@ -92,9 +92,8 @@ def test_the_pure_path_is_said_as_what_it_is(how: str, monkeypatch: pytest.Monke
     import sys
     import types
 
-    from nebula_ckpt import native
-
     import nebula_ckpt
+    from nebula_ckpt import native
 
     monkeypatch.setattr(native, "_native", None)
     fake = None if how == "not built" else types.ModuleType("_C")

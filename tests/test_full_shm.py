@@ -8,11 +8,9 @@ beside this: here the file system is really full.
 
 from __future__ import annotations
 
-import errno
 import json
 import logging
 import os
-import re
 import signal
 import subprocess
 import sys
@@ -81,17 +79,6 @@ def _check_restores(ck: nc.Checkpointer, steps: list[int], on_memory: set[int]) 
         assert ck.last_restore["tier"] == (mem if step in on_memory else disk), (step, ck.last_restore)
         assert torch.equal(into["frozen"], want["frozen"]) and torch.equal(into["w"], want["w"]), step
         assert into["step"] == step
-
-
-def _check_no_room(err: PersistError, mem_name: str) -> None:
-    """The failed save's error: the memory tier alone, ENOSPC, where, how much, what to do."""
-    assert list(err.failures) == [mem_name], err.failures
-    cause = err.failures[mem_name]
-    assert isinstance(cause, OSError) and cause.errno == errno.ENOSPC, repr(cause)
-    msg = str(err)
-    assert mem_name in msg and "step-4" in msg and "No space left" in msg, msg
-    assert re.search(r"needs \d+ bytes, its file system has \d+ bytes free of \d+", msg), msg
-    assert "NEBULA_SHM_DIR" in msg and "keep_last" in msg, msg
 
 
 def _check_cli(root: str, shm: str, capsys: pytest.CaptureFixture[str], want: set[tuple[str, int]]) -> None:

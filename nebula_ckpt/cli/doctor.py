@@ -37,7 +37,8 @@ def version_text() -> str:
 
     d = describe()
     why = f": {d['reason']}" if d.get("reason") else ""
-    return f"nebula-ckpt {__version__} ({d['path']} path{why}; torch {torch.__version__}, Python {platform.python_version()})"
+    return (f"nebula-ckpt {__version__} ({d['path']} path{why}; torch {torch.__version__}, "
+            f"Python {platform.python_version()})")
 
 
 def _shm(size_bytes: Optional[int]) -> dict[str, Any]:
@@ -81,8 +82,8 @@ def _lines(f: dict[str, Any]) -> list[tuple[bool, str]]:
             "NEBULA_NO_EXTENSION=1)")
     cuda = f["cuda"]
     lines = [(True, f"nebula_ckpt {f['version']}, torch {f['torch']}, Python {f['python']}"), (native, path),
-             (True, f"CUDA: {cuda['devices']} device(s), torch built with CUDA {cuda['torch_cuda']}" if cuda["available"]
-              else f"CUDA: not available (torch built with CUDA {cuda['torch_cuda']})")]
+             (True, f"CUDA: {cuda['devices']} device(s), torch built with CUDA {cuda['torch_cuda']}"
+              if cuda["available"] else f"CUDA: not available (torch built with CUDA {cuda['torch_cuda']})")]
     shm = f["shm"]
     if "error" in shm:
         lines.append((False, f"memory tier: {shm['dir']}: {shm['error']} (NEBULA_SHM_DIR names another tmpfs)"))

@@ -317,8 +317,8 @@ def _say_what_is_kept(step: int, path: str, kept: dict[str, list[str]]) -> None:
              f"{path}: {shown(left)} (export to a .pt file to keep them)")
     if kept.get("converted"):
         conv = kept["converted"]
-        note(f"{len(conv)} NumPy value(s) are written as torch tensors and Python numbers, so that torch.load({path!r}) "
-             f"(weights_only=True) reads the file: {shown(conv)}")
+        note(f"{len(conv)} NumPy value(s) are written as torch tensors and Python numbers, so that "
+             f"torch.load({path!r}) (weights_only=True) reads the file: {shown(conv)}")
     if kept.get("pickled"):
         pick = kept["pickled"]
         note(f"warning: {len(pick)} value(s) only pickle restores: read the file with torch.load({path!r}, "

@@ -249,7 +249,8 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         tag = f", tag {man.tag}" if man.tag is not None else ""
         refs = f", {references_text(man)}" if references_text(man) else ""
         ranks = f", {ranks_text(man)}" if man.multi_rank else ""
-        out(f"step {man.step}  ({ck.where}, format v{man.version}{ranks}, {len(man.tensors)} tensors stored{tag}{refs})")
+        out(f"step {man.step}  ({ck.where}, format v{man.version}{ranks}, {len(man.tensors)} tensors stored"
+            f"{tag}{refs})")
         for line in _summary(ck):
             out(line)
         out("(--full lists every tensor and value; --json gives them all as JSON)")

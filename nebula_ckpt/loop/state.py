@@ -52,7 +52,7 @@ def _put(loader: Any, taken: Mapping[str, Any], where: str) -> None:
         log.warning("nebula_ckpt: %s: the checkpoint holds %d data-loader generator state(s), the loader has %d "
                     "generator(s): the first %d are restored (was the loader built the same way?)", where,
                     len(saved), len(gens), min(len(saved), len(gens)))
-    for i, (g, s) in enumerate(zip(gens, saved)):
+    for i, (g, s) in enumerate(zip(gens, saved, strict=False)):  # fewer: said above
         g.set_state(generator_state(s, f"{where}['generators'][{i}]"))
 
 
