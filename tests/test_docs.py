@@ -201,6 +201,19 @@ def test_quickstart_example_resumes_bit_exact(tmp_path: Path) -> None:
         assert re.search(rf"^resumed at step {step} \(epoch {epoch}, batch {batch}\) from memory:", text, re.M), text
 
 
+def test_the_readme_names_the_make_targets_a_newcomer_runs() -> None:
+    """The README's quickstart names ``make demo``, ``make test-fast`` and ``make test`` (with how long
+    the whole suite takes), and each ``make`` target the README names exists in the Makefile."""
+    readme = (REPO / "README.md").read_text()
+    quick = readme[readme.index("## Quickstart"):readme.index("## A complete example")]
+    for target in ("demo", "test-fast", "test"):
+        assert re.search(rf"^make {re.escape(target)}\s", quick, re.M), target
+    assert re.search(r"make test\s+#.*\d+ minutes", quick), "how long `make test` takes"
+    targets = set(re.findall(r"^([\w-]+):", (REPO / "Makefile").read_text(), re.M))
+    named = set(re.findall(r"`make ([\w-]+)", readme)) | set(re.findall(r"^make ([\w-]+)", readme, re.M))
+    assert named and named <= targets, named - targets
+
+
 _CITED = re.compile(r"`(tests/[\w/]+\.py)::(\w+)`")
 
 
