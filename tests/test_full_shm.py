@@ -2,8 +2,9 @@
 mounting is not permitted): a save that does not fit goes to the other tiers only (the memory
 tier stands aside, tests/test_shm_room.py), or, written incremental beside its staged copy,
 whole; every step saved before stays restorable bit-exact, the disk tier still gets the save,
-nothing partial is visible, and a later save that fits is on the memory tier again. Fault injection at named stages (faults.py, flaky_fs.py) stays
-beside this: here the file system is really full.
+nothing partial is visible, and a later save that fits is on the memory tier again. Fault
+injection at named stages (faults.py, flaky_fs.py) stays beside this: here the file system is
+really full.
 """
 
 from __future__ import annotations
