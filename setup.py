@@ -1,7 +1,7 @@
 """Build script of nebula_ckpt (the Python package plus the optional native extension).
 
 Environment switches:
-  NEBULA_NO_EXTENSION=1   pure-Python install, no nebula_ckpt._C
+  NEBULA_NO_EXTENSION=1   pure-Python install, no nebula_ckpt._C (no C++ compiler needed)
   NEBULA_FORCE_CUDA=1     build the CUDA parts even without a visible GPU (needs CUDA_HOME)
 """
 
@@ -10,6 +10,7 @@ from __future__ import annotations
 import ast
 import glob
 import os
+import sys
 
 from setuptools import find_packages, setup
 
@@ -54,6 +55,41 @@ def _torch_cxx_runtime() -> list[str]:
     except OSError:  # not Linux
         return []
     return sorted(p for p in paths if os.path.isfile(p))[:1]
+
+
+NO_COMPILER = """
+nebula_ckpt: the C++ extension cannot be built: {why}.
+  - install a C++ compiler (Debian/Ubuntu: apt-get install g++; RHEL: dnf install gcc-c++; macOS: xcode-select --install)
+    and run the install again, or
+  - install without the extension: NEBULA_NO_EXTENSION=1 pip install --no-build-isolation -e .
+    (the library then runs its pure-PyTorch path: the same bytes on disk, saves that block longer)
+"""
+
+
+def _compiler() -> str:
+    """The C++ compiler the build will call (``CXX``, else ``c++``)."""
+    return (os.environ.get("CXX") or "c++").split()[0]
+
+
+def _check_compiler() -> None:
+    """Stop with a message naming the way out when there is no C++ compiler (no traceback)."""
+    import shutil
+
+    if shutil.which(_compiler()) is None:
+        raise SystemExit(NO_COMPILER.format(why=f"no C++ compiler ({_compiler()!r} is not on PATH)"))
+
+
+def _friendly(build_ext: type) -> type:
+    """``build_ext`` whose compiler failures end in :data:`NO_COMPILER`'s message, not a traceback."""
+
+    class FriendlyBuildExt(build_ext):  # type: ignore[misc, valid-type]
+        def run(self) -> None:
+            try:
+                super().run()
+            except Exception as e:  # a compiler error, a missing header, ninja failing
+                raise SystemExit(NO_COMPILER.format(why=f"the build failed ({type(e).__name__}: {e})")) from None
+
+    return FriendlyBuildExt
 
 
 def _extensions_and_cmdclass():
@@ -110,7 +146,9 @@ def _extensions_and_cmdclass():
     else:
         ext = CppExtension(sources=sources, extra_compile_args={"cxx": cxx_flags}, **common)
 
-    return [ext], {"build_ext": BuildExtension.with_options(use_ninja=True)}
+    if any(a.startswith(("build", "bdist", "install", "develop", "editable")) for a in sys.argv[1:]) or not sys.argv[1:]:
+        _check_compiler()
+    return [ext], {"build_ext": _friendly(BuildExtension.with_options(use_ninja=True))}
 
 
 ext_modules, cmdclass = _extensions_and_cmdclass()

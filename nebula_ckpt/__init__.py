@@ -37,6 +37,7 @@ from nebula_ckpt.errors import (
 )
 from nebula_ckpt.format.names import MAX_TAG_CHARS, check_tag
 from nebula_ckpt.handle import SaveHandle, SaveMetrics
+from nebula_ckpt.loop import LoopState
 from nebula_ckpt.ranks.coordinator import Coordinator, LocalCoordinator
 from nebula_ckpt.ranks.distributed import DistCoordinator
 from nebula_ckpt.storage.atomic import write_file_atomic
@@ -52,7 +53,7 @@ from nebula_ckpt.tiers import (
 
 __all__ = [
     "Checkpointer", "SaveHandle", "SaveMetrics", "MemoryTier", "LocalTier", "RemoteTier", "Tier",
-    "save_async", "load_latest", "close_all", "Coordinator", "LocalCoordinator", "DistCoordinator",
+    "save_async", "load_latest", "close_all", "LoopState", "Coordinator", "LocalCoordinator", "DistCoordinator",
     "NebulaError", "ValidationError", "PersistError", "ConsistencyError", "CorruptCheckpointError",
     "FencedError", "NotFoundError", "PickleNotAllowedError",
     # for adapters (integrations, compat): tags, root identity, URL checks

@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import shutil
 import signal
 import statistics
@@ -246,7 +247,26 @@ def _show_timing(args: argparse.Namespace, timing: dict[str, Any], say: Callable
     say(f"  torch.save + fsync   (median of 3):  {ts:8.2f} ms")
     say(f"  -> training blocked {ts / max(sa, 1e-6):.0f}x less; durable {timing['durable_after_ms']:.0f} ms later"
         " in the background")
-    say(f"\nTry: nebula-ckpt ls {args.root}   |   nebula-ckpt verify {args.root}")
+    cli = cli_command()
+    say(f"\nTry: {cli} ls {shlex.quote(args.root)}   |   {cli} verify {shlex.quote(args.root)}")
+
+
+def cli_command(cwd: str | None = None) -> str:
+    """How to run ``nebula-ckpt`` from ``cwd`` (default: here) as typed in a shell: the bare name when
+    it is on PATH as this Python's console script, else that script's path (``.venv/bin/nebula-ckpt``
+    for ``make demo``), else ``python -m nebula_ckpt.cli`` with this Python."""
+    script = os.path.join(os.path.dirname(sys.executable), "nebula-ckpt")
+    if not os.path.isfile(script):
+        return f"{shlex.quote(sys.executable)} -m nebula_ckpt.cli"
+    found = shutil.which("nebula-ckpt")
+    if found and os.path.realpath(found) == os.path.realpath(script):
+        return "nebula-ckpt"
+    rel = os.path.relpath(script, cwd or os.getcwd())
+    if rel.startswith(".."):
+        rel = script
+    elif os.sep not in rel:
+        rel = os.path.join(os.curdir, rel)  # a bare name would be looked up on PATH
+    return shlex.quote(rel)
 
 
 def main(argv: list[str] | None = None) -> int:

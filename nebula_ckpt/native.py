@@ -389,9 +389,17 @@ def _load_native() -> FallbackOps:
         return ops
     except Exception as e:  # ImportError, or an ABI mismatch surfacing as another error
         _native_error = f"{type(e).__name__}: {e}"
-        log.warning("nebula_ckpt: C++ extension unavailable (%s); running the pure-PyTorch path, "
-                    "which is slower. Build it with `pip install --no-build-isolation -e .`",
-                    _native_error)
+        if isinstance(e, ModuleNotFoundError) and e.name == "nebula_ckpt._C":
+            # not built: installed with NEBULA_NO_EXTENSION=1 (a build that fails stops the install)
+            log.info("nebula_ckpt: running the pure-PyTorch path (installed without the C++ extension, "
+                     "NEBULA_NO_EXTENSION=1): the same checkpoints; each save blocks for a one-thread copy and "
+                     "its checksum, about as long as torch.save (the native path: milliseconds). To build the "
+                     "extension: pip install --no-build-isolation -e . with a C++ compiler")
+        else:
+            log.warning("nebula_ckpt: the C++ extension is installed but does not load (%s): running the "
+                        "pure-PyTorch path, whose saves block about as long as torch.save. Rebuild it against "
+                        "this torch: pip install --no-build-isolation -e . (nebula-ckpt doctor says more)",
+                        _native_error)
         return _fallback
 
 

@@ -1,23 +1,30 @@
-"""``nebula-ckpt bench`` for an installed package: a quick benchmark of *your* state on *your* machine.
+"""``nebula-ckpt bench``: a quick benchmark of *your* state on *your* machine.
 
-The full benchmark harness (peers, workloads, multi-rank and recovery cases) lives in the
-repository's ``benchmarks/`` folder and is not installed. This module answers the question a new
-user has first: what does ``save_async`` cost my training loop, here, for my state? It saves the
-state with a fresh :class:`~nebula_ckpt.Checkpointer` (default tiers: the memory tier plus a
-folder on the disk you name) and measures, for every save:
+The same command, with the same options, in every installation (pip, editable, a checkout): it
+answers the question a new user has first: what does ``save_async`` cost my training loop, here,
+for my state, and how fast does it come back after a crash? It saves the state with a fresh
+:class:`~nebula_ckpt.Checkpointer` (default tiers: the memory tier plus a folder on the disk you
+name) and measures, for every save:
 
 * **blocking**: ``save_async()`` + ``wait_snapshot()``, the time the training thread loses
   (the first save of a process apart from the later ones: it is the one a new user sees first);
 * **time to durable**: from the start of ``save_async()`` until ``result()`` returns (the
   checkpoint is fsynced on every tier);
 
-and, as the reference, ``torch.save`` of the same state into a file in the same folder + fsync
-of the file and the folder. Each save starts with nothing in the background.
+then **restore**: ``load_latest(into=state)`` from the memory tier (a restart after a crash) and
+from the disk tier alone (the memory tier gone; the file system's cache is warm), and, as the
+references, ``torch.save`` of the same state into a file in the same folder + fsync of the file
+and the folder, and ``torch.load`` of it copied into the state. Each figure is the median of its
+repetitions with their spread (min-max). The report also gives the host memory the saves
+staged in, the process's peak resident memory, what the memory tier holds in ``/dev/shm`` and
+the room left there, and warns when the machine was busy (its load average, at the start, of at
+least half its cores: the times then include waiting for a CPU).
 
 The state is a file you pass (``--state FILE``: anything ``torch.save`` wrote that
-``torch.load(weights_only=True)`` accepts: a state dict, or a dict of them) or a synthetic one of
-``--size-gb`` GB of float32 tensors of 64 MiB. Everything written goes into a temporary folder
-under ``--root`` (default: the current directory), removed at the end with the memory tier.
+``torch.load(weights_only=True)`` accepts: a state dict, a dict of them, or what ``nebula-ckpt
+export --to state.pt`` writes) or a synthetic one of ``--size-gb`` GB of float32 tensors of 64 MiB.
+Everything written goes into a temporary folder under ``--root`` (default: the current
+directory), removed at the end with the memory tier.
 
 Example::
 
@@ -33,6 +40,7 @@ import contextlib
 import json
 import logging
 import os
+import resource
 import shutil
 import statistics
 import sys
@@ -46,6 +54,7 @@ import torch
 from nebula_ckpt.checkpointer import Checkpointer
 from nebula_ckpt.errors import ValidationError
 from nebula_ckpt.storage.atomic import fsync_dir
+from nebula_ckpt.tiers.memory.shm import tree_bytes
 from nebula_ckpt.tiers.memory.tier import memory_tier_path
 
 __all__ = ["Options", "main", "run", "render"]
@@ -64,7 +73,8 @@ class Options:
         state: a file ``torch.save`` wrote (loaded with ``weights_only=True``), or None.
         size_gb: size of the synthetic state when ``state`` is None.
         saves: saves with nebula_ckpt (the first one is reported apart: at least 2).
-        torch_reps: ``torch.save`` + fsync repetitions.
+        torch_reps: ``torch.save`` + fsync repetitions (and as many ``torch.load``), and restores
+            from each tier.
         root: folder the temporary checkpoint folder is made in (default: the working directory).
         keep: leave what was written in place (its path is in the result).
     """
@@ -120,40 +130,83 @@ def _median(xs: list[float]) -> Optional[float]:
     return statistics.median(xs) if xs else None
 
 
-def measure_nebula(state: Any, folder: str, saves: int) -> dict[str, Any]:
-    """``saves`` saves of ``state`` with a fresh Checkpointer rooted in ``folder``: blocking and
-    time to durable of each (see the module docstring)."""
-    ck = Checkpointer(folder)
+def _spread(xs: list[float]) -> Optional[list[float]]:
+    """``[min, max]`` of ``xs`` (None when empty)."""
+    return [min(xs), max(xs)] if xs else None
+
+
+def _restores(ck: Checkpointer, state: Any, reps: int, what: str) -> list[float]:
+    """``reps`` timed ``ck.load_latest(into=state)`` (what a restarted job calls)."""
+    times = []
+    for r in range(reps):
+        t0 = time.perf_counter()
+        ck.load_latest(into=state)
+        times.append(time.perf_counter() - t0)
+        _progress(f"restore from {what} {r + 1}/{reps}: {times[-1]:.3f} s")
+    return times
+
+
+def _saves(ck: Checkpointer, state: Any, saves: int) -> tuple[list[float], list[float]]:
     blocking: list[float] = []
     durable: list[float] = []
+    for i in range(saves):
+        t0 = time.perf_counter()
+        h = ck.save_async(i, state)
+        h.wait_snapshot()
+        t1 = time.perf_counter()
+        h.result()
+        t2 = time.perf_counter()
+        blocking.append(t1 - t0)
+        durable.append(t2 - t0)
+        _progress(f"nebula save {i + 1}/{saves}: blocking {t1 - t0:.3f} s, durable {t2 - t0:.3f} s")
+    return blocking, durable
+
+
+def _shm_room(path: Optional[str]) -> Optional[dict[str, Any]]:
+    """The memory tier's bytes in its tmpfs and the tmpfs' size and free bytes (None without one)."""
+    if path is None or not os.path.isdir(path):
+        return None
+    st = os.statvfs(path)
+    return {"tier_bytes": tree_bytes(path), "fs_bytes": st.f_blocks * st.f_frsize,
+            "free_bytes": st.f_bavail * st.f_frsize,
+            "shm_dir": os.path.dirname(os.path.dirname(path))}
+
+
+def measure_nebula(state: Any, folder: str, saves: int, restores: int = 2) -> dict[str, Any]:
+    """``saves`` saves of ``state`` with a fresh Checkpointer rooted in ``folder`` (blocking and time
+    to durable of each), then ``restores`` restores from the memory tier and from the disk tier."""
+    ck = Checkpointer(folder)
+    tier = memory_tier_path(folder)
     try:
-        for i in range(saves):
-            t0 = time.perf_counter()
-            h = ck.save_async(i, state)
-            h.wait_snapshot()
-            t1 = time.perf_counter()
-            h.result()
-            t2 = time.perf_counter()
-            blocking.append(t1 - t0)
-            durable.append(t2 - t0)
-            _progress(f"nebula save {i + 1}/{saves}: blocking {t1 - t0:.3f} s, durable {t2 - t0:.3f} s")
+        blocking, durable = _saves(ck, state, saves)
         tiers = [t.name for t in ck.tiers]
+        stats, shm = ck.stats(), _shm_room(tier if any(t.startswith("memory:") for t in tiers) else None)
+        from_memory = _restores(ck, state, restores, tiers[0].split(":", 1)[0])
     finally:
         ck.close()
-        tier = memory_tier_path(folder)
-        shutil.rmtree(tier, ignore_errors=True)
-        with contextlib.suppress(OSError):  # the per-user folder, when no other job's tier is in it
-            os.rmdir(os.path.dirname(tier))
+    with Checkpointer(folder, memory_tier=False, read_only=True) as disk:
+        from_disk = _restores(disk, state, restores, "disk")
+    shutil.rmtree(tier, ignore_errors=True)
+    with contextlib.suppress(OSError):  # the per-user folder, when no other job's tier is in it
+        os.rmdir(os.path.dirname(tier))
     return {"tiers": tiers, "blocking_s": blocking, "durable_s": durable,
             "first_blocking_s": blocking[0], "later_blocking_s": _median(blocking[1:]),
-            "first_durable_s": durable[0], "later_durable_s": _median(durable[1:])}
+            "later_blocking_spread_s": _spread(blocking[1:]),
+            "first_durable_s": durable[0], "later_durable_s": _median(durable[1:]),
+            "later_durable_spread_s": _spread(durable[1:]),
+            "restore_s": {"fastest_tier": _median(from_memory), "disk": _median(from_disk)},
+            "restore_spread_s": {"fastest_tier": _spread(from_memory), "disk": _spread(from_disk)},
+            "restored_from": tiers[0], "staging_bytes": int(stats.get("staging_bytes") or 0),
+            "slot_bytes": int(stats.get("memory_tier_slot_bytes") or 0),
+            "shm": shm}
 
 
 def measure_torch_save(state: Any, folder: str, reps: int) -> dict[str, Any]:
-    """``torch.save`` of ``state`` into a new file in ``folder`` + fsync of it and of ``folder``."""
-    times = []
+    """``torch.save`` of ``state`` into a new file in ``folder`` + fsync of it and of ``folder``;
+    then ``torch.load`` of that file (weights only) copied into ``state``."""
+    times, loads = [], []
+    path = os.path.join(folder, "torch-save.pt")
     for r in range(reps):
-        path = os.path.join(folder, f"torch-save-{r}.pt")
         t0 = time.perf_counter()
         with open(path, "wb") as f:
             torch.save(state, f)
@@ -161,9 +214,30 @@ def measure_torch_save(state: Any, folder: str, reps: int) -> dict[str, Any]:
             os.fsync(f.fileno())
         fsync_dir(folder)
         times.append(time.perf_counter() - t0)
-        os.unlink(path)
         _progress(f"torch.save + fsync {r + 1}/{reps}: {times[-1]:.3f} s")
-    return {"durable_s": _median(times), "samples_s": times}
+    for r in range(reps):
+        t0 = time.perf_counter()
+        loaded = torch.load(path, map_location="cpu", weights_only=True)
+        _copy_into(state, loaded)
+        loads.append(time.perf_counter() - t0)
+        del loaded
+        _progress(f"torch.load + copy into the state {r + 1}/{reps}: {loads[-1]:.3f} s")
+    os.unlink(path)
+    return {"durable_s": _median(times), "samples_s": times, "spread_s": _spread(times),
+            "load_s": _median(loads), "load_samples_s": loads, "load_spread_s": _spread(loads)}
+
+
+def _copy_into(into: Any, loaded: Any) -> None:
+    """Copy the tensors of ``loaded`` into those of ``into`` (same tree), as ``load_state_dict`` does."""
+    if isinstance(into, torch.Tensor):
+        with torch.no_grad():
+            into.copy_(loaded)
+    elif isinstance(into, dict):
+        for k, v in into.items():
+            _copy_into(v, loaded[k])
+    elif isinstance(into, (list, tuple)):
+        for a, b in zip(into, loaded, strict=True):
+            _copy_into(a, b)
 
 
 def _progress(msg: str) -> None:
@@ -174,6 +248,16 @@ def _progress(msg: str) -> None:
 
 def _ratio(a: Optional[float], b: Optional[float]) -> Optional[float]:
     return a / b if a is not None and b else None
+
+
+def machine_load() -> dict[str, Any]:
+    """The load average (1 min) and the cores: ``busy`` when the load is at least half the cores."""
+    cores = os.cpu_count() or 1
+    try:
+        load = os.getloadavg()[0]
+    except OSError:  # not available on this system
+        return {"load_1min": None, "cores": cores, "busy": False}
+    return {"load_1min": load, "cores": cores, "busy": load >= max(1.0, cores / 2)}
 
 
 def run(opts: Options) -> dict[str, Any]:
@@ -191,8 +275,9 @@ def run(opts: Options) -> dict[str, Any]:
     nbytes = sum(t.numel() * t.element_size() for t in _tensors(state))
     folder = tempfile.mkdtemp(prefix="nebula-quickbench-", dir=base)
     log.info("nebula_ckpt quick benchmark: %.2f GB (%s) in %s", nbytes / 1e9, source, folder)
+    load = machine_load()
     try:
-        neb = measure_nebula(state, os.path.join(folder, "nebula"), opts.saves)
+        neb = measure_nebula(state, os.path.join(folder, "nebula"), opts.saves, opts.torch_reps)
         ts = measure_torch_save(state, folder, opts.torch_reps)
     finally:
         if not opts.keep:
@@ -200,45 +285,87 @@ def run(opts: Options) -> dict[str, Any]:
     ref = ts["durable_s"]
     return {"options": asdict(opts), "source": source, "state_bytes": nbytes,
             "tensors": len(_tensors(state)), "folder": folder, "kept": opts.keep,
-            "nebula": neb, "torch_save": ts,
+            "nebula": neb, "torch_save": ts, "machine": load,
+            "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
             "ratios": {"first_vs_later_blocking": _ratio(neb["first_blocking_s"], neb["later_blocking_s"]),
                        "later_blocking_vs_torch_save": _ratio(neb["later_blocking_s"], ref),
-                       "durable_vs_torch_save": _ratio(neb["later_durable_s"], ref)}}
+                       "durable_vs_torch_save": _ratio(neb["later_durable_s"], ref),
+                       "restore_vs_torch_load": _ratio(neb["restore_s"]["fastest_tier"], ts["load_s"])}}
+
+
+def _size(n: float) -> str:
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= scale:
+            return f"{n / scale:,.1f} {unit}"
+    return f"{int(n)} B"
+
+
+def _rows(res: dict[str, Any]) -> list[tuple[str, Optional[float], Optional[list[float]], Optional[float]]]:
+    """(what, seconds, spread, reference) of each row of the table."""
+    neb, ts = res["nebula"], res["torch_save"]
+    ref, load = ts["durable_s"], ts["load_s"]
+    where = neb["restored_from"].split(":", 1)[0]
+    return [("save_async blocking, first save", neb["first_blocking_s"], None, ref),
+            ("save_async blocking, later saves", neb["later_blocking_s"], neb["later_blocking_spread_s"], ref),
+            ("time to durable, later saves", neb["later_durable_s"], neb["later_durable_spread_s"], ref),
+            ("torch.save + fsync", ref, ts["spread_s"], ref),
+            (f"restore: load_latest from the {where} tier", neb["restore_s"]["fastest_tier"],
+             neb["restore_spread_s"]["fastest_tier"], load),
+            ("restore: load_latest from disk", neb["restore_s"]["disk"], neb["restore_spread_s"]["disk"], load),
+            ("torch.load + copy into the state", load, ts["load_spread_s"], load)]
 
 
 def render(res: dict[str, Any]) -> str:
-    """The results as a small text table."""
-    neb, ref = res["nebula"], res["torch_save"]["durable_s"]
-    rows = [("save_async blocking, first save", neb["first_blocking_s"]),
-            ("save_async blocking, later saves (median)", neb["later_blocking_s"]),
-            ("time to durable, later saves (median)", neb["later_durable_s"]),
-            ("torch.save + fsync (median)", ref)]
+    """The results as a small text table, the memory figures, and a warning on a busy machine."""
+    neb = res["nebula"]
     lines = [f"nebula_ckpt quick benchmark: {res['state_bytes'] / 1e9:.2f} GB in {res['tensors']} tensors "
              f"({res['source']}); tiers: {' + '.join(t.split(':', 1)[0] for t in neb['tiers'])}",
-             f"{'':<44}{'seconds':>10}  {'vs torch.save + fsync':>22}"]
-    for name, v in rows:
+             f"{'':<44}{'median s':>10}  {'spread (min-max)':>18}  {'vs torch':>9}"]
+    for name, v, spread, ref in _rows(res):
         r = _ratio(v, ref)
-        lines.append(f"{name:<44}{v:>10.3f}  {(f'{r:.2f}x' if r is not None else 'n/a'):>22}")
+        sp = f"{spread[0]:.3f}-{spread[1]:.3f}" if spread else ""
+        lines.append(f"{name:<44}{v:>10.3f}  {sp:>18}  {(f'{r:.2f}x' if r is not None else 'n/a'):>9}")
+    lines.append("(vs torch: saves against torch.save + fsync, restores against torch.load + copy)")
+    lines.append(f"host memory for the saves: {_size(neb['staging_bytes'])} of staging buffers in the process and "
+                 f"{_size(neb['slot_bytes'])} of slot files in the memory tier (the state: "
+                 f"{_size(res['state_bytes'])}); "
+                 f"peak resident memory of this process: {_size(res['peak_rss_bytes'])}")
+    shm = neb["shm"]
+    if shm is not None:
+        lines.append(f"{shm['shm_dir']}: the memory tier held {_size(shm['tier_bytes'])}; its file system had "
+                     f"{_size(shm['free_bytes'])} free of {_size(shm['fs_bytes'])}")
+    m = res["machine"]
+    if m["busy"]:
+        lines.append(f"warning: the machine was busy (load average {m['load_1min']:.1f} on {m['cores']} cores at "
+                     "the start): the times include waiting for a CPU; run again on an idle machine for figures "
+                     "to compare")
     return "\n".join(lines) + "\n"
 
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="nebula-ckpt bench", description=__doc__.split("\n\n")[0],
-                                epilog="The full benchmark (peers, multi-rank, recovery) runs from a checkout of "
-                                       "the repository: python -m benchmarks.run")
+                                epilog="From a checkout of the repository, the full benchmark harness (peers, "
+                                       "emulated remote stores, multi-rank, recovery) takes its own options: "
+                                       "nebula-ckpt bench --model 124m, --ranks 2,4, --recovery ...; "
+                                       "python -m benchmarks.run --help lists them")
     src = p.add_mutually_exclusive_group()
     src.add_argument("--state", default=None, help="a file torch.save wrote (loaded with weights_only=True)")
     src.add_argument("--size-gb", type=float, default=None, help="size of a synthetic state (default 1.0)")
     p.add_argument("--saves", type=int, default=5, help="saves with nebula_ckpt (default 5; the first is shown apart)")
-    p.add_argument("--torch-reps", type=int, default=2, help="torch.save + fsync repetitions (default 2)")
+    p.add_argument("--torch-reps", type=int, default=2,
+                   help="torch.save + fsync and torch.load repetitions, restores per tier (default 2)")
     p.add_argument("--root", default=None, help="folder to write in (default: the current directory)")
     p.add_argument("--keep", action="store_true", help="keep what was written")
     p.add_argument("--json", action="store_true", help="print every figure as JSON instead of the table")
     return p
 
 
+#: the options of :func:`main` (``nebula-ckpt bench`` with any other one runs a checkout's harness)
+OPTIONS = frozenset({"--state", "--size-gb", "--saves", "--torch-reps", "--root", "--keep", "--json", "-h", "--help"})
+
+
 def main(argv: Optional[list[str]] = None) -> int:
-    """``nebula-ckpt bench`` without a repository checkout: measure, print the table (or JSON).
+    """``nebula-ckpt bench``: measure, print the table (or JSON).
 
     Returns:
         0, or 2 for bad options or an unusable state (the message says why; nothing was written).

@@ -32,6 +32,8 @@ quiet $VPY -m pip install -q "numpy" "safetensors>=0.4" "fsspec>=2023.1" "zstand
 # framework wrappers the tests drive for real (accelerate's AcceleratedOptimizer); torch is left as is
 quiet $VPY -m pip install -q "accelerate==1.15.0"
 quiet $VPY -m pip install -q "transformers==5.23.0" "tokenizers==0.23.3" "huggingface-hub==2.4.0"
+# torchdata's StatefulDataLoader, which nc.LoopState resumes by its own state; torch is pinned so pip never swaps it
+quiet $VPY -m pip install -q "torchdata==0.11.0" "torch==$($VPY -c 'import torch; print(torch.__version__.split("+")[0])')"
 quiet $VPY -m pip install -q "peft==0.21.2"   # LoRA models in the integration tests; needs only what is above (no other torch)
 quiet $VPY -m pip install -q "pytorch-lightning==2.6.6"
 DS_BUILD_OPS=0 quiet $VPY -m pip install -q "deepspeed==0.19.8"   # no CUDA ops built: the tests run it on CPU

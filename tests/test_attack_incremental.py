@@ -421,7 +421,7 @@ def test_export_and_inspect_of_an_incremental_step_equal_those_of_a_full_step(
         info = json.loads(capsys.readouterr().out)
         tensors = {k: {f: v for f, v in r.items() if f not in ("offsets", "shard")} for k, r in info["tensors"].items()}
         shown[root] = (tensors, info["tree"], info["aliases"], info["step"], info["tag"])
-        assert main(["inspect", root, "--step", "2"]) == 0
+        assert main(["inspect", root, "--step", "2", "--full"]) == 0
         rows = [ln.rsplit(None, 2)[0] for ln in capsys.readouterr().out.splitlines()[2:4]]
         shown[root] += (rows,)
     assert shown[inc] == shown[full]

@@ -8,6 +8,7 @@ import shutil
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -73,7 +74,7 @@ def test_verify_exit_codes(saved: str, capsys: pytest.CaptureFixture[str]) -> No
 
 
 def test_inspect(saved: str, capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["inspect", saved, "--step", "2"]) == 0
+    assert main(["inspect", saved, "--step", "2", "--full"]) == 0
     out = capsys.readouterr().out
     assert "model/weight" in out and "float32" in out and "(4, 8)" in out
     assert "'betas'" in out and "0.9" in out
@@ -81,6 +82,42 @@ def test_inspect(saved: str, capsys: pytest.CaptureFixture[str]) -> None:
     info = json.loads(capsys.readouterr().out)
     assert info["step"] == 2 and "model/bias" in info["tensors"]
     assert main(["inspect", saved, "--step", "7"]) == 1
+
+
+def test_inspect_summarises_by_default(root: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """A small training run's state (a model, AdamW, a scheduler, a LoopState with every random
+    stream) is a few lines by default: a row per top-level key with its kind, tensors, bytes and
+    other values, and the totals; ``--full`` lists every tensor and value."""
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 1))
+    opt = torch.optim.AdamW(model.parameters())
+    model(torch.randn(2, 8)).sum().backward()
+    opt.step()
+    sched = torch.optim.lr_scheduler.StepLR(opt, 3)
+    with nc.Checkpointer(root, memory_tier=False) as ck:
+        ck.save(5, {"model": model, "optim": opt, "sched": sched, "loop": nc.LoopState(), "step": 5})
+    capsys.readouterr()
+    assert main(["inspect", root]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) <= 10, lines
+    assert lines[0].startswith("step 5  (")
+    assert lines[1].split() == ["key", "kind", "tensors", "bytes", "other", "values"]
+    rows = {ln.split()[0]: ln.split() for ln in lines[2:-1]}
+    assert rows["model"][1:3] == ["torch.nn.modules.container.Sequential", "4"]
+    assert rows["optim"][1:3] == ["torch.optim.adamw.AdamW", "12"] and rows["sched"][2] == "0"
+    assert rows["step"][1:] == ["int", "0", "-", "=", "5"]
+    assert int(rows["loop"][2]) >= 3 and int(rows["total"][1]) == 4 + 12 + int(rows["loop"][2]), rows
+    assert main(["inspect", root, "--full"]) == 0
+    full = capsys.readouterr().out
+    assert len(full.splitlines()) > 3 * len(lines) and "model/0.weight" in full
+
+
+def test_a_step_that_is_not_there_is_answered_with_the_steps_that_are(saved: str,
+                                                                      capsys: pytest.CaptureFixture[str]) -> None:
+    for cmd in (["inspect"], ["export", "--to", "never.pt"]):
+        capsys.readouterr()
+        assert main([cmd[0], saved, "--step", "999", *cmd[1:]]) == 1
+        err = capsys.readouterr().err
+        assert "no checkpoint of step 999" in err and "committed steps there: 1, 2" in err, err
 
 
 def test_export_both_formats(saved: str, tmp_path) -> None:  # noqa: ANN001
@@ -92,6 +129,76 @@ def test_export_both_formats(saved: str, tmp_path) -> None:  # noqa: ANN001
     tree = torch.load(pt, weights_only=True)
     assert torch.equal(tree["model"]["weight"], tensors["model/weight"])
     assert tree["step"] == 2 and tree["cfg"]["betas"] == (0.9, 0.99)
+
+
+def test_a_torch_export_is_read_by_a_plain_torch_load_and_by_bench(root: str, tmp_path,  # noqa: ANN001
+                                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    """A state holding NumPy values (np.random's state, a LoopState's streams, a NumPy scalar):
+    ``export --to state.pt`` writes them as tensors and Python numbers, says so, and plain
+    ``torch.load`` (weights_only=True, torch's default) and ``bench --state`` read the file."""
+    from nebula_ckpt import quickbench
+
+    np_state = np.random.get_state()
+    with nc.Checkpointer(root, memory_tier=False) as ck:
+        ck.save(1, {"model": torch.nn.Linear(4, 2), "np_rng": np_state, "loop": nc.LoopState(),
+                    "lr": np.float32(0.5), "step": 1})
+    capsys.readouterr()
+    pt = tmp_path / "state.pt"
+    assert main(["export", root, "--to", str(pt)]) == 0
+    err = capsys.readouterr().err
+    assert "NumPy value(s) are written as torch tensors" in err and "np_rng/1" in err and "lr" in err, err
+    tree = torch.load(pt)  # weights_only=True: the default
+    assert torch.equal(tree["np_rng"][1], torch.from_numpy(np_state[1])) and tree["np_rng"][2] == np_state[2]
+    assert type(tree["lr"]) is float and tree["lr"] == 0.5 and tree["step"] == 1
+    state, _ = quickbench.load_state(quickbench.Options(state=str(pt)))
+    assert torch.equal(state["model"]["weight"], tree["model"]["weight"])
+    assert main(["export", root, "--to", str(tmp_path / "s.pt"), "--json"]) == 0
+    assert "np_rng/1" in json.loads(capsys.readouterr().out)["converted"]
+
+
+def test_a_safetensors_export_names_what_it_leaves_out(saved: str, tmp_path,  # noqa: ANN001
+                                                       capsys: pytest.CaptureFixture[str]) -> None:
+    capsys.readouterr()
+    out = tmp_path / "x.safetensors"
+    assert main(["export", saved, "--step", "2", "--to", str(out)]) == 0
+    err = capsys.readouterr().err
+    assert "holds tensors only: 4 other value(s) of step 2" in err, err
+    assert "step, cfg/lr, cfg/betas/0, cfg/betas/1" in err and ".pt file" in err, err
+    assert main(["export", saved, "--step", "2", "--to", str(tmp_path / "y.safetensors"), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["left_out"] == ["step", "cfg/lr", "cfg/betas/0", "cfg/betas/1"]
+
+
+def test_version_says_which_path_runs_and_why(capsys: pytest.CaptureFixture[str]) -> None:
+    from nebula_ckpt import knobs
+    from nebula_ckpt.native import describe
+
+    assert main(["--version"]) == 0
+    line = capsys.readouterr().out.strip()
+    assert line.startswith(f"nebula-ckpt {nc.__version__} ({describe()['path']} path") and torch.__version__ in line
+    with knobs.override(disable_native=True):
+        assert main(["--version"]) == 0
+    assert "(pure-pytorch path: disabled by NEBULA_DISABLE_NATIVE" in capsys.readouterr().out
+
+
+def test_doctor_reports_path_cuda_memory_tier_compiler_and_backends(shm_dir: str,
+                                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    from nebula_ckpt import knobs
+
+    main(["doctor", "--json"])  # exit 0 or 1: depends on this machine
+    f = json.loads(capsys.readouterr().out)
+    assert f["version"] == nc.__version__ and f["path"] in ("native", "pure-pytorch") and f["shm"]["dir"] == shm_dir
+    assert set(f["backends"]) == {"az", "s3", "gs"} and "available" in f["cuda"]
+    free = f["shm"]["bytes"]
+    rc = main(["doctor", "--size-gb", str(free / 1e9)])  # twice the tmpfs' size: too small for it
+    text = capsys.readouterr().out
+    assert rc == 1 and any(ln.startswith("! memory tier:") and "too small" in ln and "--shm-size" in ln
+                           for ln in text.splitlines()), text
+    assert "C++ compiler:" in text and "blob backends:" in text
+    with knobs.override(disable_native=True):
+        rc = main(["doctor", "--size-gb", "0.000001"])
+    text = capsys.readouterr().out
+    assert rc == 1 and "! pure-PyTorch path: disabled by NEBULA_DISABLE_NATIVE" in text, text
+    assert "NEBULA_NO_EXTENSION=1" in text  # a user who chose the pure path on purpose is told it is fine
 
 
 def test_console_script_usage_error() -> None:
@@ -406,26 +513,51 @@ def _installed_copy(tmp_path) -> str:  # noqa: ANN001
     return str(site)
 
 
-def _bench_help(pythonpath: str, cwd: str) -> subprocess.CompletedProcess[str]:
+def _bench(pythonpath: str, cwd: str, *argv: str) -> subprocess.Popen[str]:
     env = dict(os.environ, PYTHONPATH=pythonpath)
-    return subprocess.run([sys.executable, "-m", "nebula_ckpt.cli", "bench", "--help"], cwd=cwd, env=env,
-                          capture_output=True, text=True, timeout=300)
+    return subprocess.Popen([sys.executable, "-m", "nebula_ckpt.cli", "bench", *argv], cwd=cwd, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
-def test_bench_runs_the_harness_of_a_checkout(tmp_path) -> None:  # noqa: ANN001
+def _done(p: subprocess.Popen[str]) -> tuple[int, str, str]:
+    out, err = p.communicate(timeout=300)
+    return p.returncode, out, err
+
+
+def test_bench_state_is_the_same_command_in_every_install_mode(tmp_path, shm_dir: str) -> None:  # noqa: ANN001
+    """``nebula-ckpt bench --state FILE`` measures the file in a checkout (an editable install imports
+    the package of the checkout), with an installed package run from inside a checkout, and with an
+    installed package elsewhere; a state ``export --to state.pt`` wrote is such a file."""
+    state = tmp_path / "state.pt"
+    torch.save({"model": {"w": torch.randn(64, 64)}, "step": 3, "rng": torch.get_rng_state()}, state)
+    installed = _installed_copy(tmp_path)
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    argv = ["--state", str(state), "--saves", "2", "--torch-reps", "1", "--root", str(tmp_path), "--json"]
+    modes = {"checkout": _bench(REPO, str(elsewhere), *argv),
+             "installed, in a checkout": _bench(installed, REPO, *argv),
+             "installed": _bench(installed, str(elsewhere), *argv)}
+    for mode, p in modes.items():
+        rc, out, err = _done(p)
+        assert rc == 0, (mode, err[-3000:])
+        res = json.loads(out)
+        assert res["source"] == f"file: {state}" and res["tensors"] == 2, (mode, res)
+        assert res["nebula"]["restore_s"]["fastest_tier"] > 0 and res["torch_save"]["load_s"] > 0, mode
+
+
+def test_bench_harness_options_run_the_harness_of_a_checkout_only(tmp_path) -> None:  # noqa: ANN001
     from nebula_ckpt.cli.bench import find_checkout
 
     assert find_checkout(str(tmp_path)) == REPO  # the folder above the imported package
-    r = _bench_help(REPO, str(tmp_path))  # the package of a checkout, run from elsewhere
-    assert r.returncode == 0 and "usage: nebula-ckpt bench" in r.stdout and "--systems" in r.stdout, r.stderr
-    r = _bench_help(_installed_copy(tmp_path), REPO)  # an installed package, run from a checkout
-    assert r.returncode == 0 and "--systems" in r.stdout, r.stderr
-
-
-def test_bench_without_a_checkout_runs_the_quick_benchmark(tmp_path) -> None:  # noqa: ANN001
-    r = _bench_help(_installed_copy(tmp_path), str(tmp_path))
-    assert "--systems" not in r.stdout and "Traceback" not in r.stderr, r.stderr
-    if os.path.exists(os.path.join(REPO, "nebula_ckpt", "quickbench.py")):
-        assert r.returncode == 0 and "usage:" in r.stdout, r.stderr
-    else:
-        assert r.returncode == 1 and "nebula_ckpt.quickbench" in r.stderr and "checkout" in r.stderr, r.stderr
+    installed = _installed_copy(tmp_path)
+    runs = {"checkout": _bench(REPO, str(tmp_path), "--systems", "nebula", "--help"),
+            "installed, in a checkout": _bench(installed, REPO, "--systems", "nebula", "--help"),
+            "installed": _bench(installed, str(tmp_path), "--systems", "nebula"),
+            "help": _bench(installed, str(tmp_path), "--help")}
+    for mode in ("checkout", "installed, in a checkout"):
+        rc, out, err = _done(runs[mode])
+        assert rc == 0 and "usage: nebula-ckpt bench" in out and "--recovery" in out, (mode, err)
+    rc, out, err = _done(runs["installed"])
+    assert rc == 2 and "--systems is an option of the full benchmark harness" in err and "--state" in err, err
+    rc, out, err = _done(runs["help"])
+    assert rc == 0 and "--state" in out and "--size-gb" in out and "--systems" not in out, out

@@ -122,7 +122,7 @@ def test_a_lost_base_is_named_by_the_steps_that_need_it(chain: str, capsys: pyte
 
 
 def test_inspect_says_where_each_tensor_is_stored(chain: str, capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["inspect", chain, "--step", "3"]) == 0
+    assert main(["inspect", chain, "--step", "3", "--full"]) == 0
     out = capsys.readouterr().out
     assert "refers to step 1" in out.splitlines()[0]
     row = {ln.split()[0]: ln for ln in out.splitlines()[2:] if ln.startswith(("model/", "optim/"))}

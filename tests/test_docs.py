@@ -34,6 +34,8 @@ PAGES = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
 _BLOCK = re.compile(r"(?:<!--\s*doctest:\s*(?P<directive>[^>]*?)\s*-->[ \t]*\n[ \t]*)?```python\n(?P<code>.*?)```",
                     re.S)
 _ROOTS = re.compile(r"([\"'])/(ckpt|shared|nvme)/")
+#: the page whose snippets run exactly as written (test_api_page_snippets_run_as_written)
+API_PAGE = REPO / "docs" / "api.md"
 
 
 @dataclass(frozen=True)
@@ -85,8 +87,8 @@ def test_every_snippet_has_a_known_directive() -> None:
             assert (PRELUDES / f"{s.directive.split()[1]}.py").is_file(), f"{s.id}: no prelude {s.directive}"
 
 
-@pytest.mark.parametrize("snippet", [s for s in ALL if not s.directive or s.directive.startswith("prelude")],
-                         ids=lambda s: s.id)
+@pytest.mark.parametrize("snippet", [s for s in ALL if (not s.directive or s.directive.startswith("prelude"))
+                                     and s.page != API_PAGE], ids=lambda s: s.id)
 def test_snippet_runs(snippet: Snippet, tmp_path: Path) -> None:
     code = _ROOTS.sub(lambda m: f"{m.group(1)}{tmp_path}/{m.group(2)}/", snippet.code)
     if snippet.directive:
@@ -143,28 +145,73 @@ def test_skipped_snippet_compiles_and_names_what_exists(snippet: Snippet, tmp_pa
     assert res.stdout.strip() == "", f"{snippet.id} reads what does not exist (as written):\n{res.stdout}"
 
 
+@pytest.mark.parametrize("snippet", [s for s in ALL if s.page == API_PAGE], ids=lambda s: s.id)
+def test_api_page_snippets_run_as_written(snippet: Snippet, tmp_path: Path) -> None:
+    """docs/api.md's snippets run exactly as written (no prelude, no path rewritten) in an empty
+    folder, define what they use, and leave no Checkpointer unclosed."""
+    assert not snippet.directive, f"{snippet.id}: the API page's snippets run as written ({snippet.directive!r})"
+    assert not _ROOTS.search(snippet.code), f"{snippet.id}: an absolute root; use a relative one"
+    res = _run(snippet.code, tmp_path)
+    assert res.returncode == 0, f"{snippet.id} failed:\n{res.stdout[-3000:]}\n{res.stderr[-6000:]}"
+    assert "was not closed" not in res.stderr, res.stderr[-3000:]
+
+
+#: where the example is killed (each run resumes from the previous one's newest save): mid-epoch 0,
+#: just past the end of epoch 0 (the save on its last batch), mid-epoch 2; then it runs to the end
+KILLS = {6: (4, 0, 4), 13: (12, 0, 12), 31: (28, 2, 4)}
+
+
+def _losses(text: str) -> dict[int, str]:
+    out: dict[int, str] = {}
+    for m in re.finditer(r"^step (\d+) loss (\S+)$", text, re.M):
+        step, loss = int(m.group(1)), m.group(2)
+        assert out.setdefault(step, loss) == loss, f"step {step} printed twice with different losses"
+    return out
+
+
 @pytest.mark.slow
 def test_quickstart_example_resumes_bit_exact(tmp_path: Path) -> None:
-    """The README's example: a run killed with SIGKILL and resumed ends with the loss of a run that
-    never crashed, to the last bit."""
+    """The README's example (a shuffled DataLoader with 2 workers drawing from np.random, dropout,
+    gradient accumulation), SIGKILLed mid-epoch and at an epoch boundary and resumed each time:
+    every loss of every run is the loss of a run that never crashed, bit for bit, and each run
+    resumes where the one before it saved last."""
     example = REPO / "examples" / "quickstart.py"
+    chain = [f"run{i}:--root,crashed" + (f",--crash-at,{kill}" if kill else "")
+             for i, kill in enumerate([*KILLS, None])]
+    res = subprocess.run([sys.executable, str(REPO / "tests" / "example_runs.py"), str(example), str(tmp_path),
+                          "bg-clean:--root,clean", *chain], cwd=tmp_path, env=_env(), capture_output=True, text=True,
+                         timeout=600)
+    assert res.returncode == 0, res.stderr[-3000:]
+    codes = dict(line.split() for line in res.stdout.splitlines())
+    outs = {name: (tmp_path / f"{name}.out").read_text() for name in codes}
+    assert codes == {"bg-clean": "0", **{f"run{i}": "-9" for i in range(len(KILLS))}, f"run{len(KILLS)}": "0"}, (
+        codes, {n: t[-2000:] for n, t in outs.items()})
+    clean_out = tmp_path / "bg-clean.out"
+    runs = [outs[f"run{i}"] for i in range(len(KILLS) + 1)]
+    want = _losses(clean_out.read_text())
+    assert sorted(want) == list(range(1, 37)), clean_out.read_text()[-3000:]
+    seen: dict[int, str] = {}
+    for text in runs:
+        for step, loss in _losses(text).items():
+            assert loss == want[step], f"step {step}: {loss} after a resume, {want[step]} without a crash"
+            seen[step] = loss
+    assert sorted(seen) == list(range(1, 37))
+    assert "resumed" not in runs[0]
+    for text, (step, epoch, batch) in zip(runs[1:], KILLS.values(), strict=True):
+        assert re.search(rf"^resumed at step {step} \(epoch {epoch}, batch {batch}\) from memory:", text, re.M), text
 
-    def run(root: str, *extra: str) -> subprocess.CompletedProcess[str]:
-        return subprocess.run([sys.executable, str(example), "--root", root, *extra], cwd=tmp_path,
-                              env=_env(), capture_output=True, text=True, timeout=300)
 
-    clean = run("clean")
-    assert clean.returncode == 0, clean.stderr
-    crashed = run("crashed", "--crash-at", "35")
-    assert crashed.returncode == -9, f"the run should have been SIGKILLed: {crashed.returncode} {crashed.stderr}"
-    resumed = run("crashed")
-    assert resumed.returncode == 0, resumed.stderr
-    # step 30's save may not have committed before the kill at step 35 (it persists in the
-    # background): the resume is from the newest step that did, and ends bit-identical all the same
-    assert re.search(r"^resumed from step (10|20|30) ", resumed.stdout, re.M), resumed.stdout
-    final = [ln for ln in clean.stdout.splitlines() if ln.startswith("final loss")]
-    assert final and final == [ln for ln in resumed.stdout.splitlines() if ln.startswith("final loss")], (
-        clean.stdout, resumed.stdout)
+def test_the_readme_names_the_make_targets_a_newcomer_runs() -> None:
+    """The README's quickstart names ``make demo``, ``make test-fast`` and ``make test`` (with how long
+    the whole suite takes), and each ``make`` target the README names exists in the Makefile."""
+    readme = (REPO / "README.md").read_text()
+    quick = readme[readme.index("## Quickstart"):readme.index("## A complete example")]
+    for target in ("demo", "test-fast", "test"):
+        assert re.search(rf"^make {re.escape(target)}\s", quick, re.M), target
+    assert re.search(r"make test\s+#.*\d+ minutes", quick), "how long `make test` takes"
+    targets = set(re.findall(r"^([\w-]+):", (REPO / "Makefile").read_text(), re.M))
+    named = set(re.findall(r"`make ([\w-]+)", readme)) | set(re.findall(r"^make ([\w-]+)", readme, re.M))
+    assert named and named <= targets, named - targets
 
 
 _CITED = re.compile(r"`(tests/[\w/]+\.py)::(\w+)`")

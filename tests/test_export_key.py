@@ -125,12 +125,31 @@ def test_export_key_writes_the_saved_hugging_face_config(root: str, tmp_path,  #
     assert GPT2LMHeadModel.from_pretrained(str(tmp_path / "pt")).config.n_embd == 16
 
 
-def test_export_key_without_a_config_says_so(root: str, saved: TinyNet, tmp_path,  # noqa: ANN001
-                                             capsys: pytest.CaptureFixture[str]) -> None:
+def test_export_key_of_a_hugging_face_model_without_a_config_says_so(root: str, tmp_path,  # noqa: ANN001
+                                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    model = _tiny_gpt2()
+    with nc.Checkpointer(root, memory_tier=False) as ck:
+        ck.save(5, {"model": model, "step": 5})
     out = tmp_path / "model.safetensors"
-    assert main(["export", root, "--step", "3", "--to", str(out), "--key", "model", "--json"]) == 0
+    assert main(["export", root, "--step", "5", "--to", str(out), "--key", "model", "--json"]) == 0
     captured = capsys.readouterr()
     assert json.loads(captured.out)["config"] is None
     assert not (tmp_path / "config.json").exists()
     assert "no Hugging Face config" in captured.err and "config.json" in captured.err, captured.err
     assert "save_pretrained" in captured.err  # the fix, named
+
+
+def test_export_key_of_a_plain_model_says_nothing_of_hugging_face(root: str, saved: TinyNet, tmp_path,  # noqa: ANN001
+                                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    """A plain torch module exported to a file: no word of a Hugging Face config (a module saved as
+    a plain dict into a folder, the file names from_pretrained looks for, still gets the note)."""
+    for to in (tmp_path / "model.safetensors", tmp_path / "w.pt", str(tmp_path / "folder") + os.sep):
+        assert main(["export", root, "--step", "3", "--to", str(to), "--key", "model"]) == 0
+        err = capsys.readouterr().err
+        assert "Hugging Face" not in err and "config" not in err, (to, err)
+    with nc.Checkpointer(root) as ck:
+        ck.save(4, {"model": saved.state_dict(), "step": 4})
+    assert main(["export", root, "--step", "4", "--to", str(tmp_path / "plain.safetensors"), "--key", "model"]) == 0
+    assert "config" not in capsys.readouterr().err
+    assert main(["export", root, "--step", "4", "--to", str(tmp_path / "hf") + os.sep, "--key", "model"]) == 0
+    assert "no Hugging Face config" in capsys.readouterr().err

@@ -65,3 +65,67 @@ def test_a_memory_tier_folder_that_does_not_exist_is_said_loudly(tmp_path, caplo
             assert list(ck.list(detailed=True)) == [f"local:{os.path.abspath(root)}"]
     said = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
     assert any("memory tier skipped" in m and missing in m and "NEBULA_SHM_DIR" in m for m in said), said
+
+
+def test_building_without_a_compiler_names_the_way_out(tmp_path) -> None:  # noqa: ANN001
+    """No C++ compiler: the build stops with a message that names NEBULA_NO_EXTENSION=1 (and how to
+    get a compiler), not a compiler traceback; so does a compiler that fails."""
+    import subprocess
+    import sys
+
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    for cxx in ("/nonexistent/c++", "/bin/false"):
+        r = subprocess.run([sys.executable, "setup.py", "build_ext", "--build-lib", str(tmp_path / "lib"),
+                            "--build-temp", str(tmp_path / "tmp")], cwd=repo, capture_output=True, text=True,
+                           timeout=600, env=dict(os.environ, CXX=cxx, CC=cxx))
+        said = r.stdout + r.stderr
+        assert r.returncode != 0 and "Traceback" not in said, said[-3000:]
+        assert "NEBULA_NO_EXTENSION=1 pip install" in said and "C++ compiler" in said, said[-3000:]
+    assert not os.path.exists(tmp_path / "lib" / "nebula_ckpt")
+
+
+@pytest.mark.parametrize("how", ["not built", "broken"])
+def test_the_pure_path_is_said_as_what_it_is(how: str, monkeypatch: pytest.MonkeyPatch,
+                                             caplog: pytest.LogCaptureFixture) -> None:
+    """Installed without the extension on purpose (NEBULA_NO_EXTENSION=1): one INFO line that says what
+    the pure path costs, no warning; an extension that is there but does not load: a warning to rebuild."""
+    import sys
+    import types
+
+    import nebula_ckpt
+    from nebula_ckpt import native
+
+    monkeypatch.setattr(native, "_native", None)
+    fake = None if how == "not built" else types.ModuleType("_C")
+    monkeypatch.setitem(sys.modules, "nebula_ckpt._C", fake)
+    if fake is None:
+        monkeypatch.delattr(nebula_ckpt, "_C", raising=False)
+    else:
+        monkeypatch.setattr(nebula_ckpt, "_C", fake, raising=False)
+    with caplog.at_level("INFO", logger="nebula_ckpt"):
+        assert native.get_ops() is native.fallback_ops()
+    said = [(r.levelname, r.getMessage()) for r in caplog.records if "pure-PyTorch path" in r.getMessage()]
+    assert len(said) == 1, said
+    level, text = said[0]
+    if how == "not built":
+        assert level == "INFO" and "NEBULA_NO_EXTENSION=1" in text and "torch.save" in text, said
+    else:
+        assert level == "WARNING" and "does not load" in text and "Rebuild" in text, said
+
+
+def test_the_demo_closing_hint_runs_as_typed(tmp_path, shm_dir) -> None:  # noqa: ANN001
+    """``make demo`` ends with ``Try: <cli> ls ROOT``: typed in a shell whose PATH lacks the virtual
+    environment (as after ``make demo``), from the repository and from elsewhere, it runs."""
+    import subprocess
+
+    from nebula_ckpt.demo import cli_command
+
+    root = str(tmp_path / "demo_ckpt")
+    with nc.Checkpointer(root) as ck:
+        ck.save(1, {"w": torch.ones(4)})
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, PATH="/usr/bin:/bin", NEBULA_SHM_DIR=shm_dir)
+    for cwd in (repo, str(tmp_path)):
+        cmd = f"{cli_command(cwd)} ls {root}"
+        r = subprocess.run(cmd, shell=True, cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
+        assert r.returncode == 0 and "healthy" in r.stdout, (cmd, r.stdout, r.stderr[-2000:])

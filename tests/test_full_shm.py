@@ -1,18 +1,17 @@
 """A memory tier on a real tmpfs that fills up (``mount -t tmpfs -o size=8m``, skipped where
-mounting is not permitted): a save that does not fit fails on that tier only, cleanly, with a
-message saying where, how much and what to do; every step saved before stays restorable
-bit-exact, the disk tier still gets the save, nothing partial is visible, and a later save that
-fits is on the memory tier again. Fault injection at named stages (faults.py, flaky_fs.py) stays
-beside this: here the file system is really full.
+mounting is not permitted): a save that does not fit goes to the other tiers only (the memory
+tier stands aside, tests/test_shm_room.py), or, written incremental beside its staged copy,
+whole; every step saved before stays restorable bit-exact, the disk tier still gets the save,
+nothing partial is visible, and a later save that fits is on the memory tier again. Fault
+injection at named stages (faults.py, flaky_fs.py) stays beside this: here the file system is
+really full.
 """
 
 from __future__ import annotations
 
-import errno
 import json
 import logging
 import os
-import re
 import signal
 import subprocess
 import sys
@@ -83,17 +82,6 @@ def _check_restores(ck: nc.Checkpointer, steps: list[int], on_memory: set[int]) 
         assert into["step"] == step
 
 
-def _check_no_room(err: PersistError, mem_name: str) -> None:
-    """The failed save's error: the memory tier alone, ENOSPC, where, how much, what to do."""
-    assert list(err.failures) == [mem_name], err.failures
-    cause = err.failures[mem_name]
-    assert isinstance(cause, OSError) and cause.errno == errno.ENOSPC, repr(cause)
-    msg = str(err)
-    assert mem_name in msg and "step-4" in msg and "No space left" in msg, msg
-    assert re.search(r"needs \d+ bytes, its file system has \d+ bytes free of \d+", msg), msg
-    assert "NEBULA_SHM_DIR" in msg and "keep_last" in msg, msg
-
-
 def _check_cli(root: str, shm: str, capsys: pytest.CaptureFixture[str], want: set[tuple[str, int]]) -> None:
     """``nebula-ckpt verify`` finds every checkpoint healthy; ``gc`` finds nothing wrong."""
     capsys.readouterr()
@@ -107,9 +95,11 @@ def _check_cli(root: str, shm: str, capsys: pytest.CaptureFixture[str], want: se
 
 
 @pytest.mark.parametrize("incremental", [True, False])
-def test_a_save_the_full_tmpfs_cannot_hold_fails_there_only(
+def test_a_save_the_full_tmpfs_cannot_hold_goes_to_the_other_tiers_only(
         tmp_path, small_tmpfs: Callable[[str], str], incremental: bool,  # noqa: ANN001
         capsys: pytest.CaptureFixture[str]) -> None:
+    """Step 4 grew past the tmpfs (9 MiB on 8): the memory tier stands aside for it (no error, the
+    disk tier takes it), and takes step 5, which fits again."""
     shm = small_tmpfs("8m")
     root = str(tmp_path / "ckpt")
     written: dict[int, list[str]] = {}
@@ -132,22 +122,22 @@ def test_a_save_the_full_tmpfs_cannot_hold_fails_there_only(
                     assert _refers_to(folder, 2) == ([1] if incremental else [])
                 if step == 4:  # the step the memory tier held stays, whole; step 4 left no trace
                     assert [n for n in files if n.startswith("step-")] == ["step-3"], files
-            assert sorted(failed) == [4], {s: str(e) for s, e in failed.items()}
-            _check_no_room(failed[4], mem)
+            assert failed == {}, {s: str(e) for s, e in failed.items()}  # no error: the tier stood aside
             for step in (1, 2, 3, 5):
                 assert sorted(written[step]) == sorted([mem, disk]), (step, written[step])
             assert written[4] == [disk]  # the disk tier still got it
-            # a save that fits is on the memory tier again (whole: after a failed write, the tier
-            # builds on no base), and retention then keeps it alone (keep_last=1)
+            # a save that fits is on the memory tier again: incremental on step 3, which the tier
+            # kept (it wrote nothing at step 4), or whole; retention keeps what step 5 needs
             steps_held = sorted(n for n in _tier_files(folder) if n.startswith("step-"))
-            assert steps_held == ["step-5"] and _refers_to(folder, 5) == [], steps_held
-            _check_restores(ck, STEPS, {5})
+            assert steps_held == (["step-3", "step-5"] if incremental else ["step-5"]), steps_held
+            assert _refers_to(folder, 5) == ([3] if incremental else [])
+            _check_restores(ck, STEPS, {3, 5} if incremental else {5})
             _check_cli(root, shm, capsys, {(mem, 5), (disk, 4)})
     capsys.readouterr()
     assert main(["gc", "--shm-dir", shm, "--json"]) == 0
 
 
-# argv: root; saves steps 1..4 (step 4 does not fit the memory tier), reports, then is SIGKILLed
+# argv: root; saves steps 1..4 (step 4 does not fit the memory tier: it stands aside), reports, is SIGKILLed
 _CRASHING_SAVER = r"""
 import json, os, signal, sys
 import nebula_ckpt as nc
@@ -181,8 +171,7 @@ def test_a_restart_after_a_save_the_full_tmpfs_refused(
                        timeout=300)
     assert r.returncode == -signal.SIGKILL, r.stderr[-3000:]
     report = json.loads(r.stdout.splitlines()[-1])
-    assert "No space left" in report["4"]["error"] and "needs" in report["4"]["error"], report["4"]
-    assert [w.split(":")[0] for w in report["4"]["written"]] == ["local"]
+    assert [w.split(":")[0] for w in report["4"]] == ["local"], report["4"]  # the memory tier stood aside
     with knobs.override(shm_dir=shm):
         with nc.Checkpointer(root, tiers=[nc.MemoryTier(), nc.LocalTier(root, keep_last=10)]) as ck:
             mem, disk = ck.tiers[0].name, ck.tiers[1].name
@@ -248,30 +237,24 @@ def test_an_incremental_step_without_room_beside_its_staged_copy_is_written_whol
             assert torch.equal(into["w"], _state(3)["w"]) and torch.equal(into["frozen"], _state(3)["frozen"])
 
 
-def test_an_incremental_step_that_fits_neither_way_fails_with_the_clear_error(
-        tmp_path, small_tmpfs: Callable[[str], str]) -> None:  # noqa: ANN001
-    """Step 2 builds on step 1 (6 MiB on the 8 MiB tmpfs): neither its changed 2.5 MiB nor the
-    whole step fit beside step 1 (its staged copy is no file of the tier: no room for one), so
-    the memory tier fails it with its clear no-room error; step 1 stays intact, the disk tier
-    has step 2, and both restore bit-exact."""
+def test_a_state_whose_step_cannot_sit_beside_the_next_makes_the_tier_stand_aside(
+        tmp_path, small_tmpfs: Callable[[str], str], caplog: pytest.LogCaptureFixture) -> None:  # noqa: ANN001
+    """A 6 MiB state on an 8 MiB tmpfs: one step fits, but not beside the next one, so every save but
+    the first would fail there. The memory tier stands aside from the first save on, said once
+    with the fix; no save raises, the disk tier has every step, and each restores bit-exact."""
     shm = small_tmpfs("8m")
     root = str(tmp_path / "ckpt")
-    with knobs.override(shm_dir=shm):
+    with knobs.override(shm_dir=shm), caplog.at_level(logging.INFO, logger="nebula_ckpt"):
         with nc.Checkpointer(root, tiers=[nc.MemoryTier(), nc.LocalTier(root, keep_last=10)]) as ck:
-            mem, disk = ck.tiers[0].name, ck.tiers[1].name
-            folder = ck.tiers[0].path
-            assert folder is not None
-            assert sorted(ck.save(1, _big(1, 3.5, 2.5)).tiers_written) == sorted([mem, disk])
-            h = ck.save_async(2, _big(2, 3.5, 2.5))
-            with pytest.raises(PersistError) as e:
-                h.result()
-            assert list(e.value.failures) == [mem] and h.tiers_written == [disk]
-            msg = str(e.value)
-            assert "No space left" in msg and "step-2" in msg and "needs" in msg and "NEBULA_SHM_DIR" in msg, msg
-            assert [n for n in _nothing_partial(folder) if n.startswith("step-")] == ["step-1"]
-            for step in (1, 2):
+            disk = ck.tiers[1].name
+            for step in (1, 2, 3):
+                assert ck.save(step, _big(step, 3.5, 2.5)).tiers_written == [disk]
+            for step in (1, 2, 3):
                 into = {"frozen": torch.zeros(int(3.5 * MiB) // 4), "w": torch.zeros(int(2.5 * MiB) // 4)}
-                assert ck.load(step, into=into) == step
-                assert ck.last_restore["tier"] == (mem if step == 1 else disk)
+                assert ck.load(step, into=into) == step and ck.last_restore["tier"] == disk
                 want = _big(step, 3.5, 2.5)
                 assert torch.equal(into["frozen"], want["frozen"]) and torch.equal(into["w"], want["w"])
+    said = [r.getMessage() for r in caplog.records if "stands aside" in r.getMessage()]
+    assert len(said) == 1 and "from step 1 on" in said[0], said
+    for fix in ("docker run --shm-size=", "emptyDir", "medium: Memory", "NEBULA_SHM_DIR"):
+        assert fix in said[0], said[0]

@@ -39,10 +39,38 @@ def test_a_synthetic_state_is_measured_and_nothing_is_left(tmp_path: Path, shm_d
     assert _positive(res["torch_save"]["durable_s"])
     assert res["ratios"]["durable_vs_torch_save"] == neb["later_durable_s"] / res["torch_save"]["durable_s"]
     assert _left(str(tmp_path), shm_dir) == []  # the checkpoints, the torch.save file, the memory tier
+    assert _positive(neb["restore_s"]["fastest_tier"]) and _positive(neb["restore_s"]["disk"])
+    assert neb["restored_from"].startswith("memory:") and _positive(res["torch_save"]["load_s"])
+    lo, hi = neb["later_blocking_spread_s"]
+    assert lo == min(neb["blocking_s"][1:]) and hi == max(neb["blocking_s"][1:])
+    assert res["peak_rss_bytes"] > res["state_bytes"] and neb["shm"]["tier_bytes"] >= res["state_bytes"]
     table = quickbench.render(res)
-    for row in ("save_async blocking, first save", "save_async blocking, later saves (median)",
-                "time to durable, later saves (median)", "torch.save + fsync (median)"):
-        assert row in table
+    for row in ("save_async blocking, first save", "save_async blocking, later saves",
+                "time to durable, later saves", "torch.save + fsync", "restore: load_latest from the memory tier",
+                "restore: load_latest from disk", "torch.load + copy into the state", "host memory for the saves",
+                f"{shm_dir}: the memory tier held"):
+        assert row in table, table
+    rows = {ln[:44].strip(): ln[44:].split() for ln in table.splitlines()[2:9]}
+    assert rows["save_async blocking, later saves"][1] == f"{lo:.3f}-{hi:.3f}"  # the spread beside the median
+
+
+@pytest.mark.parametrize("load, busy", [(0.0, False), (64.0, True)])
+def test_a_busy_machine_is_said(load: float, busy: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The load average at the start (at least half the cores busy) makes the report say the times
+    include waiting for a CPU."""
+    monkeypatch.setattr(os, "getloadavg", lambda: (load, load, load))
+    monkeypatch.setattr(os, "cpu_count", lambda: 8)
+    m = quickbench.machine_load()
+    assert m == {"load_1min": load, "cores": 8, "busy": busy}
+    res = {"nebula": {"tiers": ["memory:/x", "local:/y"], "first_blocking_s": 0.1, "later_blocking_s": 0.1,
+                      "later_blocking_spread_s": [0.1, 0.1], "later_durable_s": 0.2, "later_durable_spread_s": None,
+                      "restore_s": {"fastest_tier": 0.1, "disk": 0.2},
+                      "restore_spread_s": {"fastest_tier": None, "disk": None}, "restored_from": "memory:/x",
+                      "staging_bytes": 0, "slot_bytes": 0, "shm": None},
+           "torch_save": {"durable_s": 1.0, "spread_s": None, "load_s": 1.0, "load_spread_s": None},
+           "state_bytes": 1, "tensors": 1, "source": "synthetic", "peak_rss_bytes": 1, "machine": m}
+    said = quickbench.render(res)
+    assert ("machine was busy (load average 64.0 on 8 cores" in said) == busy, said
 
 
 def test_a_state_file_is_loaded_weights_only_and_saved_whole(tmp_path: Path, shm_dir: str) -> None:

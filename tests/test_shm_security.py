@@ -285,12 +285,37 @@ def test_gc_policy(tmp_path, shm_dir: str) -> None:  # noqa: ANN001
         left = {f.owner.root for f in memtier.scan(shm_dir) if f.owner}
         # only the durable one goes: a gone root's tier holds the only copy of its step
         assert left == {canonical_root(gone), canonical_root(only_mem), canonical_root(live)}
-        rows = {r["root"]: r for r in _gc(shm_dir, "--force")}
+        rows = {r["root"]: r for run in (gone, only_mem, live) for r in _gc(shm_dir, run, "--force")}
         assert "lost" in rows[canonical_root(gone)]["reason"] and "step 1" in rows[canonical_root(gone)]["reason"]
         assert "lost" in rows[canonical_root(only_mem)]["reason"] and "7" in rows[canonical_root(only_mem)]["reason"]
         left = {f.owner.root for f in memtier.scan(shm_dir) if f.owner}
         assert left == {canonical_root(live)}              # in use: never removed, even forced
     assert holder.list() == [1]
+
+
+def test_gc_of_one_run_and_force_only_for_a_named_run(tmp_path, shm_dir: str,  # noqa: ANN001
+                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    """``gc ROOT`` decides for that run's memory tiers only; ``--force`` (which loses steps kept only
+    in memory) is refused without ROOT: on an account several jobs share, every job's tier is this
+    user's, and a bare --force would take their only copies too. ``gc ROOT --force`` leaves every
+    other run's tier as it was, even one whose root is gone."""
+    mine, theirs = str(tmp_path / "mine"), str(tmp_path / "theirs")
+    _job(mine, shm_dir)                               # step 7 only in memory
+    _job(theirs, shm_dir)                             # another job of this account: step 7 only in memory
+    shutil.rmtree(theirs)                             # ... and its root is gone
+    capsys.readouterr()
+    assert cli_main(["gc", "--shm-dir", shm_dir, "--force"]) == 2
+    err = capsys.readouterr().err
+    assert "gc ROOT --force" in err and "name the run" in err, err
+    assert sorted(f.owner.root for f in memtier.scan(shm_dir) if f.owner) == sorted(
+        [canonical_root(mine), canonical_root(theirs)])              # nothing removed
+    (row,) = _gc(shm_dir, mine, "--dry-run")           # one run's tiers only
+    assert row["root"] == canonical_root(mine) and not row["remove"]
+    (row,) = _gc(shm_dir, mine, "--force")
+    assert row["root"] == canonical_root(mine) and row["removed"] and "lost" in row["reason"], row
+    (left,) = memtier.scan(shm_dir)
+    assert left.owner is not None and left.owner.root == canonical_root(theirs) and _mem_steps(left.folder) == [7]
+    assert _gc(shm_dir, str(tmp_path / "never-saved")) == []
 
 
 def test_gc_keeps_a_memory_tier_whose_local_root_cannot_be_reached(tmp_path, shm_dir: str) -> None:  # noqa: ANN001
@@ -308,7 +333,7 @@ def test_gc_keeps_a_memory_tier_whose_local_root_cannot_be_reached(tmp_path, shm
     for outage, make in outages.items():
         os.rename(mnt, away)
         make()
-        for force in ((), ("--force",)):
+        for force in ((), (root, "--force")):
             (row,) = _gc(shm_dir, *force)
             assert not row["remove"] and not row.get("removed"), (outage, force, row)
             assert "step 7" in row["reason"] and root in row["reason"], (outage, row)
@@ -324,7 +349,7 @@ def test_gc_keeps_a_memory_tier_whose_local_root_cannot_be_reached(tmp_path, shm
     (row,) = _gc(shm_dir)
     assert not row["remove"] and "gone" in row["reason"] and "--force" in row["reason"]
     assert _mem_steps(folder) == [7]
-    (row,) = _gc(shm_dir, "--force")
+    (row,) = _gc(shm_dir, root, "--force")
     assert row["removed"] and "step 7" in row["reason"] and "lost" in row["reason"], row
     assert not os.path.exists(folder)
 
@@ -345,9 +370,10 @@ def test_gc_checks_a_remote_root_and_keeps_the_tier_while_the_store_fails(tmp_pa
         with knobs.override(remote_retries=1, gc_root_timeout_s=1.0):
             for name, fault in faults.items():
                 FlakyFileSystem.fault = fault
-                for force in ((), ("--force",)):
+                for force in ((), (only_mem, "--force"), (durable, "--force")):
                     rows = _gc(shm_dir, *force)
-                    assert len(rows) == 2 and not any(r["remove"] or r.get("removed") for r in rows), (name, rows)
+                    assert len(rows) == (1 if force else 2), (name, force, rows)
+                    assert not any(r["remove"] or r.get("removed") for r in rows), (name, rows)
                     assert all("cannot check" in r["reason"] for r in rows), (name, rows)
     finally:
         FlakyFileSystem.fault = None
@@ -359,7 +385,7 @@ def test_gc_checks_a_remote_root_and_keeps_the_tier_while_the_store_fails(tmp_pa
     shutil.rmtree(tmp_path / "bucket")                 # the store says: nothing there
     (row,) = _gc(shm_dir)
     assert not row["remove"] and "gone" in row["reason"]
-    (row,) = _gc(shm_dir, "--force")
+    (row,) = _gc(shm_dir, only_mem, "--force")
     assert row["removed"] and "step 7" in row["reason"] and "lost" in row["reason"], row
     assert memtier.scan(shm_dir) == []
 

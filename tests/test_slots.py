@@ -143,8 +143,14 @@ os._exit(0)
     assert not os.path.isdir(slot_dir) or os.listdir(slot_dir) == []
 
 
-def test_no_room_in_shm_falls_back_to_copying(root: str, caplog) -> None:  # noqa: ANN001
-    with knobs.override(shm_min_free_fraction=1.0), caplog.at_level(logging.WARNING, "nebula_ckpt"):
+def test_no_room_in_shm_falls_back_to_copying(root: str, caplog, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: ANN001
+    """No room for a slot file (the staging buffer) in the tmpfs, room for the tier's step: the save
+    stages in process memory and the memory tier copies from it. (The knob that leaves room free
+    also makes the memory tier stand aside for a state it cannot hold: tests/test_shm_room.py.)"""
+    from nebula_ckpt.save import buffers
+
+    monkeypatch.setattr(buffers, "_shm_room", lambda slot_dir, nbytes: False)
+    with caplog.at_level(logging.WARNING, "nebula_ckpt"):
         with nc.Checkpointer(root) as ck:
             ck.save(1, _state(1))
             ck.save(2, _state(2))

@@ -1,4 +1,4 @@
-"""The ``nebula-ckpt`` command line: ls, verify, inspect, export, mark, gc, persist-memory, bench.
+"""The ``nebula-ckpt`` command line: ls, verify, inspect, export, mark, gc, persist-memory, doctor, bench.
 
 Multi-rank checkpoints (format v2) are understood everywhere: ls and verify show the job's
 world size and check every rank's shard, inspect shows global shapes and which rank stores
@@ -28,7 +28,8 @@ from typing import Callable, Optional, Sequence
 
 from nebula_ckpt.cli.bench import cmd_bench
 from nebula_ckpt.cli.choose import add_choice_arguments
-from nebula_ckpt.cli.common import close_opened, storage_options_arg
+from nebula_ckpt.cli.common import close_opened, out, storage_options_arg
+from nebula_ckpt.cli.doctor import add_doctor_parser, cmd_doctor, version_text
 from nebula_ckpt.cli.export import add_export_parser, cmd_export
 from nebula_ckpt.cli.gc import add_gc_parser, cmd_gc
 from nebula_ckpt.cli.listing import cmd_inspect, cmd_ls
@@ -42,7 +43,7 @@ __all__ = ["main", "build_parser"]
 
 COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
     "ls": cmd_ls, "verify": cmd_verify, "inspect": cmd_inspect, "export": cmd_export, "gc": cmd_gc,
-    "persist-memory": cmd_persist_memory, "mark": cmd_mark}
+    "persist-memory": cmd_persist_memory, "mark": cmd_mark, "doctor": cmd_doctor}
 
 
 def _common(sp: argparse.ArgumentParser) -> None:
@@ -58,7 +59,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="nebula-ckpt", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
-    sub = p.add_subparsers(dest="cmd", required=True)
+    p.add_argument("--version", action="store_true",
+                   help="the version, whether the native (C++) or the pure-PyTorch path runs and why, torch")
+    sub = p.add_subparsers(dest="cmd")
     sp = sub.add_parser("ls", help="steps per tier, sizes, verified/DAMAGED (checksums), health "
                                    "(healthy/suspect/unknown)")
     _common(sp)
@@ -67,13 +70,16 @@ def build_parser() -> argparse.ArgumentParser:
     sp = sub.add_parser("verify", help="full checksum check; exit 1 on damage")
     _common(sp)
     sp.add_argument("--step", type=int, default=None, help="only this step (default: every committed step)")
-    sp = sub.add_parser("inspect", help="tensor table and non-tensor structure of a step")
+    sp = sub.add_parser("inspect", help="what a step holds: a row per top-level key (--full: every tensor and value)")
     _common(sp)
     add_choice_arguments(sp)
+    sp.add_argument("--full", action="store_true",
+                    help="list every tensor (dtype, shape, bytes, checksum) and every non-tensor value")
     add_export_parser(sub, _common)
     add_mark_parser(sub, _common)
     add_gc_parser(sub)
     add_persist_memory_parser(sub, _common)
+    add_doctor_parser(sub)
     sub.add_parser("bench", help="benchmark against torch.save (and peers, from a checkout); see bench --help",
                    add_help=False)
     return p
@@ -109,7 +115,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         except NebulaError as e:
             sys.stderr.write(f"{e}\n")
             return 1
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.version:
+        out(version_text())
+        return 0
+    if args.cmd is None:
+        parser.error("a command is required (ls, verify, inspect, export, gc, persist-memory, doctor, bench)")
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(levelname)s %(name)s: %(message)s")
     return _run(args)

@@ -89,7 +89,8 @@ def open_chosen(args: argparse.Namespace, opener: Callable[[Storage, int, str], 
         NebulaError: nothing healthy answers, naming every copy tried and why, or the tags
             there are when none matches ``--tag``.
     """
-    found, tags = candidates(args, open_tiers(args.root, args.storage_options))
+    tiers = open_tiers(args.root, args.storage_options)
+    found, tags = candidates(args, tiers)
     errors = []
     for step, tier, st in found:
         try:
@@ -103,4 +104,16 @@ def open_chosen(args: argparse.Namespace, opener: Callable[[Storage, int, str], 
     root = strip_credentials(args.root)
     if args.tag is not None and not found:
         raise NebulaError(f"no committed checkpoint tagged {args.tag!r} under {root}; tags there: {tags[-20:]}")
+    if isinstance(args.step, int) and not found:
+        steps = sorted({s for tier, st in tiers for s in step_dirs(st) if commit_state(st, tier, s)[0]})
+        there = (f"committed steps there: {_steps_list(steps)}" if steps else "it holds no committed checkpoint")
+        raise NebulaError(f"no checkpoint of step {args.step} under {root}; {there}")
     raise NebulaError(f"no healthy {_asked(args)} under {root}" + (f" ({'; '.join(errors)})" if errors else ""))
+
+
+def _steps_list(steps: list[int]) -> str:
+    """``1, 2, 5`` (a long list: its first three and its newest twenty, with the count)."""
+    if len(steps) <= 24:
+        return ", ".join(map(str, steps))
+    return (f"{', '.join(map(str, steps[:3]))}, ... {', '.join(map(str, steps[-20:]))} "
+            f"({len(steps)} in all)")

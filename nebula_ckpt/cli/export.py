@@ -25,6 +25,7 @@ from typing import Any, Callable, Mapping, Optional
 
 from nebula_ckpt.cli.choose import add_choice_arguments, open_chosen
 from nebula_ckpt.cli.common import note, open_any, out, progress, ranks_text
+from nebula_ckpt.cli.export_values import is_hugging_face, shown, values_left_out, weights_only
 from nebula_ckpt.errors import NebulaError
 from nebula_ckpt.format import manifest as mf
 from nebula_ckpt.format.tree import decode
@@ -278,11 +279,14 @@ def cmd_export(args: argparse.Namespace) -> int:
     path, fmt = target(args.to, args.format, key, src.step)
     folder = os.path.dirname(os.path.abspath(path))
     node = src.tree if key is None else subtree(src.tree, key)
+    kept: dict[str, list[str]] = {}  # what is said about the values that are not tensors
     if fmt == "safetensors":
         tensors, meta = safetensors_payload(src, node, key, args.json)
         write: Callable[[str], None] = lambda p: write_safetensors(tensors, meta, p)  # noqa: E731
+        kept["left_out"] = values_left_out(node, key or "")
     else:
-        state = torch_payload(src, node, key, args.allow_pickle)
+        state, kept["converted"], kept["pickled"] = weights_only(torch_payload(src, node, key, args.allow_pickle),
+                                                                 key or "")
         write = lambda p: torch.save(state, p)  # noqa: E731
     config = saved_config(src.tree, key) if key is not None else None
     config_path = config_to_write(folder, config) if config is not None else None
@@ -290,17 +294,35 @@ def cmd_export(args: argparse.Namespace) -> int:
     write_atomically(path, write)
     if config_path is not None and config is not None:
         write_atomically(config_path, _write_text(config))
-    info: dict[str, Any] = {"step": src.step, "to": path, "format": fmt}
+    info: dict[str, Any] = {"step": src.step, "to": path, "format": fmt, **{k: v for k, v in kept.items() if v}}
+    _say_what_is_kept(src.step, path, kept)
     if key is not None:
         info["key"] = key
         info["config"] = os.path.join(folder, CONFIG_NAME) if config is not None else None
-        if config is None:
+        hugging_face = is_hugging_face(node)
+        if config is None and (hugging_face or (hugging_face is None and folder_named(args.to))):
             note(_no_config_warning(src.step, key, folder))
     if src.full is not None:
         info["world_size"] = src.man.world_size
     gathered = f", gathered from {ranks_text(src.man)}" if src.full is not None else ""
     out(json.dumps(info) if args.json else f"exported step {src.step} to {path} ({fmt}{gathered})")
     return 0
+
+
+def _say_what_is_kept(step: int, path: str, kept: dict[str, list[str]]) -> None:
+    """Name, on stderr, the values of step ``step`` that ``path`` holds otherwise than saved, or not at all."""
+    if kept.get("left_out"):
+        left = kept["left_out"]
+        note(f"warning: a safetensors file holds tensors only: {len(left)} other value(s) of step {step} are not in "
+             f"{path}: {shown(left)} (export to a .pt file to keep them)")
+    if kept.get("converted"):
+        conv = kept["converted"]
+        note(f"{len(conv)} NumPy value(s) are written as torch tensors and Python numbers, so that "
+             f"torch.load({path!r}) (weights_only=True) reads the file: {shown(conv)}")
+    if kept.get("pickled"):
+        pick = kept["pickled"]
+        note(f"warning: {len(pick)} value(s) only pickle restores: read the file with torch.load({path!r}, "
+             f"weights_only=False), trusted files only: {shown(pick)}")
 
 
 def add_export_parser(sub: "argparse._SubParsersAction[argparse.ArgumentParser]",

@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import argparse
 import json
-from typing import Any, Mapping, Optional
+from typing import Any, Hashable, Mapping, Optional
 
+from nebula_ckpt.cli import summary
 from nebula_ckpt.cli.choose import open_chosen
 from nebula_ckpt.cli.common import (
     check,
@@ -239,10 +240,42 @@ def _inspect_multi(ck: OpenCheckpoint, as_json: bool) -> None:
             out(line)
 
 
+def _summary(ck: OpenCheckpoint) -> list[str]:
+    """``inspect``'s default: a row per top-level key (kind, tensors, bytes, other values)."""
+    man = ck.manifest
+    if not man.multi_rank:
+        def record(k: str) -> tuple[Hashable, int]:
+            rec = man.resolve(k)
+            return (rec.shard, rec.start, rec.end), rec.nbytes
+        tree = man.tree
+    else:
+        from nebula_ckpt.dcp.reader import logical_tensors
+
+        logical = logical_tensors(man)
+
+        def record(k: str) -> tuple[Hashable, int]:  # a sharded tensor: every rank's piece
+            pieces = {(shard_owner(man.shards[r.shard].file), r.shard, r.start, r.end): r.nbytes
+                      for _rank, _full, r in logical.get(k, [])}
+            return ("logical", k), sum(pieces.values())
+        tree = man.rank_tree_of(min(man.ranks))
+    return summary.render(summary.rows(tree, record))
+
+
 def cmd_inspect(args: argparse.Namespace) -> int:
-    """Tensor table and non-tensor structure of one step (sizes checked, not checksums)."""
+    """A summary of one step (a row per top-level key), or with ``--full`` its tensor table and
+    non-tensor structure (sizes checked, not checksums)."""
     ck = open_chosen(args, lambda st, step, where: open_any(st, step, "size", where))
     man: mf.Manifest = ck.manifest
+    if not args.full and not args.json:
+        tag = f", tag {man.tag}" if man.tag is not None else ""
+        refs = f", {references_text(man)}" if references_text(man) else ""
+        ranks = f", {ranks_text(man)}" if man.multi_rank else ""
+        out(f"step {man.step}  ({ck.where}, format v{man.version}{ranks}, {len(man.tensors)} tensors stored"
+            f"{tag}{refs})")
+        for line in _summary(ck):
+            out(line)
+        out("(--full lists every tensor and value; --json gives them all as JSON)")
+        return 0
     if man.multi_rank:
         _inspect_multi(ck, args.json)
         return 0

@@ -187,7 +187,7 @@ class SavePipeline:
 
     def _save_indexed(self, idx: int, plan: Plan, writers: list[TierWriter], t_now: float, t0: float) -> SaveHandle:
         """The rest of :meth:`save_async` for save number ``idx`` of this job."""
-        targets = [w for w in writers if w.wants(idx, t_now)]
+        targets = [w for w in writers if w.wants(idx, t_now) and w.runtime.admits(plan.layout.total_bytes, plan.step)]
         for w in writers:
             if w not in targets:
                 self.coordinator.abandon(w.name, idx)

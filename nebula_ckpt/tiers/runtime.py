@@ -61,6 +61,11 @@ class TierRuntime:
         """Prepare to be written (first save); False (logged) when this process may not write."""
         return True
 
+    def admits(self, nbytes: int, step: int) -> bool:
+        """Whether a save of ``nbytes`` (step ``step``) may go to this tier now (the training thread
+        asks before each save; the memory tier checks its tmpfs's room)."""
+        return True
+
     def unreadable(self, owner: Owner) -> Optional[str]:
         """Why a read-only tool (the CLI) must not read this tier for ``owner``; None if it may.
 

@@ -206,7 +206,7 @@ def test_cli_ls_verify_inspect_show_ranks_and_find_damage(root4: Path, capsys: p
     assert [s["rank"] for s in row["shards"]] == [0, 1, 2, 3]
     assert cli(["verify", r]) == 0
     assert "4-rank job" in capsys.readouterr().out
-    assert cli(["inspect", r, "--step", "5"]) == 0
+    assert cli(["inspect", r, "--step", "5", "--full"]) == 0
     out = capsys.readouterr().out
     assert "4-rank job" in out and "shard-g1-r3.safetensors" in out
     line = next(ln for ln in out.splitlines() if ln.startswith("model/2.weight"))

@@ -12,8 +12,8 @@ no committed step                               removed: nothing to lose
 newest step also committed on the root          removed: durable there
 root that cannot be checked (see below)         kept, even with ``--force``
 newest step only in memory: the root lacks it,  kept, unless ``--force`` (which says which
-the root is gone, the root now belongs to       steps are lost)
-another run, or no ``ROOT`` file names a root
+the root is gone, the root now belongs to       steps are lost; the command line takes it
+another run, or no ``ROOT`` file names a root   only for one named run: ``gc ROOT --force``)
 ==============================================  ==============================================
 
 The root is asked, never presumed. A root is *gone* only when that is known: a local root does
@@ -47,6 +47,7 @@ from nebula_ckpt.format.names import COMMIT, MANIFEST, RUN_FILE, step_dir
 from nebula_ckpt.format.references import references
 from nebula_ckpt.storage.base import Storage
 from nebula_ckpt.storage.local import LocalStorage
+from nebula_ckpt.storage.urls import canonical_root
 from nebula_ckpt.tiers.memory.shm import Found, look, scan, try_lock
 
 log = logging.getLogger(__name__)
@@ -267,9 +268,14 @@ def decide(f: Found, force: bool = False) -> Decision:
     return _only_copy(f, force, answer.why, [s for s in steps if s not in answer.on_root])
 
 
-def collect(shm_dir: Optional[str] = None, force: bool = False) -> list[Decision]:
-    """Decisions for every memory tier of this user (nothing is removed: :func:`remove` acts)."""
-    return [decide(f, force) for f in scan(shm_dir)]
+def collect(shm_dir: Optional[str] = None, force: bool = False, root: Optional[str] = None) -> list[Decision]:
+    """Decisions for every memory tier of this user, or (``root``) for the memory tiers of that run
+    only (every rank's on this host); nothing is removed: :func:`remove` acts."""
+    found = scan(shm_dir)
+    if root is not None:
+        mine = canonical_root(root)
+        found = [f for f in found if f.owner is not None and f.owner.root == mine]
+    return [decide(f, force) for f in found]
 
 
 def remove(d: Decision) -> Decision:

@@ -14,6 +14,7 @@ from nebula_ckpt import knobs
 from nebula_ckpt.format.commit import committed_steps
 from nebula_ckpt.format.names import LOCK_FILE, ROOT_FILE, SLOT_DIR
 from nebula_ckpt.storage.base import Storage
+from nebula_ckpt.tiers.memory.room import Room
 from nebula_ckpt.tiers.memory.shm import (
     Claim,
     ClaimRefused,
@@ -57,6 +58,7 @@ class MemoryTierRuntime(TierRuntime):
         self._whole_steps = 0  # incremental steps written whole for want of room (write_whole_instead)
         #: copy-on-write mappings of this tier's files a restore made: (mapping, path, inode, size)
         self._cow_maps: list[tuple[weakref.ref[mmap.mmap], str, tuple[int, int], int]] = []
+        self._room: Optional[Room] = None
 
     @property
     def folder(self) -> str:
@@ -109,6 +111,12 @@ class MemoryTierRuntime(TierRuntime):
         except OSError as e:
             log.warning("nebula_ckpt: memory tier %s: no staging slot files (%s); copying instead", self.folder, e)
         return True
+
+    def admits(self, nbytes: int, step: int) -> bool:
+        """Whether the tmpfs has room for a state of ``nbytes`` (:mod:`nebula_ckpt.tiers.memory.room`)."""
+        if self._room is None:
+            self._room = Room(self.folder)
+        return self._room.admits(nbytes, step)
 
     def staging_dir(self) -> Optional[str]:
         return self._slots

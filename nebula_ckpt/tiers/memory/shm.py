@@ -264,6 +264,32 @@ def _write_owner(folder: str, owner: Owner) -> None:
     write_file_atomic(os.path.join(folder, ROOT_FILE), owner.to_bytes(), mode=0o600, fsync=False, dir_mode=None)
 
 
+#: the fds of the ``LOCK`` files this process holds to write memory tiers (see :func:`_forget_locks_in_child`)
+_held_locks: set[int] = set()
+
+
+def _forget_locks_in_child() -> None:
+    """In a forked child (a DataLoader worker): stop sharing the parent's memory-tier locks.
+
+    A ``flock`` belongs to the open file, which a fork shares: without this, a worker that outlives
+    its killed parent for a few seconds (until its watchdog notices) would keep the tier locked,
+    and the restarted job would find it "in use by another live process" and save without it.
+    The fd number stays valid (it points to ``/dev/null``): nothing the child closes later can
+    close another file instead. A child never writes its parent's memory tier."""
+    if not _held_locks:
+        return
+    null = os.open(os.devnull, os.O_RDONLY)
+    try:
+        for fd in _held_locks:
+            os.dup2(null, fd, inheritable=False)
+    finally:
+        os.close(null)
+    _held_locks.clear()
+
+
+os.register_at_fork(after_in_child=_forget_locks_in_child)
+
+
 def try_lock(folder: str) -> Optional[int]:
     """An exclusive, non-blocking lock on ``folder``'s ``LOCK`` file: its fd, or ``None`` if held."""
     fd = os.open(os.path.join(folder, LOCK_FILE), os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
@@ -385,12 +411,15 @@ class Claim:
         """Take the folder's lock for writing (idempotent); False if another process holds it."""
         if self._fd is None:
             self._fd = try_lock(self.folder)
+            if self._fd is not None:
+                _held_locks.add(self._fd)
         return self._fd is not None
 
     def release(self) -> None:
         """Drop the lock (idempotent); the folder and its checkpoints stay."""
         fd, self._fd = self._fd, None
         if fd is not None:
+            _held_locks.discard(fd)
             os.close(fd)
 
 

@@ -1,0 +1,214 @@
+""":class:`LoopState`: what a training loop holds besides the model and the optimizer.
+
+A loop resumed from a checkpoint draws the same random numbers and sees the same batches as one
+that never stopped only when three things come back with the weights: every random stream of
+the process (:mod:`nebula_ckpt.loop.streams`), the position in the data (epoch, batch) and the
+data loader's own randomness (its shuffle, its workers' seeds; :mod:`nebula_ckpt.loop.data`).
+:class:`LoopState` keeps all three; put it in the state handed to ``save_async`` and
+``load_latest``, and let it hand out the epochs and the batches::
+
+    loop = nc.LoopState(loader)
+    state = {"model": model, "optim": opt, "loop": loop}
+    ckpt.load_latest(into=state)                 # a fresh start when there is nothing
+    for epoch in loop.epochs(10):
+        for batch in loop:
+            ...
+            ckpt.save_async(loop.step, state)
+
+Its ``state_dict()`` holds tensors, NumPy arrays and plain ints and floats only: it is stored
+without pickle and every counter comes back as the ``int`` it was.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Iterator, Mapping, Optional
+
+import torch
+
+from nebula_ckpt.errors import ValidationError
+from nebula_ckpt.loop import data
+from nebula_ckpt.loop.streams import capture, generator_state, restore
+
+__all__ = ["LoopState"]
+
+log = logging.getLogger("nebula_ckpt")
+
+#: version of :meth:`LoopState.state_dict`'s layout
+LAYOUT = 1
+
+
+def _take(loader: Any, cuda: bool) -> dict[str, Any]:
+    """The process's random streams and the loader's generators, now."""
+    return {"streams": capture(cuda), "generators": [g.get_state() for g in data.generators(loader)]}
+
+
+def _put(loader: Any, taken: Mapping[str, Any], where: str) -> None:
+    """Set back what :func:`_take` took (the loader's generators by position)."""
+    restore(taken["streams"], f"{where}['streams']")
+    gens = data.generators(loader)
+    saved = list(taken.get("generators") or [])
+    if len(saved) != len(gens):
+        log.warning("nebula_ckpt: %s: the checkpoint holds %d data-loader generator state(s), the loader has %d "
+                    "generator(s): the first %d are restored (was the loader built the same way?)", where,
+                    len(saved), len(gens), min(len(saved), len(gens)))
+    for i, (g, s) in enumerate(zip(gens, saved, strict=False)):  # fewer: said above
+        g.set_state(generator_state(s, f"{where}['generators'][{i}]"))
+
+
+def _own(tree: Any) -> Any:
+    """``tree`` with every tensor a copy of its own: a restored tensor may be a view into a buffer
+    shared with others, and torch's ``Generator.set_state`` reads such a view from the wrong place
+    (a loader's sampler state holds generator states)."""
+    if isinstance(tree, torch.Tensor):
+        return tree.detach().clone()
+    if isinstance(tree, dict):
+        return {k: _own(v) for k, v in tree.items()}
+    if isinstance(tree, (list, tuple)):
+        return type(tree)(_own(v) for v in tree)
+    return tree
+
+
+class LoopState:
+    """Every random stream of the process and the loop's position in its data, in a checkpoint.
+
+    Put it in the state (``{"model": model, "optim": opt, "loop": loop}``): ``save_async`` takes
+    its :meth:`state_dict` with the rest, ``load_latest`` gives it back (:meth:`load_state_dict`).
+    Iterate :meth:`epochs` and the object itself instead of ``range(epochs)`` and the loader: a
+    resumed run then goes on with the batch after the last one the checkpoint had seen, drawing
+    the same random numbers as a run that never stopped (torch's CPU generator, every CUDA
+    device's, ``np.random``, ``random``, the loader's ``generator=`` and its workers' streams).
+
+    Args:
+        loader: the data loader (a ``DataLoader``, torchdata's ``StatefulDataLoader``, any
+            re-iterable), or None to keep the random streams and the counters only.
+
+    Attributes:
+        epoch: the epoch in progress (0-based).
+        batch: batches of this epoch handed to the loop so far.
+        step: batches handed to the loop since the start of training (all epochs): a name for
+            each checkpoint (``save_async(loop.step, state)``).
+
+    Save at the end of the loop body, after the optimizer's step: what the rest of the body would
+    have done after the save is done again by the resumed run. A plain ``DataLoader`` is resumed
+    by loading the consumed batches of the epoch again (see :mod:`nebula_ckpt.loop.data`); a
+    ``StatefulDataLoader`` fast-forwards itself.
+    """
+
+    def __init__(self, loader: Any = None) -> None:
+        self.loader = loader
+        if data.has_own_state(loader):
+            data.keep_worker_streams(loader)
+        self.epoch = 0
+        self.batch = 0
+        self.step = 0
+        self._epoch_done = False
+        #: streams and generators just before this epoch's iterator was made (plain loaders)
+        self._epoch_start: Optional[Mapping[str, Any]] = None
+        #: a restored position not yet reached: (streams at the save, streams at the epoch's start)
+        self._pending: Optional[Mapping[str, Any]] = None
+        #: the loader's iterator of the epoch in progress
+        self._live: Optional[Iterator[Any]] = None
+
+    # -- the loop ---------------------------------------------------------------------------------
+    def epochs(self, n: int) -> Iterator[int]:
+        """The epochs still to run, up to ``n`` (exclusive): from the restored one on.
+
+        An epoch whose batches were all handed out is over; one the loop left early (a ``break``)
+        is over too once the next one is asked for."""
+        while True:
+            if self._epoch_done:
+                self._next_epoch()
+            if self.epoch >= n:
+                return
+            yield self.epoch
+            self._epoch_done = True
+
+    def _next_epoch(self) -> None:
+        self.epoch += 1
+        self.batch = 0
+        self._epoch_done = False
+        self._epoch_start = None
+        self._live = None
+
+    def __iter__(self) -> Iterator[Any]:
+        """The batches of the current epoch still to come (an epoch already over: the next one's)."""
+        if self.loader is None:
+            raise ValidationError("LoopState(): iterating it needs the data loader: LoopState(loader)")
+        if self._epoch_done:
+            self._next_epoch()
+        if self._live is None:
+            self._live = self._start()
+        for item in self._live:  # a ``break`` leaves it here: the next ``for`` goes on with it
+            self.batch += 1
+            self.step += 1
+            yield item
+        self._live = None
+        self._epoch_done = True
+
+    def _start(self) -> Iterator[Any]:
+        """The epoch's iterator, at the restored position when a restore is pending."""
+        loader, pending, self._pending = self.loader, self._pending, None
+        data.set_epoch(loader, self.epoch)
+        if data.has_own_state(loader):
+            it = iter(loader)  # at the position load_state_dict gave it
+            if pending is not None and self.batch:  # making it may have drawn (a base seed): as at the save
+                _put(loader, pending["now"], "LoopState")
+            return it
+        if pending is None or self.batch == 0:
+            self._epoch_start = _take(loader, cuda=False)
+            return iter(loader)
+        return self._replay(pending)
+
+    def _replay(self, pending: Mapping[str, Any]) -> Iterator[Any]:
+        start = pending["epoch_start"]
+        if start is None:
+            raise ValidationError("LoopState: the checkpoint is in the middle of an epoch but holds no state of its "
+                                  "start (saved by a LoopState without a loader?): pass the same loader")
+        if data.persistent_workers(self.loader) and self.epoch > 0:
+            log.warning("nebula_ckpt: LoopState: the loader keeps its workers across epochs (persistent_workers=True): "
+                        "random numbers drawn inside the workers resume from the start of epoch %d's workers, not from "
+                        "where they were", self.epoch)
+        _put(self.loader, start, "LoopState (epoch start)")
+        self._epoch_start = start
+        it, done = data.replay(self.loader, self.batch, self.epoch)
+        if done < self.batch:
+            log.warning("nebula_ckpt: LoopState: epoch %d has %d batches now, the checkpoint was taken after batch %d: "
+                        "the epoch is over", self.epoch, done, self.batch)
+        _put(self.loader, pending["now"], "LoopState")
+        return it
+
+    # -- the checkpoint ---------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """The position and every random stream, now (typed leaves only: no pickle)."""
+        loader = self.loader
+        own = data.has_own_state(loader)
+        return {"layout": LAYOUT, "epoch": self.epoch, "batch": self.batch, "step": self.step,
+                "epoch_done": self._epoch_done, "now": _take(loader, cuda=True),
+                "epoch_start": None if own else self._epoch_start,
+                "loader": loader.state_dict() if own else None,
+                "batches_per_epoch": data.length(loader) if loader is not None else None}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Go back to the saved position: the random streams are set back now, the loader's position
+        when the epoch's batches are next asked for (``for batch in loop``)."""
+        if state.get("layout") != LAYOUT:
+            raise ValidationError(f"LoopState: unknown state layout {state.get('layout')!r} (this version reads "
+                                  f"{LAYOUT})")
+        loader = self.loader
+        saved_len, now_len = state.get("batches_per_epoch"), data.length(loader) if loader is not None else None
+        if saved_len is not None and now_len is not None and saved_len != now_len:
+            log.warning("nebula_ckpt: LoopState: the loader has %d batches per epoch, the checkpoint's had %d (another "
+                        "batch size, dataset or drop_last?): the position is kept in batches", now_len, saved_len)
+        self.epoch, self.batch, self.step = int(state["epoch"]), int(state["batch"]), int(state["step"])
+        self._epoch_done = bool(state["epoch_done"])
+        self._epoch_start = state.get("epoch_start")
+        self._live = None
+        if loader is not None and data.has_own_state(loader) and state.get("loader") is not None \
+                and self.batch and not self._epoch_done:  # else the next iterator starts an epoch afresh
+            loader.load_state_dict(_own(state["loader"]))
+        _put(loader, state["now"], "LoopState")
+        self._pending = {"now": state["now"], "epoch_start": self._epoch_start}
+
+    def __repr__(self) -> str:
+        return f"LoopState(epoch={self.epoch}, batch={self.batch}, step={self.step})"
