@@ -70,11 +70,19 @@ class Checkpointer:
         storage_options: fsspec options for a remote ``root`` (credentials; never logged).
         tiers: explicit tiers, fastest first (default: ``[MemoryTier(), <root tier>]``).
         keep_last: committed checkpoints kept per tier unless the tier says otherwise.
-        max_host_bytes: cap on host staging memory (default: two buffers' worth with a remote
-            tier, one otherwise).
+        host_memory_budget: the most host memory checkpointing holds at once: staging buffers
+            (pinned or not) plus the memory tier's files in its tmpfs (its checkpoints, their
+            incremental bases, replicas held for partners). An ``int`` (bytes), a ``float`` in
+            (0, 1] (that share of the machine's memory, or of the container's limit), or ``None``
+            (the default): what is free, leaving 10% of the machine's memory (at least 1 GiB)
+            available to training at every save, so checkpoints never push a job that fits into
+            the OOM killer. A save that would exceed it first lets the memory tier give up steps
+            a persistent tier holds too, then waits or is skipped (``on_full``), logging the
+            budget; a state that can never fit raises :class:`ValidationError` at its first save,
+            before anything is written.
         memory_tier: add the default memory tier (ignored when ``tiers`` is given).
         on_full: ``"wait"`` (default) or ``"skip"``: what a save does when every staging buffer
-            is still being persisted.
+            is still being persisted, or the host-memory budget has no room for it yet.
         allow_pickle: allow saving (and loading) values typed JSON cannot hold, via pickle.
         on_persist_error: ``"raise"`` (default): a background failure is raised from the next
             ``save_async`` / ``wait`` / ``close`` unless already seen through its handle;
@@ -139,11 +147,11 @@ class Checkpointer:
 
     def __init__(self, root: str, *, storage_options: Optional[dict[str, Any]] = None,
                  tiers: Optional[Sequence[Tier]] = None, keep_last: int = 3,
-                 max_host_bytes: Optional[int] = None, memory_tier: bool = True, on_full: str = "wait",
+                 host_memory_budget: "int | float | None" = None, memory_tier: bool = True, on_full: str = "wait",
                  allow_pickle: bool = False, on_persist_error: str = "raise", snapshot: str = "auto",
                  coordinator: Optional[Coordinator] = None, read_only: bool = False, incremental: bool = True) -> None:
         self._calls = Calls()  # who is inside which method: a close() from a signal handler waits for it
-        check_arguments(root, keep_last, max_host_bytes, on_full, on_persist_error, snapshot, incremental)
+        check_arguments(root, keep_last, host_memory_budget, on_full, on_persist_error, snapshot, incremental)
         #: opened for reading only (see ``read_only``)
         self.read_only = bool(read_only)
         self.snapshot = snapshot
@@ -158,7 +166,7 @@ class Checkpointer:
         self._runtimes = runtimes = self._opened.runtimes
         shown = canonical_root(root)
         self._saves = SavePipeline(runtimes, self._opened.fence, self.coordinator, shown, keep_last=keep_last,
-                                   max_host_bytes=max_host_bytes, on_full=on_full, snapshot=snapshot,
+                                   host_memory_budget=host_memory_budget, on_full=on_full, snapshot=snapshot,
                                    allow_pickle=allow_pickle, on_persist_error=on_persist_error,
                                    incremental=incremental)
         self._restores = Restorer(runtimes, self.coordinator, shown, allow_pickle,  # a reader adopts nothing
