@@ -97,6 +97,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--flat-saves", type=int, default=None,
                    help="saves of the host-memory flatness check (default 100; 20 with --quick; 0 = skip)")
     p.add_argument("--keep", action="store_true", help="keep the checkpoints written")
+    p.add_argument("--restore-reps", type=int, default=3,
+                   help="warm and cold restores per system, interleaved (medians; default 3)")
     p.add_argument("--drop-caches", action="store_true",
                    help="for cold restores, fall back to 'echo 1 > /proc/sys/vm/drop_caches' (whole "
                         "machine; root) when posix_fadvise leaves pages resident")
