@@ -103,7 +103,7 @@ def run_read(path: Path, layout: list[tuple[int, int, int]], tensors: list[torch
         for idx in _groups(layout):
             base = layout[idx[0]][0]
             n = layout[idx[-1]][0] + layout[idx[-1]][1] - base
-            view = memoryview(buf.numpy()).cast("B")[:n]
+            view = buf.numpy().data.cast("B")[:n]
             got = 0
             while got < n:
                 r = f.readinto(view[got:])
@@ -147,7 +147,7 @@ def measure_restore_floor(w: wl.Workload, folder: Path, reps: int = 3, drop_cach
     res: dict[str, Any] = {"bytes": sum(n for _, n, _ in layout), "tensors": len(layout)}
     try:
         for how in ("read", "mmap"):
-            def once() -> float:
+            def once(how: str = how) -> float:
                 return run_read(path, layout, tensors, buf) if how == "read" else run_mmap(path, layout, tensors)
             once()  # warms the page cache (and the code paths)
             res[f"{how}_warm_s"] = statistics.median(once() for _ in range(reps))

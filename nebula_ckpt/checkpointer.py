@@ -70,16 +70,11 @@ class Checkpointer:
         storage_options: fsspec options for a remote ``root`` (credentials; never logged).
         tiers: explicit tiers, fastest first (default: ``[MemoryTier(), <root tier>]``).
         keep_last: committed checkpoints kept per tier unless the tier says otherwise.
-        host_memory_budget: the most host memory checkpointing holds at once: staging buffers
-            (pinned or not) plus the memory tier's files in its tmpfs (its checkpoints, their
-            incremental bases, replicas held for partners). An ``int`` (bytes), a ``float`` in
-            (0, 1] (that share of the machine's memory, or of the container's limit), or ``None``
-            (the default): what is free, leaving 10% of the machine's memory (at least 1 GiB)
-            available to training at every save, so checkpoints never push a job that fits into
-            the OOM killer. A save that would exceed it first lets the memory tier give up steps
-            a persistent tier holds too, then waits or is skipped (``on_full``), logging the
-            budget; a state that can never fit raises :class:`ValidationError` at its first save,
-            before anything is written.
+        host_memory_budget: the most host memory checkpointing holds: staging buffers plus the
+            memory tier's files (tmpfs pages are RAM). Bytes (int), a share of the machine's
+            memory (float in (0, 1]) or None (default): what is free, keeping 10% of the memory
+            (at least 1 GiB) for training. Beyond it a save waits or is skipped (``on_full``);
+            a state that never fits raises :class:`ValidationError` (:mod:`nebula_ckpt.save.budget`).
         memory_tier: add the default memory tier (ignored when ``tiers`` is given).
         on_full: ``"wait"`` (default) or ``"skip"``: what a save does when every staging buffer
             is still being persisted, or the host-memory budget has no room for it yet.

@@ -46,20 +46,21 @@ def live_destinations(ck: OpenCheckpoint, state: Mapping[str, Any], target: Any,
     params = [p for g in target.param_groups for p in g["params"]]
     if len(saved_ids) != len(params):
         return {}
-    by_id = dict(zip(saved_ids, params))
+    by_id = dict(zip(saved_ids, params, strict=True))
     out: dict[str, torch.Tensor] = {}
     for pk, pv in saved_state["v"]:
-        live = target.state.get(by_id.get(decode(pk, ck.view, False, shown)))
+        param = by_id.get(decode(pk, ck.view, False, shown))
+        live = target.state.get(param) if param is not None else None
         if not isinstance(live, dict) or pv.get("t") not in ("dict", "odict"):
             continue
         for nk, nv in pv["v"]:
             have = live.get(decode(nk, ck.view, False, shown))
-            if nv.get("t") == "tensor" and _suits(have, ck, nv["k"]):
+            if nv.get("t") == "tensor" and isinstance(have, torch.Tensor) and _suits(have, ck, nv["k"]):
                 out[nv["k"]] = have
     return _distinct(ck, out)
 
 
-def _suits(have: Any, ck: OpenCheckpoint, key: str) -> bool:
+def _suits(have: torch.Tensor, ck: OpenCheckpoint, key: str) -> bool:
     """Whether the live tensor ``have`` can take the saved tensor ``key``'s bytes as they are."""
     rec = ck.resolve(key)
     return type(have) is torch.Tensor and have.device.type == "cpu" and not have.requires_grad and \

@@ -25,131 +25,25 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import mmap
 import os
 import threading
 import time
-from dataclasses import dataclass, field
-from typing import Any, Callable, Optional
-
-import torch
+from typing import Callable, Optional
 
 from nebula_ckpt import knobs
 from nebula_ckpt.errors import ValidationError
-from nebula_ckpt.format.names import slot_file_name
 from nebula_ckpt.latch import Latch
 from nebula_ckpt.native import get_ops
 from nebula_ckpt.save.budget import HostMemoryBudget, folder_ram_bytes, gib
 from nebula_ckpt.save.prefault import FaultAhead, threads_for
-from nebula_ckpt.storage.local import read_elsewhere
+from nebula_ckpt.save.slots import Slot, adopt_slot_file, create_slot_file, fresh_anonymous, shm_room
 from nebula_ckpt.tiers.memory.shm import own_spare_slot_files
+
+__all__ = ["Slot", "StagingPool"]
 
 log = logging.getLogger(__name__)
 
 _ROUND = 2 << 20
-
-
-@dataclass(eq=False)
-class Slot:
-    """One staging buffer."""
-
-    buffer: torch.Tensor       # 1-D uint8, capacity bytes
-    pinned: bool
-    in_use: bool = field(default=False)
-    #: slot file (exactly ``capacity`` bytes) the memory tier may link as its shard; None: anonymous
-    path: Optional[str] = None
-    _mm: Any = field(default=None, repr=False)
-
-    @property
-    def capacity(self) -> int:
-        """Bytes available."""
-        return int(self.buffer.numel())
-
-    def live(self) -> bool:
-        """Whether a committed memory-tier checkpoint still links to this slot file, or another
-        process still reads it (a restore of a checkpoint that linked it: see
-        :func:`~nebula_ckpt.storage.local.read_elsewhere`); either way it is not staged in."""
-        if self.path is None:
-            return False
-        try:
-            return os.stat(self.path).st_nlink > 1 or read_elsewhere(self.path)
-        except FileNotFoundError:
-            return False
-
-    def fits(self, nbytes: int) -> bool:
-        """Whether a shard image of ``nbytes`` can be staged here (slot files: exactly that size)."""
-        return self.capacity == nbytes if self.path is not None else self.capacity >= nbytes
-
-    def free(self) -> None:
-        """Drop the buffer (a slot file's name goes too; a checkpoint linking it keeps its bytes)."""
-        if self.path is not None:
-            try:
-                os.unlink(self.path)
-            except FileNotFoundError:
-                pass
-        self.buffer = torch.empty(0, dtype=torch.uint8)
-        self._mm = None
-
-
-def create_slot_file(slot_dir: str, nbytes: int) -> Slot:
-    """A new slot file of exactly ``nbytes`` in ``slot_dir``, allocated and mapped pre-faulted.
-
-    Raises:
-        OSError: no room on the tmpfs (``ENOSPC``) or no such folder.
-    """
-    os.makedirs(slot_dir, mode=0o700, exist_ok=True)
-    path = os.path.join(slot_dir, slot_file_name())
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-    try:
-        os.posix_fallocate(fd, 0, nbytes)  # pages exist now: ENOSPC here, never SIGBUS later
-        return _map_slot(fd, path, nbytes)
-    except BaseException:
-        os.unlink(path)
-        raise
-    finally:
-        os.close(fd)
-
-
-def adopt_slot_file(path: str, nbytes: int) -> Slot:
-    """Map the existing slot file ``path`` (a spare of exactly ``nbytes``, its pages allocated).
-
-    Raises:
-        OSError: it is gone, is a link, or is not ``nbytes`` long.
-    """
-    fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW)
-    try:
-        if os.fstat(fd).st_size != nbytes:
-            raise OSError(f"slot file {path} is not {nbytes} bytes")
-        os.posix_fallocate(fd, 0, nbytes)  # a no-op for a whole file: no hole can SIGBUS later
-        return _map_slot(fd, path, nbytes)
-    finally:
-        os.close(fd)
-
-
-def _map_slot(fd: int, path: str, nbytes: int) -> Slot:
-    flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
-    mm = mmap.mmap(fd, nbytes, flags=flags, prot=mmap.PROT_READ | mmap.PROT_WRITE)
-    return Slot(torch.frombuffer(mm, dtype=torch.uint8), False, path=path, _mm=mm)
-
-
-def _fresh_anonymous(nbytes: int) -> Slot:
-    """A staging buffer of fresh anonymous pages, none of them touched: the save's copy (and the
-    fault-ahead threads) fault them in as they fill it. A mapping of its own, whatever its size:
-    a block of the heap would have to be zeroed first, on the training thread."""
-    mm = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    if knobs.get("huge_pages") and hasattr(mmap, "MADV_HUGEPAGE"):
-        mm.madvise(mmap.MADV_HUGEPAGE)
-    return Slot(torch.frombuffer(mm, dtype=torch.uint8), False, _mm=mm)
-
-
-def _shm_room(slot_dir: str, nbytes: int) -> bool:
-    """Whether a slot file of ``nbytes`` leaves the tmpfs at least ``shm_min_free_fraction`` free."""
-    try:
-        st = os.statvfs(os.path.dirname(slot_dir))
-    except OSError:
-        return False
-    total, free = st.f_blocks * st.f_frsize, st.f_bavail * st.f_frsize
-    return free - nbytes >= knobs.get("shm_min_free_fraction") * total
 
 
 class StagingPool:
@@ -343,19 +237,8 @@ class StagingPool:
         def room(extra: int = 0) -> bool:
             return len(staging) + (self._preparer is not None) < self.max_slots and self._fits(size + extra)
 
-        # Drop free buffers that do not fit (or are of the other kind) to make room.
-        for s in [s for s in staging if not s.in_use]:
-            if room():
-                break
-            self._slots.remove(s)
-            staging.remove(s)
-            s.free()
-        if use_file and self.slot_dir and not _shm_room(self.slot_dir, size):
-            # a full tmpfs: idle slot files of other sizes make room (for a new one, or the tier's copy)
-            for s in [s for s in staging if not s.in_use and s.path]:
-                self._slots.remove(s)
-                staging.remove(s)
-                s.free()
+        self._make_room(staging, room, lambda: use_file and self.slot_dir is not None and
+                        not shm_room(self.slot_dir, size))
         if not room():
             return None
         made = (self._adopt_spare(nbytes) if ahead else self._new_slot(size)) if use_file else None
@@ -367,7 +250,7 @@ class StagingPool:
                 size = rounded  # else the exact size room() was checked with
             # Filled by this save's copy at once: its threads take the page faults (a pinned
             # buffer is registered, so its pages are faulted anyway).
-            made = Slot(get_ops().alloc(size, True, prefault=True), True) if pinned else _fresh_anonymous(size)
+            made = Slot(get_ops().alloc(size, True, prefault=True), True) if pinned else fresh_anonymous(size)
             if not pinned and threads_for(size):  # idle cores fault its pages ahead of the copy
                 self._faulters = [f for f in self._faulters if f.running()]
                 self._faulters.append(FaultAhead(made.buffer, threads_for(size)))
@@ -380,6 +263,21 @@ class StagingPool:
         if ahead:
             self._prepare_ahead(nbytes, took_file=slot.path is not None)
         return slot
+
+    def _make_room(self, staging: list[Slot], room: Callable[[], bool], shm_full: Callable[[], bool]) -> None:
+        """Drop idle buffers that do not fit (or are of the other kind) until ``room()``; then, on
+        a full tmpfs (``shm_full()``), idle slot files of other sizes too (for a new one, or the
+        tier's copy). Lock held."""
+        for s in [s for s in staging if not s.in_use]:
+            if room():
+                break
+            self._slots.remove(s)
+            staging.remove(s)
+            s.free()
+        for s in [s for s in staging if not s.in_use and s.path] if shm_full() else []:
+            self._slots.remove(s)
+            staging.remove(s)
+            s.free()
 
     def prepare(self, nbytes: int, pinned: bool) -> None:
         """Make the staging for saves of ``nbytes`` in the background, unless it is there.
@@ -512,7 +410,7 @@ class StagingPool:
         if spare is not None:
             return spare
         why = None
-        if not _shm_room(self.slot_dir, size):
+        if not shm_room(self.slot_dir, size):
             why = f"less than {knobs.get('shm_min_free_fraction'):.0%} of it would stay free"
         else:
             try:

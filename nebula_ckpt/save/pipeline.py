@@ -431,7 +431,8 @@ class SavePipeline:
             m["bytes_written"] = dict(self._metrics["bytes_written"])
         held = self.pool.used()
         return {"staging_bytes": self.pool.allocated_bytes, "memory_tier_slot_bytes": self.pool.memory_tier_bytes,
-                "host_memory_bytes": sum(held.values()), "host_memory_limit_bytes": self.pool.budget.limit(sum(held.values())),
+                "host_memory_bytes": sum(held.values()),
+                "host_memory_limit_bytes": self.pool.budget.limit(sum(held.values())),
                 "memory_tier_dropped_cow_bytes": sum(rt.dropped_cow_bytes() for rt in self._runtimes),
                 "memory_tier_whole_fallbacks": sum(rt.whole_fallbacks() for rt in self._runtimes),
                 "staging_allocations": self.pool.allocations, "saves": self.count, **m,
