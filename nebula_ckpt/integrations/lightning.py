@@ -131,8 +131,7 @@ class NebulaCheckpointIO(_CheckpointIO):
 
     def __init__(self, root: str, *, storage_options: Optional[dict[str, Any]] = None,
                  tiers: Optional[Sequence[Tier]] = None, memory_tier: bool = True,
-                 host_memory_budget: "int | float | None" = None, allow_pickle: bool = False,
-                 snapshot: str = "auto") -> None:
+                 host_memory_budget: "float | None" = None, allow_pickle: bool = False, snapshot: str = "auto") -> None:
         super().__init__()
         if not isinstance(root, str) or not root:
             raise NebulaError(f"NebulaCheckpointIO: root must be a non-empty path or URL string, got {root!r}")
