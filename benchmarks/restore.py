@@ -68,11 +68,11 @@ def render(out: dict[str, Any]) -> str:
              f"{out['started']}; load average {out['loadavg']}; medians of {out['reps']} warm and "
              f"{out['reps']} cold restores per system, interleaved; every restore checked against the saved state.", "",
              "| system | after save | warm | cold | warm / torch.load | cold / torch.load | warm / floor | "
-             "cold / floor | checked |", "|---|---:|---:|---:|---:|---:|---:|---:|---|"]
+             "cold / floor | CPU warm / cold | checked |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
     ts = next((s for s in out["systems"] if s["name"] == "torch_save" and s["status"] == "ok"), None)
     for s in out["systems"]:
         if s["status"] != "ok":
-            lines.append(f"| {s['name']} | {s['status']}: {s.get('reason')} |||||||")
+            lines.append(f"| {s['name']} | {s['status']}: {s.get('reason')} ||||||||")
             continue
 
         def ratio(a: Optional[float], b: Optional[float]) -> str:
@@ -83,10 +83,12 @@ def render(out: dict[str, Any]) -> str:
                      f"| {ratio(s['restore_cold_s'], ts and ts['restore_cold_s'])} "
                      f"| {ratio(s['restore_warm_s'], fl.get('warm_s'))} "
                      f"| {ratio(s['restore_cold_s'], fl.get('cold_s'))} "
+                     f"| {fmt_s(s.get('restore_warm_cpu_s'))} / {fmt_s(s.get('restore_cold_cpu_s'))} "
                      f"| {'bit-exact' if ok else 'MISMATCH'} |")
     if "warm_s" in fl:
         lines += ["", f"Floor (read + CRC32C + copy into the live tensors, nothing else): warm {fmt_s(fl['warm_s'])}, "
-                      f"cold {fmt_s(fl['cold_s'])} (readinto {fmt_s(fl['read_warm_s'])} / {fmt_s(fl['read_cold_s'])}, "
+                      f"cold {fmt_s(fl['cold_s'])}, CPU {fmt_s(fl.get('warm_cpu_s'))} / {fmt_s(fl.get('cold_cpu_s'))} "
+                      f"(readinto {fmt_s(fl['read_warm_s'])} / {fmt_s(fl['read_cold_s'])}, "
                       f"mmap {fmt_s(fl['mmap_warm_s'])} / {fmt_s(fl['mmap_cold_s'])}). Targets: every tier's restore "
                       f"<= torch.load + load_state_dict, warm and cold, and <= {FLOOR_RATIO}x the floor. The memory "
                       "tier (`nebula`) is in tmpfs: its cold restore reads it warm."]
