@@ -76,7 +76,7 @@ def main(spec: dict) -> None:
             s = folder_ram(mem) if mem else 0
             peak["anon"], peak["shm"], peak["total"] = max(peak["anon"], a), max(peak["shm"], s), \
                 max(peak["total"], a + s)
-            time.sleep(0.002)
+            time.sleep(0.005)
 
     t = threading.Thread(target=sample, daemon=True)
     t.start()
