@@ -1,7 +1,7 @@
 """The host-memory budget: the most host memory checkpointing holds in this process at once.
 
-What counts (:meth:`~nebula_ckpt.save.buffers.StagingPool.used`): the staging buffers (anonymous, pinned, and the
-memory tier's slot files) and everything in the memory tier's folder, whose tmpfs pages are RAM:
+What counts (:meth:`~nebula_ckpt.save.buffers.StagingPool.used`): the staging buffers (anonymous,
+pinned, the memory tier's slot files) and everything in the memory tier's folder (tmpfs is RAM):
 its checkpoints, the bases its incremental steps refer to, the replicas it holds for partner
 ranks, copies pulled back from partners. What does not: the state itself (the model and
 optimizer, and what a restore creates for them: optimizer state copied or handed over from the
