@@ -54,6 +54,7 @@ from benchmarks import report as report_mod
 from benchmarks import workloads as wl
 from benchmarks.measure import flat_memory_check, measure_floor, run_system, train_loop
 from benchmarks.peers import PEERS, QUICK_PEERS, Nebula
+from benchmarks.restore_floor import measure_restore_floor
 
 log = logging.getLogger(__name__)
 
@@ -96,6 +97,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--flat-saves", type=int, default=None,
                    help="saves of the host-memory flatness check (default 100; 20 with --quick; 0 = skip)")
     p.add_argument("--keep", action="store_true", help="keep the checkpoints written")
+    p.add_argument("--restore-reps", type=int, default=3,
+                   help="warm and cold restores per system, interleaved (medians; default 3)")
     p.add_argument("--drop-caches", action="store_true",
                    help="for cold restores, fall back to 'echo 1 > /proc/sys/vm/drop_caches' (whole "
                         "machine; root) when posix_fadvise leaves pages resident")
@@ -219,6 +222,13 @@ def run_workload(m: str, a: argparse.Namespace, device: torch.device, target: st
                      res["blocking_s"]["median"], res["durable_s"]["median"],
                      100 * res["throughput"]["overhead"])
         bar.update(1)
+    if base is not None:  # on the same disk as the systems' restores
+        bar.set_description(f"{m}: restore floor")
+        try:
+            entry["restore_floor"] = measure_restore_floor(w, base, drop_caches=a.drop_caches)
+        except Exception as e:  # a reference figure: never fail the run for it
+            log.warning("restore floor not measured: %s", e)
+            entry["restore_floor"] = {"error": f"{type(e).__name__}: {e}"}
     entry["baseline_loops_s"] = baselines
     if baselines:
         # spread of the K-step no-checkpoint segments: the noise floor of the overhead figures

@@ -7,10 +7,11 @@ from typing import Any
 from nebula_ckpt import knobs
 from nebula_ckpt.errors import ValidationError
 from nebula_ckpt.health.policy import HealthPolicy
+from nebula_ckpt.save.budget import check_budget
 from nebula_ckpt.storage.urls import refuse_url_credentials
 
 
-def check_arguments(root: Any, keep_last: Any, max_host_bytes: Any, on_full: Any, on_persist_error: Any,
+def check_arguments(root: Any, keep_last: Any, host_memory_budget: Any, on_full: Any, on_persist_error: Any,
                     snapshot: Any, incremental: Any, health: Any = None) -> None:
     """The :class:`~nebula_ckpt.checkpointer.Checkpointer` constructor's validation, all before anything
     is touched: a bad value raises :class:`ValidationError` naming it."""
@@ -20,8 +21,7 @@ def check_arguments(root: Any, keep_last: Any, max_host_bytes: Any, on_full: Any
     if not isinstance(keep_last, int) or keep_last < 1:
         raise ValidationError(f"keep_last must be an int >= 1 (the newest checkpoint is always kept), "
                               f"got {keep_last!r}")
-    if max_host_bytes is not None and (not isinstance(max_host_bytes, int) or max_host_bytes <= 0):
-        raise ValidationError(f"max_host_bytes must be a positive int or None, got {max_host_bytes!r}")
+    check_budget(host_memory_budget)
     if on_full not in ("wait", "skip"):
         raise ValidationError(f"on_full must be 'wait' or 'skip', got {on_full!r}")
     if on_persist_error not in ("raise", "log"):

@@ -72,11 +72,14 @@ class Checkpointer(HealthReports):
         storage_options: fsspec options for a remote ``root`` (credentials; never logged).
         tiers: explicit tiers, fastest first (default: ``[MemoryTier(), <root tier>]``).
         keep_last: committed checkpoints kept per tier unless the tier says otherwise.
-        max_host_bytes: cap on host staging memory (default: two buffers' worth with a remote
-            tier, one otherwise).
+        host_memory_budget: the most host memory checkpointing holds: staging buffers plus the
+            memory tier's files (tmpfs pages are RAM). Bytes (int), a share of the machine's
+            memory (float in (0, 1]) or None (default): what is free, keeping 10% of the memory
+            (at least 1 GiB) for training. Beyond it a save waits or is skipped (``on_full``);
+            a state that never fits raises :class:`ValidationError` (:mod:`nebula_ckpt.save.budget`).
         memory_tier: add the default memory tier (ignored when ``tiers`` is given).
         on_full: ``"wait"`` (default) or ``"skip"``: what a save does when every staging buffer
-            is still being persisted.
+            is still being persisted, or the host-memory budget has no room for it yet.
         allow_pickle: allow saving (and loading) values typed JSON cannot hold, via pickle.
         on_persist_error: ``"raise"`` (default): a background failure is raised from the next
             ``save_async`` / ``wait`` / ``close`` unless already seen through its handle;
@@ -142,12 +145,13 @@ class Checkpointer(HealthReports):
 
     def __init__(self, root: str, *, storage_options: Optional[dict[str, Any]] = None,
                  tiers: Optional[Sequence[Tier]] = None, keep_last: int = 3,
-                 max_host_bytes: Optional[int] = None, memory_tier: bool = True, on_full: str = "wait",
+                 host_memory_budget: "int | float | None" = None, memory_tier: bool = True, on_full: str = "wait",
                  allow_pickle: bool = False, on_persist_error: str = "raise", snapshot: str = "auto",
                  coordinator: Optional[Coordinator] = None, read_only: bool = False, incremental: bool = True,
                  health: Optional[HealthPolicy] = None) -> None:
         self._calls = Calls()  # who is inside which method: a close() from a signal handler waits for it
-        check_arguments(root, keep_last, max_host_bytes, on_full, on_persist_error, snapshot, incremental, health)
+        check_arguments(root, keep_last, host_memory_budget, on_full, on_persist_error, snapshot, incremental,
+                        health)
         #: opened for reading only (see ``read_only``)
         self.read_only = bool(read_only)
         self.snapshot = snapshot
@@ -162,7 +166,7 @@ class Checkpointer(HealthReports):
         self._runtimes = runtimes = self._opened.runtimes
         shown = canonical_root(root)
         self._saves = SavePipeline(runtimes, self._opened.fence, self.coordinator, shown, keep_last=keep_last,
-                                   max_host_bytes=max_host_bytes, on_full=on_full, snapshot=snapshot,
+                                   host_memory_budget=host_memory_budget, on_full=on_full, snapshot=snapshot,
                                    allow_pickle=allow_pickle, on_persist_error=on_persist_error,
                                    incremental=incremental)
         self._restores = Restorer(runtimes, self.coordinator, shown, allow_pickle,  # a reader adopts nothing
@@ -462,26 +466,16 @@ class Checkpointer(HealthReports):
         self._check_open("remove")
         self._check_writable("remove")
         self._one_of("remove", step, tag)
-        self._saves.confirm_inflight()
-        for h in self._saves.pending(lambda h: h.step == step if tag is None else h.tag == tag):
-            h.wait(None)
-        steps = [step] if step is not None else self._restores.steps_tagged(tag or "")
-        writers = self._saves.start()
-        co = self.coordinator
-        removed: set[int] = set()
-        for w in writers:
-            if co.world_size > 1 and w.tier.shared and not co.is_coordinator:
-                continue  # the shared tier's checkpoint is the coordinator's to delete
-            for s in steps:
-                if w.remove(s):
-                    removed.add(s)
-        written = {w.name for w in writers}
+        steps, removed = self._saves.remove(
+            lambda h: h.step == step if tag is None else h.tag == tag,
+            lambda: [step] if step is not None else self._restores.steps_tagged(tag or ""))
+        written = {w.name for w in self._saves.start()}
         for t, st in self._restores.tier_pairs():
             left = [s for s in steps if t.name not in written and st.exists(f"{step_dir(s)}/{COMMIT}")]
             if left:
                 log.warning("nebula_ckpt: remove(): tier %s is not written by this process; step(s) %s stay there",
                             t.name, left)
-        if not removed and co.world_size == 1:
+        if not removed and self.coordinator.world_size == 1:
             raise self._restores.not_found(step, tag)
         return sorted(removed)
 

@@ -183,7 +183,7 @@ _KNOBS: dict[str, _Knob] = {
     "memory_buffer_size": _Knob("NEBULA_MEMORY_BUFFER_SIZE", None, str,
                                 "torch_nebula compat: Azure ML Nebula's streaming buffer size; ignored "
                                 "(init() warns): nebula_ckpt stages whole checkpoints, capped by "
-                                "max_host_bytes"),
+                                "host_memory_budget"),
 }
 
 _overrides: dict[str, Any] = {}

@@ -52,7 +52,7 @@ os._exit(0)   # no close(): as after a crash
 def test_slow_tier_never_blocks_fast_tier_or_training(tmp_path, shm_dir) -> None:  # noqa: ANN001
     fast, slow = str(tmp_path / "fast"), str(tmp_path / "slow")
     slow_tier = FaultyTier(slow, pause_at="shard", keep_last=10)
-    ck = nc.Checkpointer(fast, tiers=[nc.LocalTier(fast, keep_last=10), slow_tier], max_host_bytes=None)
+    ck = nc.Checkpointer(fast, tiers=[nc.LocalTier(fast, keep_last=10), slow_tier], host_memory_budget=None)
     w = torch.zeros(1000)
     h0 = ck.save_async(0, {"w": w})
     assert slow_tier.reached.wait(30)          # the slow tier is stuck writing step 0

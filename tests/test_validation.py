@@ -64,18 +64,20 @@ def test_bad_steps(root: str, step: object) -> None:
 def test_bad_constructor_arguments(tmp_path) -> None:  # noqa: ANN001
     with pytest.raises(nc.ValidationError, match="keep_last"):
         nc.Checkpointer(str(tmp_path), keep_last=0)
-    with pytest.raises(nc.ValidationError, match="max_host_bytes"):
-        nc.Checkpointer(str(tmp_path), max_host_bytes=-5)
+    for bad in (-5, 0, 1.5, 0.0, True, "1G"):
+        with pytest.raises(nc.ValidationError, match="host_memory_budget"):
+            nc.Checkpointer(str(tmp_path), host_memory_budget=bad)
     with pytest.raises(nc.ValidationError, match="every"):
         nc.Checkpointer(str(tmp_path), tiers=[nc.LocalTier(str(tmp_path), every=0)])
     with pytest.raises(nc.ValidationError, match="storage_options"):
         nc.Checkpointer(str(tmp_path), storage_options={"key": "x"})
 
 
-def test_state_larger_than_max_host_bytes(root: str) -> None:
-    with nc.Checkpointer(root, max_host_bytes=1 << 20) as ck:
-        with pytest.raises(nc.ValidationError, match="max_host_bytes"):
+def test_state_larger_than_host_memory_budget(root: str) -> None:
+    with nc.Checkpointer(root, host_memory_budget=1 << 20) as ck:
+        with pytest.raises(nc.ValidationError, match="host_memory_budget 1.0 MiB") as e:
             ck.save_async(1, {"w": torch.zeros(1 << 20)})
+        assert "4.0 MiB" in str(e.value) and "nothing was written" in str(e.value)
         assert ck.list() == []
 
 

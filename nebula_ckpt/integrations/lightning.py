@@ -119,7 +119,7 @@ class NebulaCheckpointIO(_CheckpointIO):
             ``keep_last`` set on a persistent tier lets its retention delete checkpoints
             Lightning still tracks (logged); leave it unset.
         memory_tier: add the default memory tier (``/dev/shm``; ignored with ``tiers``).
-        max_host_bytes: cap on host staging memory (see ``Checkpointer``).
+        host_memory_budget: the most host memory checkpointing holds (see ``Checkpointer``).
         allow_pickle: let values typed JSON cannot hold (unusual ``hyper_parameters``) be saved and
             loaded through pickle.
         snapshot: the ``Checkpointer``'s snapshot mode (Lightning's dict of live tensors is
@@ -131,14 +131,14 @@ class NebulaCheckpointIO(_CheckpointIO):
 
     def __init__(self, root: str, *, storage_options: Optional[dict[str, Any]] = None,
                  tiers: Optional[Sequence[Tier]] = None, memory_tier: bool = True,
-                 max_host_bytes: Optional[int] = None, allow_pickle: bool = False, snapshot: str = "auto") -> None:
+                 host_memory_budget: "float | None" = None, allow_pickle: bool = False, snapshot: str = "auto") -> None:
         super().__init__()
         if not isinstance(root, str) or not root:
             raise NebulaError(f"NebulaCheckpointIO: root must be a non-empty path or URL string, got {root!r}")
         refuse_url_credentials(root)  # before it is kept, logged or written into a pointer file
         self.root = root
         self._options: dict[str, Any] = {"storage_options": storage_options, "tiers": tiers,
-                                         "memory_tier": memory_tier, "max_host_bytes": max_host_bytes,
+                                         "memory_tier": memory_tier, "host_memory_budget": host_memory_budget,
                                          "allow_pickle": allow_pickle, "snapshot": snapshot}
         for t in tiers or ():
             if isinstance(t, Tier) and t.persistent and t.keep_last is not None:
@@ -166,7 +166,7 @@ class NebulaCheckpointIO(_CheckpointIO):
             o = self._options
             # a one-process writer even under DDP: Lightning saves and removes on global rank 0 only
             self._ckpt = Checkpointer(self.root, storage_options=o["storage_options"], tiers=o["tiers"],
-                                      memory_tier=o["memory_tier"], max_host_bytes=o["max_host_bytes"],
+                                      memory_tier=o["memory_tier"], host_memory_budget=o["host_memory_budget"],
                                       allow_pickle=o["allow_pickle"], snapshot=o["snapshot"], keep_last=KEEP_ALL,
                                       coordinator=LocalCoordinator())
             self._next_step = None

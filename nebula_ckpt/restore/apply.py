@@ -19,6 +19,7 @@ from nebula_ckpt.format.tree import decode
 from nebula_ckpt.native import get_ops
 from nebula_ckpt.restore.checks import check_module_state, check_optimizer_state
 from nebula_ckpt.restore.copies import all_cpu, owned, owned_batch
+from nebula_ckpt.restore.inplace import live_destinations, refill
 from nebula_ckpt.restore.open import OpenCheckpoint
 from nebula_ckpt.restore.walk import Thunk, TreeWalk, tensor_keys
 
@@ -132,18 +133,25 @@ class Staged:
         self._groups: list[list[str]] = []
         self._owned: list[dict[str, torch.Tensor]] = []
 
-    def decode_owned(self, node: Mapping[str, Any], path: str) -> Callable[[], Any]:
+    def decode_owned(self, node: Mapping[str, Any], path: str,
+                     live: Optional[Mapping[str, torch.Tensor]] = None) -> Callable[[], Any]:
         """Register the tensors of ``node`` for owned copies; return what decodes ``node`` with them.
 
         Each node gets buffers of its own (an optimizer's state never shares a storage with
-        another object's, so saving one never writes the other's bytes).
+        another object's, so saving one never writes the other's bytes). ``live``: keys whose
+        bytes are copied into these existing tensors instead, when the decoding runs (the
+        restore is applied: :mod:`~nebula_ckpt.restore.inplace`).
         """
         i = len(self._groups)
-        self._groups.append(tensor_keys(node, []))
+        into = dict(live or {})
+        self._groups.append([k for k in tensor_keys(node, []) if k not in into])
 
         def decoded() -> Any:
             made = self._owned[i]
-            return decode(node, lambda k: self.ck.as_saved(k, made[k]), self.allow_pickle, path)
+            if into:
+                refill(self.ck, into)
+            return decode(node, lambda k: self.ck.as_saved(k, into[k] if k in into else made[k]),
+                          self.allow_pickle, path)
         return decoded
 
     def materialize(self) -> None:
@@ -220,9 +228,11 @@ class RestoreWalk(TreeWalk[Thunk]):
         if isinstance(target, torch.nn.Module):
             check_module_state(self.ck, node["state"], target, shown, self.strict)
             return self._load_module(node["state"], target, path)
-        # Optimizers etc. keep the tensors they are given: hand them owned copies.
+        # Optimizers etc. keep the tensors they are given: hand them owned copies, or their own
+        # tensors refilled where load_state_dict keeps those as they are
         check_optimizer_state(self.ck, node["state"], target, shown)
-        state = self.st.decode_owned(node["state"], path)
+        live = live_destinations(self.ck, node["state"], target, shown) if all_cpu(self.st.map_location) else {}
+        state = self.st.decode_owned(node["state"], path, live)
 
         def load_object() -> Any:
             target.load_state_dict(state())

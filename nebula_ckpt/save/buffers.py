@@ -3,7 +3,8 @@
 A save takes one buffer (a *slot*) big enough for its whole shard image and gives it back once
 every tier that took the snapshot has written it. Buffers are allocated on first need, rounded up
 to 2 MiB, and reused while they are large enough: later saves of the same state allocate nothing.
-When no slot is free, a save waits (``on_full="wait"``) or is skipped (``"skip"``); never past ``max_host_bytes``.
+When no slot is free, a save waits (``on_full="wait"``) or is skipped (``"skip"``); never past the
+host-memory budget (:mod:`nebula_ckpt.save.budget`), which counts the memory tier's files too.
 
 With a memory tier, CPU saves stage into *slot files*: files in the memory tier's ``.slots/``
 folder (tmpfs), mapped shared and pre-faulted. The memory tier then "writes" a snapshot by
@@ -24,148 +25,43 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import mmap
 import os
 import threading
 import time
-from dataclasses import dataclass, field
-from typing import Any, Callable, Optional
-
-import torch
+from typing import Callable, Optional
 
 from nebula_ckpt import knobs
 from nebula_ckpt.errors import ValidationError
-from nebula_ckpt.format.names import slot_file_name
 from nebula_ckpt.latch import Latch
 from nebula_ckpt.native import get_ops
+from nebula_ckpt.save.budget import HostMemoryBudget, folder_ram_bytes, gib
 from nebula_ckpt.save.prefault import FaultAhead, threads_for
-from nebula_ckpt.storage.local import read_elsewhere
+from nebula_ckpt.save.slots import Slot, adopt_slot_file, create_slot_file, fresh_anonymous, shm_room
 from nebula_ckpt.tiers.memory.shm import own_spare_slot_files
+
+__all__ = ["Slot", "StagingPool"]
 
 log = logging.getLogger(__name__)
 
 _ROUND = 2 << 20
 
 
-@dataclass(eq=False)
-class Slot:
-    """One staging buffer."""
-
-    buffer: torch.Tensor       # 1-D uint8, capacity bytes
-    pinned: bool
-    in_use: bool = field(default=False)
-    #: slot file (exactly ``capacity`` bytes) the memory tier may link as its shard; None: anonymous
-    path: Optional[str] = None
-    _mm: Any = field(default=None, repr=False)
-
-    @property
-    def capacity(self) -> int:
-        """Bytes available."""
-        return int(self.buffer.numel())
-
-    def live(self) -> bool:
-        """Whether a committed memory-tier checkpoint still links to this slot file, or another
-        process still reads it (a restore of a checkpoint that linked it: see
-        :func:`~nebula_ckpt.storage.local.read_elsewhere`); either way it is not staged in."""
-        if self.path is None:
-            return False
-        try:
-            return os.stat(self.path).st_nlink > 1 or read_elsewhere(self.path)
-        except FileNotFoundError:
-            return False
-
-    def fits(self, nbytes: int) -> bool:
-        """Whether a shard image of ``nbytes`` can be staged here (slot files: exactly that size)."""
-        return self.capacity == nbytes if self.path is not None else self.capacity >= nbytes
-
-    def free(self) -> None:
-        """Drop the buffer (a slot file's name goes too; a checkpoint linking it keeps its bytes)."""
-        if self.path is not None:
-            try:
-                os.unlink(self.path)
-            except FileNotFoundError:
-                pass
-        self.buffer = torch.empty(0, dtype=torch.uint8)
-        self._mm = None
-
-
-def create_slot_file(slot_dir: str, nbytes: int) -> Slot:
-    """A new slot file of exactly ``nbytes`` in ``slot_dir``, allocated and mapped pre-faulted.
-
-    Raises:
-        OSError: no room on the tmpfs (``ENOSPC``) or no such folder.
-    """
-    os.makedirs(slot_dir, mode=0o700, exist_ok=True)
-    path = os.path.join(slot_dir, slot_file_name())
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-    try:
-        os.posix_fallocate(fd, 0, nbytes)  # pages exist now: ENOSPC here, never SIGBUS later
-        return _map_slot(fd, path, nbytes)
-    except BaseException:
-        os.unlink(path)
-        raise
-    finally:
-        os.close(fd)
-
-
-def adopt_slot_file(path: str, nbytes: int) -> Slot:
-    """Map the existing slot file ``path`` (a spare of exactly ``nbytes``, its pages allocated).
-
-    Raises:
-        OSError: it is gone, is a link, or is not ``nbytes`` long.
-    """
-    fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW)
-    try:
-        if os.fstat(fd).st_size != nbytes:
-            raise OSError(f"slot file {path} is not {nbytes} bytes")
-        os.posix_fallocate(fd, 0, nbytes)  # a no-op for a whole file: no hole can SIGBUS later
-        return _map_slot(fd, path, nbytes)
-    finally:
-        os.close(fd)
-
-
-def _map_slot(fd: int, path: str, nbytes: int) -> Slot:
-    flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
-    mm = mmap.mmap(fd, nbytes, flags=flags, prot=mmap.PROT_READ | mmap.PROT_WRITE)
-    return Slot(torch.frombuffer(mm, dtype=torch.uint8), False, path=path, _mm=mm)
-
-
-def _fresh_anonymous(nbytes: int) -> Slot:
-    """A staging buffer of fresh anonymous pages, none of them touched: the save's copy (and the
-    fault-ahead threads) fault them in as they fill it. A mapping of its own, whatever its size:
-    a block of the heap would have to be zeroed first, on the training thread."""
-    mm = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    if knobs.get("huge_pages") and hasattr(mmap, "MADV_HUGEPAGE"):
-        mm.madvise(mmap.MADV_HUGEPAGE)
-    return Slot(torch.frombuffer(mm, dtype=torch.uint8), False, _mm=mm)
-
-
-def _shm_room(slot_dir: str, nbytes: int) -> bool:
-    """Whether a slot file of ``nbytes`` leaves the tmpfs at least ``shm_min_free_fraction`` free."""
-    try:
-        st = os.statvfs(os.path.dirname(slot_dir))
-    except OSError:
-        return False
-    total, free = st.f_blocks * st.f_frsize, st.f_bavail * st.f_frsize
-    return free - nbytes >= knobs.get("shm_min_free_fraction") * total
-
-
 class StagingPool:
     """A bounded set of reusable host buffers.
 
     Args:
-        max_bytes: cap on the sum of all staging buffers (``None``: only ``max_slots`` bounds it).
-            Live slot files (memory-tier checkpoints) are that tier's storage and not counted.
+        budget: the host-memory budget: staging buffers plus the memory tier's folder (its
+            checkpoints, slot files, replicas) stay under it (:meth:`used`).
         max_slots: most staging buffers at once (1 = no overlap between consecutive saves' persists).
         on_full: ``"wait"`` or ``"skip"`` when every slot is busy.
         slot_dir: folder for slot files (the memory tier's ``.slots``); ``None``: anonymous only.
     """
 
-    def __init__(self, max_bytes: Optional[int], max_slots: int, on_full: str,
+    def __init__(self, budget: Optional[HostMemoryBudget], max_slots: int, on_full: str,
                  slot_dir: Optional[str] = None) -> None:
         if on_full not in ("wait", "skip"):
             raise ValidationError(f"on_full must be 'wait' or 'skip', got {on_full!r}")
-        self.max_bytes = max_bytes
+        self.budget = budget or HostMemoryBudget(None)
         self.max_slots = max_slots
         self.on_full = on_full
         self.slot_dir = slot_dir
@@ -185,17 +81,26 @@ class StagingPool:
         #: ahead waits for it, so that it does not take the cores and memory bandwidth of the snapshot that asked for it
         self._copies_idle = Latch()
         self._copies_idle.set()
+        #: states' worth of the budget one save needs at least (:meth:`serve_writers`)
+        self._states = 1
+        #: the last state size check_fits() passed (a later save of the same size is not checked again)
+        self._checked: Optional[tuple[int, int]] = None
+        #: why the budget refused the last try: (bytes asked, bytes held by kind, limit), else None
+        self._short: Optional[tuple[int, dict[str, int], int]] = None
         #: threads faulting in fresh anonymous buffers ahead of their first copy (see prefault.py)
         self._faulters: list[FaultAhead] = []
 
-    def serve_writers(self, slot_dir: Optional[str], max_slots: int) -> None:
+    def serve_writers(self, slot_dir: Optional[str], max_slots: int, states: int = 1) -> None:
         """Fit the pool to the tiers this process writes, once they are known (before the first
         save): their slot folder (a tier that links staged files, the memory tier: CPU saves then
-        stage in its slot files, so the bytes are copied once) and the staging buffers they need
-        at once (``max_slots``)."""
+        stage in its slot files, so the bytes are copied once), the staging buffers they need
+        at once (``max_slots``) and how many states' worth of the budget a save needs at least
+        (``states``: 2 where the memory tier is written and no persistent tier, which would let
+        it give its step up: the new step must fit beside the one it replaces)."""
         with self._mutex:
             self.slot_dir = slot_dir
             self.max_slots = max_slots
+            self._states = states
 
     @property
     def allocated_bytes(self) -> int:
@@ -209,36 +114,81 @@ class StagingPool:
         with self._mutex:
             return sum(s.capacity for s in self._slots if s.live())
 
-    def check_fits(self, nbytes: int) -> None:
-        """Raise a clear error if one save of ``nbytes`` can never fit."""
-        if self.max_bytes is not None and nbytes > self.max_bytes:
-            raise ValidationError(
-                f"this state needs {nbytes / 2**20:.1f} MiB of host staging memory but "
-                f"max_host_bytes is {self.max_bytes / 2**20:.1f} MiB; raise max_host_bytes")
+    def used(self) -> dict[str, int]:
+        """Host memory checkpointing holds now, as the budget counts it: ``staging`` (anonymous and
+        pinned buffers, and one being made ahead) and ``memory_tier`` (the RAM of the memory tier's
+        folder: its checkpoints and their bases, slot files, replicas held for partners)."""
+        with self._mutex:
+            return self._used()
 
-    def acquire(self, nbytes: int, pinned: bool,
-                reclaim: Optional[Callable[[], bool]] = None) -> Optional[Slot]:
+    def _used(self) -> dict[str, int]:
+        anon = sum(s.capacity for s in self._slots if s.path is None) + self._preparing_bytes
+        folder = None if self.slot_dir is None else os.path.dirname(self.slot_dir)
+        return {"staging": anon, "memory_tier": folder_ram_bytes(folder)}
+
+    def _fits(self, nbytes: int) -> bool:
+        """Whether ``nbytes`` more stay within the budget (lock held); else remembers the shortage."""
+        held = self._used()
+        used = sum(held.values())
+        limit = self.budget.limit(used)
+        if used + nbytes <= limit:
+            return True
+        self._short = (nbytes, held, limit)
+        return False
+
+    def check_fits(self, nbytes: int) -> None:
+        """Raise a clear error if one save of ``nbytes`` can never fit in the budget (before
+        anything is written): with only the memory tier written, the new step beside the newest."""
+        if (nbytes, self._states) == self._checked:
+            return  # the same size as the last save: checked then (acquire() still holds the budget)
+        with self._mutex:
+            held = sum(self._used().values())
+        need = nbytes * self._states
+        self.budget.check_fits(need, held, nbytes if self._states > 1 else None)
+        self._checked = (nbytes, self._states)
+
+    def why_full(self) -> str:
+        """Why the last :meth:`acquire` found no slot, in words (the budget, or busy buffers)."""
+        short = self._short
+        if short is None:
+            return "every staging buffer is still being persisted"
+        need, held, limit = short
+        return (f"it needs {gib(need)} more host memory and checkpointing holds {gib(sum(held.values()))} (staging "
+                f"{gib(held['staging'])}, memory tier {gib(held['memory_tier'])}) of "
+                f"{self.budget.describe(sum(held.values()))} (limit now {gib(limit)})")
+
+    def acquire(self, nbytes: int, pinned: bool, reclaim: Optional[Callable[[bool], bool]] = None,
+                what: str = "a save") -> Optional[Slot]:
         """A free slot of at least ``nbytes``; ``None`` when skipped by policy.
 
-        ``reclaim()`` is called (without the pool's lock) when every slot is busy: it drops
-        snapshots that slow tiers hold but have not started writing, which may free a slot.
+        ``reclaim(budget)`` is called (without the pool's lock) when no slot can be had: it drops
+        snapshots that slow tiers hold but have not started writing, which may free a slot, and
+        (``budget``: the budget is what is short) gives up what loses nothing, the memory tier's
+        steps that a persistent tier holds too. A save that waits for the budget says so once
+        in the log (``what``: which save), naming the budget.
         """
         self.check_fits(nbytes)
-        reclaimed = False
+        reclaimed = told = False
         while True:
             with self._mutex:
+                self._short = None
                 slot = self._take(nbytes, pinned)
                 if slot is not None:
                     return slot
                 self._copies_idle.set()  # no copy follows
+                short = self._short is not None
                 if reclaimed or reclaim is None:
                     if self.on_full == "skip":
                         return None
+                    if short and not told:
+                        told = True
+                        log.warning("nebula_ckpt: %s waits (on_full='wait'): %s; it goes ahead once a save in flight "
+                                    "is durable and frees memory", what, self.why_full())
                     self._cond.wait(0.25)
                     reclaimed = False
                     continue
             reclaimed = True
-            reclaim()
+            reclaim(short)
 
     def _trim(self) -> list[Slot]:
         """Free idle anonymous buffers slot files replaced (:meth:`_retire_anonymous`) and idle
@@ -276,38 +226,31 @@ class StagingPool:
             if ahead:
                 self._prepare_ahead(nbytes, took_file=slot.path is not None)
             return slot
+        if ahead and not self._fits(3 * nbytes):
+            # the first save of a large state stages in process memory, the memory tier copies it
+            # and a slot file is made meanwhile: three states at once. Short of that budget, the
+            # slot file is made here instead (its page faults on this thread, as for small states)
+            ahead = False
+            self._short = None
         size = max(nbytes, 1) if use_file and not ahead else -(-max(nbytes, 1) // _ROUND) * _ROUND
-        total = sum(s.capacity for s in staging) + self._preparing_bytes
 
-        def room() -> bool:
-            return len(staging) + (self._preparer is not None) < self.max_slots and \
-                (self.max_bytes is None or total + size <= self.max_bytes)
+        def room(extra: int = 0) -> bool:
+            return len(staging) + (self._preparer is not None) < self.max_slots and self._fits(size + extra)
 
-        # Drop free buffers that do not fit (or are of the other kind) to make room.
-        for s in [s for s in staging if not s.in_use]:
-            if room():
-                break
-            self._slots.remove(s)
-            staging.remove(s)
-            total -= s.capacity
-            s.free()
-        if use_file and self.slot_dir and not _shm_room(self.slot_dir, size):
-            # a full tmpfs: idle slot files of other sizes make room (for a new one, or the tier's copy)
-            for s in [s for s in staging if not s.in_use and s.path]:
-                self._slots.remove(s)
-                staging.remove(s)
-                total -= s.capacity
-                s.free()
+        self._make_room(staging, room, lambda: use_file and self.slot_dir is not None and
+                        not shm_room(self.slot_dir, size))
         if not room():
             return None
         made = (self._adopt_spare(nbytes) if ahead else self._new_slot(size)) if use_file else None
         if made is None:
+            if use_file and not room(size):
+                return None  # the memory tier would copy this buffer: the budget must hold both
             rounded = -(-max(nbytes, 1) // _ROUND) * _ROUND
-            if self.max_bytes is None or total + rounded <= self.max_bytes:
+            if self._fits(rounded - size + (size if use_file else 0)):
                 size = rounded  # else the exact size room() was checked with
             # Filled by this save's copy at once: its threads take the page faults (a pinned
             # buffer is registered, so its pages are faulted anyway).
-            made = Slot(get_ops().alloc(size, True, prefault=True), True) if pinned else _fresh_anonymous(size)
+            made = Slot(get_ops().alloc(size, True, prefault=True), True) if pinned else fresh_anonymous(size)
             if not pinned and threads_for(size):  # idle cores fault its pages ahead of the copy
                 self._faulters = [f for f in self._faulters if f.running()]
                 self._faulters.append(FaultAhead(made.buffer, threads_for(size)))
@@ -320,6 +263,21 @@ class StagingPool:
         if ahead:
             self._prepare_ahead(nbytes, took_file=slot.path is not None)
         return slot
+
+    def _make_room(self, staging: list[Slot], room: Callable[[], bool], shm_full: Callable[[], bool]) -> None:
+        """Drop idle buffers that do not fit (or are of the other kind) until ``room()``; then, on
+        a full tmpfs (``shm_full()``), idle slot files of other sizes too (for a new one, or the
+        tier's copy). Lock held."""
+        for s in [s for s in staging if not s.in_use]:
+            if room():
+                break
+            self._slots.remove(s)
+            staging.remove(s)
+            s.free()
+        for s in [s for s in staging if not s.in_use and s.path] if shm_full() else []:
+            self._slots.remove(s)
+            staging.remove(s)
+            s.free()
 
     def prepare(self, nbytes: int, pinned: bool) -> None:
         """Make the staging for saves of ``nbytes`` in the background, unless it is there.
@@ -359,7 +317,7 @@ class StagingPool:
         tier, so the save after it wants a second one (two slot files per size is the steady
         state: the memory tier's checkpoint and the next save's staging). Nothing is started when
         a free slot file is ready, one is being made, making one failed before, or it would not
-        fit in ``max_slots`` / ``max_bytes`` (idle anonymous buffers count as free: the new one
+        fit in ``max_slots`` / the budget (idle anonymous buffers count as free: the new one
         replaces one of them).
         """
         as_file = self.slot_dir is not None and not pinned
@@ -377,7 +335,9 @@ class StagingPool:
         kept = [s for s in staging if s.in_use or s.path is not None]
         if len(kept) + 1 > self.max_slots:
             return
-        if self.max_bytes is not None and sum(s.capacity for s in kept) + size > self.max_bytes:
+        idle = sum(s.capacity for s in staging if s.path is None and not s.in_use)  # freed once it is made
+        if not self._fits(size - idle):
+            self._short = None  # made ahead or not, no save is refused by this
             return
         self._preparing_bytes = size
         self._preparer = threading.Thread(target=self._make_ahead, args=(size, as_file, pinned),
@@ -450,7 +410,7 @@ class StagingPool:
         if spare is not None:
             return spare
         why = None
-        if not _shm_room(self.slot_dir, size):
+        if not shm_room(self.slot_dir, size):
             why = f"less than {knobs.get('shm_min_free_fraction'):.0%} of it would stay free"
         else:
             try:

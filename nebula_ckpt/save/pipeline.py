@@ -29,6 +29,7 @@ from nebula_ckpt.handle import SaveHandle
 from nebula_ckpt.native import get_ops, monotonic
 from nebula_ckpt.ranks.coordinator import Coordinator
 from nebula_ckpt.ranks.fencing import Fence
+from nebula_ckpt.save.budget import Budget, HostMemoryBudget, give_up_memory_steps
 from nebula_ckpt.save.buffers import StagingPool
 from nebula_ckpt.save.fanout import fan_out
 from nebula_ckpt.save.plan import Plan, make_plan
@@ -58,7 +59,8 @@ class SavePipeline:
         coordinator: how the ranks of the job agree (save numbers, commit rounds).
         root: the run's root (names the stager thread and errors).
         keep_last: committed checkpoints kept per tier unless the tier says otherwise.
-        max_host_bytes, on_full: the staging pool's cap and policy (see the Checkpointer).
+        host_memory_budget, on_full: the host-memory budget and what a save does beyond it (see
+            the Checkpointer).
         snapshot: ``"auto"``, ``"sync"`` or ``"async"`` (see the Checkpointer).
         allow_pickle: allow values typed JSON cannot hold, via pickle.
         on_persist_error: ``"raise"`` or ``"log"`` (see the Checkpointer).
@@ -66,7 +68,7 @@ class SavePipeline:
     """
 
     def __init__(self, runtimes: list[TierRuntime], fence: Fence, coordinator: Coordinator, root: str, *,
-                 keep_last: int, max_host_bytes: Optional[int], on_full: str, snapshot: str, allow_pickle: bool,
+                 keep_last: int, host_memory_budget: Budget, on_full: str, snapshot: str, allow_pickle: bool,
                  on_persist_error: str, incremental: bool = True) -> None:
         self._runtimes = runtimes
         self._fence = fence
@@ -79,7 +81,7 @@ class SavePipeline:
         self.incremental = incremental
         # A second staging slot lets the next save start while a slower tier still reads one.
         #: the staging buffers (fitted to the written tiers at the first save)
-        self.pool = StagingPool(max_host_bytes, 1 if len(runtimes) == 1 else 2, on_full)
+        self.pool = StagingPool(HostMemoryBudget(host_memory_budget), 1 if len(runtimes) == 1 else 2, on_full)
         #: the tier writers (None until the first save)
         self.writers: Optional[list[TierWriter]] = None
         #: (tier, manifest) of the last restore, for the tier's first save (:meth:`restored`)
@@ -125,8 +127,10 @@ class SavePipeline:
                 raise NebulaError(f"no tier of {self.root} can be written by this process")
             # With a tier that links staged files (the memory tier), CPU saves stage in its slot
             # files: the bytes are copied once. Reading tiers that are not written stays possible.
+            # the memory tier alone keeps its newest step until the new one is in: two states
+            alone = not any(rt.tier.persistent for rt in writing) and any(rt.staging_dir() for rt in writing)
             self.pool.serve_writers(next((d for d in (rt.staging_dir() for rt in writing) if d), None),
-                                    1 if len(writing) == 1 else 2)
+                                    1 if len(writing) == 1 else 2, states=2 if alone else 1)
             writers = [TierWriter(rt, self._fence.for_tier(rt.storage), rt.tier.keep_last or self._keep_last,
                                   self.coordinator, self.incremental) for rt in writing]
             self._stager = Stager(self.root[-24:], fan_out)
@@ -199,11 +203,10 @@ class SavePipeline:
             return handle
         pinned = any(t.is_cuda for t in plan.sources)
         overlap = self._may_overlap(plan, pinned)
-        slot = self.pool.acquire(plan.layout.total_bytes, pinned, self._reclaim)
+        slot = self.pool.acquire(plan.layout.total_bytes, pinned, self._reclaim, what=f"step {plan.step}")
         if slot is None:
-            log.warning("nebula_ckpt: step %d skipped: every staging buffer is still being persisted "
-                        "(on_full='skip')", plan.step)
-            progress.skip("no free staging buffer (on_full='skip')")
+            log.warning("nebula_ckpt: step %d skipped (on_full='skip'): %s", plan.step, self.pool.why_full())
+            progress.skip(f"no free staging buffer (on_full='skip'): {self.pool.why_full()}")
             progress.returned()
             return handle
         for w in targets:  # the save goes ahead: only now does it count for every_seconds
@@ -302,9 +305,11 @@ class SavePipeline:
             snap.handle.progress.abort(error)
             snap.release()
 
-    def _reclaim(self) -> bool:
-        """Free staging buffers held only by snapshots slow tiers have not started on."""
-        return any([w.drop_pending() for w in self.writers or []])
+    def _reclaim(self, budget: bool = False) -> bool:
+        """Free staging buffers held only by snapshots slow tiers have not started on; ``budget``
+        (the host-memory budget is short): also the memory tier's steps a persistent tier holds."""
+        dropped = any([w.drop_pending() for w in self.writers or []])
+        return give_up_memory_steps(self.writers or []) or dropped if budget else dropped
 
     def confirm_inflight(self, *_: Any, **__: Any) -> None:
         """Hook body (training thread): wait for pending snapshot copies and confirm them."""
@@ -349,6 +354,22 @@ class SavePipeline:
         """The handles of saves still in flight that ``match`` selects."""
         with self._lock:
             return [h for h in self.handles if not h.done() and match(h)]
+
+    def remove(self, match: Callable[[SaveHandle], bool], which: Callable[[], list[int]]) -> tuple[list[int], set[int]]:
+        """After the saves in flight that ``match`` selects, delete the steps ``which()`` names then
+        from every tier this process writes, as retention does (see :meth:`Checkpointer.remove`);
+        ``(those steps, the steps deleted somewhere)``. A shared tier's copy is the coordinator's."""
+        self.confirm_inflight()
+        for h in self.pending(match):
+            h.wait(None)
+        steps = which()
+        co = self.coordinator
+        removed: set[int] = set()
+        for w in self.start():
+            if co.world_size > 1 and w.tier.shared and not co.is_coordinator:
+                continue
+            removed.update(s for s in steps if w.remove(s))
+        return steps, removed
 
     def wait(self, timeout: Optional[float] = None) -> None:
         """Block until every save so far is durable (see :meth:`Checkpointer.wait`)."""
@@ -424,7 +445,10 @@ class SavePipeline:
             m = dict(self._metrics)
             m["durable_s_last"] = dict(self._metrics["durable_s_last"])
             m["bytes_written"] = dict(self._metrics["bytes_written"])
+        held = self.pool.used()
         return {"staging_bytes": self.pool.allocated_bytes, "memory_tier_slot_bytes": self.pool.memory_tier_bytes,
+                "host_memory_bytes": sum(held.values()),
+                "host_memory_limit_bytes": self.pool.budget.limit(sum(held.values())),
                 "memory_tier_dropped_cow_bytes": sum(rt.dropped_cow_bytes() for rt in self._runtimes),
                 "memory_tier_whole_fallbacks": sum(rt.whole_fallbacks() for rt in self._runtimes),
                 "staging_allocations": self.pool.allocations, "saves": self.count, **m,

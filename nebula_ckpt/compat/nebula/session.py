@@ -29,7 +29,7 @@ log = logging.getLogger("nebula_ckpt")
 DEFAULT_RETENTION = 2
 
 #: nebula_ckpt's own Checkpointer settings ``init`` passes on (beyond Nebula's three)
-CHECKPOINTER_OPTIONS = ("storage_options", "memory_tier", "max_host_bytes", "on_full", "allow_pickle",
+CHECKPOINTER_OPTIONS = ("storage_options", "memory_tier", "host_memory_budget", "on_full", "allow_pickle",
                         "on_persist_error", "snapshot")
 
 
@@ -149,7 +149,7 @@ def init(persistent_storage_path: Any = None, persistent_time_interval: Any = No
         num_of_version_in_retention: checkpoints kept on each tier (its ``keep_last``): in memory,
             as Nebula kept them, and on the persistent tier; default 2.
         **options: nebula_ckpt's own settings, passed to the :class:`~nebula_ckpt.Checkpointer`:
-            ``storage_options``, ``memory_tier`` (default True), ``max_host_bytes``, ``on_full``,
+            ``storage_options``, ``memory_tier`` (default True), ``host_memory_budget``, ``on_full``,
             ``allow_pickle``, ``on_persist_error``, ``snapshot``.
 
     Calling ``init`` again with the same arguments does nothing; with other arguments it
@@ -170,8 +170,8 @@ def init(persistent_storage_path: Any = None, persistent_time_interval: Any = No
     keep = _retention(num_of_version_in_retention)
     if knobs.get("memory_buffer_size"):
         log.warning("torch_nebula.init(): NEBULA_MEMORY_BUFFER_SIZE is ignored: nebula_ckpt stages each checkpoint "
-                    "whole in host memory (no smaller streaming buffer); init(..., max_host_bytes=N) caps that memory "
-                    "(a larger checkpoint is then refused), memory_tier=False keeps no copy in /dev/shm")
+                    "whole in host memory (no smaller streaming buffer); init(..., host_memory_budget=N) caps that "
+                    "memory (a larger checkpoint is then refused), memory_tier=False keeps no copy in /dev/shm")
     memory = options.pop("memory_tier", True)
     storage_options = options.pop("storage_options", None)
     settings = {"root": canonical_root(root), "interval": interval, "keep": keep, "memory": bool(memory),

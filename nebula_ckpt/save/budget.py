@@ -1,0 +1,253 @@
+"""The host-memory budget: the most host memory checkpointing holds in this process at once.
+
+What counts (:meth:`~nebula_ckpt.save.buffers.StagingPool.used`): the staging buffers (anonymous,
+pinned, the memory tier's slot files) and everything in the memory tier's folder (tmpfs is RAM):
+its checkpoints, the bases its incremental steps refer to, the replicas it holds for partner
+ranks, copies pulled back from partners. What does not: the state itself (the model and
+optimizer, and what a restore creates for them: optimizer state copied or handed over from the
+memory tier) and a restore's working memory beyond it, at most one chunk of mapped source pages
+(``restore_chunk_bytes``) that it drops as it goes.
+
+The budget (``Checkpointer(host_memory_budget=...)``) is:
+
+* an ``int``: that many bytes;
+* a ``float`` in (0, 1]: that share of this machine's memory (the container's memory limit, when
+  a cgroup sets one lower), for this process;
+* ``None`` (the default): *what is free*. Checkpointing may take memory only while the machine
+  (or the container) keeps :data:`RESERVE_FRACTION` of its memory, at least
+  :data:`RESERVE_MIN_BYTES`, available for training: a new staging buffer is made only when
+  ``MemAvailable`` (or the cgroup's room) minus the buffer stays above that reserve. It follows
+  what the job itself and the other ranks of the node take, at every save, so no number has to
+  be guessed for a node shared by several ranks, and a job that fits without checkpoints is never
+  pushed into the OOM killer by them.
+
+A save that would exceed it first makes room where that loses nothing (idle buffers of other
+sizes; the memory tier's steps that are committed on a persistent tier too), then waits or is
+skipped by ``on_full``, with a log line that names the budget. A state that cannot fit even once
+is refused at its first save, before anything is written (:meth:`HostMemoryBudget.check_fits`).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any, Optional, Sequence, Union
+
+from nebula_ckpt.errors import ValidationError
+from nebula_ckpt.format.commit import committed_steps, read_commit
+
+log = logging.getLogger(__name__)
+
+#: share of the machine's (or container's) memory the default budget leaves available for training
+RESERVE_FRACTION = 0.10
+#: ... and at least this much
+RESERVE_MIN_BYTES = 1 << 30
+
+Budget = Union[int, float, None]
+
+
+def check_budget(value: object) -> None:
+    """Refuse a ``host_memory_budget`` that is not a positive int (bytes), a float in (0, 1] (a
+    share of the machine's memory) or None (what is free), naming it and what it takes."""
+    ok = value is None or (isinstance(value, int) and not isinstance(value, bool) and value > 0) or \
+        (isinstance(value, float) and 0.0 < value <= 1.0)
+    if not ok:
+        raise ValidationError(f"host_memory_budget must be a positive int (bytes), a float in (0, 1] (a share of "
+                              f"this machine's memory) or None (what is free, the default), got {value!r}")
+
+
+def gib(n: float) -> str:
+    """``n`` bytes as ``"1.50 GiB"`` (or MiB below one GiB)."""
+    return f"{n / 2**30:.2f} GiB" if abs(n) >= 2**30 else f"{n / 2**20:.1f} MiB"
+
+
+def _meminfo() -> dict[str, int]:
+    """``/proc/meminfo`` in bytes (empty where it cannot be read)."""
+    out: dict[str, int] = {}
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                key, _, rest = line.partition(":")
+                parts = rest.split()
+                if parts and parts[0].isdigit():
+                    out[key] = int(parts[0]) * (1024 if parts[1:] == ["kB"] else 1)
+    except OSError:
+        pass
+    return out
+
+
+def _read_int(path: str) -> Optional[int]:
+    try:
+        with open(path) as f:
+            text = f.read().strip()
+    except OSError:
+        return None
+    return int(text) if text.isdigit() else None
+
+
+def _cgroup_memory() -> Optional[tuple[int, int]]:
+    """``(limit, available)`` of this process's memory cgroup when it sets a limit (v2, then v1);
+    available = limit - usage + the inactive page cache it may reclaim. None without a limit."""
+    try:
+        with open("/proc/self/cgroup") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return None
+    for line in lines:
+        hier, _, rest = line.partition(":")
+        controllers, _, path = rest.partition(":")
+        if hier == "0" and controllers == "":  # cgroup v2
+            base = os.path.join("/sys/fs/cgroup", path.lstrip("/"))
+            limit, usage = _read_int(os.path.join(base, "memory.max")), _read_int(os.path.join(base, "memory.current"))
+            stat_file = os.path.join(base, "memory.stat")
+        elif "memory" in controllers.split(","):  # cgroup v1
+            base = os.path.join("/sys/fs/cgroup/memory", path.lstrip("/"))
+            limit = _read_int(os.path.join(base, "memory.limit_in_bytes"))
+            usage = _read_int(os.path.join(base, "memory.usage_in_bytes"))
+            stat_file = os.path.join(base, "memory.stat")
+        else:
+            continue
+        if limit is None or usage is None or limit >= 1 << 60:
+            continue
+        inactive = 0
+        try:
+            with open(stat_file) as f:
+                for s in f:
+                    k, _, v = s.partition(" ")
+                    if k in ("inactive_file", "total_inactive_file") and v.strip().isdigit():
+                        inactive = int(v)
+        except OSError:
+            pass
+        return limit, max(0, limit - usage + inactive)
+    return None
+
+
+def machine_memory() -> tuple[int, int]:
+    """``(total, available)`` bytes of this machine's memory, or of the container's memory cgroup
+    where it sets a lower limit (``MemTotal`` / ``MemAvailable`` of ``/proc/meminfo`` otherwise)."""
+    info = _meminfo()
+    total = info.get("MemTotal", 0)
+    avail = info.get("MemAvailable", info.get("MemFree", 0))
+    cg = _cgroup_memory()
+    if cg is not None:
+        total, avail = min(total, cg[0]) if total else cg[0], min(avail, cg[1]) if avail else cg[1]
+    return total, avail
+
+
+class HostMemoryBudget:
+    """The resolved ``host_memory_budget`` of one Checkpointer (see the module docstring).
+
+    Args:
+        value: bytes (int), a share of the machine's memory (float in (0, 1]) or None (what is free).
+    """
+
+    def __init__(self, value: Budget) -> None:
+        check_budget(value)
+        self.value = value
+        self._fixed: Optional[int] = None
+        if isinstance(value, int):
+            self._fixed = value
+        elif isinstance(value, float):
+            self._fixed = int(value * machine_memory()[0])
+
+    @property
+    def automatic(self) -> bool:
+        """Whether the budget is what is free (the default)."""
+        return self._fixed is None
+
+    def limit(self, used: int) -> int:
+        """The most checkpointing may hold now, given that it holds ``used`` bytes: the fixed
+        budget, or (the default) ``used`` + what is available beyond the reserve."""
+        if self._fixed is not None:
+            return self._fixed
+        total, avail = machine_memory()
+        if not total:
+            return 1 << 62  # no /proc/meminfo (not Linux): nothing to go by
+        reserve = max(int(RESERVE_FRACTION * total), RESERVE_MIN_BYTES)
+        return used + max(0, avail - reserve)
+
+    def describe(self, used: Optional[int] = None) -> str:
+        """The budget in words, for log lines and errors."""
+        if self._fixed is not None:
+            shown = f"host_memory_budget {gib(self._fixed)}"
+            return shown + (f" ({self.value:.0%} of this machine's memory)" if isinstance(self.value, float) else "")
+        total, avail = machine_memory()
+        reserve = max(int(RESERVE_FRACTION * total), RESERVE_MIN_BYTES)
+        now = "" if used is None else f" (now {gib(self.limit(used))})"
+        return (f"host_memory_budget None: what is free{now}: {gib(avail)} available of {gib(total)}, less a reserve "
+                f"of {gib(reserve)} kept for training")
+
+    def check_fits(self, nbytes: int, used: int, state: Optional[int] = None) -> None:
+        """Refuse a save that needs ``nbytes`` and can never fit (before anything is written);
+        ``state``: the state's size, when a save needs more than it (the memory tier alone
+        keeps the newest step until the new one is in).
+
+        Raises:
+            ValidationError: naming the budget, the state's size and what to do.
+        """
+        limit = self.limit(used)
+        if nbytes <= limit:
+            return
+        fix = ("Pass a larger host_memory_budget (bytes, or a share of the machine's memory such as 0.5)"
+               if self._fixed is not None else
+               "Free host memory, or pass host_memory_budget=<bytes> to take more than what is free (at the risk of "
+               "the OOM killer)")
+        why = f"this state needs {gib(nbytes)} of host memory to stage one save" if state is None else \
+            (f"this state ({gib(state)}) needs {gib(nbytes)} of host memory: with the memory tier as the only tier "
+             "written, a new step is staged beside the newest one, which it replaces only once it is in")
+        extra = " (or add a persistent tier, which lets the memory tier give its step up)" if state is not None else ""
+        raise ValidationError(
+            f"{why}, but {self.describe(used)} allows {gib(limit)}"
+            f"{f' (checkpointing holds {gib(used)} already)' if used else ''}; nothing was written. {fix}{extra}, "
+            "or save less per process (shard the state over more ranks)")
+
+
+def folder_ram_bytes(path: Optional[str]) -> int:
+    """RAM the files under ``path`` (a tmpfs folder) take: the allocated blocks of each file once,
+    however many names link it (a memory-tier shard is a link of a slot file). 0 without it."""
+    if path is None:
+        return 0
+    seen: set[tuple[int, int]] = set()
+    total = 0
+    for dirpath, _, files in os.walk(path):
+        for f in files:
+            try:
+                st = os.lstat(os.path.join(dirpath, f))
+            except OSError:
+                continue
+            if (st.st_dev, st.st_ino) not in seen:
+                seen.add((st.st_dev, st.st_ino))
+                total += st.st_blocks * 512
+    return total
+
+
+def give_up_memory_steps(writers: Sequence[Any]) -> bool:
+    """Make room in the budget where it loses nothing: delete the memory tier's committed steps
+    that a persistent tier this process writes holds committed too (same step, same writer
+    generation), while the memory tier's writer is idle (``TierWriter.remove``: marker first, a
+    step a later one refers to once none does). The memory tier then holds nothing until the
+    next save commits there; a crash meanwhile restores the same step from the persistent tier.
+    True if any step went."""
+    persistent = [w for w in writers if w.tier.persistent]
+    gone = False
+    for w in writers:
+        if w.tier.persistent or w.in_flight() or not persistent:
+            continue
+        try:
+            for step in committed_steps(w.storage):
+                gen = read_commit(w.storage, step, f"tier {w.name} step {step}").generation
+                if any(_committed_as(p.storage, step, gen) for p in persistent) and w.remove(step):
+                    log.info("nebula_ckpt: memory tier %s gives step %d up to stay within the host-memory budget "
+                             "(it is committed on a persistent tier too)", w.name, step)
+                    gone = True
+        except Exception as e:  # a failure here only keeps memory: the save waits or is skipped
+            log.debug("nebula_ckpt: memory tier %s: steps not given up: %s", w.name, e)
+    return gone
+
+
+def _committed_as(storage: Any, step: int, generation: int) -> bool:
+    """Whether ``storage`` holds ``step`` committed by writer ``generation``."""
+    try:
+        return read_commit(storage, step, f"step {step}").generation == generation
+    except Exception:  # absent or unreadable: not held there
+        return False

@@ -1,0 +1,122 @@
+"""Staging buffers and slot files: what :class:`~nebula_ckpt.save.buffers.StagingPool` holds.
+
+A :class:`Slot` is one staging buffer: anonymous (fresh pages the save's copy faults in), pinned
+(CUDA), or a *slot file* of the memory tier's ``.slots/`` folder (tmpfs), mapped shared and
+pre-faulted, which the memory tier links as its shard (see :mod:`nebula_ckpt.save.buffers`).
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import torch
+
+from nebula_ckpt import knobs
+from nebula_ckpt.format.names import slot_file_name
+from nebula_ckpt.storage.local import read_elsewhere
+
+
+@dataclass(eq=False)
+class Slot:
+    """One staging buffer."""
+
+    buffer: torch.Tensor       # 1-D uint8, capacity bytes
+    pinned: bool
+    in_use: bool = field(default=False)
+    #: slot file (exactly ``capacity`` bytes) the memory tier may link as its shard; None: anonymous
+    path: Optional[str] = None
+    _mm: Any = field(default=None, repr=False)
+
+    @property
+    def capacity(self) -> int:
+        """Bytes available."""
+        return int(self.buffer.numel())
+
+    def live(self) -> bool:
+        """Whether a committed memory-tier checkpoint still links to this slot file, or another
+        process still reads it (a restore of a checkpoint that linked it: see
+        :func:`~nebula_ckpt.storage.local.read_elsewhere`); either way it is not staged in."""
+        if self.path is None:
+            return False
+        try:
+            return os.stat(self.path).st_nlink > 1 or read_elsewhere(self.path)
+        except FileNotFoundError:
+            return False
+
+    def fits(self, nbytes: int) -> bool:
+        """Whether a shard image of ``nbytes`` can be staged here (slot files: exactly that size)."""
+        return self.capacity == nbytes if self.path is not None else self.capacity >= nbytes
+
+    def free(self) -> None:
+        """Drop the buffer (a slot file's name goes too; a checkpoint linking it keeps its bytes)."""
+        if self.path is not None:
+            try:
+                os.unlink(self.path)
+            except FileNotFoundError:
+                pass
+        self.buffer = torch.empty(0, dtype=torch.uint8)
+        self._mm = None
+
+
+def create_slot_file(slot_dir: str, nbytes: int) -> Slot:
+    """A new slot file of exactly ``nbytes`` in ``slot_dir``, allocated and mapped pre-faulted.
+
+    Raises:
+        OSError: no room on the tmpfs (``ENOSPC``) or no such folder.
+    """
+    os.makedirs(slot_dir, mode=0o700, exist_ok=True)
+    path = os.path.join(slot_dir, slot_file_name())
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        os.posix_fallocate(fd, 0, nbytes)  # pages exist now: ENOSPC here, never SIGBUS later
+        return map_slot(fd, path, nbytes)
+    except BaseException:
+        os.unlink(path)
+        raise
+    finally:
+        os.close(fd)
+
+
+def adopt_slot_file(path: str, nbytes: int) -> Slot:
+    """Map the existing slot file ``path`` (a spare of exactly ``nbytes``, its pages allocated).
+
+    Raises:
+        OSError: it is gone, is a link, or is not ``nbytes`` long.
+    """
+    fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW)
+    try:
+        if os.fstat(fd).st_size != nbytes:
+            raise OSError(f"slot file {path} is not {nbytes} bytes")
+        os.posix_fallocate(fd, 0, nbytes)  # a no-op for a whole file: no hole can SIGBUS later
+        return map_slot(fd, path, nbytes)
+    finally:
+        os.close(fd)
+
+
+def map_slot(fd: int, path: str, nbytes: int) -> Slot:
+    flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+    mm = mmap.mmap(fd, nbytes, flags=flags, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+    return Slot(torch.frombuffer(mm, dtype=torch.uint8), False, path=path, _mm=mm)
+
+
+def fresh_anonymous(nbytes: int) -> Slot:
+    """A staging buffer of fresh anonymous pages, none of them touched: the save's copy (and the
+    fault-ahead threads) fault them in as they fill it. A mapping of its own, whatever its size:
+    a block of the heap would have to be zeroed first, on the training thread."""
+    mm = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    if knobs.get("huge_pages") and hasattr(mmap, "MADV_HUGEPAGE"):
+        mm.madvise(mmap.MADV_HUGEPAGE)
+    return Slot(torch.frombuffer(mm, dtype=torch.uint8), False, _mm=mm)
+
+
+def shm_room(slot_dir: str, nbytes: int) -> bool:
+    """Whether a slot file of ``nbytes`` leaves the tmpfs at least ``shm_min_free_fraction`` free."""
+    try:
+        st = os.statvfs(os.path.dirname(slot_dir))
+    except OSError:
+        return False
+    total, free = st.f_blocks * st.f_frsize, st.f_bavail * st.f_frsize
+    return free - nbytes >= knobs.get("shm_min_free_fraction") * total
