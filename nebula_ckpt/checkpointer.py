@@ -14,7 +14,7 @@ import os
 from typing import Any, Optional, Sequence
 
 from nebula_ckpt import knobs
-from nebula_ckpt.arguments import check_arguments
+from nebula_ckpt.arguments import check_arguments, check_restore_arguments
 from nebula_ckpt.errors import NebulaError, ValidationError
 from nebula_ckpt.format.names import COMMIT, check_tag, step_dir
 from nebula_ckpt.handle import SaveHandle
@@ -391,8 +391,11 @@ class Checkpointer:
             The step restored, or ``None`` when the root holds no committed checkpoint.
 
         Raises:
+            ValidationError: a bad ``map_location`` (a device this machine lacks: ``"cuda"`` without
+                CUDA) or ``strict``, before any tier is read; an ``into`` that does not match.
             CorruptCheckpointError: committed checkpoints exist but all are damaged (see above).
         """
+        check_restore_arguments(map_location, strict)
         return self._restores.load(None, None, into, map_location, strict, on_damaged)
 
     def load(self, step: Optional[int] = None, into: Any = None, *, map_location: Any = None, strict: bool = True,
@@ -413,6 +416,7 @@ class Checkpointer:
             CorruptCheckpointError: it is, but every copy is damaged (the message names each).
         """
         self._one_of("load", step, tag)
+        check_restore_arguments(map_location, strict)
         got = self._restores.load(step, tag, into, map_location, strict)
         if got is None:
             raise self._restores.not_found(step, tag)
@@ -430,6 +434,7 @@ class Checkpointer:
         """
         if step is not None or tag is not None:
             self._one_of("read", step, tag)
+        check_restore_arguments(map_location, True)
         return self._restores.read(step, tag, map_location)
 
     def remove(self, step: Optional[int] = None, *, tag: Optional[str] = None) -> builtins.list[int]:
