@@ -15,7 +15,7 @@ from typing import Any, Optional, Sequence
 
 from nebula_ckpt import knobs
 from nebula_ckpt.arguments import check_arguments, check_restore_arguments
-from nebula_ckpt.errors import NebulaError, ValidationError
+from nebula_ckpt.errors import NebulaError, NotFoundError, ValidationError
 from nebula_ckpt.format.names import COMMIT, check_tag, step_dir
 from nebula_ckpt.handle import SaveHandle
 from nebula_ckpt.native import describe as native_describe
@@ -181,6 +181,13 @@ class Checkpointer:
             raise NebulaError(f"{what}() on a read-only Checkpointer of {canonical_root(self.root)} (opened with "
                               "read_only=True, which never writes): open it without read_only to write")
 
+    def _first_write(self) -> None:
+        """Before this process first writes: the root is checked writable and, when no run wrote
+        it yet, created (its run id recorded). Nothing before that creates it: not the constructor,
+        not a restore or a listing."""
+        self._opened.create()
+        self.run_id = self._opened.run_id
+
     def _check_open(self, what: str) -> None:
         if self._closed or self._pid != os.getpid():
             raise NebulaError(f"{what}() on a {'closed' if self._closed else 'forked (the parent process owns it)'} "
@@ -217,6 +224,7 @@ class Checkpointer:
         """
         self._check_open("prepare")
         self._check_writable("prepare")
+        self._first_write()
         self._saves.prepare(state, wait)
 
     def save_async(self, step: int, state: Any, *, tag: Optional[str] = None) -> SaveHandle:
@@ -254,6 +262,7 @@ class Checkpointer:
         """
         self._check_open("save_async")
         self._check_writable("save_async")
+        self._first_write()
         return self._saves.save_async(step, state, tag)
 
     def save(self, step: int, state: Any, *, tag: Optional[str] = None) -> SaveHandle:
@@ -366,7 +375,7 @@ class Checkpointer:
             check_tag(tag)
 
     def load_latest(self, into: Any = None, *, map_location: Any = None, strict: bool = True,
-                    on_damaged: str = "raise") -> Optional[int]:
+                    on_damaged: str = "raise", must_exist: bool = False) -> Optional[int]:
         """Restore the newest healthy checkpoint into ``into`` in place; return its step.
 
         Every tier is searched, newest step first, fastest tier first; a candidate that fails
@@ -386,6 +395,11 @@ class Checkpointer:
                 ``"raise"`` (default) :class:`CorruptCheckpointError` naming every damaged copy,
                 so a damaged root never silently restarts training from step 0; ``"warn"``: log
                 it loudly and return ``None``.
+            must_exist: raise :class:`NotFoundError` instead of returning ``None`` when there is no
+                checkpoint to resume from (a resume that must not silently start from scratch).
+                Without it, a root that no run has written (it does not exist: a typo in the
+                path?) is logged at WARNING, naming the path. Nothing is created either way: the
+                root is made by the first save.
 
         Returns:
             The step restored, or ``None`` when the root holds no committed checkpoint.
@@ -394,9 +408,28 @@ class Checkpointer:
             ValidationError: a bad ``map_location`` (a device this machine lacks: ``"cuda"`` without
                 CUDA) or ``strict``, before any tier is read; an ``into`` that does not match.
             CorruptCheckpointError: committed checkpoints exist but all are damaged (see above).
+            NotFoundError: ``must_exist`` and nothing to resume from.
         """
         check_restore_arguments(map_location, strict)
-        return self._restores.load(None, None, into, map_location, strict, on_damaged)
+        got = self._restores.load(None, None, into, map_location, strict, on_damaged)
+        if got is None:
+            self._nothing_to_resume(must_exist)
+        return got
+
+    def _nothing_to_resume(self, must_exist: bool) -> None:
+        """``load_latest`` found nothing: say so where a run was expected, raise if it must exist."""
+        shown = canonical_root(self.root)
+        missing = self._opened.missing()
+        if missing is None:
+            if must_exist:
+                raise NotFoundError(f"no checkpoint to resume from under {shown}: it holds no healthy committed "
+                                    "checkpoint (load_latest(must_exist=True))")
+            return
+        msg = (f"no checkpoint to resume from: the root {shown} {missing}, so training starts from scratch; "
+               "check the path if a run should be there")
+        if must_exist:
+            raise NotFoundError(msg.replace(", so training starts from scratch", "") + " (must_exist=True)")
+        log.warning("nebula_ckpt: %s (load_latest(..., must_exist=True) raises instead)", msg)
 
     def load(self, step: Optional[int] = None, into: Any = None, *, map_location: Any = None, strict: bool = True,
              tag: Optional[str] = None) -> int:
@@ -465,6 +498,7 @@ class Checkpointer:
         for h in self._saves.pending(lambda h: h.step == step if tag is None else h.tag == tag):
             h.wait(None)
         steps = [step] if step is not None else self._restores.steps_tagged(tag or "")
+        self._first_write()
         writers = self._saves.start()
         co = self.coordinator
         removed: set[int] = set()
