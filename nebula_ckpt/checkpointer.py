@@ -26,6 +26,7 @@ from nebula_ckpt.restore.restorer import Restorer
 from nebula_ckpt.root import open_root
 from nebula_ckpt.save.pipeline import SavePipeline, exit_hook_ran
 from nebula_ckpt.save.plan import check_step
+from nebula_ckpt.save.uncut import run_uncut
 from nebula_ckpt.storage.urls import canonical_root
 from nebula_ckpt.tiers.base import Tier
 from nebula_ckpt.tiers.memory.replicas import start_replicator
@@ -184,9 +185,10 @@ class Checkpointer:
     def _first_write(self) -> None:
         """Before this process first writes: the root is checked writable and, when no run wrote
         it yet, created (its run id recorded). Nothing before that creates it: not the constructor,
-        not a restore or a listing."""
-        self._opened.create()
-        self.run_id = self._opened.run_id
+        not a restore or a listing. Once, on a thread of its own: a Ctrl-C cannot cut it half way."""
+        if not self._opened.ready:
+            run_uncut(self._opened.create, f"nebula-create-{canonical_root(self.root)[-24:]}")
+            self.run_id = self._opened.run_id
 
     def _check_open(self, what: str) -> None:
         if self._closed or self._pid != os.getpid():

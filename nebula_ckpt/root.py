@@ -99,6 +99,11 @@ class OpenRoot:
             self.fresh = False
             self._ready = True
 
+    @property
+    def ready(self) -> bool:
+        """Whether :meth:`create` has run (the root may be written)."""
+        return self._ready
+
     def missing(self) -> Optional[str]:
         """What the root was when opened, if no run had written it (no run id recorded): "does
         not exist" or "holds nothing yet"; None when a run wrote it. What a resume from a
