@@ -14,8 +14,8 @@ import os
 from typing import Any, Optional, Sequence
 
 from nebula_ckpt import knobs
-from nebula_ckpt.arguments import check_arguments, check_restore_arguments
-from nebula_ckpt.errors import NebulaError, NotFoundError, ValidationError
+from nebula_ckpt.arguments import check_arguments
+from nebula_ckpt.errors import NebulaError, ValidationError
 from nebula_ckpt.format.names import COMMIT, check_tag, step_dir
 from nebula_ckpt.handle import SaveHandle
 from nebula_ckpt.native import describe as native_describe
@@ -26,7 +26,6 @@ from nebula_ckpt.restore.restorer import Restorer
 from nebula_ckpt.root import open_root
 from nebula_ckpt.save.pipeline import SavePipeline, exit_hook_ran
 from nebula_ckpt.save.plan import check_step
-from nebula_ckpt.save.uncut import run_uncut
 from nebula_ckpt.storage.urls import canonical_root
 from nebula_ckpt.tiers.base import Tier
 from nebula_ckpt.tiers.memory.replicas import start_replicator
@@ -182,14 +181,6 @@ class Checkpointer:
             raise NebulaError(f"{what}() on a read-only Checkpointer of {canonical_root(self.root)} (opened with "
                               "read_only=True, which never writes): open it without read_only to write")
 
-    def _first_write(self) -> None:
-        """Before this process first writes: the root is checked writable and, when no run wrote
-        it yet, created (its run id recorded). Nothing before that creates it: not the constructor,
-        not a restore or a listing. Once, on a thread of its own: a Ctrl-C cannot cut it half way."""
-        if not self._opened.ready:
-            run_uncut(self._opened.create, f"nebula-create-{canonical_root(self.root)[-24:]}")
-            self.run_id = self._opened.run_id
-
     def _check_open(self, what: str) -> None:
         if self._closed or self._pid != os.getpid():
             raise NebulaError(f"{what}() on a {'closed' if self._closed else 'forked (the parent process owns it)'} "
@@ -226,7 +217,7 @@ class Checkpointer:
         """
         self._check_open("prepare")
         self._check_writable("prepare")
-        self._first_write()
+        self.run_id = self._opened.create_once()  # the root is made at the first write
         self._saves.prepare(state, wait)
 
     def save_async(self, step: int, state: Any, *, tag: Optional[str] = None) -> SaveHandle:
@@ -264,7 +255,7 @@ class Checkpointer:
         """
         self._check_open("save_async")
         self._check_writable("save_async")
-        self._first_write()
+        self.run_id = self._opened.create_once()  # the root is made at the first write
         return self._saves.save_async(step, state, tag)
 
     def save(self, step: int, state: Any, *, tag: Optional[str] = None) -> SaveHandle:
@@ -397,41 +388,18 @@ class Checkpointer:
                 ``"raise"`` (default) :class:`CorruptCheckpointError` naming every damaged copy,
                 so a damaged root never silently restarts training from step 0; ``"warn"``: log
                 it loudly and return ``None``.
-            must_exist: raise :class:`NotFoundError` instead of returning ``None`` when there is no
-                checkpoint to resume from (a resume that must not silently start from scratch).
-                Without it, a root that no run has written (it does not exist: a typo in the
-                path?) is logged at WARNING, naming the path. Nothing is created either way: the
-                root is made by the first save.
+            must_exist: raise :class:`NotFoundError`, not return ``None`` (else a missing root is named at WARNING).
 
         Returns:
             The step restored, or ``None`` when the root holds no committed checkpoint.
 
         Raises:
-            ValidationError: a bad ``map_location`` (a device this machine lacks: ``"cuda"`` without
-                CUDA) or ``strict``, before any tier is read; an ``into`` that does not match.
+            ValidationError: a bad ``map_location`` or ``strict`` (before any tier is read), a mismatched ``into``.
             CorruptCheckpointError: committed checkpoints exist but all are damaged (see above).
             NotFoundError: ``must_exist`` and nothing to resume from.
         """
-        check_restore_arguments(map_location, strict)
         got = self._restores.load(None, None, into, map_location, strict, on_damaged)
-        if got is None:
-            self._nothing_to_resume(must_exist)
-        return got
-
-    def _nothing_to_resume(self, must_exist: bool) -> None:
-        """``load_latest`` found nothing: say so where a run was expected, raise if it must exist."""
-        shown = canonical_root(self.root)
-        missing = self._opened.missing()
-        if missing is None:
-            if must_exist:
-                raise NotFoundError(f"no checkpoint to resume from under {shown}: it holds no healthy committed "
-                                    "checkpoint (load_latest(must_exist=True))")
-            return
-        msg = (f"no checkpoint to resume from: the root {shown} {missing}, so training starts from scratch; "
-               "check the path if a run should be there")
-        if must_exist:
-            raise NotFoundError(msg.replace(", so training starts from scratch", "") + " (must_exist=True)")
-        log.warning("nebula_ckpt: %s (load_latest(..., must_exist=True) raises instead)", msg)
+        return got if got is not None else self._opened.nothing_to_resume(must_exist)
 
     def load(self, step: Optional[int] = None, into: Any = None, *, map_location: Any = None, strict: bool = True,
              tag: Optional[str] = None) -> int:
@@ -451,7 +419,6 @@ class Checkpointer:
             CorruptCheckpointError: it is, but every copy is damaged (the message names each).
         """
         self._one_of("load", step, tag)
-        check_restore_arguments(map_location, strict)
         got = self._restores.load(step, tag, into, map_location, strict)
         if got is None:
             raise self._restores.not_found(step, tag)
@@ -469,7 +436,6 @@ class Checkpointer:
         """
         if step is not None or tag is not None:
             self._one_of("read", step, tag)
-        check_restore_arguments(map_location, True)
         return self._restores.read(step, tag, map_location)
 
     def remove(self, step: Optional[int] = None, *, tag: Optional[str] = None) -> builtins.list[int]:
@@ -500,7 +466,6 @@ class Checkpointer:
         for h in self._saves.pending(lambda h: h.step == step if tag is None else h.tag == tag):
             h.wait(None)
         steps = [step] if step is not None else self._restores.steps_tagged(tag or "")
-        self._first_write()
         writers = self._saves.start()
         co = self.coordinator
         removed: set[int] = set()

@@ -24,9 +24,10 @@ import threading
 import uuid
 from typing import Any, Optional, Sequence
 
-from nebula_ckpt.errors import ValidationError
+from nebula_ckpt.errors import NotFoundError, ValidationError
 from nebula_ckpt.ranks.coordinator import Coordinator
 from nebula_ckpt.ranks.fencing import Fence, read_run_id, run_id
+from nebula_ckpt.save.uncut import run_uncut
 from nebula_ckpt.storage.base import Storage
 from nebula_ckpt.storage.urls import canonical_root
 from nebula_ckpt.tiers.base import Tier
@@ -99,10 +100,12 @@ class OpenRoot:
             self.fresh = False
             self._ready = True
 
-    @property
-    def ready(self) -> bool:
-        """Whether :meth:`create` has run (the root may be written)."""
-        return self._ready
+    def create_once(self) -> Optional[str]:
+        """:meth:`create`, the first time, on a thread of its own (a Ctrl-C cannot cut it half way,
+        :func:`~nebula_ckpt.save.uncut.run_uncut`); the run id."""
+        if not self._ready:
+            run_uncut(self.create, f"nebula-create-{canonical_root(self.root)[-24:]}")
+        return self.run_id
 
     def missing(self) -> Optional[str]:
         """What the root was when opened, if no run had written it (no run id recorded): "does
@@ -114,6 +117,24 @@ class OpenRoot:
         if path is not None and not self._was_folder:
             return "does not exist"
         return "holds no checkpoint (no run has written it)"
+
+    def nothing_to_resume(self, must_exist: bool) -> Optional[int]:
+        """``load_latest`` found nothing: say so where a run was expected (WARNING, naming the
+        root); with ``must_exist`` raise :class:`~nebula_ckpt.errors.NotFoundError` instead.
+        Returns None (what ``load_latest`` then returns)."""
+        shown = canonical_root(self.root)
+        missing = self.missing()
+        if missing is None:
+            if must_exist:
+                raise NotFoundError(f"no checkpoint to resume from under {shown}: it holds no healthy committed "
+                                    "checkpoint (load_latest(must_exist=True))")
+            return None
+        msg = f"no checkpoint to resume from: the root {shown} {missing}"
+        if must_exist:
+            raise NotFoundError(f"{msg}; check the path if a run should be there (must_exist=True)")
+        log.warning("nebula_ckpt: %s, so training starts from scratch; check the path if a run should be there "
+                    "(load_latest(..., must_exist=True) raises instead)", msg)
+        return None
 
     def release(self) -> None:
         """Release every tier (and the root's storage, when it is no tier's)."""
