@@ -99,7 +99,7 @@ def load_latest(root: str, into: Any = None, **kwargs: Any) -> Optional[int]:
 
         step = nc.load_latest("/ckpt/run", into={"model": model, "optim": opt}) or 0
     """
-    load_kw = {k: kwargs.pop(k) for k in ("map_location", "strict", "on_damaged") if k in kwargs}
+    load_kw = {k: kwargs.pop(k) for k in ("map_location", "strict", "on_damaged", "must_exist") if k in kwargs}
     return _shared(root, **kwargs).load_latest(into, **load_kw)
 
 

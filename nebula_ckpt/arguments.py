@@ -1,4 +1,6 @@
-"""What the :class:`~nebula_ckpt.checkpointer.Checkpointer` constructor checks before it touches anything."""
+"""What the :class:`~nebula_ckpt.checkpointer.Checkpointer` checks before it touches anything: the
+constructor's arguments, and a restore's (``map_location``, ``strict``) before any tier is read, so
+that a mistake of the caller is a :class:`ValidationError`, never a checkpoint reported damaged."""
 
 from __future__ import annotations
 
@@ -36,3 +38,58 @@ def check_arguments(root: Any, keep_last: Any, host_memory_budget: Any, on_full:
                                   f"{type(health).__name__}")
         health.check()
     knobs.check_all()  # a knob set out of range (environment or override) fails here, not mid-run
+
+
+def check_restore_arguments(map_location: Any, strict: Any) -> None:
+    """A restore's own arguments, checked before any tier is read: ``strict`` is a bool, and
+    ``map_location`` (as :func:`torch.load` takes it: ``None``, a device or its name, a dict of
+    saved location -> device, or a callable) names devices that exist on this machine.
+
+    Raises:
+        ValidationError: naming the argument, what is wrong and what to pass instead; the
+            checkpoints are not looked at (they are not what is wrong).
+    """
+    if not isinstance(strict, bool):
+        raise ValidationError(f"strict must be True or False, got {strict!r}")
+    if map_location is None or callable(map_location):
+        return  # a callable is asked per tensor; what it raises is reported as its own error
+    if isinstance(map_location, dict):
+        for saved, dev in map_location.items():
+            if dev is not None:  # only named here: it matters only if a tensor was saved on ``saved``
+                check_device(dev, f"map_location[{saved!r}]", here=False)
+        return
+    check_device(map_location, "map_location")
+
+
+def check_device(value: Any, what: str, here: bool = True) -> None:
+    """``value`` is a device (or its name) and, ``here``, one this process can put tensors on
+    (the restore checks a dict's entry so once a tensor is mapped by it).
+
+    Raises:
+        ValidationError: naming ``what``.
+    """
+    import torch
+
+    if not isinstance(value, (str, torch.device)):
+        raise ValidationError(f"{what} must be a device ('cpu', 'cuda', 'cuda:1', a torch.device), a dict of saved "
+                              f"location -> device, or a callable (as torch.load takes it), got {value!r}")
+    try:
+        dev = torch.device(value)
+    except (RuntimeError, ValueError, TypeError) as e:
+        raise ValidationError(f"{what}={value!r} is not a device ({e}); pass e.g. 'cpu' or 'cuda:0'") from None
+    if not here:
+        return
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValidationError(f"{what}={value!r}, but this machine has no usable CUDA device "
+                                  "(torch.cuda.is_available() is False): restore with map_location='cpu', or on "
+                                  "a machine with a GPU (the checkpoints are not damaged)")
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise ValidationError(f"{what}={value!r}, but this machine has {torch.cuda.device_count()} CUDA "
+                                  f"device(s) (0..{torch.cuda.device_count() - 1}): pick one of those")
+    elif dev.type not in ("cpu", "meta"):
+        try:
+            torch.empty(0, device=dev)
+        except Exception as e:  # the device type exists in torch, but not on this machine
+            raise ValidationError(f"{what}={value!r}: tensors cannot be put on {dev} here ({type(e).__name__}: "
+                                  f"{e}); restore with map_location='cpu' (the checkpoints are not damaged)") from None

@@ -226,6 +226,7 @@ class Checkpointer(HealthReports):
         """
         self._check_open("prepare")
         self._check_writable("prepare")
+        self.run_id = self._opened.create_once()  # the root is made at the first write
         self._saves.prepare(state, wait)
 
     def save_async(self, step: int, state: Any, *, tag: Optional[str] = None) -> SaveHandle:
@@ -263,6 +264,7 @@ class Checkpointer(HealthReports):
         """
         self._check_open("save_async")
         self._check_writable("save_async")
+        self.run_id = self._opened.create_once()  # the root is made at the first write
         return self._saved(step, self._saves.save_async(step, state, tag))
 
     def save(self, step: int, state: Any, *, tag: Optional[str] = None) -> SaveHandle:
@@ -376,7 +378,7 @@ class Checkpointer(HealthReports):
             check_tag(tag)
 
     def load_latest(self, into: Any = None, *, map_location: Any = None, strict: bool = True,
-                    on_damaged: str = "raise") -> Optional[int]:
+                    on_damaged: str = "raise", must_exist: bool = False) -> Optional[int]:
         """Restore the newest healthy checkpoint into ``into`` in place; return its step.
 
         Every tier is searched, newest step first, fastest tier first; a candidate that fails
@@ -396,14 +398,18 @@ class Checkpointer(HealthReports):
                 ``"raise"`` (default) :class:`CorruptCheckpointError` naming every damaged copy,
                 so a damaged root never silently restarts training from step 0; ``"warn"``: log
                 it loudly and return ``None``.
+            must_exist: raise :class:`NotFoundError`, not return ``None`` (else a missing root is named at WARNING).
 
         Returns:
             The step restored, or ``None`` when the root holds no committed checkpoint.
 
         Raises:
+            ValidationError: a bad ``map_location`` or ``strict`` (before any tier is read), a mismatched ``into``.
             CorruptCheckpointError: committed checkpoints exist but all are damaged (see above).
+            NotFoundError: ``must_exist`` and nothing to resume from.
         """
-        return self._restores.load(None, None, into, map_location, strict, on_damaged)
+        got = self._restores.load(None, None, into, map_location, strict, on_damaged)
+        return got if got is not None else self._opened.nothing_to_resume(must_exist)
 
     def load(self, step: Optional[int] = None, into: Any = None, *, map_location: Any = None, strict: bool = True,
              tag: Optional[str] = None) -> int:

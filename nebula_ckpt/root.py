@@ -5,16 +5,29 @@ validate the tiers, reach each one (fail fast, before anything is left behind), 
 root's run id (``_nebula/run.json``), let each tier open for that run (the memory tier claims
 its folder), and set up the writer fence; in a multi-rank job, the collectives every rank runs
 while opening (one root for all ranks, the job's writer generation, the shared tiers' rounds).
+
+Opening never creates the root: a root no run has written yet gets its run id at the first
+write (:meth:`OpenRoot.create`, at the first save), so a restore, a listing or a typo in the
+path leaves nothing behind. (A multi-rank job records it while opening: the ranks check there
+that they share one root.) A root that cannot be written is named, with its tier and the fix,
+at the first save (:func:`unwritable_root`), never as a bare ``PermissionError`` later.
 """
 
 from __future__ import annotations
 
+import errno
+import fcntl
 import logging
+import os
+import struct
+import threading
+import uuid
 from typing import Any, Optional, Sequence
 
-from nebula_ckpt.errors import ValidationError
+from nebula_ckpt.errors import NotFoundError, ValidationError
 from nebula_ckpt.ranks.coordinator import Coordinator
 from nebula_ckpt.ranks.fencing import Fence, read_run_id, run_id
+from nebula_ckpt.save.uncut import run_uncut
 from nebula_ckpt.storage.base import Storage
 from nebula_ckpt.storage.urls import canonical_root
 from nebula_ckpt.tiers.base import Tier
@@ -36,9 +49,19 @@ class OpenRoot:
     """
 
     def __init__(self, runtimes: list[TierRuntime], root_storage: Storage, own_root_storage: bool,
-                 run_id: Optional[str], coordinator: Coordinator) -> None:
+                 run_id: Optional[str], coordinator: Coordinator, root: str = "", fresh: bool = False,
+                 existed: bool = True) -> None:
         self.runtimes = runtimes
         self.run_id = run_id
+        #: no run has written the root yet: ``run_id`` is recorded there by :meth:`create`
+        self.fresh = fresh
+        self.root = root
+        self._create_lock = threading.Lock()
+        self._ready = False  # create() has run
+        #: a run had written the root (its run id was there) when it was opened
+        self.existed = existed
+        path = root_storage.local_path("")
+        self._was_folder = path is not None and os.path.isdir(path)
         self.root_storage = root_storage
         self._own_root_storage = own_root_storage
         self.fence = Fence(root_storage, coordinator)
@@ -47,6 +70,71 @@ class OpenRoot:
             for rt in runtimes:
                 rt.fenced()
         self.fence.on_fenced(give_back)
+
+    def create(self) -> None:
+        """Before the first write: record the run id on a root no run has written yet (which
+        creates it), after checking that every local tier can be written. Idempotent.
+
+        Raises:
+            ValidationError: a tier cannot be written (:func:`unwritable_root`): nothing was saved.
+        """
+        with self._create_lock:
+            if self._ready:
+                return
+            for rt in self.runtimes:
+                if rt.persistent:
+                    check_writable(rt)
+            if not self.fresh:
+                self._ready = True
+                return
+            try:
+                rid = run_id(self.root_storage, self.run_id)
+            except OSError as e:
+                tier = next((rt.name for rt in self.runtimes if rt.storage is self.root_storage), "the root")
+                raise unwritable_root(f"tier {tier} ({self.root_storage.display_url})", "the root", e) from e
+            if rid != self.run_id:  # another process created the root meanwhile: its id is the run's
+                owner = Owner(canonical_root(self.root), rid)
+                for rt in self.runtimes:
+                    rt.open(owner)
+                self.run_id = rid
+            self.fresh = False
+            self._ready = True
+
+    def create_once(self) -> Optional[str]:
+        """:meth:`create`, the first time, on a thread of its own (a Ctrl-C cannot cut it half way,
+        :func:`~nebula_ckpt.save.uncut.run_uncut`); the run id."""
+        if not self._ready:
+            run_uncut(self.create, f"nebula-create-{canonical_root(self.root)[-24:]}")
+        return self.run_id
+
+    def missing(self) -> Optional[str]:
+        """What the root was when opened, if no run had written it (no run id recorded): "does
+        not exist" or "holds nothing yet"; None when a run wrote it. What a resume from a
+        mistyped path finds."""
+        if self.existed:
+            return None
+        path = self.root_storage.local_path("")
+        if path is not None and not self._was_folder:
+            return "does not exist"
+        return "holds no checkpoint (no run has written it)"
+
+    def nothing_to_resume(self, must_exist: bool) -> Optional[int]:
+        """``load_latest`` found nothing: say so where a run was expected (WARNING, naming the
+        root); with ``must_exist`` raise :class:`~nebula_ckpt.errors.NotFoundError` instead.
+        Returns None (what ``load_latest`` then returns)."""
+        shown = canonical_root(self.root)
+        missing = self.missing()
+        if missing is None:
+            if must_exist:
+                raise NotFoundError(f"no checkpoint to resume from under {shown}: it holds no healthy committed "
+                                    "checkpoint (load_latest(must_exist=True))")
+            return None
+        msg = f"no checkpoint to resume from: the root {shown} {missing}"
+        if must_exist:
+            raise NotFoundError(f"{msg}; check the path if a run should be there (must_exist=True)")
+        log.warning("nebula_ckpt: %s, so training starts from scratch; check the path if a run should be there "
+                    "(load_latest(..., must_exist=True) raises instead)", msg)
+        return None
 
     def release(self) -> None:
         """Release every tier (and the root's storage, when it is no tier's)."""
@@ -95,7 +183,13 @@ def open_root(root: str, storage_options: Optional[dict[str, Any]], tiers: Optio
     own = root_tier.name not in by_name
     if own:
         root_storage.check_access()
-    rid = read_run_id(root_storage) if read_only else run_id(root_storage)
+    rid = read_run_id(root_storage)
+    existed = rid is not None
+    fresh = not existed and not read_only and coordinator.world_size == 1
+    if fresh:
+        rid = uuid.uuid4().hex  # recorded on the root at the first write (OpenRoot.create), not now
+    elif not read_only:
+        rid = run_id(root_storage)
     owner = Owner(canonical_root(root), rid)
     opened: list[TierRuntime] = []
     for rt in runtimes:
@@ -106,7 +200,7 @@ def open_root(root: str, storage_options: Optional[dict[str, Any]], tiers: Optio
             if read_only:
                 log.debug("nebula_ckpt: tier %s not read: %s", rt.name, why)
             rt.release()
-    out = OpenRoot(opened, root_storage, own, rid, coordinator)
+    out = OpenRoot(opened, root_storage, own, rid, coordinator, root, fresh, existed)
     if coordinator.world_size > 1 and not read_only:
         # Collectives belong here, where every rank is (the constructor): one root for all
         # ranks, the job's writer generation, and the rounds of each shared tier.
@@ -131,3 +225,50 @@ def _check_shared_root(opened: OpenRoot, root: str, coordinator: Coordinator) ->
             f"root {canonical_root(root)} is not the same place for every rank: ranks see "
             f"{len(groups)} different roots (by run id: {[g[:4] for g in groups.values()]}); use a path "
             "on a file system every node mounts, or a blob URL (az://, s3://), for a multi-rank job")
+
+
+def unwritable_root(where: str, what: str, error: OSError) -> ValidationError:
+    """The error for a tier that cannot be written: which tier and path, why, and the fix."""
+    return ValidationError(
+        f"{where}: cannot write {what} ({type(error).__name__}: {error.strerror or error}). Checkpoints cannot be "
+        "saved there: pick a folder this process can write (not on a read-only mount, under /proc or /sys, or "
+        "below a file), or fix its permissions (`chmod`, `chown`, `chattr -i` on the immutable folder). Nothing "
+        "was saved")
+
+
+def check_writable(rt: TierRuntime) -> None:
+    """Refuse a local tier that certainly cannot be written (checked without writing: the
+    nearest existing folder of its path is read-only, immutable or not writable by this process)."""
+    path = rt.storage.local_path("")
+    if path is None:
+        return
+    probe = path
+    while not os.path.lexists(probe) and os.path.dirname(probe) != probe:
+        probe = os.path.dirname(probe)
+    why = _why_unwritable(probe)
+    if why is not None:
+        what = "its folder" if probe == path else f"its folder ({probe} is the nearest that exists)"
+        raise unwritable_root(f"tier {rt.name} ({path})", what, why)
+
+
+def _why_unwritable(folder: str) -> Optional[OSError]:
+    """Why nothing can be created in ``folder``, or None when that looks possible."""
+    try:
+        if os.statvfs(folder).f_flag & os.ST_RDONLY:
+            return OSError(errno.EROFS, "on a read-only mount", folder)
+        fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            flags = struct.unpack("l", fcntl.ioctl(fd, _FS_IOC_GETFLAGS, struct.pack("l", 0)))[0]
+        finally:
+            os.close(fd)
+    except OSError:  # no such flags on this file system
+        flags = 0
+    if flags & _FS_IMMUTABLE_FL:
+        return OSError(errno.EPERM, "immutable (chattr +i): nothing can be created in it", folder)
+    if not os.access(folder, os.W_OK | os.X_OK):
+        return OSError(errno.EACCES, "not writable by this process", folder)
+    return None
+
+
+_FS_IOC_GETFLAGS = 0x80086601  # linux/fs.h
+_FS_IMMUTABLE_FL = 0x00000010

@@ -18,6 +18,7 @@ the checkpoint is verified; the file is written under a temporary name and renam
 from __future__ import annotations
 
 import argparse
+import errno
 import json
 import os
 from dataclasses import dataclass
@@ -33,6 +34,8 @@ from nebula_ckpt.restore.apply import materialize
 from nebula_ckpt.restore.open import OpenCheckpoint, read_manifest
 from nebula_ckpt.restore.walk import tensor_keys
 from nebula_ckpt.storage.base import Storage
+from nebula_ckpt.storage.urls import local_path
+from nebula_ckpt.tiers.roots import default_tiers
 
 #: file names in a ``--to`` folder with ``--key`` (what ``from_pretrained`` looks for), by format
 PRETRAINED_NAMES = {"safetensors": "model.safetensors", "torch": "pytorch_model.bin"}
@@ -158,6 +161,78 @@ def folder_named(to: str) -> bool:
     return to.endswith(("/", os.sep)) or os.path.isdir(to)
 
 
+def check_target(to: str, root: str, storage_options: Optional[dict[str, Any]]) -> None:
+    """Refuse a ``--to`` that cannot be written safely, before anything is read: a dangling link
+    or a link loop on its way, a file where a folder must be, or a place inside a folder this
+    command reads (the root, its memory tier: an export there would overwrite or add files of
+    committed checkpoints), however it is spelled (a symlink into it, ``..``, a relative path, a
+    bind mount of it)."""
+    _check_links(to)
+    folder = to if folder_named(to) else os.path.dirname(os.path.abspath(to))
+    check_folder(folder)
+    for read in read_folders(root, storage_options):
+        for path in (to, folder):
+            if _inside(path, read):
+                raise NebulaError(f"export: --to {to} is inside {read}, which this command reads (the checkpoint "
+                                  "root or its memory tier): writing there would change committed checkpoints. "
+                                  "Export to a folder outside it")
+
+
+def read_folders(root: str, storage_options: Optional[dict[str, Any]]) -> list[str]:
+    """The local folders the export of ``root`` reads: a local root, and its memory tier."""
+    out = []
+    for t in default_tiers(root, storage_options):
+        p = getattr(t, "path", None) or local_path(getattr(t, "url", "") or "")
+        if p:
+            out.append(os.path.abspath(p))
+    return out
+
+
+def _check_links(to: str) -> None:
+    """A symlink on the way to ``to`` that leads nowhere: named, with what it points to."""
+    path = os.path.abspath(to.rstrip("/" + os.sep) or to)
+    while True:
+        if os.path.islink(path):
+            try:
+                os.stat(path)
+            except FileNotFoundError:
+                raise NebulaError(f"export: --to: {path} is a dangling symbolic link (to {os.readlink(path)}, which "
+                                  "does not exist): remove the link, or create what it points to") from None
+            except OSError as e:
+                if e.errno == errno.ELOOP:
+                    raise NebulaError(f"export: --to: {path} is a symbolic link loop (it leads back to itself): "
+                                      "remove the link, or export elsewhere") from None
+                raise
+        parent = os.path.dirname(path)
+        if parent == path:
+            return
+        path = parent
+
+
+def _inside(path: str, folder: str) -> bool:
+    """Whether ``path`` (existing or not) is ``folder`` or below it: by resolved path (links, ``..``)
+    and by identity of every existing folder on its way (a bind mount of ``folder``)."""
+    want = os.path.realpath(folder)
+    probe = os.path.realpath(os.path.abspath(path))
+    if probe == want or probe.startswith(want.rstrip(os.sep) + os.sep):
+        return True
+    try:
+        ident = os.stat(folder)
+    except OSError:  # not there: nothing of it can be reached another way
+        return False
+    while True:
+        try:
+            st = os.stat(probe)
+            if (st.st_dev, st.st_ino) == (ident.st_dev, ident.st_ino):
+                return True
+        except OSError:
+            pass
+        parent = os.path.dirname(probe)
+        if parent == probe:
+            return False
+        probe = parent
+
+
 def check_folder(folder: str) -> None:
     """Refuse a ``--to`` folder below a file, before anything is read or written."""
     probe = os.path.abspath(folder)
@@ -274,7 +349,7 @@ def cmd_export(args: argparse.Namespace) -> int:
     key = None if args.key is None else args.key.strip("/")
     if key == "":
         raise NebulaError("export: --key must name a key of the saved state, e.g. --key model")
-    check_folder(args.to if folder_named(args.to) else os.path.dirname(os.path.abspath(args.to)))
+    check_target(args.to, args.root, args.storage_options)
     src = open_chosen(args, open_source)
     path, fmt = target(args.to, args.format, key, src.step)
     folder = os.path.dirname(os.path.abspath(path))

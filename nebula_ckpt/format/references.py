@@ -9,7 +9,9 @@ a committed step needs are exactly the ``step`` fields of its shards.
 This module is the one place that answers "which steps must stay because a kept step needs
 them": writer retention, ``Checkpointer.remove``, the sweep, ``nebula-ckpt gc`` and the fencing
 of a stale writer all ask it (:func:`protected_steps`), so none of them drops bytes a committed
-checkpoint refers to.
+checkpoint refers to. It also answers "in which order may several steps go"
+(:func:`deletion_order`): a step before the steps it refers to, so that a process killed between
+two deletions leaves no committed step whose bytes are gone.
 """
 
 from __future__ import annotations
@@ -69,3 +71,26 @@ def protected_steps(storage: "Storage", kept: Iterable[int]) -> set[int]:
 def referrers(storage: "Storage", committed: Iterable[int], step: int) -> list[int]:
     """The committed steps (of ``committed``, other than ``step``) that refer to ``step``."""
     return sorted(s for s in committed if s > step and step in read_references(storage, s))
+
+
+def deletion_order(storage: "Storage", doomed: Iterable[int]) -> list[int]:
+    """``doomed`` (committed steps to delete together) in an order that keeps every step still
+    committed restorable at every instant: a step goes before every step of ``doomed`` it refers
+    to (its bases), newest first among the free ones. A process killed between two deletions thus
+    leaves only whole checkpoints: what is left of ``doomed`` is referred to by nothing that is
+    gone. (References of the steps that stay are the caller's: :func:`protected_steps`.)
+
+    Raises:
+        what :func:`read_references` raises (an unreachable tier): then nothing may be deleted.
+    """
+    left = set(doomed)
+    if len(left) < 2:
+        return sorted(left)  # nothing to order (the usual pass of retention): no manifest read
+    refs = {s: read_references(storage, s) & left for s in left}
+    order: list[int] = []
+    while left:
+        needed = set().union(*(refs[s] for s in left))
+        free = sorted(left - needed, reverse=True) or [max(left)]  # a cycle cannot be written; still ends
+        order.extend(free)
+        left -= set(free)
+    return order

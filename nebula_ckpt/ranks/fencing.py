@@ -64,8 +64,9 @@ def read_run_id(storage: Storage) -> Optional[str]:
     return run if isinstance(run, str) else None
 
 
-def run_id(storage: Storage) -> str:
-    """The run id of the persistent root ``storage``, recorded there (create-only) on first use.
+def run_id(storage: Storage, new: Optional[str] = None) -> str:
+    """The run id of the persistent root ``storage``, recorded there (create-only) on first use
+    (``new``: the id to record then; default a fresh one).
 
     It ties fast tiers (the memory tier) to this incarnation of the root: a root deleted and
     started again gets a new id, so checkpoints of the earlier run left in memory never come back.
@@ -73,7 +74,7 @@ def run_id(storage: Storage) -> str:
     have = read_run_id(storage)
     if have is not None:
         return have
-    new = uuid.uuid4().hex
+    new = new or uuid.uuid4().hex
     try:
         storage.write_small(RUN_FILE, json.dumps({"run_id": new, "host": socket.gethostname(),
                                                   "time": time.time()}).encode(), create_only=True)

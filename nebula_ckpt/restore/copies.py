@@ -15,6 +15,7 @@ from typing import Any, Optional
 
 import torch
 
+from nebula_ckpt.arguments import check_device
 from nebula_ckpt.errors import ValidationError
 from nebula_ckpt.format.records import TensorRecord
 from nebula_ckpt.native import get_ops
@@ -45,11 +46,17 @@ def target_device(rec: TensorRecord, map_location: Any) -> Optional[torch.device
     saved = torch.device(rec.device)  # validated: "cpu", "cuda" or "cuda:<n>"
     if isinstance(map_location, dict):
         mapped = map_location.get(rec.device, map_location.get(str(saved)))
+        if mapped is not None:  # the caller's mapping, not the checkpoint: a device it lacks is its error
+            check_device(mapped, f"map_location[{rec.device!r}]")
         return target_device(rec, mapped)
     if callable(map_location):
         # torch.load passes the tensor's CPU storage; an empty one tells the target as well
         # without copying anything to where the callable moves it.
-        got = map_location(torch.empty(0, dtype=torch.uint8).untyped_storage(), rec.device)
+        try:
+            got = map_location(torch.empty(0, dtype=torch.uint8).untyped_storage(), rec.device)
+        except Exception as e:  # the caller's function, not the checkpoint: never reported as damage
+            raise ValidationError(f"restore: map_location({rec.device!r}) raised {type(e).__name__}: {e} (the "
+                                  "checkpoint is not damaged; fix the map_location function)") from e
         if got is None:
             return target_device(rec, None)
         dev = getattr(got, "device", None)

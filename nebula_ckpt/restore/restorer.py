@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 from typing import Any, Callable, Optional
 
+from nebula_ckpt.arguments import check_restore_arguments
 from nebula_ckpt.errors import CorruptCheckpointError, NotFoundError, ValidationError
 from nebula_ckpt.format.commit import committed_steps
 from nebula_ckpt.format.manifest import Manifest
@@ -232,6 +233,7 @@ class Restorer:
              on_damaged: str = "raise") -> Optional[int]:
         """Open ``step`` / the newest tagged ``tag`` / the newest, restore it into ``into`` (when
         given); the step, or None when nothing is committed (of ``step`` / with ``tag``)."""
+        check_restore_arguments(map_location, strict)  # the caller's mistakes, before any tier is read
         ck = self.open(step, on_damaged=on_damaged, tag=tag, stage=self.stage(into, map_location, strict))
         if ck is None:
             return None
@@ -250,6 +252,7 @@ class Restorer:
 
     def read(self, step: Optional[int], tag: Optional[str], map_location: Any) -> tuple[int, Any]:
         """``(step, state)`` as a fresh tree (see :meth:`Checkpointer.read`)."""
+        check_restore_arguments(map_location, True)
         ck = self.open(step, tag=tag)
         if ck is None:
             raise self.not_found(step, tag)

@@ -182,8 +182,10 @@ def _all_damaged_message(tiers: list[tuple[Tier, Storage]], step: Optional[int],
     listing = "\n".join(f"  - {s}" for s in skipped)
     return (f"no healthy checkpoint{f' of step {step}' if step is not None else ''}: all "
             f"{len(skipped)} committed candidate(s) are damaged:\n{listing}\n"
-            "To proceed, restore an older copy of the damaged step folders, or delete them (the next "
-            f"load then uses an older step, or none); `nebula-ckpt verify ROOT` lists them (tiers: {roots}).")
+            f"Check them first with `nebula-ckpt verify ROOT` (tiers: {roots}): when it reports them healthy, "
+            "the checkpoints are fine and the reasons above are this process's (a device, memory, permissions). "
+            "Only a step that verify reports DAMAGED is: restore an older copy of its folder, or move it aside "
+            "to resume from an older step.")
 
 
 

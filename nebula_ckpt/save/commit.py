@@ -105,9 +105,12 @@ def is_committed(storage: Storage, step: int, generation: int) -> bool:
 
 
 def delete_checkpoint(storage: Storage, step: int) -> None:
-    """Delete a checkpoint: marker first (it stops being visible), then its data."""
+    """Delete a checkpoint: marker first (it stops being listed, and no reader opens it), then its
+    data. Several at once: in :func:`~nebula_ckpt.format.references.deletion_order`."""
     d = step_dir(step)
     storage.remove(f"{d}/{COMMIT}")
+    log.debug("nebula_ckpt: phase=unlisted %s step %d: its marker is gone; its files go next", storage.display_url,
+              step)
     storage.remove_dir(d)
 
 

@@ -8,9 +8,9 @@ For each snapshot a tier writes, in this order (the commit protocol)::
     step-N/COMMIT                      (the coordinator's; create-only, last)
 
 The last two are :func:`nebula_ckpt.save.commit.commit_manifest`, which the DCP writer shares.
-Then retention: markers go before data, the newest checkpoint never goes, and leftovers without
-a marker go only when no live writer owns them (:mod:`nebula_ckpt.save.sweep`). A failed step's
-own files (and its folder, once empty) are removed at once, but only while its ``COMMIT``
+Then retention: markers go before data, a step before its bases, the newest checkpoint never
+goes, and leftovers without a marker go only when no live writer owns them (:mod:`nebula_ckpt.save.sweep`).
+A failed step's own files (and its folder, once empty) are removed at once, but only while its ``COMMIT``
 certainly does not exist: once the marker may have been written (on a rank other than the
 coordinator: once its shard record may have reached the coordinator) a failure deletes nothing
 of that step (:class:`~nebula_ckpt.save.commit.CommitUncertain`); if it never committed, the
@@ -40,7 +40,7 @@ from nebula_ckpt.errors import FencedError, PersistError
 from nebula_ckpt.format.commit import committed_steps
 from nebula_ckpt.format.manifest import Manifest
 from nebula_ckpt.format.names import COMMIT, MANIFEST, RANKS_FILE, records_name, shard_name, shard_owner, step_dir
-from nebula_ckpt.format.references import protected_steps, referrers, shard_path
+from nebula_ckpt.format.references import deletion_order, protected_steps, referrers, shard_path
 from nebula_ckpt.latch import Latch, Wakeup
 from nebula_ckpt.ranks import shards as ranks
 from nebula_ckpt.ranks.coordinator import Coordinator, LocalCoordinator
@@ -390,7 +390,7 @@ class TierWriter:
             log.warning("nebula_ckpt: tier %s: step(s) %s refer to the bytes of step %d, which is saved again: they "
                         "are deleted first (the run resumed from an older step)", self.name, users[:8], step)
         with self._delete_lock:
-            for s in users:
+            for s in deletion_order(self.storage, users):
                 delete_checkpoint(self.storage, s)
         self.incremental.forget()
 
@@ -483,7 +483,7 @@ class TierWriter:
             keep.add(keep_step)
         # a kept step's references and what a save in flight builds on stay (format.references)
         keep = protected_steps(st, (keep | self.incremental.pinned()) & set(committed)) | keep
-        doomed = [s for s in committed if s not in keep]
+        doomed = deletion_order(st, [s for s in committed if s not in keep])
         with self._mutex:
             busy_step = self._pending.snap.step if self._pending is not None else None
         candidates = [s for s in uncommitted if s != busy_step and s not in self._uncertain]

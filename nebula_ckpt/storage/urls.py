@@ -47,7 +47,9 @@ def _password_in(url: str) -> Optional[str]:
 
 
 def refuse_url_credentials(url: Any, what: str = "root") -> None:
-    """Refuse a URL with a password in its user info (``s3://KEY:SECRET@bucket/run``).
+    """Refuse a URL with a password in its user info (``s3://KEY:SECRET@bucket/run``), and a
+    blob URL with a broken scheme that would otherwise be taken for a local folder
+    (:func:`refuse_mistyped_url`).
 
     The one check every entry point that takes a root or tier URL makes first, before the URL
     is parsed, logged, shown, or written to a file (run.json, pointers): a URL travels into all
@@ -61,6 +63,7 @@ def refuse_url_credentials(url: Any, what: str = "root") -> None:
         url = os.fspath(url)
     if not isinstance(url, str):
         return
+    refuse_mistyped_url(url, what)
     shown = _password_in(url)
     if shown is not None:
         raise ValidationError(
@@ -69,6 +72,44 @@ def refuse_url_credentials(url: Any, what: str = "root") -> None:
             "without it and pass the credentials in storage_options, e.g. storage_options={'key': ..., "
             "'secret': ...} for s3://, {'account_name': ..., 'account_key': ...} (or 'sas_token', "
             "'connection_string') for az:// / abfs://; a user name alone (az://container@account...) is fine")
+
+
+#: ``s3:/b/r``, ``s3:b/r``, ``s3//b/r`` (a scheme fsspec knows, then no ``://``); group 1 the scheme, 3 the rest
+_MISTYPED = re.compile(r"^([A-Za-z][A-Za-z0-9+.\-]*)(:/(?!/)|:(?![/:\\])|:\\+|//)(.*)$", re.DOTALL)
+
+
+def _known_schemes() -> set[str]:
+    """The URL schemes fsspec knows (its registry and the implementations it knows by name)."""
+    try:
+        from fsspec.registry import known_implementations, registry
+    except ImportError:  # no fsspec: every root is local
+        return set()
+    return {str(k).lower() for k in (*known_implementations, *registry)}
+
+
+def refuse_mistyped_url(url: str, what: str = "root") -> None:
+    """Refuse a path that is a blob URL with a broken scheme: ``s3:/bucket/run``, ``az:c/run``,
+    ``abfs:/...``, ``gs:/...``, ``s3//bucket/run`` (a scheme fsspec knows, followed by ``:/``,
+    ``:`` or ``//`` instead of ``://``). Without this it would silently become a local folder
+    (``./s3:/bucket/run``). A local path is never refused for a colon or a folder named like a
+    scheme elsewhere: ``s3/bucket``, ``ckpt:v2/run``, ``/data/s3:/x``, and ``./s3:/x`` (a
+    leading ``./`` says "a local path") all stay local.
+
+    Raises:
+        ValidationError: naming the root and the URL it likely meant.
+    """
+    m = _MISTYPED.match(url)
+    if m is None or m.group(1).lower() not in _known_schemes():
+        return
+    scheme, rest = m.group(1).lower(), m.group(3).replace("\\", "/").lstrip("/")
+    user, at, host = rest.rpartition("@")
+    if at and ":" in user:  # a password in the user info: never shown (a user name alone is Azure's container)
+        rest = "***@" + host
+        url = f"{m.group(1)}{m.group(2)}{rest}"
+    meant = f"{scheme}:///{rest}" if scheme in ("file", "local") else f"{scheme}://{rest}"
+    raise ValidationError(f"the {what} {url!r} looks like a URL with a broken scheme (it would become a local folder "
+                          f"named {url.split('/')[0]!r}): did you mean {meant!r}? For a local folder of that name, "
+                          f"write it as './{url}'")
 
 
 def strip_credentials(url: str) -> str:

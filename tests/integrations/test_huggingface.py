@@ -298,3 +298,19 @@ def test_enable_on_an_existing_trainer_subclass_saves_without_torch_save(tmp_pat
     again.train(resume_from_checkpoint=last)
     assert again.nebula_restored["step"] == 6 and again.state.global_step == 7
     assert calls == []
+
+
+def test_resume_true_from_a_root_that_does_not_exist_says_so_and_creates_nothing(  # noqa: ANN201
+        tmp_path, shm_dir: str, caplog: pytest.LogCaptureFixture):  # noqa: ANN001
+    """``resume_from_checkpoint=True`` on a mistyped root starts fresh (a first run looks the same)
+    but says at WARNING that the root does not exist, naming it; resuming creates nothing there."""
+    import logging
+
+    root = str(tmp_path / "godo")
+    tr = hf_worker.make_trainer(str(tmp_path / "out"), root, max_steps=1, save_strategy="no")
+    caplog.set_level(logging.INFO, logger="nebula_ckpt")
+    tr.train(resume_from_checkpoint=True)
+    warned = [r for r in caplog.records if r.levelno == logging.WARNING and root in r.getMessage()]
+    assert warned and "does not exist" in warned[0].getMessage(), caplog.text
+    tr.nebula.close()
+    assert not os.path.lexists(root), "the resume (or a run that never saved) created the root"

@@ -42,8 +42,12 @@ def find(trainer: Any, resume: Any) -> Optional[tuple[str, Any]]:
         out = trainer.args.output_dir
         if os.path.isdir(out) and hf_last(out) is not None:
             return None
-        log.info("nebula_ckpt: resume_from_checkpoint=True: no checkpoint under %s nor in %s yet; starting fresh",
-                 run_of(trainer).root, out)
+        root = run_of(trainer).root
+        where = root.removeprefix("file://") if isinstance(root, str) else ""
+        missing = "://" not in where and not os.path.isdir(os.path.expanduser(where))  # a typo is said, not quiet
+        log.log(logging.WARNING if missing else logging.INFO, "nebula_ckpt: resume_from_checkpoint=True: no checkpoint "
+                "under %s%s nor in %s yet; starting fresh", root, " (it does not exist: check the path)" if missing
+                else "", out)
         return FRESH
     if isinstance(resume, int):
         return ("step", resume)

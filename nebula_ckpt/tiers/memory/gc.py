@@ -48,7 +48,7 @@ from nebula_ckpt.format.references import references
 from nebula_ckpt.storage.base import Storage
 from nebula_ckpt.storage.local import LocalStorage
 from nebula_ckpt.storage.urls import canonical_root
-from nebula_ckpt.tiers.memory.shm import Found, look, scan, try_lock
+from nebula_ckpt.tiers.memory.shm import Found, look, scan, try_lock, unlist_steps
 
 log = logging.getLogger(__name__)
 
@@ -303,6 +303,7 @@ def remove(d: Decision) -> Decision:
         if not now.remove:
             log.info("nebula_ckpt: gc: %s kept after all: %s", folder, now.reason)
             return replace(now, removed=False)
+        unlist_steps(folder)  # markers first: a kill in the middle leaves no step listed half deleted
         shutil.rmtree(folder, ignore_errors=True)
         return replace(now, removed=not os.path.lexists(folder))
     finally:

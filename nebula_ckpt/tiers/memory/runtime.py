@@ -24,6 +24,7 @@ from nebula_ckpt.tiers.memory.shm import (
     secure_folder,
     secure_subfolder,
     sweep_slot_files,
+    unlist_steps,
 )
 from nebula_ckpt.tiers.memory.tier import MemoryTier, shm_available
 from nebula_ckpt.tiers.runtime import TierRuntime
@@ -237,6 +238,7 @@ class MemoryTierRuntime(TierRuntime):
             log.warning("nebula_ckpt: memory tier %s kept: its newest step %d is committed on no "
                         "slower tier", self.folder, max(mem_steps))
             return
+        unlist_steps(self.folder)  # markers first: a kill in the middle leaves no step listed half deleted
         self.storage.remove_dir("")  # a clean close: the state is safe on a slower tier; free the RAM
         log.debug("nebula_ckpt: memory tier %s removed", self.folder)
 

@@ -32,11 +32,14 @@ from dataclasses import dataclass
 from typing import Optional
 
 from nebula_ckpt import knobs
-from nebula_ckpt.format.names import LOCK_FILE, ROOT_FILE, slot_file_name, slot_owner
+from nebula_ckpt.format.names import COMMIT, LOCK_FILE, ROOT_FILE, parse_step_dir, slot_file_name, slot_owner
 from nebula_ckpt.storage.atomic import write_file_atomic
 from nebula_ckpt.storage.local import read_elsewhere
 
 log = logging.getLogger(__name__)
+
+#: the folder of the replicas a memory tier holds (``replica_store.REPLICA_DIR``, which imports the restore side)
+REPLICAS = "replicas"
 
 
 class UnsafeFolderError(OSError):
@@ -332,6 +335,39 @@ def remove_if_unused(folder: str, allowed: tuple[str, ...]) -> bool:
         return False
     finally:
         os.close(fd)
+
+
+def _step_markers(folder: str) -> list[tuple[int, str]]:
+    """``(step, path of its COMMIT)`` of the step folders right in ``folder`` (links not followed)."""
+    out: list[tuple[int, str]] = []
+    try:
+        entries = list(os.scandir(folder))
+    except OSError:  # gone, or not a folder: nothing listed there
+        return out
+    for e in entries:
+        step = parse_step_dir(e.name)
+        if step is not None and e.is_dir(follow_symlinks=False):
+            out.append((step, os.path.join(e.path, COMMIT)))
+    return out
+
+
+def unlist_steps(folder: str) -> None:
+    """Remove the commit marker of every step the memory tier ``folder`` holds (its own steps,
+    then the replicas it holds of other ranks), newest first, before its files go: whatever a kill
+    leaves of a tier being removed lists no step that is not whole."""
+    markers = _step_markers(folder)
+    replicas = os.path.join(folder, REPLICAS)
+    if os.path.isdir(replicas) and not os.path.islink(replicas):
+        for e in os.scandir(replicas):
+            if e.is_dir(follow_symlinks=False):
+                markers += _step_markers(e.path)
+    for _, marker in sorted(markers, reverse=True):
+        log.debug("nebula_ckpt: gc: removing the commit marker %s", marker)
+        try:
+            os.unlink(marker)
+        except FileNotFoundError:
+            pass
+    log.debug("nebula_ckpt: phase=gc-unlisted %s: no step listed; its files go next", folder)
 
 
 def clear_folder(folder: str, keep: tuple[str, ...] = (LOCK_FILE,)) -> None:
