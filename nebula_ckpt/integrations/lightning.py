@@ -65,6 +65,7 @@ from nebula_ckpt import (
     refuse_url_credentials,
 )
 from nebula_ckpt.errors import NebulaError, NotFoundError
+from nebula_ckpt.integrations.inflight import finished, started, wait_committed, wait_for, writer_alive, writer_identity
 from nebula_ckpt.integrations.lightning_metrics import NebulaSaveMetrics
 from nebula_ckpt.integrations.lightning_refs import PointerRefs
 from nebula_ckpt.integrations.lightning_support import (
@@ -73,6 +74,7 @@ from nebula_ckpt.integrations.lightning_support import (
     POINTER_FORMAT,
     abs_path,
     exists,
+    in_trainer_stage,
     is_local,
     local,
     plain_int,
@@ -213,14 +215,16 @@ class NebulaCheckpointIO(_CheckpointIO):
         step = self._start_saving(ck)
         tag = tag_for_path(path)
         handle = ck.save_async(step, checkpoint, tag=tag)
+        root = canonical_root(self.root)
+        started(root, tag, handle)  # a read of this path in this process waits for it, whoever reads
         self._next_step = step + 1
         self._inflight = _InFlight(handle, tag, path, plain_int(checkpoint.get("global_step")))
         self._tag_steps.setdefault(tag, []).append(step)
         self._refs.saved_at(path)
         replaced = self._refs.replacing(path, tag)
-        root = canonical_root(self.root)
         record = {"format": POINTER_FORMAT, "root": root, "step": step, "tag": tag, "path": abs_path(path),
-                  "global_step": plain_int(checkpoint.get("global_step")), "epoch": plain_int(checkpoint.get("epoch"))}
+                  "global_step": plain_int(checkpoint.get("global_step")), "epoch": plain_int(checkpoint.get("epoch")),
+                  "writer": writer_identity()}  # a reader in another process waits while this one saves
         if replaced is not None:  # until this save commits, the path's checkpoint is the one it replaces
             record.update(prev_tag=replaced["tag"], prev_step=replaced["step"])
         rel = relative_root(root, path)
@@ -230,6 +234,7 @@ class NebulaCheckpointIO(_CheckpointIO):
         self.last_save_seconds = time.perf_counter() - t0
         log.debug("nebula_ckpt: Lightning checkpoint %s -> step %d (%.1f ms blocking)", path, step,
                   1e3 * self.last_save_seconds)
+        self._outside_run()
 
     def load_checkpoint(self, path: Any, map_location: Optional[Any] = None,
                         weights_only: Optional[bool] = None) -> dict[str, Any]:
@@ -257,6 +262,7 @@ class NebulaCheckpointIO(_CheckpointIO):
     def load_pointer(self, ptr: dict[str, Any], path: str, map_location: Optional[Any] = None) -> dict[str, Any]:
         """The checkpoint dict the pointer ``ptr`` (read at ``path``) names: its tag's newest committed
         checkpoint, else (never committed) the one it replaced under another tag (``prev_tag``)."""
+        ptr = self._await_save(ptr, path)
         tried = []
         prev = ptr.get("prev_tag")
         for tag in [ptr["tag"], *([prev] if isinstance(prev, str) and prev != ptr["tag"] else [])]:
@@ -277,6 +283,32 @@ class NebulaCheckpointIO(_CheckpointIO):
                 return tree
         raise NotFoundError(f"{path}: no committed checkpoint of this path (its save of step {ptr['step']} never "
                             f"committed and there is no earlier one): {'; '.join(tried)}")
+
+    def _await_save(self, ptr: dict[str, Any], path: str) -> dict[str, Any]:
+        """Wait for the save ``ptr`` names while it is in flight: in this process (whichever object
+        saves it), or in another live process of this host (see :mod:`~nebula_ckpt.integrations.inflight`).
+        Returns the pointer to read: the file again when a newer save replaced it meanwhile."""
+        roots = candidate_roots(ptr, path)
+        for root in roots:
+            wait_for(canonical_root(root), ptr["tag"])
+        if not writer_alive(ptr.get("writer")):
+            return ptr
+        seen = {"ptr": ptr}
+        readers = [reader(r, self._options, canonical_root(r) == canonical_root(self.root)) for r in roots]
+
+        def committed() -> bool:
+            now = read_pointer(path)
+            if now is not None:
+                seen["ptr"] = now
+            want = seen["ptr"]["step"]
+            return any(want in ck.steps(check_shards=False) for ck in readers)
+
+        try:
+            wait_committed(committed, ptr.get("writer"), f"{path} (step {ptr['step']})")
+        finally:
+            for ck in readers:
+                ck.close()
+        return seen["ptr"]
 
     def _read_from(self, root: str, tag: str, map_location: Any) -> Any:
         """``(step, tree, tier)`` of ``tag``'s newest committed checkpoint under ``root``, or why not (a str)."""
@@ -322,6 +354,14 @@ class NebulaCheckpointIO(_CheckpointIO):
         remove_file(path)
         if self._ckpt is not None:
             self._drop_unreferenced(self._ckpt)
+        self._outside_run()
+
+    def _outside_run(self) -> None:
+        """A save or removal that no ``teardown`` will follow (not inside a Trainer's running stage:
+        ``trainer.save_checkpoint`` before or after ``fit``, a callback's ``on_fit_end``, a direct
+        call): finish it now, and close the Checkpointer so that none of its threads outlives the call."""
+        if self._ckpt is not None and not in_trainer_stage():
+            self.teardown()
 
     def _remove_tag(self, ck: Checkpointer, tag: str, why: str) -> None:
         """Remove every checkpoint tagged ``tag`` from every tier (the save in flight with it first)."""
@@ -396,7 +436,10 @@ class NebulaCheckpointIO(_CheckpointIO):
         if done is None:
             return
         try:
-            done.handle.result()
+            try:
+                done.handle.result()
+            finally:
+                finished(canonical_root(self.root), done.tag, done.handle)
         except BaseException:
             steps = self._tag_steps.get(done.tag, [])
             if done.handle.step in steps:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import importlib
 import os
+import sys
 from typing import Any, Callable, Optional
 
 from nebula_ckpt import MAX_TAG_CHARS, Checkpointer, LocalCoordinator, check_tag
@@ -84,6 +85,25 @@ def tag_for_path(path: str) -> str:
         tag = head + tag[start:]
     check_tag(tag)
     return tag
+
+
+def _is_trainer(obj: Any) -> bool:
+    """Whether ``obj`` is a Lightning ``Trainer`` (either flavour, or a subclass)."""
+    return any(c.__name__ == "Trainer" and c.__module__.startswith(("pytorch_lightning.", "lightning.pytorch."))
+               for c in type(obj).__mro__)
+
+
+def in_trainer_stage() -> bool:
+    """Whether the caller runs inside a Lightning Trainer's running stage (``Trainer._run_stage``
+    on the stack: the fit / validate / test / predict loop), which the strategy's ``teardown``
+    ends. A ``trainer.save_checkpoint`` before or after ``fit``, from ``on_fit_end`` or from an
+    exception handler, or a direct call of the plugin, is not."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code.co_name == "_run_stage" and _is_trainer(frame.f_locals.get("self")):
+            return True
+        frame = frame.f_back  # type: ignore[assignment]
+    return False
 
 
 def is_local(path: str) -> bool:

@@ -15,6 +15,7 @@ import tempfile
 from typing import Any, Iterator, Optional
 
 import nebula_ckpt as nc
+from nebula_ckpt.integrations.huggingface import folders
 from nebula_ckpt.integrations.huggingface.common import TRAINER_STATE_NAME, run_of, tag_for
 from nebula_ckpt.integrations.huggingface.engines import engine_of
 from nebula_ckpt.integrations.huggingface.fsdp import KEY as FSDP_KEY
@@ -51,14 +52,22 @@ def find(trainer: Any, resume: Any) -> Optional[tuple[str, Any]]:
         raise nc.ValidationError("resume_from_checkpoint must be a bool, a step (int), a tag or a path, "
                                  f"got {resume!r}")
     path = os.fspath(resume)
+    tags = checkpointer(trainer).tags()
+    rec = folders.read(path)
+    if rec is not None:  # a folder of this integration: its checkpoint
+        if rec["tag"] in tags and nc.canonical_root(rec["root"]) == nc.canonical_root(run_of(trainer).root):
+            return ("tag", rec["tag"])
+        raise nc.NotFoundError(f"Can't find a valid checkpoint at {path}: it names {rec['tag']} (step {rec['step']}) "
+                               f"under {rec['root']}, which {run_of(trainer).root} does not hold (tags: "
+                               f"{sorted(tags)[-10:]}); resume with nebula_root={rec['root']!r}")
     if os.path.isfile(os.path.join(path, TRAINER_STATE_NAME)):
         return None  # an HF checkpoint folder: stock resume
-    tags = checkpointer(trainer).tags()
     for cand in (path, tag_of_path(trainer, path), os.path.basename(path.rstrip("/" + os.sep))):
         if cand in tags:
             return ("tag", cand)
-    raise nc.NotFoundError(f"resume_from_checkpoint={path!r}: no checkpoint folder there and no healthy nebula_ckpt "
-                           f"checkpoint tagged so under {run_of(trainer).root} (tags: {sorted(tags)[-10:]})")
+    # HF's wording first: scripts and tests look for it
+    raise nc.NotFoundError(f"Can't find a valid checkpoint at {path}: no checkpoint folder there and no healthy "
+                           f"nebula_ckpt checkpoint tagged so under {run_of(trainer).root} (tags: {sorted(tags)[-10:]})")
 
 
 def read(trainer: Any, how: tuple[str, Any]) -> tuple[int, dict[str, Any]]:
