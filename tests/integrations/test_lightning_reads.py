@@ -153,7 +153,7 @@ def test_a_checkpoint_is_read_right_after_its_save_by_whoever_reads(tmp_path, sh
         assert read == saved, how
     # and a new Trainer resumes from it at once (another plugin object, its own Checkpointer)
     resumed = _Module()
-    trainer = _trainer(NebulaCheckpointIO(root), str(tmp_path / "ckpts2"), [], max_steps=4)
+    trainer = _trainer(NebulaCheckpointIO(root), str(tmp_path / "ckpts2"), [], max_steps=4, max_epochs=2)
     trainer.fit(resumed, train_dataloaders=ResumableLoader(x, y, BATCH, SEED), ckpt_path=p)
     assert resumed.loaded_n == look.n and resumed.resumed_from == 3 and trainer.global_step == 4
 

@@ -19,9 +19,10 @@ for the suite named by ``NEBULA_PEER_SUITE``:
   overwrites a committed step, so each save at a path is the next step and a read takes the
   newest. DCP's storage ``_extensions`` (compression, test transforms) are not applied: the
   format stores raw tensors (with CRC32C), which is what those tests then read back.
-* ``deepspeed``: every engine ``deepspeed.initialize`` returns is ``enable``-d on a root of its own
-  test (``NEBULA_PEER_ROOTS/ds-<hash of the test id>``), so that the engines a test builds to save
-  and then to load share it.
+* ``deepspeed``: an engine's first ``save_checkpoint(save_dir)`` / ``load_checkpoint(save_dir)``
+  ``enable``-s it on ``NEBULA_PEER_ROOTS/ds-<hash of save_dir>`` (every rank and every engine of a
+  test agree on it). DeepSpeed's tests run their ranks in processes of their own, started by
+  ``multiprocessing``: ``sitecustomize.py`` beside this file makes the same swap in them.
 
 Every swap is counted; the summary line ``nebula_ckpt peers: swapped ...`` says how many times each
 happened, so a run where nothing was swapped is visible as such.
@@ -42,7 +43,6 @@ MODE = os.environ.get("NEBULA_PEER_MODE", "stock")
 SUITE = os.environ.get("NEBULA_PEER_SUITE", "")
 ROOTS = os.environ.get("NEBULA_PEER_ROOTS") or tempfile.mkdtemp(prefix="nebula-peer-roots-")
 SWAPS: Counter[str] = Counter()
-_STATE: dict[str, Any] = {"test": "session"}
 
 
 def _root(kind: str, key: str) -> str:
@@ -149,33 +149,57 @@ def _swap_dcp() -> None:
 
 # -- DeepSpeed ------------------------------------------------------------------------------------------
 def _swap_deepspeed() -> None:
-    import deepspeed
+    """Every engine saving to or loading from ``save_dir`` is ``enable``-d first, on the root of that
+    ``save_dir`` (every rank, and every engine of a test, agree on it without talking). Applied in
+    each process: DeepSpeed's tests run their ranks in processes of their own (``sitecustomize``)."""
+    from deepspeed.runtime.engine import DeepSpeedEngine
 
     from nebula_ckpt.integrations.deepspeed import enable
 
-    original = deepspeed.initialize
+    if getattr(DeepSpeedEngine, "_nebula_peer", False):
+        return
+    save, load = DeepSpeedEngine.save_checkpoint, DeepSpeedEngine.load_checkpoint
 
-    def initialize(*args: Any, **kwargs: Any) -> Any:
-        out = original(*args, **kwargs)
-        engine = out[0] if isinstance(out, tuple) else out
+    def ensure(engine: Any, save_dir: Any) -> None:
+        root = _root("ds", os.path.abspath(os.fspath(save_dir)))
+        if getattr(engine, "_nebula_peer_root", None) == root:
+            return
+        old = getattr(engine, "_nebula_peer_ckpt", None)
+        if old is not None:
+            old.close()
         SWAPS["deepspeed engine"] += 1
-        enable(engine, _root("ds", _STATE["test"]))
-        return out
+        engine._nebula_peer_ckpt = enable(engine, root)
+        engine._nebula_peer_root = root
 
-    deepspeed.initialize = initialize
+    def save_checkpoint(self: Any, save_dir: Any, *args: Any, **kwargs: Any) -> Any:
+        ensure(self, save_dir)
+        return save(self, save_dir, *args, **kwargs)
+
+    def load_checkpoint(self: Any, load_dir: Any, *args: Any, **kwargs: Any) -> Any:
+        ensure(self, load_dir)
+        return load(self, load_dir, *args, **kwargs)
+
+    DeepSpeedEngine.save_checkpoint = save_checkpoint  # type: ignore[method-assign]
+    DeepSpeedEngine.load_checkpoint = load_checkpoint  # type: ignore[method-assign]
+    DeepSpeedEngine._nebula_peer = True
 
 
 _SWAPPERS = {"lightning": _swap_lightning, "huggingface": _swap_huggingface, "dcp": _swap_dcp,
              "deepspeed": _swap_deepspeed}
 
 
-def pytest_configure(config: pytest.Config) -> None:
+def swap() -> None:
+    """Make this process's swap (``NEBULA_PEER_MODE`` / ``NEBULA_PEER_SUITE``)."""
     if MODE != "nebula":
         return
     if SUITE not in _SWAPPERS:
         raise pytest.UsageError(f"NEBULA_PEER_SUITE must be one of {sorted(_SWAPPERS)}, got {SUITE!r}")
     os.makedirs(ROOTS, exist_ok=True)
     _SWAPPERS[SUITE]()
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    swap()
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -197,10 +221,6 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
                     if pattern in item.nodeid:
                         item.add_marker(pytest.mark.xfail(reason=f"documented: {reason}", strict=True))
                         break
-
-
-def pytest_runtest_setup(item: pytest.Item) -> None:
-    _STATE["test"] = item.nodeid
 
 
 def pytest_terminal_summary(terminalreporter: Any) -> None:
