@@ -29,7 +29,10 @@ test-fast: install
 # with nebula_ckpt, compared (tests/peers/README.md says where to fetch them; skipped without them)
 PEER_SUITES ?=
 PEER_ARGS ?=
+# what their test files import beyond ours (Lightning's requirements/pytorch/test.txt), only when they run
+PEER_DEPS := "cloudpickle>=1.3,<3.2" "pytest-rerunfailures==16.1" "scikit-learn>0.22.1,<1.9" "omegaconf"
 peer-test: install
+	@if [ -n "$(PEER_SUITES)" ] && [ -d "$(PEER_SUITES)" ]; then $(VPY) -m pip install -q $(PEER_DEPS); fi
 	$(VPY) tests/peers/run.py "$(PEER_SUITES)" $(if $(PEER_ARGS),-- $(PEER_ARGS))
 
 # ruff and mypy with the configuration in pyproject.toml (installed into .venv when missing)

@@ -99,6 +99,9 @@ def run_suite(name: str, spec: dict[str, Any], suites: str, work: str, extra: li
     missing = sorted(set(spec["files"]) - set(files))
     if missing:
         print(f"peer-test: {name}: not in this copy of the suite, not run: {missing}")
+    chosen = [x for x in extra if x.split("::")[0] in spec["files"]]
+    if chosen:  # a file (or test) of the manifest named after --: that one only
+        files, extra = chosen, [x for x in extra if x not in chosen]
     results: dict[str, Any] = {}
     for mode in ("stock", "nebula"):
         xml = os.path.join(work, f"{name}-{mode}.xml")
@@ -146,12 +149,14 @@ def report(all_results: dict[str, dict[str, Any]]) -> int:
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                epilog="after --: more pytest arguments (-k EXPR, a test file of the manifest ...)")
     p.add_argument("suites", nargs="?", default=os.environ.get("PEER_SUITES", ""))
     p.add_argument("--suite", action="append", help="run only these suites (names in manifest.json)")
     p.add_argument("--out", help="folder for logs, JUnit XML and roots (default: a temporary one)")
-    p.add_argument("pytest_args", nargs="*", help="after --: more pytest arguments (-k ...)")
-    a = p.parse_args(argv)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    extra = argv[argv.index("--") + 1:] if "--" in argv else []
+    a = p.parse_args(argv[:argv.index("--")] if "--" in argv else argv)
     if not a.suites or not os.path.isdir(a.suites):
         print("peer-test: skipped: no peer suites here (PEER_SUITES is unset or not a folder). They are not "
               "part of this repository; tests/peers/README.md says where to fetch them. Then: "
@@ -164,7 +169,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     for name, spec in manifest["suites"].items():
         if a.suite and name not in a.suite:
             continue
-        got = run_suite(name, spec, a.suites, work, a.pytest_args)
+        got = run_suite(name, spec, a.suites, work, extra)
         if got is not None:
             results[name] = got
     if not results:
