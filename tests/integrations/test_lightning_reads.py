@@ -24,9 +24,9 @@ pl = pytest.importorskip("pytorch_lightning", reason="PyTorch Lightning is not i
 from pytorch_lightning.callbacks import Callback, ModelCheckpoint  # noqa: E402
 
 import nebula_ckpt as nc  # noqa: E402
-from nebula_ckpt.storage.local import LocalStorage  # noqa: E402
 from integrations.lightning_worker import BATCH, SEED, ResumableLoader, TinyModule, make_data  # noqa: E402
 from nebula_ckpt.integrations.lightning import NebulaCheckpointIO, load_checkpoint  # noqa: E402
+from nebula_ckpt.storage.local import LocalStorage  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 _READ_ELSEWHERE = ("import logging, sys, torch, nebula_ckpt.integrations.lightning\n"

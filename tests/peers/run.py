@@ -130,6 +130,11 @@ def _counts(outcomes: dict[str, str]) -> dict[str, int]:
 
 def report(all_results: dict[str, dict[str, Any]]) -> int:
     bad = 0
+    for name, res in all_results.items():
+        for mode in ("stock", "nebula"):
+            if not res[mode]:
+                print(f"peer-test: {name} ({mode}) reported no test (see its log): nothing to compare")
+                bad += 1
     print("\n| suite | run | passed | failed | errors | skipped | xfailed | xpassed |")
     print("|---|---|---|---|---|---|---|---|")
     for name, res in all_results.items():

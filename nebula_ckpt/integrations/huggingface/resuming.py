@@ -67,7 +67,8 @@ def find(trainer: Any, resume: Any) -> Optional[tuple[str, Any]]:
             return ("tag", cand)
     # HF's wording first: scripts and tests look for it
     raise nc.NotFoundError(f"Can't find a valid checkpoint at {path}: no checkpoint folder there and no healthy "
-                           f"nebula_ckpt checkpoint tagged so under {run_of(trainer).root} (tags: {sorted(tags)[-10:]})")
+                           f"nebula_ckpt checkpoint tagged so under {run_of(trainer).root} "
+                           f"(tags: {sorted(tags)[-10:]})")
 
 
 def read(trainer: Any, how: tuple[str, Any]) -> tuple[int, dict[str, Any]]:

@@ -19,6 +19,7 @@ from transformers.trainer_utils import SaveStrategy
 from transformers.training_args import ParallelMode
 
 import nebula_ckpt as nc
+from nebula_ckpt.integrations.huggingface import folders
 from nebula_ckpt.integrations.huggingface.common import (
     FORMAT,
     KEEP_ALL,
@@ -26,7 +27,6 @@ from nebula_ckpt.integrations.huggingface.common import (
     run_of,
     tag_for,
 )
-from nebula_ckpt.integrations.huggingface import folders
 from nebula_ckpt.integrations.huggingface.engines import engine_of, save_deepspeed
 from nebula_ckpt.integrations.huggingface.fsdp import KEY as FSDP_KEY
 from nebula_ckpt.integrations.huggingface.fsdp import sharded_state
