@@ -24,7 +24,7 @@ import threading
 import time
 from typing import Any, Callable, Optional
 
-from nebula_ckpt.handle import SaveHandle
+from nebula_ckpt import SaveHandle
 
 log = logging.getLogger(__name__)
 

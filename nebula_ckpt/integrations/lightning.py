@@ -23,22 +23,16 @@ tag and step. The pointer is a ``torch.save`` archive whose pickle calls :func:`
 The pointer records the root's path relative to its own folder too (when both are in one run
 folder), so a run folder moved (``mv``) or copied (``cp -r``) still resumes, from its own root.
 
-:meth:`~NebulaCheckpointIO.load_checkpoint` restores the newest *committed* checkpoint carrying
-the pointer's tag (every checksum verified): after a crash the pointer may name a save that never
-committed (it is written when the save starts), and the tag then resolves to the previous
-checkpoint saved at that path. A path that is not a pointer is loaded with ``TorchCheckpointIO``.
-A root a pointer names is opened read-only unless it is the plugin's own root.
-:meth:`~NebulaCheckpointIO.remove_checkpoint` removes the tag's checkpoints from every tier and
-then the pointer, but only once no other pointer file (a copy: Lightning copies ``epoch=N.ckpt``
-to ``last.ckpt`` where it cannot link; a user's ``cp``) names the checkpoint: at the path it was
-written at, in the folder of the file removed and in the folders the plugin saved to. A symlink
-is only unlinked. Retention belongs to Lightning (the root keeps everything else); a path saved
-again gets a new step and the older one is removed once the new one is durable.
+:meth:`~NebulaCheckpointIO.load_checkpoint` restores the newest *committed* checkpoint of the
+pointer's tag, every checksum verified; a read of a save still in flight waits for it, whoever
+reads (:mod:`~nebula_ckpt.integrations.inflight`); after a crash it is the path's previous one.
+:meth:`~NebulaCheckpointIO.remove_checkpoint` removes the tag's checkpoints once no other pointer
+file names them (:mod:`~nebula_ckpt.integrations.lightning_refs`). Retention belongs to Lightning.
 
-Blocking: ``save_checkpoint`` returns once the live tensors are copied into host memory; the rest
-runs in the background, one save in flight (each top-k file must reach the root). Background
-failures are raised by the next save and by :meth:`teardown` at the end of ``fit``.
-:class:`NebulaSaveMetrics` logs what each save cost to the Trainer's loggers.
+Blocking: ``save_checkpoint`` returns once the live tensors are copied into host memory, one save
+in flight; background failures are raised by the next save and by :meth:`teardown`. A save or
+removal outside a Trainer's running stage (no ``teardown`` follows) is finished and the
+Checkpointer closed before the call returns.
 
 Lightning saves and removes on global rank 0 only, so the plugin writes as one process; it loads
 on every rank. Strategies saving sharded state themselves (FSDP sharded, DeepSpeed) bypass it.
@@ -50,7 +44,6 @@ import logging
 import os
 import sys
 import time
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Optional, Sequence
 
 import torch
@@ -58,21 +51,22 @@ import torch
 from nebula_ckpt import (
     Checkpointer,
     LocalCoordinator,
-    SaveHandle,
     SaveMetrics,
     Tier,
     canonical_root,
     refuse_url_credentials,
 )
 from nebula_ckpt.errors import NebulaError, NotFoundError
-from nebula_ckpt.integrations.inflight import finished, started, wait_committed, wait_for, writer_alive, writer_identity
+from nebula_ckpt.integrations.inflight import finished, started, writer_identity
 from nebula_ckpt.integrations.lightning_metrics import NebulaSaveMetrics
 from nebula_ckpt.integrations.lightning_refs import PointerRefs
 from nebula_ckpt.integrations.lightning_support import (
     BASES,
     POINTER_FIELDS,
     POINTER_FORMAT,
+    InFlight,
     abs_path,
+    await_save,
     exists,
     in_trainer_stage,
     is_local,
@@ -95,15 +89,6 @@ if TYPE_CHECKING:
     from lightning_fabric.plugins.io.checkpoint_io import CheckpointIO as _CheckpointIO
 else:
     _CheckpointIO = BASES[0][0]
-
-@dataclass
-class _InFlight:
-    """The one save in flight: its handle, its tag and path, Lightning's global step."""
-
-    handle: SaveHandle
-    tag: str
-    path: str
-    global_step: Optional[int]
 
 
 class NebulaCheckpointIO(_CheckpointIO):
@@ -148,7 +133,7 @@ class NebulaCheckpointIO(_CheckpointIO):
                             "checkpoints Lightning's ModelCheckpoint still tracks (leave keep_last unset: "
                             "Lightning removes what it no longer needs)", t.name, t.keep_last)
         self._ckpt: Optional[Checkpointer] = None
-        self._inflight: Optional[_InFlight] = None
+        self._inflight: Optional[InFlight] = None
         self._next_step: Optional[int] = None
         #: committed (or in-flight) steps per tag known to this plugin, for removing superseded ones
         self._tag_steps: dict[str, list[int]] = {}
@@ -218,7 +203,7 @@ class NebulaCheckpointIO(_CheckpointIO):
         root = canonical_root(self.root)
         started(root, tag, handle)  # a read of this path in this process waits for it, whoever reads
         self._next_step = step + 1
-        self._inflight = _InFlight(handle, tag, path, plain_int(checkpoint.get("global_step")))
+        self._inflight = InFlight(handle, tag, path, plain_int(checkpoint.get("global_step")))
         self._tag_steps.setdefault(tag, []).append(step)
         self._refs.saved_at(path)
         replaced = self._refs.replacing(path, tag)
@@ -232,8 +217,7 @@ class NebulaCheckpointIO(_CheckpointIO):
             record["root_rel"] = rel
         write_pointer(path, record)
         self.last_save_seconds = time.perf_counter() - t0
-        log.debug("nebula_ckpt: Lightning checkpoint %s -> step %d (%.1f ms blocking)", path, step,
-                  1e3 * self.last_save_seconds)
+        log.debug("nebula_ckpt: Lightning checkpoint %s -> step %d (%.1f ms)", path, step, 1e3 * self.last_save_seconds)
         self._outside_run()
 
     def load_checkpoint(self, path: Any, map_location: Optional[Any] = None,
@@ -262,7 +246,7 @@ class NebulaCheckpointIO(_CheckpointIO):
     def load_pointer(self, ptr: dict[str, Any], path: str, map_location: Optional[Any] = None) -> dict[str, Any]:
         """The checkpoint dict the pointer ``ptr`` (read at ``path``) names: its tag's newest committed
         checkpoint, else (never committed) the one it replaced under another tag (``prev_tag``)."""
-        ptr = self._await_save(ptr, path)
+        ptr = await_save(ptr, path, self._options, canonical_root(self.root))
         tried = []
         prev = ptr.get("prev_tag")
         for tag in [ptr["tag"], *([prev] if isinstance(prev, str) and prev != ptr["tag"] else [])]:
@@ -283,32 +267,6 @@ class NebulaCheckpointIO(_CheckpointIO):
                 return tree
         raise NotFoundError(f"{path}: no committed checkpoint of this path (its save of step {ptr['step']} never "
                             f"committed and there is no earlier one): {'; '.join(tried)}")
-
-    def _await_save(self, ptr: dict[str, Any], path: str) -> dict[str, Any]:
-        """Wait for the save ``ptr`` names while it is in flight: in this process (whichever object
-        saves it), or in another live process of this host (see :mod:`~nebula_ckpt.integrations.inflight`).
-        Returns the pointer to read: the file again when a newer save replaced it meanwhile."""
-        roots = candidate_roots(ptr, path)
-        for root in roots:
-            wait_for(canonical_root(root), ptr["tag"])
-        if not writer_alive(ptr.get("writer")):
-            return ptr
-        seen = {"ptr": ptr}
-        readers = [reader(r, self._options, canonical_root(r) == canonical_root(self.root)) for r in roots]
-
-        def committed() -> bool:
-            now = read_pointer(path)
-            if now is not None:
-                seen["ptr"] = now
-            want = seen["ptr"]["step"]
-            return any(want in ck.steps(check_shards=False) for ck in readers)
-
-        try:
-            wait_committed(committed, ptr.get("writer"), f"{path} (step {ptr['step']})")
-        finally:
-            for ck in readers:
-                ck.close()
-        return seen["ptr"]
 
     def _read_from(self, root: str, tag: str, map_location: Any) -> Any:
         """``(step, tree, tier)`` of ``tag``'s newest committed checkpoint under ``root``, or why not (a str)."""
@@ -357,9 +315,8 @@ class NebulaCheckpointIO(_CheckpointIO):
         self._outside_run()
 
     def _outside_run(self) -> None:
-        """A save or removal that no ``teardown`` will follow (not inside a Trainer's running stage:
-        ``trainer.save_checkpoint`` before or after ``fit``, a callback's ``on_fit_end``, a direct
-        call): finish it now, and close the Checkpointer so that none of its threads outlives the call."""
+        """A save or removal no ``teardown`` follows (:func:`in_trainer_stage` is false): finish it
+        now and close the Checkpointer, so that none of its threads outlives the call."""
         if self._ckpt is not None and not in_trainer_stage():
             self.teardown()
 

@@ -4,7 +4,7 @@ What carries over from HF's tests (facts about ``Trainer``, in our words): a che
 folder ``<output_dir>/checkpoint-N/`` with ``trainer_state.json`` inside; ``train(resume_from_checkpoint=
 <that folder>)`` ends in the same weights and trainer state (``log_history`` included) as the run
 that was not interrupted; ``save_total_limit`` keeps the newest folders and the best one;
-``get_last_checkpoint(output_dir)`` names the newest. And what the integration promises: a busy disk
+``get_last_checkpoint(output_dir)`` names the newest; another run may start from a run's folder. And what the integration promises: a busy disk
 tier never drops a save (every checkpoint reaches every tier), so ``load_best_model_at_end`` loads
 the best one. Real ``Trainer``, tiny GPT-2, real files.
 """
@@ -76,6 +76,13 @@ def test_checkpoint_folders_resume_rotate_and_match_an_uninterrupted_run(tmp_pat
     assert {k: v for k, v in resumed.items() if k != "log_history"} == \
         {k: v for k, v in end_state.items() if k != "log_history"}
     again.nebula.close()
+
+    # another run (its own output_dir and root) starts from this run's folder, as HF allows
+    other = hf_worker.make_trainer(str(tmp_path / "out2"), None, **kw)
+    other.train(resume_from_checkpoint=os.path.join(out, "checkpoint-6"))
+    assert _same_weights(_weights(other.model), end_weights)
+    assert "checkpoint-8" in os.listdir(tmp_path / "out2") and sorted(other.nebula.tags()) == ["checkpoint-8"]
+    other.nebula.close()
 
     bogus = hf_worker.make_trainer(str(tmp_path / "other"), None, **kw)
     with pytest.raises(nc.NotFoundError, match="Can't find a valid checkpoint at"):
