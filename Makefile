@@ -30,7 +30,7 @@ test-fast: install
 PEER_SUITES ?=
 PEER_ARGS ?=
 # what their test files import beyond ours (Lightning's requirements/pytorch/test.txt), only when they run
-PEER_DEPS := "cloudpickle>=1.3,<3.2" "jsonargparse" "tensorboardX" "pytest-rerunfailures==16.1" "scikit-learn>0.22.1,<1.9" "omegaconf"
+PEER_DEPS := "cloudpickle>=1.3,<3.2" "jsonargparse" "tensorboardX" "expecttest" "pytest-rerunfailures==16.1" "scikit-learn>0.22.1,<1.9" "omegaconf"
 peer-test: install
 	@if [ -n "$(PEER_SUITES)" ] && [ -d "$(PEER_SUITES)" ]; then $(VPY) -m pip install -q $(PEER_DEPS); fi
 	$(VPY) tests/peers/run.py "$(PEER_SUITES)" $(if $(PEER_ARGS),-- $(PEER_ARGS))
