@@ -4,9 +4,9 @@ What carries over from HF's tests (facts about ``Trainer``, in our words): a che
 folder ``<output_dir>/checkpoint-N/`` with ``trainer_state.json`` inside; ``train(resume_from_checkpoint=
 <that folder>)`` ends in the same weights and trainer state (``log_history`` included) as the run
 that was not interrupted; ``save_total_limit`` keeps the newest folders and the best one;
-``get_last_checkpoint(output_dir)`` names the newest; another run may start from a run's folder. And what the integration promises: a busy disk
-tier never drops a save (every checkpoint reaches every tier), so ``load_best_model_at_end`` loads
-the best one. Real ``Trainer``, tiny GPT-2, real files.
+``get_last_checkpoint(output_dir)`` names the newest; another run may start from a run's folder.
+And what the integration promises: a busy disk tier never drops a save (every checkpoint reaches
+every tier), so ``load_best_model_at_end`` loads the best one. Real ``Trainer``, tiny GPT-2, real files.
 """
 
 from __future__ import annotations
