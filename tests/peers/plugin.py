@@ -14,7 +14,8 @@ for the suite named by ``NEBULA_PEER_SUITE``:
   the resume tests make, finds the first one's checkpoints; nothing is added to ``output_dir``
   beyond the ``checkpoint-N/`` folders HF itself would write).
 * ``dcp``: ``FileSystemWriter`` / ``FileSystemReader`` (in ``torch.distributed.checkpoint`` and its
-  ``filesystem`` module) are :class:`PeerWriter` / :class:`PeerReader`: nebula_ckpt's DCP writer
+  ``filesystem`` module; in the ranks' own processes too, through ``sitecustomize.py``) are
+  :class:`PeerWriter` / :class:`PeerReader`: nebula_ckpt's DCP writer
   and reader on the same path. A stock writer overwrites the checkpoint at its path; ours never
   overwrites a committed step, so each save at a path is the next step and a read takes the
   newest. DCP's storage ``_extensions`` (compression, test transforms) are not applied: the
@@ -98,6 +99,10 @@ def _swap_huggingface() -> None:
 # -- DCP ------------------------------------------------------------------------------------------------
 def _swap_dcp() -> None:
     import torch.distributed.checkpoint as dcp
+
+    if getattr(dcp, "_nebula_peer", False):
+        return
+    dcp._nebula_peer = True  # type: ignore[attr-defined]
     import torch.distributed.checkpoint.filesystem as fs
 
     from nebula_ckpt.dcp import NebulaStorageReader, NebulaStorageWriter
