@@ -5,7 +5,7 @@ PYTEST_ARGS ?=
 RUFF_VERSION := 0.17.6
 MYPY_VERSION := 2.4.1
 
-.PHONY: demo demo-wipe test test-fast lint bench bench-deps bench-quick install blob-servers clean
+.PHONY: demo demo-wipe test test-fast lint bench bench-deps bench-quick install blob-servers clean peer-test
 
 install:
 	bash scripts/bootstrap.sh
@@ -24,6 +24,16 @@ test: install blob-servers
 
 test-fast: install
 	$(VPY) -m pytest -m "not slow and not blob" $(PYTEST_ARGS)
+
+# the frameworks' own checkpoint tests (Lightning, transformers, DCP, DeepSpeed), each run stock and then
+# with nebula_ckpt, compared (tests/peers/README.md says where to fetch them; skipped without them)
+PEER_SUITES ?=
+PEER_ARGS ?=
+# what their test files import beyond ours (Lightning's requirements/pytorch/test.txt), only when they run
+PEER_DEPS := "cloudpickle>=1.3,<3.2" "jsonargparse" "tensorboardX" "expecttest" "pytest-rerunfailures==16.1" "scikit-learn>0.22.1,<1.9" "omegaconf"
+peer-test: install
+	@if [ -n "$(PEER_SUITES)" ] && [ -d "$(PEER_SUITES)" ]; then $(VPY) -m pip install -q $(PEER_DEPS); fi
+	$(VPY) tests/peers/run.py "$(PEER_SUITES)" $(if $(PEER_ARGS),-- $(PEER_ARGS))
 
 # ruff and mypy with the configuration in pyproject.toml (installed into .venv when missing)
 lint: install

@@ -32,7 +32,10 @@ How DCP's items map onto the format:
 * **DTensor shards** (``SHARD`` items) become the rank's local shard with a ``dtensor`` record:
   global shape, the chunk's offsets, placements and mesh shape from the DTensor (``Shard`` /
   ``Replicate`` only: other placements are refused naming the key; a legacy ``ShardedTensor``
-  chunk gets a one-dimensional placement derived from the chunk).
+  chunk gets a one-dimensional placement derived from the chunk). One chunk per rank and key: a
+  ``ShardedTensor`` holding several local shards on one rank is refused before anything is
+  written (the format keeps one record per rank and key); convert it to a ``DTensor``, or save
+  it with DCP's ``FileSystemWriter``.
   Replicated chunks DCP writes once are aliases on the other ranks.
 * **non-tensor values** (``BYTE_IO`` items, which DCP serialises with ``torch.save``) are
   loaded back with ``weights_only=True`` and stored in the typed tree when they are plain values
@@ -258,7 +261,8 @@ class NebulaStorageWriter(StorageWriter):
         if dup:
             raise ValidationError(f"NebulaStorageWriter: state key '{dup[0]}' has several chunks on rank {self.rank} "
                                   "(a ShardedTensor with several local shards?); one chunk per rank and key is "
-                                  "supported")
+                                  "supported: convert it to a DTensor (torch.distributed.tensor), or save it with "
+                                  "DCP's FileSystemWriter; nothing was written")
         check_keys(fqns, paths)
         return dataclasses.replace(plan, storage_data=LocalPlanData(tuple(held)))
 

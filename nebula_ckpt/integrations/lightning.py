@@ -23,22 +23,16 @@ tag and step. The pointer is a ``torch.save`` archive whose pickle calls :func:`
 The pointer records the root's path relative to its own folder too (when both are in one run
 folder), so a run folder moved (``mv``) or copied (``cp -r``) still resumes, from its own root.
 
-:meth:`~NebulaCheckpointIO.load_checkpoint` restores the newest *committed* checkpoint carrying
-the pointer's tag (every checksum verified): after a crash the pointer may name a save that never
-committed (it is written when the save starts), and the tag then resolves to the previous
-checkpoint saved at that path. A path that is not a pointer is loaded with ``TorchCheckpointIO``.
-A root a pointer names is opened read-only unless it is the plugin's own root.
-:meth:`~NebulaCheckpointIO.remove_checkpoint` removes the tag's checkpoints from every tier and
-then the pointer, but only once no other pointer file (a copy: Lightning copies ``epoch=N.ckpt``
-to ``last.ckpt`` where it cannot link; a user's ``cp``) names the checkpoint: at the path it was
-written at, in the folder of the file removed and in the folders the plugin saved to. A symlink
-is only unlinked. Retention belongs to Lightning (the root keeps everything else); a path saved
-again gets a new step and the older one is removed once the new one is durable.
+:meth:`~NebulaCheckpointIO.load_checkpoint` restores the newest *committed* checkpoint of the
+pointer's tag, every checksum verified; a read of a save still in flight waits for it, whoever
+reads (:mod:`~nebula_ckpt.integrations.inflight`); after a crash it is the path's previous one.
+:meth:`~NebulaCheckpointIO.remove_checkpoint` removes the tag's checkpoints once no other pointer
+file names them (:mod:`~nebula_ckpt.integrations.lightning_refs`). Retention belongs to Lightning.
 
-Blocking: ``save_checkpoint`` returns once the live tensors are copied into host memory; the rest
-runs in the background, one save in flight (each top-k file must reach the root). Background
-failures are raised by the next save and by :meth:`teardown` at the end of ``fit``.
-:class:`NebulaSaveMetrics` logs what each save cost to the Trainer's loggers.
+Blocking: ``save_checkpoint`` returns once the live tensors are copied into host memory, one save
+in flight; background failures are raised by the next save and by :meth:`teardown`. A save or
+removal outside a Trainer's running stage (no ``teardown`` follows) is finished and the
+Checkpointer closed before the call returns.
 
 Lightning saves and removes on global rank 0 only, so the plugin writes as one process; it loads
 on every rank. Strategies saving sharded state themselves (FSDP sharded, DeepSpeed) bypass it.
@@ -50,7 +44,6 @@ import logging
 import os
 import sys
 import time
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Optional, Sequence
 
 import torch
@@ -58,21 +51,24 @@ import torch
 from nebula_ckpt import (
     Checkpointer,
     LocalCoordinator,
-    SaveHandle,
     SaveMetrics,
     Tier,
     canonical_root,
     refuse_url_credentials,
 )
 from nebula_ckpt.errors import NebulaError, NotFoundError
+from nebula_ckpt.integrations.inflight import finished, started, writer_identity
 from nebula_ckpt.integrations.lightning_metrics import NebulaSaveMetrics
 from nebula_ckpt.integrations.lightning_refs import PointerRefs
 from nebula_ckpt.integrations.lightning_support import (
     BASES,
     POINTER_FIELDS,
     POINTER_FORMAT,
+    InFlight,
     abs_path,
+    await_save,
     exists,
+    in_trainer_stage,
     is_local,
     local,
     plain_int,
@@ -93,15 +89,6 @@ if TYPE_CHECKING:
     from lightning_fabric.plugins.io.checkpoint_io import CheckpointIO as _CheckpointIO
 else:
     _CheckpointIO = BASES[0][0]
-
-@dataclass
-class _InFlight:
-    """The one save in flight: its handle, its tag and path, Lightning's global step."""
-
-    handle: SaveHandle
-    tag: str
-    path: str
-    global_step: Optional[int]
 
 
 class NebulaCheckpointIO(_CheckpointIO):
@@ -146,7 +133,7 @@ class NebulaCheckpointIO(_CheckpointIO):
                             "checkpoints Lightning's ModelCheckpoint still tracks (leave keep_last unset: "
                             "Lightning removes what it no longer needs)", t.name, t.keep_last)
         self._ckpt: Optional[Checkpointer] = None
-        self._inflight: Optional[_InFlight] = None
+        self._inflight: Optional[InFlight] = None
         self._next_step: Optional[int] = None
         #: committed (or in-flight) steps per tag known to this plugin, for removing superseded ones
         self._tag_steps: dict[str, list[int]] = {}
@@ -213,14 +200,16 @@ class NebulaCheckpointIO(_CheckpointIO):
         step = self._start_saving(ck)
         tag = tag_for_path(path)
         handle = ck.save_async(step, checkpoint, tag=tag)
+        root = canonical_root(self.root)
+        started(root, tag, handle)  # a read of this path in this process waits for it, whoever reads
         self._next_step = step + 1
-        self._inflight = _InFlight(handle, tag, path, plain_int(checkpoint.get("global_step")))
+        self._inflight = InFlight(handle, tag, path, plain_int(checkpoint.get("global_step")))
         self._tag_steps.setdefault(tag, []).append(step)
         self._refs.saved_at(path)
         replaced = self._refs.replacing(path, tag)
-        root = canonical_root(self.root)
         record = {"format": POINTER_FORMAT, "root": root, "step": step, "tag": tag, "path": abs_path(path),
-                  "global_step": plain_int(checkpoint.get("global_step")), "epoch": plain_int(checkpoint.get("epoch"))}
+                  "global_step": plain_int(checkpoint.get("global_step")), "epoch": plain_int(checkpoint.get("epoch")),
+                  "writer": writer_identity()}  # a reader in another process waits while this one saves
         if replaced is not None:  # until this save commits, the path's checkpoint is the one it replaces
             record.update(prev_tag=replaced["tag"], prev_step=replaced["step"])
         rel = relative_root(root, path)
@@ -228,8 +217,8 @@ class NebulaCheckpointIO(_CheckpointIO):
             record["root_rel"] = rel
         write_pointer(path, record)
         self.last_save_seconds = time.perf_counter() - t0
-        log.debug("nebula_ckpt: Lightning checkpoint %s -> step %d (%.1f ms blocking)", path, step,
-                  1e3 * self.last_save_seconds)
+        log.debug("nebula_ckpt: Lightning checkpoint %s -> step %d (%.1f ms)", path, step, 1e3 * self.last_save_seconds)
+        self._outside_run()
 
     def load_checkpoint(self, path: Any, map_location: Optional[Any] = None,
                         weights_only: Optional[bool] = None) -> dict[str, Any]:
@@ -257,6 +246,7 @@ class NebulaCheckpointIO(_CheckpointIO):
     def load_pointer(self, ptr: dict[str, Any], path: str, map_location: Optional[Any] = None) -> dict[str, Any]:
         """The checkpoint dict the pointer ``ptr`` (read at ``path``) names: its tag's newest committed
         checkpoint, else (never committed) the one it replaced under another tag (``prev_tag``)."""
+        ptr = await_save(ptr, path, self._options, canonical_root(self.root))
         tried = []
         prev = ptr.get("prev_tag")
         for tag in [ptr["tag"], *([prev] if isinstance(prev, str) and prev != ptr["tag"] else [])]:
@@ -322,6 +312,13 @@ class NebulaCheckpointIO(_CheckpointIO):
         remove_file(path)
         if self._ckpt is not None:
             self._drop_unreferenced(self._ckpt)
+        self._outside_run()
+
+    def _outside_run(self) -> None:
+        """A save or removal no ``teardown`` follows (:func:`in_trainer_stage` is false): finish it
+        now and close the Checkpointer, so that none of its threads outlives the call."""
+        if self._ckpt is not None and not in_trainer_stage():
+            self.teardown()
 
     def _remove_tag(self, ck: Checkpointer, tag: str, why: str) -> None:
         """Remove every checkpoint tagged ``tag`` from every tier (the save in flight with it first)."""
@@ -396,7 +393,10 @@ class NebulaCheckpointIO(_CheckpointIO):
         if done is None:
             return
         try:
-            done.handle.result()
+            try:
+                done.handle.result()
+            finally:
+                finished(canonical_root(self.root), done.tag, done.handle)
         except BaseException:
             steps = self._tag_steps.get(done.tag, [])
             if done.handle.step in steps:

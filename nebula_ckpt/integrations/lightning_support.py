@@ -11,12 +11,16 @@ from __future__ import annotations
 import hashlib
 import importlib
 import os
+import sys
+from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
-from nebula_ckpt import MAX_TAG_CHARS, Checkpointer, LocalCoordinator, check_tag
+from nebula_ckpt import MAX_TAG_CHARS, Checkpointer, LocalCoordinator, SaveHandle, canonical_root, check_tag
 from nebula_ckpt.errors import NebulaError, ValidationError
+from nebula_ckpt.integrations.inflight import wait_committed, wait_for, writer_alive
 from nebula_ckpt.integrations.pointers import (
     MAX_POINTER_BYTES,
+    candidate_roots,
     encode_pointer,
     parse_pointer,
     read_pointer_head,
@@ -46,6 +50,16 @@ def lightning_bases() -> list[tuple[Any, Any]]:
     if not found:
         raise ImportError(_INSTALL_HINT)
     return found
+
+
+@dataclass
+class InFlight:
+    """The plugin's one save in flight: its handle, its tag and path, Lightning's global step."""
+
+    handle: SaveHandle
+    tag: str
+    path: str
+    global_step: Optional[int]
 
 
 #: ``(CheckpointIO, TorchCheckpointIO)`` of each Lightning flavour installed (an ImportError without one)
@@ -84,6 +98,25 @@ def tag_for_path(path: str) -> str:
         tag = head + tag[start:]
     check_tag(tag)
     return tag
+
+
+def _is_trainer(obj: Any) -> bool:
+    """Whether ``obj`` is a Lightning ``Trainer`` (either flavour, or a subclass)."""
+    return any(c.__name__ == "Trainer" and c.__module__.startswith(("pytorch_lightning.", "lightning.pytorch."))
+               for c in type(obj).__mro__)
+
+
+def in_trainer_stage() -> bool:
+    """Whether the caller runs inside a Lightning Trainer's running stage (``Trainer._run_stage``
+    on the stack: the fit / validate / test / predict loop), which the strategy's ``teardown``
+    ends. A ``trainer.save_checkpoint`` before or after ``fit``, from ``on_fit_end`` or from an
+    exception handler, or a direct call of the plugin, is not."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code.co_name == "_run_stage" and _is_trainer(frame.f_locals.get("self")):
+            return True
+        frame = frame.f_back  # type: ignore[assignment]
+    return False
 
 
 def is_local(path: str) -> bool:
@@ -214,3 +247,31 @@ def reader(root: str, options: dict[str, Any], own: bool) -> Checkpointer:
                             coordinator=LocalCoordinator(), read_only=True)
     return Checkpointer(root, storage_options=o["storage_options"] if not is_local(root) else None,
                         allow_pickle=o["allow_pickle"], coordinator=LocalCoordinator(), read_only=True)
+
+
+def await_save(ptr: dict[str, Any], path: str, options: dict[str, Any], own_root: str) -> dict[str, Any]:
+    """Wait for the save the pointer ``ptr`` (read at ``path``) names while it is in flight: in this
+    process (whichever object saves it), or in another live process of this host (see
+    :mod:`~nebula_ckpt.integrations.inflight`). Returns the pointer to read: the file again when a
+    newer save replaced it meanwhile. ``options``, ``own_root``: the reading plugin's."""
+    roots = candidate_roots(ptr, path)
+    for root in roots:
+        wait_for(canonical_root(root), ptr["tag"])
+    if not writer_alive(ptr.get("writer")):
+        return ptr
+    seen = {"ptr": ptr}
+    readers = [reader(r, options, canonical_root(r) == own_root) for r in roots]
+
+    def committed() -> bool:
+        now = read_pointer(path)
+        if now is not None:
+            seen["ptr"] = now
+        want = seen["ptr"]["step"]
+        return any(want in ck.steps(check_shards=False) for ck in readers)
+
+    try:
+        wait_committed(committed, ptr.get("writer"), f"{path} (step {ptr['step']})")
+    finally:
+        for ck in readers:
+            ck.close()
+    return seen["ptr"]

@@ -469,3 +469,27 @@ def test_the_example_runs(tmp_path: Path, ranks: int) -> None:
         assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
         assert f"saved steps {first} and {first + 5}" in p.stdout and "model bit-exact: True" in p.stdout
     assert cli(["verify", root]) == 0
+
+
+def test_a_sharded_tensor_with_several_chunks_on_one_rank_is_refused_naming_the_key_and_the_fix(
+        root: str, tmp_path: Path) -> None:
+    """DCP's own FileSystemWriter takes a ShardedTensor holding several local shards on one rank;
+    this writer keeps one chunk per rank and key: it refuses it before writing anything, naming
+    the key and what to do instead (the documented limit, docs/multi-rank.md)."""
+    import torch.distributed as dist
+    from torch.distributed._shard.sharded_tensor import Shard, ShardMetadata, init_from_local_shards
+
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    try:
+        st = init_from_local_shards([Shard(torch.arange(4.0).reshape(2, 2), ShardMetadata([0, 0], [2, 2], "rank:0/cpu")),
+                                     Shard(torch.arange(4.0, 8.0).reshape(2, 2), ShardMetadata([2, 0], [2, 2], "rank:0/cpu"))],
+                                    [4, 2])
+        with pytest.raises((ValidationError, CheckpointException)) as got:
+            dcp.save({"w": st}, storage_writer=NebulaStorageWriter(root, step=1))
+        msg = str(got.value)
+        assert "'w'" in msg and "several chunks" in msg and "DTensor" in msg and "nothing was written" in msg
+        assert not os.path.isdir(os.path.join(root, "step-1")) or not committed_steps(LocalStorage(root))
+        dcp.save({"w": st}, checkpoint_id=str(tmp_path / "stock"))  # the stock writer takes it
+        assert os.path.isfile(tmp_path / "stock" / ".metadata")
+    finally:
+        dist.destroy_process_group()

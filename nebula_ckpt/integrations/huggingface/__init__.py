@@ -19,10 +19,18 @@ What happens:
   ``checkpoint-N``. The training thread pays for the copy into host memory only; the memory tier
   (``/dev/shm``) and the persistent root (default ``<output_dir>/nebula``; any path, ``az://`` /
   ``s3://`` URL or explicit ``tiers``) are written in the background.
-* **Each save's metrics are in the trainer's logs** once it is over (``state.log_history`` and
-  every ``report_to`` logger): ``nebula/step``, ``nebula/bytes``, ``nebula/blocked_s``,
+* **Each save's metrics go to the trainer's loggers** once it is over (every ``report_to``
+  logger, and ``trainer.nebula_metrics``; not ``state.log_history``, which HF saves in every
+  checkpoint and compares across a resume): ``nebula/step``, ``nebula/bytes``, ``nebula/blocked_s``,
   ``nebula/snapshot_s``, ``nebula/durable_s/<tier>``, ``nebula/throughput_MBps/<tier>``
   (``nebula_log_metrics=False`` turns it off).
+* **HF's checkpoint folders**: each checkpoint also gets ``<output_dir>/checkpoint-N/`` with
+  ``trainer_state.json``, ``config.json`` and a pointer to it (:mod:`.folders`), once it is
+  durable, so ``resume_from_checkpoint=<folder>``, ``get_last_checkpoint`` and scripts that look
+  for the folders work; no weight or optimizer file is written there.
+* **No save is dropped**: a save waits for the previous one to be durable on every tier, so a
+  busy disk tier never skips a checkpoint the trainer may ask for again (the best, the last, a
+  ``save_total_limit`` survivor).
 * **Resume** with ``resume_from_checkpoint=True`` restores the newest healthy checkpoint from the
   fastest tier that has it (a damaged one is skipped for the next older one); with no checkpoint
   at all it starts fresh (an INFO log), so one script both starts and resumes a run. A tag, HF's

@@ -75,8 +75,11 @@ class RunState:
         told: one-time warnings already given.
         prepared: whether the staging memory was prepared.
         restored: ``{"step": N, "tier": name}`` of the last checkpoint resumed through nebula_ckpt.
-        log_metrics: whether each save's metrics go into the trainer's logs.
+        log_metrics: whether each save's metrics go to the trainer's loggers.
         losses: the losses of this step's ``training_step`` calls, reported at its end (health).
+        folders: tag -> ``(folder, trainer_state text, config text)`` of the saves in flight: their
+            ``checkpoint-N/`` folder is written once they are durable.
+        metrics: each finished save's metrics, as logged (``NebulaTrainer.nebula_metrics``).
     """
 
     root: str
@@ -91,6 +94,8 @@ class RunState:
     restored: Optional[dict[str, Any]] = None
     log_metrics: bool = True
     losses: list[Any] = dataclasses.field(default_factory=list)
+    folders: dict[str, tuple[str, str, Optional[str]]] = dataclasses.field(default_factory=dict)
+    metrics: list[dict[str, float]] = dataclasses.field(default_factory=list)
 
     def once(self, what: str) -> bool:
         """True the first time ``what`` is asked about (a warning given once per trainer)."""

@@ -17,7 +17,7 @@ from transformers import Trainer, TrainerCallback
 from transformers.training_args import ParallelMode
 
 import nebula_ckpt as nc
-from nebula_ckpt.integrations.huggingface import resuming, saving
+from nebula_ckpt.integrations.huggingface import folders, resuming, saving
 from nebula_ckpt.integrations.huggingface.common import RunState, attach, run_of
 from nebula_ckpt.integrations.huggingface.engines import check_supported, engine_of, load_deepspeed
 from nebula_ckpt.integrations.huggingface.fsdp import KEY as FSDP_KEY
@@ -55,6 +55,13 @@ class NebulaCheckpointMixin:
         """The :class:`~nebula_ckpt.Checkpointer` of this trainer (created at first use; closed at
         the end of ``train()``, and opened again by the next use: close it when done with it)."""
         return saving.checkpointer(self)
+
+    @property
+    def nebula_metrics(self) -> list[dict[str, float]]:
+        """Each finished save's metrics (``nebula/step``, ``nebula/blocked_s``, ``nebula/durable_s/<tier>``
+        ...), oldest first: what the ``report_to`` loggers received (kept out of ``state.log_history``,
+        which HF saves in every checkpoint and compares across a resume)."""
+        return list(run_of(self).metrics)
 
     @property
     def nebula_restored(self) -> Optional[dict[str, Any]]:
@@ -162,12 +169,15 @@ class NebulaCheckpointMixin:
 
     def _load_best_model(self) -> None:
         t: Any = self
-        tag = saving.tag_of_path(self, t.state.best_model_checkpoint)
-        if tag is None or os.path.isdir(t.state.best_model_checkpoint):
-            return super()._load_best_model()  # type: ignore[misc]
+        best = t.state.best_model_checkpoint
+        tag = saving.tag_of_path(self, best)
+        if tag is None or (os.path.isdir(best) and folders.read(best) is None):
+            return super()._load_best_model()  # type: ignore[misc]  # HF's own folder
         self.nebula.wait()  # the best may be the save still in flight
         if tag not in self.nebula.tags():
-            return super()._load_best_model()  # type: ignore[misc]
+            log.warning("nebula_ckpt: load_best_model_at_end: the best checkpoint %s (score %s) is on no tier of %s; "
+                        "the model keeps the weights of the last step", tag, t.state.best_metric, self.nebula.root)
+            return
         log.info("nebula_ckpt: loading the best model from %s (score: %s)", tag, t.state.best_metric)
         if engine_of(self) == "FSDP":
             _, tree = read_sharded(self.nebula, tag=tag)

@@ -15,6 +15,7 @@ import tempfile
 from typing import Any, Iterator, Optional
 
 import nebula_ckpt as nc
+from nebula_ckpt.integrations.huggingface import folders
 from nebula_ckpt.integrations.huggingface.common import TRAINER_STATE_NAME, run_of, tag_for
 from nebula_ckpt.integrations.huggingface.engines import engine_of
 from nebula_ckpt.integrations.huggingface.fsdp import KEY as FSDP_KEY
@@ -29,7 +30,8 @@ FRESH = ("fresh", None)
 
 def find(trainer: Any, resume: Any) -> Optional[tuple[str, Any]]:
     """What ``resume_from_checkpoint`` names in nebula_ckpt: ``("latest", None)``, ``("tag", tag)``,
-    ``("step", n)``; :data:`FRESH` for ``True`` when there is no checkpoint at all (a first run);
+    ``("step", n)``, ``("folder", record)`` (a checkpoint folder naming another run's root);
+    :data:`FRESH` for ``True`` when there is no checkpoint at all (a first run);
     None for HF's own handling (nothing given, a real checkpoint folder, or ``True`` with HF
     folders but nothing in nebula_ckpt)."""
     if resume is None or resume is False:
@@ -55,21 +57,52 @@ def find(trainer: Any, resume: Any) -> Optional[tuple[str, Any]]:
         raise nc.ValidationError("resume_from_checkpoint must be a bool, a step (int), a tag or a path, "
                                  f"got {resume!r}")
     path = os.fspath(resume)
+    tags = checkpointer(trainer).tags()
+    rec = folders.read(path)
+    if rec is not None:  # a folder of this integration: its checkpoint, in this root or the one it names
+        if nc.canonical_root(rec["root"]) == nc.canonical_root(run_of(trainer).root):
+            if rec["tag"] not in tags:
+                raise nc.NotFoundError(f"Can't find a valid checkpoint at {path}: it names {rec['tag']} (step "
+                                       f"{rec['step']}), which {rec['root']} no longer holds (tags: "
+                                       f"{sorted(tags)[-10:]})")
+            return ("tag", rec["tag"])
+        return ("folder", rec)  # another run's checkpoint: read from its root, saved into ours
     if os.path.isfile(os.path.join(path, TRAINER_STATE_NAME)):
         return None  # an HF checkpoint folder: stock resume
-    tags = checkpointer(trainer).tags()
     for cand in (path, tag_of_path(trainer, path), os.path.basename(path.rstrip("/" + os.sep))):
         if cand in tags:
             return ("tag", cand)
-    raise nc.NotFoundError(f"resume_from_checkpoint={path!r}: no checkpoint folder there and no healthy nebula_ckpt "
-                           f"checkpoint tagged so under {run_of(trainer).root} (tags: {sorted(tags)[-10:]})")
+    # HF's wording first: scripts and tests look for it
+    raise nc.NotFoundError(f"Can't find a valid checkpoint at {path}: no checkpoint folder there and no healthy "
+                           f"nebula_ckpt checkpoint tagged so under {run_of(trainer).root} "
+                           f"(tags: {sorted(tags)[-10:]})")
 
 
 def read(trainer: Any, how: tuple[str, Any]) -> tuple[int, dict[str, Any]]:
     """Read the checkpoint ``how`` names (see :func:`find`); check it was saved by this integration."""
     kind, what = how
+    if kind == "folder":  # another run's root, read only
+        with _other_root(trainer, what["root"]) as other:
+            return read_from(trainer, other, ("tag", what["tag"]))
+    return read_from(trainer, checkpointer(trainer), how)
+
+
+@contextlib.contextmanager
+def _other_root(trainer: Any, root: str) -> Iterator[nc.Checkpointer]:
+    """A read-only Checkpointer on the root another run's checkpoint folder names."""
+    opts = run_of(trainer).options
+    ck = nc.Checkpointer(root, read_only=True, storage_options=opts.get("storage_options"),
+                         allow_pickle=opts.get("allow_pickle", engine_of(trainer) == "DeepSpeed"))
+    try:
+        yield ck
+    finally:
+        ck.close()
+
+
+def read_from(trainer: Any, ck: nc.Checkpointer, how: tuple[str, Any]) -> tuple[int, dict[str, Any]]:
+    """Read the checkpoint ``how`` names from ``ck``; check it was saved by this integration."""
+    kind, what = how
     run = run_of(trainer)
-    ck = checkpointer(trainer)
     if engine_of(trainer) == "FSDP":
         # read before the model is sharded: its DTensors on a mesh of every rank until load_sharded
         step, tree = read_sharded(ck, what if kind == "step" else None, what if kind == "tag" else None)
@@ -82,11 +115,11 @@ def read(trainer: Any, how: tuple[str, Any]) -> tuple[int, dict[str, Any]]:
     if not isinstance(tree, dict) or not isinstance(tree.get("trainer_state"), str) \
             or not any(k in tree for k in ("model", "deepspeed", FSDP_KEY)):
         keys = list(tree)[:8] if isinstance(tree, dict) else type(tree).__name__
-        raise nc.ValidationError(f"step {step} under {run.root} was not saved by the Hugging Face "
+        raise nc.ValidationError(f"step {step} under {ck.root} was not saved by the Hugging Face "
                                  f"integration (top-level keys {keys}); name one of its checkpoints "
                                  f"(tags: {sorted(ck.tags())[-10:]})")
     run.restored = dict(ck.last_restore or {"step": step})
-    log.info("nebula_ckpt: resuming from step %d (tier %s) of %s", step, run.restored.get("tier"), run.root)
+    log.info("nebula_ckpt: resuming from step %d (tier %s) of %s", step, run.restored.get("tier"), ck.root)
     return step, tree
 
 

@@ -19,6 +19,7 @@ from transformers.trainer_utils import SaveStrategy
 from transformers.training_args import ParallelMode
 
 import nebula_ckpt as nc
+from nebula_ckpt.integrations.huggingface import folders
 from nebula_ckpt.integrations.huggingface.common import (
     FORMAT,
     KEEP_ALL,
@@ -94,27 +95,45 @@ def _short_names(tiers: list[str]) -> dict[str, str]:
 
 
 def settle(trainer: Any) -> None:
-    """Count the saves that are now over: durable ones become committed checkpoints (failed ones
-    do not: the core raises their error from the next save / wait), and each one's metrics go
-    into the trainer's logs (``state.log_history`` and the ``report_to`` loggers)."""
+    """Count the saves that are now over: durable ones become committed checkpoints with their
+    ``checkpoint-N/`` folder (failed ones do not: the core raises their error from the next save /
+    wait), and each one's metrics go to the trainer's loggers."""
     run = run_of(trainer)
     left = []
     for h in run.inflight:
         if not h.done():
             left.append(h)
             continue
+        folder = run.folders.pop(h.tag, None) if h.tag else None
         if h.error() is None and h.skipped is None and h.tiers_written and h.tag:
             run.committed[h.tag] = h.step
+            if folder is not None and trainer.args.should_save:
+                folders.write(folder[0], run.root, h.tag, h.step, folder[1], folder[2])
+        if h.skipped is not None or h.tiers_dropped:  # never silent: the framework may ask for it again
+            log.warning("nebula_ckpt: %s (step %d) was not written to %s: %s", h.tag, h.step,
+                        h.tiers_dropped or "any tier", h.skipped or "a newer save came first")
         if run.log_metrics and h.skipped is None:
             _log(trainer, metrics_logs(h.metrics))
     run.inflight = left
 
 
+def wait_previous(trainer: Any) -> None:
+    """Wait until the saves in flight are over (durable, or failed: the next ``save_async`` raises
+    the failure), so that a tier busy with one never drops it for the next: every checkpoint may
+    be one the framework asks for again (the best model, a ``save_total_limit`` survivor, the last)."""
+    for h in list(run_of(trainer).inflight):
+        h.wait()
+    settle(trainer)
+
+
 def _log(trainer: Any, logs: dict[str, float]) -> None:
-    """``Trainer.log`` without eating the step's own log: HF's ``on_log`` clears
-    ``control.should_log``, which the training loop reads after the step's callbacks."""
+    """Hand one save's metrics to the ``report_to`` loggers (the callbacks' ``on_log``) and keep
+    them in :attr:`RunState.metrics`. Not ``Trainer.log``: that appends to ``state.log_history``,
+    which HF saves in each checkpoint and compares across a resume (timings differ from run to
+    run), and it clears ``control.should_log``, which the training loop reads after the step."""
+    run_of(trainer).metrics.append(dict(logs))
     wanted = trainer.control.should_log
-    trainer.log(logs)
+    trainer.control = trainer.callback_handler.on_log(trainer.args, trainer.state, trainer.control, dict(logs))
     trainer.control.should_log = wanted
 
 
@@ -147,6 +166,8 @@ def rotate(trainer: Any, final: bool = False) -> None:
             log.info("nebula_ckpt: removed %s (save_total_limit=%d)", tag, limit)
         except nc.NotFoundError:
             pass  # gone already (another process, or retention of an explicit tier)
+        if trainer.args.should_save:
+            folders.remove(os.path.join(trainer._get_output_dir(trial=None), tag))
         del run.committed[tag]
         remaining -= 1
 
@@ -218,7 +239,7 @@ def save_checkpoint(trainer: Any, run_dir: str) -> nc.SaveHandle:
     run = run_of(trainer)
     tag = tag_for(trainer.state.global_step)
     ck = checkpointer(trainer)
-    settle(trainer)
+    wait_previous(trainer)
     _mark_best(trainer, tag, run_dir)
     # as HF, the stateful callbacks' state goes into the trainer state (on every rank: each
     # rank's checkpoint holds its own trainer state)
@@ -235,6 +256,7 @@ def save_checkpoint(trainer: Any, run_dir: str) -> nc.SaveHandle:
         handle.wait_snapshot()
     run.committed.pop(tag, None)  # replaced by this save (same step)
     run.inflight.append(handle)
+    run.folders[tag] = (os.path.join(run_dir, tag), state["trainer_state"], state["config"])
     if trainer.args.push_to_hub and run.once("hub"):
         log.warning("nebula_ckpt: push_to_hub: checkpoints live in nebula_ckpt and are not pushed at save "
                     "time; trainer.push_to_hub() pushes the final model")
