@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import collections
 import math
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -166,3 +169,52 @@ def test_read_result_can_be_torch_saved(root: str, ops_path: str) -> None:
     buf.seek(0)
     again = torch.load(buf, weights_only=True)
     assert torch.equal(again["optim"]["state"][0]["exp_avg"], opt.state_dict()["state"][0]["exp_avg"])
+
+
+class _TwoStreams:
+    """An object whose state is two RNG states (what a loop, a data loader or a framework keeps)."""
+
+    def __init__(self) -> None:
+        self.sd: dict[str, torch.Tensor] = {"a": torch.get_rng_state(), "b": torch.get_rng_state()}
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return self.sd
+
+    def load_state_dict(self, sd: dict[str, torch.Tensor]) -> None:
+        self.sd = sd
+
+
+@pytest.mark.parametrize("tiers", ["local", "memory"])
+def test_restored_rng_states_can_be_set(root: str, shm_dir: str, tiers: str) -> None:
+    """Restored RNG states are handed to torch.set_rng_state / Generator.set_state as they are:
+    those read a tensor's storage from its start and crash on a view at an offset of a shared
+    buffer, so a small restored tensor owns its storage (load into an object, read(), and the
+    memory tier's pages handed over to a new process alike)."""
+    memory = tiers == "memory"
+    with nc.Checkpointer(root, tiers=[nc.MemoryTier()] if memory else None, memory_tier=memory) as ck:
+        ck.save(1, {"s": _TwoStreams(), "extra": torch.get_rng_state()})
+    code = f"""
+import torch, nebula_ckpt as nc
+class S:
+    sd = {{}}
+    def state_dict(self): return self.sd
+    def load_state_dict(self, d): self.sd = d
+s = S()
+tiers = dict(tiers=[nc.MemoryTier()] if {memory} else None, memory_tier={memory})
+with nc.Checkpointer({root!r}, read_only=True, **tiers) as ck:  # a reader: copies
+    _, tree = ck.read(1)
+with nc.Checkpointer({root!r}, **tiers) as ck:  # the memory tier's pages are handed over
+    ck.load_latest(into={{"s": s, "extra": None}}, strict=False)
+    assert ck.last_restore["tier"].startswith("memory" if {memory} else "local"), ck.last_restore
+for t in (s.sd["a"], s.sd["b"], tree["s"]["b"], tree["extra"]):
+    torch.set_rng_state(t)
+    assert torch.equal(torch.get_rng_state(), t)
+    g = torch.Generator()
+    g.set_state(t)
+    assert torch.equal(g.get_state(), t)
+print("set", s.sd["b"].storage_offset(), tree["extra"].storage_offset())
+"""
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "NEBULA_SHM_DIR": shm_dir})
+    assert res.returncode == 0, f"exit {res.returncode}:\n{res.stderr[-3000:]}"
+    assert res.stdout.split() == ["set", "0", "0"], res.stdout

@@ -23,6 +23,11 @@ from nebula_ckpt.restore.open import OpenCheckpoint, chunks
 
 log = logging.getLogger(__name__)
 
+#: a restored tensor of at most this many bytes gets storage of its own instead of a view into a
+#: shared buffer: some torch APIs read a tensor's storage from its start (``torch.set_rng_state``
+#: and ``Generator.set_state`` crash on a view at an offset), and RNG states are this small
+OWN_STORAGE_BYTES = 64 << 10
+
 
 def owned(view: torch.Tensor, device: Optional[torch.device]) -> torch.Tensor:
     """An owned copy of ``view`` (on ``device``, or the CPU for None)."""
@@ -116,6 +121,9 @@ def owned_batch(ck: OpenCheckpoint, keys: list[str], map_location: Any) -> dict[
             out.update(_copy_group(ck, items, first))
     for k, dev in other:
         out[k] = owned(ck.view(k), dev)
+    for k, t in out.items():  # small tensors get storage of their own (see OWN_STORAGE_BYTES)
+        if t.storage_offset() and t.numel() * t.element_size() <= OWN_STORAGE_BYTES:
+            out[k] = t.clone()
     for k in keys:
         out[k] = out[first[ck.resolve(k).key]]
     return out
