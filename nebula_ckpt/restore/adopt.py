@@ -48,7 +48,7 @@ made to the file in place, so the descriptor holds a private-mapping reader lock
 still link the very file afterwards (a base deleted meanwhile is copied from instead): from then
 on no process, this one included, takes the file over (:func:`~nebula_ckpt.storage.local.hold_alone`
 fails) or stages into it (a spare slot file of a dead process that retention unlinked:
-:func:`~nebula_ckpt.tiers.memory.shm.sweep_slot_files` and the staging pool skip every file
+:func:`~nebula_ckpt.tiers.memory.slot_files.sweep_slot_files` and the staging pool skip every file
 :func:`~nebula_ckpt.storage.local.read_elsewhere` reports). Retention may delete the base later:
 the mapping keeps its inode alive, and its pages go when the last view does. A base's pages are
 never punched, and the base is never claimed. The claim of the step's own shard is as above; when

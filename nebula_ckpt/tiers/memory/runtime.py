@@ -23,9 +23,9 @@ from nebula_ckpt.tiers.memory.shm import (
     remove_if_unused,
     secure_folder,
     secure_subfolder,
-    sweep_slot_files,
     unlist_steps,
 )
+from nebula_ckpt.tiers.memory.slot_files import sweep_slot_files
 from nebula_ckpt.tiers.memory.tier import MemoryTier, shm_available
 from nebula_ckpt.tiers.runtime import TierRuntime
 
