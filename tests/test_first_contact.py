@@ -128,4 +128,4 @@ def test_the_demo_closing_hint_runs_as_typed(tmp_path, shm_dir) -> None:  # noqa
     for cwd in (repo, str(tmp_path)):
         cmd = f"{cli_command(cwd)} ls {root}"
         r = subprocess.run(cmd, shell=True, cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
-        assert r.returncode == 0 and "healthy" in r.stdout, (cmd, r.stdout, r.stderr[-2000:])
+        assert r.returncode == 0 and "verified" in r.stdout, (cmd, r.stdout, r.stderr[-2000:])

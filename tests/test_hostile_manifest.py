@@ -290,7 +290,8 @@ def test_all_damaged_raises_listing_every_candidate(tmp_path, shm_dir, caplog) -
         find_and_open(_pairs(root))
     msg = str(ei.value)
     assert "step 1" in msg and "step 2" in msg and "float99" in msg and "shape[0]" in msg, msg
-    assert "nebula-ckpt verify" in msg and "delete" in msg and "older copy" in msg
+    assert "nebula-ckpt verify" in msg and "move it aside" in msg and "older copy" in msg
+    assert "delete" not in msg  # never advise deleting what might verify
     caplog.set_level(logging.WARNING, logger="nebula_ckpt")
     assert find_and_open(_pairs(root), on_all_damaged="warn") is None
     assert "no healthy checkpoint" in caplog.text and "float99" in caplog.text

@@ -149,7 +149,7 @@ def test_no_room_in_shm_falls_back_to_copying(root: str, caplog, monkeypatch: py
     also makes the memory tier stand aside for a state it cannot hold: tests/test_shm_room.py.)"""
     from nebula_ckpt.save import buffers
 
-    monkeypatch.setattr(buffers, "_shm_room", lambda slot_dir, nbytes: False)
+    monkeypatch.setattr(buffers, "shm_room", lambda slot_dir, nbytes: False)
     with caplog.at_level(logging.WARNING, "nebula_ckpt"):
         with nc.Checkpointer(root) as ck:
             ck.save(1, _state(1))

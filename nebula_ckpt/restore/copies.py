@@ -123,10 +123,22 @@ def owned_batch(ck: OpenCheckpoint, keys: list[str], map_location: Any) -> dict[
         out[k] = owned(ck.view(k), dev)
     for k, t in out.items():  # small tensors get storage of their own (see OWN_STORAGE_BYTES)
         if t.storage_offset() and t.numel() * t.element_size() <= OWN_STORAGE_BYTES:
-            out[k] = t.clone()
+            out[k] = _own_storage(t)
     for k in keys:
         out[k] = out[first[ck.resolve(k).key]]
     return out
+
+
+def _own_storage(t: torch.Tensor) -> torch.Tensor:
+    """``t`` with the bytes it spans copied into a storage of its own at offset 0, strides kept.
+    Byte for byte, so it works for every dtype (``clone`` has no copy kernel for some, e.g. int1)."""
+    esz = t.element_size()
+    span = 1 + sum((n - 1) * st for n, st in zip(t.shape, t.stride(), strict=True)) if t.numel() else 0
+    start = t.storage_offset() * esz
+    storage = torch.UntypedStorage(span * esz)
+    if span:
+        storage.copy_(t.untyped_storage()[start:start + span * esz])
+    return torch.empty(0, dtype=t.dtype).set_(storage, 0, t.shape, t.stride())
 
 
 def _adopted(ck: OpenCheckpoint, cpu: list[str]) -> dict[str, torch.Tensor]:

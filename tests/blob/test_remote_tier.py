@@ -133,7 +133,8 @@ def test_remote_root_restores_on_a_fresh_machine(blob_store: Store, shm_dir: str
         out = _zeros_like_state(state)
         assert fresh.load_latest(into=out) == 100
         assert fresh.last_restore == {"step": 100, "tier": f"remote:{url}", "adopted_bytes": 0,
-                                      "copy_on_write_bytes": 0}
+                                      "copy_on_write_bytes": 0, "health": "unknown", "health_reason": "",
+                                      "skipped": []}
         _assert_same_state(out, state)
         assert len(ranged) >= 5, f"the shard came down in {len(ranged)} ranged read(s)"
         fresh.close()
