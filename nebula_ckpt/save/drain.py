@@ -257,7 +257,8 @@ class Drain:
         man["time"] = max(float(p["time"]) for p in parts)  # not the time of building it: alike on every node
         mbytes = encode_manifest(man)
         Manifest.parse(mbytes, f"{self.tier} step {s} (drained)", s)  # the parts' trees and tables, checked
-        why = not_newer(self.write, set(committed_writes(self.storage)), self.tier) or folder_problem(self.storage, self.write)
+        why = not_newer(self.write, set(committed_writes(self.storage)), self.tier) or \
+            folder_problem(self.storage, self.write)
         if why is not None:
             if self._committed():
                 return

@@ -13,6 +13,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +21,8 @@ import pytest
 import torch
 
 import nebula_ckpt as nc
+from nebula_ckpt import knobs
+from nebula_ckpt.save.epilogue import persist_memory
 
 from .launch import HERE, run_ranks
 
@@ -69,15 +72,28 @@ def test_a_step_saved_twice_is_restored_from_one_write_on_every_rank(tmp_path: P
     got = job.run("restore")
     for r, (s, g) in enumerate(zip(saved, got, strict=True)):
         assert g["step"] == 5, g
-        assert g["digest"] == s["first"], f"rank {r} restored {'the second' if g['digest'] == s['second'] else 'no'} write"
+        which = "the second" if g["digest"] == s["second"] else "no"
+        assert g["digest"] == s["first"], f"rank {r} restored {which} write"
 
 
-def _drain(job: Job, node: int, kill: str = "") -> subprocess.Popen[str]:
+def _drain(job: Job, node: int, kill: str = "-", gate: str = "") -> subprocess.Popen[str]:
     """``nebula-ckpt persist-memory`` on simulated node ``node`` (its memory tiers), in a process of
-    its own, started (``kill``: see ``drain_cli.py``)."""
+    its own, started (``kill``, ``gate``: see ``drain_cli.py``)."""
     env = dict(os.environ, NEBULA_SHM_DIR=str(job.shm / f"n{node}"), PYTHONPATH=str(REPO))
-    return subprocess.Popen([sys.executable, str(HERE / "drain_cli.py"), job.root, *([kill] if kill else [])],
+    return subprocess.Popen([sys.executable, str(HERE / "drain_cli.py"), job.root, kill, gate],
                             env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+
+
+def _at_once(job: Job, nodes: list[int]) -> list[dict[str, Any]]:
+    """The drains of ``nodes``, released together once every process is up."""
+    gate = job.tmp / f"gate{job.runs}"
+    procs = [_drain(job, n, gate=str(gate)) for n in nodes]
+    deadline = time.monotonic() + 200
+    while len(list(gate.parent.glob(f"{gate.name}.ready-*"))) < len(procs) and time.monotonic() < deadline:
+        assert all(p.poll() is None for p in procs), "a drain ended before the gate opened"
+        time.sleep(0.05)
+    gate.touch()
+    return [_done(p) for p in procs]
 
 
 def _done(p: subprocess.Popen[str], code: int = 0) -> dict[str, Any]:
@@ -97,55 +113,57 @@ def _files(root: str, step: int) -> dict[str, Any]:
     return out
 
 
+def _put_back(job: Job, kept: Path) -> None:
+    """The root and every node's memory tiers as they were when ``kept`` was taken."""
+    for name, dst in (("root", Path(job.root)), ("shm", job.shm)):
+        shutil.rmtree(dst)
+        shutil.copytree(kept / name, dst, symlinks=True)
+
+
 def test_a_lost_nodes_memory_step_reaches_the_shared_tier_and_a_moved_job_resumes_it(tmp_path: Path) -> None:
     """4 ranks on 2 nodes with replicas; steps 2 and 3 only in RAM (the disk tier has step 1).
 
     * A newer job committed on the root: the drain writes nothing and says why.
+    * Both nodes' drains at once: one commit.
     * Node 1 lost: node 0's drain (its ranks' own copies, its replicas of node 1's ranks), killed
       after two parts, then right before its ``COMMIT``, leaves nothing visible; run again it
-      completes the step, and once more it does nothing. The job moved to two fresh nodes with no
-      memory tier resumes step 3 on every rank, bit-exact.
-    * Both nodes' drains at once (nothing lost): one commit, the very bytes node 0 wrote alone
-      (node 1's own copies and node 0's replicas of them make the same files).
+      completes the step: the very files both nodes' drains made (node 1's own copies and node
+      0's replicas of them give the same bytes); once more, it does nothing. The job moved to two
+      fresh nodes with no memory tier resumes step 3 on every rank, bit-exact.
     """
     job = Job(tmp_path, "0,0,1,1", k=1, disk_every=1000)
     saved = job.run("save")
     assert _committed(job.root) == [1]
-    pristine = tmp_path / "pristine"
-    shutil.copytree(job.root, pristine / "root")
-    shutil.copytree(job.shm, pristine / "shm", symlinks=True)
+    kept = tmp_path / "kept"
+    shutil.copytree(job.root, kept / "root")
+    shutil.copytree(job.shm, kept / "shm", symlinks=True)
 
     with nc.Checkpointer(job.root, tiers=[nc.LocalTier(job.root, keep_last=100)]) as newer:
         newer.save(2, {"w": torch.ones(4)}).result()  # a newer job (generation 2) committed step 2
     writers = sorted(os.listdir(Path(job.root, "_nebula", "writers")))
-    got = _done(_drain(job, 0))
+    with knobs.override(shm_dir=str(job.shm / "n0")):
+        got = persist_memory(job.root)
     assert not got["copied"] and "newer" in got["why"] and "generation 2" in got["why"], got
     assert _committed(job.root) == [1, 2] and sorted(os.listdir(Path(job.root, "_nebula", "writers"))) == writers
 
-    shutil.rmtree(job.root)
-    shutil.copytree(pristine / "root", job.root)
+    _put_back(job, kept)
+    results = _at_once(job, [0, 1])  # one commits, the other finds it committed (during or before its run)
+    assert all(r["step"] == 3 and (r["copied"] or "already" in r["why"]) for r in results), results
+    assert _committed(job.root) == [1, 3]
+    both = _files(job.root, 3)
+
+    _put_back(job, kept)
     job.lose(1)
     for kill in ("part:2", "commit"):
         _done(_drain(job, 0, kill), -9)
         assert _committed(job.root) == [1]  # nothing visible
-    got = _done(_drain(job, 0))
-    assert got["copied"] and got["step"] == 3, got
-    assert _committed(job.root) == [1, 3]
-    assert not list(Path(job.root, "step-3").glob("*.drain*")), "nothing but the checkpoint's own files stays"
-    alone = _files(job.root, 3)
-    again = _done(_drain(job, 0))
-    assert not again["copied"] and "already" in again["why"], again
+    with knobs.override(shm_dir=str(job.shm / "n0")):
+        got = persist_memory(job.root)
+        assert got["copied"] and got["step"] == 3, got
+        assert _committed(job.root) == [1, 3] and _files(job.root, 3) == both
+        again = persist_memory(job.root)
+        assert not again["copied"] and "already" in again["why"], again
     moved = job.run("restore_fresh", nodes_of="2,2,3,3")
     for r, (s, g) in enumerate(zip(saved, moved, strict=True)):
         assert g["step"] == 3 and g["digest"] == s["digests"]["3"], f"rank {r}: {g}"
         assert g["last_restore"]["tier"].startswith("local:"), g["last_restore"]
-
-    shutil.rmtree(job.root)
-    shutil.rmtree(job.shm)
-    shutil.copytree(pristine / "root", job.root)
-    shutil.copytree(pristine / "shm", job.shm, symlinks=True)
-    both = [_drain(job, 0), _drain(job, 1)]
-    results = [_done(p) for p in both]
-    assert all(r["copied"] and r["step"] == 3 for r in results), results
-    assert _committed(job.root) == [1, 3]
-    assert _files(job.root, 3) == alone
