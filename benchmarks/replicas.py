@@ -318,7 +318,8 @@ def _report(res: dict[str, Any], args: argparse.Namespace) -> str:
     lines = ["# Memory-tier replicas: node-loss recovery and training-loop cost", "",
              f"Machine: {res['machine']} (shared with other jobs: noisy; medians of {args.repeats} runs).",
              f"Command: `python -m benchmarks.replicas {' '.join(sys.argv[1:])}`", "",
-             f"State per rank: {args.mb} MB (model + AdamW); ranks as 2 simulated nodes; remote tier: Azurite.", ""]
+             f"State per rank: {args.mb} MB (model + AdamW); ranks as 2 simulated nodes"
+             + ("; remote tier: Azurite." if res["recovery"] else "."), ""]
     if res["recovery"]:
         lines += ["## Recovery, restart to first optimizer step done (slowest rank), seconds", "",
                   "| ranks | process crash, own memory | node lost, replicas | node lost, local disk | "

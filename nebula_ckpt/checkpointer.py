@@ -24,6 +24,7 @@ from nebula_ckpt.ranks.distributed import default_coordinator
 from nebula_ckpt.reentry import Calls, guard_methods
 from nebula_ckpt.restore.restorer import Restorer
 from nebula_ckpt.root import open_root
+from nebula_ckpt.save.drain import own_part_drainer
 from nebula_ckpt.save.pipeline import SavePipeline, exit_hook_ran
 from nebula_ckpt.save.plan import check_step
 from nebula_ckpt.storage.urls import canonical_root
@@ -164,9 +165,11 @@ class Checkpointer:
         self._restores = Restorer(runtimes, self.coordinator, shown, allow_pickle,  # a reader adopts nothing
                                   may_adopt=lambda: self._saves.writers is None and not self.read_only,
                                   on_restored=None if self.read_only else self._saves.restored)
+        root_st = self._opened.root_storage  # where a step restored after a node loss is drained to
+        drain = None if self.run_id is None else own_part_drainer(root_st, root_st.display_url, self.run_id)
         try:  # copies of the memory tier on partner nodes (MemoryTier(replicas=k)): a collective
             self._saves.replicator = self._restores.replicator = \
-                start_replicator(list(tiers or []), runtimes, self.coordinator, self.read_only)
+                start_replicator(list(tiers or []), runtimes, self.coordinator, self.read_only, drain)
         except BaseException:
             self._opened.release()
             raise

@@ -321,3 +321,21 @@ def write_whole(storage: Storage, rel: str, parts: list[memoryview]) -> dict[str
             log.debug("nebula_ckpt: persist-memory: %s", e)
         raise
     return info
+
+
+def own_part_drainer(storage: Storage, tier: str, run_id: str) -> Callable[[Write, int, int, str], None]:
+    """What a rank of a restarted job runs once a restore pulled lost ranks' copies from their
+    partners (a node was lost) and its memory tier kept its copy: ``drain(write, rank, world,
+    folder)`` puts that rank's part of ``write`` (its own copy, in ``folder``) on the shared tier
+    ``storage``, and the step is committed by whichever rank's part lands last (:class:`Drain`):
+    the step no longer lives only in RAM. It does nothing when the shared tier holds that write or
+    a newer one already (the job's own saves since, say)."""
+    def drain(write: Write, rank: int, world: int, folder: str) -> None:
+        why = not_newer(write, set(committed_writes(storage)), tier)
+        if why is not None:
+            log.info("nebula_ckpt: rank %d: step %d not drained: %s", rank, write[1], why)
+            return
+        done, missing = Drain(storage, tier, run_id, write, world).run([Copy(write, rank, world, folder, True)])
+        log.info("nebula_ckpt: rank %d: its part of step %d (only in RAM since a node was lost) is on %s%s", rank,
+                 write[1], tier, "; the step is committed" if done else f"; waiting for rank(s) {missing[:8]}")
+    return drain

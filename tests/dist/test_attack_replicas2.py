@@ -155,7 +155,8 @@ def test_uneven_interleaved_nodes_with_odd_ids(tmp_path: Path) -> None:
     """Ranks 0, 2, 3 on node A, rank 1 alone on node B (both odd ids): every copy on the other
     node; the epilogue on either node puts step 3 on the root (node B without its own copies: all
     but rank 1's part, named); node A lost, its three
-    ranks pull their step from rank 1 in one round, each its own state."""
+    ranks pull their step from rank 1 in one round, each its own state, and once their memory tiers
+    kept it every rank's part goes to the shared tier, where a restart on renumbered nodes finds it."""
     job = Job(tmp_path, nodes=[ODD_A, ODD_B, ODD_A, ODD_A], k=1, keep=2)
     saved = job.run(save=[1, 2, 3])
     for r, s in enumerate(saved):
@@ -186,11 +187,14 @@ def test_uneven_interleaved_nodes_with_odd_ids(tmp_path: Path) -> None:
             assert x["last_restore"]["sources"] == ["replica from rank 1", "memory", "replica from rank 1",
                                                      "replica from rank 1"], x["last_restore"]
     assert len(list(job.node(0).glob("nebula_ckpt-*/*/step-3/COMMIT"))) == 3  # the pulled copies stay
-    # a restart that places the ranks on other nodes (a launcher renumbering its nodes): memory
-    # tiers and replicas are found by rank on a node, so none is found; the shared tier's step 1
+    # the restart that pulled and kept step 3 put every rank's part of it on the shared tier, once
+    # kept there (a node was lost: it lived only in RAM); a restart that places the ranks on other
+    # nodes (a launcher renumbering its nodes) finds no memory tier nor replica (found by rank on a
+    # node) and restores it from the shared tier
+    assert (Path(job.spec["root"]) / "step-3" / "COMMIT").is_file()
     moved = job.run(nodes=[ODD_B, ODD_A, ODD_B, ODD_B], shm_of={ODD_A: "n0", ODD_B: "n1"}, load="latest")
     for s, g in zip(saved, moved, strict=True):
-        _restored(g, s, 1)
+        _restored(g, s, 3)
         assert g["last_restore"]["sources"] == ["shared tier"] * 4, g["last_restore"]
 
 

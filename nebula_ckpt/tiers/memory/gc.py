@@ -175,11 +175,11 @@ def _ask_root(root: str, run_id: Optional[str], step: int, write: Optional[Write
             st.size(f"{step_dir(step)}/{COMMIT}")
         except FileNotFoundError:
             return RootAnswer(ONLY_HERE, f"its root {root} does not hold step {step}", _committed_but(st, step))
-        have = read_commit(st, step, f"{root} step {step}").write
-        if write is not None and have < write:  # the step saved twice: the root holds the first write
-            return RootAnswer(ONLY_HERE, f"its root {root} holds an older write of step {step} (save {have[2]} of "
-                                         f"writer generation {have[0]}, this tier's is save {write[2]} of generation "
-                                         f"{write[0]})", _committed_but(st, step))
+        on_root = read_commit(st, step, f"{root} step {step}").write
+        if write is not None and on_root < write:  # the step saved twice: the root holds the first write
+            return RootAnswer(ONLY_HERE, f"its root {root} holds an older write of step {step} (save "
+                                         f"{on_root[2]} of writer generation {on_root[0]}, this tier's is save "
+                                         f"{write[2]} of generation {write[0]})", _committed_but(st, step))
         lacking = _lacking_on_root(st, step)
         if lacking is not None:
             return RootAnswer(ONLY_HERE, f"its root {root} holds step {step} but cannot restore it ({lacking})",
