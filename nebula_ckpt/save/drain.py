@@ -139,7 +139,10 @@ class Drain:
         self.save_id = drain_save_id(run_id, *write)
         self.dir = step_dir(write[1])
         self._on_part = on_part
+        #: the ranks whose part this drain wrote
         self.written: list[int] = []
+        #: rank -> why this host's copy of its part was not used (damaged, unreadable)
+        self.unusable: dict[int, str] = {}
 
     def run(self, copies: list[Copy]) -> tuple[bool, list[int]]:
         """Write this host's parts, then commit when every rank's part is on the shared tier:
@@ -172,7 +175,9 @@ class Drain:
                 return True, []
             try:
                 self._put(c)
+                self.unusable.pop(c.rank, None)
             except (CorruptCheckpointError, OSError, ValueError, KeyError) as e:  # the next copy of it, if any
+                self.unusable[c.rank] = f"{c.folder}: {type(e).__name__}: {e}"
                 log.warning("nebula_ckpt: persist-memory: rank %d's copy of step %d in %s is not used: %s",
                             c.rank, self.write[1], c.folder, e)
         parts = [self.part(r) for r in range(self.world)]

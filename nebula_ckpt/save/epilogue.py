@@ -71,8 +71,12 @@ def persist_memory(root: str, storage_options: Optional[dict[str, Any]] = None,
 
     Raises:
         ValidationError: a memory tier of the root's run here is written by a live process.
-        CorruptCheckpointError: the one copy of a part this host holds fails its checksums and no
-            other node's part completed the step (nothing of it was written).
+        CorruptCheckpointError: a one-process step's copy fails its checksums (nothing written; a
+            multi-rank part that does is left to another node's healthy copy, and named).
+        FencedError: a newer generation committed a step on the root while this ran (nothing of
+            this run is visible).
+        NebulaError: the step's folder on the root holds another write's ``COMMIT`` (nothing is
+            ever replaced) or a newer generation's files; the root's own errors (``OSError``).
     """
     root_tier = tier_for_root(root, storage_options)
     storage = root_tier.make_storage()
@@ -103,21 +107,24 @@ def _persist(storage: Storage, tier: str, run_id: str, copies: list[Copy], on_pa
     if not targets:
         newest = max(groups)[0]
         return _result(newest, False, not_newer(newest, have, tier) or "")
-    waiting: dict[int, list[int]] = {}
+    waiting: dict[Write, tuple[list[int], dict[int, str]]] = {}
     for write, world in targets:
         if world == 1:
             _copy_one(storage, tier, write, groups[(write, world)][0], on_part)
             return _result(write, True, f"step {write[1]} was only in memory; it is committed on {tier}")
-        done, missing = Drain(storage, tier, run_id, write, world, on_part).run(groups[(write, world)])
+        drain = Drain(storage, tier, run_id, write, world, on_part)
+        done, missing = drain.run(groups[(write, world)])
         if done:
             return _result(write, True, f"step {write[1]} ({world} ranks) was only in memory; it is committed on "
                                         f"{tier}")
-        waiting[write[1]] = missing
+        waiting[write] = missing, {r: why for r, why in drain.unusable.items() if r in missing}
     first = targets[0][0]
-    return _result(first, False, f"step {first[1]} is not committed yet: the part(s) of rank(s) "
-                                 f"{waiting[first[1]][:16]} are not in this host's RAM; this host's parts are on "
-                                 f"{tier}, and the persist-memory of the node(s) holding those completes it",
-                   missing=waiting[first[1]])
+    missing, damaged = waiting[first]
+    why = f"; this host's copies of rank(s) {sorted(damaged)[:16]} are unusable ({next(iter(damaged.values()))})" \
+        if damaged else ""
+    return _result(first, False, f"step {first[1]} is not committed yet: the part(s) of rank(s) {missing[:16]} are "
+                                 f"not on {tier}{why}; this host's other parts are there, and the persist-memory of "
+                                 "the node(s) holding healthy copies of those completes it", missing=missing)
 
 
 def _copy_one(storage: Storage, tier: str, write: Write, copy: Copy, on_part: OnPart) -> None:

@@ -101,7 +101,7 @@ def _drain_and_undo(job: Job, shm: Path, missing: list[int]) -> None:
         assert got["step"] == 3 and got["copied"] == (not missing), got
         assert (root / "step-3" / "COMMIT").exists() == (not missing)
         if missing:
-            assert got["missing"] == missing and "not in this host's RAM" in got["why"], got
+            assert got["missing"] == missing and f"rank(s) {missing}" in got["why"], got
         else:
             again = persist_memory(str(root))
             assert not again["copied"] and "already" in again["why"], again
