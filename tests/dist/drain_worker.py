@@ -43,10 +43,13 @@ from state_digest import digest  # noqa: E402
 
 
 def _state(seed: int) -> dict[str, Any]:
+    """Model, AdamW and a frozen tensor (the memory tier's steps after the first are incremental:
+    a rank's own copy refers to its first step's shard, a partner's replica is whole)."""
     torch.manual_seed(seed)
     model = torch.nn.Linear(32, 16)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    return {"model": model, "optim": opt, "extra": torch.zeros(64)}
+    frozen = torch.randn(64 * 1024, generator=torch.Generator().manual_seed(seed))
+    return {"model": model, "optim": opt, "extra": torch.zeros(64), "frozen": frozen}
 
 
 def _train(st: dict[str, Any], step: int) -> None:

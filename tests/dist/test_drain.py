@@ -121,7 +121,8 @@ def _put_back(job: Job, kept: Path) -> None:
 
 
 def test_a_lost_nodes_memory_step_reaches_the_shared_tier_and_a_moved_job_resumes_it(tmp_path: Path) -> None:
-    """4 ranks on 2 nodes with replicas; steps 2 and 3 only in RAM (the disk tier has step 1).
+    """4 ranks on 2 nodes with replicas; steps 2 and 3 only in RAM (the disk tier has step 1); the
+    memory tiers' own copies of them are incremental (a frozen tensor), the replicas whole.
 
     * A newer job committed on the root: the drain writes nothing and says why.
     * Both nodes' drains at once: one commit.
@@ -137,6 +138,8 @@ def test_a_lost_nodes_memory_step_reaches_the_shared_tier_and_a_moved_job_resume
     job = Job(tmp_path, "0,0,1,1", k=1, disk_every=1000)
     saved = job.run("save")
     assert _committed(job.root) == [1]
+    own = [m for m in (job.shm / "n0").glob("nebula_ckpt-*/*/step-3/manifest.json") if "replicas" not in m.parts]
+    assert len(own) == 2 and all(len(json.loads(m.read_text())["shards"]) == 2 for m in own)  # incremental
     kept = tmp_path / "kept"
     shutil.copytree(job.root, kept / "root")
     shutil.copytree(job.shm, kept / "shm", symlinks=True)

@@ -52,14 +52,17 @@ class Job:
             shutil.rmtree(self.shm / f"n{n}")
 
     def snapshot(self, name: str) -> Path:
-        """A copy of every node's memory tier, to lose different nodes from the same state."""
+        """A copy of every node's memory tier and of the root, to lose different nodes from the same
+        state (a restore after a node loss drains the step it pulled to the root)."""
         dst = self.tmp / name
-        shutil.copytree(self.shm, dst, symlinks=True)
+        shutil.copytree(self.shm, dst / "shm", symlinks=True)
+        shutil.copytree(self.root, dst / "root", symlinks=True)
         return dst
 
     def restore_from(self, snap: Path) -> None:
-        shutil.rmtree(self.shm)
-        shutil.copytree(snap, self.shm, symlinks=True)
+        for src, dst in ((snap / "shm", self.shm), (snap / "root", Path(self.root))):
+            shutil.rmtree(dst)
+            shutil.copytree(src, dst, symlinks=True)
 
     def replica_dirs(self, node: int) -> list[Path]:
         return sorted((self.shm / f"n{node}").glob("nebula_ckpt-*/*/replicas/*"))
