@@ -26,6 +26,9 @@ per node). Every rank trains its own model + AdamW (``--mb`` MB of state per ran
   pipeline), the ``save_async`` calls, and CPU seconds by thread. A rank's loop holds only
   ``--iters / --save-every`` saves: where the host is shared, take more ``--repeats`` rather than
   trusting a single run's overhead.
+* **Draining a lost node's memory** (``--parts drain``, :mod:`benchmarks.replicas_drain`): the
+  time from a node's loss to its newest step (only in RAM) being durable on the shared tier,
+  against the per-save cost of the persist cadence it replaces.
 * **Recovery**: one job saves a step to ``[MemoryTier(replicas=1), LocalTier(disk), RemoteTier(Azurite)]``;
   then, from a copy of both nodes' memory tiers each time, a restarted job measures on every rank
   the time from after ``init_process_group`` to its first optimizer step done (the slowest rank
@@ -40,7 +43,7 @@ Run (writes ``results.md`` and ``results.json`` into ``--out``)::
     python -m benchmarks.replicas --worlds 2 4 --mb 48 --repeats 3 \\
         --out benchmarks/results/replicas-2026-11-25
 
-``--parts recovery`` (or ``loop``) measures one half only.
+``--parts recovery`` (or ``loop``, or ``drain``) measures that part only (default: recovery and loop).
 """
 
 from __future__ import annotations
@@ -60,6 +63,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Optional
 
+from benchmarks import replicas_drain as drain
 from benchmarks import replicas_threads as threads
 
 REPO = Path(__file__).resolve().parents[1]
@@ -96,11 +100,16 @@ def _rank_main(spec: dict[str, Any]) -> None:
         loss.backward()
         opt.step()
 
-    tiers = _tiers(nc, spec)
+    tiers = drain.rank_tiers(nc, spec) if spec["role"] in ("save-for-drain", "restore-fresh") else _tiers(nc, spec)
     out: dict[str, Any] = {}
     dist.barrier()
     t0 = time.perf_counter()
-    if spec["role"] == "restore":
+    if spec["role"] == "save-for-drain":
+        ck = nc.Checkpointer(spec["root"], tiers=tiers)
+        drain.save_loop(ck, train_step, {"model": model, "optim": opt}, spec, out)
+        dist.barrier()
+        os._exit(_write(spec, rank, out))  # a crash: nothing closed, the memory tiers stay
+    if spec["role"] in ("restore", "restore-fresh"):
         with nc.Checkpointer(spec["root"], tiers=tiers) as ck:
             state = {"model": model, "optim": opt}
             out["step"] = ck.load_latest(state)
@@ -309,7 +318,8 @@ def _report(res: dict[str, Any], args: argparse.Namespace) -> str:
     lines = ["# Memory-tier replicas: node-loss recovery and training-loop cost", "",
              f"Machine: {res['machine']} (shared with other jobs: noisy; medians of {args.repeats} runs).",
              f"Command: `python -m benchmarks.replicas {' '.join(sys.argv[1:])}`", "",
-             f"State per rank: {args.mb} MB (model + AdamW); ranks as 2 simulated nodes; remote tier: Azurite.", ""]
+             f"State per rank: {args.mb} MB (model + AdamW); ranks as 2 simulated nodes"
+             + ("; remote tier: Azurite." if res["recovery"] else "."), ""]
     if res["recovery"]:
         lines += ["## Recovery, restart to first optimizer step done (slowest rank), seconds", "",
                   "| ranks | process crash, own memory | node lost, replicas | node lost, local disk | "
@@ -336,6 +346,8 @@ def _report(res: dict[str, Any], args: argparse.Namespace) -> str:
                   "the first job's ranks, or --step-ms; the same in every job), leaving the host cores idle as a "
                   "step on a GPU does.", ""]
         lines += _loop_lines(res["loop_host_idle"])
+    if res.get("drain"):
+        lines += drain.report_lines(res["drain"], args.mb)
     if res["loop"] and res.get("loop_host_idle"):
         lines += ["## Side by side: replication's loop overhead by kind of step", "",
                   "| ranks | CPU-bound step (pp) | host-idle step (pp) | step s, host-idle | CPU ms per MB, CPU-bound |"
@@ -385,8 +397,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--iters", type=int, default=40)
     ap.add_argument("--save-every", type=int, default=5)
     ap.add_argument("--out", default="benchmarks/results/replicas")
-    ap.add_argument("--parts", nargs="+", choices=("recovery", "loop"), default=["recovery", "loop"],
-                    help="what to measure (default: both)")
+    ap.add_argument("--parts", nargs="+", choices=("recovery", "loop", "drain"), default=["recovery", "loop"],
+                    help="what to measure (default: recovery and loop)")
+    ap.add_argument("--drain-saves", type=int, default=5, help="saves of the drain part's jobs")
     ap.add_argument("--loop", nargs="+", choices=("cpu", "host-idle"), default=["cpu", "host-idle"],
                     help="the training loop's kinds of step (default: both; see the module docstring)")
     ap.add_argument("--step-ms", type=float, default=None,
@@ -398,7 +411,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     sys.path.insert(0, str(REPO))
     from tests.blob.emulators import AzuriteEmulator  # the test suite's launcher; a checkout has both
 
-    res: dict[str, Any] = {"machine": _machine(), "recovery": {}, "loop": {}, "loop_host_idle": {}}
+    res: dict[str, Any] = {"machine": _machine(), "recovery": {}, "loop": {}, "loop_host_idle": {}, "drain": {}}
     global SHM
     with contextlib.ExitStack() as stack:
         tmp = Path(stack.enter_context(tempfile.TemporaryDirectory()))
@@ -412,7 +425,9 @@ def main(argv: Optional[list[str]] = None) -> int:
             if "loop" in args.parts:
                 for loop in args.loop:
                     res[LOOP_KEYS[loop]][w] = _loop_cost(w, args, tmp, loop)
-            print(json.dumps({w: {part: res[part][w]["median"] for part in ("recovery", *LOOP_KEYS.values())
+            if "drain" in args.parts:
+                res["drain"][w] = drain.drain_cost(w, args, tmp, SHM, _job)
+            print(json.dumps({w: {part: res[part][w]["median"] for part in ("recovery", "drain", *LOOP_KEYS.values())
                                   if w in res[part]}}, default=str), flush=True)
     res["machine"]["load_avg_after"] = os.getloadavg()
     os.makedirs(args.out, exist_ok=True)

@@ -174,8 +174,8 @@ class Checkpointer(HealthReports):
                                   on_restored=None if self.read_only else self._saves.restored)
         self._open_health(health)  # report() (HealthReports), its marks read by restores and kept by retention
         try:  # copies of the memory tier on partner nodes (MemoryTier(replicas=k)): a collective
-            self._saves.replicator = self._restores.replicator = \
-                start_replicator(list(tiers or []), runtimes, self.coordinator, self.read_only)
+            self._saves.replicator = self._restores.replicator = start_replicator(
+                list(tiers or []), runtimes, self.coordinator, self.read_only, self._opened.drainer())
         except BaseException:
             self._opened.release()
             raise

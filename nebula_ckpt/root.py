@@ -22,11 +22,13 @@ import os
 import struct
 import threading
 import uuid
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 from nebula_ckpt.errors import NotFoundError, ValidationError
+from nebula_ckpt.format.commit import Write
 from nebula_ckpt.ranks.coordinator import Coordinator
 from nebula_ckpt.ranks.fencing import Fence, read_run_id, run_id
+from nebula_ckpt.save.drain import own_part_drainer
 from nebula_ckpt.save.uncut import run_uncut
 from nebula_ckpt.storage.base import Storage
 from nebula_ckpt.storage.urls import canonical_root
@@ -135,6 +137,12 @@ class OpenRoot:
         log.warning("nebula_ckpt: %s, so training starts from scratch; check the path if a run should be there "
                     "(load_latest(..., must_exist=True) raises instead)", msg)
         return None
+
+    def drainer(self) -> Optional[Callable[[Write, int, int, str], None]]:
+        """What drains a step restored after a node loss to the root (each rank its own part);
+        None when no run ever opened the root."""
+        st = self.root_storage
+        return None if self.run_id is None else own_part_drainer(st, st.display_url, self.run_id)
 
     def release(self) -> None:
         """Release every tier (and the root's storage, when it is no tier's)."""

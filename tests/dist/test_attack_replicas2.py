@@ -27,7 +27,6 @@ from typing import Any, Optional
 import pytest
 
 from nebula_ckpt import knobs
-from nebula_ckpt.errors import ValidationError
 from nebula_ckpt.ranks.partners import choose_partners, pack_node_id, unpack_node_id
 from nebula_ckpt.save.epilogue import persist_memory
 from nebula_ckpt.tiers.memory.replica_save import check_copy
@@ -88,24 +87,26 @@ def _restored(got: dict[str, Any], saved: dict[str, Any], step: int) -> None:
     assert got["digest"] == saved["digests"][str(step)], f"rank {got['rank']}: not its state of step {step}"
 
 
-def _no_part_left_behind(job: Job, shm: Path, own: list[int], copies: list[int]) -> None:
-    """The epilogue command on the node whose memory tiers are in ``shm``, twice: refuses (a
-    multi-rank root), naming each rank whose part of steps 2 and 3 is only in that node's RAM
-    (``own``: in its own memory tier; ``copies``: in a replica held there), and writes nothing."""
-    root = job.spec["root"]
-    before = sorted(os.listdir(root))
-    with knobs.override(shm_dir=str(shm)), pytest.raises(ValidationError):
-        persist_memory(root)
-    with knobs.override(shm_dir=str(shm)), pytest.raises(ValidationError) as err:
-        persist_memory(root)
-    why = str(err.value)
-    assert "4-rank job" in why and "Restart the job once with the same world size" in why, why
-    for r in own:
-        assert f"(rank [{r}]'s part of step(s) [2, 3])" in why, why
-    for r in copies:
-        assert f"(a replica of rank [{r}]'s part of step(s) [2, 3])" in why, why
-    assert why.count("part of step(s)") == len(own) + len(copies), why
-    assert sorted(os.listdir(root)) == before
+def _drain_and_undo(job: Job, shm: Path, missing: list[int]) -> None:
+    """The epilogue command on the node whose memory tiers are in ``shm`` writes the parts of the
+    ranks whose step 3 it holds (own copies and replicas) to the root; with every rank's part
+    (``missing`` empty) step 3 is committed there, once (run again, it does nothing); otherwise
+    nothing is committed and the ranks whose parts it lacks are named. The root is then put back
+    as it was (the rest of the test restores from the memory tiers)."""
+    root = Path(job.spec["root"])
+    kept = root.parent / "root-before-drain"
+    shutil.copytree(root, kept)
+    with knobs.override(shm_dir=str(shm)):
+        got = persist_memory(str(root))
+        assert got["step"] == 3 and got["copied"] == (not missing), got
+        assert (root / "step-3" / "COMMIT").exists() == (not missing)
+        if missing:
+            assert got["missing"] == missing and f"rank(s) {missing}" in got["why"], got
+        else:
+            again = persist_memory(str(root))
+            assert not again["copied"] and "already" in again["why"], again
+    shutil.rmtree(root)
+    kept.rename(root)
 
 
 def _tamper_checks(job: Job, snap: Path) -> None:
@@ -152,8 +153,10 @@ def _tamper_checks(job: Job, snap: Path) -> None:
 
 def test_uneven_interleaved_nodes_with_odd_ids(tmp_path: Path) -> None:
     """Ranks 0, 2, 3 on node A, rank 1 alone on node B (both odd ids): every copy on the other
-    node; the epilogue on either node refuses to call the job's RAM empty; node A lost, its three
-    ranks pull their step from rank 1 in one round, each its own state."""
+    node; the epilogue on either node puts step 3 on the root (node B without its own copies: all
+    but rank 1's part, named); node A lost, its three
+    ranks pull their step from rank 1 in one round, each its own state, and once their memory tiers
+    kept it every rank's part goes to the shared tier, where a restart on renumbered nodes finds it."""
     job = Job(tmp_path, nodes=[ODD_A, ODD_B, ODD_A, ODD_A], k=1, keep=2)
     saved = job.run(save=[1, 2, 3])
     for r, s in enumerate(saved):
@@ -164,16 +167,16 @@ def test_uneven_interleaved_nodes_with_odd_ids(tmp_path: Path) -> None:
         assert rep["holding_for"] == ([0, 2, 3] if r == 1 else [1] if r == 0 else []), rep
         assert all(len(steps) <= 2 for steps in rep["held_steps"].values()), rep  # keep_last=2
     assert sorted(os.listdir(job.spec["root"])) == ["_nebula", "step-1"]
-    # steps 2 and 3 are only in RAM: refused on node B too (where it said "nothing to copy")
-    _no_part_left_behind(job, job.node(0), own=[0, 2, 3], copies=[1])
-    _no_part_left_behind(job, job.node(1), own=[1], copies=[0, 2, 3])
+    # steps 2 and 3 are only in RAM: either node holds every rank's part of step 3 (own or replica)
+    _drain_and_undo(job, job.node(0), missing=[])
+    _drain_and_undo(job, job.node(1), missing=[])
     snap = tmp_path / "snap-b"
     shutil.copytree(job.node(1), snap, symlinks=True)
     only = tmp_path / "only-replicas-b"  # node B's rank lost its own steps: only the replicas it holds
     shutil.copytree(job.node(1), only, symlinks=True)
     for d in only.glob("nebula_ckpt-*/*/step-*"):
         shutil.rmtree(d)
-    _no_part_left_behind(job, only, own=[], copies=[0, 2, 3])
+    _drain_and_undo(job, only, missing=[1])
     _tamper_checks(job, snap)
     job.lose(0)
     crashed = job.run(load="latest")  # and the job dies at once: before its memory tiers keep the copies
@@ -184,11 +187,14 @@ def test_uneven_interleaved_nodes_with_odd_ids(tmp_path: Path) -> None:
             assert x["last_restore"]["sources"] == ["replica from rank 1", "memory", "replica from rank 1",
                                                      "replica from rank 1"], x["last_restore"]
     assert len(list(job.node(0).glob("nebula_ckpt-*/*/step-3/COMMIT"))) == 3  # the pulled copies stay
-    # a restart that places the ranks on other nodes (a launcher renumbering its nodes): memory
-    # tiers and replicas are found by rank on a node, so none is found; the shared tier's step 1
+    # the restart that pulled and kept step 3 put every rank's part of it on the shared tier, once
+    # kept there (a node was lost: it lived only in RAM); a restart that places the ranks on other
+    # nodes (a launcher renumbering its nodes) finds no memory tier nor replica (found by rank on a
+    # node) and restores it from the shared tier
+    assert (Path(job.spec["root"]) / "step-3" / "COMMIT").is_file()
     moved = job.run(nodes=[ODD_B, ODD_A, ODD_B, ODD_B], shm_of={ODD_A: "n0", ODD_B: "n1"}, load="latest")
     for s, g in zip(saved, moved, strict=True):
-        _restored(g, s, 1)
+        _restored(g, s, 3)
         assert g["last_restore"]["sources"] == ["shared tier"] * 4, g["last_restore"]
 
 

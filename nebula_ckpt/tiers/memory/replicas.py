@@ -20,7 +20,10 @@ the same order on every rank:
   can get (:mod:`~nebula_ckpt.tiers.memory.recovery`) and each rank whose own copy of it is gone or
   damaged pulls it from a holder into memory, verified before the restore reads it; then, once the
   training thread has the step, a *keep round* (niced) pulls those copies again into the ranks'
-  memory tiers, verified before they become visible.
+  memory tiers, verified before they become visible. A node was lost, so the step now lives in
+  fewer places, and only in RAM when the shared tiers lack it: once it is kept, each rank puts its
+  own part of it on the shared tier, on a thread of its own (``after_loss``, the drain of
+  :mod:`nebula_ckpt.save.drain`), and the step is committed there once every rank's part is in.
 
 A rank that dies makes the channel's collectives fail or time out (``knobs.replica_timeout_s``):
 the round's replicas fail on the other ranks, and every later round fails at once (the job
@@ -43,6 +46,7 @@ from nebula_ckpt import knobs
 from nebula_ckpt.errors import PersistError, ValidationError
 from nebula_ckpt.latch import Latch
 from nebula_ckpt.ranks.partners import choose_partners, node_id, pack_node_id, sources_of, unpack_node_id
+from nebula_ckpt.tiers.memory import recovery
 from nebula_ckpt.tiers.memory.replica_channel import Channel, Replication
 from nebula_ckpt.tiers.memory.replica_recover import keep_pulled, recover
 from nebula_ckpt.tiers.memory.replica_save import replicate
@@ -53,6 +57,10 @@ log = logging.getLogger(__name__)
 
 #: the name of a save's replicas on its handle (``tiers_written``, ``durable_s``, failures)
 PART = "replicas"
+
+#: ``(write, rank, world, folder)``: what a rank runs once its memory tier kept a step restored
+#: after a node loss (the drain of its own part to the shared tier)
+AfterLoss = Callable[[tuple[int, int, int], int, int, str], None]
 
 
 @dataclass
@@ -90,12 +98,15 @@ class Replicator:
         k: copies of each rank's step on other nodes.
         keep: replicas kept per source rank (the memory tier's ``keep_last``).
         group: the checkpoint's control group (its ranks are the job's).
+        after_loss: ``(write, rank, world, folder)``: puts this rank's part of a step restored after
+            a node loss, kept in its memory tier ``folder``, on the shared tier (None: nothing).
 
     Raises:
         ValidationError: the job runs on fewer than ``k + 1`` nodes (on every rank alike).
     """
 
-    def __init__(self, folder: Optional[str], k: int, keep: int, group: Any) -> None:
+    def __init__(self, folder: Optional[str], k: int, keep: int, group: Any,
+                 after_loss: Optional[AfterLoss] = None) -> None:
         channel = Channel(dist.get_process_group_ranks(group), dist.get_rank(group),
                           float(knobs.get("replica_timeout_s")))
         self.rank, self.world = channel.rank, channel.world
@@ -114,6 +125,8 @@ class Replicator:
         self._broken: Optional[BaseException] = None
         #: the keep round waiting after a recover that pulled copies into memory, and when it is due
         self._keep: Optional[tuple[Any, float]] = None
+        self._after_loss = after_loss
+        self._drainer: Optional[threading.Thread] = None
         self._thread = threading.Thread(target=self._run, name="nebula-replicas", daemon=True)
         self._thread.start()
         log.info("nebula_ckpt: rank %d on node %s: memory-tier replicas on rank(s) %s; holding rank(s) %s",
@@ -143,7 +156,7 @@ class Replicator:
             self._saves[index].memory_done = True
             self._cond.notify_all()
 
-    def recover(self, shared: Sequence[tuple[int, int]], step: Optional[int] = None,
+    def recover(self, shared: Sequence[tuple[int, int, int]], step: Optional[int] = None,
                 among: Optional[Sequence[int]] = None) -> dict[str, Any]:
         """Make the newest step every rank can get present in every rank's memory tier or a shared
         tier, pulling lost copies from their holders (a collective; every rank calls it). Returns
@@ -164,6 +177,8 @@ class Replicator:
             self._tasks.append(("end", None))
             self._cond.notify_all()
         self._thread.join(timeout if timeout is not None else 2 * float(knobs.get("replica_timeout_s")))
+        if self._drainer is not None:  # the shared tier's copy of a step restored after a node loss
+            self._drainer.join(timeout)
 
     def release(self) -> None:
         """Free the channel (after every rank is done with it: call after the ranks' closing barrier)."""
@@ -204,7 +219,7 @@ class Replicator:
             else:
                 self._recover_task(*arg)
 
-    def _recover_task(self, shared: list[tuple[int, int]], step: Optional[int], among: Optional[Sequence[int]],
+    def _recover_task(self, shared: list[tuple[int, int, int]], step: Optional[int], among: Optional[Sequence[int]],
                       box: dict[str, Any], done: Latch) -> None:
         keep = None
         try:
@@ -239,6 +254,21 @@ class Replicator:
             self._rp.counters.add("keep_failed", 1)
             log.error("nebula_ckpt: rank %d: keeping the copies pulled at restore in the memory tiers failed: %s",
                       self.rank, self._why(e))
+            return
+        views, _, target = keep
+        if self._after_loss is not None and self._rp.folder and not self._saved_since() and \
+                target not in recovery.shared_orders(views):
+            self._drainer = threading.Thread(target=self._drain, args=(target,), name="nebula-drain", daemon=True)
+            self._drainer.start()
+
+    def _drain(self, target: Any) -> None:
+        """This rank's part of ``target`` to the shared tier (:attr:`_after_loss`); never raises."""
+        assert self._after_loss is not None and self._rp.folder is not None
+        try:
+            self._after_loss(target, self.rank, self.world, self._rp.folder)
+        except Exception as e:  # the step stays where it is (RAM); persist-memory or the next save persists it
+            log.warning("nebula_ckpt: rank %d: step %d restored after a node loss is not drained to the shared "
+                        "tier: %s: %s", self.rank, target[1], type(e).__name__, e)
 
     def _saved_since(self) -> bool:
         """Whether a save was handed to this rank's memory tier since the restore (its round
@@ -328,9 +358,10 @@ def _short(node: str) -> str:
 
 
 def start_replicator(tiers: Sequence[Any], runtimes: Sequence[Any], coordinator: Any,
-                     read_only: bool) -> Optional[Replicator]:
+                     read_only: bool, after_loss: Optional[AfterLoss] = None) -> Optional[Replicator]:
     """The :class:`Replicator` of a Checkpointer whose memory tier asks for ``replicas`` (None
     otherwise, and for a reader). A collective in a multi-rank job: every rank calls it alike.
+    ``after_loss``: see :class:`Replicator`.
 
     Raises:
         ValidationError: replicas asked for in a one-process job, or with too few nodes.
@@ -345,4 +376,5 @@ def start_replicator(tiers: Sequence[Any], runtimes: Sequence[Any], coordinator:
                               "node: use replicas=0")
     rt = next((r for r in runtimes if r.tier is mem), None)
     folder = getattr(rt, "folder", None) if rt is not None else None
-    return Replicator(folder if folder and os.path.isdir(folder) else None, k, mem.keep_last or 1, coordinator.group)
+    return Replicator(folder if folder and os.path.isdir(folder) else None, k, mem.keep_last or 1, coordinator.group,
+                      after_loss)
