@@ -5,7 +5,7 @@ PYTEST_ARGS ?=
 RUFF_VERSION := 0.17.6
 MYPY_VERSION := 2.4.1
 
-.PHONY: demo demo-wipe test test-fast lint bench bench-deps bench-quick install blob-servers clean
+.PHONY: demo demo-wipe test test-fast soak lint bench bench-deps bench-quick install blob-servers clean
 
 install:
 	bash scripts/bootstrap.sh
@@ -24,6 +24,14 @@ test: install blob-servers
 
 test-fast: install
 	$(VPY) -m pytest -m "not slow and not blob" $(PYTEST_ARGS)
+
+# the model-based stateful test's long profile (tests/stateful/README.md): MINUTES=N (default 10) or
+# EXAMPLES=N sequences per seed, MACHINE=single|ranks|both; NEBULA_STATEFUL_SEED / _BLOB replay a failure
+MINUTES ?= 10
+EXAMPLES ?=
+MACHINE ?= both
+soak: install
+	$(VPY) tests/stateful/soak.py --minutes $(MINUTES) --machine $(MACHINE) $(if $(EXAMPLES),--examples $(EXAMPLES))
 
 # ruff and mypy with the configuration in pyproject.toml (installed into .venv when missing)
 lint: install

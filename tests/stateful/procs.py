@@ -12,6 +12,7 @@ import json
 import os
 import select
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -23,6 +24,12 @@ REPO = HERE.parents[1]
 
 #: seconds one command may take before the process counts as hung (a busy 2-core machine is slow)
 COMMAND_TIMEOUT_S = 180.0
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
 
 
 class Hung(AssertionError):
@@ -45,13 +52,21 @@ class Proc:
         return self.p.poll() is None
 
     def call(self, cmd: dict[str, Any], timeout: float = COMMAND_TIMEOUT_S) -> Optional[dict[str, Any]]:
-        assert self.p.stdin is not None and self.p.stdout is not None
+        return self.recv(cmd, timeout) if self.send(cmd) else None
+
+    def send(self, cmd: dict[str, Any]) -> bool:
+        """Hand ``cmd`` over (False: the process is gone); :meth:`recv` reads the answer."""
+        assert self.p.stdin is not None
         try:
             self.p.stdin.write(json.dumps(cmd) + "\n")
             self.p.stdin.flush()
         except (BrokenPipeError, OSError):
             self.p.wait(30)
-            return None
+            return False
+        return True
+
+    def recv(self, cmd: dict[str, Any], timeout: float = COMMAND_TIMEOUT_S) -> Optional[dict[str, Any]]:
+        assert self.p.stdout is not None
         fd = self.p.stdout.fileno()
         deadline = time.monotonic() + timeout
         while "\n" not in self._buf:

@@ -158,6 +158,27 @@ class Worker:
         _lib_log.setLevel(logging.INFO if KILL.at is None else logging.DEBUG)
         return {}
 
+    def op_arm_call(self, cmd: dict[str, Any]) -> dict[str, Any]:
+        """Die on entering ``cmd["call"]`` (``module:attribute`` or ``module:Class.method``), after
+        ``skip`` calls: a point that logs no line of its own (a replicas' round, the keep round)."""
+        import importlib
+
+        module, _, name = cmd["call"].partition(":")
+        owner: Any = importlib.import_module(module)
+        *path, attr = name.split(".")
+        for p in path:
+            owner = getattr(owner, p)
+        real = getattr(owner, attr)
+        left = [int(cmd.get("skip", 0))]
+
+        def dying(*a: Any, **kw: Any) -> Any:
+            if left[0] <= 0:
+                os.kill(os.getpid(), signal.SIGKILL)
+            left[0] -= 1
+            return real(*a, **kw)
+        setattr(owner, attr, dying)
+        return {}
+
     def op_open(self, cmd: dict[str, Any]) -> dict[str, Any]:
         """Become a job on ``root``: ``tiers`` = {"memory_keep", "disk_keep", "disk_every"}; then
         restore the newest checkpoint (``load_latest``) into a blank state."""
