@@ -53,7 +53,9 @@ class Outcome:
     report: list[str] = field(default_factory=list)
 
     def replay(self) -> str:
-        return f"NEBULA_STATEFUL_SEED={self.seed} make soak MACHINE={self.machine} EXAMPLES={max(self.examples, 1)}"
+        blob = os.environ.get("NEBULA_STATEFUL_BLOB")
+        how = f"NEBULA_STATEFUL_BLOB='{blob}'" if blob else f"NEBULA_STATEFUL_SEED={self.seed}"
+        return f"{how} make soak MACHINE={self.machine} EXAMPLES={max(self.examples, 1)}"
 
 
 def run(machine: Any, name: str, *, examples: int, steps: int, seed_: Optional[int] = None,
