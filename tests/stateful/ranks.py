@@ -86,6 +86,9 @@ class Ranks(RuleBasedStateMachine):
         self.log.append(text)
 
     def fail(self, text: str) -> None:
+        if text.split("\n")[0] not in self.shared.seen:  # at once, before Hypothesis shrinks it (minutes)
+            self.shared.seen.add(text.split("\n")[0])
+            print(f"stateful: violation (log folder {self.shared.base / 'logs'}): {text}", flush=True)
         raise Violation(f"{text}\n  root {self.root}; config {self.tiers}\n  operations so far:\n    "
                         + "\n    ".join(self.log[-40:]))
 

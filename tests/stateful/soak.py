@@ -32,6 +32,7 @@ def main() -> int:
     p.add_argument("--examples", type=int, default=None)
     p.add_argument("--steps", type=int, default=None, help="operations per sequence (default: 30 one-process, 16 ranks)")
     p.add_argument("--machine", choices=["single", "ranks", "both"], default="both")
+    p.add_argument("--no-shrink", action="store_true", help="report failures as found (shrinking can take minutes)")
     a = p.parse_args()
     replay = bool(os.environ.get("NEBULA_STATEFUL_SEED") or os.environ.get("NEBULA_STATEFUL_BLOB"))
     one_round = replay or (a.examples is not None and a.minutes is None)
@@ -40,7 +41,7 @@ def main() -> int:
     outcomes: list[Outcome] = []
     while True:
         for name in names:
-            outcomes.append(_one(name, a.examples or 10, a.steps))
+            outcomes.append(_one(name, a.examples or 10, a.steps, not a.no_shrink))
         if one_round or time.monotonic() >= deadline:
             break
     total = sum(o.examples for o in outcomes)
@@ -53,7 +54,7 @@ def main() -> int:
     return 1 if failed else 0
 
 
-def _one(name: str, examples: int, steps: int | None) -> Outcome:
+def _one(name: str, examples: int, steps: int | None, shrink: bool) -> Outcome:
     base = Path(tempfile.mkdtemp(prefix=f"nebula-soak-{name}-"))
     shm = shm_base()
     if name == "single":
@@ -61,12 +62,17 @@ def _one(name: str, examples: int, steps: int | None) -> Outcome:
     else:
         from stateful.ranks import Shared, Ranks as machine  # type: ignore[no-redef]
     machine.shared = shared = Shared(base, shm)
+    out = None
     try:
-        return run(machine, name, examples=examples, steps=steps or (30 if name == "single" else 16))
+        out = run(machine, name, examples=examples, steps=steps or (30 if name == "single" else 16), shrink=shrink)
+        return out
     finally:
         shared.close()
-        shutil.rmtree(base, ignore_errors=True)
         shutil.rmtree(shm, ignore_errors=True)
+        if out is not None and out.error is None:
+            shutil.rmtree(base, ignore_errors=True)
+        else:  # the workers' logs of a failure are kept
+            print(f"stateful: the workers' logs are kept in {base / 'logs'}", flush=True)
 
 
 if __name__ == "__main__":
