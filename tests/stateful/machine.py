@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
@@ -112,9 +113,10 @@ class Single(RuleBasedStateMachine):
         self.root_writers: set[int] = set()        # writers that surely took a generation on the root
         self.root_writers_maybe: set[int] = set()  # ... that may have (killed in their first save)
         self.log: list[str] = []
+        self.t0 = time.monotonic()
 
     # -- set-up --------------------------------------------------------------------------------
-    @initialize(memory_keep=st.integers(1, 3), disk_keep=st.integers(1, 3), disk_every=st.integers(1, 3),
+    @initialize(memory_keep=st.integers(1, 3), disk_keep=st.sampled_from([1, 2, 3, 5]), disk_every=st.integers(1, 3),
                 full_every=st.integers(2, 4))
     def configure(self, memory_keep: int, disk_keep: int, disk_every: int, full_every: int) -> None:
         self.tiers = {"memory_keep": memory_keep, "disk_keep": disk_keep, "disk_every": disk_every}
@@ -133,7 +135,7 @@ class Single(RuleBasedStateMachine):
         return self.writers
 
     def note(self, text: str) -> None:
-        self.log.append(text)
+        self.log.append(f"{time.monotonic() - self.t0:6.1f} s  {text}")
 
     def fail(self, text: str) -> None:
         if text.split("\n")[0] not in self.shared.seen:  # at once, before Hypothesis shrinks it (minutes)
@@ -262,12 +264,14 @@ class Single(RuleBasedStateMachine):
         self._start(node)
 
     @precondition(lambda self: self.job is not None)
-    @rule(gap=st.integers(1, 2), new_frozen=st.booleans())
-    def save_new(self, gap: int, new_frozen: bool) -> None:
-        assert self.job is not None
+    @rule(saves=st.integers(1, 4), gap=st.integers(1, 2), new_frozen=st.booleans())
+    def save_new(self, saves: int, gap: int, new_frozen: bool) -> None:
+        """``saves`` saves of new steps (the frozen part changes before the first when ``new_frozen``)."""
         if new_frozen:
             self.fid += 1
-        self._save(self.job.cursor + gap)
+        for _ in range(saves):
+            assert self.job is not None
+            self._save(self.job.cursor + gap)
 
     @precondition(lambda self: self.job is not None)
     @rule(current=st.booleans(), pick=st.integers(0, 7))

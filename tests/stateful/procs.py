@@ -89,6 +89,25 @@ class Proc:
             raise AssertionError(f"worker {self.n}: {cmd['op']} raised {got['crash']}\n{got.get('trace', '')}")
         return got
 
+    def _read_some(self) -> bool:
+        """Read what the process wrote (it is readable); False when it ended."""
+        assert self.p.stdout is not None
+        chunk = os.read(self.p.stdout.fileno(), 1 << 20).decode()
+        if not chunk:
+            self.p.wait(30)
+            return False
+        self._buf += chunk
+        return True
+
+    def _answer(self, cmd: dict[str, Any]) -> Optional[dict[str, Any]]:
+        if "\n" not in self._buf:
+            return None
+        line, self._buf = self._buf.split("\n", 1)
+        got = json.loads(line)
+        if "crash" in got:
+            raise AssertionError(f"worker {self.n}: {cmd['op']} raised {got['crash']}\n{got.get('trace', '')}")
+        return got
+
     def kill(self) -> None:
         if self.alive:
             self.p.send_signal(signal.SIGKILL)
@@ -140,3 +159,40 @@ class Pool:
         for p in self._ready:
             p.end()
         self._ready.clear()
+
+
+def everyone(procs: list[Proc], cmds: list[dict[str, Any]],
+             timeout: float = COMMAND_TIMEOUT_S) -> list[Optional[dict[str, Any]]]:
+    """Each process's command at once (the ranks of a job: collectives), then every answer. When
+    one process dies (killed at a point) the others are killed at once: their job is over, and
+    waiting for their collectives to time out would only cost time. None for each that died."""
+    sent = [p.send(c) for p, c in zip(procs, cmds, strict=True)]
+    out: list[Optional[dict[str, Any]]] = [None] * len(procs)
+    pending = {i for i, ok in enumerate(sent) if ok}
+    if len(pending) < len(procs):
+        for i in pending:
+            procs[i].kill()
+        return out
+    deadline = time.monotonic() + timeout
+    while pending:
+        for i in list(pending):
+            got = procs[i]._answer(cmds[i])
+            if got is not None:
+                out[i] = got
+                pending.discard(i)
+        if not pending:
+            break
+        left = deadline - time.monotonic()
+        if left <= 0:
+            for i in pending:
+                procs[i].kill()
+            raise Hung(f"workers {[procs[i].n for i in pending]} gave no answer to {cmds[0]['op']} in {timeout:.0f} s")
+        fds = {procs[i].p.stdout.fileno(): i for i in pending}  # type: ignore[union-attr]
+        ready, _, _ = select.select(list(fds), [], [], min(left, 5.0))
+        for fd in ready:
+            i = fds[fd]
+            if not procs[i]._read_some():  # died: the job is over
+                for j in range(len(procs)):
+                    procs[j].kill()
+                return [out[j] if j not in pending else None for j in range(len(procs))]
+    return out

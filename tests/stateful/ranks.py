@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,7 +27,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, precondition,
 from stateful.machine import SAVE_POINTS
 from stateful.machine import Shared as _Shared
 from stateful.model import ABSENT, Entry, Save, Truth, Violation
-from stateful.procs import Pool, Proc, free_port
+from stateful.procs import Pool, Proc, everyone, free_port
 
 WORLD = 2
 #: points without a log line of their own: ``module:function`` entered by the rank killed
@@ -73,6 +74,7 @@ class Ranks(RuleBasedStateMachine):
         self.writers = self.sids = 0
         self.fid = 1
         self.log: list[str] = []
+        self.t0 = time.monotonic()
 
     @initialize(memory_keep=st.integers(1, 2), disk_keep=st.integers(1, 2), disk_every=st.integers(1, 3))
     def configure(self, memory_keep: int, disk_keep: int, disk_every: int) -> None:
@@ -83,7 +85,7 @@ class Ranks(RuleBasedStateMachine):
         return str(self.shm / f"n{node}")
 
     def note(self, text: str) -> None:
-        self.log.append(text)
+        self.log.append(f"{time.monotonic() - self.t0:6.1f} s  {text}")
 
     def fail(self, text: str) -> None:
         if text.split("\n")[0] not in self.shared.seen:  # at once, before Hypothesis shrinks it (minutes)
@@ -95,8 +97,7 @@ class Ranks(RuleBasedStateMachine):
     def everyone(self, cmds: list[dict[str, Any]]) -> list[Optional[dict[str, Any]]]:
         """Each rank's command at once (collectives), then each answer (None: that rank died)."""
         assert self.job is not None
-        sent = [p.send(c) for p, c in zip(self.job.procs, cmds, strict=True)]
-        return [p.recv(c) if ok else None for p, c, ok in zip(self.job.procs, cmds, sent, strict=True)]
+        return everyone(self.job.procs, cmds)
 
     def _kill_job(self) -> None:
         if self.job is not None:
