@@ -19,9 +19,9 @@ class CountingCoordinator(LocalCoordinator):
     """One process's coordinator that records every exchange of candidates."""
 
     def __init__(self) -> None:
-        self.asked: list[list[tuple[int, int]]] = []
+        self.asked: list[list[tuple[int, int, int]]] = []
 
-    def agree_step(self, candidates: Sequence[tuple[int, int]]) -> Optional[tuple[int, int]]:
+    def agree_step(self, candidates: Sequence[tuple[int, int, int]]) -> Optional[tuple[int, int, int]]:
         self.asked.append(list(candidates))
         return super().agree_step(candidates)
 
@@ -36,9 +36,9 @@ def _root(tmp_path: Path) -> tuple[nc.Checkpointer, list]:
 def test_an_agreed_step_is_opened_without_an_exchange(tmp_path: Path) -> None:
     ck, pairs = _root(tmp_path)
     try:
-        gen = next(c.generation for c in list_candidates(pairs) if c.step == 1)
+        write = next(c.order for c in list_candidates(pairs) if c.step == 1)
         co = CountingCoordinator()
-        got = open_agreed(pairs, co, "root", None, "raise", agreed=(gen, 1))
+        got = open_agreed(pairs, co, "root", None, "raise", agreed=write)
         assert got is not None and got.step == 1  # the agreed step, not the newest one
         assert torch.equal(got.view("w"), torch.full((1024,), 1.0))
         assert co.asked == []
@@ -50,12 +50,12 @@ def test_an_agreed_step_is_opened_without_an_exchange(tmp_path: Path) -> None:
 def test_an_agreed_step_that_fails_to_open_falls_back_to_the_exchange(tmp_path: Path) -> None:
     ck, pairs = _root(tmp_path)
     try:
-        gen = next(c.generation for c in list_candidates(pairs) if c.step == 2)
+        write = next(c.order for c in list_candidates(pairs) if c.step == 2)
         shard = glob.glob(str(tmp_path / "root" / "step-2" / "shard-*"))[0]
         os.truncate(shard, os.path.getsize(shard) - 1)  # a torn copy: it cannot be opened
         co = CountingCoordinator()
-        got = open_agreed(pairs, co, "root", None, "raise", agreed=(gen, 2))
+        got = open_agreed(pairs, co, "root", None, "raise", agreed=write)
         assert got is not None and got.step == 1
-        assert co.asked and all((gen, 2) not in c for c in co.asked)  # the failed step is offered no more
+        assert co.asked and all(write not in c for c in co.asked)  # the failed step is offered no more
     finally:
         ck.close()

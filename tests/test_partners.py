@@ -72,23 +72,35 @@ def _view(own=(), held=None, shared=(), can_pull=True):  # type: ignore[no-untyp
 
 def test_target_is_the_newest_step_every_rank_can_get() -> None:
     # rank 1 lost its node: its step 5 is held by rank 0; the disk has step 2
-    views = [_view(own=[(1, 5)], held={1: [(1, 5)]}, shared=[(1, 2)]), _view(shared=[(1, 2)])]
-    assert recovery.choose_target(views) == (1, 5)
-    assert recovery.assignments(views, (1, 5), {1: 0}) == {1: 0}
-    assert recovery.assignments(views, (1, 5), {1: 1}) == {}
+    views = [_view(own=[(1, 5, 4)], held={1: [(1, 5, 4)]}, shared=[(1, 2, 1)]), _view(shared=[(1, 2, 1)])]
+    assert recovery.choose_target(views) == (1, 5, 4)
+    assert recovery.assignments(views, (1, 5, 4), {1: 0}) == {1: 0}
+    assert recovery.assignments(views, (1, 5, 4), {1: 1}) == {}
     # the holder's copy failed: step 5 excluded, the disk's step 2 is next
-    assert recovery.choose_target(views, excluded=[(1, 5)]) == (1, 2)
+    assert recovery.choose_target(views, excluded=[(1, 5, 4)]) == (1, 2, 1)
     # a rank that cannot receive (no memory tier) cannot use replicas
     views[1]["can_pull"] = False
-    assert recovery.choose_target(views) == (1, 2)
-    assert recovery.assignments(views, (1, 5), {1: 0}) == {}
+    assert recovery.choose_target(views) == (1, 2, 1)
+    assert recovery.assignments(views, (1, 5, 4), {1: 0}) == {}
 
 
 def test_a_newer_writer_generation_wins_and_step_filters_apply() -> None:
-    views = [_view(own=[(1, 9), (2, 3)], held={1: [(2, 3)]}), _view(own=[(1, 9)], held={0: [(2, 3)]})]
-    assert recovery.choose_target(views) == (2, 3)
-    assert recovery.choose_target(views, step=9) == (1, 9)
+    views = [_view(own=[(1, 9, 8), (2, 3, 0)], held={1: [(2, 3, 0)]}), _view(own=[(1, 9, 8)], held={0: [(2, 3, 0)]})]
+    assert recovery.choose_target(views) == (2, 3, 0)
+    assert recovery.choose_target(views, step=9) == (1, 9, 8)
     assert recovery.choose_target(views, among=[1, 2]) is None
+
+
+def test_two_writes_of_one_step_are_never_mixed() -> None:
+    """Step 5 saved twice (saves 3 and 4): rank 0 holds the second write, rank 1 can get only the
+    first (its partner's replica, the disk): the first is the one every rank can get, and no rank
+    is sent a copy of the other write."""
+    views = [_view(own=[(1, 5, 4)], held={1: [(1, 5, 3)]}, shared=[(1, 5, 3)]), _view(shared=[(1, 5, 3)])]
+    assert recovery.choose_target(views) == (1, 5, 3)
+    assert recovery.holders(views, 1, (1, 5, 3)) == [0] and recovery.holders(views, 1, (1, 5, 4)) == []
+    # without the disk's copy, only an older step every rank has
+    views = [_view(own=[(1, 5, 4), (1, 4, 2)], held={1: [(1, 5, 3), (1, 4, 2)]}), _view()]
+    assert recovery.choose_target(views) == (1, 4, 2)
 
 
 def test_only_steps_of_this_world_size_are_offered_from_memory(tmp_path, shm_dir: str) -> None:  # noqa: ANN001
@@ -96,13 +108,13 @@ def test_only_steps_of_this_world_size_are_offered_from_memory(tmp_path, shm_dir
     rank's part of the old layout from memory or a replica."""
     import torch
 
-    from nebula_ckpt.tiers.memory.replica_store import committed, of_world
+    from nebula_ckpt.tiers.memory.replica_store import of_world, writes
 
     folder = str(tmp_path / "tier")
     with nc.Checkpointer(folder, memory_tier=False) as ck:
         ck.save(1, {"w": torch.ones(3)}).result()
-    have = committed(folder)
-    assert [s for _, s in have] == [1]
+    have = writes(folder)
+    assert [s for _, s, _ in have] == [1]
     assert of_world(folder, have, 1) == have
     assert of_world(folder, have, 2) == []
 

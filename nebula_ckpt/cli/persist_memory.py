@@ -1,34 +1,55 @@
-"""``nebula-ckpt persist-memory ROOT``: the memory tier's newest step onto the root, for a job
-that ends for good (a job epilogue, a node agent). The work is
-:func:`nebula_ckpt.save.epilogue.persist_memory`; this is its command line."""
+"""``nebula-ckpt persist-memory ROOT``: the newest step this host's memory tiers hold onto the root,
+for a job that ends for good or moves to other nodes (a job epilogue on every node, a node agent,
+the scheduler's cleanup). The work is :func:`nebula_ckpt.save.epilogue.persist_memory`; this is its
+command line."""
 
 from __future__ import annotations
 
 import argparse
 import json
 import sys
-from typing import Callable
+from typing import Callable, Optional
 
-from nebula_ckpt.cli.common import out
-from nebula_ckpt.errors import ValidationError
+from nebula_ckpt.cli.common import human_bytes, out
+from nebula_ckpt.errors import FencedError, ValidationError
 from nebula_ckpt.save.epilogue import persist_memory
 
 
 def cmd_persist_memory(args: argparse.Namespace) -> int:
-    """Exit 0 when the newest memory-tier step is on the root (copied now or already), 1 when it is
-    damaged (nothing written), 2 when the root is multi-rank or a live process writes the tier."""
+    """Exit 0 when nothing newer than the root is left only in this host's RAM (the step committed
+    now, by this host or by another node's run that completed it; or nothing to do, with why; or
+    a multi-rank step waiting for other nodes' parts, which says which), 1 when a copy is damaged
+    or the root cannot be written (nothing of it committed), 2 when a live process writes a
+    memory tier of the root here, or a newer job committed on the root meanwhile (nothing written
+    by this run is visible)."""
     try:
-        got = persist_memory(args.root, args.storage_options)
-    except ValidationError as e:
+        got = persist_memory(args.root, args.storage_options, on_part=None if args.json else _progress())
+    except (ValidationError, FencedError) as e:
         sys.stderr.write(f"nebula-ckpt: {e}\n")
         return 2
-    out(json.dumps(got) if args.json else
-        (f"copied step {got['step']} to the root" if got["copied"] else f"nothing to copy: {got['why']}"))
+    if args.json:
+        out(json.dumps(got))
+    elif got["copied"]:
+        out(f"step {got['step']} is committed on the root: {got['why']}")
+    else:
+        out(f"nothing to copy: {got['why']}")
     return 0
+
+
+def _progress() -> Optional[Callable[[int, int], None]]:
+    """A line on stderr per rank's part written, where a terminal shows it."""
+    if not sys.stderr.isatty():
+        return None
+
+    def told(rank: int, nbytes: int) -> None:
+        sys.stderr.write(f"persist-memory: rank {rank}'s part written ({human_bytes(nbytes)})\n")
+    return told
 
 
 def add_persist_memory_parser(sub: "argparse._SubParsersAction[argparse.ArgumentParser]",
                               common: Callable[[argparse.ArgumentParser], None]) -> None:
     """The ``persist-memory`` subcommand (``common``: the root, ``--json``, ``--storage-options``)."""
-    sp = sub.add_parser("persist-memory", help="put the memory tier's newest step on the root (job epilogue)")
+    sp = sub.add_parser("persist-memory", help="put the newest step only in this host's memory tiers on the root "
+                                               "(job epilogue, on every node)")
     common(sp)
+

@@ -3,6 +3,13 @@
 ``COMMIT`` is written last, create-only, and names the manifest's size and CRC32C; a folder
 without it is not a checkpoint (readers ignore it, writers clean it up). :func:`read_commit` is
 the one reader of markers and :func:`committed_steps` the one listing of checkpoints.
+
+A marker also names which *write* of the step it commits: the writer generation, and ``save``,
+the number of the save in that generation (``save_async`` calls are numbered from 0 by every
+rank alike). A step number saved twice in one generation is two writes; the copies of one write
+on different tiers and ranks (a rank's memory tier, a partner's replica, the shared tier, a copy
+made by ``persist-memory``) carry the same ``(generation, step, save)``, so copies of two writes
+are never taken for one (:attr:`Commit.write`). ``save`` is optional (absent: unknown, ``-1``).
 """
 
 from __future__ import annotations
@@ -10,7 +17,7 @@ from __future__ import annotations
 import json
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Optional
 
 from nebula_ckpt.errors import CorruptCheckpointError
 from nebula_ckpt.format.checks import as_int, as_obj, bad
@@ -18,6 +25,9 @@ from nebula_ckpt.format.names import COMMIT, FORMAT, VERSION, parse_step_dir, st
 
 if TYPE_CHECKING:
     from nebula_ckpt.storage.base import Storage
+
+#: ``(writer generation, step, save number)`` of one write of a step (see :attr:`Commit.write`)
+Write = tuple[int, int, int]
 
 
 @dataclass(frozen=True)
@@ -28,12 +38,23 @@ class Commit:
     generation: int
     manifest_bytes: int
     manifest_crc32c: int
+    #: the number of the save that wrote this step in its generation (None: not recorded)
+    save: Optional[int] = None
+
+    @property
+    def write(self) -> Write:
+        """``(generation, step, save)``: which write of the step this is, in the order a restore
+        prefers (newest generation, then step, then the later save of one step; ``-1``: unknown)."""
+        return (self.generation, self.step, -1 if self.save is None else self.save)
 
     def to_bytes(self) -> bytes:
         """Serialise."""
-        return json.dumps({"format": FORMAT, "version": VERSION, "step": self.step,
-                           "generation": self.generation, "manifest_bytes": self.manifest_bytes,
-                           "manifest_crc32c": self.manifest_crc32c, "time": time.time()}).encode()
+        out: dict[str, Any] = {"format": FORMAT, "version": VERSION, "step": self.step,
+                               "generation": self.generation, "manifest_bytes": self.manifest_bytes,
+                               "manifest_crc32c": self.manifest_crc32c, "time": time.time()}
+        if self.save is not None:
+            out["save"] = self.save
+        return json.dumps(out).encode()
 
     @staticmethod
     def parse(data: bytes, where: str) -> "Commit":
@@ -45,9 +66,11 @@ class Commit:
         w = f"{where}: {COMMIT}"
         try:
             d = as_obj(d, w, "the commit marker")
+            save = d.get("save")
             return Commit(as_int(d.get("step"), w, "step"), as_int(d.get("generation"), w, "generation"),
                           as_int(d.get("manifest_bytes"), w, "manifest_bytes"),
-                          as_int(d.get("manifest_crc32c"), w, "manifest_crc32c", hi=2**32 - 1))
+                          as_int(d.get("manifest_crc32c"), w, "manifest_crc32c", hi=2**32 - 1),
+                          None if save is None else as_int(save, w, "save"))
         except CorruptCheckpointError as e:
             raise CorruptCheckpointError(f"commit marker is unreadable: {e}") from None
 
@@ -60,6 +83,18 @@ def step_dirs(storage: "Storage") -> list[int]:
 def committed_steps(storage: "Storage") -> list[int]:
     """Steps with a commit marker on ``storage``, ascending (the one listing of checkpoints)."""
     return [s for s in step_dirs(storage) if storage.exists(f"{step_dir(s)}/{COMMIT}")]
+
+
+def committed_writes(storage: "Storage") -> list[Write]:
+    """The writes ``(generation, step, save)`` committed on ``storage``, ascending (markers that
+    cannot be read are left out: no checkpoint of anyone's)."""
+    out = []
+    for s in committed_steps(storage):
+        try:
+            out.append(read_commit(storage, s, f"{storage.display_url} step {s}").write)
+        except (OSError, CorruptCheckpointError):
+            continue
+    return sorted(out)
 
 
 def read_commit(storage: "Storage", step: int, where: str) -> Commit:

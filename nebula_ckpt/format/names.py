@@ -74,6 +74,13 @@ def records_name(generation: int, rank: int) -> str:
     return f"records-g{generation}-r{rank}.json"
 
 
+def drain_part_name(generation: int, rank: int) -> str:
+    """File name of the part record a drain of the memory tiers leaves beside rank ``rank``'s
+    shard until the step commits (:mod:`nebula_ckpt.format.drain`); named like that rank's records
+    file, so sweeps know whose it is."""
+    return f"{records_name(generation, rank)}.drain"
+
+
 def is_records_name(name: str) -> bool:
     """Whether ``name`` is exactly a records file name of this format (a plain name, no path)."""
     return _RECORDS_RE.fullmatch(name) is not None

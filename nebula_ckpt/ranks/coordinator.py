@@ -24,7 +24,10 @@ cleanup and retention never delete a file of the same generation written by anot
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence, TypeVar
+
+#: what the ranks agree on at restore: a tuple of ints compared in order (``(generation, step, save)``)
+OrderT = TypeVar("OrderT", bound=tuple[int, ...])
 
 #: the phases of one save on a shared tier, in order (see :mod:`nebula_ckpt.save.rounds`)
 PHASE_DIGEST, PHASE_INDEX, PHASE_DURABLE, PHASE_VERDICT = 0, 1, 2, 3
@@ -77,9 +80,9 @@ class Coordinator(ABC):
         """This rank does not write save ``index`` on ``tier`` (its later phases answer ``None``)."""
 
     @abstractmethod
-    def agree_step(self, candidates: Sequence[tuple[int, int]]) -> Optional[tuple[int, int]]:
-        """The newest of ``candidates`` (this rank's restorable ``(writer generation, step)``
-        pairs, compared as tuples: generation first) that every rank has."""
+    def agree_step(self, candidates: Sequence[OrderT]) -> Optional[OrderT]:
+        """The newest of ``candidates`` (this rank's restorable ``(writer generation, step, save)``
+        writes, compared as tuples: generation first) that every rank has."""
 
     @abstractmethod
     def all_true(self, ok: bool) -> bool:
@@ -102,7 +105,7 @@ class LocalCoordinator(Coordinator):
     def round(self, tier: str, index: int, phase: int, payload: Any) -> list[Any]:
         return [payload]
 
-    def agree_step(self, candidates: Sequence[tuple[int, int]]) -> Optional[tuple[int, int]]:
+    def agree_step(self, candidates: Sequence[OrderT]) -> Optional[OrderT]:
         return max(candidates, default=None)
 
     def all_true(self, ok: bool) -> bool:

@@ -30,7 +30,7 @@ import torch.distributed as dist
 
 from nebula_ckpt import knobs
 from nebula_ckpt.errors import PersistError
-from nebula_ckpt.ranks.coordinator import PHASE_DURABLE, PHASE_VERDICT, PHASES, SKIP, Coordinator
+from nebula_ckpt.ranks.coordinator import PHASE_DURABLE, PHASE_VERDICT, PHASES, SKIP, Coordinator, OrderT
 
 log = logging.getLogger(__name__)
 
@@ -237,10 +237,11 @@ class DistCoordinator(Coordinator):
         dist.all_gather_object(out, value, group=self._live_control())
         return out
 
-    def agree_step(self, candidates: Sequence[tuple[int, int]]) -> Optional[tuple[int, int]]:
+    def agree_step(self, candidates: Sequence[OrderT]) -> Optional[OrderT]:
         sets = [{tuple(x) for x in c} for c in self._gather(sorted(set(candidates)))]
         common = set.intersection(*sets) if sets else set()
-        return max(common, default=None)
+        newest = max(common, default=None)
+        return None if newest is None else next(c for c in candidates if tuple(c) == newest)
 
     def all_true(self, ok: bool) -> bool:
         return all(self._gather(bool(ok)))

@@ -28,6 +28,14 @@ newer one's (:func:`nebula_ckpt.restore.select.list_candidates`).
 The check and the commit are two operations, so a takeover in between can still race; then the
 stale writer's manifest may replace the new one's, which the commit marker's manifest checksum
 detects: that checkpoint is skipped on restore, never loaded torn.
+
+A *past* writer generation (:meth:`Fence.past`) is how ``persist-memory`` writes a step that lives
+only in the memory tiers: under the generation that made it, taken long ago by the job that is
+gone. It takes no generation and records none, so it fences nobody; its check refuses once a
+newer generation has *committed* a step on the tier (that job's steps supersede the memory step:
+a restore prefers the newest generation's, :func:`nebula_ckpt.restore.select.list_candidates`).
+A newer generation that has committed nothing yet loses nothing: its first commit outranks the
+step written under the older generation.
 """
 
 from __future__ import annotations
@@ -43,6 +51,7 @@ from contextlib import contextmanager
 from typing import Callable, Iterator, Optional, Protocol
 
 from nebula_ckpt.errors import FencedError, NebulaError
+from nebula_ckpt.format.commit import committed_steps, read_commit
 from nebula_ckpt.format.names import RUN_FILE, WRITERS_DIR, writer_generation, writer_record
 from nebula_ckpt.ranks.coordinator import Coordinator, LocalCoordinator
 from nebula_ckpt.storage.base import Storage
@@ -103,6 +112,23 @@ def generations(storage: Storage) -> list[int]:
     return sorted(g for g in map(writer_generation, storage.list(WRITERS_DIR)) if g is not None)
 
 
+def newer_commit(storage: Storage, generation: int) -> Optional[tuple[int, int]]:
+    """``(generation, step)`` of a committed step on ``storage`` whose writer generation is newer
+    than ``generation``, or None. Only listed when a newer generation is recorded at all."""
+    gens = generations(storage)
+    if not gens or gens[-1] <= generation:
+        return None
+    for s in reversed(committed_steps(storage)):
+        try:
+            g = read_commit(storage, s, f"{storage.display_url} step {s}").generation
+        except Exception as e:  # an unreadable marker is no commit of anyone's
+            log.debug("nebula_ckpt: %s step %d: %s", storage.display_url, s, e)
+            continue
+        if g > generation:
+            return g, s
+    return None
+
+
 class Fence:
     """The generation of one writer (one job: every rank shares it) on one root storage. Thread-safe.
 
@@ -115,6 +141,8 @@ class Fence:
         self.storage = storage
         self._coordinator = coordinator or LocalCoordinator()
         self._generation: Optional[int] = None
+        #: a past generation's fence (:meth:`past`): never takes one, checks for newer commits
+        self.is_past = False
         self._lock = threading.Lock()
         self._fenced: Optional[str] = None
         self._on_fenced: list[Callable[[], None]] = []
@@ -122,6 +150,17 @@ class Fence:
         #: held while a commit marker is written (:meth:`TierFence.committing`) and while
         #: :meth:`stop` marks the writer fenced: no marker is written after that
         self._commit_lock = threading.RLock()
+
+    @classmethod
+    def past(cls, storage: Storage, generation: int) -> "Fence":
+        """The fence of ``generation``, a writer generation that exists on ``storage`` already
+        (the module docstring's *past* generation): writing under it takes and records no
+        generation; its :meth:`TierFence.check` raises :class:`FencedError` once a newer
+        generation has committed a step on the tier checked."""
+        fence = cls(storage)
+        fence._generation = generation
+        fence.is_past = True
+        return fence
 
     @property
     def fenced(self) -> Optional[str]:
@@ -225,6 +264,13 @@ class TierFence:
         if fenced is not None:
             raise FencedError(f"{self.storage.display_url}: this writer does not {what}: it was fenced ({fenced})")
         g = self.generation
+        if self._fence.is_past:
+            newer = newer_commit(self.storage, g)
+            if newer is not None:
+                raise FencedError(f"{self.storage.display_url}: step {newer[1]} of writer generation {newer[0]} is "
+                                  f"committed there, newer than generation {g}, so nothing of generation {g} is "
+                                  f"written (not to {what}): a newer job's steps supersede it")
+            return
         if not self._recorded:
             try:
                 self.storage.write_small(writer_record(g), b"{}", create_only=True)

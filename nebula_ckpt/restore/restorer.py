@@ -135,7 +135,8 @@ class Restorer:
                 shared = [c.order for c in list_candidates([(t, s) for t, s in pairs if t.shared])]
                 rec = self.replicator.recover(shared, step, among)
                 pairs = _with_pulled(pairs, rec, self.coordinator.rank)
-            agreed = None if rec is None or rec["step"] is None else (int(rec["generation"]), int(rec["step"]))
+            agreed = None if rec is None or rec["step"] is None else \
+                (int(rec["generation"]), int(rec["step"]), int(rec["save"]))
             ck = open_agreed(pairs, self.coordinator, self.root, step, on_damaged, among, stage, self._checked(rec),
                              agreed)
         elif tag is not None:
@@ -150,13 +151,13 @@ class Restorer:
             self.last_restore.update(sources=rec["sources"], source=rec["sources"][self.coordinator.rank])
         return ck
 
-    def _checked(self, rec: Optional[dict[str, Any]]) -> Optional[tuple[str, int, int]]:
+    def _checked(self, rec: Optional[dict[str, Any]]) -> Optional[tuple[str, int, int, int]]:
         """The memory-tier copy the replicas' recover round checked in full on this rank (its own
         copy, or the one it pulled), which the restore then need not check again; None if none."""
         mem = next((t for t, _ in self.tier_pairs() if not t.shared), None)
         if rec is None or mem is None or not rec.get("checked") or rec["step"] is None:
             return None
-        return (mem.name, int(rec["generation"]), int(rec["step"]))
+        return (mem.name, int(rec["generation"]), int(rec["step"]), int(rec["save"]))
 
     def stage(self, into: Any, map_location: Any, strict: bool) -> Optional[Stage]:
         """What prepares a restore into ``into`` while the candidates are opened (None: no ``into``)."""

@@ -2,10 +2,13 @@
 
 Candidates are every committed step on every tier: the newest writer generation first (a
 checkpoint of a stale writer, fenced since, never wins over a newer writer's, whatever its step
-number and tier), then the newest step, then, for one step, the fastest tier. Each is opened and
+number and tier), then the newest step, then the later write of a step saved twice (its commit
+marker's save number), then, for one write, the fastest tier. Each is opened and
 verified (:func:`~nebula_ckpt.restore.open.open_checkpoint`); on any damage the next candidate is
 tried (:func:`find_and_open`). In a multi-rank job every rank opens the same step, the newest
-that every rank can open (:func:`open_agreed`).
+that every rank can open (:func:`open_agreed`): the same *write* of it, ``(generation, step,
+save)``, so that a rank whose fastest tier holds the second write of a step saved twice and a rank
+that has only the first never restore a mix of the two.
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ from dataclasses import dataclass
 from typing import Callable, Optional
 
 from nebula_ckpt.errors import CorruptCheckpointError, ValidationError
-from nebula_ckpt.format.commit import committed_steps, read_commit
+from nebula_ckpt.format.commit import Write, committed_steps, read_commit
 from nebula_ckpt.ranks.coordinator import Coordinator
 from nebula_ckpt.restore.open import NotThisLayout, OpenCheckpoint, open_checkpoint
 from nebula_ckpt.storage.base import Storage
@@ -26,10 +29,11 @@ log = logging.getLogger(__name__)
 #: prepares the restore of one opened candidate (see :func:`~nebula_ckpt.restore.apply.stage_restore`)
 Stage = Callable[[OpenCheckpoint], None]
 
-#: ``(tier name, writer generation, step)`` of a copy whose every checksum this process checked
-#: during this restore (a memory-tier copy, by the replicas' recover round): opened checking sizes
-#: only, so its bytes are not checked twice. Copies on other tiers, or of other steps, are not.
-Checked = Optional[tuple[str, int, int]]
+#: ``(tier name, writer generation, step, save)`` of a copy whose every checksum this process
+#: checked during this restore (a memory-tier copy, by the replicas' recover round): opened
+#: checking sizes only, so its bytes are not checked twice. Copies on other tiers, or of other
+#: writes, are not.
+Checked = Optional[tuple[str, int, int, int]]
 
 #: What :func:`find_and_open` does when committed checkpoints exist but none is healthy.
 ON_ALL_DAMAGED = ("raise", "warn")
@@ -37,20 +41,22 @@ ON_ALL_DAMAGED = ("raise", "warn")
 
 @dataclass(frozen=True)
 class Candidate:
-    """A committed step on one tier, with the writer generation its commit marker names (-1 when
-    the marker cannot be read: ``problem`` then says why, and the candidate is reported as
-    damaged, never opened)."""
+    """A committed step on one tier, with the writer generation and save number its commit marker
+    names (generation -1 when the marker cannot be read: ``problem`` then says why, and the
+    candidate is reported as damaged, never opened; save -1: not recorded)."""
 
     step: int
     tier: Tier
     storage: Storage
     generation: int = -1
     problem: Optional[str] = None
+    save: int = -1
 
     @property
-    def order(self) -> tuple[int, int]:
-        """What makes a candidate newer: its writer generation first, then its step."""
-        return (self.generation, self.step)
+    def order(self) -> Write:
+        """What makes a candidate newer: its writer generation first, then its step, then its save
+        number; also which write of the step it is (:attr:`~nebula_ckpt.format.commit.Commit.write`)."""
+        return (self.generation, self.step, self.save)
 
 
 
@@ -62,7 +68,7 @@ def list_candidates(tiers: list[tuple[Tier, Storage]]) -> list[Candidate]:
     higher steps on a tier the newer one never wrote (its memory tier): those steps are a run
     that was abandoned, never the one to resume.
     """
-    cands: list[tuple[int, int, int, Candidate]] = []
+    cands: list[tuple[int, int, int, int, Candidate]] = []
     for i, (tier, st) in enumerate(tiers):
         try:
             steps = committed_steps(st)
@@ -70,18 +76,18 @@ def list_candidates(tiers: list[tuple[Tier, Storage]]) -> list[Candidate]:
             log.warning("nebula_ckpt: cannot list tier %s: %s", tier.name, e)
             continue
         for s in steps:
-            g, problem = _commit_generation(st, s)
-            cands.append((-g, -s, i, Candidate(s, tier, st, g, problem)))
-    return [c for *_, c in sorted(cands, key=lambda x: x[:3])]
+            (g, _, w), problem = _commit_write(st, s)
+            cands.append((-g, -s, -w, i, Candidate(s, tier, st, g, problem, w)))
+    return [c for *_, c in sorted(cands, key=lambda x: x[:4])]
 
 
-def _commit_generation(storage: Storage, step: int) -> tuple[int, Optional[str]]:
-    """The writer generation the commit marker of ``step`` names, or ``(-1, why)`` when the marker
-    cannot be read (missing since listed, unreadable, garbled)."""
+def _commit_write(storage: Storage, step: int) -> tuple[Write, Optional[str]]:
+    """The write ``(generation, step, save)`` the commit marker of ``step`` names, or
+    ``((-1, step, -1), why)`` when the marker cannot be read (missing since listed, unreadable, garbled)."""
     try:
-        return read_commit(storage, step, f"step {step}").generation, None
+        return read_commit(storage, step, f"step {step}").write, None
     except Exception as e:
-        return -1, str(e) if isinstance(e, CorruptCheckpointError) else \
+        return (-1, step, -1), str(e) if isinstance(e, CorruptCheckpointError) else \
             f"commit marker is unreadable ({type(e).__name__}: {e})"
 
 
@@ -89,7 +95,8 @@ def _commit_generation(storage: Storage, step: int) -> tuple[int, Optional[str]]
 def find_and_open(tiers: list[tuple[Tier, Storage]], step: Optional[int] = None,
                   verify: Optional[str] = None, on_all_damaged: str = "raise", rank: Optional[int] = None,
                   world: int = 1, stage: Optional[Stage] = None,
-                  generation: Optional[int] = None, checked: Checked = None) -> Optional[OpenCheckpoint]:
+                  generation: Optional[int] = None, checked: Checked = None,
+                  save: Optional[int] = None) -> Optional[OpenCheckpoint]:
     """Open the newest healthy checkpoint (or the healthy copy of ``step``).
 
     Every candidate that fails to open, for whatever reason, is skipped with a warning.
@@ -98,6 +105,7 @@ def find_and_open(tiers: list[tuple[Tier, Storage]], step: Optional[int] = None,
         tiers: ``(tier, storage)`` pairs, fastest first.
         step: only this step; None: the newest healthy one (newest writer generation first).
         generation: only checkpoints of this writer generation (the one the ranks agreed on).
+        save: only checkpoints of this save number (with ``generation`` and ``step``: one write).
         checked: the copy this process checked already (see :data:`Checked`).
         verify: ``"full"`` or ``"size"``; None: each tier's own setting.
         on_all_damaged: when committed candidates exist but none is healthy: ``"raise"`` a
@@ -123,9 +131,10 @@ def find_and_open(tiers: list[tuple[Tier, Storage]], step: Optional[int] = None,
             log.warning("nebula_ckpt: skipping %s", why)
             skipped.append(why)
     for c in cands:
-        if c.problem is not None or (generation is not None and c.generation != generation):
+        if c.problem is not None or (generation is not None and c.generation != generation) or \
+                (save is not None and c.save != save):
             continue
-        how = verify or ("size" if checked == (c.tier.name, c.generation, c.step) else c.tier.verify)
+        how = verify or ("size" if checked == (c.tier.name, *c.order) else c.tier.verify)
         ck = _open_candidate(c, how, rank, world, stage, skipped)
         if ck is not None:
             log.info("nebula_ckpt: restoring step %d from tier %s%s", c.step, c.tier.name,
@@ -201,25 +210,26 @@ def open_tagged(tiers: list[tuple[Tier, Storage]], steps: list[int], tag: str, r
 def open_agreed(tiers: list[tuple[Tier, Storage]], co: Coordinator, root: str, step: Optional[int],
                 on_damaged: str, among: Optional[list[int]] = None,
                 stage: Optional[Stage] = None, checked: Checked = None,
-                agreed: Optional[tuple[int, int]] = None) -> Optional[OpenCheckpoint]:
-    """Every rank opens the same step: the newest that every rank can open from some tier (of
-    ``among``, when given: the steps this rank sees with the tag asked for).
+                agreed: Optional[Write] = None) -> Optional[OpenCheckpoint]:
+    """Every rank opens the same write of a step: the newest that every rank can open from some
+    tier (of ``among``, when given: the steps this rank sees with the tag asked for).
 
     Each round, the ranks intersect the steps committed on their tiers (minus those that failed
     on some rank) and take the newest; each rank opens it (its own memory tier, or its part of
     the shared tier); if any rank cannot, the step is dropped on all and the next round tries an
     older one. Runs on the training thread; collectives on ``co``'s control group. ``checked``:
-    see :data:`Checked`. ``agreed``: the ``(writer generation, step)`` the ranks agreed on
+    see :data:`Checked`. ``agreed``: the ``(writer generation, step, save)`` the ranks agreed on
     already, the same on every rank (the replicas' recover round: every rank has it on a tier):
     the first round opens it without exchanging the candidates.
     """
-    failed: list[tuple[int, int]] = []
+    failed: list[Write] = []
     while True:
-        newest: Optional[tuple[int, int]]
+        newest: Optional[Write]
         if agreed is not None:  # agreed on every rank alike: no exchange for it
             newest, agreed = agreed, None
         else:
-            # (writer generation, step): a stale writer's steps never win over a newer writer's
+            # (writer generation, step, save): a stale writer's steps never win over a newer
+            # writer's, and the ranks agree on one write of a step saved twice
             have = {c.order for c in list_candidates(tiers)
                     if (step is None or c.step == step) and (among is None or c.step in among)}
             newest = co.agree_step(sorted(have - set(failed)))
@@ -227,7 +237,7 @@ def open_agreed(tiers: list[tuple[Tier, Storage]], co: Coordinator, root: str, s
             if failed and on_damaged == "raise":
                 raise CorruptCheckpointError(
                     f"rank {co.rank}: no step is restorable on every rank of {root}: step(s) "
-                    f"{sorted({s for _, s in failed})} failed to open on some rank (see the ranks' logs for why); "
+                    f"{sorted({s for _, s, _ in failed})} failed to open on some rank (see the ranks' logs for why); "
                     "`nebula-ckpt verify ROOT` lists damage")
             return None
         ck = _open_round(tiers, co, newest, stage, checked)
@@ -237,19 +247,19 @@ def open_agreed(tiers: list[tuple[Tier, Storage]], co: Coordinator, root: str, s
         failed.append(newest)
 
 
-def _open_round(tiers: list[tuple[Tier, Storage]], co: Coordinator, newest: tuple[int, int],
+def _open_round(tiers: list[tuple[Tier, Storage]], co: Coordinator, newest: Write,
                 stage: Optional[Stage], checked: Checked = None) -> Optional[OpenCheckpoint]:
-    """One round of :func:`open_agreed`: every rank opens ``(generation, step)``; the checkpoint
-    when every rank could, else None.
+    """One round of :func:`open_agreed`: every rank opens the write ``(generation, step, save)``;
+    the checkpoint when every rank could, else None.
 
     Raises:
         ValidationError: some rank's ``into`` does not match (raised on every rank).
     """
-    generation, agreed = newest
+    generation, agreed, save = newest
     mismatch: Optional[ValidationError] = None
     try:
         ck = find_and_open(tiers, step=agreed, on_all_damaged="warn", rank=co.rank, world=co.world_size,
-                           stage=stage, generation=generation, checked=checked)
+                           stage=stage, generation=generation, checked=checked, save=save)
     except ValidationError as e:  # this rank's `into`: raised on every rank, after the round
         ck, mismatch = None, e
     except Exception as e:

@@ -28,7 +28,7 @@ import logging
 import os
 import uuid
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Optional
 
 from nebula_ckpt.errors import PersistError
 from nebula_ckpt.format.commit import Commit, committed_steps, read_commit
@@ -67,12 +67,13 @@ def encode_manifest(manifest: dict[str, Any]) -> bytes:
 
 
 def commit_manifest(storage: Storage, fence: TierFence, step: int, mbytes: bytes,
-                    progress: CommitProgress, tier: str) -> None:
+                    progress: CommitProgress, tier: str, save: Optional[int] = None) -> None:
     """Write ``step``'s manifest (``mbytes``, atomic), check the fence, then create its ``COMMIT``.
 
-    ``tier`` names the storage in the logs. ``progress.may_commit`` is set once the marker's
-    write begins, and cleared again only when a failed write certainly created nothing
-    (:func:`~nebula_ckpt.storage.base.never_created`).
+    ``tier`` names the storage in the logs; ``save``: the number of the save that wrote the step
+    in its generation (the marker records it: :attr:`~nebula_ckpt.format.commit.Commit.write`).
+    ``progress.may_commit`` is set once the marker's write begins, and cleared again only when a
+    failed write certainly created nothing (:func:`~nebula_ckpt.storage.base.never_created`).
 
     Raises:
         FencedError: a newer writer took over ``storage`` (nothing was committed).
@@ -84,7 +85,7 @@ def commit_manifest(storage: Storage, fence: TierFence, step: int, mbytes: bytes
     storage.write_small(f"{d}/{MANIFEST}", mbytes)
     fence.check(f"commit step {step}")
     log.debug("nebula_ckpt: phase=commit tier=%s step=%d", tier, step)
-    commit = Commit(step, fence.generation, len(mbytes), get_ops().crc32c_bytes(mbytes))
+    commit = Commit(step, fence.generation, len(mbytes), get_ops().crc32c_bytes(mbytes), save)
     with fence.committing(f"commit step {step}"):  # refused once fenced; stop() waits for it
         progress.may_commit = True
         try:

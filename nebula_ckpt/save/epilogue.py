@@ -1,146 +1,196 @@
-"""Nothing left only in RAM: put the memory tier's newest step on the persistent root.
+"""Nothing left only in RAM: put the newest step the memory tiers hold on the persistent root.
 
-A job that ends for good (its epilogue, or a node agent before the node is given back) may hold
-its newest checkpoint only in the memory tier (``/dev/shm``), which does not survive a reboot:
-the persistent tiers are written less often. :func:`persist_memory` copies the newest committed
-memory-tier step of a root to the root's own tier (the same commit protocol as a save: shard,
-manifest, commit marker last, under a new writer generation), verifying its checksums first.
-``nebula-ckpt persist-memory ROOT`` runs it.
+A job that ends for good (its epilogue, or a node agent before the node is given back), or whose
+nodes were lost and whose scheduler moves it to fresh nodes without a memory tier, may hold its
+newest checkpoint only in the memory tiers (``/dev/shm``), which do not survive a reboot: the
+persistent tiers are written less often. :func:`persist_memory` (``nebula-ckpt persist-memory
+ROOT``) puts the newest step this host's memory tiers hold of the root's run on the root:
 
-One process (a root written by one rank): done as described. A multi-rank root: each rank's
-memory tier holds only its own part of a step, and the root's checkpoint of a step is one
-manifest for every rank, written by the job's ranks together; an epilogue on one node cannot
-build it, so it refuses (exit status 2) and says which steps are only in RAM, on whichever node
-it runs: every memory-tier folder of the root's run on this host is looked at (each rank's own
-steps, and the replicas it holds of other ranks' steps), not only rank 0's. Restart the job
-once (same world size: it restores from the memory tiers and replicas) and let it save to the
-persistent tier, or give its disk or blob tier ``every=1``.
+* it looks at every memory-tier folder of the root's run on this host (each rank's own steps,
+  and the replicas it holds of other ranks' steps), each locked for the whole run: a folder a
+  live process writes is never read (the job, or its restart, runs here: nothing is done);
+* it writes the step **under the writer generation that made it** and takes none: it fences
+  nobody, and it writes only a step newer, in the order a restore prefers (newest generation,
+  then step, then the later write of a step saved twice), than every step on the root: a job
+  that took the root over since (a newer generation that committed a step) supersedes the
+  memory step, and nothing is written (:func:`~nebula_ckpt.save.drain.not_newer`);
+* it deletes nothing: no retention of its own, the root's checkpoints all stay;
+* every checksum is verified before a byte is written (a damaged copy is never written).
+
+One process: the step is copied as is, under the root's commit protocol (shard, manifest,
+``COMMIT`` last). A multi-rank job: each node's run writes the parts of the ranks it holds, and
+the step is committed once every rank's part is on the root, by whichever node's run sees that
+(:mod:`nebula_ckpt.save.drain`): run it on every node that holds a part (their runs may overlap).
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
-from typing import Any, Optional
+import os
+from typing import Any, Callable, Iterator, Optional
 
 from nebula_ckpt.errors import NebulaError, ValidationError
-from nebula_ckpt.format.commit import committed_steps
+from nebula_ckpt.format.commit import Write, committed_writes, read_commit
+from nebula_ckpt.format.manifest import Manifest
+from nebula_ckpt.format.names import MANIFEST, shard_name, step_dir
+from nebula_ckpt.format.references import shard_path
 from nebula_ckpt.ranks.fencing import Fence, read_run_id
 from nebula_ckpt.restore.open import open_checkpoint, read_manifest
-from nebula_ckpt.save.writer import TierWriter
+from nebula_ckpt.save.commit import CommitProgress, commit_manifest, encode_manifest
+from nebula_ckpt.save.drain import Copy, Drain, folder_problem, not_newer, write_whole
+from nebula_ckpt.save.incremental import whole_image
+from nebula_ckpt.storage.base import Storage
 from nebula_ckpt.storage.local import LocalStorage
 from nebula_ckpt.storage.urls import canonical_root
-from nebula_ckpt.tiers.factory import runtime_for
-from nebula_ckpt.tiers.memory.replica_store import ReplicaStore, committed
-from nebula_ckpt.tiers.memory.shm import Owner, scan
-from nebula_ckpt.tiers.memory.tier import MemoryTier
+from nebula_ckpt.tiers.memory.replica_store import ReplicaStore, writes
+from nebula_ckpt.tiers.memory.shm import scan, try_lock
 from nebula_ckpt.tiers.roots import tier_for_root
 
 log = logging.getLogger(__name__)
 
+#: a progress callback: ``(rank, bytes)`` after each part written
+OnPart = Optional[Callable[[int, int], None]]
 
-def persist_memory(root: str, storage_options: Optional[dict[str, Any]] = None, *,
-                   keep_last: int = 3) -> dict[str, Any]:
-    """Copy the newest memory-tier step of ``root`` (this host's, rank 0) to the root's tier.
+
+def persist_memory(root: str, storage_options: Optional[dict[str, Any]] = None,
+                   on_part: OnPart = None) -> dict[str, Any]:
+    """Put the newest step this host's memory tiers hold of ``root``'s run on the root (see the
+    module docstring).
+
+    Args:
+        root: the checkpoint root (a path or URL).
+        storage_options: for a blob root.
+        on_part: told ``(rank, bytes)`` after each rank's part this host writes.
 
     Returns:
-        ``{"step": N or None, "copied": bool, "why": str}``: what was done and why (nothing to
-        do: no memory tier of this run, or its newest step is on the root already).
+        ``{"step", "generation", "copied", "why"}``: ``copied`` when the step is committed on the
+        root now (by this run, or by another node's that completed it); ``why`` says what was
+        done or why nothing was (nothing only in RAM here, the root holds it or something newer, a
+        multi-rank step still waiting for other nodes' parts: ``"missing"`` lists those ranks).
 
     Raises:
-        ValidationError: ``root``'s memory tier holds a part of a multi-rank checkpoint (see the
-            module docstring), or it is written by a live process now.
-        CorruptCheckpointError: the memory tier's newest step fails its checksums (nothing written).
+        ValidationError: a memory tier of the root's run here is written by a live process.
+        CorruptCheckpointError: the one copy of a part this host holds fails its checksums and no
+            other node's part completed the step (nothing of it was written).
     """
     root_tier = tier_for_root(root, storage_options)
-    root_storage = root_tier.make_storage()
-    mem = MemoryTier()
-    mem.bind(root, 0)
-    rt = runtime_for(mem, mem.make_storage())
+    storage = root_tier.make_storage()
     try:
-        rid = read_run_id(root_storage)
+        rid = read_run_id(storage)
         if rid is None:
-            return {"step": None, "copied": False, "why": f"{canonical_root(root)} was never written"}
-        _refuse_multi_rank_parts(root, rid, set(committed_steps(root_storage)))
-        if not rt.open(Owner(canonical_root(root), rid)):
-            return {"step": None, "copied": False, "why": "no memory tier of this root's run on this host"}
-        steps = committed_steps(rt.storage)
-        if not steps:
-            return {"step": None, "copied": False, "why": "the memory tier holds no committed step"}
-        newest = max(steps)
-        if newest in committed_steps(root_storage):
-            return {"step": newest, "copied": False, "why": f"step {newest} is on {root_tier.name} already"}
-        _check_copyable(rt, newest, steps)
-        _copy(rt, root_tier, root_storage, newest, keep_last)
-        log.info("nebula_ckpt: persist-memory: step %d copied from %s to %s", newest, rt.name, root_tier.name)
-        return {"step": newest, "copied": True, "why": f"step {newest} was only in memory"}
+            return _result(None, False, f"{canonical_root(root)} was never written")
+        with _copies(root, rid) as copies:
+            if not copies:
+                return _result(None, False, "no memory tier of this root's run on this host")
+            return _persist(storage, root_tier.name, rid, copies, on_part)
     finally:
-        rt.release()
-        root_storage.close()
+        storage.close()
 
 
-def _refuse_multi_rank_parts(root: str, run_id: str, on_root: set[int]) -> None:
-    """Raise when a memory-tier folder of ``root``'s run on this host holds a part of a
-    multi-rank step that the root lacks (a rank's own step, or a replica of another rank's)."""
-    parts, world = [], 0
-    for found in scan():
-        owner = found.owner
-        if found.problem or owner is None or owner.root != canonical_root(root) or owner.run_id != run_id:
-            continue
-        store = ReplicaStore(found.folder)
-        folders = [("", found.folder)] + [("a replica of ", store.source_dir(r)) for r in sorted(store.held())]
-        for what, folder in folders:
-            for ranks, size, steps in _parts_of(folder, on_root):
-                world = max(world, size)
-                parts.append(f"{found.folder} ({what}rank {ranks}'s part of step(s) {steps})")
-    if parts:
-        raise ValidationError(
-            f"this host's memory tier holds parts of a {world}-rank job's checkpoints that are only in memory: "
-            f"{'; '.join(parts[:8])}{' ...' if len(parts) > 8 else ''}. A multi-rank checkpoint on the root is "
-            "written by every rank together, so persist-memory cannot build it from one node. Restart the job "
-            "once with the same world size (it restores from the memory tiers and replicas) and let it save to "
-            "the persistent tier, or give that tier every=1")
+def _result(write: Optional[Write], copied: bool, why: str, **extra: Any) -> dict[str, Any]:
+    return {"step": None if write is None else write[1], "generation": None if write is None else write[0],
+            "copied": copied, "why": why, **extra}
 
 
-def _parts_of(folder: str, on_root: set[int]) -> list[tuple[list[int], int, list[int]]]:
-    """``(ranks, world size, steps)`` of the multi-rank steps committed in ``folder`` that the root lacks."""
-    st = LocalStorage(folder, private=True, fsync=False)
-    found: dict[tuple[tuple[int, ...], int], list[int]] = {}
+def _persist(storage: Storage, tier: str, run_id: str, copies: list[Copy], on_part: OnPart) -> dict[str, Any]:
+    """The newest write worth writing (newest first), committed; or why nothing was."""
+    groups: dict[tuple[Write, int], list[Copy]] = {}
+    for c in copies:
+        groups.setdefault((c.write, c.world), []).append(c)
+    have = set(committed_writes(storage))
+    targets = sorted((k for k in groups if not_newer(k[0], have, tier) is None), reverse=True)
+    if not targets:
+        newest = max(groups)[0]
+        return _result(newest, False, not_newer(newest, have, tier) or "")
+    waiting: dict[int, list[int]] = {}
+    for write, world in targets:
+        if world == 1:
+            _copy_one(storage, tier, write, groups[(write, world)][0], on_part)
+            return _result(write, True, f"step {write[1]} was only in memory; it is committed on {tier}")
+        done, missing = Drain(storage, tier, run_id, write, world, on_part).run(groups[(write, world)])
+        if done:
+            return _result(write, True, f"step {write[1]} ({world} ranks) was only in memory; it is committed on "
+                                        f"{tier}")
+        waiting[write[1]] = missing
+    first = targets[0][0]
+    return _result(first, False, f"step {first[1]} is not committed yet: the part(s) of rank(s) "
+                                 f"{waiting[first[1]][:16]} are not in this host's RAM; this host's parts are on "
+                                 f"{tier}, and the persist-memory of the node(s) holding those completes it",
+                   missing=waiting[first[1]])
+
+
+def _copy_one(storage: Storage, tier: str, write: Write, copy: Copy, on_part: OnPart) -> None:
+    """A one-process step from its memory tier to the root, under its own generation (verified
+    first; shard, manifest, ``COMMIT`` last)."""
+    g, s, w = write
+    why = folder_problem(storage, write)
+    if why is not None:
+        raise NebulaError(f"persist-memory: {why}")
+    src = LocalStorage(copy.folder, private=True, fsync=False)
     try:
-        for _, s in committed(folder):
-            if s in on_root:
+        open_checkpoint(src, s, "full", f"{copy.folder} step {s}")
+        raw = src.read_small(f"{step_dir(s)}/{MANIFEST}")
+        man = Manifest.parse(raw, f"{copy.folder} step {s}", s)
+        data = [src.read_buffer(shard_path(man, i), dict(sh.storage or {})) for i, sh in enumerate(man.shards)]
+        parts, tensors, nbytes = whole_image(man, data)
+        shard = shard_name(g, 0)
+        info = write_whole(storage, f"{step_dir(s)}/{shard}", parts)
+    finally:
+        src.close()
+    out = dict(man.to_json(), generation=g, shards=[{"file": shard, "bytes": nbytes, "storage": info}],
+               tensors=tensors)
+    out["stats"] = {k: v for k, v in out["stats"].items() if k not in ("base_step", "reused_bytes", "base_write")}
+    try:
+        commit_manifest(storage, Fence.past(storage, g).for_tier(storage), s, encode_manifest(out), CommitProgress(),
+                        tier, w)
+    except FileExistsError:
+        if read_commit(storage, s, tier).write != write:
+            raise
+    log.info("nebula_ckpt: persist-memory: step %d copied from %s to %s", s, copy.folder, tier)
+    if on_part is not None:
+        on_part(0, nbytes)
+
+
+@contextlib.contextmanager
+def _copies(root: str, run_id: str) -> Iterator[list[Copy]]:
+    """Every copy of a step that this host's memory tiers of ``root``'s run hold (own steps and
+    replicas), each folder locked until the end (a live writer's folder: ValidationError)."""
+    held: list[int] = []
+    try:
+        copies: list[Copy] = []
+        for found in scan():
+            owner = found.owner
+            if found.problem or owner is None or owner.root != canonical_root(root) or owner.run_id != run_id:
                 continue
+            fd = try_lock(found.folder)
+            if fd is None:
+                raise ValidationError(f"{found.folder} (a memory tier of {canonical_root(root)}) is written by a live "
+                                      "process (the job, or its restart on this host): run persist-memory after the "
+                                      "job ended")
+            held.append(fd)
+            copies += _folder_copies(found.folder, True)
+            store = ReplicaStore(found.folder)
+            for r in sorted(store.held()):
+                copies += _folder_copies(store.source_dir(r), False)
+        yield copies
+    finally:
+        for fd in held:
+            os.close(fd)
+
+
+def _folder_copies(folder: str, own: bool) -> list[Copy]:
+    """The committed steps of one memory-tier (or replica) folder, as copies (damaged manifests skipped)."""
+    st = LocalStorage(folder, private=True, fsync=False)
+    out = []
+    try:
+        for write in writes(folder):
             try:
-                man = read_manifest(st, s)
+                man = read_manifest(st, write[1], f"{folder} step {write[1]}")
             except Exception as e:  # a damaged copy is no part of anything
-                log.debug("nebula_ckpt: persist-memory: %s step %d: %s", folder, s, e)
+                log.warning("nebula_ckpt: persist-memory: %s step %d is not used: %s", folder, write[1], e)
                 continue
-            if man.multi_rank:
-                found.setdefault((tuple(man.ranks), man.world_size), []).append(s)
+            out += [Copy(write, r, man.world_size, folder, own) for r in man.ranks]
     finally:
         st.close()
-    return [(list(r), w, steps) for (r, w), steps in found.items()]
-
-
-def _check_copyable(rt: Any, step: int, steps: list[int]) -> None:
-    """Refuse a multi-rank part and a tier a live process writes; verify the step's checksums."""
-    man = read_manifest(rt.storage, step)
-    if man.multi_rank:
-        raise ValidationError(
-            f"{rt.name} holds rank {list(man.ranks)[:8]}'s part of step(s) {steps} of a {man.world_size}-rank job: "
-            "a multi-rank checkpoint on the root is written by every rank together, so persist-memory cannot "
-            "build it from one node. Restart the job once with the same world size (it restores from the memory "
-            "tiers and replicas) and let it save to the persistent tier, or give that tier every=1")
-    if not rt.lock_for_adoption():
-        raise ValidationError(f"{rt.name} is written by a live process: run persist-memory after the job ended")
-    open_checkpoint(rt.storage, step, "full", f"{rt.name} step {step}")
-
-
-def _copy(rt: Any, root_tier: Any, root_storage: Any, step: int, keep_last: int) -> None:
-    fence = Fence(root_storage)
-    writer = TierWriter(runtime_for(root_tier, root_storage), fence.for_tier(root_storage), keep_last)
-    try:
-        writer.copy_from(rt.storage, step)
-    except Exception as e:
-        raise NebulaError(f"persist-memory: copying step {step} to {root_tier.name} failed: {e}") from e
-    finally:
-        writer.close()
+    return out

@@ -23,7 +23,7 @@ import torch
 
 from nebula_ckpt import knobs
 from nebula_ckpt.errors import NebulaError
-from nebula_ckpt.format.commit import committed_steps
+from nebula_ckpt.format.commit import committed_writes
 from nebula_ckpt.format.manifest import Manifest
 from nebula_ckpt.handle import SaveHandle
 from nebula_ckpt.native import get_ops, monotonic
@@ -401,7 +401,8 @@ class SavePipeline:
             return  # nothing was saved by this checkpointer
         if self.coordinator.world_size > 1:
             return  # a multi-rank copy would need every rank again: not done at close (see README)
-        have = {w.name: set(committed_steps(w.storage)) for w in self.writers}
+        # writes, not step numbers: a tier holding the first write of a step saved twice lacks the second
+        have = {w.name: set(committed_writes(w.storage)) for w in self.writers}
         newest = max((max(s) for s in have.values() if s), default=None)
         if newest is None:
             return
@@ -412,11 +413,12 @@ class SavePipeline:
             try:
                 if src is None:
                     raise NebulaError("no tier with a local copy of it")
-                w.copy_from(src, newest)
-                log.info("nebula_ckpt: close() put the newest step %d on %s", newest, w.name)
+                w.copy_from(src, newest[1])
+                log.info("nebula_ckpt: close() put the newest step %d on %s", newest[1], w.name)
             except Exception as e:
                 log.error("nebula_ckpt: close() could not put the newest step %d on %s (it ends at step "
-                          "%s): %s: %s", newest, w.name, max(have[w.name], default=None), type(e).__name__, e)
+                          "%s): %s: %s", newest[1], w.name, max(have[w.name], default=(0, None))[1],
+                          type(e).__name__, e)
 
     def stats(self) -> dict[str, Any]:
         """The save counters of :meth:`Checkpointer.stats`."""

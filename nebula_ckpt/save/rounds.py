@@ -259,7 +259,8 @@ class SharedCommit:
             man, index = split_manifest(step=step, generation=self.fence.generation, save_id=save_id, parts=parts,
                                         owners=owners, crc=get_ops().crc32c_bytes)
             self.storage.write_small(f"{step_dir(step)}/{RANKS_FILE}", index)
-            commit_manifest(self.storage, self.fence, step, encode_manifest(tagged(man, save.tag)), progress, name)
+            commit_manifest(self.storage, self.fence, step, encode_manifest(tagged(man, save.tag)), progress, name,
+                            save.index)
         except BaseException as e:
             log.error("nebula_ckpt: tier %s: committing step %d failed: %s", name, step, e)
             if progress.may_commit:

@@ -27,6 +27,7 @@ class TierStep:
     hashes: Optional[dict[str, str]] = None                   # multi-rank: SHA-256 of staged tensors
     origin: Optional[str] = None                              # the snapshot's write_id (None: a copy)
     whole: Optional["TierStep"] = None                        # an incremental step written whole instead
+    save: Optional[int] = None                                # which write: the save number its COMMIT names
 
 
 def write_step_shard(runtime: "TierRuntime", rel: str, step: TierStep) -> tuple[dict[str, Any], TierStep]:

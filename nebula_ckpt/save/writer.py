@@ -37,7 +37,7 @@ from typing import Any, Callable, Optional
 
 from nebula_ckpt import knobs
 from nebula_ckpt.errors import FencedError, PersistError
-from nebula_ckpt.format.commit import committed_steps
+from nebula_ckpt.format.commit import committed_steps, read_commit
 from nebula_ckpt.format.manifest import Manifest
 from nebula_ckpt.format.names import COMMIT, MANIFEST, RANKS_FILE, records_name, shard_name, shard_owner, step_dir
 from nebula_ckpt.format.references import protected_steps, referrers, shard_path
@@ -257,24 +257,23 @@ class TierWriter:
         index, hashes = ranks.prefixed(snap.tensor_index, prefix), ranks.prefixed(snap.hashes, prefix)
         delta = tier_delta(self.incremental, self.storage, snap.step, index, hashes, self.fence.generation,
                            source.view(), self.name, snap.compared)
-        whole_step = TierStep(snap.step, snap.nbytes, source, whole, confirmed, origin=snap.write_id)
+        whole_step = TierStep(snap.step, snap.nbytes, source, whole, confirmed, origin=snap.write_id, save=snap.index)
         if delta is None:
             return whole_step
         parts, nbytes, manifest = delta_image(delta, index, source.view(), whole)
         log.debug("nebula_ckpt: tier %s: step %d builds on step %d (%d of %d tensors written)", self.name,
                   snap.step, delta.base, len(delta.write), len(index))
         return TierStep(snap.step, nbytes, source, manifest, confirmed, parts=lambda: parts, full=False,
-                        origin=snap.write_id, whole=whole_step)
+                        origin=snap.write_id, whole=whole_step, save=snap.index)
 
     def copy_from(self, src: Storage, step: int) -> None:
         """Write the committed checkpoint ``step`` of another (local) tier's storage to this tier.
 
         Used by ``Checkpointer.close()`` to put the newest step on tiers whose cadence skipped it.
-        The source's manifest is taken as is but for this tier's generation and shard record; an
-        incremental one is written whole here (its tensors gathered from the shards it refers to).
+        The source's manifest is taken as is but for this tier's generation and shard record (its
+        marker names the same save number); an incremental one is written whole here.
         """
-        d = step_dir(step)
-        raw = src.read_small(f"{d}/{MANIFEST}")
+        raw = src.read_small(f"{step_dir(step)}/{MANIFEST}")
         man, parsed = json.loads(raw), Manifest.parse(raw, f"{src.display_url} step {step}", step)
         if parsed.multi_rank or self.coordinator.world_size > 1:
             raise ValueError(f"step {step} is a multi-rank checkpoint; only one-process checkpoints are copied")
@@ -284,7 +283,8 @@ class TierWriter:
         def manifest(gen: int, shard: dict[str, Any]) -> dict[str, Any]:
             return dict(man, generation=gen, shards=[shard], tensors=tensors)
 
-        self._commit_step(TierStep(step, nbytes, None, manifest, lambda: None, parts=lambda: parts), None)
+        save = read_commit(src, step, f"{src.display_url} step {step}").save
+        self._commit_step(TierStep(step, nbytes, None, manifest, lambda: None, parts=lambda: parts, save=save), None)
 
     @property
     def key_prefix(self) -> str:
@@ -405,7 +405,7 @@ class TierWriter:
             on_shard(f"{d}/{shard}")
         item.before_commit()
         manifest = item.make_manifest(gen, {"file": shard, "bytes": item.nbytes, "storage": info})
-        commit_manifest(self.storage, self.fence, item.step, encode_manifest(manifest), progress, self.name)
+        commit_manifest(self.storage, self.fence, item.step, encode_manifest(manifest), progress, self.name, item.save)
         return manifest, item
 
     def _check_uncertain(self, step: int) -> None:

@@ -41,7 +41,7 @@ from typing import Optional
 
 from nebula_ckpt import knobs
 from nebula_ckpt.errors import CorruptCheckpointError
-from nebula_ckpt.format.commit import committed_steps
+from nebula_ckpt.format.commit import Write, committed_steps, committed_writes, read_commit
 from nebula_ckpt.format.manifest import Manifest
 from nebula_ckpt.format.names import COMMIT, MANIFEST, RUN_FILE, step_dir
 from nebula_ckpt.format.references import references
@@ -147,8 +147,9 @@ def _run_record(st: Storage) -> tuple[bool, Optional[str]]:
     return True, run
 
 
-def _ask_root(root: str, run_id: Optional[str], step: int) -> RootAnswer:
-    """What ``root`` says about ``step`` of run ``run_id`` (raises when it cannot tell)."""
+def _ask_root(root: str, run_id: Optional[str], step: int, write: Optional[Write] = None) -> RootAnswer:
+    """What ``root`` says about ``step`` of run ``run_id`` (the write ``write`` of it, when given:
+    an older write of the same step on the root does not make it durable; raises when it cannot tell)."""
     local = os.path.isabs(root)
     if local and _local_root_gone(root):
         return RootAnswer(ONLY_HERE, f"its root {root} is gone")
@@ -174,6 +175,11 @@ def _ask_root(root: str, run_id: Optional[str], step: int) -> RootAnswer:
             st.size(f"{step_dir(step)}/{COMMIT}")
         except FileNotFoundError:
             return RootAnswer(ONLY_HERE, f"its root {root} does not hold step {step}", _committed_but(st, step))
+        have = read_commit(st, step, f"{root} step {step}").write
+        if write is not None and have < write:  # the step saved twice: the root holds the first write
+            return RootAnswer(ONLY_HERE, f"its root {root} holds an older write of step {step} (save {have[2]} of "
+                                         f"writer generation {have[0]}, this tier's is save {write[2]} of generation "
+                                         f"{write[0]})", _committed_but(st, step))
         lacking = _lacking_on_root(st, step)
         if lacking is not None:
             return RootAnswer(ONLY_HERE, f"its root {root} holds step {step} but cannot restore it ({lacking})",
@@ -208,8 +214,9 @@ def _lacking_on_root(st: Storage, step: int) -> Optional[str]:
     return None
 
 
-def ask_root(root: str, run_id: Optional[str], step: int) -> RootAnswer:
-    """What ``root`` says about ``step`` of run ``run_id``: :data:`DURABLE` (committed there),
+def ask_root(root: str, run_id: Optional[str], step: int, write: Optional[Write] = None) -> RootAnswer:
+    """What ``root`` says about ``step`` of run ``run_id`` (its write ``write``, when given):
+    :data:`DURABLE` (committed there, that write or a newer one),
     :data:`ONLY_HERE` (known not to be there: the root lacks it, is gone, or belongs to another
     run) or :data:`UNKNOWN` (any error, or no answer within the ``gc_root_timeout_s`` knob).
 
@@ -221,7 +228,7 @@ def ask_root(root: str, run_id: Optional[str], step: int) -> RootAnswer:
 
     def run() -> None:
         try:
-            box.append(_ask_root(root, run_id, step))
+            box.append(_ask_root(root, run_id, step, write))
         except Exception as e:  # noqa: BLE001 - any failure leaves the root unknown
             box.append(RootAnswer(UNKNOWN, f"cannot check its root {root} ({type(e).__name__}: {e})"))
 
@@ -257,7 +264,8 @@ def decide(f: Found, force: bool = False) -> Decision:
         return Decision(f, True, "holds no committed checkpoint", force)
     if f.owner is None:
         return _only_copy(f, force, "no ROOT file: nobody's memory tier, never restored from", steps)
-    answer = ask_root(f.owner.root, f.owner.run_id, steps[-1])
+    newest = max(committed_writes(LocalStorage(f.folder, private=True, fsync=False)), default=None)
+    answer = ask_root(f.owner.root, f.owner.run_id, steps[-1] if newest is None else newest[1], newest)
     if answer.verdict == DURABLE:
         return Decision(f, True, answer.why, force)
     if answer.verdict == UNKNOWN:

@@ -3,10 +3,15 @@
 Pure functions of what every rank reported (its *view*, gathered by
 :mod:`~nebula_ckpt.tiers.memory.replica_recover`), so every rank computes the same plan:
 
-* ``own``: ``(generation, step)`` committed in the rank's own memory tier;
-* ``held``: source rank -> ``(generation, step)`` of the replicas the rank holds of it;
-* ``shared``: what the shared tiers (disk, blob) hold for the whole job;
+* ``own``: ``(generation, step, save)`` committed in the rank's own memory tier;
+* ``held``: source rank -> ``(generation, step, save)`` of the replicas the rank holds of it;
+* ``shared``: the ``(generation, step, save)`` the shared tiers (disk, blob) hold for the whole job;
 * ``can_pull``: whether the rank has a memory tier to receive a pulled copy into.
+
+Copies are matched by the *write* they hold, ``(generation, step, save)``
+(:attr:`~nebula_ckpt.format.commit.Commit.write`), never by the step number alone: a step saved
+twice is two writes, and every rank restores the same one (a rank whose own copy is the second
+write and a rank that can get only the first restore the first, or an older step every rank has).
 
 A rank can get a step when its own memory tier holds it, some other live rank holds a replica of
 it (and it can receive one), or a shared tier holds it. The target is the newest step every rank
@@ -20,11 +25,11 @@ from __future__ import annotations
 
 from typing import Any, Iterable, Mapping, Optional, Sequence
 
-Order = tuple[int, int]
+Order = tuple[int, int, int]
 
 
 def _orders(xs: Iterable[Any]) -> set[Order]:
-    return {(int(g), int(s)) for g, s in xs}
+    return {(int(g), int(s), int(w)) for g, s, w in xs}
 
 
 def shared_orders(views: Sequence[dict[str, Any]]) -> set[Order]:
@@ -50,7 +55,8 @@ def gettable(views: Sequence[dict[str, Any]], rank: int) -> set[Order]:
 
 def choose_target(views: Sequence[dict[str, Any]], step: Optional[int] = None,
                   among: Optional[Sequence[int]] = None, excluded: Iterable[Order] = ()) -> Optional[Order]:
-    """The newest ``(generation, step)`` every rank can get (of ``step`` / ``among`` when given)."""
+    """The newest write ``(generation, step, save)`` every rank can get (of ``step`` / ``among``
+    when given)."""
     sets = [gettable(views, r) for r in range(len(views))]
     common = set.intersection(*sets) if sets else set()
     common -= set(excluded)

@@ -40,7 +40,7 @@ import torch
 
 from nebula_ckpt import knobs
 from nebula_ckpt.errors import PersistError
-from nebula_ckpt.format.commit import read_commit
+from nebula_ckpt.format.commit import Write, read_commit
 from nebula_ckpt.format.names import step_dir
 from nebula_ckpt.native import get_ops
 from nebula_ckpt.restore.open import OpenCheckpoint, open_checkpoint
@@ -263,14 +263,16 @@ def _allocate(pull: Pull, path: str, name: str, lo: int, hi: int, src: int) -> N
     if not advise(pull.maps[name], lo, hi - lo, MADV_POPULATE_WRITE):  # without the GIL
         log.debug("nebula_ckpt: cannot populate a receive mapping of %d bytes", hi - lo)
 
-def land_and_check(pull: Pull, step: int, rank: int, world: int, gen: int) -> Optional[str]:
-    """Wait for every byte of ``pull`` and check the copy of ``rank``'s ``step``: it opens as
-    that rank's with every checksum verified (each tensor's taken on the receive mapping as soon
-    as its bytes are in) and carries writer generation ``gen``. None when it does; else why not.
+def land_and_check(pull: Pull, rank: int, world: int, write: Write) -> Optional[str]:
+    """Wait for every byte of ``pull`` and check the copy of ``rank``'s step: it opens as that
+    rank's with every checksum verified (each tensor's taken on the receive mapping as soon as its
+    bytes are in) and is the write ``write`` (``(generation, step, save)``, its commit marker's:
+    the same step saved twice is two writes). None when it does; else why not.
 
     Raises:
         RuntimeError: a transfer failed (the ranks are out of step; from the channel).
     """
+    step = write[1]
     if pull.refused is not None:  # bytes went to scratch memory: nothing here to check
         pull.wait()
         return pull.refused
@@ -293,7 +295,7 @@ def land_and_check(pull: Pull, step: int, rank: int, world: int, gen: int) -> Op
             except Exception as e:
                 why = f"{type(e).__name__}: {e}"
         if why is None:
-            why = _check_rest(st, pull, step, rank, world, gen, early)
+            why = _check_rest(st, pull, rank, world, write, early)
     finally:
         st.close()
     return why
@@ -311,17 +313,20 @@ def _open_early(st: Storage, pull: Pull, step: int, rank: int,
         return None
 
 
-def _check_rest(st: Storage, pull: Pull, step: int, rank: int, world: int, gen: int,
+def _check_rest(st: Storage, pull: Pull, rank: int, world: int, write: Write,
                 early: Optional[tuple[OpenCheckpoint, dict[str, list[Any]]]]) -> Optional[str]:
     """Every byte is in: check what was not checked yet; None when the copy passes, else why not."""
+    step = write[1]
     try:
         ck, todo = early or _open(st, pull, step, rank, world)
         sizes = dict(pull.files)
         for n in list(todo):
             _check_landed(ck, pull, todo, n, sizes[n])
         ck.verify_rest()  # what was not checked on the receive mappings (none for a whole step)
-        if read_commit(st, step, f"{pull.inc} step {step}").generation != gen:
-            raise PersistError(f"the copy of step {step} does not carry writer generation {gen}")
+        have = read_commit(st, step, f"{pull.inc} step {step}").write
+        if have != tuple(write):
+            raise PersistError(f"the copy of step {step} is the write (generation, step, save) {have}, not the "
+                               f"{tuple(write)} agreed on")
         return None
     except Exception as e:
         return f"{type(e).__name__}: {e}"

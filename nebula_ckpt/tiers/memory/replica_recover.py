@@ -39,15 +39,17 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch
 
+from nebula_ckpt.format.commit import Write
 from nebula_ckpt.format.names import step_dir
 from nebula_ckpt.tiers.memory import recovery
 from nebula_ckpt.tiers.memory.replica_channel import Replication, Works
 from nebula_ckpt.tiers.memory.replica_pull import Pull, chunk_bytes, land_and_check, receive_pull, send_pull
-from nebula_ckpt.tiers.memory.replica_store import committed, of_world, step_files, verify_step
+from nebula_ckpt.tiers.memory.replica_store import of_world, step_files, verify_step, writes
 
 log = logging.getLogger(__name__)
 
-Order = tuple[int, int]
+#: ``(writer generation, step, save)``: one write of a step (:attr:`~nebula_ckpt.format.commit.Commit.write`)
+Order = Write
 
 
 def recover(rp: Replication, shared: list[Order], step: Optional[int],
@@ -56,7 +58,8 @@ def recover(rp: Replication, shared: list[Order], step: Optional[int],
     tier (a collective; see the module docstring).
 
     Returns:
-        ``{"step", "generation", "sources", "checked", "pulled", "keep"}``: ``sources[r]`` says
+        ``{"step", "generation", "save", "sources", "checked", "pulled", "keep"}`` (``generation``,
+        ``step`` and ``save``: the one write every rank restores): ``sources[r]`` says
         where rank ``r``'s copy is (``"memory"``, ``"replica from rank H"``, ``"shared tier"``);
         ``step`` None when no step is available to every rank; ``checked``: whether this rank's
         memory-tier copy had every checksum checked here (its own copy, or the one it pulled);
@@ -68,8 +71,8 @@ def recover(rp: Replication, shared: list[Order], step: Optional[int],
     while True:
         target = recovery.choose_target(views, step, among, excluded)
         if target is None:
-            return {"step": None, "generation": None, "sources": [None] * rp.world, "checked": False,
-                    "pulled": None, "keep": None}
+            return {"step": None, "generation": None, "save": None, "sources": [None] * rp.world,
+                    "checked": False, "pulled": None, "keep": None}
         landed: dict[str, torch.Tensor] = {}
         holders: dict[int, int] = {}
         got = _get_everywhere(rp, views, target, landed, holders)
@@ -80,7 +83,8 @@ def recover(rp: Replication, shared: list[Order], step: Optional[int],
                      ", ".join(f"rank {r}: {got[r]}" for r in sorted(got)))
             # every copy in a memory tier now had every checksum checked this round: the restore
             # need not check them again
-            return {"step": target[1], "generation": target[0], "sources": [got[r] for r in range(rp.world)],
+            return {"step": target[1], "generation": target[0], "save": target[2],
+                    "sources": [got[r] for r in range(rp.world)],
                     "checked": got[rp.rank] != "shared tier", "pulled": landed or None,
                     "keep": (views, holders, target) if holders else None}
         log.warning("nebula_ckpt: step %d cannot be had by rank(s) %s (every holder lost or damaged); "
@@ -118,18 +122,18 @@ def _view(rp: Replication, shared: list[Order]) -> dict[str, Any]:
     """What this rank can offer: own steps and replicas of this world size (with their files,
     so a pull needs no further exchange), the shared tiers'."""
     folder, store = rp.folder, rp.store
-    own = [o for o in of_world(folder, committed(folder), rp.world) if own_ok(rp, o)] if folder else []
+    own = [o for o in of_world(folder, writes(folder), rp.world) if own_ok(rp, o)] if folder else []
     held: dict[int, list[Order]] = {}
     files: dict[int, dict[int, list[tuple[str, int]]]] = {}
     if store is not None:
-        for r, orders in store.held().items():
-            for g, s in of_world(store.source_dir(r), orders, rp.world):
+        for r in store.held():
+            for g, s, w in of_world(store.source_dir(r), writes(store.source_dir(r)), rp.world):
                 try:
                     files.setdefault(r, {})[s] = step_files(store.source_dir(r), s)
                 except OSError as e:  # gone meanwhile: not offered
                     log.debug("nebula_ckpt: rank %d: replica of rank %d step %d: %s", rp.rank, r, s, e)
                     continue
-                held.setdefault(r, []).append((g, s))
+                held.setdefault(r, []).append((g, s, w))
     return {"own": own, "shared": shared, "held": held, "files": files, "can_pull": store is not None,
             "chunk": chunk_bytes()}
 
@@ -202,7 +206,7 @@ def _keep_pulled(rp: Replication, pull: Pull, target: Order, holder: int,
     store, folder = rp.store, rp.folder
     assert store is not None and folder is not None
     try:
-        why = land_and_check(pull, target[1], rp.rank, rp.world, target[0])
+        why = land_and_check(pull, rp.rank, rp.world, target)
         if why is None and landed is not None:
             landed.update(pull.hand_over(target[1]))
             return True

@@ -35,7 +35,7 @@ from typing import Mapping, Optional
 
 import torch
 
-from nebula_ckpt.format.commit import committed_steps, read_commit
+from nebula_ckpt.format.commit import Write, committed_steps, committed_writes, read_commit
 from nebula_ckpt.format.names import COMMIT, step_dir
 from nebula_ckpt.native import get_ops
 from nebula_ckpt.restore.open import OpenCheckpoint, open_checkpoint, read_manifest
@@ -83,20 +83,28 @@ def committed(folder: str) -> list[tuple[int, int]]:
     return sorted(out)
 
 
-def of_world(folder: str, orders: list[tuple[int, int]], world: int) -> list[tuple[int, int]]:
-    """Those of ``orders`` (committed steps in ``folder``) saved by a job of ``world`` ranks: a
-    rank's part of another world size is restored through the shared tiers, never from memory."""
+def writes(folder: str) -> list[Write]:
+    """``(writer generation, step, save)`` of the committed steps in ``folder``: which write of
+    each step it holds (:attr:`~nebula_ckpt.format.commit.Commit.write`; unreadable markers skipped)."""
+    return committed_writes(LocalStorage(folder, private=True, fsync=False)) if os.path.isdir(folder) else []
+
+
+def of_world(folder: str, orders: list[Write], world: int) -> list[Write]:
+    """Those of ``orders`` (the writes committed in ``folder``: :func:`writes`) saved by a job of
+    ``world`` ranks: a rank's part of another world size is restored through the shared tiers,
+    never from memory."""
     st = LocalStorage(folder, private=True, fsync=False)
     out = []
     try:
-        for g, s in orders:
+        for o in orders:
+            s = o[1]
             try:
                 man = read_manifest(st, s)
             except Exception as e:  # a damaged copy is no source
                 log.debug("nebula_ckpt: %s step %d: %s", folder, s, e)
                 continue
             if man.world_size == world:
-                out.append((g, s))
+                out.append(o)
     finally:
         st.close()
     return out

@@ -90,7 +90,7 @@ def materialise(inc: str, step: int, held: str, need: dict[str, Any]) -> int:
     try:
         d = step_dir(step)
         raw = st.read_small(f"{d}/{MANIFEST}")
-        gen = read_commit(st, step, f"{inc} step {step}").generation
+        received = read_commit(st, step, f"{inc} step {step}")  # its generation and save: the same write
         man = Manifest.parse(raw, f"{inc} step {step}", step)
         maps: list[Any] = []
         try:
@@ -115,8 +115,8 @@ def materialise(inc: str, step: int, held: str, need: dict[str, Any]) -> int:
         doc.update(shards=[{"file": own, "bytes": nbytes, "storage": info}], tensors=tensors, stats=stats)
         mbytes = json.dumps(doc, separators=(",", ":"), allow_nan=False).encode()
         st.write_small(f"{d}/{MANIFEST}", mbytes)
-        st.write_small(f"{d}/{COMMIT}", Commit(step, gen, len(mbytes), get_ops().crc32c_bytes(mbytes)).to_bytes(),
-                       create_only=True)
+        st.write_small(f"{d}/{COMMIT}", Commit(step, received.generation, len(mbytes), get_ops().crc32c_bytes(mbytes),
+                                               received.save).to_bytes(), create_only=True)
         return nbytes
     finally:
         st.close()

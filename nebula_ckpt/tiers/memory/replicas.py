@@ -143,7 +143,7 @@ class Replicator:
             self._saves[index].memory_done = True
             self._cond.notify_all()
 
-    def recover(self, shared: Sequence[tuple[int, int]], step: Optional[int] = None,
+    def recover(self, shared: Sequence[tuple[int, int, int]], step: Optional[int] = None,
                 among: Optional[Sequence[int]] = None) -> dict[str, Any]:
         """Make the newest step every rank can get present in every rank's memory tier or a shared
         tier, pulling lost copies from their holders (a collective; every rank calls it). Returns
@@ -204,7 +204,7 @@ class Replicator:
             else:
                 self._recover_task(*arg)
 
-    def _recover_task(self, shared: list[tuple[int, int]], step: Optional[int], among: Optional[Sequence[int]],
+    def _recover_task(self, shared: list[tuple[int, int, int]], step: Optional[int], among: Optional[Sequence[int]],
                       box: dict[str, Any], done: Latch) -> None:
         keep = None
         try:

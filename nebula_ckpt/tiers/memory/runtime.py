@@ -11,7 +11,7 @@ import weakref
 from typing import Any, Iterator, Optional
 
 from nebula_ckpt import knobs
-from nebula_ckpt.format.commit import committed_steps
+from nebula_ckpt.format.commit import committed_writes
 from nebula_ckpt.format.names import LOCK_FILE, ROOT_FILE, SLOT_DIR
 from nebula_ckpt.storage.base import Storage
 from nebula_ckpt.tiers.memory.shm import (
@@ -217,17 +217,17 @@ class MemoryTierRuntime(TierRuntime):
         persistent = [rt for rt in runtimes if rt.persistent]
         if not persistent:
             return
-        try:
-            mem_steps = committed_steps(self.storage)
-            safe: set[int] = set()
+        try:  # writes, not step numbers: the first write of a step saved twice does not make the second safe
+            mem = committed_writes(self.storage)
+            safe: set[tuple[int, int, int]] = set()
             for rt in persistent:
-                safe.update(committed_steps(rt.storage))
+                safe.update(committed_writes(rt.storage))
         except Exception as e:
             log.warning("nebula_ckpt: memory tier %s kept: cannot check the slower tiers (%s)", self.folder, e)
             return
-        if mem_steps and max(mem_steps) not in safe:
-            log.warning("nebula_ckpt: memory tier %s kept: its newest step %d is committed on no "
-                        "slower tier", self.folder, max(mem_steps))
+        if mem and max(mem) not in safe:
+            log.warning("nebula_ckpt: memory tier %s kept: its newest step %d (save %d of writer generation %d) is "
+                        "committed on no slower tier", self.folder, max(mem)[1], max(mem)[2], max(mem)[0])
             return
         self.storage.remove_dir("")  # a clean close: the state is safe on a slower tier; free the RAM
         log.debug("nebula_ckpt: memory tier %s removed", self.folder)

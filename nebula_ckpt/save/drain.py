@@ -1,0 +1,322 @@
+"""Drain: a multi-rank step that lives only in RAM becomes one committed checkpoint on the shared tier.
+
+A job that saves to the memory tiers more often than to the shared tier (disk, blob) holds its
+newest step only in RAM: each rank's own copy in its node's memory tier and, with
+``MemoryTier(replicas=k)``, the copies partners hold. When the job ends for good, or its nodes are
+lost and the scheduler moves it to fresh nodes without a memory tier, that step is lost unless it
+reaches the shared tier. ``nebula-ckpt persist-memory ROOT`` (every surviving node's epilogue, or
+the scheduler's cleanup) drains it (:func:`drain`), with no process group and no other channel
+between the nodes than the shared tier itself:
+
+1. **What this node holds.** Every memory-tier folder of the root's run on this host (each rank's
+   own steps, and the replicas it holds of other ranks), locked against a live writer for the
+   whole drain, grouped by *write*: ``(generation, step, save)`` of the commit markers
+   (:attr:`~nebula_ckpt.format.commit.Commit.write`), never by step number alone.
+2. **What is worth writing.** A write is a *target* only when it is newer, in the order a restore
+   prefers (:func:`~nebula_ckpt.restore.select.list_candidates`), than every step committed on
+   the shared tier: so a drain never hides a newer step, and never writes over the root of a
+   newer job (whose generation outranks it) or fences it (it takes no generation: the step is
+   written under the generation that made it, :meth:`~nebula_ckpt.ranks.fencing.Fence.past`).
+3. **Each rank's part, once, alike everywhere.** For each target, newest first, the node writes
+   the part of every rank it holds a healthy copy of (every checksum verified first; its own
+   ranks before the replicas, and no part the shared tier has already): the rank's whole state
+   as ``shard-g<G>-r<R>.safetensors`` (a canonical image: tensors by size then key, so every
+   node builds the same bytes from an own copy or a replica), then its part record, then its
+   records file last (:mod:`nebula_ckpt.format.drain`). A shard reaches its name whole (a
+   temporary name renamed into place on a file system; an object upload on a blob store).
+4. **One commit, when every rank's part is there.** The node then reads every rank's part from
+   the shared tier; when all are there (whoever wrote them), it builds ``ranks.json`` and the
+   manifest from them (the same bytes on every node), checks again that nothing newer was
+   committed, and creates ``COMMIT`` (create-only, last, naming the save number). Of drains
+   that race, one creates it; the others find it and are done. The node whose parts land last
+   sees every part, so drains of complementary nodes, in any order or at once, commit it. A
+   node that lacks parts another node holds leaves its own on the shared tier and says which
+   ranks it waits for; the other node's drain completes the step.
+
+Nothing is visible before ``COMMIT``: a drain killed at any moment leaves an uncommitted folder
+(parts, temporary files) that the next drain completes, or a newer generation's sweep removes.
+Running it again is a no-op once the step is committed. Every rank's whole state is written (a
+save's deduplication of replicated tensors needs the ranks together; a drained step of a DDP
+job is world-size times the size of a saved one).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import uuid
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+from nebula_ckpt.errors import CorruptCheckpointError, FencedError, NebulaError
+from nebula_ckpt.format.commit import Write, committed_writes, read_commit
+from nebula_ckpt.format.drain import check_records, drain_save_id, encode_part, parse_part
+from nebula_ckpt.format.header import safetensors_header
+from nebula_ckpt.format.manifest import Manifest
+from nebula_ckpt.format.names import (
+    COMMIT,
+    RANKS_FILE,
+    drain_part_name,
+    records_name,
+    shard_name,
+    shard_owner,
+    step_dir,
+)
+from nebula_ckpt.format.references import shard_path
+from nebula_ckpt.native import get_ops
+from nebula_ckpt.ranks.fencing import Fence
+from nebula_ckpt.ranks.split import split_manifest, split_payload
+from nebula_ckpt.restore.open import open_checkpoint, read_manifest
+from nebula_ckpt.save.commit import CommitProgress, commit_manifest, encode_manifest
+from nebula_ckpt.storage.atomic import fsync_dir
+from nebula_ckpt.storage.base import Storage
+from nebula_ckpt.storage.local import LocalStorage
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Copy:
+    """One rank's part of one write, in this host's RAM: the memory-tier folder holding it (a
+    rank's own tier, or the ``replicas/r<R>`` folder of a holder)."""
+
+    write: Write
+    rank: int
+    world: int
+    folder: str
+    own: bool
+
+
+def not_newer(write: Write, have: set[Write], tier: str) -> Optional[str]:
+    """Why ``write`` is not worth writing to a tier holding ``have`` (None: it is newer than all)."""
+    top = max(have, default=None)
+    if top is None or write > top:
+        return None
+    g, s, _ = write
+    if write in have:
+        return f"step {s} (writer generation {g}) is on {tier} already"
+    if top[0] > g:
+        return (f"{tier} holds step {top[1]} of writer generation {top[0]}, newer than generation {g} that made "
+                f"step {s}: a newer job wrote it, and its steps supersede the memory tier's (nothing written)")
+    return f"{tier} holds step {top[1]} of the same writer generation {g}, newer than step {s} (nothing written)"
+
+
+def folder_problem(storage: Storage, write: Write) -> Optional[str]:
+    """Why the step folder of ``write`` on ``storage`` cannot take it: another write committed
+    there, or a newer generation's files (a live job writing that step); None when it can."""
+    g, s, _ = write
+    d = step_dir(s)
+    names = storage.list(d)
+    if COMMIT in names:
+        try:
+            have = read_commit(storage, s, f"{storage.display_url} step {s}").write
+        except Exception as e:
+            return f"step {s} holds an unreadable commit marker ({e})"
+        if have != write:
+            return (f"step {s} is committed there by another write (generation {have[0]}, save {have[2]}); a "
+                    "committed checkpoint is never replaced by persist-memory")
+    newer = sorted({o[0] for o in map(shard_owner, names) if o is not None and o[0] > g})
+    if newer:
+        return f"writer generation {newer[-1]} is writing step {s} there (newer than generation {g})"
+    return None
+
+
+class Drain:
+    """The drain of one multi-rank write from this host (see the module docstring).
+
+    Args:
+        storage: the shared tier (the root).
+        tier: its name, in messages.
+        run_id: the root's run id (the save id of a drained write derives from it).
+        write: ``(generation, step, save)``.
+        world: the job's world size.
+        on_part: told ``(rank, bytes)`` after each part this host writes (a progress bar).
+    """
+
+    def __init__(self, storage: Storage, tier: str, run_id: str, write: Write, world: int,
+                 on_part: Optional[Callable[[int, int], None]] = None) -> None:
+        self.storage, self.tier, self.write, self.world = storage, tier, write, world
+        self.save_id = drain_save_id(run_id, *write)
+        self.dir = step_dir(write[1])
+        self._on_part = on_part
+        self.written: list[int] = []
+
+    def run(self, copies: list[Copy]) -> tuple[bool, list[int]]:
+        """Write this host's parts, then commit when every rank's part is on the shared tier:
+        ``(committed by some drain, ranks whose part is missing)``.
+
+        Raises:
+            FencedError: a newer generation committed a step meanwhile (nothing committed).
+            NebulaError: the step's folder cannot take it (:func:`folder_problem`).
+        """
+        why = folder_problem(self.storage, self.write)
+        if why is not None:
+            raise NebulaError(why)
+        done, missing = self._run(copies)
+        if done:  # by this drain or another: the part records are of no use any more (best effort)
+            for r in range(self.world):
+                try:
+                    self.storage.remove(f"{self.dir}/{drain_part_name(self.write[0], r)}")
+                except OSError as e:
+                    log.debug("nebula_ckpt: persist-memory: %s", e)
+        return done, missing
+
+    def _run(self, copies: list[Copy]) -> tuple[bool, list[int]]:
+        """:meth:`run` but for its tidying up."""
+        if self._committed():
+            return True, []
+        for c in sorted(copies, key=lambda c: (not c.own, c.rank)):  # own ranks first: a replica's
+            if c.rank in self.written or self.part(c.rank) is not None:  # owner node may drain it too
+                continue
+            if self._committed():
+                return True, []
+            try:
+                self._put(c)
+            except (CorruptCheckpointError, OSError, ValueError, KeyError) as e:  # the next copy of it, if any
+                log.warning("nebula_ckpt: persist-memory: rank %d's copy of step %d in %s is not used: %s",
+                            c.rank, self.write[1], c.folder, e)
+        parts = [self.part(r) for r in range(self.world)]
+        missing = [r for r, p in enumerate(parts) if p is None]
+        if missing:
+            return self._committed(), missing
+        self._commit([p for p in parts if p is not None])
+        return True, []
+
+    def part(self, rank: int) -> Optional[dict[str, Any]]:
+        """The payload of ``rank``'s part on the shared tier, when it is there whole; else None."""
+        g, s, w = self.write
+        crc = get_ops().crc32c_bytes
+        where = f"{self.tier} step {s} rank {rank}"
+        try:
+            p = parse_part(self.storage.read_small(f"{self.dir}/{drain_part_name(g, rank)}"), crc, where, step=s,
+                           generation=g, save=w, rank=rank, world=self.world, save_id=self.save_id)
+            data = self.storage.read_small(f"{self.dir}/{records_name(g, rank)}")
+            if len(data) != p["records"]["bytes"] or crc(data) != p["records"]["crc32c"]:
+                return None
+            check_records(data, crc, where, step=s, generation=g, rank=rank, world=self.world, save_id=self.save_id)
+            shard = p["shard"]
+            stored = (shard.get("storage") or {}).get("stored_bytes", shard["bytes"])
+            if shard.get("file") != shard_name(g, rank) or self.storage.size(f"{self.dir}/{shard['file']}") != stored:
+                return None
+            return p
+        except (FileNotFoundError, CorruptCheckpointError) as e:
+            log.debug("nebula_ckpt: persist-memory: %s: no whole part yet (%s)", where, e)
+            return None
+
+    def _committed(self) -> bool:
+        """Whether this write's ``COMMIT`` is on the shared tier (another drain made it)."""
+        try:
+            return read_commit(self.storage, self.write[1], self.tier).write == self.write
+        except Exception:  # no marker (yet): not committed
+            return False
+
+    def _put(self, c: Copy) -> None:
+        """Write rank ``c.rank``'s part from the copy ``c`` (every checksum verified first)."""
+        g, s, w = self.write
+        crc = get_ops().crc32c_bytes
+        src = LocalStorage(c.folder, private=True, fsync=False)
+        try:
+            open_checkpoint(src, s, "full", f"{c.folder} step {s}", c.rank, self.world)
+            man = read_manifest(src, s, f"{c.folder} step {s}")
+            data = [src.read_buffer(shard_path(man, i), dict(sh.storage or {})) for i, sh in enumerate(man.shards)]
+            image, records, nbytes = canonical_share(man, c.rank, data)
+            rel = f"{self.dir}/{shard_name(g, c.rank)}"
+            info = write_whole(self.storage, rel, image)
+            prefix = man.prefix(c.rank)
+            meta = {"tensors": records, "tree": man.rank_tree_of(c.rank),
+                    "stats": {"tensor_bytes": sum(r["offsets"][1] - r["offsets"][0] for r in records.values()),
+                              "copy_seconds": float(man.stats.get("copy_seconds", 0.0))}}
+            name, rbytes, payload = split_payload(
+                step=s, generation=g, rank=c.rank, world=self.world, save_id=self.save_id,
+                shard={"file": shard_name(g, c.rank), "bytes": nbytes, "storage": info}, index=records,
+                aliases={a[len(prefix):]: b[len(prefix):] for a, b in man.aliases.items()}, meta=meta,
+                send_tree=True, send_table=True, crc=crc)
+            payload["time"] = man.time
+            self.storage.write_small(f"{self.dir}/{drain_part_name(g, c.rank)}", encode_part(
+                step=s, generation=g, save=w, rank=c.rank, world=self.world, save_id=self.save_id,
+                payload=payload, crc=crc))
+            self.storage.write_small(f"{self.dir}/{name}", rbytes)  # last: the part is whole
+        finally:
+            src.close()
+        self.written.append(c.rank)
+        log.info("nebula_ckpt: persist-memory: rank %d's part of step %d (%d bytes, from %s) is on %s", c.rank, s,
+                 nbytes, "its memory tier" if c.own else "a replica", self.tier)
+        if self._on_part is not None:
+            self._on_part(c.rank, nbytes)
+
+    def _commit(self, parts: list[dict[str, Any]]) -> None:
+        """``ranks.json``, the manifest and ``COMMIT`` from every rank's part (the same bytes on
+        every node); nothing when a newer write was committed meanwhile.
+
+        Raises:
+            FencedError: a newer generation committed a step since the drain began.
+        """
+        g, s, w = self.write
+        crc = get_ops().crc32c_bytes
+        man, index = split_manifest(step=s, generation=g, save_id=self.save_id, parts=parts, owners={}, crc=crc)
+        man["time"] = max(float(p["time"]) for p in parts)  # not the time of building it: alike on every node
+        mbytes = encode_manifest(man)
+        Manifest.parse(mbytes, f"{self.tier} step {s} (drained)", s)  # the parts' trees and tables, checked
+        why = not_newer(self.write, set(committed_writes(self.storage)), self.tier) or folder_problem(self.storage, self.write)
+        if why is not None:
+            if self._committed():
+                return
+            raise FencedError(f"step {s} is not committed: {why}")
+        self.storage.write_small(f"{self.dir}/{RANKS_FILE}", index)
+        try:
+            commit_manifest(self.storage, Fence.past(self.storage, g).for_tier(self.storage), s, mbytes,
+                            CommitProgress(), self.tier, w)
+        except FileExistsError:
+            if not self._committed():  # another write's marker appeared: raised as it is
+                raise
+        log.info("nebula_ckpt: persist-memory: step %d (writer generation %d, %d ranks) committed on %s", s, g,
+                 self.world, self.tier)
+
+
+def canonical_share(man: Manifest, rank: int, data: list[Any]) -> tuple[list[memoryview], dict[str, dict[str, Any]],
+                                                                            int]:
+    """Rank ``rank``'s whole state in ``man`` (a memory-tier step; ``data[i]``: the bytes of its
+    shard ``i``, which may lie in earlier steps) as one shard image: ``(parts, tensor records
+    without the rank prefix, bytes)``. Canonical: tensors by element size, then key, so every
+    copy of one write (a rank's own, incremental or not, and a partner's whole replica) gives
+    the same bytes."""
+    prefix = man.prefix(rank)
+    if any(not k.startswith(prefix) for k in man.tensors):
+        raise CorruptCheckpointError(f"step {man.step}: a tensor key lacks rank {rank}'s prefix {prefix!r}")
+    keys = sorted(man.tensors, key=lambda k: (-man.tensors[k].torch_dtype.itemsize, k))
+    head, spans = safetensors_header([(k[len(prefix):], man.tensors[k].torch_dtype, man.tensors[k].shape,
+                                       man.tensors[k].nbytes) for k in keys])
+    parts: list[memoryview] = [memoryview(head)]
+    records: dict[str, dict[str, Any]] = {}
+    for k, (p, e) in zip(keys, spans, strict=True):
+        rec = man.tensors[k]
+        if rec.nbytes:
+            parts.append(memoryview(data[rec.shard]).cast("B")[rec.start:rec.end])
+        out = rec.to_json()
+        out.pop("shard", None)
+        records[k[len(prefix):]] = dict(out, offsets=[len(head) + p, len(head) + e])
+    return parts, records, len(head) + (spans[-1][1] if spans else 0)
+
+
+def write_whole(storage: Storage, rel: str, parts: list[memoryview]) -> dict[str, Any]:
+    """Write ``parts`` back to back as ``rel``, which no reader ever sees partly written: on a file
+    system under a temporary name renamed into place (atomic; a killed writer leaves the temporary
+    file, named like the shard so sweeps know whose it is), on a blob store as one upload (an
+    object appears whole). The storage info."""
+    path = storage.local_path(rel)
+    if path is None:
+        return storage.write_parts(rel, parts)
+    tmp = f"{rel}.drain-{uuid.uuid4().hex[:12]}"
+    try:
+        info = storage.write_parts(tmp, parts)
+        tmp_path = storage.local_path(tmp)
+        assert tmp_path is not None
+        os.replace(tmp_path, path)
+        fsync_dir(os.path.dirname(path))
+    except BaseException:
+        try:
+            storage.remove(tmp)
+        except OSError as e:
+            log.debug("nebula_ckpt: persist-memory: %s", e)
+        raise
+    return info
