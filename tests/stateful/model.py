@@ -82,28 +82,30 @@ class Truth:
         return sorted(s for s, p in self.tier(key).items() if p - {ABSENT})
 
     def target(self, keys: list[Hashable]) -> Optional[tuple[int, Entry, Hashable]]:
-        """What a restore reading ``keys`` (fastest first) must open: the newest (writer, step),
-        the fastest tier for one step."""
-        best: Optional[tuple[tuple[int, int, int], int, Entry, Hashable]] = None
+        """What a restore reading ``keys`` (fastest first) must open: the newest (writer, step), the
+        later save of a step saved twice, the fastest tier for one save."""
+        best: Optional[tuple[tuple[int, int, int, int], int, Entry, Hashable]] = None
         for i, k in enumerate(keys):
             for s, e in self.entries(k).items():
-                order = (e.writer, s, -i)
+                order = (e.writer, s, e.sid, -i)  # of two saves of one step, the later one
                 if best is None or order > best[0]:
                     best = (order, s, e, k)
         return None if best is None else best[1:]
 
     def newest_write(self, key: Hashable) -> Optional[tuple[int, Entry]]:
         """The newest (writer, step) entry that may be on ``key`` (uncertain ones included)."""
-        cands = [(e.writer, s, e) for s, p in self.tier(key).items() for e in p if e is not None]
+        cands = [(e.writer, s, e.sid, e) for s, p in self.tier(key).items() for e in p if e is not None]
         if not cands:
             return None
-        w, s, e = max(cands, key=lambda c: (c[0], c[1]))
+        *_, s, _sid, e = max(cands, key=lambda c: c[:3])
         return s, e
 
     # -- changes ---------------------------------------------------------------------------------
-    def commit(self, key: Hashable, step: int, entry: Entry, keep_last: int, *, surely: bool = True) -> None:
+    def commit(self, key: Hashable, step: int, entry: Entry, keep_last: int, *, surely: bool = True,
+               drops: bool = True) -> None:
         """``entry`` committed as ``step`` on ``key`` (``surely=False``: perhaps, a kill came
-        around it), then that tier's retention and the drop of the steps after a step saved again."""
+        around it), then that tier's retention and the drop of the steps after a step saved again
+        (``drops=False``: a copy that deletes nothing, ``persist-memory``)."""
         t = self.tier(key)
         before = t.get(step, {ABSENT})
         again = bool(before - {ABSENT})
@@ -114,10 +116,10 @@ class Truth:
         for s in list(t):
             if s == step:
                 continue
-            if again and s > step:  # may refer to the bytes of the step saved again
+            if again and drops and s > step:  # may refer to the bytes of the step saved again
                 t[s] = t[s] | {ABSENT}
         above = 0
-        for s in sorted(t, reverse=True):  # retention: keep_last newest by step number
+        for s in sorted(t, reverse=True) if drops else ():  # retention: keep_last newest by step number
             if s == step:
                 above += 1
                 continue

@@ -24,7 +24,7 @@ from typing import Any, Hashable, Optional
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, precondition, rule
 
-from stateful.machine import SAVE_POINTS
+from stateful.machine import KNOWN, KNOWN_RETENTION_ORDER, SAVE_POINTS
 from stateful.machine import Shared as _Shared
 from stateful.model import ABSENT, Entry, Save, Truth, Violation
 from stateful.procs import Pool, Proc, everyone, free_port
@@ -36,7 +36,8 @@ CALL_POINTS = {
     "a copy received, not yet verified": "nebula_ckpt.tiers.memory.replica_store:verify_step",
     "a copy verified, not yet visible": "nebula_ckpt.tiers.memory.replica_store:ReplicaStore.publish",
 }
-RANK_SAVE_POINTS = {k: v for k, v in SAVE_POINTS.items() if "replacing" not in k}
+RANK_SAVE_POINTS = {k: v for k, v in SAVE_POINTS.items()
+                    if "replacing" not in k and not (KNOWN and k in KNOWN_RETENTION_ORDER)}
 ENV = {"NEBULA_REPLICA_TIMEOUT_S": "30", "NEBULA_COMMIT_TIMEOUT_S": "30", "NEBULA_CONFIRM_TIMEOUT_S": "30",
        "NEBULA_REPLICA_KEEP_AFTER_S": "0.5"}
 
@@ -318,7 +319,7 @@ class Ranks(RuleBasedStateMachine):
     @rule(node=st.integers(0, WORLD - 1), which=st.sampled_from(["gc", "persist-memory"]))
     def tool(self, node: int, which: str) -> None:
         """``gc`` (frees nothing a restore needs: a tier whose newest step is only in memory stays) or
-        ``persist-memory`` (refuses a multi-rank root's parts; never writes the root) on ``node``."""
+        ``persist-memory`` (drains the newest step the node holds every part of to the root) on ``node``."""
         if not os.path.isdir(self.root):
             return
         self.note(f"{which} on n{node}")
@@ -336,8 +337,17 @@ class Ranks(RuleBasedStateMachine):
                 newest = self.truth.newest_write(key)
                 if newest is None or newest[1].sid in disk:
                     self.truth.may_drop_all(key)
-        elif got["code"] not in (0, 2):
-            self.fail(f"persist-memory on n{node} exited {got['code']}: {got['stdout']} {got['stderr']}")
+        else:
+            if got["code"] not in (0, 2):
+                self.fail(f"persist-memory on n{node} exited {got['code']}: {got['stdout']} {got['stderr']}")
+            # it may drain the newest step every rank's part of which this node holds (its own, and the
+            # copy of the other rank's) to the shared tier, under that step's writer, deleting nothing
+            on_disk = [(e.writer, s, e.sid) for s, p in self.truth.tier("disk").items() for e in p if e is not None]
+            mem = [(w, s, e.sid, e) for (w, s), e in self.candidates(False).items()
+                   if e not in self.truth.tier("disk").get(s, set())]
+            if mem and max(mem, key=lambda c: c[:3])[:3] > max(on_disk, default=()):
+                w, s, _, e = max(mem, key=lambda c: c[:3])
+                self.truth.commit("disk", s, e, 0, surely=False, drops=False)
 
     def teardown(self) -> None:
         self._kill_job()

@@ -55,18 +55,11 @@ def _restored(root: str, **kw: Any) -> dict[str, Any]:
     return decode(st, 0)
 
 
-@pytest.mark.xfail(strict=True, reason="close() decides by step number: the disk tier's older save of step 5 "
-                                       "counts as the newest one, the newest save is not put there and the "
-                                       "memory tier holding it is freed (save/pipeline.py _flush_newest, "
-                                       "tiers/memory/runtime.py close)")
 def test_close_keeps_the_newest_save_of_a_step_saved_again(root: str) -> None:
     _saved_twice(root, crash=False)
     assert _restored(root)["meta.sid"] == 2
 
 
-@pytest.mark.xfail(strict=True, reason="gc decides by step number: the memory tier whose newest save of step 5 "
-                                       "is nowhere else is freed because the root holds an older save of step 5 "
-                                       "(tiers/memory/gc.py)")
 def test_gc_keeps_a_memory_tier_whose_newest_save_is_not_on_the_root(root: str, shm_dir: str) -> None:
     _saved_twice(root, crash=True)
     assert cli(["gc", "--shm-dir", shm_dir, "--json"]) == 0
