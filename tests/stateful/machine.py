@@ -21,9 +21,9 @@ from pathlib import Path
 from typing import Any, Hashable, Optional
 
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+from hypothesis.stateful import RuleBasedStateMachine, initialize, precondition, rule
 
-from stateful.model import ABSENT, Entry, Save, Truth, Violation
+from stateful.model import Entry, Save, Truth, Violation
 from stateful.procs import Pool, Proc
 
 NODES = (0, 1)
@@ -241,7 +241,8 @@ class Single(RuleBasedStateMachine):
             job.writer = self.new_writer()
         self.truth.saves[sid] = Save(step, self.fid, job.writer)
         disk = job.saves % self.tiers["disk_every"] == 0
-        what = f"save step {step} (save #{sid}, frozen #{self.fid}) on n{job.node}" + (f", killed at {kill}" if kill else "")
+        what = f"save step {step} (save #{sid}, frozen #{self.fid}) on n{job.node}"
+        what += f", killed at {kill}" if kill else ""
         self.note(what)
         if kill:
             job.proc.call({"op": "arm", "at": SAVE_POINTS[kill[0]], "skip": kill[1]})
@@ -383,7 +384,8 @@ class Single(RuleBasedStateMachine):
         live = self.job is not None and self.job.node == node and self.job.path == self.path and self.job.writer
         newest = self.truth.newest_write(self.mem(node))
         on_root = [(e.writer, s, e.sid) for s, e in self.truth.entries("disk").items()]
-        copy = not live and newest is not None and (newest[1].writer, newest[0], newest[1].sid) > max(on_root, default=())
+        copy = not live and newest is not None and \
+            (newest[1].writer, newest[0], newest[1].sid) > max(on_root, default=())
         if got is None:
             self.shared.tool_died()
             if copy:

@@ -129,7 +129,7 @@ class Truth:
                 above += 1
 
     def may_drop_all(self, key: Hashable) -> None:
-        for s, p in self.tier(key).items():
+        for p in self.tier(key).values():
             p.add(ABSENT)
 
     def drop_all(self, key: Hashable) -> None:

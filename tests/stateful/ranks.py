@@ -39,7 +39,8 @@ CALL_POINTS = {
 RANK_SAVE_POINTS = {k: v for k, v in SAVE_POINTS.items()
                     if "replacing" not in k and not (KNOWN and k in KNOWN_RETENTION_ORDER)}
 ENV = {"NEBULA_REPLICA_TIMEOUT_S": "30", "NEBULA_COMMIT_TIMEOUT_S": "30", "NEBULA_CONFIRM_TIMEOUT_S": "30",
-       "NEBULA_REPLICA_KEEP_AFTER_S": "0.5"}
+       "NEBULA_REPLICA_KEEP_AFTER_S": "0.5",
+       "NEBULA_REPLICA_NICE": "0", "NEBULA_HASH_NICE": "0"}  # niced threads starve on a busy machine
 
 
 class Shared(_Shared):

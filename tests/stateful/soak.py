@@ -30,7 +30,8 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--minutes", type=float, default=None)
     p.add_argument("--examples", type=int, default=None)
-    p.add_argument("--steps", type=int, default=None, help="operations per sequence (default: 30 one-process, 16 ranks)")
+    p.add_argument("--steps", type=int, default=None,
+                   help="operations per sequence (default: 30 one-process, 16 ranks)")
     p.add_argument("--machine", choices=["single", "ranks", "both"], default="both")
     p.add_argument("--no-shrink", action="store_true", help="report failures as found (shrinking can take minutes)")
     a = p.parse_args()
@@ -58,9 +59,11 @@ def _one(name: str, examples: int, steps: int | None, shrink: bool) -> Outcome:
     base = Path(tempfile.mkdtemp(prefix=f"nebula-soak-{name}-"))
     shm = shm_base()
     if name == "single":
-        from stateful.machine import Shared, Single as machine
+        from stateful.machine import Shared
+        from stateful.machine import Single as machine
     else:
-        from stateful.ranks import Shared, Ranks as machine  # type: ignore[no-redef]
+        from stateful.ranks import Ranks as machine
+        from stateful.ranks import Shared  # type: ignore[no-redef]
     machine.shared = shared = Shared(base, shm)
     out = None
     try:

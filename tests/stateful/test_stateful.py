@@ -23,25 +23,26 @@ def test_one_process_jobs_on_two_nodes(tmp_path: Path) -> None:
     shm = shm_base()
     Single.shared = shared = Shared(tmp_path, shm)
     try:
-        out = run(Single, "single", examples=4, steps=14, seed_=BOUNDED_SEED, shrink=False)
+        out = run(Single, "single", examples=3, steps=14, seed_=BOUNDED_SEED, shrink=False)
     finally:
         shared.close()
         shutil.rmtree(shm, ignore_errors=True)
     if out.error is not None:
         raise AssertionError(f"seed {out.seed}; replay: {out.replay()}") from out.error
-    assert out.examples >= 4
+    assert out.examples >= 3
 
 
 def test_a_two_rank_job_with_replicas_on_two_nodes(tmp_path: Path) -> None:
-    from stateful.ranks import Ranks, Shared as RankShared
+    from stateful.ranks import Ranks
+    from stateful.ranks import Shared as RankShared
 
     shm = shm_base()
     Ranks.shared = shared = RankShared(tmp_path, shm)
     try:
-        out = run(Ranks, "ranks", examples=2, steps=10, seed_=BOUNDED_SEED, shrink=False)
+        out = run(Ranks, "ranks", examples=1, steps=10, seed_=BOUNDED_SEED, shrink=False)
     finally:
         shared.close()
         shutil.rmtree(shm, ignore_errors=True)
     if out.error is not None:
         raise AssertionError(f"seed {out.seed}; replay: {out.replay()}") from out.error
-    assert out.examples >= 2
+    assert out.examples >= 1

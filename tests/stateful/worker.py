@@ -40,8 +40,9 @@ import torch  # noqa: E402
 torch.set_num_threads(1)
 
 import nebula_ckpt as nc  # noqa: E402
-
 from stateful.states import blank_state, decode, make_state  # noqa: E402
+
+make_state(0, 0, 0)  # a spare pays now for what the first optimizer imports (torch._dynamo: seconds)
 
 
 class KillAt(logging.Handler):
@@ -119,6 +120,9 @@ class Worker:
         restore the newest checkpoint (``load_latest``) into a blank state."""
         self.node(cmd)
         os.environ.update(cmd.get("env", {}))
+        if os.environ.get("STATEFUL_TRACE_OPEN"):
+            import faulthandler
+            faulthandler.dump_traceback_later(float(os.environ["STATEFUL_TRACE_OPEN"]), file=sys.stderr)
         t = cmd["tiers"]
         if cmd.get("dist"):
             self._init_dist(cmd)
