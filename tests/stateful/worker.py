@@ -12,10 +12,7 @@ line that contains every string of ``at`` (the library's ``phase=...`` DEBUG lin
 naming each step retention deletes). The kill is a real ``SIGKILL`` of this process, from the
 thread that reached the point, before that point's action runs.
 
-Every state a job saves is made of one save id (``sid``) and one id of its frozen part (``fid``):
-every element of tensor ``j`` of the state of save ``sid`` of rank ``r`` is ``code(sid, r, j)``,
-the frozen tensor's elements are ``code(fid, r, 15)``, and the non-tensor leaf ``meta`` holds both
-ids. :func:`decode` tells which save each tensor of a restored state came from.
+The states saved are :mod:`stateful.states`' (every byte says which save and rank it belongs to).
 """
 
 from __future__ import annotations
