@@ -5,7 +5,7 @@ PYTEST_ARGS ?=
 RUFF_VERSION := 0.17.6
 MYPY_VERSION := 2.4.1
 
-.PHONY: demo demo-wipe test test-fast lint bench bench-deps bench-quick install blob-servers clean peer-test
+.PHONY: demo demo-wipe test test-fast soak lint bench bench-deps bench-quick install blob-servers clean peer-test
 
 install:
 	bash scripts/bootstrap.sh
@@ -34,6 +34,14 @@ PEER_DEPS := "cloudpickle>=1.3,<3.2" "jsonargparse" "tensorboardX" "expecttest" 
 peer-test: install
 	@if [ -n "$(PEER_SUITES)" ] && [ -d "$(PEER_SUITES)" ]; then $(VPY) -m pip install -q $(PEER_DEPS); fi
 	$(VPY) tests/peers/run.py "$(PEER_SUITES)" $(if $(PEER_ARGS),-- $(PEER_ARGS))
+
+# the model-based stateful test's long profile (tests/stateful/README.md): MINUTES=N (default 10) or
+# EXAMPLES=N sequences per seed, MACHINE=single|ranks|both; NEBULA_STATEFUL_SEED / _BLOB replay a failure
+MINUTES ?= 10
+EXAMPLES ?=
+MACHINE ?= both
+soak: install
+	$(VPY) tests/stateful/soak.py --minutes $(MINUTES) --machine $(MACHINE) $(if $(EXAMPLES),--examples $(EXAMPLES))
 
 # ruff and mypy with the configuration in pyproject.toml (installed into .venv when missing)
 lint: install

@@ -1,0 +1,440 @@
+"""The model-based stateful test of one-process jobs on simulated nodes (Hypothesis's rule machine).
+
+Each example is a run folder (a root) and two simulated nodes (``n0``, ``n1``: each its own
+memory-tier folder). Jobs are real processes (:mod:`stateful.worker`) on one node at a time: a job
+starts by restoring (``load_latest`` in a fresh process), then saves new steps and steps again,
+and ends by ``close()``, a crash (``os._exit``), a SIGKILL at a random idle moment or a SIGKILL at
+a named point inside a save. Between jobs: ``nebula-ckpt gc`` and ``nebula-ckpt persist-memory``
+(also killed at named points), a node lost (its memory tier gone, its job killed), the run folder
+moved (and moved back). :class:`~stateful.model.Truth` says what every restore must open and what
+every tier may hold; audits read every committed step of every tier back.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Hashable, Optional
+
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, precondition, rule
+
+from stateful.model import Entry, Save, Truth, Violation
+from stateful.procs import Pool, Proc
+
+NODES = (0, 1)
+
+#: where a save may be killed: (name, strings every one of which the log line holds)
+SAVE_POINTS = {
+    "staging": ["phase=snapshot"],
+    "memory shard": ["phase=shard", "tier=memory"],
+    "memory commit": ["phase=commit", "tier=memory"],
+    "disk shard": ["phase=shard", "tier=local"],
+    "disk manifest": ["phase=manifest", "tier=local"],
+    "disk commit": ["phase=commit", "tier=local"],
+    "memory retention": ["phase=prune", "tier=memory"],
+    "disk retention": ["phase=prune", "tier=local"],
+    "memory retention, a step deleted": ["retention deletes step", "tier memory"],
+    "disk retention, a step deleted": ["retention deletes step", "tier local"],
+    "disk, replacing a step": ["replacing existing checkpoint", "tier local"],
+    "memory, replacing a step": ["replacing existing checkpoint", "tier memory"],
+}
+# Known defects, fixed on other branches or owned elsewhere: the operation that meets each is left
+# out (NEBULA_STATEFUL_ALL=1 puts it back, to hunt with it or to check a fix). Remove an entry, and
+# its use below, once the named test passes on main.
+KNOWN = os.environ.get("NEBULA_STATEFUL_ALL") != "1"
+#: retention deletes a step's base before the step (the kills between two deletions; issue item:
+#: retention order, save/writer.py)
+KNOWN_RETENTION_ORDER = ("memory retention, a step deleted", "disk retention, a step deleted")
+#: the restore hands the memory tier's step over while the disk tier holds an older save of that
+#: step (tests/stateful/test_regressions.py::test_a_restore_never_hands_over_the_only_copy_of_a_save):
+#: such a job starts with NEBULA_ADOPT_MEMORY_TIER=0
+KNOWN_HANDOVER = True
+
+
+def save_points() -> list[str]:
+    return sorted(p for p in SAVE_POINTS if not (KNOWN and p in KNOWN_RETENTION_ORDER))
+
+
+#: where ``persist-memory`` may be killed
+PERSIST_POINTS = {
+    "shard": ["phase=shard"],
+    "manifest": ["phase=manifest"],
+    "commit": ["phase=commit"],
+    "retention": ["phase=prune"],
+    "retention, a step deleted": ["retention deletes step"],
+}
+
+
+class Shared:
+    """What the examples of one test share: the process pool, the tool process, a scratch folder."""
+
+    def __init__(self, base: Path, shm_base: Path) -> None:
+        self.base, self.shm_base = base, shm_base
+        (base / "logs").mkdir(parents=True, exist_ok=True)
+        self.pool = Pool(base / "logs", spares=1)
+        self._tool: Optional[Proc] = None
+        self.examples = 0
+        self.seen: set[str] = set()
+
+    def tool(self) -> Proc:
+        if self._tool is None or not self._tool.alive:
+            self._tool = self.pool.take()
+        return self._tool
+
+    def tool_died(self) -> None:
+        if self._tool is not None:
+            self._tool.end()
+        self._tool = None
+
+    def close(self) -> None:
+        if self._tool is not None:
+            self._tool.end()
+        self.pool.close()
+
+
+@dataclass
+class Job:
+    proc: Proc
+    node: int
+    path: str
+    writer: Optional[int] = None
+    saves: int = 0          # saves that went ahead (the disk tier's cadence counts them)
+    cursor: int = -1        # the step the job is at (restored or saved last)
+    saved_steps: tuple[int, ...] = ()
+
+
+class Single(RuleBasedStateMachine):
+    """One-process jobs; see the module docstring. ``Single.shared`` is set by the test."""
+
+    shared: Shared
+
+    def __init__(self) -> None:
+        super().__init__()
+        sh = self.shared
+        sh.examples += 1
+        self.dir = sh.base / f"ex{sh.examples}-{uuid.uuid4().hex[:6]}"
+        self.dir.mkdir()
+        self.shm = sh.shm_base / self.dir.name
+        self.paths = [str(self.dir / "run" / "ckpt")]
+        self.path = self.paths[0]
+        self.truth = Truth()
+        self.job: Optional[Job] = None
+        self.writers = 0
+        self.sids = 0
+        self.fid = 1
+        self.log: list[str] = []
+        self.t0 = time.monotonic()
+
+    # -- set-up --------------------------------------------------------------------------------
+    @initialize(memory_keep=st.integers(1, 3), disk_keep=st.sampled_from([1, 2, 3, 5]), disk_every=st.integers(1, 3),
+                full_every=st.integers(2, 4))
+    def configure(self, memory_keep: int, disk_keep: int, disk_every: int, full_every: int) -> None:
+        self.tiers = {"memory_keep": memory_keep, "disk_keep": disk_keep, "disk_every": disk_every}
+        self.full_every = full_every
+        os.makedirs(os.path.dirname(self.path), exist_ok=True)
+
+    # -- helpers -------------------------------------------------------------------------------
+    def shm_of(self, node: int) -> str:
+        return str(self.shm / f"n{node}")
+
+    def mem(self, node: int, path: Optional[str] = None) -> Hashable:
+        return ("mem", node, path or self.path)
+
+    def new_writer(self) -> int:
+        self.writers += 1
+        return self.writers
+
+    def note(self, text: str) -> None:
+        self.log.append(f"{time.monotonic() - self.t0:6.1f} s  {text}")
+
+    def fail(self, text: str) -> None:
+        if text.split("\n")[0] not in self.shared.seen:  # at once, before Hypothesis shrinks it (minutes)
+            self.shared.seen.add(text.split("\n")[0])
+            print(f"stateful: violation (log folder {self.shared.base / 'logs'}): {text}", flush=True)
+        raise Violation(f"{text}\n  root {self.path}; config {self.tiers}, full every {self.full_every}\n"
+                        f"  operations so far:\n    " + "\n    ".join(self.log[-40:]))
+
+    def audit(self, node: int) -> None:
+        """Read every committed step of the root's tiers as ``node`` sees them; check them against the model."""
+        got = self.shared.tool().call({"op": "audit", "root": self.path, "shm": self.shm_of(node), "node": f"n{node}"})
+        assert got is not None
+        tiers = got["tiers"]
+        try:
+            if "memory" in tiers:
+                self.truth.observe(self.mem(node), {int(s): e for s, e in tiers["memory"].items()},
+                                   f"audit of the memory tier of n{node}")
+            if "local" in tiers:
+                self.truth.observe("disk", {int(s): e for s, e in tiers["local"].items()}, "audit of the disk tier")
+            for v in got.get("verify", []):
+                kind = v["tier"].split(":")[0]
+                found = tiers.get("local" if kind == "local" else "memory", {}).get(str(v["step"]))
+                if found is not None and ("error" in found) == v["healthy"]:
+                    self.fail(f"verify says step {v['step']} on {kind} is {'healthy' if v['healthy'] else 'damaged'}, "
+                              f"reading it {'fails: ' + found['error'] if 'error' in found else 'works'}")
+        except Violation as e:
+            self.fail(str(e))
+
+    def _start(self, node: int) -> Job:
+        proc = self.shared.pool.take()
+        job = Job(proc, node, self.path)
+        env = {"NEBULA_INCREMENTAL_FULL_EVERY": str(self.full_every)}
+        want = self.truth.target([self.mem(node), "disk"])
+        on_disk = self.truth.entries("disk")
+        if KNOWN and KNOWN_HANDOVER and want is not None and want[2] != "disk" and want[0] in on_disk \
+                and on_disk[want[0]].sid != want[1].sid:
+            env["NEBULA_ADOPT_MEMORY_TIER"] = "0"  # known defect: see KNOWN_HANDOVER
+            self.note("  (the memory tier's pages are not handed over: known defect)")
+        got = proc.call({"op": "open", "root": self.path, "shm": self.shm_of(node), "node": f"n{node}",
+                         "tiers": self.tiers, "env": env})
+        if got is None:
+            self.fail(f"the job on n{node} died while restoring (log: {proc.log_path}):\n{proc.tail()}")
+        assert got is not None
+        self.job = job
+        self.check_restore(got, node)
+        return job
+
+    def check_restore(self, got: dict[str, Any], node: int) -> None:
+        keys = [self.mem(node), "disk"]
+        if "error" in got:
+            self.fail(f"restore on n{node} raised {got['error']}")
+        want = self.truth.target(keys)
+        where = f"restore on n{node}"
+        if want is None:
+            if got["step"] is not None:
+                self.fail(f"{where} opened step {got['step']} where nothing is committed")
+        else:
+            step, entry, key = want
+            if got["step"] is None:
+                self.fail(f"{where} found nothing; step {step} ({entry}) is committed on {key}")
+            try:
+                sid = self.truth.check_parts(got["parts"], where)
+            except Violation as e:
+                self.fail(str(e))
+            if (got["step"], sid) != (step, entry.sid):
+                self.fail(f"{where} opened step {got['step']} (save #{sid}, from {got.get('tier')}); the newest "
+                          f"committed on a tier it reaches is step {step}, {entry} on {key}")
+            assert self.job is not None
+            self.job.cursor = step
+            # a restore from the memory tier may hand its pages over (the step leaves the memory
+            # tier) when the root holds that very save of the step
+            disk = self.truth.entries("disk")
+            if key == keys[0] and step in disk and disk[step].sid == entry.sid:
+                self.truth.may_drop(keys[0], step)
+        listed = got["listed"]
+        try:
+            self.truth.observe_listing(keys[0], listed.get("memory", []), f"list() of the memory tier of n{node}")
+            self.truth.observe_listing("disk", listed.get("local", []), "list() of the disk tier")
+        except Violation as e:
+            self.fail(str(e))
+
+    def _save(self, step: int, kill: Optional[tuple[str, int]] = None) -> None:
+        job = self.job
+        assert job is not None
+        self.sids += 1
+        sid = self.sids
+        if job.writer is None:
+            job.writer = self.new_writer()
+        self.truth.saves[sid] = Save(step, self.fid, job.writer)
+        disk = job.saves % self.tiers["disk_every"] == 0
+        what = f"save step {step} (save #{sid}, frozen #{self.fid}) on n{job.node}"
+        what += f", killed at {kill}" if kill else ""
+        self.note(what)
+        if kill:
+            job.proc.call({"op": "arm", "at": SAVE_POINTS[kill[0]], "skip": kill[1]})
+        got = job.proc.call({"op": "save", "step": step, "sid": sid, "fid": self.fid})
+        entry = Entry(sid, job.writer)
+        if got is None:  # killed at the point: each tier may or may not have committed it
+            self.truth.commit(self.mem(job.node), step, entry, self.tiers["memory_keep"], surely=False)
+            if disk:
+                self.truth.commit("disk", step, entry, self.tiers["disk_keep"], surely=False)
+            job.proc.end()
+            self.job = None
+            return
+        if kill:
+            job.proc.call({"op": "arm", "at": None})
+        if not got["ok"] or got["dropped"]:
+            self.fail(f"{what}: failed: {got['error']} (written {got['written']}, dropped {got['dropped']})")
+        want = ["local", "memory"] if disk else ["memory"]
+        if got["written"] != want:
+            self.fail(f"{what}: written on {got['written']}, expected {want} (disk every {self.tiers['disk_every']}, "
+                      f"save {job.saves} of this job)")
+        job.saves += 1
+        job.cursor = step
+        job.saved_steps = tuple(sorted(set(job.saved_steps) | {step}))
+        self.truth.commit(self.mem(job.node), step, entry, self.tiers["memory_keep"])
+        if disk:
+            self.truth.commit("disk", step, entry, self.tiers["disk_keep"])
+
+    def _end_job(self) -> None:
+        if self.job is not None:
+            self.job.proc.end()
+            self.job = None
+
+    # -- rules ---------------------------------------------------------------------------------
+    @precondition(lambda self: self.job is None)
+    @rule(node=st.sampled_from(NODES))
+    def start_job(self, node: int) -> None:
+        """A job starts on ``node`` (a fresh process) and restores."""
+        self.audit(node)
+        self.note(f"start a job on n{node}")
+        self._start(node)
+
+    @precondition(lambda self: self.job is not None)
+    @rule(saves=st.integers(1, 4), gap=st.integers(1, 2), new_frozen=st.booleans())
+    def save_new(self, saves: int, gap: int, new_frozen: bool) -> None:
+        """``saves`` saves of new steps (the frozen part changes before the first when ``new_frozen``)."""
+        if new_frozen:
+            self.fid += 1
+        for _ in range(saves):
+            assert self.job is not None
+            self._save(self.job.cursor + gap)
+
+    @precondition(lambda self: self.job is not None)
+    @rule(current=st.booleans(), pick=st.integers(0, 7))
+    def save_again(self, current: bool, pick: int) -> None:
+        """Save a step that exists again (different bytes): the job's current step, or another."""
+        job = self.job
+        assert job is not None
+        known = sorted(set(job.saved_steps) | set(self.truth.maybe_steps("disk"))
+                       | set(self.truth.maybe_steps(self.mem(job.node))))
+        if not known:
+            return
+        self._save(job.cursor if current and job.cursor in known else known[pick % len(known)])
+
+    @precondition(lambda self: self.job is not None)
+    @rule(point=st.sampled_from(save_points()), skip=st.integers(0, 1), again=st.booleans(), gap=st.integers(1, 2))
+    def kill_in_save(self, point: str, skip: int, again: bool, gap: int) -> None:
+        """A save (of a new step, or of the current one again) killed with SIGKILL at ``point``."""
+        job = self.job
+        assert job is not None
+        step = job.cursor if again and job.cursor >= 0 else job.cursor + gap
+        self._save(step, (point, skip))
+
+    @precondition(lambda self: self.job is not None)
+    @rule(how=st.sampled_from(["close", "exit", "sigkill"]))
+    def end_job(self, how: str) -> None:
+        job = self.job
+        assert job is not None
+        self.note(f"end the job on n{job.node}: {how}")
+        if how == "sigkill":
+            job.proc.kill()
+        elif how == "exit":
+            job.proc.call({"op": "exit"})
+        else:
+            self._close(job)
+        self._end_job()
+
+    def _close(self, job: Job) -> None:
+        keys = [self.mem(job.node), "disk"]
+        if not all(self.truth.certain(k) for k in keys):
+            self.audit(job.node)
+        want = self.truth.target(keys) if job.writer is not None else None
+        got = job.proc.call({"op": "close"})
+        if got is None or got["error"]:
+            self.fail(f"close() on n{job.node} failed: {got}")
+        if want is None:
+            return
+        step, entry, key = want
+        disk = self.truth.entries("disk")
+        if step not in disk or disk[step].sid != entry.sid:
+            # close() puts the newest step on the disk tier when its cadence skipped it
+            self.truth.commit("disk", step, Entry(entry.sid, job.writer), self.tiers["disk_keep"])
+        self.truth.may_drop_all(keys[0])  # the newest is safe on the root: the memory tier may go
+
+    @rule(node=st.sampled_from(NODES))
+    def gc(self, node: int) -> None:
+        """``nebula-ckpt gc`` on ``node``: it may free a memory tier whose newest save is on its root."""
+        if os.path.isdir(self.path):
+            self.audit(node)
+        self.note(f"gc on n{node}")
+        got = self.shared.tool().call({"op": "cli", "argv": ["gc", "--shm-dir", self.shm_of(node), "--json"],
+                                       "shm": self.shm_of(node), "node": f"n{node}"})
+        assert got is not None
+        if got["code"] != 0:
+            self.fail(f"gc on n{node} exited {got['code']}: {got['stderr']}")
+        for key in [k for k in self.truth.tiers if isinstance(k, tuple) and k[1] == node]:
+            live = self.job is not None and self.job.node == node and self.job.path == key[2] and self.job.writer
+            if live or key[2] != self.path or not os.path.isdir(self.path):
+                continue  # in use, or its root is not there to check: kept
+            newest = self.truth.newest_write(key)
+            disk = self.truth.entries("disk")
+            if newest is not None and newest[0] in disk and disk[newest[0]].sid == newest[1].sid:
+                self.truth.may_drop_all(key)
+
+    @rule(node=st.sampled_from(NODES), kill=st.one_of(st.none(), st.sampled_from(sorted(PERSIST_POINTS))))
+    def persist_memory(self, node: int, kill: Optional[str]) -> None:
+        """``nebula-ckpt persist-memory ROOT`` on ``node`` (a job epilogue), perhaps killed at ``kill``:
+        the newest save of the node's memory tier goes to the root under its own writer, only when
+        it is newer (in a restore's order) than everything there; it deletes nothing, and does
+        nothing while a live job writes that memory tier."""
+        if not os.path.isdir(self.path):
+            return
+        self.audit(node)
+        self.note(f"persist-memory on n{node}" + (f", killed at {kill}" if kill else ""))
+        tool = self.shared.tool()
+        if kill:
+            tool.call({"op": "arm", "at": PERSIST_POINTS[kill], "skip": 0})
+        got = tool.call({"op": "cli", "argv": ["persist-memory", self.path, "--json"], "shm": self.shm_of(node),
+                         "node": f"n{node}"})
+        live = self.job is not None and self.job.node == node and self.job.path == self.path and self.job.writer
+        newest = self.truth.newest_write(self.mem(node))
+        on_root = [(e.writer, s, e.sid) for s, e in self.truth.entries("disk").items()]
+        copy = not live and newest is not None and \
+            (newest[1].writer, newest[0], newest[1].sid) > max(on_root, default=())
+        if got is None:
+            self.shared.tool_died()
+            if copy:
+                assert newest is not None
+                self.truth.commit("disk", newest[0], newest[1], 0, surely=False, drops=False)
+            return
+        if kill:
+            tool.call({"op": "arm", "at": None})
+        if got["code"] not in ((0, 2) if live else (0,)):
+            self.fail(f"persist-memory on n{node} exited {got['code']}: {got['stdout']} {got['stderr']}")
+        if copy:
+            assert newest is not None
+            self.truth.commit("disk", newest[0], newest[1], 0, drops=False)
+
+    @rule(node=st.sampled_from(NODES))
+    def lose_node(self, node: int) -> None:
+        """``node`` is lost: its job dies, its memory (every memory tier on it) is gone."""
+        self.note(f"lose n{node}")
+        if self.job is not None and self.job.node == node:
+            self.job.proc.kill()
+            self._end_job()
+        shutil.rmtree(self.shm_of(node), ignore_errors=True)
+        for key in [k for k in self.truth.tiers if isinstance(k, tuple) and k[1] == node]:
+            self.truth.drop_all(key)
+
+    @precondition(lambda self: self.job is None)
+    @rule(back=st.booleans())
+    def move_root(self, back: bool) -> None:
+        """The run folder is moved (``mv``) to a new path, or back to one it had."""
+        olds = [p for p in self.paths if p != self.path]
+        if back and olds:
+            dst = olds[-1]
+        else:
+            dst = str(self.dir / f"run{len(self.paths)}" / "ckpt")
+            self.paths.append(dst)
+        self.note(f"move the root {self.path} -> {dst}")
+        if os.path.isdir(self.path):
+            os.makedirs(os.path.dirname(dst), exist_ok=True)
+            os.rename(self.path, dst)
+        self.path = dst
+
+    def teardown(self) -> None:
+        try:
+            if self.job is not None:
+                self.job.proc.kill()
+                self._end_job()
+            if os.path.isdir(self.path):
+                for node in NODES:
+                    self.audit(node)
+        finally:
+            shutil.rmtree(self.dir, ignore_errors=True)
+            shutil.rmtree(self.shm, ignore_errors=True)

@@ -1,0 +1,195 @@
+"""The model of the truth: which save's bytes are committed where, and what may change them.
+
+A *tier* here is one place checkpoints live: the root's disk tier (it moves with the root
+folder: key ``"disk"``) or the memory tier of one node for one root path (key ``("mem", node,
+path)``: a root moved elsewhere leaves it behind, moved back finds it again). For each tier the
+model holds, per step, the set of what may be committed there: an :class:`Entry` (a save's id and
+the writer that committed it) or :data:`ABSENT`. One element: known. Several: a kill, or a
+retention that may or may not have dropped the step, left it open; an audit (every committed step
+of the tier read back, :meth:`Truth.observe`) closes it, and fails when what it finds is not one
+of the possibilities.
+
+What may remove a committed step, and nothing else (each is documented behaviour):
+
+* retention: steps outside a tier's ``keep_last`` newest (by step number) after a commit there;
+* a step saved again: the committed steps after it on that tier (they may refer to its bytes:
+  the run went back to it);
+* ``close()``, ``nebula-ckpt gc`` and a restore that hands the memory tier's pages over: the
+  memory tier's steps, but only while the newest save it holds is committed on the root too;
+* losing a node: its memory tiers.
+
+Writers are numbered in the order they take a writer generation (a job at its first save, a
+``persist-memory`` that copies), which is the order of their generations: a restore must open
+the newest (writer, step) committed on a tier it can reach, the fastest tier first for one step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Hashable, Iterable, Optional
+
+
+@dataclass(frozen=True)
+class Entry:
+    """A committed checkpoint: the save whose bytes it holds and the writer that committed it."""
+
+    sid: int
+    writer: int
+
+    def __repr__(self) -> str:
+        return f"save#{self.sid}/w{self.writer}"
+
+
+#: "not committed there"
+ABSENT: Optional[Entry] = None
+
+
+@dataclass
+class Save:
+    """One call of ``save_async``: its step, frozen part and writer."""
+
+    step: int
+    fid: int
+    writer: int
+
+
+class Violation(AssertionError):
+    """What the library did is none of what the model allows."""
+
+
+@dataclass
+class Truth:
+    saves: dict[int, Save] = field(default_factory=dict)
+    tiers: dict[Hashable, dict[int, set[Optional[Entry]]]] = field(default_factory=dict)
+
+    # -- reading ---------------------------------------------------------------------------------
+    def tier(self, key: Hashable) -> dict[int, set[Optional[Entry]]]:
+        return self.tiers.setdefault(key, {})
+
+    def certain(self, key: Hashable) -> bool:
+        return all(len(p) == 1 for p in self.tier(key).values())
+
+    def entries(self, key: Hashable) -> dict[int, Entry]:
+        """The steps known committed on ``key`` (call when :meth:`certain`)."""
+        out = {}
+        for s, p in self.tier(key).items():
+            (e,) = p
+            if e is not None:
+                out[s] = e
+        return out
+
+    def maybe_steps(self, key: Hashable) -> list[int]:
+        return sorted(s for s, p in self.tier(key).items() if p - {ABSENT})
+
+    def target(self, keys: list[Hashable]) -> Optional[tuple[int, Entry, Hashable]]:
+        """What a restore reading ``keys`` (fastest first) must open: the newest (writer, step), the
+        later save of a step saved twice, the fastest tier for one save."""
+        best: Optional[tuple[tuple[int, int, int, int], int, Entry, Hashable]] = None
+        for i, k in enumerate(keys):
+            for s, e in self.entries(k).items():
+                order = (e.writer, s, e.sid, -i)  # of two saves of one step, the later one
+                if best is None or order > best[0]:
+                    best = (order, s, e, k)
+        return None if best is None else best[1:]
+
+    def newest_write(self, key: Hashable) -> Optional[tuple[int, Entry]]:
+        """The newest (writer, step) entry that may be on ``key`` (uncertain ones included)."""
+        cands = [(e.writer, s, e.sid, e) for s, p in self.tier(key).items() for e in p if e is not None]
+        if not cands:
+            return None
+        *_, s, _sid, e = max(cands, key=lambda c: c[:3])
+        return s, e
+
+    # -- changes ---------------------------------------------------------------------------------
+    def commit(self, key: Hashable, step: int, entry: Entry, keep_last: int, *, surely: bool = True,
+               drops: bool = True) -> None:
+        """``entry`` committed as ``step`` on ``key`` (``surely=False``: perhaps, a kill came
+        around it), then that tier's retention and the drop of the steps after a step saved again
+        (``drops=False``: a copy that deletes nothing, ``persist-memory``)."""
+        t = self.tier(key)
+        before = t.get(step, {ABSENT})
+        again = bool(before - {ABSENT})
+        if surely:
+            t[step] = {entry}
+        else:
+            t[step] = before | {entry, ABSENT}  # the old one goes before the new one is written
+        for s in list(t):
+            if s == step:
+                continue
+            if again and drops and s > step:  # may refer to the bytes of the step saved again
+                t[s] = t[s] | {ABSENT}
+        above = 0
+        for s in sorted(t, reverse=True) if drops else ():  # retention: keep_last newest by step number
+            if s == step:
+                above += 1
+                continue
+            if above >= keep_last:
+                t[s] = t[s] | {ABSENT}
+            if t[s] - {ABSENT}:
+                above += 1
+
+    def may_drop_all(self, key: Hashable) -> None:
+        for p in self.tier(key).values():
+            p.add(ABSENT)
+
+    def drop_all(self, key: Hashable) -> None:
+        self.tiers[key] = {}
+
+    def may_drop(self, key: Hashable, step: int) -> None:
+        self.tier(key).setdefault(step, {ABSENT}).add(ABSENT)
+
+    # -- checks ----------------------------------------------------------------------------------
+    def check_parts(self, parts: dict[str, Any], where: str) -> int:
+        """The save whose bytes every part of a restored state holds (it must be one save's, whole)."""
+        sids = {v for k, v in parts.items() if k not in ("frozen", "meta.fid")}
+        if len(sids) != 1 or not isinstance(next(iter(sids)), int):
+            raise Violation(f"{where}: the state is not one save's bytes: {parts}")
+        sid = sids.pop()
+        if sid not in self.saves:
+            raise Violation(f"{where}: save #{sid} was never made: {parts}")
+        fid = self.saves[sid].fid
+        if parts["frozen"] != fid or parts["meta.fid"] != fid:
+            raise Violation(f"{where}: the frozen part is not save #{sid}'s (frozen #{fid}): {parts}")
+        return sid
+
+    def observe(self, key: Hashable, found: dict[int, dict[str, Any]], where: str) -> None:
+        """An audit of ``key``: every committed step there (``{step: {"gen", "parts"} or {"error"}}``).
+        Each must be one of the model's possibilities; the model then knows the tier exactly."""
+        t = self.tier(key)
+        for s, p in sorted(t.items()):
+            if s not in found and ABSENT not in p:
+                raise Violation(f"{where}: step {s} ({_show(p)}) was committed and is gone, though no retention, "
+                                "no save of it again and no clean end could drop it")
+        for s, got in sorted(found.items()):
+            p = t.get(s, {ABSENT})
+            if "error" in got:
+                raise Violation(f"{where}: step {s} is listed but does not restore: {got['error']} "
+                                f"(the model has {_show(p)})")
+            sid = self.check_parts(got["parts"], f"{where} step {s}")
+            match = [e for e in p if e is not None and e.sid == sid]
+            if not match:
+                raise Violation(f"{where}: step {s} holds save #{sid}; the model allows only {_show(p)}")
+            t[s] = {match[0]}
+        for s in [s for s in t if s not in found]:
+            del t[s]
+
+    def observe_listing(self, key: Hashable, listed: Iterable[int], where: str) -> None:
+        """``list()``'s steps of ``key``: those the model knows committed must be there, and every one
+        listed must be possible."""
+        listed = set(listed)
+        t = self.tier(key)
+        for s, p in t.items():
+            if s not in listed and ABSENT not in p:
+                raise Violation(f"{where}: list() lacks step {s} ({_show(p)}), which is committed there")
+        for s in listed:
+            p = t.get(s, {ABSENT})
+            if not p - {ABSENT}:
+                raise Violation(f"{where}: list() shows step {s}, which no save committed there")
+            if len(p) > 1:
+                t[s] = p - {ABSENT}
+        for s in [s for s in t if s not in listed]:
+            del t[s]
+
+
+def _show(p: set[Optional[Entry]]) -> str:
+    return " or ".join(sorted("absent" if e is None else repr(e) for e in p))

@@ -1,0 +1,245 @@
+"""One long-lived process of the stateful test: one JSON command a line on stdin, one JSON answer a line.
+
+The driver (:mod:`stateful.machine`) keeps such processes warm (Python and torch imported), so
+that an operation costs a pipe round trip, not a new interpreter. A process plays one part at a
+time: a *job* (``open`` a :class:`~nebula_ckpt.Checkpointer` on a root, ``restore``, ``save`` ...,
+then ``close`` or ``exit`` like a crash) or a *tool* (``cli`` runs ``nebula-ckpt`` commands,
+``audit`` reads every committed step of every tier on its own). It plays it on a simulated node:
+``NEBULA_SHM_DIR`` (and ``NEBULA_NODE_ID``) are the node's, set by the command that gives the part.
+
+``arm`` makes the process SIGKILL itself at a named point: the first (after ``skip``) library log
+line that contains every string of ``at`` (the library's ``phase=...`` DEBUG lines and the lines
+naming each step retention deletes). The kill is a real ``SIGKILL`` of this process, from the
+thread that reached the point, before that point's action runs.
+
+The states saved are :mod:`stateful.states`' (every byte says which save and rank it belongs to).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import logging
+import os
+import signal
+import sys
+import traceback
+from typing import Any, Optional
+
+# the protocol owns the real stdout; anything else printed goes to stderr (the worker's log file)
+_PROTO = os.fdopen(os.dup(1), "w", buffering=1)
+os.dup2(2, 1)
+sys.stdout = sys.stderr
+
+import torch  # noqa: E402
+
+torch.set_num_threads(1)
+
+import nebula_ckpt as nc  # noqa: E402
+from stateful.states import blank_state, decode, make_state  # noqa: E402
+
+make_state(0, 0, 0)  # a spare pays now for what the first optimizer imports (torch._dynamo: seconds)
+
+
+class KillAt(logging.Handler):
+    """SIGKILL this process at the first library log line containing every string of ``at``
+    (after ``skip`` such lines). Attached to the ``nebula_ckpt`` logger; armed by ``arm``."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.DEBUG)
+        self.at: Optional[list[str]] = None
+        self.skip = 0
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if self.at is None:
+            return
+        msg = record.getMessage()
+        if all(s in msg for s in self.at):
+            if self.skip > 0:
+                self.skip -= 1
+                return
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
+KILL = KillAt()
+_lib_log = logging.getLogger("nebula_ckpt")
+_lib_log.addHandler(KILL)
+_to_log = logging.StreamHandler(sys.stderr)  # the worker's log file: what the library said, for a failure's report
+_to_log.setLevel(logging.INFO)
+_to_log.setFormatter(logging.Formatter("%(asctime)s %(threadName)s %(levelname)s %(message)s"))
+_lib_log.addHandler(_to_log)
+_lib_log.setLevel(logging.INFO)
+
+
+class Worker:
+    def __init__(self) -> None:
+        self.ck: Optional[nc.Checkpointer] = None
+        self.rank = 0
+
+    # -- parts -------------------------------------------------------------------------------
+    def node(self, cmd: dict[str, Any]) -> None:
+        """Live on node ``cmd["node"]`` (its memory-tier folder ``cmd["shm"]``)."""
+        os.environ["NEBULA_SHM_DIR"] = cmd["shm"]
+        os.environ["NEBULA_NODE_ID"] = str(cmd["node"])
+        os.makedirs(cmd["shm"], exist_ok=True)
+
+    def op_arm(self, cmd: dict[str, Any]) -> dict[str, Any]:
+        """Die at the point ``at`` (None: nowhere)."""
+        KILL.at = None if cmd["at"] is None else list(cmd["at"])
+        KILL.skip = int(cmd.get("skip", 0))
+        _lib_log.setLevel(logging.INFO if KILL.at is None else logging.DEBUG)
+        return {}
+
+    def op_arm_call(self, cmd: dict[str, Any]) -> dict[str, Any]:
+        """Die on entering ``cmd["call"]`` (``module:attribute`` or ``module:Class.method``), after
+        ``skip`` calls: a point that logs no line of its own (a replicas' round, the keep round)."""
+        import importlib
+
+        module, _, name = cmd["call"].partition(":")
+        owner: Any = importlib.import_module(module)
+        *path, attr = name.split(".")
+        for p in path:
+            owner = getattr(owner, p)
+        real = getattr(owner, attr)
+        left = [int(cmd.get("skip", 0))]
+
+        def dying(*a: Any, **kw: Any) -> Any:
+            if left[0] <= 0:
+                os.kill(os.getpid(), signal.SIGKILL)
+            left[0] -= 1
+            return real(*a, **kw)
+        setattr(owner, attr, dying)
+        return {}
+
+    def op_open(self, cmd: dict[str, Any]) -> dict[str, Any]:
+        """Become a job on ``root``: ``tiers`` = {"memory_keep", "disk_keep", "disk_every"}; then
+        restore the newest checkpoint (``load_latest``) into a blank state."""
+        self.node(cmd)
+        os.environ.update(cmd.get("env", {}))
+        if os.environ.get("STATEFUL_TRACE_OPEN"):
+            import faulthandler
+            faulthandler.dump_traceback_later(float(os.environ["STATEFUL_TRACE_OPEN"]), file=sys.stderr)
+        t = cmd["tiers"]
+        if cmd.get("dist"):
+            self._init_dist(cmd)
+        tiers = [nc.MemoryTier(keep_last=t["memory_keep"], replicas=t.get("replicas", 0)),
+                 nc.LocalTier(cmd["root"], keep_last=t["disk_keep"], every=t["disk_every"])]
+        self.ck = nc.Checkpointer(cmd["root"], tiers=tiers)
+        return self.op_restore(cmd)
+
+    def _init_dist(self, cmd: dict[str, Any]) -> None:
+        import torch.distributed as dist
+
+        self.rank = int(cmd["rank"])
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{cmd['port']}", rank=self.rank,
+                                world_size=int(cmd["world"]))
+
+    def op_restore(self, cmd: dict[str, Any]) -> dict[str, Any]:
+        assert self.ck is not None
+        st = blank_state(self.rank)
+        try:
+            step = self.ck.load_latest(into=st)
+        except Exception as e:
+            return {"error": f"{type(e).__name__}: {e}", "listed": self._listed()}
+        got = {"step": step, "listed": self._listed()}
+        if step is not None:
+            got["parts"] = decode(st, self.rank)
+            got["tier"] = (self.ck.last_restore or {}).get("tier")
+            got["source"] = (self.ck.last_restore or {}).get("source")
+        return got
+
+    def _listed(self) -> dict[str, list[int]]:
+        assert self.ck is not None
+        return {k.split(":")[0]: v for k, v in self.ck.list(detailed=True).items()}
+
+    def op_save(self, cmd: dict[str, Any]) -> dict[str, Any]:
+        assert self.ck is not None
+        st = make_state(int(cmd["sid"]), int(cmd["fid"]), self.rank)
+        try:
+            h = self.ck.save_async(int(cmd["step"]), st)
+        except Exception as e:
+            return {"ok": False, "error": f"{type(e).__name__}: {e}", "written": [], "dropped": []}
+        try:
+            h.result()
+            err = None
+        except Exception as e:
+            err = f"{type(e).__name__}: {e}"
+        return {"ok": err is None, "error": err, "written": sorted({t.split(":")[0] for t in h.tiers_written}),
+                "dropped": sorted({t.split(":")[0] for t in h.tiers_dropped})}
+
+    def op_close(self, cmd: dict[str, Any]) -> dict[str, Any]:
+        assert self.ck is not None
+        try:
+            self.ck.close()
+            err = None
+        except Exception as e:
+            err = f"{type(e).__name__}: {e}"
+        self.ck = None
+        return {"error": err}
+
+    def op_exit(self, cmd: dict[str, Any]) -> dict[str, Any]:
+        """End like a crash that leaves no time for anything (nothing is closed, no exit hook runs)."""
+        _PROTO.write(json.dumps({"ok": True}) + "\n")
+        _PROTO.flush()
+        os._exit(0)
+
+    # -- tools -------------------------------------------------------------------------------
+    def op_cli(self, cmd: dict[str, Any]) -> dict[str, Any]:
+        """``nebula-ckpt ARGV`` in this process: its exit code, stdout and stderr."""
+        from nebula_ckpt.cli import main
+
+        self.node(cmd)
+        out, err = io.StringIO(), io.StringIO()
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            try:
+                code_ = main(list(cmd["argv"]))
+            except SystemExit as e:
+                code_ = int(e.code or 0)
+        return {"code": code_, "stdout": out.getvalue(), "stderr": err.getvalue()[-4000:]}
+
+    def op_audit(self, cmd: dict[str, Any]) -> dict[str, Any]:
+        """Every step committed on each tier of ``root`` as this node sees it (the memory tier and the
+        disk tier, each opened alone, read-only): the writer generation of its commit marker and which
+        save each part of it came from (or why it cannot be read)."""
+        from nebula_ckpt.format.commit import read_commit
+        from nebula_ckpt.storage.local import LocalStorage
+
+        self.node(cmd)
+        root = cmd["root"]
+        out: dict[str, Any] = {}
+        if not os.path.isdir(root):
+            return {"tiers": out}
+        for kind, tier in (("memory", nc.MemoryTier()), ("local", nc.LocalTier(root))):
+            with nc.Checkpointer(root, tiers=[tier], read_only=True) as ck:
+                steps: dict[str, Any] = {}
+                folder = LocalStorage(tier.path if kind == "memory" else root, private=True, fsync=False)
+                for s in ck.list():
+                    entry: dict[str, Any] = {}
+                    try:
+                        entry["gen"] = read_commit(folder, s, "audit").generation
+                        _, state = ck.read(s)
+                        entry["parts"] = decode(state, 0)
+                    except Exception as e:
+                        entry["error"] = f"{type(e).__name__}: {e}"
+                    steps[str(s)] = entry
+                out[kind] = steps
+        verify = self.op_cli({**cmd, "argv": ["verify", root, "--json"]})
+        text = verify["stdout"].strip() or "[]"  # with nothing committed a line of text follows the JSON
+        return {"tiers": out, "verify": json.JSONDecoder().raw_decode(text)[0]}
+
+
+def main() -> None:
+    w = Worker()
+    for line in sys.stdin:
+        cmd = json.loads(line)
+        try:
+            got = getattr(w, "op_" + cmd["op"])(cmd)
+        except BaseException as e:  # an error of the test's own making: the driver shows it
+            got = {"crash": f"{type(e).__name__}: {e}", "trace": traceback.format_exc()[-4000:]}
+        _PROTO.write(json.dumps(got, default=str) + "\n")
+        _PROTO.flush()
+
+
+if __name__ == "__main__":
+    main()
