@@ -70,7 +70,7 @@ from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 
-from nebula_ckpt.format.commit import committed_steps
+from nebula_ckpt.format.commit import committed_steps, read_commit
 from nebula_ckpt.format.names import COMMIT, step_dir
 from nebula_ckpt.format.records import TensorRecord
 from nebula_ckpt.format.references import referrers, shard_path
@@ -328,7 +328,7 @@ def adoption_for(runtimes: list[Any], ck: "OpenCheckpoint", saved: bool,
     if not knobs.get("adopt_memory_tier") or saved or world_size > 1 or ck.manifest.multi_rank:
         return None
     mem = next((rt for rt in runtimes if isinstance(rt, MemoryTierRuntime) and rt.name == ck.tier_name), None)
-    if mem is None or not _durable_elsewhere(runtimes, ck):
+    if mem is None or not _durable_elsewhere(runtimes, ck, mem.storage):
         return None
     # another step's bytes, or this step's when a newer one refers to them: the tier's to keep
     private = {i for i, sh in enumerate(ck.manifest.shards) if sh.step is not None}
@@ -342,15 +342,22 @@ def adoption_for(runtimes: list[Any], ck: "OpenCheckpoint", saved: bool,
     return Adoption(mem, ck, private)
 
 
-def _durable_elsewhere(runtimes: list[Any], ck: "OpenCheckpoint") -> bool:
-    """Whether a persistent tier holds the same checkpoint committed (same step and writer
-    generation), with a manifest that parses and every shard file at its recorded size (the
-    bytes are not re-read: that would cost the full read adoption saves)."""
+def _durable_elsewhere(runtimes: list[Any], ck: "OpenCheckpoint", mine_on: Storage) -> bool:
+    """Whether a persistent tier holds the same checkpoint committed (the same write: writer
+    generation, step and save number, so an older save of a step saved again never stands in for
+    it), with a manifest that parses and every shard file at its recorded size (the bytes are
+    not re-read: that would cost the full read adoption saves)."""
+    try:
+        mine = read_commit(mine_on, ck.step, f"tier {ck.tier_name} step {ck.step}").write
+    except Exception:  # gone or unreadable since it was opened: nothing to hand over
+        return False
     for rt in runtimes:
         if not rt.persistent:
             continue
         st: Storage = rt.storage
         try:
+            if read_commit(st, ck.step, f"tier {rt.name} step {ck.step}").write != mine:
+                continue
             man = read_main_manifest(st, ck.step, f"tier {rt.name} step {ck.step}")
             if man.generation != ck.manifest.generation:
                 continue

@@ -43,21 +43,8 @@ SAVE_POINTS = {
     "disk, replacing a step": ["replacing existing checkpoint", "tier local"],
     "memory, replacing a step": ["replacing existing checkpoint", "tier memory"],
 }
-# Known defects, fixed on other branches or owned elsewhere: the operation that meets each is left
-# out (NEBULA_STATEFUL_ALL=1 puts it back, to hunt with it or to check a fix). Remove an entry, and
-# its use below, once the named test passes on main.
-KNOWN = os.environ.get("NEBULA_STATEFUL_ALL") != "1"
-#: retention deletes a step's base before the step (the kills between two deletions; issue item:
-#: retention order, save/writer.py)
-KNOWN_RETENTION_ORDER = ("memory retention, a step deleted", "disk retention, a step deleted")
-#: the restore hands the memory tier's step over while the disk tier holds an older save of that
-#: step (tests/stateful/test_regressions.py::test_a_restore_never_hands_over_the_only_copy_of_a_save):
-#: such a job starts with NEBULA_ADOPT_MEMORY_TIER=0
-KNOWN_HANDOVER = True
-
-
 def save_points() -> list[str]:
-    return sorted(p for p in SAVE_POINTS if not (KNOWN and p in KNOWN_RETENTION_ORDER))
+    return sorted(SAVE_POINTS)
 
 
 #: where ``persist-memory`` may be killed
@@ -183,12 +170,6 @@ class Single(RuleBasedStateMachine):
         proc = self.shared.pool.take()
         job = Job(proc, node, self.path)
         env = {"NEBULA_INCREMENTAL_FULL_EVERY": str(self.full_every)}
-        want = self.truth.target([self.mem(node), "disk"])
-        on_disk = self.truth.entries("disk")
-        if KNOWN and KNOWN_HANDOVER and want is not None and want[2] != "disk" and want[0] in on_disk \
-                and on_disk[want[0]].sid != want[1].sid:
-            env["NEBULA_ADOPT_MEMORY_TIER"] = "0"  # known defect: see KNOWN_HANDOVER
-            self.note("  (the memory tier's pages are not handed over: known defect)")
         got = proc.call({"op": "open", "root": self.path, "shm": self.shm_of(node), "node": f"n{node}",
                          "tiers": self.tiers, "env": env})
         if got is None:

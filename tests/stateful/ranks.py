@@ -24,7 +24,7 @@ from typing import Any, Hashable, Optional
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, precondition, rule
 
-from stateful.machine import KNOWN, KNOWN_RETENTION_ORDER, SAVE_POINTS
+from stateful.machine import SAVE_POINTS
 from stateful.machine import Shared as _Shared
 from stateful.model import ABSENT, Entry, Save, Truth, Violation
 from stateful.procs import Pool, Proc, everyone, free_port
@@ -36,8 +36,7 @@ CALL_POINTS = {
     "a copy received, not yet verified": "nebula_ckpt.tiers.memory.replica_store:verify_step",
     "a copy verified, not yet visible": "nebula_ckpt.tiers.memory.replica_store:ReplicaStore.publish",
 }
-RANK_SAVE_POINTS = {k: v for k, v in SAVE_POINTS.items()
-                    if "replacing" not in k and not (KNOWN and k in KNOWN_RETENTION_ORDER)}
+RANK_SAVE_POINTS = {k: v for k, v in SAVE_POINTS.items() if "replacing" not in k}
 ENV = {"NEBULA_REPLICA_TIMEOUT_S": "30", "NEBULA_COMMIT_TIMEOUT_S": "30", "NEBULA_CONFIRM_TIMEOUT_S": "30",
        "NEBULA_REPLICA_KEEP_AFTER_S": "0.5",
        "NEBULA_REPLICA_NICE": "0", "NEBULA_HASH_NICE": "0"}  # niced threads starve on a busy machine

@@ -14,8 +14,6 @@ import sys
 from pathlib import Path
 from typing import Any
 
-import pytest
-
 import nebula_ckpt as nc
 from nebula_ckpt import knobs
 from nebula_ckpt.cli import main as cli
@@ -66,9 +64,6 @@ def test_gc_keeps_a_memory_tier_whose_newest_save_is_not_on_the_root(root: str, 
     assert _restored(root)["meta.sid"] == 2
 
 
-@pytest.mark.xfail(strict=True, reason="the restore hands the memory tier's step 5 over (deleting it there) "
-                                       "because the disk tier has a step 5, though that is an older save: the "
-                                       "newest save is then in no tier (restore/adopt.py)")
 def test_a_restore_never_hands_over_the_only_copy_of_a_save(root: str) -> None:
     _saved_twice(root, crash=True)
     assert _restored(root)["meta.sid"] == 2  # the restarted job got the newest save, and ...
