@@ -451,8 +451,8 @@ class SnapshotFloor(Peer):
         ops = get_ops()
         if self._buf is None or self._buf.numel() < plan.layout.total_bytes:
             # pinned for a GPU state, as nebula's own staging is: the floor is a DMA, not a pageable copy
-            self._buf = ops.alloc(plan.layout.total_bytes, pinned=any(t.is_cuda for t in plan.sources))
-        self._job = ops.enqueue_copy(plan.sources, self._buf, [e.offset for e in plan.layout.entries])
+            self._buf = ops.alloc(plan.layout.total_bytes, pinned=plan.sources.any_cuda())
+        self._job = ops.enqueue_sources(plan.sources, self._buf)
 
     def wait_safe(self) -> None:
         if self._job is not None:

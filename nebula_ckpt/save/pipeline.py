@@ -31,7 +31,8 @@ from nebula_ckpt.ranks.coordinator import Coordinator
 from nebula_ckpt.ranks.fencing import Fence
 from nebula_ckpt.save.buffers import StagingPool
 from nebula_ckpt.save.fanout import fan_out
-from nebula_ckpt.save.plan import Plan, make_plan
+from nebula_ckpt.save.plan import Plan
+from nebula_ckpt.save.plan_cache import PlanCache
 from nebula_ckpt.save.snapshot import Snapshot, Stager
 from nebula_ckpt.save.uncut import run_uncut
 from nebula_ckpt.save.writer import TierWriter
@@ -75,6 +76,8 @@ class SavePipeline:
         self._keep_last = keep_last
         self.snapshot = snapshot
         self.allow_pickle = allow_pickle
+        #: the previous save's plan, reused while the state keeps its structure
+        self.plans = PlanCache(allow_pickle)
         self.on_persist_error = on_persist_error
         self.incremental = incremental
         # A second staging slot lets the next save start while a slower tier still reads one.
@@ -148,9 +151,9 @@ class SavePipeline:
 
     def prepare(self, state: Any, wait: bool) -> None:
         """Make the staging memory for saves of ``state`` (see :meth:`Checkpointer.prepare`)."""
-        plan = make_plan(0, state, allow_pickle=self.allow_pickle)
+        plan = self.plans.plan(0, state)  # the saves that follow reuse it
         self.start()
-        self.pool.prepare(plan.layout.total_bytes, any(t.is_cuda for t in plan.sources))
+        self.pool.prepare(plan.layout.total_bytes, plan.sources.any_cuda())
         if wait:
             self.pool.wait_prepared()
 
@@ -165,7 +168,7 @@ class SavePipeline:
         self.confirm_inflight()
         self.raise_unseen()
         t0 = monotonic()
-        plan = make_plan(step, state, allow_pickle=self.allow_pickle, tag=tag)
+        plan = self.plans.plan(step, state, tag)
         self.pool.check_fits(plan.layout.total_bytes)
         writers = self.start()
         t_now = now()
@@ -197,7 +200,7 @@ class SavePipeline:
             progress.skip("no tier's cadence wanted this save")
             progress.returned()
             return handle
-        pinned = any(t.is_cuda for t in plan.sources)
+        pinned = plan.sources.any_cuda()
         overlap = self._may_overlap(plan, pinned)
         slot = self.pool.acquire(plan.layout.total_bytes, pinned, self._reclaim)
         if slot is None:
@@ -215,8 +218,7 @@ class SavePipeline:
             # checksums of the staged bytes afterwards, off the training thread (nothing can
             # change them). An overlapped copy checksums while copying and checks each block
             # against a hash taken before its copy (writes through .data / numpy during it).
-            job = get_ops().enqueue_copy(plan.sources, slot.buffer, [e.offset for e in plan.layout.entries],
-                                         checksum=overlap)
+            job = get_ops().enqueue_sources(plan.sources, slot.buffer, checksum=overlap)
         except BaseException:
             self.pool.release(slot)  # nothing is in flight: the slot goes back
             raise
@@ -427,7 +429,7 @@ class SavePipeline:
         return {"staging_bytes": self.pool.allocated_bytes, "memory_tier_slot_bytes": self.pool.memory_tier_bytes,
                 "memory_tier_dropped_cow_bytes": sum(rt.dropped_cow_bytes() for rt in self._runtimes),
                 "memory_tier_whole_fallbacks": sum(rt.whole_fallbacks() for rt in self._runtimes),
-                "staging_allocations": self.pool.allocations, "saves": self.count, **m,
+                "staging_allocations": self.pool.allocations, "saves": self.count, "plans": self.plans.stats(), **m,
                 **({"replicas": self.replicator.stats()} if self.replicator is not None else {})}
 
     def _save_finished(self, handle: SaveHandle) -> None:
