@@ -61,6 +61,10 @@ class CopyJob {
   std::unique_ptr<cuda::CudaCopyBatch> cuda_;
 };
 
+// Whether t's storage holds every byte its sizes, strides and offset reach
+// (a storage resized under a tensor, e.g. to 0 by FSDP, does not).
+bool storage_covers(const at::Tensor& t);
+
 class CopyEngine {
  public:
   explicit CopyEngine(int64_t num_threads);

@@ -5,6 +5,8 @@
 
 #include <c10/util/Exception.h>
 
+#include "copy_engine.h"
+
 namespace nebula {
 
 // ---------------------------------------------------------------------------
@@ -92,6 +94,7 @@ class Ref {
 };
 
 struct Names {
+  Ref getattribute, object_getattribute;
   Ref parameters, buffers, modules, non_persistent, sd_hooks, sd_pre_hooks, state_dict,
       save_to_state_dict, get_extra_state, param_groups, state, opt_pre_hooks, opt_post_hooks,
       items;
@@ -226,7 +229,7 @@ struct TensorNode final : Node {
       return false;
     }
     if (t.is_conj() != conj || t.is_neg() != neg) return false;
-    return numel == 0 || t.has_storage();
+    return storage_covers(t);
   }
 
   bool take(const at::Tensor& t, Ctx& c) {
@@ -492,10 +495,11 @@ bool stock_class(PyTypeObject* t, bool optimizer, Ctx& c, bool* ok) {
   for (const auto& p : c.stock_types) {
     if (p.first == t) return p.second;
   }
-  bool yes;
-  if (optimizer) {
+  // state_dict() reads the registries through plain attribute access
+  bool yes = attr_is(t, c.n.getattribute, c.n.object_getattribute, c, ok);
+  if (yes && *ok && optimizer) {
     yes = attr_is(t, c.n.state_dict, c.n.stock_optimizer_sd, c, ok);
-  } else {
+  } else if (yes && *ok) {
     yes = attr_is(t, c.n.state_dict, c.n.stock_module_sd, c, ok) && *ok &&
           attr_is(t, c.n.save_to_state_dict, c.n.stock_module_save, c, ok) && *ok &&
           attr_is(t, c.n.get_extra_state, c.n.stock_module_extra, c, ok);
@@ -882,6 +886,10 @@ PlanGuard::PlanGuard(PyObject* program, PyObject* slot_layout, PyObject* alias_o
   TORCH_CHECK(PyDict_Check(stock), "PlanGuard: stock must be a dict");
 
   guard::Names& n = *names_;
+  n.getattribute = guard::intern("__getattribute__");
+  n.object_getattribute = Ref::steal(PyObject_GetAttr(reinterpret_cast<PyObject*>(&PyBaseObject_Type),
+                                                      n.getattribute.get()));
+  TORCH_CHECK(n.object_getattribute.get() != nullptr, "PlanGuard: object.__getattribute__ is missing");
   n.parameters = guard::intern("_parameters");
   n.buffers = guard::intern("_buffers");
   n.modules = guard::intern("_modules");

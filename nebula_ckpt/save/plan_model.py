@@ -73,7 +73,8 @@ def model(node: Any) -> Any:
 
 def _stock_module(m: Any) -> bool:
     t, own = type(m), vars(m)
-    return (getattr(t, "state_dict", None) is _Module.state_dict
+    return (getattr(t, "__getattribute__", None) is object.__getattribute__
+            and getattr(t, "state_dict", None) is _Module.state_dict
             and getattr(t, "_save_to_state_dict", None) is _Module._save_to_state_dict
             and getattr(t, "get_extra_state", _Module.get_extra_state) is _Module.get_extra_state
             and "state_dict" not in own and "_save_to_state_dict" not in own
@@ -127,7 +128,8 @@ def _module_node(m: Any, prefix: str, entries: Iterator[tuple[Any, Any]]) -> Any
 
 def _stock_optimizer(o: Any) -> bool:
     own = vars(o)
-    return (getattr(type(o), "state_dict", None) is _Optimizer.state_dict and "state_dict" not in own
+    return (getattr(type(o), "__getattribute__", None) is object.__getattribute__
+            and getattr(type(o), "state_dict", None) is _Optimizer.state_dict and "state_dict" not in own
             and isinstance(own.get("_optimizer_state_dict_pre_hooks"), dict)
             and not own["_optimizer_state_dict_pre_hooks"]
             and isinstance(own.get("_optimizer_state_dict_post_hooks"), dict)
