@@ -13,6 +13,9 @@
 #include "copy_engine.h"
 #include "file_io.h"
 #include "plan_guard.h"
+#ifdef NEBULA_WITH_CUDA
+#include "cuda/copy_cuda.h"
+#endif
 
 // The package version, from nebula_ckpt/_version.py (setup.py passes it; there is no other copy).
 #ifndef NEBULA_VERSION
@@ -214,6 +217,19 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         return d;
       },
       "Build/runtime capabilities of the extension.");
+
+  m.def(
+      "cuda_warm_up",
+      [](int64_t device) {
+#ifdef NEBULA_WITH_CUDA
+        cuda::warm_up(static_cast<c10::DeviceIndex>(device));
+#else
+        TORCH_CHECK(false, "cuda_warm_up: nebula_ckpt._C was built without CUDA support");
+#endif
+      },
+      py::arg("device"), py::call_guard<GilRelease>(),
+      "Set up the device-to-host copy path on `device` once (side stream, events, host function, "
+      "a page-locked copy), so that the first snapshot of the process does not.");
 
   m.def("alloc_host_buffer", &alloc_host_buffer, py::arg("nbytes"), py::arg("pinned") = false,
         py::arg("prefault_threads") = 1, py::arg("huge_pages") = false, py::call_guard<GilRelease>(),

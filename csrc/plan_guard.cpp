@@ -862,6 +862,16 @@ std::vector<int64_t> ints(PyObject* tup, const char* what) {
 using guard::Ctx;
 using guard::Ref;
 
+namespace {
+
+// The walk's identity of a tied key: the same memory seen the same way.
+bool same_view(const guard::TensorNode& a, const guard::TensorNode& b) {
+  return a.dtype == b.dtype && a.sizes == b.sizes && a.strides == b.strides && a.conj == b.conj &&
+         a.neg == b.neg;
+}
+
+}  // namespace
+
 PlanGuard::PlanGuard(PyObject* program, PyObject* slot_layout, PyObject* alias_of, PyObject* offsets,
                      PyObject* stock, PyObject* ndarray_type, PyObject* ndarray_copy)
     : names_(std::make_unique<guard::Names>()) {
@@ -931,8 +941,7 @@ PlanGuard::PlanGuard(PyObject* program, PyObject* slot_layout, PyObject* alias_o
     auto* t = static_cast<guard::TensorNode*>(tensor_nodes_[s]);
     if (alias_of_[s] >= 0) {
       auto* a = static_cast<guard::TensorNode*>(tensor_nodes_[alias_of_[s]]);
-      TORCH_CHECK(t->ptr != 0 && t->ptr == a->ptr && t->dtype == a->dtype && t->sizes == a->sizes &&
-                      t->strides == a->strides,
+      TORCH_CHECK(t->ptr != 0 && t->ptr == a->ptr && same_view(*t, *a),
                   "PlanGuard: tied slot ", s, " is not the same view as slot ", alias_of_[s]);
     } else if (t->numel > 0) {
       recorded_ptrs_.emplace_back(t->ptr, s);
@@ -942,14 +951,6 @@ PlanGuard::PlanGuard(PyObject* program, PyObject* slot_layout, PyObject* alias_o
 }
 
 PlanGuard::~PlanGuard() = default;
-
-namespace {
-
-bool same_view(const guard::TensorNode& a, const guard::TensorNode& b) {
-  return a.dtype == b.dtype && a.sizes == b.sizes && a.strides == b.strides;
-}
-
-}  // namespace
 
 bool PlanGuard::check_aliases(Ctx& c) const {
   const auto n_slots = slot_layout_.size();

@@ -252,6 +252,10 @@ class FallbackOps:
         """:meth:`enqueue_copy` of a :class:`SourceSet` (each tensor at its offset)."""
         return self.enqueue_copy(sources.tensors(), dst, sources.offsets(), checksum)
 
+    def warm_up_cuda(self, devices: Sequence[int]) -> None:
+        """Set up the device-to-host copy path of these CUDA devices now rather than in the first
+        save (the native CUDA build's side stream, events, host function; no-op on this path)."""
+
     def plan_guard(self, *args: Any) -> Any:
         """The plan cache's native check (``nebula_ckpt._C.PlanGuard(*args)``,
         :mod:`nebula_ckpt.save.plan_cache`), or None on this path (plans are made at every save)."""
@@ -378,6 +382,11 @@ class NativeOps(FallbackOps):
 
     def plan_guard(self, *args: Any) -> Any:
         return self._C.PlanGuard(*args)
+
+    def warm_up_cuda(self, devices: Sequence[int]) -> None:
+        if self.info.get("cuda"):
+            for d in devices:
+                self._C.cuda_warm_up(int(d))
 
     def enqueue_sources(self, sources: SourceSet, dst: torch.Tensor, checksum: bool = True) -> CopyJob:
         if not isinstance(sources, self._C.SourceSet):  # made by the other path (tests compare both)

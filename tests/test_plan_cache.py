@@ -104,6 +104,38 @@ def _reparent(s: dict[str, Any]) -> None:
     s["model"].__class__ = cls
 
 
+def _own_classes() -> dict[str, Any]:
+    """A model and an optimizer of classes made for this state alone (the cases change them)."""
+    lin = type("OwnLinear", (torch.nn.Linear,), {})(4, 4)
+    model = type("OwnModel", (torch.nn.Module,), {})()
+    model.lin = lin
+    opt = type("OwnSGD", (torch.optim.SGD,), {})(model.parameters(), lr=0.1, momentum=0.9)
+    sum(p.sum() for p in model.parameters()).backward()
+    opt.step()
+    return {"model": model, "optim": opt}
+
+
+def _class_attr(which: str, name: str, value: Any) -> Callable[[dict[str, Any]], None]:
+    def change(s: dict[str, Any]) -> None:
+        setattr(type(s[which] if which != "lin" else s["model"].lin), name, value)
+    return change
+
+
+def _conj_pair() -> dict[str, Any]:
+    x = torch.randn(3, dtype=torch.complex64)
+    return {"a": x, "b": x.conj()}
+
+
+def _strided_pair() -> dict[str, Any]:
+    base = torch.arange(8.0)
+    return {"a": base[0:4], "b": base.as_strided((4,), (2,), 0)}
+
+
+def _hide_bias(self: Any, name: str) -> Any:
+    v = object.__getattribute__(self, name)
+    return {k: p for k, p in v.items() if k != "bias"} if name == "_parameters" else v
+
+
 def _hook(m: Any, sd: Any, prefix: str, meta: Any) -> None:
     sd[prefix + "hooked"] = torch.full((2,), 7.0)
 
@@ -164,6 +196,15 @@ CASES: dict[str, tuple[Callable[[], Any], Callable[[Any], Any], bool]] = {
     "instance overrides state_dict": (_trained, lambda s: setattr(s["model"], "state_dict",
                                                                   lambda *a, **k: {"only": torch.ones(2)}), True),
     "class overrides state_dict": (_trained, _reparent, True),
+    "its class gains state_dict": (_own_classes, _class_attr("model", "state_dict",
+                                                             lambda self, *a, **k: {"only": torch.ones(2)}), True),
+    "a submodule's class gains _save_to_state_dict": (_own_classes, _class_attr(
+        "lin", "_save_to_state_dict", lambda self, d, prefix, keep: d.update({prefix + "x": torch.ones(1)})), True),
+    "a submodule's class gains get_extra_state": (_own_classes, _class_attr("lin", "get_extra_state",
+                                                                            lambda self: {"extra": 1}), True),
+    "its class gains __getattribute__": (_own_classes, _class_attr("lin", "__getattribute__", _hide_bias), True),
+    "the optimizer's class gains state_dict": (_own_classes, _class_attr(
+        "optim", "state_dict", lambda self: {"state": {}, "param_groups": []}), True),
     "parametrized": (_trained, lambda s: torch.nn.utils.parametrize.register_parametrization(
         s["model"].lin, "weight", torch.nn.Identity()), True),
     "extra state changes": (_with_module(Extra), lambda s: setattr(s["model"], "calls", 5), True),
@@ -200,6 +241,10 @@ CASES: dict[str, tuple[Callable[[], Any], Callable[[Any], Any], bool]] = {
                                     lambda s: s["v"].set_(s["w"].untyped_storage(), 0, (4,), (1,)), True),
     "a key now ties another": (_flat, lambda s: s.update(b2=s["b"]), True),
     "conj bit": (_flat, lambda s: s.update(c=s["c"].conj()), True),
+    "a conjugate view becomes its base": (_conj_pair, lambda s: s.update(b=s["a"]), True),
+    "a key becomes a conjugate view": (_conj_pair, lambda s: s.update(a=s["b"]), True),
+    "strides change makes two views one": (_strided_pair, lambda s: s["b"].set_(
+        s["a"].untyped_storage(), 0, (4,), (1,)), True),
     "made contiguous": (_flat, lambda s: s.update(b=s["b"].contiguous()), True),
     "fresh state_dict() each save": (lambda: {"sd": Twin().state_dict()}, lambda s: None, False),
 }
@@ -390,7 +435,7 @@ def assert_same_tree(got: Any, want: Any, where: str = "") -> None:
         assert type(got) is type(want) and got == want, where
 
 
-E2E = ["a training step", "p.data = same shape", "p.data = a view at another offset", "parameter replaced",
+E2E = ["a conjugate view becomes its base", "a training step", "p.data = same shape", "p.data = a view at another offset", "parameter replaced",
        "load_state_dict(assign=True)", "optimizer state replaced", "tied weights untied", "weights tied",
        "p.data = other dtype", "param group hyper-parameters", "scheduler steps", "leaves change value and type",
        "array written in place", "resize_ larger (new memory)", "set_ to another storage", "set_ at another offset",
@@ -411,6 +456,18 @@ def test_the_checkpoint_holds_the_state_at_the_save(tmp_path: Any, name: str) ->
     assert_same_tree(got, want)
 
 
+def test_a_conjugate_view_is_not_tied_to_its_base(tmp_path: Any) -> None:
+    """x and x.conj() share memory but not values: each is stored with its own values."""
+    x, z = torch.randn(3, dtype=torch.complex64), torch.randn(3, dtype=torch.complex64)
+    state = {"a": x, "b": x.conj(), "im": z.imag, "neg": z.conj().imag}  # the last a negative view
+    assert state["neg"].is_neg() and state["neg"].data_ptr() == state["im"].data_ptr()
+    root = str(tmp_path / "ckpt")
+    with nc.Checkpointer(root, tiers=[LocalTier(root)]) as ck:
+        ck.save(0, state)
+        got = ck.read(0)[1]
+    assert_same_tree(got, _expected(state))
+
+
 def test_a_tensor_whose_storage_was_resized_under_it_is_not_read(tmp_path: Any) -> None:
     """A storage resized below its tensor (FSDP frees parameters so) would be read past its end."""
     state = {"a": torch.ones(1024), "b": torch.zeros(4)}
@@ -421,3 +478,39 @@ def test_a_tensor_whose_storage_was_resized_under_it_is_not_read(tmp_path: Any) 
         with pytest.raises(RuntimeError, match="past the end of its storage"):
             ck.save_async(1, state)
         assert ck.list() == [0]
+
+
+# --------------------------------------------------------------------------- the first save
+
+def test_prepare_plans_the_state_so_the_first_save_reuses_the_plan(tmp_path: Any) -> None:
+    state = _trained()
+    root = str(tmp_path / "ckpt")
+    with nc.Checkpointer(root, tiers=[LocalTier(root)]) as ck:
+        ck.prepare(state, wait=True)
+        assert _state_dict_calls(lambda: ck.save(1, state)) == []
+        assert ck.stats()["plans"]["hits"] == 1
+        got = ck.read(1)[1]
+    assert_same_tree(got, _expected(state))
+
+
+_CPU_PROCESS = """
+import sys, torch, nebula_ckpt as nc
+model = torch.nn.Linear(4, 4)
+opt = torch.optim.AdamW(model.parameters())
+ck = nc.Checkpointer(sys.argv[1], tiers=[nc.LocalTier(sys.argv[1])])
+ck.prepare({"model": model, "optim": opt}, wait=True)
+ck.save(1, {"model": model, "optim": opt})
+ck.close()
+print(torch.cuda.is_initialized())
+"""
+
+
+def test_a_cpu_process_never_has_cuda_initialised_by_the_checkpointer(tmp_path: Any) -> None:
+    """The copy path is set up ahead of the first save only in a process that already uses CUDA:
+    initialising CUDA in a CPU job would cost it seconds and break a later fork (DataLoader)."""
+    import subprocess
+
+    res = subprocess.run([sys.executable, "-c", _CPU_PROCESS, str(tmp_path / "ckpt")], capture_output=True,
+                         text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert res.stdout.split()[-1] == "False"

@@ -17,7 +17,7 @@ from __future__ import annotations
 import logging
 import threading
 import weakref
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterable, Optional
 
 import torch
 
@@ -106,6 +106,18 @@ class SavePipeline:
         self._told_unguarded = False
         #: copies of the memory tier on partner nodes (:mod:`nebula_ckpt.tiers.memory.replicas`), or None
         self.replicator: Any = None
+        if torch.cuda.is_initialized():  # a CUDA process (never initialises CUDA itself)
+            self.warm_up([torch.cuda.current_device()])
+
+    def warm_up(self, devices: Iterable[int]) -> None:
+        """Set up the device-to-host copy path of these CUDA devices now, so that the first save
+        of the process does not wait for the work queued on the GPU to drain (first-use setup of
+        the side stream, events, host functions; :meth:`~nebula_ckpt.native.NativeOps.warm_up_cuda`)."""
+        try:
+            get_ops().warm_up_cuda(sorted(set(devices)))
+        except Exception as e:  # then the first save does it, as it would have
+            log.warning("nebula_ckpt: could not set up the CUDA copy path ahead of the first save: %s: %s",
+                        type(e).__name__, e)
 
     def start(self) -> list[TierWriter]:
         """At the first save: the tiers this process writes, their writer threads, the stager.
@@ -152,6 +164,7 @@ class SavePipeline:
     def prepare(self, state: Any, wait: bool) -> None:
         """Make the staging memory for saves of ``state`` (see :meth:`Checkpointer.prepare`)."""
         plan = self.plans.plan(0, state)  # the saves that follow reuse it
+        self.warm_up(int(d.split(":")[1]) for d in plan.devices.values())
         self.start()
         self.pool.prepare(plan.layout.total_bytes, plan.sources.any_cuda())
         if wait:

@@ -397,9 +397,10 @@ class _Flattener:
         self._g = ("T", len(self.rec.slot_keys), t)
         self.rec.slot_keys.append(key)
         # Tied weights (one Parameter under two keys) are the same view of the same memory:
-        # store the bytes once and restore them tied.
+        # store the bytes once and restore them tied. (x.conj() and x.neg() views share x's
+        # memory but not its values.)
         if t.numel():
-            ident = (t.data_ptr(), t.dtype, t.shape, t.stride())
+            ident = (t.data_ptr(), t.dtype, t.shape, t.stride(), t.is_conj(), t.is_neg())
             first = self.seen.get(ident)
             if first is not None:
                 self.aliases[key] = first
