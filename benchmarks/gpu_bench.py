@@ -20,7 +20,7 @@ runs). Per model (a GPT-2-shaped model and AdamW on the GPU, :mod:`benchmarks.wo
 
 Writes ``gpu_bench.json`` and ``gpu_bench.md`` into ``--out``; every step checks the time left
 (``--budget-s``) and records what it skipped. ``--device cpu`` runs the same code on the CPU
-with ``tiny`` (what ``tests/test_gpu_campaign.py`` does: it checks the script, not the numbers).
+with ``tiny`` (``--quick``: what ``tests/test_gpu_campaign.py`` does: it checks the script, not the numbers).
 """
 
 from __future__ import annotations
@@ -112,7 +112,8 @@ def one_save(ck: Any, w: wl.Workload, step: int) -> dict[str, float]:
     return {"call_s": t1 - t0, "stall_s": t3 - t2, "blocking_s": (t1 - t0) + (t3 - t2), "durable_s": t4 - t0}
 
 
-def nebula_saves(w: wl.Workload, root: Path, reps: int, memory_only: bool, clock: Clock) -> dict[str, Any]:
+def nebula_saves(w: wl.Workload, root: Path, reps: int, memory_only: bool, clock: Clock,
+                 quick: bool = False) -> dict[str, Any]:
     """First save (without and with prepare()) and later saves (see the module docstring)."""
     out: dict[str, Any] = {}
     ck = _checkpointer(root / "nebula", memory_only)
@@ -128,7 +129,7 @@ def nebula_saves(w: wl.Workload, root: Path, reps: int, memory_only: bool, clock
         out["plans"] = ck.stats().get("plans")
     finally:
         ck.close()
-    if clock.left() > out["first"]["durable_s"] + 30:
+    if not quick and clock.left() > out["first"]["durable_s"] + 30:
         ck = _checkpointer(root / "nebula-prepared", memory_only)
         try:
             _sync(w.device)
@@ -141,15 +142,16 @@ def nebula_saves(w: wl.Workload, root: Path, reps: int, memory_only: bool, clock
     return out
 
 
-def throughput(w: wl.Workload, root: Path, durable_s: float, memory_only: bool, clock: Clock) -> dict[str, Any]:
+def throughput(w: wl.Workload, root: Path, durable_s: float, memory_only: bool, clock: Clock,
+               quick: bool = False) -> dict[str, Any]:
     """Overhead of a save every K steps, K long enough for persist to keep up."""
     _sync(w.device)
     t = time.perf_counter()
     for _ in range(3):
         w.train_step()
     step_s = (time.perf_counter() - t) / 3
-    k = max(5, math.ceil(1.25 * durable_s / step_s))
-    pairs = min(3, int(clock.left() // (2 * k * step_s + durable_s + 10)))
+    k = 2 if quick else max(5, math.ceil(1.25 * durable_s / step_s))
+    pairs = 1 if quick else min(3, int(clock.left() // (2 * k * step_s + durable_s + 10)))
     if pairs < 1:
         return {"skipped": f"a round of {k} steps does not fit the time left", "step_s": step_s, "k": k}
     ck = _checkpointer(root / "nebula-throughput", memory_only)
@@ -188,10 +190,10 @@ def run_model(name: str, dev: torch.device, root: Path, a: argparse.Namespace, c
         res["torch_save_s"], res["torch_save_estimated"] = est, True
     else:
         res["torch_save_s"], res["torch_save_estimated"] = torch_save(w, root), False
-    res["nebula"] = nebula_saves(w, root, a.reps, memory_only, clock)
+    res["nebula"] = nebula_saves(w, root, a.reps, memory_only, clock, a.quick)
     later = res["nebula"].get("later") or [res["nebula"]["first"]]
     durable = max(s["durable_s"] for s in later)
-    res["throughput"] = throughput(w, root, durable, memory_only, clock)
+    res["throughput"] = throughput(w, root, durable, memory_only, clock, a.quick)
     del w
     if dev.type == "cuda":
         torch.cuda.empty_cache()
@@ -266,6 +268,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     p.add_argument("--target", default=None, help="folder for the checkpoints (default: a temp folder)")
     p.add_argument("--out", required=True)
+    p.add_argument("--quick", action="store_true",
+                   help="one later save, no first save after prepare(), one throughput pair of 2 steps (a check "
+                        "of the code, not a measurement)")
     a = p.parse_args(argv)
     dev = torch.device(a.device)
     if dev.type == "cuda" and not torch.cuda.is_available():

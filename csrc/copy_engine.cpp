@@ -81,7 +81,7 @@ bool storage_covers(const at::Tensor& t) {
   const auto strides = t.strides();
   for (size_t d = 0; d < sizes.size(); ++d) last += (sizes[d] - 1) * strides[d];
   const auto need = static_cast<uint64_t>(last + 1) * t.itemsize();
-  return last >= 0 && t.storage().nbytes() >= need;
+  return last >= 0 && t.unsafeGetTensorImpl()->unsafe_storage().nbytes() >= need;
 }
 
 struct JobState {
@@ -426,6 +426,13 @@ std::unique_ptr<CopyJob> CopyEngine::enqueue(const std::vector<at::Tensor>& srcs
 
   st->pending = tasks.size();
   if (tasks.empty()) st->end = Clock::now();
+  // A small host copy (one task, a few hundred KiB) is done here, on the calling thread (which
+  // has released the GIL): handing it to a pool thread and waiting for it would cost more.
+  if (tasks.size() == 1 && !cuda_batch && cpu_bytes <= kMinChunk) {
+    auto job = std::make_unique<CopyJob>(st, std::move(cuda_batch));
+    st->run(tasks.front());
+    return job;
+  }
 
   std::vector<std::function<void()>> fns;
   fns.reserve(tasks.size());

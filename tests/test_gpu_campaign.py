@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -18,7 +19,8 @@ pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the sc
 
 
 def _run(tmp_path: Path, *args: str) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "OUT": str(tmp_path), "BUDGET": "240", "NEBULA_SHM_DIR": str(tmp_path / "shm")}
+    env = {**os.environ, "OUT": str(tmp_path), "BUDGET": "240", "NEBULA_SHM_DIR": str(tmp_path / "shm"),
+           "PYTHON": sys.executable}
     (tmp_path / "shm").mkdir(exist_ok=True)
     return subprocess.run(["bash", str(SCRIPT), *args], cwd=REPO, env=env, capture_output=True, text=True,
                           timeout=300)

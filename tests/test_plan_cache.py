@@ -164,8 +164,8 @@ CASES: dict[str, tuple[Callable[[], Any], Callable[[Any], Any], bool]] = {
     "buffer moved to the meta device": (_trained, lambda s: setattr(s["model"].bn, "running_mean",
                                                                     s["model"].bn.running_mean.to("meta")), True),
     "tensor moved to the meta device": (_flat, lambda s: s.update(a=s["a"].to("meta")), True),
-    "tied weights untied": (_trained, lambda s: setattr(s["model"].head, "weight",
-                                                        torch.nn.Parameter(s["model"].emb.weight.detach().clone())), True),
+    "tied weights untied": (_trained, lambda s: setattr(
+        s["model"].head, "weight", torch.nn.Parameter(s["model"].emb.weight.detach().clone())), True),
     "weights tied": (_with_module(Twin), lambda s: setattr(s["model"].b, "weight", s["model"].a.weight), True),
     "optimizer state created": (lambda: (lambda m, o, sc: {"model": m, "optim": o})(*make_training()),
                                 lambda s: train_step(s["model"], s["optim"], torch.optim.lr_scheduler.StepLR(
@@ -435,7 +435,8 @@ def assert_same_tree(got: Any, want: Any, where: str = "") -> None:
         assert type(got) is type(want) and got == want, where
 
 
-E2E = ["a conjugate view becomes its base", "a training step", "p.data = same shape", "p.data = a view at another offset", "parameter replaced",
+E2E = ["a conjugate view becomes its base", "a training step", "p.data = same shape",
+       "p.data = a view at another offset", "parameter replaced",
        "load_state_dict(assign=True)", "optimizer state replaced", "tied weights untied", "weights tied",
        "p.data = other dtype", "param group hyper-parameters", "scheduler steps", "leaves change value and type",
        "array written in place", "resize_ larger (new memory)", "set_ to another storage", "set_ at another offset",

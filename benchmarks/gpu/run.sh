@@ -58,7 +58,11 @@ if ls .whl/*.whl >/dev/null 2>&1; then
     && export PYTHONPATH=/tmp/nebula-site${PYTHONPATH:+:$PYTHONPATH} && say "wheels from .whl/ installed into /tmp/nebula-site"
 fi
 
-CUDA=$($PY -c "import torch; print(int(torch.cuda.is_available()))" 2>/dev/null || echo 0)
+CUDA=$($PY -c "import torch; print(int(torch.cuda.is_available()))" 2>/dev/null)
+if [ -z "$CUDA" ]; then
+  say "FAILED: $PY cannot import torch (set PYTHON to the interpreter that has it); nothing was run"
+  exit 3
+fi
 if [ "$CUDA" != 1 ]; then
   if [ "$ALLOW_CPU" != 1 ]; then
     say "FAILED: no CUDA GPU here (torch.cuda.is_available() is not True for $PY); nothing was run"
@@ -106,7 +110,7 @@ if has bench; then
   if [ "$CUDA" = 1 ]; then
     ARGS="--models ${MODELS:-124m,1.3b,largest} --device cuda"
   else
-    ARGS="--models tiny --device cpu --reps 1"
+    ARGS="--models tiny --device cpu --reps 1 --quick"
   fi
   say "bench ($ARGS, ${B} s)"
   # shellcheck disable=SC2086
