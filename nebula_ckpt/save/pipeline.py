@@ -387,6 +387,7 @@ class SavePipeline:
         for hh in self._hook_handles:
             hh.remove()
         self._hook_handles.clear()
+        self.plans.clear()
         if not join:
             return
         if self._stager is not None:

@@ -27,7 +27,9 @@ machinery and hooks, and that no leaf became a container, tensor or array. Objec
 stock modules or optimizers (schedulers, ``GradScaler``, wrappers) have their ``state_dict()``
 called and its result checked the same way. States holding a DTensor are planned at every save.
 
-The cache runs on the native path only; the pure-PyTorch path plans every save.
+The cache holds the last plan, so the modules and optimizers of the last state saved stay
+referenced until the next save with another structure or the checkpointer's close. It runs on
+the native path only; the pure-PyTorch path plans every save.
 """
 
 from __future__ import annotations
@@ -165,6 +167,11 @@ class PlanCache:
                       unguarded=plan.unguarded)
         return _Entry(guard, shared, plan.tree, [p for p, _ in rec.leaves], [k for _, k in rec.leaves],
                       rec.wrappers)
+
+    def clear(self) -> None:
+        """Forget the cached plan (and with it the modules and optimizers it refers to)."""
+        with self._lock:
+            self._entry = None
 
     def stats(self) -> dict[str, Any]:
         """``{"hits", "misses", "last_miss"}`` (see the attributes)."""
