@@ -10,10 +10,13 @@
   (1024x1024, 4 MB), with AdamW.
 
 For each system, each size and each state: ``--warmup`` saves, then ``--reps`` saves, the systems
-interleaved rep by rep (a busy neighbour slows them all alike). Timed per save: the call, and the
+interleaved rep by rep (a busy neighbour slows them all alike). Each system saves in a process
+of its own (one per state and size; :func:`worker`), so what one holds (staging, threads, file
+descriptors: PyTorch's shared-memory staging keeps one per tensor) cannot slow another or make it
+fail. Timed per save: the call, and the
 call plus the wait until the state may change (``wait_safe``: for systems whose call returns before
 the state is copied). Untimed between saves: the wait until the previous save is durable (so no
-save overlaps another's writes). In the same process and rep, two floors: ``floor_s`` a bare Python
+save overlaps another's writes). In the parent process, in the same rep, two floors: ``floor_s`` a bare Python
 loop reading every tensor's ``data_ptr()`` (the least any per-tensor check from Python costs) and
 ``copy_s`` one copy of the state's bytes as a single block into a buffer touched before (the bytes
 every snapshot must move). ``nebula``'s first save (the state planned from scratch, staging
@@ -29,6 +32,7 @@ import datetime as _dt
 import gc
 import json
 import logging
+import multiprocessing as mp
 import os
 import shutil
 import tempfile
@@ -138,8 +142,8 @@ def make_copy_floor(tensors: list[torch.Tensor]) -> Callable[[], float]:
 class _Run:
     """One system saving one state: its samples."""
 
-    def __init__(self, peer: Peer, root: Path) -> None:
-        self.peer, self.root = peer, root
+    def __init__(self, peer: Peer) -> None:
+        self.peer = peer
         self.call: list[float] = []
         self.safe: list[float] = []
         self.first: Optional[dict[str, float]] = None
@@ -166,78 +170,98 @@ class _Run:
             self.call.append(t1 - t0)
             self.safe.append(t2 - t0)
 
+    def finish(self) -> dict[str, Any]:
+        try:
+            self.peer.wait_durable()
+        except Exception as e:
+            self.error = self.error or f"{type(e).__name__}: {e}"
+        stats = self.peer.ck.stats().get("plans", {}) if isinstance(self.peer, Nebula) else {}
+        try:
+            self.peer.close()
+        except Exception as e:
+            self.error = self.error or f"close: {type(e).__name__}: {e}"
+        if self.error is not None:
+            return {"status": "error", "reason": self.error}
+        return {"status": "ok", "first": self.first, "call_s": summary(self.call), "safe_s": summary(self.safe),
+                "plans": stats}
 
-def _open(name: str, base: Path, shared: dict[str, Peer]) -> tuple[Optional[Peer], Optional[str]]:
-    cls = SYSTEMS[name]
-    if name in shared:  # torch-checkpointing: one manager (and writer process) for the run
-        return shared[name], None
-    peer = cls()
+
+def worker(conn: Any, name: str, workload: str, n: int, root: str) -> None:
+    """A process saving one state with one system, a save per message (``measure_size``): each
+    system in a process of its own, so what one holds (file descriptors, staging, threads) cannot
+    change another's figures or make it fail."""
+    logging.basicConfig(level=logging.WARNING)
+    state = build_state(workload, n)
+    peer = SYSTEMS[name]()
     try:
-        peer.check(str(base))
-        root = base / name
-        peer.open(root)
+        peer.check(root)
+        peer.open(Path(root))
     except (PeerUnavailable, ImportError) as e:
-        return None, str(e)
-    if name == TorchCheckpointing.name:
-        shared[name] = peer
-    return peer, None
+        conn.send({"status": "unavailable", "reason": str(e)})
+        return
+    conn.send({"status": "ready"})
+    run = _Run(peer)
+    while True:
+        msg = conn.recv()
+        if msg[0] == "save":
+            if "step" in state:
+                state["step"] = msg[1]
+            run.save(msg[1], state, msg[2])
+            conn.send(run.error)
+        else:
+            conn.send(run.finish())
+            return
 
 
-def measure_size(workload: str, n: int, systems: list[str], a: argparse.Namespace, base: Path,
-                 shared: dict[str, Peer]) -> dict[str, Any]:
+def _start(name: str, workload: str, n: int, root: Path) -> tuple[Any, Any, dict[str, Any]]:
+    ctx = mp.get_context("spawn")
+    here, there = ctx.Pipe()
+    proc = ctx.Process(target=worker, args=(there, name, workload, n, str(root)), daemon=False)
+    proc.start()
+    first = here.recv() if here.poll(900) else {"status": "error", "reason": "the worker did not start"}
+    return proc, here, first
+
+
+def measure_size(workload: str, n: int, systems: list[str], a: argparse.Namespace, base: Path) -> dict[str, Any]:
     """Every system saving the ``workload`` state of ``n`` tensors (see the module docstring)."""
     state = build_state(workload, n)
     tensors = state_tensors(state)
     copy_floor = make_copy_floor(tensors)
-    runs: dict[str, _Run] = {}
     out: dict[str, Any] = {"workload": workload, "tensors": len(tensors),
                            "bytes": sum(t.numel() * t.element_size() for t in tensors), "systems": {}}
+    workers = {}
     for name in systems:
         if name == NebulaAsync.name and workload == "flat":  # live tensors no hook guards: copied in the call
             out["systems"][name] = {"status": "n/a", "reason": "a flat dict of tensors is always copied in the call"}
             continue
-        peer, why = _open(name, base / f"{workload}-{n}", shared)
-        if peer is None:
-            out["systems"][name] = {"status": "unavailable", "reason": why}
+        proc, conn, first = _start(name, workload, n, base / f"{workload}-{n}" / name)
+        if first.get("status") != "ready":
+            out["systems"][name] = first
+            proc.join(60)
             continue
-        runs[name] = _Run(peer, base)
+        workers[name] = (proc, conn)
     floors: list[float] = []
     copies: list[float] = []
     for rep in range(a.warmup + a.reps):
-        keep = rep >= a.warmup
-        for r in runs.values():
-            if "step" in state:
-                state["step"] = rep
-            r.save(rep, state, keep)
+        for _proc, conn in workers.values():
+            conn.send(("save", rep, rep >= a.warmup))
+            conn.recv()
         floors.append(floor_loop(tensors))
         copies.append(copy_floor())
     out["floor_s"] = summary(floors[a.warmup:])
     out["copy_s"] = summary(copies[a.warmup:])
-    for name, r in runs.items():
-        out["systems"][name] = _finish(r, shared)
+    for name, (proc, conn) in workers.items():
+        conn.send(("finish",))
+        out["systems"][name] = conn.recv()
+        proc.join(120)
     return out
-
-
-def _finish(r: _Run, shared: dict[str, Peer]) -> dict[str, Any]:
-    try:
-        r.peer.wait_durable()
-    except Exception as e:
-        r.error = r.error or f"{type(e).__name__}: {e}"
-    stats = {}
-    if isinstance(r.peer, Nebula):
-        stats = r.peer.ck.stats().get("plans", {})
-    if r.peer.name not in shared:
-        r.peer.close()
-    if r.error is not None:
-        return {"status": "error", "reason": r.error}
-    return {"status": "ok", "first": r.first, "call_s": summary(r.call), "safe_s": summary(r.safe), "plans": stats}
 
 
 # --------------------------------------------------------------------------- the run
 
 def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m benchmarks.many_tensors", description=__doc__.split("\n\n")[0])
-    p.add_argument("--sizes", default=",".join(str(s) for s in SIZES), help="numbers of tensors")
+    p.add_argument("--sizes", default=None, help=f"numbers of tensors (default {','.join(str(s) for s in SIZES)})")
     p.add_argument("--workloads", default=",".join(WORKLOADS), help=f"of {', '.join(WORKLOADS)}")
     p.add_argument("--systems", default=",".join(SYSTEMS), help=f"of {', '.join(SYSTEMS)}")
     p.add_argument("--reps", type=int, default=5, help="timed saves per system and size")
@@ -246,11 +270,11 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
                    help="skip a system at the larger sizes once one of its saves took longer than this")
     p.add_argument("--target", default=None, help="folder to write the checkpoints in (default: under bench_out/)")
     p.add_argument("--out", default=None, help="results folder (default: benchmarks/results/many-tensors-<date>)")
-    p.add_argument("--quick", action="store_true", help="sizes 100,1000; 1 warm-up, 2 reps (a smoke run)")
+    p.add_argument("--quick", action="store_true", help="1 warm-up, 2 reps, sizes 100,1000 unless given (a smoke run)")
     a = p.parse_args(argv)
     if a.quick:
-        a.sizes, a.reps, a.warmup = "100,1000", 2, 1
-    a.sizes = [int(s) for s in str(a.sizes).split(",") if s]
+        a.sizes, a.reps, a.warmup = a.sizes or "100,1000", 2, 1
+    a.sizes = [int(s) for s in str(a.sizes or ",".join(str(s) for s in SIZES)).split(",") if s]
     a.workloads = [w for w in str(a.workloads).split(",") if w]
     a.systems = [s for s in str(a.systems).split(",") if s]
     for w in a.workloads:
@@ -276,7 +300,6 @@ def _slow(row: dict[str, Any], limit: float) -> set[str]:
 def run(a: argparse.Namespace) -> dict[str, Any]:
     """Every workload, size and system (see the module docstring)."""
     base = Path(a.target or tempfile.mkdtemp(prefix="many-", dir=_bench_out()))
-    shared: dict[str, Peer] = {}
     results: dict[str, Any] = {"settings": {k: v for k, v in vars(a).items()}, "rows": [],
                                "calls": {n: SYSTEMS[n].calls for n in a.systems},
                                "load_before": os.getloadavg()}
@@ -286,7 +309,7 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
             for n in sorted(a.sizes):
                 systems = [s for s in a.systems if s not in skip]
                 log.info("%s, %d tensors: %s", workload, n, ", ".join(systems))
-                row = measure_size(workload, n, systems, a, base, shared)
+                row = measure_size(workload, n, systems, a, base)
                 for s in skip:
                     row["systems"][s] = {"status": "skipped",
                                          "reason": f"a save at a smaller size took > {a.max_save_s} s"}
@@ -294,8 +317,6 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
                 results["rows"].append(row)
                 gc.collect()
     finally:
-        for peer in shared.values():
-            peer.close()
         if a.target is None:
             shutil.rmtree(base, ignore_errors=True)
     results["load_after"] = os.getloadavg()

@@ -999,12 +999,13 @@ bool PlanGuard::check(PyObject* root, std::unique_ptr<SourceSet>* sources, std::
   bool hit = false;
   try {
     hit = root_->check(root, c) && check_aliases(c);
-  } catch (const c10::Error& e) {
-    hit = c.fail("a tensor could not be read");
   } catch (const std::bad_alloc&) {
     throw;
-  } catch (const std::exception& e) {
-    if (PyErr_Occurred()) throw;
+  } catch (const std::exception&) {
+    // c10::Error (a tensor in a state the checks do not expect), or torch's python_error (which
+    // holds the Python exception it took): a miss; planning again meets the same problem and
+    // reports it properly.
+    PyErr_Clear();
     hit = c.fail("a tensor could not be read");
   }
   if (!hit) {
