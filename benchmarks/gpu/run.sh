@@ -96,7 +96,8 @@ fi
 
 if has tests; then
   say "tests: the gpu-marked tests, and the plan cache's on this build"
-  timeout "$(( $(left) > 60 ? $(left) / 3 : 60 ))" $PY -m pytest -m gpu tests/test_gpu.py tests/test_native.py \
+  L=$(left); T=$(( L / 3 < 180 ? L / 3 : 180 )); T=$(( T < 60 ? 60 : T ))
+  timeout "$T" $PY -m pytest -m gpu tests/test_gpu.py tests/test_native.py \
     -p no:cacheprovider -q -rfEs --timeout 240 > "$DEST/tests.log" 2>&1
   say "gpu tests: rc=$? $(grep -E '(passed|failed|skipped|error)' "$DEST/tests.log" | tail -1)"
   if [ "$CUDA" = 1 ]; then
