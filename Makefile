@@ -53,7 +53,7 @@ lint: install
 
 # peers only the full benchmark needs; the installed torch is pinned so pip never swaps it
 bench-deps: install
-	$(VPY) -m pip install -q "torchsnapshot==0.1.0" "torch==$$($(VPY) -c 'import torch; print(torch.__version__.split("+")[0])')"
+	$(VPY) -m pip install -q "torchsnapshot==0.1.0" "torch-checkpointing==0.1.1" "torch==$$($(VPY) -c 'import torch; print(torch.__version__.split("+")[0])')"
 
 # the full harness lives in benchmarks/ (not installed): run it from the checkout
 bench: bench-deps

@@ -82,9 +82,11 @@ def list_files(root: str | os.PathLike) -> list[Path]:
 
 
 def plain_state_dict(state: dict[str, Any]) -> dict[str, Any]:
-    """``{"model": module, "optim": opt, "step": n}`` -> plain ``state_dict()`` values."""
-    return {"model": state["model"].state_dict(), "optim": state["optim"].state_dict(),
-            "step": state["step"]}
+    """``{"model": module, "optim": opt, "step": n}`` -> plain ``state_dict()`` values (any other
+    entry with ``state_dict()`` becomes its state dict; the rest, a flat dict of tensors too, is
+    passed as it is)."""
+    return {k: v.state_dict() if callable(getattr(v, "state_dict", None)) and not isinstance(v, type) else v
+            for k, v in state.items()}
 
 
 def load_plain(into: dict[str, Any], sd: dict[str, Any]) -> int:

@@ -1,7 +1,9 @@
 """The checkpointing systems the benchmark compares: torch.save (plain and on a thread as
-Lightning does), safetensors, DCP (``save`` / ``async_save``), torchsnapshot, nebula_ckpt (default
-tiers / local only), and the bare snapshot copy as a floor; :data:`PEERS` names them in report
-order. The interface and what "durable" means for all of them: :mod:`benchmarks.peer_base`.
+Lightning does), safetensors, DCP (``save`` / ``async_save``, and ``async_save`` with pinned /
+shared staging from :mod:`benchmarks.peers_staged`), torchsnapshot, Meta's
+torch-checkpointing (:mod:`benchmarks.peers_staged`), nebula_ckpt (default tiers / local
+only), and the bare snapshot copy as a floor; :data:`PEERS` names them in report order. The
+interface and what "durable" means for all of them: :mod:`benchmarks.peer_base`.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from benchmarks.peer_base import (
     plain_state_dict,
     quiet_dcp,
 )
+from benchmarks.peers_staged import DcpAsyncSaveShared, TorchCheckpointing
 
 log = logging.getLogger(__name__)
 
@@ -451,8 +454,8 @@ class SnapshotFloor(Peer):
         ops = get_ops()
         if self._buf is None or self._buf.numel() < plan.layout.total_bytes:
             # pinned for a GPU state, as nebula's own staging is: the floor is a DMA, not a pageable copy
-            self._buf = ops.alloc(plan.layout.total_bytes, pinned=any(t.is_cuda for t in plan.sources))
-        self._job = ops.enqueue_copy(plan.sources, self._buf, [e.offset for e in plan.layout.entries])
+            self._buf = ops.alloc(plan.layout.total_bytes, pinned=plan.sources.any_cuda())
+        self._job = ops.enqueue_sources(plan.sources, self._buf)
 
     def wait_safe(self) -> None:
         if self._job is not None:
@@ -468,7 +471,8 @@ class SnapshotFloor(Peer):
 
 #: every system, in report order
 PEERS: dict[str, type[Peer]] = {p.name: p for p in (
-    TorchSave, TorchSaveThread, Safetensors, DcpSave, DcpAsyncSave, TorchSnapshot, Nebula, NebulaLocal)}
+    TorchSave, TorchSaveThread, Safetensors, DcpSave, DcpAsyncSave, DcpAsyncSaveShared, TorchSnapshot,
+    TorchCheckpointing, Nebula, NebulaLocal)}
 
 #: systems of --quick (nebula and torch.save are always kept)
 QUICK_PEERS = ("torch_save", "torch_save_thread", "nebula", "nebula_local")

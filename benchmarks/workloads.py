@@ -4,9 +4,10 @@ Every workload is a real ``nn.Module`` trained by a real ``torch.optim.AdamW`` o
 synthetic batch, so the throughput run is a genuine forward / backward / step loop and the
 checkpointed state has the shapes a user's state has:
 
-* ``124m`` / ``350m`` / ``1.3b``: GPT-2-shaped transformers (token embedding 50257 x d tied to
-  the LM head, learned positions, per layer: 2 LayerNorms, qkv d x 3d, attention projection
-  d x d, MLP d x 4d and 4d x d). ``1.3b`` is refused on CPU (about 21 GB of training state).
+* ``124m`` / ``350m`` / ``1.3b`` / ``2.7b``: GPT-2-shaped transformers (token embedding 50257 x d
+  tied to the LM head, learned positions, per layer: 2 LayerNorms, qkv d x 3d, attention
+  projection d x d, MLP d x 4d and 4d x d). ``1.3b`` and ``2.7b`` are refused on CPU (about 21
+  and 42 GB of training state).
 * ``tiny``: the same GPT shape at d=128, 2 layers, vocab 8192, for ``--quick`` and tests.
 * ``small-many``: 10,000 small parameters (64 x 64 by default) - the per-tensor overhead case.
 * ``few-huge``: 4 parameters totalling ~1 GB (``few_huge_bytes``) - the pure bandwidth case.
@@ -29,7 +30,7 @@ from torch import nn
 log = logging.getLogger(__name__)
 
 #: Names accepted by ``--model``.
-WORKLOADS = ("tiny", "124m", "350m", "1.3b", "small-many", "few-huge")
+WORKLOADS = ("tiny", "124m", "350m", "1.3b", "2.7b", "small-many", "few-huge")
 
 
 @dataclass(frozen=True)
@@ -48,6 +49,7 @@ GPT_CONFIGS: dict[str, GPTConfig] = {
     "124m": GPTConfig(d=768, layers=12, heads=12),
     "350m": GPTConfig(d=1024, layers=24, heads=16),
     "1.3b": GPTConfig(d=2048, layers=24, heads=16),
+    "2.7b": GPTConfig(d=2560, layers=32, heads=32),
 }
 
 
@@ -244,8 +246,8 @@ def build(name: str, device: Optional[torch.device] = None, *, batch_size: int =
         device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if name not in WORKLOADS:
         raise ValueError(f"unknown workload {name!r}; choose from {', '.join(WORKLOADS)}")
-    if name == "1.3b" and device.type != "cuda":
-        raise ValueError("workload '1.3b' runs on a GPU only (its parameters, gradients and "
+    if name in ("1.3b", "2.7b") and device.type != "cuda":
+        raise ValueError(f"workload '{name}' runs on a GPU only (its parameters, gradients and "
                          "AdamW state need ~21 GB and a CPU step takes minutes); use 124m or 350m")
     torch.manual_seed(seed)
     gen = torch.Generator(device="cpu").manual_seed(seed)

@@ -1,5 +1,6 @@
 // Python bindings of nebula_ckpt._C. The only file that includes pybind11 /
 // torch/extension.h; everything else is plain C++ on ATen.
+#include <torch/csrc/autograd/python_variable.h>
 #include <torch/extension.h>
 
 #include <pthread.h>
@@ -11,6 +12,10 @@
 #include "checksum.h"
 #include "copy_engine.h"
 #include "file_io.h"
+#include "plan_guard.h"
+#ifdef NEBULA_WITH_CUDA
+#include "cuda/copy_cuda.h"
+#endif
 
 // The package version, from nebula_ckpt/_version.py (setup.py passes it; there is no other copy).
 #ifndef NEBULA_VERSION
@@ -19,6 +24,14 @@
 
 namespace py = pybind11;
 using namespace nebula;
+
+namespace nebula {
+
+// plan_guard.cpp reaches torch's Python tensors through these two.
+bool py_is_tensor(PyObject* obj) { return THPVariable_Check(obj); }
+const at::Tensor& py_unpack_tensor(PyObject* obj) { return THPVariable_Unpack(obj); }
+
+}  // namespace nebula
 
 namespace {
 
@@ -142,6 +155,46 @@ int64_t crc32c_bytes(py::handle data, int64_t value) {
   return static_cast<int64_t>(crc);
 }
 
+std::shared_ptr<CopyJob> make_job(std::unique_ptr<CopyJob> job) {
+  return std::shared_ptr<CopyJob>(job.release(), JobDeleter{});
+}
+
+// PlanGuard.check: None on a miss, else (SourceSet, [(leaf index, value), ...]).
+py::object guard_check(PlanGuard& g, py::handle root) {
+  std::unique_ptr<SourceSet> sources;
+  std::vector<DirtyLeaf> dirty;
+  bool hit;
+  try {
+    hit = g.check(root.ptr(), &sources, &dirty);
+  } catch (const PlanGuard::py_error_pending&) {
+    throw py::error_already_set();
+  }
+  if (!hit) return py::none();
+  py::list changed(dirty.size());
+  for (size_t i = 0; i < dirty.size(); ++i) {
+    changed[i] = py::make_tuple(dirty[i].first, py::reinterpret_steal<py::object>(dirty[i].second));
+    dirty[i].second = nullptr;
+  }
+  return py::make_tuple(py::cast(std::shared_ptr<SourceSet>(std::move(sources))), changed);
+}
+
+void guard_commit(PlanGuard& g, py::list leaves) {
+  std::vector<std::pair<int64_t, PyObject*>> v;
+  v.reserve(leaves.size());
+  for (py::handle item : leaves) {
+    auto pair = item.cast<py::tuple>();
+    TORCH_CHECK(pair.size() == 2, "PlanGuard.commit: (index, value) pairs expected");
+    v.emplace_back(pair[0].cast<int64_t>(), pair[1].ptr());
+  }
+  g.commit(v);  // borrowed: `leaves` holds them through the call
+}
+
+size_t set_index(const SourceSet& s, int64_t i) {
+  TORCH_CHECK(i >= 0 && static_cast<size_t>(i) < s.size(), "SourceSet: index ", i, " out of range (",
+              s.size(), ")");
+  return static_cast<size_t>(i);
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -165,6 +218,19 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       },
       "Build/runtime capabilities of the extension.");
 
+  m.def(
+      "cuda_warm_up",
+      [](int64_t device) {
+#ifdef NEBULA_WITH_CUDA
+        cuda::warm_up(static_cast<c10::DeviceIndex>(device));
+#else
+        TORCH_CHECK(false, "cuda_warm_up: nebula_ckpt._C was built without CUDA support");
+#endif
+      },
+      py::arg("device"), py::call_guard<GilRelease>(),
+      "Set up the device-to-host copy path on `device` once (side stream, events, host function, "
+      "a page-locked copy), so that the first snapshot of the process does not.");
+
   m.def("alloc_host_buffer", &alloc_host_buffer, py::arg("nbytes"), py::arg("pinned") = false,
         py::arg("prefault_threads") = 1, py::arg("huge_pages") = false, py::call_guard<GilRelease>(),
         "Page-aligned, pre-faulted 1-D uint8 CPU tensor of nbytes (optionally pinned; huge_pages: "
@@ -183,6 +249,43 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            "copied.")
       .def("seconds", &CopyJob::seconds, "Wall time from enqueue to the last copy finished.");
 
+  py::class_<SourceSet, std::shared_ptr<SourceSet>>(
+      m, "SourceSet", "The tensors one save copies, in layout order, with their shard offsets.")
+      .def(py::init([](const std::vector<at::Tensor>& tensors, const std::vector<int64_t>& offsets) {
+             return std::make_shared<SourceSet>(
+                 tensors, std::make_shared<const std::vector<int64_t>>(offsets));
+           }),
+           py::arg("tensors"), py::arg("offsets"))
+      .def("__len__", &SourceSet::size)
+      .def("__getitem__", [](const SourceSet& s, int64_t i) { return s.get(set_index(s, i)); })
+      .def("__setitem__",
+           [](SourceSet& s, int64_t i, const at::Tensor& t) { s.set(set_index(s, i), t); },
+           "Replace tensor i (recording its version counter now).")
+      .def("any_cuda", &SourceSet::any_cuda, "Whether any tensor is on a CUDA device.")
+      .def("changed", &SourceSet::changed,
+           "Indices whose version counter differs from the one recorded.")
+      .def("clear", &SourceSet::clear, "Drop every tensor reference.")
+      .def("tensors", &SourceSet::tensors, "The tensors, as a list.")
+      .def("offsets", &SourceSet::offsets, "The shard offset of each tensor's bytes.");
+
+  py::class_<PlanGuard>(m, "PlanGuard",
+                        "A save plan's structure, compiled: checks a later state against it.")
+      .def(py::init([](py::tuple program, py::tuple slot_layout, py::tuple alias_of, py::tuple offsets,
+                       py::dict stock, py::object ndarray_type, py::object ndarray_copy) {
+             return std::make_unique<PlanGuard>(program.ptr(), slot_layout.ptr(), alias_of.ptr(),
+                                                offsets.ptr(), stock.ptr(), ndarray_type.ptr(),
+                                                ndarray_copy.ptr());
+           }),
+           py::arg("program"), py::arg("slot_layout"), py::arg("alias_of"), py::arg("offsets"),
+           py::arg("stock"), py::arg("ndarray_type"), py::arg("ndarray_copy"))
+      .def("check", &guard_check, py::arg("state"),
+           "None when the state's structure differs; else (SourceSet, [(leaf, new value), ...]).")
+      .def("commit", &guard_commit, py::arg("leaves"),
+           "Compare later states with these (leaf, value) pairs.")
+      .def_property_readonly("miss_reason", &PlanGuard::miss_reason)
+      .def_property_readonly("num_slots", &PlanGuard::num_slots)
+      .def_property_readonly("num_leaves", &PlanGuard::num_leaves);
+
   py::class_<CopyEngine, std::unique_ptr<CopyEngine, EngineDeleter>>(
       m, "CopyEngine", "Persistent thread pool copying tensors into host staging buffers.")
       .def(py::init<int64_t>(), py::arg("num_threads"))
@@ -197,6 +300,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
           py::call_guard<GilRelease>(),
           "Copy each srcs[i]'s contiguous bytes to dst[offsets[i]:...] asynchronously "
           "(checksum=False: plain copies, checksums() empty).")
+      .def(
+          "enqueue_set",
+          [](CopyEngine& e, const SourceSet& s, const at::Tensor& dst, bool checksum) {
+            return make_job(e.enqueue(s.tensors(), dst, s.offsets(), checksum));
+          },
+          py::arg("sources"), py::arg("dst"), py::arg("checksum") = true, py::call_guard<GilRelease>(),
+          "enqueue() of a SourceSet's tensors at its offsets.")
       .def("close", &CopyEngine::close, py::call_guard<GilRelease>(),
            "Finish queued copies and join the threads now (idempotent); enqueue fails after.")
       .def_property_readonly("num_threads", &CopyEngine::num_threads);

@@ -73,6 +73,17 @@ uint32_t copy_crc(uint8_t* to, const uint8_t* from, size_t len, bool* torn) {
 
 }  // namespace
 
+bool storage_covers(const at::Tensor& t) {
+  if (t.numel() == 0) return true;
+  if (!t.has_storage()) return false;
+  int64_t last = t.storage_offset();
+  const auto sizes = t.sizes();
+  const auto strides = t.strides();
+  for (size_t d = 0; d < sizes.size(); ++d) last += (sizes[d] - 1) * strides[d];
+  const auto need = static_cast<uint64_t>(last + 1) * t.itemsize();
+  return last >= 0 && t.unsafeGetTensorImpl()->unsafe_storage().nbytes() >= need;
+}
+
 struct JobState {
   // Held so sources and destination outlive the copies. Only the CopyJob
   // (a Python object) releases them, after every task finished: a pool
@@ -310,6 +321,8 @@ std::unique_ptr<CopyJob> CopyEngine::enqueue(const std::vector<at::Tensor>& srcs
     TORCH_CHECK(!s.is_quantized() || is_plain_contiguous(s), "enqueue: srcs[", i,
                 "] is a non-contiguous quantized tensor; call .contiguous() first");
     TORCH_CHECK(s.numel() == 0 || s.has_storage(), "enqueue: srcs[", i, "] has no storage");
+    TORCH_CHECK(storage_covers(s), "enqueue: srcs[", i, "] reaches past the end of its storage (",
+                s.storage().nbytes(), " bytes; resized under it?): save a tensor that holds its data");
     const int64_t nb = static_cast<int64_t>(s.nbytes());
     const int64_t off = offsets[i];
     TORCH_CHECK(off >= 0 && off <= dst_n && nb <= dst_n - off, "enqueue: srcs[", i,
@@ -413,6 +426,13 @@ std::unique_ptr<CopyJob> CopyEngine::enqueue(const std::vector<at::Tensor>& srcs
 
   st->pending = tasks.size();
   if (tasks.empty()) st->end = Clock::now();
+  // A small host copy (one task, a few hundred KiB) is done here, on the calling thread (which
+  // has released the GIL): handing it to a pool thread and waiting for it would cost more.
+  if (tasks.size() == 1 && !cuda_batch && cpu_bytes <= kMinChunk) {
+    auto job = std::make_unique<CopyJob>(st, std::move(cuda_batch));
+    st->run(tasks.front());
+    return job;
+  }
 
   std::vector<std::function<void()>> fns;
   fns.reserve(tasks.size());

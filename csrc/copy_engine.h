@@ -61,6 +61,10 @@ class CopyJob {
   std::unique_ptr<cuda::CudaCopyBatch> cuda_;
 };
 
+// Whether t's storage holds every byte its sizes, strides and offset reach
+// (a storage resized under a tensor, e.g. to 0 by FSDP, does not).
+bool storage_covers(const at::Tensor& t);
+
 class CopyEngine {
  public:
   explicit CopyEngine(int64_t num_threads);
@@ -70,7 +74,8 @@ class CopyEngine {
   // afterwards. Call without the GIL.
   void close();
 
-  // Validate everything, then queue the copies and return at once.
+  // Validate everything, then queue the copies and return at once (a host copy of one task of
+  // at most 256 KiB is done on the calling thread before returning: cheaper than a hand-off).
   // srcs[i]'s contiguous byte image goes to dst[offsets[i], offsets[i] + nbytes_i).
   // checksum=false: plain copies at memcpy speed, no CRC32C and no check of the
   // bytes of a block against a hash taken before its copy (version counters

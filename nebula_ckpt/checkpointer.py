@@ -222,7 +222,10 @@ class Checkpointer(HealthReports):
         this once the state has its final size: after ``load_latest`` restored it, or after the
         first optimizer step created the optimizer's state. Returns at once (``wait=True``: once
         the buffer is ready); a save that comes before the buffer is ready allocates as it would
-        have. Checks ``state`` like :meth:`save_async` (``ValidationError``, nothing written).
+        have. Checks ``state`` like :meth:`save_async` (``ValidationError``, nothing written) and
+        plans it: the saves that follow reuse that plan while the state keeps its structure. For a
+        state on a GPU it also sets up the device-to-host copy path of its devices (side stream,
+        events), which a Checkpointer made in a process already using CUDA does at creation.
         """
         self._check_open("prepare")
         self._check_writable("prepare")
@@ -492,7 +495,9 @@ class Checkpointer(HealthReports):
         ``bytes_saved``: their snapshot bytes; ``blocked_s_total`` / ``blocked_s_max``: what
         they cost the training thread; ``last_save``: the newest finished save's
         :meth:`SaveMetrics.to_dict`; ``durable_s_last``: per tier, seconds until durable for the
-        newest save it wrote; staging and memory-tier bytes as allocated now.
+        newest save it wrote; staging and memory-tier bytes as allocated now; ``plans``: saves that
+        reused the previous save's plan (``hits``), that were planned again because the state's
+        structure had changed (``misses``) and what had changed last (``last_miss``).
         """
         return {**self._saves.stats(), "path": native_describe()["path"], "tiers": [rt.name for rt in self._runtimes]}
 

@@ -13,6 +13,9 @@ Hot primitives (methods of both classes):
   at once: its threads take the faults); ``pinned`` needs the CUDA build.
 * ``enqueue_copy(srcs, dst, offsets, checksum=True)`` — copy every source's bytes into ``dst`` at
   its offset, returning a :class:`CopyJob` at once; the copy runs on native threads (GIL released).
+  ``source_set(tensors, offsets)`` / ``enqueue_sources(sources, dst, checksum=True)`` — the same for
+  a :class:`SourceSet` (a save's tensors with their offsets and version counters, held natively on
+  the native path, where the plan cache's check also makes them: no per-tensor Python).
 * ``crc32c(buf, offsets, lengths)`` / ``crc32c_bytes(data)`` — checksums of byte ranges (in
   parallel) / of one bytes-like object.
 * ``write_file(path, buf, offset, nbytes, fsync=True)`` — parallel ``pwrite`` (+ ``O_DIRECT``) and
@@ -48,6 +51,7 @@ import torch
 
 from nebula_ckpt import knobs
 from nebula_ckpt.latch import Latch
+from nebula_ckpt.source_set import PySourceSet, SourceSet
 
 log = logging.getLogger(__name__)
 
@@ -240,6 +244,23 @@ class FallbackOps:
         _copies.submit(job)
         return job
 
+    def source_set(self, tensors: Sequence[torch.Tensor], offsets: Sequence[int]) -> SourceSet:
+        """The :class:`SourceSet` of ``tensors`` whose bytes go to ``offsets`` (versions recorded now)."""
+        return PySourceSet(tensors, offsets)
+
+    def enqueue_sources(self, sources: SourceSet, dst: torch.Tensor, checksum: bool = True) -> CopyJob:
+        """:meth:`enqueue_copy` of a :class:`SourceSet` (each tensor at its offset)."""
+        return self.enqueue_copy(sources.tensors(), dst, sources.offsets(), checksum)
+
+    def warm_up_cuda(self, devices: Sequence[int]) -> None:
+        """Set up the device-to-host copy path of these CUDA devices now rather than in the first
+        save (the native CUDA build's side stream, events, host function; no-op on this path)."""
+
+    def plan_guard(self, *args: Any) -> Any:
+        """The plan cache's native check (``nebula_ckpt._C.PlanGuard(*args)``,
+        :mod:`nebula_ckpt.save.plan_cache`), or None on this path (plans are made at every save)."""
+        return None
+
     def crc32c(self, buf: torch.Tensor, offsets: Sequence[int], lengths: Sequence[int]) -> list[int]:
         """CRC32C of each ``buf[offset:offset+length]``."""
         import crc32c as _crc
@@ -355,6 +376,22 @@ class NativeOps(FallbackOps):
     def enqueue_copy(self, srcs: Sequence[torch.Tensor], dst: torch.Tensor,
                      offsets: Sequence[int], checksum: bool = True) -> CopyJob:
         return self._get_engine().enqueue(list(srcs), dst, list(offsets), checksum)
+
+    def source_set(self, tensors: Sequence[torch.Tensor], offsets: Sequence[int]) -> SourceSet:
+        return self._C.SourceSet(list(tensors), list(offsets))
+
+    def plan_guard(self, *args: Any) -> Any:
+        return self._C.PlanGuard(*args)
+
+    def warm_up_cuda(self, devices: Sequence[int]) -> None:
+        if self.info.get("cuda"):
+            for d in devices:
+                self._C.cuda_warm_up(int(d))
+
+    def enqueue_sources(self, sources: SourceSet, dst: torch.Tensor, checksum: bool = True) -> CopyJob:
+        if not isinstance(sources, self._C.SourceSet):  # made by the other path (tests compare both)
+            return self.enqueue_copy(sources.tensors(), dst, sources.offsets(), checksum)
+        return self._get_engine().enqueue_set(sources, dst, checksum)
 
     def crc32c(self, buf: torch.Tensor, offsets: Sequence[int], lengths: Sequence[int]) -> list[int]:
         return list(self._C.crc32c(buf, list(offsets), list(lengths), int(knobs.get("io_threads"))))

@@ -316,3 +316,56 @@ def test_restore_into_cuda_parameters_continues_bit_exact(root: str) -> None:
     got = [_step(m2, o2, k) for k in range(3, 6)]
     assert got == ref
     assert _snap(m2, o2) == _snap(model, opt)
+
+
+# --------------------------------------------------------------------------- the first save, the plan cache
+
+_FIRST_SAVE = """
+import sys, torch, nebula_ckpt as nc
+torch.zeros(1, device="cuda")                      # a CUDA process: the Checkpointer sets up its copy path
+model = torch.nn.Sequential(torch.nn.Linear(512, 512), torch.nn.Linear(512, 512)).cuda()
+opt = torch.optim.AdamW(model.parameters())
+model(torch.randn(8, 512, device="cuda")).sum().backward()
+opt.step()
+root = sys.argv[1]
+ck = nc.Checkpointer(root, tiers=[nc.LocalTier(root)])
+if sys.argv[2] == "prepare":
+    ck.prepare({"model": model, "optim": opt}, wait=True)
+torch.cuda.synchronize()
+torch.cuda._sleep(int(3 * 2e9))                    # seconds of work queued on the compute stream
+queued = torch.cuda.Event()
+queued.record()
+h = ck.save_async(1, {"model": model, "optim": opt})
+print("pending" if not queued.query() else "drained", flush=True)
+h.result()
+ck.close()
+"""
+
+
+@pytest.mark.parametrize("how", ["prepare", "creation"])
+def test_the_first_save_of_a_process_does_not_wait_for_the_gpu_to_drain(tmp_path: str, how: str) -> None:
+    """The copy path's one-time CUDA setup (side stream, events, host function, a page-locked
+    copy) is done when the Checkpointer is made in a CUDA process and in prepare(): the first
+    save_async returns while work queued before it still runs. A fresh process: the setup is
+    once per process. (``creation``: no prepare(), so the first save also allocates its
+    page-locked staging; that it does not drain the GPU either is what this case checks.)"""
+    res = subprocess.run([sys.executable, "-c", _FIRST_SAVE, str(tmp_path) + "/ckpt", how], capture_output=True,
+                         text=True, timeout=300, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert res.stdout.split()[-1] == "pending", res.stdout
+
+
+def test_a_plan_is_not_reused_after_a_tensor_moved_between_devices(root: str) -> None:
+    """The plan cache compares each tensor's device: a parameter moved to the CPU is planned
+    again, and the checkpoint holds its new bytes."""
+    dev = torch.device("cuda")
+    model, opt = _mlp(dev)
+    _step(model, opt, 0)
+    with nc.Checkpointer(root) as ck:
+        ck.save(1, {"model": model, "optim": opt})
+        model[0].weight.data = model[0].weight.data.cpu() * 2
+        want = _cpu_bytes(model[0].weight)
+        ck.save(2, {"model": model, "optim": opt})
+        assert ck.stats()["plans"]["misses"] == 1
+        _, back = ck.read(2, map_location="cpu")
+    assert _cpu_bytes(back["model"]["0.weight"]) == want

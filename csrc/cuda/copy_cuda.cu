@@ -229,5 +229,44 @@ std::unique_ptr<CudaCopyBatch> make_copy_batch() {
   return std::make_unique<CudaCopyBatchImpl>();
 }
 
+namespace {
+void CUDART_CB noop_host_fn(void*) {}
+}  // namespace
+
+void warm_up(c10::DeviceIndex device) {
+  static std::mutex mu;
+  // device -> its page-locked scratch, kept for the process (cudaFreeHost may synchronize)
+  static std::map<c10::DeviceIndex, void*> done;
+  std::lock_guard<std::mutex> lk(mu);
+  if (done.count(device) != 0) return;
+  c10::cuda::CUDAGuard guard(device);
+  const c10::cuda::CUDAStream side = side_stream(device);
+  const cudaStream_t s = side.stream();
+  cudaEvent_t a = nullptr, b = nullptr;
+  C10_CUDA_CHECK(cudaEventCreateWithFlags(&a, cudaEventDisableTiming));
+  C10_CUDA_CHECK(cudaEventCreateWithFlags(&b, cudaEventDisableTiming));
+  void* host = nullptr;
+  at::Tensor dev;
+  {
+    // from PyTorch's caching allocator, on the side stream: nothing is freed to the driver
+    // (cudaFree would synchronize the device)
+    c10::cuda::CUDAStreamGuard stream_guard(side);
+    dev = at::empty({64}, at::TensorOptions().dtype(at::kByte).device(at::kCUDA, device));
+  }
+  cudaError_t err = cudaHostAlloc(&host, 64, cudaHostAllocDefault);
+  if (err == cudaSuccess) err = cudaEventRecord(a, s);
+  if (err == cudaSuccess) err = cudaStreamWaitEvent(s, a, 0);
+  if (err == cudaSuccess) err = cudaMemcpyAsync(host, dev.const_data_ptr(), 64, cudaMemcpyDeviceToHost, s);
+  if (err == cudaSuccess) err = cudaLaunchHostFunc(s, &noop_host_fn, nullptr);
+  if (err == cudaSuccess) err = cudaEventRecord(b, s);
+  if (err == cudaSuccess) err = cudaEventSynchronize(b);  // the side stream only
+  (void)cudaStreamSynchronize(s);
+  dev = at::Tensor();
+  (void)cudaEventDestroy(a);
+  (void)cudaEventDestroy(b);
+  C10_CUDA_CHECK(err);
+  done[device] = host;
+}
+
 }  // namespace cuda
 }  // namespace nebula

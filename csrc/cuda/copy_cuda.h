@@ -52,5 +52,15 @@ class CudaCopyBatch {
 
 std::unique_ptr<CudaCopyBatch> make_copy_batch();
 
+// Do once, now, what the first device-to-host snapshot copy of a process on
+// `device` would otherwise do inside a save: take the side stream (and
+// PyTorch's stream pool with it), create and record events, run a host
+// function and an asynchronous copy into page-locked memory on it. Nothing is
+// ordered after the compute stream, and only the side stream is waited for:
+// work queued on the GPU does not have to drain, unless the driver's own
+// first-use setup synchronizes the device (then it does so here, once,
+// instead of in the first save). Idempotent; a later call returns at once.
+void warm_up(c10::DeviceIndex device);
+
 }  // namespace cuda
 }  // namespace nebula

@@ -17,7 +17,7 @@ from __future__ import annotations
 import logging
 import threading
 import weakref
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterable, Optional
 
 import torch
 
@@ -32,7 +32,8 @@ from nebula_ckpt.ranks.fencing import Fence
 from nebula_ckpt.save.budget import Budget, HostMemoryBudget, give_up_memory_steps
 from nebula_ckpt.save.buffers import StagingPool
 from nebula_ckpt.save.fanout import fan_out
-from nebula_ckpt.save.plan import Plan, make_plan
+from nebula_ckpt.save.plan import Plan
+from nebula_ckpt.save.plan_cache import PlanCache
 from nebula_ckpt.save.snapshot import Snapshot, Stager
 from nebula_ckpt.save.uncut import run_uncut
 from nebula_ckpt.save.writer import TierWriter
@@ -77,6 +78,8 @@ class SavePipeline:
         self._keep_last = keep_last
         self.snapshot = snapshot
         self.allow_pickle = allow_pickle
+        #: the previous save's plan, reused while the state keeps its structure
+        self.plans = PlanCache(allow_pickle)
         self.on_persist_error = on_persist_error
         self.incremental = incremental
         # A second staging slot lets the next save start while a slower tier still reads one.
@@ -105,6 +108,18 @@ class SavePipeline:
         self._told_unguarded = False
         #: copies of the memory tier on partner nodes (:mod:`nebula_ckpt.tiers.memory.replicas`), or None
         self.replicator: Any = None
+        if torch.cuda.is_initialized():  # a CUDA process (never initialises CUDA itself)
+            self.warm_up([torch.cuda.current_device()])
+
+    def warm_up(self, devices: Iterable[int]) -> None:
+        """Set up the device-to-host copy path of these CUDA devices now, so that the first save
+        of the process does not wait for the work queued on the GPU to drain (first-use setup of
+        the side stream, events, host functions; :meth:`~nebula_ckpt.native.NativeOps.warm_up_cuda`)."""
+        try:
+            get_ops().warm_up_cuda(sorted(set(devices)))
+        except Exception as e:  # then the first save does it, as it would have
+            log.warning("nebula_ckpt: could not set up the CUDA copy path ahead of the first save: %s: %s",
+                        type(e).__name__, e)
 
     def start(self) -> list[TierWriter]:
         """At the first save: the tiers this process writes, their writer threads, the stager.
@@ -152,9 +167,10 @@ class SavePipeline:
 
     def prepare(self, state: Any, wait: bool) -> None:
         """Make the staging memory for saves of ``state`` (see :meth:`Checkpointer.prepare`)."""
-        plan = make_plan(0, state, allow_pickle=self.allow_pickle)
+        plan = self.plans.plan(0, state)  # the saves that follow reuse it
+        self.warm_up(int(d.split(":")[1]) for d in plan.devices.values())
         self.start()
-        self.pool.prepare(plan.layout.total_bytes, any(t.is_cuda for t in plan.sources))
+        self.pool.prepare(plan.layout.total_bytes, plan.sources.any_cuda())
         if wait:
             self.pool.wait_prepared()
 
@@ -169,7 +185,7 @@ class SavePipeline:
         self.confirm_inflight()
         self.raise_unseen()
         t0 = monotonic()
-        plan = make_plan(step, state, allow_pickle=self.allow_pickle, tag=tag)
+        plan = self.plans.plan(step, state, tag)
         self.pool.check_fits(plan.layout.total_bytes)
         writers = self.start()
         t_now = now()
@@ -201,7 +217,7 @@ class SavePipeline:
             progress.skip("no tier's cadence wanted this save")
             progress.returned()
             return handle
-        pinned = any(t.is_cuda for t in plan.sources)
+        pinned = plan.sources.any_cuda()
         overlap = self._may_overlap(plan, pinned)
         slot = self.pool.acquire(plan.layout.total_bytes, pinned, self._reclaim, what=f"step {plan.step}")
         if slot is None:
@@ -218,8 +234,7 @@ class SavePipeline:
             # checksums of the staged bytes afterwards, off the training thread (nothing can
             # change them). An overlapped copy checksums while copying and checks each block
             # against a hash taken before its copy (writes through .data / numpy during it).
-            job = get_ops().enqueue_copy(plan.sources, slot.buffer, [e.offset for e in plan.layout.entries],
-                                         checksum=overlap)
+            job = get_ops().enqueue_sources(plan.sources, slot.buffer, checksum=overlap)
         except BaseException:
             self.pool.release(slot)  # nothing is in flight: the slot goes back
             raise
@@ -393,6 +408,7 @@ class SavePipeline:
         for hh in self._hook_handles:
             hh.remove()
         self._hook_handles.clear()
+        self.plans.clear()
         if not join:
             return
         if self._stager is not None:
@@ -453,7 +469,7 @@ class SavePipeline:
                 "host_memory_limit_bytes": self.pool.budget.limit(sum(held.values())),
                 "memory_tier_dropped_cow_bytes": sum(rt.dropped_cow_bytes() for rt in self._runtimes),
                 "memory_tier_whole_fallbacks": sum(rt.whole_fallbacks() for rt in self._runtimes),
-                "staging_allocations": self.pool.allocations, "saves": self.count, **m,
+                "staging_allocations": self.pool.allocations, "saves": self.count, "plans": self.plans.stats(), **m,
                 **({"replicas": self.replicator.stats()} if self.replicator is not None else {})}
 
     def _save_finished(self, handle: SaveHandle) -> None:

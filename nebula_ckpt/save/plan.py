@@ -17,6 +17,11 @@ The layout is the image of one safetensors file: an 8-byte header length, the JS
 (padded so the data starts on a 4096-byte boundary), then the tensors back to back, ordered by
 element size so each is naturally aligned. It depends only on (key, dtype, shape) of every
 tensor, so it is cached and reused while the state keeps its shapes.
+
+While walking, the flattener also records the state's structure as a *program* (a
+:class:`~nebula_ckpt.save.plan_record.Recording`): what :mod:`nebula_ckpt.save.plan_cache`
+compiles into a native check that tells, at the next save, whether that state still has this
+structure, so the plan can be reused without walking it again.
 """
 
 from __future__ import annotations
@@ -33,7 +38,9 @@ from nebula_ckpt.format.dtypes import dtype_name
 from nebula_ckpt.format.header import RESERVED_KEYS, safetensors_header
 from nebula_ckpt.format.names import check_tag
 from nebula_ckpt.format.records import DTensorInfo
-from nebula_ckpt.format.tree import MAX_DEPTH, Node, check_int, encode_leaf, numpy_code
+from nebula_ckpt.format.tree import MAX_DEPTH, Node, check_int, encode_leaf
+from nebula_ckpt.native import get_ops
+from nebula_ckpt.save.plan_record import Recording, copy_ndarray
 
 #: largest step: it must fit a signed 64-bit integer (file names, manifests, other readers).
 MAX_STEP = 2**63 - 1
@@ -66,12 +73,14 @@ class Layout:
 
 @dataclass
 class Plan:
-    """What one save will write. Built on the training thread by :func:`make_plan`."""
+    """What one save will write. Built on the training thread by :func:`make_plan` (or reused
+    from the previous save's by :class:`~nebula_ckpt.save.plan_cache.PlanCache`)."""
 
     step: int
     layout: Layout
-    sources: list[torch.Tensor]      # one per layout entry, same order
-    versions: list[int]              # their version counters at save_async (consistency check)
+    #: the tensors to copy, one per layout entry, same order, with their version counters at
+    #: ``save_async`` (consistency check): a source set of :func:`~nebula_ckpt.native.get_ops`
+    sources: Any
     tree: Node                       # typed JSON of the whole state
     aliases: dict[str, str]          # tied key -> key stored
     devices: dict[str, str]          # key -> device it came from, for non-CPU tensors only
@@ -102,12 +111,12 @@ class Plan:
         except Exception:  # a dtype without clone(): copied with the rest, synchronously
             return False
         for i, c in zip(self.unguarded, copies, strict=True):
-            self.sources[i], self.versions[i] = c, c._version
+            self.sources[i] = c  # its version counter is recorded now
         return True
 
     def release_sources(self) -> None:
         """Drop the references to the training tensors (the snapshot's verdict is settled)."""
-        self.sources = []
+        self.sources.clear()
 
 
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
@@ -241,6 +250,15 @@ class _Flattener:
         self.unguarded: set[str] = set()      # keys of tensors no hook guards
         self._guarded = 0                     # > 0 while inside a module / optimizer being hooked
         self._path_ids: dict[int, str] = {}  # id -> path of the containers being walked (cycles)
+        self.rec = Recording()
+        self._g: Any = None               # the recorded node of the value walked last
+        self._tpath: list[Any] = []       # where in the tree the value being walked goes
+
+    def _leaf(self, value: Any, path: str) -> Node:
+        node = encode_leaf(value, path or "<root>", self.allow_pickle)
+        self._g = ("L", len(self.rec.leaves), value)
+        self.rec.leaves.append((tuple(self._tpath), path or "<root>"))
+        return node
 
     def _claim(self, key: str) -> None:
         if key in self.tensors or key in self.aliases:
@@ -269,29 +287,13 @@ class _Flattener:
                 return self._walk_container(value, path, depth + 1)
             finally:
                 del self._path_ids[id(value)]
-        return encode_leaf(value, path or "<root>", self.allow_pickle)
+        return self._leaf(value, path)
 
     def _walk_container(self, value: Any, path: str, depth: int) -> Node:
         if isinstance(value, dict):
-            tag = "odict" if isinstance(value, collections.OrderedDict) else "dict"
-            items = []
-            prefix = f"{path}/" if path else ""
-            for k, v in value.items():
-                tk = type(k)
-                if tk is str:
-                    knode: Node = {"t": "str", "v": k}
-                elif tk is int:
-                    knode = {"t": "int", "v": check_int(k, path)}
-                elif isinstance(k, (str, int)) and not isinstance(k, bool):
-                    knode = encode_leaf(k, path, False)
-                else:
-                    raise ValidationError(f"state key '{path}': dict key {k!r} of type {type(k).__name__} "
-                                          "is not supported; use str or int keys")
-                sub = f"{prefix}{k}"
-                vnode = self.tensor(v, sub) if type(v) in _PLAIN else self.walk(v, sub, depth)
-                items.append([knode, vnode])
-            return {"t": tag, "v": items}
+            return self._walk_dict(value, path, depth)
         if isinstance(value, torch.Size):
+            self._g = ("C", value)
             return {"t": "size", "v": list(value)}
         if isinstance(value, (list, tuple)):
             if isinstance(value, tuple) and type(value) is not tuple:
@@ -299,46 +301,86 @@ class _Flattener:
                     raise ValidationError(f"state key '{path}': {type(value).__name__} (a namedtuple or "
                                           "tuple subclass) would come back as a plain tuple; convert it "
                                           "to a tuple or dict, or pass allow_pickle=True")
-                return encode_leaf(value, path, True)
+                return self._leaf(value, path)
             tag = "tuple" if isinstance(value, tuple) else "list"
-            return {"t": tag, "v": [self.walk(v, _join(path, str(i)), depth) for i, v in enumerate(value)]}
+            nodes, gs = [], []
+            for i, v in enumerate(value):
+                self._tpath += ("v", i)
+                nodes.append(self.walk(v, _join(path, str(i)), depth))
+                gs.append(self._g)
+                del self._tpath[-2:]
+            self._g = ("S", type(value), tuple(gs))
+            return {"t": tag, "v": nodes}
         sd = getattr(value, "state_dict", None)
         if callable(sd) and not isinstance(value, type):
-            hooked = isinstance(value, torch.nn.Module)
-            if hooked:
-                self.modules.append(value)
+            return self._walk_stateful(value, sd, path, depth)
+        return self._leaf(value, path)
+
+    def _walk_dict(self, value: dict[Any, Any], path: str, depth: int) -> Node:
+        tag = "odict" if isinstance(value, collections.OrderedDict) else "dict"
+        items = []
+        keys, gs = [], []
+        prefix = f"{path}/" if path else ""
+        for i, (k, v) in enumerate(value.items()):
+            tk = type(k)
+            if tk is str:
+                knode: Node = {"t": "str", "v": k}
+            elif tk is int:
+                knode = {"t": "int", "v": check_int(k, path)}
+            elif isinstance(k, (str, int)) and not isinstance(k, bool):
+                knode = encode_leaf(k, path, False)
             else:
-                # The wrapper's state_dict() is saved as asked; the hook goes on the optimizer
-                # whose step() changes the tensors (accelerate, Lightning, DeepSpeed wrappers).
-                inner = inner_optimizer(value)
-                if inner is not None:
-                    self.optimizers.append(inner)
-                    hooked = True
-            try:
-                state = sd()
-            except Exception as e:
-                raise ValidationError(f"state key '{path}': {type(value).__name__}.state_dict() raised "
-                                      f"{type(e).__name__}: {e}") from e
-            self._guarded += hooked
-            try:
-                node = self.walk(state, path, depth)
-            finally:
-                self._guarded -= hooked
-            return {"t": "stateful", "cls": f"{type(value).__module__}.{type(value).__qualname__}", "state": node}
-        return encode_leaf(value, path or "<root>", self.allow_pickle)
+                raise ValidationError(f"state key '{path}': dict key {k!r} of type {type(k).__name__} "
+                                      "is not supported; use str or int keys")
+            sub = f"{prefix}{k}"
+            self._tpath += ("v", i, 1)
+            vnode = self.tensor(v, sub) if type(v) in _PLAIN else self.walk(v, sub, depth)
+            del self._tpath[-3:]
+            items.append([knode, vnode])
+            keys.append(k)
+            gs.append(self._g)
+        self._g = ("D", type(value), tuple(keys), tuple(gs))
+        return {"t": tag, "v": items}
+
+    def _walk_stateful(self, value: Any, sd: Any, path: str, depth: int) -> Node:
+        hooked = isinstance(value, torch.nn.Module)
+        if hooked:
+            self.modules.append(value)
+        else:
+            # The wrapper's state_dict() is saved as asked; the hook goes on the optimizer
+            # whose step() changes the tensors (accelerate, Lightning, DeepSpeed wrappers).
+            inner = inner_optimizer(value)
+            if inner is not None:
+                self.optimizers.append(inner)
+                hooked = True
+                if inner is not value:
+                    self.rec.wrappers.append((value, inner))
+        try:
+            state = sd()
+        except Exception as e:
+            raise ValidationError(f"state key '{path}': {type(value).__name__}.state_dict() raised "
+                                  f"{type(e).__name__}: {e}") from e
+        self._guarded += hooked
+        self._tpath.append("state")
+        try:
+            node = self.walk(state, path, depth)
+        finally:
+            self._guarded -= hooked
+        self._tpath.pop()
+        self._g = ("F", value, self._g)
+        return {"t": "stateful", "cls": f"{type(value).__module__}.{type(value).__qualname__}", "state": node}
 
     def ndarray(self, a: Any, path: str) -> Node:
         """A NumPy array: stored as a tensor made from a C-contiguous copy (taken now, so the saved
         values are those of this moment whatever happens to ``a`` later), in native byte order;
         the node records the dtype (byte order included) it comes back as."""
-        key = path or "<root>"
-        code = numpy_code(a.dtype)
-        if code is None:
-            return encode_leaf(a, key, self.allow_pickle)  # object / str / structured: pickle or a clear error
-        import numpy as np
-
-        copy = np.array(a, dtype=a.dtype.newbyteorder("="), order="C", copy=True)
-        return {"t": "ndarray", "dtype": code, "v": self.tensor(torch.from_numpy(copy), path, owned=True)}
+        made = copy_ndarray(a)
+        if made is None:
+            return self._leaf(a, path)  # object / str / structured: pickle or a clear error
+        code, copy = made
+        node = {"t": "ndarray", "dtype": code, "v": self.tensor(copy, path, owned=True)}
+        self._g = ("N", self._g[1], code, copy)
+        return node
 
     def tensor(self, t: torch.Tensor, path: str, owned: bool = False) -> Node:
         """A tensor leaf; ``owned``: a copy made by the walk (no one else can change it)."""
@@ -348,13 +390,17 @@ class _Flattener:
                                   "uses it); rename it")
         if type(t).__name__ == "DTensor":  # its local shard is stored, with where it lies
             t, self.dtensors[key] = _dtensor_parts(t, key)
+            self.rec.uncacheable = f"'{key}' is a DTensor"
         _check_tensor(t, key)
         if key in self.tensors or key in self.aliases:
             self._claim(key)
+        self._g = ("T", len(self.rec.slot_keys), t)
+        self.rec.slot_keys.append(key)
         # Tied weights (one Parameter under two keys) are the same view of the same memory:
-        # store the bytes once and restore them tied.
+        # store the bytes once and restore them tied. (x.conj() and x.neg() views share x's
+        # memory but not its values.)
         if t.numel():
-            ident = (t.data_ptr(), t.dtype, t.shape, t.stride())
+            ident = (t.data_ptr(), t.dtype, t.shape, t.stride(), t.is_conj(), t.is_neg())
             first = self.seen.get(ident)
             if first is not None:
                 self.aliases[key] = first
@@ -406,6 +452,8 @@ def check_step(step: Any) -> int:
 def make_plan(step: Any, state: Any, *, allow_pickle: bool = False, tag: Optional[str] = None) -> Plan:
     """Flatten and validate ``state``; raise :class:`ValidationError` naming the key on bad input.
 
+    (:func:`plan_and_record` is the same, and also returns the :class:`Recording` of the walk.)
+
     Args:
         step: non-negative int.
         state: a tree of dicts / lists / tuples whose leaves are tensors, NumPy arrays and
@@ -416,16 +464,24 @@ def make_plan(step: Any, state: Any, *, allow_pickle: bool = False, tag: Optiona
     Returns:
         The :class:`Plan`; nothing has been copied or written yet.
     """
+    return plan_and_record(step, state, allow_pickle=allow_pickle, tag=tag)[0]
+
+
+def plan_and_record(step: Any, state: Any, *, allow_pickle: bool = False,
+                    tag: Optional[str] = None) -> tuple[Plan, Recording]:
+    """:func:`make_plan`, and the :class:`Recording` of the state's structure."""
     step = check_step(step)
     tag = check_tag(tag)
     fl = _Flattener(allow_pickle)
     tree = fl.walk(state, "")
+    fl.rec.program = fl._g
     layout, keys = make_layout(fl.tensors)
     modules = [m for m in fl.modules if any(True for _ in m.buffers())]
-    sources = [fl.tensors[k] for k in keys]
-    devices = {k: f"cuda:{t.get_device()}" for k, t in zip(keys, sources, strict=False) if t.is_cuda}
-    return Plan(step=step, layout=layout, sources=sources, versions=[t._version for t in sources], tree=tree,
-                aliases=fl.aliases, devices=devices,
+    tensors = [fl.tensors[k] for k in keys]
+    devices = {k: f"cuda:{t.get_device()}" for k, t in zip(keys, tensors, strict=False) if t.is_cuda}
+    sources = get_ops().source_set(tensors, [e.offset for e in layout.entries])
+    plan = Plan(step=step, layout=layout, sources=sources, tree=tree, aliases=fl.aliases, devices=devices,
                 optimizers=fl.optimizers, modules_with_buffers=modules, dtensors=fl.dtensors, tag=tag,
                 unguarded=[i for i, k in enumerate(keys) if k in fl.unguarded])
+    return plan, fl.rec
 

@@ -119,8 +119,7 @@ class Snapshot:
             if self._confirmed.is_set():
                 return
             if self.handle.progress.snapshot_failure() is None:
-                changed = [i for i, (t, v) in enumerate(zip(self.plan.sources, self.plan.versions, strict=False))
-                           if t._version != v]
+                changed = self.plan.sources.changed()
                 if changed:
                     self.handle.progress.fail_snapshot(self._consistency_error(changed))
             self.plan.release_sources()
