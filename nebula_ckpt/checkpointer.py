@@ -1,9 +1,7 @@
 """Checkpointer: the public facade over the save pipeline and the restore side.
 
-The save stages (plan -> snapshot -> fan-out -> persist, their threads and the overlap policy)
-are :class:`~nebula_ckpt.save.pipeline.SavePipeline`'s; listing and restoring (candidates, the
-ranks' agreement, opening, applying, resharding) :class:`~nebula_ckpt.restore.restorer.Restorer`'s.
-This module opens the tiers of a root for a run, validates what users pass, and closes it all."""
+Saving is :class:`~nebula_ckpt.save.pipeline.SavePipeline`'s, listing and restoring
+:class:`~nebula_ckpt.restore.restorer.Restorer`'s; this module opens a root's tiers, validates, closes."""
 
 from __future__ import annotations
 
@@ -40,8 +38,8 @@ _open_checkpointers: "set[Checkpointer]" = set()
 
 
 def _close_at_exit() -> None:
-    """Close every checkpointer the program forgot to close (or whose close timed out), so no accepted
-    save is lost: from ``atexit``, before Python stops the writer threads, each pending save is written."""
+    """At exit (before Python stops the writer threads), close every checkpointer left open or
+    whose close timed out: each accepted save is written."""
     exit_hook_ran.set()
     for ck in list(_open_checkpointers):
         if (ck._closed and not ck._close_unfinished) or ck._pid != os.getpid():
@@ -195,7 +193,6 @@ class Checkpointer(HealthReports):
             raise NebulaError(f"{what}() on a {'closed' if self._closed else 'forked (the parent process owns it)'} "
                               f"Checkpointer of {canonical_root(self.root)}: open a new one in this process")
 
-    # -- properties -------------------------------------------------------------------------------
     @property
     def tiers(self) -> list[Tier]:
         """The active tiers, fastest first."""
@@ -223,9 +220,8 @@ class Checkpointer(HealthReports):
         first optimizer step created the optimizer's state. Returns at once (``wait=True``: once
         the buffer is ready); a save that comes before the buffer is ready allocates as it would
         have. Checks ``state`` like :meth:`save_async` (``ValidationError``, nothing written) and
-        plans it: the saves that follow reuse that plan while the state keeps its structure. For a
-        state on a GPU it also sets up the device-to-host copy path of its devices (side stream,
-        events), which a Checkpointer made in a process already using CUDA does at creation.
+        plans it (later saves reuse the plan while the state keeps its structure); on a GPU, sets up
+        the copy path (side stream, events), as creation does in a process already using CUDA.
         """
         self._check_open("prepare")
         self._check_writable("prepare")
@@ -287,8 +283,8 @@ class Checkpointer(HealthReports):
     def close(self, timeout: Optional[float] = None) -> None:
         """Wait for every pending persist, stop the threads, remove the memory tier.
 
-        The memory tier is removed only when its newest checkpoint is also committed on a slower
-        tier; otherwise it is kept (and logged), so that a restart can still restore from it.
+        The memory tier is removed only when its newest save is committed on a slower tier too;
+        otherwise it is kept (and logged) for a restart.
 
         Called from a signal handler while this thread is inside another method of this
         Checkpointer, it returns at once and closes when that call returns or raises (a warning
@@ -495,9 +491,8 @@ class Checkpointer(HealthReports):
         ``bytes_saved``: their snapshot bytes; ``blocked_s_total`` / ``blocked_s_max``: what
         they cost the training thread; ``last_save``: the newest finished save's
         :meth:`SaveMetrics.to_dict`; ``durable_s_last``: per tier, seconds until durable for the
-        newest save it wrote; staging and memory-tier bytes as allocated now; ``plans``: saves that
-        reused the previous save's plan (``hits``), that were planned again because the state's
-        structure had changed (``misses``) and what had changed last (``last_miss``).
+        newest save it wrote; staging and memory-tier bytes as allocated now; ``plans``: ``hits``
+        (saves that reused the last plan), ``misses`` (planned again) and ``last_miss`` (why).
         """
         return {**self._saves.stats(), "path": native_describe()["path"], "tiers": [rt.name for rt in self._runtimes]}
 

@@ -30,12 +30,13 @@ def test_only_the_copy_named_checked_skips_its_checksums(tmp_path: Path, shm_dir
     shard.write_bytes(bytes(data))
     tier = LocalTier(root)
     pairs = [(tier, tier.make_storage())]
-    gen = read_commit(pairs[0][1], 2, "step 2").generation
+    gen, _, save = read_commit(pairs[0][1], 2, "step 2").write
 
     ck2 = find_and_open(pairs)  # the damaged step is skipped
     assert ck2 is not None and ck2.step == 1
-    for other in [(tier.name, gen + 1, 2), ("memory:elsewhere", gen, 2), (tier.name, gen, 1)]:
+    for other in [(tier.name, gen + 1, 2, save), ("memory:elsewhere", gen, 2, save), (tier.name, gen, 1, save),
+                  (tier.name, gen, 2, save + 1)]:
         ck2 = find_and_open(pairs, checked=other)
         assert ck2 is not None and ck2.step == 1, other  # still checked in full, still skipped
-    ck2 = find_and_open(pairs, checked=(tier.name, gen, 2))  # checked moments ago: sizes only
+    ck2 = find_and_open(pairs, checked=(tier.name, gen, 2, save))  # checked moments ago: sizes only
     assert ck2 is not None and ck2.step == 2

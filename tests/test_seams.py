@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
 import pytest
 import torch
@@ -126,14 +126,14 @@ def test_every_storage_is_closed_also_when_only_loading(tmp_path) -> None:  # no
 def test_slot_goes_back_when_the_copy_cannot_be_enqueued(root: str, monkeypatch: pytest.MonkeyPatch) -> None:
     from nebula_ckpt import native
 
-    real: Callable[..., object] = native.get_ops().enqueue_copy
     with nc.Checkpointer(root) as ck:
         def broken(*a: object, **k: object) -> object:
             raise RuntimeError("injected: enqueue failed")
-        monkeypatch.setattr(native.get_ops(), "enqueue_copy", broken)
+        for name in ("enqueue_copy", "enqueue_sources"):  # a state's tensors as a list, or as a planned SourceSet
+            monkeypatch.setattr(native.get_ops(), name, broken)
         with pytest.raises(RuntimeError, match="injected"):
             ck.save_async(1, {"w": torch.ones(4)})
-        monkeypatch.setattr(native.get_ops(), "enqueue_copy", real)
+        monkeypatch.undo()
         assert all(not s.in_use for s in ck._saves.pool._slots)
         ck.save(2, {"w": torch.ones(4)})            # nothing left in flight: the next save works
         assert ck.list() == [2]
