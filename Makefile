@@ -19,8 +19,11 @@ demo: install
 demo-wipe: install
 	$(VPY) -m nebula_ckpt.demo --wipe-memory
 
+# the suite on as many workers as cores, at most 4 (its multi-rank tests start 2-4 processes each);
+# PYTEST_WORKERS=0 runs it in one process
+PYTEST_WORKERS ?= $(shell n=$$(nproc 2>/dev/null || echo 2); [ $$n -gt 4 ] && n=4; echo $$n)
 test: install blob-servers
-	$(VPY) -m pytest $(PYTEST_ARGS)
+	$(VPY) -m pytest -n $(PYTEST_WORKERS) --dist worksteal $(PYTEST_ARGS)
 
 test-fast: install
 	$(VPY) -m pytest -m "not slow and not blob" $(PYTEST_ARGS)

@@ -32,6 +32,8 @@ quiet $VPY -m pip install -q "numpy" "safetensors>=0.4" "fsspec>=2023.1" "zstand
 # framework wrappers the tests drive for real (accelerate's AcceleratedOptimizer); torch is left as is
 # the model-based stateful test (tests/stateful/) drives its random sequences with Hypothesis's rule machines
 quiet $VPY -m pip install -q "hypothesis==6.170.15"
+# make test runs the suite on up to 4 workers: most tests wait on processes they start (ranks, crashes)
+quiet $VPY -m pip install -q "pytest-xdist==3.8.0"
 quiet $VPY -m pip install -q "accelerate==1.15.0"
 quiet $VPY -m pip install -q "transformers==5.23.0" "tokenizers==0.23.3" "huggingface-hub==2.4.0"
 # torchdata's StatefulDataLoader, which nc.LoopState resumes by its own state; torch is pinned so pip never swaps it

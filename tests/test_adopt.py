@@ -360,8 +360,7 @@ def _restore_pinned(root: str, shm_dir: str, ref: str, gates: str, modes: list[s
                 p.wait()
 
 
-@pytest.mark.parametrize("modes", [["adopt", "adopt"], ["adopt", "adopt", "adopt"], ["copy", "adopt", "adopt"],
-                                   ["adopt", "copy"]])
+@pytest.mark.parametrize("modes", [["adopt", "adopt", "adopt"], ["adopt", "copy", "adopt"]])
 def test_restarts_at_once_never_share_the_pages(root: str, shm_dir: str, tmp_path, modes: list[str]) -> None:  # noqa: ANN001
     """Several processes restore the same step from the memory tier at once (pinned: every one has
     it open before the first goes on). At most one may hold the file's pages; every other one

@@ -203,7 +203,9 @@ def pickled_ckpt(tmp_path_factory: pytest.TempPathFactory) -> str:
     return root
 
 
-N_RUNS = 8
+#: runs of each scenario (native; half with the fallback): an exit crash is a race, so each runs
+#: several times; NEBULA_EXIT_RUNS=20 hunts longer
+N_RUNS = int(os.environ.get("NEBULA_EXIT_RUNS", "4"))
 
 
 @pytest.mark.slow
@@ -222,6 +224,6 @@ def test_issue_9_scenarios_exit_cleanly(tmp_path, pickled_ckpt: str, scenario: s
     else:  # refuses the pickled leaves: exit code 1, not an abort
         args, rc = ["-m", "nebula_ckpt.cli", "export", pickled_ckpt, "--step", "1",
                     "--to", str(tmp_path / "out.pt")], 1
-    for _ in range(N_RUNS if ops == "native" else N_RUNS // 2):
+    for _ in range(N_RUNS if ops == "native" else max(1, N_RUNS // 2)):
         _run(args, tmp_path, expect_rc=rc, **env)
 

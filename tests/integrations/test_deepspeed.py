@@ -189,7 +189,7 @@ def test_sigkill_then_resume_gives_identical_losses(tmp_path, shm_dir) -> None: 
 
 @pytest.mark.crash
 @pytest.mark.timeout(150)
-@pytest.mark.parametrize("how", ["mv", "cp"])
+@pytest.mark.parametrize("how", ["cp"])  # "mv": the same pointers, tests/integrations/test_lightning.py
 def test_run_folder_moved_or_copied_resumes_identical(tmp_path, shm_dir, how: str) -> None:  # noqa: ANN001
     """A run folder holding the nebula_ckpt root and DeepSpeed's save folder, SIGKILLed right after
     the checkpoint of step 6 is durable, then moved (``mv``) or copied (``cp -r``): DeepSpeed's

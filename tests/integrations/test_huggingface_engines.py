@@ -81,9 +81,9 @@ def crash_and_resume(tmp_path: Any, shm_dir: str, *flags: str) -> None:
 @pytest.mark.slow
 @pytest.mark.crash
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("stage", [1, 2, 3])
+@pytest.mark.parametrize("stage", [1, 3])  # every stage without HF's Trainer: tests/integrations/test_deepspeed.py
 def test_deepspeed_sigkill_then_resume_is_bit_identical(tmp_path, shm_dir: str, stage: int) -> None:  # noqa: ANN001
-    """HF Trainer + DeepSpeed ZeRO-1/2/3: checkpoints hold the engine's own files (no torch.save,
+    """HF Trainer + DeepSpeed ZeRO-1 and ZeRO-3: checkpoints hold the engine's own files (no torch.save,
     no folders), and a resume hands them back to engine.load_checkpoint."""
     crash_and_resume(tmp_path, shm_dir, "--deepspeed", str(stage))
     import nebula_ckpt as nc

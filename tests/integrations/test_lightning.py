@@ -483,7 +483,7 @@ def test_sigkill_then_resume_last_is_bit_identical(reference_run: dict[str, Any]
 @pytest.mark.slow
 @pytest.mark.crash
 @pytest.mark.timeout(400)
-@pytest.mark.parametrize("how", ["mv", "cp"])
+@pytest.mark.parametrize("how", ["mv"])  # "cp": the same pointers, tests/integrations/test_deepspeed.py
 def test_run_folder_moved_or_copied_resumes_bit_identical(reference_run: dict[str, Any], tmp_path,  # noqa: ANN001
                                                           shm_dir: str, how: str) -> None:
     """A run folder holding the root and the checkpoint folder, SIGKILLed mid-run, then moved
