@@ -116,14 +116,17 @@ class Ranks(RuleBasedStateMachine):
     def copy(rank: int) -> Hashable:
         return ("rep", rank)
 
-    def candidates(self, surely: bool) -> dict[tuple[int, int], Entry]:
-        """(writer, step) -> the save every rank can restore from what it reaches (``surely``: without a
-        doubt), on the shared disk tier or in the memory tiers and replicas (one save on every rank)."""
-        out: dict[tuple[int, int], Entry] = {}
+    def candidates(self, surely: bool) -> dict[tuple[int, int, int], Entry]:
+        """(writer, step, save) -> a save every rank can restore from what it reaches (``surely``:
+        without a doubt), on the shared disk tier or in the memory tiers and replicas (one save on
+        every rank). Keyed by the save too: a step saved twice may have one save on the disk tier
+        and the later one in the memory tiers, and a restore takes the later (as the library orders
+        writes: generation, step, save)."""
+        out: dict[tuple[int, int, int], Entry] = {}
         for s, p in self.truth.tier("disk").items():
             for e in p:
                 if e is not None and (not surely or len(p) == 1):
-                    out[(e.writer, s)] = e
+                    out[(e.writer, s, e.sid)] = e
         per_rank = []
         for r in range(WORLD):
             have: dict[int, set[Entry]] = {}
@@ -135,7 +138,7 @@ class Ranks(RuleBasedStateMachine):
             per_rank.append(have)
         for s in set(per_rank[0]).intersection(*per_rank[1:]):
             for e in set.intersection(*(h[s] for h in per_rank)):
-                out.setdefault((e.writer, s), e)
+                out.setdefault((e.writer, s, e.sid), e)
         return out
 
     # -- rules ---------------------------------------------------------------------------------
@@ -345,7 +348,7 @@ class Ranks(RuleBasedStateMachine):
             # it may drain the newest step every rank's part of which this node holds (its own, and the
             # copy of the other rank's) to the shared tier, under that step's writer, deleting nothing
             on_disk = [(e.writer, s, e.sid) for s, p in self.truth.tier("disk").items() for e in p if e is not None]
-            mem = [(w, s, e.sid, e) for (w, s), e in self.candidates(False).items()
+            mem = [(w, s, e.sid, e) for (w, s, _), e in self.candidates(False).items()
                    if e not in self.truth.tier("disk").get(s, set())]
             if mem and max(mem, key=lambda c: c[:3])[:3] > max(on_disk, default=()):
                 w, s, _, e = max(mem, key=lambda c: c[:3])
