@@ -339,7 +339,9 @@ class Single(RuleBasedStateMachine):
 
     @rule(node=st.sampled_from(NODES))
     def gc(self, node: int) -> None:
-        """``nebula-ckpt gc`` on ``node``: it may free a memory tier whose newest save is on its root."""
+        """``nebula-ckpt gc`` on ``node``: it may free a memory tier whose newest save is on its root,
+        or superseded there by a newer write of that step (a newer writer's, or a later save: what a
+        restore takes over it; the policy in ``tiers/memory/gc.py``)."""
         if os.path.isdir(self.path):
             self.audit(node)
         self.note(f"gc on n{node}")
@@ -354,7 +356,8 @@ class Single(RuleBasedStateMachine):
                 continue  # in use, or its root is not there to check: kept
             newest = self.truth.newest_write(key)
             disk = self.truth.entries("disk")
-            if newest is not None and newest[0] in disk and disk[newest[0]].sid == newest[1].sid:
+            if newest is not None and newest[0] in disk and \
+                    (disk[newest[0]].writer, disk[newest[0]].sid) >= (newest[1].writer, newest[1].sid):
                 self.truth.may_drop_all(key)
 
     @rule(node=st.sampled_from(NODES), kill=st.one_of(st.none(), st.sampled_from(sorted(PERSIST_POINTS))))
