@@ -10,7 +10,9 @@ Every rank sees a *shared* tier, and the ranks commit one checkpoint of the step
    (:func:`nebula_ckpt.ranks.shards.assign`); each rank also names the step its incremental
    save would build on, and the ranks build on it only when all name the same
    (:mod:`nebula_ckpt.save.incremental`). The coordinator has already removed an old checkpoint
-   of the same step, so nobody writes into a folder being deleted;
+   of the same step before it took part, so nobody writes into a folder being deleted; the other
+   ranks look into the step's folder (for leftovers of their own) only after this round, never
+   while the coordinator removes it;
 2. durable: every rank writes its share (``shard-g<G>-r<R>``) and, beside it, its tensor records
    (``records-g<G>-r<R>.json``, sealed with its own CRC32C; an incremental share's shard holds
    only its changed tensors, its records file the references to the earlier shards holding the
@@ -77,6 +79,7 @@ class SharedSave:
     before_commit: Callable[[], None]           # raises if it must not commit
     tag: Optional[str] = None
     hashes: Optional[dict[str, str]] = None     # SHA-256 of staged tensors (incremental saves)
+    ready: Callable[[], None] = lambda: None    # a non-coordinator's clearing of the step folder (after round 1)
 
 
 class SharedCommit:
@@ -115,6 +118,8 @@ class SharedCommit:
         failure: Optional[BaseException] = None
         share: dict[str, Any] = {}
         try:
+            if not co.is_coordinator:  # the coordinator's replacement of the step is done by now
+                save.ready()
             mine, share = self._write_share(save, d, shard, owners, on_shard, peers, tree_digest, base)
         except BaseException as e:
             failure, mine = e, {"error": f"{type(e).__name__}: {e}"}

@@ -308,7 +308,8 @@ class TierWriter:
         d = step_dir(item.step)
         self.fence.check(f"write step {item.step}")
         self._check_uncertain(item.step)
-        self._clear_step(item.step)
+        if self._owner.commits_here:  # the other ranks of a shared tier clear it after round 1 (rounds.py)
+            self._clear_step(item.step)
         shard = shard_name(gen, self.coordinator.rank)
         progress = CommitProgress()
         committed: Optional[dict[str, Any]] = None
@@ -319,7 +320,7 @@ class TierWriter:
                 assert item.meta is not None
                 share = SharedCommit(self.runtime, self.fence, self.coordinator, self.incremental).run(
                     SharedSave(item.step, item.index, item.source, item.meta, item.before_commit, item.tag,
-                               item.hashes), d, shard, on_shard, progress)
+                               item.hashes, lambda: self._clear_step(item.step)), d, shard, on_shard, progress)
                 written = share["shard"]["bytes"]
             else:
                 committed, item = self._write_files(item, d, shard, gen, on_shard, progress)
@@ -365,9 +366,8 @@ class TierWriter:
         owner = self._owner
         existing = st.list(d)
         if self._shared and not self.coordinator.is_coordinator:
-            # The coordinator replaces an old checkpoint of this step before the first round
-            # (marker first); this rank writes only after that round, and removes only its own
-            # leftovers of an uncommitted step: never a shard of a checkpoint still committed.
+            # Called after the first round (rounds.py): the coordinator has replaced an old checkpoint
+            # of this step by then. Only this rank's own leftovers of an uncommitted step go.
             if COMMIT not in existing:
                 sweep.clear_step(st, step, lambda n: shard_owner(n) is not None and owner.stale(n))
         elif COMMIT in existing:

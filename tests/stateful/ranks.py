@@ -36,7 +36,7 @@ CALL_POINTS = {
     "a copy received, not yet verified": "nebula_ckpt.tiers.memory.replica_store:verify_step",
     "a copy verified, not yet visible": "nebula_ckpt.tiers.memory.replica_store:ReplicaStore.publish",
 }
-RANK_SAVE_POINTS = {k: v for k, v in SAVE_POINTS.items() if "replacing" not in k}
+RANK_SAVE_POINTS = SAVE_POINTS  # "disk, replacing a step" is reached on rank 0 only (it replaces)
 ENV = {"NEBULA_REPLICA_TIMEOUT_S": "30", "NEBULA_COMMIT_TIMEOUT_S": "30", "NEBULA_CONFIRM_TIMEOUT_S": "30",
        "NEBULA_REPLICA_KEEP_AFTER_S": "0.5",
        "NEBULA_REPLICA_NICE": "0", "NEBULA_HASH_NICE": "0"}  # niced threads starve on a busy machine
