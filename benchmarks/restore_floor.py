@@ -14,7 +14,10 @@ the floor:
   checked and copied from there, then dropped from the process.
 
 Warm: the file's pages cached (a run before); cold: evicted first with the same
-:func:`~benchmarks.limits.evict` the systems' cold restores use. Nothing else is done: no
+:func:`~benchmarks.limits.evict` the systems' cold restores use. Each tier is held to the floor of
+where its bytes lie: the disk's for the disk tiers, tmpfs's for the memory tier
+(:func:`measure_tmpfs_floor`, in the memory tier's own ``shm_dir``; tmpfs keeps 4 KiB pages that
+cost more page-table work than a disk file's page cache, and cannot be evicted). Nothing else is done: no
 manifest, no tree, no Python object per tensor beyond the copy call, so it is a floor, not a
 peer.
 """
@@ -24,7 +27,9 @@ from __future__ import annotations
 import logging
 import mmap
 import os
+import shutil
 import statistics
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -33,6 +38,7 @@ import torch
 
 from benchmarks import workloads as wl
 from benchmarks.limits import evict, resident_fraction
+from nebula_ckpt import knobs
 from nebula_ckpt.native import get_ops
 
 log = logging.getLogger(__name__)
@@ -171,3 +177,13 @@ def measure_restore_floor(w: wl.Workload, folder: Path, reps: int = 3, drop_cach
     finally:
         path.unlink(missing_ok=True)
     return res
+
+
+def measure_tmpfs_floor(w: wl.Workload, reps: int = 3) -> dict[str, Any]:
+    """:func:`measure_restore_floor` with the file in the memory tier's tmpfs folder (``shm_dir``):
+    the floor of the memory tier's restore (its "cold" is warm: tmpfs pages are never evicted)."""
+    folder = Path(tempfile.mkdtemp(prefix="restore-floor-", dir=knobs.get("shm_dir")))
+    try:
+        return measure_restore_floor(w, folder, reps=reps)
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)

@@ -54,7 +54,7 @@ from benchmarks import report as report_mod
 from benchmarks import workloads as wl
 from benchmarks.measure import flat_memory_check, measure_floor, run_system, train_loop
 from benchmarks.peers import PEERS, QUICK_PEERS, Nebula
-from benchmarks.restore_floor import measure_restore_floor
+from benchmarks.restore_floor import measure_restore_floor, measure_tmpfs_floor
 
 log = logging.getLogger(__name__)
 
@@ -226,6 +226,7 @@ def run_workload(m: str, a: argparse.Namespace, device: torch.device, target: st
         bar.set_description(f"{m}: restore floor")
         try:
             entry["restore_floor"] = measure_restore_floor(w, base, drop_caches=a.drop_caches)
+            entry["restore_floor_tmpfs"] = measure_tmpfs_floor(w)  # the memory tier's
         except Exception as e:  # a reference figure: never fail the run for it
             log.warning("restore floor not measured: %s", e)
             entry["restore_floor"] = {"error": f"{type(e).__name__}: {e}"}
