@@ -173,7 +173,8 @@ class Checkpointer(HealthReports):
         self._open_health(health)  # report() (HealthReports), its marks read by restores and kept by retention
         try:  # copies of the memory tier on partner nodes (MemoryTier(replicas=k)): a collective
             self._saves.replicator = self._restores.replicator = start_replicator(
-                list(tiers or []), runtimes, self.coordinator, self.read_only, self._opened.drainer())
+                list(tiers or []), runtimes, self.coordinator, self.read_only, self._opened.drainer(),
+                self._saves.pool.room_for)
         except BaseException:
             self._opened.release()
             raise
@@ -488,11 +489,10 @@ class Checkpointer(HealthReports):
         """Counters for monitoring and benchmarks.
 
         ``saves``: ``save_async`` calls; ``saves_finished``: saves over on every tier;
-        ``bytes_saved``: their snapshot bytes; ``blocked_s_total`` / ``blocked_s_max``: what
-        they cost the training thread; ``last_save``: the newest finished save's
-        :meth:`SaveMetrics.to_dict`; ``durable_s_last``: per tier, seconds until durable for the
-        newest save it wrote; staging and memory-tier bytes as allocated now; ``plans``: ``hits``
-        (saves that reused the last plan), ``misses`` (planned again) and ``last_miss`` (why).
+        ``bytes_saved``: their snapshot bytes; ``blocked_s_total`` / ``blocked_s_max``: what they cost the
+        training thread; ``last_save``: the newest finished save's :meth:`SaveMetrics.to_dict`; ``durable_s_last``:
+        per tier, seconds until durable for the newest save it wrote; staging and memory-tier bytes as allocated
+        now; ``plans``: ``hits`` (saves that reused the last plan), ``misses`` (planned again), ``last_miss`` (why).
         """
         return {**self._saves.stats(), "path": native_describe()["path"], "tiers": [rt.name for rt in self._runtimes]}
 

@@ -23,7 +23,9 @@ The budget (``Checkpointer(host_memory_budget=...)``) is:
 
 A save that would exceed it first makes room where that loses nothing (idle buffers of other
 sizes; the memory tier's steps that are committed on a persistent tier too), then waits or is
-skipped by ``on_full``, with a log line that names the budget. A state that cannot fit even once
+skipped by ``on_full``, with a log line that names the budget. A partner rank's replica that
+would exceed it is refused before it is sent (:meth:`~nebula_ckpt.save.buffers.StagingPool.room_for`;
+the partner's handle reports its replica failed). A state that cannot fit even once
 is refused at its first save, before anything is written (:meth:`HostMemoryBudget.check_fits`).
 """
 

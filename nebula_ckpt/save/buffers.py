@@ -136,6 +136,19 @@ class StagingPool:
         self._short = (nbytes, held, limit)
         return False
 
+    def room_for(self, nbytes: int) -> Optional[str]:
+        """Why ``nbytes`` more host memory (a partner's replica received into the memory tier) do
+        not fit in the budget now, in words; None when they do."""
+        with self._mutex:
+            held = self._used()
+        used = sum(held.values())
+        limit = self.budget.limit(used)
+        if used + nbytes <= limit:
+            return None
+        return (f"{gib(nbytes)} more, and checkpointing holds {gib(used)} (staging {gib(held['staging'])}, memory "
+                f"tier {gib(held['memory_tier'])}) of {self.budget.describe(used)} (limit now {gib(limit)}); pass a "
+                "larger host_memory_budget on that rank")
+
     def check_fits(self, nbytes: int) -> None:
         """Raise a clear error if one save of ``nbytes`` can never fit in the budget (before
         anything is written): with only the memory tier written, the new step beside the newest."""

@@ -20,7 +20,7 @@ import mmap
 import os
 import threading
 from dataclasses import dataclass, field
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -275,6 +275,8 @@ class Replication:
     counters: Counters = field(default_factory=Counters)
     #: whether the replicas of ranks that are not :attr:`sources` (an earlier job's) were removed
     dropped_others: bool = False
+    #: the host-memory budget of this rank's Checkpointer: why N more bytes do not fit (None: they do)
+    budget_room: Optional[Callable[[int], Optional[str]]] = None
 
     @property
     def rank(self) -> int:

@@ -131,7 +131,8 @@ def _room_for(rp: Replication, info: dict[str, Any]) -> Any:
     if left is not None and left < floor:
         return (f"its memory tier would keep less than {floor:.0%} free with {nbytes} more bytes "
                 "(NEBULA_SHM_MIN_FREE)")
-    return True
+    short = rp.budget_room(nbytes) if rp.budget_room is not None else None
+    return True if short is None else f"the copy does not fit in its host-memory budget: {short}"
 
 
 def commit_replica(rp: Replication, src: int, info: dict[str, Any], inc: str,

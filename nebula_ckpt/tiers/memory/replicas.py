@@ -100,13 +100,16 @@ class Replicator:
         group: the checkpoint's control group (its ranks are the job's).
         after_loss: ``(write, rank, world, folder)``: puts this rank's part of a step restored after
             a node loss, kept in its memory tier ``folder``, on the shared tier (None: nothing).
+        budget_room: why ``n`` more bytes of host memory do not fit in this rank's host-memory
+            budget now, or None (a partner's copy beyond it is refused; None: no budget).
 
     Raises:
         ValidationError: the job runs on fewer than ``k + 1`` nodes (on every rank alike).
     """
 
     def __init__(self, folder: Optional[str], k: int, keep: int, group: Any,
-                 after_loss: Optional[AfterLoss] = None) -> None:
+                 after_loss: Optional[AfterLoss] = None,
+                 budget_room: Optional[Callable[[int], Optional[str]]] = None) -> None:
         channel = Channel(dist.get_process_group_ranks(group), dist.get_rank(group),
                           float(knobs.get("replica_timeout_s")))
         self.rank, self.world = channel.rank, channel.world
@@ -117,7 +120,7 @@ class Replicator:
         if store is not None:
             store.sweep()
         self._rp = Replication(channel, folder, store, k, max(1, keep), partners_all[self.rank],
-                               sources_of(partners_all, self.rank))
+                               sources_of(partners_all, self.rank), budget_room=budget_room)
         self.partners, self.sources = self._rp.partners, self._rp.sources
         self._saves: dict[int, SaveRound] = collections.defaultdict(SaveRound)
         self._tasks: collections.deque[tuple[str, Any]] = collections.deque()
@@ -358,10 +361,11 @@ def _short(node: str) -> str:
 
 
 def start_replicator(tiers: Sequence[Any], runtimes: Sequence[Any], coordinator: Any,
-                     read_only: bool, after_loss: Optional[AfterLoss] = None) -> Optional[Replicator]:
+                     read_only: bool, after_loss: Optional[AfterLoss] = None,
+                     budget_room: Optional[Callable[[int], Optional[str]]] = None) -> Optional[Replicator]:
     """The :class:`Replicator` of a Checkpointer whose memory tier asks for ``replicas`` (None
     otherwise, and for a reader). A collective in a multi-rank job: every rank calls it alike.
-    ``after_loss``: see :class:`Replicator`.
+    ``after_loss``, ``budget_room``: see :class:`Replicator`.
 
     Raises:
         ValidationError: replicas asked for in a one-process job, or with too few nodes.
@@ -377,4 +381,4 @@ def start_replicator(tiers: Sequence[Any], runtimes: Sequence[Any], coordinator:
     rt = next((r for r in runtimes if r.tier is mem), None)
     folder = getattr(rt, "folder", None) if rt is not None else None
     return Replicator(folder if folder and os.path.isdir(folder) else None, k, mem.keep_last or 1, coordinator.group,
-                      after_loss)
+                      after_loss, budget_room)
