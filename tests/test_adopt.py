@@ -1,4 +1,4 @@
-"""A restart adopts the memory tier's pages instead of copying them (nebula_ckpt/adopt.py).
+"""A restart adopts the memory tier's pages instead of copying them (nebula_ckpt/restore/adopt.py).
 
 Each test crashes a real saving process (SIGKILL after the save is durable), restarts in this
 process, and checks what was promised: the restored state is bit-exact, the optimizer's tensors
