@@ -23,6 +23,9 @@ The memory tier (``compare=True``) hashes nothing: its base's bytes are still in
 base step's shard files in the tmpfs), so a tensor whose CRC32C, device and DTensor record equal
 the base's is unchanged only when its staged bytes equal the base's byte for byte
 (:mod:`nebula_ckpt.save.compare`, at memory speed on niced threads, never on the training thread).
+
+This module keeps each tier's base (:meth:`Incremental.claim` hands it to a save); what a save
+writes on it, whole or a delta with references, is decided by :mod:`nebula_ckpt.save.tier_image`.
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ from nebula_ckpt.format.manifest import Manifest
 from nebula_ckpt.format.records import ShardRecord, TensorRecord
 from nebula_ckpt.priority import lower_priority
 from nebula_ckpt.workers import Workers
+
 
 def hash_staged(view: memoryview, index: dict[str, dict[str, Any]], keys: Iterable[str]) -> dict[str, str]:
     """SHA-256 (hex) of the staged bytes of ``keys`` (their ``offsets`` in ``view``), in parallel."""

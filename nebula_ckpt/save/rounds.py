@@ -51,8 +51,7 @@ from nebula_ckpt.save.commit import (
     is_committed,
 )
 from nebula_ckpt.save.incremental import Incremental
-from nebula_ckpt.save.tier_image import Staged, tier_image
-from nebula_ckpt.save.tier_step import TierStep
+from nebula_ckpt.save.tier_image import Staged, TierStep, tier_image
 from nebula_ckpt.tiers.runtime import TierRuntime
 
 log = logging.getLogger(__name__)

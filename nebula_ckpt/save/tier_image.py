@@ -6,7 +6,8 @@ rank's own tier (:mod:`nebula_ckpt.save.writer`), and a rank's share of a shared
 :class:`Staged`, the tier's base as its :class:`~nebula_ckpt.save.incremental.Incremental`
 claimed it, the storage its references are checked against) and returns frozen data, a
 :class:`TierImage`: the own shard's parts, its bytes, the manifest's tensor records, the shards
-of earlier steps it refers to. The tier writer then only writes, commits and prunes.
+of earlier steps it refers to. A :class:`TierStep` carries it to the tier writer, which then
+only writes (:func:`write_image`), commits and prunes.
 
 A tensor is taken from the base (the rules: :mod:`nebula_ckpt.save.incremental`) only when its
 dtype and shape, CRC32C, device and DTensor record equal the base's and either its SHA-256 equals
@@ -34,6 +35,7 @@ from nebula_ckpt.save.incremental import same_kind, same_record
 
 if TYPE_CHECKING:
     from nebula_ckpt.storage.base import Storage
+    from nebula_ckpt.tiers.runtime import TierRuntime
 
 log = logging.getLogger(__name__)
 
@@ -208,3 +210,51 @@ def refs_lacking(storage: "Storage", image: TierImage) -> Optional[str]:
         if size != ref.stored_bytes:
             return f"{folder}/{ref.file} is gone or has another size (it holds bytes this step would refer to)"
     return None
+
+
+@dataclass(frozen=True)
+class TierStep:
+    """One step to commit on a tier: what is written (decided, data) and the one effect before its
+    commit (``before_commit``: waits for the snapshot's confirmation; raises if it must not commit).
+
+    ``image``: what the tier writes (:func:`tier_image`; None on a
+    shared tier of several ranks, whose rounds decide it, :mod:`nebula_ckpt.save.rounds`);
+    ``whole``: the whole image written instead where an incremental one's shard fails;
+    ``manifest``: the step's manifest but for its generation, shards and tensors, filled at the
+    commit (:func:`~nebula_ckpt.format.manifest.finish_manifest`; ``restamp``: with the commit's
+    time, else a copy keeps its source's).
+    """
+
+    step: int
+    source: Any                                               # has .view() -> memoryview (None: a copy)
+    before_commit: Callable[[], None]                         # an effect: raises if it must not commit
+    image: Optional[TierImage] = None
+    whole: Optional[TierImage] = None
+    manifest: Optional[dict[str, Any]] = None
+    restamp: bool = True
+    index: int = 0                                            # the save's number in the job
+    meta: Optional[dict[str, Any]] = None                     # multi-rank: tensors, aliases, tree, stats
+    tag: Optional[str] = None                                 # multi-rank: the checkpoint's tag
+    hashes: Optional[dict[str, str]] = None                   # multi-rank: SHA-256 of staged tensors
+    origin: Optional[str] = None                              # the snapshot's write_id (None: a copy)
+    save: Optional[int] = None                                # which write: the save number its COMMIT names
+
+
+def write_image(runtime: "TierRuntime", rel: str, step: TierStep) -> tuple[dict[str, Any], TierImage]:
+    """Write ``step``'s shard at ``rel`` on ``runtime``'s tier; return its storage info and the image
+    as written. An incremental step whose own shard fails (the memory tier out of room beside its
+    staged copy) is written whole instead where the tier can
+    (:meth:`~nebula_ckpt.tiers.runtime.TierRuntime.write_whole_instead`); else its error stands."""
+    image = step.image
+    assert image is not None, "a shared tier's share is written by its rounds"
+    if image.parts is None:
+        return runtime.write_shard(rel, step.source), image
+    try:
+        return runtime.write_parts(rel, list(image.parts)), image
+    except OSError as e:
+        if step.whole is None:
+            raise
+        info = runtime.write_whole_instead(rel, step.source, e)
+        if info is None:
+            raise
+        return info, step.whole

@@ -60,8 +60,7 @@ from nebula_ckpt.save.fanout import Delivery
 from nebula_ckpt.save.incremental import Incremental, whole_image
 from nebula_ckpt.save.rounds import SharedCommit, tagged
 from nebula_ckpt.save.snapshot import Snapshot, build_tier_manifest
-from nebula_ckpt.save.tier_image import Staged, TierImage, tier_image
-from nebula_ckpt.save.tier_step import TierStep, write_image
+from nebula_ckpt.save.tier_image import Staged, TierImage, TierStep, tier_image, write_image
 from nebula_ckpt.storage.base import Storage
 from nebula_ckpt.tiers.runtime import TierRuntime
 
@@ -236,7 +235,8 @@ class TierWriter:
 
         co = self.coordinator
         if co.world_size == 1:
-            return self._commit_step(self._own_step(snap, source, confirmed, build_tier_manifest(snap, 0, {})), on_shard)
+            draft = build_tier_manifest(snap, 0, {})  # its generation, shards and tensors are the commit's
+            return self._commit_step(self._own_step(snap, source, confirmed, draft), on_shard)
         meta: dict[str, Any] = {"tensors": snap.tensor_index, "aliases": snap.plan.aliases, "tree": snap.plan.tree,
                                 "stats": snap.stats()}
         if not self._shared:  # this rank's own tier (memory): incremental on its own previous step
