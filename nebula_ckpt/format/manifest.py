@@ -331,3 +331,18 @@ def build_manifest(*, step: int, generation: int, shards: list[dict[str, Any]],
     if hashes:
         out["sha256"] = hashes
     return out
+
+
+def finish_manifest(draft: dict[str, Any], *, generation: int, shards: list[dict[str, Any]],
+                    tensors: dict[str, dict[str, Any]], stats: Optional[dict[str, Any]] = None,
+                    restamp: bool = True) -> dict[str, Any]:
+    """``draft`` (a manifest :func:`build_manifest` made before its shard was written, or one
+    copied from another tier) as committed: its writer ``generation``, ``shards`` (the own shard's
+    record first) and ``tensors``, ``stats`` added to its statistics, and (``restamp``) the time of
+    the commit. Every field keeps its place, so the bytes are those of one built at the commit."""
+    out = dict(draft, generation=generation, shards=shards, tensors=tensors)
+    if restamp:
+        out["time"] = time.time()
+    if stats:
+        out["stats"] = dict(out["stats"], **stats)
+    return out

@@ -13,33 +13,25 @@ NaN payloads, -0.0 and +0.0 are told apart.
 from __future__ import annotations
 
 import ctypes
-import logging
 import mmap
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Optional
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from nebula_ckpt import knobs
 from nebula_ckpt.format.manifest import Manifest
-from nebula_ckpt.format.names import COMMIT, MANIFEST, step_dir
 from nebula_ckpt.format.records import TensorRecord
 from nebula_ckpt.format.references import shard_path
-from nebula_ckpt.ranks.shards import subset_image
-from nebula_ckpt.save.incremental import Delta, Incremental, manifest_parts, yield_to_training
+from nebula_ckpt.save.incremental import yield_to_training
 from nebula_ckpt.workers import Workers
 
 if TYPE_CHECKING:
     from nebula_ckpt.storage.base import Storage
 
-log = logging.getLogger(__name__)
-
 _memcmp = ctypes.CDLL(None).memcmp  # a CDLL call releases the GIL
 _memcmp.restype = ctypes.c_int
 _memcmp.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t]
-
-#: builds a step's manifest from ``(writer generation, own shard record)``
-MakeManifest = Callable[[int, dict[str, Any]], dict[str, Any]]
 
 #: bytes one ``memcmp`` call compares (a change is found within one chunk of its place)
 _CHUNK = 16 << 20
@@ -55,8 +47,8 @@ def equal_at(a: int, b: int, n: int) -> bool:
 
 class BaseBytes:
     """The bytes of a base checkpoint on a local tier (the memory tier), mapped as needed and
-    compared with the staged bytes of a save (:meth:`same`, the ``same`` of
-    :meth:`~nebula_ckpt.save.incremental.Incremental.delta`). A context manager: the mappings go
+    compared with the staged bytes of a save (:meth:`same`, the test of
+    :func:`~nebula_ckpt.save.tier_image.tier_image`). A context manager: the mappings go
     at exit.
 
     Args:
@@ -138,74 +130,3 @@ class Compared:
     base: Manifest
     candidates: frozenset[str]
     same: frozenset[str]
-
-
-def tier_delta(inc: Incremental, storage: "Storage", step: int, index: dict[str, dict[str, Any]],
-               hashes: dict[str, str], generation: int, staged: memoryview, tier: str,
-               known: Optional[Compared] = None) -> Optional[Delta]:
-    """The incremental save of ``index`` (staged in ``staged``) as ``step`` on the tier of ``inc``
-    and ``storage``, or None (full). A tier that compares bytes (the memory tier) reads its base's
-    shards here (:class:`BaseBytes`), but for the keys ``known`` already compared with this very
-    base; if they cannot be read, the save is full."""
-    if not inc.compare:
-        delta = inc.delta(step, index, hashes, generation)
-        lacking = None if delta is None else refs_lacking(storage, delta)
-        if lacking is not None:
-            log.warning("nebula_ckpt: tier %s: step %d is saved whole: %s", tier, step, lacking)
-            inc.forget()
-            return None
-        return delta
-    try:
-        with BaseBytes(storage, staged, index) as base:
-            def same(man: Manifest, candidates: dict[str, TensorRecord]) -> set[str]:
-                if known is None or known.base is not man:
-                    return base.same(man, candidates)
-                rest = {k: v for k, v in candidates.items() if k not in known.candidates}
-                return (set(candidates) & known.same) | (base.same(man, rest) if rest else set())
-
-            return inc.delta(step, index, hashes, generation, same)
-    except OSError as e:
-        log.warning("nebula_ckpt: tier %s: step %d is saved whole: the bytes of its base cannot be read (%s)",
-                    tier, step, e)
-        inc.forget()
-        return None
-
-
-def refs_lacking(storage: "Storage", delta: Delta) -> Optional[str]:
-    """What is missing of the earlier steps ``delta`` refers to on ``storage`` (a persistent tier,
-    which decides by hashes and never reads its base's bytes): a commit marker, or a shard file
-    at its recorded size; None when all are there. An operator who deleted a base by hand must
-    not get a committed step that refers to it (never restorable), nor one that refers to a step
-    the sweep will delete as an uncommitted leftover."""
-    seen: set[str] = set()  # folders whose markers were found (one look per folder, not per shard)
-    for ref in delta.refs:
-        folder = step_dir(ref.folder_step(delta.base))
-        try:
-            for name in () if folder in seen else (COMMIT, MANIFEST):  # a reader checks its own records
-                if not storage.exists(f"{folder}/{name}"):
-                    return f"{folder}/{name} is gone (that step holds bytes this one would refer to)"
-            seen.add(folder)
-            size = storage.size(f"{folder}/{ref.file}")
-        except FileNotFoundError:
-            size = -1
-        if size != ref.stored_bytes:
-            return f"{folder}/{ref.file} is gone or has another size (it holds bytes this step would refer to)"
-    return None
-
-
-def delta_image(delta: Delta, index: dict[str, dict[str, Any]], staged: memoryview,
-                whole: MakeManifest) -> tuple[list[memoryview], int, MakeManifest]:
-    """The own shard of the incremental save ``delta`` of ``index`` (staged in ``staged``): its
-    image as parts (no bytes copied), its size, and its manifest builder ``(generation, shard
-    record) -> manifest``: ``whole``'s (the full save's) with the delta's shards and tensors and
-    the ``base_step`` / ``reused_bytes`` stats."""
-    parts, image_index, nbytes = subset_image(index, delta.write, staged)
-
-    def manifest(gen: int, shard: dict[str, Any]) -> dict[str, Any]:
-        out = whole(gen, shard)
-        out.update(manifest_parts(delta, index, image_index, shard))
-        out["stats"] = dict(out["stats"], base_step=delta.base, reused_bytes=delta.reused_bytes,
-                            base_write=delta.base_write)
-        return out
-
-    return parts, nbytes, manifest

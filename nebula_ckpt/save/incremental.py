@@ -23,14 +23,16 @@ The memory tier (``compare=True``) hashes nothing: its base's bytes are still in
 base step's shard files in the tmpfs), so a tensor whose CRC32C, device and DTensor record equal
 the base's is unchanged only when its staged bytes equal the base's byte for byte
 (:mod:`nebula_ckpt.save.compare`, at memory speed on niced threads, never on the training thread).
+
+This module keeps each tier's base (:meth:`Incremental.claim` hands it to a save); what a save
+writes on it, whole or a delta with references, is decided by :mod:`nebula_ckpt.save.tier_image`.
 """
 
 from __future__ import annotations
 
 import hashlib
 import threading
-from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Optional
+from typing import Any, Iterable, Optional
 
 from nebula_ckpt import knobs
 from nebula_ckpt.format.header import safetensors_header
@@ -38,31 +40,6 @@ from nebula_ckpt.format.manifest import Manifest
 from nebula_ckpt.format.records import ShardRecord, TensorRecord
 from nebula_ckpt.priority import lower_priority
 from nebula_ckpt.workers import Workers
-
-#: ``same(base, candidates)``: the keys of ``candidates`` (key -> its record in ``base``) whose
-#: staged bytes equal the base's (:class:`nebula_ckpt.save.compare.BaseBytes`)
-SameBytes = Callable[[Manifest, dict[str, TensorRecord]], set[str]]
-
-#: an incremental save whose changed tensors hold more than this share of the bytes is full
-MAX_CHANGED_SHARE = 0.5
-
-
-@dataclass(frozen=True)
-class Delta:
-    """An incremental save on one tier: what it writes and what it takes from earlier steps.
-
-    ``write``: keys written in the step's own shard; ``reused``: key -> the record of an unchanged
-    tensor (its shard index already renumbered into ``refs``); ``refs``: the shards of earlier
-    steps, in manifest order after the own shard (index 1, 2, ...); ``base``: the step built on.
-    """
-
-    write: list[str]
-    reused: dict[str, dict[str, Any]]
-    refs: list[ShardRecord]
-    base: int
-    reused_bytes: int
-    #: the base's ``stats.write_id`` (None when it has none): which write of that step it is
-    base_write: Optional[str] = None
 
 
 def hash_staged(view: memoryview, index: dict[str, dict[str, Any]], keys: Iterable[str]) -> dict[str, str]:
@@ -97,11 +74,6 @@ def same_record(rec: dict[str, Any], old: TensorRecord) -> bool:
     return rec["crc32c"] == old.crc32c and rec.get("device", "cpu") == old.device and rec.get("dtensor") == dt
 
 
-def _same_bytes(rec: dict[str, Any], sha: Optional[str], old: TensorRecord, old_sha: Optional[str]) -> bool:
-    """Whether the staged tensor certainly equals the base's: CRC, device, DTensor record and SHA-256."""
-    return same_record(rec, old) and sha is not None and sha == old_sha
-
-
 class Incremental:
     """One tier's incremental state: its base and the cadence of full saves (thread-safe).
 
@@ -110,7 +82,7 @@ class Incremental:
             with replicas).
         full_every: every ``full_every``-th save is full (1: all of them).
         compare: equality is decided by comparing the staged bytes with the base's bytes, which
-            the caller of :meth:`delta` reads (``same``; the memory tier): nothing is hashed.
+            the decision reads (:mod:`nebula_ckpt.save.tier_image`; the memory tier): nothing is hashed.
     """
 
     def __init__(self, enabled: bool, full_every: Optional[int] = None, compare: bool = False) -> None:
@@ -152,46 +124,17 @@ class Incremental:
         return {k for k, rec in index.items()
                 if (old := base.tensors.get(k)) is not None and rec["crc32c"] == old.crc32c}
 
-    def delta(self, step: int, index: dict[str, dict[str, Any]], hashes: dict[str, str],
-              generation: int, same: Optional[SameBytes] = None) -> Optional[Delta]:
-        """The incremental save of ``index`` as ``step`` on this tier, or None for a full one (see
-        the module; a base that is not older than ``step`` makes it full too). A tier that
-        compares bytes passes ``same`` (without it, such a tier's saves are full).
-
-        Raises:
-            OSError: ``same`` could not read the base's bytes (the caller saves in full).
-        """
+    def claim(self) -> Optional[Manifest]:
+        """The base the next save builds on, pinned until that save is over (None: the save is
+        whole whatever its bytes: no base, or the cadence of full saves says so). What it writes is
+        decided by :func:`~nebula_ckpt.save.tier_image.tier_image` (a base that is not older than
+        the step, or of another generation, makes it whole too)."""
         with self._lock:
             base = self._base
-            if not self.enabled or self._next_is_full() or base is None or (self.compare and same is None):
+            if not self.enabled or self._next_is_full() or base is None:
                 return None
             self._pinned = {base.step} | {s.step for s in base.shards if s.step is not None}
-        if base.generation != generation or base.step >= step or set(index) != set(base.tensors):
-            return None
-        if not all(same_kind(rec, base.tensors[k]) for k, rec in index.items()):
-            return None
-        if self.compare:
-            assert same is not None  # checked above
-            equal = same(base, {k: base.tensors[k] for k, rec in index.items() if same_record(rec, base.tensors[k])})
-            reused = {k: base.tensors[k] for k in index if k in equal}
-        else:
-            reused = {k: base.tensors[k] for k, rec in index.items()
-                      if _same_bytes(rec, hashes.get(k), base.tensors[k], base.hashes.get(k))}
-        total = sum(r["offsets"][1] - r["offsets"][0] for r in index.values())
-        kept = sum(r.nbytes for r in reused.values())
-        if not reused or total - kept > MAX_CHANGED_SHARE * total:
-            return None
-        renumber: dict[int, int] = {}
-        refs: list[ShardRecord] = []
-        for old in reused.values():
-            if old.shard not in renumber:
-                sh = base.shards[old.shard]
-                renumber[old.shard] = len(refs) + 1
-                refs.append(ShardRecord(sh.file, sh.bytes, sh.storage, sh.folder_step(base.step)))
-        out = {k: {**old.to_json(), "shard": renumber[old.shard]} for k, old in reused.items()}
-        write_id = base.stats.get("write_id")
-        return Delta([k for k in index if k not in reused], out, refs, base.step, kept,
-                     write_id if isinstance(write_id, str) else None)
+            return base
 
     def seed(self, base: Manifest) -> bool:
         """Build the next save on ``base``, a committed checkpoint this process did not write (the
@@ -271,13 +214,6 @@ class Incremental:
             out.add(base.step)
             out.update(s.step for s in base.shards if s.step is not None)
         return out
-
-
-def manifest_parts(delta: Delta, index: dict[str, dict[str, Any]], image_index: dict[str, dict[str, Any]],
-                   own_shard: dict[str, Any]) -> dict[str, Any]:
-    """The ``shards`` and ``tensors`` of an incremental manifest (stored order kept)."""
-    tensors = {k: image_index[k] if k in image_index else delta.reused[k] for k in index}
-    return {"shards": [own_shard] + [r.to_json() for r in delta.refs], "tensors": tensors}
 
 
 def wanted_keys(targets: list[Any], index: dict[str, dict[str, Any]]) -> set[str]:

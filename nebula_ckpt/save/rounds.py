@@ -32,7 +32,6 @@ Every rank sees a *shared* tier, and the ranks commit one checkpoint of the step
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 from nebula_ckpt.errors import PersistError
@@ -51,8 +50,8 @@ from nebula_ckpt.save.commit import (
     encode_manifest,
     is_committed,
 )
-from nebula_ckpt.save.compare import refs_lacking
 from nebula_ckpt.save.incremental import Incremental
+from nebula_ckpt.save.tier_image import Staged, TierStep, tier_image
 from nebula_ckpt.tiers.runtime import TierRuntime
 
 log = logging.getLogger(__name__)
@@ -63,23 +62,6 @@ def tagged(manifest: dict[str, Any], tag: Optional[str]) -> dict[str, Any]:
     if tag is not None:
         manifest["tag"] = tag
     return manifest
-
-
-@dataclass(frozen=True)
-class SharedSave:
-    """One rank's save of one step on a shared tier: its bytes and its metadata.
-
-    ``meta``: ``tensors`` (the staged snapshot's index), ``aliases``, ``tree`` and ``stats``.
-    """
-
-    step: int
-    index: int                                  # the save's number in the job (names its rounds)
-    source: Any                                 # has .view() -> memoryview: the staged snapshot
-    meta: dict[str, Any]
-    before_commit: Callable[[], None]           # raises if it must not commit
-    tag: Optional[str] = None
-    hashes: Optional[dict[str, str]] = None     # SHA-256 of staged tensors (incremental saves)
-    ready: Callable[[], None] = lambda: None    # a non-coordinator's clearing of the step folder (after round 1)
 
 
 class SharedCommit:
@@ -101,10 +83,12 @@ class SharedCommit:
         self.coordinator = coordinator
         self.name = runtime.name
 
-    def run(self, save: SharedSave, d: str, shard: str, on_shard: Optional[Callable[[str], None]],
-            progress: CommitProgress) -> dict[str, Any]:
-        """Commit ``save`` with every rank (this rank's shard: file ``shard`` of folder ``d``);
-        return this rank's share of the committed step (what its next save builds on).
+    def run(self, save: TierStep, ready: Callable[[], None], d: str, shard: str,
+            on_shard: Optional[Callable[[str], None]], progress: CommitProgress) -> dict[str, Any]:
+        """Commit ``save`` with every rank (this rank's shard: file ``shard`` of folder ``d``;
+        ``meta``, ``hashes``, ``tag`` and ``index`` its metadata); return this rank's share of the
+        committed step (what its next save builds on). ``ready``: a non-coordinator's clearing of
+        the step's folder, after round 1.
 
         Raises:
             PeerSkipped: another rank did not write this save here (dropped, not failed).
@@ -119,7 +103,7 @@ class SharedCommit:
         share: dict[str, Any] = {}
         try:
             if not co.is_coordinator:  # the coordinator's replacement of the step is done by now
-                save.ready()
+                ready()
             mine, share = self._write_share(save, d, shard, owners, on_shard, peers, tree_digest, base)
         except BaseException as e:
             failure, mine = e, {"error": f"{type(e).__name__}: {e}"}
@@ -138,15 +122,15 @@ class SharedCommit:
                    else PersistError)(why)
         return share
 
-    def _agree(self, save: SharedSave) -> tuple[dict[str, int], list[Any], str]:
+    def _agree(self, save: TierStep) -> tuple[dict[str, int], list[Any], str]:
         """Rounds 1 (digest, index): the owner of every replicated key, the peers' digests, and
         the digest of this rank's tree."""
-        co, name, idx = self.coordinator, self.name, save.index
-        rep, sharded = ranks.summary(save.meta["tensors"])
+        co, name, idx, meta = self.coordinator, self.name, save.index, self._meta(save)
+        rep, sharded = ranks.summary(meta["tensors"])
         mine_digest = ranks.digest(rep)
-        tree_digest = ranks.digest(save.meta["tree"])
+        tree_digest = ranks.digest(meta["tree"])
         base = self.incremental.declare() if self.incremental is not None else None
-        dt_digest = ranks.digest(signature(save.meta["tensors"]))  # what its DTensor records must agree on
+        dt_digest = ranks.digest(signature(meta["tensors"]))  # what its DTensor records must agree on
         save_id = new_save_id() if co.is_coordinator else None  # rank 0's is this attempt's
         peers = co.round(name, idx, PHASE_DIGEST, {"step": save.step, "digest": mine_digest, "tree": tree_digest,
                                                   "sharded": sharded, "dt": dt_digest, "base": base,
@@ -165,7 +149,7 @@ class SharedCommit:
             summaries = [g["keys"] for g in got]
         return ranks.assign(summaries, [p["sharded"] for p in peers]), peers, tree_digest
 
-    def _write_share(self, save: SharedSave, d: str, shard: str, owners: dict[str, int],
+    def _write_share(self, save: TierStep, d: str, shard: str, owners: dict[str, int],
                      on_shard: Optional[Callable[[str], None]], peers: list[Any], tree_digest: str,
                      base: Optional[int]) -> tuple[dict[str, Any], dict[str, Any]]:
         """This rank's share and its records file (durable), the snapshot confirmed: its record for
@@ -173,42 +157,40 @@ class SharedCommit:
         ``sha256``: what its next save builds on). With a ``base`` step every rank agreed on, the
         rank writes only its tensors that changed since (``refs``: the earlier shards holding the
         rest; its records point at them from 1 on)."""
-        co = self.coordinator
-        tensors = save.meta["tensors"]
+        co, meta = self.coordinator, self._meta(save)
+        tensors = meta["tensors"]
         keep = [k for k in tensors if owners.get(k, co.rank) == co.rank]
         hashes = save.hashes or {}
-        delta = None
-        if base is not None and self.incremental is not None:
-            delta = self.incremental.delta(save.step, {k: tensors[k] for k in keep}, hashes, self.fence.generation)
-            delta = delta if delta is not None and delta.base == base else None
-            lacking = None if delta is None else refs_lacking(self.storage, delta)
-            if lacking is not None:  # deleted by hand: this rank's share is whole
-                log.warning("nebula_ckpt: tier %s: step %d: this rank's share is whole: %s", self.name, save.step,
-                            lacking)
-                delta = None
-        write = keep if delta is None else delta.write
-        log.debug("nebula_ckpt: phase=shard tier=%s step=%d (%d of %d tensors)", self.name, save.step, len(write),
-                  len(tensors))
-        parts, index, nbytes = ranks.subset_image(tensors, write, save.source.view())
-        info = self.runtime.write_parts(f"{d}/{shard}", parts)
-        own = {"file": shard, "bytes": nbytes, "storage": info}
-        records = {k: index[k] if k in index else delta.reused[k] for k in keep} if delta else index
-        refs = [r.to_json() for r in delta.refs] if delta else []
+        claimed = self.incremental.claim() if base is not None and self.incremental is not None else None
+        claimed = claimed if claimed is not None and claimed.step == base else None  # the step all agreed on
+        staged = Staged(save.step, self.fence.generation, tensors, hashes, save.source.view())
+        image = tier_image(staged, claimed, self.storage, self.name, keep=keep)
+        log.debug("nebula_ckpt: phase=shard tier=%s step=%d (%d of %d tensors)", self.name, save.step,
+                  len(image.write), len(tensors))
+        info = self.runtime.write_parts(f"{d}/{shard}", list(image.parts or ()))
+        own = {"file": shard, "bytes": image.nbytes, "storage": info}
+        refs = [r.to_json() for r in image.refs]
         sha = {k: hashes[k] for k in keep if k in hashes}
         name, data, payload = split_payload(
             step=save.step, generation=self.fence.generation, rank=co.rank, world=co.world_size,
             save_id=peers[0]["save_id"], shard=own, tree_digest=tree_digest,
-            index=records, aliases=save.meta["aliases"], meta=save.meta,
+            index=image.records, aliases=meta["aliases"], meta=meta,
             send_tree=co.is_coordinator or tree_digest != peers[0]["tree"],
             send_table=first_of_class(co.rank, [p["dt"] for p in peers]), crc=get_ops().crc32c_bytes,
             refs=refs, hashes=sha)
         self.storage.write_small(f"{d}/{name}", data)
-        if on_shard is not None and delta is None:
+        if on_shard is not None and image.full:
             on_shard(f"{d}/{shard}")
         save.before_commit()
-        return payload, {"shard": own, "refs": refs, "tensors": records, "sha256": sha}
+        return payload, {"shard": own, "refs": refs, "tensors": image.records, "sha256": sha}
 
-    def _lead(self, save: SharedSave, mine: dict[str, Any], owners: dict[str, int],
+    @staticmethod
+    def _meta(save: TierStep) -> dict[str, Any]:
+        """``save``'s metadata: ``tensors`` (the staged snapshot's index), ``aliases``, ``tree``, ``stats``."""
+        assert save.meta is not None, "a shared tier's step carries its metadata"
+        return save.meta
+
+    def _lead(self, save: TierStep, mine: dict[str, Any], owners: dict[str, int],
               failure: Optional[BaseException], progress: CommitProgress, save_id: str) -> dict[str, Any]:
         """The coordinator: rounds 2 and 3 (its commit, then the verdict to every rank); the verdict."""
         co, name, idx = self.coordinator, self.name, save.index
@@ -223,7 +205,7 @@ class SharedCommit:
                         name, save.step, e)
         return verdict
 
-    def _follow(self, save: SharedSave, mine: dict[str, Any], failure: Optional[BaseException],
+    def _follow(self, save: TierStep, mine: dict[str, Any], failure: Optional[BaseException],
                 progress: CommitProgress) -> Optional[dict[str, Any]]:
         """Another rank: rounds 2 and 3; the verdict (None: none came, but the COMMIT is there)."""
         co, name, idx = self.coordinator, self.name, save.index
@@ -247,7 +229,7 @@ class SharedCommit:
         progress.may_commit = bool(verdict.get("ok") or verdict.get("uncertain"))
         return verdict
 
-    def _coordinate(self, save: SharedSave, parts: list[Any], owners: dict[str, int],
+    def _coordinate(self, save: TierStep, parts: list[Any], owners: dict[str, int],
                     failure: Optional[BaseException], progress: CommitProgress, save_id: str) -> dict[str, Any]:
         """The coordinator's commit: ranks.json, manifest + COMMIT if every rank's share is in.
 

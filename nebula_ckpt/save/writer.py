@@ -38,7 +38,7 @@ from typing import Any, Callable, Optional
 from nebula_ckpt import knobs
 from nebula_ckpt.errors import FencedError, PersistError
 from nebula_ckpt.format.commit import committed_steps, read_commit
-from nebula_ckpt.format.manifest import Manifest
+from nebula_ckpt.format.manifest import Manifest, finish_manifest
 from nebula_ckpt.format.names import COMMIT, MANIFEST, RANKS_FILE, records_name, shard_name, shard_owner, step_dir
 from nebula_ckpt.format.references import deletion_order, protected_steps, referrers, shard_path
 from nebula_ckpt.latch import Latch, Wakeup
@@ -55,12 +55,12 @@ from nebula_ckpt.save.commit import (
     encode_manifest,
     retract_step,
 )
-from nebula_ckpt.save.compare import MakeManifest, delta_image, may_build_on_base, tier_delta
+from nebula_ckpt.save.compare import may_build_on_base
 from nebula_ckpt.save.fanout import Delivery
 from nebula_ckpt.save.incremental import Incremental, whole_image
-from nebula_ckpt.save.rounds import SharedCommit, SharedSave, tagged
+from nebula_ckpt.save.rounds import SharedCommit, tagged
 from nebula_ckpt.save.snapshot import Snapshot, build_tier_manifest
-from nebula_ckpt.save.tier_step import TierStep, write_step_shard
+from nebula_ckpt.save.tier_image import Staged, TierImage, TierStep, tier_image, write_image
 from nebula_ckpt.storage.base import Storage
 from nebula_ckpt.tiers.runtime import TierRuntime
 
@@ -235,36 +235,33 @@ class TierWriter:
 
         co = self.coordinator
         if co.world_size == 1:
-            return self._commit_step(self._single_item(snap, source, confirmed), on_shard)
+            draft = build_tier_manifest(snap, 0, {})  # its generation, shards and tensors are the commit's
+            return self._commit_step(self._own_step(snap, source, confirmed, draft), on_shard)
         meta: dict[str, Any] = {"tensors": snap.tensor_index, "aliases": snap.plan.aliases, "tree": snap.plan.tree,
                                 "stats": snap.stats()}
-
-        def rank_manifest(gen: int, shard: dict[str, Any]) -> dict[str, Any]:
-            return tagged(ranks.rank_manifest(step=snap.step, generation=gen, rank=co.rank, world=co.world_size,
-                                               shard=shard, **meta), snap.plan.tag)
-
         if not self._shared:  # this rank's own tier (memory): incremental on its own previous step
-            return self._commit_step(self._single_item(snap, source, confirmed, rank_manifest, self.key_prefix),
-                                     on_shard)
-        return self._commit_step(TierStep(snap.step, snap.nbytes, source, rank_manifest, confirmed, snap.index, meta,
-                                       snap.plan.tag, hashes=snap.hashes, origin=snap.write_id), on_shard)
+            draft = tagged(ranks.rank_manifest(step=snap.step, generation=0, rank=co.rank, world=co.world_size,
+                                               shard={}, **meta), snap.plan.tag)
+            return self._commit_step(self._own_step(snap, source, confirmed, draft, self.key_prefix), on_shard)
+        return self._commit_step(TierStep(snap.step, source, confirmed, index=snap.index, meta=meta,
+                                          tag=snap.plan.tag, hashes=snap.hashes, origin=snap.write_id), on_shard)
 
-    def _single_item(self, snap: Snapshot, source: Any, confirmed: Callable[[], None],
-                     whole: Optional[MakeManifest] = None, prefix: str = "") -> TierStep:
-        """The step of a one-process job, or of a rank's own tier (``whole``: its manifest, its
-        keys under ``prefix``): full, or incremental on this tier's base."""
-        whole = whole or (lambda gen, shard: build_tier_manifest(snap, gen, shard))  # sha256 included
-        index, hashes = ranks.prefixed(snap.tensor_index, prefix), ranks.prefixed(snap.hashes, prefix)
-        delta = tier_delta(self.incremental, self.storage, snap.step, index, hashes, self.fence.generation,
-                           source.view(), self.name, snap.compared)
-        whole_step = TierStep(snap.step, snap.nbytes, source, whole, confirmed, origin=snap.write_id, save=snap.index)
-        if delta is None:
-            return whole_step
-        parts, nbytes, manifest = delta_image(delta, index, source.view(), whole)
-        log.debug("nebula_ckpt: tier %s: step %d builds on step %d (%d of %d tensors written)", self.name,
-                  snap.step, delta.base, len(delta.write), len(index))
-        return TierStep(snap.step, nbytes, source, manifest, confirmed, parts=lambda: parts, full=False,
-                        origin=snap.write_id, whole=whole_step, save=snap.index)
+    def _own_step(self, snap: Snapshot, source: Any, confirmed: Callable[[], None], draft: dict[str, Any],
+                  prefix: str = "") -> TierStep:
+        """The step of a one-process job, or of a rank's own tier (``draft``: its manifest, its keys
+        under ``prefix``): whole, or incremental on this tier's base (:mod:`nebula_ckpt.save.tier_image`)."""
+        staged = Staged(snap.step, self.fence.generation, ranks.prefixed(snap.tensor_index, prefix),
+                        ranks.prefixed(snap.hashes, prefix), source.view(), snap.compared)
+        image = tier_image(staged, self.incremental.claim(), self.storage, self.name,
+                           compare=self.incremental.compare, nbytes=snap.nbytes)
+        if image.lost_base:
+            self.incremental.forget()
+        whole = None
+        if not image.full:
+            log.debug("nebula_ckpt: tier %s: step %d builds on step %d (%d of %d tensors written)", self.name,
+                      snap.step, image.base, len(image.write), len(staged.index))
+            whole = TierImage(snap.step, None, snap.nbytes, staged.index, tuple(staged.index))
+        return TierStep(snap.step, source, confirmed, image, whole, draft, origin=snap.write_id, save=snap.index)
 
     def copy_from(self, src: Storage, step: int) -> None:
         """Write the committed checkpoint ``step`` of another (local) tier's storage to this tier.
@@ -279,12 +276,9 @@ class TierWriter:
             raise ValueError(f"step {step} is a multi-rank checkpoint; only one-process checkpoints are copied")
         data = [src.read_buffer(shard_path(parsed, i), dict(sh.storage or {})) for i, sh in enumerate(parsed.shards)]
         parts, tensors, nbytes = whole_image(parsed, data)
-
-        def manifest(gen: int, shard: dict[str, Any]) -> dict[str, Any]:
-            return dict(man, generation=gen, shards=[shard], tensors=tensors)
-
+        image = TierImage(step, tuple(parts), nbytes, tensors, tuple(tensors))
         save = read_commit(src, step, f"{src.display_url} step {step}").save
-        self._commit_step(TierStep(step, nbytes, None, manifest, lambda: None, parts=lambda: parts, save=save), None)
+        self._commit_step(TierStep(step, None, lambda: None, image, manifest=man, restamp=False, save=save), None)
 
     @property
     def key_prefix(self) -> str:
@@ -314,17 +308,14 @@ class TierWriter:
         progress = CommitProgress()
         committed: Optional[dict[str, Any]] = None
         share: Optional[dict[str, Any]] = None
-        written = item.nbytes
         try:
             if self._shared:
-                assert item.meta is not None
                 share = SharedCommit(self.runtime, self.fence, self.coordinator, self.incremental).run(
-                    SharedSave(item.step, item.index, item.source, item.meta, item.before_commit, item.tag,
-                               item.hashes, lambda: self._clear_step(item.step)), d, shard, on_shard, progress)
-                written = share["shard"]["bytes"]
+                    item, lambda: self._clear_step(item.step), d, shard, on_shard, progress)
+                written, full = share["shard"]["bytes"], not share.get("refs")
             else:
-                committed, item = self._write_files(item, d, shard, gen, on_shard, progress)
-                written = item.nbytes
+                committed, image = self._write_files(item, d, shard, gen, on_shard, progress)
+                written, full = image.nbytes, image.full
         except BaseException as e:
             self.incremental.forget()
             if not progress.may_commit:
@@ -336,11 +327,10 @@ class TierWriter:
             raise CommitUncertain(f"step {item.step} may have committed on tier {self.name}: the write of its "
                                   f"COMMIT reported an error ({type(e).__name__}: {e}); its files are kept (a "
                                   "restart removes them if it never committed)") from e
-        full = item.full and not (share or {}).get("refs")
         log.info("nebula_ckpt: step %d committed on %s (%.1f MiB%s)", item.step, self.name, written / 2**20,
                  "" if full else ", incremental")
         if self.incremental.enabled:
-            self._new_base(item, gen, committed, share)
+            self._new_base(item, gen, full, committed, share)
         if self._shared and not self.coordinator.is_coordinator:
             return written  # retention of a shared tier is the coordinator's
         try:
@@ -351,11 +341,11 @@ class TierWriter:
             log.warning("nebula_ckpt: tier %s: retention failed: %s", self.name, e)
         return written
 
-    def _new_base(self, item: "TierStep", gen: int, manifest: Optional[dict[str, Any]],
+    def _new_base(self, item: "TierStep", gen: int, full: bool, manifest: Optional[dict[str, Any]],
                   share: Optional[dict[str, Any]]) -> None:
         """The step just committed is what this tier's next save builds on."""
         if manifest is not None:
-            self.incremental.committed(manifest, item.full, item.origin)
+            self.incremental.committed(manifest, full, item.origin)
         elif share is not None:
             self.incremental.committed_share(item.step, gen, share, item.origin)
 
@@ -396,17 +386,20 @@ class TierWriter:
 
     def _write_files(self, item: "TierStep", d: str, shard: str, gen: int,
                      on_shard: Optional[Callable[[str], None]],
-                     progress: CommitProgress) -> tuple[dict[str, Any], TierStep]:
+                     progress: CommitProgress) -> tuple[dict[str, Any], TierImage]:
         """Shard; then, once the snapshot is confirmed, the manifest and the commit marker (returned,
-        with the step as written: an incremental one whole where the tier found no room for it)."""
+        with the image as written: an incremental one whole where the tier found no room for it)."""
         log.debug("nebula_ckpt: phase=shard tier=%s step=%d", self.name, item.step)
-        info, item = write_step_shard(self.runtime, f"{d}/{shard}", item)
-        if on_shard is not None and item.parts is None:  # a slower tier is fed only a whole image
+        info, image = write_image(self.runtime, f"{d}/{shard}", item)
+        if on_shard is not None and image.parts is None:  # a slower tier is fed only a whole image
             on_shard(f"{d}/{shard}")
         item.before_commit()
-        manifest = item.make_manifest(gen, {"file": shard, "bytes": item.nbytes, "storage": info})
+        assert item.manifest is not None
+        manifest = finish_manifest(item.manifest, generation=gen, tensors=image.records, stats=image.stats(),
+                                   shards=image.shards({"file": shard, "bytes": image.nbytes, "storage": info}),
+                                   restamp=item.restamp)
         commit_manifest(self.storage, self.fence, item.step, encode_manifest(manifest), progress, self.name, item.save)
-        return manifest, item
+        return manifest, image
 
     def _check_uncertain(self, step: int) -> None:
         """Refuse to write ``step`` again while an earlier save of it may still commit here."""
