@@ -65,8 +65,8 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
-from nebula_ckpt.dcp.flat_names import ExposedValue, dcp_names
-from nebula_ckpt.dcp.roots import GivenStorage, partial_job, split_checkpoint_id, tier_for
+from nebula_ckpt.restore.dcp_names import ExposedValue, dcp_names
+from nebula_ckpt.restore.dcp_roots import GivenStorage, partial_job, split_checkpoint_id, tier_for
 from nebula_ckpt.errors import CorruptCheckpointError, NotFoundError, ValidationError
 from nebula_ckpt.format import manifest as mf
 from nebula_ckpt.format.commit import committed_steps
