@@ -23,7 +23,7 @@ from nebula_ckpt.storage.base import Storage
 from nebula_ckpt.storage.urls import canonical_root
 from nebula_ckpt.tiers.base import Tier
 from nebula_ckpt.tiers.factory import runtime_for
-from nebula_ckpt.tiers.memory.shm import Owner
+from nebula_ckpt.format.owner import Owner
 from nebula_ckpt.tiers.roots import default_tiers
 
 log = logging.getLogger(__name__)

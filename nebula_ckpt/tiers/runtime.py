@@ -21,7 +21,7 @@ from typing import Any, Callable, Optional
 
 from nebula_ckpt.storage.base import Storage
 from nebula_ckpt.tiers.base import Tier
-from nebula_ckpt.tiers.memory.shm import Owner
+from nebula_ckpt.format.owner import Owner
 
 
 def _nothing_more(committed: list[int]) -> set[int]:
