@@ -84,7 +84,6 @@ from torch.futures import Future
 
 from nebula_ckpt.dcp.manifest import DcpSave, RankPlans, dcp_manifest
 from nebula_ckpt.dcp.plans import GlobalPlanData, Held, LocalPlanData, Stored, Written
-from nebula_ckpt.restore.dcp_roots import storage_for
 from nebula_ckpt.dcp.shard import tensor_parts, write_shard
 from nebula_ckpt.dcp.values import check_keys, encode_value, fqn_paths, manifest_key
 from nebula_ckpt.errors import FencedError, NebulaError, PersistError, ValidationError
@@ -92,6 +91,7 @@ from nebula_ckpt.format import manifest as mf
 from nebula_ckpt.format.dtypes import TENSOR_DTYPES, dtype_name
 from nebula_ckpt.format.names import COMMIT, MANIFEST, parse_step_dir, shard_name, shard_owner, step_dir
 from nebula_ckpt.ranks.process_fence import process_fence
+from nebula_ckpt.restore.dcp_roots import storage_for
 from nebula_ckpt.save import sweep
 from nebula_ckpt.save.commit import CommitProgress, commit_manifest, encode_manifest
 from nebula_ckpt.save.plan import check_step

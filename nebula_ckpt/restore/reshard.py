@@ -23,10 +23,10 @@ from typing import Any, Mapping, Optional
 import torch
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from nebula_ckpt.restore.dcp_reader import NebulaStorageReader
 from nebula_ckpt.errors import CorruptCheckpointError, NebulaError, ValidationError
 from nebula_ckpt.format import manifest as mf
 from nebula_ckpt.format.tree import decode
+from nebula_ckpt.restore.dcp_reader import NebulaStorageReader
 from nebula_ckpt.restore.walk import Thunk, TreeWalk, describe, tensor_keys
 from nebula_ckpt.storage.base import Storage
 
