@@ -9,7 +9,6 @@ from typing import Any
 from nebula_ckpt import knobs
 from nebula_ckpt.errors import ValidationError
 from nebula_ckpt.health.policy import HealthPolicy
-from nebula_ckpt.save.budget import check_budget
 from nebula_ckpt.storage.urls import refuse_url_credentials
 
 
@@ -38,6 +37,16 @@ def check_arguments(root: Any, keep_last: Any, host_memory_budget: Any, on_full:
                                   f"{type(health).__name__}")
         health.check()
     knobs.check_all()  # a knob set out of range (environment or override) fails here, not mid-run
+
+
+def check_budget(value: object) -> None:
+    """Refuse a ``host_memory_budget`` that is not a positive int (bytes), a float in (0, 1] (a
+    share of the machine's memory) or None (what is free), naming it and what it takes."""
+    ok = value is None or (isinstance(value, int) and not isinstance(value, bool) and value > 0) or \
+        (isinstance(value, float) and 0.0 < value <= 1.0)
+    if not ok:
+        raise ValidationError(f"host_memory_budget must be a positive int (bytes), a float in (0, 1] (a share of "
+                              f"this machine's memory) or None (what is free, the default), got {value!r}")
 
 
 def check_restore_arguments(map_location: Any, strict: Any) -> None:

@@ -26,6 +26,7 @@ from typing import Any, Callable, Optional, Sequence
 
 from nebula_ckpt.errors import NotFoundError, ValidationError
 from nebula_ckpt.format.commit import Write
+from nebula_ckpt.format.owner import Owner
 from nebula_ckpt.ranks.coordinator import Coordinator
 from nebula_ckpt.ranks.fencing import Fence, read_run_id, run_id
 from nebula_ckpt.save.drain import own_part_drainer
@@ -34,7 +35,6 @@ from nebula_ckpt.storage.base import Storage
 from nebula_ckpt.storage.urls import canonical_root
 from nebula_ckpt.tiers.base import Tier
 from nebula_ckpt.tiers.factory import runtime_for
-from nebula_ckpt.tiers.memory.shm import Owner
 from nebula_ckpt.tiers.roots import default_tiers, tier_for_root
 from nebula_ckpt.tiers.runtime import TierRuntime
 

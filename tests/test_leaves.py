@@ -226,7 +226,7 @@ def test_ndarray_node_over_a_tensor_of_another_dtype_is_refused(tmp_path, shm_di
 def test_numpy_leaves_come_back_through_a_resharding_restore(tmp_path) -> None:  # noqa: ANN001
     """The resharding path (any world size, DCP underneath) restores NumPy leaves as arrays too:
     into a slot holding anything, and where ``into`` has no entry for them."""
-    from nebula_ckpt.dcp.reader import newest_manifest
+    from nebula_ckpt.restore.dcp_reader import newest_manifest
     from nebula_ckpt.restore.reshard import load_resharded
     from nebula_ckpt.storage.local import LocalStorage
 

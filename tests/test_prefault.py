@@ -1,4 +1,4 @@
-"""Fault-ahead of a fresh staging buffer (:mod:`nebula_ckpt.save.prefault`): background threads
+"""Fault-ahead of a fresh staging buffer (:mod:`nebula_ckpt.storage.prefault`): background threads
 populate its pages while the first save's copy fills it; the snapshot stays exact."""
 
 from __future__ import annotations
@@ -11,7 +11,8 @@ import torch
 import nebula_ckpt as nc
 from nebula_ckpt import knobs
 from nebula_ckpt.native import get_ops
-from nebula_ckpt.save import buffers, prefault
+from nebula_ckpt.save import buffers
+from nebula_ckpt.storage import prefault
 
 MB = 1 << 20
 
@@ -106,7 +107,7 @@ def test_populate_mapping_allocates_every_page_of_a_hole(shm_dir: str) -> None:
     closed one is a no-op."""
     import mmap as _mmap
 
-    from nebula_ckpt.save.prefault import advise, populate_mapping
+    from nebula_ckpt.storage.prefault import advise, populate_mapping
     path = os.path.join(shm_dir, "hole")
     fd = os.open(path, os.O_CREAT | os.O_RDWR, 0o600)
     try:

@@ -286,7 +286,7 @@ def test_into_of_another_shape_than_saved_is_refused_not_skipped(root: str) -> N
 
 def test_a_resharding_restore_is_strict_both_ways(tmp_path) -> None:  # noqa: ANN001
     """The resharding path (another world size, DCP underneath) refuses the forgotten scheduler too."""
-    from nebula_ckpt.dcp.reader import newest_manifest
+    from nebula_ckpt.restore.dcp_reader import newest_manifest
     from nebula_ckpt.restore.reshard import load_resharded
     from nebula_ckpt.storage.local import LocalStorage
 

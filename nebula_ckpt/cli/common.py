@@ -16,6 +16,7 @@ from nebula_ckpt import knobs
 from nebula_ckpt.errors import CorruptCheckpointError
 from nebula_ckpt.format import manifest as mf
 from nebula_ckpt.format.names import COMMIT, shard_owner, step_dir
+from nebula_ckpt.format.owner import Owner
 from nebula_ckpt.format.references import references
 from nebula_ckpt.ranks.fencing import read_run_id
 from nebula_ckpt.restore.open import NotThisLayout, OpenCheckpoint, open_checkpoint, read_manifest
@@ -23,7 +24,6 @@ from nebula_ckpt.storage.base import Storage
 from nebula_ckpt.storage.urls import canonical_root
 from nebula_ckpt.tiers.base import Tier
 from nebula_ckpt.tiers.factory import runtime_for
-from nebula_ckpt.tiers.memory.shm import Owner
 from nebula_ckpt.tiers.roots import default_tiers
 
 log = logging.getLogger(__name__)

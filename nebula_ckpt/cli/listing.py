@@ -192,7 +192,7 @@ def _pieces_text(holders: list[tuple[int, str, TensorRecord]], man: mf.Manifest,
 
 def _inspect_multi(ck: OpenCheckpoint, as_json: bool) -> None:
     """inspect of a multi-rank checkpoint: global shapes, who stores what, per-rank shards."""
-    from nebula_ckpt.dcp.reader import logical_tensors
+    from nebula_ckpt.restore.dcp_reader import logical_tensors
 
     man = ck.manifest
     logical = logical_tensors(man)
@@ -249,7 +249,7 @@ def _summary(ck: OpenCheckpoint) -> list[str]:
             return (rec.shard, rec.start, rec.end), rec.nbytes
         tree = man.tree
     else:
-        from nebula_ckpt.dcp.reader import logical_tensors
+        from nebula_ckpt.restore.dcp_reader import logical_tensors
 
         logical = logical_tensors(man)
 

@@ -14,7 +14,7 @@ share ``step-N/shard-g<G>-r<R>.safetensors`` (fsync'd, CRC32C of every tensor), 
 coordinator rank writes ``manifest.json`` and the ``COMMIT`` marker in :meth:`finish`, which DCP
 calls only after every rank's ``write_data`` returned, i.e. after every shard is durable. So
 ``Checkpointer(root).load_latest`` (same world size, or resharded) and
-:class:`~nebula_ckpt.dcp.reader.NebulaStorageReader` (any world size) read it, and
+:class:`~nebula_ckpt.restore.dcp_reader.NebulaStorageReader` (any world size) read it, and
 ``nebula-ckpt verify`` checks it.
 
 How DCP's items map onto the format:
@@ -53,7 +53,7 @@ of the tier writers' retention, :mod:`nebula_ckpt.save.sweep`), and hands
 every rank ``(step, generation)`` through DCP's global plan. Each rank writes its shard and
 returns one record per item (offsets, CRC32C taken before and re-checked after the write). In
 :meth:`finish` the coordinator checks every rank's shard is there with its size, builds and
-strictly re-parses the manifest, checks that a :class:`~nebula_ckpt.dcp.reader.NebulaStorageReader`
+strictly re-parses the manifest, checks that a :class:`~nebula_ckpt.restore.dcp_reader.NebulaStorageReader`
 accepts it, then writes ``manifest.json`` and the create-only ``COMMIT`` last, as the tier writers
 do (:func:`nebula_ckpt.save.commit.commit_manifest`, the one commit step). A failure on any
 rank means DCP never calls :meth:`finish`: no ``COMMIT``, the step stays invisible; the failing
@@ -84,7 +84,6 @@ from torch.futures import Future
 
 from nebula_ckpt.dcp.manifest import DcpSave, RankPlans, dcp_manifest
 from nebula_ckpt.dcp.plans import GlobalPlanData, Held, LocalPlanData, Stored, Written
-from nebula_ckpt.dcp.roots import storage_for
 from nebula_ckpt.dcp.shard import tensor_parts, write_shard
 from nebula_ckpt.dcp.values import check_keys, encode_value, fqn_paths, manifest_key
 from nebula_ckpt.errors import FencedError, NebulaError, PersistError, ValidationError
@@ -92,6 +91,7 @@ from nebula_ckpt.format import manifest as mf
 from nebula_ckpt.format.dtypes import TENSOR_DTYPES, dtype_name
 from nebula_ckpt.format.names import COMMIT, MANIFEST, parse_step_dir, shard_name, shard_owner, step_dir
 from nebula_ckpt.ranks.process_fence import process_fence
+from nebula_ckpt.restore.dcp_roots import storage_for
 from nebula_ckpt.save import sweep
 from nebula_ckpt.save.commit import CommitProgress, commit_manifest, encode_manifest
 from nebula_ckpt.save.plan import check_step
@@ -362,7 +362,7 @@ class NebulaStorageWriter(StorageWriter):
             man = dcp_manifest(DcpSave(st, self.where, step, self._generation(), self._plans), metadata, results)
             mbytes = encode_manifest(man)
             parsed = mf.Manifest.parse(mbytes, self.where, step)
-            from nebula_ckpt.dcp.reader import NebulaStorageReader
+            from nebula_ckpt.restore.dcp_reader import NebulaStorageReader
 
             NebulaStorageReader(st, step, manifest=parsed, verify=False).close()  # DCP can read it back
         except NebulaError as e:

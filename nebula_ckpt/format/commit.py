@@ -2,7 +2,8 @@
 
 ``COMMIT`` is written last, create-only, and names the manifest's size and CRC32C; a folder
 without it is not a checkpoint (readers ignore it, writers clean it up). :func:`read_commit` is
-the one reader of markers and :func:`committed_steps` the one listing of checkpoints.
+the one reader of markers, :func:`committed_steps` the one listing of checkpoints and
+:func:`delete_checkpoint` the one removal of one (its marker first).
 
 A marker also names which *write* of the step it commits: the writer generation, and ``save``,
 the number of the save in that generation (``save_async`` calls are numbered from 0 by every
@@ -15,6 +16,7 @@ are never taken for one (:attr:`Commit.write`). ``save`` is optional (absent: un
 from __future__ import annotations
 
 import json
+import logging
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Optional
@@ -28,6 +30,8 @@ if TYPE_CHECKING:
 
 #: ``(writer generation, step, save number)`` of one write of a step (see :attr:`Commit.write`)
 Write = tuple[int, int, int]
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -105,3 +109,13 @@ def read_commit(storage: "Storage", step: int, where: str) -> Commit:
         CorruptCheckpointError: it is malformed (naming ``where``).
     """
     return Commit.parse(storage.read_small(f"{step_dir(step)}/{COMMIT}"), where)
+
+
+def delete_checkpoint(storage: "Storage", step: int) -> None:
+    """Delete a checkpoint: marker first (it stops being listed, and no reader opens it), then its
+    data. Several at once: in :func:`~nebula_ckpt.format.references.deletion_order`."""
+    d = step_dir(step)
+    storage.remove(f"{d}/{COMMIT}")
+    log.debug("nebula_ckpt: phase=unlisted %s step %d: its marker is gone; its files go next", storage.display_url,
+              step)
+    storage.remove_dir(d)

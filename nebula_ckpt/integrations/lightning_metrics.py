@@ -17,12 +17,26 @@ of ``fit`` (which waits for the save in flight).
 from __future__ import annotations
 
 import importlib
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any, Optional, Protocol
 
 from nebula_ckpt import SaveMetrics
 
-if TYPE_CHECKING:
-    from nebula_ckpt.integrations.lightning import NebulaCheckpointIO
+
+class MetricsSource(Protocol):
+    """What the callback reads of the plugin (:class:`~nebula_ckpt.integrations.lightning.NebulaCheckpointIO`)."""
+
+    @property
+    def checkpointer(self) -> Any:
+        """The plugin's :class:`~nebula_ckpt.Checkpointer`."""
+
+    def wait(self) -> None:
+        """Wait until every save is durable."""
+
+    def take_metrics(self) -> list[tuple[Optional[int], SaveMetrics]]:
+        """The metrics of the saves finished since the last call."""
+
+    def tier_kinds(self) -> dict[str, str]:
+        """Each tier's kind, by name."""
 
 
 def _callback_base() -> Any:
@@ -68,7 +82,7 @@ class NebulaSaveMetrics(_Callback):
         logged: ``(global_step, metrics)`` of every save logged so far (also without a logger).
     """
 
-    def __init__(self, io: "NebulaCheckpointIO", prefix: str = "nebula/") -> None:
+    def __init__(self, io: MetricsSource, prefix: str = "nebula/") -> None:
         super().__init__()
         self.io, self.prefix = io, prefix
         self.logged: list[tuple[Optional[int], dict[str, float]]] = []

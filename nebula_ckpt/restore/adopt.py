@@ -70,7 +70,7 @@ from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 
-from nebula_ckpt.format.commit import committed_steps, read_commit
+from nebula_ckpt.format.commit import committed_steps, delete_checkpoint, read_commit
 from nebula_ckpt.format.names import COMMIT, step_dir
 from nebula_ckpt.format.records import TensorRecord
 from nebula_ckpt.format.references import referrers, shard_path
@@ -214,8 +214,6 @@ class Adoption:
         """Claim the file(s): take them over and delete the checkpoint from the memory tier, so
         that they are this process's alone; False when the claim is not won (see the module
         docstring: the adopted tensors must then be copied)."""
-        from nebula_ckpt.save.commit import delete_checkpoint
-
         if self.refused or not self._used:
             return False  # nothing adopted (or not all of it could be): the tier keeps the step
         # This process has not saved (a condition of adoption): it holds the lock only for this.

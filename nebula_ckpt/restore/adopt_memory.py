@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from nebula_ckpt.format.records import TensorRecord
-from nebula_ckpt.save.prefault import free_pages
+from nebula_ckpt.storage.prefault import free_pages
 
 if TYPE_CHECKING:
     from nebula_ckpt.restore.open import OpenCheckpoint

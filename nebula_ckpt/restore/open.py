@@ -28,8 +28,8 @@ from nebula_ckpt.format.records import ShardRecord, TensorRecord
 from nebula_ckpt.format.references import shard_path
 from nebula_ckpt.format.tree import decode
 from nebula_ckpt.native import get_ops
-from nebula_ckpt.save.prefault import advise
 from nebula_ckpt.storage.base import Storage
+from nebula_ckpt.storage.prefault import advise
 
 log = logging.getLogger(__name__)
 

@@ -4,7 +4,7 @@
 keyed by their path joined with ``/``; tensors and DTensors as leaves; objects with
 ``state_dict()`` replaced by their state dict and given it back with ``load_state_dict`` once
 filled), hands the tensor leaves to ``torch.distributed.checkpoint.load`` through
-:class:`~nebula_ckpt.dcp.reader.NebulaStorageReader` (DCP's planner computes which stored pieces each
+:class:`~nebula_ckpt.restore.dcp_reader.NebulaStorageReader` (DCP's planner computes which stored pieces each
 rank's tensors overlap, so DTensor local shards are filled in place), then sets the non-tensor
 leaves (ints, learning rates, param_groups, ...) from the saved tree of the lowest rank.
 
@@ -23,10 +23,10 @@ from typing import Any, Mapping, Optional
 import torch
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from nebula_ckpt.dcp.reader import NebulaStorageReader
 from nebula_ckpt.errors import CorruptCheckpointError, NebulaError, ValidationError
 from nebula_ckpt.format import manifest as mf
 from nebula_ckpt.format.tree import decode
+from nebula_ckpt.restore.dcp_reader import NebulaStorageReader
 from nebula_ckpt.restore.walk import Thunk, TreeWalk, describe, tensor_keys
 from nebula_ckpt.storage.base import Storage
 

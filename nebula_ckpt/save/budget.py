@@ -35,6 +35,7 @@ import logging
 import os
 from typing import Any, Optional, Sequence, Union
 
+from nebula_ckpt.arguments import check_budget
 from nebula_ckpt.errors import ValidationError
 from nebula_ckpt.format.commit import committed_steps, read_commit
 
@@ -46,16 +47,6 @@ RESERVE_FRACTION = 0.10
 RESERVE_MIN_BYTES = 1 << 30
 
 Budget = Union[int, float, None]
-
-
-def check_budget(value: object) -> None:
-    """Refuse a ``host_memory_budget`` that is not a positive int (bytes), a float in (0, 1] (a
-    share of the machine's memory) or None (what is free), naming it and what it takes."""
-    ok = value is None or (isinstance(value, int) and not isinstance(value, bool) and value > 0) or \
-        (isinstance(value, float) and 0.0 < value <= 1.0)
-    if not ok:
-        raise ValidationError(f"host_memory_budget must be a positive int (bytes), a float in (0, 1] (a share of "
-                              f"this machine's memory) or None (what is free, the default), got {value!r}")
 
 
 def gib(n: float) -> str:

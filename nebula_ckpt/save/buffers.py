@@ -35,8 +35,8 @@ from nebula_ckpt.errors import ValidationError
 from nebula_ckpt.latch import Latch
 from nebula_ckpt.native import get_ops
 from nebula_ckpt.save.budget import HostMemoryBudget, folder_ram_bytes, gib
-from nebula_ckpt.save.prefault import FaultAhead, threads_for
 from nebula_ckpt.save.slots import Slot, adopt_slot_file, create_slot_file, fresh_anonymous, shm_room
+from nebula_ckpt.storage.prefault import FaultAhead, threads_for
 from nebula_ckpt.tiers.memory.slot_files import own_spare_slot_files
 
 __all__ = ["Slot", "StagingPool"]

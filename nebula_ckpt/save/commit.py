@@ -105,16 +105,6 @@ def is_committed(storage: Storage, step: int, generation: int) -> bool:
     return c.step == step and c.generation == generation
 
 
-def delete_checkpoint(storage: Storage, step: int) -> None:
-    """Delete a checkpoint: marker first (it stops being listed, and no reader opens it), then its
-    data. Several at once: in :func:`~nebula_ckpt.format.references.deletion_order`."""
-    d = step_dir(step)
-    storage.remove(f"{d}/{COMMIT}")
-    log.debug("nebula_ckpt: phase=unlisted %s step %d: its marker is gone; its files go next", storage.display_url,
-              step)
-    storage.remove_dir(d)
-
-
 def retract_step(storage: Storage, step: int, generation: int, tier: str) -> bool:
     """Take back ``generation``'s committed ``step`` (a save of it ended fenced): its marker
     first, then the files of that generation (and the manifest, unless a newer writer's files

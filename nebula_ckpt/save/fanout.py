@@ -18,14 +18,21 @@ A :class:`Delivery` is one snapshot on its way to one tier. Tier writers call ``
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Any, Optional
+from typing import Any, Optional, Protocol
 
 from nebula_ckpt.save.snapshot import FileSource, SlotSource, Snapshot
 
-if TYPE_CHECKING:
-    from nebula_ckpt.save.writer import TierWriter
-
 log = logging.getLogger(__name__)
+
+
+class Target(Protocol):
+    """What the fan-out uses of a tier writer (:class:`nebula_ckpt.save.writer.TierWriter`)."""
+
+    name: str
+    runtime: Any
+
+    def offer(self, delivery: "Delivery") -> Any:
+        """Queue ``delivery`` for this tier."""
 
 
 class Delivery:
@@ -37,7 +44,7 @@ class Delivery:
         downstream: slower tiers this tier hands its shard file to once written.
     """
 
-    def __init__(self, snap: Snapshot, source: Any, downstream: Optional[list["TierWriter"]] = None) -> None:
+    def __init__(self, snap: Snapshot, source: Any, downstream: Optional[list["Target"]] = None) -> None:
         self.snap = snap
         self.source = source
         self.downstream = list(downstream or [])
@@ -71,7 +78,7 @@ class Delivery:
         self.source.release()
 
 
-def fan_out(snap: Snapshot, targets: list["TierWriter"]) -> None:
+def fan_out(snap: Snapshot, targets: list["Target"]) -> None:
     """Offer ``snap`` (holding one staging reference, which this takes over) to its tiers."""
     first, rest = targets[0], targets[1:]
     if rest and first.runtime.feeds_slower and snap.slot.path is None:

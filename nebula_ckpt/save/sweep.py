@@ -16,10 +16,9 @@ import logging
 from dataclasses import dataclass
 from typing import Callable, Container
 
-from nebula_ckpt.format.commit import committed_steps, step_dirs
+from nebula_ckpt.format.commit import committed_steps, delete_checkpoint, step_dirs
 from nebula_ckpt.format.names import COMMIT, shard_generation, shard_owner, step_dir
 from nebula_ckpt.format.references import referrers
-from nebula_ckpt.save.commit import delete_checkpoint
 from nebula_ckpt.storage.base import Storage
 
 log = logging.getLogger(__name__)

@@ -37,7 +37,7 @@ from typing import Any, Callable, Optional
 
 from nebula_ckpt import knobs
 from nebula_ckpt.errors import FencedError, PersistError
-from nebula_ckpt.format.commit import committed_steps, read_commit
+from nebula_ckpt.format.commit import committed_steps, delete_checkpoint, read_commit
 from nebula_ckpt.format.manifest import Manifest, finish_manifest
 from nebula_ckpt.format.names import COMMIT, MANIFEST, RANKS_FILE, records_name, shard_name, shard_owner, step_dir
 from nebula_ckpt.format.references import deletion_order, protected_steps, referrers, shard_path
@@ -51,7 +51,6 @@ from nebula_ckpt.save.commit import (
     CommitUncertain,
     PeerSkipped,
     commit_manifest,
-    delete_checkpoint,
     encode_manifest,
     retract_step,
 )

@@ -19,9 +19,9 @@ from __future__ import annotations
 
 from typing import Any, Callable, Optional
 
+from nebula_ckpt.format.owner import Owner
 from nebula_ckpt.storage.base import Storage
 from nebula_ckpt.tiers.base import Tier
-from nebula_ckpt.tiers.memory.shm import Owner
 
 
 def _nothing_more(committed: list[int]) -> set[int]:

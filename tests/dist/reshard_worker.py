@@ -80,7 +80,7 @@ def main() -> None:
         import torch.distributed.checkpoint as dcp
 
         from nebula_ckpt.dcp import NebulaStorageReader
-        from nebula_ckpt.dcp.reader import newest_manifest as newest
+        from nebula_ckpt.restore.dcp_reader import newest_manifest as newest
         from nebula_ckpt.restore.reshard import load_resharded
         from nebula_ckpt.storage.local import LocalStorage
 

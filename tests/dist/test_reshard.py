@@ -23,7 +23,7 @@ from nebula_ckpt.format.commit import Commit
 from nebula_ckpt.format.names import COMMIT, MANIFEST, step_dir
 from nebula_ckpt.format.records import DTensorInfo
 from nebula_ckpt.cli import main as cli
-from nebula_ckpt.dcp.reader import newest_manifest
+from nebula_ckpt.restore.dcp_reader import newest_manifest
 from nebula_ckpt.errors import CorruptCheckpointError, ValidationError
 from nebula_ckpt.native import get_ops
 from nebula_ckpt.restore.reshard import gather_full, load_resharded

@@ -21,7 +21,7 @@ The package, by concern:
 * :mod:`.scrub`: what a credential looks like; every message and log line goes through it;
 * :mod:`.upload`: upload streams, part sizing and the parallel multi-part pipeline;
 * :mod:`.frames`: zstd framing and the validation of storage info before any allocation (the
-  frame table by :func:`nebula_ckpt.format.storage_info.frame_table`, as when a manifest is parsed).
+  frame table by :func:`nebula_ckpt.storage.frame_table.frame_table`, as when a manifest is parsed).
 """
 
 from nebula_ckpt.storage.remote.azure import AzureBlobStorage

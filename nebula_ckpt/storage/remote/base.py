@@ -26,7 +26,7 @@ import errno
 import logging
 import threading
 import time
-from typing import Any, Callable, ClassVar, Optional, TypeVar
+from typing import Any, Callable, ClassVar, Optional, TypeVar, cast
 
 from nebula_ckpt import knobs
 from nebula_ckpt.storage.base import Buffer, Storage
@@ -102,7 +102,7 @@ class FsspecStorage(Storage):
     def __new__(cls, url: str, storage_options: Optional[dict[str, Any]] = None, *,
                 compression: Optional[str] = None) -> "FsspecStorage":
         if cls is FsspecStorage:
-            cls = storage_class_for(url)
+            cls = cast("type[FsspecStorage]", storage_class_for(url))  # a subclass of FsspecStorage
         elif not cls._is_backend:
             raise TypeError(f"{cls.__name__} subclasses FsspecStorage, which only dispatches by URL "
                             f"scheme; subclass the backend instead: storage_class_for(url)")

@@ -7,7 +7,7 @@ decompresses it straight into its raw offset.
 
 The storage info comes from a file, so :func:`plan_read` validates it against the object's
 real size *before* a byte is allocated: every number a non-negative int within bounds, the
-frame table as :func:`~nebula_ckpt.format.storage_info.frame_table` checks it (frame count
+frame table as :func:`~nebula_ckpt.storage.frame_table.frame_table` checks it (frame count
 bounded by the object size, stored lengths summing to it, no frame claiming more than zstd can
 possibly expand to), raw lengths summing to the recorded / expected raw size. A 181-byte object
 cannot make a restore allocate 1.5 GiB.
@@ -19,7 +19,7 @@ import math
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
-from nebula_ckpt.format.storage_info import frame_table
+from nebula_ckpt.storage.frame_table import frame_table
 from nebula_ckpt.storage.remote.errors import StorageInfoError
 from nebula_ckpt.workers import Workers
 
@@ -125,7 +125,7 @@ def _count(value: Any, what: str, where: str, limit: int = MAX_OBJECT_BYTES) -> 
 
 def _zstd_tasks(frames: Any, object_size: int, where: str) -> list[ReadTask]:
     """Read tasks of a zstd frame table, validated against the object's real size
-    (:func:`~nebula_ckpt.format.storage_info.frame_table`, the one check of frame tables)."""
+    (:func:`~nebula_ckpt.storage.frame_table.frame_table`, the one check of frame tables)."""
     tasks: list[ReadTask] = []
     soff = roff = 0
     for raw, stored in frame_table(frames, object_size, where, StorageInfoError):

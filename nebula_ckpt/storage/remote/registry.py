@@ -6,7 +6,7 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # pragma: no cover
-    from nebula_ckpt.storage.remote.base import FsspecStorage
+    from nebula_ckpt.storage.base import Storage
 
 _AZURE_HINT = "pip install 'nebula_ckpt[azure]'  (adlfs, azure-storage-blob)"
 _S3_HINT = "pip install 'nebula_ckpt[s3]'  (s3fs)"
@@ -28,7 +28,7 @@ _BACKENDS = {
 _GENERIC = ".generic:GenericFsspecStorage"
 
 
-def storage_class_for(url: str) -> "type[FsspecStorage]":
+def storage_class_for(url: str) -> "type[Storage]":
     """The backend class that serves ``url``, chosen by its scheme.
 
     ``FsspecStorage(url, ...)`` calls this itself; use it directly to subclass the right

@@ -28,8 +28,8 @@ import torch.distributed as dist
 from nebula_ckpt import knobs
 from nebula_ckpt.format.names import step_dir
 from nebula_ckpt.priority import lower_priority
-from nebula_ckpt.save.prefault import populate_mapping
 from nebula_ckpt.storage.local import MappedHold
+from nebula_ckpt.storage.prefault import populate_mapping
 from nebula_ckpt.tiers.memory.replica_store import ReplicaStore, safe_name
 
 log = logging.getLogger(__name__)

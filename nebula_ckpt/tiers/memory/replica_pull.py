@@ -44,10 +44,10 @@ from nebula_ckpt.format.commit import Write, read_commit
 from nebula_ckpt.format.names import step_dir
 from nebula_ckpt.native import get_ops
 from nebula_ckpt.restore.open import OpenCheckpoint, open_checkpoint
-from nebula_ckpt.save.prefault import MADV_POPULATE_WRITE, advise
 from nebula_ckpt.storage.base import Storage
 from nebula_ckpt.storage.buffers import BufferStorage
 from nebula_ckpt.storage.local import LocalStorage
+from nebula_ckpt.storage.prefault import MADV_POPULATE_WRITE, advise
 from nebula_ckpt.tiers.memory.replica_channel import Channel, no_room_for_copy
 from nebula_ckpt.tiers.memory.replica_store import ReplicaStore, safe_name
 

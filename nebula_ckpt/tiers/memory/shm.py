@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import errno
 import fcntl
-import json
 import logging
 import os
 import shutil
@@ -33,6 +32,7 @@ from typing import Optional
 
 from nebula_ckpt import knobs
 from nebula_ckpt.format.names import COMMIT, LOCK_FILE, ROOT_FILE, parse_step_dir
+from nebula_ckpt.format.owner import Owner
 from nebula_ckpt.storage.atomic import write_file_atomic
 
 log = logging.getLogger(__name__)
@@ -153,34 +153,6 @@ def secure_subfolder(parent: str, name: str) -> str:
 
 
 # -- claims -------------------------------------------------------------------------------------------
-
-@dataclass(frozen=True)
-class Owner:
-    """What a memory tier's ``ROOT`` file says: whose checkpoints these are."""
-
-    root: str
-    run_id: Optional[str]
-
-    def to_bytes(self) -> bytes:
-        """Serialise."""
-        return json.dumps({"root": self.root, "run_id": self.run_id}).encode()
-
-    @staticmethod
-    def parse(data: bytes) -> Optional["Owner"]:
-        """Parse; ``None`` when unreadable. A pre-run-id ``ROOT`` (the bare root) has no run id."""
-        try:
-            d = json.loads(data)
-        except (ValueError, UnicodeDecodeError):
-            try:
-                text = data.decode()
-            except UnicodeDecodeError:
-                return None
-            return Owner(text, None) if text and "\n" not in text else None
-        if not isinstance(d, dict) or not isinstance(d.get("root"), str):
-            return None
-        run = d.get("run_id")
-        return Owner(d["root"], run if isinstance(run, str) else None)
-
 
 def read_owner(folder: str) -> Optional[Owner]:
     """The owner recorded in ``folder``, or ``None`` (no ``ROOT`` file, or unreadable)."""

@@ -65,8 +65,6 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
-from nebula_ckpt.dcp.flat_names import ExposedValue, dcp_names
-from nebula_ckpt.dcp.roots import GivenStorage, partial_job, split_checkpoint_id, tier_for
 from nebula_ckpt.errors import CorruptCheckpointError, NotFoundError, ValidationError
 from nebula_ckpt.format import manifest as mf
 from nebula_ckpt.format.commit import committed_steps
@@ -75,6 +73,8 @@ from nebula_ckpt.format.names import COMMIT, parse_step_dir, step_dir
 from nebula_ckpt.format.records import TensorRecord
 from nebula_ckpt.format.references import shard_path
 from nebula_ckpt.native import get_ops
+from nebula_ckpt.restore.dcp_names import ExposedValue, dcp_names
+from nebula_ckpt.restore.dcp_roots import GivenStorage, partial_job, split_checkpoint_id, tier_for
 from nebula_ckpt.restore.open import OpenCheckpoint, read_manifest
 from nebula_ckpt.restore.select import find_and_open
 from nebula_ckpt.storage.base import Storage

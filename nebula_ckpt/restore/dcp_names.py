@@ -1,6 +1,6 @@
 """DCP's flattened names of a saved tree (``"model.0.weight"``, ``"optim.param_groups.0.lr"``).
 
-The reader (:class:`nebula_ckpt.dcp.reader.NebulaStorageReader`) exposes every tensor and plain
+The reader (:class:`nebula_ckpt.restore.dcp_reader.NebulaStorageReader`) exposes every tensor and plain
 value of a checkpoint under the names DCP's own flattening gives a nested state dict, so nested
 state dicts load directly. Values stored with pickle are only exposed with ``allow_pickle``.
 """
