@@ -4,7 +4,8 @@
   imports under ``if TYPE_CHECKING:`` excepted);
 - no module over 500 lines and no function over 60;
 - no module reads another module's private names (``from m import _x``, ``m._x``);
-- ``knobs.py`` is the only reader of the environment;
+- ``knobs.py`` is the only reader of the environment (and ``compat/nebula/environment.py``, for
+  Azure ML Nebula's own variables); it holds at most ``MAX_KNOBS`` knobs, each documented;
 - ``integrations/`` and ``compat/`` use the public API only (names in a public module's ``__all__``);
 - the benchmark harness lives outside the installed package.
 
@@ -244,16 +245,39 @@ def test_adapters_set_no_private_attributes_on_framework_objects(folder: str) ->
     assert not found, "\n".join(found)
 
 
+# the modules that may read os.environ: the knobs, and Nebula's own variables for its compat layer
+ENVIRONMENT_READERS = {"nebula_ckpt.knobs", "nebula_ckpt.compat.nebula.environment"}
+# knobs a user or operator can act on; the library's internal sizes and waits are module constants
+MAX_KNOBS = 22
+
+
 def test_knobs_is_the_only_reader_of_the_environment() -> None:
     found = []
     for name, path in MODULES.items():
-        if name == "nebula_ckpt.knobs":
+        if name in ENVIRONMENT_READERS:
             continue
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.Attribute) and node.attr in {"environ", "getenv", "environb"}:
                 if isinstance(node.value, ast.Name) and node.value.id == "os":
                     found.append(f"{path.relative_to(PKG.parent)}:{node.lineno} reads os.{node.attr}")
     assert not found, "read the environment through nebula_ckpt.knobs:\n" + "\n".join(found)
+
+
+def test_few_knobs_each_documented() -> None:
+    """Every knob is one a user can act on: at most MAX_KNOBS of them, each with a line of
+    documentation and a ``NEBULA_`` variable of its own; no knob stands for another program's
+    variable (Nebula's are read in compat/)."""
+    from nebula_ckpt import knobs
+
+    described = knobs.describe()
+    assert len(described) <= MAX_KNOBS, (
+        f"{len(described)} knobs (limit {MAX_KNOBS}): make the new one a constructor argument or a named "
+        f"constant in the module that uses it: {sorted(described)}")
+    undocumented = [n for n, (_, _, doc) in described.items() if len(doc.split()) < 4]
+    assert not undocumented, f"knobs without a doc string: {undocumented}"
+    envs = [env for env, _, _ in described.values()]
+    assert len(set(envs)) == len(envs) and all(e.startswith("NEBULA_") for e in envs), envs
+    assert not [e for e in envs if e.startswith("NEBULA_PERSISTENT_") or e == "NEBULA_MEMORY_BUFFER_SIZE"]
 
 
 def _public_names(module: str) -> set[str]:

@@ -24,10 +24,17 @@ import heapq
 import json
 from typing import Any, Optional
 
-from nebula_ckpt import knobs
 from nebula_ckpt.format import manifest as mf
 from nebula_ckpt.format.dtypes import TENSOR_DTYPES
 from nebula_ckpt.format.header import safetensors_header
+
+#: multi-rank: replicated tensors smaller than this are all written by rank 0 (larger ones are
+#: spread over the ranks)
+SMALL_REPLICA_BYTES = 64 << 10
+#: multi-rank: replicated tensors are written by ranks 0..N-1 only (0: by every rank); a restoring
+#: rank then reads at most N+1 records files, and each of those ranks writes about 1/N of the
+#: replicated bytes
+REPLICA_OWNER_RANKS = 64
 
 Entry = tuple[int, int, str, tuple[int, ...]]
 
@@ -60,15 +67,15 @@ def assign(summaries: list[dict[str, Entry]], base: Optional[list[int]] = None) 
 
     A key is replicated when every rank has it with equal bytes, checksum, dtype and shape. Keys
     not in the result are written by every rank that has them. ``base``: bytes each rank writes
-    anyway (its sharded state), so owners balance the total. Replicas under the knob
-    ``small_replica_bytes`` (optimizer step counts, scalars) all belong to rank 0: a rank that
+    anyway (its sharded state), so owners balance the total. Replicas under
+    :data:`SMALL_REPLICA_BYTES` (optimizer step counts, scalars) all belong to rank 0: a rank that
     restores a sharded (FSDP) state then reads its own shard and rank 0's, not a piece of every
     rank's (a whole download each, on a blob store). Larger replicas go to the first
-    ``replica_owner_ranks`` ranks only (a contiguous block; 0: every rank), so that a restoring
+    :data:`REPLICA_OWNER_RANKS` ranks only (a contiguous block; 0: every rank), so that a restoring
     rank reads the records files of that many owners at most, whatever the number of ranks.
     """
-    small = int(knobs.get("small_replica_bytes"))
-    block = int(knobs.get("replica_owner_ranks"))
+    small = int(SMALL_REPLICA_BYTES)
+    block = int(REPLICA_OWNER_RANKS)
     if len(summaries) < 2:
         return {}
     first = summaries[0]

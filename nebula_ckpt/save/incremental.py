@@ -39,6 +39,10 @@ from nebula_ckpt.format.records import ShardRecord, TensorRecord
 from nebula_ckpt.priority import lower_priority
 from nebula_ckpt.workers import Workers
 
+#: the threads that hash staged tensors run this much nicer than the process (Linux, 0-19; 0: same
+#: priority), so that on a machine without idle cores hashing yields to training
+HASH_NICE = 10
+
 #: ``same(base, candidates)``: the keys of ``candidates`` (key -> its record in ``base``) whose
 #: staged bytes equal the base's (:class:`nebula_ckpt.save.compare.BaseBytes`)
 SameBytes = Callable[[Manifest, dict[str, TensorRecord]], set[str]]
@@ -75,15 +79,15 @@ def hash_staged(view: memoryview, index: dict[str, dict[str, Any]], keys: Iterab
         start, end = index[k]["offsets"]
         return hashlib.sha256(view[start:end]).hexdigest()
 
-    threads = max(1, min(len(todo), int(knobs.get("hash_threads"))))
+    threads = max(1, min(len(todo), int(knobs.get("io_threads"))))
     with Workers(threads, thread_name_prefix="nebula-hash", initializer=yield_to_training) as ex:
         return dict(zip(todo, ex.map(one, todo), strict=True))
 
 
 def yield_to_training() -> None:
-    """Lower the calling thread's scheduling priority by the knob ``hash_nice``, so that where no
+    """Lower the calling thread's scheduling priority by :data:`HASH_NICE`, so that where no
     core is idle the hash threads take what training leaves (:mod:`nebula_ckpt.priority`)."""
-    lower_priority(int(knobs.get("hash_nice")))
+    lower_priority(int(HASH_NICE))
 
 
 def same_kind(rec: dict[str, Any], old: TensorRecord) -> bool:
