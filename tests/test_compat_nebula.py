@@ -25,6 +25,7 @@ import torch
 
 import nebula_ckpt as nc
 import nebula_ckpt.compat.torch_nebula as tn
+from nebula_ckpt.adapters import check_tag
 from nebula_ckpt.compat import install_aliases
 from proc_lines import lines
 
@@ -162,7 +163,7 @@ def test_longest_tag_gets_a_latest_checkpoint_path(root: str, part: str) -> None
     tn.init(persistent_storage_path=root)
     paths = []
     for i, tag in enumerate(("t" * 255 + "1", "t" * 255 + "2")):
-        nc.check_tag(tag)  # a valid tag
+        check_tag(tag)  # a valid tag
         c = tn.Checkpoint(tag, 1)
         c.save(part, {"w": torch.full((3,), float(i))})
         path = tn.get_latest_checkpoint_path(part)

@@ -12,14 +12,8 @@ import shutil
 import threading
 from typing import Any, Optional
 
-from nebula_ckpt import (
-    Checkpointer,
-    MemoryTier,
-    SaveHandle,
-    canonical_root,
-    refuse_url_credentials,
-    tier_for_root,
-)
+from nebula_ckpt import Checkpointer, MemoryTier, SaveHandle
+from nebula_ckpt.adapters import canonical_root, refuse_url_credentials, tier_for_root
 from nebula_ckpt.compat.nebula import environment
 from nebula_ckpt.errors import NebulaError, NotFoundError, ValidationError
 
