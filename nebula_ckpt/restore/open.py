@@ -25,7 +25,6 @@ from nebula_ckpt.format.rank_index import load_split, with_index
 from nebula_ckpt.format.rank_records import with_records
 from nebula_ckpt.format.records import ShardRecord, TensorRecord
 from nebula_ckpt.format.references import shard_path
-from nebula_ckpt.format.tree import decode
 from nebula_ckpt.native import get_ops
 from nebula_ckpt.save.prefault import advise
 from nebula_ckpt.storage.base import Storage
@@ -171,18 +170,6 @@ class OpenCheckpoint:
             v = raw.view(rec.torch_dtype).reshape(rec.shape)
             self._views[rec.key] = v
         return v
-
-    def decode_tree(self, materialize: Callable[[str, torch.Tensor], Any], allow_pickle: bool) -> Any:
-        """Decode the whole state tree, turning each tensor view into ``materialize(key, view)``."""
-        made: dict[str, Any] = {}
-
-        def tensor(key: str) -> Any:
-            real = self.resolve(key).key
-            if real not in made:
-                made[real] = materialize(key, self.view(key))
-            return made[real]
-
-        return decode(self.tree, tensor, allow_pickle)
 
 
 
