@@ -69,8 +69,7 @@ from nebula_ckpt.format import names as fnames
 from nebula_ckpt.format.commit import Commit
 from nebula_ckpt.format.rank_records import ranks_for
 from nebula_ckpt.ranks import shards as ranks
-from nebula_ckpt.ranks.layout import first_of_class, signature
-from nebula_ckpt.ranks.split import split_manifest, split_payload
+from nebula_ckpt.ranks.split import first_of_class, signature, split_manifest, split_payload
 from nebula_ckpt.restore.open import read_main_manifest, read_manifest
 from nebula_ckpt.save.commit import encode_manifest
 from nebula_ckpt.storage.local import LocalStorage

@@ -12,9 +12,8 @@ Pure functions over metadata (no I/O, no collectives), used by the tier writers 
 * :func:`subset_image` — the safetensors image of a rank's share: a new header and the byte
   ranges of the staged snapshot (no copy).
 * :func:`rank_manifest` — the manifest of a rank's own tier (memory; format version 2, see
-  :mod:`nebula_ckpt.format.manifest`); it, the DCP writer's multi-rank manifest (version 2) and
-  the coordinator's manifest on a shared tier (version 3, :mod:`nebula_ckpt.ranks.layout`) are
-  built by :func:`ranks_manifest`.
+  :mod:`nebula_ckpt.format.manifest`); it and the DCP writer's multi-rank manifest (version 2)
+  are built by :func:`ranks_manifest` (as is version 3's, which only the tests still write).
 """
 
 from __future__ import annotations
@@ -161,9 +160,8 @@ def stored_record(record: dict[str, Any], rank: int) -> dict[str, Any]:
 def ranks_manifest(*, step: int, generation: int, shards: list[dict[str, Any]], tensors: dict[str, dict[str, Any]],
                    aliases: dict[str, str], trees: list[Any], stats: dict[str, Any],
                    same_trees: Optional[list[bool]] = None, hashes: Optional[dict[str, str]] = None) -> dict[str, Any]:
-    """The manifest of a checkpoint every rank wrote a shard of (the one builder of them: the
-    version 3 :func:`nebula_ckpt.ranks.layout.layout_manifest` of the tier writers and the DCP
-    writer use it).
+    """The manifest of a checkpoint every rank wrote a shard of (the rank manifests of the
+    memory tier and the DCP writer's; the tests' writer of version 3 uses it too).
 
     ``trees[r]``: rank ``r``'s typed tree; equal trees are stored once (``rank_tree`` maps each
     rank to its tree). ``same_trees[r]``: rank ``r``'s tree is known to be rank 0's (compared by
