@@ -3,8 +3,8 @@
 The "first saves" case of the recovery benchmark (:mod:`benchmarks.recovery`; the ``saves`` role
 of :mod:`benchmarks.recovery_worker`: MLP + AdamW, a training step before each save, stall =
 ``save_async`` + ``wait_snapshot()``, ``result()`` untimed, then ``torch.save`` + fsync of the same
-state), without the restarts, for each ``--fault-ahead`` setting (the ``fault_ahead_threads``
-knob; ``default``: the knob's own default) in turn, each repetition in fresh processes, the
+state), without the restarts, for each ``--fault-ahead`` setting (``FAULT_AHEAD_THREADS`` of
+:mod:`nebula_ckpt.storage.prefault`; ``default``: its own default) in turn, each repetition in fresh processes, the
 settings interleaved so that they share the machine's conditions. Reports per size and setting
 the first save's stall, the later saves' median, their ratio and torch.save + fsync (medians over
 the repetitions), into ``--out`` (``results.json``, ``results.md``).
@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import os
 import shutil
 import statistics
 import sys
@@ -36,13 +35,11 @@ def one_rep(size_gb: float, setting: str, work: Path, threads: int, saves: int) 
     """One fresh saving process at ``size_gb`` with fault-ahead ``setting``; its aggregated figures."""
     g = geometry(size_gb)
     sdir = Path(tempfile.mkdtemp(prefix="first-", dir=work))
-    if setting == "default":
-        os.environ.pop("NEBULA_FAULT_AHEAD_THREADS", None)
-    else:
-        os.environ["NEBULA_FAULT_AHEAD_THREADS"] = setting
+    fault_ahead = None if setting == "default" else int(setting)
     try:
         res, why = launch(WorkerSpec(role="saves", width=g.width, layers=g.layers, threads=threads,
-                                     result=str(sdir / "saves.json"), dir=str(sdir), saves=saves, torch_reps=1),
+                                     result=str(sdir / "saves.json"), dir=str(sdir), saves=saves, torch_reps=1,
+                                     fault_ahead=fault_ahead),
                           sdir, "saves", 120.0 + 60.0 * size_gb * saves)
     finally:
         shutil.rmtree(sdir, ignore_errors=True)
@@ -82,7 +79,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     """Command line (see the module docstring)."""
     p = argparse.ArgumentParser(prog="python -m benchmarks.first_save", description=__doc__.split("\n\n")[0])
     p.add_argument("--sizes", default="0.3,1.2,3", help="state sizes in GB")
-    p.add_argument("--fault-ahead", default="0,default", help="fault_ahead_threads settings, e.g. 0,1,default")
+    p.add_argument("--fault-ahead", default="0,default", help="FAULT_AHEAD_THREADS settings, e.g. 0,1,default")
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--saves", type=int, default=8, help="saves per process (the first 4 are reported one by one)")
     p.add_argument("--threads", type=int, default=1, help="torch threads of the saving process")

@@ -151,6 +151,7 @@ class WorkerSpec:
     saves: int = 8  # saves: saves made
     torch_reps: int = 2  # saves: torch.save + fsync timed
     prepare: bool = False  # saves: Checkpointer.prepare(state) made the staging before the first save
+    fault_ahead: Optional[int] = None  # nebula_ckpt.storage.prefault.FAULT_AHEAD_THREADS (None: its default)
 
     @property
     def geometry(self) -> Geometry:
@@ -344,6 +345,9 @@ def worker_main(argv: Sequence[str]) -> int:
         raise ValueError(f"spec is for role {spec.role!r}, not {argv[0]!r}")
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     torch.set_num_threads(spec.threads)
+    if spec.fault_ahead is not None:
+        from nebula_ckpt.storage import prefault
+        prefault.FAULT_AHEAD_THREADS = spec.fault_ahead
     {"save": _save_worker, "restart": _restart_worker, "saves": _saves_worker}[spec.role](spec)
     return 0
 

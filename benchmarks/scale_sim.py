@@ -11,8 +11,8 @@ byte range, CRC32C, DTensor placement):
 * ``fsdp``: every rank holds a ``Shard(0)`` piece of every parameter and of its two AdamW moments,
   plus a replicated 0-dim step count per parameter (what ``fully_shard`` + AdamW records);
 * ``ddp``: every rank holds the same full tensors (the replicas the commit writes once), owned by
-  the first ``replica_owner_ranks`` ranks (the knob's default);
-* ``ddp-spread``: the same, with ``replica_owner_ranks`` 0 (the replicas spread over every rank):
+  the first ``REPLICA_OWNER_RANKS`` ranks (:mod:`nebula_ckpt.ranks.shards`, its default);
+* ``ddp-spread``: the same, with ``REPLICA_OWNER_RANKS`` 0 (the replicas spread over every rank):
   the trade-off between the records files a restoring rank reads and the bytes the busiest rank writes.
 
 Per size it measures, on the paths a real job runs:
@@ -49,6 +49,7 @@ than ``--budget-s`` seconds (the report then extrapolates it, saying so).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import gc
 import json
@@ -59,17 +60,16 @@ import shutil
 import tempfile
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 
-from nebula_ckpt import knobs, native
+from nebula_ckpt import native
 from nebula_ckpt.format import names as fnames
 from nebula_ckpt.format.commit import Commit
 from nebula_ckpt.format.rank_records import ranks_for
 from nebula_ckpt.ranks import shards as ranks
-from nebula_ckpt.ranks.layout import first_of_class, signature
-from nebula_ckpt.ranks.split import split_manifest, split_payload
+from nebula_ckpt.ranks.split import first_of_class, signature, split_manifest, split_payload
 from nebula_ckpt.restore.open import read_main_manifest, read_manifest
 from nebula_ckpt.save.commit import encode_manifest
 from nebula_ckpt.storage.local import LocalStorage
@@ -335,6 +335,16 @@ def dcp_planner(job: Job, s: Sample, run: Callable[[str, Callable[[], Any]], Any
         s.values["dcp rank 0 writes: metadata (B)"] = float(len(pickle.dumps(out[1])))
 
 
+@contextlib.contextmanager
+def owner_ranks(n: int) -> Iterator[None]:
+    """Within the block, replicated tensors are written by ranks 0..n-1 (0: by every rank)."""
+    saved, ranks.REPLICA_OWNER_RANKS = ranks.REPLICA_OWNER_RANKS, n
+    try:
+        yield
+    finally:
+        ranks.REPLICA_OWNER_RANKS = saved
+
+
 def fit(points: list[tuple[int, float]]) -> Optional[tuple[float, float]]:
     """``(k, a)`` of ``y = a * x**k`` by least squares on the logs (None with fewer than 2 points)."""
     pts = [(math.log(x), math.log(y)) for x, y in points if y > 0]
@@ -403,11 +413,11 @@ def main(argv: Optional[list[str]] = None) -> int:
                 f = fit([(s.ranks, s.values[name]) for s in samples if name in s.values])
                 return None if f is None else f[1] * world ** f[0]
 
-            block = {"replica_owner_ranks": 0} if kind.endswith("-spread") else {}
+            spread = kind.endswith("-spread")
             for n in sizes:
-                with knobs.override(**block):
+                with owner_ranks(0 if spread else ranks.REPLICA_OWNER_RANKS):
                     samples.append(simulate(kind, n, a.tensors, work, a.budget_s, predict,
-                                            0 if block else a.dcp_max_ranks))
+                                            0 if spread else a.dcp_max_ranks))
                 print(f"{kind} {n} ranks: " + ", ".join(f"{k} {fmt(k, v)}" for k, v in samples[-1].values.items()),
                       flush=True)
             text, fits = report(kind, a.tensors, samples)

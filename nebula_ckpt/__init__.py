@@ -35,29 +35,20 @@ from nebula_ckpt.errors import (
     PickleNotAllowedError,
     ValidationError,
 )
-from nebula_ckpt.format.names import MAX_TAG_CHARS, check_tag
 from nebula_ckpt.handle import SaveHandle, SaveMetrics
 from nebula_ckpt.loop import LoopState
-from nebula_ckpt.ranks.coordinator import Coordinator, LocalCoordinator
-from nebula_ckpt.ranks.distributed import DistCoordinator
-from nebula_ckpt.storage.atomic import write_file_atomic
-from nebula_ckpt.tiers import (
-    LocalTier,
-    MemoryTier,
-    RemoteTier,
-    Tier,
-    canonical_root,
-    refuse_url_credentials,
-    tier_for_root,
-)
 
+# documented beside Checkpointer's ``coordinator=`` argument (a coordinator on a subgroup): reachable
+# as ``nc.DistCoordinator``, though it belongs to the seam for integration authors (nebula_ckpt.adapters)
+from nebula_ckpt.ranks.distributed import DistCoordinator as DistCoordinator
+from nebula_ckpt.tiers import LocalTier, MemoryTier, RemoteTier, Tier
+
+# what users call; what adapters of frameworks need beyond it is in nebula_ckpt.adapters
 __all__ = [
     "Checkpointer", "SaveHandle", "SaveMetrics", "MemoryTier", "LocalTier", "RemoteTier", "Tier",
-    "save_async", "load_latest", "close_all", "LoopState", "Coordinator", "LocalCoordinator", "DistCoordinator",
+    "save_async", "load_latest", "close_all", "LoopState",
     "NebulaError", "ValidationError", "PersistError", "ConsistencyError", "CorruptCheckpointError",
     "FencedError", "NotFoundError", "PickleNotAllowedError",
-    # for adapters (integrations, compat): tags, root identity, URL checks
-    "check_tag", "MAX_TAG_CHARS", "canonical_root", "refuse_url_credentials", "tier_for_root", "write_file_atomic",
 ]
 
 # No NullHandler on purpose: without a logging configuration, Python's last-resort handler prints

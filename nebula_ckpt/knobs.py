@@ -1,13 +1,16 @@
-"""Every tunable of nebula_ckpt, in one place.
+"""The settings a user or operator of nebula_ckpt can choose, in one place.
 
-Each knob has an environment variable, a getter (:func:`get`: an :func:`override` first, then
+A knob is kept here only when a user can act on it (thread counts, where the memory tier lives,
+timeouts, retries, ...); the library's internal sizes and waits are named constants in the modules
+that use them. Each knob has an environment variable, a getter (:func:`get`: an :func:`override` first, then
 the environment, then the default), a line of documentation (:func:`describe`, :func:`table`),
-and can be overridden in tests with :func:`override`. The library's own tunables are read here
+and can be overridden in tests with :func:`override`. The library's own settings are read here
 and nowhere else (``tests/test_architecture.py`` checks that no other module reads
-``os.environ``). Variables that belong to other programs are not knobs: the Azure ML Nebula
-compatibility layer (:mod:`nebula_ckpt.compat.torch_nebula`) honours that product's
-``NEBULA_PERSISTENT_*`` / ``NEBULA_MEMORY_BUFFER_SIZE`` settings, and ``LOCAL_WORLD_SIZE``
-(set by torchrun) sizes the default thread counts below.
+``os.environ``, but for :mod:`nebula_ckpt.compat.nebula.environment`). Variables that belong to
+other programs are not knobs: the Azure ML Nebula compatibility layer reads that product's
+``NEBULA_PERSISTENT_*`` / ``NEBULA_MEMORY_BUFFER_SIZE`` settings in
+:mod:`nebula_ckpt.compat.nebula.environment`, and ``LOCAL_WORLD_SIZE`` (set by torchrun) sizes the
+default thread counts below (:func:`cores_per_rank`).
 
 Example::
 
@@ -39,17 +42,16 @@ def _bool(s: str) -> bool:
     return s.strip().lower() in {"1", "true", "yes", "on"}
 
 
+def cores_per_rank() -> int:
+    """This host's cores shared among the ranks on it (``LOCAL_WORLD_SIZE``, set by torchrun)."""
+    ranks_here = int(os.environ.get("LOCAL_WORLD_SIZE") or 1)
+    return (os.cpu_count() or 1) // max(1, ranks_here)
+
+
 def _default_threads() -> int:
-    """Cores shared by the ranks on this host (``LOCAL_WORLD_SIZE``, set by torchrun), at most 8:
-    ranks that each start a thread per core only make the copies fight for the cores."""
-    ranks_here = int(os.environ.get("LOCAL_WORLD_SIZE") or 1)
-    return max(1, min(8, (os.cpu_count() or 1) // max(1, ranks_here)))
-
-
-def _default_fault_threads() -> int:
-    """The cores of this rank the copy threads leave idle, at most 8."""
-    ranks_here = int(os.environ.get("LOCAL_WORLD_SIZE") or 1)
-    return max(0, min(8, (os.cpu_count() or 1) // max(1, ranks_here) - int(get("copy_threads"))))
+    """Cores shared by the ranks on this host, at most 8: ranks that each start a thread per core
+    only make the copies fight for the cores."""
+    return max(1, min(8, cores_per_rank()))
 
 
 _KNOBS: dict[str, _Knob] = {
@@ -57,32 +59,20 @@ _KNOBS: dict[str, _Knob] = {
                           "native threads that copy CPU tensors into staging buffers (default: cores / ranks on the "
                           "host, max 8)"),
     "io_threads": _Knob("NEBULA_IO_THREADS", None, int,
-                        "parallel pwrite / checksum threads per file (default: cores / ranks on the host, max 8)"),
-    "fault_ahead_threads": _Knob("NEBULA_FAULT_AHEAD_THREADS", None, int,
-                                 "threads that fault in a fresh staging buffer's pages from its end while "
-                                 "the first save's copy fills it from the start (default: the cores of "
-                                 "this rank the copy threads leave idle, max 8; 0: the copy faults them)"),
-    "write_chunk_bytes": _Knob("NEBULA_WRITE_CHUNK_BYTES", 16 << 20, int,
-                               "bytes per pwrite call on local tiers"),
+                        "parallel pwrite / checksum threads per file, and the threads that hash staged tensors "
+                        "for incremental saves (default: cores / ranks on the host, max 8)"),
     "o_direct": _Knob("NEBULA_O_DIRECT", True, _bool,
                       "use O_DIRECT for local shard writes where the file system allows it"),
     "disable_native": _Knob("NEBULA_DISABLE_NATIVE", False, _bool,
                             "ignore the C++ extension and run the pure-PyTorch path"),
     "shm_dir": _Knob("NEBULA_SHM_DIR", "/dev/shm", str,
                      "where the memory tier lives (a tmpfs that survives a process crash)"),
-    "slot_ahead_bytes": _Knob("NEBULA_SLOT_AHEAD_BYTES", 32 << 20, int,
-                              "states at least this large never create a memory-tier slot file on the "
-                              "training thread: a save with no slot file ready stages in an anonymous "
-                              "buffer while the next slot file is made in the background"),
-    "slot_ahead_wait_s": _Knob("NEBULA_SLOT_AHEAD_WAIT_S", 60.0, float,
-                               "longest a staging buffer made in the background waits for the copy of "
-                               "the save that asked for it to finish (so that it does not take that "
-                               "copy's cores and memory bandwidth) before it is made anyway"),
-    "huge_pages": _Knob("NEBULA_HUGE_PAGES", False, _bool,
-                        "advise transparent huge pages for staging and restore buffers (off: on VMs "
-                        "that return freed memory to the host, such as the one the README's "
-                        "benchmarks ran on, a fresh huge page costs 3-7x more than 512 small ones; "
-                        "try it on bare metal)"),
+    "huge_pages": _Knob("NEBULA_HUGE_PAGES", None, _bool,
+                        "advise transparent huge pages for memory buffers (unset: only for a memory-tier "
+                        "copy pulled from a partner at restore, 48 MB made in 2-4 ms instead of 10-20; "
+                        "1: also staging and restore buffers, which on VMs that return freed memory to "
+                        "the host cost 3-7x more in huge pages, so try it on bare metal; 0: nowhere, "
+                        "where the kernel's compaction stalls for huge pages)"),
     "adopt_memory_tier": _Knob("NEBULA_ADOPT_MEMORY_TIER", True, _bool,
                                "a restore from the memory tier of a step also committed on a slower tier "
                                "hands the tier's pages to the process instead of copying them (the tier "
@@ -95,10 +85,6 @@ _KNOBS: dict[str, _Knob] = {
                                 "parts in flight at once per remote file"),
     "remote_retries": _Knob("NEBULA_REMOTE_RETRIES", 5, int,
                             "attempts per remote operation before the save fails"),
-    "remote_backoff_s": _Knob("NEBULA_REMOTE_BACKOFF_S", 0.2, float,
-                              "first retry delay on a remote tier (doubles, capped, with jitter)"),
-    "remote_backoff_max_s": _Knob("NEBULA_REMOTE_BACKOFF_MAX_S", 5.0, float,
-                                  "largest retry delay on a remote tier"),
     "remote_timeout_s": _Knob("NEBULA_REMOTE_TIMEOUT_S", 30.0, float,
                               "deadline of one remote operation (one request, e.g. one upload part, "
                               "with all its retries) in seconds: an outage is reported within it; "
@@ -111,13 +97,6 @@ _KNOBS: dict[str, _Knob] = {
     "commit_timeout_s": _Knob("NEBULA_COMMIT_TIMEOUT_S", 600.0, float,
                               "multi-rank: how long a rank waits for the others in one round of the "
                               "checkpoint protocol (a rank that died fails the save sooner)"),
-    "small_replica_bytes": _Knob("NEBULA_SMALL_REPLICA_BYTES", 64 << 10, int,
-                                 "multi-rank: replicated tensors smaller than this are all written by "
-                                 "rank 0 (larger ones are spread over the ranks)"),
-    "replica_owner_ranks": _Knob("NEBULA_REPLICA_OWNER_RANKS", 64, int,
-                                 "multi-rank: replicated tensors are written by ranks 0..N-1 only (0: by "
-                                 "every rank); a restoring rank then reads at most N+1 records files, and "
-                                 "each of those ranks writes about 1/N of the replicated bytes"),
     "exit_timeout_s": _Knob("NEBULA_EXIT_TIMEOUT_S", 300.0, float,
                             "how long interpreter exit waits for the pending saves of a Checkpointer "
                             "that was never closed"),
@@ -129,61 +108,15 @@ _KNOBS: dict[str, _Knob] = {
                      "the node this process runs on, for memory-tier replicas (default: the host name); "
                      "ranks with one node id share a fate, so replicas go to other node ids. Tests "
                      "simulate nodes on one machine with it (each with its own NEBULA_SHM_DIR)"),
-    "replica_pull_chunk_bytes": _Knob("NEBULA_REPLICA_PULL_CHUNK_BYTES", 8 << 20, int,
-                                      "multi-rank: bytes per transfer of a memory-tier copy pulled from a "
-                                      "partner at restore (the puller allocates the next chunk and checks "
-                                      "the tensors landed while one arrives)"),
-    "replica_keep_after_s": _Knob("NEBULA_REPLICA_KEEP_AFTER_S", 1.0, float,
-                                  "multi-rank: after a restore that pulled memory-tier copies from partners, "
-                                  "how long the replicas' thread waits (unless a save or close() comes first) "
-                                  "before pulling them again into the memory tiers, so that the copies do not "
-                                  "compete with the first training steps for the cores"),
-    "replica_pull_huge_pages": _Knob("NEBULA_REPLICA_PULL_HUGE_PAGES", True, _bool,
-                                     "multi-rank: receive a memory-tier copy pulled from a partner at restore "
-                                     "into transparent huge pages where the kernel gives them (48 MB made in "
-                                     "2-4 ms instead of 10-20; off where the kernel's compaction stalls for "
-                                     "huge pages cost more than that)"),
     "replica_timeout_s": _Knob("NEBULA_REPLICA_TIMEOUT_S", 600.0, float,
                                "multi-rank: how long a memory-tier replica transfer (one round of sends and "
                                "receives among the ranks) may take before the replicas of that save fail"),
-    "replica_nice": _Knob("NEBULA_REPLICA_NICE", 10, int,
-                          "multi-rank: the threads that move and check memory-tier replicas during "
-                          "training run this much nicer than the process (Linux, 0-19; 0: same priority), "
-                          "so that on a machine without idle cores replication yields to training"),
-    "small_unguarded_bytes": _Knob("NEBULA_SMALL_UNGUARDED_BYTES", 1 << 20, int,
-                                   "unguarded CPU tensors (no module or optimizer hook can make their next "
-                                   "change wait for the copy) up to this many bytes in all are copied on the "
-                                   "training thread, so the rest of an asynchronous save still overlaps; "
-                                   "more, or any on a GPU, make the save synchronous"),
     "incremental_full_every": _Knob("NEBULA_INCREMENTAL_FULL_EVERY", 10, int,
                                     "incremental saves: every N-th save a tier writes is a full checkpoint "
                                     "(N >= 1; 1: every save full), so the steps a checkpoint refers to stay "
                                     "few and retention can drop old ones", least=1),
-    "hash_threads": _Knob("NEBULA_HASH_THREADS", None, int,
-                          "incremental saves: threads that take the SHA-256 of staged tensors off the "
-                          "training thread (default: io_threads)"),
-    "hash_nice": _Knob("NEBULA_HASH_NICE", 10, int,
-                       "incremental saves: the hash threads run this much nicer than the process "
-                       "(Linux, 0-19; 0: same priority), so that on a machine without idle cores "
-                       "hashing yields to training instead of taking its cores"),
-    "restore_chunk_bytes": _Knob("NEBULA_RESTORE_CHUNK_BYTES", 64 << 20, int,
-                                 "restore: most bytes checksummed or copied between two drops of the mapped "
-                                 "source pages (what a restore keeps resident beyond the owned bytes)"),
     "log_level": _Knob("NEBULA_LOG_LEVEL", None, str,
                        "level of the 'nebula_ckpt' logger if set (DEBUG, INFO, ...)"),
-    "progress_delay_s": _Knob("NEBULA_PROGRESS_DELAY_S", 2.0, float,
-                              "seconds a `nebula-ckpt` command works before it draws a progress bar "
-                              "(only on a terminal, never with --json)"),
-    "persistent_storage_path": _Knob("NEBULA_PERSISTENT_STORAGE_PATH", None, str,
-                                     "torch_nebula compat: the root when init() is given no "
-                                     "persistent_storage_path (as Azure ML Nebula read it)"),
-    "persistent_time_interval": _Knob("NEBULA_PERSISTENT_TIME_INTERVAL", None, str,
-                                      "torch_nebula compat: seconds between persisted checkpoints when "
-                                      "init() is given no persistent_time_interval"),
-    "memory_buffer_size": _Knob("NEBULA_MEMORY_BUFFER_SIZE", None, str,
-                                "torch_nebula compat: Azure ML Nebula's streaming buffer size; ignored "
-                                "(init() warns): nebula_ckpt stages whole checkpoints, capped by "
-                                "host_memory_budget"),
 }
 
 _overrides: dict[str, Any] = {}
@@ -203,10 +136,8 @@ def get(name: str) -> Any:
         except ValueError as e:
             raise ValueError(f"environment variable {knob.env}={raw!r} is not valid: {e}") from None
         return _checked(name, knob, value, f"from the environment variable {knob.env}={raw!r}")
-    if name in ("copy_threads", "io_threads", "hash_threads") and knob.default is None:
+    if name in ("copy_threads", "io_threads") and knob.default is None:
         return _default_threads()
-    if name == "fault_ahead_threads" and knob.default is None:
-        return _default_fault_threads()
     return knob.default
 
 

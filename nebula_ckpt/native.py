@@ -53,6 +53,7 @@ from nebula_ckpt import knobs
 from nebula_ckpt.latch import Latch
 from nebula_ckpt.source_set import PySourceSet, SourceSet
 
+WRITE_CHUNK_BYTES = 16 << 20  #: bytes per pwrite call on local tiers
 log = logging.getLogger(__name__)
 
 
@@ -289,8 +290,7 @@ class FallbackOps:
                 ``filename == path``, like the native path.
         """
         mv = buf.numpy().data[offset:offset + nbytes]
-        chunk = knobs.get("write_chunk_bytes")
-        op = "open"
+        chunk, op = WRITE_CHUNK_BYTES, "open"
         try:
             fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
             try:
@@ -402,8 +402,7 @@ class NativeOps(FallbackOps):
     def write_file(self, path: str, buf: torch.Tensor, offset: int, nbytes: int,
                    fsync: bool = True) -> bool:
         return bool(self._C.write_file(path, buf, offset, nbytes, bool(knobs.get("o_direct")),
-                                       int(knobs.get("io_threads")), int(knobs.get("write_chunk_bytes")),
-                                       fsync))
+                                       int(knobs.get("io_threads")), WRITE_CHUNK_BYTES, fsync))
 
     def read_file(self, path: str, buf: torch.Tensor, offset: int, nbytes: int) -> None:
         self._C.read_file(path, buf, offset, nbytes, int(knobs.get("io_threads")))

@@ -30,8 +30,11 @@
   through type hints (``if TYPE_CHECKING:``), but for those :data:`TYPE_HINT_CYCLES_LEFT` names;
 - no module over 500 lines and no function over 60;
 - no module reads another module's private names (``from m import _x``, ``m._x``);
-- ``knobs.py`` is the only reader of the environment;
-- ``integrations/`` and ``compat/`` use the public API only (names in a public module's ``__all__``);
+- ``knobs.py`` is the only reader of the environment (and ``compat/nebula/environment.py``, for
+  Azure ML Nebula's own variables); it holds at most ``MAX_KNOBS`` knobs, each documented;
+- ``integrations/`` and ``compat/`` use the public API only (names in a public module's ``__all__``:
+  the user API ``nebula_ckpt``, the seam for integration authors ``nebula_ckpt.adapters``, ...);
+- ``nebula_ckpt.__all__`` holds what users call, at most ``MAX_PUBLIC_NAMES`` names;
 - the benchmark harness lives outside the installed package.
 
 The rules are read from the source with :mod:`ast`; each failure names the file and line.
@@ -50,7 +53,10 @@ PKG = pathlib.Path(__file__).resolve().parent.parent / "nebula_ckpt"
 MAX_MODULE_LINES = 500
 MAX_FUNCTION_LINES = 60
 # the public surface integrations and compat may use (each name must be in the module's __all__)
-PUBLIC_MODULES = {"nebula_ckpt", "nebula_ckpt.errors", "nebula_ckpt.knobs", "nebula_ckpt.dcp", "nebula_ckpt.tiers"}
+PUBLIC_MODULES = {"nebula_ckpt", "nebula_ckpt.adapters", "nebula_ckpt.errors", "nebula_ckpt.knobs", "nebula_ckpt.dcp",
+                  "nebula_ckpt.tiers"}
+# names users call (nebula_ckpt.__all__); what only adapters need is in nebula_ckpt.adapters
+MAX_PUBLIC_NAMES = 20
 
 _REPLICAS = ("replica_channel", "replica_pull", "replica_recover", "replica_save", "replica_store", "replica_whole",
              "replicas", "recovery")
@@ -348,16 +354,39 @@ def test_adapters_set_no_private_attributes_on_framework_objects(folder: str) ->
     assert not found, "\n".join(found)
 
 
+# the modules that may read os.environ: the knobs, and Nebula's own variables for its compat layer
+ENVIRONMENT_READERS = {"nebula_ckpt.knobs", "nebula_ckpt.compat.nebula.environment"}
+# knobs a user or operator can act on; the library's internal sizes and waits are module constants
+MAX_KNOBS = 22
+
+
 def test_knobs_is_the_only_reader_of_the_environment() -> None:
     found = []
     for name, path in MODULES.items():
-        if name == "nebula_ckpt.knobs":
+        if name in ENVIRONMENT_READERS:
             continue
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.Attribute) and node.attr in {"environ", "getenv", "environb"}:
                 if isinstance(node.value, ast.Name) and node.value.id == "os":
                     found.append(f"{path.relative_to(PKG.parent)}:{node.lineno} reads os.{node.attr}")
     assert not found, "read the environment through nebula_ckpt.knobs:\n" + "\n".join(found)
+
+
+def test_few_knobs_each_documented() -> None:
+    """Every knob is one a user can act on: at most MAX_KNOBS of them, each with a line of
+    documentation and a ``NEBULA_`` variable of its own; no knob stands for another program's
+    variable (Nebula's are read in compat/)."""
+    from nebula_ckpt import knobs
+
+    described = knobs.describe()
+    assert len(described) <= MAX_KNOBS, (
+        f"{len(described)} knobs (limit {MAX_KNOBS}): make the new one a constructor argument or a named "
+        f"constant in the module that uses it: {sorted(described)}")
+    undocumented = [n for n, (_, _, doc) in described.items() if len(doc.split()) < 4]
+    assert not undocumented, f"knobs without a doc string: {undocumented}"
+    envs = [env for env, _, _ in described.values()]
+    assert len(set(envs)) == len(envs) and all(e.startswith("NEBULA_") for e in envs), envs
+    assert not [e for e in envs if e.startswith("NEBULA_PERSISTENT_") or e == "NEBULA_MEMORY_BUFFER_SIZE"]
 
 
 def _public_names(module: str) -> set[str]:
@@ -385,6 +414,24 @@ def test_adapters_use_the_public_api_only(folder: str) -> None:
             if missing:
                 found.append(f"{where} imports {missing} from {mod}, not in its __all__")
     assert not found, "\n".join(found)
+
+
+def test_the_public_surface_is_small_and_the_seam_is_apart() -> None:
+    """``nebula_ckpt.__all__`` is what users call (at most MAX_PUBLIC_NAMES names, each documented);
+    what adapters of frameworks need besides is in ``nebula_ckpt.adapters`` (documented for
+    integration authors), not in ``__all__`` as well."""
+    import nebula_ckpt
+    from nebula_ckpt import adapters
+
+    names = list(nebula_ckpt.__all__)
+    assert len(names) == len(set(names)) and len(names) <= MAX_PUBLIC_NAMES, (len(names), names)
+    assert _public_names("nebula_ckpt") == set(names)  # the static reading the adapters rule uses
+    undocumented = [n for n in names if not (getattr(nebula_ckpt, n).__doc__ or "").strip()]
+    assert not undocumented, undocumented
+    seam = set(adapters.__all__)
+    assert seam and all(hasattr(adapters, n) for n in seam)
+    assert not seam & set(names), f"in both nebula_ckpt.__all__ and the adapters' seam: {seam & set(names)}"
+    assert "integration authors" in (adapters.__doc__ or "")
 
 
 def test_the_benchmark_harness_is_not_installed() -> None:

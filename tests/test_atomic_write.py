@@ -8,7 +8,7 @@ import stat
 
 import pytest
 
-from nebula_ckpt import write_file_atomic
+from nebula_ckpt.adapters import write_file_atomic
 from nebula_ckpt.integrations.pointers import TMP_SUFFIX, write_local_pointer
 from nebula_ckpt.storage.local import LocalStorage
 from nebula_ckpt.storage.remote import FsspecStorage

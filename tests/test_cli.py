@@ -469,13 +469,13 @@ def _ls_on_a_terminal(root: str, *extra: str, delay: str | None = None) -> str:
 
     master, slave = pty.openpty()
     fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 100, 0, 0))  # a new pty is 0 columns wide
-    env = dict(os.environ)
-    env.pop("NEBULA_PROGRESS_DELAY_S", None)
-    if delay is not None:
-        env["NEBULA_PROGRESS_DELAY_S"] = delay
+    # the command in a fresh process, with the bar's delay (a module constant) set in its own code
+    code = ("import sys; from nebula_ckpt.cli import common, main; "
+            + (f"common.PROGRESS_DELAY_S = {float(delay)!r}; " if delay is not None else "")
+            + "sys.argv[0] = 'nebula-ckpt'; sys.exit(main())")
     try:
-        r = subprocess.run([sys.executable, "-m", "nebula_ckpt.cli", "ls", root, *extra], stdout=subprocess.PIPE,
-                           stderr=slave, env=env, timeout=120)
+        r = subprocess.run([sys.executable, "-c", code, "ls", root, *extra], stdout=subprocess.PIPE,
+                           stderr=slave, timeout=120)
         os.close(slave)
         chunks = []
         while True:

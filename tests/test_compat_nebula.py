@@ -25,6 +25,7 @@ import torch
 
 import nebula_ckpt as nc
 import nebula_ckpt.compat.torch_nebula as tn
+from nebula_ckpt.adapters import check_tag
 from nebula_ckpt.compat import install_aliases
 from proc_lines import lines
 
@@ -162,7 +163,7 @@ def test_longest_tag_gets_a_latest_checkpoint_path(root: str, part: str) -> None
     tn.init(persistent_storage_path=root)
     paths = []
     for i, tag in enumerate(("t" * 255 + "1", "t" * 255 + "2")):
-        nc.check_tag(tag)  # a valid tag
+        check_tag(tag)  # a valid tag
         c = tn.Checkpoint(tag, 1)
         c.save(part, {"w": torch.full((3,), float(i))})
         path = tn.get_latest_checkpoint_path(part)
@@ -233,9 +234,7 @@ def test_histories(root: str, tmp_path: Path) -> None:
 
 def test_init_reads_nebulas_environment_variables(root: str, monkeypatch: pytest.MonkeyPatch,
                                                   caplog: pytest.LogCaptureFixture) -> None:
-    """Nebula's environment variables, read through nebula_ckpt.knobs (the one reader of the environment)."""
-    from nebula_ckpt import knobs
-
+    """Nebula's environment variables, read by nebula_ckpt.compat.nebula.environment (they are not knobs)."""
     monkeypatch.setenv("NEBULA_PERSISTENT_STORAGE_PATH", root)
     monkeypatch.setenv("NEBULA_PERSISTENT_TIME_INTERVAL", "3600")
     monkeypatch.setenv("NEBULA_MEMORY_BUFFER_SIZE", "1048576")
@@ -245,10 +244,10 @@ def test_init_reads_nebulas_environment_variables(root: str, monkeypatch: pytest
     assert [t.every_seconds for t in ck.tiers] == [None, 3600.0]  # the persistent tier's interval
     assert "NEBULA_MEMORY_BUFFER_SIZE is ignored" in caplog.text
     tn.shutdown()
-    monkeypatch.delenv("NEBULA_PERSISTENT_STORAGE_PATH")
-    with knobs.override(persistent_storage_path=root, persistent_time_interval="0"):
-        tn.init()
-        assert [t.every_seconds for t in tn.checkpointer().tiers] == [None, None]  # 0: every commit persists
+    monkeypatch.delenv("NEBULA_MEMORY_BUFFER_SIZE")
+    monkeypatch.setenv("NEBULA_PERSISTENT_TIME_INTERVAL", "0")
+    tn.init()
+    assert [t.every_seconds for t in tn.checkpointer().tiers] == [None, None]  # 0: every commit persists
     tn.shutdown()
 
 

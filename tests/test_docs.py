@@ -214,6 +214,18 @@ def test_the_readme_names_the_make_targets_a_newcomer_runs() -> None:
     assert named and named <= targets, named - targets
 
 
+def test_the_configuration_page_lists_exactly_the_knobs() -> None:
+    """docs/configuration.md's table has one row per knob (its variable and name), no more: a knob
+    removed from the code leaves the page, and a new one cannot stay undocumented."""
+    from nebula_ckpt import knobs
+
+    page = (REPO / "docs" / "configuration.md").read_text()
+    rows = re.findall(r"^\| `(NEBULA_\w+)` \| `(\w+)` \|", page, re.M)
+    listed = {env: name for env, name in rows}
+    assert len(listed) == len(rows), "a variable listed twice"
+    assert listed == {env: name for name, (env, _, _) in knobs.describe().items()}
+
+
 _CITED = re.compile(r"`(tests/[\w/]+\.py)::(\w+)`")
 
 

@@ -141,9 +141,9 @@ def test_golden_version_3_manifest_and_records_files() -> None:
     holds its share's records. Built by the writers' own builders, parsed back by the readers'."""
     import crc32c
 
+    from layout_v3 import layout_manifest, records_payload
     from nebula_ckpt.format.names import LAYOUT_VERSION
     from nebula_ckpt.format.rank_records import with_records
-    from nebula_ckpt.ranks.layout import layout_manifest, records_payload
 
     def rec(off: int, rank: int) -> dict[str, object]:
         return {"dtype": "float32", "shape": [2, 3], "offsets": [off, off + 24], "crc32c": 7 + rank, "device": "cpu",
@@ -188,9 +188,9 @@ def test_golden_version_3_incremental_records_and_references() -> None:
     loader maps each rank's indices onto the manifest's shards."""
     import crc32c
 
+    from layout_v3 import layout_manifest, records_payload
     from nebula_ckpt.format.rank_records import with_records
     from nebula_ckpt.format.references import references
-    from nebula_ckpt.ranks.layout import layout_manifest, records_payload
 
     tree = {"t": "dict", "v": [[{"t": "str", "v": "w"}, {"t": "tensor", "k": "w"}],
                                [{"t": "str", "v": "h"}, {"t": "tensor", "k": "h"}]]}

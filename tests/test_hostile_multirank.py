@@ -19,7 +19,6 @@ import pytest
 import torch
 
 import nebula_ckpt as nc
-from nebula_ckpt import knobs
 from nebula_ckpt.cli import main as cli
 from nebula_ckpt.dcp import NebulaStorageReader
 from nebula_ckpt.errors import CorruptCheckpointError
@@ -107,7 +106,7 @@ def test_hostile_multi_rank_manifest_is_refused(mem: str, change: Callable[[Man]
 
 
 def test_replicas_are_assigned_alike_on_every_rank_and_balanced() -> None:
-    mb = knobs.get("small_replica_bytes")
+    mb = ranks.SMALL_REPLICA_BYTES
     a = {"w": (4 * mb, 1, "float32", (mb,)), "b": (40, 2, "float32", (10,)),
          "v": (4 * mb, 3, "float32", (mb,)), "own": (8, 4, "float32", (2,))}
     b = dict(a, own=(8, 5, "float32", (2,)))                  # differs: not a replica
@@ -124,16 +123,16 @@ def test_replicas_are_assigned_alike_on_every_rank_and_balanced() -> None:
     assert len({four["w"], four["v"]}) == 2 and four["b"] == 0
 
 
-def test_replicas_go_to_a_bounded_block_of_owner_ranks() -> None:
-    """A DDP job of 300 ranks and 100 big replicas: with ``replica_owner_ranks`` 8 every replica is
+def test_replicas_go_to_a_bounded_block_of_owner_ranks(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A DDP job of 300 ranks and 100 big replicas: with ``REPLICA_OWNER_RANKS`` 8 every replica is
     owned by ranks 0..7 (a restoring rank reads at most 8 records files of owners), balanced
     among them; with 0 they spread over 100 ranks (one each), as many files to read."""
-    mb = knobs.get("small_replica_bytes")
+    mb = ranks.SMALL_REPLICA_BYTES
     rep = {f"w{i}": (4 * mb, i, "float32", (mb,)) for i in range(100)}
-    with knobs.override(replica_owner_ranks=8):
-        block = ranks.assign([rep] * 300)
-    with knobs.override(replica_owner_ranks=0):
-        spread = ranks.assign([rep] * 300)
+    monkeypatch.setattr(ranks, "REPLICA_OWNER_RANKS", 8)
+    block = ranks.assign([rep] * 300)
+    monkeypatch.setattr(ranks, "REPLICA_OWNER_RANKS", 0)
+    spread = ranks.assign([rep] * 300)
     assert set(block.values()) == set(range(8))
     per = [sum(1 for r in block.values() if r == o) for o in range(8)]
     assert max(per) - min(per) <= 1                                      # 12 or 13 replicas each

@@ -340,8 +340,8 @@ def test_only_a_first_save_hashes_every_tensor_and_a_full_save_keeps_the_chain(t
         assert torch.equal(got["frozen"], frozen) and float(got["train"][0]) == step + 1.0
 
 
-def test_the_hash_threads_yield_to_training(tmp_path, shm_dir) -> None:  # noqa: ANN001
-    """The SHA-256 threads run niced (knob hash_nice), so they never compete with training for a core."""
+def test_the_hash_threads_yield_to_training(tmp_path, shm_dir, monkeypatch) -> None:  # noqa: ANN001
+    """The SHA-256 threads run niced (HASH_NICE), so they never compete with training for a core."""
     import threading
 
     from nebula_ckpt.save import incremental
@@ -358,7 +358,8 @@ def test_the_hash_threads_yield_to_training(tmp_path, shm_dir) -> None:  # noqa:
     index = {"a": {"offsets": [0, 8192]}, "b": {"offsets": [8192, 16384]}}
     try:
         incremental.yield_to_training = spy
-        with knobs.override(hash_nice=7, hash_threads=2):
+        monkeypatch.setattr(incremental, "HASH_NICE", 7)
+        with knobs.override(io_threads=2):
             got = incremental.hash_staged(memoryview(data), index, ["a", "b"])
     finally:
         incremental.yield_to_training = real

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import nebula_ckpt as nc
-from nebula_ckpt import knobs
+from nebula_ckpt.save import pipeline
 from nebula_ckpt.save.plan import make_plan
 
 
@@ -92,7 +92,7 @@ def test_small_unguarded_tensors_are_copied_and_the_rest_overlaps(root: str) -> 
 def test_large_unguarded_state_is_synchronous_and_says_so(root: str, caplog: pytest.LogCaptureFixture) -> None:
     model = torch.nn.Linear(256, 256)
     opt = torch.optim.SGD(model.parameters(), lr=1.0)
-    big = torch.zeros(knobs.get("small_unguarded_bytes") // 4 + 1)
+    big = torch.zeros(pipeline.SMALL_UNGUARDED_BYTES // 4 + 1)
     with caplog.at_level(logging.INFO, logger="nebula_ckpt"):
         with nc.Checkpointer(root, snapshot="async") as ck:
             h = ck.save_async(1, {"model": model, "optim": opt, "ema": {"big": big}})
@@ -106,19 +106,19 @@ def test_large_unguarded_state_is_synchronous_and_says_so(root: str, caplog: pyt
     assert len(told) == 1 and "'ema/big'" in told[0].getMessage()    # once per checkpointer
 
 
-def test_small_unguarded_bytes_is_a_knob(root: str) -> None:
-    """The bound on unguarded tensors copied on the spot is the knob ``small_unguarded_bytes``:
+def test_small_unguarded_bytes_is_the_bound(root: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The bound on unguarded tensors copied on the spot is ``SMALL_UNGUARDED_BYTES``:
     set below the RNG state's size, the same save that overlaps by default is taken synchronously."""
     model = torch.nn.Linear(256, 256)
     opt = torch.optim.SGD(model.parameters(), lr=1.0)
     rng = torch.get_rng_state()
-    with knobs.override(small_unguarded_bytes=rng.numel() - 1):
-        with nc.Checkpointer(root, snapshot="async") as ck:
-            h = ck.save_async(1, {"model": model, "optim": opt, "rng": rng})
-            assert ck._saves.inflight == [] and len(opt._optimizer_step_pre_hooks) == 0   # synchronous
-            h.result()
-    with knobs.override(small_unguarded_bytes=rng.numel()):
-        with nc.Checkpointer(root, snapshot="async") as ck:
-            h = ck.save_async(2, {"model": model, "optim": opt, "rng": rng})
-            assert len(opt._optimizer_step_pre_hooks) == 1                                # overlapped
-            h.result()
+    monkeypatch.setattr(pipeline, "SMALL_UNGUARDED_BYTES", rng.numel() - 1)
+    with nc.Checkpointer(root, snapshot="async") as ck:
+        h = ck.save_async(1, {"model": model, "optim": opt, "rng": rng})
+        assert ck._saves.inflight == [] and len(opt._optimizer_step_pre_hooks) == 0   # synchronous
+        h.result()
+    monkeypatch.setattr(pipeline, "SMALL_UNGUARDED_BYTES", rng.numel())
+    with nc.Checkpointer(root, snapshot="async") as ck:
+        h = ck.save_async(2, {"model": model, "optim": opt, "rng": rng})
+        assert len(opt._optimizer_step_pre_hooks) == 1                                # overlapped
+        h.result()

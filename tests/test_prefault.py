@@ -9,7 +9,6 @@ import pytest
 import torch
 
 import nebula_ckpt as nc
-from nebula_ckpt import knobs
 from nebula_ckpt.native import get_ops
 from nebula_ckpt.save import buffers
 from nebula_ckpt.storage import prefault
@@ -57,15 +56,15 @@ def test_the_first_save_of_the_default_path_is_exact_with_its_pages_faulted_ahea
     monkeypatch.setattr(buffers, "FaultAhead", Spy)
     state = {f"w{i}": t for i, t in enumerate(_random_tensors(64 * MB, 4, seed=2))}
     want = {k: v.clone() for k, v in state.items()}
-    with knobs.override(fault_ahead_threads=2):
-        ck = nc.Checkpointer(root)
-        try:
-            ck.save_async(1, state).result()
-            for t in state.values():  # the training goes on: the checkpoint must not follow
-                t.add_(1)
-            ck.save_async(2, state).result()
-        finally:
-            ck.close()
+    monkeypatch.setattr(prefault, "FAULT_AHEAD_THREADS", 2)
+    ck = nc.Checkpointer(root)
+    try:
+        ck.save_async(1, state).result()
+        for t in state.values():  # the training goes on: the checkpoint must not follow
+            t.add_(1)
+        ck.save_async(2, state).result()
+    finally:
+        ck.close()
     assert len(started) == 1, "only the first save stages in fresh memory"  # the second finds a buffer
     for s in started:
         s.join()
@@ -78,12 +77,12 @@ def test_the_first_save_of_the_default_path_is_exact_with_its_pages_faulted_ahea
                 assert torch.equal(got[k], v + delta), (step, k)
 
 
-def test_no_thread_is_started_when_the_knob_is_zero(root: str, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_no_thread_is_started_when_fault_ahead_threads_is_zero(root: str, monkeypatch: pytest.MonkeyPatch) -> None:
     started: list[object] = []
     monkeypatch.setattr(buffers, "FaultAhead", lambda *a: started.append(a))
-    with knobs.override(fault_ahead_threads=0):
-        with nc.Checkpointer(root) as ck:
-            ck.save_async(1, {"w": torch.ones(16 * MB)}).result()
+    monkeypatch.setattr(prefault, "FAULT_AHEAD_THREADS", 0)
+    with nc.Checkpointer(root) as ck:
+        ck.save_async(1, {"w": torch.ones(16 * MB)}).result()
     assert started == []
 
 

@@ -15,9 +15,9 @@ import pytest
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
 
+from layout_v3 import layout_manifest
 from nebula_ckpt.errors import PersistError
 from nebula_ckpt.format.grid import chunk_at, coordinate, holders, on_grid
-from nebula_ckpt.ranks.layout import layout_manifest
 
 LAYOUTS = [((8,), ["S(0)"], (4,)), ((7, 5), ["S(0)"], (4,)), ((3, 9), ["S(1)"], (4,)),
            ((10, 6), ["S(0)", "S(1)"], (2, 3)),

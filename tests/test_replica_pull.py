@@ -8,7 +8,7 @@ import mmap
 
 import pytest
 
-from nebula_ckpt import knobs
+from nebula_ckpt.tiers.memory import replica_pull
 from nebula_ckpt.tiers.memory.replica_pull import chunk_bytes, pull_order
 
 FILES = [("COMMIT", 90), ("manifest.json", 3_000), ("r0.json", 0), ("shard-g1-r0.safetensors", 20_000_123)]
@@ -31,9 +31,9 @@ def test_every_byte_moves_once_small_files_first(chunk: int) -> None:
     assert order == pull_order(list(FILES), chunk)  # the same on both sides
 
 
-def test_the_chunk_size_is_whole_pages() -> None:
-    with knobs.override(replica_pull_chunk_bytes=5000):
-        assert chunk_bytes() == mmap.PAGESIZE
-    with knobs.override(replica_pull_chunk_bytes=1):
-        assert chunk_bytes() == mmap.PAGESIZE
+def test_the_chunk_size_is_whole_pages(monkeypatch: pytest.MonkeyPatch) -> None:
     assert chunk_bytes() == 8 << 20
+    monkeypatch.setattr(replica_pull, "PULL_CHUNK_BYTES", 5000)
+    assert chunk_bytes() == mmap.PAGESIZE
+    monkeypatch.setattr(replica_pull, "PULL_CHUNK_BYTES", 1)
+    assert chunk_bytes() == mmap.PAGESIZE

@@ -187,18 +187,18 @@ def test_empty_tensors_first_in_the_shard_restore(tmp_path: Path) -> None:
         assert out["e"].shape == (0,) and torch.equal(out["w"], torch.ones(3)) and out["z"].shape == (0, 4)
 
 
-def test_restore_chunk_bytes_is_a_knob() -> None:
-    """What a restore maps, checksums and copies at once is bounded by the knob
-    ``restore_chunk_bytes`` (between 4 MiB and a sixteenth of the bytes restored)."""
-    from nebula_ckpt import knobs
+def test_restore_chunk_bytes_bounds_a_chunk(monkeypatch: pytest.MonkeyPatch) -> None:
+    """What a restore maps, checksums and copies at once is bounded by ``RESTORE_CHUNK_BYTES``
+    (between 4 MiB and a sixteenth of the bytes restored)."""
+    from nebula_ckpt.restore import open as restore_open
     from nebula_ckpt.restore.open import chunks
 
     mib = 1 << 20
     recs = [TensorRecord(f"t{i}", "uint8", (mib,), i * mib, (i + 1) * mib, 0) for i in range(256)]
     assert [len(g) for g in chunks(recs)] == [16] * 16                   # a sixteenth of 256 MiB
-    with knobs.override(restore_chunk_bytes=8 * mib):
-        groups = chunks(list(reversed(recs)))
+    monkeypatch.setattr(restore_open, "RESTORE_CHUNK_BYTES", 8 * mib)
+    groups = chunks(list(reversed(recs)))
     assert [len(g) for g in groups] == [8] * 32
     assert [r.start for g in groups for r in g] == [r.start for r in recs]   # in shard order
-    with knobs.override(restore_chunk_bytes=mib):
-        assert [len(g) for g in chunks(recs)] == [4] * 64                 # never below 4 MiB
+    monkeypatch.setattr(restore_open, "RESTORE_CHUNK_BYTES", mib)
+    assert [len(g) for g in chunks(recs)] == [4] * 64                     # never below 4 MiB

@@ -19,8 +19,8 @@ import pytest
 import torch
 
 import nebula_ckpt as nc
-from nebula_ckpt import knobs
 from nebula_ckpt.format.names import SLOT_DIR
+from nebula_ckpt.save import buffers
 
 
 def _state(step: int) -> dict[str, torch.Tensor]:
@@ -171,10 +171,12 @@ def _wait_ahead(ck: nc.Checkpointer, timeout: float = 30.0) -> None:
         time.sleep(0.01)
 
 
-def test_large_first_save_stages_anonymously_and_the_next_links_a_file_made_ahead(root: str, shm_dir: str) -> None:
-    """A state of at least slot_ahead_bytes never creates a slot file on the training thread:
+def test_large_first_save_stages_anonymously_and_the_next_links_a_file_made_ahead(
+        root: str, shm_dir: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A state of at least SLOT_AHEAD_BYTES never creates a slot file on the training thread:
     the first save copies through an anonymous buffer, the next ones link files made ahead."""
-    with knobs.override(slot_ahead_bytes=0), nc.Checkpointer(root) as ck:
+    monkeypatch.setattr(buffers, "SLOT_AHEAD_BYTES", 0)
+    with nc.Checkpointer(root) as ck:
         ck.save(1, _state(1))
         assert os.stat(_memory_shard(ck, 1)).st_nlink == 1  # no slot file yet: the memory tier copied
         _wait_ahead(ck)
@@ -196,9 +198,11 @@ def test_large_first_save_stages_anonymously_and_the_next_links_a_file_made_ahea
         assert [s.path is not None for s in ck._saves.pool._slots] == [True, True]
 
 
-def test_files_made_ahead_never_overwrite_a_live_checkpoint(root: str, shm_dir: str) -> None:
+def test_files_made_ahead_never_overwrite_a_live_checkpoint(root: str, shm_dir: str,
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
     mem = nc.MemoryTier(keep_last=2)
-    with knobs.override(slot_ahead_bytes=0), nc.Checkpointer(root, tiers=[mem, nc.LocalTier(root)]) as ck:
+    monkeypatch.setattr(buffers, "SLOT_AHEAD_BYTES", 0)
+    with nc.Checkpointer(root, tiers=[mem, nc.LocalTier(root)]) as ck:
         for step in range(1, 9):
             ck.save(step, _state(step))
             for s in ck.list(detailed=True)[ck.tiers[0].name]:
@@ -207,10 +211,12 @@ def test_files_made_ahead_never_overwrite_a_live_checkpoint(root: str, shm_dir: 
         assert ck.stats()["staging_allocations"] <= 5, ck.stats()
 
 
-def test_prepare_makes_the_first_saves_find_their_slot_files(root: str, shm_dir: str) -> None:
+def test_prepare_makes_the_first_saves_find_their_slot_files(root: str, shm_dir: str,
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
     """prepare() makes both files of the steady state: the memory tier links the first save's
     file as its checkpoint, the second save stages in the other; nothing is made meanwhile."""
-    with knobs.override(slot_ahead_bytes=0), nc.Checkpointer(root) as ck:
+    monkeypatch.setattr(buffers, "SLOT_AHEAD_BYTES", 0)
+    with nc.Checkpointer(root) as ck:
         ck.prepare(_state(0), wait=True)
         assert ck._saves.pool._preparer is None
         assert ck.stats()["staging_allocations"] == 2

@@ -12,7 +12,6 @@ import logging
 import sys
 from typing import Any, Iterable, Optional, Sequence, TypeVar
 
-from nebula_ckpt import knobs
 from nebula_ckpt.errors import CorruptCheckpointError
 from nebula_ckpt.format import manifest as mf
 from nebula_ckpt.format.names import COMMIT, shard_owner, step_dir
@@ -25,6 +24,9 @@ from nebula_ckpt.storage.urls import canonical_root
 from nebula_ckpt.tiers.base import Tier
 from nebula_ckpt.tiers.factory import runtime_for
 from nebula_ckpt.tiers.roots import default_tiers
+
+#: seconds a command works before it draws a progress bar (only on a terminal, never with --json)
+PROGRESS_DELAY_S = 2.0
 
 log = logging.getLogger(__name__)
 
@@ -192,9 +194,9 @@ def human_bytes(n: int) -> str:
 
 def progress(items: Sequence[T], desc: str, unit: str, quiet: bool) -> Iterable[T]:
     """``items``, with a progress bar on stderr only where one helps: on a terminal, not ``quiet``
-    (``--json``), and once the work has taken ``NEBULA_PROGRESS_DELAY_S`` (trivial work draws none)."""
+    (``--json``), and once the work has taken :data:`PROGRESS_DELAY_S` (trivial work draws none)."""
     if quiet or not items or not sys.stderr.isatty():
         return items
     from tqdm import tqdm
 
-    return tqdm(items, desc=desc, unit=unit, file=sys.stderr, delay=knobs.get("progress_delay_s"))
+    return tqdm(items, desc=desc, unit=unit, file=sys.stderr, delay=PROGRESS_DELAY_S)

@@ -380,11 +380,6 @@ def check_rank_trees(man: "Manifest", focus: list[int], tensors: dict[str, Tenso
                        f"(e.g. {missing}, or another dtype)")
 
 
-def records_bytes(layout: RanksLayout, ranks: Iterable[int]) -> int:
-    """Bytes of the records files a restore of ``ranks`` reads (for reports)."""
-    return sum(layout.records[r].bytes for r in layout.providers(ranks))
-
-
 def grid_of(records: Iterable[Mapping[str, Any]], rank: int, world: int) -> bool:
     """Whether every DTensor record (writer's JSON) of ``rank`` sits on the grid."""
     for rec in records:

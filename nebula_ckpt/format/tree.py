@@ -75,12 +75,6 @@ def _numpy() -> Any:
     return numpy
 
 
-def is_numpy_array(value: Any) -> bool:
-    """Whether ``value`` is a NumPy array (of any subclass); never imports NumPy."""
-    np = sys.modules.get("numpy")
-    return np is not None and isinstance(value, np.ndarray)
-
-
 def ndarray_from_tensor(t: Any, code: str, path: str) -> Any:
     """The NumPy array an ``ndarray`` node stands for: an owned copy of tensor ``t``'s values as
     dtype ``code`` (its byte order restored). Raises :class:`CorruptCheckpointError` when the

@@ -99,7 +99,8 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from nebula_ckpt import Checkpointer, canonical_root, check_tag, write_file_atomic
+from nebula_ckpt import Checkpointer
+from nebula_ckpt.adapters import canonical_root, check_tag, write_file_atomic
 from nebula_ckpt.errors import NotFoundError, PersistError, ValidationError
 from nebula_ckpt.integrations.deepspeed_files import (
     POINTER_FORMAT,

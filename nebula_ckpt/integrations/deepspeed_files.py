@@ -12,7 +12,8 @@ from typing import Any, Optional
 
 import torch
 
-from nebula_ckpt import Checkpointer, canonical_root
+from nebula_ckpt import Checkpointer
+from nebula_ckpt.adapters import canonical_root
 from nebula_ckpt.errors import NotFoundError, ValidationError
 from nebula_ckpt.integrations.pointers import (
     candidate_roots,

@@ -48,14 +48,8 @@ from typing import TYPE_CHECKING, Any, Optional, Sequence
 
 import torch
 
-from nebula_ckpt import (
-    Checkpointer,
-    LocalCoordinator,
-    SaveMetrics,
-    Tier,
-    canonical_root,
-    refuse_url_credentials,
-)
+from nebula_ckpt import Checkpointer, SaveMetrics, Tier
+from nebula_ckpt.adapters import LocalCoordinator, canonical_root, refuse_url_credentials
 from nebula_ckpt.errors import NebulaError, NotFoundError
 from nebula_ckpt.integrations.inflight import finished, started, writer_identity
 from nebula_ckpt.integrations.lightning_metrics import NebulaSaveMetrics

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-from nebula_ckpt import canonical_root
+from nebula_ckpt.adapters import canonical_root
 from nebula_ckpt.errors import NebulaError
 from nebula_ckpt.integrations.lightning_support import abs_path, folder_of, read_pointer, small_files
 from nebula_ckpt.integrations.pointers import TMP_SUFFIX, candidate_roots

@@ -15,7 +15,8 @@ import sys
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
-from nebula_ckpt import MAX_TAG_CHARS, Checkpointer, LocalCoordinator, SaveHandle, canonical_root, check_tag
+from nebula_ckpt import Checkpointer, SaveHandle
+from nebula_ckpt.adapters import MAX_TAG_CHARS, LocalCoordinator, canonical_root, check_tag
 from nebula_ckpt.errors import NebulaError, ValidationError
 from nebula_ckpt.integrations.inflight import wait_committed, wait_for, writer_alive
 from nebula_ckpt.integrations.pointers import (

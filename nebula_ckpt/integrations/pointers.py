@@ -33,7 +33,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from nebula_ckpt import canonical_root, write_file_atomic
+from nebula_ckpt.adapters import canonical_root, write_file_atomic
 from nebula_ckpt.errors import ValidationError
 
 #: a pointer is a kilobyte or two; anything larger at a path is some other file

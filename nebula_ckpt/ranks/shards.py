@@ -12,9 +12,8 @@ Pure functions over metadata (no I/O, no collectives), used by the tier writers 
 * :func:`subset_image` — the safetensors image of a rank's share: a new header and the byte
   ranges of the staged snapshot (no copy).
 * :func:`rank_manifest` — the manifest of a rank's own tier (memory; format version 2, see
-  :mod:`nebula_ckpt.format.manifest`); it, the DCP writer's multi-rank manifest (version 2) and
-  the coordinator's manifest on a shared tier (version 3, :mod:`nebula_ckpt.ranks.layout`) are
-  built by :func:`ranks_manifest`.
+  :mod:`nebula_ckpt.format.manifest`); it and the DCP writer's multi-rank manifest (version 2)
+  are built by :func:`ranks_manifest` (as is version 3's, which only the tests still write).
 """
 
 from __future__ import annotations
@@ -24,10 +23,17 @@ import heapq
 import json
 from typing import Any, Optional
 
-from nebula_ckpt import knobs
 from nebula_ckpt.format import manifest as mf
 from nebula_ckpt.format.dtypes import TENSOR_DTYPES
 from nebula_ckpt.format.header import safetensors_header
+
+#: multi-rank: replicated tensors smaller than this are all written by rank 0 (larger ones are
+#: spread over the ranks)
+SMALL_REPLICA_BYTES = 64 << 10
+#: multi-rank: replicated tensors are written by ranks 0..N-1 only (0: by every rank); a restoring
+#: rank then reads at most N+1 records files, and each of those ranks writes about 1/N of the
+#: replicated bytes
+REPLICA_OWNER_RANKS = 64
 
 Entry = tuple[int, int, str, tuple[int, ...]]
 
@@ -60,15 +66,15 @@ def assign(summaries: list[dict[str, Entry]], base: Optional[list[int]] = None) 
 
     A key is replicated when every rank has it with equal bytes, checksum, dtype and shape. Keys
     not in the result are written by every rank that has them. ``base``: bytes each rank writes
-    anyway (its sharded state), so owners balance the total. Replicas under the knob
-    ``small_replica_bytes`` (optimizer step counts, scalars) all belong to rank 0: a rank that
+    anyway (its sharded state), so owners balance the total. Replicas under
+    :data:`SMALL_REPLICA_BYTES` (optimizer step counts, scalars) all belong to rank 0: a rank that
     restores a sharded (FSDP) state then reads its own shard and rank 0's, not a piece of every
     rank's (a whole download each, on a blob store). Larger replicas go to the first
-    ``replica_owner_ranks`` ranks only (a contiguous block; 0: every rank), so that a restoring
+    :data:`REPLICA_OWNER_RANKS` ranks only (a contiguous block; 0: every rank), so that a restoring
     rank reads the records files of that many owners at most, whatever the number of ranks.
     """
-    small = int(knobs.get("small_replica_bytes"))
-    block = int(knobs.get("replica_owner_ranks"))
+    small = int(SMALL_REPLICA_BYTES)
+    block = int(REPLICA_OWNER_RANKS)
     if len(summaries) < 2:
         return {}
     first = summaries[0]
@@ -154,9 +160,8 @@ def stored_record(record: dict[str, Any], rank: int) -> dict[str, Any]:
 def ranks_manifest(*, step: int, generation: int, shards: list[dict[str, Any]], tensors: dict[str, dict[str, Any]],
                    aliases: dict[str, str], trees: list[Any], stats: dict[str, Any],
                    same_trees: Optional[list[bool]] = None, hashes: Optional[dict[str, str]] = None) -> dict[str, Any]:
-    """The manifest of a checkpoint every rank wrote a shard of (the one builder of them: the
-    version 3 :func:`nebula_ckpt.ranks.layout.layout_manifest` of the tier writers and the DCP
-    writer use it).
+    """The manifest of a checkpoint every rank wrote a shard of (the rank manifests of the
+    memory tier and the DCP writer's; the tests' writer of version 3 uses it too).
 
     ``trees[r]``: rank ``r``'s typed tree; equal trees are stored once (``rank_tree`` maps each
     rank to its tree). ``same_trees[r]``: rank ``r``'s tree is known to be rank 0's (compared by

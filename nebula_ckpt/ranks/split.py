@@ -4,12 +4,17 @@ Pure functions over metadata (no I/O, no collectives), used by the commit rounds
 (:mod:`nebula_ckpt.save.rounds`) and the scale simulation; the format is
 :mod:`nebula_ckpt.format.rank_index`'s:
 
+* :func:`signature` / :func:`first_of_class` — each rank hashes what its DTensor records must
+  agree on (dtype, global shape, placements, mesh); a rank sends the whole table only when no
+  lower rank sent the same hash, so rank 0 receives one table per distinct layout (one for FSDP
+  or DDP, one per pipeline stage), never one per rank; :func:`layout_tables` joins them;
 * :func:`new_save_id` — the id rank 0 draws for one attempt at committing a step and sends every
   rank in the first round (each rank's records file carries it);
 * :func:`split_payload` — a rank's records file (its shard entry, its share's records, its tied
   keys, its tree's digest, the earlier shards it refers to, sealed with its own CRC32C) and the
-  small record it sends rank 0 in the durable round (as :func:`~nebula_ckpt.ranks.layout.records_payload`'s,
-  plus the tree digest);
+  small record it sends rank 0 in the durable round: its shard, its records file's name, size and
+  CRC32C, its tree (None when it equals rank 0's) and the tree's digest, its statistics, its table
+  (see above), whether its chunks sit on the grid and the earlier steps' shards it refers to;
 * :func:`split_manifest` — rank 0's ``manifest.json`` (what grows with the tensors: owners, DTensor
   table, the distinct trees, the steps referred to) and ``ranks.json`` (one entry per rank).
 """
@@ -19,11 +24,36 @@ from __future__ import annotations
 import secrets
 from typing import Any, Callable, Optional
 
+from nebula_ckpt.errors import PersistError
 from nebula_ckpt.format.manifest import build_manifest
 from nebula_ckpt.format.names import RANKS_FILE, SPLIT_VERSION, records_name
 from nebula_ckpt.format.rank_index import encode_ranks_index, encode_split_records
-from nebula_ckpt.ranks.layout import grid_of, layout_tables, signature
+from nebula_ckpt.format.rank_records import grid_of, spec_of
 from nebula_ckpt.ranks.shards import digest
+
+
+def signature(tensors: dict[str, dict[str, Any]]) -> dict[str, list[Any]]:
+    """Logical key -> the agreed part of each DTensor record of a rank's tensor index."""
+    return {k: spec_of(rec) for k, rec in tensors.items() if rec.get("dtensor") is not None}
+
+
+def first_of_class(rank: int, digests: list[str]) -> bool:
+    """Whether ``rank`` is the lowest rank with its digest (it then sends its table)."""
+    return digests[rank] not in set(digests[:rank])
+
+
+def layout_tables(parts: list[dict[str, Any]], step: int) -> dict[str, dict[str, Any]]:
+    """The union of the ranks' DTensor tables (the manifest's ``dtensors``); PersistError when two
+    disagree on a key."""
+    table: dict[str, tuple[int, list[Any]]] = {}
+    for r, part in enumerate(parts):
+        for k, spec in (part.get("table") or {}).items():
+            have = table.setdefault(k, (r, spec))
+            if have[1] != spec:
+                raise PersistError(f"step {step}: key '{k}' is a DTensor {spec} (dtype, global shape, placements, "
+                                   f"mesh) on rank {r} but {have[1]} on rank {have[0]}: every rank must save the same "
+                                   "model with the same sharding")
+    return {k: {"dtype": s[0], "shape": s[1], "placements": s[2], "mesh": s[3]} for k, (_, s) in table.items()}
 
 
 def new_save_id() -> str:

@@ -16,7 +16,6 @@ from typing import Any, Callable, Iterable, Mapping, Optional
 
 import torch
 
-from nebula_ckpt import knobs
 from nebula_ckpt.errors import CorruptCheckpointError, ValidationError
 from nebula_ckpt.format import manifest as mf
 from nebula_ckpt.format.commit import read_commit
@@ -26,10 +25,13 @@ from nebula_ckpt.format.rank_index import load_split, with_index
 from nebula_ckpt.format.rank_records import with_records
 from nebula_ckpt.format.records import ShardRecord, TensorRecord
 from nebula_ckpt.format.references import shard_path
-from nebula_ckpt.format.tree import decode
 from nebula_ckpt.native import get_ops
 from nebula_ckpt.storage.base import Storage
 from nebula_ckpt.storage.prefault import advise
+
+#: most bytes checksummed or copied between two drops of the mapped source pages (what a restore
+#: keeps resident beyond the owned bytes)
+RESTORE_CHUNK_BYTES = 64 << 20
 
 log = logging.getLogger(__name__)
 
@@ -168,18 +170,6 @@ class OpenCheckpoint:
             v = raw.view(rec.torch_dtype).reshape(rec.shape)
             self._views[rec.key] = v
         return v
-
-    def decode_tree(self, materialize: Callable[[str, torch.Tensor], Any], allow_pickle: bool) -> Any:
-        """Decode the whole state tree, turning each tensor view into ``materialize(key, view)``."""
-        made: dict[str, Any] = {}
-
-        def tensor(key: str) -> Any:
-            real = self.resolve(key).key
-            if real not in made:
-                made[real] = materialize(key, self.view(key))
-            return made[real]
-
-        return decode(self.tree, tensor, allow_pickle)
 
 
 
@@ -408,9 +398,9 @@ def _advise(mm: Optional[mmap.mmap], start: int, end: int, advice: int) -> None:
 
 def chunks(recs: list[TensorRecord]) -> list[list[TensorRecord]]:
     """``recs`` in shard order, in consecutive groups of at most a sixteenth of their bytes (4 to
-    ``restore_chunk_bytes`` (knob); a larger record is a group of its own): what is mapped at once
+    :data:`RESTORE_CHUNK_BYTES`; a larger record is a group of its own): what is mapped at once
     stays small."""
-    limit = max(4 << 20, min(knobs.get("restore_chunk_bytes"), sum(r.nbytes for r in recs) // 16))
+    limit = max(4 << 20, min(RESTORE_CHUNK_BYTES, sum(r.nbytes for r in recs) // 16))
     out: list[list[TensorRecord]] = []
     size = 0
     for r in sorted(recs, key=lambda r: r.start):

@@ -39,6 +39,14 @@ from nebula_ckpt.save.slots import Slot, adopt_slot_file, create_slot_file, fres
 from nebula_ckpt.storage.prefault import FaultAhead, threads_for
 from nebula_ckpt.tiers.memory.slot_files import own_spare_slot_files
 
+#: states at least this large never create a memory-tier slot file on the training thread: a save
+#: with no slot file ready stages in an anonymous buffer while the next slot file is made in the
+#: background
+SLOT_AHEAD_BYTES = 32 << 20
+#: longest a staging buffer made in the background waits for the copy of the save that asked for it
+#: to finish (so that it does not take that copy's cores and memory bandwidth) before it is made anyway
+SLOT_AHEAD_WAIT_S = 60.0
+
 __all__ = ["Slot", "StagingPool"]
 
 log = logging.getLogger(__name__)
@@ -230,7 +238,7 @@ class StagingPool:
         self._copies_idle.clear()  # the caller copies into what it takes (copy_done() after)
         staging = self._trim()
         use_file = self.slot_dir is not None and not pinned
-        ahead = use_file and nbytes >= knobs.get("slot_ahead_bytes")
+        ahead = use_file and nbytes >= SLOT_AHEAD_BYTES
         free = [s for s in staging if not s.in_use and s.pinned == pinned]
         fit = [s for s in free if s.fits(nbytes)]
         if fit:  # slot files first: the memory tier can link them instead of copying
@@ -360,7 +368,7 @@ class StagingPool:
     def _make_ahead(self, size: int, as_file: bool, pinned: bool) -> None:
         """Body of the background thread of :meth:`_prepare_ahead`."""
         slot: Optional[Slot] = None
-        self._copies_idle.wait(knobs.get("slot_ahead_wait_s"))
+        self._copies_idle.wait(SLOT_AHEAD_WAIT_S)
         try:
             if as_file:
                 slot = self._new_slot(size)

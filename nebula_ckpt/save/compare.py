@@ -104,7 +104,7 @@ class BaseBytes:
             jobs.append((key, self._staged.ctypes.data + start, theirs.ctypes.data + old.start, old.nbytes))
         if not jobs:
             return out
-        threads = max(1, min(len(jobs), int(knobs.get("hash_threads"))))
+        threads = max(1, min(len(jobs), int(knobs.get("io_threads"))))
         with Workers(threads, thread_name_prefix="nebula-compare", initializer=yield_to_training) as ex:
             equal = list(ex.map(lambda j: equal_at(j[1], j[2], j[3]), jobs))
         return out | {j[0] for j, eq in zip(jobs, equal, strict=True) if eq}

@@ -13,9 +13,9 @@ the base recorded. The CRC is a cheap filter (a different CRC is a change, nothi
 done); a 32-bit CRC equal by chance (or by construction: CRC is linear) is caught by the SHA-256.
 The hashes are taken of the staged bytes (what is written), so a change made in any way (an
 optimizer, ``.data``, NumPy, a raw pointer) is seen; they are taken on the stager thread by
-``hash_threads`` threads (``hashlib`` releases the GIL) niced by ``hash_nice``, never on the training thread, only for
-the tensors whose CRC equals the base's (and for every tensor of a tier's first save, which has
-no base), and recorded in the manifest (``sha256``; in a multi-rank checkpoint of format
+``io_threads`` threads (``hashlib`` releases the GIL) niced by :data:`HASH_NICE`, never on the
+training thread, only for the tensors whose CRC equals the base's (and for every tensor of a
+tier's first save, which has no base), and recorded in the manifest (``sha256``; in a multi-rank checkpoint of format
 version 3, in each rank's records file, :mod:`nebula_ckpt.format.rank_records`). A tensor that
 changes save after save (dense training) is never hashed: its CRC already differs.
 
@@ -41,6 +41,10 @@ from nebula_ckpt.format.records import ShardRecord, TensorRecord
 from nebula_ckpt.priority import lower_priority
 from nebula_ckpt.workers import Workers
 
+#: the threads that hash staged tensors run this much nicer than the process (Linux, 0-19; 0: same
+#: priority), so that on a machine without idle cores hashing yields to training
+HASH_NICE = 10
+
 
 def hash_staged(view: memoryview, index: dict[str, dict[str, Any]], keys: Iterable[str]) -> dict[str, str]:
     """SHA-256 (hex) of the staged bytes of ``keys`` (their ``offsets`` in ``view``), in parallel."""
@@ -52,15 +56,15 @@ def hash_staged(view: memoryview, index: dict[str, dict[str, Any]], keys: Iterab
         start, end = index[k]["offsets"]
         return hashlib.sha256(view[start:end]).hexdigest()
 
-    threads = max(1, min(len(todo), int(knobs.get("hash_threads"))))
+    threads = max(1, min(len(todo), int(knobs.get("io_threads"))))
     with Workers(threads, thread_name_prefix="nebula-hash", initializer=yield_to_training) as ex:
         return dict(zip(todo, ex.map(one, todo), strict=True))
 
 
 def yield_to_training() -> None:
-    """Lower the calling thread's scheduling priority by the knob ``hash_nice``, so that where no
+    """Lower the calling thread's scheduling priority by :data:`HASH_NICE`, so that where no
     core is idle the hash threads take what training leaves (:mod:`nebula_ckpt.priority`)."""
-    lower_priority(int(knobs.get("hash_nice")))
+    lower_priority(int(HASH_NICE))
 
 
 def same_kind(rec: dict[str, Any], old: TensorRecord) -> bool:

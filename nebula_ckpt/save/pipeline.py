@@ -41,6 +41,11 @@ from nebula_ckpt.tiers.base import now
 from nebula_ckpt.tiers.memory.replicas import PART as REPLICAS
 from nebula_ckpt.tiers.runtime import TierRuntime
 
+#: unguarded CPU tensors (no module or optimizer hook can make their next change wait for the copy)
+#: up to this many bytes in all are copied on the training thread, so the rest of an asynchronous
+#: save still overlaps; more, or any on a GPU, make the save synchronous
+SMALL_UNGUARDED_BYTES = 1 << 20
+
 log = logging.getLogger("nebula_ckpt")
 
 #: set by the Checkpointer's exit hook: a save accepted after it ran (from an ``atexit`` hook the
@@ -286,10 +291,10 @@ class SavePipeline:
     def _may_overlap(self, plan: Plan, pinned: bool) -> bool:
         """Whether this save may return before its copy is done: the snapshot mode asks for it and
         every tensor has a mutation point the hooks guard. The few small CPU tensors that have
-        none (an RNG state beside a model) are copied here instead (knob ``small_unguarded_bytes``)."""
+        none (an RNG state beside a model) are copied here instead (:data:`SMALL_UNGUARDED_BYTES`)."""
         if self.snapshot == "sync" or (self.snapshot == "auto" and not pinned):
             return False
-        if plan.copy_unguarded(knobs.get("small_unguarded_bytes")):
+        if plan.copy_unguarded(SMALL_UNGUARDED_BYTES):
             return True
         if not self._told_unguarded:
             self._told_unguarded = True

@@ -40,8 +40,7 @@ from nebula_ckpt.native import get_ops
 from nebula_ckpt.ranks import shards as ranks
 from nebula_ckpt.ranks.coordinator import PHASE_DIGEST, PHASE_DURABLE, PHASE_INDEX, PHASE_VERDICT, SKIP, Coordinator
 from nebula_ckpt.ranks.fencing import TierFence
-from nebula_ckpt.ranks.layout import first_of_class, signature
-from nebula_ckpt.ranks.split import new_save_id, split_manifest, split_payload
+from nebula_ckpt.ranks.split import first_of_class, new_save_id, signature, split_manifest, split_payload
 from nebula_ckpt.save.commit import (
     CommitProgress,
     CommitUncertain,

@@ -4,7 +4,7 @@ A save that finds no staging buffer of its size (the first save of a process, as
 into fresh anonymous memory, and every 4 KiB page of it is faulted in by the copy threads as
 they write: on the machines measured, faulting costs 5-10x the copy itself, so the first save
 blocks several times longer than the later ones. :class:`FaultAhead` gives that work to threads
-of cores the copy does not use (knob ``fault_ahead_threads``): each one populates its part of
+of cores the copy does not use (:data:`FAULT_AHEAD_THREADS`): each one populates its part of
 the buffer from the buffer's end towards its start with ``madvise(MADV_POPULATE_WRITE)`` (Linux
 5.14+), one call per chunk instead of a trap per page, while the copy goes front to back; they
 meet in between, and the copy finds faulted pages in the part already done.
@@ -27,6 +27,11 @@ from typing import Any, Optional
 import torch
 
 from nebula_ckpt import knobs
+
+#: threads that fault in a fresh staging buffer's pages from its end while the first save's copy
+#: fills it from the start; None: the cores of this rank the copy threads leave idle, at most 8
+#: (0: the copy faults them)
+FAULT_AHEAD_THREADS: Optional[int] = None
 
 log = logging.getLogger(__name__)
 
@@ -86,11 +91,19 @@ def populate_mapping(m: Any) -> bool:
     return advise(m, 0, len(m), MADV_POPULATE_WRITE)
 
 
+def fault_ahead_threads() -> int:
+    """:data:`FAULT_AHEAD_THREADS`, or by default the cores of this rank the copy threads leave idle
+    (at most 8)."""
+    if FAULT_AHEAD_THREADS is not None:
+        return max(0, int(FAULT_AHEAD_THREADS))
+    return max(0, min(8, knobs.cores_per_rank() - int(knobs.get("copy_threads"))))
+
+
 def threads_for(nbytes: int) -> int:
     """How many fault-ahead threads a fresh buffer of ``nbytes`` gets (0: none)."""
     if _unsupported or nbytes < 2 * CHUNK_BYTES:
         return 0
-    return max(0, int(knobs.get("fault_ahead_threads")))
+    return fault_ahead_threads()
 
 
 class FaultAhead:

@@ -30,7 +30,7 @@ from nebula_ckpt.storage.remote import (
 )
 
 from .conftest import Store
-from .util import captured_logs, exc_text, outage_after_first_part
+from .util import backoff, captured_logs, exc_text, outage_after_first_part
 
 TEST_TIME_LIMIT_S = 120
 #: every test here is bounded (pytest-timeout) far below pytest.ini's global limit: a hung
@@ -134,8 +134,8 @@ def test_outage_is_reported_within_the_deadline(blob_store: Store, outage: str) 
     part = _part_bytes(blob_store.kind)
     big = bytearray(6 * part)
     take_down = server.stop if outage == "stopped" else server.freeze
-    with knobs.override(remote_timeout_s=DEADLINE_S, remote_retries=10_000, remote_backoff_s=0.2,
-                        remote_backoff_max_s=1.0, remote_part_bytes=part, remote_concurrency=2):
+    with backoff(0.2, 1.0), knobs.override(remote_timeout_s=DEADLINE_S, remote_retries=10_000,
+                                           remote_part_bytes=part, remote_concurrency=2):
         st2 = FsspecStorage(blob_store.url("root"), blob_store.storage_options)  # timeouts from the knob
         down = _outage_after_first_part(st2, take_down)
         try:
@@ -207,7 +207,7 @@ def test_nothing_the_storage_shows_holds_a_credential(blob_store: Store) -> None
         assert blob_store.server is not None
         blob_store.server.stop()
         try:
-            with knobs.override(remote_retries=2, remote_backoff_s=0.05, remote_timeout_s=DEADLINE_S), \
+            with backoff(0.05), knobs.override(remote_retries=2, remote_timeout_s=DEADLINE_S), \
                     pytest.raises(RemoteUnavailableError) as e3:
                 st.list()
             errors.append(e3.value)

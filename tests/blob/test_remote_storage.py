@@ -27,9 +27,9 @@ from nebula_ckpt.storage.remote import (
 
 from .conftest import Store
 from .servers import REPO
+from .util import backoff, outage_after_first_part
 from .util import captured_logs as _captured_logs
 from .util import exc_text as _exc_text
-from .util import outage_after_first_part
 
 pytestmark = pytest.mark.blob
 
@@ -318,7 +318,7 @@ def test_unreachable_endpoint_fails_fast(blob_store: Store) -> None:
     st = _storage(blob_store)
     server.stop()
     try:
-        with knobs.override(remote_retries=3, remote_backoff_s=0.05, remote_backoff_max_s=0.2):
+        with backoff(0.05, 0.2), knobs.override(remote_retries=3):
             t0 = time.monotonic()
             with pytest.raises(RemoteUnavailableError) as ei:
                 st.check_access()
@@ -352,8 +352,7 @@ def test_server_stopped_mid_upload(blob_store: Store) -> None:
     part = _part_bytes(blob_store.kind)
     big = _data(6 * part, seed=8)
     down = _stop_on_first_part(st, server)
-    with knobs.override(remote_part_bytes=part, remote_concurrency=2, remote_retries=3,
-                        remote_backoff_s=0.05, remote_backoff_max_s=0.2):
+    with backoff(0.05, 0.2), knobs.override(remote_part_bytes=part, remote_concurrency=2, remote_retries=3):
         t0 = time.monotonic()
         try:
             with pytest.raises(RemoteStorageError) as ei:
@@ -387,9 +386,8 @@ def test_transient_outage_is_retried(blob_store: Store) -> None:
     part = _part_bytes(blob_store.kind)
     big = _data(4 * part, seed=9)
     down = _stop_on_first_part(st, server, restart_after=0.3)
-    with _captured_logs() as logs, knobs.override(
-            remote_part_bytes=part, remote_concurrency=2, remote_retries=10,
-            remote_backoff_s=0.1, remote_backoff_max_s=1.0):
+    with _captured_logs() as logs, backoff(0.1, 1.0), knobs.override(
+            remote_part_bytes=part, remote_concurrency=2, remote_retries=10):
         info = st.write_buffer("step-5/shard.bin", memoryview(big))
     assert down.is_set()
     assert any("retrying" in line for line in logs)

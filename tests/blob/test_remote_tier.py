@@ -33,6 +33,7 @@ from nebula_ckpt.storage.remote import (
 from .conftest import Store
 from .remote_writer import make_state
 from .servers import REPO
+from .util import backoff
 from .util import captured_logs as _captured_logs
 from .util import exc_text as _exc_text
 
@@ -173,9 +174,8 @@ def test_server_stopped_mid_upload(blob_store: Store, shm_dir: str) -> None:
     s1 = make_state(1, 4096)
     w = torch.randn(4 * part // 4 + 1000)  # > 4 parts
     try:
-        with _captured_logs() as logs, knobs.override(
-                remote_part_bytes=part, remote_concurrency=2, remote_retries=3, remote_backoff_s=0.05,
-                remote_backoff_max_s=0.2):
+        with _captured_logs() as logs, backoff(0.05, 0.2), knobs.override(
+                remote_part_bytes=part, remote_concurrency=2, remote_retries=3):
             ck = nc.Checkpointer(url, storage_options=opts, tiers=[tier], on_persist_error="log")
             ck.save(1, s1)
             t0 = time.monotonic()
@@ -369,7 +369,7 @@ def test_remote_outage_keeps_the_memory_tier_working(blob_store: Store, shm_dir:
     server = blob_store.server
     assert server is not None
     url, opts = blob_store.url("run"), blob_store.storage_options
-    with knobs.override(remote_retries=2, remote_backoff_s=0.05, remote_backoff_max_s=0.1):
+    with backoff(0.05, 0.1), knobs.override(remote_retries=2):
         ck = nc.Checkpointer(url, storage_options=opts, on_persist_error="log")
         mem = ck.tiers[0]
         ck.save(1, make_state(1, 4096))

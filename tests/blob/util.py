@@ -11,6 +11,22 @@ from typing import Any, Callable, Iterator, Optional
 
 
 @contextmanager
+def backoff(first_s: float, most_s: Optional[float] = None) -> Iterator[None]:
+    """Within the block, a remote tier's retries wait ``first_s`` first (doubling up to ``most_s``,
+    if given): the constants of :mod:`nebula_ckpt.storage.remote.retry`, set back after."""
+    from nebula_ckpt.storage.remote import retry
+
+    saved = retry.REMOTE_BACKOFF_S, retry.REMOTE_BACKOFF_MAX_S
+    retry.REMOTE_BACKOFF_S = first_s
+    if most_s is not None:
+        retry.REMOTE_BACKOFF_MAX_S = most_s
+    try:
+        yield
+    finally:
+        retry.REMOTE_BACKOFF_S, retry.REMOTE_BACKOFF_MAX_S = saved
+
+
+@contextmanager
 def captured_logs() -> Iterator[list[str]]:
     """Formatted records (with tracebacks) of the nebula_ckpt loggers."""
     lines: list[str] = []

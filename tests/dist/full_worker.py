@@ -1,7 +1,7 @@
 """One rank of a replicas-on-a-full-tmpfs job (run by tests/dist/test_replicas_full.py).
 
 Usage: python full_worker.py save ROOT OUT SHM_BASE [STEPS FILL_STEP [WHEN]]
-       python full_worker.py restore ROOT OUT SHM_BASE [fill KEEP]
+       python full_worker.py restore ROOT OUT SHM_BASE [fill KEEP [PULL_CHUNK]]
 
 Two simulated nodes, one rank each: rank 0 is node ``n0`` (A), rank 1 node ``n1`` (B), each with
 its own ``NEBULA_SHM_DIR`` (``SHM_BASE/n<i>``; the test mounts a small tmpfs there for B) and
@@ -44,6 +44,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 import nebula_ckpt as nc  # noqa: E402
+from nebula_ckpt.tiers.memory import replica_pull  # noqa: E402
 from nebula_ckpt.tiers.memory.replica_store import ReplicaStore  # noqa: E402
 
 
@@ -142,6 +143,8 @@ class _Warnings(logging.Handler):
 
 
 def restore() -> None:
+    if len(sys.argv) > 7 and sys.argv[5] == "fill":  # bytes per transfer of a pull (default 8 MiB)
+        replica_pull.PULL_CHUNK_BYTES = int(sys.argv[7])
     st = _state(10_000)
     warnings = _Warnings()
     logging.getLogger("nebula_ckpt").addHandler(warnings)

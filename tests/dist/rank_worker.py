@@ -1,6 +1,7 @@
 """One rank of a multi-rank test job (run as a subprocess by tests/dist/test_multirank.py).
 
-Usage: python rank_worker.py SCENARIO ROOT OUT   (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT in env)
+Usage: python rank_worker.py SCENARIO ROOT OUT   (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT in env;
+       TEST_SMALL_REPLICA_BYTES, if set, replaces nebula_ckpt.ranks.shards.SMALL_REPLICA_BYTES)
 
 Every rank trains the same tiny model (DDP: replicated; FSDP2: sharded with ``fully_shard``) with
 AdamW on gloo, saves through ``nebula_ckpt.Checkpointer(ROOT)`` (which finds the process group by
@@ -19,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 import nebula_ckpt as nc
+from nebula_ckpt.ranks import shards
 
 
 def _model(seed: int) -> torch.nn.Module:
@@ -121,6 +123,8 @@ def _die_in_shared_write(step: int) -> None:
 
 def main() -> None:
     scenario, root, out = sys.argv[1:4]
+    if os.environ.get("TEST_SMALL_REPLICA_BYTES"):
+        shards.SMALL_REPLICA_BYTES = int(os.environ["TEST_SMALL_REPLICA_BYTES"])
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     report: dict[str, Any] = {"rank": rank, "world": world}

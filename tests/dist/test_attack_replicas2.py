@@ -29,6 +29,7 @@ import pytest
 from nebula_ckpt import knobs
 from nebula_ckpt.ranks.partners import choose_partners, pack_node_id, unpack_node_id
 from nebula_ckpt.save.epilogue import persist_memory
+from nebula_ckpt.tiers.memory import replicas
 from nebula_ckpt.tiers.memory.replica_save import check_copy
 from nebula_ckpt.tiers.memory.replica_store import ReplicaStore, committed
 
@@ -297,7 +298,7 @@ def test_the_pulled_copy_is_kept_after_the_first_steps_or_not_when_a_save_came_f
     snap = tmp_path / "snap"
     shutil.copytree(job.shm, snap, symlinks=True)
     job.lose(1)
-    slow = job.run(load="latest", sleep=3 * float(knobs.get("replica_keep_after_s")))
+    slow = job.run(load="latest", sleep=3 * float(replicas.KEEP_AFTER_S))
     for s, g in zip(saved, slow, strict=True):
         _restored(g, s, 3)
     assert slow[1]["last_restore"]["source"] == "replica from rank 0"

@@ -49,7 +49,7 @@ def job_dir(tmp_path: Path) -> Path:
 def test_ddp_ranks_write_each_byte_once_and_restore_bit_exact(world: int, root: str, shm_dir: str,
                                                              job_dir: Path) -> None:
     # every replica of this small model is under 64 KiB: spread them all, as large ones are
-    saved = _job(world, "ddp_save", root, job_dir, shm_dir, NEBULA_SMALL_REPLICA_BYTES="0")
+    saved = _job(world, "ddp_save", root, job_dir, shm_dir, TEST_SMALL_REPLICA_BYTES="0")
     man = _manifest(root, 3)
     ranks = list(range(world))
     assert man["version"] == SPLIT_VERSION and man["world_size"] == world and man["ranks"] == ranks

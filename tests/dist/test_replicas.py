@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from nebula_ckpt import knobs
+from nebula_ckpt.tiers.memory import replica_channel
 
 from .launch import run_ranks
 
@@ -83,9 +83,9 @@ def test_a_step_only_in_memory_survives_the_loss_of_either_node(tmp_path: Path) 
     assert sorted(os.listdir(job.root)) == ["_nebula", "step-1"]
     for s in saved:  # step 3's copy is received into the files of step 1's, pruned (keep_last=1) as step 2's came
         assert s["inodes"]["3"] and s["inodes"]["3"] == s["inodes"]["1"] != s["inodes"]["2"], s["inodes"]
-    for s in saved:  # the replicas' thread and its channel's TCP loop yield to training (knob replica_nice)
+    for s in saved:  # the replicas' thread and its channel's TCP loop yield to training (replica_channel.REPLICA_NICE)
         base, threads = s["nice"]["training"], s["nice"]["threads"]
-        niced = min(19, base + int(knobs.get("replica_nice")))
+        niced = min(19, base + int(replica_channel.REPLICA_NICE))
         assert ["nebula-replicas", niced] in threads, threads
         loops = sorted(n for name, n in threads if name == "gloo_tcp_loop")
         assert loops[0] == base and niced in loops, threads  # the training group's loop is untouched

@@ -136,7 +136,7 @@ def test_a_pull_whose_memory_tier_copy_runs_out_of_room_part_way_still_restores_
     saved = job.run("save", "1", "5")  # B's tmpfs is not filled while saving
     assert not any(s["errors"] for s in saved), [s["errors"] for s in saved]
     job.lose_b()
-    got = job.run("restore", "fill", str(256 << 10), env={"NEBULA_REPLICA_PULL_CHUNK_BYTES": str(128 << 10)})
+    got = job.run("restore", "fill", str(256 << 10), str(128 << 10))
     _check_exact(saved, got, 1)
     a, b = got
     assert b["filled"]["free_after"] < (512 << 10) < b["filled"]["free_before"], b["filled"]

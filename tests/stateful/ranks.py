@@ -37,9 +37,10 @@ CALL_POINTS = {
     "a copy verified, not yet visible": "nebula_ckpt.tiers.memory.replica_store:ReplicaStore.publish",
 }
 RANK_SAVE_POINTS = SAVE_POINTS  # "disk, replacing a step" is reached on rank 0 only (it replaces)
-ENV = {"NEBULA_REPLICA_TIMEOUT_S": "30", "NEBULA_COMMIT_TIMEOUT_S": "30", "NEBULA_CONFIRM_TIMEOUT_S": "30",
-       "NEBULA_REPLICA_KEEP_AFTER_S": "0.5",
-       "NEBULA_REPLICA_NICE": "0", "NEBULA_HASH_NICE": "0"}  # niced threads starve on a busy machine
+ENV = {"NEBULA_REPLICA_TIMEOUT_S": "30", "NEBULA_COMMIT_TIMEOUT_S": "30", "NEBULA_CONFIRM_TIMEOUT_S": "30"}
+#: module constants the workers set (``module:NAME`` -> value): niced threads starve on a busy machine
+CONSTANTS = {"nebula_ckpt.tiers.memory.replicas:KEEP_AFTER_S": 0.5,
+             "nebula_ckpt.tiers.memory.replica_channel:REPLICA_NICE": 0, "nebula_ckpt.save.incremental:HASH_NICE": 0}
 
 
 class Shared(_Shared):
@@ -149,7 +150,8 @@ class Ranks(RuleBasedStateMachine):
         port = free_port()
         self.job = Job([self.shared.pool.take() for _ in range(WORLD)])
         got = self.everyone([{"op": "open", "root": self.root, "shm": self.shm_of(r), "node": f"n{r}", "dist": True,
-                              "rank": r, "world": WORLD, "port": port, "tiers": self.tiers, "env": ENV}
+                              "rank": r, "world": WORLD, "port": port, "tiers": self.tiers, "env": ENV,
+                              "constants": CONSTANTS}
                              for r in range(WORLD)])
         if any(g is None for g in got):
             self.fail(f"a rank died while restoring: {got}\n{self.job.procs[0].tail()}\n{self.job.procs[1].tail()}")

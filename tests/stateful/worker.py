@@ -18,6 +18,7 @@ The states saved are :mod:`stateful.states`' (every byte says which save and ran
 from __future__ import annotations
 
 import contextlib
+import importlib
 import io
 import json
 import logging
@@ -117,6 +118,9 @@ class Worker:
         restore the newest checkpoint (``load_latest``) into a blank state."""
         self.node(cmd)
         os.environ.update(cmd.get("env", {}))
+        for where, value in cmd.get("constants", {}).items():  # module:NAME -> value
+            module, _, name = where.partition(":")
+            setattr(importlib.import_module(module), name, value)
         if os.environ.get("STATEFUL_TRACE_OPEN"):
             import faulthandler
             faulthandler.dump_traceback_later(float(os.environ["STATEFUL_TRACE_OPEN"]), file=sys.stderr)

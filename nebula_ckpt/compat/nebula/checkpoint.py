@@ -7,7 +7,8 @@ from typing import Any, Optional
 
 import torch
 
-from nebula_ckpt import SaveHandle, check_tag
+from nebula_ckpt import SaveHandle
+from nebula_ckpt.adapters import check_tag
 from nebula_ckpt.compat.nebula.commit import commit_parts
 from nebula_ckpt.compat.nebula.session import Parts, Session, current_session, reader_for, settle
 from nebula_ckpt.errors import NotFoundError, ValidationError

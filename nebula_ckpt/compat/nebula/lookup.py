@@ -10,7 +10,8 @@ from typing import Any, Optional
 
 import torch
 
-from nebula_ckpt import Checkpointer, canonical_root, check_tag
+from nebula_ckpt import Checkpointer
+from nebula_ckpt.adapters import canonical_root, check_tag
 from nebula_ckpt.compat.nebula.checkpoint import Checkpoint, committed_checkpoint
 from nebula_ckpt.compat.nebula.session import Session, current_session, reader_for, settle
 from nebula_ckpt.errors import NotFoundError, ValidationError

@@ -12,15 +12,9 @@ import shutil
 import threading
 from typing import Any, Optional
 
-from nebula_ckpt import (
-    Checkpointer,
-    MemoryTier,
-    SaveHandle,
-    canonical_root,
-    knobs,
-    refuse_url_credentials,
-    tier_for_root,
-)
+from nebula_ckpt import Checkpointer, MemoryTier, SaveHandle
+from nebula_ckpt.adapters import canonical_root, refuse_url_credentials, tier_for_root
+from nebula_ckpt.compat.nebula import environment
 from nebula_ckpt.errors import NebulaError, NotFoundError, ValidationError
 
 log = logging.getLogger("nebula_ckpt")
@@ -87,7 +81,7 @@ class Parts:
 def _storage_path(path: Any) -> str:
     """``persistent_storage_path`` as a string (or the environment variable Nebula read)."""
     if path is None:
-        path = knobs.get("persistent_storage_path") or None
+        path = environment.storage_path()
     refuse_url_credentials(path[0] if isinstance(path, (tuple, list)) and len(path) == 1 else path,
                            "persistent_storage_path")
     if isinstance(path, (tuple, list)) and len(path) == 1:
@@ -109,7 +103,7 @@ def _storage_path(path: Any) -> str:
 
 def _interval(value: Any) -> Optional[float]:
     if value is None:
-        env = knobs.get("persistent_time_interval")
+        env = environment.time_interval()
         if not env:
             return None
         value = env
@@ -168,7 +162,7 @@ def init(persistent_storage_path: Any = None, persistent_time_interval: Any = No
     root = _storage_path(persistent_storage_path)
     interval = _interval(persistent_time_interval)
     keep = _retention(num_of_version_in_retention)
-    if knobs.get("memory_buffer_size"):
+    if environment.memory_buffer_size():
         log.warning("torch_nebula.init(): NEBULA_MEMORY_BUFFER_SIZE is ignored: nebula_ckpt stages each checkpoint "
                     "whole in host memory (no smaller streaming buffer); init(..., host_memory_budget=N) caps that "
                     "memory (a larger checkpoint is then refused), memory_tier=False keeps no copy in /dev/shm")

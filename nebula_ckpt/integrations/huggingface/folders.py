@@ -28,6 +28,7 @@ import shutil
 from typing import Any, Optional
 
 import nebula_ckpt as nc
+from nebula_ckpt.adapters import canonical_root, write_file_atomic
 from nebula_ckpt.integrations.huggingface.common import TRAINER_STATE_NAME
 
 log = logging.getLogger("nebula_ckpt")
@@ -43,11 +44,11 @@ _FIELDS: dict[str, type] = {"root": str, "tag": str, "step": int}
 def write(folder: str, root: str, tag: str, step: int, trainer_state: str, config: Optional[str]) -> None:
     """Write the checkpoint folder ``folder`` of checkpoint ``tag`` (step ``step``) under ``root``."""
     os.makedirs(folder, exist_ok=True)
-    nc.write_file_atomic(os.path.join(folder, TRAINER_STATE_NAME), trainer_state.encode("utf-8"))
+    write_file_atomic(os.path.join(folder, TRAINER_STATE_NAME), trainer_state.encode("utf-8"))
     if config is not None:
-        nc.write_file_atomic(os.path.join(folder, CONFIG_NAME), config.encode("utf-8"))
-    record = {"format": FOLDER_FORMAT, "root": nc.canonical_root(root), "tag": tag, "step": int(step)}
-    nc.write_file_atomic(os.path.join(folder, POINTER_NAME), (json.dumps(record, indent=1) + "\n").encode("utf-8"))
+        write_file_atomic(os.path.join(folder, CONFIG_NAME), config.encode("utf-8"))
+    record = {"format": FOLDER_FORMAT, "root": canonical_root(root), "tag": tag, "step": int(step)}
+    write_file_atomic(os.path.join(folder, POINTER_NAME), (json.dumps(record, indent=1) + "\n").encode("utf-8"))
 
 
 def read(folder: str) -> Optional[dict[str, Any]]:

@@ -17,6 +17,7 @@ from transformers import Trainer, TrainerCallback
 from transformers.training_args import ParallelMode
 
 import nebula_ckpt as nc
+from nebula_ckpt.adapters import refuse_url_credentials
 from nebula_ckpt.integrations.huggingface import folders, resuming, saving
 from nebula_ckpt.integrations.huggingface.common import RunState, attach, run_of
 from nebula_ckpt.integrations.huggingface.engines import check_supported, engine_of, load_deepspeed
@@ -46,7 +47,7 @@ class NebulaCheckpointMixin:
     def __init__(self, *args: Any, nebula_root: Optional[str] = None,
                  nebula_options: Optional[dict[str, Any]] = None, nebula_log_metrics: bool = True,
                  **kwargs: Any) -> None:
-        nc.refuse_url_credentials(nebula_root, "nebula_root")
+        refuse_url_credentials(nebula_root, "nebula_root")
         super().__init__(*args, **kwargs)
         setup_trainer(self, nebula_root, nebula_options, log_metrics=nebula_log_metrics)
 
@@ -218,7 +219,7 @@ def setup_trainer(trainer: Any, root: Optional[str], options: Optional[dict[str,
                   log_metrics: bool = True) -> None:
     """Switch ``trainer`` to nebula_ckpt checkpoints (what ``NebulaTrainer(...)`` runs after
     ``Trainer.__init__``): a URL carrying a password is refused before anything else."""
-    nc.refuse_url_credentials(root, "nebula_root")
+    refuse_url_credentials(root, "nebula_root")
     if not any(isinstance(cb, Housekeeping) for cb in trainer.callback_handler.callbacks):
         trainer.add_callback(Housekeeping(trainer))
     attach(trainer, RunState(root=root or os.path.join(trainer.args.output_dir, "nebula"),
@@ -254,7 +255,7 @@ def enable(trainer: Any, root: Optional[str] = None, *, log_metrics: bool = True
     """
     if not isinstance(trainer, Trainer):
         raise nc.ValidationError(f"enable() takes a transformers.Trainer, got {type(trainer).__name__}")
-    nc.refuse_url_credentials(root, "root")
+    refuse_url_credentials(root, "root")
     cls = type(trainer)
     if not isinstance(trainer, NebulaCheckpointMixin):
         new = _classes.get(cls)

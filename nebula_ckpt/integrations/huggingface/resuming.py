@@ -15,6 +15,7 @@ import tempfile
 from typing import Any, Iterator, Optional
 
 import nebula_ckpt as nc
+from nebula_ckpt.adapters import canonical_root
 from nebula_ckpt.integrations.huggingface import folders
 from nebula_ckpt.integrations.huggingface.common import TRAINER_STATE_NAME, run_of, tag_for
 from nebula_ckpt.integrations.huggingface.engines import engine_of
@@ -60,7 +61,7 @@ def find(trainer: Any, resume: Any) -> Optional[tuple[str, Any]]:
     tags = checkpointer(trainer).tags()
     rec = folders.read(path)
     if rec is not None:  # a folder of this integration: its checkpoint, in this root or the one it names
-        if nc.canonical_root(rec["root"]) == nc.canonical_root(run_of(trainer).root):
+        if canonical_root(rec["root"]) == canonical_root(run_of(trainer).root):
             if rec["tag"] not in tags:
                 raise nc.NotFoundError(f"Can't find a valid checkpoint at {path}: it names {rec['tag']} (step "
                                        f"{rec['step']}), which {rec['root']} no longer holds (tags: "

@@ -16,7 +16,7 @@ The package, by concern:
 * :mod:`.paths`: relative paths checked, objects named in messages, listings normalised;
 * :mod:`.s3`, :mod:`.azure`, :mod:`.generic`: one backend class per service;
 * :mod:`.retry`: error classification and the retry loop with a deadline (knobs
-  ``remote_retries``, ``remote_backoff_s``, ``remote_backoff_max_s``, ``remote_timeout_s``);
+  ``remote_retries``, ``remote_timeout_s``; the backoff delays are constants there);
 * :mod:`.errors`: the exceptions, and the one function that turns a backend exception into ours;
 * :mod:`.scrub`: what a credential looks like; every message and log line goes through it;
 * :mod:`.upload`: upload streams, part sizing and the parallel multi-part pipeline;

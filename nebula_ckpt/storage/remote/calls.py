@@ -2,7 +2,8 @@
 
 Every request of a remote tier runs through :func:`call_with_retries`: transient errors are
 retried with backoff until the attempts or the operation's deadline (knobs ``remote_retries``,
-``remote_backoff_s``, ``remote_backoff_max_s``, ``remote_timeout_s``) run out, each retry is logged
+``remote_timeout_s``; delays :data:`~.retry.REMOTE_BACKOFF_S` doubling up to
+:data:`~.retry.REMOTE_BACKOFF_MAX_S`) run out, each retry is logged
 through the tier's scrubber, and what finally fails is raised as one of our exceptions
 (:mod:`.errors`), never the backend's.
 """

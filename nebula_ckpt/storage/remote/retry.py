@@ -18,6 +18,11 @@ from typing import Any, Callable, Generic, Optional, TypeVar
 
 from nebula_ckpt import knobs
 
+#: first retry delay on a remote tier (doubles, capped at REMOTE_BACKOFF_MAX_S, with jitter)
+REMOTE_BACKOFF_S = 0.2
+#: largest retry delay on a remote tier
+REMOTE_BACKOFF_MAX_S = 5.0
+
 T = TypeVar("T")
 
 
@@ -193,10 +198,11 @@ class RetryPolicy:
 
     @classmethod
     def from_knobs(cls) -> "RetryPolicy":
-        """The policy the ``remote_*`` knobs say, read now (tests override knobs at any time)."""
-        base = max(0.0, float(knobs.get("remote_backoff_s")))
+        """The policy the ``remote_*`` knobs and the backoff constants say, read now (tests override
+        knobs at any time)."""
+        base = max(0.0, float(REMOTE_BACKOFF_S))
         return cls(attempts=max(1, int(knobs.get("remote_retries"))), backoff_s=base,
-                   backoff_max_s=max(base, float(knobs.get("remote_backoff_max_s"))),
+                   backoff_max_s=max(base, float(REMOTE_BACKOFF_MAX_S)),
                    timeout_s=max(0.1, float(knobs.get("remote_timeout_s"))))
 
     def delay(self, attempt: int) -> float:

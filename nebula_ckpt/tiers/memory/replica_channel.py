@@ -25,12 +25,16 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from nebula_ckpt import knobs
 from nebula_ckpt.format.names import step_dir
 from nebula_ckpt.priority import lower_priority
 from nebula_ckpt.storage.local import MappedHold
 from nebula_ckpt.storage.prefault import populate_mapping
 from nebula_ckpt.tiers.memory.replica_store import ReplicaStore, safe_name
+
+#: the threads that move and check memory-tier replicas during training run this much nicer than
+#: the process (Linux, 0-19; 0: same priority), so that on a machine without idle cores replication
+#: yields to training
+REPLICA_NICE = 10
 
 log = logging.getLogger(__name__)
 
@@ -90,14 +94,14 @@ class Channel:
 
     def yield_to_training(self) -> None:
         """Lower the scheduling priority of the calling thread and of this group's threads by the
-        knob ``replica_nice`` (once; Linux: a thread's nice value is its own, and threads the
+        :data:`REPLICA_NICE` (once; Linux: a thread's nice value is its own, and threads the
         calling thread starts later inherit it), so that where no core is idle the replicas take
         what training leaves. Called by the replicas' thread before its first save round: a
         recover round before it (at restore, while training waits) runs at full priority."""
         if self._yielded:
             return
         self._yielded = True
-        lower_priority(int(knobs.get("replica_nice")), [threading.get_native_id(), *self._threads])
+        lower_priority(int(REPLICA_NICE), [threading.get_native_id(), *self._threads])
 
     def gather(self, value: Any) -> list[Any]:
         """Every rank's ``value``, by rank (a collective)."""

@@ -3,7 +3,7 @@
 The recover round (:mod:`~nebula_ckpt.tiers.memory.replica_recover`) moves a copy while training
 waits, so its latency counts, not its CPU. Both sides cut the step's files into the same
 transfers (:func:`pull_order`, computed from the ``(name, size)`` both know and the puller's chunk
-size, knob ``replica_pull_chunk_bytes``): the small files first (manifest, records, commit
+size, :data:`PULL_CHUNK_BYTES`): the small files first (manifest, records, commit
 marker), then each shard in chunks, one tag each. The holder sends them all at once from
 read-only mappings of its replica (no copy). The puller makes the files under an ``.incoming-*``
 folder and, chunk by chunk, allocates the chunk's pages (``posix_fallocate``, whose ENOSPC
@@ -51,12 +51,16 @@ from nebula_ckpt.storage.prefault import MADV_POPULATE_WRITE, advise
 from nebula_ckpt.tiers.memory.replica_channel import Channel, no_room_for_copy
 from nebula_ckpt.tiers.memory.replica_store import ReplicaStore, safe_name
 
+#: bytes per transfer of a memory-tier copy pulled from a partner at restore (the puller allocates
+#: the next chunk and checks the tensors landed while one arrives)
+PULL_CHUNK_BYTES = 8 << 20
+
 log = logging.getLogger(__name__)
 
 def chunk_bytes() -> int:
-    """This rank's bytes per transfer of a pull (knob ``replica_pull_chunk_bytes``, at least one
+    """This rank's bytes per transfer of a pull (:data:`PULL_CHUNK_BYTES`, at least one
     page). The puller's value is the one both sides use: it tells it in its view."""
-    return max(mmap.PAGESIZE, int(knobs.get("replica_pull_chunk_bytes")) // mmap.PAGESIZE * mmap.PAGESIZE)
+    return max(mmap.PAGESIZE, int(PULL_CHUNK_BYTES) // mmap.PAGESIZE * mmap.PAGESIZE)
 
 
 def pull_order(files: Sequence[tuple[str, int]], chunk: int) -> list[tuple[int, int, int]]:
@@ -222,12 +226,12 @@ def _target(inc: str, step: int, name: str, size: int, src: int,
 
 def _anonymous(size: int) -> mmap.mmap:
     """A private anonymous mapping of ``size`` bytes, backed by huge pages where the kernel gives
-    them (``MADV_HUGEPAGE``, knob ``replica_pull_huge_pages``; measured: 48 MB populated in 2-4 ms,
+    them (``MADV_HUGEPAGE``, unless the knob ``huge_pages`` is off; measured: 48 MB populated in 2-4 ms,
     against 10-20 ms in 4 KiB pages and ~25 ms for a tmpfs or a shared mapping, which
     ``mmap.mmap(-1, n)`` is; but a kernel short of free huge pages compacts memory first, which
     was seen to take ~80-140 ms)."""
     m = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    if hasattr(mmap, "MADV_HUGEPAGE") and knobs.get("replica_pull_huge_pages"):
+    if hasattr(mmap, "MADV_HUGEPAGE") and knobs.get("huge_pages") is not False:
         try:
             m.madvise(mmap.MADV_HUGEPAGE)
         except OSError as e:  # no transparent huge pages here: 4 KiB pages

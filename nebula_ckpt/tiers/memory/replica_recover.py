@@ -20,8 +20,9 @@ round* (:func:`keep_pulled`) on the replicas' thread, niced like every round aft
 pulls each such copy once more, from the same holder, into an ``.incoming-*`` folder of the rank's
 memory tier (tmpfs pages allocated before each chunk lands, an ``ENOSPC`` refuses it), checks every
 checksum and publishes it. It runs once the first training steps had the cores to themselves
-(knob ``replica_keep_after_s``, 1 s), or as soon as a save's round, another restore or ``close()`` is
-queued on any rank; a rank that saved to its memory tier meanwhile takes no copy. The pulled memory cannot serve:
+(:data:`~nebula_ckpt.tiers.memory.replicas.KEEP_AFTER_S`, 1 s), or as soon as a save's round, another
+restore or ``close()`` is queued on any rank; a rank that saved to its memory tier meanwhile takes no
+copy. The pulled memory cannot serve:
 the restore's tensors are those pages, and training changes them. Not kept (warned and counted in
 ``stats()["replicas"]["keep_failed"]``) when the tmpfs has no room, the holder is gone, or a save
 reached this rank's memory tier first (that save's round makes new copies).

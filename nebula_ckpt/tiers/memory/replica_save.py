@@ -3,7 +3,7 @@
 Run by the :class:`~nebula_ckpt.tiers.memory.replicas.Replicator`'s thread, in the same order on
 every rank, once this rank's memory tier is done with the save: the ranks exchange what they
 committed (file names and sizes; ``None`` for a rank whose memory tier did not commit it), each
-receiver says which copies it has room for (``knobs.shm_min_free``) and, for an incremental step,
+receiver says which copies it has room for (knob ``shm_min_free_fraction``) and, for an incremental step,
 whether it lacks the replica of its base, each rank sends its files to its partners straight from
 the memory tier (a read-only mapping of the staged shard: no second snapshot), plus the shards the
 step refers to to a partner that lacks its base, each receiver writes them into an ``.incoming-*``

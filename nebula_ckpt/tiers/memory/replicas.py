@@ -14,7 +14,8 @@ the same order on every rank:
   verify and keep it (:mod:`~nebula_ckpt.tiers.memory.replica_store`); the save's handle gets its
   ``replicas`` part done (or failed, naming the partner and why). The training thread never
   waits for any of it; ``handle.result()`` does. From the first save round on, the thread and its
-  channel's threads run niced (``knobs.replica_nice``): they take what training leaves.
+  channel's threads run niced (:data:`~nebula_ckpt.tiers.memory.replica_channel.REPLICA_NICE`): they
+  take what training leaves.
 * a **recover round** at restore (the training thread hands it over and waits:
   :mod:`~nebula_ckpt.tiers.memory.replica_recover`): the ranks agree on the newest step every rank
   can get (:mod:`~nebula_ckpt.tiers.memory.recovery`) and each rank whose own copy of it is gone or
@@ -25,7 +26,7 @@ the same order on every rank:
   own part of it on the shared tier, on a thread of its own (``after_loss``, the drain of
   :mod:`nebula_ckpt.save.drain`), and the step is committed there once every rank's part is in.
 
-A rank that dies makes the channel's collectives fail or time out (``knobs.replica_timeout_s``):
+A rank that dies makes the channel's collectives fail or time out (knob ``replica_timeout_s``):
 the round's replicas fail on the other ranks, and every later round fails at once (the job
 restarts, as it would anyway).
 """
@@ -52,6 +53,11 @@ from nebula_ckpt.tiers.memory.replica_recover import keep_pulled, recover
 from nebula_ckpt.tiers.memory.replica_save import replicate
 from nebula_ckpt.tiers.memory.replica_store import ReplicaStore
 from nebula_ckpt.tiers.memory.tier import MemoryTier
+
+#: after a restore that pulled memory-tier copies from partners, how long the replicas' thread
+#: waits (unless a save or close() comes first) before pulling them again into the memory tiers, so
+#: that the copies do not compete with the first training steps for the cores
+KEEP_AFTER_S = 1.0
 
 log = logging.getLogger(__name__)
 
@@ -233,7 +239,7 @@ class Replicator:
             box["error"] = e
         if keep is not None:  # the same on every rank: the keep round is a collective, due later
             with self._cond:
-                self._keep = (keep, time.monotonic() + float(knobs.get("replica_keep_after_s")))
+                self._keep = (keep, time.monotonic() + float(KEEP_AFTER_S))
         done.set()
 
     def _keep_due(self) -> bool:

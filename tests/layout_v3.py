@@ -1,14 +1,7 @@
-"""The commit of a multi-rank save in format version 3: what each rank writes and sends, what rank 0 builds.
+"""The tests' writer of format version 3 (the package reads it; its commit rounds write version 4,
+:mod:`nebula_ckpt.ranks.split`, whose :func:`~nebula_ckpt.ranks.split.signature` and
+:func:`~nebula_ckpt.ranks.split.layout_tables` this writer shares). Pure functions over metadata:
 
-Pure functions over metadata (no I/O, no collectives). The commit rounds
-(:mod:`nebula_ckpt.save.rounds`) write format version 4 (:mod:`nebula_ckpt.ranks.split`), which
-shares :func:`signature`, :func:`first_of_class`, :func:`grid_of` and :func:`layout_tables`; the
-version 3 builders stay as the golden tests' writer of that version (which every reader still reads):
-
-* :func:`signature` / :func:`first_of_class` — each rank hashes what its DTensor records must
-  agree on (dtype, global shape, placements, mesh); a rank sends the whole table only when no
-  lower rank sent the same hash, so rank 0 receives one table per distinct layout (one for FSDP
-  or DDP, one per pipeline stage), never one per rank;
 * :func:`records_payload` — a rank's records file (its share's tensor records and its tied keys,
   :func:`~nebula_ckpt.format.rank_records.encode_records`) and the small record it sends rank 0
   in the durable round: its shard, its records file's name, size and CRC32C, its tree (None when
@@ -26,20 +19,10 @@ from __future__ import annotations
 
 from typing import Any, Callable, Optional
 
-from nebula_ckpt.errors import PersistError
 from nebula_ckpt.format.names import LAYOUT_VERSION, records_name
-from nebula_ckpt.format.rank_records import encode_records, grid_of, spec_of
+from nebula_ckpt.format.rank_records import encode_records, grid_of
 from nebula_ckpt.ranks.shards import ranks_manifest
-
-
-def signature(tensors: dict[str, dict[str, Any]]) -> dict[str, list[Any]]:
-    """Logical key -> the agreed part of each DTensor record of a rank's tensor index."""
-    return {k: spec_of(rec) for k, rec in tensors.items() if rec.get("dtensor") is not None}
-
-
-def first_of_class(rank: int, digests: list[str]) -> bool:
-    """Whether ``rank`` is the lowest rank with its digest (it then sends its table)."""
-    return digests[rank] not in set(digests[:rank])
+from nebula_ckpt.ranks.split import layout_tables, signature
 
 
 def records_payload(*, step: int, generation: int, rank: int, world: int, shard: dict[str, Any],
@@ -62,20 +45,6 @@ def records_payload(*, step: int, generation: int, rank: int, world: int, shard:
                "table": signature(meta["tensors"]) if send_table else None,
                "grid": grid_of(meta["tensors"].values(), rank, world)}
     return name, data, payload
-
-
-def layout_tables(parts: list[dict[str, Any]], step: int) -> dict[str, dict[str, Any]]:
-    """The union of the ranks' DTensor tables (the manifest's ``dtensors``); PersistError when two
-    disagree on a key."""
-    table: dict[str, tuple[int, list[Any]]] = {}
-    for r, part in enumerate(parts):
-        for k, spec in (part.get("table") or {}).items():
-            have = table.setdefault(k, (r, spec))
-            if have[1] != spec:
-                raise PersistError(f"step {step}: key '{k}' is a DTensor {spec} (dtype, global shape, placements, "
-                                   f"mesh) on rank {r} but {have[1]} on rank {have[0]}: every rank must save the same "
-                                   "model with the same sharding")
-    return {k: {"dtype": s[0], "shape": s[1], "placements": s[2], "mesh": s[3]} for k, (_, s) in table.items()}
 
 
 def layout_manifest(*, step: int, generation: int, parts: list[dict[str, Any]],
