@@ -134,28 +134,26 @@ class StagingPool:
         folder = None if self.slot_dir is None else os.path.dirname(self.slot_dir)
         return {"staging": anon, "memory_tier": folder_ram_bytes(folder)}
 
-    def _fits(self, nbytes: int) -> bool:
-        """Whether ``nbytes`` more stay within the budget (lock held); else remembers the shortage."""
+    def _shortage(self, nbytes: int) -> Optional[tuple[int, dict[str, int], int]]:
+        """``(nbytes, held by kind, limit)`` when ``nbytes`` more exceed the budget (lock held), else None."""
         held = self._used()
         used = sum(held.values())
         limit = self.budget.limit(used)
-        if used + nbytes <= limit:
-            return True
-        self._short = (nbytes, held, limit)
-        return False
+        return None if used + nbytes <= limit else (nbytes, held, limit)
+
+    def _fits(self, nbytes: int) -> bool:
+        """Whether ``nbytes`` more stay within the budget (lock held); else remembers the shortage."""
+        short = self._shortage(nbytes)
+        if short is not None:
+            self._short = short
+        return short is None
 
     def room_for(self, nbytes: int) -> Optional[str]:
         """Why ``nbytes`` more host memory (a partner's replica received into the memory tier) do
         not fit in the budget now, in words; None when they do."""
         with self._mutex:
-            held = self._used()
-        used = sum(held.values())
-        limit = self.budget.limit(used)
-        if used + nbytes <= limit:
-            return None
-        return (f"{gib(nbytes)} more, and checkpointing holds {gib(used)} (staging {gib(held['staging'])}, memory "
-                f"tier {gib(held['memory_tier'])}) of {self.budget.describe(used)} (limit now {gib(limit)}); pass a "
-                "larger host_memory_budget on that rank")
+            short = self._shortage(nbytes)
+        return None if short is None else f"{self._say_short(*short)}; pass a larger host_memory_budget on that rank"
 
     def check_fits(self, nbytes: int) -> None:
         """Raise a clear error if one save of ``nbytes`` can never fit in the budget (before
@@ -173,10 +171,13 @@ class StagingPool:
         short = self._short
         if short is None:
             return "every staging buffer is still being persisted"
-        need, held, limit = short
-        return (f"it needs {gib(need)} more host memory and checkpointing holds {gib(sum(held.values()))} (staging "
-                f"{gib(held['staging'])}, memory tier {gib(held['memory_tier'])}) of "
-                f"{self.budget.describe(sum(held.values()))} (limit now {gib(limit)})")
+        return self._say_short(*short)
+
+    def _say_short(self, need: int, held: dict[str, int], limit: int) -> str:
+        used = sum(held.values())
+        return (f"it needs {gib(need)} more host memory and checkpointing holds {gib(used)} (staging "
+                f"{gib(held['staging'])}, memory tier {gib(held['memory_tier'])}) of {self.budget.describe(used)} "
+                f"(limit now {gib(limit)})")
 
     def acquire(self, nbytes: int, pinned: bool, reclaim: Optional[Callable[[bool], bool]] = None,
                 what: str = "a save") -> Optional[Slot]:
