@@ -303,7 +303,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def(
           "enqueue_set",
           [](CopyEngine& e, const SourceSet& s, const at::Tensor& dst, bool checksum) {
-            return make_job(e.enqueue(s.tensors(), dst, s.offsets(), checksum));
+            return make_job(s.enqueue(e, dst, checksum));
           },
           py::arg("sources"), py::arg("dst"), py::arg("checksum") = true, py::call_guard<GilRelease>(),
           "enqueue() of a SourceSet's tensors at its offsets.")

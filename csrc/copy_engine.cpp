@@ -84,12 +84,50 @@ bool storage_covers(const at::Tensor& t) {
   return last >= 0 && t.unsafeGetTensorImpl()->unsafe_storage().nbytes() >= need;
 }
 
+int64_t version_of(const at::Tensor& t) {
+  if (t.is_inference()) return -1;
+  return static_cast<int64_t>(t.unsafeGetTensorImpl()->version_counter().current_version());
+}
+
+Source read_source(const at::Tensor& s) {
+  Source r;
+  r.nbytes = s.nbytes();
+  r.from = r.nbytes > 0 ? static_cast<const uint8_t*>(s.const_data_ptr()) : nullptr;
+  r.version = version_of(s);
+  r.plain = is_plain_contiguous(s);
+  r.cuda = s.device().is_cuda();
+  return r;
+}
+
+Source checked_source(const at::Tensor& s, size_t i) {
+  TORCH_CHECK(s.defined(), "enqueue: srcs[", i, "] is undefined");
+  // Checked first: the other queries below would dispatch back into Python.
+  TORCH_CHECK(!s.unsafeGetTensorImpl()->is_python_dispatch(), "enqueue: srcs[", i,
+              "] is a tensor subclass with __torch_dispatch__ (e.g. DTensor); pass its local "
+              "tensor instead");
+  const c10::Device dev = s.device();
+  TORCH_CHECK(dev.is_cpu() || dev.is_cuda(), "enqueue: srcs[", i, "] is on ", dev,
+              "; only CPU/CUDA tensors can be snapshotted");
+#ifndef NEBULA_WITH_CUDA
+  TORCH_CHECK(!dev.is_cuda(), "enqueue: srcs[", i, "] is on ", dev,
+              " but nebula_ckpt._C was built without CUDA support");
+#endif
+  TORCH_CHECK(s.layout() == at::kStrided && !s.is_nested(), "enqueue: srcs[", i,
+              "] has layout ", s.layout(), "; only dense strided tensors can be snapshotted");
+  TORCH_CHECK(!s.is_quantized() || is_plain_contiguous(s), "enqueue: srcs[", i,
+              "] is a non-contiguous quantized tensor; call .contiguous() first");
+  TORCH_CHECK(s.numel() == 0 || s.has_storage(), "enqueue: srcs[", i, "] has no storage");
+  TORCH_CHECK(storage_covers(s), "enqueue: srcs[", i, "] reaches past the end of its storage (",
+              s.storage().nbytes(), " bytes; resized under it?): save a tensor that holds its data");
+  return read_source(s);
+}
+
 struct JobState {
   // Held so sources and destination outlive the copies. Only the CopyJob
   // (a Python object) releases them, after every task finished: a pool
   // thread must never drop the last reference of a tensor, which may own its
   // PyObject and so need the GIL (unavailable once the interpreter shuts down).
-  std::vector<at::Tensor> srcs;
+  std::shared_ptr<const std::vector<at::Tensor>> srcs;
   at::Tensor dst;
   std::vector<int64_t> versions;                        // -1: not tracked
   std::unique_ptr<std::atomic<int64_t>[]> pieces_left;  // per source
@@ -124,7 +162,7 @@ struct JobState {
   void piece_done(uint32_t i) {
     if (pieces_left[i].fetch_sub(1, std::memory_order_acq_rel) != 1) return;
     if (torn[i].load(std::memory_order_relaxed) ||
-        (versions[i] >= 0 && static_cast<int64_t>(srcs[i]._version()) != versions[i])) {
+        (versions[i] >= 0 && version_of((*srcs)[i]) != versions[i])) {
       std::lock_guard<std::mutex> lk(mu);
       modified.push_back(static_cast<int64_t>(i));
     }
@@ -155,7 +193,7 @@ struct JobState {
             piece_crc[p.id] = copy_crc(p.to, p.from, p.len, &changed);
             if (changed) torn[p.src].store(true, std::memory_order_relaxed);
           } else {
-            const at::Tensor& src = srcs[p.src];
+            const at::Tensor& src = (*srcs)[p.src];
             // No autograd graph for a snapshot; and run copy_ serially on
             // this pool thread instead of fanning out into ATen's intra-op
             // pool, which the training thread is using.
@@ -193,7 +231,7 @@ CopyJob::~CopyJob() {
   // then only this thread holds them, and releases them here.
   drain();
   cuda_.reset();  // waits for in-flight device copies
-  state_->srcs.clear();
+  state_->srcs.reset();
   state_->dst = at::Tensor();
 }
 
@@ -246,7 +284,7 @@ std::vector<int64_t> CopyJob::checksums() {
   std::vector<int64_t> out;
   // Device copies, and copies without checksums, are not hashed here: the caller hashes the buffer.
   if (cuda_ || !state_->checksum) return out;
-  out.reserve(state_->srcs.size());
+  out.reserve(state_->first_piece.size());
   for (size_t i = 0; i < state_->first_piece.size(); ++i) {
     uint32_t crc = 0;
     const int64_t first = state_->first_piece[i];
@@ -288,9 +326,23 @@ void CopyEngine::close() {
 std::unique_ptr<CopyJob> CopyEngine::enqueue(const std::vector<at::Tensor>& srcs,
                                              const at::Tensor& dst,
                                              const std::vector<int64_t>& offsets, bool checksum) {
-  // ---- validate everything before anything is queued ----
   TORCH_CHECK(srcs.size() == offsets.size(), "enqueue: got ", srcs.size(), " srcs but ",
               offsets.size(), " offsets");
+  std::vector<Source> meta;
+  meta.reserve(srcs.size());
+  for (size_t i = 0; i < srcs.size(); ++i) meta.push_back(checked_source(srcs[i], i));
+  return enqueue_read(std::make_shared<const std::vector<at::Tensor>>(srcs), meta, dst, offsets,
+                      checksum);
+}
+
+std::unique_ptr<CopyJob> CopyEngine::enqueue_read(
+    std::shared_ptr<const std::vector<at::Tensor>> srcs_ptr, const std::vector<Source>& meta,
+    const at::Tensor& dst, const std::vector<int64_t>& offsets, bool checksum) {
+  // ---- validate everything before anything is queued ----
+  TORCH_CHECK(srcs_ptr, "enqueue: no sources");
+  const std::vector<at::Tensor>& srcs = *srcs_ptr;
+  TORCH_CHECK(srcs.size() == offsets.size() && meta.size() == srcs.size(), "enqueue: got ",
+              srcs.size(), " srcs but ", offsets.size(), " offsets");
   TORCH_CHECK(srcs.size() < (size_t{1} << 31), "enqueue: too many srcs (", srcs.size(), ")");
   TORCH_CHECK(dst.defined(), "enqueue: dst is undefined");
   TORCH_CHECK(dst.device().is_cpu(), "enqueue: dst must be a CPU tensor, got ", dst.device());
@@ -301,40 +353,22 @@ std::unique_ptr<CopyJob> CopyEngine::enqueue(const std::vector<at::Tensor>& srcs
   const int64_t dst_n = dst.numel();
 
   bool any_cuda = false;
+  size_t cpu_bytes = 0;
   for (size_t i = 0; i < srcs.size(); ++i) {
-    const at::Tensor& s = srcs[i];
-    TORCH_CHECK(s.defined(), "enqueue: srcs[", i, "] is undefined");
-    // Checked first: the other queries below would dispatch back into Python.
-    TORCH_CHECK(!s.unsafeGetTensorImpl()->is_python_dispatch(), "enqueue: srcs[", i,
-                "] is a tensor subclass with __torch_dispatch__ (e.g. DTensor); pass its local "
-                "tensor instead");
-    const c10::Device dev = s.device();
-    TORCH_CHECK(dev.is_cpu() || dev.is_cuda(), "enqueue: srcs[", i, "] is on ", dev,
-                "; only CPU/CUDA tensors can be snapshotted");
-#ifndef NEBULA_WITH_CUDA
-    TORCH_CHECK(!dev.is_cuda(), "enqueue: srcs[", i, "] is on ", dev,
-                " but nebula_ckpt._C was built without CUDA support");
-#endif
-    any_cuda = any_cuda || dev.is_cuda();
-    TORCH_CHECK(s.layout() == at::kStrided && !s.is_nested(), "enqueue: srcs[", i,
-                "] has layout ", s.layout(), "; only dense strided tensors can be snapshotted");
-    TORCH_CHECK(!s.is_quantized() || is_plain_contiguous(s), "enqueue: srcs[", i,
-                "] is a non-contiguous quantized tensor; call .contiguous() first");
-    TORCH_CHECK(s.numel() == 0 || s.has_storage(), "enqueue: srcs[", i, "] has no storage");
-    TORCH_CHECK(storage_covers(s), "enqueue: srcs[", i, "] reaches past the end of its storage (",
-                s.storage().nbytes(), " bytes; resized under it?): save a tensor that holds its data");
-    const int64_t nb = static_cast<int64_t>(s.nbytes());
+    const auto nb = static_cast<int64_t>(meta[i].nbytes);
     const int64_t off = offsets[i];
     TORCH_CHECK(off >= 0 && off <= dst_n && nb <= dst_n - off, "enqueue: srcs[", i,
                 "] needs dst bytes [", off, ", ", off, " + ", nb, ") but dst has ", dst_n,
                 " bytes");
+    any_cuda = any_cuda || meta[i].cuda;
+    if (!meta[i].cuda) cpu_bytes += meta[i].nbytes;
   }
 
   // ---- build the job ----
   auto st = std::make_shared<JobState>();
   st->start = Clock::now();
   st->checksum = checksum;
-  st->srcs = srcs;
+  st->srcs = std::move(srcs_ptr);
   st->dst = dst;
   st->versions.resize(srcs.size(), -1);
   st->pieces_left.reset(new std::atomic<int64_t>[srcs.size()]);
@@ -350,13 +384,10 @@ std::unique_ptr<CopyJob> CopyEngine::enqueue(const std::vector<at::Tensor>& srcs
   (void)any_cuda;
 #endif
 
-  size_t cpu_bytes = 0;
   for (size_t i = 0; i < srcs.size(); ++i) {
-    // Inference tensors have no version counter (reading it throws).
-    if (!srcs[i].is_inference()) st->versions[i] = static_cast<int64_t>(srcs[i]._version());
+    st->versions[i] = meta[i].version;
     st->pieces_left[i].store(0, std::memory_order_relaxed);
     st->torn[i].store(false, std::memory_order_relaxed);
-    if (srcs[i].device().is_cpu()) cpu_bytes += srcs[i].nbytes();
   }
   std::lock_guard<std::mutex> engine_lock(mu_);
   TORCH_CHECK(pool_, "enqueue: this CopyEngine was closed");
@@ -384,19 +415,19 @@ std::unique_ptr<CopyJob> CopyEngine::enqueue(const std::vector<at::Tensor>& srcs
   };
 
   for (size_t i = 0; i < srcs.size(); ++i) {
-    const at::Tensor& s = srcs[i];
-    const size_t nb = s.nbytes();
+    const Source& m = meta[i];
+    const size_t nb = m.nbytes;
     if (nb == 0) continue;  // nothing to copy, nothing to tear
     uint8_t* to = dst_base + offsets[i];
     const auto idx = static_cast<uint32_t>(i);
-    if (s.device().is_cuda()) {
+    if (m.cuda) {
 #ifdef NEBULA_WITH_CUDA
-      cuda_batch->add(i, s, to, st->versions[i]);
+      cuda_batch->add(i, srcs[i], to, st->versions[i]);
 #endif
       continue;
     }
-    if (is_plain_contiguous(s)) {
-      const auto* from = static_cast<const uint8_t*>(s.const_data_ptr());
+    if (m.plain) {
+      const uint8_t* from = m.from;
       size_t n_pieces = 0;
       for (size_t pos = 0; pos < nb; pos += chunk) ++n_pieces;
       st->pieces_left[i].store(static_cast<int64_t>(n_pieces), std::memory_order_relaxed);

@@ -65,6 +65,26 @@ class CopyJob {
 // (a storage resized under a tensor, e.g. to 0 by FSDP, does not).
 bool storage_covers(const at::Tensor& t);
 
+// The version counter of t, read directly from its TensorImpl (what t._version() returns, without
+// the autograd hooks' dispatch); -1 for an inference tensor, which has none.
+int64_t version_of(const at::Tensor& t);
+
+// What a copy needs of one source, read from its tensor once (each further read of a TensorImpl
+// is a cache miss per tensor at 100,000 tensors).
+struct Source {
+  const uint8_t* from = nullptr;  // data_ptr() (nullptr when empty): where a plain copy reads
+  uint64_t nbytes = 0;
+  int64_t version = -1;           // version counter when read; -1: not tracked (inference tensor)
+  bool plain = false;             // contiguous without conj/neg bits: its memory is its byte image
+  bool cuda = false;
+};
+
+// Validate srcs[i] as enqueue() does (each error names i and the fix), then read its Source.
+Source checked_source(const at::Tensor& s, size_t i);
+// Read a Source without validating: for a tensor already checked, e.g. by PlanGuard against the
+// dtype, device, layout, shape, strides and storage extent of the tensor it recorded.
+Source read_source(const at::Tensor& s);
+
 class CopyEngine {
  public:
   explicit CopyEngine(int64_t num_threads);
@@ -83,6 +103,11 @@ class CopyEngine {
   // staged bytes itself, off the critical path.
   std::unique_ptr<CopyJob> enqueue(const std::vector<at::Tensor>& srcs, const at::Tensor& dst,
                                    const std::vector<int64_t>& offsets, bool checksum = true);
+  // enqueue() of sources validated and read already (srcs[i] is described by meta[i]): no
+  // tensor is read again before the copies. The job shares `srcs` (kept alive until it ends).
+  std::unique_ptr<CopyJob> enqueue_read(std::shared_ptr<const std::vector<at::Tensor>> srcs,
+                                        const std::vector<Source>& meta, const at::Tensor& dst,
+                                        const std::vector<int64_t>& offsets, bool checksum);
 
   // Worker threads; 0 once closed.
   int num_threads() {

@@ -14,31 +14,52 @@ namespace nebula {
 
 SourceSet::SourceSet(std::vector<at::Tensor> tensors,
                      std::shared_ptr<const std::vector<int64_t>> offsets)
-    : tensors_(std::move(tensors)), offsets_(std::move(offsets)) {
-  TORCH_CHECK(offsets_ && offsets_->size() == tensors_.size(), "SourceSet: ", tensors_.size(),
+    : tensors_(std::make_shared<std::vector<at::Tensor>>(std::move(tensors))),
+      offsets_(std::move(offsets)) {
+  TORCH_CHECK(offsets_ && offsets_->size() == tensors_->size(), "SourceSet: ", tensors_->size(),
               " tensors but ", offsets_ ? offsets_->size() : 0, " offsets");
-  versions_.resize(tensors_.size(), -1);
-  for (size_t i = 0; i < tensors_.size(); ++i) {
-    const at::Tensor& t = tensors_[i];
+  versions_.resize(tensors_->size(), -1);
+  for (size_t i = 0; i < tensors_->size(); ++i) {
+    const at::Tensor& t = (*tensors_)[i];
     TORCH_CHECK(t.defined(), "SourceSet: tensor ", i, " is undefined");
-    if (!t.is_inference()) versions_[i] = static_cast<int64_t>(t._version());
+    versions_[i] = version_of(t);
   }
 }
 
+SourceSet::SourceSet(std::vector<at::Tensor> tensors, std::vector<Source> sources,
+                     std::shared_ptr<const std::vector<int64_t>> offsets)
+    : tensors_(std::make_shared<std::vector<at::Tensor>>(std::move(tensors))),
+      sources_(std::move(sources)),
+      offsets_(std::move(offsets)) {
+  TORCH_CHECK(offsets_ && offsets_->size() == tensors_->size() &&
+                  sources_.size() == tensors_->size(),
+              "SourceSet: ", tensors_->size(), " tensors but ", offsets_ ? offsets_->size() : 0,
+              " offsets");
+  versions_.reserve(sources_.size());
+  for (const Source& s : sources_) versions_.push_back(s.version);
+}
+
 const at::Tensor& SourceSet::get(size_t i) const {
-  TORCH_CHECK(i < tensors_.size(), "SourceSet: index ", i, " out of range (", tensors_.size(), ")");
-  return tensors_[i];
+  TORCH_CHECK(i < tensors_->size(), "SourceSet: index ", i, " out of range (", tensors_->size(), ")");
+  return (*tensors_)[i];
 }
 
 void SourceSet::set(size_t i, const at::Tensor& t) {
-  TORCH_CHECK(i < tensors_.size(), "SourceSet: index ", i, " out of range (", tensors_.size(), ")");
+  TORCH_CHECK(i < tensors_->size(), "SourceSet: index ", i, " out of range (", tensors_->size(), ")");
   TORCH_CHECK(t.defined(), "SourceSet: the new tensor is undefined");
-  tensors_[i] = t;
-  versions_[i] = t.is_inference() ? -1 : static_cast<int64_t>(t._version());
+  if (!sources_.empty()) sources_[i] = checked_source(t, i);  // before anything changes
+  if (tensors_.use_count() > 1) {  // a copy job enqueued before holds the old list
+    tensors_ = std::make_shared<std::vector<at::Tensor>>(*tensors_);
+  }
+  (*tensors_)[i] = t;
+  versions_[i] = version_of(t);
 }
 
 bool SourceSet::any_cuda() const {
-  for (const at::Tensor& t : tensors_) {
+  if (!sources_.empty()) {
+    return std::any_of(sources_.begin(), sources_.end(), [](const Source& s) { return s.cuda; });
+  }
+  for (const at::Tensor& t : *tensors_) {
     if (t.is_cuda()) return true;
   }
   return false;
@@ -46,8 +67,8 @@ bool SourceSet::any_cuda() const {
 
 std::vector<int64_t> SourceSet::changed() const {
   std::vector<int64_t> out;
-  for (size_t i = 0; i < tensors_.size(); ++i) {
-    if (versions_[i] >= 0 && static_cast<int64_t>(tensors_[i]._version()) != versions_[i]) {
+  for (size_t i = 0; i < tensors_->size(); ++i) {
+    if (versions_[i] >= 0 && version_of((*tensors_)[i]) != versions_[i]) {
       out.push_back(static_cast<int64_t>(i));
     }
   }
@@ -55,9 +76,16 @@ std::vector<int64_t> SourceSet::changed() const {
 }
 
 void SourceSet::clear() {
-  tensors_.clear();
+  tensors_ = std::make_shared<std::vector<at::Tensor>>();
   versions_.clear();
+  sources_.clear();
   offsets_ = std::make_shared<const std::vector<int64_t>>();
+}
+
+std::unique_ptr<CopyJob> SourceSet::enqueue(CopyEngine& engine, const at::Tensor& dst,
+                                            bool checksum) const {
+  if (sources_.empty() && !tensors_->empty()) return engine.enqueue(*tensors_, dst, *offsets_, checksum);
+  return engine.enqueue_read(tensors_, sources_, dst, *offsets_, checksum);
 }
 
 // ---------------------------------------------------------------------------
@@ -103,7 +131,7 @@ struct Names {
 };
 
 struct Ctx {
-  explicit Ctx(const Names& names, size_t n_slots) : n(names), slots(n_slots) {}
+  explicit Ctx(const Names& names, size_t n_slots) : n(names), slots(n_slots), sources(n_slots) {}
   ~Ctx() {
     for (auto& d : dirty) Py_DECREF(d.second);
   }
@@ -126,6 +154,7 @@ struct Ctx {
 
   const Names& n;
   std::vector<at::Tensor> slots;
+  std::vector<Source> sources;  // by slot: read with the checks (read_source)
   std::vector<DirtyLeaf> dirty;
   std::string reason;
   std::vector<std::pair<PyTypeObject*, bool>> stock_types;  // checked in this call
@@ -235,6 +264,7 @@ struct TensorNode final : Node {
   bool take(const at::Tensor& t, Ctx& c) {
     if (!same_meta(t)) return c.fail("a tensor's dtype, shape, strides or device changed, slot", slot);
     c.slots[slot] = t;
+    c.sources[slot] = read_source(t);
     return true;
   }
 
@@ -958,9 +988,9 @@ bool PlanGuard::check_aliases(Ctx& c) const {
   for (size_t s = 0; s < n_slots; ++s) {
     const auto* node = static_cast<const guard::TensorNode*>(tensor_nodes_[s]);
     if (node->numel == 0) continue;
-    const auto ptr = reinterpret_cast<uintptr_t>(c.slots[s].data_ptr());
+    const auto ptr = reinterpret_cast<uintptr_t>(c.sources[s].from);
     if (alias_of_[s] >= 0) {
-      const auto target = reinterpret_cast<uintptr_t>(c.slots[alias_of_[s]].data_ptr());
+      const auto target = reinterpret_cast<uintptr_t>(c.sources[alias_of_[s]].from);
       if (ptr != target) return c.fail("tied tensors no longer share their memory, slot", static_cast<int64_t>(s));
     } else if (ptr != node->ptr) {
       moved.emplace_back(ptr, static_cast<int64_t>(s));
@@ -975,7 +1005,7 @@ bool PlanGuard::check_aliases(Ctx& c) const {
     for (; it != recorded_ptrs_.end() && it->first == ptr; ++it) {
       const int64_t u = it->second;
       const auto* other = static_cast<const guard::TensorNode*>(tensor_nodes_[u]);
-      const bool u_in_place = reinterpret_cast<uintptr_t>(c.slots[u].data_ptr()) == other->ptr;
+      const bool u_in_place = reinterpret_cast<uintptr_t>(c.sources[u].from) == other->ptr;
       if (u != s && u_in_place && same_view(*node, *other)) {
         return c.fail("two tensors became the same view of one memory, slot", s);
       }
@@ -1013,10 +1043,14 @@ bool PlanGuard::check(PyObject* root, std::unique_ptr<SourceSet>* sources, std::
     return false;
   }
   std::vector<at::Tensor> out(offsets_->size());
+  std::vector<Source> read(offsets_->size());
   for (size_t s = 0; s < slot_layout_.size(); ++s) {
-    if (slot_layout_[s] >= 0) out[slot_layout_[s]] = std::move(c.slots[s]);
+    if (slot_layout_[s] >= 0) {
+      out[slot_layout_[s]] = std::move(c.slots[s]);
+      read[slot_layout_[s]] = c.sources[s];
+    }
   }
-  *sources = std::make_unique<SourceSet>(std::move(out), offsets_);
+  *sources = std::make_unique<SourceSet>(std::move(out), std::move(read), offsets_);
   dirty->swap(c.dirty);  // the caller owns the references now
   reason_.clear();
   return true;

@@ -33,6 +33,8 @@
 
 #include <ATen/core/Tensor.h>
 
+#include "copy_engine.h"
+
 namespace nebula {
 
 // isinstance(obj, torch.Tensor) and the at::Tensor of such an object
@@ -41,11 +43,16 @@ bool py_is_tensor(PyObject* obj);
 const at::Tensor& py_unpack_tensor(PyObject* obj);
 
 // The tensors one save copies, in layout order, each with the byte offset of
-// its image in the shard and its version counter when the set was made.
+// its image in the shard and its version counter when the set was made. A set
+// made by PlanGuard also holds what the copy needs of each tensor (Source),
+// read while the guard checked it: the copy engine reads no tensor again.
 class SourceSet {
  public:
   SourceSet(std::vector<at::Tensor> tensors, std::shared_ptr<const std::vector<int64_t>> offsets);
-  size_t size() const { return tensors_.size(); }
+  // Tensors checked already, each described by sources[i] (PlanGuard).
+  SourceSet(std::vector<at::Tensor> tensors, std::vector<Source> sources,
+            std::shared_ptr<const std::vector<int64_t>> offsets);
+  size_t size() const { return tensors_->size(); }
   const at::Tensor& get(size_t i) const;
   // Replace tensor i (a copy taken on the training thread); records its version.
   void set(size_t i, const at::Tensor& t);
@@ -54,12 +61,16 @@ class SourceSet {
   std::vector<int64_t> changed() const;
   // Drop every tensor reference.
   void clear();
-  const std::vector<at::Tensor>& tensors() const { return tensors_; }
+  const std::vector<at::Tensor>& tensors() const { return *tensors_; }
   const std::vector<int64_t>& offsets() const { return *offsets_; }
+  // Queue the copies of every tensor into dst (CopyEngine::enqueue, without reading the tensors
+  // again when the set holds their Sources).
+  std::unique_ptr<CopyJob> enqueue(CopyEngine& engine, const at::Tensor& dst, bool checksum) const;
 
  private:
-  std::vector<at::Tensor> tensors_;
+  std::shared_ptr<std::vector<at::Tensor>> tensors_;  // shared with the copy jobs it enqueued
   std::vector<int64_t> versions_;  // -1: no version counter (inference tensors)
+  std::vector<Source> sources_;    // empty: not read yet (the copy engine checks and reads them)
   std::shared_ptr<const std::vector<int64_t>> offsets_;
 };
 
