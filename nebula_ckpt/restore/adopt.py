@@ -319,13 +319,12 @@ def adoption_for(runtimes: list[Any], ck: "OpenCheckpoint", saved: bool,
     copy held in this process's memory (pulled from a partner), always its
     :class:`~nebula_ckpt.restore.adopt_memory.MemoryAdoption`."""
     from nebula_ckpt import knobs
-    from nebula_ckpt.tiers.memory.runtime import MemoryTierRuntime
 
     if isinstance(ck.storage, BufferStorage):
         return MemoryAdoption(ck)
     if not knobs.get("adopt_memory_tier") or saved or world_size > 1 or ck.manifest.multi_rank:
         return None
-    mem = next((rt for rt in runtimes if isinstance(rt, MemoryTierRuntime) and rt.name == ck.tier_name), None)
+    mem = next((rt for rt in runtimes if rt.capabilities.hands_pages_to_restart and rt.name == ck.tier_name), None)
     if mem is None or not _durable_elsewhere(runtimes, ck, mem.storage):
         return None
     # another step's bytes, or this step's when a newer one refers to them: the tier's to keep

@@ -196,7 +196,7 @@ class Restorer:
     def _checked(self, rec: Optional[dict[str, Any]]) -> Optional[tuple[str, int, int, int]]:
         """The memory-tier copy the replicas' recover round checked in full on this rank (its own
         copy, or the one it pulled), which the restore then need not check again; None if none."""
-        mem = next((t for t, _ in self.tier_pairs() if not t.shared), None)
+        mem = next((t for t, _ in self.tier_pairs() if t.capabilities.has_replicas), None)
         if rec is None or mem is None or not rec.get("checked") or rec["step"] is None:
             return None
         return (mem.name, int(rec["generation"]), int(rec["step"]), int(rec["save"]))
@@ -279,4 +279,4 @@ def _with_pulled(pairs: list[tuple[Tier, Storage]], rec: dict[str, Any], rank: i
     if not pulled:
         return pairs
     return [(t, BufferStorage(pulled, st, f"step {rec['step']} pulled from {rec['sources'][rank]}"))
-            if not t.shared else (t, st) for t, st in pairs]
+            if t.capabilities.has_replicas else (t, st) for t, st in pairs]

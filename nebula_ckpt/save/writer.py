@@ -104,9 +104,10 @@ class TierWriter:
         #: steps whose commit this writer could not confirm (CommitUncertain): never deleted as
         #: leftovers nor written again by this process; a restart (a newer generation) sweeps them
         self._uncertain: set[int] = set()
-        #: this tier's base and cadence of full saves (the memory tier compares bytes instead of hashing)
+        #: this tier's base and cadence of full saves (a tier that keeps its base in RAM, the memory
+        #: tier, compares bytes instead of hashing)
         on_base = incremental and may_build_on_base(self.tier, self.coordinator.world_size, self.storage)
-        self.incremental = Incremental(on_base, compare=not self.tier.persistent)
+        self.incremental = Incremental(on_base, compare=runtime.capabilities.keeps_base_in_ram)
         #: committed steps remove() was asked to delete while a later checkpoint refers to their
         #: bytes: retention deletes them once nothing does
         self._deferred: set[int] = set()
@@ -282,7 +283,7 @@ class TierWriter:
     @property
     def key_prefix(self) -> str:
         """The prefix of the keys in this tier's manifests: ``r<R>/`` on a rank's own tier, else none."""
-        return f"r{self.coordinator.rank}/" if self.coordinator.world_size > 1 and not self.tier.shared else ""
+        return f"r{self.coordinator.rank}/" if self.coordinator.world_size > 1 and self.tier.capabilities.per_rank else ""
 
     @property
     def _shared(self) -> bool:
