@@ -4,7 +4,7 @@ Only this module knows the order of the restore stages: select a candidate
 (:mod:`~nebula_ckpt.restore.select`; in a multi-rank job the ranks agree on it), open and verify
 it (:mod:`~nebula_ckpt.restore.open`) while staging the restore into ``into``
 (:mod:`~nebula_ckpt.restore.apply`, handing over the memory tier's pages where it may:
-:mod:`~nebula_ckpt.restore.adopt`), then apply it, or reshard it when it was saved in another
+:mod:`~nebula_ckpt.tiers.memory.adopt`), then apply it, or reshard it when it was saved in another
 layout (:mod:`~nebula_ckpt.restore.reshard`).
 """
 
@@ -20,7 +20,6 @@ from nebula_ckpt.format.manifest import Manifest
 from nebula_ckpt.format.references import shard_path
 from nebula_ckpt.health.book import HealthBook
 from nebula_ckpt.ranks.coordinator import Coordinator
-from nebula_ckpt.restore.adopt import adoption_for
 from nebula_ckpt.restore.apply import apply, materialize, stage_restore
 from nebula_ckpt.restore.health import HealthChoice, all_suspect_error, say
 from nebula_ckpt.restore.open import OpenCheckpoint, read_main_manifest
@@ -28,6 +27,7 @@ from nebula_ckpt.restore.select import Stage, find_and_open, list_candidates, op
 from nebula_ckpt.storage.base import Storage
 from nebula_ckpt.storage.buffers import BufferStorage
 from nebula_ckpt.tiers.base import Tier
+from nebula_ckpt.tiers.memory.adopt import adoption_for
 from nebula_ckpt.tiers.runtime import TierRuntime
 
 log = logging.getLogger("nebula_ckpt")

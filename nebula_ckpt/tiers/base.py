@@ -1,8 +1,9 @@
-"""The settings every tier shares: cadence, retention, restore check, where it lives, and what it can do.
+"""The settings every tier shares: cadence, retention, restore check, where it lives, what it can do.
 
 A tier is plain configuration. What a kind of tier can do beyond writing bytes is its
 :class:`Capabilities`, declared by the kind (:attr:`Tier.capabilities`); the generic code (save,
-restore) asks the one capability it needs, never which kind a tier is. What it *does* while a Checkpointer runs is its runtime
+restore) asks the one capability it needs, never which kind a tier is. What it *does* while a
+Checkpointer runs is its runtime
 (:mod:`nebula_ckpt.tiers.runtime`), made from the settings by :func:`nebula_ckpt.tiers.factory.runtime_for`;
 the settings never know their runtime, so the two never import each other.
 """
