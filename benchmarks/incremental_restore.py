@@ -8,7 +8,7 @@ then restores the newest step (from the memory tier) and times ``load_latest`` a
 
 * ``incremental``: the default; memory-tier step 1 holds what changed and refers to step 0's
   shard for the frozen base: the restore hands step 1's own bytes over and maps the base's
-  copy-on-write (:mod:`nebula_ckpt.restore.adopt`);
+  copy-on-write (:mod:`nebula_ckpt.tiers.memory.adopt`);
 * ``full``: ``incremental=False``: step 1 whole, handed over;
 * ``incremental_copied``: as ``incremental`` with ``NEBULA_ADOPT_MEMORY_TIER=0``: every created
   tensor copied (what an incremental step's restore cost before it could be adopted).

@@ -68,7 +68,7 @@ def drain_cost(world: int, args: Any, tmp: Path, shm_base: Path,
 def _drain_once(root: Path, shm: Path) -> dict[str, Any]:
     """``nebula-ckpt persist-memory`` in a fresh process on the surviving node: wall time, its
     own drain time, bytes it wrote."""
-    code = ("import json, sys, time\nfrom nebula_ckpt.save.epilogue import persist_memory\n"
+    code = ("import json, sys, time\nfrom nebula_ckpt.tiers.memory.epilogue import persist_memory\n"
             "t = time.perf_counter()\ngot = persist_memory(sys.argv[1])\n"
             "got['drain_s'] = time.perf_counter() - t\nprint(json.dumps(got))\n")
     env = dict(os.environ, NEBULA_SHM_DIR=str(shm), PYTHONPATH=str(REPO))

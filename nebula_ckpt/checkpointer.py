@@ -208,7 +208,7 @@ class Checkpointer(HealthReports):
     def last_restore(self) -> Optional[dict[str, Any]]:
         """``{"step", "tier", "adopted_bytes", "copy_on_write_bytes", "health", "skipped", ...}`` of the
         last restore (``None`` before any): bytes handed over by the memory tier, bytes mapped copy-on-write
-        (:mod:`nebula_ckpt.restore.adopt`), its health mark and the suspect steps skipped (:meth:`report`)."""
+        (:mod:`nebula_ckpt.tiers.memory.adopt`), its health mark and the suspect steps skipped (:meth:`report`)."""
         return self._restores.last_restore
 
     # -- saving -----------------------------------------------------------------------------------

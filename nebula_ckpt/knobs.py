@@ -76,7 +76,7 @@ _KNOBS: dict[str, _Knob] = {
     "adopt_memory_tier": _Knob("NEBULA_ADOPT_MEMORY_TIER", True, _bool,
                                "a restore from the memory tier of a step also committed on a slower tier "
                                "hands the tier's pages to the process instead of copying them (the tier "
-                               "gives that step up; see nebula_ckpt/restore/adopt.py)"),
+                               "gives that step up; see nebula_ckpt/tiers/memory/adopt.py)"),
     "shm_min_free_fraction": _Knob("NEBULA_SHM_MIN_FREE", 0.1, float,
                                    "memory tier is skipped when it would leave less free than this"),
     "remote_part_bytes": _Knob("NEBULA_REMOTE_PART_BYTES", 32 << 20, int,

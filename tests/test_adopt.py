@@ -1,4 +1,4 @@
-"""A restart adopts the memory tier's pages instead of copying them (nebula_ckpt/restore/adopt.py).
+"""A restart adopts the memory tier's pages instead of copying them (nebula_ckpt/tiers/memory/adopt.py).
 
 Each test crashes a real saving process (SIGKILL after the save is durable), restarts in this
 process, and checks what was promised: the restored state is bit-exact, the optimizer's tensors
@@ -245,7 +245,7 @@ _RESTORER = r"""
 import json, os, sys, time, torch, nebula_ckpt as nc
 import threading
 from nebula_ckpt import knobs
-from nebula_ckpt.restore import adopt
+from nebula_ckpt.tiers.memory import adopt
 from nebula_ckpt.restore import apply as restore
 root, gates, ref, me, mode = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4]), sys.argv[5]
 

@@ -1,4 +1,4 @@
-"""A restart restores an incremental memory-tier step without a copy (nebula_ckpt/restore/adopt.py).
+"""A restart restores an incremental memory-tier step without a copy (nebula_ckpt/tiers/memory/adopt.py).
 
 A LoRA-like state (a large frozen tensor, a small trained one) is saved twice by a real process
 (step 0 whole, step 1 only what changed: its memory-tier manifest refers to step 0's shard), which

@@ -10,17 +10,19 @@
   3. ``format``: what is on disk (names, manifests, markers, records, the memory tier's
      ``ROOT`` owner); it reads through a :class:`~nebula_ckpt.storage.base.Storage`;
   4. ``ranks``: multi-rank agreement (coordinator, fencing, partners, shards);
-  5. ``tiers``: the tier kinds and their runtimes, the memory tier's folder, slots and claims
-     included;
+  5. ``tiers``: the tier kinds, their capabilities and their runtimes, the memory tier's folder,
+     slots and claims included;
   6. ``checks``: the API boundary's argument checks and the health records, both read by restore;
   7. ``restore``: opening, checking and reading a checkpoint, resharding included (its DCP
-     ``StorageReader`` lives here; ``dcp/`` only exposes it);
-  8. ``save``: planning, snapshotting, writing and committing a step;
+     ``StorageReader`` lives here; ``dcp/`` only exposes it); the memory tier's page adoption
+     (``tiers/memory/adopt*.py``: in ``tiers/memory/`` by what it serves, here by what it uses);
+  8. ``save``: planning, snapshotting, writing and committing a step; the memory tier's byte
+     compare and the hashes it spares (``tiers/memory/compare.py``, ``hash_reuse.py``);
   9. ``replicas``: the memory tier's copies on a partner node (``tiers/memory/replica*.py``,
      ``recovery.py``), which use restore and save through their public functions; they sit in
      ``tiers/memory/`` by what they keep, and above save by what they use;
-  10. ``run``: the orchestration that knows the order: ``save/pipeline.py``, ``save/epilogue.py``
-      (the memory tier's last writes, run by the CLI), ``root.py``, ``checkpointer.py``,
+  10. ``run``: the orchestration that knows the order: ``save/pipeline.py``,
+      ``tiers/memory/epilogue.py`` (the memory tier's last writes, run by the CLI), ``root.py``, ``checkpointer.py``,
       ``health/reports.py``, ``loop/``;
   11. ``adapters``: the public package, ``dcp/``, ``integrations/``, ``compat/``, ``cli/``, the demo
       and the quick benchmark.
@@ -29,6 +31,10 @@
 - no import cycles between nebula_ckpt's modules, counting imports inside functions; none either
   through type hints (``if TYPE_CHECKING:``), but for those :data:`TYPE_HINT_CYCLES_LEFT` names;
 - no module over 500 lines and no function over 60;
+- the memory tier is found by what it can do (:class:`~nebula_ckpt.tiers.base.Capabilities`), never by
+  what it is: no ``isinstance`` / ``issubclass`` / ``type(x) is`` of a class of ``tiers/memory/``
+  outside that folder, no ``not <tier>.shared`` (ask ``capabilities.per_rank`` or the capability
+  meant) and no ``.kind == "memory"`` anywhere;
 - no module reads another module's private names (``from m import _x``, ``m._x``);
 - ``knobs.py`` is the only reader of the environment (and ``compat/nebula/environment.py``, for
   Azure ML Nebula's own variables); it holds at most ``MAX_KNOBS`` knobs, each documented;
@@ -62,6 +68,10 @@ _REPLICAS = ("replica_channel", "replica_pull", "replica_recover", "replica_save
              "replicas", "recovery")
 #: the layers, bottom to top, each a set of module names (a name covers the modules under it); see
 #: the module docstring for what each holds
+#: the memory tier's parts that run within a stage, mapped to the layer of what they use: its page
+#: adoption (restore), its byte compare and the hashes it spares (save), persist-memory (run)
+_MEMORY_RESTORE = {"tiers.memory.adopt", "tiers.memory.adopt_memory"}
+_MEMORY_SAVE = {"tiers.memory.compare", "tiers.memory.hash_reuse"}
 LAYERS: list[tuple[str, set[str]]] = [
     ("base", {"errors", "knobs", "_version", "native", "latch", "workers", "priority", "handle", "reentry",
               "source_set"}),
@@ -70,10 +80,10 @@ LAYERS: list[tuple[str, set[str]]] = [
     ("ranks", {"ranks"}),
     ("tiers", {"tiers"}),
     ("checks", {"arguments", "health"}),
-    ("restore", {"restore"}),
-    ("save", {"save"}),
+    ("restore", {"restore"} | _MEMORY_RESTORE),
+    ("save", {"save"} | _MEMORY_SAVE),
     ("replicas", {f"tiers.memory.{m}" for m in _REPLICAS}),
-    ("run", {"save.pipeline", "save.epilogue", "root", "checkpointer", "health.reports", "loop"}),
+    ("run", {"save.pipeline", "tiers.memory.epilogue", "root", "checkpointer", "health.reports", "loop"}),
     ("adapters", {"", "dcp", "integrations", "compat", "cli", "demo", "quickbench"}),
 ]
 
@@ -267,6 +277,73 @@ def test_no_module_or_function_too_large() -> None:
         if n > limit:
             over.append(f"{what}: {n} lines (limit {limit})")
     assert not over, "split these:\n  " + "\n  ".join(over)
+
+
+MEMORY_TIER = "nebula_ckpt.tiers.memory"
+
+
+def _in_memory_tier(name: str) -> bool:
+    return name == MEMORY_TIER or name.startswith(MEMORY_TIER + ".")
+
+
+def _memory_tier_classes() -> set[str]:
+    """The names of the classes defined in ``tiers/memory/``."""
+    return {node.name for name, path in MODULES.items() if _in_memory_tier(name)
+            for node in ast.walk(ast.parse(path.read_text())) if isinstance(node, ast.ClassDef)}
+
+
+def _names(node: ast.AST) -> set[str]:
+    """The names an expression mentions (``m.C`` counts as ``C``)."""
+    return {n.id if isinstance(n, ast.Name) else n.attr for n in ast.walk(node)
+            if isinstance(n, (ast.Name, ast.Attribute))}
+
+
+def _what_it_is(node: ast.AST, classes: set[str]) -> str | None:
+    """How ``node`` asks whether an object is of a memory-tier class (``classes``), or None."""
+    if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and len(node.args) == 2 \
+            and node.func.id in {"isinstance", "issubclass"} and _names(node.args[1]) & classes:
+        return ast.unparse(node)
+    if isinstance(node, ast.Compare):
+        sides = [node.left, *node.comparators]
+        if any(isinstance(p, ast.Call) and isinstance(p.func, ast.Name) and p.func.id == "type" for p in sides) \
+                and set().union(*map(_names, sides)) & classes:
+            return ast.unparse(node)
+    return None
+
+
+def _stands_for_the_memory_tier(node: ast.AST) -> str | None:
+    """``not x.shared`` (or ``x.shared == False``) and ``x.kind == "memory"``: the memory tier asked
+    for by what it is rather than by the capability the caller needs; None otherwise."""
+    if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.Not) \
+            and isinstance(node.operand, ast.Attribute) and node.operand.attr == "shared":
+        return ast.unparse(node)
+    if isinstance(node, ast.Compare):
+        sides = [node.left, *node.comparators]
+        attrs = {p.attr for p in sides if isinstance(p, ast.Attribute)}
+        consts = [p.value for p in sides if isinstance(p, ast.Constant)]
+        if ("shared" in attrs and any(c is False for c in consts)) or ("kind" in attrs and "memory" in consts):
+            return ast.unparse(node)
+    return None
+
+
+def test_the_memory_tier_is_found_by_its_capabilities() -> None:
+    """Generic code asks a tier's :class:`~nebula_ckpt.tiers.base.Capabilities` (``per_rank``,
+    ``keeps_base_in_ram``, ``hands_pages_to_restart``, ``replicas``), never whether it is the
+    memory tier: a per-rank tier of another kind must not be taken for it."""
+    classes = _memory_tier_classes()
+    assert {"MemoryTier", "MemoryTierRuntime"} <= classes  # the rule reads the right folder
+    found = []
+    for name, path in MODULES.items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            where = f"{path.relative_to(PKG.parent)}:{getattr(node, 'lineno', 0)}"
+            kind = None if _in_memory_tier(name) else _what_it_is(node, classes)
+            if kind is not None:
+                found.append(f"{where} asks what a tier is ({kind}): ask the capability it needs")
+            stands = _stands_for_the_memory_tier(node)
+            if stands is not None:
+                found.append(f"{where} stands for the memory tier ({stands}): ask tier.capabilities "
+                             "(per_rank, keeps_base_in_ram, hands_pages_to_restart, has_replicas)")
+    assert not found, "\n".join(found)
 
 
 def test_no_private_names_across_modules() -> None:

@@ -666,7 +666,7 @@ def test_a_memory_tier_base_replaced_by_another_runs_step_is_refused_after_a_res
 
 @pytest.mark.parametrize("damage", ["referenced last byte flipped", "shard truncated", "COMMIT deleted"])
 def test_persist_memory_of_a_chain_whose_base_is_damaged_writes_nothing(tmp_path, shm_dir, damage: str) -> None:  # noqa: ANN001
-    from nebula_ckpt.save.epilogue import persist_memory
+    from nebula_ckpt.tiers.memory.epilogue import persist_memory
 
     root = str(tmp_path / "ck")
     frozen, train = _frozen(), torch.zeros(64)

@@ -1,6 +1,6 @@
 """A checkpoint held in this process's memory, read over a tier's storage
 (nebula_ckpt/storage/buffers.py), and restored by handing its pages out as the tensors a restore
-creates (nebula_ckpt/restore/adopt_memory.py): what a rank does with the copy it pulled from a
+creates (nebula_ckpt/tiers/memory/adopt_memory.py): what a rank does with the copy it pulled from a
 partner at restore. The pull itself runs on real ranks in tests/dist/test_replicas*.py."""
 
 from __future__ import annotations
@@ -12,12 +12,12 @@ import torch
 
 import nebula_ckpt as nc
 from nebula_ckpt.format.commit import committed_steps
-from nebula_ckpt.restore.adopt import adoption_for
 from nebula_ckpt.restore.apply import stage_restore
 from nebula_ckpt.restore.copies import OWN_STORAGE_BYTES
 from nebula_ckpt.restore.select import find_and_open
 from nebula_ckpt.storage.buffers import BufferStorage
 from nebula_ckpt.storage.local import LocalStorage
+from nebula_ckpt.tiers.memory.adopt import adoption_for
 
 
 def _state(seed: int, stepped: bool = True) -> dict[str, object]:

@@ -1,7 +1,7 @@
 """``stats()["memory_tier_dropped_cow_bytes"]``: tmpfs bytes that copy-on-write views kept alive.
 
 A restart restores an incremental memory-tier step (a real process saved it and was SIGKILLed):
-its frozen tensor is a copy-on-write view of the base step's shard file (nebula_ckpt/restore/adopt.py).
+its frozen tensor is a copy-on-write view of the base step's shard file (nebula_ckpt/tiers/memory/adopt.py).
 A later full save lets retention delete that base: its name goes, but its tmpfs pages stay
 allocated as long as the restored tensor maps them. ``stats()`` shows those bytes, and they go
 (from the tmpfs and from the counter) once the tensors are freed.

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 import nebula_ckpt as nc
-from nebula_ckpt.save import hash_reuse
+from nebula_ckpt.tiers.memory import hash_reuse
 from tests.test_incremental import _forge_same_crc
 
 

@@ -234,7 +234,7 @@ def test_after_a_crash_the_chain_restores_from_the_memory_tier_and_a_base_is_nev
 
 
 def test_persist_memory_writes_an_incremental_memory_step_whole_on_the_root(tmp_path, shm_dir) -> None:  # noqa: ANN001
-    from nebula_ckpt.save.epilogue import persist_memory
+    from nebula_ckpt.tiers.memory.epilogue import persist_memory
 
     root = str(tmp_path / "ck")
     frozen, train = _frozen(), torch.zeros(64)

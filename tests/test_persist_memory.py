@@ -14,7 +14,7 @@ import torch
 
 import nebula_ckpt as nc
 from nebula_ckpt.errors import CorruptCheckpointError, ValidationError
-from nebula_ckpt.save.epilogue import persist_memory
+from nebula_ckpt.tiers.memory.epilogue import persist_memory
 from nebula_ckpt.tiers.memory.tier import memory_tier_path
 
 REPO = Path(__file__).resolve().parents[1]

@@ -62,7 +62,7 @@ def test_gc_keeps_a_memory_tier_whose_write_the_root_lacks(root: str, shm_dir: s
                    check=True, timeout=120)
     decisions = [d for d in gc.collect() if d.found.owner is not None and d.found.owner.root == root]
     assert len(decisions) == 1 and not decisions[0].remove, decisions[0].reason
-    from nebula_ckpt.save.epilogue import persist_memory
+    from nebula_ckpt.tiers.memory.epilogue import persist_memory
 
     with pytest.raises(nc.NebulaError, match="another write"):
         persist_memory(root)

@@ -1,6 +1,6 @@
 """``nebula-ckpt persist-memory ROOT``: the newest step this host's memory tiers hold onto the root,
 for a job that ends for good or moves to other nodes (a job epilogue on every node, a node agent,
-the scheduler's cleanup). The work is :func:`nebula_ckpt.save.epilogue.persist_memory`; this is its
+the scheduler's cleanup). The work is :func:`nebula_ckpt.tiers.memory.epilogue.persist_memory`; this is its
 command line."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from typing import Callable, Optional
 
 from nebula_ckpt.cli.common import human_bytes, out
 from nebula_ckpt.errors import FencedError, ValidationError
-from nebula_ckpt.save.epilogue import persist_memory
+from nebula_ckpt.tiers.memory.epilogue import persist_memory
 
 
 def cmd_persist_memory(args: argparse.Namespace) -> int:

@@ -32,7 +32,7 @@ def stage_restore(into: Any, *, map_location: Any = None, strict: bool = True,
 
     Sets ``ck.pending`` to what applies it (same layout), after :func:`stage_apply` read and
     verified everything; for a checkpoint of another layout it only verifies (resharding reads
-    what it needs itself). ``adopt(ck)``: the :class:`~nebula_ckpt.restore.adopt.Adoption` of a
+    what it needs itself). ``adopt(ck)``: the :class:`~nebula_ckpt.tiers.memory.adopt.Adoption` of a
     candidate whose pages may be handed over instead of copied, or None.
     """
     def stage(ck: OpenCheckpoint) -> None:

@@ -4,7 +4,7 @@ An optimizer's state, a new value in a dict, the tensors of :meth:`Checkpointer.
 tensor the restore makes and hands over. :func:`owned_batch` makes many at once, one host buffer
 per dtype filled by the native copy engine's threads, a chunk at a time (the mapped source pages
 dropped once copied, the checksums taken while copying compared with the manifest), or hands out
-the memory tier's own pages (:mod:`nebula_ckpt.restore.adopt`). :func:`target_device` is
+the memory tier's own pages (:mod:`nebula_ckpt.tiers.memory.adopt`). :func:`target_device` is
 ``map_location`` as :func:`torch.load` takes it.
 """
 

@@ -67,7 +67,8 @@ class OpenCheckpoint:
         self._views: dict[str, torch.Tensor] = {}
         #: DeviceMesh by mesh shape, found in the objects restored into (for DTensor records)
         self.meshes: dict[tuple[int, ...], Any] = {}
-        #: the memory tier's pages handed to this process instead of owned copies (:mod:`nebula_ckpt.restore.adopt`)
+        #: the memory tier's pages handed to this process instead of owned copies
+        #: (:mod:`nebula_ckpt.tiers.memory.adopt`)
         self.adoption: Optional[Any] = None
 
     def as_saved(self, key: str, local: torch.Tensor) -> Any:

@@ -4,7 +4,7 @@ Only this module knows the order of the restore stages: select a candidate
 (:mod:`~nebula_ckpt.restore.select`; in a multi-rank job the ranks agree on it), open and verify
 it (:mod:`~nebula_ckpt.restore.open`) while staging the restore into ``into``
 (:mod:`~nebula_ckpt.restore.apply`, handing over the memory tier's pages where it may:
-:mod:`~nebula_ckpt.restore.adopt`), then apply it, or reshard it when it was saved in another
+:mod:`~nebula_ckpt.tiers.memory.adopt`), then apply it, or reshard it when it was saved in another
 layout (:mod:`~nebula_ckpt.restore.reshard`).
 """
 
@@ -20,7 +20,6 @@ from nebula_ckpt.format.manifest import Manifest
 from nebula_ckpt.format.references import shard_path
 from nebula_ckpt.health.book import HealthBook
 from nebula_ckpt.ranks.coordinator import Coordinator
-from nebula_ckpt.restore.adopt import adoption_for
 from nebula_ckpt.restore.apply import apply, materialize, stage_restore
 from nebula_ckpt.restore.health import HealthChoice, all_suspect_error, say
 from nebula_ckpt.restore.open import OpenCheckpoint, read_main_manifest
@@ -28,6 +27,7 @@ from nebula_ckpt.restore.select import Stage, find_and_open, list_candidates, op
 from nebula_ckpt.storage.base import Storage
 from nebula_ckpt.storage.buffers import BufferStorage
 from nebula_ckpt.tiers.base import Tier
+from nebula_ckpt.tiers.memory.adopt import adoption_for
 from nebula_ckpt.tiers.runtime import TierRuntime
 
 log = logging.getLogger("nebula_ckpt")
@@ -196,7 +196,7 @@ class Restorer:
     def _checked(self, rec: Optional[dict[str, Any]]) -> Optional[tuple[str, int, int, int]]:
         """The memory-tier copy the replicas' recover round checked in full on this rank (its own
         copy, or the one it pulled), which the restore then need not check again; None if none."""
-        mem = next((t for t, _ in self.tier_pairs() if not t.shared), None)
+        mem = next((t for t, _ in self.tier_pairs() if t.capabilities.has_replicas), None)
         if rec is None or mem is None or not rec.get("checked") or rec["step"] is None:
             return None
         return (mem.name, int(rec["generation"]), int(rec["step"]), int(rec["save"]))
@@ -279,4 +279,4 @@ def _with_pulled(pairs: list[tuple[Tier, Storage]], rec: dict[str, Any], rank: i
     if not pulled:
         return pairs
     return [(t, BufferStorage(pulled, st, f"step {rec['step']} pulled from {rec['sources'][rank]}"))
-            if not t.shared else (t, st) for t, st in pairs]
+            if t.capabilities.has_replicas else (t, st) for t, st in pairs]

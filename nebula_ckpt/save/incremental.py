@@ -22,7 +22,7 @@ changes save after save (dense training) is never hashed: its CRC already differ
 The memory tier (``compare=True``) hashes nothing: its base's bytes are still in host memory (the
 base step's shard files in the tmpfs), so a tensor whose CRC32C, device and DTensor record equal
 the base's is unchanged only when its staged bytes equal the base's byte for byte
-(:mod:`nebula_ckpt.save.compare`, at memory speed on niced threads, never on the training thread).
+(:mod:`nebula_ckpt.tiers.memory.compare`, at memory speed on niced threads, never on the training thread).
 
 This module keeps each tier's base (:meth:`Incremental.claim` hands it to a save); what a save
 writes on it, whole or a delta with references, is decided by :mod:`nebula_ckpt.save.tier_image`.

@@ -250,7 +250,7 @@ class SavePipeline:
 
     def _new_handle(self, idx: int, plan: Plan, targets: list[TierWriter], t0: float) -> SaveHandle:
         """The handle of save ``idx``: its tiers, and the memory tier's replicas when it goes there."""
-        repl, mem = self.replicator, next((w.name for w in targets if not w.tier.shared), None)
+        repl, mem = self.replicator, next((w.name for w in targets if w.tier.capabilities.has_replicas), None)
         handle = SaveHandle(plan.step, [w.name for w in targets] + ([REPLICAS] if repl and mem else []), plan.tag)
         handle.progress.begin(t0, plan.layout.total_bytes, self._save_finished)
         if repl is not None and mem is not None:

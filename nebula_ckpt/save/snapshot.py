@@ -5,7 +5,7 @@ The training thread enqueues the copy (one native call for all tensors); with
 bytes while copying and flag a source that changed under them. The stager thread waits for the
 copy, records the tensor index (dtypes, offsets, checksums), takes the SHA-256 that incremental
 tiers need (:mod:`nebula_ckpt.save.incremental`; those the memory tier's compare already knows are
-not hashed: :mod:`nebula_ckpt.save.hash_reuse`) and hands the snapshot to the tiers
+not hashed: :mod:`nebula_ckpt.tiers.memory.hash_reuse`) and hands the snapshot to the tiers
 through :func:`nebula_ckpt.save.fanout.fan_out`. The training thread confirms the verdict (version
 counters) before any tier commits.
 """
@@ -24,9 +24,9 @@ from nebula_ckpt.handle import SaveHandle
 from nebula_ckpt.latch import Latch
 from nebula_ckpt.native import CopyJob, get_ops, monotonic
 from nebula_ckpt.save.buffers import Slot, StagingPool
-from nebula_ckpt.save.compare import Compared
-from nebula_ckpt.save.hash_reuse import staged_hashes
 from nebula_ckpt.save.plan import Plan
+from nebula_ckpt.tiers.memory.compare import Compared
+from nebula_ckpt.tiers.memory.hash_reuse import staged_hashes
 
 log = logging.getLogger(__name__)
 
@@ -53,7 +53,7 @@ class Snapshot:
         #: key -> SHA-256 of the staged bytes, for the tensors incremental tiers need (stager thread)
         self.hashes: dict[str, str] = {}
         #: the memory tier's compare of the staged bytes with its base, when the stager made it
-        #: (:mod:`nebula_ckpt.save.hash_reuse`)
+        #: (:mod:`nebula_ckpt.tiers.memory.hash_reuse`)
         self.compared: Optional[Compared] = None
         #: a random name of this write, recorded in its manifests' ``stats`` (``write_id``): two
         #: saves of one step in one writer generation are told apart without trusting a checksum,

@@ -12,7 +12,7 @@ only writes (:func:`write_image`), commits and prunes.
 A tensor is taken from the base (the rules: :mod:`nebula_ckpt.save.incremental`) only when its
 dtype and shape, CRC32C, device and DTensor record equal the base's and either its SHA-256 equals
 the one the base recorded (a persistent tier) or its staged bytes equal the base's byte for byte
-(a tier that compares, the memory tier: :class:`~nebula_ckpt.save.compare.BaseBytes`). Every
+(a tier that compares, the memory tier: :class:`~nebula_ckpt.tiers.memory.compare.BaseBytes`). Every
 tensor key must be the base's, the base must be of this writer generation and older than the
 step, and the changed tensors may hold at most :data:`MAX_CHANGED_SHARE` of the bytes; else the
 image is whole. So is it when a persistent tier's earlier shards are gone from its storage
@@ -30,8 +30,8 @@ from nebula_ckpt.format.manifest import Manifest
 from nebula_ckpt.format.names import COMMIT, MANIFEST, step_dir
 from nebula_ckpt.format.records import ShardRecord, TensorRecord
 from nebula_ckpt.ranks.shards import subset_image
-from nebula_ckpt.save.compare import BaseBytes, Compared
 from nebula_ckpt.save.incremental import same_kind, same_record
+from nebula_ckpt.tiers.memory.compare import BaseBytes, Compared
 
 if TYPE_CHECKING:
     from nebula_ckpt.storage.base import Storage

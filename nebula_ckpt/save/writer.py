@@ -54,13 +54,13 @@ from nebula_ckpt.save.commit import (
     encode_manifest,
     retract_step,
 )
-from nebula_ckpt.save.compare import may_build_on_base
 from nebula_ckpt.save.fanout import Delivery
 from nebula_ckpt.save.incremental import Incremental, whole_image
 from nebula_ckpt.save.rounds import SharedCommit, tagged
 from nebula_ckpt.save.snapshot import Snapshot, build_tier_manifest
 from nebula_ckpt.save.tier_image import Staged, TierImage, TierStep, tier_image, write_image
 from nebula_ckpt.storage.base import Storage
+from nebula_ckpt.tiers.memory.compare import may_build_on_base
 from nebula_ckpt.tiers.runtime import TierRuntime
 
 log = logging.getLogger(__name__)
@@ -79,7 +79,7 @@ class TierWriter:
         coordinator: the ranks' agreement (a no-op in one process): the commit of a step goes
             ahead only when every rank's shard of it is durable on this tier.
         incremental: write only the tensors that changed since this tier's last save
-            (:mod:`nebula_ckpt.save.incremental`; :func:`~nebula_ckpt.save.compare.may_build_on_base`).
+            (:mod:`nebula_ckpt.save.incremental`; :func:`~nebula_ckpt.tiers.memory.compare.may_build_on_base`).
     """
 
     def __init__(self, runtime: TierRuntime, fence: TierFence, keep_last: int,
@@ -104,9 +104,10 @@ class TierWriter:
         #: steps whose commit this writer could not confirm (CommitUncertain): never deleted as
         #: leftovers nor written again by this process; a restart (a newer generation) sweeps them
         self._uncertain: set[int] = set()
-        #: this tier's base and cadence of full saves (the memory tier compares bytes instead of hashing)
+        #: this tier's base and cadence of full saves (a tier that keeps its base in RAM, the memory
+        #: tier, compares bytes instead of hashing)
         on_base = incremental and may_build_on_base(self.tier, self.coordinator.world_size, self.storage)
-        self.incremental = Incremental(on_base, compare=not self.tier.persistent)
+        self.incremental = Incremental(on_base, compare=runtime.capabilities.keeps_base_in_ram)
         #: committed steps remove() was asked to delete while a later checkpoint refers to their
         #: bytes: retention deletes them once nothing does
         self._deferred: set[int] = set()
@@ -282,7 +283,8 @@ class TierWriter:
     @property
     def key_prefix(self) -> str:
         """The prefix of the keys in this tier's manifests: ``r<R>/`` on a rank's own tier, else none."""
-        return f"r{self.coordinator.rank}/" if self.coordinator.world_size > 1 and not self.tier.shared else ""
+        own = self.coordinator.world_size > 1 and self.tier.capabilities.per_rank
+        return f"r{self.coordinator.rank}/" if own else ""
 
     @property
     def _shared(self) -> bool:

@@ -5,7 +5,7 @@ checked there (:mod:`~nebula_ckpt.tiers.memory.replica_pull`); the restore then 
 were in the memory tier: :class:`BufferStorage` serves those files from the buffers and every other
 path from the tier's own storage (its other steps stay visible). Nothing can be written through
 it. Its buffers are this process's alone, so a restore may hand them out as its tensors instead
-of copying them (:mod:`~nebula_ckpt.restore.adopt_memory`).
+of copying them (:mod:`~nebula_ckpt.tiers.memory.adopt_memory`).
 """
 
 from __future__ import annotations

@@ -37,7 +37,7 @@ def _open_nofollow(path: str) -> Any:
 
 # -- readers of a file, as open-file-description locks ------------------------------------------
 #
-# A file that one process may take over (the memory tier's shard files: see nebula_ckpt.restore.adopt)
+# A file that one process may take over (the memory tier's shard files: see nebula_ckpt.tiers.memory.adopt)
 # is read only under a *reader lock*: a shared lock on the byte at offset <pid> of the file,
 # taken on the descriptor that is mapped. Open-file-description locks belong to the opened file,
 # not the process, so the mapping keeps the lock (Python's mmap holds a duplicate of the

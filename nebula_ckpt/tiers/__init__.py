@@ -8,7 +8,8 @@ crash, not a reboot) and the ``root`` itself (a :class:`LocalTier` for a path, a
 :class:`RemoteTier` for any other fsspec URL: :func:`tier_for_root`).
 
 The package: :mod:`.base` (the settings every tier shares), :mod:`.local`, :mod:`.remote`,
-:mod:`.memory` (``tier``: settings; ``shm``: its tmpfs folder; ``runtime``; ``gc``),
+:mod:`.memory` (everything of the memory tier: ``tier``: settings; ``shm``: its tmpfs folder;
+``runtime``; ``gc``; its byte compare, page adoption, persist-memory and replicas),
 :mod:`.roots` (a root's tiers), :mod:`.runtime` (what a tier does while a Checkpointer runs)
 and :mod:`.factory` (settings -> runtime).
 """

@@ -1,6 +1,9 @@
-"""The settings every tier shares: cadence, retention, restore check, and where it lives.
+"""The settings every tier shares: cadence, retention, restore check, where it lives, what it can do.
 
-A tier is plain configuration. What it *does* while a Checkpointer runs is its runtime
+A tier is plain configuration. What a kind of tier can do beyond writing bytes is its
+:class:`Capabilities`, declared by the kind (:attr:`Tier.capabilities`); the generic code (save,
+restore) asks the one capability it needs, never which kind a tier is. What it *does* while a
+Checkpointer runs is its runtime
 (:mod:`nebula_ckpt.tiers.runtime`), made from the settings by :func:`nebula_ckpt.tiers.factory.runtime_for`;
 the settings never know their runtime, so the two never import each other.
 """
@@ -13,6 +16,39 @@ from typing import Optional
 
 from nebula_ckpt.errors import ValidationError
 from nebula_ckpt.storage.base import Storage
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """What a kind of tier can do beyond writing, reading and deleting bytes; the generic code asks
+    these, never the tier's kind or class (a plain tier declares none of them).
+
+    Args:
+        per_rank: each rank of a job writes a folder of its own (its keys ``r<R>/`` in a multi-rank
+            job, its own commits, no rank rounds) rather than one folder every rank sees.
+        keeps_base_in_ram: its base (the last step it committed) stays in host memory in files on a
+            local file system, so an incremental save compares the staged bytes with it byte for
+            byte instead of hashing them (:mod:`nebula_ckpt.tiers.memory.compare`), and that
+            compare spares the other tiers' hashes (:mod:`nebula_ckpt.tiers.memory.hash_reuse`).
+        hands_pages_to_restart: a restarted process may take the pages of its files instead of
+            copying them (:mod:`nebula_ckpt.tiers.memory.adopt`).
+        replicas: copies of each rank's steps kept on partner nodes (0: none;
+            :mod:`nebula_ckpt.tiers.memory.replicas`).
+    """
+
+    per_rank: bool = False
+    keeps_base_in_ram: bool = False
+    hands_pages_to_restart: bool = False
+    replicas: int = 0
+
+    @property
+    def has_replicas(self) -> bool:
+        """Whether copies of this tier's steps are kept on partner nodes."""
+        return self.replicas > 0
+
+
+#: what a plain tier (local disk, remote store) can do beyond bytes: nothing
+PLAIN = Capabilities()
 
 
 @dataclass
@@ -57,10 +93,15 @@ class Tier:
         return True
 
     @property
+    def capabilities(self) -> Capabilities:
+        """What this kind of tier can do beyond bytes (:class:`Capabilities`); a plain tier: nothing."""
+        return PLAIN
+
+    @property
     def shared(self) -> bool:
         """Whether every rank of a job sees this tier (one manifest for all ranks, committed by the
-        coordinator) rather than each rank its own (the memory tier: keyed by root and rank)."""
-        return True
+        coordinator) rather than each rank its own (``capabilities.per_rank``, e.g. the memory tier)."""
+        return not self.capabilities.per_rank
 
     @property
     def name(self) -> str:

@@ -21,7 +21,7 @@ from typing import Any, Callable, Optional
 
 from nebula_ckpt.format.owner import Owner
 from nebula_ckpt.storage.base import Storage
-from nebula_ckpt.tiers.base import Tier
+from nebula_ckpt.tiers.base import Capabilities, Tier
 
 
 def _nothing_more(committed: list[int]) -> set[int]:
@@ -47,6 +47,11 @@ class TierRuntime:
         #: ``keep_also(committed steps)``: those of them retention keeps on this tier beside
         #: ``keep_last`` (the newest healthy one, :mod:`nebula_ckpt.health`); the tier's writer thread
         self.keep_also: Callable[[list[int]], set[int]] = _nothing_more
+
+    @property
+    def capabilities(self) -> Capabilities:
+        """What the tier can do beyond bytes (its kind's :class:`~nebula_ckpt.tiers.base.Capabilities`)."""
+        return self.tier.capabilities
 
     @property
     def persistent(self) -> bool:

@@ -28,7 +28,7 @@ import pytest
 
 from nebula_ckpt import knobs
 from nebula_ckpt.ranks.partners import choose_partners, pack_node_id, unpack_node_id
-from nebula_ckpt.save.epilogue import persist_memory
+from nebula_ckpt.tiers.memory.epilogue import persist_memory
 from nebula_ckpt.tiers.memory import replicas
 from nebula_ckpt.tiers.memory.replica_save import check_copy
 from nebula_ckpt.tiers.memory.replica_store import ReplicaStore, committed

@@ -22,7 +22,7 @@ import torch
 
 import nebula_ckpt as nc
 from nebula_ckpt import knobs
-from nebula_ckpt.save.epilogue import persist_memory
+from nebula_ckpt.tiers.memory.epilogue import persist_memory
 
 from .launch import HERE, run_ranks
 

@@ -52,7 +52,6 @@ from nebula_ckpt.tiers.memory.replica_channel import Channel, Replication
 from nebula_ckpt.tiers.memory.replica_recover import keep_pulled, recover
 from nebula_ckpt.tiers.memory.replica_save import replicate
 from nebula_ckpt.tiers.memory.replica_store import ReplicaStore
-from nebula_ckpt.tiers.memory.tier import MemoryTier
 
 #: after a restore that pulled memory-tier copies from partners, how long the replicas' thread
 #: waits (unless a save or close() comes first) before pulling them again into the memory tiers, so
@@ -376,8 +375,8 @@ def start_replicator(tiers: Sequence[Any], runtimes: Sequence[Any], coordinator:
     Raises:
         ValidationError: replicas asked for in a one-process job, or with too few nodes.
     """
-    mem = next((t for t in tiers if isinstance(t, MemoryTier)), None)
-    k = mem.replicas if mem is not None else 0
+    mem = next((t for t in tiers if t.capabilities.has_replicas), None)
+    k = mem.capabilities.replicas if mem is not None else 0
     if mem is None or not k or read_only:
         return None
     if coordinator.world_size < 2 or coordinator.group is None:

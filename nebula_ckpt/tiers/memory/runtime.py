@@ -124,7 +124,7 @@ class MemoryTierRuntime(TierRuntime):
 
     def lock_for_adoption(self) -> bool:
         """Take the folder's lock, as a save would: True when this process may delete a
-        checkpoint of the tier to hand its pages over (:mod:`nebula_ckpt.restore.adopt`). Give it back
+        checkpoint of the tier to hand its pages over (:mod:`nebula_ckpt.tiers.memory.adopt`). Give it back
         with :meth:`unlock_after_adoption`."""
         return self._claim is not None and os.path.isdir(self.folder) and self._claim.lock()
 
@@ -137,7 +137,7 @@ class MemoryTierRuntime(TierRuntime):
 
     def track_copy_on_write(self, mm: mmap.mmap, path: str, st: os.stat_result) -> None:
         """Count the copy-on-write mapping ``mm`` of the tier's file ``path`` (``st``: its stat) in
-        :meth:`dropped_cow_bytes` for as long as it lives (:mod:`nebula_ckpt.restore.adopt`)."""
+        :meth:`dropped_cow_bytes` for as long as it lives (:mod:`nebula_ckpt.tiers.memory.adopt`)."""
         self._cow_maps.append((weakref.ref(mm), path, (st.st_dev, st.st_ino), st.st_size))
 
     def dropped_cow_bytes(self) -> int:

@@ -17,7 +17,7 @@ from nebula_ckpt.errors import ValidationError
 from nebula_ckpt.storage.base import Storage
 from nebula_ckpt.storage.local import LocalStorage
 from nebula_ckpt.storage.urls import canonical_root
-from nebula_ckpt.tiers.base import Tier
+from nebula_ckpt.tiers.base import Capabilities, Tier
 from nebula_ckpt.tiers.memory.shm import user_dir_name
 
 
@@ -72,9 +72,11 @@ class MemoryTier(Tier):
         return False
 
     @property
-    def shared(self) -> bool:
-        """Each rank has its own memory tier."""
-        return False
+    def capabilities(self) -> Capabilities:
+        """Each rank has its own memory tier; its base stays in RAM; a restarted process may take
+        its pages; ``replicas`` copies of it on partner nodes."""
+        return Capabilities(per_rank=True, keeps_base_in_ram=True, hands_pages_to_restart=True,
+                            replicas=self.replicas)
 
     def make_storage(self) -> Storage:
         assert self.path is not None, "MemoryTier.bind() was not called"

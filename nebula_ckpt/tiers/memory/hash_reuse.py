@@ -3,7 +3,7 @@
 A disk or remote tier knows a tensor unchanged by the SHA-256 of its staged bytes
 (:mod:`nebula_ckpt.save.incremental`); hashing a large frozen state on every save is most of an
 incremental save's cost. The memory tier compares the staged bytes with its base's bytes, byte
-for byte (:mod:`nebula_ckpt.save.compare`), at memory speed. When the memory tier's base and a
+for byte (:mod:`nebula_ckpt.tiers.memory.compare`), at memory speed. When the memory tier's base and a
 persistent tier's base were both committed *from the same snapshot* of this process (the same
 :attr:`~nebula_ckpt.save.snapshot.Snapshot.write_id`, so the same step and the same staged bytes),
 the SHA-256 of a tensor the compare found equal is known without hashing it:
@@ -21,7 +21,7 @@ SHA-256 for the tensor. A tensor the compare found changed (a change through ``.
 one with an unchanged CRC32C) or did not compare, one whose SHA-256 the persistent base did not
 record, and every tensor when the bases are not from the same snapshot (a restored base, a tier
 that dropped a save) are hashed as before. The compare's answer is kept on the snapshot
-(:class:`~nebula_ckpt.save.compare.Compared`), so the memory tier's own save does not compare
+(:class:`~nebula_ckpt.tiers.memory.compare.Compared`), so the memory tier's own save does not compare
 those bytes again.
 """
 
@@ -31,8 +31,8 @@ import logging
 from typing import Any, Optional
 
 from nebula_ckpt.ranks.shards import prefixed
-from nebula_ckpt.save.compare import BaseBytes, Compared
 from nebula_ckpt.save.incremental import hash_staged, same_kind, same_record, wanted_keys
+from nebula_ckpt.tiers.memory.compare import BaseBytes, Compared
 
 log = logging.getLogger(__name__)
 

@@ -5,7 +5,7 @@ A memory-tier copy pulled from a partner at restore lands in this process's anon
 :class:`~nebula_ckpt.storage.buffers.BufferStorage`. Those pages are this process's alone: no file
 names them, no other process maps them, nothing writes them. So the tensors a restore *creates*
 (the optimizer state, new tensors; not the model's parameters, which exist and are copied into)
-are views of them, as :mod:`~nebula_ckpt.restore.adopt` does with a memory tier's pages after a
+are views of them, as :mod:`~nebula_ckpt.tiers.memory.adopt` does with a memory tier's pages after a
 crash, with no claim to win: the copy the restore would make (a new buffer's page faults and a
 memcpy) is not made. Their checksums were checked as the bytes landed (``verify_rest`` checks any
 left). Once the restore is applied, the pages no created tensor covers (the model's bytes, the
@@ -29,7 +29,7 @@ if TYPE_CHECKING:
 
 class MemoryAdoption:
     """The pages of a checkpoint held in this process's memory, handed to its restore (see the
-    module docstring); the interface of :class:`~nebula_ckpt.restore.adopt.Adoption`."""
+    module docstring); the interface of :class:`~nebula_ckpt.tiers.memory.adopt.Adoption`."""
 
     #: never refused: nothing can keep these pages from being handed out
     refused = False

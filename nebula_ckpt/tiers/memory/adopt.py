@@ -75,10 +75,10 @@ from nebula_ckpt.format.names import COMMIT, step_dir
 from nebula_ckpt.format.records import TensorRecord
 from nebula_ckpt.format.references import referrers, shard_path
 from nebula_ckpt.native import get_ops
-from nebula_ckpt.restore.adopt_memory import MemoryAdoption
 from nebula_ckpt.restore.open import OpenCheckpoint, chunks, read_main_manifest
 from nebula_ckpt.storage.buffers import BufferStorage
 from nebula_ckpt.storage.local import hold_alone, hold_private, hold_read, let_go
+from nebula_ckpt.tiers.memory.adopt_memory import MemoryAdoption
 
 if TYPE_CHECKING:
     from nebula_ckpt.storage.base import Storage
@@ -317,15 +317,14 @@ def adoption_for(runtimes: list[Any], ck: "OpenCheckpoint", saved: bool,
                  world_size: int) -> "Optional[Adoption | MemoryAdoption]":
     """The adoption of ``ck`` if every condition of the module docstring holds, else None; for a
     copy held in this process's memory (pulled from a partner), always its
-    :class:`~nebula_ckpt.restore.adopt_memory.MemoryAdoption`."""
+    :class:`~nebula_ckpt.tiers.memory.adopt_memory.MemoryAdoption`."""
     from nebula_ckpt import knobs
-    from nebula_ckpt.tiers.memory.runtime import MemoryTierRuntime
 
     if isinstance(ck.storage, BufferStorage):
         return MemoryAdoption(ck)
     if not knobs.get("adopt_memory_tier") or saved or world_size > 1 or ck.manifest.multi_rank:
         return None
-    mem = next((rt for rt in runtimes if isinstance(rt, MemoryTierRuntime) and rt.name == ck.tier_name), None)
+    mem = next((rt for rt in runtimes if rt.capabilities.hands_pages_to_restart and rt.name == ck.tier_name), None)
     if mem is None or not _durable_elsewhere(runtimes, ck, mem.storage):
         return None
     # another step's bytes, or this step's when a newer one refers to them: the tier's to keep

@@ -111,14 +111,15 @@ class BaseBytes:
 
 
 def may_build_on_base(tier: Any, world_size: int, storage: "Storage") -> bool:
-    """Whether saves on ``tier`` may be incremental: a persistent tier of a one-process job or a
-    shared one; the memory tier (it compares bytes) of a one-process job, or of each rank of a
-    multi-rank job (a rank's own tier: each rank builds on its own previous step, no agreement
-    needed; with replicas too, which their holders make whole:
+    """Whether saves on ``tier`` may be incremental: a tier that hashes, of a one-process job or a
+    shared one; a tier that keeps its base in RAM (it compares bytes: the memory tier) of a
+    one-process job, or of each rank of a multi-rank job (a rank's own tier: each rank builds on
+    its own previous step, no agreement needed; with replicas too, which their holders make whole:
     :mod:`~nebula_ckpt.tiers.memory.replica_whole`) on a local file system."""
-    if tier.persistent:
-        return world_size == 1 or bool(tier.shared)
-    return (world_size == 1 or not tier.shared) and storage.local_path("") is not None
+    caps = tier.capabilities
+    if caps.keeps_base_in_ram:
+        return (world_size == 1 or caps.per_rank) and storage.local_path("") is not None
+    return world_size == 1 or bool(tier.shared)
 
 
 @dataclass(frozen=True)
