@@ -20,7 +20,7 @@ runs). Per model (a GPT-2-shaped model and AdamW on the GPU, :mod:`benchmarks.wo
 
 Writes ``gpu_bench.json`` and ``gpu_bench.md`` into ``--out``; every step checks the time left
 (``--budget-s``) and records what it skipped. ``--device cpu`` runs the same code on the CPU
-with ``tiny`` (``--quick``: what ``tests/test_gpu_campaign.py`` does: it checks the script, not the numbers).
+with ``tiny`` (``--quick``: what ``tests/bench/test_gpu_campaign.py`` does: it checks the script, not the numbers).
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@ the user API (:data:`nebula_ckpt.__all__`).
 
 The adapters shipped with the package (``nebula_ckpt.integrations``, ``nebula_ckpt.compat``)
 import from here, from the user API and from :mod:`nebula_ckpt.errors`, :mod:`nebula_ckpt.tiers`
-and :mod:`nebula_ckpt.dcp`, never from internal modules (``tests/test_architecture.py`` checks
+and :mod:`nebula_ckpt.dcp`, never from internal modules (``tests/api/test_architecture.py`` checks
 it). A new adapter should do the same. What is here:
 
 - tags, as frameworks address checkpoints by name: :func:`check_tag` (the rule, with an error

@@ -5,7 +5,7 @@ timeouts, retries, ...); the library's internal sizes and waits are named consta
 that use them. Each knob has an environment variable, a getter (:func:`get`: an :func:`override` first, then
 the environment, then the default), a line of documentation (:func:`describe`, :func:`table`),
 and can be overridden in tests with :func:`override`. The library's own settings are read here
-and nowhere else (``tests/test_architecture.py`` checks that no other module reads
+and nowhere else (``tests/api/test_architecture.py`` checks that no other module reads
 ``os.environ``, but for :mod:`nebula_ckpt.compat.nebula.environment`). Variables that belong to
 other programs are not knobs: the Azure ML Nebula compatibility layer reads that product's
 ``NEBULA_PERSISTENT_*`` / ``NEBULA_MEMORY_BUFFER_SIZE`` settings in

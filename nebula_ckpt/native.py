@@ -4,7 +4,7 @@ The rest of the library reaches them through :func:`get_ops`, which returns a
 :class:`NativeOps` (the extension ``nebula_ckpt._C`` loaded) or the :class:`FallbackOps` (it did
 not, or the ``disable_native`` knob is set); :func:`fallback_ops` returns the latter always and
 :func:`describe` says which path runs and why. Both produce the same bytes and the same checksums
-(CRC32C); ``tests/test_paths.py`` compares them. Which path runs is logged once, at first use.
+(CRC32C); ``tests/native/test_paths.py`` compares them. Which path runs is logged once, at first use.
 
 Hot primitives (methods of both classes):
 

@@ -24,7 +24,7 @@
 #
 # Without a CUDA GPU the run stops at once with exit status 3 and says why. --allow-cpu runs the
 # steps that need no GPU (facts, tests, and the bench's code with a tiny model on the CPU; add
-# --no-build to skip compiling), to check this script (tests/test_gpu_campaign.py does).
+# --no-build to skip compiling), to check this script (tests/bench/test_gpu_campaign.py does).
 set -u -o pipefail
 export PYTHONUNBUFFERED=1
 PY=${PYTHON:-python3}
@@ -97,11 +97,11 @@ fi
 if has tests; then
   say "tests: the gpu-marked tests, and the plan cache's on this build"
   L=$(left); T=$(( L / 3 < 180 ? L / 3 : 180 )); T=$(( T < 60 ? 60 : T ))
-  timeout "$T" $PY -m pytest -m gpu tests/test_gpu.py tests/test_native.py \
+  timeout "$T" $PY -m pytest -m gpu tests/native/test_gpu.py tests/native/test_native.py \
     -p no:cacheprovider -q -rfEs --timeout 240 > "$DEST/tests.log" 2>&1
   say "gpu tests: rc=$? $(grep -E '(passed|failed|skipped|error)' "$DEST/tests.log" | tail -1)"
   if [ "$CUDA" = 1 ]; then
-    timeout 120 $PY -m pytest tests/test_plan_cache.py -p no:cacheprovider -q --timeout 120 >> "$DEST/tests.log" 2>&1
+    timeout 120 $PY -m pytest tests/save/test_plan_cache.py -p no:cacheprovider -q --timeout 120 >> "$DEST/tests.log" 2>&1
     say "plan cache tests: rc=$? $(tail -1 "$DEST/tests.log")"
   fi
 fi

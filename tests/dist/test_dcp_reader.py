@@ -140,7 +140,7 @@ def _dtensor(key: str, **change: Any) -> Any:
     (_dtensor("r1/model/0.weight", placements=["S(5)"]), "placement"),
     # well-formed records that disagree across ranks: refused by the reader
     # (on the grid of DTensor's own layout, a chunk anywhere else is refused as such; the exact
-    # coverage check of other layouts: tests/test_hostile_multirank.py)
+    # coverage check of other layouts: tests/format/test_hostile_multirank.py)
     (_dtensor("r1/model/0.weight", offsets=[0, 0]), "rank 1's chunk .* is not where the grid"),
     (_dtensor("r2/model/0.weight", offsets=[4, 0]), "rank 2's chunk .* is not where the grid"),
     (_dtensor("r1/model/0.weight", shape=[64, 16]), "model/0.weight.*rank 1.*disagree"),

@@ -1,1 +1,2 @@
-"""Tier-level contract tests: one suite, run against every kind of tier."""
+"""Tiers: the contract suite run against every kind of tier (test_contract.py), the tiers' own tests, the
+memory tier (memory/) and its replicas' single-process parts (replicas/)."""

@@ -7,8 +7,9 @@ Checkpointers on it as it likes. ``remote_tier_factory`` is the azure / s3 half 
 
 The blob servers are the session fixtures of ``tests/blob/conftest.py``, imported here (fixtures
 are only visible below the conftest that defines them); ``pythonpath = . tests`` in pytest.ini
-makes ``blob`` importable. Every test here is bounded in time: a ``timeout`` mark of pytest-timeout
-(:data:`TEST_TIME_LIMIT_S`, tighter than pytest.ini's suite-wide 600 s).
+makes ``blob`` importable. Every test of the contract suite (``test_contract*.py`` here; not the tier
+tests beside it nor those of ``memory/`` and ``replicas/``) is bounded in time: a ``timeout`` mark of
+pytest-timeout (:data:`TEST_TIME_LIMIT_S`, tighter than pytest.ini's suite-wide 600 s).
 """
 
 from __future__ import annotations
@@ -167,11 +168,13 @@ def remote_tier_factory(request: pytest.FixtureRequest, tmp_path: Any, shm_dir: 
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Bound every test of this folder by TEST_TIME_LIMIT_S (pytest-timeout) unless it sets its own.
+    """Bound every test of the contract suite by TEST_TIME_LIMIT_S (pytest-timeout) unless it sets its own.
 
     A conftest cannot use ``pytestmark``, and this hook sees the items of the whole session, so
-    it picks this folder's by path.
+    it picks the suite's by path: the ``test_contract*.py`` files of this folder.
     """
     for item in items:
-        if _HERE in item.path.resolve().parents and item.get_closest_marker("timeout") is None:
+        path = item.path.resolve()
+        if (path.parent == _HERE and path.name.startswith("test_contract")
+                and item.get_closest_marker("timeout") is None):
             item.add_marker(pytest.mark.timeout(TEST_TIME_LIMIT_S))

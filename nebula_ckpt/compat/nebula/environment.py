@@ -11,7 +11,7 @@ reads them, each only when the matching argument is not given:
   checkpoints (capped by ``host_memory_budget``), so ``init`` warns that it is ignored.
 
 This module and :mod:`nebula_ckpt.knobs` are the only readers of the environment
-(``tests/test_architecture.py``).
+(``tests/api/test_architecture.py``).
 """
 
 from __future__ import annotations

@@ -1,0 +1,103 @@
+"""The host-memory budget holds: staging plus the memory tier's RAM never exceed it.
+
+Real training processes (tests/save/budget_child.py) save a 40 MB state several times under a budget
+smaller than two states, with the default tiers (memory tier + disk), and sample what
+checkpointing holds by the kernel's counts (anonymous RSS above the start, and the RAM of the
+memory tier's files), independently of the library's own accounting. Both ``on_full`` policies;
+a budget too small for one state; the memory tier alone (which needs two).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from typing import Any
+
+import pytest
+import torch
+
+import nebula_ckpt as nc
+from nebula_ckpt.save.budget import HostMemoryBudget, machine_memory
+
+CHILD = os.path.join(os.path.dirname(__file__), "budget_child.py")
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(CHILD)))
+MB = 40
+STATE = MB << 20
+#: what the process may hold beyond checkpointing's own memory: the interpreter's and torch's small
+#: allocations during saves (manifests, thread stacks, a training step's temporaries of 2 rows)
+SLACK = 12 << 20
+
+
+def _run(root: str, shm_dir: str, budget: Any, on_full: str, saves: int = 4) -> dict[str, Any]:
+    env = dict(os.environ, NEBULA_SHM_DIR=shm_dir,
+               PYTHONPATH=os.pathsep.join([REPO, os.environ.get("PYTHONPATH", "")]))
+    spec = {"root": root, "budget": budget, "on_full": on_full, "saves": saves, "mb": MB}
+    r = subprocess.run([sys.executable, CHILD, json.dumps(spec)], capture_output=True, text=True, timeout=300, env=env)
+    assert r.returncode == 0, r.stderr[-3000:]
+    out: dict[str, Any] = json.loads(r.stdout.strip().splitlines()[-1])
+    out["log"] = r.stderr
+    return out
+
+
+@pytest.mark.parametrize("on_full", ["wait", "skip"])
+def test_budget_smaller_than_two_states_holds(tmp_path, shm_dir, on_full: str) -> None:  # noqa: ANN001
+    budget = int(STATE * 1.5)
+    out = _run(str(tmp_path / "ck"), shm_dir, budget, on_full)
+    assert out["error"] is None, out["log"][-3000:]
+    peak = out["peak"]
+    # by the kernel's counts: the memory tier's files and the process's anonymous memory
+    assert peak["shm"] > STATE * 0.9, peak  # the memory tier did hold a checkpoint
+    assert peak["total"] <= budget + SLACK, (peak, out["log"][-3000:])
+    disk_tier = next(k for k in out["committed"] if not k.startswith("memory"))
+    disk = [int(s) for s, tiers in out["written"].items() if disk_tier in tiers]
+    mem = next(v for k, v in out["committed"].items() if k.startswith("memory"))
+    if on_full == "wait":
+        assert disk == [0, 1, 2, 3] and out["skipped"] == {}  # every save waited, none was lost
+        assert "waits (on_full='wait')" in out["log"] and "host_memory_budget 60.0 MiB" in out["log"]
+    else:
+        assert out["skipped"], "a save beyond the budget is skipped"
+        assert all("host_memory_budget 60.0 MiB" in why for why in out["skipped"].values())
+        assert "skipped (on_full='skip')" in out["log"]
+        assert 0 in disk and set(disk) | {int(s) for s in out["skipped"]} == {0, 1, 2, 3}
+    assert mem == [max(disk)]  # the newest step is back in the memory tier once it is in
+    assert out["committed"][disk_tier][-1] == max(disk)
+
+
+def test_budget_too_small_for_one_state(tmp_path, shm_dir) -> None:  # noqa: ANN001
+    root = str(tmp_path / "ck")
+    state = {"w": torch.zeros(STATE // 4)}
+    with nc.Checkpointer(root, host_memory_budget=STATE // 2) as ck:
+        with pytest.raises(nc.ValidationError) as e:
+            ck.save_async(1, state)
+        msg = str(e.value)
+        assert "host_memory_budget 20.0 MiB" in msg and "40.0 MiB" in msg, msg  # the budget and the state
+        assert "nothing was written" in msg and "larger host_memory_budget" in msg, msg  # and the fix
+        assert ck.list() == [] and ck.stats()["host_memory_bytes"] == 0
+    assert not [p for p in os.listdir(root) if p.startswith("step-")]
+
+
+def test_memory_tier_alone_needs_room_for_two_states(tmp_path, shm_dir) -> None:  # noqa: ANN001
+    state = {"w": torch.zeros(1 << 20)}  # 4 MiB
+    with nc.Checkpointer(str(tmp_path / "ck"), tiers=[nc.MemoryTier()], host_memory_budget=6 << 20) as ck:
+        with pytest.raises(nc.ValidationError, match="memory tier as the only tier") as e:
+            ck.save_async(1, state)
+        assert "host_memory_budget 6.0 MiB" in str(e.value) and "8.0 MiB" in str(e.value)
+        assert ck.list() == []
+    with nc.Checkpointer(str(tmp_path / "ck2"), tiers=[nc.MemoryTier()], host_memory_budget=9 << 20) as ck:
+        for s in range(3):
+            ck.save_async(s, state).result()
+        assert ck.list()[-1] == 2  # the newest step is in (an incremental base may stay beside it)
+
+
+def test_default_budget_is_what_is_free_less_a_reserve() -> None:
+    total, avail = machine_memory()
+    b = HostMemoryBudget(None)
+    assert b.automatic
+    reserve = max(total // 10, 1 << 30)
+    got = b.limit(123)
+    # MemAvailable moves between the two reads: compare within 256 MiB
+    assert abs(got - (123 + max(0, avail - reserve))) < 256 << 20
+    assert HostMemoryBudget(0.5).limit(10**15) == int(0.5 * total)
+    assert HostMemoryBudget(1 << 30).limit(0) == 1 << 30

@@ -1,0 +1,169 @@
+"""``persist_memory`` / ``nebula-ckpt persist-memory``: the memory tier's newest step onto the
+persistent root when the job will not be restarted (a real process that ends without closing)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+import nebula_ckpt as nc
+from nebula_ckpt.errors import CorruptCheckpointError, ValidationError
+from nebula_ckpt.tiers.memory.epilogue import persist_memory
+from nebula_ckpt.tiers.memory.tier import memory_tier_path
+
+REPO = Path(__file__).resolve().parents[3]
+
+
+def _job_that_dies(root: str, shm_dir: str, steps: int = 3) -> None:
+    """Saves steps 1..steps (the disk tier only every 10th save: step 1), then ends unclosed."""
+    code = textwrap.dedent(f"""
+        import os, torch, nebula_ckpt as nc
+        ck = nc.Checkpointer({root!r}, tiers=[nc.MemoryTier(), nc.LocalTier({root!r}, every=10)])
+        for s in range(1, {steps} + 1):
+            ck.save(s, {{"w": torch.arange(1000, dtype=torch.float32) * s, "step": s}}).result()
+        os._exit(0)
+    """)
+    env = dict(os.environ, NEBULA_SHM_DIR=shm_dir, PYTHONPATH=str(REPO))
+    subprocess.run([sys.executable, "-c", code], env=env, check=True, timeout=120)
+
+
+def test_the_newest_memory_step_reaches_the_root(root: str, shm_dir: str) -> None:
+    _job_that_dies(root, shm_dir)
+    assert sorted(p.name for p in Path(root).glob("step-*")) == ["step-1"]
+    got = persist_memory(root)
+    assert got["copied"] and got["step"] == 3
+    with nc.Checkpointer(root, memory_tier=False, read_only=True) as ck:
+        state = {"w": torch.zeros(1000), "step": 0}
+        assert ck.load_latest(state) == 3
+        assert torch.equal(state["w"], torch.arange(1000, dtype=torch.float32) * 3) and state["step"] == 3
+    again = persist_memory(root)  # idempotent
+    assert not again["copied"] and "already" in again["why"]
+
+
+def test_a_damaged_memory_step_is_not_copied(root: str, shm_dir: str) -> None:
+    _job_that_dies(root, shm_dir)
+    shard = next(Path(memory_tier_path(root)).glob("step-3/shard-*"))
+    data = bytearray(shard.read_bytes())
+    data[-3] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    with pytest.raises(CorruptCheckpointError):
+        persist_memory(root)
+    assert not Path(root, "step-3").exists()
+
+
+def test_a_live_writer_is_left_alone(root: str, shm_dir: str) -> None:
+    with nc.Checkpointer(root, tiers=[nc.MemoryTier(), nc.LocalTier(root, every=10)]) as ck:
+        ck.save(1, {"w": torch.ones(4)}).result()
+        ck.save(2, {"w": torch.ones(4) * 2}).result()
+        with pytest.raises(ValidationError, match="live process"):
+            persist_memory(root)
+        assert not Path(root, "step-2").exists()
+
+
+def test_nothing_to_do(tmp_path: Path, shm_dir: str) -> None:
+    assert persist_memory(str(tmp_path / "never"))["step"] is None
+
+
+def test_the_command(root: str, shm_dir: str, capsys: pytest.CaptureFixture[str]) -> None:
+    from nebula_ckpt.cli import main
+
+    _job_that_dies(root, shm_dir)
+    assert main(["persist-memory", root, "--json"]) == 0
+    assert '"copied": true' in capsys.readouterr().out
+    assert Path(root, "step-3", "COMMIT").exists()
+    assert main(["persist-memory", root]) == 0
+    assert "nothing to copy" in capsys.readouterr().out
+    with nc.Checkpointer(root, tiers=[nc.MemoryTier(), nc.LocalTier(root, every=10)]) as ck:
+        ck.save(4, {"w": torch.ones(4)}).result()   # on both tiers
+        ck.save(5, {"w": torch.ones(4)}).result()   # in memory only
+        assert main(["persist-memory", root]) == 2    # a live writer holds the memory tier
+        assert "live process" in capsys.readouterr().err
+
+
+def _job(root: str, shm_dir: str, steps: list[int], disk: str, resume: bool = False) -> None:
+    """A real process: ``steps`` saved to ``[MemoryTier(), LocalTier(root, <disk>)]`` (resuming
+    first when asked), then it ends unclosed (its newest step stays in the memory tier)."""
+    code = textwrap.dedent(f"""
+        import os, torch, nebula_ckpt as nc
+        ck = nc.Checkpointer({root!r}, tiers=[nc.MemoryTier(), nc.LocalTier({root!r}, {disk})])
+        state = {{"w": torch.zeros(1000), "step": -1}}
+        if {resume!r}:
+            ck.load_latest(state)
+        for s in {steps!r}:
+            state = {{"w": torch.arange(1000, dtype=torch.float32) * s, "step": s}}
+            ck.save(s, state).result()
+        os._exit(0)
+    """)
+    env = dict(os.environ, NEBULA_SHM_DIR=shm_dir, PYTHONPATH=str(REPO))
+    subprocess.run([sys.executable, "-c", code], env=env, check=True, timeout=120)
+
+
+def _steps(root: str) -> list[int]:
+    return sorted(int(p.parent.name.split("-")[1]) for p in Path(root).glob("step-*/COMMIT"))
+
+
+def test_persist_memory_deletes_no_committed_step(root: str, shm_dir: str) -> None:
+    """The disk tier keeps 100 steps (every 2nd save): the epilogue adds the memory tier's newest
+    step and deletes nothing, whatever its own defaults are."""
+    _job(root, shm_dir, list(range(10)), "every=2, keep_last=100")
+    assert _steps(root) == [0, 2, 4, 6, 8]
+    got = persist_memory(root)
+    assert got["copied"] and got["step"] == 9
+    assert _steps(root) == [0, 2, 4, 6, 8, 9]
+
+
+def test_persist_memory_never_fences_a_live_job_nor_hides_its_step(root: str, shm_dir: str,
+                                                                      tmp_path: Path) -> None:
+    """A job left step 10 only in this node's RAM; its requeued job runs elsewhere (no memory tier
+    here), resumed the disk's step 6 and committed step 9. The epilogue here then writes nothing
+    (the live job's steps supersede step 10), takes no writer generation, and the live job's next
+    save commits; a restart resumes the live job's step, never the dead job's step 10."""
+    _job(root, shm_dir, list(range(1, 11)), "every=5")                      # disk: steps 1 and 6
+    assert _steps(root) == [1, 6]
+    live = nc.Checkpointer(root, tiers=[nc.LocalTier(root, keep_last=100)])  # elsewhere: no memory tier here
+    try:
+        state = {"w": torch.zeros(1000), "step": -1}
+        assert live.load_latest(state) == 6
+        for s in (7, 8, 9):
+            live.save(s, {"w": torch.full((1000,), float(s)), "step": s}).result()
+        writers = sorted(p.name for p in Path(root, "_nebula", "writers").iterdir())
+        got = persist_memory(root)
+        assert not got["copied"] and "newer" in got["why"], got
+        assert sorted(p.name for p in Path(root, "_nebula", "writers").iterdir()) == writers  # no generation taken
+        assert _steps(root) == [1, 6, 7, 8, 9]
+        live.save(11, {"w": torch.full((1000,), 11.0), "step": 11}).result()  # not fenced
+    finally:
+        live.close()
+    with nc.Checkpointer(root, memory_tier=False, read_only=True) as ck:
+        state = {"w": torch.zeros(1000), "step": -1}
+        assert ck.load_latest(state) == 11 and state["step"] == 11
+
+
+def test_persist_memory_before_a_new_job_commits_writes_under_the_old_generation(root: str, shm_dir: str) -> None:
+    """The requeued job took a writer generation but committed nothing yet: the epilogue writes the
+    dead job's step 10 under the generation that made it (the new job is not fenced), so the new
+    job's first commit, of an older step number, still outranks it at restore."""
+    _job(root, shm_dir, list(range(1, 11)), "every=5")
+    live = nc.Checkpointer(root, tiers=[nc.LocalTier(root, keep_last=100)])
+    try:
+        live.save(7, {"w": torch.full((1000,), 7.0), "step": 7}).result()     # its generation is taken
+        live.remove(7)
+        assert _steps(root) == [1, 6]
+        got = persist_memory(root)
+        assert got["copied"] and got["step"] == 10, got
+        with nc.Checkpointer(root, memory_tier=False, read_only=True) as ck:
+            state = {"w": torch.zeros(1000), "step": -1}
+            assert ck.load_latest(state) == 10                                # the newest state there is
+            assert torch.equal(state["w"], torch.arange(1000, dtype=torch.float32) * 10)
+        live.save(8, {"w": torch.full((1000,), 8.0), "step": 8}).result()     # not fenced
+    finally:
+        live.close()
+    with nc.Checkpointer(root, memory_tier=False, read_only=True) as ck:
+        state = {"w": torch.zeros(1000), "step": -1}
+        assert ck.load_latest(state) == 8 and state["step"] == 8             # the live job's timeline wins
