@@ -20,26 +20,24 @@ Scenarios:
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import sys
 from typing import Any
 
+from launch import gloo, simulated_node, write_report
+
 SCENARIO, ROOT, OUT, SHM_BASE, NODES_OF, K, DISK_EVERY = sys.argv[1:8]
 STEPS = int(sys.argv[8]) if len(sys.argv) > 8 else 3
 RANK = int(os.environ["RANK"])
 NODE = NODES_OF.split(",")[RANK]
-os.environ["NEBULA_NODE_ID"] = f"n{NODE}"
-os.environ["NEBULA_SHM_DIR"] = os.path.join(SHM_BASE, f"n{NODE}")
-os.makedirs(os.environ["NEBULA_SHM_DIR"], exist_ok=True)
+simulated_node(SHM_BASE, f"n{NODE}")
 
 import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
+from state_digest import digest  # noqa: E402
 
 import nebula_ckpt as nc  # noqa: E402
 from nebula_ckpt.tiers.memory import replicas  # noqa: E402
-from state_digest import digest  # noqa: E402
 
 
 def _state(seed: int) -> dict[str, Any]:
@@ -66,8 +64,7 @@ def _tiers() -> list[nc.Tier]:
 
 
 def _report(data: dict[str, Any]) -> None:
-    with open(os.path.join(OUT, f"{SCENARIO}-r{RANK}.json"), "w") as f:
-        json.dump(data, f, default=str)
+    write_report(OUT, SCENARIO, RANK, data, default=str)
 
 
 def _die_at_the_next_replica_round() -> None:
@@ -112,6 +109,5 @@ def restore() -> None:
 
 
 if __name__ == "__main__":
-    dist.init_process_group("gloo")
-    {"save": save, "twice": twice, "restore": restore, "restore_fresh": restore}[SCENARIO]()
-    dist.destroy_process_group()
+    with gloo():
+        {"save": save, "twice": twice, "restore": restore, "restore_fresh": restore}[SCENARIO]()

@@ -24,24 +24,22 @@ from __future__ import annotations
 
 import glob
 import hashlib
-import json
 import logging
 import os
 import sys
 from typing import Any
 
+from launch import gloo, simulated_node, write_report
+
 SCENARIO, ROOT, OUT, SHM_BASE = sys.argv[1:5]
 STEPS, FILL_STEP = (int(a) for a in (sys.argv[5:7] if len(sys.argv) > 6 and SCENARIO == "save" else ("0", "0")))
 WHEN = sys.argv[7] if len(sys.argv) > 7 else "before"
 RANK = int(os.environ["RANK"])
-os.environ["NEBULA_NODE_ID"] = f"n{RANK}"
-os.environ["NEBULA_SHM_DIR"] = SHM = os.path.join(SHM_BASE, f"n{RANK}")
-os.makedirs(SHM, exist_ok=True)
+SHM = simulated_node(SHM_BASE, f"n{RANK}")
 MiB = 1 << 20
 NBYTES = 2 * MiB if RANK == 0 else MiB // 2
 
 import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
 
 import nebula_ckpt as nc  # noqa: E402
 from nebula_ckpt.tiers.memory import replica_pull  # noqa: E402
@@ -62,8 +60,7 @@ def _tiers() -> list[nc.Tier]:
 
 
 def _report(data: dict[str, Any]) -> None:
-    with open(os.path.join(OUT, f"{SCENARIO}-r{RANK}.json"), "w") as f:
-        json.dump(data, f, default=str)
+    write_report(OUT, SCENARIO, RANK, data, default=str)
 
 
 def _free() -> int:
@@ -161,6 +158,5 @@ def restore() -> None:
 
 
 if __name__ == "__main__":
-    dist.init_process_group("gloo")
-    {"save": save, "restore": restore}[SCENARIO]()
-    dist.destroy_process_group()
+    with gloo():
+        {"save": save, "restore": restore}[SCENARIO]()

@@ -10,43 +10,39 @@ restored and skipped to ``OUT/<phase>-r<rank>.json``.
 
 from __future__ import annotations
 
-import json
 import math
 import sys
 
 import torch
-import torch.distributed as dist
+from launch import gloo, write_report
 
 import nebula_ckpt as nc
 
 
 def main() -> None:
     root, out, phase = sys.argv[1:4]
-    dist.init_process_group("gloo")
-    rank = dist.get_rank()
-    torch.manual_seed(0)
-    model = torch.nn.Linear(8, 8)
-    state = {"model": model, "step": -1}
-    report: dict[str, object] = {"rank": rank}
-    with nc.Checkpointer(root, keep_last=10) as ck:
-        report["restored"] = ck.load_latest(into=state)
-        report["last_restore"] = ck.last_restore
-        if phase == "train":
-            for step in range(13):
-                ck.report(step, loss=1.0)
-                if step % 5 == 0:
-                    state["step"] = step
-                    ck.save(step, state)
-        elif phase == "nan":
-            ck.report(11, loss=math.nan if rank == 1 else 1.0)
-            ck.report(12, loss=1.0)
-    if phase == "nan":  # the job restarts
+    with gloo() as rank:
+        torch.manual_seed(0)
+        model = torch.nn.Linear(8, 8)
+        state = {"model": model, "step": -1}
+        report: dict[str, object] = {"rank": rank}
         with nc.Checkpointer(root, keep_last=10) as ck:
-            report["restarted"] = ck.load_latest(into=state)
-            report["restart"] = ck.last_restore
-    dist.destroy_process_group()
-    with open(f"{out}/{phase}-r{rank}.json", "w") as f:
-        json.dump(report, f)
+            report["restored"] = ck.load_latest(into=state)
+            report["last_restore"] = ck.last_restore
+            if phase == "train":
+                for step in range(13):
+                    ck.report(step, loss=1.0)
+                    if step % 5 == 0:
+                        state["step"] = step
+                        ck.save(step, state)
+            elif phase == "nan":
+                ck.report(11, loss=math.nan if rank == 1 else 1.0)
+                ck.report(12, loss=1.0)
+        if phase == "nan":  # the job restarts
+            with nc.Checkpointer(root, keep_last=10) as ck:
+                report["restarted"] = ck.load_latest(into=state)
+                report["restart"] = ck.last_restore
+    write_report(out, phase, rank, report)
 
 
 if __name__ == "__main__":

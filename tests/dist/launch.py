@@ -1,14 +1,22 @@
-"""Launch N real ranks (subprocesses, gloo on 127.0.0.1) of a test worker and collect their reports."""
+"""Launch N real ranks (subprocesses, gloo on 127.0.0.1) of a test worker and collect their reports.
+
+Both sides of a multi-rank test in one place. The test calls :func:`run_ranks` and reads what each
+rank wrote with :func:`reports`; the worker (a script of this folder, which is on its ``sys.path``:
+``from launch import gloo``) becomes a node of a simulated cluster with :func:`simulated_node`
+(before it imports nebula_ckpt), joins the job with :func:`gloo` and writes its report with
+:func:`write_report`. This module imports no torch at its top: a worker sets its environment first.
+"""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import socket
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
 HERE = Path(__file__).resolve().parent
 
@@ -26,6 +34,42 @@ def leave(code: int = 0) -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
+
+
+def simulated_node(shm_base: str, node: str) -> str:
+    """Make this process a rank of node ``node``: ``NEBULA_NODE_ID=node`` and a memory tier folder of
+    the node's own, ``<shm_base>/<node>`` (created), as ``NEBULA_SHM_DIR``. Returns that folder.
+
+    Ranks given the same ``node`` share a memory tier folder like the ranks of one machine do;
+    call it before importing nebula_ckpt.
+    """
+    shm = os.path.join(shm_base, node)
+    os.environ["NEBULA_NODE_ID"] = node
+    os.environ["NEBULA_SHM_DIR"] = shm
+    os.makedirs(shm, exist_ok=True)
+    return shm
+
+
+@contextlib.contextmanager
+def gloo(**kw: Any) -> Iterator[int]:
+    """The job's default process group (gloo, ``env://`` from :func:`run_ranks`), for the body's
+    time; yields this process's rank. ``kw`` goes to ``init_process_group`` (e.g. ``timeout``).
+
+    The group is destroyed when the body returns, not when it raises: a rank that fails ends with
+    its traceback (its peers time out) instead of waiting in the teardown.
+    """
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", **kw)
+    yield dist.get_rank()
+    dist.destroy_process_group()
+
+
+def write_report(out: str | Path, scenario: str, rank: int, report: Any, **json_kw: Any) -> None:
+    """Write a rank's report as ``<out>/<scenario>-r<rank>.json`` (what :func:`reports` reads);
+    ``json_kw`` goes to ``json.dump`` (e.g. ``default=str``)."""
+    with open(os.path.join(out, f"{scenario}-r{rank}.json"), "w") as f:
+        json.dump(report, f, **json_kw)
 
 
 def free_port() -> int:

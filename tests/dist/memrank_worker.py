@@ -12,7 +12,6 @@ step every rank has and reports what it got.
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import signal
 import sys
@@ -20,6 +19,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from launch import gloo, write_report
 
 import nebula_ckpt as nc
 
@@ -35,36 +35,29 @@ def _digest(state: dict[str, Any]) -> dict[str, str]:
     return {k: hashlib.sha256(v.numpy().tobytes()).hexdigest() for k, v in state.items() if torch.is_tensor(v)}
 
 
-def _report(out: str, scenario: str, rank: int, report: dict[str, Any]) -> None:
-    with open(os.path.join(out, f"{scenario}-r{rank}.json"), "w") as f:
-        json.dump(report, f)
-
-
 def main() -> None:
     scenario, root, out = sys.argv[1:4]
-    dist.init_process_group("gloo")
-    rank = dist.get_rank()
-    state = _state(rank)
-    report: dict[str, Any] = {"rank": rank}
-    with nc.Checkpointer(root, tiers=[nc.MemoryTier(keep_last=3)]) as ck:
-        if scenario == "save":
-            for step in range(1, STEPS + 1):
-                state["train"] += step + 0.25 * rank
-                state["step"] = step
-                h = ck.save(step, state)
-                report.setdefault("written", []).append(sum(h.metrics.written_bytes.values()))
-                report[f"digest{step}"] = _digest(state)
-            report["removed"] = ck.remove(1)
-            _report(out, scenario, rank, report)
-            dist.barrier()  # both reports are out: the job dies after its last committed step
-            os.kill(os.getpid(), signal.SIGKILL)
-        into = {"frozen": torch.zeros(256, 1024), "train": torch.zeros(1024), "step": -1}
-        report["step"] = ck.load_latest(into)
-        report["restored_from"] = ck.last_restore
-        report["saved_step"] = into["step"]
-        report["digest"] = _digest(into)
-    _report(out, scenario, rank, report)
-    dist.destroy_process_group()
+    with gloo() as rank:
+        state = _state(rank)
+        report: dict[str, Any] = {"rank": rank}
+        with nc.Checkpointer(root, tiers=[nc.MemoryTier(keep_last=3)]) as ck:
+            if scenario == "save":
+                for step in range(1, STEPS + 1):
+                    state["train"] += step + 0.25 * rank
+                    state["step"] = step
+                    h = ck.save(step, state)
+                    report.setdefault("written", []).append(sum(h.metrics.written_bytes.values()))
+                    report[f"digest{step}"] = _digest(state)
+                report["removed"] = ck.remove(1)
+                write_report(out, scenario, rank, report)
+                dist.barrier()  # both reports are out: the job dies after its last committed step
+                os.kill(os.getpid(), signal.SIGKILL)
+            into = {"frozen": torch.zeros(256, 1024), "train": torch.zeros(1024), "step": -1}
+            report["step"] = ck.load_latest(into)
+            report["restored_from"] = ck.last_restore
+            report["saved_step"] = into["step"]
+            report["digest"] = _digest(into)
+        write_report(out, scenario, rank, report)
 
 
 if __name__ == "__main__":

@@ -33,21 +33,20 @@ import signal
 import sys
 from typing import Any
 
+from launch import gloo, simulated_node, write_report
+
 SCENARIO, ROOT, OUT, SHM_BASE, NODES_OF, K = sys.argv[1:7]
 DISK_EVERY = int(sys.argv[7]) if len(sys.argv) > 7 else 1000
 STEPS = int(sys.argv[8]) if len(sys.argv) > 8 else 3
 RANK = int(os.environ["RANK"])
 NODE = NODES_OF.split(",")[RANK]
-os.environ["NEBULA_NODE_ID"] = f"n{NODE}"
-os.environ["NEBULA_SHM_DIR"] = os.path.join(SHM_BASE, f"n{NODE}")
-os.makedirs(os.environ["NEBULA_SHM_DIR"], exist_ok=True)
+simulated_node(SHM_BASE, f"n{NODE}")
 
 import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
+from state_digest import digest as _digest  # noqa: E402
 
 import nebula_ckpt as nc  # noqa: E402
 from nebula_ckpt.tiers.memory import replica_store  # noqa: E402
-from state_digest import digest as _digest  # noqa: E402
 
 
 def _state(seed: int) -> dict[str, Any]:
@@ -74,8 +73,7 @@ def _tiers() -> list[nc.Tier]:
 
 
 def _report(data: dict[str, Any]) -> None:
-    with open(os.path.join(OUT, f"{SCENARIO}-r{RANK}.json"), "w") as f:
-        json.dump(data, f, default=str)
+    write_report(OUT, SCENARIO, RANK, data, default=str)
 
 
 def _kill_while_receiving() -> None:
@@ -178,7 +176,6 @@ def restore() -> None:
 
 
 if __name__ == "__main__":
-    dist.init_process_group("gloo")
-    {"save": save, "save_kill_receiving": save, "save_frozen": save, "save_frozen_drop": save,
-     "save_frozen_flip": save, "restore": restore, "restore_frozen": restore}[SCENARIO]()
-    dist.destroy_process_group()
+    with gloo():
+        {"save": save, "save_kill_receiving": save, "save_frozen": save, "save_frozen_drop": save,
+         "save_frozen_flip": save, "restore": restore, "restore_frozen": restore}[SCENARIO]()

@@ -15,7 +15,6 @@ Each rank then restores the newest step and writes ``OUT/twice-r<rank>.json``.
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 import time
@@ -23,6 +22,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from launch import gloo, write_report
 
 import nebula_ckpt as nc
 from nebula_ckpt.storage import local
@@ -92,26 +92,24 @@ def _outcome(h: Any) -> str:
 
 def main() -> None:
     root, out = sys.argv[1:3]
-    dist.init_process_group("gloo")
-    rank = dist.get_rank()
-    report: dict[str, Any] = {"rank": rank}
-    _hooks(rank, out)
-    with nc.Checkpointer(root, memory_tier=False) as ck:
-        report["first"] = _outcome(ck.save_async(0, {"w": torch.full((1000,), 1.0), "mine": torch.full((3,), rank)}))
-        dist.barrier()
-        ARMED.append(True)
-        report["second"] = _outcome(ck.save_async(0, {"w": torch.full((1000,), 2.0),
-                                                      "mine": torch.full((3,), 10 + rank)}))
-        ARMED.clear()
-        dist.barrier()
-    with nc.Checkpointer(root, memory_tier=False, read_only=True) as ck:
-        state = {"w": torch.zeros(1000), "mine": torch.zeros(3, dtype=torch.int64)}
-        report["step"] = ck.load_latest(state)
-        report["w"] = sorted(set(state["w"].tolist()))
-        report["mine"] = state["mine"].tolist()
-    with open(os.path.join(out, f"twice-r{rank}.json"), "w") as f:
-        json.dump(report, f)
-    dist.destroy_process_group()
+    with gloo() as rank:
+        report: dict[str, Any] = {"rank": rank}
+        _hooks(rank, out)
+        with nc.Checkpointer(root, memory_tier=False) as ck:
+            report["first"] = _outcome(ck.save_async(0, {"w": torch.full((1000,), 1.0),
+                                                         "mine": torch.full((3,), rank)}))
+            dist.barrier()
+            ARMED.append(True)
+            report["second"] = _outcome(ck.save_async(0, {"w": torch.full((1000,), 2.0),
+                                                          "mine": torch.full((3,), 10 + rank)}))
+            ARMED.clear()
+            dist.barrier()
+        with nc.Checkpointer(root, memory_tier=False, read_only=True) as ck:
+            state = {"w": torch.zeros(1000), "mine": torch.zeros(3, dtype=torch.int64)}
+            report["step"] = ck.load_latest(state)
+            report["w"] = sorted(set(state["w"].tolist()))
+            report["mine"] = state["mine"].tolist()
+        write_report(out, "twice", rank, report)
 
 
 if __name__ == "__main__":
