@@ -12,16 +12,16 @@
   ranks (one shard and one records entry each, plus the shards they refer to, listed once each)
   plus the number of tensors (owners, DTensor table), never their product. Disagreeing DTensor
   tables refuse the commit, naming the key and the ranks. The rest of the manifest is built by
-  :func:`nebula_ckpt.ranks.shards.ranks_manifest`, the builder of every multi-rank manifest.
+  :func:`nebula_ckpt.format.multi_rank.ranks_manifest`, the builder of version 2.
 """
 
 from __future__ import annotations
 
 from typing import Any, Callable, Optional
 
+from nebula_ckpt.format.multi_rank import ranks_manifest
 from nebula_ckpt.format.names import LAYOUT_VERSION, records_name
 from nebula_ckpt.format.rank_records import encode_records, grid_of
-from nebula_ckpt.ranks.shards import ranks_manifest
 from nebula_ckpt.ranks.split import layout_tables, signature
 
 

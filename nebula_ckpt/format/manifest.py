@@ -346,3 +346,40 @@ def finish_manifest(draft: dict[str, Any], *, generation: int, shards: list[dict
     if stats:
         out["stats"] = dict(out["stats"], **stats)
     return out
+
+
+def tagged(manifest: dict[str, Any], tag: Optional[str]) -> dict[str, Any]:
+    """``manifest`` (a built manifest dict) with the optional ``tag`` field (only when there is a tag)."""
+    if tag is not None:
+        manifest["tag"] = tag
+    return manifest
+
+
+#: statistics of an incremental step that a step written whole no longer has
+_INCREMENTAL_STATS = ("base_step", "reused_bytes", "base_write")
+
+
+def whole_manifest(stored: Mapping[str, Any], *, shard: dict[str, Any], tensors: dict[str, dict[str, Any]],
+                   generation: Optional[int] = None) -> dict[str, Any]:
+    """The manifest ``stored`` (a manifest dict: :func:`stored_json` or :meth:`Manifest.to_json`) of
+    a step written whole into one shard: its own ``shard`` record, the ``tensors`` of that shard, no
+    incremental statistics, and (``generation``) the writer generation of the copy. Every field
+    keeps its place."""
+    out = dict(stored, shards=[shard], tensors=tensors)
+    if generation is not None:
+        out["generation"] = generation
+    out["stats"] = {k: v for k, v in dict(out.get("stats") or {}).items() if k not in _INCREMENTAL_STATS}
+    return out
+
+
+def stored_json(raw: bytes) -> dict[str, Any]:
+    """The manifest ``raw`` as the dict it stores, to write back with changes; only for bytes
+    :meth:`Manifest.parse` accepted (read through the typed :class:`Manifest`, never this)."""
+    out = json.loads(raw)
+    assert type(out) is dict
+    return out
+
+
+def encode_manifest(manifest: dict[str, Any]) -> bytes:
+    """The bytes of ``manifest`` as stored (compact JSON; NaN and infinities refused)."""
+    return json.dumps(manifest, separators=(",", ":"), allow_nan=False).encode()
