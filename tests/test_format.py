@@ -284,3 +284,50 @@ def test_golden_version_4_manifest_ranks_file_and_sealed_records() -> None:
                        [0, 1], "golden")
     assert [s.file for s in whole.shards] == ["shard-g1-r0.safetensors", "shard-g1-r1.safetensors"]
     assert whole.resolve("w", 1).shard == 1 and whole.layout.loaded == frozenset({0, 1})
+
+
+def test_golden_root_records(tmp_path) -> None:  # noqa: ANN001
+    """A persistent root's run record and writer generation record, byte for byte as a run writes
+    them (``_nebula/run.json``, ``_nebula/writers/g-<G>.json``), parsed back by the readers'."""
+    from nebula_ckpt.format.root_records import (
+        WriterRecord,
+        encode_run_record,
+        encode_writer_record,
+        parse_run_record,
+        parse_writer_record,
+    )
+
+    run = encode_run_record("5f1c", "node-1", 1700000000.5)
+    assert run == b'{"run_id": "5f1c", "host": "node-1", "time": 1700000000.5}'
+    assert parse_run_record(run, "golden") == "5f1c"
+    writer = encode_writer_record(WriterRecord("node-1", 4242, 1700000000.5))
+    assert writer == b'{"host": "node-1", "pid": 4242, "time": 1700000000.5}'
+    assert parse_writer_record(writer, "golden") == WriterRecord("node-1", 4242, 1700000000.5)
+    root = str(tmp_path / "ck")
+    with nc.Checkpointer(root, memory_tier=False) as ck:  # a run writes both, and reads its own back
+        ck.save(1, {"w": torch.ones(2)})
+        with open(os.path.join(root, "_nebula", "run.json"), "rb") as f:
+            assert parse_run_record(f.read(), "run.json") == ck.run_id
+        with open(os.path.join(root, "_nebula", "writers", "g-1.json"), "rb") as f:
+            assert parse_writer_record(f.read(), "g-1.json").pid == os.getpid()
+
+
+@pytest.mark.parametrize("raw", [b"", b"{", b"\xff\xfe", b"[]", b'"x"', b"{}", b'{"run_id": 7}', b'{"run_id": null}',
+                                 b"[" * 100000 + b"]" * 100000])
+def test_a_hostile_run_record_is_refused_naming_the_file_and_the_fix(raw: bytes) -> None:
+    from nebula_ckpt.format.root_records import parse_run_record, read_run_id_or_none
+
+    with pytest.raises(nc.CorruptCheckpointError, match=r"^root:/x: _nebula/run\.json: .*; remove it if no job"):
+        parse_run_record(raw, "root:/x: _nebula/run.json")
+    assert read_run_id_or_none(raw, "root:/x: _nebula/run.json") is None
+
+
+@pytest.mark.parametrize("raw", [b"nope", b"[1]", b'{"host": "h", "pid": true, "time": 1}',
+                                 b'{"host": "h", "pid": 1.0, "time": 1}', b'{"host": 3, "pid": 1, "time": 1}',
+                                 b'{"host": "h", "pid": -1, "time": 1}', b'{"host": "h", "pid": 1, "time": "1"}',
+                                 b'{"host": "h", "pid": 1}'])
+def test_a_hostile_writer_record_is_refused_naming_the_file(raw: bytes) -> None:
+    from nebula_ckpt.format.root_records import parse_writer_record
+
+    with pytest.raises(nc.CorruptCheckpointError, match=r"^root:/x: _nebula/writers/g-3\.json: "):
+        parse_writer_record(raw, "root:/x: _nebula/writers/g-3.json")

@@ -18,7 +18,7 @@ import json
 from dataclasses import dataclass
 
 from nebula_ckpt.errors import CorruptCheckpointError
-from nebula_ckpt.format.checks import as_int, as_obj, as_str, bad
+from nebula_ckpt.format.checks import as_int, as_str, bad
 
 
 def encode_run_record(run_id: str, host: str, time: float) -> bytes:
@@ -31,7 +31,9 @@ def _loads(raw: bytes, where: str, fix: str) -> dict[str, object]:
         d = json.loads(bytes(raw))
     except (ValueError, RecursionError) as e:  # UnicodeDecodeError is a ValueError
         raise bad(where, f"is not valid JSON ({type(e).__name__}: {e})", fix) from None
-    return as_obj(d, where, "the record")
+    if type(d) is not dict:
+        raise bad(where, f"must hold a JSON object, got {type(d).__name__}", fix)
+    return d
 
 
 def parse_run_record(raw: bytes, where: str) -> str:
