@@ -136,7 +136,7 @@ def parse_split(m: dict[str, Any], w: str, step: int, shards: tuple[ShardRecord,
     ranks_file = RecordsRef(RANKS_FILE, as_int(rf.get("bytes"), w, "ranks_file.bytes", lo=2, hi=1 << 40),
                             as_int(rf.get("crc32c"), w, "ranks_file.crc32c", hi=2**32 - 1))
     owners, specs, grid = parse_tables(m, w, world)
-    return world, RanksLayout((), owners, specs, grid, version=SPLIT_VERSION, save_id=save_id,
+    return world, RanksLayout((), owners, specs, grid, save_id=save_id,
                               tree_digests=digests, references=refs, ranks_file=ranks_file)
 
 
@@ -232,7 +232,7 @@ def load_split(man: "Manifest", read: Callable[[str], bytes], read_crc: Callable
     """``man`` (version 4) holding the records of ``ranks`` and of the owners of the replicas
     they alias, each records file read with ``read(name)`` and checked (embedded CRC32C, save id,
     step, generation, rank, world size; against ``ranks.json`` too when ``man`` was completed
-    from it by :func:`with_index`), then validated like a version 3 records file.
+    from it by :func:`with_index`), then every field validated (:mod:`nebula_ckpt.format.rank_records`).
 
     Raises:
         CorruptCheckpointError: naming the file, the rank and the field.

@@ -9,14 +9,14 @@ are :mod:`nebula_ckpt.format.rank_index`'s.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Mapping, Sequence
 
 from nebula_ckpt.format.manifest import build_manifest
 from nebula_ckpt.format.names import RANKS_FILE, SPLIT_VERSION
 from nebula_ckpt.format.rank_index import encode_ranks_index
 
 
-def split_manifest(*, step: int, generation: int, save_id: str, parts: list[Mapping[str, Any]],
+def split_manifest(*, step: int, generation: int, save_id: str, parts: Sequence[Mapping[str, Any]],
                    owners: dict[str, int], dtensors: dict[str, dict[str, Any]],
                    crc: Callable[[bytes], int]) -> tuple[dict[str, Any], bytes]:
     """Rank 0's version 4 ``(manifest, bytes of ranks.json)``.
