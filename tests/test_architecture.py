@@ -230,10 +230,8 @@ def _cycles(type_only: bool) -> dict[frozenset[str], str]:
 
 
 #: the cycles left that run through type hints only; each entry must still be a cycle (remove it
-#: once broken): the manifest and the multi-rank records files it is parsed with name each other
-TYPE_HINT_CYCLES_LEFT = {
-    frozenset({"nebula_ckpt.format.manifest", "nebula_ckpt.format.rank_index", "nebula_ckpt.format.rank_records"}),
-}
+#: once broken)
+TYPE_HINT_CYCLES_LEFT: set[frozenset[str]] = set()
 
 
 def test_no_import_cycles() -> None:

@@ -163,7 +163,7 @@ def test_golden_version_4_manifest_ranks_file_and_sealed_records() -> None:
     import crc32c
 
     from nebula_ckpt.format.names import SPLIT_VERSION
-    from nebula_ckpt.format.rank_index import load_split, with_index
+    from nebula_ckpt.format.split_records import load_split, with_index
     from nebula_ckpt.ranks.split import split_manifest, split_payload
 
     def rec(off: int, rank: int) -> dict[str, object]:

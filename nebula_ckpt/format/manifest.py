@@ -26,7 +26,7 @@ Readers use only the typed records it returns.
 Format version 4 keeps each rank's records in a file beside its shard
 (:mod:`nebula_ckpt.format.rank_index`): its manifest parses to a :class:`Manifest` whose
 ``layout`` names those files and whose ``tensors`` are empty until
-:func:`~nebula_ckpt.format.rank_index.load_split` loads the records of the ranks a reader needs.
+:func:`~nebula_ckpt.format.split_records.load_split` loads the records of the ranks a reader needs.
 Version 3 (a layout of the development before 0.1.0) is refused, naming the fix.
 """
 
