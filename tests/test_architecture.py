@@ -240,10 +240,8 @@ def _cycles(type_only: bool) -> dict[frozenset[str], str]:
 
 
 #: the cycles left that run through type hints only; each entry must still be a cycle (remove it
-#: once broken): the manifest and the multi-rank records files it is parsed with name each other
-TYPE_HINT_CYCLES_LEFT = {
-    frozenset({"nebula_ckpt.format.manifest", "nebula_ckpt.format.rank_index", "nebula_ckpt.format.rank_records"}),
-}
+#: once broken)
+TYPE_HINT_CYCLES_LEFT: set[frozenset[str]] = set()
 
 
 def test_no_import_cycles() -> None:
@@ -580,3 +578,79 @@ def test_the_benchmark_harness_has_the_package_shape() -> None:
 
     problems += sorted({f"cycle: {a} -> {b} -> ... -> {a}" for a in graph for b in graph[a] if reaches(b, a)})
     assert not problems, "\n".join(problems)
+
+
+#: the modules outside ``format/`` that read or write JSON which is no format file of ours (no
+#: manifest, marker, records file or root record), and what that JSON is
+JSON_NOT_FORMAT = {
+    "nebula_ckpt.demo": "the demo's own log (JSON lines)",
+    "nebula_ckpt.quickbench": "the quick benchmark's --json output",
+    "nebula_ckpt.cli.common": "--storage-options, a JSON object given on the command line",
+    "nebula_ckpt.cli.doctor": "--json output",
+    "nebula_ckpt.cli.gc": "--json output",
+    "nebula_ckpt.cli.listing": "--json output",
+    "nebula_ckpt.cli.mark": "--json output",
+    "nebula_ckpt.cli.persist_memory": "--json output",
+    "nebula_ckpt.cli.verify": "--json output",
+    "nebula_ckpt.cli.export": "--json output and the exported files: a plain safetensors file's __metadata__ and "
+                              "HF's config.json, files of other tools",
+    "nebula_ckpt.dcp.shard": "a canonical text of a DCP item's record, to tell items apart in memory (never stored)",
+    "nebula_ckpt.integrations.pointers": "the pointer files an integration leaves at a framework's path (the "
+                                         "integration's own records, outside every checkpoint, versioned by it)",
+    "nebula_ckpt.integrations.huggingface.folders": "the pointer file in a HF checkpoint folder (the integration's)",
+    "nebula_ckpt.integrations.huggingface.saving": "HF's trainer_state, kept as the JSON text HF writes",
+    "nebula_ckpt.integrations.huggingface.export": "HF's trainer_state and config.json",
+    "nebula_ckpt.integrations.huggingface.resuming": "HF's trainer_state.json",
+}
+_JSON_CODECS = {"loads", "dumps", "load", "dump", "JSONDecoder", "JSONEncoder"}
+
+
+def _json_uses(tree: ast.AST) -> Iterator[tuple[int, str]]:
+    """(line, what) for every use of the json module's codecs (``json.loads(...)``, ``from json
+    import dumps``, ``import json as j`` ... ``j.load``)."""
+    names = {"json"}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names.update(a.asname for a in node.names if a.name == "json" and a.asname)
+        elif isinstance(node, ast.ImportFrom) and node.module == "json":
+            for a in node.names:
+                if a.name in _JSON_CODECS:
+                    yield node.lineno, f"from json import {a.name}"
+    for node in ast.walk(tree):
+        if (isinstance(node, ast.Attribute) and node.attr in _JSON_CODECS and isinstance(node.value, ast.Name)
+                and node.value.id in names):
+            yield node.lineno, f"{node.value.id}.{node.attr}"
+
+
+def _format_records_built(tree: ast.AST) -> Iterator[int]:
+    """Lines of dict displays with both a ``"format"`` and a ``"version"`` key (a format record's head)."""
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Dict):
+            keys = {k.value for k in node.keys if isinstance(k, ast.Constant)}
+            if {"format", "version"} <= keys:
+                yield node.lineno
+
+
+def test_no_format_file_built_or_parsed_outside_format() -> None:
+    """Format files (manifests, markers, records files, ``ranks.json``, root records) are built and
+    parsed in ``format/`` only: no module elsewhere encodes or decodes JSON (but those of
+    :data:`JSON_NOT_FORMAT`, whose JSON is no format file), and none builds a record with a
+    ``format`` and a ``version`` field."""
+    found = []
+    used = set()
+    for name, path in MODULES.items():
+        if name.startswith("nebula_ckpt.format.") or name == "nebula_ckpt.format":
+            continue
+        tree = ast.parse(path.read_text())
+        where = path.relative_to(PKG.parent)
+        for line, what in _json_uses(tree):
+            if name in JSON_NOT_FORMAT:
+                used.add(name)
+            else:
+                found.append(f"{where}:{line} uses {what}")
+        found += [f"{where}:{line} builds a record with format and version fields" for line in
+                  _format_records_built(tree)]
+    assert not found, ("build and parse format files in nebula_ckpt/format/ (or, for JSON that is no format file, "
+                       "add the module to JSON_NOT_FORMAT saying what it is):\n" + "\n".join(found))
+    stale = sorted(set(JSON_NOT_FORMAT) - used)
+    assert not stale, f"no longer use JSON: remove them from JSON_NOT_FORMAT: {stale}"
