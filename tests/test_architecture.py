@@ -509,6 +509,34 @@ def test_the_public_surface_is_small_and_the_seam_is_apart() -> None:
     assert "integration authors" in (adapters.__doc__ or "")
 
 
+#: what users import by name: the public modules, and the packages of the adapters and tools users
+#: run (their own modules say what they offer); every other package and top-level module says
+#: "Internal" (everything under an internal package is internal too)
+USER_FACING = PUBLIC_MODULES | {"nebula_ckpt.demo", "nebula_ckpt.quickbench", "nebula_ckpt.cli", "nebula_ckpt.compat",
+                                "nebula_ckpt.compat.nebula", "nebula_ckpt.integrations",
+                                "nebula_ckpt.integrations.huggingface", "nebula_ckpt.loop"}
+
+
+def test_internal_modules_say_so() -> None:
+    """Each package and top-level module of nebula_ckpt that users do not import by name
+    (:data:`USER_FACING`) begins its docstring with "Internal", and none that they do, so a newcomer
+    and a user see at the top of a file whether its names are a promise."""
+    wrong = []
+    for path in sorted(PKG.rglob("*.py")):
+        rel = path.relative_to(PKG.parent)
+        is_package = path.name == "__init__.py"
+        if not is_package and path.parent != PKG:
+            continue  # a module inside a package: its package says it
+        name = ".".join(rel.parent.parts if is_package else rel.with_suffix("").parts)
+        if name == "nebula_ckpt.__main__" or (not is_package and path.parent.joinpath("__init__.py") == path):
+            continue
+        doc = ast.get_docstring(ast.parse(path.read_text())) or ""
+        says = doc.startswith("Internal")
+        if says == (name in USER_FACING):
+            wrong.append(f"{rel}: {'says Internal but users import it' if says else 'does not begin with Internal'}")
+    assert not wrong, wrong
+
+
 def test_the_benchmark_harness_is_not_installed() -> None:
     assert not (PKG / "bench").exists(), "the benchmark harness belongs in benchmarks/, outside the package"
     shipped = [str(p.relative_to(PKG.parent)) for p in PKG.rglob("*.py") if "emulators" in p.name or "peers" in p.name]
