@@ -153,6 +153,20 @@ def _swap_dcp() -> None:
 
 
 # -- DeepSpeed ------------------------------------------------------------------------------------------
+def deepspeed_compat() -> None:
+    """Both runs of the DeepSpeed suite (every process): its test helpers (``master``, older than the
+    installed DeepSpeed) compare ``engine.sparse_tensor_module_names`` of the saved and the loaded
+    engine; DeepSpeed 0.19.8 dropped sparse gradients and that attribute with them. The engine gets
+    it as what 0.19.8 tracks: no sparse module (an empty set). ``NEBULA_PEER_DS_COMPAT=0`` leaves
+    the engine as it is (then every test comparing engine states fails on stock too)."""
+    if os.environ.get("NEBULA_PEER_DS_COMPAT", "1") == "0":
+        return
+    from deepspeed.runtime.engine import DeepSpeedEngine
+
+    if not hasattr(DeepSpeedEngine, "sparse_tensor_module_names"):
+        DeepSpeedEngine.sparse_tensor_module_names = frozenset()  # type: ignore[attr-defined]
+
+
 def _swap_deepspeed() -> None:
     """Every engine saving to or loading from ``save_dir`` is ``enable``-d first, on the root of that
     ``save_dir`` (every rank, and every engine of a test, agree on it without talking). Applied in
@@ -204,6 +218,8 @@ def swap() -> None:
 
 
 def pytest_configure(config: pytest.Config) -> None:
+    if SUITE == "deepspeed":
+        deepspeed_compat()
     swap()
 
 
