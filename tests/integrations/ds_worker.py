@@ -145,6 +145,7 @@ def full_state(engine: Any) -> dict[str, Any]:
 
 
 def roundtrip(stage: int, root: str, save_dir: str, out: str) -> None:
+    from nebula_ckpt.errors import NotFoundError
     from nebula_ckpt.integrations.deepspeed import NebulaCkptEngine, enable, materialize
     from nebula_ckpt.integrations.deepspeed_files import read_pointer
 
@@ -175,6 +176,14 @@ def roundtrip(stage: int, root: str, save_dir: str, out: str) -> None:
         fp32_mismatch = []
         _diff({k: v.float() for k, v in saved["module"].items()}, {k: fp32[k] for k in saved["module"]}, "fp32",
               fp32_mismatch)
+    fp32_refused: Any = "not run"
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # a rank reads only its own parts: refused, naming the fix
+        try:
+            get_fp32_state_dict_from_zero_checkpoint(save_dir, tag=tag)
+            fp32_refused = "not refused"
+        except NotFoundError as e:
+            fp32_refused = str(e)
+        torch.distributed.barrier()
 
     b = make_engine(stage, seed=1)  # other weights, no optimizer state yet
     ceb = enable(b, root)
@@ -192,6 +201,13 @@ def roundtrip(stage: int, root: str, save_dir: str, out: str) -> None:
     # the torch.save files of tag "first" for other tools; DeepSpeed's own loader reads them
     written = materialize(save_dir, "first", checkpointer=ceb.checkpointer)
     real = [torch.load(p, weights_only=False)["global_steps"] for p in written if "model_states" in p]
+    fp32_first: Any = "not run"
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # materialized on every rank: zero_to_fp32 reads them all
+        torch.distributed.barrier()
+        fp32 = get_fp32_state_dict_from_zero_checkpoint(save_dir, tag="first")
+        fp32_first = []
+        _diff({k: v.float() for k, v in saved_first["module"].items()}, {k: fp32[k] for k in saved_first["module"]},
+              "fp32", fp32_first)
     b.load_checkpoint(save_dir, tag="first")
     _diff(saved_first, full_state(b), "first", mismatches)
     ce.close()
@@ -201,7 +217,7 @@ def roundtrip(stage: int, root: str, save_dir: str, out: str) -> None:
                "restored_from": tier,
                "materialized": [os.path.relpath(p, save_dir) for p in written], "real": real,
                "next_loss": [loss_a.hex(), loss_b.hex()], "optimizer_type": type(a.optimizer).__name__,
-               "fp32_mismatch": fp32_mismatch},
+               "fp32_mismatch": fp32_mismatch, "fp32_refused": fp32_refused, "fp32_first": fp32_first},
               open(out, "w"))
 
 

@@ -131,7 +131,9 @@ def test_zero_save_load_bit_exact(tmp_path, shm_dir, stage: int) -> None:  # noq
 @pytest.mark.timeout(110)
 def test_zero2_two_ranks_each_restores_its_partition(tmp_path, shm_dir) -> None:  # noqa: ANN001
     """Two gloo ranks: each rank's checkpoint holds its ZeRO partition and the model states (stored
-    once on the shared root), and each restores bit-exact from its own memory tier."""
+    once on the shared root), and each restores bit-exact from its own memory tier. DeepSpeed's
+    ``zero_to_fp32`` reads every rank's partition: refused on the pointer files, naming
+    ``materialize``; on the materialized files it gives the saved weights."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = str(s.getsockname()[1])
@@ -149,6 +151,11 @@ def test_zero2_two_ranks_each_restores_its_partition(tmp_path, shm_dir) -> None:
         assert res["restored_from"]["step"] == 5 and res["restored_from"]["tier"].startswith("memory:")
         assert res["next_loss"][0] == res["next_loss"][1]
         assert res["materialized"] == ["first/mp_rank_00_model_states.pt", f"first/{zero[r]}"]
+        # zero_to_fp32 in a rank reads every rank's partition: refused naming the fix (one process
+        # reads its own rank's parts), then, materialized on every rank, it reads them all
+        other = zero[1 - r]
+        assert f"has no part '{other}'" in res["fp32_refused"] and "materialize(save_dir, tag)" in res["fp32_refused"]
+        assert res["fp32_first"] == []
 
 
 def _losses(path: str) -> tuple[dict[int, str], list[dict[str, Any]]]:

@@ -180,12 +180,18 @@ def _swap_deepspeed() -> None:
     save, load = DeepSpeedEngine.save_checkpoint, DeepSpeedEngine.load_checkpoint
 
     def ensure(engine: Any, save_dir: Any) -> None:
-        root = _root("ds", os.path.abspath(os.fspath(save_dir)))
+        # a save_dir DeepSpeed refuses (None, "") still gets an engine: the refusal is DeepSpeed's,
+        # made with nebula_ckpt in place
+        key = os.path.abspath(os.fspath(save_dir)) if save_dir else f"<save_dir {save_dir!r}>"
+        root = _root("ds", key)
         if getattr(engine, "_nebula_peer_root", None) == root:
             return
         old = getattr(engine, "_nebula_peer_ckpt", None)
-        if old is not None:
+        if old is not None:  # another save_dir: its own root, enabled on DeepSpeed's engine again
             old.close()
+            engine.checkpoint_engine = engine._nebula_peer_stock
+        else:
+            engine._nebula_peer_stock = engine.checkpoint_engine
         SWAPS["deepspeed engine"] += 1
         engine._nebula_peer_ckpt = enable(engine, root)
         engine._nebula_peer_root = root
@@ -246,4 +252,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 def pytest_terminal_summary(terminalreporter: Any) -> None:
     done = ", ".join(f"{k} x{v}" for k, v in sorted(SWAPS.items())) or "nothing"
+    if MODE == "nebula" and SUITE == "deepspeed" and os.path.isdir(ROOTS):
+        # the ranks swap in processes of their own: count the roots they made
+        roots = sum(1 for n in os.listdir(ROOTS) if n.startswith("ds-"))
+        done += f" in this process; {roots} nebula_ckpt root(s) made by the ranks"
     terminalreporter.write_line(f"nebula_ckpt peers: mode {MODE}, suite {SUITE or '-'}, swapped {done}")
