@@ -9,7 +9,8 @@ collective ``deepspeed_shm_comm`` (every ``init_distributed``) and ``fused_adam`
 with an ``Adam`` optimizer); the first load of each JIT-compiles it into
 ``~/.cache/torch_extensions`` (minutes). Done here once, the same for the stock and the
 nebula_ckpt run: it changes how long a rank takes to start, not what it runs. The ranks also get
-:func:`plugin.deepspeed_compat` here (both runs).
+:func:`plugin.deepspeed_compat` here (both runs) and, in the nebula_ckpt run, the swap of
+:func:`plugin.swap`.
 """
 
 import os
@@ -27,3 +28,4 @@ if os.environ.get("NEBULA_PEER_SUITE") == "deepspeed":
     import plugin
 
     plugin.deepspeed_compat()
+    plugin.swap()  # NEBULA_PEER_MODE=nebula: every rank forked from here writes through nebula_ckpt

@@ -23,7 +23,8 @@ for the suite named by ``NEBULA_PEER_SUITE``:
 * ``deepspeed``: an engine's first ``save_checkpoint(save_dir)`` / ``load_checkpoint(save_dir)``
   ``enable``-s it on ``NEBULA_PEER_ROOTS/ds-<hash of save_dir>`` (every rank and every engine of a
   test agree on it). DeepSpeed's tests run their ranks in processes of their own, started by
-  ``multiprocessing``: ``sitecustomize.py`` beside this file makes the same swap in them.
+  ``multiprocessing`` (a ``forkserver``): ``forkserver_preload.py`` beside this file makes the
+  same swap in the server they are forked from.
 
 Every swap is counted; the summary line ``nebula_ckpt peers: swapped ...`` says how many times each
 happened, so a run where nothing was swapped is visible as such.
@@ -170,7 +171,7 @@ def deepspeed_compat() -> None:
 def _swap_deepspeed() -> None:
     """Every engine saving to or loading from ``save_dir`` is ``enable``-d first, on the root of that
     ``save_dir`` (every rank, and every engine of a test, agree on it without talking). Applied in
-    each process: DeepSpeed's tests run their ranks in processes of their own (``sitecustomize``)."""
+    each process: DeepSpeed's tests run their ranks in processes of their own (``forkserver_preload``)."""
     from deepspeed.runtime.engine import DeepSpeedEngine
 
     from nebula_ckpt.integrations.deepspeed import enable
