@@ -151,11 +151,33 @@ def test_zero2_two_ranks_each_restores_its_partition(tmp_path, shm_dir) -> None:
         assert res["restored_from"]["step"] == 5 and res["restored_from"]["tier"].startswith("memory:")
         assert res["next_loss"][0] == res["next_loss"][1]
         assert res["materialized"] == ["first/mp_rank_00_model_states.pt", f"first/{zero[r]}"]
-        # zero_to_fp32 in a rank reads every rank's partition: refused naming the fix (one process
-        # reads its own rank's parts), then, materialized on every rank, it reads them all
-        other = zero[1 - r]
-        assert f"has no part '{other}'" in res["fp32_refused"] and "materialize(save_dir, tag)" in res["fp32_refused"]
+        # zero_to_fp32 in a rank reads every rank's partition: refused naming the fix (a torch.load
+        # of a pointer file reads alone), then, materialized on every rank, it reads them all
+        assert res["fp32_refused"].startswith("NotFoundError: "), res["fp32_refused"]
+        assert "materialize(save_dir, tag) on every rank" in res["fp32_refused"]
         assert res["fp32_first"] == []
+
+
+@pytest.mark.timeout(150)
+def test_a_pointer_read_on_one_rank_never_waits_for_the_other_ranks(tmp_path, shm_dir) -> None:  # noqa: ANN001
+    """DeepSpeed ``torch.load``-s on one rank or on all, as it likes (ZeRO-3's ``load_checkpoint``
+    without optimizer states runs ``zero_to_fp32`` on every rank; ``zero_to_fp32.py`` runs in one
+    process): a ``torch.load`` of a pointer file of a multi-rank save, on rank 0 alone, in the job
+    and after it, is refused at once naming the file and the fix, never a wait for rank 1."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = str(s.getsockname()[1])
+    procs = [_start(["pointer_alone", 0, tmp_path / "root", tmp_path / "ds", tmp_path / f"r{r}.json"], shm_dir,
+                    dict(MASTER_ADDR="127.0.0.1", MASTER_PORT=port, RANK=str(r), WORLD_SIZE="2", LOCAL_RANK=str(r),
+                         LOCAL_WORLD_SIZE="2")) for r in range(2)]
+    results = [_finish(p, timeout=120) for p in procs]
+    for r, (rc, out) in enumerate(results):
+        assert rc == 0, f"rank {r} failed (rc {rc}):\n{out[-6000:]}"
+    res = json.loads((tmp_path / "r0.json").read_text())
+    pointer = str(tmp_path / "ds" / "t" / "zero_pp_rank_0_mp_rank_00_optim_states.pt")
+    for when in ("in_job", "alone"):
+        assert res.get(when, "").startswith("NotFoundError: "), (when, res)
+        assert pointer in res[when] and "materialize(save_dir, tag) on every rank" in res[when], (when, res)
 
 
 def _losses(path: str) -> tuple[dict[int, str], list[dict[str, Any]]]:
