@@ -67,11 +67,12 @@ import torch
 from nebula_ckpt import native
 from nebula_ckpt.format import names as fnames
 from nebula_ckpt.format.commit import Commit
+from nebula_ckpt.format.manifest import encode_manifest
+from nebula_ckpt.format.multi_rank import digest
 from nebula_ckpt.format.rank_records import ranks_for
 from nebula_ckpt.ranks import shards as ranks
 from nebula_ckpt.ranks.split import first_of_class, signature, split_manifest, split_payload
 from nebula_ckpt.restore.open import read_main_manifest, read_manifest
-from nebula_ckpt.save.commit import encode_manifest
 from nebula_ckpt.storage.local import LocalStorage
 
 ROWS, COLS = 64, 1024  # a rank's piece of each parameter (fp32): the bytes do not matter here
@@ -216,8 +217,8 @@ def simulate(kind: str, world: int, tensors: int, workdir: str, budget_s: float,
 
     def digest_round() -> tuple[Any, int, dict[str, Any]]:
         rep, sharded = ranks.summary(idx)
-        return rep, sharded, {"step": 1, "digest": ranks.digest(rep), "tree": ranks.digest(tree), "sharded": sharded,
-                              "dt": ranks.digest(signature(idx)), "base": None, "save_id": SAVE_ID}
+        return rep, sharded, {"step": 1, "digest": digest(rep), "tree": digest(tree), "sharded": sharded,
+                              "dt": digest(signature(idx)), "base": None, "save_id": SAVE_ID}
     rep, sharded, p1 = run("rank: digest round payload (s)", digest_round)
     s.values["rank 0 receives: digest round (B)"] = float(world * len(pickle.dumps(p1)))
     owners = run("rank: assign owners (s)", lambda: ranks.assign([rep] * world, [sharded] * world))

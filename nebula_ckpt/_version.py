@@ -1,4 +1,4 @@
-"""The version of nebula_ckpt: the one place it is written.
+"""Internal: the version of nebula_ckpt: the one place it is written.
 
 ``setup.py`` reads this file without importing the package (it parses the assignment below) and
 compiles the same string into the C++ extension (``NEBULA_VERSION``, reported by

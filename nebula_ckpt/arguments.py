@@ -1,4 +1,4 @@
-"""What the :class:`~nebula_ckpt.checkpointer.Checkpointer` checks before it touches anything: the
+"""Internal: what the :class:`~nebula_ckpt.checkpointer.Checkpointer` checks before it touches anything: the
 constructor's arguments, and a restore's (``map_location``, ``strict``) before any tier is read, so
 that a mistake of the caller is a :class:`ValidationError`, never a checkpoint reported damaged."""
 

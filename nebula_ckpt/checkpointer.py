@@ -1,4 +1,4 @@
-"""Checkpointer: the public facade over the save pipeline and the restore side.
+"""Internal: the Checkpointer, the public facade over the save pipeline and the restore side.
 
 Saving is :class:`~nebula_ckpt.save.pipeline.SavePipeline`'s, listing and restoring
 :class:`~nebula_ckpt.restore.restorer.Restorer`'s; this module opens a root's tiers, validates, closes."""

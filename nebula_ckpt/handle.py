@@ -1,4 +1,4 @@
-"""SaveHandle: the two waitables of one asynchronous save.
+"""Internal: the SaveHandle, the two waitables of one asynchronous save.
 
 ``wait_snapshot()`` returns once the state has been copied to host memory (safe to change the
 weights); ``result()`` once every tier that took the save has made it durable, raising the first

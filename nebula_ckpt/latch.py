@@ -1,4 +1,4 @@
-"""Waits that a Ctrl-C can interrupt anywhere without leaving a lock held: :class:`Latch` and :class:`Wakeup`.
+"""Internal: waits that a Ctrl-C can interrupt anywhere without leaving a lock held: :class:`Latch` and :class:`Wakeup`.
 
 CPython raises ``KeyboardInterrupt`` (or whatever a signal handler raises) in the main thread at
 any point where it runs signal handlers, which includes the moment right after a lock's

@@ -1,4 +1,4 @@
-"""One facade over the hot primitives: the C++ extension when it loads, pure PyTorch otherwise.
+"""Internal: one facade over the hot primitives: the C++ extension when it loads, pure PyTorch otherwise.
 
 The rest of the library reaches them through :func:`get_ops`, which returns a
 :class:`NativeOps` (the extension ``nebula_ckpt._C`` loaded) or the :class:`FallbackOps` (it did

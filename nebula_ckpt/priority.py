@@ -1,4 +1,4 @@
-"""Background work that yields to training: lower a thread's scheduling priority (Linux).
+"""Internal: background work that yields to training: lower a thread's scheduling priority (Linux).
 
 On Linux a thread's nice value is its own (and a thread inherits its creator's), so the hash and
 compare threads of incremental saves and the replicas' threads can run niced while the training

@@ -1,4 +1,4 @@
-"""The rule for a ``close()`` re-entered from a signal handler: it is deferred until the interrupted call returns.
+"""Internal: a ``close()`` re-entered from a signal handler is deferred until the interrupted call returns.
 
 A signal handler runs on the main thread between two bytecodes of whatever that thread was doing.
 A SIGTERM handler that calls ``ckpt.close()`` can therefore land inside ``save_async``, ``load``,

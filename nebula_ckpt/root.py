@@ -1,4 +1,4 @@
-"""A checkpoint root opened for one run: its tiers chosen, reached and opened, its run id, its fence.
+"""Internal: a checkpoint root opened for one run: its tiers chosen, reached and opened, its run id, its fence.
 
 :func:`open_root` is what a :class:`~nebula_ckpt.checkpointer.Checkpointer` does first: bind and
 validate the tiers, reach each one (fail fast, before anything is left behind), read or take the

@@ -1,4 +1,4 @@
-"""The tensors of one save, as the copy primitives take them (:mod:`nebula_ckpt.native`).
+"""Internal: the tensors of one save, as the copy primitives take them (:mod:`nebula_ckpt.native`).
 
 A *source set* holds a save's tensors in layout order, the shard offset of each one's bytes and
 each one's version counter when the set was made (the consistency check compares them after the

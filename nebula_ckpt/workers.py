@@ -1,4 +1,4 @@
-"""A small thread pool that keeps working while the interpreter exits.
+"""Internal: a small thread pool that keeps working while the interpreter exits.
 
 ``concurrent.futures.ThreadPoolExecutor`` refuses every ``submit`` once interpreter shutdown has
 begun (its own exit hook runs before ``atexit`` handlers), so a save accepted just before a

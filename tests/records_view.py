@@ -1,11 +1,11 @@
 """Tests' view of a multi-rank checkpoint folder: the manifest with every rank's records merged in.
 
-A version 3 checkpoint keeps each rank's tensor records in ``records-g<G>-r<R>.json`` beside its
+A version 4 checkpoint keeps each rank's tensor records in ``records-g<G>-r<R>.json`` beside its
 shard; tests that look at every record at once read them through :func:`flat_manifest`, which
 gives the JSON a version 2 manifest would hold (``tensors`` with ``r<R>/`` keys and ``shard``,
 ``aliases`` of replicated and tied keys, ``sha256`` with ``r<R>/`` keys; an incremental share's
 records pointing at ``refs[j - 1]`` get the index of that shard in the manifest's ``shards``),
-straight from the files (no library code). A version 4 checkpoint's view also holds what its
+straight from the files (no library code). The view also holds what its
 ``ranks.json`` lists (``shards``: every rank's own, then the earlier ones they refer to;
 ``records``; ``ranks`` and ``rank_tree``), and :func:`seal` splits such a view back into records
 files sealed with their own CRC32C, ``ranks.json`` and the manifest.

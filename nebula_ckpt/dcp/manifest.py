@@ -5,7 +5,7 @@ checks every rank's shard is on the root with the size it wrote, that every item
 metadata was written by some rank, rebuilds each rank's typed tree from the paths of what it held
 (items DCP dropped as duplicates become aliases of the copy another rank stored), and builds the
 manifest: a one-process one directly, a multi-rank one with the builder the tier writers use
-(:func:`nebula_ckpt.ranks.shards.ranks_manifest`).
+(:func:`nebula_ckpt.format.multi_rank.ranks_manifest`).
 """
 
 from __future__ import annotations
@@ -22,9 +22,9 @@ from nebula_ckpt.dcp.values import decoded
 from nebula_ckpt.errors import PersistError
 from nebula_ckpt.format import manifest as mf
 from nebula_ckpt.format.header import safetensors_header
+from nebula_ckpt.format.multi_rank import ranks_manifest, stored_record
 from nebula_ckpt.format.names import shard_name, step_dir
 from nebula_ckpt.format.tree import Node
-from nebula_ckpt.ranks.shards import ranks_manifest, stored_record
 from nebula_ckpt.storage.base import Storage
 
 #: (fqn, chunk offsets) -> (rank, stored manifest key) of every stored tensor piece

@@ -93,7 +93,7 @@ from nebula_ckpt.format.names import COMMIT, MANIFEST, parse_step_dir, shard_nam
 from nebula_ckpt.ranks.process_fence import process_fence
 from nebula_ckpt.restore.dcp_roots import storage_for
 from nebula_ckpt.save import sweep
-from nebula_ckpt.save.commit import CommitProgress, commit_manifest, encode_manifest
+from nebula_ckpt.save.commit import CommitProgress, commit_manifest
 from nebula_ckpt.save.plan import check_step
 from nebula_ckpt.storage.base import Storage
 from nebula_ckpt.storage.urls import refuse_url_credentials
@@ -360,7 +360,7 @@ class NebulaStorageWriter(StorageWriter):
         self._wrote_manifest = False
         try:
             man = dcp_manifest(DcpSave(st, self.where, step, self._generation(), self._plans), metadata, results)
-            mbytes = encode_manifest(man)
+            mbytes = mf.encode_manifest(man)
             parsed = mf.Manifest.parse(mbytes, self.where, step)
             from nebula_ckpt.restore.dcp_reader import NebulaStorageReader
 

@@ -1,1 +1,1 @@
-"""The on-disk format: names, dtypes, the safetensors header, manifests and the typed tree."""
+"""Internal: the on-disk format: names, dtypes, the safetensors header, manifests and the typed tree."""

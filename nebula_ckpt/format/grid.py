@@ -5,7 +5,7 @@ A DTensor placed on a device mesh that spans every rank of the job in order (wha
 along each mesh dimension sharding tensor dimension ``d`` (``S(d)``), the current extent is cut in
 chunks of ``ceil(n / mesh_size)`` elements and the rank's coordinate picks one (the last chunks
 may be shorter, or empty). A checkpoint whose every DTensor record sits at that position is *on
-the grid* (format version 3, :mod:`nebula_ckpt.format.rank_records`): its chunks tile each
+the grid* (format version 4, :mod:`nebula_ckpt.format.rank_records`): its chunks tile each
 tensor exactly by construction, and a resharding reader finds the ranks holding any region by
 arithmetic (:func:`holders`), without reading every rank's records. Other layouts (a mesh over
 some ranks only, ``_StridedShard``, a custom rank order) are valid all the same: they are just

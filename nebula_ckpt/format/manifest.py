@@ -23,10 +23,11 @@ records of each DTensor (alike on every rank and, with every rank held, covering
 tensor exactly) — and raises :class:`CorruptCheckpointError` naming the file and the field.
 Readers use only the typed records it returns.
 
-Format version 3 keeps each rank's records in a file beside its shard
-(:mod:`nebula_ckpt.format.rank_records`): its manifest parses to a :class:`Manifest` whose
+Format version 4 keeps each rank's records in a file beside its shard
+(:mod:`nebula_ckpt.format.rank_index`): its manifest parses to a :class:`Manifest` whose
 ``layout`` names those files and whose ``tensors`` are empty until
-:func:`~nebula_ckpt.format.rank_records.with_records` loads the records of the ranks a reader needs.
+:func:`~nebula_ckpt.format.split_records.load_split` loads the records of the ranks a reader needs.
+Version 3 (a layout of the development before 0.1.0) is refused, naming the fix.
 """
 
 from __future__ import annotations
@@ -42,8 +43,8 @@ from nebula_ckpt.format.checks import as_hashes, as_int, as_list, as_obj, as_str
 from nebula_ckpt.format.dtensors import check_dtensors
 from nebula_ckpt.format.names import (
     FORMAT,
-    LAYOUT_VERSION,
     MANIFEST,
+    READ_VERSIONS,
     SINGLE_VERSION,
     SPLIT_VERSION,
     VERSION,
@@ -51,7 +52,7 @@ from nebula_ckpt.format.names import (
     tag_problem,
 )
 from nebula_ckpt.format.rank_index import SPLIT_FIELDS, parse_split
-from nebula_ckpt.format.rank_records import LAYOUT_FIELDS, RanksLayout, parse_layout
+from nebula_ckpt.format.rank_records import LAYOUT_FIELDS, RanksLayout
 from nebula_ckpt.format.records import ShardRecord, TensorRecord
 from nebula_ckpt.format.tree import check_tree
 
@@ -92,7 +93,7 @@ class Manifest:
     tag: Optional[str] = None
     #: tensor key -> SHA-256 (hex) of its bytes, for the tensors whose hash the writer took
     hashes: Mapping[str, str] = field(default_factory=dict)
-    #: version 3: the ranks' records files (and which of them ``tensors`` holds); None before
+    #: version 4: the ranks' records files (and which of them ``tensors`` holds); None before
     layout: Optional[RanksLayout] = None
 
     @property
@@ -126,8 +127,7 @@ class Manifest:
                "tensors": {} if self.layout else {k: t.to_json() for k, t in self.tensors.items()},
                "aliases": {} if self.layout else dict(self.aliases),
                "tree": self.tree, "stats": dict(self.stats)}
-        split = self.layout is not None and self.layout.version >= SPLIT_VERSION
-        if split:  # version 4: the shards, ranks and their trees are in ranks.json and the ranks' records files
+        if self.layout is not None:  # version 4: shards, ranks and their trees are in ranks.json and the records files
             out.update(shards=[], world_size=self.world_size)
         elif self.multi_rank:
             out.update(world_size=self.world_size, ranks=list(self.ranks),
@@ -136,7 +136,7 @@ class Manifest:
             out.update(self.layout.to_json())
         if self.tag is not None:
             out["tag"] = self.tag
-        if self.hashes and self.layout is None:  # version 3: the hashes are in the ranks' records files
+        if self.hashes and self.layout is None:  # version 4: the hashes are in the ranks' records files
             out["sha256"] = dict(self.hashes)
         out.update(self.extra)
         return out
@@ -180,6 +180,10 @@ class Manifest:
         if version > SPLIT_VERSION:
             raise bad(w, f"version {version} is newer than this nebula_ckpt understands ({SPLIT_VERSION})",
                        "upgrade nebula_ckpt")
+        if version not in READ_VERSIONS:
+            raise bad(w, f"version {version} is a layout of nebula_ckpt's development before 0.1.0, which this "
+                       f"nebula_ckpt does not read (it reads versions {list(READ_VERSIONS)})",
+                       "load it with the nebula_ckpt that wrote it and save the state again with this one")
         missing = [k for k in _REQUIRED if k not in m]
         if missing:
             raise bad(w, f"lacks field(s) {missing}")
@@ -209,9 +213,7 @@ def _parse_body(m: dict[str, Any], w: str, step: int, version: int) -> Manifest:
         rank_tree: dict[int, int] = {}
     else:
         world, ranks, rank_tree = _ranks(m, w, version)
-        if version >= LAYOUT_VERSION:
-            layout = parse_layout(m, w, shards, world, tuple(ranks))
-    if layout is None:  # version 3: checked when the ranks' records are loaded
+    if layout is None:  # version 4: checked when the ranks' records are loaded
         _check_trees(m["tree"], tensors, aliases, world, rank_tree, w)
         check_dtensors(tensors, aliases, shards, world, len(ranks) == world, w)
     t = m.get("time", 0.0)
@@ -346,3 +348,40 @@ def finish_manifest(draft: dict[str, Any], *, generation: int, shards: list[dict
     if stats:
         out["stats"] = dict(out["stats"], **stats)
     return out
+
+
+def tagged(manifest: dict[str, Any], tag: Optional[str]) -> dict[str, Any]:
+    """``manifest`` (a built manifest dict) with the optional ``tag`` field (only when there is a tag)."""
+    if tag is not None:
+        manifest["tag"] = tag
+    return manifest
+
+
+#: statistics of an incremental step that a step written whole no longer has
+_INCREMENTAL_STATS = ("base_step", "reused_bytes", "base_write")
+
+
+def whole_manifest(stored: Mapping[str, Any], *, shard: dict[str, Any], tensors: dict[str, dict[str, Any]],
+                   generation: Optional[int] = None) -> dict[str, Any]:
+    """The manifest ``stored`` (a manifest dict: :func:`stored_json` or :meth:`Manifest.to_json`) of
+    a step written whole into one shard: its own ``shard`` record, the ``tensors`` of that shard, no
+    incremental statistics, and (``generation``) the writer generation of the copy. Every field
+    keeps its place."""
+    out = dict(stored, shards=[shard], tensors=tensors)
+    if generation is not None:
+        out["generation"] = generation
+    out["stats"] = {k: v for k, v in dict(out.get("stats") or {}).items() if k not in _INCREMENTAL_STATS}
+    return out
+
+
+def stored_json(raw: bytes) -> dict[str, Any]:
+    """The manifest ``raw`` as the dict it stores, to write back with changes; only for bytes
+    :meth:`Manifest.parse` accepted (read through the typed :class:`Manifest`, never this)."""
+    out = json.loads(raw)
+    assert type(out) is dict
+    return out
+
+
+def encode_manifest(manifest: dict[str, Any]) -> bytes:
+    """The bytes of ``manifest`` as stored (compact JSON; NaN and infinities refused)."""
+    return json.dumps(manifest, separators=(",", ":"), allow_nan=False).encode()

@@ -29,16 +29,18 @@ from nebula_ckpt.format.checks import short
 # -- the format ---------------------------------------------------------------------------------
 
 FORMAT = "nebula_ckpt"
+#: manifests of one process (world_size 1): :func:`nebula_ckpt.format.manifest.build_manifest`
+SINGLE_VERSION = 1
+#: multi-rank manifests holding every record of the ranks they hold: a rank's own memory tier and
+#: the DCP writer (:mod:`nebula_ckpt.format.multi_rank`)
 VERSION = 2
-#: multi-rank manifests whose tensor records live in one records file per rank, beside its shard
-#: (:mod:`nebula_ckpt.format.rank_records`); the newest version this nebula_ckpt reads
-LAYOUT_VERSION = 3
 #: multi-rank manifests that hold only what grows with the tensors: each rank's records file
 #: checks itself (embedded CRC32C, save id, rank) and the per-rank table is ``ranks.json``
-#: (:mod:`nebula_ckpt.format.rank_index`); the newest version this nebula_ckpt reads and writes
+#: (:mod:`nebula_ckpt.format.rank_index`, built by :mod:`nebula_ckpt.format.split`); the newest version
 SPLIT_VERSION = 4
-#: manifests of one process (world_size 1) are still written as version 1: any reader reads them
-SINGLE_VERSION = 1
+#: the manifest versions this nebula_ckpt reads (version 3, a layout of its development before
+#: 0.1.0, is refused with the fix: save the state again)
+READ_VERSIONS = (SINGLE_VERSION, VERSION, SPLIT_VERSION)
 
 # -- a step folder --------------------------------------------------------------------------------
 
@@ -70,7 +72,7 @@ def shard_name(generation: int, rank: int = 0) -> str:
 
 
 def records_name(generation: int, rank: int) -> str:
-    """File name of a rank's tensor records (beside its shard, format version 3)."""
+    """File name of a rank's tensor records (beside its shard, format version 4)."""
     return f"records-g{generation}-r{rank}.json"
 
 

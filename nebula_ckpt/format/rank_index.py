@@ -29,40 +29,36 @@ rank restoring at the same world size reads the manifest, its own records file a
 owners of the replicas it aliases, never ``ranks.json``; ``ls``, ``verify``, ``export``,
 retention checks of shard files and resharding off the grid read ``ranks.json`` (which must agree
 with every records file read beside it).
+
+This module encodes version 4's files and parses the manifest's version 4 fields; a manifest is
+completed from ``ranks.json`` and loaded with the ranks' records in
+:mod:`nebula_ckpt.format.split_records`.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import re
-import types
-from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping, Optional
+from typing import Any, Callable, Mapping, Optional
 
 from nebula_ckpt.format.checks import as_int, as_list, as_obj, as_str, bad, only_fields, short
-from nebula_ckpt.format.dtensors import check_dtensors
-from nebula_ckpt.format.names import RANKS_FILE, SPLIT_VERSION, records_name, shard_name
+from nebula_ckpt.format.names import RANKS_FILE, SPLIT_VERSION
 from nebula_ckpt.format.rank_records import (
     RECORDS_FORMAT,
     RanksLayout,
     RecordsRef,
-    check_rank_trees,
     parse_tables,
-    rank_aliases,
-    records_body,
 )
-from nebula_ckpt.format.records import ShardRecord, TensorRecord
-
-if TYPE_CHECKING:
-    from nebula_ckpt.format.manifest import Manifest
+from nebula_ckpt.format.records import ShardRecord
 
 RANKS_FORMAT = "nebula_ckpt.ranks"
 SPLIT_FIELDS = ("save_id", "tree_digests", "references", "ranks_file")
 _SEAL = re.compile(rb',"crc32c":"([0-9a-f]{8})"\}')
 _SEAL_LEN = 21
 _HEX = re.compile(r"[0-9a-f]{16,64}")
-_RECORDS_FIELDS = ("format", "version", "step", "generation", "rank", "world_size", "save_id", "shard", "tree",
-                   "tensors", "aliases", "refs", "sha256")
+#: the fields a records file may hold
+RECORDS_FIELDS = ("format", "version", "step", "generation", "rank", "world_size", "save_id", "shard", "tree",
+                  "tensors", "aliases", "refs", "sha256")
 
 
 def seal(body: Mapping[str, Any], crc: Callable[[bytes], int]) -> bytes:
@@ -136,173 +132,5 @@ def parse_split(m: dict[str, Any], w: str, step: int, shards: tuple[ShardRecord,
     ranks_file = RecordsRef(RANKS_FILE, as_int(rf.get("bytes"), w, "ranks_file.bytes", lo=2, hi=1 << 40),
                             as_int(rf.get("crc32c"), w, "ranks_file.crc32c", hi=2**32 - 1))
     owners, specs, grid = parse_tables(m, w, world)
-    return world, RanksLayout((), owners, specs, grid, version=SPLIT_VERSION, save_id=save_id,
+    return world, RanksLayout((), owners, specs, grid, save_id=save_id,
                               tree_digests=digests, references=refs, ranks_file=ranks_file)
-
-
-def with_index(man: "Manifest", data: bytes, read_crc: Callable[[bytes], int], where: str) -> "Manifest":
-    """``man`` (version 4) completed from ``ranks.json`` (``data``): every rank's shard (rank
-    order, then the earlier shards they refer to), records file entry and tree.
-
-    Raises:
-        CorruptCheckpointError: naming ranks.json, the rank and the field.
-    """
-    layout = man.layout
-    assert layout is not None and layout.ranks_file is not None
-    w = f"{where}: {RANKS_FILE}"
-    if len(data) != layout.ranks_file.bytes or read_crc(data) != layout.ranks_file.crc32c:
-        raise bad(w, f"size or checksum differs from the manifest's ({len(data)} bytes, manifest says "
-                   f"{layout.ranks_file.bytes}): garbled or replaced")
-    try:
-        d = as_obj(json.loads(data), w, "ranks.json")
-    except ValueError as err:
-        raise bad(w, f"is not valid JSON ({err})") from None
-    _check_head(d, man, w, RANKS_FORMAT, None)
-    entries = as_list(d.get("ranks"), w, "ranks")
-    if len(entries) != man.world_size:
-        raise bad(w, f"lists {len(entries)} rank(s) for a {man.world_size}-rank job")
-    shards: list[ShardRecord] = []
-    records: list[RecordsRef] = []
-    rank_tree: dict[int, int] = {}
-    for r, raw in enumerate(entries):
-        rw = f"{w}: ranks[{r}]"
-        e = as_obj(raw, rw, "the rank entry")
-        only_fields(e, ("shard", "records", "tree"), rw, "the rank entry")
-        shards.append(_own_shard(e.get("shard"), man, r, rw))
-        rec = as_obj(e.get("records"), rw, "records")
-        if rec.get("file") != records_name(man.generation, r):
-            raise bad(rw, f"records file {short(rec.get('file'))} is not {records_name(man.generation, r)}")
-        records.append(RecordsRef(rec["file"], as_int(rec.get("bytes"), rw, "records.bytes", lo=2, hi=1 << 40),
-                                  as_int(rec.get("crc32c"), rw, "records.crc32c", hi=2**32 - 1)))
-        rank_tree[r] = _tree_index(e.get("tree"), layout, rw)
-    for i, ref in enumerate(as_list(d.get("refs", []), w, "refs")):
-        shards.append(_ref_shard(ref, man, f"{w}: refs[{i}]"))
-    if len({(s.step, s.file) for s in shards}) != len(shards):
-        raise bad(w, "lists a shard twice")
-    lay = dataclasses.replace(layout, records=tuple(records), shard_of=types.MappingProxyType(
-        {r: r for r in range(man.world_size)}), indexed=True)
-    return dataclasses.replace(man, shards=tuple(shards), rank_tree=types.MappingProxyType(rank_tree), layout=lay)
-
-
-def _check_head(d: Mapping[str, Any], man: "Manifest", w: str, fmt: str, rank: Optional[int]) -> None:
-    """The fields saying whose file this is: format, version, step, generation, save id, world size (and rank)."""
-    assert man.layout is not None
-    if d.get("format") != fmt or d.get("version") != SPLIT_VERSION:
-        raise bad(w, f"format / version are {short(d.get('format'))} / {short(d.get('version'))}, not "
-                   f"{fmt!r} / {SPLIT_VERSION}")
-    want = {"step": man.step, "generation": man.generation, "world_size": man.world_size,
-            "save_id": man.layout.save_id}
-    if rank is not None:
-        want["rank"] = rank
-    for k, v in want.items():
-        if d.get(k) != v or type(d.get(k)) is not type(v):
-            raise bad(w, f"{k} is {short(d.get(k))}, the manifest's is {v!r}: a file of another save, rank or "
-                       "attempt (stale, moved or replaced)")
-
-
-def _own_shard(raw: Any, man: "Manifest", rank: int, w: str) -> ShardRecord:
-    sh = ShardRecord.parse(raw, f"{w}: shard")
-    if sh.step is not None or sh.file != shard_name(man.generation, rank):
-        raise bad(w, f"shard {short(sh.file)} is not rank {rank}'s shard of this step "
-                   f"({shard_name(man.generation, rank)})")
-    return sh
-
-
-def _ref_shard(raw: Any, man: "Manifest", w: str) -> ShardRecord:
-    assert man.layout is not None
-    sh = ShardRecord.parse(raw, w)
-    if sh.step is None or sh.step >= man.step:
-        raise bad(w, f"({sh.file}) refers to step {short(sh.step)}, not an earlier step than {man.step}: "
-                   "an incremental share refers only to the bytes of earlier checkpoints")
-    if sh.step not in man.layout.references:
-        raise bad(w, f"({sh.file}) refers to step {short(sh.step)}, which is not among the manifest's references "
-                   f"{sorted(man.layout.references)[:8]}")
-    return sh
-
-
-def _tree_index(raw: Any, layout: RanksLayout, w: str) -> int:
-    digest = as_str(raw, w, "tree")
-    if digest not in layout.tree_digests:
-        raise bad(w, f"tree digest {short(digest)} is none of the manifest's tree_digests")
-    return layout.tree_digests.index(digest)
-
-
-def load_split(man: "Manifest", read: Callable[[str], bytes], read_crc: Callable[[bytes], int],
-               ranks: Iterable[int], where: str) -> "Manifest":
-    """``man`` (version 4) holding the records of ``ranks`` and of the owners of the replicas
-    they alias, each records file read with ``read(name)`` and checked (embedded CRC32C, save id,
-    step, generation, rank, world size; against ``ranks.json`` too when ``man`` was completed
-    from it by :func:`with_index`), then validated like a version 3 records file.
-
-    Raises:
-        CorruptCheckpointError: naming the file, the rank and the field.
-    """
-    layout = man.layout
-    assert layout is not None
-    focus = sorted(set(ranks))
-    bad_ranks = [r for r in focus if not 0 <= r < man.world_size]
-    if bad_ranks:
-        raise bad(where, f"rank(s) {bad_ranks[:8]} are not ranks of this {man.world_size}-rank job")
-    shards = list(man.shards)
-    shard_of = dict(layout.shard_of)
-    rank_tree = dict(man.rank_tree)
-    at: dict[tuple[Optional[int], str], int] = {(s.step, s.file): i for i, s in enumerate(shards) if s.step is not None}
-    raw: dict[int, tuple[dict[str, Any], list[int], tuple[ShardRecord, ...], str]] = {}
-    for r in sorted(layout.providers(focus)):
-        name = records_name(man.generation, r)
-        w = f"{where}: {name} (rank {r})"
-        data = read(name)
-        if layout.indexed and (len(data) != layout.records[r].bytes or read_crc(data) != layout.records[r].crc32c):
-            raise bad(w, "size or checksum differs from ranks.json's: garbled or replaced")
-        d = unseal(data, read_crc, w)
-        only_fields(d, _RECORDS_FIELDS, w, "the records file")
-        _check_head(d, man, w, RECORDS_FORMAT, r)
-        own = _own_shard(d.get("shard"), man, r, w)
-        if r in shard_of and shards[shard_of[r]] != own:
-            raise bad(w, f"its shard entry {own.to_json()} disagrees with ranks.json's")
-        shard_of.setdefault(r, len(shards))
-        if shard_of[r] == len(shards):
-            shards.append(own)
-        local, to_global = [own], [shard_of[r]]
-        for j, ref_raw in enumerate(as_list(d.get("refs", []), w, "refs")):
-            ref = _ref_shard(ref_raw, man, f"{w}: refs[{j}]")
-            i = at.get((ref.step, ref.file))
-            if i is None and layout.indexed:
-                raise bad(w, f"refs[{j}]: {ref.file} of step {ref.step} is not among ranks.json's shards")
-            if i is None:
-                i = at[(ref.step, ref.file)] = len(shards)
-                shards.append(ref)
-            elif shards[i].bytes != ref.bytes:
-                raise bad(w, f"refs[{j}]: {ref.file} of step {ref.step} has {ref.bytes} bytes, {shards[i].bytes} "
-                           "elsewhere in this checkpoint")
-            local.append(ref)
-            to_global.append(i)
-        tree = _tree_index(d.get("tree"), layout, w)
-        if rank_tree.setdefault(r, tree) != tree:
-            raise bad(w, "its tree digest disagrees with ranks.json's")
-        raw[r] = (d, to_global, tuple(local), w)
-    man = dataclasses.replace(man, shards=tuple(shards), rank_tree=types.MappingProxyType(rank_tree),
-                              layout=dataclasses.replace(layout, shard_of=types.MappingProxyType(shard_of)))
-    return _loaded(man, raw, focus, where)
-
-
-def _loaded(man: "Manifest", raw: Mapping[int, tuple[dict[str, Any], list[int], tuple[ShardRecord, ...], str]],
-            focus: list[int], where: str) -> "Manifest":
-    """``man`` holding the tensors, aliases and hashes of the records files ``raw`` (headers checked)."""
-    assert man.layout is not None
-    tensors: dict[str, TensorRecord] = {}
-    hashes: dict[str, str] = {}
-    own_aliases: dict[int, dict[str, str]] = {}
-    for r, (d, to_global, local, w) in raw.items():
-        mine, own_aliases[r], sha = records_body(d, man, r, local, to_global, w)
-        tensors.update(mine)
-        hashes.update(sha)
-    aliases: dict[str, str] = {}
-    for r in focus:
-        aliases.update(rank_aliases(man, r, tensors, own_aliases[r], where))
-    check_rank_trees(man, focus, tensors, aliases, where)
-    if len(focus) == man.world_size:
-        check_dtensors(tensors, aliases, man.shards, man.world_size, True, f"{where}: records")
-    return dataclasses.replace(man, tensors=types.MappingProxyType(tensors), aliases=types.MappingProxyType(aliases),
-                               hashes=types.MappingProxyType(hashes),
-                               layout=dataclasses.replace(man.layout, loaded=frozenset(focus)))

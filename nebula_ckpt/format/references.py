@@ -32,7 +32,7 @@ log = logging.getLogger(__name__)
 def references(man: Manifest) -> set[int]:
     """The earlier steps whose folders hold shards of ``man`` (empty for a full checkpoint; a
     version 4 manifest names them itself, its shards being in ``ranks.json``)."""
-    if man.layout is not None and man.layout.version >= 4:
+    if man.layout is not None:
         return set(man.layout.references)
     return {s.step for s in man.shards if s.step is not None}
 

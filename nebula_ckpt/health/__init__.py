@@ -1,4 +1,4 @@
-"""Checkpoint health from the training signal: which committed steps a restore should trust.
+"""Internal: checkpoint health from the training signal: which committed steps a restore should trust.
 
 ``Checkpointer.report(step, loss=..., grad_norm=...)`` after each training step lets the
 checkpointer mark its checkpoints: *healthy* once the loss stayed finite for ``healthy_after``

@@ -13,7 +13,7 @@ from typing import Any, Optional
 import torch
 
 from nebula_ckpt import Checkpointer
-from nebula_ckpt.adapters import canonical_root
+from nebula_ckpt.adapters import LocalCoordinator, canonical_root
 from nebula_ckpt.errors import NotFoundError, ValidationError
 from nebula_ckpt.integrations.pointers import (
     candidate_roots,
@@ -142,7 +142,9 @@ def open_pointer(record: dict[str, Any]) -> Any:
     checkpoint it names (a pointer's pickle is the call ``open_pointer(record)``), read from its
     root (read only; found where the save folder is now when it moved with its root). So
     ``zero_to_fp32.py`` and DeepSpeed's stock engine read the engine's files (of a one-rank save;
-    a multi-rank save's other parts need :func:`materialize` on every rank). Not an allowed
+    a multi-rank save needs :func:`materialize` on every rank first). It reads in the calling
+    process alone, never with the other ranks, so it never waits for a rank that does not call
+    it (DeepSpeed calls ``torch.load`` on one rank or on all, as it likes). Not an allowed
     global of ``weights_only=True``: DeepSpeed's states need pickle (``torch.load`` then refuses
     the file, naming this function). Tensors are on the CPU.
     """
@@ -154,8 +156,17 @@ def open_pointer(record: dict[str, Any]) -> Any:
     root, tag, key = canonical_root(root_of(ptr, path)), ptr["tag"], ptr["key"]
     if (root, tag) not in _OPENED or key not in _OPENED[(root, tag)][1]:
         _OPENED.clear()
-        with Checkpointer(root, allow_pickle=True, read_only=True) as ck:
-            _OPENED[(root, tag)] = ck.read(tag=tag, map_location="cpu")
+        # this process alone, never a collective: DeepSpeed calls torch.load on whichever ranks it
+        # likes (ZeRO-3's load_checkpoint runs zero_to_fp32 on every rank, zero_to_fp32.py in one
+        # process), so a rank waiting here for the others could wait for ever
+        with Checkpointer(root, allow_pickle=True, read_only=True, coordinator=LocalCoordinator()) as ck:
+            try:
+                _OPENED[(root, tag)] = ck.read(tag=tag, map_location="cpu")
+            except ValidationError as e:  # a save by several ranks: no process reads it alone
+                raise NotFoundError(f"{where}: checkpoint {tag!r} under {root} cannot be read by this one process: "
+                                    f"{e}. A torch.load of a pointer file reads alone; a save by several ranks needs "
+                                    "materialize(save_dir, tag) on every rank of the job first (then its files "
+                                    "load anywhere)") from e
     step, tree = _OPENED[(root, tag)]
     if not isinstance(tree, dict) or key not in tree:
         raise NotFoundError(f"{where}: checkpoint {tag!r} (step {step}) under {root} has no part {key!r} (another "

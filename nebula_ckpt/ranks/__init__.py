@@ -1,1 +1,1 @@
-"""The rank dimension: coordinators, shard ownership, the shared commit, writer fencing."""
+"""Internal: the rank dimension: coordinators, shard ownership, the shared commit, writer fencing."""

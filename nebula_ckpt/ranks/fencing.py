@@ -40,7 +40,6 @@ step written under the older generation.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import socket
@@ -53,6 +52,7 @@ from typing import Callable, Iterator, Optional, Protocol
 from nebula_ckpt.errors import FencedError, NebulaError
 from nebula_ckpt.format.commit import committed_steps, read_commit
 from nebula_ckpt.format.names import RUN_FILE, WRITERS_DIR, writer_generation, writer_record
+from nebula_ckpt.format.root_records import WriterRecord, encode_run_record, encode_writer_record, read_run_id_or_none
 from nebula_ckpt.ranks.coordinator import Coordinator, LocalCoordinator
 from nebula_ckpt.storage.base import Storage
 
@@ -64,13 +64,10 @@ _KEEP_RECORDS = 16
 def read_run_id(storage: Storage) -> Optional[str]:
     """The run id recorded on a persistent root, or ``None`` (no run has opened it yet)."""
     try:
-        d = json.loads(storage.read_small(RUN_FILE))
+        raw = storage.read_small(RUN_FILE)
     except FileNotFoundError:
         return None
-    except ValueError:
-        return None
-    run = d.get("run_id") if isinstance(d, dict) else None
-    return run if isinstance(run, str) else None
+    return read_run_id_or_none(raw, f"{storage.display_url}: {RUN_FILE}")
 
 
 def run_id(storage: Storage, new: Optional[str] = None) -> str:
@@ -85,8 +82,7 @@ def run_id(storage: Storage, new: Optional[str] = None) -> str:
         return have
     new = new or uuid.uuid4().hex
     try:
-        storage.write_small(RUN_FILE, json.dumps({"run_id": new, "host": socket.gethostname(),
-                                                  "time": time.time()}).encode(), create_only=True)
+        storage.write_small(RUN_FILE, encode_run_record(new, socket.gethostname(), time.time()), create_only=True)
     except FileExistsError:  # another process created it first: theirs is the run's id
         have = read_run_id(storage)
         if have is None:
@@ -211,7 +207,7 @@ class Fence:
             return self._generation
 
     def _acquire(self) -> int:
-        info = json.dumps({"host": socket.gethostname(), "pid": os.getpid(), "time": time.time()}).encode()
+        info = encode_writer_record(WriterRecord(socket.gethostname(), os.getpid(), time.time()))
         for _ in range(100):
             gens = generations(self.storage)
             g = (gens[-1] + 1) if gens else 1

@@ -9,14 +9,15 @@ one (:mod:`nebula_ckpt.ranks.fencing`).
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import socket
 import threading
 from typing import Callable, Optional
 
+from nebula_ckpt.errors import CorruptCheckpointError
 from nebula_ckpt.format.names import writer_record
+from nebula_ckpt.format.root_records import parse_writer_record
 from nebula_ckpt.ranks.coordinator import LocalCoordinator
 from nebula_ckpt.ranks.fencing import Fence, generations
 from nebula_ckpt.storage.base import Storage
@@ -41,11 +42,10 @@ def _process_start() -> float:
 def _taken_here(storage: Storage, g: int) -> bool:
     """Whether generation ``g`` was taken by this very process (a Checkpointer of it, say)."""
     try:
-        rec = json.loads(storage.read_small(writer_record(g)))
-    except (OSError, ValueError):
+        rec = parse_writer_record(storage.read_small(writer_record(g)), f"{storage.display_url}: {writer_record(g)}")
+    except (OSError, CorruptCheckpointError):
         return False
-    return isinstance(rec, dict) and rec.get("host") == socket.gethostname() and rec.get("pid") == os.getpid() \
-        and isinstance(rec.get("time"), (int, float)) and rec["time"] >= _process_start() - 1.0
+    return rec.host == socket.gethostname() and rec.pid == os.getpid() and rec.time >= _process_start() - 1.0
 
 
 class _ProcessGeneration(LocalCoordinator):

@@ -1,8 +1,8 @@
-"""Multi-rank checkpoints: who writes which tensor, each rank's shard image, the manifests.
+"""Multi-rank checkpoints: who writes which tensor, and each rank's shard image.
 
 Pure functions over metadata (no I/O, no collectives), used by the tier writers and the DCP writer:
 
-* :func:`summary` / :func:`digest` / :func:`assign` — deduplication of replicated state, as DCP's save planner
+* :func:`summary` / :func:`assign` — deduplication of replicated state, as DCP's save planner
   does it: a tensor every rank holds under the same key with the same dtype, shape and
   checksum (DDP parameters and optimizer state, replicated buffers, a DTensor placed
   ``Replicate`` everywhere) is written once, by one rank; the owners are chosen so the bytes
@@ -11,19 +11,18 @@ Pure functions over metadata (no I/O, no collectives), used by the tier writers 
   state, say) is never mistaken for a replica: each rank then writes its own.
 * :func:`subset_image` — the safetensors image of a rank's share: a new header and the byte
   ranges of the staged snapshot (no copy).
-* :func:`rank_manifest` — the manifest of a rank's own tier (memory; format version 2, see
-  :mod:`nebula_ckpt.format.manifest`); it and the DCP writer's multi-rank manifest (version 2)
-  are built by :func:`ranks_manifest` (as is version 3's, which only the tests still write).
+* :func:`peer_problem` — why a save cannot commit, from the ranks' phase payloads.
+
+The manifests themselves are built in :mod:`nebula_ckpt.format` (version 2:
+:mod:`nebula_ckpt.format.multi_rank`; version 4: :mod:`nebula_ckpt.format.rank_index`), and the
+digest the ranks compare is :func:`nebula_ckpt.format.multi_rank.digest`.
 """
 
 from __future__ import annotations
 
-import hashlib
 import heapq
-import json
 from typing import Any, Optional
 
-from nebula_ckpt.format import manifest as mf
 from nebula_ckpt.format.dtypes import TENSOR_DTYPES
 from nebula_ckpt.format.header import safetensors_header
 
@@ -52,13 +51,6 @@ def summary(tensor_index: dict[str, dict[str, Any]]) -> tuple[dict[str, Entry], 
         else:
             sharded += end - start
     return out, sharded
-
-
-def digest(value: Any) -> str:
-    """A short, order-independent hash of a summary or tree (equal on ranks that hold the same)."""
-    text = json.dumps(sorted(value.items()) if isinstance(value, dict) and "t" not in value else value,
-                      separators=(",", ":"))
-    return hashlib.sha256(text.encode()).hexdigest()[:32]
 
 
 def assign(summaries: list[dict[str, Entry]], base: Optional[list[int]] = None) -> dict[str, int]:
@@ -133,55 +125,6 @@ def prefixed(mapping: dict[str, Any], prefix: str) -> dict[str, Any]:
     """``mapping`` with every key under ``prefix`` (``r<R>/``: a rank's keys in a multi-rank
     manifest); ``mapping`` itself for an empty prefix."""
     return {prefix + k: v for k, v in mapping.items()} if prefix else mapping
-
-
-def _ranks_field(world: int, ranks: list[int], rank_tree: dict[int, int]) -> dict[str, Any]:
-    return {"world_size": world, "ranks": ranks, "rank_tree": {str(r): i for r, i in rank_tree.items()}}
-
-
-def rank_manifest(*, step: int, generation: int, rank: int, world: int, shard: dict[str, Any],
-                  tensors: dict[str, dict[str, Any]], aliases: dict[str, str], tree: Any,
-                  stats: dict[str, Any]) -> dict[str, Any]:
-    """The manifest of one rank's own checkpoint (its memory tier): only its state, keys prefixed."""
-    p = f"r{rank}/"
-    return mf.build_manifest(step=step, generation=generation, shards=[shard],
-                             tensors={p + k: v for k, v in tensors.items()},
-                             aliases={p + a: p + b for a, b in aliases.items()},
-                             tree={"t": "list", "v": [tree]}, stats=stats,
-                             ranks=_ranks_field(world, [rank], {rank: 0}))
-
-
-def stored_record(record: dict[str, Any], rank: int) -> dict[str, Any]:
-    """A tensor record of rank ``rank``'s shard as a multi-rank manifest stores it (``shard``: its
-    shard's index, left out for rank 0's)."""
-    return dict(record, shard=rank) if rank else record
-
-
-def ranks_manifest(*, step: int, generation: int, shards: list[dict[str, Any]], tensors: dict[str, dict[str, Any]],
-                   aliases: dict[str, str], trees: list[Any], stats: dict[str, Any],
-                   same_trees: Optional[list[bool]] = None, hashes: Optional[dict[str, str]] = None) -> dict[str, Any]:
-    """The manifest of a checkpoint every rank wrote a shard of (the rank manifests of the
-    memory tier and the DCP writer's; the tests' writer of version 3 uses it too).
-
-    ``trees[r]``: rank ``r``'s typed tree; equal trees are stored once (``rank_tree`` maps each
-    rank to its tree). ``same_trees[r]``: rank ``r``'s tree is known to be rank 0's (compared by
-    digest), so it is not serialised again. ``tensors`` and ``aliases`` carry the ``r<R>/`` key prefixes;
-    ``hashes`` (``sha256``): key -> SHA-256 hex of the stored tensors whose hash the writer took.
-    """
-    stored: list[Any] = []
-    seen: dict[str, int] = {}
-    rank_tree: dict[int, int] = {}
-    for r, tree in enumerate(trees):
-        if r and same_trees is not None and same_trees[r]:
-            rank_tree[r] = 0
-            continue
-        text = json.dumps(tree, sort_keys=True, separators=(",", ":"))
-        rank_tree[r] = seen.setdefault(text, len(stored))
-        if rank_tree[r] == len(stored):
-            stored.append(tree)
-    return mf.build_manifest(step=step, generation=generation, shards=shards, tensors=tensors, aliases=aliases,
-                             tree={"t": "list", "v": stored}, stats=stats,
-                             ranks=_ranks_field(len(trees), list(range(len(trees))), rank_tree), hashes=hashes)
 
 
 def peer_problem(entries: list[Any], step: int, tier: str) -> Optional[tuple[bool, str]]:

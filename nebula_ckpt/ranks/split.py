@@ -15,8 +15,8 @@ Pure functions over metadata (no I/O, no collectives), used by the commit rounds
   small record it sends rank 0 in the durable round: its shard, its records file's name, size and
   CRC32C, its tree (None when it equals rank 0's) and the tree's digest, its statistics, its table
   (see above), whether its chunks sit on the grid and the earlier steps' shards it refers to;
-* :func:`split_manifest` — rank 0's ``manifest.json`` (what grows with the tensors: owners, DTensor
-  table, the distinct trees, the steps referred to) and ``ranks.json`` (one entry per rank).
+* :func:`split_manifest` — the ranks' DTensor tables checked against each other, then rank 0's
+  ``manifest.json`` and ``ranks.json``, built by :func:`nebula_ckpt.format.split.split_manifest`.
 """
 
 from __future__ import annotations
@@ -25,11 +25,11 @@ import secrets
 from typing import Any, Callable, Optional
 
 from nebula_ckpt.errors import PersistError
-from nebula_ckpt.format.manifest import build_manifest
-from nebula_ckpt.format.names import RANKS_FILE, SPLIT_VERSION, records_name
-from nebula_ckpt.format.rank_index import encode_ranks_index, encode_split_records
+from nebula_ckpt.format.multi_rank import digest
+from nebula_ckpt.format.names import records_name
+from nebula_ckpt.format.rank_index import encode_split_records
 from nebula_ckpt.format.rank_records import grid_of, spec_of
-from nebula_ckpt.ranks.shards import digest
+from nebula_ckpt.format.split import split_manifest as build_split_manifest
 
 
 def signature(tensors: dict[str, dict[str, Any]]) -> dict[str, list[Any]]:
@@ -71,7 +71,7 @@ def split_payload(*, step: int, generation: int, rank: int, world: int, save_id:
     ``index``: the tensor records of the rank's share (offsets in its shard, or ``shard`` j >= 1:
     in ``refs[j - 1]``, a shard of an earlier step); ``meta``: the staged snapshot's ``tensors``
     (every record, for the table and the grid), ``tree`` and ``stats``; ``hashes``: the SHA-256 of
-    the share's tensors; ``tree_digest``: :func:`~nebula_ckpt.ranks.shards.digest` of the tree
+    the share's tensors; ``tree_digest``: :func:`~nebula_ckpt.format.multi_rank.digest` of the tree
     (computed when not given).
     """
     name = records_name(generation, rank)
@@ -95,26 +95,5 @@ def split_manifest(*, step: int, generation: int, save_id: str, parts: list[dict
     Raises:
         PersistError: the ranks' DTensor tables disagree (named key and ranks).
     """
-    table = layout_tables(parts, step)
-    trees: list[Any] = []
-    digests: list[str] = []
-    for p in parts:  # the distinct trees, by digest (a rank sends its tree only when it is not rank 0's)
-        if p["tree_digest"] not in digests:
-            digests.append(p["tree_digest"])
-            trees.append(parts[0]["tree"] if p.get("tree") is None else p["tree"])
-    refs: dict[tuple[int, str], dict[str, Any]] = {}
-    for p in parts:
-        for ref in p.get("refs") or ():
-            refs.setdefault((ref["step"], ref["file"]), ref)
-    index = encode_ranks_index(step=step, generation=generation, save_id=save_id, ranks=[
-        {"shard": p["shard"], "records": p["records"], "tree": p["tree_digest"]} for p in parts],
-        refs=list(refs.values()))
-    stats: dict[str, Any] = {"tensor_bytes": sum(int(p["stats"].get("tensor_bytes", 0)) for p in parts),
-                             "copy_seconds": max(float(p["stats"].get("copy_seconds", 0.0)) for p in parts)}
-    man = build_manifest(step=step, generation=generation, shards=[], tensors={}, aliases={},
-                         tree={"t": "list", "v": trees}, stats=stats)
-    man.update(version=SPLIT_VERSION, world_size=len(parts), save_id=save_id, tree_digests=digests, owners=owners,
-               dtensors=table, grid=all(bool(p.get("grid")) for p in parts),
-               references=sorted({s for s, _ in refs}),
-               ranks_file={"file": RANKS_FILE, "bytes": len(index), "crc32c": crc(index)})
-    return man, index
+    return build_split_manifest(step=step, generation=generation, save_id=save_id, parts=parts, owners=owners,
+                                dtensors=layout_tables(parts, step), crc=crc)

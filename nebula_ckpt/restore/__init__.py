@@ -1,1 +1,1 @@
-"""The restore path: select the step, open it, apply it in place; adopt and reshard."""
+"""Internal: the restore path: select the step, open it, apply it in place; adopt and reshard."""

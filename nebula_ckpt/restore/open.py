@@ -20,11 +20,10 @@ from nebula_ckpt.errors import CorruptCheckpointError, ValidationError
 from nebula_ckpt.format import manifest as mf
 from nebula_ckpt.format.commit import read_commit
 from nebula_ckpt.format.header import data_start
-from nebula_ckpt.format.names import COMMIT, MANIFEST, RANKS_FILE, SPLIT_VERSION, shard_owner, step_dir
-from nebula_ckpt.format.rank_index import load_split, with_index
-from nebula_ckpt.format.rank_records import with_records
+from nebula_ckpt.format.names import COMMIT, MANIFEST, RANKS_FILE, shard_owner, step_dir
 from nebula_ckpt.format.records import ShardRecord, TensorRecord
 from nebula_ckpt.format.references import shard_path
+from nebula_ckpt.format.split_records import load_split, with_index
 from nebula_ckpt.native import get_ops
 from nebula_ckpt.storage.base import Storage
 from nebula_ckpt.storage.prefault import advise
@@ -192,7 +191,7 @@ def _needed(man: mf.Manifest, rank: Optional[int]) -> dict[int, list[TensorRecor
 def read_manifest(storage: Storage, step: int, where: Optional[str] = None,
                   ranks: Optional[Iterable[int]] = None) -> mf.Manifest:
     """The validated manifest of committed ``step`` on ``storage``, holding the tensor records of
-    ``ranks`` (None: of every rank; a version 3 or 4 manifest reads them from the ranks' records
+    ``ranks`` (None: of every rank; a version 4 manifest reads them from the ranks' records
     files, :func:`load_records`). A version 4 checkpoint's ``ranks.json`` is read only for every
     rank (``ranks`` None): the records files of some ranks check themselves.
 
@@ -206,8 +205,8 @@ def read_manifest(storage: Storage, step: int, where: Optional[str] = None,
 
 def load_records(storage: Storage, man: mf.Manifest, ranks: Iterable[int], where: str) -> mf.Manifest:
     """``man`` holding the records of ``ranks`` (and of the ranks storing the replicated tensors
-    they alias): a version 3 or 4 manifest reads and validates their records files; older
-    versions hold every record already (returned as they are)."""
+    they alias): a version 4 manifest reads and validates their records files; versions 1 and 2
+    hold every record already (returned as they are)."""
     if man.layout is None:
         return man
     d = step_dir(man.step)
@@ -218,13 +217,11 @@ def load_records(storage: Storage, man: mf.Manifest, ranks: Iterable[int], where
         except FileNotFoundError:
             raise CorruptCheckpointError(f"{where}: records file {name} is missing") from None
 
-    if man.layout.version >= SPLIT_VERSION:
-        return load_split(man, read, get_ops().crc32c_bytes, ranks, where)
-    return with_records(man, read, get_ops().crc32c_bytes, ranks, where)
+    return load_split(man, read, get_ops().crc32c_bytes, ranks, where)
 
 
 def read_main_manifest(storage: Storage, step: int, where: Optional[str] = None, index: bool = True) -> mf.Manifest:
-    """The validated ``manifest.json`` of committed ``step`` alone (a version 3 or 4 manifest's
+    """The validated ``manifest.json`` of committed ``step`` alone (a version 4 manifest's
     tensor records are not read: :func:`load_records`). ``index``: complete a version 4 manifest
     from its ``ranks.json`` (every rank's shard, records file and tree; not needed to load the
     records of some ranks).
@@ -253,7 +250,7 @@ def read_main_manifest(storage: Storage, step: int, where: Optional[str] = None,
 def with_ranks_file(storage: Storage, man: mf.Manifest, where: str) -> mf.Manifest:
     """``man`` completed from its ``ranks.json`` (version 4: every rank's shard, records file and
     tree, checked against the manifest); any other manifest as it is."""
-    if man.layout is None or man.layout.version < SPLIT_VERSION:
+    if man.layout is None:
         return man
     try:
         data = storage.read_small(f"{step_dir(man.step)}/{RANKS_FILE}")
@@ -355,7 +352,7 @@ def _base_of(storage: Storage, sh: ShardRecord, where: str) -> mf.Manifest:
     entry: a version 4 step's from the records file of the rank that wrote it (not ``ranks.json``)."""
     assert sh.step is not None
     base = read_main_manifest(storage, sh.step, where, index=False)
-    if base.layout is None or base.layout.version < SPLIT_VERSION:
+    if base.layout is None:
         return base
     owner = shard_owner(sh.file)
     if owner is None or owner[0] != base.generation or not 0 <= owner[1] < base.world_size:

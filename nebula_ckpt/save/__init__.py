@@ -1,1 +1,1 @@
-"""The save path: plan -> buffers -> snapshot -> fan-out -> persist (tier writers, commit)."""
+"""Internal: the save path: plan -> buffers -> snapshot -> fan-out -> persist (tier writers, commit)."""

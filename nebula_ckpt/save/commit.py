@@ -23,12 +23,11 @@ that was told it was fenced must never be listed or loaded.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import uuid
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Optional
 
 from nebula_ckpt.errors import PersistError
 from nebula_ckpt.format.commit import Commit, committed_steps, read_commit
@@ -59,11 +58,6 @@ class CommitProgress:
 
     #: the step's COMMIT may exist (or still appear): a failure deletes nothing of the step
     may_commit: bool = False
-
-
-def encode_manifest(manifest: dict[str, Any]) -> bytes:
-    """The bytes of ``manifest`` as stored (compact JSON; NaN and infinities refused)."""
-    return json.dumps(manifest, separators=(",", ":"), allow_nan=False).encode()
 
 
 def commit_manifest(storage: Storage, fence: TierFence, step: int, mbytes: bytes,

@@ -16,7 +16,7 @@ optimizer, ``.data``, NumPy, a raw pointer) is seen; they are taken on the stage
 ``io_threads`` threads (``hashlib`` releases the GIL) niced by :data:`HASH_NICE`, never on the
 training thread, only for the tensors whose CRC equals the base's (and for every tensor of a
 tier's first save, which has no base), and recorded in the manifest (``sha256``; in a multi-rank checkpoint of format
-version 3, in each rank's records file, :mod:`nebula_ckpt.format.rank_records`). A tensor that
+version 4, in each rank's records file, :mod:`nebula_ckpt.format.rank_records`). A tensor that
 changes save after save (dense training) is never hashed: its CRC already differs.
 
 The memory tier (``compare=True``) hashes nothing: its base's bytes are still in host memory (the

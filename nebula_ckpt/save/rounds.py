@@ -35,6 +35,8 @@ import logging
 from typing import Any, Callable, Optional
 
 from nebula_ckpt.errors import PersistError
+from nebula_ckpt.format.manifest import encode_manifest, tagged
+from nebula_ckpt.format.multi_rank import digest
 from nebula_ckpt.format.names import RANKS_FILE, step_dir
 from nebula_ckpt.native import get_ops
 from nebula_ckpt.ranks import shards as ranks
@@ -46,7 +48,6 @@ from nebula_ckpt.save.commit import (
     CommitUncertain,
     PeerSkipped,
     commit_manifest,
-    encode_manifest,
     is_committed,
 )
 from nebula_ckpt.save.incremental import Incremental
@@ -54,13 +55,6 @@ from nebula_ckpt.save.tier_image import Staged, TierStep, tier_image
 from nebula_ckpt.tiers.runtime import TierRuntime
 
 log = logging.getLogger(__name__)
-
-
-def tagged(manifest: dict[str, Any], tag: Optional[str]) -> dict[str, Any]:
-    """``manifest`` with the optional ``tag`` field (only when there is a tag)."""
-    if tag is not None:
-        manifest["tag"] = tag
-    return manifest
 
 
 class SharedCommit:
@@ -126,10 +120,10 @@ class SharedCommit:
         the digest of this rank's tree."""
         co, name, idx, meta = self.coordinator, self.name, save.index, self._meta(save)
         rep, sharded = ranks.summary(meta["tensors"])
-        mine_digest = ranks.digest(rep)
-        tree_digest = ranks.digest(meta["tree"])
+        mine_digest = digest(rep)
+        tree_digest = digest(meta["tree"])
         base = self.incremental.declare() if self.incremental is not None else None
-        dt_digest = ranks.digest(signature(meta["tensors"]))  # what its DTensor records must agree on
+        dt_digest = digest(signature(meta["tensors"]))  # what its DTensor records must agree on
         save_id = new_save_id() if co.is_coordinator else None  # rank 0's is this attempt's
         peers = co.round(name, idx, PHASE_DIGEST, {"step": save.step, "digest": mine_digest, "tree": tree_digest,
                                                   "sharded": sharded, "dt": dt_digest, "base": base,

@@ -29,7 +29,6 @@ tier* (reported as ``tiers_dropped``), so a slow tier never blocks a fast one, n
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import os
 import threading
@@ -38,7 +37,8 @@ from typing import Any, Callable, Optional
 from nebula_ckpt import knobs
 from nebula_ckpt.errors import FencedError, PersistError
 from nebula_ckpt.format.commit import committed_steps, delete_checkpoint, read_commit
-from nebula_ckpt.format.manifest import Manifest, finish_manifest
+from nebula_ckpt.format.manifest import Manifest, encode_manifest, finish_manifest, stored_json, tagged
+from nebula_ckpt.format.multi_rank import rank_manifest
 from nebula_ckpt.format.names import COMMIT, MANIFEST, RANKS_FILE, records_name, shard_name, shard_owner, step_dir
 from nebula_ckpt.format.references import deletion_order, protected_steps, referrers, shard_path
 from nebula_ckpt.latch import Latch, Wakeup
@@ -51,12 +51,11 @@ from nebula_ckpt.save.commit import (
     CommitUncertain,
     PeerSkipped,
     commit_manifest,
-    encode_manifest,
     retract_step,
 )
 from nebula_ckpt.save.fanout import Delivery
 from nebula_ckpt.save.incremental import Incremental, whole_image
-from nebula_ckpt.save.rounds import SharedCommit, tagged
+from nebula_ckpt.save.rounds import SharedCommit
 from nebula_ckpt.save.snapshot import Snapshot, build_tier_manifest
 from nebula_ckpt.save.tier_image import Staged, TierImage, TierStep, tier_image, write_image
 from nebula_ckpt.storage.base import Storage
@@ -240,7 +239,7 @@ class TierWriter:
         meta: dict[str, Any] = {"tensors": snap.tensor_index, "aliases": snap.plan.aliases, "tree": snap.plan.tree,
                                 "stats": snap.stats()}
         if not self._shared:  # this rank's own tier (memory): incremental on its own previous step
-            draft = tagged(ranks.rank_manifest(step=snap.step, generation=0, rank=co.rank, world=co.world_size,
+            draft = tagged(rank_manifest(step=snap.step, generation=0, rank=co.rank, world=co.world_size,
                                                shard={}, **meta), snap.plan.tag)
             return self._commit_step(self._own_step(snap, source, confirmed, draft, self.key_prefix), on_shard)
         return self._commit_step(TierStep(snap.step, source, confirmed, index=snap.index, meta=meta,
@@ -271,7 +270,8 @@ class TierWriter:
         marker names the same save number); an incremental one is written whole here.
         """
         raw = src.read_small(f"{step_dir(step)}/{MANIFEST}")
-        man, parsed = json.loads(raw), Manifest.parse(raw, f"{src.display_url} step {step}", step)
+        parsed = Manifest.parse(raw, f"{src.display_url} step {step}", step)
+        man = stored_json(raw)
         if parsed.multi_rank or self.coordinator.world_size > 1:
             raise ValueError(f"step {step} is a multi-rank checkpoint; only one-process checkpoints are copied")
         data = [src.read_buffer(shard_path(parsed, i), dict(sh.storage or {})) for i, sh in enumerate(parsed.shards)]

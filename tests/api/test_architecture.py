@@ -240,10 +240,8 @@ def _cycles(type_only: bool) -> dict[frozenset[str], str]:
 
 
 #: the cycles left that run through type hints only; each entry must still be a cycle (remove it
-#: once broken): the manifest and the multi-rank records files it is parsed with name each other
-TYPE_HINT_CYCLES_LEFT = {
-    frozenset({"nebula_ckpt.format.manifest", "nebula_ckpt.format.rank_index", "nebula_ckpt.format.rank_records"}),
-}
+#: once broken)
+TYPE_HINT_CYCLES_LEFT: set[frozenset[str]] = set()
 
 
 def test_no_import_cycles() -> None:
@@ -511,6 +509,34 @@ def test_the_public_surface_is_small_and_the_seam_is_apart() -> None:
     assert "integration authors" in (adapters.__doc__ or "")
 
 
+#: what users import by name: the public modules, and the packages of the adapters and tools users
+#: run (their own modules say what they offer); every other package and top-level module says
+#: "Internal" (everything under an internal package is internal too)
+USER_FACING = PUBLIC_MODULES | {"nebula_ckpt.demo", "nebula_ckpt.quickbench", "nebula_ckpt.cli", "nebula_ckpt.compat",
+                                "nebula_ckpt.compat.nebula", "nebula_ckpt.integrations",
+                                "nebula_ckpt.integrations.huggingface", "nebula_ckpt.loop"}
+
+
+def test_internal_modules_say_so() -> None:
+    """Each package and top-level module of nebula_ckpt that users do not import by name
+    (:data:`USER_FACING`) begins its docstring with "Internal", and none that they do, so a newcomer
+    and a user see at the top of a file whether its names are a promise."""
+    wrong = []
+    for path in sorted(PKG.rglob("*.py")):
+        rel = path.relative_to(PKG.parent)
+        is_package = path.name == "__init__.py"
+        if not is_package and path.parent != PKG:
+            continue  # a module inside a package: its package says it
+        name = ".".join(rel.parent.parts if is_package else rel.with_suffix("").parts)
+        if name == "nebula_ckpt.__main__" or (not is_package and path.parent.joinpath("__init__.py") == path):
+            continue
+        doc = ast.get_docstring(ast.parse(path.read_text())) or ""
+        says = doc.startswith("Internal")
+        if says == (name in USER_FACING):
+            wrong.append(f"{rel}: {'says Internal but users import it' if says else 'does not begin with Internal'}")
+    assert not wrong, wrong
+
+
 def test_the_benchmark_harness_is_not_installed() -> None:
     assert not (PKG / "bench").exists(), "the benchmark harness belongs in benchmarks/, outside the package"
     shipped = [str(p.relative_to(PKG.parent)) for p in PKG.rglob("*.py") if "emulators" in p.name or "peers" in p.name]
@@ -580,3 +606,79 @@ def test_the_benchmark_harness_has_the_package_shape() -> None:
 
     problems += sorted({f"cycle: {a} -> {b} -> ... -> {a}" for a in graph for b in graph[a] if reaches(b, a)})
     assert not problems, "\n".join(problems)
+
+
+#: the modules outside ``format/`` that read or write JSON which is no format file of ours (no
+#: manifest, marker, records file or root record), and what that JSON is
+JSON_NOT_FORMAT = {
+    "nebula_ckpt.demo": "the demo's own log (JSON lines)",
+    "nebula_ckpt.quickbench": "the quick benchmark's --json output",
+    "nebula_ckpt.cli.common": "--storage-options, a JSON object given on the command line",
+    "nebula_ckpt.cli.doctor": "--json output",
+    "nebula_ckpt.cli.gc": "--json output",
+    "nebula_ckpt.cli.listing": "--json output",
+    "nebula_ckpt.cli.mark": "--json output",
+    "nebula_ckpt.cli.persist_memory": "--json output",
+    "nebula_ckpt.cli.verify": "--json output",
+    "nebula_ckpt.cli.export": "--json output and the exported files: a plain safetensors file's __metadata__ and "
+                              "HF's config.json, files of other tools",
+    "nebula_ckpt.dcp.shard": "a canonical text of a DCP item's record, to tell items apart in memory (never stored)",
+    "nebula_ckpt.integrations.pointers": "the pointer files an integration leaves at a framework's path (the "
+                                         "integration's own records, outside every checkpoint, versioned by it)",
+    "nebula_ckpt.integrations.huggingface.folders": "the pointer file in a HF checkpoint folder (the integration's)",
+    "nebula_ckpt.integrations.huggingface.saving": "HF's trainer_state, kept as the JSON text HF writes",
+    "nebula_ckpt.integrations.huggingface.export": "HF's trainer_state and config.json",
+    "nebula_ckpt.integrations.huggingface.resuming": "HF's trainer_state.json",
+}
+_JSON_CODECS = {"loads", "dumps", "load", "dump", "JSONDecoder", "JSONEncoder"}
+
+
+def _json_uses(tree: ast.AST) -> Iterator[tuple[int, str]]:
+    """(line, what) for every use of the json module's codecs (``json.loads(...)``, ``from json
+    import dumps``, ``import json as j`` ... ``j.load``)."""
+    names = {"json"}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names.update(a.asname for a in node.names if a.name == "json" and a.asname)
+        elif isinstance(node, ast.ImportFrom) and node.module == "json":
+            for a in node.names:
+                if a.name in _JSON_CODECS:
+                    yield node.lineno, f"from json import {a.name}"
+    for node in ast.walk(tree):
+        if (isinstance(node, ast.Attribute) and node.attr in _JSON_CODECS and isinstance(node.value, ast.Name)
+                and node.value.id in names):
+            yield node.lineno, f"{node.value.id}.{node.attr}"
+
+
+def _format_records_built(tree: ast.AST) -> Iterator[int]:
+    """Lines of dict displays with both a ``"format"`` and a ``"version"`` key (a format record's head)."""
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Dict):
+            keys = {k.value for k in node.keys if isinstance(k, ast.Constant)}
+            if {"format", "version"} <= keys:
+                yield node.lineno
+
+
+def test_no_format_file_built_or_parsed_outside_format() -> None:
+    """Format files (manifests, markers, records files, ``ranks.json``, root records) are built and
+    parsed in ``format/`` only: no module elsewhere encodes or decodes JSON (but those of
+    :data:`JSON_NOT_FORMAT`, whose JSON is no format file), and none builds a record with a
+    ``format`` and a ``version`` field."""
+    found = []
+    used = set()
+    for name, path in MODULES.items():
+        if name.startswith("nebula_ckpt.format.") or name == "nebula_ckpt.format":
+            continue
+        tree = ast.parse(path.read_text())
+        where = path.relative_to(PKG.parent)
+        for line, what in _json_uses(tree):
+            if name in JSON_NOT_FORMAT:
+                used.add(name)
+            else:
+                found.append(f"{where}:{line} uses {what}")
+        found += [f"{where}:{line} builds a record with format and version fields" for line in
+                  _format_records_built(tree)]
+    assert not found, ("build and parse format files in nebula_ckpt/format/ (or, for JSON that is no format file, "
+                       "add the module to JSON_NOT_FORMAT saying what it is):\n" + "\n".join(found))
+    stale = sorted(set(JSON_NOT_FORMAT) - used)
+    assert not stale, f"no longer use JSON: remove them from JSON_NOT_FORMAT: {stale}"

@@ -135,95 +135,23 @@ def test_golden_incremental_manifest(tmp_path, shm_dir) -> None:  # noqa: ANN001
         only_fields(man["shards"][1], ("file", "bytes", "storage"), "old reader", "the shard entry")
 
 
-def test_golden_version_3_manifest_and_records_files() -> None:
-    """Format version 3 (multi-rank on a shared tier): rank 0's manifest names each rank's records
-    file (size, CRC32C), the owners of replicas and the DTensor table; each rank's records file
-    holds its share's records. Built by the writers' own builders, parsed back by the readers'."""
-    import crc32c
-
-    from layout_v3 import layout_manifest, records_payload
-    from nebula_ckpt.format.names import LAYOUT_VERSION
-    from nebula_ckpt.format.rank_records import with_records
-
-    def rec(off: int, rank: int) -> dict[str, object]:
-        return {"dtype": "float32", "shape": [2, 3], "offsets": [off, off + 24], "crc32c": 7 + rank, "device": "cpu",
-                "dtensor": {"shape": [4, 3], "offsets": [2 * rank, 0], "placements": ["S(0)"], "mesh": [2]}}
-
-    tree = {"t": "dict", "v": [[{"t": "str", "v": "w"}, {"t": "tensor", "k": "w"}],
-                               [{"t": "str", "v": "n"}, {"t": "tensor", "k": "n"}]]}
-    files, parts = {}, []
-    for r in range(2):
-        tensors = {"w": rec(4096, r), "n": {"dtype": "int64", "shape": [], "offsets": [4120, 4128], "crc32c": 5,
-                                            "device": "cpu"}}
-        index = tensors if r == 0 else {"w": tensors["w"]}
-        name, data, payload = records_payload(
-            step=12, generation=1, rank=r, world=2, shard={"file": f"shard-g1-r{r}.safetensors", "bytes": 4128},
-            index=index, aliases={}, meta={"tensors": tensors, "tree": tree, "stats": {"tensor_bytes": 32}},
-            send_tree=r == 0, send_table=r == 0, crc=crc32c.crc32c)
-        files[name] = data
-        parts.append(payload)
-    assert files["records-g1-r1.json"] == (
-        b'{"format":"nebula_ckpt.records","version":3,"step":12,"rank":1,"tensors":{"w":{"dtype":"float32",'
-        b'"shape":[2,3],"offsets":[4096,4120],"crc32c":8,"device":"cpu","dtensor":{"shape":[4,3],"offsets":[2,0],'
-        b'"placements":["S(0)"],"mesh":[2]}}},"aliases":{}}')
-    man = layout_manifest(step=12, generation=1, parts=parts, owners={"n": 0})
-    raw = json.dumps(man)
-    assert man["version"] == LAYOUT_VERSION == 3 and man["tensors"] == {} and man["aliases"] == {}
-    assert man["records"] == [{"file": n, "bytes": len(d), "crc32c": crc32c.crc32c(d)} for n, d in files.items()]
-    assert man["owners"] == {"n": 0} and man["grid"] is True and man["rank_tree"] == {"0": 0, "1": 0}
-    assert man["dtensors"] == {"w": {"dtype": "float32", "shape": [4, 3], "placements": ["S(0)"], "mesh": [2]}}
-    assert man["shards"] == [{"file": "shard-g1-r0.safetensors", "bytes": 4128},
-                             {"file": "shard-g1-r1.safetensors", "bytes": 4128}]
-    parsed = mf.Manifest.parse(raw, "golden", step=12)
-    assert parsed.to_json() == json.loads(raw) and not parsed.tensors
-    one = with_records(parsed, files.__getitem__, crc32c.crc32c, [1], "golden")
-    assert one.resolve("n", 1) == one.tensors["r0/n"] and one.resolve("w", 1).dtensor.offsets == (2, 0)
-    assert one.resolve("w", 1).shard == 1 and one.layout.loaded == frozenset({1})
-
-
-def test_golden_version_3_incremental_records_and_references() -> None:
-    """An incremental version 3 save: each rank's records file holds its ``refs`` (its base's
-    shard), records pointing at them (``shard`` 1) and the ``sha256`` of its tensors; rank 0's
-    manifest lists the referenced shards once each after the ranks' own, holds no hashes, and the
-    loader maps each rank's indices onto the manifest's shards."""
-    import crc32c
-
-    from layout_v3 import layout_manifest, records_payload
-    from nebula_ckpt.format.rank_records import with_records
-    from nebula_ckpt.format.references import references
-
-    tree = {"t": "dict", "v": [[{"t": "str", "v": "w"}, {"t": "tensor", "k": "w"}],
-                               [{"t": "str", "v": "h"}, {"t": "tensor", "k": "h"}]]}
-    files, parts = {}, []
-    for r in range(2):
-        base = {"file": f"shard-g1-r{r}.safetensors", "bytes": 4124, "storage": {"stored_bytes": 4124}, "step": 12}
-        index = {"w": {"dtype": "float32", "shape": [2, 3], "offsets": [4096, 4120], "crc32c": 7, "device": "cpu",
-                       "shard": 1},
-                 "h": {"dtype": "bfloat16", "shape": [2], "offsets": [4096, 4100], "crc32c": 9, "device": "cpu"}}
-        name, data, payload = records_payload(
-            step=13, generation=1, rank=r, world=2, shard={"file": f"shard-g1-r{r}.safetensors", "bytes": 4100},
-            index=index, aliases={}, meta={"tensors": index, "tree": tree, "stats": {"tensor_bytes": 28}},
-            send_tree=r == 0, send_table=r == 0, crc=crc32c.crc32c, refs=[base], hashes={"w": "ab" * 32})
-        files[name] = data
-        parts.append(payload)
-    assert files["records-g1-r1.json"] == (
-        b'{"format":"nebula_ckpt.records","version":3,"step":13,"rank":1,"tensors":{"w":{"dtype":"float32",'
-        b'"shape":[2,3],"offsets":[4096,4120],"crc32c":7,"device":"cpu","shard":1},"h":{"dtype":"bfloat16",'
-        b'"shape":[2],"offsets":[4096,4100],"crc32c":9,"device":"cpu"}},"aliases":{},"refs":[{"file":'
-        b'"shard-g1-r1.safetensors","bytes":4124,"storage":{"stored_bytes":4124},"step":12}],"sha256":{"w":"'
-        + b"ab" * 32 + b'"}}')
-    man = layout_manifest(step=13, generation=1, parts=parts, owners={})
-    assert [(s["file"], s.get("step")) for s in man["shards"]] == [
-        ("shard-g1-r0.safetensors", None), ("shard-g1-r1.safetensors", None),
-        ("shard-g1-r0.safetensors", 12), ("shard-g1-r1.safetensors", 12)]
-    assert "sha256" not in man
-    parsed = mf.Manifest.parse(json.dumps(man), "golden", step=13)
-    assert references(parsed) == {12} and parsed.to_json() == json.loads(json.dumps(man))
-    both = with_records(parsed, files.__getitem__, crc32c.crc32c, [0, 1], "golden")
-    assert [both.tensors[f"r{r}/w"].shard for r in (0, 1)] == [2, 3]   # each rank's step-12 shard
-    assert [both.tensors[f"r{r}/h"].shard for r in (0, 1)] == [0, 1]   # each rank's own shard of step 13
-    assert both.hashes == {"r0/w": "ab" * 32, "r1/w": "ab" * 32}
-    assert "sha256" not in both.to_json()
+def test_version_3_is_refused_naming_the_versions_read_and_the_fix() -> None:
+    """Version 3 (a multi-rank layout of the development before 0.1.0, never released) is not
+    read: its manifest is refused as damaged, naming the versions read and the fix, never misread."""
+    tree = {"t": "dict", "v": [[{"t": "str", "v": "w"}, {"t": "tensor", "k": "w"}]]}
+    v3 = {"format": "nebula_ckpt", "version": 3, "step": 12, "generation": 1, "time": 0.0, "checksum": "crc32c",
+          "shards": [{"file": f"shard-g1-r{r}.safetensors", "bytes": 4120} for r in range(2)], "tensors": {},
+          "aliases": {}, "tree": {"t": "list", "v": [tree]}, "stats": {}, "world_size": 2, "ranks": [0, 1],
+          "rank_tree": {"0": 0, "1": 0}, "owners": {}, "dtensors": {}, "grid": True,
+          "records": [{"file": f"records-g1-r{r}.json", "bytes": 100, "crc32c": 7} for r in range(2)]}
+    with pytest.raises(nc.CorruptCheckpointError,
+                       match=r"golden: manifest.json: version 3 is a layout of nebula_ckpt's development before "
+                             r"0\.1\.0.*reads versions \[1, 2, 4\]\); load it with the nebula_ckpt that wrote it"):
+        mf.Manifest.parse(json.dumps(v3), "golden", step=12)
+    for version in (1, 2, 4):  # the versions read are not refused for their number
+        with pytest.raises(nc.CorruptCheckpointError) as e:
+            mf.Manifest.parse(json.dumps(dict(v3, version=version)), "golden", step=12)
+        assert "development" not in str(e.value)
 
 
 def test_golden_version_4_manifest_ranks_file_and_sealed_records() -> None:
@@ -235,7 +163,7 @@ def test_golden_version_4_manifest_ranks_file_and_sealed_records() -> None:
     import crc32c
 
     from nebula_ckpt.format.names import SPLIT_VERSION
-    from nebula_ckpt.format.rank_index import load_split, with_index
+    from nebula_ckpt.format.split_records import load_split, with_index
     from nebula_ckpt.ranks.split import split_manifest, split_payload
 
     def rec(off: int, rank: int) -> dict[str, object]:
@@ -284,3 +212,50 @@ def test_golden_version_4_manifest_ranks_file_and_sealed_records() -> None:
                        [0, 1], "golden")
     assert [s.file for s in whole.shards] == ["shard-g1-r0.safetensors", "shard-g1-r1.safetensors"]
     assert whole.resolve("w", 1).shard == 1 and whole.layout.loaded == frozenset({0, 1})
+
+
+def test_golden_root_records(tmp_path) -> None:  # noqa: ANN001
+    """A persistent root's run record and writer generation record, byte for byte as a run writes
+    them (``_nebula/run.json``, ``_nebula/writers/g-<G>.json``), parsed back by the readers'."""
+    from nebula_ckpt.format.root_records import (
+        WriterRecord,
+        encode_run_record,
+        encode_writer_record,
+        parse_run_record,
+        parse_writer_record,
+    )
+
+    run = encode_run_record("5f1c", "node-1", 1700000000.5)
+    assert run == b'{"run_id": "5f1c", "host": "node-1", "time": 1700000000.5}'
+    assert parse_run_record(run, "golden") == "5f1c"
+    writer = encode_writer_record(WriterRecord("node-1", 4242, 1700000000.5))
+    assert writer == b'{"host": "node-1", "pid": 4242, "time": 1700000000.5}'
+    assert parse_writer_record(writer, "golden") == WriterRecord("node-1", 4242, 1700000000.5)
+    root = str(tmp_path / "ck")
+    with nc.Checkpointer(root, memory_tier=False) as ck:  # a run writes both, and reads its own back
+        ck.save(1, {"w": torch.ones(2)})
+        with open(os.path.join(root, "_nebula", "run.json"), "rb") as f:
+            assert parse_run_record(f.read(), "run.json") == ck.run_id
+        with open(os.path.join(root, "_nebula", "writers", "g-1.json"), "rb") as f:
+            assert parse_writer_record(f.read(), "g-1.json").pid == os.getpid()
+
+
+@pytest.mark.parametrize("raw", [b"", b"{", b"\xff\xfe", b"[]", b'"x"', b"{}", b'{"run_id": 7}', b'{"run_id": null}',
+                                 b"[" * 100000 + b"]" * 100000])
+def test_a_hostile_run_record_is_refused_naming_the_file_and_the_fix(raw: bytes) -> None:
+    from nebula_ckpt.format.root_records import parse_run_record, read_run_id_or_none
+
+    with pytest.raises(nc.CorruptCheckpointError, match=r"^root:/x: _nebula/run\.json: .*; remove it if no job"):
+        parse_run_record(raw, "root:/x: _nebula/run.json")
+    assert read_run_id_or_none(raw, "root:/x: _nebula/run.json") is None
+
+
+@pytest.mark.parametrize("raw", [b"nope", b"[1]", b'{"host": "h", "pid": true, "time": 1}',
+                                 b'{"host": "h", "pid": 1.0, "time": 1}', b'{"host": 3, "pid": 1, "time": 1}',
+                                 b'{"host": "h", "pid": -1, "time": 1}', b'{"host": "h", "pid": 1, "time": "1"}',
+                                 b'{"host": "h", "pid": 1}'])
+def test_a_hostile_writer_record_is_refused_naming_the_file(raw: bytes) -> None:
+    from nebula_ckpt.format.root_records import parse_writer_record
+
+    with pytest.raises(nc.CorruptCheckpointError, match=r"^root:/x: _nebula/writers/g-3\.json: "):
+        parse_writer_record(raw, "root:/x: _nebula/writers/g-3.json")

@@ -1,4 +1,4 @@
-"""Format version 3's metadata functions: DTensor's grid, the ranks a region needs, rank 0's checks.
+"""Format version 4's metadata functions: DTensor's grid, the ranks a region needs, rank 0's checks.
 
 The grid (:mod:`nebula_ckpt.format.grid`) is checked against torch's own computation of a
 DTensor's local shard for every rank of assorted meshes, placements and (uneven) shapes; the
@@ -10,14 +10,15 @@ from __future__ import annotations
 import itertools
 import math
 import random
+import zlib
 
 import pytest
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
 
-from layout_v3 import layout_manifest
 from nebula_ckpt.errors import PersistError
 from nebula_ckpt.format.grid import chunk_at, coordinate, holders, on_grid
+from nebula_ckpt.ranks.split import split_manifest
 
 LAYOUTS = [((8,), ["S(0)"], (4,)), ((7, 5), ["S(0)"], (4,)), ((3, 9), ["S(1)"], (4,)),
            ((10, 6), ["S(0)", "S(1)"], (2, 3)),
@@ -70,8 +71,21 @@ def test_the_ranks_holding_a_region_are_found_by_arithmetic(shape: tuple[int, ..
 
 def _part(rank: int, table: dict[str, list[object]] | None) -> dict[str, object]:
     return {"step": 1, "shard": {"file": f"shard-g1-r{rank}.safetensors", "bytes": 8},
-            "records": {"file": f"records-g1-r{rank}.json", "bytes": 2, "crc32c": 0},
+            "records": {"file": f"records-g1-r{rank}.json", "bytes": 2, "crc32c": 0}, "tree_digest": "d0",
             "tree": {"t": "dict", "v": []} if rank == 0 else None, "stats": {}, "table": table, "grid": True}
+
+
+def layout_manifest(*, step: int, generation: int, parts: list[dict[str, object]],
+                    owners: dict[str, int]) -> dict[str, object]:
+    """Rank 0's version 4 manifest, by the commit's own builder."""
+    return rank_0_writes(step=step, generation=generation, parts=parts, owners=owners)[0]
+
+
+def rank_0_writes(*, step: int, generation: int, parts: list[dict[str, object]],
+                  owners: dict[str, int]) -> tuple[dict[str, object], bytes]:
+    """What rank 0 writes of a version 4 commit: the manifest and ranks.json."""
+    return split_manifest(step=step, generation=generation, save_id="ab" * 16, parts=parts, owners=owners,
+                          crc=zlib.crc32)
 
 
 def test_rank_0_refuses_ranks_whose_dtensor_tables_disagree() -> None:
@@ -89,8 +103,8 @@ def test_rank_0_refuses_ranks_whose_dtensor_tables_disagree() -> None:
 def test_per_rank_entries_are_all_rank_0_writes_per_rank() -> None:
     """What rank 0 writes grows by one shard and one records entry a rank, whatever the tensors."""
     table = {f"t{i}": ["float32", [64, 4], ["S(0)"], [64]] for i in range(50)}
-    sizes = [len(repr(layout_manifest(step=1, generation=1, owners={},
-                                      parts=[_part(0, table)] + [_part(r, None) for r in range(1, n)])))
+    sizes = [sum(len(repr(x)) for x in rank_0_writes(step=1, generation=1, owners={},
+                                                     parts=[_part(0, table)] + [_part(r, None) for r in range(1, n)]))
              for n in (2, 66, 130)]
     assert sizes[2] - sizes[1] == pytest.approx(sizes[1] - sizes[0], rel=0.05)
     assert (sizes[1] - sizes[0]) / 64 < 300  # bytes a rank

@@ -7,6 +7,9 @@
         train STEPS steps (fixed seed, dropout), save_checkpoint every EVERY steps, append each
         step's loss (float.hex) to OUT.json lines; with KILL_AT: SIGKILL itself after that step;
         with "resume": load_checkpoint(SAVE_DIR) first and go on from the step it restored
+    python ds_worker.py pointer_alone 0 ROOT SAVE_DIR OUT.json
+        one of 2 gloo ranks (env://): a multi-rank save and its pointer files, then a torch.load of
+        one on rank 0 alone, in the job and after it (no DeepSpeed needed)
 
 DeepSpeed is made to run without building any op: ``DS_ACCELERATOR=cpu`` and no JIT-built
 shared-memory collective (one rank has nothing to share; gloo does the rest).
@@ -145,6 +148,7 @@ def full_state(engine: Any) -> dict[str, Any]:
 
 
 def roundtrip(stage: int, root: str, save_dir: str, out: str) -> None:
+    from nebula_ckpt.errors import NotFoundError
     from nebula_ckpt.integrations.deepspeed import NebulaCkptEngine, enable, materialize
     from nebula_ckpt.integrations.deepspeed_files import read_pointer
 
@@ -175,6 +179,14 @@ def roundtrip(stage: int, root: str, save_dir: str, out: str) -> None:
         fp32_mismatch = []
         _diff({k: v.float() for k, v in saved["module"].items()}, {k: fp32[k] for k in saved["module"]}, "fp32",
               fp32_mismatch)
+    fp32_refused: Any = "not run"
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # a torch.load of a pointer reads alone: refused, naming the fix
+        try:
+            get_fp32_state_dict_from_zero_checkpoint(save_dir, tag=tag)
+            fp32_refused = "not refused"
+        except NotFoundError as e:
+            fp32_refused = f"{type(e).__name__}: {e}"
+        torch.distributed.barrier()
 
     b = make_engine(stage, seed=1)  # other weights, no optimizer state yet
     ceb = enable(b, root)
@@ -192,6 +204,13 @@ def roundtrip(stage: int, root: str, save_dir: str, out: str) -> None:
     # the torch.save files of tag "first" for other tools; DeepSpeed's own loader reads them
     written = materialize(save_dir, "first", checkpointer=ceb.checkpointer)
     real = [torch.load(p, weights_only=False)["global_steps"] for p in written if "model_states" in p]
+    fp32_first: Any = "not run"
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # materialized on every rank: zero_to_fp32 reads them all
+        torch.distributed.barrier()
+        fp32 = get_fp32_state_dict_from_zero_checkpoint(save_dir, tag="first")
+        fp32_first = []
+        _diff({k: v.float() for k, v in saved_first["module"].items()}, {k: fp32[k] for k in saved_first["module"]},
+              "fp32", fp32_first)
     b.load_checkpoint(save_dir, tag="first")
     _diff(saved_first, full_state(b), "first", mismatches)
     ce.close()
@@ -201,7 +220,7 @@ def roundtrip(stage: int, root: str, save_dir: str, out: str) -> None:
                "restored_from": tier,
                "materialized": [os.path.relpath(p, save_dir) for p in written], "real": real,
                "next_loss": [loss_a.hex(), loss_b.hex()], "optimizer_type": type(a.optimizer).__name__,
-               "fp32_mismatch": fp32_mismatch},
+               "fp32_mismatch": fp32_mismatch, "fp32_refused": fp32_refused, "fp32_first": fp32_first},
               open(out, "w"))
 
 
@@ -370,9 +389,42 @@ def hostile(root: str, save_dir: str, out: str) -> None:
     json.dump(res, open(out, "w"))
 
 
+def pointer_alone(root: str, save_dir: str, out: str) -> None:
+    """Rank r of a 2-rank gloo job saves its part of checkpoint "t" and writes its pointer file;
+    then rank 0 alone ``torch.load``-s its pointer, as DeepSpeed does when it reads on one rank,
+    and once more after leaving the job (``zero_to_fp32.py`` after training)."""
+    import torch.distributed as dist
+
+    from nebula_ckpt import Checkpointer
+    from nebula_ckpt.integrations.deepspeed_files import write_pointer
+
+    dist.init_process_group("gloo")  # env:// as the test sets it
+    rank = dist.get_rank()
+    key = f"zero_pp_rank_{rank}_mp_rank_00_optim_states.pt"
+    path = os.path.join(save_dir, "t", key)
+    with Checkpointer(root, allow_pickle=True) as ck:
+        ck.save(1, {key: {"w": torch.full((4,), float(rank))}}, tag="t")
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    write_pointer(path, root, "t", 1, key)
+    dist.barrier()
+    res: dict[str, Any] = {}
+    if rank == 0:
+        res["in_job"] = _error(lambda: torch.load(path, weights_only=False), seconds=30)
+        if res["in_job"] == "blocked":  # waiting for rank 1 in a collective: nothing more to learn
+            json.dump(res, open(out, "w"))
+            os._exit(0)
+    dist.barrier()
+    dist.destroy_process_group()
+    if rank == 0:
+        res["alone"] = _error(lambda: torch.load(path, weights_only=False), seconds=60)
+    json.dump(res, open(out, "w"))
+
+
 if __name__ == "__main__":
     mode, stage_s, root_a, save_dir_a, out_a = sys.argv[1:6]
-    if mode == "units":
+    if mode == "pointer_alone":
+        pointer_alone(root_a, save_dir_a, out_a)
+    elif mode == "units":
         units(root_a, save_dir_a, out_a)
     elif mode == "hostile":
         hostile(root_a, save_dir_a, out_a)

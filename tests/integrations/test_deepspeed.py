@@ -128,17 +128,19 @@ def test_zero_save_load_bit_exact(tmp_path, shm_dir, stage: int) -> None:  # noq
     assert r["fp32_mismatch"] == ([] if stage > 0 else "not run")  # zero_to_fp32 reads the pointer files
 
 
-@pytest.mark.timeout(110)
+@pytest.mark.timeout(300)
 def test_zero2_two_ranks_each_restores_its_partition(tmp_path, shm_dir) -> None:  # noqa: ANN001
     """Two gloo ranks: each rank's checkpoint holds its ZeRO partition and the model states (stored
-    once on the shared root), and each restores bit-exact from its own memory tier."""
+    once on the shared root), and each restores bit-exact from its own memory tier. DeepSpeed's
+    ``zero_to_fp32`` reads every rank's partition: refused on the pointer files, naming
+    ``materialize``; on the materialized files it gives the saved weights."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = str(s.getsockname()[1])
     procs = [_start(["roundtrip", 2, tmp_path / "root", tmp_path / "ds", tmp_path / f"r{r}.json"], shm_dir,
                     dict(MASTER_ADDR="127.0.0.1", MASTER_PORT=port, RANK=str(r), WORLD_SIZE="2", LOCAL_RANK=str(r),
                          LOCAL_WORLD_SIZE="2")) for r in range(2)]
-    results = [_finish(p) for p in procs]
+    results = [_finish(p, timeout=240) for p in procs]  # a hang guard (2 ranks, 2 engines each, busy cores)
     for r, (rc, out) in enumerate(results):
         assert rc == 0, f"rank {r} failed (rc {rc}):\n{out[-6000:]}"
     for r in range(2):
@@ -149,6 +151,33 @@ def test_zero2_two_ranks_each_restores_its_partition(tmp_path, shm_dir) -> None:
         assert res["restored_from"]["step"] == 5 and res["restored_from"]["tier"].startswith("memory:")
         assert res["next_loss"][0] == res["next_loss"][1]
         assert res["materialized"] == ["first/mp_rank_00_model_states.pt", f"first/{zero[r]}"]
+        # zero_to_fp32 in a rank reads every rank's partition: refused naming the fix (a torch.load
+        # of a pointer file reads alone), then, materialized on every rank, it reads them all
+        assert res["fp32_refused"].startswith("NotFoundError: "), res["fp32_refused"]
+        assert "materialize(save_dir, tag) on every rank" in res["fp32_refused"]
+        assert res["fp32_first"] == []
+
+
+@pytest.mark.timeout(150)
+def test_a_pointer_read_on_one_rank_never_waits_for_the_other_ranks(tmp_path, shm_dir) -> None:  # noqa: ANN001
+    """DeepSpeed ``torch.load``-s on one rank or on all, as it likes (ZeRO-3's ``load_checkpoint``
+    without optimizer states runs ``zero_to_fp32`` on every rank; ``zero_to_fp32.py`` runs in one
+    process): a ``torch.load`` of a pointer file of a multi-rank save, on rank 0 alone, in the job
+    and after it, is refused at once naming the file and the fix, never a wait for rank 1."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = str(s.getsockname()[1])
+    procs = [_start(["pointer_alone", 0, tmp_path / "root", tmp_path / "ds", tmp_path / f"r{r}.json"], shm_dir,
+                    dict(MASTER_ADDR="127.0.0.1", MASTER_PORT=port, RANK=str(r), WORLD_SIZE="2", LOCAL_RANK=str(r),
+                         LOCAL_WORLD_SIZE="2")) for r in range(2)]
+    results = [_finish(p, timeout=120) for p in procs]
+    for r, (rc, out) in enumerate(results):
+        assert rc == 0, f"rank {r} failed (rc {rc}):\n{out[-6000:]}"
+    res = json.loads((tmp_path / "r0.json").read_text())
+    pointer = str(tmp_path / "ds" / "t" / "zero_pp_rank_0_mp_rank_00_optim_states.pt")
+    for when in ("in_job", "alone"):
+        assert res.get(when, "").startswith("NotFoundError: "), (when, res)
+        assert pointer in res[when] and "materialize(save_dir, tag) on every rank" in res[when], (when, res)
 
 
 def _losses(path: str) -> tuple[dict[int, str], list[dict[str, Any]]]:

@@ -23,7 +23,8 @@ for the suite named by ``NEBULA_PEER_SUITE``:
 * ``deepspeed``: an engine's first ``save_checkpoint(save_dir)`` / ``load_checkpoint(save_dir)``
   ``enable``-s it on ``NEBULA_PEER_ROOTS/ds-<hash of save_dir>`` (every rank and every engine of a
   test agree on it). DeepSpeed's tests run their ranks in processes of their own, started by
-  ``multiprocessing``: ``sitecustomize.py`` beside this file makes the same swap in them.
+  ``multiprocessing`` (a ``forkserver``): ``forkserver_preload.py`` beside this file makes the
+  same swap in the server they are forked from.
 
 Every swap is counted; the summary line ``nebula_ckpt peers: swapped ...`` says how many times each
 happened, so a run where nothing was swapped is visible as such.
@@ -153,10 +154,24 @@ def _swap_dcp() -> None:
 
 
 # -- DeepSpeed ------------------------------------------------------------------------------------------
+def deepspeed_compat() -> None:
+    """Both runs of the DeepSpeed suite (every process): its test helpers (``master``, older than the
+    installed DeepSpeed) compare ``engine.sparse_tensor_module_names`` of the saved and the loaded
+    engine; DeepSpeed 0.19.8 dropped sparse gradients and that attribute with them. The engine gets
+    it as what 0.19.8 tracks: no sparse module (an empty set). ``NEBULA_PEER_DS_COMPAT=0`` leaves
+    the engine as it is (then every test comparing engine states fails on stock too)."""
+    if os.environ.get("NEBULA_PEER_DS_COMPAT", "1") == "0":
+        return
+    from deepspeed.runtime.engine import DeepSpeedEngine
+
+    if not hasattr(DeepSpeedEngine, "sparse_tensor_module_names"):
+        DeepSpeedEngine.sparse_tensor_module_names = frozenset()  # type: ignore[attr-defined]
+
+
 def _swap_deepspeed() -> None:
     """Every engine saving to or loading from ``save_dir`` is ``enable``-d first, on the root of that
     ``save_dir`` (every rank, and every engine of a test, agree on it without talking). Applied in
-    each process: DeepSpeed's tests run their ranks in processes of their own (``sitecustomize``)."""
+    each process: DeepSpeed's tests run their ranks in processes of their own (``forkserver_preload``)."""
     from deepspeed.runtime.engine import DeepSpeedEngine
 
     from nebula_ckpt.integrations.deepspeed import enable
@@ -166,12 +181,18 @@ def _swap_deepspeed() -> None:
     save, load = DeepSpeedEngine.save_checkpoint, DeepSpeedEngine.load_checkpoint
 
     def ensure(engine: Any, save_dir: Any) -> None:
-        root = _root("ds", os.path.abspath(os.fspath(save_dir)))
+        # a save_dir DeepSpeed refuses (None, "") still gets an engine: the refusal is DeepSpeed's,
+        # made with nebula_ckpt in place
+        key = os.path.abspath(os.fspath(save_dir)) if save_dir else f"<save_dir {save_dir!r}>"
+        root = _root("ds", key)
         if getattr(engine, "_nebula_peer_root", None) == root:
             return
         old = getattr(engine, "_nebula_peer_ckpt", None)
-        if old is not None:
+        if old is not None:  # another save_dir: its own root, enabled on DeepSpeed's engine again
             old.close()
+            engine.checkpoint_engine = engine._nebula_peer_stock
+        else:
+            engine._nebula_peer_stock = engine.checkpoint_engine
         SWAPS["deepspeed engine"] += 1
         engine._nebula_peer_ckpt = enable(engine, root)
         engine._nebula_peer_root = root
@@ -204,6 +225,8 @@ def swap() -> None:
 
 
 def pytest_configure(config: pytest.Config) -> None:
+    if SUITE == "deepspeed":
+        deepspeed_compat()
     swap()
 
 
@@ -230,4 +253,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 def pytest_terminal_summary(terminalreporter: Any) -> None:
     done = ", ".join(f"{k} x{v}" for k, v in sorted(SWAPS.items())) or "nothing"
+    if MODE == "nebula" and SUITE == "deepspeed" and os.path.isdir(ROOTS):
+        # the ranks swap in processes of their own: count the roots they made
+        roots = sum(1 for n in os.listdir(ROOTS) if n.startswith("ds-"))
+        done += f" in this process; {roots} nebula_ckpt root(s) made by the ranks"
     terminalreporter.write_line(f"nebula_ckpt peers: mode {MODE}, suite {SUITE or '-'}, swapped {done}")

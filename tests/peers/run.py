@@ -28,6 +28,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
 import xml.etree.ElementTree as ET
 from typing import Any, Optional
 
@@ -87,6 +88,29 @@ def _outcomes(xml_path: str) -> dict[str, str]:
     return out
 
 
+def _env(name: str, spec: dict[str, Any], mode: str, work: str) -> dict[str, str]:
+    return {**os.environ, "NEBULA_PEER_MODE": mode, "NEBULA_PEER_SUITE": name, "NEBULA_PEER_MANIFEST": MANIFEST,
+            "NEBULA_PEER_ROOTS": os.path.join(work, f"roots-{name}-{mode}"),
+            "PYTHONPATH": os.pathsep.join([HERE, REPO, *spec.get("pythonpath", []), os.environ.get("PYTHONPATH", "")]),
+            **spec.get("env", {})}
+
+
+def _prepare(name: str, module: str, env: dict[str, str], cwd: str) -> None:
+    """Import ``module`` once before the runs, with no time limit (DeepSpeed: its CPU ops are
+    JIT-built into torch's extension cache there, not inside a test's timeout; a build killed midway
+    leaves torch's ``lock`` file behind, and every later load waits for it to go)."""
+    ext = os.environ.get("TORCH_EXTENSIONS_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "torch_extensions")
+    for folder, _, files in os.walk(ext):
+        if "lock" in files:
+            print(f"peer-test: {name}: {os.path.join(folder, 'lock')} exists: a build is running, or a killed one "
+                  "left it (then remove it, or every load of that op waits for it)", flush=True)
+    print(f"peer-test: {name}: preparing (import {module}: the CPU ops are built once, minutes when not cached)",
+          flush=True)
+    t0 = time.monotonic()
+    subprocess.run([sys.executable, "-c", f"import {module}"], cwd=cwd, env=env, check=True)
+    print(f"peer-test: {name}: prepared in {time.monotonic() - t0:.0f} s", flush=True)
+
+
 def run_suite(name: str, spec: dict[str, Any], suites: str, work: str, extra: list[str]) -> Optional[dict[str, Any]]:
     src = os.path.join(suites, spec["folder"])
     if not os.path.isdir(src):
@@ -105,11 +129,9 @@ def run_suite(name: str, spec: dict[str, Any], suites: str, work: str, extra: li
     results: dict[str, Any] = {}
     for mode in ("stock", "nebula"):
         xml = os.path.join(work, f"{name}-{mode}.xml")
-        env = {**os.environ, "NEBULA_PEER_MODE": mode, "NEBULA_PEER_SUITE": name, "NEBULA_PEER_MANIFEST": MANIFEST,
-               "NEBULA_PEER_ROOTS": os.path.join(work, f"roots-{name}-{mode}"),
-               "PYTHONPATH": os.pathsep.join([HERE, REPO, *spec.get("pythonpath", []),
-                                              os.environ.get("PYTHONPATH", "")]),
-               **spec.get("env", {})}
+        env = _env(name, spec, mode, work)
+        if mode == "stock" and spec.get("prepare"):
+            _prepare(name, spec["prepare"], env, cwd)
         cmd = [sys.executable, "-m", "pytest", "-p", "plugin", "-q", "-rN", "--no-header", "-o", "addopts=",
                "-p", "no:cacheprovider", f"--junitxml={xml}", *spec.get("pytest_args", []), *extra, *files]
         print(f"peer-test: {name} ({mode}): {' '.join(cmd[3:])}", flush=True)

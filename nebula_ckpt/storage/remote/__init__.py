@@ -1,4 +1,4 @@
-"""Remote (object store) storage over fsspec: Azure Blob, S3, and any other fsspec URL.
+"""Internal: remote (object store) storage over fsspec: Azure Blob, S3, and any other fsspec URL.
 
 ``FsspecStorage(url, storage_options, compression=None)`` returns the backend for the URL's
 scheme (:func:`storage_class_for`): :class:`S3Storage` (``s3://``), :class:`AzureBlobStorage`

@@ -1,1 +1,1 @@
-"""The memory tier: its home in /dev/shm, slot files, garbage collection."""
+"""Internal: the memory tier: its home in /dev/shm, slot files, garbage collection."""

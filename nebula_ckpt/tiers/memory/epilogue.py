@@ -32,12 +32,12 @@ from typing import Any, Callable, Iterator, Optional
 
 from nebula_ckpt.errors import NebulaError, ValidationError
 from nebula_ckpt.format.commit import Write, committed_writes, read_commit
-from nebula_ckpt.format.manifest import Manifest
+from nebula_ckpt.format.manifest import Manifest, encode_manifest, whole_manifest
 from nebula_ckpt.format.names import MANIFEST, shard_name, step_dir
 from nebula_ckpt.format.references import shard_path
 from nebula_ckpt.ranks.fencing import Fence, read_run_id
 from nebula_ckpt.restore.open import open_checkpoint, read_manifest
-from nebula_ckpt.save.commit import CommitProgress, commit_manifest, encode_manifest
+from nebula_ckpt.save.commit import CommitProgress, commit_manifest
 from nebula_ckpt.save.drain import Copy, Drain, folder_problem, not_newer, write_whole
 from nebula_ckpt.save.incremental import whole_image
 from nebula_ckpt.storage.base import Storage
@@ -145,9 +145,8 @@ def _copy_one(storage: Storage, tier: str, write: Write, copy: Copy, on_part: On
         info = write_whole(storage, f"{step_dir(s)}/{shard}", parts)
     finally:
         src.close()
-    out = dict(man.to_json(), generation=g, shards=[{"file": shard, "bytes": nbytes, "storage": info}],
-               tensors=tensors)
-    out["stats"] = {k: v for k, v in out["stats"].items() if k not in ("base_step", "reused_bytes", "base_write")}
+    out = whole_manifest(man.to_json(), shard={"file": shard, "bytes": nbytes, "storage": info}, tensors=tensors,
+                         generation=g)
     try:
         commit_manifest(storage, Fence.past(storage, g).for_tier(storage), s, encode_manifest(out), CommitProgress(),
                         tier, w)

@@ -31,7 +31,6 @@ restarted and saved meanwhile keeps its steps.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import shutil
@@ -45,6 +44,7 @@ from nebula_ckpt.format.commit import Write, committed_steps, committed_writes, 
 from nebula_ckpt.format.manifest import Manifest
 from nebula_ckpt.format.names import COMMIT, MANIFEST, RUN_FILE, step_dir
 from nebula_ckpt.format.references import references
+from nebula_ckpt.format.root_records import parse_run_record
 from nebula_ckpt.storage.base import Storage
 from nebula_ckpt.storage.local import LocalStorage
 from nebula_ckpt.storage.urls import canonical_root
@@ -141,11 +141,7 @@ def _run_record(st: Storage) -> tuple[bool, Optional[str]]:
         raw = st.read_small(RUN_FILE)
     except FileNotFoundError:
         return False, None
-    d = json.loads(raw)
-    run = d.get("run_id") if isinstance(d, dict) else None
-    if not isinstance(run, str):
-        raise ValueError(f"{RUN_FILE} holds no run id")
-    return True, run
+    return True, parse_run_record(raw, f"{st.display_url}: {RUN_FILE}")
 
 
 def _ask_root(root: str, run_id: Optional[str], step: int, write: Optional[Write] = None) -> RootAnswer:

@@ -22,14 +22,13 @@ folder (marker last); the caller then verifies every checksum before the copy be
 from __future__ import annotations
 
 import dataclasses
-import json
 import mmap
 import os
 from typing import Any, Optional
 
 from nebula_ckpt.errors import CorruptCheckpointError, PersistError
 from nebula_ckpt.format.commit import Commit, read_commit
-from nebula_ckpt.format.manifest import Manifest
+from nebula_ckpt.format.manifest import Manifest, encode_manifest, stored_json, whole_manifest
 from nebula_ckpt.format.names import COMMIT, MANIFEST, step_dir
 from nebula_ckpt.format.references import references, shard_path
 from nebula_ckpt.native import get_ops
@@ -109,11 +108,8 @@ def materialise(inc: str, step: int, held: str, need: dict[str, Any]) -> int:
                 m.close()
         os.replace(os.path.join(inc, d, f"{own}.whole"), os.path.join(inc, d, own))
         tensors = info.pop("tensors")
-        doc = json.loads(raw)
-        stats = {k: v for k, v in dict(doc.get("stats") or {}).items()
-                 if k not in ("base_step", "reused_bytes", "base_write")}
-        doc.update(shards=[{"file": own, "bytes": nbytes, "storage": info}], tensors=tensors, stats=stats)
-        mbytes = json.dumps(doc, separators=(",", ":"), allow_nan=False).encode()
+        doc = whole_manifest(stored_json(raw), shard={"file": own, "bytes": nbytes, "storage": info}, tensors=tensors)
+        mbytes = encode_manifest(doc)
         st.write_small(f"{d}/{MANIFEST}", mbytes)
         st.write_small(f"{d}/{COMMIT}", Commit(step, received.generation, len(mbytes), get_ops().crc32c_bytes(mbytes),
                                                received.save).to_bytes(), create_only=True)
