@@ -20,12 +20,14 @@ def _torchrun(root: str, steps: int, shm_dir: str) -> str:
     env = dict(os.environ, NEBULA_SHM_DIR=shm_dir, OMP_NUM_THREADS="1")
     p = subprocess.run(cmd, env=env, text=True, capture_output=True, timeout=180)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    _torchrun.log = p.stdout[-3000:] + p.stderr[-6000:]  # type: ignore[attr-defined]
     return p.stdout
 
 
 @pytest.mark.timeout(240)
 def test_torchrun_example_saves_and_resumes(root: str, shm_dir: str) -> None:
     assert "fresh start" in _torchrun(root, 30, shm_dir)
-    assert sorted(n for n in os.listdir(root) if n.startswith("step-")) == ["step-10", "step-20", "step-29"]
+    steps = sorted(n for n in os.listdir(root) if n.startswith("step-"))
+    assert steps == ["step-10", "step-20", "step-29"], _torchrun.log  # type: ignore[attr-defined]
     out = _torchrun(root, 45, shm_dir)
     assert "resumed from step 29" in out and "done at step 44" in out
