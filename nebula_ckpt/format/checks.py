@@ -7,6 +7,7 @@ an integer belongs, so a reader never acts on a number a hostile writer chose fr
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from nebula_ckpt.errors import CorruptCheckpointError
@@ -48,6 +49,18 @@ def as_obj(v: Any, where: str, name: str) -> dict[str, Any]:
     if type(v) is not dict:
         raise bad(where, f"{name} must be a JSON object, got {type(v).__name__}")
     return v
+
+
+def load_object(raw: "bytes | str", where: str, name: str, fix: str = "") -> dict[str, Any]:
+    """The JSON object the bytes ``raw`` of a format file hold; what is not valid JSON (too deep,
+    not UTF-8) or not an object is refused naming ``where`` (and ``fix``)."""
+    try:
+        d = json.loads(raw)
+    except (ValueError, RecursionError) as e:  # UnicodeDecodeError is a ValueError
+        raise bad(where, f"is not valid JSON ({type(e).__name__}: {e})", fix) from None
+    if type(d) is not dict:
+        raise bad(where, f"{name} must be a JSON object, got {type(d).__name__}", fix)
+    return d
 
 
 def as_list(v: Any, where: str, name: str) -> list[Any]:

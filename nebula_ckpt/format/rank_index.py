@@ -41,7 +41,7 @@ import json
 import re
 from typing import Any, Callable, Mapping, Optional
 
-from nebula_ckpt.format.checks import as_int, as_list, as_obj, as_str, bad, only_fields, short
+from nebula_ckpt.format.checks import as_int, as_list, as_obj, as_str, bad, load_object, only_fields, short
 from nebula_ckpt.format.names import RANKS_FILE, SPLIT_VERSION
 from nebula_ckpt.format.rank_records import (
     RECORDS_FORMAT,
@@ -75,11 +75,7 @@ def unseal(data: bytes, crc: Callable[[bytes], int], w: str) -> dict[str, Any]:
     text = data[:-_SEAL_LEN] + b"}"
     if crc(text) != int(m.group(1), 16):
         raise bad(w, f"crc32c: its bytes do not match the checksum they carry ({m.group(1).decode()}): garbled")
-    try:
-        d = json.loads(text)
-    except Exception as e:  # RecursionError, UnicodeDecodeError, ...
-        raise bad(w, f"is not valid JSON ({type(e).__name__}: {e})") from None
-    return as_obj(d, w, "the records file")
+    return load_object(text, w, "the records file")
 
 
 def encode_split_records(*, step: int, generation: int, rank: int, world: int, save_id: str,

@@ -18,22 +18,12 @@ import json
 from dataclasses import dataclass
 
 from nebula_ckpt.errors import CorruptCheckpointError
-from nebula_ckpt.format.checks import as_int, as_str, bad
+from nebula_ckpt.format.checks import as_int, as_str, bad, load_object
 
 
 def encode_run_record(run_id: str, host: str, time: float) -> bytes:
     """The bytes of the run record naming ``run_id`` (created by ``host`` at ``time``)."""
     return json.dumps({"run_id": run_id, "host": host, "time": time}).encode()
-
-
-def _loads(raw: bytes, where: str, fix: str) -> dict[str, object]:
-    try:
-        d = json.loads(bytes(raw))
-    except (ValueError, RecursionError) as e:  # UnicodeDecodeError is a ValueError
-        raise bad(where, f"is not valid JSON ({type(e).__name__}: {e})", fix) from None
-    if type(d) is not dict:
-        raise bad(where, f"must hold a JSON object, got {type(d).__name__}", fix)
-    return d
 
 
 def parse_run_record(raw: bytes, where: str) -> str:
@@ -47,7 +37,7 @@ def parse_run_record(raw: bytes, where: str) -> str:
         CorruptCheckpointError: not a run record (not JSON, no string ``run_id``), naming ``where``.
     """
     fix = "remove it if no job is running on this root (the next run records a new run id)"
-    d = _loads(raw, where, fix)
+    d = load_object(bytes(raw), where, "the run record", fix)
     run = d.get("run_id")
     if type(run) is not str:
         raise bad(where, "holds no run id (a string run_id)", fix)
@@ -84,7 +74,7 @@ def parse_writer_record(raw: bytes, where: str) -> WriterRecord:
         CorruptCheckpointError: not a writer record, naming ``where`` and the field.
     """
     fix = "a writer generation record is written only by nebula_ckpt; remove it if no job writes to this root"
-    d = _loads(raw, where, fix)
+    d = load_object(bytes(raw), where, "a writer generation record", fix)
     host = as_str(d.get("host"), where, "host")
     pid = as_int(d.get("pid"), where, "pid", hi=2**31)
     t = d.get("time")

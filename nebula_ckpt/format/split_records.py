@@ -15,11 +15,10 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-import json
 import types
 from typing import Any, Callable, Iterable, Mapping, Optional, Sequence
 
-from nebula_ckpt.format.checks import as_hashes, as_int, as_list, as_obj, as_str, bad, only_fields, short
+from nebula_ckpt.format.checks import as_hashes, as_int, as_list, as_obj, as_str, bad, load_object, only_fields, short
 from nebula_ckpt.format.dtensors import check_dtensors
 from nebula_ckpt.format.grid import on_grid
 from nebula_ckpt.format.manifest import Manifest
@@ -43,10 +42,7 @@ def with_index(man: Manifest, data: bytes, read_crc: Callable[[bytes], int], whe
     if len(data) != layout.ranks_file.bytes or read_crc(data) != layout.ranks_file.crc32c:
         raise bad(w, f"size or checksum differs from the manifest's ({len(data)} bytes, manifest says "
                    f"{layout.ranks_file.bytes}): garbled or replaced")
-    try:
-        d = as_obj(json.loads(data), w, "ranks.json")
-    except ValueError as err:
-        raise bad(w, f"is not valid JSON ({err})") from None
+    d = load_object(data, w, "ranks.json")
     _check_head(d, man, w, RANKS_FORMAT, None)
     entries = as_list(d.get("ranks"), w, "ranks")
     if len(entries) != man.world_size:
