@@ -9,14 +9,14 @@
 * ``moe``: MoE-shaped: N/4 - 4 small expert parameters (1 KB) beside 4 large dense ones
   (1024x1024, 4 MB), with AdamW.
 
-For each system, each size and each state: ``--warmup`` saves, then ``--reps`` saves, the systems
-interleaved rep by rep (a busy neighbour slows them all alike). Each system saves in a process
+For each system, each size and each state: ``--warmup`` saves, then ``--reps`` saves (4x that up to
+1,000 tensors: sub-millisecond calls need more samples), the systems interleaved rep by rep (a busy neighbour slows them all alike). Each system saves in a process
 of its own (one per state and size; :func:`worker`), so what one holds (staging, threads, file
 descriptors: PyTorch's shared-memory staging keeps one per tensor) cannot slow another or make it
 fail. Timed per save: the call, and the
 call plus the wait until the state may change (``wait_safe``: for systems whose call returns before
-the state is copied). Untimed between saves: the wait until the previous save is durable (so no
-save overlaps another's writes). In the parent process, in the same rep, two floors: ``floor_s`` a bare Python
+the state is copied). Untimed after each save: the wait until it is durable (so no
+save overlaps another's writes, and no system's writes run while another system or a floor is timed). In the parent process, in the same rep, two floors: ``floor_s`` a bare Python
 loop reading every tensor's ``data_ptr()`` (the least any per-tensor check from Python costs) and
 ``copy_s`` one copy of the state's bytes as a single block into a buffer touched before (the bytes
 every snapshot must move). ``nebula``'s first save (the state planned from scratch, staging
@@ -53,6 +53,8 @@ log = logging.getLogger("benchmarks.many_tensors")
 
 WORKLOADS = ("flat", "model", "moe")
 SIZES = (100, 1_000, 10_000, 100_000)
+#: up to this many tensors a size takes 4x the timed saves (:func:`reps_for`)
+SMALL_SIZE = 1_000
 
 
 class NebulaAsync(NebulaLocal):
@@ -159,6 +161,9 @@ class _Run:
             t1 = time.perf_counter()
             self.peer.wait_safe()
             t2 = time.perf_counter()
+            # untimed: durable before the reply, so no save of this system is still writing while
+            # the next system's save or the parent's floors are timed (two cores: it would show)
+            self.peer.wait_durable()
             self.peer.prune()
         except Exception as e:  # recorded, the run goes on
             log.exception("%s failed", self.peer.name)
@@ -222,6 +227,12 @@ def _start(name: str, workload: str, n: int, root: Path) -> tuple[Any, Any, dict
     return proc, here, first
 
 
+def reps_for(n: int, reps: int) -> int:
+    """Timed saves at ``n`` tensors: 4x ``reps`` up to 1,000 tensors (sub-millisecond calls, whose
+    medians need more samples on a shared machine; cheap), ``reps`` above."""
+    return reps * 4 if n <= SMALL_SIZE else reps
+
+
 def measure_size(workload: str, n: int, systems: list[str], a: argparse.Namespace, base: Path) -> dict[str, Any]:
     """Every system saving the ``workload`` state of ``n`` tensors (see the module docstring)."""
     state = build_state(workload, n)
@@ -242,7 +253,7 @@ def measure_size(workload: str, n: int, systems: list[str], a: argparse.Namespac
         workers[name] = (proc, conn)
     floors: list[float] = []
     copies: list[float] = []
-    for rep in range(a.warmup + a.reps):
+    for rep in range(a.warmup + reps_for(n, a.reps)):
         for _proc, conn in workers.values():
             conn.send(("save", rep, rep >= a.warmup))
             conn.recv()
@@ -264,7 +275,7 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--sizes", default=None, help=f"numbers of tensors (default {','.join(str(s) for s in SIZES)})")
     p.add_argument("--workloads", default=",".join(WORKLOADS), help=f"of {', '.join(WORKLOADS)}")
     p.add_argument("--systems", default=",".join(SYSTEMS), help=f"of {', '.join(SYSTEMS)}")
-    p.add_argument("--reps", type=int, default=5, help="timed saves per system and size")
+    p.add_argument("--reps", type=int, default=5, help="timed saves per system and size (4x that up to 1,000 tensors)")
     p.add_argument("--warmup", type=int, default=2, help="saves before the timed ones (the first is kept apart)")
     p.add_argument("--max-save-s", type=float, default=60.0,
                    help="skip a system at the larger sizes once one of its saves took longer than this")

@@ -94,7 +94,8 @@ class HealthMonitor:
         self.rank = rank
         self._generation = generation
         self._lock = threading.RLock()
-        self._pending: list[_Pending] = []
+        #: by step, oldest first (a dict: a save replaces its step's entry without a scan)
+        self._pending: dict[int, _Pending] = {}
         self._restored: Optional[tuple[int, int]] = None
         self._since_restore = 0
         self._descendants: list[int] = []
@@ -133,8 +134,11 @@ class HealthMonitor:
             if self._restored is not None:
                 self._descendants.append(step)
             if self.rank == 0:
-                self._pending = [p for p in self._pending if p.step != step][-(_MAX_PENDING - 1):]
-                self._pending.append(_Pending(None, step))
+                pending = self._pending
+                pending.pop(step, None)
+                while len(pending) >= _MAX_PENDING:
+                    del pending[next(iter(pending))]
+                pending[step] = _Pending(None, step)
 
     def restored(self, generation: int, step: int, state: str) -> None:
         """The checkpoint ``(generation, step)``, marked ``state``, was restored: reports from now
@@ -142,7 +146,7 @@ class HealthMonitor:
         with self._lock:
             self._restored, self._since_restore, self._descendants = (generation, step), 0, []
             self._bad, self._last_step = None, None
-            self._pending = [_Pending(generation, step)] if self.rank == 0 and state not in (HEALTHY, SUSPECT) else []
+            self._pending = {step: _Pending(generation, step)} if self.rank == 0 and state not in (HEALTHY, SUSPECT) else {}
 
     # -- decisions --------------------------------------------------------------------------------
     def _judge(self, step: int, loss: float, grad_norm: Optional[float]) -> Optional[str]:
@@ -169,19 +173,19 @@ class HealthMonitor:
             marks += [(None, d, f"saved from step {s}, which went bad ({why})") for d in self._descendants if d != s]
             self._restored, self._descendants = None, []
             self._suspect(marks)
-        self._pending = []  # not confirmed: they stay unknown
+        self._pending = {}  # not confirmed: they stay unknown
         self._bad = why
 
     def _on_finite(self, step: int) -> None:
         self._bad = None
         done = []
-        for p in self._pending:
+        for p in self._pending.values():
             p.finite += 1
             p.first = step if p.first is None else p.first
             if p.finite >= self.policy.healthy_after:
                 done.append(p)
         for p in done:
-            self._pending.remove(p)
+            del self._pending[p.step]
             span = f"step {p.first}" if p.first == step else f"steps {p.first}-{step}"
             self._submit(p, f"the loss was finite at the {p.finite} reported step(s) after it ({span})")
 

@@ -234,7 +234,7 @@ class SavePipeline:
             w.took(t_now)
         try:
             header = plan.layout.header
-            slot.buffer.numpy().data[: len(header)] = header  # plain memcpy (ATen copy_ costs ms here)
+            slot.view()[: len(header)] = header  # plain memcpy (ATen copy_ costs ms here)
             # A save the training thread waits for copies at memcpy speed: the stager takes the
             # checksums of the staged bytes afterwards, off the training thread (nothing can
             # change them). An overlapped copy checksums while copying and checks each block

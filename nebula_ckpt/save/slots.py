@@ -29,6 +29,14 @@ class Slot:
     #: slot file (exactly ``capacity`` bytes) the memory tier may link as its shard; None: anonymous
     path: Optional[str] = None
     _mm: Any = field(default=None, repr=False)
+    _view: Optional[memoryview] = field(default=None, repr=False)
+
+    def view(self) -> memoryview:
+        """The whole buffer as a memoryview, made once (``Tensor.numpy()`` costs tens of µs a call,
+        paid on the training thread by every save otherwise)."""
+        if self._view is None:
+            self._view = self.buffer.numpy().data
+        return self._view
 
     @property
     def capacity(self) -> int:
@@ -57,6 +65,7 @@ class Slot:
                 os.unlink(self.path)
             except FileNotFoundError:
                 pass
+        self._view = None
         self.buffer = torch.empty(0, dtype=torch.uint8)
         self._mm = None
 

@@ -12,7 +12,9 @@ counters) before any tier commits.
 
 from __future__ import annotations
 
+import itertools
 import logging
+import os
 import queue
 import secrets
 import threading
@@ -29,6 +31,24 @@ from nebula_ckpt.tiers.memory.compare import Compared
 from nebula_ckpt.tiers.memory.hash_reuse import staged_hashes
 
 log = logging.getLogger(__name__)
+
+
+class _WriteIds:
+    """Names of writes: 12 random bytes of this process (drawn again in a forked child) and a
+    count, so two writes never share one and no save pays for a draw from ``os.urandom``."""
+
+    def __init__(self) -> None:
+        self.reset()
+        os.register_at_fork(after_in_child=self.reset)
+
+    def reset(self) -> None:
+        self._prefix, self._count = secrets.token_hex(12), itertools.count()
+
+    def next(self) -> str:
+        return f"{self._prefix}{next(self._count):08x}"
+
+
+_write_ids = _WriteIds()
 
 
 class Snapshot:
@@ -58,7 +78,7 @@ class Snapshot:
         #: a random name of this write, recorded in its manifests' ``stats`` (``write_id``): two
         #: saves of one step in one writer generation are told apart without trusting a checksum,
         #: and a tier's base records the snapshot it was committed from
-        self.write_id = secrets.token_hex(16)
+        self.write_id = _write_ids.next()
         self.copy_seconds = 0.0
         self._pool = pool
         self._refs = 1
@@ -83,7 +103,7 @@ class Snapshot:
 
     def view(self) -> memoryview:
         """The shard image (a zero-copy memoryview of the staging buffer)."""
-        return self.slot.buffer.numpy().data[: self.nbytes]
+        return self.slot.view()[: self.nbytes]
 
     def finish_copy(self) -> None:
         """Wait for the copy (idempotent, any thread) and settle the snapshot verdict."""
