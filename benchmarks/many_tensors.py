@@ -9,15 +9,16 @@
 * ``moe``: MoE-shaped: N/4 - 4 small expert parameters (1 KB) beside 4 large dense ones
   (1024x1024, 4 MB), with AdamW.
 
-For each system, each size and each state: ``--warmup`` saves, then ``--reps`` saves (4x that up to
-1,000 tensors: sub-millisecond calls need more samples), the systems interleaved rep by rep (a busy neighbour slows them all alike). Each system saves in a process
-of its own (one per state and size; :func:`worker`), so what one holds (staging, threads, file
-descriptors: PyTorch's shared-memory staging keeps one per tensor) cannot slow another or make it
-fail. Timed per save: the call, and the
-call plus the wait until the state may change (``wait_safe``: for systems whose call returns before
-the state is copied). Untimed after each save: the wait until it is durable (so no
-save overlaps another's writes, and no system's writes run while another system or a floor is timed). In the parent process, in the same rep, two floors: ``floor_s`` a bare Python
-loop reading every tensor's ``data_ptr()`` (the least any per-tensor check from Python costs) and
+For each system, each size and each state: ``--warmup`` saves, then ``--reps`` saves (4x that up
+to 1,000 tensors: sub-millisecond calls need more samples), the systems interleaved rep by rep (a
+busy neighbour slows them all alike). Each system saves in a process of its own (one per state and
+size; :func:`worker`), so what one holds (staging, threads, file descriptors: PyTorch's
+shared-memory staging keeps one per tensor) cannot slow another or make it fail. Timed per save:
+the call, and the call plus the wait until the state may change (``wait_safe``: for systems whose
+call returns before the state is copied). Untimed after each save: the wait until it is durable
+(so no save overlaps another's writes, and no system's writes run while another system or a floor
+is timed). In the parent process, in the same rep, two floors: ``floor_s`` a bare Python loop
+reading every tensor's ``data_ptr()`` (the least any per-tensor check from Python costs) and
 ``copy_s`` one copy of the state's bytes as a single block into a buffer touched before (the bytes
 every snapshot must move). ``nebula``'s first save (the state planned from scratch, staging
 allocated) is kept apart.

@@ -146,7 +146,8 @@ class HealthMonitor:
         with self._lock:
             self._restored, self._since_restore, self._descendants = (generation, step), 0, []
             self._bad, self._last_step = None, None
-            self._pending = {step: _Pending(generation, step)} if self.rank == 0 and state not in (HEALTHY, SUSPECT) else {}
+            follow = self.rank == 0 and state not in (HEALTHY, SUSPECT)
+            self._pending = {step: _Pending(generation, step)} if follow else {}
 
     # -- decisions --------------------------------------------------------------------------------
     def _judge(self, step: int, loss: float, grad_norm: Optional[float]) -> Optional[str]:

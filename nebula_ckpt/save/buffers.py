@@ -54,6 +54,17 @@ log = logging.getLogger(__name__)
 _ROUND = 2 << 20
 
 
+class Claim:
+    """What one save took from the pool and has not handed on yet: its slot, set by the pool in the
+    same step that marks the slot in use (no point between them where a signal handler's exception
+    can land), so a save cut anywhere after that still knows which slot to give back."""
+
+    __slots__ = ("slot",)
+
+    def __init__(self) -> None:
+        self.slot: Optional[Slot] = None
+
+
 class StagingPool:
     """A bounded set of reusable host buffers.
 
@@ -180,8 +191,9 @@ class StagingPool:
                 f"(limit now {gib(limit)})")
 
     def acquire(self, nbytes: int, pinned: bool, reclaim: Optional[Callable[[bool], bool]] = None,
-                what: str = "a save") -> Optional[Slot]:
-        """A free slot of at least ``nbytes``; ``None`` when skipped by policy.
+                what: str = "a save", claim: Optional[Claim] = None) -> Optional[Slot]:
+        """A free slot of at least ``nbytes``; ``None`` when skipped by policy. ``claim`` holds the
+        slot from the moment it is marked in use (see :class:`Claim`).
 
         ``reclaim(budget)`` is called (without the pool's lock) when no slot can be had: it drops
         snapshots that slow tiers hold but have not started writing, which may free a slot, and
@@ -194,7 +206,7 @@ class StagingPool:
         while True:
             with self._mutex:
                 self._short = None
-                slot = self._take(nbytes, pinned)
+                slot = self._take(nbytes, pinned, claim or Claim())
                 if slot is not None:
                     return slot
                 self._copies_idle.set()  # no copy follows
@@ -233,7 +245,12 @@ class StagingPool:
         """A save's copy into its slot finished (any thread): a slot may be made ahead now."""
         self._copies_idle.set()
 
-    def _take(self, nbytes: int, pinned: bool) -> Optional[Slot]:
+    @staticmethod
+    def _lend(slot: Slot, claim: Claim) -> None:
+        slot.in_use = True  # and the claim, with no call between: nothing can cut in
+        claim.slot = slot
+
+    def _take(self, nbytes: int, pinned: bool, claim: Claim) -> Optional[Slot]:
         if self._closed:
             raise RuntimeError("the checkpointer is closed")
         self._copies_idle.clear()  # the caller copies into what it takes (copy_done() after)
@@ -244,7 +261,7 @@ class StagingPool:
         fit = [s for s in free if s.fits(nbytes)]
         if fit:  # slot files first: the memory tier can link them instead of copying
             slot = min(fit, key=lambda s: (s.path is None, s.capacity))
-            slot.in_use = True
+            self._lend(slot, claim)
             if ahead:
                 self._prepare_ahead(nbytes, took_file=slot.path is not None)
             return slot
@@ -277,9 +294,9 @@ class StagingPool:
                 self._faulters = [f for f in self._faulters if f.running()]
                 self._faulters.append(FaultAhead(made.buffer, threads_for(size)))
         slot = made
-        slot.in_use = True
-        self.allocations += 1
         self._slots.append(slot)
+        self._lend(slot, claim)
+        self.allocations += 1
         log.debug("nebula_ckpt: staging %s of %.1f MiB allocated (%d slots)",
                   "slot file" if slot.path else "buffer", slot.capacity / 2**20, len(self._slots))
         if ahead:

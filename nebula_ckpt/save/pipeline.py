@@ -14,6 +14,7 @@ wait for the copy; see :class:`~nebula_ckpt.checkpointer.Checkpointer`'s consist
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import weakref
@@ -26,11 +27,11 @@ from nebula_ckpt.errors import NebulaError
 from nebula_ckpt.format.commit import committed_writes
 from nebula_ckpt.format.manifest import Manifest
 from nebula_ckpt.handle import SaveHandle
-from nebula_ckpt.native import get_ops, monotonic
+from nebula_ckpt.native import CopyJob, get_ops, monotonic
 from nebula_ckpt.ranks.coordinator import Coordinator
 from nebula_ckpt.ranks.fencing import Fence
 from nebula_ckpt.save.budget import Budget, HostMemoryBudget, give_up_memory_steps
-from nebula_ckpt.save.buffers import StagingPool
+from nebula_ckpt.save.buffers import Claim, StagingPool
 from nebula_ckpt.save.fanout import fan_out
 from nebula_ckpt.save.plan import Plan
 from nebula_ckpt.save.plan_cache import PlanCache
@@ -52,6 +53,16 @@ log = logging.getLogger("nebula_ckpt")
 #: program registered before ``import nebula_ckpt``) has no hook left to write it, so it is waited for
 exit_hook_ran = threading.Event()
 
+
+
+class _Taken:
+    """The copy job and snapshot one save made, recorded as each is made (see ``SavePipeline._give_back``)."""
+
+    __slots__ = ("job", "snap")
+
+    def __init__(self) -> None:
+        self.job: Optional[CopyJob] = None
+        self.snap: Optional[Snapshot] = None
 
 class SavePipeline:
     """The saves of one :class:`~nebula_ckpt.checkpointer.Checkpointer`: staging memory, the
@@ -224,29 +235,53 @@ class SavePipeline:
             return handle
         pinned = plan.sources.any_cuda()
         overlap = self._may_overlap(plan, pinned)
-        slot = self.pool.acquire(plan.layout.total_bytes, pinned, self._reclaim, what=f"step {plan.step}")
-        if slot is None:
-            log.warning("nebula_ckpt: step %d skipped (on_full='skip'): %s", plan.step, self.pool.why_full())
-            progress.skip(f"no free staging buffer (on_full='skip'): {self.pool.why_full()}")
-            progress.returned()
-            return handle
-        for w in targets:  # the save goes ahead: only now does it count for every_seconds
-            w.took(t_now)
+        claim, took = Claim(), _Taken()
         try:
-            header = plan.layout.header
-            slot.view()[: len(header)] = header  # plain memcpy (ATen copy_ costs ms here)
-            # A save the training thread waits for copies at memcpy speed: the stager takes the
-            # checksums of the staged bytes afterwards, off the training thread (nothing can
-            # change them). An overlapped copy checksums while copying and checks each block
-            # against a hash taken before its copy (writes through .data / numpy during it).
-            job = get_ops().enqueue_sources(plan.sources, slot.buffer, checksum=overlap)
-        except BaseException:
-            self.pool.release(slot)  # nothing is in flight: the slot goes back
+            self._stage(plan, handle, targets, t_now, t0, idx, overlap, pinned, claim, took)
+        except BaseException as e:
+            self._give_back(claim, took, e)
             raise
-        snap = Snapshot(plan, slot, job, handle, self.pool, targets, t0, index=idx)
-        self._hand_over(snap, overlap)
         progress.returned()
         return handle
+
+    def _stage(self, plan: Plan, handle: SaveHandle, targets: list[TierWriter], t_now: float, t0: float, idx: int,
+               overlap: bool, pinned: bool, claim: Claim, took: _Taken) -> None:
+        """Take a staging slot, enqueue the copy into it and hand the snapshot to the stager,
+        recording in ``claim`` / ``took`` what is taken as it is taken (see :meth:`_give_back`)."""
+        slot = self.pool.acquire(plan.layout.total_bytes, pinned, self._reclaim, what=f"step {plan.step}",
+                                 claim=claim)
+        if slot is None:
+            log.warning("nebula_ckpt: step %d skipped (on_full='skip'): %s", plan.step, self.pool.why_full())
+            handle.progress.skip(f"no free staging buffer (on_full='skip'): {self.pool.why_full()}")
+            return
+        for w in targets:  # the save goes ahead: only now does it count for every_seconds
+            w.took(t_now)
+        header = plan.layout.header
+        slot.view()[: len(header)] = header  # plain memcpy (ATen copy_ costs ms here)
+        # A save the training thread waits for copies at memcpy speed: the stager takes the
+        # checksums of the staged bytes afterwards, off the training thread (nothing can change
+        # them). An overlapped copy checksums while copying and checks each block against a hash
+        # taken before its copy (writes through .data / numpy during it).
+        took.job = get_ops().enqueue_sources(plan.sources, slot.buffer, checksum=overlap)
+        took.snap = Snapshot(plan, slot, took.job, handle, self.pool, targets, t0, index=idx)
+        self._hand_over(took.snap, overlap)
+
+    def _give_back(self, claim: Claim, took: _Taken, error: BaseException) -> None:
+        """``save_async`` failed (or a signal handler's exception cut it) at any point after it may
+        have taken a staging slot: give back what it took, so the next save gets a slot. A copy in
+        flight is waited for first (it writes into the slot); a copy job the cut lost on the way was
+        waited for by its own release. A snapshot made is taken back whole (:meth:`_take_back`)."""
+        if took.snap is not None:
+            self._take_back(took.snap, error)
+            return
+        if claim.slot is None:
+            return  # nothing was taken
+        try:
+            if took.job is not None:
+                with contextlib.suppress(Exception):
+                    took.job.wait()
+        finally:
+            self.pool.release(claim.slot)
 
     def _new_handle(self, idx: int, plan: Plan, targets: list[TierWriter], t0: float) -> SaveHandle:
         """The handle of save ``idx``: its tiers, and the memory tier's replicas when it goes there."""
@@ -265,28 +300,24 @@ class SavePipeline:
 
     def _hand_over(self, snap: Snapshot, overlap: bool) -> None:
         """Confirm ``snap`` now (no overlap) or guard it with hooks, track its handle, and give
-        it to the stager; on any failure take it back (see :meth:`_take_back`)."""
+        it to the stager; on any failure the caller takes it back (see :meth:`_take_back`)."""
         handle = snap.handle
-        try:
-            handle.progress.bind_confirm(snap.confirm)
+        handle.progress.bind_confirm(snap.confirm)
+        if overlap:
+            overlap = self._install_hooks(snap.plan.optimizers, snap.plan.modules_with_buffers)
+        if not overlap:
+            snap.confirm()  # the copy is done and checked before we return: nothing can tear it
+        with self._lock:
             if overlap:
-                overlap = self._install_hooks(snap.plan.optimizers, snap.plan.modules_with_buffers)
-            if not overlap:
-                snap.confirm()  # the copy is done and checked before we return: nothing can tear it
-            with self._lock:
-                if overlap:
-                    self.inflight = [s for s in self.inflight if not s.confirmed] + [snap]
-                self.handles = [h for h in self.handles if not (h.done() and (h.seen or h.error() is None))]
-                self.handles.append(handle)
-            assert self._stager is not None
-            # last: from here on the stager owns the snapshot. Nothing can interrupt between the
-            # two lines (no call), nor inside the queueing (one C call): _take_back tells by
-            # _handing whether the stager got it.
-            self._handing = snap.index
-            self._stager.submit(snap)
-        except BaseException as e:
-            self._take_back(snap, e)
-            raise
+                self.inflight = [s for s in self.inflight if not s.confirmed] + [snap]
+            self.handles = [h for h in self.handles if not (h.done() and (h.seen or h.error() is None))]
+            self.handles.append(handle)
+        assert self._stager is not None
+        # last: from here on the stager owns the snapshot. Nothing can interrupt between the
+        # two lines (no call), nor inside the queueing (one C call): _take_back tells by
+        # _handing whether the stager got it.
+        self._handing = snap.index
+        self._stager.submit(snap)
 
     def _may_overlap(self, plan: Plan, pinned: bool) -> bool:
         """Whether this save may return before its copy is done: the snapshot mode asks for it and

@@ -190,14 +190,17 @@ def _interrupt_first_save(root: str) -> None:
     import nebula_ckpt as nc
     s = 2
     for how in ("ki", "exit"):
-        # Ctrl-C: every `stride`-th point (over a thousand, most in the planning of a first save), from
-        # a random offset printed here, so runs cover all of them in turn; exit: every point
-        stride = int(os.environ.get("NEBULA_INTERRUPT_STRIDE", "4")) if how == "ki" else 1
+        # every `stride`-th point from a random offset printed here, so runs cover all of them in turn:
+        # Ctrl-C every 8th (~700 points, most in the planning of a first save), exit every 2nd (~300);
+        # NEBULA_INTERRUPT_STRIDE=S: every S-th and every max(1, S // 4)-th (1: every point, both ways)
+        every = int(os.environ.get("NEBULA_INTERRUPT_STRIDE", "8"))
+        stride = every if how == "ki" else max(1, every // 4)
         n = 1 + random.randrange(stride)
         print(f"OFFSET {how} {n} stride {stride}", flush=True)
         tried = 0
         while True:
             tried += 1
+            faulthandler.dump_traceback_later(60, exit=True)  # one try hung: where, then the child ends
             # the memory tier (claimed at the first save) where the first save is cut; the disk tier alone
             # where the second save is cut, at its points in the library only: the test's time stays short
             ck = nc.Checkpointer(f"{root}-{how}-{n}", memory_tier=how == "ki")
@@ -232,6 +235,44 @@ def _interrupt_first_save(root: str) -> None:
                 print(f"INTERRUPTED first_save {how} at {tried - 1} points of {trap.seen}", flush=True)
                 break
             n += stride
+
+
+def _interrupt_staging(root: str) -> None:
+    """A Ctrl-C at every point of a later ``save_async`` inside the staging code (the slot taken, the
+    copy enqueued, the snapshot made and handed to the stager), disk tier alone, on a root of its own
+    per point (``<root>-<point>``): the interrupt comes out as it is, the next ``save_async`` is
+    accepted (with one staging slot per state, a slot the cut kept would make it wait for ever) and
+    ``close()`` writes it. Prints what each try did for the test to check."""
+    import nebula_ckpt as nc
+    files = tuple(f"nebula_ckpt{os.sep}save{os.sep}{m}.py" for m in ("pipeline", "buffers", "slots", "snapshot"))
+    n, s = 1, 2
+    while True:
+        faulthandler.dump_traceback_later(60, exit=True)  # one try hung: where, then the child ends
+        ck = nc.Checkpointer(f"{root}-{n}", memory_tier=False)
+        ck.save_async(s, _small(s)).result()  # planned, its slot made and idle again
+        s += 1
+        trap = _Interrupter(n, files)
+        sys.settrace(trap)
+        try:
+            ck.save_async(s, _small(s))
+            sys.settrace(None)
+            print(f"{'SWALLOWED' if trap.seen >= n else 'CLEAN'} staging {n} {s}", flush=True)
+        except KeyboardInterrupt as e:
+            sys.settrace(None)
+            print(f"{'RAISED' if str(e) == trap.message else 'CHANGED'} staging {n} {s} {e}", flush=True)
+        except BaseException as e:  # noqa: BLE001 (printed: the test fails on it)
+            sys.settrace(None)
+            print(f"BECAME staging {n} {s} {type(e).__name__}: {e}", flush=True)
+        s += 1
+        ck.save_async(s, _small(s))
+        print(f"ACCEPTED staging {n} {s}", flush=True)
+        s += 1
+        ck.close()
+        print(f"CLOSED staging {n} {ck.closed and not ck._close_unfinished}", flush=True)
+        if trap.seen < n:
+            print(f"INTERRUPTED staging at {n - 1} points", flush=True)
+            break
+        n += 1
 
 
 class _Stop(BaseException):
@@ -357,13 +398,16 @@ def main() -> None:  # noqa: C901 (one branch per mode, read top to bottom)
         signal.signal(signal.SIGTERM, on_term)
         threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGTERM)).start()
         _save_until_term(ck)
+    if mode == "interrupt_staging":
+        _interrupt_staging(root)
+        return
     if mode == "interrupt_first_save":
-        faulthandler.dump_traceback_later(90, exit=True)  # a hang shows where, then the child ends
-        _interrupt_first_save(root + "-first")
+        _interrupt_first_save(root + "-first")  # arms a hang's traceback per try
         return
     if mode in ("sigint_in_save", "sigint_in_wait", "sigint_in_close"):
         for s in (2, 3):
             ck.save_async(s, state(s))
+            print(f"ACCEPTED {s}", flush=True)  # the signal may land in the first save below (a busy machine)
         if mode == "sigint_in_save":
             threading.Timer(0.05, os.kill, (os.getpid(), signal.SIGINT)).start()
             for s in range(4, 10_000):  # the signal lands in save_async or in waiting for the save
