@@ -122,8 +122,7 @@ def find_and_open(tiers: list[tuple[Tier, Storage]], step: Optional[int] = None,
             does not match) is raised.
         skip: ``skip(generation, step)``: leave that checkpoint out (marked suspect, see
             :mod:`nebula_ckpt.restore.health`); not counted as damaged.
-        layouts: when given, why each candidate of another layout was passed over is appended
-            (healthy, but other ranks' parts: not counted as damaged either).
+        layouts: gets why each candidate of another layout (not damaged) was passed over.
 
     Returns:
         The open checkpoint, or None when there is no committed checkpoint (of ``step``) at all

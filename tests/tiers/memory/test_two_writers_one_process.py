@@ -20,9 +20,9 @@ from typing import Any
 
 import pytest
 import torch
-from faults import FaultyTier
 
 import nebula_ckpt as nc
+from faults import FaultyTier
 from nebula_ckpt.errors import FencedError
 
 pytestmark = pytest.mark.skipif(not os.path.isdir("/dev/shm"), reason="needs a tmpfs memory tier")
