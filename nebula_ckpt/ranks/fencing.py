@@ -250,9 +250,9 @@ class Fence:
             log.warning("nebula_ckpt: %s: an older Checkpointer of this process on this root has not finished its "
                         "saves after %.0f s; a newer one takes the root over now, and those saves end fenced",
                         root, timeout)
-        self.stop(f"{root}: a newer Checkpointer of this process (pid {os.getpid()}) took this root over; this one "
-                  "writes nothing more (every checkpoint it committed stays, and is read by the newer one). Close "
-                  "the older Checkpointer (or engine) when a new one replaces it", handed_over=not late)
+        self.stop(f"{root}: a newer writer, a newer Checkpointer of this process (pid {os.getpid()}), took this root "
+                  "over; this one writes nothing more (every checkpoint it committed stays, and the newer one reads "
+                  "it). Close the older Checkpointer (or engine) when a new one replaces it", handed_over=not late)
 
     def retire(self) -> None:
         """This writer is closed: no newer writer of this process needs it to hand over."""
