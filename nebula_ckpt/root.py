@@ -66,7 +66,7 @@ class OpenRoot:
         self._was_folder = path is not None and os.path.isdir(path)
         self.root_storage = root_storage
         self._own_root_storage = own_root_storage
-        self.fence = Fence(root_storage, coordinator)
+        self.fence = Fence(root_storage, coordinator, canonical_root(root) if root else None)
 
         def give_back() -> None:  # fenced on one tier, fenced on all: the memory tier's lock goes
             for rt in runtimes:
@@ -84,7 +84,7 @@ class OpenRoot:
             if self._ready:
                 return
             # an older Checkpointer of this process on this root finishes its saves and hands over
-            self.fence.take_over(canonical_root(self.root))
+            self.fence.take_root()
             for rt in self.runtimes:
                 if rt.persistent:
                     check_writable(rt)
@@ -217,7 +217,7 @@ def open_root(root: str, storage_options: Optional[dict[str, Any]], tiers: Optio
         # ranks, the job's writer generation, and the rounds of each shared tier. An older
         # Checkpointer of a rank's process on this root hands over first, on every rank: the
         # exchange of run ids that follows is the barrier before rank 0 takes the new generation.
-        out.fence.take_over(canonical_root(root))
+        out.fence.take_root()
         _check_shared_root(out, root, coordinator)
         _ = out.fence.generation
         for rt in opened:

@@ -151,10 +151,13 @@ class Fence:
     Args:
         storage: the persistent root.
         coordinator: takes the generation once per job and shares it with every rank.
+        root: the canonical root of a Checkpointer's writer: before it takes its generation,
+            the older writers of this process on that root hand over (:meth:`take_over`).
     """
 
-    def __init__(self, storage: Storage, coordinator: Optional[Coordinator] = None) -> None:
+    def __init__(self, storage: Storage, coordinator: Optional[Coordinator] = None, root: Optional[str] = None) -> None:
         self.storage = storage
+        self._root = root
         self._coordinator = coordinator or LocalCoordinator()
         self._generation: Optional[int] = None
         #: a past generation's fence (:meth:`past`): never takes one, checks for newer commits
@@ -238,6 +241,11 @@ class Fence:
         for f in older:
             f.hand_over(root, timeout)
 
+    def take_root(self) -> None:
+        """:meth:`take_over` of this writer's own root (given when it was made; else nothing)."""
+        if self._root is not None and not self.is_past:
+            self.take_over(self._root)
+
     def hand_over(self, root: str, timeout: float = HAND_OVER_TIMEOUT_S) -> None:
         """A newer writer of this process takes the root ``root`` over: finish the saves handed to
         the tiers (up to ``timeout`` seconds), then stop writing (:meth:`stop`, with nothing in
@@ -264,7 +272,10 @@ class Fence:
 
     @property
     def generation(self) -> int:
-        """This writer's generation, taken on first use."""
+        """This writer's generation, taken on first use (by a Checkpointer's writer: after the
+        older writers of this process on its root handed over, :meth:`take_over`)."""
+        if self._generation is None:
+            self.take_root()  # no-op once done (at the first write, or in a job's constructor)
         with self._lock:
             if self._generation is None:
                 self._generation = self._coordinator.shared_generation(self._acquire)

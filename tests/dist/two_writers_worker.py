@@ -14,7 +14,6 @@ what it read, which tiers hold what, and what the older one says when asked to s
 
 from __future__ import annotations
 
-import os
 import sys
 import threading
 import time
@@ -25,10 +24,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: faults
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-from faults import FaultyTier  # noqa: E402
 from launch import write_report  # noqa: E402
 
 import nebula_ckpt as nc  # noqa: E402
+from faults import FaultyTier  # noqa: E402
 
 GRACE_S = 3.0
 

@@ -115,3 +115,23 @@ def test_a_memory_tier_held_by_this_very_process_is_named_so(root: str, caplog: 
     messages = [r.getMessage() for r in caplog.records]
     assert [m for m in messages if "another Checkpointer of this process" in m], messages
     assert not [m for m in messages if "another live process" in m], messages
+
+
+def test_a_second_checkpointer_that_removes_a_step_takes_the_root_over_in_order(
+        root: str, caplog: pytest.LogCaptureFixture) -> None:
+    """Removing is writing: a second Checkpointer that removes a step (it never saved) takes the
+    root over as a save does, and writes the memory tier after."""
+    with nc.Checkpointer(root) as first:
+        first.save(1, _state(1.0), tag="a")
+        first.save(2, _state(2.0), tag="b")
+        with caplog.at_level(logging.INFO, logger="nebula_ckpt"), nc.Checkpointer(root) as second:
+            second.remove(1)
+            assert second.list() == [2] and second.read(tag="b")[0] == 2
+            second.save(3, _state(3.0))
+            assert second.list(detailed=True)[second.tiers[0].name][-1] == 3
+        messages = [r.getMessage() for r in caplog.records]
+        assert [m for m in messages if "took this root over" in m], messages
+        assert not [m for m in messages if "another live process" in m or "another Checkpointer" in m], messages
+        assert not [r for r in caplog.records if r.levelno >= logging.ERROR], messages
+        with pytest.raises(FencedError, match="newer Checkpointer of this process"):
+            first.save(4, _state(4.0))
