@@ -7,7 +7,7 @@ from __future__ import annotations
 
 __all__ = [
     "NebulaError", "ValidationError", "ConsistencyError", "PersistError", "FencedError",
-    "CorruptCheckpointError", "NotFoundError", "PickleNotAllowedError",
+    "CorruptCheckpointError", "NotFoundError", "PickleNotAllowedError", "OtherRanksError",
 ]
 
 
@@ -58,3 +58,13 @@ class NotFoundError(NebulaError, FileNotFoundError):
 
 class PickleNotAllowedError(NebulaError):
     """A value needs pickle to be saved or loaded and ``allow_pickle=True`` was not given."""
+
+
+class OtherRanksError(NotFoundError, ValidationError):
+    """A healthy checkpoint saved by several ranks that this process cannot read alone (it holds
+    other ranks' parts, or every rank's, where one rank's state was asked for). The message names
+    the checkpoint and how to read it (with the ranks that saved it, resharded, or exported).
+
+    A :class:`NotFoundError` (nothing this process can restore is there) and a
+    :class:`ValidationError` (the call does not fit the checkpoint), so either ``except`` sees it.
+    """

@@ -66,11 +66,11 @@ class OpenRoot:
         self._was_folder = path is not None and os.path.isdir(path)
         self.root_storage = root_storage
         self._own_root_storage = own_root_storage
-        self.fence = Fence(root_storage, coordinator)
+        self.fence = Fence(root_storage, coordinator, canonical_root(root) if root else None)
 
         def give_back() -> None:  # fenced on one tier, fenced on all: the memory tier's lock goes
             for rt in runtimes:
-                rt.fenced()
+                rt.fenced(handed_over=self.fence.handed_over)
         self.fence.on_fenced(give_back)
 
     def create(self) -> None:
@@ -83,6 +83,8 @@ class OpenRoot:
         with self._create_lock:
             if self._ready:
                 return
+            # an older Checkpointer of this process on this root finishes its saves and hands over
+            self.fence.take_root()
             for rt in self.runtimes:
                 if rt.persistent:
                     check_writable(rt)
@@ -146,6 +148,7 @@ class OpenRoot:
 
     def release(self) -> None:
         """Release every tier (and the root's storage, when it is no tier's)."""
+        self.fence.retire()
         for rt in self.runtimes:
             rt.release()
         if self._own_root_storage:
@@ -211,7 +214,10 @@ def open_root(root: str, storage_options: Optional[dict[str, Any]], tiers: Optio
     out = OpenRoot(opened, root_storage, own, rid, coordinator, root, fresh, existed)
     if coordinator.world_size > 1 and not read_only:
         # Collectives belong here, where every rank is (the constructor): one root for all
-        # ranks, the job's writer generation, and the rounds of each shared tier.
+        # ranks, the job's writer generation, and the rounds of each shared tier. An older
+        # Checkpointer of a rank's process on this root hands over first, on every rank: the
+        # exchange of run ids that follows is the barrier before rank 0 takes the new generation.
+        out.fence.take_root()
         _check_shared_root(out, root, coordinator)
         _ = out.fence.generation
         for rt in opened:

@@ -101,7 +101,7 @@ import torch
 
 from nebula_ckpt import Checkpointer
 from nebula_ckpt.adapters import canonical_root, check_tag, write_file_atomic
-from nebula_ckpt.errors import NotFoundError, PersistError, ValidationError
+from nebula_ckpt.errors import NotFoundError, OtherRanksError, PersistError, ValidationError
 from nebula_ckpt.integrations.deepspeed_files import (
     POINTER_FORMAT,
     materialize,
@@ -338,6 +338,11 @@ class NebulaCkptEngine(CheckpointEngine):
         if cache is None or cache[0] != tag or key not in cache[2]:
             try:
                 step, tree = self.checkpointer.read(tag=tag, map_location="cpu")
+            except OtherRanksError as e:  # held, but as a save of other ranks than this job's
+                raise NotFoundError(f"{path}: DeepSpeed checkpoint {tag!r} (step {ptr['step']}) under {self._root} "
+                                    f"was saved by other ranks than this engine reads it with: {e}. Load it with the "
+                                    "data-parallel ranks that saved it, or materialize(save_dir, tag) on every rank "
+                                    "of that job first (its files then load anywhere)") from e
             except NotFoundError as e:
                 raise NotFoundError(f"{path}: DeepSpeed checkpoint {tag!r} (step {ptr['step']}) is no longer held "
                                     f"under {self._root} (deleted by retention? keep_last / keep_every decide): "
@@ -352,7 +357,10 @@ class NebulaCkptEngine(CheckpointEngine):
         tree = cache[2]
         if key not in tree:
             raise NotFoundError(f"{path}: checkpoint {tag!r} (step {cache[1]}) under {self._root} has no part "
-                                f"{key!r} (parts: {sorted(tree)})")
+                                f"{key!r} (parts: {sorted(tree)}): each rank's checkpoint holds the files that rank "
+                                "saved, so a load that reads other ranks' files (ZeRO's elastic_checkpoint, another "
+                                "data-parallel world size) is not supported; materialize(save_dir, tag) on every rank "
+                                "of the job that saved it writes the real files first")
         part = tree.pop(key)
         if not tree:
             self._cache = None

@@ -14,7 +14,7 @@ import torch
 
 from nebula_ckpt import Checkpointer
 from nebula_ckpt.adapters import LocalCoordinator, canonical_root
-from nebula_ckpt.errors import NotFoundError, ValidationError
+from nebula_ckpt.errors import NotFoundError, OtherRanksError, ValidationError
 from nebula_ckpt.integrations.pointers import (
     candidate_roots,
     check_record,
@@ -162,7 +162,7 @@ def open_pointer(record: dict[str, Any]) -> Any:
         with Checkpointer(root, allow_pickle=True, read_only=True, coordinator=LocalCoordinator()) as ck:
             try:
                 _OPENED[(root, tag)] = ck.read(tag=tag, map_location="cpu")
-            except ValidationError as e:  # a save by several ranks: no process reads it alone
+            except OtherRanksError as e:  # a save by several ranks: no process reads it alone
                 raise NotFoundError(f"{where}: checkpoint {tag!r} under {root} cannot be read by this one process: "
                                     f"{e}. A torch.load of a pointer file reads alone; a save by several ranks needs "
                                     "materialize(save_dir, tag) on every rank of the job first (then its files "

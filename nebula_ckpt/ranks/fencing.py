@@ -36,6 +36,14 @@ newer generation has *committed* a step on the tier (that job's steps supersede 
 a restore prefers the newest generation's, :func:`nebula_ckpt.restore.select.list_candidates`).
 A newer generation that has committed nothing yet loses nothing: its first commit outranks the
 step written under the older generation.
+
+Two writers of one process on one root (a framework that builds a second engine, or re-creates
+its plugin, while the first one's ``Checkpointer`` is still open and persisting) *hand over*
+instead (:meth:`Fence.take_over`): before the newer one takes its generation (or writes at all),
+every older writer of this process on that root finishes the saves it has handed to its tiers
+(its step committed on the memory tier reaches disk too), then stops as if fenced, with nothing
+in flight to take back, and gives the memory tier's lock back, so that the newer one writes that
+tier and finds every checkpoint the older one committed.
 """
 
 from __future__ import annotations
@@ -46,6 +54,7 @@ import socket
 import threading
 import time
 import uuid
+import weakref
 from contextlib import contextmanager
 from typing import Callable, Iterator, Optional, Protocol
 
@@ -59,6 +68,13 @@ from nebula_ckpt.storage.base import Storage
 log = logging.getLogger(__name__)
 
 _KEEP_RECORDS = 16
+#: how long a writer taking a root over waits for an older writer of this process on it to finish
+#: the saves it has handed to its tiers (:meth:`Fence.take_over`)
+HAND_OVER_TIMEOUT_S = 600.0
+
+#: the writers of this process by root (:meth:`Fence.take_over`); a writer goes at :meth:`Fence.retire`
+_WRITERS: dict[str, "weakref.WeakSet[Fence]"] = {}
+_WRITERS_LOCK = threading.Lock()
 
 
 def read_run_id(storage: Storage) -> Optional[str]:
@@ -102,6 +118,9 @@ class Retractor(Protocol):
     def retract(self, steps: set[int]) -> None:
         """Remove this writer's commits of ``steps`` from the tier (best effort, never raises)."""
 
+    def wait_idle(self, timeout: Optional[float] = None) -> bool:
+        """Wait until nothing is pending or being written on the tier; False on timeout."""
+
 
 def generations(storage: Storage) -> list[int]:
     """The writer generations recorded on ``storage`` (``_nebula/writers/g-<n>.json``), ascending
@@ -132,10 +151,13 @@ class Fence:
     Args:
         storage: the persistent root.
         coordinator: takes the generation once per job and shares it with every rank.
+        root: the canonical root of a Checkpointer's writer: before it takes its generation,
+            the older writers of this process on that root hand over (:meth:`take_over`).
     """
 
-    def __init__(self, storage: Storage, coordinator: Optional[Coordinator] = None) -> None:
+    def __init__(self, storage: Storage, coordinator: Optional[Coordinator] = None, root: Optional[str] = None) -> None:
         self.storage = storage
+        self._root = root
         self._coordinator = coordinator or LocalCoordinator()
         self._generation: Optional[int] = None
         #: a past generation's fence (:meth:`past`): never takes one, checks for newer commits
@@ -147,6 +169,9 @@ class Fence:
         #: held while a commit marker is written (:meth:`TierFence.committing`) and while
         #: :meth:`stop` marks the writer fenced: no marker is written after that
         self._commit_lock = threading.RLock()
+        #: :meth:`stop` came from a newer writer of this process taking the root over (:meth:`take_over`)
+        self.handed_over = False
+        self._root_key: Optional[str] = None  # the root this writer is registered under (take_over)
 
     @classmethod
     def past(cls, storage: Storage, generation: int) -> "Fence":
@@ -174,18 +199,20 @@ class Fence:
         with self._lock:
             self._retractors.append(retractor)
 
-    def stop(self, why: str) -> None:
+    def stop(self, why: str, handed_over: bool = False) -> None:
         """Record that this writer is fenced (``why``); take back what the saves in flight
         committed (on every tier, this generation's only), then run the :meth:`on_fenced`
-        actions (give the memory tier's lock back), once."""
+        actions (give the memory tier's lock back), once. ``handed_over``: a newer writer of this
+        process took the root over in order (:meth:`take_over`; logged at INFO, not as an error)."""
         with self._commit_lock:  # a marker being written is complete; none is written after this
             with self._lock:
                 if self._fenced is not None:
                     return
                 self._fenced = why
+                self.handed_over = handed_over
                 actions, self._on_fenced = self._on_fenced, []
                 retractors = list(self._retractors)
-        log.error("nebula_ckpt: %s", why)
+        log.log(logging.INFO if handed_over else logging.ERROR, "nebula_ckpt: %s", why)
         steps: set[int] = set()
         for r in retractors:
             steps |= r.in_flight()
@@ -198,9 +225,57 @@ class Fence:
             except Exception as e:  # giving back is best effort: the writer is stopped anyway
                 log.warning("nebula_ckpt: a fenced writer could not give back what it holds: %s", e)
 
+    def take_over(self, root: str, timeout: float = HAND_OVER_TIMEOUT_S) -> None:
+        """This writer is about to write the root ``root`` (its canonical form): every older writer
+        of this process on it hands over first (:meth:`hand_over`), then this one is registered
+        as the root's writer here. Call it before the generation is taken or anything is written
+        (on every rank, before the collective that takes the generation: a rank's older writer
+        must be done before rank 0 records the newer generation). Idempotent; no I/O."""
+        with _WRITERS_LOCK:
+            if self._root_key is not None:
+                return
+            self._root_key = root
+            live = _WRITERS.setdefault(root, weakref.WeakSet())
+            older = [f for f in live if f.fenced is None and not f.is_past]
+            live.add(self)
+        for f in older:
+            f.hand_over(root, timeout)
+
+    def take_root(self) -> None:
+        """:meth:`take_over` of this writer's own root (given when it was made; else nothing)."""
+        if self._root is not None and not self.is_past:
+            self.take_over(self._root)
+
+    def hand_over(self, root: str, timeout: float = HAND_OVER_TIMEOUT_S) -> None:
+        """A newer writer of this process takes the root ``root`` over: finish the saves handed to
+        the tiers (up to ``timeout`` seconds), then stop writing (:meth:`stop`, with nothing in
+        flight to take back) and give back what this writer holds (the memory tier's lock)."""
+        with self._lock:
+            retractors = list(self._retractors)
+        deadline = time.monotonic() + timeout
+        late = [r for r in retractors if not r.wait_idle(max(0.0, deadline - time.monotonic()))]
+        if late:
+            log.warning("nebula_ckpt: %s: an older Checkpointer of this process on this root has not finished its "
+                        "saves after %.0f s; a newer one takes the root over now, and those saves end fenced",
+                        root, timeout)
+        self.stop(f"{root}: a newer writer, a newer Checkpointer of this process (pid {os.getpid()}), took this root "
+                  "over; this one writes nothing more (every checkpoint it committed stays, and the newer one reads "
+                  "it). Close the older Checkpointer (or engine) when a new one replaces it", handed_over=not late)
+
+    def retire(self) -> None:
+        """This writer is closed: no newer writer of this process needs it to hand over."""
+        with _WRITERS_LOCK:
+            if self._root_key is not None:
+                _WRITERS.get(self._root_key, weakref.WeakSet()).discard(self)
+                if not _WRITERS.get(self._root_key):
+                    _WRITERS.pop(self._root_key, None)
+
     @property
     def generation(self) -> int:
-        """This writer's generation, taken on first use."""
+        """This writer's generation, taken on first use (by a Checkpointer's writer: after the
+        older writers of this process on its root handed over, :meth:`take_over`)."""
+        if self._generation is None:
+            self.take_root()  # no-op once done (at the first write, or in a job's constructor)
         with self._lock:
             if self._generation is None:
                 self._generation = self._coordinator.shared_generation(self._acquire)

@@ -14,7 +14,7 @@ import logging
 from typing import Any, Callable, Optional
 
 from nebula_ckpt.arguments import check_restore_arguments
-from nebula_ckpt.errors import CorruptCheckpointError, NotFoundError, ValidationError
+from nebula_ckpt.errors import CorruptCheckpointError, NotFoundError, OtherRanksError, ValidationError
 from nebula_ckpt.format.commit import committed_steps
 from nebula_ckpt.format.manifest import Manifest
 from nebula_ckpt.format.references import shard_path
@@ -258,7 +258,7 @@ class Restorer:
         if ck is None:
             raise self.not_found(step, tag)
         if not ck.same_layout:
-            raise ValidationError(f"step {ck.step} was saved by {ck.manifest.world_size} ranks: read() gives one "
+            raise OtherRanksError(f"step {ck.step} was saved by {ck.manifest.world_size} ranks: read() gives one "
                                   "rank's state; restore it with load_latest(into) (resharded), or gather it "
                                   "whole with `nebula-ckpt export`")
         state = materialize(ck, map_location=map_location, allow_pickle=self.allow_pickle)

@@ -17,7 +17,7 @@ import logging
 from dataclasses import dataclass
 from typing import Callable, Optional
 
-from nebula_ckpt.errors import CorruptCheckpointError, ValidationError
+from nebula_ckpt.errors import CorruptCheckpointError, OtherRanksError, ValidationError
 from nebula_ckpt.format.commit import Write, committed_steps, read_commit
 from nebula_ckpt.ranks.coordinator import Coordinator
 from nebula_ckpt.restore.open import NotThisLayout, OpenCheckpoint, open_checkpoint
@@ -99,7 +99,8 @@ def find_and_open(tiers: list[tuple[Tier, Storage]], step: Optional[int] = None,
                   verify: Optional[str] = None, on_all_damaged: str = "raise", rank: Optional[int] = None,
                   world: int = 1, stage: Optional[Stage] = None,
                   generation: Optional[int] = None, checked: Checked = None,
-                  save: Optional[int] = None, skip: Optional[Skip] = None) -> Optional[OpenCheckpoint]:
+                  save: Optional[int] = None, skip: Optional[Skip] = None,
+                  layouts: Optional[list[str]] = None) -> Optional[OpenCheckpoint]:
     """Open the newest healthy checkpoint (or the healthy copy of ``step``).
 
     Every candidate that fails to open, for whatever reason, is skipped with a warning.
@@ -121,6 +122,7 @@ def find_and_open(tiers: list[tuple[Tier, Storage]], step: Optional[int] = None,
             does not match) is raised.
         skip: ``skip(generation, step)``: leave that checkpoint out (marked suspect, see
             :mod:`nebula_ckpt.restore.health`); not counted as damaged.
+        layouts: gets why each candidate of another layout (not damaged) was passed over.
 
     Returns:
         The open checkpoint, or None when there is no committed checkpoint (of ``step``) at all
@@ -142,7 +144,7 @@ def find_and_open(tiers: list[tuple[Tier, Storage]], step: Optional[int] = None,
         if skip is not None and skip(c.generation, c.step):
             continue
         how = verify or ("size" if checked == (c.tier.name, *c.order) else c.tier.verify)
-        ck = _open_candidate(c, how, rank, world, stage, skipped)
+        ck = _open_candidate(c, how, rank, world, stage, skipped, layouts)
         if ck is not None:
             log.info("nebula_ckpt: restoring step %d from tier %s%s", c.step, c.tier.name,
                      f" (skipped {len(skipped)} damaged candidate(s))" if skipped else "")
@@ -155,10 +157,10 @@ def find_and_open(tiers: list[tuple[Tier, Storage]], step: Optional[int] = None,
     return None
 
 
-def _open_candidate(c: Candidate, verify: str, rank: Optional[int], world: int,
-                    stage: Optional[Stage], skipped: list[str]) -> Optional[OpenCheckpoint]:
+def _open_candidate(c: Candidate, verify: str, rank: Optional[int], world: int, stage: Optional[Stage],
+                    skipped: list[str], layouts: Optional[list[str]] = None) -> Optional[OpenCheckpoint]:
     """Open (and stage) candidate ``c``; None when it is damaged (why appended to ``skipped``) or
-    of a layout this process cannot restore.
+    of a layout this process cannot restore (why appended to ``layouts``, when given).
 
     Raises:
         ValidationError: ``stage`` found that ``into`` does not match (every candidate would say so).
@@ -175,6 +177,8 @@ def _open_candidate(c: Candidate, verify: str, rank: Optional[int], world: int,
         raise  # the caller's `into` does not match: every candidate would say the same
     except NotThisLayout as e:
         log.info("nebula_ckpt: not restoring %s", e)
+        if layouts is not None:
+            layouts.append(str(e))
         return None
     except Exception as e:  # KeyError, OverflowError, struct.error, OSError...: all mean damaged
         why = str(e) if isinstance(e, CorruptCheckpointError) else \
@@ -204,12 +208,20 @@ def open_tagged(tiers: list[tuple[Tier, Storage]], steps: list[int], tag: str, r
     holds the tag.
 
     Raises:
+        OtherRanksError: no step tagged ``tag`` is damaged, but those that are there hold other
+            ranks' parts of a multi-rank save (a rank's own memory tier read by another process).
         CorruptCheckpointError: every step tagged ``tag`` is damaged (``root`` names where).
     """
+    layouts: list[str] = []
     for s in steps:
-        ck = find_and_open(tiers, step=s, on_all_damaged="warn", stage=stage)
+        ck = find_and_open(tiers, step=s, on_all_damaged="warn", stage=stage, layouts=layouts)
         if ck is not None:
             return ck
+    if steps and layouts:
+        raise OtherRanksError(f"checkpoint tagged {tag!r} under {root} (steps {steps}) is a save by several ranks "
+                              f"that this process cannot read alone: {layouts[0]}. Read it in a job of the ranks "
+                              "that saved it (each rank reads its own part), or gather it whole with "
+                              "`nebula-ckpt export` once it is on a shared tier")
     if steps:
         raise CorruptCheckpointError(f"every checkpoint tagged {tag!r} under {root} (steps {steps}) is damaged "
                                      "(the log names each copy); `nebula-ckpt verify ROOT` lists damage")

@@ -153,6 +153,7 @@ class SavePipeline:
         with self._start_lock:
             if self.writers is not None:
                 return self.writers
+            self._fence.take_root()  # an older Checkpointer of this process on the root hands its tiers over
             writing = [rt for rt in self._runtimes if rt.open_for_writing()]
             if not writing:
                 raise NebulaError(f"no tier of {self.root} can be written by this process")

@@ -104,9 +104,10 @@ class TierRuntime:
         this process made still map them (their pages stay allocated until those tensors go)."""
         return 0
 
-    def fenced(self) -> None:
+    def fenced(self, handed_over: bool = False) -> None:
         """This writer was fenced (a newer writer owns the root): give back what lets it write.
-        Any thread."""
+        ``handed_over``: a newer Checkpointer of this process took the root over in order
+        (:meth:`~nebula_ckpt.ranks.fencing.Fence.take_over`). Any thread."""
 
     def close(self, runtimes: list["TierRuntime"]) -> None:
         """After the last write of this Checkpointer (``runtimes``: every tier it wrote)."""

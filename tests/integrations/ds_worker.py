@@ -7,9 +7,10 @@
         train STEPS steps (fixed seed, dropout), save_checkpoint every EVERY steps, append each
         step's loss (float.hex) to OUT.json lines; with KILL_AT: SIGKILL itself after that step;
         with "resume": load_checkpoint(SAVE_DIR) first and go on from the step it restored
-    python ds_worker.py pointer_alone 0 ROOT SAVE_DIR OUT.json
-        one of 2 gloo ranks (env://): a multi-rank save and its pointer files, then a torch.load of
-        one on rank 0 alone, in the job and after it (no DeepSpeed needed)
+    python ds_worker.py pointer_alone 0|memory ROOT SAVE_DIR OUT.json
+        one of 2 gloo ranks (env://): a multi-rank save (on the memory tiers only: ``memory``) and
+        its pointer files, then a torch.load of one on rank 0 alone, in the job and after it (no
+        DeepSpeed needed)
 
 DeepSpeed is made to run without building any op: ``DS_ACCELERATOR=cpu`` and no JIT-built
 shared-memory collective (one rank has nothing to share; gloo does the rest).
@@ -389,20 +390,23 @@ def hostile(root: str, save_dir: str, out: str) -> None:
     json.dump(res, open(out, "w"))
 
 
-def pointer_alone(root: str, save_dir: str, out: str) -> None:
+def pointer_alone(root: str, save_dir: str, out: str, memory_only: bool = False) -> None:
     """Rank r of a 2-rank gloo job saves its part of checkpoint "t" and writes its pointer file;
     then rank 0 alone ``torch.load``-s its pointer, as DeepSpeed does when it reads on one rank,
-    and once more after leaving the job (``zero_to_fp32.py`` after training)."""
+    and once more after leaving the job (``zero_to_fp32.py`` after training). ``memory_only``:
+    the save is on the ranks' memory tiers only (each holds its own rank's part, as right after
+    a save whose disk write is still going)."""
     import torch.distributed as dist
 
-    from nebula_ckpt import Checkpointer
+    import nebula_ckpt as nc
     from nebula_ckpt.integrations.deepspeed_files import write_pointer
 
     dist.init_process_group("gloo")  # env:// as the test sets it
     rank = dist.get_rank()
     key = f"zero_pp_rank_{rank}_mp_rank_00_optim_states.pt"
     path = os.path.join(save_dir, "t", key)
-    with Checkpointer(root, allow_pickle=True) as ck:
+    tiers = [nc.MemoryTier()] if memory_only else None
+    with nc.Checkpointer(root, allow_pickle=True, tiers=tiers) as ck:
         ck.save(1, {key: {"w": torch.full((4,), float(rank))}}, tag="t")
     os.makedirs(os.path.dirname(path), exist_ok=True)
     write_pointer(path, root, "t", 1, key)
@@ -417,13 +421,18 @@ def pointer_alone(root: str, save_dir: str, out: str) -> None:
     dist.destroy_process_group()
     if rank == 0:
         res["alone"] = _error(lambda: torch.load(path, weights_only=False), seconds=60)
+        # a pointer refused for another reason (its tag is not one nebula_ckpt takes) says that reason
+        bad = os.path.join(save_dir, "bad", key)
+        os.makedirs(os.path.dirname(bad), exist_ok=True)
+        write_pointer(bad, root, "bad tag", 1, key)
+        res["bad_tag"] = _error(lambda: torch.load(bad, weights_only=False), seconds=60)
     json.dump(res, open(out, "w"))
 
 
 if __name__ == "__main__":
     mode, stage_s, root_a, save_dir_a, out_a = sys.argv[1:6]
     if mode == "pointer_alone":
-        pointer_alone(root_a, save_dir_a, out_a)
+        pointer_alone(root_a, save_dir_a, out_a, memory_only=stage_s == "memory")
     elif mode == "units":
         units(root_a, save_dir_a, out_a)
     elif mode == "hostile":

@@ -159,15 +159,18 @@ def test_zero2_two_ranks_each_restores_its_partition(tmp_path, shm_dir) -> None:
 
 
 @pytest.mark.timeout(150)
-def test_a_pointer_read_on_one_rank_never_waits_for_the_other_ranks(tmp_path, shm_dir) -> None:  # noqa: ANN001
+@pytest.mark.parametrize("where", ["0", "memory"])
+def test_a_pointer_read_on_one_rank_never_waits_for_the_other_ranks(tmp_path, shm_dir, where: str) -> None:  # noqa: ANN001
     """DeepSpeed ``torch.load``-s on one rank or on all, as it likes (ZeRO-3's ``load_checkpoint``
     without optimizer states runs ``zero_to_fp32`` on every rank; ``zero_to_fp32.py`` runs in one
     process): a ``torch.load`` of a pointer file of a multi-rank save, on rank 0 alone, in the job
-    and after it, is refused at once naming the file and the fix, never a wait for rank 1."""
+    and after it, is refused at once naming the file and the fix, never a wait for rank 1. The
+    same refusal (``NotFoundError``, never "damaged") when the save is on the ranks' memory tiers
+    only (``where="memory"``: each holds its own rank's part, as while the disk write goes on)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = str(s.getsockname()[1])
-    procs = [_start(["pointer_alone", 0, tmp_path / "root", tmp_path / "ds", tmp_path / f"r{r}.json"], shm_dir,
+    procs = [_start(["pointer_alone", where, tmp_path / "root", tmp_path / "ds", tmp_path / f"r{r}.json"], shm_dir,
                     dict(MASTER_ADDR="127.0.0.1", MASTER_PORT=port, RANK=str(r), WORLD_SIZE="2", LOCAL_RANK=str(r),
                          LOCAL_WORLD_SIZE="2")) for r in range(2)]
     results = [_finish(p, timeout=120) for p in procs]
@@ -178,6 +181,9 @@ def test_a_pointer_read_on_one_rank_never_waits_for_the_other_ranks(tmp_path, sh
     for when in ("in_job", "alone"):
         assert res.get(when, "").startswith("NotFoundError: "), (when, res)
         assert pointer in res[when] and "materialize(save_dir, tag) on every rank" in res[when], (when, res)
+    # a refusal of another kind is not taken for a save by several ranks
+    assert res["bad_tag"].startswith("ValidationError: ") and "'bad tag'" in res["bad_tag"], res
+    assert "several ranks" not in res["bad_tag"] and "materialize" not in res["bad_tag"], res
 
 
 def _losses(path: str) -> tuple[dict[int, str], list[dict[str, Any]]]:

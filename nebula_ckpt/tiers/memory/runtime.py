@@ -19,6 +19,7 @@ from nebula_ckpt.tiers.memory.shm import (
     Claim,
     ClaimRefused,
     Owner,
+    held_here,
     read_owner,
     remove_if_unused,
     secure_folder,
@@ -104,8 +105,13 @@ class MemoryTierRuntime(TierRuntime):
                 return False
             self._created = False
         if not self._claim.lock():
-            log.warning("nebula_ckpt: memory tier %s is written by another live process on the same "
-                        "root (a second job on one root?); this one saves without it", self.folder)
+            if held_here(self.folder):
+                log.warning("nebula_ckpt: memory tier %s is written by another Checkpointer of this process on the "
+                            "same root, which holds it until it is closed; this one saves without it. Close the "
+                            "older Checkpointer (or engine) before a new one saves", self.folder)
+            else:
+                log.warning("nebula_ckpt: memory tier %s is written by another live process on the same "
+                            "root (a second job on one root?); this one saves without it", self.folder)
             return False
         try:  # open() already swept the names of dead processes' slot files
             self._slots = secure_subfolder(self.folder, SLOT_DIR)
@@ -154,11 +160,15 @@ class MemoryTierRuntime(TierRuntime):
                 dropped[ident] = size
         return sum(dropped.values())
 
-    def fenced(self) -> None:
+    def fenced(self, handed_over: bool = False) -> None:
         """Give the folder's lock back: a fenced writer writes the tier no more, and the newer
         writer (or its restart) may take it. The folder and its checkpoints stay."""
         if self._claim is not None and self._claim.locked:
-            log.warning("nebula_ckpt: memory tier %s: this writer was fenced; giving the tier up", self.folder)
+            if handed_over:
+                log.info("nebula_ckpt: memory tier %s: handed over to a newer Checkpointer of this process",
+                         self.folder)
+            else:
+                log.warning("nebula_ckpt: memory tier %s: this writer was fenced; giving the tier up", self.folder)
             self._claim.release()
 
     def unreadable(self, owner: Owner) -> Optional[str]:

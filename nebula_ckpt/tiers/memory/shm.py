@@ -194,6 +194,23 @@ def _forget_locks_in_child() -> None:
 os.register_at_fork(after_in_child=_forget_locks_in_child)
 
 
+def held_here(folder: str) -> bool:
+    """Whether this very process holds ``folder``'s ``LOCK`` (another Checkpointer of it writes
+    the tier), as opposed to another live process."""
+    try:
+        st = os.stat(os.path.join(folder, LOCK_FILE), follow_symlinks=False)
+    except OSError:
+        return False
+    for fd in list(_held_locks):
+        try:
+            held = os.fstat(fd)
+        except OSError:
+            continue
+        if (held.st_dev, held.st_ino) == (st.st_dev, st.st_ino):
+            return True
+    return False
+
+
 def try_lock(folder: str) -> Optional[int]:
     """An exclusive, non-blocking lock on ``folder``'s ``LOCK`` file: its fd, or ``None`` if held."""
     fd = os.open(os.path.join(folder, LOCK_FILE), os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)

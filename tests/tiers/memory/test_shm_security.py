@@ -175,14 +175,28 @@ def _written_kinds(ck: nc.Checkpointer) -> list[str]:
     return [w.tier.kind for w in ck._saves.writers or []]
 
 
-def test_second_live_writer_on_same_root_does_not_write_the_memory_tier(root: str) -> None:
+_SECOND_WRITER = """
+import json, sys, torch, nebula_ckpt as nc
+with nc.Checkpointer(sys.argv[1]) as second:      # may read it ...
+    step = second.load_latest()
+    tier = second.last_restore["tier"]
+    second.save(2, {"w": torch.ones(2)})         # ... but never writes it while first holds it
+    print(json.dumps([step, tier, [w.tier.kind for w in second._saves.writers or []]]))
+"""
+
+
+def test_second_live_writer_on_same_root_does_not_write_the_memory_tier(root: str, shm_dir: str) -> None:
+    """A second live process on the root (a real one: a second Checkpointer of this very process
+    takes the root over instead, tests/tiers/memory/test_two_writers_one_process.py)."""
     with nc.Checkpointer(root) as first:
         first.save(1, {"w": torch.ones(2)})
         assert "memory" in _written_kinds(first)
-        with nc.Checkpointer(root) as second:      # may read it ...
-            assert second.load_latest() == 1 and second.last_restore["tier"].startswith("memory:")
-            second.save(2, {"w": torch.ones(2)})   # ... but never writes it while first holds it
-            assert _written_kinds(second) == ["local"]
+        p = subprocess.run([sys.executable, "-c", _SECOND_WRITER, root], capture_output=True, text=True,
+                           timeout=300, env=dict(os.environ, NEBULA_SHM_DIR=shm_dir))
+        assert p.returncode == 0, p.stderr[-4000:]
+        step, tier, kinds = json.loads(p.stdout.strip().splitlines()[-1])
+        assert step == 1 and tier.startswith("memory:") and kinds == ["local"], p.stdout
+        assert "written by another live process on the same root" in p.stderr, p.stderr[-4000:]
         assert first.list(detailed=True)[first.tiers[0].name] == [1]
     with nc.Checkpointer(root) as third:           # the lock died with close()
         third.save(3, {"w": torch.ones(2)})
