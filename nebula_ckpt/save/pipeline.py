@@ -14,7 +14,6 @@ wait for the copy; see :class:`~nebula_ckpt.checkpointer.Checkpointer`'s consist
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import threading
 import weakref
@@ -27,15 +26,15 @@ from nebula_ckpt.errors import NebulaError
 from nebula_ckpt.format.commit import committed_writes
 from nebula_ckpt.format.manifest import Manifest
 from nebula_ckpt.handle import SaveHandle
-from nebula_ckpt.native import CopyJob, get_ops, monotonic
+from nebula_ckpt.native import get_ops, monotonic
 from nebula_ckpt.ranks.coordinator import Coordinator
 from nebula_ckpt.ranks.fencing import Fence
 from nebula_ckpt.save.budget import Budget, HostMemoryBudget, give_up_memory_steps
-from nebula_ckpt.save.buffers import Claim, StagingPool
+from nebula_ckpt.save.buffers import StagingPool
 from nebula_ckpt.save.fanout import fan_out
 from nebula_ckpt.save.plan import Plan
 from nebula_ckpt.save.plan_cache import PlanCache
-from nebula_ckpt.save.snapshot import Snapshot, Stager
+from nebula_ckpt.save.snapshot import Snapshot, Stager, Taken
 from nebula_ckpt.save.uncut import run_uncut
 from nebula_ckpt.save.writer import TierWriter
 from nebula_ckpt.tiers.base import now
@@ -55,14 +54,6 @@ exit_hook_ran = threading.Event()
 
 
 
-class _Taken:
-    """The copy job and snapshot one save made, recorded as each is made (see ``SavePipeline._give_back``)."""
-
-    __slots__ = ("job", "snap")
-
-    def __init__(self) -> None:
-        self.job: Optional[CopyJob] = None
-        self.snap: Optional[Snapshot] = None
 
 class SavePipeline:
     """The saves of one :class:`~nebula_ckpt.checkpointer.Checkpointer`: staging memory, the
@@ -236,21 +227,24 @@ class SavePipeline:
             return handle
         pinned = plan.sources.any_cuda()
         overlap = self._may_overlap(plan, pinned)
-        claim, took = Claim(), _Taken()
+        took = Taken()
         try:
-            self._stage(plan, handle, targets, t_now, t0, idx, overlap, pinned, claim, took)
-        except BaseException as e:
-            self._give_back(claim, took, e)
+            self._stage(plan, handle, targets, t_now, t0, idx, overlap, pinned, took)
+        except BaseException as e:  # cut anywhere (a signal handler's exception too): give back what it took
+            if took.snap is not None:
+                self._take_back(took.snap, e)
+            else:
+                took.give_back_slot(self.pool)
             raise
         progress.returned()
         return handle
 
     def _stage(self, plan: Plan, handle: SaveHandle, targets: list[TierWriter], t_now: float, t0: float, idx: int,
-               overlap: bool, pinned: bool, claim: Claim, took: _Taken) -> None:
+               overlap: bool, pinned: bool, took: Taken) -> None:
         """Take a staging slot, enqueue the copy into it and hand the snapshot to the stager,
-        recording in ``claim`` / ``took`` what is taken as it is taken (see :meth:`_give_back`)."""
+        recording in ``took`` what is taken as it is taken (:class:`~nebula_ckpt.save.snapshot.Taken`)."""
         slot = self.pool.acquire(plan.layout.total_bytes, pinned, self._reclaim, what=f"step {plan.step}",
-                                 claim=claim)
+                                 claim=took.claim)
         if slot is None:
             log.warning("nebula_ckpt: step %d skipped (on_full='skip'): %s", plan.step, self.pool.why_full())
             handle.progress.skip(f"no free staging buffer (on_full='skip'): {self.pool.why_full()}")
@@ -259,30 +253,12 @@ class SavePipeline:
             w.took(t_now)
         header = plan.layout.header
         slot.view()[: len(header)] = header  # plain memcpy (ATen copy_ costs ms here)
-        # A save the training thread waits for copies at memcpy speed: the stager takes the
-        # checksums of the staged bytes afterwards, off the training thread (nothing can change
-        # them). An overlapped copy checksums while copying and checks each block against a hash
-        # taken before its copy (writes through .data / numpy during it).
+        # A save the training thread waits for copies at memcpy speed (the stager checksums the staged
+        # bytes afterwards); an overlapped copy checksums while copying, each block checked against
+        # a hash taken before its copy (writes through .data / numpy during it).
         took.job = get_ops().enqueue_sources(plan.sources, slot.buffer, checksum=overlap)
         took.snap = Snapshot(plan, slot, took.job, handle, self.pool, targets, t0, index=idx)
         self._hand_over(took.snap, overlap)
-
-    def _give_back(self, claim: Claim, took: _Taken, error: BaseException) -> None:
-        """``save_async`` failed (or a signal handler's exception cut it) at any point after it may
-        have taken a staging slot: give back what it took, so the next save gets a slot. A copy in
-        flight is waited for first (it writes into the slot); a copy job the cut lost on the way was
-        waited for by its own release. A snapshot made is taken back whole (:meth:`_take_back`)."""
-        if took.snap is not None:
-            self._take_back(took.snap, error)
-            return
-        if claim.slot is None:
-            return  # nothing was taken
-        try:
-            if took.job is not None:
-                with contextlib.suppress(Exception):
-                    took.job.wait()
-        finally:
-            self.pool.release(claim.slot)
 
     def _new_handle(self, idx: int, plan: Plan, targets: list[TierWriter], t0: float) -> SaveHandle:
         """The handle of save ``idx``: its tiers, and the memory tier's replicas when it goes there."""
@@ -338,9 +314,8 @@ class SavePipeline:
         return False
 
     def _take_back(self, snap: Snapshot, error: BaseException) -> None:
-        """``save_async`` failed after enqueuing its copy: wait for the copy (it writes into the
-        slot), give the slot back and end the handle with ``error``, so that nothing of this save
-        stays in flight (``wait()`` / ``close()`` do not wait for it, the next save gets a slot).
+        """``save_async`` failed after making ``snap``: wait for its copy, give the slot back and end
+        the handle with ``error``: nothing of this save stays in flight (the next save gets a slot).
 
         If the stager has the snapshot already (a signal handler's exception right after it was
         queued), the save goes on like an accepted one; its caller got ``error`` and never the

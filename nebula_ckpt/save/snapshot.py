@@ -12,6 +12,7 @@ counters) before any tier commits.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import os
@@ -25,7 +26,7 @@ from nebula_ckpt.format import manifest as mf
 from nebula_ckpt.handle import SaveHandle
 from nebula_ckpt.latch import Latch
 from nebula_ckpt.native import CopyJob, get_ops, monotonic
-from nebula_ckpt.save.buffers import Slot, StagingPool
+from nebula_ckpt.save.buffers import Claim, Slot, StagingPool
 from nebula_ckpt.save.plan import Plan
 from nebula_ckpt.tiers.memory.compare import Compared
 from nebula_ckpt.tiers.memory.hash_reuse import staged_hashes
@@ -49,6 +50,32 @@ class _WriteIds:
 
 
 _write_ids = _WriteIds()
+
+
+class Taken:
+    """What one ``save_async`` took on its way to the stager, recorded as each is taken: the pool's
+    :class:`~nebula_ckpt.save.buffers.Claim` (its slot), the copy job, the snapshot. A save cut
+    anywhere (a signal handler's exception too) gives back exactly that: the snapshot whole
+    (``SavePipeline._take_back``), else the slot after its copy (:meth:`give_back_slot`)."""
+
+    __slots__ = ("claim", "job", "snap")
+
+    def __init__(self) -> None:
+        self.claim = Claim()
+        self.job: Optional[CopyJob] = None
+        self.snap: Optional[Snapshot] = None
+
+    def give_back_slot(self, pool: StagingPool) -> None:
+        """No snapshot was made: wait for a copy in flight into the slot (a job the cut lost on
+        the way was waited for by its own release), then give the slot back, if one was taken."""
+        if self.claim.slot is None:
+            return
+        try:
+            if self.job is not None:
+                with contextlib.suppress(Exception):
+                    self.job.wait()
+        finally:
+            pool.release(self.claim.slot)
 
 
 class Snapshot:
