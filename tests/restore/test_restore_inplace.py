@@ -1,11 +1,13 @@
-"""A restore into a running optimizer refills the state tensors it holds, after every check.
+"""A restore into a running model and optimizer refills the tensors they hold, after every check.
 
 ``load_state_dict`` keeps the tensors it is given when their dtype and device suit their
-parameter, so the restore copies the checked bytes into the optimizer's own state tensors (no
-new buffer, no page faults, the storages a later save planned stay) and hands those over. These
-tests pin the promise: the values are the saved ones, bit for bit, in the very tensors; nothing
-changes when a byte is damaged; where torch's own loading is not what runs (a hook), or shapes
-differ, owned copies are made as before.
+parameter (optimizers) and copies each value into its parameter or buffer (modules, a copy onto
+itself costing nothing), so the restore copies the checked bytes into the job's own tensors on
+the native copy threads (no new buffer, no page faults, the storages a later save planned stay)
+and hands those over. These tests pin the promise: the values are the saved ones, bit for bit,
+in the very tensors, ties kept; nothing changes when a byte is damaged; where torch's own
+loading is not what runs (a hook), or dtypes, shapes or layouts differ, torch's loading and
+owned copies do it as before.
 """
 
 from __future__ import annotations
