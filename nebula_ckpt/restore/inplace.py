@@ -109,7 +109,8 @@ def _suits(have: torch.Tensor, ck: OpenCheckpoint, key: str, grad_ok: bool = Fal
     ``no_grad``)."""
     rec = ck.resolve(key)
     return (type(have) is torch.Tensor or grad_ok) and have.device.type == "cpu" and \
-        (grad_ok or not have.requires_grad) and not have.is_inference() and have.is_contiguous() and \
+        have.layout == torch.strided and (grad_ok or not have.requires_grad) and not have.is_inference() and \
+        have.is_contiguous() and \
         not have.is_conj() and not have.is_neg() and have.dtype == rec.torch_dtype and \
         tuple(have.shape) == tuple(rec.shape) and rec.dtensor is None and have.numel() > 0
 
