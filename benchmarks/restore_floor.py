@@ -5,8 +5,9 @@ and optimizer. The floor measures exactly that, on the same state, disk and page
 systems' restores: the state's tensors are written back to back into one plain file (with the
 CRC32C of each), then each run reads the file a chunk at a time, takes the CRC32C of every
 tensor in the chunk (the library's native multi-threaded CRC32C, compared with the recorded one)
-and copies it into the live tensor (``Tensor.copy_``). Two ways of reading, the better one is
-the floor:
+and copies the chunk's tensors into the live ones (the library's native multi-threaded copy,
+:meth:`~nebula_ckpt.native.FallbackOps.copy_into`: no intra-op parallel region per tensor). Two
+ways of reading, the better one is the floor:
 
 * ``read``: ``readinto`` a reused buffer whose pages were touched before (the kernel copies the
   page cache into it);
@@ -94,11 +95,7 @@ def _check_and_copy(buf: torch.Tensor, base: int, idx: list[int], layout: list[t
     for i, c in zip(idx, crcs, strict=True):
         if c != layout[i][2]:
             raise RuntimeError(f"restore floor: checksum mismatch in tensor {i}")
-    with torch.no_grad():
-        for i in idx:
-            off, n, _ = layout[i]
-            t = tensors[i]
-            t.reshape(-1).view(torch.uint8).copy_(buf[off - base:off - base + n])
+    get_ops().copy_into(buf, [layout[i][0] - base for i in idx], [tensors[i] for i in idx])
 
 
 def run_read(path: Path, layout: list[tuple[int, int, int]], tensors: list[torch.Tensor],

@@ -13,6 +13,7 @@
 #include "copy_engine.h"
 #include "file_io.h"
 #include "plan_guard.h"
+#include "restore_copy.h"
 #ifdef NEBULA_WITH_CUDA
 #include "cuda/copy_cuda.h"
 #endif
@@ -314,6 +315,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("crc32c", &crc32c_ranges, py::arg("buf"), py::arg("offsets"), py::arg("lengths"),
         py::arg("num_threads"), py::call_guard<GilRelease>(),
         "CRC32C of each byte range of a 1-D uint8 CPU tensor.");
+
+  m.def("copy_into", &copy_into, py::arg("src"), py::arg("offsets"), py::arg("dsts"),
+        py::arg("num_threads"), py::call_guard<GilRelease>(),
+        "Copy src[offsets[i]:...] into the memory of each contiguous CPU tensor dsts[i] on native "
+        "threads (its version counter bumped).");
 
   m.def("crc32c_bytes", &crc32c_bytes, py::arg("data"), py::arg("value") = 0,
         "CRC32C of a bytes-like object, continuing from value.");

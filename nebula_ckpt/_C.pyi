@@ -70,6 +70,10 @@ class CopyEngine:
 def crc32c(buf: torch.Tensor, offsets: list[int], lengths: list[int], num_threads: int) -> list[int]:
     """CRC32C of each byte range [offsets[i], offsets[i] + lengths[i]) of a 1-D contiguous uint8 CPU tensor."""
 
+def copy_into(src: torch.Tensor, offsets: list[int], dsts: list[torch.Tensor], num_threads: int) -> None:
+    """Copy src[offsets[i]:...] into the memory of each contiguous CPU tensor dsts[i] on native threads
+    (its version counter bumped); every argument checked before any byte is written."""
+
 def crc32c_bytes(data: Buffer, value: int = 0) -> int:
     """CRC32C of a contiguous bytes-like object, continuing from ``value`` (like ``crc32c.crc32c``)."""
 

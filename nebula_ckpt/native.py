@@ -16,6 +16,9 @@ Hot primitives (methods of both classes):
   ``source_set(tensors, offsets)`` / ``enqueue_sources(sources, dst, checksum=True)`` — the same for
   a :class:`SourceSet` (a save's tensors with their offsets and version counters, held natively on
   the native path, where the plan cache's check also makes them: no per-tensor Python).
+* ``copy_into(src, offsets, dsts)`` — the other direction, for a restore: ``src``'s bytes at each
+  offset into the memory of each contiguous CPU tensor of ``dsts`` (its byte image; version
+  counters bumped), on the copy threads (GIL released), without an intra-op (OpenMP) region.
 * ``crc32c(buf, offsets, lengths)`` / ``crc32c_bytes(data)`` — checksums of byte ranges (in
   parallel) / of one bytes-like object.
 * ``write_file(path, buf, offset, nbytes, fsync=True)`` — parallel ``pwrite`` (+ ``O_DIRECT``) and
@@ -32,17 +35,16 @@ Interpreter exit: the native copy threads are joined by an ``atexit`` handler (a
 copies finished), and a daemon thread still inside a native call when Python finalizes is parked
 there instead of being torn down (see ``csrc/bindings.cpp``). The pure-PyTorch path copies on one
 daemon worker thread that the same handler waits for, so no copy is cut half way either; a Ctrl-C
-anywhere in ``enqueue_copy`` or a job's ``wait`` leaves nothing locked (:class:`_CopyWorker`).
+anywhere in ``enqueue_copy`` or a job's ``wait`` leaves nothing locked
+(:class:`~nebula_ckpt.copy_worker.CopyWorker`).
 """
 
 from __future__ import annotations
 
-import _thread
 import atexit
 import errno
 import logging
 import os
-import queue
 import threading
 import time
 from typing import Any, Optional, Protocol, Sequence
@@ -50,6 +52,7 @@ from typing import Any, Optional, Protocol, Sequence
 import torch
 
 from nebula_ckpt import knobs
+from nebula_ckpt.copy_worker import CopyWorker
 from nebula_ckpt.latch import Latch
 from nebula_ckpt.source_set import PySourceSet, SourceSet
 
@@ -84,7 +87,8 @@ def byte_view(t: torch.Tensor) -> torch.Tensor:
 
 
 class _FallbackJob:
-    """Copy job of the pure-PyTorch path, run by the copy worker (:class:`_CopyWorker`) tensor by tensor.
+    """Copy job of the pure-PyTorch path, run tensor by tensor by the copy worker
+    (:class:`~nebula_ckpt.copy_worker.CopyWorker`).
 
     ``copy_`` and ``crc32c`` release the GIL, so the training thread keeps running. Its completion
     is a :class:`~nebula_ckpt.latch.Latch`: a Ctrl-C inside :meth:`wait` leaves no lock held.
@@ -155,70 +159,7 @@ class _FallbackJob:
         return list(self._checksums) if self._checksum else []
 
 
-class _CopyWorker:
-    """The one thread that runs the pure-PyTorch path's copy jobs, in the order they came.
-
-    A job is queued (one C call) before a worker is made sure of; the thread that copies holds
-    ``_role`` for its life, so at most one thread ever copies, and one that finds it held ends.
-
-    A Ctrl-C can land anywhere on the caller's side. ``threading.Thread.start()`` waits for the
-    new thread on an ``Event``, where a Ctrl-C can leave the stdlib's lock held (the thread then
-    blocks for good before it runs, and a non-daemon one hangs the exit) or turn into a
-    ``RuntimeError``; so the worker is started by ``_thread.start_new_thread``, one C call that
-    waits for nothing: a Ctrl-C lands before it (no thread; the next job starts one) or after it
-    (the thread runs). Such a thread is not joined at exit, like a daemon; interpreter exit still
-    never tears a copy down half way (that aborts the process): :meth:`drain` runs from an
-    ``atexit`` hook and waits for every job queued so far.
-    """
-
-    def __init__(self) -> None:
-        self._reset()
-        os.register_at_fork(after_in_child=self._reset)
-
-    def _reset(self) -> None:
-        """Fresh state (also in a fork's child: the parent's worker and locks do not exist there)."""
-        self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
-        self._role = threading.Lock()  # held by the thread that copies, for its life
-        self._asked = False  # a worker was asked for (drain has something to wait for)
-
-    def submit(self, job: Any) -> None:
-        """Queue ``job`` (anything with ``run()``) and make sure a worker runs."""
-        self._queue.put(job)
-        if not self._role.locked():  # none yet, or one started that has not taken the role yet
-            self._asked = True
-            _thread.start_new_thread(self._work, ())
-
-    def _work(self) -> None:
-        if not self._role.acquire(blocking=False):
-            return  # another thread copies
-        while True:
-            job = self._queue.get()
-            try:
-                job.run()
-            except BaseException:  # a job keeps its own errors: this is a bug, the worker goes on
-                log.exception("nebula_ckpt: copy job %r failed outside its own handling", job)
-            del job  # an idle worker keeps no job (nor its buffer) alive
-
-    def drain(self) -> None:
-        """Block until every job queued so far has finished (no-op when none ever was)."""
-        if not self._asked:
-            return
-        barrier = _Barrier()
-        self.submit(barrier)
-        barrier.done.wait()
-
-
-class _Barrier:
-    """A queued no-op: once it ran, the jobs queued before it have finished (one worker, in order)."""
-
-    def __init__(self) -> None:
-        self.done = Latch()
-
-    def run(self) -> None:
-        self.done.set()
-
-
-_copies = _CopyWorker()
+_copies = CopyWorker()
 
 
 class FallbackOps:
@@ -261,6 +202,18 @@ class FallbackOps:
         """The plan cache's native check (``nebula_ckpt._C.PlanGuard(*args)``,
         :mod:`nebula_ckpt.save.plan_cache`), or None on this path (plans are made at every save)."""
         return None
+
+    def copy_into(self, src: torch.Tensor, offsets: Sequence[int], dsts: Sequence[torch.Tensor]) -> None:
+        """Copy ``src[offsets[i]:offsets[i] + nbytes]`` (``src`` a 1-D uint8 CPU tensor) into the
+        memory of each contiguous CPU tensor ``dsts[i]``, byte for byte whatever its dtype; every
+        destination checked before any is written."""
+        n = src.numel()
+        for i, (o, d) in enumerate(zip(offsets, dsts, strict=True)):
+            if d.device.type != "cpu" or not d.is_contiguous() or not 0 <= o <= n - d.numel() * d.element_size():
+                raise RuntimeError(f"copy_into: destination {i} is no contiguous CPU tensor within src")
+        with torch.no_grad():
+            for o, d in zip(offsets, dsts, strict=True):
+                d.reshape(-1).view(torch.uint8).copy_(src[o:o + d.numel() * d.element_size()])
 
     def crc32c(self, buf: torch.Tensor, offsets: Sequence[int], lengths: Sequence[int]) -> list[int]:
         """CRC32C of each ``buf[offset:offset+length]``."""
@@ -392,6 +345,9 @@ class NativeOps(FallbackOps):
         if not isinstance(sources, self._C.SourceSet):  # made by the other path (tests compare both)
             return self.enqueue_copy(sources.tensors(), dst, sources.offsets(), checksum)
         return self._get_engine().enqueue_set(sources, dst, checksum)
+
+    def copy_into(self, src: torch.Tensor, offsets: Sequence[int], dsts: Sequence[torch.Tensor]) -> None:
+        self._C.copy_into(src, list(offsets), list(dsts), int(knobs.get("copy_threads")))
 
     def crc32c(self, buf: torch.Tensor, offsets: Sequence[int], lengths: Sequence[int]) -> list[int]:
         return list(self._C.crc32c(buf, list(offsets), list(lengths), int(knobs.get("io_threads"))))

@@ -19,7 +19,7 @@ from nebula_ckpt.format.tree import decode
 from nebula_ckpt.native import get_ops
 from nebula_ckpt.restore.checks import check_module_state, check_optimizer_state
 from nebula_ckpt.restore.copies import all_cpu, owned, owned_batch
-from nebula_ckpt.restore.inplace import live_destinations, refill
+from nebula_ckpt.restore.inplace import live_destinations, module_destinations, refill
 from nebula_ckpt.restore.open import OpenCheckpoint
 from nebula_ckpt.restore.walk import Thunk, TreeWalk, tensor_keys
 
@@ -242,11 +242,16 @@ class RestoreWalk(TreeWalk[Thunk]):
     def _load_module(self, state_node: Mapping[str, Any], target: torch.nn.Module, path: str) -> Thunk:
         ck, strict, allow_pickle = self.ck, self.strict, self.st.allow_pickle
         keys = tensor_keys(state_node, [])
+        live = module_destinations(ck, state_node, target, path or "<root>")
 
         def load_module() -> Any:
-            # Zero-copy views: load_state_dict copies them straight into the parameters, and
-            # each submodule's source pages are unmapped once it is loaded.
-            state = decode(state_node, lambda k: ck.as_saved(k, ck.view(k)), allow_pickle, path)
+            # The parameters and buffers torch's loading copies into are refilled first, and
+            # given to it as the values (each copied onto itself: nothing); the others are
+            # zero-copy views, copied by load_state_dict, each submodule's source pages
+            # unmapped once it is loaded.
+            refill(ck, live)
+            state = decode(state_node, lambda k: live[k] if k in live else ck.as_saved(k, ck.view(k)),
+                           allow_pickle, path)
             hooks = drop_after_each_submodule(ck, target, state_node)
             try:
                 target.load_state_dict(state, strict=strict)

@@ -1,16 +1,21 @@
-"""Restore an optimizer's state into the tensors it already holds, instead of new ones.
+"""Restore into the tensors a running job already holds, instead of new ones.
 
-A job that restores into a running optimizer (a rollback, an evaluation loop, the benchmark's
-in-process restore) already has its state tensors: same shapes, dtypes and device, every page
-faulted in. ``torch.optim.Optimizer.load_state_dict`` keeps the tensors it is given when their
-dtype and device already suit their parameter, so handing it those very tensors, refilled, costs
-one copy of the checked bytes into memory that is resident already: no allocation, no page
-fault per 4 KiB, and the state keeps its storages (a later save plans the same layout).
+A job that restores into a running model and optimizer (a rollback, an evaluation loop, the
+benchmark's in-process restore) already has its parameters and optimizer state: same shapes,
+dtypes and device, every page faulted in. ``torch.optim.Optimizer.load_state_dict`` keeps the
+tensors it is given when their dtype and device already suit their parameter, and
+``torch.nn.Module.load_state_dict`` copies each value into its parameter or buffer, which costs
+nothing when the value *is* that tensor. So the restore copies the checked bytes straight into
+those tensors on the native copy threads (:func:`refill`), then hands them over: no allocation,
+no page fault per 4 KiB, no intra-op parallel region per tensor, and the state keeps its
+storages (a later save plans the same layout).
 
-Only where ``load_state_dict`` is torch's own (no hooks, no override) and each live tensor is a
-plain contiguous CPU tensor of the saved dtype and shape, held by no other destination, and each
-saved tensor is named once; every other tensor gets an owned copy as before. The copies run
-when the restore is applied, after every checksum of the checkpoint was checked
+Only where the loading is torch's own (optimizers: no hooks, no override; modules: no hooks and
+no loading from outside ``torch.nn``, :func:`~nebula_ckpt.restore.checks.predictable`), and each
+live tensor is a plain contiguous CPU tensor of the saved dtype and shape, held by no other
+destination (or, in a module, tied to keys saved as that very tensor); every other tensor gets
+an owned copy, or a copy by ``load_state_dict``, as before. The copies run when the restore is
+applied, after every checksum of the checkpoint was checked
 (:func:`~nebula_ckpt.restore.apply.stage_apply`): nothing changes before.
 """
 
@@ -20,7 +25,10 @@ from typing import Any, Mapping
 
 import torch
 
+from nebula_ckpt.format.records import TensorRecord
 from nebula_ckpt.format.tree import decode
+from nebula_ckpt.native import get_ops
+from nebula_ckpt.restore.checks import predictable
 from nebula_ckpt.restore.open import OpenCheckpoint, chunks
 
 _HOOKS = ("_optimizer_load_state_dict_pre_hooks", "_optimizer_load_state_dict_post_hooks",
@@ -60,12 +68,51 @@ def live_destinations(ck: OpenCheckpoint, state: Mapping[str, Any], target: Any,
     return _distinct(ck, out)
 
 
-def _suits(have: torch.Tensor, ck: OpenCheckpoint, key: str) -> bool:
-    """Whether the live tensor ``have`` can take the saved tensor ``key``'s bytes as they are."""
+def module_destinations(ck: OpenCheckpoint, state: Mapping[str, Any], target: torch.nn.Module,
+                        shown: str) -> dict[str, torch.Tensor]:
+    """Tensor key of the saved module ``state`` -> the parameter or buffer of ``target`` that
+    ``load_state_dict`` copies it into, for the keys that may be refilled first (see the module
+    docstring); ``load_state_dict`` then gets those very tensors, whose copy onto themselves is
+    nothing. Empty when none may."""
+    if state.get("t") not in ("dict", "odict") or not predictable(target) or \
+            torch.__future__.get_swap_module_params_on_conversion():  # it would swap, not copy
+        return {}
+    want = target.state_dict(keep_vars=True)
+    out: dict[str, torch.Tensor] = {}
+    for k_node, v_node in state["v"]:
+        if isinstance(v_node, dict) and v_node.get("t") == "tensor":
+            have = want.get(decode(k_node, ck.view, False, shown))
+            if isinstance(have, torch.Tensor) and type(have) in _MODULE_TYPES and \
+                    _suits(have, ck, v_node["k"], grad_ok=True):
+                out[v_node["k"]] = have
+    return _tied_once(ck, out)
+
+
+#: the tensor types a module holds that torch's loading copies into (a subclass may load otherwise)
+_MODULE_TYPES = (torch.Tensor, torch.nn.Parameter, torch.nn.Buffer)
+
+
+def _tied_once(ck: OpenCheckpoint, out: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``out`` without destinations whose storage another key's destination shares, unless all
+    of them are the same tensor saved as one tensor (a tied weight: refilled once)."""
+    by_storage: dict[int, list[str]] = {}
+    for k, t in out.items():
+        by_storage.setdefault(t.untyped_storage().data_ptr(), []).append(k)
+    return {k: out[k] for keys in by_storage.values()
+            if all(out[k] is out[keys[0]] and ck.resolve(k).key == ck.resolve(keys[0]).key for k in keys)
+            for k in keys}
+
+
+def _suits(have: torch.Tensor, ck: OpenCheckpoint, key: str, grad_ok: bool = False) -> bool:
+    """Whether the live tensor ``have`` can take the saved tensor ``key``'s bytes as they are
+    (``grad_ok``: also a tensor that requires grad, which a module's loading copies into under
+    ``no_grad``)."""
     rec = ck.resolve(key)
-    return type(have) is torch.Tensor and have.device.type == "cpu" and not have.requires_grad and \
-        have.is_contiguous() and have.dtype == rec.torch_dtype and tuple(have.shape) == tuple(rec.shape) and \
-        rec.dtensor is None and have.numel() > 0
+    return (type(have) is torch.Tensor or grad_ok) and have.device.type == "cpu" and \
+        have.layout == torch.strided and (grad_ok or not have.requires_grad) and not have.is_inference() and \
+        have.is_contiguous() and \
+        not have.is_conj() and not have.is_neg() and have.dtype == rec.torch_dtype and \
+        tuple(have.shape) == tuple(rec.shape) and rec.dtensor is None and have.numel() > 0
 
 
 def _distinct(ck: OpenCheckpoint, out: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -82,13 +129,21 @@ def _distinct(ck: OpenCheckpoint, out: dict[str, torch.Tensor]) -> dict[str, tor
 
 
 def refill(ck: OpenCheckpoint, dests: Mapping[str, torch.Tensor]) -> None:
-    """Copy the checked bytes of each key of ``dests`` into its live tensor, in shard order a
-    chunk at a time (each chunk's mapped pages read in one call, dropped once copied)."""
-    by_rec = {ck.resolve(k).key: (k, t) for k, t in dests.items()}
-    with torch.no_grad():
-        for group in chunks([ck.resolve(k) for k in dests]):
-            ck.populate(group)
-            for r in group:
-                k, t = by_rec[r.key]
-                t.copy_(ck.view(k))
+    """Copy the checked bytes of each key of ``dests`` into its live tensor, shard by shard in
+    order, a chunk at a time (the mapped pages of each chunk dropped once copied).
+
+    The copies run on the native copy threads (:meth:`~nebula_ckpt.native.FallbackOps.copy_into`),
+    which also take the page faults of the mapped source between them: no tensor-by-tensor
+    ``copy_`` (an intra-op parallel region each, whose idle threads spin after it), no Python
+    per tensor. A tensor named by several keys (tied) is copied once.
+    """
+    ops = get_ops()
+    by_shard: dict[int, dict[int, tuple[TensorRecord, torch.Tensor]]] = {}
+    for k, t in dests.items():
+        rec = ck.resolve(k)
+        by_shard.setdefault(rec.shard, {})[id(t)] = (rec, t)
+    for si in sorted(by_shard):
+        live = {id(r): t for r, t in by_shard[si].values()}
+        for group in chunks([r for r, _ in by_shard[si].values()]):
+            ops.copy_into(ck.buffer(si), [r.start for r in group], [live[id(r)] for r in group])
             ck.drop(group)

@@ -34,9 +34,8 @@ RESTORE_CHUNK_BYTES = 64 << 20
 
 log = logging.getLogger(__name__)
 
-# madvise advice values (Linux): the mmap module lacks MADV_POPULATE_READ before Python 3.13.
+# madvise advice value (Linux)
 _MADV_DONTNEED = getattr(mmap, "MADV_DONTNEED", 4)
-_MADV_POPULATE_READ = 22
 
 class OpenCheckpoint:
     """A verified checkpoint: its validated manifest and zero-copy tensor views of its shard bytes.
@@ -122,18 +121,8 @@ class OpenCheckpoint:
         later read maps it again. Restores call this for bytes already copied, which keeps the
         mapped shard from adding its whole size to the process's resident memory.
         """
-        for r in recs:
-            _advise(self._maps.get(r.shard), r.start, r.end, _MADV_DONTNEED)
-
-    def populate(self, recs: list[TensorRecord]) -> None:
-        """Map the pages under ``recs`` in one call per shard (a copy about to read them then
-        takes no page fault per 64 KiB); bytes read into memory need nothing."""
-        spans: dict[int, tuple[int, int]] = {}
-        for r in recs:
-            lo, hi = spans.get(r.shard, (r.start, r.end))
-            spans[r.shard] = (min(lo, r.start), max(hi, r.end))
-        for si, (lo, hi) in spans.items():
-            _advise(self._maps.get(si), lo, hi, _MADV_POPULATE_READ)
+        for si, lo, hi in _runs(recs):
+            _advise(self._maps.get(si), lo, hi, _MADV_DONTNEED)
 
     def verified_by_copy(self, recs: list[TensorRecord], crcs: list[int]) -> None:
         """Compare the checksums the copy engine took of ``recs`` while copying them with the
@@ -388,10 +377,22 @@ def _read_shard(storage: Storage, man: mf.Manifest, i: int, where: str) -> tuple
 
 
 
+def _runs(recs: list[TensorRecord]) -> list[tuple[int, int, int]]:
+    """``(shard, start, end)`` of the byte runs ``recs`` cover: records less than a page apart
+    merged, so a chunk of consecutive tensors takes one ``madvise`` call, not one per tensor."""
+    out: list[list[int]] = []
+    for r in sorted(recs, key=lambda r: (r.shard, r.start)):
+        if out and out[-1][0] == r.shard and r.start <= out[-1][2] + mmap.PAGESIZE:
+            out[-1][2] = max(out[-1][2], r.end)
+        else:
+            out.append([r.shard, r.start, r.end])
+    return [(si, lo, hi) for si, lo, hi in out]
+
+
 def _advise(mm: Optional[mmap.mmap], start: int, end: int, advice: int) -> None:
     """``madvise`` the pages of ``mm`` covering ``[start, end)``; a no-op without a map or on error."""
-    if mm is not None and end > start:  # without the GIL; an old kernel without MADV_POPULATE_READ
-        advise(mm, start, end - start, advice)  # refuses it: pages then fault in as they are read
+    if mm is not None and end > start:
+        advise(mm, start, end - start, advice)  # without the GIL
 
 
 def chunks(recs: list[TensorRecord]) -> list[list[TensorRecord]]:
@@ -424,8 +425,10 @@ def _verify_checksums(needed: dict[int, list[TensorRecord]], buffers: dict[int, 
                       man: Optional[mf.Manifest] = None) -> None:
     """Check the CRC32C of every record, on all threads, a chunk at a time.
 
-    A mapped chunk is populated in one call (not a fault per page) and dropped once checked, so
-    verifying a shard never makes the whole shard resident in this process.
+    The checksum threads take the page faults of a mapped chunk between them (a read fault maps
+    up to 16 pages of the page cache or tmpfs; a populate call first would do that work on one
+    thread while the others wait), and the chunk is dropped once checked, so verifying a shard
+    never makes the whole shard resident in this process.
     """
     ops = get_ops()
     maps = maps or {}
@@ -433,7 +436,6 @@ def _verify_checksums(needed: dict[int, list[TensorRecord]], buffers: dict[int, 
         mm = maps.get(si)
         for group in chunks(recs):
             lo, hi = group[0].start, group[-1].end
-            _advise(mm, lo, hi, _MADV_POPULATE_READ)
             got = ops.crc32c(buffers[si], [r.start for r in group], [r.nbytes for r in group])
             _advise(mm, lo, hi, _MADV_DONTNEED)
             for rec, have in zip(group, got, strict=True):

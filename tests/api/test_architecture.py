@@ -74,7 +74,7 @@ _MEMORY_RESTORE = {"tiers.memory.adopt", "tiers.memory.adopt_memory"}
 _MEMORY_SAVE = {"tiers.memory.compare", "tiers.memory.hash_reuse"}
 LAYERS: list[tuple[str, set[str]]] = [
     ("base", {"errors", "knobs", "_version", "native", "latch", "workers", "priority", "handle", "reentry",
-              "source_set"}),
+              "source_set", "copy_worker"}),
     ("storage", {"storage"}),
     ("format", {"format"}),
     ("ranks", {"ranks"}),

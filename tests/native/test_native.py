@@ -653,3 +653,47 @@ def test_blocking_calls_release_the_gil():
         th.join()
     during = [t for t in ticks if t0 <= t <= t1]
     assert len(during) >= 2, "ticker thread starved: GIL not released?"
+
+
+# --------------------------------------------------------------------------- copy_into (restore)
+
+
+@pytest.mark.parametrize("threads", [1, 2, 5])
+def test_copy_into_fills_each_destination_with_its_bytes(threads):
+    # every dtype's byte image, sizes around the piece and task edges, a large one split over threads
+    src = _rand_bytes(24 * MiB + 4099)
+    dsts = [torch.zeros(3, dtype=torch.bfloat16), torch.zeros(0), torch.zeros((), dtype=torch.int64),
+            torch.zeros(MiB - 1, dtype=torch.uint8), torch.zeros(5 * MiB // 4 + 3), torch.zeros(7, dtype=torch.bool),
+            torch.zeros(2, 3, dtype=torch.complex64), torch.zeros(4 * MiB + 1, dtype=torch.uint8)]
+    offsets, at = [], 1
+    for d in dsts:
+        offsets.append(at)
+        at += d.numel() * d.element_size() + 13
+    versions = [d._version for d in dsts]
+    _C.copy_into(src, offsets, dsts, threads)
+    for i, (d, off) in enumerate(zip(dsts, offsets, strict=True)):
+        n = d.numel() * d.element_size()
+        assert torch.equal(d.reshape(-1).view(torch.uint8), src[off:off + n]), f"dsts[{i}] ({d.dtype})"
+        assert d._version > versions[i] or not d.numel(), f"dsts[{i}]: version counter not bumped"
+
+
+def test_copy_into_checks_every_argument_before_writing_anything():
+    src = _rand_bytes(1024)
+    good = torch.zeros(8)
+    cases = [([0, 1000], [good, torch.zeros(8)], r"range 1 \[1000, 1000 \+ 32\) is outside src of 1024"),
+             ([0, 64], [good, torch.zeros(8, 2).t()], "destination 1 must be a contiguous CPU tensor"),
+             ([0, 64], [good, torch.empty(3, device="meta")], "destination 1 must be a contiguous CPU"),
+             ([0, -1], [good, torch.zeros(2)], "range 1"),
+             ([0], [good, good], "1 offsets for 2 destinations")]
+    for offsets, dsts, match in cases:
+        with pytest.raises(RuntimeError, match=match):
+            _C.copy_into(src, offsets, dsts, 2)
+        assert not good.any(), f"destination 0 was written before {match!r} was refused"
+    with pytest.raises(RuntimeError, match="overlaps its source"):
+        _C.copy_into(src, [0], [src[8:40]], 2)
+    shrunk = torch.zeros(64)
+    shrunk.untyped_storage().resize_(0)  # what FSDP does to a sharded parameter's storage
+    with pytest.raises(RuntimeError, match="storage does not hold its bytes"):
+        _C.copy_into(src, [0], [shrunk], 2)
+    with pytest.raises(RuntimeError, match="src must be a 1-D contiguous uint8"):
+        _C.copy_into(torch.zeros(256), [0], [good], 2)

@@ -61,3 +61,22 @@ def test_crc32c_agrees_between_paths() -> None:
     assert get_ops().crc32c(buf, offs, lens) == fallback_ops().crc32c(buf, offs, lens)
     data = bytes(range(256)) * 1000
     assert get_ops().crc32c_bytes(data) == fallback_ops().crc32c_bytes(data)
+
+
+@needs_native
+def test_copy_into_agrees_between_paths() -> None:
+    src = torch.randint(0, 256, (9 << 20,), dtype=torch.uint8)
+    shapes = [((3, 5), torch.float32), ((0,), torch.float32), ((), torch.int64), ((5 << 20,), torch.uint8),
+              ((7,), torch.bool), ((2, 2), torch.complex128), ((1001,), torch.bfloat16)]
+    out = {}
+    for name, ops in (("native", get_ops()), ("fallback", fallback_ops())):
+        dsts = [torch.zeros(s, dtype=d) for s, d in shapes]
+        offsets, at = [], 3
+        for t in dsts:
+            offsets.append(at)
+            at += t.numel() * t.element_size()
+        ops.copy_into(src, offsets, dsts)
+        out[name] = [t.reshape(-1).view(torch.uint8).clone() for t in dsts]
+    assert all(torch.equal(a, b) for a, b in zip(out["native"], out["fallback"], strict=True))
+    with pytest.raises(RuntimeError, match="destination 1 is no contiguous"):
+        fallback_ops().copy_into(src, [0, 0], [torch.zeros(2), torch.zeros(4, 4).t()])
