@@ -152,12 +152,14 @@ def _interrupt_read(root: str, fresh_worker: bool) -> None:
 
     import nebula_ckpt as nc
     from nebula_ckpt import native
+    from nebula_ckpt.copy_worker import CopyWorker
     with nc.Checkpointer(root, memory_tier=False, read_only=True) as rd:
         n = 1
         while True:
             if fresh_worker:
-                native._copies = native._CopyWorker()
-            trap = _Interrupter(n, ("threading.py", "nebula_ckpt/native.py", "nebula_ckpt/latch.py"))
+                native._copies = CopyWorker()
+            trap = _Interrupter(n, ("threading.py", "nebula_ckpt/native.py", "nebula_ckpt/copy_worker.py",
+                                    "nebula_ckpt/latch.py"))
             sys.settrace(trap)
             try:
                 got = rd.read(1)[1]
