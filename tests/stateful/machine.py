@@ -2,9 +2,10 @@
 
 Each example is a run folder (a root) and two simulated nodes (``n0``, ``n1``: each its own
 memory-tier folder). Jobs are real processes (:mod:`stateful.worker`) on one node at a time: a job
-starts by restoring (``load_latest`` in a fresh process), then saves new steps and steps again,
-and ends by ``close()``, a crash (``os._exit``), a SIGKILL at a random idle moment or a SIGKILL at
-a named point inside a save. Between jobs: ``nebula-ckpt gc`` and ``nebula-ckpt persist-memory``
+starts by restoring (``load_latest`` in a fresh process), then saves new steps and steps again (a
+second Checkpointer in the same process may take the root over from the first, which stays open),
+and ends by ``close()``, a crash (``os._exit``), a SIGKILL at a random idle moment or a SIGKILL
+at a named point inside a save. Between jobs: ``nebula-ckpt gc`` and ``nebula-ckpt persist-memory``
 (also killed at named points), a node lost (its memory tier gone, its job killed), the run folder
 moved (and moved back). :class:`~stateful.model.Truth` says what every restore must open and what
 every tier may hold; audits read every committed step of every tier back.
@@ -305,6 +306,26 @@ class Single(RuleBasedStateMachine):
         assert job is not None
         step = job.cursor if again and job.cursor >= 0 else job.cursor + gap
         self._save(step, (point, skip))
+
+    @precondition(lambda self: self.job is not None)
+    @rule(gap=st.integers(1, 2))
+    def reopen(self, gap: int) -> None:
+        """A second Checkpointer in the job's process on the same root while the first stays open
+        (a framework that re-creates its plugin): it restores what the first committed, then saves a
+        new step as a new writer, taking the root and the memory tier over (the first one hands
+        over); the first is closed after it when the job closes."""
+        job = self.job
+        assert job is not None
+        self.audit(job.node)  # what the restore must open: every tier's steps known
+        self.note(f"a second Checkpointer in the job on n{job.node}")
+        got = job.proc.call({"op": "reopen"})
+        if got is None:
+            self.fail(f"the job on n{job.node} died while a second Checkpointer restored (log: {job.proc.log_path}):\n"
+                      f"{job.proc.tail()}")
+        assert got is not None
+        self.check_restore(got, job.node)
+        job.writer, job.saves = None, 0  # a new writer, whose disk cadence counts from its first save
+        self._save(job.cursor + gap)
 
     @precondition(lambda self: self.job is not None)
     @rule(how=st.sampled_from(["close", "exit", "sigkill"]))

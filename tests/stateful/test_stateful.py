@@ -1,6 +1,7 @@
 """The model-based stateful test, bounded profile (``make test``; the long one is ``make soak``).
 
-Random sequences of saves, saves of a step again, SIGKILLs at named points, ``gc``,
+Random sequences of saves, saves of a step again, a second Checkpointer taking the root over in
+the same process, SIGKILLs at named points, ``gc``,
 ``persist-memory``, lost nodes, moved run folders and restores in fresh processes, checked after
 every restore and every audit against a model of which save is committed where
 (tests/stateful/README.md).

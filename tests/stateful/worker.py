@@ -76,7 +76,11 @@ _lib_log.setLevel(logging.INFO)
 class Worker:
     def __init__(self) -> None:
         self.ck: Optional[nc.Checkpointer] = None
+        #: earlier Checkpointers of this job on its root, still open (``op_reopen``): closed after ``ck``
+        self.older: list[nc.Checkpointer] = []
         self.rank = 0
+        self._root = ""
+        self._tiers: dict[str, Any] = {}
 
     # -- parts -------------------------------------------------------------------------------
     def node(self, cmd: dict[str, Any]) -> None:
@@ -124,12 +128,25 @@ class Worker:
         if os.environ.get("STATEFUL_TRACE_OPEN"):
             import faulthandler
             faulthandler.dump_traceback_later(float(os.environ["STATEFUL_TRACE_OPEN"]), file=sys.stderr)
-        t = cmd["tiers"]
         if cmd.get("dist"):
             self._init_dist(cmd)
+        self._root, self._tiers = cmd["root"], cmd["tiers"]
+        self.ck = self._checkpointer()
+        return self.op_restore(cmd)
+
+    def _checkpointer(self) -> nc.Checkpointer:
+        t = self._tiers
         tiers = [nc.MemoryTier(keep_last=t["memory_keep"], replicas=t.get("replicas", 0)),
-                 nc.LocalTier(cmd["root"], keep_last=t["disk_keep"], every=t["disk_every"])]
-        self.ck = nc.Checkpointer(cmd["root"], tiers=tiers)
+                 nc.LocalTier(self._root, keep_last=t["disk_keep"], every=t["disk_every"])]
+        return nc.Checkpointer(self._root, tiers=tiers)
+
+    def op_reopen(self, cmd: dict[str, Any]) -> dict[str, Any]:
+        """A second Checkpointer on the job's root while the first stays open (a framework that
+        re-creates its plugin): it restores as ``op_open`` does; the saves from now on are its (the
+        first one hands the root over at its first write)."""
+        assert self.ck is not None
+        self.older.append(self.ck)
+        self.ck = self._checkpointer()
         return self.op_restore(cmd)
 
     def _init_dist(self, cmd: dict[str, Any]) -> None:
@@ -174,12 +191,13 @@ class Worker:
 
     def op_close(self, cmd: dict[str, Any]) -> dict[str, Any]:
         assert self.ck is not None
-        try:
-            self.ck.close()
-            err = None
-        except Exception as e:
-            err = f"{type(e).__name__}: {e}"
-        self.ck = None
+        err = None
+        for ck in [self.ck, *reversed(self.older)]:  # the newest first; the older ones handed over
+            try:
+                ck.close()
+            except Exception as e:
+                err = err or f"{type(e).__name__}: {e}"
+        self.ck, self.older = None, []
         return {"error": err}
 
     def op_exit(self, cmd: dict[str, Any]) -> dict[str, Any]:
