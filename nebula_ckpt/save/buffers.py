@@ -54,7 +54,7 @@ log = logging.getLogger(__name__)
 _ROUND = 2 << 20
 
 
-class Claim:
+class SlotClaim:
     """What one save took from the pool and has not handed on yet: its slot, set by the pool in the
     same step that marks the slot in use (no point between them where a signal handler's exception
     can land), so a save cut anywhere after that still knows which slot to give back."""
@@ -191,9 +191,9 @@ class StagingPool:
                 f"(limit now {gib(limit)})")
 
     def acquire(self, nbytes: int, pinned: bool, reclaim: Optional[Callable[[bool], bool]] = None,
-                what: str = "a save", claim: Optional[Claim] = None) -> Optional[Slot]:
+                what: str = "a save", claim: Optional[SlotClaim] = None) -> Optional[Slot]:
         """A free slot of at least ``nbytes``; ``None`` when skipped by policy. ``claim`` holds the
-        slot from the moment it is marked in use (see :class:`Claim`).
+        slot from the moment it is marked in use (see :class:`SlotClaim`).
 
         ``reclaim(budget)`` is called (without the pool's lock) when no slot can be had: it drops
         snapshots that slow tiers hold but have not started writing, which may free a slot, and
@@ -206,7 +206,7 @@ class StagingPool:
         while True:
             with self._mutex:
                 self._short = None
-                slot = self._take(nbytes, pinned, claim or Claim())
+                slot = self._take(nbytes, pinned, claim or SlotClaim())
                 if slot is not None:
                     return slot
                 self._copies_idle.set()  # no copy follows
@@ -246,11 +246,11 @@ class StagingPool:
         self._copies_idle.set()
 
     @staticmethod
-    def _lend(slot: Slot, claim: Claim) -> None:
+    def _lend(slot: Slot, claim: SlotClaim) -> None:
         slot.in_use = True  # and the claim, with no call between: nothing can cut in
         claim.slot = slot
 
-    def _take(self, nbytes: int, pinned: bool, claim: Claim) -> Optional[Slot]:
+    def _take(self, nbytes: int, pinned: bool, claim: SlotClaim) -> Optional[Slot]:
         if self._closed:
             raise RuntimeError("the checkpointer is closed")
         self._copies_idle.clear()  # the caller copies into what it takes (copy_done() after)

@@ -53,8 +53,6 @@ log = logging.getLogger("nebula_ckpt")
 exit_hook_ran = threading.Event()
 
 
-
-
 class SavePipeline:
     """The saves of one :class:`~nebula_ckpt.checkpointer.Checkpointer`: staging memory, the
     stager and tier writer threads (started at the first save), the handles in flight, the hooks

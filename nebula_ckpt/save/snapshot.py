@@ -26,7 +26,7 @@ from nebula_ckpt.format import manifest as mf
 from nebula_ckpt.handle import SaveHandle
 from nebula_ckpt.latch import Latch
 from nebula_ckpt.native import CopyJob, get_ops, monotonic
-from nebula_ckpt.save.buffers import Claim, Slot, StagingPool
+from nebula_ckpt.save.buffers import Slot, SlotClaim, StagingPool
 from nebula_ckpt.save.plan import Plan
 from nebula_ckpt.tiers.memory.compare import Compared
 from nebula_ckpt.tiers.memory.hash_reuse import staged_hashes
@@ -54,14 +54,14 @@ _write_ids = _WriteIds()
 
 class Taken:
     """What one ``save_async`` took on its way to the stager, recorded as each is taken: the pool's
-    :class:`~nebula_ckpt.save.buffers.Claim` (its slot), the copy job, the snapshot. A save cut
+    :class:`~nebula_ckpt.save.buffers.SlotClaim` (its slot), the copy job, the snapshot. A save cut
     anywhere (a signal handler's exception too) gives back exactly that: the snapshot whole
     (``SavePipeline._take_back``), else the slot after its copy (:meth:`give_back_slot`)."""
 
     __slots__ = ("claim", "job", "snap")
 
     def __init__(self) -> None:
-        self.claim = Claim()
+        self.claim = SlotClaim()
         self.job: Optional[CopyJob] = None
         self.snap: Optional[Snapshot] = None
 
