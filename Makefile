@@ -22,10 +22,16 @@ demo-wipe: install
 # the suite on as many workers as cores, at most 4 (its multi-rank tests start 2-4 processes each);
 # PYTEST_WORKERS=0 runs it in one process
 PYTEST_WORKERS ?= $(shell n=$$(nproc 2>/dev/null || echo 2); [ $$n -gt 4 ] && n=4; echo $$n)
+# Byte-code compiled once before the suite: with PYTHONDONTWRITEBYTECODE set (as on CI machines) every
+# process the tests start (ranks, crash workers, benchmarks: hundreds) would compile the package from
+# source again, ~0.15 s each; a test run then takes about a sixth less time.
+COMPILE := $(VPY) -m compileall -q -j 0 nebula_ckpt tests benchmarks examples > /dev/null
 test: install blob-servers
+	$(COMPILE)
 	$(VPY) -m pytest -n $(PYTEST_WORKERS) --dist worksteal $(PYTEST_ARGS)
 
 test-fast: install
+	$(COMPILE)
 	$(VPY) -m pytest -m "not slow and not blob" $(PYTEST_ARGS)
 
 # the frameworks' own checkpoint tests (Lightning, transformers, DCP, DeepSpeed), each run stock and then
