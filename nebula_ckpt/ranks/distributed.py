@@ -42,6 +42,25 @@ def default_coordinator() -> Optional["DistCoordinator"]:
     return None
 
 
+def group_destroyed() -> bool:
+    """Whether this process's default process group is gone (``destroy_process_group()``), which
+    takes the checkpoint protocol's own groups with it."""
+    return dist.is_available() and not dist.is_initialized()
+
+
+class GroupDestroyed(PersistError):
+    """A save cut short because this process destroyed its process group while it was committed."""
+
+
+def _destroyed_error(tier: str, what: str, cause: Optional[BaseException]) -> GroupDestroyed:
+    err = GroupDestroyed(f"tier {tier}: {what} was cut short: this process destroyed its process group "
+                         "(torch.distributed.destroy_process_group()) while the Checkpointer was still committing "
+                         "it. Close the Checkpointer first (ckpt.close(), or leave its `with` block: it waits until "
+                         "every save is committed), then destroy the group")
+    err.__cause__ = cause
+    return err
+
+
 class _TierChannel:
     """Ordered rounds of one shared tier on its own gloo group, run by one thread."""
 
@@ -56,6 +75,7 @@ class _TierChannel:
         self._next = (0, 0)
         self._end: Optional[int] = None
         self._broken: Optional[BaseException] = None
+        self._destroyed = False  # broken by this process's destroy_process_group()
         self._cond = threading.Condition()
         self._thread = threading.Thread(target=self._run, name=f"nebula-rounds-{name}", daemon=True)
         self._thread.start()
@@ -66,6 +86,8 @@ class _TierChannel:
 
     def round(self, index: int, phase: int, payload: Any) -> list[Any]:
         with self._cond:
+            if self._destroyed:
+                raise _destroyed_error(self.name, "the save in flight", self._broken)
             if self._broken is not None:
                 raise PersistError(f"tier {self.name}: the ranks' checkpoint protocol failed earlier "
                                    f"({self._broken}); restart the job") from self._broken
@@ -76,6 +98,8 @@ class _TierChannel:
             self._cond.wait_for(lambda: (index, phase) in self._results or self._broken is not None)
             if (index, phase) in self._results:
                 return self._results.pop((index, phase))
+            if self._destroyed:
+                raise _destroyed_error(self.name, "the save in flight", self._broken)
             raise PersistError(f"tier {self.name}: the ranks could not agree on save {index} (round {phase}): a "
                                f"rank died, left or timed out ({self._broken}); nothing was committed there"
                                ) from self._broken
@@ -152,10 +176,15 @@ class _TierChannel:
                     raise PersistError(f"this rank closed after {self._end} save(s) while rank(s) "
                                        f"{[r for r, e in enumerate(out) if r not in dict(ended)][:8]} make more")
             except BaseException as e:  # a dead rank, a timeout: every later round fails too
-                log.error("nebula_ckpt: tier %s: the ranks' round %d of save %d failed (a rank died, left or "
-                          "timed out): %s: %s", self.name, phase, index, type(e).__name__, e)
+                destroyed = group_destroyed()
+                if destroyed:
+                    what = "its close" if ending else "the save in flight"
+                    log.error("nebula_ckpt: %s", _destroyed_error(self.name, what, e))
+                else:
+                    log.error("nebula_ckpt: tier %s: the ranks' round %d of save %d failed (a rank died, left or "
+                              "timed out): %s: %s", self.name, phase, index, type(e).__name__, e)
                 with self._cond:
-                    self._broken = e
+                    self._broken, self._destroyed = e, destroyed
                     self._cond.notify_all()
                 return
             with self._cond:

@@ -41,6 +41,7 @@ from nebula_ckpt.format.names import RANKS_FILE, step_dir
 from nebula_ckpt.native import get_ops
 from nebula_ckpt.ranks import shards as ranks
 from nebula_ckpt.ranks.coordinator import PHASE_DIGEST, PHASE_DURABLE, PHASE_INDEX, PHASE_VERDICT, SKIP, Coordinator
+from nebula_ckpt.ranks.distributed import GroupDestroyed
 from nebula_ckpt.ranks.fencing import TierFence
 from nebula_ckpt.ranks.split import first_of_class, new_save_id, signature, split_manifest, split_payload
 from nebula_ckpt.save.commit import (
@@ -215,9 +216,10 @@ class SharedCommit:
                 log.warning("nebula_ckpt: tier %s: no verdict from rank 0 on step %d (%s), but its COMMIT is "
                             "there: the step is committed", name, save.step, e)
                 return None
-            raise CommitUncertain(f"step {save.step} may have committed on tier {name}: rank 0 died, left or "
-                                  f"timed out after this rank's shard was durable ({e}), and no COMMIT was there "
-                                  "yet; this rank keeps its files of it (a restart removes them if it never "
+            why = str(e) if isinstance(e, GroupDestroyed) else \
+                f"rank 0 died, left or timed out after this rank's shard was durable ({e})"
+            raise CommitUncertain(f"step {save.step} may have committed on tier {name}: {why}, and no COMMIT was "
+                                  "there yet; this rank keeps its files of it (a restart removes them if it never "
                                   "committed)") from e
         progress.may_commit = bool(verdict.get("ok") or verdict.get("uncertain"))
         return verdict

@@ -2,7 +2,8 @@
 
     python dcp_fallback_worker.py OUT ROOT...
 
-For each ROOT (``{rank}`` in it is replaced by the rank; a 2-rank checkpoint of ``{"w": (4, 3), "b": (3,)}``) it reports, in
+For each ROOT (``{rank}`` in it is replaced by the rank; a 2-rank checkpoint of ``{"w": (4, 3), "b": (3,)}``) it
+reports, in
 ``OUT/fallback-r<rank>.json``, the step the reader chose and the values loaded, or the error.
 """
 

@@ -2,7 +2,8 @@
 
 Usage: python fence_worker.py SCENARIO ROOT OUT GATES   (RANK, WORLD_SIZE, MASTER_* in env)
 
-* ``stale``: saves step 1 (its memory tier keeps 3 steps), touches ``GATES/stale-saved-1-r<rank>``, waits for ``GATES/newer-saved``,
+* ``stale``: saves step 1 (its memory tier keeps 3 steps), touches ``GATES/stale-saved-1-r<rank>``, waits for
+  ``GATES/newer-saved``,
   saves steps 10, 11, 12 (each waited for), reports what became of them, what its memory tier
   holds and whether its lock is free, touches ``GATES/stale-done-r<rank>``, waits for
   ``GATES/die`` and SIGKILLs itself (a stale job dies, it does not close);
@@ -27,8 +28,8 @@ import torch.distributed as dist
 
 import nebula_ckpt as nc
 from nebula_ckpt.format.commit import committed_steps
-from nebula_ckpt.tiers.memory.shm import try_lock
 from nebula_ckpt.storage.local import LocalStorage
+from nebula_ckpt.tiers.memory.shm import try_lock
 from nebula_ckpt.tiers.memory.tier import memory_tier_path
 
 

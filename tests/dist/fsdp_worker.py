@@ -18,8 +18,9 @@ Trainer does), shard, load it with ``fsdp.load_sharded`` and ``rng.set_rng_state
 the end. ``mismatch``: the same with a wider hidden layer (or, run with another number of ranks, the
 same read): the read or the load must refuse it (the error
 and the model's digests before / after go into the report) and leave the weights as they were
-(the fresh optimizer gets its zero state: ``get_state_dict``'s rule). Each rank writes its losses (``float.hex``), digests of the whole (unsharded) model and
-optimizer state after each save / the load, and at the end.
+(the fresh optimizer gets its zero state: ``get_state_dict``'s rule). Each rank writes its losses
+(``float.hex``), digests of the whole (unsharded) model and optimizer state after each save / the
+load, and at the end.
 """
 
 from __future__ import annotations

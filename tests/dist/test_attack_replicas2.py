@@ -28,8 +28,8 @@ import pytest
 
 from nebula_ckpt import knobs
 from nebula_ckpt.ranks.partners import choose_partners, pack_node_id, unpack_node_id
-from nebula_ckpt.tiers.memory.epilogue import persist_memory
 from nebula_ckpt.tiers.memory import replicas
+from nebula_ckpt.tiers.memory.epilogue import persist_memory
 from nebula_ckpt.tiers.memory.replica_save import check_copy
 from nebula_ckpt.tiers.memory.replica_store import ReplicaStore, committed
 
@@ -206,7 +206,8 @@ def test_a_stale_node_comes_back_then_the_job_grows(tmp_path: Path) -> None:
     whose memory tier is the kept one: its step 5 is generation 1's. The restore takes generation
     2's step 5 on both ranks (node B's pulled from its replica at node A), never the stale one;
     the job saves on (6, also on disk, then 7, built on the pulled copy), node A is lost, and
-    step 7 comes back (restored by the tag every step carries). Then a job of 3 ranks (more nodes) takes the documented path: the shared
+    step 7 comes back (restored by the tag every step carries). Then a job of 3 ranks (more nodes) takes the
+    documented path: the shared
     tier's newest step, resharded, bit-exact. The node ids are not UTF-8 (bytes from the
     environment), and differ only there."""
     job = Job(tmp_path, nodes=["n\udcff", "n\udcfe"], k=1, keep=3, same=True, frozen=True, tag="every")

@@ -17,10 +17,10 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 import nebula_ckpt as nc
 from conftest import make_training, train_step
-from nebula_ckpt.format.names import MANIFEST, shard_name, step_dir
 from nebula_ckpt.cli import main as cli
-from nebula_ckpt.restore.dcp_reader import NebulaStorageReader, newest_manifest
 from nebula_ckpt.errors import CorruptCheckpointError, NotFoundError, ValidationError
+from nebula_ckpt.format.names import MANIFEST, shard_name, step_dir
+from nebula_ckpt.restore.dcp_reader import NebulaStorageReader, newest_manifest
 from nebula_ckpt.restore.reshard import gather_full
 from nebula_ckpt.storage.local import LocalStorage
 from records_view import as_version_2

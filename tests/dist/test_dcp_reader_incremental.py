@@ -14,9 +14,9 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
 import nebula_ckpt as nc
-from nebula_ckpt.restore.dcp_reader import NebulaStorageReader
 from nebula_ckpt.errors import CorruptCheckpointError
 from nebula_ckpt.format.names import step_dir
+from nebula_ckpt.restore.dcp_reader import NebulaStorageReader
 from nebula_ckpt.restore.open import read_manifest
 from nebula_ckpt.storage.local import LocalStorage
 from records_view import flat_manifest

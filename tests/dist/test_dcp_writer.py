@@ -25,12 +25,12 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 import nebula_ckpt as nc
 from conftest import make_training, train_step
-from nebula_ckpt.format.commit import committed_steps
-from nebula_ckpt.format import manifest as mf
-from nebula_ckpt.format.names import COMMIT, MANIFEST
 from nebula_ckpt.cli import main as cli
 from nebula_ckpt.dcp import NebulaStorageReader, NebulaStorageWriter
 from nebula_ckpt.errors import ConsistencyError, ValidationError
+from nebula_ckpt.format import manifest as mf
+from nebula_ckpt.format.commit import committed_steps
+from nebula_ckpt.format.names import COMMIT, MANIFEST
 from nebula_ckpt.storage.local import LocalStorage
 
 from .launch import free_port, reports, run_ranks
@@ -481,8 +481,9 @@ def test_a_sharded_tensor_with_several_chunks_on_one_rank_is_refused_naming_the_
 
     dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
     try:
-        st = init_from_local_shards([Shard(torch.arange(4.0).reshape(2, 2), ShardMetadata([0, 0], [2, 2], "rank:0/cpu")),
-                                     Shard(torch.arange(4.0, 8.0).reshape(2, 2), ShardMetadata([2, 0], [2, 2], "rank:0/cpu"))],
+        st = init_from_local_shards([
+            Shard(torch.arange(4.0).reshape(2, 2), ShardMetadata([0, 0], [2, 2], "rank:0/cpu")),
+            Shard(torch.arange(4.0, 8.0).reshape(2, 2), ShardMetadata([2, 0], [2, 2], "rank:0/cpu"))],
                                     [4, 2])
         with pytest.raises((ValidationError, CheckpointException)) as got:
             dcp.save({"w": st}, storage_writer=NebulaStorageWriter(root, step=1))

@@ -17,8 +17,8 @@ from typing import Any
 
 import pytest
 import torch
-from faults import renumber_step
 
+from faults import renumber_step
 from nebula_ckpt import knobs
 from nebula_ckpt.tiers.memory.tier import memory_tier_path
 
@@ -68,7 +68,7 @@ def test_a_fenced_two_rank_job_stops_on_every_tier_and_never_wins_the_restart(ro
     # generation; each rank's memory tier also gets a step 20 of it: a higher step never wins.
     with knobs.override(shm_dir=shm_dir):
         folders = [memory_tier_path(root, r) for r in range(2)]
-    for folder, r in zip(folders, got, strict=True):
+    for folder in folders:
         renumber_step(folder, 1, 20)
     loaded = run_ranks(2, "fence_worker.py", ["load", *args], out, shm_dir)
     assert all(p.returncode == 0 for p in loaded), [p.stdout[-3000:] for p in loaded]

@@ -37,7 +37,8 @@ STEP = 3
 def _two_rank_job(tmp_path_factory: pytest.TempPathFactory, folder: str, role: str) -> Iterator[Path]:
     """Run ``rank_worker.py role`` on 2 real gloo ranks (no memory tier); yield its root."""
     base = tmp_path_factory.mktemp(folder)
-    shm = os.path.join("/dev/shm" if os.access("/dev/shm", os.W_OK) else str(base), f"nebula-test-{uuid.uuid4().hex[:10]}")
+    shm = os.path.join("/dev/shm" if os.access("/dev/shm", os.W_OK) else str(base),
+                       f"nebula-test-{uuid.uuid4().hex[:10]}")
     os.makedirs(shm)
     out = base / "out"
     out.mkdir()
@@ -230,7 +231,8 @@ def test_hostile_main_manifest_fields_are_refused(root: Path) -> None:
                            (lambda m: m.update(world_size=1), "world_size = 1"),
                            (lambda m: m["owners"].update(x=5), "owners['x'] = 5"),
                            (lambda m: m.update(grid="yes"), "grid must be true or false"),
-                           (lambda m: m["tensors"].update({"r0/x": {"dtype": "float32", "shape": [0], "offsets": [8, 8], "crc32c": 0}}),
+                           (lambda m: m["tensors"].update(
+                               {"r0/x": {"dtype": "float32", "shape": [0], "offsets": [8, 8], "crc32c": 0}}),
                             "tensors['r0/x']"),
                            (lambda m: m["dtensors"]["model/0.weight"].update(placements=["P"]), "placement 'P'")]:
         shutil.copy(d / MANIFEST, d / "keep")
@@ -355,7 +357,8 @@ def test_incremental_references_live_in_each_ranks_records_and_in_ranks_json(cha
     ck = open_checkpoint(st, CHAIN, "full", "t", 1, 2)           # reads step 1's shard of rank 1
     assert RANKS_FILE not in st.read                             # nor step 1's: its rank 1 records say where
     held = ck.manifest.shards[ck.manifest.resolve("still", 1).shard]
-    assert (held.file, held.step) == ("shard-g1-r1.safetensors", 1) and ck.manifest.hashes["r1/still"] == recs["sha256"]["still"]
+    assert (held.file, held.step) == ("shard-g1-r1.safetensors", 1)
+    assert ck.manifest.hashes["r1/still"] == recs["sha256"]["still"]
     assert torch.equal(ck.view("still"), torch.full((8192,), 1.0))
     whole = open_checkpoint(st, CHAIN, "full", "t", 0, 1)        # the whole job: ranks.json's numbering
     assert whole.manifest.resolve("still", 1).shard == 3
@@ -397,5 +400,6 @@ def test_a_ranks_json_listing_a_reference_among_the_own_shards_is_refused(chain:
         i["ranks"][1]["shard"], i["refs"][0] = i["refs"][0], i["ranks"][1]["shard"]
 
     _reindex(chain / f"step-{CHAIN}", swap)
-    with pytest.raises(CorruptCheckpointError, match=re.escape("ranks[1]: shard 'shard-g1-r0.safetensors' is not rank 1's")):
+    with pytest.raises(CorruptCheckpointError,
+                       match=re.escape("ranks[1]: shard 'shard-g1-r0.safetensors' is not rank 1's")):
         read_main_manifest(LocalStorage(str(chain)), CHAIN)

@@ -19,16 +19,13 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from nebula_ckpt.format.commit import Commit
-from nebula_ckpt.format.names import COMMIT, MANIFEST, step_dir
-from nebula_ckpt.format.records import DTensorInfo
 from nebula_ckpt.cli import main as cli
-from nebula_ckpt.restore.dcp_reader import newest_manifest
 from nebula_ckpt.errors import CorruptCheckpointError, ValidationError
-from nebula_ckpt.native import get_ops
+from nebula_ckpt.format.names import step_dir
+from nebula_ckpt.format.records import DTensorInfo
+from nebula_ckpt.restore.dcp_reader import newest_manifest
 from nebula_ckpt.restore.reshard import gather_full, load_resharded
 from nebula_ckpt.storage.local import LocalStorage
-
 from records_view import flat_manifest, seal
 
 from .launch import run_ranks
