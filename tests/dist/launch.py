@@ -103,6 +103,16 @@ def run_ranks(world: int, script: str, args: list[str], out: Path, shm_dir: str,
     return done
 
 
+def run_ok(world: int, script: str, args: list[str], out: Path, shm_dir: str,
+           **kw: Any) -> list[subprocess.CompletedProcess[str]]:
+    """:func:`run_ranks` (``kw``: its keywords), every rank required to end with 0: the failure
+    shows the output of the rank that did not."""
+    done = run_ranks(world, script, args, out, shm_dir, **kw)
+    for r, p in enumerate(done):
+        assert p.returncode == 0, f"rank {r} ended with {p.returncode}:\n{p.stdout[-6000:]}"
+    return done
+
+
 def reports(out: Path, scenario: str, world: int) -> list[dict[str, Any]]:
     """The JSON each rank wrote (``<scenario>-r<rank>.json``)."""
     return [json.loads((out / f"{scenario}-r{r}.json").read_text()) for r in range(world)]
