@@ -48,6 +48,10 @@ def group_destroyed() -> bool:
     return dist.is_available() and not dist.is_initialized()
 
 
+class RanksDisagree(PersistError):
+    """The ranks called the Checkpointer differently (a different number of saves before close)."""
+
+
 class GroupDestroyed(PersistError):
     """A save cut short because this process destroyed its process group while it was committed."""
 
@@ -86,11 +90,8 @@ class _TierChannel:
 
     def round(self, index: int, phase: int, payload: Any) -> list[Any]:
         with self._cond:
-            if self._destroyed:
-                raise _destroyed_error(self.name, "the save in flight", self._broken)
             if self._broken is not None:
-                raise PersistError(f"tier {self.name}: the ranks' checkpoint protocol failed earlier "
-                                   f"({self._broken}); restart the job") from self._broken
+                raise self._failure(index, phase, earlier=True)
             if (index, phase) < self._next:
                 raise PersistError(f"tier {self.name}: save {index} phase {phase} posted after its round ran")
             self._posts[(index, phase)] = payload
@@ -98,11 +99,24 @@ class _TierChannel:
             self._cond.wait_for(lambda: (index, phase) in self._results or self._broken is not None)
             if (index, phase) in self._results:
                 return self._results.pop((index, phase))
-            if self._destroyed:
-                raise _destroyed_error(self.name, "the save in flight", self._broken)
-            raise PersistError(f"tier {self.name}: the ranks could not agree on save {index} (round {phase}): a "
-                               f"rank died, left or timed out ({self._broken}); nothing was committed there"
-                               ) from self._broken
+            raise self._failure(index, phase, earlier=False)
+
+    def _failure(self, index: int, phase: int, earlier: bool) -> PersistError:
+        """The error of a round that cannot run: the group is gone, the ranks' calls differ, or a
+        rank died, left or timed out (its cause chained)."""
+        broken = self._broken
+        if self._destroyed:
+            err: PersistError = _destroyed_error(self.name, "the save in flight", broken)
+        elif isinstance(broken, RanksDisagree):
+            err = PersistError(f"tier {self.name}: nothing of save {index} was committed there: {broken}")
+        elif earlier:
+            err = PersistError(f"tier {self.name}: the ranks' checkpoint protocol failed earlier ({broken}); "
+                               "restart the job")
+        else:
+            err = PersistError(f"tier {self.name}: the ranks could not agree on save {index} (round {phase}): a "
+                               f"rank died, left or timed out ({broken}); nothing was committed there")
+        err.__cause__ = broken
+        return err
 
     def abandon(self, index: int) -> None:
         with self._cond:
@@ -169,17 +183,19 @@ class _TierChannel:
                 self._collective(0 if ending else phase, out, payload)
                 ended = [(r, e["end"]) for r, e in enumerate(out) if isinstance(e, dict) and "end" in e]
                 if ended and not ending:
-                    raise PersistError(f"rank(s) {[r for r, _ in ended][:8]} closed their Checkpointer after "
+                    raise RanksDisagree(f"rank(s) {[r for r, _ in ended][:8]} closed their Checkpointer after "
                                        f"{ended[0][1]} save(s), while this rank makes save {index + 1}: every rank "
                                        "must call save_async the same number of times, then close()")
                 if ended and len(ended) < self._world and ending:
-                    raise PersistError(f"this rank closed after {self._end} save(s) while rank(s) "
+                    raise RanksDisagree(f"this rank closed after {self._end} save(s) while rank(s) "
                                        f"{[r for r, e in enumerate(out) if r not in dict(ended)][:8]} make more")
             except BaseException as e:  # a dead rank, a timeout: every later round fails too
                 destroyed = group_destroyed()
                 if destroyed:
                     what = "its close" if ending else "the save in flight"
                     log.error("nebula_ckpt: %s", _destroyed_error(self.name, what, e))
+                elif isinstance(e, RanksDisagree):
+                    log.error("nebula_ckpt: tier %s: %s", self.name, e)
                 else:
                     log.error("nebula_ckpt: tier %s: the ranks' round %d of save %d failed (a rank died, left or "
                               "timed out): %s: %s", self.name, phase, index, type(e).__name__, e)
