@@ -279,7 +279,16 @@ class DistCoordinator(Coordinator):
 
     def _gather(self, value: Any) -> list[Any]:
         out: list[Any] = [None] * self.world_size
-        dist.all_gather_object(out, value, group=self._live_control())
+        group = self._live_control()
+        try:
+            dist.all_gather_object(out, value, group=group)
+        except RuntimeError as e:  # gloo: a timeout, a closed connection
+            raise PersistError(
+                f"rank {self.rank}: the ranks did not all meet in a collective call of the checkpoint protocol "
+                f"within {self._timeout.total_seconds():g} s (NEBULA_COMMIT_TIMEOUT_S): in a multi-rank job, "
+                "load_latest(), load() and the Checkpointer's first save run on every rank together (each "
+                "restores its own share): call them on every rank in the same order, not on rank 0 alone "
+                f"(if every rank did, one of them died or stalled: {type(e).__name__}: {e})") from e
         return out
 
     def agree_step(self, candidates: Sequence[OrderT]) -> Optional[OrderT]:

@@ -1,5 +1,5 @@
-"""A job that destroys its process group before closing its Checkpointer: the save cut short says
-so, naming the fix, and every save committed before stays (gloo ranks on 127.0.0.1)."""
+"""Slips of a first multi-rank script: each is told what happened and how to fix it, and every
+step committed before stays (gloo ranks on 127.0.0.1)."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ pytestmark = [pytest.mark.timeout(240)]
 def test_destroying_the_group_before_close_names_the_fix(root: str, shm_dir: str, tmp_path: Path) -> None:
     out = tmp_path / "out"
     out.mkdir()
-    run_ok(2, "destroyed_worker.py", [root, str(out)], out, shm_dir)
+    run_ok(2, "slips_worker.py", ["destroyed", root, str(out)], out, shm_dir)
     for r, got in enumerate(reports(out, "destroyed", 2)):
         # the save in flight fails on the shared root, and the message says why and what to do
         for what in (got["step3"], got["close"]):
@@ -26,3 +26,14 @@ def test_destroying_the_group_before_close_names_the_fix(root: str, shm_dir: str
         assert got["listed"] == [1, 2], (r, got["listed"])
     assert Path(root, step_dir(1), COMMIT).exists() and Path(root, step_dir(2), COMMIT).exists()
     assert not Path(root, step_dir(3), COMMIT).exists()
+
+
+def test_load_latest_on_rank_0_alone_says_every_rank_must_call_it(root: str, shm_dir: str, tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    out.mkdir()
+    run_ok(2, "slips_worker.py", ["load_on_rank0", root, str(out)], out, shm_dir,
+           env_extra={"NEBULA_COMMIT_TIMEOUT_S": "5"})
+    got = reports(out, "load_on_rank0", 2)[0]["load"]
+    assert got.startswith("PersistError: ") and "not on rank 0 alone" in got, got
+    assert "NEBULA_COMMIT_TIMEOUT_S" in got, got  # the wait it took, and where it is set
+    assert Path(root, step_dir(1), COMMIT).exists()

@@ -1,0 +1,86 @@
+"""One rank of a job that makes a slip of a first multi-rank script (run by
+tests/dist/test_multirank_slips.py). Usage: python slips_worker.py SCENARIO ROOT OUT
+
+* ``destroyed``: every rank saves steps 1 and 2 and waits until each is committed, then saves
+  step 3, whose shard write on the shared root is held (a hook on ``LocalStorage``: the real write
+  happens) until this rank's training thread has called ``destroy_process_group()`` -- a script
+  that ends its job without closing the Checkpointer first. Each rank reports what ``close()``
+  and then step 3's handle said, and the steps it lists.
+* ``load_on_rank0``: every rank saves step 1; then rank 0 alone calls ``load_latest`` (the
+  ``torch.load`` habit: load on rank 0, broadcast) while rank 1 waits at a barrier of the job's
+  own group. Rank 0 reports what ``load_latest`` said (run with a short NEBULA_COMMIT_TIMEOUT_S).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import threading
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+import nebula_ckpt as nc
+from nebula_ckpt.storage.local import LocalStorage
+
+destroyed = threading.Event()
+_write_parts = LocalStorage.write_parts
+
+
+def _held_write(self: LocalStorage, rel: str, parts: list[memoryview]) -> dict[str, Any]:
+    info = _write_parts(self, rel, parts)
+    if rel.startswith("step-3/shard-"):
+        destroyed.wait(60)
+    return info
+
+
+def _outcome(fn: Any) -> str:
+    try:
+        fn()
+        return "ok"
+    except Exception as e:  # the report says what the user would read
+        return f"{type(e).__name__}: {e}"
+
+
+def _destroyed(root: str, rank: int, model: torch.nn.Module) -> dict[str, Any]:
+    LocalStorage.write_parts = _held_write  # type: ignore[method-assign]
+    report: dict[str, Any] = {}
+    ck = nc.Checkpointer(root)
+    for step in (1, 2):
+        ck.save_async(step, {"model": model, "step": step}).result(timeout=120)
+    h = ck.save_async(3, {"model": model, "step": 3})
+    dist.destroy_process_group()
+    destroyed.set()
+    report["close"] = _outcome(ck.close)  # what a script that never asks its handles reads
+    report["step3"] = _outcome(lambda: h.result(timeout=120))
+    report["listed"] = nc.Checkpointer(root, memory_tier=False).list()
+    return report
+
+
+def _load_on_rank0(root: str, rank: int, model: torch.nn.Module) -> dict[str, Any]:
+    report: dict[str, Any] = {}
+    ck = nc.Checkpointer(root)
+    ck.save(1, {"model": model})
+    if rank == 0:
+        report["load"] = _outcome(lambda: ck.load_latest({"model": model}))
+    dist.barrier()
+    report["close"] = _outcome(ck.close)
+    dist.destroy_process_group()
+    return report
+
+
+def main() -> None:
+    scenario, root, out = sys.argv[1:4]
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    model = torch.nn.Linear(8, 8)
+    run = {"destroyed": _destroyed, "load_on_rank0": _load_on_rank0}[scenario]
+    report = {"rank": rank, **run(root, rank, model)}
+    with open(os.path.join(out, f"{scenario}-r{rank}.json"), "w") as f:
+        json.dump(report, f)
+
+
+if __name__ == "__main__":
+    main()
