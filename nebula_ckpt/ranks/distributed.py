@@ -24,7 +24,8 @@ from __future__ import annotations
 import datetime
 import logging
 import threading
-from typing import Any, Callable, Optional, Sequence
+from contextlib import contextmanager
+from typing import Any, Callable, Iterator, Optional, Sequence
 
 import torch.distributed as dist
 
@@ -79,7 +80,6 @@ class _TierChannel:
         self._next = (0, 0)
         self._end: Optional[int] = None
         self._broken: Optional[BaseException] = None
-        self._destroyed = False  # broken by this process's destroy_process_group()
         self._cond = threading.Condition()
         self._thread = threading.Thread(target=self._run, name=f"nebula-rounds-{name}", daemon=True)
         self._thread.start()
@@ -105,10 +105,10 @@ class _TierChannel:
         """The error of a round that cannot run: the group is gone, the ranks' calls differ, or a
         rank died, left or timed out (its cause chained)."""
         broken = self._broken
-        if self._destroyed:
-            err: PersistError = _destroyed_error(self.name, "the save in flight", broken)
+        if isinstance(broken, GroupDestroyed):
+            err: PersistError = _destroyed_error(self.name, "the save in flight", broken.__cause__)
         elif isinstance(broken, RanksDisagree):
-            err = PersistError(f"tier {self.name}: nothing of save {index} was committed there: {broken}")
+            err = PersistError(f"{broken}; nothing of save {index} was committed there")
         elif earlier:
             err = PersistError(f"tier {self.name}: the ranks' checkpoint protocol failed earlier ({broken}); "
                                "restart the job")
@@ -183,24 +183,24 @@ class _TierChannel:
                 self._collective(0 if ending else phase, out, payload)
                 ended = [(r, e["end"]) for r, e in enumerate(out) if isinstance(e, dict) and "end" in e]
                 if ended and not ending:
-                    raise RanksDisagree(f"rank(s) {[r for r, _ in ended][:8]} closed their Checkpointer after "
-                                       f"{ended[0][1]} save(s), while this rank makes save {index + 1}: every rank "
-                                       "must call save_async the same number of times, then close()")
+                    raise RanksDisagree(f"tier {self.name}: rank(s) {[r for r, _ in ended][:8]} closed their "
+                                        f"Checkpointer after {ended[0][1]} save(s), while this rank makes save "
+                                        f"{index + 1}: every rank must call save_async the same number of times, "
+                                        "then close()")
                 if ended and len(ended) < self._world and ending:
-                    raise RanksDisagree(f"this rank closed after {self._end} save(s) while rank(s) "
-                                       f"{[r for r, e in enumerate(out) if r not in dict(ended)][:8]} make more")
+                    raise RanksDisagree(f"tier {self.name}: this rank closed after {self._end} save(s) while "
+                                        f"rank(s) {[r for r, e in enumerate(out) if r not in dict(ended)][:8]} "
+                                        "make more")
             except BaseException as e:  # a dead rank, a timeout: every later round fails too
-                destroyed = group_destroyed()
-                if destroyed:
-                    what = "its close" if ending else "the save in flight"
-                    log.error("nebula_ckpt: %s", _destroyed_error(self.name, what, e))
-                elif isinstance(e, RanksDisagree):
-                    log.error("nebula_ckpt: tier %s: %s", self.name, e)
+                broken = _destroyed_error(self.name, "its close" if ending else "the save in flight", e) \
+                    if group_destroyed() else e
+                if isinstance(broken, (GroupDestroyed, RanksDisagree)):
+                    log.error("nebula_ckpt: %s", broken)
                 else:
                     log.error("nebula_ckpt: tier %s: the ranks' round %d of save %d failed (a rank died, left or "
                               "timed out): %s: %s", self.name, phase, index, type(e).__name__, e)
                 with self._cond:
-                    self._broken, self._destroyed = e, destroyed
+                    self._broken = broken
                     self._cond.notify_all()
                 return
             with self._cond:
@@ -246,7 +246,9 @@ class DistCoordinator(Coordinator):
                 box[0] = take()
             except BaseException as e:  # the others must learn it too, not hang
                 box[0] = f"{type(e).__name__}: {e}"
-        dist.broadcast_object_list(box, src=self._global(0), group=self._live_control())
+        group = self._live_control()
+        with self._meeting():
+            dist.broadcast_object_list(box, src=self._global(0), group=group)
         if not isinstance(box[0], int):
             raise PersistError(f"rank 0 could not take the writer generation: {box[0]}")
         return box[0]
@@ -277,18 +279,25 @@ class DistCoordinator(Coordinator):
             raise PersistError("the checkpoint protocol of this Checkpointer is closed: open a new Checkpointer")
         return self._control
 
-    def _gather(self, value: Any) -> list[Any]:
-        out: list[Any] = [None] * self.world_size
-        group = self._live_control()
+    @contextmanager
+    def _meeting(self) -> Iterator[None]:
+        """A collective of the control group: gloo's timeout or closed connection becomes a
+        :class:`PersistError` that says which calls every rank must make."""
         try:
-            dist.all_gather_object(out, value, group=group)
+            yield
         except RuntimeError as e:  # gloo: a timeout, a closed connection
             raise PersistError(
                 f"rank {self.rank}: the ranks did not all meet in a collective call of the checkpoint protocol "
                 f"within {self._timeout.total_seconds():g} s (NEBULA_COMMIT_TIMEOUT_S): in a multi-rank job, "
-                "load_latest(), load() and the Checkpointer's first save run on every rank together (each "
+                "the Checkpointer's constructor, load_latest() and load() run on every rank together (each "
                 "restores its own share): call them on every rank in the same order, not on rank 0 alone "
                 f"(if every rank did, one of them died or stalled: {type(e).__name__}: {e})") from e
+
+    def _gather(self, value: Any) -> list[Any]:
+        out: list[Any] = [None] * self.world_size
+        group = self._live_control()
+        with self._meeting():
+            dist.all_gather_object(out, value, group=group)
         return out
 
     def agree_step(self, candidates: Sequence[OrderT]) -> Optional[OrderT]:
