@@ -6,7 +6,6 @@ the copy, a storage write, the commit. Usage: python save_path_probe.py {local,d
 from __future__ import annotations
 
 import json
-import os
 import sys
 import tempfile
 import threading
@@ -38,7 +37,13 @@ def main() -> None:
     sys.setprofile(profile)
     import nebula_ckpt as nc
 
-    root = tempfile.mkdtemp()
+    with tempfile.TemporaryDirectory() as root:
+        _save_twice(nc, root, tiers)
+    print(json.dumps(sorted(PATH)))
+
+
+def _save_twice(nc: Any, root: str, tiers: str) -> None:
+    """Two saves of a small model and AdamW; the second one traced."""
     model = torch.nn.Linear(16, 16)
     opt = torch.optim.AdamW(model.parameters())
     model(torch.randn(2, 16)).sum().backward()
@@ -52,9 +57,7 @@ def main() -> None:
     ck.wait()
     ON[0] = False
     ck.close()
-    print(json.dumps(sorted(PATH)))
 
 
 if __name__ == "__main__":
-    os.environ.setdefault("NEBULA_SHM_DIR", tempfile.mkdtemp())
-    main()
+    main()  # NEBULA_SHM_DIR: the test's private memory tier folder

@@ -190,7 +190,13 @@ class Worker:
                 "dropped": sorted({t.split(":")[0] for t in h.tiers_dropped})}
 
     def op_close(self, cmd: dict[str, Any]) -> dict[str, Any]:
+        """Close the job's Checkpointers; ``destroy_first``: destroy the process group before (the
+        slip of a script that ends its job in that order)."""
         assert self.ck is not None
+        if cmd.get("destroy_first"):
+            import torch.distributed as dist
+
+            dist.destroy_process_group()
         err = None
         for ck in [self.ck, *reversed(self.older)]:  # the newest first; the older ones handed over
             try:
