@@ -11,7 +11,7 @@ every ``--interval`` training steps, on each setup (``--setups``):
   folder of ``/dev/shm``; a step's bytes are what its own folder holds in the tmpfs,
 * ``memory+disk``: ``Checkpointer(root, tiers=[MemoryTier(), LocalTier(root)])``: both tiers take
   every save (the disk tier takes the memory tier's byte compare for the tensors it found
-  unchanged instead of hashing them: :mod:`nebula_ckpt.tiers.memory.hash_reuse`); a step's bytes are the
+  unchanged instead of hashing them: :func:`nebula_ckpt.tiers.memory.compare.staged_hashes`); a step's bytes are the
   disk tier's, its time until durable is the later of the two tiers',
 
 by each system (``--systems``):

@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 from benchmarks.limits import PeakRss
-from nebula_ckpt.storage.atomic import fsync_dir
+from nebula_ckpt.storage.local import fsync_dir
 
 #: widest layer of the MLP; narrower only where two such layers would exceed the size asked for
 MAX_WIDTH = 4096

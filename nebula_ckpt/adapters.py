@@ -33,7 +33,7 @@ from __future__ import annotations
 from nebula_ckpt.format.names import MAX_TAG_CHARS, check_tag
 from nebula_ckpt.ranks.coordinator import Coordinator, LocalCoordinator
 from nebula_ckpt.ranks.distributed import DistCoordinator
-from nebula_ckpt.storage.atomic import write_file_atomic
+from nebula_ckpt.storage.local import write_file_atomic
 from nebula_ckpt.tiers import canonical_root, refuse_url_credentials, tier_for_root
 
 __all__ = [

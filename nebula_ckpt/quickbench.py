@@ -53,7 +53,7 @@ import torch
 
 from nebula_ckpt.checkpointer import Checkpointer
 from nebula_ckpt.errors import ValidationError
-from nebula_ckpt.storage.atomic import fsync_dir
+from nebula_ckpt.storage.local import fsync_dir
 from nebula_ckpt.tiers.memory.shm import tree_bytes
 from nebula_ckpt.tiers.memory.tier import memory_tier_path
 

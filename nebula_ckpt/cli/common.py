@@ -14,9 +14,9 @@ from typing import Any, Iterable, Optional, Sequence, TypeVar
 
 from nebula_ckpt.errors import CorruptCheckpointError
 from nebula_ckpt.format import manifest as mf
+from nebula_ckpt.format.commit import references
 from nebula_ckpt.format.names import COMMIT, shard_owner, step_dir
 from nebula_ckpt.format.owner import Owner
-from nebula_ckpt.format.references import references
 from nebula_ckpt.ranks.fencing import read_run_id
 from nebula_ckpt.restore.open import NotThisLayout, OpenCheckpoint, open_checkpoint, read_manifest
 from nebula_ckpt.storage.base import Storage

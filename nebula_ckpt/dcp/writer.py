@@ -49,7 +49,7 @@ How DCP's items map onto the format:
 Commit protocol and crash safety: the coordinator refuses a step that is already committed,
 takes a writer generation on the root (once per process and root, :mod:`nebula_ckpt.ranks.process_fence`:
 a newer writer on the same root fences this one), removes leftovers of failed writes (the sweep
-of the tier writers' retention, :mod:`nebula_ckpt.save.sweep`), and hands
+of the tier writers' retention, :mod:`nebula_ckpt.save.commit`), and hands
 every rank ``(step, generation)`` through DCP's global plan. Each rank writes its shard and
 returns one record per item (offsets, CRC32C taken before and re-checked after the write). In
 :meth:`finish` the coordinator checks every rank's shard is there with its size, builds and
@@ -92,7 +92,7 @@ from nebula_ckpt.format.dtypes import TENSOR_DTYPES, dtype_name
 from nebula_ckpt.format.names import COMMIT, MANIFEST, parse_step_dir, shard_name, shard_owner, step_dir
 from nebula_ckpt.ranks.process_fence import process_fence
 from nebula_ckpt.restore.dcp_roots import storage_for
-from nebula_ckpt.save import sweep
+from nebula_ckpt.save import commit
 from nebula_ckpt.save.commit import CommitProgress, commit_manifest
 from nebula_ckpt.save.plan import check_step
 from nebula_ckpt.storage.base import Storage
@@ -285,9 +285,9 @@ class NebulaStorageWriter(StorageWriter):
         fence = process_fence(st)
         gen = self._gen = fence.generation
         fence.for_tier(st).check(f"write step {step}")
-        owner = sweep.Ownership(gen, self.rank, commits_here=True)
+        owner = commit.Ownership(gen, self.rank, commits_here=True)
         # leftovers of failed writes of this step (older, or this generation's: none is in flight)
-        sweep.clear_step(st, step, lambda n: owner.stale(n, ours_failed=True))
+        commit.clear_step(st, step, lambda n: owner.stale(n, ours_failed=True))
         self._sweep(owner, step)
         with _LOCK:
             _UNFINISHED.setdefault(st.display_url, set()).add(step)
@@ -331,7 +331,7 @@ class NebulaStorageWriter(StorageWriter):
             shard.update(self._write_shard(rel, tensors))
         except BaseException:
             # DCP never calls finish() now: no COMMIT can come; the last rank out removes the folder
-            sweep.discard_files(st, info.step, lambda n: n == name, self.where)
+            commit.discard_files(st, info.step, lambda n: n == name, self.where)
             raise
         fut: Future[list[WriteResult]] = Future()
         fut.set_result([WriteResult(index=item.index, size_in_bytes=n, storage_data=w) for item, w, n in out])
@@ -426,19 +426,19 @@ class NebulaStorageWriter(StorageWriter):
             owner = shard_owner(n)
             return (owner is not None and owner[0] == self._gen) or (n == MANIFEST and self._wrote_manifest)
 
-        sweep.discard_files(self.storage, step, doomed, self.where)
+        commit.discard_files(self.storage, step, doomed, self.where)
 
-    def _sweep(self, owner: sweep.Ownership, step: int) -> None:
-        """Remove uncommitted step folders of failed saves (:mod:`nebula_ckpt.save.sweep`, as the
+    def _sweep(self, owner: commit.Ownership, step: int) -> None:
+        """Remove uncommitted step folders of failed saves (:mod:`nebula_ckpt.save.commit`, as the
         tier writers' retention does): those holding only files no live writer owns, this
         process's earlier saves that never reached :meth:`finish` included."""
         st = self.storage
         with _LOCK:
             failed = _UNFINISHED.pop(st.display_url, set()) - {step}
         try:
-            uncommitted = [s for s in sweep.scan_steps(st)[1] if s != step]
-            leftovers = sweep.leftover_steps(st, uncommitted, owner, failed)
-            sweep.remove_leftovers(st, leftovers, sweep.abandoned_uploads(st, owner.generation), st.display_url)
+            uncommitted = [s for s in commit.scan_steps(st)[1] if s != step]
+            leftovers = commit.leftover_steps(st, uncommitted, owner, failed)
+            commit.remove_leftovers(st, leftovers, commit.abandoned_uploads(st, owner.generation), st.display_url)
         except FencedError:
             raise
         except Exception as e:  # best effort: the save itself goes on

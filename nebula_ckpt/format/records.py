@@ -32,7 +32,7 @@ class ShardRecord:
 
     ``step``: None for a file of the checkpoint's own folder; in an incremental checkpoint, the
     earlier step whose folder (on the same tier) holds the file, always the step that physically
-    holds it (:mod:`nebula_ckpt.format.references`).
+    holds it (:mod:`nebula_ckpt.format.commit`).
     """
 
     file: str

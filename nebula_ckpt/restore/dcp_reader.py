@@ -67,11 +67,10 @@ from torch.futures import Future
 
 from nebula_ckpt.errors import CorruptCheckpointError, NotFoundError, ValidationError
 from nebula_ckpt.format import manifest as mf
-from nebula_ckpt.format.commit import committed_steps
+from nebula_ckpt.format.commit import committed_steps, shard_path
 from nebula_ckpt.format.dtensors import dtensor_chunks, logical_groups
 from nebula_ckpt.format.names import COMMIT, parse_step_dir, step_dir
 from nebula_ckpt.format.records import TensorRecord
-from nebula_ckpt.format.references import shard_path
 from nebula_ckpt.native import get_ops
 from nebula_ckpt.restore.dcp_names import ExposedValue, dcp_names
 from nebula_ckpt.restore.dcp_roots import GivenStorage, partial_job, split_checkpoint_id, tier_for

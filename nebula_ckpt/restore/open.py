@@ -18,11 +18,10 @@ import torch
 
 from nebula_ckpt.errors import CorruptCheckpointError, ValidationError
 from nebula_ckpt.format import manifest as mf
-from nebula_ckpt.format.commit import read_commit
+from nebula_ckpt.format.commit import read_commit, shard_path
 from nebula_ckpt.format.header import data_start
 from nebula_ckpt.format.names import COMMIT, MANIFEST, RANKS_FILE, shard_owner, step_dir
 from nebula_ckpt.format.records import ShardRecord, TensorRecord
-from nebula_ckpt.format.references import shard_path
 from nebula_ckpt.format.split_records import load_split, with_index
 from nebula_ckpt.native import get_ops
 from nebula_ckpt.storage.base import Storage

@@ -15,9 +15,8 @@ from typing import Any, Callable, Optional
 
 from nebula_ckpt.arguments import check_restore_arguments
 from nebula_ckpt.errors import CorruptCheckpointError, NotFoundError, OtherRanksError, ValidationError
-from nebula_ckpt.format.commit import committed_steps
+from nebula_ckpt.format.commit import committed_steps, shard_path
 from nebula_ckpt.format.manifest import Manifest
-from nebula_ckpt.format.references import shard_path
 from nebula_ckpt.health.book import HealthBook
 from nebula_ckpt.ranks.coordinator import Coordinator
 from nebula_ckpt.restore.apply import apply, materialize, stage_restore

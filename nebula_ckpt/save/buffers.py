@@ -37,7 +37,7 @@ from nebula_ckpt.native import get_ops
 from nebula_ckpt.save.budget import HostMemoryBudget, folder_ram_bytes, gib
 from nebula_ckpt.save.slots import Slot, adopt_slot_file, create_slot_file, fresh_anonymous, shm_room
 from nebula_ckpt.storage.prefault import FaultAhead, threads_for
-from nebula_ckpt.tiers.memory.slot_files import own_spare_slot_files
+from nebula_ckpt.tiers.memory.runtime import own_spare_slot_files
 
 #: states at least this large never create a memory-tier slot file on the training thread: a save
 #: with no slot file ready stages in an anonymous buffer while the next slot file is made in the

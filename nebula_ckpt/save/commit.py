@@ -1,4 +1,5 @@
-"""The commit protocol's last step, shared by every writer of checkpoints.
+"""The commit protocol's last step, and the sweep of what uncommitted saves left; shared by every
+writer of checkpoints.
 
 Both the tier writers (:mod:`nebula_ckpt.save.writer`, ``Checkpointer.save``) and the DCP
 writer (:class:`nebula_ckpt.dcp.writer.NebulaStorageWriter`) commit a step the same way, once
@@ -19,6 +20,15 @@ The marker is written inside :meth:`~nebula_ckpt.ranks.fencing.TierFence.committ
 writer is fenced none is written. A save fenced after some tier committed its step takes that
 step back (:func:`retract_step`, called by the fence through the tier writers): a step of a writer
 that was told it was fenced must never be listed or loaded.
+
+**The sweep** (the rest of this module, used by the same writers): the leftovers of saves that
+never committed, which files no live writer owns, and their removal. A file of an uncommitted
+step folder is *stale* (:meth:`Ownership.stale`) when no writer that may still run owns it: a
+shard of an older generation, or of this very rank of this generation; a manifest (or a temp
+file) when this rank is the one that commits on this storage. A same-generation peer rank's shard
+is in flight, a newer generation's belongs to the writer that took over; neither is ever removed.
+A committed step's files are never leftovers. Also: the steps ``remove()`` deferred while later
+steps referred to them, deleted once none does (:func:`drop_unreferenced`).
 """
 
 from __future__ import annotations
@@ -27,12 +37,11 @@ import logging
 import os
 import uuid
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Container, Optional
 
 from nebula_ckpt.errors import PersistError
-from nebula_ckpt.format.commit import Commit, committed_steps, read_commit
-from nebula_ckpt.format.names import COMMIT, MANIFEST, RANKS_FILE, shard_owner, step_dir
-from nebula_ckpt.format.references import referrers
+from nebula_ckpt.format.commit import Commit, committed_steps, delete_checkpoint, read_commit, referrers, step_dirs
+from nebula_ckpt.format.names import COMMIT, MANIFEST, RANKS_FILE, shard_generation, shard_owner, step_dir
 from nebula_ckpt.native import get_ops
 from nebula_ckpt.ranks.fencing import TierFence
 from nebula_ckpt.storage.base import Storage, never_created
@@ -159,3 +168,118 @@ def _take_marker(storage: Storage, marker: str, generation: int) -> bool:
             pass
     os.unlink(taken)
     return mine
+
+
+@dataclass(frozen=True)
+class Ownership:
+    """Who owns the files of uncommitted step folders, as one writer rank sees them.
+
+    Args:
+        generation: this writer's generation.
+        rank: this writer's rank.
+        commits_here: whether this rank writes the manifests on this storage (the coordinator
+            on a shared tier; every rank on its own tier).
+    """
+
+    generation: int
+    rank: int
+    commits_here: bool
+
+    def stale(self, name: str, ours_failed: bool = False) -> bool:
+        """Whether file ``name`` of an uncommitted step belongs to no writer that may still run.
+
+        ``ours_failed``: this generation's save of the step is known to have ended without a
+        commit, so every rank's shard of this generation in it is stale too.
+        """
+        owner = shard_owner(name)
+        if owner is None:  # the manifest (or a temp file) of whoever commits on this storage
+            return self.commits_here
+        if ours_failed and owner[0] == self.generation:
+            return True
+        return owner[0] < self.generation or owner == (self.generation, self.rank)
+
+
+def scan_steps(storage: Storage) -> tuple[list[int], list[int]]:
+    """``(committed, uncommitted)``: the step folders on ``storage`` with and without a ``COMMIT``,
+    ascending."""
+    committed: list[int] = []
+    uncommitted: list[int] = []
+    for s in step_dirs(storage):
+        (committed if storage.exists(f"{step_dir(s)}/{COMMIT}") else uncommitted).append(s)
+    return committed, uncommitted
+
+
+def leftover_steps(storage: Storage, steps: list[int], owner: Ownership, failed: Container[int] = ()) -> list[int]:
+    """Those of the uncommitted ``steps`` whose every file is stale (``failed``: steps this
+    generation's save of which ended without a commit)."""
+    return [s for s in steps if all(owner.stale(n, s in failed) for n in storage.list(step_dir(s)))]
+
+
+def abandoned_uploads(storage: Storage, generation: int) -> list[tuple[str, str]]:
+    """Incomplete uploads (``(rel, upload id)``) of shards of ``generation`` or older: none of
+    this writer's is in flight while it sweeps, and an older writer's never completes."""
+    out = []
+    for rel, upload_id in storage.incomplete_uploads():
+        g = shard_generation(rel.rsplit("/", 1)[-1])
+        if g is not None and g <= generation:
+            out.append((rel, upload_id))
+    return out
+
+
+def remove_leftovers(storage: Storage, steps: list[int], uploads: list[tuple[str, str]], where: str) -> None:
+    """Remove the leftover step folders ``steps`` and abort the abandoned ``uploads``
+    (the caller checked its fence first)."""
+    for s in steps:
+        log.info("nebula_ckpt: %s: removing uncommitted leftovers of step %d", where, s)
+        storage.remove_dir(step_dir(s))
+    for rel, upload_id in uploads:
+        log.info("nebula_ckpt: %s: aborting the abandoned upload of %s", where, rel)
+        storage.abort_upload(rel, upload_id)
+
+
+def clear_step(storage: Storage, step: int, stale: Callable[[str], bool]) -> None:
+    """Before writing ``step``: remove the files of its folder that ``stale`` names (leftovers of
+    crashed writers of the step, never a live peer's)."""
+    d = step_dir(step)
+    for name in storage.list(d):
+        if stale(name):
+            storage.remove(f"{d}/{name}")
+
+
+def discard_files(storage: Storage, step: int, doomed: Callable[[str], bool], where: str) -> None:
+    """After a save of ``step`` that certainly did not commit: remove what it wrote (the files
+    ``doomed`` names), then the folder if that left it empty. Nothing is removed from a folder
+    holding a ``COMMIT`` (not this save's marker, but a checkpoint all the same). Each rank
+    removes its own files and the last one removes the folder (``remove_empty_dir`` is atomic),
+    so no empty folder is left behind. Best effort: a failure is logged."""
+    d = step_dir(step)
+    try:
+        names = storage.list(d)
+        if COMMIT in names:
+            log.warning("nebula_ckpt: %s: %s holds a COMMIT; nothing of it is removed", where, d)
+            return
+        for n in names:
+            if doomed(n):
+                storage.remove(f"{d}/{n}")
+        storage.remove_empty_dir(d)
+    except Exception as e:
+        log.warning("nebula_ckpt: %s: cannot remove the files of failed step folder %s: %s", where, d, e)
+
+
+def drop_unreferenced(storage: Storage, deferred: set[int], may_go: Callable[[int], bool], tier: str) -> set[int]:
+    """Delete the committed steps of ``deferred`` (``remove()`` asked for them while a later step
+    referred to their bytes) that no committed step refers to any more and ``may_go`` lets go of
+    (no save in flight builds on them); return the steps no longer deferred (deleted, or gone).
+    Dropping one may free another (a base of the one dropped), so it repeats until none goes."""
+    done: set[int] = set()
+    while deferred - done:  # nothing deferred (the usual remove()): no listing, no manifest read
+        committed = committed_steps(storage)
+        done |= {s for s in deferred if s not in committed}
+        free = [s for s in sorted(deferred - done) if not referrers(storage, committed, s) and may_go(s)]
+        if not free:
+            return done
+        for s in free:
+            log.info("nebula_ckpt: tier %s: removing step %d (remove() asked for it; nothing refers to it)", tier, s)
+            delete_checkpoint(storage, s)
+        done.update(free)
+    return done

@@ -3,7 +3,7 @@
 Each persistent tier's writer keeps its *base*: the last checkpoint it committed there in this
 process (:class:`Incremental`). A save whose tensors have the base's keys, dtypes and shapes
 writes a shard of the tensors that changed and refers to the base's shards for the rest
-(:func:`nebula_ckpt.format.references.references`); any other save is full, and so is every
+(:func:`nebula_ckpt.format.commit.references`); any other save is full, and so is every
 ``full_every``-th save of a tier (knob ``incremental_full_every``), which keeps the steps a
 checkpoint refers to few and lets retention drop old ones.
 

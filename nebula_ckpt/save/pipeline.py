@@ -31,10 +31,9 @@ from nebula_ckpt.ranks.coordinator import Coordinator
 from nebula_ckpt.ranks.fencing import Fence
 from nebula_ckpt.save.budget import Budget, HostMemoryBudget, give_up_memory_steps
 from nebula_ckpt.save.buffers import StagingPool
-from nebula_ckpt.save.fanout import fan_out
 from nebula_ckpt.save.plan import Plan
 from nebula_ckpt.save.plan_cache import PlanCache
-from nebula_ckpt.save.snapshot import Snapshot, Stager, Taken
+from nebula_ckpt.save.snapshot import Snapshot, Stager, Taken, fan_out
 from nebula_ckpt.save.uncut import run_uncut
 from nebula_ckpt.save.writer import TierWriter
 from nebula_ckpt.tiers.base import now

@@ -16,7 +16,7 @@ import torch
 
 from nebula_ckpt import knobs
 from nebula_ckpt.format.names import slot_file_name
-from nebula_ckpt.storage.local import read_elsewhere
+from nebula_ckpt.storage.holds import read_elsewhere
 
 
 @dataclass(eq=False)
@@ -46,7 +46,7 @@ class Slot:
     def live(self) -> bool:
         """Whether a committed memory-tier checkpoint still links to this slot file, or another
         process still reads it (a restore of a checkpoint that linked it: see
-        :func:`~nebula_ckpt.storage.local.read_elsewhere`); either way it is not staged in."""
+        :func:`~nebula_ckpt.storage.holds.read_elsewhere`); either way it is not staged in."""
         if self.path is None:
             return False
         try:

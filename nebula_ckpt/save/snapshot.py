@@ -5,9 +5,24 @@ The training thread enqueues the copy (one native call for all tensors); with
 bytes while copying and flag a source that changed under them. The stager thread waits for the
 copy, records the tensor index (dtypes, offsets, checksums), takes the SHA-256 that incremental
 tiers need (:mod:`nebula_ckpt.save.incremental`; those the memory tier's compare already knows are
-not hashed: :mod:`nebula_ckpt.tiers.memory.hash_reuse`) and hands the snapshot to the tiers
-through :func:`nebula_ckpt.save.fanout.fan_out`. The training thread confirms the verdict (version
-counters) before any tier commits.
+not hashed: :func:`nebula_ckpt.tiers.memory.compare.staged_hashes`) and hands the snapshot to the tiers
+through :func:`fan_out`. The training thread confirms the verdict (version counters) before any
+tier commits.
+
+Fan-out, at the end of this module: how one staged snapshot reaches each tier that takes it.
+Two routes:
+
+* **side by side** (the default): every tier reads the staging buffer (a :class:`SlotSource`,
+  one reference to the staging slot each);
+* **chained**: when the fastest tier links or writes a local file of the shard
+  (``runtime.feeds_slower``, the memory tier) and the snapshot is not already staged in such a
+  file, that tier goes first and, as soon as its shard is complete, hands the slower tiers its
+  file (:class:`FileSource`) and gives the staging buffer back, so the next save can start while
+  disk and remote tiers still drain. If it fails before its shard is complete, the slower tiers
+  read the staging buffer instead.
+
+A :class:`Delivery` is one snapshot on its way to one tier. Tier writers call ``shard_written``,
+``finish`` and ``drop`` on it; they never route anything themselves.
 """
 
 from __future__ import annotations
@@ -19,7 +34,7 @@ import os
 import queue
 import secrets
 import threading
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Protocol
 
 from nebula_ckpt.errors import ConsistencyError
 from nebula_ckpt.format import manifest as mf
@@ -28,8 +43,7 @@ from nebula_ckpt.latch import Latch
 from nebula_ckpt.native import CopyJob, get_ops, monotonic
 from nebula_ckpt.save.buffers import Slot, SlotClaim, StagingPool
 from nebula_ckpt.save.plan import Plan
-from nebula_ckpt.tiers.memory.compare import Compared
-from nebula_ckpt.tiers.memory.hash_reuse import staged_hashes
+from nebula_ckpt.tiers.memory.compare import Compared, staged_hashes
 
 log = logging.getLogger(__name__)
 
@@ -100,7 +114,7 @@ class Snapshot:
         #: key -> SHA-256 of the staged bytes, for the tensors incremental tiers need (stager thread)
         self.hashes: dict[str, str] = {}
         #: the memory tier's compare of the staged bytes with its base, when the stager made it
-        #: (:mod:`nebula_ckpt.tiers.memory.hash_reuse`)
+        #: (:func:`nebula_ckpt.tiers.memory.compare.staged_hashes`)
         self.compared: Optional[Compared] = None
         #: a random name of this write, recorded in its manifests' ``stats`` (``write_id``): two
         #: saves of one step in one writer generation are told apart without trusting a checksum,
@@ -257,7 +271,7 @@ class Stager:
     """The thread between the training thread and the tier writers."""
 
     def __init__(self, name: str, deliver: Callable[[Snapshot, list[Any]], None]) -> None:
-        self._deliver = deliver  # fanout.fan_out: routes the staged snapshot to its tiers
+        self._deliver = deliver  # fan_out: routes the staged snapshot to its tiers
         # a SimpleQueue: put() is one C call, so a Ctrl-C in save_async cannot leave a queue lock held
         self._q: "queue.SimpleQueue[Optional[Snapshot]]" = queue.SimpleQueue()
         #: hand over a snapshot whose copy is enqueued: the queue's own ``put``, one C call (a
@@ -316,3 +330,67 @@ def build_tier_manifest(snap: Snapshot, generation: int, shard: dict[str, Any]) 
     return mf.build_manifest(step=snap.step, generation=generation, shards=[shard],
                              tensors=snap.tensor_index, aliases=snap.plan.aliases, tree=snap.plan.tree,
                              stats=snap.stats(), tag=snap.plan.tag, hashes=snap.hashes)
+
+
+class Target(Protocol):
+    """What the fan-out uses of a tier writer (:class:`nebula_ckpt.save.writer.TierWriter`)."""
+
+    name: str
+    runtime: Any
+
+    def offer(self, delivery: "Delivery") -> Any:
+        """Queue ``delivery`` for this tier."""
+
+
+class Delivery:
+    """One snapshot on its way to one tier: the source it reads and the tiers it feeds.
+
+    Args:
+        snap: the snapshot.
+        source: what the tier reads (owned: released exactly once).
+        downstream: slower tiers this tier hands its shard file to once written.
+    """
+
+    def __init__(self, snap: Snapshot, source: Any, downstream: Optional[list["Target"]] = None) -> None:
+        self.snap = snap
+        self.source = source
+        self.downstream = list(downstream or [])
+        self._handed = False
+
+    def shard_written(self, path: Optional[str]) -> None:
+        """The tier's shard file at ``path`` is complete: feed the slower tiers from it."""
+        if not self.downstream or self._handed:
+            return
+        assert path is not None, "a tier that feeds slower tiers writes a local file"
+        for w in self.downstream:
+            w.offer(Delivery(self.snap, FileSource(path, self.snap.nbytes)))
+        self._handed = True
+        self.source.release()  # the staging buffer goes back now
+
+    def finish(self) -> None:
+        """The tier is done (committed or failed): route what is left, release the source."""
+        if self.downstream and not self._handed:
+            # Failed before our shard was complete: the slower tiers read the staging buffer.
+            self.snap.acquire(len(self.downstream))
+            for w in self.downstream:
+                w.offer(Delivery(self.snap, SlotSource(self.snap)))
+            self._handed = True
+        self.source.release()
+
+    def drop(self, writer_name: str, why: str) -> None:
+        """The tier skips this snapshot (a newer one came while it was busy): so do its feeds."""
+        log.info("nebula_ckpt: tier %s dropped step %d (%s)", writer_name, self.snap.step, why)
+        for name in [writer_name, *(w.name for w in self.downstream)]:
+            self.snap.handle.progress.tier_done(name, dropped=True)
+        self.source.release()
+
+
+def fan_out(snap: Snapshot, targets: list["Target"]) -> None:
+    """Offer ``snap`` (holding one staging reference, which this takes over) to its tiers."""
+    first, rest = targets[0], targets[1:]
+    if rest and first.runtime.feeds_slower and snap.slot.path is None:
+        first.offer(Delivery(snap, SlotSource(snap), rest))
+        return
+    snap.acquire(len(targets) - 1)
+    for t in targets:
+        t.offer(Delivery(snap, SlotSource(snap)))

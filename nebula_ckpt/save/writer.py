@@ -9,7 +9,7 @@ For each snapshot a tier writes, in this order (the commit protocol)::
 
 The last two are :func:`nebula_ckpt.save.commit.commit_manifest`, which the DCP writer shares.
 Then retention: markers go before data, a step before its bases, the newest checkpoint never
-goes, and leftovers without a marker go only when no live writer owns them (:mod:`nebula_ckpt.save.sweep`).
+goes, and leftovers without a marker go only when no live writer owns them (:mod:`nebula_ckpt.save.commit`).
 A failed step's own files (and its folder, once empty) are removed at once, but only while its ``COMMIT``
 certainly does not exist: once the marker may have been written (on a rank other than the
 coordinator: once its shard record may have reached the coordinator) a failure deletes nothing
@@ -36,16 +36,23 @@ from typing import Any, Callable, Optional
 
 from nebula_ckpt import knobs
 from nebula_ckpt.errors import FencedError, PersistError
-from nebula_ckpt.format.commit import committed_steps, delete_checkpoint, read_commit
+from nebula_ckpt.format.commit import (
+    committed_steps,
+    delete_checkpoint,
+    deletion_order,
+    protected_steps,
+    read_commit,
+    referrers,
+    shard_path,
+)
 from nebula_ckpt.format.manifest import Manifest, encode_manifest, finish_manifest, stored_json, tagged
 from nebula_ckpt.format.multi_rank import rank_manifest
 from nebula_ckpt.format.names import COMMIT, MANIFEST, RANKS_FILE, records_name, shard_name, shard_owner, step_dir
-from nebula_ckpt.format.references import deletion_order, protected_steps, referrers, shard_path
 from nebula_ckpt.latch import Latch, Wakeup
 from nebula_ckpt.ranks import shards as ranks
 from nebula_ckpt.ranks.coordinator import Coordinator, LocalCoordinator
 from nebula_ckpt.ranks.fencing import TierFence
-from nebula_ckpt.save import seeding, sweep
+from nebula_ckpt.save import commit, seeding
 from nebula_ckpt.save.commit import (
     CommitProgress,
     CommitUncertain,
@@ -53,10 +60,9 @@ from nebula_ckpt.save.commit import (
     commit_manifest,
     retract_step,
 )
-from nebula_ckpt.save.fanout import Delivery
 from nebula_ckpt.save.incremental import Incremental, whole_image
 from nebula_ckpt.save.rounds import SharedCommit
-from nebula_ckpt.save.snapshot import Snapshot, build_tier_manifest
+from nebula_ckpt.save.snapshot import Delivery, Snapshot, build_tier_manifest
 from nebula_ckpt.save.tier_image import Staged, TierImage, TierStep, tier_image, write_image
 from nebula_ckpt.storage.base import Storage
 from nebula_ckpt.tiers.memory.compare import may_build_on_base
@@ -292,9 +298,9 @@ class TierWriter:
         return self.coordinator.world_size > 1 and self.tier.shared
 
     @property
-    def _owner(self) -> sweep.Ownership:
-        """Which leftovers this rank may remove on this tier (:mod:`nebula_ckpt.save.sweep`)."""
-        return sweep.Ownership(self.fence.generation, self.coordinator.rank,
+    def _owner(self) -> commit.Ownership:
+        """Which leftovers this rank may remove on this tier (:mod:`nebula_ckpt.save.commit`)."""
+        return commit.Ownership(self.fence.generation, self.coordinator.rank,
                                self.coordinator.is_coordinator or not self._shared)
 
     def _commit_step(self, item: "TierStep", on_shard: Optional[Callable[[str], None]]) -> int:
@@ -360,7 +366,7 @@ class TierWriter:
             # Called after the first round (rounds.py): the coordinator has replaced an old checkpoint
             # of this step by then. Only this rank's own leftovers of an uncommitted step go.
             if COMMIT not in existing:
-                sweep.clear_step(st, step, lambda n: shard_owner(n) is not None and owner.stale(n))
+                commit.clear_step(st, step, lambda n: shard_owner(n) is not None and owner.stale(n))
         elif COMMIT in existing:
             # Saving a step that exists: the new run owns the root (it resumed from an older step
             # or saves the same step again); the old one goes, marker first.
@@ -370,7 +376,7 @@ class TierWriter:
         elif self._is_link(d):
             st.remove_dir(d)  # a planted link in place of the folder: unlinked, never followed
         else:  # leftovers of crashed writers of this step, never a live peer's
-            sweep.clear_step(st, step, owner.stale)
+            commit.clear_step(st, step, owner.stale)
 
     def _drop_referrers(self, step: int) -> None:
         """Before the committed ``step`` is replaced: the committed steps that refer to its bytes
@@ -421,7 +427,7 @@ class TierWriter:
     def _discard(self, step: int, shard: str) -> None:
         """After a save that certainly did not commit: remove what it wrote of the step (this
         rank's shard; the manifest when this rank commits here and no newer writer is in the
-        folder), then the folder if that left it empty (:func:`nebula_ckpt.save.sweep.discard_files`)."""
+        folder), then the folder if that left it empty (:func:`nebula_ckpt.save.commit.discard_files`)."""
         gen = self.fence.generation
         st = self.storage
         names = []
@@ -432,7 +438,7 @@ class TierWriter:
         newer = any((o := shard_owner(n)) is not None and o[0] > gen for n in names)
         mine_manifest = not newer and self._owner.commits_here
         records = records_name(gen, self.coordinator.rank)
-        sweep.discard_files(st, step, lambda n: n in (shard, records) or (n in (MANIFEST, RANKS_FILE)
+        commit.discard_files(st, step, lambda n: n in (shard, records) or (n in (MANIFEST, RANKS_FILE)
                                                                             and mine_manifest), f"tier {self.name}")
 
     def remove(self, step: int) -> bool:
@@ -457,7 +463,7 @@ class TierWriter:
                 return True
             log.info("nebula_ckpt: tier %s: removing step %d (remove())", self.name, step)
             delete_checkpoint(self.storage, step)
-            self._deferred -= sweep.drop_unreferenced(self.storage, self._deferred, self.incremental.let_go, self.name)
+            self._deferred -= commit.drop_unreferenced(self.storage, self._deferred, self.incremental.let_go, self.name)
             return True
 
     def prune(self, keep_step: Optional[int] = None) -> None:
@@ -467,7 +473,7 @@ class TierWriter:
 
     def _prune(self, keep_step: Optional[int]) -> None:
         st = self.storage
-        committed, uncommitted = sweep.scan_steps(st)
+        committed, uncommitted = commit.scan_steps(st)
         keep = set(committed[-self.keep_last:]) | self.runtime.keep_also(committed)  # + the newest healthy step
         if self.tier.keep_every:
             keep.update(s for s in committed if s % self.tier.keep_every == 0)
@@ -475,14 +481,14 @@ class TierWriter:
         keep -= self._deferred  # remove() asked for them: they go once nothing refers to them
         if keep_step is not None:
             keep.add(keep_step)
-        # a kept step's references and what a save in flight builds on stay (format.references)
+        # a kept step's references and what a save in flight builds on stay (format.commit)
         keep = protected_steps(st, (keep | self.incremental.pinned()) & set(committed)) | keep
         doomed = deletion_order(st, [s for s in committed if s not in keep])
         with self._mutex:
             busy_step = self._pending.snap.step if self._pending is not None else None
         candidates = [s for s in uncommitted if s != busy_step and s not in self._uncertain]
-        leftovers = sweep.leftover_steps(st, candidates, self._owner)
-        abandoned = sweep.abandoned_uploads(st, self.fence.generation)  # ours are never in flight while we prune
+        leftovers = commit.leftover_steps(st, candidates, self._owner)
+        abandoned = commit.abandoned_uploads(st, self.fence.generation)  # ours are never in flight while we prune
         if not doomed and not leftovers and not abandoned:
             return
         self.fence.check("delete old checkpoints")
@@ -491,4 +497,4 @@ class TierWriter:
             log.debug("nebula_ckpt: tier %s: retention deletes step %d", self.name, s)
             delete_checkpoint(st, s)
             self._deferred.discard(s)
-        sweep.remove_leftovers(st, leftovers, abandoned, f"tier {self.name}")
+        commit.remove_leftovers(st, leftovers, abandoned, f"tier {self.name}")

@@ -1,31 +1,30 @@
 """POSIX file-system storage: local disks, NFS, and ``/dev/shm`` for the memory tier.
 
 Durability: shard data is written with parallel ``pwrite`` (``O_DIRECT`` where allowed) and
-fsync'd by the native writer; small files are written by :func:`~nebula_ckpt.storage.atomic.write_file_atomic`
-(a temp file in the same directory, fsync, rename or ``link`` for create-only, directory fsync),
-so a crash leaves either the old state or the new one, never a zero-filled file.
+fsync'd by the native writer; small files are written by :func:`write_file_atomic` (a temp file
+in the same directory, fsync, rename or ``link`` for create-only, directory fsync), so a crash
+leaves either the old state or the new one, never a zero-filled file. Who else reads a file (the
+memory tier's locks) is :mod:`nebula_ckpt.storage.holds`.
 """
 
 from __future__ import annotations
 
+import contextlib
 import errno
-import fcntl
 import logging
 import mmap
 import os
 import shutil
 import stat
-import struct
-import threading
-import weakref
+import uuid
 from typing import Any, Optional
 
 import torch
 
 from nebula_ckpt.errors import CorruptCheckpointError, ValidationError
 from nebula_ckpt.native import get_ops
-from nebula_ckpt.storage.atomic import fsync_dir, write_file_atomic
 from nebula_ckpt.storage.base import Buffer, Storage
+from nebula_ckpt.storage.holds import count_mapping, hold_read
 
 log = logging.getLogger(__name__)
 
@@ -35,193 +34,86 @@ def _open_nofollow(path: str) -> Any:
     return os.fdopen(os.open(path, os.O_RDONLY | os.O_NOFOLLOW), "rb")
 
 
-# -- readers of a file, as open-file-description locks ------------------------------------------
+
+# -- the one atomic small-file write -------------------------------------------------------------
 #
-# A file that one process may take over (the memory tier's shard files: see nebula_ckpt.tiers.memory.adopt)
-# is read only under a *reader lock*: a shared lock on the byte at offset <pid> of the file,
-# taken on the descriptor that is mapped. Open-file-description locks belong to the opened file,
-# not the process, so the mapping keeps the lock (Python's mmap holds a duplicate of the
-# descriptor) exactly as long as anything reads through it, and it dies with the process. A
-# process takes the file over only with :func:`hold_alone`: an exclusive lock on every byte but
-# its own, which is granted only while no other process holds a reader lock, and which, once
-# granted, keeps every later reader lock from being granted.
-#
-# A *private* (copy-on-write) mapping of such a file (:func:`hold_private`: an incremental step's
-# base, mapped by a restore) is marked by a reader lock at ``_PRIVATE_AT + <pid>``. Its pages that
-# the process has not written yet are the file's: a write into the file in place would show
-# through. That byte lies in every range :func:`hold_alone` and :func:`read_elsewhere` look at,
-# this process's own included (open-file-description locks conflict between two opens of one
-# file in the same process), so no process, the mapping one included, takes the file over or
-# stages into it while the mapping lives.
+# A small file (a manifest, a commit marker, a run record, a memory tier's ``ROOT`` file, a
+# framework's pointer file) is never written in place: its bytes go to a new temporary file in the
+# same folder, which is fsync'd and then renamed over the name (or, for a create-only write, hard
+# linked to it: ``link`` fails if the name exists, atomically), and the folder is fsync'd. A crash
+# leaves the old file or the new one, never a torn or zero-filled one, and a failed write leaves
+# no temporary file behind.
 
-# A reader lock of this process is at its own pid's byte, which :func:`read_elsewhere` does not
-# look at (the process's own slot files are always "read" by it). The memory tier's files this
-# process maps to read them (:meth:`LocalStorage.read_buffer`) are therefore also counted in
-# ``_mapped_here`` while the mapping lives: a save of this very process must not stage into a slot
-# file that a restore of it reads (or whose tensors it returned) after retention dropped the step.
-_mapped_here: dict[tuple[int, int], int] = {}  # (st_dev, st_ino) -> live mappings in this process
-_mapped_lock = threading.Lock()
+#: the longest file name (bytes) Linux file systems take (NAME_MAX)
+NAME_MAX = 255
 
 
-def _mapped(key: tuple[int, int], delta: int) -> None:
-    with _mapped_lock:
-        n = _mapped_here.get(key, 0) + delta
-        if n > 0:
-            _mapped_here[key] = n
-        else:
-            _mapped_here.pop(key, None)
-
-
-class MappedHold:
-    """This process's count of the file at ``path`` as mapped (:func:`read_elsewhere` then says
-    it is read: no save of this process stages into it), taken *before* the caller maps the file:
-    a slot file is staged into again only after its step's name went, so the file mapped after
-    this is the one counted. :meth:`tie` then hands the count to the mapping's owner (released
-    when that object goes); :meth:`release` drops it (the file could not be mapped). A ``path``
-    that is gone counts nothing."""
-
-    def __init__(self, path: str) -> None:
-        try:
-            st = os.stat(path, follow_symlinks=False)
-            self._key: Optional[tuple[int, int]] = (st.st_dev, st.st_ino)
-            _mapped(self._key, 1)
-        except FileNotFoundError:
-            self._key = None
-
-    def tie(self, owner: object) -> None:
-        """Keep the count for as long as ``owner`` (e.g. a tensor made from the file) lives."""
-        if self._key is not None:
-            weakref.finalize(owner, _mapped, self._key, -1)
-            self._key = None
-
-    def release(self) -> None:
-        """Drop the count now."""
-        if self._key is not None:
-            _mapped(self._key, -1)
-            self._key = None
-
-
-_FLOCK = "@hhqqi4x"  # struct flock: l_type, l_whence, l_start, l_len (0: to the end), l_pid
-#: open-file-description locks (Linux >= 3.15); without them no reader can be seen, so no file is
-#: ever taken over (adoption copies) and readers register nothing
-_OFD: dict[str, Optional[int]] = {"set": getattr(fcntl, "F_OFD_SETLK", None),
-                                  "get": getattr(fcntl, "F_OFD_GETLK", None)}
-
-
-class _NoOfdLocks(Exception):
-    pass
-
-
-def _ofd(fd: int, op: str, kind: int, start: int, length: int) -> bytes:
-    cmd = _OFD[op]
-    if cmd is None:
-        raise _NoOfdLocks()
+def fsync_dir(path: "str | os.PathLike[str]") -> None:
+    """fsync a folder, so the names created, renamed or removed in it are durable."""
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
     try:
-        return fcntl.fcntl(fd, cmd, struct.pack(_FLOCK, kind, os.SEEK_SET, start, length, 0))
-    except OSError as e:
-        if e.errno == errno.EINVAL and _OFD["set"] is not None:
-            log.info("nebula_ckpt: no open-file-description locks here (%s): memory-tier pages are copied, "
-                     "never handed over", e)
-            _OFD["set"] = _OFD["get"] = None
-            raise _NoOfdLocks() from None
-        raise
-
-
-def _ofd_lock(fd: int, kind: int, start: int, length: int) -> bool:
-    """Set (or clear) an open-file-description lock on ``[start, start + length)`` (0: to the
-    end); False when another open file holds a conflicting one.
-
-    Raises:
-        _NoOfdLocks: the system has none.
-    """
-    try:
-        _ofd(fd, "set", kind, start, length)
-    except OSError as e:
-        if e.errno in (errno.EAGAIN, errno.EACCES):
-            return False
-        raise
-    return True
-
-
-def hold_read(fd: int) -> bool:
-    """Register the open file ``fd`` as read by this process (until the last descriptor of it
-    closes, a mapping's included); False when another process has taken the file over."""
-    try:
-        return _ofd_lock(fd, fcntl.F_RDLCK, os.getpid(), 1)
-    except _NoOfdLocks:
-        return True  # nothing can take a file over here (hold_alone is always False)
-
-
-#: where the reader locks of private mappings start (beyond any pid, inside every range checked)
-_PRIVATE_AT = 1 << 40
-
-
-def hold_private(fd: int) -> bool:
-    """Register the open file ``fd`` as mapped copy-on-write by this process (until the last
-    descriptor of it closes, a mapping's included): from then on no process, this one included,
-    takes the file over (:func:`hold_alone`) or writes it in place (:func:`read_elsewhere` is
-    True for it). False when another process has taken the file over, and always where the
-    system has no open-file-description locks (nothing could see the mapping: copy instead)."""
-    try:
-        return _ofd_lock(fd, fcntl.F_RDLCK, _PRIVATE_AT + os.getpid(), 1)
-    except _NoOfdLocks:
-        return False
-
-
-def hold_alone(fd: int) -> bool:
-    """Take the file of ``fd`` over: True when no other process holds it open for reading (by
-    :func:`hold_read`), and from then on none can; False (nothing taken) otherwise, and always
-    where the system has no open-file-description locks."""
-    try:
-        return _hold_alone(fd)
-    except _NoOfdLocks:
-        return False
-
-
-def _hold_alone(fd: int) -> bool:
-    pid = os.getpid()
-    if not _ofd_lock(fd, fcntl.F_WRLCK, 0, pid):
-        return False
-    if not _ofd_lock(fd, fcntl.F_WRLCK, pid + 1, 0):
-        _ofd_lock(fd, fcntl.F_UNLCK, 0, pid)
-        return False
-    return True
-
-
-def read_elsewhere(path: str) -> bool:
-    """Whether another process holds a reader lock (:func:`hold_read`) on the file at ``path``,
-    any process, this one included, maps it copy-on-write (:func:`hold_private`), or this
-    process maps it to read it (:meth:`LocalStorage.read_buffer` of the memory tier); False when
-    it is gone. Either way its bytes must not change: nothing may stage into it in place."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-    except FileNotFoundError:
-        return False
-    try:
-        st = os.fstat(fd)
-        with _mapped_lock:
-            if (st.st_dev, st.st_ino) in _mapped_here:
-                return True
-        pid = os.getpid()
-        for start, length in ((0, pid), (pid + 1, 0)):
-            got = _ofd(fd, "get", fcntl.F_WRLCK, start, length)
-            if struct.unpack(_FLOCK, got)[0] != fcntl.F_UNLCK:
-                return True
-        return False
-    except _NoOfdLocks:
-        return False
+        os.fsync(fd)
     finally:
         os.close(fd)
 
 
-def let_go(fd: int) -> None:
-    """Undo :func:`hold_alone` (this process still reads the file)."""
-    pid = os.getpid()
+def _tmp_name(name: str, suffix: str) -> str:
+    """``.<name>.<random><suffix>``, within NAME_MAX bytes whatever the length of ``name``."""
+    rand = uuid.uuid4().hex[:12]
+    room = NAME_MAX - len(rand) - len(suffix.encode()) - 2
+    head = name.encode("utf-8", "surrogateescape")[:max(0, room)].decode("utf-8", "ignore")
+    return f".{head}.{rand}{suffix}"
+
+
+def write_file_atomic(path: str, data: bytes, *, create_only: bool = False, mode: int = 0o666,
+                      exact_mode: bool = False, fsync: bool = True, strict_dir_fsync: bool = True,
+                      dir_mode: Optional[int] = 0o777, tmp_suffix: str = ".tmp") -> None:
+    """Write ``data`` as the file ``path``, atomically and (with ``fsync``) durably.
+
+    Args:
+        path: the file's path; its folder is created (``dir_mode``) unless ``dir_mode`` is None.
+        data: the whole content.
+        create_only: raise ``FileExistsError`` (and change nothing) if ``path`` exists.
+        mode: the new file's permissions, less the umask (as ``open`` makes files); with
+            ``exact_mode``, exactly these (the umask ignored).
+        fsync: fsync the file before it gets its name, and the folder after (off for a tmpfs).
+        strict_dir_fsync: raise when the folder cannot be fsync'd; False: the file is in place
+            all the same (some network file systems refuse a folder's fsync).
+        dir_mode: permissions of folders created on the way (less the umask).
+        tmp_suffix: ends the temporary file's name (so a framework's glob never matches it).
+
+    Raises:
+        FileExistsError: ``create_only`` and ``path`` exists.
+        OSError: the write failed; the temporary file is removed and ``path`` is as it was.
+    """
+    folder = os.path.dirname(os.path.abspath(path))
+    if dir_mode is not None:
+        os.makedirs(folder, mode=dir_mode, exist_ok=True)
+    tmp = os.path.join(folder, _tmp_name(os.path.basename(path), tmp_suffix))
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, mode)
     try:
-        _ofd_lock(fd, fcntl.F_UNLCK, 0, pid)
-        _ofd_lock(fd, fcntl.F_UNLCK, pid + 1, 0)
-    except _NoOfdLocks:
-        pass
+        with os.fdopen(fd, "wb") as f:
+            if exact_mode:
+                os.fchmod(f.fileno(), mode)
+            f.write(data)
+            f.flush()
+            if fsync:
+                os.fsync(f.fileno())
+        if create_only:
+            os.link(tmp, path)  # atomic; EEXIST if someone else created it first
+            os.unlink(tmp)
+        else:
+            os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
+    if fsync:
+        try:
+            fsync_dir(folder)
+        except OSError:
+            if strict_dir_fsync:
+                raise
 
 
 class LocalStorage(Storage):
@@ -372,34 +264,15 @@ class LocalStorage(Storage):
             mm = mmap.mmap(f.fileno(), size, flags=mmap.MAP_PRIVATE,
                            prot=mmap.PROT_READ | mmap.PROT_WRITE)
             if self.hold_reads:
-                self._mapped_while_linked(f.fileno(), path, mm)
+                count_mapping(f.fileno(), path, mm)
         # The whole shard is read (checksums, then copies): start reading all of it from disk now,
         # in large requests, instead of page fault by page fault with a small readahead window.
         if hasattr(mmap, "MADV_WILLNEED"):
             mm.madvise(mmap.MADV_WILLNEED)
         return memoryview(mm)
 
-    @staticmethod
-    def _mapped_while_linked(fd: int, path: str, mm: mmap.mmap) -> None:
-        """Count the mapping ``mm`` of ``fd`` in ``_mapped_here`` for its life, then make sure
-        ``path`` still names that file: a slot file is staged into again only after retention
-        unlinked its step's name, so a save that looked before the count either saw the name
-        (and left the file alone) or unlinked it before this check (the step is gone: raised)."""
-        st = os.fstat(fd)
-        key = (st.st_dev, st.st_ino)
-        _mapped(key, 1)
-        weakref.finalize(mm, _mapped, key, -1)
-        try:
-            now = os.stat(path, follow_symlinks=False)
-        except FileNotFoundError:
-            now = None
-        if now is None or (now.st_dev, now.st_ino) != key:
-            mm.close()
-            raise FileNotFoundError(errno.ENOENT, f"{path} was removed while it was opened (retention "
-                                    "dropped its step)", path)
-
     def write_small(self, rel: str, data: bytes, *, create_only: bool = False) -> None:
-        """Atomic and durable (:func:`~nebula_ckpt.storage.atomic.write_file_atomic`)."""
+        """Atomic and durable (:func:`~nebula_ckpt.storage.local.write_file_atomic`)."""
         write_file_atomic(self._p(rel), data, create_only=create_only, mode=self._file_mode, fsync=self.fsync,
                           dir_mode=self._dir_mode)
 

@@ -29,7 +29,7 @@ class Capabilities:
         keeps_base_in_ram: its base (the last step it committed) stays in host memory in files on a
             local file system, so an incremental save compares the staged bytes with it byte for
             byte instead of hashing them (:mod:`nebula_ckpt.tiers.memory.compare`), and that
-            compare spares the other tiers' hashes (:mod:`nebula_ckpt.tiers.memory.hash_reuse`).
+            compare spares the other tiers' hashes (:func:`nebula_ckpt.tiers.memory.compare.staged_hashes`).
         hands_pages_to_restart: a restarted process may take the pages of its files instead of
             copying them (:mod:`nebula_ckpt.tiers.memory.adopt`).
         replicas: copies of each rank's steps kept on partner nodes (0: none;

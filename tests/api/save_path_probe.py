@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 STAGES = ("nebula_ckpt.save.plan_cache", "nebula_ckpt.save.buffers", "nebula_ckpt.native",
-          "nebula_ckpt.storage.local", "nebula_ckpt.storage.atomic", "nebula_ckpt.tiers.memory.slot_files")
+          "nebula_ckpt.storage.local", "nebula_ckpt.tiers.memory.runtime")
 ON = [False]
 PATH: set[str] = set()
 

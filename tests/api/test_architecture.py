@@ -17,7 +17,7 @@
      ``StorageReader`` lives here; ``dcp/`` only exposes it); the memory tier's page adoption
      (``tiers/memory/adopt*.py``: in ``tiers/memory/`` by what it serves, here by what it uses);
   8. ``save``: planning, snapshotting, writing and committing a step; the memory tier's byte
-     compare and the hashes it spares (``tiers/memory/compare.py``, ``hash_reuse.py``);
+     compare and the hashes it spares (``tiers/memory/compare.py``);
   9. ``replicas``: the memory tier's copies on a partner node (``tiers/memory/replica*.py``,
      ``recovery.py``), which use restore and save through their public functions; they sit in
      ``tiers/memory/`` by what they keep, and above save by what they use;
@@ -71,7 +71,7 @@ _REPLICAS = ("replica_channel", "replica_pull", "replica_recover", "replica_save
 #: the memory tier's parts that run within a stage, mapped to the layer of what they use: its page
 #: adoption (restore), its byte compare and the hashes it spares (save), persist-memory (run)
 _MEMORY_RESTORE = {"tiers.memory.adopt", "tiers.memory.adopt_memory"}
-_MEMORY_SAVE = {"tiers.memory.compare", "tiers.memory.hash_reuse"}
+_MEMORY_SAVE = {"tiers.memory.compare"}
 LAYERS: list[tuple[str, set[str]]] = [
     ("base", {"errors", "knobs", "_version", "native", "latch", "workers", "priority", "handle", "reentry",
               "source_set", "copy_worker"}),

@@ -16,7 +16,7 @@ import pytest
 REPO = Path(__file__).resolve().parents[2]
 PROBE = Path(__file__).resolve().parent / "save_path_probe.py"
 #: modules on the path today, by tiers (see the probe)
-LIMITS = {"local": 18, "default": 23}
+LIMITS = {"local": 14, "default": 16}
 
 
 def _drawn() -> set[str]:

@@ -178,7 +178,7 @@ def test_a_two_rank_chain_loads_in_one_process_and_exports_through_references(
     that never changes (each rank's share of steps 2..4 refers to its step-1 shard); one process
     reads every step through DCP, the CLI verifies and exports step 4."""
     from nebula_ckpt.cli import main as cli
-    from nebula_ckpt.format.references import references
+    from nebula_ckpt.format.commit import references
     from nebula_ckpt.restore.reshard import gather_full
 
     from .launch import run_ranks

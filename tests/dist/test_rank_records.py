@@ -22,8 +22,8 @@ import pytest
 import torch
 
 from nebula_ckpt.errors import CorruptCheckpointError
+from nebula_ckpt.format.commit import references
 from nebula_ckpt.format.names import MANIFEST, RANKS_FILE, SPLIT_VERSION
-from nebula_ckpt.format.references import references
 from nebula_ckpt.restore.open import open_checkpoint, read_main_manifest
 from nebula_ckpt.storage.local import LocalStorage
 from records_view import flat_manifest, records_body, sealed

@@ -19,7 +19,7 @@ import torch
 
 import nebula_ckpt as nc
 from incremental.test_incremental import _forge_same_crc
-from nebula_ckpt.tiers.memory import hash_reuse
+from nebula_ckpt.tiers.memory import compare as hash_reuse
 
 
 @pytest.fixture

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import nebula_ckpt as nc
-from nebula_ckpt.format.references import protected_steps
+from nebula_ckpt.format.commit import protected_steps
 from nebula_ckpt.storage.local import LocalStorage
 
 

@@ -12,7 +12,7 @@ import logging
 import os
 from typing import Any
 
-from nebula_ckpt.storage.atomic import write_file_atomic
+from nebula_ckpt.storage.local import write_file_atomic
 from nebula_ckpt.storage.remote.base import FsspecStorage
 from nebula_ckpt.storage.remote.retry import Attempt
 from nebula_ckpt.storage.remote.upload import Sink
@@ -87,7 +87,7 @@ class GenericFsspecStorage(FsspecStorage):
 
     Attributes:
         is_local_fs: the filesystem is a local one (``file://``): streams are fsync'd, folders
-            made, small files written by :func:`~nebula_ckpt.storage.atomic.write_file_atomic`.
+            made, small files written by :func:`~nebula_ckpt.storage.local.write_file_atomic`.
     """
 
     _is_backend = True

@@ -17,10 +17,10 @@ That is safe only if nothing else can ever read those bytes as a checkpoint, or 
 * single process, CPU tensors only;
 * the hand-over is a claim that one process alone can win: every process that reads a memory-tier
   file holds a reader lock on it for as long as it maps it (see
-  :func:`nebula_ckpt.storage.local.hold_read`), and the claim, under the tier's lock, takes the
-  file over only when no other process holds one (:func:`~nebula_ckpt.storage.local.hold_alone`),
+  :func:`nebula_ckpt.storage.holds.hold_read`), and the claim, under the tier's lock, takes the
+  file over only when no other process holds one (:func:`~nebula_ckpt.storage.holds.hold_alone`),
   the step is still committed, no committed step of the tier refers to its bytes (an incremental
-  step built on it: :mod:`nebula_ckpt.format.references`) and its names still link the very
+  step built on it: :mod:`nebula_ckpt.format.commit`) and its names still link the very
   files this process verified.
   Then the checkpoint is deleted from the memory tier (commit marker first) and no name may link
   the file any more. Once claimed, no other process can start reading the file, and none was
@@ -37,19 +37,19 @@ The checksums of the adopted bytes are checked (in parallel, a chunk at a time) 
 in ``into`` changes, as for copies. Knob ``adopt_memory_tier`` turns it off.
 
 **Incremental steps.** A memory-tier step that refers to an earlier step's shard (the base: the
-tensors that did not change, :mod:`nebula_ckpt.format.references`) cannot give those bytes up:
+tensors that did not change, :mod:`nebula_ckpt.format.commit`) cannot give those bytes up:
 they are the base's, which the tier keeps. The tensors created from them become views of a
 *copy-on-write* mapping of the base's shard file instead (``MAP_PRIVATE``, opened without
 following links): they share the tmpfs pages at no extra memory, and a page training writes later
 is copied privately by the kernel, never written to the file. So are the tensors of the step's
 own shard when a newer committed step of the tier refers to it. Such a mapping would see a write
 made to the file in place, so the descriptor holds a private-mapping reader lock
-(:func:`nebula_ckpt.storage.local.hold_private`) before anything is checked, and the name must
+(:func:`nebula_ckpt.storage.holds.hold_private`) before anything is checked, and the name must
 still link the very file afterwards (a base deleted meanwhile is copied from instead): from then
-on no process, this one included, takes the file over (:func:`~nebula_ckpt.storage.local.hold_alone`
+on no process, this one included, takes the file over (:func:`~nebula_ckpt.storage.holds.hold_alone`
 fails) or stages into it (a spare slot file of a dead process that retention unlinked:
-:func:`~nebula_ckpt.tiers.memory.slot_files.sweep_slot_files` and the staging pool skip every file
-:func:`~nebula_ckpt.storage.local.read_elsewhere` reports). Retention may delete the base later:
+:func:`~nebula_ckpt.tiers.memory.runtime.sweep_slot_files` and the staging pool skip every file
+:func:`~nebula_ckpt.storage.holds.read_elsewhere` reports). Retention may delete the base later:
 the mapping keeps its inode alive, and its pages go when the last view does. A base's pages are
 never punched, and the base is never claimed. The claim of the step's own shard is as above; when
 it is not won, only the own shard's tensors are copied (the copy-on-write ones stay what they are:
@@ -70,14 +70,13 @@ from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 
-from nebula_ckpt.format.commit import committed_steps, delete_checkpoint, read_commit
+from nebula_ckpt.format.commit import committed_steps, delete_checkpoint, read_commit, referrers, shard_path
 from nebula_ckpt.format.names import COMMIT, step_dir
 from nebula_ckpt.format.records import TensorRecord
-from nebula_ckpt.format.references import referrers, shard_path
 from nebula_ckpt.native import get_ops
 from nebula_ckpt.restore.open import OpenCheckpoint, chunks, read_main_manifest
 from nebula_ckpt.storage.buffers import BufferStorage
-from nebula_ckpt.storage.local import hold_alone, hold_private, hold_read, let_go
+from nebula_ckpt.storage.holds import hold_alone, hold_private, hold_read, let_go
 from nebula_ckpt.tiers.memory.adopt_memory import MemoryAdoption
 
 if TYPE_CHECKING:

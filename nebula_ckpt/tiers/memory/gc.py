@@ -40,10 +40,9 @@ from typing import Optional
 
 from nebula_ckpt import knobs
 from nebula_ckpt.errors import CorruptCheckpointError
-from nebula_ckpt.format.commit import Write, committed_steps, committed_writes, read_commit
+from nebula_ckpt.format.commit import Write, committed_steps, committed_writes, read_commit, references
 from nebula_ckpt.format.manifest import Manifest
 from nebula_ckpt.format.names import COMMIT, MANIFEST, RUN_FILE, step_dir
-from nebula_ckpt.format.references import references
 from nebula_ckpt.format.root_records import parse_run_record
 from nebula_ckpt.storage.base import Storage
 from nebula_ckpt.storage.local import LocalStorage

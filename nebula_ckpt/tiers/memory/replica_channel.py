@@ -27,7 +27,7 @@ import torch.distributed as dist
 
 from nebula_ckpt.format.names import step_dir
 from nebula_ckpt.priority import lower_priority
-from nebula_ckpt.storage.local import MappedHold
+from nebula_ckpt.storage.holds import MappedHold
 from nebula_ckpt.storage.prefault import populate_mapping
 from nebula_ckpt.tiers.memory.replica_store import ReplicaStore, safe_name
 

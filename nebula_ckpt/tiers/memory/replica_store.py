@@ -39,7 +39,8 @@ from nebula_ckpt.format.commit import Write, committed_steps, committed_writes, 
 from nebula_ckpt.format.names import COMMIT, step_dir
 from nebula_ckpt.native import get_ops
 from nebula_ckpt.restore.open import OpenCheckpoint, open_checkpoint, read_manifest
-from nebula_ckpt.storage.local import LocalStorage, read_elsewhere
+from nebula_ckpt.storage.holds import read_elsewhere
+from nebula_ckpt.storage.local import LocalStorage
 
 log = logging.getLogger(__name__)
 

@@ -2,7 +2,7 @@
 
 A rank's own memory tier is incremental: a step whose tensors mostly equal its base step's
 stores only what changed and refers to the base's shard(s) for the rest
-(:mod:`nebula_ckpt.format.references`). A replica stays a whole, self-contained step (restore,
+(:mod:`nebula_ckpt.format.commit`). A replica stays a whole, self-contained step (restore,
 pull, recover planning, prune and verification know nothing else), so the partner *materialises*
 it: the owner sends its step folder's own files (manifest, commit marker, its small shard), and
 the receiver builds the whole shard from them plus the bytes the step refers to, taken either
@@ -27,10 +27,9 @@ import os
 from typing import Any, Optional
 
 from nebula_ckpt.errors import CorruptCheckpointError, PersistError
-from nebula_ckpt.format.commit import Commit, read_commit
+from nebula_ckpt.format.commit import Commit, read_commit, references, shard_path
 from nebula_ckpt.format.manifest import Manifest, encode_manifest, stored_json, whole_manifest
 from nebula_ckpt.format.names import COMMIT, MANIFEST, step_dir
-from nebula_ckpt.format.references import references, shard_path
 from nebula_ckpt.native import get_ops
 from nebula_ckpt.save.incremental import whole_image
 from nebula_ckpt.storage.local import LocalStorage

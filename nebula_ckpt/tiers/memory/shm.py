@@ -33,7 +33,7 @@ from typing import Optional
 from nebula_ckpt import knobs
 from nebula_ckpt.format.names import COMMIT, LOCK_FILE, ROOT_FILE, parse_step_dir
 from nebula_ckpt.format.owner import Owner
-from nebula_ckpt.storage.atomic import write_file_atomic
+from nebula_ckpt.storage.local import write_file_atomic
 
 log = logging.getLogger(__name__)
 

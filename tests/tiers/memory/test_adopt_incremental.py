@@ -226,7 +226,7 @@ def test_a_private_mapping_keeps_every_process_this_one_included_from_taking_or_
     import gc
     import mmap
 
-    from nebula_ckpt.storage.local import hold_alone, hold_private, let_go, read_elsewhere
+    from nebula_ckpt.storage.holds import hold_alone, hold_private, let_go, read_elsewhere
 
     path = str(tmp_path / "base")
     with open(path, "wb") as f:

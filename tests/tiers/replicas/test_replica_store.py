@@ -10,7 +10,7 @@ import torch
 
 import nebula_ckpt as nc
 from nebula_ckpt import knobs
-from nebula_ckpt.storage.local import MappedHold
+from nebula_ckpt.storage.holds import MappedHold
 from nebula_ckpt.tiers.memory.replica_store import ReplicaStore, committed
 
 
