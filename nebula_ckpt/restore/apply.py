@@ -17,9 +17,14 @@ from nebula_ckpt.errors import ValidationError
 from nebula_ckpt.format.records import TensorRecord
 from nebula_ckpt.format.tree import decode
 from nebula_ckpt.native import get_ops
-from nebula_ckpt.restore.checks import check_module_state, check_optimizer_state
 from nebula_ckpt.restore.copies import all_cpu, owned, owned_batch
-from nebula_ckpt.restore.inplace import live_destinations, module_destinations, refill
+from nebula_ckpt.restore.inplace import (
+    check_module_state,
+    check_optimizer_state,
+    live_destinations,
+    module_destinations,
+    refill,
+)
 from nebula_ckpt.restore.open import OpenCheckpoint
 from nebula_ckpt.restore.walk import Thunk, TreeWalk, tensor_keys
 

@@ -20,9 +20,17 @@ from nebula_ckpt.format.manifest import Manifest
 from nebula_ckpt.health.book import HealthBook
 from nebula_ckpt.ranks.coordinator import Coordinator
 from nebula_ckpt.restore.apply import apply, materialize, stage_restore
-from nebula_ckpt.restore.health import HealthChoice, all_suspect_error, say
 from nebula_ckpt.restore.open import OpenCheckpoint, read_main_manifest
-from nebula_ckpt.restore.select import Stage, find_and_open, list_candidates, open_agreed, open_tagged
+from nebula_ckpt.restore.select import (
+    HealthChoice,
+    Stage,
+    all_suspect_error,
+    find_and_open,
+    list_candidates,
+    open_agreed,
+    open_tagged,
+    say,
+)
 from nebula_ckpt.storage.base import Storage
 from nebula_ckpt.storage.buffers import BufferStorage
 from nebula_ckpt.tiers.base import Tier
@@ -44,7 +52,7 @@ class Restorer:
             (not once this process saved, nor for a reader, which deletes nothing).
         on_restored: called with ``(step, tier name, its manifest)`` after each restore.
         health: the root's health records: a restore of the newest step skips the checkpoints
-            marked suspect (:mod:`nebula_ckpt.restore.health`).
+            marked suspect (:class:`~nebula_ckpt.restore.select.HealthChoice`).
     """
 
     def __init__(self, runtimes: list[TierRuntime], coordinator: Coordinator, root: str, allow_pickle: bool,

@@ -1,24 +1,37 @@
 """Which checkpoint a restore opens: the candidates, their order, the agreement of the ranks.
 
-Candidates are every committed step on every tier: the newest writer generation first (a
-checkpoint of a stale writer, fenced since, never wins over a newer writer's, whatever its step
-number and tier), then the newest step, then the later write of a step saved twice (its commit
-marker's save number), then, for one write, the fastest tier. Each is opened and
-verified (:func:`~nebula_ckpt.restore.open.open_checkpoint`); on any damage the next candidate is
-tried (:func:`find_and_open`). In a multi-rank job every rank opens the same step, the newest
-that every rank can open (:func:`open_agreed`): the same *write* of it, ``(generation, step,
-save)``, so that a rank whose fastest tier holds the second write of a step saved twice and a rank
-that has only the first never restore a mix of the two.
+Candidates are every committed step on every tier: the newest writer generation first (a checkpoint
+of a stale writer, fenced since, never wins over a newer writer's, whatever its step number and
+tier), then the newest step, then the later write of a step saved twice (its commit marker's save
+number), then, for one write, the fastest tier. Each is opened and verified
+(:func:`~nebula_ckpt.restore.open.open_checkpoint`); on any damage the next candidate is tried
+(:func:`find_and_open`). In a multi-rank job every rank opens the same step, the newest that every
+rank can open (:func:`open_agreed`): the same *write* of it, ``(generation, step, save)``, so that
+a rank whose fastest tier holds the second write of a step saved twice and a rank that has only the
+first never restore a mix of the two.
+
+**The health marks** (the end of this module: :class:`HealthChoice`): what a restore makes of
+them (:mod:`nebula_ckpt.health`), which step it skips and what it says about the step it
+restores. A restore of the newest step (``load_latest``, ``read()``) skips every checkpoint marked
+*suspect* and restores the newest one that is not: *healthy* or *unknown* alike, so that a job
+whose newest step has not been confirmed yet (it crashed right after the save, the common case of
+a hardware failure) loses no work; if that step is bad, the loss goes bad soon after the restore,
+the step is marked suspect and the next restore skips it. A restore of a given step or tag
+restores it whatever its mark (a warning says when it is suspect). In a multi-rank job rank 0
+reads the marks and leaves the suspect steps out of the steps it offers to the ranks' agreement,
+so every rank restores rank 0's choice; one exchange then tells every rank what rank 0 skipped.
 """
 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
-from typing import Callable, Optional
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
 
 from nebula_ckpt.errors import CorruptCheckpointError, OtherRanksError, ValidationError
 from nebula_ckpt.format.commit import Write, committed_steps, read_commit
+from nebula_ckpt.format.health import SUSPECT
+from nebula_ckpt.health.book import NO_MARK, HealthView, Mark
 from nebula_ckpt.ranks.coordinator import Coordinator
 from nebula_ckpt.restore.open import NotThisLayout, OpenCheckpoint, open_checkpoint
 from nebula_ckpt.storage.base import Storage
@@ -121,7 +134,7 @@ def find_and_open(tiers: list[tuple[Tier, Storage]], step: Optional[int] = None,
             skipped like one that fails to open, before anything was restored from it. Its ``ValidationError`` (``into``
             does not match) is raised.
         skip: ``skip(generation, step)``: leave that checkpoint out (marked suspect, see
-            :mod:`nebula_ckpt.restore.health`); not counted as damaged.
+            :class:`HealthChoice`); not counted as damaged.
         layouts: gets why each candidate of another layout (not damaged) was passed over.
 
     Returns:
@@ -295,3 +308,70 @@ def _open_round(tiers: list[tuple[Tier, Storage]], co: Coordinator, newest: Writ
             f"rank {co.rank}: restoring step {agreed} failed on another rank because its `into` does not "
             "match the checkpoint (that rank's error says how); nothing was restored")
     return ck if co.all_true(ck is not None) else None
+
+
+@dataclass
+class HealthChoice:
+    """The marks as one restore reads them, and the suspect checkpoints it skipped.
+
+    Args:
+        view: the marks (None: this rank does not read them; it follows rank 0's choice).
+        skip_suspect: leave suspect checkpoints out (a restore of the newest step).
+    """
+
+    view: Optional[HealthView]
+    skip_suspect: bool
+    #: ``(generation, step)`` -> why, of every suspect checkpoint left out, in the order met
+    skipped: dict[tuple[int, int], str] = field(default_factory=dict)
+
+    def skips(self, generation: int, step: int) -> bool:
+        """Whether the restore leaves the checkpoint ``(generation, step)`` out (remembered)."""
+        if not self.skip_suspect or self.view is None:
+            return False
+        m = self.view.mark(generation, step)
+        if m.state != SUSPECT:
+            return False
+        self.skipped.setdefault((generation, step), m.reason)
+        return True
+
+    def mark(self, generation: int, step: int) -> Mark:
+        """The mark of the checkpoint restored (unknown where this rank reads none)."""
+        return NO_MARK if self.view is None else self.view.mark(generation, step)
+
+    def outcome(self, ck_key: Optional[tuple[int, int]]) -> dict[str, Any]:
+        """What ``last_restore`` says: the restored step's mark and what was skipped (plain data,
+        the same on every rank once exchanged)."""
+        m = NO_MARK if ck_key is None else self.mark(*ck_key)
+        return {"health": m.state, "health_reason": m.reason,
+                "skipped": [{"step": s, "generation": g, "reason": why} for (g, s), why in self.skipped.items()]}
+
+
+def say(outcome: dict[str, Any], step: Optional[int], root: str) -> None:
+    """Log what the restore skipped and why (WARNING), and a restored step that is suspect."""
+    skipped = outcome.get("skipped") or []
+    if skipped:
+        lines = "; ".join(f"step {x['step']} (writer generation {x['generation']}): {x['reason']}" for x in skipped)
+        got = f"restoring step {step}" if step is not None else "restoring nothing"
+        log.warning("nebula_ckpt: %s of %s; skipped %d step(s) marked suspect: %s%s", got, root, len(skipped), lines,
+                    _same_failure_hint(skipped))
+    if step is not None and outcome.get("health") == SUSPECT:
+        log.warning("nebula_ckpt: restoring step %d of %s, which is marked suspect (%s); `nebula-ckpt mark --healthy "
+                    "%d ROOT` clears the mark", step, root, outcome.get("health_reason"), step)
+
+
+def _same_failure_hint(skipped: list[dict[str, Any]]) -> str:
+    """When two skipped steps went bad at the same step, the cause is likely there, not in them."""
+    at = [x["reason"].split(",")[0] for x in skipped if "after a restore from it" in x["reason"]]
+    if len(at) >= 2 and len(set(at)) == 1:
+        return (f". Restores from {len(at)} different steps went bad the same way ({at[0]}): the cause is likely "
+                "the data or the code at that step, not a checkpoint; older steps will likely go bad too")
+    return ""
+
+
+def all_suspect_error(outcome: dict[str, Any], root: str) -> CorruptCheckpointError:
+    """The error for a root whose every restorable step is marked suspect."""
+    steps = [x["step"] for x in outcome.get("skipped") or []]
+    return CorruptCheckpointError(
+        f"no checkpoint of {root} is left to restore: every committed step that opens is marked suspect "
+        f"(steps {steps[:20]}; the log says why). Restoring one again would repeat the failure: fix its cause, "
+        "then clear a mark with `nebula-ckpt mark --healthy STEP ROOT`, or pass on_damaged='warn' to start afresh")
