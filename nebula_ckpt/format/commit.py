@@ -137,6 +137,9 @@ def delete_checkpoint(storage: "Storage", step: int) -> None:
     storage.remove_dir(d)
 
 
+# -- references: which earlier steps a committed step needs ---------------------------------------
+
+
 def references(man: Manifest) -> set[int]:
     """The earlier steps whose folders hold shards of ``man`` (empty for a full checkpoint; a
     version 4 manifest names them itself, its shards being in ``ranks.json``)."""

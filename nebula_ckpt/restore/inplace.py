@@ -36,9 +36,8 @@ from nebula_ckpt.format.tree import decode
 from nebula_ckpt.native import get_ops
 from nebula_ckpt.restore.open import OpenCheckpoint, chunks
 
-#: an optimizer's load / state-dict hooks: with any of them set, its tensors are not refilled in place
-_HOOKS = ("_optimizer_load_state_dict_pre_hooks", "_optimizer_load_state_dict_post_hooks",
-          "_optimizer_state_dict_pre_hooks", "_optimizer_state_dict_post_hooks")
+# -- checks: the objects before anything in them changes ------------------------------------------
+
 #: the load / state-dict machinery of torch.nn.Module; a module that changes it (a hook, an
 #: override outside torch.nn) may load keys or shapes other than its state_dict() shows
 _LOAD_HOOKS = ("_load_state_dict_pre_hooks", "_load_state_dict_post_hooks", "_state_dict_hooks",
@@ -116,6 +115,13 @@ def check_optimizer_state(ck: OpenCheckpoint, state: Mapping[str, Any], target: 
             f"restore: the {type(target).__name__} under '{shown}' does not match the checkpoint of step {ck.step}: "
             f"it has {len(have)} parameter group(s) of {have} parameters, the checkpoint {len(saved)} of {saved}; "
             "build the optimizer over the same parameters, in the same groups, as when it was saved")
+
+
+# -- live tensors refilled in place ---------------------------------------------------------------
+
+#: an optimizer's load / state-dict hooks: with any of them set, its tensors are not refilled in place
+_HOOKS = ("_optimizer_load_state_dict_pre_hooks", "_optimizer_load_state_dict_post_hooks",
+          "_optimizer_state_dict_pre_hooks", "_optimizer_state_dict_post_hooks")
 
 
 def live_destinations(ck: OpenCheckpoint, state: Mapping[str, Any], target: Any, shown: str) -> dict[str, torch.Tensor]:

@@ -310,6 +310,9 @@ def _open_round(tiers: list[tuple[Tier, Storage]], co: Coordinator, newest: Writ
     return ck if co.all_true(ck is not None) else None
 
 
+# -- the health marks: which suspect step a restore skips -----------------------------------------
+
+
 @dataclass
 class HealthChoice:
     """The marks as one restore reads them, and the suspect checkpoints it skipped.

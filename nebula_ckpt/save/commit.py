@@ -170,6 +170,9 @@ def _take_marker(storage: Storage, marker: str, generation: int) -> bool:
     return mine
 
 
+# -- the sweep: leftovers of saves that never committed -------------------------------------------
+
+
 @dataclass(frozen=True)
 class Ownership:
     """Who owns the files of uncommitted step folders, as one writer rank sees them.

@@ -332,6 +332,9 @@ def build_tier_manifest(snap: Snapshot, generation: int, shard: dict[str, Any]) 
                              stats=snap.stats(), tag=snap.plan.tag, hashes=snap.hashes)
 
 
+# -- fan-out: one staged snapshot on its way to each tier -----------------------------------------
+
+
 class Target(Protocol):
     """What the fan-out uses of a tier writer (:class:`nebula_ckpt.save.writer.TierWriter`)."""
 

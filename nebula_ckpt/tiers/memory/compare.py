@@ -162,6 +162,9 @@ class Compared:
     same: frozenset[str]
 
 
+# -- the hashes the compare spares the persistent tiers -------------------------------------------
+
+
 def staged_hashes(targets: list[Any], view: memoryview,
                   index: dict[str, dict[str, Any]]) -> tuple[dict[str, str], Optional[Compared]]:
     """The SHA-256 of the staged tensors that the tiers ``targets`` (tier writers) need, and the

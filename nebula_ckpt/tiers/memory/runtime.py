@@ -286,6 +286,9 @@ def no_room_error(tier: str, folder: str, rel: str, needed: int, error: OSError)
                    "(NEBULA_SHM_DIR, or a larger /dev/shm)")
 
 
+# -- slot files: staging buffers in the tier's slots/ folder --------------------------------------
+
+
 def _pid_alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
