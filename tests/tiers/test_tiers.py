@@ -26,7 +26,8 @@ def test_memory_tier_is_private_and_removed_on_clean_close(root: str) -> None:
         for f in os.listdir(d):
             assert stat.S_IMODE(os.stat(os.path.join(d, f)).st_mode) == 0o600, f
     assert not os.path.exists(mem.display_url)
-    assert nc.Checkpointer(root).list() == [1]  # still on the persistent tier
+    with nc.Checkpointer(root) as again:
+        assert again.list() == [1]  # still on the persistent tier
 
 
 def test_new_process_finds_crashed_runs_memory_tier(root: str, shm_dir: str) -> None:
@@ -107,7 +108,8 @@ def test_stale_writer_is_fenced(tmp_path, shm_dir) -> None:  # noqa: ANN001
     assert new.load_latest(into={"w": w}) == 11 and torch.all(w == 11)
     old.close()   # the failure was already seen through its handle: close does not raise it again
     new.close()
-    assert nc.Checkpointer(root, memory_tier=False).list() == [11]
+    with nc.Checkpointer(root, memory_tier=False) as again:
+        assert again.list() == [11]
 
 
 @pytest.fixture
