@@ -33,7 +33,7 @@ from nebula_ckpt.save.budget import Budget, HostMemoryBudget, give_up_memory_ste
 from nebula_ckpt.save.buffers import StagingPool
 from nebula_ckpt.save.plan import Plan
 from nebula_ckpt.save.plan_cache import PlanCache
-from nebula_ckpt.save.snapshot import Snapshot, Stager, Taken, fan_out
+from nebula_ckpt.save.snapshot import Snapshot, Stager, Taken
 from nebula_ckpt.save.uncut import run_uncut
 from nebula_ckpt.save.writer import TierWriter
 from nebula_ckpt.tiers.base import now
@@ -153,7 +153,7 @@ class SavePipeline:
                                     1 if len(writing) == 1 else 2, states=2 if alone else 1)
             writers = [TierWriter(rt, self._fence.for_tier(rt.storage), rt.tier.keep_last or self._keep_last,
                                   self.coordinator, self.incremental) for rt in writing]
-            self._stager = Stager(self.root[-24:], fan_out)
+            self._stager = Stager(self.root[-24:])
             self.writers = writers  # last: a save that finds them finds the stager too
             if self._restored is not None:
                 self._seed(*self._restored)

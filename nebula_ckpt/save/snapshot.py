@@ -270,8 +270,7 @@ class FileSource:
 class Stager:
     """The thread between the training thread and the tier writers."""
 
-    def __init__(self, name: str, deliver: Callable[[Snapshot, list[Any]], None]) -> None:
-        self._deliver = deliver  # fan_out: routes the staged snapshot to its tiers
+    def __init__(self, name: str) -> None:
         # a SimpleQueue: put() is one C call, so a Ctrl-C in save_async cannot leave a queue lock held
         self._q: "queue.SimpleQueue[Optional[Snapshot]]" = queue.SimpleQueue()
         #: hand over a snapshot whose copy is enqueued: the queue's own ``put``, one C call (a
@@ -322,7 +321,7 @@ class Stager:
         snap.hashes, snap.compared = staged_hashes(snap.targets, snap.view(), snap.tensor_index)
         log.debug("nebula_ckpt: step %d staged (%d tensors, %.1f MiB, copy %.1f ms)", snap.step,
                   len(entries), snap.nbytes / 2**20, snap.copy_seconds * 1e3)
-        self._deliver(snap, snap.targets)  # takes over the stager's reference
+        fan_out(snap, snap.targets)  # takes over the stager's reference
 
 
 def build_tier_manifest(snap: Snapshot, generation: int, shard: dict[str, Any]) -> dict[str, Any]:

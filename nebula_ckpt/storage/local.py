@@ -34,7 +34,6 @@ def _open_nofollow(path: str) -> Any:
     return os.fdopen(os.open(path, os.O_RDONLY | os.O_NOFOLLOW), "rb")
 
 
-
 # -- the one atomic small-file write -------------------------------------------------------------
 #
 # A small file (a manifest, a commit marker, a run record, a memory tier's ``ROOT`` file, a

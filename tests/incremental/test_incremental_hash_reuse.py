@@ -19,21 +19,21 @@ import torch
 
 import nebula_ckpt as nc
 from incremental.test_incremental import _forge_same_crc
-from nebula_ckpt.tiers.memory import compare as hash_reuse
+from nebula_ckpt.tiers.memory import compare
 
 
 @pytest.fixture
 def hashed(monkeypatch: pytest.MonkeyPatch) -> list[set[str]]:
     """The keys each save hashed (the real hash function runs)."""
     calls: list[set[str]] = []
-    real = hash_reuse.hash_staged
+    real = compare.hash_staged
 
     def spy(view: memoryview, index: dict[str, dict[str, Any]], keys: Any) -> dict[str, str]:
         keys = set(keys)
         calls.append(keys)
         return real(view, index, keys)
 
-    monkeypatch.setattr(hash_reuse, "hash_staged", spy)
+    monkeypatch.setattr(compare, "hash_staged", spy)
     return calls
 
 
