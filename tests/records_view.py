@@ -3,19 +3,20 @@
 A version 4 checkpoint keeps each rank's tensor records in ``records-g<G>-r<R>.json`` beside its
 shard; tests that look at every record at once read them through :func:`flat_manifest`, which
 gives the JSON a version 2 manifest would hold (``tensors`` with ``r<R>/`` keys and ``shard``,
-``aliases`` of replicated and tied keys, ``sha256`` with ``r<R>/`` keys; an incremental share's
+``aliases`` of replicated, replica and tied keys, ``sha256`` with ``r<R>/`` keys; an incremental share's
 records pointing at ``refs[j - 1]`` get the index of that shard in the manifest's ``shards``),
 straight from the files (no library code). The view also holds what its
 ``ranks.json`` lists (``shards``: every rank's own, then the earlier ones they refer to;
 ``records``; ``ranks`` and ``rank_tree``), and :func:`seal` splits such a view back into records
-files sealed with their own CRC32C, ``ranks.json`` and the manifest.
+files sealed with their own CRC32C, ``ranks.json`` and the manifest; :func:`reseal` edits one
+rank's records file in place, every checksum kept valid.
 """
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 
 def flat_manifest(step_folder: Path) -> dict[str, Any]:
@@ -29,6 +30,7 @@ def flat_manifest(step_folder: Path) -> dict[str, Any]:
     aliases: dict[str, str] = {}
     hashes: dict[str, str] = {}
     own: list[dict[str, str]] = []
+    replicas: list[dict[str, int]] = []
     at = {(s["step"], s["file"]): i for i, s in enumerate(man["shards"]) if "step" in s}
     for r, ref in enumerate(man["records"]):
         recs = json.loads((step_folder / ref["file"]).read_text())
@@ -38,10 +40,13 @@ def flat_manifest(step_folder: Path) -> dict[str, Any]:
             tensors[f"r{r}/{k}"] = dict(v, shard=i) if i else {f: x for f, x in v.items() if f != "shard"}
         hashes.update({f"r{r}/{k}": h for k, h in recs.get("sha256", {}).items()})
         own.append(recs["aliases"])
+        replicas.append(recs.get("replicas", {}))
     for r, mine in enumerate(own):
         for k, q in man["owners"].items():
             if q != r:
                 aliases[f"r{r}/{k}"] = f"r{q}/{k}"
+        for k, q in replicas[r].items():
+            aliases[f"r{r}/{k}"] = f"r{q}/{own[q].get(k, k)}"
         for a, b in mine.items():
             aliases[f"r{r}/{a}"] = aliases.get(f"r{r}/{b}", f"r{r}/{b}")
     return dict(man, tensors=tensors, aliases=aliases, **({"sha256": hashes} if hashes else {}))
@@ -71,6 +76,46 @@ def sealed(recs: dict[str, Any]) -> bytes:
     if recs.get("version") != 4:
         return text
     return text[:-1] + b',"crc32c":"%08x"}' % crc32c.crc32c(text)
+
+
+def recommit(step_folder: Path, man: dict[str, Any]) -> None:
+    """Write ``man`` as the manifest of ``step_folder`` and a COMMIT naming its size and CRC32C."""
+    import crc32c
+
+    mb = json.dumps(man, separators=(",", ":")).encode()
+    (step_folder / "manifest.json").write_bytes(mb)
+    commit = json.loads((step_folder / "COMMIT").read_text())
+    commit.update(manifest_bytes=len(mb), manifest_crc32c=crc32c.crc32c(mb))
+    (step_folder / "COMMIT").write_text(json.dumps(commit))
+
+
+def reindex(step_folder: Path, fn: Callable[[dict[str, Any]], Any]) -> None:
+    """Apply ``fn`` to a version 4 step's ranks.json; the manifest names its new size and CRC32C,
+    the COMMIT the new manifest's."""
+    import crc32c
+
+    index = json.loads((step_folder / "ranks.json").read_text())
+    fn(index)
+    data = json.dumps(index, separators=(",", ":")).encode()
+    (step_folder / "ranks.json").write_bytes(data)
+    man = json.loads((step_folder / "manifest.json").read_text())
+    man["ranks_file"].update(bytes=len(data), crc32c=crc32c.crc32c(data))
+    recommit(step_folder, man)
+
+
+def reseal(step_folder: Path, rank: int, fn: Callable[[dict[str, Any]], Any]) -> None:
+    """Apply ``fn`` to rank ``rank``'s records (version 4) and re-seal them: their embedded CRC32C,
+    ranks.json's entry, the manifest's of ranks.json and the COMMIT's of the manifest are all
+    valid; only the content lies (a buggy or hostile writer)."""
+    import crc32c
+
+    man = json.loads((step_folder / "manifest.json").read_text())
+    path = step_folder / f"records-g{man['generation']}-r{rank}.json"
+    recs = records_body(path)
+    fn(recs)
+    data = sealed(recs)
+    path.write_bytes(data)
+    reindex(step_folder, lambda i: i["ranks"][rank]["records"].update(bytes=len(data), crc32c=crc32c.crc32c(data)))
 
 
 def seal(step_folder: Path, flat: dict[str, Any]) -> None:
@@ -113,11 +158,7 @@ def seal(step_folder: Path, flat: dict[str, Any]) -> None:
             for f in ("records", "ranks", "rank_tree"):
                 man.pop(f)
             man["shards"] = []
-    mb = json.dumps(man, separators=(",", ":")).encode()
-    (step_folder / "manifest.json").write_bytes(mb)
-    commit = json.loads((step_folder / "COMMIT").read_text())
-    commit.update(manifest_bytes=len(mb), manifest_crc32c=crc32c.crc32c(mb))
-    (step_folder / "COMMIT").write_text(json.dumps(commit))
+    recommit(step_folder, man)
 
 
 def _local_record(v: dict[str, Any], local: dict[int, int]) -> dict[str, Any]:

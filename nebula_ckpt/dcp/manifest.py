@@ -1,17 +1,19 @@
-"""The manifest of a DCP save, built by the coordinator from every rank's write results.
+"""The files a DCP save commits, built by the coordinator from every rank's write results.
 
 Each rank reports one :class:`~nebula_ckpt.dcp.plans.Written` per item it wrote; the coordinator
 checks every rank's shard is on the root with the size it wrote, that every item of DCP's global
-metadata was written by some rank, rebuilds each rank's typed tree from the paths of what it held
-(items DCP dropped as duplicates become aliases of the copy another rank stored), and builds the
-manifest: a one-process one directly, a multi-rank one with the builder the tier writers use
-(:func:`nebula_ckpt.format.multi_rank.ranks_manifest`).
+metadata was written by some rank, rebuilds each rank's typed tree from the paths of what it held,
+and builds what the tier writers commit: a one-process manifest (format version 1), or for N ranks
+format version 4, every rank's sealed records file, ``ranks.json`` and rank 0's manifest
+(:mod:`nebula_ckpt.ranks.split`, the builders of the shared tier's commit). An item DCP stored
+once for several ranks (its dedup) is, on each other rank holding it, a *replica*: its records
+file names the rank that stored it (``replicas``).
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, TensorStorageMetadata
 from torch.distributed.checkpoint.storage import WriteResult
@@ -22,12 +24,12 @@ from nebula_ckpt.dcp.values import decoded
 from nebula_ckpt.errors import PersistError
 from nebula_ckpt.format import manifest as mf
 from nebula_ckpt.format.header import safetensors_header
-from nebula_ckpt.format.multi_rank import ranks_manifest, stored_record
-from nebula_ckpt.format.names import shard_name, step_dir
+from nebula_ckpt.format.names import RANKS_FILE, shard_name, step_dir
 from nebula_ckpt.format.tree import Node
+from nebula_ckpt.ranks.split import split_manifest, split_payload
 from nebula_ckpt.storage.base import Storage
 
-#: (fqn, chunk offsets) -> (rank, stored manifest key) of every stored tensor piece
+#: (fqn, chunk offsets) -> (rank, stored key) of every stored tensor piece
 Pieces = dict[Held, tuple[int, str]]
 
 
@@ -51,39 +53,73 @@ class DcpSave:
     plans: RankPlans
 
 
-def dcp_manifest(save: DcpSave, metadata: Metadata, results: list[list[WriteResult]]) -> dict[str, Any]:
-    """The manifest of ``save`` (raises :class:`PersistError` naming what is missing)."""
+@dataclasses.dataclass
+class DcpCommit:
+    """What the coordinator commits: ``files`` (the ranks' records files, then ``ranks.json``;
+    none for one process), written before ``manifest``, whose ``COMMIT`` comes last."""
+
+    manifest: dict[str, Any]
+    files: list[tuple[str, bytes]]
+
+
+@dataclasses.dataclass
+class _Ranks:
+    """Every rank's stored tensor records, tied keys and replicas (key -> the rank that stored it)."""
+
+    stored: list[dict[str, dict[str, Any]]]
+    tied: list[dict[str, str]]
+    replicas: list[dict[str, int]]
+
+
+def dcp_manifest(save: DcpSave, metadata: Metadata, results: list[list[WriteResult]],
+                 crc: Callable[[bytes], int]) -> DcpCommit:
+    """The files of ``save`` (raises :class:`PersistError` naming what is missing)."""
     written, save_id = _written(save, results)
-    multi = len(results) > 1
+    world = len(results)
     shards = _shards(save, written)
     pieces: Pieces = {}
     values: dict[str, Leaf] = {}
-    tensors: dict[str, dict[str, Any]] = {}
-    aliases: dict[str, str] = {}
+    ranks = _Ranks([{} for _ in written], [{} for _ in written], [{} for _ in written])
     for r, mine in enumerate(written):
         for w in mine:
             if w.node is not None:
                 values[w.fqn] = (w.node, decoded(w.node))
                 continue
             if w.alias_of is not None:
-                aliases[w.key] = w.alias_of
+                ranks.tied[r][w.key] = w.alias_of
             else:
                 assert w.record is not None
-                tensors[w.key] = stored_record(dict(w.record), r)
+                ranks.stored[r][w.key] = dict(w.record)
             pieces[(w.fqn, w.offsets)] = (r, w.alias_of or w.key)
     _check_coverage(save.where, metadata, pieces, values)
-    trees = [_tree(save, r, pieces, values, aliases, multi) for r in range(len(results))]
-    for a in [a for a in aliases if a in tensors]:
-        del aliases[a]  # a rank's own copy (a tensor DCP did not deduplicate) is no alias
-    tensor_bytes = sum(int(r["offsets"][1]) - int(r["offsets"][0]) for r in tensors.values())
-    stats: dict[str, Any] = {"tensor_bytes": tensor_bytes, "writer": "torch.distributed.checkpoint",
-                             "dcp_save_id": save_id or ""}
-    if not multi:
-        return mf.build_manifest(step=save.step, generation=save.generation, shards=shards, tensors=tensors,
-                                 aliases=aliases, tree=trees[0], stats=stats)
-    stats["ranks_bytes"] = [s["bytes"] for s in shards]
-    return ranks_manifest(step=save.step, generation=save.generation, shards=shards, tensors=tensors,
-                          aliases=aliases, trees=trees, stats=stats)
+    trees = [_tree(save, r, pieces, values, ranks) for r in range(world)]
+    stats: dict[str, Any] = {"writer": "torch.distributed.checkpoint", "dcp_save_id": save_id or ""}
+    if world == 1:
+        tensor_bytes = sum(int(r["offsets"][1]) - int(r["offsets"][0]) for r in ranks.stored[0].values())
+        return DcpCommit(mf.build_manifest(step=save.step, generation=save.generation, shards=shards,
+                                           tensors=ranks.stored[0], aliases=ranks.tied[0], tree=trees[0],
+                                           stats=dict(stats, tensor_bytes=tensor_bytes)), [])
+    assert save_id is not None, "a multi-rank save's ranks each wrote a shard"
+    files: list[tuple[str, bytes]] = []
+    parts: list[dict[str, Any]] = []
+    for r in range(world):
+        own = ranks.stored[r]
+        meta = {"tensors": own, "tree": trees[r], "stats": {
+            "tensor_bytes": sum(int(x["offsets"][1]) - int(x["offsets"][0]) for x in own.values()),
+            "copy_seconds": 0.0}}
+        name, data, part = split_payload(step=save.step, generation=save.generation, rank=r, world=world,
+                                         save_id=save_id, shard=shards[r], index=own, aliases=ranks.tied[r],
+                                         meta=meta, send_tree=True, send_table=True, crc=crc,
+                                         replicas=ranks.replicas[r])
+        files.append((name, data))
+        parts.append(part)
+    try:
+        man, index = split_manifest(step=save.step, generation=save.generation, save_id=save_id, parts=parts,
+                                    owners={}, crc=crc)
+    except PersistError as e:
+        raise PersistError(f"{save.where}: {e}") from None
+    man["stats"].update(stats, ranks_bytes=[s["bytes"] for s in shards])
+    return DcpCommit(man, files + [(RANKS_FILE, index)])
 
 
 def _written(save: DcpSave, results: list[list[WriteResult]]) -> tuple[list[list[Written]], Optional[str]]:
@@ -127,11 +163,9 @@ def _shards(save: DcpSave, written: list[list[Written]]) -> list[dict[str, Any]]
     return shards
 
 
-def _tree(save: DcpSave, r: int, pieces: Pieces, values: dict[str, Leaf], aliases: dict[str, str],
-          multi: bool) -> Node:
+def _tree(save: DcpSave, r: int, pieces: Pieces, values: dict[str, Leaf], ranks: _Ranks) -> Node:
     """Rank ``r``'s typed tree from the paths of what it held; a held piece another rank stored
-    (DCP's dedup) becomes an alias of that copy (added to ``aliases``)."""
-    prefix = f"r{r}/" if multi else ""
+    (DCP's dedup) becomes a replica of that rank's copy (added to ``ranks.replicas[r]``)."""
     root = Box("dict")
     paths = save.plans.paths[r]
     for fqn, offsets in save.plans.held[r]:
@@ -144,8 +178,13 @@ def _tree(save: DcpSave, r: int, pieces: Pieces, values: dict[str, Leaf], aliase
             owner = pieces.get((fqn, offsets))
             if owner is None:
                 raise PersistError(f"{save.where}: no rank wrote '{fqn}' at offsets {list(offsets)}")
-            if owner[0] != r or owner[1] != prefix + key:
-                aliases[prefix + key] = owner[1]
+            q = owner[0]
+            if q != r and key not in ranks.stored[r]:
+                theirs = save.plans.keys[q].get(fqn)
+                if theirs != key:
+                    raise PersistError(f"{save.where}: rank {r} holds '{fqn}' as key '{key}', but rank {q} "
+                                       f"stored it as '{theirs}': every rank must flatten the state dict alike")
+                ranks.replicas[r][key] = q  # rank q's key (stored, or tied to one it stored)
             leaf = ({"t": "tensor", "k": key}, None)
         insert(root, paths.get(fqn, (fqn,)), leaf, fqn)
     optimizer_keys(root)

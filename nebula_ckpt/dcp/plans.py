@@ -41,7 +41,7 @@ class Written:
     rank: int
     fqn: str
     offsets: Optional[tuple[int, ...]]       # tensor items: chunk offsets; None: a value
-    key: str                                 # the manifest key (rank prefix included)
+    key: str                                 # the key the rank stores it under
     record: Optional[dict[str, Any]]         # the tensor record; None: a value or an alias
     alias_of: Optional[str]                  # a tensor tied to another one this rank stored
     node: Optional[Node]                     # a value: its typed-JSON node

@@ -41,7 +41,7 @@ def placements_of(obj: Any, fqn: str, item: WriteItem, world: int) -> tuple[tupl
     return (f"S({dims[0]})" if dims else "R",), (max(1, world),)
 
 
-def tensor_parts(plan: SavePlan, planner: SavePlanner, info: GlobalPlanData, prefix: str,
+def tensor_parts(plan: SavePlan, planner: SavePlanner, info: GlobalPlanData,
                  paths: dict[str, tuple[Any, ...]], shard: dict[str, Any],
                  out: list[tuple[WriteItem, Written, int]]) -> list[Stored]:
     """Resolve the tensor items: ``(key, record, source bytes, version)`` of each tensor stored;
@@ -73,7 +73,7 @@ def tensor_parts(plan: SavePlan, planner: SavePlanner, info: GlobalPlanData, pre
             raise ValidationError(f"NebulaStorageWriter: state key '{fqn}': {t.layout} / quantized / nested / "
                                   "meta tensors cannot be stored; convert it to a dense tensor with data")
         offsets = tuple(int(o) for o in td.chunk.offsets)
-        key = prefix + manifest_key(fqn, paths)
+        key = manifest_key(fqn, paths)
         rec: dict[str, Any] = {"dtype": dtype_name(t.dtype), "shape": list(sizes),
                                "device": f"cuda:{t.get_device()}" if t.is_cuda else "cpu"}
         if item.type == WriteItemType.SHARD:

@@ -9,10 +9,12 @@ write a normal nebula_ckpt checkpoint, on one process or on N ranks::
     dcp.save({"model": model.state_dict(), "optim": opt.state_dict(), "step": 100},
              storage_writer=NebulaStorageWriter("/ckpt/run-42", step=100))
 
-What lands on storage is the layout of :mod:`nebula_ckpt.format.manifest`: every rank writes its
-share ``step-N/shard-g<G>-r<R>.safetensors`` (fsync'd, CRC32C of every tensor), and the
-coordinator rank writes ``manifest.json`` and the ``COMMIT`` marker in :meth:`finish`, which DCP
-calls only after every rank's ``write_data`` returned, i.e. after every shard is durable. So
+What lands on storage is the layout every nebula_ckpt writer commits (:mod:`nebula_ckpt.format`):
+every rank writes its share ``step-N/shard-g<G>-r<R>.safetensors`` (fsync'd, CRC32C of every
+tensor), and the coordinator rank, in :meth:`finish`, which DCP calls only after every rank's
+``write_data`` returned (after every shard is durable), writes the rest: for N ranks, format
+version 4 (each rank's records file ``records-g<G>-r<R>.json``, ``ranks.json``), then
+``manifest.json`` and the ``COMMIT`` marker, last. So
 ``Checkpointer(root).load_latest`` (same world size, or resharded) and
 :class:`~nebula_ckpt.restore.dcp_reader.NebulaStorageReader` (any world size) read it, and
 ``nebula-ckpt verify`` checks it.
@@ -26,9 +28,10 @@ How DCP's items map onto the format:
   dict of real state dicts, a ``torch.optim`` state dict's ``state``, is recognised (its keys are
   the ints of ``param_groups[*]["params"]``) and gets its int keys back. Without path
   information (a planner that does not flatten) every FQN is a top-level key.
-* **tensors** (``TENSOR`` items) are stored like any tensor; DCP stores a tensor every rank holds
-  once (its dedup), and the other ranks' keys are aliases of that copy (DCP semantics: one value
-  per non-DTensor key). Tensors tied within one rank are stored once.
+* **tensors** (``TENSOR`` items) are stored like any tensor; DCP stores a tensor several ranks
+  hold once (its dedup: all ranks, or some, such as one pipeline stage's), and on every other rank
+  holding it the key is a *replica* of that rank's copy (DCP semantics: one value per
+  non-DTensor key). Tensors tied within one rank are stored once.
 * **DTensor shards** (``SHARD`` items) become the rank's local shard with a ``dtensor`` record:
   global shape, the chunk's offsets, placements and mesh shape from the DTensor (``Shard`` /
   ``Replicate`` only: other placements are refused naming the key; a legacy ``ShardedTensor``
@@ -36,7 +39,7 @@ How DCP's items map onto the format:
   ``ShardedTensor`` holding several local shards on one rank is refused before anything is
   written (the format keeps one record per rank and key); convert it to a ``DTensor``, or save
   it with DCP's ``FileSystemWriter``.
-  Replicated chunks DCP writes once are aliases on the other ranks.
+  Replicated chunks DCP writes once are replicas on the other ranks holding them.
 * **non-tensor values** (``BYTE_IO`` items, which DCP serialises with ``torch.save``) are
   loaded back with ``weights_only=True`` and stored in the typed tree when they are plain values
   (numbers, strings, bools, None, dtypes, devices, lists / tuples / dicts of them): no pickle.
@@ -52,8 +55,9 @@ a newer writer on the same root fences this one), removes leftovers of failed wr
 of the tier writers' retention, :mod:`nebula_ckpt.save.commit`), and hands
 every rank ``(step, generation)`` through DCP's global plan. Each rank writes its shard and
 returns one record per item (offsets, CRC32C taken before and re-checked after the write). In
-:meth:`finish` the coordinator checks every rank's shard is there with its size, builds and
-strictly re-parses the manifest, checks that a :class:`~nebula_ckpt.restore.dcp_reader.NebulaStorageReader`
+:meth:`finish` the coordinator checks every rank's shard is there with its size, builds the
+ranks' records files and ``ranks.json`` and writes them, reads them back through the reader's
+strict checks with the manifest, checks that a :class:`~nebula_ckpt.restore.dcp_reader.NebulaStorageReader`
 accepts it, then writes ``manifest.json`` and the create-only ``COMMIT`` last, as the tier writers
 do (:func:`nebula_ckpt.save.commit.commit_manifest`, the one commit step). A failure on any
 rank means DCP never calls :meth:`finish`: no ``COMMIT``, the step stays invisible; the failing
@@ -89,7 +93,8 @@ from nebula_ckpt.dcp.values import check_keys, encode_value, fqn_paths, manifest
 from nebula_ckpt.errors import FencedError, NebulaError, PersistError, ValidationError
 from nebula_ckpt.format import manifest as mf
 from nebula_ckpt.format.dtypes import TENSOR_DTYPES, dtype_name
-from nebula_ckpt.format.names import COMMIT, MANIFEST, parse_step_dir, shard_name, shard_owner, step_dir
+from nebula_ckpt.format.names import COMMIT, MANIFEST, RANKS_FILE, parse_step_dir, shard_name, shard_owner, step_dir
+from nebula_ckpt.native import get_ops
 from nebula_ckpt.ranks.process_fence import process_fence
 from nebula_ckpt.restore.dcp_roots import storage_for
 from nebula_ckpt.save import commit
@@ -97,6 +102,7 @@ from nebula_ckpt.save.commit import CommitProgress, commit_manifest
 from nebula_ckpt.save.plan import check_step
 from nebula_ckpt.storage.base import Storage
 from nebula_ckpt.storage.urls import refuse_url_credentials
+from nebula_ckpt.workers import Workers
 
 log = logging.getLogger(__name__)
 
@@ -155,7 +161,7 @@ class NebulaStorageWriter(StorageWriter):
         self.save_id = uuid.uuid4().hex
         self._plans = RankPlans()
         self._gen: Optional[int] = None
-        self._wrote_manifest = False
+        self._wrote_manifest = self._wrote_index = False
         self._set_root_and_step(root, step)
 
     # -- where -----------------------------------------------------------------------------------
@@ -314,7 +320,6 @@ class NebulaStorageWriter(StorageWriter):
         if st.exists(f"{d}/{COMMIT}"):
             raise ValidationError(f"NebulaStorageWriter: step {info.step} was committed under {st.display_url} "
                                   "while this save ran; nothing is overwritten")
-        prefix = f"r{info.rank}/" if info.world > 1 else ""
         paths = fqn_paths(plan.planner_data)
         name = shard_name(info.generation, info.rank)
         shard: dict[str, Any] = {"file": name}
@@ -324,8 +329,8 @@ class NebulaStorageWriter(StorageWriter):
             if item.type == WriteItemType.BYTE_IO:
                 node = encode_value(item.index.fqn, planner.resolve_data(item), self.allow_pickle)
                 out.append((item, Written(info.save_id, info.rank, item.index.fqn, None,
-                                           prefix + manifest_key(item.index.fqn, paths), None, None, node, shard), 0))
-        tensors = tensor_parts(plan, planner, info, prefix, paths, shard, out)
+                                           manifest_key(item.index.fqn, paths), None, None, node, shard), 0))
+        tensors = tensor_parts(plan, planner, info, paths, shard, out)
         rel = f"{d}/{name}"
         try:
             shard.update(self._write_shard(rel, tensors))
@@ -357,14 +362,14 @@ class NebulaStorageWriter(StorageWriter):
         if world != len(self._plans.held):
             raise PersistError(f"{self.where}: {world} ranks reported writes, {len(self._plans.held)} planned")
         st = self.storage
-        self._wrote_manifest = False
+        self._wrote_manifest = self._wrote_index = False
         try:
-            man = dcp_manifest(DcpSave(st, self.where, step, self._generation(), self._plans), metadata, results)
+            done = dcp_manifest(DcpSave(st, self.where, step, self._generation(), self._plans), metadata, results,
+                                get_ops().crc32c_bytes)
+            man = done.manifest
             mbytes = mf.encode_manifest(man)
-            parsed = mf.Manifest.parse(mbytes, self.where, step)
-            from nebula_ckpt.restore.dcp_reader import NebulaStorageReader
-
-            NebulaStorageReader(st, step, manifest=parsed, verify=False).close()  # DCP can read it back
+            self._write_files(step, done.files)
+            self._check_readable(step, mbytes)
         except NebulaError as e:
             self._abandon(step)
             raise PersistError(f"{self.where}: not committed: {e}") from e
@@ -375,6 +380,29 @@ class NebulaStorageWriter(StorageWriter):
         log.info("nebula_ckpt: DCP save of step %d committed under %s (%d rank(s), %.1f MiB)", step, st.display_url,
                  world, sum(man["stats"].get("ranks_bytes", [0])) / 2**20 if world > 1 else
                  man["shards"][0]["bytes"] / 2**20)
+
+    def _write_files(self, step: int, files: list[tuple[str, bytes]]) -> None:
+        """The ranks' records files (at once), then ``ranks.json`` (a multi-rank save's; none for one process)."""
+        if not files:
+            return
+        d, st = step_dir(step), self.storage
+        *records, (index_name, index) = files
+        with Workers(min(16, len(records)), thread_name_prefix="nebula-dcp-records") as pool:
+            list(pool.map(lambda f: st.write_small(f"{d}/{f[0]}", f[1]), records))
+        self._wrote_index = True
+        st.write_small(f"{d}/{index_name}", index)
+
+    def _check_readable(self, step: int, mbytes: bytes) -> None:
+        """The manifest parsed strictly, completed from the files written (read back: ``ranks.json``,
+        every records file) and opened by a :class:`~nebula_ckpt.restore.dcp_reader.NebulaStorageReader`:
+        DCP can read the step back once it commits."""
+        from nebula_ckpt.restore.dcp_reader import NebulaStorageReader
+        from nebula_ckpt.restore.open import load_records, with_ranks_file
+
+        st = self.storage
+        man = with_ranks_file(st, mf.Manifest.parse(mbytes, self.where, step), self.where)
+        man = load_records(st, man, man.ranks, self.where)
+        NebulaStorageReader(st, step, manifest=man, verify=False).close()
 
     def _commit(self, step: int, gen: int, mbytes: bytes) -> None:
         """Manifest, then ``COMMIT`` (:func:`nebula_ckpt.save.commit.commit_manifest`, the tier
@@ -424,7 +452,8 @@ class NebulaStorageWriter(StorageWriter):
         manifest it wrote), never a committed step's nor another writer's."""
         def doomed(n: str) -> bool:
             owner = shard_owner(n)
-            return (owner is not None and owner[0] == self._gen) or (n == MANIFEST and self._wrote_manifest)
+            return (owner is not None and owner[0] == self._gen) or (n == MANIFEST and self._wrote_manifest) or \
+                (n == RANKS_FILE and self._wrote_index)
 
         commit.discard_files(self.storage, step, doomed, self.where)
 

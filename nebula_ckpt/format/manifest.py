@@ -6,9 +6,8 @@ checksum (:class:`~nebula_ckpt.format.records.TensorRecord`), tied keys (aliases
 tree of the rest of the state (:mod:`nebula_ckpt.format.tree`). File and folder names are in
 :mod:`nebula_ckpt.format.names`, the commit marker in :mod:`nebula_ckpt.format.commit`.
 
-A checkpoint of a multi-rank job (format version 2, ``world_size`` > 1) holds the state of
-several ranks: ``ranks`` lists them (all of them on a shared tier, where the coordinator
-writes one manifest for every rank's shard; one on a rank's own memory tier). Tensor keys are
+A manifest of format version 2 (``world_size`` > 1) holds the state of the ranks ``ranks``
+lists (one: a rank's own memory tier; several: read, no longer written). Tensor keys are
 prefixed ``r<R>/``; a replicated tensor is stored once and the other ranks' keys are aliases of
 it; ``tree`` is a list of the distinct state trees and ``rank_tree`` names each rank's (trees
 use unprefixed keys). A DTensor's local shard carries a ``dtensor`` record: global shape, the
@@ -23,8 +22,8 @@ records of each DTensor (alike on every rank and, with every rank held, covering
 tensor exactly) — and raises :class:`CorruptCheckpointError` naming the file and the field.
 Readers use only the typed records it returns.
 
-Format version 4 keeps each rank's records in a file beside its shard
-(:mod:`nebula_ckpt.format.rank_index`): its manifest parses to a :class:`Manifest` whose
+Format version 4 (every checkpoint of several ranks) keeps each rank's records in a file
+beside its shard (:mod:`nebula_ckpt.format.rank_index`): its manifest parses to a :class:`Manifest` whose
 ``layout`` names those files and whose ``tensors`` are empty until
 :func:`~nebula_ckpt.format.split_records.load_split` loads the records of the ranks a reader needs.
 Version 3 (a layout of the development before 0.1.0) is refused, naming the fix.

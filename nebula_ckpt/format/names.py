@@ -31,8 +31,8 @@ from nebula_ckpt.format.checks import short
 FORMAT = "nebula_ckpt"
 #: manifests of one process (world_size 1): :func:`nebula_ckpt.format.manifest.build_manifest`
 SINGLE_VERSION = 1
-#: multi-rank manifests holding every record of the ranks they hold: a rank's own memory tier and
-#: the DCP writer (:mod:`nebula_ckpt.format.multi_rank`)
+#: multi-rank manifests holding every record of the ranks they hold: written for a rank's own
+#: memory tier (:mod:`nebula_ckpt.format.multi_rank`); several ranks' are read, no longer written
 VERSION = 2
 #: multi-rank manifests that hold only what grows with the tensors: each rank's records file
 #: checks itself (embedded CRC32C, save id, rank) and the per-rank table is ``ranks.json``

@@ -15,7 +15,11 @@ generation and the rank) is a JSON object that checks itself::
 
     {"format": "nebula_ckpt.records", "version": 4, "step", "generation", "rank", "world_size",
      "save_id", "shard": {file, bytes, storage}, "tree": tree digest, "tensors", "aliases",
-     "refs"?, "sha256"?, "crc32c": "<8 hex digits>"}
+     "replicas"?, "refs"?, "sha256"?, "crc32c": "<8 hex digits>"}
+
+``replicas`` (key -> rank): the keys this rank holds whose bytes another rank stored under the
+same key (the DCP writer's: DCP stores an item several ranks hold once); the manifest's
+``owners`` says the same of a key every rank of the job holds.
 
 ``crc32c`` is the CRC32C of the object's bytes without that last member (the bytes before
 ``,"crc32c":`` and the closing brace). What a reader trusts, and why: the ``COMMIT`` marker is
@@ -58,7 +62,7 @@ _SEAL_LEN = 21
 _HEX = re.compile(r"[0-9a-f]{16,64}")
 #: the fields a records file may hold
 RECORDS_FIELDS = ("format", "version", "step", "generation", "rank", "world_size", "save_id", "shard", "tree",
-                  "tensors", "aliases", "refs", "sha256")
+                  "tensors", "aliases", "replicas", "refs", "sha256")
 
 
 def seal(body: Mapping[str, Any], crc: Callable[[bytes], int]) -> bytes:
@@ -81,12 +85,14 @@ def unseal(data: bytes, crc: Callable[[bytes], int], w: str) -> dict[str, Any]:
 def encode_split_records(*, step: int, generation: int, rank: int, world: int, save_id: str,
                          shard: Mapping[str, Any], tree: str, tensors: Mapping[str, Any], aliases: Mapping[str, str],
                          refs: Optional[list[dict[str, Any]]], hashes: Optional[Mapping[str, str]],
-                         crc: Callable[[bytes], int]) -> bytes:
+                         crc: Callable[[bytes], int], replicas: Optional[Mapping[str, int]] = None) -> bytes:
     """The bytes of rank ``rank``'s version 4 records file (see the module docstring); ``tree``:
-    the digest of the rank's tree; ``refs`` and ``hashes`` written only when not empty."""
+    the digest of the rank's tree; ``replicas``, ``refs`` and ``hashes`` written only when not empty."""
     out: dict[str, Any] = {"format": RECORDS_FORMAT, "version": SPLIT_VERSION, "step": step, "generation": generation,
                            "rank": rank, "world_size": world, "save_id": save_id, "shard": dict(shard), "tree": tree,
                            "tensors": tensors, "aliases": aliases}
+    if replicas:
+        out["replicas"] = dict(replicas)
     if refs:
         out["refs"] = refs
     if hashes:

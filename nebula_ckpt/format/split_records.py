@@ -6,9 +6,9 @@ completes it from ``ranks.json`` (every rank's shard, records file entry and tre
 :func:`load_split` loads the records files of the ranks a reader needs, each checked (embedded
 CRC32C, save id, step, generation, rank, world size; against ``ranks.json`` when it was read),
 then every field validated against the manifest: the tensor records (:func:`records_body`), the
-DTensor table and grid (:func:`check_rank_dtensors`), the replicated keys' owners and the tied
-keys (:func:`rank_aliases`), the trees (:func:`check_rank_trees`) and, with every rank loaded,
-the coverage of each DTensor.
+DTensor table and grid (:func:`check_rank_dtensors`), the replicated keys' owners, the keys
+another rank stored for a rank and the tied keys (:func:`rank_aliases`), the trees
+(:func:`check_rank_trees`) and, with every rank loaded, the coverage of each DTensor.
 """
 
 from __future__ import annotations
@@ -115,10 +115,11 @@ def _tree_index(raw: Any, layout: RanksLayout, w: str) -> int:
 
 def load_split(man: Manifest, read: Callable[[str], bytes], read_crc: Callable[[bytes], int],
                ranks: Iterable[int], where: str) -> Manifest:
-    """``man`` (version 4) holding the records of ``ranks`` and of the owners of the replicas
-    they alias, each records file read with ``read(name)`` and checked (embedded CRC32C, save id,
-    step, generation, rank, world size; against ``ranks.json`` too when ``man`` was completed
-    from it by :func:`with_index`), then every field validated (:mod:`nebula_ckpt.format.rank_records`).
+    """``man`` (version 4) holding the records of ``ranks`` and of the ranks storing what they
+    alias (the owners of the job's replicated keys, then the ranks their ``replicas`` name), each
+    records file read with ``read(name)`` and checked (embedded CRC32C, save id, step, generation,
+    rank, world size; against ``ranks.json`` too when ``man`` was completed from it by
+    :func:`with_index`), then every field validated (:mod:`nebula_ckpt.format.rank_records`).
 
     Raises:
         CorruptCheckpointError: naming the file, the rank and the field.
@@ -129,63 +130,107 @@ def load_split(man: Manifest, read: Callable[[str], bytes], read_crc: Callable[[
     bad_ranks = [r for r in focus if not 0 <= r < man.world_size]
     if bad_ranks:
         raise bad(where, f"rank(s) {bad_ranks[:8]} are not ranks of this {man.world_size}-rank job")
-    shards = list(man.shards)
-    shard_of = dict(layout.shard_of)
-    rank_tree = dict(man.rank_tree)
-    at: dict[tuple[Optional[int], str], int] = {(s.step, s.file): i for i, s in enumerate(shards) if s.step is not None}
-    raw: dict[int, tuple[dict[str, Any], list[int], tuple[ShardRecord, ...], str]] = {}
+    reading = _Reading(man, read, read_crc, where)
     for r in sorted(layout.providers(focus)):
+        reading.add(r)
+    # the ranks storing the replicas the focus ranks name: read too (a replica is never a chain)
+    for q in sorted({q for r in focus for q in reading.files[r].replicas.values()} - set(reading.files)):
+        reading.add(q)
+    man = dataclasses.replace(man, shards=tuple(reading.shards), rank_tree=types.MappingProxyType(reading.rank_tree),
+                              layout=dataclasses.replace(layout, shard_of=types.MappingProxyType(reading.shard_of)))
+    return _loaded(man, reading.files, focus, where)
+
+
+@dataclasses.dataclass
+class _RankFile:
+    """A rank's parsed records file: its object, its records' shard indices mapped to the
+    manifest's (``to_global``), the shards they name (``local``), its name for messages (``w``)
+    and its ``replicas`` (checked)."""
+
+    d: dict[str, Any]
+    to_global: list[int]
+    local: tuple[ShardRecord, ...]
+    w: str
+    replicas: dict[str, int]
+
+
+class _Reading:
+    """The records files read so far and the shards, trees and shard indices they add to ``man``."""
+
+    def __init__(self, man: Manifest, read: Callable[[str], bytes], read_crc: Callable[[bytes], int],
+                 where: str) -> None:
+        assert man.layout is not None
+        self.man, self.read, self.read_crc, self.where = man, read, read_crc, where
+        self.shards = list(man.shards)
+        self.shard_of = dict(man.layout.shard_of)
+        self.rank_tree = dict(man.rank_tree)
+        self.at: dict[tuple[Optional[int], str], int] = {(s.step, s.file): i for i, s in enumerate(self.shards)
+                                                         if s.step is not None}
+        self.files: dict[int, _RankFile] = {}
+
+    def add(self, r: int) -> None:
+        """Read and check rank ``r``'s records file (its head, shard, refs, tree and replicas)."""
+        man, layout = self.man, self.man.layout
+        assert layout is not None
         name = records_name(man.generation, r)
-        w = f"{where}: {name} (rank {r})"
-        data = read(name)
-        if layout.indexed and (len(data) != layout.records[r].bytes or read_crc(data) != layout.records[r].crc32c):
+        w = f"{self.where}: {name} (rank {r})"
+        data = self.read(name)
+        if layout.indexed and (len(data) != layout.records[r].bytes or
+                               self.read_crc(data) != layout.records[r].crc32c):
             raise bad(w, "size or checksum differs from ranks.json's: garbled or replaced")
-        d = unseal(data, read_crc, w)
+        d = unseal(data, self.read_crc, w)
         only_fields(d, RECORDS_FIELDS, w, "the records file")
         _check_head(d, man, w, RECORDS_FORMAT, r)
         own = _own_shard(d.get("shard"), man, r, w)
-        if r in shard_of and shards[shard_of[r]] != own:
+        if r in self.shard_of and self.shards[self.shard_of[r]] != own:
             raise bad(w, f"its shard entry {own.to_json()} disagrees with ranks.json's")
-        shard_of.setdefault(r, len(shards))
-        if shard_of[r] == len(shards):
-            shards.append(own)
-        local, to_global = [own], [shard_of[r]]
+        self.shard_of.setdefault(r, len(self.shards))
+        if self.shard_of[r] == len(self.shards):
+            self.shards.append(own)
+        local, to_global = [own], [self.shard_of[r]]
         for j, ref_raw in enumerate(as_list(d.get("refs", []), w, "refs")):
             ref = _ref_shard(ref_raw, man, f"{w}: refs[{j}]")
-            i = at.get((ref.step, ref.file))
+            i = self.at.get((ref.step, ref.file))
             if i is None and layout.indexed:
                 raise bad(w, f"refs[{j}]: {ref.file} of step {ref.step} is not among ranks.json's shards")
             if i is None:
-                i = at[(ref.step, ref.file)] = len(shards)
-                shards.append(ref)
-            elif shards[i].bytes != ref.bytes:
-                raise bad(w, f"refs[{j}]: {ref.file} of step {ref.step} has {ref.bytes} bytes, {shards[i].bytes} "
-                           "elsewhere in this checkpoint")
+                i = self.at[(ref.step, ref.file)] = len(self.shards)
+                self.shards.append(ref)
+            elif self.shards[i].bytes != ref.bytes:
+                raise bad(w, f"refs[{j}]: {ref.file} of step {ref.step} has {ref.bytes} bytes, "
+                           f"{self.shards[i].bytes} elsewhere in this checkpoint")
             local.append(ref)
             to_global.append(i)
         tree = _tree_index(d.get("tree"), layout, w)
-        if rank_tree.setdefault(r, tree) != tree:
+        if self.rank_tree.setdefault(r, tree) != tree:
             raise bad(w, "its tree digest disagrees with ranks.json's")
-        raw[r] = (d, to_global, tuple(local), w)
-    man = dataclasses.replace(man, shards=tuple(shards), rank_tree=types.MappingProxyType(rank_tree),
-                              layout=dataclasses.replace(layout, shard_of=types.MappingProxyType(shard_of)))
-    return _loaded(man, raw, focus, where)
+        self.files[r] = _RankFile(d, to_global, tuple(local), w, _replicas(d.get("replicas", {}), r, man.world_size,
+                                                                           w))
 
 
-def _loaded(man: Manifest, raw: Mapping[int, tuple[dict[str, Any], list[int], tuple[ShardRecord, ...], str]],
-            focus: list[int], where: str) -> Manifest:
-    """``man`` holding the tensors, aliases and hashes of the records files ``raw`` (headers checked)."""
+def _replicas(raw: Any, rank: int, world: int, w: str) -> dict[str, int]:
+    """A records file's ``replicas`` (key -> the rank storing it), each naming another rank of the job."""
+    out = {}
+    for k, q in as_obj(raw, w, "replicas").items():
+        out[as_str(k, w, "replicas key")] = q = as_int(q, w, f"replicas[{short(k)}]", hi=world - 1)
+        if q == rank:
+            raise bad(w, f"replicas[{short(k)}] names rank {rank} itself: a rank's own tensors are in its tensors")
+    return out
+
+
+def _loaded(man: Manifest, files: Mapping[int, _RankFile], focus: list[int], where: str) -> Manifest:
+    """``man`` holding the tensors, aliases and hashes of the records files ``files`` (headers checked)."""
     assert man.layout is not None
     tensors: dict[str, TensorRecord] = {}
     hashes: dict[str, str] = {}
     own_aliases: dict[int, dict[str, str]] = {}
-    for r, (d, to_global, local, w) in raw.items():
-        mine, own_aliases[r], sha = records_body(d, man, r, local, to_global, w)
+    for r, f in files.items():
+        mine, own_aliases[r], sha = records_body(f.d, man, r, f.local, f.to_global, f.w)
         tensors.update(mine)
         hashes.update(sha)
     aliases: dict[str, str] = {}
     for r in focus:
-        aliases.update(rank_aliases(man, r, tensors, own_aliases[r], where))
+        aliases.update(rank_aliases(man, r, tensors, own_aliases, files[r].replicas, where))
     check_rank_trees(man, focus, tensors, aliases, where)
     if len(focus) == man.world_size:
         check_dtensors(tensors, aliases, man.shards, man.world_size, True, f"{where}: records")
@@ -242,30 +287,40 @@ def check_rank_dtensors(tensors: dict[str, TensorRecord], man: Manifest, rank: i
                        "its bytes")
 
 
-def rank_aliases(man: Manifest, r: int, tensors: dict[str, TensorRecord], own: dict[str, str],
-                  where: str) -> dict[str, str]:
-    """Rank ``r``'s aliases, prefixed: the replicated keys it did not store, then its tied keys."""
+def rank_aliases(man: Manifest, r: int, tensors: dict[str, TensorRecord], tied: Mapping[int, Mapping[str, str]],
+                 replicas: Mapping[str, int], where: str) -> dict[str, str]:
+    """Rank ``r``'s aliases, prefixed: the job's replicated keys it did not store, the keys another
+    rank stored for it (its ``replicas``: that rank's key, stored or tied to one it stored; ``tied``:
+    each loaded rank's own aliases), then its tied keys."""
     assert man.layout is not None
     p = f"r{r}/"
+    mine = f"{where}: {man.layout.records_file(r, man.generation)} (rank {r})"
     out: dict[str, str] = {}
     for k, q in man.layout.owners.items():
         if q == r:
             if p + k not in tensors:
-                raise bad(f"{where}: {man.layout.records_file(r, man.generation)} (rank {r})",
-                          f"owners names rank {r} for '{k}', which its records lack")
+                raise bad(mine, f"owners names rank {r} for '{k}', which its records lack")
         else:
             if p + k in tensors:
-                raise bad(f"{where}: {man.layout.records_file(r, man.generation)} (rank {r})",
-                          f"'{k}' is stored by rank {r} but owned by rank {q} in the manifest")
+                raise bad(mine, f"'{k}' is stored by rank {r} but owned by rank {q} in the manifest")
             if f"r{q}/{k}" not in tensors:
                 raise bad(f"{where}: {man.layout.records_file(q, man.generation)} (rank {q})",
                           f"owners names rank {q} for '{k}', which its records lack")
             out[p + k] = f"r{q}/{k}"
-    for a, b in own.items():
+    for k, q in replicas.items():
+        if p + k in tensors or p + k in out:
+            raise bad(mine, f"replicas[{short(k)}]: '{k}' is {'stored by this rank' if p + k in tensors else 'owned'}"
+                      " already")
+        target = f"r{q}/{tied.get(q, {}).get(k, k)}"
+        if target not in tensors:
+            raise bad(f"{where}: {man.layout.records_file(q, man.generation)} (rank {q})",
+                      f"rank {r}'s replicas names rank {q} for '{k}', which it does not store")
+        out[p + k] = target
+    for a, b in tied.get(r, {}).items():
         target = out.get(p + b, p + b)
         if p + a in tensors or p + a in out or target not in tensors:
-            raise bad(f"{where}: {man.layout.records_file(r, man.generation)} (rank {r})",
-                      f"aliases[{short(a)}] -> {short(b)}: {'a stored key' if p + a in tensors else 'no such tensor'}")
+            what = "a stored key" if p + a in tensors else "no such tensor"
+            raise bad(mine, f"aliases[{short(a)}] -> {short(b)}: {what}")
         out[p + a] = target
     return out
 

@@ -13,7 +13,7 @@ Pure functions over metadata (no I/O, no collectives), used by the tier writers 
   ranges of the staged snapshot (no copy).
 * :func:`peer_problem` — why a save cannot commit, from the ranks' phase payloads.
 
-The manifests themselves are built in :mod:`nebula_ckpt.format` (version 2:
+The manifests themselves are built in :mod:`nebula_ckpt.format` (version 2, a rank's own:
 :mod:`nebula_ckpt.format.multi_rank`; version 4: :mod:`nebula_ckpt.format.rank_index`), and the
 digest the ranks compare is :func:`nebula_ckpt.format.multi_rank.digest`.
 """

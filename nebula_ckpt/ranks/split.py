@@ -65,20 +65,22 @@ def split_payload(*, step: int, generation: int, rank: int, world: int, save_id:
                   index: dict[str, dict[str, Any]], aliases: dict[str, str], meta: dict[str, Any],
                   send_tree: bool, send_table: bool, crc: Callable[[bytes], int],
                   refs: Optional[list[dict[str, Any]]] = None, hashes: Optional[dict[str, str]] = None,
-                  tree_digest: Optional[str] = None) -> tuple[str, bytes, dict[str, Any]]:
+                  tree_digest: Optional[str] = None,
+                  replicas: Optional[dict[str, int]] = None) -> tuple[str, bytes, dict[str, Any]]:
     """``(records file name, its bytes, what the rank sends in the durable round)``.
 
     ``index``: the tensor records of the rank's share (offsets in its shard, or ``shard`` j >= 1:
     in ``refs[j - 1]``, a shard of an earlier step); ``meta``: the staged snapshot's ``tensors``
     (every record, for the table and the grid), ``tree`` and ``stats``; ``hashes``: the SHA-256 of
     the share's tensors; ``tree_digest``: :func:`~nebula_ckpt.format.multi_rank.digest` of the tree
-    (computed when not given).
+    (computed when not given); ``replicas``: the rank's keys whose bytes another rank stored (key
+    -> that rank).
     """
     name = records_name(generation, rank)
     tree = tree_digest or digest(meta["tree"])
     data = encode_split_records(step=step, generation=generation, rank=rank, world=world, save_id=save_id,
                                 shard=shard, tree=tree, tensors=index, aliases=aliases, refs=refs, hashes=hashes,
-                                crc=crc)
+                                crc=crc, replicas=replicas)
     payload = {"step": step, "shard": shard, "refs": list(refs or []),
                "records": {"file": name, "bytes": len(data), "crc32c": crc(data)}, "tree_digest": tree,
                "tree": meta["tree"] if send_tree else None, "stats": meta["stats"],

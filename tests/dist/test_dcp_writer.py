@@ -30,7 +30,8 @@ from nebula_ckpt.dcp import NebulaStorageReader, NebulaStorageWriter
 from nebula_ckpt.errors import ConsistencyError, ValidationError
 from nebula_ckpt.format import manifest as mf
 from nebula_ckpt.format.commit import committed_steps
-from nebula_ckpt.format.names import COMMIT, MANIFEST
+from nebula_ckpt.format.names import COMMIT, MANIFEST, SPLIT_VERSION
+from nebula_ckpt.restore.open import read_manifest
 from nebula_ckpt.storage.local import LocalStorage
 
 from .launch import free_port, reports, run_ranks
@@ -373,10 +374,13 @@ def _assert_bit_exact(ref: dict[str, Any], got: dict[str, Any]) -> None:
 def test_two_fsdp2_ranks_write_a_normal_multi_rank_checkpoint() -> None:
     root = jobs()["root"]
     d = root / "step-5"
-    assert sorted(p.name for p in d.iterdir()) == ["COMMIT", "manifest.json", "shard-g1-r0.safetensors",
+    # the multi-rank layout every writer of a shared root commits (format version 4)
+    assert sorted(p.name for p in d.iterdir()) == ["COMMIT", "manifest.json", "ranks.json", "records-g1-r0.json",
+                                                   "records-g1-r1.json", "shard-g1-r0.safetensors",
                                                    "shard-g1-r1.safetensors"]
-    man = mf.Manifest.parse((d / MANIFEST).read_bytes(), "test", 5)
-    assert man.world_size == 2 and man.ranks == (0, 1) and man.stats["writer"] == "torch.distributed.checkpoint"
+    assert json.loads((d / MANIFEST).read_bytes())["version"] == SPLIT_VERSION
+    man = read_manifest(LocalStorage(str(root)), 5)
+    assert man.world_size == 2 and list(man.ranks) == [0, 1] and man.stats["writer"] == "torch.distributed.checkpoint"
     for r in range(2):  # each rank's local shard of an FSDP2 parameter, with where it lies
         info = man.tensors[f"r{r}/model/2.weight"].dtensor
         assert info is not None and info.shape == (6, 32) and info.offsets == (3 * r, 0)

@@ -26,7 +26,7 @@ from nebula_ckpt.format.commit import references
 from nebula_ckpt.format.names import MANIFEST, RANKS_FILE, SPLIT_VERSION
 from nebula_ckpt.restore.open import open_checkpoint, read_main_manifest
 from nebula_ckpt.storage.local import LocalStorage
-from records_view import flat_manifest, records_body, sealed
+from records_view import flat_manifest, recommit, records_body, reindex, reseal, sealed
 
 from .launch import run_ranks
 
@@ -80,38 +80,8 @@ def _records(root: Path, step: int = STEP) -> list[Path]:
     return [root / f"step-{step}" / f"records-g1-r{r}.json" for r in range(2)]
 
 
-def _recommit(d: Path, man: dict[str, Any]) -> None:
-    """Write ``man`` as the manifest of folder ``d`` and a COMMIT naming its size and CRC32C."""
-    mb = json.dumps(man, separators=(",", ":")).encode()
-    (d / MANIFEST).write_bytes(mb)
-    commit = json.loads((d / "COMMIT").read_text())
-    commit.update(manifest_bytes=len(mb), manifest_crc32c=crc32c.crc32c(mb))
-    (d / "COMMIT").write_text(json.dumps(commit))
-
-
-def _reindex(d: Path, fn: Callable[[dict[str, Any]], Any]) -> None:
-    """Apply ``fn`` to ranks.json and re-seal it: the manifest names its new size and CRC32C,
-    the COMMIT the new manifest's."""
-    index = json.loads((d / RANKS_FILE).read_text())
-    fn(index)
-    data = json.dumps(index, separators=(",", ":")).encode()
-    (d / RANKS_FILE).write_bytes(data)
-    man = json.loads((d / MANIFEST).read_text())
-    man["ranks_file"].update(bytes=len(data), crc32c=crc32c.crc32c(data))
-    _recommit(d, man)
-
-
 def _reseal(root: Path, rank: int, fn: Callable[[dict[str, Any]], Any], step: int = STEP) -> None:
-    """Apply ``fn`` to rank ``rank``'s records and re-seal them: their embedded CRC32C, ranks.json's
-    entry, the manifest's of ranks.json and the COMMIT's of the manifest are all valid; only the
-    content lies."""
-    d = root / f"step-{step}"
-    path = _records(root, step)[rank]
-    recs = records_body(path)
-    fn(recs)
-    data = sealed(recs)
-    path.write_bytes(data)
-    _reindex(d, lambda i: i["ranks"][rank]["records"].update(bytes=len(data), crc32c=crc32c.crc32c(data)))
+    reseal(root / f"step-{step}", rank, fn)
 
 
 def _open(root: Path, rank: int = 1, world: int = 2, step: int = STEP) -> Any:
@@ -205,6 +175,12 @@ HOSTILE: list[tuple[str, int, Callable[[dict[str, Any]], Any], str]] = [
      "which its records lack"),
     ("alias_to_nothing", 1, lambda r: r["aliases"].update(x="nope"), "no such tensor"),
     ("tree_key_missing", 1, lambda r: r["tensors"].pop("model/0.bias"), "rank 1"),
+    # replicas (the DCP writer's: a key another rank stored for this one)
+    ("replicas_not_an_object", 1, lambda r: r.update(replicas=[0]), "replicas"),
+    ("replica_of_itself", 1, lambda r: r.update(replicas={"model/0.bias": 1}), "names rank 1 itself"),
+    ("replica_rank_outside_job", 1, lambda r: r.update(replicas={"model/0.bias": 5}), "= 5 is out of range [0, 1]"),
+    ("replica_of_a_stored_key", 1, lambda r: r.update(replicas={"model/0.bias": 0}), "stored by this rank already"),
+    ("replica_the_rank_lacks", 1, lambda r: r.update(replicas={"nope": 0}), "which it does not store"),
 ]
 
 
@@ -239,7 +215,7 @@ def test_hostile_main_manifest_fields_are_refused(root: Path) -> None:
         shutil.copy(d / "COMMIT", d / "keep2")
         man = json.loads((d / MANIFEST).read_text())
         change(man)
-        _recommit(d, man)
+        recommit(d, man)
         with pytest.raises(CorruptCheckpointError, match=re.escape(expect)):
             read_main_manifest(st, STEP)
         shutil.move(d / "keep", d / MANIFEST)
@@ -271,7 +247,7 @@ HOSTILE_INDEX: list[tuple[str, Callable[[dict[str, Any]], Any], str]] = [
 def test_a_hostile_ranks_json_is_refused_naming_rank_and_field(root: Path, change: Callable[[dict[str, Any]], Any],
                                                                expect: str) -> None:
     """What ``ls``, ``verify``, ``export`` and a reshard off the grid read; its checksum valid, its content lying."""
-    _reindex(root / f"step-{STEP}", change)
+    reindex(root / f"step-{STEP}", change)
     with pytest.raises(CorruptCheckpointError) as e:
         _open(root, rank=0, world=1)                             # another world size: the whole job, via ranks.json
     assert expect in str(e.value), str(e.value)
@@ -399,7 +375,7 @@ def test_a_ranks_json_listing_a_reference_among_the_own_shards_is_refused(chain:
     def swap(i: dict[str, Any]) -> None:
         i["ranks"][1]["shard"], i["refs"][0] = i["refs"][0], i["ranks"][1]["shard"]
 
-    _reindex(chain / f"step-{CHAIN}", swap)
+    reindex(chain / f"step-{CHAIN}", swap)
     with pytest.raises(CorruptCheckpointError,
                        match=re.escape("ranks[1]: shard 'shard-g1-r0.safetensors' is not rank 1's")):
         read_main_manifest(LocalStorage(str(chain)), CHAIN)
