@@ -56,8 +56,8 @@ of the tier writers' retention, :mod:`nebula_ckpt.save.commit`), and hands
 every rank ``(step, generation)`` through DCP's global plan. Each rank writes its shard and
 returns one record per item (offsets, CRC32C taken before and re-checked after the write). In
 :meth:`finish` the coordinator checks every rank's shard is there with its size, builds the
-ranks' records files and ``ranks.json`` and writes them, reads them back through the reader's
-strict checks with the manifest, checks that a :class:`~nebula_ckpt.restore.dcp_reader.NebulaStorageReader`
+ranks' records files and ``ranks.json`` and writes them, checks their bytes with the manifest
+as a reader does, checks that a :class:`~nebula_ckpt.restore.dcp_reader.NebulaStorageReader`
 accepts it, then writes ``manifest.json`` and the create-only ``COMMIT`` last, as the tier writers
 do (:func:`nebula_ckpt.save.commit.commit_manifest`, the one commit step). A failure on any
 rank means DCP never calls :meth:`finish`: no ``COMMIT``, the step stays invisible; the failing
@@ -94,6 +94,7 @@ from nebula_ckpt.errors import FencedError, NebulaError, PersistError, Validatio
 from nebula_ckpt.format import manifest as mf
 from nebula_ckpt.format.dtypes import TENSOR_DTYPES, dtype_name
 from nebula_ckpt.format.names import COMMIT, MANIFEST, RANKS_FILE, parse_step_dir, shard_name, shard_owner, step_dir
+from nebula_ckpt.format.split_records import load_split, with_index
 from nebula_ckpt.native import get_ops
 from nebula_ckpt.ranks.process_fence import process_fence
 from nebula_ckpt.restore.dcp_roots import storage_for
@@ -369,7 +370,7 @@ class NebulaStorageWriter(StorageWriter):
             man = done.manifest
             mbytes = mf.encode_manifest(man)
             self._write_files(step, done.files)
-            self._check_readable(step, mbytes)
+            self._check_readable(step, mbytes, done.files)
         except NebulaError as e:
             self._abandon(step)
             raise PersistError(f"{self.where}: not committed: {e}") from e
@@ -392,17 +393,21 @@ class NebulaStorageWriter(StorageWriter):
         self._wrote_index = True
         st.write_small(f"{d}/{index_name}", index)
 
-    def _check_readable(self, step: int, mbytes: bytes) -> None:
-        """The manifest parsed strictly, completed from the files written (read back: ``ranks.json``,
-        every records file) and opened by a :class:`~nebula_ckpt.restore.dcp_reader.NebulaStorageReader`:
-        DCP can read the step back once it commits."""
+    def _check_readable(self, step: int, mbytes: bytes, files: list[tuple[str, bytes]]) -> None:
+        """The manifest parsed strictly, completed from the bytes of ``ranks.json`` and every records
+        file just written (:mod:`nebula_ckpt.format.split_records`: checked as a reader checks them,
+        without reading them back, whatever the number of ranks) and opened by a
+        :class:`~nebula_ckpt.restore.dcp_reader.NebulaStorageReader`: DCP can read the step back
+        once it commits."""
         from nebula_ckpt.restore.dcp_reader import NebulaStorageReader
-        from nebula_ckpt.restore.open import load_records, with_ranks_file
 
-        st = self.storage
-        man = with_ranks_file(st, mf.Manifest.parse(mbytes, self.where, step), self.where)
-        man = load_records(st, man, man.ranks, self.where)
-        NebulaStorageReader(st, step, manifest=man, verify=False).close()
+        crc = get_ops().crc32c_bytes
+        man = mf.Manifest.parse(mbytes, self.where, step)
+        if man.layout is not None:
+            written = dict(files)
+            man = with_index(man, written[RANKS_FILE], crc, self.where)
+            man = load_split(man, written.__getitem__, crc, man.ranks, self.where)
+        NebulaStorageReader(self.storage, step, manifest=man, verify=False).close()
 
     def _commit(self, step: int, gen: int, mbytes: bytes) -> None:
         """Manifest, then ``COMMIT`` (:func:`nebula_ckpt.save.commit.commit_manifest`, the tier
