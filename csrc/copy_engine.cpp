@@ -139,6 +139,11 @@ struct JobState {
   Clock::time_point start;
   bool checksum = true;  // false: plain memcpy, the caller hashes the staged bytes
 
+  // The tasks of the job (pieces each), claimed in order by whoever comes first: a pool thread,
+  // or the thread waiting for the job (CopyJob::wait), which copies instead of sleeping.
+  std::vector<std::vector<Piece>> tasks;
+  std::atomic<size_t> next_task{0};
+
   std::mutex mu;
   std::condition_variable cv;
   size_t pending = 0;  // tasks not finished yet
@@ -175,6 +180,14 @@ struct JobState {
       end = Clock::now();
       cv.notify_all();
     }
+  }
+
+  // Run the next unclaimed task; false when every task was claimed.
+  bool run_next() {
+    const size_t i = next_task.fetch_add(1, std::memory_order_relaxed);
+    if (i >= tasks.size()) return false;
+    run(tasks[i]);
+    return true;
   }
 
   void run(const std::vector<Piece>& pieces) {
@@ -236,6 +249,10 @@ CopyJob::~CopyJob() {
 }
 
 void CopyJob::wait_tasks() {
+  // The waiting thread copies the tasks no pool thread took yet: a small job is done by it alone
+  // (no hand-over, no wake-up), a large one with the pool's threads.
+  while (state_->run_next()) {
+  }
   std::unique_lock<std::mutex> lk(state_->mu);
   state_->cv.wait(lk, [&] { return state_->pending == 0; });
 }
@@ -457,18 +474,21 @@ std::unique_ptr<CopyJob> CopyEngine::enqueue_read(
 
   st->pending = tasks.size();
   if (tasks.empty()) st->end = Clock::now();
+  st->tasks = std::move(tasks);
   // A small host copy (one task, a few hundred KiB) is done here, on the calling thread (which
   // has released the GIL): handing it to a pool thread and waiting for it would cost more.
-  if (tasks.size() == 1 && !cuda_batch && cpu_bytes <= kMinChunk) {
+  if (st->tasks.size() == 1 && !cuda_batch && cpu_bytes <= kMinChunk) {
     auto job = std::make_unique<CopyJob>(st, std::move(cuda_batch));
-    st->run(tasks.front());
+    st->run_next();
     return job;
   }
 
+  // One pool task per job task, each running whichever task is next unclaimed (the waiting
+  // thread may have claimed it: then the pool task finds none and returns).
   std::vector<std::function<void()>> fns;
-  fns.reserve(tasks.size());
-  for (auto& t : tasks) {
-    fns.emplace_back([st, pieces = std::move(t)]() { st->run(pieces); });
+  fns.reserve(st->tasks.size());
+  for (size_t i = 0; i < st->tasks.size(); ++i) {
+    fns.emplace_back([st]() { st->run_next(); });
   }
   // Created before the tasks are queued: from here on the job owns the
   // tensors, and its destructor waits for the tasks.
@@ -476,8 +496,9 @@ std::unique_ptr<CopyJob> CopyEngine::enqueue_read(
   try {
     pool_->submit_bulk(std::move(fns));
   } catch (...) {
+    st->next_task.store(st->tasks.size());  // nothing was queued, and nothing is to run
     std::lock_guard<std::mutex> lk(st->mu);
-    st->pending = 0;  // nothing was queued: let the job's destructor return
+    st->pending = 0;  // let the job's destructor return
     throw;
   }
   return job;

@@ -231,6 +231,23 @@ def test_engine_is_reusable_and_jobs_overlap():
         j.wait()  # idempotent
 
 
+def test_a_waiting_thread_copies_its_job_itself_instead_of_queueing_behind_others():
+    """A job waited for is copied by the waiting thread too: it never waits behind work another
+    job queued on the engine's threads (the checksums of a large copy, say)."""
+    eng = _C.CopyEngine(1)
+    big = torch.randn(64 * MiB)  # 256 MiB, checksummed: the one pool thread is busy with it for long
+    dbig = torch.empty(big.numel() * 4, dtype=torch.uint8)
+    small = [torch.randn(256 * 1024) for _ in range(4)]  # 4 MiB in several tasks
+    dsmall = torch.empty(4 * MiB, dtype=torch.uint8)
+    jbig = eng.enqueue([big], dbig, [0])
+    jsmall = eng.enqueue(small, dsmall, [i * MiB for i in range(4)])
+    jsmall.wait()
+    assert not jbig.done()  # its tasks were queued first, and are still running
+    assert_images(small, dsmall, [i * MiB for i in range(4)], jsmall)
+    jbig.wait()
+    assert torch.equal(dbig, byte_image(big))
+
+
 def test_job_outlives_dropped_python_refs():
     eng = _C.CopyEngine(1)
     dst = torch.empty(32 * MiB, dtype=torch.uint8)
