@@ -54,10 +54,11 @@ class Source:
 
     @property
     def tree(self) -> Mapping[str, Any]:
-        """The saved state's typed tree (rank 0's structure for a multi-rank checkpoint)."""
+        """The saved state's typed tree (of a multi-rank checkpoint: every rank's merged, so what
+        only some ranks hold is in it; a value several ranks hold is the lowest rank's)."""
         if self.ck is not None:
             return self.ck.tree
-        return self.man.rank_tree_of(min(self.man.ranks))
+        return self.man.job_tree()
 
 
 def open_source(st: Storage, step: int, where: str) -> Source:

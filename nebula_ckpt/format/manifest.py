@@ -53,7 +53,7 @@ from nebula_ckpt.format.names import (
 from nebula_ckpt.format.rank_index import SPLIT_FIELDS, parse_split
 from nebula_ckpt.format.rank_records import LAYOUT_FIELDS, RanksLayout
 from nebula_ckpt.format.records import ShardRecord, TensorRecord
-from nebula_ckpt.format.tree import check_tree
+from nebula_ckpt.format.tree import check_tree, merged
 
 _REQUIRED = ("format", "version", "step", "generation", "shards", "tensors", "tree")
 _KNOWN = (_REQUIRED + ("time", "checksum", "aliases", "stats", "world_size", "ranks", "rank_tree", "tag", "sha256")
@@ -111,6 +111,16 @@ class Manifest:
         if rank not in self.rank_tree:
             raise KeyError(f"rank {rank} is not in this checkpoint (it holds ranks {list(self.ranks)[:8]})")
         return self.tree["v"][self.rank_tree[rank]]
+
+    def job_tree(self) -> Mapping[str, Any]:
+        """The state of the whole job: the ranks' trees merged (:func:`~nebula_ckpt.format.tree.merged`,
+        lowest rank first), so a key only some ranks hold (a pipeline stage's) is in it."""
+        if not self.multi_rank:
+            return self.tree
+        firsts: dict[int, int] = {}
+        for r in sorted(self.rank_tree):
+            firsts.setdefault(self.rank_tree[r], r)
+        return merged([self.tree["v"][i] for i in firsts])
 
     def resolve(self, key: str, rank: Optional[int] = None) -> TensorRecord:
         """The record of ``key`` (of ``rank``, for a multi-rank manifest) or of the key it is tied

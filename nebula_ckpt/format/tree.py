@@ -207,6 +207,24 @@ def decode(node: Mapping[str, Any], tensor: Callable[[str], Any], allow_pickle: 
                                  "(checkpoint from a newer nebula_ckpt?)")
 
 
+def merged(trees: list[Mapping[str, Any]]) -> Mapping[str, Any]:
+    """One tree holding what each of ``trees`` holds (the ranks' trees of a job, lowest rank
+    first): dicts of one kind are merged key by key (in first-seen order), anything else is the
+    first tree's (so a value several ranks hold, a pipeline stage's or a per-rank one, is the
+    lowest rank's)."""
+    first = trees[0]
+    if len(trees) == 1 or first["t"] not in ("dict", "odict") or any(t["t"] != first["t"] for t in trees):
+        return first
+    keys: dict[str, Any] = {}
+    values: dict[str, list[Mapping[str, Any]]] = {}
+    for tree in trees:
+        for k_node, v_node in tree["v"]:
+            k = repr(sorted(k_node.items()))
+            keys.setdefault(k, k_node)
+            values.setdefault(k, []).append(v_node)
+    return {"t": first["t"], "v": [[k_node, merged(values[k])] for k, k_node in keys.items()]}
+
+
 def _fail(where: str, path: str, what: str) -> CorruptCheckpointError:
     return CorruptCheckpointError(f"{where}: node '{path or '<root>'}': {what}")
 

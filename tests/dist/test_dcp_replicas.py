@@ -117,6 +117,24 @@ def test_one_process_reads_the_whole_job_bit_exact(job: Path, capsys: pytest.Cap
     assert "OK " in capsys.readouterr().out
 
 
+def test_export_and_inspect_hold_what_only_some_ranks_hold(job: Path, tmp_path: Path,
+                                                           capsys: pytest.CaptureFixture[str]) -> None:
+    """`nebula-ckpt export` gathers the whole job: every stage's keys, not rank 0's alone."""
+    assert cli(["export", str(job / "root"), "--step", "1", "--to", str(tmp_path / "all.pt")]) == 0
+    got = torch.load(tmp_path / "all.pt", weights_only=True)
+
+    def full(seed: int, *shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
+
+    assert sorted(got) == ["common", "emb", "head", "hsdp", "stage0/w", "stage1/w", "step"]
+    assert torch.equal(got["stage0/w"], full(10, 3, 3)) and torch.equal(got["stage1/w"], full(11, 3, 3))
+    assert torch.equal(got["hsdp"]["w"], full(20, 6, 2)) and got["step"] == 1
+    capsys.readouterr()
+    assert cli(["inspect", str(job / "root"), "--step", "1"]) == 0
+    listed = capsys.readouterr().out
+    assert "stage0/w" in listed and "stage1/w" in listed
+
+
 def test_a_replica_naming_a_rank_that_does_not_store_it_is_refused(job: Path, tmp_path: Path) -> None:
     root = tmp_path / "root"
     shutil.copytree(job / "root", root)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+from typing import Any
 
 import pytest
 import torch
@@ -259,3 +260,20 @@ def test_a_hostile_writer_record_is_refused_naming_the_file(raw: bytes) -> None:
 
     with pytest.raises(nc.CorruptCheckpointError, match=r"^root:/x: _nebula/writers/g-3\.json: "):
         parse_writer_record(raw, "root:/x: _nebula/writers/g-3.json")
+
+
+def test_the_job_tree_merges_the_ranks_trees_dict_by_dict_lowest_rank_first() -> None:
+    from nebula_ckpt.format.tree import merged
+
+    def d(*items: tuple[str, Any]) -> dict[str, Any]:
+        return {"t": "dict", "v": [[{"t": "str", "v": k}, v] for k, v in items]}
+
+    def leaf(k: str) -> dict[str, Any]:
+        return {"t": "tensor", "k": k}
+
+    r0 = d(("model", d(("a", leaf("model/a")))), ("rng", {"t": "int", "v": 0}), ("x", leaf("x")))
+    r1 = d(("model", d(("b", leaf("model/b")))), ("rng", {"t": "int", "v": 1}), ("y", {"t": "list", "v": []}))
+    got = merged([r0, r1])
+    assert got == d(("model", d(("a", leaf("model/a")), ("b", leaf("model/b")))), ("rng", {"t": "int", "v": 0}),
+                    ("x", leaf("x")), ("y", {"t": "list", "v": []}))
+    assert merged([r0]) is r0 and merged([leaf("x"), r0]) == leaf("x")   # not dicts: the first tree's
