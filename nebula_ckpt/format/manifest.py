@@ -112,15 +112,19 @@ class Manifest:
             raise KeyError(f"rank {rank} is not in this checkpoint (it holds ranks {list(self.ranks)[:8]})")
         return self.tree["v"][self.rank_tree[rank]]
 
-    def job_tree(self) -> Mapping[str, Any]:
-        """The state of the whole job: the ranks' trees merged (:func:`~nebula_ckpt.format.tree.merged`,
-        lowest rank first), so a key only some ranks hold (a pipeline stage's) is in it."""
+    def distinct_trees(self) -> list[Mapping[str, Any]]:
+        """The distinct state trees of the ranks held, lowest rank first (one: a one-process checkpoint)."""
         if not self.multi_rank:
-            return self.tree
+            return [self.tree]
         firsts: dict[int, int] = {}
         for r in sorted(self.rank_tree):
             firsts.setdefault(self.rank_tree[r], r)
-        return merged([self.tree["v"][i] for i in firsts])
+        return [self.tree["v"][i] for i in firsts]
+
+    def job_tree(self) -> Mapping[str, Any]:
+        """The state of the whole job: the ranks' trees merged (:func:`~nebula_ckpt.format.tree.merged`,
+        lowest rank first), so a key only some ranks hold (a pipeline stage's) is in it."""
+        return merged(self.distinct_trees())
 
     def resolve(self, key: str, rank: Optional[int] = None) -> TensorRecord:
         """The record of ``key`` (of ``rank``, for a multi-rank manifest) or of the key it is tied

@@ -225,6 +225,29 @@ def merged(trees: list[Mapping[str, Any]]) -> Mapping[str, Any]:
     return {"t": first["t"], "v": [[k_node, merged(values[k])] for k, k_node in keys.items()]}
 
 
+def held_by_some(trees: list[Mapping[str, Any]], path: str = "") -> set[str]:
+    """The paths (``a/b``, keys decoded) of :func:`merged` ``trees`` that some of the trees holding
+    their dict lack: a pipeline stage's keys, which a restore of another stage does not take."""
+    if len(trees) < 2 or any(t["t"] not in ("dict", "odict") for t in trees):
+        return set()
+    groups: dict[str, tuple[Any, list[Mapping[str, Any]]]] = {}
+    for tree in trees:
+        for k_node, v_node in tree["v"]:
+            groups.setdefault(repr(sorted(k_node.items())), (k_node, []))[1].append(v_node)
+    out: set[str] = set()
+    for k_node, nodes in groups.values():
+        key = decode(k_node, _no_tensor_key, False, path)
+        sub = f"{path}/{key}" if path else str(key)
+        if len(nodes) < len(trees):
+            out.add(sub)
+        out |= held_by_some(nodes, sub)
+    return out
+
+
+def _no_tensor_key(key: str) -> Any:
+    raise CorruptCheckpointError(f"a dict key of the saved tree names tensor '{key}' (keys are plain values)")
+
+
 def _fail(where: str, path: str, what: str) -> CorruptCheckpointError:
     return CorruptCheckpointError(f"{where}: node '{path or '<root>'}': {what}")
 

@@ -25,7 +25,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from nebula_ckpt.errors import CorruptCheckpointError, NebulaError, ValidationError
 from nebula_ckpt.format import manifest as mf
-from nebula_ckpt.format.tree import decode
+from nebula_ckpt.format.tree import decode, held_by_some, merged
 from nebula_ckpt.restore.dcp_reader import NebulaStorageReader
 from nebula_ckpt.restore.walk import Thunk, TreeWalk, describe, tensor_keys
 from nebula_ckpt.storage.base import Storage
@@ -237,9 +237,10 @@ def load_resharded(storage: Storage, step: int, manifest: mf.Manifest, into: Any
         CorruptCheckpointError: the checkpoint is damaged (named key and file).
     """
     reader = NebulaStorageReader(storage, step, manifest=manifest, allow_pickle=allow_pickle)
-    ranks = sorted(manifest.ranks) if manifest.multi_rank else [0]
-    tree = manifest.rank_tree_of(ranks[0])
+    trees = manifest.distinct_trees()
     matcher = _Matcher(reader, strict, allow_pickle)
+    matcher.others = frozenset(held_by_some(trees))  # the ranks saved different state: pipeline stages
+    tree = merged(trees)
     repl = matcher.walk(tree, into, "")
     if strict:
         matcher.unmatched.check(f"reshard ({reader.where}): the checkpoint")

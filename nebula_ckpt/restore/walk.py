@@ -136,6 +136,9 @@ class TreeWalk(Generic[R]):
         self.unmatched = KeyMismatch()
         #: > 0 while walking the state dict of an object (its keys are the object's to check)
         self.inside_object = 0
+        #: saved keys (paths) only some ranks hold (another pipeline stage's): where ``into`` lacks
+        #: one, it is not restored and no mismatch (:func:`~nebula_ckpt.format.tree.held_by_some`)
+        self.others: frozenset[str] = frozenset()
 
     #: a saved list matches only a list of ``into``, a tuple only a tuple (else: either)
     exact_sequences = True
@@ -217,6 +220,8 @@ class TreeWalk(Generic[R]):
             if k in target:
                 out.append((k, self.walk(v_node, target[k], sub)))
                 continue
+            if sub in self.others:
+                continue  # another rank's (a pipeline stage's): not this restore's
             if not self.inside_object:
                 self.unmatched.saved_only.append(sub)
                 if self.strict:

@@ -23,7 +23,7 @@ import torch.distributed.checkpoint as dcp
 
 from nebula_ckpt.cli import main as cli
 from nebula_ckpt.dcp import NebulaStorageReader
-from nebula_ckpt.errors import CorruptCheckpointError
+from nebula_ckpt.errors import CorruptCheckpointError, ValidationError
 from nebula_ckpt.format.commit import committed_steps
 from nebula_ckpt.format.names import MANIFEST, SPLIT_VERSION
 from nebula_ckpt.restore.open import read_manifest
@@ -133,6 +133,27 @@ def test_export_and_inspect_hold_what_only_some_ranks_hold(job: Path, tmp_path: 
     assert cli(["inspect", str(job / "root"), "--step", "1"]) == 0
     listed = capsys.readouterr().out
     assert "stage0/w" in listed and "stage1/w" in listed
+
+
+def test_one_process_restores_one_stage_resharded_without_the_other_stages_keys(job: Path) -> None:
+    """A restore at another world size of a job whose ranks saved different state (pipeline
+    stages) takes what ``into`` holds, wherever it was saved; another stage's keys are not asked
+    of ``into``, the keys every rank saved are (strict)."""
+    import nebula_ckpt as nc
+
+    def full(seed: int, *shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
+
+    into: dict[str, Any] = {"stage1/w": torch.zeros(3, 3), "common": torch.zeros(7), "hsdp": {"w": torch.zeros(6, 2)},
+                            "emb": torch.zeros(5, 4), "head": torch.zeros(5, 4), "step": -1}
+    with nc.Checkpointer(str(job / "root"), memory_tier=False) as ck:
+        assert ck.load_latest(into) == 1
+        assert torch.equal(into["stage1/w"], full(11, 3, 3)) and torch.equal(into["common"], full(1, 7))
+        assert torch.equal(into["hsdp"]["w"], full(20, 6, 2)) and into["step"] == 1 and "stage0/w" not in into
+        lacking = {k: v for k, v in into.items() if k != "common"}
+        with pytest.raises(ValidationError) as e:
+            ck.load_latest(lacking)
+    assert "['common']" in str(e.value) and "stage0/w" not in str(e.value)
 
 
 def test_a_replica_naming_a_rank_that_does_not_store_it_is_refused(job: Path, tmp_path: Path) -> None:
