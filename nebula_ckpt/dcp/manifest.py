@@ -26,7 +26,7 @@ from nebula_ckpt.format import manifest as mf
 from nebula_ckpt.format.header import safetensors_header
 from nebula_ckpt.format.names import RANKS_FILE, shard_name, step_dir
 from nebula_ckpt.format.tree import Node
-from nebula_ckpt.ranks.split import split_manifest, split_payload
+from nebula_ckpt.ranks.split import new_save_id, split_manifest, split_payload
 from nebula_ckpt.storage.base import Storage
 
 #: (fqn, chunk offsets) -> (rank, stored key) of every stored tensor piece
@@ -99,7 +99,7 @@ def dcp_manifest(save: DcpSave, metadata: Metadata, results: list[list[WriteResu
         return DcpCommit(mf.build_manifest(step=save.step, generation=save.generation, shards=shards,
                                            tensors=ranks.stored[0], aliases=ranks.tied[0], tree=trees[0],
                                            stats=dict(stats, tensor_bytes=tensor_bytes)), [])
-    assert save_id is not None, "a multi-rank save's ranks each wrote a shard"
+    save_id = save_id or new_save_id()  # no rank wrote an item (an empty state): the commit's own id
     files: list[tuple[str, bytes]] = []
     parts: list[dict[str, Any]] = []
     for r in range(world):

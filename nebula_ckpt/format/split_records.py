@@ -315,6 +315,11 @@ def rank_aliases(man: Manifest, r: int, tensors: dict[str, TensorRecord], tied: 
         if target not in tensors:
             raise bad(f"{where}: {man.layout.records_file(q, man.generation)} (rank {q})",
                       f"rank {r}'s replicas names rank {q} for '{k}', which it does not store")
+        info, rec = tensors[target].dtensor, tensors[target]
+        if man.layout.grid and info is not None and not on_grid(info.shape, info.placements, info.mesh, r,
+                                                                 man.world_size, info.offsets, rec.shape):
+            raise bad(mine, f"replicas[{short(k)}]: rank {q}'s chunk {list(rec.shape)} at {list(info.offsets)} is "
+                      f"not the one the grid the manifest declares gives rank {r}")
         out[p + k] = target
     for a, b in tied.get(r, {}).items():
         target = out.get(p + b, p + b)

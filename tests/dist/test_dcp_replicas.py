@@ -185,3 +185,18 @@ def test_a_replica_of_a_key_its_rank_tied_to_another_reads_the_stored_bytes(job:
     with NebulaStorageReader(str(root), 1) as reader:
         dcp.load(got, storage_reader=reader, no_dist=True)
     assert torch.equal(got["head"], torch.randn(5, 4, generator=torch.Generator().manual_seed(3)))
+
+
+def test_a_replica_of_another_chunk_of_a_sharded_tensor_is_refused(job: Path, tmp_path: Path) -> None:
+    """On the grid, a rank's replica of a DTensor chunk must be the chunk the grid gives that rank:
+    a records file naming the rank that stored the other chunk is refused, naming both."""
+    root = tmp_path / "root"
+    shutil.copytree(job / "root", root)
+    recs = _records(root)
+    r = next(r for r in range(WORLD) if "hsdp/w" in recs[r].get("replicas", {}))
+    other_chunk = next(q for q in range(WORLD) if "hsdp/w" in recs[q]["tensors"] and q % 2 != r % 2)
+    reseal(root / "step-1", r, lambda d: d["replicas"].update({"hsdp/w": other_chunk}))
+    with pytest.raises(CorruptCheckpointError) as e:
+        NebulaStorageReader(str(root), 1)
+    assert f"records-g1-r{r}.json (rank {r})" in str(e.value), str(e.value)
+    assert f"rank {other_chunk}'s chunk [3, 2] at" in str(e.value) and f"gives rank {r}" in str(e.value)
