@@ -244,3 +244,13 @@ def test_every_guarantee_names_tests_that_exist() -> None:
         if not src.is_file() or not re.search(rf"^\s*def {name}\(", src.read_text(), re.M):
             missing.append(f"{path}::{name}")
     assert not missing, f"named as proof but not defined: {missing}"
+
+
+def test_every_results_folder_is_cited_by_the_docs() -> None:
+    """A folder of benchmarks/results/ that no page names is a result nobody can find the claim of:
+    cite it where its figures are used, or remove it."""
+    pages = "\n".join(p.read_text() for p in [*sorted((REPO / "docs").glob("*.md")), REPO / "README.md",
+                                               REPO / "benchmarks" / "README.md"])
+    folders = sorted(p.name for p in (REPO / "benchmarks" / "results").iterdir() if p.is_dir())
+    assert folders, "benchmarks/results/ lost its folders"
+    assert [f for f in folders if f not in pages] == []
