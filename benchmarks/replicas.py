@@ -41,7 +41,7 @@ per node). Every rank trains its own model + AdamW (``--mb`` MB of state per ran
 Run (writes ``results.md`` and ``results.json`` into ``--out``)::
 
     python -m benchmarks.replicas --worlds 2 4 --mb 48 --repeats 3 \\
-        --out benchmarks/results/replicas-2026-11-25
+        --out benchmarks/results/replicas-<date>
 
 ``--parts recovery`` (or ``loop``, or ``drain``) measures that part only (default: recovery and loop).
 """
