@@ -16,14 +16,13 @@ ranks holding it:
 The job saves step 1 with ``dcp.save`` + ``NebulaStorageWriter``, then loads it back twice, into
 zeroed state of the same structure: with ``dcp.load`` + ``NebulaStorageReader`` and with
 ``Checkpointer.load_latest``. Then step 2 fails on the coordinator when it writes the manifest
-(after every records file and ``ranks.json``). Each rank writes ``OUT/r<rank>.json``: whether each
+(after every records file and ``ranks.json``). Each rank writes ``OUT/job-r<rank>.json``: whether each
 load gave back its own state bit for bit, step 2's error and what is left of its folder.
 """
 
 from __future__ import annotations
 
 import datetime
-import json
 import os
 import sys
 import warnings
@@ -74,6 +73,7 @@ def main() -> None:
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
     rank = dist.get_rank()
     import torch.distributed.checkpoint as dcp
+    from launch import write_report  # the script's folder is on sys.path
     from torch.distributed.device_mesh import init_device_mesh
 
     import nebula_ckpt as nc
@@ -113,8 +113,7 @@ def main() -> None:
     dist.barrier()
     report["after2"] = sorted(os.listdir(os.path.join(root, "step-2"))) if os.path.isdir(
         os.path.join(root, "step-2")) else None
-    with open(os.path.join(out, f"r{rank}.json"), "w") as f:
-        json.dump(report, f)
+    write_report(out, "job", rank, report)
     dist.barrier()
     dist.destroy_process_group()
 

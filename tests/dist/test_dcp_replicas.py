@@ -30,7 +30,7 @@ from nebula_ckpt.restore.open import read_manifest
 from nebula_ckpt.storage.local import LocalStorage
 from records_view import records_body, reseal
 
-from .launch import run_ranks
+from .launch import reports, run_ranks
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.filterwarnings("ignore:torch.distributed is disabled")]
 WORLD = 4
@@ -59,15 +59,13 @@ def _records(root: Path) -> list[dict[str, Any]]:
 
 
 def test_every_rank_loads_its_own_state_back_with_dcp_and_the_checkpointer(job: Path) -> None:
-    for r in range(WORLD):
-        rep = json.loads((job / "out" / f"r{r}.json").read_text())
+    for rep in reports(job / "out", "job", WORLD):
         assert rep["dcp_load"] and rep["dcp_tied"], rep
         assert rep["latest"] == 1 and rep["checkpointer_load"], rep
 
 
 def test_a_commit_failing_after_the_records_files_leaves_nothing_of_the_step(job: Path) -> None:
-    for r in range(WORLD):
-        rep = json.loads((job / "out" / f"r{r}.json").read_text())
+    for rep in reports(job / "out", "job", WORLD):
         assert "injected: manifest write failed" in rep["step2"] and rep["after2"] is None, rep
     assert committed_steps(LocalStorage(str(job / "root"))) == [1]
 
