@@ -100,10 +100,6 @@ _KNOBS: dict[str, _Knob] = {
     "exit_timeout_s": _Knob("NEBULA_EXIT_TIMEOUT_S", 300.0, float,
                             "how long interpreter exit waits for the pending saves of a Checkpointer "
                             "that was never closed"),
-    "gc_root_timeout_s": _Knob("NEBULA_GC_ROOT_TIMEOUT_S", 60.0, float,
-                               "how long `nebula-ckpt gc` waits for a memory tier's root (a mount, a blob "
-                               "store) to answer; a root that does not answer in time is unknown, and its "
-                               "memory tier is kept"),
     "node_id": _Knob("NEBULA_NODE_ID", None, str,
                      "the node this process runs on, for memory-tier replicas (default: the host name); "
                      "ranks with one node id share a fate, so replicas go to other node ids. Tests "

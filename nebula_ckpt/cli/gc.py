@@ -22,11 +22,14 @@ def cmd_gc(args: argparse.Namespace) -> int:
         return 2
     if args.root is not None:
         refuse_url_credentials(args.root)
-    decisions = memgc.collect(args.shm_dir, force=args.force, root=args.root)
+    if not args.root_timeout > 0:
+        note(f"nebula-ckpt gc: --root-timeout must be a number of seconds above 0, got {args.root_timeout:g}")
+        return 2
+    decisions = memgc.collect(args.shm_dir, force=args.force, root=args.root, timeout=args.root_timeout)
     done = []
     for d in progress(decisions, "gc", "tier", quiet=args.json):
         if d.remove and not args.dry_run:
-            d = memgc.remove(d)  # decided again under the tier's lock: what it says is what happened
+            d = memgc.remove(d, args.root_timeout)  # decided again under the tier's lock: what it says happened
         done.append(d)
     if args.json:
         out(json.dumps([d.as_dict() for d in done], indent=2))
@@ -51,4 +54,8 @@ def add_gc_parser(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") ->
                          "it, is gone, or belongs to another run), losing those steps; a root that cannot be "
                          "checked keeps its tier even so")
     sp.add_argument("--shm-dir", default=None, help="the tmpfs to look in (default: NEBULA_SHM_DIR or /dev/shm)")
+    sp.add_argument("--root-timeout", type=float, default=memgc.ROOT_TIMEOUT_S, metavar="SECONDS",
+                    help="how long a memory tier's root (a mount, a blob store) may take to answer; a root that "
+                         "does not answer in time is unknown, and its memory tier is kept (default: "
+                         f"{memgc.ROOT_TIMEOUT_S:g})")
     sp.add_argument("--json", action="store_true", help="machine-readable output")

@@ -20,9 +20,10 @@ The root is asked, never presumed. A root is *gone* only when that is known: a l
 not exist and its nearest existing parent folder lists no such name; a remote root's store
 answers "not found" and holds nothing there. Any other answer (a permission or I/O error, a
 path that passes a file or a link loop, an existing root without its run record, as an
-unmounted mount point shows, a failing or missing fsspec backend, no answer within
-``NEBULA_GC_ROOT_TIMEOUT_S``) leaves the root *unknown*, and the tier is kept. Remote roots are
-reached with the credentials of the environment (no storage options).
+unmounted mount point shows, a failing or missing fsspec backend, no answer within the
+deadline: ``nebula-ckpt gc --root-timeout``, :data:`ROOT_TIMEOUT_S` by default) leaves the root
+*unknown*, and the tier is kept. Remote roots are reached with the credentials of the environment
+(no storage options).
 
 Nothing is removed on the strength of an earlier look: :func:`remove` takes the tier's lock,
 looks at the tier again, decides again and removes only if that decision says so, so a job that
@@ -38,7 +39,6 @@ import threading
 from dataclasses import dataclass, replace
 from typing import Optional
 
-from nebula_ckpt import knobs
 from nebula_ckpt.errors import CorruptCheckpointError
 from nebula_ckpt.format.commit import Write, committed_steps, committed_writes, read_commit, references
 from nebula_ckpt.format.manifest import Manifest
@@ -48,6 +48,9 @@ from nebula_ckpt.storage.base import Storage
 from nebula_ckpt.storage.local import LocalStorage
 from nebula_ckpt.storage.urls import canonical_root
 from nebula_ckpt.tiers.memory.shm import Found, look, scan, try_lock, unlist_steps
+
+#: seconds a root may take to answer before it counts as unknown (``nebula-ckpt gc --root-timeout``)
+ROOT_TIMEOUT_S = 60.0
 
 log = logging.getLogger(__name__)
 
@@ -210,16 +213,16 @@ def _lacking_on_root(st: Storage, step: int) -> Optional[str]:
     return None
 
 
-def ask_root(root: str, run_id: Optional[str], step: int, write: Optional[Write] = None) -> RootAnswer:
+def ask_root(root: str, run_id: Optional[str], step: int, write: Optional[Write] = None,
+             timeout: float = ROOT_TIMEOUT_S) -> RootAnswer:
     """What ``root`` says about ``step`` of run ``run_id`` (its write ``write``, when given):
     :data:`DURABLE` (committed there, that write or a newer one),
     :data:`ONLY_HERE` (known not to be there: the root lacks it, is gone, or belongs to another
-    run) or :data:`UNKNOWN` (any error, or no answer within the ``gc_root_timeout_s`` knob).
+    run) or :data:`UNKNOWN` (any error, or no answer within ``timeout`` seconds).
 
     The root is asked on a daemon thread, so a mount or a store that hangs costs the deadline,
     not the command.
     """
-    timeout = float(knobs.get("gc_root_timeout_s"))
     box: list[RootAnswer] = []
 
     def run() -> None:
@@ -233,7 +236,7 @@ def ask_root(root: str, run_id: Optional[str], step: int, write: Optional[Write]
     t.join(timeout)
     if not box:
         return RootAnswer(UNKNOWN, f"cannot check its root {root}: no answer within {timeout:g} s "
-                                   "(NEBULA_GC_ROOT_TIMEOUT_S)")
+                                   "(nebula-ckpt gc --root-timeout)")
     return box[0]
 
 
@@ -246,8 +249,9 @@ def _only_copy(f: Found, force: bool, why: str, lost: list[int]) -> Decision:
                               f"or --force to remove the tier and lose {'it' if len(lost) == 1 else 'them'})", force)
 
 
-def decide(f: Found, force: bool = False) -> Decision:
-    """Apply the module's policy to one memory tier (the root is asked: see :func:`ask_root`)."""
+def decide(f: Found, force: bool = False, timeout: float = ROOT_TIMEOUT_S) -> Decision:
+    """Apply the module's policy to one memory tier (the root is asked, for at most ``timeout``
+    seconds: see :func:`ask_root`)."""
     if f.problem:
         return Decision(f, False, f"not safely ours, not touched: {f.problem}", force)
     if f.in_use:
@@ -261,7 +265,7 @@ def decide(f: Found, force: bool = False) -> Decision:
     if f.owner is None:
         return _only_copy(f, force, "no ROOT file: nobody's memory tier, never restored from", steps)
     newest = max(committed_writes(LocalStorage(f.folder, private=True, fsync=False)), default=None)
-    answer = ask_root(f.owner.root, f.owner.run_id, steps[-1] if newest is None else newest[1], newest)
+    answer = ask_root(f.owner.root, f.owner.run_id, steps[-1] if newest is None else newest[1], newest, timeout)
     if answer.verdict == DURABLE:
         return Decision(f, True, answer.why, force)
     if answer.verdict == UNKNOWN:
@@ -271,19 +275,22 @@ def decide(f: Found, force: bool = False) -> Decision:
     return _only_copy(f, force, answer.why, [s for s in steps if s not in answer.on_root])
 
 
-def collect(shm_dir: Optional[str] = None, force: bool = False, root: Optional[str] = None) -> list[Decision]:
+def collect(shm_dir: Optional[str] = None, force: bool = False, root: Optional[str] = None,
+            timeout: float = ROOT_TIMEOUT_S) -> list[Decision]:
     """Decisions for every memory tier of this user, or (``root``) for the memory tiers of that run
-    only (every rank's on this host); nothing is removed: :func:`remove` acts."""
+    only (every rank's on this host), each root asked for at most ``timeout`` seconds; nothing is
+    removed: :func:`remove` acts."""
     found = scan(shm_dir)
     if root is not None:
         mine = canonical_root(root)
         found = [f for f in found if f.owner is not None and f.owner.root == mine]
-    return [decide(f, force) for f in found]
+    return [decide(f, force, timeout) for f in found]
 
 
-def remove(d: Decision) -> Decision:
+def remove(d: Decision, timeout: float = ROOT_TIMEOUT_S) -> Decision:
     """Remove the memory tier of ``d`` if that is still right: under the tier's lock, look at it
-    again, decide again (with ``d``'s ``--force``) and remove only if that decision says so.
+    again, decide again (with ``d``'s ``--force``, the root asked for at most ``timeout`` seconds)
+    and remove only if that decision says so.
 
     Returns:
         The decision made under the lock, its ``removed`` set; a tier a live process holds, or
@@ -293,7 +300,7 @@ def remove(d: Decision) -> Decision:
     try:
         before = look(folder)  # still safely ours before its LOCK file is opened
         if before.problem or before.in_use:
-            return replace(decide(before, d.forced), removed=False)
+            return replace(decide(before, d.forced, timeout), removed=False)
         fd = try_lock(folder)
     except FileNotFoundError:
         return replace(d, remove=False, reason="gone meanwhile (removed by another process)", removed=False)
@@ -302,7 +309,7 @@ def remove(d: Decision) -> Decision:
     if fd is None:
         return replace(d, remove=False, reason="taken by a live process meanwhile; kept", removed=False)
     try:
-        now = decide(look(folder, locked=True), d.forced)
+        now = decide(look(folder, locked=True), d.forced, timeout)
         if not now.remove:
             log.info("nebula_ckpt: gc: %s kept after all: %s", folder, now.reason)
             return replace(now, removed=False)

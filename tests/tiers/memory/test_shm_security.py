@@ -381,11 +381,11 @@ def test_gc_checks_a_remote_root_and_keeps_the_tier_while_the_store_fails(tmp_pa
               "timeout": raising(TimeoutError("read timed out")),
               "no answer": hanging(release)}
     try:
-        with knobs.override(remote_retries=1, gc_root_timeout_s=1.0):
+        with knobs.override(remote_retries=1):
             for name, fault in faults.items():
                 FlakyFileSystem.fault = fault
                 for force in ((), (only_mem, "--force"), (durable, "--force")):
-                    rows = _gc(shm_dir, *force)
+                    rows = _gc(shm_dir, "--root-timeout", "1", *force)
                     assert len(rows) == (1 if force else 2), (name, force, rows)
                     assert not any(r["remove"] or r.get("removed") for r in rows), (name, rows)
                     assert all("cannot check" in r["reason"] for r in rows), (name, rows)
