@@ -91,9 +91,6 @@ _KNOBS: dict[str, _Knob] = {
                               "also caps the clients' connect / read timeouts. Must allow one part "
                               "(NEBULA_REMOTE_PART_BYTES) to transfer on the slowest link"),
     "zstd_level": _Knob("NEBULA_ZSTD_LEVEL", 3, int, "zstd level when compression='zstd'"),
-    "confirm_timeout_s": _Knob("NEBULA_CONFIRM_TIMEOUT_S", 5.0, float,
-                               "how long a tier waits for the training thread to confirm a snapshot "
-                               "(next optimizer.step / save_async / wait) before checking it itself"),
     "commit_timeout_s": _Knob("NEBULA_COMMIT_TIMEOUT_S", 600.0, float,
                               "multi-rank: how long a rank waits for the others in one round of the "
                               "checkpoint protocol (a rank that died fails the save sooner)"),

@@ -47,6 +47,10 @@ from nebula_ckpt.tiers.memory.compare import Compared, staged_hashes
 
 log = logging.getLogger(__name__)
 
+#: seconds a tier writer waits for the training thread to confirm a snapshot (its next
+#: ``optimizer.step``, ``save_async`` or ``wait``) before it runs the check itself
+CONFIRM_TIMEOUT_S = 5.0
+
 
 class _WriteIds:
     """Names of writes: 12 random bytes of this process (drawn again in a forked child) and a
@@ -173,7 +177,7 @@ class Snapshot:
         copy threads can miss a write still in flight. Called on the training thread (hooks,
         ``save_async``, ``wait``, handle methods), every kernel it launched before has finished,
         which makes the check exact. Tier writers wait for this verdict before committing and run
-        it themselves after ``confirm_timeout_s`` (best effort) if the training thread is silent.
+        it themselves after :data:`CONFIRM_TIMEOUT_S` (best effort) if the training thread is silent.
         """
         self.finish_copy()
         with self._copy_lock:
@@ -186,9 +190,9 @@ class Snapshot:
             self.plan.release_sources()
             self._confirmed.set()
 
-    def wait_confirmed(self, timeout: float) -> None:
-        """Wait for :meth:`confirm` from the training thread; do it here after ``timeout`` s."""
-        if not self._confirmed.wait(timeout):
+    def wait_confirmed(self) -> None:
+        """Wait for :meth:`confirm` from the training thread; do it here after :data:`CONFIRM_TIMEOUT_S`."""
+        if not self._confirmed.wait(CONFIRM_TIMEOUT_S):
             self.confirm()
 
     @property

@@ -34,7 +34,6 @@ import os
 import threading
 from typing import Any, Callable, Optional
 
-from nebula_ckpt import knobs
 from nebula_ckpt.errors import FencedError, PersistError
 from nebula_ckpt.format.commit import (
     committed_steps,
@@ -233,7 +232,7 @@ class TierWriter:
         ``on_shard(rel)`` is called once the shard file is durable, before manifest and commit.
         """
         def confirmed() -> None:
-            snap.wait_confirmed(knobs.get("confirm_timeout_s"))
+            snap.wait_confirmed()
             failure = snap.handle.progress.snapshot_failure()
             if failure is not None:
                 raise failure

@@ -432,7 +432,7 @@ def test_adapters_set_no_private_attributes_on_framework_objects(folder: str) ->
 # the modules that may read os.environ: the knobs, and Nebula's own variables for its compat layer
 ENVIRONMENT_READERS = {"nebula_ckpt.knobs", "nebula_ckpt.compat.nebula.environment"}
 # knobs a user or operator can act on; the library's internal sizes and waits are module constants
-MAX_KNOBS = 21
+MAX_KNOBS = 20
 
 
 def test_knobs_is_the_only_reader_of_the_environment() -> None:

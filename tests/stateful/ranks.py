@@ -38,10 +38,12 @@ CALL_POINTS = {
     "a copy verified, not yet visible": "nebula_ckpt.tiers.memory.replica_store:ReplicaStore.publish",
 }
 RANK_SAVE_POINTS = SAVE_POINTS  # "disk, replacing a step" is reached on rank 0 only (it replaces)
-ENV = {"NEBULA_REPLICA_TIMEOUT_S": "30", "NEBULA_COMMIT_TIMEOUT_S": "30", "NEBULA_CONFIRM_TIMEOUT_S": "30"}
-#: module constants the workers set (``module:NAME`` -> value): niced threads starve on a busy machine
+ENV = {"NEBULA_REPLICA_TIMEOUT_S": "30", "NEBULA_COMMIT_TIMEOUT_S": "30"}
+#: module constants the workers set (``module:NAME`` -> value): niced threads starve on a busy machine,
+#: and a tier writer waits for the training thread's confirmation as long as the rounds wait
 CONSTANTS = {"nebula_ckpt.tiers.memory.replicas:KEEP_AFTER_S": 0.5,
-             "nebula_ckpt.tiers.memory.replica_channel:REPLICA_NICE": 0, "nebula_ckpt.save.incremental:HASH_NICE": 0}
+             "nebula_ckpt.tiers.memory.replica_channel:REPLICA_NICE": 0, "nebula_ckpt.save.incremental:HASH_NICE": 0,
+             "nebula_ckpt.save.snapshot:CONFIRM_TIMEOUT_S": 30.0}
 
 
 class Shared(_Shared):
