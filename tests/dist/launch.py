@@ -72,6 +72,22 @@ def write_report(out: str | Path, scenario: str, rank: int, report: Any, **json_
         json.dump(report, f, **json_kw)
 
 
+@contextlib.contextmanager
+def shm_folder(base: Path) -> Iterator[str]:
+    """A fresh memory-tier folder for a job's ranks (``NEBULA_SHM_DIR``: under /dev/shm when it is
+    writable, else under ``base``), removed afterwards."""
+    import shutil
+    import uuid
+
+    shm = os.path.join("/dev/shm" if os.access("/dev/shm", os.W_OK) else str(base),
+                       f"nebula-test-{uuid.uuid4().hex[:10]}")
+    os.makedirs(shm)
+    try:
+        yield shm
+    finally:
+        shutil.rmtree(shm, ignore_errors=True)
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

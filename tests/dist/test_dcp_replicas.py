@@ -11,9 +11,7 @@ bit for bit with DCP and with ``Checkpointer.load_latest``; one process reads th
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import uuid
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -30,7 +28,7 @@ from nebula_ckpt.restore.open import read_manifest
 from nebula_ckpt.storage.local import LocalStorage
 from records_view import records_body, reseal
 
-from .launch import reports, run_ranks
+from .launch import reports, run_ranks, shm_folder
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.filterwarnings("ignore:torch.distributed is disabled")]
 WORLD = 4
@@ -40,18 +38,13 @@ WORLD = 4
 def job(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     """The root and the reports folder of the 4-rank job (the root's step 1)."""
     base = tmp_path_factory.mktemp("dcp-replicas")
-    shm = os.path.join("/dev/shm" if os.access("/dev/shm", os.W_OK) else str(base),
-                       f"nebula-test-{uuid.uuid4().hex[:10]}")
-    os.makedirs(shm)
     (base / "out").mkdir()
-    try:
+    with shm_folder(base) as shm:
         done = run_ranks(WORLD, "dcp_replicas_worker.py", [str(base / "root"), str(base / "out")], base / "out", shm,
                          timeout=240)
         for r, p in enumerate(done):
             assert p.returncode == 0, f"rank {r}:\n{p.stdout[-4000:]}"
-        yield base
-    finally:
-        shutil.rmtree(shm, ignore_errors=True)
+    yield base
 
 
 def _records(root: Path) -> list[dict[str, Any]]:

@@ -8,32 +8,24 @@ other stage's keys (:mod:`stages_worker`).
 
 from __future__ import annotations
 
-import os
-import shutil
-import uuid
 from pathlib import Path
 
 import pytest
 
-from .launch import reports, run_ranks
+from .launch import reports, run_ranks, shm_folder
 
 pytestmark = [pytest.mark.timeout(300)]
 
 
 def test_each_stage_restores_its_own_state_at_another_world_size(tmp_path: Path) -> None:
-    shm = os.path.join("/dev/shm" if os.access("/dev/shm", os.W_OK) else str(tmp_path),
-                       f"nebula-test-{uuid.uuid4().hex[:10]}")
-    os.makedirs(shm)
     out = tmp_path / "out"
     out.mkdir()
-    try:
+    with shm_folder(tmp_path) as shm:
         for scenario, world in (("save", 4), ("load", 2)):
             done = run_ranks(world, "stages_worker.py", [scenario, str(tmp_path / "root"), str(out)], out, shm,
                              timeout=200)
             for r, p in enumerate(done):
                 assert p.returncode == 0, f"{scenario} rank {r}:\n{p.stdout[-4000:]}"
-    finally:
-        shutil.rmtree(shm, ignore_errors=True)
     for r, rep in enumerate(reports(out, "load", 2)):
         assert rep["stage"] == r and rep["step"] == 3 and rep["value"] == 3, rep
         assert rep["tensors"] >= 9 and len(rep["same"]) == rep["tensors"], rep   # model, AdamW state, common
