@@ -257,7 +257,7 @@ def _summary(ck: OpenCheckpoint) -> list[str]:
             pieces = {(shard_owner(man.shards[r.shard].file), r.shard, r.start, r.end): r.nbytes
                       for _rank, _full, r in logical.get(k, [])}
             return ("logical", k), sum(pieces.values())
-        tree = man.job_tree() if len(man.ranks) == man.world_size else man.rank_tree_of(min(man.ranks))
+        tree = man.job_tree()  # every rank's held here merged (one rank's own tier: that rank's)
     return summary.render(summary.rows(tree, record))
 
 

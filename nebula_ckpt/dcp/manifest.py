@@ -94,19 +94,17 @@ def dcp_manifest(save: DcpSave, metadata: Metadata, results: list[list[WriteResu
     _check_coverage(save.where, metadata, pieces, values)
     trees = [_tree(save, r, pieces, values, ranks) for r in range(world)]
     stats: dict[str, Any] = {"writer": "torch.distributed.checkpoint", "dcp_save_id": save_id or ""}
+    stored_bytes = [sum(int(x["offsets"][1]) - int(x["offsets"][0]) for x in own.values()) for own in ranks.stored]
     if world == 1:
-        tensor_bytes = sum(int(r["offsets"][1]) - int(r["offsets"][0]) for r in ranks.stored[0].values())
         return DcpCommit(mf.build_manifest(step=save.step, generation=save.generation, shards=shards,
                                            tensors=ranks.stored[0], aliases=ranks.tied[0], tree=trees[0],
-                                           stats=dict(stats, tensor_bytes=tensor_bytes)), [])
+                                           stats=dict(stats, tensor_bytes=stored_bytes[0])), [])
     save_id = save_id or new_save_id()  # no rank wrote an item (an empty state): the commit's own id
     files: list[tuple[str, bytes]] = []
     parts: list[dict[str, Any]] = []
     for r in range(world):
         own = ranks.stored[r]
-        meta = {"tensors": own, "tree": trees[r], "stats": {
-            "tensor_bytes": sum(int(x["offsets"][1]) - int(x["offsets"][0]) for x in own.values()),
-            "copy_seconds": 0.0}}
+        meta = {"tensors": own, "tree": trees[r], "stats": {"tensor_bytes": stored_bytes[r], "copy_seconds": 0.0}}
         name, data, part = split_payload(step=save.step, generation=save.generation, rank=r, world=world,
                                          save_id=save_id, shard=shards[r], index=own, aliases=ranks.tied[r],
                                          meta=meta, send_tree=True, send_table=True, crc=crc,

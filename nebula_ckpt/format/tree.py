@@ -215,14 +215,7 @@ def merged(trees: list[Mapping[str, Any]]) -> Mapping[str, Any]:
     first = trees[0]
     if len(trees) == 1 or first["t"] not in ("dict", "odict") or any(t["t"] != first["t"] for t in trees):
         return first
-    keys: dict[str, Any] = {}
-    values: dict[str, list[Mapping[str, Any]]] = {}
-    for tree in trees:
-        for k_node, v_node in tree["v"]:
-            k = repr(sorted(k_node.items()))
-            keys.setdefault(k, k_node)
-            values.setdefault(k, []).append(v_node)
-    return {"t": first["t"], "v": [[k_node, merged(values[k])] for k, k_node in keys.items()]}
+    return {"t": first["t"], "v": [[k_node, merged(nodes)] for k_node, nodes in _by_key(trees)]}
 
 
 def held_by_some(trees: list[Mapping[str, Any]], path: str = "") -> set[str]:
@@ -230,18 +223,23 @@ def held_by_some(trees: list[Mapping[str, Any]], path: str = "") -> set[str]:
     their dict lack: a pipeline stage's keys, which a restore of another stage does not take."""
     if len(trees) < 2 or any(t["t"] not in ("dict", "odict") for t in trees):
         return set()
-    groups: dict[str, tuple[Any, list[Mapping[str, Any]]]] = {}
-    for tree in trees:
-        for k_node, v_node in tree["v"]:
-            groups.setdefault(repr(sorted(k_node.items())), (k_node, []))[1].append(v_node)
     out: set[str] = set()
-    for k_node, nodes in groups.values():
+    for k_node, nodes in _by_key(trees):
         key = decode(k_node, _no_tensor_key, False, path)
         sub = f"{path}/{key}" if path else str(key)
         if len(nodes) < len(trees):
             out.add(sub)
         out |= held_by_some(nodes, sub)
     return out
+
+
+def _by_key(trees: list[Mapping[str, Any]]) -> list[tuple[Mapping[str, Any], list[Mapping[str, Any]]]]:
+    """The keys of dict nodes ``trees`` in first-seen order, each with its value in every tree holding it."""
+    groups: dict[str, tuple[Mapping[str, Any], list[Mapping[str, Any]]]] = {}
+    for tree in trees:
+        for k_node, v_node in tree["v"]:
+            groups.setdefault(repr(sorted(k_node.items())), (k_node, []))[1].append(v_node)
+    return list(groups.values())
 
 
 def _no_tensor_key(key: str) -> Any:
