@@ -52,14 +52,14 @@ How DCP's items map onto the format:
 Commit protocol and crash safety: the coordinator refuses a step that is already committed,
 takes a writer generation on the root (once per process and root, :mod:`nebula_ckpt.ranks.process_fence`:
 a newer writer on the same root fences this one), removes leftovers of failed writes (the sweep
-of the tier writers' retention, :mod:`nebula_ckpt.save.commit`), and hands
+of the tier writers' retention, :mod:`nebula_ckpt.save.sweep`), and hands
 every rank ``(step, generation)`` through DCP's global plan. Each rank writes its shard and
 returns one record per item (offsets, CRC32C taken before and re-checked after the write). In
 :meth:`finish` the coordinator checks every rank's shard is there with its size, builds the
 ranks' records files and ``ranks.json`` and writes them, checks their bytes with the manifest
 as a reader does, checks that a :class:`~nebula_ckpt.restore.dcp_reader.NebulaStorageReader`
 accepts it, then writes ``manifest.json`` and the create-only ``COMMIT`` last, as the tier writers
-do (:func:`nebula_ckpt.save.commit.commit_manifest`, the one commit step). A failure on any
+do (:func:`nebula_ckpt.format.commit.commit_manifest`, the one commit step). A failure on any
 rank means DCP never calls :meth:`finish`: no ``COMMIT``, the step stays invisible; the failing
 rank removes its own shard at once (and the step folder, if that emptied it), the others' are
 removed by this process's next DCP save on the root (or by any later writer of a newer
@@ -92,14 +92,14 @@ from nebula_ckpt.dcp.shard import tensor_parts, write_shard
 from nebula_ckpt.dcp.values import check_keys, encode_value, fqn_paths, manifest_key
 from nebula_ckpt.errors import FencedError, NebulaError, PersistError, ValidationError
 from nebula_ckpt.format import manifest as mf
+from nebula_ckpt.format.commit import CommitProgress, clear_step, commit_manifest, scan_steps
 from nebula_ckpt.format.dtypes import TENSOR_DTYPES, dtype_name
 from nebula_ckpt.format.names import COMMIT, MANIFEST, RANKS_FILE, parse_step_dir, shard_name, shard_owner, step_dir
 from nebula_ckpt.format.split_records import load_split, with_index
 from nebula_ckpt.native import get_ops
 from nebula_ckpt.ranks.process_fence import process_fence
 from nebula_ckpt.restore.dcp_roots import storage_for
-from nebula_ckpt.save import commit
-from nebula_ckpt.save.commit import CommitProgress, commit_manifest
+from nebula_ckpt.save import sweep
 from nebula_ckpt.save.plan import check_step
 from nebula_ckpt.storage.base import Storage
 from nebula_ckpt.storage.urls import refuse_url_credentials
@@ -292,9 +292,9 @@ class NebulaStorageWriter(StorageWriter):
         fence = process_fence(st)
         gen = self._gen = fence.generation
         fence.for_tier(st).check(f"write step {step}")
-        owner = commit.Ownership(gen, self.rank, commits_here=True)
+        owner = sweep.Ownership(gen, self.rank, commits_here=True)
         # leftovers of failed writes of this step (older, or this generation's: none is in flight)
-        commit.clear_step(st, step, lambda n: owner.stale(n, ours_failed=True))
+        clear_step(st, step, lambda n: owner.stale(n, ours_failed=True))
         self._sweep(owner, step)
         with _LOCK:
             _UNFINISHED.setdefault(st.display_url, set()).add(step)
@@ -337,7 +337,7 @@ class NebulaStorageWriter(StorageWriter):
             shard.update(self._write_shard(rel, tensors))
         except BaseException:
             # DCP never calls finish() now: no COMMIT can come; the last rank out removes the folder
-            commit.discard_files(st, info.step, lambda n: n == name, self.where)
+            sweep.discard_files(st, info.step, lambda n: n == name, self.where)
             raise
         fut: Future[list[WriteResult]] = Future()
         fut.set_result([WriteResult(index=item.index, size_in_bytes=n, storage_data=w) for item, w, n in out])
@@ -410,7 +410,7 @@ class NebulaStorageWriter(StorageWriter):
         NebulaStorageReader(self.storage, step, manifest=man, verify=False).close()
 
     def _commit(self, step: int, gen: int, mbytes: bytes) -> None:
-        """Manifest, then ``COMMIT`` (:func:`nebula_ckpt.save.commit.commit_manifest`, the tier
+        """Manifest, then ``COMMIT`` (:func:`nebula_ckpt.format.commit.commit_manifest`, the tier
         writers' own); a failure removes this save's files only while the marker certainly does
         not exist."""
         st = self.storage
@@ -460,19 +460,19 @@ class NebulaStorageWriter(StorageWriter):
             return (owner is not None and owner[0] == self._gen) or (n == MANIFEST and self._wrote_manifest) or \
                 (n == RANKS_FILE and self._wrote_index)
 
-        commit.discard_files(self.storage, step, doomed, self.where)
+        sweep.discard_files(self.storage, step, doomed, self.where)
 
-    def _sweep(self, owner: commit.Ownership, step: int) -> None:
-        """Remove uncommitted step folders of failed saves (:mod:`nebula_ckpt.save.commit`, as the
+    def _sweep(self, owner: sweep.Ownership, step: int) -> None:
+        """Remove uncommitted step folders of failed saves (:mod:`nebula_ckpt.save.sweep`, as the
         tier writers' retention does): those holding only files no live writer owns, this
         process's earlier saves that never reached :meth:`finish` included."""
         st = self.storage
         with _LOCK:
             failed = _UNFINISHED.pop(st.display_url, set()) - {step}
         try:
-            uncommitted = [s for s in commit.scan_steps(st)[1] if s != step]
-            leftovers = commit.leftover_steps(st, uncommitted, owner, failed)
-            commit.remove_leftovers(st, leftovers, commit.abandoned_uploads(st, owner.generation), st.display_url)
+            uncommitted = [s for s in scan_steps(st)[1] if s != step]
+            leftovers = sweep.leftover_steps(st, uncommitted, owner, failed)
+            sweep.remove_leftovers(st, leftovers, sweep.abandoned_uploads(st, owner.generation), st.display_url)
         except FencedError:
             raise
         except Exception as e:  # best effort: the save itself goes on

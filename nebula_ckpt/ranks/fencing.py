@@ -21,7 +21,7 @@ A save that ends in :class:`FencedError` must leave nothing behind that ``list()
 would show: before it gives the memory tier's lock back, :meth:`Fence.stop` asks every tier
 writer to take back the steps of the saves still in flight (:meth:`Fence.retract_with`), which
 removes each one that carries this writer's generation (never a newer writer's step of the same
-number: :func:`nebula_ckpt.save.commit.retract_step`). What it committed in saves that completed
+number: :func:`nebula_ckpt.format.commit.retract_step`). What it committed in saves that completed
 carries its older generation, and restore never prefers an older generation's checkpoint to a
 newer one's (:func:`nebula_ckpt.restore.select.list_candidates`).
 

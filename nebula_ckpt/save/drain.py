@@ -49,7 +49,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 from nebula_ckpt.errors import CorruptCheckpointError, FencedError, NebulaError
-from nebula_ckpt.format.commit import Write, committed_writes, read_commit, shard_path
+from nebula_ckpt.format.commit import CommitProgress, Write, commit_manifest, committed_writes, read_commit, shard_path
 from nebula_ckpt.format.drain import check_records, drain_save_id, encode_part, parse_part
 from nebula_ckpt.format.header import safetensors_header
 from nebula_ckpt.format.manifest import Manifest, encode_manifest
@@ -66,7 +66,6 @@ from nebula_ckpt.native import get_ops
 from nebula_ckpt.ranks.fencing import Fence
 from nebula_ckpt.ranks.split import split_manifest, split_payload
 from nebula_ckpt.restore.open import open_checkpoint, read_manifest
-from nebula_ckpt.save.commit import CommitProgress, commit_manifest
 from nebula_ckpt.storage.base import Storage
 from nebula_ckpt.storage.local import LocalStorage, fsync_dir
 

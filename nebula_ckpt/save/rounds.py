@@ -21,12 +21,12 @@ Every rank sees a *shared* tier, and the ranks commit one checkpoint of the step
    name, size and CRC32C, its tree only when it differs from rank 0's, its DTensor table only
    when no lower rank sent the same one (or its error; :mod:`nebula_ckpt.ranks.split`);
 3. verdict: the coordinator writes ``ranks.json``, manifest and ``COMMIT``
-   (:func:`nebula_ckpt.save.commit.commit_manifest`) only if every rank's shard is durable and
+   (:func:`nebula_ckpt.format.commit.commit_manifest`) only if every rank's shard is durable and
    verified, and tells every rank whether it did.
    Otherwise each rank removes its shard and the previous checkpoint stays the newest. A rank
    that hears no verdict (the coordinator died or timed out after it sent its record) cannot
    know whether the step committed: it looks for the ``COMMIT`` once (there: the save
-   succeeded) and otherwise keeps its shard and reports :class:`~nebula_ckpt.save.commit.CommitUncertain`.
+   succeeded) and otherwise keeps its shard and reports :class:`CommitUncertain`.
 """
 
 from __future__ import annotations
@@ -35,6 +35,7 @@ import logging
 from typing import Any, Callable, Optional
 
 from nebula_ckpt.errors import PersistError
+from nebula_ckpt.format.commit import CommitProgress, commit_manifest, is_committed
 from nebula_ckpt.format.manifest import encode_manifest, tagged
 from nebula_ckpt.format.multi_rank import digest
 from nebula_ckpt.format.names import RANKS_FILE, step_dir
@@ -44,18 +45,23 @@ from nebula_ckpt.ranks.coordinator import PHASE_DIGEST, PHASE_DURABLE, PHASE_IND
 from nebula_ckpt.ranks.distributed import GroupDestroyed
 from nebula_ckpt.ranks.fencing import TierFence
 from nebula_ckpt.ranks.split import first_of_class, new_save_id, signature, split_manifest, split_payload
-from nebula_ckpt.save.commit import (
-    CommitProgress,
-    CommitUncertain,
-    PeerSkipped,
-    commit_manifest,
-    is_committed,
-)
 from nebula_ckpt.save.incremental import Incremental
 from nebula_ckpt.save.tier_image import Staged, TierStep, tier_image
 from nebula_ckpt.tiers.runtime import TierRuntime
 
 log = logging.getLogger(__name__)
+
+
+class CommitUncertain(PersistError):
+    """A save whose ``COMMIT`` may exist although this rank could not confirm it (the
+    coordinator died or timed out after every shard was durable, or the marker's own write
+    reported an error). Nothing of the step is deleted: if it committed, it is whole; if not,
+    its files are uncommitted leftovers that a later sweep removes."""
+
+
+class PeerSkipped(PersistError):
+    """Another rank did not write this save on a shared tier (its cadence skipped it, or a newer
+    save replaced it there): the save is dropped on that tier, not failed."""
 
 
 class SharedCommit:

@@ -7,13 +7,13 @@ For each snapshot a tier writes, in this order (the commit protocol)::
     step-N/manifest.json               (the coordinator's; tmp + fsync + rename, or a new object)
     step-N/COMMIT                      (the coordinator's; create-only, last)
 
-The last two are :func:`nebula_ckpt.save.commit.commit_manifest`, which the DCP writer shares.
+The last two are :func:`nebula_ckpt.format.commit.commit_manifest`, which the DCP writer shares.
 Then retention: markers go before data, a step before its bases, the newest checkpoint never
-goes, and leftovers without a marker go only when no live writer owns them (:mod:`nebula_ckpt.save.commit`).
+goes, and leftovers without a marker go only when no live writer owns them (:mod:`nebula_ckpt.save.sweep`).
 A failed step's own files (and its folder, once empty) are removed at once, but only while its ``COMMIT``
 certainly does not exist: once the marker may have been written (on a rank other than the
 coordinator: once its shard record may have reached the coordinator) a failure deletes nothing
-of that step (:class:`~nebula_ckpt.save.commit.CommitUncertain`); if it never committed, the
+of that step (:class:`~nebula_ckpt.save.rounds.CommitUncertain`); if it never committed, the
 sweep of a newer generation removes its files. :meth:`TierWriter.remove` (``Checkpointer.remove``)
 deletes a committed checkpoint the same way (fence checked, marker first), serialised with
 retention. A save fenced after a tier committed its step takes it back (:meth:`TierWriter.retract`).
@@ -36,12 +36,17 @@ from typing import Any, Callable, Optional
 
 from nebula_ckpt.errors import FencedError, PersistError
 from nebula_ckpt.format.commit import (
+    CommitProgress,
+    clear_step,
+    commit_manifest,
     committed_steps,
     delete_checkpoint,
     deletion_order,
     protected_steps,
     read_commit,
     referrers,
+    retract_step,
+    scan_steps,
     shard_path,
 )
 from nebula_ckpt.format.manifest import Manifest, encode_manifest, finish_manifest, stored_json, tagged
@@ -51,16 +56,9 @@ from nebula_ckpt.latch import Latch, Wakeup
 from nebula_ckpt.ranks import shards as ranks
 from nebula_ckpt.ranks.coordinator import Coordinator, LocalCoordinator
 from nebula_ckpt.ranks.fencing import TierFence
-from nebula_ckpt.save import commit, seeding
-from nebula_ckpt.save.commit import (
-    CommitProgress,
-    CommitUncertain,
-    PeerSkipped,
-    commit_manifest,
-    retract_step,
-)
+from nebula_ckpt.save import seeding, sweep
 from nebula_ckpt.save.incremental import Incremental, whole_image
-from nebula_ckpt.save.rounds import SharedCommit
+from nebula_ckpt.save.rounds import CommitUncertain, PeerSkipped, SharedCommit
 from nebula_ckpt.save.snapshot import Delivery, Snapshot, build_tier_manifest
 from nebula_ckpt.save.tier_image import Staged, TierImage, TierStep, tier_image, write_image
 from nebula_ckpt.storage.base import Storage
@@ -180,7 +178,7 @@ class TierWriter:
 
     def retract(self, steps: set[int]) -> None:
         """The writer was fenced while saving ``steps``: take back its commits of them here, newest
-        first (:func:`~nebula_ckpt.save.commit.retract_step`; only where this rank commits)."""
+        first (:func:`~nebula_ckpt.format.commit.retract_step`; only where this rank commits)."""
         if self._owner.commits_here:
             with self._delete_lock:
                 for s in sorted(steps, reverse=True):
@@ -297,9 +295,9 @@ class TierWriter:
         return self.coordinator.world_size > 1 and self.tier.shared
 
     @property
-    def _owner(self) -> commit.Ownership:
-        """Which leftovers this rank may remove on this tier (:mod:`nebula_ckpt.save.commit`)."""
-        return commit.Ownership(self.fence.generation, self.coordinator.rank,
+    def _owner(self) -> sweep.Ownership:
+        """Which leftovers this rank may remove on this tier (:mod:`nebula_ckpt.save.sweep`)."""
+        return sweep.Ownership(self.fence.generation, self.coordinator.rank,
                                self.coordinator.is_coordinator or not self._shared)
 
     def _commit_step(self, item: "TierStep", on_shard: Optional[Callable[[str], None]]) -> int:
@@ -365,7 +363,7 @@ class TierWriter:
             # Called after the first round (rounds.py): the coordinator has replaced an old checkpoint
             # of this step by then. Only this rank's own leftovers of an uncommitted step go.
             if COMMIT not in existing:
-                commit.clear_step(st, step, lambda n: shard_owner(n) is not None and owner.stale(n))
+                clear_step(st, step, lambda n: shard_owner(n) is not None and owner.stale(n))
         elif COMMIT in existing:
             # Saving a step that exists: the new run owns the root (it resumed from an older step
             # or saves the same step again); the old one goes, marker first.
@@ -375,7 +373,7 @@ class TierWriter:
         elif self._is_link(d):
             st.remove_dir(d)  # a planted link in place of the folder: unlinked, never followed
         else:  # leftovers of crashed writers of this step, never a live peer's
-            commit.clear_step(st, step, owner.stale)
+            clear_step(st, step, owner.stale)
 
     def _drop_referrers(self, step: int) -> None:
         """Before the committed ``step`` is replaced: the committed steps that refer to its bytes
@@ -426,7 +424,7 @@ class TierWriter:
     def _discard(self, step: int, shard: str) -> None:
         """After a save that certainly did not commit: remove what it wrote of the step (this
         rank's shard; the manifest when this rank commits here and no newer writer is in the
-        folder), then the folder if that left it empty (:func:`nebula_ckpt.save.commit.discard_files`)."""
+        folder), then the folder if that left it empty (:func:`nebula_ckpt.save.sweep.discard_files`)."""
         gen = self.fence.generation
         st = self.storage
         names = []
@@ -437,7 +435,7 @@ class TierWriter:
         newer = any((o := shard_owner(n)) is not None and o[0] > gen for n in names)
         mine_manifest = not newer and self._owner.commits_here
         records = records_name(gen, self.coordinator.rank)
-        commit.discard_files(st, step, lambda n: n in (shard, records) or (n in (MANIFEST, RANKS_FILE)
+        sweep.discard_files(st, step, lambda n: n in (shard, records) or (n in (MANIFEST, RANKS_FILE)
                                                                             and mine_manifest), f"tier {self.name}")
 
     def remove(self, step: int) -> bool:
@@ -462,7 +460,7 @@ class TierWriter:
                 return True
             log.info("nebula_ckpt: tier %s: removing step %d (remove())", self.name, step)
             delete_checkpoint(self.storage, step)
-            self._deferred -= commit.drop_unreferenced(self.storage, self._deferred, self.incremental.let_go, self.name)
+            self._deferred -= sweep.drop_unreferenced(self.storage, self._deferred, self.incremental.let_go, self.name)
             return True
 
     def prune(self, keep_step: Optional[int] = None) -> None:
@@ -472,7 +470,7 @@ class TierWriter:
 
     def _prune(self, keep_step: Optional[int]) -> None:
         st = self.storage
-        committed, uncommitted = commit.scan_steps(st)
+        committed, uncommitted = scan_steps(st)
         keep = set(committed[-self.keep_last:]) | self.runtime.keep_also(committed)  # + the newest healthy step
         if self.tier.keep_every:
             keep.update(s for s in committed if s % self.tier.keep_every == 0)
@@ -486,8 +484,8 @@ class TierWriter:
         with self._mutex:
             busy_step = self._pending.snap.step if self._pending is not None else None
         candidates = [s for s in uncommitted if s != busy_step and s not in self._uncertain]
-        leftovers = commit.leftover_steps(st, candidates, self._owner)
-        abandoned = commit.abandoned_uploads(st, self.fence.generation)  # ours are never in flight while we prune
+        leftovers = sweep.leftover_steps(st, candidates, self._owner)
+        abandoned = sweep.abandoned_uploads(st, self.fence.generation)  # ours are never in flight while we prune
         if not doomed and not leftovers and not abandoned:
             return
         self.fence.check("delete old checkpoints")
@@ -496,4 +494,4 @@ class TierWriter:
             log.debug("nebula_ckpt: tier %s: retention deletes step %d", self.name, s)
             delete_checkpoint(st, s)
             self._deferred.discard(s)
-        commit.remove_leftovers(st, leftovers, abandoned, f"tier {self.name}")
+        sweep.remove_leftovers(st, leftovers, abandoned, f"tier {self.name}")

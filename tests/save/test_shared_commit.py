@@ -1,4 +1,4 @@
-"""The commit protocol both writers share (:mod:`nebula_ckpt.save.commit`):
+"""The commit protocol both writers share (:mod:`nebula_ckpt.format.commit`):
 the same fault at the same stage has the same outcome through ``Checkpointer.save`` and through
 DCP's ``NebulaStorageWriter``, and both sweep the same leftovers.
 

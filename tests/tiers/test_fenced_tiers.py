@@ -23,9 +23,8 @@ import torch
 
 import nebula_ckpt as nc
 from faults import renumber_step
-from nebula_ckpt.format.commit import Commit, committed_steps, read_commit
+from nebula_ckpt.format.commit import Commit, committed_steps, read_commit, retract_step
 from nebula_ckpt.format.names import step_dir
-from nebula_ckpt.save.commit import retract_step
 from nebula_ckpt.storage.local import LocalStorage
 from nebula_ckpt.tiers.memory.shm import try_lock
 from nebula_ckpt.tiers.memory.tier import memory_tier_path

@@ -31,12 +31,11 @@ import os
 from typing import Any, Callable, Iterator, Optional
 
 from nebula_ckpt.errors import NebulaError, ValidationError
-from nebula_ckpt.format.commit import Write, committed_writes, read_commit, shard_path
+from nebula_ckpt.format.commit import CommitProgress, Write, commit_manifest, committed_writes, read_commit, shard_path
 from nebula_ckpt.format.manifest import Manifest, encode_manifest, whole_manifest
 from nebula_ckpt.format.names import MANIFEST, shard_name, step_dir
 from nebula_ckpt.ranks.fencing import Fence, read_run_id
 from nebula_ckpt.restore.open import open_checkpoint, read_manifest
-from nebula_ckpt.save.commit import CommitProgress, commit_manifest
 from nebula_ckpt.save.drain import Copy, Drain, folder_problem, not_newer, write_whole
 from nebula_ckpt.save.incremental import whole_image
 from nebula_ckpt.storage.base import Storage
