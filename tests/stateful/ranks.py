@@ -362,6 +362,34 @@ class Ranks(RuleBasedStateMachine):
                 w, s, _, e = max(mem, key=lambda c: c[:3])
                 self.truth.commit("disk", s, e, 0, surely=False, drops=False)
 
+    @precondition(lambda self: os.path.isdir(self.root))
+    @rule(which=st.sampled_from(["newest", "oldest"]))
+    def export(self, which: str) -> None:
+        """``nebula-ckpt export --step S`` of a step the disk tier surely holds, from a node whose
+        memory holds nothing of the root (the disk tier answers): the two ranks' parts gathered
+        into one ``.pt`` file, an incremental step's parts read from the earlier steps holding
+        them. It must be rank 0's state of the save the model has there (every rank holds every
+        key; the lowest rank's copy is the one gathered), frozen part included."""
+        sure = {s: e for s, p in self.truth.tier("disk").items() if len(p) == 1 for e in p if e is not None}
+        if not sure:
+            return
+        step = max(sure) if which == "newest" else min(sure)
+        want = sure[step]
+        self.note(f"export step {step} ({want}) from the disk tier")
+        got = self.shared.tool().call({"op": "export", "root": self.root, "step": step, "rank": 0,
+                                       "to": str(self.dir / f"export-{uuid.uuid4().hex[:6]}.pt"),
+                                       "shm": str(self.shm / "no-node"), "node": "nx"})
+        assert got is not None
+        if got.get("code") != 0 or "parts" not in got:
+            self.fail(f"export of step {step} ({want}) failed: exit {got.get('code')}: {got.get('stderr')} "
+                      f"{got.get('unreadable', '')}")
+        try:
+            sid = self.truth.check_parts(got["parts"], f"the export of step {step}")
+        except Violation as e:
+            self.fail(str(e))
+        if sid != want.sid:
+            self.fail(f"the export of step {step} holds save #{sid}; the disk tier holds {want}")
+
     def teardown(self) -> None:
         self._kill_job()
         shutil.rmtree(self.dir, ignore_errors=True)

@@ -226,6 +226,19 @@ class Worker:
                 code_ = int(e.code or 0)
         return {"code": code_, "stdout": out.getvalue(), "stderr": err.getvalue()[-4000:]}
 
+    def op_export(self, cmd: dict[str, Any]) -> dict[str, Any]:
+        """``nebula-ckpt export ROOT --step S --to FILE`` (a ``.pt`` file), then which save each part of
+        the file holds as rank ``cmd["rank"]``'s state (``parts``), read with plain ``torch.load``."""
+        path = cmd["to"]
+        got = self.op_cli({**cmd, "argv": ["export", cmd["root"], "--step", str(cmd["step"]), "--to", path]})
+        if got["code"] == 0:
+            try:
+                got["parts"] = decode(torch.load(path, weights_only=True), int(cmd["rank"]))
+            except Exception as e:
+                got["unreadable"] = f"{type(e).__name__}: {e}"
+            os.unlink(path)
+        return got
+
     def op_audit(self, cmd: dict[str, Any]) -> dict[str, Any]:
         """Every step committed on each tier of ``root`` as this node sees it (the memory tier and the
         disk tier, each opened alone, read-only): the writer generation of its commit marker and which
