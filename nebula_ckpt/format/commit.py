@@ -131,7 +131,7 @@ def step_dirs(storage: "Storage") -> list[int]:
 
 def committed_steps(storage: "Storage") -> list[int]:
     """Steps with a commit marker on ``storage``, ascending (the one listing of checkpoints)."""
-    return [s for s in step_dirs(storage) if storage.exists(f"{step_dir(s)}/{COMMIT}")]
+    return scan_steps(storage)[0]
 
 
 def committed_writes(storage: "Storage") -> list[Write]:
@@ -168,7 +168,7 @@ def delete_checkpoint(storage: "Storage", step: int) -> None:
 
 def scan_steps(storage: "Storage") -> tuple[list[int], list[int]]:
     """``(committed, uncommitted)``: the step folders on ``storage`` with and without a ``COMMIT``,
-    ascending."""
+    ascending (the one place that tells them apart; :func:`committed_steps` is its first half)."""
     committed: list[int] = []
     uncommitted: list[int] = []
     for s in step_dirs(storage):
