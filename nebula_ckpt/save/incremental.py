@@ -22,7 +22,7 @@ changes save after save (dense training) is never hashed: its CRC already differ
 The memory tier (``compare=True``) hashes nothing: its base's bytes are still in host memory (the
 base step's shard files in the tmpfs), so a tensor whose CRC32C, device and DTensor record equal
 the base's is unchanged only when its staged bytes equal the base's byte for byte
-(:mod:`nebula_ckpt.tiers.memory.compare`, at memory speed on niced threads, never on the training thread).
+(:class:`nebula_ckpt.save.tier_image.BaseBytes`, at memory speed on niced threads, never on the training thread).
 
 This module keeps each tier's base (:meth:`Incremental.claim` hands it to a save); what a save
 writes on it, whole or a delta with references, is decided by :mod:`nebula_ckpt.save.tier_image`.
@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import hashlib
 import threading
-from typing import Any, Iterable, Optional
+from typing import TYPE_CHECKING, Any, Iterable, Optional
 
 from nebula_ckpt import knobs
 from nebula_ckpt.format.header import safetensors_header
@@ -40,6 +40,9 @@ from nebula_ckpt.format.manifest import Manifest
 from nebula_ckpt.format.records import ShardRecord, TensorRecord
 from nebula_ckpt.priority import lower_priority
 from nebula_ckpt.workers import Workers
+
+if TYPE_CHECKING:
+    from nebula_ckpt.storage.base import Storage
 
 #: the threads that hash staged tensors run this much nicer than the process (Linux, 0-19; 0: same
 #: priority), so that on a machine without idle cores hashing yields to training
@@ -252,3 +255,15 @@ def whole_image(man: Manifest, shards: list[Any]) -> tuple[list[memoryview], dic
         out.pop("shard", None)
         records[k] = dict(out, offsets=at[k])
     return parts, records, len(head) + (spans[-1][1] if spans else 0)
+
+
+def may_build_on_base(tier: Any, world_size: int, storage: "Storage") -> bool:
+    """Whether saves on ``tier`` may be incremental: a tier that hashes, of a one-process job or a
+    shared one; a tier that keeps its base in RAM (it compares bytes: the memory tier) of a
+    one-process job, or of each rank of a multi-rank job (a rank's own tier: each rank builds on
+    its own previous step, no agreement needed; with replicas too, which their holders make whole:
+    :mod:`~nebula_ckpt.tiers.memory.replica_whole`) on a local file system."""
+    caps = tier.capabilities
+    if caps.keeps_base_in_ram:
+        return (world_size == 1 or caps.per_rank) and storage.local_path("") is not None
+    return world_size == 1 or bool(tier.shared)

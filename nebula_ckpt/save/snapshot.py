@@ -5,7 +5,7 @@ The training thread enqueues the copy (one native call for all tensors); with
 bytes while copying and flag a source that changed under them. The stager thread waits for the
 copy, records the tensor index (dtypes, offsets, checksums), takes the SHA-256 that incremental
 tiers need (:mod:`nebula_ckpt.save.incremental`; those the memory tier's compare already knows are
-not hashed: :func:`nebula_ckpt.tiers.memory.compare.staged_hashes`) and hands the snapshot to the tiers
+not hashed: :func:`nebula_ckpt.save.tier_image.staged_hashes`) and hands the snapshot to the tiers
 through :func:`fan_out`. The training thread confirms the verdict (version counters) before any
 tier commits.
 
@@ -43,7 +43,7 @@ from nebula_ckpt.latch import Latch
 from nebula_ckpt.native import CopyJob, get_ops, monotonic
 from nebula_ckpt.save.buffers import Slot, SlotClaim, StagingPool
 from nebula_ckpt.save.plan import Plan
-from nebula_ckpt.tiers.memory.compare import Compared, staged_hashes
+from nebula_ckpt.save.tier_image import Compared, staged_hashes
 
 log = logging.getLogger(__name__)
 
@@ -118,7 +118,7 @@ class Snapshot:
         #: key -> SHA-256 of the staged bytes, for the tensors incremental tiers need (stager thread)
         self.hashes: dict[str, str] = {}
         #: the memory tier's compare of the staged bytes with its base, when the stager made it
-        #: (:func:`nebula_ckpt.tiers.memory.compare.staged_hashes`)
+        #: (:func:`nebula_ckpt.save.tier_image.staged_hashes`)
         self.compared: Optional[Compared] = None
         #: a random name of this write, recorded in its manifests' ``stats`` (``write_id``): two
         #: saves of one step in one writer generation are told apart without trusting a checksum,

@@ -57,12 +57,11 @@ from nebula_ckpt.ranks import shards as ranks
 from nebula_ckpt.ranks.coordinator import Coordinator, LocalCoordinator
 from nebula_ckpt.ranks.fencing import TierFence
 from nebula_ckpt.save import seeding, sweep
-from nebula_ckpt.save.incremental import Incremental, whole_image
+from nebula_ckpt.save.incremental import Incremental, may_build_on_base, whole_image
 from nebula_ckpt.save.rounds import CommitUncertain, PeerSkipped, SharedCommit
 from nebula_ckpt.save.snapshot import Delivery, Snapshot, build_tier_manifest
 from nebula_ckpt.save.tier_image import Staged, TierImage, TierStep, tier_image, write_image
 from nebula_ckpt.storage.base import Storage
-from nebula_ckpt.tiers.memory.compare import may_build_on_base
 from nebula_ckpt.tiers.runtime import TierRuntime
 
 log = logging.getLogger(__name__)
@@ -81,7 +80,7 @@ class TierWriter:
         coordinator: the ranks' agreement (a no-op in one process): the commit of a step goes
             ahead only when every rank's shard of it is durable on this tier.
         incremental: write only the tensors that changed since this tier's last save
-            (:mod:`nebula_ckpt.save.incremental`; :func:`~nebula_ckpt.tiers.memory.compare.may_build_on_base`).
+            (:mod:`nebula_ckpt.save.incremental`; :func:`~nebula_ckpt.save.incremental.may_build_on_base`).
     """
 
     def __init__(self, runtime: TierRuntime, fence: TierFence, keep_last: int,

@@ -28,8 +28,8 @@ class Capabilities:
             job, its own commits, no rank rounds) rather than one folder every rank sees.
         keeps_base_in_ram: its base (the last step it committed) stays in host memory in files on a
             local file system, so an incremental save compares the staged bytes with it byte for
-            byte instead of hashing them (:mod:`nebula_ckpt.tiers.memory.compare`), and that
-            compare spares the other tiers' hashes (:func:`nebula_ckpt.tiers.memory.compare.staged_hashes`).
+            byte instead of hashing them (:class:`nebula_ckpt.save.tier_image.BaseBytes`), and that
+            compare spares the other tiers' hashes (:func:`nebula_ckpt.save.tier_image.staged_hashes`).
         hands_pages_to_restart: a restarted process may take the pages of its files instead of
             copying them (:mod:`nebula_ckpt.tiers.memory.adopt`).
         replicas: copies of each rank's steps kept on partner nodes (0: none;

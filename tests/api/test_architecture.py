@@ -16,8 +16,8 @@
   7. ``restore``: opening, checking and reading a checkpoint, resharding included (its DCP
      ``StorageReader`` lives here; ``dcp/`` only exposes it); the memory tier's page adoption
      (``tiers/memory/adopt*.py``: in ``tiers/memory/`` by what it serves, here by what it uses);
-  8. ``save``: planning, snapshotting, writing and committing a step; the memory tier's byte
-     compare and the hashes it spares (``tiers/memory/compare.py``);
+  8. ``save``: planning, snapshotting, deciding what a tier writes (the byte compare of a tier that
+     keeps its base in RAM included), writing and committing a step;
   9. ``replicas``: the memory tier's copies on a partner node (``tiers/memory/replica*.py``,
      ``recovery.py``), which use restore and save through their public functions; they sit in
      ``tiers/memory/`` by what they keep, and above save by what they use;
@@ -69,9 +69,8 @@ _REPLICAS = ("replica_channel", "replica_pull", "replica_recover", "replica_save
 #: the layers, bottom to top, each a set of module names (a name covers the modules under it); see
 #: the module docstring for what each holds
 #: the memory tier's parts that run within a stage, mapped to the layer of what they use: its page
-#: adoption (restore), its byte compare and the hashes it spares (save), persist-memory (run)
+#: adoption (restore), persist-memory (run)
 _MEMORY_RESTORE = {"tiers.memory.adopt", "tiers.memory.adopt_memory"}
-_MEMORY_SAVE = {"tiers.memory.compare"}
 LAYERS: list[tuple[str, set[str]]] = [
     ("base", {"errors", "knobs", "_version", "native", "latch", "workers", "priority", "handle", "reentry",
               "source_set", "copy_worker"}),
@@ -81,7 +80,7 @@ LAYERS: list[tuple[str, set[str]]] = [
     ("tiers", {"tiers"}),
     ("checks", {"arguments", "health"}),
     ("restore", {"restore"} | _MEMORY_RESTORE),
-    ("save", {"save"} | _MEMORY_SAVE),
+    ("save", {"save"}),
     ("replicas", {f"tiers.memory.{m}" for m in _REPLICAS}),
     ("run", {"save.pipeline", "tiers.memory.epilogue", "root", "checkpointer", "health.reports", "loop"}),
     ("adapters", {"", "dcp", "integrations", "compat", "cli", "demo", "quickbench"}),

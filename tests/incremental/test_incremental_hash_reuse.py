@@ -19,7 +19,7 @@ import torch
 
 import nebula_ckpt as nc
 from incremental.test_incremental import _forge_same_crc
-from nebula_ckpt.tiers.memory import compare
+from nebula_ckpt.save import tier_image as compare
 
 
 @pytest.fixture
