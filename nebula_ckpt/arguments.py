@@ -4,10 +4,11 @@ that a mistake of the caller is a :class:`ValidationError`, never a checkpoint r
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Optional
 
 from nebula_ckpt import knobs
 from nebula_ckpt.errors import ValidationError
+from nebula_ckpt.format.names import check_step, check_tag
 from nebula_ckpt.health.policy import HealthPolicy
 from nebula_ckpt.storage.urls import refuse_url_credentials
 
@@ -102,3 +103,14 @@ def check_device(value: Any, what: str, here: bool = True) -> None:
         except Exception as e:  # the device type exists in torch, but not on this machine
             raise ValidationError(f"{what}={value!r}: tensors cannot be put on {dev} here ({type(e).__name__}: "
                                   f"{e}); restore with map_location='cpu' (the checkpoints are not damaged)") from None
+
+
+def check_step_or_tag(what: str, step: Optional[int], tag: Optional[str]) -> None:
+    """The ``step`` / ``tag`` pair of ``load`` / ``read`` / ``remove``: exactly one of them, well formed."""
+    if (step is None) == (tag is None):
+        raise ValidationError(f"{what}(): give either step or tag (exactly one of them), got step={step!r}, "
+                              f"tag={tag!r}")
+    if step is not None:
+        check_step(step)
+    else:
+        check_tag(tag)

@@ -12,9 +12,8 @@ import os
 from typing import Any, Optional, Sequence
 
 from nebula_ckpt import knobs
-from nebula_ckpt.arguments import check_arguments
-from nebula_ckpt.errors import NebulaError, ValidationError
-from nebula_ckpt.format.names import COMMIT, check_tag, step_dir
+from nebula_ckpt.arguments import check_arguments, check_step_or_tag
+from nebula_ckpt.errors import NebulaError
 from nebula_ckpt.handle import SaveHandle
 from nebula_ckpt.health.policy import HealthPolicy
 from nebula_ckpt.health.reports import HealthReports
@@ -25,12 +24,13 @@ from nebula_ckpt.reentry import Calls, guard_methods
 from nebula_ckpt.restore.restorer import Restorer
 from nebula_ckpt.root import open_root
 from nebula_ckpt.save.pipeline import SavePipeline, exit_hook_ran
-from nebula_ckpt.save.plan import check_step
 from nebula_ckpt.storage.urls import canonical_root
 from nebula_ckpt.tiers.base import Tier
 from nebula_ckpt.tiers.memory.replicas import start_replicator
 
 log = logging.getLogger("nebula_ckpt")
+
+
 
 #: every Checkpointer not yet closed (strong references: a forgotten one must still be flushed at
 #: interpreter exit, see :func:`_close_at_exit`; close() removes it)
@@ -366,17 +366,6 @@ class Checkpointer(HealthReports):
         """
         return self._restores.tags()
 
-    @staticmethod
-    def _one_of(what: str, step: Optional[int], tag: Optional[str]) -> None:
-        """Validate the ``step`` / ``tag`` pair of ``load`` / ``remove``: exactly one of them."""
-        if (step is None) == (tag is None):
-            raise ValidationError(f"{what}(): give either step or tag (exactly one of them), got step={step!r}, "
-                                  f"tag={tag!r}")
-        if step is not None:
-            check_step(step)
-        else:
-            check_tag(tag)
-
     def load_latest(self, into: Any = None, *, map_location: Any = None, strict: bool = True,
                     on_damaged: str = "raise", must_exist: bool = False) -> Optional[int]:
         """Restore the newest healthy checkpoint into ``into`` in place; return its step.
@@ -428,7 +417,7 @@ class Checkpointer(HealthReports):
             NotFoundError: nothing committed is that step / carries that tag.
             CorruptCheckpointError: it is, but every copy is damaged (the message names each).
         """
-        self._one_of("load", step, tag)
+        check_step_or_tag("load", step, tag)
         got = self._restores.load(step, tag, into, map_location, strict)
         if got is None:
             raise self._restores.not_found(step, tag)
@@ -445,7 +434,7 @@ class Checkpointer(HealthReports):
             NotFoundError: nothing healthy (of ``step`` / with ``tag``, if given).
         """
         if step is not None or tag is not None:
-            self._one_of("read", step, tag)
+            check_step_or_tag("read", step, tag)
         return self._restores.read(step, tag, map_location)
 
     def remove(self, step: Optional[int] = None, *, tag: Optional[str] = None) -> builtins.list[int]:
@@ -471,16 +460,11 @@ class Checkpointer(HealthReports):
         """
         self._check_open("remove")
         self._check_writable("remove")
-        self._one_of("remove", step, tag)
+        check_step_or_tag("remove", step, tag)
         steps, removed = self._saves.remove(
             lambda h: h.step == step if tag is None else h.tag == tag,
             lambda: [step] if step is not None else self._restores.steps_tagged(tag or ""))
-        written = {w.name for w in self._saves.start()}
-        for t, st in self._restores.tier_pairs():
-            left = [s for s in steps if t.name not in written and st.exists(f"{step_dir(s)}/{COMMIT}")]
-            if left:
-                log.warning("nebula_ckpt: remove(): tier %s is not written by this process; step(s) %s stay there",
-                            t.name, left)
+        self._restores.warn_kept(steps, {w.name for w in self._saves.start()})
         if not removed and self.coordinator.world_size == 1:
             raise self._restores.not_found(step, tag)
         return sorted(removed)

@@ -94,13 +94,21 @@ from nebula_ckpt.errors import FencedError, NebulaError, PersistError, Validatio
 from nebula_ckpt.format import manifest as mf
 from nebula_ckpt.format.commit import CommitProgress, clear_step, commit_manifest, scan_steps
 from nebula_ckpt.format.dtypes import TENSOR_DTYPES, dtype_name
-from nebula_ckpt.format.names import COMMIT, MANIFEST, RANKS_FILE, parse_step_dir, shard_name, shard_owner, step_dir
+from nebula_ckpt.format.names import (
+    COMMIT,
+    MANIFEST,
+    RANKS_FILE,
+    check_step,
+    parse_step_dir,
+    shard_name,
+    shard_owner,
+    step_dir,
+)
 from nebula_ckpt.format.split_records import load_split, with_index
 from nebula_ckpt.native import get_ops
 from nebula_ckpt.ranks.process_fence import process_fence
 from nebula_ckpt.restore.dcp_roots import storage_for
 from nebula_ckpt.save import sweep
-from nebula_ckpt.save.plan import check_step
 from nebula_ckpt.storage.base import Storage
 from nebula_ckpt.storage.urls import refuse_url_credentials
 from nebula_ckpt.workers import Workers

@@ -21,7 +21,7 @@ from __future__ import annotations
 import os
 import re
 import uuid
-from typing import Optional
+from typing import Any, Optional
 
 from nebula_ckpt.errors import ValidationError
 from nebula_ckpt.format.checks import short
@@ -192,3 +192,19 @@ def check_tag(tag: object) -> Optional[str]:
                               "(a path's characters are allowed)")
     assert isinstance(tag, str)
     return tag
+
+
+#: largest step: it must fit a signed 64-bit integer (file names, manifests, other readers).
+MAX_STEP = 2**63 - 1
+
+
+def check_step(step: Any) -> int:
+    """Validate a step number."""
+    if isinstance(step, bool) or not isinstance(step, int):
+        raise ValidationError(f"step must be a non-negative int, got {type(step).__name__} {step!r}")
+    if step < 0:
+        raise ValidationError(f"step must be a non-negative int, got {step}")
+    if step > MAX_STEP:
+        raise ValidationError(f"step must be a non-negative int of at most 2**63-1 (it names the checkpoint "
+                              f"folder and must fit int64 readers), got one with {step.bit_length()} bits")
+    return step

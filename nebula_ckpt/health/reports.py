@@ -11,10 +11,10 @@ from __future__ import annotations
 import functools
 from typing import TYPE_CHECKING, Any, Optional
 
+from nebula_ckpt.format.names import check_step
 from nebula_ckpt.health.book import HealthBook, newest_healthy
 from nebula_ckpt.health.monitor import HealthMonitor, as_signal
 from nebula_ckpt.health.policy import HealthPolicy
-from nebula_ckpt.save.plan import check_step
 from nebula_ckpt.storage.base import Storage
 
 if TYPE_CHECKING:

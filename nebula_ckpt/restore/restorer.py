@@ -17,6 +17,7 @@ from nebula_ckpt.arguments import check_restore_arguments
 from nebula_ckpt.errors import CorruptCheckpointError, NotFoundError, OtherRanksError, ValidationError
 from nebula_ckpt.format.commit import committed_steps, shard_path
 from nebula_ckpt.format.manifest import Manifest
+from nebula_ckpt.format.names import COMMIT, step_dir
 from nebula_ckpt.health.book import HealthBook
 from nebula_ckpt.ranks.coordinator import Coordinator
 from nebula_ckpt.restore.apply import apply, materialize, stage_restore
@@ -81,6 +82,15 @@ class Restorer:
     def tier_pairs(self) -> list[tuple[Tier, Storage]]:
         """``(tier, storage)`` of every tier read, fastest first."""
         return [(rt.tier, rt.storage) for rt in self._runtimes]
+
+    def warn_kept(self, steps: list[int], written: set[str]) -> None:
+        """Log the ``steps`` that stay committed on a tier this process does not write (``written``:
+        the tiers it does): a ``remove()`` deletes nothing there."""
+        for t, st in self.tier_pairs():
+            left = [s for s in steps if t.name not in written and st.exists(f"{step_dir(s)}/{COMMIT}")]
+            if left:
+                log.warning("nebula_ckpt: remove(): tier %s is not written by this process; step(s) %s stay there",
+                            t.name, left)
 
     # -- listing ------------------------------------------------------------------------------------
     def committed(self) -> dict[str, list[int]]:

@@ -36,14 +36,11 @@ import torch
 from nebula_ckpt.errors import ValidationError
 from nebula_ckpt.format.dtypes import dtype_name
 from nebula_ckpt.format.header import RESERVED_KEYS, safetensors_header
-from nebula_ckpt.format.names import check_tag
+from nebula_ckpt.format.names import check_step, check_tag
 from nebula_ckpt.format.records import DTensorInfo
 from nebula_ckpt.format.tree import MAX_DEPTH, Node, check_int, encode_leaf
 from nebula_ckpt.native import get_ops
 from nebula_ckpt.save.plan_record import Recording, copy_ndarray
-
-#: largest step: it must fit a signed 64-bit integer (file names, manifests, other readers).
-MAX_STEP = 2**63 - 1
 
 
 @dataclass(frozen=True)
@@ -435,18 +432,6 @@ def make_layout(tensors: dict[str, torch.Tensor]) -> tuple[Layout, list[str]]:
     if len(_layout_cache) > 16:
         _layout_cache.popitem(last=False)
     return layout, keys
-
-
-def check_step(step: Any) -> int:
-    """Validate a step number."""
-    if isinstance(step, bool) or not isinstance(step, int):
-        raise ValidationError(f"step must be a non-negative int, got {type(step).__name__} {step!r}")
-    if step < 0:
-        raise ValidationError(f"step must be a non-negative int, got {step}")
-    if step > MAX_STEP:
-        raise ValidationError(f"step must be a non-negative int of at most 2**63-1 (it names the checkpoint "
-                              f"folder and must fit int64 readers), got one with {step.bit_length()} bits")
-    return step
 
 
 def make_plan(step: Any, state: Any, *, allow_pickle: bool = False, tag: Optional[str] = None) -> Plan:

@@ -40,11 +40,11 @@ import threading
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from nebula_ckpt.format.names import check_tag
+from nebula_ckpt.format.names import check_step, check_tag
 from nebula_ckpt.format.tree import Node, encode_leaf
 from nebula_ckpt.native import get_ops
 from nebula_ckpt.save import plan_model
-from nebula_ckpt.save.plan import Plan, Recording, check_step, copy_ndarray, inner_optimizer, plan_and_record
+from nebula_ckpt.save.plan import Plan, Recording, copy_ndarray, inner_optimizer, plan_and_record
 
 log = logging.getLogger(__name__)
 
