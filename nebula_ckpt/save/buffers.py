@@ -232,7 +232,7 @@ class StagingPool:
         self._retire_anonymous()
         staging = [s for s in self._slots if not s.live()]
         extra = len(staging) - self.max_slots
-        for s in sorted((s for s in staging if not s.in_use), key=lambda s: s.path is not None):
+        for s in () if extra <= 0 else sorted((s for s in staging if not s.in_use), key=lambda s: s.path is not None):
             if extra <= 0:
                 break
             self._slots.remove(s)
@@ -421,6 +421,8 @@ class StagingPool:
         while no slot file was ready) would hold a state's worth of memory for the rest of the
         job. Lock held."""
         sizes = [s.capacity for s in self._slots if s.path is not None]
+        if len(sizes) < 2:
+            return  # no size has two slot files
         for s in [s for s in self._slots if s.path is None and not s.in_use and not s.pinned]:
             if any(sizes.count(n) >= 2 and s.fits(n) for n in set(sizes)):
                 log.debug("nebula_ckpt: anonymous staging buffer of %.1f MiB freed (slot files replace it)",

@@ -38,10 +38,13 @@ class Slot:
             self._view = self.buffer.numpy().data
         return self._view
 
+    def __post_init__(self) -> None:
+        self._capacity = int(self.buffer.numel())  # read at every save's slot choice: not a torch call each time
+
     @property
     def capacity(self) -> int:
         """Bytes available."""
-        return int(self.buffer.numel())
+        return self._capacity
 
     def live(self) -> bool:
         """Whether a committed memory-tier checkpoint still links to this slot file, or another
@@ -67,6 +70,7 @@ class Slot:
                 pass
         self._view = None
         self.buffer = torch.empty(0, dtype=torch.uint8)
+        self._capacity = 0
         self._mm = None
 
 
