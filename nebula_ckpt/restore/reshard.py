@@ -33,9 +33,20 @@ from nebula_ckpt.storage.base import Storage
 log = logging.getLogger(__name__)
 
 
-_OPTIM_HINT = ("if it is optimizer state, `into`'s optimizer has none yet: create it first (e.g. one "
-               "optimizer.step() with zero gradients), or restore DCP-style state dicts from "
+_OPTIM_HINT = ("if it is optimizer state of DTensor parameters, `into`'s optimizer has none yet: create it "
+               "first (e.g. one optimizer.step() with zero gradients), or restore DCP-style state dicts from "
                "torch.distributed.checkpoint.state_dict.get_state_dict(model, optimizer)")
+
+
+def _creates_state(obj: Any) -> bool:
+    """Whether ``obj`` is an optimizer whose ``load_state_dict`` makes the state it lacks from full
+    tensors: one whose parameters are all plain tensors (a DTensor parameter's state must be a
+    DTensor of its layout, which only an existing state shows)."""
+    groups = getattr(obj, "param_groups", None)
+    if not isinstance(groups, list) or not callable(getattr(obj, "load_state_dict", None)):
+        return False
+    params = [p for g in groups if isinstance(g, dict) for p in g.get("params", ())]
+    return all(isinstance(p, torch.Tensor) and type(p) in (torch.Tensor, torch.nn.Parameter) for p in params)
 
 
 def _dcp_load(flat: dict[str, Any], reader: NebulaStorageReader, process_group: Any, no_dist: bool) -> None:
@@ -73,6 +84,7 @@ class _Matcher(TreeWalk[Optional[Thunk]]):
         self.allow_pickle = allow_pickle
         self.flat: dict[str, Any] = {}
         self.actions: list[Thunk] = []
+        self._objects: list[Any] = []  # the objects being walked, innermost last
 
     def _decoded(self, node: Mapping[str, Any], path: str) -> Thunk:
         def make() -> Any:
@@ -90,6 +102,10 @@ class _Matcher(TreeWalk[Optional[Thunk]]):
         if not keys:
             return self._decoded(node, path)
         if len(_ndarray_keys(node, [])) == len(keys):  # NumPy values only (an RNG state): values
+            return self._values(node, path)
+        if self._objects and _creates_state(self._objects[-1]):
+            # an optimizer of plain parameters without state yet (created, never stepped): its
+            # load_state_dict makes the state from the full tensors, as at the same world size
             return self._values(node, path)
         if self.strict:
             raise ValidationError(f"{self.where}: checkpoint key '{keys[0]}' has no tensor to be "
@@ -109,9 +125,11 @@ class _Matcher(TreeWalk[Optional[Thunk]]):
         """The object's state dict is filled like a dict, then given back with ``load_state_dict``."""
         sd = target.state_dict()
         self.inside_object += 1
+        self._objects.append(target)
         try:
             repl = self.walk(self.unwrap(node), sd, path)
         finally:
+            self._objects.pop()
             self.inside_object -= 1
         self.actions.append(lambda: target.load_state_dict(sd if repl is None else repl()))
         return None

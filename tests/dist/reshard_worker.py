@@ -80,14 +80,27 @@ def main() -> None:
         import torch.distributed.checkpoint as dcp
 
         from nebula_ckpt.dcp import NebulaStorageReader
+        from nebula_ckpt.errors import ValidationError
         from nebula_ckpt.restore.dcp_reader import newest_manifest as newest
         from nebula_ckpt.restore.reshard import load_resharded
         from nebula_ckpt.storage.local import LocalStorage
 
-        model, opt = build(1234)
-        train(model, opt, 1, seed=99)  # AdamW creates its state lazily: make it exist
         storage = LocalStorage(root)
         man = newest(storage)
+        # DTensor parameters whose AdamW has no state yet (created lazily): refused on every rank,
+        # naming the key and the fix, before anything changes (the state's layout is unknown)
+        fresh, fresh_opt = build(1234)
+        try:
+            load_resharded(storage, man.step, man, {"model": fresh, "optim": fresh_opt, "step": -1})
+            refused = "restored"
+        except ValidationError as e:
+            refused = str(e)
+        if rank == 0:
+            with open(f"{out}/fresh-optimizer.txt", "w") as f:
+                f.write(refused)
+
+        model, opt = build(1234)
+        train(model, opt, 1, seed=99)  # AdamW creates its state lazily: make it exist
         into: dict[str, Any] = {"model": model, "optim": opt, "step": -1}
         load_resharded(storage, man.step, man, into)
         got = full_state(model, opt)

@@ -390,6 +390,39 @@ class Ranks(RuleBasedStateMachine):
         if sid != want.sid:
             self.fail(f"the export of step {step} holds save #{sid}; the disk tier holds {want}")
 
+    @precondition(lambda self: os.path.isdir(self.root))
+    @rule()
+    def restore_alone(self) -> None:
+        """One process restores the job's root at world size 1, read-only, from a node whose memory
+        holds nothing of it (an evaluation run; the disk tier answers): the ranks' parts merged, so
+        every key is rank 0's (each rank saved every key; the lowest rank's copy is the one taken).
+        It must be one save's state, whole, the newest save the disk tier may hold or newer than
+        every save it surely holds."""
+        on_disk = {(e.writer, s, e.sid): e for s, p in self.truth.tier("disk").items() for e in p if e is not None}
+        sure = {(e.writer, s, e.sid): e for s, p in self.truth.tier("disk").items() if len(p) == 1
+                for e in p if e is not None}
+        self.note("restore the root in one process (world size 1, read-only)")
+        got = self.shared.tool().call({"op": "restore_alone", "root": self.root, "rank": 0,
+                                       "shm": str(self.shm / "no-node"), "node": "nx"})
+        assert got is not None
+        if "error" in got:
+            self.fail(f"a one-process restore of the job raised {got['error']}")
+        if got["step"] is None:
+            if sure:
+                self.fail(f"a one-process restore found nothing; the disk tier holds {max(sure)}")
+            return
+        try:
+            sid = self.truth.check_parts(got["parts"], "the one-process restore")
+        except Violation as e:
+            self.fail(str(e))
+        match = [k for k, e in on_disk.items() if k[1] == got["step"] and e.sid == sid]
+        if not match:
+            self.fail(f"a one-process restore gave step {got['step']} (save #{sid}, tier {got.get('tier')}), which "
+                      f"the disk tier does not hold: {on_disk}")
+        if sure and max(sure) > max(match):
+            self.fail(f"a one-process restore gave step {got['step']} (save #{sid}); the disk tier surely holds the "
+                      f"newer {max(sure)}")
+
     def teardown(self) -> None:
         self._kill_job()
         shutil.rmtree(self.dir, ignore_errors=True)

@@ -239,6 +239,23 @@ class Worker:
             os.unlink(path)
         return got
 
+    def op_restore_alone(self, cmd: dict[str, Any]) -> dict[str, Any]:
+        """One process restores a job's root at world size 1 (an evaluation run, a job moved to one
+        node): ``Checkpointer(root, read_only=True).load_latest(into=...)`` into a blank state, as
+        rank ``cmd["rank"]``; then which save each part holds (``parts``), the step and its tier."""
+        self.node(cmd)
+        st = blank_state(int(cmd["rank"]))
+        try:
+            with nc.Checkpointer(cmd["root"], read_only=True) as ck:
+                step = ck.load_latest(into=st)
+                tier = (ck.last_restore or {}).get("tier")
+        except Exception as e:
+            return {"error": f"{type(e).__name__}: {e}"}
+        got: dict[str, Any] = {"step": step, "tier": tier}
+        if step is not None:
+            got["parts"] = decode(st, int(cmd["rank"]))
+        return got
+
     def op_audit(self, cmd: dict[str, Any]) -> dict[str, Any]:
         """Every step committed on each tier of ``root`` as this node sees it (the memory tier and the
         disk tier, each opened alone, read-only): the writer generation of its commit marker and which
