@@ -25,7 +25,7 @@ from typing import Any, Hashable, Optional
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, precondition, rule
 
-from stateful.model import Entry, Save, Truth, Violation
+from stateful.model import ABSENT, Entry, Save, Truth, Violation
 from stateful.procs import Pool, Proc
 
 NODES = (0, 1)
@@ -326,6 +326,41 @@ class Single(RuleBasedStateMachine):
         self.check_restore(got, job.node)
         job.writer, job.saves = None, 0  # a new writer, whose disk cadence counts from its first save
         self._save(job.cursor + gap)
+
+    @precondition(lambda self: self.job is not None)
+    @rule(which=st.sampled_from(["newest", "another"]), pick=st.integers(0, 7))
+    def remove(self, which: str, pick: int) -> None:
+        """``ck.remove(step)`` from the job (a framework's "remove checkpoint"): the newest step the
+        job's tiers may hold, or another. It is deleted from the tiers this process writes (its
+        node's memory tier and the disk tier), except where a later checkpoint of that tier refers
+        to its bytes (it stays listed until none does); the newest step is then gone for good, so no
+        restore may open it. Other nodes' memory tiers keep theirs (documented)."""
+        job = self.job
+        assert job is not None
+        keys = [self.mem(job.node), "disk"]
+        steps = sorted(set(self.truth.maybe_steps(keys[0])) | set(self.truth.maybe_steps("disk")))
+        if not steps:
+            return
+        step = steps[-1] if which == "newest" else steps[pick % len(steps)]
+        surely = any(self.truth.tier(k).get(step, {ABSENT}) - {ABSENT} and len(self.truth.tier(k)[step]) == 1
+                     for k in keys)
+        self.note(f"remove step {step} on n{job.node}")
+        if job.writer is None:  # a remove is a write: the job takes its writer generation now if not yet
+            job.writer = self.new_writer()
+        got = job.proc.call({"op": "remove", "step": step})
+        if got is None:
+            self.fail(f"the job on n{job.node} died in remove({step}) (log: {job.proc.log_path}):\n{job.proc.tail()}")
+        assert got is not None
+        if "error" in got:
+            if surely or not got["error"].startswith("NotFoundError"):
+                self.fail(f"remove({step}) raised {got['error']}")
+        elif got["removed"] != [step]:
+            self.fail(f"remove({step}) returned {got['removed']}")
+        for k in keys:
+            t = self.truth.tier(k)
+            if step in t:  # gone, unless a later checkpoint there may refer to its bytes
+                later = [s for s in self.truth.maybe_steps(k) if s > step]
+                t[step] = t[step] | {ABSENT} if later else {ABSENT}
 
     @precondition(lambda self: self.job is not None)
     @rule(how=st.sampled_from(["close", "exit", "sigkill"]))

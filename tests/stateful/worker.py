@@ -189,6 +189,14 @@ class Worker:
         return {"ok": err is None, "error": err, "written": sorted({t.split(":")[0] for t in h.tiers_written}),
                 "dropped": sorted({t.split(":")[0] for t in h.tiers_dropped})}
 
+    def op_remove(self, cmd: dict[str, Any]) -> dict[str, Any]:
+        """``ck.remove(step)``: the steps removed, or the error."""
+        assert self.ck is not None
+        try:
+            return {"removed": self.ck.remove(int(cmd["step"]))}
+        except Exception as e:
+            return {"error": f"{type(e).__name__}: {e}"}
+
     def op_close(self, cmd: dict[str, Any]) -> dict[str, Any]:
         """Close the job's Checkpointers; ``destroy_first``: destroy the process group before (the
         slip of a script that ends its job in that order)."""
