@@ -416,10 +416,9 @@ class StagingPool:
 
     def _retire_anonymous(self) -> None:
         """Free each idle unpinned anonymous buffer that two slot files of a size it would serve
-        have replaced (the steady state: the memory tier's checkpoint and the next save's
-        staging; saves stage in slot files first). Kept, such a buffer (the first save's, made
-        while no slot file was ready) would hold a state's worth of memory for the rest of the
-        job. Lock held."""
+        have replaced (the steady state: the memory tier's checkpoint and the next save's staging;
+        saves stage in slot files first). Kept, such a buffer (the first save's, made while no slot
+        file was ready) would hold a state's worth of memory for the rest of the job. Lock held."""
         sizes = [s.capacity for s in self._slots if s.path is not None]
         if len(sizes) < 2:
             return  # no size has two slot files
