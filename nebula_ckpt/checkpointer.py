@@ -450,8 +450,9 @@ class Checkpointer(HealthReports):
         checkpoint refers to stays (listed) until none does; then retention deletes it.
 
         Multi-rank jobs: a shared tier's checkpoint is removed by the coordinator (rank 0) only,
-        each rank's own tier (memory) by that rank: call it on every rank. Called on rank 0 alone,
-        the other ranks' memory tiers keep their part until retention drops it, never restored.
+        each rank's own tier (memory) and the copies it holds of its partners' (replicas) by that
+        rank: call it on every rank. Called on rank 0 alone, the other ranks' memory tiers keep
+        their part until retention drops it, never restored.
 
         Raises:
             ValidationError: neither or both of ``step`` and ``tag``, or a malformed one.

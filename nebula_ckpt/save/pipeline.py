@@ -387,6 +387,8 @@ class SavePipeline:
         for h in self.pending(match):
             h.wait(None)
         steps = which()
+        if self.replicator is not None:  # the partners' copies first: a keep round waiting cannot bring one back
+            self.replicator.forget(steps)
         co = self.coordinator
         removed: set[int] = set()
         for w in self.start():

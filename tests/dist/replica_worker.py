@@ -107,6 +107,10 @@ def save() -> None:
             errors[step] = str(e)
         inodes[step] = _held_inodes(ck, step)  # the round is over on every rank once h is done
         sent[step], own[step] = ck.stats()["replicas"]["sent_bytes"], _own_step(step)
+    if SCENARIO == "save_remove":  # the newest step removed on every rank, then a crash (no close)
+        digests["removed"] = ck.remove(STEPS)
+        torch.distributed.barrier()  # each rank drops the copies it holds: look once every rank has
+        digests["replicas_left"] = glob.glob(f"{SHM_BASE}/*/nebula_ckpt-*/*/replicas/r*/step-{STEPS}")
     _report({"digests": digests, "written": written, "errors": errors, "stats": ck.stats(), "inodes": inodes,
              "sent": sent, "own": own,
              "nice": {"training": os.getpriority(os.PRIO_PROCESS, 0), "threads": _thread_nice()}})
@@ -177,5 +181,5 @@ def restore() -> None:
 
 if __name__ == "__main__":
     with gloo():
-        {"save": save, "save_kill_receiving": save, "save_frozen": save, "save_frozen_drop": save,
+        {"save": save, "save_remove": save, "save_kill_receiving": save, "save_frozen": save, "save_frozen_drop": save,
          "save_frozen_flip": save, "restore": restore, "restore_frozen": restore}[SCENARIO]()

@@ -109,6 +109,17 @@ def test_a_step_only_in_memory_survives_the_loss_of_either_node(tmp_path: Path) 
         assert len(list((job.shm / f"n{lost}").glob("nebula_ckpt-*/*/step-3/COMMIT"))) == len(lost_ranks)
 
 
+def test_a_removed_step_is_not_restored_from_the_partners_copies(tmp_path: Path) -> None:
+    """remove(step) on every rank drops the copies the partners hold too: a job that crashes after
+    it restarts from what is left (step 1 on the disk tier; the memory tiers kept only step 3),
+    never from a copy of the step it removed (found by the stateful test's two-rank machine)."""
+    job = Job(tmp_path, "0,1", k=1)
+    saved = job.run("save_remove")
+    for s in saved:
+        assert not s["errors"] and s["digests"]["removed"] == [3] and s["digests"]["replicas_left"] == []
+    _check_exact(saved, job.run("restore"), 1)
+
+
 def test_sigkill_while_receiving_leaves_no_partial_replica_visible(tmp_path: Path) -> None:
     job = Job(tmp_path, "0,0,1,1", k=1)
     # rank 1 (node 0) holds rank 3's replicas; it is killed receiving step 3's copy

@@ -298,6 +298,37 @@ class Ranks(RuleBasedStateMachine):
         self._kill_job()
 
     @precondition(lambda self: self.job is not None)
+    @rule(which=st.sampled_from(["newest", "another"]), pick=st.integers(0, 7))
+    def remove(self, which: str, pick: int) -> None:
+        """``ck.remove(step)`` on every rank (what the docs ask of a multi-rank job): the newest step
+        the job's tiers may hold, or another. The step goes from the shared disk tier (the
+        coordinator deletes it), from every rank's memory tier and from the copies the partners
+        hold, but where a later checkpoint of that tier may refer to its bytes (it stays listed
+        until none does): the newest step removed must never be restored again."""
+        job = self.job
+        assert job is not None
+        keys = ["disk"] + [self.own(r) for r in range(WORLD)] + [self.copy(r) for r in range(WORLD)]
+        steps = sorted(set().union(*(self.truth.maybe_steps(k) for k in keys)))
+        if not steps:
+            return
+        step = steps[-1] if which == "newest" else steps[pick % len(steps)]
+        self.note(f"remove step {step} on every rank")
+        if job.writer is None:  # a remove is a write: the job takes its writer generation now if not yet
+            self.writers += 1
+            job.writer = self.writers
+        got = self.everyone([{"op": "remove", "step": step} for _ in range(WORLD)])
+        if any(g is None for g in got):
+            self.fail(f"a rank died in remove({step}): {got}\n{job.procs[0].tail()}\n{job.procs[1].tail()}")
+        errors = [g["error"] for g in got if g is not None and "error" in g]
+        if errors:
+            self.fail(f"remove({step}) raised {errors}")
+        for k in keys:
+            t = self.truth.tier(k)
+            if step in t:  # gone, unless a later checkpoint there may refer to its bytes
+                later = [s for s in self.truth.maybe_steps(k) if s > step]
+                t[step] = t[step] | {ABSENT} if later else {ABSENT}
+
+    @precondition(lambda self: self.job is not None)
     @rule(how=st.sampled_from(["close", "destroy group, then close", "exit", "sigkill"]))
     def end_job(self, how: str) -> None:
         """``destroy group, then close``: the job's process group destroyed before close() (a slip

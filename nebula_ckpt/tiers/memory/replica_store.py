@@ -31,7 +31,7 @@ import os
 import re
 import shutil
 import uuid
-from typing import Mapping, Optional
+from typing import Collection, Mapping, Optional
 
 import torch
 
@@ -249,13 +249,30 @@ class ReplicaStore:
             return
         steps = [s for _, s in committed(d)]
         for s in sorted(steps)[:-keep] if keep > 0 else steps:
-            sd = os.path.join(d, step_dir(s))
-            try:
-                os.unlink(os.path.join(sd, COMMIT))
-            except OSError:
-                pass
-            self._keep_spares(rank, sd)
-            shutil.rmtree(sd, ignore_errors=True)
+            self._drop(rank, s)
+
+    def forget(self, steps: Collection[int]) -> list[tuple[int, int]]:
+        """Remove the replicas of ``steps`` held of every source rank (``remove()``), commit markers
+        first; ``(rank, step)`` of each removed. Planted links are left alone."""
+        gone = []
+        for rank in sorted(self.held()):
+            if _planted_link(self.source_dir(rank)):
+                continue
+            for s in sorted({s for _, s in committed(self.source_dir(rank))} & set(steps)):
+                self._drop(rank, s)
+                gone.append((rank, s))
+        return gone
+
+    def _drop(self, rank: int, step: int) -> None:
+        """Remove the replica of ``step`` of ``rank``: its commit marker first (no reader takes it from
+        then on), its shard files kept as spares for the next copy."""
+        sd = os.path.join(self.source_dir(rank), step_dir(step))
+        try:
+            os.unlink(os.path.join(sd, COMMIT))
+        except OSError:
+            pass
+        self._keep_spares(rank, sd)
+        shutil.rmtree(sd, ignore_errors=True)
 
     def drop_others(self, sources: set[int]) -> list[int]:
         """Remove the replicas of every rank not in ``sources`` (held for an earlier job whose

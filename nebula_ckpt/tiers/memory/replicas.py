@@ -179,6 +179,35 @@ class Replicator:
             raise box["error"]
         return dict(box["result"])
 
+    def forget(self, steps: Sequence[int]) -> None:
+        """Drop the copies of ``steps`` this rank holds for its sources (``remove()``, which every
+        rank calls: each drops what it holds), on the replicas' thread after the rounds queued
+        before (a keep round waiting too, which could bring a step back); waits for it."""
+        if self._rp.store is None:
+            return
+        done = Latch()
+        with self._cond:
+            alive = self._thread.is_alive()
+            if alive:
+                self._tasks.append(("forget", (list(steps), done)))
+                self._cond.notify_all()
+        if not alive:
+            self._forget_task(list(steps), done)
+        done.wait()
+
+    def _forget_task(self, steps: list[int], done: Latch) -> None:
+        try:
+            assert self._rp.store is not None
+            gone = self._rp.store.forget(set(steps))
+            if gone:
+                log.info("nebula_ckpt: rank %d: removed the copies (rank, step) %s it held (remove())", self.rank,
+                         gone)
+        except OSError as e:
+            log.warning("nebula_ckpt: rank %d: cannot remove the copies of step(s) %s it holds: %s", self.rank, steps,
+                        e)
+        finally:
+            done.set()
+
     def close(self, timeout: Optional[float] = None) -> None:
         """Finish the rounds of every save submitted, then stop the thread."""
         with self._cond:
@@ -224,6 +253,8 @@ class Replicator:
                 with self._cond:
                     save = self._saves.pop(arg)
                 self._save_round(save)
+            elif kind == "forget":
+                self._forget_task(*arg)
             else:
                 self._recover_task(*arg)
 
