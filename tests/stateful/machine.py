@@ -357,10 +357,7 @@ class Single(RuleBasedStateMachine):
         elif got["removed"] != [step]:
             self.fail(f"remove({step}) returned {got['removed']}")
         for k in keys:
-            t = self.truth.tier(k)
-            if step in t:  # gone, unless a later checkpoint there may refer to its bytes
-                later = [s for s in self.truth.maybe_steps(k) if s > step]
-                t[step] = t[step] | {ABSENT} if later else {ABSENT}
+            self.truth.removed(k, step)
 
     @precondition(lambda self: self.job is not None)
     @rule(how=st.sampled_from(["close", "exit", "sigkill"]))

@@ -135,6 +135,13 @@ class Truth:
     def drop_all(self, key: Hashable) -> None:
         self.tiers[key] = {}
 
+    def removed(self, key: Hashable, step: int) -> None:
+        """``remove(step)`` ran on a tier ``key`` the job writes: the step is gone there, unless a
+        later checkpoint of that tier may refer to its bytes (it stays listed until none does)."""
+        t = self.tier(key)
+        if step in t:
+            t[step] = t[step] | {ABSENT} if any(s > step for s in self.maybe_steps(key)) else {ABSENT}
+
     def may_drop(self, key: Hashable, step: int) -> None:
         self.tier(key).setdefault(step, {ABSENT}).add(ABSENT)
 

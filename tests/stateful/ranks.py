@@ -323,10 +323,7 @@ class Ranks(RuleBasedStateMachine):
         if errors:
             self.fail(f"remove({step}) raised {errors}")
         for k in keys:
-            t = self.truth.tier(k)
-            if step in t:  # gone, unless a later checkpoint there may refer to its bytes
-                later = [s for s in self.truth.maybe_steps(k) if s > step]
-                t[step] = t[step] | {ABSENT} if later else {ABSENT}
+            self.truth.removed(k, step)
 
     @precondition(lambda self: self.job is not None)
     @rule(how=st.sampled_from(["close", "destroy group, then close", "exit", "sigkill"]))
