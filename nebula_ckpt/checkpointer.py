@@ -30,8 +30,6 @@ from nebula_ckpt.tiers.memory.replicas import start_replicator
 
 log = logging.getLogger("nebula_ckpt")
 
-
-
 #: every Checkpointer not yet closed (strong references: a forgotten one must still be flushed at
 #: interpreter exit, see :func:`_close_at_exit`; close() removes it)
 _open_checkpointers: "set[Checkpointer]" = set()

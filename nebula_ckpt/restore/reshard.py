@@ -46,7 +46,7 @@ def _creates_state(obj: Any) -> bool:
     if not isinstance(groups, list) or not callable(getattr(obj, "load_state_dict", None)):
         return False
     params = [p for g in groups if isinstance(g, dict) for p in g.get("params", ())]
-    return all(isinstance(p, torch.Tensor) and type(p) in (torch.Tensor, torch.nn.Parameter) for p in params)
+    return all(type(p) in (torch.Tensor, torch.nn.Parameter) for p in params)
 
 
 def _dcp_load(flat: dict[str, Any], reader: NebulaStorageReader, process_group: Any, no_dist: bool) -> None:

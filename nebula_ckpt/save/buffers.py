@@ -232,13 +232,11 @@ class StagingPool:
         self._retire_anonymous()
         staging = [s for s in self._slots if not s.live()]
         extra = len(staging) - self.max_slots
-        for s in () if extra <= 0 else sorted((s for s in staging if not s.in_use), key=lambda s: s.path is not None):
-            if extra <= 0:
-                break
-            self._slots.remove(s)
-            staging.remove(s)
-            s.free()
-            extra -= 1
+        if extra > 0:  # the idle ones beyond it go, anonymous buffers first
+            for s in sorted((s for s in staging if not s.in_use), key=lambda s: s.path is not None)[:extra]:
+                self._slots.remove(s)
+                staging.remove(s)
+                s.free()
         return staging
 
     def copy_done(self) -> None:

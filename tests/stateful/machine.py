@@ -342,8 +342,7 @@ class Single(RuleBasedStateMachine):
         if not steps:
             return
         step = steps[-1] if which == "newest" else steps[pick % len(steps)]
-        surely = any(self.truth.tier(k).get(step, {ABSENT}) - {ABSENT} and len(self.truth.tier(k)[step]) == 1
-                     for k in keys)
+        surely = any(len(p) == 1 and ABSENT not in p for p in (self.truth.tier(k).get(step, {ABSENT}) for k in keys))
         self.note(f"remove step {step} on n{job.node}")
         if job.writer is None:  # a remove is a write: the job takes its writer generation now if not yet
             job.writer = self.new_writer()

@@ -255,10 +255,8 @@ class ReplicaStore:
         """Remove the replicas of ``steps`` held of every source rank (``remove()``), commit markers
         first; ``(rank, step)`` of each removed. Planted links are left alone."""
         gone = []
-        for rank in sorted(self.held()):
-            if _planted_link(self.source_dir(rank)):
-                continue
-            for s in sorted({s for _, s in committed(self.source_dir(rank))} & set(steps)):
+        for rank, have in sorted(self.held().items()):  # held(): planted links are not listed
+            for s in sorted({s for _, s in have} & set(steps)):
                 self._drop(rank, s)
                 gone.append((rank, s))
         return gone
