@@ -13,12 +13,13 @@ every tier may hold; audits read every committed step of every tier back.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Hashable, Optional
 
@@ -104,6 +105,20 @@ class Job:
     saves: int = 0          # saves that went ahead (the disk tier's cadence counts them)
     cursor: int = -1        # the step the job is at (restored or saved last)
     saved_steps: tuple[int, ...] = ()
+    health: "Signal" = field(default_factory=lambda: Signal())
+
+
+@dataclass
+class Signal:
+    """What the job's Checkpointer knows of the training signal (``report()``, docs/health.md): the
+    checkpoint it restored, the reported steps since, the steps it saved since, whether the last
+    report was bad."""
+
+    restored: Optional[tuple[int, int]] = None   # (writer, step)
+    since: int = 0
+    descendants: list[int] = field(default_factory=list)
+    bad: bool = False
+    last: Optional[int] = None
 
 
 class Single(RuleBasedStateMachine):
@@ -192,12 +207,15 @@ class Single(RuleBasedStateMachine):
 
     def check_restore(self, got: dict[str, Any], node: int) -> None:
         keys = [self.mem(node), "disk"]
-        if "error" in got:
-            self.fail(f"restore on n{node} raised {got['error']}")
-        want = self.truth.target(keys)
+        want = self.truth.target(keys, frozenset(self.truth.suspect()))
         where = f"restore on n{node}"
+        if "error" in got:
+            # every step it could open is marked suspect: load_latest raises, naming them (docs/health.md)
+            if not (want is None and self.truth.target(keys) is not None and
+                    got["error"].startswith("CorruptCheckpointError") and "marked suspect" in got["error"]):
+                self.fail(f"{where} raised {got['error']}")
         if want is None:
-            if got["step"] is not None:
+            if got.get("step") is not None:
                 self.fail(f"{where} opened step {got['step']} where nothing is committed")
         else:
             step, entry, key = want
@@ -212,6 +230,7 @@ class Single(RuleBasedStateMachine):
                           f"committed on a tier it reaches is step {step}, {entry} on {key}")
             assert self.job is not None
             self.job.cursor = step
+            self.job.health = Signal(restored=(entry.writer, step))  # a new Checkpointer's restore: reports judge it
             # a restore from the memory tier may hand its pages over (the step leaves the memory
             # tier) when the root holds that very save of the step
             disk = self.truth.entries("disk")
@@ -257,6 +276,10 @@ class Single(RuleBasedStateMachine):
                       f"save {job.saves} of this job)")
         job.saves += 1
         job.cursor = step
+        if job.health.bad:  # saved after a bad report and before any finite one: suspect at once
+            self.truth.marks[(job.writer, step)] = "suspect"
+        elif job.health.restored is not None:
+            job.health.descendants.append(step)
         job.saved_steps = tuple(sorted(set(job.saved_steps) | {step}))
         self.truth.commit(self.mem(job.node), step, entry, self.tiers["memory_keep"])
         if disk:
@@ -298,7 +321,7 @@ class Single(RuleBasedStateMachine):
             return
         self._save(job.cursor if current and job.cursor in known else known[pick % len(known)])
 
-    @precondition(lambda self: self.job is not None)
+    @precondition(lambda self: self.job is not None and not self.job.health.bad)
     @rule(point=st.sampled_from(save_points()), skip=st.integers(0, 1), again=st.booleans(), gap=st.integers(1, 2))
     def kill_in_save(self, point: str, skip: int, again: bool, gap: int) -> None:
         """A save (of a new step, or of the current one again) killed with SIGKILL at ``point``."""
@@ -318,6 +341,7 @@ class Single(RuleBasedStateMachine):
         assert job is not None
         self.audit(job.node)  # what the restore must open: every tier's steps known
         self.note(f"a second Checkpointer in the job on n{job.node}")
+        job.health = Signal()  # the new Checkpointer's own training signal
         got = job.proc.call({"op": "reopen"})
         if got is None:
             self.fail(f"the job on n{job.node} died while a second Checkpointer restored (log: {job.proc.log_path}):\n"
@@ -326,6 +350,42 @@ class Single(RuleBasedStateMachine):
         self.check_restore(got, job.node)
         job.writer, job.saves = None, 0  # a new writer, whose disk cadence counts from its first save
         self._save(job.cursor + gap)
+
+    @precondition(lambda self: self.job is not None)
+    @rule(losses=st.lists(st.booleans(), min_size=1, max_size=3), repeat=st.booleans())
+    def report(self, losses: list[bool], repeat: bool) -> None:
+        """``ck.report(step, loss=...)`` for the steps after the job's (``losses``: finite or NaN; a
+        step reported twice when ``repeat``, as gradient accumulation does). A bad loss within
+        ``suspect_within`` (50) reported steps of the restore from step S marks S suspect and every
+        step the job saved since; a save after a bad loss and before a finite one is suspect at
+        once (docs/health.md). The next restore of the newest step must skip them."""
+        job = self.job
+        assert job is not None
+        steps = [job.cursor + 1 + i for i in range(len(losses))]
+        if repeat:
+            steps, losses = [steps[0], *steps], [losses[0], *losses]
+        pairs = list(zip(steps, losses, strict=True))
+        self.note("report " + ", ".join(f"{s}: {'finite' if ok else 'NaN'}" for s, ok in pairs))
+        got = job.proc.call({"op": "report", "reports": [[s, ok] for s, ok in pairs]})
+        if got is None or "error" in got:
+            self.fail(f"report() on n{job.node} failed: {got}")
+        sig = job.health
+        for step, ok in pairs:
+            new = step != sig.last
+            sig.last = step
+            if new and sig.restored is not None:
+                sig.since += 1
+                if sig.since > 50:  # the restore passed its window
+                    sig.restored, sig.descendants = None, []
+            if not ok:
+                if sig.restored is not None:
+                    self.truth.marks[sig.restored] = "suspect"
+                    for d in sig.descendants:
+                        self.truth.marks[(job.writer, d)] = "suspect"  # type: ignore[index]
+                    sig.restored, sig.descendants = None, []
+                sig.bad = True
+            elif new:
+                sig.bad = False
 
     @precondition(lambda self: self.job is not None)
     @rule(which=st.sampled_from(["newest", "another"]), pick=st.integers(0, 7))
@@ -447,6 +507,40 @@ class Single(RuleBasedStateMachine):
         if copy:
             assert newest is not None
             self.truth.commit("disk", newest[0], newest[1], 0, drops=False)
+
+    @rule(node=st.sampled_from(NODES), suspect=st.booleans(), which=st.sampled_from(["newest", "another"]),
+          pick=st.integers(0, 7))
+    def mark(self, node: int, suspect: bool, which: str, pick: int) -> None:
+        """A person's health mark, ``nebula-ckpt mark ROOT --suspect STEP`` (or ``--healthy``) on
+        ``node``: every committed copy of the step on the tiers the node reads (its memory tier, the
+        disk tier) is marked, each under the writer generation that committed it; from then on a
+        restore of the newest step skips the suspect ones (``--healthy`` clears the mark), and
+        ``load_latest`` raises when every step it could open is suspect (docs/health.md)."""
+        if not os.path.isdir(self.path):
+            return
+        self.audit(node)  # every copy known, with its writer's generation
+        keys = [self.mem(node), "disk"]
+        steps = sorted({s for k in keys for s in self.truth.entries(k)})
+        step = (steps[-1] if which == "newest" else steps[pick % len(steps)]) if steps else pick
+        copies = {e.writer for k in keys for s, e in self.truth.entries(k).items() if s == step}
+        flag = "--suspect" if suspect else "--healthy"
+        self.note(f"mark {flag} {step} on n{node}")
+        got = self.shared.tool().call({"op": "cli", "argv": ["mark", self.path, flag, str(step), "--json"],
+                                       "shm": self.shm_of(node), "node": f"n{node}"})
+        assert got is not None
+        if not copies:
+            if got["code"] != 1:
+                self.fail(f"mark {flag} {step} of a step committed nowhere exited {got['code']}: {got['stderr']}")
+            return
+        if got["code"] != 0:
+            self.fail(f"mark {flag} {step} on n{node} exited {got['code']}: {got['stdout']} {got['stderr']}")
+        marked = sorted(r["generation"] for r in json.loads(got["stdout"]))
+        want = sorted(self.truth.gens[w] for w in copies)
+        if marked != want:
+            self.fail(f"mark {flag} {step} on n{node} marked writer generations {marked}; the step's copies there "
+                      f"carry {want}")
+        for w in copies:
+            self.truth.marks[(w, step)] = "suspect" if suspect else "healthy"
 
     @rule(node=st.sampled_from(NODES))
     def lose_node(self, node: int) -> None:

@@ -61,6 +61,10 @@ class Violation(AssertionError):
 class Truth:
     saves: dict[int, Save] = field(default_factory=dict)
     tiers: dict[Hashable, dict[int, set[Optional[Entry]]]] = field(default_factory=dict)
+    #: a person's health marks (``nebula-ckpt mark``): (writer, step) -> "suspect" or "healthy"
+    marks: dict[tuple[int, int], str] = field(default_factory=dict)
+    #: each writer's generation, as audits read it from the commit markers
+    gens: dict[int, int] = field(default_factory=dict)
 
     # -- reading ---------------------------------------------------------------------------------
     def tier(self, key: Hashable) -> dict[int, set[Optional[Entry]]]:
@@ -81,12 +85,20 @@ class Truth:
     def maybe_steps(self, key: Hashable) -> list[int]:
         return sorted(s for s, p in self.tier(key).items() if p - {ABSENT})
 
-    def target(self, keys: list[Hashable]) -> Optional[tuple[int, Entry, Hashable]]:
+    def suspect(self) -> set[tuple[int, int]]:
+        """The (writer, step) checkpoints marked suspect: a restore of the newest step skips them."""
+        return {ws for ws, m in self.marks.items() if m == "suspect"}
+
+    def target(self, keys: list[Hashable], skip: frozenset[tuple[int, int]] = frozenset()
+               ) -> Optional[tuple[int, Entry, Hashable]]:
         """What a restore reading ``keys`` (fastest first) must open: the newest (writer, step), the
-        later save of a step saved twice, the fastest tier for one save."""
+        later save of a step saved twice, the fastest tier for one save; none of ``skip``'s
+        (writer, step)."""
         best: Optional[tuple[tuple[int, int, int, int], int, Entry, Hashable]] = None
         for i, k in enumerate(keys):
             for s, e in self.entries(k).items():
+                if (e.writer, s) in skip:
+                    continue
                 order = (e.writer, s, e.sid, -i)  # of two saves of one step, the later one
                 if best is None or order > best[0]:
                     best = (order, s, e, k)
@@ -177,6 +189,10 @@ class Truth:
             if not match:
                 raise Violation(f"{where}: step {s} holds save #{sid}; the model allows only {_show(p)}")
             t[s] = {match[0]}
+            gen = self.gens.setdefault(match[0].writer, got["gen"]) if "gen" in got else None
+            if gen is not None and gen != got["gen"]:
+                raise Violation(f"{where}: step {s} ({match[0]}) carries writer generation {got['gen']}; that "
+                                f"writer's other checkpoints carry {gen}")
         for s in [s for s in t if s not in found]:
             del t[s]
 

@@ -189,6 +189,16 @@ class Worker:
         return {"ok": err is None, "error": err, "written": sorted({t.split(":")[0] for t in h.tiers_written}),
                 "dropped": sorted({t.split(":")[0] for t in h.tiers_dropped})}
 
+    def op_report(self, cmd: dict[str, Any]) -> dict[str, Any]:
+        """``ck.report(step, loss=...)`` for each ``[step, finite]`` of ``cmd["reports"]`` (NaN when not finite)."""
+        assert self.ck is not None
+        try:
+            for step, finite in cmd["reports"]:
+                self.ck.report(int(step), loss=1.0 if finite else float("nan"))
+        except Exception as e:
+            return {"error": f"{type(e).__name__}: {e}"}
+        return {}
+
     def op_remove(self, cmd: dict[str, Any]) -> dict[str, Any]:
         """``ck.remove(step)``: the steps removed, or the error."""
         assert self.ck is not None
