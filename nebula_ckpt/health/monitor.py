@@ -105,6 +105,7 @@ class HealthMonitor:
         self._workers: Optional[Workers] = None
         self._futures: list[Future[Any]] = []
         self._healthy_written = 0
+        self._confirmed: Optional[int] = None
         #: whether this process reported anything yet
         self.reported = False
 
@@ -145,9 +146,21 @@ class HealthMonitor:
         on judge it (and a run from it begins: what was pending before is no longer followed)."""
         with self._lock:
             self._restored, self._since_restore, self._descendants = (generation, step), 0, []
+            self._confirmed = None  # a run from the restored step begins; its marks are on the root
             self._bad, self._last_step = None, None
             follow = self.rank == 0 and state not in (HEALTHY, SUSPECT)
             self._pending = {step: _Pending(generation, step)} if follow else {}
+
+    def held(self, committed: list[int]) -> set[int]:
+        """Of ``committed`` (a tier's steps), those retention keeps beside ``keep_last`` so that a
+        good step is never deleted before it could be confirmed: the oldest one still waiting for
+        its finite reports, and the newest this process confirmed healthy (its mark may still be
+        on its way). A job that saves more often than it reports, or keeps one checkpoint, would
+        otherwise delete every step before its mark, and be left with suspect ones only. Any thread."""
+        on_tier = set(committed)
+        with self._lock:
+            waiting = next((s for s in self._pending if s in on_tier), None)
+            return {s for s in (waiting, self._confirmed) if s is not None and s in on_tier}
 
     # -- decisions --------------------------------------------------------------------------------
     def _judge(self, step: int, loss: float, grad_norm: Optional[float]) -> Optional[str]:
@@ -185,6 +198,8 @@ class HealthMonitor:
             p.first = step if p.first is None else p.first
             if p.finite >= self.policy.healthy_after:
                 done.append(p)
+        if done:
+            self._confirmed = done[-1].step  # the newest saved of them (a save moves its step to the end)
         for p in done:
             del self._pending[p.step]
             span = f"step {p.first}" if p.first == step else f"steps {p.first}-{step}"

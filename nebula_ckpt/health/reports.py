@@ -56,10 +56,13 @@ class HealthReports:
                 rt.keep_also = functools.partial(self._keep_healthy, book, rt.storage)
 
     def _keep_healthy(self, book: HealthBook, storage: Storage, committed: list[int]) -> set[int]:
-        """Retention (a tier's writer thread): the newest healthy step of ``committed``, once this
+        """Retention (a tier's writer thread): of ``committed``, the newest healthy step and the steps
+        the monitor holds until they could be confirmed (:meth:`HealthMonitor.held`), once this
         process reported (a job that never reports keeps exactly what ``keep_last`` says)."""
         monitor = self._health
-        return newest_healthy(book, storage, committed) if monitor is not None and monitor.reported else set()
+        if monitor is None or not monitor.reported:
+            return set()
+        return newest_healthy(book, storage, committed) | monitor.held(committed)
 
     def _saved(self, step: int, handle: Any) -> Any:
         """``save_async(step)`` returned ``handle``: the monitor follows the step; ``handle``."""

@@ -198,6 +198,25 @@ def test_retention_keeps_the_newest_healthy_step_while_newer_ones_are_suspect(ro
     assert got == 0 and last is not None and [x["step"] for x in last["skipped"]] == [7, 6]
 
 
+@pytest.mark.parametrize("keep_last, report_every, bad_from", [(1, 1, 6), (3, 5, 25)])
+def test_retention_never_deletes_every_good_step_before_it_could_be_confirmed(
+        root: str, keep_last: int, report_every: int, bad_from: int) -> None:
+    """A step is confirmed healthy only ``healthy_after`` reports after its save: a job that keeps
+    one checkpoint, or saves more often than it reports, must not delete each step before that,
+    or a divergence leaves nothing but suspect steps to restore."""
+    with nc.Checkpointer(root, keep_last=keep_last, memory_tier=False) as ck:
+        for step in range(bad_from + 15):
+            if step % report_every == 0:
+                ck.report(step, loss=1.0 if step < bad_from else NAN)
+            ck.save(step, _state(step))
+            ck.wait()
+    healthy = [s for s, m in marks(root).items() if m == "healthy"]
+    assert healthy and max(healthy) < bad_from
+    got, last = run(root, range(0))
+    assert got == max(healthy) and last is not None and last["health"] == "healthy"
+    assert len(marks(root)) <= keep_last + 3  # what is held beyond keep_last stays bounded
+
+
 def test_a_step_asked_for_is_restored_even_when_suspect_and_says_so(
         root: str, caplog: pytest.LogCaptureFixture) -> None:
     run(root, range(0, 3), restore=False)
