@@ -184,7 +184,9 @@ class HealthMonitor:
             n = self._since_restore
             marks: list[tuple[Optional[int], int, str]] = [
                 (g, s, f"{why}, {n} reported step{'s' if n != 1 else ''} after a restore from it")]
-            marks += [(None, d, f"saved from step {s}, which went bad ({why})") for d in self._descendants if d != s]
+            # every step saved since, the restored step saved again by this run included (its own
+            # generation's checkpoint of that step carries the same state forward)
+            marks += [(None, d, f"saved from step {s}, which went bad ({why})") for d in self._descendants]
             self._restored, self._descendants = None, []
             self._suspect(marks)
         self._pending = {}  # not confirmed: they stay unknown

@@ -198,6 +198,19 @@ def test_retention_keeps_the_newest_healthy_step_while_newer_ones_are_suspect(ro
     assert got == 0 and last is not None and [x["step"] for x in last["skipped"]] == [7, 6]
 
 
+def test_the_restored_step_saved_again_goes_suspect_with_it(root: str) -> None:
+    """A run that restored step 5 and saved step 5 again (its own checkpoint of that step replaces
+    the restored one) carries the restored state forward: a bad loss marks that save too, so the
+    next restart does not restore the same state again."""
+    run(root, range(0, 6), restore=False)                       # steps 0 and 5
+    with nc.Checkpointer(root) as ck:
+        assert ck.load_latest(into=_state(0)) == 5
+        ck.save(5, _state(5))
+        ck.report(6, loss=NAN)
+    got, last = run(root, range(0))
+    assert got == 0 and last is not None and [x["step"] for x in last["skipped"]] == [5]
+
+
 @pytest.mark.parametrize("keep_last, report_every, bad_from", [(1, 1, 6), (3, 5, 25)])
 def test_retention_never_deletes_every_good_step_before_it_could_be_confirmed(
         root: str, keep_last: int, report_every: int, bad_from: int) -> None:
