@@ -2,18 +2,19 @@
 
 :func:`stage_apply` walks the saved tree against ``into`` (:class:`~nebula_ckpt.restore.walk.TreeWalk`):
 keys, shapes and dtypes are checked and every owned copy is made (checksums checked while
-copying) before anything in ``into`` changes; what it returns makes the changes. Modules load
-zero-copy views of the mapped shard bytes (each submodule's source pages unmapped once loaded);
-optimizers and new values get owned copies (:mod:`nebula_ckpt.restore.copies`).
+copying) before anything in ``into`` changes; what it returns makes the changes: the optimizers
+load first, then the rest in the tree's order (:class:`ObjectLoads`). Modules load zero-copy views
+of the mapped shard bytes (each submodule's source pages unmapped once loaded); optimizers and new
+values get owned copies (:mod:`nebula_ckpt.restore.copies`).
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable, Mapping, Optional
+from typing import Any, Callable, Mapping, NoReturn, Optional
 
 import torch
 
-from nebula_ckpt.errors import ValidationError
+from nebula_ckpt.errors import NebulaError, ValidationError
 from nebula_ckpt.format.records import TensorRecord
 from nebula_ckpt.format.tree import decode
 from nebula_ckpt.native import get_ops
@@ -64,7 +65,11 @@ def stage_apply(ck: OpenCheckpoint, into: Any, *, map_location: Any = None, stri
     makes the owned copies (optimizer state, new tensors) in parallel while checking their
     checksums, and checks the checksums of the bytes that will be copied into existing tensors
     (``CorruptCheckpointError``). Nothing in ``into`` has changed when this returns or raises;
-    the returned function applies it.
+    the returned function applies it: every optimizer's ``load_state_dict`` first, then the rest
+    in the tree's order. A ``load_state_dict`` that raises all the same (a custom loading) is an
+    error naming its key in ``into`` and saying what holds (:class:`ObjectLoads`): an optimizer's
+    failure puts the optimizers back as they were, nothing else having changed; a later one may
+    leave the objects loaded before it, and itself, partly restored.
     """
     if any(r.dtensor is not None for r in ck.manifest.tensors.values()):
         ck.meshes.update(meshes(into))
@@ -87,6 +92,7 @@ def stage_apply(ck: OpenCheckpoint, into: Any, *, map_location: Any = None, stri
     def go() -> None:
         adoption = ck.adoption
         try:
+            walk.loads.run_first()
             run()
         finally:
             if adoption is not None:
@@ -185,6 +191,88 @@ class Staged:
 
 
 
+class ObjectLoads:
+    """The ``load_state_dict`` calls of a restore, made once everything was read and checked:
+    the optimizers' first (torch checks an optimizer's state only as it loads it, after the
+    objects before it in ``into`` were loaded), then the others in the tree's order.
+
+    A load that raises all the same (a custom ``__setstate__`` or load hook, a state no check
+    foresaw) is raised again as a :class:`ValidationError` (a :class:`NebulaError` keeps its
+    class) naming the object's key in ``into``, the error, and what holds:
+
+    - an optimizer's: it and the optimizers loaded before it get their attributes back as they
+      were (``state`` and ``param_groups``: what torch's ``load_state_dict`` replaces), and
+      nothing else has changed yet: ``into`` is untouched. Except where an optimizer loads
+      otherwise than through torch's ``Optimizer.load_state_dict`` (a wrapper's changes the
+      optimizer it wraps), or had its tensors refilled with the checkpoint's values before it
+      loaded (only where its loading is torch's own, of a state of the keys it holds:
+      :func:`~nebula_ckpt.restore.inplace.live_destinations`; one loaded so is kept loaded, the
+      checkpoint's state whole): the error then names those, as possibly partly restored;
+    - any other object's (a module, a scheduler): the objects loaded before it hold the
+      checkpoint's state and it may be partly restored; the error names them.
+    """
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+        self._first: list[tuple[str, Any, Thunk, bool]] = []
+        #: keys in ``into`` of the objects loaded so far
+        self.done: list[str] = []
+
+    def first(self, shown: str, target: Any, load: Thunk, refilled: bool) -> Thunk:
+        """Have the optimizer ``target`` (at ``shown``) loaded by ``load`` before the rest
+        (``refilled``: its tensors are refilled in place first); returns its thunk in the tree."""
+        self._first.append((shown, target, load, refilled))
+        return lambda: target
+
+    def run_first(self) -> None:
+        """Load the optimizers; on a failure put them back (see the class) and raise."""
+        before: list[tuple[str, Any, dict[str, Any], bool]] = []
+        for shown, target, load, refilled in self._first:
+            before.append((shown, target, dict(target.__dict__), refilled))
+            try:
+                load()
+            except BaseException as e:
+                # put back what has its old tensors still (one refilled and loaded keeps the checkpoint's state whole)
+                kept = [k for k, _, _, r in before[:-1] if r]
+                for k, obj, attrs, _ in reversed(before):
+                    if k not in kept:
+                        obj.__dict__.clear()
+                        obj.__dict__.update(attrs)
+                if not isinstance(e, Exception):
+                    raise
+                own = torch.optim.Optimizer.load_state_dict
+                self._raise(shown, target, e, kept + [k for k, obj, _, r in before
+                                                      if k not in kept and (r or type(obj).load_state_dict is not own)])
+            self.done.append(shown)
+
+    def guarded(self, shown: str, target: Any, load: Thunk) -> Thunk:
+        """``load`` (of the object ``target`` at ``shown``), its failure named (see the class)."""
+        def run() -> Any:
+            try:
+                out = load()
+            except Exception as e:
+                self._raise(shown, target, e, [*self.done, shown])
+            self.done.append(shown)
+            return out
+        return run
+
+    def _raise(self, shown: str, target: Any, e: Exception, partly: list[str]) -> NoReturn:
+        msg = (f"restore: the checkpoint of step {self.step} was read and checked, but loading it into the "
+               f"{type(target).__name__} under '{shown}' failed ({type(e).__name__}: {e}); ")
+        if partly:
+            msg += (f"the live objects under {partly} may be partly restored; the saved state does not fit "
+                    f"'{shown}': restore again into objects built as the ones that saved it (the same classes and "
+                    f"settings), or leave '{shown}' out of `into` and pass strict=False")
+        else:
+            msg += (f"nothing in `into` changed (the optimizers were put back as they were); the saved state does not "
+                    f"fit it: restore into an object built as the one that saved it (the same class and settings), or "
+                    f"leave '{shown}' out of `into` and pass strict=False")
+        if isinstance(e, NebulaError):
+            e.args = (msg,)
+            raise e
+        raise ValidationError(msg) from e
+
+
 def drop_after_each_submodule(ck: OpenCheckpoint, module: torch.nn.Module, state: Mapping[str, Any]) -> list[Any]:
     """Post hooks on ``module`` and its submodules that unmap the source pages of their own
     parameters and buffers as soon as ``load_state_dict`` has copied them (so a model's restore
@@ -214,6 +302,8 @@ class RestoreWalk(TreeWalk[Thunk]):
         super().__init__(strict, f"restore (step {st.ck.step})")
         self.st = st
         self.ck = st.ck
+        #: the objects' loads, optimizers first, each failure named (see :class:`ObjectLoads`)
+        self.loads = ObjectLoads(st.ck.step)
 
     def is_object(self, node: Mapping[str, Any], target: Any) -> bool:
         # a state dict saved as a plain dict (DCP's writer, a framework's dict) restored into the
@@ -222,6 +312,7 @@ class RestoreWalk(TreeWalk[Thunk]):
             and callable(getattr(target, "load_state_dict", None))
 
     def on_object(self, node: Mapping[str, Any], target: Any, path: str) -> Thunk:
+        saved_cls = node.get("cls") if node["t"] == "stateful" else None  # a plain dict: not known
         if node["t"] != "stateful":
             node = {"t": "stateful", "cls": type(target).__name__, "state": node}
         shown = path or "<root>"
@@ -232,17 +323,19 @@ class RestoreWalk(TreeWalk[Thunk]):
                                   f"the object given in `into` ({type(target).__name__}) has no load_state_dict()")
         if isinstance(target, torch.nn.Module):
             check_module_state(self.ck, node["state"], target, shown, self.strict)
-            return self._load_module(node["state"], target, path)
+            return self.loads.guarded(shown, target, self._load_module(node["state"], target, path))
         # Optimizers etc. keep the tensors they are given: hand them owned copies, or their own
         # tensors refilled where load_state_dict keeps those as they are
-        check_optimizer_state(self.ck, node["state"], target, shown)
+        check_optimizer_state(self.ck, node["state"], target, shown, saved_cls)
         live = live_destinations(self.ck, node["state"], target, shown) if all_cpu(self.st.map_location) else {}
         state = self.st.decode_owned(node["state"], path, live)
 
         def load_object() -> Any:
             target.load_state_dict(state())
             return target
-        return load_object
+        if isinstance(target, torch.optim.Optimizer):
+            return self.loads.first(shown, target, load_object, refilled=bool(live))
+        return self.loads.guarded(shown, target, load_object)
 
     def _load_module(self, state_node: Mapping[str, Any], target: torch.nn.Module, path: str) -> Thunk:
         ck, strict, allow_pickle = self.ck, self.strict, self.st.allow_pickle

@@ -15,10 +15,11 @@ restore copies the checked bytes straight into those tensors on the native copy 
 (:func:`refill`), then hands them over: no allocation, no page fault per 4 KiB, no intra-op
 parallel region per tensor, and the state keeps its storages (a later save plans the same layout).
 
-Only where the loading is torch's own (optimizers: no hooks, no override; modules: no hooks and no
-loading from outside ``torch.nn``, :func:`predictable`), and each live tensor is a plain contiguous
-CPU tensor of the saved dtype and shape, held by no other destination (or, in a module, tied to
-keys saved as that very tensor); every other tensor gets an owned copy, or a copy by
+Only where the loading is torch's own (optimizers: no hooks, no override, torch.optim's own
+``__setstate__``, and every parameter's saved state of the keys its live state has; modules: no
+hooks and no loading from outside ``torch.nn``, :func:`predictable`), and each live tensor is a
+plain contiguous CPU tensor of the saved dtype and shape, held by no other destination (or, in a
+module, tied to keys saved as that very tensor); every other tensor gets an owned copy, or a copy by
 ``load_state_dict``, as before. The copies run when the restore is applied, after every checksum of
 the checkpoint was checked (:func:`~nebula_ckpt.restore.apply.stage_apply`): nothing changes
 before.
@@ -26,6 +27,7 @@ before.
 
 from __future__ import annotations
 
+import logging
 from typing import Any, Mapping
 
 import torch
@@ -35,6 +37,8 @@ from nebula_ckpt.format.records import TensorRecord
 from nebula_ckpt.format.tree import decode
 from nebula_ckpt.native import get_ops
 from nebula_ckpt.restore.open import OpenCheckpoint, chunks
+
+log = logging.getLogger(__name__)
 
 # -- checks: the objects before anything in them changes ------------------------------------------
 
@@ -63,7 +67,12 @@ def check_module_state(ck: OpenCheckpoint, state: Mapping[str, Any], target: tor
     """Refuse, before anything changes, a module state that ``load_state_dict`` would refuse only
     after it copied what matches: keys missing or unexpected (``strict``) and shapes that differ
     (always), named. Checked where the module's loading is torch.nn's own (see :func:`predictable`);
-    anything else is left to the module (which may raise after a partial load, as with torch)."""
+    anything else is left to the module (which may raise after a partial load, as with torch).
+
+    With ``strict=False``, a state none of whose keys the module has (a model saved wrapped in
+    DistributedDataParallel or ``torch.compile``, restored unwrapped: every key differs by a
+    ``module.`` / ``_orig_mod.`` prefix) would restore nothing into it: that is logged at WARNING,
+    naming ``shown``, a key of each side and the fix."""
     if state.get("t") not in ("dict", "odict") or not predictable(target):
         return
     want = target.state_dict(keep_vars=True)
@@ -78,8 +87,15 @@ def check_module_state(ck: OpenCheckpoint, state: Mapping[str, Any], target: tor
             raise ValidationError(
                 f"restore: the {type(target).__name__} under '{shown}' does not match the checkpoint of step "
                 f"{ck.step}: missing in the checkpoint {missing[:5]}{' ...' if len(missing) > 5 else ''}, "
-                f"not in the module {unexpected[:5]}{' ...' if len(unexpected) > 5 else ''}; build the model the "
-                "checkpoint was saved from, or pass strict=False (keys only: shapes must match)")
+                f"not in the module {unexpected[:5]}{' ...' if len(unexpected) > 5 else ''}; "
+                + (prefix_fix(list(saved), list(want), shown) or "build the model the checkpoint was saved from, "
+                   "or pass strict=False to restore only the keys both have (shapes must match)"))
+    elif want and not any(k in want for k in saved):
+        s_key, w_key = next(iter(saved), None), next(iter(want))
+        log.warning("nebula_ckpt: restore (strict=False) of step %d restores nothing into the %s under '%s': none "
+                    "of the checkpoint's keys (%r, ...) is one of the module's (%r, ...); %s", ck.step,
+                    type(target).__name__, shown, s_key, w_key, prefix_fix(list(saved), list(want), shown) or
+                    "build the model the checkpoint was saved from, or leave it out of `into`")
     for k, v_node in saved.items():
         have = want.get(k)
         if not isinstance(v_node, dict) or v_node.get("t") != "tensor" or have is None or type(have) not in (
@@ -93,20 +109,76 @@ def check_module_state(ck: OpenCheckpoint, state: Mapping[str, Any], target: tor
                 "from, or use read() to look at it")
 
 
-def check_optimizer_state(ck: OpenCheckpoint, state: Mapping[str, Any], target: Any, shown: str) -> None:
-    """Refuse, before anything changes, an optimizer state whose parameter groups do not match
-    ``target``'s (what ``torch.optim.Optimizer.load_state_dict`` refuses, but only when it is
-    applied, after the objects before it in ``into`` were loaded). Optimizers with loading of
-    their own are left to it."""
+#: the prefixes a wrapper puts before its module's keys: DistributedDataParallel / DataParallel,
+#: and torch.compile's OptimizedModule
+_WRAPPER_PREFIXES = ("module.", "_orig_mod.")
+
+
+def _unwrapped(key: str) -> tuple[str, str]:
+    """``(prefix, rest)`` of a module key: the wrappers' prefixes it starts with, and the key after them."""
+    rest = key
+    while rest.startswith(_WRAPPER_PREFIXES):
+        rest = rest.split(".", 1)[1]
+    return key[:len(key) - len(rest)], rest
+
+
+def prefix_fix(saved: list[str], live: list[str], shown: str) -> str:
+    """When the saved keys and the module's differ only by a wrapper's prefix (``module.``,
+    ``_orig_mod.``), what to do about it; ``""`` otherwise."""
+    if not saved or not live:
+        return ""
+    (s_pre, _), (l_pre, _) = _unwrapped(saved[0]), _unwrapped(live[0])
+    if s_pre == l_pre or {_unwrapped(k)[1] for k in saved}.isdisjoint(_unwrapped(k)[1] for k in live):
+        return ""
+    what = f"the checkpoint's keys start with '{s_pre}'" if s_pre else "the checkpoint's keys have no prefix"
+    what += f" and the module's with '{l_pre}'" if l_pre else " and the module's have none"
+    if s_pre.startswith(l_pre):  # saved wrapped, restored into the bare model
+        fix = (f"restore into the model wrapped as when it was saved ('module.': DistributedDataParallel or "
+               f"DataParallel, '_orig_mod.': torch.compile), or read() the state and strip '{s_pre}' from its keys "
+               "(torch.nn.modules.utils.consume_prefix_in_state_dict_if_present)")
+    else:
+        fix = f"restore into the model the wrapper holds: `into={{'{shown}': model.module}}` ('module.') or " \
+              "`model._orig_mod` ('_orig_mod.')"
+    return f"{what} (a wrapper's prefix): {fix}; strict=False would restore nothing of it"
+
+
+#: keys a parameter group may hold besides its optimizer's hyperparameters: the parameters and
+#: their names, and what torch's learning-rate schedulers add (a run saved with a scheduler is
+#: restored into an optimizer whose scheduler is built again after the restore)
+_GROUP_EXTRAS = frozenset({"params", "param_names", "initial_lr", "max_lr", "min_lr", "max_momentum",
+                           "base_momentum", "swa_lr"})
+
+
+def check_optimizer_state(ck: OpenCheckpoint, state: Mapping[str, Any], target: Any, shown: str,
+                          saved_cls: Any = None) -> None:
+    """Refuse, before anything changes, an optimizer state ``target`` cannot take, which
+    ``torch.optim.Optimizer.load_state_dict`` refuses (or its ``__setstate__`` fails on) only when
+    it is applied, after the objects before it in ``into`` were loaded:
+
+    - parameter groups of other numbers of parameters;
+    - a parameter group with a key that ``target``'s group lacks (another kind of optimizer: an
+      SGD's ``momentum`` in an Adam). Keys the saved group lacks are no mismatch (a checkpoint of
+      an older torch lacks the newer ``foreach``, ``fused``, ``capturable``..., which torch fills
+      in), nor are ``param_names`` and the keys schedulers add (``initial_lr``...). Adam and
+      AdamW have the same keys and state in torch 2.x: either takes the other's state, as torch
+      lets it;
+    - when ``target`` has state already: a parameter's saved state keys and its live ones where
+      neither holds the other (another kind of optimizer, a renamed key; one holding the other is
+      a setting such as Adam's ``amsgrad``, which the saved groups bring along).
+
+    A few comparisons per parameter group and per state key. Optimizers with loading of their
+    own, or load hooks (which may rewrite the state), get the first check only, or none."""
     if not isinstance(target, torch.optim.Optimizer) or state.get("t") not in ("dict", "odict") or \
             type(target).load_state_dict is not torch.optim.Optimizer.load_state_dict:
         return
-    node = next((v for k, v in state["v"] if decode(k, ck.view, False, shown) == "param_groups"), None)
+    entries = {decode(k, ck.view, False, shown): v for k, v in state["v"]}
+    node = entries.get("param_groups")
     if node is None:
         return
     try:
         groups = decode(node, ck.view, False, shown)
         saved = [len(g["params"]) for g in groups]
+        saved_keys = [set(g) for g in groups]
     except Exception:  # not the shape torch writes: let load_state_dict say what it thinks
         return
     have = [len(g["params"]) for g in target.param_groups]
@@ -115,6 +187,46 @@ def check_optimizer_state(ck: OpenCheckpoint, state: Mapping[str, Any], target: 
             f"restore: the {type(target).__name__} under '{shown}' does not match the checkpoint of step {ck.step}: "
             f"it has {len(have)} parameter group(s) of {have} parameters, the checkpoint {len(saved)} of {saved}; "
             "build the optimizer over the same parameters, in the same groups, as when it was saved")
+    if getattr(target, "_optimizer_load_state_dict_pre_hooks", None):
+        return  # a hook may rename what was saved
+    by = f" ({saved_cls.rsplit('.', 1)[-1]})" if isinstance(saved_cls, str) else ""
+    for i, (keys, live) in enumerate(zip(saved_keys, target.param_groups, strict=True)):
+        foreign = sorted(str(k) for k in keys - live.keys() - _GROUP_EXTRAS)
+        if foreign:
+            raise ValidationError(
+                f"restore: the {type(target).__name__} under '{shown}' cannot take the optimizer state of step "
+                f"{ck.step}: it was saved by an optimizer{by} whose parameter group {i} has key(s) {foreign} that the "
+                f"live {type(target).__name__}'s lacks (saved: {sorted(map(str, keys - {'params'}))}; live: "
+                f"{sorted(k for k in live if k != 'params')}); restore into the optimizer class that saved it, or "
+                f"leave '{shown}' out of `into` and pass strict=False (the optimizer then starts afresh)")
+    if target.state:
+        _check_state_keys(ck, entries.get("state"), groups, target, shown, by)
+
+
+def _check_state_keys(ck: OpenCheckpoint, node: Any, groups: list[Any], target: torch.optim.Optimizer,
+                      shown: str, by: str) -> None:
+    """Refuse a saved per-parameter state whose keys and the live one's hold none the other (see
+    :func:`check_optimizer_state`)."""
+    if not isinstance(node, dict) or node.get("t") not in ("dict", "odict"):
+        return
+    params = enumerate(p for g in target.param_groups for p in g["params"])
+    try:
+        by_id = dict(zip((i for g in groups for i in g["params"]), params, strict=True))
+    except TypeError:  # ids that are no dict keys: not the layout torch writes, left to load_state_dict
+        return
+    for pk, pv in node["v"]:
+        n, param = by_id.get(decode(pk, ck.view, False, shown), (-1, None))
+        live = target.state.get(param) if param is not None else None
+        if not live or not isinstance(pv, dict) or pv.get("t") not in ("dict", "odict"):
+            continue
+        keys = {decode(nk, ck.view, False, shown) for nk, _ in pv["v"]}
+        if not keys <= live.keys() and not live.keys() <= keys:
+            raise ValidationError(
+                f"restore: the {type(target).__name__} under '{shown}' cannot take the optimizer state of step "
+                f"{ck.step}: the state of its parameter {n} was saved by an optimizer{by} with key(s) "
+                f"{sorted(map(str, keys - live.keys()))} the live one lacks, and lacks its "
+                f"{sorted(map(str, live.keys() - keys))}; restore into the optimizer class that saved it, or leave "
+                f"'{shown}' out of `into` and pass strict=False (the optimizer then starts afresh)")
 
 
 # -- live tensors refilled in place ---------------------------------------------------------------
@@ -130,7 +242,7 @@ def live_destinations(ck: OpenCheckpoint, state: Mapping[str, Any], target: Any,
     opt = torch.optim.Optimizer
     if not isinstance(target, opt) or type(target).load_state_dict is not opt.load_state_dict or \
             type(target).state_dict is not opt.state_dict or any(getattr(target, h, None) for h in _HOOKS) or \
-            state.get("t") not in ("dict", "odict") or not target.state:
+            not torch_setstate(target) or state.get("t") not in ("dict", "odict") or not target.state:
         return {}
     entries = {decode(k, ck.view, False, shown): v for k, v in state["v"]}
     saved_state, groups = entries.get("state"), entries.get("param_groups")
@@ -148,13 +260,25 @@ def live_destinations(ck: OpenCheckpoint, state: Mapping[str, Any], target: Any,
     for pk, pv in saved_state["v"]:
         param = by_id.get(decode(pk, ck.view, False, shown))
         live = target.state.get(param) if param is not None else None
-        if not isinstance(live, dict) or pv.get("t") not in ("dict", "odict"):
+        if not isinstance(live, dict) or not live or pv.get("t") not in ("dict", "odict"):
             continue
-        for nk, nv in pv["v"]:
-            have = live.get(decode(nk, ck.view, False, shown))
+        named = [(decode(nk, ck.view, False, shown), nv) for nk, nv in pv["v"]]
+        if {k for k, _ in named} != live.keys():
+            return {}  # not the state this optimizer holds: owned copies, nothing changed if its loading fails
+        for k, nv in named:
+            have = live[k]
             if nv.get("t") == "tensor" and isinstance(have, torch.Tensor) and _suits(have, ck, nv["k"]):
                 out[nv["k"]] = have
     return _distinct(ck, out)
+
+
+def torch_setstate(target: Any) -> bool:
+    """Whether the optimizer ``target``'s ``__setstate__`` (what ``load_state_dict`` ends with) is
+    torch.optim's own, which takes a state of the keys ``target`` holds: only then are its tensors
+    refilled before it loads (a load that failed after that could not be undone, see
+    :class:`~nebula_ckpt.restore.apply.ObjectLoads`)."""
+    owner = next((c for c in type(target).__mro__ if "__setstate__" in c.__dict__), object)
+    return owner.__module__.startswith("torch.optim.")
 
 
 def module_destinations(ck: OpenCheckpoint, state: Mapping[str, Any], target: torch.nn.Module,
