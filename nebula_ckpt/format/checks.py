@@ -15,6 +15,10 @@ from nebula_ckpt.errors import CorruptCheckpointError
 #: Bounds that keep hostile numbers cheap: no file of ours is anywhere near 2**62 bytes.
 MAX_BYTES = 1 << 62
 MAX_NDIM = 64
+#: the largest int64: a tensor dimension, a step, and what torch's sizes and element counts must fit
+MAX_INT64 = 2**63 - 1
+#: largest step: it must fit a signed 64-bit integer (file names, manifests, other readers)
+MAX_STEP = MAX_INT64
 
 
 def bad(where: str, what: str, fix: str = "") -> CorruptCheckpointError:
@@ -35,6 +39,12 @@ def as_int(v: Any, where: str, name: str, lo: int = 0, hi: int = MAX_BYTES) -> i
     if not lo <= v <= hi:
         raise bad(where, f"{name} = {short(v)} is out of range [{lo}, {hi}]")
     return v
+
+
+def as_step(v: Any, where: str, name: str = "step") -> int:
+    """``v`` as a step number: an int in ``[0, MAX_STEP]``, exactly what a save accepts (every
+    parser of a step field uses this, so no step a save wrote is refused when read back)."""
+    return as_int(v, where, name, hi=MAX_STEP)
 
 
 def as_str(v: Any, where: str, name: str) -> str:

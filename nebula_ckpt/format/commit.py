@@ -55,8 +55,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, ContextManager, Iterable, Optional, Protocol
 
 from nebula_ckpt.errors import CorruptCheckpointError
-from nebula_ckpt.format.checks import as_int, as_obj, bad
-from nebula_ckpt.format.manifest import Manifest
+from nebula_ckpt.format.checks import as_int, as_obj, as_step, bad
+from nebula_ckpt.format.manifest import MAX_MANIFEST_BYTES, Manifest
 from nebula_ckpt.format.names import (
     COMMIT,
     FORMAT,
@@ -69,6 +69,7 @@ from nebula_ckpt.format.names import (
 )
 from nebula_ckpt.native import get_ops
 from nebula_ckpt.storage.base import never_created
+from nebula_ckpt.storage.local import read_small_file
 
 if TYPE_CHECKING:
     from nebula_ckpt.storage.base import Storage
@@ -77,6 +78,10 @@ if TYPE_CHECKING:
 Write = tuple[int, int, int]
 
 log = logging.getLogger(__name__)
+
+#: the largest commit marker a reader reads (one is some 200 bytes): a larger ``COMMIT`` (a
+#: crafted or sparse file) is refused unread, like a garbled one
+MAX_COMMIT_BYTES = 1 << 16
 
 
 @dataclass(frozen=True)
@@ -116,7 +121,7 @@ class Commit:
         try:
             d = as_obj(d, w, "the commit marker")
             save = d.get("save")
-            return Commit(as_int(d.get("step"), w, "step"), as_int(d.get("generation"), w, "generation"),
+            return Commit(as_step(d.get("step"), w), as_int(d.get("generation"), w, "generation"),
                           as_int(d.get("manifest_bytes"), w, "manifest_bytes"),
                           as_int(d.get("manifest_crc32c"), w, "manifest_crc32c", hi=2**32 - 1),
                           None if save is None else as_int(save, w, "save"))
@@ -151,9 +156,14 @@ def read_commit(storage: "Storage", step: int, where: str) -> Commit:
 
     Raises:
         FileNotFoundError / OSError: it cannot be read.
-        CorruptCheckpointError: it is malformed (naming ``where``).
+        CorruptCheckpointError: it is malformed (naming ``where``), larger than
+            :data:`MAX_COMMIT_BYTES` or no regular file (naming its path).
     """
-    return Commit.parse(storage.read_small(f"{step_dir(step)}/{COMMIT}"), where)
+    try:
+        raw = storage.read_small(f"{step_dir(step)}/{COMMIT}", MAX_COMMIT_BYTES)
+    except CorruptCheckpointError as e:  # too large or no regular file: never read
+        raise CorruptCheckpointError(f"{where}: {e}") from None
+    return Commit.parse(raw, where)
 
 
 def delete_checkpoint(storage: "Storage", step: int) -> None:
@@ -222,18 +232,25 @@ def commit_manifest(storage: "Storage", fence: WriterFence, step: int, mbytes: b
     Raises:
         FencedError: a newer writer took over ``storage`` (nothing was committed).
         FileExistsError: the step already has a ``COMMIT`` (another writer's).
+        CorruptCheckpointError: the marker would not read back as written (a field out of the
+            format's range); nothing was written.
         OSError and others: the storage's errors, as they come.
     """
     d = step_dir(step)
+    commit = Commit(step, fence.generation, len(mbytes), get_ops().crc32c_bytes(mbytes), save)
+    marker = commit.to_bytes()
+    # Read back by the readers' own parser before anything is written: a marker its readers would
+    # refuse (a step out of the format's range) must never make a step committed and unreadable.
+    if Commit.parse(marker, f"{tier} step {step}") != commit:
+        raise CorruptCheckpointError(f"{tier} step {step}: the commit marker does not read back as written")
     log.debug("nebula_ckpt: phase=manifest tier=%s step=%d", tier, step)
     storage.write_small(f"{d}/{MANIFEST}", mbytes)
     fence.check(f"commit step {step}")
     log.debug("nebula_ckpt: phase=commit tier=%s step=%d", tier, step)
-    commit = Commit(step, fence.generation, len(mbytes), get_ops().crc32c_bytes(mbytes), save)
     with fence.committing(f"commit step {step}"):  # refused once fenced; stop() waits for it
         progress.may_commit = True
         try:
-            storage.write_small(f"{d}/{COMMIT}", commit.to_bytes(), create_only=True)
+            storage.write_small(f"{d}/{COMMIT}", marker, create_only=True)
         except BaseException:
             progress.may_commit = not never_created(storage, f"{d}/{COMMIT}")
             raise
@@ -298,8 +315,7 @@ def _take_marker(storage: "Storage", marker: str, generation: int) -> bool:
     except FileNotFoundError:
         return False
     try:
-        with open(taken, "rb") as f:
-            mine = Commit.parse(f.read(), path).generation == generation
+        mine = Commit.parse(read_small_file(taken, MAX_COMMIT_BYTES), path).generation == generation
     except Exception:  # unreadable now: not known to be ours, so it goes back
         mine = False
     if not mine:  # a newer writer's marker, written since it was read: back in place
@@ -337,7 +353,7 @@ def read_references(storage: "Storage", step: int) -> set[int]:
     """
     where = f"{storage.display_url} step {step}"
     try:
-        raw = storage.read_small(f"{step_dir(step)}/{MANIFEST}")
+        raw = storage.read_small(f"{step_dir(step)}/{MANIFEST}", MAX_MANIFEST_BYTES)
         return references(Manifest.parse(raw, where, step))
     except (FileNotFoundError, CorruptCheckpointError) as e:
         log.debug("nebula_ckpt: %s: no references read (%s)", where, e)

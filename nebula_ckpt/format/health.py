@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 from nebula_ckpt.errors import CorruptCheckpointError
-from nebula_ckpt.format.checks import as_int, as_obj, as_str, bad, only_fields
+from nebula_ckpt.format.checks import as_int, as_obj, as_step, as_str, bad, only_fields
 from nebula_ckpt.format.names import step_dir
 
 #: the folder of a root's health records
@@ -162,7 +162,6 @@ def _fields(d: dict[str, Any], where: str) -> HealthRecord:
     rank = None if d.get("rank") is None else as_int(d.get("rank"), where, "rank", hi=10**9)
     if (rank is None) != (by == BY_USER):
         raise bad(where, "a user's mark has no rank, a report's has one")
-    return HealthRecord(step=as_int(d.get("step"), where, "step"), generation=as_int(d.get("generation"), where,
-                                                                                        "generation"),
+    return HealthRecord(step=as_step(d.get("step"), where), generation=as_int(d.get("generation"), where, "generation"),
                         time_ns=as_int(d.get("time_ns"), where, "time_ns", hi=_MAX_TIME_NS), state=state, by=by,
                         rank=rank, reason=clean_reason(as_str(d.get("reason"), where, "reason")))

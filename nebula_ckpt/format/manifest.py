@@ -38,7 +38,7 @@ import types
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Optional, Sequence
 
-from nebula_ckpt.format.checks import as_hashes, as_int, as_list, as_obj, as_str, bad, short
+from nebula_ckpt.format.checks import as_hashes, as_int, as_list, as_obj, as_step, as_str, bad, short
 from nebula_ckpt.format.dtensors import check_dtensors
 from nebula_ckpt.format.names import (
     FORMAT,
@@ -54,12 +54,16 @@ from nebula_ckpt.format.rank_index import SPLIT_FIELDS, parse_split
 from nebula_ckpt.format.rank_records import LAYOUT_FIELDS, RanksLayout
 from nebula_ckpt.format.records import ShardRecord, TensorRecord
 from nebula_ckpt.format.tree import check_tree, merged
+from nebula_ckpt.storage.base import MAX_SMALL_BYTES
 
 _REQUIRED = ("format", "version", "step", "generation", "shards", "tensors", "tree")
 _KNOWN = (_REQUIRED + ("time", "checksum", "aliases", "stats", "world_size", "ranks", "rank_tree", "tag", "sha256")
           + LAYOUT_FIELDS + SPLIT_FIELDS)
 #: most ranks a manifest may name (bounds the work a hostile manifest can ask for)
 MAX_WORLD = 1 << 20
+#: the largest manifest (or ranks' records file) a reader reads, some 25 million tensor records: a
+#: larger file (a crafted or sparse one) is refused before any of it is read
+MAX_MANIFEST_BYTES = MAX_SMALL_BYTES
 
 
 @dataclass(frozen=True)
@@ -200,7 +204,7 @@ class Manifest:
         missing = [k for k in _REQUIRED if k not in m]
         if missing:
             raise bad(w, f"lacks field(s) {missing}")
-        got = as_int(m["step"], w, "step")
+        got = as_step(m["step"], w)
         if step is not None and got != step:
             raise bad(w, f"step is {got}, but the manifest lies in {step_dir(step)}/ (moved or replaced)")
         return _parse_body(m, w, got, version)

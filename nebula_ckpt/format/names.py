@@ -24,7 +24,7 @@ import uuid
 from typing import Any, Optional
 
 from nebula_ckpt.errors import ValidationError
-from nebula_ckpt.format.checks import short
+from nebula_ckpt.format.checks import MAX_STEP, short
 
 # -- the format ---------------------------------------------------------------------------------
 
@@ -192,10 +192,6 @@ def check_tag(tag: object) -> Optional[str]:
                               "(a path's characters are allowed)")
     assert isinstance(tag, str)
     return tag
-
-
-#: largest step: it must fit a signed 64-bit integer (file names, manifests, other readers).
-MAX_STEP = 2**63 - 1
 
 
 def check_step(step: Any) -> int:

@@ -25,11 +25,11 @@ import types
 from dataclasses import dataclass
 from typing import Any, Iterable, Mapping, Optional
 
-from nebula_ckpt.format.checks import as_int, as_list, as_obj, as_str, bad, only_fields, short
+from nebula_ckpt.format.checks import as_int, as_obj, as_str, bad, only_fields, short
 from nebula_ckpt.format.dtypes import TENSOR_DTYPES
 from nebula_ckpt.format.grid import Region, holders, on_grid
 from nebula_ckpt.format.names import records_name
-from nebula_ckpt.format.records import DTensorInfo
+from nebula_ckpt.format.records import DTensorInfo, as_shape
 
 RECORDS_FORMAT = "nebula_ckpt.records"
 LAYOUT_FIELDS = ("records", "owners", "dtensors", "grid")
@@ -124,7 +124,7 @@ def _spec(v: Any, where: str) -> DTensorSpec:
     dtype = as_str(d.get("dtype"), where, "dtype")
     if dtype not in TENSOR_DTYPES:
         raise bad(where, f"dtype {short(dtype)} is not a storable torch dtype")
-    shape = tuple(as_int(x, where, "shape[]") for x in as_list(d.get("shape"), where, "shape"))
+    shape = as_shape(d.get("shape"), where)
     # DTensorInfo checks placements and mesh (against a whole, unsharded chunk of this shape)
     info = DTensorInfo.parse({"shape": list(shape), "offsets": [0] * len(shape), "placements": d.get("placements"),
                               "mesh": d.get("mesh")}, shape, where)

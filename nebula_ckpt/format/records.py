@@ -17,13 +17,39 @@ from typing import Any, Mapping, Optional
 
 import torch
 
-from nebula_ckpt.format.checks import MAX_NDIM, as_int, as_list, as_obj, as_str, bad, only_fields, short
+from nebula_ckpt.format.checks import (
+    MAX_INT64,
+    MAX_NDIM,
+    as_int,
+    as_list,
+    as_obj,
+    as_step,
+    as_str,
+    bad,
+    only_fields,
+    short,
+)
 from nebula_ckpt.format.dtypes import TENSOR_DTYPES
 from nebula_ckpt.format.names import is_shard_name
 from nebula_ckpt.format.storage_info import check_storage_info
 
 _PLACEMENT_RE = re.compile(r"R|S\((0|[1-9][0-9]?)\)")
 _DEVICE_RE = re.compile(r"(cpu|cuda)(:(0|[1-9][0-9]{0,3}))?")
+
+
+def as_shape(v: Any, where: str, name: str = "shape") -> tuple[int, ...]:
+    """``v`` as a tensor shape torch can build: at most :data:`MAX_NDIM` dimensions, each an
+    int64, whose nonzero ones multiply to an int64. Torch multiplies a shape's sizes (the element
+    count) and strides one by one and refuses an overflow on the way, even for a shape with a zero
+    dimension, whose tensor is empty: ``[2**62, 2**62, 0]`` is no shape of any tensor."""
+    shape = as_list(v, where, name)
+    if len(shape) > MAX_NDIM:
+        raise bad(where, f"{name} has {len(shape)} dimensions (at most {MAX_NDIM})")
+    dims = tuple(as_int(x, where, f"{name}[{i}]", hi=MAX_INT64) for i, x in enumerate(shape))
+    if math.prod(max(n, 1) for n in dims) > MAX_INT64:
+        raise bad(where, f"{name} {short(list(dims))}: its nonzero dimensions multiply to more than 2**63-1, "
+                  "which no torch tensor has (its element count or strides overflow int64)")
+    return dims
 
 
 @dataclass(frozen=True)
@@ -73,7 +99,7 @@ class ShardRecord:
         info = d.get("storage")
         if info is not None:
             info = types.MappingProxyType(check_storage_info(info, n, f"{where}.storage"))
-        ref = None if "step" not in d else as_int(d["step"], where, "step")
+        ref = None if "step" not in d else as_step(d["step"], where)
         return ShardRecord(name, n, info, ref)
 
 
@@ -96,8 +122,9 @@ class DTensorInfo:
         """Validate against the local shard's shape ``local``."""
         d = as_obj(d, where, "dtensor")
         only_fields(d, ("shape", "offsets", "placements", "mesh"), where, "dtensor")
-        shape = tuple(as_int(x, where, "dtensor.shape[]") for x in as_list(d.get("shape"), where, "dtensor.shape"))
-        offs = tuple(as_int(x, where, "dtensor.offsets[]") for x in as_list(d.get("offsets"), where, "dtensor.offsets"))
+        shape = as_shape(d.get("shape"), where, "dtensor.shape")
+        offs = tuple(as_int(x, where, "dtensor.offsets[]", hi=MAX_INT64)
+                     for x in as_list(d.get("offsets"), where, "dtensor.offsets"))
         if len(shape) != len(local) or len(offs) != len(local):
             raise bad(where, f"dtensor shape {list(shape)} / offsets {list(offs)} do not match the local "
                        f"shard's {len(local)} dimensions")
@@ -165,10 +192,7 @@ class TensorRecord:
         dtype = as_str(d.get("dtype"), where, "dtype")
         if dtype not in TENSOR_DTYPES:
             raise bad(where, f"dtype {short(dtype)} is not a storable torch dtype")
-        shape = as_list(d.get("shape"), where, "shape")
-        if len(shape) > MAX_NDIM:
-            raise bad(where, f"shape has {len(shape)} dimensions (at most {MAX_NDIM})")
-        dims = tuple(as_int(x, where, f"shape[{i}]") for i, x in enumerate(shape))
+        dims = as_shape(d.get("shape"), where)
         offs = as_list(d.get("offsets"), where, "offsets")
         if len(offs) != 2:
             raise bad(where, "offsets must be [start, end]")

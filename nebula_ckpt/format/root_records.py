@@ -20,6 +20,12 @@ from dataclasses import dataclass
 from nebula_ckpt.errors import CorruptCheckpointError
 from nebula_ckpt.format.checks import as_int, as_str, bad, load_object
 
+#: the largest run record or writer generation record a reader reads (one is some 100 bytes): a
+#: larger file (a crafted or sparse one) is refused unread, like a garbled one
+MAX_ROOT_RECORD_BYTES = 1 << 16
+#: what to do about a run record that is not one
+RUN_FIX = "remove it if no job is running on this root (the next run records a new run id)"
+
 
 def encode_run_record(run_id: str, host: str, time: float) -> bytes:
     """The bytes of the run record naming ``run_id`` (created by ``host`` at ``time``)."""
@@ -36,11 +42,10 @@ def parse_run_record(raw: bytes, where: str) -> str:
     Raises:
         CorruptCheckpointError: not a run record (not JSON, no string ``run_id``), naming ``where``.
     """
-    fix = "remove it if no job is running on this root (the next run records a new run id)"
-    d = load_object(bytes(raw), where, "the run record", fix)
+    d = load_object(bytes(raw), where, "the run record", RUN_FIX)
     run = d.get("run_id")
     if type(run) is not str:
-        raise bad(where, "holds no run id (a string run_id)", fix)
+        raise bad(where, "holds no run id (a string run_id)", RUN_FIX)
     return run
 
 

@@ -107,7 +107,7 @@ class HealthView:
         try:
             if self.storage.size(rel) > MAX_RECORD_BYTES:
                 raise ValueError(f"larger than {MAX_RECORD_BYTES} bytes")
-            return parse_record(self.storage.read_small(rel), name, step)
+            return parse_record(self.storage.read_small(rel, MAX_RECORD_BYTES), name, step)
         except Exception as e:  # torn, crafted, gone meanwhile, a link: not a record
             self._warn(f"ignoring health record {rel}: {type(e).__name__}: {e}")
             return None
@@ -172,7 +172,7 @@ class HealthBook:
 
 
 def newest_healthy(book: HealthBook, storage: Storage, committed: list[int]) -> set[int]:
-    """The newest of ``committed`` (steps on ``storage``, ascending) marked healthy, as a set (empty
+    """The newest of ``committed`` (steps on ``storage``, oldest first) marked healthy, as a set (empty
     when none is): what retention keeps whatever ``keep_last`` says, so that the only good step is
     never deleted while newer suspect or unconfirmed ones stay. Never raises."""
     view = book.view()

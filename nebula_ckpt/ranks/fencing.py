@@ -58,10 +58,17 @@ import weakref
 from contextlib import contextmanager
 from typing import Callable, Iterator, Optional, Protocol
 
-from nebula_ckpt.errors import FencedError, NebulaError
+from nebula_ckpt.errors import CorruptCheckpointError, FencedError, NebulaError
 from nebula_ckpt.format.commit import committed_steps, read_commit
 from nebula_ckpt.format.names import RUN_FILE, WRITERS_DIR, writer_generation, writer_record
-from nebula_ckpt.format.root_records import WriterRecord, encode_run_record, encode_writer_record, read_run_id_or_none
+from nebula_ckpt.format.root_records import (
+    MAX_ROOT_RECORD_BYTES,
+    RUN_FIX,
+    WriterRecord,
+    encode_run_record,
+    encode_writer_record,
+    parse_run_record,
+)
 from nebula_ckpt.ranks.coordinator import Coordinator, LocalCoordinator
 from nebula_ckpt.storage.base import Storage
 
@@ -78,12 +85,29 @@ _WRITERS_LOCK = threading.Lock()
 
 
 def read_run_id(storage: Storage) -> Optional[str]:
-    """The run id recorded on a persistent root, or ``None`` (no run has opened it yet)."""
+    """The run id recorded on a persistent root, or ``None``: no run has opened it yet, or its run
+    record is not one (a warning names the file, what is wrong and the fix; a reader treats it as
+    no record, and a writer's :func:`run_id` refuses the root)."""
+    rid, why = _run_record(storage)
+    if why:
+        log.warning("nebula_ckpt: %s", why)
+    return rid
+
+
+def _run_record(storage: Storage) -> tuple[Optional[str], str]:
+    """``(run id, "")`` of the root's run record, ``(None, "")`` when there is none, and
+    ``(None, why)`` when it is no run record (garbled, too large, a folder or a FIFO: never read)."""
+    where = f"{storage.display_url}: {RUN_FILE}"
     try:
-        raw = storage.read_small(RUN_FILE)
+        raw = storage.read_small(RUN_FILE, MAX_ROOT_RECORD_BYTES)
     except FileNotFoundError:
-        return None
-    return read_run_id_or_none(raw, f"{storage.display_url}: {RUN_FILE}")
+        return None, ""
+    except CorruptCheckpointError as e:  # no regular file, or too large: never read
+        return None, f"{e}; {where} must be the regular file nebula_ckpt wrote: {RUN_FIX}"
+    try:
+        return parse_run_record(raw, where), ""
+    except CorruptCheckpointError as e:  # names the file and the fix
+        return None, str(e)
 
 
 def run_id(storage: Storage, new: Optional[str] = None) -> str:
@@ -93,17 +117,16 @@ def run_id(storage: Storage, new: Optional[str] = None) -> str:
     It ties fast tiers (the memory tier) to this incarnation of the root: a root deleted and
     started again gets a new id, so checkpoints of the earlier run left in memory never come back.
     """
-    have = read_run_id(storage)
+    have = _run_record(storage)[0]
     if have is not None:
         return have
     new = new or uuid.uuid4().hex
     try:
         storage.write_small(RUN_FILE, encode_run_record(new, socket.gethostname(), time.time()), create_only=True)
     except FileExistsError:  # another process created it first: theirs is the run's id
-        have = read_run_id(storage)
+        have, why = _run_record(storage)
         if have is None:
-            raise NebulaError(f"{storage.display_url}: {RUN_FILE} exists but is unreadable; "
-                              "remove it if no job is running on this root") from None
+            raise NebulaError(why or f"{storage.display_url}: {RUN_FILE} exists but is unreadable; {RUN_FIX}") from None
         return have
     return new
 

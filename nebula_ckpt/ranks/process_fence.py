@@ -17,7 +17,7 @@ from typing import Callable, Optional
 
 from nebula_ckpt.errors import CorruptCheckpointError
 from nebula_ckpt.format.names import writer_record
-from nebula_ckpt.format.root_records import parse_writer_record
+from nebula_ckpt.format.root_records import MAX_ROOT_RECORD_BYTES, parse_writer_record
 from nebula_ckpt.ranks.coordinator import LocalCoordinator
 from nebula_ckpt.ranks.fencing import Fence, generations
 from nebula_ckpt.storage.base import Storage
@@ -42,7 +42,8 @@ def _process_start() -> float:
 def _taken_here(storage: Storage, g: int) -> bool:
     """Whether generation ``g`` was taken by this very process (a Checkpointer of it, say)."""
     try:
-        rec = parse_writer_record(storage.read_small(writer_record(g)), f"{storage.display_url}: {writer_record(g)}")
+        rec = parse_writer_record(storage.read_small(writer_record(g), MAX_ROOT_RECORD_BYTES),
+                                  f"{storage.display_url}: {writer_record(g)}")
     except (OSError, CorruptCheckpointError):
         return False
     return rec.host == socket.gethostname() and rec.pid == os.getpid() and rec.time >= _process_start() - 1.0

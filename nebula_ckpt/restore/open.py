@@ -201,7 +201,7 @@ def load_records(storage: Storage, man: mf.Manifest, ranks: Iterable[int], where
 
     def read(name: str) -> bytes:
         try:
-            return storage.read_small(f"{d}/{name}")
+            return storage.read_small(f"{d}/{name}", mf.MAX_MANIFEST_BYTES)
         except FileNotFoundError:
             raise CorruptCheckpointError(f"{where}: records file {name} is missing") from None
 
@@ -223,7 +223,10 @@ def read_main_manifest(storage: Storage, step: int, where: Optional[str] = None,
     d = step_dir(step)
     try:
         commit = read_commit(storage, step, where)
-        mbytes = storage.read_small(f"{d}/{MANIFEST}")
+        try:  # never more than the marker says: a sparse file of a terabyte is refused unread
+            mbytes = storage.read_small(f"{d}/{MANIFEST}", min(commit.manifest_bytes, mf.MAX_MANIFEST_BYTES))
+        except CorruptCheckpointError as e:
+            raise CorruptCheckpointError(f"{where}: {e}") from None
     except FileNotFoundError as e:
         raise CorruptCheckpointError(f"{where}: {e.filename or e} is missing") from None
     if len(mbytes) != commit.manifest_bytes or get_ops().crc32c_bytes(mbytes) != commit.manifest_crc32c:
@@ -241,7 +244,7 @@ def with_ranks_file(storage: Storage, man: mf.Manifest, where: str) -> mf.Manife
     if man.layout is None:
         return man
     try:
-        data = storage.read_small(f"{step_dir(man.step)}/{RANKS_FILE}")
+        data = storage.read_small(f"{step_dir(man.step)}/{RANKS_FILE}", mf.MAX_MANIFEST_BYTES)
     except FileNotFoundError:
         raise CorruptCheckpointError(f"{where}: {RANKS_FILE} is missing") from None
     return with_index(man, data, get_ops().crc32c_bytes, where)

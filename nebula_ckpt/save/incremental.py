@@ -161,10 +161,20 @@ class Incremental:
             self._origin = None
             return True
 
-    def committed(self, manifest: dict[str, Any], full: bool, origin: Optional[str] = None) -> None:
-        """The tier committed ``manifest`` (written from snapshot ``origin``, when known): the
-        next save builds on it."""
-        self._set_base(Manifest.parse(manifest, "the manifest just committed", manifest["step"]), full, origin)
+    def checked(self, manifest: dict[str, Any], where: str) -> Optional[Manifest]:
+        """``manifest``, about to be committed, parsed as every reader parses it (None when saves
+        are not incremental: nothing here reads it back). Called before its marker is written, so
+        a manifest its readers would refuse is never committed.
+
+        Raises:
+            CorruptCheckpointError: naming ``where`` and the field its readers would refuse.
+        """
+        return Manifest.parse(manifest, where, manifest["step"]) if self.enabled else None
+
+    def committed(self, manifest: Manifest, full: bool, origin: Optional[str] = None) -> None:
+        """The tier committed ``manifest`` (:meth:`checked`; written from snapshot ``origin``, when
+        known): the next save builds on it."""
+        self._set_base(manifest, full, origin)
 
     def committed_share(self, step: int, generation: int, share: dict[str, Any], origin: Optional[str] = None) -> None:
         """A multi-rank save committed on a shared tier: the next one builds on this rank's

@@ -309,7 +309,7 @@ class TierWriter:
             self._clear_step(item.step)
         shard = shard_name(gen, self.coordinator.rank)
         progress = CommitProgress()
-        committed: Optional[dict[str, Any]] = None
+        committed: Optional[Manifest] = None
         share: Optional[dict[str, Any]] = None
         try:
             if self._shared:
@@ -344,7 +344,7 @@ class TierWriter:
             log.warning("nebula_ckpt: tier %s: retention failed: %s", self.name, e)
         return written
 
-    def _new_base(self, item: "TierStep", gen: int, full: bool, manifest: Optional[dict[str, Any]],
+    def _new_base(self, item: "TierStep", gen: int, full: bool, manifest: Optional[Manifest],
                   share: Optional[dict[str, Any]]) -> None:
         """The step just committed is what this tier's next save builds on."""
         if manifest is not None:
@@ -389,9 +389,10 @@ class TierWriter:
 
     def _write_files(self, item: "TierStep", d: str, shard: str, gen: int,
                      on_shard: Optional[Callable[[str], None]],
-                     progress: CommitProgress) -> tuple[dict[str, Any], TierImage]:
-        """Shard; then, once the snapshot is confirmed, the manifest and the commit marker (returned,
-        with the image as written: an incremental one whole where the tier found no room for it)."""
+                     progress: CommitProgress) -> tuple[Optional[Manifest], TierImage]:
+        """Shard; then, once the snapshot is confirmed, the manifest (parsed before its marker is
+        written: :meth:`Incremental.checked`) and the commit marker; the parsed manifest and the
+        image as written (an incremental one whole where the tier found no room for it)."""
         log.debug("nebula_ckpt: phase=shard tier=%s step=%d", self.name, item.step)
         info, image = write_image(self.runtime, f"{d}/{shard}", item)
         if on_shard is not None and image.parts is None:  # a slower tier is fed only a whole image
@@ -401,8 +402,9 @@ class TierWriter:
         manifest = finish_manifest(item.manifest, generation=gen, tensors=image.records, stats=image.stats(),
                                    shards=image.shards({"file": shard, "bytes": image.nbytes, "storage": info}),
                                    restamp=item.restamp)
+        checked = self.incremental.checked(manifest, f"tier {self.name} step {item.step}: the manifest to commit")
         commit_manifest(self.storage, self.fence, item.step, encode_manifest(manifest), progress, self.name, item.save)
-        return manifest, image
+        return checked, image
 
     def _check_uncertain(self, step: int) -> None:
         """Refuse to write ``step`` again while an earlier save of it may still commit here."""

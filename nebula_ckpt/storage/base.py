@@ -18,9 +18,30 @@ import logging
 from abc import ABC, abstractmethod
 from typing import Any, Optional
 
+from nebula_ckpt.errors import CorruptCheckpointError
+
 Buffer = memoryview
 
 log = logging.getLogger(__name__)
+
+#: the largest small file (a manifest, a commit marker, a record) a reader reads unless it asks for
+#: less: a crafted or sparse file of a terabyte is refused before a byte of it is read
+MAX_SMALL_BYTES = 1 << 32
+
+
+def too_large(where: str, size: int, max_bytes: int) -> CorruptCheckpointError:
+    """The error for a small file larger than its readers take (``where`` names it)."""
+    return CorruptCheckpointError(f"{where} is {size} bytes, more than the {max_bytes} a reader takes of it: not "
+                                  "the file nebula_ckpt wrote (a crafted, replaced or sparse one); it is not read "
+                                  "(remove or replace it)")
+
+
+def at_most(data: bytes, where: str, max_bytes: int) -> bytes:
+    """``data`` (a small file read whole, ``where`` naming it) if it holds at most ``max_bytes``
+    bytes; else :func:`too_large`. For a storage that cannot tell a file's size before reading it."""
+    if len(data) > max_bytes:
+        raise too_large(where, len(data), max_bytes)
+    return data
 
 
 def never_created(storage: "Storage", rel: str) -> bool:
@@ -111,8 +132,14 @@ class Storage(ABC):
         """
 
     @abstractmethod
-    def read_small(self, rel: str) -> bytes:
-        """Return the whole content of a small file. Raises ``FileNotFoundError``."""
+    def read_small(self, rel: str, max_bytes: int = MAX_SMALL_BYTES) -> bytes:
+        """Return the whole content of a small file of at most ``max_bytes`` bytes.
+
+        Raises:
+            FileNotFoundError: ``rel`` does not exist.
+            CorruptCheckpointError: ``rel`` holds more than ``max_bytes`` bytes (:func:`too_large`),
+                or is no regular file (a folder, a FIFO, a socket, a device), naming its path.
+        """
 
     @abstractmethod
     def list(self, rel_dir: str = "") -> list[str]:

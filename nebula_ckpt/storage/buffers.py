@@ -16,7 +16,7 @@ from typing import Any, Optional
 
 import torch
 
-from nebula_ckpt.storage.base import Buffer, Storage
+from nebula_ckpt.storage.base import MAX_SMALL_BYTES, Buffer, Storage, too_large
 
 
 class BufferStorage(Storage):
@@ -50,9 +50,13 @@ class BufferStorage(Storage):
             raise OSError(errno.EINVAL, f"{self.display_url}: {rel} is held as stored, not encoded ({info})")
         return t.numpy().data
 
-    def read_small(self, rel: str) -> bytes:
+    def read_small(self, rel: str, max_bytes: int = MAX_SMALL_BYTES) -> bytes:
         t = self._files.get(rel)
-        return self._need_base(rel).read_small(rel) if t is None else t.numpy().tobytes()
+        if t is None:
+            return self._need_base(rel).read_small(rel, max_bytes)
+        if t.numel() > max_bytes:
+            raise too_large(f"{self.display_url}: {rel}", int(t.numel()), max_bytes)
+        return t.numpy().tobytes()
 
     def list(self, rel_dir: str = "") -> builtins.list[str]:
         rel_dir = rel_dir.strip("/")

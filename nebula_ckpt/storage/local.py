@@ -23,15 +23,64 @@ import torch
 
 from nebula_ckpt.errors import CorruptCheckpointError, ValidationError
 from nebula_ckpt.native import get_ops
-from nebula_ckpt.storage.base import Buffer, Storage
+from nebula_ckpt.storage.base import MAX_SMALL_BYTES, Buffer, Storage, too_large
 from nebula_ckpt.storage.holds import count_mapping, hold_read
 
 log = logging.getLogger(__name__)
 
 
+#: what a file that is not a regular one is, by its ``stat`` mode (for messages)
+_KINDS = ((stat.S_ISDIR, "a folder"), (stat.S_ISFIFO, "a named pipe (FIFO)"), (stat.S_ISSOCK, "a socket"),
+          (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"))
+
+
+def _not_regular(path: str, mode: int) -> CorruptCheckpointError:
+    kind = next((what for test, what in _KINDS if test(mode)), f"a file of mode {stat.filemode(mode)}")
+    return CorruptCheckpointError(f"'{path}' is {kind}, not a regular file: nothing in a checkpoint root but the "
+                                  "regular files nebula_ckpt wrote is read (remove it)")
+
+
 def _open_nofollow(path: str) -> Any:
-    """``open(path, "rb")`` that refuses a symlink as the last component (``ELOOP``)."""
-    return os.fdopen(os.open(path, os.O_RDONLY | os.O_NOFOLLOW), "rb")
+    """``open(path, "rb")`` of a regular file, refusing a symlink as the last component (``ELOOP``).
+
+    Files in a tier are input: a FIFO (whose ``open`` would wait for a writer forever), a socket,
+    a device or a folder where a file belongs is refused before it is opened, and checked again
+    on the descriptor (opened non-blocking, so a FIFO swapped in meanwhile cannot block either).
+
+    Raises:
+        CorruptCheckpointError: ``path`` is not a regular file (naming it and what it is).
+        OSError: as ``open`` (``FileNotFoundError``; ``ELOOP`` for a symlink).
+    """
+    st = os.lstat(path)
+    if not stat.S_ISREG(st.st_mode) and not stat.S_ISLNK(st.st_mode):  # a link: ELOOP below
+        raise _not_regular(path, st.st_mode)
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC)
+    try:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            raise _not_regular(path, mode)
+        return os.fdopen(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def read_small_file(path: str, max_bytes: int = MAX_SMALL_BYTES) -> bytes:
+    """The content of the regular file ``path`` (a symlink refused), of at most ``max_bytes`` bytes.
+
+    Raises:
+        CorruptCheckpointError: ``path`` is not a regular file, or holds more than ``max_bytes``
+            bytes (refused before any of it is read: a sparse file of a terabyte costs nothing).
+        OSError: as ``open`` (``FileNotFoundError``; ``ELOOP`` for a symlink).
+    """
+    with _open_nofollow(path) as f:
+        size = os.fstat(f.fileno()).st_size
+        if size > max_bytes:
+            raise too_large(f"'{path}'", size, max_bytes)
+        data = f.read(max_bytes + 1)  # never more, should it grow meanwhile
+    if len(data) > max_bytes:
+        raise too_large(f"'{path}'", len(data), max_bytes)
+    return data
 
 
 # -- the one atomic small-file write -------------------------------------------------------------
@@ -275,9 +324,9 @@ class LocalStorage(Storage):
         write_file_atomic(self._p(rel), data, create_only=create_only, mode=self._file_mode, fsync=self.fsync,
                           dir_mode=self._dir_mode)
 
-    def read_small(self, rel: str) -> bytes:
-        with _open_nofollow(self._p(rel)) as f:
-            return f.read()
+    def read_small(self, rel: str, max_bytes: int = MAX_SMALL_BYTES) -> bytes:
+        """The content of ``rel``, a regular file of at most ``max_bytes`` bytes (:func:`read_small_file`)."""
+        return read_small_file(self._p(rel), max_bytes)
 
     def list(self, rel_dir: str = "") -> list[str]:
         try:

@@ -25,6 +25,7 @@ from nebula_ckpt.errors import CorruptCheckpointError
 from nebula_ckpt.format.commit import references
 from nebula_ckpt.format.names import MANIFEST, RANKS_FILE, SPLIT_VERSION
 from nebula_ckpt.restore.open import open_checkpoint, read_main_manifest
+from nebula_ckpt.storage.base import MAX_SMALL_BYTES
 from nebula_ckpt.storage.local import LocalStorage
 from records_view import flat_manifest, recommit, records_body, reindex, reseal, sealed
 
@@ -71,9 +72,9 @@ class CountingStorage(LocalStorage):
         super().__init__(path)
         self.read: list[str] = []
 
-    def read_small(self, rel: str) -> bytes:
+    def read_small(self, rel: str, max_bytes: int = MAX_SMALL_BYTES) -> bytes:
         self.read.append(rel.rsplit("/", 1)[-1])
-        return super().read_small(rel)
+        return super().read_small(rel, max_bytes)
 
 
 def _records(root: Path, step: int = STEP) -> list[Path]:

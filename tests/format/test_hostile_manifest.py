@@ -114,6 +114,12 @@ MANIFEST_CASES: list[tuple[str, Callable[[Man], Any], str]] = [
     ("quantized_dtype", lambda m: _t(m).update(dtype="qint8"), "dtype 'qint8'"),
     ("negative_dim", lambda m: _t(m).update(shape=[-2, -3]), "shape[0]"),
     ("huge_dim", lambda m: _t(m).update(shape=[2**80, 0]), "shape[0]"),
+    ("dim_beyond_int64", lambda m: _t(m).update(shape=[2**63, 0]), "shape[0] = 9223372036854775808 is out of range"),
+    # an empty tensor whose shape torch cannot build: its nonzero dimensions overflow int64 on the way
+    ("empty_shape_overflows_int64", lambda m: _t(m).update(shape=[2**62, 2**62, 0], offsets=[_t(m)["offsets"][0]] * 2),
+     "multiply to more than 2**63-1"),
+    ("empty_shape_strides_overflow", lambda m: _t(m).update(shape=[0, 2**62, 4], offsets=[_t(m)["offsets"][0]] * 2),
+     "multiply to more than 2**63-1"),
     ("float_dim", lambda m: _t(m).update(shape=[2.0, 3]), "shape[0] must be an integer"),
     ("shape_mismatch", lambda m: _t(m).update(shape=[2, 4]), "needs 32"),
     ("too_many_dims", lambda m: _t(m).update(shape=[1] * 100), "dimensions"),
@@ -155,6 +161,8 @@ MANIFEST_CASES: list[tuple[str, Callable[[Man], Any], str]] = [
     ("sha256_unknown_key", lambda m: m.update(sha256={"nope": "0" * 64}), "no such stored tensor"),
     ("step_mismatch", lambda m: m.update(step=7), "step is 7"),
     ("step_not_int", lambda m: m.update(step="1"), "step must be an integer"),
+    ("step_beyond_int64", lambda m: m.update(step=2**63), "step = 9223372036854775808 is out of range"),
+    ("shard_ref_beyond_int64", lambda m: m["shards"][0].update(step=2**63), "out of range [0, 9223372036854775807]"),
     ("newer_version", lambda m: m.update(version=5), "newer than this nebula_ckpt"),
     ("version_not_int", lambda m: m.update(version="1"), "version must be an integer"),
     ("wrong_format", lambda m: m.update(format="other"), "not a nebula_ckpt manifest"),
@@ -385,3 +393,43 @@ def test_a_step_with_a_hostile_leaf_is_damaged_everywhere(tmp_path, shm_dir, nod
     assert expect in capsys.readouterr().out
     assert main(["export", root, "--step", "1", "--to", out]) == 0
     assert torch.load(out, weights_only=True)["meta"]["shape"] == torch.Size([2, 3])
+
+
+def test_an_empty_tensor_whose_shape_overflows_int64_is_damaged_everywhere(tmp_path, shm_dir,  # noqa: ANN001
+                                                                          capsys: pytest.CaptureFixture[str]) -> None:
+    """A crafted zero-element record (checksums recomputed) whose shape torch cannot build (its
+    nonzero dimensions overflow int64): read, export, ls and verify call the step damaged naming
+    the key, and a restore falls back, never torch's bare RuntimeError."""
+    root = str(tmp_path / "root")
+    with nc.Checkpointer(root, memory_tier=False) as ck:
+        for step in (1, 2):
+            ck.save(step, {"w": torch.full((3,), float(step)), "e": torch.empty(0)})
+    rewrite(root, lambda m: _t(m, "e").update(shape=[2**62, 2**62, 0]), step=2)
+    expect = "tensors['e']: shape [4611686018427387904, 4611686018427387904, 0]: its nonzero dimensions multiply"
+    with nc.Checkpointer(root, read_only=True) as ck:
+        with pytest.raises(CorruptCheckpointError) as ei:
+            ck.read(2)
+        assert expect in str(ei.value), ei.value
+        assert ck.load_latest(into={"w": torch.zeros(3), "e": torch.empty(0)}) == 1
+    capsys.readouterr()
+    out = str(tmp_path / "out.pt")
+    assert main(["export", root, "--step", "2", "--to", out]) == 1
+    err = capsys.readouterr().err
+    assert expect in err and "Traceback" not in err and not os.path.exists(out), err
+    assert main(["verify", root]) == 1
+    assert "DAMAGED" in capsys.readouterr().out
+    assert main(["ls", root, "--json"]) == 1
+    rows = {r["step"]: r for r in json.loads(capsys.readouterr().out)}
+    assert rows[1]["healthy"] is True and rows[2]["healthy"] is False and expect in rows[2]["problem"]
+
+
+def test_an_empty_tensor_with_int64_dimensions_reads_back(tmp_path, shm_dir) -> None:  # noqa: ANN001
+    """Reader and writer agree on shapes: an empty tensor with dimensions up to 2**63-1, which torch
+    builds, is saved and read back (not refused once its step had committed)."""
+    root = str(tmp_path / "root")
+    state = {"a": torch.empty(0, 2**62 + 1), "b": torch.empty(2**63 - 1, 0, dtype=torch.int8)}
+    with nc.Checkpointer(root, memory_tier=False) as ck:
+        ck.save(1, state)
+        _, back = ck.read(1)
+    assert {k: (v.shape, v.dtype) for k, v in back.items()} == {k: (v.shape, v.dtype) for k, v in state.items()}
+    assert main(["verify", root]) == 0

@@ -72,7 +72,39 @@ def garble_commit(root: str) -> str:
     return "commit marker is unreadable"
 
 
-DAMAGE = [flip_shard_byte, truncate_shard, delete_manifest, garble_manifest, marker_without_shards, garble_commit]
+def _replace(path: str, how: str) -> None:
+    """Put something else than the file nebula_ckpt wrote at ``path``: a sparse file of a terabyte
+    (no disk blocks; read whole, it is a MemoryError) or a folder."""
+    os.unlink(path)
+    if how == "folder":
+        os.mkdir(path)
+    else:
+        with open(path, "wb") as f:
+            f.truncate(1 << 40)
+
+
+def sparse_commit(root: str) -> str:
+    _replace(os.path.join(root, "step-2", "COMMIT"), "sparse")
+    return "is 1099511627776 bytes, more than the 65536"
+
+
+def folder_commit(root: str) -> str:
+    _replace(os.path.join(root, "step-2", "COMMIT"), "folder")
+    return "COMMIT' is a folder, not a regular file"
+
+
+def sparse_manifest(root: str) -> str:
+    _replace(_man(root, 2), "sparse")
+    return "manifest.json' is 1099511627776 bytes"
+
+
+def folder_manifest(root: str) -> str:
+    _replace(_man(root, 2), "folder")
+    return "manifest.json' is a folder, not a regular file"
+
+
+DAMAGE = [flip_shard_byte, truncate_shard, delete_manifest, garble_manifest, marker_without_shards, garble_commit,
+          sparse_commit, folder_commit, sparse_manifest, folder_manifest]
 
 
 @pytest.mark.parametrize("damage", DAMAGE, ids=[d.__name__ for d in DAMAGE])

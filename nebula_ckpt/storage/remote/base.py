@@ -29,7 +29,7 @@ import time
 from typing import Any, Callable, ClassVar, Optional, TypeVar, cast
 
 from nebula_ckpt import knobs
-from nebula_ckpt.storage.base import Buffer, Storage
+from nebula_ckpt.storage.base import MAX_SMALL_BYTES, Buffer, Storage, at_most
 from nebula_ckpt.storage.remote.calls import abandoned_error, call_with_retries
 from nebula_ckpt.storage.remote.errors import CorruptRemoteDataError, RemoteStorageError, storage_error
 from nebula_ckpt.storage.remote.frames import ReadTask, compressor, download, plan_read, zstd_module
@@ -442,10 +442,11 @@ class FsspecStorage(Storage):
                      plan.raw_bytes / max(dt, 1e-9) / 1e6)
         return out
 
-    def read_small(self, rel: str) -> bytes:
-        """Return the whole content of ``rel``. Raises ``FileNotFoundError``."""
+    def read_small(self, rel: str, max_bytes: int = MAX_SMALL_BYTES) -> bytes:
+        """The whole content of ``rel``, refused once read if larger than ``max_bytes`` (:func:`at_most`)."""
         path = self._path(rel)
-        return self._retry("read", rel, lambda attempt: self.fs.cat_file(path, **self._limit(attempt)))
+        return at_most(self._retry("read", rel, lambda attempt: self.fs.cat_file(path, **self._limit(attempt))),
+                       self._where(rel), max_bytes)
 
     def list(self, rel_dir: str = "") -> list[str]:
         """Sorted names (not paths) of the direct children of ``rel_dir``; ``[]`` if missing.

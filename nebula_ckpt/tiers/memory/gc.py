@@ -43,7 +43,7 @@ from nebula_ckpt.errors import CorruptCheckpointError
 from nebula_ckpt.format.commit import Write, committed_steps, committed_writes, read_commit, references
 from nebula_ckpt.format.manifest import Manifest
 from nebula_ckpt.format.names import COMMIT, MANIFEST, RUN_FILE, step_dir
-from nebula_ckpt.format.root_records import parse_run_record
+from nebula_ckpt.format.root_records import MAX_ROOT_RECORD_BYTES, parse_run_record
 from nebula_ckpt.storage.base import Storage
 from nebula_ckpt.storage.local import LocalStorage
 from nebula_ckpt.storage.urls import canonical_root
@@ -140,7 +140,7 @@ def _root_url(root: str) -> str:
 def _run_record(st: Storage) -> tuple[bool, Optional[str]]:
     """``(present, run id)`` of the root's run record; raises when it cannot be read or parsed."""
     try:
-        raw = st.read_small(RUN_FILE)
+        raw = st.read_small(RUN_FILE, MAX_ROOT_RECORD_BYTES)
     except FileNotFoundError:
         return False, None
     return True, parse_run_record(raw, f"{st.display_url}: {RUN_FILE}")
