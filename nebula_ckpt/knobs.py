@@ -27,6 +27,16 @@ import threading
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
+#: zstd's compression levels, from ``ZSTD_minCLevel()`` (the fastest) to
+#: ``zstandard.MAX_COMPRESSION_LEVEL``; zstandard refuses a level above and silently clamps one below
+ZSTD_LEVELS = (-(1 << 17), 22)
+#: the most threads a thread-count knob takes: the native thread pools' own cap
+#: (``clamp_threads`` of ``csrc/thread_pool.h``); more only makes the Python pools start thousands
+MAX_THREADS = 256
+#: the longest timeout a knob takes, in seconds (about 31 years: "never" in practice). Longer waits
+#: fail with OverflowError (``threading.TIMEOUT_MAX``), and some waits are twice a knob
+MAX_WAIT_S = min(1e9, threading.TIMEOUT_MAX / 4)
+
 
 @dataclass(frozen=True)
 class _Knob:
@@ -34,8 +44,10 @@ class _Knob:
     default: Any
     parse: Callable[[str], Any]
     doc: str
-    #: the smallest value that makes sense (None: any); a value below it is an error naming the knob
+    #: the smallest value that makes sense (None: any); a value below it (or NaN) is an error naming the knob
     least: Any = None
+    #: the largest value that makes sense (None: any); a value above it is an error naming the knob
+    most: Any = None
 
 
 def _bool(s: str) -> bool:
@@ -57,10 +69,10 @@ def _default_threads() -> int:
 _KNOBS: dict[str, _Knob] = {
     "copy_threads": _Knob("NEBULA_COPY_THREADS", None, int,
                           "native threads that copy CPU tensors into staging buffers (default: cores / ranks on the "
-                          "host, max 8)"),
+                          "host, max 8)", least=1, most=MAX_THREADS),
     "io_threads": _Knob("NEBULA_IO_THREADS", None, int,
                         "parallel pwrite / checksum threads per file, and the threads that hash staged tensors "
-                        "for incremental saves (default: cores / ranks on the host, max 8)"),
+                        "for incremental saves (default: cores / ranks on the host, max 8)", least=1, most=MAX_THREADS),
     "o_direct": _Knob("NEBULA_O_DIRECT", True, _bool,
                       "use O_DIRECT for local shard writes where the file system allows it"),
     "disable_native": _Knob("NEBULA_DISABLE_NATIVE", False, _bool,
@@ -78,7 +90,8 @@ _KNOBS: dict[str, _Knob] = {
                                "hands the tier's pages to the process instead of copying them (the tier "
                                "gives that step up; see nebula_ckpt/tiers/memory/adopt.py)"),
     "shm_min_free_fraction": _Knob("NEBULA_SHM_MIN_FREE", 0.1, float,
-                                   "memory tier is skipped when it would leave less free than this"),
+                                   "memory tier is skipped when it would leave less free than this (a share of the "
+                                   "tmpfs, 0 to 1)", least=0.0, most=1.0),
     "remote_part_bytes": _Knob("NEBULA_REMOTE_PART_BYTES", 32 << 20, int,
                                "part size of parallel uploads / downloads on remote tiers"),
     "remote_concurrency": _Knob("NEBULA_REMOTE_CONCURRENCY", 8, int,
@@ -89,21 +102,24 @@ _KNOBS: dict[str, _Knob] = {
                               "deadline of one remote operation (one request, e.g. one upload part, "
                               "with all its retries) in seconds: an outage is reported within it; "
                               "also caps the clients' connect / read timeouts. Must allow one part "
-                              "(NEBULA_REMOTE_PART_BYTES) to transfer on the slowest link"),
-    "zstd_level": _Knob("NEBULA_ZSTD_LEVEL", 3, int, "zstd level when compression='zstd'"),
+                              "(NEBULA_REMOTE_PART_BYTES) to transfer on the slowest link", least=0.1, most=MAX_WAIT_S),
+    "zstd_level": _Knob("NEBULA_ZSTD_LEVEL", 3, int, "zstd level when compression='zstd' (negative: faster, "
+                        "0: zstd's default)", least=ZSTD_LEVELS[0], most=ZSTD_LEVELS[1]),
     "commit_timeout_s": _Knob("NEBULA_COMMIT_TIMEOUT_S", 600.0, float,
                               "multi-rank: how long a rank waits for the others in one round of the "
-                              "checkpoint protocol (a rank that died fails the save sooner)"),
+                              "checkpoint protocol (a rank that died fails the save sooner)", least=0.1,
+                              most=MAX_WAIT_S),
     "exit_timeout_s": _Knob("NEBULA_EXIT_TIMEOUT_S", 300.0, float,
                             "how long interpreter exit waits for the pending saves of a Checkpointer "
-                            "that was never closed"),
+                            "that was never closed (0: do not wait)", least=0.0, most=MAX_WAIT_S),
     "node_id": _Knob("NEBULA_NODE_ID", None, str,
                      "the node this process runs on, for memory-tier replicas (default: the host name); "
                      "ranks with one node id share a fate, so replicas go to other node ids. Tests "
                      "simulate nodes on one machine with it (each with its own NEBULA_SHM_DIR)"),
     "replica_timeout_s": _Knob("NEBULA_REPLICA_TIMEOUT_S", 600.0, float,
                                "multi-rank: how long a memory-tier replica transfer (one round of sends and "
-                               "receives among the ranks) may take before the replicas of that save fail"),
+                               "receives among the ranks) may take before the replicas of that save fail",
+                               least=0.1, most=MAX_WAIT_S),
     "incremental_full_every": _Knob("NEBULA_INCREMENTAL_FULL_EVERY", 10, int,
                                     "incremental saves: every N-th save a tier writes is a full checkpoint "
                                     "(N >= 1; 1: every save full), so the steps a checkpoint refers to stay "
@@ -143,17 +159,35 @@ def chosen(name: str) -> bool:
 
 
 def _checked(name: str, knob: _Knob, value: Any, where: str) -> Any:
-    """``value`` of knob ``name`` (``where`` it came from), or a ValueError when it is below the
-    knob's least value."""
-    if knob.least is not None and value is not None and value < knob.least:
-        raise ValueError(f"knob {name} ({where}) is {value!r}: it must be >= {knob.least}; {knob.doc}")
+    """``value`` of knob ``name`` (``where`` it came from), or a ValueError naming the knob, where it
+    came from and its range when it is outside it (NaN included)."""
+    if value is None:
+        return value
+    if (knob.least is not None and not value >= knob.least) or (knob.most is not None and not value <= knob.most):
+        raise ValueError(f"knob {name} ({where}) is {value!r}: it must be {knob_range(name)}; {knob.doc}")
     return value
 
 
+def knob_range(name: str) -> str:
+    """The values knob ``name`` takes, in words: ``">= 1"``, ``"from -131072 to 22"``, ``"any"``."""
+    knob = _KNOBS[name]
+    if knob.least is not None and knob.most is not None:
+        return f"from {_number(knob.least)} to {_number(knob.most)}"
+    if knob.least is not None:
+        return f">= {_number(knob.least)}"
+    return f"<= {_number(knob.most)}" if knob.most is not None else "any"
+
+
+def _number(value: float) -> str:
+    """``1``, ``0.1``, ``1000000000`` (not ``1e+09``): a bound as a user types it."""
+    return str(int(value)) if float(value).is_integer() else repr(value)
+
+
 def check_all() -> None:
-    """Read every knob that has a least value (a ValueError naming the first one out of range)."""
+    """Read every knob that has a range (a ValueError naming the first one out of it): called when a
+    Checkpointer is created, so that a bad setting fails there, before anything is written."""
     for name, knob in _KNOBS.items():
-        if knob.least is not None:
+        if knob.least is not None or knob.most is not None:
             get(name)
 
 

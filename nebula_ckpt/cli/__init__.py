@@ -5,8 +5,9 @@ world size and check every rank's shard, inspect shows global shapes and which r
 what, export gathers one full, unsharded file (keys without the ``r<R>/`` rank prefix).
 
 Exit codes: 0 success; 1 damage found (verify) or nothing to act on; 2 bad usage.
-ls, verify, inspect and export take ``--json`` for scripts and ``--storage-options JSON`` for
-remote roots; gc takes ``--json`` too (bench has options of its own: ``nebula-ckpt bench --help``).
+ls, verify, inspect, export, mark, gc and persist-memory take ``--json`` for scripts and
+``--storage-options JSON`` for a remote root (no error shows its value: it may hold credentials);
+bench has options of its own: ``nebula-ckpt bench --help``.
 ``ls`` verifies every checksum like ``verify`` (``ls --quick`` checks sizes only) and shows
 each checkpoint's tag and what it adds: the bytes its own folder holds, and for an incremental
 checkpoint the bytes it refers to in earlier steps' folders and which steps those are, and its
@@ -24,11 +25,11 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
-from typing import Callable, Optional, Sequence
+from typing import Callable, Optional, Sequence, cast
 
 from nebula_ckpt.cli.bench import cmd_bench
 from nebula_ckpt.cli.choose import add_choice_arguments
-from nebula_ckpt.cli.common import close_opened, out, storage_options_arg
+from nebula_ckpt.cli.common import HIDDEN, CliParser, add_storage_options, close_opened, out, secret_values
 from nebula_ckpt.cli.doctor import add_doctor_parser, cmd_doctor, version_text
 from nebula_ckpt.cli.export import add_export_parser, cmd_export
 from nebula_ckpt.cli.gc import add_gc_parser, cmd_gc
@@ -50,18 +51,17 @@ def _common(sp: argparse.ArgumentParser) -> None:
     """The arguments of every command that reads a root."""
     sp.add_argument("root", help="checkpoint root: a path or fsspec URL")
     sp.add_argument("--json", action="store_true", help="machine-readable output")
-    sp.add_argument("--storage-options", type=storage_options_arg, default=None, metavar="JSON",
-                    help="fsspec storage options for a remote root, as JSON")
+    add_storage_options(sp)
 
 
 def build_parser() -> argparse.ArgumentParser:
     """The parser of ``nebula-ckpt`` (``bench`` is listed; its arguments are the harness's own)."""
-    p = argparse.ArgumentParser(prog="nebula-ckpt", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = CliParser(prog="nebula-ckpt", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
     p.add_argument("--version", action="store_true",
                    help="the version, whether the native (C++) or the pure-PyTorch path runs and why, torch")
-    sub = p.add_subparsers(dest="cmd")
+    # CliParser's too (add_subparsers makes its parsers of the parent's class); typed as argparse's
+    sub = cast("argparse._SubParsersAction[argparse.ArgumentParser]", p.add_subparsers(dest="cmd"))
     sp = sub.add_parser("ls", help="steps per tier, sizes, verified/DAMAGED (checksums), health "
                                    "(healthy/suspect/unknown)")
     _common(sp)
@@ -109,6 +109,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     """Entry point of ``nebula-ckpt``: parse ``argv`` (default ``sys.argv[1:]``), run, return the exit code."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] == "bench":
+        if secret_values(argv):  # the harness's own parser would echo it
+            sys.stderr.write(f"nebula-ckpt bench: error: bench takes no --storage-options ({HIDDEN})\n")
+            return 2
         logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
         try:
             return cmd_bench(argv[1:])

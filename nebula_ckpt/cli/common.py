@@ -10,7 +10,7 @@ import argparse
 import json
 import logging
 import sys
-from typing import Any, Iterable, Optional, Sequence, TypeVar
+from typing import Any, Callable, Iterable, NoReturn, Optional, Sequence, TypeVar
 
 from nebula_ckpt.errors import CorruptCheckpointError
 from nebula_ckpt.format import manifest as mf
@@ -27,10 +27,16 @@ from nebula_ckpt.tiers.roots import default_tiers
 
 #: seconds a command works before it draws a progress bar (only on a terminal, never with --json)
 PROGRESS_DELAY_S = 2.0
+#: how often ``ls`` / ``verify`` list the root again when every step they listed was removed while
+#: they ran (a job saving with retention): the steps that replaced them are checked instead
+RELIST_ROUNDS = 3
 
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
+R = TypeVar("R")
+#: one step of one tier, as a command lists them
+Listed = tuple[Tier, Storage, int]
 
 #: storages a command opened; :func:`close_opened` (called by ``main`` however a command ends) closes them
 OPENED: list[Storage] = []
@@ -95,6 +101,96 @@ def commit_state(st: Storage, tier: Tier, step: int) -> tuple[bool, Optional[str
     except OSError as e:
         return True, f"tier {tier.name} step {step}: {type(e).__name__}: {e}"
     return True, None
+
+
+def removed_meanwhile(st: Storage, tier: Tier, step: int) -> bool:
+    """Whether ``step``, committed when the command listed it, was removed since (retention,
+    ``remove()``, ``gc``): its commit marker is gone now. Each of them deletes a step's marker
+    before its files, so a check that failed while the marker is still there found damage."""
+    return commit_state(st, tier, step) == (False, None)
+
+
+def each_step(listing: Callable[[], list[Listed]], check_one: Callable[[Tier, Storage, int], Optional[R]],
+              command: str, desc: str, quiet: bool) -> list[R]:
+    """``check_one`` of every step ``listing`` names, in order, under a progress bar ``desc``
+    (:func:`progress`; none when ``quiet``). ``check_one`` returns None for a
+    step removed while the command ran (:func:`removed_meanwhile`): it is left out and named on
+    stderr, never reported as damage. When every step listed was removed so (a job saving with
+    retention), the root is listed again and the steps that replaced them are checked, at most
+    :data:`RELIST_ROUNDS` times in all."""
+    results: list[R] = []
+    seen: set[tuple[str, int]] = set()
+    for _ in range(RELIST_ROUNDS):
+        todo = [(t, st, s) for t, st, s in listing() if (t.name, s) not in seen]
+        removed = False
+        for tier, st, step in progress(todo, desc, "ckpt", quiet=quiet):
+            seen.add((tier.name, step))
+            result = check_one(tier, st, step)
+            if result is None:
+                removed = True
+                note(f"{tier.name} step {step} was removed while {command} ran (retention, remove() or gc); "
+                     "left out")
+            else:
+                results.append(result)
+        if results or not removed:
+            break
+    return results
+
+
+#: the option whose value may hold credentials (account keys): no command-line error shows it
+SECRET_OPTION = "--storage-options"
+#: what an error shows instead of that value
+HIDDEN = "<value hidden: it may hold credentials>"
+
+
+def secret_values(argv: Sequence[str]) -> list[str]:
+    """The values ``argv`` gives ``--storage-options`` (``--storage-options JSON``,
+    ``--storage-options=JSON``, or an abbreviation argparse would take, such as ``--storage``),
+    longest first: what a command-line error must never show, whichever parser reports it."""
+    found = []
+    for i, arg in enumerate(argv):
+        name, eq, value = arg.partition("=")
+        if len(name) < 3 or not SECRET_OPTION.startswith(name):
+            continue
+        if eq:
+            found.append(value)
+        elif i + 1 < len(argv):
+            found.append(argv[i + 1])
+    return sorted({v for v in found if v}, key=len, reverse=True)
+
+
+def redact(message: str, secrets: Sequence[str]) -> str:
+    """``message`` with every one of ``secrets`` (as given, or as ``repr`` shows it) replaced by
+    :data:`HIDDEN`."""
+    for value in secrets:
+        for shown in (value, repr(value)[1:-1], json.dumps(value)[1:-1]):
+            message = message.replace(shown, HIDDEN)
+    return message
+
+
+class CliParser(argparse.ArgumentParser):
+    """The parser of ``nebula-ckpt`` and of each of its commands (``add_subparsers`` makes its
+    parsers of the parent's class): an error (an unknown argument, an invalid value, an
+    ambiguous abbreviation) never shows the value of ``--storage-options``, however it was given."""
+
+    secrets: Sequence[str] = ()
+
+    def parse_known_args(self, args: Optional[Sequence[str]] = None,  # type: ignore[override]
+                         namespace: Optional[argparse.Namespace] = None) -> tuple[argparse.Namespace, list[str]]:
+        """argparse's, remembering the values of ``--storage-options`` in ``args`` for :meth:`error`."""
+        argv = list(sys.argv[1:] if args is None else args)
+        self.secrets = secret_values(argv)
+        return super().parse_known_args(argv, namespace)
+
+    def error(self, message: str) -> NoReturn:
+        """argparse's usage error (exit 2), without the values of ``--storage-options``."""
+        super().error(redact(message, self.secrets))
+
+
+def add_storage_options(sp: argparse.ArgumentParser) -> None:
+    """``--storage-options JSON`` of a command that takes a ROOT (fsspec options for a remote root)."""
+    sp.add_argument(SECRET_OPTION, type=storage_options_arg, default=None, metavar="JSON",
+                    help="fsspec storage options for a remote root, as JSON (credentials, endpoint); never shown")
 
 
 def storage_options_arg(text: str) -> dict[str, Any]:

@@ -6,9 +6,10 @@ from __future__ import annotations
 import argparse
 import json
 
-from nebula_ckpt.cli.common import human_bytes, note, out, progress
+from nebula_ckpt.cli.common import add_storage_options, human_bytes, note, out, progress
 from nebula_ckpt.storage.urls import refuse_url_credentials, strip_credentials
 from nebula_ckpt.tiers.memory import gc as memgc
+from nebula_ckpt.tiers.roots import tier_for_root
 
 
 def cmd_gc(args: argparse.Namespace) -> int:
@@ -20,16 +21,24 @@ def cmd_gc(args: argparse.Namespace) -> int:
              "may lose them: nebula-ckpt gc ROOT --force (every job of this account has its tiers here, and a "
              "bare --force would reach theirs too)")
         return 2
+    if args.storage_options is not None and args.root is None:
+        note("nebula-ckpt gc: --storage-options are those of one root: name it (nebula-ckpt gc ROOT "
+             "--storage-options JSON); without ROOT, each memory tier's root is reached with the credentials "
+             "of the environment")
+        return 2
     if args.root is not None:
         refuse_url_credentials(args.root)
+        tier_for_root(args.root, args.storage_options)  # a local root with storage options: refused, as elsewhere
     if not args.root_timeout > 0:
         note(f"nebula-ckpt gc: --root-timeout must be a number of seconds above 0, got {args.root_timeout:g}")
         return 2
-    decisions = memgc.collect(args.shm_dir, force=args.force, root=args.root, timeout=args.root_timeout)
+    decisions = memgc.collect(args.shm_dir, force=args.force, root=args.root, timeout=args.root_timeout,
+                              storage_options=args.storage_options)
     done = []
     for d in progress(decisions, "gc", "tier", quiet=args.json):
         if d.remove and not args.dry_run:
-            d = memgc.remove(d, args.root_timeout)  # decided again under the tier's lock: what it says happened
+            # decided again under the tier's lock: what it says happened
+            d = memgc.remove(d, args.root_timeout, args.storage_options)
         done.append(d)
     if args.json:
         out(json.dumps([d.as_dict() for d in done], indent=2))
@@ -59,3 +68,4 @@ def add_gc_parser(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") ->
                          "does not answer in time is unknown, and its memory tier is kept (default: "
                          f"{memgc.ROOT_TIMEOUT_S:g})")
     sp.add_argument("--json", action="store_true", help="machine-readable output")
+    add_storage_options(sp)

@@ -13,15 +13,16 @@ from nebula_ckpt.cli.common import (
     check,
     commit_state,
     dir_bytes,
+    each_step,
     human_bytes,
     open_any,
     open_tiers,
     out,
-    progress,
     ranks_json,
     ranks_text,
     references_json,
     references_text,
+    removed_meanwhile,
 )
 from nebula_ckpt.format import manifest as mf
 from nebula_ckpt.format.commit import read_commit, step_dirs
@@ -59,8 +60,9 @@ def _health(view: Optional[HealthView], st: Storage, step: int, man: Optional[mf
 
 
 def _ls_row(tier: Tier, st: Storage, step: int, verify: str,
-            view: Optional[HealthView] = None) -> tuple[dict[str, Any], Optional[mf.Manifest]]:
-    """The ``ls --json`` row of one step of one tier, and its manifest (None when not healthy)."""
+            view: Optional[HealthView] = None) -> Optional[tuple[dict[str, Any], Optional[mf.Manifest]]]:
+    """The ``ls --json`` row of one step of one tier, and its manifest (None when not healthy); None
+    for a committed step whose check failed because it was removed meanwhile (its marker is gone)."""
     committed, refused = commit_state(st, tier, step)
     if refused:
         healthy, why, man = False, refused, None
@@ -68,6 +70,8 @@ def _ls_row(tier: Tier, st: Storage, step: int, verify: str,
         healthy, why, man = check(st, tier, step, verify)
     else:
         healthy, why, man = False, "no commit marker", None
+    if committed and not healthy and removed_meanwhile(st, tier, step):
+        return None
     codec, ratio = _compression(man)
     mark = _health(view, st, step, man, committed)
     row = {"tier": tier.name, "step": step, "tag": man.tag if man is not None else None,
@@ -116,16 +120,19 @@ def cmd_ls(args: argparse.Namespace) -> int:
     given, args.root = args.root, find_root(args.root)
     if args.root != given and not args.json:
         out(f"{given} -> checkpoint root {args.root}")
-    pairs = open_tiers(args.root, args.storage_options)
-    todo = [(tier, st, step) for tier, st in pairs for step in step_dirs(st)]
+    return ls_tiers(open_tiers(args.root, args.storage_options), args)
+
+
+def ls_tiers(pairs: list[tuple[Tier, Storage]], args: argparse.Namespace) -> int:
+    """``ls`` of the tiers ``pairs`` (each with its open storage, the root's own last), as ``args``
+    asks: the output and the exit code. A step removed while ls runs is left out (named on stderr)."""
     view = HealthView(pairs[-1][1]) if pairs else None  # the records are on the root's own tier (listed last)
     verify = "size" if args.quick else "full"
-    rows: list[dict[str, Any]] = []
-    mans: list[Optional[mf.Manifest]] = []
-    for tier, st, step in progress(todo, "checking", "ckpt", quiet=args.json):
-        row, man = _ls_row(tier, st, step, verify, view)
-        rows.append(row)
-        mans.append(man)
+    listed = each_step(lambda: [(tier, st, step) for tier, st in pairs for step in step_dirs(st)],
+                       lambda tier, st, step: _ls_row(tier, st, step, verify, view), "ls", "checking",
+                       quiet=args.json)
+    rows = [row for row, _ in listed]
+    mans = [man for _, man in listed]
     if args.json:
         out(json.dumps(rows, indent=2))
     elif not rows:

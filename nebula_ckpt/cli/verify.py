@@ -1,47 +1,68 @@
-"""``nebula-ckpt verify``: the full checksum check of every committed step (or one); exit 1 on damage."""
+"""``nebula-ckpt verify``: the full checksum check of every committed step (or one); exit 1 on damage.
+
+A step removed while verify runs (retention of a job that is saving, ``remove()``, ``gc``) is not
+damage: its commit marker goes first, so a step whose check failed and whose marker is gone now is
+left out (named on stderr), and one whose marker is still there is ``DAMAGED``.
+"""
 
 from __future__ import annotations
 
 import argparse
 import json
+from typing import Any, Optional
 
 from nebula_ckpt.cli.common import (
+    Listed,
     check,
     commit_state,
+    each_step,
     open_tiers,
     out,
-    progress,
     ranks_json,
     ranks_text,
     references_json,
     references_text,
+    removed_meanwhile,
 )
+from nebula_ckpt.format import manifest as mf
 from nebula_ckpt.format.commit import step_dirs
+from nebula_ckpt.storage.base import Storage
 from nebula_ckpt.storage.urls import strip_credentials
+from nebula_ckpt.tiers.base import Tier
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
     """Full checksum check of every committed step (or ``--step``) of every tier; exit 1 on any
     damage, or when there is nothing to check."""
-    todo = []
-    for tier, st in open_tiers(args.root, args.storage_options):
-        for step in step_dirs(st):
-            if args.step is not None and step != args.step:
-                continue
-            committed, refused = commit_state(st, tier, step)
-            if committed:
-                todo.append((tier, st, step, refused))
-    results = []
-    mans = []
-    for tier, st, step, refused in progress(todo, "verifying", "ckpt", quiet=args.json):
-        ok, why, man = (False, refused, None) if refused else check(st, tier, step, "full")
-        results.append({"tier": tier.name, "step": step, "healthy": ok, "problem": None if ok else why,
-                        **references_json(man), **ranks_json(man)})
-        mans.append(man)
+    return verify_tiers(open_tiers(args.root, args.storage_options), args)
+
+
+def verify_step(tier: Tier, st: Storage, step: int) -> Optional[tuple[dict[str, Any], Optional[mf.Manifest]]]:
+    """``verify --json``'s row of one committed step and its manifest (None when not healthy), or
+    None when the step was removed since it was listed (its commit marker is gone)."""
+    committed, refused = commit_state(st, tier, step)
+    if not committed:
+        return None
+    ok, why, man = (False, refused, None) if refused else check(st, tier, step, "full")
+    if not ok and removed_meanwhile(st, tier, step):
+        return None
+    return ({"tier": tier.name, "step": step, "healthy": ok, "problem": None if ok else why,
+             **references_json(man), **ranks_json(man)}, man)
+
+
+def verify_tiers(pairs: list[tuple[Tier, Storage]], args: argparse.Namespace) -> int:
+    """``verify`` of the tiers ``pairs`` (each with its open storage), as ``args`` asks: the output
+    and the exit code."""
+    def listing() -> list[Listed]:
+        return [(tier, st, step) for tier, st in pairs for step in step_dirs(st)
+                if (args.step is None or step == args.step) and commit_state(st, tier, step)[0]]
+
+    checked = each_step(listing, verify_step, "verify", "verifying", quiet=args.json)
+    results = [r for r, _ in checked]
     if args.json:
         out(json.dumps(results, indent=2))
     else:
-        for r, man in zip(results, mans, strict=True):
+        for r, man in checked:
             job = f" ({ranks_text(man)}: every shard verified)" if ranks_text(man) else ""
             if references_text(man):
                 job += f" ({references_text(man)}: verified)"

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import json
 import os
 
+import fsspec
 import pytest
 import torch
 
@@ -52,6 +54,54 @@ def test_printing_knobs_describe_shows_the_table(capsys: pytest.CaptureFixture[s
     assert capsys.readouterr().out.strip() == knobs.table()  # not one raw dict on a line
     env, value, doc = described["copy_threads"]  # still the mapping it was
     assert env == "NEBULA_COPY_THREADS" and value == knobs.get("copy_threads") and doc
+
+
+#: (variable, a value outside the knob's range, the range the error states) for every knob with one
+OUT_OF_RANGE = [
+    ("NEBULA_ZSTD_LEVEL", "99", "from -131072 to 22"), ("NEBULA_ZSTD_LEVEL", "-200000", "from -131072 to 22"),
+    ("NEBULA_COPY_THREADS", "0", "from 1 to 256"), ("NEBULA_COPY_THREADS", "100000000000000000000000", "to 256"),
+    ("NEBULA_IO_THREADS", "-1", "from 1 to 256"), ("NEBULA_IO_THREADS", "257", "from 1 to 256"),
+    ("NEBULA_SHM_MIN_FREE", "1.5", "from 0 to 1"), ("NEBULA_SHM_MIN_FREE", "-0.1", "from 0 to 1"),
+    ("NEBULA_REMOTE_TIMEOUT_S", "inf", "from 0.1 to 1000000000"), ("NEBULA_REMOTE_TIMEOUT_S", "0", "from 0.1"),
+    ("NEBULA_COMMIT_TIMEOUT_S", "1e20", "from 0.1 to 1000000000"), ("NEBULA_COMMIT_TIMEOUT_S", "nan", "from 0.1"),
+    ("NEBULA_REPLICA_TIMEOUT_S", "1e10", "from 0.1 to 1000000000"), ("NEBULA_REPLICA_TIMEOUT_S", "-1", "from 0.1"),
+    ("NEBULA_EXIT_TIMEOUT_S", "inf", "from 0 to 1000000000"), ("NEBULA_EXIT_TIMEOUT_S", "nan", "from 0 to"),
+    ("NEBULA_INCREMENTAL_FULL_EVERY", "0", ">= 1"),
+]
+
+
+@pytest.mark.parametrize(("env", "value", "bounds"), OUT_OF_RANGE)
+def test_a_knob_out_of_its_range_is_refused_naming_the_variable_before_anything_is_written(
+        tmp_path, shm_dir, monkeypatch: pytest.MonkeyPatch, env: str, value: str, bounds: str) -> None:  # noqa: ANN001
+    """Above its most value as below its least (NaN, inf too): refused when the Checkpointer is
+    created, naming the variable, the value and the range, not on the writer thread of a save."""
+    monkeypatch.setenv(env, value)
+    root = tmp_path / "ck"
+    before = _tree(str(tmp_path), shm_dir)
+    with pytest.raises(ValueError) as e:
+        nc.Checkpointer(str(root))
+    assert f"{env}={value!r}" in str(e.value) and bounds in str(e.value), str(e.value)
+    assert _tree(str(tmp_path), shm_dir) == before  # no folder, no run record, no memory tier
+
+
+@pytest.mark.parametrize("level", [str(knobs.ZSTD_LEVELS[0]), "-5", "0", str(knobs.ZSTD_LEVELS[1])])
+def test_every_zstd_level_in_the_range_saves_and_restores_on_a_compressed_remote_tier(
+        shm_dir, monkeypatch: pytest.MonkeyPatch, level: str) -> None:  # noqa: ANN001
+    zstandard = pytest.importorskip("zstandard")
+    assert knobs.ZSTD_LEVELS[1] == zstandard.MAX_COMPRESSION_LEVEL  # the range is zstandard's
+    monkeypatch.setenv("NEBULA_ZSTD_LEVEL", level)
+    url = f"memory://nebula-zstd-{os.getpid()}-{level}"
+    state = {"w": torch.arange(4096, dtype=torch.float32) % 7}
+    with nc.Checkpointer(url, tiers=[nc.RemoteTier(url, compression="zstd")]) as ck:
+        ck.save(1, state)
+    with nc.Checkpointer(url, tiers=[nc.RemoteTier(url, compression="zstd")], read_only=True) as ck:
+        step, got = ck.read(1)
+    assert step == 1 and torch.equal(got["w"], state["w"])
+    man = json.loads(fsspec.filesystem("memory").cat(f"{url}/step-1/manifest.json"))
+    assert [sh["storage"]["compression"] for sh in man["shards"]] == ["zstd"]  # stored compressed
+    monkeypatch.setenv("NEBULA_ZSTD_LEVEL", str(knobs.ZSTD_LEVELS[1] + 1))  # one above: refused up front
+    with pytest.raises(ValueError, match=r"NEBULA_ZSTD_LEVEL='23'.*from -131072 to 22"):
+        nc.Checkpointer(url, tiers=[nc.RemoteTier(url, compression="zstd")])
 
 
 def test_a_memory_tier_folder_that_does_not_exist_is_said_loudly(tmp_path, caplog) -> None:  # noqa: ANN001

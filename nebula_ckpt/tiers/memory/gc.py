@@ -22,8 +22,9 @@ answers "not found" and holds nothing there. Any other answer (a permission or I
 path that passes a file or a link loop, an existing root without its run record, as an
 unmounted mount point shows, a failing or missing fsspec backend, no answer within the
 deadline: ``nebula-ckpt gc --root-timeout``, :data:`ROOT_TIMEOUT_S` by default) leaves the root
-*unknown*, and the tier is kept. Remote roots are reached with the credentials of the environment
-(no storage options).
+*unknown*, and the tier is kept. A remote root is reached with the storage options given for it
+(``nebula-ckpt gc ROOT --storage-options JSON``: only for the run named), else with the credentials
+of the environment.
 
 Nothing is removed on the strength of an earlier look: :func:`remove` takes the tier's lock,
 looks at the tier again, decides again and removes only if that decision says so, so a job that
@@ -37,7 +38,7 @@ import os
 import shutil
 import threading
 from dataclasses import dataclass, replace
-from typing import Optional
+from typing import Any, Optional
 
 from nebula_ckpt.errors import CorruptCheckpointError
 from nebula_ckpt.format.commit import Write, committed_steps, committed_writes, read_commit, references
@@ -146,9 +147,11 @@ def _run_record(st: Storage) -> tuple[bool, Optional[str]]:
     return True, parse_run_record(raw, f"{st.display_url}: {RUN_FILE}")
 
 
-def _ask_root(root: str, run_id: Optional[str], step: int, write: Optional[Write] = None) -> RootAnswer:
+def _ask_root(root: str, run_id: Optional[str], step: int, write: Optional[Write] = None,
+              storage_options: Optional[dict[str, Any]] = None) -> RootAnswer:
     """What ``root`` says about ``step`` of run ``run_id`` (the write ``write`` of it, when given:
-    an older write of the same step on the root does not make it durable; raises when it cannot tell)."""
+    an older write of the same step on the root does not make it durable; raises when it cannot tell).
+    A remote root is reached with ``storage_options`` (None: the credentials of the environment)."""
     local = os.path.isabs(root)
     if local and _local_root_gone(root):
         return RootAnswer(ONLY_HERE, f"its root {root} is gone")
@@ -158,7 +161,7 @@ def _ask_root(root: str, run_id: Optional[str], step: int, write: Optional[Write
     else:
         from nebula_ckpt.storage.remote import FsspecStorage
 
-        st = FsspecStorage(_root_url(root))
+        st = FsspecStorage(_root_url(root), storage_options)
     try:
         present, have = _run_record(st)
         if not present and not st.list(""):
@@ -214,8 +217,9 @@ def _lacking_on_root(st: Storage, step: int) -> Optional[str]:
 
 
 def ask_root(root: str, run_id: Optional[str], step: int, write: Optional[Write] = None,
-             timeout: float = ROOT_TIMEOUT_S) -> RootAnswer:
-    """What ``root`` says about ``step`` of run ``run_id`` (its write ``write``, when given):
+             timeout: float = ROOT_TIMEOUT_S, storage_options: Optional[dict[str, Any]] = None) -> RootAnswer:
+    """What ``root`` says about ``step`` of run ``run_id`` (its write ``write``, when given), a
+    remote root reached with ``storage_options`` (None: the credentials of the environment):
     :data:`DURABLE` (committed there, that write or a newer one),
     :data:`ONLY_HERE` (known not to be there: the root lacks it, is gone, or belongs to another
     run) or :data:`UNKNOWN` (any error, or no answer within ``timeout`` seconds).
@@ -227,7 +231,7 @@ def ask_root(root: str, run_id: Optional[str], step: int, write: Optional[Write]
 
     def run() -> None:
         try:
-            box.append(_ask_root(root, run_id, step, write))
+            box.append(_ask_root(root, run_id, step, write, storage_options))
         except Exception as e:  # noqa: BLE001 - any failure leaves the root unknown
             box.append(RootAnswer(UNKNOWN, f"cannot check its root {root} ({type(e).__name__}: {e})"))
 
@@ -249,9 +253,10 @@ def _only_copy(f: Found, force: bool, why: str, lost: list[int]) -> Decision:
                               f"or --force to remove the tier and lose {'it' if len(lost) == 1 else 'them'})", force)
 
 
-def decide(f: Found, force: bool = False, timeout: float = ROOT_TIMEOUT_S) -> Decision:
+def decide(f: Found, force: bool = False, timeout: float = ROOT_TIMEOUT_S,
+           storage_options: Optional[dict[str, Any]] = None) -> Decision:
     """Apply the module's policy to one memory tier (the root is asked, for at most ``timeout``
-    seconds: see :func:`ask_root`)."""
+    seconds, with ``storage_options``: see :func:`ask_root`)."""
     if f.problem:
         return Decision(f, False, f"not safely ours, not touched: {f.problem}", force)
     if f.in_use:
@@ -265,7 +270,8 @@ def decide(f: Found, force: bool = False, timeout: float = ROOT_TIMEOUT_S) -> De
     if f.owner is None:
         return _only_copy(f, force, "no ROOT file: nobody's memory tier, never restored from", steps)
     newest = max(committed_writes(LocalStorage(f.folder, private=True, fsync=False)), default=None)
-    answer = ask_root(f.owner.root, f.owner.run_id, steps[-1] if newest is None else newest[1], newest, timeout)
+    answer = ask_root(f.owner.root, f.owner.run_id, steps[-1] if newest is None else newest[1], newest, timeout,
+                      storage_options)
     if answer.verdict == DURABLE:
         return Decision(f, True, answer.why, force)
     if answer.verdict == UNKNOWN:
@@ -276,21 +282,24 @@ def decide(f: Found, force: bool = False, timeout: float = ROOT_TIMEOUT_S) -> De
 
 
 def collect(shm_dir: Optional[str] = None, force: bool = False, root: Optional[str] = None,
-            timeout: float = ROOT_TIMEOUT_S) -> list[Decision]:
+            timeout: float = ROOT_TIMEOUT_S, storage_options: Optional[dict[str, Any]] = None) -> list[Decision]:
     """Decisions for every memory tier of this user, or (``root``) for the memory tiers of that run
     only (every rank's on this host), each root asked for at most ``timeout`` seconds; nothing is
-    removed: :func:`remove` acts."""
+    removed: :func:`remove` acts. ``storage_options`` (only with ``root``, a remote one) reach it."""
+    if storage_options is not None and root is None:
+        raise ValueError("gc: storage_options are those of one root: name it (nebula-ckpt gc ROOT "
+                         "--storage-options JSON); without a root, each is reached with the environment's credentials")
     found = scan(shm_dir)
     if root is not None:
         mine = canonical_root(root)
         found = [f for f in found if f.owner is not None and f.owner.root == mine]
-    return [decide(f, force, timeout) for f in found]
+    return [decide(f, force, timeout, storage_options) for f in found]
 
 
-def remove(d: Decision, timeout: float = ROOT_TIMEOUT_S) -> Decision:
+def remove(d: Decision, timeout: float = ROOT_TIMEOUT_S, storage_options: Optional[dict[str, Any]] = None) -> Decision:
     """Remove the memory tier of ``d`` if that is still right: under the tier's lock, look at it
-    again, decide again (with ``d``'s ``--force``, the root asked for at most ``timeout`` seconds)
-    and remove only if that decision says so.
+    again, decide again (with ``d``'s ``--force``, the root asked for at most ``timeout`` seconds,
+    with ``storage_options`` as :func:`collect` was) and remove only if that decision says so.
 
     Returns:
         The decision made under the lock, its ``removed`` set; a tier a live process holds, or
@@ -300,7 +309,7 @@ def remove(d: Decision, timeout: float = ROOT_TIMEOUT_S) -> Decision:
     try:
         before = look(folder)  # still safely ours before its LOCK file is opened
         if before.problem or before.in_use:
-            return replace(decide(before, d.forced, timeout), removed=False)
+            return replace(decide(before, d.forced, timeout, storage_options), removed=False)
         fd = try_lock(folder)
     except FileNotFoundError:
         return replace(d, remove=False, reason="gone meanwhile (removed by another process)", removed=False)
@@ -309,7 +318,7 @@ def remove(d: Decision, timeout: float = ROOT_TIMEOUT_S) -> Decision:
     if fd is None:
         return replace(d, remove=False, reason="taken by a live process meanwhile; kept", removed=False)
     try:
-        now = decide(look(folder, locked=True), d.forced, timeout)
+        now = decide(look(folder, locked=True), d.forced, timeout, storage_options)
         if not now.remove:
             log.info("nebula_ckpt: gc: %s kept after all: %s", folder, now.reason)
             return replace(now, removed=False)

@@ -1,0 +1,120 @@
+"""``verify`` and ``ls`` while a job's retention removes steps: a step removed between the listing
+and its check is left out (named on stderr), never reported ``DAMAGED``; a step whose commit marker
+is still there and whose files are damaged stays ``DAMAGED``.
+
+No race: the removal happens at a named stage of the check, from inside the storage the command
+reads (a :class:`LocalStorage` whose reads of one step run a hook first), on real files.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from typing import Any, Callable
+
+import pytest
+import torch
+
+import nebula_ckpt as nc
+from nebula_ckpt.cli import build_parser
+from nebula_ckpt.cli.listing import ls_tiers
+from nebula_ckpt.cli.verify import verify_tiers
+from nebula_ckpt.format.commit import delete_checkpoint
+from nebula_ckpt.storage.local import LocalStorage
+
+
+class HookedStorage(LocalStorage):
+    """A local storage that runs ``hook`` once, the first time the check reads ``step``'s commit
+    marker (``stage="marker"``) or one of its shards (``stage="shard"``), then reads as usual."""
+
+    def __init__(self, root: str, step: int, stage: str, hook: Callable[[LocalStorage], None]) -> None:
+        super().__init__(root)
+        self.step, self.stage, self.hook, self.fired = step, stage, hook, False
+
+    def _maybe(self, rel: str, stage: str) -> None:
+        if not self.fired and stage == self.stage and rel.startswith(f"step-{self.step}/"):
+            self.fired = True
+            self.hook(self)
+
+    def read_small(self, rel: str, *args: Any, **kwargs: Any) -> bytes:
+        self._maybe(rel, "marker" if rel.endswith("/COMMIT") else "small")
+        return super().read_small(rel, *args, **kwargs)
+
+    def read_buffer(self, rel: str, *args: Any, **kwargs: Any) -> Any:
+        self._maybe(rel, "shard")
+        return super().read_buffer(rel, *args, **kwargs)
+
+
+def _saved(root: str, steps: int = 2) -> None:
+    """``steps`` full checkpoints (none refers to another: retention may drop any of them)."""
+    with nc.Checkpointer(root, memory_tier=False, incremental=False) as ck:
+        for s in range(1, steps + 1):
+            ck.save(s, {"w": torch.full((1000,), float(s)), "step": s})
+
+
+def _run(cmd: str, root: str, storage: LocalStorage, *extra: str) -> int:
+    args = build_parser().parse_args([cmd, root, *extra])
+    pairs = [(nc.LocalTier(root), storage)]
+    return (verify_tiers if cmd == "verify" else ls_tiers)(pairs, args)
+
+
+def _retention(step: int) -> Callable[[LocalStorage], None]:
+    """What retention does to ``step``: its marker first, then its files (the library's own deletion)."""
+    return lambda st: delete_checkpoint(st, step)
+
+
+@pytest.mark.parametrize("stage", ["marker", "shard"])
+@pytest.mark.parametrize("cmd", ["verify", "ls"])
+def test_a_step_removed_while_it_is_checked_is_left_out_not_damaged(
+        root: str, stage: str, cmd: str, capsys: pytest.CaptureFixture[str]) -> None:
+    _saved(root)
+    assert _run(cmd, root, HookedStorage(root, 1, stage, _retention(1)), "--json") == 0
+    captured = capsys.readouterr()
+    rows = json.loads(captured.out)
+    assert [(r["step"], r["healthy"]) for r in rows] == [(2, True)], rows
+    assert f"step 1 was removed while {cmd} ran" in captured.err, captured.err
+    assert not os.path.exists(os.path.join(root, "step-1"))
+    assert _run(cmd, root, HookedStorage(root, 2, stage, _retention(2))) == 1  # nothing left to check
+    captured = capsys.readouterr()
+    assert "DAMAGED" not in captured.out, captured.out
+    assert ("no committed checkpoint" if cmd == "verify" else "no checkpoints") in captured.out, captured.out
+    assert f"step 2 was removed while {cmd} ran" in captured.err
+
+
+@pytest.mark.parametrize("cmd", ["verify", "ls"])
+def test_a_step_damaged_while_it_is_checked_whose_marker_stays_is_damaged(
+        root: str, cmd: str, capsys: pytest.CaptureFixture[str]) -> None:
+    _saved(root)
+
+    def damage(st: LocalStorage) -> None:  # the files change under the check; the marker stays
+        d = os.path.join(root, "step-1")
+        shard = next(f for f in os.listdir(d) if f.endswith(".safetensors"))
+        os.truncate(os.path.join(d, shard), 100)
+
+    assert _run(cmd, root, HookedStorage(root, 1, "shard", damage)) == 1
+    captured = capsys.readouterr()
+    line = next(ln for ln in captured.out.splitlines() if "step 1" in ln or ln.split()[1:2] == ["1"])
+    assert "DAMAGED" in line, captured.out
+    assert "removed" not in captured.err
+    os.remove(os.path.join(root, "step-1", "manifest.json"))  # marker there, manifest gone: damage too
+    assert _run(cmd, root, LocalStorage(root)) == 1
+    assert "DAMAGED" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("cmd", ["verify", "ls"])
+def test_when_every_listed_step_is_removed_the_root_is_listed_again(
+        root: str, tmp_path, cmd: str, capsys: pytest.CaptureFixture[str]) -> None:  # noqa: ANN001
+    """A job with keep_last=1 replaced the only step listed while it was checked: the new one is checked."""
+    _saved(root)
+    aside = str(tmp_path / "step-2")
+    shutil.move(os.path.join(root, "step-2"), aside)
+
+    def replaced(st: LocalStorage) -> None:
+        shutil.move(aside, os.path.join(root, "step-2"))  # the next save committed ...
+        delete_checkpoint(st, 1)                          # ... and retention dropped the older step
+
+    assert _run(cmd, root, HookedStorage(root, 1, "marker", replaced), "--json") == 0
+    captured = capsys.readouterr()
+    assert [(r["step"], r["healthy"]) for r in json.loads(captured.out)] == [(2, True)]
+    assert f"step 1 was removed while {cmd} ran" in captured.err
