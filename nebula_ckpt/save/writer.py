@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import os
 import threading
 from typing import Any, Callable, Optional
@@ -40,6 +41,7 @@ from nebula_ckpt.format.commit import (
     clear_step,
     commit_manifest,
     committed_steps,
+    committed_writes,
     delete_checkpoint,
     deletion_order,
     protected_steps,
@@ -109,8 +111,7 @@ class TierWriter:
         #: tier, compares bytes instead of hashing)
         on_base = incremental and may_build_on_base(self.tier, self.coordinator.world_size, self.storage)
         self.incremental = Incremental(on_base, compare=runtime.capabilities.keeps_base_in_ram)
-        #: committed steps remove() was asked to delete while a later checkpoint refers to their
-        #: bytes: retention deletes them once nothing does
+        #: steps remove() was asked to delete while a later step refers to them: retention deletes them later
         self._deferred: set[int] = set()
         fence.retract_with(self)  # a save ending fenced takes back what it committed here
         self._thread = threading.Thread(target=self._run, name=f"nebula-{self.tier.kind}-writer", daemon=True)
@@ -152,10 +153,8 @@ class TierWriter:
             dropped.drop(self.name, f"still busy; step {delivery.snap.step} is newer")
 
     def drop_pending(self) -> bool:
-        """Drop the snapshot waiting for this tier while it writes an older one; True if any.
-
-        An idle tier is about to start on its pending snapshot, so that one is kept.
-        """
+        """Drop the snapshot waiting for this tier while it writes an older one; True if any (an idle
+        tier is about to start on its pending snapshot: that one is kept)."""
         with self._mutex:  # the training thread (a save that needs a staging buffer)
             if self._writing is None:
                 return False
@@ -472,7 +471,9 @@ class TierWriter:
     def _prune(self, keep_step: Optional[int]) -> None:
         st = self.storage
         committed, uncommitted = scan_steps(st)
-        keep = set(committed[-self.keep_last:]) | self.runtime.keep_also(committed)  # + the newest healthy step
+        gen = {s: g for g, s, _ in committed_writes(st)}  # a restore's order; an unreadable marker: as newest
+        ranked = sorted(committed, key=lambda s: (gen.get(s, math.inf), s))
+        keep = set(ranked[-self.keep_last:]) | self.runtime.keep_also(ranked)  # + the newest healthy step
         if self.tier.keep_every:
             keep.update(s for s in committed if s % self.tier.keep_every == 0)
         self._deferred &= set(committed)

@@ -105,6 +105,30 @@ def test_retention_keeps_last_and_milestones(tmp_path) -> None:  # noqa: ANN001
         assert ck.list() == [4, 8, 9]
 
 
+def test_retention_after_a_rollback_keeps_the_new_runs_steps(tmp_path) -> None:  # noqa: ANN001
+    """A run that went back (restored step 10 of a run that reached 30, then saved 11, 12, 13) is
+    newer in a restore's order (writer generation first): retention keeps its steps and lets the
+    abandoned run's 20 and 30 go, so a damaged 13 falls back to 12, never to the abandoned 30."""
+    root = str(tmp_path / "ck")
+    with nc.Checkpointer(root, keep_last=3, memory_tier=False) as ck:
+        for s in (10, 20, 30):
+            ck.save(s, _state(s))
+    with nc.Checkpointer(root, keep_last=3, memory_tier=False) as ck:
+        assert ck.load(10, into=_state(0)) == 10
+        for s in (11, 12, 13):
+            ck.save(s, _state(s))
+        assert ck.list() == [11, 12, 13]
+    shard = next(n for n in os.listdir(os.path.join(root, "step-13")) if n.endswith(".safetensors"))
+    with open(os.path.join(root, "step-13", shard), "r+b") as f:  # bit rot in step 13's last bytes
+        f.seek(-8, 2)
+        b = f.read(1)
+        f.seek(-8, 2)
+        f.write(bytes([b[0] ^ 0xFF]))
+    into = _state(0)
+    with nc.Checkpointer(root, keep_last=3, memory_tier=False) as ck:
+        assert ck.load_latest(into=into) == 12 and into["step"] == 12
+
+
 def test_cadence_every_nth_save(tmp_path) -> None:  # noqa: ANN001
     fast, slow = str(tmp_path / "fast"), str(tmp_path / "slow")
     with nc.Checkpointer(slow, tiers=[nc.LocalTier(fast, keep_last=10),

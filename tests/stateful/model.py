@@ -11,7 +11,8 @@ of the possibilities.
 
 What may remove a committed step, and nothing else (each is documented behaviour):
 
-* retention: steps outside a tier's ``keep_last`` newest (by step number) after a commit there;
+* retention: steps outside a tier's ``keep_last`` newest after a commit there, in a restore's
+  order (writer, then step);
 * a step saved again: the committed steps after it on that tier (they may refer to its bytes:
   the run went back to it);
 * ``close()``, ``nebula-ckpt gc`` and a restore that hands the memory tier's pages over: the
@@ -130,15 +131,15 @@ class Truth:
                 continue
             if again and drops and s > step:  # may refer to the bytes of the step saved again
                 t[s] = t[s] | {ABSENT}
-        above = 0
-        for s in sorted(t, reverse=True) if drops else ():  # retention: keep_last newest by step number
-            if s == step:
-                above += 1
-                continue
-            if above >= keep_last:
+        if not drops:
+            return
+        # retention: the keep_last newest in a restore's order, (writer, step); a step may go when
+        # keep_last others may rank above it (the step just committed always stays)
+        orders = {s: [(e.writer, s) for e in p if e is not None] for s, p in t.items()}
+        for s in [s for s in t if s != step and orders[s]]:
+            low = min(orders[s])
+            if sum(1 for o, os_ in orders.items() if o != s and os_ and max(os_) > low) >= keep_last:
                 t[s] = t[s] | {ABSENT}
-            if t[s] - {ABSENT}:
-                above += 1
 
     def may_drop_all(self, key: Hashable) -> None:
         for p in self.tier(key).values():

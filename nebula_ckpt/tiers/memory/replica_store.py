@@ -243,12 +243,14 @@ class ReplicaStore:
         return out
 
     def prune(self, rank: int, keep: int) -> None:
-        """Keep the newest ``keep`` replicas of ``rank`` (commit marker first, as retention does)."""
+        """Keep the newest ``keep`` replicas of ``rank``, in a restore's order (writer generation, then
+        step, as retention ranks a tier's checkpoints: :meth:`~nebula_ckpt.save.writer.TierWriter.prune`),
+        commit marker first."""
         d = self.source_dir(rank)
         if _planted_link(d):  # never delete through a link planted in the store
             return
-        steps = [s for _, s in committed(d)]
-        for s in sorted(steps)[:-keep] if keep > 0 else steps:
+        ranked = [s for _, s in committed(d)]  # sorted by (generation, step)
+        for s in ranked[:-keep] if keep > 0 else ranked:
             self._drop(rank, s)
 
     def forget(self, steps: Collection[int]) -> list[tuple[int, int]]:
