@@ -56,6 +56,17 @@ def _put(loader: Any, taken: Mapping[str, Any], where: str) -> None:
         g.set_state(generator_state(s, f"{where}['generators'][{i}]"))
 
 
+def _check_workers(saved: Any, now: Any) -> None:
+    """A loader that keeps its own position (torchdata's ``StatefulDataLoader``) resumes mid-epoch
+    only with the number of workers it was saved with (its state is per worker): else refused
+    before anything of the loop changes, rather than torchdata's assertion at the first batch."""
+    if isinstance(saved, int) and isinstance(now, int) and saved != now:
+        raise ValidationError(f"LoopState: the checkpoint was taken in the middle of an epoch with a data loader of "
+                              f"num_workers={saved}; this loader has num_workers={now}, and a StatefulDataLoader "
+                              f"resumes its position only with the workers it saved: build it with "
+                              f"num_workers={saved} for this resume (change it at an epoch's end)")
+
+
 def _own(tree: Any) -> Any:
     """``tree`` with every tensor a copy of its own: a restored tensor may be a view into a buffer
     shared with others, and torch's ``Generator.set_state`` reads such a view from the wrong place
@@ -187,6 +198,7 @@ class LoopState:
                 "epoch_done": self._epoch_done, "now": _take(loader, cuda=True),
                 "epoch_start": None if own else self._epoch_start,
                 "loader": loader.state_dict() if own else None,
+                "num_workers": getattr(loader, "num_workers", None) if own else None,
                 "batches_per_epoch": data.length(loader) if loader is not None else None}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -200,6 +212,9 @@ class LoopState:
         if saved_len is not None and now_len is not None and saved_len != now_len:
             log.warning("nebula_ckpt: LoopState: the loader has %d batches per epoch, the checkpoint's had %d (another "
                         "batch size, dataset or drop_last?): the position is kept in batches", now_len, saved_len)
+        mid_epoch = bool(int(state["batch"])) and not bool(state["epoch_done"])
+        if loader is not None and data.has_own_state(loader) and state.get("loader") is not None and mid_epoch:
+            _check_workers(state.get("num_workers"), getattr(loader, "num_workers", None))
         self.epoch, self.batch, self.step = int(state["epoch"]), int(state["batch"]), int(state["step"])
         self._epoch_done = bool(state["epoch_done"])
         self._epoch_start = state.get("epoch_start")

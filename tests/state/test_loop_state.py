@@ -162,6 +162,25 @@ def test_a_stateful_dataloader_fast_forwards_bit_exact(tmp_path: Path, shm_dir: 
         assert len(loads) == 14 * 2 - 2 * BATCH
 
 
+@pytest.mark.parametrize("saved, now", [(2, 0), (0, 2)])
+def test_a_stateful_dataloader_resumed_with_other_workers_is_refused_naming_them(
+        tmp_path: Path, shm_dir: str, saved: int, now: int) -> None:
+    """torchdata keeps a loader's position per worker: resumed mid-epoch with another num_workers it
+    failed at the first batch with its own assertion; the restore names both counts and the fix."""
+    root = str(tmp_path / "ck")
+    with nc.Checkpointer(root) as ck:
+        _loop(stateful(saved), ck, epochs=2, stop=2)
+    loop = nc.LoopState(stateful(now)())
+    named = f"num_workers={saved}.*num_workers={now}"
+    with nc.Checkpointer(root) as ck, pytest.raises(nc.ValidationError, match=named):
+        ck.load_latest(into={"loop": loop})
+    assert (loop.epoch, loop.batch, loop.step) == (0, 0, 0)  # the loop is as it was
+    with nc.Checkpointer(root) as ck:  # at an epoch's end the workers may change
+        _loop(stateful(saved), ck, epochs=2, stop=-1)
+    with nc.Checkpointer(root) as ck:
+        assert _loop(stateful(now), ck, epochs=2, restore=True)
+
+
 def test_the_state_is_typed_leaves_without_pickle(tmp_path: Path, shm_dir: str) -> None:
     """Counters stay ints, the streams are tensors and NumPy arrays: no pickle in the manifest, and a
     Checkpointer that refuses pickle (the default) saves and restores it."""
