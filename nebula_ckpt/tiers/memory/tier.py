@@ -31,7 +31,9 @@ class MemoryTier(Tier):
 
     Args:
         path: folder to use; default: ``<shm_dir>/nebula_ckpt-<uid>/<hash of root>``.
-        keep_last: default 1 (the previous checkpoint is deleted only after the new one commits).
+        keep_last: default 1 (the previous checkpoint is deleted only after the new one commits);
+            with ``replicas``, keep 2 (``docs/multi-rank.md``: a node lost mid-round may leave no
+            step common to every rank with 1).
         replicas: copies of each rank's memory-tier step kept in the memory tier of ``replicas``
             partner ranks on other nodes, so that losing up to that many nodes loses no rank's
             newest step (:mod:`nebula_ckpt.tiers.memory.replicas`). Default 0: a copy costs the
