@@ -265,6 +265,7 @@ class Single(RuleBasedStateMachine):
                 self.truth.commit("disk", step, entry, self.tiers["disk_keep"], surely=False)
             job.proc.end()
             self.job = None
+            self.truth.job_ended()
             return
         if kill:
             job.proc.call({"op": "arm", "at": None})
@@ -289,6 +290,7 @@ class Single(RuleBasedStateMachine):
         if self.job is not None:
             self.job.proc.end()
             self.job = None
+            self.truth.job_ended()
 
     # -- rules ---------------------------------------------------------------------------------
     @precondition(lambda self: self.job is None)

@@ -66,6 +66,10 @@ class Truth:
     marks: dict[tuple[int, int], str] = field(default_factory=dict)
     #: each writer's generation, as audits read it from the commit markers
     gens: dict[int, int] = field(default_factory=dict)
+    #: steps ``remove()`` left in place while a later step refers to them: the live job's writers
+    #: delete each once nothing does (an audit that finds one still there cannot close that); a
+    #: job's end forgets them (:meth:`job_ended`)
+    deferred: dict[Hashable, set[int]] = field(default_factory=dict)
 
     # -- reading ---------------------------------------------------------------------------------
     def tier(self, key: Hashable) -> dict[int, set[Optional[Entry]]]:
@@ -75,10 +79,12 @@ class Truth:
         return all(len(p) == 1 for p in self.tier(key).values())
 
     def entries(self, key: Hashable) -> dict[int, Entry]:
-        """The steps known committed on ``key`` (call when :meth:`certain`)."""
+        """The steps known committed on ``key`` (call when :meth:`certain`; a step whose removal is
+        deferred counts as there, which the audit before found it)."""
         out = {}
+        waiting = self.deferred.get(key, set())
         for s, p in self.tier(key).items():
-            (e,) = p
+            (e,) = p - {ABSENT} if s in waiting and len(p - {ABSENT}) == 1 else p
             if e is not None:
                 out[s] = e
         return out
@@ -153,7 +159,15 @@ class Truth:
         later checkpoint of that tier may refer to its bytes (it stays listed until none does)."""
         t = self.tier(key)
         if step in t:
-            t[step] = t[step] | {ABSENT} if any(s > step for s in self.maybe_steps(key)) else {ABSENT}
+            if any(s > step for s in self.maybe_steps(key)):
+                t[step] = t[step] | {ABSENT}
+                self.deferred.setdefault(key, set()).add(step)
+            else:
+                t[step] = {ABSENT}
+
+    def job_ended(self) -> None:
+        """The job's writers are gone: the removals they deferred will not happen."""
+        self.deferred.clear()
 
     def may_drop(self, key: Hashable, step: int) -> None:
         self.tier(key).setdefault(step, {ABSENT}).add(ABSENT)
@@ -196,6 +210,16 @@ class Truth:
                                 f"writer's other checkpoints carry {gen}")
         for s in [s for s in t if s not in found]:
             del t[s]
+        self._keep_deferred(key)
+
+    def _keep_deferred(self, key: Hashable) -> None:
+        """After an audit or a listing of ``key``: a deferred removal may still take a step found there."""
+        t, waiting = self.tier(key), self.deferred.get(key, set())
+        for s in list(waiting):
+            if s in t:
+                t[s] = t[s] | {ABSENT}
+            else:
+                waiting.discard(s)
 
     def observe_listing(self, key: Hashable, listed: Iterable[int], where: str) -> None:
         """``list()``'s steps of ``key``: those the model knows committed must be there, and every one
@@ -213,6 +237,7 @@ class Truth:
                 t[s] = p - {ABSENT}
         for s in [s for s in t if s not in listed]:
             del t[s]
+        self._keep_deferred(key)
 
 
 def _show(p: set[Optional[Entry]]) -> str:

@@ -110,6 +110,7 @@ class Ranks(RuleBasedStateMachine):
                 p.kill()
                 p.end()
             self.job = None
+            self.truth.job_ended()
 
     # what each rank may get a save from: its own memory tier and the copy its partner holds
     @staticmethod
