@@ -139,11 +139,12 @@ def committed_steps(storage: "Storage") -> list[int]:
     return scan_steps(storage)[0]
 
 
-def committed_writes(storage: "Storage") -> list[Write]:
+def committed_writes(storage: "Storage", steps: Optional[list[int]] = None) -> list[Write]:
     """The writes ``(generation, step, save)`` committed on ``storage``, ascending (markers that
-    cannot be read are left out: no checkpoint of anyone's)."""
+    cannot be read are left out: no checkpoint of anyone's); ``steps``: its committed steps when
+    the caller listed them already (None: listed here)."""
     out = []
-    for s in committed_steps(storage):
+    for s in committed_steps(storage) if steps is None else steps:
         try:
             out.append(read_commit(storage, s, f"{storage.display_url} step {s}").write)
         except (OSError, CorruptCheckpointError):

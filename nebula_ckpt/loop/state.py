@@ -212,15 +212,16 @@ class LoopState:
         if saved_len is not None and now_len is not None and saved_len != now_len:
             log.warning("nebula_ckpt: LoopState: the loader has %d batches per epoch, the checkpoint's had %d (another "
                         "batch size, dataset or drop_last?): the position is kept in batches", now_len, saved_len)
-        mid_epoch = bool(int(state["batch"])) and not bool(state["epoch_done"])
-        if loader is not None and data.has_own_state(loader) and state.get("loader") is not None and mid_epoch:
+        # a loader with its own position takes it back mid-epoch (else the next iterator starts an epoch afresh)
+        resume_loader = loader is not None and data.has_own_state(loader) and state.get("loader") is not None \
+            and bool(int(state["batch"])) and not bool(state["epoch_done"])
+        if resume_loader:
             _check_workers(state.get("num_workers"), getattr(loader, "num_workers", None))
         self.epoch, self.batch, self.step = int(state["epoch"]), int(state["batch"]), int(state["step"])
         self._epoch_done = bool(state["epoch_done"])
         self._epoch_start = state.get("epoch_start")
         self._live = None
-        if loader is not None and data.has_own_state(loader) and state.get("loader") is not None \
-                and self.batch and not self._epoch_done:  # else the next iterator starts an epoch afresh
+        if resume_loader:
             loader.load_state_dict(_own(state["loader"]))
         _put(loader, state["now"], "LoopState")
         self._pending = {"now": state["now"], "epoch_start": self._epoch_start}

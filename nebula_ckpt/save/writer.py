@@ -471,7 +471,7 @@ class TierWriter:
     def _prune(self, keep_step: Optional[int]) -> None:
         st = self.storage
         committed, uncommitted = scan_steps(st)
-        gen = {s: g for g, s, _ in committed_writes(st)}  # a restore's order; an unreadable marker: as newest
+        gen = {s: g for g, s, _ in committed_writes(st, committed)}  # a restore's order; unreadable: as newest
         ranked = sorted(committed, key=lambda s: (gen.get(s, math.inf), s))
         keep = set(ranked[-self.keep_last:]) | self.runtime.keep_also(ranked)  # + the newest healthy step
         if self.tier.keep_every:
