@@ -1,15 +1,20 @@
 """Internal: the Checkpointer, the public facade over the save pipeline and the restore side.
 
 Saving is :class:`~nebula_ckpt.save.pipeline.SavePipeline`'s, listing and restoring
-:class:`~nebula_ckpt.restore.restorer.Restorer`'s; this module opens a root's tiers, validates, closes."""
+:class:`~nebula_ckpt.restore.restorer.Restorer`'s (the methods: :mod:`nebula_ckpt.restore.reads`);
+this module opens a root's tiers, validates, closes, and guards every public call against a
+``close()`` re-entered from a signal handler (:class:`Calls`)."""
 
 from __future__ import annotations
 
 import atexit
 import builtins
+import functools
+import inspect
 import logging
 import os
-from typing import Any, Optional, Sequence
+import threading
+from typing import Any, Callable, Optional, Sequence, TypeVar
 
 from nebula_ckpt import knobs
 from nebula_ckpt.arguments import check_arguments, check_step_or_tag
@@ -20,7 +25,7 @@ from nebula_ckpt.health.reports import HealthReports
 from nebula_ckpt.native import describe as native_describe
 from nebula_ckpt.ranks.coordinator import Coordinator, LocalCoordinator
 from nebula_ckpt.ranks.distributed import default_coordinator
-from nebula_ckpt.reentry import Calls, guard_methods
+from nebula_ckpt.restore.reads import CheckpointReads
 from nebula_ckpt.restore.restorer import Restorer
 from nebula_ckpt.root import open_root
 from nebula_ckpt.save.pipeline import SavePipeline, exit_hook_ran
@@ -29,6 +34,7 @@ from nebula_ckpt.tiers.base import Tier
 from nebula_ckpt.tiers.memory.replicas import start_replicator
 
 log = logging.getLogger("nebula_ckpt")
+F = TypeVar("F", bound=Callable[..., Any])
 
 #: every Checkpointer not yet closed (strong references: a forgotten one must still be flushed at
 #: interpreter exit, see :func:`_close_at_exit`; close() removes it)
@@ -59,7 +65,93 @@ def _close_at_exit() -> None:
 atexit.register(_close_at_exit)
 
 
-class Checkpointer(HealthReports):
+# -- a close() re-entered from a signal handler ------------------------------------------------------
+# A signal handler runs on the main thread between two bytecodes of whatever that thread was doing.
+# A SIGTERM handler that calls ``ckpt.close()`` can therefore land inside ``save_async``, ``load``,
+# ``remove``, ``wait``, ``stats``, ... of the very same Checkpointer: closing there would wait for a
+# lock the interrupted call holds (a deadlock: the locks are not re-entrant) or tear down the
+# threads and tiers that call is halfway through. So every public method records that the calling
+# thread is inside it (:func:`guard_methods`); a ``close()`` on a thread that is inside one is only
+# recorded (:meth:`Calls.defer`) and runs when the outermost call returns or raises (the handler's
+# ``sys.exit()`` unwinding through it, typically). A ``close()`` from another thread is not
+# deferred: it waits like any close.
+
+class Calls:
+    """The threads inside a public method of one object (the outermost method's name), and the
+    ``close()`` each of them deferred."""
+
+    def __init__(self) -> None:
+        self._inside: dict[int, str] = {}
+        self._deferred: dict[int, Callable[[], None]] = {}
+
+    def inside(self) -> Optional[str]:
+        """The method the calling thread is inside (its outermost one), or None."""
+        return self._inside.get(threading.get_ident())
+
+    def defer(self, close: Callable[[], None]) -> Optional[str]:
+        """If the calling thread is inside a method, keep ``close`` to run when it returns and
+        return that method's name; else None (the caller closes now)."""
+        me = threading.get_ident()
+        name = self._inside.get(me)
+        if name is not None:
+            self._deferred[me] = close
+        return name
+
+    def call(self, name: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """Run ``fn`` as method ``name`` of the object; then a ``close()`` deferred meanwhile.
+
+        When ``fn`` raised (the handler's ``sys.exit()`` or ``KeyboardInterrupt`` unwinding it,
+        typically), that exception goes on as it is: a failure of the deferred close is logged."""
+        me = threading.get_ident()
+        outer = me not in self._inside
+        raised: Optional[BaseException] = None
+        try:
+            if outer:  # inside the try: an interrupt after this line still clears it below
+                self._inside[me] = name
+            return fn(*args, **kwargs)
+        except BaseException as e:
+            raised = e
+            raise
+        finally:
+            if outer:
+                self._inside.pop(me, None)
+                close = self._deferred.pop(me, None)
+                if close is not None:
+                    _close_deferred(close, name, raised)
+            raised = None  # no cycle through the traceback
+
+
+def _close_deferred(close: Callable[[], None], name: str, raised: Optional[BaseException]) -> None:
+    """Run a deferred ``close``; if the interrupted call raised, a failure of the close is logged
+    instead of taking the place of that exception."""
+    if raised is None:
+        close()
+        return
+    try:
+        close()
+    except Exception as e:
+        log.error("nebula_ckpt: close() deferred behind %s(), which raised %s, failed: %s: %s", name,
+                  type(raised).__name__, type(e).__name__, e)
+
+
+def guard_methods(cls: type, calls_of: Callable[[Any], Calls], *, skip: tuple[str, ...] = ("close",)) -> None:
+    """Wrap every public method of ``cls`` and of its base classes of this package (but ``skip``)
+    so that it runs through ``calls_of(instance)``'s :meth:`Calls.call`."""
+    for klass in [k for k in cls.__mro__ if k.__module__.split(".")[0] == __name__.split(".")[0]]:
+        for name, fn in list(vars(klass).items()):
+            if name.startswith("_") or name in skip or not inspect.isfunction(fn):
+                continue
+            setattr(klass, name, _guarded(name, fn, calls_of))
+
+
+def _guarded(name: str, fn: F, calls_of: Callable[[Any], Calls]) -> F:
+    @functools.wraps(fn)
+    def method(self: Any, *args: Any, **kwargs: Any) -> Any:
+        return calls_of(self).call(name, fn, self, *args, **kwargs)
+    return method  # type: ignore[return-value]
+
+
+class Checkpointer(HealthReports, CheckpointReads):
     """Asynchronous, tiered checkpoints of a training job.
 
     Args:
@@ -202,13 +294,6 @@ class Checkpointer(HealthReports):
         """Whether :meth:`close` was called."""
         return self._closed
 
-    @property
-    def last_restore(self) -> Optional[dict[str, Any]]:
-        """``{"step", "tier", "adopted_bytes", "copy_on_write_bytes", "health", "skipped", ...}`` of the
-        last restore (``None`` before any): bytes handed over by the memory tier, bytes mapped copy-on-write
-        (:mod:`nebula_ckpt.tiers.memory.adopt`), its health mark and the suspect steps skipped (:meth:`report`)."""
-        return self._restores.last_restore
-
     # -- saving -----------------------------------------------------------------------------------
     def prepare(self, state: Any, *, wait: bool = False) -> None:
         """Make the staging memory for saves of ``state`` now, in the background (optional).
@@ -287,7 +372,7 @@ class Checkpointer(HealthReports):
 
         Called from a signal handler while this thread is inside another method of this
         Checkpointer, it returns at once and closes when that call returns or raises (a warning
-        says so; :mod:`nebula_ckpt.reentry`).
+        says so; :class:`Calls`).
 
         Raises:
             PersistError: a failure not yet seen through a handle.
@@ -330,110 +415,6 @@ class Checkpointer(HealthReports):
                 self.close()
             except NebulaError as e:  # don't hide the exception that is already propagating
                 log.error("nebula_ckpt: close() after an exception also failed: %s", e)
-
-    # -- listing and restoring ---------------------------------------------------------------------
-    def list(self, detailed: bool = False) -> Any:
-        """Committed steps, ascending (the union over tiers).
-
-        Args:
-            detailed: return ``{tier name: [steps]}`` instead.
-
-        See :meth:`tags` for the steps' tags.
-        """
-        per = self._restores.committed()
-        return per if detailed else sorted({s for steps in per.values() for s in steps})
-
-    def steps(self, *, check_shards: bool = True) -> dict[int, Optional[str]]:
-        """Step -> tag (None: untagged) of every committed step whose manifest checks out on some
-        tier (marker, manifest checksum, every field; ``check_shards``: and every shard file there
-        with its recorded size). Reads each manifest; what :meth:`tags` is built on."""
-        return self._restores.step_tags(check_shards)
-
-    def tags(self) -> dict[str, int]:
-        """Tag -> the newest step holding it, over the healthy committed checkpoints of every tier.
-
-        Healthy here: the commit marker, the manifest and the shard sizes check out (full
-        checksums are verified when a checkpoint is loaded). Untagged checkpoints are not listed.
-        Each call reads the manifest of every committed step (no cache). In a multi-rank job each
-        rank answers from the tiers it sees (its memory tier and the shared ones).
-
-        Example::
-
-            ckpt.save(1200, state, tag="epoch=3-step=1200.ckpt")
-            ckpt.tags()    # {"epoch=3-step=1200.ckpt": 1200}
-        """
-        return self._restores.tags()
-
-    def load_latest(self, into: Any = None, *, map_location: Any = None, strict: bool = True,
-                    on_damaged: str = "raise", must_exist: bool = False) -> Optional[int]:
-        """Restore the newest healthy checkpoint into ``into`` in place; return its step.
-
-        Every tier is searched, newest step first, fastest tier first; a candidate that fails
-        verification is skipped (logged) and the next is tried.
-
-        Args:
-            into: the same tree shape as saved: objects get ``load_state_dict``, tensors are copied
-                into, dict entries are replaced. ``None``: only find and verify.
-            map_location: device for tensors that are created (not copied into).
-            strict: require ``into`` and the checkpoint to have the same keys, both ways: a key
-                the checkpoint holds that ``into`` lacks (a forgotten scheduler), a key of ``into``
-                the checkpoint lacks, or an object / tensor in ``into`` where something else was
-                saved raises :class:`ValidationError` naming every such key, with ``into``
-                untouched. ``strict=False`` restores the keys both have and puts a key only the
-                checkpoint has into its dict as the saved value.
-            on_damaged: when committed checkpoints exist but none of them is restorable:
-                ``"raise"`` (default) :class:`CorruptCheckpointError` naming every damaged copy,
-                so a damaged root never silently restarts training from step 0; ``"warn"``: log
-                it loudly and return ``None``.
-            must_exist: raise :class:`NotFoundError`, not return ``None`` (else a missing root is named at WARNING).
-
-        Returns:
-            The step restored, or ``None`` when the root holds no committed checkpoint.
-
-        Raises:
-            ValidationError: a bad ``map_location`` or ``strict`` (before any tier is read), a mismatched ``into``.
-            CorruptCheckpointError: committed checkpoints exist but all are damaged (see above).
-            NotFoundError: ``must_exist`` and nothing to resume from.
-        """
-        got = self._restores.load(None, None, into, map_location, strict, on_damaged)
-        return got if got is not None else self._opened.nothing_to_resume(must_exist)
-
-    def load(self, step: Optional[int] = None, into: Any = None, *, map_location: Any = None, strict: bool = True,
-             tag: Optional[str] = None) -> int:
-        """Restore ``step``, or the newest step tagged ``tag`` (exactly one of them), into ``into``;
-        return the step restored.
-
-        The healthiest copy on the fastest tier is used; for a tag whose newest step is damaged
-        on every tier, the next older step with the same tag (logged).
-
-        Example::
-
-            ckpt.load(tag="epoch=3-step=1200.ckpt", into={"model": model, "optim": opt})
-
-        Raises:
-            ValidationError: neither or both of ``step`` and ``tag``, or a malformed one.
-            NotFoundError: nothing committed is that step / carries that tag.
-            CorruptCheckpointError: it is, but every copy is damaged (the message names each).
-        """
-        check_step_or_tag("load", step, tag)
-        got = self._restores.load(step, tag, into, map_location, strict)
-        if got is None:
-            raise self._restores.not_found(step, tag)
-        return got
-
-    def read(self, step: Optional[int] = None, *, map_location: Any = None,
-             tag: Optional[str] = None) -> tuple[int, Any]:
-        """Return ``(step, state)`` as a fresh tree (tensors owned, stateful objects as their state
-        dicts, NumPy values as NumPy values): of ``step``, of the newest step tagged ``tag``, or
-        (neither given) of the newest healthy step.
-
-        Raises:
-            ValidationError: both ``step`` and ``tag`` given, or a malformed one.
-            NotFoundError: nothing healthy (of ``step`` / with ``tag``, if given).
-        """
-        if step is not None or tag is not None:
-            check_step_or_tag("read", step, tag)
-        return self._restores.read(step, tag, map_location)
 
     def remove(self, step: Optional[int] = None, *, tag: Optional[str] = None) -> builtins.list[int]:
         """Delete committed checkpoints from every tier: ``step``, or every step tagged ``tag``

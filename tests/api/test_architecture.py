@@ -4,7 +4,7 @@
   type-only imports (``if TYPE_CHECKING:``) included; bottom to top (:data:`LAYERS`):
 
   1. ``base``: errors, knobs, the native ops and the small shared helpers (latch, workers,
-     priority, handle, reentry, source_set);
+     priority, handle, source_set);
   2. ``storage``: the byte stores (local, remote, atomic writes) and page-level memory
      plumbing (``storage/prefault.py``);
   3. ``format``: what is on disk (names, manifests, markers, records, the memory tier's
@@ -23,7 +23,7 @@
      ``tiers/memory/`` by what they keep, and above save by what they use;
   10. ``run``: the orchestration that knows the order: ``save/pipeline.py``,
       ``tiers/memory/epilogue.py`` (the memory tier's last writes, run by the CLI), ``root.py``, ``checkpointer.py``,
-      ``health/reports.py``, ``loop/``;
+      ``health/reports.py``, ``restore/reads.py``, ``loop/``;
   11. ``adapters``: the public package, ``dcp/``, ``integrations/``, ``compat/``, ``cli/``, the demo
       and the quick benchmark.
 
@@ -72,7 +72,7 @@ _REPLICAS = ("replica_channel", "replica_pull", "replica_recover", "replica_save
 #: adoption (restore), persist-memory (run)
 _MEMORY_RESTORE = {"tiers.memory.adopt", "tiers.memory.adopt_memory"}
 LAYERS: list[tuple[str, set[str]]] = [
-    ("base", {"errors", "knobs", "_version", "native", "latch", "workers", "priority", "handle", "reentry",
+    ("base", {"errors", "knobs", "_version", "native", "latch", "workers", "priority", "handle",
               "source_set", "copy_worker"}),
     ("storage", {"storage"}),
     ("format", {"format"}),
@@ -82,7 +82,8 @@ LAYERS: list[tuple[str, set[str]]] = [
     ("restore", {"restore"} | _MEMORY_RESTORE),
     ("save", {"save"}),
     ("replicas", {f"tiers.memory.{m}" for m in _REPLICAS}),
-    ("run", {"save.pipeline", "tiers.memory.epilogue", "root", "checkpointer", "health.reports", "loop"}),
+    ("run", {"save.pipeline", "tiers.memory.epilogue", "root", "checkpointer", "health.reports", "restore.reads",
+             "loop"}),
     ("adapters", {"", "dcp", "integrations", "compat", "cli", "demo", "quickbench"}),
 ]
 

@@ -281,6 +281,8 @@ class _Stop(BaseException):
     """What the SIGTERM handler raises after close() (as ``sys.exit`` would): it unwinds the interrupted call."""
 
 
+#: the files of the Checkpointer's methods (the facade, its restore side)
+FACADE = ("checkpointer.py", "restore/reads.py")
 #: the methods a SIGTERM handler's close() is tried inside, with a loop that keeps the main thread in them
 CLOSE_INSIDE = ("prepare", "remove", "load", "load_latest", "read", "wait", "stats")
 
@@ -316,7 +318,7 @@ def _close_inside(root: str, method: str, unwind: bool) -> None:
 
     def on_term(signum: int, frame: object) -> None:
         f = frame
-        while f is not None and not (f.f_code.co_name == method and f.f_code.co_filename.endswith("checkpointer.py")):
+        while f is not None and not (f.f_code.co_name == method and f.f_code.co_filename.endswith(FACADE)):
             f = f.f_back  # type: ignore[attr-defined]
         if f is None or landed:  # between two calls (the next signal comes in 5 ms), or after the first
             return
