@@ -155,7 +155,8 @@ class Checkpointer(HealthReports, CheckpointReads):
     """Asynchronous, tiered checkpoints of a training job.
 
     Args:
-        root: local path or any fsspec URL (``az://c/p``, ``s3://b/p``, ``file:///p``). It is the
+        root: local path (``str`` or ``pathlib.Path``) or any fsspec URL (``az://c/p``, ``s3://b/p``,
+            ``file:///p``). It is the
             run's identity and, unless ``tiers`` is given, its persistent tier.
         storage_options: fsspec options for a remote ``root`` (credentials; never logged).
         tiers: explicit tiers, fastest first (default: ``[MemoryTier(), <root tier>]``).
@@ -231,13 +232,14 @@ class Checkpointer(HealthReports, CheckpointReads):
     ``OptimizedModule``) are modules and hooked as they are (call the object you saved).
     """
 
-    def __init__(self, root: str, *, storage_options: Optional[dict[str, Any]] = None,
+    def __init__(self, root: "str | os.PathLike[str]", *, storage_options: Optional[dict[str, Any]] = None,
                  tiers: Optional[Sequence[Tier]] = None, keep_last: int = 3,
                  host_memory_budget: "int | float | None" = None, memory_tier: bool = True, on_full: str = "wait",
                  allow_pickle: bool = False, on_persist_error: str = "raise", snapshot: str = "auto",
                  coordinator: Optional[Coordinator] = None, read_only: bool = False, incremental: bool = True,
                  health: Optional[HealthPolicy] = None) -> None:
         self._calls = Calls()  # who is inside which method: a close() from a signal handler waits for it
+        root = os.fspath(root) if isinstance(root, os.PathLike) else root  # a pathlib.Path: its string
         check_arguments(root, keep_last, host_memory_budget, on_full, on_persist_error, snapshot, incremental,
                         health)
         #: opened for reading only (see ``read_only``)

@@ -32,7 +32,7 @@ from nebula_ckpt.ranks.fencing import Fence, read_run_id, run_id
 from nebula_ckpt.save.drain import own_part_drainer
 from nebula_ckpt.save.uncut import run_uncut
 from nebula_ckpt.storage.base import Storage
-from nebula_ckpt.storage.urls import canonical_root
+from nebula_ckpt.storage.urls import canonical_root, local_path
 from nebula_ckpt.tiers.base import Tier
 from nebula_ckpt.tiers.factory import runtime_for
 from nebula_ckpt.tiers.roots import default_tiers, tier_for_root
@@ -171,7 +171,22 @@ def choose_tiers(root: str, storage_options: Optional[dict[str, Any]], tiers: Op
             raise ValidationError(f"tiers must be Tier objects (MemoryTier, LocalTier, RemoteTier), got {t!r}")
         t.bind(root, rank)
         t.validate()
+    _refuse_shared_locations(chosen)
     return chosen, root_tier
+
+
+def _refuse_shared_locations(tiers: list[Tier]) -> None:
+    """Two tiers in one folder (``LocalTier(p)`` beside ``LocalTier(p + "/")``, or a ``file://`` URL of
+    it) would each commit, prune and sweep the other's steps: refused before anything is written."""
+    seen: dict[str, str] = {}
+    for t in tiers:
+        url = t.display_url
+        path = local_path(url)
+        where = os.path.realpath(path) if path is not None else url.rstrip("/")
+        if where in seen:
+            raise ValidationError(f"tiers {seen[where]} and {t.name} are the same location ({where}): each tier "
+                                  "needs a folder (or URL) of its own; drop one of them or give it another path")
+        seen[where] = t.name
 
 
 def open_root(root: str, storage_options: Optional[dict[str, Any]], tiers: Optional[Sequence[Tier]],

@@ -110,10 +110,11 @@ class NebulaCheckpointIO(_CheckpointIO):
         last_save_seconds: how long the last ``save_checkpoint`` blocked the training loop.
     """
 
-    def __init__(self, root: str, *, storage_options: Optional[dict[str, Any]] = None,
+    def __init__(self, root: "str | os.PathLike[str]", *, storage_options: Optional[dict[str, Any]] = None,
                  tiers: Optional[Sequence[Tier]] = None, memory_tier: bool = True,
                  host_memory_budget: "float | None" = None, allow_pickle: bool = False, snapshot: str = "auto") -> None:
         super().__init__()
+        root = os.fspath(root) if isinstance(root, os.PathLike) else root
         if not isinstance(root, str) or not root:
             raise NebulaError(f"NebulaCheckpointIO: root must be a non-empty path or URL string, got {root!r}")
         refuse_url_credentials(root)  # before it is kept, logged or written into a pointer file

@@ -23,9 +23,10 @@ class LocalTier(Tier):
 
     path: str = ""
 
-    def __init__(self, path: str, **kw: Any) -> None:
+    def __init__(self, path: "str | os.PathLike[str]", **kw: Any) -> None:
         super().__init__(**kw)
         self.kind = "local"
+        path = os.fspath(path) if isinstance(path, os.PathLike) else path
         self.path = local_path(path) or path
 
     @property

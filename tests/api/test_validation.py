@@ -308,3 +308,35 @@ def test_a_resharding_restore_is_strict_both_ways(tmp_path) -> None:  # noqa: AN
                for a, b in zip(before, after, strict=True))
     load_resharded(storage, man.step, man, into, strict=False)   # said explicitly: the rest is restored
     assert into["step"] == 4 and into["extra"] == {"seen": 4, "best": 0.5}
+
+
+def test_a_pathlib_root_and_tier_paths_are_taken_as_their_strings(root: str, tmp_path) -> None:  # noqa: ANN001
+    """What a user's code holds (``pathlib.Path``) works where a path string does."""
+    from pathlib import Path
+    state = {"w": torch.arange(4.0)}
+    with nc.Checkpointer(Path(root)) as ck:
+        ck.save(1, state)
+    disk = tmp_path / "disk"
+    with nc.Checkpointer(Path(root), tiers=[nc.LocalTier(disk)]) as ck:
+        ck.save(2, state)
+        assert ck.tiers[0].name == f"local:{disk}"
+    into = {"w": torch.zeros(4)}
+    with nc.Checkpointer(str(root), read_only=True, memory_tier=False) as ck:
+        assert ck.load_latest(into) == 1
+    assert torch.equal(into["w"], state["w"])
+    with nc.Checkpointer(str(disk), read_only=True, memory_tier=False) as ck:
+        assert ck.list() == [2]
+
+
+@pytest.mark.parametrize("second", ["slash", "file-url", "dot"])
+def test_two_tiers_in_one_folder_are_refused_naming_both_before_anything_is_written(tmp_path, second: str,  # noqa: ANN001
+                                                                                   shm_dir: str) -> None:
+    """Each tier commits, prunes and sweeps its folder: two of them in one would delete each other's
+    steps (each save then failed, though committed). Refused at construction, nothing created."""
+    where = str(tmp_path / "ckpt")
+    other = {"slash": nc.LocalTier(where + "/"), "file-url": nc.RemoteTier("file://" + where),
+             "dot": nc.LocalTier(os.path.join(where, "."))}[second]
+    with pytest.raises(nc.ValidationError, match="same location") as e:
+        nc.Checkpointer(where, tiers=[nc.LocalTier(where), other])
+    assert f"local:{where}" in str(e.value) and "drop one" in str(e.value)
+    assert not os.path.exists(where)

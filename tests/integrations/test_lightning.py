@@ -102,6 +102,12 @@ def test_is_a_lightning_checkpoint_io(root: str) -> None:
         io.save_checkpoint({"a": 1}, os.path.join(root, "..", "x.ckpt"), storage_options={"x": 1})
 
 
+def test_a_pathlib_root_is_taken_as_its_string(root: str) -> None:
+    from pathlib import Path
+
+    assert NebulaCheckpointIO(Path(root)).root == root
+
+
 def test_tag_for_path(tmp_path, monkeypatch) -> None:  # noqa: ANN001
     monkeypatch.chdir(tmp_path)
     (tmp_path / "ckpts").mkdir()

@@ -48,7 +48,7 @@ class MemoryTier(Tier):
     def __init__(self, path: Optional[str] = None, *, keep_last: int = 1, replicas: int = 0, **kw: Any) -> None:
         super().__init__(keep_last=keep_last, **kw)
         self.kind = "memory"
-        self.path = path
+        self.path = os.fspath(path) if isinstance(path, os.PathLike) else path
         self.replicas = replicas
         self.default_layout = False
 
