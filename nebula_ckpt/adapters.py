@@ -7,7 +7,8 @@ and :mod:`nebula_ckpt.dcp`, never from internal modules (``tests/api/test_archit
 it). A new adapter should do the same. What is here:
 
 - tags, as frameworks address checkpoints by name: :func:`check_tag` (the rule, with an error
-  that names the tag) and :data:`MAX_TAG_CHARS`;
+  that names the tag) and :data:`MAX_TAG_CHARS`; steps: :data:`MAX_STEP` (a step is an int in
+  ``[0, MAX_STEP]``, what a save takes; a step a framework's pointer file records is read so);
 - a root's identity and tier: :func:`canonical_root` (a root's stable identity: real path, or the
   URL without credentials), :func:`refuse_url_credentials` (the check every entry point makes
   first: a password in a URL is refused, credentials go in ``storage_options``),
@@ -30,6 +31,7 @@ Example::
 
 from __future__ import annotations
 
+from nebula_ckpt.format.checks import MAX_STEP
 from nebula_ckpt.format.names import MAX_TAG_CHARS, check_tag
 from nebula_ckpt.ranks.coordinator import Coordinator, LocalCoordinator
 from nebula_ckpt.ranks.distributed import DistCoordinator
@@ -37,6 +39,7 @@ from nebula_ckpt.storage.local import write_file_atomic
 from nebula_ckpt.tiers import canonical_root, refuse_url_credentials, tier_for_root
 
 __all__ = [
-    "check_tag", "MAX_TAG_CHARS", "canonical_root", "refuse_url_credentials", "tier_for_root", "write_file_atomic",
+    "check_tag", "MAX_TAG_CHARS", "MAX_STEP", "canonical_root", "refuse_url_credentials", "tier_for_root",
+    "write_file_atomic",
     "Coordinator", "LocalCoordinator", "DistCoordinator",
 ]

@@ -55,7 +55,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, ContextManager, Iterable, Optional, Protocol
 
 from nebula_ckpt.errors import CorruptCheckpointError
-from nebula_ckpt.format.checks import as_int, as_obj, as_step, bad
+from nebula_ckpt.format.checks import MAX_STEP, as_int, as_obj, as_step, bad
 from nebula_ckpt.format.manifest import MAX_MANIFEST_BYTES, Manifest
 from nebula_ckpt.format.names import (
     COMMIT,
@@ -130,8 +130,10 @@ class Commit:
 
 
 def step_dirs(storage: "Storage") -> list[int]:
-    """Steps that have a folder on ``storage`` (committed or not), ascending."""
-    return sorted(s for s in (parse_step_dir(n) for n in storage.list("")) if s is not None)
+    """Steps that have a folder on ``storage`` (committed or not), ascending. A folder named for a
+    step no save takes (beyond ``[0, 2**63-1]``: :func:`~nebula_ckpt.format.names.check_step`) is
+    no checkpoint's, as one named ``step-042`` is not: never listed, retained, read or removed."""
+    return sorted(s for s in (parse_step_dir(n) for n in storage.list("")) if s is not None and s <= MAX_STEP)
 
 
 def committed_steps(storage: "Storage") -> list[int]:

@@ -11,6 +11,10 @@ import json
 from dataclasses import dataclass
 from typing import Optional
 
+#: the largest ``ROOT`` file a reader reads (one names a root path or URL: at most a few KiB); a
+#: larger file (a crafted or sparse one) is refused unread, like a garbled one
+MAX_OWNER_BYTES = 1 << 16
+
 
 @dataclass(frozen=True)
 class Owner:

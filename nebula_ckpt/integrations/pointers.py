@@ -33,7 +33,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from nebula_ckpt.adapters import canonical_root, write_file_atomic
+from nebula_ckpt.adapters import MAX_STEP, canonical_root, write_file_atomic
 from nebula_ckpt.errors import ValidationError
 
 #: a pointer is a kilobyte or two; anything larger at a path is some other file
@@ -44,6 +44,8 @@ TMP_SUFFIX = ".nebula-tmp"
 NAME_MAX = 255
 #: the name of the function a pointer's pickle calls (in the adapter's module)
 OPENER = "open_pointer"
+#: the fields of a pointer that record a step (Lightning's ``prev_step``: the step it replaced)
+STEP_FIELDS = ("step", "prev_step")
 _ZIP_MAGIC = b"PK\x03\x04"
 
 
@@ -129,8 +131,9 @@ def parse_pointer(data: bytes, path: str, fmt: str, fields: dict[str, type]) -> 
     or a JSON pointer of an earlier version.
 
     Raises:
-        ValidationError: a pointer of the family with another version or a missing / mistyped
-            field in ``fields`` (name -> type), naming the file and the field.
+        ValidationError: a pointer of the family with another version, a missing / mistyped
+            field in ``fields`` (name -> type) or a step no save takes (:func:`check_steps`),
+            naming the file and the field.
     """
     if len(data) > MAX_POINTER_BYTES:
         return None
@@ -165,7 +168,25 @@ def check_record(ptr: Any, path: str, fmt: str, fields: dict[str, type]) -> Opti
     rel = ptr.get("root_rel")
     if rel is not None and not isinstance(rel, str):
         raise ValidationError(f"{path}: pointer field 'root_rel' must be a str, got {rel!r}")
+    check_steps(ptr, path)
     return ptr
+
+
+def check_steps(record: dict[str, Any], path: str) -> None:
+    """Refuse a step field of ``record`` (a pointer read at ``path``: :data:`STEP_FIELDS`) that is
+    not an int in ``[0, MAX_STEP]``, what a save takes: no step a pointer records is acted on or
+    shown (a huge int's ``str`` raises) unless a save could have written it.
+
+    Raises:
+        ValidationError: naming the file, the field and the range.
+    """
+    for name in STEP_FIELDS:
+        v = record.get(name, 0)
+        if type(v) is not int or not 0 <= v <= MAX_STEP:
+            shown = f"an int of {v.bit_length()} bits" if type(v) is int and abs(v) > MAX_STEP else f"{v!r:.60}"
+            raise ValidationError(f"{path}: pointer field {name!r} must be a step, an int in [0, {MAX_STEP}], got "
+                                  f"{shown}: not a pointer nebula_ckpt wrote (remove it, or save that checkpoint "
+                                  "again)")
 
 
 class _Redirect:

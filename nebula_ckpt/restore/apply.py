@@ -24,6 +24,7 @@ from nebula_ckpt.restore.inplace import (
     check_optimizer_state,
     live_destinations,
     module_destinations,
+    read_optimizer,
     refill,
 )
 from nebula_ckpt.restore.open import OpenCheckpoint
@@ -326,8 +327,9 @@ class RestoreWalk(TreeWalk[Thunk]):
             return self.loads.guarded(shown, target, self._load_module(node["state"], target, path))
         # Optimizers etc. keep the tensors they are given: hand them owned copies, or their own
         # tensors refilled where load_state_dict keeps those as they are
-        check_optimizer_state(self.ck, node["state"], target, shown, saved_cls)
-        live = live_destinations(self.ck, node["state"], target, shown) if all_cpu(self.st.map_location) else {}
+        saved = read_optimizer(node["state"], target, self.ck.view, self.ck.step, shown)
+        check_optimizer_state(saved, target, shown, saved_cls)
+        live = live_destinations(self.ck, saved, target) if all_cpu(self.st.map_location) else {}
         state = self.st.decode_owned(node["state"], path, live)
 
         def load_object() -> Any:

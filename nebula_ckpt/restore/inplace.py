@@ -28,7 +28,8 @@ before.
 from __future__ import annotations
 
 import logging
-from typing import Any, Mapping
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping, Optional
 
 import torch
 
@@ -149,11 +150,62 @@ _GROUP_EXTRAS = frozenset({"params", "param_names", "initial_lr", "max_lr", "min
                            "base_momentum", "swa_lr"})
 
 
-def check_optimizer_state(ck: OpenCheckpoint, state: Mapping[str, Any], target: Any, shown: str,
-                          saved_cls: Any = None) -> None:
+@dataclass(frozen=True)
+class SavedOptimizer:
+    """A saved optimizer state dict as the checks and the refill read it, its keys decoded once
+    (:func:`read_optimizer`; no tensor is read): the step it was saved at, its parameter groups,
+    and each parameter's saved state as ``(the id the groups give the parameter, [(key, node)])``."""
+
+    step: int
+    groups: list[dict[Any, Any]]
+    states: list[tuple[Any, list[tuple[Any, Any]]]]
+
+    def by_param(self, target: torch.optim.Optimizer) -> Optional[dict[Any, tuple[int, Any]]]:
+        """Saved parameter id -> ``(n, the n-th parameter of target)`` (the groups in order, as
+        torch's loading pairs them); None when the numbers differ or an id is no dict key."""
+        params = [p for g in target.param_groups for p in g["params"]]
+        ids = [i for g in self.groups for i in g["params"]]
+        if len(ids) != len(params):
+            return None
+        try:
+            return dict(zip(ids, enumerate(params), strict=True))
+        except TypeError:  # ids that are no dict keys: not the layout torch writes
+            return None
+
+
+def read_optimizer(state: Mapping[str, Any], target: Any, view: Callable[[str], Any], step: int,
+                   shown: str) -> Optional[SavedOptimizer]:
+    """The saved state ``state`` (typed tree) of the optimizer ``target`` as :class:`SavedOptimizer`
+    (``view(key)`` gives a tensor leaf, e.g. a tensor learning rate), for the checks and the refill
+    of an optimizer whose loading is torch's own; None for any other object, or for a state that
+    is not a dict with ``param_groups`` of the layout torch writes (its ``load_state_dict`` then
+    says what it thinks)."""
+    opt = torch.optim.Optimizer
+    if not isinstance(target, opt) or type(target).load_state_dict is not opt.load_state_dict or \
+            state.get("t") not in ("dict", "odict"):
+        return None
+    try:
+        entries = {decode(k, view, False, shown): v for k, v in state["v"]}
+        if "param_groups" not in entries:
+            return None
+        groups = decode(entries["param_groups"], view, False, shown)
+        if not isinstance(groups, list) or not all(isinstance(g, dict) and isinstance(g.get("params"), list)
+                                                   for g in groups):
+            return None
+        saved = entries.get("state")
+        per_param = saved["v"] if isinstance(saved, dict) and saved.get("t") in ("dict", "odict") else []
+        states = [(decode(pk, view, False, shown), [(decode(nk, view, False, shown), nv) for nk, nv in pv["v"]])
+                  for pk, pv in per_param if isinstance(pv, dict) and pv.get("t") in ("dict", "odict")]
+    except Exception:  # not the shape torch writes: let load_state_dict say what it thinks
+        return None
+    return SavedOptimizer(step, groups, states)
+
+
+def check_optimizer_state(saved: Optional[SavedOptimizer], target: Any, shown: str, saved_cls: Any = None) -> None:
     """Refuse, before anything changes, an optimizer state ``target`` cannot take, which
     ``torch.optim.Optimizer.load_state_dict`` refuses (or its ``__setstate__`` fails on) only when
-    it is applied, after the objects before it in ``into`` were loaded:
+    it is applied, after the objects before it in ``into`` were loaded (``saved``: the state as
+    :func:`read_optimizer` read it; None: nothing to check):
 
     - parameter groups of other numbers of parameters;
     - a parameter group with a key that ``target``'s group lacks (another kind of optimizer: an
@@ -167,63 +219,51 @@ def check_optimizer_state(ck: OpenCheckpoint, state: Mapping[str, Any], target: 
       a setting such as Adam's ``amsgrad``, which the saved groups bring along).
 
     A few comparisons per parameter group and per state key. Optimizers with loading of their
-    own, or load hooks (which may rewrite the state), get the first check only, or none."""
-    if not isinstance(target, torch.optim.Optimizer) or state.get("t") not in ("dict", "odict") or \
-            type(target).load_state_dict is not torch.optim.Optimizer.load_state_dict:
+    own get no check (:func:`read_optimizer` gives None), those with load hooks (which may
+    rewrite the state) the first only. Both a restore in place and a resharded one check so."""
+    if saved is None or not isinstance(target, torch.optim.Optimizer):
         return
-    entries = {decode(k, ck.view, False, shown): v for k, v in state["v"]}
-    node = entries.get("param_groups")
-    if node is None:
-        return
-    try:
-        groups = decode(node, ck.view, False, shown)
-        saved = [len(g["params"]) for g in groups]
-        saved_keys = [set(g) for g in groups]
-    except Exception:  # not the shape torch writes: let load_state_dict say what it thinks
-        return
+    sizes = [len(g["params"]) for g in saved.groups]
     have = [len(g["params"]) for g in target.param_groups]
-    if saved != have:
+    if sizes != have:
         raise ValidationError(
-            f"restore: the {type(target).__name__} under '{shown}' does not match the checkpoint of step {ck.step}: "
-            f"it has {len(have)} parameter group(s) of {have} parameters, the checkpoint {len(saved)} of {saved}; "
-            "build the optimizer over the same parameters, in the same groups, as when it was saved")
+            f"restore: the {type(target).__name__} under '{shown}' does not match the checkpoint of step "
+            f"{saved.step}: it has {len(have)} parameter group(s) of {have} parameters, the checkpoint "
+            f"{len(sizes)} of {sizes}; build the optimizer over the same parameters, in the same groups, as when "
+            "it was saved")
     if getattr(target, "_optimizer_load_state_dict_pre_hooks", None):
         return  # a hook may rename what was saved
     by = f" ({saved_cls.rsplit('.', 1)[-1]})" if isinstance(saved_cls, str) else ""
-    for i, (keys, live) in enumerate(zip(saved_keys, target.param_groups, strict=True)):
+    for i, (group, live) in enumerate(zip(saved.groups, target.param_groups, strict=True)):
+        keys = set(group)
         foreign = sorted(str(k) for k in keys - live.keys() - _GROUP_EXTRAS)
         if foreign:
             raise ValidationError(
                 f"restore: the {type(target).__name__} under '{shown}' cannot take the optimizer state of step "
-                f"{ck.step}: it was saved by an optimizer{by} whose parameter group {i} has key(s) {foreign} that the "
-                f"live {type(target).__name__}'s lacks (saved: {sorted(map(str, keys - {'params'}))}; live: "
+                f"{saved.step}: it was saved by an optimizer{by} whose parameter group {i} has key(s) {foreign} that "
+                f"the live {type(target).__name__}'s lacks (saved: {sorted(map(str, keys - {'params'}))}; live: "
                 f"{sorted(k for k in live if k != 'params')}); restore into the optimizer class that saved it, or "
                 f"leave '{shown}' out of `into` and pass strict=False (the optimizer then starts afresh)")
     if target.state:
-        _check_state_keys(ck, entries.get("state"), groups, target, shown, by)
+        _check_state_keys(saved, target, shown, by)
 
 
-def _check_state_keys(ck: OpenCheckpoint, node: Any, groups: list[Any], target: torch.optim.Optimizer,
-                      shown: str, by: str) -> None:
+def _check_state_keys(saved: SavedOptimizer, target: torch.optim.Optimizer, shown: str, by: str) -> None:
     """Refuse a saved per-parameter state whose keys and the live one's hold none the other (see
     :func:`check_optimizer_state`)."""
-    if not isinstance(node, dict) or node.get("t") not in ("dict", "odict"):
+    by_id = saved.by_param(target)
+    if by_id is None:
         return
-    params = enumerate(p for g in target.param_groups for p in g["params"])
-    try:
-        by_id = dict(zip((i for g in groups for i in g["params"]), params, strict=True))
-    except TypeError:  # ids that are no dict keys: not the layout torch writes, left to load_state_dict
-        return
-    for pk, pv in node["v"]:
-        n, param = by_id.get(decode(pk, ck.view, False, shown), (-1, None))
+    for pid, named in saved.states:
+        n, param = by_id.get(pid, (-1, None))
         live = target.state.get(param) if param is not None else None
-        if not live or not isinstance(pv, dict) or pv.get("t") not in ("dict", "odict"):
+        if not live:
             continue
-        keys = {decode(nk, ck.view, False, shown) for nk, _ in pv["v"]}
+        keys = {k for k, _ in named}
         if not keys <= live.keys() and not live.keys() <= keys:
             raise ValidationError(
                 f"restore: the {type(target).__name__} under '{shown}' cannot take the optimizer state of step "
-                f"{ck.step}: the state of its parameter {n} was saved by an optimizer{by} with key(s) "
+                f"{saved.step}: the state of its parameter {n} was saved by an optimizer{by} with key(s) "
                 f"{sorted(map(str, keys - live.keys()))} the live one lacks, and lacks its "
                 f"{sorted(map(str, live.keys() - keys))}; restore into the optimizer class that saved it, or leave "
                 f"'{shown}' out of `into` and pass strict=False (the optimizer then starts afresh)")
@@ -236,33 +276,23 @@ _HOOKS = ("_optimizer_load_state_dict_pre_hooks", "_optimizer_load_state_dict_po
           "_optimizer_state_dict_pre_hooks", "_optimizer_state_dict_post_hooks")
 
 
-def live_destinations(ck: OpenCheckpoint, state: Mapping[str, Any], target: Any, shown: str) -> dict[str, torch.Tensor]:
-    """Tensor key of the saved optimizer ``state`` -> the tensor ``target`` holds for it now, for
-    the keys that may be refilled in place (see the module docstring); empty when none may."""
+def live_destinations(ck: OpenCheckpoint, saved: Optional[SavedOptimizer], target: Any) -> dict[str, torch.Tensor]:
+    """Tensor key of the saved optimizer state ``saved`` (:func:`read_optimizer`) -> the tensor
+    ``target`` holds for it now, for the keys that may be refilled in place (see the module
+    docstring); empty when none may."""
     opt = torch.optim.Optimizer
-    if not isinstance(target, opt) or type(target).load_state_dict is not opt.load_state_dict or \
-            type(target).state_dict is not opt.state_dict or any(getattr(target, h, None) for h in _HOOKS) or \
-            not torch_setstate(target) or state.get("t") not in ("dict", "odict") or not target.state:
+    if saved is None or not isinstance(target, opt) or type(target).state_dict is not opt.state_dict or \
+            any(getattr(target, h, None) for h in _HOOKS) or not torch_setstate(target) or not target.state:
         return {}
-    entries = {decode(k, ck.view, False, shown): v for k, v in state["v"]}
-    saved_state, groups = entries.get("state"), entries.get("param_groups")
-    if not isinstance(saved_state, dict) or saved_state.get("t") not in ("dict", "odict") or groups is None:
+    by_id = saved.by_param(target)
+    if by_id is None:
         return {}
-    try:
-        saved_ids = [i for g in decode(groups, ck.view, False, shown) for i in g["params"]]
-    except Exception:  # not the layout torch writes: owned copies, as load_state_dict takes them
-        return {}
-    params = [p for g in target.param_groups for p in g["params"]]
-    if len(saved_ids) != len(params):
-        return {}
-    by_id = dict(zip(saved_ids, params, strict=True))
     out: dict[str, torch.Tensor] = {}
-    for pk, pv in saved_state["v"]:
-        param = by_id.get(decode(pk, ck.view, False, shown))
+    for pid, named in saved.states:
+        _, param = by_id.get(pid, (-1, None))
         live = target.state.get(param) if param is not None else None
-        if not isinstance(live, dict) or not live or pv.get("t") not in ("dict", "odict"):
+        if not isinstance(live, dict) or not live:
             continue
-        named = [(decode(nk, ck.view, False, shown), nv) for nk, nv in pv["v"]]
         if {k for k, _ in named} != live.keys():
             return {}  # not the state this optimizer holds: owned copies, nothing changed if its loading fails
         for k, nv in named:

@@ -27,6 +27,7 @@ from nebula_ckpt.errors import CorruptCheckpointError, NebulaError, ValidationEr
 from nebula_ckpt.format import manifest as mf
 from nebula_ckpt.format.tree import decode, held_by_some, merged
 from nebula_ckpt.restore.dcp_reader import NebulaStorageReader
+from nebula_ckpt.restore.inplace import check_optimizer_state, read_optimizer
 from nebula_ckpt.restore.walk import Thunk, TreeWalk, describe, tensor_keys
 from nebula_ckpt.storage.base import Storage
 
@@ -81,6 +82,7 @@ class _Matcher(TreeWalk[Optional[Thunk]]):
         super().__init__(strict, f"reshard ({reader.where})")
         self.md = reader.metadata.state_dict_metadata
         self.src = reader.where
+        self.step = reader.step
         self.allow_pickle = allow_pickle
         self.flat: dict[str, Any] = {}
         self.actions: list[Thunk] = []
@@ -122,7 +124,13 @@ class _Matcher(TreeWalk[Optional[Thunk]]):
             and inner["t"] in ("dict", "odict")
 
     def on_object(self, node: Mapping[str, Any], target: Any, path: str) -> Optional[Thunk]:
-        """The object's state dict is filled like a dict, then given back with ``load_state_dict``."""
+        """The object's state dict is filled like a dict, then given back with ``load_state_dict``;
+        an optimizer is first checked as a restore in place checks it (another kind's state is
+        refused, strict or not: :func:`~nebula_ckpt.restore.inplace.check_optimizer_state`)."""
+        shown = path or "<root>"
+        # the check reads keys and counts only: a tensor leaf of the groups (a tensor lr) is not read
+        saved = read_optimizer(self.unwrap(node), target, lambda key: None, self.step, shown)
+        check_optimizer_state(saved, target, shown, node.get("cls") if node["t"] == "stateful" else None)
         sd = target.state_dict()
         self.inside_object += 1
         self._objects.append(target)

@@ -182,7 +182,7 @@ def read_elsewhere(path: str) -> bool:
     the memory tier); False when it is gone. Either way its bytes must not change: nothing may
     stage into it in place."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)  # a FIFO never blocks
     except FileNotFoundError:
         return False
     try:

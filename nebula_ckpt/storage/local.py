@@ -40,8 +40,9 @@ def _not_regular(path: str, mode: int) -> CorruptCheckpointError:
                                   "regular files nebula_ckpt wrote is read (remove it)")
 
 
-def _open_nofollow(path: str) -> Any:
-    """``open(path, "rb")`` of a regular file, refusing a symlink as the last component (``ELOOP``).
+def open_regular_fd(path: str) -> int:
+    """A read-only descriptor of the regular file ``path``, refusing a symlink as the last
+    component (``ELOOP``); the caller closes it.
 
     Files in a tier are input: a FIFO (whose ``open`` would wait for a writer forever), a socket,
     a device or a folder where a file belongs is refused before it is opened, and checked again
@@ -59,6 +60,17 @@ def _open_nofollow(path: str) -> Any:
         mode = os.fstat(fd).st_mode
         if not stat.S_ISREG(mode):
             raise _not_regular(path, mode)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def open_regular(path: str) -> Any:
+    """``open(path, "rb")`` of a regular file, never blocking and never following a symlink as the
+    last component (:func:`open_regular_fd`, whose errors it raises)."""
+    fd = open_regular_fd(path)
+    try:
         return os.fdopen(fd, "rb")
     except BaseException:
         os.close(fd)
@@ -73,7 +85,7 @@ def read_small_file(path: str, max_bytes: int = MAX_SMALL_BYTES) -> bytes:
             bytes (refused before any of it is read: a sparse file of a terabyte costs nothing).
         OSError: as ``open`` (``FileNotFoundError``; ``ELOOP`` for a symlink).
     """
-    with _open_nofollow(path) as f:
+    with open_regular(path) as f:
         size = os.fstat(f.fileno()).st_size
         if size > max_bytes:
             raise too_large(f"'{path}'", size, max_bytes)
@@ -298,7 +310,7 @@ class LocalStorage(Storage):
     def read_buffer(self, rel: str, info: Optional[dict[str, Any]] = None, *,
                     expected_bytes: Optional[int] = None) -> Buffer:
         path = self._p(rel)
-        with _open_nofollow(path) as f:
+        with open_regular(path) as f:
             size = os.fstat(f.fileno()).st_size
             if expected_bytes is not None and size != expected_bytes:
                 raise CorruptCheckpointError(f"{path} has {size} bytes, the manifest says {expected_bytes}")

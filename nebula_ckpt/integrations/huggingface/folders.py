@@ -30,6 +30,7 @@ from typing import Any, Optional
 import nebula_ckpt as nc
 from nebula_ckpt.adapters import canonical_root, write_file_atomic
 from nebula_ckpt.integrations.huggingface.common import TRAINER_STATE_NAME
+from nebula_ckpt.integrations.pointers import check_steps, read_pointer_head
 
 log = logging.getLogger("nebula_ckpt")
 
@@ -55,12 +56,12 @@ def read(folder: str) -> Optional[dict[str, Any]]:
     """The record of the checkpoint folder ``folder``; None when it is not one (no pointer file).
 
     Raises:
-        ValidationError: a pointer file that is damaged or of another format version (named).
+        ValidationError: a pointer file that is damaged, of another format version, records a
+            step no save takes, or is no regular file (a FIFO is never waited on) (named).
     """
     path = os.path.join(folder, POINTER_NAME)
     try:
-        with open(path, "rb") as f:
-            data = f.read(1 << 16)
+        data = read_pointer_head(path)
     except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
         return None
     try:
@@ -75,6 +76,7 @@ def read(folder: str) -> Optional[dict[str, Any]]:
     for name, typ in _FIELDS.items():
         if type(rec.get(name)) is not typ:
             raise nc.ValidationError(f"{path}: field {name!r} must be a {typ.__name__}, got {rec.get(name)!r}")
+    check_steps(rec, path)
     return dict(rec)
 
 

@@ -72,7 +72,12 @@ class _ViewWriter:
 
 
 def decompress_into(frame: bytes, target: memoryview) -> Optional[str]:
-    """Decompress one zstd frame into ``target`` (exactly its raw length).
+    """Decompress one zstd frame into ``target`` (exactly its raw length, as the frame table says).
+
+    The frame is input: the raw size its header declares must be ``len(target)`` (a frame
+    declaring more, a bomb of zeros spliced in, is refused before a byte is decompressed), and
+    what it decompresses to is bounded by ``target`` all the same (a frame that declares no size,
+    or holds more frames after it, is refused at the first byte past ``target``, never buffered).
 
     Returns:
         ``None`` on success, else what is wrong (for the caller's error message).
@@ -80,6 +85,9 @@ def decompress_into(frame: bytes, target: memoryview) -> Optional[str]:
     zstd = zstd_module()
     w = _ViewWriter(target)
     try:
+        declared = zstd.frame_content_size(frame)  # -1: not declared
+        if declared not in (-1, len(target)):
+            return f"declares {declared} raw bytes, the frame table {len(target)}; not a frame of this object"
         with zstd.ZstdDecompressor().stream_writer(w, write_size=_MiB, closefd=False) as d:
             d.write(frame)
     except (zstd.ZstdError, ValueError) as e:

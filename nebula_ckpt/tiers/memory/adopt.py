@@ -154,7 +154,8 @@ class Adoption:
         path = self._runtime.storage.local_path(shard_path(self._ck.manifest, shard))
         if path is None:
             raise OSError(errno.EXDEV, "the memory tier is not a local file system")
-        fd = os.open(path, (os.O_RDONLY if private else os.O_RDWR) | os.O_NOFOLLOW | os.O_CLOEXEC)
+        # non-blocking: a FIFO planted where the shard belongs is refused by its size, never waited on
+        fd = os.open(path, (os.O_RDONLY if private else os.O_RDWR) | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
         try:
             if not private and not hold_read(fd):
                 raise OSError(errno.EBUSY, f"{path} was taken over by another process")

@@ -23,6 +23,7 @@ import torch
 from nebula_ckpt import knobs
 from nebula_ckpt.errors import CorruptCheckpointError, PersistError
 from nebula_ckpt.format.names import step_dir
+from nebula_ckpt.storage.local import open_regular_fd
 from nebula_ckpt.tiers.memory import replica_store
 from nebula_ckpt.tiers.memory.replica_channel import Replication, Works
 from nebula_ckpt.tiers.memory.replica_store import committed, step_files
@@ -109,13 +110,15 @@ def _mine(rp: Replication, handle: Any) -> tuple[Optional[dict[str, Any]], list[
         d = os.path.join(rp.folder, step_dir(handle.step))
         files = step_files(rp.folder, handle.step)
         base = step_base(rp.folder, handle.step, gens)
-        for name, _ in files:
-            fds.append(os.open(os.path.join(d, name), os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC))
+        for name, _ in files:  # regular files only: a FIFO planted there is never waited on
+            fds.append(open_regular_fd(os.path.join(d, name)))
         for s, name, _ in (base or {}).get("refs", []):
-            fds.append(os.open(os.path.join(rp.folder, step_dir(s), name), os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC))
-    except (KeyError, OSError, CorruptCheckpointError):  # retention took it already: a newer step is on its way
+            fds.append(open_regular_fd(os.path.join(rp.folder, step_dir(s), name)))
+    except (KeyError, OSError, CorruptCheckpointError) as e:  # retention took it already: a newer step is on its way
         for fd in fds:
             os.close(fd)
+        if isinstance(e, CorruptCheckpointError):  # not retention: a damaged or planted file
+            log.warning("nebula_ckpt: step %d is not replicated: %s", handle.step, e)
         return None, []
     return {"step": handle.step, "gen": gen, "files": files, "bytes": sum(n for _, n in files), "base": base}, fds
 

@@ -22,18 +22,22 @@ folder (marker last); the caller then verifies every checksum before the copy be
 from __future__ import annotations
 
 import dataclasses
+import logging
 import mmap
 import os
 from typing import Any, Optional
 
 from nebula_ckpt.errors import CorruptCheckpointError, PersistError
+from nebula_ckpt.format.checks import as_step
 from nebula_ckpt.format.commit import Commit, read_commit, references, shard_path
-from nebula_ckpt.format.manifest import Manifest, encode_manifest, stored_json, whole_manifest
+from nebula_ckpt.format.manifest import MAX_MANIFEST_BYTES, Manifest, encode_manifest, stored_json, whole_manifest
 from nebula_ckpt.format.names import COMMIT, MANIFEST, step_dir
 from nebula_ckpt.native import get_ops
 from nebula_ckpt.save.incremental import whole_image
-from nebula_ckpt.storage.local import LocalStorage
+from nebula_ckpt.storage.local import LocalStorage, open_regular, read_small_file
 from nebula_ckpt.tiers.memory.replica_store import committed
+
+log = logging.getLogger(__name__)
 
 
 def step_base(folder: str, step: int, gens: dict[int, int]) -> Optional[dict[str, Any]]:
@@ -45,20 +49,34 @@ def step_base(folder: str, step: int, gens: dict[int, int]) -> Optional[dict[str
     earlier step it refers to.
 
     Raises:
-        OSError / CorruptCheckpointError: the step cannot be read (retention took it).
+        OSError / CorruptCheckpointError: the step cannot be read (retention took it), or its
+            manifest is no regular file of at most :data:`MAX_MANIFEST_BYTES` (never read then).
     """
-    with open(os.path.join(folder, step_dir(step), MANIFEST), "rb") as f:
-        raw = f.read()
+    raw = read_small_file(os.path.join(folder, step_dir(step), MANIFEST), MAX_MANIFEST_BYTES)
     man = Manifest.parse(raw, f"{folder} step {step}", step)
     if not references(man):
         return None
     refs = [(int(sh.step), sh.file, os.path.getsize(os.path.join(folder, shard_path(man, i))))
             for i, sh in enumerate(man.shards) if sh.step is not None and sh.step != step]
-    base = man.stats.get("base_step")
-    base = int(base) if isinstance(base, int) and not isinstance(base, bool) else None
+    base = _base_step(man, f"{folder} step {step}")
     write = man.stats.get("base_write")
     return {"base": base, "gen": gens.get(base, gens[step]) if base is not None else None, "refs": refs,
             "write": write if isinstance(write, str) else None}
+
+
+def _base_step(man: Manifest, where: str) -> Optional[int]:
+    """The step ``man`` records it was built on (``stats.base_step``): a step as a save takes it,
+    ``[0, 2**63-1]``; None when it records none, or anything else (damage, ignored as a
+    ``base_write`` that is no string is: no replica is then taken for the base, whose shards the
+    partner is sent instead)."""
+    base = man.stats.get("base_step")
+    if base is None:
+        return None
+    try:
+        return as_step(base, where, "stats.base_step")
+    except CorruptCheckpointError as e:
+        log.warning("nebula_ckpt: %s; the step's base is not looked for among the replicas", e)
+        return None
 
 
 def holds_base(held: str, need: dict[str, Any]) -> bool:
@@ -69,9 +87,9 @@ def holds_base(held: str, need: dict[str, Any]) -> bool:
     if need["base"] is None or need.get("write") is None or (need["gen"], need["base"]) not in committed(held):
         return False
     try:
-        with open(os.path.join(held, step_dir(int(need["base"])), MANIFEST), "rb") as f:
-            man = Manifest.parse(f.read(), f"{held} step {need['base']}", int(need["base"]))
-    except (OSError, CorruptCheckpointError):
+        raw = read_small_file(os.path.join(held, step_dir(int(need["base"])), MANIFEST), MAX_MANIFEST_BYTES)
+        man = Manifest.parse(raw, f"{held} step {need['base']}", int(need["base"]))
+    except (OSError, CorruptCheckpointError):  # a damaged, replaced or planted file holds no base
         return False
     return man.stats.get("write_id") == need["write"]
 
@@ -156,8 +174,12 @@ def _on_base(man: Manifest, inc: str, held: str, base: int,
 
 
 def _map(path: str, maps: list[Any]) -> Any:
-    """A read-only mapping of ``path`` (kept in ``maps`` to close), or empty bytes."""
-    with open(path, "rb") as f:
+    """A read-only mapping of the regular file ``path`` (kept in ``maps`` to close), or empty bytes.
+
+    Raises:
+        CorruptCheckpointError: ``path`` is no regular file (a FIFO is never waited on).
+    """
+    with open_regular(path) as f:
         size = os.fstat(f.fileno()).st_size
         if not size:
             return b""

@@ -31,9 +31,10 @@ from dataclasses import dataclass
 from typing import Optional
 
 from nebula_ckpt import knobs
+from nebula_ckpt.errors import CorruptCheckpointError
 from nebula_ckpt.format.names import COMMIT, LOCK_FILE, ROOT_FILE, parse_step_dir
-from nebula_ckpt.format.owner import Owner
-from nebula_ckpt.storage.local import write_file_atomic
+from nebula_ckpt.format.owner import MAX_OWNER_BYTES, Owner
+from nebula_ckpt.storage.local import read_small_file, write_file_atomic
 
 log = logging.getLogger(__name__)
 
@@ -155,13 +156,17 @@ def secure_subfolder(parent: str, name: str) -> str:
 # -- claims -------------------------------------------------------------------------------------------
 
 def read_owner(folder: str) -> Optional[Owner]:
-    """The owner recorded in ``folder``, or ``None`` (no ``ROOT`` file, or unreadable)."""
+    """The owner recorded in ``folder``, or ``None`` (no ``ROOT`` file, or unreadable). A ``ROOT``
+    that is no regular file (a FIFO is never waited on), a symlink, or larger than
+    :data:`MAX_OWNER_BYTES` is never read: no owner (a warning names it)."""
     try:
-        fd = os.open(os.path.join(folder, ROOT_FILE), os.O_RDONLY | os.O_NOFOLLOW)
+        data = read_small_file(os.path.join(folder, ROOT_FILE), MAX_OWNER_BYTES)
+    except CorruptCheckpointError as e:
+        log.warning("nebula_ckpt: memory tier %s: its %s file is unreadable: %s", folder, ROOT_FILE, e)
+        return None
     except OSError:
         return None
-    with os.fdopen(fd, "rb") as f:
-        return Owner.parse(f.read(4096))
+    return Owner.parse(data)
 
 
 def _write_owner(folder: str, owner: Owner) -> None:
