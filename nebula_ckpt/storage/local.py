@@ -310,6 +310,8 @@ class LocalStorage(Storage):
     def read_buffer(self, rel: str, info: Optional[dict[str, Any]] = None, *,
                     expected_bytes: Optional[int] = None) -> Buffer:
         path = self._p(rel)
+        if isinstance(info, dict) and info.get("compression") is not None:
+            return self._read_compressed(path, info, expected_bytes)
         with open_regular(path) as f:
             size = os.fstat(f.fileno()).st_size
             if expected_bytes is not None and size != expected_bytes:
@@ -330,6 +332,21 @@ class LocalStorage(Storage):
         if hasattr(mmap, "MADV_WILLNEED"):
             mm.madvise(mmap.MADV_WILLNEED)
         return memoryview(mm)
+
+    def _read_compressed(self, path: str, info: dict[str, Any], expected_bytes: Optional[int]) -> Buffer:
+        """A shard a compressing remote tier wrote into this folder (a ``file://`` ``RemoteTier``, or
+        a bucket copied to disk): its frames decoded as the remote backend decodes them, since the
+        storage info alone decides the decoding (:meth:`Storage.read_buffer`)."""
+        from nebula_ckpt.storage.remote.frames import download, plan_read  # the remote backends' one decoder
+
+        with open_regular(path) as f:
+            fd = f.fileno()
+            plan = plan_read(info, os.fstat(fd).st_size, path, part_bytes=1 << 62, concurrency=1,
+                             expected_bytes=expected_bytes)
+
+            def corrupt(message: str, op: str) -> BaseException:
+                return CorruptCheckpointError(f"{path}: {message} ({op})")
+            return download(plan, lambda t: os.pread(fd, t.stored_len, t.stored_off), 1, corrupt)
 
     def write_small(self, rel: str, data: bytes, *, create_only: bool = False) -> None:
         """Atomic and durable (:func:`~nebula_ckpt.storage.local.write_file_atomic`)."""
