@@ -10,6 +10,7 @@ values get owned copies (:mod:`nebula_ckpt.restore.copies`).
 
 from __future__ import annotations
 
+import logging
 from typing import Any, Callable, Mapping, NoReturn, Optional
 
 import torch
@@ -29,6 +30,8 @@ from nebula_ckpt.restore.inplace import (
 )
 from nebula_ckpt.restore.open import OpenCheckpoint
 from nebula_ckpt.restore.walk import Thunk, TreeWalk, tensor_keys
+
+log = logging.getLogger("nebula_ckpt")
 
 
 def stage_restore(into: Any, *, map_location: Any = None, strict: bool = True,
@@ -318,10 +321,16 @@ class RestoreWalk(TreeWalk[Thunk]):
             node = {"t": "stateful", "cls": type(target).__name__, "state": node}
         shown = path or "<root>"
         if not callable(getattr(target, "load_state_dict", None)):
+            fix = _object_fix(node, target, shown)
             if target is None or not self.strict:
+                if fix:  # the dict is replaced; the object its tensors came from is not changed
+                    log.warning("nebula_ckpt: restore (strict=False): `into` key '%s' was replaced by the saved "
+                                "%s state; nothing was restored into the object it came from. %s", shown,
+                                node.get("cls"), fix)
                 return self.st.decode_owned(node, path)
             raise ValidationError(f"restore: checkpoint key '{shown}' holds a {node.get('cls')} state, but "
-                                  f"the object given in `into` ({type(target).__name__}) has no load_state_dict()")
+                                  f"the object given in `into` ({type(target).__name__}) has no load_state_dict()."
+                                  f" {fix or 'Pass the object that was saved there.'}")
         if isinstance(target, torch.nn.Module):
             check_module_state(self.ck, node["state"], target, shown, self.strict)
             return self.loads.guarded(shown, target, self._load_module(node["state"], target, path))
@@ -407,3 +416,14 @@ class RestoreWalk(TreeWalk[Thunk]):
     def refuse(self, node: Mapping[str, Any], target: Any, path: str) -> bool:
         # at the root, any object would be dropped for the saved value
         return self.strict and (not path and target is not None or super().refuse(node, target, path))
+
+
+def _object_fix(node: Mapping[str, Any], target: Any, shown: str) -> str:
+    """The fix when an object's state was saved at ``shown`` and ``into`` holds a dict there (the
+    ``torch.load`` habit ``into={"model": model.state_dict()}``); "" for any other target."""
+    if not isinstance(target, Mapping):
+        return ""
+    cls = str(node.get("cls") or "object").rsplit(".", 1)[-1]
+    return (f"Pass the {cls} itself (into={{..., '{shown.rsplit('/', 1)[-1]}': <the "
+            "object>}): its load_state_dict() is called, as a state_dict() copy never reaches it; or take the "
+            "saved state dict with ck.read() and load it yourself.")

@@ -335,3 +335,28 @@ def test_strict_false_that_restores_some_keys_does_not_warn(tmp_path: Path, capl
         with caplog.at_level(logging.WARNING, logger="nebula_ckpt"):
             assert ck.load_latest(into={"model": grown}, strict=False) == 1
     assert not [r for r in caplog.records if "restores nothing" in r.getMessage()]
+
+
+@pytest.mark.parametrize("memory_tier", [True, False])
+def test_state_dicts_given_for_saved_objects_are_refused_naming_the_fix(root: str, memory_tier: bool,
+                                                                        caplog: pytest.LogCaptureFixture) -> None:
+    """``into={"model": model.state_dict(), ...}`` (the ``torch.load`` habit) for a checkpoint that
+    saved the objects: strict, a ValidationError that names the fix (pass the object itself) with
+    nothing changed; ``strict=False``, a WARNING that the live object was not restored into."""
+    model = _model(0)
+    opt = torch.optim.AdamW(model.parameters())
+    _step(model, opt)
+    with nc.Checkpointer(root, memory_tier=memory_tier) as ck:
+        ck.save(1, {"model": model, "optim": opt})
+    live = _model(1)
+    before = [p.detach().clone() for p in live.parameters()]
+    live_opt = torch.optim.AdamW(live.parameters())
+    with nc.Checkpointer(root, memory_tier=memory_tier) as ck:
+        with pytest.raises(nc.ValidationError, match=r"Pass the \w+ itself .*load_state_dict\(\) is called"):
+            ck.load_latest({"model": live.state_dict(), "optim": live_opt.state_dict()})
+        assert all(torch.equal(a, b) for a, b in zip(before, live.parameters(), strict=True))
+        with caplog.at_level(logging.WARNING, logger="nebula_ckpt"):
+            into: dict[str, Any] = {"model": live.state_dict(), "optim": live_opt.state_dict()}
+            assert ck.load_latest(into, strict=False) == 1
+    assert "nothing was restored into the object it came from" in caplog.text and "'model'" in caplog.text
+    assert isinstance(into["model"], dict) and torch.equal(into["model"]["0.weight"], model[0].weight)
