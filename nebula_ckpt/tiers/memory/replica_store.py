@@ -35,7 +35,7 @@ from typing import Collection, Mapping, Optional
 
 import torch
 
-from nebula_ckpt.format.commit import Write, committed_steps, committed_writes, read_commit
+from nebula_ckpt.format.commit import Write, committed_writes
 from nebula_ckpt.format.names import COMMIT, step_dir
 from nebula_ckpt.native import get_ops
 from nebula_ckpt.restore.open import OpenCheckpoint, open_checkpoint, read_manifest
@@ -71,17 +71,9 @@ def safe_name(name: str) -> bool:
 
 
 def committed(folder: str) -> list[tuple[int, int]]:
-    """``(writer generation, step)`` of the committed steps in ``folder`` (unreadable markers skipped)."""
-    if not os.path.isdir(folder):
-        return []
-    st = LocalStorage(folder, private=True, fsync=False)
-    out = []
-    for s in committed_steps(st):
-        try:
-            out.append((read_commit(st, s, f"{folder} step {s}").generation, s))
-        except Exception as e:  # a damaged marker is no copy
-            log.debug("nebula_ckpt: %s step %d: unreadable commit marker: %s", folder, s, e)
-    return sorted(out)
+    """``(writer generation, step)`` of the committed steps in ``folder`` (unreadable markers skipped),
+    ascending: :func:`writes` without the save."""
+    return [(g, s) for g, s, _ in writes(folder)]
 
 
 def writes(folder: str) -> list[Write]:
