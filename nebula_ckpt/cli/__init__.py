@@ -4,7 +4,8 @@ Multi-rank checkpoints (format v2) are understood everywhere: ls and verify show
 world size and check every rank's shard, inspect shows global shapes and which rank stores
 what, export gathers one full, unsharded file (keys without the ``r<R>/`` rank prefix).
 
-Exit codes: 0 success; 1 damage found (verify) or nothing to act on; 2 bad usage.
+Exit codes: 0 success; 1 damage found (verify) or nothing to act on (a ROOT that is a file, too); 2
+bad usage (a ROOT that is a malformed URL, too).
 ls, verify, inspect, export, mark, gc and persist-memory take ``--json`` for scripts and
 ``--storage-options JSON`` for a remote root (no error shows its value: it may hold credentials);
 bench has options of its own: ``nebula-ckpt bench --help``.
@@ -29,7 +30,16 @@ from typing import Callable, Optional, Sequence, cast
 
 from nebula_ckpt.cli.bench import cmd_bench
 from nebula_ckpt.cli.choose import add_choice_arguments
-from nebula_ckpt.cli.common import HIDDEN, CliParser, add_storage_options, close_opened, out, secret_values
+from nebula_ckpt.cli.common import (
+    HIDDEN,
+    CliParser,
+    UsageError,
+    add_storage_options,
+    check_root_url,
+    close_opened,
+    out,
+    secret_values,
+)
 from nebula_ckpt.cli.doctor import add_doctor_parser, cmd_doctor, version_text
 from nebula_ckpt.cli.export import add_export_parser, cmd_export
 from nebula_ckpt.cli.gc import add_gc_parser, cmd_gc
@@ -38,7 +48,6 @@ from nebula_ckpt.cli.mark import add_mark_parser, cmd_mark
 from nebula_ckpt.cli.persist_memory import add_persist_memory_parser, cmd_persist_memory
 from nebula_ckpt.cli.verify import cmd_verify
 from nebula_ckpt.errors import NebulaError, PickleNotAllowedError
-from nebula_ckpt.storage.urls import refuse_url_credentials
 
 __all__ = ["main", "build_parser"]
 
@@ -86,10 +95,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _run(args: argparse.Namespace) -> int:
-    """Run one parsed command; errors become one line on stderr and exit code 1."""
+    """Run one parsed command; errors become one line on stderr and exit code 1 (2 for a ROOT that
+    is a malformed URL)."""
     try:
-        refuse_url_credentials(getattr(args, "root", None))  # before the root is parsed, logged or shown
+        check_root_url(getattr(args, "root", None))  # before the root is parsed, logged or shown
         return COMMANDS[args.cmd](args)
+    except UsageError as e:
+        sys.stderr.write(f"nebula-ckpt {args.cmd}: error: {e}\n")
+        return 2
     except PickleNotAllowedError as e:  # the library's hint names its argument; here it is a flag
         sys.stderr.write(f"nebula-ckpt: {str(e).replace('allow_pickle=True', '--allow-pickle')}\n")
         return 1

@@ -2,8 +2,13 @@
 
 Users name checkpoints by tag (``epoch-3``, Lightning's file name, DeepSpeed's ``global_step500``)
 as often as by step: both are accepted, and with neither (or ``--step latest``) the newest
-healthy step is read, as a restart would. The first tier (fastest first) holding a healthy copy
-wins; damaged copies tried first are named on stderr.
+healthy step is read, as a restart would: the copies are tried in the restore's order
+(:func:`~nebula_ckpt.restore.select.list_candidates`: the newest writer generation first, so a
+run abandoned by a rollback never wins, then the newest step, then the fastest tier), the steps
+marked suspect are skipped as ``load_latest`` skips them
+(:class:`~nebula_ckpt.restore.select.HealthChoice`), and a damaged copy passes to the next. The
+skipped copies are named on stderr. ``--step N`` reads ``N`` whatever its mark (a suspect one
+is said so on stderr).
 """
 
 from __future__ import annotations
@@ -14,7 +19,10 @@ from typing import Callable, TypeVar, Union
 from nebula_ckpt.cli.common import commit_state, note, open_tiers
 from nebula_ckpt.errors import NebulaError
 from nebula_ckpt.format.commit import step_dirs
+from nebula_ckpt.format.health import SUSPECT
+from nebula_ckpt.health.book import HealthView
 from nebula_ckpt.restore.open import read_main_manifest
+from nebula_ckpt.restore.select import Candidate, HealthChoice, list_candidates
 from nebula_ckpt.storage.base import Storage
 from nebula_ckpt.storage.urls import strip_credentials
 from nebula_ckpt.tiers.base import Tier
@@ -23,8 +31,6 @@ T = TypeVar("T")
 
 #: ``--step`` value that means the newest healthy step
 LATEST = "latest"
-
-Candidate = tuple[int, Tier, Storage]
 
 
 def step_arg(text: str) -> Union[int, str]:
@@ -44,7 +50,8 @@ def add_choice_arguments(sp: argparse.ArgumentParser) -> None:
     """``--step N|latest`` and ``--tag NAME`` (at most one; neither: the newest healthy step)."""
     which = sp.add_mutually_exclusive_group()
     which.add_argument("--step", type=step_arg, default=None, metavar="N|latest",
-                       help="the step to read, or 'latest' (the default: the newest healthy step)")
+                       help="the step to read (even one marked suspect), or 'latest' (the default: the newest "
+                            "healthy step not marked suspect, the one a restart restores)")
     which.add_argument("--tag", default=None, metavar="NAME",
                        help="the newest healthy step saved with this tag (as `ls` shows it)")
 
@@ -57,58 +64,100 @@ def _asked(args: argparse.Namespace) -> str:
     return "checkpoint"
 
 
+def _committed(tier: Tier, st: Storage) -> list[int]:
+    """The steps of one tier whose commit marker is there, ascending; a marker that cannot be
+    checked safely (a symlink, never followed; unreadable) counts, so that its step is named as
+    damaged rather than passed over unsaid."""
+    return [s for s in step_dirs(st) if commit_state(st, tier, s)[0]]
+
+
+def _where(c: Candidate) -> str:
+    return f"tier {c.tier.name} step {c.step}"
+
+
 def candidates(args: argparse.Namespace, tiers: list[tuple[Tier, Storage]]) -> tuple[list[Candidate], list[str]]:
-    """The copies that may answer ``--step`` / ``--tag`` / latest, newest step first (a step's
-    tiers fastest first), and the tags seen on the way (for the error when none matches)."""
+    """The copies that may answer ``--step`` / ``--tag`` / latest, in the order a restore tries them
+    (:func:`~nebula_ckpt.restore.select.list_candidates`; ``--tag``: its newest step first, as
+    ``load(tag=...)``), and the tags seen on the way (for the error when none matches)."""
+    ordered = list_candidates(tiers, steps=_committed)
+    if isinstance(args.step, int):
+        return [c for c in ordered if c.step == args.step], []
+    if args.tag is None:
+        return ordered, []
     found: list[Candidate] = []
     tags: list[str] = []
-    for tier, st in tiers:
-        for step in step_dirs(st):
-            if isinstance(args.step, int):
-                if step == args.step:
-                    found.append((step, tier, st))
-            elif args.tag is not None:
-                try:
-                    tag = read_main_manifest(st, step, f"tier {tier.name} step {step}").tag
-                except Exception:  # damaged: not found by its tag (ls and verify show it)
-                    continue
-                if tag == args.tag:
-                    found.append((step, tier, st))
-                elif tag is not None and tag not in tags:
-                    tags.append(tag)
-            elif commit_state(st, tier, step)[0]:
-                found.append((step, tier, st))
-    found.sort(key=lambda c: -c[0])  # stable: a step's tiers stay fastest first
+    for c in ordered:
+        try:
+            tag = read_main_manifest(c.storage, c.step, _where(c)).tag
+        except Exception:  # damaged: not found by its tag (ls and verify show it)
+            continue
+        if tag == args.tag:
+            found.append(c)
+        elif tag is not None and tag not in tags:
+            tags.append(tag)
+    found.sort(key=lambda c: -c.step)  # stable: a step's writes stay in the restore's order
     return found, tags
 
 
 def open_chosen(args: argparse.Namespace, opener: Callable[[Storage, int, str], T]) -> T:
-    """``opener(storage, step, where)`` of the first healthy copy of what the user asked for.
+    """``opener(storage, step, where)`` of the first healthy copy of what the user asked for
+    (latest: the first not marked suspect either, as ``load_latest``).
 
     Raises:
         NebulaError: nothing healthy answers, naming every copy tried and why, or the tags
             there are when none matches ``--tag``.
     """
     tiers = open_tiers(args.root, args.storage_options)
+    view = HealthView(tiers[-1][1]) if tiers else None  # the records are on the root's own tier (listed last)
+    choice = HealthChoice(view, skip_suspect=not isinstance(args.step, int) and args.tag is None)
     found, tags = candidates(args, tiers)
-    errors = []
-    for step, tier, st in found:
+    # a marker that cannot be read is damage, named whatever the order says (as a restore does)
+    errors = [f"{_where(c)}: {c.problem}" for c in found if c.problem is not None]
+    for c in found:
+        if c.problem is not None or choice.skips(c.generation, c.step):
+            continue
         try:
-            result = opener(st, step, f"tier {tier.name} step {step}")
+            result = opener(c.storage, c.step, _where(c))
         except Exception as e:
             errors.append(str(e))
             continue
-        for skipped in errors:
-            note(f"skipped (damaged): {skipped}")
+        _say_skipped(errors, choice, c)
         return result
+    raise _nothing(args, tiers, found, tags, errors, choice)
+
+
+def _say_skipped(errors: list[str], choice: HealthChoice, chosen: Candidate) -> None:
+    """Name on stderr the copies passed over (damaged, marked suspect), and a chosen step that is
+    marked suspect (one asked for by ``--step`` or ``--tag``)."""
+    for skipped in errors:
+        note(f"skipped (damaged): {skipped}")
+    for (generation, step), why in choice.skipped.items():
+        note(f"skipped step {step} (writer generation {generation}), marked suspect: {why} (load_latest skips it "
+             f"too; `--step {step}` reads it anyway)")
+    mark = choice.mark(chosen.generation, chosen.step)
+    if mark.state == SUSPECT:
+        note(f"step {chosen.step} is marked suspect: {mark.reason} (load_latest skips it; "
+             f"`nebula-ckpt mark ROOT --healthy {chosen.step}` clears the mark)")
+
+
+def _nothing(args: argparse.Namespace, tiers: list[tuple[Tier, Storage]], found: list[Candidate],
+             tags: list[str], errors: list[str], choice: HealthChoice) -> NebulaError:
+    """The error for nothing healthy (and not suspect, for latest) answering what was asked."""
     root = strip_credentials(args.root)
     if args.tag is not None and not found:
-        raise NebulaError(f"no committed checkpoint tagged {args.tag!r} under {root}; tags there: {tags[-20:]}")
+        return NebulaError(f"no committed checkpoint tagged {args.tag!r} under {root}; tags there: {tags[-20:]}")
     if isinstance(args.step, int) and not found:
         steps = sorted({s for tier, st in tiers for s in step_dirs(st) if commit_state(st, tier, s)[0]})
         there = (f"committed steps there: {_steps_list(steps)}" if steps else "it holds no committed checkpoint")
-        raise NebulaError(f"no checkpoint of step {args.step} under {root}; {there}")
-    raise NebulaError(f"no healthy {_asked(args)} under {root}" + (f" ({'; '.join(errors)})" if errors else ""))
+        return NebulaError(f"no checkpoint of step {args.step} under {root}; {there}")
+    damaged = f" ({'; '.join(errors)})" if errors else ""
+    if choice.skipped:
+        steps = sorted({s for _, s in choice.skipped}, reverse=True)
+        return NebulaError(
+            f"no checkpoint under {root} to read as the latest: every committed step that is not damaged{damaged} "
+            f"is marked suspect (steps {_steps_list(steps)}), and load_latest skips those too. Read one anyway "
+            "with `--step N`, or clear its mark with `nebula-ckpt mark ROOT --healthy N`")
+    return NebulaError(f"no healthy {_asked(args)} under {root}{damaged}")
 
 
 def _steps_list(steps: list[int]) -> str:

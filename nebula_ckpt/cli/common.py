@@ -9,10 +9,11 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 from typing import Any, Callable, Iterable, NoReturn, Optional, Sequence, TypeVar
 
-from nebula_ckpt.errors import CorruptCheckpointError
+from nebula_ckpt.errors import CorruptCheckpointError, NebulaError, ValidationError
 from nebula_ckpt.format import manifest as mf
 from nebula_ckpt.format.commit import references
 from nebula_ckpt.format.names import COMMIT, shard_owner, step_dir
@@ -20,7 +21,7 @@ from nebula_ckpt.format.owner import Owner
 from nebula_ckpt.ranks.fencing import read_run_id
 from nebula_ckpt.restore.open import NotThisLayout, OpenCheckpoint, open_checkpoint, read_manifest
 from nebula_ckpt.storage.base import Storage
-from nebula_ckpt.storage.urls import canonical_root
+from nebula_ckpt.storage.urls import canonical_root, local_path, refuse_url_credentials
 from nebula_ckpt.tiers.base import Tier
 from nebula_ckpt.tiers.factory import runtime_for
 from nebula_ckpt.tiers.roots import default_tiers
@@ -58,10 +59,68 @@ def close_opened() -> None:
         OPENED.pop().close()
 
 
-def open_tiers(root: str, storage_options: Optional[dict[str, Any]]) -> list[tuple[Tier, Storage]]:
-    """The tiers of ``root`` a restart would read (read only: nothing is claimed or written)."""
+class UsageError(NebulaError):
+    """A ROOT no command can take (a malformed URL): exit 2, as argparse's usage errors."""
+
+
+def check_root_url(root: Optional[str]) -> None:
+    """Refuse a ROOT URL with a password in it or a broken scheme (``s3:/bucket/run``), before the
+    root is parsed, logged or shown (:func:`~nebula_ckpt.storage.urls.refuse_url_credentials`).
+
+    Raises:
+        UsageError: saying what to write instead.
+    """
+    try:
+        refuse_url_credentials(root)
+    except ValidationError as e:
+        raise UsageError(str(e)) from None
+
+
+def _file_in_the_way(root: str) -> None:
+    """Refuse a local ROOT that is a file, or lies under one: no checkpoint is there (a checkpoint
+    root is a folder), which is exit 1 (nothing found), said plainly rather than as the error of
+    the first read below it (``[Errno 20] Not a directory: '.../_nebula/run.json'``).
+
+    Raises:
+        NebulaError: naming the file and what to give instead.
+    """
+    path = local_path(root)
+    if path is None:
+        return
+    probe = os.path.abspath(path)
+    while not os.path.exists(probe) and os.path.dirname(probe) != probe:
+        probe = os.path.dirname(probe)
+    if not os.path.exists(probe) or os.path.isdir(probe):
+        return
+    where = "is a file" if probe == os.path.abspath(path) else f"lies under {probe!r}, which is a file"
+    raise NebulaError(f"ROOT {root!r} {where}, not a checkpoint root: give the folder the checkpoints were saved "
+                     "to (the one holding the step-N folders), or a URL such as s3://bucket/prefix")
+
+
+def root_tiers(root: str, storage_options: Optional[dict[str, Any]]) -> tuple[list[Tier], Storage]:
+    """The tiers of ``root`` and the root tier's storage (opened, nothing read yet).
+
+    Raises:
+        UsageError: ROOT is a URL that names no store (a scheme fsspec does not know, no bucket
+            or container).
+        NebulaError: ROOT is a file, or lies under one (nothing can be found there).
+    """
+    _file_in_the_way(root)
     tiers = default_tiers(root, storage_options)
-    root_storage = tiers[-1].make_storage()
+    try:
+        return tiers, tiers[-1].make_storage()
+    except ValueError as e:  # the URL: an unknown scheme, no bucket (ImportError: a backend to install)
+        raise UsageError(f"{e}; ROOT is a local folder or an fsspec URL such as s3://bucket/prefix") from None
+
+
+def open_tiers(root: str, storage_options: Optional[dict[str, Any]]) -> list[tuple[Tier, Storage]]:
+    """The tiers of ``root`` a restart would read (read only: nothing is claimed or written), the
+    root's own last.
+
+    Raises:
+        UsageError / NebulaError: ROOT cannot be a checkpoint root (:func:`root_tiers`).
+    """
+    tiers, root_storage = root_tiers(root, storage_options)
     owner = Owner(canonical_root(root), read_run_id(root_storage))
     found = []
     for t in tiers:

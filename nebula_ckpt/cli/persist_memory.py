@@ -10,7 +10,7 @@ import json
 import sys
 from typing import Callable, Optional
 
-from nebula_ckpt.cli.common import human_bytes, out
+from nebula_ckpt.cli.common import OPENED, human_bytes, out, root_tiers
 from nebula_ckpt.errors import FencedError, ValidationError
 from nebula_ckpt.tiers.memory.epilogue import persist_memory
 
@@ -21,7 +21,9 @@ def cmd_persist_memory(args: argparse.Namespace) -> int:
     a multi-rank step waiting for other nodes' parts, which says which), 1 when a copy is damaged
     or the root cannot be written (nothing of it committed), 2 when a live process writes a
     memory tier of the root here, or a newer job committed on the root meanwhile (nothing written
-    by this run is visible)."""
+    by this run is visible); a ROOT that is a malformed URL is a usage error (2), one that is a
+    file holds nothing (1)."""
+    OPENED.append(root_tiers(args.root, args.storage_options)[1])  # either said before anything is read
     try:
         got = persist_memory(args.root, args.storage_options, on_part=None if args.json else _progress())
     except (ValidationError, FencedError) as e:

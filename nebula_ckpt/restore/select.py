@@ -51,6 +51,9 @@ Checked = Optional[tuple[str, int, int, int]]
 #: ``skip(generation, step)``: whether a restore leaves that checkpoint out (its health mark)
 Skip = Callable[[int, int], bool]
 
+#: ``steps(tier, storage)``: the committed steps of one tier, ascending (see :func:`list_candidates`)
+Lister = Callable[[Tier, Storage], list[int]]
+
 #: What :func:`find_and_open` does when committed checkpoints exist but none is healthy.
 ON_ALL_DAMAGED = ("raise", "warn")
 
@@ -76,22 +79,27 @@ class Candidate:
 
 
 
-def list_candidates(tiers: list[tuple[Tier, Storage]]) -> list[Candidate]:
+def list_candidates(tiers: list[tuple[Tier, Storage]], steps: Optional[Lister] = None) -> list[Candidate]:
     """Every committed step on every tier: newest writer generation first, then newest step, then
     fastest tier (the order of ``tiers``).
 
     The generation comes first because a writer fenced by a newer one may have gone on committing
     higher steps on a tier the newer one never wrote (its memory tier): those steps are a run
-    that was abandoned, never the one to resume.
+    that was abandoned, never the one to resume. This is the one order of "the newest
+    checkpoint": a restore's, and ``nebula-ckpt inspect`` / ``export``'s.
+
+    ``steps``: lists a tier's committed steps (None: the steps with a commit marker,
+    :func:`~nebula_ckpt.format.commit.committed_steps`); a step listed whose marker cannot be read
+    is a candidate with its ``problem``.
     """
     cands: list[tuple[int, int, int, int, Candidate]] = []
     for i, (tier, st) in enumerate(tiers):
         try:
-            steps = committed_steps(st)
+            listed = committed_steps(st) if steps is None else steps(tier, st)
         except Exception as e:
             log.warning("nebula_ckpt: cannot list tier %s: %s", tier.name, e)
             continue
-        for s in steps:
+        for s in listed:
             (g, _, w), problem = _commit_write(st, s)
             cands.append((-g, -s, -w, i, Candidate(s, tier, st, g, problem, w)))
     return [c for *_, c in sorted(cands, key=lambda x: x[:4])]

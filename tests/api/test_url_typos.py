@@ -36,7 +36,7 @@ def test_a_mistyped_blob_url_is_refused_before_anything_is_created(tmp_path: Any
         with pytest.raises(ValidationError) as e:
             call()
         assert repr(root) in str(e.value) and meant in str(e.value), e.value
-    assert main(["ls", root]) == 1
+    assert main(["ls", root]) == 2  # a usage error (docs/cli.md)
     assert meant in capsys.readouterr().err
     assert os.listdir(tmp_path) == [], "a local folder was created for the mistyped URL"
 
