@@ -46,7 +46,7 @@ import logging
 import os
 import uuid
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 from nebula_ckpt.errors import CorruptCheckpointError, FencedError, NebulaError
 from nebula_ckpt.format.commit import CommitProgress, Write, commit_manifest, committed_writes, read_commit, shard_path
@@ -68,6 +68,9 @@ from nebula_ckpt.ranks.split import split_manifest, split_payload
 from nebula_ckpt.restore.open import open_checkpoint, read_manifest
 from nebula_ckpt.storage.base import Storage
 from nebula_ckpt.storage.local import LocalStorage, fsync_dir
+
+if TYPE_CHECKING:
+    from nebula_ckpt.save.writer import TierWriter
 
 log = logging.getLogger(__name__)
 
@@ -341,3 +344,28 @@ def own_part_drainer(storage: Storage, tier: str, run_id: str) -> Callable[[Writ
         log.info("nebula_ckpt: rank %d: its part of step %d (only in RAM since a node was lost) is on %s%s", rank,
                  write[1], tier, "; the step is committed" if done else f"; waiting for rank(s) {missing[:8]}")
     return drain
+
+
+def flush_newest(writers: "list[TierWriter]") -> None:
+    """One process's drain at ``close()``: put the newest committed step on every persistent tier of
+    ``writers`` that lacks it (cadence, drops). A disk or remote tier with ``every=N`` (or one that
+    dropped saves while busy) would otherwise end the job older than the memory tier, which does
+    not survive a reboot."""
+    # writes, not step numbers: a tier holding the first write of a step saved twice lacks the second
+    have = {w.name: set(committed_writes(w.storage)) for w in writers}
+    newest = max((max(s) for s in have.values() if s), default=None)
+    if newest is None:
+        return
+    src = next((w.storage for w in writers if newest in have[w.name] and w.storage.is_local), None)
+    for w in writers:
+        if not w.tier.persistent or newest in have[w.name]:
+            continue
+        try:
+            if src is None:
+                raise NebulaError("no tier with a local copy of it")
+            w.copy_from(src, newest[1])
+            log.info("nebula_ckpt: close() put the newest step %d on %s", newest[1], w.name)
+        except Exception as e:
+            log.error("nebula_ckpt: close() could not put the newest step %d on %s (it ends at step "
+                      "%s): %s: %s", newest[1], w.name, max(have[w.name], default=(0, None))[1],
+                      type(e).__name__, e)

@@ -23,7 +23,6 @@ import torch
 
 from nebula_ckpt import knobs
 from nebula_ckpt.errors import NebulaError
-from nebula_ckpt.format.commit import committed_writes
 from nebula_ckpt.format.manifest import Manifest
 from nebula_ckpt.handle import SaveHandle
 from nebula_ckpt.native import get_ops, monotonic
@@ -31,6 +30,7 @@ from nebula_ckpt.ranks.coordinator import Coordinator
 from nebula_ckpt.ranks.fencing import Fence
 from nebula_ckpt.save.budget import Budget, HostMemoryBudget, give_up_memory_steps
 from nebula_ckpt.save.buffers import StagingPool
+from nebula_ckpt.save.drain import flush_newest
 from nebula_ckpt.save.plan import Plan
 from nebula_ckpt.save.plan_cache import PlanCache
 from nebula_ckpt.save.snapshot import Snapshot, Stager, Taken
@@ -187,26 +187,40 @@ class SavePipeline:
         return h
 
     def _save_async(self, step: int, state: Any, tag: Optional[str]) -> SaveHandle:
-        self.confirm_inflight()
-        self.raise_unseen()
         t0 = monotonic()
-        plan = self.plans.plan(step, state, tag)
-        self.pool.check_fits(plan.layout.total_bytes)
-        writers = self.start()
+        try:
+            self.confirm_inflight()
+            self.raise_unseen()
+            plan = self.plans.plan(step, state, tag)
+            self.pool.check_fits(plan.layout.total_bytes)
+            writers = self.start()
+        except BaseException:  # refused on this rank (its state, a failure not yet seen): the job's
+            if self.coordinator.world_size > 1:  # save number goes by all the same, as on the others
+                self._numbered(None, [rt.name for rt in self._runtimes])
+            raise
         t_now = now()
+        handle = self._numbered(lambda i: self._save_indexed(i, plan, writers, t_now, t0), [w.name for w in writers])
+        assert handle is not None
+        return handle
+
+    def _numbered(self, save: Optional[Callable[[int], SaveHandle]], tiers: list[str]) -> Optional[SaveHandle]:
+        """Take the next save number and run ``save`` under it (None: this rank does not save it). Each
+        rank's save ``idx`` is one save of the job: when this rank does not write it, or ``save``
+        raises, the ranks' rounds of ``idx`` on ``tiers`` go on without this rank."""
         repl = self.replicator
         with self._lock:
             idx = self.count
             self.count += 1
             if repl is not None:
                 repl.submit(idx)  # its round comes next, in the same order on every rank
+        saved = False
         try:
-            return self._save_indexed(idx, plan, writers, t_now, t0)
-        except BaseException:
-            for w in writers:  # the ranks' rounds of this save go on without this rank
-                self.coordinator.abandon(w.name, idx)
-            raise
+            handle = save(idx) if save is not None else None
+            saved = handle is not None
+            return handle
         finally:
+            for name in [] if saved else tiers:
+                self.coordinator.abandon(name, idx)
             if repl is not None:
                 repl.submitted(idx)
 
@@ -426,7 +440,8 @@ class SavePipeline:
             self._stager.close()
         for w in self.writers or []:
             w.wait_idle()
-        self._flush_newest()
+        if self.writers is not None and self.coordinator.world_size == 1:  # a multi-rank copy would need every
+            flush_newest(self.writers)  # rank again: not done at close (see README)
         if self.replicator is not None:
             self.replicator.close()  # its last rounds, before the memory tier may go
         written = [w.runtime for w in self.writers or []]
@@ -438,35 +453,6 @@ class SavePipeline:
         if self.replicator is not None:
             self.replicator.release()
         self.pool.close()
-
-    def _flush_newest(self) -> None:
-        """Put the newest committed step on every persistent tier that lacks it (cadence, drops).
-
-        A disk or remote tier with ``every=N`` (or one that dropped saves while busy) would
-        otherwise end the job older than the memory tier, which does not survive a reboot.
-        """
-        if self.writers is None:
-            return  # nothing was saved by this checkpointer
-        if self.coordinator.world_size > 1:
-            return  # a multi-rank copy would need every rank again: not done at close (see README)
-        # writes, not step numbers: a tier holding the first write of a step saved twice lacks the second
-        have = {w.name: set(committed_writes(w.storage)) for w in self.writers}
-        newest = max((max(s) for s in have.values() if s), default=None)
-        if newest is None:
-            return
-        src = next((w.storage for w in self.writers if newest in have[w.name] and w.storage.is_local), None)
-        for w in self.writers:
-            if not w.tier.persistent or newest in have[w.name]:
-                continue
-            try:
-                if src is None:
-                    raise NebulaError("no tier with a local copy of it")
-                w.copy_from(src, newest[1])
-                log.info("nebula_ckpt: close() put the newest step %d on %s", newest[1], w.name)
-            except Exception as e:
-                log.error("nebula_ckpt: close() could not put the newest step %d on %s (it ends at step "
-                          "%s): %s: %s", newest[1], w.name, max(have[w.name], default=(0, None))[1],
-                          type(e).__name__, e)
 
     def stats(self) -> dict[str, Any]:
         """The save counters of :meth:`Checkpointer.stats`."""

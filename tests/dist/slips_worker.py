@@ -9,6 +9,9 @@ tests/dist/test_multirank_slips.py). Usage: python slips_worker.py SCENARIO ROOT
 * ``load_on_rank0``: every rank saves step 1; then rank 0 alone calls ``load_latest`` (the
   ``torch.load`` habit: load on rank 0, broadcast) while rank 1 waits at a barrier of the job's
   own group. Rank 0 reports what ``load_latest`` said (run with a short NEBULA_COMMIT_TIMEOUT_S).
+* ``one_rank_refused``: every rank saves steps 0 to 5 in order, but rank 1's state of step 2 holds
+  a value no checkpoint takes, so its ``save_async(2)`` raises ``ValidationError`` there alone.
+  Each rank reports what every save said, then what a new Checkpointer of the job restores.
 """
 
 from __future__ import annotations
@@ -72,12 +75,27 @@ def _load_on_rank0(root: str, rank: int, model: torch.nn.Module) -> dict[str, An
     return report
 
 
+def _one_rank_refused(root: str, rank: int, model: torch.nn.Module) -> dict[str, Any]:
+    report: dict[str, Any] = {"saves": []}
+    with nc.Checkpointer(root, keep_last=20) as ck:
+        for step in range(6):
+            state: dict[str, Any] = {"x": torch.full((64,), float(10 * step + rank)), "step": step}
+            if rank == 1 and step == 2:
+                state["bad"] = object()  # refused before anything is written, on this rank only
+            report["saves"].append(_outcome(lambda: ck.save_async(step, state).result(timeout=120)))
+    with nc.Checkpointer(root) as ck:
+        into: dict[str, Any] = {"x": torch.zeros(64), "step": -1}
+        report["restored"] = ck.load_latest(into)
+        report["x"] = into["x"][0].item()
+    return report
+
+
 def main() -> None:
     scenario, root, out = sys.argv[1:4]
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     model = torch.nn.Linear(8, 8)
-    run = {"destroyed": _destroyed, "load_on_rank0": _load_on_rank0}[scenario]
+    run = {"destroyed": _destroyed, "load_on_rank0": _load_on_rank0, "one_rank_refused": _one_rank_refused}[scenario]
     report = {"rank": rank, **run(root, rank, model)}
     with open(os.path.join(out, f"{scenario}-r{rank}.json"), "w") as f:
         json.dump(report, f)

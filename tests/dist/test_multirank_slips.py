@@ -37,3 +37,21 @@ def test_load_latest_on_rank_0_alone_says_every_rank_must_call_it(root: str, shm
     assert got.startswith("PersistError: ") and "not on rank 0 alone" in got, got
     assert "NEBULA_COMMIT_TIMEOUT_S" in got, got  # the wait it took, and where it is set
     assert Path(root, step_dir(1), COMMIT).exists()
+
+
+def test_a_save_refused_on_one_rank_leaves_the_ranks_in_step(root: str, shm_dir: str, tmp_path: Path) -> None:
+    """One rank's save refused before anything was written (its state) used no save number on that
+    rank while the others' went on: every later save paired step N with N+1 and failed ("the ranks
+    saved different steps"), and a restart went back to before the refusal. The refused save now
+    takes its number on that rank too: that save alone is dropped, the later ones commit."""
+    out = tmp_path / "out"
+    out.mkdir()
+    run_ok(2, "slips_worker.py", ["one_rank_refused", root, str(out)], out, shm_dir,
+           env_extra={"NEBULA_COMMIT_TIMEOUT_S": "60"})
+    got = reports(out, "one_rank_refused", 2)
+    assert got[1]["saves"][2].startswith("ValidationError: ") and "bad" in got[1]["saves"][2], got[1]
+    for r in (0, 1):
+        later = got[r]["saves"][3:]
+        assert later == ["ok"] * 3, (r, got[r]["saves"])
+        assert got[r]["restored"] == 5 and got[r]["x"] == 50.0 + r, got[r]
+    assert Path(root, step_dir(5), COMMIT).exists()
