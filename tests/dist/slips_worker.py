@@ -82,7 +82,7 @@ def _one_rank_refused(root: str, rank: int, model: torch.nn.Module) -> dict[str,
             state: dict[str, Any] = {"x": torch.full((64,), float(10 * step + rank)), "step": step}
             if rank == 1 and step == 2:
                 state["bad"] = object()  # refused before anything is written, on this rank only
-            report["saves"].append(_outcome(lambda: ck.save_async(step, state).result(timeout=120)))
+            report["saves"].append(_outcome(lambda s=step, st=state: ck.save_async(s, st).result(timeout=120)))
     with nc.Checkpointer(root) as ck:
         into: dict[str, Any] = {"x": torch.zeros(64), "step": -1}
         report["restored"] = ck.load_latest(into)

@@ -11,7 +11,11 @@ ranks meet in a barrier before the kill, so both die with checkpoint-K committed
 STAGE``: HF's DeepSpeed integration with ZeRO stage STAGE on the CPU (``DS_ACCELERATOR=cpu``, one
 gloo rank unless launched as several). ``--peft``: the model is a LoRA adapter (peft) over the GPT-2.
 ``--record-saves``: after each save, wait until it is durable and record its metrics
-(``Checkpointer.stats()``'s ``last_save``) under ``saves`` in RESULT.
+(``Checkpointer.stats()``'s ``last_save``) under ``saves`` in RESULT. ``--kill-on-save``: the kill
+of ``--kill-at K`` comes right after the save of step K instead (its ``on_save``, once
+``trainer.nebula.wait()`` returned: the pattern of ``examples/hf_trainer.py``). ``--lose-folders``:
+no ``checkpoint-N/`` folder is ever put in place (as if each time the process died between the
+commit and the folder). ``--save-total-limit N``: HF's ``save_total_limit``.
 ``--fsdp``: FSDP2 through accelerate (each GPT-2 block and the root ``fully_shard``-ed) on the
 GPUs, one per rank: accelerate turns FSDP on only for accelerator devices.
 
@@ -171,8 +175,15 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--peft", action="store_true")
     p.add_argument("--record-saves", action="store_true")
     p.add_argument("--fsdp", action="store_true")
+    p.add_argument("--kill-on-save", action="store_true")
+    p.add_argument("--lose-folders", action="store_true")
+    p.add_argument("--save-total-limit", type=int, default=None)
     a = p.parse_args(argv)
-    kw: dict[str, Any] = {"peft": a.peft}
+    kw: dict[str, Any] = {"peft": a.peft, "save_total_limit": a.save_total_limit}
+    if a.lose_folders:
+        from nebula_ckpt.integrations.huggingface import folders
+
+        folders.promote = lambda staged, folder: True  # type: ignore[assignment]  # staged, never in place
     if a.fsdp:
         kw.update(fsdp=True, fsdp_config={"version": 2, "transformer_layer_cls_to_wrap": ["GPT2Block"]},
                   use_cpu=False)
@@ -192,6 +203,14 @@ def main(argv: Optional[list[str]] = None) -> int:
 
     class Kill(TrainerCallback):
         def on_step_end(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
+            if not a.kill_on_save:
+                self.kill(state)
+
+        def on_save(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
+            if a.kill_on_save:
+                self.kill(state)
+
+        def kill(self, state: Any) -> None:
             if state.global_step == a.kill_at:
                 tr = holder["trainer"]
                 if not a.stock:

@@ -12,7 +12,11 @@ every tier), so ``load_best_model_at_end`` loads the best one. Real ``Trainer``,
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
+import shutil
+import subprocess
+import sys
 import time
 from typing import Any
 
@@ -23,6 +27,8 @@ pytest.importorskip("transformers", reason="transformers is not installed (pip i
 
 import nebula_ckpt as nc  # noqa: E402
 from integrations import hf_worker  # noqa: E402
+from nebula_ckpt.integrations.huggingface import folders as hf_folders  # noqa: E402
+from nebula_ckpt.integrations.huggingface import get_last_checkpoint  # noqa: E402
 from nebula_ckpt.storage.local import LocalStorage  # noqa: E402
 
 
@@ -125,3 +131,116 @@ def test_a_busy_disk_tier_drops_no_save_and_the_best_model_is_loaded(tmp_path, s
     assert tr.state.best_global_step < 6
     live = _weights(tr.model)
     assert set(tree["model"]) <= set(live) and all(torch.equal(live[k], tree["model"][k]) for k in tree["model"])
+
+
+# -- a checkpoint durable before a SIGKILL has its folder ---------------------------------------------
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def _crash(tmp_path: Any, shm_dir: str, *flags: str) -> dict[str, Any]:
+    """Run ``hf_worker.py`` into ``tmp_path/out`` until it SIGKILLs itself; what it wrote."""
+    out = str(tmp_path / "out")
+    env = dict(os.environ, NEBULA_SHM_DIR=shm_dir, PYTHONPATH=os.pathsep.join([os.path.dirname(HERE),
+                                                                                os.environ.get("PYTHONPATH", "")]))
+    result = str(tmp_path / "crashed.json")
+    p = subprocess.run([sys.executable, os.path.join(HERE, "hf_worker.py"), out, os.path.join(out, "nebula"), result,
+                        *flags], env=env, capture_output=True, text=True, timeout=120)
+    assert p.returncode == -9, p.stdout[-2000:] + p.stderr[-4000:]
+    with open(result) as f:
+        return dict(json.load(f))
+
+
+def _checkpoint_folders(out: str) -> list[str]:
+    return sorted((d for d in os.listdir(out) if d.startswith("checkpoint-")), key=lambda d: int(d.split("-")[1]))
+
+
+@pytest.mark.crash
+@pytest.mark.timeout(120)
+def test_a_checkpoint_durable_before_a_sigkill_has_its_folder_before_and_after_the_resume(  # noqa: ANN201
+        tmp_path, shm_dir: str):  # noqa: ANN001
+    """The pattern of examples/hf_trainer.py: an on_save callback waits until checkpoint-10 is
+    durable (trainer.nebula.wait()), then SIGKILLs the process. As with the stock Trainer, its
+    folder is there, transformers' get_last_checkpoint names it, and a resume keeps it."""
+    from transformers import TrainerState
+    from transformers.trainer_utils import get_last_checkpoint
+
+    out = str(tmp_path / "out")
+    crashed = _crash(tmp_path, shm_dir, "--kill-at", "10", "--kill-on-save")
+    assert crashed["committed"] == [5, 10]
+    assert _checkpoint_folders(out) == ["checkpoint-5", "checkpoint-10"]  # before the kill, not at the resume
+    assert get_last_checkpoint(out) == os.path.join(out, "checkpoint-10")
+    assert TrainerState.load_from_json(os.path.join(out, "checkpoint-10", "trainer_state.json")).global_step == 10
+    assert hf_folders.read(os.path.join(out, "checkpoint-10"))["step"] == 10
+    assert not os.path.exists(os.path.join(out, hf_folders.PENDING_DIR))  # nothing left staged
+
+    tr = hf_worker.make_trainer(out, None)
+    tr.train(resume_from_checkpoint=True)
+    assert tr.nebula_restored is not None and tr.nebula_restored["step"] == 10
+    tags = tr.nebula.tags()
+    tr.nebula.close()
+    assert _checkpoint_folders(out) == sorted(tags, key=tags.__getitem__)  # one folder per committed checkpoint
+    assert "checkpoint-10" in tags and get_last_checkpoint(out) == os.path.join(out, max(tags, key=tags.__getitem__))
+
+
+@pytest.mark.crash
+@pytest.mark.timeout(120)
+def test_folders_a_crash_left_staged_are_put_in_place_and_a_rotated_one_never_comes_back(  # noqa: ANN201
+        tmp_path, shm_dir: str):  # noqa: ANN001
+    """The process dies each time between a commit and the folder (--lose-folders) with
+    save_total_limit=1: checkpoint-5 was removed by the limit (and checkpoint-10 too when 15 was
+    durable before the limit was applied), all three are staged. A reader (the drop-in
+    get_last_checkpoint) and the next trainer opening the root put the folders of the committed ones
+    in place; a removed one's never comes back, not even after the resume."""
+    from transformers.trainer_utils import get_last_checkpoint as hf_last
+
+    out = str(tmp_path / "out")
+    pending = os.path.join(out, hf_folders.PENDING_DIR)
+    crashed = _crash(tmp_path, shm_dir, "--kill-at", "15", "--kill-on-save", "--lose-folders",
+                     "--save-total-limit", "1")
+    committed = [f"checkpoint-{s}" for s in crashed["committed"]]
+    assert committed in (["checkpoint-10", "checkpoint-15"], ["checkpoint-15"])  # 5 removed by the limit
+    removed = sorted({"checkpoint-5", "checkpoint-10"} - set(committed))
+    assert _checkpoint_folders(out) == [] and hf_last(out) is None
+    assert sorted(os.listdir(pending)) == sorted(committed + removed)
+    shutil.copytree(pending, str(tmp_path / "pending"))
+
+    # a reader: the folder it names exists; it removes nothing (a live run may still be saving)
+    assert get_last_checkpoint(out) == os.path.join(out, "checkpoint-15")
+    assert _checkpoint_folders(out) == committed and hf_last(out) == os.path.join(out, "checkpoint-15")
+    assert sorted(os.listdir(pending)) == removed
+
+    # the same crash, seen first by the next trainer: it puts them in place, and drops the others
+    for d in committed:
+        shutil.rmtree(os.path.join(out, d))
+    shutil.rmtree(pending)
+    shutil.copytree(str(tmp_path / "pending"), pending)
+    tr = hf_worker.make_trainer(out, None, save_total_limit=1)
+    assert sorted(tr.nebula.tags()) == sorted(committed)
+    assert _checkpoint_folders(out) == committed
+    assert hf_folders.read(os.path.join(out, "checkpoint-15"))["step"] == 15
+    assert not os.path.exists(pending)  # the removed checkpoints' staged folders went with them
+
+    tr.train(resume_from_checkpoint=True)
+    assert tr.nebula_restored is not None and tr.nebula_restored["step"] == 15
+    tags = tr.nebula.tags()
+    tr.nebula.close()
+    assert not set(removed) & set(tags) and _checkpoint_folders(out) == sorted(tags) and len(tags) == 1
+
+
+@pytest.mark.timeout(120)
+def test_the_last_save_has_its_folder_when_hf_ends_training_with_save_total_limit_1(  # noqa: ANN201
+        tmp_path, shm_dir: str):  # noqa: ANN001
+    """save_total_limit=1 with a best metric: at the end of training HF compares each checkpoint
+    folder with state.best_model_checkpoint (the last save here, on a busy disk tier), which must
+    exist then, as the stock Trainer's does once its save returns."""
+    out = str(tmp_path / "out")
+    tr = hf_worker.make_trainer(out, None, max_steps=6, save_steps=2, save_total_limit=1,
+                                eval_dataset=hf_worker.TinyData(8, seed=3), eval_strategy="steps", eval_steps=2,
+                                metric_for_best_model="eval_loss", greater_is_better=False,
+                                nebula_options={"tiers": [nc.MemoryTier(), _SlowTier(str(tmp_path / "disk"))]})
+    tr.train()
+    best = tr.state.best_model_checkpoint
+    assert best is not None and os.path.isdir(best)
+    tags = tr.nebula.tags()
+    tr.nebula.close()
+    assert _checkpoint_folders(out) == sorted(tags) == [os.path.basename(best)]

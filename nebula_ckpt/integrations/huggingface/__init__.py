@@ -26,8 +26,10 @@ What happens:
   (``nebula_log_metrics=False`` turns it off).
 * **HF's checkpoint folders**: each checkpoint also gets ``<output_dir>/checkpoint-N/`` with
   ``trainer_state.json``, ``config.json`` and a pointer to it (:mod:`.folders`), once it is
-  durable, so ``resume_from_checkpoint=<folder>``, ``get_last_checkpoint`` and scripts that look
-  for the folders work; no weight or optimizer file is written there.
+  durable (at the latest when ``trainer.nebula.wait()`` returns; after a crash in between, when
+  the root is next opened on that output dir), so ``resume_from_checkpoint=<folder>``,
+  ``get_last_checkpoint`` and scripts that look for the folders work; no weight or optimizer file
+  is written there.
 * **No save is dropped**: a save waits for the previous one to be durable on every tier, so a
   busy disk tier never skips a checkpoint the trainer may ask for again (the best, the last, a
   ``save_total_limit`` survivor).

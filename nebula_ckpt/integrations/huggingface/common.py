@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
+import threading
 import weakref
 from typing import Any, Optional
 
@@ -77,8 +78,11 @@ class RunState:
         restored: ``{"step": N, "tier": name}`` of the last checkpoint resumed through nebula_ckpt.
         log_metrics: whether each save's metrics go to the trainer's loggers.
         losses: the losses of this step's ``training_step`` calls, reported at its end (health).
-        folders: tag -> ``(folder, trainer_state text, config text)`` of the saves in flight: their
-            ``checkpoint-N/`` folder is written once they are durable.
+        folders: tag -> ``(folder, staged folder, handle)`` of the saves in flight whose
+            ``checkpoint-N/`` folder waits, staged, until they are durable (:mod:`.folders`).
+        folder_lock: held while a staged folder is written, put in place or removed (the thread
+            watching a save and the training thread may both try); re-entrant, so that a
+            ``close()`` from a signal handler on a thread holding it never waits for itself.
         metrics: each finished save's metrics, as logged (``NebulaTrainer.nebula_metrics``).
     """
 
@@ -94,7 +98,8 @@ class RunState:
     restored: Optional[dict[str, Any]] = None
     log_metrics: bool = True
     losses: list[Any] = dataclasses.field(default_factory=list)
-    folders: dict[str, tuple[str, str, Optional[str]]] = dataclasses.field(default_factory=dict)
+    folders: dict[str, tuple[str, str, nc.SaveHandle]] = dataclasses.field(default_factory=dict)
+    folder_lock: threading.RLock = dataclasses.field(default_factory=threading.RLock)
     metrics: list[dict[str, float]] = dataclasses.field(default_factory=list)
 
     def once(self, what: str) -> bool:

@@ -13,6 +13,7 @@ from typing import Any, Iterator, Optional, Union
 import torch
 
 import nebula_ckpt as nc
+from nebula_ckpt.integrations.huggingface import folders
 from nebula_ckpt.integrations.huggingface.common import TRAINER_STATE_NAME, is_checkpoint_tag
 
 log = logging.getLogger("nebula_ckpt")
@@ -28,7 +29,8 @@ def get_last_checkpoint(output_dir: str, root: Optional[str] = None,
 
     It names the newest checkpoint whose marker, manifest and shard sizes check out; its checksums
     are verified when it is loaded. ``resume_from_checkpoint=True`` also falls back past one that
-    fails them.
+    fails them. The folder it names exists: a committed checkpoint whose process was killed before
+    it put its folder in place gets it here (:func:`.folders.rebuild`; nothing is removed).
     """
     from transformers.trainer_utils import get_last_checkpoint as hf_last
 
@@ -38,6 +40,10 @@ def get_last_checkpoint(output_dir: str, root: Optional[str] = None,
         with nc.Checkpointer(where, storage_options=storage_options, read_only=True) as ck:
             tags = {t: s for t, s in ck.tags().items() if is_checkpoint_tag(t)}
     if tags:
+        try:
+            folders.rebuild(output_dir, where, tags, drop_stale=False)
+        except OSError as e:  # (a read-only output dir) the path still resumes NebulaTrainer, by its tag
+            log.warning("nebula_ckpt: could not put the checkpoint folders of %s in place: %s", output_dir, e)
         return os.path.join(output_dir, max(tags, key=tags.__getitem__))
     return hf_last(output_dir) if os.path.isdir(output_dir) else None
 

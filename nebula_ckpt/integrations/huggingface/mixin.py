@@ -195,7 +195,8 @@ class Housekeeping(TrainerCallback):
     """At the end of each step: after the first one, prepare the staging memory; report the step's
     loss (:meth:`~nebula_ckpt.Checkpointer.report`); later, report the saves that are over (their
     metrics into the logs) and apply ``save_total_limit`` as soon as a save that was in flight is
-    durable (a check of the pending handles per step; a deletion only when one is due)."""
+    durable (a check of the pending handles per step; a deletion only when one is due). After the
+    last save of ``train()``: wait until it is durable, its folder in place."""
 
     def __init__(self, trainer: Any) -> None:
         self.trainer = weakref.ref(trainer)
@@ -213,6 +214,18 @@ class Housekeeping(TrainerCallback):
         if run.inflight and run.ckpt is not None and not run.ckpt.closed:
             saving.settle(tr)
             saving.rotate(tr)
+
+    def on_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        """The last save of ``train()`` durable and its ``checkpoint-N/`` folder in place before HF's
+        end of training looks at the folders (with ``save_total_limit=1`` it compares each with
+        ``state.best_model_checkpoint``, which may be this one): ``train()`` waits for it anyway."""
+        tr = self.trainer()
+        if tr is None or not control.should_training_stop:
+            return
+        run = run_of(tr)
+        if run.inflight and run.ckpt is not None and not run.ckpt.closed:
+            run.ckpt.wait()  # (TrainerCheckpointer: the folders too)
+            saving.settle(tr)
 
 
 def setup_trainer(trainer: Any, root: Optional[str], options: Optional[dict[str, Any]], *,

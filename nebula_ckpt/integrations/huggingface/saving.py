@@ -11,6 +11,7 @@ import dataclasses
 import json
 import logging
 import os
+import weakref
 from typing import Any, Optional
 
 import transformers
@@ -23,6 +24,7 @@ from nebula_ckpt.integrations.huggingface import folders
 from nebula_ckpt.integrations.huggingface.common import (
     FORMAT,
     KEEP_ALL,
+    RunState,
     is_checkpoint_tag,
     run_of,
     tag_for,
@@ -35,8 +37,28 @@ from nebula_ckpt.integrations.huggingface.rng import rng_states
 log = logging.getLogger("nebula_ckpt")
 
 
+class TrainerCheckpointer(nc.Checkpointer):
+    """The trainer's :class:`~nebula_ckpt.Checkpointer` (``trainer.nebula``): once :meth:`wait`
+    returns (and so ``close()``), the ``checkpoint-N/`` folder of every save it waited for is in
+    place, as the stock ``Trainer``'s folder is once its save returns (a callback may wait, then
+    kill the process)."""
+
+    def __init__(self, root: str, run: RunState, **options: Any) -> None:
+        super().__init__(root, **options)
+        self._run = weakref.ref(run)
+
+    def wait(self, timeout: Optional[float] = None) -> None:
+        """:meth:`nebula_ckpt.Checkpointer.wait`, then the folders of the saves that are over."""
+        super().wait(timeout)
+        run = self._run()
+        if run is not None:
+            folders.finish_done(run)
+
+
 def checkpointer(trainer: Any) -> nc.Checkpointer:
-    """The trainer's :class:`~nebula_ckpt.Checkpointer`, made (again) when there is none open."""
+    """The trainer's :class:`~nebula_ckpt.Checkpointer`, made (again) when there is none open; a
+    new one first puts in place the folders of committed checkpoints a crash left staged
+    (:func:`.folders.rebuild`)."""
     run = run_of(trainer)
     if run.ckpt is None or run.ckpt.closed:
         opts = dict(run.options)
@@ -45,11 +67,26 @@ def checkpointer(trainer: Any) -> nc.Checkpointer:
             # DeepSpeed's states hold Python objects (its LossScaler, ZeRO's fragment addresses) that
             # typed values cannot: its own files are pickles too. Tensors are never pickled.
             opts.setdefault("allow_pickle", True)
-        run.ckpt = nc.Checkpointer(run.root, **opts)
+        run.ckpt = TrainerCheckpointer(run.root, run, **opts)
         run.prepared = False
         run.committed = {t: s for t, s in run.ckpt.tags().items() if is_checkpoint_tag(t)}
         run.inflight = []
+        _rebuild_folders(trainer)
     return run.ckpt
+
+
+def _rebuild_folders(trainer: Any) -> None:
+    """The folders of the committed checkpoints whose process ended before it put them in place;
+    the staged folders of the others removed (nothing is in flight: the Checkpointer is new)."""
+    run = run_of(trainer)
+    with run.folder_lock:
+        run.folders.clear()  # a closed Checkpointer's saves: what they staged is judged from the tiers
+        if not trainer.args.should_save:
+            return
+        try:
+            folders.rebuild(trainer._get_output_dir(trial=None), run.root, run.committed)
+        except OSError as e:  # the tags still resume; the folders are tried again at the next open
+            log.warning("nebula_ckpt: could not put the checkpoint folders of %s in place: %s", run.root, e)
 
 
 def tag_of_path(trainer: Any, path: Optional[str]) -> Optional[str]:
@@ -96,19 +133,17 @@ def _short_names(tiers: list[str]) -> dict[str, str]:
 
 def settle(trainer: Any) -> None:
     """Count the saves that are now over: durable ones become committed checkpoints with their
-    ``checkpoint-N/`` folder (failed ones do not: the core raises their error from the next save /
-    wait), and each one's metrics go to the trainer's loggers."""
+    ``checkpoint-N/`` folder in place (failed ones do not: the core raises their error from the
+    next save / wait), and each one's metrics go to the trainer's loggers."""
     run = run_of(trainer)
     left = []
     for h in run.inflight:
         if not h.done():
             left.append(h)
             continue
-        folder = run.folders.pop(h.tag, None) if h.tag else None
-        if h.error() is None and h.skipped is None and h.tiers_written and h.tag:
+        folders.finish(run, h)  # (a no-op when the watching thread or a wait() did it)
+        if folders.is_durable(h) and h.tag:
             run.committed[h.tag] = h.step
-            if folder is not None and trainer.args.should_save:
-                folders.write(folder[0], run.root, h.tag, h.step, folder[1], folder[2])
         if h.skipped is not None or h.tiers_dropped:  # never silent: the framework may ask for it again
             log.warning("nebula_ckpt: %s (step %d) was not written to %s: %s", h.tag, h.step,
                         h.tiers_dropped or "any tier", h.skipped or "a newer save came first")
@@ -256,7 +291,11 @@ def save_checkpoint(trainer: Any, run_dir: str) -> nc.SaveHandle:
         handle.wait_snapshot()
     run.committed.pop(tag, None)  # replaced by this save (same step)
     run.inflight.append(handle)
-    run.folders[tag] = (os.path.join(run_dir, tag), state["trainer_state"], state["config"])
+    if trainer.args.should_save:  # its checkpoint-N/ folder, staged until the save is durable
+        with run.folder_lock:
+            staged = folders.stage(run_dir, run.root, tag, handle.step, state["trainer_state"], state["config"])
+            run.folders[tag] = (os.path.join(run_dir, tag), staged, handle)
+        folders.watch(run, handle)
     if trainer.args.push_to_hub and run.once("hub"):
         log.warning("nebula_ckpt: push_to_hub: checkpoints live in nebula_ckpt and are not pushed at save "
                     "time; trainer.push_to_hub() pushes the final model")
