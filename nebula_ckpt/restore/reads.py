@@ -63,6 +63,23 @@ class CheckpointReads:
         """
         return self._restores.tags()
 
+    def latest(self) -> Optional[tuple[int, Optional[str]]]:
+        """``(step, tag)`` of the checkpoint :meth:`load_latest` tries first, without reading its
+        tensors; None when there is none.
+
+        The same order (the newest writer generation first, so that after a rollback the new
+        run's steps win over the higher steps of the run it abandoned; then the newest step; then
+        the fastest tier) and the same health marks (a step marked suspect is passed over); checked
+        as :meth:`tags` checks (commit marker, manifest, shard sizes: the checksums are verified when
+        it is loaded, and a restore that finds them wrong goes on to the next). ``tag`` is None for
+        an untagged checkpoint. In a multi-rank job each rank answers from the tiers it sees.
+
+        Example::
+
+            step, tag = ckpt.latest() or (None, None)   # what a restart would resume from
+        """
+        return self._restores.latest()
+
     def load_latest(self, into: Any = None, *, map_location: Any = None, strict: bool = True,
                     on_damaged: str = "raise", must_exist: bool = False) -> Optional[int]:
         """Restore the newest healthy checkpoint into ``into`` in place; return its step.

@@ -109,20 +109,22 @@ class Restorer:
                 log.warning("nebula_ckpt: cannot list tier %s: %s", t.name, e)
                 continue
             for s in steps:
-                if s in out:
-                    continue
-                try:
-                    man = read_main_manifest(st, s, f"tier {t.name} step {s}")
-                    if check_shards:
-                        for i, sh in enumerate(man.shards):
-                            if st.size(shard_path(man, i)) != sh.stored_bytes:
-                                raise CorruptCheckpointError(f"tier {t.name} step {s}: shard {sh.file} has the "
-                                                             "wrong size")
-                except Exception as e:  # damaged or gone meanwhile: not a healthy checkpoint here
-                    log.debug("nebula_ckpt: tags: skipping tier %s step %d: %s", t.name, s, e)
-                    continue
-                out[s] = man.tag
+                if s not in out:
+                    man = _sound(t, st, s, check_shards)
+                    if man is not None:
+                        out[s] = man.tag
         return out
+
+    def latest(self) -> Optional[tuple[int, Optional[str]]]:
+        """``(step, tag)`` of the checkpoint :meth:`load` of the newest step tries first (see
+        :meth:`Checkpointer.latest`), or None."""
+        choice = HealthChoice(self.health.view() if self.health is not None else None, skip_suspect=True)
+        for c in list_candidates(self.tier_pairs()):
+            if c.problem is None and not choice.skips(c.generation, c.step):
+                man = _sound(c.tier, c.storage, c.step, True)
+                if man is not None:
+                    return c.step, man.tag
+        return None
 
     def tags(self) -> dict[str, int]:
         """Tag -> the newest step holding it (see :meth:`Checkpointer.tags`)."""
@@ -297,3 +299,18 @@ def _with_pulled(pairs: list[tuple[Tier, Storage]], rec: dict[str, Any], rank: i
         return pairs
     return [(t, BufferStorage(pulled, st, f"step {rec['step']} pulled from {rec['sources'][rank]}"))
             if t.capabilities.has_replicas else (t, st) for t, st in pairs]
+
+
+def _sound(tier: Tier, st: Storage, step: int, check_shards: bool) -> Optional[Manifest]:
+    """The manifest of committed ``step`` on ``st`` when it checks out (marker, manifest checksum,
+    every field; ``check_shards``: every shard present with its recorded size), else None."""
+    try:
+        man = read_main_manifest(st, step, f"tier {tier.name} step {step}")
+        if check_shards:
+            for i, sh in enumerate(man.shards):
+                if st.size(shard_path(man, i)) != sh.stored_bytes:
+                    raise CorruptCheckpointError(f"tier {tier.name} step {step}: shard {sh.file} has the wrong size")
+    except Exception as e:  # damaged or gone meanwhile: not a healthy checkpoint here
+        log.debug("nebula_ckpt: skipping tier %s step %d: %s", tier.name, step, e)
+        return None
+    return man

@@ -12,6 +12,9 @@ tests/dist/test_multirank_slips.py). Usage: python slips_worker.py SCENARIO ROOT
 * ``one_rank_refused``: every rank saves steps 0 to 5 in order, but rank 1's state of step 2 holds
   a value no checkpoint takes, so its ``save_async(2)`` raises ``ValidationError`` there alone.
   Each rank reports what every save said, then what a new Checkpointer of the job restores.
+* ``hf_last_on_rank0``: every rank saves ``checkpoint-4`` and ``checkpoint-8`` (tags of the Hugging
+  Face integration); then rank 0 alone calls its ``get_last_checkpoint`` (a script's
+  ``if rank == 0:``) while rank 1 waits at a barrier of the job's own group. Rank 0 reports it.
 """
 
 from __future__ import annotations
@@ -90,12 +93,26 @@ def _one_rank_refused(root: str, rank: int, model: torch.nn.Module) -> dict[str,
     return report
 
 
+def _hf_last_on_rank0(root: str, rank: int, model: torch.nn.Module) -> dict[str, Any]:
+    from nebula_ckpt.integrations.huggingface import get_last_checkpoint
+
+    report: dict[str, Any] = {}
+    with nc.Checkpointer(root) as ck:
+        for step in (4, 8):
+            ck.save(step, {"model": model}, tag=f"checkpoint-{step}")
+    if rank == 0:
+        report["last"] = _outcome(lambda: report.setdefault("path", get_last_checkpoint("/nonexistent-out", root)))
+    dist.barrier()
+    return report
+
+
 def main() -> None:
     scenario, root, out = sys.argv[1:4]
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     model = torch.nn.Linear(8, 8)
-    run = {"destroyed": _destroyed, "load_on_rank0": _load_on_rank0, "one_rank_refused": _one_rank_refused}[scenario]
+    run = {"destroyed": _destroyed, "load_on_rank0": _load_on_rank0, "one_rank_refused": _one_rank_refused,
+           "hf_last_on_rank0": _hf_last_on_rank0}[scenario]
     report = {"rank": rank, **run(root, rank, model)}
     with open(os.path.join(out, f"{scenario}-r{rank}.json"), "w") as f:
         json.dump(report, f)

@@ -55,3 +55,16 @@ def test_a_save_refused_on_one_rank_leaves_the_ranks_in_step(root: str, shm_dir:
         assert later == ["ok"] * 3, (r, got[r]["saves"])
         assert got[r]["restored"] == 5 and got[r]["x"] == 50.0 + r, got[r]
     assert Path(root, step_dir(5), COMMIT).exists()
+
+
+def test_hugging_faces_get_last_checkpoint_on_rank_0_alone_waits_for_no_rank(root: str, shm_dir: str,
+                                                                            tmp_path: Path) -> None:
+    """A read of the root (``get_last_checkpoint``, ``export_pretrained``) on rank 0 alone opened a
+    Checkpointer whose constructor is a collective of the job: it waited the whole commit timeout
+    for rank 1, then raised a bare ``DistStoreError``. It is one rank's read now."""
+    out = tmp_path / "out"
+    out.mkdir()
+    run_ok(2, "slips_worker.py", ["hf_last_on_rank0", root, str(out)], out, shm_dir,
+           env_extra={"NEBULA_COMMIT_TIMEOUT_S": "10"})
+    got = reports(out, "hf_last_on_rank0", 2)[0]
+    assert got["last"] == "ok" and got["path"] == "/nonexistent-out/checkpoint-8", got

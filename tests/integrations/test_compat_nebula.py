@@ -388,3 +388,22 @@ def test_example_runs(tmp_path: Path, shm_dir: str) -> None:
                          text=True, env=_env(shm_dir), timeout=120)
     assert res.returncode == 0, res.stdout + res.stderr
     assert "resumed from global_step12 (step 3): bit-exact" in res.stdout
+
+
+def test_get_latest_checkpoint_is_the_one_a_restart_resumes_from(root: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """A checkpoint marked suspect (``nebula-ckpt mark --suspect``, or the training signal) is passed
+    over, as ``load_latest`` passes it over: the newest is the one before."""
+    from nebula_ckpt.cli import main
+
+    tn.init(persistent_storage_path=root)
+    model, _ = _training()
+    tn.Checkpoint("global_step1").save("model", model)
+    tn.Checkpoint("global_step2").save("model", model)
+    newest = tn.get_latest_checkpoint()
+    assert newest is not None and newest.tag == "global_step2"
+    tn.shutdown()
+    assert main(["mark", root, "--suspect", str(newest.step)]) == 0
+    capsys.readouterr()
+    tn.init(persistent_storage_path=root)
+    got = tn.get_latest_checkpoint()
+    assert got is not None and got.tag == "global_step1", got

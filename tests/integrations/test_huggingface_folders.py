@@ -244,3 +244,28 @@ def test_the_last_save_has_its_folder_when_hf_ends_training_with_save_total_limi
     tags = tr.nebula.tags()
     tr.nebula.close()
     assert _checkpoint_folders(out) == sorted(tags) == [os.path.basename(best)]
+
+
+def test_get_last_checkpoint_after_a_rollback_names_the_new_runs_checkpoint(tmp_path, root: str,  # noqa: ANN001
+                                                                            capsys: pytest.CaptureFixture[str]) -> None:
+    """A run that reached checkpoint-12, then a run resumed from checkpoint-4 that saved 6 and 8 again
+    (another learning rate): the drop-in names checkpoint-8, the step ``resume_from_checkpoint=True``
+    restores, not the abandoned run's checkpoint-12; a step marked suspect is passed over too."""
+    import nebula_ckpt as nc
+    from nebula_ckpt.cli import main
+
+    out = str(tmp_path / "out")
+    w = {"w": torch.zeros(4)}
+    with nc.Checkpointer(root, keep_last=10, memory_tier=False) as ck:
+        for step in (4, 8, 12):
+            ck.save(step, {"w": torch.full((4,), float(step))}, tag=f"checkpoint-{step}")
+    with nc.Checkpointer(root, keep_last=10, memory_tier=False) as ck:
+        ck.load(tag="checkpoint-4", into=w)
+        for step in (6, 8):
+            ck.save(step, {"w": torch.full((4,), 100.0 + step)}, tag=f"checkpoint-{step}")
+    with nc.Checkpointer(root, read_only=True) as ck:
+        assert ck.read()[0] == 8 and float(ck.read()[1]["w"][0]) == 108.0  # what a resume restores
+    assert get_last_checkpoint(out, root=root) == os.path.join(out, "checkpoint-8")
+    assert main(["mark", root, "--suspect", "8"]) == 0
+    capsys.readouterr()
+    assert get_last_checkpoint(out, root=root) == os.path.join(out, "checkpoint-6")

@@ -31,13 +31,23 @@ def get_latest_checkpoint(persist_path: Optional[str] = None) -> Optional[Checkp
     """
     s = current_session()
     try:
-        root, _, tags = _tagged(s, persist_path)
+        root, ck, tags = _tagged(s, persist_path)
     except NotFoundError:
         return None
     if not tags:
         return None
-    tag, step = max(tags.items(), key=lambda kv: kv[1])
+    tag, step = newest_tagged(ck, tags)
     return committed_checkpoint(s, root, tag, step)
+
+
+def newest_tagged(ck: Checkpointer, tags: dict[str, int]) -> tuple[str, int]:
+    """The tag and step of ``tags`` (``ck.tags()``, not empty) a restart resumes from
+    (:meth:`~nebula_ckpt.Checkpointer.latest`: the newest writer's, not marked suspect); the
+    highest step when that one carries no tag."""
+    got = ck.latest()
+    if got is not None and got[1] is not None and tags.get(got[1]) == got[0]:
+        return got[1], got[0]
+    return max(tags.items(), key=lambda kv: kv[1])
 
 
 def get_checkpoint(tag: str, persist_path: Optional[str] = None) -> Checkpoint:

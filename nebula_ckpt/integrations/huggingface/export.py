@@ -13,6 +13,7 @@ from typing import Any, Iterator, Optional, Union
 import torch
 
 import nebula_ckpt as nc
+from nebula_ckpt.adapters import LocalCoordinator
 from nebula_ckpt.integrations.huggingface import folders
 from nebula_ckpt.integrations.huggingface.common import TRAINER_STATE_NAME, is_checkpoint_tag
 
@@ -27,24 +28,32 @@ def get_last_checkpoint(output_dir: str, root: Optional[str] = None,
     have used (``<output_dir>/checkpoint-N``, which :class:`NebulaTrainer` resumes from), else HF's
     own answer (a real folder, or None).
 
-    It names the newest checkpoint whose marker, manifest and shard sizes check out; its checksums
-    are verified when it is loaded. ``resume_from_checkpoint=True`` also falls back past one that
-    fails them. The folder it names exists: a committed checkpoint whose process was killed before
-    it put its folder in place gets it here (:func:`.folders.rebuild`; nothing is removed).
+    It names the checkpoint a restart resumes from (:meth:`~nebula_ckpt.Checkpointer.latest`: after a
+    rollback the new run's newest, not the abandoned run's higher step; a step marked suspect is
+    passed over) whose marker, manifest and shard sizes check out; its checksums are verified when
+    it is loaded (``resume_from_checkpoint=True`` also falls back past one that fails them). Called
+    on one rank alone, it waits for no other rank. The folder it names exists: a committed
+    checkpoint whose process was killed before it put its folder in place gets it here
+    (:func:`.folders.rebuild`; nothing is removed).
     """
     from transformers.trainer_utils import get_last_checkpoint as hf_last
 
     where = root or os.path.join(output_dir, "nebula")
     tags: dict[str, int] = {}
+    latest: Optional[tuple[int, Optional[str]]] = None
     if "://" in where or os.path.isdir(where):
-        with nc.Checkpointer(where, storage_options=storage_options, read_only=True) as ck:
+        # one rank's read (HF scripts call it on every rank, or on rank 0 alone): no collective
+        with nc.Checkpointer(where, storage_options=storage_options, read_only=True,
+                             coordinator=LocalCoordinator()) as ck:
             tags = {t: s for t, s in ck.tags().items() if is_checkpoint_tag(t)}
+            latest = ck.latest()  # the restart's order: after a rollback, the new run's newest step
     if tags:
         try:
             folders.rebuild(output_dir, where, tags, drop_stale=False)
         except OSError as e:  # (a read-only output dir) the path still resumes NebulaTrainer, by its tag
             log.warning("nebula_ckpt: could not put the checkpoint folders of %s in place: %s", output_dir, e)
-        return os.path.join(output_dir, max(tags, key=tags.__getitem__))
+        chosen = latest[1] if latest is not None and latest[1] in tags and tags[latest[1]] == latest[0] else None
+        return os.path.join(output_dir, chosen or max(tags, key=tags.__getitem__))
     return hf_last(output_dir) if os.path.isdir(output_dir) else None
 
 
@@ -53,7 +62,8 @@ def _opened(root: Union[str, nc.Checkpointer], storage_options: Optional[dict[st
     if isinstance(root, nc.Checkpointer):
         yield root
         return
-    with nc.Checkpointer(root, storage_options=storage_options, read_only=True) as ck:  # a read writes nothing
+    with nc.Checkpointer(root, storage_options=storage_options, read_only=True,  # a read writes nothing,
+                         coordinator=LocalCoordinator()) as ck:  # and waits for no other rank
         yield ck
 
 
