@@ -428,7 +428,9 @@ class Checkpointer(HealthReports, CheckpointReads):
         flight in this process is waited for first, so a checkpoint being written is never
         touched. This is what a framework's "remove checkpoint" maps to (Lightning's
         ``remove_checkpoint(path)`` with the path as tag). A step whose bytes a later incremental
-        checkpoint refers to stays (listed) until none does; then retention deletes it.
+        checkpoint refers to stays (listed) until none does; then the next deletion on that tier
+        (retention or ``remove()``, in this process or a later one) deletes it: the request is
+        recorded on the tier (``step-N/REMOVED``), so a close or a crash does not lose it.
 
         Multi-rank jobs: a shared tier's checkpoint is removed by the coordinator (rank 0) only,
         each rank's own tier (memory) and the copies it holds of its partners' (replicas) by that

@@ -114,9 +114,13 @@ class OpenRoot:
     def missing(self) -> Optional[str]:
         """What the root was when opened, if no run had written it (no run id recorded): "does
         not exist" or "holds nothing yet"; None when a run wrote it. What a resume from a
-        mistyped path finds."""
+        mistyped path finds. A root this run has written since (its steps all removed, or none
+        committed) is said to hold no committed checkpoint any more."""
         if self.existed:
             return None
+        if self._ready:
+            return ("holds no committed checkpoint any more (this run wrote it; its checkpoints were removed, or "
+                    "none committed)")
         path = self.root_storage.local_path("")
         if path is not None and not self._was_folder:
             return "does not exist"

@@ -5,6 +5,7 @@ A checkpoint of step N on a tier is the folder ``step-N/`` holding::
     shard-g<G>-r<R>.safetensors   tensor bytes (safetensors layout, openable by any tool)
     manifest.json                 format version, step, tensor index with checksums, typed tree
     COMMIT                        written last; names the manifest's size and CRC32C
+    REMOVED                       (sometimes) remove() asked for the step while later ones refer to it
 
 ``G`` is the writer generation, ``R`` the rank. Beside the steps, a persistent root holds
 ``_nebula/run.json`` (the run id) and ``_nebula/writers/g-<G>.json`` (one record per writer
@@ -48,6 +49,8 @@ MANIFEST = "manifest.json"
 #: format version 4: the per-rank table (each rank's shard and records file), written by rank 0
 RANKS_FILE = "ranks.json"
 COMMIT = "COMMIT"
+#: ``remove()``'s request for a step later steps still refer to (:mod:`nebula_ckpt.format.removal`)
+REMOVED = "REMOVED"
 _STEP_RE = re.compile(r"step-(0|[1-9][0-9]*)")
 _SHARD_RE = re.compile(r"shard-g(0|[1-9][0-9]*)-r(0|[1-9][0-9]*)\.safetensors")
 _SHARD_PREFIX_RE = re.compile(r"shard-g([0-9]+)-r[0-9]+\.safetensors")

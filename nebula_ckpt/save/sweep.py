@@ -6,8 +6,10 @@ A file of an uncommitted step folder is *stale* (:meth:`Ownership.stale`) when n
 still run owns it: a shard of an older generation, or of this very rank of this generation; a
 manifest (or a temp file) when this rank is the one that commits on this storage. A same-generation
 peer rank's shard is in flight, a newer generation's belongs to the writer that took over; neither
-is ever removed. A committed step's files are never leftovers. Also: the steps ``remove()``
-deferred while later steps referred to them, deleted once none does (:func:`drop_unreferenced`).
+is ever removed. A committed step's files are never leftovers (a ``REMOVED`` record in a folder
+whose ``COMMIT`` is gone is a leftover like the manifest). Also: the steps ``remove()`` deferred
+while later steps referred to them, recorded on the tier and deleted once none does, whichever
+process deletes there next (:class:`Removals`).
 
 The commit itself, and the marker's whole life, is :mod:`nebula_ckpt.format.commit`.
 """
@@ -16,10 +18,12 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Callable, Container
+from typing import Callable, Container, Iterable, Optional
 
-from nebula_ckpt.format.commit import committed_steps, delete_checkpoint, referrers
+from nebula_ckpt.errors import CorruptCheckpointError
+from nebula_ckpt.format.commit import Commit, committed_steps, delete_checkpoint, read_commit, referrers
 from nebula_ckpt.format.names import COMMIT, shard_generation, shard_owner, step_dir
+from nebula_ckpt.format.removal import Removal, read_removal, write_removal
 from nebula_ckpt.storage.base import Storage
 
 log = logging.getLogger(__name__)
@@ -102,20 +106,103 @@ def discard_files(storage: Storage, step: int, doomed: Callable[[str], bool], wh
         log.warning("nebula_ckpt: %s: cannot remove the files of failed step folder %s: %s", where, d, e)
 
 
-def drop_unreferenced(storage: Storage, deferred: set[int], may_go: Callable[[int], bool], tier: str) -> set[int]:
-    """Delete the committed steps of ``deferred`` (``remove()`` asked for them while a later step
-    referred to their bytes) that no committed step refers to any more and ``may_go`` lets go of
-    (no save in flight builds on them); return the steps no longer deferred (deleted, or gone).
-    Dropping one may free another (a base of the one dropped), so it repeats until none goes."""
-    done: set[int] = set()
-    while deferred - done:  # nothing deferred (the usual remove()): no listing, no manifest read
-        committed = committed_steps(storage)
-        done |= {s for s in deferred if s not in committed}
-        free = [s for s in sorted(deferred - done) if not referrers(storage, committed, s) and may_go(s)]
-        if not free:
-            return done
-        for s in free:
-            log.info("nebula_ckpt: tier %s: removing step %d (remove() asked for it; nothing refers to it)", tier, s)
-            delete_checkpoint(storage, s)
-        done.update(free)
-    return done
+def read_commits(storage: Storage, steps: Iterable[int]) -> dict[int, Optional[Commit]]:
+    """The commit markers of the committed ``steps`` (None: one that cannot be read, no write of anyone's)."""
+    out: dict[int, Optional[Commit]] = {}
+    for s in steps:
+        try:
+            out[s] = read_commit(storage, s, f"{storage.display_url} step {s}")
+        except (OSError, CorruptCheckpointError):
+            out[s] = None
+    return out
+
+
+class Removals:
+    """``remove()``'s requests on one tier for steps that later steps refer to (deferred removals).
+
+    Each is recorded on the tier itself, in the step's folder (:mod:`nebula_ckpt.format.removal`),
+    before ``remove()`` returns, tied to the commit it removes; so every later deletion on the tier,
+    this writer's or a later process's (retention, ``remove()``), deletes the step once no committed
+    step refers to it and no save in flight builds on it, and a save that commits the step number
+    again is never taken for it. The tier's records are read once per writer, at its first deletion
+    pass (one read per committed step, no listing); after that this writer knows every request, as
+    it makes every one while it owns the tier (a newer writer fences it).
+
+    Args:
+        storage: the tier's storage.
+        tier: the tier's name, for the logs.
+    """
+
+    def __init__(self, storage: Storage, tier: str) -> None:
+        self.storage = storage
+        self.tier = tier
+        self._pending: dict[int, Removal] = {}
+        self._loaded = False
+
+    def load(self, committed: Iterable[int]) -> None:
+        """Read the requests recorded on the tier for the ``committed`` steps (once per writer)."""
+        if self._loaded:
+            return
+        for s in committed:
+            r = read_removal(self.storage, s)
+            if r is not None:
+                self._pending.setdefault(s, r)
+        self._loaded = True
+        if self._pending:
+            log.info("nebula_ckpt: tier %s: remove() asked for step(s) %s earlier; each goes once nothing refers to "
+                     "it", self.tier, sorted(self._pending)[:8])
+
+    def request(self, step: int) -> None:
+        """Record on the tier, durably, ``remove()``'s request for the committed ``step`` (kept
+        while later steps refer to it), naming the commit its marker names now.
+
+        Raises:
+            CorruptCheckpointError: the step's marker cannot be read (nothing recorded).
+            OSError and others: the storage's errors (nothing recorded, or a record not yet sure).
+        """
+        where = f"tier {self.tier} step {step}"
+        try:
+            commit = read_commit(self.storage, step, where)
+        except CorruptCheckpointError as e:
+            raise CorruptCheckpointError(f"{e}: remove({step}) cannot record its removal while later steps refer "
+                                         "to it; remove those steps first (the step then goes at once)") from None
+        removal = Removal.of(commit)
+        write_removal(self.storage, removal)
+        self._pending[step] = removal
+
+    def due(self, committed: list[int]) -> set[int]:
+        """The steps of ``committed`` (the tier's committed steps) that ``remove()`` asked for:
+        those whose marker names the commit removed (read here, for the requested steps only: none
+        in the usual case). A request for a step no longer committed, or committed again by
+        another save, is forgotten; one whose marker cannot be read now is kept, and not due."""
+        self.load(committed)
+        listed = set(committed)
+        for s in [s for s in self._pending if s not in listed]:
+            del self._pending[s]
+        commits = read_commits(self.storage, sorted(self._pending))
+        for s, c in commits.items():
+            if c is not None and not self._pending[s].matches(c):
+                log.info("nebula_ckpt: tier %s: step %d was committed again since remove() asked for it: kept",
+                         self.tier, s)
+                del self._pending[s]
+        return {s for s, c in commits.items() if c is not None and s in self._pending}
+
+    def drop_unreferenced(self, may_go: Callable[[int], bool]) -> None:
+        """Delete the steps ``remove()`` asked for that no committed step refers to any more and
+        ``may_go`` lets go of (no save in flight builds on them), marker first (the caller checked
+        its fence). Dropping one may free another (a base of the one dropped), so it repeats
+        until none goes. Nothing requested (the usual ``remove()``, once the writer's first
+        deletion pass has read the tier's records): no listing, no read."""
+        if not self._loaded:
+            self.load(committed_steps(self.storage))
+        while self._pending:
+            committed = committed_steps(self.storage)
+            due = self.due(committed)
+            free = [s for s in sorted(due) if not referrers(self.storage, committed, s) and may_go(s)]
+            if not free:
+                return
+            for s in free:
+                log.info("nebula_ckpt: tier %s: removing step %d (remove() asked for it; nothing refers to it now)",
+                         self.tier, s)
+                delete_checkpoint(self.storage, s)
+                del self._pending[s]

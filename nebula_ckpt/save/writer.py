@@ -111,8 +111,8 @@ class TierWriter:
         #: tier, compares bytes instead of hashing)
         on_base = incremental and may_build_on_base(self.tier, self.coordinator.world_size, self.storage)
         self.incremental = Incremental(on_base, compare=runtime.capabilities.keeps_base_in_ram)
-        #: steps remove() was asked to delete while a later step refers to them: retention deletes them later
-        self._deferred: set[int] = set()
+        #: remove()'s requests for steps later ones refer to, recorded on the tier: they go once none does
+        self._removals = sweep.Removals(runtime.storage, self.name)
         fence.retract_with(self)  # a save ending fenced takes back what it committed here
         self._thread = threading.Thread(target=self._run, name=f"nebula-{self.tier.kind}-writer", daemon=True)
         self._thread.start()
@@ -440,9 +440,9 @@ class TierWriter:
 
     def remove(self, step: int) -> bool:
         """Delete the committed checkpoint ``step`` from this tier as retention does (fence checked,
-        commit marker first, then its data), or, while later steps refer to it, as soon as none does
-        (their own removal or retention); False when the tier holds no committed ``step``. The caller
-        makes sure no save of ``step`` is in flight; retention is held off meanwhile.
+        commit marker first, then its data), or, while later steps refer to it, once none does (the
+        request is recorded on the tier: any process's next deletion there honours it); False when the
+        tier holds no committed ``step``. No save of ``step`` is in flight (the caller's); retention waits.
 
         Raises:
             FencedError: a newer writer owns the root: nothing is deleted.
@@ -451,16 +451,17 @@ class TierWriter:
             if not self.storage.exists(f"{step_dir(step)}/{COMMIT}"):
                 return False
             self.fence.check(f"remove step {step}")
-            users = referrers(self.storage, committed_steps(self.storage), step)
+            committed = committed_steps(self.storage)
+            self._removals.load(committed)
+            users = referrers(self.storage, committed, step)
             if users or not self.incremental.let_go(step):
                 log.info("nebula_ckpt: tier %s: step %d is kept while step(s) %s refer to its bytes (incremental "
-                         "checkpoints); it goes once none does", self.name, step,
-                         users[:8] or "being saved")
-                self._deferred.add(step)
+                         "checkpoints); it goes once none does", self.name, step, users[:8] or "being saved")
+                self._removals.request(step)  # on the tier, durably: whoever deletes next honours it
                 return True
             log.info("nebula_ckpt: tier %s: removing step %d (remove())", self.name, step)
             delete_checkpoint(self.storage, step)
-            self._deferred -= sweep.drop_unreferenced(self.storage, self._deferred, self.incremental.let_go, self.name)
+            self._removals.drop_unreferenced(self.incremental.let_go)
             return True
 
     def prune(self, keep_step: Optional[int] = None) -> None:
@@ -476,8 +477,7 @@ class TierWriter:
         keep = set(ranked[-self.keep_last:]) | self.runtime.keep_also(ranked)  # + the newest healthy step
         if self.tier.keep_every:
             keep.update(s for s in committed if s % self.tier.keep_every == 0)
-        self._deferred &= set(committed)
-        keep -= self._deferred  # remove() asked for them: they go once nothing refers to them
+        keep -= self._removals.due(committed)  # remove() asked for them: they go once nothing refers to them
         if keep_step is not None:
             keep.add(keep_step)
         # a kept step's references and what a save in flight builds on stay (format.commit)
@@ -495,5 +495,4 @@ class TierWriter:
         for s in doomed:
             log.debug("nebula_ckpt: tier %s: retention deletes step %d", self.name, s)
             delete_checkpoint(st, s)
-            self._deferred.discard(s)
         sweep.remove_leftovers(st, leftovers, abandoned, f"tier {self.name}")

@@ -42,3 +42,27 @@ def test_incremental_chain_round_trips_on_a_blob_tier(any_store: Store, shm_dir:
         for step in (3, 4):
             got, state = r.read(step)
             assert got == step and torch.equal(state["frozen"], frozen) and torch.equal(state["train"], want[step])
+
+
+def test_a_removed_base_goes_when_a_later_process_removes_its_referrers(any_store: Store, shm_dir: str) -> None:
+    """``remove()`` of a step later steps refer to is recorded on the blob tier (``step-N/REMOVED``):
+    a later Checkpointer that removes those steps deletes it too, and nothing restores it."""
+    url, opts = any_store.url("run"), any_store.storage_options
+    frozen = torch.randn(256, 256, generator=torch.Generator().manual_seed(5))
+
+    def state(i: int) -> dict[str, Any]:
+        return {"frozen": frozen, "w": torch.full((64,), float(i))}
+
+    with nc.Checkpointer(url, storage_options=opts, keep_last=10, memory_tier=False) as ck:
+        for i in (1, 2, 3):
+            ck.save(i, state(i))  # 2 and 3 refer to step 1's frozen bytes
+        assert ck.remove(1) == [1] and ck.list() == [1, 2, 3]
+    storage = nc.RemoteTier(url, storage_options=opts).make_storage()
+    try:
+        assert storage.exists("step-1/REMOVED")
+        with nc.Checkpointer(url, storage_options=opts, keep_last=10, memory_tier=False) as ck:
+            assert ck.remove(2) == [2] and ck.remove(3) == [3]
+            assert ck.list() == [] and ck.load_latest(into=state(0)) is None
+        assert [n for n in storage.list("") if n.startswith("step-")] == []
+    finally:
+        storage.close()

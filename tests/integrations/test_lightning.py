@@ -691,3 +691,50 @@ def test_torch_load_of_a_pointer_never_reaches_a_remote_root(tmp_path) -> None: 
         torch.load(p, weights_only=True)
     with pytest.raises(nc.NebulaError, match=r"x\.ckpt is a NebulaCheckpointIO pointer"):
         torch.load(p, weights_only=False)
+
+
+class _FrozenBody(pl.LightningModule):
+    """A frozen body and a trained head: each save after the first refers to the first one's body."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = torch.nn.Linear(128, 128)
+        self.body.requires_grad_(False)
+        self.head = torch.nn.Linear(128, 1)
+
+    def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
+        return self.head(self.body(batch)).square().mean()
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.head.parameters(), lr=0.1)
+
+
+class _RemoveOnceDurable(ModelCheckpoint):
+    """Top-k that removes a checkpoint once the newer save is durable (so the newer one surely
+    refers to the removed one's bytes: the removal is deferred, never done at once)."""
+
+    def _remove_checkpoint(self, trainer: "pl.Trainer", filepath: str) -> None:
+        trainer.strategy.checkpoint_io.wait()
+        super()._remove_checkpoint(trainer, filepath)
+
+
+def test_top_k_removals_of_a_fit_are_done_by_a_later_fit(root: str, tmp_path) -> None:  # noqa: ANN001
+    """ModelCheckpoint(save_top_k=1) removes each older checkpoint; the first one, which the later
+    saves refer to, stays while they do. Once a later fit's plugin removes the last of them, nothing
+    is left on any tier (the removals of the first fit are recorded on the tiers, not in its process)."""
+    torch.manual_seed(SEED)
+    dirpath = str(tmp_path / "ckpts")
+    data = torch.utils.data.DataLoader(torch.randn(16, 128), batch_size=8)
+    cb = _RemoveOnceDurable(dirpath=dirpath, save_top_k=1, monitor="step", mode="max")
+    trainer = make_trainer(NebulaCheckpointIO(root), dirpath, max_epochs=3, checkpoint_callback=cb)
+    trainer.fit(_FrozenBody(), data)
+    (kept,) = _pointers(dirpath).values()
+    steps = _tier_steps(root)
+    assert all(0 in s and kept["step"] in s for s in steps.values() if s), steps  # step 0: referred to
+    io = NebulaCheckpointIO(root)  # the next fit's plugin: its top-k drops the checkpoint kept so far
+    try:
+        io.remove_checkpoint(cb.best_model_path)
+    finally:
+        io.teardown()
+    assert _pointers(dirpath) == {}
+    assert all(not s for s in _tier_steps(root).values()), _tier_steps(root)

@@ -66,10 +66,12 @@ class Truth:
     marks: dict[tuple[int, int], str] = field(default_factory=dict)
     #: each writer's generation, as audits read it from the commit markers
     gens: dict[int, int] = field(default_factory=dict)
-    #: steps ``remove()`` left in place while a later step refers to them: the live job's writers
-    #: delete each once nothing does (an audit that finds one still there cannot close that); a
-    #: job's end forgets them (:meth:`job_ended`)
-    deferred: dict[Hashable, set[int]] = field(default_factory=dict)
+    #: steps ``remove()`` left in place while a later step refers to them, with the entries it was
+    #: asked to remove (the commit its record on the tier names): the request outlives the job, and
+    #: any later deletion on that tier (retention, ``remove()``, by this job or a later one) deletes
+    #: the step once nothing refers to it, so an audit that finds one still there cannot close that;
+    #: a save that commits the step again (another entry) is never taken by it
+    deferred: dict[Hashable, dict[int, set[Entry]]] = field(default_factory=dict)
 
     # -- reading ---------------------------------------------------------------------------------
     def tier(self, key: Hashable) -> dict[int, set[Optional[Entry]]]:
@@ -82,9 +84,9 @@ class Truth:
         """The steps known committed on ``key`` (call when :meth:`certain`; a step whose removal is
         deferred counts as there, which the audit before found it)."""
         out = {}
-        waiting = self.deferred.get(key, set())
+        waiting = self.deferred.get(key, {})
         for s, p in self.tier(key).items():
-            (e,) = p - {ABSENT} if s in waiting and len(p - {ABSENT}) == 1 else p
+            (e,) = p - {ABSENT} if len(p - {ABSENT}) == 1 and p - {ABSENT} <= waiting.get(s, set()) else p
             if e is not None:
                 out[s] = e
         return out
@@ -160,14 +162,15 @@ class Truth:
         t = self.tier(key)
         if step in t:
             if any(s > step for s in self.maybe_steps(key)):
+                entries = {e for e in t[step] if e is not None}
                 t[step] = t[step] | {ABSENT}
-                self.deferred.setdefault(key, set()).add(step)
+                self.deferred.setdefault(key, {}).setdefault(step, set()).update(entries)
             else:
                 t[step] = {ABSENT}
 
     def job_ended(self) -> None:
-        """The job's writers are gone: the removals they deferred will not happen."""
-        self.deferred.clear()
+        """The job's writers are gone; the removals they deferred are recorded on the tiers, so a
+        later job's deletions still do them (nothing changes in the model)."""
 
     def may_drop(self, key: Hashable, step: int) -> None:
         self.tier(key).setdefault(step, {ABSENT}).add(ABSENT)
@@ -214,12 +217,12 @@ class Truth:
 
     def _keep_deferred(self, key: Hashable) -> None:
         """After an audit or a listing of ``key``: a deferred removal may still take a step found there."""
-        t, waiting = self.tier(key), self.deferred.get(key, set())
-        for s in list(waiting):
-            if s in t:
+        t, waiting = self.tier(key), self.deferred.get(key, {})
+        for s, entries in list(waiting.items()):
+            if t.get(s, set()) & entries:  # the commit removed may still be there
                 t[s] = t[s] | {ABSENT}
-            else:
-                waiting.discard(s)
+            else:  # gone, or committed again by another save: the request is spent
+                del waiting[s]
 
     def observe_listing(self, key: Hashable, listed: Iterable[int], where: str) -> None:
         """``list()``'s steps of ``key``: those the model knows committed must be there, and every one
