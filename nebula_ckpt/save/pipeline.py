@@ -226,7 +226,8 @@ class SavePipeline:
 
     def _save_indexed(self, idx: int, plan: Plan, writers: list[TierWriter], t_now: float, t0: float) -> SaveHandle:
         """The rest of :meth:`save_async` for save number ``idx`` of this job."""
-        targets = [w for w in writers if w.wants(idx, t_now) and w.runtime.admits(plan.layout.total_bytes, plan.step)]
+        nbytes = plan.layout.total_bytes
+        targets = [w for w in writers if w.cadence.wants(idx, t_now) and w.runtime.admits(nbytes, plan.step)]
         for w in writers:
             if w not in targets:
                 self.coordinator.abandon(w.name, idx)
@@ -261,7 +262,7 @@ class SavePipeline:
             handle.progress.skip(f"no free staging buffer (on_full='skip'): {self.pool.why_full()}")
             return
         for w in targets:  # the save goes ahead: only now does it count for every_seconds
-            w.took(t_now)
+            w.cadence.took(t_now)
         header = plan.layout.header
         slot.view()[: len(header)] = header  # plain memcpy (ATen copy_ costs ms here)
         # A save the training thread waits for copies at memcpy speed (the stager checksums the staged

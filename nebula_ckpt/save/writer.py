@@ -64,6 +64,7 @@ from nebula_ckpt.save.rounds import CommitUncertain, PeerSkipped, SharedCommit
 from nebula_ckpt.save.snapshot import Delivery, Snapshot, build_tier_manifest
 from nebula_ckpt.save.tier_image import Staged, TierImage, TierStep, tier_image, write_image
 from nebula_ckpt.storage.base import Storage
+from nebula_ckpt.tiers.base import Cadence
 from nebula_ckpt.tiers.runtime import TierRuntime
 
 log = logging.getLogger(__name__)
@@ -71,9 +72,6 @@ log = logging.getLogger(__name__)
 
 class TierWriter:
     """Writes snapshots to one tier on its own thread.
-
-    The writer also holds the tier's cadence state: :meth:`wants` asks, :meth:`took` records,
-    and only a save that really goes ahead (it got a staging buffer) is recorded.
 
     Args:
         runtime: the tier's runtime (its settings, storage and special behaviour).
@@ -94,7 +92,8 @@ class TierWriter:
         self.fence = fence
         self.keep_last = self.tier.keep_last or keep_last
         self.name = runtime.name
-        self._last_time: Optional[float] = None
+        #: which saves this tier takes (the training thread asks and records)
+        self.cadence = Cadence(self.tier, self._shared)
         self._pending: Optional[Delivery] = None
         self._writing: Optional[int] = None  # the step being written (None: not busy)
         self._closing = False
@@ -129,18 +128,6 @@ class TierWriter:
                                     co.rank, co.world_size, self.name)
         if base is not None and self.incremental.seed(dataclasses.replace(base, generation=self.fence.generation)):
             log.info("nebula_ckpt: tier %s: the next save builds on restored step %d", self.name, base.step)
-
-    # -- cadence (training thread) ----------------------------------------------------------------
-    def wants(self, save_index: int, now: float) -> bool:
-        """Whether this tier takes the ``save_index``-th save (0-based) by its cadence (no state change)."""
-        if save_index % self.tier.every:
-            return False
-        every_s = self.tier.every_seconds
-        return every_s is None or self._last_time is None or now - self._last_time >= every_s
-
-    def took(self, now: float) -> None:
-        """Record that a save went ahead on this tier at ``now`` (starts its ``every_seconds`` window)."""
-        self._last_time = now
 
     # -- called from other threads ---------------------------------------------------------------
     def offer(self, delivery: Delivery) -> None:

@@ -10,6 +10,7 @@ the settings never know their runtime, so the two never import each other.
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, field
 from typing import Optional
@@ -121,3 +122,40 @@ class Tier:
 def now() -> float:
     """Clock for cadences."""
     return time.monotonic()
+
+
+class Cadence:
+    """Which saves a tier takes: every ``every``-th save, at most once per ``every_seconds``.
+
+    The training thread asks (:meth:`wants`) and records a save that really goes ahead (:meth:`took`:
+    it got a staging buffer).
+
+    Args:
+        tier: the tier's settings.
+        shared_by_ranks: the ranks of a job commit the tier's checkpoints together (a shared tier of
+            several ranks): ``every_seconds`` then counts windows of the wall clock, alike on every
+            rank. Each rank's own time since its last save let one late save put the ranks a save
+            apart for good, every later save of the tier dropped.
+    """
+
+    def __init__(self, tier: Tier, shared_by_ranks: bool) -> None:
+        self.every = tier.every
+        self.every_seconds = tier.every_seconds
+        self._windows = bool(self.every_seconds) and shared_by_ranks
+        self._last: Optional[float] = None
+
+    def wants(self, save_index: int, now: float) -> bool:
+        """Whether the tier takes the ``save_index``-th save (0-based) at ``now`` (:func:`now`); no state change."""
+        if save_index % self.every:
+            return False
+        if self.every_seconds is None or self._last is None:
+            return True
+        return self._clock(now) - self._last >= (1 if self._windows else self.every_seconds)
+
+    def took(self, now: float) -> None:
+        """A save went ahead on the tier at ``now``: its ``every_seconds`` window starts."""
+        self._last = self._clock(now)
+
+    def _clock(self, now: float) -> float:
+        """``now``, or the number of the wall clock's ``every_seconds`` window."""
+        return float(math.floor(time.time() / (self.every_seconds or 1))) if self._windows else now

@@ -15,6 +15,9 @@ tests/dist/test_multirank_slips.py). Usage: python slips_worker.py SCENARIO ROOT
 * ``hf_last_on_rank0``: every rank saves ``checkpoint-4`` and ``checkpoint-8`` (tags of the Hugging
   Face integration); then rank 0 alone calls its ``get_last_checkpoint`` (a script's
   ``if rank == 0:``) while rank 1 waits at a barrier of the job's own group. Rank 0 reports it.
+* ``every_seconds``: the disk tier persists at most every 0.5 s (``every_seconds``); the ranks save
+  24 times, in lock-step (a barrier per step, as DDP's all-reduce keeps them), 0.2 s apart, rank
+  1's first save 0.15 s late. Each rank reports the saves its disk tier wrote and dropped.
 """
 
 from __future__ import annotations
@@ -106,13 +109,29 @@ def _hf_last_on_rank0(root: str, rank: int, model: torch.nn.Module) -> dict[str,
     return report
 
 
+def _every_seconds(root: str, rank: int, model: torch.nn.Module) -> dict[str, Any]:
+    import time
+
+    handles = []
+    with nc.Checkpointer(root, tiers=[nc.MemoryTier(), nc.LocalTier(root, every_seconds=0.5, keep_last=100)]) as ck:
+        for i in range(24):
+            dist.barrier()
+            time.sleep(0.2 + (0.15 if rank == 1 and i == 0 else 0.0))
+            handles.append(ck.save_async(i, {"x": torch.full((64,), float(10 * i + rank)), "i": i}))
+        for h in handles:
+            h.result(timeout=120)
+    disk = [(h.step, [t for t in h.tiers_written if t.startswith("local")]) for h in handles]
+    return {"written": [s for s, t in disk if t],
+            "dropped": [h.step for h in handles if any(t.startswith("local") for t in h.tiers_dropped)]}
+
+
 def main() -> None:
     scenario, root, out = sys.argv[1:4]
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     model = torch.nn.Linear(8, 8)
     run = {"destroyed": _destroyed, "load_on_rank0": _load_on_rank0, "one_rank_refused": _one_rank_refused,
-           "hf_last_on_rank0": _hf_last_on_rank0}[scenario]
+           "hf_last_on_rank0": _hf_last_on_rank0, "every_seconds": _every_seconds}[scenario]
     report = {"rank": rank, **run(root, rank, model)}
     with open(os.path.join(out, f"{scenario}-r{rank}.json"), "w") as f:
         json.dump(report, f)

@@ -68,3 +68,18 @@ def test_hugging_faces_get_last_checkpoint_on_rank_0_alone_waits_for_no_rank(roo
            env_extra={"NEBULA_COMMIT_TIMEOUT_S": "10"})
     got = reports(out, "hf_last_on_rank0", 2)[0]
     assert got["last"] == "ok" and got["path"] == "/nonexistent-out/checkpoint-8", got
+
+
+def test_a_shared_tier_every_seconds_persists_in_step_on_every_rank(root: str, shm_dir: str, tmp_path: Path) -> None:
+    """Each rank applied ``every_seconds`` on its own clock from the save it last took: one late save
+    on one rank put the ranks one save apart for good, and every later disk save was dropped (the
+    disk ended at step 0, silently). The ranks now take a shared tier's saves by windows of the
+    same wall clock: they take the same save, and a save dropped at a window's edge is the only one."""
+    out = tmp_path / "out"
+    out.mkdir()
+    run_ok(2, "slips_worker.py", ["every_seconds", root, str(out)], out, shm_dir)
+    got = reports(out, "every_seconds", 2)
+    committed = sorted(int(d.name[5:]) for d in Path(root).glob("step-*") if (d / COMMIT).exists())
+    assert got[0]["written"] == got[1]["written"] == committed, (got, committed)
+    assert len(committed) >= 4 and committed[0] == 0, committed  # ~10 windows of 0.5 s in ~5 s of saves
+    assert len(got[0]["dropped"]) <= 3, got  # only where a window's edge fell between the ranks' calls
