@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import atexit
 import logging
+import os
 import threading
 from typing import Any, Optional
 
@@ -41,7 +42,7 @@ from nebula_ckpt.loop import LoopState
 # documented beside Checkpointer's ``coordinator=`` argument (a coordinator on a subgroup): reachable
 # as ``nc.DistCoordinator``, though it belongs to the seam for integration authors (nebula_ckpt.adapters)
 from nebula_ckpt.ranks.distributed import DistCoordinator as DistCoordinator
-from nebula_ckpt.tiers import LocalTier, MemoryTier, RemoteTier, Tier
+from nebula_ckpt.tiers import LocalTier, MemoryTier, RemoteTier, Tier, canonical_root, strip_credentials
 
 # what users call; what adapters of frameworks need beyond it is in nebula_ckpt.adapters
 __all__ = [
@@ -57,16 +58,31 @@ _level = knobs.get("log_level")
 if _level:
     logging.getLogger(__name__).setLevel(_level.upper())
 
-_registry: dict[str, Checkpointer] = {}
+#: the one-liners' Checkpointers, one per root (its canonical identity: ``run``, ``./run`` and the
+#: absolute path are one root, which two Checkpointers would fence each other on), with their options
+_registry: dict[Any, tuple[Checkpointer, dict[str, Any]]] = {}
 _registry_lock = threading.Lock()
+_warned: set[tuple[Any, tuple[str, ...]]] = set()
+log = logging.getLogger(__name__)
 
 
-def _shared(root: str, **kwargs: Any) -> Checkpointer:
+def _shared(root: Any, **kwargs: Any) -> Checkpointer:
+    if isinstance(root, os.PathLike):
+        root = os.fspath(root)
+    key = canonical_root(root) if isinstance(root, str) and root else root
     with _registry_lock:
-        ck = _registry.get(root)
+        ck, made_with = _registry.get(key, (None, {}))
         if ck is None or ck.closed:
-            ck = Checkpointer(root, **kwargs)
-            _registry[root] = ck
+            ck, made_with = Checkpointer(root, **kwargs), kwargs
+            _registry[key] = (ck, kwargs)
+        else:
+            differ = sorted(k for k in kwargs if k not in made_with or made_with[k] is not kwargs[k]
+                            and made_with[k] != kwargs[k])
+            if differ and (key, tuple(differ)) not in _warned:  # names only: values may hold credentials
+                _warned.add((key, tuple(differ)))
+                log.warning("nebula_ckpt: the one-liners' Checkpointer of %s was made by an earlier call with other "
+                            "settings; this call's %s are ignored (make your own nc.Checkpointer(root, ...) for "
+                            "other settings)", strip_credentials(str(key)), ", ".join(differ))
         return ck
 
 
@@ -97,7 +113,7 @@ def load_latest(root: str, into: Any = None, **kwargs: Any) -> Optional[int]:
 def close_all() -> None:
     """Close every checkpointer created by the one-liners (waits for pending saves)."""
     with _registry_lock:
-        cks = list(_registry.values())
+        cks = [ck for ck, _ in _registry.values()]
         _registry.clear()
     for ck in cks:
         ck.close()

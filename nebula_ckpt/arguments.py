@@ -14,13 +14,13 @@ from nebula_ckpt.storage.urls import refuse_url_credentials
 
 
 def check_arguments(root: Any, keep_last: Any, host_memory_budget: Any, on_full: Any, on_persist_error: Any,
-                    snapshot: Any, incremental: Any, health: Any = None) -> None:
+                    snapshot: Any, incremental: Any, health: Any = None, **flags: Any) -> None:
     """The :class:`~nebula_ckpt.checkpointer.Checkpointer` constructor's validation, all before anything
     is touched: a bad value raises :class:`ValidationError` naming it."""
     if not isinstance(root, str) or not root:
         raise ValidationError(f"root must be a non-empty path or URL string, got {root!r}")
     refuse_url_credentials(root)  # before the root is parsed, logged or written anywhere
-    if not isinstance(keep_last, int) or keep_last < 1:
+    if not isinstance(keep_last, int) or isinstance(keep_last, bool) or keep_last < 1:
         raise ValidationError(f"keep_last must be an int >= 1 (the newest checkpoint is always kept), "
                               f"got {keep_last!r}")
     check_budget(host_memory_budget)
@@ -30,8 +30,9 @@ def check_arguments(root: Any, keep_last: Any, host_memory_budget: Any, on_full:
         raise ValidationError(f"on_persist_error must be 'raise' or 'log', got {on_persist_error!r}")
     if snapshot not in ("auto", "sync", "async"):
         raise ValidationError(f"snapshot must be 'auto', 'sync' or 'async', got {snapshot!r}")
-    if not isinstance(incremental, bool):
-        raise ValidationError(f"incremental must be True or False, got {incremental!r}")
+    for name, value in {"incremental": incremental, **flags}.items():  # "False" is truthy: never taken as True
+        if not isinstance(value, bool):
+            raise ValidationError(f"{name} must be True or False, got {value!r}")
     if health is not None:
         if not isinstance(health, HealthPolicy):
             raise ValidationError(f"health must be a nebula_ckpt.health.HealthPolicy or None, got "
@@ -114,3 +115,10 @@ def check_step_or_tag(what: str, step: Optional[int], tag: Optional[str]) -> Non
         check_step(step)
     else:
         check_tag(tag)
+
+
+def check_timeout(timeout: Any) -> None:
+    """Refuse a ``timeout`` that is not None (no limit) or a number of seconds >= 0, naming it."""
+    if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float))
+                                or not timeout >= 0):
+        raise ValidationError(f"timeout must be None (no limit) or a number of seconds >= 0, got {timeout!r}")

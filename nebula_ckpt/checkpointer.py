@@ -17,7 +17,7 @@ import threading
 from typing import Any, Callable, Optional, Sequence, TypeVar
 
 from nebula_ckpt import knobs
-from nebula_ckpt.arguments import check_arguments, check_step_or_tag
+from nebula_ckpt.arguments import check_arguments, check_step_or_tag, check_timeout
 from nebula_ckpt.errors import NebulaError
 from nebula_ckpt.handle import SaveHandle
 from nebula_ckpt.health.policy import HealthPolicy
@@ -241,7 +241,7 @@ class Checkpointer(HealthReports, CheckpointReads):
         self._calls = Calls()  # who is inside which method: a close() from a signal handler waits for it
         root = os.fspath(root) if isinstance(root, os.PathLike) else root  # a pathlib.Path: its string
         check_arguments(root, keep_last, host_memory_budget, on_full, on_persist_error, snapshot, incremental,
-                        health)
+                        health, allow_pickle=allow_pickle, memory_tier=memory_tier, read_only=read_only)
         #: opened for reading only (see ``read_only``)
         self.read_only = bool(read_only)
         self.snapshot = snapshot
@@ -251,14 +251,12 @@ class Checkpointer(HealthReports, CheckpointReads):
         self.allow_pickle = allow_pickle
         self.on_persist_error = on_persist_error
         self._opened = open_root(root, storage_options, tiers, memory_tier, self.coordinator, self.read_only)
-        #: id of this incarnation of the root (``_nebula/run.json``); fast tiers are tied to it
-        self.run_id: Optional[str] = self._opened.run_id
         self._runtimes = runtimes = self._opened.runtimes
         shown = canonical_root(root)
         self._saves = SavePipeline(runtimes, self._opened.fence, self.coordinator, shown, keep_last=keep_last,
                                    host_memory_budget=host_memory_budget, on_full=on_full, snapshot=snapshot,
                                    allow_pickle=allow_pickle, on_persist_error=on_persist_error,
-                                   incremental=incremental)
+                                   incremental=incremental, create_root=self._opened.create_once)
         self._restores = Restorer(runtimes, self.coordinator, shown, allow_pickle,  # a reader adopts nothing
                                   may_adopt=lambda: self._saves.writers is None and not self.read_only,
                                   on_restored=None if self.read_only else self._saves.restored)
@@ -287,6 +285,12 @@ class Checkpointer(HealthReports, CheckpointReads):
                               f"Checkpointer of {canonical_root(self.root)}: open a new one in this process")
 
     @property
+    def run_id(self) -> Optional[str]:
+        """Id of this incarnation of the root (``_nebula/run.json``, recorded by the first save); fast
+        tiers are tied to it. None for a read-only Checkpointer of a root no run has written."""
+        return self._opened.run_id
+
+    @property
     def tiers(self) -> list[Tier]:
         """The active tiers, fastest first."""
         return [rt.tier for rt in self._runtimes]
@@ -311,7 +315,6 @@ class Checkpointer(HealthReports, CheckpointReads):
         """
         self._check_open("prepare")
         self._check_writable("prepare")
-        self.run_id = self._opened.create_once()  # the root is made at the first write
         self._saves.prepare(state, wait)
 
     def save_async(self, step: int, state: Any, *, tag: Optional[str] = None) -> SaveHandle:
@@ -349,7 +352,6 @@ class Checkpointer(HealthReports, CheckpointReads):
         """
         self._check_open("save_async")
         self._check_writable("save_async")
-        self.run_id = self._opened.create_once()  # the root is made at the first write
         return self._saved(step, self._saves.save_async(step, state, tag))
 
     def save(self, step: int, state: Any, *, tag: Optional[str] = None) -> SaveHandle:
@@ -363,7 +365,9 @@ class Checkpointer(HealthReports, CheckpointReads):
 
         Raises:
             PersistError / ConsistencyError: the first failure not yet seen through a handle.
+            ValidationError: ``timeout`` is not None or a number of seconds >= 0.
         """
+        check_timeout(timeout)
         self._saves.wait(timeout)
 
     def close(self, timeout: Optional[float] = None) -> None:
@@ -380,6 +384,7 @@ class Checkpointer(HealthReports, CheckpointReads):
             PersistError: a failure not yet seen through a handle.
             TimeoutError: saves pending after ``timeout`` s; they go on, a later ``close()`` waits again.
         """
+        check_timeout(timeout)
         if (self._closed and not self._close_unfinished) or self._pid != os.getpid():
             return  # closed, or a fork's child's copy: the parent closes it
         self._closed, self._close_unfinished = True, False

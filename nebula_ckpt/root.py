@@ -167,7 +167,13 @@ def choose_tiers(root: str, storage_options: Optional[dict[str, Any]], tiers: Op
         chosen: list[Tier] = default_tiers(root, storage_options, memory_tier, rank)
         root_tier = chosen[-1]
     else:
-        chosen = list(tiers)
+        try:
+            if isinstance(tiers, (Tier, str)):
+                raise TypeError
+            chosen = list(tiers)
+        except TypeError:
+            raise ValidationError(f"tiers must be a list of tiers, fastest first (tiers=[nc.LocalTier(...)]), got "
+                                  f"{type(tiers).__name__}") from None
         if not chosen:
             raise ValidationError("tiers must name at least one tier")
     for t in chosen:

@@ -70,12 +70,15 @@ class SavePipeline:
         allow_pickle: allow values typed JSON cannot hold, via pickle.
         on_persist_error: ``"raise"`` or ``"log"`` (see the Checkpointer).
         incremental: whether persistent tiers write only what changed (see the Checkpointer).
+        create_root: makes the root and its run record (once), called when a first save was checked.
     """
 
     def __init__(self, runtimes: list[TierRuntime], fence: Fence, coordinator: Coordinator, root: str, *,
                  keep_last: int, host_memory_budget: Budget, on_full: str, snapshot: str, allow_pickle: bool,
-                 on_persist_error: str, incremental: bool = True) -> None:
+                 on_persist_error: str, incremental: bool = True,
+                 create_root: Callable[[], Any] = lambda: None) -> None:
         self._runtimes = runtimes
+        self._create_root = create_root  # the root and its run record, made once a first save is checked
         self._fence = fence
         self.coordinator = coordinator
         self.root = root
@@ -174,6 +177,7 @@ class SavePipeline:
         """Make the staging memory for saves of ``state`` (see :meth:`Checkpointer.prepare`)."""
         plan = self.plans.plan(0, state)  # the saves that follow reuse it
         self.warm_up(int(d.split(":")[1]) for d in plan.devices.values())
+        self._create_root()
         self.start()
         self.pool.prepare(plan.layout.total_bytes, plan.sources.any_cuda())
         if wait:
@@ -193,6 +197,7 @@ class SavePipeline:
             self.raise_unseen()
             plan = self.plans.plan(step, state, tag)
             self.pool.check_fits(plan.layout.total_bytes)
+            self._create_root()  # nothing before this line writes: a refused save leaves a new root unmade
             writers = self.start()
         except BaseException:  # refused on this rank (its state, a failure not yet seen): the job's
             if self.coordinator.world_size > 1:  # save number goes by all the same, as on the others

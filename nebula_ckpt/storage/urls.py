@@ -117,7 +117,7 @@ def strip_credentials(url: str) -> str:
     alone stays: it names the container in Azure's ``abfs://container@account...``."""
     hidden = _password_in(url)
     if hidden is not None:  # never parsed: the parser's errors would quote the password
-        return hidden
+        return re.split(r"[?#]", hidden, maxsplit=1)[0]  # the query too (a SAS token, a signature)
     try:
         parts = urlsplit(url)
     except ValueError:

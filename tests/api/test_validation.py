@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import logging
 import os
 import pickle
 from typing import Any
@@ -71,6 +72,12 @@ def test_bad_constructor_arguments(tmp_path) -> None:  # noqa: ANN001
         nc.Checkpointer(str(tmp_path), tiers=[nc.LocalTier(str(tmp_path), every=0)])
     with pytest.raises(nc.ValidationError, match="storage_options"):
         nc.Checkpointer(str(tmp_path), storage_options={"key": "x"})
+    # "False" is truthy: allow_pickle="False" used to turn pickle on
+    for name, bad in (("allow_pickle", "False"), ("memory_tier", "false"), ("read_only", 1), ("incremental", None)):
+        with pytest.raises(nc.ValidationError, match=f"{name} must be True or False"):
+            nc.Checkpointer(str(tmp_path), **{name: bad})
+    with pytest.raises(nc.ValidationError, match="keep_last"):
+        nc.Checkpointer(str(tmp_path), keep_last=True)
 
 
 def test_state_larger_than_host_memory_budget(root: str) -> None:
@@ -340,3 +347,59 @@ def test_two_tiers_in_one_folder_are_refused_naming_both_before_anything_is_writ
         nc.Checkpointer(where, tiers=[nc.LocalTier(where), other])
     assert f"local:{where}" in str(e.value) and "drop one" in str(e.value)
     assert not os.path.exists(where)
+
+
+@pytest.mark.parametrize("call", ["bad-step", "bad-state", "bad-tag", "prepare-bad-state"])
+def test_a_refused_first_save_leaves_a_new_root_unmade(root: str, call: str) -> None:
+    """"Nothing was written": a first save refused at the API boundary does not make the root or its
+    run record either (a later resume from it would no longer be told that the path does not exist)."""
+    with nc.Checkpointer(root) as ck:
+        with pytest.raises(nc.ValidationError):
+            {"bad-step": lambda: ck.save_async(-1, {"w": torch.ones(2)}),
+             "bad-state": lambda: ck.save_async(1, {"cfg": {"fn": object()}}),
+             "bad-tag": lambda: ck.save_async(1, {"w": torch.ones(2)}, tag="no spaces allowed"),
+             "prepare-bad-state": lambda: ck.prepare({"cfg": {"fn": object()}})}[call]()
+        assert not os.path.exists(root), os.listdir(root)
+        ck.save(2, {"w": torch.ones(2)})  # the next good save makes it
+        assert ck.run_id is not None and ck.list() == [2]
+    assert os.path.exists(os.path.join(root, "_nebula", "run.json"))
+
+
+def test_the_one_liners_share_one_checkpointer_per_root_however_it_is_spelled(  # noqa: ANN001
+        tmp_path, monkeypatch, shm_dir: str, caplog: pytest.LogCaptureFixture) -> None:
+    """``"ckpt/run"``, ``"./ckpt/run"``, its absolute path and a ``pathlib.Path`` are one root: the
+    one-liners made a Checkpointer per spelling, and the second fenced the first (its next save
+    failed with FencedError, its step never committed). Options a later call passes are named as
+    ignored (names only: their values may hold credentials)."""
+    from pathlib import Path
+    monkeypatch.chdir(tmp_path)
+    try:
+        for step, root in enumerate(["ckpt/run", "./ckpt/run", str(tmp_path / "ckpt" / "run"), Path("ckpt/run"),
+                                     "ckpt/run"]):
+            nc.save_async(root, step, {"w": torch.full((2,), float(step))}).result()
+        with caplog.at_level(logging.WARNING, logger="nebula_ckpt"):
+            nc.save_async("ckpt/run", 9, {"w": torch.ones(2)}, keep_last=1, storage_options=None).result()
+            nc.save_async("ckpt/run", 10, {"w": torch.ones(2)}, keep_last=1, storage_options=None).result()
+    finally:
+        nc.close_all()
+    assert caplog.text.count("this call's keep_last, storage_options are ignored") == 1, caplog.text
+    with nc.Checkpointer(str(tmp_path / "ckpt" / "run"), read_only=True) as ck:
+        assert ck.list() == [4, 9, 10]  # every save committed (keep_last=3)
+
+
+def test_a_single_tier_or_a_bad_timeout_is_refused_naming_it(root: str, tmp_path) -> None:  # noqa: ANN001
+    with pytest.raises(nc.ValidationError, match=r"tiers must be a list of tiers.*LocalTier"):
+        nc.Checkpointer(root, tiers=nc.LocalTier(str(tmp_path / "d")))  # type: ignore[arg-type]
+    with nc.Checkpointer(root, memory_tier=False) as ck:
+        ck.save_async(1, {"w": torch.ones(2)})
+        for bad in ("x", -1, True, float("nan")):
+            with pytest.raises(nc.ValidationError, match="timeout must be None"):
+                ck.wait(timeout=bad)
+        ck.wait(timeout=60)
+        assert ck.list() == [1]
+
+
+def test_a_url_with_a_password_is_shown_without_its_query_either() -> None:
+    from nebula_ckpt.tiers import strip_credentials
+    shown = strip_credentials("s3://KEY:SECRET@bucket/run?sig=TOKEN#frag")
+    assert "SECRET" not in shown and "TOKEN" not in shown and "frag" not in shown and shown.endswith("bucket/run")
