@@ -22,6 +22,8 @@ without pickle and every counter comes back as the ``int`` it was.
 from __future__ import annotations
 
 import logging
+import operator
+from collections.abc import Iterator as OneShot
 from typing import Any, Iterator, Mapping, Optional
 
 import torch
@@ -67,6 +69,57 @@ def _check_workers(saved: Any, now: Any) -> None:
                               f"num_workers={saved} for this resume (change it at an epoch's end)")
 
 
+def _check_loader(loader: Any) -> None:
+    """Refuse, at ``LoopState(loader)``, what cannot be iterated once per epoch: no iterable at all,
+    or a one-shot iterator (a generator, ``iter(x)``): its second epoch, and a resumed run's replay
+    of the consumed batches, would be empty without a word."""
+    if loader is None:
+        return
+    kind = type(loader)
+    if getattr(kind, "__iter__", None) is None and getattr(kind, "__getitem__", None) is None:
+        raise ValidationError(f"LoopState: loader must be a data loader (a DataLoader, a StatefulDataLoader, a list "
+                              f"of batches: anything iterated once per epoch) or None, got {kind.__name__} "
+                              f"{loader!r}; pass LoopState(loader), or LoopState() to keep the random streams and "
+                              "counters only")
+    if isinstance(loader, OneShot):
+        raise ValidationError(f"LoopState: loader is a one-shot iterator ({kind.__name__}): iterating it again (the "
+                              "next epoch, a resumed run's replay of the batches it had consumed) gives nothing; pass "
+                              "a re-iterable that makes a new iterator each epoch: the DataLoader itself, a list of "
+                              "batches, or an object whose __iter__ returns a fresh iterator (not iter(loader), not a "
+                              "generator)")
+
+
+def _epoch_count(n: Any) -> int:
+    """``n`` of :meth:`LoopState.epochs` as an int >= 0; anything else is refused."""
+    try:
+        count = operator.index(n) if not isinstance(n, bool) else None
+    except TypeError:
+        count = None
+    if count is None or count < 0:
+        raise ValidationError(f"LoopState.epochs(n): n must be an int >= 0 (the number of epochs of the whole "
+                              f"training, a resumed run included), got {n!r}; e.g. loop.epochs(10)")
+    return count
+
+
+#: the keys :meth:`LoopState.load_state_dict` reads
+_KEYS = ("layout", "epoch", "batch", "step", "epoch_done", "now")
+
+
+def _check_state(state: Any) -> None:
+    """Refuse what :meth:`LoopState.state_dict` never gives, before anything of the loop changes."""
+    if not isinstance(state, Mapping):
+        raise ValidationError(f"LoopState.load_state_dict(state): state must be the dict LoopState.state_dict() "
+                              f"gave, got {type(state).__name__}; pass the saved state (or restore it with "
+                              "load_latest(into={..., 'loop': loop}))")
+    if state.get("layout") != LAYOUT:
+        raise ValidationError(f"LoopState: unknown state layout {state.get('layout')!r} (this version reads "
+                              f"{LAYOUT})")
+    missing = [k for k in _KEYS if k not in state]
+    if missing:
+        raise ValidationError(f"LoopState.load_state_dict(state): state lacks key(s) {missing}; pass the dict "
+                              "LoopState.state_dict() gave")
+
+
 def _own(tree: Any) -> Any:
     """``tree`` with every tensor a copy of its own: a restored tensor may be a view into a buffer
     shared with others, and torch's ``Generator.set_state`` reads such a view from the wrong place
@@ -107,6 +160,7 @@ class LoopState:
     """
 
     def __init__(self, loader: Any = None) -> None:
+        _check_loader(loader)
         self.loader = loader
         if data.has_own_state(loader):
             data.keep_worker_streams(loader)
@@ -126,7 +180,14 @@ class LoopState:
         """The epochs still to run, up to ``n`` (exclusive): from the restored one on.
 
         An epoch whose batches were all handed out is over; one the loop left early (a ``break``)
-        is over too once the next one is asked for."""
+        is over too once the next one is asked for.
+
+        Raises:
+            ValidationError: ``n`` is not an int >= 0 (at the call).
+        """
+        return self._epochs(_epoch_count(n))
+
+    def _epochs(self, n: int) -> Iterator[int]:
         while True:
             if self._epoch_done:
                 self._next_epoch()
@@ -203,10 +264,12 @@ class LoopState:
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Go back to the saved position: the random streams are set back now, the loader's position
-        when the epoch's batches are next asked for (``for batch in loop``)."""
-        if state.get("layout") != LAYOUT:
-            raise ValidationError(f"LoopState: unknown state layout {state.get('layout')!r} (this version reads "
-                                  f"{LAYOUT})")
+        when the epoch's batches are next asked for (``for batch in loop``).
+
+        Raises:
+            ValidationError: ``state`` is no state of a LoopState (nothing of the loop changed).
+        """
+        _check_state(state)
         loader = self.loader
         saved_len, now_len = state.get("batches_per_epoch"), data.length(loader) if loader is not None else None
         if saved_len is not None and now_len is not None and saved_len != now_len:

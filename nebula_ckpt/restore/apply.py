@@ -21,7 +21,10 @@ from nebula_ckpt.format.tree import decode
 from nebula_ckpt.native import get_ops
 from nebula_ckpt.restore.copies import all_cpu, owned, owned_batch
 from nebula_ckpt.restore.inplace import (
+    check_module_not_meta,
     check_module_state,
+    check_not_meta,
+    check_optimizer_not_meta,
     check_optimizer_state,
     live_destinations,
     module_destinations,
@@ -65,9 +68,9 @@ def stage_apply(ck: OpenCheckpoint, into: Any, *, map_location: Any = None, stri
                 allow_pickle: bool = False) -> Callable[[], None]:
     """Everything of a restore of ``ck`` into ``into`` but the changes; returns what makes them.
 
-    Matches the checkpoint's tree against ``into`` (keys, shapes, dtypes: ``ValidationError``),
-    makes the owned copies (optimizer state, new tensors) in parallel while checking their
-    checksums, and checks the checksums of the bytes that will be copied into existing tensors
+    Matches the checkpoint's tree against ``into`` (keys, shapes, dtypes, a destination on the meta
+    device: ``ValidationError``), makes the owned copies (optimizer state, new tensors) in parallel
+    while checking their checksums, and checks the checksums of the bytes that will be copied into existing tensors
     (``CorruptCheckpointError``). Nothing in ``into`` has changed when this returns or raises;
     the returned function applies it: every optimizer's ``load_state_dict`` first, then the rest
     in the tree's order. A ``load_state_dict`` that raises all the same (a custom loading) is an
@@ -332,10 +335,12 @@ class RestoreWalk(TreeWalk[Thunk]):
                                   f"the object given in `into` ({type(target).__name__}) has no load_state_dict()."
                                   f" {fix or 'Pass the object that was saved there.'}")
         if isinstance(target, torch.nn.Module):
+            check_module_not_meta(self.ck, node["state"], target, shown, self.where)
             check_module_state(self.ck, node["state"], target, shown, self.strict)
             return self.loads.guarded(shown, target, self._load_module(node["state"], target, path))
         # Optimizers etc. keep the tensors they are given: hand them owned copies, or their own
         # tensors refilled where load_state_dict keeps those as they are
+        check_optimizer_not_meta(target, shown, self.where)
         saved = read_optimizer(node["state"], target, self.ck.view, self.ck.step, shown)
         check_optimizer_state(saved, target, shown, saved_cls)
         live = live_destinations(self.ck, saved, target) if all_cpu(self.st.map_location) else {}
@@ -375,6 +380,7 @@ class RestoreWalk(TreeWalk[Thunk]):
     def on_tensor(self, node: Mapping[str, Any], target: Any, path: str) -> Thunk:
         if not isinstance(target, torch.Tensor):
             return self.replace(node, target, path)
+        check_not_meta(target, path or "<root>", self.where)
         ck = self.ck
         src = ck.view(node["k"])
         dest = target

@@ -3,7 +3,8 @@
 **Checks** (first in this module): ``load_state_dict`` of a module or an optimizer refuses a
 mismatching state only after it has copied what matches (and the objects before it in ``into`` were
 loaded): these checks refuse it first, naming the key, where the object's loading is torch's own
-(see :func:`predictable`).
+(see :func:`predictable`). A destination on the meta device (no data: a copy into it is a no-op)
+is refused too, strict or not (:func:`check_not_meta`).
 
 **Restore into the tensors a running job already holds**, instead of new ones. A job that restores
 into a running model and optimizer (a rollback, an evaluation loop, the benchmark's in-process
@@ -108,6 +109,52 @@ def check_module_state(ck: OpenCheckpoint, state: Mapping[str, Any], target: tor
                 f"restore: key '{shown}/{k}': the checkpoint of step {ck.step} has shape {tuple(rec.shape)}, "
                 f"the {type(target).__name__} has {tuple(have.shape)}; build the model the checkpoint was saved "
                 "from, or use read() to look at it")
+
+
+#: how to restore into a tensor on the meta device (which has no data: copying into it is a no-op)
+META_FIX = ("materialise it first (a model: `model.to_empty(device='cpu')`, then build its optimizer over the new "
+            "parameters; a tensor: `torch.empty_like(t, device='cpu')`) and restore again, or take fresh tensors "
+            "with `ck.read()` (map_location=... for the device) and load them yourself "
+            "(`model.load_state_dict(state, assign=True)` for a model built on the meta device)")
+
+
+def is_meta(t: torch.Tensor) -> bool:
+    """Whether ``t`` (or, for a DTensor, its local shard) is on the meta device: it has no data."""
+    return t.is_meta or bool(getattr(getattr(t, "_local_tensor", None), "is_meta", False))
+
+
+def check_not_meta(t: Any, shown: str, where: str, what: str = "the tensor in `into`") -> None:
+    """Refuse restoring into ``t`` (at ``shown``) when it is a tensor on the meta device: the copy
+    would be a no-op, the restore would report success and leave it without data. Strict or not."""
+    if isinstance(t, torch.Tensor) and is_meta(t):
+        raise ValidationError(f"{where}: key '{shown}': {what} is on the meta device (no data: nothing would be "
+                              f"restored into it); {META_FIX}")
+
+
+def check_module_not_meta(ck: OpenCheckpoint, state: Mapping[str, Any], target: torch.nn.Module, shown: str,
+                          where: str) -> None:
+    """Refuse, strict or not, a module whose parameter or buffer that a key of its saved ``state``
+    is loaded into is on the meta device (see :func:`check_not_meta`), before anything changes."""
+    if state.get("t") not in ("dict", "odict") or \
+            not any(is_meta(t) for t in [*target.parameters(), *target.buffers()]):
+        return
+    want = target.state_dict(keep_vars=True)
+    for k_node, _ in state["v"]:
+        k = decode(k_node, ck.view, False, shown)
+        check_not_meta(want.get(k), f"{shown}/{k}", where, f"the {type(target).__name__}'s tensor")
+
+
+def check_optimizer_not_meta(target: Any, shown: str, where: str) -> None:
+    """Refuse an optimizer over parameters on the meta device (its loading moves the saved state
+    onto them: lost) or holding state on it (see :func:`check_not_meta`)."""
+    if not isinstance(target, torch.optim.Optimizer):
+        return
+    params = [p for g in target.param_groups for p in g["params"]]
+    for n, p in enumerate(params):
+        check_not_meta(p, shown, where, f"parameter {n} of the {type(target).__name__} (where its loading puts "
+                                        "the saved state)")
+        for k, v in target.state.get(p, {}).items():
+            check_not_meta(v, f"{shown}/state/{n}/{k}", where, f"the {type(target).__name__}'s state")
 
 
 #: the prefixes a wrapper puts before its module's keys: DistributedDataParallel / DataParallel,

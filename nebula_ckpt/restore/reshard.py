@@ -27,7 +27,12 @@ from nebula_ckpt.errors import CorruptCheckpointError, NebulaError, ValidationEr
 from nebula_ckpt.format import manifest as mf
 from nebula_ckpt.format.tree import decode, held_by_some, merged
 from nebula_ckpt.restore.dcp_reader import NebulaStorageReader
-from nebula_ckpt.restore.inplace import check_optimizer_state, read_optimizer
+from nebula_ckpt.restore.inplace import (
+    check_not_meta,
+    check_optimizer_not_meta,
+    check_optimizer_state,
+    read_optimizer,
+)
 from nebula_ckpt.restore.walk import Thunk, TreeWalk, describe, tensor_keys
 from nebula_ckpt.storage.base import Storage
 
@@ -128,6 +133,7 @@ class _Matcher(TreeWalk[Optional[Thunk]]):
         an optimizer is first checked as a restore in place checks it (another kind's state is
         refused, strict or not: :func:`~nebula_ckpt.restore.inplace.check_optimizer_state`)."""
         shown = path or "<root>"
+        check_optimizer_not_meta(target, shown, self.where)
         # the check reads keys and counts only: a tensor leaf of the groups (a tensor lr) is not read
         saved = read_optimizer(self.unwrap(node), target, lambda key: None, self.step, shown)
         check_optimizer_state(saved, target, shown, node.get("cls") if node["t"] == "stateful" else None)
@@ -150,6 +156,7 @@ class _Matcher(TreeWalk[Optional[Thunk]]):
         if not isinstance(target, torch.Tensor):
             return self._missing({"t": "tensor", "k": key}, path,
                                  f"`into` holds {type(target).__name__} at '{path or '<root>'}'")
+        check_not_meta(target, path or "<root>", self.where)
         md = self.md.get(key)
         if not isinstance(md, TensorStorageMetadata):
             raise CorruptCheckpointError(f"{self.src}: the saved tree names tensor '{key}', which no rank stored")
@@ -259,7 +266,8 @@ def load_resharded(storage: Storage, step: int, manifest: mf.Manifest, into: Any
         allow_pickle: decode values stored with pickle (trusted checkpoints only).
 
     Raises:
-        ValidationError: ``into`` does not match the saved state (named key, and how to fix it).
+        ValidationError: ``into`` does not match the saved state, or a tensor it would fill is on
+            the meta device, strict or not (named key, and how to fix it).
         CorruptCheckpointError: the checkpoint is damaged (named key and file).
     """
     reader = NebulaStorageReader(storage, step, manifest=manifest, allow_pickle=allow_pickle)

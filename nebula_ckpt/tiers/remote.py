@@ -9,6 +9,7 @@ from nebula_ckpt.errors import ValidationError
 from nebula_ckpt.storage.base import Storage
 from nebula_ckpt.storage.urls import refuse_url_credentials, strip_credentials
 from nebula_ckpt.tiers.base import Tier
+from nebula_ckpt.tiers.local import require_location
 
 
 @dataclass
@@ -29,6 +30,7 @@ class RemoteTier(Tier):
     def __init__(self, url: str, *, storage_options: Optional[dict[str, Any]] = None,
                  compression: Optional[str] = None, **kw: Any) -> None:
         super().__init__(**kw)
+        url = require_location(url, "RemoteTier", "url", "nc.RemoteTier('s3://bucket/prefix')")
         refuse_url_credentials(url, "RemoteTier")
         self.kind = "remote"
         self.url = url
@@ -37,6 +39,7 @@ class RemoteTier(Tier):
 
     def validate(self) -> None:
         super().validate()
+        require_location(self.url, "RemoteTier", "url", "nc.RemoteTier('s3://bucket/prefix')")
         if self.compression not in (None, "zstd"):
             raise ValidationError(f"tier {self.name}: compression must be None or 'zstd'")
         if self.compression == "zstd":

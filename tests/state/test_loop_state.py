@@ -278,3 +278,42 @@ def test_every_cuda_device_stream_comes_back(tmp_path: Path, shm_dir: str) -> No
         ck.load_latest(into={"loop": nc.LoopState()})
         got = [torch.rand(3, device=f"cuda:{i}").tolist() for i in range(torch.cuda.device_count())]
     assert got == want
+
+
+@pytest.mark.parametrize("n", [None, 2.5, "3", -1, True], ids=["none", "float", "str", "negative", "bool"])
+def test_epochs_of_anything_but_an_int_is_refused_at_the_call(n: Any) -> None:
+    """``epochs(None)`` was a raw TypeError at the first ``next``; ``epochs(2.5)`` ran 3 epochs."""
+    loop = nc.LoopState([1, 2])
+    with pytest.raises(nc.ValidationError, match=r"LoopState.epochs\(n\): n must be an int >= 0.*loop.epochs\(10\)"):
+        loop.epochs(n)  # at the call, not at the first epoch
+    assert [e for e in loop.epochs(np.int64(2))] == [0, 1] and list(nc.LoopState([1]).epochs(0)) == []
+
+
+def test_a_loader_that_is_not_iterable_is_refused_at_construction() -> None:
+    """``LoopState(5)`` was accepted and failed at the first batch with a raw TypeError."""
+    with pytest.raises(nc.ValidationError, match="LoopState: loader must be a data loader.*got int 5"):
+        nc.LoopState(5)
+
+
+@pytest.mark.parametrize("one_shot", [lambda: (x for x in range(3)), lambda: iter([0, 1, 2]),
+                                      lambda: iter(torch.utils.data.DataLoader(list(range(3))))],
+                         ids=["generator", "list-iterator", "dataloader-iterator"])
+def test_a_one_shot_iterator_is_refused_naming_the_fix(one_shot: Callable[[], Any]) -> None:
+    """A generator's second epoch was empty without a word (the docs say: any re-iterable)."""
+    with pytest.raises(nc.ValidationError, match="one-shot iterator.*the DataLoader itself, a list of batches"):
+        nc.LoopState(one_shot())
+    loop = nc.LoopState([0, 1, 2])  # a re-iterable: every epoch has its batches
+    assert [list(loop) for _ in loop.epochs(2)] == [[0, 1, 2], [0, 1, 2]]
+
+
+@pytest.mark.parametrize("state,says", [(None, "state must be the dict LoopState.state_dict"),
+                                        ([1], "state must be the dict LoopState.state_dict"),
+                                        ({"layout": 1}, r"state lacks key\(s\) \['epoch'")],
+                         ids=["none", "list", "missing-keys"])
+def test_load_state_dict_of_no_loop_state_is_refused_changing_nothing(state: Any, says: str) -> None:
+    """``load_state_dict(None)`` was a raw AttributeError."""
+    loop = nc.LoopState([0, 1, 2])
+    loop.step = 7
+    with pytest.raises(nc.ValidationError, match=says):
+        loop.load_state_dict(state)
+    assert (loop.epoch, loop.batch, loop.step) == (0, 0, 7)

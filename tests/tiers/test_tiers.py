@@ -140,3 +140,32 @@ def test_disk_full_fails_clearly_and_keeps_earlier_checkpoints(tiny_fs: str, shm
         assert ck.load_latest(into={"w": out}) == 3 and torch.all(out == 3)
     from nebula_ckpt.cli import main
     assert main(["verify", root]) == 0
+
+
+@pytest.mark.parametrize("make,names", [
+    (lambda: nc.LocalTier(""), "LocalTier: path"), (lambda: nc.LocalTier(None), "LocalTier: path"),
+    (lambda: nc.LocalTier("file://"), "LocalTier: path"), (lambda: nc.RemoteTier(""), "RemoteTier: url"),
+    (lambda: nc.RemoteTier(None), "RemoteTier: url"), (lambda: nc.MemoryTier(path=""), "MemoryTier: path"),
+    (lambda: nc.MemoryTier(path=5), "MemoryTier: path"),
+], ids=["local-empty", "local-none", "local-file-url-without-path", "remote-empty", "remote-none", "memory-empty",
+        "memory-int"])
+def test_a_tier_without_a_location_is_refused_naming_the_argument(tmp_path, shm_dir, monkeypatch,  # noqa: ANN001
+                                                                  make, names) -> None:  # noqa: ANN001
+    """``LocalTier("")`` used to be accepted and wrote step-N/ and _nebula/ into the current
+    directory (``Checkpointer("")`` is refused); ``LocalTier(None)`` was a raw AttributeError."""
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(nc.ValidationError) as e:
+        make()
+    msg = str(e.value)
+    assert msg.startswith(names) and "e.g. nc." in msg, msg
+    assert os.listdir(tmp_path) == []
+
+
+def test_a_tier_whose_location_was_emptied_is_refused_before_anything_is_written(tmp_path, shm_dir,  # noqa: ANN001
+                                                                                 monkeypatch) -> None:  # noqa: ANN001
+    monkeypatch.chdir(tmp_path)
+    tier = nc.LocalTier(str(tmp_path / "disk"))
+    tier.path = ""
+    with pytest.raises(nc.ValidationError, match="LocalTier: path must be a non-empty string"):
+        nc.Checkpointer(str(tmp_path / "root"), tiers=[tier], memory_tier=False)
+    assert os.listdir(tmp_path) == []

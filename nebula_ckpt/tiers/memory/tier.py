@@ -18,6 +18,7 @@ from nebula_ckpt.storage.base import Storage
 from nebula_ckpt.storage.local import LocalStorage
 from nebula_ckpt.storage.urls import canonical_root
 from nebula_ckpt.tiers.base import Capabilities, Tier
+from nebula_ckpt.tiers.local import require_location
 from nebula_ckpt.tiers.memory.shm import user_dir_name
 
 
@@ -48,12 +49,14 @@ class MemoryTier(Tier):
     def __init__(self, path: Optional[str] = None, *, keep_last: int = 1, replicas: int = 0, **kw: Any) -> None:
         super().__init__(keep_last=keep_last, **kw)
         self.kind = "memory"
-        self.path = os.fspath(path) if isinstance(path, os.PathLike) else path
+        self.path = None if path is None else _folder(path)
         self.replicas = replicas
         self.default_layout = False
 
     def validate(self) -> None:
         super().validate()
+        if self.path is not None:
+            _folder(self.path)
         if not isinstance(self.replicas, int) or isinstance(self.replicas, bool) or self.replicas < 0:
             raise ValidationError(f"tier {self.name}: replicas must be an int >= 0 (copies on other nodes), "
                                   f"got {self.replicas!r}")
@@ -83,6 +86,17 @@ class MemoryTier(Tier):
     def make_storage(self) -> Storage:
         assert self.path is not None, "MemoryTier.bind() was not called"
         return LocalStorage(self.path, private=True, fsync=False, hold_reads=True)
+
+
+def _folder(path: Any) -> str:
+    """The folder ``path`` given to a memory tier, as a string; "" or another type is refused
+    (None, not "", chooses the default folder)."""
+    folder = require_location(path, "MemoryTier", "path", "nc.MemoryTier(path='/dev/shm/my-run'), or "
+                              "nc.MemoryTier() for the default folder")
+    if "://" in folder:
+        raise ValidationError(f"MemoryTier: path must be a folder in a tmpfs (e.g. under /dev/shm), got {folder!r}; "
+                              "pass a local folder, or no path for the default one")
+    return folder
 
 
 def memory_tier_path(root: str, rank: int = 0) -> str:
