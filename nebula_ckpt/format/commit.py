@@ -101,9 +101,10 @@ class Commit:
         prefers (newest generation, then step, then the later save of one step; ``-1``: unknown)."""
         return (self.generation, self.step, -1 if self.save is None else self.save)
 
-    def to_bytes(self) -> bytes:
-        """Serialise."""
-        out: dict[str, Any] = {"format": FORMAT, "version": VERSION, "step": self.step,
+    def to_bytes(self, fmt: str = FORMAT, version: int = VERSION) -> bytes:
+        """Serialise (as a ``fmt`` record of ``version``: the removal record names a commit by the
+        same fields, :mod:`nebula_ckpt.format.removal`)."""
+        out: dict[str, Any] = {"format": fmt, "version": version, "step": self.step,
                                "generation": self.generation, "manifest_bytes": self.manifest_bytes,
                                "manifest_crc32c": self.manifest_crc32c, "time": time.time()}
         if self.save is not None:

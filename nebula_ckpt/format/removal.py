@@ -23,18 +23,16 @@ record with it. Every deletion on the tier (retention, ``remove()``) honours the
 from __future__ import annotations
 
 import errno
-import json
 import logging
-import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Optional
 
 from nebula_ckpt.errors import CorruptCheckpointError
 from nebula_ckpt.format.checks import as_int, as_step, bad, load_object, only_fields
+from nebula_ckpt.format.commit import Commit
 from nebula_ckpt.format.names import REMOVED, step_dir
 
 if TYPE_CHECKING:
-    from nebula_ckpt.format.commit import Commit
     from nebula_ckpt.storage.base import Storage
 
 log = logging.getLogger(__name__)
@@ -66,13 +64,10 @@ class Removal:
         return commit is not None and Removal.of(commit) == self
 
     def to_bytes(self) -> bytes:
-        """Serialise (checked by :meth:`parse` before it is written: see :func:`write_removal`)."""
-        out: dict[str, Any] = {"format": REMOVAL_FORMAT, "version": REMOVAL_VERSION, "step": self.step,
-                               "generation": self.generation, "manifest_bytes": self.manifest_bytes,
-                               "manifest_crc32c": self.manifest_crc32c, "time": time.time()}
-        if self.save is not None:
-            out["save"] = self.save
-        return json.dumps(out).encode()
+        """Serialise (checked by :meth:`parse` before it is written: see :func:`write_removal`): the
+        fields of the commit it removes, as a removal record."""
+        return Commit(self.step, self.generation, self.manifest_bytes, self.manifest_crc32c,
+                      self.save).to_bytes(REMOVAL_FORMAT, REMOVAL_VERSION)
 
     @staticmethod
     def parse(data: bytes, where: str, step: int) -> "Removal":
