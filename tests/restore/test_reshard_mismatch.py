@@ -29,14 +29,15 @@ from nebula_ckpt.storage.local import LocalStorage
 from restore.test_restore_mismatch import (
     LEGIT,
     OTHER_KINDS,
-    _adam,
-    _model,
-    _rename_state_key,
     _restored_equal,
     _same,
     _saved,
     _snapshot,
     _step,
+    assert_other_kind_refused,
+    live,
+    other_kind,
+    renamed_state_key,
 )
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
@@ -54,18 +55,11 @@ def test_an_optimizer_of_another_kind_is_refused_by_a_resharded_restore(
         tmp_path: Path, what: str, saved_by: Callable[[Any], torch.optim.Optimizer],
         live_by: Callable[[Any], torch.optim.Optimizer], key: str, running: bool, strict: bool) -> None:
     root = str(tmp_path / "ck")
-    _saved(root, saved_by)
-    model = _model(1)
-    opt = live_by(model.parameters())
-    if running:
-        _step(model, opt)
-    before = _snapshot(model, opt)
+    model, opt, before = other_kind(root, saved_by, live_by, running)
     with pytest.raises(nc.ValidationError) as e:
         _resharded(root, {"model": model, "optim": opt}, strict)
     msg = str(e.value)
-    assert "'optim'" in msg and f"'{key}'" in msg and type(opt).__name__ in msg, msg
-    assert "restore into the optimizer class that saved it" in msg, msg
-    assert _same(before, _snapshot(model, opt)), "the failed restore changed `into`"
+    assert_other_kind_refused(msg, key, model, opt, before)
     with pytest.raises(nc.ValidationError) as in_place, nc.Checkpointer(root, memory_tier=False) as ck:
         ck.load_latest(into={"model": model, "optim": opt})
     assert str(in_place.value) == msg  # the very error of a restore in place
@@ -73,12 +67,7 @@ def test_an_optimizer_of_another_kind_is_refused_by_a_resharded_restore(
 
 def test_a_renamed_state_key_is_refused_by_a_resharded_restore(tmp_path: Path) -> None:
     root = tmp_path / "ck"
-    _saved(str(root), _adam)
-    _rename_state_key(root, "step", "stepX")
-    model = _model(1)
-    opt = _adam(model.parameters())
-    _step(model, opt)
-    before = _snapshot(model, opt)
+    model, opt, before = renamed_state_key(root)
     with pytest.raises(nc.ValidationError, match=r"'optim'.*\['stepX'\] the live one lacks, and lacks its "
                                                  r"\['step'\]"):
         _resharded(str(root), {"model": model, "optim": opt}, strict=False)
@@ -92,10 +81,7 @@ def test_a_state_the_optimizer_can_take_still_restores_resharded(
         live_by: Callable[[Any], torch.optim.Optimizer], running: bool) -> None:
     root = str(tmp_path / "ck")
     saved_model, saved_opt = _saved(root, saved_by)
-    model = _model(1)
-    opt = live_by(model.parameters())
-    if running:
-        _step(model, opt)
+    model, opt = live(live_by, running)
     _resharded(root, {"model": model, "optim": opt}, strict=False)
     assert all(torch.equal(a, b) for a, b in
                zip(model.state_dict().values(), saved_model.state_dict().values(), strict=True))

@@ -96,16 +96,33 @@ def test_an_optimizer_of_another_kind_is_refused_before_anything_changes(
         tmp_path: Path, what: str, saved_by: Callable[[Any], torch.optim.Optimizer],
         live_by: Callable[[Any], torch.optim.Optimizer], key: str, running: bool) -> None:
     root = str(tmp_path / "ck")
+    model, opt, before = other_kind(root, saved_by, live_by, running)
+    with nc.Checkpointer(root, memory_tier=False) as ck:
+        with pytest.raises(nc.ValidationError) as e:
+            ck.load_latest(into={"model": model, "optim": opt})
+    assert_other_kind_refused(str(e.value), key, model, opt, before)
+
+
+def other_kind(root: str, saved_by: Callable[[Any], torch.optim.Optimizer],
+               live_by: Callable[[Any], torch.optim.Optimizer], running: bool) -> tuple[torch.nn.Module, Any, Any]:
+    """A model and optimizer saved by ``saved_by`` under ``root``, and a live model and ``live_by``
+    optimizer (``running``: after a step) to restore them into, with their snapshot."""
     _saved(root, saved_by)
+    model, opt = live(live_by, running)
+    return model, opt, _snapshot(model, opt)
+
+
+def live(live_by: Callable[[Any], torch.optim.Optimizer], running: bool) -> tuple[torch.nn.Module, Any]:
+    """A live model and its ``live_by`` optimizer (``running``: after a step)."""
     model = _model(1)
     opt = live_by(model.parameters())
     if running:
         _step(model, opt)
-    before = _snapshot(model, opt)
-    with nc.Checkpointer(root, memory_tier=False) as ck:
-        with pytest.raises(nc.ValidationError) as e:
-            ck.load_latest(into={"model": model, "optim": opt})
-    msg = str(e.value)
+    return model, opt
+
+
+def assert_other_kind_refused(msg: str, key: str, model: torch.nn.Module, opt: Any, before: Any) -> None:
+    """The refusal of another optimizer kind names the key, the class and the fix; nothing changed."""
     assert "'optim'" in msg and f"'{key}'" in msg and type(opt).__name__ in msg, msg
     assert "restore into the optimizer class that saved it" in msg, msg
     assert _same(before, _snapshot(model, opt)), "the failed restore changed `into`"
@@ -137,10 +154,7 @@ def test_a_state_the_optimizer_can_take_still_restores(tmp_path: Path, what: str
     take the other's state, and so does the restore (AdamW keeps decoupled weight decay)."""
     root = str(tmp_path / "ck")
     saved_model, saved_opt = _saved(root, saved_by)
-    model = _model(1)
-    opt = live_by(model.parameters())
-    if running:
-        _step(model, opt)
+    model, opt = live(live_by, running)
     with nc.Checkpointer(root, memory_tier=False) as ck:
         assert ck.load_latest(into={"model": model, "optim": opt}) == 1
     assert _restored_equal(opt, saved_opt)
@@ -189,14 +203,20 @@ def _rename_state_key(root: Path, old: str, new: str) -> None:
     seal(d, man)
 
 
-def test_a_renamed_state_key_is_refused_before_a_running_optimizer_changes(tmp_path: Path) -> None:
-    root = tmp_path / "ck"
+def renamed_state_key(root: Path) -> tuple[torch.nn.Module, torch.optim.Optimizer, Any]:
+    """An Adam saved under ``root`` whose per-parameter state key ``step`` reads ``stepX``, and a
+    running model and Adam to restore it into, with their snapshot before the restore."""
     _saved(str(root), _adam)
     _rename_state_key(root, "step", "stepX")
     model = _model(1)
     opt = _adam(model.parameters())
     _step(model, opt)
-    before = _snapshot(model, opt)
+    return model, opt, _snapshot(model, opt)
+
+
+def test_a_renamed_state_key_is_refused_before_a_running_optimizer_changes(tmp_path: Path) -> None:
+    root = tmp_path / "ck"
+    model, opt, before = renamed_state_key(root)
     with nc.Checkpointer(str(root), memory_tier=False) as ck:
         with pytest.raises(nc.ValidationError, match=r"'optim'.*\['stepX'\] the live one lacks, and lacks its "
                                                      r"\['step'\]"):
