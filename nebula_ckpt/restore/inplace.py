@@ -149,11 +149,14 @@ def check_optimizer_not_meta(target: Any, shown: str, where: str) -> None:
     onto them: lost) or holding state on it (see :func:`check_not_meta`)."""
     if not isinstance(target, torch.optim.Optimizer):
         return
-    params = [p for g in target.param_groups for p in g["params"]]
+    # a wrapper (accelerate's, Lightning's) may keep its groups and state on the optimizer it wraps
+    groups, state = getattr(target, "param_groups", None), getattr(target, "state", None)
+    params = [p for g in groups if isinstance(g, Mapping) for p in g.get("params", ())] \
+        if isinstance(groups, list) else []
     for n, p in enumerate(params):
         check_not_meta(p, shown, where, f"parameter {n} of the {type(target).__name__} (where its loading puts "
                                         "the saved state)")
-        for k, v in target.state.get(p, {}).items():
+        for k, v in (state.get(p, {}) if isinstance(state, Mapping) else {}).items():
             check_not_meta(v, f"{shown}/state/{n}/{k}", where, f"the {type(target).__name__}'s state")
 
 
