@@ -57,8 +57,11 @@ holding an ordinary ``torch.save`` file (a checkpoint written before ``enable``)
 
 Things to know:
 
-* Retention is DeepSpeed's by default: every checkpoint is kept (the memory tier keeps its newest).
-  With ``keep_last=N`` (or ``keep_every``, or a Checkpointer of your own) nebula_ckpt's retention
+* Retention is DeepSpeed's by default: every checkpoint is kept (the memory tier keeps its newest),
+  one per tag: as a stock save over ``save_dir/<tag>`` replaces its files, a save with a tag saved
+  before removes the older steps carrying that tag once it is durable on every tier (at the next
+  commit, or at ``wait`` / ``close``; on every rank, each removing its own copies). With
+  ``keep_last=N`` (or ``keep_every``, or a Checkpointer of your own) nebula_ckpt's retention
   drops older checkpoints per tier, and the engine removes the pointer files (and the tag folder,
   once empty) of every tag no tier holds any more, at each commit and at ``wait`` / ``close``.
 * ``allow_pickle=True`` is the default here: DeepSpeed's states hold Python objects (its
@@ -99,11 +102,12 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from nebula_ckpt import Checkpointer
-from nebula_ckpt.adapters import canonical_root, check_tag, write_file_atomic
-from nebula_ckpt.errors import NotFoundError, OtherRanksError, PersistError, ValidationError
+from nebula_ckpt import Checkpointer, SaveHandle
+from nebula_ckpt.adapters import canonical_root, write_file_atomic
+from nebula_ckpt.errors import FencedError, NotFoundError, OtherRanksError, PersistError, ValidationError
 from nebula_ckpt.integrations.deepspeed_files import (
     POINTER_FORMAT,
+    check_tag_folder,
     materialize,
     open_pointer,
     pointers_in,
@@ -111,9 +115,10 @@ from nebula_ckpt.integrations.deepspeed_files import (
     remove_empty_folders,
     root_of,
     tag_folders,
+    to_device,
     write_pointer,
 )
-from nebula_ckpt.integrations.pointers import NAME_MAX, candidate_roots
+from nebula_ckpt.integrations.pointers import candidate_roots
 
 log = logging.getLogger("nebula_ckpt")
 
@@ -128,31 +133,6 @@ __all__ = ["NebulaCkptEngine", "enable", "materialize", "open_pointer", "POINTER
 _DURABLE = ("first", "all", "snapshot")
 #: the default ``keep_last``: every checkpoint is kept, as stock DeepSpeed does
 KEEP_ALL = 1 << 40
-
-
-def _check_tag_folder(tag: str) -> None:
-    """DeepSpeed keeps a tag's files in the folder ``<save_dir>/<tag>``: refuse, before anything is
-    written, a (valid) tag whose folder name a file system cannot hold."""
-    check_tag(tag)
-    long = [c for c in tag.split("/") if len(c.encode()) > NAME_MAX]
-    if long:
-        raise ValidationError(f"DeepSpeed tag {tag[:40]!r}... ({len(tag)} characters) names the folder "
-                              f"<save_dir>/{tag[:20]}...: a folder name longer than {NAME_MAX} bytes, which no file "
-                              f"system holds; give save_checkpoint a shorter tag")
-
-
-def _to_device(obj: Any, device: torch.device) -> Any:
-    if isinstance(obj, torch.Tensor):
-        return obj.to(device)
-    if isinstance(obj, dict):
-        for k, v in obj.items():
-            obj[k] = _to_device(v, device)
-        return obj
-    if isinstance(obj, list):
-        return [_to_device(v, device) for v in obj]
-    if isinstance(obj, tuple) and not hasattr(obj, "_fields"):
-        return tuple(_to_device(v, device) for v in obj)
-    return obj
 
 
 class NebulaCkptEngine(CheckpointEngine):
@@ -204,6 +184,9 @@ class NebulaCkptEngine(CheckpointEngine):
         self._last_step: Optional[int] = None
         #: the save folders DeepSpeed saved into (whose tag folders prune() looks at)
         self._save_dirs: set[str] = set()
+        #: saves whose older steps with the same tag go once they are durable; tag -> its steps
+        self._pending: list[SaveHandle] = []
+        self._tag_steps: dict[str, list[int]] = {}
         # (tag, step, {key: state_dict}) of the checkpoint being loaded; parts are dropped as served
         self._cache: Optional[tuple[str, int, dict[str, Any]]] = None
 
@@ -218,7 +201,7 @@ class NebulaCkptEngine(CheckpointEngine):
 
     def create(self, info: CheckpointCommitInfo) -> None:
         """Start collecting the files of checkpoint ``info.tag`` (raises on a tag nebula_ckpt refuses)."""
-        _check_tag_folder(str(info.tag))
+        check_tag_folder(str(info.tag))
         if os.path.realpath(os.path.abspath(info.save_dir)) == self._root:
             raise ValidationError(f"DeepSpeed save_dir {info.save_dir!r} is the nebula_ckpt root itself: give "
                                   "enable() / NebulaCkptEngine a root of its own (it owns the step-<N> folders there)")
@@ -248,8 +231,11 @@ class NebulaCkptEngine(CheckpointEngine):
 
     def _next_step(self, parts: int) -> Optional[int]:
         """The step of the checkpoint being committed; None when no rank has anything to save."""
-        if self._last_step is None:
+        if self._last_step is None:  # the first commit: what the root holds (a tag saved again supersedes it)
             self._last_step = max(self.checkpointer.list(), default=-1)
+            for s, t in sorted(self.checkpointer.steps(check_shards=False).items()):
+                if t is not None:
+                    self._tag_steps.setdefault(t, []).append(s)
         step = max(int(self._step_fn()) if self._step_fn is not None else 0, self._last_step + 1)
         co = self.checkpointer.coordinator
         if co.world_size == 1:
@@ -287,14 +273,44 @@ class NebulaCkptEngine(CheckpointEngine):
         tag = str(info.tag)
         handle = self.checkpointer.save_async(step, parts, tag=tag)
         self._last_step = step
+        self._tag_steps.setdefault(tag, []).append(step)
         self._wait(handle)
         for key, path in paths.items():
             write_pointer(path, self._root, tag, step, key)
         log.info("nebula_ckpt: DeepSpeed checkpoint %r is step %d (%d part(s)) under %s", tag, step, len(parts),
                  self._root)
+        self._pending.append(handle)
+        self.drop_superseded()
         if self.prune:
             self.prune_pointers()
         return True
+
+    def drop_superseded(self) -> list[int]:
+        """Remove the older steps of each tag saved again, once its new save is durable on every tier
+        (stock DeepSpeed overwrites ``save_dir/<tag>``: one copy per tag); return the steps removed.
+        A save not finished yet is looked at again at the next commit and at :meth:`wait` / :meth:`close`;
+        one a tier dropped or failed keeps the older steps. Every rank removes its own copies (the
+        coordinator the shared ones), as :meth:`~nebula_ckpt.Checkpointer.remove` asks."""
+        done = [h for h in self._pending if h.done()]
+        self._pending = [h for h in self._pending if h not in done]
+        removed: list[int] = []
+        for h in done:
+            if h.tag is None or not h.tiers_written or h.error() is not None or h.tiers_dropped or h.skipped:
+                continue  # not on every tier: the older steps stay
+            steps = self._tag_steps.get(h.tag, [])
+            self._tag_steps[h.tag] = [s for s in steps if s >= h.step]
+            for s in (s for s in steps if s < h.step):
+                try:
+                    removed += self.checkpointer.remove(step=s)
+                except NotFoundError:
+                    pass  # never committed, or gone meanwhile
+                except FencedError as e:  # the root was handed over to a newer writer: its retention decides
+                    log.info("nebula_ckpt: superseded step %d of %s is not removed: %s", s, self._root, e)
+                    break
+        if removed:
+            log.info("nebula_ckpt: removed the DeepSpeed step(s) %s, superseded by a save with their tag, under %s",
+                     removed, self._root)
+        return removed
 
     def prune_pointers(self) -> list[str]:
         """Remove the pointer files (and tag folders left empty) of the checkpoints of this root no
@@ -365,7 +381,7 @@ class NebulaCkptEngine(CheckpointEngine):
         if not tree:
             self._cache = None
         if isinstance(map_location, (str, torch.device)) and torch.device(map_location).type != "cpu":
-            part = _to_device(part, torch.device(map_location))
+            part = to_device(part, torch.device(map_location))
         return part
 
     def restore_pointers(self, save_dir: str, tag: Optional[str] = None) -> Optional[str]:
@@ -386,7 +402,7 @@ class NebulaCkptEngine(CheckpointEngine):
             if not held:
                 return None
             tag = max(held, key=lambda t: (held[t], t))
-        _check_tag_folder(tag)
+        check_tag_folder(tag)
         step, tree = self.checkpointer.read(tag=tag, map_location="cpu")
         if not isinstance(tree, dict):
             raise ValidationError(f"checkpoint {tag!r} (step {step}) under {self._root} was not written by "
@@ -409,9 +425,11 @@ class NebulaCkptEngine(CheckpointEngine):
 
     # -- lifetime ---------------------------------------------------------------------------------
     def wait(self, timeout: Optional[float] = None) -> None:
-        """Wait for the background persists (raises a failure not yet seen); then drop the
-        pointers of checkpoints retention removed (see :meth:`prune_pointers`)."""
+        """Wait for the background persists (raises a failure not yet seen); then remove the steps
+        superseded by a save with the same tag (:meth:`drop_superseded`) and the pointers of
+        checkpoints retention removed (:meth:`prune_pointers`)."""
         self.checkpointer.wait(timeout)
+        self.drop_superseded()
         if self.prune:
             self.prune_pointers()
 

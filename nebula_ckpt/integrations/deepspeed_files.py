@@ -13,9 +13,10 @@ from typing import Any, Optional
 import torch
 
 from nebula_ckpt import Checkpointer
-from nebula_ckpt.adapters import LocalCoordinator, canonical_root
+from nebula_ckpt.adapters import LocalCoordinator, canonical_root, check_tag
 from nebula_ckpt.errors import NotFoundError, OtherRanksError, ValidationError
 from nebula_ckpt.integrations.pointers import (
+    NAME_MAX,
     candidate_roots,
     check_record,
     encode_pointer,
@@ -97,6 +98,32 @@ def materialize(save_dir: str, tag: Optional[str] = None, *, checkpointer: Optio
     finally:
         if checkpointer is None:
             ck.close()
+
+
+def check_tag_folder(tag: str) -> None:
+    """DeepSpeed keeps a tag's files in the folder ``<save_dir>/<tag>``: refuse, before anything is
+    written, a (valid) tag whose folder name a file system cannot hold."""
+    check_tag(tag)
+    long = [c for c in tag.split("/") if len(c.encode()) > NAME_MAX]
+    if long:
+        raise ValidationError(f"DeepSpeed tag {tag[:40]!r}... ({len(tag)} characters) names the folder "
+                              f"<save_dir>/{tag[:20]}...: a folder name longer than {NAME_MAX} bytes, which no file "
+                              f"system holds; give save_checkpoint a shorter tag")
+
+
+def to_device(obj: Any, device: torch.device) -> Any:
+    """``obj`` with every tensor in it moved to ``device`` (dicts in place; lists, tuples rebuilt)."""
+    if isinstance(obj, torch.Tensor):
+        return obj.to(device)
+    if isinstance(obj, dict):
+        for k, v in obj.items():
+            obj[k] = to_device(v, device)
+        return obj
+    if isinstance(obj, list):
+        return [to_device(v, device) for v in obj]
+    if isinstance(obj, tuple) and not hasattr(obj, "_fields"):
+        return tuple(to_device(v, device) for v in obj)
+    return obj
 
 
 def tag_folders(save_dir: str) -> list[str]:

@@ -51,7 +51,7 @@ import torch
 from nebula_ckpt import Checkpointer, SaveMetrics, Tier
 from nebula_ckpt.adapters import LocalCoordinator, canonical_root, refuse_url_credentials
 from nebula_ckpt.errors import NebulaError, NotFoundError
-from nebula_ckpt.integrations.inflight import finished, started, writer_identity
+from nebula_ckpt.integrations.inflight import finished, started
 from nebula_ckpt.integrations.lightning_metrics import NebulaSaveMetrics
 from nebula_ckpt.integrations.lightning_refs import PointerRefs
 from nebula_ckpt.integrations.lightning_support import (
@@ -59,20 +59,21 @@ from nebula_ckpt.integrations.lightning_support import (
     POINTER_FIELDS,
     POINTER_FORMAT,
     InFlight,
-    abs_path,
     await_save,
     exists,
     in_trainer_stage,
     is_local,
     local,
+    nothing_committed,
     plain_int,
+    pointer_record,
     read_pointer,
     reader,
     remove_file,
     tag_for_path,
     write_pointer_file,
 )
-from nebula_ckpt.integrations.pointers import candidate_roots, check_record, loading_path, relative_root
+from nebula_ckpt.integrations.pointers import candidate_roots, check_record, loading_path
 
 log = logging.getLogger(__name__)
 
@@ -190,30 +191,24 @@ class NebulaCheckpointIO(_CheckpointIO):
         t0 = time.perf_counter()
         path = os.fspath(path)
         ck = self.checkpointer
-        self._settle(ck)
-        self._drop_unreferenced(ck)
-        step = self._start_saving(ck)
-        tag = tag_for_path(path)
-        handle = ck.save_async(step, checkpoint, tag=tag)
-        root = canonical_root(self.root)
-        started(root, tag, handle)  # a read of this path in this process waits for it, whoever reads
-        self._next_step = step + 1
-        self._inflight = InFlight(handle, tag, path, plain_int(checkpoint.get("global_step")))
-        self._tag_steps.setdefault(tag, []).append(step)
-        self._refs.saved_at(path)
-        replaced = self._refs.replacing(path, tag)
-        record = {"format": POINTER_FORMAT, "root": root, "step": step, "tag": tag, "path": abs_path(path),
-                  "global_step": plain_int(checkpoint.get("global_step")), "epoch": plain_int(checkpoint.get("epoch")),
-                  "writer": writer_identity()}  # a reader in another process waits while this one saves
-        if replaced is not None:  # until this save commits, the path's checkpoint is the one it replaces
-            record.update(prev_tag=replaced["tag"], prev_step=replaced["step"])
-        rel = relative_root(root, path)
-        if rel is not None:
-            record["root_rel"] = rel
-        write_pointer(path, record)
-        self.last_save_seconds = time.perf_counter() - t0
-        log.debug("nebula_ckpt: Lightning checkpoint %s -> step %d (%.1f ms)", path, step, 1e3 * self.last_save_seconds)
-        self._outside_run()
+        try:
+            self._settle(ck)
+            self._drop_unreferenced(ck)
+            step = self._start_saving(ck)
+            tag = tag_for_path(path)
+            handle = ck.save_async(step, checkpoint, tag=tag)
+            root = canonical_root(self.root)
+            started(root, tag, handle)  # a read of this path in this process waits for it, whoever reads
+            self._next_step = step + 1
+            self._inflight = InFlight(handle, tag, path, plain_int(checkpoint.get("global_step")))
+            self._tag_steps.setdefault(tag, []).append(step)
+            self._refs.saved_at(path)
+            write_pointer(path, pointer_record(root, step, tag, path, checkpoint, self._refs.replacing(path, tag)))
+            self.last_save_seconds = time.perf_counter() - t0
+            log.debug("nebula_ckpt: Lightning checkpoint %s -> step %d (%.1f ms)", path, step,
+                      1e3 * self.last_save_seconds)
+        finally:  # outside fit, finished and closed before returning, refused or not
+            self._outside_run()
 
     def load_checkpoint(self, path: Any, map_location: Optional[Any] = None,
                         weights_only: Optional[bool] = None) -> dict[str, Any]:
@@ -260,8 +255,7 @@ class NebulaCheckpointIO(_CheckpointIO):
                 if not isinstance(tree, dict):
                     raise NebulaError(f"{path}: step {step} does not hold a Lightning checkpoint dict")
                 return tree
-        raise NotFoundError(f"{path}: no committed checkpoint of this path (its save of step {ptr['step']} never "
-                            f"committed and there is no earlier one): {'; '.join(tried)}")
+        raise nothing_committed(ptr, path, tried)
 
     def _read_from(self, root: str, tag: str, map_location: Any) -> Any:
         """``(step, tree, tier)`` of ``tag``'s newest committed checkpoint under ``root``, or why not (a str)."""
@@ -283,35 +277,39 @@ class NebulaCheckpointIO(_CheckpointIO):
     def remove_checkpoint(self, path: Any) -> None:
         """Remove the pointer file at ``path``, and the checkpoint it names from every tier when
         no other pointer file still names it. A symlink (``save_last="link"``) is only unlinked;
-        a file that is not a pointer is deleted (with the checkpoints tagged with its path). Where
-        copies of a pointer file are looked for: :mod:`~nebula_ckpt.integrations.lightning_refs`.
+        anything else is deleted as ``TorchCheckpointIO`` does (a folder with what is in it, links
+        in it unlinked), with the checkpoints tagged with its path. Where copies of a pointer file
+        are looked for: :mod:`~nebula_ckpt.integrations.lightning_refs`.
         """
         path = os.fspath(path)
         if is_local(path) and os.path.islink(local(path)):
             os.remove(local(path))
             return
         ptr = read_pointer(path)
-        if ptr is not None and not self._refs.owns(ptr, path):
-            log.warning("nebula_ckpt: %s points into another root (%s): only the pointer file is removed", path,
-                        ptr["root"])
-        else:
-            tag = ptr["tag"] if ptr is not None else tag_for_path(path)
-            folders = self._refs.folders_for(path, ptr)
-            others = self._refs.referrers(tag, folders, skip=path)
-            if others:
-                log.info("nebula_ckpt: %s: its checkpoint stays, %s still name(s) it; removing the file only", path,
-                         others[:3])
-                self._refs.deferred.setdefault(tag, set()).update(folders)
+        try:
+            if ptr is not None and not self._refs.owns(ptr, path):
+                log.warning("nebula_ckpt: %s points into another root (%s): only the pointer file is removed", path,
+                            ptr["root"])
             else:
-                self._remove_tag(self.checkpointer, tag, path)
-        remove_file(path)
-        if self._ckpt is not None:
-            self._drop_unreferenced(self._ckpt)
-        self._outside_run()
+                tag = ptr["tag"] if ptr is not None else tag_for_path(path)
+                folders = self._refs.folders_for(path, ptr)
+                others = self._refs.referrers(tag, folders, skip=path)
+                if others:
+                    log.info("nebula_ckpt: %s: its checkpoint stays, %s still name(s) it; removing the file only",
+                             path, others[:3])
+                    self._refs.deferred.setdefault(tag, set()).update(folders)
+                else:
+                    self._remove_tag(self.checkpointer, tag, path)
+            remove_file(path)
+            if self._ckpt is not None:
+                self._drop_unreferenced(self._ckpt)
+        finally:  # outside fit, finished and closed before returning, failed or not
+            self._outside_run()
 
     def _outside_run(self) -> None:
         """A save or removal no ``teardown`` follows (:func:`in_trainer_stage` is false): finish it
-        now and close the Checkpointer, so that none of its threads outlives the call."""
+        now and close the Checkpointer, so that none of its threads outlives the call (run from a
+        ``finally``: also when the call fails, ``teardown`` then logging its own failure)."""
         if self._ckpt is not None and not in_trainer_stage():
             self.teardown()
 

@@ -11,20 +11,22 @@ from __future__ import annotations
 import hashlib
 import importlib
 import os
+import shutil
 import sys
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 from nebula_ckpt import Checkpointer, SaveHandle
 from nebula_ckpt.adapters import MAX_TAG_CHARS, LocalCoordinator, canonical_root, check_tag
-from nebula_ckpt.errors import NebulaError, ValidationError
-from nebula_ckpt.integrations.inflight import wait_committed, wait_for, writer_alive
+from nebula_ckpt.errors import NebulaError, NotFoundError, ValidationError
+from nebula_ckpt.integrations.inflight import wait_committed, wait_for, writer_alive, writer_identity
 from nebula_ckpt.integrations.pointers import (
     MAX_POINTER_BYTES,
     candidate_roots,
     encode_pointer,
     parse_pointer,
     read_pointer_head,
+    relative_root,
     write_local_pointer,
 )
 
@@ -178,15 +180,60 @@ def read_pointer(path: str) -> Optional[dict[str, Any]]:
 
 
 def remove_file(path: str) -> None:
-    """Delete ``path`` (a pointer, a link or a foreign checkpoint file) if it exists."""
+    """Delete what is at ``path``, if anything, as Lightning's ``TorchCheckpointIO`` does (fsspec's
+    ``rm(path, recursive=True)``): a file (a pointer, a foreign checkpoint) or a link, the link only
+    (never its target); a folder (a sharded or DeepSpeed checkpoint) with everything in it, the
+    links inside unlinked, never followed out of it."""
     if is_local(path):
         p = local(path)
-        if os.path.islink(p) or os.path.isfile(p):
+        if os.path.isdir(p) and not os.path.islink(p):
+            if os.path.abspath(p) == os.getcwd():
+                raise ValueError(f"{path} is the current working directory: not removed (as Lightning's fsspec)")
+            shutil.rmtree(p)  # links inside are unlinked, not followed (fd-based on Linux)
+        elif os.path.lexists(p):
             os.remove(p)
         return
     fs = fs_of(path)
     if fs.exists(path):
-        fs.rm(path)
+        fs.rm(path, recursive=True)
+
+
+def pointer_record(root: str, step: int, tag: str, path: str, checkpoint: dict[str, Any],
+                   replaced: Optional[dict[str, Any]]) -> dict[str, Any]:
+    """The record of the pointer file of a save at ``path``: step ``step`` of ``root`` tagged ``tag``;
+    ``replaced``: the pointer it replaces (whose checkpoint is the path's until this save commits)."""
+    record = {"format": POINTER_FORMAT, "root": root, "step": step, "tag": tag, "path": abs_path(path),
+              "global_step": plain_int(checkpoint.get("global_step")), "epoch": plain_int(checkpoint.get("epoch")),
+              "writer": writer_identity()}  # a reader in another process waits while this one saves
+    if replaced is not None:
+        record.update(prev_tag=replaced["tag"], prev_step=replaced["step"])
+    rel = relative_root(root, path)
+    if rel is not None:
+        record["root_rel"] = rel
+    return record
+
+
+def nothing_committed(ptr: dict[str, Any], path: str, tried: list[str]) -> NotFoundError:
+    """The error of a pointer (``ptr``, read at ``path``) under which no tier holds a committed
+    checkpoint (``tried``: what each root answered): the root it names no longer exists, or no
+    save of its path ever committed there."""
+    roots = candidate_roots(ptr, path)
+    if not any(_may_exist(r) for r in roots):
+        return NotFoundError(
+            f"{path}: the nebula_ckpt root it names, {' or '.join(roots)}, no longer exists (deleted, or moved "
+            f"without this file), and no memory tier holds its checkpoint (step {ptr['step']}) any more: put the "
+            f"root back where it was (a run folder moves whole: the pointers find their root in it), or remove "
+            f"{path} (and the other pointer files naming that root) to start afresh")
+    return NotFoundError(f"{path}: no committed checkpoint of this path (its save of step {ptr['step']} never "
+                         f"committed and there is no earlier one): {'; '.join(tried)}")
+
+
+def _may_exist(root: str) -> bool:
+    """Whether anything is at ``root`` (True when that cannot be told: a remote store refusing)."""
+    try:
+        return exists(root)
+    except Exception:  # an unreachable store is not proof that the root is gone
+        return True
 
 
 def plain_int(v: Any) -> Optional[int]:

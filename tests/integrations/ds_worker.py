@@ -7,6 +7,9 @@
         train STEPS steps (fixed seed, dropout), save_checkpoint every EVERY steps, append each
         step's loss (float.hex) to OUT.json lines; with KILL_AT: SIGKILL itself after that step;
         with "resume": load_checkpoint(SAVE_DIR) first and go on from the step it restored
+    python ds_worker.py same_tag STAGE ROOT SAVE_DIR OUT.json
+        save tag "keep" once and tag "last" four times through nebula_ckpt, and tag "last" four
+        times with stock DeepSpeed (SAVE_DIR-stock): what each keeps
     python ds_worker.py pointer_alone 0|memory ROOT SAVE_DIR OUT.json
         one of 2 gloo ranks (env://): a multi-rank save (on the memory tiers only: ``memory``) and
         its pointer files, then a torch.load of one on rank 0 alone, in the job and after it (no
@@ -429,12 +432,50 @@ def pointer_alone(root: str, save_dir: str, out: str, memory_only: bool = False)
     json.dump(res, open(out, "w"))
 
 
+def same_tag(stage: int, root: str, save_dir: str, out: str) -> None:
+    """One tag saved again and again: stock DeepSpeed overwrites ``save_dir/<tag>``, so does nebula_ckpt."""
+    from nebula_ckpt.integrations.deepspeed import enable
+
+    init_rank()
+    res: dict[str, Any] = {}
+    for label in ("nebula", "stock"):
+        engine = make_engine(stage, seed=0)
+        ce = enable(engine, root) if label == "nebula" else None
+        where = save_dir if ce is not None else save_dir + "-stock"
+        engine.save_checkpoint(where, tag="keep")
+        for s in range(4):  # no wait between the saves: each one supersedes the one before
+            train_step(engine, s)
+            engine.save_checkpoint(where, tag="last", client_state={"s": s})
+        saved = full_state(engine)
+        res[label] = {"files": sorted(os.listdir(os.path.join(where, "last"))), "latest": open(
+            os.path.join(where, "latest")).read()}
+        if ce is not None:
+            ce.wait()
+            res["steps"] = {str(k): v for k, v in ce.checkpointer.steps().items()}
+            res["per_tier"] = {t: sorted(v) for t, v in ce.checkpointer.list(detailed=True).items()}
+            ce.close()
+            fresh = make_engine(stage, seed=1)
+            cf = enable(fresh, root)
+            _, client = fresh.load_checkpoint(where, tag="last")
+            mismatches: list[str] = []
+            _diff(saved, full_state(fresh), "", mismatches)
+            res["load"] = [client["s"], mismatches]
+            train_step(fresh, 4)
+            fresh.save_checkpoint(where, tag="last")  # a new process: supersedes the step the last one saved
+            cf.wait()
+            res["after_resume"] = {str(k): v for k, v in cf.checkpointer.steps().items()}
+            cf.close()
+    json.dump(res, open(out, "w"))
+
+
 if __name__ == "__main__":
     mode, stage_s, root_a, save_dir_a, out_a = sys.argv[1:6]
     if mode == "pointer_alone":
         pointer_alone(root_a, save_dir_a, out_a, memory_only=stage_s == "memory")
     elif mode == "units":
         units(root_a, save_dir_a, out_a)
+    elif mode == "same_tag":
+        same_tag(int(stage_s), root_a, save_dir_a, out_a)
     elif mode == "hostile":
         hostile(root_a, save_dir_a, out_a)
     elif mode == "roundtrip":

@@ -128,6 +128,24 @@ def test_zero_save_load_bit_exact(tmp_path, shm_dir, stage: int) -> None:  # noq
     assert r["fp32_mismatch"] == ([] if stage > 0 else "not run")  # zero_to_fp32 reads the pointer files
 
 
+@pytest.mark.timeout(60)
+def test_a_tag_saved_again_keeps_one_copy_as_stock(tmp_path, shm_dir) -> None:  # noqa: ANN001
+    """``save_checkpoint(dir, tag="last")`` again and again: stock DeepSpeed overwrites ``dir/last``,
+    and the engine keeps one step per tag too (the older ones removed once the newer is durable),
+    not one full checkpoint per save; the tag loads the newest, bit for bit."""
+    out = tmp_path / "same_tag.json"
+    _run(["same_tag", 1, tmp_path / "root", tmp_path / "ds", out], shm_dir)
+    r = json.loads(out.read_text())
+    assert r["nebula"] == r["stock"]  # the same files in the tag folder, `latest` the same
+    assert sorted(r["steps"].values()) == ["keep", "last"]  # one step per tag, the other tag untouched
+    newest = max(int(s) for s, t in r["steps"].items() if t == "last")
+    disk = next(v for t, v in r["per_tier"].items() if t.startswith("local:"))
+    assert disk == sorted(int(s) for s in r["steps"]) and newest in disk
+    assert r["load"] == [3, []]  # the last save's client state, every tensor bit-exact
+    after = r["after_resume"]  # a later process saving the tag again removes the step an earlier one saved
+    assert sorted(after.values()) == ["keep", "last"] and max(int(s) for s in after) > newest
+
+
 @pytest.mark.timeout(300)
 def test_zero2_two_ranks_each_restores_its_partition(tmp_path, shm_dir) -> None:  # noqa: ANN001
     """Two gloo ranks: each rank's checkpoint holds its ZeRO partition and the model states (stored

@@ -209,6 +209,68 @@ def test_foreign_torch_file_loads(root: str, tmp_path) -> None:  # noqa: ANN001
     io.teardown()
 
 
+def test_remove_checkpoint_of_a_folder_or_link_is_stocks(root: str, tmp_path) -> None:  # noqa: ANN001
+    """What is not a pointer file is removed as ``TorchCheckpointIO`` removes it (``fs.rm(path,
+    recursive=True)``): a folder (a sharded / DeepSpeed checkpoint, which ModelCheckpoint's top-k
+    removal hands over) with everything in it, a link unlinked; never a link's target."""
+    from lightning_fabric.plugins.io.torch_io import TorchCheckpointIO
+
+    outside = tmp_path / "outside"
+    (outside / "sub").mkdir(parents=True)
+    (outside / "sub" / "keep.pt").write_bytes(b"k")
+    for label, io in (("stock", TorchCheckpointIO()), ("nebula", NebulaCheckpointIO(root))):
+        d = tmp_path / label
+        (d / "dir.ckpt" / "sub").mkdir(parents=True)
+        (d / "dir.ckpt" / "sub" / "x.pt").write_bytes(b"x" * 10)
+        os.symlink(outside, d / "dir.ckpt" / "link-out")  # a link inside: unlinked, not followed
+        os.symlink(outside, d / "link.ckpt")  # a link to a folder: the link only
+        io.remove_checkpoint(str(d / "dir.ckpt"))
+        io.remove_checkpoint(str(d / "link.ckpt"))
+        io.remove_checkpoint(str(d / "missing.ckpt"))
+        assert sorted(os.listdir(d)) == [], label
+        assert (outside / "sub" / "keep.pt").read_bytes() == b"k", label
+    assert not os.path.exists(root)  # nothing of nebula_ckpt's was touched, not even created
+
+
+def test_a_refused_save_outside_fit_closes_the_checkpointer(root: str, tmp_path) -> None:  # noqa: ANN001
+    """A save outside fit is complete when the call returns, its Checkpointer closed: also when it is
+    refused (a value typed JSON cannot hold), else the Checkpointer outlives the call and is reported
+    unclosed at exit."""
+    import threading
+
+    io = NebulaCheckpointIO(root)
+    p = str(tmp_path / "x.ckpt")
+    before = set(threading.enumerate())
+    with pytest.raises(nc.ValidationError, match="'bad'"):
+        io.save_checkpoint({**_state(0), "bad": {1, 2}}, p)
+    assert io._ckpt is None  # closed by the failed call itself
+    assert {t for t in threading.enumerate() if t.is_alive()} <= before
+    assert not os.path.exists(p)
+    io.save_checkpoint(_state(1), p)  # the plugin goes on: a new Checkpointer, closed again
+    assert io._ckpt is None
+    _assert_same(io.load_checkpoint(p), _state(1))
+
+
+def test_a_pointer_whose_root_is_gone_says_so(root: str, tmp_path, shm_dir: str) -> None:  # noqa: ANN001
+    """The root a pointer names deleted (and the memory tier with it): the error names that root and
+    says it no longer exists, not that the save never committed (it did); nothing is created."""
+    io = NebulaCheckpointIO(root)
+    last = str(tmp_path / "ckpts" / "last.ckpt")
+    io.save_checkpoint(_state(1), last)  # outside fit: durable on every tier when it returns
+    shutil.rmtree(root)
+    for name in os.listdir(shm_dir):
+        shutil.rmtree(os.path.join(shm_dir, name))
+    with pytest.raises(nc.NotFoundError) as e:
+        NebulaCheckpointIO(root).load_checkpoint(last)
+    msg = str(e.value)
+    assert f"root it names, {os.path.realpath(root)}, no longer exists" in msg and "never committed" not in msg
+    assert f"remove {last}" in msg
+    assert not os.path.exists(root)
+    os.makedirs(root)  # the root there but without the checkpoint: that other message
+    with pytest.raises(nc.NotFoundError, match="never committed"):
+        NebulaCheckpointIO(root).load_checkpoint(last)
+
+
 def test_removing_a_copy_of_a_pointer_keeps_what_another_pointer_names(root: str, tmp_path) -> None:  # noqa: ANN001
     """A pointer file's content names the checkpoint of the path it was written at; a copy of it
     (a user's backup, Lightning's ``last.ckpt`` where it cannot link) names the same one. Removing
