@@ -146,13 +146,19 @@ def committed_writes(storage: "Storage", steps: Optional[list[int]] = None) -> l
     """The writes ``(generation, step, save)`` committed on ``storage``, ascending (markers that
     cannot be read are left out: no checkpoint of anyone's); ``steps``: its committed steps when
     the caller listed them already (None: listed here)."""
-    out = []
-    for s in committed_steps(storage) if steps is None else steps:
+    commits = read_commits(storage, committed_steps(storage) if steps is None else steps)
+    return sorted(c.write for c in commits.values() if c is not None)
+
+
+def read_commits(storage: "Storage", steps: Iterable[int]) -> dict[int, Optional[Commit]]:
+    """The commit markers of the committed ``steps`` (None: one that cannot be read, no write of anyone's)."""
+    out: dict[int, Optional[Commit]] = {}
+    for s in steps:
         try:
-            out.append(read_commit(storage, s, f"{storage.display_url} step {s}").write)
+            out[s] = read_commit(storage, s, f"{storage.display_url} step {s}")
         except (OSError, CorruptCheckpointError):
-            continue
-    return sorted(out)
+            out[s] = None
+    return out
 
 
 def read_commit(storage: "Storage", step: int, where: str) -> Commit:

@@ -18,10 +18,10 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Callable, Container, Iterable, Optional
+from typing import Callable, Container, Iterable
 
 from nebula_ckpt.errors import CorruptCheckpointError
-from nebula_ckpt.format.commit import Commit, committed_steps, delete_checkpoint, read_commit, referrers
+from nebula_ckpt.format.commit import committed_steps, delete_checkpoint, read_commit, read_commits, referrers
 from nebula_ckpt.format.names import COMMIT, shard_generation, shard_owner, step_dir
 from nebula_ckpt.format.removal import Removal, read_removal, write_removal
 from nebula_ckpt.storage.base import Storage
@@ -104,17 +104,6 @@ def discard_files(storage: Storage, step: int, doomed: Callable[[str], bool], wh
         storage.remove_empty_dir(d)
     except Exception as e:
         log.warning("nebula_ckpt: %s: cannot remove the files of failed step folder %s: %s", where, d, e)
-
-
-def read_commits(storage: Storage, steps: Iterable[int]) -> dict[int, Optional[Commit]]:
-    """The commit markers of the committed ``steps`` (None: one that cannot be read, no write of anyone's)."""
-    out: dict[int, Optional[Commit]] = {}
-    for s in steps:
-        try:
-            out[s] = read_commit(storage, s, f"{storage.display_url} step {s}")
-        except (OSError, CorruptCheckpointError):
-            out[s] = None
-    return out
 
 
 class Removals:
