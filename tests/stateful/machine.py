@@ -209,6 +209,12 @@ class Single(RuleBasedStateMachine):
         keys = [self.mem(node), "disk"]
         want = self.truth.target(keys, frozenset(self.truth.suspect()))
         where = f"restore on n{node}"
+        # Checkpointer.latest() names, without reading it, the step load_latest restores (no step of
+        # this machine is damaged after its commit: the two must agree, suspect marks included)
+        named = got["latest"][0] if got.get("latest") else None
+        if named != (got.get("step") if "error" not in got else None):
+            self.fail(f"{where}: latest() named step {named}, load_latest "
+                      f"{'raised ' + got['error'] if 'error' in got else 'restored step ' + str(got.get('step'))}")
         if "error" in got:
             # every step it could open is marked suspect: load_latest raises, naming them (docs/health.md)
             if not (want is None and self.truth.target(keys) is not None and

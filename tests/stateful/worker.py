@@ -159,11 +159,12 @@ class Worker:
     def op_restore(self, cmd: dict[str, Any]) -> dict[str, Any]:
         assert self.ck is not None
         st = blank_state(self.rank)
+        latest = self.ck.latest()  # what load_latest tries first, named without reading it (this rank's tiers)
         try:
             step = self.ck.load_latest(into=st)
         except Exception as e:
-            return {"error": f"{type(e).__name__}: {e}", "listed": self._listed()}
-        got = {"step": step, "listed": self._listed()}
+            return {"error": f"{type(e).__name__}: {e}", "listed": self._listed(), "latest": latest}
+        got = {"step": step, "listed": self._listed(), "latest": latest}
         if step is not None:
             got["parts"] = decode(st, self.rank)
             got["tier"] = (self.ck.last_restore or {}).get("tier")
