@@ -317,6 +317,7 @@ class SaveProgress:
         """Nothing is saved, for ``reason`` (no tier's cadence wanted it, no free staging buffer)."""
         h = self._h
         h.skipped = reason
+        h._bytes = 0  # no snapshot was taken
         h._settle(list(h._pending))
         h._pending.clear()
         h._snapshot.set()

@@ -67,4 +67,5 @@ def test_a_skipped_save_reports_no_tier(tmp_path) -> None:  # noqa: ANN001
         ck.save(0, {"x": torch.ones(3)})
         h = ck.save_async(1, {"x": torch.ones(3)})
         assert h.skipped and h.metrics.durable_s == {} and h.metrics.blocked_s is not None
+        assert h.metrics.bytes == 0 and h.metrics.to_dict()["bytes"] == 0  # no snapshot was taken
         assert ck.stats()["saves_finished"] == 1
