@@ -146,6 +146,33 @@ def test_a_tag_saved_again_keeps_one_copy_as_stock(tmp_path, shm_dir) -> None:  
     assert sorted(after.values()) == ["keep", "last"] and max(int(s) for s in after) > newest
 
 
+@pytest.mark.timeout(200)
+def test_a_tag_saved_again_on_two_ranks_keeps_one_copy_as_stock(tmp_path, shm_dir) -> None:  # noqa: ANN001
+    """The same on two gloo ranks (ZeRO-2: each rank saves its partition): every rank's tag folder
+    holds what stock DeepSpeed's does, the tag loads the newest save bit for bit on each rank, and
+    once the job is over the root and the memory tiers keep one step per tag, the later process's."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = str(s.getsockname()[1])
+    procs = [_start(["same_tag", 2, tmp_path / "root", tmp_path / "ds", tmp_path / f"r{r}.json"], shm_dir,
+                    dict(MASTER_ADDR="127.0.0.1", MASTER_PORT=port, RANK=str(r), WORLD_SIZE="2", LOCAL_RANK=str(r),
+                         LOCAL_WORLD_SIZE="2")) for r in range(2)]
+    results = [_finish(p, timeout=180) for p in procs]
+    for r, (rc, out) in enumerate(results):
+        assert rc == 0, f"rank {r} failed (rc {rc}):\n{out[-6000:]}"
+    for r in range(2):
+        res = json.loads((tmp_path / f"r{r}.json").read_text())
+        assert res["nebula"] == res["stock"], r
+        # the shared tier's older steps are the coordinator's to remove: another rank may still list one
+        newest = max(int(s) for s, t in res["steps"].items() if t == "last")
+        mem = [v for t, v in res["per_tier"].items() if t.startswith("memory:")]
+        assert mem == [[newest]], (r, res["per_tier"])  # each rank's own tier: the newest only
+        assert res["load"] == [3, []], r
+    steps = sorted(p.name for p in (tmp_path / "root").iterdir() if p.name.startswith("step-"))
+    later = max(int(s) for s in json.loads((tmp_path / "r0.json").read_text())["after_resume"])
+    assert steps == ["step-0", f"step-{later}"]  # "keep", and the later process's "last" alone
+
+
 @pytest.mark.timeout(300)
 def test_zero2_two_ranks_each_restores_its_partition(tmp_path, shm_dir) -> None:  # noqa: ANN001
     """Two gloo ranks: each rank's checkpoint holds its ZeRO partition and the model states (stored
