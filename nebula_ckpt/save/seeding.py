@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 from nebula_ckpt.format.commit import committed_steps
 from nebula_ckpt.format.manifest import Manifest
@@ -31,6 +31,22 @@ if TYPE_CHECKING:
     from nebula_ckpt.storage.base import Storage
 
 log = logging.getLogger(__name__)
+
+
+def seed_tier(writer: Any, man: Manifest, here: bool, shared: bool) -> None:
+    """Make ``writer``'s (a :class:`~nebula_ckpt.save.writer.TierWriter`) next save build on the
+    restart base of ``man`` (:func:`restart_base`; ``shared``: a shared tier of a multi-rank job), on the thread that writes that save: reading the
+    tier must never hold the training thread. A failure (the tier unreachable, the root full) is
+    logged, and that save is written whole."""
+    co = writer.coordinator
+    try:
+        base = restart_base(writer.storage, man, here, writer.incremental.compare, shared, co.rank,
+                            co.world_size, writer.name)
+        if base is not None and writer.incremental.seed(dataclasses.replace(base, generation=writer.fence.generation)):
+            log.info("nebula_ckpt: tier %s: the next save builds on restored step %d", writer.name, base.step)
+    except Exception as e:
+        log.warning("nebula_ckpt: tier %s: the next save is written whole, not on restored step %d (%s: %s)",
+                    writer.name, man.step, type(e).__name__, e)
 
 
 def restart_base(storage: "Storage", man: Manifest, here: bool, compare: bool, shared: bool, rank: int,

@@ -97,6 +97,7 @@ class TierWriter:
         self._pending: Optional[Delivery] = None
         self._writing: Optional[int] = None  # the step being written (None: not busy)
         self._closing = False
+        self._seed: Optional[tuple[Manifest, bool]] = None  # seed()'s request, for the next write
         #: the training thread takes it directly (a C call a Ctrl-C cannot cut, unlike Condition.__enter__)
         self._mutex = threading.RLock()
         self._wake = Wakeup()  # offer() and close() ring it; the writer thread sleeps on it while idle
@@ -120,14 +121,18 @@ class TierWriter:
         """A restarted job restored the committed step of ``man`` from this tier (``here``) or
         from another one, every tensor verified: the next save here may build on it, or on
         another committed step of this tier, instead of being full (no save made yet; see
-        :func:`~nebula_ckpt.save.seeding.restart_base`)."""
-        if not self.incremental.enabled:
-            return
-        co = self.coordinator
-        base = seeding.restart_base(self.storage, man, here, self.incremental.compare, self._shared,
-                                    co.rank, co.world_size, self.name)
-        if base is not None and self.incremental.seed(dataclasses.replace(base, generation=self.fence.generation)):
-            log.info("nebula_ckpt: tier %s: the next save builds on restored step %d", self.name, base.step)
+        :func:`~nebula_ckpt.save.seeding.restart_base`). Taken up by the thread that writes the
+        next save: it reads the tier, which must never hold the training thread (a store down)."""
+        if self.incremental.enabled:
+            with self._mutex:
+                self._seed = (man, here)
+
+    def _take_seed(self) -> None:
+        """Apply :meth:`seed`'s request, if any, before a write (:func:`~nebula_ckpt.save.seeding.seed_tier`)."""
+        with self._mutex:
+            req, self._seed = self._seed, None
+        if req is not None:
+            seeding.seed_tier(self, *req, shared=self._shared)
 
     # -- called from other threads ---------------------------------------------------------------
     def offer(self, delivery: Delivery) -> None:
@@ -214,6 +219,8 @@ class TierWriter:
 
         ``on_shard(rel)`` is called once the shard file is durable, before manifest and commit.
         """
+        self._take_seed()
+
         def confirmed() -> None:
             snap.wait_confirmed()
             failure = snap.handle.progress.snapshot_failure()

@@ -66,3 +66,46 @@ def test_a_removed_base_goes_when_a_later_process_removes_its_referrers(any_stor
         assert [n for n in storage.list("") if n.startswith("step-")] == []
     finally:
         storage.close()
+
+
+def test_the_first_save_after_a_restore_never_waits_for_a_store_that_is_down(blob_store: Store, shm_dir: str) -> None:
+    """A restarted job restores, then the blob store goes down (stopped, or hung: SIGSTOP): its first
+    ``save_async`` returns without touching the store (the restored step is taken up as the next
+    save's base by the tier's writer thread, not by the training thread) and the failure comes back
+    through the handle (every tier's: a process takes its writer generation on the root before it
+    writes anywhere); once the store is back the next save reaches it, whole, and is the one a fresh
+    process restores."""
+    server = blob_store.server
+    assert server is not None
+    url, opts = blob_store.url("run"), blob_store.storage_options
+
+    def state(v: float) -> dict[str, Any]:
+        return {"w": torch.full((4096,), v)}
+
+    with knobs.override(remote_timeout_s=2.0, remote_retries=2):
+        with nc.Checkpointer(url, storage_options=opts) as ck:
+            ck.save(0, state(0.0))
+            ck.save(1, state(1.0))
+        for down, up in ((server.stop, server.start), (server.freeze, server.thaw)):
+            ck = nc.Checkpointer(url, storage_options=opts, on_persist_error="log")
+            into = state(-1.0)
+            assert ck.load_latest(into=into) == 1 and torch.equal(into["w"], state(1.0)["w"])
+            remote = next(t.name for t in ck.tiers if t.kind == "remote")
+            down()
+            try:
+                h = ck.save_async(2, state(2.0))  # never raises for the store: the outage is the handle's
+                h.wait(60)
+            finally:
+                up()
+            assert h.done() and remote in h.metrics.failed, h.metrics.to_dict()
+            assert isinstance(h.error(), nc.PersistError)
+            h3 = ck.save(3, state(3.0))
+            assert remote in h3.tiers_written
+            ck.close()
+            with nc.Checkpointer(url, storage_options=opts, tiers=[nc.RemoteTier(url, storage_options=opts)],
+                                 read_only=True) as r:
+                assert 3 in r.list()
+                got, st = r.read(3)
+                assert got == 3 and torch.equal(st["w"], state(3.0)["w"])
+            with nc.Checkpointer(url, storage_options=opts) as ck:  # the next round starts from step 1 again
+                ck.remove(3)
