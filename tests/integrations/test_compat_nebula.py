@@ -186,6 +186,32 @@ def test_latest_checkpoint_paths_of_different_tags_never_share_a_file(root: str)
     assert torch.equal(torch.load(got[0], weights_only=True)["w"], torch.zeros(2))
 
 
+_FORK_CHILD = """
+import os, sys, torch
+import nebula_ckpt.compat.torch_nebula as tn
+tn.init(persistent_storage_path=sys.argv[1])
+tn.Checkpoint("global_step1", 1).save("model", torch.nn.Linear(4, 2))
+path = tn.get_latest_checkpoint_path("model")
+pid = os.fork()
+if pid == 0:
+    sys.exit(0)  # a forked helper (an evaluator, a DataLoader worker) ending normally: atexit runs
+os.waitpid(pid, 0)
+torch.load(path, weights_only=True)  # what load_from_checkpoint(path) does: the file is still there
+tn.shutdown()
+print("gone after shutdown:", not os.path.exists(path))
+"""
+
+
+def test_a_forked_child_exiting_leaves_the_parents_exports_and_session_alone(root: str, shm_dir: str) -> None:
+    """A plain ``os.fork()`` child that exits normally runs the atexit hooks it inherited: the
+    session's must leave the parent's session alone (its exported files stay until the parent's
+    ``shutdown()``, which removes them)."""
+    p = subprocess.run([sys.executable, "-c", _FORK_CHILD, root], capture_output=True, text=True, timeout=120,
+                       env={**os.environ, "NEBULA_SHM_DIR": shm_dir})
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert "gone after shutdown: True" in p.stdout, p.stdout
+
+
 def test_retention_and_interval(root: str) -> None:
     """num_of_version_in_retention -> keep_last of both tiers; persistent_time_interval ->
     every_seconds of the persistent tier (a commit inside the interval stays in memory, and

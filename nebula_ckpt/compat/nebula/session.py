@@ -34,6 +34,8 @@ class Session:
         self.root = root
         self.settings = settings
         self.ck = ck
+        #: the process that made the session: a forked child never closes it nor removes its exports
+        self.pid = os.getpid()
         self.lock = threading.RLock()
         #: uncommitted checkpoints that have a tag, by tag (``Checkpoint(tag)`` objects share them)
         self.pending: dict[str, Parts] = {}
@@ -251,7 +253,9 @@ def shutdown() -> None:
     global _session
     with _session_lock:
         s, _session = _session, None
-    if s is not None:
+    if s is not None and s.pid != os.getpid():  # a forked child (a DataLoader worker, a helper): the parent's
+        log.debug("torch_nebula: shutdown() in a process forked from %d: the parent's session is left alone", s.pid)
+    elif s is not None:
         _close_session(s)
 
 
