@@ -77,8 +77,11 @@ class CopyJob(Protocol):
 
 
 def byte_view(t: torch.Tensor) -> torch.Tensor:
-    """The contiguous byte image of ``t`` as a 1-D uint8 tensor (may copy if non-contiguous)."""
-    t = t.detach()
+    """The contiguous byte image of ``t``'s values as a 1-D uint8 tensor (may copy if
+    non-contiguous, or a conj/neg view)."""
+    # A conj/neg view's memory holds the unconjugated values (the bit is applied lazily), and
+    # torch refuses to reinterpret it: its values are materialised into a copy.
+    t = t.detach().resolve_conj().resolve_neg()
     if t.dim() == 0:
         t = t.reshape(1)
     if not t.is_contiguous():

@@ -19,8 +19,10 @@ from __future__ import annotations
 
 import argparse
 import errno
+import functools
 import json
 import os
+import warnings
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Optional
 
@@ -120,16 +122,50 @@ def _shared_copies(src: Source) -> Callable[[str], Any]:
     return tensor
 
 
+@functools.lru_cache(maxsize=None)
+def safetensors_holds(dtype: Any) -> bool:
+    """Whether the installed safetensors writes tensors of ``dtype`` (its dtype table grows with
+    its version: complex128, complex32, the bits and sub-byte dtypes have no code in it)."""
+    import torch
+    from safetensors.torch import save
+
+    try:
+        with warnings.catch_warnings():  # complex32: "ComplexHalf support is experimental"
+            warnings.simplefilter("ignore")
+            save({"probe": torch.empty(1, dtype=dtype)})
+    except (KeyError, ValueError, TypeError, RuntimeError):
+        return False
+    return True
+
+
+def check_safetensors_dtypes(src: Source, keys: list[str]) -> None:
+    """Refuse, before anything is copied or written, a safetensors export of tensors (``keys`` of
+    ``src``) whose dtype safetensors has no code for, naming them and the fix."""
+    if src.full is not None:
+        dtypes = {k: src.full[k].dtype for k in keys}
+    else:
+        assert src.ck is not None
+        dtypes = {k: src.ck.resolve(k).torch_dtype for k in keys}
+    bad = [(k, d) for k, d in dtypes.items() if not safetensors_holds(d)]
+    if bad:
+        named = ", ".join(f"'{k}' ({str(d).removeprefix('torch.')})" for k, d in bad[:5])
+        raise NebulaError(f"export: safetensors has no dtype for {len(bad)} tensor(s) of step {src.step}: {named}"
+                          f"{' ...' if len(bad) > 5 else ''}; export a torch.save file instead, which keeps every "
+                          "dtype: --format torch with a --to ending in .pt (or a folder)")
+
+
 def safetensors_payload(src: Source, node: Mapping[str, Any], key: Optional[str],
                         quiet: bool) -> tuple[dict[str, Any], dict[str, str]]:
     """The tensors and metadata of a safetensors export (tied tensors as separate copies:
-    safetensors refuses shared memory)."""
+    safetensors refuses shared memory); a dtype safetensors lacks is refused first."""
     meta = {"format": "pt", "nebula_step": str(src.step)}
     if key is None:
         if src.full is not None:
+            check_safetensors_dtypes(src, list(src.full))
             meta.update(nebula_aliases="{}", nebula_world_size=str(src.man.world_size))
             return src.full, meta
         assert src.ck is not None
+        check_safetensors_dtypes(src, list(src.ck.keys()))
         meta["nebula_aliases"] = json.dumps(dict(src.man.aliases))
         return {k: owned_copy(src.ck.view(k)) for k in progress(list(src.ck.keys()), "export", "tensor", quiet)}, meta
     prefix = key + "/"
@@ -137,6 +173,7 @@ def safetensors_payload(src: Source, node: Mapping[str, Any], key: Optional[str]
     if not keys or any(not k.startswith(prefix) for k in keys):
         raise NebulaError(f"export: --key {key!r} holds {'no tensors' if not keys else 'a tensor itself'}; "
                           "name the dict or module whose tensors to export (e.g. --key model)")
+    check_safetensors_dtypes(src, keys)
     tensor = _shared_copies(src)
     tensors, seen = {}, set()
     for k in progress(keys, "export", "tensor", quiet):

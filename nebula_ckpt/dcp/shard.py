@@ -82,8 +82,9 @@ def tensor_parts(plan: SavePlan, planner: SavePlanner, info: GlobalPlanData,
             rec["dtensor"] = {"shape": [int(n) for n in td.size], "offsets": list(offsets),
                               "placements": list(placements), "mesh": list(mesh)}
         n = t.numel() * t.element_size()
-        ident = (t.data_ptr(), t.dtype, tuple(t.shape), t.stride(), t.device, json.dumps(rec, sort_keys=True)) \
-            if n else None
+        # x.conj() and x.neg() views share x's memory but not its values: never tied to x.
+        ident = (t.data_ptr(), t.dtype, tuple(t.shape), t.stride(), t.is_conj(), t.is_neg(), t.device,
+                 json.dumps(rec, sort_keys=True)) if n else None
         first = tied.get(ident) if ident is not None else None
         if first is not None:  # tied to a tensor this rank stores already: stored once
             out.append((item, Written(info.save_id, info.rank, fqn, offsets, key, None, first, None, shard), n))

@@ -24,6 +24,7 @@ from nebula_ckpt.restore.inplace import (
     check_module_not_meta,
     check_module_state,
     check_not_meta,
+    check_not_overlapping,
     check_optimizer_not_meta,
     check_optimizer_state,
     live_destinations,
@@ -390,6 +391,7 @@ class RestoreWalk(TreeWalk[Thunk]):
             raise ValidationError(
                 f"restore: key '{path or '<root>'}': checkpoint has {src.dtype} {tuple(src.shape)}, the tensor in "
                 f"`into` is {dest.dtype} {tuple(dest.shape)}; pass a matching tensor or use read()")
+        check_not_overlapping(dest, path or "<root>", self.where)
 
         def copy_into() -> Any:
             with torch.no_grad():

@@ -103,6 +103,8 @@ def check_module_state(ck: OpenCheckpoint, state: Mapping[str, Any], target: tor
         if not isinstance(v_node, dict) or v_node.get("t") != "tensor" or have is None or type(have) not in (
                 torch.Tensor, torch.nn.Parameter, torch.nn.Buffer):
             continue
+        check_not_overlapping(have, f"{shown}/{k}", "restore", f"the {type(target).__name__}'s tensor",
+                              "give the module a tensor that owns its memory (e.g. `.clone()`) and restore again")
         rec = ck.resolve(v_node["k"])
         if rec.dtensor is None and tuple(rec.shape) != tuple(have.shape):
             raise ValidationError(
@@ -129,6 +131,39 @@ def check_not_meta(t: Any, shown: str, where: str, what: str = "the tensor in `i
     if isinstance(t, torch.Tensor) and is_meta(t):
         raise ValidationError(f"{where}: key '{shown}': {what} is on the meta device (no data: nothing would be "
                               f"restored into it); {META_FIX}")
+
+
+def overlapping(t: torch.Tensor) -> bool:
+    """Whether two elements of the strided tensor ``t`` lie at one memory location (an expanded
+    view: a stride of 0; or strides that interleave): a copy into it cannot hold distinct values."""
+    if t.numel() < 2 or t.layout != torch.strided or t.is_contiguous():
+        return False
+    dims = sorted((st, n) for n, st in zip(t.shape, t.stride(), strict=True) if n > 1)
+    reach = 0  # the farthest element offset the dims with smaller strides reach
+    for st, n in dims:
+        if st <= reach:
+            break
+        reach += (n - 1) * st
+    else:
+        return False
+    if dims[0][0] == 0:
+        return True
+    # strides that nest into one another cannot tell: compare every element's offset
+    offsets = torch.zeros((), dtype=torch.int64)
+    for n, st in zip(t.shape, t.stride(), strict=True):
+        offsets = offsets.unsqueeze(-1) + torch.arange(n, dtype=torch.int64) * st
+    return bool(offsets.unique().numel() < t.numel())
+
+
+def check_not_overlapping(t: Any, shown: str, where: str, what: str = "the tensor in `into`",
+                          fix: str = "pass a tensor that owns its memory (e.g. `t.clone()`) and restore again") -> None:
+    """Refuse restoring into ``t`` (at ``shown``) when elements of it share memory (see
+    :func:`overlapping`): torch's copy refuses it only once the keys before it were written, or
+    keeps one value of several. Checked before anything changes."""
+    if isinstance(t, torch.Tensor) and not is_meta(t) and overlapping(t):
+        raise ValidationError(f"{where}: key '{shown}': {what} has elements that share memory (shape "
+                              f"{tuple(t.shape)}, strides {tuple(t.stride())}: an expanded or overlapping view), so "
+                              f"it cannot hold the saved values; {fix}")
 
 
 def check_module_not_meta(ck: OpenCheckpoint, state: Mapping[str, Any], target: torch.nn.Module, shown: str,

@@ -291,6 +291,43 @@ def test_into_of_another_shape_than_saved_is_refused_not_skipped(root: str) -> N
     assert not torch.equal(fresh[0].weight, before[0])
 
 
+class _Positions(torch.nn.Module):
+    def __init__(self, pos: torch.Tensor) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(5, 5)
+        self.register_buffer("pos", pos)
+
+
+@pytest.mark.parametrize("memory_tier", [True, False])
+@pytest.mark.parametrize("case", ["expanded", "interleaved", "module-buffer"])
+def test_a_destination_whose_elements_share_memory_is_refused_before_anything_changes(
+        root: str, memory_tier: bool, case: str) -> None:
+    """An expanded tensor (stride 0) has the saved shape and dtype, but torch's copy into it raises
+    once the keys before it were written (an interleaving one keeps one value of several): refused
+    first, naming the key and the fix, with `into` untouched; its clone restores."""
+    pos = torch.arange(15.).reshape(3, 5)
+    with nc.Checkpointer(root, memory_tier=memory_tier) as ck:
+        ck.save(1, {"a": torch.ones(4), "pos": pos, "model": _Positions(pos), "z": torch.ones(3)})
+    shared = {"expanded": torch.zeros(5).expand(3, 5),
+              "interleaved": torch.zeros(8).as_strided((3, 5), (1, 1))}.get(case, torch.zeros(5).expand(3, 5))
+    model = _Positions(shared if case == "module-buffer" else torch.zeros(3, 5))
+    into = {"a": torch.zeros(4), "pos": shared if case != "module-buffer" else torch.zeros(3, 5),
+            "model": model, "z": torch.zeros(3)}
+    before = [into["a"].clone(), into["z"].clone(), model.lin.weight.detach().clone()]
+    key = "model/pos" if case == "module-buffer" else "pos"
+    with nc.Checkpointer(root, memory_tier=memory_tier) as ck:
+        with pytest.raises(nc.ValidationError, match=f"key '{key}'.*share memory.*clone"):
+            ck.load(1, into=into)
+        after = [into["a"], into["z"], model.lin.weight]
+        assert all(torch.equal(a, b) for a, b in zip(before, after, strict=True))
+        if case == "module-buffer":
+            model.pos = model.pos.clone()
+        else:
+            into["pos"] = into["pos"].clone()
+        ck.load(1, into=into)
+    assert torch.equal(into["pos"], pos) and torch.equal(model.pos, pos) and into["z"].eq(1).all()
+
+
 def test_a_resharding_restore_is_strict_both_ways(tmp_path) -> None:  # noqa: ANN001
     """The resharding path (another world size, DCP underneath) refuses the forgotten scheduler too."""
     from nebula_ckpt.restore.dcp_reader import newest_manifest

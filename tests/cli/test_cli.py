@@ -168,6 +168,33 @@ def test_a_safetensors_export_names_what_it_leaves_out(saved: str, tmp_path,  # 
     assert json.loads(capsys.readouterr().out)["left_out"] == ["step", "cfg/lr", "cfg/betas/0", "cfg/betas/1"]
 
 
+@pytest.mark.filterwarnings("ignore:ComplexHalf support is experimental")
+def test_a_dtype_safetensors_lacks_is_refused_naming_it_before_anything_is_made(  # noqa: ANN001
+        root: str, tmp_path, capsys: pytest.CaptureFixture[str]) -> None:
+    state = {"w": torch.randn(4), "phase": torch.randn(3, dtype=torch.complex128),
+             "half": torch.randn(2, dtype=torch.complex64).to(torch.complex32),
+             "raw": torch.arange(5, dtype=torch.int16).view(torch.bits16)}
+    with nc.Checkpointer(root, memory_tier=False) as ck:
+        ck.save(1, state)
+        ck.save(2, {"model": state})
+    capsys.readouterr()
+    for step, key, to in ((1, [], str(tmp_path / "out" / "x.safetensors")),
+                          (2, ["--key", "model"], str(tmp_path / "hf") + os.sep),  # a folder: model.safetensors
+                          (2, [], str(tmp_path / "new" / "y.safetensors"))):
+        assert main(["export", root, "--step", str(step), *key, "--to", to]) == 1
+        err = capsys.readouterr().err
+        prefix = "model/" if step == 2 else ""
+        for name, dtype in (("phase", "complex128"), ("half", "complex32"), ("raw", "bits16")):
+            assert f"'{prefix}{name}' ({dtype})" in err, err
+        assert "--format torch" in err and "KeyError" not in err and f"'{prefix}w'" not in err, err
+        assert not os.path.exists(os.path.dirname(to))  # no folder made
+    to = tmp_path / "out" / "x.pt"  # what the message says: a torch.save file keeps them
+    assert main(["export", root, "--step", "1", "--to", str(to)]) == 0
+    got = torch.load(to, weights_only=True)
+    for k, v in state.items():
+        assert got[k].dtype == v.dtype and got[k].view(torch.uint8).equal(v.view(torch.uint8)), k
+
+
 def test_version_says_which_path_runs_and_why(capsys: pytest.CaptureFixture[str]) -> None:
     from nebula_ckpt import knobs
     from nebula_ckpt.native import describe
