@@ -29,6 +29,7 @@ from nebula_ckpt.format.tree import decode, held_by_some, merged
 from nebula_ckpt.restore.dcp_reader import NebulaStorageReader
 from nebula_ckpt.restore.inplace import (
     check_not_meta,
+    check_not_overlapping,
     check_optimizer_not_meta,
     check_optimizer_state,
     read_optimizer,
@@ -165,6 +166,7 @@ class _Matcher(TreeWalk[Optional[Thunk]]):
                 f"{self.where}: key '{key}': checkpoint has {md.properties.dtype} of global shape "
                 f"{tuple(md.size)}, `into` holds {target.dtype} {tuple(target.shape)}; build `into` with the "
                 "saved model and dtypes (the layout may differ, the global shapes may not)")
+        check_not_overlapping(target, path or "<root>", self.where)
         self.flat[key] = target
         return None
 

@@ -272,6 +272,13 @@ def test_mismatched_into_is_a_validation_error_naming_the_key(root4: Path) -> No
     with pytest.raises(ValidationError, match=r"model/2.weight.*\(6, 32\).*\(7, 32\)"):
         wrong = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 7))
         load_resharded(storage, 5, man, {"model": wrong})
+    # a destination whose elements share memory (an expanded view) is refused before anything changes
+    shared, _ = plain_model(seed=6)
+    w6 = shared[0].weight.detach().clone()
+    shared[2].weight = torch.nn.Parameter(torch.zeros(1, 32).expand(6, 32))
+    with pytest.raises(ValidationError, match=r"model/2.weight.*share memory"):
+        load_resharded(storage, 5, man, {"model": shared}, strict=False)
+    assert torch.equal(shared[0].weight, w6)
     # strict=False: what into holds is restored (the model; the fresh optimizer's state made from the
     # checkpoint), the key it lacks ('step') is skipped
     model2, _ = plain_model(seed=7)
