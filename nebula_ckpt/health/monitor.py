@@ -15,7 +15,11 @@ after each ``save_async``, :meth:`~HealthMonitor.restored` after each restore. I
 - a finite loss with a non-finite ``grad_norm`` (a step an AMP loss scaler skipped) neither
   confirms nor blames anything.
 
-A failure to write a record is logged (ERROR), never raised into the training loop.
+A failure to write a record is logged (ERROR), never raised into the training loop. A suspect mark
+that could not be written is kept and tried again (at a report or a save, at most every
+``_RETRY_EVERY_S``; before ``close()`` copies a step to a persistent tier; at ``close()``): until it
+is written, ``close()`` puts no copy of its step on a persistent tier (:func:`monitor_of`,
+:meth:`HealthMonitor.suspect`), so a restart cannot find that step there unmarked.
 """
 
 from __future__ import annotations
@@ -23,15 +27,18 @@ from __future__ import annotations
 import logging
 import math
 import threading
+import time
+import weakref
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterable, Optional
 
 from nebula_ckpt.errors import ValidationError
 from nebula_ckpt.format.commit import committed_steps
 from nebula_ckpt.format.health import BY_REPORT, HEALTHY, SUSPECT
 from nebula_ckpt.health.book import HealthBook
 from nebula_ckpt.health.policy import HealthPolicy
+from nebula_ckpt.storage.base import Storage
 from nebula_ckpt.workers import Workers
 
 log = logging.getLogger("nebula_ckpt")
@@ -42,6 +49,24 @@ _MAX_PENDING = 64
 _PRUNE_EVERY = 16
 #: how long close() waits for the healthy marks still being written
 _CLOSE_WAIT_S = 60.0
+#: a suspect mark that failed is tried again at a report or a save at most this often (a blob store
+#: that is down would otherwise hold every training step for its timeout)
+_RETRY_EVERY_S = 10.0
+
+#: the monitors of this process's open Checkpointers: how close()'s drain finds its root's marks
+_LIVE: "weakref.WeakSet[HealthMonitor]" = weakref.WeakSet()
+_LIVE_LOCK = threading.Lock()
+
+#: a suspect mark: (generation, None: this writer's; step; reason)
+SuspectMark = tuple[Optional[int], int, str]
+
+
+def monitor_of(storages: Iterable[Storage]) -> Optional["HealthMonitor"]:
+    """The monitor of the open Checkpointer whose root storage is one of ``storages`` (a pipeline's
+    tiers), or None (a job with no monitor: nothing is known suspect)."""
+    ids = {id(s) for s in storages}
+    with _LIVE_LOCK:
+        return next((m for m in _LIVE if id(m.book.storage) in ids), None)
 
 
 def as_signal(value: Any, name: str, optional: bool = False) -> Optional[float]:
@@ -106,13 +131,21 @@ class HealthMonitor:
         self._futures: list[Future[Any]] = []
         self._healthy_written = 0
         self._confirmed: Optional[int] = None
+        #: suspect marks not written yet (tried again), and the checkpoints marked suspect by this process
+        self._unwritten: list[SuspectMark] = []
+        self._suspects: set[tuple[int, int]] = set()
+        self._retry_at = 0.0
         #: whether this process reported anything yet
         self.reported = False
+        with _LIVE_LOCK:
+            _LIVE.add(self)
 
     # -- training thread ------------------------------------------------------------------------
     def report(self, step: int, loss: float, grad_norm: Optional[float]) -> None:
         """One reported step (validated numbers)."""
         with self._lock:
+            if self._unwritten and time.monotonic() >= self._retry_at:
+                self._retry(final=False)
             self.reported = True
             new = step != self._last_step
             self._last_step = step
@@ -129,6 +162,8 @@ class HealthMonitor:
     def saved(self, step: int) -> None:
         """``save_async(step)`` was accepted."""
         with self._lock:
+            if self._unwritten and time.monotonic() >= self._retry_at:
+                self._retry(final=False)
             if self._bad is not None:
                 self._suspect([(None, step, f"saved after a bad report ({self._bad}) and before any finite one")])
                 return
@@ -161,6 +196,22 @@ class HealthMonitor:
         with self._lock:
             waiting = next((s for s in self._pending if s in on_tier), None)
             return {s for s in (waiting, self._confirmed) if s is not None and s in on_tier}
+
+    def settle(self) -> None:
+        """Try the suspect marks not written yet again, now: called before ``close()`` copies a
+        step to a persistent tier, so that the copy finds its mark on the root."""
+        with self._lock:
+            if self._unwritten:
+                self._retry(final=False)
+
+    def suspect(self, generation: int, step: int) -> bool:
+        """Whether this process marked the checkpoint ``(generation, step)`` suspect, or failed to
+        so far (such a step is never copied to a persistent tier by ``close()``). Any thread."""
+        with self._lock:
+            if (generation, step) in self._suspects:
+                return True
+            # None: this writer's generation could not be had yet; whichever it is, the step is not copied
+            return any(s == step and g in (generation, None) for g, s, _ in self._unwritten)
 
     # -- decisions --------------------------------------------------------------------------------
     def _judge(self, step: int, loss: float, grad_norm: Optional[float]) -> Optional[str]:
@@ -208,15 +259,44 @@ class HealthMonitor:
             self._submit(p, f"the loss was finite at the {p.finite} reported step(s) after it ({span})")
 
     # -- writing ------------------------------------------------------------------------------------
-    def _suspect(self, marks: list[tuple[Optional[int], int, str]]) -> None:
-        """Write suspect marks now (before ``report`` returns): they are what stops a loop."""
-        for generation, step, reason in marks:
-            try:
-                g = self._generation() if generation is None else generation
-                self.book.append(step=step, generation=g, state=SUSPECT, by=BY_REPORT, rank=self.rank, reason=reason)
-            except Exception as e:
-                log.error("nebula_ckpt: could not mark step %d suspect on %s (%s: %s): a restore may pick it again",
-                          step, self.book.storage.display_url, type(e).__name__, e)
+    def _suspect(self, marks: list[SuspectMark]) -> None:
+        """Write suspect marks now (before ``report`` returns): they are what stops a loop. One that
+        fails is kept and tried again (:meth:`_retry`)."""
+        for mark in marks:
+            e = self._write_suspect(mark)
+            if e is not None:
+                log.error("nebula_ckpt: could not mark step %d suspect on %s (%s: %s): it is tried again at the next "
+                          "report, save and at close(); meanwhile close() puts no copy of it on a persistent tier",
+                          mark[1], self.book.storage.display_url, type(e).__name__, e)
+
+    def _retry(self, final: bool) -> None:
+        """Write the suspect marks that failed before; those that fail again stay (``final``: the
+        last try, at close: each is said at ERROR, with the command that marks it by hand)."""
+        marks, self._unwritten = self._unwritten, []
+        for mark in marks:
+            e = self._write_suspect(mark)
+            if e is None:
+                continue
+            if final:
+                log.error("nebula_ckpt: step %d is not marked suspect on %s (%s: %s): a restore may pick it again; "
+                          "mark it with `nebula-ckpt mark ROOT --suspect %d`", mark[1], self.book.storage.display_url,
+                          type(e).__name__, e, mark[1])
+            else:
+                log.debug("nebula_ckpt: step %d still not marked suspect: %s: %s", mark[1], type(e).__name__, e)
+
+    def _write_suspect(self, mark: SuspectMark) -> Optional[Exception]:
+        """Write one suspect mark; the failure (the mark is then kept in :attr:`_unwritten`), or None."""
+        generation, step, reason = mark
+        try:
+            generation = self._generation() if generation is None else generation
+            self.book.append(step=step, generation=generation, state=SUSPECT, by=BY_REPORT, rank=self.rank,
+                             reason=reason)
+        except Exception as e:
+            self._unwritten.append((generation, step, reason))
+            self._retry_at = time.monotonic() + _RETRY_EVERY_S
+            return e
+        self._suspects.add((generation, step))
+        return None
 
     def _submit(self, p: _Pending, reason: str) -> None:
         """Write a healthy mark in the background."""
@@ -245,8 +325,13 @@ class HealthMonitor:
                 self.book.prune(older_than=steps[0])
 
     def close(self) -> None:
-        """Wait (a while) for the healthy marks still being written."""
+        """Try the suspect marks not written yet a last time; wait (a while) for the healthy marks
+        still being written."""
+        with _LIVE_LOCK:
+            _LIVE.discard(self)
         with self._lock:
+            if self._unwritten:
+                self._retry(final=True)
             futures, workers, self._workers, self._futures = self._futures, self._workers, None, []
         for f in futures:
             try:

@@ -62,6 +62,7 @@ from nebula_ckpt.format.names import (
     shard_owner,
     step_dir,
 )
+from nebula_ckpt.health.monitor import monitor_of
 from nebula_ckpt.native import get_ops
 from nebula_ckpt.ranks.fencing import Fence
 from nebula_ckpt.ranks.split import split_manifest, split_payload
@@ -350,15 +351,27 @@ def flush_newest(writers: "list[TierWriter]") -> None:
     """One process's drain at ``close()``: put the newest committed step on every persistent tier of
     ``writers`` that lacks it (cadence, drops). A disk or remote tier with ``every=N`` (or one that
     dropped saves while busy) would otherwise end the job older than the memory tier, which does
-    not survive a reboot."""
+    not survive a reboot. A step this process marked suspect (or failed to mark so far: its mark is
+    tried again first) is never copied: the newest step not marked suspect is put there instead."""
     # writes, not step numbers: a tier holding the first write of a step saved twice lacks the second
     have = {w.name: set(committed_writes(w.storage)) for w in writers}
-    newest = max((max(s) for s in have.values() if s), default=None)
+    monitor = monitor_of(w.storage for w in writers)
+    if monitor is not None:
+        monitor.settle()  # a mark that failed before lands now, before any copy of its step
+    newest = None
+    for write in sorted(set().union(*have.values()), reverse=True):
+        if monitor is None or not monitor.suspect(write[0], write[1]):
+            newest = write
+            break
+        if any(w.tier.persistent and write not in have[w.name] for w in writers):
+            log.warning("nebula_ckpt: close() puts no copy of step %d on the persistent tiers: this process marked "
+                        "it suspect", write[1])
     if newest is None:
         return
     src = next((w.storage for w in writers if newest in have[w.name] and w.storage.is_local), None)
     for w in writers:
-        if not w.tier.persistent or newest in have[w.name]:
+        # a tier holding a newer (suspect) write keeps it as its newest
+        if not w.tier.persistent or newest in have[w.name] or max(have[w.name], default=newest) > newest:
             continue
         try:
             if src is None:

@@ -8,6 +8,7 @@ stores' in ``tests/blob/test_health_remote.py``.
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import math
@@ -25,6 +26,7 @@ from nebula_ckpt.format.health import HEALTH_DIR
 from nebula_ckpt.health import HealthPolicy, SpikeRule
 from nebula_ckpt.health.book import HealthView
 from nebula_ckpt.storage.local import LocalStorage
+from tmpfs_mount import mounted_tmpfs
 
 NAN = float("nan")
 
@@ -144,6 +146,75 @@ def test_a_step_saved_after_a_bad_loss_is_suspect_at_once_and_a_first_run_nan_bl
     got, last = run(root, range(0))
     assert got == 3 and last is not None and last["health"] == "unknown"  # the unconfirmed step gets its one try
     assert last["skipped"][0]["reason"] == "saved after a bad report (loss nan at step 6) and before any finite one"
+
+
+def _bad_save_after_a_confirmed_step(ck: nc.Checkpointer, before_bad: Callable[[], None]) -> None:
+    """Step 1 saved and confirmed healthy; ``before_bad()``; a NaN at step 4 and step 4 saved after it."""
+    ck.save(1, _state(1))
+    for step in (1, 2, 3):
+        ck.report(step, loss=1.0)
+    before_bad()
+    ck.report(4, loss=NAN)
+    h = ck.save_async(4, _state(4))
+    try:
+        h.result()
+    except nc.PersistError:
+        pass  # a full root: the memory tier has the step
+
+
+def test_a_suspect_mark_that_failed_on_a_full_disk_is_written_later_and_its_step_never_restored(
+        tmp_path: Any, shm_dir: str) -> None:
+    """The mark of a step saved after a bad loss fails (ENOSPC, a real full tmpfs): it is kept, and
+    written once there is room again, before close() would put the step on the disk; the restart
+    skips the step."""
+    with mounted_tmpfs(str(tmp_path / "small"), "16m") as mnt:
+        root, filler = os.path.join(mnt, "ckpt"), os.path.join(mnt, "filler")
+
+        def fill() -> None:
+            _until(lambda: marks(root).get(1) == "healthy")
+            with open(filler, "wb", buffering=0) as f:
+                try:
+                    while True:
+                        f.write(b"\0" * (1 << 16))
+                except OSError as e:
+                    assert e.errno == errno.ENOSPC
+
+        ck = nc.Checkpointer(root, on_persist_error="log")
+        _bad_save_after_a_confirmed_step(ck, fill)
+        view = HealthView(LocalStorage(root))
+        assert view.mark(1, 1).state == "healthy" and view.mark(1, 4).state == "unknown"  # the mark failed
+        os.unlink(filler)                                                                  # room again
+        ck.close()
+        assert HealthView(LocalStorage(root)).mark(1, 4).state == "suspect"
+        assert 4 not in marks(root)  # nor was the step put on the disk
+        got, last = run(root, range(0))
+        assert got == 1 and last is not None and last["skipped"][0]["step"] == 4
+
+
+def test_close_puts_no_copy_of_a_step_whose_suspect_mark_cannot_be_written(
+        root: str, caplog: pytest.LogCaptureFixture) -> None:
+    """While the suspect mark of a step cannot be written, close() does not put that step on a
+    persistent tier whose cadence skipped it, but the newest step before it, and says how to mark
+    the step by hand."""
+    health = os.path.join(root, HEALTH_DIR)
+
+    def block_records() -> None:  # the records' folder is taken by a file: every mark fails
+        _until(lambda: marks(root).get(1) == "healthy")
+        ck.save(3, _state(3))  # not confirmed before the NaN: unknown
+        os.rename(health, health + ".aside")
+        open(health, "wb").close()
+
+    tiers = [nc.MemoryTier(keep_last=2), nc.LocalTier(root, every=10)]   # steps 3 and 4: the memory tier only
+    ck = nc.Checkpointer(root, tiers=tiers)
+    _bad_save_after_a_confirmed_step(ck, block_records)
+    with caplog.at_level(logging.ERROR, logger="nebula_ckpt"):
+        ck.close()
+    assert not os.path.exists(os.path.join(root, "step-4"))
+    assert "nebula-ckpt mark ROOT --suspect 4" in caplog.text
+    os.unlink(health)
+    os.rename(health + ".aside", health)
+    got, _ = run(root, range(0), memory_tier=False)  # after a reboot: the disk only
+    assert got == 3
 
 
 def test_a_skipped_amp_step_neither_confirms_nor_blames(root: str) -> None:
