@@ -77,6 +77,12 @@ def persistent_workers(loader: Any) -> bool:
     return bool(getattr(loader, "persistent_workers", False)) and int(getattr(loader, "num_workers", 0) or 0) > 0
 
 
+def has_workers(loader: Any) -> bool:
+    """Whether a ``persistent_workers`` loader made its worker iterator already (torch keeps it in
+    the loader; the next ``iter()`` reuses it and draws no base seed)."""
+    return getattr(loader, "_iterator", None) is not None
+
+
 def replay(loader: Iterable[Any], batches: int, epoch: int) -> tuple[Iterator[Any], int]:
     """A new iterator over ``loader`` with its first ``batches`` batches drawn and dropped.
 

@@ -229,8 +229,18 @@ class LoopState:
             return it
         if pending is None or self.batch == 0:
             self._epoch_start = _take(loader, cuda=False)
+            self._make_workers(self._epoch_start)
             return iter(loader)
         return self._replay(pending)
+
+    def _make_workers(self, start: Any) -> None:
+        """A loader that keeps its workers (``persistent_workers``) made them in the first epoch of
+        the run that saved, drawing their base seed before the epoch's shuffle; a later epoch's
+        ``iter()`` reuses them and draws none. A resumed process past the first epoch makes them now
+        and puts the streams back to the epoch's ``start``, so the shuffle draws what it drew."""
+        if self.epoch > 0 and data.persistent_workers(self.loader) and not data.has_workers(self.loader):
+            iter(self.loader)
+            _put(self.loader, start, "LoopState (epoch start)")
 
     def _replay(self, pending: Mapping[str, Any]) -> Iterator[Any]:
         start = pending["epoch_start"]
@@ -242,6 +252,7 @@ class LoopState:
                         "random numbers drawn inside the workers resume from the start of epoch %d's workers, not from "
                         "where they were", self.epoch)
         _put(self.loader, start, "LoopState (epoch start)")
+        self._make_workers(start)
         self._epoch_start = start
         it, done = data.replay(self.loader, self.batch, self.epoch)
         if done < self.batch:

@@ -126,6 +126,26 @@ def test_a_plain_dataloader_resumes_bit_exact(tmp_path: Path, shm_dir: str, num_
     resumed_equals_uninterrupted(plain(num_workers, generator=generator), tmp_path, [2, 4, -1, 6])
 
 
+class Indices(torch.utils.data.Dataset):
+    """Each item its index: a dataset that draws no random numbers."""
+
+    def __len__(self) -> int:
+        return 14
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        return torch.tensor([float(i)], dtype=torch.float64)
+
+
+def test_a_loader_that_keeps_its_workers_resumes_bit_exact_in_every_epoch(tmp_path: Path, shm_dir: str) -> None:
+    """``persistent_workers=True``: the run that saved made its workers (drawing their base seed)
+    in the first epoch only; a resumed loop past it, mid-epoch or at an epoch's start, must shuffle
+    as that run did (its workers made first, then the epoch's streams put back)."""
+    def make() -> Any:
+        return torch.utils.data.DataLoader(Indices(), batch_size=BATCH, shuffle=True, num_workers=2,
+                                           persistent_workers=True)
+    resumed_equals_uninterrupted(make, tmp_path, [6, -2], epochs=3)
+
+
 def test_drop_last_and_a_third_epoch(tmp_path: Path, shm_dir: str) -> None:
     resumed_equals_uninterrupted(plain(drop_last=True), tmp_path, [3, 5, -2], epochs=3)
 
