@@ -14,7 +14,8 @@ import inspect
 import logging
 import os
 import threading
-from typing import Any, Callable, Optional, Sequence, TypeVar
+from time import monotonic
+from typing import Any, Callable, Collection, Optional, Sequence, TypeVar
 
 from nebula_ckpt import knobs
 from nebula_ckpt.arguments import check_arguments, check_step_or_tag, check_timeout
@@ -22,6 +23,7 @@ from nebula_ckpt.errors import NebulaError
 from nebula_ckpt.handle import SaveHandle
 from nebula_ckpt.health.policy import HealthPolicy
 from nebula_ckpt.health.reports import HealthReports
+from nebula_ckpt.latch import Latch
 from nebula_ckpt.native import describe as native_describe
 from nebula_ckpt.ranks.coordinator import Coordinator, LocalCoordinator
 from nebula_ckpt.ranks.distributed import default_coordinator
@@ -74,7 +76,9 @@ atexit.register(_close_at_exit)
 # thread is inside it (:func:`guard_methods`); a ``close()`` on a thread that is inside one is only
 # recorded (:meth:`Calls.defer`) and runs when the outermost call returns or raises (the handler's
 # ``sys.exit()`` unwinding through it, typically). A ``close()`` from another thread is not
-# deferred: it waits like any close.
+# deferred: it waits like any close, first for the saves others make; the save hooks and handle checks are calls too.
+SAVING = ("save_async", "save", "prepare", "remove")  # what a close() waits for others to leave (Calls.wait_left)
+
 
 class Calls:
     """The threads inside a public method of one object (the outermost method's name), and the
@@ -83,6 +87,8 @@ class Calls:
     def __init__(self) -> None:
         self._inside: dict[int, str] = {}
         self._deferred: dict[int, Callable[[], None]] = {}
+        #: a latch per close() in :meth:`wait_left`, set by a leaving thread (no lock: a handler lands anywhere)
+        self._leaving: list[Latch] = []
 
     def inside(self) -> Optional[str]:
         """The method the calling thread is inside (its outermost one), or None."""
@@ -96,6 +102,20 @@ class Calls:
         if name is not None:
             self._deferred[me] = close
         return name
+
+    def wait_left(self, names: Collection[str], timeout: Optional[float]) -> bool:
+        """Block until no other thread is inside one of the methods ``names``; False after ``timeout`` s."""
+        me, deadline = threading.get_ident(), None if timeout is None else monotonic() + timeout
+        while True:
+            left = Latch()
+            self._leaving.append(left)
+            try:
+                if not any(t != me and n in names for t, n in tuple(self._inside.items())):
+                    return True
+                if not left.wait(None if deadline is None else deadline - monotonic()):
+                    return False
+            finally:
+                self._leaving.remove(left)
 
     def call(self, name: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         """Run ``fn`` as method ``name`` of the object; then a ``close()`` deferred meanwhile.
@@ -115,6 +135,8 @@ class Calls:
         finally:
             if outer:
                 self._inside.pop(me, None)
+                for left in tuple(self._leaving):  # a close() of another thread waits for it
+                    left.set()
                 close = self._deferred.pop(me, None)
                 if close is not None:
                     _close_deferred(close, name, raised)
@@ -256,7 +278,8 @@ class Checkpointer(HealthReports, CheckpointReads):
         self._saves = SavePipeline(runtimes, self._opened.fence, self.coordinator, shown, keep_last=keep_last,
                                    host_memory_budget=host_memory_budget, on_full=on_full, snapshot=snapshot,
                                    allow_pickle=allow_pickle, on_persist_error=on_persist_error,
-                                   incremental=incremental, create_root=self._opened.create_once)
+                                   incremental=incremental, create_root=self._opened.create_once,
+                                   guard=self._calls.call)
         self._restores = Restorer(runtimes, self.coordinator, shown, allow_pickle,  # a reader adopts nothing
                                   may_adopt=lambda: self._saves.writers is None and not self.read_only,
                                   on_restored=None if self.read_only else self._saves.restored)
@@ -378,7 +401,8 @@ class Checkpointer(HealthReports, CheckpointReads):
 
         Called from a signal handler while this thread is inside another method of this
         Checkpointer, it returns at once and closes when that call returns or raises (a warning
-        says so; :class:`Calls`).
+        says so; :class:`Calls`). Called while another thread is inside ``save_async``, ``save``,
+        ``prepare`` or ``remove``, it waits for that call first: the save it makes is written.
 
         Raises:
             PersistError: a failure not yet seen through a handle.
@@ -394,8 +418,11 @@ class Checkpointer(HealthReports, CheckpointReads):
                         "when that call returns (or raises)", canonical_root(self.root), inside)
             self._close_unfinished = True
             return
+        t0 = monotonic()
         try:
-            self.wait(timeout)
+            if not self._calls.wait_left(SAVING, timeout):
+                raise TimeoutError(f"close(): a save that another thread is making not done after {timeout} s")
+            self.wait(None if timeout is None else max(0.0, timeout - (monotonic() - t0)))
         except TimeoutError:
             self._close_unfinished = True
             raise

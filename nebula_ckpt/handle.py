@@ -19,6 +19,11 @@ from nebula_ckpt.latch import Latch
 log = logging.getLogger(__name__)
 
 
+def unguarded(name: str, fn: Callable[..., Any], *args: Any) -> Any:
+    """Run ``fn(*args)``: the guard of a handle (or save pipeline) that no Checkpointer guards."""
+    return fn(*args)
+
+
 @dataclass(frozen=True)
 class SaveMetrics:
     """What one save cost, as :attr:`SaveHandle.metrics` reports it (seconds from the start of
@@ -92,6 +97,7 @@ class SaveHandle:
         self._errors: dict[str, BaseException] = {}
         self._pending = set(tiers)
         self._confirm: Optional[Callable[[], None]] = None
+        self._guard: Callable[..., Any] = unguarded
         self._settled: Optional[Callable[[str], None]] = None
         # Latches, not Events: a Ctrl-C in a wait on them never leaves a lock held (nebula_ckpt.latch)
         self._snapshot = Latch()
@@ -129,9 +135,7 @@ class SaveHandle:
         """
         finish = self._confirm
         if finish is not None and timeout is None:
-            t = monotonic()
-            finish()  # waits for the copy itself (GIL released), not for the stager thread
-            self.progress.add_stall(monotonic() - t)
+            self._guard("SaveHandle.wait_snapshot", self._confirm_timed, finish)
         if not self._snapshot.wait(timeout):
             raise TimeoutError(f"snapshot of step {self.step} not finished after {timeout} s")
         if self._snapshot_error is not None:
@@ -162,7 +166,7 @@ class SaveHandle:
         """
         confirm = self._confirm
         if confirm is not None:
-            confirm()
+            self._guard("SaveHandle.result", confirm)
         if not self._durable.wait(timeout):
             raise TimeoutError(f"save of step {self.step} not durable after {timeout} s")
         self.seen = True
@@ -192,6 +196,11 @@ class SaveHandle:
         the checkpointer still raises it from the next ``save_async`` / ``wait`` / ``close``."""
         return self._durable.wait(timeout)
 
+    def _confirm_timed(self, finish: Callable[[], None]) -> None:
+        t = monotonic()
+        finish()  # waits for the copy itself (GIL released), not for the stager thread
+        self.progress.add_stall(monotonic() - t)
+
     def _settle(self, tiers: "list[str]") -> None:
         if self._settled is not None:
             for t in tiers:
@@ -209,6 +218,37 @@ class SaveHandle:
                 log.debug("nebula_ckpt: save metrics callback failed: %s", e)
 
 
+class SaveCounters:
+    """The finished saves of one Checkpointer, counted for its ``stats()``: :meth:`add` each
+    handle whose save is over (a writer thread), :meth:`get` a copy of the counters."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._c: dict[str, Any] = {"saves_finished": 0, "bytes_saved": 0, "bytes_written": {}, "blocked_s_total": 0.0,
+                                   "blocked_s_max": 0.0, "durable_s_last": {}, "last_save": None}
+
+    def add(self, handle: SaveHandle) -> None:
+        """The save of ``handle`` is over on every tier: fold its metrics in."""
+        m = handle.metrics
+        with self._lock:
+            c = self._c
+            c["saves_finished"] += 1
+            c["bytes_saved"] += m.bytes
+            for t, n in m.written_bytes.items():
+                c["bytes_written"][t] = c["bytes_written"].get(t, 0) + n
+            if m.blocked_s is not None:
+                c["blocked_s_total"] += m.blocked_s
+                c["blocked_s_max"] = max(c["blocked_s_max"], m.blocked_s)
+            c["durable_s_last"].update(m.durable_s)
+            c["last_save"] = m.to_dict()
+
+    def get(self) -> dict[str, Any]:
+        """The counters (copies)."""
+        with self._lock:
+            return {**self._c, "durable_s_last": dict(self._c["durable_s_last"]),
+                    "bytes_written": dict(self._c["bytes_written"])}
+
+
 class SaveProgress:
     """The save pipeline's side of one :class:`SaveHandle` (``handle.progress``): what the
     pipeline (:mod:`nebula_ckpt.save.pipeline`), the snapshot, the fan-out and the tier writers
@@ -223,9 +263,11 @@ class SaveProgress:
         h = self._h
         h._t0, h._bytes, h._finished = t0, nbytes, finished
 
-    def bind_confirm(self, confirm: Callable[[], None]) -> None:
-        """The training-thread check ``wait_snapshot()`` / ``result()`` run first."""
-        self._h._confirm = confirm
+    def bind_confirm(self, confirm: Callable[[], None], guard: Callable[..., Any] = unguarded) -> None:
+        """The training-thread check ``wait_snapshot()`` / ``result()`` run first, through ``guard``
+        (``guard(name, fn, *args)``: the Checkpointer's, so a ``close()`` from a signal handler that
+        lands in the check, which takes the snapshot's lock, is deferred until it returns)."""
+        self._h._confirm, self._h._guard = confirm, guard
 
     def bind_settled(self, settled: Callable[[str], None]) -> None:
         """Called with a tier's name once the save is over on that tier, however it ended

@@ -14,6 +14,7 @@ wait for the copy; see :class:`~nebula_ckpt.checkpointer.Checkpointer`'s consist
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import weakref
@@ -24,7 +25,7 @@ import torch
 from nebula_ckpt import knobs
 from nebula_ckpt.errors import NebulaError
 from nebula_ckpt.format.manifest import Manifest
-from nebula_ckpt.handle import SaveHandle
+from nebula_ckpt.handle import SaveCounters, SaveHandle, unguarded
 from nebula_ckpt.native import get_ops, monotonic
 from nebula_ckpt.ranks.coordinator import Coordinator
 from nebula_ckpt.ranks.fencing import Fence
@@ -71,13 +72,17 @@ class SavePipeline:
         on_persist_error: ``"raise"`` or ``"log"`` (see the Checkpointer).
         incremental: whether persistent tiers write only what changed (see the Checkpointer).
         create_root: makes the root and its run record (once), called when a first save was checked.
+        guard: ``guard(name, fn)`` runs ``fn`` as the Checkpointer's method ``name`` (its ``Calls.call``):
+            the hooks and the handles' checks run through it, so a ``close()`` from a signal handler
+            landing in them is deferred until they return (it would wait for locks they hold).
     """
 
     def __init__(self, runtimes: list[TierRuntime], fence: Fence, coordinator: Coordinator, root: str, *,
                  keep_last: int, host_memory_budget: Budget, on_full: str, snapshot: str, allow_pickle: bool,
                  on_persist_error: str, incremental: bool = True,
-                 create_root: Callable[[], Any] = lambda: None) -> None:
+                 create_root: Callable[[], Any] = lambda: None, guard: Callable[..., Any] = unguarded) -> None:
         self._runtimes = runtimes
+        self._guard = guard
         self._create_root = create_root  # the root and its run record, made once a first save is checked
         self._fence = fence
         self.coordinator = coordinator
@@ -101,6 +106,8 @@ class SavePipeline:
         #: the number of the save last given to the stager (set just before the C call that queues it)
         self._handing = -1
         self._lock = threading.Lock()
+        #: set by :meth:`shutdown` (under both locks): no writers are made and no save handed over after it
+        self.closed = False
         #: the handles of saves not yet over, or over with a failure not yet seen
         self.handles: list[SaveHandle] = []
         #: snapshots whose overlapped copy the training thread has not confirmed yet
@@ -109,9 +116,7 @@ class SavePipeline:
         self._hook_handles: list[Any] = []
         #: ``save_async`` calls so far (every rank numbers its saves alike)
         self.count = 0
-        self._metrics: dict[str, Any] = {"saves_finished": 0, "bytes_saved": 0, "bytes_written": {},
-                                         "blocked_s_total": 0.0,
-                                         "blocked_s_max": 0.0, "durable_s_last": {}, "last_save": None}
+        self._counters = SaveCounters()  # of the finished saves
         self._told_unguarded = False
         #: copies of the memory tier on partner nodes (:mod:`nebula_ckpt.tiers.memory.replicas`), or None
         self.replicator: Any = None
@@ -142,6 +147,9 @@ class SavePipeline:
     def _start_once(self) -> list[TierWriter]:
         """Body of :meth:`start` (its own thread; one at a time, once)."""
         with self._start_lock:
+            if self.closed:
+                raise NebulaError(f"the first save (or prepare) on {self.root} was refused: another thread closed "
+                                  "the Checkpointer meanwhile (nothing was written); open a new one to save")
             if self.writers is not None:
                 return self.writers
             self._fence.take_root()  # an older Checkpointer of this process on the root hands its tiers over
@@ -281,7 +289,7 @@ class SavePipeline:
         """The handle of save ``idx``: its tiers, and the memory tier's replicas when it goes there."""
         repl, mem = self.replicator, next((w.name for w in targets if w.tier.capabilities.has_replicas), None)
         handle = SaveHandle(plan.step, [w.name for w in targets] + ([REPLICAS] if repl and mem else []), plan.tag)
-        handle.progress.begin(t0, plan.layout.total_bytes, self._save_finished)
+        handle.progress.begin(t0, plan.layout.total_bytes, self._counters.add)
         if repl is not None and mem is not None:
             repl.attach(idx, handle)
 
@@ -296,22 +304,26 @@ class SavePipeline:
         """Confirm ``snap`` now (no overlap) or guard it with hooks, track its handle, and give
         it to the stager; on any failure the caller takes it back (see :meth:`_take_back`)."""
         handle = snap.handle
-        handle.progress.bind_confirm(snap.confirm)
+        handle.progress.bind_confirm(snap.confirm, self._guard)
         if overlap:
             overlap = self._install_hooks(snap.plan.optimizers, snap.plan.modules_with_buffers)
         if not overlap:
             snap.confirm()  # the copy is done and checked before we return: nothing can tear it
-        with self._lock:
+        with self._lock:  # shutdown() sets closed under it, then stops the stager: accepted means written
+            if self.closed:
+                raise NebulaError(f"save_async() of step {snap.step} on {self.root} was refused: another thread "
+                                  "closed the Checkpointer while this call made the save (it was not written); "
+                                  "close it only after the last save_async() returned")
             if overlap:
                 self.inflight = [s for s in self.inflight if not s.confirmed] + [snap]
             self.handles = [h for h in self.handles if not (h.done() and (h.seen or h.error() is None))]
             self.handles.append(handle)
-        assert self._stager is not None
-        # last: from here on the stager owns the snapshot. Nothing can interrupt between the
-        # two lines (no call), nor inside the queueing (one C call): _take_back tells by
-        # _handing whether the stager got it.
-        self._handing = snap.index
-        self._stager.submit(snap)
+            assert self._stager is not None
+            # last: from here on the stager owns the snapshot. Nothing can interrupt between the
+            # two lines (no call), nor inside the queueing (one C call): _take_back tells by
+            # _handing whether the stager got it.
+            self._handing = snap.index
+            self._stager.submit(snap)
 
     def _may_overlap(self, plan: Plan, pinned: bool) -> bool:
         """Whether this save may return before its copy is done: the snapshot mode asks for it and
@@ -355,28 +367,37 @@ class SavePipeline:
         dropped = any([w.drop_pending() for w in self.writers or []])
         return give_up_memory_steps(self.writers or []) or dropped if budget else dropped
 
-    def confirm_inflight(self, *_: Any, **__: Any) -> None:
-        """Hook body (training thread): wait for pending snapshot copies and confirm them."""
+    def confirm_inflight(self) -> None:
+        """Wait for pending snapshot copies and confirm them (training thread). A snapshot stays in
+        :attr:`inflight` until confirmed: one an interrupt cut short is confirmed by the next call."""
         if not self.inflight:
             return
         with self._lock:
-            pending, self.inflight = self.inflight, []
+            pending = list(self.inflight)
         for s in pending:
             t = monotonic()
             s.confirm()
             s.handle.progress.add_stall(monotonic() - t)
+        with self._lock:
+            self.inflight = [s for s in self.inflight if not s.confirmed]
+
+    def _hook(self, name: str, *_: Any, **__: Any) -> None:
+        """The step / forward pre-hook ``name``: :meth:`confirm_inflight` through ``guard``."""
+        if self.inflight:
+            self._guard(name, self.confirm_inflight)
 
     def _install_hooks(self, optimizers: list[Any], modules: list[torch.nn.Module]) -> bool:
         """Make the next step / forward wait for the copy; False if an object cannot be hooked
         (a wrapped optimizer without PyTorch's hook machinery): the save then waits itself."""
+        step, forward = functools.partial(self._hook, "optimizer.step"), functools.partial(self._hook, "forward")
         try:
             for opt in optimizers:
                 if opt not in self._hooked:
-                    self._hook_handles.append(opt.register_step_pre_hook(self.confirm_inflight))
+                    self._hook_handles.append(opt.register_step_pre_hook(step))
                     self._hooked.add(opt)
             for m in modules:
                 if m not in self._hooked:
-                    self._hook_handles.append(m.register_forward_pre_hook(self.confirm_inflight))
+                    self._hook_handles.append(m.register_forward_pre_hook(forward))
                     self._hooked.add(m)
         except Exception as e:
             log.debug("nebula_ckpt: cannot hook %s (%s): this save waits for its copy", type(e).__name__, e)
@@ -436,6 +457,9 @@ class SavePipeline:
         ``join=False`` (a timed-out close): nothing is waited for or removed; the daemon threads
         end with the process and a restart finds whatever had committed.
         """
+        if join:  # a first save starting its writers finishes first; a save not handed over yet is refused
+            with self._start_lock, self._lock:
+                self.closed = True
         for hh in self._hook_handles:
             hh.remove()
         self._hook_handles.clear()
@@ -462,10 +486,7 @@ class SavePipeline:
 
     def stats(self) -> dict[str, Any]:
         """The save counters of :meth:`Checkpointer.stats`."""
-        with self._lock:
-            m = dict(self._metrics)
-            m["durable_s_last"] = dict(self._metrics["durable_s_last"])
-            m["bytes_written"] = dict(self._metrics["bytes_written"])
+        m = self._counters.get()
         held = self.pool.used()
         return {"staging_bytes": self.pool.allocated_bytes, "memory_tier_slot_bytes": self.pool.memory_tier_bytes,
                 "host_memory_bytes": sum(held.values()),
@@ -474,18 +495,3 @@ class SavePipeline:
                 "memory_tier_whole_fallbacks": sum(rt.whole_fallbacks() for rt in self._runtimes),
                 "staging_allocations": self.pool.allocations, "saves": self.count, "plans": self.plans.stats(), **m,
                 **({"replicas": self.replicator.stats()} if self.replicator is not None else {})}
-
-    def _save_finished(self, handle: SaveHandle) -> None:
-        """A save is over on every tier (a writer thread calls this): fold its metrics in."""
-        m = handle.metrics
-        with self._lock:
-            c = self._metrics
-            c["saves_finished"] += 1
-            c["bytes_saved"] += m.bytes
-            for t, n in m.written_bytes.items():
-                c["bytes_written"][t] = c["bytes_written"].get(t, 0) + n
-            if m.blocked_s is not None:
-                c["blocked_s_total"] += m.blocked_s
-                c["blocked_s_max"] = max(c["blocked_s_max"], m.blocked_s)
-            c["durable_s_last"].update(m.durable_s)
-            c["last_save"] = m.to_dict()

@@ -152,12 +152,19 @@ class Snapshot:
 
     def finish_copy(self) -> None:
         """Wait for the copy (idempotent, any thread) and settle the snapshot verdict."""
+        job = self.job
+        if job is not None:
+            # The wait takes no lock: a signal handler that runs here (a SIGTERM handler's close(),
+            # which waits for this save) must not find the lock held that the stager needs too.
+            # A failure of the copy is raised again below, where it is settled.
+            with contextlib.suppress(Exception):
+                job.wait()
         with self._copy_lock:
             if self._copied:
                 return
             err: Optional[BaseException] = None
             try:
-                self.job.wait()
+                self.job.wait()  # done: returns at once, or raises the copy's failure
                 self.checksums = self.job.checksums()
                 changed = self.job.modified()
                 if changed:

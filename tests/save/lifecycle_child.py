@@ -361,6 +361,93 @@ def _close_inside(root: str, method: str, unwind: bool) -> None:
           flush=True)
 
 
+def _stack(frame: object) -> list[str]:
+    """The names of the functions of ``frame`` and of its callers."""
+    names = []
+    while frame is not None:
+        names.append(frame.f_code.co_name)  # type: ignore[attr-defined]
+        frame = frame.f_back  # type: ignore[attr-defined]
+    return names
+
+
+def hooked_training(width: int = 2048) -> tuple:
+    """A model (``width`` 2048: 32 MiB of weights, whose copy takes a while) and its optimizer, gradients
+    set: each ``opt.step()`` changes every weight the same way (the parent replays it)."""
+    import torch
+    torch.manual_seed(0)
+    model = torch.nn.Linear(width, 2 * width, bias=False)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model.weight.grad = torch.ones_like(model.weight)
+    return model, opt
+
+
+def _sigterm_in_step_hook(root: str) -> None:
+    """The usual preemption handler (``close()`` then ``sys.exit(0)``), its SIGTERM sent while
+    ``optimizer.step()``'s pre-hook waits for the overlapped copy (``snapshot="async"``) of the save just
+    accepted: prints where it landed and each accepted step; the exit must not hang."""
+    import nebula_ckpt as nc
+    model, opt = hooked_training()
+    ck = nc.Checkpointer(root, snapshot="async", memory_tier=False, keep_last=10_000)
+    ck.save(0, {"model": model, "opt": opt})
+    main = threading.get_ident()
+
+    def on_term(signum: int, frame: object) -> None:
+        names = _stack(frame)
+        _say(f"TERM {'step' if 'confirm_inflight' in names else 'elsewhere ' + ','.join(names[:6])}")
+        ck.close()
+        sys.exit(0)
+
+    def preempt() -> None:  # SIGTERM once the main thread waits for the copy inside opt.step()
+        while True:
+            names = _stack(sys._current_frames().get(main))
+            if "finish_copy" in names and "save_async" not in names:
+                os.kill(os.getpid(), signal.SIGTERM)
+                return
+            time.sleep(0.0002)
+
+    signal.signal(signal.SIGTERM, on_term)
+    threading.Thread(target=preempt, daemon=True).start()
+    for s in range(1, 1000):
+        ck.save_async(s, {"model": model, "opt": opt})
+        _say(f"ACCEPTED {s}")
+        opt.step()  # its pre-hook waits for the copy
+    raise AssertionError("SIGTERM never came")
+
+
+def _close_in_confirm_everywhere(root: str) -> None:
+    """A SIGTERM handler's ``close()`` then ``sys.exit()`` at every point of the library's code inside
+    ``optimizer.step()``, ``SaveHandle.wait_snapshot()`` and ``SaveHandle.result()`` while they confirm an
+    overlapped copy (one point per Checkpointer, each on a root of its own: ``<root>-<what>-<point>``).
+    Prints what each try did for the test to check."""
+    import nebula_ckpt as nc
+    for what in ("step", "wait_snapshot", "result"):
+        n = 1
+        while True:
+            faulthandler.dump_traceback_later(60, exit=True)  # one try hung: where, then the child ends
+            model, opt = hooked_training(64)
+            ck = nc.Checkpointer(f"{root}-{what}-{n}", snapshot="async", memory_tier=False)
+            h = ck.save_async(1, {"model": model, "opt": opt})
+            call = {"step": opt.step, "wait_snapshot": h.wait_snapshot, "result": h.result}[what]
+            trap = _Interrupter(n, ("nebula_ckpt",), raises=ck.close)
+            sys.settrace(trap)
+            try:
+                call()
+                sys.settrace(None)
+                print(f"{'SWALLOWED' if trap.seen >= n else 'CLEAN'} {what} {n}", flush=True)
+            except SystemExit as e:
+                sys.settrace(None)
+                print(f"{'RAISED' if str(e) == trap.message else 'CHANGED'} {what} {n}", flush=True)
+            except BaseException as e:  # noqa: BLE001 (printed: the test fails on it)
+                sys.settrace(None)
+                print(f"BECAME {what} {n} {type(e).__name__}: {e}", flush=True)
+            ck.close()  # nothing left to do when the handler's close finished
+            print(f"CLOSED {what} {n} {ck.closed and not ck._close_unfinished}", flush=True)
+            if trap.seen < n:
+                print(f"INTERRUPTED {what} at {n - 1} points", flush=True)
+                break
+            n += 1
+
+
 def main() -> None:  # noqa: C901 (one branch per mode, read top to bottom)
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # a hung child shows where: kill -USR1
     # an ignored signal is inherited across exec: a test run whose process ignores SIGINT (some
@@ -372,6 +459,12 @@ def main() -> None:  # noqa: C901 (one branch per mode, read top to bottom)
         atexit.register(_late_checkpointer, root, mode.endswith("closed"))
         import nebula_ckpt  # noqa: F401  (its exit hooks are registered after ours: they run first)
         print("READY", flush=True)
+        return
+    if mode == "sigterm_in_step_hook":
+        faulthandler.dump_traceback_later(60, exit=True)  # a deadlock shows where, then the child ends
+        _sigterm_in_step_hook(root)
+    if mode == "close_in_confirm_everywhere":
+        _close_in_confirm_everywhere(root)
         return
     if mode == "close_inside_every_method":
         faulthandler.dump_traceback_later(90, exit=True)  # a deadlock shows where, then the child ends

@@ -225,6 +225,45 @@ def test_close_from_a_signal_handler_inside_every_method(root: str, shm_dir: str
                 assert steps[-1] >= 2, steps  # the save the close was deferred behind was written
 
 
+def test_sigterm_handler_that_closes_while_optimizer_step_waits_for_the_copy(root: str, shm_dir: str) -> None:
+    """The usual preemption handler (``close()`` then ``sys.exit(0)``) whose SIGTERM lands while
+    ``optimizer.step()``'s pre-hook waits for the overlapped copy (``snapshot="async"``) of the save just
+    accepted: the close is deferred until the hook returns, the program exits 0 and the accepted save is
+    written. (The hook waited holding the snapshot's lock, the handler's close waited for the save, and the
+    stager waited for that lock: the process hung for good.)"""
+    from save.lifecycle_child import hooked_training
+    r = _run(root, shm_dir, "sigterm_in_step_hook", timeout=120)
+    assert r.returncode == 0 and "TERM step" in r.stdout, r.stdout[-2000:] + r.stderr[-3000:]
+    assert "called inside optimizer.step() (from a signal handler)" in r.stderr, r.stderr
+    last = _accepted(r)
+    assert cli_main(["verify", root]) == 0
+    model, opt = hooked_training()
+    for _ in range(last - 1):  # the steps the child took before its save `last`
+        opt.step()
+    with nc.Checkpointer(root, memory_tier=False, read_only=True) as ck:
+        assert ck.list()[-1] == last, (ck.list(), last)
+        assert torch.equal(ck.read(last)[1]["model"]["weight"], model.weight)
+
+
+def test_close_from_a_signal_handler_at_every_point_of_a_copy_confirmation(root: str, shm_dir: str) -> None:
+    """A SIGTERM handler's ``close()`` then ``sys.exit()`` at each point of the library's code inside
+    ``optimizer.step()``'s pre-hook, ``SaveHandle.wait_snapshot()`` and ``SaveHandle.result()`` confirming an
+    overlapped copy: the ``SystemExit`` comes out as it is, the close finishes (deferred where the code holds
+    a snapshot's lock) and the save is written. (A close there waited for the save while the interrupted
+    code held the lock the stager needed: a hang.)"""
+    r = _run(root, shm_dir, "close_in_confirm_everywhere", timeout=300)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    lines = [line.split() for line in r.stdout.splitlines()]
+    bad = [" ".join(x) for x in lines if x[0] in ("SWALLOWED", "CHANGED", "BECAME")
+           or (x[0] == "CLOSED" and x[-1] != "True")]
+    assert not bad, bad[:10]
+    points = {x[1]: int(x[3]) for x in lines if x[0] == "INTERRUPTED"}
+    assert points.keys() == {"step", "wait_snapshot", "result"} and min(points.values()) >= 10, r.stdout[-2000:]
+    for what, n in [(x[1], x[2]) for x in lines if x[0] == "RAISED"]:
+        assert os.path.exists(os.path.join(f"{root}-{what}-{n}", "step-1", "COMMIT")), (what, n)
+    assert "called inside optimizer.step() (from a signal handler)" in r.stderr, r.stderr[-3000:]
+
+
 def test_close_that_timed_out_is_finished_by_the_exit_hook(root: str, shm_dir: str) -> None:
     r = _run(root, shm_dir, "close_timeout_exit")
     assert r.returncode == 0, r.stderr
@@ -285,6 +324,43 @@ def test_close_from_another_thread_while_saving(root: str) -> None:
     with pytest.raises(nc.NebulaError, match="closed"):
         ck.save_async(4, state(4))
     assert _check_root(root, must_have=range(1))[-1] == 3
+
+
+@pytest.mark.parametrize("first", [False, True], ids=["later_save", "first_save"])
+def test_close_from_another_thread_while_it_is_inside_save_async(root: str, first: bool) -> None:
+    """close() from another thread while a thread is inside save_async() (copying a 64 MiB state; or, on a
+    fresh Checkpointer, starting the tier writers too): close waits for that call, and the save it accepted
+    is written before close() returns. (The save was accepted, then dropped without a word: its handle never
+    finished; a first save raised a bare AssertionError.)"""
+    big = {"w": torch.randn(16 << 20)}
+    ck = nc.Checkpointer(root, keep_last=100)
+    if not first:
+        ck.save(0, {"w": torch.zeros(16 << 20)})
+    out: dict = {}
+
+    def saver() -> None:
+        try:
+            out["h"] = ck.save_async(1, big)
+        except BaseException as e:  # noqa: BLE001 (the test fails on it)
+            out["e"] = e
+
+    t = threading.Thread(target=saver)
+    t.start()
+    while t.is_alive():  # close once the saver is inside save_async
+        f, names = sys._current_frames().get(t.ident or 0), []
+        while f is not None:
+            names.append(f.f_code.co_name)
+            f = f.f_back
+        if "save_async" in names:
+            break
+        time.sleep(0.0002)
+    ck.close()
+    t.join(timeout=60)
+    assert "e" not in out and not t.is_alive(), out
+    h = out["h"]
+    assert h.done() and h.result(timeout=0) == h.tiers_written and h.tiers_written, h
+    with nc.Checkpointer(root, read_only=True) as rd:
+        assert rd.list()[-1] == 1 and torch.equal(rd.read(1)[1]["w"], big["w"])
 
 
 def _wakeups(native_id: int) -> int:
