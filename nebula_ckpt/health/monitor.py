@@ -18,8 +18,8 @@ after each ``save_async``, :meth:`~HealthMonitor.restored` after each restore. I
 A failure to write a record is logged (ERROR), never raised into the training loop. A suspect mark
 that could not be written is kept and tried again (at a report or a save, at most every
 ``_RETRY_EVERY_S``; before ``close()`` copies a step to a persistent tier; at ``close()``): until it
-is written, ``close()`` puts no copy of its step on a persistent tier (:func:`monitor_of`,
-:meth:`HealthMonitor.suspect`), so a restart cannot find that step there unmarked.
+is written, ``close()`` puts no copy of its step on a persistent tier (:meth:`HealthMonitor.suspect`,
+asked by :func:`~nebula_ckpt.save.drain.flush_newest`), so a restart cannot find that step there unmarked.
 """
 
 from __future__ import annotations
@@ -28,17 +28,15 @@ import logging
 import math
 import threading
 import time
-import weakref
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Optional
+from typing import Any, Callable, Optional
 
 from nebula_ckpt.errors import ValidationError
 from nebula_ckpt.format.commit import committed_steps
 from nebula_ckpt.format.health import BY_REPORT, HEALTHY, SUSPECT
 from nebula_ckpt.health.book import HealthBook
 from nebula_ckpt.health.policy import HealthPolicy
-from nebula_ckpt.storage.base import Storage
 from nebula_ckpt.workers import Workers
 
 log = logging.getLogger("nebula_ckpt")
@@ -53,20 +51,8 @@ _CLOSE_WAIT_S = 60.0
 #: that is down would otherwise hold every training step for its timeout)
 _RETRY_EVERY_S = 10.0
 
-#: the monitors of this process's open Checkpointers: how close()'s drain finds its root's marks
-_LIVE: "weakref.WeakSet[HealthMonitor]" = weakref.WeakSet()
-_LIVE_LOCK = threading.Lock()
-
 #: a suspect mark: (generation, None: this writer's; step; reason)
 SuspectMark = tuple[Optional[int], int, str]
-
-
-def monitor_of(storages: Iterable[Storage]) -> Optional["HealthMonitor"]:
-    """The monitor of the open Checkpointer whose root storage is one of ``storages`` (a pipeline's
-    tiers), or None (a job with no monitor: nothing is known suspect)."""
-    ids = {id(s) for s in storages}
-    with _LIVE_LOCK:
-        return next((m for m in _LIVE if id(m.book.storage) in ids), None)
 
 
 def as_signal(value: Any, name: str, optional: bool = False) -> Optional[float]:
@@ -137,8 +123,6 @@ class HealthMonitor:
         self._retry_at = 0.0
         #: whether this process reported anything yet
         self.reported = False
-        with _LIVE_LOCK:
-            _LIVE.add(self)
 
     # -- training thread ------------------------------------------------------------------------
     def report(self, step: int, loss: float, grad_norm: Optional[float]) -> None:
@@ -327,8 +311,6 @@ class HealthMonitor:
     def close(self) -> None:
         """Try the suspect marks not written yet a last time; wait (a while) for the healthy marks
         still being written."""
-        with _LIVE_LOCK:
-            _LIVE.discard(self)
         with self._lock:
             if self._unwritten:
                 self._retry(final=True)

@@ -50,7 +50,7 @@ class HealthReports:
             return
         fence = self._opened.fence
         self._health = HealthMonitor(book, policy or HealthPolicy(), self.coordinator.rank, lambda: fence.generation)
-        self._restores.monitor = self._health
+        self._restores.monitor = self._saves.monitor = self._health
         for rt in self._runtimes:
             if rt.persistent:
                 rt.keep_also = functools.partial(self._keep_healthy, book, rt.storage)

@@ -62,7 +62,6 @@ from nebula_ckpt.format.names import (
     shard_owner,
     step_dir,
 )
-from nebula_ckpt.health.monitor import monitor_of
 from nebula_ckpt.native import get_ops
 from nebula_ckpt.ranks.fencing import Fence
 from nebula_ckpt.ranks.split import split_manifest, split_payload
@@ -347,15 +346,16 @@ def own_part_drainer(storage: Storage, tier: str, run_id: str) -> Callable[[Writ
     return drain
 
 
-def flush_newest(writers: "list[TierWriter]") -> None:
+def flush_newest(writers: "list[TierWriter]", monitor: Any = None) -> None:
     """One process's drain at ``close()``: put the newest committed step on every persistent tier of
     ``writers`` that lacks it (cadence, drops). A disk or remote tier with ``every=N`` (or one that
     dropped saves while busy) would otherwise end the job older than the memory tier, which does
     not survive a reboot. A step this process marked suspect (or failed to mark so far: its mark is
-    tried again first) is never copied: the newest step not marked suspect is put there instead."""
+    tried again first; ``monitor``: the Checkpointer's
+    :class:`~nebula_ckpt.health.monitor.HealthMonitor`, None when read only) is never copied: the newest
+    step not marked suspect is put there instead."""
     # writes, not step numbers: a tier holding the first write of a step saved twice lacks the second
     have = {w.name: set(committed_writes(w.storage)) for w in writers}
-    monitor = monitor_of(w.storage for w in writers)
     if monitor is not None:
         monitor.settle()  # a mark that failed before lands now, before any copy of its step
     newest = None

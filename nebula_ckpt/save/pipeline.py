@@ -120,6 +120,8 @@ class SavePipeline:
         self._told_unguarded = False
         #: copies of the memory tier on partner nodes (:mod:`nebula_ckpt.tiers.memory.replicas`), or None
         self.replicator: Any = None
+        #: the Checkpointer's health monitor (None: read only): close() never copies a step it marked suspect
+        self.monitor: Any = None
         if torch.cuda.is_initialized():  # a CUDA process (never initialises CUDA itself)
             self.warm_up([torch.cuda.current_device()])
 
@@ -471,7 +473,7 @@ class SavePipeline:
         for w in self.writers or []:
             w.wait_idle()
         if self.writers is not None and self.coordinator.world_size == 1:  # a multi-rank copy would need every
-            flush_newest(self.writers)  # rank again: not done at close (see README)
+            flush_newest(self.writers, self.monitor)  # rank again: not done at close (see README)
         if self.replicator is not None:
             self.replicator.close()  # its last rounds, before the memory tier may go
         written = [w.runtime for w in self.writers or []]
