@@ -3,6 +3,9 @@
 Plain JSON loses types (tuples become lists, int keys become strings, ``inf`` is invalid), so
 every node is stored as ``{"t": <type>, ...}``. Tensors appear as ``{"t": "tensor", "k": key}``
 references into the shard index; objects with ``state_dict()`` as ``{"t": "stateful", ...}``.
+A float is its ``float.hex()`` text; a NaN other than ``float("nan")`` also carries its IEEE 754
+bits (``"bits"``: a sign or payload ``float.hex()`` drops). Only exact types are stored so: a
+subclass (an ``IntEnum``, a ``str`` enum) would come back as its base type and needs pickle.
 
 NumPy values need no pickle: an array of a numeric or bool dtype is stored as a tensor (its
 bytes in the shard, checksummed like any tensor) under ``{"t": "ndarray", "dtype": "<f4",
@@ -25,6 +28,7 @@ import binascii
 import collections
 import pickle
 import re
+import struct
 import sys
 from typing import Any, Callable, Mapping, Optional
 
@@ -90,8 +94,61 @@ def ndarray_from_tensor(t: Any, code: str, path: str) -> Any:
 
 
 def encode_float(x: float) -> str:
-    """Exact text form of a float (``float.hex``), inf and nan included."""
+    """Exact text form of a float (``float.hex``), inf and nan included (every NaN is ``"nan"``:
+    :func:`nan_bits` keeps which one)."""
     return float(x).hex()
+
+
+#: The bits of ``float("nan")``: the NaN a float node needs no ``"bits"`` for.
+_PLAIN_NAN = 0x7FF8000000000000
+_NAN_BITS_RE = re.compile(r"[0-9a-f]{16}")
+
+
+def nan_bits(x: float) -> Optional[str]:
+    """The IEEE 754 bits of ``x`` as 16 lowercase hex digits, most significant first, when ``x``
+    is a NaN other than ``float("nan")`` (a sign bit or a payload that ``float.hex`` drops), else None."""
+    if x == x:
+        return None
+    bits: int = struct.unpack("<Q", struct.pack("<d", x))[0]
+    return None if bits == _PLAIN_NAN else f"{bits:016x}"
+
+
+def _from_bits(text: str) -> float:
+    value: float = struct.unpack("<d", struct.pack("<Q", int(text, 16)))[0]
+    return value
+
+
+def _float_node(x: float) -> Node:
+    bits = nan_bits(x)
+    return {"t": "float", "v": "nan", "bits": bits} if bits else {"t": "float", "v": encode_float(x)}
+
+
+def _complex_node(z: complex) -> Node:
+    node: Node = {"t": "complex", "v": [encode_float(z.real), encode_float(z.imag)]}
+    bits = [nan_bits(z.real), nan_bits(z.imag)]
+    if bits != [None, None]:
+        node["bits"] = bits
+    return node
+
+
+#: Subclasses of these come back as the base type; the hint says how to convert one.
+_EXACT_LEAVES: tuple[tuple[type, str], ...] = (
+    (int, "int(x)"), (float, "float(x)"), (complex, "complex(x)"), (str, "str(x)"), (bytes, "bytes(x)"),
+    (bytearray, "bytes(x)"),
+)
+
+
+def _lossy_leaf(value: Any, path: str) -> None:
+    """Refuse a leaf that typed JSON would bring back as another type: a subclass of int, float,
+    complex, str or bytes (an ``IntEnum``, a ``str`` enum) or a ``bytearray``."""
+    for base, fix in _EXACT_LEAVES:
+        if isinstance(value, base):
+            what = ("a bytearray would come back as bytes" if base is bytearray else
+                    f"{type(value).__module__}.{type(value).__qualname__} (a subclass of {base.__name__}) would "
+                    f"come back as a plain {base.__name__}")
+            raise ValidationError(
+                f"state key '{path}': {what}; convert it ({fix}), or pass allow_pickle=True to save it with "
+                "pickle (loading will then also need allow_pickle=True).")
 
 
 def encode_leaf(value: Any, path: str, allow_pickle: bool) -> Node:
@@ -105,18 +162,20 @@ def encode_leaf(value: Any, path: str, allow_pickle: bool) -> Node:
     np = sys.modules.get("numpy")
     if np is not None and isinstance(value, np.generic) and numpy_code(value.dtype) is not None:
         return {"t": "npscalar", "dtype": value.dtype.str, "v": base64.b64encode(value.tobytes()).decode("ascii")}
-    if isinstance(value, bool):
+    # Exact types only: a subclass (an IntEnum, a str enum) would come back as its base type.
+    tp = type(value)
+    if tp is bool:
         return {"t": "bool", "v": value}
-    if isinstance(value, int):
-        return {"t": "int", "v": check_int(int(value), path)}
-    if isinstance(value, float):
-        return {"t": "float", "v": encode_float(value)}
-    if isinstance(value, complex):
-        return {"t": "complex", "v": [encode_float(value.real), encode_float(value.imag)]}
-    if isinstance(value, str):
+    if tp is int:
+        return {"t": "int", "v": check_int(value, path)}
+    if tp is float:
+        return _float_node(value)
+    if tp is complex:
+        return _complex_node(value)
+    if tp is str:
         return {"t": "str", "v": value}
-    if isinstance(value, (bytes, bytearray)):
-        return {"t": "bytes", "v": base64.b64encode(bytes(value)).decode("ascii")}
+    if tp is bytes:
+        return {"t": "bytes", "v": base64.b64encode(value).decode("ascii")}
     if isinstance(value, torch.dtype):
         return {"t": "dtype", "v": str(value).removeprefix("torch.")}
     if isinstance(value, torch.device):
@@ -127,6 +186,8 @@ def encode_leaf(value: Any, path: str, allow_pickle: bool) -> Node:
             f"pickle only as a plain ndarray of a numeric or bool dtype ({_NUMPY_SUPPORTED}); convert it "
             "(e.g. np.asarray(x).astype(np.float64)), or pass allow_pickle=True to save it with pickle "
             "(loading will then also need allow_pickle=True).")
+    if not allow_pickle:
+        _lossy_leaf(value, path)
     if allow_pickle:
         try:
             blob = pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)
@@ -188,9 +249,11 @@ def decode(node: Mapping[str, Any], tensor: Callable[[str], Any], allow_pickle: 
     if t in ("bool", "int", "str"):
         return node["v"]
     if t == "float":
-        return float.fromhex(node["v"])
+        return _from_bits(node["bits"]) if "bits" in node else float.fromhex(node["v"])
     if t == "complex":
-        return complex(float.fromhex(node["v"][0]), float.fromhex(node["v"][1]))
+        parts = node.get("bits", (None, None))
+        re_im = [float.fromhex(v) if b is None else _from_bits(b) for v, b in zip(node["v"], parts, strict=True)]
+        return complex(re_im[0], re_im[1])
     if t == "bytes":
         return base64.b64decode(node["v"])
     if t == "dtype":
@@ -352,8 +415,33 @@ def check_tree(tree: Any, tensor_keys: Mapping[str, Optional[str]], where: str) 
             ok, want = _LEAF_CHECKS[t]
             if "v" not in node or not ok(node["v"]):
                 raise _fail(where, path, f"a {t!r} node needs 'v' as {want}, got {_kind(node.get('v'))}")
+            if "bits" in node and t in ("float", "complex"):
+                _check_nan_bits(node, where, path)
         elif t != "none":
             raise _fail(where, path, f"unknown node type {t[:40]!r} (checkpoint from a newer nebula_ckpt?)")
+
+
+def _nan_bits_ok(v: Any, text: Any) -> bool:
+    """Whether ``v`` is the ``"bits"`` of a NaN exactly as the writer writes them (:func:`nan_bits`)
+    for the float text ``text``: 16 lowercase hex digits of a NaN other than ``float("nan")``."""
+    return type(v) is str and _NAN_BITS_RE.fullmatch(v) is not None and text == "nan" \
+        and nan_bits(_from_bits(v)) == v
+
+
+def _check_nan_bits(node: Node, where: str, path: str) -> None:
+    """The ``"bits"`` of a float node (one NaN's bits) or a complex node (one per part, null for a
+    part that needs none, not both null)."""
+    bits, v = node["bits"], node["v"]
+    if node["t"] == "float":
+        if not _nan_bits_ok(bits, v):
+            raise _fail(where, path, "a 'float' node's 'bits' must be 16 lowercase hex digits of a NaN other "
+                        f"than float('nan'), with 'v' \"nan\", got {_kind(bits)}")
+        return
+    if type(bits) is not list or len(bits) != 2 or bits == [None, None] \
+            or not all(b is None or _nan_bits_ok(b, x) for b, x in zip(bits, v, strict=True)):
+        raise _fail(where, path, "a 'complex' node's 'bits' must be a list of two entries, each null or 16 "
+                    "lowercase hex digits of a NaN other than float('nan') (its part \"nan\"), not both null, "
+                    f"got {_kind(bits)}")
 
 
 def _check_numpy_code(node: Node, where: str, path: str) -> str:

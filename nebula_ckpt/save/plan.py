@@ -1,8 +1,9 @@
 """Plan: turn a state tree into tensor entries, a byte layout and typed JSON for the rest.
 
 This is the single validation point of a save: every problem with the state (meta or sparse
-tensors, colliding keys, values JSON cannot hold, bad steps) raises a
-:class:`~nebula_ckpt.errors.ValidationError` naming the key, before anything is copied or written.
+tensors, colliding keys, values JSON cannot hold or would bring back as another type, bad
+steps) raises a :class:`~nebula_ckpt.errors.ValidationError` naming the key, before anything is
+copied or written.
 
 While walking it also notes, for the consistency rule of asynchronous snapshots, which tensors a
 hook guards: those reached through a module or an optimizer (the next forward / ``step()`` waits
@@ -231,6 +232,10 @@ def inner_optimizer(obj: Any) -> Optional[torch.optim.Optimizer]:
     return found
 
 
+#: the containers stored as such (typed JSON brings each back as its own type), bases first
+_CONTAINERS = (dict, list, tuple, collections.OrderedDict)
+
+
 def _join(path: str, key: str) -> str:
     return f"{path}/{key}" if path else key
 
@@ -287,18 +292,14 @@ class _Flattener:
         return self._leaf(value, path)
 
     def _walk_container(self, value: Any, path: str, depth: int) -> Node:
-        if isinstance(value, dict):
-            return self._walk_dict(value, path, depth)
         if isinstance(value, torch.Size):
             self._g = ("C", value)
             return {"t": "size", "v": list(value)}
+        if isinstance(value, (dict, list, tuple)) and type(value) not in _CONTAINERS:
+            return self._subclass(value, path, depth)
+        if isinstance(value, dict):
+            return self._walk_dict(value, path, depth)
         if isinstance(value, (list, tuple)):
-            if isinstance(value, tuple) and type(value) is not tuple:
-                if not self.allow_pickle:
-                    raise ValidationError(f"state key '{path}': {type(value).__name__} (a namedtuple or "
-                                          "tuple subclass) would come back as a plain tuple; convert it "
-                                          "to a tuple or dict, or pass allow_pickle=True")
-                return self._leaf(value, path)
             tag = "tuple" if isinstance(value, tuple) else "list"
             nodes, gs = [], []
             for i, v in enumerate(value):
@@ -313,8 +314,24 @@ class _Flattener:
             return self._walk_stateful(value, sd, path, depth)
         return self._leaf(value, path)
 
+    def _subclass(self, value: Any, path: str, depth: int) -> Node:
+        """A subclass of dict, list or tuple: it would come back as its base type (a namedtuple as a
+        tuple, a Counter or a defaultdict as a dict, without its default factory), so it is refused,
+        or pickled whole with ``allow_pickle``; one with ``state_dict()`` is saved through it."""
+        sd = getattr(value, "state_dict", None)
+        if callable(sd):
+            return self._walk_stateful(value, sd, path, depth)
+        if not self.allow_pickle:
+            base = next(b for b in _CONTAINERS[::-1] if isinstance(value, b)).__name__
+            kind = "a namedtuple or tuple subclass" if isinstance(value, tuple) else f"a {base} subclass"
+            raise ValidationError(f"state key '{path or '<root>'}': {type(value).__module__}."
+                                  f"{type(value).__qualname__} ({kind}) would come back as a plain {base}; "
+                                  f"convert it ({base}(x)), or pass allow_pickle=True to save it with pickle "
+                                  "(loading will then also need allow_pickle=True)")
+        return self._leaf(value, path)
+
     def _walk_dict(self, value: dict[Any, Any], path: str, depth: int) -> Node:
-        tag = "odict" if isinstance(value, collections.OrderedDict) else "dict"
+        tag = "odict" if type(value) is collections.OrderedDict else "dict"
         items = []
         keys, gs = [], []
         prefix = f"{path}/" if path else ""
@@ -325,7 +342,11 @@ class _Flattener:
             elif tk is int:
                 knode = {"t": "int", "v": check_int(k, path)}
             elif isinstance(k, (str, int)) and not isinstance(k, bool):
-                knode = encode_leaf(k, path, False)
+                # (an IntEnum or str-enum key would come back as a plain int / str)
+                base = "str" if isinstance(k, str) else "int"
+                raise ValidationError(f"state key '{path or '<root>'}': dict key {k!r} of type "
+                                      f"{type(k).__module__}.{type(k).__qualname__} (a subclass of {base}) would "
+                                      f"come back as a plain {base}; convert the key ({base}(k))")
             else:
                 raise ValidationError(f"state key '{path}': dict key {k!r} of type {type(k).__name__} "
                                       "is not supported; use str or int keys")

@@ -13,9 +13,10 @@ optimizer's ``state_dict()``, and on a hit returns:
 * the live tensors in layout order, read from the live objects at this save (so a parameter
   replaced with ``p.data = ...`` or ``module.weight = Parameter(...)`` is copied from its new
   memory), with their version counters;
-* the non-tensor leaves whose value changed (a learning rate, a step count), which are encoded
-  again here and patched into a copy of the cached tree (the containers on their paths are
-  copied, never changed: a tree handed to an earlier save stays as it was).
+* the non-tensor leaves whose value changed (a learning rate, a step count; a float is compared bit
+  for bit, so one NaN is not another), which are encoded again here, and refused as the walk refuses
+  them (an int that became an ``IntEnum``), and patched into a copy of the cached tree (the
+  containers on their paths are copied, never changed: a tree handed to an earlier save stays as it was).
 
 Everything else the plan depends on must be what it was, or the check misses and the state is
 planned again (and recorded again): the containers (exact types, keys and their order, lengths),

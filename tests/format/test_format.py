@@ -277,3 +277,30 @@ def test_the_job_tree_merges_the_ranks_trees_dict_by_dict_lowest_rank_first() ->
     assert got == d(("model", d(("a", leaf("model/a")), ("b", leaf("model/b")))), ("rng", {"t": "int", "v": 0}),
                     ("x", leaf("x")), ("y", {"t": "list", "v": []}))
     assert merged([r0]) is r0 and merged([leaf("x"), r0]) == leaf("x")   # not dicts: the first tree's
+
+
+def test_nan_leaves_are_written_with_their_bits_and_older_nan_nodes_still_read() -> None:
+    """``float.hex`` writes every NaN as ``"nan"``: a NaN other than ``float("nan")`` (a sign bit, a
+    payload) also gets its IEEE 754 bits, 16 lowercase hex digits, most significant first; a tree
+    without them (``float("nan")``, or written before they were) reads as ``float("nan")``."""
+    import struct
+
+    from nebula_ckpt.format.tree import check_tree, decode, encode_leaf
+
+    def bits(x: float) -> str:
+        return struct.pack(">d", x).hex()
+
+    neg = -float("nan")
+    payload = struct.unpack(">d", bytes.fromhex("7ff0000000000001"))[0]  # signalling, with a payload
+    assert encode_leaf(neg, "x", False) == {"t": "float", "v": "nan", "bits": "fff8000000000000"}
+    assert encode_leaf(float("nan"), "x", False) == {"t": "float", "v": "nan"}
+    assert encode_leaf(complex(1.0, payload), "x", False) == {
+        "t": "complex", "v": ["0x1.0000000000000p+0", "nan"], "bits": [None, "7ff0000000000001"]}
+    tree = {"t": "list", "v": [encode_leaf(v, "x", False) for v in (neg, payload, complex(neg, neg))]
+            + [{"t": "float", "v": "nan"}, {"t": "complex", "v": ["nan", "-0x0.0p+0"]}]}
+    check_tree(json.loads(json.dumps(tree)), {}, "test")
+    a, b, c, old, old_c = decode(json.loads(json.dumps(tree)), lambda k: None, False)
+    assert (bits(a), bits(b), bits(c.real), bits(c.imag)) == ("fff8000000000000", "7ff0000000000001",
+                                                             "fff8000000000000", "fff8000000000000")
+    assert bits(old) == bits(float("nan")) and (bits(old_c.real), bits(old_c.imag)) == (bits(float("nan")),
+                                                                                       bits(-0.0))

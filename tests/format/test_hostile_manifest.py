@@ -96,6 +96,18 @@ HOSTILE_LEAVES: list[tuple[str, Man, str]] = [
     ("float_overflows", {"t": "float", "v": "0x1p+99999"}, "float.hex"),
     ("complex_overflows", {"t": "complex", "v": ["0x1p+0", "-0x1.8p+5000"]}, "float.hex"),
     ("float_with_spaces", {"t": "float", "v": " 0x1p+0 "}, "float.hex"),
+    # NaN bits: only on a "nan", only for a NaN other than float("nan"), 16 lowercase hex digits
+    ("nan_bits_of_float_nan", {"t": "float", "v": "nan", "bits": "7ff8000000000000"}, "'bits'"),
+    ("nan_bits_not_a_nan", {"t": "float", "v": "nan", "bits": "3ff0000000000000"}, "'bits'"),
+    ("nan_bits_of_infinity", {"t": "float", "v": "nan", "bits": "7ff0000000000000"}, "'bits'"),
+    ("nan_bits_on_a_number", {"t": "float", "v": "0x1.0000000000000p+0", "bits": "fff8000000000000"}, "'bits'"),
+    ("nan_bits_upper_case", {"t": "float", "v": "nan", "bits": "FFF8000000000000"}, "'bits'"),
+    ("nan_bits_short", {"t": "float", "v": "nan", "bits": "fff8"}, "'bits'"),
+    ("nan_bits_not_text", {"t": "float", "v": "nan", "bits": 18444492273895866368}, "'bits'"),
+    ("complex_nan_bits_both_null", {"t": "complex", "v": ["nan", "nan"], "bits": [None, None]}, "'bits'"),
+    ("complex_nan_bits_one", {"t": "complex", "v": ["nan", "nan"], "bits": ["fff8000000000000"]}, "'bits'"),
+    ("complex_nan_bits_on_a_number", {"t": "complex", "v": ["0x0.0p+0", "nan"], "bits": ["fff8000000000000", None]},
+     "'bits'"),
     ("device_index_wraps", {"t": "device", "v": "cuda:128"}, "device string"),   # torch reads cuda:-128
     ("device_not_canonical", {"t": "device", "v": "cpu:00"}, "device string"),
     ("int_beyond_writer_bound", {"t": "int", "v": 2**5000}, "4096 bits"),
