@@ -98,6 +98,9 @@ def refuse_mistyped_url(url: str, what: str = "root") -> None:
     Raises:
         ValidationError: naming the root and the URL it likely meant.
     """
+    if url.startswith("file://"):
+        _file_url_path(url, what)
+        return
     m = _MISTYPED.match(url)
     if m is None or m.group(1).lower() not in _known_schemes():
         return
@@ -110,6 +113,24 @@ def refuse_mistyped_url(url: str, what: str = "root") -> None:
     raise ValidationError(f"the {what} {url!r} looks like a URL with a broken scheme (it would become a local folder "
                           f"named {url.split('/')[0]!r}): did you mean {meant!r}? For a local folder of that name, "
                           f"write it as './{url}'")
+
+
+def _file_url_path(url: str, what: str) -> str:
+    """The path of the ``file://`` URL ``url``: ``file:///p`` and ``file://localhost/p`` are ``/p``.
+
+    Raises:
+        ValidationError: another host: ``file://tmp/run``, the slip for ``file:///tmp/run``, would be
+            a folder under the current directory.
+    """
+    rest = url[len("file://"):]
+    host, _, path = rest.partition("/")
+    if not host:
+        return rest
+    if host.lower() == "localhost":
+        return "/" + path
+    raise ValidationError(f"the {what} {url!r} names the host {host!r} (it would become a local folder under the "
+                          "current directory); a file URL is 'file:///absolute/path' (three slashes) or "
+                          f"'file://localhost/absolute/path': did you mean 'file:///{rest}'?")
 
 
 def strip_credentials(url: str) -> str:
@@ -131,9 +152,14 @@ def strip_credentials(url: str) -> str:
 
 
 def local_path(url: str) -> Optional[str]:
-    """The local path of ``url`` if it is a path or a file:// URL, else None."""
+    """The local path of ``url`` if it is a path or a file:// URL, else None.
+
+    Raises:
+        ValidationError: a ``file://`` URL naming a host other than ``localhost`` (``file://tmp/run``,
+            the slip for ``file:///tmp/run``, would be a folder under the current directory).
+    """
     if url.startswith("file://"):
-        return url[len("file://"):]
+        return _file_url_path(url, "URL")
     if "://" in url:
         return None
     return os.path.expanduser(url)

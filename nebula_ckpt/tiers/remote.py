@@ -7,7 +7,7 @@ from typing import Any, Optional
 
 from nebula_ckpt.errors import ValidationError
 from nebula_ckpt.storage.base import Storage
-from nebula_ckpt.storage.urls import refuse_url_credentials, strip_credentials
+from nebula_ckpt.storage.urls import local_path, refuse_url_credentials, strip_credentials
 from nebula_ckpt.tiers.base import Tier
 from nebula_ckpt.tiers.local import require_location
 
@@ -32,6 +32,8 @@ class RemoteTier(Tier):
         super().__init__(**kw)
         url = require_location(url, "RemoteTier", "url", "nc.RemoteTier('s3://bucket/prefix')")
         refuse_url_credentials(url, "RemoteTier")
+        if url.startswith("file://"):  # file://localhost/p is file:///p; another host is refused (a slip)
+            url = f"file://{local_path(url)}"
         self.kind = "remote"
         self.url = url
         self.storage_options = storage_options

@@ -23,7 +23,8 @@ from nebula_ckpt.errors import ValidationError
 MISTYPED = [("s3:/bucket/run", "s3://bucket/run"), ("az:/container/run", "az://container/run"),
             ("s3//bucket/run", "s3://bucket/run"), ("abfs:/c@acct.dfs.core.windows.net/run", "abfs://"),
             ("gs:/bucket/run", "gs://bucket/run"), ("s3:bucket/run", "s3://bucket/run"),
-            ("S3:/bucket/run", "s3://bucket/run"), ("file:/tmp/run", "file:///tmp/run")]
+            ("S3:/bucket/run", "s3://bucket/run"), ("file:/tmp/run", "file:///tmp/run"),
+            ("file://tmp/run", "file:///tmp/run")]
 
 
 @pytest.mark.parametrize("root,meant", MISTYPED, ids=[m[0] for m in MISTYPED])
@@ -57,3 +58,18 @@ def test_local_paths_that_look_alike_stay_local(tmp_path: Any, monkeypatch: pyte
     assert os.path.isfile(os.path.join(tmp_path, root, "step-1", "COMMIT"))
     with nc.Checkpointer(str(tmp_path / root), read_only=True) as ck:
         assert ck.list() == [1]
+
+
+def test_a_file_url_names_localhost_or_no_host(tmp_path: Any, monkeypatch: pytest.MonkeyPatch, shm_dir: str) -> None:
+    """``file://localhost/p`` is ``/p`` (RFC 8089), as a root and as a remote tier; another host
+    (``file://tmp/run``, the slip for ``file:///tmp/run``) is refused above, never a folder under
+    the current directory."""
+    monkeypatch.chdir(tmp_path)
+    with nc.Checkpointer(f"file://localhost{tmp_path}/run", memory_tier=False) as ck:
+        ck.save(1, {"w": torch.ones(2)})
+    assert os.path.isfile(tmp_path / "run" / "step-1" / "COMMIT")
+    tier = nc.RemoteTier(f"file://localhost{tmp_path}/remote")
+    assert tier.url == f"file://{tmp_path}/remote"
+    with pytest.raises(ValidationError, match="did you mean 'file:///tmp/run'"):
+        nc.RemoteTier("file://tmp/run")
+    assert sorted(os.listdir(tmp_path)) == ["run"]
