@@ -33,6 +33,7 @@ class HealthReports:
     if TYPE_CHECKING:  # what the Checkpointer provides
         _opened: OpenRoot
         _restores: Restorer
+        _saves: Any  # the SavePipeline (a layer above: typed loosely)
         _runtimes: list[TierRuntime]
         coordinator: Coordinator
         read_only: bool
