@@ -12,6 +12,7 @@ every tier), so ``load_best_model_at_end`` loads the best one. Real ``Trainer``,
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import json
 import os
 import shutil
@@ -269,3 +270,64 @@ def test_get_last_checkpoint_after_a_rollback_names_the_new_runs_checkpoint(tmp_
     assert main(["mark", root, "--suspect", "8"]) == 0
     capsys.readouterr()
     assert get_last_checkpoint(out, root=root) == os.path.join(out, "checkpoint-6")
+
+
+def _folder_tags(out: str) -> dict[str, str]:
+    """checkpoint-N folder -> the tag its pointer names."""
+    return {d: hf_folders.read(os.path.join(out, d))["tag"] for d in _checkpoint_folders(out)}
+
+
+@pytest.mark.skipif(importlib.util.find_spec("peft") is None, reason="peft is not installed (pip install peft)")
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("limit,peft", [(None, True), (2, True), (2, False)])
+def test_a_rerun_without_resume_leaves_only_loadable_folders_and_keeps_its_own_newest(  # noqa: ANN201
+        tmp_path, shm_dir: str, limit: Any, peft: bool):  # noqa: ANN001
+    """The script run again in the same output dir without resume_from_checkpoint: run 1 saved
+    checkpoint-1..6, run 2 saves 1..4. With a LoRA adapter (the base weights stay as they were, so
+    each later step refers to step 1's bytes) saving step 1 again makes the tiers drop run 1's
+    later steps; without one they stay. Either way every checkpoint-N folder left names a
+    checkpoint a tier holds, save_total_limit keeps run 2's newest (stock: by mtime), and
+    get_last_checkpoint and resume_from_checkpoint=True work."""
+    from transformers.trainer_utils import get_last_checkpoint as hf_last
+
+    out = str(tmp_path / "out")
+    kw: dict[str, Any] = dict(save_steps=1, save_total_limit=limit, peft=peft)
+    hf_worker.make_trainer(out, None, max_steps=6, **kw).train()
+    rerun = hf_worker.make_trainer(out, None, max_steps=4, learning_rate=1e-3, **kw)
+    rerun.train()
+    tags = rerun.nebula.tags()
+    rerun.nebula.close()
+    assert all(d == t and t in tags for d, t in _folder_tags(out).items())  # no folder of a checkpoint gone
+    assert {"checkpoint-3", "checkpoint-4"} <= set(tags) and {"checkpoint-3", "checkpoint-4"} <= set(_folder_tags(out))
+    if limit is not None:  # run 2's two newest, not run 1's higher steps
+        assert _checkpoint_folders(out) == ["checkpoint-3", "checkpoint-4"]
+    last = hf_last(out)
+    assert last is not None and os.path.basename(last) in tags
+    assert os.path.basename(get_last_checkpoint(out)) in tags
+
+    again = hf_worker.make_trainer(out, None, max_steps=5, **kw)
+    again.train(resume_from_checkpoint=True)
+    assert again.nebula_restored is not None and again.nebula_restored["step"] in (4, 6)
+    tags = again.nebula.tags()
+    again.nebula.close()
+    assert all(d == t and t in tags for d, t in _folder_tags(out).items())
+
+
+@pytest.mark.timeout(120)
+def test_opening_the_root_removes_the_folder_of_a_checkpoint_no_tier_holds(tmp_path, shm_dir: str) -> None:  # noqa: ANN001
+    """A checkpoint deleted while no trainer watched (another process's remove(), or a process that
+    died before it noticed): the next trainer opening the root removes its folder, so HF's
+    get_last_checkpoint names a checkpoint that loads."""
+    from transformers.trainer_utils import get_last_checkpoint as hf_last
+
+    out = str(tmp_path / "out")
+    tr = hf_worker.make_trainer(out, None, max_steps=4, save_steps=2)
+    tr.train()
+    tr.nebula.close()
+    with nc.Checkpointer(os.path.join(out, "nebula")) as ck:
+        ck.remove(tag="checkpoint-4")
+    assert _checkpoint_folders(out) == ["checkpoint-2", "checkpoint-4"]
+    again = hf_worker.make_trainer(out, None, max_steps=4, save_steps=2)
+    assert sorted(again.nebula.tags()) == ["checkpoint-2"]
+    assert _checkpoint_folders(out) == ["checkpoint-2"] and hf_last(out) == os.path.join(out, "checkpoint-2")
+    again.nebula.close()

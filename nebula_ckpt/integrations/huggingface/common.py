@@ -69,7 +69,11 @@ class RunState:
     Attributes:
         root: the checkpoint root; ``options``: keyword arguments of the Checkpointer.
         ckpt: the Checkpointer (made at first use, closed at the end of ``train()``).
-        committed: tag -> step of the HF checkpoints durable on the tiers (for the limit).
+        committed: tag -> step of the HF checkpoints durable on the tiers (for the limit), checked
+            against the tiers each time a save becomes durable (:func:`.saving.settle`).
+        saved: tag -> this trainer's save number of each of its checkpoints (the order of
+            ``save_total_limit``: after a re-run without resume, newer than an earlier run's
+            higher steps); ``saves``: how many saves it made.
         inflight: handles of saves not yet over.
         resume: the tree being resumed from, while ``train()`` loads it.
         resume_best: the best checkpoint named by the resumed trainer state.
@@ -90,6 +94,8 @@ class RunState:
     options: dict[str, Any]
     ckpt: Optional[nc.Checkpointer] = None
     committed: dict[str, int] = dataclasses.field(default_factory=dict)
+    saved: dict[str, int] = dataclasses.field(default_factory=dict)
+    saves: int = 0
     inflight: list[nc.SaveHandle] = dataclasses.field(default_factory=list)
     resume: Optional[dict[str, Any]] = None
     resume_best: Optional[str] = None

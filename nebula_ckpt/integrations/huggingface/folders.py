@@ -47,7 +47,7 @@ from typing import Any, Optional
 
 import nebula_ckpt as nc
 from nebula_ckpt.adapters import canonical_root, write_file_atomic
-from nebula_ckpt.integrations.huggingface.common import TRAINER_STATE_NAME, RunState
+from nebula_ckpt.integrations.huggingface.common import TRAINER_STATE_NAME, RunState, is_checkpoint_tag
 from nebula_ckpt.integrations.pointers import check_steps, read_pointer_head
 
 log = logging.getLogger("nebula_ckpt")
@@ -218,6 +218,31 @@ def rebuild(output_dir: str, root: str, committed: dict[str, int], *, drop_stale
     if drop_stale:
         _drop_if_empty(pending)
     return made
+
+
+def drop_gone(output_dir: str, root: str, held_steps: set[int]) -> list[str]:
+    """Remove the ``checkpoint-N/`` folders of ``output_dir`` naming a checkpoint of ``root`` whose
+    step no tier holds any more (``held_steps``: the committed steps); return them. HF's own
+    folders, another root's and damaged pointers are left alone."""
+    try:
+        names = sorted(os.listdir(output_dir))
+    except OSError:  # no output dir yet
+        return []
+    gone = []
+    for name in names:
+        if not is_checkpoint_tag(name):
+            continue
+        folder = os.path.join(output_dir, name)
+        try:
+            rec = read(folder)
+        except nc.ValidationError:
+            continue
+        if rec is None or rec["tag"] != name or rec["step"] in held_steps \
+                or canonical_root(rec["root"]) != canonical_root(root):
+            continue
+        shutil.rmtree(folder, ignore_errors=True)
+        gone.append(folder)
+    return gone
 
 
 def _is_ours(folder: str) -> bool:

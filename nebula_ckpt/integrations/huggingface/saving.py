@@ -77,14 +77,18 @@ def checkpointer(trainer: Any) -> nc.Checkpointer:
 
 def _rebuild_folders(trainer: Any) -> None:
     """The folders of the committed checkpoints whose process ended before it put them in place;
-    the staged folders of the others removed (nothing is in flight: the Checkpointer is new)."""
+    the staged folders of the others removed (nothing is in flight: the Checkpointer is new), and
+    the folders of checkpoints no tier holds any more (deleted while no trainer watched)."""
     run = run_of(trainer)
     with run.folder_lock:
         run.folders.clear()  # a closed Checkpointer's saves: what they staged is judged from the tiers
-        if not trainer.args.should_save:
+        if not trainer.args.should_save or run.ckpt is None:
             return
+        out = trainer._get_output_dir(trial=None)
         try:
-            folders.rebuild(trainer._get_output_dir(trial=None), run.root, run.committed)
+            folders.rebuild(out, run.root, run.committed)
+            for gone in folders.drop_gone(out, run.root, set(run.ckpt.list())):
+                log.info("nebula_ckpt: removed %s: no tier of %s holds its checkpoint any more", gone, run.root)
         except OSError as e:  # the tags still resume; the folders are tried again at the next open
             log.warning("nebula_ckpt: could not put the checkpoint folders of %s in place: %s", run.root, e)
 
@@ -134,9 +138,11 @@ def _short_names(tiers: list[str]) -> dict[str, str]:
 def settle(trainer: Any) -> None:
     """Count the saves that are now over: durable ones become committed checkpoints with their
     ``checkpoint-N/`` folder in place (failed ones do not: the core raises their error from the
-    next save / wait), and each one's metrics go to the trainer's loggers."""
+    next save / wait), and each one's metrics go to the trainer's loggers. Once one is durable,
+    the committed checkpoints are checked against the tiers (:func:`_forget_gone`)."""
     run = run_of(trainer)
     left = []
+    durable = False
     for h in run.inflight:
         if not h.done():
             left.append(h)
@@ -144,12 +150,39 @@ def settle(trainer: Any) -> None:
         folders.finish(run, h)  # (a no-op when the watching thread or a wait() did it)
         if folders.is_durable(h) and h.tag:
             run.committed[h.tag] = h.step
+            durable = True
         if h.skipped is not None or h.tiers_dropped:  # never silent: the framework may ask for it again
             log.warning("nebula_ckpt: %s (step %d) was not written to %s: %s", h.tag, h.step,
                         h.tiers_dropped or "any tier", h.skipped or "a newer save came first")
         if run.log_metrics and h.skipped is None:
             _log(trainer, metrics_logs(h.metrics))
     run.inflight = left
+    if durable:
+        _forget_gone(trainer)
+
+
+def _forget_gone(trainer: Any) -> None:
+    """Forget the committed checkpoints no tier holds any more, and remove their folders: the core
+    deletes steps of its own accord (a save of a step already saved, as a re-run in the same
+    output dir without resuming makes, deletes the later steps whose deltas refer to that step's
+    old bytes; its own ``keep_last``). A folder then never names a checkpoint that is gone, and
+    ``save_total_limit`` never keeps one in place of a real one. One listing of the tiers' commit
+    markers per save that became durable (the saves in flight are not in ``committed``)."""
+    run = run_of(trainer)
+    if run.ckpt is None or run.ckpt.closed:
+        return
+    try:
+        held = set(run.ckpt.list())
+    except (OSError, nc.NebulaError) as e:  # checked again when the next save is durable
+        log.warning("nebula_ckpt: could not list the checkpoints of %s: %s", run.root, e)
+        return
+    for tag in [t for t, s in run.committed.items() if s not in held]:
+        del run.committed[tag]
+        run.saved.pop(tag, None)
+        log.info("nebula_ckpt: %s is on no tier of %s any more: its folder is removed", tag, run.root)
+        if trainer.args.should_save:
+            with run.folder_lock:
+                folders.remove(os.path.join(trainer._get_output_dir(trial=None), tag))
 
 
 def wait_previous(trainer: Any) -> None:
@@ -180,7 +213,10 @@ def rotate(trainer: Any, final: bool = False) -> None:
     if limit is None or limit <= 0 or run.ckpt is None:
         return
     settle(trainer)
-    committed = sorted(run.committed.items(), key=lambda kv: kv[1])
+    # save order, as HF's mtime order: this trainer's saves (by save number) are newer than the
+    # checkpoints it found (by step), so a re-run without resume keeps its own newest
+    committed = sorted(run.committed.items(),
+                       key=lambda kv: (1, run.saved[kv[0]]) if kv[0] in run.saved else (0, kv[1]))
     if len(committed) <= limit:
         return
     best = tag_of_path(trainer, trainer.state.best_model_checkpoint)
@@ -204,6 +240,7 @@ def rotate(trainer: Any, final: bool = False) -> None:
         if trainer.args.should_save:
             folders.remove(os.path.join(trainer._get_output_dir(trial=None), tag))
         del run.committed[tag]
+        run.saved.pop(tag, None)
         remaining -= 1
 
 
@@ -290,6 +327,8 @@ def save_checkpoint(trainer: Any, run_dir: str) -> nc.SaveHandle:
         # DeepSpeed's parts and FSDP's state dicts are live tensors no hook guards: copied before training goes on
         handle.wait_snapshot()
     run.committed.pop(tag, None)  # replaced by this save (same step)
+    run.saves += 1
+    run.saved[tag] = run.saves
     run.inflight.append(handle)
     if trainer.args.should_save:  # its checkpoint-N/ folder, staged until the save is durable
         with run.folder_lock:
