@@ -26,6 +26,7 @@ from typing import Any, Callable, Optional, Sequence
 
 from nebula_ckpt.errors import NotFoundError, ValidationError
 from nebula_ckpt.format.commit import Write
+from nebula_ckpt.format.names import COMMIT, LOCK_FILE, MANIFEST, ROOT_FILE, RUN_FILE, parse_step_dir
 from nebula_ckpt.format.owner import Owner
 from nebula_ckpt.ranks.coordinator import Coordinator
 from nebula_ckpt.ranks.fencing import Fence, read_run_id, run_id
@@ -35,6 +36,7 @@ from nebula_ckpt.storage.base import Storage
 from nebula_ckpt.storage.urls import canonical_root, local_path
 from nebula_ckpt.tiers.base import Tier
 from nebula_ckpt.tiers.factory import runtime_for
+from nebula_ckpt.tiers.memory.shm import is_tier_folder, read_owner
 from nebula_ckpt.tiers.roots import default_tiers, tier_for_root
 from nebula_ckpt.tiers.runtime import TierRuntime
 
@@ -199,6 +201,60 @@ def _refuse_shared_locations(tiers: list[Tier]) -> None:
         seen[where] = t.name
 
 
+def refuse_nested_root(root: str, writing: bool = True) -> None:
+    """Refuse a local root that is, or lies inside, a folder of another root: a step folder
+    (``step-N`` holding ``COMMIT`` or ``manifest.json``, or right in a folder holding
+    ``_nebula/run.json``), a root's ``_nebula/`` records, or (``writing``) a memory tier's folder,
+    which may be read as a folder of steps (``nebula-ckpt ls`` of it), never written. A run there
+    would write its checkpoints inside that step (which the root's retention deletes with them),
+    or into that run's memory tier (whose next restore would take them for its own). Checked from
+    the outermost folder down, so the message names the real root; nothing is created.
+
+    Raises:
+        ValidationError: naming the folder, the root it belongs to and what to open instead.
+    """
+    path = local_path(root)
+    if path is None:
+        return
+    path = os.path.realpath(os.path.expanduser(path))
+    chain = [path]
+    while os.path.dirname(chain[-1]) != chain[-1]:
+        chain.append(os.path.dirname(chain[-1]))
+    for folder in reversed(chain):
+        if not os.path.isdir(folder):
+            return  # nothing below a missing folder exists
+        why = _part_of_another_root(folder, writing)
+        if why is not None:
+            where = "is" if folder == path else f"lies inside {folder}, which is"
+            raise ValidationError(f"{canonical_root(root)} {where} {why}")
+
+
+def _part_of_another_root(folder: str, writing: bool) -> Optional[str]:
+    """What ``folder`` is of another root (and what to open instead), or None when it is none of that."""
+    parent, name = os.path.split(folder)
+    if writing and is_tier_folder(folder):
+        owner = read_owner(folder)
+        if owner is None:
+            return (f"a memory tier's folder (it holds {ROOT_FILE} and {LOCK_FILE}), not a checkpoint root: a memory "
+                    "tier holds only the copies its own run writes. Open the root that run saved to instead (its "
+                    "load_latest restores from this folder); `nebula-ckpt gc` lists memory tiers and their roots")
+        return (f"the memory tier of the run at {owner.root}, not a checkpoint root: a memory tier holds only the "
+                "copies its own run writes, and one opened as a root would mix its checkpoints with that run's. "
+                f"Open {owner.root} instead (its load_latest restores from this memory tier; `nebula-ckpt ls "
+                f"{owner.root}` lists it)")
+    step = parse_step_dir(name)
+    marked = step is not None and any(os.path.isfile(os.path.join(folder, n)) for n in (COMMIT, MANIFEST))
+    if step is not None and (marked or os.path.isfile(os.path.join(parent, RUN_FILE))):
+        return (f"step {step} of the checkpoint root {parent}, not a root of its own: saves there would go inside "
+                "that step, and the root's retention would delete them with it. Open the root instead: "
+                f"Checkpointer({parent!r}) and load(step={step}) (or read({step})) for this step; `nebula-ckpt "
+                f"inspect {parent} --step {step}` shows it")
+    if name == RUN_FILE.split("/")[0] and os.path.isfile(os.path.join(parent, RUN_FILE)):
+        return (f"the records folder of the checkpoint root {parent}, not a root of its own: open {parent} "
+                "instead")
+    return None
+
+
 def open_root(root: str, storage_options: Optional[dict[str, Any]], tiers: Optional[Sequence[Tier]],
               memory_tier: bool, coordinator: Coordinator, read_only: bool) -> OpenRoot:
     """Reach every tier (fail fast), take the root's run id, let each tier open for this run.
@@ -208,8 +264,10 @@ def open_root(root: str, storage_options: Optional[dict[str, Any]], tiers: Optio
     claims and writes nothing. Multi-rank (not read only): the constructor's collectives.
 
     Raises:
-        ValidationError: bad tiers, or ranks that see different roots (nothing is kept open).
+        ValidationError: bad tiers, ranks that see different roots (nothing is kept open), or a
+            root that is part of another root or of a memory tier (:func:`refuse_nested_root`).
     """
+    refuse_nested_root(root, writing=not read_only)
     chosen, root_tier = choose_tiers(root, storage_options, tiers, memory_tier, coordinator.rank)
     runtimes = [runtime_for(t, t.make_storage()) for t in chosen]
     for rt in runtimes:  # fail fast, before leaving anything behind (a listing: nothing written)

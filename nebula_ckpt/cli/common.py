@@ -20,6 +20,7 @@ from nebula_ckpt.format.names import COMMIT, shard_owner, step_dir
 from nebula_ckpt.format.owner import Owner
 from nebula_ckpt.ranks.fencing import read_run_id
 from nebula_ckpt.restore.open import NotThisLayout, OpenCheckpoint, open_checkpoint, read_manifest
+from nebula_ckpt.root import refuse_nested_root
 from nebula_ckpt.storage.base import Storage
 from nebula_ckpt.storage.urls import canonical_root, local_path, refuse_url_credentials
 from nebula_ckpt.tiers.base import Tier
@@ -106,6 +107,7 @@ def root_tiers(root: str, storage_options: Optional[dict[str, Any]]) -> tuple[li
         NebulaError: ROOT is a file, or lies under one (nothing can be found there).
     """
     _file_in_the_way(root)
+    refuse_nested_root(root, writing=False)  # a step folder (or _nebula/): named with the real root
     tiers = default_tiers(root, storage_options)
     try:
         return tiers, tiers[-1].make_storage()

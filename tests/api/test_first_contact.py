@@ -39,6 +39,62 @@ def test_a_file_where_a_folder_belongs_is_a_validation_error_before_anything_is_
     assert f.read_text() == "not a folder"
 
 
+@pytest.mark.parametrize("read_only", [False, True])
+@pytest.mark.parametrize("where", ["step-2", "step-2/deeper", "_nebula", "step-9-uncommitted"])
+def test_a_folder_of_a_root_used_as_a_root_is_refused_naming_the_root(tmp_path, shm_dir, where,  # noqa: ANN001
+                                                                      read_only) -> None:
+    """The Hugging Face habit (``resume_from_checkpoint="out/checkpoint-500"``): a step folder (or
+    one inside it, or the root's records) opened as a root would nest a run in that step, which
+    the root's retention deletes with it. Refused before anything is written, naming the root."""
+    run = str(tmp_path / "ckpt" / "run")
+    with nc.Checkpointer(run) as ck:
+        for s in (1, 2):
+            ck.save(s, {"w": torch.full((2,), float(s))})
+    os.makedirs(os.path.join(run, "step-9"))  # a step being written: no marker yet
+    path = os.path.join(run, where.replace("-uncommitted", ""))
+    before = _tree(str(tmp_path), shm_dir)
+    with pytest.raises(nc.ValidationError) as e:
+        nc.Checkpointer(path, read_only=read_only)
+    msg = str(e.value)
+    assert f"of the checkpoint root {run}" in msg and path in msg, msg
+    if where.startswith("step-2"):
+        assert "load(step=2)" in msg and "read(2)" in msg, msg
+    assert _tree(str(tmp_path), shm_dir) == before
+
+
+def test_a_memory_tier_used_as_a_root_is_refused_naming_its_run(tmp_path, shm_dir) -> None:  # noqa: ANN001
+    """The memory tier's folder, as ``tiers_written``, the log and ``ls`` print it, opened as a root
+    would write into that run's memory tier, whose next restore would take it for its own."""
+    run = str(tmp_path / "run")
+    with nc.Checkpointer(run) as ck:
+        h = ck.save(3, {"w": torch.full((2,), 3.0)})
+        h.result()
+        folder = next(t for t in h.tiers_written if t.startswith("memory:"))[len("memory:"):]
+        before = _tree(str(tmp_path), shm_dir)
+        for path in (folder, os.path.join(folder, "step-3"), os.path.join(folder, "new")):
+            with pytest.raises(nc.ValidationError, match="the memory tier of the run at") as e:
+                nc.Checkpointer(path)
+            assert f"Open {run} instead" in str(e.value)
+        with nc.Checkpointer(folder, read_only=True) as reader:  # read as a folder of steps: nothing written
+            assert reader.list() == [3]
+        assert _tree(str(tmp_path), shm_dir) == before
+        assert ck.list() == [3]
+
+
+@pytest.mark.parametrize("where", ["shm", "step-named"])
+def test_roots_that_only_look_alike_still_work(tmp_path, shm_dir, where) -> None:  # noqa: ANN001
+    """A root under the tmpfs beside the memory tiers, and a new root named like a step folder
+    (not in a root): ordinary roots."""
+    path = os.path.join(shm_dir, "plain", "run") if where == "shm" else str(tmp_path / "sweep" / "step-5")
+    with nc.Checkpointer(path) as ck:
+        assert ck.load_latest() is None
+        ck.save(1, {"w": torch.ones(2)})
+    w = torch.zeros(2)
+    with nc.Checkpointer(path) as ck:
+        assert ck.load_latest(into={"w": w}) == 1
+    assert torch.all(w == 1)
+
+
 def test_knobs_are_listed_as_a_readable_table() -> None:
     text = knobs.table()
     lines = text.splitlines()

@@ -66,3 +66,25 @@ def test_the_installed_command_says_so_too(tmp_path, shm_dir: str) -> None:  # n
         r = subprocess.run([sys.executable, "-m", "nebula_ckpt.cli", *argv], capture_output=True, text=True, env=env,
                            cwd=tmp_path)
         assert r.returncode == code and said in r.stderr and "Errno" not in r.stderr, (r.returncode, r.stderr)
+
+
+@pytest.mark.parametrize("cmd", ["ls", "inspect", "verify"])
+def test_a_step_folder_as_root_names_the_real_root(cmd: str, tmp_path, shm_dir: str,  # noqa: ANN001
+                                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    """``nebula-ckpt ls ckpt/run/step-2`` (a folder ``find`` shows): exit 1 naming the root to give
+    instead, never "no checkpoints under ..."; the memory tier's folder (as ``tiers_written``
+    prints it) is listed."""
+    import torch
+
+    import nebula_ckpt as nc
+
+    run = str(tmp_path / "run")
+    with nc.Checkpointer(run) as ck:
+        ck.save(1, {"w": torch.ones(2)})
+        h = ck.save(2, {"w": torch.ones(2)})
+        h.result()
+        memory = next(t for t in h.tiers_written if t.startswith("memory:"))[len("memory:"):]
+        assert main([cmd, os.path.join(run, "step-2")]) == 1
+        err = capsys.readouterr().err
+        assert f"step 2 of the checkpoint root {run}" in err and "no checkpoints under" not in err, err
+        assert main([cmd, memory]) == 0  # a memory tier's steps may be looked at (nothing is written)

@@ -32,7 +32,7 @@ from typing import Optional
 
 from nebula_ckpt import knobs
 from nebula_ckpt.errors import CorruptCheckpointError
-from nebula_ckpt.format.names import COMMIT, LOCK_FILE, ROOT_FILE, parse_step_dir
+from nebula_ckpt.format.names import COMMIT, LOCK_FILE, ROOT_FILE, RUN_FILE, parse_step_dir
 from nebula_ckpt.format.owner import MAX_OWNER_BYTES, Owner
 from nebula_ckpt.storage.local import read_small_file, write_file_atomic
 
@@ -167,6 +167,18 @@ def read_owner(folder: str) -> Optional[Owner]:
     except OSError:
         return None
     return Owner.parse(data)
+
+
+def is_tier_folder(folder: str) -> bool:
+    """Whether ``folder`` is a memory tier's folder: it holds the ``ROOT`` and ``LOCK`` files a
+    claim leaves (regular files, links not followed), which no checkpoint root holds."""
+    for name in (ROOT_FILE, LOCK_FILE):
+        try:
+            if not stat.S_ISREG(os.lstat(os.path.join(folder, name)).st_mode):
+                return False
+        except OSError:
+            return False
+    return True
 
 
 def _write_owner(folder: str, owner: Owner) -> None:
@@ -344,6 +356,13 @@ class Claim:
         if have is not None and have.root != owner.root:
             raise ClaimRefused(f"{self.folder} belongs to root {have.root!r}, not {owner.root!r} (hash "
                                "collision); pass MemoryTier(path=...) explicitly")
+        if have is not None and have.run_id == owner.run_id and os.path.lexists(os.path.join(self.folder, RUN_FILE)):
+            # a root's run record (a memory tier never holds one): the folder was opened as a
+            # checkpoint root, and what that run saved there (another run's state, under writer
+            # generations this root never issued) would be restored as this run's
+            raise ClaimRefused(f"{self.folder} holds {RUN_FILE}, the run record of a checkpoint root: it was opened "
+                               "as a root, so its steps may be another run's, and none is restored from it; it is not "
+                               "used. Remove it (`nebula-ckpt gc --force`) so that a clean memory tier replaces it")
         if have is None:
             if any(n != LOCK_FILE for n in os.listdir(self.folder)):
                 raise ClaimRefused(f"{self.folder} holds files but no readable {ROOT_FILE} file, so it "

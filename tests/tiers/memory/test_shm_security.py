@@ -171,6 +171,31 @@ def test_restart_of_same_run_still_resumes_from_memory(root: str, shm_dir: str) 
         assert ck.load_latest() == 3 and ck.last_restore["tier"].startswith("memory:")
 
 
+def test_a_memory_tier_once_opened_as_a_root_is_never_restored_from(root: str, shm_dir: str,
+                                                                    caplog: pytest.LogCaptureFixture) -> None:
+    """A memory-tier folder holding a root's records (``_nebula/``) was opened as a checkpoint root,
+    so a step in it may be another run's: the run restores and saves without it, saying so."""
+    code = f"""
+import os, signal, torch, nebula_ckpt as nc
+ck = nc.Checkpointer({root!r})
+ck.save(3, {{"w": torch.full((8,), 3.0)}}).result()   # on every tier
+os.kill(os.getpid(), signal.SIGKILL)
+"""
+    r = subprocess.run([sys.executable, "-c", code], env=dict(os.environ, NEBULA_SHM_DIR=shm_dir),
+                       capture_output=True, timeout=120)
+    assert r.returncode == -signal.SIGKILL, r.stderr.decode()
+    folder = memory_tier_path(root)
+    assert "step-3" in os.listdir(folder)
+    shutil.copy(os.path.join(root, "_nebula", "run.json"), os.path.join(folder, "_nebula"))  # what a root leaves
+    w = torch.zeros(8)
+    with nc.Checkpointer(root) as ck:
+        assert "memory" not in _tiers_kinds(ck)
+        assert ck.load_latest(into={"w": w}) == 3 and ck.last_restore["tier"].startswith("local:")
+    assert torch.all(w == 3.0)
+    assert any("holds _nebula/run.json" in r.message and "gc --force" in r.message for r in caplog.records)
+    assert "step-3" in os.listdir(folder)  # left for the user to remove
+
+
 def _written_kinds(ck: nc.Checkpointer) -> list[str]:
     return [w.tier.kind for w in ck._saves.writers or []]
 
