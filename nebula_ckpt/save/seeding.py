@@ -35,9 +35,9 @@ log = logging.getLogger(__name__)
 
 def seed_tier(writer: Any, man: Manifest, here: bool, shared: bool) -> None:
     """Make ``writer``'s (a :class:`~nebula_ckpt.save.writer.TierWriter`) next save build on the
-    restart base of ``man`` (:func:`restart_base`; ``shared``: a shared tier of a multi-rank job), on the thread that writes that save: reading the
-    tier must never hold the training thread. A failure (the tier unreachable, the root full) is
-    logged, and that save is written whole."""
+    restart base of ``man`` (:func:`restart_base`; ``shared``: a shared tier of a multi-rank job),
+    on the thread that writes that save: reading the tier must never hold the training thread. A
+    failure (the tier unreachable, the root full) is logged, and that save is written whole."""
     co = writer.coordinator
     try:
         base = restart_base(writer.storage, man, here, writer.incremental.compare, shared, co.rank,
