@@ -55,7 +55,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, ContextManager, Iterable, Optional, Protocol
 
 from nebula_ckpt.errors import CorruptCheckpointError
-from nebula_ckpt.format.checks import MAX_STEP, as_int, as_obj, as_step, bad
+from nebula_ckpt.format.checks import MAX_STEP, as_int, as_obj, as_step, bad, short
 from nebula_ckpt.format.manifest import MAX_MANIFEST_BYTES, Manifest
 from nebula_ckpt.format.names import (
     COMMIT,
@@ -63,6 +63,8 @@ from nebula_ckpt.format.names import (
     MANIFEST,
     RANKS_FILE,
     VERSION,
+    is_manifest_name,
+    manifest_name,
     parse_step_dir,
     shard_owner,
     step_dir,
@@ -94,6 +96,14 @@ class Commit:
     manifest_crc32c: int
     #: the number of the save that wrote this step in its generation (None: not recorded)
     save: Optional[int] = None
+    #: the manifest's file name in the step's folder (None: ``manifest.json``); a write that
+    #: replaced a committed step names its own (:func:`~nebula_ckpt.format.names.manifest_name`)
+    manifest: Optional[str] = None
+
+    @property
+    def manifest_file(self) -> str:
+        """The file name of the manifest this marker commits."""
+        return self.manifest or MANIFEST
 
     @property
     def write(self) -> Write:
@@ -109,6 +119,8 @@ class Commit:
                                "manifest_crc32c": self.manifest_crc32c, "time": time.time()}
         if self.save is not None:
             out["save"] = self.save
+        if self.manifest is not None:
+            out["manifest"] = self.manifest
         return json.dumps(out).encode()
 
     @staticmethod
@@ -121,11 +133,14 @@ class Commit:
         w = f"{where}: {COMMIT}"
         try:
             d = as_obj(d, w, "the commit marker")
-            save = d.get("save")
+            save, name = d.get("save"), d.get("manifest")
+            if name is not None and (type(name) is not str or not is_manifest_name(name)):
+                raise bad(w, f"manifest {short(name)} is no manifest file name (manifest.json or "
+                             "manifest-v<8 hex digits>.json)")
             return Commit(as_step(d.get("step"), w), as_int(d.get("generation"), w, "generation"),
                           as_int(d.get("manifest_bytes"), w, "manifest_bytes"),
                           as_int(d.get("manifest_crc32c"), w, "manifest_crc32c", hi=2**32 - 1),
-                          None if save is None else as_int(save, w, "save"))
+                          None if save is None else as_int(save, w, "save"), name)
         except CorruptCheckpointError as e:
             raise CorruptCheckpointError(f"commit marker is unreadable: {e}") from None
 
@@ -231,13 +246,20 @@ class CommitProgress:
 
 
 def commit_manifest(storage: "Storage", fence: WriterFence, step: int, mbytes: bytes,
-                    progress: CommitProgress, tier: str, save: Optional[int] = None) -> None:
-    """Write ``step``'s manifest (``mbytes``, atomic), check the fence, then create its ``COMMIT``.
+                    progress: CommitProgress, tier: str, save: Optional[int] = None,
+                    replaces: Optional[Commit] = None, variant: Optional[str] = None) -> Commit:
+    """Write ``step``'s manifest (``mbytes``, atomic), check the fence, then create its ``COMMIT``;
+    return the marker written.
 
     ``tier`` names the storage in the logs; ``save``: the number of the save that wrote the step
     in its generation (the marker records it: :attr:`Commit.write`). ``progress.may_commit`` is
     set once the marker's write begins, and cleared again only when a failed write certainly
     created nothing (:func:`~nebula_ckpt.storage.base.never_created`).
+
+    ``replaces``: the marker of the committed step this write replaces; the manifest is then
+    written as ``manifest-v<variant>.json`` beside the committed one and the marker *replaced*
+    by one naming it, in one atomic write (a file renamed over it, or one object put over it), so
+    the step is at every instant one whole write or the other (:func:`replace_landed`).
 
     Raises:
         FencedError: a newer writer took over ``storage`` (nothing was committed).
@@ -247,23 +269,90 @@ def commit_manifest(storage: "Storage", fence: WriterFence, step: int, mbytes: b
         OSError and others: the storage's errors, as they come.
     """
     d = step_dir(step)
-    commit = Commit(step, fence.generation, len(mbytes), get_ops().crc32c_bytes(mbytes), save)
+    name = manifest_name(variant if replaces is not None else None)
+    commit = Commit(step, fence.generation, len(mbytes), get_ops().crc32c_bytes(mbytes), save,
+                    None if replaces is None else name)
     marker = commit.to_bytes()
     # Read back by the readers' own parser before anything is written: a marker its readers would
     # refuse (a step out of the format's range) must never make a step committed and unreadable.
     if Commit.parse(marker, f"{tier} step {step}") != commit:
         raise CorruptCheckpointError(f"{tier} step {step}: the commit marker does not read back as written")
     log.debug("nebula_ckpt: phase=manifest tier=%s step=%d", tier, step)
-    storage.write_small(f"{d}/{MANIFEST}", mbytes)
+    storage.write_small(f"{d}/{name}", mbytes)
     fence.check(f"commit step {step}")
-    log.debug("nebula_ckpt: phase=commit tier=%s step=%d", tier, step)
+    log.debug("nebula_ckpt: phase=%s tier=%s step=%d", "commit" if replaces is None else "replace", tier, step)
     with fence.committing(f"commit step {step}"):  # refused once fenced; stop() waits for it
+        if replaces is not None and read_commit(storage, step, f"{tier} step {step}") != replaces:
+            raise FileExistsError(f"{tier}: {d}/{COMMIT} changed since this save of step {step} began "
+                                  "(another writer's)")
         progress.may_commit = True
         try:
-            storage.write_small(f"{d}/{COMMIT}", marker, create_only=True)
+            storage.write_small(f"{d}/{COMMIT}", marker, create_only=replaces is None)
         except BaseException:
-            progress.may_commit = not never_created(storage, f"{d}/{COMMIT}")
+            progress.may_commit = replace_landed(storage, commit, tier) if replaces is not None else \
+                not never_created(storage, f"{d}/{COMMIT}")
             raise
+    return commit
+
+
+def replace_landed(storage: "Storage", commit: Commit, tier: str) -> bool:
+    """After the replacing write of a marker (``commit``) raised: whether it may have landed, now
+    or later. False only when it certainly did not: the storage's failed writes are final (a file
+    system: the rename is done or not) and the marker there is still another one."""
+    if not storage.failed_create_is_final:
+        return True
+    try:
+        there = read_commit(storage, commit.step, f"{tier} step {commit.step}")
+    except Exception as e:  # cannot look: it may be there
+        log.warning("nebula_ckpt: %s: cannot tell which COMMIT step %d holds: %s", tier, commit.step, e)
+        return True
+    return there.manifest_file == commit.manifest_file
+
+
+def settle_manifest(storage: "Storage", fence: WriterFence, commit: Commit, mbytes: bytes, tier: str) -> None:
+    """After ``commit`` replaced a step's marker (its manifest ``manifest-v<V>.json``, of bytes
+    ``mbytes``): give the manifest its usual name again. ``manifest.json`` is replaced by the same
+    bytes, then the marker by one naming it (checked to be ``commit`` still, and the fence), each in
+    one atomic write, so the marker names a whole manifest of that write at every instant; the
+    ``manifest-v<V>.json`` left is the caller's to remove (:func:`committed_files`).
+
+    Raises:
+        FencedError / FileExistsError (the marker changed) / the storage's errors: the step
+        stays committed as ``commit`` left it.
+    """
+    d = step_dir(commit.step)
+    storage.write_small(f"{d}/{MANIFEST}", mbytes)
+    fence.check(f"settle step {commit.step}")
+    plain = Commit(commit.step, commit.generation, commit.manifest_bytes, commit.manifest_crc32c, commit.save)
+    log.debug("nebula_ckpt: phase=settle tier=%s step=%d", tier, commit.step)
+    with fence.committing(f"settle step {commit.step}"):
+        if read_commit(storage, commit.step, f"{tier} step {commit.step}") != commit:
+            raise FileExistsError(f"{tier}: {d}/{COMMIT} changed since step {commit.step} was committed")
+        storage.write_small(f"{d}/{COMMIT}", plain.to_bytes())
+
+
+def read_committed_manifest(storage: "Storage", step: int, where: str) -> tuple[Commit, bytes]:
+    """The marker of committed ``step`` and the bytes of the manifest it names (the one way any
+    reader reaches a step's manifest), checked against it: never more than the size it names,
+    and that size and CRC32C.
+
+    Raises:
+        FileNotFoundError: the marker or the manifest is missing.
+        CorruptCheckpointError: naming ``where`` and what is wrong.
+        OSError: the storage's other errors.
+    """
+    commit = read_commit(storage, step, where)
+    name = commit.manifest_file
+    try:  # never more than the marker says: a sparse file of a terabyte is refused unread
+        mbytes = storage.read_small(f"{step_dir(step)}/{name}", min(commit.manifest_bytes, MAX_MANIFEST_BYTES))
+    except CorruptCheckpointError as e:
+        raise CorruptCheckpointError(f"{where}: {e}") from None
+    if len(mbytes) != commit.manifest_bytes or get_ops().crc32c_bytes(mbytes) != commit.manifest_crc32c:
+        raise CorruptCheckpointError(f"{where}: {name} does not match its commit marker "
+                                     "(size or checksum differs): garbled or replaced")
+    if commit.step != step:
+        raise CorruptCheckpointError(f"{where}: {COMMIT} is for step {commit.step}, but lies in {step_dir(step)}/")
+    return commit, mbytes
 
 
 def is_committed(storage: "Storage", step: int, generation: int) -> bool:
@@ -303,7 +392,7 @@ def retract_step(storage: "Storage", step: int, generation: int, tier: str) -> b
         newer = any((o := shard_owner(n)) is not None and o[0] > generation for n in names)
         for n in names:
             o = shard_owner(n)
-            if (o is not None and o[0] == generation) or (not newer and n in (MANIFEST, RANKS_FILE)):
+            if (o is not None and o[0] == generation) or (not newer and (is_manifest_name(n) or n == RANKS_FILE)):
                 storage.remove(f"{d}/{n}")
         storage.remove_empty_dir(d)
     except Exception as e:
@@ -363,8 +452,7 @@ def read_references(storage: "Storage", step: int) -> set[int]:
     """
     where = f"{storage.display_url} step {step}"
     try:
-        raw = storage.read_small(f"{step_dir(step)}/{MANIFEST}", MAX_MANIFEST_BYTES)
-        return references(Manifest.parse(raw, where, step))
+        return references(Manifest.parse(read_committed_manifest(storage, step, where)[1], where, step))
     except (FileNotFoundError, CorruptCheckpointError) as e:
         log.debug("nebula_ckpt: %s: no references read (%s)", where, e)
         return set()

@@ -7,7 +7,11 @@ A checkpoint of step N on a tier is the folder ``step-N/`` holding::
     COMMIT                        written last; names the manifest's size and CRC32C
     REMOVED                       (sometimes) remove() asked for the step while later ones refer to it
 
-``G`` is the writer generation, ``R`` the rank. Beside the steps, a persistent root holds
+``G`` is the writer generation, ``R`` the rank. A save of a step that is committed already writes
+its files under names of their own, ``shard-g<G>-r<R>-v<V>.safetensors`` and
+``manifest-v<V>.json`` (``V``: 8 hex digits drawn for that write, :func:`new_variant`), and then
+replaces ``COMMIT`` by one naming that manifest: the step switches from one whole write to the
+other in one atomic write. Beside the steps, a persistent root holds
 ``_nebula/run.json`` (the run id) and ``_nebula/writers/g-<G>.json`` (one record per writer
 generation, see :mod:`nebula_ckpt.ranks.fencing`). A memory-tier folder also holds ``ROOT`` (whose
 checkpoints these are), ``LOCK`` (held by the process writing it) and ``.slots/`` (staging slot
@@ -52,10 +56,14 @@ COMMIT = "COMMIT"
 #: ``remove()``'s request for a step later steps still refer to (:mod:`nebula_ckpt.format.removal`)
 REMOVED = "REMOVED"
 _STEP_RE = re.compile(r"step-(0|[1-9][0-9]*)")
-_SHARD_RE = re.compile(r"shard-g(0|[1-9][0-9]*)-r(0|[1-9][0-9]*)\.safetensors")
-_SHARD_PREFIX_RE = re.compile(r"shard-g([0-9]+)-r[0-9]+\.safetensors")
-_SHARD_OWNER_RE = re.compile(r"(?:shard-g([0-9]+)-r([0-9]+)\.safetensors|records-g([0-9]+)-r([0-9]+)\.json)")
+_SHARD_RE = re.compile(r"shard-g(0|[1-9][0-9]*)-r(0|[1-9][0-9]*)(?:-v[0-9a-f]{8})?\.safetensors")
+_SHARD_PREFIX_RE = re.compile(r"shard-g([0-9]+)-r[0-9]+(?:-v[0-9a-f]{8})?\.safetensors")
+_SHARD_OWNER_RE = re.compile(r"(?:shard-g([0-9]+)-r([0-9]+)(?:-v[0-9a-f]{8})?\.safetensors"
+                             r"|records-g([0-9]+)-r([0-9]+)\.json)")
 _RECORDS_RE = re.compile(r"records-g(0|[1-9][0-9]*)-r(0|[1-9][0-9]*)\.json")
+_MANIFEST_RE = re.compile(r"manifest(?:-v([0-9a-f]{8}))?\.json")
+#: the variant part of a write's file names (see :func:`new_variant`)
+_VARIANT_RE = re.compile(r"(?:shard-g[0-9]+-r[0-9]+|manifest)-v([0-9a-f]{8})\.(?:safetensors|json)")
 
 
 def step_dir(step: int) -> str:
@@ -69,9 +77,33 @@ def parse_step_dir(name: str) -> Optional[int]:
     return int(m.group(1)) if m else None
 
 
-def shard_name(generation: int, rank: int = 0) -> str:
-    """File name of a shard."""
-    return f"shard-g{generation}-r{rank}.safetensors"
+def shard_name(generation: int, rank: int = 0, variant: Optional[str] = None) -> str:
+    """File name of a shard (``variant``: of a write that replaces a committed step, :func:`new_variant`)."""
+    return f"shard-g{generation}-r{rank}{'' if variant is None else f'-v{variant}'}.safetensors"
+
+
+def new_variant() -> str:
+    """A new variant for the files of a write that replaces a committed step (8 hex digits): its
+    files never collide with the committed write's, which stays whole until ``COMMIT`` names the new one."""
+    return uuid.uuid4().hex[:8]
+
+
+def manifest_name(variant: Optional[str] = None) -> str:
+    """File name of a step's manifest: ``manifest.json``, or ``manifest-v<V>.json`` for a write of
+    variant ``V`` (its ``COMMIT`` names it)."""
+    return MANIFEST if variant is None else f"manifest-v{variant}.json"
+
+
+def is_manifest_name(name: str) -> bool:
+    """Whether ``name`` is exactly a manifest file name of this format (a plain name, no path)."""
+    return _MANIFEST_RE.fullmatch(name) is not None
+
+
+def name_variant(name: str) -> Optional[str]:
+    """The variant of a shard or manifest file name (or of a partial file named like one), None
+    for a plain one (or another file)."""
+    m = _VARIANT_RE.match(name)
+    return m.group(1) if m else None
 
 
 def records_name(generation: int, rank: int) -> str:

@@ -18,9 +18,9 @@ import torch
 
 from nebula_ckpt.errors import CorruptCheckpointError, ValidationError
 from nebula_ckpt.format import manifest as mf
-from nebula_ckpt.format.commit import read_commit, shard_path
+from nebula_ckpt.format.commit import read_committed_manifest, shard_path
 from nebula_ckpt.format.header import data_start
-from nebula_ckpt.format.names import COMMIT, MANIFEST, RANKS_FILE, shard_owner, step_dir
+from nebula_ckpt.format.names import RANKS_FILE, shard_owner, step_dir
 from nebula_ckpt.format.records import ShardRecord, TensorRecord
 from nebula_ckpt.format.split_records import load_split, with_index
 from nebula_ckpt.native import get_ops
@@ -209,8 +209,8 @@ def load_records(storage: Storage, man: mf.Manifest, ranks: Iterable[int], where
 
 
 def read_main_manifest(storage: Storage, step: int, where: Optional[str] = None, index: bool = True) -> mf.Manifest:
-    """The validated ``manifest.json`` of committed ``step`` alone (a version 4 manifest's
-    tensor records are not read: :func:`load_records`). ``index``: complete a version 4 manifest
+    """The validated manifest of committed ``step`` alone, the one its ``COMMIT`` names (a version
+    4 manifest's tensor records are not read: :func:`load_records`). ``index``: complete a version 4 manifest
     from its ``ranks.json`` (every rank's shard, records file and tree; not needed to load the
     records of some ranks).
 
@@ -220,20 +220,10 @@ def read_main_manifest(storage: Storage, step: int, where: Optional[str] = None,
         CorruptCheckpointError: naming ``where`` and what is wrong (missing files included).
     """
     where = where or f"{storage.display_url} step {step}"
-    d = step_dir(step)
     try:
-        commit = read_commit(storage, step, where)
-        try:  # never more than the marker says: a sparse file of a terabyte is refused unread
-            mbytes = storage.read_small(f"{d}/{MANIFEST}", min(commit.manifest_bytes, mf.MAX_MANIFEST_BYTES))
-        except CorruptCheckpointError as e:
-            raise CorruptCheckpointError(f"{where}: {e}") from None
+        mbytes = read_committed_manifest(storage, step, where)[1]
     except FileNotFoundError as e:
         raise CorruptCheckpointError(f"{where}: {e.filename or e} is missing") from None
-    if len(mbytes) != commit.manifest_bytes or get_ops().crc32c_bytes(mbytes) != commit.manifest_crc32c:
-        raise CorruptCheckpointError(f"{where}: manifest.json does not match its commit marker "
-                                     "(size or checksum differs): garbled or replaced")
-    if commit.step != step:
-        raise CorruptCheckpointError(f"{where}: {COMMIT} is for step {commit.step}, but lies in {d}/")
     man = mf.Manifest.parse(mbytes, where, step)
     return with_ranks_file(storage, man, where) if index else man
 
@@ -259,8 +249,8 @@ def open_checkpoint(storage: Storage, step: int, verify: str, where: str,
                     rank: Optional[int] = None, world: int = 1, defer_verify: bool = False) -> OpenCheckpoint:
     """Read and verify one checkpoint; raise :class:`CorruptCheckpointError` naming what is wrong.
 
-    Only ``step-N/COMMIT``, ``step-N/manifest.json`` and the shard files named by the validated
-    manifest (plain ``shard-g<G>-r<R>.safetensors`` names) are opened: nothing outside the folder.
+    Only ``step-N/COMMIT``, the manifest it names and the shard files named by the validated
+    manifest (plain ``shard-g<G>-r<R>[-v<V>].safetensors`` names) are opened: nothing outside the folder.
     ``rank`` / ``world``: who restores. A multi-rank checkpoint of the same world size holding
     ``rank`` is opened for that rank (only the shards holding its tensors are read and verified);
     one holding every rank of another layout is opened whole (to be resharded); one holding only

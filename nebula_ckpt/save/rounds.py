@@ -83,7 +83,7 @@ class SharedCommit:
         self.coordinator = coordinator
         self.name = runtime.name
 
-    def run(self, save: TierStep, ready: Callable[[], None], d: str, shard: str,
+    def run(self, save: TierStep, ready: Callable[[], object], d: str, shard: str,
             on_shard: Optional[Callable[[str], None]], progress: CommitProgress) -> dict[str, Any]:
         """Commit ``save`` with every rank (this rank's shard: file ``shard`` of folder ``d``;
         ``meta``, ``hashes``, ``tag`` and ``index`` its metadata); return this rank's share of the

@@ -7,7 +7,12 @@ still run owns it: a shard of an older generation, or of this very rank of this 
 manifest (or a temp file) when this rank is the one that commits on this storage. A same-generation
 peer rank's shard is in flight, a newer generation's belongs to the writer that took over; neither
 is ever removed. A committed step's files are never leftovers (a ``REMOVED`` record in a folder
-whose ``COMMIT`` is gone is a leftover like the manifest). Also: the steps ``remove()`` deferred
+whose ``COMMIT`` is gone is a leftover like the manifest), but a committed folder may hold
+*strays*: the files of a save that was to replace the step and never committed (its own variant
+of names, :func:`~nebula_ckpt.format.names.new_variant`), or of the write it replaced, where a
+process was killed before it removed them; the files no marker owns
+(:func:`committed_files`) and no live writer owns are removed like
+leftovers (:func:`stray_files`; a writer looks once, at its first deletion pass). Also: the steps ``remove()`` deferred
 while later steps referred to them, recorded on the tier and deleted once none does, whichever
 process deletes there next (:class:`Removals`).
 
@@ -18,11 +23,35 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Callable, Container, Iterable
+from typing import Callable, Container, Iterable, Optional
 
 from nebula_ckpt.errors import CorruptCheckpointError
-from nebula_ckpt.format.commit import committed_steps, delete_checkpoint, read_commit, read_commits, referrers
-from nebula_ckpt.format.names import COMMIT, shard_generation, shard_owner, step_dir
+from nebula_ckpt.format.commit import (
+    Commit,
+    WriterFence,
+    committed_steps,
+    delete_checkpoint,
+    deletion_order,
+    read_commit,
+    read_commits,
+    read_committed_manifest,
+    referrers,
+    settle_manifest,
+)
+from nebula_ckpt.format.manifest import Manifest
+from nebula_ckpt.format.names import (
+    COMMIT,
+    MANIFEST,
+    RANKS_FILE,
+    REMOVED,
+    is_manifest_name,
+    name_variant,
+    records_name,
+    shard_generation,
+    shard_name,
+    shard_owner,
+    step_dir,
+)
 from nebula_ckpt.format.removal import Removal, read_removal, write_removal
 from nebula_ckpt.storage.base import Storage
 
@@ -75,9 +104,13 @@ def abandoned_uploads(storage: Storage, generation: int) -> list[tuple[str, str]
     return out
 
 
-def remove_leftovers(storage: Storage, steps: list[int], uploads: list[tuple[str, str]], where: str) -> None:
-    """Remove the leftover step folders ``steps`` and abort the abandoned ``uploads``
-    (the caller checked its fence first)."""
+def remove_leftovers(storage: Storage, steps: list[int], uploads: list[tuple[str, str]], where: str,
+                     strays: Iterable[str] = ()) -> None:
+    """Remove the leftover step folders ``steps`` and the ``strays`` (:func:`stray_files`), and
+    abort the abandoned ``uploads`` (the caller checked its fence first)."""
+    for rel in strays:
+        log.info("nebula_ckpt: %s: removing %s, of no committed write of its step", where, rel)
+        storage.remove(rel)
     for s in steps:
         log.info("nebula_ckpt: %s: removing uncommitted leftovers of step %d", where, s)
         storage.remove_dir(step_dir(s))
@@ -104,6 +137,123 @@ def discard_files(storage: Storage, step: int, doomed: Callable[[str], bool], wh
         storage.remove_empty_dir(d)
     except Exception as e:
         log.warning("nebula_ckpt: %s: cannot remove the files of failed step folder %s: %s", where, d, e)
+
+
+def committed_files(storage: Storage, step: int) -> Optional[set[str]]:
+    """The names of the files of committed ``step``'s folder that its committed write needs or
+    keeps: the marker, the manifest it names, ``REMOVED``, and the step's own shards that manifest
+    lists; None when that is not known (the marker or manifest unreadable, or a checkpoint of
+    several ranks, whose records and ``ranks.json`` lie beside them): then none may be removed.
+
+    Raises:
+        OSError: the storage's errors other than a missing file.
+    """
+    where = f"{storage.display_url} step {step}"
+    try:
+        commit, raw = read_committed_manifest(storage, step, where)
+        man = Manifest.parse(raw, where, step)
+    except (FileNotFoundError, CorruptCheckpointError) as e:
+        log.debug("nebula_ckpt: %s: its files are not known (%s)", where, e)
+        return None
+    if man.layout is not None or man.multi_rank and len(man.ranks) != 1:
+        return None
+    return {COMMIT, REMOVED, commit.manifest_file} | {sh.file for sh in man.shards if sh.step is None}
+
+
+def marker_of(storage: Storage, step: int, where: str) -> Optional[Commit]:
+    """The marker of committed ``step``, None where it cannot be parsed (logged: no reader takes that step).
+
+    Raises:
+        OSError: it cannot be read (the caller then changes nothing).
+    """
+    try:
+        return read_commit(storage, step, f"{where} step {step}")
+    except CorruptCheckpointError as e:
+        log.warning("nebula_ckpt: %s: %s", where, e)
+        return None
+
+
+def stray_files(storage: Storage, committed: Iterable[int], owner: Ownership) -> list[str]:
+    """The stray files (see the module docstring) of the ``committed`` steps' folders, as paths.
+    One listing per folder; the marker and manifest are read only where a file of another write
+    may lie (a variant's name, a temporary file: a step that was saved again)."""
+    out: list[str] = []
+    for s in committed:
+        d = step_dir(s)
+        names = storage.list(d)
+        if not any(name_variant(n) is not None or n.startswith(".") or (is_manifest_name(n) and n != MANIFEST)
+                   for n in names):
+            continue  # one write's plain names: nothing another write left
+        keep = committed_files(storage, s)
+        if keep is not None:  # unknown: none goes
+            out += [f"{d}/{n}" for n in names if n not in keep and owner.stale(n)]
+    return out
+
+
+def replaced(storage: Storage, fence: WriterFence, step: int, where: str) -> None:
+    """After a new write of ``step`` replaced its marker: the committed steps that referred to the
+    replaced write's bytes go (:func:`drop_referrers`), the manifest gets its usual name again
+    (:func:`~nebula_ckpt.format.commit.settle_manifest`), then the files of the replaced write go
+    (every file of the folder the committed write does not keep, :func:`committed_files`). Best
+    effort: a failure is logged (the sweep of a later writer removes what is left,
+    :func:`stray_files`). The caller holds its deletion lock."""
+    d = step_dir(step)
+    try:
+        drop_referrers(storage, step, where)
+        commit, mbytes = read_committed_manifest(storage, step, f"{where} step {step}")
+        if commit.manifest is not None:
+            settle_manifest(storage, fence, commit, mbytes, where)
+        log.debug("nebula_ckpt: phase=replaced %s step %d: the old write's files go", where, step)
+        keep = committed_files(storage, step)
+        if keep is not None:  # not known: none goes
+            for n in [n for n in storage.list(d) if n not in keep]:
+                storage.remove(f"{d}/{n}")
+    except Exception as e:
+        log.warning("nebula_ckpt: %s: step %d is replaced; removing what referred to the old write, or its files, "
+                    "failed (a later sweep removes them): %s", where, step, e)
+
+
+def discard_save(storage: Storage, step: int, owner: Ownership, rank: int, where: str) -> None:
+    """After a save of ``step`` by ``owner`` (rank ``rank``) that certainly did not commit:
+    remove what it wrote of the step (this rank's shard and records file; the manifest when this
+    rank commits here and no newer writer is in the folder), then the folder if that left it
+    empty (:func:`discard_files`)."""
+    gen = owner.generation
+    names = []
+    try:
+        names = storage.list(step_dir(step))
+    except Exception as e:  # discard_files reports it
+        log.debug("nebula_ckpt: %s: cannot list step %d: %s", where, step, e)
+    newer = any((o := shard_owner(n)) is not None and o[0] > gen for n in names)
+    mine_manifest = not newer and owner.commits_here
+    own = (shard_name(gen, rank), records_name(gen, rank))
+    discard_files(storage, step, lambda n: n in own or (n in (MANIFEST, RANKS_FILE) and mine_manifest), where)
+
+
+def drop_referrers(storage: Storage, step: int, where: str) -> None:
+    """As the committed ``step`` is replaced: the committed steps that refer to its bytes (the
+    run resumed from an older step; they are of the timeline it left) go, marker first, before
+    those bytes do, so no committed step ever refers to bytes that are gone (the caller holds
+    its deletion lock)."""
+    users = referrers(storage, committed_steps(storage), step)
+    if users:
+        log.warning("nebula_ckpt: %s: step(s) %s refer to the bytes of step %d, which is saved again: they "
+                    "are deleted (the run resumed from an older step)", where, users[:8], step)
+    for s in deletion_order(storage, users):
+        delete_checkpoint(storage, s)
+
+
+def discard_variant(storage: Storage, step: int, variant: str, where: str) -> None:
+    """After a save that was to replace the committed ``step`` certainly did not commit: remove
+    what it wrote (its ``variant``'s files), never a file the step's committed write keeps. Best effort."""
+    d = step_dir(step)
+    try:
+        keep = committed_files(storage, step) or set()
+        for n in storage.list(d):
+            if name_variant(n) == variant and n not in keep:
+                storage.remove(f"{d}/{n}")
+    except Exception as e:
+        log.warning("nebula_ckpt: %s: cannot remove the files of the failed save of step %d: %s", where, step, e)
 
 
 class Removals:

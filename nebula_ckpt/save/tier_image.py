@@ -60,9 +60,10 @@ from typing import TYPE_CHECKING, Any, Callable, Optional
 import numpy as np
 
 from nebula_ckpt import knobs
-from nebula_ckpt.format.commit import shard_path
+from nebula_ckpt.errors import CorruptCheckpointError
+from nebula_ckpt.format.commit import read_commit, shard_path
 from nebula_ckpt.format.manifest import Manifest
-from nebula_ckpt.format.names import COMMIT, MANIFEST, step_dir
+from nebula_ckpt.format.names import step_dir
 from nebula_ckpt.format.records import ShardRecord, TensorRecord
 from nebula_ckpt.ranks.shards import prefixed, subset_image
 from nebula_ckpt.save.incremental import hash_staged, same_kind, same_record, wanted_keys, yield_to_training
@@ -235,13 +236,17 @@ def refs_lacking(storage: "Storage", image: TierImage) -> Optional[str]:
     for ref in image.refs:
         folder = step_dir(ref.folder_step(image.base))
         try:
-            for name in () if folder in seen else (COMMIT, MANIFEST):  # a reader checks its own records
+            if folder not in seen:  # its marker and the manifest it names (a reader checks its own records)
+                name = read_commit(storage, ref.folder_step(image.base), f"{storage.display_url} {folder}")\
+                    .manifest_file
                 if not storage.exists(f"{folder}/{name}"):
                     return f"{folder}/{name} is gone (that step holds bytes this one would refer to)"
             seen.add(folder)
             size = storage.size(f"{folder}/{ref.file}")
         except FileNotFoundError:
             size = -1
+        except CorruptCheckpointError as e:
+            return f"{folder}: {e} (that step holds bytes this one would refer to)"
         if size != ref.stored_bytes:
             return f"{folder}/{ref.file} is gone or has another size (it holds bytes this step would refer to)"
     return None

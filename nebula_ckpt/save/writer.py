@@ -8,6 +8,10 @@ For each snapshot a tier writes, in this order (the commit protocol)::
     step-N/COMMIT                      (the coordinator's; create-only, last)
 
 The last two are :func:`nebula_ckpt.format.commit.commit_manifest`, which the DCP writer shares.
+A save of a step committed already writes ``-v<V>`` names beside the committed files and replaces
+``COMMIT`` in one atomic write; only then do the old write and what referred to it go
+(:func:`nebula_ckpt.save.sweep.replaced`; on a shared tier, and a tier with replicas, the old one
+goes first).
 Then retention: markers go before data, a step before its bases, the newest checkpoint never
 goes, and leftovers without a marker go only when no live writer owns them (:mod:`nebula_ckpt.save.sweep`).
 A failed step's own files (and its folder, once empty) are removed at once, but only while its ``COMMIT``
@@ -28,7 +32,6 @@ tier* (reported as ``tiers_dropped``), so a slow tier never blocks a fast one, n
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import math
 import os
@@ -37,6 +40,7 @@ from typing import Any, Callable, Optional
 
 from nebula_ckpt.errors import FencedError, PersistError
 from nebula_ckpt.format.commit import (
+    Commit,
     CommitProgress,
     clear_step,
     commit_manifest,
@@ -45,7 +49,7 @@ from nebula_ckpt.format.commit import (
     delete_checkpoint,
     deletion_order,
     protected_steps,
-    read_commit,
+    read_committed_manifest,
     referrers,
     retract_step,
     scan_steps,
@@ -53,7 +57,7 @@ from nebula_ckpt.format.commit import (
 )
 from nebula_ckpt.format.manifest import Manifest, encode_manifest, finish_manifest, stored_json, tagged
 from nebula_ckpt.format.multi_rank import rank_manifest
-from nebula_ckpt.format.names import COMMIT, MANIFEST, RANKS_FILE, records_name, shard_name, shard_owner, step_dir
+from nebula_ckpt.format.names import COMMIT, new_variant, shard_name, shard_owner, step_dir
 from nebula_ckpt.latch import Latch, Wakeup
 from nebula_ckpt.ranks import shards as ranks
 from nebula_ckpt.ranks.coordinator import Coordinator, LocalCoordinator
@@ -113,6 +117,7 @@ class TierWriter:
         self.incremental = Incremental(on_base, compare=runtime.capabilities.keeps_base_in_ram)
         #: remove()'s requests for steps later ones refer to, recorded on the tier: they go once none does
         self._removals = sweep.Removals(runtime.storage, self.name)
+        self._strays_swept = False  # the strays of committed folders are looked for once (sweep.stray_files)
         fence.retract_with(self)  # a save ending fenced takes back what it committed here
         self._thread = threading.Thread(target=self._run, name=f"nebula-{self.tier.kind}-writer", daemon=True)
         self._thread.start()
@@ -264,7 +269,7 @@ class TierWriter:
         The source's manifest is taken as is but for this tier's generation and shard record (its
         marker names the same save number); an incremental one is written whole here.
         """
-        raw = src.read_small(f"{step_dir(step)}/{MANIFEST}")
+        commit, raw = read_committed_manifest(src, step, f"{src.display_url} step {step}")
         parsed = Manifest.parse(raw, f"{src.display_url} step {step}", step)
         man = stored_json(raw)
         if parsed.multi_rank or self.coordinator.world_size > 1:
@@ -272,8 +277,8 @@ class TierWriter:
         data = [src.read_buffer(shard_path(parsed, i), dict(sh.storage or {})) for i, sh in enumerate(parsed.shards)]
         parts, tensors, nbytes = whole_image(parsed, data)
         image = TierImage(step, tuple(parts), nbytes, tensors, tuple(tensors))
-        save = read_commit(src, step, f"{src.display_url} step {step}").save
-        self._commit_step(TierStep(step, None, lambda: None, image, manifest=man, restamp=False, save=save), None)
+        self._commit_step(TierStep(step, None, lambda: None, image, manifest=man, restamp=False, save=commit.save),
+                          None)
 
     @property
     def key_prefix(self) -> str:
@@ -298,9 +303,10 @@ class TierWriter:
         d = step_dir(item.step)
         self.fence.check(f"write step {item.step}")
         self._check_uncertain(item.step)
-        if self._owner.commits_here:  # the other ranks of a shared tier clear it after round 1 (rounds.py)
-            self._clear_step(item.step)
-        shard = shard_name(gen, self.coordinator.rank)
+        # the committed write of the step this save replaces, once it commits (None: none)
+        old = self._clear_step(item.step) if self._owner.commits_here else None  # others: after round 1
+        variant = new_variant() if old is not None else None
+        shard = shard_name(gen, self.coordinator.rank, variant)
         progress = CommitProgress()
         committed: Optional[Manifest] = None
         share: Optional[dict[str, Any]] = None
@@ -310,12 +316,15 @@ class TierWriter:
                     item, lambda: self._clear_step(item.step), d, shard, on_shard, progress)
                 written, full = share["shard"]["bytes"], not share.get("refs")
             else:
-                committed, image = self._write_files(item, d, shard, gen, on_shard, progress)
+                committed, image = self._write_files(item, d, shard, gen, on_shard, progress, old, variant)
                 written, full = image.nbytes, image.full
         except BaseException as e:
             self.incremental.forget()
             if not progress.may_commit:
-                self._discard(item.step, shard)
+                if variant is None:
+                    sweep.discard_save(self.storage, item.step, self._owner, self.coordinator.rank, f"tier {self.name}")
+                else:  # the committed step stays as it was
+                    sweep.discard_variant(self.storage, item.step, variant, f"tier {self.name}")
                 raise
             self._uncertain.add(item.step)  # committed or not, nothing of the step may go now
             if isinstance(e, CommitUncertain):
@@ -325,6 +334,9 @@ class TierWriter:
                                   "restart removes them if it never committed)") from e
         log.info("nebula_ckpt: step %d committed on %s (%.1f MiB%s)", item.step, self.name, written / 2**20,
                  "" if full else ", incremental")
+        if old is not None:  # what referred to the old write, then its files (best effort)
+            with self._delete_lock:
+                sweep.replaced(self.storage, self.fence, item.step, f"tier {self.name}")
         if self.incremental.enabled:
             self._new_base(item, gen, full, committed, share)
         if self._shared and not self.coordinator.is_coordinator:
@@ -345,8 +357,9 @@ class TierWriter:
         elif share is not None:
             self.incremental.committed_share(item.step, gen, share, item.origin)
 
-    def _clear_step(self, step: int) -> None:
-        """Before writing ``step``: make its folder ready (what is removed is never a live writer's)."""
+    def _clear_step(self, step: int) -> Optional[Commit]:
+        """Before writing ``step``: make its folder ready (what is removed is never a live writer's);
+        the marker of the committed write the save replaces once it commits, if any."""
         st = self.storage
         d = step_dir(step)
         owner = self._owner
@@ -357,32 +370,32 @@ class TierWriter:
             if COMMIT not in existing:
                 clear_step(st, step, lambda n: shard_owner(n) is not None and owner.stale(n))
         elif COMMIT in existing:
-            # Saving a step that exists: the new run owns the root (it resumed from an older step
-            # or saves the same step again); the old one goes, marker first.
+            # Saving a step that exists: the new run owns the root (it resumed from an older step or
+            # saves the same step again). The old one stays whole until the new save replaces it
+            # (commit_manifest), but where a step's files travel under fixed names (a shared tier's
+            # ranks, replicas on partner nodes) or its marker is unreadable: there it goes first.
+            old = None if self._shared or self.runtime.capabilities.has_replicas else \
+                sweep.marker_of(st, step, f"tier {self.name}")
+            if old is not None:
+                log.info("nebula_ckpt: tier %s: step %d is saved again; the committed one stays until the new save "
+                         "commits", self.name, step)
+                keep = sweep.committed_files(st, step)  # None: not known, nothing goes
+                clear_step(st, step, lambda n: keep is not None and n not in keep and owner.stale(n))  # strays
+                return old
             log.warning("nebula_ckpt: tier %s: replacing existing checkpoint of step %d", self.name, step)
-            self._drop_referrers(step)
+            with self._delete_lock:
+                sweep.drop_referrers(st, step, f"tier {self.name}")
+            self.incremental.forget()
             delete_checkpoint(st, step)
         elif self._is_link(d):
             st.remove_dir(d)  # a planted link in place of the folder: unlinked, never followed
         else:  # leftovers of crashed writers of this step, never a live peer's
             clear_step(st, step, owner.stale)
-
-    def _drop_referrers(self, step: int) -> None:
-        """Before the committed ``step`` is replaced: the committed steps that refer to its bytes
-        (the run resumed from an older step; they are of the timeline it left) go first, marker
-        first, so no committed step ever refers to bytes that are gone."""
-        users = referrers(self.storage, committed_steps(self.storage), step)
-        if users:
-            log.warning("nebula_ckpt: tier %s: step(s) %s refer to the bytes of step %d, which is saved again: they "
-                        "are deleted first (the run resumed from an older step)", self.name, users[:8], step)
-        with self._delete_lock:
-            for s in deletion_order(self.storage, users):
-                delete_checkpoint(self.storage, s)
-        self.incremental.forget()
+        return None
 
     def _write_files(self, item: "TierStep", d: str, shard: str, gen: int,
-                     on_shard: Optional[Callable[[str], None]],
-                     progress: CommitProgress) -> tuple[Optional[Manifest], TierImage]:
+                     on_shard: Optional[Callable[[str], None]], progress: CommitProgress, old: Optional[Commit] = None,
+                     variant: Optional[str] = None) -> tuple[Optional[Manifest], TierImage]:
         """Shard; then, once the snapshot is confirmed, the manifest (parsed before its marker is
         written: :meth:`Incremental.checked`) and the commit marker; the parsed manifest and the
         image as written (an incremental one whole where the tier found no room for it)."""
@@ -396,7 +409,8 @@ class TierWriter:
                                    shards=image.shards({"file": shard, "bytes": image.nbytes, "storage": info}),
                                    restamp=item.restamp)
         checked = self.incremental.checked(manifest, f"tier {self.name} step {item.step}: the manifest to commit")
-        commit_manifest(self.storage, self.fence, item.step, encode_manifest(manifest), progress, self.name, item.save)
+        commit_manifest(self.storage, self.fence, item.step, encode_manifest(manifest), progress, self.name, item.save,
+                        old, variant)
         return checked, image
 
     def _check_uncertain(self, step: int) -> None:
@@ -414,23 +428,6 @@ class TierWriter:
         """Whether ``rel`` is a symlink on a local file system (a tier never follows one)."""
         root = self.storage.local_path("")
         return root is not None and os.path.islink(os.path.join(root, rel))
-
-    def _discard(self, step: int, shard: str) -> None:
-        """After a save that certainly did not commit: remove what it wrote of the step (this
-        rank's shard; the manifest when this rank commits here and no newer writer is in the
-        folder), then the folder if that left it empty (:func:`nebula_ckpt.save.sweep.discard_files`)."""
-        gen = self.fence.generation
-        st = self.storage
-        names = []
-        try:
-            names = st.list(step_dir(step))
-        except Exception as e:  # discard_files reports it
-            log.debug("nebula_ckpt: tier %s: cannot list step %d: %s", self.name, step, e)
-        newer = any((o := shard_owner(n)) is not None and o[0] > gen for n in names)
-        mine_manifest = not newer and self._owner.commits_here
-        records = records_name(gen, self.coordinator.rank)
-        sweep.discard_files(st, step, lambda n: n in (shard, records) or (n in (MANIFEST, RANKS_FILE)
-                                                                            and mine_manifest), f"tier {self.name}")
 
     def remove(self, step: int) -> bool:
         """Delete the committed checkpoint ``step`` from this tier as retention does (fence checked,
@@ -482,11 +479,14 @@ class TierWriter:
         candidates = [s for s in uncommitted if s != busy_step and s not in self._uncertain]
         leftovers = sweep.leftover_steps(st, candidates, self._owner)
         abandoned = sweep.abandoned_uploads(st, self.fence.generation)  # ours are never in flight while we prune
-        if not doomed and not leftovers and not abandoned:
+        strays = [] if self._strays_swept else \
+            sweep.stray_files(st, [s for s in committed if s not in doomed and s not in self._uncertain], self._owner)
+        self._strays_swept = True
+        if not doomed and not leftovers and not abandoned and not strays:
             return
         self.fence.check("delete old checkpoints")
         log.debug("nebula_ckpt: phase=prune tier=%s step=%s", self.name, keep_step)
         for s in doomed:
             log.debug("nebula_ckpt: tier %s: retention deletes step %d", self.name, s)
             delete_checkpoint(st, s)
-        sweep.remove_leftovers(st, leftovers, abandoned, f"tier {self.name}")
+        sweep.remove_leftovers(st, leftovers, abandoned, f"tier {self.name}", strays)

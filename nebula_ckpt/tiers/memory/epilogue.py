@@ -31,9 +31,17 @@ import os
 from typing import Any, Callable, Iterator, Optional
 
 from nebula_ckpt.errors import NebulaError, ValidationError
-from nebula_ckpt.format.commit import CommitProgress, Write, commit_manifest, committed_writes, read_commit, shard_path
+from nebula_ckpt.format.commit import (
+    CommitProgress,
+    Write,
+    commit_manifest,
+    committed_writes,
+    read_commit,
+    read_committed_manifest,
+    shard_path,
+)
 from nebula_ckpt.format.manifest import Manifest, encode_manifest, whole_manifest
-from nebula_ckpt.format.names import MANIFEST, shard_name, step_dir
+from nebula_ckpt.format.names import shard_name, step_dir
 from nebula_ckpt.ranks.fencing import Fence, read_run_id
 from nebula_ckpt.restore.open import open_checkpoint, read_manifest
 from nebula_ckpt.save.drain import Copy, Drain, folder_problem, not_newer, write_whole
@@ -135,7 +143,7 @@ def _copy_one(storage: Storage, tier: str, write: Write, copy: Copy, on_part: On
     src = LocalStorage(copy.folder, private=True, fsync=False)
     try:
         open_checkpoint(src, s, "full", f"{copy.folder} step {s}")
-        raw = src.read_small(f"{step_dir(s)}/{MANIFEST}")
+        raw = read_committed_manifest(src, s, f"{copy.folder} step {s}")[1]
         man = Manifest.parse(raw, f"{copy.folder} step {s}", s)
         data = [src.read_buffer(shard_path(man, i), dict(sh.storage or {})) for i, sh in enumerate(man.shards)]
         parts, tensors, nbytes = whole_image(man, data)

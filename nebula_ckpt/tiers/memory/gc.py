@@ -41,9 +41,16 @@ from dataclasses import dataclass, replace
 from typing import Any, Optional
 
 from nebula_ckpt.errors import CorruptCheckpointError
-from nebula_ckpt.format.commit import Write, committed_steps, committed_writes, read_commit, references
+from nebula_ckpt.format.commit import (
+    Write,
+    committed_steps,
+    committed_writes,
+    read_commit,
+    read_committed_manifest,
+    references,
+)
 from nebula_ckpt.format.manifest import Manifest
-from nebula_ckpt.format.names import COMMIT, MANIFEST, RUN_FILE, step_dir
+from nebula_ckpt.format.names import COMMIT, RUN_FILE, step_dir
 from nebula_ckpt.format.root_records import MAX_ROOT_RECORD_BYTES, parse_run_record
 from nebula_ckpt.storage.base import Storage
 from nebula_ckpt.storage.local import LocalStorage
@@ -205,7 +212,8 @@ def _lacking_on_root(st: Storage, step: int) -> Optional[str]:
     manifest unreadable, or an earlier step it refers to (an incremental step) not committed
     there; None when nothing is known to lack. Other errors propagate (the root cannot tell)."""
     try:
-        man = Manifest.parse(st.read_small(f"{step_dir(step)}/{MANIFEST}"), f"{st.display_url} step {step}", step)
+        where = f"{st.display_url} step {step}"
+        man = Manifest.parse(read_committed_manifest(st, step, where)[1], where, step)
     except (FileNotFoundError, CorruptCheckpointError) as e:
         return f"its manifest: {e}"
     for ref in sorted(references(man)):

@@ -1,0 +1,111 @@
+"""Real crashes while a committed step is saved again: SIGKILL at each point of the replacement.
+
+A worker commits step 5 (old bytes) and step 6 (incremental on 5), then saves step 5 again (new
+bytes). The test kills it at each named point of the replacement (the new shard, its manifest, the
+replaced marker, the drop of step 6, the manifest renamed back to ``manifest.json``, the removal of
+the old files) and then, in fresh processes:
+step 5 restores whole, bit for bit, as the old write or the new one (never neither); and the next
+writer's sweep leaves in the folder only the files of the write its marker commits.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+import torch
+
+import nebula_ckpt as nc
+from proc_lines import lines
+
+#: the points of a replacement, in order (DEBUG lines ``phase=<name>``)
+POINTS = ["shard", "manifest", "replace", "unlisted", "settle", "replaced"]
+N = 4 * 1024 * 1024  # 16 MiB of float32: a shard write long enough to be killed inside
+
+WORKER = textwrap.dedent("""
+    import logging, sys, torch
+    h = logging.StreamHandler(sys.stdout)
+    h.setFormatter(logging.Formatter("%(message)s"))
+    lg = logging.getLogger("nebula_ckpt")
+    lg.addHandler(h)
+    lg.setLevel(logging.DEBUG)
+    import nebula_ckpt as nc
+    n = int(sys.argv[2])
+    frozen = torch.arange(n, dtype=torch.float32)
+    ck = nc.Checkpointer(sys.argv[1], keep_last=5, memory_tier=False)
+    ck.save(5, {"frozen": frozen, "w": torch.full((1000,), 5.0)})
+    ck.save(6, {"frozen": frozen, "w": torch.full((1000,), 6.0)})
+    print("RESAVE", flush=True)
+    ck.save(5, {"frozen": frozen + 1, "w": torch.full((1000,), 50.0)})
+    print("FINISHED", flush=True)
+    ck.close()
+""")
+
+
+def _restore_5(root: str) -> float:
+    with nc.Checkpointer(root, memory_tier=False, read_only=True) as ck:
+        assert 5 in ck.list()
+        _, got = ck.read(5)
+    w = float(got["w"][0])
+    want = torch.arange(N, dtype=torch.float32) + (1 if w == 50.0 else 0)
+    assert w in (5.0, 50.0) and torch.equal(got["frozen"], want) and torch.equal(got["w"], torch.full((1000,), w))
+    return w
+
+
+@pytest.mark.crash
+@pytest.mark.parametrize("point", POINTS)
+def test_a_kill_while_a_step_is_replaced_leaves_the_old_or_the_new_whole(tmp_path, shm_dir, point) -> None:  # noqa: ANN001
+    outcomes = set()
+    for delay in (0.0, 0.0005, 0.003):
+        root = str(tmp_path / f"ck-{delay}")
+        env = dict(os.environ, NEBULA_SHM_DIR=shm_dir)
+        proc = subprocess.Popen([sys.executable, "-u", "-c", WORKER, root, str(N)], stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, text=True, env=env)
+        resaving, killed = False, False
+        try:
+            for line in lines(proc, time.monotonic() + 120):
+                if line.startswith("RESAVE"):
+                    resaving = True
+                elif resaving and f"phase={point} " in line + " ":
+                    time.sleep(delay)
+                    proc.send_signal(signal.SIGKILL)
+                    killed = True
+                    break
+                elif line.startswith("FINISHED"):
+                    break
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+            proc.wait(30)
+            if proc.stdout:
+                proc.stdout.close()
+        assert killed, f"the worker never reached phase={point} of the replacement"
+        w = _restore_5(root)
+        outcomes.add(w)
+        # the next writer (a newer generation) sweeps what the killed one left in step 5's folder
+        with nc.Checkpointer(root, keep_last=5, memory_tier=False) as ck:
+            ck.save(7, {"frozen": torch.zeros(4), "w": torch.zeros(4)})
+        assert _restore_5(root) == w
+        folder = os.path.join(root, "step-5")
+        with open(os.path.join(folder, "COMMIT")) as f:
+            manifest = json.load(f).get("manifest", "manifest.json")
+        with open(os.path.join(folder, manifest)) as f:
+            shard = json.load(f)["shards"][0]["file"]
+        assert shard == "shard-g1-r0.safetensors" if w == 5.0 else shard.startswith("shard-g1-r0-v"), shard
+        assert sorted(os.listdir(folder)) == sorted(["COMMIT", manifest, shard]), (point, delay)
+        with nc.Checkpointer(root, memory_tier=False, read_only=True) as ck:
+            if w == 50.0 and 6 in ck.list():  # killed before step 6 (the old 5's referrer) went: never misread
+                with pytest.raises(nc.CorruptCheckpointError):
+                    ck.read(6)
+            elif w == 5.0:
+                assert float(ck.read(6)[1]["w"][0]) == 6.0
+    if point in ("shard", "manifest"):
+        assert outcomes == {5.0}, outcomes
+    if point in ("unlisted", "settle", "replaced"):
+        assert outcomes == {50.0}, outcomes
