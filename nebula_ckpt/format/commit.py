@@ -309,12 +309,13 @@ def replace_landed(storage: "Storage", commit: Commit, tier: str) -> bool:
     return there.manifest_file == commit.manifest_file
 
 
-def settle_manifest(storage: "Storage", fence: WriterFence, commit: Commit, mbytes: bytes, tier: str) -> None:
+def settle_manifest(storage: "Storage", fence: WriterFence, commit: Commit, mbytes: bytes, where: str) -> None:
     """After ``commit`` replaced a step's marker (its manifest ``manifest-v<V>.json``, of bytes
-    ``mbytes``): give the manifest its usual name again. ``manifest.json`` is replaced by the same
-    bytes, then the marker by one naming it (checked to be ``commit`` still, and the fence), each in
-    one atomic write, so the marker names a whole manifest of that write at every instant; the
-    ``manifest-v<V>.json`` left is the caller's to remove (:func:`committed_files`).
+    ``mbytes``; ``where``: the tier, as the logs name it): give the manifest its usual name again.
+    ``manifest.json`` is replaced by the same bytes, then the marker by one naming it (checked to
+    be ``commit`` still, and the fence), each in one atomic write, so the marker names a whole
+    manifest of that write at every instant; the ``manifest-v<V>.json`` left is the caller's to
+    remove (:func:`committed_files`).
 
     Raises:
         FencedError / FileExistsError (the marker changed) / the storage's errors: the step
@@ -324,10 +325,10 @@ def settle_manifest(storage: "Storage", fence: WriterFence, commit: Commit, mbyt
     storage.write_small(f"{d}/{MANIFEST}", mbytes)
     fence.check(f"settle step {commit.step}")
     plain = Commit(commit.step, commit.generation, commit.manifest_bytes, commit.manifest_crc32c, commit.save)
-    log.debug("nebula_ckpt: phase=settle tier=%s step=%d", tier, commit.step)
+    log.debug("nebula_ckpt: phase=settle %s step=%d", where, commit.step)
     with fence.committing(f"settle step {commit.step}"):
-        if read_commit(storage, commit.step, f"{tier} step {commit.step}") != commit:
-            raise FileExistsError(f"{tier}: {d}/{COMMIT} changed since step {commit.step} was committed")
+        if read_commit(storage, commit.step, f"{where} step {commit.step}") != commit:
+            raise FileExistsError(f"{where}: {d}/{COMMIT} changed since step {commit.step} was committed")
         storage.write_small(f"{d}/{COMMIT}", plain.to_bytes())
 
 

@@ -43,8 +43,14 @@ SAVE_POINTS = {
     "disk retention": ["phase=prune", "tier=local"],
     "memory retention, a step deleted": ["retention deletes step", "tier memory"],
     "disk retention, a step deleted": ["retention deletes step", "tier local"],
-    "disk, replacing a step": ["replacing existing checkpoint", "tier local"],
-    "memory, replacing a step": ["replacing existing checkpoint", "tier memory"],
+    # a step saved again: its new write replaces the committed one's marker, then renames its
+    # manifest back, then the old write's files go (docs/format.md, "A step saved again")
+    "disk, a step saved again: the marker replaced": ["phase=replace ", "tier=local"],
+    "disk, a step saved again: its manifest renamed": ["phase=settle", "tier local"],
+    "disk, a step saved again: the old files removed": ["phase=replaced", "tier local"],
+    "memory, a step saved again: the marker replaced": ["phase=replace ", "tier=memory"],
+    "memory, a step saved again: its manifest renamed": ["phase=settle", "tier memory"],
+    "memory, a step saved again: the old files removed": ["phase=replaced", "tier memory"],
 }
 def refused_folder(stderr: str) -> bool:
     """Whether ``persist-memory`` refused because the root's folder of that step cannot take it

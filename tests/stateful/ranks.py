@@ -37,7 +37,11 @@ CALL_POINTS = {
     "a copy received, not yet verified": "nebula_ckpt.tiers.memory.replica_store:verify_step",
     "a copy verified, not yet visible": "nebula_ckpt.tiers.memory.replica_store:ReplicaStore.publish",
 }
-RANK_SAVE_POINTS = SAVE_POINTS  # "disk, replacing a step" is reached on rank 0 only (it replaces)
+#: the shared tier and a memory tier with replicas replace a step saved again old write first
+#: ("disk, replacing a step" is reached on rank 0 only: it replaces)
+RANK_SAVE_POINTS = {**{k: v for k, v in SAVE_POINTS.items() if "saved again" not in k},
+                    "disk, replacing a step": ["replacing existing checkpoint", "tier local"],
+                    "memory, replacing a step": ["replacing existing checkpoint", "tier memory"]}
 ENV = {"NEBULA_REPLICA_TIMEOUT_S": "30", "NEBULA_COMMIT_TIMEOUT_S": "30"}
 #: module constants the workers set (``module:NAME`` -> value): niced threads starve on a busy machine,
 #: and a tier writer waits for the training thread's confirmation as long as the rounds wait
