@@ -27,7 +27,7 @@ from typing import Any, Callable, Optional, Sequence
 from nebula_ckpt.errors import NotFoundError, ValidationError
 from nebula_ckpt.format.commit import Write
 from nebula_ckpt.format.names import COMMIT, LOCK_FILE, MANIFEST, ROOT_FILE, RUN_FILE, parse_step_dir
-from nebula_ckpt.format.owner import Owner
+from nebula_ckpt.format.owner import Owner, is_tier_folder, read_owner
 from nebula_ckpt.ranks.coordinator import Coordinator
 from nebula_ckpt.ranks.fencing import Fence, read_run_id, run_id
 from nebula_ckpt.save.drain import own_part_drainer
@@ -36,7 +36,6 @@ from nebula_ckpt.storage.base import Storage
 from nebula_ckpt.storage.urls import canonical_root, local_path
 from nebula_ckpt.tiers.base import Tier
 from nebula_ckpt.tiers.factory import runtime_for
-from nebula_ckpt.tiers.memory.shm import is_tier_folder, read_owner
 from nebula_ckpt.tiers.roots import default_tiers, tier_for_root
 from nebula_ckpt.tiers.runtime import TierRuntime
 

@@ -8,8 +8,17 @@ tier runtimes, the root opened for a run and the CLI all name the owner by this 
 from __future__ import annotations
 
 import json
+import logging
+import os
+import stat
 from dataclasses import dataclass
 from typing import Optional
+
+from nebula_ckpt.errors import CorruptCheckpointError
+from nebula_ckpt.format.names import LOCK_FILE, ROOT_FILE
+from nebula_ckpt.storage.local import read_small_file
+
+log = logging.getLogger(__name__)
 
 #: the largest ``ROOT`` file a reader reads (one names a root path or URL: at most a few KiB); a
 #: larger file (a crafted or sparse one) is refused unread, like a garbled one
@@ -42,3 +51,29 @@ class Owner:
             return None
         run = d.get("run_id")
         return Owner(d["root"], run if isinstance(run, str) else None)
+
+
+def read_owner(folder: str) -> Optional[Owner]:
+    """The owner recorded in ``folder``, or ``None`` (no ``ROOT`` file, or unreadable). A ``ROOT``
+    that is no regular file (a FIFO is never waited on), a symlink, or larger than
+    :data:`MAX_OWNER_BYTES` is never read: no owner (a warning names it)."""
+    try:
+        data = read_small_file(os.path.join(folder, ROOT_FILE), MAX_OWNER_BYTES)
+    except CorruptCheckpointError as e:
+        log.warning("nebula_ckpt: memory tier %s: its %s file is unreadable: %s", folder, ROOT_FILE, e)
+        return None
+    except OSError:
+        return None
+    return Owner.parse(data)
+
+
+def is_tier_folder(folder: str) -> bool:
+    """Whether ``folder`` is a memory tier's folder: it holds the ``ROOT`` and ``LOCK`` files a
+    claim leaves (regular files, links not followed), which no checkpoint root holds."""
+    for name in (ROOT_FILE, LOCK_FILE):
+        try:
+            if not stat.S_ISREG(os.lstat(os.path.join(folder, name)).st_mode):
+                return False
+        except OSError:
+            return False
+    return True

@@ -19,6 +19,7 @@ from typing import Any, Iterator, Optional
 from nebula_ckpt import knobs
 from nebula_ckpt.format.commit import committed_writes
 from nebula_ckpt.format.names import LOCK_FILE, ROOT_FILE, SLOT_DIR, slot_file_name, slot_owner
+from nebula_ckpt.format.owner import read_owner
 from nebula_ckpt.storage.base import Storage
 from nebula_ckpt.storage.holds import read_elsewhere
 from nebula_ckpt.tiers.memory.room import Room
@@ -28,7 +29,6 @@ from nebula_ckpt.tiers.memory.shm import (
     Owner,
     current_uid,
     held_here,
-    read_owner,
     remove_if_unused,
     secure_folder,
     secure_subfolder,

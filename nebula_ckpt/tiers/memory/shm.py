@@ -31,10 +31,9 @@ from dataclasses import dataclass
 from typing import Optional
 
 from nebula_ckpt import knobs
-from nebula_ckpt.errors import CorruptCheckpointError
 from nebula_ckpt.format.names import COMMIT, LOCK_FILE, ROOT_FILE, RUN_FILE, parse_step_dir
-from nebula_ckpt.format.owner import MAX_OWNER_BYTES, Owner
-from nebula_ckpt.storage.local import read_small_file, write_file_atomic
+from nebula_ckpt.format.owner import Owner, read_owner
+from nebula_ckpt.storage.local import write_file_atomic
 
 log = logging.getLogger(__name__)
 
@@ -154,32 +153,6 @@ def secure_subfolder(parent: str, name: str) -> str:
 
 
 # -- claims -------------------------------------------------------------------------------------------
-
-def read_owner(folder: str) -> Optional[Owner]:
-    """The owner recorded in ``folder``, or ``None`` (no ``ROOT`` file, or unreadable). A ``ROOT``
-    that is no regular file (a FIFO is never waited on), a symlink, or larger than
-    :data:`MAX_OWNER_BYTES` is never read: no owner (a warning names it)."""
-    try:
-        data = read_small_file(os.path.join(folder, ROOT_FILE), MAX_OWNER_BYTES)
-    except CorruptCheckpointError as e:
-        log.warning("nebula_ckpt: memory tier %s: its %s file is unreadable: %s", folder, ROOT_FILE, e)
-        return None
-    except OSError:
-        return None
-    return Owner.parse(data)
-
-
-def is_tier_folder(folder: str) -> bool:
-    """Whether ``folder`` is a memory tier's folder: it holds the ``ROOT`` and ``LOCK`` files a
-    claim leaves (regular files, links not followed), which no checkpoint root holds."""
-    for name in (ROOT_FILE, LOCK_FILE):
-        try:
-            if not stat.S_ISREG(os.lstat(os.path.join(folder, name)).st_mode):
-                return False
-        except OSError:
-            return False
-    return True
-
 
 def _write_owner(folder: str, owner: Owner) -> None:
     write_file_atomic(os.path.join(folder, ROOT_FILE), owner.to_bytes(), mode=0o600, fsync=False, dir_mode=None)

@@ -97,7 +97,8 @@ def test_a_memory_tier_held_by_this_very_process_is_named_so(root: str, caplog: 
     """The memory tier's lock held elsewhere in this very process (a claim that has not handed
     over): the Checkpointer saves without the tier, and its warning names this process, not
     "another live process"."""
-    from nebula_ckpt.tiers.memory.shm import Claim, read_owner
+    from nebula_ckpt.format.owner import read_owner
+    from nebula_ckpt.tiers.memory.shm import Claim
     from nebula_ckpt.tiers.memory.tier import memory_tier_path
 
     with nc.Checkpointer(root) as ck:
