@@ -309,13 +309,13 @@ def replace_landed(storage: "Storage", commit: Commit, tier: str) -> bool:
     return there.manifest_file == commit.manifest_file
 
 
-def settle_manifest(storage: "Storage", fence: WriterFence, commit: Commit, mbytes: bytes, where: str) -> None:
+def settle_manifest(storage: "Storage", fence: WriterFence, commit: Commit, mbytes: bytes, where: str) -> Commit:
     """After ``commit`` replaced a step's marker (its manifest ``manifest-v<V>.json``, of bytes
     ``mbytes``; ``where``: the tier, as the logs name it): give the manifest its usual name again.
     ``manifest.json`` is replaced by the same bytes, then the marker by one naming it (checked to
     be ``commit`` still, and the fence), each in one atomic write, so the marker names a whole
     manifest of that write at every instant; the ``manifest-v<V>.json`` left is the caller's to
-    remove (:func:`committed_files`).
+    remove. Returns the marker now committed.
 
     Raises:
         FencedError / FileExistsError (the marker changed) / the storage's errors: the step
@@ -330,6 +330,7 @@ def settle_manifest(storage: "Storage", fence: WriterFence, commit: Commit, mbyt
         if read_commit(storage, commit.step, f"{where} step {commit.step}") != commit:
             raise FileExistsError(f"{where}: {d}/{COMMIT} changed since step {commit.step} was committed")
         storage.write_small(f"{d}/{COMMIT}", plain.to_bytes())
+    return plain
 
 
 def read_committed_manifest(storage: "Storage", step: int, where: str) -> tuple[Commit, bytes]:

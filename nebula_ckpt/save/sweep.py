@@ -151,8 +151,17 @@ def committed_files(storage: Storage, step: int) -> Optional[set[str]]:
     where = f"{storage.display_url} step {step}"
     try:
         commit, raw = read_committed_manifest(storage, step, where)
-        man = Manifest.parse(raw, where, step)
     except (FileNotFoundError, CorruptCheckpointError) as e:
+        log.debug("nebula_ckpt: %s: its files are not known (%s)", where, e)
+        return None
+    return kept_files(commit, raw, where)
+
+
+def kept_files(commit: Commit, raw: bytes, where: str) -> Optional[set[str]]:
+    """:func:`committed_files` of a step whose marker ``commit`` and manifest bytes ``raw`` are read."""
+    try:
+        man = Manifest.parse(raw, where, commit.step)
+    except CorruptCheckpointError as e:
         log.debug("nebula_ckpt: %s: its files are not known (%s)", where, e)
         return None
     if man.layout is not None or man.multi_rank and len(man.ranks) != 1:
@@ -202,9 +211,9 @@ def replaced(storage: Storage, fence: WriterFence, step: int, where: str) -> Non
         drop_referrers(storage, step, where)
         commit, mbytes = read_committed_manifest(storage, step, f"{where} step {step}")
         if commit.manifest is not None:
-            settle_manifest(storage, fence, commit, mbytes, where)
+            commit = settle_manifest(storage, fence, commit, mbytes, where)
         log.debug("nebula_ckpt: phase=replaced %s step %d: the old write's files go", where, step)
-        keep = committed_files(storage, step)
+        keep = kept_files(commit, mbytes, f"{storage.display_url} step {step}")
         if keep is not None:  # not known: none goes
             for n in [n for n in storage.list(d) if n not in keep]:
                 storage.remove(f"{d}/{n}")
