@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import re
 import time
 import types
 from dataclasses import dataclass, field
@@ -61,6 +62,11 @@ _KNOWN = (_REQUIRED + ("time", "checksum", "aliases", "stats", "world_size", "ra
           + LAYOUT_FIELDS + SPLIT_FIELDS)
 #: most ranks a manifest may name (bounds the work a hostile manifest can ask for)
 MAX_WORLD = 1 << 20
+#: largest magnitude of ``time`` (seconds since the epoch): a number a float holds exactly, far
+#: beyond any clock, so a hostile value (``10**400``, NaN, an infinity) is refused, never converted
+MAX_TIME = 2**53
+#: the rank prefix of a version 2 tensor key: ASCII digits only (``str.isdigit`` also takes ``²``)
+_RANK_PREFIX = re.compile(r"r(0|[1-9][0-9]{0,8})")
 #: the largest manifest (or ranks' records file) a reader reads, some 25 million tensor records: a
 #: larger file (a crafted or sparse one) is refused before any of it is read
 MAX_MANIFEST_BYTES = MAX_SMALL_BYTES
@@ -236,6 +242,8 @@ def _parse_body(m: dict[str, Any], w: str, step: int, version: int) -> Manifest:
     t = m.get("time", 0.0)
     if type(t) not in (int, float):
         raise bad(w, f"time must be a number, got {type(t).__name__}")
+    if not -MAX_TIME <= t <= MAX_TIME:  # also false for NaN (json.loads reads NaN and Infinity)
+        raise bad(w, f"time = {short(t)} is not a finite number in [-2**53, 2**53] (seconds since the epoch)")
     if m.get("checksum", "crc32c") != "crc32c":
         raise bad(w, f"checksum {short(m.get('checksum'))} is unknown (this nebula_ckpt uses 'crc32c')")
     tag = m.get("tag")
@@ -286,8 +294,9 @@ def _check_trees(tree: Any, tensors: dict[str, TensorRecord], aliases: dict[str,
     own: dict[int, dict[str, str]] = {}
     for k, dtype in dtypes.items():
         head, sep, rest = k.partition("/")
-        r = int(head[1:]) if sep and head[:1] == "r" and head[1:].isdigit() and len(head) < 12 else None
-        if r is None or r not in rank_tree or head != f"r{r}":
+        prefix = _RANK_PREFIX.fullmatch(head) if sep else None
+        r = int(prefix.group(1)) if prefix else None
+        if r is None or r not in rank_tree:
             raise bad(w, f"tensor key {short(k)} does not start with the prefix of a rank it holds (r<R>/)")
         own.setdefault(r, {})[rest] = dtype
     users: dict[int, list[int]] = {}

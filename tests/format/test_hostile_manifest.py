@@ -171,6 +171,11 @@ MANIFEST_CASES: list[tuple[str, Callable[[Man], Any], str]] = [
     ("shard_ref_not_int", lambda m: m["shards"][0].update(step="0"), "step must be an integer"),
     ("sha256_not_hex", lambda m: m.update(sha256={"w": "xyz"}), "64 lowercase hex"),
     ("sha256_unknown_key", lambda m: m.update(sha256={"nope": "0" * 64}), "no such stored tensor"),
+    # time: a number, finite, and one a float holds (json.loads reads NaN and Infinity)
+    ("time_not_number", lambda m: m.update(time="1718000000"), "time must be a number"),
+    ("time_beyond_float", lambda m: m.update(time=10**400), "time = <1329-bit int> is not a finite number"),
+    ("time_nan", lambda m: m.update(time=float("nan")), "time = nan is not a finite number"),
+    ("time_infinite", lambda m: m.update(time=float("-inf")), "time = -inf is not a finite number"),
     ("step_mismatch", lambda m: m.update(step=7), "step is 7"),
     ("step_not_int", lambda m: m.update(step="1"), "step must be an integer"),
     ("step_beyond_int64", lambda m: m.update(step=2**63), "step = 9223372036854775808 is out of range"),

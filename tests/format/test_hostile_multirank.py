@@ -87,6 +87,10 @@ CASES: list[tuple[str, Callable[[Man], Any], str]] = [
     ("rank_tree_extra", lambda m: m["rank_tree"].update({"1": 0}), "rank_tree names 2"),
     ("key_without_prefix", lambda m: m["tensors"].update(w=m["tensors"].pop("r0/w")), "prefix"),
     ("key_of_other_rank", lambda m: m["tensors"].update({"r1/w": m["tensors"].pop("r0/w")}), "prefix"),
+    # str.isdigit() takes both of these digits, int() only the second: only ASCII digits name a rank
+    ("key_superscript_rank", lambda m: m["tensors"].update({"r\u00b2/w": m["tensors"].pop("r0/w")}), "'r\u00b2/w'"),
+    ("key_arabic_indic_rank", lambda m: m["tensors"].update({"r\u0660/w": m["tensors"].pop("r0/w")}), "prefix"),
+    ("key_zero_padded_rank", lambda m: m["tensors"].update({"r00/w": m["tensors"].pop("r0/w")}), "prefix"),
     ("tree_names_missing_key", lambda m: m["tensors"].pop("r0/b"), "names no tensor"),
     ("dtensor_outside", _dt(offsets=[3, 0]), "outside the global size"),
     ("dtensor_rank_mismatch", _dt(shape=[4]), "dimensions"),

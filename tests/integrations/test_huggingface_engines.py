@@ -158,3 +158,60 @@ def test_fsdp_on_xla_is_refused_with_a_clear_error(tmp_path) -> None:  # noqa: A
     with pytest.raises(nc.NebulaError, match=r"does not handle FSDP-XLA training.*Train with FSDP \(torch"):
         hf_worker.make_trainer(str(tmp_path / "out"), str(tmp_path / "nebula"), fsdp=True, fsdp_config={"xla": True})
     assert not (tmp_path / "nebula").exists()
+
+
+# (id, the "deepspeed" part a checkpoint holds, text the refusal names): a tag or part names that
+# would make the resume's placeholder files land outside its temporary folder
+HOSTILE_PARTS: list[tuple[str, dict[str, Any], str]] = [
+    ("absolute_tag", {"tag": "{victim}", "parts": {"precious.txt": 0, "created/by/checkpoint": 0}}, "DeepSpeed tag"),
+    ("dotdot_tag", {"tag": "../" * 40 + "{relative}", "parts": {"precious.txt": 0}}, "DeepSpeed tag"),
+    ("dotdot_key", {"tag": "global_step6", "parts": {"../" * 40 + "{relative}/precious.txt": 0}}, "part '../"),
+    ("absolute_key", {"tag": "global_step6", "parts": {"{victim}/precious.txt": 0}}, "part '/"),
+    ("backslash_key", {"tag": "global_step6", "parts": {"..\\x": 0}}, "part '..\\\\x'"),
+    ("empty_key", {"tag": "global_step6", "parts": {"": 0}}, "part ''"),
+]
+
+
+@pytest.mark.parametrize("part,expect", [c[1:] for c in HOSTILE_PARTS], ids=[c[0] for c in HOSTILE_PARTS])
+def test_deepspeed_resume_writes_nothing_outside_its_folder(tmp_path, shm_dir: str, part: dict[str, Any],  # noqa: ANN001
+                                                            expect: str) -> None:
+    """A checkpoint (an ordinary save) whose DeepSpeed tag or part names leave the tag folder is
+    refused by the resume, naming the tag or part, before any placeholder file is written: no
+    file outside is created or truncated. DeepSpeed's engine is never reached (a stand-in here)."""
+    import types
+
+    import torch
+
+    import nebula_ckpt as nc
+    from nebula_ckpt.integrations.huggingface import engines
+
+    victim = tmp_path / "victim"
+    victim.mkdir()
+    (victim / "precious.txt").write_text("user data\n")
+    fill = {"victim": str(victim), "relative": str(victim).lstrip("/")}  # '../' * 40 + relative: the victim
+    saved = {"tag": part["tag"].format(**fill),
+             "parts": {k.format(**fill): {"x": torch.zeros(1)} for k in part["parts"]}}
+    root = str(tmp_path / "root")
+    with nc.Checkpointer(root, memory_tier=False) as ck:
+        ck.save(6, {"deepspeed": saved})
+    with nc.Checkpointer(root, read_only=True) as ck:
+        _, tree = ck.read(step=6)
+    engine = types.SimpleNamespace(checkpoint_engine=None, load_checkpoint=lambda *a, **k: ("loaded", None))
+    trainer = types.SimpleNamespace(model_wrapped=engine, model=torch.nn.Linear(1, 1))
+    with pytest.raises(nc.ValidationError, match="resume from another checkpoint") as e:
+        engines.load_deepspeed(trainer, tree["deepspeed"])
+    assert expect in str(e.value), str(e.value)
+    assert (victim / "precious.txt").read_text() == "user data\n"
+    assert sorted(os.listdir(victim)) == ["precious.txt"] and engine.checkpoint_engine is None
+
+
+def test_deepspeed_placeholders_of_a_saved_checkpoint_stay_in_the_tag_folder(tmp_path) -> None:  # noqa: ANN001
+    """The names NebulaTrainer saves (DeepSpeed's files, some in sub-folders) pass the check, each
+    placeholder inside the tag folder, at the path DeepSpeed joins for it."""
+    from nebula_ckpt.integrations.huggingface import engines
+
+    keys = ["mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_optim_states.pt", "sub/expert_0.pt"]
+    tag_dir, paths = engines.placeholders(str(tmp_path), {"tag": "global_step10", "parts": dict.fromkeys(keys)})
+    assert tag_dir == os.path.join(str(tmp_path), "global_step10")
+    assert paths == {k: os.path.join(tag_dir, *k.split("/")) for k in keys}
+    assert os.listdir(tmp_path) == []

@@ -19,9 +19,10 @@ import logging
 import os
 import shutil
 import tempfile
-from typing import Any, Optional
+from typing import Any, Optional, TypeGuard
 
 import nebula_ckpt as nc
+from nebula_ckpt.integrations.deepspeed_files import check_tag_folder
 
 log = logging.getLogger("nebula_ckpt")
 
@@ -168,15 +169,51 @@ def save_deepspeed(trainer: Any, step: int) -> dict[str, Any]:
     return {"tag": tag, "parts": collector.parts}
 
 
+def _relative_name(rel: Any) -> TypeGuard[str]:
+    """Whether ``rel`` is a relative path that stays where it is joined (no ``..``, no ``/`` first)."""
+    return isinstance(rel, str) and bool(rel) and not rel.startswith("/") and ".." not in rel.split("/") \
+        and "\\" not in rel and "\0" not in rel
+
+
+def placeholders(folder: str, saved: Any) -> tuple[str, dict[str, str]]:
+    """The tag folder under ``folder`` of ``saved`` (what :func:`save_deepspeed` returned, restored)
+    and the placeholder path of each of its parts, found before anything is written.
+
+    The tag and the part names are read back from a checkpoint: each must be a relative path
+    inside the tag folder (as the DeepSpeed plugin's ``restore_pointers`` requires), never one
+    that leaves ``folder``.
+
+    Raises:
+        ValidationError: naming the tag or part that is not such a path.
+    """
+    tag, parts = (saved.get("tag"), saved.get("parts")) if isinstance(saved, dict) else (None, None)
+    if not isinstance(parts, dict):
+        raise nc.ValidationError(f"the checkpoint's 'deepspeed' part is not what NebulaTrainer saves (a dict of "
+                                 f"'tag' and 'parts', got {type(saved).__name__}); resume from another checkpoint")
+    if not _relative_name(tag):
+        raise nc.ValidationError(f"the checkpoint's DeepSpeed tag {tag!r} is not a relative folder name (NebulaTrainer "
+                                 "saves 'global_step<N>'); resume from another checkpoint")
+    check_tag_folder(tag)
+    tag_dir = os.path.join(os.path.abspath(folder), tag)  # the path DeepSpeed joins: the server matches it
+    real = os.path.realpath(tag_dir)
+    paths: dict[str, str] = {}
+    for key in parts:
+        path = os.path.join(tag_dir, *key.split("/")) if _relative_name(key) else ""
+        if not path or os.path.commonpath([real, os.path.realpath(path)]) != real or os.path.realpath(path) == real:
+            raise nc.ValidationError(f"DeepSpeed checkpoint {tag!r}: part {key!r} is not a relative path inside the "
+                                     "tag folder (NebulaTrainer never saves one); resume from another checkpoint")
+        paths[key] = path
+    return tag_dir, paths
+
+
 def load_deepspeed(trainer: Any, saved: dict[str, Any]) -> None:
     """``engine.load_checkpoint`` (optimizer and scheduler states included) from ``saved``
-    (what :func:`save_deepspeed` returned, restored)."""
+    (what :func:`save_deepspeed` returned, restored; its names are checked by :func:`placeholders`)."""
     engine = trainer.model_wrapped
     folder = tempfile.mkdtemp(prefix="nebula-hf-ds-")
-    tag_dir = os.path.join(os.path.abspath(folder), saved["tag"])
     try:
-        for key in saved["parts"]:  # DeepSpeed globs / checks these paths before it loads them
-            path = os.path.join(tag_dir, *key.split("/"))
+        tag_dir, paths = placeholders(folder, saved)
+        for path in paths.values():  # DeepSpeed globs / checks these paths before it loads them
             os.makedirs(os.path.dirname(path), exist_ok=True)
             open(path, "wb").close()
         old = engine.checkpoint_engine
