@@ -43,7 +43,8 @@ log = logging.getLogger("nebula_ckpt")
 
 #: steps waiting for their confirmation at most (a job that saves and never reports holds no more)
 _MAX_PENDING = 64
-#: old steps' records are dropped after every this many healthy marks
+#: old steps' records are dropped at a Checkpointer's first healthy mark and after every this many more
+#: (the first: a restarted job's lifetimes may each confirm fewer than this many steps)
 _PRUNE_EVERY = 16
 #: how long close() waits for the healthy marks still being written
 _CLOSE_WAIT_S = 60.0
@@ -298,7 +299,7 @@ class HealthMonitor:
                       self.book.storage.display_url, type(e).__name__, e)
             return
         self._healthy_written += 1
-        if self._healthy_written % _PRUNE_EVERY == 0:
+        if (self._healthy_written - 1) % _PRUNE_EVERY == 0:
             try:
                 steps = committed_steps(self.book.storage)
             except Exception as e:  # dropping old records is housekeeping: next time

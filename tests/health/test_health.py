@@ -282,6 +282,26 @@ def test_the_restored_step_saved_again_goes_suspect_with_it(root: str) -> None:
     assert got == 0 and last is not None and [x["step"] for x in last["skipped"]] == [5]
 
 
+def test_a_restarted_job_drops_the_records_of_deleted_steps_whatever_each_run_confirms(root: str) -> None:
+    """Each run confirms far fewer steps than the records are pruned after: the records of the
+    steps retention deleted still go (at each run's first healthy mark), so a job restarted
+    every few saves does not gain one record folder per step forever."""
+    step = 0
+    for _ in range(5):
+        with nc.Checkpointer(root, keep_last=2, memory_tier=False) as ck:
+            on_root = ck.list()
+            ck.load_latest(into=_state(0))
+            for _ in range(3):
+                ck.report(step, loss=1.0)
+                ck.save(step, _state(step))
+                step += 1
+            for _ in range(2):                        # the last save is confirmed too
+                ck.report(step, loss=1.0)
+                step += 1
+        folders = sorted(int(n[len("step-"):]) for n in os.listdir(os.path.join(root, HEALTH_DIR)))
+        assert folders and (not on_root or folders[0] >= on_root[0]), (on_root, folders)
+
+
 @pytest.mark.parametrize("keep_last, report_every, bad_from", [(1, 1, 6), (3, 5, 25)])
 def test_retention_never_deletes_every_good_step_before_it_could_be_confirmed(
         root: str, keep_last: int, report_every: int, bad_from: int) -> None:
