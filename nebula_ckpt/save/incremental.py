@@ -48,6 +48,10 @@ if TYPE_CHECKING:
 #: priority), so that on a machine without idle cores hashing yields to training
 HASH_NICE = 10
 
+#: the manifest's ``stats`` key of a tier's saves since its chain's last full one, the step's own
+#: included (0: the step is full); a restarted job's cadence goes on from it (:meth:`Incremental.seed`)
+SINCE_FULL = "saves_since_full"
+
 
 def hash_staged(view: memoryview, index: dict[str, dict[str, Any]], keys: Iterable[str]) -> dict[str, str]:
     """SHA-256 (hex) of the staged bytes of ``keys`` (their ``offsets`` in ``view``), in parallel."""
@@ -143,33 +147,48 @@ class Incremental:
             self._pinned = {base.step} | {s.step for s in base.shards if s.step is not None}
             return base
 
-    def seed(self, base: Manifest) -> bool:
+    def seed(self, base: Manifest, since_full: Optional[int] = None) -> bool:
         """Build the next save on ``base``, a committed checkpoint this process did not write (the
         one a restarted job just restored and verified on this tier), when this tier has no base yet.
 
         ``base.generation`` must be the writer's current one (the caller sets it: the bytes referred
         to are a committed step's, which no generation deletes while a step refers to them). Its
-        full-save cadence goes on from the number of earlier steps it refers to. A base without
-        SHA-256 hashes leaves every tensor unmatched: that save is full, and the next builds on it.
+        full-save cadence goes on from ``since_full``, the saves of its chain since the last full
+        one, ``base`` included (:data:`SINCE_FULL`; an upper bound will do): so a job restarted
+        every few saves still writes every ``full_every``-th save full. ``base`` refers to no
+        other step: 0; None (not known): the next save is full. A base without SHA-256 hashes
+        leaves every tensor unmatched: that save is full, and the next builds on it.
         Returns whether it became the base."""
         with self._lock:
             if not self.enabled or self._base is not None:
                 return False
             self._base = base
-            self._since_full = len({s.step for s in base.shards if s.step is not None})
+            if not any(s.step is not None for s in base.shards):
+                self._since_full = 0
+            else:
+                self._since_full = self.full_every - 1 if since_full is None else max(0, since_full)
             self._pinned = set()
             self._origin = None
             return True
 
     def checked(self, manifest: dict[str, Any], where: str) -> Optional[Manifest]:
-        """``manifest``, about to be committed, parsed as every reader parses it (None when saves
-        are not incremental: nothing here reads it back). Called before its marker is written, so
-        a manifest its readers would refuse is never committed.
+        """``manifest``, about to be committed, with the tier's full-save cadence recorded in its
+        ``stats`` (:data:`SINCE_FULL`, what a restarted job's :meth:`seed` goes on from), parsed
+        as every reader parses it (None when saves are not incremental: nothing here reads it
+        back, and nothing is recorded). Called before the manifest is encoded and its marker is
+        written, so a manifest its readers would refuse is never committed.
 
         Raises:
             CorruptCheckpointError: naming ``where`` and the field its readers would refuse.
         """
-        return Manifest.parse(manifest, where, manifest["step"]) if self.enabled else None
+        if not self.enabled:
+            return None
+        full = not any("step" in sh for sh in manifest["shards"])
+        with self._lock:
+            since = 0 if full else self._since_full + 1
+        # a fresh stats dict: the one it holds may be the draft's, which the other tiers' manifests share
+        manifest["stats"] = dict(manifest.get("stats") or {}, **{SINCE_FULL: since})
+        return Manifest.parse(manifest, where, manifest["step"])
 
     def committed(self, manifest: Manifest, full: bool, origin: Optional[str] = None) -> None:
         """The tier committed ``manifest`` (:meth:`checked`; written from snapshot ``origin``, when

@@ -23,9 +23,10 @@ import dataclasses
 import logging
 from typing import TYPE_CHECKING, Any, Optional
 
-from nebula_ckpt.format.commit import committed_steps
+from nebula_ckpt.format.commit import committed_steps, references
 from nebula_ckpt.format.manifest import Manifest
 from nebula_ckpt.restore.open import read_main_manifest
+from nebula_ckpt.save.incremental import SINCE_FULL
 
 if TYPE_CHECKING:
     from nebula_ckpt.storage.base import Storage
@@ -42,7 +43,11 @@ def seed_tier(writer: Any, man: Manifest, here: bool, shared: bool) -> None:
     try:
         base = restart_base(writer.storage, man, here, writer.incremental.compare, shared, co.rank,
                             co.world_size, writer.name)
-        if base is not None and writer.incremental.seed(dataclasses.replace(base, generation=writer.fence.generation)):
+        inc = writer.incremental
+        if base is None or not inc.enabled or inc.current()[0] is not None:
+            return  # nothing to build on, or the tier has its own base already: no manifest is read
+        if inc.seed(dataclasses.replace(base, generation=writer.fence.generation),
+                    saves_since_full(writer.storage, base, writer.name)):
             log.info("nebula_ckpt: tier %s: the next save builds on restored step %d", writer.name, base.step)
     except Exception as e:
         log.warning("nebula_ckpt: tier %s: the next save is written whole, not on restored step %d (%s: %s)",
@@ -62,6 +67,30 @@ def restart_base(storage: "Storage", man: Manifest, here: bool, compare: bool, s
     if world == 1:
         return None if man.multi_rank else man  # a resharded multi-rank step holds no share of this process
     return rank_base(man, rank, world) if shared else None
+
+
+def saves_since_full(storage: "Storage", base: Manifest, tier: str) -> Optional[int]:
+    """The saves of ``base``'s chain since its last full one, ``base`` included (its manifest's
+    :data:`~nebula_ckpt.save.incremental.SINCE_FULL`), or an upper bound: where the manifest
+    does not record it (a rank's share of a multi-rank step, an older step), ``base.step - F``, F
+    the chain's last full save, found by following the oldest step referred to until one refers
+    to none (a step refers only to earlier steps of its own chain, none older than that chain's
+    last full save, and the saves of a chain have increasing steps). None where that cannot be
+    read: the next save is full."""
+    got = base.stats.get(SINCE_FULL)
+    if type(got) is int and got >= 0:
+        return got
+    step, refs = base.step, {s.step for s in base.shards if s.step is not None}
+    while refs:
+        if min(refs) >= step:
+            return None  # no chain refers forward
+        step = min(refs)
+        try:
+            refs = references(read_main_manifest(storage, step, f"tier {tier} step {step}"))
+        except Exception as e:  # gone or damaged: not known
+            log.debug("nebula_ckpt: tier %s: step %d does not open: %s", tier, step, e)
+            return None
+    return base.step - step
 
 
 def rank_base(man: Manifest, rank: int, world: int) -> Optional[Manifest]:

@@ -12,7 +12,8 @@ whose ``COMMIT`` is gone is a leftover like the manifest), but a committed folde
 of names, :func:`~nebula_ckpt.format.names.new_variant`), or of the write it replaced, where a
 process was killed before it removed them; the files no marker owns
 (:func:`committed_files`) and no live writer owns are removed like
-leftovers (:func:`stray_files`; a writer looks once, at its first deletion pass). Also: the steps ``remove()`` deferred
+leftovers (:func:`stray_files`; a writer looks once, at its first deletion pass), after the
+committed steps that refer to them (:func:`drop_stray_referrers`). Also: the steps ``remove()`` deferred
 while later steps referred to them, recorded on the tier and deleted once none does, whichever
 process deletes there next (:class:`Removals`).
 
@@ -23,7 +24,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Callable, Container, Iterable, Optional
+from typing import Callable, Container, Iterable, Mapping, Optional
 
 from nebula_ckpt.errors import CorruptCheckpointError
 from nebula_ckpt.format.commit import (
@@ -35,6 +36,8 @@ from nebula_ckpt.format.commit import (
     read_commit,
     read_commits,
     read_committed_manifest,
+    read_references,
+    references,
     referrers,
     settle_manifest,
 )
@@ -46,6 +49,7 @@ from nebula_ckpt.format.names import (
     REMOVED,
     is_manifest_name,
     name_variant,
+    parse_step_dir,
     records_name,
     shard_generation,
     shard_name,
@@ -107,8 +111,9 @@ def abandoned_uploads(storage: Storage, generation: int) -> list[tuple[str, str]
 def remove_leftovers(storage: Storage, steps: list[int], uploads: list[tuple[str, str]], where: str,
                      strays: Iterable[str] = ()) -> None:
     """Remove the leftover step folders ``steps`` and the ``strays`` (:func:`stray_files`), and
-    abort the abandoned ``uploads`` (the caller checked its fence first)."""
-    for rel in strays:
+    abort the abandoned ``uploads`` (the caller checked its fence first). The committed steps
+    that refer to a stray go first (:func:`drop_stray_referrers`)."""
+    for rel in drop_stray_referrers(storage, list(strays), where):
         log.info("nebula_ckpt: %s: removing %s, of no committed write of its step", where, rel)
         storage.remove(rel)
     for s in steps:
@@ -117,6 +122,65 @@ def remove_leftovers(storage: Storage, steps: list[int], uploads: list[tuple[str
     for rel, upload_id in uploads:
         log.info("nebula_ckpt: %s: aborting the abandoned upload of %s", where, rel)
         storage.abort_upload(rel, upload_id)
+
+
+def drop_stray_referrers(storage: Storage, strays: list[str], where: str) -> list[str]:
+    """Before the ``strays`` (:func:`stray_files`) go: the committed steps that refer to one of
+    them (the bytes of a write replaced by a process killed before :func:`replaced` dropped its
+    referrers), and the steps that refer to those, go, marker first (the caller checked its
+    fence); a step that refers only to files its steps' committed writes keep stays. Returns the
+    strays that may go: all but those of a folder a multi-rank step refers to (its files, in its
+    ranks' records, are not read here). Only a folder with strays costs a read of the later
+    committed steps' manifests.
+
+    Raises:
+        OSError: the storage's errors other than a missing file (then nothing goes).
+    """
+    gone: dict[int, set[str]] = {}
+    for rel in strays:
+        folder, name = rel.rsplit("/", 1)
+        step = parse_step_dir(folder)
+        if step is not None:
+            gone.setdefault(step, set()).add(name)
+    if not gone:
+        return strays
+    refs: dict[int, dict[int, Optional[set[str]]]] = {}  # step -> step referred to -> its files (None: not known)
+    for t in [t for t in committed_steps(storage) if t > min(gone)]:
+        refs[t] = referred_files(storage, t)
+    doomed = with_referrers(refs, {t for t, by in refs.items()
+                                   if any(files and files & gone.get(s, set()) for s, files in by.items())})
+    unsure = {s for t, by in refs.items() if t not in doomed for s, files in by.items() if s in gone and files is None}
+    if doomed:
+        log.warning("nebula_ckpt: %s: step(s) %s refer to the bytes of a write that was replaced (the process that "
+                    "saved the step again ended before it removed them): they are deleted", where, sorted(doomed)[:8])
+    for t in deletion_order(storage, doomed):
+        delete_checkpoint(storage, t)
+    return [rel for rel in strays if parse_step_dir(rel.rsplit("/", 1)[0]) not in unsure]
+
+
+def referred_files(storage: Storage, step: int) -> dict[int, Optional[set[str]]]:
+    """The earlier steps committed ``step`` refers to, each with the names of its files it
+    refers to (None: not known, a multi-rank step's); nothing where its manifest is missing or
+    malformed (it cannot be restored anyway, and it is reported where it is read).
+
+    Raises:
+        OSError: the storage's errors other than a missing file.
+    """
+    where = f"{storage.display_url} step {step}"
+    try:
+        man = Manifest.parse(read_committed_manifest(storage, step, where)[1], where, step)
+    except (FileNotFoundError, CorruptCheckpointError) as e:
+        log.debug("nebula_ckpt: %s: no references read (%s)", where, e)
+        return {}
+    if man.layout is not None:
+        return dict.fromkeys(references(man))
+    out: dict[int, Optional[set[str]]] = {}
+    for sh in man.shards:
+        if sh.step is not None:
+            files = out.setdefault(sh.step, set())
+            assert files is not None
+            files.add(sh.file)
+    return out
 
 
 def discard_files(storage: Storage, step: int, doomed: Callable[[str], bool], where: str) -> None:
@@ -241,15 +305,27 @@ def discard_save(storage: Storage, step: int, owner: Ownership, rank: int, where
 
 def drop_referrers(storage: Storage, step: int, where: str) -> None:
     """As the committed ``step`` is replaced: the committed steps that refer to its bytes (the
-    run resumed from an older step; they are of the timeline it left) go, marker first, before
-    those bytes do, so no committed step ever refers to bytes that are gone (the caller holds
-    its deletion lock)."""
-    users = referrers(storage, committed_steps(storage), step)
+    run resumed from an older step; they are of the timeline it left), and those that refer to
+    theirs (:func:`with_referrers`), go, marker first, before those bytes do, so no committed
+    step ever refers to bytes that are gone (the caller holds its deletion lock)."""
+    later = {t: read_references(storage, t) for t in committed_steps(storage) if t > step}
+    users = sorted(with_referrers(later, {t for t, by in later.items() if step in by}))
     if users:
         log.warning("nebula_ckpt: %s: step(s) %s refer to the bytes of step %d, which is saved again: they "
                     "are deleted (the run resumed from an older step)", where, users[:8], step)
     for s in deletion_order(storage, users):
         delete_checkpoint(storage, s)
+
+
+def with_referrers(refs: Mapping[int, Iterable[int]], doomed: set[int]) -> set[int]:
+    """``doomed`` and every step of ``refs`` (a committed step -> the steps it refers to) that
+    refers to one of them, directly or through others: a step that refers to a deleted one would
+    refer to bytes that are gone (a step refers to the shards its tensors lie in, which need not
+    include its base's base)."""
+    out = set(doomed)
+    while more := {t for t, by in refs.items() if t not in out and out & set(by)}:
+        out |= more
+    return out
 
 
 def discard_variant(storage: Storage, step: int, variant: str, where: str) -> None:

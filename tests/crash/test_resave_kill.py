@@ -112,3 +112,64 @@ def test_a_kill_while_a_step_is_replaced_leaves_the_old_or_the_new_whole(tmp_pat
         assert 5.0 in outcomes, outcomes
     if point in ("unlisted", "settle", "replaced"):
         assert outcomes == {50.0}, outcomes
+
+
+#: the worker above, held (a logging handler sleeps) once the new write of step 5 is committed and
+#: before the steps that referred to the old one go: the test SIGKILLs it there
+HELD_WORKER = WORKER.replace("lg.setLevel(logging.DEBUG)", """lg.setLevel(logging.DEBUG)
+import time
+resaving = False
+class Hold(logging.Handler):
+    def emit(self, record):
+        if resaving and record.getMessage().startswith("nebula_ckpt: step 5 committed"):
+            print("SWITCHED", flush=True)
+            time.sleep(120)
+lg.addHandler(Hold())""").replace('print("RESAVE", flush=True)', 'print("RESAVE", flush=True)\nresaving = True') \
+    .replace('"frozen": frozen + 1', '"frozen": frozen')  # the same frozen bytes: the new write hashes them
+
+
+@pytest.mark.crash
+def test_a_kill_after_the_marker_switch_leaves_no_step_referring_to_the_old_bytes(tmp_path, shm_dir) -> None:  # noqa: ANN001
+    """SIGKILL after the new write of step 5 committed, before step 6 (which refers to the old
+    write's shard) went: the next writer drops step 6, marker first, before it removes the old
+    files, and keeps the step it saved on the new step 5 (it refers only to the files that write
+    keeps). Every step listed then loads and ``verify`` passes."""
+    root = str(tmp_path / "ck")
+    proc = subprocess.Popen([sys.executable, "-u", "-c", HELD_WORKER, root, str(N)], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, env=dict(os.environ, NEBULA_SHM_DIR=shm_dir))
+    held, out = False, []
+    try:
+        for line in lines(proc, time.monotonic() + 120):
+            out.append(line)
+            if line.startswith("SWITCHED"):
+                proc.send_signal(signal.SIGKILL)
+                held = True
+                break
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait(30)
+        if proc.stdout:
+            proc.stdout.close()
+    assert held, "\n".join(out[-30:])
+    assert os.path.exists(os.path.join(root, "step-6", "COMMIT"))  # killed before step 6 went
+    assert "shard-g1-r0.safetensors" in os.listdir(os.path.join(root, "step-5"))  # and the old files
+    frozen = torch.arange(N, dtype=torch.float32)
+    state = {"frozen": torch.zeros(N), "w": torch.zeros(1000)}
+    with nc.Checkpointer(root, keep_last=5, memory_tier=False) as ck:
+        assert ck.load_latest(state) == 5  # step 6 does not restore: its bytes are not step 5's
+        assert torch.equal(state["frozen"], frozen) and float(state["w"][0]) == 50.0  # the new write
+        state["w"] += 1.0
+        ck.save(7, state)  # on the new step 5; then the first deletion pass
+    with open(os.path.join(root, "step-7", "manifest.json")) as f:
+        refs = [sh for sh in json.load(f)["shards"] if "step" in sh]
+    assert [sh["step"] for sh in refs] == [5] and refs[0]["file"].startswith("shard-g1-r0-v"), refs
+    assert not os.path.exists(os.path.join(root, "step-6"))
+    assert "shard-g1-r0.safetensors" not in os.listdir(os.path.join(root, "step-5"))
+    with nc.Checkpointer(root, memory_tier=False, read_only=True) as ck:
+        assert ck.list() == [5, 7]
+        _, got = ck.read(7)
+    assert torch.equal(got["frozen"], frozen) and float(got["w"][0]) == 51.0
+    v = subprocess.run([sys.executable, "-m", "nebula_ckpt.cli", "verify", root], capture_output=True, text=True,
+                       timeout=120)
+    assert v.returncode == 0, v.stdout + v.stderr

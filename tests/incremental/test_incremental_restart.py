@@ -8,6 +8,7 @@ it bit-exact. The tier a restore did not read (and verify) is never built on.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import signal
@@ -125,3 +126,67 @@ def test_a_tier_the_restore_did_not_verify_is_not_built_on(tmp_path, shm_dir) ->
             sizes.append((h.metrics.written_bytes[disk], h.metrics.bytes))
     assert sizes[0][0] == sizes[0][1], sizes                      # full: the disk copy was not verified
     assert sizes[1][0] < 4096 + 2 * into["train"].nbytes, sizes     # then incremental on step 3
+
+
+def _chain(root: str, steps: list[int]) -> list[int]:
+    """The steps of ``steps`` whose manifest refers to no other step (full saves)."""
+    return [s for s in steps if not any("step" in sh for sh in _man(root, s)["shards"])]
+
+
+def test_a_job_restarted_every_few_saves_keeps_the_full_save_cadence(tmp_path, shm_dir) -> None:  # noqa: ANN001
+    """A job with a frozen part, restarted every 3 saves (full_every=4), writes every 4th save full,
+    as one long process does: the cadence goes on from the restored manifest's
+    ``stats.saves_since_full``, so the frozen bytes move to a newer full step and retention can
+    drop the old one. Restarted after every save (full_every=3), the same."""
+    for per_life, every, total, fulls in ((3, 4, 12, [1, 5, 9]), (1, 3, 7, [1, 4, 7])):
+        root = str(tmp_path / f"ck-{per_life}")
+        state = {"frozen": torch.randn(64 * 1024), "w": torch.zeros(256)}
+        step, full, counts = 0, [], []
+        with knobs.override(incremental_full_every=every):
+            while step < total:
+                with nc.Checkpointer(root, memory_tier=False, keep_last=2) as ck:
+                    assert ck.load_latest(into=state) == (step or None)
+                    for _ in range(per_life):
+                        step += 1
+                        state["w"] += 1.0
+                        ck.save(step, state).result()
+                        full += _chain(root, [step])
+                        counts.append(_man(root, step)["stats"].get("saves_since_full"))
+        assert full == fulls, full
+        assert counts == [(s - 1) % every for s in range(1, total + 1)], counts
+        # keep_last=2 and the full step the older of them refers to: step 1 went long ago
+        assert _committed(root) == sorted({total - 1, total, max(f for f in fulls if f < total)}), _committed(root)
+        got = _read(root, total)
+        assert torch.equal(got["frozen"], state["frozen"]) and torch.equal(got["w"], state["w"])
+
+
+def test_a_restored_step_without_the_count_bounds_it_from_its_chain(tmp_path, shm_dir) -> None:  # noqa: ANN001
+    """A manifest that does not record ``saves_since_full`` (a multi-rank step's share, an older
+    step): the count is bounded by the distance to the chain's last full save, found by following
+    the oldest step referred to; where a step on the way does not open, it is not known (None: the
+    next save is full)."""
+    from nebula_ckpt.restore.open import read_main_manifest
+    from nebula_ckpt.save.incremental import Incremental
+    from nebula_ckpt.save.seeding import saves_since_full
+    from nebula_ckpt.storage.local import LocalStorage
+
+    root = str(tmp_path / "ck")
+    state = {**{k: torch.randn(64 * 1024) for k in "abcd"}, "w": torch.zeros(256)}
+    with knobs.override(incremental_full_every=10), nc.Checkpointer(root, memory_tier=False, keep_last=10) as ck:
+        ck.save(10, state).result()  # full
+        for step, k in zip((20, 30, 40, 50, 60), "wabcd", strict=True):
+            state[k] = state[k] + 1  # a quarter of the bytes or less: incremental
+            ck.save(step, state).result()
+    st = LocalStorage(root)
+    man = read_main_manifest(st, 60, "step 60")
+    assert man.stats["saves_since_full"] == 5 and saves_since_full(st, man, "t") == 5
+    bare = dataclasses.replace(man, stats={})
+    refs = {s.step for s in man.shards if s.step is not None}
+    assert refs and 10 not in refs, refs  # the full step is found through the oldest step referred to
+    assert saves_since_full(st, bare, "t") == 50  # 60 - 10: at least the 5 saves since step 10
+    os.remove(os.path.join(root, f"step-{min(refs)}", "manifest.json"))
+    assert saves_since_full(st, bare, "t") is None
+    inc = Incremental(True, full_every=10)
+    assert inc.seed(bare, None) and inc.claim() is None  # not known: the next save is full
+    inc = Incremental(True, full_every=10)
+    assert inc.seed(man, 5) and inc.claim() is man

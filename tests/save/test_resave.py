@@ -196,3 +196,24 @@ def test_a_first_save_writes_the_marker_of_every_earlier_version(root: str, shm_
     for bad in ("../step-2/manifest.json", "ranks.json", "manifest-vXYZ.json", 7):
         with pytest.raises(CorruptCheckpointError, match="manifest"):
             Commit.parse(json.dumps({**marker, "manifest": bad}).encode(), "step 3")
+
+
+def test_a_resave_drops_the_steps_that_refer_to_the_dropped_ones_too(root: str, shm_dir: str) -> None:
+    """Steps 6 to 9 each changed a quarter of step 5 (so each refers to 5); step 10 changed the
+    last quarter and refers to 6 to 9, not to 5. Saving step 5 again drops 6 to 9 (they refer to
+    the old 5's bytes), and so step 10 too, which refers to their shards: no step stays listed
+    that cannot be restored."""
+    state = {**{k: torch.randn(64 * 1024) for k in "abcd"}, "w": torch.zeros(1000)}
+    with nc.Checkpointer(root, memory_tier=False, keep_last=10) as ck:
+        ck.save(5, state)
+        for step, k in zip((6, 7, 8, 9, 10), "wabcd", strict=True):
+            state = dict(state, **{k: state[k] + 1})
+            ck.save(step, state)
+        refs10 = {sh.get("step") for sh in json.loads(Path(root, "step-10", "manifest.json").read_text())["shards"]}
+        assert 5 not in refs10 and refs10 & {6, 7, 8, 9}, refs10
+        ck.save(5, {k: v - 1 for k, v in state.items()})
+        assert ck.list() == [5]
+    with nc.Checkpointer(root, memory_tier=False, read_only=True) as ck:
+        assert ck.list() == [5]
+        _, got = ck.read(5)
+    assert torch.equal(got["a"], state["a"] - 1)
