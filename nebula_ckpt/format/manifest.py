@@ -384,7 +384,7 @@ def tagged(manifest: dict[str, Any], tag: Optional[str]) -> dict[str, Any]:
 
 
 #: statistics of an incremental step that a step written whole no longer has
-_INCREMENTAL_STATS = ("base_step", "reused_bytes", "base_write")
+_INCREMENTAL_STATS = ("base_step", "reused_bytes", "base_write", "saves_since_full")
 
 
 def whole_manifest(stored: Mapping[str, Any], *, shard: dict[str, Any], tensors: dict[str, dict[str, Any]],
