@@ -22,7 +22,8 @@
      ``recovery.py``), which use restore and save through their public functions; they sit in
      ``tiers/memory/`` by what they keep, and above save by what they use;
   10. ``run``: the orchestration that knows the order: ``save/pipeline.py``,
-      ``tiers/memory/epilogue.py`` (the memory tier's last writes, run by the CLI), ``root.py``, ``checkpointer.py``,
+      ``tiers/memory/epilogue.py`` and ``tiers/memory/gc.py`` (the memory tier's last writes and its
+      removal, run by the CLI: they read the root's health marks), ``root.py``, ``checkpointer.py``,
       ``health/reports.py``, ``restore/reads.py``, ``loop/``;
   11. ``adapters``: the public package, ``dcp/``, ``integrations/``, ``compat/``, ``cli/``, the demo
       and the quick benchmark.
@@ -82,8 +83,8 @@ LAYERS: list[tuple[str, set[str]]] = [
     ("restore", {"restore"} | _MEMORY_RESTORE),
     ("save", {"save"}),
     ("replicas", {f"tiers.memory.{m}" for m in _REPLICAS}),
-    ("run", {"save.pipeline", "tiers.memory.epilogue", "root", "checkpointer", "health.reports", "restore.reads",
-             "loop"}),
+    ("run", {"save.pipeline", "tiers.memory.epilogue", "tiers.memory.gc", "root", "checkpointer", "health.reports",
+             "restore.reads", "loop"}),
     ("adapters", {"", "dcp", "integrations", "compat", "cli", "demo", "quickbench"}),
 ]
 

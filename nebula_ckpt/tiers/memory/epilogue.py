@@ -8,12 +8,17 @@ ROOT``) puts the newest step this host's memory tiers hold of the root's run on 
 
 * it looks at every memory-tier folder of the root's run on this host (each rank's own steps,
   and the replicas it holds of other ranks' steps), each locked for the whole run: a folder a
-  live process writes is never read (the job, or its restart, runs here: nothing is done);
+  live process writes is never read (the job, or its restart, runs here: nothing is done); a
+  run that overlaps another one on this host waits for it to end, then finds the step there;
 * it writes the step **under the writer generation that made it** and takes none: it fences
   nobody, and it writes only a step newer, in the order a restore prefers (newest generation,
   then step, then the later write of a step saved twice), than every step on the root: a job
   that took the root over since (a newer generation that committed a step) supersedes the
   memory step, and nothing is written (:func:`~nebula_ckpt.save.drain.not_newer`);
+* the step a restart restores comes first: when the root's health records mark the newest
+  step suspect, a restore skips it and takes the newest one not marked suspect, which may be
+  only in memory although newer (suspect) steps are on the root: it is written all the same
+  (the newest step then follows, as above);
 * it deletes nothing: no retention of its own, the root's checkpoints all stay;
 * every checksum is verified before a byte is written (a damaged copy is never written).
 
@@ -26,6 +31,7 @@ the step is committed once every rank's part is on the root, by whichever node's
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import logging
 import os
 from typing import Any, Callable, Iterator, Optional
@@ -40,8 +46,10 @@ from nebula_ckpt.format.commit import (
     read_committed_manifest,
     shard_path,
 )
+from nebula_ckpt.format.health import SUSPECT
 from nebula_ckpt.format.manifest import Manifest, encode_manifest, whole_manifest
 from nebula_ckpt.format.names import shard_name, step_dir
+from nebula_ckpt.health.book import HealthView
 from nebula_ckpt.ranks.fencing import Fence, read_run_id
 from nebula_ckpt.restore.open import open_checkpoint, read_manifest
 from nebula_ckpt.save.drain import Copy, Drain, folder_problem, not_newer, write_whole
@@ -103,12 +111,66 @@ def _result(write: Optional[Write], copied: bool, why: str, **extra: Any) -> dic
             "copied": copied, "why": why, **extra}
 
 
+Groups = dict[tuple[Write, int], list[Copy]]
+
+
 def _persist(storage: Storage, tier: str, run_id: str, copies: list[Copy], on_part: OnPart) -> dict[str, Any]:
-    """The newest write worth writing (newest first), committed; or why nothing was."""
-    groups: dict[tuple[Write, int], list[Copy]] = {}
+    """The step a restart restores, when only memory holds it, then the newest write worth writing,
+    committed; or why nothing was."""
+    groups: Groups = {}
     for c in copies:
         groups.setdefault((c.write, c.world), []).append(c)
     have = set(committed_writes(storage))
+    held = {w for w, _ in groups}
+    pick = _restored_write(held | have, HealthView(storage))
+    # without suspect marks that is the newest write, newer than the root's or on it: as below
+    if pick is None or pick not in held or pick in have or (pick == max(held) and not_newer(pick, have, tier) is None):
+        return _persist_newest(storage, tier, run_id, groups, have, on_part)
+    first = _persist_restored(storage, tier, run_id, groups, have, pick, on_part)
+    if not first["copied"]:  # a newer (suspect) step committed first would keep it off the root for good
+        return first
+    rest = _persist_newest(storage, tier, run_id, groups, set(committed_writes(storage)), on_part)
+    if rest["copied"] or "missing" in rest:
+        first["why"] += f"; then {rest['why']}"
+    return first
+
+
+def _restored_write(writes: set[Write], view: HealthView) -> Optional[Write]:
+    """The write a restart restores among ``writes`` (the memory tiers' and the root's): the newest,
+    in a restore's order (:func:`~nebula_ckpt.restore.select.list_candidates`: writer generation,
+    step, save), that the root's health records do not mark suspect; None when all are."""
+    return next((w for w in sorted(writes, reverse=True) if view.mark(w[0], w[1]).state != SUSPECT), None)
+
+
+def _persist_restored(storage: Storage, tier: str, run_id: str, groups: Groups, have: set[Write], pick: Write,
+                      on_part: OnPart) -> dict[str, Any]:
+    """``pick``, the write a restart restores (the newest not marked suspect), committed on the root
+    that lacks it although newer steps of the run may be there (marked suspect: a restore skips them)."""
+    g, s, _ = pick
+    newer = sorted(w[1] for w in have if w > pick)
+    why = f"step {s} is the step a restart restores (the newest not marked suspect)"
+    if any(w[0] > g for w in have):
+        return _result(pick, False, f"{why}, but {not_newer(pick, have, tier)}")
+    world, group = next((k[1], v) for k, v in groups.items() if k[0] == pick)
+    if world == 1:
+        _copy_one(storage, tier, pick, group[0], on_part)
+        return _result(pick, True, f"{why} and was only in memory; it is committed on {tier}")
+    if newer:  # a drain commits only a write newer than every step on the root
+        raise NebulaError(f"persist-memory: {why} and is only in this host's memory, but a step of {world} ranks "
+                          f"is committed on {tier} only while no newer step is there, and step(s) {newer[:8]} "
+                          "(marked suspect) are: restart the job to resume from it")
+    drain = Drain(storage, tier, run_id, pick, world, on_part)
+    done, missing = drain.run(group)
+    if done:
+        return _result(pick, True, f"{why} ({world} ranks) and was only in memory; it is committed on {tier}")
+    return _result(pick, False, f"{why}; it is not committed yet: the part(s) of rank(s) {missing[:16]} are not on "
+                                f"{tier}, and the persist-memory of the node(s) holding them completes it",
+                   missing=missing)
+
+
+def _persist_newest(storage: Storage, tier: str, run_id: str, groups: Groups, have: set[Write],
+                    on_part: OnPart) -> dict[str, Any]:
+    """The newest write worth writing (newest first), committed; or why nothing was."""
     targets = sorted((k for k in groups if not_newer(k[0], have, tier) is None), reverse=True)
     if not targets:
         newest = max(groups)[0]
@@ -175,6 +237,10 @@ def _copies(root: str, run_id: str) -> Iterator[list[Copy]]:
             owner = found.owner
             if found.problem or owner is None or owner.root != canonical_root(root) or owner.run_id != run_id:
                 continue
+            try:
+                held.append(_run_lock(found.folder))
+            except FileNotFoundError:  # removed since the scan (gc): nothing of it to write
+                continue
             fd = try_lock(found.folder)
             if fd is None:
                 raise ValidationError(f"{found.folder} (a memory tier of {canonical_root(root)}) is written by a live "
@@ -187,8 +253,28 @@ def _copies(root: str, run_id: str) -> Iterator[list[Copy]]:
                 copies += _folder_copies(store.source_dir(r), False)
         yield copies
     finally:
-        for fd in held:
+        for fd in reversed(held):  # a LOCK before its run lock: a run let in next finds the LOCK free
             os.close(fd)
+
+
+def _run_lock(folder: str) -> int:
+    """The lock of a persist-memory run on the memory-tier folder ``folder`` (an exclusive ``flock``
+    on the folder itself; its fd), taken before the folder's ``LOCK`` and dropped after it, once
+    another run that holds it has ended. So the ``LOCK`` of a folder whose run lock this run holds
+    is held by no other run of persist-memory: only by a live job (or ``gc`` removing the folder).
+    Runs on one host (the job's epilogue, a node agent) may overlap: the later one then finds the
+    step on the root and has nothing to do."""
+    fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            log.info("nebula_ckpt: persist-memory: waiting for another persist-memory run on %s to end", folder)
+            fcntl.flock(fd, fcntl.LOCK_EX)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
 
 
 def _folder_copies(folder: str, own: bool) -> list[Copy]:

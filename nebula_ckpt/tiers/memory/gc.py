@@ -14,6 +14,9 @@ root that cannot be checked (see below)         kept, even with ``--force``
 newest step only in memory: the root lacks it,  kept, unless ``--force`` (which says which
 the root is gone, the root now belongs to       steps are lost; the command line takes it
 another run, or no ``ROOT`` file names a root   only for one named run: ``gc ROOT --force``)
+newest step durable but marked suspect, and     kept, unless ``--force``, as above: that step
+the step a restart restores instead (the        is the one a restart resumes from
+newest not marked suspect) only in memory
 ==============================================  ==============================================
 
 The root is asked, never presumed. A root is *gone* only when that is known: a local root does
@@ -38,7 +41,7 @@ import os
 import shutil
 import threading
 from dataclasses import dataclass, replace
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from nebula_ckpt.errors import CorruptCheckpointError
 from nebula_ckpt.format.commit import (
@@ -49,9 +52,11 @@ from nebula_ckpt.format.commit import (
     read_committed_manifest,
     references,
 )
+from nebula_ckpt.format.health import SUSPECT
 from nebula_ckpt.format.manifest import Manifest
 from nebula_ckpt.format.names import COMMIT, RUN_FILE, step_dir
 from nebula_ckpt.format.root_records import MAX_ROOT_RECORD_BYTES, parse_run_record
+from nebula_ckpt.health.book import HealthView
 from nebula_ckpt.storage.base import Storage
 from nebula_ckpt.storage.local import LocalStorage
 from nebula_ckpt.storage.urls import canonical_root
@@ -155,10 +160,11 @@ def _run_record(st: Storage) -> tuple[bool, Optional[str]]:
 
 
 def _ask_root(root: str, run_id: Optional[str], step: int, write: Optional[Write] = None,
-              storage_options: Optional[dict[str, Any]] = None) -> RootAnswer:
+              storage_options: Optional[dict[str, Any]] = None, held: tuple[Write, ...] = ()) -> RootAnswer:
     """What ``root`` says about ``step`` of run ``run_id`` (the write ``write`` of it, when given:
     an older write of the same step on the root does not make it durable; raises when it cannot tell).
-    A remote root is reached with ``storage_options`` (None: the credentials of the environment)."""
+    A remote root is reached with ``storage_options`` (None: the credentials of the environment).
+    ``held``: every write the memory tier holds (see :func:`_restored_write`)."""
     local = os.path.isabs(root)
     if local and _local_root_gone(root):
         return RootAnswer(ONLY_HERE, f"its root {root} is gone")
@@ -193,9 +199,43 @@ def _ask_root(root: str, run_id: Optional[str], step: int, write: Optional[Write
         if lacking is not None:
             return RootAnswer(ONLY_HERE, f"its root {root} holds step {step} but cannot restore it ({lacking})",
                               _committed_but(st, step))
-        return RootAnswer(DURABLE, f"newest step {step} is durable on {root}")
+        return _restored_write(st, root, step, held)
     finally:
         st.close()
+
+
+def _restored_write(st: Storage, root: str, newest: int, held: tuple[Write, ...]) -> RootAnswer:
+    """What the root says once the tier's newest step ``newest`` is durable there: whether the
+    write a restart restores is too. That is the newest write, of the tier's (``held``) and the
+    root's (``st``), not marked suspect on the root (a restore of the newest step skips those):
+    when the tier's newest write is marked suspect, an older one the tier alone holds may be it."""
+    durable = RootAnswer(DURABLE, f"newest step {newest} is durable on {root}")
+    suspect = _suspect_marks(st)
+    if not held or not suspect(held[-1]):
+        return durable
+    on_root = set(committed_writes(st))
+    pick = next((w for w in sorted(set(held) | on_root, reverse=True) if not suspect(w)), None)
+    if pick is None:
+        return RootAnswer(DURABLE, f"{durable.why}; every step here is marked suspect")
+    if pick not in held:  # a restart restores none of this tier's steps
+        return RootAnswer(DURABLE, f"{durable.why}, and so is step {pick[1]}, the newest not marked suspect")
+    ahead = f"newest step {newest} is on {root} but marked suspect, so a restart restores step {pick[1]}"
+    others = frozenset(s for _, s, _ in on_root) - {pick[1]}
+    if pick not in on_root:
+        return RootAnswer(ONLY_HERE, f"{ahead}, which its root does not hold (nebula-ckpt persist-memory ROOT "
+                                     "puts it there)", others)
+    lacking = _lacking_on_root(st, pick[1])
+    if lacking is not None:
+        return RootAnswer(ONLY_HERE, f"{ahead}, which its root holds but cannot restore ({lacking})", others)
+    return RootAnswer(DURABLE, f"{ahead}, durable there too")
+
+
+def _suspect_marks(st: Storage) -> Callable[[Write], bool]:
+    """``suspect(write)``: whether the root's health records mark that checkpoint suspect, read as
+    a restore reads them (:class:`~nebula_ckpt.health.book.HealthView`: a record that cannot be
+    listed or read is no mark, and a restore then restores as without it)."""
+    view = HealthView(st)
+    return lambda w: view.mark(w[0], w[1]).state == SUSPECT
 
 
 def _committed_but(st: Storage, step: int) -> frozenset[int]:
@@ -225,10 +265,12 @@ def _lacking_on_root(st: Storage, step: int) -> Optional[str]:
 
 
 def ask_root(root: str, run_id: Optional[str], step: int, write: Optional[Write] = None,
-             timeout: float = ROOT_TIMEOUT_S, storage_options: Optional[dict[str, Any]] = None) -> RootAnswer:
+             timeout: float = ROOT_TIMEOUT_S, storage_options: Optional[dict[str, Any]] = None,
+             held: tuple[Write, ...] = ()) -> RootAnswer:
     """What ``root`` says about ``step`` of run ``run_id`` (its write ``write``, when given), a
     remote root reached with ``storage_options`` (None: the credentials of the environment):
-    :data:`DURABLE` (committed there, that write or a newer one),
+    :data:`DURABLE` (committed there, that write or a newer one, and so is the write a restart
+    restores, when it is one of ``held``, the memory tier's writes, ascending),
     :data:`ONLY_HERE` (known not to be there: the root lacks it, is gone, or belongs to another
     run) or :data:`UNKNOWN` (any error, or no answer within ``timeout`` seconds).
 
@@ -239,7 +281,7 @@ def ask_root(root: str, run_id: Optional[str], step: int, write: Optional[Write]
 
     def run() -> None:
         try:
-            box.append(_ask_root(root, run_id, step, write, storage_options))
+            box.append(_ask_root(root, run_id, step, write, storage_options, held))
         except Exception as e:  # noqa: BLE001 - any failure leaves the root unknown
             box.append(RootAnswer(UNKNOWN, f"cannot check its root {root} ({type(e).__name__}: {e})"))
 
@@ -277,9 +319,10 @@ def decide(f: Found, force: bool = False, timeout: float = ROOT_TIMEOUT_S,
         return Decision(f, True, "holds no committed checkpoint", force)
     if f.owner is None:
         return _only_copy(f, force, "no ROOT file: nobody's memory tier, never restored from", steps)
-    newest = max(committed_writes(LocalStorage(f.folder, private=True, fsync=False)), default=None)
+    held = tuple(committed_writes(LocalStorage(f.folder, private=True, fsync=False)))
+    newest = held[-1] if held else None
     answer = ask_root(f.owner.root, f.owner.run_id, steps[-1] if newest is None else newest[1], newest, timeout,
-                      storage_options)
+                      storage_options, held)
     if answer.verdict == DURABLE:
         return Decision(f, True, answer.why, force)
     if answer.verdict == UNKNOWN:

@@ -3,10 +3,13 @@ persistent root when the job will not be restarted (a real process that ends wit
 
 from __future__ import annotations
 
+import json
 import os
+import signal
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -167,3 +170,147 @@ def test_persist_memory_before_a_new_job_commits_writes_under_the_old_generation
     with nc.Checkpointer(root, memory_tier=False, read_only=True) as ck:
         state = {"w": torch.zeros(1000), "step": -1}
         assert ck.load_latest(state) == 8 and state["step"] == 8             # the live job's timeline wins
+
+
+# -- the step a restart restores, when the newest is marked suspect (gc and persist-memory) -------------
+
+
+def _killed_job(root: str, shm_dir: str, last: int, disk: str, size: int = 1000) -> None:
+    """A real process saving steps 1..``last`` to ``[MemoryTier(keep_last=2), LocalTier(root, <disk>)]``,
+    then SIGKILLed (the memory tier keeps the last two steps)."""
+    code = textwrap.dedent(f"""
+        import os, signal, torch, nebula_ckpt as nc
+        ck = nc.Checkpointer({root!r}, tiers=[nc.MemoryTier(keep_last=2), nc.LocalTier({root!r}, {disk})])
+        for s in range(1, {last} + 1):
+            ck.save(s, {{"w": torch.arange({size}, dtype=torch.float32) * s, "step": s}}).result()
+        os.kill(os.getpid(), signal.SIGKILL)
+    """)
+    env = dict(os.environ, NEBULA_SHM_DIR=shm_dir, PYTHONPATH=str(REPO))
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert r.returncode == -signal.SIGKILL, r.stderr
+
+
+def _cli(*args: str) -> tuple[int, str]:
+    """``nebula-ckpt ARGS`` in this process: its exit code and stdout."""
+    from contextlib import redirect_stdout
+    from io import StringIO
+
+    from nebula_ckpt.cli import main
+
+    buf = StringIO()
+    with redirect_stdout(buf):
+        rc = main(list(args))
+    return rc, buf.getvalue()
+
+
+def _restored(root: str, memory: bool = False) -> int:
+    """The step ``load_latest`` restores (from the root alone unless ``memory``), checked bit-exact."""
+    with nc.Checkpointer(root, memory_tier=memory, read_only=True) as ck:
+        state = {"w": torch.zeros(1000), "step": -1}
+        step = ck.load_latest(state)
+        assert step is not None and state["step"] == step
+        assert torch.equal(state["w"], torch.arange(1000, dtype=torch.float32) * step)
+        return step
+
+
+def test_the_epilogue_keeps_the_step_a_restart_restores_when_the_newest_is_suspect(root: str, shm_dir: str) -> None:
+    """Memory holds steps 9 and 10, the disk 7 and 10; step 10 is marked suspect, so a restart
+    restores step 9, only in memory. gc keeps the tier (--force says step 9 is lost), persist-memory
+    puts step 9 on the root, and gc then frees the tier: a restart still resumes from step 9."""
+    _killed_job(root, shm_dir, 10, "every=3, keep_last=2")
+    assert _steps(root) == [7, 10]
+    assert _cli("mark", root, "--suspect", "10", "--reason", "loss went NaN")[0] == 0
+    assert _restored(root, memory=True) == 9
+    rc, out = _cli("gc", root, "--shm-dir", shm_dir, "--json")
+    (kept,) = json.loads(out)
+    assert rc == 0 and not kept["remove"] and "restores step 9" in kept["reason"], kept
+    rc, out = _cli("gc", root, "--shm-dir", shm_dir, "--json", "--force", "--dry-run")
+    (forced,) = json.loads(out)
+    assert forced["remove"] and "step 9, only in memory, lost" in forced["reason"], forced
+    assert _restored(root, memory=True) == 9                     # gc removed nothing
+
+    rc, out = _cli("persist-memory", root, "--json")
+    got = json.loads(out)
+    assert rc == 0 and got["copied"] and got["step"] == 9, got
+    assert _steps(root) == [7, 9, 10]
+    assert _cli("persist-memory", root)[1].startswith("nothing to copy")   # run again: nothing to do
+    rc, out = _cli("gc", root, "--shm-dir", shm_dir, "--json")
+    (freed,) = json.loads(out)
+    assert rc == 0 and freed["removed"], freed
+    assert _restored(root) == 9
+
+
+def test_persist_memory_writes_the_restored_step_before_a_suspect_newest(root: str, shm_dir: str) -> None:
+    """Memory holds steps 8 and 9, the disk 1, 4 and 7; step 9 (only in memory) is marked suspect:
+    persist-memory puts step 8, the one a restart restores, on the root, then step 9 as it always
+    did, and gc frees the tier."""
+    _killed_job(root, shm_dir, 9, "every=3, keep_last=100")
+    assert _steps(root) == [1, 4, 7]
+    assert _cli("mark", root, "--suspect", "9")[0] == 0
+    rc, out = _cli("gc", root, "--shm-dir", shm_dir, "--json")
+    assert rc == 0 and not json.loads(out)[0]["remove"]
+    got = persist_memory(root)
+    assert got["copied"] and got["step"] == 8 and "step 9" in got["why"], got
+    assert _steps(root) == [1, 4, 7, 8, 9]
+    rc, out = _cli("gc", root, "--shm-dir", shm_dir, "--json")
+    assert rc == 0 and json.loads(out)[0]["removed"]
+    assert _restored(root) == 8
+
+
+def test_gc_and_persist_memory_are_unchanged_without_suspect_marks(root: str, shm_dir: str) -> None:
+    """No step is marked: the memory tier's newest step decides, as always (step 9, only in memory
+    of steps 9 and 10 with the disk holding 7 and 10, goes with the tier)."""
+    _killed_job(root, shm_dir, 10, "every=3, keep_last=2")
+    got = persist_memory(root)
+    assert not got["copied"] and "already" in got["why"], got
+    rc, out = _cli("gc", root, "--shm-dir", shm_dir, "--json")
+    assert rc == 0 and json.loads(out)[0]["removed"]
+    assert _restored(root) == 10
+
+
+def test_overlapping_persist_memory_runs_both_succeed(root: str, shm_dir: str, tmp_path: Path) -> None:
+    """Two persist-memory runs on one host (the job's epilogue and a node agent) overlap after the
+    job was SIGKILLed: the second waits for the first, finds the step on the root and exits 0 (a
+    live job is what exit 2 means)."""
+    _killed_job(root, shm_dir, 2, "every=2")
+    assert _steps(root) == [1]
+    ready, go = tmp_path / "ready", tmp_path / "go"
+    first = textwrap.dedent(f"""
+        import pathlib, time
+        from nebula_ckpt.tiers.memory.epilogue import persist_memory
+
+        def part(rank, nbytes):  # the step is written: hold on, as a long copy would
+            pathlib.Path({str(ready)!r}).touch()
+            while not pathlib.Path({str(go)!r}).exists():
+                time.sleep(0.05)
+
+        print(persist_memory({root!r}, on_part=part)["copied"])
+    """)
+    env = dict(os.environ, NEBULA_SHM_DIR=shm_dir, PYTHONPATH=str(REPO))
+    a = subprocess.Popen([sys.executable, "-c", first], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         text=True)
+    try:
+        for _ in range(1200):
+            if ready.exists() or a.poll() is not None:
+                break
+            time.sleep(0.05)
+        assert ready.exists(), a.communicate()
+        b = subprocess.Popen([sys.executable, "-m", "nebula_ckpt.cli", "-v", "persist-memory", root], env=env,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        assert b.stderr is not None
+        said = []
+        for line in b.stderr:  # it waits for the first run (not "a live process")
+            said.append(line)
+            if "waiting for another persist-memory run" in line:
+                break
+        go.touch()
+        out_b, err_b = b.communicate(timeout=120)
+        err_b = "".join(said) + err_b
+        assert "waiting for another persist-memory run" in err_b, err_b
+        out_a, err_a = a.communicate(timeout=120)
+    finally:
+        go.touch()
+        a.kill()
+    assert a.returncode == 0 and out_a.strip() == "True", err_a
+    assert b.returncode == 0 and out_b.startswith("nothing to copy") and "already" in out_b, (out_b, err_b)
+    assert _steps(root) == [1, 2]
