@@ -22,8 +22,9 @@ The budget (``Checkpointer(host_memory_budget=...)``) is:
   pushed into the OOM killer by them.
 
 A save that would exceed it first makes room where that loses nothing (idle buffers of other
-sizes; the memory tier's steps that are committed on a persistent tier too), then waits or is
-skipped by ``on_full``, with a log line that names the budget. A partner rank's replica that
+sizes; the memory tier's steps that a persistent tier holds as the same write, or, with no save
+in flight, its newest write once it is put there: :func:`~nebula_ckpt.save.drain.make_room`),
+then waits or is skipped by ``on_full``, with a log line that names the budget. A partner rank's replica that
 would exceed it is refused before it is sent (:meth:`~nebula_ckpt.save.buffers.StagingPool.room_for`;
 the partner's handle reports its replica failed). A state that cannot fit even once
 is refused at its first save, before anything is written (:meth:`HostMemoryBudget.check_fits`).
@@ -37,7 +38,7 @@ from typing import Any, Optional, Sequence, Union
 
 from nebula_ckpt.arguments import check_budget
 from nebula_ckpt.errors import ValidationError
-from nebula_ckpt.format.commit import committed_steps, read_commit
+from nebula_ckpt.format.commit import Write, committed_steps, read_commit
 
 log = logging.getLogger(__name__)
 
@@ -216,11 +217,12 @@ def folder_ram_bytes(path: Optional[str]) -> int:
 
 def give_up_memory_steps(writers: Sequence[Any]) -> bool:
     """Make room in the budget where it loses nothing: delete the memory tier's committed steps
-    that a persistent tier this process writes holds committed too (same step, same writer
-    generation), while the memory tier's writer is idle (``TierWriter.remove``: marker first, a
-    step a later one refers to once none does). The memory tier then holds nothing until the
-    next save commits there; a crash meanwhile restores the same step from the persistent tier.
-    True if any step went."""
+    that a persistent tier this process writes holds committed too, as the same write (writer
+    generation, step and save number: :attr:`~nebula_ckpt.format.commit.Commit.write`; a step
+    saved again that the persistent tier's cadence skipped is there only as its older write), while
+    the memory tier's writer is idle (``TierWriter.remove``: marker first, a step a later one
+    refers to once none does). The memory tier then holds nothing until the next save commits
+    there; a crash meanwhile restores the same write from the persistent tier. True if any step went."""
     persistent = [w for w in writers if w.tier.persistent]
     gone = False
     for w in writers:
@@ -228,19 +230,20 @@ def give_up_memory_steps(writers: Sequence[Any]) -> bool:
             continue
         try:
             for step in committed_steps(w.storage):
-                gen = read_commit(w.storage, step, f"tier {w.name} step {step}").generation
-                if any(_committed_as(p.storage, step, gen) for p in persistent) and w.remove(step):
+                write = read_commit(w.storage, step, f"tier {w.name} step {step}").write
+                if any(_holds(p.storage, write) for p in persistent) and w.remove(step):
                     log.info("nebula_ckpt: memory tier %s gives step %d up to stay within the host-memory budget "
-                             "(it is committed on a persistent tier too)", w.name, step)
+                             "(the same write of it is committed on a persistent tier too)", w.name, step)
                     gone = True
         except Exception as e:  # a failure here only keeps memory: the save waits or is skipped
             log.debug("nebula_ckpt: memory tier %s: steps not given up: %s", w.name, e)
     return gone
 
 
-def _committed_as(storage: Any, step: int, generation: int) -> bool:
-    """Whether ``storage`` holds ``step`` committed by writer ``generation``."""
+def _holds(storage: Any, write: Write) -> bool:
+    """Whether ``storage`` holds ``write`` (generation, step, save) committed: the first write of a
+    step saved twice does not make the second safe."""
     try:
-        return read_commit(storage, step, f"step {step}").generation == generation
+        return bool(read_commit(storage, write[1], f"step {write[1]}").write == write)
     except Exception:  # absent or unreadable: not held there
         return False

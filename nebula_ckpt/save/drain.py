@@ -45,8 +45,9 @@ from __future__ import annotations
 import logging
 import os
 import uuid
+import weakref
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Optional, Sequence
 
 from nebula_ckpt.errors import CorruptCheckpointError, FencedError, NebulaError
 from nebula_ckpt.format.commit import CommitProgress, Write, commit_manifest, committed_writes, read_commit, shard_path
@@ -66,6 +67,7 @@ from nebula_ckpt.native import get_ops
 from nebula_ckpt.ranks.fencing import Fence
 from nebula_ckpt.ranks.split import split_manifest, split_payload
 from nebula_ckpt.restore.open import open_checkpoint, read_manifest
+from nebula_ckpt.save.budget import give_up_memory_steps
 from nebula_ckpt.storage.base import Storage
 from nebula_ckpt.storage.local import LocalStorage, fsync_dir
 
@@ -73,6 +75,12 @@ if TYPE_CHECKING:
     from nebula_ckpt.save.writer import TierWriter
 
 log = logging.getLogger(__name__)
+
+#: seconds :func:`make_room` waits for the tier writers to go idle once no save is in flight
+IDLE_WAIT_S = 5.0
+#: the memory tier's newest write that :func:`make_room` could not put on (or give up for) the
+#: persistent tiers, by memory-tier writer: not tried again until a newer write is there
+_NOT_PUT: "weakref.WeakKeyDictionary[Any, Write]" = weakref.WeakKeyDictionary()
 
 
 @dataclass(frozen=True)
@@ -346,14 +354,15 @@ def own_part_drainer(storage: Storage, tier: str, run_id: str) -> Callable[[Writ
     return drain
 
 
-def flush_newest(writers: "list[TierWriter]", monitor: Any = None) -> None:
+def flush_newest(writers: "list[TierWriter]", monitor: Any = None, who: str = "close()") -> None:
     """One process's drain at ``close()``: put the newest committed step on every persistent tier of
     ``writers`` that lacks it (cadence, drops). A disk or remote tier with ``every=N`` (or one that
     dropped saves while busy) would otherwise end the job older than the memory tier, which does
     not survive a reboot. A step this process marked suspect (or failed to mark so far: its mark is
     tried again first; ``monitor``: the Checkpointer's
     :class:`~nebula_ckpt.health.monitor.HealthMonitor`, None when read only) is never copied: the newest
-    step not marked suspect is put there instead."""
+    step not marked suspect is put there instead. ``who``: what asks, in log lines (a save short
+    of the host-memory budget asks too: :func:`make_room`)."""
     # writes, not step numbers: a tier holding the first write of a step saved twice lacks the second
     have = {w.name: set(committed_writes(w.storage)) for w in writers}
     if monitor is not None:
@@ -364,8 +373,8 @@ def flush_newest(writers: "list[TierWriter]", monitor: Any = None) -> None:
             newest = write
             break
         if any(w.tier.persistent and write not in have[w.name] for w in writers):
-            log.warning("nebula_ckpt: close() puts no copy of step %d on the persistent tiers: this process marked "
-                        "it suspect", write[1])
+            log.warning("nebula_ckpt: %s puts no copy of step %d on the persistent tiers: this process marked "
+                        "it suspect", who, write[1])
     if newest is None:
         return
     src = next((w.storage for w in writers if newest in have[w.name] and w.storage.is_local), None)
@@ -377,8 +386,43 @@ def flush_newest(writers: "list[TierWriter]", monitor: Any = None) -> None:
             if src is None:
                 raise NebulaError("no tier with a local copy of it")
             w.copy_from(src, newest[1])
-            log.info("nebula_ckpt: close() put the newest step %d on %s", newest[1], w.name)
+            log.info("nebula_ckpt: %s put the newest step %d on %s", who, newest[1], w.name)
         except Exception as e:
-            log.error("nebula_ckpt: close() could not put the newest step %d on %s (it ends at step "
-                      "%s): %s: %s", newest[1], w.name, max(have[w.name], default=(0, None))[1],
-                      type(e).__name__, e)
+            log.error("nebula_ckpt: %s could not put the newest step %d on %s (its newest is step %s): %s: %s",
+                      who, newest[1], w.name, max(have[w.name], default=(0, None))[1], type(e).__name__, e)
+
+
+def make_room(writers: Sequence[Any], handles: Iterable[Any], monitor: Any = None) -> bool:
+    """What a save short of the host-memory budget frees where that loses nothing: the memory
+    tier's steps that a persistent tier holds as the same write
+    (:func:`~nebula_ckpt.save.budget.give_up_memory_steps`). Where there is none such and no save
+    is in flight (every one of ``handles``, the process's save handles, is done: no tier writes
+    meanwhile, and nothing else will free memory), the memory tier holds a write the persistent
+    tiers' cadence skipped: the newest one is put on them first, as ``close()`` does
+    (:func:`flush_newest`: never a step marked suspect; ``monitor``: the Checkpointer's health
+    monitor), then given up. So the save goes ahead rather than wait for ever or be skipped until
+    ``close()``, and never at the cost of that write. A multi-rank job's step would need every
+    rank: there the save waits or is skipped. True if any step went."""
+    if give_up_memory_steps(writers):
+        return True
+    if not all(h.done() for h in list(handles)) or any(w.coordinator.world_size > 1 for w in writers) or \
+            not any(w.tier.persistent for w in writers) or all(w.tier.persistent for w in writers):
+        return False
+    # with no save in flight a writer is at most finishing its loop (its handle is done already)
+    if not all(w.wait_idle(IDLE_WAIT_S) for w in writers):
+        return False
+    if give_up_memory_steps(writers):
+        return True
+    memory = next(w for w in writers if not w.tier.persistent)
+    try:
+        newest = max(committed_writes(memory.storage), default=None)
+    except Exception as e:  # unreadable: nothing is put anywhere; the save waits or is skipped
+        log.debug("nebula_ckpt: memory tier %s: %s", memory.name, e)
+        return False
+    if newest is None or _NOT_PUT.get(memory) == newest:
+        return False  # tried already (a failure is logged once, not at each look of a waiting save)
+    flush_newest(list(writers), monitor, who="a save short of the host-memory budget")
+    if give_up_memory_steps(writers):
+        return True
+    _NOT_PUT[memory] = newest
+    return False

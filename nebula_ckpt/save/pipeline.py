@@ -29,9 +29,9 @@ from nebula_ckpt.handle import SaveCounters, SaveHandle, unguarded
 from nebula_ckpt.native import get_ops, monotonic
 from nebula_ckpt.ranks.coordinator import Coordinator
 from nebula_ckpt.ranks.fencing import Fence
-from nebula_ckpt.save.budget import Budget, HostMemoryBudget, give_up_memory_steps
+from nebula_ckpt.save.budget import Budget, HostMemoryBudget
 from nebula_ckpt.save.buffers import StagingPool
-from nebula_ckpt.save.drain import flush_newest
+from nebula_ckpt.save.drain import flush_newest, make_room
 from nebula_ckpt.save.plan import Plan
 from nebula_ckpt.save.plan_cache import PlanCache
 from nebula_ckpt.save.snapshot import Snapshot, Stager, Taken
@@ -365,9 +365,9 @@ class SavePipeline:
 
     def _reclaim(self, budget: bool = False) -> bool:
         """Free staging buffers held only by snapshots slow tiers have not started on; ``budget``
-        (the host-memory budget is short): also the memory tier's steps a persistent tier holds."""
+        (the host-memory budget is short): also what :func:`~nebula_ckpt.save.drain.make_room` frees."""
         dropped = any([w.drop_pending() for w in self.writers or []])
-        return give_up_memory_steps(self.writers or []) or dropped if budget else dropped
+        return make_room(self.writers or [], self.handles, self.monitor) or dropped if budget else dropped
 
     def confirm_inflight(self) -> None:
         """Wait for pending snapshot copies and confirm them (training thread). A snapshot stays in

@@ -101,3 +101,61 @@ def test_default_budget_is_what_is_free_less_a_reserve() -> None:
     assert abs(got - (123 + max(0, avail - reserve))) < 256 << 20
     assert HostMemoryBudget(0.5).limit(10**15) == int(0.5 * total)
     assert HostMemoryBudget(1 << 30).limit(0) == 1 << 30
+
+
+#: a training process that saves step 5, saves it again with new bytes (only the memory tier takes
+#: that save: the disk takes every second one), then saves step 6, whose state grew, under a budget
+#: that holds one state of the memory tier beside one staging buffer, never two states; it dies
+#: without close() (a crash: close() would put the memory tier's newest step on the disk anyway)
+_RESAVE_CHILD = """
+import json, logging, os, sys
+import torch
+import nebula_ckpt as nc
+logging.basicConfig(level=logging.INFO)
+MB = 1 << 20
+root, on_full = sys.argv[1], sys.argv[2]
+ck = nc.Checkpointer(root, tiers=[nc.MemoryTier(), nc.LocalTier(root, every=2)], host_memory_budget=9 * MB,
+                     incremental=False, on_full=on_full)
+ck.save(5, {"w": torch.full((MB,), 5.0)})
+ck.save(5, {"w": torch.full((MB,), 50.0)})
+h = ck.save_async(6, {"w": torch.full((MB,), 6.0), "exp_avg": torch.zeros(MB // 2)})
+h.wait()
+print(json.dumps({"skipped": h.skipped, "written": h.tiers_written, "listed": ck.list(detailed=True),
+                  "held": ck.stats()["host_memory_bytes"]}), flush=True)
+os._exit(0)
+"""
+
+
+def _resave_then_crash(root: str, shm_dir: str, on_full: str) -> dict[str, Any]:
+    env = dict(os.environ, NEBULA_SHM_DIR=shm_dir,
+               PYTHONPATH=os.pathsep.join([REPO, os.environ.get("PYTHONPATH", "")]))
+    try:  # a save that waits for ever fails the test instead of hanging it
+        r = subprocess.run([sys.executable, "-c", _RESAVE_CHILD, root, on_full], capture_output=True, text=True,
+                           timeout=120, env=env)
+    except subprocess.TimeoutExpired as e:
+        raise AssertionError(f"on_full={on_full!r}: the save of step 6 never ended: {str(e.stderr)[-3000:]}") from e
+    assert r.returncode == 0, r.stderr[-3000:]
+    out: dict[str, Any] = json.loads(r.stdout.strip().splitlines()[-1])
+    out["log"] = r.stderr
+    return out
+
+
+@pytest.mark.parametrize("on_full", ["wait", "skip"])
+def test_a_step_saved_again_is_given_up_only_once_the_disk_holds_that_write(tmp_path, shm_dir,  # noqa: ANN001
+                                                                            on_full: str) -> None:
+    # The disk holds only the first write of step 5, so the second one lives in the memory tier
+    # alone: it may make room for step 6 only once the disk holds it too (put there, as close()
+    # does, since no save is in flight that could free memory instead), never by giving it up for
+    # the older write, and the save neither waits for ever nor is skipped for want of room.
+    root = str(tmp_path / "ck")
+    out = _resave_then_crash(root, shm_dir, on_full)
+    assert out["skipped"] is None and len(out["written"]) == 2, out  # step 6 went ahead on both tiers
+    assert out["held"] <= 9 << 20, out
+    # the crash left the disk's steps and the memory tier's: every step reads back as its newest write
+    with nc.Checkpointer(root, tiers=[nc.MemoryTier(), nc.LocalTier(root, every=2)]) as ck:
+        state = {"w": torch.zeros(1 << 20), "exp_avg": torch.ones(1 << 19)}
+        assert ck.load_latest(state) == 6 and float(state["w"][0]) == 6.0
+        assert float(ck.read(5)[1]["w"][0]) == 50.0
+    with nc.Checkpointer(root, tiers=[nc.LocalTier(root)]) as disk:  # the disk alone: the newest write too
+        assert float(disk.read(5)[1]["w"][0]) == 50.0
+    assert "put the newest step 5 on" in out["log"], out["log"][-3000:]
