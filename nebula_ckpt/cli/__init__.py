@@ -25,18 +25,21 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 from typing import Callable, Optional, Sequence, cast
 
 from nebula_ckpt.cli.bench import cmd_bench
-from nebula_ckpt.cli.choose import add_choice_arguments
+from nebula_ckpt.cli.choose import add_choice_arguments, step_number
 from nebula_ckpt.cli.common import (
     HIDDEN,
     CliParser,
+    StdoutClosed,
     UsageError,
     add_storage_options,
     check_root_url,
     close_opened,
+    flush_out,
     out,
     secret_values,
 )
@@ -78,7 +81,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="check sizes only, not checksums (rows say 'committed (not verified)')")
     sp = sub.add_parser("verify", help="full checksum check; exit 1 on damage")
     _common(sp)
-    sp.add_argument("--step", type=int, default=None, help="only this step (default: every committed step)")
+    sp.add_argument("--step", type=step_number, default=None, metavar="N",
+                    help="only this step (default: every committed step)")
     sp = sub.add_parser("inspect", help="what a step holds: a row per top-level key (--full: every tensor and value)")
     _common(sp)
     add_choice_arguments(sp)
@@ -100,6 +104,8 @@ def _run(args: argparse.Namespace) -> int:
     try:
         check_root_url(getattr(args, "root", None))  # before the root is parsed, logged or shown
         return COMMANDS[args.cmd](args)
+    except StdoutClosed:
+        raise  # not the command's error: main stops quietly
     except UsageError as e:
         sys.stderr.write(f"nebula-ckpt {args.cmd}: error: {e}\n")
         return 2
@@ -119,7 +125,32 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    """Entry point of ``nebula-ckpt``: parse ``argv`` (default ``sys.argv[1:]``), run, return the exit code."""
+    """Entry point of ``nebula-ckpt``: parse ``argv`` (default ``sys.argv[1:]``), run, return the
+    exit code. When the reader of the output goes away (``nebula-ckpt ls ROOT | head``) the command
+    stops quietly with exit 1, as Python's documentation advises for a closed pipe."""
+    try:
+        code = _main(argv)
+        flush_out()  # a reader gone away is found here, not in the interpreter's last flush
+        return code
+    except StdoutClosed:
+        _drop_output()
+        return 1
+
+
+def _drop_output() -> None:
+    """Send what stdout still buffers to ``os.devnull``: the interpreter's last flush then fails no
+    more (Python's documentation on SIGPIPE)."""
+    try:
+        fd = sys.stdout.fileno()
+    except (AttributeError, OSError, ValueError):  # no file behind it (a test's capture): nothing to flush
+        return
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, fd)
+    os.close(devnull)
+
+
+def _main(argv: Optional[Sequence[str]]) -> int:
+    """:func:`main`, but for a reader of stdout gone away."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] == "bench":
         if secret_values(argv):  # the harness's own parser would echo it

@@ -6,8 +6,9 @@ healthy step is read, as a restart would: the copies are tried in the restore's 
 (:func:`~nebula_ckpt.restore.select.list_candidates`: the newest writer generation first, so a
 run abandoned by a rollback never wins, then the newest step, then the fastest tier), the steps
 marked suspect are skipped as ``load_latest`` skips them
-(:class:`~nebula_ckpt.restore.select.HealthChoice`), and a damaged copy passes to the next. The
-skipped copies are named on stderr. ``--step N`` reads ``N`` whatever its mark (a suspect one
+(:class:`~nebula_ckpt.restore.select.HealthChoice`), and a damaged copy passes to the next (a
+copy a job saved again while it was read is read again, its new write). The skipped copies are
+named on stderr. ``--step N`` reads ``N`` whatever its mark (a suspect one
 is said so on stderr).
 """
 
@@ -18,7 +19,7 @@ from typing import Callable, TypeVar, Union
 
 from nebula_ckpt.cli.common import commit_state, note, open_tiers
 from nebula_ckpt.errors import NebulaError
-from nebula_ckpt.format.commit import step_dirs
+from nebula_ckpt.format.commit import read_commit, step_dirs
 from nebula_ckpt.format.health import SUSPECT
 from nebula_ckpt.health.book import HealthView
 from nebula_ckpt.restore.open import read_main_manifest
@@ -38,9 +39,19 @@ def step_arg(text: str) -> Union[int, str]:
     if text == LATEST:
         return LATEST
     try:
-        step = int(text)
+        int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is neither a step number nor 'latest'") from None
+    return step_number(text)
+
+
+def step_number(text: str) -> int:
+    """argparse type of a step number (``verify --step``): an integer >= 0; anything else is a
+    usage error (exit 2), as for ``inspect`` and ``export``."""
+    try:
+        step = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a step number") from None
     if step < 0:
         raise argparse.ArgumentTypeError(f"{step} is not a step number (>= 0)")
     return step
@@ -117,13 +128,29 @@ def open_chosen(args: argparse.Namespace, opener: Callable[[Storage, int, str], 
         if c.problem is not None or choice.skips(c.generation, c.step):
             continue
         try:
-            result = opener(c.storage, c.step, _where(c))
+            result = _open(c, opener)
         except Exception as e:
             errors.append(str(e))
             continue
         _say_skipped(errors, choice, c)
         return result
     raise _nothing(args, tiers, found, tags, errors, choice)
+
+
+def _open(c: Candidate, opener: Callable[[Storage, int, str], T]) -> T:
+    """``opener`` of candidate ``c``, once more when it failed because a job saved the step again
+    meanwhile (its marker names another write now, whose files replace the old write's): its new
+    write, never taken for damage."""
+    try:
+        return opener(c.storage, c.step, _where(c))
+    except Exception:
+        try:
+            now = read_commit(c.storage, c.step, _where(c))
+        except Exception:  # gone or unreadable now: the first failure stands
+            now = None
+        if now is None or now.write == c.order:
+            raise
+    return opener(c.storage, c.step, _where(c))
 
 
 def _say_skipped(errors: list[str], choice: HealthChoice, chosen: Candidate) -> None:

@@ -15,7 +15,7 @@ from typing import Any, Callable, Iterable, NoReturn, Optional, Sequence, TypeVa
 
 from nebula_ckpt.errors import CorruptCheckpointError, NebulaError, ValidationError
 from nebula_ckpt.format import manifest as mf
-from nebula_ckpt.format.commit import references
+from nebula_ckpt.format.commit import Commit, read_commit, references
 from nebula_ckpt.format.names import COMMIT, shard_owner, step_dir
 from nebula_ckpt.format.owner import Owner
 from nebula_ckpt.ranks.fencing import read_run_id
@@ -32,6 +32,9 @@ PROGRESS_DELAY_S = 2.0
 #: how often ``ls`` / ``verify`` list the root again when every step they listed was removed while
 #: they ran (a job saving with retention): the steps that replaced them are checked instead
 RELIST_ROUNDS = 3
+#: how often ``ls`` / ``verify`` check a step again whose check failed because a job saved it again
+#: meanwhile (its commit marker replaced by the new write's, then the old write's files removed)
+RECHECKS = 1
 
 log = logging.getLogger(__name__)
 
@@ -44,9 +47,32 @@ Listed = tuple[Tier, Storage, int]
 OPENED: list[Storage] = []
 
 
+class StdoutClosed(Exception):
+    """The reader of the output went away (``nebula-ckpt ls ROOT | head``): the command stops quietly."""
+
+
 def out(text: str) -> None:
-    """One line of a command's output (stdout)."""
-    sys.stdout.write(text + "\n")
+    """One line of a command's output (stdout).
+
+    Raises:
+        StdoutClosed: the reader of stdout went away (a closed pipe).
+    """
+    try:
+        sys.stdout.write(text + "\n")
+    except BrokenPipeError:
+        raise StdoutClosed() from None
+
+
+def flush_out() -> None:
+    """Write out what :func:`out` buffered, so that a reader gone away is found here.
+
+    Raises:
+        StdoutClosed: the reader of stdout went away (a closed pipe).
+    """
+    try:
+        sys.stdout.flush()
+    except BrokenPipeError:
+        raise StdoutClosed() from None
 
 
 def note(text: str) -> None:
@@ -167,18 +193,58 @@ def commit_state(st: Storage, tier: Tier, step: int) -> tuple[bool, Optional[str
 def removed_meanwhile(st: Storage, tier: Tier, step: int) -> bool:
     """Whether ``step``, committed when the command listed it, was removed since (retention,
     ``remove()``, ``gc``): its commit marker is gone now. Each of them deletes a step's marker
-    before its files, so a check that failed while the marker is still there found damage."""
+    before its files (a check that failed while the marker is still there: :func:`check_whole`)."""
     return commit_state(st, tier, step) == (False, None)
+
+
+class SavedAgain(Exception):
+    """A step that a job saved again each time it was checked (:func:`check_whole`): left out."""
+
+
+def _marker(st: Storage, step: int) -> "Commit | str | None":
+    """The commit marker of ``step`` as it is now: None when it is gone, why when it cannot be read."""
+    try:
+        return read_commit(st, step, f"step {step}")
+    except FileNotFoundError:
+        return None
+    except Exception as e:  # unreadable: the same reason twice is the same marker
+        return f"{type(e).__name__}: {e}"
+
+
+def check_whole(st: Storage, tier: Tier, step: int,
+                verify: str) -> Optional[tuple[bool, str, Optional[mf.Manifest]]]:
+    """:func:`check` of committed ``step``, or None when it was removed while it was checked
+    (retention, ``remove()``, ``gc``: its commit marker is gone now).
+
+    A check that fails while the marker it started from is still there found damage: each
+    deletion takes a step's marker before its files, and a job saving the step again replaces
+    the marker with its new write's before it removes the old write's files. A step whose marker
+    changed under a failed check is checked again, its new write, :data:`RECHECKS` times.
+
+    Raises:
+        SavedAgain: the step was saved again while each of those checks ran.
+    """
+    for _ in range(1 + RECHECKS):
+        first = _marker(st, step)
+        result = check(st, tier, step, verify)
+        if result[0]:
+            return result
+        now = _marker(st, step)
+        if now is None:
+            return None
+        if now == first:
+            return result
+    raise SavedAgain(f"{tier.name} step {step}")
 
 
 def each_step(listing: Callable[[], list[Listed]], check_one: Callable[[Tier, Storage, int], Optional[R]],
               command: str, desc: str, quiet: bool) -> list[R]:
     """``check_one`` of every step ``listing`` names, in order, under a progress bar ``desc``
-    (:func:`progress`; none when ``quiet``). ``check_one`` returns None for a
-    step removed while the command ran (:func:`removed_meanwhile`): it is left out and named on
-    stderr, never reported as damage. When every step listed was removed so (a job saving with
-    retention), the root is listed again and the steps that replaced them are checked, at most
-    :data:`RELIST_ROUNDS` times in all."""
+    (:func:`progress`; none when ``quiet``). ``check_one`` returns None for a step removed while
+    the command ran, and raises :class:`SavedAgain` for one saved again while each of its checks
+    ran (:func:`check_whole`): it is left out and named on stderr, never reported as damage. When
+    every step listed was left out so (a job saving with retention), the root is listed again and
+    the steps that replaced them are checked, at most :data:`RELIST_ROUNDS` times in all."""
     results: list[R] = []
     seen: set[tuple[str, int]] = set()
     for _ in range(RELIST_ROUNDS):
@@ -186,7 +252,13 @@ def each_step(listing: Callable[[], list[Listed]], check_one: Callable[[Tier, St
         removed = False
         for tier, st, step in progress(todo, desc, "ckpt", quiet=quiet):
             seen.add((tier.name, step))
-            result = check_one(tier, st, step)
+            try:
+                result = check_one(tier, st, step)
+            except SavedAgain:
+                removed = True
+                note(f"{tier.name} step {step} was saved again while {command} checked it, each time; left out "
+                     f"(run {command} again to check it)")
+                continue
             if result is None:
                 removed = True
                 note(f"{tier.name} step {step} was removed while {command} ran (retention, remove() or gc); "

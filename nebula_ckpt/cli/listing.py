@@ -10,11 +10,12 @@ from typing import Any, Hashable, Mapping, Optional
 from nebula_ckpt.cli import summary
 from nebula_ckpt.cli.choose import open_chosen
 from nebula_ckpt.cli.common import (
-    check,
+    check_whole,
     commit_state,
     dir_bytes,
     each_step,
     human_bytes,
+    note,
     open_any,
     open_tiers,
     out,
@@ -62,16 +63,23 @@ def _health(view: Optional[HealthView], st: Storage, step: int, man: Optional[mf
 def _ls_row(tier: Tier, st: Storage, step: int, verify: str,
             view: Optional[HealthView] = None) -> Optional[tuple[dict[str, Any], Optional[mf.Manifest]]]:
     """The ``ls --json`` row of one step of one tier, and its manifest (None when not healthy); None
-    for a committed step whose check failed because it was removed meanwhile (its marker is gone)."""
+    for a committed step whose check failed because it was removed meanwhile (its marker is gone).
+
+    Raises:
+        SavedAgain: the step was saved again while each check of it ran (:func:`check_whole`).
+    """
     committed, refused = commit_state(st, tier, step)
     if refused:
+        if removed_meanwhile(st, tier, step):
+            return None
         healthy, why, man = False, refused, None
     elif committed:
-        healthy, why, man = check(st, tier, step, verify)
+        checked = check_whole(st, tier, step, verify)
+        if checked is None:
+            return None
+        healthy, why, man = checked
     else:
         healthy, why, man = False, "no commit marker", None
-    if committed and not healthy and removed_meanwhile(st, tier, step):
-        return None
     codec, ratio = _compression(man)
     mark = _health(view, st, step, man, committed)
     row = {"tier": tier.name, "step": step, "tag": man.tag if man is not None else None,
@@ -115,7 +123,8 @@ def _ls_table(rows: list[dict[str, Any]], mans: list[Optional[mf.Manifest]], qui
 def cmd_ls(args: argparse.Namespace) -> int:
     """Steps per tier with size and state; full checksums unless ``--quick`` (sizes only).
 
-    Exit 1 when nothing is there or a committed checkpoint is damaged (as ``verify``). ``ROOT`` may
+    Exit 1 when no committed checkpoint is there (leftovers of saves that never committed are
+    listed, as ``uncommitted``) or a committed checkpoint is damaged (as ``verify``). ``ROOT`` may
     be a framework's path: a pointer file, Lightning's dirpath, a DeepSpeed save folder, an HF output_dir."""
     given, args.root = args.root, find_root(args.root)
     if args.root != given and not args.json:
@@ -140,7 +149,10 @@ def ls_tiers(pairs: list[tuple[Tier, Storage]], args: argparse.Namespace) -> int
     else:
         for line in _ls_table(rows, mans, args.quick):
             out(line)
-    return 0 if rows and not any(r["committed"] and not r["healthy"] for r in rows) else 1
+    committed = [r for r in rows if r["committed"]]
+    if rows and not committed:  # only folders a save left before its commit: nothing to restore
+        note(f"no committed checkpoint under {strip_credentials(args.root)}")
+    return 0 if committed and all(r["healthy"] for r in committed) else 1
 
 
 def _tree_text(node: Mapping[str, Any], indent: str = "") -> list[str]:

@@ -8,8 +8,10 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 from typing import Callable, Optional
 
+from nebula_ckpt.cli import common
 from nebula_ckpt.cli.common import OPENED, human_bytes, out, root_tiers
 from nebula_ckpt.errors import FencedError, ValidationError
 from nebula_ckpt.tiers.memory.epilogue import persist_memory
@@ -39,12 +41,16 @@ def cmd_persist_memory(args: argparse.Namespace) -> int:
 
 
 def _progress() -> Optional[Callable[[int, int], None]]:
-    """A line on stderr per rank's part written, where a terminal shows it."""
+    """A line on stderr per rank's part written, where a terminal shows it and once the work has
+    taken :data:`~nebula_ckpt.cli.common.PROGRESS_DELAY_S` (as the other commands' progress
+    bars: a quick run prints its answer alone)."""
     if not sys.stderr.isatty():
         return None
+    start = time.monotonic()
 
     def told(rank: int, nbytes: int) -> None:
-        sys.stderr.write(f"persist-memory: rank {rank}'s part written ({human_bytes(nbytes)})\n")
+        if time.monotonic() - start >= common.PROGRESS_DELAY_S:
+            sys.stderr.write(f"persist-memory: rank {rank}'s part written ({human_bytes(nbytes)})\n")
     return told
 
 

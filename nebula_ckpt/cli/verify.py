@@ -2,7 +2,9 @@
 
 A step removed while verify runs (retention of a job that is saving, ``remove()``, ``gc``) is not
 damage: its commit marker goes first, so a step whose check failed and whose marker is gone now is
-left out (named on stderr), and one whose marker is still there is ``DAMAGED``.
+left out (named on stderr). Nor is a step saved again meanwhile (its marker replaced by the new
+write's before the old write's files go): its new write is checked. A step whose check failed
+while the marker it started from is still there is ``DAMAGED``.
 """
 
 from __future__ import annotations
@@ -13,9 +15,10 @@ from typing import Any, Optional
 
 from nebula_ckpt.cli.common import (
     Listed,
-    check,
+    check_whole,
     commit_state,
     each_step,
+    note,
     open_tiers,
     out,
     ranks_json,
@@ -39,13 +42,23 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
 def verify_step(tier: Tier, st: Storage, step: int) -> Optional[tuple[dict[str, Any], Optional[mf.Manifest]]]:
     """``verify --json``'s row of one committed step and its manifest (None when not healthy), or
-    None when the step was removed since it was listed (its commit marker is gone)."""
+    None when the step was removed since it was listed (its commit marker is gone).
+
+    Raises:
+        SavedAgain: the step was saved again while each check of it ran (:func:`check_whole`).
+    """
     committed, refused = commit_state(st, tier, step)
     if not committed:
         return None
-    ok, why, man = (False, refused, None) if refused else check(st, tier, step, "full")
-    if not ok and removed_meanwhile(st, tier, step):
-        return None
+    if refused:
+        if removed_meanwhile(st, tier, step):
+            return None
+        ok, why, man = False, refused, None
+    else:
+        checked = check_whole(st, tier, step, "full")
+        if checked is None:
+            return None
+        ok, why, man = checked
     return ({"tier": tier.name, "step": step, "healthy": ok, "problem": None if ok else why,
              **references_json(man), **ranks_json(man)}, man)
 
@@ -70,6 +83,7 @@ def verify_tiers(pairs: list[tuple[Tier, Storage]], args: argparse.Namespace) ->
                 + ("" if r["healthy"] else f": {r['problem']}"))
     if not results:
         which = "" if args.step is None else f" of step {args.step}"
-        out(f"no committed checkpoint{which} under {strip_credentials(args.root)}")
+        # with --json, stdout holds the JSON alone (``[]``)
+        (note if args.json else out)(f"no committed checkpoint{which} under {strip_credentials(args.root)}")
         return 1
     return 0 if all(r["healthy"] for r in results) else 1

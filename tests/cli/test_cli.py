@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import shutil
@@ -71,6 +72,54 @@ def test_verify_exit_codes(saved: str, capsys: pytest.CaptureFixture[str]) -> No
     assert "DAMAGED" in out and "step 2" in out and "model/" in out
     assert main(["verify", saved, "--step", "1"]) == 0
     assert main(["verify", saved, "--step", "99"]) == 1
+
+
+def test_verify_json_with_nothing_to_check_is_one_json_document(saved: str, tmp_path,  # noqa: ANN001
+                                                                capsys: pytest.CaptureFixture[str]) -> None:
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    for argv in (["verify", str(empty), "--json"], ["verify", saved, "--step", "99", "--json"]):
+        assert main(argv) == 1
+        captured = capsys.readouterr()
+        assert json.loads(captured.out) == [], captured.out  # stdout is the JSON alone
+        assert "no committed checkpoint" in captured.err
+    assert main(["verify", str(empty)]) == 1  # without --json the sentence is the output
+    assert "no committed checkpoint" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("cmd", ["verify", "inspect", "export"])
+def test_a_step_that_is_no_step_number_is_a_usage_error_for_every_command(
+        saved: str, cmd: str, tmp_path, capsys: pytest.CaptureFixture[str]) -> None:  # noqa: ANN001
+    extra = ["--to", str(tmp_path / "out.pt")] if cmd == "export" else []
+    for value in ("-1", "soon"):
+        with pytest.raises(SystemExit) as ei:
+            main([cmd, saved, "--step", value, *extra])
+        assert ei.value.code == 2
+        err = capsys.readouterr().err
+        assert "--step" in err and "step number" in err, err
+
+
+def test_ls_of_a_root_where_nothing_committed_exits_1(root: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """The first save was killed while it wrote: its folder is there, its commit marker is not."""
+    os.makedirs(os.path.join(root, "step-1"))
+    with open(os.path.join(root, "step-1", "shard-g1-r0.safetensors"), "wb") as f:
+        f.write(b"\0" * 64)
+    assert main(["ls", root]) == 1
+    captured = capsys.readouterr()
+    assert "uncommitted" in _row(captured.out, 1) and "no committed checkpoint" in captured.err
+    assert main(["ls", root, "--json"]) == 1
+    assert [(r["step"], r["committed"]) for r in json.loads(capsys.readouterr().out)] == [(1, False)]
+
+
+def test_a_reader_that_goes_away_ends_the_command_quietly(saved: str) -> None:
+    """``nebula-ckpt ls ROOT | head``: the reader closed the pipe before the output was written."""
+    p = subprocess.Popen([sys.executable, "-m", "nebula_ckpt.cli", "ls", saved], stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE)
+    assert p.stdout is not None
+    p.stdout.close()
+    _, err = p.communicate(timeout=300)
+    assert err == b"", err  # neither "[Errno 32] Broken pipe" nor an ignored exception at exit
+    assert p.returncode == 1  # what Python's documentation advises for a closed pipe
 
 
 def test_inspect(saved: str, capsys: pytest.CaptureFixture[str]) -> None:
@@ -226,6 +275,17 @@ def test_doctor_reports_path_cuda_memory_tier_compiler_and_backends(shm_dir: str
     text = capsys.readouterr().out
     assert rc == 1 and "! pure-PyTorch path: disabled by NEBULA_DISABLE_NATIVE" in text, text
     assert "NEBULA_NO_EXTENSION=1" in text  # a user who chose the pure path on purpose is told it is fine
+
+
+def test_every_command_takes_json() -> None:
+    """docs/cli.md: every command takes ``--json`` (bench's own options do too; ``--version`` is one line)."""
+    from nebula_ckpt.cli import build_parser
+
+    parser = build_parser()
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    for name, sp in sub.choices.items():
+        if name != "bench":  # the harness's own parser (bench --help)
+            assert any("--json" in a.option_strings for a in sp._actions), name
 
 
 def test_console_script_usage_error() -> None:
@@ -487,8 +547,9 @@ def test_compression_ratio_only_when_compressed(tmp_path, shm_dir, capsys: pytes
     assert "zstd x" in capsys.readouterr().out
 
 
-def _ls_on_a_terminal(root: str, *extra: str, delay: str | None = None) -> str:
-    """stderr of ``nebula-ckpt ls`` run with a pseudo-terminal as its stderr."""
+def _ls_on_a_terminal(root: str, *extra: str, delay: str | None = None, cmd: str = "ls",
+                      env: dict[str, str] | None = None) -> str:
+    """stderr of ``nebula-ckpt ls`` (or ``cmd``) run with a pseudo-terminal as its stderr."""
     import fcntl
     import pty
     import struct
@@ -501,8 +562,8 @@ def _ls_on_a_terminal(root: str, *extra: str, delay: str | None = None) -> str:
             + (f"common.PROGRESS_DELAY_S = {float(delay)!r}; " if delay is not None else "")
             + "sys.argv[0] = 'nebula-ckpt'; sys.exit(main())")
     try:
-        r = subprocess.run([sys.executable, "-c", code, "ls", root, *extra], stdout=subprocess.PIPE,
-                           stderr=slave, timeout=120)
+        r = subprocess.run([sys.executable, "-c", code, cmd, root, *extra], stdout=subprocess.PIPE,
+                           stderr=slave, timeout=120, env=env)
         os.close(slave)
         chunks = []
         while True:
@@ -526,6 +587,26 @@ def test_progress_bars_only_on_a_terminal_for_long_work(saved: str, capsys: pyte
     assert "checking" in _ls_on_a_terminal(saved, delay="0")  # long work on a terminal (any work, at delay 0)
     assert "checking" not in _ls_on_a_terminal(saved, "--json", delay="0")
     assert "checking" not in _ls_on_a_terminal(saved)  # two small checkpoints: done before the bar's delay
+
+
+KILLED_AFTER_A_MEMORY_ONLY_STEP = r"""
+import os, signal, sys, torch, nebula_ckpt as nc
+ck = nc.Checkpointer(sys.argv[1], tiers=[nc.MemoryTier(), nc.LocalTier(sys.argv[1], every=2)])
+for s in (1, 2):
+    ck.save(s, {"w": torch.full((1024,), float(s))})
+os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+def test_persist_memory_shows_progress_only_for_long_work(root: str, shm_dir: str) -> None:
+    """A quick persist-memory on a terminal prints its answer alone, as every command does."""
+    env = dict(os.environ, NEBULA_SHM_DIR=shm_dir)
+    for delay in (None, "0"):
+        subprocess.run([sys.executable, "-c", KILLED_AFTER_A_MEMORY_ONLY_STEP, root], env=env, capture_output=True,
+                       timeout=120)
+        err = _ls_on_a_terminal(root, delay=delay, cmd="persist-memory", env=env)
+        assert ("part written" in err) == (delay == "0"), err  # a few KiB: done before the delay
+        shutil.rmtree(root)
 
 
 # -- nebula-ckpt bench: the harness of a checkout, else the quick benchmark ---------------------------

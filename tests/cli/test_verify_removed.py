@@ -1,6 +1,8 @@
 """``verify`` and ``ls`` while a job's retention removes steps: a step removed between the listing
 and its check is left out (named on stderr), never reported ``DAMAGED``; a step whose commit marker
-is still there and whose files are damaged stays ``DAMAGED``.
+is still there and whose files are damaged stays ``DAMAGED``. A step a job saves again while it is
+checked (its marker replaced by the new write's, then the old write's files removed) is checked
+again, its new write, never reported ``DAMAGED`` either.
 
 No race: the removal happens at a named stage of the check, from inside the storage the command
 reads (a :class:`LocalStorage` whose reads of one step run a hook first), on real files.
@@ -17,7 +19,7 @@ import pytest
 import torch
 
 import nebula_ckpt as nc
-from nebula_ckpt.cli import build_parser
+from nebula_ckpt.cli import build_parser, main
 from nebula_ckpt.cli.listing import ls_tiers
 from nebula_ckpt.cli.verify import verify_tiers
 from nebula_ckpt.format.commit import delete_checkpoint
@@ -25,16 +27,21 @@ from nebula_ckpt.storage.local import LocalStorage
 
 
 class HookedStorage(LocalStorage):
-    """A local storage that runs ``hook`` once, the first time the check reads ``step``'s commit
+    """A local storage that runs ``hook`` the first ``times`` times the check reads ``step``'s commit
     marker (``stage="marker"``) or one of its shards (``stage="shard"``), then reads as usual."""
 
-    def __init__(self, root: str, step: int, stage: str, hook: Callable[[LocalStorage], None]) -> None:
+    def __init__(self, root: str, step: int, stage: str, hook: Callable[[LocalStorage], None],
+                 times: int = 1) -> None:
         super().__init__(root)
-        self.step, self.stage, self.hook, self.fired = step, stage, hook, False
+        self.step, self.stage, self.hook, self.times = step, stage, hook, times
+
+    @property
+    def fired(self) -> bool:
+        return self.times == 0
 
     def _maybe(self, rel: str, stage: str) -> None:
-        if not self.fired and stage == self.stage and rel.startswith(f"step-{self.step}/"):
-            self.fired = True
+        if self.times and stage == self.stage and rel.startswith(f"step-{self.step}/"):
+            self.times -= 1
             self.hook(self)
 
     def read_small(self, rel: str, *args: Any, **kwargs: Any) -> bytes:
@@ -118,3 +125,69 @@ def test_when_every_listed_step_is_removed_the_root_is_listed_again(
     captured = capsys.readouterr()
     assert [(r["step"], r["healthy"]) for r in json.loads(captured.out)] == [(2, True)]
     assert f"step 1 was removed while {cmd} ran" in captured.err
+
+
+def _save_again(root: str, step: int, value: float) -> Callable[[LocalStorage], None]:
+    """What a resumed job does to ``step``: saves it again, with other bytes (a new writer
+    generation: its marker replaces the old write's, then the old write's files go)."""
+    def hook(st: LocalStorage) -> None:
+        with nc.Checkpointer(root, memory_tier=False, incremental=False) as ck:
+            ck.save(step, {"w": torch.full((1000,), value), "step": step})
+    return hook
+
+
+def _read_w(root: str, step: int) -> float:
+    with nc.Checkpointer(root, memory_tier=False, read_only=True) as ck:
+        return float(ck.read(step)[1]["w"][0])
+
+
+@pytest.mark.parametrize("cmd", ["verify", "ls"])
+def test_a_step_saved_again_while_it_is_checked_is_checked_again_not_damaged(
+        root: str, cmd: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """The check read step 2's marker and manifest; a job then saves step 2 again, and the old
+    shard the check turns to next is gone: the step is whole throughout (old write, then new)."""
+    _saved(root)
+    storage = HookedStorage(root, 2, "shard", _save_again(root, 2, 20.0))
+    assert _run(cmd, root, storage, "--json") == 0
+    assert storage.fired
+    captured = capsys.readouterr()
+    rows = json.loads(captured.out)
+    assert [(r["step"], r["healthy"]) for r in rows] == [(1, True), (2, True)], rows
+    assert "DAMAGED" not in captured.out and "left out" not in captured.err, captured
+    assert _read_w(root, 2) == 20.0  # the check of step 2 was of its new write
+
+
+@pytest.mark.parametrize("cmd", ["verify", "ls"])
+def test_a_step_saved_again_during_each_check_is_left_out_not_damaged(
+        root: str, cmd: str, capsys: pytest.CaptureFixture[str]) -> None:
+    _saved(root)
+    storage = HookedStorage(root, 2, "shard", _save_again(root, 2, 20.0), times=2)
+    assert _run(cmd, root, storage) == 0  # step 1 is checked and healthy; step 2 is left out
+    assert storage.fired
+    captured = capsys.readouterr()
+    assert "DAMAGED" not in captured.out, captured.out
+    assert f"step 2 was saved again while {cmd} checked it, each time; left out" in captured.err, captured.err
+
+
+@pytest.mark.parametrize("cmd", ["inspect", "export"])
+def test_inspect_and_export_of_a_step_saved_again_while_it_is_read_read_its_new_write(
+        root: str, cmd: str, tmp_path, monkeypatch: pytest.MonkeyPatch,  # noqa: ANN001
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """They read step 2's marker and manifest; a job then saves step 2 again before they read its shard."""
+    _saved(root)
+    resave, original, fired = _save_again(root, 2, 20.0), LocalStorage.read_buffer, []
+
+    def read_buffer(self: LocalStorage, rel: str, *args: Any, **kwargs: Any) -> Any:
+        if not fired and rel.startswith("step-2/shard-"):
+            fired.append(rel)
+            resave(self)
+        return original(self, rel, *args, **kwargs)
+
+    monkeypatch.setattr(LocalStorage, "read_buffer", read_buffer)
+    to = str(tmp_path / "out.pt")
+    assert main([cmd, root, "--json", *(["--to", to] if cmd == "export" else [])]) == 0
+    captured = capsys.readouterr()
+    assert fired and "skipped" not in captured.err, captured.err
+    assert json.loads(captured.out)["step"] == 2  # not step 1, the older one
+    if cmd == "export":
+        assert float(torch.load(to)["w"][0]) == 20.0  # the new write
