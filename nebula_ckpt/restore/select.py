@@ -25,7 +25,7 @@ so every rank restores rank 0's choice; one exchange then tells every rank what 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Optional
 
 from nebula_ckpt.errors import CorruptCheckpointError, OtherRanksError, ValidationError
@@ -179,9 +179,12 @@ def find_and_open(tiers: list[tuple[Tier, Storage]], step: Optional[int] = None,
 
 
 def _open_candidate(c: Candidate, verify: str, rank: Optional[int], world: int, stage: Optional[Stage],
-                    skipped: list[str], layouts: Optional[list[str]] = None) -> Optional[OpenCheckpoint]:
-    """Open (and stage) candidate ``c``; None when it is damaged (why appended to ``skipped``) or
-    of a layout this process cannot restore (why appended to ``layouts``, when given).
+                    skipped: list[str], layouts: Optional[list[str]] = None,
+                    again_ok: bool = True) -> Optional[OpenCheckpoint]:
+    """Open (and stage) candidate ``c``; None when it is damaged (why appended to ``skipped``), of a
+    layout this process cannot restore (why appended to ``layouts``, when given), or removed while
+    it was read; a step saved again while it was read is opened again, as its new write
+    (:func:`_changed_meanwhile`; ``again_ok``: not yet).
 
     Raises:
         ValidationError: ``stage`` found that ``into`` does not match (every candidate would say so).
@@ -202,12 +205,35 @@ def _open_candidate(c: Candidate, verify: str, rank: Optional[int], world: int, 
             layouts.append(str(e))
         return None
     except Exception as e:  # KeyError, OverflowError, struct.error, OSError...: all mean damaged
+        again = _changed_meanwhile(c) if world == 1 and again_ok else None
+        if again is not None:  # saved again or removed while it was read: not damaged
+            return None if again is c else _open_candidate(again, verify, rank, world, stage, skipped, layouts, False)
         why = str(e) if isinstance(e, CorruptCheckpointError) else \
             f"{where}: cannot read it ({type(e).__name__}: {e})"
         log.warning("nebula_ckpt: skipping %s", why)
         skipped.append(why)
         return None
     return ck
+
+
+def _changed_meanwhile(c: Candidate) -> Optional[Candidate]:
+    """After candidate ``c`` failed to open: None when its marker still names the write listed (or
+    cannot be read): the failure is damage. Else the step was removed (``c`` itself: left out) or
+    saved again while it was read (a job replaces the marker with the new write's, then removes the
+    old write's files): the candidate of its new write, opened in its place (one process only: the
+    ranks of a job open the write they agreed on)."""
+    try:
+        now = read_commit(c.storage, c.step, f"tier {c.tier.name} step {c.step}")
+    except FileNotFoundError:
+        log.info("nebula_ckpt: tier %s step %d was removed while it was read; left out", c.tier.name, c.step)
+        return c
+    except Exception:  # unreadable now: the failure stands as damage
+        return None
+    if now.write == c.order:
+        return None
+    log.info("nebula_ckpt: tier %s step %d was saved again while it was read; reading its new write",
+             c.tier.name, c.step)
+    return replace(c, generation=now.generation, save=-1 if now.save is None else now.save)
 
 
 def _all_damaged_message(tiers: list[tuple[Tier, Storage]], step: Optional[int], skipped: list[str]) -> str:
