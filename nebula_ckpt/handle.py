@@ -257,6 +257,8 @@ class SaveProgress:
 
     def __init__(self, handle: SaveHandle) -> None:
         self._h = handle
+        #: the job's number of this save (its commit markers' ``save``; None: not numbered)
+        self.save: Optional[int] = None
 
     def begin(self, t0: float, nbytes: int, finished: Optional[Callable[[SaveHandle], None]] = None) -> None:
         """When ``save_async`` started (monotonic), the snapshot's size, and who hears of the end."""

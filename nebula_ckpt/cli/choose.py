@@ -125,7 +125,7 @@ def open_chosen(args: argparse.Namespace, opener: Callable[[Storage, int, str], 
     # a marker that cannot be read is damage, named whatever the order says (as a restore does)
     errors = [f"{_where(c)}: {c.problem}" for c in found if c.problem is not None]
     for c in found:
-        if c.problem is not None or choice.skips(c.generation, c.step):
+        if c.problem is not None or choice.skips(*c.order):
             continue
         try:
             result = _open(c, opener)
@@ -161,7 +161,7 @@ def _say_skipped(errors: list[str], choice: HealthChoice, chosen: Candidate) -> 
     for (generation, step), why in choice.skipped.items():
         note(f"skipped step {step} (writer generation {generation}), marked suspect: {why} (load_latest skips it "
              f"too; `--step {step}` reads it anyway)")
-    mark = choice.mark(chosen.generation, chosen.step)
+    mark = choice.mark(*chosen.order)
     if mark.state == SUSPECT:
         note(f"step {chosen.step} is marked suspect: {mark.reason} (load_latest skips it; "
              f"`nebula-ckpt mark ROOT --healthy {chosen.step}` clears the mark)")

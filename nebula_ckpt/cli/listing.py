@@ -54,10 +54,10 @@ def _health(view: Optional[HealthView], st: Storage, step: int, man: Optional[mf
     if view is None or not committed or not view.has_records(step):
         return NO_MARK
     try:
-        generation = man.generation if man is not None else read_commit(st, step, f"step {step}").generation
+        commit = read_commit(st, step, f"step {step}")
     except Exception:  # an unreadable marker: the row says DAMAGED already
         return NO_MARK
-    return view.mark(generation, step)
+    return view.mark(commit.generation, step, commit.save)
 
 
 def _ls_row(tier: Tier, st: Storage, step: int, verify: str,

@@ -4,7 +4,9 @@ The mark is a health record (:mod:`nebula_ckpt.format.health`) written on the ro
 it decides over every mark the training signal made before it (``--healthy`` clears a suspect
 mark, so the next ``load_latest`` may restore the step again; ``--suspect`` makes it skip the
 step). A later suspect mark from the training signal still overrides it. Every committed copy of
-the step on the root's tiers is marked (each writer generation holding it); nothing else changes.
+the step on the root's tiers is marked (each write holding it: its writer generation and save
+number); a write that later replaces the step is another checkpoint, with no mark. Nothing else
+changes.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ import getpass
 import json
 import socket
 import sys
-from typing import Callable
+from typing import Callable, Optional
 
 from nebula_ckpt.cli.common import open_tiers, out
 from nebula_ckpt.format.commit import read_commit
@@ -26,16 +28,17 @@ from nebula_ckpt.storage.base import Storage
 from nebula_ckpt.tiers.base import Tier
 
 
-def _generations(pairs: list[tuple[Tier, Storage]], step: int) -> tuple[set[int], list[str]]:
-    """The writer generations of the committed copies of ``step`` on the root's tiers ``pairs``,
-    and what could not be read."""
-    gens: set[int] = set()
+def _writes(pairs: list[tuple[Tier, Storage]], step: int) -> tuple[set[tuple[int, Optional[int]]], list[str]]:
+    """The writes ``(generation, save)`` of the committed copies of ``step`` on the root's tiers
+    ``pairs``, and what could not be read."""
+    gens: set[tuple[int, Optional[int]]] = set()
     problems: list[str] = []
     for tier, st in pairs:
         if not st.exists(f"{step_dir(step)}/{COMMIT}"):
             continue
         try:
-            gens.add(read_commit(st, step, f"tier {tier.name} step {step}").generation)
+            c = read_commit(st, step, f"tier {tier.name} step {step}")
+            gens.add((c.generation, c.save))
         except Exception as e:  # an unreadable marker: that copy cannot be named, the others can
             problems.append(f"tier {tier.name}: {type(e).__name__}: {e}")
     return gens, problems
@@ -49,7 +52,7 @@ def cmd_mark(args: argparse.Namespace) -> int:
         sys.stderr.write(f"nebula-ckpt: STEP must be a non-negative int, got {step}\n")
         return 2
     pairs = open_tiers(find_root(args.root), args.storage_options)
-    gens, problems = _generations(pairs, step)
+    gens, problems = _writes(pairs, step)
     for p in problems:
         sys.stderr.write(f"nebula-ckpt: cannot read the commit marker of step {step}: {p}\n")
     if not gens:
@@ -59,8 +62,8 @@ def cmd_mark(args: argparse.Namespace) -> int:
     who = f"{getpass.getuser()}@{socket.gethostname()}"
     reason = clean_reason(args.reason) if args.reason else f"marked {state} by {who} (nebula-ckpt mark)"
     book = HealthBook(pairs[-1][1])  # the root's own tier: listed last
-    written = [book.append(step=step, generation=g, state=state, by=BY_USER, rank=None, reason=reason)
-               for g in sorted(gens)]
+    written = [book.append(step=step, generation=g, state=state, by=BY_USER, rank=None, reason=reason, save=v)
+               for g, v in sorted(gens, key=lambda w: (w[0], -1 if w[1] is None else w[1]))]
     if args.json:
         out(json.dumps([{"step": r.step, "generation": r.generation, "health": r.state, "reason": r.reason,
                          "record": r.path} for r in written], indent=2))

@@ -10,7 +10,13 @@ of a checkpoint of step ``S``::
 and in it::
 
     {"format": "nebula_ckpt.health", "version": 1, "step": S, "generation": G, "time_ns": T,
-     "state": "healthy" | "suspect", "by": "report" | "user", "rank": R | null, "reason": "..."}
+     "state": "healthy" | "suspect", "by": "report" | "user", "rank": R | null, "reason": "...",
+     "save": N}
+
+``save`` (optional) is the save number of the write marked (its ``COMMIT``'s ``save``): a step saved
+again by the same writer (a run that went back in process) is another write, and a mark that
+names the write it replaced does not apply to it. A record without ``save`` applies to every
+write of ``(G, S)``.
 
 Records are only ever created (create-only, one request on a blob store, tmp + fsync + link on a
 file system), never changed: a crash leaves a record whole or absent, and a temporary file is
@@ -47,7 +53,7 @@ HEALTHY, SUSPECT = "healthy", "suspect"
 STATES = (HEALTHY, SUSPECT)
 #: who marked: a Checkpointer's reports, or a person (``nebula-ckpt mark``)
 BY_REPORT, BY_USER = "report", "user"
-_FIELDS = ("format", "version", "step", "generation", "time_ns", "state", "by", "rank", "reason")
+_FIELDS = ("format", "version", "step", "generation", "time_ns", "state", "by", "rank", "reason", "save")
 _NAME_RE = re.compile(r"g(0|[1-9][0-9]{0,17})-t(0|[1-9][0-9]{0,20})-(user|r(?:0|[1-9][0-9]{0,8}))\.json")
 _MAX_TIME_NS = 10**21
 
@@ -87,6 +93,7 @@ class HealthRecord:
         by: ``"report"`` (a Checkpointer, from the training signal) or ``"user"``.
         rank: the rank whose reports decided (None for a user's mark).
         reason: why, in words (shown by ``nebula-ckpt ls`` and the restore's warning).
+        save: the save number of the write marked (None: every write of the checkpoint).
     """
 
     step: int
@@ -96,6 +103,11 @@ class HealthRecord:
     by: str
     rank: Optional[int]
     reason: str
+    save: Optional[int] = None
+
+    def applies_to(self, save: Optional[int]) -> bool:
+        """Whether this mark is of the write ``save`` (None: not known, every mark applies)."""
+        return self.save is None or save is None or self.save == save
 
     @property
     def name(self) -> str:
@@ -110,9 +122,12 @@ class HealthRecord:
 
     def to_bytes(self) -> bytes:
         """Serialise (the reason cut to :data:`MAX_REASON` printable characters)."""
-        return json.dumps({"format": HEALTH_FORMAT, "version": HEALTH_VERSION, "step": self.step,
-                           "generation": self.generation, "time_ns": self.time_ns, "state": self.state,
-                           "by": self.by, "rank": self.rank, "reason": clean_reason(self.reason)}).encode()
+        d = {"format": HEALTH_FORMAT, "version": HEALTH_VERSION, "step": self.step, "generation": self.generation,
+             "time_ns": self.time_ns, "state": self.state, "by": self.by, "rank": self.rank,
+             "reason": clean_reason(self.reason)}
+        if self.save is not None:
+            d["save"] = self.save
+        return json.dumps(d).encode()
 
 
 def clean_reason(text: str) -> str:
@@ -164,4 +179,5 @@ def _fields(d: dict[str, Any], where: str) -> HealthRecord:
         raise bad(where, "a user's mark has no rank, a report's has one")
     return HealthRecord(step=as_step(d.get("step"), where), generation=as_int(d.get("generation"), where, "generation"),
                         time_ns=as_int(d.get("time_ns"), where, "time_ns", hi=_MAX_TIME_NS), state=state, by=by,
-                        rank=rank, reason=clean_reason(as_str(d.get("reason"), where, "reason")))
+                        rank=rank, reason=clean_reason(as_str(d.get("reason"), where, "reason")),
+                        save=None if d.get("save") is None else as_int(d.get("save"), where, "save", hi=2**62))

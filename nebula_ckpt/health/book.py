@@ -72,15 +72,17 @@ class HealthView:
     def __init__(self, storage: Storage) -> None:
         self.storage = storage
         self._steps: Optional[set[str]] = None
-        self._marks: dict[tuple[int, int], Mark] = {}
+        self._marks: dict[tuple[int, int, Optional[int]], Mark] = {}
         self._warned = False
 
-    def mark(self, generation: int, step: int) -> Mark:
-        """The mark of the checkpoint ``(generation, step)`` (``unknown`` when nothing says more)."""
-        key = (generation, step)
+    def mark(self, generation: int, step: int, save: Optional[int] = None) -> Mark:
+        """The mark of the checkpoint ``(generation, step)``, of its write ``save`` (its marker's
+        ``save``; None: any write, every mark of the checkpoint counts), ``unknown`` when nothing
+        says more."""
+        key = (generation, step, save)
         if key not in self._marks:
             try:
-                self._marks[key] = self._read(generation, step)
+                self._marks[key] = self._read(generation, step, save)
             except Exception as e:  # a record store that cannot be read never fails a restore
                 self._warn(f"cannot read the health records of step {step}: {type(e).__name__}: {e}")
                 self._marks[key] = NO_MARK
@@ -92,14 +94,14 @@ class HealthView:
             self._steps = set(self.storage.list(HEALTH_DIR))
         return step_dir(step) in self._steps
 
-    def _read(self, generation: int, step: int) -> Mark:
+    def _read(self, generation: int, step: int, save: Optional[int]) -> Mark:
         if not self.has_records(step):
             return NO_MARK
         folder = health_folder(step)
         named = [(n, RecordName.parse(n)) for n in self.storage.list(folder)]
         ours = sorted(((rn.time_ns, n) for n, rn in named if rn is not None and rn.generation == generation),
                       reverse=True)
-        return fold(r for r in (self._record(folder, n, step) for _, n in ours) if r is not None)
+        return fold(r for r in (self._record(folder, n, step) for _, n in ours) if r is not None and r.applies_to(save))
 
     def _record(self, folder: str, name: str, step: int) -> Optional[HealthRecord]:
         """One record, or None (skipped, with a warning) when it is not one we can trust."""
@@ -134,8 +136,9 @@ class HealthBook:
         return HealthView(self.storage)
 
     def append(self, *, step: int, generation: int, state: str, by: str, rank: Optional[int],
-               reason: str) -> HealthRecord:
-        """Create one record (create-only: never over another), durable on return; the record.
+               reason: str, save: Optional[int] = None) -> HealthRecord:
+        """Create one record (create-only: never over another), durable on return; the record
+        (``save``: the write marked, None: every write of ``(generation, step)``).
 
         Raises:
             OSError (or a storage error): the record could not be written.
@@ -145,7 +148,7 @@ class HealthBook:
                 self._last_ns = max(self._last_ns + 1, time.time_ns())
                 now = self._last_ns
             rec = HealthRecord(step=step, generation=generation, time_ns=now, state=state, by=by, rank=rank,
-                               reason=reason)
+                               reason=reason, save=save)
             try:
                 self.storage.write_small(rec.path, rec.to_bytes(), create_only=True)
             except FileExistsError:
@@ -180,7 +183,8 @@ def newest_healthy(book: HealthBook, storage: Storage, committed: list[int]) -> 
         for s in reversed(committed):
             if not view.has_records(s):
                 continue
-            if view.mark(read_commit(storage, s, f"step {s}").generation, s).state == HEALTHY:
+            c = read_commit(storage, s, f"step {s}")
+            if view.mark(c.generation, s, c.save).state == HEALTHY:
                 return {s}
     except Exception as e:  # retention goes on without it
         log.debug("nebula_ckpt: cannot find the newest healthy step on %s: %s", storage.display_url, e)

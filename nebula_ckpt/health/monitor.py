@@ -52,8 +52,8 @@ _CLOSE_WAIT_S = 60.0
 #: that is down would otherwise hold every training step for its timeout)
 _RETRY_EVERY_S = 10.0
 
-#: a suspect mark: (generation, None: this writer's; step; reason)
-SuspectMark = tuple[Optional[int], int, str]
+#: a suspect mark: (generation, None: this writer's; step; reason; the write's save number, None: any write)
+SuspectMark = tuple[Optional[int], int, str, Optional[int]]
 
 
 def as_signal(value: Any, name: str, optional: bool = False) -> Optional[float]:
@@ -82,10 +82,12 @@ def as_signal(value: Any, name: str, optional: bool = False) -> Optional[float]:
 
 @dataclass
 class _Pending:
-    """A checkpoint waiting for ``healthy_after`` finite reports (``generation`` None: this writer's)."""
+    """A checkpoint waiting for ``healthy_after`` finite reports (``generation`` None: this writer's;
+    ``save``: its write's save number, None: not known)."""
 
     generation: Optional[int]
     step: int
+    save: Optional[int] = None
     finite: int = 0
     first: Optional[int] = None
 
@@ -108,9 +110,10 @@ class HealthMonitor:
         self._lock = threading.RLock()
         #: by step, oldest first (a dict: a save replaces its step's entry without a scan)
         self._pending: dict[int, _Pending] = {}
-        self._restored: Optional[tuple[int, int]] = None
+        self._restored: Optional[tuple[int, int, Optional[int]]] = None
         self._since_restore = 0
-        self._descendants: list[int] = []
+        #: the saves (step, save number) made since the restore
+        self._descendants: list[tuple[int, Optional[int]]] = []
         self._bad: Optional[str] = None
         self._last_step: Optional[int] = None
         self._rule_failed = False
@@ -120,7 +123,7 @@ class HealthMonitor:
         self._confirmed: Optional[int] = None
         #: suspect marks not written yet (tried again), and the checkpoints marked suspect by this process
         self._unwritten: list[SuspectMark] = []
-        self._suspects: set[tuple[int, int]] = set()
+        self._suspects: set[tuple[int, int, Optional[int]]] = set()
         self._retry_at = 0.0
         #: whether this process reported anything yet
         self.reported = False
@@ -144,32 +147,33 @@ class HealthMonitor:
             elif new and (grad_norm is None or math.isfinite(grad_norm)):
                 self._on_finite(step)
 
-    def saved(self, step: int) -> None:
-        """``save_async(step)`` was accepted."""
+    def saved(self, step: int, save: Optional[int] = None) -> None:
+        """``save_async(step)`` was accepted, as the job's save number ``save`` (the write's marks name it)."""
         with self._lock:
             if self._unwritten and time.monotonic() >= self._retry_at:
                 self._retry(final=False)
             if self._bad is not None:
-                self._suspect([(None, step, f"saved after a bad report ({self._bad}) and before any finite one")])
+                self._suspect([(None, step, f"saved after a bad report ({self._bad}) and before any finite one", save)])
                 return
             if self._restored is not None:
-                self._descendants.append(step)
+                self._descendants.append((step, save))
             if self.rank == 0:
                 pending = self._pending
                 pending.pop(step, None)
                 while len(pending) >= _MAX_PENDING:
                     del pending[next(iter(pending))]
-                pending[step] = _Pending(None, step)
+                pending[step] = _Pending(None, step, save)
 
-    def restored(self, generation: int, step: int, state: str) -> None:
-        """The checkpoint ``(generation, step)``, marked ``state``, was restored: reports from now
-        on judge it (and a run from it begins: what was pending before is no longer followed)."""
+    def restored(self, generation: int, step: int, state: str, save: Optional[int] = None) -> None:
+        """The checkpoint ``(generation, step)`` (its write ``save``, None: not known), marked
+        ``state``, was restored: reports from now on judge it (and a run from it begins: what was
+        pending before is no longer followed)."""
         with self._lock:
-            self._restored, self._since_restore, self._descendants = (generation, step), 0, []
+            self._restored, self._since_restore, self._descendants = (generation, step, save), 0, []
             self._confirmed = None  # a run from the restored step begins; its marks are on the root
             self._bad, self._last_step = None, None
             follow = self.rank == 0 and state not in (HEALTHY, SUSPECT)
-            self._pending = {step: _Pending(generation, step)} if follow else {}
+            self._pending = {step: _Pending(generation, step, save)} if follow else {}
 
     def held(self, committed: list[int]) -> set[int]:
         """Of ``committed`` (a tier's steps), those retention keeps beside ``keep_last`` so that a
@@ -189,14 +193,15 @@ class HealthMonitor:
             if self._unwritten:
                 self._retry(final=False)
 
-    def suspect(self, generation: int, step: int) -> bool:
-        """Whether this process marked the checkpoint ``(generation, step)`` suspect, or failed to
-        so far (such a step is never copied to a persistent tier by ``close()``). Any thread."""
+    def suspect(self, generation: int, step: int, save: Optional[int] = None) -> bool:
+        """Whether this process marked the checkpoint ``(generation, step)`` suspect (its write
+        ``save``; None: any write of it), or failed to so far (such a step is never copied to a
+        persistent tier by ``close()``). Any thread."""
         with self._lock:
-            if (generation, step) in self._suspects:
-                return True
-            # None: this writer's generation could not be had yet; whichever it is, the step is not copied
-            return any(s == step and g in (generation, None) for g, s, _ in self._unwritten)
+            marked: list[tuple[Optional[int], Optional[int]]] = [(g, v) for g, s, v in self._suspects if s == step]
+            marked += [(g, v) for g, s, _, v in self._unwritten if s == step]
+            # a generation None: this writer's could not be had yet; whichever it is, the step is not copied
+            return any(g in (generation, None) and (v is None or save is None or v == save) for g, v in marked)
 
     # -- decisions --------------------------------------------------------------------------------
     def _judge(self, step: int, loss: float, grad_norm: Optional[float]) -> Optional[str]:
@@ -216,13 +221,13 @@ class HealthMonitor:
 
     def _on_bad(self, why: str) -> None:
         if self._restored is not None:
-            g, s = self._restored
+            g, s, v = self._restored
             n = self._since_restore
-            marks: list[tuple[Optional[int], int, str]] = [
-                (g, s, f"{why}, {n} reported step{'s' if n != 1 else ''} after a restore from it")]
+            marks: list[SuspectMark] = [
+                (g, s, f"{why}, {n} reported step{'s' if n != 1 else ''} after a restore from it", v)]
             # every step saved since, the restored step saved again by this run included (its own
             # generation's checkpoint of that step carries the same state forward)
-            marks += [(None, d, f"saved from step {s}, which went bad ({why})") for d in self._descendants]
+            marks += [(None, d, f"saved from step {s}, which went bad ({why})", dv) for d, dv in self._descendants]
             self._restored, self._descendants = None, []
             self._suspect(marks)
         self._pending = {}  # not confirmed: they stay unknown
@@ -271,16 +276,16 @@ class HealthMonitor:
 
     def _write_suspect(self, mark: SuspectMark) -> Optional[Exception]:
         """Write one suspect mark; the failure (the mark is then kept in :attr:`_unwritten`), or None."""
-        generation, step, reason = mark
+        generation, step, reason, save = mark
         try:
             generation = self._generation() if generation is None else generation
             self.book.append(step=step, generation=generation, state=SUSPECT, by=BY_REPORT, rank=self.rank,
-                             reason=reason)
+                             reason=reason, save=save)
         except Exception as e:
-            self._unwritten.append((generation, step, reason))
+            self._unwritten.append((generation, step, reason, save))
             self._retry_at = time.monotonic() + _RETRY_EVERY_S
             return e
-        self._suspects.add((generation, step))
+        self._suspects.add((generation, step, save))
         return None
 
     def _submit(self, p: _Pending, reason: str) -> None:
@@ -293,7 +298,8 @@ class HealthMonitor:
     def _write_healthy(self, p: _Pending, reason: str) -> None:
         try:
             g = self._generation() if p.generation is None else p.generation
-            self.book.append(step=p.step, generation=g, state=HEALTHY, by=BY_REPORT, rank=self.rank, reason=reason)
+            self.book.append(step=p.step, generation=g, state=HEALTHY, by=BY_REPORT, rank=self.rank, reason=reason,
+                             save=p.save)
         except Exception as e:
             log.error("nebula_ckpt: could not mark step %d healthy on %s: %s: %s", p.step,
                       self.book.storage.display_url, type(e).__name__, e)

@@ -68,7 +68,7 @@ class HealthReports:
     def _saved(self, step: int, handle: Any) -> Any:
         """``save_async(step)`` returned ``handle``: the monitor follows the step; ``handle``."""
         if self._health is not None:
-            self._health.saved(step)
+            self._health.saved(step, handle.progress.save)
         return handle
 
     def _close_health(self) -> None:

@@ -21,6 +21,7 @@ from nebula_ckpt.format.tree import decode
 from nebula_ckpt.native import get_ops
 from nebula_ckpt.restore.copies import all_cpu, owned, owned_batch
 from nebula_ckpt.restore.inplace import (
+    SavedOptimizer,
     check_module_not_meta,
     check_module_state,
     check_not_meta,
@@ -45,17 +46,23 @@ def stage_restore(into: Any, *, map_location: Any = None, strict: bool = True,
     each candidate into ``into``.
 
     Sets ``ck.pending`` to what applies it (same layout), after :func:`stage_apply` read and
-    verified everything; for a checkpoint of another layout it only verifies (resharding reads
-    what it needs itself). ``adopt(ck)``: the :class:`~nebula_ckpt.tiers.memory.adopt.Adoption` of a
-    candidate whose pages may be handed over instead of copied, or None.
+    verified everything; for a checkpoint of another layout, or one whose DTensors ``into`` lays
+    out otherwise (:attr:`~nebula_ckpt.restore.open.OpenCheckpoint.other_layout`), it only
+    verifies (resharding reads what it needs itself). ``adopt(ck)``: the
+    :class:`~nebula_ckpt.tiers.memory.adopt.Adoption` of a candidate whose pages may be handed over
+    instead of copied, or None.
     """
     def stage(ck: OpenCheckpoint) -> None:
         if ck.same_layout:
             if adopt is not None and all_cpu(map_location):
                 ck.adoption = adopt(ck)
-            ck.pending = stage_apply(ck, into, map_location=map_location, strict=strict, allow_pickle=allow_pickle)
-        else:
-            ck.verify_rest()
+            pending = stage_apply(ck, into, map_location=map_location, strict=strict, allow_pickle=allow_pickle)
+            if ck.same_layout:
+                ck.pending = pending
+                return
+            # a DTensor of `into` is laid out otherwise than stored: resharded (on every rank alike,
+            # agreed by select.open_agreed, which opens the whole job's checkpoint for it)
+        ck.verify_rest()
     return stage
 
 
@@ -79,14 +86,17 @@ def stage_apply(ck: OpenCheckpoint, into: Any, *, map_location: Any = None, stri
     failure puts the optimizers back as they were, nothing else having changed; a later one may
     leave the objects loaded before it, and itself, partly restored.
     """
-    if any(r.dtensor is not None for r in ck.manifest.tensors.values()):
+    dtensors = any(r.dtensor is not None for r in ck.manifest.tensors.values())
+    if dtensors:
         ck.meshes.update(meshes(into))
     st = Staged(ck, map_location, allow_pickle)
     try:
-        walk = RestoreWalk(st, strict)
+        walk = RestoreWalk(st, strict, dtensors)
         run = walk.walk(ck.tree, into, "")
         if strict:
             walk.unmatched.check(f"restore: the checkpoint of step {ck.step}")
+        if ck.other_layout is not None:
+            return _reshard_instead(ck)
         st.materialize()
         ck.verify_rest()
         if ck.adoption is not None and not ck.adoption.give_up():
@@ -107,6 +117,20 @@ def stage_apply(ck: OpenCheckpoint, into: Any, *, map_location: Any = None, stri
                 adoption.finish()
         ck.pending = None
     return go
+
+
+def _reshard_instead(ck: OpenCheckpoint) -> Callable[[], None]:
+    """What :func:`stage_apply` returns when ``into`` lays a tensor out otherwise than stored
+    (:attr:`~nebula_ckpt.restore.open.OpenCheckpoint.other_layout`): nothing is copied, the
+    checkpoint is resharded instead (:func:`stage_restore`), which applying it alone cannot do."""
+    if ck.adoption is not None:
+        ck.adoption.finish()  # nothing was handed over: the tier keeps its checkpoint
+        ck.adoption = None
+
+    def refuse() -> None:
+        raise ValidationError(f"restore (step {ck.step}): {ck.other_layout}; restore it with "
+                              "Checkpointer.load_latest(into=...) or load(), which reshard it")
+    return refuse
 
 
 def meshes(into: Any) -> dict[tuple[int, ...], Any]:
@@ -302,14 +326,20 @@ def drop_after_each_submodule(ck: OpenCheckpoint, module: torch.nn.Module, state
     return hooks
 
 
+#: tensor types whose layout is their shape (no DTensor): checked by shape and dtype alone
+_PLAIN = (torch.Tensor, torch.nn.Parameter, torch.nn.Buffer)
+
+
 class RestoreWalk(TreeWalk[Thunk]):
     """The walk of a restore in place: each node of the saved tree gives what restores it into
     its part of ``into`` (validated now; the owned copies it needs registered with ``st``)."""
 
-    def __init__(self, st: Staged, strict: bool) -> None:
+    def __init__(self, st: Staged, strict: bool, dtensors: bool = False) -> None:
         super().__init__(strict, f"restore (step {st.ck.step})")
         self.st = st
         self.ck = st.ck
+        #: the checkpoint holds DTensors: the objects' tensors are checked to hold the same pieces
+        self.dtensors = dtensors
         #: the objects' loads, optimizers first, each failure named (see :class:`ObjectLoads`)
         self.loads = ObjectLoads(st.ck.step)
 
@@ -338,12 +368,16 @@ class RestoreWalk(TreeWalk[Thunk]):
         if isinstance(target, torch.nn.Module):
             check_module_not_meta(self.ck, node["state"], target, shown, self.where)
             check_module_state(self.ck, node["state"], target, shown, self.strict)
+            if self.dtensors:
+                self._check_module_layout(node["state"], target, shown)
             return self.loads.guarded(shown, target, self._load_module(node["state"], target, path))
         # Optimizers etc. keep the tensors they are given: hand them owned copies, or their own
         # tensors refilled where load_state_dict keeps those as they are
         check_optimizer_not_meta(target, shown, self.where)
         saved = read_optimizer(node["state"], target, self.ck.view, self.ck.step, shown)
         check_optimizer_state(saved, target, shown, saved_cls)
+        if self.dtensors and saved is not None:
+            self._check_state_layout(saved, target, shown)
         live = live_destinations(self.ck, saved, target) if all_cpu(self.st.map_location) else {}
         state = self.st.decode_owned(node["state"], path, live)
 
@@ -353,6 +387,29 @@ class RestoreWalk(TreeWalk[Thunk]):
         if isinstance(target, torch.optim.Optimizer):
             return self.loads.first(shown, target, load_object, refilled=bool(live))
         return self.loads.guarded(shown, target, load_object)
+
+    def _check_module_layout(self, state: Mapping[str, Any], target: torch.nn.Module, shown: str) -> None:
+        """Each saved tensor of a module against the parameter or buffer it goes into
+        (:meth:`~nebula_ckpt.restore.open.OpenCheckpoint.fits`: the same piece, or resharded)."""
+        if state.get("t") not in ("dict", "odict"):
+            return
+        want = target.state_dict(keep_vars=True)
+        for k_node, v_node in state["v"]:
+            if isinstance(v_node, dict) and v_node.get("t") == "tensor":
+                k = decode(k_node, self.ck.view, False, shown)
+                if isinstance(want.get(k), torch.Tensor):
+                    self.ck.fits(v_node["k"], want[k], f"{shown}/{k}")
+
+    def _check_state_layout(self, saved: SavedOptimizer, target: Any, shown: str) -> None:
+        """Each saved tensor of an optimizer's state against the live one it replaces, where it
+        has state (:meth:`~nebula_ckpt.restore.open.OpenCheckpoint.fits`)."""
+        by_id = saved.by_param(target) or {}
+        for pid, named in saved.states:
+            live = target.state.get(by_id.get(pid, (-1, None))[1]) if pid in by_id else None
+            for k, nv in named:
+                have = live.get(k) if isinstance(live, dict) else None
+                if isinstance(nv, dict) and nv.get("t") == "tensor" and isinstance(have, torch.Tensor):
+                    self.ck.fits(nv["k"], have, f"{shown}/state/{pid}/{k}")
 
     def _load_module(self, state_node: Mapping[str, Any], target: torch.nn.Module, path: str) -> Thunk:
         ck, strict, allow_pickle = self.ck, self.strict, self.st.allow_pickle
@@ -385,12 +442,16 @@ class RestoreWalk(TreeWalk[Thunk]):
         ck = self.ck
         src = ck.view(node["k"])
         dest = target
-        if ck.resolve(node["k"]).dtensor is not None and hasattr(target, "to_local"):
-            dest = target.to_local()  # a DTensor: this rank's shard is restored into its local part
+        if type(target) not in _PLAIN or ck.resolve(node["k"]).dtensor is not None:
+            if not ck.fits(node["k"], target, path or "<root>"):
+                return lambda: target  # laid out otherwise: resharded instead (stage_apply)
+            if hasattr(target, "to_local"):
+                dest = target.to_local()  # a DTensor: this rank's shard is restored into its local part
         if tuple(dest.shape) != tuple(src.shape) or dest.dtype != src.dtype:
             raise ValidationError(
                 f"restore: key '{path or '<root>'}': checkpoint has {src.dtype} {tuple(src.shape)}, the tensor in "
-                f"`into` is {dest.dtype} {tuple(dest.shape)}; pass a matching tensor or use read()")
+                f"`into` is {dest.dtype} {tuple(dest.shape)}; pass a matching tensor"
+                + ("" if ck.manifest.multi_rank else " or use read()"))
         check_not_overlapping(dest, path or "<root>", self.where)
 
         def copy_into() -> Any:

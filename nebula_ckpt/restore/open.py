@@ -53,6 +53,8 @@ class OpenCheckpoint:
         self.tier_name: Optional[str] = None
         #: the storage it was read from (set by :func:`~nebula_ckpt.restore.select.find_and_open`)
         self.storage: Optional[Storage] = None
+        #: the save number its commit marker names (-1: not recorded; set with :attr:`storage`)
+        self.save = -1
         self._buffers = buffers
         #: shard index -> the file mapping under its buffer (local and memory tiers)
         self._maps = maps or {}
@@ -67,6 +69,9 @@ class OpenCheckpoint:
         #: the memory tier's pages handed to this process instead of owned copies
         #: (:mod:`nebula_ckpt.tiers.memory.adopt`)
         self.adoption: Optional[Any] = None
+        #: why ``into`` takes this checkpoint resharded although it was opened for this rank (a
+        #: DTensor of ``into`` laid out otherwise than saved: :meth:`fits`); None: restored as stored
+        self.other_layout: Optional[str] = None
 
     def as_saved(self, key: str, local: torch.Tensor) -> Any:
         """``local`` as it was saved: a DTensor again when ``key`` was one (same mesh shape and
@@ -98,8 +103,51 @@ class OpenCheckpoint:
 
     @property
     def same_layout(self) -> bool:
-        """Whether the keys of :attr:`tree` are this process's own (no resharding needed)."""
-        return not self.manifest.multi_rank or self.rank is not None
+        """Whether the keys of :attr:`tree` are this process's own and ``into`` lays them out as
+        stored (no resharding needed)."""
+        return (not self.manifest.multi_rank or self.rank is not None) and self.other_layout is None
+
+    def fits(self, key: str, target: torch.Tensor, shown: str) -> bool:
+        """Whether stored tensor ``key`` is restored into ``target`` (at ``shown`` in ``into``) as
+        stored: a DTensor's local shard into a DTensor holding the same piece of it (placements,
+        mesh shape, offsets and local shape alike), a plain tensor into a plain tensor. False, with
+        :attr:`other_layout` set, where the global shapes match and only the layout differs
+        (another mesh or placements; a full tensor of a sharded one): the restore reshards.
+
+        Raises:
+            ValidationError: ``target``'s global shape is not the saved one.
+        """
+        rec = self.resolve(key)
+        info = rec.dtensor
+        dt = hasattr(target, "placements") and hasattr(target, "to_local")
+        if info is None and not dt:
+            return True  # a plain tensor: its shape is checked where it is copied
+        have = tuple(target.shape)
+        want = tuple(rec.shape) if info is None else info.shape
+        if have != want:
+            what = "shape" if info is None else "global shape"
+            raise ValidationError(
+                f"restore: key '{shown}': the checkpoint of step {self.step} has a tensor of {what} {want}, `into` "
+                f"holds a {'DTensor' if dt else 'tensor'} of global shape {have}; build `into` with the saved model "
+                "and shapes (the layout may differ, the global shapes may not)")
+        if info is not None and dt:
+            mine = _layout(target)
+            if mine == (info.placements, info.mesh, info.offsets, tuple(rec.shape)):
+                return True
+            how = f"as placements {list(mine[0])} on a mesh of shape {list(mine[1])}, this rank's piece at " \
+                  f"offsets {list(mine[2])} of shape {list(mine[3])}"
+        elif info is not None:
+            if info.shape == tuple(rec.shape):
+                return True  # this rank's piece is the whole tensor
+            how = "as a full (plain) tensor"
+        else:
+            how = f"as a DTensor (placements {list(_layout(target)[0])})"
+        saved = "a plain tensor" if info is None else \
+            f"placements {list(info.placements)} on a mesh of shape {list(info.mesh)}, this rank's piece at " \
+            f"offsets {list(info.offsets)} of shape {list(rec.shape)}"
+        if self.other_layout is None:
+            self.other_layout = f"key '{shown}' was saved as {saved}; `into` lays it out {how}"
+        return False
 
     def resolve(self, key: str) -> TensorRecord:
         """The stored record of ``key`` (a key of :attr:`tree`)."""
@@ -159,6 +207,18 @@ class OpenCheckpoint:
             self._views[rec.key] = v
         return v
 
+
+
+def _layout(t: Any) -> tuple[tuple[str, ...], tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
+    """``(placements, mesh shape, offsets, local shape)`` of this rank's piece of DTensor ``t``,
+    placements as the manifest writes them (``"R"``, ``"S(d)"``; any other placement by its name)."""
+    from torch.distributed.tensor import Replicate, Shard
+
+    codes = tuple("R" if type(p) is Replicate else f"S({p.dim})" if type(p) is Shard else repr(p)
+                  for p in t.placements)
+    chunks = t.__create_chunk_list__()
+    offsets = tuple(int(o) for o in chunks[0].offsets) if len(chunks) == 1 else ()
+    return codes, tuple(int(n) for n in t.device_mesh.shape), offsets, tuple(t.to_local().shape)
 
 
 def _needed(man: mf.Manifest, rank: Optional[int]) -> dict[int, list[TensorRecord]]:

@@ -154,6 +154,8 @@ class _Matcher(TreeWalk[Optional[Thunk]]):
 
     def on_tensor(self, node: Mapping[str, Any], target: Any, path: str) -> Optional[Thunk]:
         key = node["k"]
+        if target is None:  # nothing there yet: the saved tensor replaces it, as at the same layout
+            return self._values(node, path)
         if not isinstance(target, torch.Tensor):
             return self._missing({"t": "tensor", "k": key}, path,
                                  f"`into` holds {type(target).__name__} at '{path or '<root>'}'")
@@ -211,7 +213,9 @@ class _Matcher(TreeWalk[Optional[Thunk]]):
         if t == "ndarray":  # a NumPy leaf: its tensor is read into a buffer, then replaces `target`
             return self._values(node, path)
         if t in ("dict", "odict", "list", "tuple"):
-            if target is None or not tensor_keys(node, []):
+            if target is None:  # `into` holds nothing there yet (a LoopState before its first epoch)
+                return self._values(node, path)  # the saved value replaces it, as at the same layout
+            if not tensor_keys(node, []):
                 return self._missing(node, path, f"`into` holds {type(target).__name__} at '{path or '<root>'}'")
             raise ValidationError(f"{self.where}: '{path or '<root>'}' is a {t} of {len(node['v'])} "
                                   f"item(s) holding tensors in the checkpoint, `into` holds {describe(target)}; "
@@ -272,22 +276,66 @@ def load_resharded(storage: Storage, step: int, manifest: mf.Manifest, into: Any
             the meta device, strict or not (named key, and how to fix it).
         CorruptCheckpointError: the checkpoint is damaged (named key and file).
     """
-    reader = NebulaStorageReader(storage, step, manifest=manifest, allow_pickle=allow_pickle)
+    no_dist = process_group is None and not _dist_ready()
+    error: Optional[Exception] = None
+    try:
+        reader = NebulaStorageReader(storage, step, manifest=manifest, allow_pickle=allow_pickle)
+        matcher = _match(reader, manifest, into, strict, allow_pickle)
+    except Exception as e:  # this rank's: every rank hears of it before DCP's collectives
+        error = e
+    if not no_dist:
+        _agree(error, process_group, f"{storage.display_url} step {step}")
+    if error is not None:
+        raise error
+    log.info("nebula_ckpt: resharding %s: %d tensor(s) of %d saved rank(s)", reader.where, len(matcher.flat),
+             manifest.world_size)
+    _dcp_load(matcher.flat, reader, process_group, no_dist=no_dist)
+    for act in matcher.actions:
+        act()
+
+
+def _match(reader: NebulaStorageReader, manifest: mf.Manifest, into: Any, strict: bool,
+           allow_pickle: bool) -> _Matcher:
+    """Every key of the checkpoint matched against ``into``, nothing changed yet.
+
+    Raises:
+        ValidationError: ``into`` does not match (named key, and how to fix it).
+    """
     trees = manifest.distinct_trees()
     matcher = _Matcher(reader, strict, allow_pickle)
     matcher.others = frozenset(held_by_some(trees))  # the ranks saved different state: pipeline stages
-    tree = merged(trees)
-    repl = matcher.walk(tree, into, "")
+    repl = matcher.walk(merged(trees), into, "")
     if strict:
         matcher.unmatched.check(f"reshard ({reader.where}): the checkpoint")
     if repl is not None:
         raise ValidationError(f"reshard ({reader.where}): `into` ({describe(into)}) cannot be filled in place; "
                               "pass a dict, list, model or optimizer")
-    log.info("nebula_ckpt: resharding %s: %d tensor(s) of %d saved rank(s)", reader.where, len(matcher.flat),
-             manifest.world_size)
-    _dcp_load(matcher.flat, reader, process_group, no_dist=process_group is None and not _dist_ready())
-    for act in matcher.actions:
-        act()
+    return matcher
+
+
+def _agree(error: Optional[Exception], process_group: Any, where: str) -> None:
+    """The ranks of ``process_group`` tell each other whether their ``into`` matched before any
+    enters DCP's collectives (a rank that stayed out would leave the others waiting there).
+
+    Raises:
+        ValidationError: on a rank whose ``into`` matched while another's did not, naming that
+            rank and its error (nothing was restored); a :class:`CorruptCheckpointError` or
+            :class:`NebulaError` where that rank's error was one.
+    """
+    import torch.distributed as dist
+
+    said: Optional[tuple[str, str]] = None if error is None else (type(error).__name__, str(error))
+    heard: list[Optional[tuple[str, str]]] = [None] * dist.get_world_size(process_group)
+    dist.all_gather_object(heard, said, group=process_group)
+    failed = [(r, s) for r, s in enumerate(heard) if s is not None]
+    if error is not None or not failed:
+        return
+    kinds = {kind for _, (kind, _) in failed}
+    cls = ValidationError if kinds == {"ValidationError"} else \
+        CorruptCheckpointError if kinds == {"CorruptCheckpointError"} else NebulaError
+    rank, (kind, msg) = failed[0]
+    raise cls(f"reshard ({where}): rank(s) {[r for r, _ in failed]} could not restore it ({kind} on rank {rank}: "
+              f"{msg}); every rank matches its `into` before any reads, so nothing was restored")
 
 
 def gather_full(storage: Storage, step: int, manifest: mf.Manifest, *, verify: bool = True) -> dict[str, torch.Tensor]:

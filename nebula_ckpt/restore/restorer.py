@@ -15,7 +15,7 @@ from typing import Any, Callable, Optional, Union
 
 from nebula_ckpt.arguments import check_restore_arguments
 from nebula_ckpt.errors import CorruptCheckpointError, NotFoundError, OtherRanksError, ValidationError
-from nebula_ckpt.format.commit import Commit, committed_steps, read_commit, shard_path
+from nebula_ckpt.format.commit import Commit, Write, committed_steps, read_commit, shard_path
 from nebula_ckpt.format.manifest import Manifest
 from nebula_ckpt.format.names import COMMIT, step_dir
 from nebula_ckpt.health.book import HealthBook
@@ -120,7 +120,7 @@ class Restorer:
         :meth:`Checkpointer.latest`), or None."""
         choice = HealthChoice(self.health.view() if self.health is not None else None, skip_suspect=True)
         for c in list_candidates(self.tier_pairs()):
-            if c.problem is None and not choice.skips(c.generation, c.step):
+            if c.problem is None and not choice.skips(*c.order):
                 man = _sound(c.tier, c.storage, c.step, True)
                 now = None if man is not None else _marker(c.storage, c.step)
                 if isinstance(now, Commit) and now.write != c.order:  # saved again while it was read: its new write
@@ -271,7 +271,8 @@ class Restorer:
     def _tell_monitor(self, ck: OpenCheckpoint) -> None:
         """The reports from now on judge the step restored (:class:`~nebula_ckpt.health.monitor.HealthMonitor`)."""
         if self.monitor is not None:
-            self.monitor.restored(ck.manifest.generation, ck.step, (self.last_restore or {}).get("health", "unknown"))
+            self.monitor.restored(ck.manifest.generation, ck.step, (self.last_restore or {}).get("health", "unknown"),
+                                  None if ck.save < 0 else ck.save)
 
     def read(self, step: Optional[int], tag: Optional[str], map_location: Any) -> tuple[int, Any]:
         """``(step, state)`` as a fresh tree (see :meth:`Checkpointer.read`)."""
@@ -299,9 +300,9 @@ def _marker(st: Storage, step: int) -> Union[Commit, str, None]:
         return type(e).__name__
 
 
-def _key(ck: Optional[OpenCheckpoint]) -> Optional[tuple[int, int]]:
-    """``(writer generation, step)`` of an open checkpoint: what its health marks are keyed by."""
-    return None if ck is None else (ck.manifest.generation, ck.step)
+def _key(ck: Optional[OpenCheckpoint]) -> Optional[Write]:
+    """``(writer generation, step, save)`` of an open checkpoint: the write its health marks name."""
+    return None if ck is None else (ck.manifest.generation, ck.step, ck.save)
 
 
 def _with_pulled(pairs: list[tuple[Tier, Storage]], rec: dict[str, Any], rank: int) -> list[tuple[Tier, Storage]]:

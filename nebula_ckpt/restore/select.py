@@ -49,7 +49,7 @@ Stage = Callable[[OpenCheckpoint], None]
 Checked = Optional[tuple[str, int, int, int]]
 
 #: ``skip(generation, step)``: whether a restore leaves that checkpoint out (its health mark)
-Skip = Callable[[int, int], bool]
+Skip = Callable[[int, int, int], bool]
 
 #: ``steps(tier, storage)``: the committed steps of one tier, ascending (see :func:`list_candidates`)
 Lister = Callable[[Tier, Storage], list[int]]
@@ -141,7 +141,7 @@ def find_and_open(tiers: list[tuple[Tier, Storage]], step: Optional[int] = None,
             :func:`~nebula_ckpt.restore.apply.stage_restore`); a candidate it finds damaged is
             skipped like one that fails to open, before anything was restored from it. Its ``ValidationError`` (``into``
             does not match) is raised.
-        skip: ``skip(generation, step)``: leave that checkpoint out (marked suspect, see
+        skip: ``skip(generation, step, save)``: leave that write out (marked suspect, see
             :class:`HealthChoice`); not counted as damaged.
         layouts: gets why each candidate of another layout (not damaged) was passed over.
 
@@ -162,7 +162,7 @@ def find_and_open(tiers: list[tuple[Tier, Storage]], step: Optional[int] = None,
         if c.problem is not None or (generation is not None and c.generation != generation) or \
                 (save is not None and c.save != save):
             continue
-        if skip is not None and skip(c.generation, c.step):
+        if skip is not None and skip(c.generation, c.step, c.save):
             continue
         how = verify or ("size" if checked == (c.tier.name, *c.order) else c.tier.verify)
         ck = _open_candidate(c, how, rank, world, stage, skipped, layouts)
@@ -194,7 +194,7 @@ def _open_candidate(c: Candidate, verify: str, rank: Optional[int], world: int, 
         ck = open_checkpoint(c.storage, c.step, verify, where, rank, world,
                              defer_verify=stage is not None)
         ck.tier_name = c.tier.name
-        ck.storage = c.storage
+        ck.storage, ck.save = c.storage, c.save
         if stage is not None:
             stage(ck)
     except ValidationError:
@@ -293,7 +293,7 @@ def open_agreed(tiers: list[tuple[Tier, Storage]], co: Coordinator, root: str, s
     (rank 0 with the health marks: no rank then restores a step it left out).
     """
     failed: list[Write] = []
-    if agreed is not None and not co.all_true(skip is None or not skip(*agreed[:2])):
+    if agreed is not None and not co.all_true(skip is None or not skip(*agreed)):
         agreed = None  # rank 0 leaves it out: the ranks agree among the others
     while True:
         newest: Optional[Write]
@@ -303,7 +303,7 @@ def open_agreed(tiers: list[tuple[Tier, Storage]], co: Coordinator, root: str, s
             # (writer generation, step, save): a stale writer's steps never win over a newer
             # writer's, and the ranks agree on one write of a step saved twice
             have = {c.order for c in list_candidates(tiers) if (step is None or c.step == step)
-                    and (among is None or c.step in among) and (skip is None or not skip(*c.order[:2]))}
+                    and (among is None or c.step in among) and (skip is None or not skip(*c.order))}
             newest = co.agree_step(sorted(have - set(failed)))
         if newest is None:
             if failed and on_damaged == "raise":
@@ -341,6 +341,35 @@ def _open_round(tiers: list[tuple[Tier, Storage]], co: Coordinator, newest: Writ
         raise mismatch or ValidationError(
             f"rank {co.rank}: restoring step {agreed} failed on another rank because its `into` does not "
             "match the checkpoint (that rank's error says how); nothing was restored")
+    # one exchange: whether every rank opened it, and any rank's `into` that lays it out otherwise
+    opened = co.exchange((ck is not None, None if ck is None else ck.other_layout))
+    if not all(ok for ok, _ in opened):
+        return None
+    other = next((f"rank {r}: {why}" for r, (_, why) in enumerate(opened) if why), None)
+    if other is None:
+        return ck
+    return _open_whole(tiers, co, newest, checked, other)
+
+
+def _open_whole(tiers: list[tuple[Tier, Storage]], co: Coordinator, newest: Write, checked: Checked,
+                other: str) -> Optional[OpenCheckpoint]:
+    """The write ``newest`` opened whole on every rank, to be resharded (``other``: why, the same
+    on every rank: some rank's ``into`` lays its DTensors out otherwise than stored, though the
+    world size is the same); None when some rank cannot open it so (then an older step is tried)."""
+    generation, step, save = newest
+    log.info("nebula_ckpt: step %d is resharded on every rank: %s", step, other)
+    try:
+        # rank None: the whole job's checkpoint (a tier holding every rank: the shared one)
+        ck = find_and_open(tiers, step=step, on_all_damaged="warn", rank=None, world=co.world_size,
+                           generation=generation, checked=checked, save=save)
+    except Exception as e:
+        log.warning("nebula_ckpt: rank %d cannot open step %d whole: %s", co.rank, step, e)
+        ck = None
+    if ck is None:
+        log.warning("nebula_ckpt: rank %d: step %d is resharded (%s), which needs it on a tier holding every "
+                    "rank's part (a shared tier); none here does", co.rank, step, other)
+    else:
+        ck.other_layout = other
     return ck if co.all_true(ck is not None) else None
 
 
@@ -361,21 +390,22 @@ class HealthChoice:
     #: ``(generation, step)`` -> why, of every suspect checkpoint left out, in the order met
     skipped: dict[tuple[int, int], str] = field(default_factory=dict)
 
-    def skips(self, generation: int, step: int) -> bool:
-        """Whether the restore leaves the checkpoint ``(generation, step)`` out (remembered)."""
+    def skips(self, generation: int, step: int, save: int = -1) -> bool:
+        """Whether the restore leaves the checkpoint ``(generation, step)``, its write ``save``
+        (-1: not known), out (remembered)."""
         if not self.skip_suspect or self.view is None:
             return False
-        m = self.view.mark(generation, step)
+        m = self.view.mark(generation, step, None if save < 0 else save)
         if m.state != SUSPECT:
             return False
         self.skipped.setdefault((generation, step), m.reason)
         return True
 
-    def mark(self, generation: int, step: int) -> Mark:
-        """The mark of the checkpoint restored (unknown where this rank reads none)."""
-        return NO_MARK if self.view is None else self.view.mark(generation, step)
+    def mark(self, generation: int, step: int, save: int = -1) -> Mark:
+        """The mark of the checkpoint restored, its write ``save`` (unknown where this rank reads none)."""
+        return NO_MARK if self.view is None else self.view.mark(generation, step, None if save < 0 else save)
 
-    def outcome(self, ck_key: Optional[tuple[int, int]]) -> dict[str, Any]:
+    def outcome(self, ck_key: Optional[Write]) -> dict[str, Any]:
         """What ``last_restore`` says: the restored step's mark and what was skipped (plain data,
         the same on every rank once exchanged)."""
         m = NO_MARK if ck_key is None else self.mark(*ck_key)

@@ -369,7 +369,7 @@ def flush_newest(writers: "list[TierWriter]", monitor: Any = None, who: str = "c
         monitor.settle()  # a mark that failed before lands now, before any copy of its step
     newest = None
     for write in sorted(set().union(*have.values()), reverse=True):
-        if monitor is None or not monitor.suspect(write[0], write[1]):
+        if monitor is None or not monitor.suspect(write[0], write[1], None if write[2] < 0 else write[2]):
             newest = write
             break
         if any(w.tier.persistent and write not in have[w.name] for w in writers):

@@ -292,6 +292,7 @@ class SavePipeline:
         repl, mem = self.replicator, next((w.name for w in targets if w.tier.capabilities.has_replicas), None)
         handle = SaveHandle(plan.step, [w.name for w in targets] + ([REPLICAS] if repl and mem else []), plan.tag)
         handle.progress.begin(t0, plan.layout.total_bytes, self._counters.add)
+        handle.progress.save = idx
         if repl is not None and mem is not None:
             repl.attach(idx, handle)
 

@@ -7,6 +7,8 @@ AdamW, saves step 5 through ``nebula_ckpt.Checkpointer(ROOT)`` and rank 0 writes
 (unsharded) state to ``OUT/ref.pt``. The last layer has 6 rows: with 4 ranks one rank's shard of
 it is empty.
 
+It also saves and restores the DTensors of :func:`layout_worker.roles_swapped` (``OUT/roles-swapped``).
+
 ``load``: a job of another world size builds the same model sharded over its own ranks and
 (a) restores ROOT with ``nebula_ckpt.restore.reshard.load_resharded`` -> ``OUT/resharded.pt``;
 (b) loads it again with ``dcp.load`` through ``NebulaStorageReader`` into fresh nested state
@@ -76,6 +78,10 @@ def main() -> None:
         ref = full_state(model, opt)
         if rank == 0:
             torch.save(ref, f"{out}/ref.pt")
+        from launch import write_report
+        from layout_worker import roles_swapped  # the same world size, another layout (test_reshard_layout.py)
+
+        write_report(out, "roles-swapped", rank, roles_swapped(f"{out}/roles-swapped"))
     elif scenario == "load":
         import torch.distributed.checkpoint as dcp
 

@@ -438,3 +438,47 @@ def test_a_crafted_record_can_mark_a_step_and_nothing_more(root: str, capsys: py
     assert "\x1b" not in shown and "\x07" not in shown
     view = HealthView(LocalStorage(root))
     assert view.mark(1, 10).state == "suspect" and view.mark(1, 5).state == "healthy"
+
+
+def test_a_step_saved_again_after_an_in_process_rollback_sheds_the_mark_of_the_write_it_replaced(root: str) -> None:
+    """A mark names the write it was made for (its save number): step 5, saved after a bad loss,
+    is suspect; the job goes back in process (``load(3)``), trains again with finite losses and
+    saves step 5 again: that new write carries no mark of the old one, is confirmed healthy by
+    the reports after it, and is what ``load_latest`` and ``ls`` take."""
+    with nc.Checkpointer(root, memory_tier=False, keep_last=10) as ck:
+        for s in range(4):
+            ck.report(s, loss=1.0)
+            ck.save(s, _state(s))
+        ck.report(4, loss=NAN)
+        ck.save(5, _state(999))  # saved after a bad loss: suspect at once
+        assert marks(root)[5] == "suspect"
+        ck.load(3, into=_state(0))
+        ck.report(4, loss=1.0)
+        ck.save(5, _state(5))  # the good state replaces step 5
+        for s in (6, 7, 8):
+            ck.report(s, loss=1.0)
+    assert marks(root)[5] == "healthy"
+    with nc.Checkpointer(root, memory_tier=False, read_only=True) as ck:
+        into = _state(0)
+        assert ck.load_latest(into=into) == 5 and float(into["w"][0]) == 5.0
+        assert not ck.last_restore["skipped"]
+
+
+def test_a_persons_mark_applies_to_the_write_it_was_made_for_not_to_a_later_one(root: str) -> None:
+    """``nebula-ckpt mark --suspect 5`` marks the write of step 5 there now; when the job saves step 5
+    again (it went back in process), the new write is not suspect, while a mark made afterwards
+    applies to it."""
+    with nc.Checkpointer(root, memory_tier=False, keep_last=10) as ck:
+        for s in range(6):
+            ck.save(s, _state(s))
+        assert main(["mark", root, "--suspect", "5"]) == 0
+        assert marks(root)[5] == "suspect"
+        ck.load(3, into=_state(0))
+        ck.save(5, _state(50))
+    assert marks(root)[5] == "unknown"
+    with nc.Checkpointer(root, memory_tier=False, read_only=True) as ck:
+        into = _state(0)
+        assert ck.load_latest(into=into) == 5 and float(into["w"][0]) == 50.0
+    assert main(["mark", root, "--suspect", "5"]) == 0
+    with nc.Checkpointer(root, memory_tier=False, read_only=True) as ck:
+        assert ck.load_latest(into=_state(0)) == 4

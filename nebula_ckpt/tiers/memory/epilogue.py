@@ -139,7 +139,8 @@ def _restored_write(writes: set[Write], view: HealthView) -> Optional[Write]:
     """The write a restart restores among ``writes`` (the memory tiers' and the root's): the newest,
     in a restore's order (:func:`~nebula_ckpt.restore.select.list_candidates`: writer generation,
     step, save), that the root's health records do not mark suspect; None when all are."""
-    return next((w for w in sorted(writes, reverse=True) if view.mark(w[0], w[1]).state != SUSPECT), None)
+    return next((w for w in sorted(writes, reverse=True)
+                 if view.mark(w[0], w[1], None if w[2] < 0 else w[2]).state != SUSPECT), None)
 
 
 def _persist_restored(storage: Storage, tier: str, run_id: str, groups: Groups, have: set[Write], pick: Write,

@@ -235,7 +235,7 @@ def _suspect_marks(st: Storage) -> Callable[[Write], bool]:
     a restore reads them (:class:`~nebula_ckpt.health.book.HealthView`: a record that cannot be
     listed or read is no mark, and a restore then restores as without it)."""
     view = HealthView(st)
-    return lambda w: view.mark(w[0], w[1]).state == SUSPECT
+    return lambda w: view.mark(w[0], w[1], None if w[2] < 0 else w[2]).state == SUSPECT
 
 
 def _committed_but(st: Storage, step: int) -> frozenset[int]:
