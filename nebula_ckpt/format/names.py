@@ -29,7 +29,7 @@ import uuid
 from typing import Any, Optional
 
 from nebula_ckpt.errors import ValidationError
-from nebula_ckpt.format.checks import MAX_STEP, short
+from nebula_ckpt.format.checks import MAX_BYTES, MAX_STEP, short
 
 # -- the format ---------------------------------------------------------------------------------
 
@@ -154,7 +154,12 @@ def is_shard_name(name: str) -> bool:
 WRITERS_DIR = "_nebula/writers"
 #: the root's run record (its run id)
 RUN_FILE = "_nebula/run.json"
-_WRITER_RE = re.compile(r"^g-(\d+)\.json$")
+#: the largest writer generation: what every reader of a ``generation`` field takes (the commit
+#: marker's, the manifest's), so no writer takes a larger one
+MAX_GENERATION = MAX_BYTES
+_WRITER_RE = re.compile(r"g-(0|[1-9][0-9]{0,18})\.json")
+#: named like a writer record, but no writer wrote it (leading zeros, or beyond MAX_GENERATION)
+_WRITER_LIKE_RE = re.compile(r"g-[0-9]+\.json")
 
 
 def writer_record(generation: int) -> str:
@@ -163,9 +168,18 @@ def writer_record(generation: int) -> str:
 
 
 def writer_generation(name: str) -> Optional[int]:
-    """The generation a file name listed in :data:`WRITERS_DIR` records (``"g-7.json"`` -> 7), or None."""
-    m = _WRITER_RE.match(name)
-    return int(m.group(1)) if m else None
+    """The generation a file name listed in :data:`WRITERS_DIR` records (``"g-7.json"`` -> 7), or
+    None: another name, or one no writer writes (:func:`is_foreign_writer_record`)."""
+    m = _WRITER_RE.fullmatch(name)
+    g = int(m.group(1)) if m else None
+    return g if g is not None and g <= MAX_GENERATION else None
+
+
+def is_foreign_writer_record(name: str) -> bool:
+    """Whether ``name`` looks like a writer record (``g-<digits>.json``) that no writer wrote: its
+    number has leading zeros or is beyond :data:`MAX_GENERATION`. Such a name counts as no
+    generation (a writer never takes one past the bound, and readers refuse it in markers)."""
+    return _WRITER_LIKE_RE.fullmatch(name) is not None and writer_generation(name) is None
 
 
 # -- a memory-tier folder -----------------------------------------------------------------------------
@@ -176,6 +190,9 @@ ROOT_FILE = "ROOT"
 LOCK_FILE = "LOCK"
 #: the folder of staging slot files (see :mod:`nebula_ckpt.save.buffers`)
 SLOT_DIR = ".slots"
+#: the largest pid a slot file name may carry (``pid_t`` is a signed 32-bit int)
+MAX_PID = 2**31 - 1
+_SLOT_RE = re.compile(r"slot-([1-9][0-9]{0,9})-[^-]*")
 
 
 def slot_file_name() -> str:
@@ -184,11 +201,11 @@ def slot_file_name() -> str:
 
 
 def slot_owner(name: str) -> Optional[int]:
-    """The pid a slot file name carries, or None for another name."""
-    parts = name.split("-")
-    if len(parts) == 3 and parts[0] == "slot" and parts[1].isdigit():
-        return int(parts[1])
-    return None
+    """The pid a slot file name carries, or None for another name (a pid that is not ASCII digits
+    without a leading zero, or beyond :data:`MAX_PID`, is no process's: the name is not ours)."""
+    m = _SLOT_RE.fullmatch(name)
+    pid = int(m.group(1)) if m else None
+    return pid if pid is not None and pid <= MAX_PID else None
 
 
 # -- tags ---------------------------------------------------------------------------------------------

@@ -58,9 +58,18 @@ import weakref
 from contextlib import contextmanager
 from typing import Callable, Iterator, Optional, Protocol
 
-from nebula_ckpt.errors import CorruptCheckpointError, FencedError, NebulaError
-from nebula_ckpt.format.commit import committed_steps, read_commit
-from nebula_ckpt.format.names import RUN_FILE, WRITERS_DIR, writer_generation, writer_record
+from nebula_ckpt.errors import CorruptCheckpointError, FencedError, NebulaError, PersistError
+from nebula_ckpt.format.commit import Write, committed_steps, committed_writes, read_commit
+from nebula_ckpt.format.names import (
+    COMMIT,
+    MAX_GENERATION,
+    RUN_FILE,
+    WRITERS_DIR,
+    is_foreign_writer_record,
+    step_dir,
+    writer_generation,
+    writer_record,
+)
 from nebula_ckpt.format.root_records import (
     MAX_ROOT_RECORD_BYTES,
     RUN_FIX,
@@ -145,17 +154,25 @@ class Retractor(Protocol):
         """Wait until nothing is pending or being written on the tier; False on timeout."""
 
 
-def generations(storage: Storage) -> list[int]:
+def generations(storage: Storage, warn: bool = False) -> list[int]:
     """The writer generations recorded on ``storage`` (``_nebula/writers/g-<n>.json``), ascending
-    (the one listing of them)."""
-    return sorted(g for g in map(writer_generation, storage.list(WRITERS_DIR)) if g is not None)
+    (the one listing of them). A name no writer writes (:func:`is_foreign_writer_record`: leading
+    zeros, a number beyond :data:`MAX_GENERATION`) records none; ``warn``: say so, naming it."""
+    names = storage.list(WRITERS_DIR)
+    if warn:
+        for n in filter(is_foreign_writer_record, names):
+            log.warning("nebula_ckpt: %s: %s/%s is no writer generation record (its number is not one a writer "
+                        "takes: at most %d, without leading zeros), so it is ignored; remove it", storage.display_url,
+                        WRITERS_DIR, n, MAX_GENERATION)
+    return sorted(g for g in map(writer_generation, names) if g is not None)
 
 
-def newer_commit(storage: Storage, generation: int) -> Optional[tuple[int, int]]:
+def newer_commit(storage: Storage, generation: int, scan: bool = False) -> Optional[tuple[int, int]]:
     """``(generation, step)`` of a committed step on ``storage`` whose writer generation is newer
-    than ``generation``, or None. Only listed when a newer generation is recorded at all."""
+    than ``generation``, or None. Only listed when a newer generation is recorded at all, or
+    ``scan``: steps copied in without their writer records name generations none records."""
     gens = generations(storage)
-    if not gens or gens[-1] <= generation:
+    if not scan and (not gens or gens[-1] <= generation):
         return None
     for s in reversed(committed_steps(storage)):
         try:
@@ -166,6 +183,19 @@ def newer_commit(storage: Storage, generation: int) -> Optional[tuple[int, int]]
         if g > generation:
             return g, s
     return None
+
+
+def _no_generation_left(storage: Storage, gens: list[int], newest: Optional[Write]) -> str:
+    """Why no writer generation is left to take on ``storage``: the newest one there (a writer
+    record or a committed step) is :data:`MAX_GENERATION` already; names that file and the fix."""
+    if gens and (newest is None or gens[-1] >= newest[0]):
+        where, what = f"{WRITERS_DIR}/g-{gens[-1]}.json", "remove that file"
+    else:
+        assert newest is not None
+        where, what = f"{step_dir(newest[1])}/{COMMIT}", f"move step {newest[1]} out of the root"
+    return (f"{storage.display_url}: {where} names writer generation {MAX_GENERATION}, the largest there is, so "
+            f"this writer has no newer one to take and writes nothing. A writer takes one generation per job "
+            f"start, so no run gets near it: {what}")
 
 
 class Fence:
@@ -306,9 +336,14 @@ class Fence:
 
     def _acquire(self) -> int:
         info = encode_writer_record(WriterRecord(socket.gethostname(), os.getpid(), time.time()))
-        for _ in range(100):
-            gens = generations(self.storage)
-            g = (gens[-1] + 1) if gens else 1
+        # above every committed step's too: steps copied in without their writer records (a sync of
+        # step-* only) must never outrank this writer's in a restore or in retention
+        newest = max(committed_writes(self.storage), default=None)
+        for attempt in range(100):
+            gens = generations(self.storage, warn=attempt == 0)
+            g = max(gens[-1] if gens else 0, newest[0] if newest else 0) + 1
+            if g > MAX_GENERATION:
+                raise PersistError(_no_generation_left(self.storage, gens, newest))
             try:
                 self.storage.write_small(writer_record(g), info, create_only=True)
             except FileExistsError:
@@ -331,6 +366,8 @@ class TierFence:
         self._fence = fence
         self.storage = storage
         self._recorded = storage is fence.storage
+        #: a past fence read every marker of the tier once (steps copied in without writer records)
+        self._scanned = False
 
     @property
     def generation(self) -> int:
@@ -360,7 +397,8 @@ class TierFence:
             raise FencedError(f"{self.storage.display_url}: this writer does not {what}: it was fenced ({fenced})")
         g = self.generation
         if self._fence.is_past:
-            newer = newer_commit(self.storage, g)
+            newer = newer_commit(self.storage, g, scan=not self._scanned)
+            self._scanned = True
             if newer is not None:
                 raise FencedError(f"{self.storage.display_url}: step {newer[1]} of writer generation {newer[0]} is "
                                   f"committed there, newer than generation {g}, so nothing of generation {g} is "

@@ -292,7 +292,7 @@ def no_room_error(tier: str, folder: str, rel: str, needed: int, error: OSError)
 def _pid_alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
-    except ProcessLookupError:
+    except (ProcessLookupError, OverflowError):  # beyond pid_t: no process has it
         return False
     except PermissionError:
         return True

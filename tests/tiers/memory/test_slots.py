@@ -19,7 +19,7 @@ import pytest
 import torch
 
 import nebula_ckpt as nc
-from nebula_ckpt.format.names import SLOT_DIR
+from nebula_ckpt.format.names import SLOT_DIR, slot_owner
 from nebula_ckpt.save import buffers
 
 
@@ -257,3 +257,47 @@ def test_close_while_a_file_is_made_ahead_leaves_nothing(root: str, shm_dir: str
     assert ck._saves.pool._preparer is None
     assert not os.path.isdir(slot_dir) or os.listdir(slot_dir) == []
     assert not any(t.name == "nebula-slot-ahead" for t in threading.enumerate())
+
+
+#: names in ``.slots/`` that look like slot files but carry no pid of a process: beyond pid_t, a
+#: non-ASCII digit, a leading zero, pid 0
+STRAY_SLOT_NAMES = ["slot-99999999999999-abc", f"slot-{2**31}-abc", "slot-\u00b2-abc", "slot-\u0663-abc",
+                    "slot-007-abc", "slot-0-abc"]
+
+
+def test_slot_owner_takes_only_pids_a_process_has() -> None:
+    assert slot_owner(f"slot-{os.getpid()}-0123456789ab") == os.getpid()
+    assert slot_owner(f"slot-{2**31 - 1}-x") == 2**31 - 1
+    assert [slot_owner(n) for n in STRAY_SLOT_NAMES] == [None] * len(STRAY_SLOT_NAMES)
+
+
+def test_stray_slot_names_are_left_alone_and_the_job_restores_and_saves(root: str, shm_dir: str) -> None:
+    """Names in the tier's ``.slots/`` that are no slot file of a process (a pid beyond pid_t, a
+    non-ASCII digit) are not ours: a restarted job opens the root, restores the dead job's step
+    from memory and saves, leaving them as they are."""
+    code = f"""
+import os, torch, nebula_ckpt as nc
+ck = nc.Checkpointer({root!r})
+ck.save(1, {{"a": torch.full((64, 1024), 1.0), "b": torch.arange(5000, dtype=torch.int64) + 1}})
+os._exit(0)   # no close(): as after a crash
+"""
+    subprocess.run([sys.executable, "-c", code], check=True, env=dict(os.environ, NEBULA_SHM_DIR=shm_dir),
+                   cwd=os.getcwd())
+    [slot_dir] = [os.path.join(d, SLOT_DIR) for d in _memory_folders(shm_dir)]
+    for name in STRAY_SLOT_NAMES:
+        with open(os.path.join(slot_dir, name), "wb") as f:
+            f.write(b"not a slot")
+    with nc.Checkpointer(root) as ck:
+        got = {"a": torch.zeros(64, 1024), "b": torch.zeros(5000, dtype=torch.int64)}
+        assert ck.load_latest(into=got) == 1 and ck.last_restore["tier"].startswith("memory:")
+        assert torch.equal(got["b"], _state(1)["b"])
+        ck.save(2, _state(2))
+        assert ck.list() == [1, 2]
+        for name in STRAY_SLOT_NAMES:
+            with open(os.path.join(slot_dir, name), "rb") as f:
+                assert f.read() == b"not a slot", name
+
+
+def _memory_folders(shm_dir: str) -> list[str]:
+    """The memory tier folders under ``shm_dir`` (those holding a ``.slots`` folder)."""
+    return [dp for dp, dirs, _ in os.walk(shm_dir) if SLOT_DIR in dirs]
