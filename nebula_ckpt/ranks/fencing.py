@@ -389,6 +389,15 @@ class TierFence:
         """See :meth:`Fence.retract_with`."""
         self._fence.retract_with(retractor)
 
+    def _trim(self, g: int) -> None:
+        """Remove this tier's writer records older than the newest :data:`_KEEP_RECORDS` below ``g``
+        (as the root's are when a generation is taken): one per job would pile up. Best effort."""
+        try:
+            for old in [x for x in generations(self.storage) if x < g][:-_KEEP_RECORDS]:
+                self.storage.remove(writer_record(old))
+        except Exception as e:  # housekeeping: the next writer tries again
+            log.debug("nebula_ckpt: %s: old writer records not removed: %s", self.storage.display_url, e)
+
     def check(self, what: str) -> None:
         """Raise :class:`FencedError` if a newer writer wrote to this tier, or this writer was
         fenced on any tier before (``what``: the action)."""
@@ -410,6 +419,7 @@ class TierFence:
             except FileExistsError:
                 pass
             self._recorded = True
+            self._trim(g)
         gens = generations(self.storage)
         if gens and gens[-1] > g:
             why = (f"{self.storage.display_url}: a newer writer (generation {gens[-1]}) took over this "

@@ -253,3 +253,19 @@ def test_a_take_back_never_removes_a_newer_writers_step_of_the_same_number(tmp_p
     st = LocalStorage(str(tmp_path / "b"))
     assert retract_step(st, 6, generation=1, tier="t")  # its own: taken back, folder and all
     assert committed_steps(st) == [] and not os.path.exists(tmp_path / "b" / step_dir(6))
+
+
+def test_every_tier_keeps_a_bounded_number_of_writer_records_however_often_the_job_restarts(tmp_path) -> None:
+    """Each job takes a writer generation and records it on every tier it writes: a tier beside the
+    root keeps the newest ones only, as the root does (one record per restart would pile up, and
+    every save's fence check lists them)."""
+    root, extra = str(tmp_path / "root"), str(tmp_path / "extra")
+    for step in range(24):
+        with nc.Checkpointer(root, tiers=[nc.LocalTier(extra), nc.LocalTier(root)], keep_last=2) as ck:
+            ck.save(step, {"w": torch.full((8,), float(step))})
+    for where in (root, extra):
+        records = os.listdir(os.path.join(where, "_nebula", "writers"))
+        assert 0 < len(records) <= 17, (where, sorted(records))
+    with nc.Checkpointer(root, tiers=[nc.LocalTier(extra), nc.LocalTier(root)], read_only=True) as ck:
+        into = {"w": torch.zeros(8)}
+        assert ck.load_latest(into=into) == 23 and float(into["w"][0]) == 23.0
