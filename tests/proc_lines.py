@@ -26,3 +26,12 @@ def lines(proc: subprocess.Popen[str], deadline: float) -> Iterator[str]:
         while "\n" in buf:
             line, buf = buf.split("\n", 1)
             yield line
+
+
+def reap(proc: subprocess.Popen[str]) -> None:
+    """Kill ``proc`` if it still runs, wait for it and close its stdout pipe (a test's ``finally``)."""
+    if proc.poll() is None:
+        proc.kill()
+    proc.wait(30)
+    if proc.stdout:
+        proc.stdout.close()

@@ -22,7 +22,7 @@ import pytest
 import torch
 
 import nebula_ckpt as nc
-from proc_lines import lines
+from proc_lines import lines, reap
 
 #: the points of a replacement, in order (DEBUG lines ``phase=<name>``)
 POINTS = ["shard", "manifest", "replace", "unlisted", "settle", "replaced"]
@@ -80,11 +80,7 @@ def test_a_kill_while_a_step_is_replaced_leaves_the_old_or_the_new_whole(tmp_pat
                 elif line.startswith("FINISHED"):
                     break
         finally:
-            if proc.poll() is None:
-                proc.kill()
-            proc.wait(30)
-            if proc.stdout:
-                proc.stdout.close()
+            reap(proc)
         assert killed, f"the worker never reached phase={point} of the replacement"
         w = _restore_5(root)
         outcomes.add(w)
@@ -146,11 +142,7 @@ def test_a_kill_after_the_marker_switch_leaves_no_step_referring_to_the_old_byte
                 held = True
                 break
     finally:
-        if proc.poll() is None:
-            proc.kill()
-        proc.wait(30)
-        if proc.stdout:
-            proc.stdout.close()
+        reap(proc)
     assert held, "\n".join(out[-30:])
     assert os.path.exists(os.path.join(root, "step-6", "COMMIT"))  # killed before step 6 went
     assert "shard-g1-r0.safetensors" in os.listdir(os.path.join(root, "step-5"))  # and the old files

@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from crash.worker import STEPS, reference_digests
-from proc_lines import lines
+from proc_lines import lines, reap
 
 PHASES = ["snapshot", "shard", "manifest", "commit", "prune"]
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -108,11 +108,7 @@ def test_sigkill_at_every_phase_restores_bit_exact(tmp_path, shm_dir, frozen, me
                     killed_at = "random"
                     break
         finally:
-            if proc.poll() is None:
-                proc.kill()
-            proc.wait(30)
-            if proc.stdout:
-                proc.stdout.close()
+            reap(proc)
         assert restored is not None, f"cycle {cycles}: worker never reported a restore (exit {proc.returncode})"
         if killed_at is None:
             # The run finished before the kill landed: start over from an empty root.
