@@ -86,4 +86,6 @@ def parse_writer_record(raw: bytes, where: str) -> WriterRecord:
     if type(t) not in (int, float):
         raise bad(where, f"time must be a number, got {type(t).__name__}", fix)
     assert isinstance(t, (int, float))
+    if not -2**53 <= t <= 2**53:  # also false for NaN: 10**400 or Infinity is no time (float() of it raises)
+        raise bad(where, "time must be a finite number in [-2**53, 2**53] (seconds since the epoch)", fix)
     return WriterRecord(host, pid, float(t))

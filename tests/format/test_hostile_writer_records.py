@@ -124,3 +124,15 @@ def test_a_root_at_the_largest_generation_refuses_a_writer_naming_the_file(tmp_p
                                                   "move step 5 out of the root"):
             ck.save(2, {"x": torch.full((4,), 2.0)})
     assert _writers(root) == ["g-1.json"] and not os.path.exists(os.path.join(root, "step-2"))
+
+
+@pytest.mark.parametrize("t", ["1e400", "NaN", "Infinity", str(10**400)])
+def test_a_writer_records_time_beyond_a_float_is_refused_naming_the_field(t: str) -> None:
+    """A writer record whose ``time`` no float holds (``json.loads`` reads NaN, Infinity and huge
+    ints) is a CorruptCheckpointError naming the file and the field, not a bare OverflowError."""
+    from nebula_ckpt.errors import CorruptCheckpointError
+    from nebula_ckpt.format.root_records import parse_writer_record
+
+    raw = ('{"host": "h", "pid": 1, "time": %s}' % t).encode()
+    with pytest.raises(CorruptCheckpointError, match="g-3.json.*time"):
+        parse_writer_record(raw, "_nebula/writers/g-3.json")
