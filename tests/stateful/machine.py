@@ -7,8 +7,10 @@ second Checkpointer in the same process may take the root over from the first, w
 and ends by ``close()``, a crash (``os._exit``), a SIGKILL at a random idle moment or a SIGKILL
 at a named point inside a save. Between jobs: ``nebula-ckpt gc`` and ``nebula-ckpt persist-memory``
 (also killed at named points), a node lost (its memory tier gone, its job killed), the run folder
-moved (and moved back). :class:`~stateful.model.Truth` says what every restore must open and what
-every tier may hold; audits read every committed step of every tier back.
+moved (and moved back). The operations that meet a live job mid-way (a close racing a save, a
+close from the step hook, the operator's commands beside a held save) are :mod:`stateful.live`'s.
+:class:`~stateful.model.Truth` says what every restore must open and what every tier may hold;
+audits read every committed step of every tier back.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from typing import Any, Hashable, Optional
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, precondition, rule
 
+from stateful.live import LiveOps
 from stateful.model import ABSENT, Entry, Save, Truth, Violation
 from stateful.procs import Pool, Proc
 
@@ -120,14 +123,17 @@ class Signal:
     checkpoint it restored, the reported steps since, the steps it saved since, whether the last
     report was bad."""
 
-    restored: Optional[tuple[int, int]] = None   # (writer, step)
+    restored: Optional[tuple[int, int, int]] = None   # the write restored: (writer, step, save id)
     since: int = 0
-    descendants: list[int] = field(default_factory=list)
+    descendants: list[tuple[int, int]] = field(default_factory=list)  # the writes saved since: (step, save id)
     bad: bool = False
     last: Optional[int] = None
+    #: the writes (writer, step, save id) this Checkpointer marked suspect: its close() copies none
+    #: of them to the disk tier (docs/health.md)
+    marked: set[tuple[int, int, int]] = field(default_factory=set)
 
 
-class Single(RuleBasedStateMachine):
+class Single(LiveOps, RuleBasedStateMachine):
     """One-process jobs; see the module docstring. ``Single.shared`` is set by the test."""
 
     shared: Shared
@@ -151,9 +157,10 @@ class Single(RuleBasedStateMachine):
 
     # -- set-up --------------------------------------------------------------------------------
     @initialize(memory_keep=st.integers(1, 3), disk_keep=st.sampled_from([1, 2, 3, 5]), disk_every=st.integers(1, 3),
-                full_every=st.integers(2, 4))
-    def configure(self, memory_keep: int, disk_keep: int, disk_every: int, full_every: int) -> None:
-        self.tiers = {"memory_keep": memory_keep, "disk_keep": disk_keep, "disk_every": disk_every}
+                full_every=st.integers(2, 4), snapshot=st.sampled_from(["auto", "async"]))
+    def configure(self, memory_keep: int, disk_keep: int, disk_every: int, full_every: int, snapshot: str) -> None:
+        self.tiers: dict[str, Any] = {"memory_keep": memory_keep, "disk_keep": disk_keep, "disk_every": disk_every,
+                                      "snapshot": snapshot}
         self.full_every = full_every
         os.makedirs(os.path.dirname(self.path), exist_ok=True)
 
@@ -242,7 +249,8 @@ class Single(RuleBasedStateMachine):
                           f"committed on a tier it reaches is step {step}, {entry} on {key}")
             assert self.job is not None
             self.job.cursor = step
-            self.job.health = Signal(restored=(entry.writer, step))  # a new Checkpointer's restore: reports judge it
+            # a new Checkpointer's restore: reports judge it
+            self.job.health = Signal(restored=(entry.writer, step, entry.sid))
             # a restore from the memory tier may hand its pages over (the step leaves the memory
             # tier) when the root holds that very save of the step
             disk = self.truth.entries("disk")
@@ -255,7 +263,9 @@ class Single(RuleBasedStateMachine):
         except Violation as e:
             self.fail(str(e))
 
-    def _save(self, step: int, kill: Optional[tuple[str, int]] = None) -> None:
+    def _new_save(self, step: int) -> tuple[int, Entry, bool, str]:
+        """A save of ``step`` the job is about to make: its id, entry, whether its cadence writes
+        the disk tier, and its name for the log."""
         job = self.job
         assert job is not None
         self.sids += 1
@@ -264,13 +274,17 @@ class Single(RuleBasedStateMachine):
             job.writer = self.new_writer()
         self.truth.saves[sid] = Save(step, self.fid, job.writer)
         disk = job.saves % self.tiers["disk_every"] == 0
-        what = f"save step {step} (save #{sid}, frozen #{self.fid}) on n{job.node}"
+        return sid, Entry(sid, job.writer), disk, f"save step {step} (save #{sid}, frozen #{self.fid}) on n{job.node}"
+
+    def _save(self, step: int, kill: Optional[tuple[str, int]] = None) -> None:
+        job = self.job
+        assert job is not None
+        sid, entry, disk, what = self._new_save(step)
         what += f", killed at {kill}" if kill else ""
         self.note(what)
         if kill:
             job.proc.call({"op": "arm", "at": SAVE_POINTS[kill[0]], "skip": kill[1]})
         got = job.proc.call({"op": "save", "step": step, "sid": sid, "fid": self.fid})
-        entry = Entry(sid, job.writer)
         if got is None:  # killed at the point: each tier may or may not have committed it
             self.truth.commit(self.mem(job.node), step, entry, self.tiers["memory_keep"], surely=False)
             if disk:
@@ -281,6 +295,13 @@ class Single(RuleBasedStateMachine):
             return
         if kill:
             job.proc.call({"op": "arm", "at": None})
+        self._saved(step, entry, disk, got, what)
+
+    def _saved(self, step: int, entry: Entry, disk: bool, got: dict[str, Any], what: str) -> None:
+        """The save ``what`` answered ``got``: it must have succeeded on the tiers its cadence names;
+        the model then has it committed there."""
+        job = self.job
+        assert job is not None
         if not got["ok"] or got["dropped"]:
             self.fail(f"{what}: failed: {got['error']} (written {got['written']}, dropped {got['dropped']})")
         want = ["local", "memory"] if disk else ["memory"]
@@ -290,9 +311,10 @@ class Single(RuleBasedStateMachine):
         job.saves += 1
         job.cursor = step
         if job.health.bad:  # saved after a bad report and before any finite one: suspect at once
-            self.truth.marks[(job.writer, step)] = "suspect"
+            self.truth.marks[(entry.writer, step, entry.sid)] = "suspect"
+            job.health.marked.add((entry.writer, step, entry.sid))
         elif job.health.restored is not None:
-            job.health.descendants.append(step)
+            job.health.descendants.append((step, entry.sid))
         job.saved_steps = tuple(sorted(set(job.saved_steps) | {step}))
         self.truth.commit(self.mem(job.node), step, entry, self.tiers["memory_keep"])
         if disk:
@@ -394,8 +416,10 @@ class Single(RuleBasedStateMachine):
             if not ok:
                 if sig.restored is not None:
                     self.truth.marks[sig.restored] = "suspect"
-                    for d in sig.descendants:
-                        self.truth.marks[(job.writer, d)] = "suspect"  # type: ignore[index]
+                    sig.marked.add(sig.restored)
+                    for d, sid in sig.descendants:
+                        self.truth.marks[(job.writer, d, sid)] = "suspect"  # type: ignore[index]
+                        sig.marked.add((job.writer, d, sid))  # type: ignore[arg-type]
                     sig.restored, sig.descendants = None, []
                 sig.bad = True
             elif new:
@@ -447,44 +471,93 @@ class Single(RuleBasedStateMachine):
         self._end_job()
 
     def _close(self, job: Job) -> None:
-        keys = [self.mem(job.node), "disk"]
-        if not all(self.truth.certain(k) for k in keys):
-            self.audit(job.node)
-        want = self.truth.target(keys) if job.writer is not None else None
+        want = self._close_target(job)
         got = job.proc.call({"op": "close"})
         if got is None or got["error"]:
             self.fail(f"close() on n{job.node} failed: {got}")
-        if want is None:
-            return
-        step, entry, key = want
-        disk = self.truth.entries("disk")
-        if step not in disk or disk[step].sid != entry.sid:
-            # close() puts the newest step on the disk tier when its cadence skipped it
-            self.truth.commit("disk", step, Entry(entry.sid, job.writer), self.tiers["disk_keep"])
-        self.truth.may_drop_all(keys[0])  # the newest is safe on the root: the memory tier may go
+        self._closed(job, want)
 
-    @rule(node=st.sampled_from(NODES))
-    def gc(self, node: int) -> None:
-        """``nebula-ckpt gc`` on ``node``: it may free a memory tier whose newest save is on its root,
-        or superseded there by a newer write of that step (a newer writer's, or a later save: what a
-        restore takes over it; the policy in ``tiers/memory/gc.py``)."""
+    def _close_target(self, job: Job) -> Optional[tuple[int, Entry, Hashable]]:
+        """What a close of ``job`` now puts on the disk tier (the tiers audited first when the model
+        is not sure of them): the newest write its tiers hold that this Checkpointer did not mark
+        suspect, unless the disk tier holds a newer (suspect) write, which it keeps as its newest
+        (docs/health.md, ``save/drain.py``'s ``flush_newest``). None: it puts nothing there."""
+        keys = [self.mem(job.node), "disk"]
+        if not all(self.truth.certain(k) for k in keys):
+            self.audit(job.node)
+        want = self.truth.target(keys, frozenset(job.health.marked)) if job.writer is not None else None
+        if want is None:
+            return None
+        step, entry, _ = want
+        if any((e.writer, s, e.sid) > (entry.writer, step, entry.sid) for s, e in self.truth.entries("disk").items()):
+            return None
+        return want
+
+    def _closed(self, job: Job, want: Optional[tuple[int, Entry, Hashable]]) -> None:
+        if job.writer is None:
+            return
+        mem = self.mem(job.node)
+        newest = self.truth.newest_write(mem)
+        if want is not None:
+            step, entry, key = want
+            disk = self.truth.entries("disk")
+            if step not in disk or disk[step].sid != entry.sid:
+                # close() puts the newest step on the disk tier when its cadence skipped it
+                self.truth.commit("disk", step, entry, self.tiers["disk_keep"])
+        disk_now = self.truth.tier("disk")
+        if want is not None or (newest is not None and newest[1] in disk_now.get(newest[0], set())):
+            self.truth.may_drop_all(mem)  # the newest is safe on the root: the memory tier may go
+
+    @rule(node=st.sampled_from(NODES), scoped=st.booleans(), timeout=st.sampled_from([None, 1e-9, 30.0]))
+    def gc(self, node: int, scoped: bool, timeout: Optional[float]) -> None:
+        """``nebula-ckpt gc`` on ``node`` (``gc ROOT``, this run's tiers only, when ``scoped``; with
+        ``--root-timeout`` when ``timeout``: a root that does not answer in time keeps its tier): it
+        may free a memory tier whose newest save is on its root, or superseded there by a newer
+        write of that step (a newer writer's, or a later save: what a restore takes over it; the
+        policy in ``tiers/memory/gc.py``), never one a live job writes."""
         if os.path.isdir(self.path):
             self.audit(node)
-        self.note(f"gc on n{node}")
-        got = self.shared.tool().call({"op": "cli", "argv": ["gc", "--shm-dir", self.shm_of(node), "--json"],
-                                       "shm": self.shm_of(node), "node": f"n{node}"})
+        self.note(f"gc on n{node}" + (" of the root" if scoped else "") +
+                  ("" if timeout is None else f", --root-timeout {timeout:g}"))
+        got = self.shared.tool().call(self.gc_command(node, scoped, timeout))
         assert got is not None
+        self.check_gc(got, node, "")
+        for key in self._gc_may_free(node):
+            self.truth.may_drop_all(key)
+
+    def gc_command(self, node: int, scoped: bool, timeout: Optional[float]) -> dict[str, Any]:
+        """The tool's command for ``nebula-ckpt gc`` on ``node`` (of the root only when ``scoped``)."""
+        argv = ["gc", "--shm-dir", self.shm_of(node), "--json"] + ([self.path] if scoped else []) + \
+            ([] if timeout is None else ["--root-timeout", f"{timeout:g}"])
+        return {"op": "cli", "argv": argv, "shm": self.shm_of(node), "node": f"n{node}"}
+
+    def check_gc(self, got: dict[str, Any], node: int, where: str) -> None:
+        """``gc`` exits 0 and removes no memory tier it says is in use or whose root did not answer
+        in time (``--root-timeout``: the root is unknown, the tier kept)."""
         if got["code"] != 0:
-            self.fail(f"gc on n{node} exited {got['code']}: {got['stderr']}")
+            self.fail(f"gc on n{node}{where} exited {got['code']}: {got['stderr']}")
+        for d in json.loads(got["stdout"] or "[]"):
+            if d.get("removed") and (d["in_use"] or "no answer within" in d["reason"]):
+                self.fail(f"gc on n{node}{where} removed {d['folder']} ({d['reason']}; in use: {d['in_use']})")
+
+    def _gc_may_free(self, node: int, writing: Optional[tuple[int, Entry]] = None) -> list[Hashable]:
+        """The memory tiers of ``node`` that ``gc`` may free (the model audited): those whose newest
+        save is on the root (or superseded there, also by ``writing``: a save in flight to the disk
+        tier), none a live job writes, none whose root is not there to check."""
+        out: list[Hashable] = []
         for key in [k for k in self.truth.tiers if isinstance(k, tuple) and k[1] == node]:
             live = self.job is not None and self.job.node == node and self.job.path == key[2] and self.job.writer
             if live or key[2] != self.path or not os.path.isdir(self.path):
                 continue  # in use, or its root is not there to check: kept
             newest = self.truth.newest_write(key)
-            disk = self.truth.entries("disk")
-            if newest is not None and newest[0] in disk and \
-                    (disk[newest[0]].writer, disk[newest[0]].sid) >= (newest[1].writer, newest[1].sid):
-                self.truth.may_drop_all(key)
+            if newest is None:
+                continue
+            disk = [(e.writer, e.sid) for s, e in self.truth.entries("disk").items() if s == newest[0]]
+            if writing is not None and writing[0] == newest[0]:
+                disk.append((writing[1].writer, writing[1].sid))
+            if disk and max(disk) >= (newest[1].writer, newest[1].sid):
+                out.append(key)
+        return out
 
     @rule(node=st.sampled_from(NODES), kill=st.one_of(st.none(), st.sampled_from(sorted(PERSIST_POINTS))))
     def persist_memory(self, node: int, kill: Optional[str]) -> None:
@@ -526,17 +599,18 @@ class Single(RuleBasedStateMachine):
           pick=st.integers(0, 7))
     def mark(self, node: int, suspect: bool, which: str, pick: int) -> None:
         """A person's health mark, ``nebula-ckpt mark ROOT --suspect STEP`` (or ``--healthy``) on
-        ``node``: every committed copy of the step on the tiers the node reads (its memory tier, the
-        disk tier) is marked, each under the writer generation that committed it; from then on a
-        restore of the newest step skips the suspect ones (``--healthy`` clears the mark), and
-        ``load_latest`` raises when every step it could open is suspect (docs/health.md)."""
+        ``node``: every write of the step committed on the tiers the node reads (its memory tier, the
+        disk tier) is marked (one record per write: its writer generation and save number; a copy
+        of one write on both tiers is one); from then on a restore of the newest step skips the
+        suspect ones (``--healthy`` clears the mark), a save of the step again is another write with
+        no mark, and ``load_latest`` raises when every step it could open is suspect (docs/health.md)."""
         if not os.path.isdir(self.path):
             return
         self.audit(node)  # every copy known, with its writer's generation
         keys = [self.mem(node), "disk"]
         steps = sorted({s for k in keys for s in self.truth.entries(k)})
         step = (steps[-1] if which == "newest" else steps[pick % len(steps)]) if steps else pick
-        copies = {e.writer for k in keys for s, e in self.truth.entries(k).items() if s == step}
+        copies = {(e.writer, e.sid) for k in keys for s, e in self.truth.entries(k).items() if s == step}
         flag = "--suspect" if suspect else "--healthy"
         self.note(f"mark {flag} {step} on n{node}")
         got = self.shared.tool().call({"op": "cli", "argv": ["mark", self.path, flag, str(step), "--json"],
@@ -549,12 +623,12 @@ class Single(RuleBasedStateMachine):
         if got["code"] != 0:
             self.fail(f"mark {flag} {step} on n{node} exited {got['code']}: {got['stdout']} {got['stderr']}")
         marked = sorted(r["generation"] for r in json.loads(got["stdout"]))
-        want = sorted(self.truth.gens[w] for w in copies)
+        want = sorted(self.truth.gens[w] for w, _ in copies)
         if marked != want:
-            self.fail(f"mark {flag} {step} on n{node} marked writer generations {marked}; the step's copies there "
-                      f"carry {want}")
-        for w in copies:
-            self.truth.marks[(w, step)] = "suspect" if suspect else "healthy"
+            self.fail(f"mark {flag} {step} on n{node} marked writes of writer generations {marked}; the step's "
+                      f"writes there carry {want}")
+        for w, sid in copies:
+            self.truth.marks[(w, step, sid)] = "suspect" if suspect else "healthy"
 
     @rule(node=st.sampled_from(NODES))
     def lose_node(self, node: int) -> None:

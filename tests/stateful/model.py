@@ -62,8 +62,9 @@ class Violation(AssertionError):
 class Truth:
     saves: dict[int, Save] = field(default_factory=dict)
     tiers: dict[Hashable, dict[int, set[Optional[Entry]]]] = field(default_factory=dict)
-    #: a person's health marks (``nebula-ckpt mark``): (writer, step) -> "suspect" or "healthy"
-    marks: dict[tuple[int, int], str] = field(default_factory=dict)
+    #: health marks (a person's ``nebula-ckpt mark``, the training signal's), per write: (writer,
+    #: step, save id) -> "suspect" or "healthy"; a step saved again is another write, with no mark
+    marks: dict[tuple[int, int, int], str] = field(default_factory=dict)
     #: each writer's generation, as audits read it from the commit markers
     gens: dict[int, int] = field(default_factory=dict)
     #: steps ``remove()`` left in place while a later step refers to them, with the entries it was
@@ -94,19 +95,19 @@ class Truth:
     def maybe_steps(self, key: Hashable) -> list[int]:
         return sorted(s for s, p in self.tier(key).items() if p - {ABSENT})
 
-    def suspect(self) -> set[tuple[int, int]]:
-        """The (writer, step) checkpoints marked suspect: a restore of the newest step skips them."""
+    def suspect(self) -> set[tuple[int, int, int]]:
+        """The writes (writer, step, save id) marked suspect: a restore of the newest step skips them."""
         return {ws for ws, m in self.marks.items() if m == "suspect"}
 
-    def target(self, keys: list[Hashable], skip: frozenset[tuple[int, int]] = frozenset()
+    def target(self, keys: list[Hashable], skip: frozenset[tuple[int, int, int]] = frozenset()
                ) -> Optional[tuple[int, Entry, Hashable]]:
         """What a restore reading ``keys`` (fastest first) must open: the newest (writer, step), the
         later save of a step saved twice, the fastest tier for one save; none of ``skip``'s
-        (writer, step)."""
+        writes (writer, step, save id)."""
         best: Optional[tuple[tuple[int, int, int, int], int, Entry, Hashable]] = None
         for i, k in enumerate(keys):
             for s, e in self.entries(k).items():
-                if (e.writer, s) in skip:
+                if (e.writer, s, e.sid) in skip:
                     continue
                 order = (e.writer, s, e.sid, -i)  # of two saves of one step, the later one
                 if best is None or order > best[0]:

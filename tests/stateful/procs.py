@@ -89,6 +89,19 @@ class Proc:
             raise AssertionError(f"worker {self.n}: {cmd['op']} raised {got['crash']}\n{got.get('trace', '')}")
         return got
 
+    def ready(self, timeout: float) -> bool:
+        """Whether an answer (or the process's end) is there to :meth:`recv` within ``timeout`` s."""
+        assert self.p.stdout is not None
+        deadline = time.monotonic() + timeout
+        while "\n" not in self._buf:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return False
+            ready, _, _ = select.select([self.p.stdout.fileno()], [], [], min(left, 1.0))
+            if ready and not self._read_some():
+                return True
+        return True
+
     def _read_some(self) -> bool:
         """Read what the process wrote (it is readable); False when it ended."""
         assert self.p.stdout is not None

@@ -1,8 +1,10 @@
 """The model-based stateful test, bounded profile (``make test``; the long one is ``make soak``).
 
 Random sequences of saves, saves of a step again, a second Checkpointer taking the root over in
-the same process, SIGKILLs at named points, ``gc``,
-``persist-memory``, lost nodes, moved run folders and restores in fresh processes, checked after
+the same process, SIGKILLs at named points, ``gc`` (also ``gc ROOT --root-timeout``),
+``persist-memory``, lost nodes, moved run folders and restores in fresh processes, ``close()``
+racing a save from another thread or landing in the optimizer's step hook from a SIGTERM handler,
+and the operator's ``verify`` / ``ls`` / ``gc`` beside a save held mid-way, checked after
 every restore and every audit against a model of which save is committed where
 (tests/stateful/README.md).
 """

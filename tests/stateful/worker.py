@@ -10,7 +10,9 @@ then ``close`` or ``exit`` like a crash) or a *tool* (``cli`` runs ``nebula-ckpt
 ``arm`` makes the process SIGKILL itself at a named point: the first (after ``skip``) library log
 line that contains every string of ``at`` (the library's ``phase=...`` DEBUG lines and the lines
 naming each step retention deletes). The kill is a real ``SIGKILL`` of this process, from the
-thread that reached the point, before that point's action runs.
+thread that reached the point, before that point's action runs. ``save_begin`` holds the library
+thread that logs a named line instead (:class:`PauseAt`) until ``save_end``: a save stopped
+mid-way while the driver runs the operator's commands beside it.
 
 The states saved are :mod:`stateful.states`' (every byte says which save and rank it belongs to).
 """
@@ -25,6 +27,8 @@ import logging
 import os
 import signal
 import sys
+import threading
+import time
 import traceback
 from typing import Any, Optional
 
@@ -63,9 +67,46 @@ class KillAt(logging.Handler):
             os.kill(os.getpid(), signal.SIGKILL)
 
 
+class PauseAt(logging.Handler):
+    """Hold the library thread that logs the first line containing every string of ``at`` until
+    :meth:`release`: a save stopped mid-way (its other threads go on) while the operator's commands
+    run beside it. ``handle`` is overridden so that the held thread keeps no handler lock (other
+    threads' log lines pass)."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.DEBUG)
+        self.at: Optional[list[str]] = None
+        self.reached, self.go = threading.Event(), threading.Event()
+
+    def arm(self, at: Optional[list[str]]) -> None:
+        self.reached.clear()
+        self.go.clear()
+        self.at = at
+
+    def release(self) -> None:
+        self.at = None
+        self.go.set()
+
+    def handle(self, record: logging.LogRecord) -> bool:  # type: ignore[override]
+        at = self.at
+        if at is None or not all(s in record.getMessage() for s in at):
+            return False
+        self.at = None
+        self.reached.set()
+        self.go.wait(PAUSE_MAX_S)  # never for good: a driver that died must not leave the thread held
+        return True
+
+    def emit(self, record: logging.LogRecord) -> None:
+        pass
+
+
+#: seconds a paused library thread waits for ``save_end`` at most
+PAUSE_MAX_S = 600.0
 KILL = KillAt()
+PAUSE = PauseAt()
 _lib_log = logging.getLogger("nebula_ckpt")
 _lib_log.addHandler(KILL)
+_lib_log.addHandler(PAUSE)
 _to_log = logging.StreamHandler(sys.stderr)  # the worker's log file: what the library said, for a failure's report
 _to_log.setLevel(logging.INFO)
 _to_log.setFormatter(logging.Formatter("%(asctime)s %(threadName)s %(levelname)s %(message)s"))
@@ -81,6 +122,7 @@ class Worker:
         self.rank = 0
         self._root = ""
         self._tiers: dict[str, Any] = {}
+        self.pending: Optional[Any] = None  # the handle of a save begun by ``save_begin``
 
     # -- parts -------------------------------------------------------------------------------
     def node(self, cmd: dict[str, Any]) -> None:
@@ -138,7 +180,7 @@ class Worker:
         t = self._tiers
         tiers = [nc.MemoryTier(keep_last=t["memory_keep"], replicas=t.get("replicas", 0)),
                  nc.LocalTier(self._root, keep_last=t["disk_keep"], every=t["disk_every"])]
-        return nc.Checkpointer(self._root, tiers=tiers)
+        return nc.Checkpointer(self._root, tiers=tiers, snapshot=t.get("snapshot", "auto"))
 
     def op_reopen(self, cmd: dict[str, Any]) -> dict[str, Any]:
         """A second Checkpointer on the job's root while the first stays open (a framework that
@@ -146,6 +188,13 @@ class Worker:
         first one hands the root over at its first write)."""
         assert self.ck is not None
         self.older.append(self.ck)
+        self.ck = self._checkpointer()
+        return self.op_restore(cmd)
+
+    def op_open_again(self, cmd: dict[str, Any]) -> dict[str, Any]:
+        """A new Checkpointer on the job's root in this process once the job's were closed (a
+        framework that closes its plugin and makes another): it restores as ``op_open`` does."""
+        assert self.ck is None
         self.ck = self._checkpointer()
         return self.op_restore(cmd)
 
@@ -182,13 +231,142 @@ class Worker:
             h = self.ck.save_async(int(cmd["step"]), st)
         except Exception as e:
             return {"ok": False, "error": f"{type(e).__name__}: {e}", "written": [], "dropped": []}
+        return _outcome(h)
+
+    def op_save_begin(self, cmd: dict[str, Any]) -> dict[str, Any]:
+        """``save_async`` of step ``cmd["step"]``, its library thread held at the log line of ``pause``
+        (:class:`PauseAt`): the answer comes once that thread is held (``paused``) or the save has
+        finished without reaching the line (a tier its cadence skips, no retention to run).
+        ``save_end`` lets it go on."""
+        assert self.ck is not None and self.pending is None
+        st = make_state(int(cmd["sid"]), int(cmd["fid"]), self.rank)
+        PAUSE.arm(cmd.get("pause"))
+        _lib_log.setLevel(logging.DEBUG)
         try:
-            h.result()
-            err = None
+            h = self.ck.save_async(int(cmd["step"]), st)
         except Exception as e:
-            err = f"{type(e).__name__}: {e}"
-        return {"ok": err is None, "error": err, "written": sorted({t.split(":")[0] for t in h.tiers_written}),
-                "dropped": sorted({t.split(":")[0] for t in h.tiers_dropped})}
+            self._unpause()
+            return {"accepted": False, "error": f"{type(e).__name__}: {e}"}
+        self.pending = h
+        # the training thread confirms the copy (as its next step's hook would): the tier writers
+        # wait for that before they commit (a failure of it is the handle's: save_end reports it)
+        with contextlib.suppress(Exception):
+            h.wait_snapshot()
+        while not PAUSE.reached.wait(0.01) and not h.done():
+            pass
+        return {"accepted": True, "paused": PAUSE.reached.is_set()}
+
+    def op_save_end(self, cmd: dict[str, Any]) -> dict[str, Any]:
+        """Let the save ``save_begin`` held go on; its outcome as ``save``'s."""
+        h, self.pending = self.pending, None
+        self._unpause()
+        assert h is not None
+        return _outcome(h, HANDLE_WAIT_S)
+
+    def _unpause(self) -> None:
+        PAUSE.release()
+        _lib_log.setLevel(logging.INFO if KILL.at is None else logging.DEBUG)
+
+    def op_save_close_race(self, cmd: dict[str, Any]) -> dict[str, Any]:
+        """``save_async`` of step ``cmd["step"]`` on this thread (the training thread) while another
+        thread calls ``close()``, ``delay`` s after both start (a negative delay: the save waits that
+        long instead). The save is accepted and then written whole, or refused with a NebulaError;
+        the close returns either way (``close``: its error, ``"hung"`` when it did not return in
+        time). The earlier Checkpointers of the job are closed after it (``open_again`` makes the next)."""
+        ck = self.ck
+        assert ck is not None
+        st = make_state(int(cmd["sid"]), int(cmd["fid"]), self.rank)
+        delay = float(cmd["delay"])
+        start = threading.Barrier(2)
+        closing: dict[str, Any] = {}
+
+        def closer() -> None:
+            start.wait()
+            time.sleep(max(delay, 0.0))
+            closing["error"] = _error_of(ck.close)
+
+        t = threading.Thread(target=closer, name="stateful-closer", daemon=True)
+        t.start()
+        start.wait()
+        time.sleep(max(-delay, 0.0))
+        try:
+            h = ck.save_async(int(cmd["step"]), st)
+        except Exception as e:
+            got: dict[str, Any] = {"accepted": False, "error": f"{type(e).__name__}: {e}",
+                                   "nebula_error": isinstance(e, nc.NebulaError)}
+        else:
+            got = {"accepted": True, **_outcome(h, HANDLE_WAIT_S)}
+        t.join(HANDLE_WAIT_S)
+        got["close"] = "hung" if t.is_alive() else closing.get("error")
+        got["older"] = self._close_older()
+        return got
+
+    def op_close_in_step(self, cmd: dict[str, Any]) -> dict[str, Any]:
+        """The usual preemption handler's ``close()`` (a SIGTERM handler, less its exit) landing while
+        ``optimizer.step()``'s pre-hook confirms the overlapped copy (``snapshot="async"``) of the save
+        just accepted: the SIGTERM is sent from inside the hook, just before (``at="before"``) or just
+        after (``"after"``) it waits for the copy, so the handler runs there (a real signal, at the
+        next bytecode); ``at="save_async"``: inside ``save_async`` confirming the copy of the save
+        before. Where that code does not run (no copy left to confirm: a copy made on the spot) it
+        is sent after ``step()`` instead (``where`` says which). The close is deferred until the hook returns;
+        the save must be written whole (the bytes from before the step), nothing may hang. The
+        earlier Checkpointers of the job are closed after it (``open_again`` makes the next)."""
+        from nebula_ckpt.save import snapshot as snapshot_mod  # the copy confirmation: where the signal lands
+
+        ck = self.ck
+        assert ck is not None
+        st = make_state(int(cmd["sid"]), int(cmd["fid"]), self.rank)
+        for p in st["model"].parameters():
+            p.grad = torch.ones_like(p)
+        main, at, sent = threading.get_ident(), cmd.get("at", "before"), threading.Event()
+        landed: dict[str, Any] = {}
+        real = snapshot_mod.Snapshot.finish_copy
+
+        def on_term(signum: int, frame: Any) -> None:
+            names = _frames(frame)
+            landed["where"] = "in save_async()" if "save_async" in names else \
+                "in the step hook" if "_hook" in names else "after step()"
+            landed["error"] = _error_of(ck.close)
+
+        def finish_copy(snap: Any) -> None:
+            names = _frames(sys._getframe())
+            here = threading.get_ident() == main and not sent.is_set() and "confirm_inflight" in names and \
+                ("save_async" in names) == (at == "save_async")
+            if here and at != "after":
+                sent.set()
+                os.kill(os.getpid(), signal.SIGTERM)
+            real(snap)
+            if here and at == "after":
+                sent.set()
+                os.kill(os.getpid(), signal.SIGTERM)
+
+        old = signal.signal(signal.SIGTERM, on_term)
+        snapshot_mod.Snapshot.finish_copy = finish_copy  # type: ignore[method-assign]
+        try:
+            try:
+                h = ck.save_async(int(cmd["step"]), st)
+            except Exception as e:
+                return {"accepted": False, "error": f"{type(e).__name__}: {e}", "older": self._close_older()}
+            st["optim"].step()  # its pre-hook confirms the copy (with an overlapped snapshot)
+            if not sent.is_set():
+                os.kill(os.getpid(), signal.SIGTERM)
+            for _ in range(10_000):  # the handler runs on this thread at its next bytecode
+                if "where" in landed:
+                    break
+                time.sleep(0.001)
+        finally:
+            snapshot_mod.Snapshot.finish_copy = real  # type: ignore[method-assign]
+            signal.signal(signal.SIGTERM, old)
+        got = {"accepted": True, **_outcome(h, HANDLE_WAIT_S), "where": landed.get("where"),
+               "close": landed.get("error", "never ran"), "closed": ck.closed}
+        got["older"] = self._close_older()
+        return got
+
+    def _close_older(self) -> Optional[str]:
+        """Close the job's earlier Checkpointers (the newest first); the first error."""
+        errs = [_error_of(ck.close) for ck in reversed(self.older)]
+        self.ck, self.older = None, []
+        return next((e for e in errs if e), None)
 
     def op_report(self, cmd: dict[str, Any]) -> dict[str, Any]:
         """``ck.report(step, loss=...)`` for each ``[step, finite]`` of ``cmd["reports"]`` (NaN when not finite)."""
@@ -304,6 +482,38 @@ class Worker:
         verify = self.op_cli({**cmd, "argv": ["verify", root, "--json"]})
         text = verify["stdout"].strip() or "[]"  # with nothing committed a line of text follows the JSON
         return {"tiers": out, "verify": json.JSONDecoder().raw_decode(text)[0]}
+
+
+#: seconds a save's handle may take to finish before the worker reports it unfinished
+HANDLE_WAIT_S = 120.0
+
+
+def _outcome(h: Any, timeout: Optional[float] = None) -> dict[str, Any]:
+    """What a save's handle says once it finished: ok, its error, the tiers written and dropped."""
+    try:
+        h.result(timeout)
+        err = None
+    except Exception as e:
+        err = f"{type(e).__name__}: {e}"
+    return {"ok": err is None, "error": err, "written": sorted({t.split(":")[0] for t in h.tiers_written}),
+            "dropped": sorted({t.split(":")[0] for t in h.tiers_dropped}), "done": h.done()}
+
+
+def _error_of(fn: Any) -> Optional[str]:
+    try:
+        fn()
+    except Exception as e:
+        return f"{type(e).__name__}: {e}"
+    return None
+
+
+def _frames(frame: Any) -> list[str]:
+    """The function names of ``frame``'s stack, innermost first."""
+    names = []
+    while frame is not None:
+        names.append(frame.f_code.co_name)
+        frame = frame.f_back
+    return names
 
 
 def main() -> None:
