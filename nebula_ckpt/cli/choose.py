@@ -19,11 +19,11 @@ from typing import Callable, TypeVar, Union
 
 from nebula_ckpt.cli.common import commit_state, note, open_tiers
 from nebula_ckpt.errors import NebulaError
-from nebula_ckpt.format.commit import read_commit, step_dirs
+from nebula_ckpt.format.commit import step_dirs
 from nebula_ckpt.format.health import SUSPECT
 from nebula_ckpt.health.book import HealthView
 from nebula_ckpt.restore.open import read_main_manifest
-from nebula_ckpt.restore.select import Candidate, HealthChoice, list_candidates
+from nebula_ckpt.restore.select import Candidate, HealthChoice, changed_meanwhile, list_candidates
 from nebula_ckpt.storage.base import Storage
 from nebula_ckpt.storage.urls import strip_credentials
 from nebula_ckpt.tiers.base import Tier
@@ -144,11 +144,7 @@ def _open(c: Candidate, opener: Callable[[Storage, int, str], T]) -> T:
     try:
         return opener(c.storage, c.step, _where(c))
     except Exception:
-        try:
-            now = read_commit(c.storage, c.step, _where(c))
-        except Exception:  # gone or unreadable now: the first failure stands
-            now = None
-        if now is None or now.write == c.order:
+        if changed_meanwhile(c) in (None, c):  # the same write, gone or unreadable: the failure stands
             raise
     return opener(c.storage, c.step, _where(c))
 

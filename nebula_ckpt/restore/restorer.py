@@ -11,11 +11,11 @@ layout (:mod:`~nebula_ckpt.restore.reshard`).
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable, Optional, Union
+from typing import Any, Callable, Optional
 
 from nebula_ckpt.arguments import check_restore_arguments
 from nebula_ckpt.errors import CorruptCheckpointError, NotFoundError, OtherRanksError, ValidationError
-from nebula_ckpt.format.commit import Commit, Write, committed_steps, read_commit, shard_path
+from nebula_ckpt.format.commit import Write, committed_steps, shard_path
 from nebula_ckpt.format.manifest import Manifest
 from nebula_ckpt.format.names import COMMIT, step_dir
 from nebula_ckpt.health.book import HealthBook
@@ -26,6 +26,7 @@ from nebula_ckpt.restore.select import (
     HealthChoice,
     Stage,
     all_suspect_error,
+    changed_meanwhile,
     find_and_open,
     list_candidates,
     open_agreed,
@@ -122,8 +123,7 @@ class Restorer:
         for c in list_candidates(self.tier_pairs()):
             if c.problem is None and not choice.skips(*c.order):
                 man = _sound(c.tier, c.storage, c.step, True)
-                now = None if man is not None else _marker(c.storage, c.step)
-                if isinstance(now, Commit) and now.write != c.order:  # saved again while it was read: its new write
+                if man is None and changed_meanwhile(c) not in (None, c):  # saved again while read: its new write
                     man = _sound(c.tier, c.storage, c.step, True)
                 if man is not None:
                     return c.step, man.tag
@@ -287,17 +287,6 @@ class Restorer:
         state = materialize(ck, map_location=map_location, allow_pickle=self.allow_pickle)
         self._tell_monitor(ck)  # a framework resumes from read() (Hugging Face's Trainer does)
         return ck.step, state
-
-
-def _marker(st: Storage, step: int) -> Union[Commit, str, None]:
-    """The commit marker of ``step`` on ``st`` as it is now: None when it is gone, the kind of error
-    when it cannot be read (a tier that is down: never an error of the restore's own)."""
-    try:
-        return read_commit(st, step, f"step {step}")
-    except FileNotFoundError:
-        return None
-    except Exception as e:
-        return type(e).__name__
 
 
 def _key(ck: Optional[OpenCheckpoint]) -> Optional[Write]:

@@ -184,7 +184,7 @@ def _open_candidate(c: Candidate, verify: str, rank: Optional[int], world: int, 
     """Open (and stage) candidate ``c``; None when it is damaged (why appended to ``skipped``), of a
     layout this process cannot restore (why appended to ``layouts``, when given), or removed while
     it was read; a step saved again while it was read is opened again, as its new write
-    (:func:`_changed_meanwhile`; ``again_ok``: not yet).
+    (:func:`changed_meanwhile`; ``again_ok``: not yet).
 
     Raises:
         ValidationError: ``stage`` found that ``into`` does not match (every candidate would say so).
@@ -205,7 +205,7 @@ def _open_candidate(c: Candidate, verify: str, rank: Optional[int], world: int, 
             layouts.append(str(e))
         return None
     except Exception as e:  # KeyError, OverflowError, struct.error, OSError...: all mean damaged
-        again = _changed_meanwhile(c) if world == 1 and again_ok else None
+        again = changed_meanwhile(c) if world == 1 and again_ok else None
         if again is not None:  # saved again or removed while it was read: not damaged
             return None if again is c else _open_candidate(again, verify, rank, world, stage, skipped, layouts, False)
         why = str(e) if isinstance(e, CorruptCheckpointError) else \
@@ -216,7 +216,7 @@ def _open_candidate(c: Candidate, verify: str, rank: Optional[int], world: int, 
     return ck
 
 
-def _changed_meanwhile(c: Candidate) -> Optional[Candidate]:
+def changed_meanwhile(c: Candidate) -> Optional[Candidate]:
     """After candidate ``c`` failed to open: None when its marker still names the write listed (or
     cannot be read): the failure is damage. Else the step was removed (``c`` itself: left out) or
     saved again while it was read (a job replaces the marker with the new write's, then removes the
