@@ -48,9 +48,8 @@ def _compression(man: Optional[mf.Manifest]) -> tuple[Optional[str], Optional[fl
     return ",".join(sorted(codecs)), (sum(sh.bytes for sh in man.shards) / stored if stored else None)
 
 
-def _health(view: Optional[HealthView], st: Storage, step: int, man: Optional[mf.Manifest],
-            committed: bool) -> Mark:
-    """The health mark of the committed ``step`` on ``st`` (of the writer generation that holds it)."""
+def _health(view: Optional[HealthView], st: Storage, step: int, committed: bool) -> Mark:
+    """The health mark of the committed ``step`` on ``st`` (of the write its marker names)."""
     if view is None or not committed or not view.has_records(step):
         return NO_MARK
     try:
@@ -81,7 +80,7 @@ def _ls_row(tier: Tier, st: Storage, step: int, verify: str,
     else:
         healthy, why, man = False, "no commit marker", None
     codec, ratio = _compression(man)
-    mark = _health(view, st, step, man, committed)
+    mark = _health(view, st, step, committed)
     row = {"tier": tier.name, "step": step, "tag": man.tag if man is not None else None,
            "health": mark.state if committed else None, "health_reason": mark.reason or None,
            "committed": committed, "healthy": healthy, "verified": verify if committed else None,
