@@ -3,7 +3,7 @@
 Usage: python copied_steps_worker.py ROOT OUT   (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT in env)
 
 The root holds steps copied in without their ``_nebula/`` folder, of writer generations up to 3.
-The job saves steps 4, 5 and 6 with ``keep_last=2``, then restarts (a new Checkpointer) and
+The job saves steps 4, 5 and 6 with ``keep_last=2``, then restarts (a new Checkpointer), lists and
 restores; every rank reports what it listed, restored and the generation it wrote under.
 """
 
@@ -25,9 +25,11 @@ def main() -> None:
         with nc.Checkpointer(root, keep_last=2, memory_tier=False) as ck:
             for s in (4, 5, 6):
                 ck.save(s, {"x": torch.full((4,), float(10 * s + rank))})
-            report["listed"] = ck.list()
         x = torch.zeros(4)
         with nc.Checkpointer(root, memory_tier=False) as ck:  # the job restarts
+            # Listed after the restart: rank 0 prunes after the commit the other ranks wait
+            # for, so only its close() (which the next open follows) orders the prune before a list.
+            report["listed"] = ck.list()
             report["latest"] = ck.load_latest(into={"x": x})
         report["x"] = x[0].item()
         write_report(out, "copied", rank, report)
