@@ -71,9 +71,7 @@ def test_recovery_quick_report(tmp_path: Path, shm_dir: str) -> None:
         assert _positive(sv[key]["median"]), key
     assert _positive(sv["floor_ratio"]) and _positive(sv["first_two_ratio"])
 
-    # loose regression guards, ratios within this run only
-    assert mem["first_step_s"]["min"] <= 1.5 * rows["torch_load"]["first_step_s"]["min"], (
-        mem["first_step_s"], rows["torch_load"]["first_step_s"])
+    # memory guards (timings are the benchmark's to report, never a test's to assert)
     assert mem["extra_rss_bytes"]["min"] <= 2.0 * state, mem["extra_rss_bytes"]
     # the restart took the optimizer state (2/3 of it with AdamW) from the memory tier without a copy,
     # so the load itself adds about that much, not a copy beside a mapping (which would be ~1.67x)
