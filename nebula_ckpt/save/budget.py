@@ -24,7 +24,10 @@ The budget (``Checkpointer(host_memory_budget=...)``) is:
 A save that would exceed it first makes room where that loses nothing (idle buffers of other
 sizes; the memory tier's steps that a persistent tier holds as the same write, or, with no save
 in flight, its newest write once it is put there: :func:`~nebula_ckpt.save.drain.make_room`),
-then waits or is skipped by ``on_full``, with a log line that names the budget. A partner rank's replica that
+then waits or is skipped by ``on_full``, with a log line that names the budget. A save that
+waits (``"wait"``) while nothing is in flight and nothing can be freed (:func:`note_held`: what
+holds the memory) never would go ahead: it raises :class:`~nebula_ckpt.errors.ValidationError`
+instead, naming the budget and what holds it (:meth:`HostMemoryBudget.held_error`). A partner rank's replica that
 would exceed it is refused before it is sent (:meth:`~nebula_ckpt.save.buffers.StagingPool.room_for`;
 the partner's handle reports its replica failed). A state that cannot fit even once
 is refused at its first save, before anything is written (:meth:`HostMemoryBudget.check_fits`).
@@ -194,6 +197,41 @@ class HostMemoryBudget:
             f"{why}, but {self.describe(used)} allows {gib(limit)}"
             f"{f' (checkpointing holds {gib(used)} already)' if used else ''}; nothing was written. {fix}{extra}, "
             "or save less per process (shard the state over more ranks)")
+
+
+    def held_error(self, what: str, short: str, held: Optional[str]) -> ValidationError:
+        """The error of a save that waits for the budget (``what``) when nothing in flight can free
+        memory and nothing more can be given up (``short``: what it needs and what is held;
+        ``held``: why the memory tier keeps what it holds, when known)."""
+        fix = "pass a larger host_memory_budget" if self._fixed is not None else \
+            "free host memory, or pass host_memory_budget=<bytes>"
+        return ValidationError(
+            f"{what} cannot go ahead (on_full='wait'): {short}, and nothing in flight can free any of it"
+            f"{f': {held}' if held else ''}. It was not written; {fix}, let a persistent tier take every save "
+            "(every=1) and the memory tier keep one step (keep_last=1), or pass on_full='skip' to go on without "
+            "such saves")
+
+
+#: why nothing can be freed for a save short of the budget, by the slot folder of the memory tier
+#: that holds it (``TierRuntime.staging_dir()``, the staging pool's ``slot_dir``): set by
+#: :func:`~nebula_ckpt.save.drain.make_room` once no save is in flight, cleared while one is
+_HELD: dict[str, str] = {}
+
+
+def note_held(slot_dir: Optional[str], why: Optional[str]) -> None:
+    """Record why the memory tier of ``slot_dir`` can free nothing (None: a save in flight, or a
+    step given up, may free memory: nothing is stuck)."""
+    if slot_dir is None:
+        return
+    if why is None:
+        _HELD.pop(slot_dir, None)
+    else:
+        _HELD[slot_dir] = why
+
+
+def held_by(slot_dir: Optional[str]) -> Optional[str]:
+    """What :func:`note_held` last recorded for ``slot_dir``: None unless nothing can be freed."""
+    return None if slot_dir is None else _HELD.get(slot_dir)
 
 
 def folder_ram_bytes(path: Optional[str]) -> int:

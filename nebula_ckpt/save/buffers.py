@@ -34,8 +34,16 @@ from nebula_ckpt import knobs
 from nebula_ckpt.errors import ValidationError
 from nebula_ckpt.latch import Latch
 from nebula_ckpt.native import get_ops
-from nebula_ckpt.save.budget import HostMemoryBudget, folder_ram_bytes, gib
-from nebula_ckpt.save.slots import Slot, adopt_slot_file, create_slot_file, fresh_anonymous, shm_room
+from nebula_ckpt.save.budget import HostMemoryBudget, folder_ram_bytes, gib, held_by
+from nebula_ckpt.save.slots import (
+    Slot,
+    adopt_slot_file,
+    create_slot_file,
+    drop_idle,
+    fresh_anonymous,
+    retire_anonymous,
+    shm_room,
+)
 from nebula_ckpt.storage.prefault import FaultAhead, threads_for
 from nebula_ckpt.tiers.memory.runtime import own_spare_slot_files
 
@@ -46,6 +54,9 @@ SLOT_AHEAD_BYTES = 32 << 20
 #: longest a staging buffer made in the background waits for the copy of the save that asked for it
 #: to finish (so that it does not take that copy's cores and memory bandwidth) before it is made anyway
 SLOT_AHEAD_WAIT_S = 60.0
+#: how long a save that waits for the budget finds nothing in flight and nothing to give up before it
+#: raises instead of waiting for ever (what the memory tier holds is re-examined meanwhile)
+STUCK_S = 2.0
 
 __all__ = ["Slot", "StagingPool"]
 
@@ -203,6 +214,7 @@ class StagingPool:
         """
         self.check_fits(nbytes)
         reclaimed = told = False
+        freed, stuck = reclaim is not None, None  # stuck: since when nothing in flight can free memory
         while True:
             with self._mutex:
                 self._short = None
@@ -214,6 +226,7 @@ class StagingPool:
                 if reclaimed or reclaim is None:
                     if self.on_full == "skip":
                         return None
+                    stuck = self._stuck(short and not freed, stuck, what)
                     if short and not told:
                         told = True
                         log.warning("nebula_ckpt: %s waits (on_full='wait'): %s; it goes ahead once a save in flight "
@@ -222,14 +235,33 @@ class StagingPool:
                     reclaimed = False
                     continue
             reclaimed = True
-            reclaim(short)
+            freed = bool(reclaim(short))
+
+    def _stuck(self, short: bool, since: Optional[float], what: str) -> Optional[float]:
+        """Since when a waiting save (``what``) finds nothing in flight that could free memory,
+        nothing given up and what holds the memory tier named (:func:`~nebula_ckpt.save.budget.held_by`),
+        or None (lock held).
+
+        Raises:
+            ValidationError: so for :data:`STUCK_S`: it would wait for ever.
+        """
+        held = held_by(self.slot_dir)
+        if not short or held is None or self._preparer is not None or any(s.in_use for s in self._slots):
+            return None
+        if since is None:
+            return time.monotonic()
+        if time.monotonic() - since < STUCK_S:
+            return since
+        e = self.budget.held_error(what, self.why_full(), held)
+        log.error("nebula_ckpt: %s", e)
+        raise e
 
     def _trim(self) -> list[Slot]:
-        """Free idle anonymous buffers slot files replaced (:meth:`_retire_anonymous`) and idle
-        staging slots beyond ``max_slots`` (a slot file stops being live when the memory tier's
-        retention drops its checkpoint, which can leave one staging slot too many); return the
-        staging slots left."""
-        self._retire_anonymous()
+        """Free idle anonymous buffers slot files replaced (:func:`~nebula_ckpt.save.slots.retire_anonymous`)
+        and idle staging slots beyond ``max_slots`` (a slot file stops being live when the memory
+        tier's retention drops its checkpoint, which can leave one staging slot too many); return
+        the staging slots left."""
+        retire_anonymous(self._slots)
         staging = [s for s in self._slots if not s.live()]
         extra = len(staging) - self.max_slots
         if extra > 0:  # the idle ones beyond it go, anonymous buffers first
@@ -274,7 +306,7 @@ class StagingPool:
         def room(extra: int = 0) -> bool:
             return len(staging) + (self._preparer is not None) < self.max_slots and self._fits(size + extra)
 
-        self._make_room(staging, room, lambda: use_file and self.slot_dir is not None and
+        drop_idle(self._slots, staging, room, lambda: use_file and self.slot_dir is not None and
                         not shm_room(self.slot_dir, size))
         if not room():
             return None
@@ -300,21 +332,6 @@ class StagingPool:
         if ahead:
             self._prepare_ahead(nbytes, took_file=slot.path is not None)
         return slot
-
-    def _make_room(self, staging: list[Slot], room: Callable[[], bool], shm_full: Callable[[], bool]) -> None:
-        """Drop idle buffers that do not fit (or are of the other kind) until ``room()``; then, on
-        a full tmpfs (``shm_full()``), idle slot files of other sizes too (for a new one, or the
-        tier's copy). Lock held."""
-        for s in [s for s in staging if not s.in_use]:
-            if room():
-                break
-            self._slots.remove(s)
-            staging.remove(s)
-            s.free()
-        for s in [s for s in staging if not s.in_use and s.path] if shm_full() else []:
-            self._slots.remove(s)
-            staging.remove(s)
-            s.free()
 
     def prepare(self, nbytes: int, pinned: bool) -> None:
         """Make the staging for saves of ``nbytes`` in the background, unless it is there.
@@ -411,21 +428,6 @@ class StagingPool:
                 if self._preparer is None:
                     self._preparing_two = None
                 self._cond.notify_all()
-
-    def _retire_anonymous(self) -> None:
-        """Free each idle unpinned anonymous buffer that two slot files of a size it would serve
-        have replaced (the steady state: the memory tier's checkpoint and the next save's staging;
-        saves stage in slot files first). Kept, such a buffer (the first save's, made while no slot
-        file was ready) would hold a state's worth of memory for the rest of the job. Lock held."""
-        sizes = [s.capacity for s in self._slots if s.path is not None]
-        if len(sizes) < 2:
-            return  # no size has two slot files
-        for s in [s for s in self._slots if s.path is None and not s.in_use and not s.pinned]:
-            if any(sizes.count(n) >= 2 and s.fits(n) for n in set(sizes)):
-                log.debug("nebula_ckpt: anonymous staging buffer of %.1f MiB freed (slot files replace it)",
-                          s.capacity / 2**20)
-                self._slots.remove(s)
-                s.free()
 
     def _adopt_spare(self, size: int) -> Optional[Slot]:
         """A spare slot file of exactly ``size`` that a finished process left (its tmpfs pages

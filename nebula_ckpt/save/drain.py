@@ -67,7 +67,7 @@ from nebula_ckpt.native import get_ops
 from nebula_ckpt.ranks.fencing import Fence
 from nebula_ckpt.ranks.split import split_manifest, split_payload
 from nebula_ckpt.restore.open import open_checkpoint, read_manifest
-from nebula_ckpt.save.budget import give_up_memory_steps
+from nebula_ckpt.save.budget import give_up_memory_steps, note_held
 from nebula_ckpt.storage.base import Storage
 from nebula_ckpt.storage.local import LocalStorage, fsync_dir
 
@@ -79,8 +79,8 @@ log = logging.getLogger(__name__)
 #: seconds :func:`make_room` waits for the tier writers to go idle once no save is in flight
 IDLE_WAIT_S = 5.0
 #: the memory tier's newest write that :func:`make_room` could not put on (or give up for) the
-#: persistent tiers, by memory-tier writer: not tried again until a newer write is there
-_NOT_PUT: "weakref.WeakKeyDictionary[Any, Write]" = weakref.WeakKeyDictionary()
+#: persistent tiers, by memory-tier writer, with why: not tried again until a newer write is there
+_NOT_PUT: "weakref.WeakKeyDictionary[Any, tuple[Write, str]]" = weakref.WeakKeyDictionary()
 
 
 @dataclass(frozen=True)
@@ -95,8 +95,10 @@ class Copy:
     own: bool
 
 
-def not_newer(write: Write, have: set[Write], tier: str) -> Optional[str]:
-    """Why ``write`` is not worth writing to a tier holding ``have`` (None: it is newer than all)."""
+def not_newer(write: Write, have: set[Write], tier: str, skip: frozenset[Write] = frozenset()) -> Optional[str]:
+    """Why ``write`` is not worth writing to a tier holding ``have`` (None: it is newer than all of
+    them but ``skip``, the writes a restore passes over: marked suspect)."""
+    have = have - skip
     top = max(have, default=None)
     if top is None or write > top:
         return None
@@ -139,11 +141,14 @@ class Drain:
         write: ``(generation, step, save)``.
         world: the job's world size.
         on_part: told ``(rank, bytes)`` after each part this host writes (a progress bar).
+        skip: committed writes of the shared tier newer than ``write`` that a restore passes over
+            (marked suspect): they do not keep it off the tier, as the step a restart restores.
     """
 
     def __init__(self, storage: Storage, tier: str, run_id: str, write: Write, world: int,
-                 on_part: Optional[Callable[[int, int], None]] = None) -> None:
+                 on_part: Optional[Callable[[int, int], None]] = None, skip: frozenset[Write] = frozenset()) -> None:
         self.storage, self.tier, self.write, self.world = storage, tier, write, world
+        self.skip = skip
         self.save_id = drain_save_id(run_id, *write)
         self.dir = step_dir(write[1])
         self._on_part = on_part
@@ -270,7 +275,7 @@ class Drain:
         man["time"] = max(float(p["time"]) for p in parts)  # not the time of building it: alike on every node
         mbytes = encode_manifest(man)
         Manifest.parse(mbytes, f"{self.tier} step {s} (drained)", s)  # the parts' trees and tables, checked
-        why = not_newer(self.write, set(committed_writes(self.storage)), self.tier) or \
+        why = not_newer(self.write, set(committed_writes(self.storage)), self.tier, self.skip) or \
             folder_problem(self.storage, self.write)
         if why is not None:
             if self._committed():
@@ -354,7 +359,7 @@ def own_part_drainer(storage: Storage, tier: str, run_id: str) -> Callable[[Writ
     return drain
 
 
-def flush_newest(writers: "list[TierWriter]", monitor: Any = None, who: str = "close()") -> None:
+def flush_newest(writers: "list[TierWriter]", monitor: Any = None, who: str = "close()") -> Optional[str]:
     """One process's drain at ``close()``: put the newest committed step on every persistent tier of
     ``writers`` that lacks it (cadence, drops). A disk or remote tier with ``every=N`` (or one that
     dropped saves while busy) would otherwise end the job older than the memory tier, which does
@@ -362,21 +367,23 @@ def flush_newest(writers: "list[TierWriter]", monitor: Any = None, who: str = "c
     tried again first; ``monitor``: the Checkpointer's
     :class:`~nebula_ckpt.health.monitor.HealthMonitor`, None when read only) is never copied: the newest
     step not marked suspect is put there instead. ``who``: what asks, in log lines (a save short
-    of the host-memory budget asks too: :func:`make_room`)."""
+    of the host-memory budget asks too: :func:`make_room`). Why a step was not put there (marked
+    suspect, a failed copy), or None."""
     # writes, not step numbers: a tier holding the first write of a step saved twice lacks the second
     have = {w.name: set(committed_writes(w.storage)) for w in writers}
     if monitor is not None:
         monitor.settle()  # a mark that failed before lands now, before any copy of its step
-    newest = None
+    newest, why = None, None
     for write in sorted(set().union(*have.values()), reverse=True):
         if monitor is None or not monitor.suspect(write[0], write[1], None if write[2] < 0 else write[2]):
             newest = write
             break
         if any(w.tier.persistent and write not in have[w.name] for w in writers):
+            why = why or f"step {write[1]} is marked suspect: it is never copied to a persistent tier"
             log.warning("nebula_ckpt: %s puts no copy of step %d on the persistent tiers: this process marked "
                         "it suspect", who, write[1])
     if newest is None:
-        return
+        return why
     src = next((w.storage for w in writers if newest in have[w.name] and w.storage.is_local), None)
     for w in writers:
         # a tier holding a newer (suspect) write keeps it as its newest
@@ -388,8 +395,10 @@ def flush_newest(writers: "list[TierWriter]", monitor: Any = None, who: str = "c
             w.copy_from(src, newest[1])
             log.info("nebula_ckpt: %s put the newest step %d on %s", who, newest[1], w.name)
         except Exception as e:
+            why = f"the copy of step {newest[1]} to {w.name} failed: {type(e).__name__}: {e}"
             log.error("nebula_ckpt: %s could not put the newest step %d on %s (its newest is step %s): %s: %s",
                       who, newest[1], w.name, max(have[w.name], default=(0, None))[1], type(e).__name__, e)
+    return why
 
 
 def make_room(writers: Sequence[Any], handles: Iterable[Any], monitor: Any = None) -> bool:
@@ -402,27 +411,50 @@ def make_room(writers: Sequence[Any], handles: Iterable[Any], monitor: Any = Non
     (:func:`flush_newest`: never a step marked suspect; ``monitor``: the Checkpointer's health
     monitor), then given up. So the save goes ahead rather than wait for ever or be skipped until
     ``close()``, and never at the cost of that write. A multi-rank job's step would need every
-    rank: there the save waits or is skipped. True if any step went."""
+    rank: there the save waits or is skipped. Where nothing can be freed, why is recorded for the
+    waiting save (:func:`~nebula_ckpt.save.budget.note_held`). True if any step went."""
+    memory = next((w for w in writers if not w.tier.persistent), None)
+    slots = None if memory is None else memory.runtime.staging_dir()
     if give_up_memory_steps(writers):
+        note_held(slots, None)
         return True
-    if not all(h.done() for h in list(handles)) or any(w.coordinator.world_size > 1 for w in writers) or \
-            not any(w.tier.persistent for w in writers) or all(w.tier.persistent for w in writers):
-        return False
     # with no save in flight a writer is at most finishing its loop (its handle is done already)
-    if not all(w.wait_idle(IDLE_WAIT_S) for w in writers):
+    if memory is None or not all(h.done() for h in list(handles)) or \
+            not all(w.wait_idle(IDLE_WAIT_S) for w in writers):
+        note_held(slots, None)  # what is in flight may free memory
         return False
+    why = _flush_for_room(writers, memory, monitor)
+    note_held(slots, why)
+    return why is None
+
+
+def _flush_for_room(writers: Sequence[Any], memory: Any, monitor: Any) -> Optional[str]:
+    """:func:`make_room`'s last resort, no save in flight: the memory tier's newest write put on the
+    persistent tiers, then given up. None once a step went; else why the memory tier keeps what
+    it holds."""
     if give_up_memory_steps(writers):
-        return True
-    memory = next(w for w in writers if not w.tier.persistent)
+        return None
     try:
-        newest = max(committed_writes(memory.storage), default=None)
+        mine = set(committed_writes(memory.storage))
     except Exception as e:  # unreadable: nothing is put anywhere; the save waits or is skipped
-        log.debug("nebula_ckpt: memory tier %s: %s", memory.name, e)
-        return False
-    if newest is None or _NOT_PUT.get(memory) == newest:
-        return False  # tried already (a failure is logged once, not at each look of a waiting save)
-    flush_newest(list(writers), monitor, who="a save short of the host-memory budget")
+        return f"memory tier {memory.name} cannot be read ({e})"
+    newest = max(mine, default=None)
+    persistent = [w for w in writers if w.tier.persistent]
+    held = sorted({s for _, s, _ in mine})
+    why = f"memory tier {memory.name} holds step(s) {held[:8]} that no persistent tier holds as the same write"
+    if not persistent:
+        return f"{why} (it is the only tier written: it keeps its newest step(s) until a newer one is in)"
+    if any(w.coordinator.world_size > 1 for w in writers):
+        return (f"{why} (a multi-rank job's step reaches the shared tier only as a save of every rank there, its "
+                "every=; it is never copied there to make room)")
+    tried = _NOT_PUT.get(memory)
+    if newest is None or (tried is not None and tried[0] == newest):
+        return why + (tried[1] if tried is not None else "")  # tried already: a failure is logged once
+    failed = flush_newest(list(writers), monitor, who="a save short of the host-memory budget")
     if give_up_memory_steps(writers):
-        return True
-    _NOT_PUT[memory] = newest
-    return False
+        return None
+    k = getattr(memory, "keep_last", 1)
+    cause = f" ({failed})" if failed else \
+        f" (only the newest one is put there to make room; MemoryTier(keep_last={k}) keeps the others)"
+    _NOT_PUT[memory] = newest, cause
+    return why + cause

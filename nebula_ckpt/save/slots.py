@@ -7,16 +7,19 @@ pre-faulted, which the memory tier links as its shard (see :mod:`nebula_ckpt.sav
 
 from __future__ import annotations
 
+import logging
 import mmap
 import os
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
 from nebula_ckpt import knobs
 from nebula_ckpt.format.names import slot_file_name
 from nebula_ckpt.storage.holds import read_elsewhere
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(eq=False)
@@ -133,3 +136,36 @@ def shm_room(slot_dir: str, nbytes: int) -> bool:
         return False
     total, free = st.f_blocks * st.f_frsize, st.f_bavail * st.f_frsize
     return free - nbytes >= knobs.get("shm_min_free_fraction") * total
+
+
+def drop_idle(slots: list[Slot], staging: list[Slot], room: Callable[[], bool], shm_full: Callable[[], bool]) -> None:
+    """Drop idle buffers of ``staging`` (from ``slots`` too) that do not fit (or are of the other
+    kind) until ``room()``; then, on a full tmpfs (``shm_full()``), idle slot files of other sizes
+    too (for a new one, or the tier's copy). The pool's lock held."""
+    for s in [s for s in staging if not s.in_use]:
+        if room():
+            break
+        slots.remove(s)
+        staging.remove(s)
+        s.free()
+    for s in [s for s in staging if not s.in_use and s.path] if shm_full() else []:
+        slots.remove(s)
+        staging.remove(s)
+        s.free()
+
+
+def retire_anonymous(slots: list[Slot]) -> None:
+    """Free (and drop from ``slots``) each idle unpinned anonymous buffer that two slot files of a
+    size it would serve have replaced (the steady state: the memory tier's checkpoint and the next
+    save's staging; saves stage in slot files first). Kept, such a buffer (the first save's, made
+    while no slot file was ready) would hold a state's worth of memory for the rest of the job.
+    The pool's lock held."""
+    sizes = [s.capacity for s in slots if s.path is not None]
+    if len(sizes) < 2:
+        return  # no size has two slot files
+    for s in [s for s in slots if s.path is None and not s.in_use and not s.pinned]:
+        if any(sizes.count(n) >= 2 and s.fits(n) for n in set(sizes)):
+            log.debug("nebula_ckpt: anonymous staging buffer of %.1f MiB freed (slot files replace it)",
+                      s.capacity / 2**20)
+            slots.remove(s)
+            s.free()

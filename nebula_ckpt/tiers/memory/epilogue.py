@@ -146,9 +146,9 @@ def _restored_write(writes: set[Write], view: HealthView) -> Optional[Write]:
 def _persist_restored(storage: Storage, tier: str, run_id: str, groups: Groups, have: set[Write], pick: Write,
                       on_part: OnPart) -> dict[str, Any]:
     """``pick``, the write a restart restores (the newest not marked suspect), committed on the root
-    that lacks it although newer steps of the run may be there (marked suspect: a restore skips them)."""
+    that lacks it although newer steps of the run may be there (marked suspect: a restore skips
+    them), a multi-rank one too (:class:`~nebula_ckpt.save.drain.Drain`'s ``skip``)."""
     g, s, _ = pick
-    newer = sorted(w[1] for w in have if w > pick)
     why = f"step {s} is the step a restart restores (the newest not marked suspect)"
     if any(w[0] > g for w in have):
         return _result(pick, False, f"{why}, but {not_newer(pick, have, tier)}")
@@ -156,11 +156,9 @@ def _persist_restored(storage: Storage, tier: str, run_id: str, groups: Groups, 
     if world == 1:
         _copy_one(storage, tier, pick, group[0], on_part)
         return _result(pick, True, f"{why} and was only in memory; it is committed on {tier}")
-    if newer:  # a drain commits only a write newer than every step on the root
-        raise NebulaError(f"persist-memory: {why} and is only in this host's memory, but a step of {world} ranks "
-                          f"is committed on {tier} only while no newer step is there, and step(s) {newer[:8]} "
-                          "(marked suspect) are: restart the job to resume from it")
-    drain = Drain(storage, tier, run_id, pick, world, on_part)
+    # the newer steps on the root are marked suspect (else pick would be one of them): a restore
+    # passes over them, so they keep the step it restores off the root no more than a restart
+    drain = Drain(storage, tier, run_id, pick, world, on_part, skip=frozenset(w for w in have if w > pick))
     done, missing = drain.run(group)
     if done:
         return _result(pick, True, f"{why} ({world} ranks) and was only in memory; it is committed on {tier}")
