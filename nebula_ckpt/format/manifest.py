@@ -383,8 +383,12 @@ def tagged(manifest: dict[str, Any], tag: Optional[str]) -> dict[str, Any]:
     return manifest
 
 
+#: the ``stats`` key of a step's count of its tier's saves since its chain's last full one, the
+#: step's own included (0: the step is full); a restarted job's cadence of full saves goes on from it
+SINCE_FULL = "saves_since_full"
+
 #: statistics of an incremental step that a step written whole no longer has
-_INCREMENTAL_STATS = ("base_step", "reused_bytes", "base_write", "saves_since_full")
+_INCREMENTAL_STATS = ("base_step", "reused_bytes", "base_write", SINCE_FULL)
 
 
 def whole_manifest(stored: Mapping[str, Any], *, shard: dict[str, Any], tensors: dict[str, dict[str, Any]],

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any, Callable, Mapping, Sequence
 
-from nebula_ckpt.format.manifest import build_manifest
+from nebula_ckpt.format.manifest import SINCE_FULL, build_manifest
 from nebula_ckpt.format.names import RANKS_FILE, SPLIT_VERSION
 from nebula_ckpt.format.rank_index import encode_ranks_index
 
@@ -22,8 +22,10 @@ def split_manifest(*, step: int, generation: int, save_id: str, parts: Sequence[
     """Rank 0's version 4 ``(manifest, bytes of ranks.json)``.
 
     ``parts[r]``: what rank ``r`` sent (its ``shard``, ``records`` entry, ``tree_digest``, ``tree``
-    (None: rank 0's), ``refs``, ``stats`` and ``grid``); ``owners``: the owner of each replicated
-    key; ``dtensors``: the DTensor table the ranks agreed on.
+    (None: rank 0's), ``refs``, ``stats``, ``grid`` and ``since_full``); ``owners``: the owner
+    of each replicated key; ``dtensors``: the DTensor table the ranks agreed on. The manifest's
+    ``stats`` record the largest of the ranks' ``since_full`` (the chain's saves since its last
+    full one, an upper bound for every rank's share) where every rank sent one.
     """
     trees: list[Any] = []
     digests: list[str] = []
@@ -40,6 +42,9 @@ def split_manifest(*, step: int, generation: int, save_id: str, parts: Sequence[
         refs=list(refs.values()))
     stats: dict[str, Any] = {"tensor_bytes": sum(int(p["stats"].get("tensor_bytes", 0)) for p in parts),
                              "copy_seconds": max(float(p["stats"].get("copy_seconds", 0.0)) for p in parts)}
+    since = [n for n in (p.get("since_full") for p in parts) if type(n) is int and n >= 0]
+    if len(since) == len(parts):  # every rank counted (a drained step's parts do not)
+        stats[SINCE_FULL] = max(since)
     man = build_manifest(step=step, generation=generation, shards=[], tensors={}, aliases={},
                          tree={"t": "list", "v": trees}, stats=stats)
     man.update(version=SPLIT_VERSION, world_size=len(parts), save_id=save_id, tree_digests=digests, owners=owners,

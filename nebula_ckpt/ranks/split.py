@@ -14,7 +14,8 @@ Pure functions over metadata (no I/O, no collectives), used by the commit rounds
   keys, its tree's digest, the earlier shards it refers to, sealed with its own CRC32C) and the
   small record it sends rank 0 in the durable round: its shard, its records file's name, size and
   CRC32C, its tree (None when it equals rank 0's) and the tree's digest, its statistics, its table
-  (see above), whether its chunks sit on the grid and the earlier steps' shards it refers to;
+  (see above), whether its chunks sit on the grid, the earlier steps' shards it refers to and its
+  count of saves since the last full one;
 * :func:`split_manifest` — the ranks' DTensor tables checked against each other, then rank 0's
   ``manifest.json`` and ``ranks.json``, built by :func:`nebula_ckpt.format.split.split_manifest`.
 """
@@ -65,8 +66,8 @@ def split_payload(*, step: int, generation: int, rank: int, world: int, save_id:
                   index: dict[str, dict[str, Any]], aliases: dict[str, str], meta: dict[str, Any],
                   send_tree: bool, send_table: bool, crc: Callable[[bytes], int],
                   refs: Optional[list[dict[str, Any]]] = None, hashes: Optional[dict[str, str]] = None,
-                  tree_digest: Optional[str] = None,
-                  replicas: Optional[dict[str, int]] = None) -> tuple[str, bytes, dict[str, Any]]:
+                  tree_digest: Optional[str] = None, replicas: Optional[dict[str, int]] = None,
+                  since_full: Optional[int] = None) -> tuple[str, bytes, dict[str, Any]]:
     """``(records file name, its bytes, what the rank sends in the durable round)``.
 
     ``index``: the tensor records of the rank's share (offsets in its shard, or ``shard`` j >= 1:
@@ -74,7 +75,9 @@ def split_payload(*, step: int, generation: int, rank: int, world: int, save_id:
     (every record, for the table and the grid), ``tree`` and ``stats``; ``hashes``: the SHA-256 of
     the share's tensors; ``tree_digest``: :func:`~nebula_ckpt.format.multi_rank.digest` of the tree
     (computed when not given); ``replicas``: the rank's keys whose bytes another rank stored (key
-    -> that rank).
+    -> that rank); ``since_full``: the rank's count of the tier's saves since its chain's last
+    full one, this one included (:meth:`~nebula_ckpt.save.incremental.Incremental.since_full`;
+    None: saves are not incremental), which rank 0's manifest records.
     """
     name = records_name(generation, rank)
     tree = tree_digest or digest(meta["tree"])
@@ -85,7 +88,7 @@ def split_payload(*, step: int, generation: int, rank: int, world: int, save_id:
                "records": {"file": name, "bytes": len(data), "crc32c": crc(data)}, "tree_digest": tree,
                "tree": meta["tree"] if send_tree else None, "stats": meta["stats"],
                "table": signature(meta["tensors"]) if send_table else None,
-               "grid": grid_of(meta["tensors"].values(), rank, world)}
+               "grid": grid_of(meta["tensors"].values(), rank, world), "since_full": since_full}
     return name, data, payload
 
 

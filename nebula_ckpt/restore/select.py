@@ -184,7 +184,9 @@ def _open_candidate(c: Candidate, verify: str, rank: Optional[int], world: int, 
     """Open (and stage) candidate ``c``; None when it is damaged (why appended to ``skipped``), of a
     layout this process cannot restore (why appended to ``layouts``, when given), or removed while
     it was read; a step saved again while it was read is opened again, as its new write
-    (:func:`changed_meanwhile`; ``again_ok``: not yet).
+    (:func:`changed_meanwhile`; ``again_ok``: not yet), by one process; a rank of several leaves
+    it to the ranks' next agreement (:func:`open_agreed`), which takes the new write where every
+    rank lists it, and opens only a write whose marker still names it once its files are open.
 
     Raises:
         ValidationError: ``stage`` found that ``into`` does not match (every candidate would say so).
@@ -193,6 +195,11 @@ def _open_candidate(c: Candidate, verify: str, rank: Optional[int], world: int, 
     try:
         ck = open_checkpoint(c.storage, c.step, verify, where, rank, world,
                              defer_verify=stage is not None)
+        if world > 1 and changed_meanwhile(c) is not None:
+            # A rank must read the very write the ranks agreed on: its marker still naming it
+            # after the open (a marker never names a write again once replaced) means the files
+            # open are that write's; else this rank may hold another write, which it never restores.
+            return None
         ck.tier_name = c.tier.name
         ck.storage, ck.save = c.storage, c.save
         if stage is not None:
@@ -205,9 +212,11 @@ def _open_candidate(c: Candidate, verify: str, rank: Optional[int], world: int, 
             layouts.append(str(e))
         return None
     except Exception as e:  # KeyError, OverflowError, struct.error, OSError...: all mean damaged
-        again = changed_meanwhile(c) if world == 1 and again_ok else None
+        again = changed_meanwhile(c) if world > 1 or again_ok else None
         if again is not None:  # saved again or removed while it was read: not damaged
-            return None if again is c else _open_candidate(again, verify, rank, world, stage, skipped, layouts, False)
+            # the ranks agree again on what each lists now (open_agreed): the new write or an older step
+            return None if again is c or world > 1 else \
+                _open_candidate(again, verify, rank, world, stage, skipped, layouts, False)
         why = str(e) if isinstance(e, CorruptCheckpointError) else \
             f"{where}: cannot read it ({type(e).__name__}: {e})"
         log.warning("nebula_ckpt: skipping %s", why)
@@ -220,8 +229,8 @@ def changed_meanwhile(c: Candidate) -> Optional[Candidate]:
     """After candidate ``c`` failed to open: None when its marker still names the write listed (or
     cannot be read): the failure is damage. Else the step was removed (``c`` itself: left out) or
     saved again while it was read (a job replaces the marker with the new write's, then removes the
-    old write's files): the candidate of its new write, opened in its place (one process only: the
-    ranks of a job open the write they agreed on)."""
+    old write's files): the candidate of its new write, opened in its place by one process (the
+    ranks of a job open only the write they agreed on: they agree again)."""
     try:
         now = read_commit(c.storage, c.step, f"tier {c.tier.name} step {c.step}")
     except FileNotFoundError:
@@ -284,13 +293,15 @@ def open_agreed(tiers: list[tuple[Tier, Storage]], co: Coordinator, root: str, s
 
     Each round, the ranks intersect the steps committed on their tiers (minus those that failed
     on some rank) and take the newest; each rank opens it (its own memory tier, or its part of
-    the shared tier); if any rank cannot, the step is dropped on all and the next round tries an
-    older one. Runs on the training thread; collectives on ``co``'s control group. ``checked``:
-    see :data:`Checked`. ``agreed``: the ``(writer generation, step, save)`` the ranks agreed on
-    already, the same on every rank (the replicas' recover round: every rank has it on a tier):
-    the first round opens it without exchanging the candidates, unless ``skip`` leaves it out on
-    some rank (one exchange). ``skip``: this rank leaves those checkpoints out of what it offers
-    (rank 0 with the health marks: no rank then restores a step it left out).
+    the shared tier); if any rank cannot, that write is dropped on all and the next round agrees
+    again: on the step's new write where it was saved again meanwhile and every rank lists it,
+    else on an older step (a rank never restores a write other than the one agreed). Runs on
+    the training thread; collectives on ``co``'s control group. ``checked``: see :data:`Checked`.
+    ``agreed``: the ``(writer generation, step, save)`` the ranks agreed on already, the same on
+    every rank (the replicas' recover round: every rank has it on a tier): the first round opens it
+    without exchanging the candidates, unless ``skip`` leaves it out on some rank (one exchange).
+    ``skip``: this rank leaves those checkpoints out of what it offers (rank 0 with the health
+    marks: no rank then restores a step it left out).
     """
     failed: list[Write] = []
     if agreed is not None and not co.all_true(skip is None or not skip(*agreed)):
@@ -315,7 +326,9 @@ def open_agreed(tiers: list[tuple[Tier, Storage]], co: Coordinator, root: str, s
         ck = _open_round(tiers, co, newest, stage, checked)
         if ck is not None:
             return ck
-        log.warning("nebula_ckpt: step %d is not restorable on every rank; trying an older one", newest[1])
+        log.warning("nebula_ckpt: step %d (writer generation %d, save %d) is not restorable on every rank; the "
+                    "ranks agree again without that write (on the step's new write where it was saved again "
+                    "meanwhile, else on an older step)", newest[1], newest[0], newest[2])
         failed.append(newest)
 
 

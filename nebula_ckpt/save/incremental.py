@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING, Any, Iterable, Optional
 
 from nebula_ckpt import knobs
 from nebula_ckpt.format.header import safetensors_header
-from nebula_ckpt.format.manifest import Manifest
+from nebula_ckpt.format.manifest import SINCE_FULL, Manifest
 from nebula_ckpt.format.records import ShardRecord, TensorRecord
 from nebula_ckpt.priority import lower_priority
 from nebula_ckpt.workers import Workers
@@ -47,10 +47,6 @@ if TYPE_CHECKING:
 #: the threads that hash staged tensors run this much nicer than the process (Linux, 0-19; 0: same
 #: priority), so that on a machine without idle cores hashing yields to training
 HASH_NICE = 10
-
-#: the manifest's ``stats`` key of a tier's saves since its chain's last full one, the step's own
-#: included (0: the step is full); a restarted job's cadence goes on from it (:meth:`Incremental.seed`)
-SINCE_FULL = "saves_since_full"
 
 
 def hash_staged(view: memoryview, index: dict[str, dict[str, Any]], keys: Iterable[str]) -> dict[str, str]:
@@ -183,12 +179,18 @@ class Incremental:
         """
         if not self.enabled:
             return None
-        full = not any("step" in sh for sh in manifest["shards"])
-        with self._lock:
-            since = 0 if full else self._since_full + 1
+        since = self.since_full(not any("step" in sh for sh in manifest["shards"]))
         # a fresh stats dict: the one it holds may be the draft's, which the other tiers' manifests share
         manifest["stats"] = dict(manifest.get("stats") or {}, **{SINCE_FULL: since})
         return Manifest.parse(manifest, where, manifest["step"])
+
+    def since_full(self, full: bool) -> int:
+        """What the manifest of this tier's save about to commit records as :data:`SINCE_FULL`
+        (a one-process manifest: :meth:`checked`; rank 0's of a multi-rank save: the largest of
+        the ranks' counts): 0 when the save (this rank's share of it) is ``full``, else one more
+        than its base's."""
+        with self._lock:
+            return 0 if full else self._since_full + 1
 
     def committed(self, manifest: Manifest, full: bool, origin: Optional[str] = None) -> None:
         """The tier committed ``manifest`` (:meth:`checked`; written from snapshot ``origin``, when

@@ -171,13 +171,15 @@ class SharedCommit:
         own = {"file": shard, "bytes": image.nbytes, "storage": info}
         refs = [r.to_json() for r in image.refs]
         sha = {k: hashes[k] for k in keep if k in hashes}
+        inc = self.incremental
+        since = inc.since_full(not refs) if inc is not None and inc.enabled else None  # rank 0's manifest records it
         name, data, payload = split_payload(
             step=save.step, generation=self.fence.generation, rank=co.rank, world=co.world_size,
             save_id=peers[0]["save_id"], shard=own, tree_digest=tree_digest,
             index=image.records, aliases=meta["aliases"], meta=meta,
             send_tree=co.is_coordinator or tree_digest != peers[0]["tree"],
             send_table=first_of_class(co.rank, [p["dt"] for p in peers]), crc=get_ops().crc32c_bytes,
-            refs=refs, hashes=sha)
+            refs=refs, hashes=sha, since_full=since)
         self.storage.write_small(f"{d}/{name}", data)
         if on_shard is not None and image.full:
             on_shard(f"{d}/{shard}")

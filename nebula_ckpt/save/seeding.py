@@ -71,8 +71,9 @@ def restart_base(storage: "Storage", man: Manifest, here: bool, compare: bool, s
 
 def saves_since_full(storage: "Storage", base: Manifest, tier: str) -> Optional[int]:
     """The saves of ``base``'s chain since its last full one, ``base`` included (its manifest's
-    :data:`~nebula_ckpt.save.incremental.SINCE_FULL`), or an upper bound: where the manifest
-    does not record it (a rank's share of a multi-rank step, an older step), ``base.step - F``, F
+    :data:`~nebula_ckpt.save.incremental.SINCE_FULL`; a rank's share of a multi-rank step: rank
+    0's manifest's, :func:`rank_base`), or an upper bound: where the manifest does not record it
+    (an older step, a drained one), ``base.step - F``, F
     the chain's last full save, found by following the oldest step referred to until one refers
     to none (a step refers only to earlier steps of its own chain, none older than that chain's
     last full save, and the saves of a chain have increasing steps). None where that cannot be
@@ -98,7 +99,9 @@ def rank_base(man: Manifest, rank: int, world: int) -> Optional[Manifest]:
     rank, as a restore of the same world size opens it) as the base of its next save on a shared
     tier: its own stored tensors without the ``r<R>/`` prefix (the replicated tensors other ranks
     stored are not its), shard 0 its own shard of that step and its references after it, and
-    their SHA-256. None when ``man`` is of another layout (the save is full)."""
+    their SHA-256, and the step's count of saves since its chain's last full one (the manifest's
+    :data:`~nebula_ckpt.save.incremental.SINCE_FULL`). None when ``man`` is of another layout
+    (the save is full)."""
     if not man.multi_rank or man.world_size != world or rank not in man.ranks or rank >= len(man.shards):
         return None
     p = man.prefix(rank)
@@ -109,8 +112,10 @@ def rank_base(man: Manifest, rank: int, world: int) -> Optional[Manifest]:
     at = {g: i for i, g in enumerate(order)}
     tensors = {k: dataclasses.replace(rec, key=k, shard=at[rec.shard]) for k, rec in mine.items()}
     hashes = {k[len(p):]: h for k, h in man.hashes.items() if k.startswith(p)}
+    # the chain's count of saves since its last full one (rank 0's manifest): every rank's cadence goes on from it
+    since = {k: v for k, v in man.stats.items() if k == SINCE_FULL}
     return Manifest(step=man.step, generation=man.generation, shards=tuple(man.shards[g] for g in order),
-                    tensors=tensors, aliases={}, tree={}, hashes=hashes)
+                    tensors=tensors, aliases={}, tree={}, hashes=hashes, stats=since)
 
 
 def _own_layout(man: Manifest, rank: int, world: int) -> bool:

@@ -8,7 +8,8 @@ Each life restores whatever is there, saves the steps of ``STEPS`` (comma-separa
 empty) on the memory tier and the shared disk tier, reports what each save wrote per tier and
 the SHA-256 of every tensor, then SIGKILLs itself (a job torn down after its last committed step).
 Scenario ``rmbase``: before its last step, rank 0 deletes the shared tier's folder of the first
-step by hand (the base the last step would build on refers to it).
+step by hand (the base the last step would build on refers to it). Scenario ``cadence``: no memory
+tier (every restore reads the shared disk tier).
 """
 
 from __future__ import annotations
@@ -44,9 +45,10 @@ def main() -> None:
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     s = state()
-    with nc.Checkpointer(root, keep_last=5) as ck:
+    with nc.Checkpointer(root, keep_last=5, memory_tier=scenario != "cadence") as ck:
         report: dict[str, Any] = {"rank": rank, "restored": ck.load_latest(s),
-                                  "tier": (ck.last_restore or {}).get("tier"), "saves": []}
+                                  "tier": (ck.last_restore or {}).get("tier"), "saves": [],
+                                  "restored_digest": digest(s)}
         for step in steps:
             if scenario == "rmbase" and step == steps[-1]:  # an operator deletes the first step by hand
                 dist.barrier()

@@ -6,7 +6,8 @@ the disk tier, its save there writes only what changed on every rank (each rank 
 share of the step it restored), and so does each rank's memory tier (on its own newest step,
 compared byte for byte); restored from the memory tiers, those build on the restored step. A
 third job restores the new step bit-exact. A job of another world size (a resharding restore)
-starts full.
+starts full. A job restarted after every save writes every ``full_every``-th save full, no sooner
+and no later (rank 0's manifest carries the count across restarts).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 import pytest
 import torch
@@ -32,8 +33,9 @@ pytestmark = [pytest.mark.timeout(300)]
 SMALL = 16 << 10
 
 
-def _life(root: str, out: Path, shm_dir: str, scenario: str, steps: str) -> list[dict[str, Any]]:
-    done = run_ranks(2, "seed_worker.py", [scenario, root, str(out), steps], out, shm_dir)
+def _life(root: str, out: Path, shm_dir: str, scenario: str, steps: str,
+          env: Optional[dict[str, str]] = None) -> list[dict[str, Any]]:
+    done = run_ranks(2, "seed_worker.py", [scenario, root, str(out), steps], out, shm_dir, env_extra=env)
     assert all(p.returncode == -9 for p in done), [p.stdout[-3000:] for p in done]
     return reports(out, scenario, 2)
 
@@ -112,3 +114,34 @@ def test_a_base_deleted_by_hand_makes_every_rank_save_its_share_whole(root: str,
     again = _life(root, out, shm_dir, "again", "")
     for r, before in zip(again, got, strict=True):
         assert r["restored"] == 3 and r["tier"].startswith("local") and r["digest"] == before["digest"], r
+
+
+
+def test_a_job_restarted_after_every_save_keeps_the_cadence_of_full_saves(root: str, shm_dir: str,
+                                                                          tmp_path: Path) -> None:
+    """Every third save full (``NEBULA_INCREMENTAL_FULL_EVERY=3``), steps 10 apart, a new two-rank
+    job for each save: the count of saves since the last full one comes from rank 0's manifest,
+    not from the distance in steps (which would make step 30 full already, and every save after)."""
+    out = tmp_path / "out"
+    out.mkdir()
+    env = {"NEBULA_INCREMENTAL_FULL_EVERY": "3"}
+    lives = []
+    for step in (10, 20, 30, 40, 50, 60):
+        got = _life(root, out, shm_dir, "cadence", str(step), env)
+        if lives:
+            for r, before in zip(got, lives[-1], strict=True):  # each restart restores the step before, bit-exact
+                assert r["restored"] == step - 10 and r["restored_digest"] == before["digest"], r
+        lives.append(got)
+    for step, got in zip((10, 20, 30, 40, 50, 60), lives, strict=True):
+        full = step in (10, 40)
+        for r in got:  # every rank's share: whole at the cadence, only the trained tensor otherwise
+            written = _tier(r["saves"][0]["written"], "local")
+            assert (written > 256 * 1024 * 4) if full else (written < SMALL), (step, r)
+    counts = []
+    for step in (10, 20, 30, 40, 50, 60):
+        with open(os.path.join(root, f"step-{step}", "manifest.json")) as f:
+            counts.append(json.load(f)["stats"].get("saves_since_full"))
+    assert counts == [0, 1, 2, 0, 1, 2], counts
+    again = _life(root, out, shm_dir, "cadence", "", env)
+    for r, before in zip(again, lives[-1], strict=True):
+        assert r["restored"] == 60 and r["restored_digest"] == before["digest"], r
