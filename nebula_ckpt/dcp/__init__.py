@@ -1,8 +1,9 @@
 """``torch.distributed.checkpoint`` (DCP) over nebula_ckpt checkpoints: a reader and a writer.
 
 ``dcp.load(sd, storage_reader=NebulaStorageReader(root))`` reads the newest healthy committed step
-into any mesh (DCP's planner reshards); ``dcp.save(sd, storage_writer=NebulaStorageWriter(root,
-step=N))`` writes a normal nebula_ckpt checkpoint. The reader is restore's own
+not marked suspect (as ``load_latest``) into any mesh (DCP's planner reshards);
+``dcp.save(sd, storage_writer=NebulaStorageWriter(root, step=N))`` writes a normal nebula_ckpt
+checkpoint. The reader is restore's own
 (:mod:`~nebula_ckpt.restore.dcp_reader`: a resharded restore reads through it too), the writer
 :mod:`~nebula_ckpt.dcp.writer`.
 """

@@ -31,9 +31,12 @@ Everything read is verified before DCP plans the load, by the check ``load_lates
 (:func:`~nebula_ckpt.restore.select.find_and_open`): the commit marker and manifest
 (:meth:`Manifest.parse`, which also checks that the ranks' records agree: global shapes, dtypes,
 chunks covering each tensor exactly), the size of every shard and the CRC32C of every stored
-tensor. Without an explicit step, a damaged newer step is skipped (a warning names the damage)
-and the newest healthy one is read (logged, and :attr:`NebulaStorageReader.step`); an explicit
-step that is damaged raises :class:`~nebula_ckpt.errors.CorruptCheckpointError` naming the damage.
+tensor. Without an explicit step, the health marks are read as ``load_latest`` reads them
+(:class:`~nebula_ckpt.restore.select.HealthChoice`): a newer step marked *suspect* is skipped,
+as is a damaged one (a warning names each, the mark's reason or the damage), and the newest
+healthy step not marked suspect is read (logged, and :attr:`NebulaStorageReader.step`). An
+explicit step is read whatever its mark (a suspect one with a warning); a damaged one raises
+:class:`~nebula_ckpt.errors.CorruptCheckpointError` naming the damage.
 
 Incremental checkpoints read like full ones: a tensor the step refers to is read from the
 earlier step's shard that holds it (its manifest lists that shard with ``step``), with the same
@@ -71,11 +74,12 @@ from nebula_ckpt.format.commit import committed_steps, shard_path
 from nebula_ckpt.format.dtensors import dtensor_chunks, logical_groups
 from nebula_ckpt.format.names import COMMIT, parse_step_dir, step_dir
 from nebula_ckpt.format.records import TensorRecord
+from nebula_ckpt.health.book import HealthView
 from nebula_ckpt.native import get_ops
 from nebula_ckpt.restore.dcp_names import ExposedValue, dcp_names
 from nebula_ckpt.restore.dcp_roots import GivenStorage, partial_job, split_checkpoint_id, tier_for
 from nebula_ckpt.restore.open import OpenCheckpoint, read_manifest
-from nebula_ckpt.restore.select import find_and_open
+from nebula_ckpt.restore.select import HealthChoice, find_and_open, say
 from nebula_ckpt.storage.base import Storage
 from nebula_ckpt.storage.urls import refuse_url_credentials
 from nebula_ckpt.tiers.base import Tier
@@ -147,8 +151,8 @@ class NebulaStorageReader(StorageReader):
     Args:
         root_or_storage: the checkpoint root (a path or fsspec URL: its persistent tier is read),
             ``"<root>/step-N"``, or an open :class:`~nebula_ckpt.storage.base.Storage`.
-        step: the step to read (never replaced by another: damaged, it raises); None: the newest
-            healthy committed step.
+        step: the step to read (never replaced by another: damaged, it raises; marked suspect, it
+            is read with a warning); None: the newest healthy committed step not marked suspect.
         storage_options: fsspec options for a remote root.
         verify: check the CRC32C of every stored tensor when opening (False: sizes only).
         allow_pickle: also expose non-tensor leaves stored with pickle (trusted checkpoints only).
@@ -157,7 +161,8 @@ class NebulaStorageReader(StorageReader):
 
     The step is chosen and verified here with the health check of ``load_latest``
     (:func:`~nebula_ckpt.restore.select.find_and_open`: commit marker, manifest, every shard's size and,
-    with ``verify``, every tensor's CRC32C), then turned into DCP metadata, so a damaged or hostile
+    with ``verify``, every tensor's CRC32C) and its health marks (a step marked suspect is skipped
+    as ``load_latest`` skips it), then turned into DCP metadata, so a damaged or hostile
     checkpoint is skipped or raises from the constructor, before DCP's planner runs. The whole
     step is verified (the planner decides only later which pieces this rank reads), on every
     rank; the verified shard bytes then serve the reads (mapped for a local root; held in memory
@@ -166,13 +171,14 @@ class NebulaStorageReader(StorageReader):
     A reader built from a root owns its storage: :meth:`close` it (or use ``with``).
 
     Attributes:
-        step: the step read (logged at INFO when the reader opens; when newer steps were damaged,
-            each was skipped with a WARNING naming the damage).
+        step: the step read (logged at INFO when the reader opens; when newer steps were damaged
+            or marked suspect, each was skipped with a WARNING naming the damage or the mark).
         manifest: its validated manifest.
 
     Raises:
         NotFoundError: no committed checkpoint (of ``step``).
-        CorruptCheckpointError: the checkpoint is damaged or inconsistent.
+        CorruptCheckpointError: the checkpoint is damaged or inconsistent; without ``step``, every
+            committed step is damaged or marked suspect.
         ValidationError: the checkpoint holds only some ranks of its job (a rank's memory tier).
     """
 
@@ -240,24 +246,38 @@ class NebulaStorageReader(StorageReader):
         (:func:`~nebula_ckpt.restore.select.find_and_open`: commit marker, manifest, the size of every
         shard and, with ``verify``, the checksum of every stored tensor), before DCP plans anything.
 
-        Without ``step``: the newest healthy step (damaged newer ones are skipped with a warning).
-        With ``step``: that step or an error naming what is damaged, never another step.
+        Without ``step``: the newest healthy step not marked suspect (damaged and suspect newer ones
+        are skipped with a warning, as ``load_latest`` skips them). With ``step``: that step
+        (marked suspect: a warning says so) or an error naming what is damaged, never another step.
         """
         if step is not None and not storage.exists(f"{step_dir(step)}/{COMMIT}"):
             raise NotFoundError(f"no committed checkpoint of step {step} under {storage.display_url} "
                                 f"(committed steps: {committed_steps(storage)[-8:]})")
-        # rank None: the whole job's checkpoint (DCP's planner decides which rank reads what)
-        ck = find_and_open([(tier, storage)], step=step, verify="full" if self.verify else "size",
-                           on_all_damaged="raise")
+        # The marks live on the root's storage, which every rank reads: the ranks' readers make the
+        # same choice with no exchange here (a mark written while they open can part them: then
+        # prepare_global_plan fails the load before anything is read, never a mix of steps).
+        choice = HealthChoice(HealthView(storage), skip_suspect=step is None)
+        try:
+            # rank None: the whole job's checkpoint (DCP's planner decides which rank reads what)
+            ck = find_and_open([(tier, storage)], step=step, verify="full" if self.verify else "size",
+                               on_all_damaged="raise", skip=choice.skips)
+        except CorruptCheckpointError as e:
+            if not choice.skipped:
+                raise
+            raise _all_suspect(storage, choice, f"; the steps not marked suspect are damaged: {e}") from None
         if ck is None:
             steps = committed_steps(storage)
             if not steps:
                 raise NotFoundError(f"no committed checkpoint under {storage.display_url}")
+            if choice.skipped:
+                raise _all_suspect(storage, choice, "")
             # every candidate was healthy but held only some ranks (find_and_open skipped it as such)
             raise partial_job(storage, read_manifest(storage, steps[-1] if step is None else step))
+        say(choice.outcome((ck.manifest.generation, ck.step, ck.save)), ck.step, storage.display_url)
         newest = step is None and ck.step != committed_steps(storage)[-1]
         log.info("nebula_ckpt: NebulaStorageReader reads step %d of %s%s", ck.step, storage.display_url,
-                 " (the newest healthy step: newer ones are damaged, see the warnings above)" if newest else "")
+                 " (the newest healthy step not marked suspect: newer ones are damaged or marked suspect, see "
+                 "the warnings above)" if newest else "")
         return ck
 
     def close(self) -> None:
@@ -386,8 +406,9 @@ class NebulaStorageReader(StorageReader):
         if len(set(steps)) > 1:
             raise ValidationError(
                 f"NebulaStorageReader: the ranks chose different steps to load ({dict(enumerate(steps))}, by rank): "
-                "their readers see different checkpoints under the root (a root that is not shared, or a step "
-                "damaged for some ranks); pass the same step=... on every rank, or read a shared root")
+                "their readers see different checkpoints under the root (a root that is not shared, a step "
+                "damaged for some ranks, or a step marked suspect while the ranks opened their readers); pass "
+                "the same step=... on every rank, or read a shared root")
         return plans
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
@@ -448,6 +469,16 @@ class NebulaStorageReader(StorageReader):
             planner.commit_tensor(item, target)
         if self._ck is not None:
             self._ck.drop([rec for _, rec in items])  # copied: unmap its pages (a mapped local shard)
+
+
+def _all_suspect(storage: Storage, choice: HealthChoice, more: str) -> CorruptCheckpointError:
+    """The error for a root whose every committed step that opens is marked suspect (``more``:
+    what else was wrong), naming the steps and how to read one anyway."""
+    steps = sorted({s for _, s in choice.skipped}, reverse=True)
+    return CorruptCheckpointError(
+        f"NebulaStorageReader: no step of {storage.display_url} to read as the newest: every committed step "
+        f"that opens is marked suspect (steps {steps[:20]}; load_latest skips them too){more}. Read one anyway "
+        "with step=N, or clear its mark with `nebula-ckpt mark ROOT --healthy N`")
 
 
 def _narrow(t: torch.Tensor, offsets: torch.Size, lengths: torch.Size) -> torch.Tensor:

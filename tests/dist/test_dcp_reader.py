@@ -361,3 +361,62 @@ def test_two_gloo_ranks_fall_back_past_a_damaged_newest_step(tmp_path: Path) -> 
         for root in roots:
             assert got[root].get("step") == 1, (r, root, got[root])
             assert got[root]["w"] == _w(1).tolist() and got[root]["b"] == [10.0] * 3, (r, root)
+
+
+# -- a step marked suspect: skipped as load_latest skips it, read when named -------------------------
+
+def test_reader_skips_a_step_marked_suspect_as_load_latest_does(v1_root: tuple[str, Any, Any, Any],
+                                                                caplog: pytest.LogCaptureFixture) -> None:
+    root, model, opt, sched = v1_root
+    with nc.Checkpointer(root, memory_tier=False) as ck:
+        ck.save(4, {"model": model, "optim": opt, "sched": sched, "step": 4})
+    assert cli(["mark", root, "--suspect", "4", "--reason", "loss went NaN"]) == 0
+    with caplog.at_level("INFO", logger="nebula_ckpt"):
+        reader = NebulaStorageReader(root)
+    assert reader.step == 3
+    assert any(r.levelname == "WARNING" and "step 4" in r.getMessage() and "loss went NaN" in r.getMessage()
+               for r in caplog.records), [r.getMessage() for r in caplog.records]
+    sd = {"step": 0}
+    dcp.load(sd, storage_reader=reader)
+    assert sd["step"] == 3
+    with nc.Checkpointer(root, memory_tier=False, read_only=True) as ck:
+        assert ck.read()[0] == 3   # the same step as the Checkpointer's restore
+    # named, the suspect step is read, with a warning
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="nebula_ckpt"), NebulaStorageReader(f"{root}/step-4") as named:
+        assert named.step == 4
+    assert any("marked suspect" in r.getMessage() and "step 4" in r.getMessage() for r in caplog.records)
+    # every step suspect: nothing to read as the newest, the error names them and the way out
+    assert cli(["mark", root, "--suspect", "3"]) == 0
+    with pytest.raises(CorruptCheckpointError, match=r"marked suspect \(steps \[4, 3\]") as ei:
+        NebulaStorageReader(root)
+    assert "step=N" in str(ei.value) and "--healthy" in str(ei.value)
+    assert cli(["mark", root, "--healthy", "4"]) == 0   # a person's mark clears it
+    with NebulaStorageReader(root) as reader:
+        assert reader.step == 4
+
+
+@pytest.mark.slow
+def test_two_gloo_ranks_skip_a_step_marked_suspect(tmp_path: Path) -> None:
+    from .launch import run_ranks
+
+    shared = tmp_path / "shared"
+    _two_rank_steps(shared)
+    assert cli(["mark", str(shared), "--suspect", "2", "--reason", "loss went NaN"]) == 0
+    # roots that are not shared: step 2 is marked suspect on rank 1's only, so the ranks would choose
+    # different steps: the load fails on both, never a mix
+    for r in range(2):
+        _two_rank_steps(tmp_path / f"own{r}")
+    assert cli(["mark", str(tmp_path / "own1"), "--suspect", "2"]) == 0
+    own, named = str(tmp_path / "own{rank}"), f"{shared}/step-2"
+    out = tmp_path / "out"
+    out.mkdir()
+    done = run_ranks(2, "dcp_fallback_worker.py", [str(out), str(shared), named, own], out,
+                     str(tmp_path / "shm"), timeout=200)
+    assert all(p.returncode == 0 for p in done), "\n".join(p.stdout[-3000:] for p in done)
+    for r, p in enumerate(done):
+        got = json.loads((out / f"fallback-r{r}.json").read_text())
+        assert got[str(shared)].get("step") == 1 and got[str(shared)]["w"] == _w(1).tolist(), (r, got)
+        assert "skipped 1 step(s) marked suspect: step 2" in p.stdout, p.stdout[-3000:]
+        assert got[named].get("step") == 2 and got[named]["w"] == _w(2).tolist(), (r, got)
+        assert "chose different steps" in got[own].get("error", "") and "{0: 2, 1: 1}" in got[own]["error"], got[own]
