@@ -5,8 +5,11 @@ Two kinds of loader are resumed:
 * a loader with ``state_dict()`` / ``load_state_dict()`` of its own (torchdata's
   ``StatefulDataLoader``, or your own): its state is saved, and it fast-forwards itself (no batch
   of the epoch is loaded again). ``StatefulDataLoader`` keeps what each worker's dataset returns
-  from ``state_dict()``; a dataset without one is given a pair that holds the worker's random
-  streams (:func:`keep_worker_streams`), so draws in ``__getitem__`` resume where they were;
+  from ``state_dict()``; a map-style dataset without one is given a pair that holds the worker's
+  random streams (:func:`keep_worker_streams`), so draws in ``__getitem__`` resume where they were.
+  An ``IterableDataset`` without one is fast-forwarded by torchdata: each worker, seeded as it was,
+  makes its iterator again and drops the items it had yielded, so its position and its draws
+  come back (the cost: those items are made a second time);
 * any other re-iterable loader (a plain ``torch.utils.data.DataLoader``): the epoch's iterator is
   made again from the random streams as they were when the epoch started, and the batches the
   loop had consumed are drawn from it again and dropped (**replayed**). The shuffle, the workers'
@@ -26,7 +29,7 @@ import torch
 from nebula_ckpt.loop.streams import capture, restore
 
 __all__ = ["generators", "has_own_state", "set_epoch", "length", "replay", "persistent_workers",
-           "keep_worker_streams"]
+           "keep_worker_streams", "drop_workers", "fast_forwarded"]
 
 log = logging.getLogger("nebula_ckpt")
 
@@ -83,6 +86,22 @@ def has_workers(loader: Any) -> bool:
     return getattr(loader, "_iterator", None) is not None
 
 
+def drop_workers(loader: Any) -> None:
+    """Let the workers a ``persistent_workers`` loader made in this process go (torch shuts them
+    down with the iterator that holds them), for a rollback: the next ``iter()`` makes them again
+    as a resumed process does, drawing their base seed and seeding their streams afresh."""
+    if persistent_workers(loader) and has_workers(loader):
+        loader._iterator = None
+
+
+def fast_forwarded(loader: Any) -> bool:
+    """Whether torchdata resumes ``loader`` by making each worker's iterator again and dropping the
+    items it had yielded: an ``IterableDataset`` without a state of its own, in worker processes."""
+    dataset = getattr(loader, "dataset", None)
+    return isinstance(dataset, torch.utils.data.IterableDataset) and int(getattr(loader, "num_workers", 0) or 0) > 0 \
+        and not has_own_state(dataset)
+
+
 def replay(loader: Iterable[Any], batches: int, epoch: int) -> tuple[Iterator[Any], int]:
     """A new iterator over ``loader`` with its first ``batches`` batches drawn and dropped.
 
@@ -117,15 +136,21 @@ class _WorkerStreamsLoad:
 
 
 def keep_worker_streams(loader: Any) -> bool:
-    """Give the dataset of a self-resuming loader with worker processes a ``state_dict()`` /
-    ``load_state_dict()`` pair holding the worker's random streams, unless it has its own; return
-    whether it has one now. ``StatefulDataLoader`` calls them in each worker after each batch and
-    at a resume (the streams of a worker otherwise restart from its seed)."""
+    """Give the map-style dataset of a self-resuming loader with worker processes a
+    ``state_dict()`` / ``load_state_dict()`` pair holding the worker's random streams, unless it has
+    its own; return whether it has one now. ``StatefulDataLoader`` calls them in each worker after
+    each batch and at a resume (the streams of a worker otherwise restart from its seed).
+
+    An ``IterableDataset`` is left as it is: to torchdata such a pair means "this dataset resumes
+    its own position", and it would then start the epoch's items again from the first; without
+    it, torchdata fast-forwards each worker, which brings back its position and its streams."""
     dataset = getattr(loader, "dataset", None)
     if dataset is None or int(getattr(loader, "num_workers", 0) or 0) == 0:
         return False
     if callable(getattr(dataset, "state_dict", None)) and callable(getattr(dataset, "load_state_dict", None)):
         return True
+    if isinstance(dataset, torch.utils.data.IterableDataset):
+        return False
     try:  # on the instance: picklable callables, for workers started with "spawn" as well
         dataset.state_dict = _WorkerStreamsState()
         dataset.load_state_dict = _WorkerStreamsLoad()

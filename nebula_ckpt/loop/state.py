@@ -174,13 +174,17 @@ class LoopState:
         self._pending: Optional[Mapping[str, Any]] = None
         #: the loader's iterator of the epoch in progress
         self._live: Optional[Iterator[Any]] = None
+        #: :meth:`load_state_dict` calls so far: a load inside the loop's body (a rollback) is seen by
+        #: the suspended generators, which then go on from the restored position
+        self._loads = 0
 
     # -- the loop ---------------------------------------------------------------------------------
     def epochs(self, n: int) -> Iterator[int]:
         """The epochs still to run, up to ``n`` (exclusive): from the restored one on.
 
         An epoch whose batches were all handed out is over; one the loop left early (a ``break``)
-        is over too once the next one is asked for.
+        is over too once the next one is asked for, unless a checkpoint was loaded into the loop
+        meanwhile (a rollback): the loop then goes on from the loaded position.
 
         Raises:
             ValidationError: ``n`` is not an int >= 0 (at the call).
@@ -193,8 +197,10 @@ class LoopState:
                 self._next_epoch()
             if self.epoch >= n:
                 return
+            loads = self._loads
             yield self.epoch
-            self._epoch_done = True
+            if self._loads == loads:  # else a load in the body (a rollback) said where the loop is
+                self._epoch_done = True
 
     def _next_epoch(self) -> None:
         self.epoch += 1
@@ -204,34 +210,67 @@ class LoopState:
         self._live = None
 
     def __iter__(self) -> Iterator[Any]:
-        """The batches of the current epoch still to come (an epoch already over: the next one's)."""
+        """The batches of the current epoch still to come (an epoch already over: the next one's).
+
+        A checkpoint loaded into the loop while a batch is out (a rollback: ``ckpt.load(n,
+        into=state)`` in the body, then ``continue``) is followed: the next batch is the one after
+        the loaded position. A position in another epoch, or after its epoch's end, ends this
+        ``for``; :meth:`epochs` then hands out the loaded epoch."""
         if self.loader is None:
             raise ValidationError("LoopState(): iterating it needs the data loader: LoopState(loader)")
         if self._epoch_done:
             self._next_epoch()
-        if self._live is None:
-            self._live = self._start()
-        for item in self._live:  # a ``break`` leaves it here: the next ``for`` goes on with it
-            self.batch += 1
-            self.step += 1
-            yield item
-        self._live = None
-        self._epoch_done = True
+        epoch = self.epoch
+        while True:
+            if self._live is None:
+                self._live = self._start()
+            live, loads = self._live, self._loads
+            for item in live:  # a ``break`` leaves it in ``_live``: the next ``for`` goes on with it
+                self.batch += 1
+                self.step += 1
+                yield item
+                if self._loads != loads:
+                    break
+            else:
+                self._live = None
+                self._epoch_done = True
+                return
+            if self._epoch_done or self.epoch != epoch:  # rolled back out of this epoch
+                return
 
     def _start(self) -> Iterator[Any]:
         """The epoch's iterator, at the restored position when a restore is pending."""
         loader, pending, self._pending = self.loader, self._pending, None
         data.set_epoch(loader, self.epoch)
         if data.has_own_state(loader):
-            it = iter(loader)  # at the position load_state_dict gave it
-            if pending is not None and self.batch:  # making it may have drawn (a base seed): as at the save
-                _put(loader, pending["now"], "LoopState")
-            return it
+            return self._start_own(pending)
+        if pending is not None:  # a rollback in this process goes on as a resumed process would
+            data.drop_workers(loader)
         if pending is None or self.batch == 0:
             self._epoch_start = _take(loader, cuda=False)
             self._make_workers(self._epoch_start)
             return iter(loader)
         return self._replay(pending)
+
+    def _start_own(self, pending: Optional[Mapping[str, Any]]) -> Iterator[Any]:
+        """The iterator of a loader that keeps its own position (``load_state_dict`` gave it). One
+        that fast-forwards (torchdata over an ``IterableDataset`` without a state of its own makes
+        the epoch's iterator again and drops what it had yielded) draws as at the epoch's start."""
+        loader = self.loader
+        if pending is None or self.batch == 0:
+            self._epoch_start = _take(loader, cuda=False)
+            return iter(loader)
+        if self.epoch > 0 and data.persistent_workers(loader) and data.fast_forwarded(loader):
+            log.warning("nebula_ckpt: LoopState: the loader keeps its workers across epochs (persistent_workers=True) "
+                        "and fast-forwards its IterableDataset: random numbers drawn inside the workers resume from "
+                        "the start of epoch %d's workers, not from where they were", self.epoch)
+        start = pending["epoch_start"]
+        if start is not None:
+            _put(loader, start, "LoopState (epoch start)")
+            self._epoch_start = start
+        it = iter(loader)  # at the position load_state_dict gave it
+        _put(loader, pending["now"], "LoopState")  # making it drew (a base seed, a replay): as at the save
+        return it
 
     def _make_workers(self, start: Any) -> None:
         """A loader that keeps its workers (``persistent_workers``) made them in the first epoch of
@@ -268,7 +307,7 @@ class LoopState:
         own = data.has_own_state(loader)
         return {"layout": LAYOUT, "epoch": self.epoch, "batch": self.batch, "step": self.step,
                 "epoch_done": self._epoch_done, "now": _take(loader, cuda=True),
-                "epoch_start": None if own else self._epoch_start,
+                "epoch_start": self._epoch_start,
                 "loader": loader.state_dict() if own else None,
                 "num_workers": getattr(loader, "num_workers", None) if own else None,
                 "batches_per_epoch": data.length(loader) if loader is not None else None}
@@ -299,6 +338,7 @@ class LoopState:
             loader.load_state_dict(_own(state["loader"]))
         _put(loader, state["now"], "LoopState")
         self._pending = {"now": state["now"], "epoch_start": self._epoch_start}
+        self._loads += 1
 
     def __repr__(self) -> str:
         return f"LoopState(epoch={self.epoch}, batch={self.batch}, step={self.step})"

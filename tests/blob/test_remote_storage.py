@@ -11,8 +11,12 @@ import sys
 import textwrap
 import threading
 import time
+from typing import Any
 
+import fsspec
+import fsspec.exceptions
 import pytest
+from fsspec.implementations.memory import MemoryFileSystem
 
 from nebula_ckpt import knobs
 from nebula_ckpt.errors import CorruptCheckpointError, NebulaError, ValidationError
@@ -457,3 +461,47 @@ def test_scrubber_removes_credentials() -> None:
               "abcdef0123"]:
         assert s not in out
     assert "acct.blob.core.windows.net" in out and "s3v4" in out  # non-secrets kept
+
+
+class _BlipMemoryFileSystem(MemoryFileSystem):
+    """``memory://`` under a scheme of its own whose next ``blips`` writes fail as a network blip
+    does (fsspec's ``FSTimeoutError``: transient, retried)."""
+
+    protocol = "blipmem"
+    blips = 0
+
+    @classmethod
+    def _blip(cls) -> None:
+        if cls.blips > 0:
+            cls.blips -= 1
+            raise fsspec.exceptions.FSTimeoutError("simulated network blip")
+
+    def pipe_file(self, path: str, value: bytes, *args: Any, **kwargs: Any) -> Any:
+        self._blip()
+        return super().pipe_file(path, value, *args, **kwargs)
+
+    def _open(self, path: str, mode: str = "rb", *args: Any, **kwargs: Any) -> Any:
+        if "w" in mode:
+            self._blip()
+        return super()._open(path, mode, *args, **kwargs)
+
+
+def test_retry_jitter_leaves_the_global_random_stream_alone() -> None:
+    """A retried blob write draws its jitter from a generator of its own: the program's ``random``
+    stream (which LoopState restores for an exact resume) goes on as if no blip had happened."""
+    import random
+
+    fsspec.register_implementation("blipmem", _BlipMemoryFileSystem, clobber=True)
+
+    def draws(blips: int, name: str) -> list[float]:
+        random.seed(0)
+        out = [random.random()]
+        _BlipMemoryFileSystem.blips = blips
+        with backoff(0.001, 0.002), _captured_logs() as logs:
+            st = FsspecStorage(f"blipmem://nebula-jitter-{name}/root")
+            st.write_buffer("step-1/shard.bin", memoryview(b"x" * 1000))
+        assert _BlipMemoryFileSystem.blips == 0
+        assert (blips > 0) == any("retrying" in line for line in logs), logs
+        return out + [random.random() for _ in range(3)]
+
+    assert draws(1, "blip") == draws(0, "clean")

@@ -263,6 +263,74 @@ def test_a_loader_of_another_length_is_said(tmp_path: Path, shm_dir: str, caplog
     assert next(iter(loop)).shape == (BATCH, 4)  # goes on, by batches
 
 
+class DrawnStream(torch.utils.data.IterableDataset):
+    """14 items in an order drawn from torch's global stream of the process iterating it (a worker's,
+    split between the workers), each with one draw of every global stream; no state of its own."""
+
+    def __iter__(self) -> Any:
+        info = torch.utils.data.get_worker_info()
+        wid, nw = (info.id, info.num_workers) if info else (0, 1)
+        for j, i in enumerate(torch.randperm(14).tolist()):
+            if j % nw == wid:
+                yield torch.tensor([float(i), float(np.random.normal()), random.random(), float(torch.rand(()))],
+                                   dtype=torch.float64)
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_a_stateful_dataloader_over_an_iterable_dataset_resumes_bit_exact(tmp_path: Path, shm_dir: str,
+                                                                         num_workers: int) -> None:
+    """An ``IterableDataset`` without a ``state_dict`` is fast-forwarded by torchdata (its iterator made
+    again, the items it had yielded dropped): the resumed epoch goes on after the last item seen (never
+    from its first again), its order and every draw as in a loop that never stopped."""
+    sdl = pytest.importorskip("torchdata.stateful_dataloader")
+
+    def make() -> Any:
+        return sdl.StatefulDataLoader(DrawnStream(), batch_size=BATCH, num_workers=num_workers)
+    resumed_equals_uninterrupted(make, tmp_path, [2, 5, -1])
+
+
+def _rolled_back(make: Loader, ck: nc.Checkpointer, at: int, back: int, mode: str) -> Seen:
+    """The loop of :func:`_loop` saving every step, which at step ``at`` loads step ``back`` into its
+    state (a rollback) and then goes on (``mode`` "continue") or leaves the epoch (``"break"``)."""
+    seed_all(0)
+    loop = nc.LoopState(make())
+    state = {"loop": loop}
+    seen: Seen = []
+    for epoch in loop.epochs(2):
+        for batch in loop:
+            assert epoch == loop.epoch
+            seen.append((epoch, loop.batch, loop.step, batch.flatten().tolist(), float(np.random.normal()),
+                         random.random(), float(torch.rand(()))))
+            ck.save(loop.step, state)
+            if loop.step == at and len(seen) == at:
+                ck.load(back, into=state)
+                assert loop.step == back
+                if mode == "break":
+                    break
+    return seen
+
+
+def persistent() -> Any:
+    return torch.utils.data.DataLoader(Indices(), batch_size=BATCH, shuffle=True, num_workers=2,
+                                       persistent_workers=True)
+
+
+@pytest.mark.parametrize("mode", ["continue", "break"])
+@pytest.mark.parametrize("make", [plain(), plain(2), persistent, stateful(0), stateful(2)],
+                         ids=["plain", "plain-workers", "persistent-workers", "stateful", "stateful-workers"])
+def test_a_rollback_inside_the_loop_goes_on_from_the_loaded_step(tmp_path: Path, shm_dir: str, make: Loader,
+                                                                 mode: str) -> None:
+    """``ck.load(n, into=state)`` in the loop's body, then ``continue`` or ``break``: the loop goes on
+    with step n's next batch and draws, in step n's epoch (back within the epoch, and from the
+    second epoch into the first), as a loop resumed from step n in a new process does."""
+    with nc.Checkpointer(str(tmp_path / "ref")) as ck:
+        want = _loop(make, ck, epochs=2)
+    for at, back in [(3, 1), (7, 2)]:
+        with nc.Checkpointer(str(tmp_path / f"{mode}{at}"), keep_last=10, memory_tier=False) as ck:
+            got = _rolled_back(make, ck, at, back, mode)
+        assert got == want[:at] + want[back:], f"rolled back from step {at} to {back}: other batches or draws"
+
+
 def test_iterating_without_a_loader_is_a_clear_error() -> None:
     with pytest.raises(nc.ValidationError, match=r"LoopState\(loader\)"):
         next(iter(nc.LoopState()))

@@ -22,6 +22,9 @@ from nebula_ckpt import knobs
 REMOTE_BACKOFF_S = 0.2
 #: largest retry delay on a remote tier
 REMOTE_BACKOFF_MAX_S = 5.0
+#: the jitter's own generator: a retry (often on a writer thread) never draws from the program's
+#: global ``random`` stream, which a resumed training loop restores and expects untouched
+_JITTER = random.Random()
 
 T = TypeVar("T")
 
@@ -186,7 +189,8 @@ class RetryPolicy:
     Attributes:
         attempts: most tries (>= 1).
         backoff_s: first delay; doubles per retry, capped at ``backoff_max_s``, times a random
-            factor in [0.5, 1] (jitter).
+            factor in [0.5, 1] (jitter, from a generator of its own: the global ``random``
+            stream is never drawn from).
         backoff_max_s: largest delay.
         timeout_s: deadline of the whole operation, all tries and delays included.
     """
@@ -207,7 +211,7 @@ class RetryPolicy:
 
     def delay(self, attempt: int) -> float:
         """Backoff after failed attempt number ``attempt`` (1-based)."""
-        return min(self.backoff_max_s, self.backoff_s * (2 ** (attempt - 1))) * random.uniform(0.5, 1.0)
+        return min(self.backoff_max_s, self.backoff_s * (2 ** (attempt - 1))) * _JITTER.uniform(0.5, 1.0)
 
 
 @dataclass
