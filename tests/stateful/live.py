@@ -84,7 +84,7 @@ class LiveOps:
     """The rules of this module; see the module docstring."""
 
     # -- close() racing a save -------------------------------------------------------------------
-    @precondition(lambda self: self.job is not None and not self.job.health.bad)
+    @precondition(lambda self: self.job is not None and not self.job.health.bad and not self.tiers.get("budget"))
     @rule(delay=st.sampled_from(RACE_DELAYS), gap=st.integers(1, 2))
     def close_racing_save(self: "Single", delay: float, gap: int) -> None:
         """``save_async`` of a new step on the training thread while another thread calls ``close()``
@@ -151,7 +151,7 @@ class LiveOps:
         self.check_restore(got, job.node)
 
     # -- close() from the SIGTERM handler inside optimizer.step() --------------------------------
-    @precondition(lambda self: self.job is not None and not self.job.health.bad)
+    @precondition(lambda self: self.job is not None and not self.job.health.bad and not self.tiers.get("budget"))
     @rule(gap=st.integers(1, 2), at=st.sampled_from(["before", "after", "save_async"]))
     def close_in_step_hook(self: "Single", gap: int, at: str) -> None:
         """A save of a new step, then ``optimizer.step()`` on its state, and the preemption handler's
@@ -183,7 +183,7 @@ class LiveOps:
         self._open_again(job)
 
     # -- the operator's commands beside a save held mid-way ---------------------------------------
-    @precondition(lambda self: self.job is not None)
+    @precondition(lambda self: self.job is not None and not self.tiers.get("budget"))
     @rule(tools=st.lists(st.sampled_from(["verify", "ls", "gc here", "gc there"]), min_size=1, max_size=3,
                          unique=True),
           hold=st.integers(0, 7), again=st.booleans(), gap=st.integers(1, 2), scoped=st.booleans(),

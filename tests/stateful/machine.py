@@ -28,6 +28,7 @@ from typing import Any, Hashable, Optional
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, precondition, rule
 
+from stateful.features import BUDGET_BYTES, BUDGET_EXTRA, FeatureOps
 from stateful.live import LiveOps
 from stateful.model import ABSENT, Entry, Save, Truth, Violation
 from stateful.procs import Pool, Proc
@@ -55,6 +56,13 @@ SAVE_POINTS = {
     "memory, a step saved again: its manifest renamed": ["phase=settle", "tier memory"],
     "memory, a step saved again: the old files removed": ["phase=replaced", "tier memory"],
 }
+#: a second Checkpointer under a host-memory budget while the first stays open: off until the
+#: defect is fixed (its saves are refused: the first one's staging slot file in the memory tier's
+#: folder counts in the budget and nothing frees it; strict xfail
+#: ``test_regressions.py::test_a_second_checkpointer_under_a_budget_saves_while_the_first_is_open``)
+REOPEN_UNDER_BUDGET = False
+
+
 def refused_folder(stderr: str) -> bool:
     """Whether ``persist-memory`` refused because the root's folder of that step cannot take it
     (another write of the step committed there, or a newer generation's files in it): its
@@ -133,7 +141,7 @@ class Signal:
     marked: set[tuple[int, int, int]] = field(default_factory=set)
 
 
-class Single(LiveOps, RuleBasedStateMachine):
+class Single(LiveOps, FeatureOps, RuleBasedStateMachine):
     """One-process jobs; see the module docstring. ``Single.shared`` is set by the test."""
 
     shared: Shared
@@ -157,10 +165,14 @@ class Single(LiveOps, RuleBasedStateMachine):
 
     # -- set-up --------------------------------------------------------------------------------
     @initialize(memory_keep=st.integers(1, 3), disk_keep=st.sampled_from([1, 2, 3, 5]), disk_every=st.integers(1, 3),
-                full_every=st.integers(2, 4), snapshot=st.sampled_from(["auto", "async"]))
-    def configure(self, memory_keep: int, disk_keep: int, disk_every: int, full_every: int, snapshot: str) -> None:
+                full_every=st.integers(2, 4), snapshot=st.sampled_from(["auto", "async"]), budget=st.booleans())
+    def configure(self, memory_keep: int, disk_keep: int, disk_every: int, full_every: int, snapshot: str,
+                  budget: bool) -> None:
         self.tiers: dict[str, Any] = {"memory_keep": memory_keep, "disk_keep": disk_keep, "disk_every": disk_every,
                                       "snapshot": snapshot}
+        if budget:  # a host-memory budget smaller than two states (stateful.features)
+            self.tiers.update(budget=BUDGET_BYTES, extra=BUDGET_EXTRA)
+        self.note(f"configure {self.tiers}, full every {full_every}")
         self.full_every = full_every
         os.makedirs(os.path.dirname(self.path), exist_ok=True)
 
@@ -177,6 +189,8 @@ class Single(LiveOps, RuleBasedStateMachine):
 
     def note(self, text: str) -> None:
         self.log.append(f"{time.monotonic() - self.t0:6.1f} s  {text}")
+        if os.environ.get("NEBULA_STATEFUL_VERBOSE"):  # every operation as it runs (a soak's progress)
+            print(f"stateful: ex{self.shared.examples} {self.log[-1]}", flush=True)
 
     def fail(self, text: str) -> None:
         if text.split("\n")[0] not in self.shared.seen:  # at once, before Hypothesis shrinks it (minutes)
@@ -282,6 +296,7 @@ class Single(LiveOps, RuleBasedStateMachine):
         sid, entry, disk, what = self._new_save(step)
         what += f", killed at {kill}" if kill else ""
         self.note(what)
+        self.budget_room(job)
         if kill:
             job.proc.call({"op": "arm", "at": SAVE_POINTS[kill[0]], "skip": kill[1]})
         got = job.proc.call({"op": "save", "step": step, "sid": sid, "fid": self.fid})
@@ -295,6 +310,8 @@ class Single(LiveOps, RuleBasedStateMachine):
             return
         if kill:
             job.proc.call({"op": "arm", "at": None})
+        if self.budget_refused(job, got, what):
+            return
         self._saved(step, entry, disk, got, what)
 
     def _saved(self, step: int, entry: Entry, disk: bool, got: dict[str, Any], what: str) -> None:
@@ -366,7 +383,7 @@ class Single(LiveOps, RuleBasedStateMachine):
         step = job.cursor if again and job.cursor >= 0 else job.cursor + gap
         self._save(step, (point, skip))
 
-    @precondition(lambda self: self.job is not None)
+    @precondition(lambda self: self.job is not None and (REOPEN_UNDER_BUDGET or not self.tiers.get("budget")))
     @rule(gap=st.integers(1, 2))
     def reopen(self, gap: int) -> None:
         """A second Checkpointer in the job's process on the same root while the first stays open
@@ -609,7 +626,12 @@ class Single(LiveOps, RuleBasedStateMachine):
         self.audit(node)  # every copy known, with its writer's generation
         keys = [self.mem(node), "disk"]
         steps = sorted({s for k in keys for s in self.truth.entries(k)})
-        step = (steps[-1] if which == "newest" else steps[pick % len(steps)]) if steps else pick
+        self.mark_step(node, suspect, (steps[-1] if which == "newest" else steps[pick % len(steps)]) if steps else pick)
+
+    def mark_step(self, node: int, suspect: bool, step: int) -> None:
+        """``nebula-ckpt mark ROOT --suspect STEP`` (or ``--healthy``) on ``node`` (the tiers audited):
+        see :meth:`mark`."""
+        keys = [self.mem(node), "disk"]
         copies = {(e.writer, e.sid) for k in keys for s, e in self.truth.entries(k).items() if s == step}
         flag = "--suspect" if suspect else "--healthy"
         self.note(f"mark {flag} {step} on n{node}")

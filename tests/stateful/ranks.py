@@ -303,6 +303,35 @@ class Ranks(RuleBasedStateMachine):
         self._kill_job()
 
     @precondition(lambda self: self.job is not None)
+    @rule(rank=st.integers(0, WORLD - 1))
+    def restore_mismatched(self, rank: int) -> None:
+        """``load_latest(into=...)`` on every rank of the live job, rank ``rank``'s ``into`` holding
+        its ``extra`` tensor in another shape: where a step is there to restore, every rank raises
+        ``ValidationError``, that rank's naming the key, the others naming themselves and saying
+        another rank's ``into`` does not match (none restores, none hangs: the driver's command
+        timeout fails the run); the job goes on."""
+        assert self.job is not None
+        self.note(f"restore on every rank, rank {rank}'s `into` mismatched (its `extra` of 7 elements)")
+        got = self.everyone([{"op": "restore", "into_extra": 7 if r == rank else 5} for r in range(WORLD)])
+        if any(g is None for g in got):
+            self.fail(f"a rank died in a mismatched restore: {got}\n{self.job.procs[0].tail()}\n"
+                      f"{self.job.procs[1].tail()}")
+        if all("error" not in g and g.get("step") is None for g in got if g is not None):
+            if self.candidates(True):
+                self.fail(f"a mismatched restore found nothing; the ranks hold {max(self.candidates(True))}")
+            return  # nothing to restore into it
+        for r, g in enumerate(got):
+            assert g is not None
+            err = g.get("error", "")
+            # the rank whose `into` mismatches names the key; the others name themselves and say
+            # another rank's `into` did not match (neither names the other rank: its log says)
+            named = "'extra'" in err if r == rank else f"rank {r}" in err and "another rank" in err
+            if not err.startswith("ValidationError") or not named:
+                self.fail(f"a restore with rank {rank}'s `into` mismatched: rank {r} gave "
+                          f"{err or 'step ' + str(g.get('step'))}, not a ValidationError naming "
+                          + ("'extra'" if r == rank else f"rank {r} and another rank's `into`"))
+
+    @precondition(lambda self: self.job is not None)
     @rule(which=st.sampled_from(["newest", "another"]), pick=st.integers(0, 7))
     def remove(self, which: str, pick: int) -> None:
         """``ck.remove(step)`` on every rank (what the docs ask of a multi-rank job): the newest step

@@ -37,9 +37,10 @@ class Net(torch.nn.Module):
         self.bias = torch.nn.Parameter(torch.zeros(TENSORS["model.bias"][1]))
 
 
-def make_state(sid: int, fid: int, rank: int) -> dict[str, Any]:
+def make_state(sid: int, fid: int, rank: int, extra: int = TENSORS["extra"][1]) -> dict[str, Any]:
     """The state of save ``sid`` (frozen part ``fid``): a module, an optimizer whose state the
-    restore creates (momentum buffers), a plain tensor, a frozen tensor, and the ids as a leaf."""
+    restore creates (momentum buffers), a plain tensor (of ``extra`` elements: a large one makes
+    the state weigh in a host-memory budget), a frozen tensor, and the ids as a leaf."""
     net = Net()
     opt = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
     with torch.no_grad():
@@ -47,13 +48,13 @@ def make_state(sid: int, fid: int, rank: int) -> dict[str, Any]:
         net.bias.fill_(code(sid, rank, 1))
     for i, p in enumerate((net.weight, net.bias)):
         opt.state[p]["momentum_buffer"] = torch.full_like(p, code(sid, rank, 8 + i))
-    return {"model": net, "optim": opt, "extra": torch.full((TENSORS["extra"][1],), code(sid, rank, 2)),
+    return {"model": net, "optim": opt, "extra": torch.full((extra,), code(sid, rank, 2)),
             "frozen": torch.full((FROZEN[2],), code(fid, rank, FROZEN[1])), "meta": {"sid": sid, "fid": fid}}
 
 
-def blank_state(rank: int) -> dict[str, Any]:
+def blank_state(rank: int, extra: int = TENSORS["extra"][1]) -> dict[str, Any]:
     """What a restarted job restores into (its optimizer has no state yet: the restore makes it)."""
-    st = make_state(0, 0, rank)
+    st = make_state(0, 0, rank, extra)
     st["optim"].state.clear()
     st["meta"] = {"sid": -1, "fid": -1}
     return st

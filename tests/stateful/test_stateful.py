@@ -4,8 +4,9 @@ Random sequences of saves, saves of a step again, a second Checkpointer taking t
 the same process, SIGKILLs at named points, ``gc`` (also ``gc ROOT --root-timeout``),
 ``persist-memory``, lost nodes, moved run folders and restores in fresh processes, ``close()``
 racing a save from another thread or landing in the optimizer's step hook from a SIGTERM handler,
-and the operator's ``verify`` / ``ls`` / ``gc`` beside a save held mid-way, checked after
-every restore and every audit against a model of which save is committed where
+a host-memory budget smaller than two states, in-process rollbacks (``load(N)``) and DCP reads,
+a restore with one rank's ``into`` mismatched, and the operator's ``verify`` / ``ls`` / ``gc``
+beside a save held mid-way, checked after every restore and every audit against a model of which save is committed where
 (tests/stateful/README.md).
 """
 

@@ -180,7 +180,14 @@ class Worker:
         t = self._tiers
         tiers = [nc.MemoryTier(keep_last=t["memory_keep"], replicas=t.get("replicas", 0)),
                  nc.LocalTier(self._root, keep_last=t["disk_keep"], every=t["disk_every"])]
-        return nc.Checkpointer(self._root, tiers=tiers, snapshot=t.get("snapshot", "auto"))
+        # ``budget``: a host-memory budget in bytes (a save waits for room, or says why none can come)
+        budget = {"host_memory_budget": t["budget"], "on_full": "wait"} if t.get("budget") else {}
+        return nc.Checkpointer(self._root, tiers=tiers, snapshot=t.get("snapshot", "auto"), **budget)
+
+    @property
+    def extra(self) -> int:
+        """The elements of the state's plain tensor (``tiers["extra"]``; a large state under a budget)."""
+        return int(self._tiers.get("extra", 5))
 
     def op_reopen(self, cmd: dict[str, Any]) -> dict[str, Any]:
         """A second Checkpointer on the job's root while the first stays open (a framework that
@@ -207,7 +214,7 @@ class Worker:
 
     def op_restore(self, cmd: dict[str, Any]) -> dict[str, Any]:
         assert self.ck is not None
-        st = blank_state(self.rank)
+        st = blank_state(self.rank, int(cmd.get("into_extra", self.extra)))  # into_extra: an `into` that mismatches
         latest = self.ck.latest()  # what load_latest tries first, named without reading it (this rank's tiers)
         try:
             step = self.ck.load_latest(into=st)
@@ -226,7 +233,7 @@ class Worker:
 
     def op_save(self, cmd: dict[str, Any]) -> dict[str, Any]:
         assert self.ck is not None
-        st = make_state(int(cmd["sid"]), int(cmd["fid"]), self.rank)
+        st = make_state(int(cmd["sid"]), int(cmd["fid"]), self.rank, self.extra)
         try:
             h = self.ck.save_async(int(cmd["step"]), st)
         except Exception as e:
@@ -239,7 +246,7 @@ class Worker:
         finished without reaching the line (a tier its cadence skips, no retention to run).
         ``save_end`` lets it go on."""
         assert self.ck is not None and self.pending is None
-        st = make_state(int(cmd["sid"]), int(cmd["fid"]), self.rank)
+        st = make_state(int(cmd["sid"]), int(cmd["fid"]), self.rank, self.extra)
         PAUSE.arm(cmd.get("pause"))
         _lib_log.setLevel(logging.DEBUG)
         try:
@@ -275,7 +282,7 @@ class Worker:
         time). The earlier Checkpointers of the job are closed after it (``open_again`` makes the next)."""
         ck = self.ck
         assert ck is not None
-        st = make_state(int(cmd["sid"]), int(cmd["fid"]), self.rank)
+        st = make_state(int(cmd["sid"]), int(cmd["fid"]), self.rank, self.extra)
         delay = float(cmd["delay"])
         start = threading.Barrier(2)
         closing: dict[str, Any] = {}
@@ -315,7 +322,7 @@ class Worker:
 
         ck = self.ck
         assert ck is not None
-        st = make_state(int(cmd["sid"]), int(cmd["fid"]), self.rank)
+        st = make_state(int(cmd["sid"]), int(cmd["fid"]), self.rank, self.extra)
         for p in st["model"].parameters():
             p.grad = torch.ones_like(p)
         main, at, sent = threading.get_ident(), cmd.get("at", "before"), threading.Event()
@@ -367,6 +374,17 @@ class Worker:
         errs = [_error_of(ck.close) for ck in reversed(self.older)]
         self.ck, self.older = None, []
         return next((e for e in errs if e), None)
+
+    def op_load(self, cmd: dict[str, Any]) -> dict[str, Any]:
+        """An in-process rollback: ``ck.load(step, into=...)`` into a blank state (what a loop that
+        goes back to step ``cmd["step"]`` does); the step, which save each part holds and its tier."""
+        assert self.ck is not None
+        st = blank_state(self.rank, self.extra)
+        try:
+            step = self.ck.load(int(cmd["step"]), into=st)
+        except Exception as e:
+            return {"error": f"{type(e).__name__}: {e}"}
+        return {"step": step, "parts": decode(st, self.rank), "tier": (self.ck.last_restore or {}).get("tier")}
 
     def op_report(self, cmd: dict[str, Any]) -> dict[str, Any]:
         """``ck.report(step, loss=...)`` for each ``[step, finite]`` of ``cmd["reports"]`` (NaN when not finite)."""
@@ -452,6 +470,37 @@ class Worker:
         if step is not None:
             got["parts"] = decode(st, int(cmd["rank"]))
         return got
+
+    def op_dcp_read(self, cmd: dict[str, Any]) -> dict[str, Any]:
+        """The root read two ways, as this node: ``load_latest`` of a read-only Checkpointer of its
+        persistent tier (``latest``) and ``torch.distributed.checkpoint.load`` through
+        ``NebulaStorageReader(root)`` (``dcp``, its step chosen by the reader); each the step and
+        which save each part holds, or the error."""
+        import torch.distributed.checkpoint as dcp
+
+        from nebula_ckpt.restore.dcp_reader import NebulaStorageReader
+
+        self.node(cmd)
+        root, extra = cmd["root"], int(cmd.get("extra", 5))
+        out: dict[str, Any] = {}
+        st = blank_state(0, extra)
+        try:
+            with nc.Checkpointer(root, tiers=[nc.LocalTier(root)], read_only=True) as ck:
+                step = ck.load_latest(into=st)
+            out["latest"] = {"step": step, **({"parts": decode(st, 0)} if step is not None else {})}
+        except Exception as e:
+            out["latest"] = {"error": f"{type(e).__name__}: {e}"}
+        ref = make_state(0, 0, 0, extra)  # a state dict of the saved keys, holding no save's bytes
+        sd = {"model": ref["model"].state_dict(), "optim": ref["optim"].state_dict(), "extra": ref["extra"],
+              "frozen": ref["frozen"], "meta": {"sid": -1, "fid": -1}}
+        try:
+            with NebulaStorageReader(root) as reader:
+                step = reader.step
+                dcp.load(sd, storage_reader=reader)
+            out["dcp"] = {"step": step, "parts": decode(sd, 0)}
+        except Exception as e:
+            out["dcp"] = {"error": f"{type(e).__name__}: {e}"}
+        return out
 
     def op_audit(self, cmd: dict[str, Any]) -> dict[str, Any]:
         """Every step committed on each tier of ``root`` as this node sees it (the memory tier and the
