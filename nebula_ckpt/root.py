@@ -270,7 +270,8 @@ def open_root(root: str, storage_options: Optional[dict[str, Any]], tiers: Optio
     chosen, root_tier = choose_tiers(root, storage_options, tiers, memory_tier, coordinator.rank)
     runtimes = [runtime_for(t, t.make_storage()) for t in chosen]
     for rt in runtimes:  # fail fast, before leaving anything behind (a listing: nothing written)
-        rt.storage.check_access()
+        if rt.persistent:  # a memory tier that cannot be used stands aside (warning) in open() / unreadable()
+            rt.storage.check_access()
     by_name = {rt.name: rt.storage for rt in runtimes}
     root_storage = by_name.get(root_tier.name) or root_tier.make_storage()
     own = root_tier.name not in by_name

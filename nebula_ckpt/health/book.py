@@ -140,12 +140,18 @@ class HealthBook:
         """Create one record (create-only: never over another), durable on return; the record
         (``save``: the write marked, None: every write of ``(generation, step)``).
 
+        The record is stamped after every record of that checkpoint already there, whatever the
+        clocks of the machines that wrote them (a node whose clock ran ahead, a clock stepped back):
+        a mark decides over every mark made before it.
+
         Raises:
-            OSError (or a storage error): the record could not be written.
+            OSError (or a storage error): the record could not be written (or the records there
+                could not be listed).
         """
+        after = self._newest_ns(step, generation)
         for _ in range(_CREATE_TRIES):
             with self._lock:
-                self._last_ns = max(self._last_ns + 1, time.time_ns())
+                self._last_ns = max(self._last_ns + 1, time.time_ns(), after + 1)
                 now = self._last_ns
             rec = HealthRecord(step=step, generation=generation, time_ns=now, state=state, by=by, rank=rank,
                                reason=reason, save=save)
@@ -157,6 +163,11 @@ class HealthBook:
                     "nebula_ckpt: step %d (writer generation %d) marked %s: %s", step, generation, state, reason)
             return rec
         raise FileExistsError(f"{self.storage.display_url}: could not create a health record of step {step}")
+
+    def _newest_ns(self, step: int, generation: int) -> int:
+        """The time in the name of the newest record of ``(generation, step)`` there (0: none)."""
+        named = (RecordName.parse(n) for n in self.storage.list(health_folder(step)))
+        return max((rn.time_ns for rn in named if rn is not None and rn.generation == generation), default=0)
 
     def prune(self, older_than: int) -> int:
         """Remove the records of every step below ``older_than`` (their checkpoints are gone); the

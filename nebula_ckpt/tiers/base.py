@@ -150,7 +150,9 @@ class Cadence:
             return False
         if self.every_seconds is None or self._last is None:
             return True
-        return self._clock(now) - self._last >= (1 if self._windows else self.every_seconds)
+        if self._windows:  # another window, also one before the last (the wall clock stepped back)
+            return self._clock(now) != self._last
+        return self._clock(now) - self._last >= self.every_seconds
 
     def took(self, now: float) -> None:
         """A save went ahead on the tier at ``now``: its ``every_seconds`` window starts."""

@@ -11,6 +11,7 @@ import torch
 
 import nebula_ckpt as nc
 from nebula_ckpt import knobs
+from nebula_ckpt.tiers.memory.shm import user_dir_name
 
 
 def _tree(*roots: str) -> set[str]:
@@ -171,6 +172,35 @@ def test_a_memory_tier_folder_that_does_not_exist_is_said_loudly(tmp_path, caplo
             assert list(ck.list(detailed=True)) == [f"local:{os.path.abspath(root)}"]
     said = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
     assert any("memory tier skipped" in m and missing in m and "NEBULA_SHM_DIR" in m for m in said), said
+
+
+@pytest.mark.parametrize("where", ["a file", "below a file", "its user folder a file"])
+def test_a_memory_tier_folder_that_is_a_file_stands_aside_and_the_root_still_restores_and_saves(
+        tmp_path, caplog, where) -> None:  # noqa: ANN001
+    """NEBULA_SHM_DIR that is a file (a typo, a stray file where the tmpfs folder was), lies below
+    one, or holds a file where this user's folder belongs: the memory tier stands aside with its
+    warning, as for any unusable folder, and every Checkpointer (read-only too) restores the root's
+    steps and saves to disk; nothing blames the root."""
+    root = str(tmp_path / "ck")
+    with nc.Checkpointer(root, memory_tier=False) as ck:
+        ck.save(1, {"w": torch.ones(4)})
+    f = tmp_path / "a_file"
+    f.write_text("not a folder")
+    shm = {"a file": f, "below a file": f / "shm", "its user folder a file": tmp_path / "shm"}[where]
+    if where == "its user folder a file":
+        shm.mkdir()
+        (shm / user_dir_name()).write_text("not a folder")
+    with knobs.override(shm_dir=str(shm)):
+        with nc.Checkpointer(root, read_only=True) as ck:
+            into = {"w": torch.zeros(4)}
+            assert ck.load_latest(into=into) == 1 and torch.equal(into["w"], torch.ones(4))
+        with caplog.at_level("WARNING", logger="nebula_ckpt"), nc.Checkpointer(root) as ck:
+            assert ck.load_latest(into={"w": torch.zeros(4)}) == 1
+            ck.save(2, {"w": torch.full((4,), 2.0)})
+            assert ck.list() == [1, 2]
+    said = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert any("memory tier" in m and ("skipped" in m or "not used" in m) for m in said), said
+    assert f.read_text() == "not a folder"
 
 
 def test_building_without_a_compiler_names_the_way_out(tmp_path) -> None:  # noqa: ANN001

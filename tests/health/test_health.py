@@ -482,3 +482,22 @@ def test_a_persons_mark_applies_to_the_write_it_was_made_for_not_to_a_later_one(
     assert main(["mark", root, "--suspect", "5"]) == 0
     with nc.Checkpointer(root, memory_tier=False, read_only=True) as ck:
         assert ck.load_latest(into=_state(0)) == 4
+
+
+def test_a_persons_mark_decides_over_a_mark_stamped_by_a_clock_that_ran_ahead(
+        root: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A node whose wall clock runs an hour ahead (skew, or NTP later steps it back) marks step 5
+    suspect; a person's ``mark --healthy 5``, made after it on a right clock, decides (each record
+    is stamped after those of its checkpoint already there), and so does the training signal's
+    next suspect mark after that."""
+    run(root, range(0, 6), restore=False)                      # 0 healthy, 5 saved
+    real = time.time_ns
+    with monkeypatch.context() as m:
+        m.setattr(time, "time_ns", lambda: real() + 3600 * 10**9)
+        got, _ = run(root, range(6, 7), {6: NAN})              # restored 5, bad at once
+    assert got == 5 and marks(root)[5] == "suspect"
+    assert main(["mark", root, "--healthy", "5"]) == 0
+    assert marks(root)[5] == "healthy"
+    got, _ = run(root, range(6, 7), {6: NAN})                  # restored 5 again, bad again
+    assert got == 5 and marks(root)[5] == "suspect"
+    assert run(root, range(0))[0] == 0

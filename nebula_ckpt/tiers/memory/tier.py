@@ -110,7 +110,7 @@ def shm_available(path: str) -> Optional[str]:
     """``None`` if the memory tier can live at ``path``, else the reason it cannot."""
     base = os.path.dirname(os.path.dirname(path))
     if not os.path.isdir(base):
-        return f"{base} does not exist"
+        return f"{base} is not a folder" if os.path.exists(base) else f"{base} does not exist"
     if not os.access(base, os.W_OK):
         return f"{base} is not writable"
     return None
