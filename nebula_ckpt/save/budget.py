@@ -37,7 +37,8 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import Any, Optional, Sequence, Union
+import time
+from typing import Any, Callable, Optional, Sequence, Union
 
 from nebula_ckpt.arguments import check_budget
 from nebula_ckpt.errors import ValidationError
@@ -211,11 +212,34 @@ class HostMemoryBudget:
             "(every=1) and the memory tier keep one step (keep_last=1), or pass on_full='skip' to go on without "
             "such saves")
 
+    def stuck(self, since: Optional[float], held: Optional[str], what: str, why: Callable[[], str]) -> Optional[float]:
+        """Since when a save that waits for the budget (``what``) finds nothing in flight that could
+        free memory and what holds the memory tier named (``held``, :func:`held_by`; None: something
+        may free memory), or None. ``why``: the shortage in words.
+
+        Raises:
+            ValidationError: so for :data:`STUCK_S` (:meth:`held_error`): it would wait for ever.
+        """
+        if held is None:
+            return None
+        if since is None:
+            return time.monotonic()
+        if time.monotonic() - since < STUCK_S:
+            return since
+        e = self.held_error(what, why(), held)
+        log.error("nebula_ckpt: %s", e)
+        raise e
+
 
 #: why nothing can be freed for a save short of the budget, by the slot folder of the memory tier
 #: that holds it (``TierRuntime.staging_dir()``, the staging pool's ``slot_dir``): set by
 #: :func:`~nebula_ckpt.save.drain.make_room` once no save is in flight, cleared while one is
 _HELD: dict[str, str] = {}
+
+
+#: how long a save that waits for the budget finds nothing in flight and nothing to give up before it
+#: raises instead of waiting for ever (what the memory tier holds is re-examined meanwhile)
+STUCK_S = 2.0
 
 
 def note_held(slot_dir: Optional[str], why: Optional[str]) -> None:

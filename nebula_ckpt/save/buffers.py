@@ -39,7 +39,6 @@ from nebula_ckpt.save.slots import (
     Slot,
     adopt_slot_file,
     create_slot_file,
-    drop_idle,
     fresh_anonymous,
     retire_anonymous,
     shm_room,
@@ -54,9 +53,6 @@ SLOT_AHEAD_BYTES = 32 << 20
 #: longest a staging buffer made in the background waits for the copy of the save that asked for it
 #: to finish (so that it does not take that copy's cores and memory bandwidth) before it is made anyway
 SLOT_AHEAD_WAIT_S = 60.0
-#: how long a save that waits for the budget finds nothing in flight and nothing to give up before it
-#: raises instead of waiting for ever (what the memory tier holds is re-examined meanwhile)
-STUCK_S = 2.0
 
 __all__ = ["Slot", "StagingPool"]
 
@@ -226,7 +222,8 @@ class StagingPool:
                 if reclaimed or reclaim is None:
                     if self.on_full == "skip":
                         return None
-                    stuck = self._stuck(short and not freed, stuck, what)
+                    idle = short and not freed and self._preparer is None and not any(s.in_use for s in self._slots)
+                    stuck = self.budget.stuck(stuck, held_by(self.slot_dir) if idle else None, what, self.why_full)
                     if short and not told:
                         told = True
                         log.warning("nebula_ckpt: %s waits (on_full='wait'): %s; it goes ahead once a save in flight "
@@ -236,25 +233,6 @@ class StagingPool:
                     continue
             reclaimed = True
             freed = bool(reclaim(short))
-
-    def _stuck(self, short: bool, since: Optional[float], what: str) -> Optional[float]:
-        """Since when a waiting save (``what``) finds nothing in flight that could free memory,
-        nothing given up and what holds the memory tier named (:func:`~nebula_ckpt.save.budget.held_by`),
-        or None (lock held).
-
-        Raises:
-            ValidationError: so for :data:`STUCK_S`: it would wait for ever.
-        """
-        held = held_by(self.slot_dir)
-        if not short or held is None or self._preparer is not None or any(s.in_use for s in self._slots):
-            return None
-        if since is None:
-            return time.monotonic()
-        if time.monotonic() - since < STUCK_S:
-            return since
-        e = self.budget.held_error(what, self.why_full(), held)
-        log.error("nebula_ckpt: %s", e)
-        raise e
 
     def _trim(self) -> list[Slot]:
         """Free idle anonymous buffers slot files replaced (:func:`~nebula_ckpt.save.slots.retire_anonymous`)
@@ -306,7 +284,7 @@ class StagingPool:
         def room(extra: int = 0) -> bool:
             return len(staging) + (self._preparer is not None) < self.max_slots and self._fits(size + extra)
 
-        drop_idle(self._slots, staging, room, lambda: use_file and self.slot_dir is not None and
+        self._make_room(staging, room, lambda: use_file and self.slot_dir is not None and
                         not shm_room(self.slot_dir, size))
         if not room():
             return None
@@ -332,6 +310,21 @@ class StagingPool:
         if ahead:
             self._prepare_ahead(nbytes, took_file=slot.path is not None)
         return slot
+
+    def _make_room(self, staging: list[Slot], room: Callable[[], bool], shm_full: Callable[[], bool]) -> None:
+        """Drop idle buffers that do not fit (or are of the other kind) until ``room()``; then, on
+        a full tmpfs (``shm_full()``), idle slot files of other sizes too (for a new one, or the
+        tier's copy). Lock held."""
+        for s in [s for s in staging if not s.in_use]:
+            if room():
+                break
+            self._slots.remove(s)
+            staging.remove(s)
+            s.free()
+        for s in [s for s in staging if not s.in_use and s.path] if shm_full() else []:
+            self._slots.remove(s)
+            staging.remove(s)
+            s.free()
 
     def prepare(self, nbytes: int, pinned: bool) -> None:
         """Make the staging for saves of ``nbytes`` in the background, unless it is there.

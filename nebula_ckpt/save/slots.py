@@ -11,7 +11,7 @@ import logging
 import mmap
 import os
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 import torch
 
@@ -136,22 +136,6 @@ def shm_room(slot_dir: str, nbytes: int) -> bool:
         return False
     total, free = st.f_blocks * st.f_frsize, st.f_bavail * st.f_frsize
     return free - nbytes >= knobs.get("shm_min_free_fraction") * total
-
-
-def drop_idle(slots: list[Slot], staging: list[Slot], room: Callable[[], bool], shm_full: Callable[[], bool]) -> None:
-    """Drop idle buffers of ``staging`` (from ``slots`` too) that do not fit (or are of the other
-    kind) until ``room()``; then, on a full tmpfs (``shm_full()``), idle slot files of other sizes
-    too (for a new one, or the tier's copy). The pool's lock held."""
-    for s in [s for s in staging if not s.in_use]:
-        if room():
-            break
-        slots.remove(s)
-        staging.remove(s)
-        s.free()
-    for s in [s for s in staging if not s.in_use and s.path] if shm_full() else []:
-        slots.remove(s)
-        staging.remove(s)
-        s.free()
 
 
 def retire_anonymous(slots: list[Slot]) -> None:
