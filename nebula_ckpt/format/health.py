@@ -87,7 +87,8 @@ class HealthRecord:
 
     Attributes:
         step, generation: the checkpoint marked.
-        time_ns: when (orders the marks of one checkpoint: the newest decides, see
+        time_ns: when, or just after the newest earlier record of the checkpoint (orders the
+            marks of one checkpoint in the order they were written: the newest decides, see
             :func:`nebula_ckpt.health.book.fold`).
         state: ``"healthy"`` or ``"suspect"``.
         by: ``"report"`` (a Checkpointer, from the training signal) or ``"user"``.
