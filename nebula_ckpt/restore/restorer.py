@@ -25,14 +25,16 @@ from nebula_ckpt.restore.open import OpenCheckpoint, read_main_manifest
 from nebula_ckpt.restore.select import (
     HealthChoice,
     Stage,
-    all_suspect_error,
     changed_meanwhile,
+    check_listed,
     find_and_open,
     list_candidates,
     open_agreed,
     open_tagged,
     say,
+    stop_together,
 )
+from nebula_ckpt.restore.unreadable import outage
 from nebula_ckpt.storage.base import Storage
 from nebula_ckpt.storage.buffers import BufferStorage
 from nebula_ckpt.tiers.base import Tier
@@ -101,15 +103,11 @@ class Restorer:
     def step_tags(self, check_shards: bool) -> dict[int, Optional[str]]:
         """Step -> tag (None: untagged) of every committed step with a valid manifest on some tier
         (commit marker, manifest checksum, every field); ``check_shards``: and every shard file
-        it names present with its recorded size (the check of ``nebula-ckpt ls --quick``)."""
+        it names present with its recorded size (the check of ``nebula-ckpt ls --quick``). A tier
+        that cannot be listed or read raises its error: what it holds is not known."""
         out: dict[int, Optional[str]] = {}
         for t, st in self.tier_pairs():
-            try:
-                steps = committed_steps(st)
-            except Exception as e:
-                log.warning("nebula_ckpt: cannot list tier %s: %s", t.name, e)
-                continue
-            for s in steps:
+            for s in committed_steps(st):
                 if s not in out:
                     man = _sound(t, st, s, check_shards)
                     if man is not None:
@@ -120,13 +118,16 @@ class Restorer:
         """``(step, tag)`` of the checkpoint :meth:`load` of the newest step tries first (see
         :meth:`Checkpointer.latest`), or None."""
         choice = HealthChoice(self.health.view() if self.health is not None else None, skip_suspect=True)
-        for c in list_candidates(self.tier_pairs()):
+        unlisted: list[BaseException] = []
+        for c in list_candidates(self.tier_pairs(), unlisted=unlisted):
             if c.problem is None and not choice.skips(*c.order):
+                check_listed(unlisted, c)  # a tier not listed may hold a newer step
                 man = _sound(c.tier, c.storage, c.step, True)
                 if man is None and changed_meanwhile(c) not in (None, c):  # saved again while read: its new write
                     man = _sound(c.tier, c.storage, c.step, True)
                 if man is not None:
                     return c.step, man.tag
+        check_listed(unlisted)
         return None
 
     def tags(self) -> dict[str, int]:
@@ -203,7 +204,7 @@ class Restorer:
         there are replicas); the checkpoint and that round's outcome."""
         pairs = self.tier_pairs()
         rec = None
-        among = None if tag is None else self.steps_tagged(tag)
+        among = None if tag is None else self._tagged_together(tag)
         if self.replicator is not None:  # lost memory-tier copies come back from partners first
             shared = [c.order for c in list_candidates([(t, s) for t, s in pairs if t.shared])]
             rec = self.replicator.recover(shared, step, among)
@@ -214,6 +215,18 @@ class Restorer:
         ck = open_agreed(pairs, self.coordinator, self.root, step, on_damaged, among, stage, self._checked(rec),
                          agreed, skip)
         return ck, rec
+
+    def _tagged_together(self, tag: str) -> list[int]:
+        """:meth:`steps_tagged` on every rank: a rank that cannot list a tier raises, and so does every rank."""
+        lost: Optional[BaseException] = None
+        try:
+            steps = self.steps_tagged(tag)
+        except Exception as e:
+            if not outage(e):
+                raise
+            lost, steps = e, []
+        stop_together(self.coordinator, self.coordinator.exchange(None if lost is None else str(lost)), lost)
+        return steps
 
     def _checked(self, rec: Optional[dict[str, Any]]) -> Optional[tuple[str, int, int, int]]:
         """The memory-tier copy the replicas' recover round checked in full on this rank (its own
@@ -315,6 +328,17 @@ def _sound(tier: Tier, st: Storage, step: int, check_shards: bool) -> Optional[M
                 if st.size(shard_path(man, i)) != sh.stored_bytes:
                     raise CorruptCheckpointError(f"tier {tier.name} step {step}: shard {sh.file} has the wrong size")
     except Exception as e:  # damaged or gone meanwhile: not a healthy checkpoint here
+        if outage(e):
+            raise  # a store that did not answer: not known
         log.debug("nebula_ckpt: skipping tier %s step %d: %s", tier.name, step, e)
         return None
     return man
+
+
+def all_suspect_error(outcome: dict[str, Any], root: str) -> CorruptCheckpointError:
+    """The error for a root whose every restorable step is marked suspect."""
+    steps = [x["step"] for x in outcome.get("skipped") or []]
+    return CorruptCheckpointError(
+        f"no checkpoint of {root} is left to restore: every committed step that opens is marked suspect "
+        f"(steps {steps[:20]}; the log says why). Restoring one again would repeat the failure: fix its cause, "
+        "then clear a mark with `nebula-ckpt mark --healthy STEP ROOT`, or pass on_damaged='warn' to start afresh")

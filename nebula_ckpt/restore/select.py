@@ -34,6 +34,7 @@ from nebula_ckpt.format.health import SUSPECT
 from nebula_ckpt.health.book import NO_MARK, HealthView, Mark
 from nebula_ckpt.ranks.coordinator import Coordinator
 from nebula_ckpt.restore.open import NotThisLayout, OpenCheckpoint, open_checkpoint
+from nebula_ckpt.restore.unreadable import outage, refused_here
 from nebula_ckpt.storage.base import Storage
 from nebula_ckpt.tiers.base import Tier
 
@@ -78,8 +79,8 @@ class Candidate:
         return (self.generation, self.step, self.save)
 
 
-
-def list_candidates(tiers: list[tuple[Tier, Storage]], steps: Optional[Lister] = None) -> list[Candidate]:
+def list_candidates(tiers: list[tuple[Tier, Storage]], steps: Optional[Lister] = None,
+                    unlisted: Optional[list[BaseException]] = None) -> list[Candidate]:
     """Every committed step on every tier: newest writer generation first, then newest step, then
     fastest tier (the order of ``tiers``).
 
@@ -90,7 +91,8 @@ def list_candidates(tiers: list[tuple[Tier, Storage]], steps: Optional[Lister] =
 
     ``steps``: lists a tier's committed steps (None: the steps with a commit marker,
     :func:`~nebula_ckpt.format.commit.committed_steps`); a step listed whose marker cannot be read
-    is a candidate with its ``problem``.
+    is a candidate with its ``problem``. ``unlisted``: gets the error of each tier that cannot be
+    listed (None: logged only); see :func:`check_listed`.
     """
     cands: list[tuple[int, int, int, int, Candidate]] = []
     for i, (tier, st) in enumerate(tiers):
@@ -98,11 +100,23 @@ def list_candidates(tiers: list[tuple[Tier, Storage]], steps: Optional[Lister] =
             listed = committed_steps(st) if steps is None else steps(tier, st)
         except Exception as e:
             log.warning("nebula_ckpt: cannot list tier %s: %s", tier.name, e)
+            if unlisted is not None:
+                unlisted.append(e)
             continue
         for s in listed:
             (g, _, w), problem = _commit_write(st, s)
             cands.append((-g, -s, -w, i, Candidate(s, tier, st, g, problem, w)))
     return [c for *_, c in sorted(cands, key=lambda x: x[:4])]
+
+
+def check_listed(unlisted: list[BaseException], c: Optional[Candidate] = None) -> None:
+    """Raise the error of a tier that could not be listed (``unlisted``), which may hold a newer step
+    than candidate ``c`` (None: than nothing), unless ``c`` is on the memory tier (a tier lost on a
+    reboot), which every save of this node reaches first: an unreachable tier is neither empty nor damaged."""
+    if unlisted and (c is None or c.tier.persistent):
+        log.error("nebula_ckpt: not restoring: a tier could not be listed, so the newest checkpoint is not "
+                  "known; retry once it answers (%s)", unlisted[0])
+        raise unlisted[0]
 
 
 def _commit_write(storage: Storage, step: int) -> tuple[Write, Optional[str]]:
@@ -115,7 +129,6 @@ def _commit_write(storage: Storage, step: int) -> tuple[Write, Optional[str]]:
             f"commit marker is unreadable ({type(e).__name__}: {e})"
 
 
-
 def find_and_open(tiers: list[tuple[Tier, Storage]], step: Optional[int] = None,
                   verify: Optional[str] = None, on_all_damaged: str = "raise", rank: Optional[int] = None,
                   world: int = 1, stage: Optional[Stage] = None,
@@ -124,13 +137,13 @@ def find_and_open(tiers: list[tuple[Tier, Storage]], step: Optional[int] = None,
                   layouts: Optional[list[str]] = None) -> Optional[OpenCheckpoint]:
     """Open the newest healthy checkpoint (or the healthy copy of ``step``).
 
-    Every candidate that fails to open, for whatever reason, is skipped with a warning.
+    Every candidate that fails to open is skipped with a warning, but an outage is raised (:func:`check_listed`).
 
     Args:
         tiers: ``(tier, storage)`` pairs, fastest first.
         step: only this step; None: the newest healthy one (newest writer generation first).
-        generation: only checkpoints of this writer generation (the one the ranks agreed on).
-        save: only checkpoints of this save number (with ``generation`` and ``step``: one write).
+        generation, save: only checkpoints of this writer generation and save number (with ``step``: the
+            write the ranks agreed on).
         checked: the copy this process checked already (see :data:`Checked`).
         verify: ``"full"`` or ``"size"``; None: each tier's own setting.
         on_all_damaged: when committed candidates exist but none is healthy: ``"raise"`` a
@@ -146,13 +159,13 @@ def find_and_open(tiers: list[tuple[Tier, Storage]], step: Optional[int] = None,
         layouts: gets why each candidate of another layout (not damaged) was passed over.
 
     Returns:
-        The open checkpoint, or None when there is no committed checkpoint (of ``step``) at all
-        (or all are damaged and ``on_all_damaged="warn"``).
+        The open checkpoint; None when nothing (of ``step``) is committed, or all is damaged (and "warn").
     """
     if on_all_damaged not in ON_ALL_DAMAGED:
         raise ValidationError(f"on_all_damaged must be one of {ON_ALL_DAMAGED}, got {on_all_damaged!r}")
     skipped: list[str] = []
-    cands = [c for c in list_candidates(tiers) if step is None or c.step == step]
+    unlisted: list[BaseException] = []
+    cands = [c for c in list_candidates(tiers, unlisted=unlisted) if step is None or c.step == step]
     for c in cands:  # a marker that cannot be read is damage, reported whatever the order says
         if c.problem is not None:
             why = f"tier {c.tier.name} step {c.step}: {c.problem}"
@@ -160,16 +173,16 @@ def find_and_open(tiers: list[tuple[Tier, Storage]], step: Optional[int] = None,
             skipped.append(why)
     for c in cands:
         if c.problem is not None or (generation is not None and c.generation != generation) or \
-                (save is not None and c.save != save):
+                (save is not None and c.save != save) or (skip is not None and skip(c.generation, c.step, c.save)):
             continue
-        if skip is not None and skip(c.generation, c.step, c.save):
-            continue
+        check_listed(unlisted if step is None else [], c)  # a tier not listed may hold a newer step
         how = verify or ("size" if checked == (c.tier.name, *c.order) else c.tier.verify)
         ck = _open_candidate(c, how, rank, world, stage, skipped, layouts)
         if ck is not None:
             log.info("nebula_ckpt: restoring step %d from tier %s%s", c.step, c.tier.name,
                      f" (skipped {len(skipped)} damaged candidate(s))" if skipped else "")
             return ck
+    check_listed(unlisted)  # an outage is never "nothing committed" nor "all damaged"
     if skipped:
         msg = _all_damaged_message(tiers, step, skipped)
         if on_all_damaged == "raise":
@@ -212,6 +225,11 @@ def _open_candidate(c: Candidate, verify: str, rank: Optional[int], world: int, 
             layouts.append(str(e))
         return None
     except Exception as e:  # KeyError, OverflowError, struct.error, OSError...: all mean damaged
+        if outage(e):  # but a store that did not answer, or a file this process cannot read: may be whole
+            better = refused_here(e, where)
+            if better is not None:
+                raise better from e
+            raise
         again = changed_meanwhile(c) if world > 1 or again_ok else None
         if again is not None:  # saved again or removed while it was read: not damaged
             # the ranks agree again on what each lists now (open_agreed): the new write or an older step
@@ -236,7 +254,9 @@ def changed_meanwhile(c: Candidate) -> Optional[Candidate]:
     except FileNotFoundError:
         log.info("nebula_ckpt: tier %s step %d was removed while it was read; left out", c.tier.name, c.step)
         return c
-    except Exception:  # unreadable now: the failure stands as damage
+    except Exception as e:  # unreadable now: the failure stands as damage
+        if outage(e):
+            raise  # unless the store did not answer: neither damage nor a new write
         return None
     if now.write == c.order:
         return None
@@ -254,7 +274,6 @@ def _all_damaged_message(tiers: list[tuple[Tier, Storage]], step: Optional[int],
             "the checkpoints are fine and the reasons above are this process's (a device, memory, permissions). "
             "Only a step that verify reports DAMAGED is: restore an older copy of its folder, or move it aside "
             "to resume from an older step.")
-
 
 
 def open_tagged(tiers: list[tuple[Tier, Storage]], steps: list[int], tag: str, root: str,
@@ -308,15 +327,18 @@ def open_agreed(tiers: list[tuple[Tier, Storage]], co: Coordinator, root: str, s
         agreed = None  # rank 0 leaves it out: the ranks agree among the others
     while True:
         newest: Optional[Write]
+        unl: list[BaseException] = []  # a tier this rank cannot list: it offers what check_listed lets by
         if agreed is not None:  # agreed on every rank alike: no exchange for it
             newest, agreed = agreed, None
         else:
             # (writer generation, step, save): a stale writer's steps never win over a newer
             # writer's, and the ranks agree on one write of a step saved twice
-            have = {c.order for c in list_candidates(tiers) if (step is None or c.step == step)
-                    and (among is None or c.step in among) and (skip is None or not skip(*c.order))}
+            have = {c.order for c in list_candidates(tiers, unlisted=unl) if (step is None or c.step == step)
+                    and (among is None or c.step in among) and (skip is None or not skip(*c.order))
+                    and (step is not None or not unl or not c.tier.persistent)}
             newest = co.agree_step(sorted(have - set(failed)))
         if newest is None:
+            stop_together(co, co.exchange(str(unl[0]) if unl else None), unl[0] if unl else None)
             if failed and on_damaged == "raise":
                 raise CorruptCheckpointError(
                     f"rank {co.rank}: no step is restorable on every rank of {root}: step(s) "
@@ -342,6 +364,7 @@ def _open_round(tiers: list[tuple[Tier, Storage]], co: Coordinator, newest: Writ
     """
     generation, agreed, save = newest
     mismatch: Optional[ValidationError] = None
+    lost: Optional[BaseException] = None
     try:
         ck = find_and_open(tiers, step=agreed, on_all_damaged="warn", rank=co.rank, world=co.world_size,
                            stage=stage, generation=generation, checked=checked, save=save)
@@ -349,16 +372,17 @@ def _open_round(tiers: list[tuple[Tier, Storage]], co: Coordinator, newest: Writ
         ck, mismatch = None, e
     except Exception as e:
         log.warning("nebula_ckpt: rank %d cannot open step %d: %s", co.rank, agreed, e)
-        ck = None
+        ck, lost = None, e if outage(e) else None
     if not co.all_true(mismatch is None):
         raise mismatch or ValidationError(
             f"rank {co.rank}: restoring step {agreed} failed on another rank because its `into` does not "
             "match the checkpoint (that rank's error says how); nothing was restored")
-    # one exchange: whether every rank opened it, and any rank's `into` that lays it out otherwise
-    opened = co.exchange((ck is not None, None if ck is None else ck.other_layout))
-    if not all(ok for ok, _ in opened):
+    # one exchange: whether every rank opened it, any rank's `into` that lays it out otherwise, an outage
+    opened = co.exchange((ck is not None, None if ck is None else ck.other_layout, None if lost is None else str(lost)))
+    stop_together(co, [said for *_, said in opened], lost)
+    if not all(ok for ok, *_ in opened):
         return None
-    other = next((f"rank {r}: {why}" for r, (_, why) in enumerate(opened) if why), None)
+    other = next((f"rank {r}: {why}" for r, (_, why, _) in enumerate(opened) if why), None)
     if other is None:
         return ck
     return _open_whole(tiers, co, newest, checked, other)
@@ -371,19 +395,34 @@ def _open_whole(tiers: list[tuple[Tier, Storage]], co: Coordinator, newest: Writ
     world size is the same); None when some rank cannot open it so (then an older step is tried)."""
     generation, step, save = newest
     log.info("nebula_ckpt: step %d is resharded on every rank: %s", step, other)
+    lost: Optional[BaseException] = None
     try:
         # rank None: the whole job's checkpoint (a tier holding every rank: the shared one)
         ck = find_and_open(tiers, step=step, on_all_damaged="warn", rank=None, world=co.world_size,
                            generation=generation, checked=checked, save=save)
     except Exception as e:
         log.warning("nebula_ckpt: rank %d cannot open step %d whole: %s", co.rank, step, e)
-        ck = None
+        ck, lost = None, e if outage(e) else None
     if ck is None:
         log.warning("nebula_ckpt: rank %d: step %d is resharded (%s), which needs it on a tier holding every "
                     "rank's part (a shared tier); none here does", co.rank, step, other)
     else:
         ck.other_layout = other
-    return ck if co.all_true(ck is not None) else None
+    got = co.exchange((ck is not None, None if lost is None else str(lost)))
+    stop_together(co, [said for _, said in got], lost)
+    return ck if all(ok for ok, _ in got) else None
+
+
+def stop_together(co: Coordinator, said: list[Optional[str]], own: Optional[BaseException]) -> None:
+    """Raise on every rank when a rank's store did not answer (``said``: each rank's error or None;
+    ``own``: this rank's, raised as it is): the ranks stop together, never one waiting on the others."""
+    lost = own or next((f"rank {r}: {why}" for r, why in enumerate(said) if why), None)
+    if isinstance(lost, str):
+        from nebula_ckpt.storage.remote.errors import RemoteUnavailableError  # loaded on first use
+        raise RemoteUnavailableError(f"rank {co.rank}: not restoring: another rank could not read the checkpoint, "
+                                     f"which is not damage ({lost}); retry once it can")
+    if lost is not None:
+        raise lost
 
 
 # -- the health marks: which suspect step a restore skips -----------------------------------------
@@ -446,12 +485,3 @@ def _same_failure_hint(skipped: list[dict[str, Any]]) -> str:
         return (f". Restores from {len(at)} different steps went bad the same way ({at[0]}): the cause is likely "
                 "the data or the code at that step, not a checkpoint; older steps will likely go bad too")
     return ""
-
-
-def all_suspect_error(outcome: dict[str, Any], root: str) -> CorruptCheckpointError:
-    """The error for a root whose every restorable step is marked suspect."""
-    steps = [x["step"] for x in outcome.get("skipped") or []]
-    return CorruptCheckpointError(
-        f"no checkpoint of {root} is left to restore: every committed step that opens is marked suspect "
-        f"(steps {steps[:20]}; the log says why). Restoring one again would repeat the failure: fix its cause, "
-        "then clear a mark with `nebula-ckpt mark --healthy STEP ROOT`, or pass on_damaged='warn' to start afresh")
