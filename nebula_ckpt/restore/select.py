@@ -373,10 +373,14 @@ def _open_round(tiers: list[tuple[Tier, Storage]], co: Coordinator, newest: Writ
     except Exception as e:
         log.warning("nebula_ckpt: rank %d cannot open step %d: %s", co.rank, agreed, e)
         ck, lost = None, e if outage(e) else None
-    if not co.all_true(mismatch is None):
-        raise mismatch or ValidationError(
-            f"rank {co.rank}: restoring step {agreed} failed on another rank because its `into` does not "
-            "match the checkpoint (that rank's error says how); nothing was restored")
+    said = co.exchange(None if mismatch is None else str(mismatch))  # one exchange, as all_true would be
+    failed = next(((r, why) for r, why in enumerate(said) if why), None)
+    if failed is not None:
+        if mismatch is not None:
+            raise ValidationError(f"rank {co.rank}: {mismatch}") from mismatch
+        raise ValidationError(
+            f"rank {co.rank}: restoring step {agreed} failed on rank {failed[0]} because its `into` does not "
+            f"match the checkpoint; nothing was restored. Rank {failed[0]} said: {failed[1]}")
     # one exchange: whether every rank opened it, any rank's `into` that lays it out otherwise, an outage
     opened = co.exchange((ck is not None, None if ck is None else ck.other_layout, None if lost is None else str(lost)))
     stop_together(co, [said for *_, said in opened], lost)

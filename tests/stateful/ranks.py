@@ -307,9 +307,8 @@ class Ranks(RuleBasedStateMachine):
     def restore_mismatched(self, rank: int) -> None:
         """``load_latest(into=...)`` on every rank of the live job, rank ``rank``'s ``into`` holding
         its ``extra`` tensor in another shape: where a step is there to restore, every rank raises
-        ``ValidationError``, that rank's naming the key, the others naming themselves and saying
-        another rank's ``into`` does not match (none restores, none hangs: the driver's command
-        timeout fails the run); the job goes on."""
+        ``ValidationError`` naming itself, the failing rank and the key (none restores, none hangs:
+        the driver's command timeout fails the run); the job goes on."""
         assert self.job is not None
         self.note(f"restore on every rank, rank {rank}'s `into` mismatched (its `extra` of 7 elements)")
         got = self.everyone([{"op": "restore", "into_extra": 7 if r == rank else 5} for r in range(WORLD)])
@@ -323,13 +322,12 @@ class Ranks(RuleBasedStateMachine):
         for r, g in enumerate(got):
             assert g is not None
             err = g.get("error", "")
-            # the rank whose `into` mismatches names the key; the others name themselves and say
-            # another rank's `into` did not match (neither names the other rank: its log says)
-            named = "'extra'" in err if r == rank else f"rank {r}" in err and "another rank" in err
+            # every rank names itself, the failing rank and the key (the others quote its error)
+            named = f"rank {r}" in err and f"rank {rank}" in err and "'extra'" in err
             if not err.startswith("ValidationError") or not named:
                 self.fail(f"a restore with rank {rank}'s `into` mismatched: rank {r} gave "
                           f"{err or 'step ' + str(g.get('step'))}, not a ValidationError naming "
-                          + ("'extra'" if r == rank else f"rank {r} and another rank's `into`"))
+                          f"rank {r}, rank {rank} and 'extra'")
 
     @precondition(lambda self: self.job is not None)
     @rule(which=st.sampled_from(["newest", "another"]), pick=st.integers(0, 7))
