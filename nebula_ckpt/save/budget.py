@@ -200,6 +200,13 @@ class HostMemoryBudget:
             "or save less per process (shard the state over more ranks)")
 
 
+    def say_short(self, need: int, held: dict[str, int], limit: int) -> str:
+        """A shortage in words: ``need`` bytes more, ``held`` by kind (staging, memory tier), ``limit``."""
+        used = sum(held.values())
+        return (f"it needs {gib(need)} more host memory and checkpointing holds {gib(used)} (staging "
+                f"{gib(held['staging'])}, memory tier {gib(held['memory_tier'])}) of {self.describe(used)} "
+                f"(limit now {gib(limit)})")
+
     def held_error(self, what: str, short: str, held: Optional[str]) -> ValidationError:
         """The error of a save that waits for the budget (``what``) when nothing in flight can free
         memory and nothing more can be given up (``short``: what it needs and what is held;

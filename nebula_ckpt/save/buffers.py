@@ -23,7 +23,6 @@ files of its size exist, that anonymous buffer is freed.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import threading
@@ -34,14 +33,17 @@ from nebula_ckpt import knobs
 from nebula_ckpt.errors import ValidationError
 from nebula_ckpt.latch import Latch
 from nebula_ckpt.native import get_ops
-from nebula_ckpt.save.budget import HostMemoryBudget, folder_ram_bytes, gib, held_by
+from nebula_ckpt.save.budget import HostMemoryBudget, folder_ram_bytes, held_by
 from nebula_ckpt.save.slots import (
+    POOLS,
     Slot,
     adopt_slot_file,
     create_slot_file,
     fresh_anonymous,
+    idle_elsewhere,
     retire_anonymous,
     shm_room,
+    unlink_spares,
 )
 from nebula_ckpt.storage.prefault import FaultAhead, threads_for
 from nebula_ckpt.tiers.memory.runtime import own_spare_slot_files
@@ -115,6 +117,7 @@ class StagingPool:
         self._short: Optional[tuple[int, dict[str, int], int]] = None
         #: threads faulting in fresh anonymous buffers ahead of their first copy (see prefault.py)
         self._faulters: list[FaultAhead] = []
+        POOLS.add(self)
 
     def serve_writers(self, slot_dir: Optional[str], max_slots: int, states: int = 1) -> None:
         """Fit the pool to the tiers this process writes, once they are known (before the first
@@ -171,7 +174,8 @@ class StagingPool:
         not fit in the budget now, in words; None when they do."""
         with self._mutex:
             short = self._shortage(nbytes)
-        return None if short is None else f"{self._say_short(*short)}; pass a larger host_memory_budget on that rank"
+        return None if short is None else \
+            f"{self.budget.say_short(*short)}; pass a larger host_memory_budget on that rank"
 
     def check_fits(self, nbytes: int) -> None:
         """Raise a clear error if one save of ``nbytes`` can never fit in the budget (before
@@ -189,13 +193,7 @@ class StagingPool:
         short = self._short
         if short is None:
             return "every staging buffer is still being persisted"
-        return self._say_short(*short)
-
-    def _say_short(self, need: int, held: dict[str, int], limit: int) -> str:
-        used = sum(held.values())
-        return (f"it needs {gib(need)} more host memory and checkpointing holds {gib(used)} (staging "
-                f"{gib(held['staging'])}, memory tier {gib(held['memory_tier'])}) of {self.budget.describe(used)} "
-                f"(limit now {gib(limit)})")
+        return self.budget.say_short(*short)
 
     def acquire(self, nbytes: int, pinned: bool, reclaim: Optional[Callable[[bool], bool]] = None,
                 what: str = "a save", claim: Optional[SlotClaim] = None) -> Optional[Slot]:
@@ -223,6 +221,8 @@ class StagingPool:
                     if self.on_full == "skip":
                         return None
                     idle = short and not freed and self._preparer is None and not any(s.in_use for s in self._slots)
+                    if idle and idle_elsewhere(self.slot_dir, self):  # another pool's idle slot files went
+                        continue
                     stuck = self.budget.stuck(stuck, held_by(self.slot_dir) if idle else None, what, self.why_full)
                     if short and not told:
                         told = True
@@ -248,6 +248,16 @@ class StagingPool:
                 staging.remove(s)
                 s.free()
         return staging
+
+    def drop_idle_files(self) -> int:
+        """Free this pool's idle slot files no checkpoint links (another pool of the same folder
+        needs the room: see :func:`~nebula_ckpt.save.slots.idle_elsewhere`); their bytes."""
+        with self._mutex:
+            idle = [s for s in self._slots if s.path is not None and not s.in_use and not s.live()]
+            for s in idle:
+                self._slots.remove(s)
+                s.free()
+        return sum(s.capacity for s in idle)
 
     def copy_done(self) -> None:
         """A save's copy into its slot finished (any thread): a slot may be made ahead now."""
@@ -486,8 +496,5 @@ class StagingPool:
                 if not s.in_use:
                     s.free()
             self._slots = [s for s in self._slots if s.in_use]
-            if self.slot_dir is not None:  # spares taken over from finished processes, never used
-                for path, _ in own_spare_slot_files(self.slot_dir, {s.path for s in self._slots if s.path}):
-                    with contextlib.suppress(FileNotFoundError):
-                        os.unlink(path)
+            unlink_spares(self.slot_dir, self._slots)  # taken over from finished processes, never used
             self._cond.notify_all()

@@ -7,9 +7,11 @@ pre-faulted, which the memory tier links as its shard (see :mod:`nebula_ckpt.sav
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import mmap
 import os
+import weakref
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -18,6 +20,7 @@ import torch
 from nebula_ckpt import knobs
 from nebula_ckpt.format.names import slot_file_name
 from nebula_ckpt.storage.holds import read_elsewhere
+from nebula_ckpt.tiers.memory.runtime import own_spare_slot_files
 
 log = logging.getLogger(__name__)
 
@@ -153,3 +156,24 @@ def retire_anonymous(slots: list[Slot]) -> None:
                       s.capacity / 2**20)
             slots.remove(s)
             s.free()
+
+
+#: every staging pool of this process (``save.buffers.StagingPool``), for :func:`idle_elsewhere`
+POOLS: "weakref.WeakSet[Any]" = weakref.WeakSet()
+
+
+def idle_elsewhere(slot_dir: Optional[str], me: Any) -> int:
+    """Bytes freed from the idle slot files of the other staging pools of this process that stage in
+    ``slot_dir`` (a Checkpointer still open beside a newer one on the same root: its idle slot files
+    would count in the newer one's budget for as long as it stays open)."""
+    if slot_dir is None:
+        return 0
+    return sum(p.drop_idle_files() for p in list(POOLS) if p is not me and p.slot_dir == slot_dir)
+
+
+def unlink_spares(slot_dir: Optional[str], slots: list[Slot]) -> None:
+    """Remove the spare slot files in ``slot_dir`` that finished processes left and none of ``slots`` took."""
+    if slot_dir is not None:
+        for path, _ in own_spare_slot_files(slot_dir, {s.path for s in slots if s.path}):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)

@@ -56,11 +56,6 @@ SAVE_POINTS = {
     "memory, a step saved again: its manifest renamed": ["phase=settle", "tier memory"],
     "memory, a step saved again: the old files removed": ["phase=replaced", "tier memory"],
 }
-#: a second Checkpointer under a host-memory budget while the first stays open: off until the
-#: defect is fixed (its saves are refused: the first one's staging slot file in the memory tier's
-#: folder counts in the budget and nothing frees it; strict xfail
-#: ``test_regressions.py::test_a_second_checkpointer_under_a_budget_saves_while_the_first_is_open``)
-REOPEN_UNDER_BUDGET = False
 
 
 def refused_folder(stderr: str) -> bool:
@@ -383,7 +378,7 @@ class Single(LiveOps, FeatureOps, RuleBasedStateMachine):
         step = job.cursor if again and job.cursor >= 0 else job.cursor + gap
         self._save(step, (point, skip))
 
-    @precondition(lambda self: self.job is not None and (REOPEN_UNDER_BUDGET or not self.tiers.get("budget")))
+    @precondition(lambda self: self.job is not None)
     @rule(gap=st.integers(1, 2))
     def reopen(self, gap: int) -> None:
         """A second Checkpointer in the job's process on the same root while the first stays open
