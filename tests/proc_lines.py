@@ -1,12 +1,14 @@
-"""Reading a child process's output line by line, with a deadline (crash and compat tests)."""
+"""Child processes of the tests: their output line by line with a deadline (crash and compat tests),
+their last line as JSON (:func:`json_child`)."""
 
 from __future__ import annotations
 
+import json
 import os
 import select
 import subprocess
 import time
-from typing import Iterator
+from typing import Any, Iterator, Sequence
 
 
 def lines(proc: subprocess.Popen[str], deadline: float) -> Iterator[str]:
@@ -35,3 +37,17 @@ def reap(proc: subprocess.Popen[str]) -> None:
     proc.wait(30)
     if proc.stdout:
         proc.stdout.close()
+
+
+def json_child(cmd: Sequence[str], env: dict[str, str], what: str, timeout: float = 120) -> dict[str, Any]:
+    """Run ``cmd``; its last line of output as JSON, with its stderr under ``"log"``. A child still
+    running after ``timeout`` (a save that waits for ever) fails the test (``what`` says which)
+    instead of hanging it; one that exits non-zero fails it with its stderr."""
+    try:
+        r = subprocess.run(list(cmd), capture_output=True, text=True, timeout=timeout, env=env)
+    except subprocess.TimeoutExpired as e:
+        raise AssertionError(f"{what}: never ended: {str(e.stderr)[-3000:]}") from e
+    assert r.returncode == 0, r.stderr[-3000:]
+    out: dict[str, Any] = json.loads(r.stdout.strip().splitlines()[-1])
+    out["log"] = r.stderr
+    return out

@@ -12,13 +12,13 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from proc_lines import json_child
 from tests.dist.launch import run_ranks
 
 HERE = Path(__file__).resolve().parent
@@ -33,15 +33,8 @@ WHY = {"suspect": "step 2 is marked suspect", "copy_fails": "the copy of step 2 
 def _child(scenario: str, root: str, shm_dir: str) -> dict[str, Any]:
     env = dict(os.environ, NEBULA_SHM_DIR=shm_dir, PYTHONPATH=os.pathsep.join([str(REPO),
                                                                                os.environ.get("PYTHONPATH", "")]))
-    try:
-        r = subprocess.run([sys.executable, str(HERE / "budget_hang_child.py"), scenario, root], capture_output=True,
-                           text=True, timeout=120, env=env)
-    except subprocess.TimeoutExpired as e:
-        raise AssertionError(f"{scenario}: a save waited for ever: {str(e.stderr)[-3000:]}") from e
-    assert r.returncode == 0, r.stderr[-3000:]
-    out: dict[str, Any] = json.loads(r.stdout.strip().splitlines()[-1])
-    out["log"] = r.stderr
-    return out
+    return json_child([sys.executable, str(HERE / "budget_hang_child.py"), scenario, root], env,
+                      f"{scenario}: a save that waits")
 
 
 @pytest.mark.parametrize("scenario", sorted(WHY))

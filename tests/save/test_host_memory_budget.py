@@ -20,6 +20,7 @@ import torch
 
 import nebula_ckpt as nc
 from nebula_ckpt.save.budget import HostMemoryBudget, machine_memory
+from proc_lines import json_child
 
 CHILD = os.path.join(os.path.dirname(__file__), "budget_child.py")
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(CHILD)))
@@ -129,15 +130,8 @@ os._exit(0)
 def _resave_then_crash(root: str, shm_dir: str, on_full: str) -> dict[str, Any]:
     env = dict(os.environ, NEBULA_SHM_DIR=shm_dir,
                PYTHONPATH=os.pathsep.join([REPO, os.environ.get("PYTHONPATH", "")]))
-    try:  # a save that waits for ever fails the test instead of hanging it
-        r = subprocess.run([sys.executable, "-c", _RESAVE_CHILD, root, on_full], capture_output=True, text=True,
-                           timeout=120, env=env)
-    except subprocess.TimeoutExpired as e:
-        raise AssertionError(f"on_full={on_full!r}: the save of step 6 never ended: {str(e.stderr)[-3000:]}") from e
-    assert r.returncode == 0, r.stderr[-3000:]
-    out: dict[str, Any] = json.loads(r.stdout.strip().splitlines()[-1])
-    out["log"] = r.stderr
-    return out
+    return json_child([sys.executable, "-c", _RESAVE_CHILD, root, on_full], env,
+                      f"on_full={on_full!r}: the save of step 6")
 
 
 @pytest.mark.parametrize("on_full", ["wait", "skip"])
