@@ -212,9 +212,14 @@ struct JobState {
             // pool, which the training thread is using.
             at::NoGradGuard no_grad;
             c10::ParallelGuard serial(true);
+            // ATen has no copy kernel for the sub-byte shell dtypes (int1..7, uint1..7): a
+            // 1-byte source is copied as its bytes (a same-size view, whatever its strides),
+            // which is the same image for every 1-byte dtype. A neg view cannot be viewed so.
+            const bool as_bytes = src.element_size() == 1 && !src.is_neg() && !src.is_conj();
+            const at::Tensor from = as_bytes ? src.view(at::kByte) : src;
             at::Tensor out = at::from_blob(
-                p.to, src.sizes(), at::TensorOptions().dtype(src.scalar_type()).device(at::kCPU));
-            out.copy_(src);
+                p.to, src.sizes(), at::TensorOptions().dtype(from.scalar_type()).device(at::kCPU));
+            out.copy_(from);
             // Hash the staged bytes, so the checksum matches them whatever
             // happened to the source meanwhile (a torn strided copy is only
             // caught by the version counter).
@@ -455,8 +460,8 @@ std::unique_ptr<CopyJob> CopyEngine::enqueue_read(
         if (current_bytes >= chunk) flush();
       }
     } else {
-      // Strided: one task per source (ATen's copy_ handles every dtype and
-      // layout of strides).
+      // Strided: one task per source (ATen's copy_ handles every layout of
+      // strides; a 1-byte dtype is copied as bytes, see JobState::run).
       st->pieces_left[i].store(1, std::memory_order_relaxed);
       flush();
       add_piece({idx, true, nullptr, to, nb, 0});

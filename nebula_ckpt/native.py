@@ -84,6 +84,10 @@ def byte_view(t: torch.Tensor) -> torch.Tensor:
     t = t.detach().resolve_conj().resolve_neg()
     if t.dim() == 0:
         t = t.reshape(1)
+    if t.element_size() == 1:
+        # torch has no copy kernel for the sub-byte shell dtypes (int1..7, uint1..7): a 1-byte
+        # tensor is made contiguous as bytes (a same-size view, whatever its strides)
+        t = t.view(torch.uint8)
     if not t.is_contiguous():
         t = t.contiguous()
     return t.reshape(-1).view(torch.uint8)

@@ -453,10 +453,11 @@ class RestoreWalk(TreeWalk[Thunk]):
                 f"`into` is {dest.dtype} {tuple(dest.shape)}; pass a matching tensor"
                 + ("" if ck.manifest.multi_rank else " or use read()"))
         check_not_overlapping(dest, path or "<root>", self.where)
+        as_bytes = dest.element_size() == 1 and not dest.is_neg()  # torch cannot copy_ int1..7 / uint1..7
 
         def copy_into() -> Any:
             with torch.no_grad():
-                dest.copy_(src)
+                (dest.view(torch.uint8) if as_bytes else dest).copy_(src.view(torch.uint8) if as_bytes else src)
             ck.drop([ck.resolve(node["k"])])
             return target
         return copy_into

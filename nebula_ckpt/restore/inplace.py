@@ -422,7 +422,8 @@ _MODULE_TYPES = (torch.Tensor, torch.nn.Parameter, torch.nn.Buffer)
 
 def _tied_once(ck: OpenCheckpoint, out: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """``out`` without destinations whose storage another key's destination shares, unless all
-    of them are the same tensor saved as one tensor (a tied weight: refilled once)."""
+    of them are the same tensor saved as one tensor (a tied weight: refilled once). Keys of one
+    saved tensor whose destinations are separate tensors stay: :func:`refill` fills each."""
     by_storage: dict[int, list[str]] = {}
     for k, t in out.items():
         by_storage.setdefault(t.untyped_storage().data_ptr(), []).append(k)
@@ -463,15 +464,18 @@ def refill(ck: OpenCheckpoint, dests: Mapping[str, torch.Tensor]) -> None:
     The copies run on the native copy threads (:meth:`~nebula_ckpt.native.FallbackOps.copy_into`),
     which also take the page faults of the mapped source between them: no tensor-by-tensor
     ``copy_`` (an intra-op parallel region each, whose idle threads spin after it), no Python
-    per tensor. A tensor named by several keys (tied) is copied once.
+    per tensor. A tensor named by several keys (tied) is copied once; a saved tensor whose keys
+    name several tensors (saved tied, restored into separate ones) is copied into each of them, as
+    ``load_state_dict`` does.
     """
     ops = get_ops()
-    by_shard: dict[int, dict[int, tuple[TensorRecord, torch.Tensor]]] = {}
+    by_shard: dict[int, dict[str, tuple[TensorRecord, dict[int, torch.Tensor]]]] = {}
     for k, t in dests.items():
         rec = ck.resolve(k)
-        by_shard.setdefault(rec.shard, {})[id(t)] = (rec, t)
+        by_shard.setdefault(rec.shard, {}).setdefault(rec.key, (rec, {}))[1][id(t)] = t
     for si in sorted(by_shard):
-        live = {id(r): t for r, t in by_shard[si].values()}
-        for group in chunks([r for r, _ in by_shard[si].values()]):
-            ops.copy_into(ck.buffer(si), [r.start for r in group], [live[id(r)] for r in group])
+        into = by_shard[si]
+        for group in chunks([r for r, _ in into.values()]):
+            pairs = [(r.start, t) for r in group for t in into[r.key][1].values()]
+            ops.copy_into(ck.buffer(si), [o for o, _ in pairs], [t for _, t in pairs])
             ck.drop(group)

@@ -35,7 +35,7 @@ from typing import Any, Optional
 import torch
 
 from nebula_ckpt.errors import ValidationError
-from nebula_ckpt.format.dtypes import dtype_name
+from nebula_ckpt.format.dtypes import TENSOR_DTYPES, dtype_name
 from nebula_ckpt.format.header import RESERVED_KEYS, safetensors_header
 from nebula_ckpt.format.names import check_step, check_tag
 from nebula_ckpt.format.records import DTensorInfo
@@ -119,12 +119,13 @@ class Plan:
 
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
 _STRIDED = torch.strided
+_STORABLE = frozenset(TENSOR_DTYPES.values())
 
 
 def _check_tensor(t: torch.Tensor, path: str) -> None:
     # Fast path: the common case costs a handful of attribute reads.
     if type(t) in _PLAIN and t.layout is _STRIDED and (t.is_cpu or t.is_cuda) \
-            and not t.is_nested and not t.is_quantized:
+            and not t.is_nested and not t.is_quantized and t.dtype in _STORABLE:
         return
     if t.layout != torch.strided:
         hint = ".to_dense()" if t.layout in (torch.sparse_coo, torch.sparse_csr, torch.sparse_csc,
@@ -152,6 +153,10 @@ def _check_tensor(t: torch.Tensor, path: str) -> None:
     except Exception:
         raise ValidationError(f"state key '{path}': dtype {t.dtype} has no byte size; "
                               "it cannot be stored") from None
+    if t.dtype not in _STORABLE:  # a quantized dtype on a tensor that is not quantized (a view of bytes)
+        raise ValidationError(f"state key '{path}': dtype {t.dtype} cannot be stored (a quantized dtype on a "
+                              "tensor that is not quantized); save its bytes, t.view(torch.uint8), and view them "
+                              f"as {t.dtype} after restoring")
 
 
 def placement_codes(placements: Any, where: str) -> tuple[str, ...]:

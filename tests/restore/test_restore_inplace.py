@@ -235,3 +235,42 @@ def test_a_running_job_gets_each_saved_byte_copied_once_on_the_native_threads(
         monkeypatch.setattr(ops, "copy_into", spy)
         ck.load_latest(into={"model": model, "optim": opt})
     assert sorted(copied) == want
+
+
+class _Nested(torch.nn.Module):
+    """:class:`_Tied` one level down, with a head tied (or not) to its embedding from outside it."""
+
+    def __init__(self, tie: bool) -> None:
+        super().__init__()
+        self.body = torch.nn.Sequential(_Tied(tie=False))
+        self.lm_head = torch.nn.Linear(8, 16, bias=False)
+        if tie:
+            self.lm_head.weight = self.body[0].emb.weight
+
+    def tied(self) -> bool:
+        return self.lm_head.weight is self.body[0].emb.weight
+
+
+@pytest.mark.parametrize("nested", [False, True])
+def test_ties_restore_as_torch_loads_them_whichever_side_is_tied(tmp_path: Path, ops_path: str,
+                                                                 nested: bool) -> None:
+    # saved tied into separate weights: each gets the saved one; saved separate into tied: torch's
+    # loading decides (the later key wins); tied into tied: still tied. All in the live tensors.
+    def make(tie: bool) -> torch.nn.Module:
+        return _Nested(tie) if nested else _Tied(tie)
+
+    def tied(m: torch.nn.Module) -> bool:
+        return m.tied() if isinstance(m, _Nested) else m.head.weight is m.emb.weight
+    for n, (saved_tie, live_tie) in enumerate([(True, False), (False, True), (True, True)]):
+        torch.manual_seed(10 + n)
+        saved = make(saved_tie)
+        with nc.Checkpointer(str(tmp_path / f"ck{n}"), memory_tier=False) as ck:
+            ck.save(1, {"run": {"model": saved}} if nested else {"model": saved})
+            live, expected = make(live_tie), make(live_tie)
+            expected.load_state_dict(saved.state_dict())
+            ptrs = {k: v.data_ptr() for k, v in live.state_dict().items()}
+            assert ck.load_latest(into={"run": {"model": live}} if nested else {"model": live}) == 1
+        got, want = live.state_dict(), expected.state_dict()
+        wrong = [k for k, v in want.items() if not torch.equal(got[k], v)]
+        assert not wrong, f"saved tied={saved_tie}, live tied={live_tie}: {wrong} differ from torch's loading"
+        assert tied(live) == live_tie and {k: v.data_ptr() for k, v in got.items()} == ptrs

@@ -16,6 +16,7 @@ import nebula_ckpt as nc
 from nebula_ckpt.errors import CorruptCheckpointError
 from nebula_ckpt.format.tree import check_tree
 from nebula_ckpt.save.plan import make_plan
+from nebula_ckpt.save.plan_cache import PlanCache
 from test_hostile_manifest import rewrite
 
 NUMERIC = [np.bool_, np.int8, np.int16, np.int32, np.int64, np.uint8, np.uint16, np.uint32, np.uint64,
@@ -173,6 +174,45 @@ def test_arrays_that_need_pickle_name_the_key(root: str, value: Any, what: str) 
     with nc.Checkpointer(root + "-p") as ck:
         with pytest.raises(nc.PickleNotAllowedError, match="extra/bad"):
             ck.read(1)
+
+
+def _coded() -> dict[str, Any]:
+    model = torch.nn.Linear(2, 2)
+    model.register_buffer("codes", torch.arange(8, dtype=torch.uint8))
+    return {"model": model, "q": torch.arange(4, dtype=torch.uint8)}
+
+
+def _as_qint8(state: dict[str, Any]) -> None:
+    state["q"] = state["q"].view(torch.qint8)
+
+
+def _codes_as_quint8(state: dict[str, Any]) -> None:
+    state["model"].codes.data = state["model"].codes.data.view(torch.quint8)  # in place, a stock module's buffer
+
+
+@pytest.mark.parametrize("change, key", [(_as_qint8, "'q'"), (_codes_as_quint8, "'model/codes'")])
+def test_a_byte_tensor_viewed_as_a_quantized_dtype_is_refused_before_anything_is_written(
+        root: str, ops_path: str, change: Any, key: str) -> None:
+    # no quantized tensor (is_quantized is False), but its dtype is none the format stores; the
+    # save after a cached plan is refused too: a dtype change misses the cache (planned again)
+    state = _coded()
+    with nc.Checkpointer(root, memory_tier=False) as ck:
+        ck.save(1, state)
+        ck.save(2, state)
+        change(state)
+        with pytest.raises(nc.ValidationError, match=f"state key {key}: dtype torch.q") as e:
+            ck.save_async(3, state)
+        assert "t.view(torch.uint8)" in str(e.value)
+        assert ck.list() == [1, 2] and not os.path.exists(os.path.join(root, "step-3"))
+    if ops_path == "native":
+        state = _coded()
+        cache = PlanCache(allow_pickle=False)
+        cache.plan(1, state)
+        cache.plan(2, state)
+        change(state)
+        with pytest.raises(nc.ValidationError, match=key):
+            cache.plan(3, state)
+        assert cache.hits == 1 and cache.misses == 1 and "dtype" in str(cache.last_miss), cache.stats()
 
 
 def test_numpy_leaves_count_as_guarded_copies() -> None:
