@@ -10,14 +10,20 @@ marked suspect are skipped as ``load_latest`` skips them
 copy a job saved again while it was read is read again, its new write). The skipped copies are
 named on stderr. ``--step N`` reads ``N`` whatever its mark (a suspect one
 is said so on stderr).
+
+A multi-rank job's memory tier holds each rank's own part of a step (one rank's memory-tier
+copy, the first copy in the restore's order): never the choice while a whole copy of the step is
+on a shared tier, since a restart restores a step only where every rank holds it, which this
+process cannot agree on with the other ranks, and that copy lacks their keys. It is named on
+stderr as such, never as damage.
 """
 
 from __future__ import annotations
 
 import argparse
-from typing import Callable, TypeVar, Union
+from typing import Callable, Optional, TypeVar, Union
 
-from nebula_ckpt.cli.common import commit_state, note, open_tiers
+from nebula_ckpt.cli.common import commit_state, note, open_tiers, ranks_text
 from nebula_ckpt.errors import NebulaError
 from nebula_ckpt.format.commit import step_dirs
 from nebula_ckpt.format.health import SUSPECT
@@ -110,9 +116,15 @@ def candidates(args: argparse.Namespace, tiers: list[tuple[Tier, Storage]]) -> t
     return found, tags
 
 
-def open_chosen(args: argparse.Namespace, opener: Callable[[Storage, int, str], T]) -> T:
+def open_chosen(args: argparse.Namespace, opener: Callable[[Storage, int, str], T], one_rank_ok: bool = False) -> T:
     """``opener(storage, step, where)`` of the first healthy copy of what the user asked for
     (latest: the first not marked suspect either, as ``load_latest``).
+
+    One rank's memory-tier copy (:func:`one_ranks_part`) is passed over for a whole copy of the
+    job's step: this process cannot agree on it with the other ranks as a restart does, and it
+    lacks their keys. It is named on stderr as what it is, never as damage. ``one_rank_ok``: a
+    ``--step N`` that only such copies hold is read from the first of them, with a note (``inspect``);
+    else it is refused, saying so (``export`` needs every rank's part).
 
     Raises:
         NebulaError: nothing healthy answers, naming every copy tried and why, or the tags
@@ -124,17 +136,47 @@ def open_chosen(args: argparse.Namespace, opener: Callable[[Storage, int, str], 
     found, tags = candidates(args, tiers)
     # a marker that cannot be read is damage, named whatever the order says (as a restore does)
     errors = [f"{_where(c)}: {c.problem}" for c in found if c.problem is not None]
+    parts: list[tuple[Candidate, str]] = []
     for c in found:
         if c.problem is not None or choice.skips(*c.order):
+            continue
+        held = one_ranks_part(c)
+        if held is not None:
+            parts.append((c, held))
             continue
         try:
             result = _open(c, opener)
         except Exception as e:
             errors.append(str(e))
             continue
-        _say_skipped(errors, choice, c)
+        _say_skipped(errors, choice, c, parts)
         return result
-    raise _nothing(args, tiers, found, tags, errors, choice)
+    for c, held in parts if one_rank_ok and isinstance(args.step, int) else []:
+        try:
+            result = _open(c, opener)
+        except Exception as e:
+            errors.append(str(e))
+            continue
+        _say_skipped(errors, choice, c, [])
+        note(f"no healthy whole copy of step {c.step} here: shown from {_where(c)}, one rank's memory-tier copy "
+             f"({held}); the other ranks' parts and keys are not in it (`nebula-ckpt persist-memory ROOT` on "
+             "every node puts the job's step on the root)")
+        return result
+    raise _nothing(args, tiers, found, tags, errors, choice, parts)
+
+
+def one_ranks_part(c: Candidate) -> Optional[str]:
+    """What candidate ``c`` holds (``"rank(s) 0 of a 2-rank job"``) when it is one rank's
+    memory-tier copy: a multi-rank step holding fewer ranks than its world size (each rank's own
+    tier holds its own part); None for a whole checkpoint, or one whose manifest cannot be read
+    (its open names the damage)."""
+    try:
+        man = read_main_manifest(c.storage, c.step, _where(c), index=False)
+    except Exception:  # damaged: the opener says why
+        return None
+    if not man.multi_rank or len(man.ranks) == man.world_size:
+        return None
+    return ranks_text(man)
 
 
 def _open(c: Candidate, opener: Callable[[Storage, int, str], T]) -> T:
@@ -149,14 +191,20 @@ def _open(c: Candidate, opener: Callable[[Storage, int, str], T]) -> T:
     return opener(c.storage, c.step, _where(c))
 
 
-def _say_skipped(errors: list[str], choice: HealthChoice, chosen: Candidate) -> None:
-    """Name on stderr the copies passed over (damaged, marked suspect), and a chosen step that is
-    marked suspect (one asked for by ``--step`` or ``--tag``)."""
+def _say_skipped(errors: list[str], choice: HealthChoice, chosen: Candidate,
+                 parts: list[tuple[Candidate, str]]) -> None:
+    """Name on stderr the copies passed over (damaged, marked suspect, one rank's memory-tier copy),
+    and a chosen step that is marked suspect (one asked for by ``--step`` or ``--tag``)."""
     for skipped in errors:
         note(f"skipped (damaged): {skipped}")
     for (generation, step), why in choice.skipped.items():
         note(f"skipped step {step} (writer generation {generation}), marked suspect: {why} (load_latest skips it "
              f"too; `--step {step}` reads it anyway)")
+    for c, held in parts:
+        newer = (" (a restart restores it only where every rank's own tier holds it; `nebula-ckpt persist-memory "
+                 "ROOT` on every node puts such a step on the root)" if c.step > chosen.step else "")
+        note(f"skipped {_where(c)}: one rank's memory-tier copy ({held}), which this command cannot agree on with "
+             f"the other ranks as a restart does; read {_where(chosen)}{newer}")
     mark = choice.mark(*chosen.order)
     if mark.state == SUSPECT:
         note(f"step {chosen.step} is marked suspect: {mark.reason} (load_latest skips it; "
@@ -164,7 +212,8 @@ def _say_skipped(errors: list[str], choice: HealthChoice, chosen: Candidate) -> 
 
 
 def _nothing(args: argparse.Namespace, tiers: list[tuple[Tier, Storage]], found: list[Candidate],
-             tags: list[str], errors: list[str], choice: HealthChoice) -> NebulaError:
+             tags: list[str], errors: list[str], choice: HealthChoice,
+             parts: list[tuple[Candidate, str]]) -> NebulaError:
     """The error for nothing healthy (and not suspect, for latest) answering what was asked."""
     root = strip_credentials(args.root)
     if args.tag is not None and not found:
@@ -174,13 +223,19 @@ def _nothing(args: argparse.Namespace, tiers: list[tuple[Tier, Storage]], found:
         there = (f"committed steps there: {_steps_list(steps)}" if steps else "it holds no committed checkpoint")
         return NebulaError(f"no checkpoint of step {args.step} under {root}; {there}")
     damaged = f" ({'; '.join(errors)})" if errors else ""
+    held = "; ".join(f"{_where(c)}: {what}" for c, what in parts[:4])
+    which = f"step {args.step}" if isinstance(args.step, int) else "the other committed steps"
+    partial = ("" if not parts else
+               f". Only one rank's memory-tier copy holds {which} ({held}): this command reads a multi-rank step "
+               "whole, as every rank restores it; `nebula-ckpt persist-memory ROOT` on every node puts the job's "
+               "step on the root, and `nebula-ckpt inspect ROOT --step N` shows one rank's part")
     if choice.skipped:
         steps = sorted({s for _, s in choice.skipped}, reverse=True)
         return NebulaError(
             f"no checkpoint under {root} to read as the latest: every committed step that is not damaged{damaged} "
             f"is marked suspect (steps {_steps_list(steps)}), and load_latest skips those too. Read one anyway "
-            "with `--step N`, or clear its mark with `nebula-ckpt mark ROOT --healthy N`")
-    return NebulaError(f"no healthy {_asked(args)} under {root}{damaged}")
+            f"with `--step N`, or clear its mark with `nebula-ckpt mark ROOT --healthy N`{partial}")
+    return NebulaError(f"no healthy {_asked(args)} under {root}{damaged}{partial}")
 
 
 def _steps_list(steps: list[int]) -> str:

@@ -282,7 +282,7 @@ def _summary(ck: OpenCheckpoint) -> list[str]:
 def cmd_inspect(args: argparse.Namespace) -> int:
     """A summary of one step (a row per top-level key), or with ``--full`` its tensor table and
     non-tensor structure (sizes checked, not checksums)."""
-    ck = open_chosen(args, lambda st, step, where: open_any(st, step, "size", where))
+    ck = open_chosen(args, lambda st, step, where: open_any(st, step, "size", where), one_rank_ok=True)
     man: mf.Manifest = ck.manifest
     if not args.full and not args.json:
         tag = f", tag {man.tag}" if man.tag is not None else ""
