@@ -169,14 +169,17 @@ class HealthBook:
         named = (RecordName.parse(n) for n in self.storage.list(health_folder(step)))
         return max((rn.time_ns for rn in named if rn is not None and rn.generation == generation), default=0)
 
-    def prune(self, older_than: int) -> int:
-        """Remove the records of every step below ``older_than`` (their checkpoints are gone); the
-        folders removed. Best effort: a failure is logged."""
+    def prune(self, held: set[int]) -> int:
+        """Remove the records of every step below the newest of ``held`` (the steps some tier still
+        holds, and those on their way to one) that is not in ``held``: its checkpoints are gone
+        (a step above the newest may be one on its way). The folders removed. Best effort: a
+        failure is logged."""
         gone = 0
+        newest = max(held, default=-1)
         try:
             for name in self.storage.list(HEALTH_DIR):
                 s = parse_step_dir(name)
-                if s is not None and s < older_than:
+                if s is not None and s < newest and s not in held:
                     self.storage.remove_dir(health_folder(s))
                     gone += 1
         except Exception as e:

@@ -28,6 +28,7 @@ import logging
 import math
 import threading
 import time
+from collections import deque
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
@@ -37,15 +38,19 @@ from nebula_ckpt.format.commit import committed_steps
 from nebula_ckpt.format.health import BY_REPORT, HEALTHY, SUSPECT
 from nebula_ckpt.health.book import HealthBook
 from nebula_ckpt.health.policy import HealthPolicy
+from nebula_ckpt.storage.base import Storage
 from nebula_ckpt.workers import Workers
 
 log = logging.getLogger("nebula_ckpt")
 
-#: steps waiting for their confirmation at most (a job that saves and never reports holds no more)
+#: steps waiting for their confirmation at most (a job that saves and never reports holds no more), and
+#: saves since the restore followed at most (the newest: retention deleted older ones, but for milestones)
 _MAX_PENDING = 64
-#: old steps' records are dropped at a Checkpointer's first healthy mark and after every this many more
-#: (the first: a restarted job's lifetimes may each confirm fewer than this many steps)
+#: the records of steps no tier holds are dropped at a Checkpointer's first mark and after every this many
+#: more (the first: a restarted job's lifetimes may each write fewer than this many)
 _PRUNE_EVERY = 16
+#: the latest saves, whose steps keep their records while they may still be on their way to a tier
+_RECENT_SAVES = 8
 #: how long close() waits for the healthy marks still being written
 _CLOSE_WAIT_S = 60.0
 #: a suspect mark that failed is tried again at a report or a save at most this often (a blob store
@@ -119,7 +124,11 @@ class HealthMonitor:
         self._rule_failed = False
         self._workers: Optional[Workers] = None
         self._futures: list[Future[Any]] = []
-        self._healthy_written = 0
+        #: the records this process wrote
+        self._written = 0
+        #: the storages of the Checkpointer's tiers (set at its first save): the steps they hold keep their records
+        self.tiers: list[Storage] = []
+        self._recent: deque[int] = deque(maxlen=_RECENT_SAVES)
         self._confirmed: Optional[int] = None
         #: suspect marks not written yet (tried again), and the checkpoints marked suspect by this process
         self._unwritten: list[SuspectMark] = []
@@ -155,8 +164,9 @@ class HealthMonitor:
             if self._bad is not None:
                 self._suspect([(None, step, f"saved after a bad report ({self._bad}) and before any finite one", save)])
                 return
-            if self._restored is not None:
-                self._descendants.append((step, save))
+            self._recent.append(step)
+            if self._restored is not None:  # bounded: a job that never reports never ends the window
+                self._descendants = self._descendants[1 - _MAX_PENDING:] + [(step, save)]
             if self.rank == 0:
                 pending = self._pending
                 pending.pop(step, None)
@@ -286,14 +296,19 @@ class HealthMonitor:
             self._retry_at = time.monotonic() + _RETRY_EVERY_S
             return e
         self._suspects.add((generation, step, save))
+        self._recorded()
         return None
 
     def _submit(self, p: _Pending, reason: str) -> None:
         """Write a healthy mark in the background."""
-        if self._workers is None:
-            self._workers = Workers(1, "nebula-health")
-        self._futures = [f for f in self._futures if not f.done()]
-        self._futures.append(self._workers.submit(self._write_healthy, p, reason))
+        self._background(self._write_healthy, p, reason)
+
+    def _background(self, fn: Callable[..., None], *args: Any) -> None:
+        with self._lock:
+            if self._workers is None:
+                self._workers = Workers(1, "nebula-health")
+            self._futures = [f for f in self._futures if not f.done()]
+            self._futures.append(self._workers.submit(fn, *args))
 
     def _write_healthy(self, p: _Pending, reason: str) -> None:
         try:
@@ -304,16 +319,28 @@ class HealthMonitor:
             log.error("nebula_ckpt: could not mark step %d healthy on %s: %s: %s", p.step,
                       self.book.storage.display_url, type(e).__name__, e)
             return
-        self._healthy_written += 1
-        if (self._healthy_written - 1) % _PRUNE_EVERY == 0:
-            try:
-                steps = committed_steps(self.book.storage)
-            except Exception as e:  # dropping old records is housekeeping: next time
-                log.debug("nebula_ckpt: cannot list %s to drop old health records: %s", self.book.storage.display_url,
-                          e)
-                return
-            if steps:
-                self.book.prune(older_than=steps[0])
+        self._recorded()
+
+    def _recorded(self) -> None:
+        """One more record written: at the first and after every ``_PRUNE_EVERY`` more, rank 0 drops
+        (in the background) the records of the steps no tier holds any more."""
+        with self._lock:
+            self._written += 1
+            if self.rank == 0 and (self._written - 1) % _PRUNE_EVERY == 0:
+                self._background(self._prune_records)
+
+    def _prune_records(self) -> None:
+        """Drop the records of the steps no tier holds (the root's, and every tier the Checkpointer
+        opened) nor a recent save may still bring to one: bounded by retention, whatever it keeps."""
+        try:
+            with self._lock:
+                held, tiers = set(self._recent), [self.book.storage, *self.tiers]
+            for st in tiers:
+                held.update(committed_steps(st))
+        except Exception as e:  # dropping old records is housekeeping: next time (never on a partial view)
+            log.debug("nebula_ckpt: cannot list the tiers to drop old health records: %s", e)
+            return
+        self.book.prune(held)
 
     def close(self) -> None:
         """Try the suspect marks not written yet a last time; wait (a while) for the healthy marks

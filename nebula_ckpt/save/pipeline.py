@@ -108,7 +108,7 @@ class SavePipeline:
         self._lock = threading.Lock()
         #: set by :meth:`shutdown` (under both locks): no writers are made and no save handed over after it
         self.closed = False
-        #: the handles of saves not yet over, or over with a failure not yet seen
+        #: the handles of saves not yet over, or (on_persist_error="raise") over with a failure not yet seen
         self.handles: list[SaveHandle] = []
         #: snapshots whose overlapped copy the training thread has not confirmed yet
         self.inflight: list[Snapshot] = []
@@ -138,9 +138,9 @@ class SavePipeline:
     def start(self) -> list[TierWriter]:
         """At the first save: the tiers this process writes, their writer threads, the stager.
 
-        Made on a thread of their own (:func:`~nebula_ckpt.save.uncut.run_uncut`): a Ctrl-C (or a
-        signal handler's exception) in the first ``save_async`` cannot leave them half made or
-        the memory tier claimed twice; the next save finds them made, or waits for them."""
+        Made on a thread of their own (:func:`~nebula_ckpt.save.uncut.run_uncut`): a Ctrl-C (or a signal handler's
+        exception) in the first ``save_async`` cannot leave them half made or the memory tier claimed twice; the next
+        save finds them made, or waits for them."""
         writers = self.writers
         if writers is None:
             writers = run_uncut(self._start_once, f"nebula-start-{self.root[-24:]}")
@@ -167,15 +167,16 @@ class SavePipeline:
             writers = [TierWriter(rt, self._fence.for_tier(rt.storage), rt.tier.keep_last or self._keep_last,
                                   self.coordinator, self.incremental) for rt in writing]
             self._stager = Stager(self.root[-24:])
+            if self.monitor is not None:  # what any tier holds keeps its health records
+                self.monitor.tiers = [rt.storage for rt in self._runtimes]
             self.writers = writers  # last: a save that finds them finds the stager too
             if self._restored is not None:
                 self._seed(*self._restored)
             return writers
 
     def restored(self, step: int, tier: str, manifest: Manifest) -> None:
-        """Committed ``step`` (its validated ``manifest``) was restored and verified from ``tier``:
-        that tier's next save may build on it (:meth:`TierWriter.seed`); remembered until the
-        writers start."""
+        """Committed ``step`` (its validated ``manifest``) was restored and verified from ``tier``: that tier's next
+        save may build on it (:meth:`TierWriter.seed`); remembered until the writers start."""
         self._restored = (tier, manifest)
         self._seed(tier, manifest)
 
@@ -319,12 +320,12 @@ class SavePipeline:
                                   "close it only after the last save_async() returned")
             if overlap:
                 self.inflight = [s for s in self.inflight if not s.confirmed] + [snap]
-            self.handles = [h for h in self.handles if not (h.done() and (h.seen or h.error() is None))]
+            raising = self.on_persist_error == "raise"  # "log": a failure was said at ERROR, never raised
+            self.handles = [h for h in self.handles if not h.done() or (raising and not h.seen and h.error())]
             self.handles.append(handle)
             assert self._stager is not None
-            # last: from here on the stager owns the snapshot. Nothing can interrupt between the
-            # two lines (no call), nor inside the queueing (one C call): _take_back tells by
-            # _handing whether the stager got it.
+            # last: from here on the stager owns the snapshot. Nothing can interrupt between the two lines
+            # (no call), nor inside the queueing (one C call): _take_back tells by _handing whether the stager got it.
             self._handing = snap.index
             self._stager.submit(snap)
 
@@ -365,14 +366,14 @@ class SavePipeline:
             snap.release()
 
     def _reclaim(self, budget: bool = False) -> bool:
-        """Free staging buffers held only by snapshots slow tiers have not started on; ``budget``
-        (the host-memory budget is short): also what :func:`~nebula_ckpt.save.drain.make_room` frees."""
+        """Free staging buffers held only by snapshots slow tiers have not started on; ``budget`` (the host-memory
+        budget is short): also what :func:`~nebula_ckpt.save.drain.make_room` frees."""
         dropped = any([w.drop_pending() for w in self.writers or []])
         return make_room(self.writers or [], self.handles, self.monitor) or dropped if budget else dropped
 
     def confirm_inflight(self) -> None:
-        """Wait for pending snapshot copies and confirm them (training thread). A snapshot stays in
-        :attr:`inflight` until confirmed: one an interrupt cut short is confirmed by the next call."""
+        """Wait for pending snapshot copies and confirm them (training thread); a snapshot stays in :attr:`inflight`
+        until confirmed: one an interrupt cut short is confirmed by the next call."""
         if not self.inflight:
             return
         with self._lock:
@@ -390,8 +391,8 @@ class SavePipeline:
             self._guard(name, self.confirm_inflight)
 
     def _install_hooks(self, optimizers: list[Any], modules: list[torch.nn.Module]) -> bool:
-        """Make the next step / forward wait for the copy; False if an object cannot be hooked
-        (a wrapped optimizer without PyTorch's hook machinery): the save then waits itself."""
+        """Make the next step / forward wait for the copy; False if an object cannot be hooked (a wrapped optimizer
+        without PyTorch's hook machinery): the save then waits itself."""
         step, forward = functools.partial(self._hook, "optimizer.step"), functools.partial(self._hook, "forward")
         try:
             for opt in optimizers:
@@ -454,8 +455,8 @@ class SavePipeline:
         self.raise_unseen()
 
     def shutdown(self, join: bool) -> None:
-        """Stop hooks and threads, free staging, let each written tier close (the memory tier
-        frees its RAM when its newest step is safe elsewhere).
+        """Stop hooks and threads, free staging, let each written tier close (the memory tier frees its RAM when its
+        newest step is safe elsewhere).
 
         ``join=False`` (a timed-out close): nothing is waited for or removed; the daemon threads
         end with the process and a restart finds whatever had committed.
@@ -490,10 +491,9 @@ class SavePipeline:
     def stats(self) -> dict[str, Any]:
         """The save counters of :meth:`Checkpointer.stats`."""
         m = self._counters.get()
-        held = self.pool.used()
+        held = sum(self.pool.used().values())
         return {"staging_bytes": self.pool.allocated_bytes, "memory_tier_slot_bytes": self.pool.memory_tier_bytes,
-                "host_memory_bytes": sum(held.values()),
-                "host_memory_limit_bytes": self.pool.budget.limit(sum(held.values())),
+                "host_memory_bytes": held, "host_memory_limit_bytes": self.pool.budget.limit(held),
                 "memory_tier_dropped_cow_bytes": sum(rt.dropped_cow_bytes() for rt in self._runtimes),
                 "memory_tier_whole_fallbacks": sum(rt.whole_fallbacks() for rt in self._runtimes),
                 "staging_allocations": self.pool.allocations, "saves": self.count, "plans": self.plans.stats(), **m,

@@ -22,13 +22,16 @@ The commit itself, and the marker's whole life, is :mod:`nebula_ckpt.format.comm
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from dataclasses import dataclass
-from typing import Callable, Container, Iterable, Mapping, Optional
+from typing import Any, Callable, Container, ContextManager, Iterable, Iterator, Mapping, Optional
 
+from nebula_ckpt import knobs
 from nebula_ckpt.errors import CorruptCheckpointError
 from nebula_ckpt.format.commit import (
     Commit,
+    CommitProgress,
     WriterFence,
     committed_steps,
     delete_checkpoint,
@@ -263,16 +266,17 @@ def stray_files(storage: Storage, committed: Iterable[int], owner: Ownership) ->
     return out
 
 
-def replaced(storage: Storage, fence: WriterFence, step: int, where: str) -> None:
-    """After a new write of ``step`` replaced its marker: the committed steps that referred to the
-    replaced write's bytes go (:func:`drop_referrers`), the manifest gets its usual name again
-    (:func:`~nebula_ckpt.format.commit.settle_manifest`), then the files of the replaced write go
-    (every file of the folder the committed write does not keep, :func:`committed_files`). Best
-    effort: a failure is logged (the sweep of a later writer removes what is left,
-    :func:`stray_files`). The caller holds its deletion lock."""
+def replaced(storage: Storage, fence: WriterFence, step: int, where: str, unlisted: Iterable[int] = ()) -> None:
+    """After a new write of ``step`` replaced its marker: the files of the steps that referred to
+    the replaced write (``unlisted`` before the switch: :func:`referrers_unlisted`) go, the manifest
+    gets its usual name again (:func:`~nebula_ckpt.format.commit.settle_manifest`), then the files
+    of the replaced write (every file of the folder the committed write does not keep,
+    :func:`committed_files`). Best effort: a failure is logged (the sweep of a later writer removes
+    what is left, :func:`stray_files`). The caller holds its deletion lock."""
     d = step_dir(step)
     try:
-        drop_referrers(storage, step, where)
+        for s in unlisted:
+            delete_checkpoint(storage, s)
         commit, mbytes = read_committed_manifest(storage, step, f"{where} step {step}")
         if commit.manifest is not None:
             commit = settle_manifest(storage, fence, commit, mbytes, where)
@@ -282,7 +286,7 @@ def replaced(storage: Storage, fence: WriterFence, step: int, where: str) -> Non
             for n in [n for n in storage.list(d) if n not in keep]:
                 storage.remove(f"{d}/{n}")
     except Exception as e:
-        log.warning("nebula_ckpt: %s: step %d is replaced; removing what referred to the old write, or its files, "
+        log.warning("nebula_ckpt: %s: step %d is replaced; removing the old write's files "
                     "failed (a later sweep removes them): %s", where, step, e)
 
 
@@ -303,18 +307,81 @@ def discard_save(storage: Storage, step: int, owner: Ownership, rank: int, where
     discard_files(storage, step, lambda n: n in own or (n in (MANIFEST, RANKS_FILE) and mine_manifest), where)
 
 
-def drop_referrers(storage: Storage, step: int, where: str) -> None:
-    """As the committed ``step`` is replaced: the committed steps that refer to its bytes (the
-    run resumed from an older step; they are of the timeline it left), and those that refer to
-    theirs (:func:`with_referrers`), go, marker first, before those bytes do, so no committed
-    step ever refers to bytes that are gone (the caller holds its deletion lock)."""
+def _referrers_of(storage: Storage, step: int) -> list[int]:
+    """The committed steps that refer to ``step``'s bytes (the run resumed from an older step; they
+    are of the timeline it left), and those that refer to theirs (:func:`with_referrers`), in
+    :func:`deletion_order`."""
     later = {t: read_references(storage, t) for t in committed_steps(storage) if t > step}
-    users = sorted(with_referrers(later, {t for t, by in later.items() if step in by}))
-    if users:
-        log.warning("nebula_ckpt: %s: step(s) %s refer to the bytes of step %d, which is saved again: they "
-                    "are deleted (the run resumed from an older step)", where, users[:8], step)
-    for s in deletion_order(storage, users):
+    return deletion_order(storage, with_referrers(later, {t for t, by in later.items() if step in by}))
+
+
+def drop_referrers(storage: Storage, step: int, where: str) -> None:
+    """As the committed ``step`` is replaced (before its new write, on a shared tier): the steps
+    that refer to its bytes go, marker first (:func:`unlist_referrers`), then their files (the
+    caller holds its deletion lock)."""
+    for s, _ in unlist_referrers(storage, step, where):
         delete_checkpoint(storage, s)
+
+
+def unlist_referrers(storage: Storage, step: int, where: str) -> list[tuple[int, bytes]]:
+    """Before a new write of the committed ``step`` replaces its marker: the markers of
+    :func:`_referrers_of` it go (each ``(step, its marker's bytes)`` is returned), so no step
+    listed at any instant refers to a write that is no longer its base's. Their files go once the
+    new marker is in (:func:`replaced`); a replacement that certainly did not land puts the
+    markers back (:func:`relist`), the steps whole as they were; a process killed meanwhile leaves
+    them as leftovers, which the next writer's sweep removes. The caller holds its deletion lock."""
+    out: list[tuple[int, bytes]] = []
+    try:
+        for s in _referrers_of(storage, step):
+            out.append((s, storage.read_small(f"{step_dir(s)}/{COMMIT}")))
+            storage.remove(f"{step_dir(s)}/{COMMIT}")
+    except BaseException:  # the replacement does not go ahead: what was unlisted is listed again
+        relist(storage, out, where)
+        raise
+    if out:
+        log.warning("nebula_ckpt: %s: step(s) %s refer to the bytes of step %d, which is saved again: they "
+                    "are deleted (the run resumed from an older step)", where, sorted(s for s, _ in out)[:8], step)
+    return out
+
+
+@contextlib.contextmanager
+def referrers_unlisted(storage: Storage, fence: WriterFence, step: int, replacing: bool, progress: CommitProgress,
+                       lock: ContextManager[Any], where: str) -> Iterator[list[int]]:
+    """Around the commit of a new write of ``step`` (``replacing``: one is committed): the steps
+    that refer to the replaced write's bytes are unlisted first (:func:`unlist_referrers`, under
+    the writer's deletion ``lock``, fence checked), and listed again (:func:`relist`) when the
+    commit raises and certainly did not land (``progress``); yields the steps unlisted."""
+    unlisted: list[tuple[int, bytes]] = []
+    if replacing:
+        with lock:
+            fence.check(f"replace step {step}")
+            unlisted = unlist_referrers(storage, step, where)
+    try:
+        yield [s for s, _ in unlisted]
+    except BaseException:
+        if not progress.may_commit:  # the step stays the old write: what referred to it is listed again
+            relist(storage, unlisted, where)
+        raise
+
+
+def settle(storage: Storage, uncertain: Mapping[int, float], now: float) -> tuple[set[int], set[int]]:
+    """Of the steps whose ``COMMIT`` write reported an error (``uncertain``: step -> when, on the
+    monotonic clock), those whose write can no longer land (a file system's at once; an object
+    store's, whose lost response may still land, once older than ``NEBULA_REMOTE_TIMEOUT_S``), and
+    the leftovers among them (no marker: the others are ordinary checkpoints). Raises: the
+    store's error (then every step stays uncertain)."""
+    wait = 0.0 if storage.failed_create_is_final else knobs.get("remote_timeout_s")
+    due = {s for s, t in uncertain.items() if now - t >= wait}
+    return due, {s for s in due if not storage.exists(f"{step_dir(s)}/{COMMIT}")}
+
+
+def relist(storage: Storage, unlisted: list[tuple[int, bytes]], where: str) -> None:
+    """Put back the markers :func:`unlist_referrers` took away (the replacement did not land)."""
+    for s, marker in reversed(unlisted):
+        try:
+            storage.write_small(f"{step_dir(s)}/{COMMIT}", marker, create_only=True)
+        except Exception as e:  # the step stays a leftover: the next writer's sweep removes it
+            log.warning("nebula_ckpt: %s: could not put back step %d's marker (it is lost): %s", where, s, e)
 
 
 def with_referrers(refs: Mapping[int, Iterable[int]], doomed: set[int]) -> set[int]:

@@ -8,26 +8,27 @@ For each snapshot a tier writes, in this order (the commit protocol)::
     step-N/COMMIT                      (the coordinator's; create-only, last)
 
 The last two are :func:`nebula_ckpt.format.commit.commit_manifest`, which the DCP writer shares.
-A save of a step committed already writes ``-v<V>`` names beside the committed files and replaces
-``COMMIT`` in one atomic write; only then do the old write and what referred to it go
-(:func:`nebula_ckpt.save.sweep.replaced`; on a shared tier, and a tier with replicas, the old one
-goes first).
-Then retention: markers go before data, a step before its bases, the newest checkpoint never
-goes, and leftovers without a marker go only when no live writer owns them (:mod:`nebula_ckpt.save.sweep`).
-A failed step's own files (and its folder, once empty) are removed at once, but only while its ``COMMIT``
-certainly does not exist: once the marker may have been written (on a rank other than the
-coordinator: once its shard record may have reached the coordinator) a failure deletes nothing
-of that step (:class:`~nebula_ckpt.save.rounds.CommitUncertain`); if it never committed, the
-sweep of a newer generation removes its files. :meth:`TierWriter.remove` (``Checkpointer.remove``)
-deletes a committed checkpoint the same way (fence checked, marker first), serialised with
-retention. A save fenced after a tier committed its step takes it back (:meth:`TierWriter.retract`).
+A save of a step committed already writes ``-v<V>`` names beside the committed files, unlists the
+later steps that refer to the old write's bytes (the timeline the run left), and replaces
+``COMMIT`` in one atomic write; only then does the old write go (:func:`nebula_ckpt.save.sweep.replaced`;
+on a shared tier, and a tier with replicas, the old one goes first).
+Then retention: markers go before data, a step before its bases, the newest checkpoint never goes, and leftovers
+without a marker go only when no live writer owns them (:mod:`nebula_ckpt.save.sweep`). A failed step's own files (and
+its folder, once empty) are removed at once, but only while its ``COMMIT`` certainly does not exist: once the marker may
+have been written (on a rank other than the coordinator: once its shard record may have reached the coordinator) a
+failure deletes nothing of that step (:class:`~nebula_ckpt.save.rounds.CommitUncertain`) until a later prune of its
+writer (or its close) finds that the write can no longer land (a file system's at once; an object store's, whose lost
+response may still land, once older than its deadline ``NEBULA_REMOTE_TIMEOUT_S``): the step is then a committed
+checkpoint, or a leftover that goes. :meth:`TierWriter.remove` (``Checkpointer.remove``) deletes a committed checkpoint
+the same way (fence checked, marker first), serialised with retention. A save fenced after a tier committed its step
+takes it back (:meth:`TierWriter.retract`).
 
 In a multi-rank job a *shared* tier commits one checkpoint for all ranks in three rounds
-(:mod:`nebula_ckpt.save.rounds`); a rank's own tier (the memory tier) commits its rank's state
-alone; restore agrees on a step every rank has.
+(:mod:`nebula_ckpt.save.rounds`); a rank's own tier (the memory tier) commits its rank's state alone; restore agrees on
+a step every rank has.
 
-A tier never queues: it holds at most one pending snapshot; a newer one replaces it *for this
-tier* (reported as ``tiers_dropped``), so a slow tier never blocks a fast one, nor training.
+A tier never queues: it holds at most one pending snapshot; a newer one replaces it *for this tier* (reported as
+``tiers_dropped``), so a slow tier never blocks a fast one, nor training.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ import logging
 import math
 import os
 import threading
+import time
 from typing import Any, Callable, Optional
 
 from nebula_ckpt.errors import FencedError, PersistError
@@ -108,9 +110,8 @@ class TierWriter:
         self._idle = Latch(True)  # set while nothing is pending or being written (under _mutex)
         #: held while checkpoints are deleted (retention on the writer thread, remove() on the caller's)
         self._delete_lock = threading.RLock()  # also taken by the fence's take-back (retract)
-        #: steps whose commit this writer could not confirm (CommitUncertain): never deleted as
-        #: leftovers nor written again by this process; a restart (a newer generation) sweeps them
-        self._uncertain: set[int] = set()
+        #: steps whose commit may land (CommitUncertain), with when: kept, not written again, until :meth:`_settle`
+        self._uncertain: dict[int, float] = {}
         #: this tier's base and cadence of full saves (a tier that keeps its base in RAM, the memory
         #: tier, compares bytes instead of hashing)
         on_base = incremental and may_build_on_base(self.tier, self.coordinator.world_size, self.storage)
@@ -123,11 +124,10 @@ class TierWriter:
         self._thread.start()
 
     def seed(self, man: Manifest, here: bool = True) -> None:
-        """A restarted job restored the committed step of ``man`` from this tier (``here``) or
-        from another one, every tensor verified: the next save here may build on it, or on
-        another committed step of this tier, instead of being full (no save made yet; see
-        :func:`~nebula_ckpt.save.seeding.restart_base`). Taken up by the thread that writes the
-        next save: it reads the tier, which must never hold the training thread (a store down)."""
+        """A restarted job restored the committed step of ``man`` from this tier (``here``) or from another one, every
+        tensor verified: the next save here may build on it, or on another committed step of this tier, instead of
+        being full (no save made yet; see :func:`~nebula_ckpt.save.seeding.restart_base`). Taken up by the thread that
+        writes the next save: it reads the tier, which must never hold the training thread (a store down)."""
         if self.incremental.enabled:
             with self._mutex:
                 self._seed = (man, here)
@@ -150,8 +150,8 @@ class TierWriter:
             dropped.drop(self.name, f"still busy; step {delivery.snap.step} is newer")
 
     def drop_pending(self) -> bool:
-        """Drop the snapshot waiting for this tier while it writes an older one; True if any (an idle
-        tier is about to start on its pending snapshot: that one is kept)."""
+        """Drop the snapshot waiting for this tier while it writes an older one; True if any (an idle tier is about to
+        start on its pending snapshot: that one is kept)."""
         with self._mutex:  # the training thread (a save that needs a staging buffer)
             if self._writing is None:
                 return False
@@ -180,11 +180,16 @@ class TierWriter:
                     retract_step(self.storage, s, self.fence.generation, self.name)
 
     def close(self) -> None:
-        """Write what is pending, then stop the thread."""
+        """Write what is pending, stop the thread, then settle the uncertain commits that can be (a prune)."""
         with self._mutex:
             self._closing = True
         self._wake.ring()  # a Ctrl-C before it leaves an idle writer asleep, until the next close() rings
         self._thread.join()
+        if self._uncertain and self._owner.commits_here:
+            try:
+                self.prune()
+            except Exception as e:  # best effort, as retention is
+                log.warning("nebula_ckpt: tier %s: cannot settle the uncertain commits at close: %s", self.name, e)
 
     # -- the writer thread -------------------------------------------------------------------------
     def _run(self) -> None:
@@ -219,11 +224,9 @@ class TierWriter:
             delivery.finish()
 
     def write(self, snap: Snapshot, source: Any, on_shard: Optional[Callable[[str], None]] = None) -> int:
-        """Write one snapshot (bytes from ``source``) as a committed checkpoint, then apply retention;
-        return the bytes of the shard written (less than the snapshot's for an incremental save).
-
-        ``on_shard(rel)`` is called once the shard file is durable, before manifest and commit.
-        """
+        """Write one snapshot (bytes from ``source``) as a committed checkpoint, then apply retention; return the bytes
+        of the shard written (less than the snapshot's for an incremental save). ``on_shard(rel)`` is called once the
+        shard file is durable, before manifest and commit."""
         self._take_seed()
 
         def confirmed() -> None:
@@ -263,12 +266,9 @@ class TierWriter:
         return TierStep(snap.step, source, confirmed, image, whole, draft, origin=snap.write_id, save=snap.index)
 
     def copy_from(self, src: Storage, step: int) -> None:
-        """Write the committed checkpoint ``step`` of another (local) tier's storage to this tier.
-
-        Used by ``Checkpointer.close()`` to put the newest step on tiers whose cadence skipped it.
-        The source's manifest is taken as is but for this tier's generation and shard record (its
-        marker names the same save number); an incremental one is written whole here.
-        """
+        """Write the committed checkpoint ``step`` of another (local) tier's storage to this tier: ``close()`` puts the
+        newest step on tiers whose cadence skipped it. The source's manifest is taken as is but for this tier's
+        generation and shard record (its marker names the same save number); an incremental one is written whole."""
         commit, raw = read_committed_manifest(src, step, f"{src.display_url} step {step}")
         parsed = Manifest.parse(raw, f"{src.display_url} step {step}", step)
         man = stored_json(raw)
@@ -314,9 +314,9 @@ class TierWriter:
             if self._shared:
                 share = SharedCommit(self.runtime, self.fence, self.coordinator, self.incremental).run(
                     item, lambda: self._clear_step(item.step), d, shard, on_shard, progress)
-                written, full = share["shard"]["bytes"], not share.get("refs")
+                written, full, unlisted = share["shard"]["bytes"], not share.get("refs"), list[int]()
             else:
-                committed, image = self._write_files(item, d, shard, gen, on_shard, progress, old, variant)
+                committed, image, unlisted = self._write_files(item, d, shard, gen, on_shard, progress, old, variant)
                 written, full = image.nbytes, image.full
         except BaseException as e:
             self.incremental.forget()
@@ -326,17 +326,16 @@ class TierWriter:
                 else:  # the committed step stays as it was
                     sweep.discard_variant(self.storage, item.step, variant, f"tier {self.name}")
                 raise
-            self._uncertain.add(item.step)  # committed or not, nothing of the step may go now
+            self._uncertain[item.step] = time.monotonic()  # committed or not, nothing of the step may go now
             if isinstance(e, CommitUncertain):
                 raise
-            raise CommitUncertain(f"step {item.step} may have committed on tier {self.name}: the write of its "
-                                  f"COMMIT reported an error ({type(e).__name__}: {e}); its files are kept (a "
-                                  "restart removes them if it never committed)") from e
+            raise CommitUncertain(f"step {item.step} may have committed on tier {self.name}: the write of its COMMIT "
+                                  f"reported an error ({type(e).__name__}: {e}); its files are kept meanwhile") from e
         log.info("nebula_ckpt: step %d committed on %s (%.1f MiB%s)", item.step, self.name, written / 2**20,
                  "" if full else ", incremental")
         if old is not None:  # what referred to the old write, then its files (best effort)
             with self._delete_lock:
-                sweep.replaced(self.storage, self.fence, item.step, f"tier {self.name}")
+                sweep.replaced(self.storage, self.fence, item.step, f"tier {self.name}", unlisted)
         if self.incremental.enabled:
             self._new_base(item, gen, full, committed, share)
         if self._shared and not self.coordinator.is_coordinator:
@@ -395,10 +394,11 @@ class TierWriter:
 
     def _write_files(self, item: "TierStep", d: str, shard: str, gen: int,
                      on_shard: Optional[Callable[[str], None]], progress: CommitProgress, old: Optional[Commit] = None,
-                     variant: Optional[str] = None) -> tuple[Optional[Manifest], TierImage]:
-        """Shard; then, once the snapshot is confirmed, the manifest (parsed before its marker is
-        written: :meth:`Incremental.checked`) and the commit marker; the parsed manifest and the
-        image as written (an incremental one whole where the tier found no room for it)."""
+                     variant: Optional[str] = None) -> tuple[Optional[Manifest], TierImage, list[int]]:
+        """Shard; then, once the snapshot is confirmed, the manifest (parsed before its marker is written:
+        :meth:`Incremental.checked`) and the commit marker; the parsed manifest, the image as written (an
+        incremental one whole where the tier found no room for it) and the steps unlisted because they
+        referred to the replaced write ``old``."""
         log.debug("nebula_ckpt: phase=shard tier=%s step=%d", self.name, item.step)
         info, image = write_image(self.runtime, f"{d}/{shard}", item)
         if on_shard is not None and image.parts is None:  # a slower tier is fed only a whole image
@@ -409,20 +409,27 @@ class TierWriter:
                                    shards=image.shards({"file": shard, "bytes": image.nbytes, "storage": info}),
                                    restamp=item.restamp)
         checked = self.incremental.checked(manifest, f"tier {self.name} step {item.step}: the manifest to commit")
-        commit_manifest(self.storage, self.fence, item.step, encode_manifest(manifest), progress, self.name, item.save,
-                        old, variant)
-        return checked, image
+        with sweep.referrers_unlisted(self.storage, self.fence, item.step, old is not None, progress, self._delete_lock,
+                                      f"tier {self.name}") as unlisted:  # no listed step refers to a replaced write
+            commit_manifest(self.storage, self.fence, item.step, encode_manifest(manifest), progress, self.name,
+                            item.save, old, variant)
+        return checked, image, unlisted
 
     def _check_uncertain(self, step: int) -> None:
         """Refuse to write ``step`` again while an earlier save of it may still commit here."""
-        if step not in self._uncertain:
-            return
-        if self.storage.exists(f"{step_dir(step)}/{COMMIT}"):
-            self._uncertain.discard(step)  # it did commit: an ordinary checkpoint from now on
-            return
-        raise PersistError(f"step {step} is not written again on tier {self.name}: an earlier save of it may still "
-                           "commit there (its outcome was never confirmed; see the earlier error). Save another step, "
-                           "or restart the job")
+        if step in self._uncertain:
+            self._settle()  # one whose put can no longer land is settled: it may be written again
+        if step in self._uncertain:
+            raise PersistError(f"step {step} is not written again on tier {self.name}: an earlier save of it may "
+                               "still commit there (its outcome was never confirmed; see the earlier error). Save "
+                               "another step, or restart the job")
+
+    def _settle(self) -> set[int]:
+        """Settle the uncertain commits that can be (:func:`.sweep.settle`); the leftovers among them."""
+        due, left = sweep.settle(self.storage, self._uncertain, time.monotonic())
+        self._uncertain = {s: t for s, t in self._uncertain.items() if s not in due}
+        self._strays_swept &= not (due - left)  # a replacing write that did not land left its files there
+        return left
 
     def _is_link(self, rel: str) -> bool:
         """Whether ``rel`` is a symlink on a local file system (a tier never follows one)."""
@@ -430,10 +437,10 @@ class TierWriter:
         return root is not None and os.path.islink(os.path.join(root, rel))
 
     def remove(self, step: int) -> bool:
-        """Delete the committed checkpoint ``step`` from this tier as retention does (fence checked,
-        commit marker first, then its data), or, while later steps refer to it, once none does (the
-        request is recorded on the tier: any process's next deletion there honours it); False when the
-        tier holds no committed ``step``. No save of ``step`` is in flight (the caller's); retention waits.
+        """Delete the committed checkpoint ``step`` from this tier as retention does (fence checked, commit marker
+        first, then its data), or, while later steps refer to it, once none does (the request is recorded on the tier:
+        any process's next deletion there honours it); False when the tier holds no committed ``step``. No save of
+        ``step`` is in flight (the caller's); retention waits.
 
         Raises:
             FencedError: a newer writer owns the root: nothing is deleted.
@@ -462,6 +469,7 @@ class TierWriter:
 
     def _prune(self, keep_step: Optional[int]) -> None:
         st = self.storage
+        failed = self._settle() if self._uncertain else set()
         committed, uncommitted = scan_steps(st)
         gen = {s: g for g, s, _ in committed_writes(st, committed)}  # a restore's order; unreadable: as newest
         ranked = sorted(committed, key=lambda s: (gen.get(s, math.inf), s))
@@ -477,7 +485,7 @@ class TierWriter:
         with self._mutex:
             busy_step = self._pending.snap.step if self._pending is not None else None
         candidates = [s for s in uncommitted if s != busy_step and s not in self._uncertain]
-        leftovers = sweep.leftover_steps(st, candidates, self._owner)
+        leftovers = sweep.leftover_steps(st, candidates, self._owner, failed)
         abandoned = sweep.abandoned_uploads(st, self.fence.generation)  # ours are never in flight while we prune
         strays = [] if self._strays_swept else \
             sweep.stray_files(st, [s for s in committed if s not in doomed and s not in self._uncertain], self._owner)
