@@ -55,9 +55,10 @@ def register() -> None:
 
 
 def raising(exc: BaseException) -> Callable[[], None]:
-    """A fault that raises ``exc`` (an I/O error, a timeout) at every read."""
+    """A fault that raises ``exc`` (an I/O error, a timeout) at every read: a new copy each time, as
+    a store's client raises (one object raised again would chain every traceback it went through)."""
     def fault() -> None:
-        raise exc
+        raise type(exc)(*exc.args)
     return fault
 
 
