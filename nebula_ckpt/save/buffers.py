@@ -289,7 +289,7 @@ class StagingPool:
             # slot file is made here instead (its page faults on this thread, as for small states)
             ahead = False
             self._short = None
-        size = max(nbytes, 1) if use_file and not ahead else -(-max(nbytes, 1) // _ROUND) * _ROUND
+        size = max(nbytes, 1)  # the budget's check: a buffer is rounded up below only where the budget holds that
 
         def room(extra: int = 0) -> bool:
             return len(staging) + (self._preparer is not None) < self.max_slots and self._fits(size + extra)
@@ -303,7 +303,7 @@ class StagingPool:
             if use_file and not room(size):
                 return None  # the memory tier would copy this buffer: the budget must hold both
             rounded = -(-max(nbytes, 1) // _ROUND) * _ROUND
-            if self._fits(rounded - size + (size if use_file else 0)):
+            if self._fits(rounded + (size if use_file else 0)):  # the rounded buffer (and the tier's copy)
                 size = rounded  # else the exact size room() was checked with
             # Filled by this save's copy at once: its threads take the page faults (a pinned
             # buffer is registered, so its pages are faulted anyway).

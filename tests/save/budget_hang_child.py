@@ -21,8 +21,10 @@ def main(scenario: str, root: str) -> None:
     keep = 2 if scenario == "keep_last" else 1
     # a state of 4 MiB (the last one 5 MiB with keep_last=2): under two states (one beside two kept)
     budget = int(8.5 * MB) if scenario == "keep_last" else 6 * MB
-    ck = nc.Checkpointer(root, tiers=[nc.MemoryTier(keep_last=keep), nc.LocalTier(root, every=100)],
-                         host_memory_budget=budget, incremental=False, on_full="wait")
+    tiers = [nc.MemoryTier(keep_last=keep), nc.LocalTier(root, every=100)]
+    if scenario == "disk_only":  # no memory tier: one state of staging (4 MiB), 1.25x its bytes allowed
+        tiers, budget = [nc.LocalTier(root)], 5 * MB
+    ck = nc.Checkpointer(root, tiers=tiers, host_memory_budget=budget, incremental=False, on_full="wait")
     out: dict[str, str] = {}
     for step in range(1, 5):
         if scenario == "suspect" and step == 2:

@@ -55,6 +55,14 @@ def test_a_waiting_save_that_nothing_can_free_room_for_raises(tmp_path: Path, sh
     assert any(k.startswith("memory") and steps == [2] for k, steps in listed.items()), listed  # step 2 kept
 
 
+def test_a_state_within_the_budget_saves_without_a_memory_tier(tmp_path: Path, shm_dir: str) -> None:
+    """4 MiB states under a 5 MiB budget, disk tier only: each staging buffer fits (the anonymous
+    buffer is rounded up to 6 MiB only where the budget holds the rounding), so no save waits."""
+    out = _child("disk_only", str(tmp_path / "ck"), shm_dir)
+    assert out["saves"] == {str(s): "ok" for s in range(1, 5)}, out["saves"]
+    assert out["held"] <= 5 << 20, out
+
+
 def test_a_multi_rank_waiting_save_raises_on_every_rank(tmp_path: Path, shm_dir: str) -> None:
     out = tmp_path / "out"
     out.mkdir()
