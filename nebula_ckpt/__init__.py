@@ -25,7 +25,7 @@ from typing import Any, Optional
 
 from nebula_ckpt import knobs
 from nebula_ckpt._version import __version__ as __version__
-from nebula_ckpt.checkpointer import Checkpointer
+from nebula_ckpt.checkpointer import Checkpointer, close_at_exit
 from nebula_ckpt.errors import (
     ConsistencyError,
     CorruptCheckpointError,
@@ -110,13 +110,23 @@ def load_latest(root: str, into: Any = None, **kwargs: Any) -> Optional[int]:
     return _shared(root, **kwargs).load_latest(into, **load_kw)
 
 
-def close_all() -> None:
-    """Close every checkpointer created by the one-liners (waits for pending saves)."""
+def _take_all() -> list[Checkpointer]:
     with _registry_lock:
         cks = [ck for ck, _ in _registry.values()]
         _registry.clear()
-    for ck in cks:
+    return cks
+
+
+def close_all() -> None:
+    """Close every checkpointer created by the one-liners (waits for pending saves)."""
+    for ck in _take_all():
         ck.close()
 
 
-atexit.register(close_all)
+def _close_all_at_exit() -> None:
+    # like any Checkpointer left open: NEBULA_EXIT_TIMEOUT_S bounds each, a failure is logged (without
+    # the warning of a forgotten close(): the one-liners' Checkpointers are closed at exit by design)
+    close_at_exit(_take_all())
+
+
+atexit.register(_close_all_at_exit)

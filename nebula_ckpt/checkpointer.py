@@ -2,8 +2,8 @@
 
 Saving is :class:`~nebula_ckpt.save.pipeline.SavePipeline`'s, listing and restoring
 :class:`~nebula_ckpt.restore.restorer.Restorer`'s (the methods: :mod:`nebula_ckpt.restore.reads`);
-this module opens a root's tiers, validates, closes, and guards every public call against a
-``close()`` re-entered from a signal handler (:class:`Calls`)."""
+this module opens a root's tiers, validates, and guards every public call against a ``close()``
+re-entered from a signal handler (:class:`Calls`); closing is :class:`~nebula_ckpt.save.closing.Closing`'s."""
 
 from __future__ import annotations
 
@@ -30,6 +30,7 @@ from nebula_ckpt.ranks.distributed import default_coordinator
 from nebula_ckpt.restore.reads import CheckpointReads
 from nebula_ckpt.restore.restorer import Restorer
 from nebula_ckpt.root import open_root
+from nebula_ckpt.save.closing import Closing, finish_at_exit
 from nebula_ckpt.save.pipeline import SavePipeline, exit_hook_ran
 from nebula_ckpt.storage.urls import canonical_root
 from nebula_ckpt.tiers.base import Tier
@@ -38,33 +39,16 @@ from nebula_ckpt.tiers.memory.replicas import start_replicator
 log = logging.getLogger("nebula_ckpt")
 F = TypeVar("F", bound=Callable[..., Any])
 
-#: every Checkpointer not yet closed (strong references: a forgotten one must still be flushed at
-#: interpreter exit, see :func:`_close_at_exit`; close() removes it)
-_open_checkpointers: "set[Checkpointer]" = set()
 
-
-def _close_at_exit() -> None:
-    """At exit (before Python stops the writer threads), close every checkpointer left open or
-    whose close timed out: each accepted save is written."""
+def close_at_exit(checkpointers: Optional[Collection["Checkpointer"]] = None) -> None:
+    """At interpreter exit (before Python stops the writer threads): finish the close of
+    ``checkpointers`` (the one-liners'), else of every Checkpointer whose close has not finished
+    (with a warning): each accepted save is written, ``NEBULA_EXIT_TIMEOUT_S`` bounding each wait."""
     exit_hook_ran.set()
-    for ck in list(_open_checkpointers):
-        if (ck._closed and not ck._close_unfinished) or ck._pid != os.getpid():
-            continue  # closed, or a copy in a fork's child (the parent's: no threads here, nothing to write)
-        pending = ck._saves.count
-        if ck._close_unfinished:  # a close() that timed out (or was deferred and cut short) is finished here
-            log.warning("nebula_ckpt: Checkpointer(%s): an earlier close() did not finish (it timed out); finishing it "
-                        "at exit: its pending saves are being written now", canonical_root(ck.root))
-        else:
-            log.warning("nebula_ckpt: Checkpointer(%s) was not closed; closing it at exit so its pending "
-                        "saves are written (call close() or use it as a context manager)", canonical_root(ck.root))
-        try:
-            ck.close(timeout=knobs.get("exit_timeout_s"))
-        except BaseException as e:  # at exit nobody can catch it: log it loudly instead
-            log.error("nebula_ckpt: closing Checkpointer(%s) at exit failed after %d save(s): %s: %s",
-                      canonical_root(ck.root), pending, type(e).__name__, e)
+    finish_at_exit(checkpointers, knobs.get("exit_timeout_s"))
 
 
-atexit.register(_close_at_exit)
+atexit.register(close_at_exit)
 
 
 # -- a close() re-entered from a signal handler ------------------------------------------------------
@@ -77,7 +61,6 @@ atexit.register(_close_at_exit)
 # recorded (:meth:`Calls.defer`) and runs when the outermost call returns or raises (the handler's
 # ``sys.exit()`` unwinding through it, typically). A ``close()`` from another thread is not
 # deferred: it waits like any close, first for the saves others make; the save hooks and handle checks are calls too.
-SAVING = ("save_async", "save", "prepare", "remove")  # what a close() waits for others to leave (Calls.wait_left)
 
 
 class Calls:
@@ -173,7 +156,7 @@ def _guarded(name: str, fn: F, calls_of: Callable[[Any], Calls]) -> F:
     return method  # type: ignore[return-value]
 
 
-class Checkpointer(HealthReports, CheckpointReads):
+class Checkpointer(Closing, HealthReports, CheckpointReads):
     """Asynchronous, tiered checkpoints of a training job.
 
     Args:
@@ -291,9 +274,8 @@ class Checkpointer(HealthReports, CheckpointReads):
         except BaseException:
             self._opened.release()
             raise
-        self._closed = self._close_unfinished = False
-        self._pid = os.getpid()  # a fork's child holds a copy without threads: it never writes or closes it
-        _open_checkpointers.add(self)
+        self._pid = os.getpid()  # a fork's child holds a copy without threads: it never writes, waits or closes it
+        self._open_closing()
         log.info("nebula_ckpt: checkpointer on %s, tiers %s, %s path", shown,
                  [rt.name for rt in self._runtimes], native_describe()["path"])
 
@@ -303,8 +285,9 @@ class Checkpointer(HealthReports, CheckpointReads):
                               "read_only=True, which never writes): open it without read_only to write")
 
     def _check_open(self, what: str) -> None:
-        if self._closed or self._pid != os.getpid():
-            raise NebulaError(f"{what}() on a {'closed' if self._closed else 'forked (the parent process owns it)'} "
+        forked = self._pid != os.getpid()
+        if self._close_started or forked:
+            raise NebulaError(f"{what}() on a {'forked (the parent process owns it)' if forked else 'closed'} "
                               f"Checkpointer of {canonical_root(self.root)}: open a new one in this process")
 
     @property
@@ -317,11 +300,6 @@ class Checkpointer(HealthReports, CheckpointReads):
     def tiers(self) -> list[Tier]:
         """The active tiers, fastest first."""
         return [rt.tier for rt in self._runtimes]
-
-    @property
-    def closed(self) -> bool:
-        """Whether :meth:`close` was called."""
-        return self._closed
 
     # -- saving -----------------------------------------------------------------------------------
     def prepare(self, state: Any, *, wait: bool = False) -> None:
@@ -389,54 +367,12 @@ class Checkpointer(HealthReports, CheckpointReads):
         Raises:
             PersistError / ConsistencyError: the first failure not yet seen through a handle.
             ValidationError: ``timeout`` is not None or a number of seconds >= 0.
+            NebulaError: called in a process forked from the one that made the saves (none of its threads is here).
         """
         check_timeout(timeout)
+        if self._pid != os.getpid():
+            self._check_open("wait")
         self._saves.wait(timeout)
-
-    def close(self, timeout: Optional[float] = None) -> None:
-        """Wait for every pending persist, stop the threads, remove the memory tier.
-
-        The memory tier is removed only when its newest save is committed on a slower tier too;
-        otherwise it is kept (and logged) for a restart.
-
-        Called from a signal handler while this thread is inside another method of this
-        Checkpointer, it returns at once and closes when that call returns or raises (a warning
-        says so; :class:`Calls`). Called while another thread is inside ``save_async``, ``save``,
-        ``prepare`` or ``remove``, it waits for that call first: the save it makes is written.
-
-        Raises:
-            PersistError: a failure not yet seen through a handle.
-            TimeoutError: saves pending after ``timeout`` s; they go on, a later ``close()`` waits again.
-        """
-        check_timeout(timeout)
-        if (self._closed and not self._close_unfinished) or self._pid != os.getpid():
-            return  # closed, or a fork's child's copy: the parent closes it
-        self._closed, self._close_unfinished = True, False
-        inside = self._calls.defer(self.close)  # a signal handler interrupted a call of this thread
-        if inside is not None:
-            log.warning("nebula_ckpt: close() of %s called inside %s() (from a signal handler): it finishes "
-                        "when that call returns (or raises)", canonical_root(self.root), inside)
-            self._close_unfinished = True
-            return
-        t0 = monotonic()
-        try:
-            if not self._calls.wait_left(SAVING, timeout):
-                raise TimeoutError(f"close(): a save that another thread is making not done after {timeout} s")
-            self.wait(None if timeout is None else max(0.0, timeout - (monotonic() - t0)))
-        except TimeoutError:
-            self._close_unfinished = True
-            raise
-        finally:
-            if not self._close_unfinished:
-                self._shutdown()
-
-    def _shutdown(self) -> None:
-        """Stop hooks and threads, free staging, let each tier close (the memory tier frees its RAM
-        when its newest step is safe elsewhere), release the tiers."""
-        _open_checkpointers.discard(self)
-        self._saves.shutdown(join=True)
-        self._close_health()
-        self._opened.release()
 
     def __enter__(self) -> "Checkpointer":
         return self

@@ -8,6 +8,7 @@ failure with its traceback chained.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 from dataclasses import dataclass, field
 from time import monotonic
@@ -104,6 +105,7 @@ class SaveHandle:
         self._snapshot_error: Optional[BaseException] = None
         self._durable = Latch()
         self._lock = threading.Lock()
+        self._pid = os.getpid()  # the process whose threads finish it (a fork's child has none of them)
         #: whether the caller has seen this save's outcome (set by result() / wait_snapshot() / the
         #: checkpointer raising it), so a failure is raised once
         self.seen = False
@@ -132,7 +134,9 @@ class SaveHandle:
         Raises:
             ConsistencyError: a tensor was modified in place while it was being copied.
             TimeoutError: not finished within ``timeout`` seconds.
+            NebulaError: not finished, in a process forked from the one that made the save.
         """
+        self._check_here("wait_snapshot", self._snapshot)
         finish = self._confirm
         if finish is not None and timeout is None:
             self._guard("SaveHandle.wait_snapshot", self._confirm_timed, finish)
@@ -163,7 +167,9 @@ class SaveHandle:
             PersistError: a tier failed (``failures`` maps tier -> exception; cause chained).
             ConsistencyError: the snapshot was torn by an in-place change.
             TimeoutError: not finished within ``timeout`` seconds.
+            NebulaError: not finished, in a process forked from the one that made the save.
         """
+        self._check_here("result", self._durable)
         confirm = self._confirm
         if confirm is not None:
             self._guard("SaveHandle.result", confirm)
@@ -193,8 +199,17 @@ class SaveHandle:
     def wait(self, timeout: Optional[float] = None) -> bool:
         """Wait until every tier that took the save is done (written, dropped or failed); False on
         timeout. Unlike :meth:`result` it raises nothing and does not mark a failure as seen, so
-        the checkpointer still raises it from the next ``save_async`` / ``wait`` / ``close``."""
+        the checkpointer still raises it from the next ``save_async`` / ``wait`` / ``close``.
+        In a process forked from the one that made the save, a save not finished raises :class:`NebulaError`."""
+        self._check_here("wait", self._durable)
         return self._durable.wait(timeout)
+
+    def _check_here(self, what: str, over: Latch) -> None:
+        """Refuse a wait that would never end: ``over`` is not set and only another process's threads set it."""
+        if self._pid != os.getpid() and not over.is_set():
+            raise NebulaError(f"SaveHandle.{what}() of step {self.step} in a forked process: the parent process owns "
+                              "the save and only its threads finish it; wait for it in the parent (done() here says "
+                              "only whether it had finished when the process forked)")
 
     def _confirm_timed(self, finish: Callable[[], None]) -> None:
         t = monotonic()
