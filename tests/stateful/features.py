@@ -12,6 +12,14 @@
   first by ``nebula-ckpt mark --suspect``): the newest write of step ``N`` whatever its mark; then
   perhaps a save of ``N`` again, a new write with no mark, which a restart restores while it is the
   newest, and the old suspect write never comes back (the restores' checks).
+* ``loop_rollback``: a training loop under ``LoopState`` (a shuffled ``DataLoader``, draws from
+  ``random``, NumPy and torch each batch) on a scratch root of the sequence's tiers, saving every
+  step, in the live job's process beside its Checkpointer (or a tool's on a node), loads at step
+  ``at`` an earlier step ``back`` its tiers surely hold (``ck.load(back, into=state)``: from the
+  memory tier while its ``keep_last`` holds it, else from the disk tier, or from the memory tier
+  where it keeps the step as a newer one's base) and goes on (``continue``
+  or ``break``): the batches and draws that follow are those that followed step ``back`` in the
+  same loop run without a checkpoint, then the loop ends where that run ended (docs/api.md).
 * ``dcp_read``: ``torch.distributed.checkpoint.load`` through ``NebulaStorageReader(root)`` and a
   ``load_latest`` of the root's persistent tier agree: the same step, the same bytes, the step the
   model names (suspect writes skipped by both); with every step suspect both raise
@@ -45,7 +53,7 @@ class FeatureOps:
         them): the memory tier gives up its steps the disk tier holds as the same write; its newest
         write not marked suspect by the job (what ``close()`` would put there) goes to the disk tier
         first when the disk lacks it."""
-        if not self.tiers.get("budget"):
+        if not self.tiers.get("budget") or job.no_memory:
             return
         mem = self.mem(job.node)
         self._give_up(mem)
@@ -65,7 +73,10 @@ class FeatureOps:
 
     def budget_stuck(self: "Single", job: "Job") -> Optional[str]:
         """A write the memory tier may hold that the disk tier may not (the budget cannot free it:
-        suspect, or an older one ``keep_last`` keeps); None when the memory tier can give up all."""
+        suspect, or an older one ``keep_last`` keeps); None when the memory tier can give up all (or
+        the job has none: its NEBULA_SHM_DIR is a file)."""
+        if job.no_memory:
+            return None
         disk = self.truth.tier("disk")
         for s, p in sorted(self.truth.tier(self.mem(job.node)).items()):
             for e in p:
@@ -142,6 +153,50 @@ class FeatureOps:
             return None
         _, e, k = max(found, key=lambda f: f[0])
         return e, k
+
+    # -- a rollback inside a LoopState loop -------------------------------------------------------
+    @rule(at=st.integers(2, 10), pick=st.integers(0, 7), mode=st.sampled_from(["continue", "break"]),
+          node=st.sampled_from([0, 1]))
+    def loop_rollback(self: "Single", at: int, pick: int, mode: str, node: int) -> None:
+        """A loop under ``LoopState`` on a scratch root (the sequence's tiers), in the live job's
+        process (beside its Checkpointer) or on ``node``: at step ``at`` it loads an earlier step its
+        tiers surely hold, then goes on. See the module docstring."""
+        t = self.tiers
+        steps = range(1, at + 1)  # one save a step, save index = step - 1
+        in_memory = set(steps[-t["memory_keep"]:])
+        on_disk = set([s for s in steps if (s - 1) % t["disk_every"] == 0][-t["disk_keep"]:])
+        backs = sorted((in_memory | on_disk) - {at})
+        if not backs:
+            return
+        back = backs[pick % len(backs)]
+        tier = "memory" if back in in_memory else "local"
+        self.loops += 1
+        root = str(self.dir / f"loop{self.loops}" / "ckpt")
+        who = self.job.proc if self.job is not None else self.shared.tool()
+        where = f"n{self.job.node}, in the job's process" if self.job is not None else f"n{node}"
+        self.note(f"a LoopState loop on {where}: at step {at} load({back}) (on its {tier} tier), then {mode}")
+        cmd: dict[str, Any] = {"op": "loop", "root": root, "tiers": t, "at": at, "back": back, "mode": mode}
+        if self.job is None:
+            cmd.update(shm=self.shm_of(node), node=f"n{node}")
+        got = who.call(cmd)
+        if got is None:
+            self.fail(f"the process of the LoopState loop died (log: {who.log_path}):\n{who.tail()}")
+        assert got is not None
+        what = f"LoopState loop, load({back}) at step {at} then {mode}"
+        if "error" in got:
+            self.fail(f"{what}: raised {got['error']}")
+        # the memory tier may still hold an older step as the base a newer one refers to (docs/tiers.md)
+        read = str(got.get("tier")).split(":")[0]
+        if got.get("step_after_load") != back or read not in ((tier,) if tier == "memory" else ("local", "memory")):
+            self.fail(f"{what}: the loop is at step {got.get('step_after_load')} after the load, read from "
+                      f"{got.get('tier')}; step {back} is on the {tier} tier")
+        want = got["want"][:at] + got["want"][back:]
+        if got["seen"] != want:
+            seen = got["seen"]
+            first = next(i for i in range(max(len(seen), len(want)))
+                         if i >= min(len(seen), len(want)) or seen[i] != want[i])
+            self.fail(f"{what}: other batches or draws from batch #{first}: saw {got['seen'][first:first + 2]}, "
+                      f"the run without a rollback had {want[first:first + 2]}")
 
     # -- DCP's reader against load_latest ------------------------------------------------------
     @rule(node=st.sampled_from([0, 1]))

@@ -8,7 +8,9 @@ and ends by ``close()``, a crash (``os._exit``), a SIGKILL at a random idle mome
 at a named point inside a save. Between jobs: ``nebula-ckpt gc`` and ``nebula-ckpt persist-memory``
 (also killed at named points), a node lost (its memory tier gone, its job killed), the run folder
 moved (and moved back). The operations that meet a live job mid-way (a close racing a save, a
-close from the step hook, the operator's commands beside a held save) are :mod:`stateful.live`'s.
+close from the step hook, the operator's commands beside a held save) are :mod:`stateful.live`'s;
+those where the job's surroundings go wrong (a restore out of file descriptors, a NEBULA_SHM_DIR
+that is a file, a wall clock that steps back) :mod:`stateful.env_ops`'.
 :class:`~stateful.model.Truth` says what every restore must open and what every tier may hold;
 audits read every committed step of every tier back.
 """
@@ -28,6 +30,7 @@ from typing import Any, Hashable, Optional
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, precondition, rule
 
+from stateful.env_ops import SECONDS_APART, EnvOps
 from stateful.features import BUDGET_BYTES, BUDGET_EXTRA, FeatureOps
 from stateful.live import LiveOps
 from stateful.model import ABSENT, Entry, Save, Truth, Violation
@@ -91,10 +94,18 @@ class Shared:
         self._tool: Optional[Proc] = None
         self.examples = 0
         self.seen: set[str] = set()
+        #: each node's wall clock (``"n0"`` -> ns it runs behind the machine's: ``EnvOps.clock_steps_back``)
+        #: and the clocks the tool process was told
+        self.clocks: dict[str, int] = {}
+        self._tool_clocks: dict[str, int] = {}
 
     def tool(self) -> Proc:
         if self._tool is None or not self._tool.alive:
             self._tool = self.pool.take()
+            self._tool_clocks = {}
+        if self._tool_clocks != self.clocks:  # its commands on a node read that node's clock
+            self._tool.call({"op": "clock", "offsets": self.clocks})
+            self._tool_clocks = dict(self.clocks)
         return self._tool
 
     def tool_died(self) -> None:
@@ -118,6 +129,8 @@ class Job:
     cursor: int = -1        # the step the job is at (restored or saved last)
     saved_steps: tuple[int, ...] = ()
     health: "Signal" = field(default_factory=lambda: Signal())
+    #: the node's NEBULA_SHM_DIR is a file: the job has no memory tier (``EnvOps.job_without_shm``)
+    no_memory: bool = False
 
 
 @dataclass
@@ -136,7 +149,7 @@ class Signal:
     marked: set[tuple[int, int, int]] = field(default_factory=set)
 
 
-class Single(LiveOps, FeatureOps, RuleBasedStateMachine):
+class Single(EnvOps, LiveOps, FeatureOps, RuleBasedStateMachine):
     """One-process jobs; see the module docstring. ``Single.shared`` is set by the test."""
 
     shared: Shared
@@ -145,6 +158,7 @@ class Single(LiveOps, FeatureOps, RuleBasedStateMachine):
         super().__init__()
         sh = self.shared
         sh.examples += 1
+        sh.clocks = {}  # every node's clock right at the start of a sequence
         self.dir = sh.base / f"ex{sh.examples}-{uuid.uuid4().hex[:6]}"
         self.dir.mkdir()
         self.shm = sh.shm_base / self.dir.name
@@ -156,15 +170,19 @@ class Single(LiveOps, FeatureOps, RuleBasedStateMachine):
         self.sids = 0
         self.fid = 1
         self.log: list[str] = []
+        self.loops = 0  # scratch roots of LoopState loops (FeatureOps.loop_rollback)
         self.t0 = time.monotonic()
 
     # -- set-up --------------------------------------------------------------------------------
     @initialize(memory_keep=st.integers(1, 3), disk_keep=st.sampled_from([1, 2, 3, 5]), disk_every=st.integers(1, 3),
-                full_every=st.integers(2, 4), snapshot=st.sampled_from(["auto", "async"]), budget=st.booleans())
+                full_every=st.integers(2, 4), snapshot=st.sampled_from(["auto", "async"]), budget=st.booleans(),
+                disk_seconds=st.sampled_from([None, SECONDS_APART]))
     def configure(self, memory_keep: int, disk_keep: int, disk_every: int, full_every: int, snapshot: str,
-                  budget: bool) -> None:
+                  budget: bool, disk_seconds: Optional[float]) -> None:
         self.tiers: dict[str, Any] = {"memory_keep": memory_keep, "disk_keep": disk_keep, "disk_every": disk_every,
                                       "snapshot": snapshot}
+        if disk_seconds:  # the disk tier's every_seconds, shorter than any two saves are apart (EnvOps)
+            self.tiers["disk_seconds"] = disk_seconds
         if budget:  # a host-memory budget smaller than two states (stateful.features)
             self.tiers.update(budget=BUDGET_BYTES, extra=BUDGET_EXTRA)
         self.note(f"configure {self.tiers}, full every {full_every}")
@@ -214,12 +232,16 @@ class Single(LiveOps, FeatureOps, RuleBasedStateMachine):
         except Violation as e:
             self.fail(str(e))
 
+    def open_command(self, node: int, **extra: Any) -> dict[str, Any]:
+        """The command that makes a fresh process a job on ``node`` (it restores): ``extra`` added."""
+        env = {"NEBULA_INCREMENTAL_FULL_EVERY": str(self.full_every)}
+        return {"op": "open", "root": self.path, "shm": self.shm_of(node), "node": f"n{node}",
+                "tiers": self.tiers, "env": env, "clocks": self.shared.clocks, **extra}
+
     def _start(self, node: int) -> Job:
         proc = self.shared.pool.take()
         job = Job(proc, node, self.path)
-        env = {"NEBULA_INCREMENTAL_FULL_EVERY": str(self.full_every)}
-        got = proc.call({"op": "open", "root": self.path, "shm": self.shm_of(node), "node": f"n{node}",
-                         "tiers": self.tiers, "env": env})
+        got = proc.call(self.open_command(node))
         if got is None:
             self.fail(f"the job on n{node} died while restoring (log: {proc.log_path}):\n{proc.tail()}")
         assert got is not None
@@ -228,7 +250,8 @@ class Single(LiveOps, FeatureOps, RuleBasedStateMachine):
         return job
 
     def check_restore(self, got: dict[str, Any], node: int) -> None:
-        keys = [self.mem(node), "disk"]
+        no_memory = self.job is not None and self.job.no_memory  # the node's memory tier stands aside
+        keys: list[Hashable] = ["disk"] if no_memory else [self.mem(node), "disk"]
         want = self.truth.target(keys, frozenset(self.truth.suspect()))
         where = f"restore on n{node}"
         # Checkpointer.latest() names, without reading it, the step load_latest restores (no step of
@@ -263,11 +286,14 @@ class Single(LiveOps, FeatureOps, RuleBasedStateMachine):
             # a restore from the memory tier may hand its pages over (the step leaves the memory
             # tier) when the root holds that very save of the step
             disk = self.truth.entries("disk")
-            if key == keys[0] and step in disk and disk[step].sid == entry.sid:
+            if key == keys[0] and not no_memory and step in disk and disk[step].sid == entry.sid:
                 self.truth.may_drop(keys[0], step)
         listed = got["listed"]
+        if no_memory and "memory" in listed:
+            self.fail(f"{where}: NEBULA_SHM_DIR is a file, yet list() shows a memory tier: {listed}")
         try:
-            self.truth.observe_listing(keys[0], listed.get("memory", []), f"list() of the memory tier of n{node}")
+            if not no_memory:
+                self.truth.observe_listing(keys[0], listed.get("memory", []), f"list() of the memory tier of n{node}")
             self.truth.observe_listing("disk", listed.get("local", []), "list() of the disk tier")
         except Violation as e:
             self.fail(str(e))
@@ -296,7 +322,8 @@ class Single(LiveOps, FeatureOps, RuleBasedStateMachine):
             job.proc.call({"op": "arm", "at": SAVE_POINTS[kill[0]], "skip": kill[1]})
         got = job.proc.call({"op": "save", "step": step, "sid": sid, "fid": self.fid})
         if got is None:  # killed at the point: each tier may or may not have committed it
-            self.truth.commit(self.mem(job.node), step, entry, self.tiers["memory_keep"], surely=False)
+            if not job.no_memory:
+                self.truth.commit(self.mem(job.node), step, entry, self.tiers["memory_keep"], surely=False)
             if disk:
                 self.truth.commit("disk", step, entry, self.tiers["disk_keep"], surely=False)
             job.proc.end()
@@ -316,7 +343,7 @@ class Single(LiveOps, FeatureOps, RuleBasedStateMachine):
         assert job is not None
         if not got["ok"] or got["dropped"]:
             self.fail(f"{what}: failed: {got['error']} (written {got['written']}, dropped {got['dropped']})")
-        want = ["local", "memory"] if disk else ["memory"]
+        want = (["local"] if disk else []) + ([] if job.no_memory else ["memory"])
         if got["written"] != want:
             self.fail(f"{what}: written on {got['written']}, expected {want} (disk every {self.tiers['disk_every']}, "
                       f"save {job.saves} of this job)")
@@ -328,7 +355,8 @@ class Single(LiveOps, FeatureOps, RuleBasedStateMachine):
         elif job.health.restored is not None:
             job.health.descendants.append((step, entry.sid))
         job.saved_steps = tuple(sorted(set(job.saved_steps) | {step}))
-        self.truth.commit(self.mem(job.node), step, entry, self.tiers["memory_keep"])
+        if not job.no_memory:
+            self.truth.commit(self.mem(job.node), step, entry, self.tiers["memory_keep"])
         if disk:
             self.truth.commit("disk", step, entry, self.tiers["disk_keep"])
 

@@ -14,6 +14,11 @@ thread that reached the point, before that point's action runs. ``save_begin`` h
 thread that logs a named line instead (:class:`PauseAt`) until ``save_end``: a save stopped
 mid-way while the driver runs the operator's commands beside it.
 
+Each node has its own wall clock (``clock``: how far it runs behind the machine's): ``time.time()``
+and ``time.time_ns()`` of this process are shimmed before torch and nebula_ckpt are imported and
+read the clock of the node the process plays on. ``open`` / ``restore`` with ``nofile`` restore
+with only that many file descriptors to spare (``RLIMIT_NOFILE``, for ``load_latest`` alone).
+
 The states saved are :mod:`stateful.states`' (every byte says which save and rank it belongs to).
 """
 
@@ -25,6 +30,7 @@ import io
 import json
 import logging
 import os
+import shutil
 import signal
 import sys
 import threading
@@ -36,6 +42,23 @@ from typing import Any, Optional
 _PROTO = os.fdopen(os.dup(1), "w", buffering=1)
 os.dup2(2, 1)
 sys.stdout = sys.stderr
+
+#: the simulated wall clock: this process's ``time.time()`` / ``time.time_ns()`` run ``OFFSET_NS[0]``
+#: ns off the machine's (a node whose clock was stepped back), set per node by ``clock`` before
+#: torch and nebula_ckpt are imported, so that every call the library makes reads it
+_REAL_TIME, _REAL_TIME_NS = time.time, time.time_ns
+OFFSET_NS = [0]
+
+
+def _shifted_time() -> float:
+    return _REAL_TIME() + OFFSET_NS[0] / 1e9
+
+
+def _shifted_time_ns() -> int:
+    return _REAL_TIME_NS() + OFFSET_NS[0]
+
+
+time.time, time.time_ns = _shifted_time, _shifted_time_ns
 
 import torch  # noqa: E402
 
@@ -123,13 +146,29 @@ class Worker:
         self._root = ""
         self._tiers: dict[str, Any] = {}
         self.pending: Optional[Any] = None  # the handle of a save begun by ``save_begin``
+        #: each node's wall clock: ns its clock runs behind the machine's (``clock``); None: no node yet
+        self.clocks: dict[str, int] = {}
+        self._node: Optional[str] = None
 
     # -- parts -------------------------------------------------------------------------------
     def node(self, cmd: dict[str, Any]) -> None:
         """Live on node ``cmd["node"]`` (its memory-tier folder ``cmd["shm"]``)."""
         os.environ["NEBULA_SHM_DIR"] = cmd["shm"]
         os.environ["NEBULA_NODE_ID"] = str(cmd["node"])
-        os.makedirs(cmd["shm"], exist_ok=True)
+        if not os.path.lexists(cmd["shm"]):  # a file there stays (a node whose NEBULA_SHM_DIR is not a folder)
+            os.makedirs(cmd["shm"], exist_ok=True)
+        if "clocks" in cmd:
+            self.clocks = {k: int(v) for k, v in cmd["clocks"].items()}
+        self._node = str(cmd["node"])
+        OFFSET_NS[0] = self.clocks.get(self._node, 0)
+
+    def op_clock(self, cmd: dict[str, Any]) -> dict[str, Any]:
+        """Set each node's wall clock (``offsets``: node -> ns off the machine's clock): the commands
+        run on a node from now on read its clock (a job's process: its own node's, at once)."""
+        self.clocks = {k: int(v) for k, v in cmd["offsets"].items()}
+        if self._node is not None:
+            OFFSET_NS[0] = self.clocks.get(self._node, 0)
+        return {"time": time.time()}
 
     def op_arm(self, cmd: dict[str, Any]) -> dict[str, Any]:
         """Die at the point ``at`` (None: nowhere)."""
@@ -179,7 +218,8 @@ class Worker:
     def _checkpointer(self) -> nc.Checkpointer:
         t = self._tiers
         tiers = [nc.MemoryTier(keep_last=t["memory_keep"], replicas=t.get("replicas", 0)),
-                 nc.LocalTier(self._root, keep_last=t["disk_keep"], every=t["disk_every"])]
+                 nc.LocalTier(self._root, keep_last=t["disk_keep"], every=t["disk_every"],
+                              every_seconds=t.get("disk_seconds"))]
         # ``budget``: a host-memory budget in bytes (a save waits for room, or says why none can come)
         budget = {"host_memory_budget": t["budget"], "on_full": "wait"} if t.get("budget") else {}
         return nc.Checkpointer(self._root, tiers=tiers, snapshot=t.get("snapshot", "auto"), **budget)
@@ -217,7 +257,8 @@ class Worker:
         st = blank_state(self.rank, int(cmd.get("into_extra", self.extra)))  # into_extra: an `into` that mismatches
         latest = self.ck.latest()  # what load_latest tries first, named without reading it (this rank's tiers)
         try:
-            step = self.ck.load_latest(into=st)
+            with _few_descriptors(cmd.get("nofile")):
+                step = self.ck.load_latest(into=st)
         except Exception as e:
             return {"error": f"{type(e).__name__}: {e}", "listed": self._listed(), "latest": latest}
         got = {"step": step, "listed": self._listed(), "latest": latest}
@@ -386,6 +427,29 @@ class Worker:
             return {"error": f"{type(e).__name__}: {e}"}
         return {"step": step, "parts": decode(st, self.rank), "tier": (self.ck.last_restore or {}).get("tier")}
 
+    def op_loop(self, cmd: dict[str, Any]) -> dict[str, Any]:
+        """A training loop under :class:`nebula_ckpt.LoopState` (a shuffled ``DataLoader``, draws from
+        ``random``, NumPy and torch each batch) on the scratch root ``cmd["root"]`` (this node's memory
+        tier and a disk tier of ``tiers``), saving every step, which at step ``at`` loads step ``back``
+        (``ck.load``) and goes on (``mode`` "continue") or leaves the epoch (``"break"``); beside it
+        the same loop without a checkpoint (``want``). What each batch saw, the tier of the load."""
+        if "shm" in cmd:  # a tool process: on that node
+            self.node(cmd)
+        t = cmd["tiers"]
+        mem = nc.MemoryTier(keep_last=t["memory_keep"])
+        tiers = [mem, nc.LocalTier(cmd["root"], keep_last=t["disk_keep"], every=t["disk_every"])]
+        out: dict[str, Any] = {"want": _loop_run(None, 0, 0, "")}
+        ck = nc.Checkpointer(cmd["root"], tiers=tiers)
+        try:
+            out["seen"] = _loop_run(ck, int(cmd["at"]), int(cmd["back"]), cmd["mode"], out)
+        except Exception as e:
+            out["error"] = f"{type(e).__name__}: {e}"
+        finally:
+            ck.close()
+            if mem.path:  # the scratch root's memory tier goes with it
+                shutil.rmtree(mem.path, ignore_errors=True)
+        return out
+
     def op_report(self, cmd: dict[str, Any]) -> dict[str, Any]:
         """``ck.report(step, loss=...)`` for each ``[step, finite]`` of ``cmd["reports"]`` (NaN when not finite)."""
         assert self.ck is not None
@@ -546,6 +610,60 @@ def _outcome(h: Any, timeout: Optional[float] = None) -> dict[str, Any]:
         err = f"{type(e).__name__}: {e}"
     return {"ok": err is None, "error": err, "written": sorted({t.split(":")[0] for t in h.tiers_written}),
             "dropped": sorted({t.split(":")[0] for t in h.tiers_dropped}), "done": h.done()}
+
+
+#: the loop of ``op_loop``: items of its dataset, per batch, epochs
+LOOP_ITEMS, LOOP_BATCH, LOOP_EPOCHS = 10, 2, 2
+
+
+def _loop_run(ck: Optional[nc.Checkpointer], at: int, back: int, mode: str,
+              out: Optional[dict[str, Any]] = None) -> list[list[Any]]:
+    """``op_loop``'s loop (``ck`` None: without a checkpoint): per batch (epoch, batch, step, items, a
+    NumPy, a ``random`` and a torch draw); ``out["tier"]``: the tier the rollback read."""
+    import random
+
+    import numpy as np
+
+    torch.manual_seed(0)
+    np.random.seed(0)
+    random.seed(0)
+    data = torch.utils.data.TensorDataset(torch.arange(LOOP_ITEMS, dtype=torch.float32))
+    loop = nc.LoopState(torch.utils.data.DataLoader(data, batch_size=LOOP_BATCH, shuffle=True))
+    state = {"loop": loop}
+    seen: list[list[Any]] = []
+    for epoch in loop.epochs(LOOP_EPOCHS):
+        for (batch,) in loop:
+            seen.append([epoch, loop.batch, loop.step, batch.tolist(), float(np.random.normal()), random.random(),
+                         float(torch.rand(()))])
+            if ck is None:
+                continue
+            ck.save_async(loop.step, state).result()
+            if loop.step == at and len(seen) == at:
+                ck.load(back, into=state)
+                if out is not None:
+                    out["tier"] = (ck.last_restore or {}).get("tier")
+                    out["step_after_load"] = loop.step
+                if mode == "break":
+                    break
+    return seen
+
+
+@contextlib.contextmanager
+def _few_descriptors(spare: Optional[int]) -> Any:
+    """With ``spare`` (an int): the process may open only ``spare`` file descriptors more than it holds
+    now (``RLIMIT_NOFILE``), until the block ends: a restore that runs out of them (``EMFILE``)."""
+    if spare is None:
+        yield
+        return
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    held = len(os.listdir("/proc/self/fd")) - 1  # less the listing's own
+    resource.setrlimit(resource.RLIMIT_NOFILE, (held + int(spare), hard))
+    try:
+        yield
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
 
 
 def _error_of(fn: Any) -> Optional[str]:
