@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from nebula_ckpt.cli import main
-from tests.dist.launch import run_ranks
+from tests.dist.launch import run_mode
 
 HERE = Path(__file__).resolve().parent
 WORKER = str(HERE / "inspect_ranks_worker.py")
@@ -30,19 +30,11 @@ def _cli(*args: str) -> tuple[int, str, str]:
     return rc, out.getvalue(), err.getvalue()
 
 
-def _ranks(tmp: Path, mode: str, root: str, shm_dir: str) -> Path:
-    out = tmp / f"out-{mode}"
-    out.mkdir()
-    for r, p in enumerate(run_ranks(2, WORKER, [mode, root, str(out)], out, shm_dir, timeout=150)):
-        assert p.returncode == 0, f"rank {r} ({mode}) ended with {p.returncode}:\n{p.stdout[-4000:]}"
-    return out
-
-
 def test_inspect_and_export_read_the_step_a_restart_restores_not_one_ranks_memory_tier(tmp_path: Path,
                                                                                          shm_dir: str) -> None:
     root = str(tmp_path / "ck")
-    _ranks(tmp_path, "save", root, shm_dir)
-    restored = _ranks(tmp_path, "restore", root, shm_dir)
+    run_mode(tmp_path, WORKER, "save", root, shm_dir)
+    restored = run_mode(tmp_path, WORKER, "restore", root, shm_dir)
     steps = {json.loads((restored / f"r{r}.json").read_text())["step"] for r in range(2)}
     assert steps == {2}, steps  # rank 0's memory tier holds step 3; rank 1 never saved it
 
@@ -66,7 +58,7 @@ def test_inspect_and_export_read_the_step_a_restart_restores_not_one_ranks_memor
 
 def test_a_step_only_one_ranks_memory_tier_holds_is_shown_as_such_or_refused(tmp_path: Path, shm_dir: str) -> None:
     root = str(tmp_path / "ck")
-    _ranks(tmp_path, "save", root, shm_dir)
+    run_mode(tmp_path, WORKER, "save", root, shm_dir)
 
     rc, out, err = _cli("inspect", root, "--step", "2", "--json")  # on both: the shared tier's whole step
     info = json.loads(out)

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from nebula_ckpt.cli import main
-from tests.dist.launch import run_ranks
+from tests.dist.launch import run_mode
 
 HERE = Path(__file__).resolve().parent
 WORKER = str(HERE / "persist_memory_ranks_worker.py")
@@ -34,18 +34,10 @@ def _steps(root: str) -> list[int]:
     return sorted(int(p.parent.name.split("-")[1]) for p in Path(root).glob("step-*/COMMIT"))
 
 
-def _ranks(tmp: Path, mode: str, root: str, shm_dir: str) -> Path:
-    out = tmp / f"out-{mode}"
-    out.mkdir()
-    for r, p in enumerate(run_ranks(2, WORKER, [mode, root, str(out)], out, shm_dir, timeout=150)):
-        assert p.returncode == 0, f"rank {r} ({mode}) ended with {p.returncode}:\n{p.stdout[-4000:]}"
-    return out
-
-
 def test_persist_memory_writes_a_multi_rank_restored_step_behind_a_suspect_newest(tmp_path: Path,
                                                                                   shm_dir: str) -> None:
     root = str(tmp_path / "ck")
-    _ranks(tmp_path, "save", root, shm_dir)
+    run_mode(tmp_path, WORKER, "save", root, shm_dir)
     assert _steps(root) == [1, 5]  # the memory tiers hold steps 4 and 5
     assert _cli("mark", root, "--suspect", "5", "--reason", "loss went NaN")[0] == 0
     rc, out = _cli("persist-memory", root, "--json")
@@ -55,7 +47,7 @@ def test_persist_memory_writes_a_multi_rank_restored_step_behind_a_suspect_newes
     assert _steps(root) == [1, 4, 5]
     shutil.rmtree(shm_dir)  # the nodes' RAM is gone: a restart has the root alone
     Path(shm_dir).mkdir()
-    out_dir = _ranks(tmp_path, "restore", root, shm_dir)
+    out_dir = run_mode(tmp_path, WORKER, "restore", root, shm_dir)
     for r in range(2):
         rep = json.loads((out_dir / f"r{r}.json").read_text())
         assert rep == {"step": 4, "exact": True}, (r, rep)

@@ -129,6 +129,15 @@ def run_ok(world: int, script: str, args: list[str], out: Path, shm_dir: str,
     return done
 
 
+def run_mode(tmp: Path, script: str, mode: str, root: str, shm_dir: str, world: int = 2) -> Path:
+    """Run ``world`` ranks of ``script`` as ``script MODE ROOT OUT`` (every rank must end with 0),
+    ``OUT`` a new folder ``tmp/out-MODE`` for their reports; return it."""
+    out = tmp / f"out-{mode}"
+    out.mkdir()
+    run_ok(world, script, [mode, root, str(out)], out, shm_dir, timeout=150)
+    return out
+
+
 def reports(out: Path, scenario: str, world: int) -> list[dict[str, Any]]:
     """The JSON each rank wrote (``<scenario>-r<rank>.json``)."""
     return [json.loads((out / f"{scenario}-r{r}.json").read_text()) for r in range(world)]
