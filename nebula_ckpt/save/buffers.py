@@ -294,11 +294,13 @@ class StagingPool:
         def room(extra: int = 0) -> bool:
             return len(staging) + (self._preparer is not None) < self.max_slots and self._fits(size + extra)
 
-        self._make_room(staging, room, lambda: use_file and self.slot_dir is not None and
-                        not shm_room(self.slot_dir, size))
-        if not room():
-            return None
-        made = (self._adopt_spare(nbytes) if ahead else self._new_slot(size)) if use_file else None
+        made = self._adopt_spare(nbytes) if use_file else None  # a finished process's spare takes no new memory
+        if made is None:
+            self._make_room(staging, room, lambda: use_file and self.slot_dir is not None and
+                            not shm_room(self.slot_dir, size))
+            if not room():
+                return None
+            made = self._new_slot(size) if use_file and not ahead else None
         if made is None:
             if use_file and not room(size):
                 return None  # the memory tier would copy this buffer: the budget must hold both
@@ -479,10 +481,8 @@ class StagingPool:
             self._cond.notify_all()
 
     def close(self) -> None:
-        """Free every idle buffer (slot file names too; linked checkpoints keep their bytes).
-
-        A slot file being made ahead of need is waited for, then freed.
-        """
+        """Free every idle buffer (slot file names too; linked checkpoints keep their bytes); a slot
+        file being made ahead of need is waited for, then freed."""
         with self._mutex:
             self._closed = True
             preparer = self._preparer

@@ -50,10 +50,18 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Optional, Sequence
 
 from nebula_ckpt.errors import CorruptCheckpointError, FencedError, NebulaError
-from nebula_ckpt.format.commit import CommitProgress, Write, commit_manifest, committed_writes, read_commit, shard_path
+from nebula_ckpt.format.commit import (
+    CommitProgress,
+    Write,
+    commit_manifest,
+    committed_writes,
+    read_commit,
+    read_committed_manifest,
+    shard_path,
+)
 from nebula_ckpt.format.drain import check_records, drain_save_id, encode_part, parse_part
 from nebula_ckpt.format.header import safetensors_header
-from nebula_ckpt.format.manifest import Manifest, encode_manifest
+from nebula_ckpt.format.manifest import Manifest, encode_manifest, whole_manifest
 from nebula_ckpt.format.names import (
     COMMIT,
     RANKS_FILE,
@@ -68,6 +76,7 @@ from nebula_ckpt.ranks.fencing import Fence
 from nebula_ckpt.ranks.split import split_manifest, split_payload
 from nebula_ckpt.restore.open import open_checkpoint, read_manifest
 from nebula_ckpt.save.budget import give_up_memory_steps, note_held
+from nebula_ckpt.save.incremental import whole_image
 from nebula_ckpt.storage.base import Storage
 from nebula_ckpt.storage.local import LocalStorage, fsync_dir
 
@@ -359,12 +368,38 @@ def own_part_drainer(storage: Storage, tier: str, run_id: str) -> Callable[[Writ
     return drain
 
 
+def copy_as_written(storage: Storage, tier: str, write: Write, src: Storage) -> int:
+    """The one-process step ``write`` from ``src`` (a memory tier's folder) to ``storage``, under its
+    own generation, so it is the same write there (marks and all): verified first; shard, manifest,
+    ``COMMIT`` last. Its bytes. Raises ``NebulaError`` when the folder holds another write's files."""
+    g, s, w = write
+    if (why := folder_problem(storage, write)) is not None:
+        raise NebulaError(why)
+    at = f"{src.display_url} step {s}"
+    open_checkpoint(src, s, "full", at)
+    man = Manifest.parse(read_committed_manifest(src, s, at)[1], at, s)
+    data = [src.read_buffer(shard_path(man, i), dict(sh.storage or {})) for i, sh in enumerate(man.shards)]
+    parts, tensors, nbytes = whole_image(man, data)
+    shard = shard_name(g, 0)
+    info = write_whole(storage, f"{step_dir(s)}/{shard}", parts)
+    out = whole_manifest(man.to_json(), shard={"file": shard, "bytes": nbytes, "storage": info}, tensors=tensors,
+                         generation=g)
+    try:
+        commit_manifest(storage, Fence.past(storage, g).for_tier(storage), s, encode_manifest(out), CommitProgress(),
+                        tier, w)
+    except FileExistsError:
+        if read_commit(storage, s, tier).write != write:
+            raise
+    return nbytes
+
+
 def flush_newest(writers: "list[TierWriter]", monitor: Any = None, who: str = "close()") -> Optional[str]:
     """One process's drain at ``close()``: put the newest committed step on every persistent tier of
     ``writers`` that lacks it (cadence, drops). A disk or remote tier with ``every=N`` (or one that
     dropped saves while busy) would otherwise end the job older than the memory tier, which does
-    not survive a reboot. A step this process marked suspect (or failed to mark so far: its mark is
-    tried again first; ``monitor``: the Checkpointer's
+    not survive a reboot. A copy is the same write (an earlier writer's keeps its generation, and
+    with it its marks: :func:`copy_as_written`). A step this process marked suspect
+    (or failed to mark so far: its mark is tried again first; ``monitor``: the Checkpointer's
     :class:`~nebula_ckpt.health.monitor.HealthMonitor`, None when read only) is never copied: the newest
     step not marked suspect is put there instead. ``who``: what asks, in log lines (a save short
     of the host-memory budget asks too: :func:`make_room`). Why a step was not put there (marked
@@ -392,7 +427,10 @@ def flush_newest(writers: "list[TierWriter]", monitor: Any = None, who: str = "c
         try:
             if src is None:
                 raise NebulaError("no tier with a local copy of it")
-            w.copy_from(src, newest[1])
+            if newest[0] == w.fence.generation or w.coordinator.world_size > 1:
+                w.copy_from(src, newest[1])
+            else:  # an earlier writer's step (a restart that restored it): under its own generation
+                copy_as_written(w.storage, w.name, newest, src)
             log.info("nebula_ckpt: %s put the newest step %d on %s", who, newest[1], w.name)
         except Exception as e:
             why = f"the copy of step {newest[1]} to {w.name} failed: {type(e).__name__}: {e}"
@@ -432,7 +470,7 @@ def _flush_for_room(writers: Sequence[Any], memory: Any, monitor: Any) -> Option
     """:func:`make_room`'s last resort, no save in flight: the memory tier's newest write put on the
     persistent tiers, then given up. None once a step went; else why the memory tier keeps what
     it holds."""
-    if give_up_memory_steps(writers):
+    if give_up_memory_steps(writers) or memory.prune():  # or what a killed writer left there went
         return None
     try:
         mine = set(committed_writes(memory.storage))

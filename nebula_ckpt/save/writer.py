@@ -440,11 +440,8 @@ class TierWriter:
         """Delete the committed checkpoint ``step`` from this tier as retention does (fence checked, commit marker
         first, then its data), or, while later steps refer to it, once none does (the request is recorded on the tier:
         any process's next deletion there honours it); False when the tier holds no committed ``step``. No save of
-        ``step`` is in flight (the caller's); retention waits.
-
-        Raises:
-            FencedError: a newer writer owns the root: nothing is deleted.
-        """
+        ``step`` is in flight (the caller's); retention waits. Raises ``FencedError`` (a newer writer owns the root:
+        nothing is deleted)."""
         with self._delete_lock:
             if not self.storage.exists(f"{step_dir(step)}/{COMMIT}"):
                 return False
@@ -462,12 +459,12 @@ class TierWriter:
             self._removals.drop_unreferenced(self.incremental.let_go)
             return True
 
-    def prune(self, keep_step: Optional[int] = None) -> None:
-        """Apply ``keep_last`` / ``keep_every`` and remove leftovers no live writer owns."""
+    def prune(self, keep_step: Optional[int] = None) -> bool:
+        """Apply ``keep_last`` / ``keep_every`` and remove leftovers no live writer owns; whether any went."""
         with self._delete_lock:
-            self._prune(keep_step)
+            return self._prune(keep_step)
 
-    def _prune(self, keep_step: Optional[int]) -> None:
+    def _prune(self, keep_step: Optional[int]) -> bool:
         st = self.storage
         failed = self._settle() if self._uncertain else set()
         committed, uncommitted = scan_steps(st)
@@ -491,10 +488,11 @@ class TierWriter:
             sweep.stray_files(st, [s for s in committed if s not in doomed and s not in self._uncertain], self._owner)
         self._strays_swept = True
         if not doomed and not leftovers and not abandoned and not strays:
-            return
+            return False
         self.fence.check("delete old checkpoints")
         log.debug("nebula_ckpt: phase=prune tier=%s step=%s", self.name, keep_step)
         for s in doomed:
             log.debug("nebula_ckpt: tier %s: retention deletes step %d", self.name, s)
             delete_checkpoint(st, s)
         sweep.remove_leftovers(st, leftovers, abandoned, f"tier {self.name}", strays)
+        return True

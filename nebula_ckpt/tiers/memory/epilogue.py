@@ -38,22 +38,14 @@ from typing import Any, Callable, Iterator, Optional
 
 from nebula_ckpt.errors import NebulaError, ValidationError
 from nebula_ckpt.format.commit import (
-    CommitProgress,
     Write,
-    commit_manifest,
     committed_writes,
-    read_commit,
-    read_committed_manifest,
-    shard_path,
 )
 from nebula_ckpt.format.health import SUSPECT
-from nebula_ckpt.format.manifest import Manifest, encode_manifest, whole_manifest
-from nebula_ckpt.format.names import shard_name, step_dir
 from nebula_ckpt.health.book import HealthView
-from nebula_ckpt.ranks.fencing import Fence, read_run_id
-from nebula_ckpt.restore.open import open_checkpoint, read_manifest
-from nebula_ckpt.save.drain import Copy, Drain, folder_problem, not_newer, write_whole
-from nebula_ckpt.save.incremental import whole_image
+from nebula_ckpt.ranks.fencing import read_run_id
+from nebula_ckpt.restore.open import read_manifest
+from nebula_ckpt.save.drain import Copy, Drain, copy_as_written, not_newer
 from nebula_ckpt.storage.base import Storage
 from nebula_ckpt.storage.local import LocalStorage
 from nebula_ckpt.storage.urls import canonical_root
@@ -195,32 +187,18 @@ def _persist_newest(storage: Storage, tier: str, run_id: str, groups: Groups, ha
 
 
 def _copy_one(storage: Storage, tier: str, write: Write, copy: Copy, on_part: OnPart) -> None:
-    """A one-process step from its memory tier to the root, under its own generation (verified
-    first; shard, manifest, ``COMMIT`` last)."""
-    g, s, w = write
-    why = folder_problem(storage, write)
-    if why is not None:
-        raise NebulaError(f"persist-memory: {why}")
+    """A one-process step from its memory tier to the root, under its own generation
+    (:func:`~nebula_ckpt.save.drain.copy_as_written`)."""
     src = LocalStorage(copy.folder, private=True, fsync=False)
     try:
-        open_checkpoint(src, s, "full", f"{copy.folder} step {s}")
-        raw = read_committed_manifest(src, s, f"{copy.folder} step {s}")[1]
-        man = Manifest.parse(raw, f"{copy.folder} step {s}", s)
-        data = [src.read_buffer(shard_path(man, i), dict(sh.storage or {})) for i, sh in enumerate(man.shards)]
-        parts, tensors, nbytes = whole_image(man, data)
-        shard = shard_name(g, 0)
-        info = write_whole(storage, f"{step_dir(s)}/{shard}", parts)
+        nbytes = copy_as_written(storage, tier, write, src)
+    except NebulaError as e:
+        if type(e) is not NebulaError:  # damage and the like, as they are
+            raise
+        raise NebulaError(f"persist-memory: {e}") from None
     finally:
         src.close()
-    out = whole_manifest(man.to_json(), shard={"file": shard, "bytes": nbytes, "storage": info}, tensors=tensors,
-                         generation=g)
-    try:
-        commit_manifest(storage, Fence.past(storage, g).for_tier(storage), s, encode_manifest(out), CommitProgress(),
-                        tier, w)
-    except FileExistsError:
-        if read_commit(storage, s, tier).write != write:
-            raise
-    log.info("nebula_ckpt: persist-memory: step %d copied from %s to %s", s, copy.folder, tier)
+    log.info("nebula_ckpt: persist-memory: step %d copied from %s to %s", write[1], copy.folder, tier)
     if on_part is not None:
         on_part(0, nbytes)
 
