@@ -212,6 +212,24 @@ class _TierChannel:
                 self._cond.notify_all()
 
 
+@contextmanager
+def meeting(rank: int, within: str = "in time", during: str = "") -> Iterator[None]:
+    """A collective of the checkpoint protocol on this ``rank``: gloo's timeout or closed
+    connection (a ``RuntimeError``) becomes a :class:`PersistError` that says which calls every
+    rank must make, or that one of them died or stalled (``within``: the time allowed, in words;
+    ``during``: what the collective was for, when not the constructor's or a restore's agreement)."""
+    try:
+        yield
+    except RuntimeError as e:  # gloo: a timeout, a closed connection
+        what = f" ({during})" if during else ""
+        raise PersistError(
+            f"rank {rank}: the ranks did not all meet in a collective call of the checkpoint protocol{what} "
+            f"{within} (NEBULA_COMMIT_TIMEOUT_S): in a multi-rank job, "
+            "the Checkpointer's constructor, load_latest() and load() run on every rank together (each "
+            "restores its own share): call them on every rank in the same order, not on rank 0 alone "
+            f"(if every rank did, one of them died or stalled: {type(e).__name__}: {e})") from e
+
+
 class DistCoordinator(Coordinator):
     """The ranks of a ``torch.distributed`` job (rank 0 commits).
 
@@ -283,15 +301,8 @@ class DistCoordinator(Coordinator):
     def _meeting(self) -> Iterator[None]:
         """A collective of the control group: gloo's timeout or closed connection becomes a
         :class:`PersistError` that says which calls every rank must make."""
-        try:
+        with meeting(self.rank, f"within {self._timeout.total_seconds():g} s"):
             yield
-        except RuntimeError as e:  # gloo: a timeout, a closed connection
-            raise PersistError(
-                f"rank {self.rank}: the ranks did not all meet in a collective call of the checkpoint protocol "
-                f"within {self._timeout.total_seconds():g} s (NEBULA_COMMIT_TIMEOUT_S): in a multi-rank job, "
-                "the Checkpointer's constructor, load_latest() and load() run on every rank together (each "
-                "restores its own share): call them on every rank in the same order, not on rank 0 alone "
-                f"(if every rank did, one of them died or stalled: {type(e).__name__}: {e})") from e
 
     def _gather(self, value: Any) -> list[Any]:
         out: list[Any] = [None] * self.world_size

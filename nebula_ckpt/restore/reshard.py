@@ -18,7 +18,8 @@ from __future__ import annotations
 
 import logging
 import warnings
-from typing import Any, Mapping, Optional
+from contextlib import nullcontext
+from typing import Any, ContextManager, Mapping, Optional
 
 import torch
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
@@ -26,6 +27,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from nebula_ckpt.errors import CorruptCheckpointError, NebulaError, ValidationError
 from nebula_ckpt.format import manifest as mf
 from nebula_ckpt.format.tree import decode, held_by_some, merged
+from nebula_ckpt.ranks.distributed import meeting
 from nebula_ckpt.restore.dcp_reader import NebulaStorageReader
 from nebula_ckpt.restore.inplace import (
     check_not_meta,
@@ -57,12 +59,13 @@ def _creates_state(obj: Any) -> bool:
 
 
 def _dcp_load(flat: dict[str, Any], reader: NebulaStorageReader, process_group: Any, no_dist: bool) -> None:
-    """``dcp.load`` of ``flat``; a failure on any rank is raised as the library error it was."""
+    """``dcp.load`` of ``flat``; a failure on any rank is raised as the library error it was, and a
+    rank that died or stalled in DCP's collectives as the :class:`PersistError` of the protocol's."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException
 
     try:
-        with warnings.catch_warnings():
+        with warnings.catch_warnings(), _collective(process_group, no_dist, f"resharded restore of {reader.where}"):
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
             dcp.load(flat, storage_reader=reader, process_group=process_group, no_dist=no_dist)
     except CheckpointException as e:  # a BaseException: raised by DCP when some rank failed
@@ -73,6 +76,17 @@ def _dcp_load(flat: dict[str, Any], reader: NebulaStorageReader, process_group: 
         rank, (exc, _) = failures[0] if failures else (-1, (e, None))
         raise NebulaError(f"resharded restore of {reader.where} failed on rank {rank}: "
                           f"{type(exc).__name__}: {exc}") from e
+
+
+def _collective(process_group: Any, no_dist: bool, during: str) -> ContextManager[None]:
+    """Where the ranks meet in a collective: a peer that died or stalled (gloo's ``RuntimeError``)
+    is the :class:`PersistError` naming this rank that every other collective of ``load_latest``
+    raises (in one process: nothing to meet, nothing converted)."""
+    if no_dist:
+        return nullcontext()
+    import torch.distributed as dist
+
+    return meeting(dist.get_rank(process_group), "within the timeout of its process group", during)
 
 
 class _Matcher(TreeWalk[Optional[Thunk]]):
@@ -275,6 +289,9 @@ def load_resharded(storage: Storage, step: int, manifest: mf.Manifest, into: Any
         ValidationError: ``into`` does not match the saved state, or a tensor it would fill is on
             the meta device, strict or not (named key, and how to fix it).
         CorruptCheckpointError: the checkpoint is damaged (named key and file).
+        PersistError: another rank died or stalled (gloo's closed connection or timeout) while
+            the ranks matched ``into`` or inside DCP's load, naming this rank; the values of
+            ``into`` are not set.
     """
     no_dist = process_group is None and not _dist_ready()
     error: Optional[Exception] = None
@@ -321,12 +338,14 @@ def _agree(error: Optional[Exception], process_group: Any, where: str) -> None:
         ValidationError: on a rank whose ``into`` matched while another's did not, naming that
             rank and its error (nothing was restored); a :class:`CorruptCheckpointError` or
             :class:`NebulaError` where that rank's error was one.
+        PersistError: a rank died or stalled before every rank was heard (naming this rank).
     """
     import torch.distributed as dist
 
     said: Optional[tuple[str, str]] = None if error is None else (type(error).__name__, str(error))
     heard: list[Optional[tuple[str, str]]] = [None] * dist.get_world_size(process_group)
-    dist.all_gather_object(heard, said, group=process_group)
+    with _collective(process_group, False, f"resharded restore of {where}: matching `into`"):
+        dist.all_gather_object(heard, said, group=process_group)
     failed = [(r, s) for r, s in enumerate(heard) if s is not None]
     if error is not None or not failed:
         return
