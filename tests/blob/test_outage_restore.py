@@ -69,24 +69,30 @@ def test_an_outage_at_a_resume_is_raised_never_an_empty_root(blob_store: Store, 
             assert ck.latest() == (300, "t300") and ck.tags() == {"t100": 100, "t200": 200, "t300": 300}
 
 
+def _stopped_once(server: Any, orig: Any, when: Callable[[str], bool], fired: list[str]) -> Any:
+    """The storage method ``orig`` with the store stopped during its first call whose path ``when``
+    picks (``fired`` records it), and started again once that call returns."""
+    def call(self: FsspecStorage, rel: str, *a: Any, **kw: Any) -> Any:
+        if when(rel) and not fired:
+            fired.append(rel)
+            server.stop()
+            try:
+                return orig(self, rel, *a, **kw)
+            finally:
+                server.start()
+        return orig(self, rel, *a, **kw)
+    return call
+
+
 def test_an_outage_while_the_newest_step_is_read_is_raised_not_an_older_step(
         blob_store: Store, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     url = _saved(blob_store, (1, 2, 3))
     with knobs.override(shm_dir=str(tmp_path), **QUICK):
-        server, orig, fired = blob_store.server, FsspecStorage.read_buffer, []
+        server, fired = blob_store.server, []
         assert server is not None
-
-        def read_buffer(self: FsspecStorage, rel: str, *a: Any, **kw: Any) -> Any:
-            if rel.startswith("step-3/shard") and not fired:  # the store stops while step 3's shard is read
-                fired.append(rel)
-                server.stop()
-                try:
-                    return orig(self, rel, *a, **kw)
-                finally:
-                    server.start()
-            return orig(self, rel, *a, **kw)
-
-        monkeypatch.setattr(FsspecStorage, "read_buffer", read_buffer)
+        # the store stops while step 3's shard is read
+        monkeypatch.setattr(FsspecStorage, "read_buffer", _stopped_once(
+            server, FsspecStorage.read_buffer, lambda rel: rel.startswith("step-3/shard"), fired))
         with nc.Checkpointer(url, storage_options=blob_store.storage_options, memory_tier=False) as ck:
             into = _state(-1)
             with pytest.raises(RemoteUnavailableError):
@@ -120,19 +126,11 @@ def test_an_outage_while_a_failed_step_is_checked_again_is_not_damage(
                 return orig(self, rel, *a, **kw)
             return call
 
-        def read_small(self: FsspecStorage, rel: str, *a: Any, **kw: Any) -> Any:
-            if rel == "step-3/COMMIT" and missed and not stopped:  # checked again after the failure
-                stopped.append(rel)
-                server.stop()
-                try:
-                    return orig_small(self, rel, *a, **kw)
-                finally:
-                    server.start()
-            return orig_small(self, rel, *a, **kw)
-
         monkeypatch.setattr(FsspecStorage, "size", note(orig_size))
         monkeypatch.setattr(FsspecStorage, "read_buffer", note(orig_read))
-        monkeypatch.setattr(FsspecStorage, "read_small", read_small)
+        # the store stops when step 3's marker is checked again after the failure
+        monkeypatch.setattr(FsspecStorage, "read_small", _stopped_once(
+            server, orig_small, lambda rel: rel == "step-3/COMMIT" and bool(missed), stopped))
         with nc.Checkpointer(url, storage_options=blob_store.storage_options, memory_tier=False) as ck:
             with pytest.raises(RemoteUnavailableError):
                 ck.load_latest(into=_state(-1))
