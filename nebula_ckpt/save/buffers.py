@@ -300,7 +300,7 @@ class StagingPool:
                             not shm_room(self.slot_dir, size))
             if not room():
                 return None
-            made = self._new_slot(size) if use_file and not ahead else None
+            made = self._new_slot(size, adopt=False) if use_file and not ahead else None  # spares: tried above
         if made is None:
             if use_file and not room(size):
                 return None  # the memory tier would copy this buffer: the budget must hold both
@@ -448,10 +448,10 @@ class StagingPool:
                     log.debug("nebula_ckpt: spare slot file %s not adopted: %s", path, e)
         return None
 
-    def _new_slot(self, size: int) -> Optional[Slot]:
-        """A slot file, or None (logged once) when the tmpfs has no room for one."""
+    def _new_slot(self, size: int, adopt: bool = True) -> Optional[Slot]:
+        """A slot file (``adopt``: a spare of that size first), or None (logged once) when the tmpfs has no room."""
         assert self.slot_dir is not None
-        spare = self._adopt_spare(size)
+        spare = self._adopt_spare(size) if adopt else None
         if spare is not None:
             return spare
         why = None
