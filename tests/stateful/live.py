@@ -85,10 +85,11 @@ class LiveOps:
 
     # -- close() racing a save -------------------------------------------------------------------
     @precondition(lambda self: self.job is not None and not self.job.health.bad and not self.tiers.get("budget"))
-    @rule(delay=st.sampled_from(RACE_DELAYS), gap=st.integers(1, 2))
-    def close_racing_save(self: "Single", delay: float, gap: int) -> None:
-        """``save_async`` of a new step on the training thread while another thread calls ``close()``
-        (``delay`` s later, or the save that much later): accepted and written whole, then the job's
+    @rule(delay=st.sampled_from(RACE_DELAYS), gap=st.integers(1, 2), closers=st.integers(1, 2))
+    def close_racing_save(self: "Single", delay: float, gap: int, closers: int) -> None:
+        """``save_async`` of a new step on the training thread while one or two other threads call
+        ``close()`` (``delay`` s later, or the save that much later): accepted and written whole
+        before every close returns, then the job's
         newest step goes to the disk tier as any close puts it there; or refused with a
         ``NebulaError`` that says the Checkpointer was closed. The job goes on with a new Checkpointer."""
         job = self.job
@@ -96,8 +97,9 @@ class LiveOps:
         want = self._close_target(job)  # what the close keeps when the save is refused
         step = self._top_step(job) + gap
         sid, entry, disk, what = self._new_save(step)
-        self.note(f"{what}, while another thread closes ({delay:+g} s)")
-        got = job.proc.call({"op": "save_close_race", "step": step, "sid": sid, "fid": self.fid, "delay": delay})
+        self.note(f"{what}, while {closers} other thread(s) close ({delay:+g} s)")
+        got = job.proc.call({"op": "save_close_race", "step": step, "sid": sid, "fid": self.fid, "delay": delay,
+                             "closers": closers})
         if got is None:
             self.fail(f"the job on n{job.node} died in a save racing close() (log: {job.proc.log_path}):\n"
                       f"{job.proc.tail()}")
@@ -106,6 +108,8 @@ class LiveOps:
             self.fail(f"{what}: close() from another thread did not return (log: {job.proc.log_path})")
         if got["close"] or got["older"]:
             self.fail(f"{what}: close() raised {got['close'] or got['older']}")
+        if got.get("early"):
+            self.fail(f"{what}: accepted, and a close() returned before it was written")
         self.note(f"  the save was {'accepted' if got['accepted'] else 'refused: ' + got['error']}")
         if got["accepted"]:
             self._accepted_then_closed(job, step, entry, disk, got, what)

@@ -316,36 +316,45 @@ class Worker:
         _lib_log.setLevel(logging.INFO if KILL.at is None else logging.DEBUG)
 
     def op_save_close_race(self, cmd: dict[str, Any]) -> dict[str, Any]:
-        """``save_async`` of step ``cmd["step"]`` on this thread (the training thread) while another
-        thread calls ``close()``, ``delay`` s after both start (a negative delay: the save waits that
-        long instead). The save is accepted and then written whole, or refused with a NebulaError;
-        the close returns either way (``close``: its error, ``"hung"`` when it did not return in
-        time). The earlier Checkpointers of the job are closed after it (``open_again`` makes the next)."""
+        """``save_async`` of step ``cmd["step"]`` on this thread (the training thread) while
+        ``closers`` other threads call ``close()`` at once, ``delay`` s after all start (a negative
+        delay: the save waits that long instead). The save is accepted and then written whole, or
+        refused with a NebulaError; the closes return either way (``close``: an error, ``"hung"`` when
+        one did not return in time; ``early``: one returned before the accepted save was written).
+        The earlier Checkpointers of the job are closed after it (``open_again`` makes the next)."""
         ck = self.ck
         assert ck is not None
         st = make_state(int(cmd["sid"]), int(cmd["fid"]), self.rank, self.extra)
-        delay = float(cmd["delay"])
-        start = threading.Barrier(2)
-        closing: dict[str, Any] = {}
+        delay, closers = float(cmd["delay"]), int(cmd.get("closers", 1))
+        start = threading.Barrier(1 + closers)
+        errors: list[Optional[str]] = []
+        made: list[Any] = []  # the handle, once save_async returned it
+        early: list[bool] = []  # a close() that returned while the accepted save was not written
 
         def closer() -> None:
             start.wait()
             time.sleep(max(delay, 0.0))
-            closing["error"] = _error_of(ck.close)
+            errors.append(_error_of(ck.close))
+            early.append(bool(made) and not made[0].done())
 
-        t = threading.Thread(target=closer, name="stateful-closer", daemon=True)
-        t.start()
+        threads = [threading.Thread(target=closer, name=f"stateful-closer-{i}", daemon=True) for i in range(closers)]
+        for t in threads:
+            t.start()
         start.wait()
         time.sleep(max(-delay, 0.0))
+        h = None
         try:
             h = ck.save_async(int(cmd["step"]), st)
+            made.append(h)
         except Exception as e:
             got: dict[str, Any] = {"accepted": False, "error": f"{type(e).__name__}: {e}",
                                    "nebula_error": isinstance(e, nc.NebulaError)}
-        else:
-            got = {"accepted": True, **_outcome(h, HANDLE_WAIT_S)}
-        t.join(HANDLE_WAIT_S)
-        got["close"] = "hung" if t.is_alive() else closing.get("error")
+        for t in threads:
+            t.join(HANDLE_WAIT_S)
+        hung = any(t.is_alive() for t in threads)
+        if h is not None:  # every close() returns only once the accepted save is written (else "early")
+            got = {"accepted": True, "early": any(early) or (not hung and not h.done()), **_outcome(h, HANDLE_WAIT_S)}
+        got["close"] = "hung" if hung else next((e for e in errors if e), None)
         got["older"] = self._close_older()
         return got
 
