@@ -173,7 +173,12 @@ class CudaCopyBatchImpl final : public CudaCopyBatch {
         Entry& e = entries_[k];
         const at::Tensor* from = &e.src;
         if (!plain_contiguous(e.src)) {
-          e.staged = e.src.resolve_conj().resolve_neg().contiguous();
+          // ATen has no copy kernel for the sub-byte shell dtypes (int1..7, uint1..7): a
+          // 1-byte source is made contiguous as its bytes (the same image for every 1-byte
+          // dtype), as the CPU engine does. A neg or conj view cannot be viewed so.
+          const bool as_bytes = e.src.element_size() == 1 && !e.src.is_neg() && !e.src.is_conj();
+          e.staged = as_bytes ? e.src.view(at::kByte).contiguous()
+                              : e.src.resolve_conj().resolve_neg().contiguous();
           from = &e.staged;
         }
         // Asynchronous only when e.dst is page-locked (alloc_host_buffer with

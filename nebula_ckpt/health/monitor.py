@@ -334,7 +334,9 @@ class HealthMonitor:
         opened) nor a recent save may still bring to one: bounded by retention, whatever it keeps."""
         try:
             with self._lock:
-                held, tiers = set(self._recent), [self.book.storage, *self.tiers]
+                root = self.book.storage
+                tiers = [root, *(st for st in self.tiers if st.display_url != root.display_url)]
+                held = set(self._recent)
             for st in tiers:
                 held.update(committed_steps(st))
         except Exception as e:  # dropping old records is housekeeping: next time (never on a partial view)

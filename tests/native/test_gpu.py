@@ -42,7 +42,10 @@ def _hold_stream(seconds: float = 0.5) -> None:
 
 
 def _cpu_bytes(t: torch.Tensor) -> bytes:
-    return _bytes(t.detach().cpu())
+    t = t.detach()
+    if t.element_size() == 1 and not t.is_neg() and not t.is_conj():
+        t = t.view(torch.uint8)  # torch cannot copy the sub-byte shell dtypes (int1..7, uint1..7)
+    return _bytes(t.cpu())
 
 
 @pytest.fixture(autouse=True)
@@ -157,6 +160,9 @@ def _gpu_state(dev: torch.device) -> tuple[dict[str, torch.Tensor], list[str]]:
             continue
         for shape in [(), (0,), (3, 0, 2), (5,), (4, 7), (33, 65)]:
             state[f"{dt}/{shape}"] = _random(dt, shape, seed=i * 10 + len(shape)).to(dev)
+        # non-contiguous views of every dtype, the sub-byte shell dtypes included (byte copies)
+        state[f"{dt}/transposed"] = _random(dt, (4, 7), seed=i * 10 + 7).to(dev).t()
+        state[f"{dt}/strided"] = _random(dt, (6, 8), seed=i * 10 + 8).to(dev)[::2, 1::3]
     for name, make in _VIEW_CASES.items():
         state[f"views/{name}"] = make(dev)
     return state, left_out
