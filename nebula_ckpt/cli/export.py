@@ -303,7 +303,7 @@ def saved_config(tree: Mapping[str, Any], key: str) -> Optional[str]:
         return None
     try:
         parsed = json.loads(node["v"])
-    except ValueError:
+    except (ValueError, RecursionError):  # not JSON, or nested past the parser's stack: no config
         return None
     return node["v"] if isinstance(parsed, dict) else None
 

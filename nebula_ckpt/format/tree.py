@@ -15,10 +15,9 @@ bytes}``. So RNG states (``np.random.get_state()``, ``Generator.bit_generator.st
 ``random.getstate()``, ``torch.get_rng_state()``) round-trip bit-exact without pickle. Object,
 string, structured and ``longdouble`` arrays still need ``allow_pickle=True``.
 
-Nothing here ever executes code from a checkpoint: values that typed JSON cannot hold are only
-accepted with ``allow_pickle=True``, and decoding them again requires ``allow_pickle=True``.
-A tree read from storage is checked whole by :func:`check_tree` (when its manifest is parsed)
-before :func:`decode` ever sees it.
+Nothing here ever executes code from a checkpoint: values typed JSON cannot hold are accepted, and
+decoded, only with ``allow_pickle=True``. A tree read from storage is checked whole by
+:func:`check_tree` (when its manifest is parsed) before :func:`decode` ever sees it.
 """
 
 from __future__ import annotations
@@ -217,57 +216,72 @@ def check_int(value: int, path: str) -> int:
 def decode(node: Mapping[str, Any], tensor: Callable[[str], Any], allow_pickle: bool, path: str = "") -> Any:
     """Rebuild a value from its typed JSON; ``tensor(key)`` supplies tensor leaves.
 
-    ``node`` must have passed :func:`check_tree` (every tree of a parsed manifest has).
+    ``node`` must have passed :func:`check_tree` (every tree of a parsed manifest has). The nodes
+    naming one stored tensor as one NumPy dtype give one array: memory is bounded by the bytes stored.
 
     Raises:
         PickleNotAllowedError: a pickled leaf without ``allow_pickle=True``.
     """
-    t = node["t"]
-    if t == "dict" or t == "odict":
-        items = []
-        for k_node, v_node in node["v"]:
-            k = decode(k_node, tensor, allow_pickle, path)
-            items.append((k, decode(v_node, tensor, allow_pickle, f"{path}/{k}" if path else str(k))))
-        return collections.OrderedDict(items) if t == "odict" else dict(items)
-    if t == "list":
-        return [decode(v, tensor, allow_pickle, f"{path}/{i}") for i, v in enumerate(node["v"])]
-    if t == "tuple":
-        return tuple(decode(v, tensor, allow_pickle, f"{path}/{i}") for i, v in enumerate(node["v"]))
-    if t == "size":
-        return torch.Size(node["v"])
-    if t == "tensor":
-        return tensor(node["k"])
-    if t == "ndarray":
-        return ndarray_from_tensor(tensor(node["v"]["k"]), node["dtype"], path)
-    if t == "npscalar":
-        np = _numpy()
-        return np.frombuffer(base64.b64decode(node["v"]), dtype=np.dtype(node["dtype"]))[0]
-    if t == "stateful":
-        return decode(node["state"], tensor, allow_pickle, path)
-    if t == "none":
-        return None
-    if t in ("bool", "int", "str"):
-        return node["v"]
-    if t == "float":
-        return _from_bits(node["bits"]) if "bits" in node else float.fromhex(node["v"])
-    if t == "complex":
-        parts = node.get("bits", (None, None))
-        re_im = [float.fromhex(v) if b is None else _from_bits(b) for v, b in zip(node["v"], parts, strict=True)]
-        return complex(re_im[0], re_im[1])
-    if t == "bytes":
-        return base64.b64decode(node["v"])
-    if t == "dtype":
-        return DTYPES[node["v"]]
-    if t == "device":
-        return torch.device(node["v"])
-    if t == "pickle":
-        if not allow_pickle:
-            raise PickleNotAllowedError(
-                f"checkpoint key '{path}' holds a pickled {node.get('type', 'object')}; loading it "
-                "would execute code from the checkpoint. Pass allow_pickle=True only if you trust it.")
-        return pickle.loads(base64.b64decode(node["v"]))  # noqa: S301 - explicitly allowed by the caller
-    raise CorruptCheckpointError(f"tree node '{path or '<root>'}': unknown node type {t!r} "
-                                 "(checkpoint from a newer nebula_ckpt?)")
+    return _Decoder(tensor, allow_pickle).decode(node, path)
+
+
+class _Decoder:
+    """One :func:`decode`: its NumPy arrays by (tensor key, dtype code)."""
+
+    def __init__(self, tensor: Callable[[str], Any], allow_pickle: bool) -> None:
+        self.tensor, self.allow_pickle = tensor, allow_pickle
+        self.arrays: dict[tuple[str, str], Any] = {}
+
+    def decode(self, node: Mapping[str, Any], path: str) -> Any:
+        t = node["t"]
+        if t == "dict" or t == "odict":
+            items = []
+            for k_node, v_node in node["v"]:
+                k = self.decode(k_node, path)
+                items.append((k, self.decode(v_node, f"{path}/{k}" if path else str(k))))
+            return collections.OrderedDict(items) if t == "odict" else dict(items)
+        if t == "list":
+            return [self.decode(v, f"{path}/{i}") for i, v in enumerate(node["v"])]
+        if t == "tuple":
+            return tuple(self.decode(v, f"{path}/{i}") for i, v in enumerate(node["v"]))
+        if t == "size":
+            return torch.Size(node["v"])
+        if t == "tensor":
+            return self.tensor(node["k"])
+        if t == "ndarray":
+            key = (node["v"]["k"], node["dtype"])
+            if key not in self.arrays:
+                self.arrays[key] = ndarray_from_tensor(self.tensor(key[0]), key[1], path)
+            return self.arrays[key]
+        if t == "npscalar":
+            np = _numpy()
+            return np.frombuffer(base64.b64decode(node["v"]), dtype=np.dtype(node["dtype"]))[0]
+        if t == "stateful":
+            return self.decode(node["state"], path)
+        if t == "none":
+            return None
+        if t in ("bool", "int", "str"):
+            return node["v"]
+        if t == "float":
+            return _from_bits(node["bits"]) if "bits" in node else float.fromhex(node["v"])
+        if t == "complex":
+            parts = node.get("bits", (None, None))
+            re_im = [float.fromhex(v) if b is None else _from_bits(b) for v, b in zip(node["v"], parts, strict=True)]
+            return complex(re_im[0], re_im[1])
+        if t == "bytes":
+            return base64.b64decode(node["v"])
+        if t == "dtype":
+            return DTYPES[node["v"]]
+        if t == "device":
+            return torch.device(node["v"])
+        if t == "pickle":
+            if not self.allow_pickle:
+                raise PickleNotAllowedError(
+                    f"checkpoint key '{path}' holds a pickled {node.get('type', 'object')}; loading it "
+                    "would execute code from the checkpoint. Pass allow_pickle=True only if you trust it.")
+            return pickle.loads(base64.b64decode(node["v"]))  # noqa: S301 - explicitly allowed by the caller
+        raise CorruptCheckpointError(f"tree node '{path or '<root>'}': unknown node type {t!r} "
+                                     "(checkpoint from a newer nebula_ckpt?)")
 
 
 def merged(trees: list[Mapping[str, Any]]) -> Mapping[str, Any]:

@@ -142,7 +142,7 @@ def parse_pointer(data: bytes, path: str, fmt: str, fields: dict[str, type]) -> 
     elif data.lstrip().startswith(b"{"):
         try:
             ptr = json.loads(data)
-        except (UnicodeDecodeError, ValueError):
+        except (UnicodeDecodeError, ValueError, RecursionError):  # nested past the parser's stack: no pointer
             return None
     else:
         return None
@@ -289,7 +289,7 @@ def _any_record(path: str) -> Optional[dict[str, Any]]:
     else:
         try:
             ptr = json.loads(data) if data.lstrip().startswith(b"{") else None
-        except (UnicodeDecodeError, ValueError):
+        except (UnicodeDecodeError, ValueError, RecursionError):  # nested past the parser's stack: no pointer
             return None
     ok = isinstance(ptr, dict) and str(ptr.get("format", "")).startswith("nebula_ckpt.")
     return ptr if ok and isinstance(ptr.get("root"), str) else None

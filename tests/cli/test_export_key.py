@@ -153,3 +153,18 @@ def test_export_key_of_a_plain_model_says_nothing_of_hugging_face(root: str, sav
     assert "config" not in capsys.readouterr().err
     assert main(["export", root, "--step", "4", "--to", str(tmp_path / "hf") + os.sep, "--key", "model"]) == 0
     assert "no Hugging Face config" in capsys.readouterr().err
+
+
+def test_export_key_with_a_config_nested_past_the_json_parser_goes_on_without_it(
+        root: str, saved: TinyNet, tmp_path, capsys: pytest.CaptureFixture[str]) -> None:  # noqa: ANN001
+    """A ``config`` string leaf that is JSON nested deeper than the parser's stack is no config (as
+    text that is not a JSON object is): the weights are exported, never a RecursionError."""
+    with nc.Checkpointer(root) as ck:
+        ck.save(4, {"model": saved.state_dict(), "config": "[" * 100_000 + "]" * 100_000})
+    out = tmp_path / "model.safetensors"
+    assert main(["export", root, "--step", "4", "--to", str(out), "--key", "model", "--json"]) == 0
+    captured = capsys.readouterr()
+    assert json.loads(captured.out)["config"] is None, captured.err
+    assert "RecursionError" not in captured.err
+    with safe_open(str(out), "pt") as f:
+        assert set(f.keys()) == set(saved.state_dict())

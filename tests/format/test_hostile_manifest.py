@@ -308,6 +308,20 @@ def test_repeated_tree_references_allocate_once(saved: str, monkeypatch: pytest.
     assert sum(allocated) <= shard_bytes, (allocated, shard_bytes)
 
 
+def test_repeated_ndarray_nodes_decode_one_array(tmp_path, shm_dir) -> None:  # noqa: ANN001
+    """A tree naming one stored tensor from many ``ndarray`` nodes gives one array, not one owned
+    copy per node: a small manifest cannot make a restore allocate more than the shard holds."""
+    np = pytest.importorskip("numpy")
+    root = str(tmp_path / "root")
+    with nc.Checkpointer(root, memory_tier=False) as ck:
+        ck.save(1, {"a": np.arange(4096, dtype=np.float32), "meta": 0})
+    rewrite(root, lambda m: _tree_item(m, "meta").__setitem__(1, {"t": "list", "v": [_tree_item(m, "a")[1]] * 500}))
+    with nc.Checkpointer(root, read_only=True) as ck:
+        _, tree = ck.read(1)
+    assert len(tree["meta"]) == 500 and all(a is tree["a"] for a in tree["meta"])
+    assert np.array_equal(tree["a"], np.arange(4096, dtype=np.float32))
+
+
 def _pairs(root: str) -> list[Any]:
     t = LocalTier(root)
     return [(t, t.make_storage())]

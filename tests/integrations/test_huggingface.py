@@ -142,6 +142,24 @@ def test_two_ranks_sigkill_then_resume_gives_bit_identical_losses(tmp_path, shm_
 
 
 # -- retention, damage, best model -----------------------------------------------------------------
+@pytest.mark.parametrize("trainer_state", ["not json {", "[" * 100_000 + "]" * 100_000, "[1, 2]"])
+def test_export_of_a_checkpoint_whose_trainer_state_is_not_the_trainers_json(
+        tmp_path, shm_dir: str, trainer_state: str) -> None:  # noqa: ANN001
+    """``export_pretrained`` looks for the best checkpoint the saved trainer state names: a state
+    that is no JSON object (garbled, or nested past the parser's stack) names none, and the newest
+    checkpoint is exported, never a ValueError or RecursionError."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=40, n_positions=16))
+    root, folder = str(tmp_path / "root"), str(tmp_path / "pretrained")
+    with nc.Checkpointer(root, memory_tier=False) as ck:
+        ck.save(3, {"model": model, "config": model.config.to_json_string(), "trainer_state": trainer_state})
+    assert export_pretrained(root, folder) == 3
+    loaded = GPT2LMHeadModel.from_pretrained(folder)
+    for k, v in model.state_dict().items():
+        assert torch.equal(loaded.state_dict()[k], v), k
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_save_total_limit_on_every_tier_and_resume_skips_damage(tmp_path, shm_dir: str) -> None:  # noqa: ANN001

@@ -280,3 +280,16 @@ def test_deepspeed_hostile_pointers_and_long_tags(tmp_path, shm_dir: str) -> Non
     assert r["long_tag_create"].startswith("ValidationError") and "255" in r["long_tag_create"], r
     assert r["long_tag_written"] == [], r
     assert r["long_tag_restore"].startswith("ValidationError"), r
+
+
+def test_json_nested_past_the_parser_at_a_checkpoint_path_is_no_pointer(tmp_path, shm_dir: str) -> None:  # noqa: ANN001
+    """A small file at a checkpoint path holding JSON nested deeper than the parser's stack is not
+    a pointer (as any other JSON that is not one): None, never a RecursionError."""
+    path = str(tmp_path / "deep.ckpt")
+    with open(path, "w") as f:
+        f.write('{"a": ' + "[" * 30_000 + "]" * 30_000 + "}")
+    assert read_pointer(path) is None
+    from nebula_ckpt.integrations.pointers import parse_pointer
+
+    with open(path, "rb") as f:
+        assert parse_pointer(f.read(), path, POINTER_FORMAT, {}) is None

@@ -93,11 +93,15 @@ def _best_tag(tree: Any, ck: nc.Checkpointer) -> Optional[str]:
     names, when that checkpoint is held and is not ``tree``'s own; else None."""
     if not isinstance(tree, dict) or not isinstance(tree.get("trainer_state"), str):
         return None
-    best = json.loads(tree["trainer_state"]).get("best_model_checkpoint")
+    try:
+        state = json.loads(tree["trainer_state"])
+    except (ValueError, RecursionError):  # not the trainer's JSON: no best checkpoint named
+        return None
+    best = state.get("best_model_checkpoint") if isinstance(state, dict) else None
     if not best:
         return None
     tag = os.path.basename(str(best).rstrip("/"))
-    own = json.loads(tree["trainer_state"]).get("global_step")
+    own = state.get("global_step")
     if not is_checkpoint_tag(tag) or ck.tags().get(tag) in (None, own):
         return None
     return tag

@@ -86,7 +86,7 @@ def read(folder: str) -> Optional[dict[str, Any]]:
         return None
     try:
         rec = json.loads(data)
-    except ValueError as e:
+    except (ValueError, RecursionError) as e:
         raise nc.ValidationError(f"{path}: not a nebula_ckpt checkpoint pointer ({e}); remove the folder "
                                  "or name the checkpoint by its tag") from None
     fmt = rec.get("format") if isinstance(rec, dict) else None
