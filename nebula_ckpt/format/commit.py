@@ -12,6 +12,8 @@ rank alike). A step number saved twice in one generation is two writes; the copi
 on different tiers and ranks (a rank's memory tier, a partner's replica, the shared tier, a copy
 made by ``persist-memory``) carry the same ``(generation, step, save)``, so copies of two writes
 are never taken for one (:attr:`Commit.write`). ``save`` is optional (absent: unknown, ``-1``).
+The marker's record and the journal of the markers this process wrote or removed (what lets a
+writer read a step's marker once, not at every save) are :mod:`nebula_ckpt.format.marker`'s.
 
 **References between checkpoints** (the rest of this module): which earlier steps' bytes a
 committed step needs. An incremental checkpoint writes only the tensors that changed since the
@@ -49,26 +51,28 @@ from __future__ import annotations
 import json
 import logging
 import os
-import time
 import uuid
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, ContextManager, Iterable, Optional, Protocol
+from typing import TYPE_CHECKING, Callable, Collection, ContextManager, Iterable, Optional, Protocol
 
 from nebula_ckpt.errors import CorruptCheckpointError
-from nebula_ckpt.format.checks import MAX_STEP, as_int, as_obj, as_step, bad, short
+from nebula_ckpt.format.checks import MAX_STEP, as_int, as_list, as_obj, as_step, bad
 from nebula_ckpt.format.manifest import MAX_MANIFEST_BYTES, Manifest
+from nebula_ckpt.format.marker import MAX_COMMIT_BYTES, Commit, Write, marker_changed
 from nebula_ckpt.format.names import (
     COMMIT,
     FORMAT,
     MANIFEST,
     RANKS_FILE,
-    VERSION,
+    READ_VERSIONS,
+    SPLIT_VERSION,
     is_manifest_name,
     manifest_name,
     parse_step_dir,
     shard_owner,
     step_dir,
 )
+from nebula_ckpt.format.records import ShardRecord
 from nebula_ckpt.native import get_ops
 from nebula_ckpt.storage.base import never_created
 from nebula_ckpt.storage.local import read_small_file
@@ -76,73 +80,7 @@ from nebula_ckpt.storage.local import read_small_file
 if TYPE_CHECKING:
     from nebula_ckpt.storage.base import Storage
 
-#: ``(writer generation, step, save number)`` of one write of a step (see :attr:`Commit.write`)
-Write = tuple[int, int, int]
-
 log = logging.getLogger(__name__)
-
-#: the largest commit marker a reader reads (one is some 200 bytes): a larger ``COMMIT`` (a
-#: crafted or sparse file) is refused unread, like a garbled one
-MAX_COMMIT_BYTES = 1 << 16
-
-
-@dataclass(frozen=True)
-class Commit:
-    """Content of the ``COMMIT`` marker."""
-
-    step: int
-    generation: int
-    manifest_bytes: int
-    manifest_crc32c: int
-    #: the number of the save that wrote this step in its generation (None: not recorded)
-    save: Optional[int] = None
-    #: the manifest's file name in the step's folder (None: ``manifest.json``); a write that
-    #: replaced a committed step names its own (:func:`~nebula_ckpt.format.names.manifest_name`)
-    manifest: Optional[str] = None
-
-    @property
-    def manifest_file(self) -> str:
-        """The file name of the manifest this marker commits."""
-        return self.manifest or MANIFEST
-
-    @property
-    def write(self) -> Write:
-        """``(generation, step, save)``: which write of the step this is, in the order a restore
-        prefers (newest generation, then step, then the later save of one step; ``-1``: unknown)."""
-        return (self.generation, self.step, -1 if self.save is None else self.save)
-
-    def to_bytes(self, fmt: str = FORMAT, version: int = VERSION) -> bytes:
-        """Serialise (as a ``fmt`` record of ``version``: the removal record names a commit by the
-        same fields, :mod:`nebula_ckpt.format.removal`)."""
-        out: dict[str, Any] = {"format": fmt, "version": version, "step": self.step,
-                               "generation": self.generation, "manifest_bytes": self.manifest_bytes,
-                               "manifest_crc32c": self.manifest_crc32c, "time": time.time()}
-        if self.save is not None:
-            out["save"] = self.save
-        if self.manifest is not None:
-            out["manifest"] = self.manifest
-        return json.dumps(out).encode()
-
-    @staticmethod
-    def parse(data: bytes, where: str) -> "Commit":
-        """Parse; raise :class:`CorruptCheckpointError` naming ``where`` and the bad field."""
-        try:
-            d = json.loads(data)
-        except Exception as e:  # RecursionError and UnicodeDecodeError included
-            raise bad(where, f"commit marker is unreadable ({type(e).__name__}: {e})") from None
-        w = f"{where}: {COMMIT}"
-        try:
-            d = as_obj(d, w, "the commit marker")
-            save, name = d.get("save"), d.get("manifest")
-            if name is not None and (type(name) is not str or not is_manifest_name(name)):
-                raise bad(w, f"manifest {short(name)} is no manifest file name (manifest.json or "
-                             "manifest-v<8 hex digits>.json)")
-            return Commit(as_step(d.get("step"), w), as_int(d.get("generation"), w, "generation"),
-                          as_int(d.get("manifest_bytes"), w, "manifest_bytes"),
-                          as_int(d.get("manifest_crc32c"), w, "manifest_crc32c", hi=2**32 - 1),
-                          None if save is None else as_int(save, w, "save"), name)
-        except CorruptCheckpointError as e:
-            raise CorruptCheckpointError(f"commit marker is unreadable: {e}") from None
 
 
 def step_dirs(storage: "Storage") -> list[int]:
@@ -196,18 +134,21 @@ def delete_checkpoint(storage: "Storage", step: int) -> None:
     data. Several at once: in :func:`deletion_order`."""
     d = step_dir(step)
     storage.remove(f"{d}/{COMMIT}")
+    marker_changed(storage, step)
     log.debug("nebula_ckpt: phase=unlisted %s step %d: its marker is gone; its files go next", storage.display_url,
               step)
     storage.remove_dir(d)
 
 
-def scan_steps(storage: "Storage") -> tuple[list[int], list[int]]:
+def scan_steps(storage: "Storage", known: Collection[int] = ()) -> tuple[list[int], list[int]]:
     """``(committed, uncommitted)``: the step folders on ``storage`` with and without a ``COMMIT``,
-    ascending (the one place that tells them apart; :func:`committed_steps` is its first half)."""
+    ascending (the one place that tells them apart; :func:`committed_steps` is its first half).
+    ``known``: steps the caller knows to be committed (a writer's own knowledge of its tier,
+    :mod:`nebula_ckpt.save.kept`): their folders are listed, their markers not looked up."""
     committed: list[int] = []
     uncommitted: list[int] = []
     for s in step_dirs(storage):
-        (committed if storage.exists(f"{step_dir(s)}/{COMMIT}") else uncommitted).append(s)
+        (committed if s in known or storage.exists(f"{step_dir(s)}/{COMMIT}") else uncommitted).append(s)
     return committed, uncommitted
 
 
@@ -278,6 +219,10 @@ def commit_manifest(storage: "Storage", fence: WriterFence, step: int, mbytes: b
     if Commit.parse(marker, f"{tier} step {step}") != commit:
         raise CorruptCheckpointError(f"{tier} step {step}: the commit marker does not read back as written")
     log.debug("nebula_ckpt: phase=manifest tier=%s step=%d", tier, step)
+    if replaces is None:  # the plain manifest.json of a step another writer committed (a newer run's,
+        fence.check(f"commit step {step}")  # after a long shard write) is never written over
+        if storage.exists(f"{d}/{COMMIT}"):
+            raise FileExistsError(f"{tier}: {d}/{COMMIT} exists: step {step} was committed by another write")
     storage.write_small(f"{d}/{name}", mbytes)
     fence.check(f"commit step {step}")
     log.debug("nebula_ckpt: phase=%s tier=%s step=%d", "commit" if replaces is None else "replace", tier, step)
@@ -292,6 +237,8 @@ def commit_manifest(storage: "Storage", fence: WriterFence, step: int, mbytes: b
             progress.may_commit = replace_landed(storage, commit, tier) if replaces is not None else \
                 not never_created(storage, f"{d}/{COMMIT}")
             raise
+        finally:
+            marker_changed(storage, step)  # written, or it may be
     return commit
 
 
@@ -344,6 +291,12 @@ def read_committed_manifest(storage: "Storage", step: int, where: str) -> tuple[
         OSError: the storage's other errors.
     """
     commit = read_commit(storage, step, where)
+    return commit, manifest_of(storage, commit, step, where)
+
+
+def manifest_of(storage: "Storage", commit: Commit, step: int, where: str) -> bytes:
+    """The bytes of the manifest the marker ``commit`` of ``step`` names, checked against it
+    (:func:`read_committed_manifest` once the marker is read). Raises as it does."""
     name = commit.manifest_file
     try:  # never more than the marker says: a sparse file of a terabyte is refused unread
         mbytes = storage.read_small(f"{step_dir(step)}/{name}", min(commit.manifest_bytes, MAX_MANIFEST_BYTES))
@@ -354,7 +307,7 @@ def read_committed_manifest(storage: "Storage", step: int, where: str) -> tuple[
                                      "(size or checksum differs): garbled or replaced")
     if commit.step != step:
         raise CorruptCheckpointError(f"{where}: {COMMIT} is for step {commit.step}, but lies in {step_dir(step)}/")
-    return commit, mbytes
+    return mbytes
 
 
 def is_committed(storage: "Storage", step: int, generation: int) -> bool:
@@ -390,6 +343,7 @@ def retract_step(storage: "Storage", step: int, generation: int, tier: str) -> b
             return False
         if not _take_marker(storage, f"{d}/{COMMIT}", generation):
             return False
+        marker_changed(storage, step)
         names = storage.list(d)
         newer = any((o := shard_owner(n)) is not None and o[0] > generation for n in names)
         for n in names:
@@ -445,27 +399,72 @@ def shard_path(man: Manifest, i: int) -> str:
     return f"{step_dir(sh.folder_step(man.step))}/{sh.file}"
 
 
+def manifest_references(raw: bytes, where: str, step: int) -> set[int]:
+    """The steps the manifest ``raw`` of ``step`` refers to, read from its ``references`` (version
+    4) or its shards' ``step`` fields alone: none of its tensor records or tree is parsed, so a
+    step's references cost its manifest's JSON, not a validation of it (that is the reader's,
+    :meth:`Manifest.parse`, which checks these fields the same way).
+
+    Raises:
+        CorruptCheckpointError: naming ``where`` and the field (then no reference is known).
+    """
+    try:
+        m = json.loads(raw)
+    except Exception as e:  # RecursionError (deep nesting), UnicodeDecodeError, ...
+        raise bad(where, f"{MANIFEST} is not valid JSON ({type(e).__name__}: {e})") from None
+    w = f"{where}: {MANIFEST}"
+    m = as_obj(m, w, "the manifest")
+    version = as_int(m.get("version"), w, "version", lo=1, hi=2**31)
+    if m.get("format") != FORMAT or version not in READ_VERSIONS or as_step(m.get("step"), w) != step:
+        raise bad(w, f"is no manifest of step {step} this nebula_ckpt reads")
+    if version >= SPLIT_VERSION:
+        return {as_int(s, w, "references[]", hi=step - 1) for s in as_list(m.get("references", []), w, "references")}
+    shards = [ShardRecord.parse(sh, f"{w}: shards[{i}]") for i, sh in enumerate(as_list(m.get("shards"), w, "shards"))]
+    refs = {sh.step for sh in shards if sh.step is not None}
+    if refs and max(refs) >= step:
+        raise bad(w, f"shards refer to step {max(refs)}, not an earlier step than {step}")
+    return refs
+
+
 def read_references(storage: "Storage", step: int) -> set[int]:
-    """The steps the committed ``step`` on ``storage`` refers to.
+    """The steps the committed ``step`` on ``storage`` refers to (:func:`manifest_references`).
 
     A manifest that is missing or malformed names nothing (its checkpoint cannot be restored
     anyway, and it is reported where it is read). Any other error (an unreachable remote tier)
     propagates: the caller must then delete nothing, since it cannot know what is needed.
     """
+    return read_kept(storage, step)[1]
+
+
+def read_kept(storage: "Storage", step: int) -> tuple[Optional[Commit], set[int]]:
+    """The marker of the committed ``step`` on ``storage`` (None: one that cannot be read, no write
+    of anyone's) and the steps it refers to (:func:`read_references`): what retention needs of
+    a step, read once (its marker, then its manifest).
+
+    Raises:
+        OSError other than FileNotFoundError: the storage's errors (nothing may be deleted).
+    """
     where = f"{storage.display_url} step {step}"
     try:
-        return references(Manifest.parse(read_committed_manifest(storage, step, where)[1], where, step))
+        commit = read_commit(storage, step, where)
     except (FileNotFoundError, CorruptCheckpointError) as e:
         log.debug("nebula_ckpt: %s: no references read (%s)", where, e)
-        return set()
+        return None, set()
+    try:
+        return commit, manifest_references(manifest_of(storage, commit, step, where), where, step)
+    except (FileNotFoundError, CorruptCheckpointError) as e:
+        log.debug("nebula_ckpt: %s: no references read (%s)", where, e)
+        return commit, set()
 
 
-def protected_steps(storage: "Storage", kept: Iterable[int]) -> set[int]:
-    """``kept`` and every step a kept committed step refers to: what deletion must leave alone."""
+def protected_steps(storage: "Storage", kept: Iterable[int],
+                    refs: Optional[Callable[[int], set[int]]] = None) -> set[int]:
+    """``kept`` and every step a kept committed step refers to: what deletion must leave alone
+    (``refs``: a step's references where the caller knows them; None: :func:`read_references`)."""
     kept = set(kept)
     out = set(kept)
     for s in kept:
-        out |= read_references(storage, s)
+        out |= refs(s) if refs is not None else read_references(storage, s)
     return out
 
 
@@ -474,12 +473,14 @@ def referrers(storage: "Storage", committed: Iterable[int], step: int) -> list[i
     return sorted(s for s in committed if s > step and step in read_references(storage, s))
 
 
-def deletion_order(storage: "Storage", doomed: Iterable[int]) -> list[int]:
+def deletion_order(storage: "Storage", doomed: Iterable[int],
+                   refs: Optional[Callable[[int], set[int]]] = None) -> list[int]:
     """``doomed`` (committed steps to delete together) in an order that keeps every step still
     committed restorable at every instant: a step goes before every step of ``doomed`` it refers
     to (its bases), newest first among the free ones. A process killed between two deletions thus
     leaves only whole checkpoints: what is left of ``doomed`` is referred to by nothing that is
-    gone. (References of the steps that stay are the caller's: :func:`protected_steps`.)
+    gone. (References of the steps that stay are the caller's: :func:`protected_steps`; ``refs``:
+    as there.)
 
     Raises:
         what :func:`read_references` raises (an unreachable tier): then nothing may be deleted.
@@ -487,10 +488,10 @@ def deletion_order(storage: "Storage", doomed: Iterable[int]) -> list[int]:
     left = set(doomed)
     if len(left) < 2:
         return sorted(left)  # nothing to order (the usual pass of retention): no manifest read
-    refs = {s: read_references(storage, s) & left for s in left}
+    needs = {s: (refs(s) if refs is not None else read_references(storage, s)) & left for s in left}
     order: list[int] = []
     while left:
-        needed = set().union(*(refs[s] for s in left))
+        needed = set().union(*(needs[s] for s in left))
         free = sorted(left - needed, reverse=True) or [max(left)]  # a cycle cannot be written; still ends
         order.extend(free)
         left -= set(free)

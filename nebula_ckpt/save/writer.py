@@ -34,7 +34,6 @@ A tier never queues: it holds at most one pending snapshot; a newer one replaces
 from __future__ import annotations
 
 import logging
-import math
 import os
 import threading
 import time
@@ -47,11 +46,9 @@ from nebula_ckpt.format.commit import (
     clear_step,
     commit_manifest,
     committed_steps,
-    committed_writes,
     delete_checkpoint,
-    deletion_order,
-    protected_steps,
     read_committed_manifest,
+    read_kept,
     referrers,
     retract_step,
     scan_steps,
@@ -66,6 +63,7 @@ from nebula_ckpt.ranks.coordinator import Coordinator, LocalCoordinator
 from nebula_ckpt.ranks.fencing import TierFence
 from nebula_ckpt.save import seeding, sweep
 from nebula_ckpt.save.incremental import Incremental, may_build_on_base, whole_image
+from nebula_ckpt.save.kept import KeptSteps
 from nebula_ckpt.save.rounds import CommitUncertain, PeerSkipped, SharedCommit
 from nebula_ckpt.save.snapshot import Delivery, Snapshot, build_tier_manifest
 from nebula_ckpt.save.tier_image import Staged, TierImage, TierStep, tier_image, write_image
@@ -119,6 +117,7 @@ class TierWriter:
         #: remove()'s requests for steps later ones refer to, recorded on the tier: they go once none does
         self._removals = sweep.Removals(runtime.storage, self.name)
         self._strays_swept = False  # the strays of committed folders are looked for once (sweep.stray_files)
+        self._kept = KeptSteps(runtime.storage)  # each committed step's write and references, read once
         fence.retract_with(self)  # a save ending fenced takes back what it committed here
         self._thread = threading.Thread(target=self._run, name=f"nebula-{self.tier.kind}-writer", daemon=True)
         self._thread.start()
@@ -411,8 +410,9 @@ class TierWriter:
         checked = self.incremental.checked(manifest, f"tier {self.name} step {item.step}: the manifest to commit")
         with sweep.referrers_unlisted(self.storage, self.fence, item.step, old is not None, progress, self._delete_lock,
                                       f"tier {self.name}") as unlisted:  # no listed step refers to a replaced write
-            commit_manifest(self.storage, self.fence, item.step, encode_manifest(manifest), progress, self.name,
-                            item.save, old, variant)
+            commit = commit_manifest(self.storage, self.fence, item.step, encode_manifest(manifest), progress,
+                                     self.name, item.save, old, variant)
+        self._kept.committed(commit, {sh["step"] for sh in manifest["shards"] if sh.get("step") is not None})
         return checked, image, unlisted
 
     def _check_uncertain(self, step: int) -> None:
@@ -467,18 +467,18 @@ class TierWriter:
     def _prune(self, keep_step: Optional[int]) -> bool:
         st = self.storage
         failed = self._settle() if self._uncertain else set()
-        committed, uncommitted = scan_steps(st)
-        gen = {s: g for g, s, _ in committed_writes(st, committed)}  # a restore's order; unreadable: as newest
-        ranked = sorted(committed, key=lambda s: (gen.get(s, math.inf), s))
-        keep = set(ranked[-self.keep_last:]) | self.runtime.keep_also(ranked)  # + the newest healthy step
-        if self.tier.keep_every:
-            keep.update(s for s in committed if s % self.tier.keep_every == 0)
-        keep -= self._removals.due(committed)  # remove() asked for them: they go once nothing refers to them
-        if keep_step is not None:
-            keep.add(keep_step)
-        # a kept step's references and what a save in flight builds on stay (format.commit)
-        keep = protected_steps(st, (keep | self.incremental.pinned()) & set(committed)) | keep
-        doomed = deletion_order(st, [s for s in committed if s not in keep])
+        kept = self._kept  # the markers and references of the steps it knows are not read again
+        committed, uncommitted = scan_steps(st, kept.current())
+        kept.listed(committed, uncommitted)
+        due = self._removals.due(committed)  # remove() asked for them: they go once nothing refers to them
+        doomed: list[int] = []
+        if len(committed) > self.keep_last or due:  # else every step stays (KEEP_ALL): nothing to rank
+            for s, mark in kept.unknown(committed).items():
+                kept.learn(s, mark, *read_kept(st, s))
+            ranked = kept.ranked(committed)  # a restore's order; an unreadable marker: as newest
+            # + the newest healthy step; a kept step's references and what a save in flight builds on stay
+            doomed = kept.doomed(ranked, self.keep_last, self.tier.keep_every, self.runtime.keep_also(ranked), due,
+                                 self.incremental.pinned() | ({keep_step} if keep_step is not None else set()))
         with self._mutex:
             busy_step = self._pending.snap.step if self._pending is not None else None
         candidates = [s for s in uncommitted if s != busy_step and s not in self._uncertain]

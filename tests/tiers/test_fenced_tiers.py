@@ -269,3 +269,57 @@ def test_every_tier_keeps_a_bounded_number_of_writer_records_however_often_the_j
     with nc.Checkpointer(root, tiers=[nc.LocalTier(extra), nc.LocalTier(root)], read_only=True) as ck:
         into = {"w": torch.zeros(8)}
         assert ck.load_latest(into=into) == 23 and float(into["w"][0]) == 23.0
+
+
+# A stale writer whose shard write of step 4 lasts until the newer writer committed its own step 4.
+_SLOW_STALE = r"""
+import os, sys, time, torch, nebula_ckpt as nc
+import nebula_ckpt.save.writer as W
+root, gates = sys.argv[1], sys.argv[2]
+real = W.write_image
+
+def held(rt, rel, step):
+    out = real(rt, rel, step)
+    if rel.startswith("step-4/"):
+        open(os.path.join(gates, "shard-written"), "w").close()
+        while not os.path.exists(os.path.join(gates, "newer-saved")):
+            time.sleep(0.01)
+    return out
+
+W.write_image = held
+ck = nc.Checkpointer(root, memory_tier=False, keep_last=1)
+ck.save(3, {"w": torch.full((64,), 3.0)})
+h = ck.save_async(4, {"w": torch.full((64,), -4.0)})
+try:
+    h.result(timeout=120)
+    print("committed")
+except nc.FencedError:
+    print("fenced")
+"""
+
+
+def test_a_stale_writers_manifest_never_lands_on_a_step_the_newer_writer_committed(root: str, shm_dir: str,
+                                                                                   tmp_path) -> None:  # noqa: ANN001
+    """A stale writer whose shard write outlasts the newer run's commit of the same step number is
+    fenced before its manifest: the newer run's step stays whole (with ``keep_last=1`` it is the
+    only step the root has)."""
+    gates = str(tmp_path / "gates")
+    os.makedirs(gates)
+    stale = subprocess.Popen([sys.executable, "-c", _SLOW_STALE, root, gates], text=True,
+                             env=dict(os.environ, NEBULA_SHM_DIR=shm_dir), stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE)
+    try:
+        _await(os.path.join(gates, "shard-written"), stale)
+        with nc.Checkpointer(root, memory_tier=False, keep_last=1) as newer:
+            assert newer.load_latest(into={"w": torch.zeros(64)}) == 3
+            newer.save(4, {"w": torch.full((64,), 4.0)})
+        open(os.path.join(gates, "newer-saved"), "w").close()
+        out, err = stale.communicate(timeout=120)
+        assert out.strip() == "fenced", err[-3000:]
+    finally:
+        stale.kill()
+        stale.wait()
+    with nc.Checkpointer(root, memory_tier=False, read_only=True) as again:
+        state = {"w": torch.zeros(64)}
+        assert again.load_latest(into=state) == 4, again.last_restore
+        assert torch.equal(state["w"], torch.full((64,), 4.0))
