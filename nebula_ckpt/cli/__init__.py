@@ -6,7 +6,8 @@ what, export gathers one full, unsharded file (keys without the ``r<R>/`` rank p
 
 Exit codes: 0 success; 1 damage found (verify) or nothing to act on (a ROOT that is a file, too); 2
 bad usage (a ROOT that is a malformed URL, too).
-ls, verify, inspect, export, mark, gc and persist-memory take ``--json`` for scripts and
+ls, verify, inspect, export, mark, gc, persist-memory and doctor take ``--json`` for scripts (stdout
+holds one JSON value on every exit: ``{"error": ..., "exit": N}`` when the command fails) and
 ``--storage-options JSON`` for a remote root (no error shows its value: it may hold credentials);
 bench has options of its own: ``nebula-ckpt bench --help``.
 ``ls`` verifies every checksum like ``verify`` (``ls --quick`` checks sizes only) and shows
@@ -24,10 +25,12 @@ held under ``model``, named by the module's own ``state_dict()`` keys (what Hugg
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
+import re
 import sys
-from typing import Callable, Optional, Sequence, cast
+from typing import Any, Callable, Optional, Sequence, TextIO, cast
 
 from nebula_ckpt.cli.bench import cmd_bench
 from nebula_ckpt.cli.choose import add_choice_arguments, step_number
@@ -149,6 +152,50 @@ def _drop_output() -> None:
     os.close(devnull)
 
 
+class _Watched:
+    """A stream that passes every write on, remembering whether one came and the last error line:
+    a write that starts with ``nebula-ckpt`` (``nebula-ckpt: ...``, argparse's ``nebula-ckpt ls:
+    error: ...``; a command writes its error in one write, log records start otherwise)."""
+
+    def __init__(self, stream: TextIO) -> None:
+        self.stream = stream
+        self.wrote = False
+        self.error = ""
+
+    def write(self, text: str) -> int:
+        self.wrote = self.wrote or bool(text)
+        if text.startswith("nebula-ckpt"):
+            self.error = text
+        return self.stream.write(text)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.stream, name)
+
+
+#: what a command's error line starts with, left out of the JSON error
+_ERROR_PREFIX = re.compile(r"^(?:nebula-ckpt(?: [\w-]+)?: (?:error: )?)+")
+
+
+def _json_answered(argv: list[str]) -> int:
+    """:func:`_parsed_and_run` for a ``--json`` command line: stdout holds one JSON value on every
+    exit, ``{"error": ..., "exit": N}`` (the error stderr shows) where the command failed without
+    printing its own (``verify``'s ``[]``, ``ls``'s rows of damaged steps are its own)."""
+    out_w, err_w = _Watched(sys.stdout), _Watched(sys.stderr)
+    sys.stdout, sys.stderr = out_w, err_w
+    code: Optional[int] = None  # None: interrupted (a Ctrl-C, -v's traceback): no answer
+    try:
+        code = _parsed_and_run(argv)
+    except SystemExit as e:  # argparse's usage error (2), or --help (0)
+        code = e.code if isinstance(e.code, int) else None
+        raise
+    finally:
+        sys.stdout, sys.stderr = out_w.stream, err_w.stream
+        if code and not out_w.wrote:
+            said = _ERROR_PREFIX.sub("", err_w.error.strip()) or f"the command failed with exit code {code}"
+            out(json.dumps({"error": said, "exit": code}))
+    return code
+
+
 def _main(argv: Optional[Sequence[str]]) -> int:
     """:func:`main`, but for a reader of stdout gone away."""
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -162,6 +209,11 @@ def _main(argv: Optional[Sequence[str]]) -> int:
         except NebulaError as e:
             sys.stderr.write(f"{e}\n")
             return 1
+    return _json_answered(argv) if "--json" in argv else _parsed_and_run(argv)
+
+
+def _parsed_and_run(argv: list[str]) -> int:
+    """Parse ``argv`` (not bench's) and run the command."""
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.version:

@@ -15,14 +15,18 @@ its payload and waits for the result, and a save a rank does not write on the ti
 the identical sequence of collectives on each group.
 
 A rank that dies makes the collectives of the others fail (gloo: connection closed) or time out
-(``knobs.commit_timeout_s``): that save is not committed anywhere, the error reaches the handles,
-and the later rounds on that group fail at once (the job has to restart, as it would anyway).
+(``knobs.commit_timeout_s``): that save is not committed anywhere, the error reaches the handles
+(naming the step, and the rank lost with its host where gloo's closed connection says which: each
+gathered round carries every rank's host), and the later rounds on that group fail at once (the
+job has to restart, as it would anyway).
 """
 
 from __future__ import annotations
 
 import datetime
 import logging
+import re
+import socket
 import threading
 from contextlib import contextmanager
 from typing import Any, Callable, Iterator, Optional, Sequence
@@ -57,6 +61,19 @@ class GroupDestroyed(PersistError):
     """A save cut short because this process destroyed its process group while it was committed."""
 
 
+#: where gloo names the other end of a connection that closed (``Connection closed by peer [10.0.0.7]:4711``)
+_PEER = re.compile(r"peer \[([^\]]+)\]")
+
+
+def _this_host() -> tuple[str, Optional[str]]:
+    """This host's name and the address its name resolves to (what gloo listens on by default)."""
+    name = socket.gethostname()
+    try:
+        return name, socket.gethostbyname(name)
+    except OSError:  # a name no resolver knows: the name alone
+        return name, None
+
+
 def _destroyed_error(tier: str, what: str, cause: Optional[BaseException]) -> GroupDestroyed:
     err = GroupDestroyed(f"tier {tier}: {what} was cut short: this process destroyed its process group "
                          "(torch.distributed.destroy_process_group()) while the Checkpointer was still committing "
@@ -69,10 +86,17 @@ def _destroyed_error(tier: str, what: str, cause: Optional[BaseException]) -> Gr
 class _TierChannel:
     """Ordered rounds of one shared tier on its own gloo group, run by one thread."""
 
-    def __init__(self, name: str, group: Any, world: int, every: int) -> None:
+    def __init__(self, name: str, group: Any, world: int, every: int, rank: int) -> None:
         self.name = name
         self.group = group
         self._world = world
+        self._rank = rank
+        self._me = _this_host()
+        #: every rank's host (name, address), learnt in each gathered round: who a lost peer was
+        self._hosts: list[Any] = []
+        self._steps: dict[int, int] = {}  # save index -> its step (from the digest round's payload)
+        self._broken_at = "round"  # which round failed, in words
+        self._lost = "a rank died, left or timed out"
         self._every = max(1, every)
         self._posts: dict[tuple[int, int], Any] = {}
         self._abandoned: set[int] = set()
@@ -90,8 +114,10 @@ class _TierChannel:
 
     def round(self, index: int, phase: int, payload: Any) -> list[Any]:
         with self._cond:
+            if isinstance(payload, dict) and isinstance(payload.get("step"), int):
+                self._steps[index] = payload["step"]
             if self._broken is not None:
-                raise self._failure(index, phase, earlier=True)
+                raise self._failure(index, earlier=True)
             if (index, phase) < self._next:
                 raise PersistError(f"tier {self.name}: save {index} phase {phase} posted after its round ran")
             self._posts[(index, phase)] = payload
@@ -99,24 +125,45 @@ class _TierChannel:
             self._cond.wait_for(lambda: (index, phase) in self._results or self._broken is not None)
             if (index, phase) in self._results:
                 return self._results.pop((index, phase))
-            raise self._failure(index, phase, earlier=False)
+            raise self._failure(index, earlier=False)
 
-    def _failure(self, index: int, phase: int, earlier: bool) -> PersistError:
+    def _save_name(self, index: int) -> str:
+        """``step N`` of save ``index`` where this rank posted its digest round, else the index."""
+        step = self._steps.get(index)
+        return f"step {step}" if step is not None else f"save {index} of this Checkpointer (counted from 0)"
+
+    def _failure(self, index: int, earlier: bool) -> PersistError:
         """The error of a round that cannot run: the group is gone, the ranks' calls differ, or a
         rank died, left or timed out (its cause chained)."""
-        broken = self._broken
+        broken, what, at = self._broken, self._save_name(index), self._broken_at
         if isinstance(broken, GroupDestroyed):
             err: PersistError = _destroyed_error(self.name, "the save in flight", broken.__cause__)
         elif isinstance(broken, RanksDisagree):
-            err = PersistError(f"{broken}; nothing of save {index} was committed there")
+            err = PersistError(f"{broken}; nothing of {what} was committed there")
         elif earlier:
-            err = PersistError(f"tier {self.name}: the ranks' checkpoint protocol failed earlier ({broken}); "
-                               "restart the job")
+            err = PersistError(f"tier {self.name}: {what} was not written there: the ranks' checkpoint protocol "
+                               f"failed earlier, in the {at}: {self._lost} ({broken}); restart the job")
         else:
-            err = PersistError(f"tier {self.name}: the ranks could not agree on save {index} (round {phase}): a "
-                               f"rank died, left or timed out ({broken}); nothing was committed there")
+            err = PersistError(f"tier {self.name}: {what} was not committed there: {self._lost} in the ranks' {at} "
+                               f"({broken})")
         err.__cause__ = broken
         return err
+
+    def _who_was_lost(self, error: BaseException) -> str:
+        """Which rank a failed round lost, as far as gloo says: a closed connection names the
+        peer's address (the ranks whose host has it, this one left out, are named), a timeout
+        names nobody."""
+        peer = _PEER.search(str(error))
+        if peer is None:
+            return "a rank died, left or timed out (gloo does not say which one)"
+        addr = peer.group(1)
+        there = [r for r, h in enumerate(self._hosts) if r != self._rank and h is not None and h[1] == addr]
+        hosts = sorted({self._hosts[r][0] for r in there})
+        if len(there) == 1:
+            return f"rank {there[0]} (host {hosts[0]}, {addr}) died or left"
+        if there:
+            return f"one of ranks {', '.join(map(str, there))} (host {', '.join(hosts)}, {addr}) died or left"
+        return f"a rank at {addr} died or left"
 
     def abandon(self, index: int) -> None:
         with self._cond:
@@ -145,12 +192,16 @@ class _TierChannel:
         self._next = (index, phase + 1) if phase + 1 < PHASES else (index + 1, 0)
         if self._next[1] == 0:
             self._abandoned.discard(index)
+            self._steps.pop(index, None)
 
     def _collective(self, phase: int, out: list[Any], payload: Any) -> None:
         """Digest and index rounds: every rank gets every payload; durable round: the coordinator
         gets them; verdict round: every rank gets the coordinator's (``out[0]``)."""
-        if phase < PHASE_DURABLE:
-            dist.all_gather_object(out, payload, group=self.group)
+        if phase < PHASE_DURABLE:  # each rank's host rides along: who a later failure lost
+            got: list[Any] = [None] * self._world
+            dist.all_gather_object(got, (self._me, payload), group=self.group)
+            self._hosts = [g[0] for g in got]
+            out[:] = [g[1] for g in got]
         elif phase == PHASE_DURABLE:
             dst = dist.get_global_rank(self.group, 0)
             dist.gather_object(payload, out if dist.get_rank(self.group) == 0 else None, dst=dst, group=self.group)
@@ -192,16 +243,7 @@ class _TierChannel:
                                         f"rank(s) {[r for r, e in enumerate(out) if r not in dict(ended)][:8]} "
                                         "make more")
             except BaseException as e:  # a dead rank, a timeout: every later round fails too
-                broken = _destroyed_error(self.name, "its close" if ending else "the save in flight", e) \
-                    if group_destroyed() else e
-                if isinstance(broken, (GroupDestroyed, RanksDisagree)):
-                    log.error("nebula_ckpt: %s", broken)
-                else:
-                    log.error("nebula_ckpt: tier %s: the ranks' round %d of save %d failed (a rank died, left or "
-                              "timed out): %s: %s", self.name, phase, index, type(e).__name__, e)
-                with self._cond:
-                    self._broken = broken
-                    self._cond.notify_all()
+                self._break(e, index, phase, ending)
                 return
             with self._cond:
                 if ending:
@@ -210,6 +252,23 @@ class _TierChannel:
                     self._results[(index, phase)] = out
                 self._advance()
                 self._cond.notify_all()
+
+    def _break(self, e: BaseException, index: int, phase: int, ending: bool) -> None:
+        """The round ``(index, phase)`` failed with ``e``: every round waiting, and every later
+        one, fails with what it says."""
+        broken = _destroyed_error(self.name, "its close" if ending else "the save in flight", e) \
+            if group_destroyed() else e
+        with self._cond:
+            self._lost = self._who_was_lost(e)
+            self._broken_at = "closing round" if ending else f"round {phase} of {self._save_name(index)}"
+        if isinstance(broken, (GroupDestroyed, RanksDisagree)):
+            log.error("nebula_ckpt: %s", broken)
+        else:
+            log.error("nebula_ckpt: tier %s: the ranks' %s failed: %s: %s: %s", self.name, self._broken_at,
+                      self._lost, type(e).__name__, e)
+        with self._cond:
+            self._broken = broken
+            self._cond.notify_all()
 
 
 @contextmanager
@@ -278,7 +337,7 @@ class DistCoordinator(Coordinator):
         if tier not in self._channels:
             self._live_control()
             group = dist.new_group(ranks=self._ranks, backend="gloo", timeout=self._timeout)
-            self._channels[tier] = _TierChannel(tier, group, self.world_size, every)
+            self._channels[tier] = _TierChannel(tier, group, self.world_size, every, self.rank)
 
     def round(self, tier: str, index: int, phase: int, payload: Any) -> list[Any]:
         return self._channels[tier].round(index, phase, payload)

@@ -145,7 +145,12 @@ class Closing:
         except TimeoutError:  # the saves go on
             self._close_cut = "it timed out"
             raise
-        except BaseException:  # a failure not seen yet, a Ctrl-C: raised once the threads are stopped
+        except KeyboardInterrupt:
+            # Joining the threads now would wait for the saves without a bound, past the Ctrl-C:
+            # they go on, and the exit hook finishes this close within NEBULA_EXIT_TIMEOUT_S.
+            self._close_cut = "it was interrupted"
+            raise
+        except BaseException:  # a failure not seen yet: raised once the threads are stopped
             self._shutdown()
             raise
         self._shutdown()

@@ -614,6 +614,7 @@ def test_the_benchmark_harness_has_the_package_shape() -> None:
 JSON_NOT_FORMAT = {
     "nebula_ckpt.demo": "the demo's own log (JSON lines)",
     "nebula_ckpt.quickbench": "the quick benchmark's --json output",
+    "nebula_ckpt.cli": "--json output: the error object of a command that failed",
     "nebula_ckpt.cli.common": "--storage-options, a JSON object given on the command line",
     "nebula_ckpt.cli.doctor": "--json output",
     "nebula_ckpt.cli.gc": "--json output",

@@ -669,3 +669,49 @@ def test_bench_harness_options_run_the_harness_of_a_checkout_only(tmp_path) -> N
     assert rc == 2 and "--systems is an option of the full benchmark harness" in err and "--state" in err, err
     rc, out, err = _done(runs["help"])
     assert rc == 0 and "--state" in out and "--size-gb" in out and "--systems" not in out, out
+
+
+def _json_run(args: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, object, str]:
+    """``nebula-ckpt ARGS``: its exit code (argparse's usage errors exit), its stdout parsed as one
+    JSON value (an error if it is not), its stderr."""
+    try:
+        rc = main(args)
+    except SystemExit as e:
+        rc = int(e.code or 0)
+    got = capsys.readouterr()
+    return rc, json.loads(got.out), got.err
+
+
+def test_every_json_command_prints_one_json_value_on_every_exit(saved: str, tmp_path,  # noqa: ANN001
+                                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    """docs/cli.md: with ``--json``, stdout holds one JSON value whatever the exit: a command that
+    fails without an answer of its own gives ``{"error": ..., "exit": N}``, the error stderr shows."""
+    failing = [(["mark", saved, "--healthy", "7", "--json"], 1, "no committed step 7"),
+               (["mark", saved, "--suspect", "-1", "--json"], 2, "STEP must be a non-negative int"),
+               (["mark", saved, "--healthy", "x", "--json"], 2, "invalid int value: 'x'"),   # argparse's usage error
+               (["inspect", saved, "--step", "9", "--json"], 1, "no checkpoint of step 9"),
+               (["ls", "s3:/bucket/x", "--json"], 2, "broken scheme"),
+               (["gc", "--force", "--json"], 2, "--force removes steps"),
+               (["export", saved, "--to", os.path.join(saved, "x.pt"), "--json"], 1, "which this command reads")]
+    for args, code, words in failing:
+        rc, got, err = _json_run(args, capsys)
+        assert rc == code and isinstance(got, dict) and got["exit"] == code, (args, rc, got, err)
+        assert words in got["error"] and got["error"] in err and not got["error"].startswith("nebula-ckpt"), \
+            (args, got, err)
+    rc, got, _ = _json_run(["ls", "az://c/ckpt", "--storage-options", '{"account_key": "SECRET-1"', "--json"], capsys)
+    assert rc == 2 and "not valid JSON" in got["error"] and "SECRET" not in json.dumps(got), got  # type: ignore[index]
+    rc, got, _ = _json_run(["verify", str(tmp_path / "empty"), "--json"], capsys)
+    assert (rc, got) == (1, [])  # nothing found is verify's own answer, not an error
+    rc, got, _ = _json_run(["mark", saved, "--healthy", "2", "--json"], capsys)
+    assert rc == 0 and [r["step"] for r in got] == [2]  # type: ignore[union-attr]
+
+
+def test_persist_memory_json_on_a_live_job_is_an_error_object(root: str, shm_dir: str) -> None:
+    """Exit 2 (a live process writes the root's memory tier here) still answers in JSON on stdout."""
+    with nc.Checkpointer(root, tiers=[nc.MemoryTier(), nc.LocalTier(root, every=10)]) as ck:
+        ck.save(1, {"w": torch.ones(4)}).result()
+        ck.save(2, {"w": torch.ones(4) * 2}).result()   # in memory only
+        r = subprocess.run([sys.executable, "-m", "nebula_ckpt.cli", "persist-memory", root, "--json"],
+                           capture_output=True, text=True, env=dict(os.environ, NEBULA_SHM_DIR=shm_dir), timeout=120)
+    got = json.loads(r.stdout)
+    assert r.returncode == 2 and got["exit"] == 2 and "live process" in got["error"], (r.stdout, r.stderr)

@@ -132,6 +132,18 @@ def test_a_rank_killed_during_a_save_means_no_commit(root: str, shm_dir: str, jo
         assert loaded[r]["digest"] == survivor["digest2"]                        # DDP: the same on every rank
 
 
+def test_a_rank_lost_between_saves_is_named_with_the_step(root: str, shm_dir: str, job_dir: Path) -> None:
+    """A rank lost after step 3: the survivor's step 4 fails naming step 4 (not the save's index,
+    3) and the rank lost with its host, which gloo's closed connection tells."""
+    done = run_ranks(2, "lost_rank_worker.py", [root, str(job_dir)], job_dir, shm_dir,
+                     env_extra={"NEBULA_COMMIT_TIMEOUT_S": "60"})
+    assert done[1].returncode == -9 and done[0].returncode == 0, done[0].stdout[-4000:]
+    got = json.loads((job_dir / "lost-r0.json").read_text())["step4"]
+    assert "step 4 was not committed there: rank 1 (host " in got and "died or left" in got, got
+    assert "save 3" not in got, got
+    assert not Path(root, "step-4", COMMIT).exists()
+
+
 def test_restart_agrees_on_a_step_every_rank_has(root: str, shm_dir: str, job_dir: Path) -> None:
     """The killed job left step 3 in each rank's memory tier (memory commits first, per rank)
     but not on the shared root. A restart restores step 3 from memory on every rank; once one

@@ -266,6 +266,56 @@ def test_close_from_a_signal_handler_at_every_point_of_a_copy_confirmation(root:
     assert "called inside optimizer.step() (from a signal handler)" in r.stderr, r.stderr[-3000:]
 
 
+#: a job whose disk write of step 2 never ends; Ctrl-C while ``close()`` waits for it
+_STALLED_CLOSE = """
+import os, signal, sys, threading
+import torch
+import nebula_ckpt as nc
+from nebula_ckpt.storage.local import LocalStorage
+
+def stalled(real):
+    def write(self, rel, *args):
+        if rel.startswith("step-2/"):
+            threading.Event().wait()  # a store that never answers
+        return real(self, rel, *args)
+    return write
+
+LocalStorage.write_buffer = stalled(LocalStorage.write_buffer)
+LocalStorage.write_parts = stalled(LocalStorage.write_parts)
+signal.signal(signal.SIGINT, signal.default_int_handler)
+ck = nc.Checkpointer(sys.argv[1], memory_tier=False)
+ck.save(1, {"w": torch.ones(4)})
+ck.save_async(2, {"w": torch.ones(4) * 2})
+threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGINT)).start()
+print("CLOSING", flush=True)
+ck.close()
+print("CLOSED", flush=True)
+"""
+
+
+def test_ctrl_c_while_close_waits_returns_and_leaves_the_bounded_close_to_the_exit_hook(root: str,
+                                                                                       shm_dir: str) -> None:
+    """A Ctrl-C while ``close()`` waits for a save that never ends raises ``KeyboardInterrupt`` at
+    once (no join of the writer threads, which would wait without a bound); the exit hook then
+    finishes the close within ``NEBULA_EXIT_TIMEOUT_S``, says so, and the process ends."""
+    env = dict(os.environ, NEBULA_SHM_DIR=shm_dir, NEBULA_EXIT_TIMEOUT_S="1",
+               PYTHONPATH=os.pathsep.join([REPO, os.environ.get("PYTHONPATH", "")]))
+    p = subprocess.Popen([sys.executable, "-c", _STALLED_CLOSE, root], env=env, text=True,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        out, err = p.communicate(timeout=90)
+    except subprocess.TimeoutExpired:
+        p.kill()
+        out, err = p.communicate()
+        raise AssertionError(f"the process hung after Ctrl-C in close():\n{out}\n{err[-3000:]}") from None
+    assert p.returncode == -signal.SIGINT and "CLOSING" in out and "CLOSED" not in out, (p.returncode, out, err)
+    assert "KeyboardInterrupt" in err, err[-3000:]
+    assert "an earlier close() did not finish (it was interrupted); finishing it at exit" in err, err[-3000:]
+    assert "at exit failed after 2 save(s): TimeoutError: save of step 2 not durable" in err, err[-3000:]
+    with nc.Checkpointer(root, memory_tier=False, read_only=True) as ck:
+        assert ck.list() == [1]
+
+
 def test_close_that_timed_out_is_finished_by_the_exit_hook(root: str, shm_dir: str) -> None:
     r = _run(root, shm_dir, "close_timeout_exit")
     assert r.returncode == 0, r.stderr
