@@ -10,7 +10,10 @@ at a named point inside a save. Between jobs: ``nebula-ckpt gc`` and ``nebula-ck
 moved (and moved back). The operations that meet a live job mid-way (a close racing a save, a
 close from the step hook, the operator's commands beside a held save) are :mod:`stateful.live`'s;
 those where the job's surroundings go wrong (a restore out of file descriptors, a NEBULA_SHM_DIR
-that is a file, a wall clock that steps back) :mod:`stateful.env_ops`'.
+that is a file, a wall clock that steps back) :mod:`stateful.env_ops`'; those that reach the
+root from outside a job's saves (a removal later steps refer to, then every step loaded; the
+operator's ``verify`` / ``mark`` as subprocesses; zstd on the disk tier toggled between jobs)
+:mod:`stateful.extra_ops`'.
 :class:`~stateful.model.Truth` says what every restore must open and what every tier may hold;
 audits read every committed step of every tier back.
 """
@@ -25,12 +28,13 @@ import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Hashable, Optional
+from typing import Any, Callable, Hashable, Optional
 
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, precondition, rule
 
 from stateful.env_ops import SECONDS_APART, EnvOps
+from stateful.extra_ops import ExtraOps
 from stateful.features import BUDGET_BYTES, BUDGET_EXTRA, FeatureOps
 from stateful.live import LiveOps
 from stateful.model import ABSENT, Entry, Save, Truth, Violation
@@ -63,9 +67,8 @@ SAVE_POINTS = {
 
 def refused_folder(stderr: str) -> bool:
     """Whether ``persist-memory`` refused because the root's folder of that step cannot take it
-    (another write of the step committed there, or a newer generation's files in it): its
-    documented exit 1, nothing written. A step saved again whose newer save is only in RAM is
-    thus not drained when the root holds its older save (said, not silent)."""
+    (a newer write of the step committed there, or a newer generation's files in it): its
+    documented exit 1, nothing written. An older write of the step there is replaced instead."""
     return "is committed there by another write" in stderr or \
         bool(re.search(r"writer generation \d+ is writing step \d+ there", stderr))
 
@@ -149,7 +152,7 @@ class Signal:
     marked: set[tuple[int, int, int]] = field(default_factory=set)
 
 
-class Single(EnvOps, LiveOps, FeatureOps, RuleBasedStateMachine):
+class Single(EnvOps, LiveOps, FeatureOps, ExtraOps, RuleBasedStateMachine):
     """One-process jobs; see the module docstring. ``Single.shared`` is set by the test."""
 
     shared: Shared
@@ -235,8 +238,9 @@ class Single(EnvOps, LiveOps, FeatureOps, RuleBasedStateMachine):
     def open_command(self, node: int, **extra: Any) -> dict[str, Any]:
         """The command that makes a fresh process a job on ``node`` (it restores): ``extra`` added."""
         env = {"NEBULA_INCREMENTAL_FULL_EVERY": str(self.full_every)}
+        tiers = {**self.tiers, "zstd": True} if self.zstd else self.tiers  # ExtraOps.toggle_zstd
         return {"op": "open", "root": self.path, "shm": self.shm_of(node), "node": f"n{node}",
-                "tiers": self.tiers, "env": env, "clocks": self.shared.clocks, **extra}
+                "tiers": tiers, "env": env, "clocks": self.shared.clocks, **extra}
 
     def _start(self, node: int) -> Job:
         proc = self.shared.pool.take()
@@ -347,6 +351,7 @@ class Single(EnvOps, LiveOps, FeatureOps, RuleBasedStateMachine):
         if got["written"] != want:
             self.fail(f"{what}: written on {got['written']}, expected {want} (disk every {self.tiers['disk_every']}, "
                       f"save {job.saves} of this job)")
+        self.check_zstd(got, what)
         job.saves += 1
         job.cursor = step
         if job.health.bad:  # saved after a bad report and before any finite one: suspect at once
@@ -651,15 +656,17 @@ class Single(EnvOps, LiveOps, FeatureOps, RuleBasedStateMachine):
         steps = sorted({s for k in keys for s in self.truth.entries(k)})
         self.mark_step(node, suspect, (steps[-1] if which == "newest" else steps[pick % len(steps)]) if steps else pick)
 
-    def mark_step(self, node: int, suspect: bool, step: int) -> None:
+    def mark_step(self, node: int, suspect: bool, step: int,
+                  runner: Optional[Callable[[list[str], int], dict[str, Any]]] = None) -> None:
         """``nebula-ckpt mark ROOT --suspect STEP`` (or ``--healthy``) on ``node`` (the tiers audited):
-        see :meth:`mark`."""
+        see :meth:`mark`; in the tool process, or by ``runner(argv, node)`` (a subprocess)."""
         keys = [self.mem(node), "disk"]
         copies = {(e.writer, e.sid) for k in keys for s, e in self.truth.entries(k).items() if s == step}
         flag = "--suspect" if suspect else "--healthy"
         self.note(f"mark {flag} {step} on n{node}")
-        got = self.shared.tool().call({"op": "cli", "argv": ["mark", self.path, flag, str(step), "--json"],
-                                       "shm": self.shm_of(node), "node": f"n{node}"})
+        argv = ["mark", self.path, flag, str(step), "--json"]
+        got = runner(argv, node) if runner else \
+            self.shared.tool().call({"op": "cli", "argv": argv, "shm": self.shm_of(node), "node": f"n{node}"})
         assert got is not None
         if not copies:
             if got["code"] != 1:

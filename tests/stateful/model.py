@@ -126,8 +126,9 @@ class Truth:
     def commit(self, key: Hashable, step: int, entry: Entry, keep_last: int, *, surely: bool = True,
                drops: bool = True) -> None:
         """``entry`` committed as ``step`` on ``key`` (``surely=False``: perhaps, a kill came
-        around it), then that tier's retention and the drop of the steps after a step saved again
-        (``drops=False``: a copy that deletes nothing, ``persist-memory``)."""
+        around it), then that tier's retention (``drops=False``: a copy with no retention of its
+        own, ``persist-memory``); either way a step saved again, or copied over an older write of it,
+        may take the later steps that refer to the old write's bytes with it."""
         t = self.tier(key)
         before = t.get(step, {ABSENT})
         again = bool(before - {ABSENT})
@@ -138,7 +139,7 @@ class Truth:
         for s in list(t):
             if s == step:
                 continue
-            if again and drops and s > step:  # may refer to the bytes of the step saved again
+            if again and s > step:  # may refer to the bytes of the step saved again
                 t[s] = t[s] | {ABSENT}
         if not drops:
             return

@@ -5,9 +5,10 @@ the same process, SIGKILLs at named points, ``gc`` (also ``gc ROOT --root-timeou
 ``persist-memory``, lost nodes, moved run folders and restores in fresh processes, ``close()``
 racing a save from another thread or landing in the optimizer's step hook from a SIGTERM handler,
 a host-memory budget smaller than two states, in-process rollbacks (``load(N)``) and DCP reads,
-a restore with one rank's ``into`` mismatched, and the operator's ``verify`` / ``ls`` / ``gc``
-beside a save held mid-way, checked after every restore and every audit against a model of which save is committed where
-(tests/stateful/README.md).
+a restore with one rank's ``into`` mismatched, the operator's ``verify`` / ``ls`` / ``gc``
+beside a save held mid-way, ``verify`` / ``mark`` as subprocesses, a removal later steps refer to
+(then every step loaded) and zstd toggled on the disk tier between jobs, checked after every
+restore and every audit against a model of which save is committed where (tests/stateful/README.md).
 """
 
 from __future__ import annotations

@@ -172,7 +172,7 @@ class Worker:
 
     def op_arm(self, cmd: dict[str, Any]) -> dict[str, Any]:
         """Die at the point ``at`` (None: nowhere)."""
-        KILL.at = None if cmd["at"] is None else list(cmd["at"])
+        KILL.at = None if cmd["at"] is None else [_as_remote(a) if self._tiers.get("zstd") else a for a in cmd["at"]]
         KILL.skip = int(cmd.get("skip", 0))
         _lib_log.setLevel(logging.INFO if KILL.at is None else logging.DEBUG)
         return {}
@@ -217,9 +217,11 @@ class Worker:
 
     def _checkpointer(self) -> nc.Checkpointer:
         t = self._tiers
-        tiers = [nc.MemoryTier(keep_last=t["memory_keep"], replicas=t.get("replicas", 0)),
-                 nc.LocalTier(self._root, keep_last=t["disk_keep"], every=t["disk_every"],
-                              every_seconds=t.get("disk_seconds"))]
+        disk_kw = {"keep_last": t["disk_keep"], "every": t["disk_every"], "every_seconds": t.get("disk_seconds")}
+        # ``zstd``: the root folder's disk tier written compressed, through a file:// RemoteTier
+        disk = nc.RemoteTier("file://" + os.path.abspath(self._root), compression="zstd", **disk_kw) \
+            if t.get("zstd") else nc.LocalTier(self._root, **disk_kw)
+        tiers = [nc.MemoryTier(keep_last=t["memory_keep"], replicas=t.get("replicas", 0)), disk]
         # ``budget``: a host-memory budget in bytes (a save waits for room, or says why none can come)
         budget = {"host_memory_budget": t["budget"], "on_full": "wait"} if t.get("budget") else {}
         return nc.Checkpointer(self._root, tiers=tiers, snapshot=t.get("snapshot", "auto"), **budget)
@@ -264,13 +266,13 @@ class Worker:
         got = {"step": step, "listed": self._listed(), "latest": latest}
         if step is not None:
             got["parts"] = decode(st, self.rank)
-            got["tier"] = (self.ck.last_restore or {}).get("tier")
+            got["tier"] = _as_local((self.ck.last_restore or {}).get("tier"))
             got["source"] = (self.ck.last_restore or {}).get("source")
         return got
 
     def _listed(self) -> dict[str, list[int]]:
         assert self.ck is not None
-        return {k.split(":")[0]: v for k, v in self.ck.list(detailed=True).items()}
+        return {_as_local(k).split(":")[0]: v for k, v in self.ck.list(detailed=True).items()}
 
     def op_save(self, cmd: dict[str, Any]) -> dict[str, Any]:
         assert self.ck is not None
@@ -279,7 +281,12 @@ class Worker:
             h = self.ck.save_async(int(cmd["step"]), st)
         except Exception as e:
             return {"ok": False, "error": f"{type(e).__name__}: {e}", "written": [], "dropped": []}
-        return _outcome(h)
+        out = _outcome(h)
+        if self._tiers.get("zstd") and "local" in out["written"]:  # zstd frames in the step's shard(s)
+            folder = os.path.join(self._root, f"step-{int(cmd['step'])}")
+            shards = [os.path.join(folder, f) for f in os.listdir(folder) if f.startswith("shard")]
+            out["zstd"] = any(b"\x28\xb5\x2f\xfd" in open(f, "rb").read() for f in shards)
+        return out
 
     def op_save_begin(self, cmd: dict[str, Any]) -> dict[str, Any]:
         """``save_async`` of step ``cmd["step"]``, its library thread held at the log line of ``pause``
@@ -288,7 +295,8 @@ class Worker:
         ``save_end`` lets it go on."""
         assert self.ck is not None and self.pending is None
         st = make_state(int(cmd["sid"]), int(cmd["fid"]), self.rank, self.extra)
-        PAUSE.arm(cmd.get("pause"))
+        pause = cmd.get("pause")
+        PAUSE.arm([_as_remote(a) for a in pause] if pause and self._tiers.get("zstd") else pause)
         _lib_log.setLevel(logging.DEBUG)
         try:
             h = self.ck.save_async(int(cmd["step"]), st)
@@ -617,8 +625,19 @@ def _outcome(h: Any, timeout: Optional[float] = None) -> dict[str, Any]:
         err = None
     except Exception as e:
         err = f"{type(e).__name__}: {e}"
-    return {"ok": err is None, "error": err, "written": sorted({t.split(":")[0] for t in h.tiers_written}),
-            "dropped": sorted({t.split(":")[0] for t in h.tiers_dropped}), "done": h.done()}
+    return {"ok": err is None, "error": err,
+            "written": sorted({_as_local(t).split(":")[0] for t in h.tiers_written}),
+            "dropped": sorted({_as_local(t).split(":")[0] for t in h.tiers_dropped}), "done": h.done()}
+
+
+def _as_local(name: Optional[str]) -> Optional[str]:
+    """A tier's name as the driver knows it: the root folder's zstd ``RemoteTier`` is its disk tier."""
+    return "local:" + name[len("remote:file://"):] if name and name.startswith("remote:file://") else name
+
+
+def _as_remote(at: str) -> str:
+    """A kill point's log string for the disk tier when it is the root folder's ``RemoteTier``."""
+    return at.replace("tier=local", "tier=remote").replace("tier local", "tier remote")
 
 
 #: the loop of ``op_loop``: items of its dataset, per batch, epochs
