@@ -9,7 +9,8 @@ memory tier                                     decision
 in use (a live process holds its lock)          kept
 not safely ours (owner, mode, symlink)          kept, never touched (reported)
 no committed step                               removed: nothing to lose
-newest step also committed on the root          removed: durable there
+newest step committed and whole on the root     removed: durable there (whole: its shards
+                                                and the referenced ones at their recorded sizes)
 root that cannot be checked (see below)         kept, even with ``--force``
 newest step only in memory: the root lacks it,  kept, unless ``--force`` (which says which
 the root is gone, the root now belongs to       steps are lost; the command line takes it
@@ -43,20 +44,17 @@ import threading
 from dataclasses import dataclass, replace
 from typing import Any, Callable, Optional
 
-from nebula_ckpt.errors import CorruptCheckpointError
 from nebula_ckpt.format.commit import (
     Write,
     committed_steps,
     committed_writes,
     read_commit,
-    read_committed_manifest,
-    references,
 )
 from nebula_ckpt.format.health import SUSPECT
-from nebula_ckpt.format.manifest import Manifest
 from nebula_ckpt.format.names import COMMIT, RUN_FILE, step_dir
 from nebula_ckpt.format.root_records import MAX_ROOT_RECORD_BYTES, parse_run_record
 from nebula_ckpt.health.book import HealthView
+from nebula_ckpt.restore.intact import restore_problem
 from nebula_ckpt.storage.base import Storage
 from nebula_ckpt.storage.local import LocalStorage
 from nebula_ckpt.storage.urls import canonical_root
@@ -248,20 +246,12 @@ def _committed_but(st: Storage, step: int) -> frozenset[int]:
 
 
 def _lacking_on_root(st: Storage, step: int) -> Optional[str]:
-    """What keeps committed ``step`` on ``st`` from being restored without this memory tier: its
-    manifest unreadable, or an earlier step it refers to (an incremental step) not committed
-    there; None when nothing is known to lack. Other errors propagate (the root cannot tell)."""
-    try:
-        where = f"{st.display_url} step {step}"
-        man = Manifest.parse(read_committed_manifest(st, step, where)[1], where, step)
-    except (FileNotFoundError, CorruptCheckpointError) as e:
-        return f"its manifest: {e}"
-    for ref in sorted(references(man)):
-        try:
-            st.size(f"{step_dir(ref)}/{COMMIT}")
-        except FileNotFoundError:
-            return f"step {ref}, which holds bytes it refers to, is not committed there"
-    return None
+    """What keeps committed ``step`` on ``st`` from being restored without this memory tier, told
+    as a restore tells it from the files' sizes (:func:`~nebula_ckpt.restore.intact.restore_problem`:
+    its marker and manifest, its shards and those of the earlier steps it refers to, present at
+    their recorded sizes); None when nothing is known to lack. Other errors propagate (the root
+    cannot tell)."""
+    return restore_problem(st, step, f"step {step}")  # the caller names the root
 
 
 def ask_root(root: str, run_id: Optional[str], step: int, write: Optional[Write] = None,
