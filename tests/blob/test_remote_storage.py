@@ -139,6 +139,35 @@ def test_create_only_and_overwrite(any_store: Store) -> None:
     assert st.read_small("step-3/manifest.json") == b'{"v": 2}'
 
 
+def _s3_requests(st: FsspecStorage) -> list[str]:
+    """The HTTP requests ``st`` makes from now on (S3: botocore's ``before-send`` event), as ``"METHOD key"``."""
+    sent: list[str] = []
+    st.list()  # the client exists once a first request was made
+
+    def note(request: Any, **_: Any) -> None:  # returns None: the request goes out as it is
+        sent.append(f"{request.method} {request.url.split('?')[0].rsplit('/', 2)[-2:]}")
+
+    st.fs.s3.meta.events.register("before-send.s3", note)
+    return sent
+
+
+def test_read_small_is_one_request_of_what_a_reader_takes(any_store: Store) -> None:
+    """A small file (a commit marker, a manifest) is read by one ranged request of ``max_bytes + 1``
+    bytes, its size not asked first: the whole of it (an empty one too); one larger than a
+    reader takes is refused, naming its real size; a missing one is not found."""
+    st = _storage(any_store)
+    st.write_small("step-1/COMMIT", b"x" * 200)
+    st.write_small("step-2/COMMIT", b"")
+    sent = _s3_requests(st) if any_store.kind == "s3" else None
+    assert st.read_small("step-1/COMMIT", 200) == b"x" * 200
+    assert sent is None or len(sent) == 1 and sent[0].startswith("GET"), sent  # was HEAD, GET
+    assert st.read_small("step-2/COMMIT", 200) == b""
+    with pytest.raises(CorruptCheckpointError, match="COMMIT is 200 bytes, more than the 199 a reader takes"):
+        st.read_small("step-1/COMMIT", 199)
+    with pytest.raises(FileNotFoundError):
+        st.read_small("step-3/COMMIT", 200)
+
+
 def test_namespace_semantics(any_store: Store) -> None:
     """list / exists / size / remove / remove_dir behave the same on every backend."""
     st = _storage(any_store)

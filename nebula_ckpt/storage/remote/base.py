@@ -29,7 +29,7 @@ import time
 from typing import Any, Callable, ClassVar, Optional, TypeVar, cast
 
 from nebula_ckpt import knobs
-from nebula_ckpt.storage.base import MAX_SMALL_BYTES, Buffer, Storage, at_most
+from nebula_ckpt.storage.base import MAX_SMALL_BYTES, Buffer, Storage, too_large
 from nebula_ckpt.storage.remote.calls import abandoned_error, call_with_retries
 from nebula_ckpt.storage.remote.errors import CorruptRemoteDataError, RemoteStorageError, storage_error
 from nebula_ckpt.storage.remote.frames import ReadTask, compressor, download, plan_read, zstd_module
@@ -195,9 +195,8 @@ class FsspecStorage(Storage):
 
     def _check_open(self) -> None:
         if self._closed:
-            raise RemoteStorageError(f"remote tier {self.display_url} is closed; create a new "
-                                     f"storage (or Checkpointer) to use it again",
-                                     url=self.display_url)
+            raise RemoteStorageError(f"remote tier {self.display_url} is closed; create a new storage (or "
+                                     "Checkpointer) to use it again", url=self.display_url)
 
     def _error(self, op: str, rel: str, exc: BaseException, kind: str, attempts: int) -> BaseException:
         """Our scrubbed exception for backend exception ``exc`` (raise it outside ``except``)."""
@@ -367,8 +366,7 @@ class FsspecStorage(Storage):
 
             self._retry("remove dir", rel, rm_many)
         self._invalidate(path)
-        logger.debug("remote tier %s: removed %d object(s) under %s", self.display_url,
-                     len(victims), rel or "/")
+        logger.debug("remote tier %s: removed %d object(s) under %s", self.display_url, len(victims), rel or "/")
 
     def incomplete_uploads(self) -> list[tuple[str, str]]:
         """``(rel, upload_id)`` of multi-part uploads never completed under this root.
@@ -397,20 +395,14 @@ class FsspecStorage(Storage):
 
     def read_buffer(self, rel: str, info: Optional[dict[str, Any]] = None, *,
                     expected_bytes: Optional[int] = None) -> Buffer:
-        """Download ``rel`` into one preallocated buffer with parallel ranged reads.
+        """Download ``rel`` into one preallocated buffer with parallel ranged reads: a writable
+        memoryview over a ``bytearray`` holding the raw bytes.
 
-        ``info`` (what :meth:`write_buffer` returned, from the manifest) is validated against
-        the object's real size *before* the buffer is allocated (:func:`.frames.plan_read`).
+        ``info`` (its storage info, what :meth:`write_buffer` returned, from the manifest; None: a
+        plain object) is validated against the object's real size, and ``expected_bytes`` (the raw
+        size the caller expects) checked, *before* the buffer is allocated (:func:`.frames.plan_read`).
         zstd frames are fetched and decompressed in parallel straight into their raw offsets.
         At most ``remote_concurrency`` ranges are in flight.
-
-        Args:
-            rel: relative path of the object.
-            info: its storage info, or None for a plain object.
-            expected_bytes: raw size the caller expects (checked before allocating).
-
-        Returns:
-            A writable memoryview over a ``bytearray`` holding the raw bytes.
 
         Raises:
             FileNotFoundError: ``rel`` does not exist.
@@ -437,16 +429,26 @@ class FsspecStorage(Storage):
 
         out = download(plan, fetch, conc, corrupt)
         dt = time.monotonic() - t0
-        logger.debug("remote tier %s: read %s (%d bytes, %d range(s)) in %.3fs (%.1f MB/s)",
-                     self.display_url, rel, plan.raw_bytes, len(plan.tasks), dt,
-                     plan.raw_bytes / max(dt, 1e-9) / 1e6)
+        logger.debug("remote tier %s: read %s (%d bytes, %d range(s)) in %.3fs (%.1f MB/s)", self.display_url,
+                     rel, plan.raw_bytes, len(plan.tasks), dt, plan.raw_bytes / max(dt, 1e-9) / 1e6)
         return out
 
     def read_small(self, rel: str, max_bytes: int = MAX_SMALL_BYTES) -> bytes:
-        """The whole content of ``rel``, refused once read if larger than ``max_bytes`` (:func:`at_most`)."""
+        """The whole content of ``rel``, one ranged read of ``max_bytes + 1`` bytes at most; larger: refused."""
         path = self._path(rel)
-        return at_most(self._retry("read", rel, lambda attempt: self.fs.cat_file(path, **self._limit(attempt))),
-                       self._where(rel), max_bytes)
+
+        def head(attempt: Attempt) -> bytes:
+            try:
+                return bytes(self.fs.cat_file(path, start=0, end=max_bytes + 1, **self._limit(attempt)))
+            except Exception as e:  # HTTP 416: no byte 0 to range over, an empty object: read it whole
+                if getattr(e, "status_code", None) != 416 and getattr(e, "errno", None) != errno.EINVAL:
+                    raise
+                return bytes(self.fs.cat_file(path, **self._limit(attempt)))
+
+        data = self._retry("read", rel, head)
+        if len(data) > max_bytes:
+            raise too_large(self._where(rel), self.size(rel), max_bytes)
+        return data
 
     def list(self, rel_dir: str = "") -> list[str]:
         """Sorted names (not paths) of the direct children of ``rel_dir``; ``[]`` if missing.
