@@ -43,8 +43,6 @@ job is world-size times the size of a saved one).
 from __future__ import annotations
 
 import logging
-import os
-import uuid
 import weakref
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Optional, Sequence
@@ -56,19 +54,16 @@ from nebula_ckpt.format.commit import (
     commit_manifest,
     committed_writes,
     read_commit,
-    read_committed_manifest,
     shard_path,
 )
 from nebula_ckpt.format.drain import check_records, drain_save_id, encode_part, parse_part
 from nebula_ckpt.format.header import safetensors_header
-from nebula_ckpt.format.manifest import Manifest, encode_manifest, whole_manifest
+from nebula_ckpt.format.manifest import Manifest, encode_manifest
 from nebula_ckpt.format.names import (
-    COMMIT,
     RANKS_FILE,
     drain_part_name,
     records_name,
     shard_name,
-    shard_owner,
     step_dir,
 )
 from nebula_ckpt.native import get_ops
@@ -76,9 +71,9 @@ from nebula_ckpt.ranks.fencing import Fence
 from nebula_ckpt.ranks.split import split_manifest, split_payload
 from nebula_ckpt.restore.open import open_checkpoint, read_manifest
 from nebula_ckpt.save.budget import give_up_memory_steps, note_held
-from nebula_ckpt.save.incremental import whole_image
+from nebula_ckpt.save.resave import copy_as_written, folder_problem, write_whole
 from nebula_ckpt.storage.base import Storage
-from nebula_ckpt.storage.local import LocalStorage, fsync_dir
+from nebula_ckpt.storage.local import LocalStorage
 
 if TYPE_CHECKING:
     from nebula_ckpt.save.writer import TierWriter
@@ -118,26 +113,6 @@ def not_newer(write: Write, have: set[Write], tier: str, skip: frozenset[Write] 
         return (f"{tier} holds step {top[1]} of writer generation {top[0]}, newer than generation {g} that made "
                 f"step {s}: a newer job wrote it, and its steps supersede the memory tier's (nothing written)")
     return f"{tier} holds step {top[1]} of the same writer generation {g}, newer than step {s} (nothing written)"
-
-
-def folder_problem(storage: Storage, write: Write) -> Optional[str]:
-    """Why the step folder of ``write`` on ``storage`` cannot take it: another write committed
-    there, or a newer generation's files (a live job writing that step); None when it can."""
-    g, s, _ = write
-    d = step_dir(s)
-    names = storage.list(d)
-    if COMMIT in names:
-        try:
-            have = read_commit(storage, s, f"{storage.display_url} step {s}").write
-        except Exception as e:
-            return f"step {s} holds an unreadable commit marker ({e})"
-        if have != write:
-            return (f"step {s} is committed there by another write (generation {have[0]}, save {have[2]}); a "
-                    "committed checkpoint is never replaced by persist-memory")
-    newer = sorted({o[0] for o in map(shard_owner, names) if o is not None and o[0] > g})
-    if newer:
-        return f"writer generation {newer[-1]} is writing step {s} there (newer than generation {g})"
-    return None
 
 
 class Drain:
@@ -326,30 +301,6 @@ def canonical_share(man: Manifest, rank: int, data: list[Any]) -> tuple[list[mem
     return parts, records, len(head) + (spans[-1][1] if spans else 0)
 
 
-def write_whole(storage: Storage, rel: str, parts: list[memoryview]) -> dict[str, Any]:
-    """Write ``parts`` back to back as ``rel``, which no reader ever sees partly written: on a file
-    system under a temporary name renamed into place (atomic; a killed writer leaves the temporary
-    file, named like the shard so sweeps know whose it is), on a blob store as one upload (an
-    object appears whole). The storage info."""
-    path = storage.local_path(rel)
-    if path is None:
-        return storage.write_parts(rel, parts)
-    tmp = f"{rel}.drain-{uuid.uuid4().hex[:12]}"
-    try:
-        info = storage.write_parts(tmp, parts)
-        tmp_path = storage.local_path(tmp)
-        assert tmp_path is not None
-        os.replace(tmp_path, path)
-        fsync_dir(os.path.dirname(path))
-    except BaseException:
-        try:
-            storage.remove(tmp)
-        except OSError as e:
-            log.debug("nebula_ckpt: persist-memory: %s", e)
-        raise
-    return info
-
-
 def own_part_drainer(storage: Storage, tier: str, run_id: str) -> Callable[[Write, int, int, str], None]:
     """What a rank of a restarted job runs once a restore pulled lost ranks' copies from their
     partners (a node was lost) and its memory tier kept its copy: ``drain(write, rank, world,
@@ -368,37 +319,13 @@ def own_part_drainer(storage: Storage, tier: str, run_id: str) -> Callable[[Writ
     return drain
 
 
-def copy_as_written(storage: Storage, tier: str, write: Write, src: Storage) -> int:
-    """The one-process step ``write`` from ``src`` (a memory tier's folder) to ``storage``, under its
-    own generation, so it is the same write there (marks and all): verified first; shard, manifest,
-    ``COMMIT`` last. Its bytes. Raises ``NebulaError`` when the folder holds another write's files."""
-    g, s, w = write
-    if (why := folder_problem(storage, write)) is not None:
-        raise NebulaError(why)
-    at = f"{src.display_url} step {s}"
-    open_checkpoint(src, s, "full", at)
-    man = Manifest.parse(read_committed_manifest(src, s, at)[1], at, s)
-    data = [src.read_buffer(shard_path(man, i), dict(sh.storage or {})) for i, sh in enumerate(man.shards)]
-    parts, tensors, nbytes = whole_image(man, data)
-    shard = shard_name(g, 0)
-    info = write_whole(storage, f"{step_dir(s)}/{shard}", parts)
-    out = whole_manifest(man.to_json(), shard={"file": shard, "bytes": nbytes, "storage": info}, tensors=tensors,
-                         generation=g)
-    try:
-        commit_manifest(storage, Fence.past(storage, g).for_tier(storage), s, encode_manifest(out), CommitProgress(),
-                        tier, w)
-    except FileExistsError:
-        if read_commit(storage, s, tier).write != write:
-            raise
-    return nbytes
-
-
 def flush_newest(writers: "list[TierWriter]", monitor: Any = None, who: str = "close()") -> Optional[str]:
     """One process's drain at ``close()``: put the newest committed step on every persistent tier of
     ``writers`` that lacks it (cadence, drops). A disk or remote tier with ``every=N`` (or one that
     dropped saves while busy) would otherwise end the job older than the memory tier, which does
     not survive a reboot. A copy is the same write (an earlier writer's keeps its generation, and
-    with it its marks: :func:`copy_as_written`). A step this process marked suspect
+    with it its marks, and replaces an older write of its step there: :func:`copy_as_written`). A
+    step this process marked suspect
     (or failed to mark so far: its mark is tried again first; ``monitor``: the Checkpointer's
     :class:`~nebula_ckpt.health.monitor.HealthMonitor`, None when read only) is never copied: the newest
     step not marked suspect is put there instead. ``who``: what asks, in log lines (a save short
@@ -431,6 +358,8 @@ def flush_newest(writers: "list[TierWriter]", monitor: Any = None, who: str = "c
                 w.copy_from(src, newest[1])
             else:  # an earlier writer's step (a restart that restored it): under its own generation
                 copy_as_written(w.storage, w.name, newest, src)
+                if any(s >= newest[1] for s in w.incremental.pinned()):  # its base may be a write replaced
+                    w.incremental.forget()  # there (or a step that referred to one): the next save is full
             log.info("nebula_ckpt: %s put the newest step %d on %s", who, newest[1], w.name)
         except Exception as e:
             why = f"the copy of step {newest[1]} to {w.name} failed: {type(e).__name__}: {e}"

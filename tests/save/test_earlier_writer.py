@@ -12,6 +12,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 import nebula_ckpt as nc
@@ -57,3 +58,45 @@ def test_close_copies_an_earlier_writers_step_as_the_same_write_and_its_suspect_
         assert fresh.load_latest(into=into) == 0  # its mark still applies: never restored
         assert float(into["w"][0]) == 0.0
 
+
+
+SAVED_AGAIN = """
+import os, sys, torch, nebula_ckpt as nc
+root = sys.argv[1]
+ck = nc.Checkpointer(root, tiers=[nc.MemoryTier(), nc.LocalTier(root, every=2)], incremental=False)
+ck.save(1, {"w": torch.full((%d,), 1.0)})  # save 0: the memory and disk tiers
+ck.save(1, {"w": torch.full((%d,), 2.0)})  # save 1, the step saved again (a rollback): the memory tier only
+os._exit(0)  # killed: the second write of step 1 lives only in the memory tier
+""" % (N, N)
+
+
+@pytest.mark.parametrize("how", ["close", "budget", "persist-memory"])
+def test_an_earlier_writers_step_saved_again_replaces_its_first_write_on_disk(
+        tmp_path: Path, shm_dir: str, how: str) -> None:
+    root = str(tmp_path / "ck")
+    subprocess.run([sys.executable, "-c", SAVED_AGAIN, root], check=True, timeout=120,
+                   env=dict(os.environ, NEBULA_SHM_DIR=shm_dir))
+    assert _commit(root, 1)["generation"] == 1 and _commit(root, 1)["save"] == 0  # the first write
+    # 2.5 MiB: the memory tier's step 1 (1 MiB), the earlier process's spare slot file (1 MiB, too small for the
+    # new state: not adopted) and step 2 (1.25 MiB) do not fit together: the save puts step 1 on disk first
+    if how == "persist-memory":  # the job ended for good: its epilogue
+        r = subprocess.run([sys.executable, "-m", "nebula_ckpt.cli", "persist-memory", root, "--json"],
+                           capture_output=True, text=True, env=dict(os.environ, NEBULA_SHM_DIR=shm_dir), timeout=120)
+        assert r.returncode == 0 and json.loads(r.stdout)["copied"], (r.stdout, r.stderr)
+    budget = int(2.5 * 4 * N) if how == "budget" else None
+    ck = nc.Checkpointer(root, tiers=[nc.MemoryTier(), nc.LocalTier(root, every=2)], incremental=False,
+                         host_memory_budget=budget)
+    if how == "budget":
+        ck.save(2, {"w": torch.full((N + N // 4,), 3.0)})  # refused before the fix: its copy to disk failed
+    else:
+        state = {"w": torch.zeros(N)}
+        assert ck.load_latest(into=state) == 1 and float(state["w"][0]) == 2.0  # the memory tier's second write
+        ck.prepare(state)
+    ck.close()  # puts the memory tier's newest step on the disk tier (close), or has put it there (budget)
+    assert _commit(root, 1)["generation"] == 1 and _commit(root, 1)["save"] == 1  # the same write, replacing
+    files = sorted(p.name for p in Path(root, "step-1").iterdir())  # the first write's files are gone
+    assert files[:2] == ["COMMIT", "manifest.json"] and len(files) == 3 and files[2].startswith("shard-g1-r0"), files
+    with nc.Checkpointer(root, memory_tier=False, read_only=True) as fresh:
+        into = {"w": torch.zeros(N)}
+        assert fresh.load(1, into=into) == 1 and float(into["w"][0]) == 2.0
+        assert fresh.list() == ([1, 2] if how == "budget" else [1])

@@ -15,11 +15,18 @@ ROOT``) puts the newest step this host's memory tiers hold of the root's run on 
   then step, then the later write of a step saved twice), than every step on the root: a job
   that took the root over since (a newer generation that committed a step) supersedes the
   memory step, and nothing is written (:func:`~nebula_ckpt.save.drain.not_newer`);
+* a step the root holds as the same write counts as there only when a restore can open it (its
+  shards, and those it refers to, at their recorded sizes:
+  :func:`~nebula_ckpt.restore.intact.restore_problem`): a one-process step's memory copy
+  replaces a damaged one as a save of the step replaces a write
+  (:func:`~nebula_ckpt.save.resave.copy_as_written`); a multi-rank step's parts cannot replace a
+  committed step: it says so (NebulaError) and leaves the memory copies, which ``gc`` keeps too;
 * the step a restart restores comes first: when the root's health records mark the newest
   step suspect, a restore skips it and takes the newest one not marked suspect, which may be
   only in memory although newer (suspect) steps are on the root: it is written all the same
   (the newest step then follows, as above);
-* it deletes nothing: no retention of its own, the root's checkpoints all stay;
+* it deletes nothing but what a replaced write leaves (its files, and the steps that refer to its
+  bytes): no retention of its own, the root's other checkpoints all stay;
 * every checksum is verified before a byte is written (a damaged copy is never written).
 
 One process: the step is copied as is, under the root's commit protocol (shard, manifest,
@@ -44,6 +51,7 @@ from nebula_ckpt.format.commit import (
 from nebula_ckpt.format.health import SUSPECT
 from nebula_ckpt.health.book import HealthView
 from nebula_ckpt.ranks.fencing import read_run_id
+from nebula_ckpt.restore.intact import restore_problem
 from nebula_ckpt.restore.open import read_manifest
 from nebula_ckpt.save.drain import Copy, Drain, copy_as_written, not_newer
 from nebula_ckpt.storage.base import Storage
@@ -81,8 +89,10 @@ def persist_memory(root: str, storage_options: Optional[dict[str, Any]] = None,
             multi-rank part that does is left to another node's healthy copy, and named).
         FencedError: a newer generation committed a step on the root while this ran (nothing of
             this run is visible).
-        NebulaError: the step's folder on the root holds another write's ``COMMIT`` (nothing is
-            ever replaced) or a newer generation's files; the root's own errors (``OSError``).
+        NebulaError: the step's folder on the root holds another write's ``COMMIT`` (only an older
+            write of a one-process step, or its own damaged copy, is replaced) or a newer
+            generation's files; the root holds a multi-rank step damaged (nothing written); the
+            root's own errors (``OSError``).
     """
     root_tier = tier_for_root(root, storage_options)
     storage = root_tier.make_storage()
@@ -112,19 +122,47 @@ def _persist(storage: Storage, tier: str, run_id: str, copies: list[Copy], on_pa
     groups: Groups = {}
     for c in copies:
         groups.setdefault((c.write, c.world), []).append(c)
-    have = set(committed_writes(storage))
     held = {w for w, _ in groups}
-    pick = _restored_write(held | have, HealthView(storage))
+    have, broken = _whole_on_root(storage, held)
+    pick = _restored_write(held | have | broken.keys(), HealthView(storage))
     # without suspect marks that is the newest write, newer than the root's or on it: as below
     if pick is None or pick not in held or pick in have or (pick == max(held) and not_newer(pick, have, tier) is None):
-        return _persist_newest(storage, tier, run_id, groups, have, on_part)
-    first = _persist_restored(storage, tier, run_id, groups, have, pick, on_part)
+        return _persist_newest(storage, tier, run_id, groups, have, broken, on_part)
+    first = _persist_restored(storage, tier, run_id, groups, have, broken, pick, on_part)
     if not first["copied"]:  # a newer (suspect) step committed first would keep it off the root for good
         return first
-    rest = _persist_newest(storage, tier, run_id, groups, set(committed_writes(storage)), on_part)
+    rest = _persist_newest(storage, tier, run_id, groups, *_whole_on_root(storage, held), on_part)
     if rest["copied"] or "missing" in rest:
         first["why"] += f"; then {rest['why']}"
     return first
+
+
+def _whole_on_root(storage: Storage, held: set[Write]) -> tuple[set[Write], dict[Write, str]]:
+    """The writes committed on the root, but those that this host's memory tiers hold (``held``)
+    and that a restore cannot open there (:func:`~nebula_ckpt.restore.intact.restore_problem`: a
+    shard missing or cut short, by sizes, no shard byte read); and those, with why. A marker alone
+    does not put a step on the root: its memory copy is still worth writing."""
+    have = set(committed_writes(storage))
+    broken = {w: why for w in sorted(have & held) if (why := restore_problem(storage, w[1])) is not None}
+    for w, why in broken.items():
+        log.warning("nebula_ckpt: persist-memory: the root holds step %d (writer generation %d) but a restore "
+                    "cannot open it: %s", w[1], w[0], why)
+    return have - broken.keys(), broken
+
+
+def _only_here(write: Write, tier: str, broken: dict[Write, str], world: int) -> str:
+    """Where ``write`` was whole before this run, in the result's words: only in memory (the root
+    lacks it, or holds it damaged: ``broken``, and the memory copy replaces that one). Raises
+    where the damaged copy is a multi-rank step's (its parts cannot replace a committed step:
+    nothing is written, this host's memory copies stay, and ``gc`` keeps them too)."""
+    g, s, _ = write
+    if write not in broken:
+        return "was only in memory"
+    if world > 1:
+        raise NebulaError(f"persist-memory: step {s} (writer generation {g}, {world} ranks) is committed on {tier} "
+                          f"but cannot be restored there ({broken[write]}); this host's memory copies are kept (gc "
+                          "keeps them too): restart the job to resume from them, or copy the step's files back")
+    return f"was whole only in memory (the copy on {tier} cannot be restored: {broken[write]}; it is replaced)"
 
 
 def _restored_write(writes: set[Write], view: HealthView) -> Optional[Write]:
@@ -135,22 +173,26 @@ def _restored_write(writes: set[Write], view: HealthView) -> Optional[Write]:
                  if view.mark(w[0], w[1], None if w[2] < 0 else w[2]).state != SUSPECT), None)
 
 
-def _persist_restored(storage: Storage, tier: str, run_id: str, groups: Groups, have: set[Write], pick: Write,
-                      on_part: OnPart) -> dict[str, Any]:
+def _persist_restored(storage: Storage, tier: str, run_id: str, groups: Groups, have: set[Write],
+                      broken: dict[Write, str], pick: Write, on_part: OnPart) -> dict[str, Any]:
     """``pick``, the write a restart restores (the newest not marked suspect), committed on the root
-    that lacks it although newer steps of the run may be there (marked suspect: a restore skips
-    them), a multi-rank one too (:class:`~nebula_ckpt.save.drain.Drain`'s ``skip``)."""
+    that lacks it (or holds it damaged: ``broken``) although newer steps of the run may be there
+    (marked suspect: a restore skips them), a multi-rank one too
+    (:class:`~nebula_ckpt.save.drain.Drain`'s ``skip``)."""
     g, s, _ = pick
     why = f"step {s} is the step a restart restores (the newest not marked suspect)"
     if any(w[0] > g for w in have):
         return _result(pick, False, f"{why}, but {not_newer(pick, have, tier)}")
     world, group = next((k[1], v) for k, v in groups.items() if k[0] == pick)
     if world == 1:
+        only = _only_here(pick, tier, broken, world)
         _copy_one(storage, tier, pick, group[0], on_part)
-        return _result(pick, True, f"{why} and was only in memory; it is committed on {tier}")
+        return _result(pick, True, f"{why} and {only}; it is committed on {tier}")
+    _only_here(pick, tier, broken, world)
     # the newer steps on the root are marked suspect (else pick would be one of them): a restore
     # passes over them, so they keep the step it restores off the root no more than a restart
-    drain = Drain(storage, tier, run_id, pick, world, on_part, skip=frozenset(w for w in have if w > pick))
+    newer = frozenset(w for w in have | broken.keys() if w > pick)
+    drain = Drain(storage, tier, run_id, pick, world, on_part, skip=newer)
     done, missing = drain.run(group)
     if done:
         return _result(pick, True, f"{why} ({world} ranks) and was only in memory; it is committed on {tier}")
@@ -160,17 +202,19 @@ def _persist_restored(storage: Storage, tier: str, run_id: str, groups: Groups, 
 
 
 def _persist_newest(storage: Storage, tier: str, run_id: str, groups: Groups, have: set[Write],
-                    on_part: OnPart) -> dict[str, Any]:
-    """The newest write worth writing (newest first), committed; or why nothing was."""
+                    broken: dict[Write, str], on_part: OnPart) -> dict[str, Any]:
+    """The newest write worth writing (newest first; one the root holds damaged, ``broken``, is
+    written again), committed; or why nothing was."""
     targets = sorted((k for k in groups if not_newer(k[0], have, tier) is None), reverse=True)
     if not targets:
         newest = max(groups)[0]
         return _result(newest, False, not_newer(newest, have, tier) or "")
     waiting: dict[Write, tuple[list[int], dict[int, str]]] = {}
     for write, world in targets:
+        only = _only_here(write, tier, broken, world)
         if world == 1:
             _copy_one(storage, tier, write, groups[(write, world)][0], on_part)
-            return _result(write, True, f"step {write[1]} was only in memory; it is committed on {tier}")
+            return _result(write, True, f"step {write[1]} {only}; it is committed on {tier}")
         drain = Drain(storage, tier, run_id, write, world, on_part)
         done, missing = drain.run(groups[(write, world)])
         if done:

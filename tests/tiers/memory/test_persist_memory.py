@@ -16,7 +16,8 @@ import pytest
 import torch
 
 import nebula_ckpt as nc
-from nebula_ckpt.errors import CorruptCheckpointError, ValidationError
+from nebula_ckpt import knobs
+from nebula_ckpt.errors import CorruptCheckpointError, NebulaError, ValidationError
 from nebula_ckpt.tiers.memory.epilogue import persist_memory
 from nebula_ckpt.tiers.memory.tier import memory_tier_path
 
@@ -314,3 +315,63 @@ def test_overlapping_persist_memory_runs_both_succeed(root: str, shm_dir: str, t
     assert a.returncode == 0 and out_a.strip() == "True", err_a
     assert b.returncode == 0 and out_b.startswith("nothing to copy") and "already" in out_b, (out_b, err_b)
     assert _steps(root) == [1, 2]
+
+
+def _damage(shard: Path, how: str) -> None:
+    """A shard cut short (a torn or partial upload) or lost (an object gone from the bucket)."""
+    if how == "delete":
+        shard.unlink()
+    else:
+        with open(shard, "r+b") as f:
+            f.truncate(shard.stat().st_size - 8)
+
+
+@pytest.mark.parametrize("how", ["truncate", "delete"])
+def test_persist_memory_replaces_the_roots_damaged_copy_of_the_newest_step(root: str, shm_dir: str,
+                                                                           how: str) -> None:
+    """A job died with step 2 committed on the root and in its memory tier; the root's shard of
+    step 2 is then damaged. The root's marker does not make step 2 durable: persist-memory puts
+    the memory copy in the damaged one's place (as a save of the step replaces a write), and the
+    root alone then restores step 2's bytes."""
+    code = textwrap.dedent(f"""
+        import os, torch, nebula_ckpt as nc
+        ck = nc.Checkpointer({root!r}, incremental=False)
+        for s in (1, 2):
+            ck.save(s, {{"w": torch.full((1024,), float(s))}}).result()
+        os._exit(0)
+    """)
+    subprocess.run([sys.executable, "-c", code], env=dict(os.environ, NEBULA_SHM_DIR=shm_dir, PYTHONPATH=str(REPO)),
+                   check=True, timeout=120)
+    damaged = next(Path(root, "step-2").glob("shard-*"))
+    _damage(damaged, how)
+    got = persist_memory(root)
+    assert got["copied"] and got["step"] == 2 and "cannot be restored" in got["why"], got
+    assert not damaged.exists() and len(list(Path(root, "step-2").glob("shard-*"))) == 1
+    with nc.Checkpointer(root, memory_tier=False, read_only=True) as ck:
+        state = {"w": torch.zeros(1024)}
+        assert ck.load_latest(state) == 2
+        assert torch.equal(state["w"], torch.full((1024,), 2.0))
+    again = persist_memory(root)  # whole now: nothing to do
+    assert not again["copied"] and "already" in again["why"], again
+
+
+def test_persist_memory_refuses_a_multi_rank_step_the_root_holds_damaged(tmp_path: Path) -> None:
+    """Two ranks on one node saved steps 1..3 to the memory tier and the root; the root's shard of
+    rank 1 of step 3 is then cut short. A drain's parts cannot replace a committed step: the
+    command says the step cannot be restored there and keeps the memory copies (exit 1), and gc
+    keeps them too."""
+    from nebula_ckpt.cli import main
+    from tests.dist.launch import run_ranks
+
+    root, shm, out = str(tmp_path / "root"), tmp_path / "shm", tmp_path / "out"
+    out.mkdir()
+    done = run_ranks(2, "drain_worker.py", ["save", root, str(out), str(shm), "0,0", "0", "1", "3"], out, str(shm),
+                     timeout=200)
+    assert all(p.returncode == 0 for p in done), [p.stdout[-2000:] for p in done]
+    _damage(next(Path(root, "step-3").glob("shard-*-r1.*")), "truncate")
+    with knobs.override(shm_dir=str(shm / "n0")):
+        with pytest.raises(NebulaError, match=r"step 3 .*cannot be restored there.*memory copies are kept"):
+            persist_memory(root)
+        assert main(["persist-memory", root]) == 1
+        assert main(["gc", root]) == 0
+    assert list(shm.glob("n0/nebula_ckpt-*/*/step-3/COMMIT")), "the memory copies of step 3 are kept"
