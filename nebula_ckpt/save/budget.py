@@ -22,14 +22,16 @@ The budget (``Checkpointer(host_memory_budget=...)``) is:
   pushed into the OOM killer by them.
 
 A save that would exceed it first makes room where that loses nothing (idle buffers of other
-sizes; the memory tier's steps that a persistent tier holds as the same write, or, with no save
-in flight, its newest write once it is put there: :func:`~nebula_ckpt.save.drain.make_room`),
+sizes; the memory tier's steps that a persistent tier holds as the same write, and the replicas
+it holds for partner ranks of writes a shared tier holds committed; or, with no save in flight,
+its newest write once it is put there: :func:`~nebula_ckpt.save.drain.make_room`),
 then waits or is skipped by ``on_full``, with a log line that names the budget. A save that
 waits (``"wait"``) while nothing is in flight and nothing can be freed (:func:`note_held`: what
 holds the memory) never would go ahead: it raises :class:`~nebula_ckpt.errors.ValidationError`
 instead, naming the budget and what holds it (:meth:`HostMemoryBudget.held_error`). A partner rank's replica that
-would exceed it is refused before it is sent (:meth:`~nebula_ckpt.save.buffers.StagingPool.room_for`;
-the partner's handle reports its replica failed). A state that cannot fit even once
+would exceed it (once such redundant replicas went) is refused before it is sent
+(:meth:`~nebula_ckpt.save.buffers.StagingPool.room_for`; the partner's handle reports its replica
+failed). A state that cannot fit even once
 is refused at its first save, before anything is written (:meth:`HostMemoryBudget.check_fits`).
 """
 
@@ -291,16 +293,25 @@ def give_up_memory_steps(writers: Sequence[Any]) -> bool:
     saved again that the persistent tier's cadence skipped is there only as its older write), while
     the memory tier's writer is idle (``TierWriter.remove``: marker first, a step a later one
     refers to once none does). The memory tier then holds nothing until the next save commits
-    there; a crash meanwhile restores the same write from the persistent tier. True if any step went."""
+    there; a crash meanwhile restores the same write from the persistent tier. The replicas the
+    memory tier holds for partner ranks of writes a shared persistent tier holds committed go too
+    (:func:`add_giver`). True if any step went."""
     persistent = [w for w in writers if w.tier.persistent]
     gone = False
     for w in writers:
-        if w.tier.persistent or w.in_flight() or not persistent:
+        if w.tier.persistent or not persistent:
+            continue
+        giver = _GIVERS.get(str(getattr(w.runtime, "folder", "")))
+        if giver is not None and giver():
+            log.info("nebula_ckpt: memory tier %s gives up the replicas it held of steps a shared tier holds as the "
+                     "same write, to stay within the host-memory budget", w.name)
+            gone = True
+        if w.in_flight():
             continue
         try:
             for step in committed_steps(w.storage):
                 write = read_commit(w.storage, step, f"tier {w.name} step {step}").write
-                if any(_holds(p.storage, write) for p in persistent) and w.remove(step):
+                if any(holds_write(p.storage, write) for p in persistent) and w.remove(step):
                     log.info("nebula_ckpt: memory tier %s gives step %d up to stay within the host-memory budget "
                              "(the same write of it is committed on a persistent tier too)", w.name, step)
                     gone = True
@@ -309,7 +320,25 @@ def give_up_memory_steps(writers: Sequence[Any]) -> bool:
     return gone
 
 
-def _holds(storage: Any, write: Write) -> bool:
+#: what else a memory tier gives up where that loses nothing, by its folder: the replicas it holds
+#: for partner ranks whose write a shared tier holds committed (:func:`add_giver`)
+_GIVERS: dict[str, Callable[[], bool]] = {}
+
+
+def add_giver(folder: str, give_up: Callable[[], bool]) -> None:
+    """Let :func:`give_up_memory_steps` call ``give_up()`` for the memory tier of ``folder`` (the
+    replicas' :meth:`~nebula_ckpt.tiers.memory.replicas.Replicator.give_up`: True if it freed
+    anything), until :func:`drop_giver`."""
+    _GIVERS[folder] = give_up
+
+
+def drop_giver(folder: str, give_up: Callable[[], bool]) -> None:
+    """Undo :func:`add_giver` of ``give_up`` (another one added since for ``folder`` stays)."""
+    if _GIVERS.get(folder) == give_up:
+        del _GIVERS[folder]
+
+
+def holds_write(storage: Any, write: Write) -> bool:
     """Whether ``storage`` holds ``write`` (generation, step, save) committed: the first write of a
     step saved twice does not make the second safe."""
     try:

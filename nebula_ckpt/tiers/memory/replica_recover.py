@@ -28,7 +28,9 @@ the restore's tensors are those pages, and training changes them. Not kept (warn
 reached this rank's memory tier first (that save's round makes new copies).
 
 Two exchanges in all when nothing is damaged: the views (a gather of objects), then the outcome
-of the one pull round (two flags per rank, one small collective); the keep round adds one.
+of the one pull round (two flags per rank, one small collective); the keep round adds one, and so
+does a restore of the newest step that leaves suspect steps out (the writes rank 0 leaves out,
+which are then neither planned nor pulled: :func:`choose`).
 """
 
 from __future__ import annotations
@@ -51,12 +53,16 @@ log = logging.getLogger(__name__)
 
 #: ``(writer generation, step, save)``: one write of a step (:attr:`~nebula_ckpt.format.commit.Commit.write`)
 Order = Write
+#: ``(generation, step, save) -> bool``: whether a restore leaves that write out (a suspect step)
+Skip = Callable[[int, int, int], bool]
 
 
 def recover(rp: Replication, shared: list[Order], step: Optional[int],
-            among: Optional[Sequence[int]]) -> dict[str, Any]:
+            among: Optional[Sequence[int]], skip: Optional[Skip] = None) -> dict[str, Any]:
     """Make the newest step every rank can get present in every rank's memory tier or a shared
-    tier (a collective; see the module docstring).
+    tier (a collective; see the module docstring). ``skip(generation, step, save)``: whether
+    this rank leaves that write out (rank 0 with the health marks: a suspect step); every rank
+    passes one, or none, alike (:func:`choose`).
 
     Returns:
         ``{"step", "generation", "save", "sources", "checked", "pulled", "keep"}`` (``generation``,
@@ -70,7 +76,7 @@ def recover(rp: Replication, shared: list[Order], step: Optional[int],
     views = rp.channel.gather(_view(rp, shared))
     excluded: set[Order] = set()
     while True:
-        target = recovery.choose_target(views, step, among, excluded)
+        target = choose(rp, views, step, among, excluded, skip)
         if target is None:
             return {"step": None, "generation": None, "save": None, "sources": [None] * rp.world,
                     "checked": False, "pulled": None, "keep": None}
@@ -91,6 +97,25 @@ def recover(rp: Replication, shared: list[Order], step: Optional[int],
         log.warning("nebula_ckpt: step %d cannot be had by rank(s) %s (every holder lost or damaged); "
                     "trying an older step", target[1], [r for r in range(rp.world) if r not in got])
         excluded.add(target)
+
+
+def choose(rp: Replication, views: list[dict[str, Any]], step: Optional[int], among: Optional[Sequence[int]],
+           excluded: set[Order], skip: Optional[Skip]) -> Optional[Order]:
+    """The write the ranks try next: the newest every rank can get, less ``excluded`` and, with
+    ``skip``, the writes a rank leaves out. Those are asked in a restore's order, newest first,
+    and only down to the first write no rank leaves out (what ``skip`` is asked about is what
+    the restore skipped), then gathered (a collective: with ``skip``, every rank calls it alike)
+    and added to ``excluded``. So the round never pulls a step the restore would not open, and
+    an older step every rank can get is pulled instead."""
+    if skip is not None:
+        mine: list[Order] = []
+        while True:
+            o = recovery.choose_target(views, step, among, excluded | set(mine))
+            if o is None or not skip(*o):
+                break
+            mine.append(o)
+        excluded |= {(int(g), int(s), int(w)) for seen in rp.channel.gather(mine) for g, s, w in seen}
+    return recovery.choose_target(views, step, among, excluded)
 
 
 def _get_everywhere(rp: Replication, views: list[dict[str, Any]], target: Order,

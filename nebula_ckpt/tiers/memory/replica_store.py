@@ -19,7 +19,9 @@ now (an earlier job's partners, another world size) go once this job's first rep
 visible here. An older replica's shard files are not freed but kept as that
 rank's *spares* (``M/replicas/.spare-r<R>/``, never listed by a reader, removed by the next start):
 the next copy of that rank is received into them, whose memory pages then exist already (on a
-tmpfs, allocating and zeroing fresh pages costs more CPU than the bytes' transfer). So a rank holds
+tmpfs, allocating and zeroing fresh pages costs more CPU than the bytes' transfer). A host-memory
+budget that is short frees the spares and the replicas of writes a shared tier holds committed
+(:meth:`ReplicaStore.give_up`). So a rank holds
 at most ``keep + 1`` steps of each rank it is a partner of (the extra one: the spares, or the copy
 being received into them).
 """
@@ -31,7 +33,7 @@ import os
 import re
 import shutil
 import uuid
-from typing import Collection, Mapping, Optional
+from typing import Callable, Collection, Mapping, Optional
 
 import torch
 
@@ -254,6 +256,34 @@ class ReplicaStore:
                 self._drop(rank, s)
                 gone.append((rank, s))
         return gone
+
+    def give_up(self, holds: Callable[[Write], bool]) -> bool:
+        """Free the replicas whose write ``(generation, step, save)`` ``holds`` says a shared tier
+        holds committed (they protect nothing against a node loss), commit markers first, their
+        files freed (not kept as spares), and every rank's spares (a host-memory budget that is
+        short needs the room more than the next copy needs their pages); whether anything went.
+        Every replica is whole, so none needs another that goes. The caller keeps
+        the rounds away meanwhile (:meth:`~nebula_ckpt.tiers.memory.replicas.Replicator.give_up`)."""
+        gone = []
+        for rank in sorted(self.held()):  # held(): planted links are not listed
+            d = self.source_dir(rank)
+            for g, s, w in writes(d):
+                if holds((g, s, w)):
+                    sd = os.path.join(d, step_dir(s))
+                    try:
+                        os.unlink(os.path.join(sd, COMMIT))
+                    except OSError:
+                        pass
+                    shutil.rmtree(sd, ignore_errors=True)
+                    gone.append((rank, s))
+        spares = [n for n in (os.listdir(self.base) if os.path.isdir(self.base) else []) if n.startswith(SPARE_PREFIX)]
+        for n in spares:
+            _remove(os.path.join(self.base, n))
+        if gone or spares:
+            log.info("nebula_ckpt: %s: gave up the replicas (rank, step) %s, which a shared tier holds as the same "
+                     "write, and %d rank(s)' spare files, to stay within the host-memory budget", self.base, gone,
+                     len(spares))
+        return bool(gone or spares)
 
     def _drop(self, rank: int, step: int) -> None:
         """Remove the replica of ``step`` of ``rank``: its commit marker first (no reader takes it from

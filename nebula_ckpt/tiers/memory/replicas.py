@@ -45,11 +45,14 @@ import torch.distributed as dist
 
 from nebula_ckpt import knobs
 from nebula_ckpt.errors import PersistError, ValidationError
+from nebula_ckpt.format.commit import Write
 from nebula_ckpt.latch import Latch
+from nebula_ckpt.ranks.distributed import meeting
 from nebula_ckpt.ranks.partners import choose_partners, node_id, pack_node_id, sources_of, unpack_node_id
+from nebula_ckpt.save import budget
 from nebula_ckpt.tiers.memory import recovery
 from nebula_ckpt.tiers.memory.replica_channel import Channel, Replication
-from nebula_ckpt.tiers.memory.replica_recover import keep_pulled, recover
+from nebula_ckpt.tiers.memory.replica_recover import Skip, keep_pulled, recover
 from nebula_ckpt.tiers.memory.replica_save import replicate
 from nebula_ckpt.tiers.memory.replica_store import ReplicaStore
 
@@ -107,6 +110,9 @@ class Replicator:
             a node loss, kept in its memory tier ``folder``, on the shared tier (None: nothing).
         budget_room: why ``n`` more bytes of host memory do not fit in this rank's host-memory
             budget now, or None (a partner's copy beyond it is refused; None: no budget).
+        holds: whether a shared persistent tier holds a write ``(generation, step, save)``
+            committed (None: there is none such). A replica of such a write protects nothing against a node
+            loss: it is given up where the budget is short (:meth:`give_up`).
 
     Raises:
         ValidationError: the job runs on fewer than ``k + 1`` nodes (on every rank alike).
@@ -114,7 +120,8 @@ class Replicator:
 
     def __init__(self, folder: Optional[str], k: int, keep: int, group: Any,
                  after_loss: Optional[AfterLoss] = None,
-                 budget_room: Optional[Callable[[int], Optional[str]]] = None) -> None:
+                 budget_room: Optional[Callable[[int], Optional[str]]] = None,
+                 holds: Optional[Callable[[Write], bool]] = None) -> None:
         channel = Channel(dist.get_process_group_ranks(group), dist.get_rank(group),
                           float(knobs.get("replica_timeout_s")))
         self.rank, self.world = channel.rank, channel.world
@@ -124,8 +131,13 @@ class Replicator:
         store = ReplicaStore(folder) if folder else None
         if store is not None:
             store.sweep()
+        self._budget_room, self._holds = budget_room, holds
         self._rp = Replication(channel, folder, store, k, max(1, keep), partners_all[self.rank],
-                               sources_of(partners_all, self.rank), budget_room=budget_room)
+                               sources_of(partners_all, self.rank),
+                               budget_room=None if budget_room is None else self._room)
+        #: held by the replicas' thread while a round (or remove()) uses the replicas held: the
+        #: budget gives none up meanwhile (:meth:`give_up`)
+        self._store_lock = threading.RLock()
         self.partners, self.sources = self._rp.partners, self._rp.sources
         self._saves: dict[int, SaveRound] = collections.defaultdict(SaveRound)
         self._tasks: collections.deque[tuple[str, Any]] = collections.deque()
@@ -137,6 +149,8 @@ class Replicator:
         self._drainer: Optional[threading.Thread] = None
         self._thread = threading.Thread(target=self._run, name="nebula-replicas", daemon=True)
         self._thread.start()
+        if folder and holds is not None:  # a save short of the host-memory budget gives replicas up too
+            budget.add_giver(folder, self.give_up)
         log.info("nebula_ckpt: rank %d on node %s: memory-tier replicas on rank(s) %s; holding rank(s) %s",
                  self.rank, self.node, self.partners, self.sources)
 
@@ -165,18 +179,31 @@ class Replicator:
             self._cond.notify_all()
 
     def recover(self, shared: Sequence[tuple[int, int, int]], step: Optional[int] = None,
-                among: Optional[Sequence[int]] = None) -> dict[str, Any]:
+                among: Optional[Sequence[int]] = None, skip: Optional[Skip] = None) -> dict[str, Any]:
         """Make the newest step every rank can get present in every rank's memory tier or a shared
         tier, pulling lost copies from their holders (a collective; every rank calls it). Returns
-        :func:`~nebula_ckpt.tiers.memory.replica_recover.recover`'s answer."""
+        :func:`~nebula_ckpt.tiers.memory.replica_recover.recover`'s answer. ``skip(generation,
+        step, save)``: the writes the restore leaves out on this rank (``load_latest``: rank 0
+        leaves suspect steps out); every rank passes one, or none, alike.
+
+        Raises:
+            PersistError: a rank died or stalled during the round (gloo's error of the replicas'
+                channel, as a restore's other collectives say it, naming this rank, its node and
+                its partners).
+        """
         box: dict[str, Any] = {}
         done = Latch()  # the training thread waits: a Ctrl-C there leaves no lock the thread needs held
         with self._cond:
-            self._tasks.append(("recover", (list(shared), step, among, box, done)))
+            self._tasks.append(("recover", (list(shared), step, among, skip, box, done)))
             self._cond.notify_all()
         done.wait()
         if "error" in box:
-            raise box["error"]
+            e = box["error"]
+            if isinstance(e, RuntimeError):  # gloo: a closed connection, a timeout
+                with meeting(self.rank, during=f"the memory-tier replicas' recover round, whose channel waits "
+                             f"NEBULA_REPLICA_TIMEOUT_S: {self._where()}"):
+                    raise e
+            raise e
         return dict(box["result"])
 
     def forget(self, steps: Sequence[int]) -> None:
@@ -192,8 +219,38 @@ class Replicator:
                 self._tasks.append(("forget", (list(steps), done)))
                 self._cond.notify_all()
         if not alive:
-            self._forget_task(list(steps), done)
+            with self._store_lock:
+                self._forget_task(list(steps), done)
         done.wait()
+
+    def give_up(self) -> bool:
+        """Drop the replicas this rank holds whose write a shared persistent tier holds committed
+        (the ``holds`` of the class), and the spare files of those it pruned: they protect
+        nothing against a node loss, and a save short of the host-memory budget needs the room
+        (:func:`~nebula_ckpt.save.budget.give_up_memory_steps`, on the training thread). Never
+        during a round, nor while a keep round waits (it sends from the replicas held): the save
+        asks again. True if anything went."""
+        store = self._rp.store
+        if store is None or self._holds is None or not self._store_lock.acquire(blocking=False):
+            return False
+        try:
+            with self._cond:
+                if self._keep is not None:
+                    return False
+            return bool(store.give_up(self._holds))
+        finally:
+            self._store_lock.release()
+
+    def _room(self, nbytes: int) -> Optional[str]:
+        """Why a partner's copy of ``nbytes`` does not fit in this rank's budget (None: it does),
+        after giving up the replicas a shared tier holds as the same write when it does not
+        (in a save round, on the replicas' thread)."""
+        assert self._budget_room is not None
+        short = self._budget_room(nbytes)
+        if short is not None and self._holds is not None and self._rp.store is not None and \
+                self._rp.store.give_up(self._holds):
+            short = self._budget_room(nbytes)
+        return short
 
     def _forget_task(self, steps: list[int], done: Latch) -> None:
         try:
@@ -210,6 +267,8 @@ class Replicator:
 
     def close(self, timeout: Optional[float] = None) -> None:
         """Finish the rounds of every save submitted, then stop the thread."""
+        if self._rp.folder:
+            budget.drop_giver(self._rp.folder, self.give_up)
         with self._cond:
             self._tasks.append(("end", None))
             self._cond.notify_all()
@@ -244,25 +303,25 @@ class Replicator:
                     continue  # woken for a keep round not due yet
                 else:
                     kind, arg = self._tasks.popleft()
-            if keep is not None:
-                self._keep_task(keep[0])
-                continue
-            if kind == "end":
+            if keep is None and kind == "end":
                 return
-            if kind == "save":
-                with self._cond:
-                    save = self._saves.pop(arg)
-                self._save_round(save)
-            elif kind == "forget":
-                self._forget_task(*arg)
-            else:
-                self._recover_task(*arg)
+            with self._store_lock:  # the budget gives up no replica a round uses (give_up)
+                if keep is not None:
+                    self._keep_task(keep[0])
+                elif kind == "save":
+                    with self._cond:
+                        save = self._saves.pop(arg)
+                    self._save_round(save)
+                elif kind == "forget":
+                    self._forget_task(*arg)
+                else:
+                    self._recover_task(*arg)
 
     def _recover_task(self, shared: list[tuple[int, int, int]], step: Optional[int], among: Optional[Sequence[int]],
-                      box: dict[str, Any], done: Latch) -> None:
+                      skip: Optional[Skip], box: dict[str, Any], done: Latch) -> None:
         keep = None
         try:
-            result = self._guarded(lambda: recover(self._rp, shared, step, self._among_all(among)))
+            result = self._guarded(lambda: recover(self._rp, shared, step, self._among_all(among), skip))
             keep = result.pop("keep", None)
             box["result"] = result
         except BaseException as e:
@@ -380,9 +439,17 @@ class Replicator:
         the job died or stalled) names this rank, its node and its partners."""
         if isinstance(e, PersistError) or not isinstance(e, (RuntimeError, OSError)):  # says what it is already
             return f"{type(e).__name__}: {e}"
-        partners = ", ".join(f"rank {p} on node {_short(self.nodes[p])}" for p in self.partners)
         return (f"rank {self.rank} on node {_short(self.node)}: the replicas' channel failed (a rank of the job "
-                f"died or stalled; this rank's partners: {partners}): {type(e).__name__}: {e}")
+                f"died or stalled; this rank's partners: {self._partners()}): {type(e).__name__}: {e}")
+
+    def _partners(self) -> str:
+        return ", ".join(f"rank {p} on node {_short(self.nodes[p])}" for p in self.partners)
+
+    def _where(self) -> str:
+        """This rank, its node, its partners and the ranks it holds copies for, in words."""
+        sources = ", ".join(f"rank {s} on node {_short(self.nodes[s])}" for s in self.sources)
+        return (f"rank {self.rank} on node {_short(self.node)}; its copies are held by {self._partners()}; it holds "
+                f"those of {sources or 'no rank'}")
 
     def _superseded(self) -> bool:
         """Whether a newer save is already in this rank's memory tier (this one is then not sent:
@@ -416,5 +483,7 @@ def start_replicator(tiers: Sequence[Any], runtimes: Sequence[Any], coordinator:
                               "node: use replicas=0")
     rt = next((r for r in runtimes if r.tier is mem), None)
     folder = getattr(rt, "folder", None) if rt is not None else None
+    shared = [r.storage for r in runtimes if r.persistent and r.tier.shared]
+    holds = (lambda write: any(budget.holds_write(st, write) for st in shared)) if shared else None
     return Replicator(folder if folder and os.path.isdir(folder) else None, k, mem.keep_last or 1, coordinator.group,
-                      after_loss, budget_room)
+                      after_loss, budget_room, holds)
