@@ -34,6 +34,7 @@ from nebula_ckpt.errors import ValidationError
 from nebula_ckpt.latch import Latch
 from nebula_ckpt.native import get_ops
 from nebula_ckpt.save.budget import HostMemoryBudget, folder_ram_bytes, held_by
+from nebula_ckpt.save.slot_claim import SlotClaim
 from nebula_ckpt.save.slots import (
     POOLS,
     Slot,
@@ -46,7 +47,7 @@ from nebula_ckpt.save.slots import (
     unlink_spares,
 )
 from nebula_ckpt.storage.prefault import FaultAhead, threads_for
-from nebula_ckpt.tiers.memory.runtime import own_spare_slot_files
+from nebula_ckpt.tiers.memory.runtime import mapped_by_garbage, own_spare_slot_files
 
 #: states at least this large never create a memory-tier slot file on the training thread: a save
 #: with no slot file ready stages in an anonymous buffer while the next slot file is made in the
@@ -61,17 +62,6 @@ __all__ = ["Slot", "StagingPool"]
 log = logging.getLogger(__name__)
 
 _ROUND = 2 << 20
-
-
-class SlotClaim:
-    """What one save took from the pool and has not handed on yet: its slot, set by the pool in the
-    same step that marks the slot in use (no point between them where a signal handler's exception
-    can land), so a save cut anywhere after that still knows which slot to give back."""
-
-    __slots__ = ("slot",)
-
-    def __init__(self) -> None:
-        self.slot: Optional[Slot] = None
 
 
 class StagingPool:
@@ -209,6 +199,7 @@ class StagingPool:
         self.check_fits(nbytes)
         reclaimed = told = False
         freed, stuck = reclaim is not None, None  # stuck: since when nothing in flight can free memory
+        collected: set[str] = set()  # idle slot files a garbage collection was run for (once each)
         while True:
             with self._mutex:
                 self._short = None
@@ -217,6 +208,8 @@ class StagingPool:
                     return slot
                 self._copies_idle.set()  # no copy follows
                 short = self._short is not None
+                if mapped_by_garbage([s.path for s in self._slots if s.path and not s.in_use], collected):
+                    continue  # an idle slot file that only a reference cycle still mapped is free again
                 if reclaimed or reclaim is None:
                     if self.on_full == "skip":
                         return None

@@ -9,6 +9,8 @@ a budget too small for one state; the memory tier alone (which needs two).
 
 from __future__ import annotations
 
+import gc
+import glob
 import json
 import os
 import subprocess
@@ -20,6 +22,7 @@ import torch
 
 import nebula_ckpt as nc
 from nebula_ckpt.save.budget import HostMemoryBudget, machine_memory
+from nebula_ckpt.storage.local import LocalStorage
 from proc_lines import json_child
 
 CHILD = os.path.join(os.path.dirname(__file__), "budget_child.py")
@@ -153,3 +156,33 @@ def test_a_step_saved_again_is_given_up_only_once_the_disk_holds_that_write(tmp_
     with nc.Checkpointer(root, tiers=[nc.LocalTier(root)]) as disk:  # the disk alone: the newest write too
         assert float(disk.read(5)[1]["w"][0]) == 50.0
     assert "put the newest step 5 on" in out["log"], out["log"][-3000:]
+
+
+def test_a_slot_file_only_garbage_still_maps_is_staged_in_again(tmp_path, shm_dir) -> None:  # noqa: ANN001
+    # A save short of the budget puts the memory tier's newest step on the disk, which maps the
+    # step's shard (a staging slot file), then gives the step up. A reference cycle can keep that
+    # mapping alive until the collector runs (a remote tier's caught FileNotFoundError of a listing
+    # holds the copy's frames): the slot file, linked by no checkpoint any more, is staged in by the
+    # next save, never counted as memory nothing can free (refused after 2 s).
+    root = str(tmp_path / "ck")
+    mem = nc.MemoryTier(keep_last=2)
+    tiers = [mem, nc.LocalTier(root, keep_last=2, every=3)]
+    gc.disable()  # the collector running on its own would free the mapping by chance
+    try:
+        with nc.Checkpointer(root, tiers=tiers, host_memory_budget=int(1.5 * (1 << 20)), on_full="wait") as ck:
+            ck.save_async(3, {"w": torch.full((1 << 18,), 3.0)}).result()
+            ck.save_async(5, {"w": torch.full((1 << 18,), 5.0)}).result()
+            assert mem.path is not None
+            (shard,) = glob.glob(os.path.join(mem.path, "step-5", "shard-*"))
+            reader = LocalStorage(mem.path, private=True, fsync=False, hold_reads=True)
+            cycle: list[Any] = [reader.read_buffer(os.path.relpath(shard, mem.path))]  # as the copy maps it
+            cycle.append(cycle)
+            del cycle
+            h = ck.save_async(7, {"w": torch.full((1 << 18,), 7.0)})
+            h.result()
+            assert h.tiers_written == [f"memory:{mem.path}"] and ck.list() == [3, 5, 7]
+            assert ck.stats()["host_memory_bytes"] <= 1.5 * (1 << 20)
+        with nc.Checkpointer(root, tiers=[nc.LocalTier(root)]) as disk:  # step 5 went to the disk first
+            assert float(disk.read(5)[1]["w"][0]) == 5.0
+    finally:
+        gc.enable()

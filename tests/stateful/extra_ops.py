@@ -39,12 +39,6 @@ from stateful.procs import REPO
 if TYPE_CHECKING:
     from stateful.machine import Single
 
-#: a defect of the library, open: under a host-memory budget with the root's RemoteTier as the persistent
-#: tier, a save after make-room is refused, the memory tier's idle staging slot file counted ("holds
-#: step(s) []"; test_regressions.py::test_a_budget_with_a_remote_persistent_tier_saves_after_making_room):
-#: ``toggle_zstd`` stays out of budget sequences while it is open (False once fixed)
-REMOTE_UNDER_BUDGET = True
-
 #: the command line tool of the interpreter running the driver (the venv's; PYTHONPATH is passed on)
 CLI = os.path.join(os.path.dirname(sys.executable), "nebula-ckpt")
 
@@ -168,7 +162,7 @@ class ExtraOps:
         return {"code": r.returncode, "stdout": r.stdout, "stderr": r.stderr[-4000:]}
 
     # -- zstd on the disk tier, toggled between jobs -----------------------------------------------
-    @precondition(lambda self: self.job is None and not (REMOTE_UNDER_BUDGET and self.tiers.get("budget")))
+    @precondition(lambda self: self.job is None)
     @rule()
     def toggle_zstd(self: "Single") -> None:
         """The jobs from now on write the disk tier zstd-compressed (a ``file://`` ``RemoteTier`` on

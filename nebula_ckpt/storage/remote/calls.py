@@ -61,4 +61,7 @@ def call_with_retries(fn: Callable[[Attempt], T], *, op: str, rel: str, url: str
                         elapsed_s=out.elapsed_s if out.out_of_time else None,
                         deadline_s=policy.timeout_s if out.out_of_time else None)
     out.failure = None  # keep the unscrubbed exception out of the traceback's frames
-    raise err
+    try:
+        raise err
+    finally:  # err's traceback holds this frame: no cycle keeps the caller's frames (a mapping) alive
+        del err

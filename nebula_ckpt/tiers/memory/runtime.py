@@ -2,19 +2,21 @@
 
 Its slot files, at the end of this module: staging buffers that are files of the tier's
 ``slots/`` folder, so that a save's memory-tier step links them instead of copying. Those left by
-processes that are gone are taken over (:func:`sweep_slot_files`), and a process's idle ones are
-found again (:func:`own_spare_slot_files`)."""
+processes that are gone are taken over (:func:`sweep_slot_files`), a process's idle ones are found
+again (:func:`own_spare_slot_files`), and an idle one that only this process's garbage still maps is
+freed for staging (:func:`mapped_by_garbage`)."""
 
 from __future__ import annotations
 
 import contextlib
 import errno
+import gc
 import logging
 import mmap
 import os
 import stat
 import weakref
-from typing import Any, Iterator, Optional
+from typing import Any, Iterable, Iterator, Optional
 
 from nebula_ckpt import knobs
 from nebula_ckpt.format.commit import committed_writes
@@ -357,3 +359,33 @@ def own_spare_slot_files(slot_dir: str, exclude: set[str]) -> list[tuple[str, in
                 and not read_elsewhere(path):
             out.append((path, st.st_size))
     return out
+
+
+def mapped_by_garbage(paths: Iterable[str], collected: set[str]) -> bool:
+    """Whether a garbage collection let go of the last mapping of one of ``paths`` (this process's
+    idle slot files) that no checkpoint links any more but a mapping still reads; each is collected
+    for once (``collected``: those collected for already, updated).
+
+    A copy of a memory-tier step to a slower tier (``close()``, or a save short of the host-memory
+    budget putting the newest step there before it is given up) maps the step's shard, a slot
+    file. A reference cycle can keep that mapping after the copy returned (a caught exception's
+    traceback holds the copy's frames), until the collector runs: the file would count as held
+    memory and never be staged in again, and a save short of the budget would find nothing to
+    free. A mapping that something still uses (a restore's tensors) stays, and so does the file.
+    """
+    held = []
+    for path in paths:
+        try:
+            unlinked = path not in collected and os.lstat(path).st_nlink == 1
+        except FileNotFoundError:
+            continue
+        if unlinked and read_elsewhere(path):
+            held.append(path)
+    if not held:
+        return False
+    collected.update(held)
+    gc.collect()
+    freed = [p for p in held if not read_elsewhere(p)]
+    if freed:
+        log.debug("nebula_ckpt: slot file(s) %s: their last mappings were garbage; staged in again", freed)
+    return bool(freed)
