@@ -7,9 +7,10 @@ healthy step is read, as a restart would: the copies are tried in the restore's 
 run abandoned by a rollback never wins, then the newest step, then the fastest tier), the steps
 marked suspect are skipped as ``load_latest`` skips them
 (:class:`~nebula_ckpt.restore.select.HealthChoice`), and a damaged copy passes to the next (a
-copy a job saved again while it was read is read again, its new write). The skipped copies are
-named on stderr. ``--step N`` reads ``N`` whatever its mark (a suspect one
-is said so on stderr).
+copy a job saved again while it was read is read again, its new write; one removed while it was
+read, by a job's retention beside the command, is left out, and the root is listed again when
+nothing else opened, as ``verify`` does). The skipped copies are named on stderr. ``--step N``
+reads ``N`` whatever its mark (a suspect one is said so on stderr).
 
 A multi-rank job's memory tier holds each rank's own part of a step (one rank's memory-tier
 copy, the first copy in the restore's order): never the choice while a whole copy of the step is
@@ -23,7 +24,7 @@ from __future__ import annotations
 import argparse
 from typing import Callable, Optional, TypeVar, Union
 
-from nebula_ckpt.cli.common import commit_state, note, open_tiers, ranks_text
+from nebula_ckpt.cli.common import RELIST_ROUNDS, commit_state, note, open_tiers, ranks_text
 from nebula_ckpt.errors import NebulaError
 from nebula_ckpt.format.commit import step_dirs
 from nebula_ckpt.format.health import SUSPECT
@@ -92,11 +93,13 @@ def _where(c: Candidate) -> str:
     return f"tier {c.tier.name} step {c.step}"
 
 
-def candidates(args: argparse.Namespace, tiers: list[tuple[Tier, Storage]]) -> tuple[list[Candidate], list[str]]:
+def candidates(args: argparse.Namespace, tiers: list[tuple[Tier, Storage]],
+               gone: Optional[list[Candidate]] = None) -> tuple[list[Candidate], list[str]]:
     """The copies that may answer ``--step`` / ``--tag`` / latest, in the order a restore tries them
     (:func:`~nebula_ckpt.restore.select.list_candidates`; ``--tag``: its newest step first, as
-    ``load(tag=...)``), and the tags seen on the way (for the error when none matches)."""
-    ordered = list_candidates(tiers, steps=_committed)
+    ``load(tag=...)``), and the tags seen on the way (for the error when none matches). ``gone``:
+    gets each step listed whose commit marker was removed before it was read (a job's retention)."""
+    ordered = list_candidates(tiers, steps=_committed, unmarked=gone)
     if isinstance(args.step, int):
         return [c for c in ordered if c.step == args.step], []
     if args.tag is None:
@@ -124,19 +127,46 @@ def open_chosen(args: argparse.Namespace, opener: Callable[[Storage, int, str], 
     job's step: this process cannot agree on it with the other ranks as a restart does, and it
     lacks their keys. It is named on stderr as what it is, never as damage. ``one_rank_ok``: a
     ``--step N`` that only such copies hold is read from the first of them, with a note (``inspect``);
-    else it is refused, saying so (``export`` needs every rank's part).
+    else it is refused, saying so (``export`` needs every rank's part). A copy removed while it
+    was read (a job's retention beside the command) is left out, named on stderr, never as
+    damage; when nothing opened and one was, the root is listed again (:data:`RELIST_ROUNDS`
+    times at most), as ``verify`` does.
 
     Raises:
         NebulaError: nothing healthy answers, naming every copy tried and why, or the tags
-            there are when none matches ``--tag``.
+            there are when none matches ``--tag``; or what answered was removed while it was read.
     """
     tiers = open_tiers(args.root, args.storage_options)
     view = HealthView(tiers[-1][1]) if tiers else None  # the records are on the root's own tier (listed last)
-    choice = HealthChoice(view, skip_suspect=not isinstance(args.step, int) and args.tag is None)
-    found, tags = candidates(args, tiers)
-    # a marker that cannot be read is damage, named whatever the order says (as a restore does)
-    errors = [f"{_where(c)}: {c.problem}" for c in found if c.problem is not None]
-    parts: list[tuple[Candidate, str]] = []
+    removed: list[Candidate] = []
+    for _ in range(RELIST_ROUNDS):
+        choice = HealthChoice(view, skip_suspect=not isinstance(args.step, int) and args.tag is None)
+        gone: list[Candidate] = []
+        found, tags = candidates(args, tiers, gone)
+        # a marker that cannot be read is damage, named whatever the order says (as a restore does)
+        errors = [f"{_where(c)}: {c.problem}" for c in found if c.problem is not None]
+        parts: list[tuple[Candidate, str]] = []
+        got = _first_whole(found, opener, choice, errors, parts, gone)
+        if got is None and one_rank_ok and isinstance(args.step, int):
+            got = _first_part(parts, opener, choice, errors, gone)
+        if got is not None:
+            return got[0]
+        for c in gone:
+            note(f"{_where(c)} was removed while it was read (retention, remove() or gc); left out")
+        removed += gone
+        if not gone:
+            break
+    if removed and not (errors or parts or choice.skipped):  # else the steps still there say why
+        raise _removed(args, removed)
+    raise _nothing(args, tiers, found, tags, errors, choice, parts)
+
+
+def _first_whole(found: list[Candidate], opener: Callable[[Storage, int, str], T], choice: HealthChoice,
+                 errors: list[str], parts: list[tuple[Candidate, str]],
+                 gone: list[Candidate]) -> Optional[tuple[T]]:
+    """``(opener(...),)`` of the first whole copy of ``found`` that opens (latest: not marked
+    suspect); one rank's memory-tier copies go to ``parts``, each failure to ``errors``, a copy
+    removed while it was read to ``gone``; None when none opens."""
     for c in found:
         if c.problem is not None or choice.skips(*c.order):
             continue
@@ -145,24 +175,34 @@ def open_chosen(args: argparse.Namespace, opener: Callable[[Storage, int, str], 
             parts.append((c, held))
             continue
         try:
-            result = _open(c, opener)
+            got = _open(c, opener, gone)
         except Exception as e:
             errors.append(str(e))
             continue
-        _say_skipped(errors, choice, c, parts)
-        return result
-    for c, held in parts if one_rank_ok and isinstance(args.step, int) else []:
+        if got is not None:
+            _say_skipped(errors, choice, c, parts)
+            return got
+    return None
+
+
+def _first_part(parts: list[tuple[Candidate, str]], opener: Callable[[Storage, int, str], T],
+                choice: HealthChoice, errors: list[str], gone: list[Candidate]) -> Optional[tuple[T]]:
+    """``(opener(...),)`` of the first of one rank's memory-tier copies that opens (``--step N``
+    that no whole copy holds, for ``inspect``), with a note saying what it is; None when none does."""
+    for c, held in parts:
         try:
-            result = _open(c, opener)
+            got = _open(c, opener, gone)
         except Exception as e:
             errors.append(str(e))
+            continue
+        if got is None:
             continue
         _say_skipped(errors, choice, c, [])
         note(f"no healthy whole copy of step {c.step} here: shown from {_where(c)}, one rank's memory-tier copy "
              f"({held}); the other ranks' parts and keys are not in it (`nebula-ckpt persist-memory ROOT` on "
              "every node puts the job's step on the root)")
-        return result
-    raise _nothing(args, tiers, found, tags, errors, choice, parts)
+        return got
+    return None
 
 
 def one_ranks_part(c: Candidate) -> Optional[str]:
@@ -179,16 +219,27 @@ def one_ranks_part(c: Candidate) -> Optional[str]:
     return ranks_text(man)
 
 
-def _open(c: Candidate, opener: Callable[[Storage, int, str], T]) -> T:
-    """``opener`` of candidate ``c``, once more when it failed because a job saved the step again
-    meanwhile (its marker names another write now, whose files replace the old write's): its new
-    write, never taken for damage."""
+def _open(c: Candidate, opener: Callable[[Storage, int, str], T], gone: list[Candidate]) -> Optional[tuple[T]]:
+    """``(opener(...),)`` of candidate ``c``, once more when it failed because a job saved the step
+    again meanwhile (its marker names another write now, whose files replace the old write's): its
+    new write, never taken for damage. None when the step was removed while it was read (or saved
+    again during each read): appended to ``gone``, never taken for damage either."""
     try:
-        return opener(c.storage, c.step, _where(c))
+        return (opener(c.storage, c.step, _where(c)),)
     except Exception:
-        if changed_meanwhile(c) in (None, c):  # the same write, gone or unreadable: the failure stands
+        now = changed_meanwhile(c)
+        if now is None:  # the same write, unreadable: the failure stands
             raise
-    return opener(c.storage, c.step, _where(c))
+        if now is c:
+            gone.append(c)
+            return None
+    try:
+        return (opener(now.storage, now.step, _where(now)),)
+    except Exception:
+        if changed_meanwhile(now) is None:
+            raise
+        gone.append(c)
+        return None
 
 
 def _say_skipped(errors: list[str], choice: HealthChoice, chosen: Candidate,
@@ -236,6 +287,17 @@ def _nothing(args: argparse.Namespace, tiers: list[tuple[Tier, Storage]], found:
             f"is marked suspect (steps {_steps_list(steps)}), and load_latest skips those too. Read one anyway "
             f"with `--step N`, or clear its mark with `nebula-ckpt mark ROOT --healthy N`{partial}")
     return NebulaError(f"no healthy {_asked(args)} under {root}{damaged}{partial}")
+
+
+def _removed(args: argparse.Namespace, removed: list[Candidate]) -> NebulaError:
+    """The error for what answered having been removed while it was read, each time the root was listed."""
+    steps = ", ".join(dict.fromkeys(_where(c) for c in removed))
+    return NebulaError(
+        f"no {_asked(args)} read under {strip_credentials(args.root)}: {steps} was removed while it was read, "
+        f"each time the root was listed ({RELIST_ROUNDS} times at most). A job saving to this root removes its "
+        "older steps as they are read (its retention: keep_last, keep_every), or remove() / `nebula-ckpt gc` ran: "
+        "this is no damage. Run the command again, or once that job has stopped (`nebula-ckpt ls ROOT` lists the "
+        "steps there now)")
 
 
 def _steps_list(steps: list[int]) -> str:

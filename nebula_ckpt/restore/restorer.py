@@ -15,20 +15,26 @@ from typing import Any, Callable, Optional
 
 from nebula_ckpt.arguments import check_restore_arguments
 from nebula_ckpt.errors import CorruptCheckpointError, NotFoundError, OtherRanksError, ValidationError
-from nebula_ckpt.format.commit import Write, committed_steps, shard_path
+from nebula_ckpt.format.commit import Write, committed_steps, shard_path, step_dirs
 from nebula_ckpt.format.manifest import Manifest
 from nebula_ckpt.format.names import COMMIT, step_dir
 from nebula_ckpt.health.book import HealthBook
 from nebula_ckpt.ranks.coordinator import Coordinator
 from nebula_ckpt.restore.apply import apply, materialize, stage_restore
+from nebula_ckpt.restore.candidates import (
+    RELIST_ROUNDS,
+    Candidate,
+    changed_meanwhile,
+    check_listed,
+    list_candidates,
+    removed_error,
+)
 from nebula_ckpt.restore.open import OpenCheckpoint, read_main_manifest
 from nebula_ckpt.restore.select import (
     HealthChoice,
     Stage,
-    changed_meanwhile,
-    check_listed,
     find_and_open,
-    list_candidates,
+    newest_first,
     open_agreed,
     open_tagged,
     say,
@@ -107,7 +113,7 @@ class Restorer:
         that cannot be listed or read raises its error: what it holds is not known."""
         out: dict[int, Optional[str]] = {}
         for t, st in self.tier_pairs():
-            for s in committed_steps(st):
+            for s in step_dirs(st):  # a folder without a marker has no manifest that checks out: not listed
                 if s not in out:
                     man = _sound(t, st, s, check_shards)
                     if man is not None:
@@ -118,16 +124,30 @@ class Restorer:
         """``(step, tag)`` of the checkpoint :meth:`load` of the newest step tries first (see
         :meth:`Checkpointer.latest`), or None."""
         choice = HealthChoice(self.health.view() if self.health is not None else None, skip_suspect=True)
-        unlisted: list[BaseException] = []
-        for c in list_candidates(self.tier_pairs(), unlisted=unlisted):
-            if c.problem is None and not choice.skips(*c.order):
-                check_listed(unlisted, c)  # a tier not listed may hold a newer step
-                man = _sound(c.tier, c.storage, c.step, True)
-                if man is None and changed_meanwhile(c) not in (None, c):  # saved again while read: its new write
+        removed: list[Candidate] = []
+        before: Optional[list[tuple[str, int]]] = None
+        for _ in range(RELIST_ROUNDS):  # listed again when steps went while read (a job's retention beside)
+            unlisted: list[BaseException] = []
+            unmarked: list[Candidate] = []
+            gone = len(removed)
+            for c in newest_first(self.tier_pairs(), unlisted=unlisted, unmarked=unmarked):  # markers as needed
+                if c.problem is None and not choice.skips(*c.order):
+                    check_listed(unlisted, c)  # a tier not listed may hold a newer step
                     man = _sound(c.tier, c.storage, c.step, True)
-                if man is not None:
-                    return c.step, man.tag
-        check_listed(unlisted)
+                    now = changed_meanwhile(c) if man is None else None
+                    if now is c:
+                        removed.append(c)
+                    elif now is not None:  # saved again while read: its new write
+                        man = _sound(c.tier, c.storage, c.step, True)
+                    if man is not None:
+                        return c.step, man.tag
+            check_listed(unlisted)
+            folders = [(c.tier.name, c.step) for c in unmarked]
+            if len(removed) == gone and (not folders or folders == before):
+                break
+            before = folders
+        if removed:
+            raise removed_error(removed, [])
         return None
 
     def tags(self) -> dict[str, int]:
@@ -207,7 +227,8 @@ class Restorer:
         among = None if tag is None else self._tagged_together(tag)
         if self.replicator is not None:  # lost memory-tier copies come back from partners first
             shared = [c.order for c in list_candidates([(t, s) for t, s in pairs if t.shared])]
-            rec = self.replicator.recover(shared, step, among)
+            # rank 0 alone reads the marks; a suspect newest write is never what the round pulls
+            rec = self.replicator.recover(shared, step, among, choice.skips if choice.skip_suspect else None)
             pairs = _with_pulled(pairs, rec, self.coordinator.rank)
         agreed = None if rec is None or rec["step"] is None else \
             (int(rec["generation"]), int(rec["step"]), int(rec["save"]))

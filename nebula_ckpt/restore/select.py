@@ -1,38 +1,51 @@
 """Which checkpoint a restore opens: the candidates, their order, the agreement of the ranks.
 
-Candidates are every committed step on every tier: the newest writer generation first (a checkpoint
-of a stale writer, fenced since, never wins over a newer writer's, whatever its step number and
-tier), then the newest step, then the later write of a step saved twice (its commit marker's save
-number), then, for one write, the fastest tier. Each is opened and verified
-(:func:`~nebula_ckpt.restore.open.open_checkpoint`); on any damage the next candidate is tried
-(:func:`find_and_open`). In a multi-rank job every rank opens the same step, the newest that every
-rank can open (:func:`open_agreed`): the same *write* of it, ``(generation, step, save)``, so that
-a rank whose fastest tier holds the second write of a step saved twice and a rank that has only the
-first never restore a mix of the two.
+Candidates are every committed step on every tier, newest first in the one order of
+:mod:`~nebula_ckpt.restore.candidates` (writer generation, step, save, tier). Each is opened and
+verified (:func:`~nebula_ckpt.restore.open.open_checkpoint`); on any damage the next candidate is
+tried (:func:`find_and_open`), the markers read lazily in that order (:func:`newest_first`): a
+restore reads a few markers, not every step's. In a multi-rank job every
+rank opens the same step, the newest that every rank can open (:func:`open_agreed`): the same
+*write* of it, ``(generation, step, save)``, so that a rank whose fastest tier holds the second
+write of a step saved twice and a rank that has only the first never restore a mix of the two.
 
-**The health marks** (the end of this module: :class:`HealthChoice`): what a restore makes of
-them (:mod:`nebula_ckpt.health`), which step it skips and what it says about the step it
-restores. A restore of the newest step (``load_latest``, ``read()``) skips every checkpoint marked
-*suspect* and restores the newest one that is not: *healthy* or *unknown* alike, so that a job
-whose newest step has not been confirmed yet (it crashed right after the save, the common case of
-a hardware failure) loses no work; if that step is bad, the loss goes bad soon after the restore,
-the step is marked suspect and the next restore skips it. A restore of a given step or tag
-restores it whatever its mark (a warning says when it is suspect). In a multi-rank job rank 0
-reads the marks and leaves the suspect steps out of the steps it offers to the ranks' agreement,
-so every rank restores rank 0's choice; one exchange then tells every rank what rank 0 skipped.
+**The health marks** (:class:`HealthChoice`, :mod:`nebula_ckpt.health`): a restore of the newest
+step (``load_latest``, ``read()``) skips every checkpoint marked *suspect* and restores the newest
+one that is not: *healthy* or *unknown* alike, so that a job whose newest step has not been
+confirmed yet (it crashed right after the save, the common case of a hardware failure) loses no
+work; if that step is bad, the loss goes bad soon after the restore, the step is marked suspect
+and the next restore skips it. A restore of a given step or tag restores it whatever its mark (a
+warning says when it is suspect). In a multi-rank job rank 0 reads the marks and leaves the
+suspect steps out of what it offers to the ranks' agreement; one exchange tells every rank what
+rank 0 skipped.
 """
 
 from __future__ import annotations
 
+import heapq
 import logging
-from dataclasses import dataclass, field, replace
-from typing import Any, Callable, Optional
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator, Optional
 
 from nebula_ckpt.errors import CorruptCheckpointError, OtherRanksError, ValidationError
-from nebula_ckpt.format.commit import Write, committed_steps, read_commit
+from nebula_ckpt.format.commit import Write, read_commit, step_dirs
 from nebula_ckpt.format.health import SUSPECT
+from nebula_ckpt.format.names import WRITERS_DIR, writer_generation
 from nebula_ckpt.health.book import NO_MARK, HealthView, Mark
 from nebula_ckpt.ranks.coordinator import Coordinator
+from nebula_ckpt.restore.candidates import (
+    RELIST_ROUNDS,
+    Candidate,
+    all_damaged_message,
+    changed_meanwhile,
+    check_listed,
+    list_candidates,
+    removed_error,
+    sort_key,
+    stop_together,
+    unreadable_marker,
+)
+from nebula_ckpt.restore.candidates import say as say  # a name of the restore's choice, read from here too
 from nebula_ckpt.restore.open import NotThisLayout, OpenCheckpoint, open_checkpoint
 from nebula_ckpt.restore.unreadable import outage, refused_here
 from nebula_ckpt.storage.base import Storage
@@ -43,90 +56,106 @@ log = logging.getLogger(__name__)
 #: prepares the restore of one opened candidate (see :func:`~nebula_ckpt.restore.apply.stage_restore`)
 Stage = Callable[[OpenCheckpoint], None]
 
-#: ``(tier name, writer generation, step, save)`` of a copy whose every checksum this process
-#: checked during this restore (a memory-tier copy, by the replicas' recover round): opened
-#: checking sizes only, so its bytes are not checked twice. Copies on other tiers, or of other
-#: writes, are not.
+#: ``(tier name, writer generation, step, save)`` of a copy whose every checksum this process checked
+#: during this restore (a memory-tier copy, by the replicas' recover round): opened checking sizes
+#: only, so its bytes are not checked twice. Copies on other tiers, or of other writes, are not.
 Checked = Optional[tuple[str, int, int, int]]
 
 #: ``skip(generation, step)``: whether a restore leaves that checkpoint out (its health mark)
 Skip = Callable[[int, int, int], bool]
 
-#: ``steps(tier, storage)``: the committed steps of one tier, ascending (see :func:`list_candidates`)
-Lister = Callable[[Tier, Storage], list[int]]
-
 #: What :func:`find_and_open` does when committed checkpoints exist but none is healthy.
 ON_ALL_DAMAGED = ("raise", "warn")
 
 
-@dataclass(frozen=True)
-class Candidate:
-    """A committed step on one tier, with the writer generation and save number its commit marker
-    names (generation -1 when the marker cannot be read: ``problem`` then says why, and the
-    candidate is reported as damaged, never opened; save -1: not recorded)."""
+def newest_first(tiers: list[tuple[Tier, Storage]], step: Optional[int] = None,
+                 unlisted: Optional[list[BaseException]] = None,
+                 on_problem: Optional[Callable[[Candidate], None]] = None,
+                 unmarked: Optional[list[Candidate]] = None) -> Iterator[Candidate]:
+    """The candidates of :func:`list_candidates`, in its very order, reading each commit marker
+    only when the order needs it: a restore that opens the first one reads one marker per tier or
+    so, however many steps the root keeps.
 
-    step: int
-    tier: Tier
-    storage: Storage
-    generation: int = -1
-    problem: Optional[str] = None
-    save: int = -1
+    Each tier is listed once (its step folders, and its writer records, ``_nebula/writers/``); the
+    markers are read from the highest step down, and a candidate is given once no marker not read
+    yet can be newer: every writer generation of a tier's markers is recorded there (a writer
+    records its own before it writes a tier), so no marker outranks the newest generation recorded
+    on any tier. A tier without records (steps copied in without their ``_nebula/`` folder), or a
+    marker naming a generation above every record, makes the rest of the order read every marker.
 
-    @property
-    def order(self) -> Write:
-        """What makes a candidate newer: its writer generation first, then its step, then its save
-        number; also which write of the step it is (:attr:`~nebula_ckpt.format.commit.Commit.write`)."""
-        return (self.generation, self.step, self.save)
-
-
-def list_candidates(tiers: list[tuple[Tier, Storage]], steps: Optional[Lister] = None,
-                    unlisted: Optional[list[BaseException]] = None) -> list[Candidate]:
-    """Every committed step on every tier: newest writer generation first, then newest step, then
-    fastest tier (the order of ``tiers``).
-
-    The generation comes first because a writer fenced by a newer one may have gone on committing
-    higher steps on a tier the newer one never wrote (its memory tier): those steps are a run
-    that was abandoned, never the one to resume. This is the one order of "the newest
-    checkpoint": a restore's, and ``nebula-ckpt inspect`` / ``export``'s.
-
-    ``steps``: lists a tier's committed steps (None: the steps with a commit marker,
-    :func:`~nebula_ckpt.format.commit.committed_steps`); a step listed whose marker cannot be read
-    is a candidate with its ``problem``. ``unlisted``: gets the error of each tier that cannot be
-    listed (None: logged only); see :func:`check_listed`.
+    ``step``: only that step (one marker per tier). ``unlisted``, ``unmarked`` (here also a save
+    not committed yet): as for :func:`list_candidates`. ``on_problem``: told each candidate whose
+    marker cannot be read, when read (given too, after every readable one, as sorted there).
     """
-    cands: list[tuple[int, int, int, int, Candidate]] = []
-    for i, (tier, st) in enumerate(tiers):
+    pending: list[list[int]] = []  # per tier: its step folders not read yet, ascending
+    for tier, st in tiers:
         try:
-            listed = committed_steps(st) if steps is None else steps(tier, st)
+            dirs = step_dirs(st)
         except Exception as e:
             log.warning("nebula_ckpt: cannot list tier %s: %s", tier.name, e)
             if unlisted is not None:
                 unlisted.append(e)
+            dirs = []
+        pending.append([s for s in dirs if step is None or s == step])
+    bound = _newest_recorded([st for (_, st), left in zip(tiers, pending, strict=True) if left])
+    read: list[tuple[tuple[int, int, int, int], Candidate]] = []
+    while True:
+        tops = [(i, left[-1]) for i, left in enumerate(pending) if left]
+        if read and all(bound is not None and (read[0][1].generation, read[0][1].step) > (bound, s) for _, s in tops):
+            yield heapq.heappop(read)[1]
             continue
-        for s in listed:
-            (g, _, w), problem = _commit_write(st, s)
-            cands.append((-g, -s, -w, i, Candidate(s, tier, st, g, problem, w)))
-    return [c for *_, c in sorted(cands, key=lambda x: x[:4])]
+        if not tops:
+            return
+        i = max(tops, key=lambda t: (t[1], -t[0]))[0]  # the highest step not read, fastest tier first
+        s = pending[i].pop()
+        try:
+            c = _marker(*tiers[i], s)
+        except Exception as e:  # the store did not answer: what the tier holds is not known, as if not listed
+            log.warning("nebula_ckpt: cannot read tier %s: %s", tiers[i][0].name, e)
+            if unlisted is not None:
+                unlisted.append(e)
+            pending[i] = []
+            continue
+        if c is None:  # no marker: not committed (or removed since listed)
+            if unmarked is not None:
+                unmarked.append(Candidate(s, *tiers[i]))
+            continue
+        if c.problem is not None and on_problem is not None:
+            on_problem(c)
+        if bound is not None and c.generation > bound:
+            log.info("nebula_ckpt: tier %s step %d names writer generation %d, which no writer record does; every "
+                     "commit marker is read", c.tier.name, c.step, c.generation)
+            bound = None
+        heapq.heappush(read, (sort_key(c, i), c))
 
 
-def check_listed(unlisted: list[BaseException], c: Optional[Candidate] = None) -> None:
-    """Raise the error of a tier that could not be listed (``unlisted``), which may hold a newer step
-    than candidate ``c`` (None: than nothing), unless ``c`` is on the memory tier (a tier lost on a
-    reboot), which every save of this node reaches first: an unreachable tier is neither empty nor damaged."""
-    if unlisted and (c is None or c.tier.persistent):
-        log.error("nebula_ckpt: not restoring: a tier could not be listed, so the newest checkpoint is not "
-                  "known; retry once it answers (%s)", unlisted[0])
-        raise unlisted[0]
-
-
-def _commit_write(storage: Storage, step: int) -> tuple[Write, Optional[str]]:
-    """The write ``(generation, step, save)`` the commit marker of ``step`` names, or
-    ``((-1, step, -1), why)`` when the marker cannot be read (missing since listed, unreadable, garbled)."""
+def _marker(tier: Tier, st: Storage, step: int) -> Optional[Candidate]:
+    """The candidate of ``step`` on one tier, as its commit marker names it; None: it has none."""
     try:
-        return read_commit(storage, step, f"step {step}").write, None
-    except Exception as e:
-        return (-1, step, -1), str(e) if isinstance(e, CorruptCheckpointError) else \
-            f"commit marker is unreadable ({type(e).__name__}: {e})"
+        g, _, w = read_commit(st, step, f"step {step}").write
+    except FileNotFoundError:
+        return None
+    except Exception as e:  # unreadable, garbled, a folder: damage; a store that did not answer: raised
+        if outage(e) and refused_here(e, "") is None:
+            raise
+        return unreadable_marker(tier, st, step, e)
+    return Candidate(step, tier, st, g, None, w)
+
+
+def _newest_recorded(storages: list[Storage]) -> Optional[int]:
+    """The newest writer generation recorded on any of ``storages``; None when one of them records
+    none or cannot be listed (its markers are then bounded by nothing)."""
+    newest: Optional[int] = None
+    for st in storages:
+        try:
+            gens = [g for g in map(writer_generation, st.list(WRITERS_DIR)) if g is not None]
+        except Exception as e:  # read every marker instead
+            log.debug("nebula_ckpt: %s: writer records not listed: %s", st.display_url, e)
+            return None
+        if not gens:
+            return None
+        newest = max(gens) if newest is None else max(newest, *gens)
+    return newest
 
 
 def find_and_open(tiers: list[tuple[Tier, Storage]], step: Optional[int] = None,
@@ -138,6 +167,9 @@ def find_and_open(tiers: list[tuple[Tier, Storage]], step: Optional[int] = None,
     """Open the newest healthy checkpoint (or the healthy copy of ``step``).
 
     Every candidate that fails to open is skipped with a warning, but an outage is raised (:func:`check_listed`).
+    One removed while it was read (a job's retention beside it) is left out; for the newest step, when nothing
+    opened, the tiers are listed again (:data:`RELIST_ROUNDS` times at most); removed each time too: a
+    ``NebulaError``, never None for a root that held committed steps.
 
     Args:
         tiers: ``(tier, storage)`` pairs, fastest first.
@@ -163,66 +195,107 @@ def find_and_open(tiers: list[tuple[Tier, Storage]], step: Optional[int] = None,
     """
     if on_all_damaged not in ON_ALL_DAMAGED:
         raise ValidationError(f"on_all_damaged must be one of {ON_ALL_DAMAGED}, got {on_all_damaged!r}")
-    skipped: list[str] = []
-    unlisted: list[BaseException] = []
-    cands = [c for c in list_candidates(tiers, unlisted=unlisted) if step is None or c.step == step]
-    for c in cands:  # a marker that cannot be read is damage, reported whatever the order says
-        if c.problem is not None:
-            why = f"tier {c.tier.name} step {c.step}: {c.problem}"
-            log.warning("nebula_ckpt: skipping %s", why)
-            skipped.append(why)
-    for c in cands:
-        if c.problem is not None or (generation is not None and c.generation != generation) or \
-                (save is not None and c.save != save) or (skip is not None and skip(c.generation, c.step, c.save)):
-            continue
-        check_listed(unlisted if step is None else [], c)  # a tier not listed may hold a newer step
-        how = verify or ("size" if checked == (c.tier.name, *c.order) else c.tier.verify)
-        ck = _open_candidate(c, how, rank, world, stage, skipped, layouts)
+    search = _Search(tiers, step, verify, rank, world, stage, checked, layouts, lambda c: (
+        (generation is not None and c.generation != generation) or (save is not None and c.save != save)
+        or (skip is not None and skip(c.generation, c.step, c.save))))
+    before: Optional[list[tuple[str, int]]] = None
+    for _ in range(RELIST_ROUNDS if step is None else 1):
+        removed = len(search.removed)
+        ck, unmarked = search.first()
         if ck is not None:
-            log.info("nebula_ckpt: restoring step %d from tier %s%s", c.step, c.tier.name,
-                     f" (skipped {len(skipped)} damaged candidate(s))" if skipped else "")
             return ck
-    check_listed(unlisted)  # an outage is never "nothing committed" nor "all damaged"
-    if skipped:
-        msg = _all_damaged_message(tiers, step, skipped)
+        # a folder listed without its marker may be a save not committed yet: listed again while that changes
+        if len(search.removed) == removed and (not unmarked or unmarked == before):
+            break
+        before = unmarked
+        log.info("nebula_ckpt: a step was removed while it was read (a job's retention?): listing the tiers again")
+    check_listed(search.unlisted)  # an outage is never "nothing committed" nor "all damaged"
+    if search.removed and step is None:
+        raise removed_error(search.removed, search.skipped)
+    if search.skipped:
+        msg = all_damaged_message(tiers, step, search.skipped)
         if on_all_damaged == "raise":
             raise CorruptCheckpointError(msg)
         log.warning("nebula_ckpt: %s", msg)
     return None
 
 
-def _open_candidate(c: Candidate, verify: str, rank: Optional[int], world: int, stage: Optional[Stage],
-                    skipped: list[str], layouts: Optional[list[str]] = None,
-                    again_ok: bool = True) -> Optional[OpenCheckpoint]:
-    """Open (and stage) candidate ``c``; None when it is damaged (why appended to ``skipped``), of a
-    layout this process cannot restore (why appended to ``layouts``, when given), or removed while
-    it was read; a step saved again while it was read is opened again, as its new write
-    (:func:`changed_meanwhile`; ``again_ok``: not yet), by one process; a rank of several leaves
-    it to the ranks' next agreement (:func:`open_agreed`), which takes the new write where every
-    rank lists it, and opens only a write whose marker still names it once its files are open.
+@dataclass
+class _Search:
+    """One :func:`find_and_open`: what it opens, and what it met on its way, across listings:
+    ``skipped`` (why each damaged candidate was), ``unlisted`` (the error of each tier not listed),
+    ``failed`` (``(tier name, write)`` of each that failed to open: not opened again on a new
+    listing), ``removed`` (each removed, or saved again each time, while it was read)."""
+
+    tiers: list[tuple[Tier, Storage]]
+    step: Optional[int]
+    verify: Optional[str]
+    rank: Optional[int]
+    world: int
+    stage: Optional[Stage]
+    checked: Checked
+    layouts: Optional[list[str]]
+    left_out: Callable[[Candidate], bool]
+    skipped: list[str] = field(default_factory=list)
+    unlisted: list[BaseException] = field(default_factory=list)
+    failed: set[tuple[str, Write]] = field(default_factory=set)
+    removed: list[Candidate] = field(default_factory=list)
+
+    def damaged(self, c: Candidate, why: Optional[str] = None) -> None:
+        """Candidate ``c`` is damaged (``why``; None: its marker cannot be read): reported once, not opened again."""
+        why = why or f"tier {c.tier.name} step {c.step}: {c.problem}"
+        self.failed.add((c.tier.name, c.order))
+        if why not in self.skipped:
+            log.warning("nebula_ckpt: skipping %s", why)
+            self.skipped.append(why)
+
+    def first(self) -> tuple[Optional[OpenCheckpoint], list[tuple[str, int]]]:
+        """The first candidate, as the tiers are listed now, that opens; and ``(tier name, step)``
+        of each step folder listed whose commit marker was not there when read."""
+        unmarked: list[Candidate] = []
+        for c in newest_first(self.tiers, self.step, self.unlisted, self.damaged, unmarked):
+            if c.problem is not None or (c.tier.name, c.order) in self.failed or self.left_out(c):
+                continue
+            check_listed(self.unlisted if self.step is None else [], c)  # a tier not listed may hold a newer step
+            how = self.verify or ("size" if self.checked == (c.tier.name, *c.order) else c.tier.verify)
+            ck = _open_candidate(c, how, self)
+            if ck is not None:
+                log.info("nebula_ckpt: restoring step %d from tier %s%s", ck.step, ck.tier_name,
+                         f" (skipped {len(self.skipped)} damaged candidate(s))" if self.skipped else "")
+                return ck, []
+        return None, [(c.tier.name, c.step) for c in unmarked]
+
+
+def _open_candidate(c: Candidate, verify: str, search: _Search, again_ok: bool = True) -> Optional[OpenCheckpoint]:
+    """Open (and stage) candidate ``c``; None when it is damaged, of a layout this process cannot
+    restore, or removed while it was read (noted in ``search``); a step saved again while it was
+    read is opened again, its new write (:func:`changed_meanwhile`; ``again_ok``: not yet; saved
+    again once more: as removed), by one process; a rank of several leaves it to the ranks' next
+    agreement (:func:`open_agreed`), which takes the new write where every rank lists it, and
+    opens only a write whose marker still names it once its files are open.
 
     Raises:
         ValidationError: ``stage`` found that ``into`` does not match (every candidate would say so).
     """
-    where = f"tier {c.tier.name} step {c.step}"
+    where, world = f"tier {c.tier.name} step {c.step}", search.world
     try:
-        ck = open_checkpoint(c.storage, c.step, verify, where, rank, world,
-                             defer_verify=stage is not None)
+        ck = open_checkpoint(c.storage, c.step, verify, where, search.rank, world,
+                             defer_verify=search.stage is not None)
         if world > 1 and changed_meanwhile(c) is not None:
             # A rank must read the very write the ranks agreed on: its marker still naming it
             # after the open (a marker never names a write again once replaced) means the files
             # open are that write's; else this rank may hold another write, which it never restores.
             return None
-        ck.tier_name = c.tier.name
-        ck.storage, ck.save = c.storage, c.save
-        if stage is not None:
-            stage(ck)
+        ck.tier_name, ck.storage, ck.save = c.tier.name, c.storage, c.save
+        if search.stage is not None:
+            search.stage(ck)
     except ValidationError:
         raise  # the caller's `into` does not match: every candidate would say the same
     except NotThisLayout as e:
         log.info("nebula_ckpt: not restoring %s", e)
-        if layouts is not None:
-            layouts.append(str(e))
+        search.failed.add((c.tier.name, c.order))
+        if search.layouts is not None:
+            search.layouts.append(str(e))
         return None
     except Exception as e:  # KeyError, OverflowError, struct.error, OSError...: all mean damaged
         if outage(e):  # but a store that did not answer, or a file this process cannot read: may be whole
@@ -230,50 +303,18 @@ def _open_candidate(c: Candidate, verify: str, rank: Optional[int], world: int, 
             if better is not None:
                 raise better from e
             raise
-        again = changed_meanwhile(c) if world > 1 or again_ok else None
-        if again is not None:  # saved again or removed while it was read: not damaged
+        again = changed_meanwhile(c)
+        if again is c or (again is not None and not again_ok):  # not damaged: left out, the tiers listed again
+            search.removed.append(c)
+            return None
+        if again is not None:  # saved again while it was read: not damaged
             # the ranks agree again on what each lists now (open_agreed): the new write or an older step
-            return None if again is c or world > 1 else \
-                _open_candidate(again, verify, rank, world, stage, skipped, layouts, False)
+            return None if world > 1 else _open_candidate(again, verify, search, False)
         why = str(e) if isinstance(e, CorruptCheckpointError) else \
             f"{where}: cannot read it ({type(e).__name__}: {e})"
-        log.warning("nebula_ckpt: skipping %s", why)
-        skipped.append(why)
+        search.damaged(c, why)
         return None
     return ck
-
-
-def changed_meanwhile(c: Candidate) -> Optional[Candidate]:
-    """After candidate ``c`` failed to open: None when its marker still names the write listed (or
-    cannot be read): the failure is damage. Else the step was removed (``c`` itself: left out) or
-    saved again while it was read (a job replaces the marker with the new write's, then removes the
-    old write's files): the candidate of its new write, opened in its place by one process (the
-    ranks of a job open only the write they agreed on: they agree again)."""
-    try:
-        now = read_commit(c.storage, c.step, f"tier {c.tier.name} step {c.step}")
-    except FileNotFoundError:
-        log.info("nebula_ckpt: tier %s step %d was removed while it was read; left out", c.tier.name, c.step)
-        return c
-    except Exception as e:  # unreadable now: the failure stands as damage
-        if outage(e):
-            raise  # unless the store did not answer: neither damage nor a new write
-        return None
-    if now.write == c.order:
-        return None
-    log.info("nebula_ckpt: tier %s step %d was saved again while it was read; reading its new write",
-             c.tier.name, c.step)
-    return replace(c, generation=now.generation, save=-1 if now.save is None else now.save)
-
-
-def _all_damaged_message(tiers: list[tuple[Tier, Storage]], step: Optional[int], skipped: list[str]) -> str:
-    roots = ", ".join(sorted({t.name for t, _ in tiers}))
-    listing = "\n".join(f"  - {s}" for s in skipped)
-    return (f"no healthy checkpoint{f' of step {step}' if step is not None else ''}: all "
-            f"{len(skipped)} committed candidate(s) are damaged:\n{listing}\n"
-            f"Check them first with `nebula-ckpt verify ROOT` (tiers: {roots}): when it reports them healthy, "
-            "the checkpoints are fine and the reasons above are this process's (a device, memory, permissions). "
-            "Only a step that verify reports DAMAGED is: restore an older copy of its folder, or move it aside "
-            "to resume from an older step.")
 
 
 def open_tagged(tiers: list[tuple[Tier, Storage]], steps: list[int], tag: str, root: str,
@@ -417,18 +458,6 @@ def _open_whole(tiers: list[tuple[Tier, Storage]], co: Coordinator, newest: Writ
     return ck if all(ok for ok, _ in got) else None
 
 
-def stop_together(co: Coordinator, said: list[Optional[str]], own: Optional[BaseException]) -> None:
-    """Raise on every rank when a rank's store did not answer (``said``: each rank's error or None;
-    ``own``: this rank's, raised as it is): the ranks stop together, never one waiting on the others."""
-    lost = own or next((f"rank {r}: {why}" for r, why in enumerate(said) if why), None)
-    if isinstance(lost, str):
-        from nebula_ckpt.storage.remote.errors import RemoteUnavailableError  # loaded on first use
-        raise RemoteUnavailableError(f"rank {co.rank}: not restoring: another rank could not read the checkpoint, "
-                                     f"which is not damage ({lost}); retry once it can")
-    if lost is not None:
-        raise lost
-
-
 # -- the health marks: which suspect step a restore skips -----------------------------------------
 
 
@@ -467,25 +496,3 @@ class HealthChoice:
         m = NO_MARK if ck_key is None else self.mark(*ck_key)
         return {"health": m.state, "health_reason": m.reason,
                 "skipped": [{"step": s, "generation": g, "reason": why} for (g, s), why in self.skipped.items()]}
-
-
-def say(outcome: dict[str, Any], step: Optional[int], root: str) -> None:
-    """Log what the restore skipped and why (WARNING), and a restored step that is suspect."""
-    skipped = outcome.get("skipped") or []
-    if skipped:
-        lines = "; ".join(f"step {x['step']} (writer generation {x['generation']}): {x['reason']}" for x in skipped)
-        got = f"restoring step {step}" if step is not None else "restoring nothing"
-        log.warning("nebula_ckpt: %s of %s; skipped %d step(s) marked suspect: %s%s", got, root, len(skipped), lines,
-                    _same_failure_hint(skipped))
-    if step is not None and outcome.get("health") == SUSPECT:
-        log.warning("nebula_ckpt: restoring step %d of %s, which is marked suspect (%s); `nebula-ckpt mark --healthy "
-                    "%d ROOT` clears the mark", step, root, outcome.get("health_reason"), step)
-
-
-def _same_failure_hint(skipped: list[dict[str, Any]]) -> str:
-    """When two skipped steps went bad at the same step, the cause is likely there, not in them."""
-    at = [x["reason"].split(",")[0] for x in skipped if "after a restore from it" in x["reason"]]
-    if len(at) >= 2 and len(set(at)) == 1:
-        return (f". Restores from {len(at)} different steps went bad the same way ({at[0]}): the cause is likely "
-                "the data or the code at that step, not a checkpoint; older steps will likely go bad too")
-    return ""

@@ -191,3 +191,57 @@ def test_inspect_and_export_of_a_step_saved_again_while_it_is_read_read_its_new_
     assert json.loads(captured.out)["step"] == 2  # not step 1, the older one
     if cmd == "export":
         assert float(torch.load(to)["w"][0]) == 20.0  # the new write
+
+
+def _hook_reads(monkeypatch: pytest.MonkeyPatch, step: int, stage: str,
+                hook: Callable[[LocalStorage], None]) -> list[str]:
+    """Run ``hook`` the first time the command reads ``step``'s commit marker (``stage="marker"``)
+    or its manifest (``"manifest"``, once the marker named it); what it fired on."""
+    fired: list[str] = []
+    original = LocalStorage.read_small
+
+    def read_small(self: LocalStorage, rel: str, *args: Any, **kwargs: Any) -> bytes:
+        if not fired and rel.startswith(f"step-{step}/") and rel.endswith("/COMMIT") == (stage == "marker"):
+            fired.append(rel)
+            hook(self)
+        return original(self, rel, *args, **kwargs)
+
+    monkeypatch.setattr(LocalStorage, "read_small", read_small)
+    return fired
+
+
+@pytest.mark.parametrize("stage", ["marker", "manifest"])
+@pytest.mark.parametrize("cmd", ["inspect", "export"])
+def test_inspect_and_export_beside_retention_read_the_step_that_replaced_the_one_listed(
+        root: str, tmp_path, cmd: str, stage: str, monkeypatch: pytest.MonkeyPatch,  # noqa: ANN001
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """They listed step 1 alone; before they read it, the next save committed step 2 and retention
+    removed step 1: the root is listed again and step 2 read, never "no healthy checkpoint"."""
+    _saved(root)
+    aside = str(tmp_path / "step-2")
+    shutil.move(os.path.join(root, "step-2"), aside)
+
+    def replaced(st: LocalStorage) -> None:
+        shutil.move(aside, os.path.join(root, "step-2"))
+        delete_checkpoint(st, 1)
+
+    fired = _hook_reads(monkeypatch, 1, stage, replaced)
+    to = str(tmp_path / "out.pt")
+    assert main([cmd, root, "--json", *(["--to", to] if cmd == "export" else [])]) == 0
+    captured = capsys.readouterr()
+    assert fired and json.loads(captured.out)["step"] == 2
+    assert "damaged" not in captured.err and "step 1 was removed while it was read" in captured.err, captured.err
+    if cmd == "export":
+        assert float(torch.load(to)["w"][0]) == 2.0
+
+
+@pytest.mark.parametrize("cmd", ["inspect", "export"])
+def test_inspect_and_export_say_when_what_they_read_was_removed_each_time(
+        root: str, tmp_path, cmd: str, monkeypatch: pytest.MonkeyPatch,  # noqa: ANN001
+        capsys: pytest.CaptureFixture[str]) -> None:
+    _saved(root, steps=1)
+    fired = _hook_reads(monkeypatch, 1, "manifest", _retention(1))
+    assert main([cmd, root, *(["--to", str(tmp_path / "out.pt")] if cmd == "export" else [])]) == 1
+    err = capsys.readouterr().err
+    assert fired and "step 1 was removed while it was read, each time the root was listed" in err, err
+    assert "retention" in err and "no healthy" not in err and "damaged" not in err
