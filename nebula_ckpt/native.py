@@ -42,6 +42,7 @@ anywhere in ``enqueue_copy`` or a job's ``wait`` leaves nothing locked
 from __future__ import annotations
 
 import atexit
+import ctypes
 import errno
 import logging
 import os
@@ -53,8 +54,9 @@ import torch
 
 from nebula_ckpt import knobs
 from nebula_ckpt.copy_worker import CopyWorker
+from nebula_ckpt.errors import ValidationError
 from nebula_ckpt.latch import Latch
-from nebula_ckpt.source_set import PySourceSet, SourceSet
+from nebula_ckpt.source_set import PySourceSet, SourceSet, version_of
 
 WRITE_CHUNK_BYTES = 16 << 20  #: bytes per pwrite call on local tiers
 log = logging.getLogger(__name__)
@@ -93,6 +95,22 @@ def byte_view(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(-1).view(torch.uint8)
 
 
+def host_bytes(t: torch.Tensor) -> memoryview:
+    """A read-write memoryview (format ``"B"``) of the bytes of ``t``, a contiguous CPU tensor,
+    that leaves its storage as it was: ``Tensor.numpy()`` would make the storage of a user's
+    tensor non-resizable for good (a later ``resize_`` or growing ``out=`` fails). The view keeps
+    ``t`` alive."""
+    if t.device.type != "cpu" or not t.is_contiguous():
+        raise ValidationError(f"host_bytes: needs a contiguous CPU tensor, got {t.device} with strides "
+                              f"{t.stride()}; pass byte_view(t.cpu())")
+    n = t.numel() * t.element_size()
+    if n == 0:
+        return memoryview(b"").cast("B")
+    arr = (ctypes.c_char * n).from_address(t.data_ptr())
+    arr.owner = t  # type: ignore[attr-defined]  # the memory lives as long as the view
+    return memoryview(arr).cast("B")
+
+
 class _FallbackJob:
     """Copy job of the pure-PyTorch path, run tensor by tensor by the copy worker
     (:class:`~nebula_ckpt.copy_worker.CopyWorker`).
@@ -107,7 +125,7 @@ class _FallbackJob:
         self._srcs = list(srcs)
         self._dst: Optional[torch.Tensor] = dst
         self._offsets = list(offsets)
-        self._versions = [s._version for s in self._srcs]
+        self._versions = [version_of(s) for s in self._srcs]  # -1: an inference tensor, no counter
         self._modified: list[int] = []
         self._checksums: list[int] = []
         self._error: Optional[BaseException] = None
@@ -143,11 +161,12 @@ class _FallbackJob:
                     # The checksum is that of the staged bytes; a source whose bytes differ
                     # from them after the copy was written meanwhile (a device source is
                     # left to its version counter: re-reading it would cost a transfer).
-                    crc = _crc.crc32c(staged.numpy().data)
+                    crc = _crc.crc32c(host_bytes(staged))
                     if src.device.type == "cpu":
-                        torn = _crc.crc32c(byte_view(src).numpy().data) != crc
+                        torn = _crc.crc32c(host_bytes(byte_view(src))) != crc
                 self._checksums.append(int(crc))
-                if torn or src._version != self._versions[i]:
+                v = self._versions[i]
+                if torn or (v >= 0 and src._version != v):
                     self._modified.append(i)
 
     def wait(self) -> None:
@@ -226,7 +245,7 @@ class FallbackOps:
         """CRC32C of each ``buf[offset:offset+length]``."""
         import crc32c as _crc
 
-        mv = buf.numpy().data
+        mv = host_bytes(buf)  # buf may be a byte view of a user's tensor (DCP)
         return [_crc.crc32c(mv[o:o + n]) for o, n in zip(offsets, lengths, strict=True)]
 
     def crc32c_bytes(self, data: bytes | bytearray | memoryview) -> int:

@@ -138,20 +138,53 @@ def safetensors_holds(dtype: Any) -> bool:
     return True
 
 
+#: the sub-byte shell dtypes, which torch.save cannot write (its pickler has no storage type for them)
+SUB_BYTE_DTYPES = frozenset(f"{u}int{bits}" for u in ("", "u") for bits in range(1, 8))
+
+
+def _dtypes(src: Source, keys: list[str]) -> dict[str, Any]:
+    """The torch dtype of each tensor ``keys`` of ``src``, from its manifest (nothing is read)."""
+    if src.full is not None:
+        return {k: src.full[k].dtype for k in keys}
+    assert src.ck is not None
+    return {k: src.ck.resolve(k).torch_dtype for k in keys}
+
+
+def _named(bad: list[tuple[str, Any]]) -> str:
+    return ", ".join(f"'{k}' ({str(d).removeprefix('torch.')})" for k, d in bad[:5]) + (" ..." if len(bad) > 5 else "")
+
+
 def check_safetensors_dtypes(src: Source, keys: list[str]) -> None:
     """Refuse, before anything is copied or written, a safetensors export of tensors (``keys`` of
     ``src``) whose dtype safetensors has no code for, naming them and the fix."""
-    if src.full is not None:
-        dtypes = {k: src.full[k].dtype for k in keys}
-    else:
-        assert src.ck is not None
-        dtypes = {k: src.ck.resolve(k).torch_dtype for k in keys}
-    bad = [(k, d) for k, d in dtypes.items() if not safetensors_holds(d)]
+    bad = [(k, d) for k, d in _dtypes(src, keys).items() if not safetensors_holds(d)]
+    if not bad:
+        return
+    sub = [(k, d) for k, d in bad if str(d).removeprefix("torch.") in SUB_BYTE_DTYPES]
+    fix = ("export a torch.save file instead, which keeps every other dtype: --format torch with a --to ending in "
+           ".pt (or a folder)") if not sub else \
+        (f"torch.save cannot write the sub-byte dtypes ({_named(sub)}) either: read the step in Python "
+         f"(nebula_ckpt.Checkpointer(root).read({src.step})), or export a --key that holds none of them")
+    raise NebulaError(f"export: safetensors has no dtype for {len(bad)} tensor(s) of step {src.step}: "
+                      f"{_named(bad)}; {fix}")
+
+
+def _tensor_keys(src: Source, node: Mapping[str, Any], key: Optional[str]) -> list[str]:
+    """The keys of the tensors an export of ``key`` (None: the whole state) writes."""
+    if key is not None:
+        return tensor_keys(node, [])
+    return list(src.full) if src.full is not None else list(src.ck.keys()) if src.ck is not None else []
+
+
+def check_torch_dtypes(src: Source, keys: list[str]) -> None:
+    """Refuse, before the state is materialized or anything written, a torch.save export of sub-byte
+    tensors (``keys`` of ``src``): torch.save cannot write them."""
+    bad = [(k, d) for k, d in _dtypes(src, keys).items() if str(d).removeprefix("torch.") in SUB_BYTE_DTYPES]
     if bad:
-        named = ", ".join(f"'{k}' ({str(d).removeprefix('torch.')})" for k, d in bad[:5])
-        raise NebulaError(f"export: safetensors has no dtype for {len(bad)} tensor(s) of step {src.step}: {named}"
-                          f"{' ...' if len(bad) > 5 else ''}; export a torch.save file instead, which keeps every "
-                          "dtype: --format torch with a --to ending in .pt (or a folder)")
+        raise NebulaError(f"export: torch.save cannot write the sub-byte dtypes of {len(bad)} tensor(s) of step "
+                          f"{src.step}: {_named(bad)}, and safetensors has no code for them either; read the step "
+                          f"in Python (nebula_ckpt.Checkpointer(root).read({src.step})), or export a --key that "
+                          "holds none of them")
 
 
 def safetensors_payload(src: Source, node: Mapping[str, Any], key: Optional[str],
@@ -398,6 +431,7 @@ def cmd_export(args: argparse.Namespace) -> int:
         write: Callable[[str], None] = lambda p: write_safetensors(tensors, meta, p)  # noqa: E731
         kept["left_out"] = values_left_out(node, key or "")
     else:
+        check_torch_dtypes(src, _tensor_keys(src, node, key))
         state, kept["converted"], kept["pickled"] = weights_only(torch_payload(src, node, key, args.allow_pickle),
                                                                  key or "")
         write = lambda p: torch.save(state, p)  # noqa: E731

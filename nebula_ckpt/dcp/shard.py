@@ -17,7 +17,7 @@ from nebula_ckpt.dcp.values import manifest_key
 from nebula_ckpt.errors import ConsistencyError, ValidationError
 from nebula_ckpt.format.dtypes import TENSOR_DTYPES, dtype_name
 from nebula_ckpt.format.header import safetensors_header
-from nebula_ckpt.native import byte_view, get_ops
+from nebula_ckpt.native import byte_view, get_ops, host_bytes
 from nebula_ckpt.save.plan import placement_codes
 from nebula_ckpt.storage.base import Storage
 
@@ -108,7 +108,7 @@ def write_shard(storage: Storage, rel: str, tensors: list[Stored], where: str) -
         rec["offsets"] = [len(head) + a, len(head) + b]
         rec["crc32c"] = crc32c(data)
         if data.numel():
-            parts.append(memoryview(data.numpy()))  # type: ignore[arg-type]
+            parts.append(host_bytes(data))  # not data.numpy(): the user's tensor stays resizable
     nbytes = len(head) + (spans[-1][1] if spans else 0)
     storage_info = storage.write_parts(rel, parts)
     for key, rec, data, version in tensors:  # a tensor changed while written: its bytes may not match

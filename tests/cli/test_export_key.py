@@ -168,3 +168,22 @@ def test_export_key_with_a_config_nested_past_the_json_parser_goes_on_without_it
     assert "RecursionError" not in captured.err
     with safe_open(str(out), "pt") as f:
         assert set(f.keys()) == set(saved.state_dict())
+
+
+def test_sub_byte_dtypes_are_refused_by_both_formats_naming_them_before_anything_is_written(  # noqa: ANN001
+        root: str, tmp_path, capsys: pytest.CaptureFixture[str]) -> None:
+    """torch.save cannot write uint1..7 / int1..7 either: no export advises it; another --key still exports."""
+    packed = torch.randint(0, 16, (6,), dtype=torch.uint8).view(torch.uint4)
+    signed = torch.zeros(3, dtype=torch.uint8).view(torch.int3)
+    with nc.Checkpointer(root, memory_tier=False) as ck:
+        ck.save(1, {"model": {"w": torch.randn(4), "packed": packed, "signed": signed}, "head": {"b": torch.ones(2)}})
+    capsys.readouterr()
+    for key, to in (([], tmp_path / "a" / "x.pt"), (["--key", "model"], tmp_path / "b" / "x.pt"),
+                    ([], tmp_path / "c" / "x.safetensors")):
+        assert main(["export", root, *key, "--to", str(to)]) == 1
+        err = capsys.readouterr().err
+        assert "'model/packed' (uint4)" in err and "'model/signed' (int3)" in err and "'model/w'" not in err, err
+        assert "torch.save cannot write" in err and "--format torch" not in err and "KeyError" not in err, err
+        assert not os.path.exists(to.parent)
+    assert main(["export", root, "--key", "head", "--to", str(tmp_path / "head.pt")]) == 0
+    assert torch.equal(torch.load(tmp_path / "head.pt", weights_only=True)["b"], torch.ones(2))

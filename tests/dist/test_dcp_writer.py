@@ -346,6 +346,16 @@ def test_conj_and_neg_views_keep_their_own_values_not_their_base_tensors(root: s
         assert _raw(dest[k]) == _raw(v) and _raw(got[1][k]) == _raw(v) and _raw(got[2][k]) == _raw(v), k
 
 
+
+def test_the_saved_tensors_stay_resizable_like_with_the_stock_writer(root: str, ops_path: str) -> None:
+    """The writer only reads the tensors (and their checksums): a later ``resize_`` or growing
+    ``out=`` works, as after a save with the stock ``FileSystemWriter``."""
+    sd = {"t": torch.randn(4, 4), "v": torch.arange(10, dtype=torch.int64)}
+    dcp.save(sd, storage_writer=NebulaStorageWriter(root, step=1))
+    sd["t"].resize_(8, 4)
+    torch.arange(20, out=sd["v"])
+    assert tuple(sd["t"].shape) == (8, 4) and sd["v"].numel() == 20
+
 # -- real ranks: FSDP2 over 2 gloo ranks --------------------------------------------------------------------
 
 WORLD = 2

@@ -80,3 +80,31 @@ def test_copy_into_agrees_between_paths() -> None:
     assert all(torch.equal(a, b) for a, b in zip(out["native"], out["fallback"], strict=True))
     with pytest.raises(RuntimeError, match="destination 1 is no contiguous"):
         fallback_ops().copy_into(src, [0, 0], [torch.zeros(2), torch.zeros(4, 4).t()])
+
+
+def test_a_save_of_inference_tensors_works_on_both_paths(root: str, ops_path: str) -> None:
+    """Tensors made under ``torch.inference_mode()`` have no version counter: both paths save them."""
+    with torch.inference_mode():
+        model = torch.nn.Linear(8, 8)  # e.g. an eval copy built there
+        buf = torch.randn(1000)
+    for snapshot in ("sync", "async"):
+        with nc.Checkpointer(os.path.join(root, snapshot), memory_tier=False, snapshot=snapshot) as ck:
+            ck.save_async(1, {"model": model, "buf": buf}).result()
+            _, tree = ck.read(1)
+        assert torch.equal(tree["buf"], buf) and torch.equal(tree["model"]["weight"], model.weight), snapshot
+
+
+def test_a_snapshot_leaves_the_saved_tensors_resizable_on_both_paths(root: str, ops_path: str) -> None:
+    """The snapshot only reads the state: a module's buffer grown in place afterwards (``resize_``,
+    a growing ``out=``) still grows."""
+    m = torch.nn.Linear(4, 4)
+    m.register_buffer("hist", torch.zeros(3, 4))
+    with nc.Checkpointer(root, memory_tier=False, snapshot="async") as ck:
+        ck.save_async(1, {"model": m}).result()
+        m.hist.resize_(6, 4)
+        m.hist[3:] = 1.0
+        torch.randn(8, 4, out=m.weight.data)  # an out= that grows its output
+        ck.save_async(2, {"model": m}).result()
+        _, tree = ck.read(2)
+    assert tuple(m.hist.shape) == (6, 4) and torch.equal(tree["model"]["hist"], m.hist)
+    assert torch.equal(tree["model"]["weight"], m.weight)
