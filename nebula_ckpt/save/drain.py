@@ -351,6 +351,12 @@ def flush_newest(writers: "list[TierWriter]", monitor: Any = None, who: str = "c
         # a tier holding a newer (suspect) write keeps it as its newest
         if not w.tier.persistent or newest in have[w.name] or max(have[w.name], default=newest) > newest:
             continue
+        try:  # a writer fenced or handed over to a newer Checkpointer writes nothing more, a copy neither
+            w.fence.check(f"put step {newest[1]} there at {who}")
+        except FencedError as e:
+            log.info("nebula_ckpt: %s puts no copy of step %d on %s: %s", who, newest[1], w.name, e)
+            why = why or str(e)
+            continue
         try:
             if src is None:
                 raise NebulaError("no tier with a local copy of it")

@@ -109,3 +109,28 @@ def test_a_budget_with_a_remote_persistent_tier_saves_after_making_room(root: st
         for i, step in enumerate((3, 5, 7)):
             ck.save_async(step, {"w": torch.full((1 << 18,), float(i))}).result()
         assert 7 in ck.list()
+
+
+def test_a_handed_over_checkpointer_puts_nothing_on_disk_at_close(root: str) -> None:
+    """A framework re-creates its plugin while the first stays open: the second saves step 1
+    (memory and disk), saves it again (the disk's cadence skips it), and a NaN loss marks that
+    newest write suspect. Closed, the second puts no copy of it on the disk; nor may the first,
+    handed over at the second's first write, which does not know the mark. Found by the stateful
+    machine (seed 4152043821): the first's close replaced the disk's write of step 1 with the
+    suspect one."""
+    def open_one() -> nc.Checkpointer:
+        return nc.Checkpointer(root, tiers=[nc.MemoryTier(keep_last=2), nc.LocalTier(root, keep_last=3, every=2)])
+
+    first = open_one()
+    try:
+        first.save(0, {"w": torch.full((8,), 0.0)})
+        with open_one() as second:
+            assert second.load_latest(into={"w": torch.zeros(8)}) == 0
+            assert len(second.save(1, {"w": torch.full((8,), 1.0)}).tiers_written) == 2
+            assert len(second.save(1, {"w": torch.full((8,), -1.0)}).tiers_written) == 1
+            second.report(2, loss=float("nan"))
+    finally:
+        first.close()
+    with nc.Checkpointer(root, tiers=[nc.LocalTier(root)], memory_tier=False, read_only=True) as disk:
+        _, state = disk.read(1)
+    assert float(state["w"][0]) == 1.0, "a handed-over Checkpointer's close put the suspect write on the disk tier"
