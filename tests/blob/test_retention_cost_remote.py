@@ -5,36 +5,12 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
-
 import nebula_ckpt as nc
+from counting import CountingReads, reads_per_save
 from nebula_ckpt.storage.base import Storage
 from nebula_ckpt.storage.remote.registry import storage_class_for
 
 from .conftest import Store
-
-
-class Counting:
-    """Mixed into a blob backend: records each look-up and read its storage makes (each one a
-    request or more)."""
-
-    reads: list[str]
-
-    def read_small(self, rel: str, *a: Any, **k: Any) -> bytes:
-        self.reads.append(rel)
-        return super().read_small(rel, *a, **k)
-
-    def list(self, rel_dir: str = "") -> list[str]:
-        self.reads.append(f"list {rel_dir}")
-        return super().list(rel_dir)
-
-    def exists(self, rel: str) -> bool:
-        self.reads.append(rel)
-        return super().exists(rel)
-
-    def size(self, rel: str) -> int:
-        self.reads.append(rel)
-        return super().size(rel)
 
 
 class CountingRemoteTier(nc.RemoteTier):
@@ -44,7 +20,7 @@ class CountingRemoteTier(nc.RemoteTier):
 
     def make_storage(self) -> Storage:
         backend = storage_class_for(self.url)
-        st: Any = type(f"Counting{backend.__name__}", (Counting, backend), {})(
+        st: Any = type(f"Counting{backend.__name__}", (CountingReads, backend), {})(
             self.url, self.storage_options, compression=self.compression)
         st.reads = []
         self.storage = st
@@ -54,17 +30,8 @@ class CountingRemoteTier(nc.RemoteTier):
 def test_a_saves_requests_on_a_blob_tier_do_not_grow_with_the_steps_kept(any_store: Store, shm_dir: str) -> None:
     url, opts = any_store.url("run"), any_store.storage_options
     tier = CountingRemoteTier(url, storage_options=opts, keep_every=2)
-    state = {"w": torch.zeros(64)}
-    reads: dict[int, list[str]] = {}
     with nc.Checkpointer(url, storage_options=opts, tiers=[tier], keep_last=2) as ck:
-        for s in range(1, 25):
-            state["w"].fill_(float(s))
-            if tier.storage is not None:
-                tier.storage.reads.clear()
-            ck.save(s, state)
-            ck.wait()
-            assert tier.storage is not None
-            reads[s] = list(tier.storage.reads)
+        reads = reads_per_save(ck, tier, range(1, 25))
         assert len(ck.list()) >= 12
     assert len(reads[24]) <= len(reads[8]), (reads[8], reads[24])
     for s in range(8, 25):  # nothing of a step it committed before

@@ -16,33 +16,18 @@ import pytest
 import torch
 
 import nebula_ckpt as nc
+from counting import CountingReads, reads_per_save
 from nebula_ckpt.format.commit import CommitProgress, commit_manifest, read_committed_manifest
 from nebula_ckpt.format.names import new_variant
 from nebula_ckpt.storage.local import LocalStorage
 
 
-class CountingStorage(LocalStorage):
+class CountingStorage(CountingReads, LocalStorage):
     """A local tier's storage that records every read it serves (a look-up counts as a read)."""
 
     def __init__(self, root: str) -> None:
         super().__init__(root)
-        self.reads: list[str] = []
-
-    def read_small(self, rel: str, *a: Any, **k: Any) -> bytes:
-        self.reads.append(rel)
-        return super().read_small(rel, *a, **k)
-
-    def list(self, rel_dir: str = "") -> list[str]:
-        self.reads.append(f"list {rel_dir}")
-        return super().list(rel_dir)
-
-    def exists(self, rel: str) -> bool:
-        self.reads.append(rel)
-        return super().exists(rel)
-
-    def size(self, rel: str) -> int:
-        self.reads.append(rel)
-        return super().size(rel)
+        self.reads = []
 
 
 class CountingTier(nc.LocalTier):
@@ -57,21 +42,6 @@ class CountingTier(nc.LocalTier):
         return self.storage
 
 
-def _saves(ck: nc.Checkpointer, tier: CountingTier, steps: range) -> dict[int, list[str]]:
-    """Save ``steps``; what each save read of the tier (its retention included: ``wait``)."""
-    state = {"w": torch.zeros(64)}
-    out = {}
-    for s in steps:
-        state["w"].fill_(float(s))
-        if tier.storage is not None:
-            tier.storage.reads.clear()
-        ck.save(s, state)
-        ck.wait()
-        assert tier.storage is not None
-        out[s] = list(tier.storage.reads)
-    return out
-
-
 def _other_steps(reads: list[str], step: int) -> list[str]:
     """The reads of files of step folders other than ``step``'s."""
     return [r for r in reads if r.startswith("step-") and not r.startswith(f"step-{step}/")]
@@ -83,7 +53,7 @@ def test_a_saves_reads_do_not_grow_with_the_steps_kept(tmp_path: Any, keep: dict
     root = str(tmp_path / "ck")
     tier = CountingTier(root, **keep)
     with nc.Checkpointer(root, tiers=[tier]) as ck:
-        reads = _saves(ck, tier, range(1, 41))
+        reads = reads_per_save(ck, tier, range(1, 41))
         kept = ck.list()
     assert len(kept) >= 14, kept  # a history that grows: every step, or every third one
     assert len(reads[40]) <= len(reads[10]), (reads[10], reads[40])
@@ -100,7 +70,7 @@ def test_the_first_save_after_a_restart_reads_each_step_once(tmp_path: Any) -> N
             ck.save(s, state)
     tier = CountingTier(root, keep_every=2)
     with nc.Checkpointer(root, tiers=[tier], **opts) as ck:
-        first, second = _saves(ck, tier, range(21, 23)).values()
+        first, second = reads_per_save(ck, tier, range(21, 23)).values()
         assert ck.list() == [2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 21, 22]
     # the first save's retention reads each step the job before left once (then knows it): its
     # manifest once; the markers are read at the open too (the writer generation)

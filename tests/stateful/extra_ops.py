@@ -33,7 +33,6 @@ from typing import TYPE_CHECKING, Any, Hashable
 from hypothesis import strategies as st
 from hypothesis.stateful import precondition, rule
 
-from stateful.model import Violation
 from stateful.procs import REPO
 
 if TYPE_CHECKING:
@@ -65,12 +64,7 @@ class ExtraOps:
             return
         step = cands[pick % len(cands)]
         self.note(f"remove step {step} on n{node} (a later step may refer to it)")
-        if job.writer is None:
-            job.writer = self.new_writer()
-        got = job.proc.call({"op": "remove", "step": step})
-        if got is None:
-            self.fail(f"the job on n{node} died in remove({step}) (log: {job.proc.log_path}):\n{job.proc.tail()}")
-        assert got is not None
+        got = self.remove_in_job(job, step)
         if "error" in got:
             self.fail(f"remove({step}) of a committed step raised {got['error']}")
         if got["removed"] != [step]:
@@ -84,7 +78,6 @@ class ExtraOps:
     def load_every_step(self: "Single") -> None:
         """The live job ``load(N)``s each step its tiers hold (the tiers audited): each the newest
         write of ``N``, whole; the job is left at the newest step it loaded, as a rollback leaves it."""
-        from stateful.machine import Signal
 
         job = self.job
         assert job is not None
@@ -93,24 +86,7 @@ class ExtraOps:
         wants = {s: self._write_of(keys, s) for s in sorted({s for k in keys for s in self.truth.entries(k)})}
         self.note(f"load every step on n{job.node}: {sorted(wants)}")
         for step, want in wants.items():
-            assert want is not None
-            entry, key = want
-            got = job.proc.call({"op": "load", "step": step})
-            if got is None or "error" in got:
-                self.fail(f"load({step}) on n{job.node} after a removal failed: {got if got else job.proc.tail()}")
-            assert got is not None
-            try:
-                sid = self.truth.check_parts(got["parts"], f"load({step}) after a removal")
-            except Violation as e:
-                self.fail(str(e))
-            if (got["step"], sid) != (step, entry.sid):
-                self.fail(f"load({step}) opened step {got['step']} (save #{sid}, from {got.get('tier')}); the "
-                          f"newest write of step {step} is {entry} on {key}")
-            job.cursor = step
-            job.health = Signal(restored=(entry.writer, step, entry.sid), marked=job.health.marked)
-            disk = self.truth.entries("disk")
-            if key == keys[0] and step in disk and disk[step].sid == entry.sid:
-                self.truth.may_drop(keys[0], step)  # the memory tier's pages may be handed over
+            self.load_in_job(job, keys, want, step, " after a removal")
 
     # -- the operator's verify and mark, as subprocesses -----------------------------------------
     @rule(node=st.sampled_from([0, 1]), which=st.sampled_from(["newest", "another"]), pick=st.integers(0, 7),

@@ -102,6 +102,31 @@ class FeatureOps:
         job.saves += 1
         return True
 
+    def load_in_job(self: "Single", job: "Job", keys: list[Hashable], want: Any, step: int, after: str) -> None:
+        """``load(step)`` in the live ``job``: it must open ``want``, the newest write of ``step``
+        on ``keys`` (``after``: what came before, in failures); the job's cursor and training
+        signal follow it (the writes this Checkpointer marked stay its own)."""
+        from stateful.machine import Signal
+
+        assert want is not None
+        entry, key = want
+        got = job.proc.call({"op": "load", "step": step})
+        if got is None or "error" in got:
+            self.fail(f"load({step}) on n{job.node}{after} failed: {got if got else job.proc.tail()}")
+        assert got is not None
+        try:
+            sid = self.truth.check_parts(got["parts"], f"load({step}){after}")
+        except Violation as e:
+            self.fail(str(e))
+        if (got["step"], sid) != (step, entry.sid):
+            self.fail(f"load({step}) opened step {got['step']} (save #{sid}, from {got.get('tier')}); the newest "
+                      f"write of step {step} is {entry} on {key}")
+        job.cursor = step
+        job.health = Signal(restored=(entry.writer, step, entry.sid), marked=job.health.marked)
+        disk = self.truth.entries("disk")
+        if key == keys[0] and step in disk and disk[step].sid == entry.sid:
+            self.truth.may_drop(keys[0], step)  # the memory tier's pages may be handed over
+
     # -- an in-process rollback ----------------------------------------------------------------
     @precondition(lambda self: self.job is not None)
     @rule(mark_first=st.booleans(), which=st.sampled_from(["newest", "another"]), pick=st.integers(0, 7),
@@ -109,8 +134,6 @@ class FeatureOps:
     def rollback(self: "Single", mark_first: bool, which: str, pick: int, resave: bool) -> None:
         """``ck.load(N, into=...)`` in the live job (after ``mark --suspect N`` when ``mark_first``),
         then a save of ``N`` again when ``resave``. See the module docstring."""
-        from stateful.machine import Signal
-
         job = self.job
         assert job is not None
         self.audit(job.node)
@@ -122,26 +145,8 @@ class FeatureOps:
         if mark_first:
             self.mark_step(job.node, True, step)
         want = self._write_of(keys, step)
-        assert want is not None
-        entry, key = want
         self.note(f"rollback: load({step}) on n{job.node}" + (", then save it again" if resave else ""))
-        got = job.proc.call({"op": "load", "step": step})
-        if got is None or "error" in got:
-            self.fail(f"load({step}) on n{job.node} failed: {got if got else job.proc.tail()}")
-        assert got is not None
-        try:
-            sid = self.truth.check_parts(got["parts"], f"load({step})")
-        except Violation as e:
-            self.fail(str(e))
-        if (got["step"], sid) != (step, entry.sid):
-            self.fail(f"load({step}) opened step {got['step']} (save #{sid}, from {got.get('tier')}); the newest "
-                      f"write of step {step} is {entry} on {key}")
-        job.cursor = step
-        # the reports judge this restore now; the writes this Checkpointer marked stay its own
-        job.health = Signal(restored=(entry.writer, step, entry.sid), marked=job.health.marked)
-        disk = self.truth.entries("disk")
-        if key == keys[0] and step in disk and disk[step].sid == entry.sid:
-            self.truth.may_drop(keys[0], step)  # the memory tier's pages may be handed over
+        self.load_in_job(job, keys, want, step, "")
         if resave:
             self._save(step)
 

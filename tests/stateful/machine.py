@@ -487,12 +487,7 @@ class Single(EnvOps, LiveOps, FeatureOps, ExtraOps, RuleBasedStateMachine):
         step = steps[-1] if which == "newest" else steps[pick % len(steps)]
         surely = any(len(p) == 1 and ABSENT not in p for p in (self.truth.tier(k).get(step, {ABSENT}) for k in keys))
         self.note(f"remove step {step} on n{job.node}")
-        if job.writer is None:  # a remove is a write: the job takes its writer generation now if not yet
-            job.writer = self.new_writer()
-        got = job.proc.call({"op": "remove", "step": step})
-        if got is None:
-            self.fail(f"the job on n{job.node} died in remove({step}) (log: {job.proc.log_path}):\n{job.proc.tail()}")
-        assert got is not None
+        got = self.remove_in_job(job, step)
         if "error" in got:
             if surely or not got["error"].startswith("NotFoundError"):
                 self.fail(f"remove({step}) raised {got['error']}")
@@ -514,6 +509,17 @@ class Single(EnvOps, LiveOps, FeatureOps, ExtraOps, RuleBasedStateMachine):
         else:
             self._close(job)
         self._end_job()
+
+    def remove_in_job(self, job: Job, step: int) -> dict[str, Any]:
+        """``remove(step)`` in the live ``job`` (a remove is a write: the job takes its writer
+        generation now if not yet); what the worker answered."""
+        if job.writer is None:
+            job.writer = self.new_writer()
+        got = job.proc.call({"op": "remove", "step": step})
+        if got is None:
+            self.fail(f"the job on n{job.node} died in remove({step}) (log: {job.proc.log_path}):\n{job.proc.tail()}")
+        assert got is not None
+        return got
 
     def _close(self, job: Job) -> None:
         want = self._close_target(job)
