@@ -259,7 +259,7 @@ def test_sigkill_then_resume_gives_identical_losses(tmp_path, shm_dir) -> None: 
     after, recs = _losses(run_out)
     resumed = [r for r in recs if "resumed" in r]
     assert len(resumed) == 1 and resumed[0]["resumed"] == kill_at, recs
-    assert resumed[0]["tier"]["step"] == kill_at and resumed[0]["tier"]["tier"].startswith("memory:")
+    assert resumed[0]["tier"]["step"] == kill_at and resumed[0]["tier"]["tier"].startswith("memory:"), recs
     assert sorted(reference) == list(range(1, steps + 1))
     assert {s: before[s] for s in range(1, kill_at + 1)} == {s: reference[s] for s in range(1, kill_at + 1)}
     # the records after the resume line are the resumed run's
