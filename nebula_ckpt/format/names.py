@@ -60,7 +60,6 @@ _SHARD_RE = re.compile(r"shard-g(0|[1-9][0-9]*)-r(0|[1-9][0-9]*)(?:-v[0-9a-f]{8}
 _SHARD_PREFIX_RE = re.compile(r"shard-g([0-9]+)-r[0-9]+(?:-v[0-9a-f]{8})?\.safetensors")
 _SHARD_OWNER_RE = re.compile(r"(?:shard-g([0-9]+)-r([0-9]+)(?:-v[0-9a-f]{8})?\.safetensors"
                              r"|records-g([0-9]+)-r([0-9]+)\.json)")
-_RECORDS_RE = re.compile(r"records-g(0|[1-9][0-9]*)-r(0|[1-9][0-9]*)\.json")
 _MANIFEST_RE = re.compile(r"manifest(?:-v([0-9a-f]{8}))?\.json")
 #: the variant part of a write's file names (see :func:`new_variant`)
 _VARIANT_RE = re.compile(r"(?:shard-g[0-9]+-r[0-9]+|manifest)-v([0-9a-f]{8})\.(?:safetensors|json)")
@@ -116,11 +115,6 @@ def drain_part_name(generation: int, rank: int) -> str:
     shard until the step commits (:mod:`nebula_ckpt.format.drain`); named like that rank's records
     file, so sweeps know whose it is."""
     return f"{records_name(generation, rank)}.drain"
-
-
-def is_records_name(name: str) -> bool:
-    """Whether ``name`` is exactly a records file name of this format (a plain name, no path)."""
-    return _RECORDS_RE.fullmatch(name) is not None
 
 
 def shard_owner(name: str) -> Optional[tuple[int, int]]:

@@ -150,11 +150,6 @@ class HostMemoryBudget:
         elif isinstance(value, float):
             self._fixed = int(value * machine_memory()[0])
 
-    @property
-    def automatic(self) -> bool:
-        """Whether the budget is what is free (the default)."""
-        return self._fixed is None
-
     def limit(self, used: int) -> int:
         """The most checkpointing may hold now, given that it holds ``used`` bytes: the fixed
         budget, or (the default) ``used`` + what is available beyond the reserve."""

@@ -35,6 +35,7 @@ import threading
 from typing import TYPE_CHECKING, Any, Iterable, Optional
 
 from nebula_ckpt import knobs
+from nebula_ckpt.format.commit import Commit, read_committed_manifest, shard_path
 from nebula_ckpt.format.header import safetensors_header
 from nebula_ckpt.format.manifest import SINCE_FULL, Manifest
 from nebula_ckpt.format.records import ShardRecord, TensorRecord
@@ -286,6 +287,18 @@ def whole_image(man: Manifest, shards: list[Any]) -> tuple[list[memoryview], dic
         out.pop("shard", None)
         records[k] = dict(out, offsets=at[k])
     return parts, records, len(head) + (spans[-1][1] if spans else 0)
+
+
+def committed_whole(src: "Storage", step: int, at: str) -> tuple[Commit, bytes, Manifest, list[memoryview],
+                                                                     dict[str, dict[str, Any]], int]:
+    """The committed checkpoint ``step`` of ``src`` (``at`` names it in errors) as one image, to be
+    written elsewhere whole: ``(its COMMIT, the manifest's bytes, the parsed manifest, parts,
+    tensor records, bytes)`` (see :func:`whole_image`; an incremental step's bytes read from the
+    steps it refers to)."""
+    commit, raw = read_committed_manifest(src, step, at)
+    man = Manifest.parse(raw, at, step)
+    data = [src.read_buffer(shard_path(man, i), dict(sh.storage or {})) for i, sh in enumerate(man.shards)]
+    return (commit, raw, man, *whole_image(man, data))
 
 
 def may_build_on_base(tier: Any, world_size: int, storage: "Storage") -> bool:

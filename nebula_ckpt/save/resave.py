@@ -31,16 +31,14 @@ from nebula_ckpt.format.commit import (
     WriterFence,
     commit_manifest,
     read_commit,
-    read_committed_manifest,
-    shard_path,
 )
-from nebula_ckpt.format.manifest import Manifest, encode_manifest, whole_manifest
+from nebula_ckpt.format.manifest import encode_manifest, whole_manifest
 from nebula_ckpt.format.names import COMMIT, new_variant, shard_name, shard_owner, step_dir
 from nebula_ckpt.ranks.fencing import Fence
 from nebula_ckpt.restore.intact import restore_problem
 from nebula_ckpt.restore.open import open_checkpoint
 from nebula_ckpt.save import sweep
-from nebula_ckpt.save.incremental import whole_image
+from nebula_ckpt.save.incremental import committed_whole
 from nebula_ckpt.storage.base import Storage
 from nebula_ckpt.storage.local import fsync_dir
 
@@ -109,9 +107,7 @@ def copy_as_written(storage: Storage, tier: str, write: Write, src: Storage) -> 
         raise NebulaError(why)
     at = f"{src.display_url} step {s}"
     open_checkpoint(src, s, "full", at)
-    man = Manifest.parse(read_committed_manifest(src, s, at)[1], at, s)
-    data = [src.read_buffer(shard_path(man, i), dict(sh.storage or {})) for i, sh in enumerate(man.shards)]
-    parts, tensors, nbytes = whole_image(man, data)
+    _, _, man, parts, tensors, nbytes = committed_whole(src, s, at)
     fence = Fence.past(storage, g).for_tier(storage)
     old = read_commit(storage, s, tier) if COMMIT in storage.list(step_dir(s)) else None
     damage = None if old is None or old.write != write else restore_problem(storage, s, f"{tier} step {s}")

@@ -47,12 +47,10 @@ from nebula_ckpt.format.commit import (
     commit_manifest,
     committed_steps,
     delete_checkpoint,
-    read_committed_manifest,
     read_kept,
     referrers,
     retract_step,
     scan_steps,
-    shard_path,
 )
 from nebula_ckpt.format.manifest import Manifest, encode_manifest, finish_manifest, stored_json, tagged
 from nebula_ckpt.format.multi_rank import rank_manifest
@@ -62,7 +60,7 @@ from nebula_ckpt.ranks import shards as ranks
 from nebula_ckpt.ranks.coordinator import Coordinator, LocalCoordinator
 from nebula_ckpt.ranks.fencing import TierFence
 from nebula_ckpt.save import seeding, sweep
-from nebula_ckpt.save.incremental import Incremental, may_build_on_base, whole_image
+from nebula_ckpt.save.incremental import Incremental, committed_whole, may_build_on_base
 from nebula_ckpt.save.kept import KeptSteps
 from nebula_ckpt.save.rounds import CommitUncertain, PeerSkipped, SharedCommit
 from nebula_ckpt.save.snapshot import Delivery, Snapshot, build_tier_manifest
@@ -268,13 +266,12 @@ class TierWriter:
         """Write the committed checkpoint ``step`` of another (local) tier's storage to this tier: ``close()`` puts the
         newest step on tiers whose cadence skipped it. The source's manifest is taken as is but for this tier's
         generation and shard record (its marker names the same save number); an incremental one is written whole."""
-        commit, raw = read_committed_manifest(src, step, f"{src.display_url} step {step}")
-        parsed = Manifest.parse(raw, f"{src.display_url} step {step}", step)
-        man = stored_json(raw)
-        if parsed.multi_rank or self.coordinator.world_size > 1:
+        if self.coordinator.world_size > 1:
+            raise ValueError(f"step {step}: only one-process checkpoints are copied between tiers")
+        commit, raw, parsed, parts, tensors, nbytes = committed_whole(src, step, f"{src.display_url} step {step}")
+        if parsed.multi_rank:
             raise ValueError(f"step {step} is a multi-rank checkpoint; only one-process checkpoints are copied")
-        data = [src.read_buffer(shard_path(parsed, i), dict(sh.storage or {})) for i, sh in enumerate(parsed.shards)]
-        parts, tensors, nbytes = whole_image(parsed, data)
+        man = stored_json(raw)
         image = TierImage(step, tuple(parts), nbytes, tensors, tuple(tensors))
         self._commit_step(TierStep(step, None, lambda: None, image, manifest=man, restamp=False, save=commit.save),
                           None)

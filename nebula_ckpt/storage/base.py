@@ -36,14 +36,6 @@ def too_large(where: str, size: int, max_bytes: int) -> CorruptCheckpointError:
                                   "(remove or replace it)")
 
 
-def at_most(data: bytes, where: str, max_bytes: int) -> bytes:
-    """``data`` (a small file read whole, ``where`` naming it) if it holds at most ``max_bytes``
-    bytes; else :func:`too_large`. For a storage that cannot tell a file's size before reading it."""
-    if len(data) > max_bytes:
-        raise too_large(where, len(data), max_bytes)
-    return data
-
-
 def never_created(storage: "Storage", rel: str) -> bool:
     """After a ``create_only`` write of ``rel`` raised: whether it certainly created nothing, now
     or later (the file is absent and the storage's failed creates are final). False when unsure."""
