@@ -433,3 +433,28 @@ def test_get_latest_checkpoint_is_the_one_a_restart_resumes_from(root: str, caps
     tn.init(persistent_storage_path=root)
     got = tn.get_latest_checkpoint()
     assert got is not None and got.tag == "global_step1", got
+
+
+def test_get_latest_checkpoint_refuses_when_every_checkpoint_is_suspect(root: str) -> None:
+    """The only checkpoint is restored and the loss goes NaN right after (the training signal marks
+    it suspect): the next restart is not handed it again (it would loop), it gets
+    CorruptCheckpointError naming it and the command that clears a mark, as ``load_latest`` raises."""
+    tn.init(persistent_storage_path=root)
+    model, _ = _training()
+    tn.Checkpoint("global_step1", 1).save("model", model)
+    tn.shutdown()
+    tn.init(persistent_storage_path=root)
+    got = tn.get_latest_checkpoint()
+    assert got is not None and got.tag == "global_step1"
+    model.load_state_dict(got.load("model"))
+    for step in (2, 3):
+        tn.checkpointer().report(step, loss=float("nan"))
+    tn.shutdown()
+    tn.init(persistent_storage_path=root)
+    with pytest.raises(nc.CorruptCheckpointError, match="marked suspect") as e:
+        tn.get_latest_checkpoint()
+    assert "global_step1 (step 1)" in str(e.value) and "nebula-ckpt mark" in str(e.value)
+    with pytest.raises(nc.CorruptCheckpointError):
+        tn.get_latest_checkpoint_path("model")
+    with pytest.raises(nc.CorruptCheckpointError):
+        tn.checkpointer().load_latest()

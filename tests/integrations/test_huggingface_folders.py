@@ -331,3 +331,57 @@ def test_opening_the_root_removes_the_folder_of_a_checkpoint_no_tier_holds(tmp_p
     assert sorted(again.nebula.tags()) == ["checkpoint-2"]
     assert _checkpoint_folders(out) == ["checkpoint-2"] and hf_last(out) == os.path.join(out, "checkpoint-2")
     again.nebula.close()
+
+
+@pytest.mark.timeout(180)
+def test_save_total_limit_never_deletes_the_checkpoint_a_restart_resumes_from(tmp_path, shm_dir: str) -> None:  # noqa: ANN001
+    """save_total_limit=1 and a run that diverges after step 12: checkpoint-10 is confirmed healthy
+    (steps 11 and 12 finite), checkpoint-15 and -20 are saved from the diverged state (suspect at
+    once). The rotation keeps checkpoint-10, the step a restart resumes from (as the core's
+    retention keeps the newest healthy step), so ``resume_from_checkpoint=True`` restores it
+    instead of raising for want of a step not marked suspect."""
+    from transformers import TrainerCallback
+
+    class Diverge(TrainerCallback):
+        def on_step_end(self, args: Any, state: Any, control: Any, model: Any = None, **kw: Any) -> None:
+            if state.global_step == 12:
+                with torch.no_grad():
+                    next(model.parameters()).fill_(float("nan"))
+
+    out = str(tmp_path / "out")
+    root = os.path.join(out, "nebula")
+    tr = hf_worker.make_trainer(out, root, max_steps=20, save_steps=5, save_total_limit=1, callbacks=(Diverge(),))
+    tr.train()
+    with nc.Checkpointer(root, read_only=True) as ck:
+        assert "checkpoint-10" in ck.tags() and ck.latest() == (10, "checkpoint-10"), ck.tags()
+    assert "checkpoint-10" in _checkpoint_folders(out)
+    again = hf_worker.make_trainer(out, root, max_steps=22, save_steps=5, save_total_limit=1)
+    again.train(resume_from_checkpoint=True)
+    assert again.nebula_restored is not None and again.nebula_restored["step"] == 10
+    assert again.nebula_restored["health"] == "healthy"
+
+
+def test_get_last_checkpoint_refuses_when_every_checkpoint_is_suspect(tmp_path, root: str,  # noqa: ANN001
+                                                                       capsys: pytest.CaptureFixture[str]) -> None:
+    """Every checkpoint marked suspect: the drop-in raises CorruptCheckpointError naming them and the
+    command that clears a mark, as ``resume_from_checkpoint=True`` does, rather than name a suspect
+    one (``train(resume_from_checkpoint=get_last_checkpoint(out))`` would restore it on every restart)."""
+    from nebula_ckpt.cli import main
+
+    out = str(tmp_path / "out")
+    with nc.Checkpointer(root, keep_last=10, memory_tier=False) as ck:
+        for step in (4, 8):
+            ck.save(step, {"w": torch.full((4,), float(step))}, tag=f"checkpoint-{step}")
+    assert get_last_checkpoint(out, root=root) == os.path.join(out, "checkpoint-8")
+    assert main(["mark", root, "--suspect", "8"]) == 0
+    assert get_last_checkpoint(out, root=root) == os.path.join(out, "checkpoint-4")
+    assert main(["mark", root, "--suspect", "4"]) == 0
+    capsys.readouterr()
+    with pytest.raises(nc.CorruptCheckpointError, match="marked suspect") as e:
+        get_last_checkpoint(out, root=root)
+    assert "checkpoint-4 (step 4)" in str(e.value) and "checkpoint-8 (step 8)" in str(e.value)
+    assert "nebula-ckpt mark" in str(e.value) and "--healthy" in str(e.value)
+    with nc.Checkpointer(root, read_only=True) as ck, pytest.raises(nc.CorruptCheckpointError):
+        ck.load_latest()  # what resume_from_checkpoint=True does: the two agree
+    assert main(["mark", root, "--healthy", "4"]) == 0
+    assert get_last_checkpoint(out, root=root) == os.path.join(out, "checkpoint-4")

@@ -14,7 +14,7 @@ from nebula_ckpt import Checkpointer
 from nebula_ckpt.adapters import canonical_root, check_tag
 from nebula_ckpt.compat.nebula.checkpoint import Checkpoint, committed_checkpoint
 from nebula_ckpt.compat.nebula.session import Session, current_session, reader_for, settle
-from nebula_ckpt.errors import NotFoundError, ValidationError
+from nebula_ckpt.errors import CorruptCheckpointError, NotFoundError, ValidationError
 from nebula_ckpt.integrations.pointers import safe_name
 
 
@@ -25,9 +25,16 @@ def _tagged(s: Session, persist_path: Optional[str]) -> tuple[Optional[str], Che
 
 
 def get_latest_checkpoint(persist_path: Optional[str] = None) -> Optional[Checkpoint]:
-    """The newest committed checkpoint (on any tier: memory first), or ``None`` when there is none.
+    """The newest committed checkpoint (on any tier: memory first) not marked suspect, the one
+    ``load_latest`` restores; ``None`` when there is none.
 
     ``persist_path``: look under another root than ``init``'s (another run's).
+
+    Raises:
+        CorruptCheckpointError: committed checkpoints exist but every one is marked suspect (Azure
+            ML Nebula has no health marks): handing one back would restore the diverged state on
+            every restart, and ``None`` would start afresh silently. The message names them and
+            ``nebula-ckpt mark ROOT --healthy STEP``, which clears a mark.
     """
     s = current_session()
     try:
@@ -43,11 +50,25 @@ def get_latest_checkpoint(persist_path: Optional[str] = None) -> Optional[Checkp
 def newest_tagged(ck: Checkpointer, tags: dict[str, int]) -> tuple[str, int]:
     """The tag and step of ``tags`` (``ck.tags()``, not empty) a restart resumes from
     (:meth:`~nebula_ckpt.Checkpointer.latest`: the newest writer's, not marked suspect); the
-    highest step when that one carries no tag."""
+    newest one not above it when that one carries no tag.
+
+    Raises:
+        CorruptCheckpointError: none is (every checkpoint is marked suspect), as ``load_latest``
+            raises: naming them, and the command that clears a mark.
+    """
     got = ck.latest()
     if got is not None and got[1] is not None and tags.get(got[1]) == got[0]:
         return got[1], got[0]
-    return max(tags.items(), key=lambda kv: kv[1])
+    below = [(t, s) for t, s in tags.items() if got is not None and s <= got[0]]
+    if below:
+        return max(below, key=lambda kv: kv[1])
+    named = sorted(tags.items(), key=lambda kv: kv[1])
+    root = canonical_root(ck.root)
+    raise CorruptCheckpointError(
+        f"torch_nebula: no checkpoint of {root} is left to resume from: every one is marked suspect "
+        f"({', '.join(f'{t} (step {s})' for t, s in named[-20:])}; `nebula-ckpt ls` says why). Resuming one "
+        f"again would repeat the failure: fix its cause, then clear a mark with "
+        f"`nebula-ckpt mark {root} --healthy STEP` (STEP: one of those), or start afresh")
 
 
 def get_checkpoint(tag: str, persist_path: Optional[str] = None) -> Checkpoint:
@@ -84,7 +105,8 @@ def list_checkpoints(persist_path: Optional[str] = None) -> list[dict[str, Any]]
 
 
 def get_latest_checkpoint_path(name: str = "checkpoint", persist_path: Optional[str] = None) -> Optional[str]:
-    """A ``torch.load``-able file of part ``name`` of the newest checkpoint (``None`` without one).
+    """A ``torch.load``-able file of part ``name`` of the newest checkpoint not marked suspect
+    (:func:`get_latest_checkpoint`: ``None`` without one, CorruptCheckpointError when every one is).
 
     nebula_ckpt keeps no file per part, so the part is exported (``torch.save``) into a private
     temporary folder, removed by :func:`shutdown` / at exit; Lightning's

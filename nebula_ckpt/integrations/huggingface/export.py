@@ -13,7 +13,7 @@ from typing import Any, Iterator, Optional, Union
 import torch
 
 import nebula_ckpt as nc
-from nebula_ckpt.adapters import LocalCoordinator
+from nebula_ckpt.adapters import LocalCoordinator, canonical_root
 from nebula_ckpt.integrations.huggingface import folders
 from nebula_ckpt.integrations.huggingface.common import TRAINER_STATE_NAME, is_checkpoint_tag
 
@@ -35,6 +35,13 @@ def get_last_checkpoint(output_dir: str, root: Optional[str] = None,
     on one rank alone, it waits for no other rank. The folder it names exists: a committed
     checkpoint whose process was killed before it put its folder in place gets it here
     (:func:`.folders.rebuild`; nothing is removed).
+
+    Raises:
+        CorruptCheckpointError: every checkpoint under ``root`` is marked suspect, as
+            ``resume_from_checkpoint=True`` raises (HF's own function has no such case: it returns
+            None only when there is no checkpoint). Naming one would restore the diverged state on
+            every restart (a loop); None would start afresh silently and lose the run. The message
+            names the checkpoints and ``nebula-ckpt mark ROOT --healthy STEP``, which clears a mark.
     """
     from transformers.trainer_utils import get_last_checkpoint as hf_last
 
@@ -52,9 +59,30 @@ def get_last_checkpoint(output_dir: str, root: Optional[str] = None,
             folders.rebuild(output_dir, where, tags, drop_stale=False)
         except OSError as e:  # (a read-only output dir) the path still resumes NebulaTrainer, by its tag
             log.warning("nebula_ckpt: could not put the checkpoint folders of %s in place: %s", output_dir, e)
-        chosen = latest[1] if latest is not None and latest[1] in tags and tags[latest[1]] == latest[0] else None
-        return os.path.join(output_dir, chosen or max(tags, key=tags.__getitem__))
+        return os.path.join(output_dir, _resume_tag(where, tags, latest))
     return hf_last(output_dir) if os.path.isdir(output_dir) else None
+
+
+def _resume_tag(root: str, tags: dict[str, int], latest: Optional[tuple[int, Optional[str]]]) -> str:
+    """Of ``tags`` (not empty), the one a restart resumes from: ``latest`` (``Checkpointer.latest()``)
+    when it is one of them, else the newest one not above it (``latest`` is untagged).
+
+    Raises:
+        CorruptCheckpointError: none is (every checkpoint is marked suspect): naming them, and the
+            command that clears a mark, as ``resume_from_checkpoint=True`` does.
+    """
+    if latest is not None and latest[1] in tags and tags[latest[1]] == latest[0]:
+        return latest[1]
+    below = {t: s for t, s in tags.items() if latest is not None and s <= latest[0]}
+    if below:
+        return max(below, key=below.__getitem__)
+    named = sorted(tags.items(), key=lambda kv: kv[1])
+    raise nc.CorruptCheckpointError(
+        f"get_last_checkpoint: no checkpoint of {canonical_root(root)} is left to resume from: every one is marked "
+        f"suspect ({', '.join(f'{t} (step {s})' for t, s in named[-20:])}; `nebula-ckpt ls` says why). Resuming "
+        f"one again would repeat the failure: fix its cause, then clear a mark with "
+        f"`nebula-ckpt mark {canonical_root(root)} --healthy STEP` (STEP: one of those), or start afresh "
+        "(resume_from_checkpoint=None)")
 
 
 @contextlib.contextmanager

@@ -207,7 +207,8 @@ def _log(trainer: Any, logs: dict[str, float]) -> None:
 
 def rotate(trainer: Any, final: bool = False) -> None:
     """HF's ``rotate_checkpoints`` over the committed checkpoints (newest and best kept); with
-    ``final``, also ``_finalize_training``'s rule (limit 1 and a best one: only the best stays)."""
+    ``final``, also ``_finalize_training``'s rule (limit 1 and a best one: only the best stays).
+    The checkpoint a restart resumes from is kept too (:func:`_resume_point`)."""
     run = run_of(trainer)
     limit = trainer.args.save_total_limit
     if limit is None or limit <= 0 or run.ckpt is None:
@@ -225,6 +226,11 @@ def rotate(trainer: Any, final: bool = False) -> None:
         protected.add(best)
         if final and limit == 1:
             protected = {best}
+    resume = _resume_point(trainer)
+    if resume is None:
+        return  # not known now: nothing is deleted (tried again at the next save)
+    if resume and resume != committed[-1][0]:  # (the newest: kept, unless the final rule keeps only the best)
+        protected.add(resume)
     keep = max(limit, len(protected))
     remaining = len(committed)
     for tag, _ in committed:
@@ -242,6 +248,25 @@ def rotate(trainer: Any, final: bool = False) -> None:
         del run.committed[tag]
         run.saved.pop(tag, None)
         remaining -= 1
+
+
+def _resume_point(trainer: Any) -> Optional[str]:
+    """The tag of the checkpoint a restart resumes from (:meth:`~nebula_ckpt.Checkpointer.latest`:
+    the newest not marked suspect), which ``save_total_limit`` never deletes: a run that keeps
+    saving a diverged (suspect) state keeps the step before it, as the core's retention does
+    (``docs/health.md``). ``""`` when it is none of the committed checkpoints; None (with a
+    warning) when the tiers cannot be read now."""
+    run = run_of(trainer)
+    assert run.ckpt is not None
+    try:
+        got = run.ckpt.latest()
+    except (OSError, nc.NebulaError) as e:
+        log.warning("nebula_ckpt: save_total_limit: could not find the checkpoint a restart resumes from in "
+                    "%s (%s): nothing is deleted now", run.root, e)
+        return None
+    if got is None or got[1] is None or run.committed.get(got[1]) != got[0]:
+        return ""
+    return got[1]
 
 
 def build_state(trainer: Any) -> dict[str, Any]:
