@@ -31,6 +31,7 @@ from typing import Any, Callable, ClassVar, Optional, TypeVar, cast
 from nebula_ckpt import knobs
 from nebula_ckpt.storage.base import MAX_SMALL_BYTES, Buffer, Storage, too_large
 from nebula_ckpt.storage.remote.calls import abandoned_error, call_with_retries
+from nebula_ckpt.storage.remote.create import create_small
 from nebula_ckpt.storage.remote.errors import CorruptRemoteDataError, RemoteStorageError, storage_error
 from nebula_ckpt.storage.remote.frames import ReadTask, compressor, download, plan_read, zstd_module
 from nebula_ckpt.storage.remote.paths import child_names, object_path, objects_under, where
@@ -300,36 +301,24 @@ class FsspecStorage(Storage):
 
         With ``create_only=True`` the write is conditional (``If-None-Match: *`` on S3 and
         Azure) and raises ``FileExistsError`` if ``rel`` exists. A retry after a lost response
-        that finds our own bytes there counts as success.
+        that finds our own bytes there counts as success; the read-back that tells runs under
+        the retry policy too (:func:`.create.create_small`).
 
         Raises:
-            FileExistsError: ``create_only`` and the object exists.
-            RemoteStorageError (or a subclass): the write failed.
+            FileExistsError: ``create_only`` and the object exists (not our own bytes).
+            RemoteStorageError (or a subclass): the write failed; or (``create_only``) a retry
+                found the object there and it could not be read back: the message says it may
+                be this write's own.
         """
         self._check_open()
         path, payload = self._path(rel), bytes(data)
-
-        def put(attempt: Attempt) -> None:
-            if not create_only:
-                self.fs.pipe_file(path, payload, **self._limit(attempt))
-                return
-            try:
-                self.fs.pipe_file(path, payload, mode="create", **self._limit(attempt))
-            except FileExistsError:
-                if attempt.number > 1 and self._holds(path, payload, attempt):
-                    logger.info("remote tier %s: create-only write of %s found its own earlier "
-                                "attempt; treating as success", self.display_url, rel)
-                    return
-                raise
-
-        self._retry("create" if create_only else "write", rel, put)
-
-    def _holds(self, path: str, payload: bytes, attempt: Attempt) -> bool:
-        """Whether ``path`` holds ``payload`` (our first attempt landed, its response was lost)."""
-        try:
-            return bool(self.fs.cat_file(path, **self._limit(attempt)) == payload)
-        except Exception:  # noqa: BLE001 - the caller reports the FileExistsError
-            return False
+        if not create_only:
+            self._retry("write", rel, lambda attempt: self.fs.pipe_file(path, payload, **self._limit(attempt)))
+            return
+        create_small(payload, url=self.display_url, rel=rel,
+                     put=lambda attempt: self.fs.pipe_file(path, payload, mode="create", **self._limit(attempt)),
+                     read=lambda attempt: self._head(path, len(payload), attempt),
+                     retry=lambda op, fn: self._retry(op, rel, fn))
 
     def remove(self, rel: str) -> None:
         """Delete object ``rel``; a missing object is not an error (same on every backend)."""
@@ -436,19 +425,19 @@ class FsspecStorage(Storage):
     def read_small(self, rel: str, max_bytes: int = MAX_SMALL_BYTES) -> bytes:
         """The whole content of ``rel``, one ranged read of ``max_bytes + 1`` bytes at most; larger: refused."""
         path = self._path(rel)
-
-        def head(attempt: Attempt) -> bytes:
-            try:
-                return bytes(self.fs.cat_file(path, start=0, end=max_bytes + 1, **self._limit(attempt)))
-            except Exception as e:  # HTTP 416: no byte 0 to range over, an empty object: read it whole
-                if getattr(e, "status_code", None) != 416 and getattr(e, "errno", None) != errno.EINVAL:
-                    raise
-                return bytes(self.fs.cat_file(path, **self._limit(attempt)))
-
-        data = self._retry("read", rel, head)
+        data = self._retry("read", rel, lambda attempt: self._head(path, max_bytes, attempt))
         if len(data) > max_bytes:
             raise too_large(self._where(rel), self.size(rel), max_bytes)
         return data
+
+    def _head(self, path: str, max_bytes: int, attempt: Attempt) -> bytes:
+        """One try at the first ``max_bytes + 1`` bytes of ``path`` (one ranged read)."""
+        try:
+            return bytes(self.fs.cat_file(path, start=0, end=max_bytes + 1, **self._limit(attempt)))
+        except Exception as e:  # HTTP 416: no byte 0 to range over, an empty object: read it whole
+            if getattr(e, "status_code", None) != 416 and getattr(e, "errno", None) != errno.EINVAL:
+                raise
+            return bytes(self.fs.cat_file(path, **self._limit(attempt)))
 
     def list(self, rel_dir: str = "") -> list[str]:
         """Sorted names (not paths) of the direct children of ``rel_dir``; ``[]`` if missing.
