@@ -9,13 +9,19 @@ storage, its restorer, its tiers, its coordinator.
 from __future__ import annotations
 
 import functools
+import logging
 from typing import TYPE_CHECKING, Any, Optional
 
+from nebula_ckpt.format.commit import read_commit
+from nebula_ckpt.format.health import SUSPECT
+from nebula_ckpt.format.marker import Write
 from nebula_ckpt.format.names import check_step
 from nebula_ckpt.health.book import HealthBook, newest_healthy
 from nebula_ckpt.health.monitor import HealthMonitor, as_signal
 from nebula_ckpt.health.policy import HealthPolicy
 from nebula_ckpt.storage.base import Storage
+
+log = logging.getLogger("nebula_ckpt")
 
 if TYPE_CHECKING:
     from nebula_ckpt.ranks.coordinator import Coordinator
@@ -44,7 +50,8 @@ class HealthReports:
 
     def _open_health(self, policy: Optional[HealthPolicy]) -> None:
         """Read the root's health marks on restore; turn reports into marks (unless read only);
-        let retention on the persistent tiers keep the newest healthy step."""
+        let retention keep the newest healthy step: on the persistent tiers, and on the others
+        (the memory tier) while no persistent tier holds it."""
         book = HealthBook(self._opened.root_storage)
         self._restores.health = book
         if self.read_only:
@@ -52,9 +59,12 @@ class HealthReports:
         fence = self._opened.fence
         self._health = HealthMonitor(book, policy or HealthPolicy(), self.coordinator.rank, lambda: fence.generation)
         self._restores.monitor = self._saves.monitor = self._health
+        persistent = [rt for rt in self._runtimes if rt.persistent]
         for rt in self._runtimes:
             if rt.persistent:
                 rt.keep_also = functools.partial(self._keep_healthy, book, rt.storage)
+            else:
+                rt.keep_also = functools.partial(self._keep_unsaved, book, rt, persistent)
 
     def _keep_healthy(self, book: HealthBook, storage: Storage, committed: list[int]) -> set[int]:
         """Retention (a tier's writer thread): of ``committed``, the newest healthy step and the steps
@@ -64,6 +74,32 @@ class HealthReports:
         if monitor is None or not monitor.reported:
             return set()
         return newest_healthy(book, storage, committed) | monitor.held(committed)
+
+    def _keep_unsaved(self, book: HealthBook, rt: TierRuntime, persistent: list[TierRuntime],
+                      committed: list[int]) -> set[int]:
+        """Retention on a tier that does not survive a reboot (the memory tier; ``committed``: its
+        steps, oldest first; a tier writer's thread, or its ``close``): what :meth:`_keep_healthy`
+        keeps, while a newer step there is marked suspect (what a restart would skip for it: a
+        run that keeps saving a diverged state), no persistent tier holds its write (their cadence
+        skipped it: this tier holds its only copy), and the tier has room for it beside its next
+        save (:meth:`~nebula_ckpt.tiers.runtime.TierRuntime.affords`)."""
+        want = self._keep_healthy(book, rt.storage, committed)
+        if not want:
+            return want
+        writes = read_writes(rt.storage, committed)
+        view, monitor = book.view(), self._health
+        assert monitor is not None  # _keep_healthy found it
+        try:
+            bad = [i for i, (s, w) in enumerate((s, writes.get(s)) for s in committed) if w is not None and (
+                monitor.suspect(w[0], s, None if w[2] < 0 else w[2])
+                or view.has_records(s) and view.mark(*w).state == SUSPECT)]
+        except Exception as e:  # the records cannot be read: retention goes on as keep_last says
+            log.debug("nebula_ckpt: tier %s: cannot read the health marks of its steps: %s", rt.name, e)
+            return set()
+        last_bad = bad[-1] if bad else -1
+        kept = {s for s in want if s in writes and committed.index(s) < last_bad
+                and not any(_holds(p.storage, writes[s]) for p in persistent)}
+        return rt.affords(kept, committed) if kept else kept
 
     def _saved(self, step: int, handle: Any) -> Any:
         """``save_async(step)`` returned ``handle``: the monitor follows the step; ``handle``."""
@@ -113,3 +149,22 @@ class HealthReports:
         value, norm = as_signal(loss, "loss"), as_signal(grad_norm, "grad_norm", optional=True)
         assert self._health is not None and value is not None  # writable; a loss is never None here
         self._health.report(step, value, norm)
+
+
+def read_writes(storage: Storage, steps: list[int]) -> dict[int, Write]:
+    """The writes (generation, step, save) of committed ``steps`` on ``storage`` (unreadable ones left out)."""
+    out = {}
+    for s in steps:
+        try:
+            out[s] = read_commit(storage, s, f"{storage.display_url} step {s}").write
+        except Exception:  # no write of anyone's: nothing to keep it for
+            continue
+    return out
+
+
+def _holds(storage: Storage, write: Write) -> bool:
+    """Whether ``storage`` holds ``write`` (generation, step, save) committed (absent or unreadable: no)."""
+    try:
+        return bool(read_commit(storage, write[1], f"step {write[1]}").write == write)
+    except Exception:
+        return False

@@ -328,7 +328,8 @@ def flush_newest(writers: "list[TierWriter]", monitor: Any = None, who: str = "c
     step this process marked suspect
     (or failed to mark so far: its mark is tried again first; ``monitor``: the Checkpointer's
     :class:`~nebula_ckpt.health.monitor.HealthMonitor`, None when read only) is never copied: the newest
-    step not marked suspect is put there instead. ``who``: what asks, in log lines (a save short
+    step not marked suspect is put there instead, on a tier holding the newer suspect ones too (the
+    memory tier's retention keeps that step while it is its only copy). ``who``: what asks, in log lines (a save short
     of the host-memory budget asks too: :func:`make_room`). Why a step was not put there (marked
     suspect, a failed copy), or None."""
     # writes, not step numbers: a tier holding the first write of a step saved twice lacks the second
@@ -348,8 +349,9 @@ def flush_newest(writers: "list[TierWriter]", monitor: Any = None, who: str = "c
         return why
     src = next((w.storage for w in writers if newest in have[w.name] and w.storage.is_local), None)
     for w in writers:
-        # a tier holding a newer (suspect) write keeps it as its newest
-        if not w.tier.persistent or newest in have[w.name] or max(have[w.name], default=newest) > newest:
+        # a tier holding a newer write (one this process marked suspect) gets it too: the step a
+        # restart restores instead, which the memory tier may hold alone (its retention kept it)
+        if not w.tier.persistent or newest in have[w.name]:
             continue
         try:  # a writer fenced or handed over to a newer Checkpointer writes nothing more, a copy neither
             w.fence.check(f"put step {newest[1]} there at {who}")
@@ -362,6 +364,8 @@ def flush_newest(writers: "list[TierWriter]", monitor: Any = None, who: str = "c
                 raise NebulaError("no tier with a local copy of it")
             if newest[0] == w.fence.generation or w.coordinator.world_size > 1:
                 w.copy_from(src, newest[1])
+                if max(have[w.name], default=newest) > newest:  # not the base a next save builds on
+                    w.incremental.forget()
             else:  # an earlier writer's step (a restart that restored it): under its own generation
                 copy_as_written(w.storage, w.name, newest, src)
                 if any(s >= newest[1] for s in w.incremental.pinned()):  # its base may be a write replaced

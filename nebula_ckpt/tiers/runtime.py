@@ -71,6 +71,12 @@ class TierRuntime:
         asks before each save; the memory tier checks its tmpfs's room)."""
         return True
 
+    def affords(self, steps: set[int], ranked: list[int]) -> set[int]:
+        """Of ``steps`` (what retention would keep beside ``keep_last`` of ``ranked``, the tier's
+        committed steps oldest first), those the tier has room to keep (the writer's thread; the
+        memory tier checks its tmpfs's room for them beside its next save)."""
+        return steps
+
     def unreadable(self, owner: Owner) -> Optional[str]:
         """Why a read-only tool (the CLI) must not read this tier for ``owner``; None if it may.
 

@@ -21,6 +21,7 @@ import os
 from typing import Optional
 
 from nebula_ckpt import knobs
+from nebula_ckpt.format.names import step_dir
 from nebula_ckpt.tiers.memory.shm import tree_bytes
 
 __all__ = ["Room"]
@@ -49,6 +50,7 @@ class Room:
     def __init__(self, folder: str) -> None:
         self.folder = folder
         self._warned = False
+        self._warned_keep = False
         #: whether the last check let the tier take the save (None: no check yet)
         self._admitted: Optional[bool] = None
 
@@ -84,3 +86,25 @@ class Room:
                      _size(nbytes), _size(room))
         self._admitted = fits
         return fits
+
+    def keeps(self, steps: list[int], newest: int) -> bool:
+        """Whether the tier has room to keep ``steps`` (the newest healthy step, those waiting for
+        their confirmation, :mod:`nebula_ckpt.health`) beside its newest step ``newest`` and a next
+        save as large, as :meth:`admits` counts it; says once when it does not (retention then
+        deletes them as ``keep_last`` says)."""
+        try:
+            held = sum(tree_bytes(os.path.join(self.folder, step_dir(s))) for s in steps)
+            need, room, total = self.needed(tree_bytes(os.path.join(self.folder, step_dir(newest))))
+        except OSError:  # the tier's writes say what is wrong with the folder
+            return True
+        if need + held <= room:
+            return True
+        if not self._warned_keep:
+            self._warned_keep = True
+            shm_dir = os.path.dirname(os.path.dirname(self.folder))
+            log.warning("nebula_ckpt: the memory tier cannot keep step(s) %s (%s), which no persistent tier holds, "
+                        "beside its newest step %d and the next save: %s has room for %s; retention deletes them, and "
+                        "a restart may resume an older step if the newer ones are marked suspect. Save to a persistent "
+                        "tier more often, or %s", steps, _size(held), newest, shm_dir, _size(max(room, 0)),
+                        fix_text(shm_dir, need + held + total // 10))
+        return False

@@ -134,6 +134,17 @@ class MemoryTierRuntime(TierRuntime):
             self._room = Room(self.folder)
         return self._room.admits(nbytes, step)
 
+    def affords(self, steps: set[int], ranked: list[int]) -> set[int]:
+        """Of ``steps``, the steps beyond the newest one only while the tmpfs has room for them
+        beside the next save (:meth:`~nebula_ckpt.tiers.memory.room.Room.keeps`): kept steps never
+        make the next save fail for want of room."""
+        extra = steps - set(ranked[-1:])
+        if not extra:
+            return steps
+        if self._room is None:
+            self._room = Room(self.folder)
+        return steps if self._room.keeps(sorted(extra), ranked[-1]) else steps - extra
+
     def staging_dir(self) -> Optional[str]:
         return self._slots
 
@@ -256,6 +267,11 @@ class MemoryTierRuntime(TierRuntime):
         if mem and max(mem) not in safe:
             log.warning("nebula_ckpt: memory tier %s kept: its newest step %d (save %d of writer generation %d) is "
                         "committed on no slower tier", self.folder, max(mem)[1], max(mem)[2], max(mem)[0])
+            return
+        alone = sorted(self.keep_also([w[1] for w in mem]))  # the newest healthy step, if only here
+        if alone:
+            log.warning("nebula_ckpt: memory tier %s kept: step(s) %s, which a restart resumes before the newer ones "
+                        "marked suspect, are committed on no slower tier", self.folder, alone)
             return
         unlist_steps(self.folder)  # markers first: a kill in the middle leaves no step listed half deleted
         self.storage.remove_dir("")  # a clean close: the state is safe on a slower tier; free the RAM
