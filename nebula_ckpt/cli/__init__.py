@@ -5,7 +5,9 @@ world size and check every rank's shard, inspect shows global shapes and which r
 what, export gathers one full, unsharded file (keys without the ``r<R>/`` rank prefix).
 
 Exit codes: 0 success; 1 damage found (verify) or nothing to act on (a ROOT that is a file, too); 2
-bad usage (a ROOT that is a malformed URL, too).
+bad usage (a ROOT that is a malformed URL, too); 3 could not be read: the store did not answer (an
+outage, a timeout) or this process was refused the files, so nothing is called damaged and no
+older step is read in place of one that could not be read (run it again once the store answers).
 ls, verify, inspect, export, mark, gc, persist-memory and doctor take ``--json`` for scripts (stdout
 holds one JSON value on every exit: ``{"error": ..., "exit": N}`` when the command fails) and
 ``--storage-options JSON`` for a remote root (no error shows its value: it may hold credentials);
@@ -35,8 +37,10 @@ from typing import Any, Callable, Optional, Sequence, TextIO, cast
 from nebula_ckpt.cli.bench import cmd_bench
 from nebula_ckpt.cli.choose import add_choice_arguments, step_number
 from nebula_ckpt.cli.common import (
+    EXIT_UNREADABLE,
     HIDDEN,
     CliParser,
+    NotChecked,
     StdoutClosed,
     UsageError,
     add_storage_options,
@@ -54,6 +58,7 @@ from nebula_ckpt.cli.mark import add_mark_parser, cmd_mark
 from nebula_ckpt.cli.persist_memory import add_persist_memory_parser, cmd_persist_memory
 from nebula_ckpt.cli.verify import cmd_verify
 from nebula_ckpt.errors import NebulaError, PickleNotAllowedError
+from nebula_ckpt.restore.unreadable import outage, refused_here
 
 __all__ = ["main", "build_parser"]
 
@@ -82,7 +87,8 @@ def build_parser() -> argparse.ArgumentParser:
     _common(sp)
     sp.add_argument("--quick", action="store_true",
                     help="check sizes only, not checksums (rows say 'committed (not verified)')")
-    sp = sub.add_parser("verify", help="full checksum check; exit 1 on damage")
+    sp = sub.add_parser("verify", help="full checksum check; exit 1 on damage, 3 when a step could not be read "
+                                       "(an outage)")
     _common(sp)
     sp.add_argument("--step", type=step_number, default=None, metavar="N",
                     help="only this step (default: every committed step)")
@@ -103,7 +109,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _run(args: argparse.Namespace) -> int:
     """Run one parsed command; errors become one line on stderr and exit code 1 (2 for a ROOT that
-    is a malformed URL)."""
+    is a malformed URL; 3 for what could not be read though it may be whole: an outage)."""
     try:
         check_root_url(getattr(args, "root", None))  # before the root is parsed, logged or shown
         return COMMANDS[args.cmd](args)
@@ -115,9 +121,12 @@ def _run(args: argparse.Namespace) -> int:
     except PickleNotAllowedError as e:  # the library's hint names its argument; here it is a flag
         sys.stderr.write(f"nebula-ckpt: {str(e).replace('allow_pickle=True', '--allow-pickle')}\n")
         return 1
-    except (NebulaError, OSError) as e:
+    except NotChecked as e:
         sys.stderr.write(f"nebula-ckpt: {e}\n")
-        return 1
+        return EXIT_UNREADABLE
+    except (NebulaError, OSError) as e:  # a store that did not answer (the root cannot be listed): not 1
+        sys.stderr.write(f"nebula-ckpt: {e}\n")
+        return EXIT_UNREADABLE if outage(e) and refused_here(e, "") is None else 1
     except Exception as e:  # damaged input must never end in a traceback; -v shows it
         if args.verbose:
             raise

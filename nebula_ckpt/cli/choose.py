@@ -10,7 +10,10 @@ marked suspect are skipped as ``load_latest`` skips them
 copy a job saved again while it was read is read again, its new write; one removed while it was
 read, by a job's retention beside the command, is left out, and the root is listed again when
 nothing else opened, as ``verify`` does). The skipped copies are named on stderr. ``--step N``
-reads ``N`` whatever its mark (a suspect one is said so on stderr).
+reads ``N`` whatever its mark (a suspect one is said so on stderr). A copy that cannot be read
+though it may be whole (the store did not answer, a timeout, this process refused its files) is
+never passed over for an older step, as ``load_latest`` raises it: the command stops, saying so
+(:class:`~nebula_ckpt.cli.common.NotChecked`).
 
 A multi-rank job's memory tier holds each rank's own part of a step (one rank's memory-tier
 copy, the first copy in the restore's order): never the choice while a whole copy of the step is
@@ -24,7 +27,7 @@ from __future__ import annotations
 import argparse
 from typing import Callable, Optional, TypeVar, Union
 
-from nebula_ckpt.cli.common import RELIST_ROUNDS, commit_state, note, open_tiers, ranks_text
+from nebula_ckpt.cli.common import RELIST_ROUNDS, listed_committed, note, open_tiers, raise_if_outage, ranks_text
 from nebula_ckpt.errors import NebulaError
 from nebula_ckpt.format.commit import step_dirs
 from nebula_ckpt.format.health import SUSPECT
@@ -85,8 +88,9 @@ def _asked(args: argparse.Namespace) -> str:
 def _committed(tier: Tier, st: Storage) -> list[int]:
     """The steps of one tier whose commit marker is there, ascending; a marker that cannot be
     checked safely (a symlink, never followed; unreadable) counts, so that its step is named as
-    damaged rather than passed over unsaid."""
-    return [s for s in step_dirs(st) if commit_state(st, tier, s)[0]]
+    damaged rather than passed over unsaid; one the store does not answer for counts too (its
+    marker's read raises the outage)."""
+    return [s for s in step_dirs(st) if listed_committed(st, tier, s)]
 
 
 def _where(c: Candidate) -> str:
@@ -98,7 +102,11 @@ def candidates(args: argparse.Namespace, tiers: list[tuple[Tier, Storage]],
     """The copies that may answer ``--step`` / ``--tag`` / latest, in the order a restore tries them
     (:func:`~nebula_ckpt.restore.select.list_candidates`; ``--tag``: its newest step first, as
     ``load(tag=...)``), and the tags seen on the way (for the error when none matches). ``gone``:
-    gets each step listed whose commit marker was removed before it was read (a job's retention)."""
+    gets each step listed whose commit marker was removed before it was read (a job's retention).
+
+    Raises:
+        NotChecked: a manifest read for ``--tag`` met an outage (never passed over for an older step).
+    """
     ordered = list_candidates(tiers, steps=_committed, unmarked=gone)
     if isinstance(args.step, int):
         return [c for c in ordered if c.step == args.step], []
@@ -109,7 +117,8 @@ def candidates(args: argparse.Namespace, tiers: list[tuple[Tier, Storage]],
     for c in ordered:
         try:
             tag = read_main_manifest(c.storage, c.step, _where(c)).tag
-        except Exception:  # damaged: not found by its tag (ls and verify show it)
+        except Exception as e:  # damaged: not found by its tag (ls and verify show it); an outage: raised
+            raise_if_outage(e, _where(c))
             continue
         if tag == args.tag:
             found.append(c)
@@ -133,6 +142,8 @@ def open_chosen(args: argparse.Namespace, opener: Callable[[Storage, int, str], 
     times at most), as ``verify`` does.
 
     Raises:
+        NotChecked: a copy tried could not be read though it may be whole (an outage): never passed
+            over for the next, as ``load_latest`` raises it.
         NebulaError: nothing healthy answers, naming every copy tried and why, or the tags
             there are when none matches ``--tag``; or what answered was removed while it was read.
     """
@@ -176,7 +187,8 @@ def _first_whole(found: list[Candidate], opener: Callable[[Storage, int, str], T
             continue
         try:
             got = _open(c, opener, gone)
-        except Exception as e:
+        except Exception as e:  # damaged: the next copy; an outage: raised, never an older step
+            raise_if_outage(e, _where(c))
             errors.append(str(e))
             continue
         if got is not None:
@@ -192,7 +204,8 @@ def _first_part(parts: list[tuple[Candidate, str]], opener: Callable[[Storage, i
     for c, held in parts:
         try:
             got = _open(c, opener, gone)
-        except Exception as e:
+        except Exception as e:  # damaged: the next copy; an outage: raised, never an older step
+            raise_if_outage(e, _where(c))
             errors.append(str(e))
             continue
         if got is None:
@@ -270,7 +283,7 @@ def _nothing(args: argparse.Namespace, tiers: list[tuple[Tier, Storage]], found:
     if args.tag is not None and not found:
         return NebulaError(f"no committed checkpoint tagged {args.tag!r} under {root}; tags there: {tags[-20:]}")
     if isinstance(args.step, int) and not found:
-        steps = sorted({s for tier, st in tiers for s in step_dirs(st) if commit_state(st, tier, s)[0]})
+        steps = sorted({s for tier, st in tiers for s in step_dirs(st) if listed_committed(st, tier, s)})
         there = (f"committed steps there: {_steps_list(steps)}" if steps else "it holds no committed checkpoint")
         return NebulaError(f"no checkpoint of step {args.step} under {root}; {there}")
     damaged = f" ({'; '.join(errors)})" if errors else ""

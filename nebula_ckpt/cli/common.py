@@ -20,6 +20,7 @@ from nebula_ckpt.format.names import COMMIT, shard_owner, step_dir
 from nebula_ckpt.format.owner import Owner
 from nebula_ckpt.ranks.fencing import read_run_id
 from nebula_ckpt.restore.open import NotThisLayout, OpenCheckpoint, open_checkpoint, read_manifest
+from nebula_ckpt.restore.unreadable import outage, refused_here
 from nebula_ckpt.root import refuse_nested_root
 from nebula_ckpt.storage.base import Storage
 from nebula_ckpt.storage.urls import canonical_root, local_path, refuse_url_credentials
@@ -35,6 +36,10 @@ RELIST_ROUNDS = 3
 #: how often ``ls`` / ``verify`` check a step again whose check failed because a job saved it again
 #: meanwhile (its commit marker replaced by the new write's, then the old write's files removed)
 RECHECKS = 1
+#: the exit code of a command that could not read what it had to (an outage: the store did not
+#: answer, a timeout; or this process was refused a file): nothing was found damaged for it, and
+#: no other step was read in its place (0 ok, 1 damage or nothing found, 2 usage)
+EXIT_UNREADABLE = 3
 
 log = logging.getLogger(__name__)
 
@@ -84,6 +89,26 @@ def close_opened() -> None:
     """Close every storage the command opened."""
     while OPENED:
         OPENED.pop().close()
+
+
+class NotChecked(NebulaError):
+    """What a command had to read could not be read: the store did not answer (an outage, a
+    timeout) or this process was refused its files (file descriptors, memory, permissions). Never
+    damage, and never a reason to read an older step instead: exit :data:`EXIT_UNREADABLE`."""
+
+
+def raise_if_outage(e: BaseException, where: str) -> None:
+    """Raise :class:`NotChecked` naming ``where`` when ``e`` is an outage
+    (:func:`~nebula_ckpt.restore.unreadable.outage`) rather than damage; else return.
+
+    Raises:
+        NotChecked: ``e`` says ``where`` could not be read though it may be whole.
+    """
+    if not outage(e):
+        return
+    cause = refused_here(e, where) or f"{where}: {type(e).__name__}: {e}"
+    raise NotChecked(f"{cause} (could not be read: not damaged as far as this command can tell, and no other "
+                     "step is read in its place; run it again once the store answers)") from e
 
 
 class UsageError(NebulaError):
@@ -180,14 +205,29 @@ def commit_state(st: Storage, tier: Tier, step: int) -> tuple[bool, Optional[str
     """``(committed, problem)`` of ``step``: whether its commit marker is there, and why the step
     cannot be trusted when that cannot be checked safely. A marker or a step folder that is a
     symlink (never followed), or one that cannot be read, counts as committed and damaged: the
-    step is there by name and must not pass for an uncommitted leftover."""
+    step is there by name and must not pass for an uncommitted leftover. A marker that the store
+    does not answer for is neither (:func:`raise_if_outage`).
+
+    Raises:
+        NotChecked: the store did not answer, or this process was refused the marker.
+    """
     try:
         st.size(f"{step_dir(step)}/{COMMIT}")
     except FileNotFoundError:
         return False, None
     except OSError as e:
+        raise_if_outage(e, f"tier {tier.name} step {step}")
         return True, f"tier {tier.name} step {step}: {type(e).__name__}: {e}"
     return True, None
+
+
+def listed_committed(st: Storage, tier: Tier, step: int) -> bool:
+    """Whether a command lists ``step`` as committed (:func:`commit_state`): its marker is there, or
+    cannot be checked now (an outage), which the step's own check then says, never as damage."""
+    try:
+        return commit_state(st, tier, step)[0]
+    except NotChecked:
+        return True
 
 
 def removed_meanwhile(st: Storage, tier: Tier, step: int) -> bool:
@@ -207,7 +247,8 @@ def _marker(st: Storage, step: int) -> "Commit | str | None":
         return read_commit(st, step, f"step {step}")
     except FileNotFoundError:
         return None
-    except Exception as e:  # unreadable: the same reason twice is the same marker
+    except Exception as e:  # unreadable: the same reason twice is the same marker (an outage: raised)
+        raise_if_outage(e, f"step {step}")
         return f"{type(e).__name__}: {e}"
 
 
@@ -380,13 +421,18 @@ def references_text(man: Optional[mf.Manifest]) -> str:
 
 
 def check(st: Storage, tier: Tier, step: int, verify: str) -> tuple[bool, str, Optional[mf.Manifest]]:
-    """``(healthy, "ok" or the problem, manifest or None)`` of ``step`` on one tier."""
+    """``(healthy, "ok" or the problem, manifest or None)`` of ``step`` on one tier.
+
+    Raises:
+        NotChecked: a file of it could not be read though it may be whole (an outage).
+    """
     where = f"tier {tier.name} step {step}"
     try:
         ck = open_any(st, step, verify, where)
     except CorruptCheckpointError as e:
         return False, str(e), None
-    except Exception as e:  # unreadable counts as damaged, with the reason
+    except Exception as e:  # unreadable counts as damaged, with the reason; an outage does not
+        raise_if_outage(e, where)
         return False, f"{where}: {type(e).__name__}: {e}", None
     return True, "ok", ck.manifest
 

@@ -10,6 +10,8 @@ from typing import Any, Hashable, Mapping, Optional
 from nebula_ckpt.cli import summary
 from nebula_ckpt.cli.choose import open_chosen
 from nebula_ckpt.cli.common import (
+    EXIT_UNREADABLE,
+    NotChecked,
     check_whole,
     commit_state,
     dir_bytes,
@@ -63,11 +65,34 @@ def _ls_row(tier: Tier, st: Storage, step: int, verify: str,
             view: Optional[HealthView] = None) -> Optional[tuple[dict[str, Any], Optional[mf.Manifest]]]:
     """The ``ls --json`` row of one step of one tier, and its manifest (None when not healthy); None
     for a committed step whose check failed because it was removed meanwhile (its marker is gone).
+    A step that could not be read (an outage) is neither healthy nor damaged: ``healthy`` None,
+    ``unchecked`` why (``committed`` None when its marker could not be read either).
 
     Raises:
         SavedAgain: the step was saved again while each check of it ran (:func:`check_whole`).
     """
+    known: list[bool] = []  # the commit marker's state, once read
+    try:
+        return _checked_row(tier, st, step, verify, view, known)
+    except NotChecked as e:
+        return ({"tier": tier.name, "step": step, "tag": None, "health": None, "health_reason": None,
+                 "committed": known[0] if known else None, "healthy": None, "verified": None, "bytes": None,
+                 "raw_bytes": None,
+                 "compression": None, "compression_ratio": None, "problem": None, "unchecked": str(e),
+                 **references_json(None), **ranks_json(None)}, None)
+
+
+def _checked_row(tier: Tier, st: Storage, step: int, verify: str,
+                 view: Optional[HealthView],
+                 known: list[bool]) -> Optional[tuple[dict[str, Any], Optional[mf.Manifest]]]:
+    """:func:`_ls_row` of a step whose files answer (``known`` gets whether its marker is there).
+
+    Raises:
+        NotChecked: they do not (an outage).
+        SavedAgain: as :func:`check_whole`.
+    """
     committed, refused = commit_state(st, tier, step)
+    known.append(committed)
     if refused:
         if removed_meanwhile(st, tier, step):
             return None
@@ -86,7 +111,7 @@ def _ls_row(tier: Tier, st: Storage, step: int, verify: str,
            "committed": committed, "healthy": healthy, "verified": verify if committed else None,
            "bytes": dir_bytes(st, step), "raw_bytes": sum(s.bytes for s in man.shards) if man is not None else None,
            "compression": codec, "compression_ratio": ratio, "problem": None if healthy else why,
-           **references_json(man), **ranks_json(man)}
+           "unchecked": None, **references_json(man), **ranks_json(man)}
     return row, man
 
 
@@ -97,15 +122,17 @@ def _ls_table(rows: list[dict[str, Any]], mans: list[Optional[mf.Manifest]], qui
     step is damaged); ``state``: its checks; ``health``: its mark from the training signal."""
     cells = [("tier", "step", "written", "referenced", "needs", "tag", "state", "health")]
     for r, man in zip(rows, mans, strict=True):
-        size = human_bytes(r["bytes"])
+        size = "?" if r["bytes"] is None else human_bytes(r["bytes"])
         if r["compression"]:
             size += f" ({r['compression']} x{r['compression_ratio']:.2f})"
         ok = "committed (not verified)" if quick else "verified"
         state = ok if r["healthy"] else ("DAMAGED: " + str(r["problem"]) if r["committed"] else "uncommitted")
+        if r["unchecked"]:
+            state = "UNCHECKED: " + r["unchecked"]
         if ranks_text(man):
             state += f" ({ranks_text(man)})"
         if man is None:
-            refs, needs = ("?", "?") if r["committed"] else ("-", "-")
+            refs, needs = ("?", "?") if r["committed"] is not False else ("-", "-")
         elif r["base_steps"]:
             refs, needs = human_bytes(r["referenced_bytes"]), ",".join(map(str, r["base_steps"]))
         else:
@@ -123,7 +150,8 @@ def cmd_ls(args: argparse.Namespace) -> int:
     """Steps per tier with size and state; full checksums unless ``--quick`` (sizes only).
 
     Exit 1 when no committed checkpoint is there (leftovers of saves that never committed are
-    listed, as ``uncommitted``) or a committed checkpoint is damaged (as ``verify``). ``ROOT`` may
+    listed, as ``uncommitted``) or a committed checkpoint is damaged (as ``verify``); else 3 when a
+    step could not be read (an outage: ``UNCHECKED``, never ``DAMAGED``). ``ROOT`` may
     be a framework's path: a pointer file, Lightning's dirpath, a DeepSpeed save folder, an HF output_dir."""
     given, args.root = args.root, find_root(args.root)
     if args.root != given and not args.json:
@@ -148,10 +176,12 @@ def ls_tiers(pairs: list[tuple[Tier, Storage]], args: argparse.Namespace) -> int
     else:
         for line in _ls_table(rows, mans, args.quick):
             out(line)
-    committed = [r for r in rows if r["committed"]]
+    committed = [r for r in rows if r["committed"] is not False]  # None: an outage hid its marker
     if rows and not committed:  # only folders a save left before its commit: nothing to restore
         note(f"no committed checkpoint under {strip_credentials(args.root)}")
-    return 0 if committed and all(r["healthy"] for r in committed) else 1
+    if not committed or any(r["healthy"] is False for r in committed):
+        return 1
+    return EXIT_UNREADABLE if any(r["healthy"] is None for r in committed) else 0
 
 
 def _tree_text(node: Mapping[str, Any], indent: str = "") -> list[str]:

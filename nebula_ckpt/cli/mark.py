@@ -18,7 +18,7 @@ import socket
 import sys
 from typing import Callable, Optional
 
-from nebula_ckpt.cli.common import open_tiers, out
+from nebula_ckpt.cli.common import open_tiers, out, raise_if_outage
 from nebula_ckpt.format.commit import read_commit
 from nebula_ckpt.format.health import BY_USER, HEALTHY, SUSPECT, clean_reason
 from nebula_ckpt.format.names import COMMIT, step_dir
@@ -30,16 +30,22 @@ from nebula_ckpt.tiers.base import Tier
 
 def _writes(pairs: list[tuple[Tier, Storage]], step: int) -> tuple[set[tuple[int, Optional[int]]], list[str]]:
     """The writes ``(generation, save)`` of the committed copies of ``step`` on the root's tiers
-    ``pairs``, and what could not be read."""
+    ``pairs``, and what could not be read (damaged markers).
+
+    Raises:
+        NotChecked: a marker could not be read though it may be whole (an outage): nothing is marked,
+            rather than some of the step's copies, or "no committed step".
+    """
     gens: set[tuple[int, Optional[int]]] = set()
     problems: list[str] = []
     for tier, st in pairs:
-        if not st.exists(f"{step_dir(step)}/{COMMIT}"):
-            continue
         try:
+            if not st.exists(f"{step_dir(step)}/{COMMIT}"):
+                continue
             c = read_commit(st, step, f"tier {tier.name} step {step}")
             gens.add((c.generation, c.save))
         except Exception as e:  # an unreadable marker: that copy cannot be named, the others can
+            raise_if_outage(e, f"tier {tier.name} step {step}")  # one that may be whole: none marked
             problems.append(f"tier {tier.name}: {type(e).__name__}: {e}")
     return gens, problems
 
