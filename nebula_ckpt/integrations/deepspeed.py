@@ -11,18 +11,16 @@ Switch it on once, after ``deepspeed.initialize``::
     ...
     engine.save_checkpoint("/ckpt/ds", tag=f"global_step{engine.global_steps}")   # as before
     ...
-    engine.load_checkpoint("/ckpt/ds")            # tag=None: the one DeepSpeed's `latest` names
+    engine.load_checkpoint("/ckpt/ds")            # tag=None: `latest`'s, unless marked suspect
 
 Why a function and not a config key: DeepSpeed 0.19.8 picks its checkpoint engine in
-``DeepSpeedEngine._configure_checkpointing`` from a fixed list (torch.save, its "fast" /
-"decoupled" writers, DataStates); it has no plug-in entry and it removed its own ``nebula``
-config block (a leftover one is ignored). ``enable`` replaces ``engine.checkpoint_engine``, the
-attribute every save / load goes through, with a :class:`NebulaCkptEngine` (named so to stay
-clear of DeepSpeed's former ``NebulaCheckpointEngine``). Call it on every rank (in a multi-rank
-job the Checkpointer's constructor is a collective). One change to who writes what: every
-data-parallel rank includes the model states in its checkpoint (DeepSpeed has only data-parallel
-rank 0 save them), so each rank restores everything it reads from its own memory tier; on a
-shared tier those replicated bytes are stored once (nebula_ckpt's replica dedup).
+``DeepSpeedEngine._configure_checkpointing`` from a fixed list (no plug-in entry; its ``nebula``
+config block is gone). ``enable`` replaces ``engine.checkpoint_engine``, the attribute every save /
+load goes through, with a :class:`NebulaCkptEngine` (apart from DeepSpeed's former
+``NebulaCheckpointEngine``), and ``engine.load_checkpoint`` by one that picks the tag when none is
+given (below). Call it on every rank (the Checkpointer's constructor is a collective). Every
+data-parallel rank includes the model states in its checkpoint (DeepSpeed has only rank 0 save
+them), so each rank restores from its own memory tier; a shared tier stores those bytes once.
 
 What happens on ``save_checkpoint(save_dir, tag)``:
 
@@ -47,46 +45,39 @@ What happens on ``save_checkpoint(save_dir, tag)``:
 * Files DeepSpeed writes *outside* the tag folder (``save_16bit_model``'s consolidated weights,
   meant for other tools) are written with ``torch.save`` as before.
 
-What happens on ``load_checkpoint(save_dir, tag=None)``: DeepSpeed reads ``latest`` (when no tag
-is given) and calls ``load(path)`` for each file; the engine reads the pointer, restores the
-newest healthy checkpoint carrying that tag from the fastest tier that has it (CRC32C-checked;
-a damaged copy falls back to the next tier, then to an older checkpoint with the same tag) once
-per ``load_checkpoint``, and hands each part out (parts served are dropped from its cache). A path
-holding an ordinary ``torch.save`` file (a checkpoint written before ``enable``) is loaded with
-``torch.load`` as DeepSpeed would.
+What happens on ``load_checkpoint(save_dir, tag=None)``: the tag ``latest`` names, unless it was
+passed over (newer than the newest checkpoint not marked suspect, docs/health.md): then that one
+(:meth:`NebulaCkptEngine.latest_tag`; ``CorruptCheckpointError`` when every one is suspect); a
+tag given by name is loaded whatever its mark (with a warning). DeepSpeed calls ``load(path)``
+for each file; the engine reads the pointer, restores the checkpoint with that tag from the
+fastest tier that has it (CRC32C-checked; a damaged copy falls back to the next tier, then to an
+older checkpoint with the same tag) once per ``load_checkpoint``, and hands each part out. A path
+holding an ordinary ``torch.save`` file (written before ``enable``) is loaded with ``torch.load``.
 
 Things to know:
 
-* Retention is DeepSpeed's by default: every checkpoint is kept (the memory tier keeps its newest),
-  one per tag: as a stock save over ``save_dir/<tag>`` replaces its files, a save with a tag saved
-  before removes the older steps carrying that tag once it is durable on every tier (at the next
-  commit, or at ``wait`` / ``close``; on every rank, each removing its own copies). With
-  ``keep_last=N`` (or ``keep_every``, or a Checkpointer of your own) nebula_ckpt's retention
-  drops older checkpoints per tier, and the engine removes the pointer files (and the tag folder,
-  once empty) of every tag no tier holds any more, at each commit and at ``wait`` / ``close``.
+* Retention is DeepSpeed's by default: every checkpoint is kept, one per tag: a save with a tag
+  saved before removes the older steps carrying it once it is durable on every tier (at the next
+  commit, or at ``wait`` / ``close``; each rank its own copies). With ``keep_last=N`` (or
+  ``keep_every``, or a Checkpointer of your own) nebula_ckpt's retention drops older checkpoints
+  per tier, and the engine removes the pointer files (and empty tag folders) of every tag no tier
+  holds any more, at each commit and at ``wait`` / ``close``.
 * ``allow_pickle=True`` is the default here: DeepSpeed's states hold Python objects (its
-  ``LossScaler``, ZeRO's ``fragment_address`` tuples) that typed JSON cannot hold, and DeepSpeed
-  itself loads its files with ``torch.load(weights_only=False)``. Tensors are never pickled.
+  ``LossScaler``, ZeRO's ``fragment_address``), and it loads with ``weights_only=False`` itself.
 * The pointer files are ``torch.save`` archives whose pickle calls :func:`open_pointer`: tools that
-  read the tag folder's files with ``torch.load(weights_only=False)`` (``zero_to_fp32.py``,
-  DeepSpeed's own engine without ``enable``) get the part the file names, read from the root.
-  :func:`materialize` writes the real ``torch.save`` files of a tag.
-* A save folder moved or copied with its root (both in one run folder) still loads: the pointers
-  name the root relative to themselves too.
-* The root must not be ``save_dir`` itself (nebula_ckpt owns the ``step-<N>`` folders of its root).
-* A ``save_dir`` that was lost (a new machine, a node-local disk) while the checkpoints survive on
-  a slower tier: :meth:`NebulaCkptEngine.restore_pointers` writes the pointers and ``latest`` of
-  the newest (or a given) tag again, then ``load_checkpoint`` works as usual.
-* Not supported: DeepSpeed features that read files other ranks wrote (ZeRO's
-  ``elastic_checkpoint``, pipeline-parallel layer files with several data-parallel ranks, loading
-  on another data-parallel world size) or that read the folder directly (universal checkpoints,
-  NVMe-offload folders are copied by DeepSpeed itself, as real files): such a load raises
-  ``NotFoundError`` naming the missing part, or ``materialize`` the tag first.
+  ``torch.load(weights_only=False)`` them (``zero_to_fp32.py``, DeepSpeed without ``enable``) get
+  the part named, read from the root. :func:`materialize` writes a tag's real ``torch.save`` files.
+* A save folder moved or copied with its root (one run folder) still loads (the pointers name the
+  root relative to themselves too). The root must not be ``save_dir`` itself. A lost ``save_dir``
+  (the checkpoints survive on a slower tier): :meth:`NebulaCkptEngine.restore_pointers`.
+* Not supported: features that read files other ranks wrote (ZeRO's ``elastic_checkpoint``,
+  pipeline-parallel layer files with several data-parallel ranks, another data-parallel world
+  size) or the folder directly (universal checkpoints; NVMe-offload folders are copied by DeepSpeed
+  as real files): such a load raises ``NotFoundError`` naming the part; ``materialize`` first.
 * Call :meth:`NebulaCkptEngine.close` (or let interpreter exit do it) to finish the background
   persists; DeepSpeed's ``engine.destroy()`` does not.
-* Loads are read into host memory (``map_location`` other than a device, such as DeepSpeed's
-  ``lambda storage, loc: storage``, keeps them there); DeepSpeed copies them into the model and
-  optimizer, as with ``torch.load``.
+* Loads are read into host memory (a ``map_location`` that is not a device keeps them there);
+  DeepSpeed copies them into the model and optimizer, as with ``torch.load``.
 
 Install: ``pip install 'nebula_ckpt[deepspeed]'`` (DeepSpeed 0.19.8; on a machine without CUDA,
 ``DS_BUILD_OPS=0`` and ``DS_ACCELERATOR=cpu``).
@@ -94,6 +85,7 @@ Install: ``pip install 'nebula_ckpt[deepspeed]'`` (DeepSpeed 0.19.8; on a machin
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import time
@@ -118,6 +110,7 @@ from nebula_ckpt.integrations.deepspeed_files import (
     to_device,
     write_pointer,
 )
+from nebula_ckpt.integrations.deepspeed_resume import latest_tag, resume_tag
 from nebula_ckpt.integrations.pointers import candidate_roots
 
 log = logging.getLogger("nebula_ckpt")
@@ -385,23 +378,27 @@ class NebulaCkptEngine(CheckpointEngine):
         return part
 
     def restore_pointers(self, save_dir: str, tag: Optional[str] = None) -> Optional[str]:
-        """Write the pointer files of checkpoint ``tag`` (default: the newest tagged checkpoint held on
-        any tier) under ``save_dir`` where they are missing, and DeepSpeed's ``latest`` naming it (rank
-        0); return the tag, or None when no tagged checkpoint is held.
-
-        For a ``save_dir`` that was lost while the checkpoints survive on a tier (a new machine, a
-        node-local disk); ``engine.load_checkpoint(save_dir)`` then restores as usual (the parts
-        read here are kept for it). Multi-rank: call it on every rank.
+        """Write the pointer files of checkpoint ``tag`` (default: the one a restart resumes from,
+        :func:`~.deepspeed_resume.resume_tag`) under ``save_dir`` where missing, and DeepSpeed's
+        ``latest`` naming it (rank 0); return the tag, or None when no tagged checkpoint is held.
+        For a ``save_dir`` lost while the checkpoints survive on a tier (a new machine, a node-local
+        disk); ``engine.load_checkpoint(save_dir)`` then restores as usual (the parts read here are
+        kept for it). Multi-rank: call it on every rank. Raises ``CorruptCheckpointError`` when no
+        ``tag`` is given and every checkpoint is marked suspect.
         """
+        tag = resume_tag(self.checkpointer, self._root) if tag is None else tag
         if tag is None:
-            held = self.checkpointer.tags()
-            co = self.checkpointer.coordinator
-            if co.world_size > 1:  # the newest tag every rank holds
-                common = set.intersection(*[set(t) for t in co.exchange(sorted(held))])
-                held = {t: s for t, s in held.items() if t in common}
-            if not held:
-                return None
-            tag = max(held, key=lambda t: (held[t], t))
+            return None
+        step = self.put_pointers(save_dir, tag)
+        if self.checkpointer.coordinator.rank == 0:
+            write_file_atomic(os.path.join(save_dir, "latest"), tag.encode(), strict_dir_fsync=False,
+                              tmp_suffix=".nebula-tmp")
+        log.info("nebula_ckpt: pointers of DeepSpeed checkpoint %r (step %d) restored under %s", tag, step, save_dir)
+        return tag
+
+    def put_pointers(self, save_dir: str, tag: str) -> int:
+        """Write the pointer files of checkpoint ``tag`` under ``save_dir`` where they are missing
+        (its parts are read, and kept for the next :meth:`load`); return its step."""
         check_tag_folder(tag)
         step, tree = self.checkpointer.read(tag=tag, map_location="cpu")
         if not isinstance(tree, dict):
@@ -416,11 +413,16 @@ class NebulaCkptEngine(CheckpointEngine):
             if not os.path.exists(path):
                 os.makedirs(os.path.dirname(path), exist_ok=True)
                 write_pointer(path, self._root, tag, step, key)
-        if self.checkpointer.coordinator.rank == 0:
-            write_file_atomic(os.path.join(save_dir, "latest"), tag.encode(), strict_dir_fsync=False,
-                              tmp_suffix=".nebula-tmp")
         self._cache = (tag, step, tree)
-        log.info("nebula_ckpt: pointers of DeepSpeed checkpoint %r (step %d) restored under %s", tag, step, save_dir)
+        return step
+
+    # -- the checkpoint a restart resumes from ------------------------------------------------------
+    def latest_tag(self, load_dir: str) -> Optional[str]:
+        """The tag ``engine.load_checkpoint(load_dir)`` loads without one (:func:`enable`), its pointers
+        written where missing (:func:`~.deepspeed_resume.latest_tag`); None: DeepSpeed reads ``latest``."""
+        tag, other = latest_tag(self.checkpointer, self._root, load_dir)
+        if tag is not None and other:
+            self.put_pointers(load_dir, tag)
         return tag
 
     # -- lifetime ---------------------------------------------------------------------------------
@@ -459,7 +461,7 @@ def enable(engine: Any, root: Optional[str] = None, *, checkpointer: Optional[Ch
 
         engine, *_ = deepspeed.initialize(model=model, optimizer=opt, config=cfg)
         ckpt_engine = nebula_ckpt.integrations.deepspeed.enable(engine, "/ckpt/run-42")
-        engine.load_checkpoint("/ckpt/ds")        # resume, if `latest` is there
+        engine.load_checkpoint("/ckpt/ds")        # resume (`latest`, unless marked suspect)
         ...
         engine.save_checkpoint("/ckpt/ds")        # tag global_step<N>
         ckpt_engine.close()
@@ -480,8 +482,18 @@ def enable(engine: Any, root: Optional[str] = None, *, checkpointer: Optional[Ch
 
     ce = NebulaCkptEngine(root, checkpointer=checkpointer, step_fn=step, durable=durable, **checkpointer_kwargs)
     engine.checkpoint_engine = ce
-    # DeepSpeed decided at initialize() which ranks save the model states (data-parallel rank 0);
-    # here every rank does (see NebulaCkptEngine.is_data_parallel_writer)
+
+    load = type(engine).load_checkpoint
+
+    @functools.wraps(load)
+    def load_checkpoint(load_dir: Any, tag: Any = None, *args: Any, **kwargs: Any) -> Any:
+        e = ref()  # no tag: the checkpoint a restart resumes from, not blindly the one `latest` names
+        if tag is None and e is not None and not e.load_universal_checkpoint():
+            tag = ce.latest_tag(os.fspath(load_dir))
+        return load(e, load_dir, tag, *args, **kwargs)
+
+    engine.load_checkpoint = load_checkpoint
+    # DeepSpeed chose at initialize() data-parallel rank 0 alone to save the model states; here every rank does
     engine.save_non_zero_checkpoint = True
     return ce
 

@@ -12,22 +12,23 @@ One line in the user's script::
 Works with ``pytorch_lightning`` (``pip install 'nebula_ckpt[lightning]'``) and the unified ``lightning``.
 
 Design: Lightning addresses checkpoints by file path and keeps its own bookkeeping on the file
-system (``ModelCheckpoint``'s existence checks, its ``last*.ckpt`` glob for ``ckpt_path="last"``,
-``save_last="link"`` symlinks, removal of what fell out of the top k). To keep all of that,
+system (``ModelCheckpoint``'s existence checks, its ``last*.ckpt`` glob, ``save_last="link"``
+symlinks, removal of what fell out of the top k). To keep all of that,
 :meth:`NebulaCheckpointIO.save_checkpoint` (1) saves the checkpoint dict with
-``Checkpointer.save_async(step, checkpoint, tag=tag_for_path(path))``, where ``step`` counts this
-root's saves (top-k and ``last.ckpt`` are two checkpoints of one global step), and (2) writes a
-small *pointer file* at ``path`` (atomically: a temporary name, fsync, rename) naming the root,
-tag and step. The pointer is a ``torch.save`` archive whose pickle calls :func:`open_pointer`, so
-``torch.load`` of it (``LightningModule.load_from_checkpoint``) returns the checkpoint it names.
-The pointer records the root's path relative to its own folder too (when both are in one run
-folder), so a run folder moved (``mv``) or copied (``cp -r``) still resumes, from its own root.
+``Checkpointer.save_async(step, checkpoint, tag=tag_for_path(path))`` (``step`` counts this root's
+saves: top-k and ``last.ckpt`` are two checkpoints of one global step), and (2) writes a small
+*pointer file* at ``path`` (atomically) naming the root, tag and step: a ``torch.save`` archive
+whose pickle calls :func:`open_pointer`, so ``torch.load`` of it (``load_from_checkpoint``) returns
+the checkpoint it names. It records the root's path relative to itself too, so a run folder moved
+(``mv``) or copied (``cp -r``) still resumes, from its own root.
 
 :meth:`~NebulaCheckpointIO.load_checkpoint` restores the newest *committed* checkpoint of the
-pointer's tag, every checksum verified; a read of a save still in flight waits for it, whoever
-reads (:mod:`~nebula_ckpt.integrations.inflight`); after a crash it is the path's previous one.
-:meth:`~NebulaCheckpointIO.remove_checkpoint` removes the tag's checkpoints once no other pointer
-file names them (:mod:`~nebula_ckpt.integrations.lightning_refs`). Retention belongs to Lightning.
+pointer's tag, checksums verified (a read of a save in flight waits for it, whoever reads:
+:mod:`~nebula_ckpt.integrations.inflight`; after a crash it is the path's previous one); a
+``last*.ckpt`` path (``ckpt_path="last"``) the newest not marked suspect if that one went bad
+(:mod:`~nebula_ckpt.integrations.lightning_resume`). :meth:`~NebulaCheckpointIO.remove_checkpoint`
+removes the tag's checkpoints once no other pointer names them
+(:mod:`~nebula_ckpt.integrations.lightning_refs`). Retention belongs to Lightning.
 
 Blocking: ``save_checkpoint`` returns once the live tensors are copied into host memory, one save
 in flight; background failures are raised by the next save and by :meth:`teardown`. A save or
@@ -54,6 +55,7 @@ from nebula_ckpt.errors import NebulaError, NotFoundError
 from nebula_ckpt.integrations.inflight import finished, started
 from nebula_ckpt.integrations.lightning_metrics import NebulaSaveMetrics
 from nebula_ckpt.integrations.lightning_refs import PointerRefs
+from nebula_ckpt.integrations.lightning_resume import is_last, newest_pointer, other_rank
 from nebula_ckpt.integrations.lightning_support import (
     BASES,
     POINTER_FIELDS,
@@ -97,15 +99,12 @@ class NebulaCheckpointIO(_CheckpointIO):
         root: the :class:`~nebula_ckpt.Checkpointer` root (path or fsspec URL): where the
             checkpoints' bytes live. It is not Lightning's ``dirpath``, where the pointers go.
         storage_options: fsspec options of a remote ``root`` (credentials).
-        tiers: explicit tiers, fastest first (default: memory tier, then ``root``). A
-            ``keep_last`` set on a persistent tier lets its retention delete checkpoints
-            Lightning still tracks (logged); leave it unset.
+        tiers: explicit tiers, fastest first (default: memory tier, then ``root``). Leave ``keep_last``
+            unset on them: its retention would delete checkpoints Lightning still tracks (logged).
         memory_tier: add the default memory tier (``/dev/shm``; ignored with ``tiers``).
         host_memory_budget: the most host memory checkpointing holds (see ``Checkpointer``).
-        allow_pickle: let values typed JSON cannot hold (unusual ``hyper_parameters``) be saved and
-            loaded through pickle.
-        snapshot: the ``Checkpointer``'s snapshot mode (Lightning's dict of live tensors is
-            copied synchronously whatever it says, see the module docstring).
+        allow_pickle: let values typed JSON cannot hold (unusual ``hyper_parameters``) go through pickle.
+        snapshot: the ``Checkpointer``'s snapshot mode (Lightning's live tensors are copied at once anyway).
 
     Attributes:
         last_save_seconds: how long the last ``save_checkpoint`` blocked the training loop.
@@ -120,6 +119,7 @@ class NebulaCheckpointIO(_CheckpointIO):
             raise NebulaError(f"NebulaCheckpointIO: root must be a non-empty path or URL string, got {root!r}")
         refuse_url_credentials(root)  # before it is kept, logged or written into a pointer file
         self.root = root
+        self._own_root = canonical_root(root)
         self._options: dict[str, Any] = {"storage_options": storage_options, "tiers": tiers,
                                          "memory_tier": memory_tier, "host_memory_budget": host_memory_budget,
                                          "allow_pickle": allow_pickle, "snapshot": snapshot}
@@ -213,7 +213,8 @@ class NebulaCheckpointIO(_CheckpointIO):
     def load_checkpoint(self, path: Any, map_location: Optional[Any] = None,
                         weights_only: Optional[bool] = None) -> dict[str, Any]:
         """Lightning's checkpoint dict saved at ``path``: the newest committed checkpoint carrying
-        the pointer's tag (read from the fastest tier holding it, every checksum verified).
+        the pointer's tag (read from the fastest tier holding it, every checksum verified); for a
+        ``last*.ckpt`` path that went bad, the newest one not marked suspect (:func:`.lightning_resume.newest_pointer`).
 
         The root is the one the pointer names (found where the pointer is now, if its run folder
         moved). Nothing is unpickled unless the plugin has ``allow_pickle=True``. A ``path`` that
@@ -222,7 +223,7 @@ class NebulaCheckpointIO(_CheckpointIO):
         Raises:
             FileNotFoundError: nothing at ``path``; :class:`~nebula_ckpt.NotFoundError` (a
                 ``FileNotFoundError``) when no checkpoint with its tag committed.
-            CorruptCheckpointError: every copy of it is damaged.
+            CorruptCheckpointError: every copy is damaged (``last*.ckpt``: or every one is marked suspect).
         """
         path = os.fspath(path)
         ptr = read_pointer(path)
@@ -231,6 +232,8 @@ class NebulaCheckpointIO(_CheckpointIO):
                 raise FileNotFoundError(f"Checkpoint file not found: {path}")
             log.info("nebula_ckpt: %s is not a NebulaCheckpointIO pointer; loading it with torch.load", path)
             return dict(BASES[0][1]().load_checkpoint(path, map_location=map_location, weights_only=weights_only))
+        if is_last(path):  # Lightning's name for the newest: the newest not marked suspect (lightning_resume)
+            ptr = newest_pointer(self._reading, await_save(ptr, path, self._options, self._own_root), path)
         return self.load_pointer(ptr, path, map_location)
 
     def load_pointer(self, ptr: dict[str, Any], path: str, map_location: Optional[Any] = None) -> dict[str, Any]:
@@ -259,20 +262,26 @@ class NebulaCheckpointIO(_CheckpointIO):
 
     def _read_from(self, root: str, tag: str, map_location: Any) -> Any:
         """``(step, tree, tier)`` of ``tag``'s newest committed checkpoint under ``root``, or why not (a str)."""
-        own = canonical_root(root) == canonical_root(self.root)
-        if own and self._inflight is not None and self._inflight.tag == tag:
+        if self._inflight is not None and self._inflight.tag == tag and canonical_root(root) == self._own_root:
             self._settle(self.checkpointer)  # the save being read: wait until it is durable
-        # the writer when this plugin already writes the root; else a reader that creates nothing
-        # (the root a file names may not exist, or be another run's)
-        ck = self._ckpt if own and self._ckpt is not None else reader(self.root if own else root, self._options, own)
+        ck, temporary = self._reading(root)
         try:
             step, tree = ck.read(tag=tag, map_location=map_location)
         except NotFoundError as e:
             return f"{tag} under {root}: {e}"
         finally:
-            if ck is not self._ckpt:
+            if temporary:
                 ck.close()
         return step, tree, (ck.last_restore or {}).get("tier")
+
+    def _reading(self, root: str) -> tuple[Checkpointer, bool]:
+        """What a read of ``root`` goes through, and whether the caller closes it: the plugin's own
+        Checkpointer when it exists or a Trainer run restores on rank 0 (its monitor judges that
+        restore by the losses reported); else a reader creating nothing (the root may be gone)."""
+        own = canonical_root(root) == self._own_root
+        if own and (self._ckpt is not None or (in_trainer_stage(("_run",)) and not other_rank())):
+            return self.checkpointer, False
+        return reader(self.root if own else root, self._options, own), True
 
     def remove_checkpoint(self, path: Any) -> None:
         """Remove the pointer file at ``path``, and the checkpoint it names from every tier when
@@ -362,8 +371,7 @@ class NebulaCheckpointIO(_CheckpointIO):
 
     # -- beyond CheckpointIO --------------------------------------------------------------------------
     def wait(self) -> None:
-        """Block until the save in flight is durable on every tier and older steps of its path are
-        removed (what the next save and :meth:`teardown` do first). Raises its failure."""
+        """Block until the save in flight is durable everywhere, its path's older steps removed (raises its failure)."""
         if self._ckpt is not None:
             self._settle(self._ckpt)
 
@@ -376,8 +384,7 @@ class NebulaCheckpointIO(_CheckpointIO):
         return out
 
     def tier_kinds(self) -> dict[str, str]:
-        """Tier name -> a short name for metrics (``memory``, ``local``, ``remote``; numbered when
-        two tiers are of one kind), of the tiers this plugin saved to last."""
+        """Tier name -> its short name in metrics (``memory``, ``local``, ``remote``; numbered if need be)."""
         return dict(self._kinds)
 
     def _settle(self, ck: Checkpointer) -> None:

@@ -109,14 +109,15 @@ def _is_trainer(obj: Any) -> bool:
                for c in type(obj).__mro__)
 
 
-def in_trainer_stage() -> bool:
+def in_trainer_stage(names: tuple[str, ...] = ("_run_stage",)) -> bool:
     """Whether the caller runs inside a Lightning Trainer's running stage (``Trainer._run_stage``
     on the stack: the fit / validate / test / predict loop), which the strategy's ``teardown``
     ends. A ``trainer.save_checkpoint`` before or after ``fit``, from ``on_fit_end`` or from an
-    exception handler, or a direct call of the plugin, is not."""
+    exception handler, or a direct call of the plugin, is not. ``names=("_run",)``: inside
+    ``Trainer._run``, which restores the ``ckpt_path`` before the stage and tears down after it."""
     frame = sys._getframe(1)
     while frame is not None:
-        if frame.f_code.co_name == "_run_stage" and _is_trainer(frame.f_locals.get("self")):
+        if frame.f_code.co_name in names and _is_trainer(frame.f_locals.get("self")):
             return True
         frame = frame.f_back  # type: ignore[assignment]
     return False
