@@ -345,6 +345,50 @@ def test_the_memory_tier_is_found_by_its_capabilities() -> None:
     assert not found, "\n".join(found)
 
 
+TESTS = PKG.parent / "tests"
+#: the test modules of the memory tier: its runtime, slots, adoption, gc, persist-memory, incremental
+#: steps, replicas (``replicas/``) and multi-rank jobs (``dist/``, workers included)
+MEMORY_TIER_TESTS = TESTS / "tiers" / "memory"
+#: the one test module outside :data:`MEMORY_TIER_TESTS` that may import ``nebula_ckpt.tiers.memory``:
+#: tests whose subject is something else (commit faults, fencing, the CLI, first contact) still need
+#: where a root's memory tier lives and whether its lock is free; that module answers, through the
+#: public seam where there is one (``MemoryTier.bind``), so no such test reaches into the tier itself
+MEMORY_PATHS_HELPER = TESTS / "memory_paths.py"
+
+
+def _imported_modules(tree: ast.AST) -> Iterator[tuple[int, str]]:
+    """(line, module) for every module a test module imports, wherever the import is (in a function,
+    under ``if TYPE_CHECKING:``): ``import m``, ``from m import x`` (``m`` and ``m.x``: ``x`` may be a
+    module), ``importlib.import_module("m")`` and ``__import__("m")``."""
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            yield from ((node.lineno, a.name) for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            yield node.lineno, node.module
+            yield from ((node.lineno, f"{node.module}.{a.name}") for a in node.names)
+        elif isinstance(node, ast.Call) and node.args and isinstance(node.args[0], ast.Constant) \
+                and isinstance(node.args[0].value, str) and ast.unparse(node.func) in {
+                    "importlib.import_module", "import_module", "__import__"}:
+            yield node.lineno, node.args[0].value
+
+
+def test_memory_tier_tests_live_in_one_folder() -> None:
+    """No test module outside ``tests/tiers/memory/`` imports ``nebula_ckpt.tiers.memory`` (but
+    :data:`MEMORY_PATHS_HELPER`, for where a root's memory tier lives): a test whose subject is the
+    memory tier lives in that folder, one whose subject is something else asks the helper."""
+    assert MEMORY_TIER_TESTS.is_dir() and MEMORY_PATHS_HELPER.is_file()  # the rule reads the right places
+    found = []
+    for path in sorted(TESTS.rglob("*.py")):
+        if path == MEMORY_PATHS_HELPER or MEMORY_TIER_TESTS in path.parents:
+            continue
+        lines = sorted({line for line, module in _imported_modules(ast.parse(path.read_text(), str(path)))
+                        if _in_memory_tier(module)})
+        found += [f"{path.relative_to(PKG.parent)}:{line}" for line in lines]
+    assert not found, ("these test modules import nebula_ckpt.tiers.memory: move a memory-tier test under "
+                       "tests/tiers/memory/, or ask tests/memory_paths.py where the memory tier lives:\n  "
+                       + "\n  ".join(found))
+
+
 def test_no_private_names_across_modules() -> None:
     found = []
     for name, path in MODULES.items():

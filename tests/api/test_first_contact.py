@@ -10,8 +10,8 @@ import pytest
 import torch
 
 import nebula_ckpt as nc
+from memory_paths import user_dir_name
 from nebula_ckpt import knobs
-from nebula_ckpt.tiers.memory.shm import user_dir_name
 
 
 def _tree(*roots: str) -> set[str]:

@@ -9,10 +9,10 @@ import pytest
 import torch
 
 import nebula_ckpt as nc
+from memory_paths import memory_tier_path
 from nebula_ckpt.format.names import shard_name, shard_owner
 from nebula_ckpt.ranks.coordinator import PHASE_DIGEST, PHASE_DURABLE, PHASE_INDEX, PHASE_VERDICT, LocalCoordinator
 from nebula_ckpt.storage.local import LocalStorage
-from nebula_ckpt.tiers.memory.tier import memory_tier_path
 
 
 class RankCoordinator(LocalCoordinator):

@@ -19,8 +19,8 @@ import pytest
 import torch
 
 import nebula_ckpt as nc
+from memory_paths import memory_tier_path
 from nebula_ckpt.cli import main
-from nebula_ckpt.tiers.memory.tier import memory_tier_path
 
 
 def _tree(path: str) -> dict[str, str]:

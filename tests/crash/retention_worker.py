@@ -14,8 +14,8 @@ A scenario: ``{"phase": "fill" | "prune" | "gc", "root": ..., "opts": {...} | nu
 saves steps 0..n-1 (incremental: every 3rd save full) keeping them all, then exits without
 closing (as a preempted job: the memory tier stays). ``prune`` restarts on that root keeping one
 step, restores the newest, saves step n: retention then deletes the older steps (and the bases
-they refer to); the kill lands between two deletions. ``gc`` runs ``nebula-ckpt gc --force``'s removal of the
-memory tier, killed between its deletions.
+they refer to); the kill lands between two deletions. ``gc`` runs ``nebula-ckpt gc ROOT --force`` (its
+``main``, in the child) on the filled memory tier, killed between its deletions.
 """
 
 from __future__ import annotations
@@ -89,13 +89,12 @@ def run(sc: dict[str, Any], hook: KillPoint) -> None:
                 ck.save(s, state(s))
             ck.wait()
             return  # no close(): the memory tier stays, as after a preempted job
-        if sc["phase"] == "gc":
-            from nebula_ckpt.tiers.memory import gc as memgc
+        if sc["phase"] == "gc":  # the command itself, in this process: its deletions are the points
+            from nebula_ckpt.cli import main as cli
 
             hook.armed = True
-            for d in memgc.collect(sc["shm"], force=True):
-                if d.remove:
-                    memgc.remove(d)
+            code = cli(["gc", sc["root"], "--force", "--shm-dir", sc["shm"]])
+            assert code == 0, f"nebula-ckpt gc exited with {code}"
             return
         ck = checkpointer(sc, 1)
         into = {"frozen": torch.zeros_like(FROZEN), "train": torch.zeros(64), "step": -1}

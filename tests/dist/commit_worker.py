@@ -44,7 +44,7 @@ import torch.distributed as dist
 
 import nebula_ckpt as nc
 from nebula_ckpt.storage.local import LocalStorage
-from nebula_ckpt.tiers.memory.tier import memory_tier_path
+from tests.memory_paths import memory_tier_path
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from rank_worker import _ddp, _digest, _train  # noqa: E402

@@ -29,8 +29,7 @@ import torch.distributed as dist
 import nebula_ckpt as nc
 from nebula_ckpt.format.commit import committed_steps
 from nebula_ckpt.storage.local import LocalStorage
-from nebula_ckpt.tiers.memory.shm import try_lock
-from nebula_ckpt.tiers.memory.tier import memory_tier_path
+from tests.memory_paths import memory_tier_path, try_lock
 
 
 def _gate(gates: str, name: str) -> None:

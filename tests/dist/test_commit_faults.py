@@ -18,10 +18,10 @@ from typing import Any, Iterator
 
 import pytest
 
+from memory_paths import memory_tier_path
 from nebula_ckpt import knobs
 from nebula_ckpt.cli import main as cli
 from nebula_ckpt.format.names import COMMIT, MANIFEST, shard_name
-from nebula_ckpt.tiers.memory.tier import memory_tier_path
 
 from .launch import reports, run_ranks
 

@@ -19,8 +19,8 @@ import pytest
 import torch
 
 from faults import renumber_step
+from memory_paths import memory_tier_path
 from nebula_ckpt import knobs
-from nebula_ckpt.tiers.memory.tier import memory_tier_path
 
 from .launch import reports, run_ranks
 

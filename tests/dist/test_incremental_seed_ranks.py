@@ -21,8 +21,8 @@ import pytest
 import torch
 
 import nebula_ckpt as nc
+from memory_paths import memory_tier_path
 from nebula_ckpt import knobs
-from nebula_ckpt.tiers.memory.tier import memory_tier_path
 
 from .launch import reports, run_ranks
 from .seed_worker import digest, state

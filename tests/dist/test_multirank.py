@@ -16,9 +16,9 @@ from typing import Any
 
 import pytest
 
+from memory_paths import memory_tier_path
 from nebula_ckpt import knobs
 from nebula_ckpt.format.names import COMMIT, MANIFEST, SPLIT_VERSION, step_dir
-from nebula_ckpt.tiers.memory.tier import memory_tier_path
 from records_view import flat_manifest
 
 from .launch import reports, run_ranks

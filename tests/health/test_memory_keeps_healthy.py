@@ -141,3 +141,17 @@ def test_every_ranks_memory_tier_keeps_the_healthy_step_and_the_ranks_resume_it(
     assert [r["memory"] for r in reports(out, "train", 2)] == [[3, 8], [3, 8]]
     run_ok(2, worker, [root, str(out), "restart"], out, shm_dir)
     assert [(r["restored"], r["w"]) for r in reports(out, "restart", 2)] == [(3, 3.0), (3, 3.0)]
+
+
+def test_under_the_host_memory_budget_the_ranks_kept_step_never_takes_the_next_saves_room(
+        root: str, shm_dir: str, tmp_path) -> None:  # noqa: ANN001
+    """2 gloo ranks under ``host_memory_budget`` (``on_full="wait"``), room for two steps: the kept
+    healthy step goes for the next save (a multi-rank job copies nothing to the shared tier to make
+    room), which is written instead of raising ``ValidationError``."""
+    from dist.launch import reports, run_ok
+
+    out = tmp_path / "out"
+    out.mkdir()
+    worker = os.path.join(os.path.dirname(os.path.abspath(__file__)), "memory_ranks_worker.py")
+    run_ok(2, worker, [root, str(out), "budget"], out, shm_dir)
+    assert [r["saves"] for r in reports(out, "budget", 2)] == [{str(s): "ok" for s in (2, 3, 8, 9, 10)}] * 2

@@ -1,7 +1,7 @@
 """A copy the replicas' recover round checked in full is not checked twice by the restore, and
 only that copy: same tier, same writer generation, same step (see ``restore.select.Checked``).
 
-The recover round (tests/dist/test_replicas.py runs it on real ranks) checks every checksum of
+The recover round (tests/tiers/memory/dist/test_replicas.py runs it on real ranks) checks every checksum of
 each rank's memory-tier copy of the agreed step, own or pulled, before anything of ``into``
 changes; the restore then opens that copy checking sizes only. Here a copy with flipped bytes
 shows which copies skip the second check: one named exactly, and no other.

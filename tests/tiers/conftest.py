@@ -8,7 +8,7 @@ Checkpointers on it as it likes. ``remote_tier_factory`` is the azure / s3 half 
 The blob servers are the session fixtures of ``tests/blob/conftest.py``, imported here (fixtures
 are only visible below the conftest that defines them); ``pythonpath = . tests`` in pytest.ini
 makes ``blob`` importable. Every test of the contract suite (``test_contract*.py`` here; not the tier
-tests beside it nor those of ``memory/`` and ``replicas/``) is bounded in time: a ``timeout`` mark of
+tests beside it nor those of ``memory/``) is bounded in time: a ``timeout`` mark of
 pytest-timeout (:data:`TEST_TIME_LIMIT_S`, tighter than pytest.ini's suite-wide 600 s).
 """
 

@@ -23,11 +23,10 @@ import torch
 
 import nebula_ckpt as nc
 from faults import renumber_step
+from memory_paths import memory_tier_path, try_lock
 from nebula_ckpt.format.commit import Commit, committed_steps, read_commit, retract_step
 from nebula_ckpt.format.names import step_dir
 from nebula_ckpt.storage.local import LocalStorage
-from nebula_ckpt.tiers.memory.shm import try_lock
-from nebula_ckpt.tiers.memory.tier import memory_tier_path
 
 pytestmark = pytest.mark.skipif(not os.path.isdir("/dev/shm"), reason="needs a tmpfs memory tier")
 

@@ -13,7 +13,7 @@ import torch
 
 import nebula_ckpt as nc
 from faults import FaultyTier
-from nebula_ckpt.tiers.memory.tier import memory_tier_path
+from memory_paths import memory_tier_path
 
 
 def test_memory_tier_is_private_and_removed_on_clean_close(root: str) -> None:

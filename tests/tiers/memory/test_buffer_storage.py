@@ -1,7 +1,7 @@
 """A checkpoint held in this process's memory, read over a tier's storage
 (nebula_ckpt/storage/buffers.py), and restored by handing its pages out as the tensors a restore
 creates (nebula_ckpt/tiers/memory/adopt_memory.py): what a rank does with the copy it pulled from a
-partner at restore. The pull itself runs on real ranks in tests/dist/test_replicas*.py."""
+partner at restore. The pull itself runs on real ranks in tests/tiers/memory/dist/test_replicas*.py."""
 
 from __future__ import annotations
 

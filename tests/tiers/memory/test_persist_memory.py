@@ -16,6 +16,10 @@ import pytest
 import torch
 
 import nebula_ckpt as nc
+from incremental.test_chain_edges import _DAMAGE as CHAIN_DAMAGE
+from incremental.test_chain_edges import _frozen as chain_frozen
+from incremental.test_chain_edges import _mem_folder as chain_mem_folder
+from incremental.test_chain_edges import _state as chain_state
 from nebula_ckpt import knobs
 from nebula_ckpt.errors import CorruptCheckpointError, NebulaError, ValidationError
 from nebula_ckpt.tiers.memory.epilogue import persist_memory
@@ -365,8 +369,8 @@ def test_persist_memory_refuses_a_multi_rank_step_the_root_holds_damaged(tmp_pat
 
     root, shm, out = str(tmp_path / "root"), tmp_path / "shm", tmp_path / "out"
     out.mkdir()
-    done = run_ranks(2, "drain_worker.py", ["save", root, str(out), str(shm), "0,0", "0", "1", "3"], out, str(shm),
-                     timeout=200)
+    worker = str(REPO / "tests" / "tiers" / "memory" / "dist" / "drain_worker.py")
+    done = run_ranks(2, worker, ["save", root, str(out), str(shm), "0,0", "0", "1", "3"], out, str(shm), timeout=200)
     assert all(p.returncode == 0 for p in done), [p.stdout[-2000:] for p in done]
     _damage(next(Path(root, "step-3").glob("shard-*-r1.*")), "truncate")
     with knobs.override(shm_dir=str(shm / "n0")):
@@ -375,3 +379,21 @@ def test_persist_memory_refuses_a_multi_rank_step_the_root_holds_damaged(tmp_pat
         assert main(["persist-memory", root]) == 1
         assert main(["gc", root]) == 0
     assert list(shm.glob("n0/nebula_ckpt-*/*/step-3/COMMIT")), "the memory copies of step 3 are kept"
+
+
+@pytest.mark.parametrize("damage", ["referenced last byte flipped", "shard truncated", "COMMIT deleted"])
+def test_persist_memory_of_a_chain_whose_base_is_damaged_writes_nothing(tmp_path, shm_dir, damage: str) -> None:  # noqa: ANN001
+    """(The chain and its damage are those of tests/incremental/test_chain_edges.py.)"""
+    root = str(tmp_path / "ck")
+    frozen, train = chain_frozen(), torch.zeros(64)
+    with knobs.override(incremental_full_every=10), \
+            nc.Checkpointer(root, tiers=[nc.MemoryTier(keep_last=20)]) as ck:  # type: ignore[arg-type]
+        folder = chain_mem_folder(ck)
+        for step in range(3):
+            train += 1
+            ck.save(step, chain_state(frozen, train, step))
+    CHAIN_DAMAGE[damage](os.path.join(folder, "step-0"))
+    with pytest.raises(nc.NebulaError) as e:
+        persist_memory(root)
+    assert "step 0" in str(e.value) or "step-0" in str(e.value), str(e.value)
+    assert not os.path.isdir(root) or not any(n.startswith("step-") for n in os.listdir(root)), os.listdir(root)

@@ -1,5 +1,5 @@
 """Partner choice for memory-tier replicas and the restore plan (pure functions; the transfer
-itself runs on real ranks in tests/dist/test_replicas.py)."""
+itself runs on real ranks in tests/tiers/memory/dist/test_replicas.py)."""
 
 from __future__ import annotations
 

@@ -18,9 +18,10 @@ from typing import Any
 
 import pytest
 
+from dist.launch import run_ranks
 from tmpfs_mount import mounted_tmpfs
 
-from .launch import run_ranks
+HERE = Path(__file__).resolve().parent  # the workers beside this module, spawned by path
 
 pytestmark = [pytest.mark.timeout(300)]
 
@@ -39,7 +40,7 @@ class Job:
         self.runs += 1
         out = self.tmp / f"out{self.runs}"
         out.mkdir()
-        done = run_ranks(2, "full_worker.py", [scenario, self.root, str(out), str(self.shm), *args],
+        done = run_ranks(2, str(HERE / "full_worker.py"), [scenario, self.root, str(out), str(self.shm), *args],
                          out, str(self.shm), timeout=200, env_extra=env)
         for r, p in enumerate(done):
             assert p.returncode == 0, f"rank {r} ended with {p.returncode}:\n{p.stdout[-4000:]}"

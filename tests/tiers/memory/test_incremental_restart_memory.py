@@ -17,6 +17,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -24,7 +25,7 @@ import torch
 from nebula_ckpt import knobs
 from nebula_ckpt.tiers.memory.tier import memory_tier_path
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+REPO = str(Path(__file__).resolve().parents[3])
 
 #: one life of the job: restore (if anything is there), train, save the steps of argv[3], report, SIGKILL
 JOB = textwrap.dedent("""

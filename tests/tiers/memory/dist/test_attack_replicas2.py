@@ -26,6 +26,7 @@ from typing import Any, Optional
 
 import pytest
 
+from dist.launch import run_ranks
 from nebula_ckpt import knobs
 from nebula_ckpt.ranks.partners import choose_partners, pack_node_id, unpack_node_id
 from nebula_ckpt.tiers.memory import replicas
@@ -33,7 +34,7 @@ from nebula_ckpt.tiers.memory.epilogue import persist_memory
 from nebula_ckpt.tiers.memory.replica_save import check_copy
 from nebula_ckpt.tiers.memory.replica_store import ReplicaStore, committed
 
-from .launch import run_ranks
+HERE = Path(__file__).resolve().parent  # the workers beside this module, spawned by path
 
 pytestmark = [pytest.mark.timeout(600)]
 
@@ -61,7 +62,7 @@ class Job:
         out.mkdir()
         full = {**self.spec, **spec}
         world = len(full["nodes"])
-        done = run_ranks(world, "attack2_worker.py", [json.dumps(full), str(out)], out, str(self.shm),
+        done = run_ranks(world, str(HERE / "attack2_worker.py"), [json.dumps(full), str(out)], out, str(self.shm),
                          timeout=200, env_extra=env)
         for r, p in enumerate(done):
             want = -9 if r in expect_killed else 0

@@ -9,7 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from .launch import reports, run_ok
+from dist.launch import reports, run_ok
+
+HERE = Path(__file__).resolve().parent  # the workers beside this module, spawned by path
 
 pytestmark = [pytest.mark.timeout(300)]
 MiB = 1 << 20
@@ -18,7 +20,7 @@ MiB = 1 << 20
 def test_a_partner_beyond_its_host_memory_budget_refuses_the_replica(tmp_path: Path) -> None:
     out, shm = tmp_path / "out", tmp_path / "shm"
     out.mkdir()
-    run_ok(2, "budget_replica_worker.py", [str(tmp_path / "root"), str(out), str(shm)], out, str(shm))
+    run_ok(2, str(HERE / "budget_replica_worker.py"), [str(tmp_path / "root"), str(out), str(shm)], out, str(shm))
     a, b = reports(out, "budget", 2)
     for step in ("1", "2"):  # A's copy is refused by B's budget, every time, before it is sent
         why = a["errors"][step]

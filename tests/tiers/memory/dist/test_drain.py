@@ -21,12 +21,12 @@ import pytest
 import torch
 
 import nebula_ckpt as nc
+from dist.launch import run_ranks
 from nebula_ckpt import knobs
 from nebula_ckpt.tiers.memory.epilogue import persist_memory
 
-from .launch import HERE, run_ranks
-
-REPO = HERE.parents[1]
+HERE = Path(__file__).resolve().parent  # the workers beside this module, spawned by path
+REPO = HERE.parents[3]
 
 pytestmark = [pytest.mark.timeout(600)]
 
@@ -45,7 +45,7 @@ class Job:
         self.runs += 1
         out = self.tmp / f"out{self.runs}"
         out.mkdir()
-        done = run_ranks(self.world, "drain_worker.py",
+        done = run_ranks(self.world, str(HERE / "drain_worker.py"),
                          [scenario, self.root, str(out), str(self.shm), nodes_of or self.nodes_of, str(self.k),
                           *self.extra], out, str(self.shm), timeout=200)
         for r, p in enumerate(done):

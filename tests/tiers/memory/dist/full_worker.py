@@ -1,4 +1,4 @@
-"""One rank of a replicas-on-a-full-tmpfs job (run by tests/dist/test_replicas_full.py).
+"""One rank of a replicas-on-a-full-tmpfs job (run by tests/tiers/memory/dist/test_replicas_full.py).
 
 Usage: python full_worker.py save ROOT OUT SHM_BASE [STEPS FILL_STEP [WHEN]]
        python full_worker.py restore ROOT OUT SHM_BASE [fill KEEP [PULL_CHUNK]]
@@ -29,7 +29,7 @@ import os
 import sys
 from typing import Any
 
-from launch import gloo, simulated_node, write_report
+from tests.dist.launch import gloo, simulated_node, write_report
 
 SCENARIO, ROOT, OUT, SHM_BASE = sys.argv[1:5]
 STEPS, FILL_STEP = (int(a) for a in (sys.argv[5:7] if len(sys.argv) > 6 and SCENARIO == "save" else ("0", "0")))

@@ -21,7 +21,7 @@ import torch
 import nebula_ckpt as nc
 from nebula_ckpt.tiers.memory import gc
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 FIRST, SECOND = torch.full((1000,), 1.0), torch.full((1000,), 2.0)
 
 
@@ -53,7 +53,7 @@ def test_gc_keeps_a_memory_tier_whose_write_the_root_lacks(root: str, shm_dir: s
     code = textwrap.dedent(f"""
         import os, sys
         sys.path.insert(0, {str(REPO / 'tests')!r})
-        from save.test_written_twice import _save_twice
+        from tiers.memory.test_written_twice import _save_twice
         _save_twice({root!r})
         os._exit(0)
     """)

@@ -1,4 +1,4 @@
-"""One rank of the replica attack jobs of tests/dist/test_attack_replicas2.py.
+"""One rank of the replica attack jobs of tests/tiers/memory/dist/test_attack_replicas2.py.
 
 Usage: python attack2_worker.py SPEC_JSON OUT
 
@@ -52,9 +52,9 @@ os.makedirs(os.environ["NEBULA_SHM_DIR"], exist_ok=True)
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-from state_digest import digest as _digest  # noqa: E402
 
 import nebula_ckpt as nc  # noqa: E402
+from tests.dist.state_digest import digest as _digest  # noqa: E402
 
 
 def _state() -> dict[str, Any]:

@@ -1,6 +1,6 @@
 """The transfers of a pull from a replica at restore (nebula_ckpt/tiers/memory/replica_pull.py):
 the order both sides compute from the files' sizes. The pull itself runs on real ranks in
-tests/dist/test_replicas.py and tests/dist/test_replicas_full.py."""
+tests/tiers/memory/dist/test_replicas.py and tests/tiers/memory/dist/test_replicas_full.py."""
 
 from __future__ import annotations
 

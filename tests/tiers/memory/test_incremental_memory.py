@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -19,7 +20,7 @@ import nebula_ckpt as nc
 from incremental.test_incremental import _forge_same_crc
 from nebula_ckpt import knobs
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+REPO = str(Path(__file__).resolve().parents[3])
 
 
 def _frozen() -> torch.Tensor:
@@ -149,7 +150,7 @@ def test_a_dense_save_stays_whole_and_linked(tmp_path, shm_dir) -> None:  # noqa
 
 
 def test_memory_tier_with_replicas_is_incremental_too(tmp_path, shm_dir) -> None:  # noqa: ANN001
-    """A partner makes each replica whole (tests/dist/test_replicas_incremental.py), so a memory
+    """A partner makes each replica whole (tests/tiers/memory/dist/test_replicas_incremental.py), so a memory
     tier with replicas is incremental like any other. Replicas need several ranks; here the tier
     asks for them after the (one-process) Checkpointer started, so that its writer's choice is
     what is seen."""

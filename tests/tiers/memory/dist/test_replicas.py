@@ -16,9 +16,10 @@ from typing import Any
 
 import pytest
 
+from dist.launch import run_ranks
 from nebula_ckpt.tiers.memory import replica_channel
 
-from .launch import run_ranks
+HERE = Path(__file__).resolve().parent  # the workers beside this module, spawned by path
 
 pytestmark = [pytest.mark.timeout(300)]
 
@@ -37,7 +38,7 @@ class Job:
         self.runs += 1
         out = self.tmp / f"out{self.runs}"
         out.mkdir()
-        done = run_ranks(self.world, "replica_worker.py",
+        done = run_ranks(self.world, str(HERE / "replica_worker.py"),
                          [scenario, self.root, str(out), str(self.shm), self.nodes_of, str(self.k), *self.extra],
                          out, str(self.shm), timeout=200)
         for r, p in enumerate(done):
@@ -178,7 +179,7 @@ def test_too_few_nodes_for_k_is_refused_on_every_rank(tmp_path: Path) -> None:
     job = Job(tmp_path, "0,0,1,1", k=2)
     out = tmp_path / "out"
     out.mkdir()
-    done = run_ranks(4, "replica_worker.py", ["save", job.root, str(out), str(job.shm), job.nodes_of, "2"],
+    done = run_ranks(4, str(HERE / "replica_worker.py"), ["save", job.root, str(out), str(job.shm), job.nodes_of, "2"],
                      out, str(job.shm), timeout=200)
     for p in done:
         assert p.returncode != 0

@@ -1,5 +1,5 @@
 """One rank of a job on simulated nodes whose memory-tier steps are restored or drained (run by
-tests/dist/test_drain.py).
+tests/tiers/memory/dist/test_drain.py).
 
 Usage: python drain_worker.py SCENARIO ROOT OUT SHM_BASE NODES_OF K DISK_EVERY [STEPS]
 
@@ -25,7 +25,7 @@ import signal
 import sys
 from typing import Any
 
-from launch import gloo, simulated_node, write_report
+from tests.dist.launch import gloo, simulated_node, write_report
 
 SCENARIO, ROOT, OUT, SHM_BASE, NODES_OF, K, DISK_EVERY = sys.argv[1:8]
 STEPS = int(sys.argv[8]) if len(sys.argv) > 8 else 3
@@ -34,10 +34,10 @@ NODE = NODES_OF.split(",")[RANK]
 simulated_node(SHM_BASE, f"n{NODE}")
 
 import torch  # noqa: E402
-from state_digest import digest  # noqa: E402
 
 import nebula_ckpt as nc  # noqa: E402
 from nebula_ckpt.tiers.memory import replicas  # noqa: E402
+from tests.dist.state_digest import digest  # noqa: E402
 
 
 def _state(seed: int) -> dict[str, Any]:

@@ -1,5 +1,5 @@
 """One rank of a job whose partner's host-memory budget cannot hold its replica (run by
-tests/dist/test_replicas_budget.py).
+tests/tiers/memory/dist/test_replicas_budget.py).
 
 Usage: python budget_replica_worker.py ROOT OUT SHM_BASE   (RANK, WORLD_SIZE, MASTER_* in env)
 
@@ -16,7 +16,7 @@ import os
 import sys
 from typing import Any
 
-from launch import gloo, simulated_node, write_report
+from tests.dist.launch import gloo, simulated_node, write_report
 
 ROOT, OUT, SHM_BASE = sys.argv[1:4]
 RANK = int(os.environ["RANK"])

@@ -1,5 +1,5 @@
 """``nebula-ckpt persist-memory ROOT --json`` as one node's epilogue runs it, in a process of its own
-(run by tests/dist/test_drain.py with that node's ``NEBULA_SHM_DIR``).
+(run by tests/tiers/memory/dist/test_drain.py with that node's ``NEBULA_SHM_DIR``).
 
 Usage: python drain_cli.py ROOT [KILL] [GATE]
 

@@ -1,4 +1,5 @@
-"""One rank of a multi-rank job on the memory tier alone (run by tests/dist/test_incremental_memory_ranks.py).
+"""One rank of a multi-rank job on the memory tier alone (run by
+tests/tiers/memory/dist/test_incremental_memory_ranks.py).
 
 Usage: python memrank_worker.py SCENARIO ROOT OUT   (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT in env)
 
@@ -19,9 +20,9 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from launch import gloo, write_report
 
 import nebula_ckpt as nc
+from tests.dist.launch import gloo, write_report
 
 STEPS = 5
 
@@ -62,6 +63,6 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
-    from launch import leave  # the script's folder is on sys.path
+    from tests.dist.launch import leave
 
     leave()  # no interpreter teardown: see launch.leave

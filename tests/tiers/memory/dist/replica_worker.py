@@ -1,4 +1,4 @@
-"""One rank of a memory-tier replica test job (run by tests/dist/test_replicas.py).
+"""One rank of a memory-tier replica test job (run by tests/tiers/memory/dist/test_replicas.py).
 
 Usage: python replica_worker.py SCENARIO ROOT OUT SHM_BASE NODES_OF K [DISK_EVERY] [STEPS]
 
@@ -33,7 +33,7 @@ import signal
 import sys
 from typing import Any
 
-from launch import gloo, simulated_node, write_report
+from tests.dist.launch import gloo, simulated_node, write_report
 
 SCENARIO, ROOT, OUT, SHM_BASE, NODES_OF, K = sys.argv[1:7]
 DISK_EVERY = int(sys.argv[7]) if len(sys.argv) > 7 else 1000
@@ -43,10 +43,10 @@ NODE = NODES_OF.split(",")[RANK]
 simulated_node(SHM_BASE, f"n{NODE}")
 
 import torch  # noqa: E402
-from state_digest import digest as _digest  # noqa: E402
 
 import nebula_ckpt as nc  # noqa: E402
 from nebula_ckpt.tiers.memory import replica_store  # noqa: E402
+from tests.dist.state_digest import digest as _digest  # noqa: E402
 
 
 def _state(seed: int) -> dict[str, Any]:

@@ -14,11 +14,12 @@ from typing import Any
 
 import pytest
 
+from dist.launch import reports, run_ranks
 from nebula_ckpt import knobs
 from nebula_ckpt.format.names import COMMIT
 from nebula_ckpt.tiers.memory.tier import memory_tier_path
 
-from .launch import reports, run_ranks
+HERE = Path(__file__).resolve().parent  # the workers beside this module, spawned by path
 
 pytestmark = [pytest.mark.timeout(180)]
 
@@ -34,7 +35,7 @@ def test_each_rank_memory_tier_chain_is_incremental_and_restores_after_sigkill(r
     out = tmp_path / "out"
     out.mkdir()
     env = {"NEBULA_INCREMENTAL_FULL_EVERY": "3"}
-    done = run_ranks(2, "memrank_worker.py", ["save", root, str(out)], out, shm_dir, env_extra=env)
+    done = run_ranks(2, str(HERE / "memrank_worker.py"), ["save", root, str(out)], out, shm_dir, env_extra=env)
     assert all(p.returncode == -9 for p in done), [p.stdout[-3000:] for p in done]
     saved = reports(out, "save", 2)
     with knobs.override(shm_dir=shm_dir):
@@ -71,6 +72,6 @@ def test_each_rank_memory_tier_chain_is_incremental_and_restores_after_sigkill(r
 
 
 def _load(root: str, out: Path, shm_dir: str) -> list[dict[str, Any]]:
-    done = run_ranks(2, "memrank_worker.py", ["load", root, str(out)], out, shm_dir)
+    done = run_ranks(2, str(HERE / "memrank_worker.py"), ["load", root, str(out)], out, shm_dir)
     assert all(p.returncode == 0 for p in done), [p.stdout[-3000:] for p in done]
     return reports(out, "load", 2)

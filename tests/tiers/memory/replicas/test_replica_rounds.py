@@ -3,7 +3,7 @@
 The round of a save waits for this rank's memory tier to be done with it, and while the training
 thread is inside ``save_async`` of a later save (its staging copy and Python run without the
 round beside them); it never waits for anything ``save_async`` could wait for. The multi-rank
-behaviour of the rounds is in tests/dist/test_replicas.py.
+behaviour of the rounds is in tests/tiers/memory/dist/test_replicas.py.
 """
 
 from __future__ import annotations
