@@ -4,7 +4,9 @@ Called on the training thread: :meth:`HealthMonitor.report` after a step, :meth:
 after each ``save_async``, :meth:`~HealthMonitor.restored` after each restore. It decides:
 
 - a step saved by this process is marked *healthy* once the next ``healthy_after`` reported steps
-  had a finite loss (written in the background, by rank 0 only: one record per step);
+  had a finite loss (written in the background, by rank 0 only: one record per step; every rank
+  follows its steps the same way, so that its retention keeps them before that mark is written:
+  :meth:`HealthMonitor.held`);
 - a bad report (a non-finite loss, or one the user's rule refuses) within ``suspect_within``
   reported steps after a restore from step S marks S *suspect*, and with it every step this
   process saved since (they carry S's state forward); a step saved after a bad report and before
@@ -167,12 +169,13 @@ class HealthMonitor:
             self._recent.append(step)
             if self._restored is not None:  # bounded: a job that never reports never ends the window
                 self._descendants = self._descendants[1 - _MAX_PENDING:] + [(step, save)]
-            if self.rank == 0:
-                pending = self._pending
-                pending.pop(step, None)
-                while len(pending) >= _MAX_PENDING:
-                    del pending[next(iter(pending))]
-                pending[step] = _Pending(None, step, save)
+            # every rank follows its steps (each judges its own reports, as rank 0 does): its
+            # retention keeps them on its own tiers without waiting for rank 0's mark on the root
+            pending = self._pending
+            pending.pop(step, None)
+            while len(pending) >= _MAX_PENDING:
+                del pending[next(iter(pending))]
+            pending[step] = _Pending(None, step, save)
 
     def restored(self, generation: int, step: int, state: str, save: Optional[int] = None) -> None:
         """The checkpoint ``(generation, step)`` (its write ``save``, None: not known), marked
@@ -182,7 +185,7 @@ class HealthMonitor:
             self._restored, self._since_restore, self._descendants = (generation, step, save), 0, []
             self._confirmed = None  # a run from the restored step begins; its marks are on the root
             self._bad, self._last_step = None, None
-            follow = self.rank == 0 and state not in (HEALTHY, SUSPECT)
+            follow = state not in (HEALTHY, SUSPECT)
             self._pending = {step: _Pending(generation, step, save)} if follow else {}
 
     def held(self, committed: list[int]) -> set[int]:
@@ -206,12 +209,19 @@ class HealthMonitor:
     def suspect(self, generation: int, step: int, save: Optional[int] = None) -> bool:
         """Whether this process marked the checkpoint ``(generation, step)`` suspect (its write
         ``save``; None: any write of it), or failed to so far (such a step is never copied to a
-        persistent tier by ``close()``). Any thread."""
+        persistent tier by ``close()``), unless a person marked it healthy since (the root's mark
+        of it is healthy: a healthy mark from reports never clears a suspect one). Any thread."""
         with self._lock:
             marked: list[tuple[Optional[int], Optional[int]]] = [(g, v) for g, s, v in self._suspects if s == step]
-            marked += [(g, v) for g, s, _, v in self._unwritten if s == step]
+            unwritten = [(g, v) for g, s, _, v in self._unwritten if s == step]
+
+        def match(g: Optional[int], v: Optional[int]) -> bool:
             # a generation None: this writer's could not be had yet; whichever it is, the step is not copied
-            return any(g in (generation, None) and (v is None or save is None or v == save) for g, v in marked)
+            return g in (generation, None) and (v is None or save is None or v == save)
+
+        if any(match(g, v) for g, v in unwritten):
+            return True
+        return any(match(g, v) for g, v in marked) and self.book.view().mark(generation, step, save).state != HEALTHY
 
     # -- decisions --------------------------------------------------------------------------------
     def _judge(self, step: int, loss: float, grad_norm: Optional[float]) -> Optional[str]:
@@ -255,6 +265,8 @@ class HealthMonitor:
             self._confirmed = done[-1].step  # the newest saved of them (a save moves its step to the end)
         for p in done:
             del self._pending[p.step]
+            if self.rank != 0:  # rank 0 writes the healthy marks: one record per step
+                continue
             span = f"step {p.first}" if p.first == step else f"steps {p.first}-{step}"
             self._submit(p, f"the loss was finite at the {p.finite} reported step(s) after it ({span})")
 

@@ -64,7 +64,8 @@ class HealthReports:
             if rt.persistent:
                 rt.keep_also = functools.partial(self._keep_healthy, book, rt.storage)
             else:
-                rt.keep_also = functools.partial(self._keep_unsaved, book, rt, persistent)
+                rt.keep_also = functools.partial(self._keep_unsaved, book, rt, persistent, None)
+                rt.keep_also_in = functools.partial(self._keep_unsaved, book, rt, persistent)
 
     def _keep_healthy(self, book: HealthBook, storage: Storage, committed: list[int]) -> set[int]:
         """Retention (a tier's writer thread): of ``committed``, the newest healthy step and the steps
@@ -76,17 +77,20 @@ class HealthReports:
         return newest_healthy(book, storage, committed) | monitor.held(committed)
 
     def _keep_unsaved(self, book: HealthBook, rt: TierRuntime, persistent: list[TierRuntime],
-                      committed: list[int]) -> set[int]:
+                      storage: Optional[Storage], committed: list[int]) -> set[int]:
         """Retention on a tier that does not survive a reboot (the memory tier; ``committed``: its
         steps, oldest first; a tier writer's thread, or its ``close``): what :meth:`_keep_healthy`
         keeps, while a newer step there is marked suspect (what a restart would skip for it: a
         run that keeps saving a diverged state), no persistent tier holds its write (their cadence
         skipped it: this tier holds its only copy), and the tier has room for it beside its next
-        save (:meth:`~nebula_ckpt.tiers.runtime.TierRuntime.affords`)."""
-        want = self._keep_healthy(book, rt.storage, committed)
+        save (:meth:`~nebula_ckpt.tiers.runtime.TierRuntime.affords`). ``storage``: where
+        ``committed`` are (None: the tier; else copies of its steps there, a partner rank's replicas:
+        every rank saves the same steps and judges the same reports)."""
+        storage = rt.storage if storage is None else storage
+        want = self._keep_healthy(book, storage, committed)
         if not want:
             return want
-        writes = read_writes(rt.storage, committed)
+        writes = read_writes(storage, committed)
         view, monitor = book.view(), self._health
         assert monitor is not None  # _keep_healthy found it
         try:

@@ -327,7 +327,8 @@ def flush_newest(writers: "list[TierWriter]", monitor: Any = None, who: str = "c
     with it its marks, and replaces an older write of its step there: :func:`copy_as_written`). A
     step this process marked suspect
     (or failed to mark so far: its mark is tried again first; ``monitor``: the Checkpointer's
-    :class:`~nebula_ckpt.health.monitor.HealthMonitor`, None when read only) is never copied: the newest
+    :class:`~nebula_ckpt.health.monitor.HealthMonitor`, None when read only; a step a person marked
+    healthy since is copied as any other) is never copied: the newest
     step not marked suspect is put there instead, on a tier holding the newer suspect ones too (the
     memory tier's retention keeps that step while it is its only copy). ``who``: what asks, in log lines (a save short
     of the host-memory budget asks too: :func:`make_room`). Why a step was not put there (marked
@@ -388,8 +389,9 @@ def make_room(writers: Sequence[Any], handles: Iterable[Any], monitor: Any = Non
     (:func:`flush_newest`: never a step marked suspect; ``monitor``: the Checkpointer's health
     monitor), then given up. So the save goes ahead rather than wait for ever or be skipped until
     ``close()``, and never at the cost of that write. A multi-rank job's step would need every
-    rank: there the save waits or is skipped. Where nothing can be freed, why is recorded for the
-    waiting save (:func:`~nebula_ckpt.save.budget.note_held`). True if any step went."""
+    rank: there the save waits or is skipped. Last, the steps the memory tier keeps beside
+    ``keep_last`` only for the health rule go (:func:`_give_up_kept`). Where nothing can be freed,
+    why is recorded for the waiting save (:func:`~nebula_ckpt.save.budget.note_held`). True if any step went."""
     memory = next((w for w in writers if not w.tier.persistent), None)
     slots = None if memory is None else memory.runtime.staging_dir()
     if give_up_memory_steps(writers):
@@ -401,8 +403,24 @@ def make_room(writers: Sequence[Any], handles: Iterable[Any], monitor: Any = Non
         note_held(slots, None)  # what is in flight may free memory
         return False
     why = _flush_for_room(writers, memory, monitor)
+    if why is not None and _give_up_kept(memory):
+        why = None
     note_held(slots, why)
     return why is None
+
+
+def _give_up_kept(memory: Any) -> bool:
+    """:func:`make_room`'s very last resort: the steps the memory tier's retention keeps beside
+    ``keep_last`` (the newest healthy step while newer ones are suspect, :mod:`nebula_ckpt.health`)
+    deleted, as ``keep_last`` says: kept steps never take the room of the next save. Whether any went."""
+    memory.runtime.tight = True
+    try:
+        return bool(memory.prune())
+    except Exception as e:  # a failure here only keeps memory: the save waits or is skipped
+        log.debug("nebula_ckpt: memory tier %s: kept steps not given up: %s", memory.name, e)
+        return False
+    finally:
+        memory.runtime.tight = False
 
 
 def _flush_for_room(writers: Sequence[Any], memory: Any, monitor: Any) -> Optional[str]:

@@ -29,6 +29,10 @@ def _nothing_more(committed: list[int]) -> set[int]:
     return set()
 
 
+def _nothing_more_in(storage: Storage, committed: list[int]) -> set[int]:
+    return set()
+
+
 class TierRuntime:
     """A plain tier (local disk, remote store): writes bytes, nothing else to own.
 
@@ -47,6 +51,12 @@ class TierRuntime:
         #: ``keep_also(committed steps)``: those of them retention keeps on this tier beside
         #: ``keep_last`` (the newest healthy one, :mod:`nebula_ckpt.health`); the tier's writer thread
         self.keep_also: Callable[[list[int]], set[int]] = _nothing_more
+        #: ``keep_also_in(storage, committed)``: as :attr:`keep_also`, of copies of this tier's steps
+        #: that ``storage`` holds (the memory tier's replicas of a partner rank's steps)
+        self.keep_also_in: Callable[[Storage, list[int]], set[int]] = _nothing_more_in
+        #: a save is short of the host-memory budget and nothing else can be freed
+        #: (:func:`~nebula_ckpt.save.drain.make_room`): :meth:`affords` keeps nothing beyond the newest step
+        self.tight = False
 
     @property
     def capabilities(self) -> Capabilities:
@@ -74,7 +84,8 @@ class TierRuntime:
     def affords(self, steps: set[int], ranked: list[int]) -> set[int]:
         """Of ``steps`` (what retention would keep beside ``keep_last`` of ``ranked``, the tier's
         committed steps oldest first), those the tier has room to keep (the writer's thread; the
-        memory tier checks its tmpfs's room for them beside its next save)."""
+        memory tier checks its tmpfs's room for them beside its next save, and gives them up while
+        :attr:`tight`)."""
         return steps
 
     def unreadable(self, owner: Owner) -> Optional[str]:

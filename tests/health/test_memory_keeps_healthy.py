@@ -155,3 +155,42 @@ def test_under_the_host_memory_budget_the_ranks_kept_step_never_takes_the_next_s
     worker = os.path.join(os.path.dirname(os.path.abspath(__file__)), "memory_ranks_worker.py")
     run_ok(2, worker, [root, str(out), "budget"], out, shm_dir)
     assert [r["saves"] for r in reports(out, "budget", 2)] == [{str(s): "ok" for s in (2, 3, 8, 9, 10)}] * 2
+
+
+def test_the_partner_nodes_replicas_keep_the_healthy_step_so_a_lost_node_resumes_it(
+        root: str, shm_dir: str, tmp_path) -> None:  # noqa: ANN001
+    """2 gloo ranks on 2 simulated nodes, ``MemoryTier(replicas=1)``: the replicas a partner holds
+    follow the memory tier's rule (never only ``keep_last``); the job is killed, a node's memory
+    is lost, and the restart pulls the kept healthy step from the partner, not step 2 from disk."""
+    import shutil
+
+    from dist.launch import reports, run_ok
+
+    out = tmp_path / "out"
+    out.mkdir()
+    worker = os.path.join(os.path.dirname(os.path.abspath(__file__)), "memory_ranks_worker.py")
+    run_ok(2, worker, [root, str(out), "replicas", shm_dir], out, shm_dir)
+    held = reports(out, "replicas", 2)
+    assert [r["memory"] for r in held] == [[3, 8], [3, 8]]
+    assert [sorted(s for _, s in r["replicas"][str(1 - r["rank"])]) for r in held] == [[3, 8], [3, 8]]
+    shutil.rmtree(os.path.join(shm_dir, "n1"))                     # node 1 lost
+    run_ok(2, worker, [root, str(out), "restart", shm_dir], out, shm_dir)
+    assert [(r["restored"], r["w"]) for r in reports(out, "restart", 2)] == [(3, 30.0), (3, 31.0)]
+
+
+def test_close_puts_a_step_a_person_marked_healthy_while_the_job_ran_on_disk(root: str, shm_dir: str) -> None:
+    """Step 8 was marked suspect by the NaN; a person runs ``nebula-ckpt mark --healthy 8`` (a
+    false alarm) while the job runs: ``close()`` puts step 8 on the disk tier its cadence skipped,
+    as it does any newest step, and a restart resumes it."""
+    with nc.Checkpointer(root, tiers=[nc.MemoryTier(), nc.LocalTier(root, every_seconds=3600)]) as ck:
+        disk = ck.tiers[1].name
+        _diverge(ck, 4)
+        r = subprocess.run([sys.executable, "-m", "nebula_ckpt.cli", "mark", root, "--healthy", "8", "--reason",
+                            "false alarm"], capture_output=True, text=True, timeout=60,
+                           env=dict(os.environ, NEBULA_SHM_DIR=shm_dir))
+        assert r.returncode == 0, r.stdout + r.stderr
+        ck.report(10, loss=1.0)
+        ck.report(11, loss=1.0)
+    with nc.Checkpointer(root, tiers=[nc.LocalTier(root)], read_only=True) as rd:
+        assert 8 in rd.list(detailed=True)[disk]
+    assert _restart(root) == (8, 8.0)

@@ -281,6 +281,9 @@ class Replication:
     dropped_others: bool = False
     #: the host-memory budget of this rank's Checkpointer: why N more bytes do not fit (None: they do)
     budget_room: Optional[Callable[[int], Optional[str]]] = None
+    #: of a source rank's replicas (a storage on their folder, their steps oldest first), those kept
+    #: beside :attr:`keep` as this rank's memory tier keeps its own steps (its ``keep_also_in``)
+    keep_also: Optional[Callable[[Any, list[int]], set[int]]] = None
 
     @property
     def rank(self) -> int:

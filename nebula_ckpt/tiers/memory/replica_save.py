@@ -151,7 +151,7 @@ def commit_replica(rp: Replication, src: int, info: dict[str, Any], inc: str,
             materialise(inc, step, rp.store.source_dir(src), info["base"])
         check_copy(inc, step, src, rp.world, int(info["gen"]), landed)
         rp.store.publish(inc, step, rp.store.source_dir(src))
-        rp.store.prune(src, rp.keep)
+        rp.store.prune(src, rp.keep, rp.keep_also)
         if not rp.dropped_others:  # this job's first copy is here: an earlier job's go
             rp.dropped_others = True
             rp.store.drop_others(set(rp.sources))

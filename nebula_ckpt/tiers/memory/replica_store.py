@@ -33,7 +33,7 @@ import os
 import re
 import shutil
 import uuid
-from typing import Callable, Collection, Mapping, Optional
+from typing import Any, Callable, Collection, Mapping, Optional
 
 import torch
 
@@ -236,16 +236,25 @@ class ReplicaStore:
                     out[int(m.group(1))] = have
         return out
 
-    def prune(self, rank: int, keep: int) -> None:
+    def prune(self, rank: int, keep: int, also: Optional[Callable[[Any, list[int]], set[int]]] = None) -> None:
         """Keep the newest ``keep`` replicas of ``rank``, in a restore's order (writer generation, then
         step, as retention ranks a tier's checkpoints: :meth:`~nebula_ckpt.save.writer.TierWriter.prune`),
-        commit marker first."""
+        and those ``also(storage, steps)`` names (the memory tier's retention rule, on a storage
+        of the folder), commit marker first."""
         d = self.source_dir(rank)
         if _planted_link(d):  # never delete through a link planted in the store
             return
         ranked = [s for _, s in committed(d)]  # sorted by (generation, step)
-        for s in ranked[:-keep] if keep > 0 else ranked:
-            self._drop(rank, s)
+        doomed = ranked[:-keep] if keep > 0 else ranked
+        kept: set[int] = set()
+        if doomed and also is not None:
+            try:
+                kept = also(LocalStorage(d, private=True, fsync=False), ranked)
+            except Exception as e:  # the rule cannot be had: keep as keep says
+                log.debug("nebula_ckpt: replicas of rank %d: retention rule failed: %s", rank, e)
+        for s in doomed:
+            if s not in kept:
+                self._drop(rank, s)
 
     def forget(self, steps: Collection[int]) -> list[tuple[int, int]]:
         """Remove the replicas of ``steps`` held of every source rank (``remove()``), commit markers

@@ -113,6 +113,8 @@ class Replicator:
         holds: whether a shared persistent tier holds a write ``(generation, step, save)``
             committed (None: there is none such). A replica of such a write protects nothing against a node
             loss: it is given up where the budget is short (:meth:`give_up`).
+        keep_also: the replicas kept beside ``keep``
+            (:attr:`~nebula_ckpt.tiers.memory.replica_channel.Replication.keep_also`).
 
     Raises:
         ValidationError: the job runs on fewer than ``k + 1`` nodes (on every rank alike).
@@ -121,7 +123,8 @@ class Replicator:
     def __init__(self, folder: Optional[str], k: int, keep: int, group: Any,
                  after_loss: Optional[AfterLoss] = None,
                  budget_room: Optional[Callable[[int], Optional[str]]] = None,
-                 holds: Optional[Callable[[Write], bool]] = None) -> None:
+                 holds: Optional[Callable[[Write], bool]] = None,
+                 keep_also: Optional[Callable[[Any, list[int]], set[int]]] = None) -> None:
         channel = Channel(dist.get_process_group_ranks(group), dist.get_rank(group),
                           float(knobs.get("replica_timeout_s")))
         self.rank, self.world = channel.rank, channel.world
@@ -134,7 +137,7 @@ class Replicator:
         self._budget_room, self._holds = budget_room, holds
         self._rp = Replication(channel, folder, store, k, max(1, keep), partners_all[self.rank],
                                sources_of(partners_all, self.rank),
-                               budget_room=None if budget_room is None else self._room)
+                               budget_room=None if budget_room is None else self._room, keep_also=keep_also)
         #: held by the replicas' thread while a round (or remove()) uses the replicas held: the
         #: budget gives none up meanwhile (:meth:`give_up`)
         self._store_lock = threading.RLock()
@@ -486,4 +489,4 @@ def start_replicator(tiers: Sequence[Any], runtimes: Sequence[Any], coordinator:
     shared = [r.storage for r in runtimes if r.persistent and r.tier.shared]
     holds = (lambda write: any(budget.holds_write(st, write) for st in shared)) if shared else None
     return Replicator(folder if folder and os.path.isdir(folder) else None, k, mem.keep_last or 1, coordinator.group,
-                      after_loss, budget_room, holds)
+                      after_loss, budget_room, holds, None if rt is None else rt.keep_also_in)

@@ -136,11 +136,18 @@ class MemoryTierRuntime(TierRuntime):
 
     def affords(self, steps: set[int], ranked: list[int]) -> set[int]:
         """Of ``steps``, the steps beyond the newest one only while the tmpfs has room for them
-        beside the next save (:meth:`~nebula_ckpt.tiers.memory.room.Room.keeps`): kept steps never
-        make the next save fail for want of room."""
+        beside the next save (:meth:`~nebula_ckpt.tiers.memory.room.Room.keeps`) and a save short of
+        the host-memory budget does not need their room (:attr:`tight`): kept steps never make the
+        next save fail for want of room."""
         extra = steps - set(ranked[-1:])
         if not extra:
             return steps
+        if self.tight:
+            log.warning("nebula_ckpt: memory tier %s gives up step(s) %s, which no persistent tier holds, for a save "
+                        "short of the host-memory budget; a restart may resume an older step if the newer ones are "
+                        "marked suspect. Save to a persistent tier more often, or pass a larger host_memory_budget",
+                        self.folder, sorted(extra))
+            return steps - extra
         if self._room is None:
             self._room = Room(self.folder)
         return steps if self._room.keeps(sorted(extra), ranked[-1]) else steps - extra
