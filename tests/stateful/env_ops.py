@@ -64,8 +64,9 @@ class EnvOps:
         self.audit(node)
         keys: list[Hashable] = [self.mem(node), "disk"]
         want = self.truth.target(keys, frozenset(self.truth.suspect()))
-        if want is None and self.truth.target(keys) is not None:  # every step suspect: a plain start
-            self.note(f"start a job on n{node} (every step suspect: no descriptor limit)")
+        # every step suspect (or damaged: DamageOps): a plain start
+        if want is None and (self.truth.target(keys) is not None or any(self.truth.damaged(k) for k in keys)):
+            self.note(f"start a job on n{node} (every step suspect or damaged: no descriptor limit)")
             self._start(node)
             return
         self.note(f"start a job on n{node}, its restore with {spare} file descriptor(s) to spare; then {then}")
@@ -124,7 +125,7 @@ class EnvOps:
             self.fail(f"{where} raised {err}: it must name step {step} ({entry}, on {key}) and the fix (ulimit -n)")
         if not got.get("latest") or got["latest"][0] != step:
             self.fail(f"{where}: latest() named {got.get('latest')}; step {step} ({entry}) is the newest on {key}")
-        disk = self.truth.entries("disk")
+        disk = self.truth.whole("disk")  # a damaged copy there is no reason to hand the pages over
         if key == self.mem(node) and step in disk and disk[step].sid == entry.sid:
             self.truth.may_drop(key, step)  # the memory tier's pages may have been handed over first
         self._observe_listed(got, node)

@@ -83,7 +83,7 @@ class ExtraOps:
         assert job is not None
         self.audit(job.node)
         keys: list[Hashable] = [self.mem(job.node), "disk"]
-        wants = {s: self._write_of(keys, s) for s in sorted({s for k in keys for s in self.truth.entries(k)})}
+        wants = {s: self._write_of(keys, s) for s in sorted({s for k in keys for s in self.truth.whole(k)})}
         self.note(f"load every step on n{job.node}: {sorted(wants)}")
         for step, want in wants.items():
             self.load_in_job(job, keys, want, step, " after a removal")
@@ -101,7 +101,8 @@ class ExtraOps:
         self.note(f"nebula-ckpt verify --json on n{node} (a subprocess)")
         got = self.cli_subprocess(["verify", self.path, "--json"], node)
         rows = json.JSONDecoder().raw_decode(got["stdout"].strip() or "[]")[0]
-        if got["code"] != (0 if rows else 1):  # nothing committed: exit 1 (docs/cli.md)
+        # nothing committed, or a step damaged (DamageOps): exit 1 (docs/cli.md)
+        if got["code"] != (0 if rows and all(r["healthy"] for r in rows) else 1):
             self.fail(f"verify --json on n{node} exited {got['code']} with {len(rows)} step(s): "
                       f"{got['stdout'][-2000:]} {got['stderr']}")
         for kind, key in (("memory", keys[0]), ("local", "disk")):
@@ -109,9 +110,10 @@ class ExtraOps:
             held = sorted(self.truth.entries(key))
             if seen != held:
                 self.fail(f"verify --json on n{node} lists steps {seen} on the {kind} tier; the model holds {held}")
-        bad = [r for r in rows if not r["healthy"]]
-        if bad:
-            self.fail(f"verify --json on n{node} reports damage on committed steps: {bad}")
+            bad = sorted(r["step"] for r in rows if r["tier"].split(":")[0] == kind and not r["healthy"])
+            if bad != sorted(self.truth.damaged(key)):
+                self.fail(f"verify --json on n{node} reports steps {bad} on the {kind} tier damaged; the model "
+                          f"knows {sorted(self.truth.damaged(key))} damaged: {rows}")
         steps = sorted({s for k in keys for s in self.truth.entries(k)})
         if not steps:
             return

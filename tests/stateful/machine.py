@@ -33,6 +33,7 @@ from typing import Any, Callable, Hashable, Optional
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, precondition, rule
 
+from stateful.damage_ops import CLOSE_REPAIRS_DAMAGE, DamageOps
 from stateful.env_ops import SECONDS_APART, EnvOps
 from stateful.extra_ops import ExtraOps
 from stateful.features import BUDGET_BYTES, BUDGET_EXTRA, FeatureOps
@@ -152,7 +153,7 @@ class Signal:
     marked: set[tuple[int, int, int]] = field(default_factory=set)
 
 
-class Single(EnvOps, LiveOps, FeatureOps, ExtraOps, RuleBasedStateMachine):
+class Single(EnvOps, LiveOps, FeatureOps, ExtraOps, DamageOps, RuleBasedStateMachine):
     """One-process jobs; see the module docstring. ``Single.shared`` is set by the test."""
 
     shared: Shared
@@ -265,13 +266,18 @@ class Single(EnvOps, LiveOps, FeatureOps, ExtraOps, RuleBasedStateMachine):
             self.fail(f"{where}: latest() named step {named}, load_latest "
                       f"{'raised ' + got['error'] if 'error' in got else 'restored step ' + str(got.get('step'))}")
         if "error" in got:
-            # every step it could open is marked suspect: load_latest raises, naming them (docs/health.md)
-            if not (want is None and self.truth.target(keys) is not None and
-                    got["error"].startswith("CorruptCheckpointError") and "marked suspect" in got["error"]):
+            # every step it could open is marked suspect: load_latest raises, naming them (docs/health.md);
+            # or every committed step is suspect or damaged (DamageOps): it raises, naming the damage
+            damaged = any(self.truth.damaged(k) for k in keys)
+            if not (want is None and (self.truth.target(keys) is not None or damaged) and
+                    got["error"].startswith("CorruptCheckpointError") and
+                    ("marked suspect" in got["error"] or damaged)):
                 self.fail(f"{where} raised {got['error']}")
         if want is None:
             if got.get("step") is not None:
                 self.fail(f"{where} opened step {got['step']} where nothing is committed")
+            if "error" not in got and any(self.truth.damaged(k) for k in keys):
+                self.fail(f"{where} restored nothing and raised nothing; the root holds only damaged steps")
         else:
             step, entry, key = want
             if got["step"] is None:
@@ -289,7 +295,7 @@ class Single(EnvOps, LiveOps, FeatureOps, ExtraOps, RuleBasedStateMachine):
             self.job.health = Signal(restored=(entry.writer, step, entry.sid))
             # a restore from the memory tier may hand its pages over (the step leaves the memory
             # tier) when the root holds that very save of the step
-            disk = self.truth.entries("disk")
+            disk = self.truth.whole("disk")  # not where the copy there is damaged
             if key == keys[0] and not no_memory and step in disk and disk[step].sid == entry.sid:
                 self.truth.may_drop(keys[0], step)
         listed = got["listed"]
@@ -552,8 +558,10 @@ class Single(EnvOps, LiveOps, FeatureOps, ExtraOps, RuleBasedStateMachine):
         if want is not None:
             step, entry, key = want
             disk = self.truth.entries("disk")
-            if step not in disk or disk[step].sid != entry.sid:
-                # close() puts the newest step on the disk tier when its cadence skipped it
+            if step not in disk or disk[step].sid != entry.sid or \
+                    (CLOSE_REPAIRS_DAMAGE and ("disk", step, entry.sid) in self.truth.bad):
+                # close() puts the newest step on the disk tier when its cadence skipped it (or, with the
+                # defect of DamageOps fixed, where its copy there is damaged)
                 self.truth.commit("disk", step, entry, self.tiers["disk_keep"])
         disk_now = self.truth.tier("disk")
         if want is not None or (newest is not None and newest[1] in disk_now.get(newest[0], set())):
@@ -603,7 +611,7 @@ class Single(EnvOps, LiveOps, FeatureOps, ExtraOps, RuleBasedStateMachine):
             newest = self.truth.newest_write(key)
             if newest is None:
                 continue
-            disk = [(e.writer, e.sid) for s, e in self.truth.entries("disk").items() if s == newest[0]]
+            disk = [(e.writer, e.sid) for s, e in self.truth.whole("disk").items() if s == newest[0]]
             if writing is not None and writing[0] == newest[0]:
                 disk.append((writing[1].writer, writing[1].sid))
             if disk and max(disk) >= (newest[1].writer, newest[1].sid):
@@ -627,7 +635,10 @@ class Single(EnvOps, LiveOps, FeatureOps, ExtraOps, RuleBasedStateMachine):
                          "node": f"n{node}"})
         live = self.job is not None and self.job.node == node and self.job.path == self.path and self.job.writer
         newest = self.truth.newest_write(self.mem(node))
-        on_root = [(e.writer, s, e.sid) for s, e in self.truth.entries("disk").items()]
+        # a damaged copy of a write the memory tier holds is not there (its memory copy replaces it)
+        held = {(s, e.sid) for s, e in self.truth.entries(self.mem(node)).items()}
+        on_root = [(e.writer, s, e.sid) for s, e in self.truth.entries("disk").items()
+                   if ("disk", s, e.sid) not in self.truth.bad or (s, e.sid) not in held]
         copy = not live and newest is not None and \
             (newest[1].writer, newest[0], newest[1].sid) > max(on_root, default=())
         if got is None:

@@ -73,6 +73,14 @@ class Truth:
     #: the step once nothing refers to it, so an audit that finds one still there cannot close that;
     #: a save that commits the step again (another entry) is never taken by it
     deferred: dict[Hashable, dict[int, set[Entry]]] = field(default_factory=dict)
+    #: copies (tier, step, save id) whose files were damaged after their commit (a shard cut short or
+    #: lost, the manifest lost: ``DamageOps.damage_root_copy``) and that an audit found so; ``maybe_bad``:
+    #: those that may be (a later incremental step may refer to the damaged bytes; a replacement
+    #: killed part way), until an audit reads them back
+    bad: set[tuple[Hashable, int, int]] = field(default_factory=set)
+    maybe_bad: set[tuple[Hashable, int, int]] = field(default_factory=set)
+    #: the tiers damaged beside the live job: its later saves there may build on the damaged bytes
+    tainted: set[Hashable] = field(default_factory=set)
 
     # -- reading ---------------------------------------------------------------------------------
     def tier(self, key: Hashable) -> dict[int, set[Optional[Entry]]]:
@@ -92,6 +100,15 @@ class Truth:
                 out[s] = e
         return out
 
+    def whole(self, key: Hashable) -> dict[int, Entry]:
+        """:meth:`entries` but the copies known damaged: what a restore, ``gc`` and ``persist-memory``
+        may count on (their files at their recorded sizes)."""
+        return {s: e for s, e in self.entries(key).items() if (key, s, e.sid) not in self.bad}
+
+    def damaged(self, key: Hashable) -> dict[int, Entry]:
+        """The steps known committed on ``key`` whose copy there is known damaged."""
+        return {s: e for s, e in self.entries(key).items() if (key, s, e.sid) in self.bad}
+
     def maybe_steps(self, key: Hashable) -> list[int]:
         return sorted(s for s, p in self.tier(key).items() if p - {ABSENT})
 
@@ -106,7 +123,7 @@ class Truth:
         writes (writer, step, save id)."""
         best: Optional[tuple[tuple[int, int, int, int], int, Entry, Hashable]] = None
         for i, k in enumerate(keys):
-            for s, e in self.entries(k).items():
+            for s, e in self.whole(k).items():  # a damaged copy is passed over
                 if (e.writer, s, e.sid) in skip:
                     continue
                 order = (e.writer, s, e.sid, -i)  # of two saves of one step, the later one
@@ -132,6 +149,13 @@ class Truth:
         t = self.tier(key)
         before = t.get(step, {ABSENT})
         again = bool(before - {ABSENT})
+        if (key, step, entry.sid) in self.bad | self.maybe_bad:  # the same write copied over its damaged copy
+            self.bad.discard((key, step, entry.sid))
+            self.maybe_bad.discard((key, step, entry.sid))
+            if not surely:
+                self.maybe_bad.add((key, step, entry.sid))
+        if key in self.tainted:
+            self.maybe_bad.add((key, step, entry.sid))
         if surely:
             t[step] = {entry}
         else:
@@ -172,7 +196,9 @@ class Truth:
 
     def job_ended(self) -> None:
         """The job's writers are gone; the removals they deferred are recorded on the tiers, so a
-        later job's deletions still do them (nothing changes in the model)."""
+        later job's deletions still do them; the next job builds on no damaged bytes (its first
+        save on a tier is full, or built on the step it restored there, read whole)."""
+        self.tainted.clear()
 
     def may_drop(self, key: Hashable, step: int) -> None:
         self.tier(key).setdefault(step, {ABSENT}).add(ABSENT)
@@ -202,12 +228,22 @@ class Truth:
         for s, got in sorted(found.items()):
             p = t.get(s, {ABSENT})
             if "error" in got:
-                raise Violation(f"{where}: step {s} is listed but does not restore: {got['error']} "
-                                f"(the model has {_show(p)})")
+                broken = [e for e in p if e is not None and (key, s, e.sid) in self.bad | self.maybe_bad
+                          and self.gens.get(e.writer, got.get("gen")) == got.get("gen")]
+                if len(broken) != 1:
+                    raise Violation(f"{where}: step {s} is listed but does not restore: {got['error']} "
+                                    f"(the model has {_show(p)}, none of it damaged)")
+                t[s] = {broken[0]}
+                self.bad.add((key, s, broken[0].sid))
+                self.maybe_bad.discard((key, s, broken[0].sid))
+                continue
             sid = self.check_parts(got["parts"], f"{where} step {s}")
             match = [e for e in p if e is not None and e.sid == sid]
             if not match:
                 raise Violation(f"{where}: step {s} holds save #{sid}; the model allows only {_show(p)}")
+            if (key, s, sid) in self.bad:
+                raise Violation(f"{where}: step {s} ({match[0]}) reads back whole, though its files were damaged")
+            self.maybe_bad.discard((key, s, sid))
             t[s] = {match[0]}
             gen = self.gens.setdefault(match[0].writer, got["gen"]) if "gen" in got else None
             if gen is not None and gen != got["gen"]:

@@ -134,3 +134,21 @@ def test_a_handed_over_checkpointer_puts_nothing_on_disk_at_close(root: str) -> 
     with nc.Checkpointer(root, tiers=[nc.LocalTier(root)], memory_tier=False, read_only=True) as disk:
         _, state = disk.read(1)
     assert float(state["w"][0]) == 1.0, "a handed-over Checkpointer's close put the suspect write on the disk tier"
+
+
+def test_close_keeps_or_repairs_the_only_whole_copy_of_a_step_damaged_on_the_root(root: str) -> None:
+    """A job saved steps 1 and 2 (memory and disk tier); the disk tier's shard of step 2 was then cut
+    short (a partial upload, a lost object), its commit marker left. ``gc`` and ``persist-memory``
+    would keep or copy the memory tier's whole copy; ``close()`` must not lose it either: a restart
+    restores step 2, from the memory tier kept or from the disk tier's copy replaced."""
+    tiers = [nc.MemoryTier(keep_last=2), nc.LocalTier(root, keep_last=2)]
+    ck = nc.Checkpointer(root, tiers=tiers)
+    for sid in (1, 2):
+        assert len(ck.save(sid, make_state(sid, 1, 0)).tiers_written) == 2
+    shard = next(Path(root, "step-2").glob("shard-*"))
+    os.truncate(shard, shard.stat().st_size // 2)
+    ck.close()
+    st = blank_state(0)
+    with nc.Checkpointer(root, tiers=[nc.MemoryTier(keep_last=2), nc.LocalTier(root, keep_last=2)]) as ck2:
+        assert ck2.load_latest(into=st, on_damaged="warn") == 2
+    assert decode(st, 0)["meta.sid"] == 2

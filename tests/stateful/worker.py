@@ -149,6 +149,11 @@ class Worker:
         #: each node's wall clock: ns its clock runs behind the machine's (``clock``); None: no node yet
         self.clocks: dict[str, int] = {}
         self._node: Optional[str] = None
+        #: the read of ``read_begin``: its thread, what lets it go on, what it found
+        self._reader: Optional[threading.Thread] = None
+        self._reader_go = threading.Event()
+        self._reader_out: dict[str, Any] = {}
+        self._unhook: Any = None
 
     # -- parts -------------------------------------------------------------------------------
     def node(self, cmd: dict[str, Any]) -> None:
@@ -507,6 +512,75 @@ class Worker:
         _PROTO.write(json.dumps({"ok": True}) + "\n")
         _PROTO.flush()
         os._exit(0)
+
+    # -- a reader beside the job (``stateful.damage_ops``) -------------------------------------
+    def op_read_begin(self, cmd: dict[str, Any]) -> dict[str, Any]:
+        """A read-only ``Checkpointer(root, tiers=[LocalTier(root)])`` in a thread of this process:
+        ``load_latest`` into a blank state (``what="load"``), or ``latest()`` (``"latest"``);
+        held the first time it reads a file of a step (``stage``: ``"marker"``, its commit marker;
+        ``"files"``, another of its files). The answer comes once it is held (``held``: the file) or
+        done; ``read_end`` lets it go on and puts the storage's methods back (the tool process serves
+        other commands meanwhile, unheld)."""
+        from nebula_ckpt.storage.local import LocalStorage
+
+        self.node(cmd)
+        held: list[str] = []
+        reached, go = threading.Event(), threading.Event()
+        self._reader_go = go
+        small, buffer = LocalStorage.read_small, LocalStorage.read_buffer
+        def unhook() -> None:
+            LocalStorage.read_small, LocalStorage.read_buffer = small, buffer  # type: ignore[method-assign]
+        self._unhook = unhook
+
+        def maybe(rel: str) -> None:  # the reader's thread only: this process serves other commands meanwhile
+            if threading.current_thread().name != "reader":
+                return
+            if not held and rel.startswith("step-") and rel.endswith("/COMMIT") == (cmd["stage"] == "marker"):
+                held.append(rel)
+                reached.set()
+                go.wait(PAUSE_MAX_S)
+
+        def read_small(st: Any, rel: str, *a: Any, **kw: Any) -> Any:
+            maybe(rel)
+            return small(st, rel, *a, **kw)
+
+        def read_buffer(st: Any, rel: str, *a: Any, **kw: Any) -> Any:
+            maybe(rel)
+            return buffer(st, rel, *a, **kw)
+
+        LocalStorage.read_small, LocalStorage.read_buffer = read_small, read_buffer  # type: ignore[method-assign]
+        out: dict[str, Any] = {}
+
+        def read() -> None:
+            try:
+                with nc.Checkpointer(cmd["root"], tiers=[nc.LocalTier(cmd["root"])], read_only=True) as ck:
+                    if cmd["what"] == "latest":
+                        out["latest"] = ck.latest()
+                    else:
+                        st = blank_state(0, int(cmd.get("extra", 5)))  # the state's plain tensor, as saved
+                        out["step"] = ck.load_latest(into=st)
+                        if out["step"] is not None:
+                            out["parts"] = decode(st, 0)
+            except Exception as e:
+                out["error"] = f"{type(e).__name__}: {e}"
+            finally:
+                reached.set()
+
+        self._reader = threading.Thread(target=read, name="reader", daemon=True)
+        self._reader_out = out
+        self._reader.start()
+        reached.wait(PAUSE_MAX_S)
+        return {"held": held[0] if held and self._reader.is_alive() else None}
+
+    def op_read_end(self, cmd: dict[str, Any]) -> dict[str, Any]:
+        """Let the read ``read_begin`` held go on; what it found (``latest``, ``step`` and ``parts``) or its error."""
+        self._reader_go.set()
+        assert self._reader is not None
+        self._reader.join(HANDLE_WAIT_S)
+        self._unhook()
+        if self._reader.is_alive():
+            return {"error": "hung: the read did not end"}
+        return self._reader_out
 
     # -- tools -------------------------------------------------------------------------------
     def op_cli(self, cmd: dict[str, Any]) -> dict[str, Any]:
