@@ -30,6 +30,7 @@ from nebula_ckpt.ranks.distributed import default_coordinator
 from nebula_ckpt.restore.reads import CheckpointReads
 from nebula_ckpt.restore.restorer import Restorer
 from nebula_ckpt.root import open_root
+from nebula_ckpt.save.budget import restorable
 from nebula_ckpt.save.closing import Closing, finish_at_exit
 from nebula_ckpt.save.pipeline import SavePipeline, exit_hook_ran
 from nebula_ckpt.storage.urls import canonical_root
@@ -257,6 +258,8 @@ class Checkpointer(Closing, HealthReports, CheckpointReads):
         self.on_persist_error = on_persist_error
         self._opened = open_root(root, storage_options, tiers, memory_tier, self.coordinator, self.read_only)
         self._runtimes = runtimes = self._opened.runtimes
+        for rt in runtimes:  # the memory tier frees a step at close() only where a copy of it restores
+            rt.restorable = restorable
         shown = canonical_root(root)
         self._saves = SavePipeline(runtimes, self._opened.fence, self.coordinator, shown, keep_last=keep_last,
                                    host_memory_budget=host_memory_budget, on_full=on_full, snapshot=snapshot,

@@ -45,6 +45,7 @@ from typing import Any, Callable, Optional, Sequence, Union
 from nebula_ckpt.arguments import check_budget
 from nebula_ckpt.errors import ValidationError
 from nebula_ckpt.format.commit import Write, committed_steps, read_commit
+from nebula_ckpt.restore.intact import restore_problem
 
 log = logging.getLogger(__name__)
 
@@ -334,9 +335,16 @@ def drop_giver(folder: str, give_up: Callable[[], bool]) -> None:
 
 
 def holds_write(storage: Any, write: Write) -> bool:
-    """Whether ``storage`` holds ``write`` (generation, step, save) committed: the first write of a
-    step saved twice does not make the second safe."""
+    """Whether ``storage`` holds ``write`` (generation, step, save) committed, and whole (:func:`restorable`):
+    the first write of a step saved twice does not make the second safe, nor a copy a restore refuses."""
     try:
-        return bool(read_commit(storage, write[1], f"step {write[1]}").write == write)
+        return bool(read_commit(storage, write[1], f"step {write[1]}").write == write) and restorable(storage, write[1])
     except Exception:  # absent or unreadable: not held there
         return False
+
+
+def restorable(storage: Any, step: int) -> bool:
+    """Whether committed ``step`` on ``storage`` would restore, told from its files' sizes
+    (:func:`~nebula_ckpt.restore.intact.restore_problem`): a marker alone does not show it (a
+    partial upload, a lost object, a file cut short). Raises what the storage raises when it cannot tell."""
+    return restore_problem(storage, step) is None

@@ -70,7 +70,7 @@ from nebula_ckpt.native import get_ops
 from nebula_ckpt.ranks.fencing import Fence
 from nebula_ckpt.ranks.split import split_manifest, split_payload
 from nebula_ckpt.restore.open import open_checkpoint, read_manifest
-from nebula_ckpt.save.budget import give_up_memory_steps, note_held
+from nebula_ckpt.save.budget import give_up_memory_steps, note_held, restorable
 from nebula_ckpt.save.resave import copy_as_written, folder_problem, write_whole
 from nebula_ckpt.storage.base import Storage
 from nebula_ckpt.storage.local import LocalStorage
@@ -348,11 +348,11 @@ def flush_newest(writers: "list[TierWriter]", monitor: Any = None, who: str = "c
                         "it suspect", who, write[1])
     if newest is None:
         return why
-    src = next((w.storage for w in writers if newest in have[w.name] and w.storage.is_local), None)
+    src, damaged = _source(writers, have, newest, who)
     for w in writers:
         # a tier holding a newer write (one this process marked suspect) gets it too: the step a
         # restart restores instead, which the memory tier may hold alone (its retention kept it)
-        if not w.tier.persistent or newest in have[w.name]:
+        if not w.tier.persistent or (newest in have[w.name] and w.name not in damaged):
             continue
         try:  # a writer fenced or handed over to a newer Checkpointer writes nothing more, a copy neither
             w.fence.check(f"put step {newest[1]} there at {who}")
@@ -363,7 +363,7 @@ def flush_newest(writers: "list[TierWriter]", monitor: Any = None, who: str = "c
         try:
             if src is None:
                 raise NebulaError("no tier with a local copy of it")
-            if newest[0] == w.fence.generation or w.coordinator.world_size > 1:
+            if (newest[0] == w.fence.generation or w.coordinator.world_size > 1) and w.name not in damaged:
                 w.copy_from(src, newest[1])
                 if max(have[w.name], default=newest) > newest:  # not the base a next save builds on
                     w.incremental.forget()
@@ -377,6 +377,31 @@ def flush_newest(writers: "list[TierWriter]", monitor: Any = None, who: str = "c
             log.error("nebula_ckpt: %s could not put the newest step %d on %s (its newest is step %s): %s: %s",
                       who, newest[1], w.name, max(have[w.name], default=(0, None))[1], type(e).__name__, e)
     return why
+
+
+def _source(writers: "list[TierWriter]", have: dict[str, set[Write]], newest: Write,
+            who: str) -> tuple[Optional[Storage], set[str]]:
+    """Where :func:`flush_newest` copies ``newest`` from (a local tier holding it whole, or None),
+    and the persistent tiers whose copy of it a restore refuses (cut short, missing: replaced)."""
+    damaged = {w.name for w in writers if w.tier.persistent and newest in have[w.name]
+               and w.coordinator.world_size == 1 and not _restores(w.storage, newest[1], who)}
+    src = next((w.storage for w in writers if newest in have[w.name] and w.storage.is_local
+                and w.name not in damaged), None)
+    return src, damaged
+
+
+def _restores(storage: Any, step: int, who: str) -> bool:
+    """Whether committed ``step`` on ``storage`` would restore (:func:`~nebula_ckpt.save.budget.restorable`);
+    a storage that cannot tell counts as whole (the copy over it would fail the same way)."""
+    try:
+        if restorable(storage, step):
+            return True
+    except OSError as e:
+        log.warning("nebula_ckpt: %s cannot check step %d on %s: %s", who, step, storage.display_url, e)
+        return True
+    log.warning("nebula_ckpt: %s finds the copy of step %d on %s damaged (a file missing or cut short): it is "
+                "replaced by a whole copy", who, step, storage.display_url)
+    return False
 
 
 def make_room(writers: Sequence[Any], handles: Iterable[Any], monitor: Any = None) -> bool:

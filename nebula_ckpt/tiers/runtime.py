@@ -33,6 +33,11 @@ def _nothing_more_in(storage: Storage, committed: list[int]) -> set[int]:
     return set()
 
 
+def _marker_says(storage: Storage, step: int) -> bool:
+    """Whether committed ``step`` on ``storage`` would restore, by default: its marker says so."""
+    return True
+
+
 class TierRuntime:
     """A plain tier (local disk, remote store): writes bytes, nothing else to own.
 
@@ -54,6 +59,11 @@ class TierRuntime:
         #: ``keep_also_in(storage, committed)``: as :attr:`keep_also`, of copies of this tier's steps
         #: that ``storage`` holds (the memory tier's replicas of a partner rank's steps)
         self.keep_also_in: Callable[[Storage, list[int]], set[int]] = _nothing_more_in
+        #: ``restorable(storage, step)``: whether committed ``step`` on another tier's ``storage``
+        #: would restore (set by the save pipeline: a size check of its files,
+        #: :func:`~nebula_ckpt.restore.intact.restore_problem`); the memory tier frees a step at
+        #: ``close()`` only when a persistent copy of it would
+        self.restorable: Callable[[Storage, int], bool] = _marker_says
         #: a save is short of the host-memory budget and nothing else can be freed
         #: (:func:`~nebula_ckpt.save.drain.make_room`): :meth:`affords` keeps nothing beyond the newest step
         self.tight = False

@@ -185,3 +185,33 @@ def test_a_slot_file_only_garbage_still_maps_is_staged_in_again(tmp_path, shm_di
             assert float(disk.read(5)[1]["w"][0]) == 5.0
     finally:
         gc.enable()
+
+
+def test_a_memory_step_whose_disk_copy_is_damaged_is_given_up_only_once_the_disk_holds_it_whole(tmp_path,  # noqa: ANN001
+                                                                                              shm_dir) -> None:
+    """A job died with steps 1 and 2 on its memory tier and the disk; the disk's shard of step 2 was
+    then cut short (a partial upload, a lost object), its commit marker left. A restarted job under a
+    budget restores step 2 from the memory tier; its next save makes room. The memory tier's step 2,
+    the only whole copy, is given up only after a whole copy of that write is on the disk: step 2
+    restores from the disk alone, byte for byte."""
+    n, root = 1 << 18, str(tmp_path / "ck")
+    job = (f"import os, torch, nebula_ckpt as nc\n"
+           f"ck = nc.Checkpointer({root!r}, tiers=[nc.MemoryTier(keep_last=2), nc.LocalTier({root!r}, keep_last=3)], "
+           f"incremental=False)\n"
+           f"for s in (1, 2):\n"
+           f"    ck.save(s, {{'w': torch.full(({n},), float(s))}}).result()\n"
+           f"os._exit(0)\n")
+    subprocess.run([sys.executable, "-c", job], check=True, timeout=300, env={**os.environ, "NEBULA_SHM_DIR": shm_dir})
+    shard = glob.glob(os.path.join(root, "step-2", "shard-*"))[0]
+    os.truncate(shard, os.path.getsize(shard) // 2)
+    tiers = [nc.MemoryTier(keep_last=2), nc.LocalTier(root, keep_last=3, every=2)]
+    with nc.Checkpointer(root, tiers=tiers, incremental=False, host_memory_budget=int(n * 4 * 1.5),
+                         on_full="wait") as ck:
+        state = {"w": torch.zeros(n)}
+        assert ck.load_latest(into=state) == 2 and float(state["w"][0]) == 2.0
+        ck.save(3, {"w": torch.full((n,), 3.0)})
+        mem = next(v for k, v in ck.list(detailed=True).items() if k.startswith("memory"))
+    with nc.Checkpointer(root, tiers=[nc.LocalTier(root)], read_only=True) as disk:
+        got = {"w": torch.zeros(n)}
+        assert disk.load(2, into=got) == 2, f"the disk's step 2 does not restore (memory tier held {mem})"
+        assert torch.equal(got["w"], torch.full((n,), 2.0))

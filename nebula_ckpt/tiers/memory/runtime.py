@@ -266,14 +266,16 @@ class MemoryTierRuntime(TierRuntime):
         try:  # writes, not step numbers: the first write of a step saved twice does not make the second safe
             mem = committed_writes(self.storage)
             safe: set[tuple[int, int, int]] = set()
-            for rt in persistent:
-                safe.update(committed_writes(rt.storage))
+            for rt in persistent:  # a copy counts when it would restore, not by its marker alone
+                safe.update(w for w in committed_writes(rt.storage) if w != max(mem, default=None)
+                            or self.restorable(rt.storage, w[1]))
         except Exception as e:
             log.warning("nebula_ckpt: memory tier %s kept: cannot check the slower tiers (%s)", self.folder, e)
             return
         if mem and max(mem) not in safe:
             log.warning("nebula_ckpt: memory tier %s kept: its newest step %d (save %d of writer generation %d) is "
-                        "committed on no slower tier", self.folder, max(mem)[1], max(mem)[2], max(mem)[0])
+                        "committed on no slower tier, or its copies there do not restore (a file missing or cut short)",
+                        self.folder, max(mem)[1], max(mem)[2], max(mem)[0])
             return
         alone = sorted(self.keep_also([w[1] for w in mem]))  # the newest healthy step, if only here
         if alone:
