@@ -47,7 +47,7 @@ import weakref
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Optional, Sequence
 
-from nebula_ckpt.errors import CorruptCheckpointError, FencedError, NebulaError
+from nebula_ckpt.errors import CorruptCheckpointError, FencedError, NebulaError, PersistError
 from nebula_ckpt.format.commit import (
     CommitProgress,
     Write,
@@ -354,9 +354,9 @@ def flush_newest(writers: "list[TierWriter]", monitor: Any = None, who: str = "c
         # restart restores instead, which the memory tier may hold alone (its retention kept it)
         if not w.tier.persistent or (newest in have[w.name] and w.name not in damaged):
             continue
-        try:  # a writer fenced or handed over to a newer Checkpointer writes nothing more, a copy neither
-            w.fence.check(f"put step {newest[1]} there at {who}")
-        except FencedError as e:
+        try:  # a writer fenced or handed over to a newer Checkpointer writes nothing more, a copy neither;
+            w.fence.check(f"put step {newest[1]} there at {who}")  # nor one with no generation to write under
+        except (FencedError, PersistError) as e:
             log.info("nebula_ckpt: %s puts no copy of step %d on %s: %s", who, newest[1], w.name, e)
             why = why or str(e)
             continue
