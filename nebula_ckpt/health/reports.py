@@ -19,6 +19,7 @@ from nebula_ckpt.format.names import check_step
 from nebula_ckpt.health.book import HealthBook, newest_healthy
 from nebula_ckpt.health.monitor import HealthMonitor, as_signal
 from nebula_ckpt.health.policy import HealthPolicy
+from nebula_ckpt.save.budget import holds_write
 from nebula_ckpt.storage.base import Storage
 
 log = logging.getLogger("nebula_ckpt")
@@ -81,8 +82,9 @@ class HealthReports:
         """Retention on a tier that does not survive a reboot (the memory tier; ``committed``: its
         steps, oldest first; a tier writer's thread, or its ``close``): what :meth:`_keep_healthy`
         keeps, while a newer step there is marked suspect (what a restart would skip for it: a
-        run that keeps saving a diverged state), no persistent tier holds its write (their cadence
-        skipped it: this tier holds its only copy), and the tier has room for it beside its next
+        run that keeps saving a diverged state), no persistent tier holds its write whole (their
+        cadence skipped it, or its copy there does not restore: this tier holds its only whole
+        copy; :func:`~nebula_ckpt.save.budget.holds_write`), and the tier has room for it beside its next
         save (:meth:`~nebula_ckpt.tiers.runtime.TierRuntime.affords`). ``storage``: where
         ``committed`` are (None: the tier; else copies of its steps there, a partner rank's replicas:
         every rank saves the same steps and judges the same reports)."""
@@ -102,7 +104,7 @@ class HealthReports:
             return set()
         last_bad = bad[-1] if bad else -1
         kept = {s for s in want if s in writes and committed.index(s) < last_bad
-                and not any(_holds(p.storage, writes[s]) for p in persistent)}
+                and not any(holds_write(p.storage, writes[s]) for p in persistent)}
         return rt.affords(kept, committed) if kept else kept
 
     def _saved(self, step: int, handle: Any) -> Any:
@@ -164,11 +166,3 @@ def read_writes(storage: Storage, steps: list[int]) -> dict[int, Write]:
         except Exception:  # no write of anyone's: nothing to keep it for
             continue
     return out
-
-
-def _holds(storage: Storage, write: Write) -> bool:
-    """Whether ``storage`` holds ``write`` (generation, step, save) committed (absent or unreadable: no)."""
-    try:
-        return bool(read_commit(storage, write[1], f"step {write[1]}").write == write)
-    except Exception:
-        return False
