@@ -68,7 +68,7 @@ class SharedCommit:
     """The three rounds of the module docstring for one tier.
 
     Args:
-        runtime: the tier's runtime (writes the shard).
+        runtime: the tier's runtime (its storage, written directly, and its name).
         fence: the writer generation, checked on this tier's storage.
         coordinator: the ranks' agreement.
         incremental: this rank's base on the tier (:mod:`nebula_ckpt.save.incremental`), or None.
@@ -76,7 +76,6 @@ class SharedCommit:
 
     def __init__(self, runtime: TierRuntime, fence: TierFence, coordinator: Coordinator,
                  incremental: Optional[Incremental] = None) -> None:
-        self.runtime = runtime
         self.incremental = incremental
         self.storage = runtime.storage
         self.fence = fence
@@ -167,7 +166,7 @@ class SharedCommit:
         image = tier_image(staged, claimed, self.storage, self.name, keep=keep)
         log.debug("nebula_ckpt: phase=shard tier=%s step=%d (%d of %d tensors)", self.name, save.step,
                   len(image.write), len(tensors))
-        info = self.runtime.write_parts(f"{d}/{shard}", list(image.parts or ()))
+        info = self.storage.write_parts(f"{d}/{shard}", list(image.parts or ()))
         own = {"file": shard, "bytes": image.nbytes, "storage": info}
         refs = [r.to_json() for r in image.refs]
         sha = {k: hashes[k] for k in keep if k in hashes}

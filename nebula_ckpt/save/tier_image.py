@@ -281,23 +281,37 @@ class TierStep:
 
 
 def write_image(runtime: "TierRuntime", rel: str, step: TierStep) -> tuple[dict[str, Any], TierImage]:
-    """Write ``step``'s shard at ``rel`` on ``runtime``'s tier; return its storage info and the image
-    as written. An incremental step whose own shard fails (the memory tier out of room beside its
-    staged copy) is written whole instead where the tier can
+    """Write ``step``'s shard at ``rel`` to ``runtime``'s storage; return its storage info and the
+    image as written. An incremental step whose own shard fails (the memory tier out of room beside
+    its staged copy) is written whole instead where the tier can
     (:meth:`~nebula_ckpt.tiers.runtime.TierRuntime.write_whole_instead`); else its error stands."""
     image = step.image
     assert image is not None, "a shared tier's share is written by its rounds"
     if image.parts is None:
-        return runtime.write_shard(rel, step.source), image
+        return write_whole_shard(runtime, rel, step.source), image
     try:
-        return runtime.write_parts(rel, list(image.parts)), image
+        return runtime.storage.write_parts(rel, list(image.parts)), image
     except OSError as e:
         if step.whole is None:
             raise
-        info = runtime.write_whole_instead(rel, step.source, e)
+        info = runtime.write_whole_instead(rel, lambda: write_whole_shard(runtime, rel, step.source), e)
         if info is None:
             raise
         return info, step.whole
+
+
+def write_whole_shard(runtime: "TierRuntime", rel: str, source: Any) -> dict[str, Any]:
+    """The shard image of ``source`` (``.view()``) at ``rel`` on ``runtime``'s storage; its storage
+    info. Where the tier's capabilities say it ``links_staged`` and ``source`` is staged in a file
+    (its ``path``: the memory tier's slot file), a hard link of that file, no bytes copied; a copy
+    where that link fails (another file system, the slot file gone) and for every other tier."""
+    path = getattr(source, "path", None)
+    if path is not None and runtime.capabilities.links_staged:
+        try:
+            return runtime.storage.link_file(path, rel)
+        except OSError as e:
+            log.debug("nebula_ckpt: tier %s: linking %s failed (%s); copying", runtime.name, path, e)
+    return runtime.storage.write_buffer(rel, source.view())
 
 
 # -- the byte compare, and the hashes it spares the persistent tiers -------------------------------

@@ -5,7 +5,8 @@ A tier is plain configuration. What a kind of tier can do beyond writing bytes i
 restore) asks the one capability it needs, never which kind a tier is. What it *does* while a
 Checkpointer runs is its runtime
 (:mod:`nebula_ckpt.tiers.runtime`), made from the settings by :func:`nebula_ckpt.tiers.factory.runtime_for`;
-the settings never know their runtime, so the two never import each other.
+the settings never know their runtime (the memory tier's settings take only the storage they hand
+out from its runtime's module, which in turn names them by their shape and does not import them).
 """
 
 from __future__ import annotations
@@ -35,12 +36,16 @@ class Capabilities:
             copying them (:mod:`nebula_ckpt.tiers.memory.adopt`).
         replicas: copies of each rank's steps kept on partner nodes (0: none;
             :mod:`nebula_ckpt.tiers.memory.replicas`).
+        links_staged: a whole shard staged in a file (a CPU save in the tier's ``staging_dir()``)
+            is written as a hard link of that file, no bytes copied
+            (:func:`nebula_ckpt.save.tier_image.write_whole_shard`).
     """
 
     per_rank: bool = False
     keeps_base_in_ram: bool = False
     hands_pages_to_restart: bool = False
     replicas: int = 0
+    links_staged: bool = False
 
     @property
     def has_replicas(self) -> bool:

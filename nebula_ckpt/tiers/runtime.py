@@ -11,7 +11,12 @@ Call order, all on the thread that owns the Checkpointer unless said otherwise:
 1. ``open(owner)`` at construction: may refuse (``False``, logged): the tier is then unused.
 2. ``open_for_writing()`` at the first save: may refuse; the tier is still read on restore.
 3. ``staging_dir()``: a folder where CPU saves may stage as files this tier can link.
-4. ``write_shard(rel, source)`` on the tier's writer thread, for every checkpoint.
+4. the tier's writer thread writes each checkpoint to :attr:`TierRuntime.storage` directly
+   (:func:`nebula_ckpt.save.tier_image.write_image`): what differs by tier there is said by the
+   storage the tier hands out (the memory tier's turns a full tmpfs into
+   :func:`~nebula_ckpt.tiers.memory.runtime.no_room_error`) and by its capabilities
+   (``links_staged``); ``write_whole_instead(rel, write, error)`` when an incremental step's
+   own shard failed.
 5. ``close(runtimes)`` after the last write; ``release()`` last, always.
 """
 
@@ -109,17 +114,11 @@ class TierRuntime:
         """Folder where CPU saves stage as files this tier links instead of copying; or None."""
         return None
 
-    def write_shard(self, rel: str, source: Any) -> dict[str, Any]:
-        """Write the shard image of ``source`` (``.view()``) at ``rel``; return its storage info."""
-        return self.storage.write_buffer(rel, source.view())
-
-    def write_parts(self, rel: str, parts: list[memoryview]) -> dict[str, Any]:
-        """Write a rank's share of a snapshot (a header and ranges of it) at ``rel``."""
-        return self.storage.write_parts(rel, parts)
-
-    def write_whole_instead(self, rel: str, source: Any, error: OSError) -> Optional[dict[str, Any]]:
-        """An incremental step's own shard failed with ``error``: write the whole step (``source``)
-        at ``rel`` instead where this tier can (its storage info), else None (``error`` stands)."""
+    def write_whole_instead(self, rel: str, write: Callable[[], dict[str, Any]],
+                            error: OSError) -> Optional[dict[str, Any]]:
+        """An incremental step's own shard at ``rel`` failed with ``error``: where this tier can,
+        write the whole step there instead (``write()``, which writes it and returns its storage
+        info) and return that info; else None (``error`` stands)."""
         return None
 
     def whole_fallbacks(self) -> int:

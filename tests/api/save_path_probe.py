@@ -2,8 +2,11 @@
 modules on the call stacks (every thread) that reach a stage of it. A save's stages: the plan, the
 staging buffer, the copy, a storage write, the commit. A restore's: a storage read, the opening
 and checks of the checkpoint, the copies into the live objects. Usage:
-python save_path_probe.py {local,default} [save|restore] (run by tests/api/test_save_path.py; a
-process of its own, so its profiler touches no test)."""
+python save_path_probe.py {local,default,whole} [save|restore] (run by tests/api/test_save_path.py;
+a process of its own, so its profiler touches no test). Tiers: ``local`` the local tier alone,
+``default`` the default tiers (memory and local), ``whole`` those with incremental saves off (the
+traced save is whole on every tier: the memory tier links its staged file, the local tier copies
+it)."""
 
 from __future__ import annotations
 
@@ -61,7 +64,9 @@ def _state() -> dict[str, Any]:
 
 
 def _checkpointer(nc: Any, root: str, tiers: str) -> Any:
-    return nc.Checkpointer(root, tiers=[nc.LocalTier(root)]) if tiers == "local" else nc.Checkpointer(root)
+    if tiers == "local":
+        return nc.Checkpointer(root, tiers=[nc.LocalTier(root)])
+    return nc.Checkpointer(root, incremental=tiers != "whole")
 
 
 def _save_twice(nc: Any, root: str, tiers: str) -> None:

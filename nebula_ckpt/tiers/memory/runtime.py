@@ -1,5 +1,10 @@
 """The memory tier at run time: a verified, claimed, locked ``/dev/shm`` folder whose shards are links.
 
+Its storage (:class:`MemoryStorage`, which :meth:`~nebula_ckpt.tiers.memory.tier.MemoryTier.make_storage`
+hands out) says a full tmpfs in :func:`no_room_error`; the settings module imports this one for it,
+so this one names the settings by what it reads of them (:class:`MemorySettings`), and
+:func:`shm_available` lives here.
+
 Its slot files, at the end of this module: staging buffers that are files of the tier's
 ``slots/`` folder, so that a save's memory-tier step links them instead of copying. Those left by
 processes that are gone are taken over (:func:`sweep_slot_files`), a process's idle ones are found
@@ -8,7 +13,6 @@ freed for staging (:func:`mapped_by_garbage`)."""
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import gc
 import logging
@@ -16,14 +20,16 @@ import mmap
 import os
 import stat
 import weakref
-from typing import Any, Iterable, Iterator, Optional
+from typing import Any, Callable, Iterable, Optional, Protocol, runtime_checkable
 
 from nebula_ckpt import knobs
 from nebula_ckpt.format.commit import committed_writes
 from nebula_ckpt.format.names import LOCK_FILE, ROOT_FILE, SLOT_DIR, slot_file_name, slot_owner
 from nebula_ckpt.format.owner import read_owner
-from nebula_ckpt.storage.base import Storage
+from nebula_ckpt.storage.base import Buffer, Storage
 from nebula_ckpt.storage.holds import read_elsewhere
+from nebula_ckpt.storage.local import LocalStorage
+from nebula_ckpt.tiers.base import Tier
 from nebula_ckpt.tiers.memory.room import Room
 from nebula_ckpt.tiers.memory.shm import (
     Claim,
@@ -36,10 +42,51 @@ from nebula_ckpt.tiers.memory.shm import (
     secure_subfolder,
     unlist_steps,
 )
-from nebula_ckpt.tiers.memory.tier import MemoryTier, shm_available
 from nebula_ckpt.tiers.runtime import TierRuntime
 
 log = logging.getLogger(__name__)
+
+
+@runtime_checkable
+class MemorySettings(Protocol):
+    """What the runtime reads of the memory tier's settings beside a :class:`~nebula_ckpt.tiers.base.Tier`'s
+    (:class:`~nebula_ckpt.tiers.memory.tier.MemoryTier`'s; that module imports this one for
+    :class:`MemoryStorage`, so this one does not import it)."""
+
+    path: Optional[str]
+    default_layout: bool
+
+
+class MemoryStorage(LocalStorage):
+    """The memory tier's folder as storage: owner-only files, no fsync (a tmpfs), every mapping it
+    reads holding a reader lock (``hold_reads``: a restart may take its files over); a shard write
+    that finds the tmpfs full raises :func:`no_room_error` (tier, file, sizes, what to do) instead
+    of a bare ``ENOSPC``.
+
+    Args:
+        folder: the tier's folder; tier: its name (for that error).
+    """
+
+    def __init__(self, folder: str, tier: str) -> None:
+        super().__init__(folder, private=True, fsync=False, hold_reads=True)
+        self.folder = folder
+        self.tier = tier
+
+    def write_buffer(self, rel: str, data: Buffer) -> dict[str, Any]:
+        try:
+            return super().write_buffer(rel, data)
+        except OSError as e:
+            if e.errno != errno.ENOSPC:
+                raise
+            raise no_room_error(self.tier, self.folder, rel, memoryview(data).nbytes, e) from e
+
+    def write_parts(self, rel: str, parts: list[memoryview]) -> dict[str, Any]:
+        try:
+            return super().write_parts(rel, parts)
+        except OSError as e:
+            if e.errno != errno.ENOSPC:
+                raise
+            raise no_room_error(self.tier, self.folder, rel, sum(memoryview(p).nbytes for p in parts), e) from e
 
 
 class MemoryTierRuntime(TierRuntime):
@@ -59,8 +106,9 @@ class MemoryTierRuntime(TierRuntime):
 
     feeds_slower = True
 
-    def __init__(self, tier: MemoryTier, storage: Storage) -> None:
+    def __init__(self, tier: Tier, storage: Storage) -> None:
         super().__init__(tier, storage)
+        assert isinstance(tier, MemorySettings), "a memory tier's settings (MemoryTier)"
         self._memory_tier = tier
         self._claim: Optional[Claim] = None
         self._slots: Optional[str] = None
@@ -212,31 +260,17 @@ class MemoryTierRuntime(TierRuntime):
             return f"it holds an earlier run of {owner.root} (cleared by the next job on this root)"
         return None
 
-    def write_shard(self, rel: str, source: Any) -> dict[str, Any]:
-        path = getattr(source, "path", None)
-        if path is not None:
-            try:
-                return self.storage.link_file(path, rel)
-            except OSError as e:  # another file system, or the slot file is gone: copy instead
-                log.debug("nebula_ckpt: tier %s: linking %s failed (%s); copying", self.name, path, e)
-        data = source.view()
-        with self._room_for(rel, len(data)):
-            return self.storage.write_buffer(rel, data)
-
-    def write_parts(self, rel: str, parts: list[memoryview]) -> dict[str, Any]:
-        with self._room_for(rel, sum(memoryview(p).nbytes for p in parts)):
-            return self.storage.write_parts(rel, parts)
-
-    def write_whole_instead(self, rel: str, source: Any, error: OSError) -> Optional[dict[str, Any]]:
+    def write_whole_instead(self, rel: str, write: Callable[[], dict[str, Any]],
+                            error: OSError) -> Optional[dict[str, Any]]:
         """No room on the tmpfs for an incremental step's changed bytes beside its staged copy
-        (``error``: ENOSPC): write the step whole, as a full save does (its staged slot file
-        linked, which takes no room; a copy otherwise). Logged at INFO the first time (later ones
-        at DEBUG), counted in :meth:`whole_fallbacks`. Raises :func:`no_room_error` when the whole
-        step cannot fit either; None for any other error (it stands)."""
+        (``error``: ENOSPC): write the step whole (``write()``), as a full save does (its staged
+        slot file linked, which takes no room; a copy otherwise). Logged at INFO the first time
+        (later ones at DEBUG), counted in :meth:`whole_fallbacks`. Raises :func:`no_room_error`
+        when the whole step cannot fit either; None for any other error (it stands)."""
         if error.errno != errno.ENOSPC:
             return None
         self.storage.remove(rel)  # what the failed write left of the step's own shard
-        info = self.write_shard(rel, source)
+        info = write()
         self._whole_steps += 1
         log.log(logging.INFO if self._whole_steps == 1 else logging.DEBUG,
                 "nebula_ckpt: memory tier %s: no room for the changed bytes of an incremental step beside its "
@@ -246,16 +280,6 @@ class MemoryTierRuntime(TierRuntime):
 
     def whole_fallbacks(self) -> int:
         return self._whole_steps
-
-    @contextlib.contextmanager
-    def _room_for(self, rel: str, needed: int) -> Iterator[None]:
-        """An ``ENOSPC`` of the write inside becomes :func:`no_room_error` (tier, file, sizes, what to do)."""
-        try:
-            yield
-        except OSError as e:
-            if e.errno != errno.ENOSPC:
-                raise
-            raise no_room_error(self.name, self.folder, rel, needed, e) from e
 
     def close(self, runtimes: list[TierRuntime]) -> None:
         if self._claim is None or not self._claim.locked:
@@ -295,6 +319,16 @@ class MemoryTierRuntime(TierRuntime):
                 remove_if_unused(self.folder, (LOCK_FILE, ROOT_FILE, SLOT_DIR))
             self._claim = None
         super().release()
+
+
+def shm_available(path: str) -> Optional[str]:
+    """``None`` if the memory tier can live at ``path``, else the reason it cannot."""
+    base = os.path.dirname(os.path.dirname(path))
+    if not os.path.isdir(base):
+        return f"{base} is not a folder" if os.path.exists(base) else f"{base} does not exist"
+    if not os.access(base, os.W_OK):
+        return f"{base} is not writable"
+    return None
 
 
 def no_room_error(tier: str, folder: str, rel: str, needed: int, error: OSError) -> OSError:

@@ -2,7 +2,9 @@
 
 Its default folder is ``<shm_dir>/nebula_ckpt-<uid>/<hash of root and rank>``
 (:func:`memory_tier_path`); what it does at run time (claims, locks, slot files, links) is
-:class:`~nebula_ckpt.tiers.memory.runtime.MemoryTierRuntime`.
+:class:`~nebula_ckpt.tiers.memory.runtime.MemoryTierRuntime`, and its storage, which says a full
+tmpfs, is :class:`~nebula_ckpt.tiers.memory.runtime.MemoryStorage`: the one import of a runtime
+module by settings (that module names these settings by their shape, never importing this one).
 """
 
 from __future__ import annotations
@@ -15,10 +17,10 @@ from typing import Any, Optional
 from nebula_ckpt import knobs
 from nebula_ckpt.errors import ValidationError
 from nebula_ckpt.storage.base import Storage
-from nebula_ckpt.storage.local import LocalStorage
 from nebula_ckpt.storage.urls import canonical_root
 from nebula_ckpt.tiers.base import Capabilities, Tier
 from nebula_ckpt.tiers.local import require_location
+from nebula_ckpt.tiers.memory.runtime import MemoryStorage
 from nebula_ckpt.tiers.memory.shm import user_dir_name
 
 
@@ -79,13 +81,14 @@ class MemoryTier(Tier):
     @property
     def capabilities(self) -> Capabilities:
         """Each rank has its own memory tier; its base stays in RAM; a restarted process may take
-        its pages; ``replicas`` copies of it on partner nodes."""
+        its pages; ``replicas`` copies of it on partner nodes; a CPU save's shard is a link of the
+        slot file it staged in."""
         return Capabilities(per_rank=True, keeps_base_in_ram=True, hands_pages_to_restart=True,
-                            replicas=self.replicas)
+                            replicas=self.replicas, links_staged=True)
 
     def make_storage(self) -> Storage:
         assert self.path is not None, "MemoryTier.bind() was not called"
-        return LocalStorage(self.path, private=True, fsync=False, hold_reads=True)
+        return MemoryStorage(self.path, self.name)
 
 
 def _folder(path: Any) -> str:
@@ -104,13 +107,3 @@ def memory_tier_path(root: str, rank: int = 0) -> str:
     ident = canonical_root(root) + (f"#rank={rank}" if rank else "")
     digest = hashlib.sha256(ident.encode()).hexdigest()[:16]
     return os.path.join(knobs.get("shm_dir"), user_dir_name(), digest)
-
-
-def shm_available(path: str) -> Optional[str]:
-    """``None`` if the memory tier can live at ``path``, else the reason it cannot."""
-    base = os.path.dirname(os.path.dirname(path))
-    if not os.path.isdir(base):
-        return f"{base} is not a folder" if os.path.exists(base) else f"{base} does not exist"
-    if not os.access(base, os.W_OK):
-        return f"{base} is not writable"
-    return None
