@@ -234,6 +234,12 @@ struct TensorNode final : Node {
     neg = t.is_neg();
     numel = t.numel();
     ptr = numel > 0 ? reinterpret_cast<uintptr_t>(t.data_ptr()) : 0;
+    itemsize = static_cast<int64_t>(t.itemsize());
+    nbytes = static_cast<uint64_t>(t.nbytes());
+    for (size_t d = 0; d < sizes.size(); ++d) span += (sizes[d] - 1) * strides[d];
+    span += 1;
+    plain = t.is_contiguous() && !conj && !neg;
+    cuda = device.is_cuda();
   }
 
   bool check(PyObject* v, Ctx& c) override {
@@ -258,13 +264,24 @@ struct TensorNode final : Node {
       return false;
     }
     if (t.is_conj() != conj || t.is_neg() != neg) return false;
-    return storage_covers(t);
+    // storage_covers(t), with the extent of the recorded shape and strides (equal, checked above)
+    if (numel == 0) return true;
+    if (!impl->has_storage()) return false;
+    const int64_t off = impl->storage_offset();
+    return off >= 0 && impl->unsafe_storage().nbytes() >= static_cast<uint64_t>(off + span) * itemsize;
   }
 
+  // read_source(t): what depends on the shape, strides, dtype, device and conj/neg bits was
+  // computed when recorded (same_meta found them equal); the data pointer and version are read.
   bool take(const at::Tensor& t, Ctx& c) {
     if (!same_meta(t)) return c.fail("a tensor's dtype, shape, strides or device changed, slot", slot);
     c.slots[slot] = t;
-    c.sources[slot] = read_source(t);
+    Source& s = c.sources[slot];
+    s.nbytes = nbytes;
+    s.from = nbytes > 0 ? static_cast<const uint8_t*>(t.const_data_ptr()) : nullptr;
+    s.version = version_of(t);
+    s.plain = plain;
+    s.cuda = cuda;
     return true;
   }
 
@@ -276,6 +293,10 @@ struct TensorNode final : Node {
   bool conj = false, neg = false;
   int64_t numel = 0;
   uintptr_t ptr = 0;  // data pointer when recorded
+  int64_t itemsize = 0;
+  uint64_t nbytes = 0;
+  int64_t span = 0;  // elements from the storage offset to past the last one (when numel > 0)
+  bool plain = false, cuda = false;
 };
 
 enum class LeafMode { None, Bool, Int, Float, Str, Other };
@@ -539,19 +560,24 @@ bool stock_class(PyTypeObject* t, bool optimizer, Ctx& c, bool* ok) {
   return yes;
 }
 
-// The instance dict of a stock module / optimizer, checked for instance-level
-// overrides of state_dict() and for state-dict hooks (which must be empty).
-Ref stock_instance_dict(PyObject* v, bool optimizer, Ctx& c) {
+// The instance dict of a stock module / optimizer (class checked), or null (reason set).
+Ref stock_dict(PyObject* v, bool optimizer, Ctx& c) {
   bool ok = true;
   if (!stock_class(Py_TYPE(v), optimizer, c, &ok)) {
     if (ok) c.fail(optimizer ? "an optimizer's class changed state_dict()" : "a module's class changed state_dict()");
     return Ref();
   }
   Ref d = Ref::steal(PyObject_GenericGetDict(v, nullptr));
-  if (d.get() == nullptr) {
-    c.py_failed("an instance dict could not be read");
-    return Ref();
-  }
+  if (d.get() == nullptr) c.py_failed("an instance dict could not be read");
+  return d;
+}
+
+// The instance dict of a stock module / optimizer, checked for instance-level
+// overrides of state_dict() and for state-dict hooks (which must be empty;
+// hooks[0], hooks[1]: the pre- and post-hook dicts, borrowed, when given).
+Ref stock_instance_dict(PyObject* v, bool optimizer, Ctx& c, PyObject** hooks_out = nullptr) {
+  Ref d = stock_dict(v, optimizer, c);
+  if (d.get() == nullptr) return Ref();
   const Ref* own[] = {&c.n.state_dict, &c.n.save_to_state_dict};
   for (int i = 0; i < (optimizer ? 1 : 2); ++i) {
     PyObject* o = PyDict_GetItemWithError(d.get(), own[i]->get());
@@ -566,6 +592,7 @@ Ref stock_instance_dict(PyObject* v, bool optimizer, Ctx& c) {
   }
   const Ref& pre = optimizer ? c.n.opt_pre_hooks : c.n.sd_pre_hooks;
   const Ref& post = optimizer ? c.n.opt_post_hooks : c.n.sd_hooks;
+  int h = 0;
   for (const Ref* k : {&pre, &post}) {
     PyObject* hooks = item(d.get(), *k, c, "state-dict hooks are missing");
     if (hooks == nullptr) return Ref();
@@ -573,9 +600,29 @@ Ref stock_instance_dict(PyObject* v, bool optimizer, Ctx& c) {
       c.fail("a state-dict hook is registered");
       return Ref();
     }
+    if (hooks_out != nullptr) hooks_out[h++] = hooks;
   }
   return d;
 }
+
+#if PY_VERSION_HEX < 0x030C0000
+#define NEBULA_DICT_STAMPS 1
+// A dict as a check that passed found it: its address and version tag. CPython 3.11 gives a
+// dict a new tag at every change of its items and at its creation, from one global counter: the
+// same address and tag are the same dict, alive and unchanged (a dict made later at that address
+// has another tag). (3.12 deprecates the tag: there every check reads everything.)
+struct Stamp {
+  PyObject* d = nullptr;
+  uint64_t tag = 0;
+  bool same(PyObject* x) const {
+    return x != nullptr && x == d && reinterpret_cast<PyDictObject*>(x)->ma_version_tag == tag;
+  }
+  void take(PyObject* x) {
+    d = x;
+    tag = reinterpret_cast<PyDictObject*>(x)->ma_version_tag;
+  }
+};
+#endif
 
 struct ModuleEntry {
   Ref name;
@@ -588,22 +635,89 @@ struct ModuleEntry {
 struct ModuleNode final : Node {
   explicit ModuleNode(PyObject* obj) : self(obj), type(Ref::borrow(reinterpret_cast<PyObject*>(Py_TYPE(obj)))) {}
 
+  // The registries state_dict() reads (borrowed from the instance dict) and its hook dicts.
+  struct Registries {
+    PyObject *ps = nullptr, *bs = nullptr, *np = nullptr, *ms = nullptr;
+    PyObject* hooks[2] = {nullptr, nullptr};
+  };
+
   bool check(PyObject* v, Ctx& c) override {
     if (Py_TYPE(v) != reinterpret_cast<PyTypeObject*>(type.get()) || !self.is(v)) {
       return c.fail("a module was replaced");
     }
-    Ref d = stock_instance_dict(v, false, c);
-    if (d.get() == nullptr) return false;
-    PyObject* ps = item(d.get(), c.n.parameters, c, "a module has no _parameters");
-    PyObject* bs = ps ? item(d.get(), c.n.buffers, c, "a module has no _buffers") : nullptr;
-    PyObject* np = bs ? item(d.get(), c.n.non_persistent, c, "a module has no _non_persistent_buffers_set") : nullptr;
-    PyObject* ms = np ? item(d.get(), c.n.modules, c, "a module has no _modules") : nullptr;
-    if (ms == nullptr) return false;
-    if (!PyDict_CheckExact(ps) || !PyDict_CheckExact(bs) || !PyDict_CheckExact(ms) || !PyAnySet_Check(np)) {
+    Ref d;  // holds the registries
+    Registries r;
+    if (!registries(v, c, &d, &r)) return false;
+#ifdef NEBULA_DICT_STAMPS
+    // An unchanged registry has the keys, values and order a check found right: only the tensors
+    // (whose storage, shape or dtype may change in place) are checked. A buffer's persistence is
+    // its name in _non_persistent_buffers_set (a set has no tag): read unless that set is empty and
+    // the plan has no non-persistent buffer.
+    const bool np_fixed = PySet_GET_SIZE(r.np) == 0 && !any_non_persistent;
+    const bool ok = (ps_stamp.same(r.ps) ? values(r.ps, params, c) : tensors(r.ps, params, nullptr, c)) &&
+                    (np_fixed && bs_stamp.same(r.bs) ? values(r.bs, buffers, c) : tensors(r.bs, buffers, r.np, c)) &&
+                    (ms_stamp.same(r.ms) ? children_of(r.ms, c) : submodules(r.ms, c));
+    if (ok) {
+      ps_stamp.take(r.ps);
+      bs_stamp.take(r.bs);
+      ms_stamp.take(r.ms);
+    }
+    return ok;
+#else
+    return tensors(r.ps, params, nullptr, c) && tensors(r.bs, buffers, r.np, c) && submodules(r.ms, c);
+#endif
+  }
+
+  // The registries of stock module v, checked (the class, no instance override, no hooks, the
+  // registries' types); read from the instance dict unless it is the one checked last time.
+  bool registries(PyObject* v, Ctx& c, Ref* d, Registries* r) {
+#ifdef NEBULA_DICT_STAMPS
+    *d = stock_dict(v, false, c);
+    if (d->get() == nullptr) return false;
+    if (inst_stamp.same(d->get())) {  // the same registries and hook dicts: hooks may be added to those
+      *r = cached;
+      return (PyDict_GET_SIZE(r->hooks[0]) == 0 && PyDict_GET_SIZE(r->hooks[1]) == 0) ||
+             c.fail("a state-dict hook is registered");
+    }
+#endif
+    *d = stock_instance_dict(v, false, c, r->hooks);
+    if (d->get() == nullptr) return false;
+    r->ps = item(d->get(), c.n.parameters, c, "a module has no _parameters");
+    r->bs = r->ps ? item(d->get(), c.n.buffers, c, "a module has no _buffers") : nullptr;
+    r->np = r->bs ? item(d->get(), c.n.non_persistent, c, "a module has no _non_persistent_buffers_set") : nullptr;
+    r->ms = r->np ? item(d->get(), c.n.modules, c, "a module has no _modules") : nullptr;
+    if (r->ms == nullptr) return false;
+    if (!PyDict_CheckExact(r->ps) || !PyDict_CheckExact(r->bs) || !PyDict_CheckExact(r->ms) || !PyAnySet_Check(r->np)) {
       return c.fail("a module's registries changed type");
     }
-    return tensors(ps, params, nullptr, c) && tensors(bs, buffers, np, c) && submodules(ms, c);
+#ifdef NEBULA_DICT_STAMPS
+    inst_stamp.take(d->get());
+    cached = *r;
+#endif
+    return true;
   }
+
+#ifdef NEBULA_DICT_STAMPS
+  // The tensors of a registry whose keys and kinds a check found right (unchanged since).
+  bool values(PyObject* d, std::vector<ModuleEntry>& want, Ctx& c) {
+    Py_ssize_t pos = 0;
+    PyObject *k, *val;
+    for (size_t i = 0; PyDict_Next(d, &pos, &k, &val); ++i) {
+      if (want[i].kind == 1 && !want[i].tensor->check(val, c)) return false;
+    }
+    return true;
+  }
+
+  bool children_of(PyObject* d, Ctx& c) {
+    Py_ssize_t pos = 0;
+    PyObject *k, *val;
+    for (size_t i = 0; PyDict_Next(d, &pos, &k, &val); ++i) {
+      Ref hv = Ref::borrow(val);  // a submodule's check may run Python code (a class attribute read)
+      if (children[i].second && !children[i].second->check(val, c)) return false;
+    }
+    return true;
+  }
+#endif
 
   bool tensors(PyObject* d, std::vector<ModuleEntry>& want, PyObject* non_persistent, Ctx& c) {
     if (PyDict_GET_SIZE(d) != static_cast<Py_ssize_t>(want.size())) {
@@ -641,6 +755,11 @@ struct ModuleNode final : Node {
   Ref type;
   std::vector<ModuleEntry> params, buffers;
   std::vector<std::pair<Ref, std::unique_ptr<ModuleNode>>> children;
+  bool any_non_persistent = false;  // a buffer of kind 2
+#ifdef NEBULA_DICT_STAMPS
+  Stamp inst_stamp, ps_stamp, bs_stamp, ms_stamp;  // as the last check that passed them found them
+  Registries cached;                               // of the instance dict of inst_stamp
+#endif
 };
 
 struct OptimGroup {
@@ -824,6 +943,7 @@ struct Compiler {
       me.kind = static_cast<int>(integer(at(e, 1)));
       TORCH_CHECK(me.kind >= 0 && me.kind <= 2, "PlanGuard: bad buffer kind");
       if (me.kind == 1) me.tensor = tensor(at(e, 2));
+      n->any_non_persistent = n->any_non_persistent || me.kind == 2;
       n->buffers.push_back(std::move(me));
     }
     PyObject* children = at(spec, 4);

@@ -76,7 +76,7 @@ _KNOBS: dict[str, _Knob] = {
     "o_direct": _Knob("NEBULA_O_DIRECT", True, _bool,
                       "use O_DIRECT for local shard writes where the file system allows it"),
     "disable_native": _Knob("NEBULA_DISABLE_NATIVE", False, _bool,
-                            "ignore the C++ extension and run the pure-PyTorch path"),
+                            "ignore the C++ extension and run the pure-PyTorch path (read once per process)"),
     "shm_dir": _Knob("NEBULA_SHM_DIR", "/dev/shm", str,
                      "where the memory tier lives (a tmpfs that survives a process crash)"),
     "huge_pages": _Knob("NEBULA_HUGE_PAGES", None, _bool,
@@ -148,6 +148,22 @@ def get(name: str) -> Any:
     if name in ("copy_threads", "io_threads") and knob.default is None:
         return _default_threads()
     return knob.default
+
+
+#: values of knobs read at every save (:func:`get_once`), read from the environment once
+_once: dict[str, Any] = {}
+
+
+def get_once(name: str) -> Any:
+    """The value of knob ``name`` as :func:`get` has it, with the environment read at the first call
+    only: for a knob read at every save (the environment is not read again; :func:`override` is)."""
+    if _overrides:  # read without the lock: override() replaces its items under it
+        return get(name)
+    try:
+        return _once[name]
+    except KeyError:
+        value = _once[name] = get(name)
+        return value
 
 
 def chosen(name: str) -> bool:

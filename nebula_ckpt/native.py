@@ -441,7 +441,7 @@ atexit.register(_close_native)
 def get_ops() -> FallbackOps:
     """The primitives in use: native if the extension loads, unless ``disable_native`` is set."""
     global _native
-    if knobs.get("disable_native"):
+    if knobs.get_once("disable_native"):  # the environment read once: get_ops() runs at every save
         return _fallback
     with _lock:
         if _native is None:
@@ -469,7 +469,7 @@ def describe() -> dict[str, Any]:
     out: dict[str, Any] = {"path": ops.name}
     if isinstance(ops, NativeOps):
         out.update(ops.info)
-    elif knobs.get("disable_native"):
+    elif knobs.get_once("disable_native"):
         out["reason"] = "disabled by NEBULA_DISABLE_NATIVE"
     elif _native_error:
         out["reason"] = _native_error

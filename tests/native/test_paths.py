@@ -108,3 +108,18 @@ def test_a_snapshot_leaves_the_saved_tensors_resizable_on_both_paths(root: str, 
         _, tree = ck.read(2)
     assert tuple(m.hist.shape) == (6, 4) and torch.equal(tree["model"]["hist"], m.hist)
     assert torch.equal(tree["model"]["weight"], m.weight)
+
+
+def test_the_path_follows_override_and_reads_the_environment_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """get_ops() runs at every save: it reads NEBULA_DISABLE_NATIVE once, while knobs.override
+    (how tests and benchmarks switch paths) takes effect at every call, both ways."""
+    first = get_ops()
+    with knobs.override(disable_native=True):
+        assert get_ops() is fallback_ops()
+    assert get_ops() is first
+    if first is not fallback_ops():
+        with knobs.override(disable_native=False):
+            assert get_ops() is first
+    monkeypatch.setenv("NEBULA_DISABLE_NATIVE", "0" if first is fallback_ops() else "1")
+    assert get_ops() is first  # not read again
+    assert describe()["path"] == first.name

@@ -136,6 +136,24 @@ def _hide_bias(self: Any, name: str) -> Any:
     return {k: p for k, p in v.items() if k != "bias"} if name == "_parameters" else v
 
 
+def _two_buffers() -> dict[str, Any]:
+    """A module with one non-persistent buffer ("a") and one persistent ("b")."""
+    m = torch.nn.Module()
+    m.register_buffer("a", torch.ones(2), persistent=False)
+    m.register_buffer("b", torch.zeros(3))
+    return {"model": m}
+
+
+def _swap_persistence(s: dict[str, Any]) -> None:
+    # the set keeps its size and _buffers is untouched: only the set's contents tell
+    s["model"]._non_persistent_buffers_set.discard("a")
+    s["model"]._non_persistent_buffers_set.add("b")
+
+
+def _readd(d: dict[str, Any], key: str, new_key: str) -> None:
+    d[new_key] = d.pop(key)
+
+
 def _hook(m: Any, sd: Any, prefix: str, meta: Any) -> None:
     sd[prefix + "hooked"] = torch.full((2,), 7.0)
 
@@ -188,6 +206,17 @@ CASES: dict[str, tuple[Callable[[], Any], Callable[[Any], Any], bool]] = {
         "running_mean"), True),
     "buffer set to None": (_trained, lambda s: s["model"].bn.register_buffer("running_var", None), True),
     "buffer added": (_trained, lambda s: s["model"].lin.register_buffer("extra", torch.ones(3)), True),
+    "non-persistent buffers swapped": (_two_buffers, _swap_persistence, True),
+    "buffer made persistent": (_two_buffers, lambda s: s["model"]._non_persistent_buffers_set.discard("a"), True),
+    "parameter assigned in _parameters": (_trained, lambda s: s["model"].lin._parameters.__setitem__(
+        "weight", torch.nn.Parameter(torch.randn(16, 16))), True),
+    "parameter removed and added again": (_trained, lambda s: _readd(s["model"].lin._parameters, "weight", "weight"),
+                                          True),
+    "parameter renamed": (_trained, lambda s: _readd(s["model"].lin._parameters, "bias", "bias2"), True),
+    "buffer removed and added again": (_trained, lambda s: _readd(s["model"].bn._buffers, "running_mean",
+                                                                  "running_mean"), True),
+    "submodule removed and added again": (_trained, lambda s: _readd(s["model"]._modules, "emb", "emb"), True),
+    "eval()": (_trained, lambda s: s["model"].eval(), False),
     "submodule added": (_trained, lambda s: setattr(s["model"], "extra", torch.nn.Linear(2, 2)), True),
     "submodule replaced": (_trained, lambda s: setattr(s["model"], "lin", torch.nn.Linear(16, 16)), True),
     "submodule set to None": (_trained, lambda s: setattr(s["model"], "bn", None), True),
@@ -327,6 +356,20 @@ def test_a_reused_plan_is_the_plan_made_afresh(name: str) -> None:
     change(state)
     _check(cache, 1, state)  # after the change: reused or planned again, equal to a fresh plan
     _check(cache, 2, state)  # and once more (the changed leaves now the recorded ones)
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_a_change_after_a_reuse_is_seen(name: str) -> None:
+    """A reuse remembers what it found unchanged (csrc/plan_guard.cpp, Stamp: dicts unchanged since
+    are not read again): a change made after a reuse must be seen as one made before the first."""
+    build, change, _ = CASES[name]
+    state = build()
+    cache = PlanCache(allow_pickle=False)
+    _check(cache, 0, state)  # recorded
+    _check(cache, 1, state)  # reused: what the check found is remembered
+    change(state)
+    _check(cache, 2, state)
+    _check(cache, 3, state)
 
 
 class _Unchecked(PlanCache):
