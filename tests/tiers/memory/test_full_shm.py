@@ -9,6 +9,7 @@ really full.
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
@@ -258,3 +259,26 @@ def test_a_state_whose_step_cannot_sit_beside_the_next_makes_the_tier_stand_asid
     assert len(said) == 1 and "from step 1 on" in said[0], said
     for fix in ("docker run --shm-size=", "emptyDir", "medium: Memory", "NEBULA_SHM_DIR"):
         assert fix in said[0], said[0]
+
+
+def test_a_shard_write_the_full_tmpfs_cannot_take_names_the_tier_the_file_and_the_fix(
+        small_tmpfs: Callable[[str], str]) -> None:
+    """The memory tier's storage turns a full tmpfs (``ENOSPC``) on a shard write, whole or in
+    parts, into an error naming the tier, the file, the bytes it needed and what to do; the file
+    is not there afterwards."""
+    from nebula_ckpt.tiers.memory.runtime import MemoryStorage
+
+    shm = small_tmpfs("1m")
+    st = MemoryStorage(shm, "memory:full")
+    big = memoryview(bytearray(2 * MiB))
+    writes = {"whole.safetensors": lambda rel: st.write_buffer(rel, big),
+              "parts.safetensors": lambda rel: st.write_parts(rel, [big[:MiB], big[MiB:]])}
+    for name, write in writes.items():
+        rel = f"step-1/{name}"
+        with pytest.raises(OSError) as caught:
+            write(rel)
+        e = caught.value
+        assert e.errno == errno.ENOSPC, e
+        text = e.strerror or ""
+        assert text.startswith("memory tier memory:full: no room on its tmpfs for " + os.path.join(shm, rel)), text
+        assert f"it needs {2 * MiB} bytes" in text and "NEBULA_SHM_DIR" in text and "keep fewer steps" in text, text
