@@ -8,7 +8,9 @@ check (``nebula_ckpt._C.PlanGuard``, ``csrc/plan_guard.cpp``; modules and optimi
 through PyTorch's own ``state_dict()`` are read through their registries:
 :mod:`nebula_ckpt.save.plan_model`) and, at the next save, runs that check instead of the walk.
 The check costs a few comparisons per tensor in C++, never calls a stock module's or
-optimizer's ``state_dict()``, and on a hit returns:
+optimizer's ``state_dict()`` (on CPython 3.11, a module whose instance dict and registries keep
+their address and version tag since the last hit has only its tensors and hook counts read), and
+on a hit returns:
 
 * the live tensors in layout order, read from the live objects at this save (so a parameter
   replaced with ``p.data = ...`` or ``module.weight = Parameter(...)`` is copied from its new
