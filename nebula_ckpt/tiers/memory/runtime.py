@@ -13,6 +13,7 @@ freed for staging (:func:`mapped_by_garbage`)."""
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import gc
 import logging
@@ -20,7 +21,7 @@ import mmap
 import os
 import stat
 import weakref
-from typing import Any, Callable, Iterable, Optional, Protocol, runtime_checkable
+from typing import Any, Callable, Iterable, Iterator, Optional, Protocol, runtime_checkable
 
 from nebula_ckpt import knobs
 from nebula_ckpt.format.commit import committed_writes
@@ -69,24 +70,25 @@ class MemoryStorage(LocalStorage):
 
     def __init__(self, folder: str, tier: str) -> None:
         super().__init__(folder, private=True, fsync=False, hold_reads=True)
-        self.folder = folder
         self.tier = tier
 
     def write_buffer(self, rel: str, data: Buffer) -> dict[str, Any]:
-        try:
+        with self._room_for(rel, memoryview(data).nbytes):
             return super().write_buffer(rel, data)
-        except OSError as e:
-            if e.errno != errno.ENOSPC:
-                raise
-            raise no_room_error(self.tier, self.folder, rel, memoryview(data).nbytes, e) from e
 
     def write_parts(self, rel: str, parts: list[memoryview]) -> dict[str, Any]:
-        try:
+        with self._room_for(rel, sum(memoryview(p).nbytes for p in parts)):
             return super().write_parts(rel, parts)
+
+    @contextlib.contextmanager
+    def _room_for(self, rel: str, needed: int) -> Iterator[None]:
+        """An ``ENOSPC`` of the write inside becomes :func:`no_room_error` (``needed``: its bytes)."""
+        try:
+            yield
         except OSError as e:
             if e.errno != errno.ENOSPC:
                 raise
-            raise no_room_error(self.tier, self.folder, rel, sum(memoryview(p).nbytes for p in parts), e) from e
+            raise no_room_error(self.tier, self.root, rel, needed, e) from e
 
 
 class MemoryTierRuntime(TierRuntime):
