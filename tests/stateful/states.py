@@ -52,6 +52,48 @@ def make_state(sid: int, fid: int, rank: int, extra: int = TENSORS["extra"][1]) 
             "frozen": torch.full((FROZEN[2],), code(fid, rank, FROZEN[1])), "meta": {"sid": sid, "fid": fid}}
 
 
+#: how the state of a save is made, by its save id (:func:`live_mode`): ``fresh`` objects, or the
+#: live objects of the save before refilled as a training loop leaves them (``fill``: in place),
+#: with a parameter's memory swapped under it (``data``: ``p.data = ...``, one optimizer buffer
+#: replaced), or with a new parameter registered (``param``), so that saves reuse the plan of the
+#: save before (the plan cache) and must see each change
+LIVE_MODES = ("fresh", "fill", "fill", "data", "param")
+
+
+def live_mode(sid: int) -> str:
+    """How the state of save ``sid`` is made (:data:`LIVE_MODES`)."""
+    return LIVE_MODES[sid % len(LIVE_MODES)]
+
+
+def live_state(prev: Optional[dict[str, Any]], sid: int, fid: int, rank: int,
+               extra: int = TENSORS["extra"][1]) -> dict[str, Any]:
+    """The state of save ``sid`` as :func:`make_state` has it, made as :func:`live_mode` says from
+    ``prev`` (the state of the save before, from this function; None: fresh): the same bytes
+    either way, so a stale plan that copies an old memory or misses a change is a wrong byte."""
+    mode = live_mode(sid)
+    if mode == "fresh" or prev is None or prev["extra"].numel() != extra:
+        return make_state(sid, fid, rank, extra)
+    net, opt = prev["model"], prev["optim"]
+    with torch.no_grad():
+        if mode == "data":
+            net.weight.data = torch.full_like(net.weight, code(sid, rank, 0))
+        else:
+            net.weight.fill_(code(sid, rank, 0))
+        if mode == "param":
+            net.bias = torch.nn.Parameter(torch.full_like(net.bias, code(sid, rank, 1)))
+        else:
+            net.bias.fill_(code(sid, rank, 1))
+        for i, p in enumerate(opt.param_groups[0]["params"]):
+            if mode == "data" and i == 1:
+                opt.state[p]["momentum_buffer"] = torch.full_like(p, code(sid, rank, 8 + i))
+            else:
+                opt.state[p]["momentum_buffer"].fill_(code(sid, rank, 8 + i))
+        prev["extra"].fill_(code(sid, rank, 2))
+        prev["frozen"].fill_(code(fid, rank, FROZEN[1]))
+    prev["meta"] = {"sid": sid, "fid": fid}
+    return prev
+
+
 def blank_state(rank: int, extra: int = TENSORS["extra"][1]) -> dict[str, Any]:
     """What a restarted job restores into (its optimizer has no state yet: the restore makes it)."""
     st = make_state(0, 0, rank, extra)

@@ -65,7 +65,7 @@ import torch  # noqa: E402
 torch.set_num_threads(1)
 
 import nebula_ckpt as nc  # noqa: E402
-from stateful.states import blank_state, decode, make_state  # noqa: E402
+from stateful.states import blank_state, decode, live_state, make_state  # noqa: E402
 
 make_state(0, 0, 0)  # a spare pays now for what the first optimizer imports (torch._dynamo: seconds)
 
@@ -146,6 +146,7 @@ class Worker:
         self._root = ""
         self._tiers: dict[str, Any] = {}
         self.pending: Optional[Any] = None  # the handle of a save begun by ``save_begin``
+        self.live: Optional[dict[str, Any]] = None  # the state of the last `save` (states.live_state)
         #: each node's wall clock: ns its clock runs behind the machine's (``clock``); None: no node yet
         self.clocks: dict[str, int] = {}
         self._node: Optional[str] = None
@@ -281,7 +282,8 @@ class Worker:
 
     def op_save(self, cmd: dict[str, Any]) -> dict[str, Any]:
         assert self.ck is not None
-        st = make_state(int(cmd["sid"]), int(cmd["fid"]), self.rank, self.extra)
+        # the live objects of the save before, refilled (states.live_mode): the plan cache reused
+        st = self.live = live_state(self.live, int(cmd["sid"]), int(cmd["fid"]), self.rank, self.extra)
         try:
             h = self.ck.save_async(int(cmd["step"]), st)
         except Exception as e:
