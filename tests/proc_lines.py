@@ -10,6 +10,8 @@ import subprocess
 import time
 from typing import Any, Iterator, Sequence
 
+import warm_python
+
 
 def lines(proc: subprocess.Popen[str], deadline: float) -> Iterator[str]:
     """The lines ``proc`` writes to its stdout pipe until it closes or ``deadline``
@@ -44,7 +46,7 @@ def json_child(cmd: Sequence[str], env: dict[str, str], what: str, timeout: floa
     running after ``timeout`` (a save that waits for ever) fails the test (``what`` says which)
     instead of hanging it; one that exits non-zero fails it with its stderr."""
     try:
-        r = subprocess.run(list(cmd), capture_output=True, text=True, timeout=timeout, env=env)
+        r = warm_python.run(list(cmd), capture_output=True, text=True, timeout=timeout, env=env)
     except subprocess.TimeoutExpired as e:
         raise AssertionError(f"{what}: never ended: {str(e.stderr)[-3000:]}") from e
     assert r.returncode == 0, r.stderr[-3000:]

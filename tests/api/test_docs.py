@@ -28,6 +28,8 @@ from pathlib import Path
 
 import pytest
 
+import warm_python
+
 REPO = Path(__file__).resolve().parents[2]
 PRELUDES = Path(__file__).resolve().parents[1] / "doc_preludes"
 PAGES = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
@@ -72,8 +74,8 @@ def _env() -> dict[str, str]:
 def _run(code: str, cwd: Path, timeout: float = 300) -> subprocess.CompletedProcess[str]:
     script = cwd / "snippet.py"
     script.write_text(code)
-    return subprocess.run([sys.executable, str(script)], cwd=cwd, env=_env(), capture_output=True,
-                          text=True, timeout=timeout)
+    return warm_python.run([sys.executable, str(script)], cwd=cwd, env=_env(), capture_output=True,
+                           text=True, timeout=timeout)
 
 
 def test_every_snippet_has_a_known_directive() -> None:
@@ -178,9 +180,9 @@ def test_quickstart_example_resumes_bit_exact(tmp_path: Path) -> None:
     example = REPO / "examples" / "quickstart.py"
     chain = [f"run{i}:--root,crashed" + (f",--crash-at,{kill}" if kill else "")
              for i, kill in enumerate([*KILLS, None])]
-    res = subprocess.run([sys.executable, str(REPO / "tests" / "example_runs.py"), str(example), str(tmp_path),
+    res = warm_python.run([sys.executable, str(REPO / "tests" / "example_runs.py"), str(example), str(tmp_path),
                           "bg-clean:--root,clean", *chain], cwd=tmp_path, env=_env(), capture_output=True, text=True,
-                         timeout=600)
+                          timeout=600)
     assert res.returncode == 0, res.stderr[-3000:]
     codes = dict(line.split() for line in res.stdout.splitlines())
     outs = {name: (tmp_path / f"{name}.out").read_text() for name in codes}

@@ -12,13 +12,14 @@ import pytest
 import torch
 
 import nebula_ckpt as nc
+import warm_python
 from faults import FaultyTier
 from nebula_ckpt.cli import main as cli_main
 
 
 def _run(code: str, **env: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=180,
-                          env=dict(os.environ, **env))
+    return warm_python.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=180,
+                           env=dict(os.environ, **env))
 
 
 # -- bad input: ValidationError at the call, nothing written -------------------------------------------
@@ -228,7 +229,7 @@ def test_enospc_keeps_its_errno(tmp_path) -> None:  # noqa: ANN001
     """A full disk is reported as ENOSPC (not EIO), and the failed step leaves nothing behind."""
     mnt = tmp_path / "tiny"
     mnt.mkdir()
-    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mnt)], capture_output=True)
+    r = warm_python.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mnt)], capture_output=True)
     if r.returncode != 0:
         pytest.skip(f"cannot mount a tmpfs here: {r.stderr.decode().strip()}")
     try:
@@ -241,7 +242,7 @@ def test_enospc_keeps_its_errno(tmp_path) -> None:  # noqa: ANN001
             assert isinstance(cause, OSError) and cause.errno == errno.ENOSPC, repr(cause)
         assert not os.path.exists(os.path.join(root, "step-1"))
     finally:
-        subprocess.run(["umount", "-l", str(mnt)])
+        warm_python.run(["umount", "-l", str(mnt)])
 
 
 @pytest.mark.parametrize("kw", [{"on_full": "bogus"}, {"snapshot": "later"}, {"keep_last": 0},

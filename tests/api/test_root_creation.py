@@ -15,7 +15,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import subprocess
 import uuid
 from typing import Any, Iterator
 
@@ -24,6 +23,7 @@ import pytest
 import torch
 
 import nebula_ckpt as nc
+import warm_python
 from nebula_ckpt.cli import main
 from nebula_ckpt.errors import NotFoundError, ValidationError
 
@@ -101,23 +101,23 @@ def test_the_first_save_creates_the_root_and_a_resume_finds_it(tmp_path: Any, sh
 def _immutable_parent(tmp_path: Any) -> Iterator[str]:
     folder = tmp_path / "locked"
     folder.mkdir()
-    if subprocess.run(["chattr", "+i", str(folder)], capture_output=True).returncode != 0:
+    if warm_python.run(["chattr", "+i", str(folder)], capture_output=True).returncode != 0:
         pytest.skip("chattr +i needs root on a file system with attributes")
     try:
         yield str(folder / "run")
     finally:
-        subprocess.run(["chattr", "-i", str(folder)], check=True)
+        warm_python.run(["chattr", "-i", str(folder)], check=True)
 
 
 def _read_only_mount(tmp_path: Any) -> Iterator[str]:
     folder = tmp_path / "ro"
     folder.mkdir()
-    if subprocess.run(["mount", "--bind", "-o", "ro", str(folder), str(folder)], capture_output=True).returncode:
+    if warm_python.run(["mount", "--bind", "-o", "ro", str(folder), str(folder)], capture_output=True).returncode:
         pytest.skip("a read-only bind mount needs root (CAP_SYS_ADMIN)")
     try:
         yield str(folder / "run")
     finally:
-        subprocess.run(["umount", str(folder)], check=True)
+        warm_python.run(["umount", str(folder)], check=True)
 
 
 def _under_proc(tmp_path: Any) -> Iterator[str]:

@@ -7,11 +7,12 @@ from __future__ import annotations
 import json
 import os
 import re
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+import warm_python
 
 REPO = Path(__file__).resolve().parents[2]
 PROBE = Path(__file__).resolve().parent / "save_path_probe.py"
@@ -33,8 +34,8 @@ def _drawn(what: str) -> set[str]:
 
 @pytest.mark.parametrize("what,tiers", sorted(LIMITS))
 def test_the_path_is_drawn_whole_and_does_not_grow(what: str, tiers: str, shm_dir: str) -> None:
-    p = subprocess.run([sys.executable, str(PROBE), tiers, what], capture_output=True, text=True, timeout=120,
-                       cwd=REPO, env={**os.environ, "NEBULA_SHM_DIR": shm_dir})
+    p = warm_python.run([sys.executable, str(PROBE), tiers, what], capture_output=True, text=True, timeout=120,
+                        cwd=REPO, env={**os.environ, "NEBULA_SHM_DIR": shm_dir})
     assert p.returncode == 0, p.stderr[-3000:]
     path = set(json.loads(p.stdout.strip().splitlines()[-1]))
     assert MUST[what] <= path, path

@@ -5,13 +5,13 @@ shard's storage info (its zstd frame table) decides the decoding, whichever back
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 
 import pytest
 import torch
 
 import nebula_ckpt as nc
+import warm_python
 from nebula_ckpt.tiers import RemoteTier
 
 CLI = os.path.join(os.path.dirname(sys.executable), "nebula-ckpt")
@@ -30,8 +30,8 @@ def test_a_compressed_step_reads_from_its_folder_as_a_local_root(tmp_path, shm_d
         for i in (1, 2, 3):
             ck.save(i, _state(i))
     for root in (folder, "file://" + folder):
-        r = subprocess.run([CLI, "verify", root], capture_output=True, text=True, timeout=120,
-                           env={**os.environ, "NEBULA_SHM_DIR": shm_dir})
+        r = warm_python.run([CLI, "verify", root], capture_output=True, text=True, timeout=120,
+                            env={**os.environ, "NEBULA_SHM_DIR": shm_dir})
         assert r.returncode == 0 and r.stdout.count("OK") == 3, r.stdout + r.stderr
     with nc.Checkpointer(folder, read_only=True, memory_tier=False) as ck:
         for i in (1, 2, 3):

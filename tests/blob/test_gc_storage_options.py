@@ -7,10 +7,11 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
 import sys
 
 import pytest
+
+import warm_python
 
 from .servers import BlobServer
 
@@ -27,8 +28,8 @@ os.kill(os.getpid(), signal.SIGKILL)
 
 
 def _gc(env: dict[str, str], *args: str) -> tuple[list[dict], str]:
-    r = subprocess.run([sys.executable, "-m", "nebula_ckpt.cli", "gc", "--json", *args], env=env,
-                       capture_output=True, text=True, timeout=300)
+    r = warm_python.run([sys.executable, "-m", "nebula_ckpt.cli", "gc", "--json", *args], env=env,
+                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
     return json.loads(r.stdout), r.stdout + r.stderr
 
@@ -40,7 +41,7 @@ def test_gc_checks_a_remote_root_with_the_storage_options_given(azurite: BlobSer
     url, options = loc.url("run"), json.dumps(loc.storage_options)
     env = {k: v for k, v in os.environ.items() if not k.startswith(("AZURE_", "AZURE_STORAGE"))}
     env["NEBULA_SHM_DIR"] = shm_dir
-    r = subprocess.run([sys.executable, "-c", JOB, url, options], env=env, capture_output=True, timeout=300)
+    r = warm_python.run([sys.executable, "-c", JOB, url, options], env=env, capture_output=True, timeout=300)
     assert r.returncode == -signal.SIGKILL, r.stderr.decode()
     secrets = [str(v) for k, v in loc.storage_options.items() if "key" in k or "connection" in k]
     assert secrets

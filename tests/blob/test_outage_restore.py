@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any, Callable
@@ -17,6 +16,7 @@ import pytest
 import torch
 
 import nebula_ckpt as nc
+import warm_python
 from dist.launch import reports, run_ranks  # tests/dist (pytest puts tests/ on sys.path)
 from nebula_ckpt import knobs
 from nebula_ckpt.errors import NotFoundError
@@ -154,7 +154,7 @@ def test_a_memory_tier_holding_the_newest_step_is_restored_while_the_store_is_do
     shm.mkdir()
     code = _CRASHED_WRITER.format(opts=repr(opts))
     env = dict(os.environ, NEBULA_SHM_DIR=str(shm))
-    done = subprocess.run([sys.executable, "-c", code, url], env=env, capture_output=True, text=True, timeout=200)
+    done = warm_python.run([sys.executable, "-c", code, url], env=env, capture_output=True, text=True, timeout=200)
     assert done.returncode == 0, done.stderr[-4000:]
     assert blob_store.server is not None
     with knobs.override(shm_dir=str(shm), **QUICK):

@@ -18,6 +18,7 @@ import fsspec.exceptions
 import pytest
 from fsspec.implementations.memory import MemoryFileSystem
 
+import warm_python
 from nebula_ckpt import knobs
 from nebula_ckpt.errors import CorruptCheckpointError, NebulaError, ValidationError
 from nebula_ckpt.storage.remote import (
@@ -451,8 +452,8 @@ def test_writer_subprocess_killed_mid_upload(blob_store: Store) -> None:
     assert loc is not None
     part = _part_bytes(blob_store.kind)
     code = _WRITER.format(repo=str(REPO), part=part, size=3 * part)
-    proc = subprocess.Popen([sys.executable, "-c", code, json.dumps(loc.plain())],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = warm_python.popen([sys.executable, "-c", code, json.dumps(loc.plain())],
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     # not a test time limit (pytest-timeout is that): it bounds only the wait for the child's
     # first line, and by killing the child it unblocks readline() so the assertion below can
     # report what the child said; a timed-out test would leave the child running instead

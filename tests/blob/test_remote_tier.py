@@ -21,6 +21,7 @@ import pytest
 import torch
 
 import nebula_ckpt as nc
+import warm_python
 from nebula_ckpt import knobs
 from nebula_ckpt.cli import main as cli
 from nebula_ckpt.storage.remote import (
@@ -232,8 +233,8 @@ def _run_writer_until_parked(spec: dict[str, Any]) -> list[str]:
     """Start remote_writer.py, wait until every job printed PARKED, SIGKILL it; return its stdout."""
     script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "remote_writer.py")
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
-    proc = subprocess.Popen([sys.executable, script, json.dumps(spec)],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    proc = warm_python.popen([sys.executable, script, json.dumps(spec)],
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     def kill_if_running() -> None:
         if proc.poll() is None:
             os.kill(proc.pid, signal.SIGKILL)

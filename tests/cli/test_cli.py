@@ -15,6 +15,7 @@ import torch
 from safetensors.torch import load_file
 
 import nebula_ckpt as nc
+import warm_python
 from nebula_ckpt.cli import main
 
 
@@ -113,8 +114,8 @@ def test_ls_of_a_root_where_nothing_committed_exits_1(root: str, capsys: pytest.
 
 def test_a_reader_that_goes_away_ends_the_command_quietly(saved: str) -> None:
     """``nebula-ckpt ls ROOT | head``: the reader closed the pipe before the output was written."""
-    p = subprocess.Popen([sys.executable, "-m", "nebula_ckpt.cli", "ls", saved], stdout=subprocess.PIPE,
-                         stderr=subprocess.PIPE)
+    p = warm_python.popen([sys.executable, "-m", "nebula_ckpt.cli", "ls", saved], stdout=subprocess.PIPE,
+                          stderr=subprocess.PIPE)
     assert p.stdout is not None
     p.stdout.close()
     _, err = p.communicate(timeout=300)
@@ -289,7 +290,7 @@ def test_every_command_takes_json() -> None:
 
 
 def test_console_script_usage_error() -> None:
-    r = subprocess.run([sys.executable, "-m", "nebula_ckpt.cli", "inspect"], capture_output=True, text=True)
+    r = warm_python.run([sys.executable, "-m", "nebula_ckpt.cli", "inspect"], capture_output=True, text=True)
     assert r.returncode == 2 and "usage" in r.stderr
 
 
@@ -355,8 +356,8 @@ def _break_manifest(root: str, step: int) -> None:
 def test_inspect_and_export_fail_cleanly_on_damage(saved: str, tmp_path, cmd: list[str]) -> None:  # noqa: ANN001
     _break_manifest(saved, 2)
     cmd = [c.replace("X", str(tmp_path / "out")) for c in cmd]
-    r = subprocess.run([sys.executable, "-m", "nebula_ckpt.cli", cmd[0], saved, "--step", "2", *cmd[1:]],
-                       capture_output=True, text=True)
+    r = warm_python.run([sys.executable, "-m", "nebula_ckpt.cli", cmd[0], saved, "--step", "2", *cmd[1:]],
+                        capture_output=True, text=True)
     assert r.returncode == 1, r.stderr
     assert "Traceback" not in r.stderr and "float99" in r.stderr and "step 2" in r.stderr, r.stderr
     assert not os.path.exists(tmp_path / "out.pt") and not os.path.exists(tmp_path / "out.safetensors")
@@ -366,7 +367,7 @@ def test_inspect_and_export_fail_cleanly_on_damage(saved: str, tmp_path, cmd: li
 def test_storage_options_bad_json_is_a_usage_error_without_the_value(cmd: str) -> None:
     secret = '{"account_key": "SECRET-KEY-abc123"'  # not valid JSON: the closing brace is missing
     extra = {"inspect": ["--step", "1"], "export": ["--step", "1", "--to", "x.pt"]}.get(cmd, [])
-    r = subprocess.run([sys.executable, "-m", "nebula_ckpt.cli", cmd, "az://c/ckpt", "--storage-options", secret,
+    r = warm_python.run([sys.executable, "-m", "nebula_ckpt.cli", cmd, "az://c/ckpt", "--storage-options", secret,
                         *extra], capture_output=True, text=True)
     assert r.returncode == 2, r.stderr
     assert "usage" in r.stderr and "--storage-options" in r.stderr and "not valid JSON" in r.stderr
@@ -562,8 +563,8 @@ def _ls_on_a_terminal(root: str, *extra: str, delay: str | None = None, cmd: str
             + (f"common.PROGRESS_DELAY_S = {float(delay)!r}; " if delay is not None else "")
             + "sys.argv[0] = 'nebula-ckpt'; sys.exit(main())")
     try:
-        r = subprocess.run([sys.executable, "-c", code, cmd, root, *extra], stdout=subprocess.PIPE,
-                           stderr=slave, timeout=120, env=env)
+        r = warm_python.run([sys.executable, "-c", code, cmd, root, *extra], stdout=subprocess.PIPE,
+                            stderr=slave, timeout=120, env=env)
         os.close(slave)
         chunks = []
         while True:
@@ -602,8 +603,8 @@ def test_persist_memory_shows_progress_only_for_long_work(root: str, shm_dir: st
     """A quick persist-memory on a terminal prints its answer alone, as every command does."""
     env = dict(os.environ, NEBULA_SHM_DIR=shm_dir)
     for delay in (None, "0"):
-        subprocess.run([sys.executable, "-c", KILLED_AFTER_A_MEMORY_ONLY_STEP, root], env=env, capture_output=True,
-                       timeout=120)
+        warm_python.run([sys.executable, "-c", KILLED_AFTER_A_MEMORY_ONLY_STEP, root], env=env, capture_output=True,
+                        timeout=120)
         err = _ls_on_a_terminal(root, delay=delay, cmd="persist-memory", env=env)
         assert ("part written" in err) == (delay == "0"), err  # a few KiB: done before the delay
         shutil.rmtree(root)
@@ -623,8 +624,8 @@ def _installed_copy(tmp_path) -> str:  # noqa: ANN001
 
 def _bench(pythonpath: str, cwd: str, *argv: str) -> subprocess.Popen[str]:
     env = dict(os.environ, PYTHONPATH=pythonpath)
-    return subprocess.Popen([sys.executable, "-m", "nebula_ckpt.cli", "bench", *argv], cwd=cwd, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return warm_python.popen([sys.executable, "-m", "nebula_ckpt.cli", "bench", *argv], cwd=cwd, env=env,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
 def _done(p: subprocess.Popen[str]) -> tuple[int, str, str]:
@@ -711,7 +712,7 @@ def test_persist_memory_json_on_a_live_job_is_an_error_object(root: str, shm_dir
     with nc.Checkpointer(root, tiers=[nc.MemoryTier(), nc.LocalTier(root, every=10)]) as ck:
         ck.save(1, {"w": torch.ones(4)}).result()
         ck.save(2, {"w": torch.ones(4) * 2}).result()   # in memory only
-        r = subprocess.run([sys.executable, "-m", "nebula_ckpt.cli", "persist-memory", root, "--json"],
-                           capture_output=True, text=True, env=dict(os.environ, NEBULA_SHM_DIR=shm_dir), timeout=120)
+        r = warm_python.run([sys.executable, "-m", "nebula_ckpt.cli", "persist-memory", root, "--json"],
+                            capture_output=True, text=True, env=dict(os.environ, NEBULA_SHM_DIR=shm_dir), timeout=120)
     got = json.loads(r.stdout)
     assert r.returncode == 2 and got["exit"] == 2 and "live process" in got["error"], (r.stdout, r.stderr)

@@ -6,12 +6,12 @@ command with a ROOT (``gc`` included) and shown nowhere."""
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 from typing import Optional
 
 import pytest
 
+import warm_python
 from nebula_ckpt.cli import main
 
 SECRET = "TOPSECRET-DO-NOT-PRINT"
@@ -99,6 +99,6 @@ def test_the_console_script_never_shows_them() -> None:
     (it was an unknown argument, echoed with the secret), and an unknown option beside it is an
     error that does not show it."""
     for extra, rc in (([], 0), (["--no-such-option"], 2)):
-        r = subprocess.run([sys.executable, "-m", "nebula_ckpt.cli", "gc", "s3://bucket/run", "--storage-options",
+        r = warm_python.run([sys.executable, "-m", "nebula_ckpt.cli", "gc", "s3://bucket/run", "--storage-options",
                             OPTIONS, *extra], capture_output=True, text=True, timeout=300)
         assert r.returncode == rc and not _shown(r.stdout + r.stderr), (r.stdout, r.stderr)

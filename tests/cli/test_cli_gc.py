@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -14,6 +13,7 @@ import pytest
 import torch
 
 import nebula_ckpt as nc
+import warm_python
 from nebula_ckpt.cli import main
 
 REPO = Path(__file__).resolve().parents[2]
@@ -34,8 +34,8 @@ def _save_two(root: str, shm_dir: str) -> None:
             "for s in (1, 2):\n"
             "    ck.save(s, _state(s)).result()\n"
             "os._exit(0)\n")
-    subprocess.run([sys.executable, "-c", code], env=dict(os.environ, NEBULA_SHM_DIR=shm_dir, PYTHONPATH=str(REPO)),
-                   check=True, timeout=120)
+    warm_python.run([sys.executable, "-c", code], env=dict(os.environ, NEBULA_SHM_DIR=shm_dir, PYTHONPATH=str(REPO)),
+                    check=True, timeout=120)
 
 
 def _damage(root: str, how: str) -> None:

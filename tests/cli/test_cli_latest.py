@@ -10,13 +10,13 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 
 import pytest
 import torch
 
 import nebula_ckpt as nc
+import warm_python
 from nebula_ckpt.cli import main
 
 
@@ -136,13 +136,13 @@ def test_latest_after_a_rollback_is_the_new_runs_step(root: str, shm_dir: str, t
         assert ck.read()[0] == 3
     env = {**os.environ, "NEBULA_SHM_DIR": shm_dir}
     for which in ([], ["--step", "latest"]):
-        r = subprocess.run([*_nebula_ckpt(), "inspect", root, *which, "--json"], capture_output=True, text=True,
-                           env=env)
+        r = warm_python.run([*_nebula_ckpt(), "inspect", root, *which, "--json"], capture_output=True, text=True,
+                            env=env)
         assert r.returncode == 0, r.stderr
         assert json.loads(r.stdout)["step"] == 3
         out = str(tmp_path / "out.pt")
-        r = subprocess.run([*_nebula_ckpt(), "export", root, *which, "--to", out], capture_output=True, text=True,
-                           env=env)
+        r = warm_python.run([*_nebula_ckpt(), "export", root, *which, "--to", out], capture_output=True, text=True,
+                            env=env)
         assert r.returncode == 0, r.stderr
         assert float(torch.load(out, weights_only=True)["w"][0]) == 30.0
     # the abandoned run's steps are still there, and still readable by number

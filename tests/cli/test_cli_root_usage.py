@@ -6,11 +6,11 @@ directory``."""
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 
 import pytest
 
+import warm_python
 from nebula_ckpt.cli import main
 
 #: every command that takes a ROOT, with the arguments it needs beside it
@@ -63,8 +63,8 @@ def test_the_installed_command_says_so_too(tmp_path, shm_dir: str) -> None:  # n
     f.write_text("root:x:0:0::/root:/bin/sh\n")
     for argv, code, said in ((["ls", str(f)], 1, f"ROOT '{f}' is a file"),
                              (["verify", "s3:/bucket/x"], 2, "'s3://bucket/x'")):
-        r = subprocess.run([sys.executable, "-m", "nebula_ckpt.cli", *argv], capture_output=True, text=True, env=env,
-                           cwd=tmp_path)
+        r = warm_python.run([sys.executable, "-m", "nebula_ckpt.cli", *argv], capture_output=True, text=True, env=env,
+                            cwd=tmp_path)
         assert r.returncode == code and said in r.stderr and "Errno" not in r.stderr, (r.returncode, r.stderr)
 
 

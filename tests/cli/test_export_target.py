@@ -12,13 +12,13 @@ from __future__ import annotations
 
 import hashlib
 import os
-import subprocess
 from typing import Any, Callable
 
 import pytest
 import torch
 
 import nebula_ckpt as nc
+import warm_python
 from memory_paths import memory_tier_path
 from nebula_ckpt.cli import main
 
@@ -93,7 +93,7 @@ def test_export_into_the_root_it_reads_is_refused_before_anything_is_read(saved:
 def test_a_bind_mount_of_the_root_is_refused_too(saved: str, tmp_path, capsys: pytest.CaptureFixture[str]) -> None:  # noqa: ANN001
     other = tmp_path / "mounted"
     other.mkdir()
-    if subprocess.run(["mount", "--bind", saved, str(other)], capture_output=True).returncode != 0:
+    if warm_python.run(["mount", "--bind", saved, str(other)], capture_output=True).returncode != 0:
         pytest.skip("bind mounts need root (CAP_SYS_ADMIN)")
     try:
         before = _tree(saved)
@@ -101,7 +101,7 @@ def test_a_bind_mount_of_the_root_is_refused_too(saved: str, tmp_path, capsys: p
         assert "inside" in capsys.readouterr().err
         assert _tree(saved) == before
     finally:
-        subprocess.run(["umount", str(other)], check=True)
+        warm_python.run(["umount", str(other)], check=True)
 
 
 def test_export_beside_the_root_is_fine(saved: str, tmp_path) -> None:  # noqa: ANN001

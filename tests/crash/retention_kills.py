@@ -15,6 +15,7 @@ from typing import Any, Iterator, Optional
 import torch
 
 import nebula_ckpt as nc
+import warm_python
 from crash.retention_worker import FROZEN, value
 from nebula_ckpt import knobs
 from nebula_ckpt.cli import main as cli
@@ -31,9 +32,9 @@ class Zygote:
     def __init__(self) -> None:
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(
             [os.path.dirname(HERE), os.path.dirname(os.path.dirname(HERE)), os.environ.get("PYTHONPATH", "")]))
-        self.proc = subprocess.Popen([sys.executable, "-u", os.path.join(HERE, "retention_worker.py")],
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                     text=True, env=env, cwd=os.path.dirname(HERE))
+        self.proc = warm_python.popen([sys.executable, "-u", os.path.join(HERE, "retention_worker.py")],
+                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                      text=True, env=env, cwd=os.path.dirname(HERE))
         self.out = lines(self.proc, time.monotonic() + 600)
         self._expect("READY")
 

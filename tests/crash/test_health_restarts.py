@@ -17,6 +17,7 @@ import pytest
 import torch
 
 import nebula_ckpt as nc
+import warm_python
 from nebula_ckpt.format.health import HEALTH_DIR, parse_record
 from nebula_ckpt.health.book import HealthView
 from nebula_ckpt.storage.local import LocalStorage
@@ -32,8 +33,8 @@ def _env(**extra: str) -> dict[str, str]:
 
 
 def _spawn(root: str, mode: str, **env: str) -> subprocess.Popen[str]:
-    return subprocess.Popen([sys.executable, "-u", os.path.join(HERE, "health_worker.py"), root, mode],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=_env(**env))
+    return warm_python.popen([sys.executable, "-u", os.path.join(HERE, "health_worker.py"), root, mode],
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=_env(**env))
 
 
 def _job(root: str, kill_after: Optional[int] = None, **env: str) -> tuple[Optional[int], list[int], dict[int, float],
@@ -126,9 +127,9 @@ def test_health_records_survive_sigkill_at_any_point_of_a_write(tmp_path) -> Non
             ck.save(step, {"w": torch.full((4,), float(step))})
     rng = random.Random(20261128)
     wrote: list[str] = []
-    proc = subprocess.Popen([sys.executable, "-u", os.path.join(HERE, "health_worker.py"), root, "records"],
-                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env=_env())
+    proc = warm_python.popen([sys.executable, "-u", os.path.join(HERE, "health_worker.py"), root, "records"],
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                             env=_env())
     assert proc.stdin is not None
     kills = 0
     try:

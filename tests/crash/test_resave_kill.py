@@ -24,6 +24,7 @@ import pytest
 import torch
 
 import nebula_ckpt as nc
+import warm_python
 from proc_lines import lines, reap
 
 #: the points of a replacement, in order (DEBUG lines ``phase=<name>``)
@@ -67,8 +68,8 @@ def test_a_kill_while_a_step_is_replaced_leaves_the_old_or_the_new_whole(tmp_pat
     for delay in (0.0, 0.0005, 0.003):
         root = str(tmp_path / f"ck-{delay}")
         env = dict(os.environ, NEBULA_SHM_DIR=shm_dir)
-        proc = subprocess.Popen([sys.executable, "-u", "-c", WORKER, root, str(N)], stdout=subprocess.PIPE,
-                                stderr=subprocess.STDOUT, text=True, env=env)
+        proc = warm_python.popen([sys.executable, "-u", "-c", WORKER, root, str(N)], stdout=subprocess.PIPE,
+                                 stderr=subprocess.STDOUT, text=True, env=env)
         resaving, killed = False, False
         try:
             for line in lines(proc, time.monotonic() + 120):
@@ -124,8 +125,8 @@ lg.addHandler(Hold())""").replace('print("RESAVE", flush=True)', 'print("RESAVE"
 
 
 def _verify(root: str) -> None:
-    v = subprocess.run([sys.executable, "-m", "nebula_ckpt.cli", "verify", root], capture_output=True, text=True,
-                       timeout=120)
+    v = warm_python.run([sys.executable, "-m", "nebula_ckpt.cli", "verify", root], capture_output=True, text=True,
+                        timeout=120)
     assert v.returncode == 0, v.stdout + v.stderr
 
 
@@ -137,8 +138,8 @@ def test_the_steps_that_referred_to_the_old_write_go_before_the_marker_switch(tm
     old files and keeps the step it saved on the new step 5 (it refers only to the files that
     write keeps)."""
     root = str(tmp_path / "ck")
-    proc = subprocess.Popen([sys.executable, "-u", "-c", HELD_WORKER, root, str(N)], stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, env=dict(os.environ, NEBULA_SHM_DIR=shm_dir))
+    proc = warm_python.popen([sys.executable, "-u", "-c", HELD_WORKER, root, str(N)], stdout=subprocess.PIPE,
+                             stderr=subprocess.STDOUT, text=True, env=dict(os.environ, NEBULA_SHM_DIR=shm_dir))
     held, out = False, []
     try:
         for line in lines(proc, time.monotonic() + 120):

@@ -21,6 +21,7 @@ import time
 import pytest
 import torch
 
+import warm_python
 from crash.worker import STEPS, reference_digests
 from proc_lines import lines, reap
 
@@ -29,9 +30,9 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 
 
 def _spawn(root: str, env: dict[str, str]) -> subprocess.Popen[str]:
-    return subprocess.Popen([sys.executable, "-u", os.path.join(HERE, "worker.py"), root],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
-                            cwd=os.path.dirname(HERE))
+    return warm_python.popen([sys.executable, "-u", os.path.join(HERE, "worker.py"), root],
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+                             cwd=os.path.dirname(HERE))
 
 
 @pytest.mark.slow

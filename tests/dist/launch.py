@@ -96,7 +96,10 @@ def free_port() -> int:
 
 def run_ranks(world: int, script: str, args: list[str], out: Path, shm_dir: str, timeout: float = 240,
               env_extra: Optional[dict[str, str]] = None) -> list[subprocess.CompletedProcess[str]]:
-    """Start ``world`` ranks of ``script`` like torchrun would (env://) and wait for all of them."""
+    """Start ``world`` ranks of ``script`` like torchrun would (env://) and wait for all of them
+    (started warm: tests/warm_python.py)."""
+    import warm_python  # the test's side only: a worker imports this module too, without tests/ on its path
+
     port = free_port()
     procs = []
     for r in range(world):
@@ -105,8 +108,8 @@ def run_ranks(world: int, script: str, args: list[str], out: Path, shm_dir: str,
                    MASTER_PORT=str(port), NEBULA_SHM_DIR=shm_dir, OMP_NUM_THREADS="1",
                    PYTHONPATH=str(HERE.parents[1]) + os.pathsep + os.environ.get("PYTHONPATH", ""),
                    **(env_extra or {}))
-        procs.append(subprocess.Popen([sys.executable, str(HERE / script), *args], env=env, text=True,
-                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
+        procs.append(warm_python.popen([sys.executable, str(HERE / script), *args], env=env, text=True,
+                                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
     done = []
     try:
         for p in procs:

@@ -11,13 +11,13 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import uuid
 from pathlib import Path
 from typing import Any, Iterator
 
 import pytest
 
+import warm_python
 from memory_paths import memory_tier_path
 from nebula_ckpt import knobs
 from nebula_ckpt.cli import main as cli
@@ -171,13 +171,13 @@ def small_fs(tmp_path: Path) -> Iterator[tuple[str, dict[str, str]]]:
     shard writes of step 2 fail with ENOSPC at the ``shard`` stage (the worker's fault hook)."""
     d = tmp_path / f"small-{uuid.uuid4().hex[:6]}"
     d.mkdir()
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m,mode=0755", "tmpfs", str(d)],
-                             capture_output=True).returncode == 0
+    mounted = warm_python.run(["mount", "-t", "tmpfs", "-o", "size=2m,mode=0755", "tmpfs", str(d)],
+                              capture_output=True).returncode == 0
     try:
         yield str(d / "ckpt"), ({} if mounted else {"TEST_INJECT_ENOSPC": "1"})
     finally:
         if mounted:
-            subprocess.run(["umount", "-l", str(d)], check=False)
+            warm_python.run(["umount", "-l", str(d)], check=False)
 
 
 def test_disk_full_during_a_save_leaves_no_step_folder(small_fs: tuple[str, dict[str, str]], shm_dir: str,

@@ -11,7 +11,6 @@ import errno
 import json
 import os
 import shutil
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -24,6 +23,7 @@ from safetensors import safe_open
 from torch.distributed.checkpoint.api import CheckpointException
 
 import nebula_ckpt as nc
+import warm_python
 from conftest import make_training, train_step
 from nebula_ckpt.cli import main as cli
 from nebula_ckpt.dcp import NebulaStorageReader, NebulaStorageWriter
@@ -499,7 +499,7 @@ def test_the_example_runs(tmp_path: Path, ranks: int) -> None:
     cmd = launch + [str(EXAMPLE), "--root", root] + (["--fsdp"] if ranks else [])
     env = dict(os.environ, OMP_NUM_THREADS="1", NEBULA_SHM_DIR=str(tmp_path / "shm"))
     for first in (0, 10):  # run twice: the second run saves new steps
-        p = subprocess.run(cmd, env=env, text=True, capture_output=True, timeout=240)
+        p = warm_python.run(cmd, env=env, text=True, capture_output=True, timeout=240)
         assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
         assert f"saved steps {first} and {first + 5}" in p.stdout and "model bit-exact: True" in p.stdout
     assert cli(["verify", root]) == 0

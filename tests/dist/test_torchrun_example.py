@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+import warm_python
+
 from .launch import free_port
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "torchrun_ddp.py"
@@ -19,7 +21,7 @@ def _torchrun(root: str, steps: int, shm_dir: str) -> "subprocess.CompletedProce
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
            str(free_port()), str(EXAMPLE), "--root", root, "--steps", str(steps), "--every", "10"]
     env = dict(os.environ, NEBULA_SHM_DIR=shm_dir, OMP_NUM_THREADS="1", NEBULA_LOG_LEVEL="INFO")
-    p = subprocess.run(cmd, env=env, text=True, capture_output=True, timeout=180)
+    p = warm_python.run(cmd, env=env, text=True, capture_output=True, timeout=180)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     return p
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 import logging
 import os
 import signal
-import subprocess
 import sys
 from typing import Any, Callable
 
@@ -19,6 +18,7 @@ import pytest
 import torch
 
 import nebula_ckpt as nc
+import warm_python
 from nebula_ckpt import knobs
 
 NAN = float("nan")
@@ -69,8 +69,8 @@ def _diverge(ck: nc.Checkpointer, healthy: int) -> None:
 def test_a_sigkill_after_the_run_diverged_resumes_the_healthy_step_only_memory_held(
         root: str, shm_dir: str, cadence: str) -> None:
     healthy = 3 if cadence == "every" else 4
-    r = subprocess.run([sys.executable, "-c", _CHILD, root, cadence], capture_output=True, text=True, timeout=120,
-                       env=dict(os.environ, NEBULA_SHM_DIR=shm_dir, OMP_NUM_THREADS="1"))
+    r = warm_python.run([sys.executable, "-c", _CHILD, root, cadence], capture_output=True, text=True, timeout=120,
+                        env=dict(os.environ, NEBULA_SHM_DIR=shm_dir, OMP_NUM_THREADS="1"))
     assert r.returncode == -signal.SIGKILL, r.stderr[-2000:]
     assert f"MEM [{healthy}, 8]" in r.stdout, r.stdout + r.stderr[-2000:]
     assert _restart(root) == (healthy, float(healthy))
@@ -185,9 +185,9 @@ def test_close_puts_a_step_a_person_marked_healthy_while_the_job_ran_on_disk(roo
     with nc.Checkpointer(root, tiers=[nc.MemoryTier(), nc.LocalTier(root, every_seconds=3600)]) as ck:
         disk = ck.tiers[1].name
         _diverge(ck, 4)
-        r = subprocess.run([sys.executable, "-m", "nebula_ckpt.cli", "mark", root, "--healthy", "8", "--reason",
+        r = warm_python.run([sys.executable, "-m", "nebula_ckpt.cli", "mark", root, "--healthy", "8", "--reason",
                             "false alarm"], capture_output=True, text=True, timeout=60,
-                           env=dict(os.environ, NEBULA_SHM_DIR=shm_dir))
+                            env=dict(os.environ, NEBULA_SHM_DIR=shm_dir))
         assert r.returncode == 0, r.stdout + r.stderr
         ck.report(10, loss=1.0)
         ck.report(11, loss=1.0)

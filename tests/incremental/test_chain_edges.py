@@ -700,13 +700,14 @@ os._exit(0)  # a crash: nothing closed, the memory tier stays
 
 def test_gc_keeps_a_memory_tier_whose_newest_step_on_the_root_lacks_its_base(
         tmp_path, shm_dir, capsys: pytest.CaptureFixture[str]) -> None:  # noqa: ANN001
-    import subprocess
     import sys
+
+    import warm_python
 
     root = str(tmp_path / "ck")
     here = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env = dict(os.environ, NEBULA_SHM_DIR=shm_dir, PYTHONPATH=here)
-    r = subprocess.run([sys.executable, "-c", _CRASHING_SAVER, root], env=env, capture_output=True, timeout=180)
+    r = warm_python.run([sys.executable, "-c", _CRASHING_SAVER, root], env=env, capture_output=True, timeout=180)
     assert r.returncode == 0, r.stderr.decode()[-3000:]
     assert [s.get("step") for s in _man(root, 2)["shards"]] == [None, 0]
     shutil.rmtree(os.path.join(root, "step-0"))  # "I only need the newest": the root's step 2 is now unrestorable

@@ -22,6 +22,7 @@ import pytest
 import torch
 
 import nebula_ckpt as nc
+import warm_python
 from nebula_ckpt.cli import main
 from nebula_ckpt.errors import CorruptCheckpointError
 from nebula_ckpt.format.commit import Commit
@@ -101,8 +102,8 @@ def test_a_removal_survives_a_sigkill_right_after_remove_returned(tmp_path, shm_
         "    ck.save(i, {'frozen': frozen, 'w': torch.full((64,), float(i))})\n"
         "print('removed', ck.remove(1), flush=True)\n"
         "time.sleep(600)\n")
-    p = subprocess.Popen([sys.executable, "-c", child, root], stdout=subprocess.PIPE, text=True, cwd=REPO,
-                         env={**os.environ, "NEBULA_SHM_DIR": shm_dir})
+    p = warm_python.popen([sys.executable, "-c", child, root], stdout=subprocess.PIPE, text=True, cwd=REPO,
+                          env={**os.environ, "NEBULA_SHM_DIR": shm_dir})
     try:
         assert p.stdout is not None
         assert p.stdout.readline().strip() == "removed [1]"

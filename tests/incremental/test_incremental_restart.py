@@ -12,13 +12,13 @@ import dataclasses
 import json
 import os
 import signal
-import subprocess
 import sys
 import textwrap
 
 import torch
 
 import nebula_ckpt as nc
+import warm_python
 from nebula_ckpt import knobs
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -41,8 +41,8 @@ FIRST_JOB = textwrap.dedent("""
 
 def _first_job(root: str, shm_dir: str, memory: bool = False) -> None:
     env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""), NEBULA_SHM_DIR=shm_dir)
-    p = subprocess.run([sys.executable, "-c", FIRST_JOB, root, "memory" if memory else "disk"], env=env,
-                       capture_output=True, text=True, timeout=120)
+    p = warm_python.run([sys.executable, "-c", FIRST_JOB, root, "memory" if memory else "disk"], env=env,
+                        capture_output=True, text=True, timeout=120)
     assert p.returncode == -signal.SIGKILL, p.stdout + p.stderr
 
 
@@ -101,8 +101,8 @@ def test_a_restarted_save_reads_back_bit_exact_in_a_new_process(tmp_path, shm_di
               "step, s = ck.read(3)\n"
               "torch.save({'frozen': s['frozen'], 'train': s['train']}, sys.argv[2])\n")
     out = str(tmp_path / "got.pt")
-    p = subprocess.run([sys.executable, "-c", script, root, out], env=env, capture_output=True, text=True,
-                       timeout=120)
+    p = warm_python.run([sys.executable, "-c", script, root, out], env=env, capture_output=True, text=True,
+                        timeout=120)
     assert p.returncode == 0, p.stderr
     got = torch.load(out)
     assert torch.equal(got["frozen"], into["frozen"]) and torch.equal(got["train"], into["train"])

@@ -25,6 +25,7 @@ import torch
 
 import nebula_ckpt as nc
 import nebula_ckpt.compat.torch_nebula as tn
+import warm_python
 from nebula_ckpt.adapters import check_tag
 from nebula_ckpt.compat import install_aliases
 from proc_lines import lines
@@ -206,8 +207,8 @@ def test_a_forked_child_exiting_leaves_the_parents_exports_and_session_alone(roo
     """A plain ``os.fork()`` child that exits normally runs the atexit hooks it inherited: the
     session's must leave the parent's session alone (its exported files stay until the parent's
     ``shutdown()``, which removes them)."""
-    p = subprocess.run([sys.executable, "-c", _FORK_CHILD, root], capture_output=True, text=True, timeout=120,
-                       env={**os.environ, "NEBULA_SHM_DIR": shm_dir})
+    p = warm_python.run([sys.executable, "-c", _FORK_CHILD, root], capture_output=True, text=True, timeout=120,
+                        env={**os.environ, "NEBULA_SHM_DIR": shm_dir})
     assert p.returncode == 0, p.stderr[-3000:]
     assert "gone after shutdown: True" in p.stdout, p.stdout
 
@@ -354,8 +355,8 @@ def test_sigkill_after_commit_resumes_in_a_new_process(root: str, shm_dir: str) 
     checkpoint (held only by the memory tier: the interval kept it off the disk), bit-exact."""
     env = _env(shm_dir)
     worker = str(HERE / "compat_nebula_worker.py")
-    proc = subprocess.Popen([sys.executable, "-u", worker, "train", root], stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, env=env)
+    proc = warm_python.popen([sys.executable, "-u", worker, "train", root], stdout=subprocess.PIPE,
+                             stderr=subprocess.STDOUT, text=True, env=env)
     committed: dict[str, str] = {}
     out: list[str] = []
     try:
@@ -370,8 +371,8 @@ def test_sigkill_after_commit_resumes_in_a_new_process(root: str, shm_dir: str) 
         proc.send_signal(signal.SIGKILL)
         proc.wait()
     assert len(committed) == 3, "\n".join(out)
-    res = subprocess.run([sys.executable, "-u", worker, "resume", root], capture_output=True, text=True, env=env,
-                         timeout=120)
+    res = warm_python.run([sys.executable, "-u", worker, "resume", root], capture_output=True, text=True, env=env,
+                          timeout=120)
     assert res.returncode == 0, res.stdout + res.stderr
     resumed = next(line for line in res.stdout.splitlines() if line.startswith("RESUMED"))
     _, tag, step, tier, dig = resumed.split()
@@ -410,8 +411,8 @@ def test_two_ranks_sigkilled_after_commit_resume_each_rank_bit_exact(tmp_path: P
 
 
 def test_example_runs(tmp_path: Path, shm_dir: str) -> None:
-    res = subprocess.run([sys.executable, str(EXAMPLE), "--root", str(tmp_path / "ckpt")], capture_output=True,
-                         text=True, env=_env(shm_dir), timeout=120)
+    res = warm_python.run([sys.executable, str(EXAMPLE), "--root", str(tmp_path / "ckpt")], capture_output=True,
+                          text=True, env=_env(shm_dir), timeout=120)
     assert res.returncode == 0, res.stdout + res.stderr
     assert "resumed from global_step12 (step 3): bit-exact" in res.stdout
 

@@ -11,13 +11,15 @@ from pathlib import Path
 
 import pytest
 
+import warm_python
+
 WORKER = Path(__file__).with_name("dcp_worker.py")
 
 
 def _run(root: Path, losses: Path, *extra: str) -> subprocess.CompletedProcess[str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("RANK", "WORLD_SIZE", "MASTER_", "LOCAL_"))}
-    return subprocess.run([sys.executable, str(WORKER), str(root), str(losses), "12", *extra],
-                          env=env, capture_output=True, text=True, timeout=240)
+    return warm_python.run([sys.executable, str(WORKER), str(root), str(losses), "12", *extra],
+                           env=env, capture_output=True, text=True, timeout=240)
 
 
 def _losses(path: Path) -> dict[int, str]:

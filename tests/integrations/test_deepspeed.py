@@ -28,6 +28,8 @@ from typing import Any, Optional
 
 import pytest
 
+import warm_python
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 WORKER = os.path.join(HERE, "ds_worker.py")
 
@@ -62,8 +64,8 @@ def _env(shm_dir: str, rank_env: Optional[dict[str, str]] = None) -> dict[str, s
 
 
 def _start(args: list[Any], shm_dir: str, rank_env: Optional[dict[str, str]] = None) -> subprocess.Popen[str]:
-    p = subprocess.Popen([sys.executable, WORKER, *map(str, args)], env=_env(shm_dir, rank_env),
-                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    p = warm_python.popen([sys.executable, WORKER, *map(str, args)], env=_env(shm_dir, rank_env),
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     _STARTED.append(p)
     return p
 
@@ -309,8 +311,8 @@ def test_example_trains_saves_and_resumes(tmp_path, shm_dir) -> None:  # noqa: A
     args = ["--save-dir", tmp_path / "ds", "--root", tmp_path / "root", "--every", "5"]
 
     def run(*extra: Any) -> str:
-        proc = subprocess.run([sys.executable, example, *map(str, args + list(extra))], env=_env(shm_dir), text=True,
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=100)
+        proc = warm_python.run([sys.executable, example, *map(str, args + list(extra))], env=_env(shm_dir), text=True,
+                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=100)
         assert proc.returncode in (0, -signal.SIGKILL), proc.stdout[-6000:]
         return proc.stdout
 

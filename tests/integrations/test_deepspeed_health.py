@@ -9,11 +9,12 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
-import subprocess
 import sys
 from typing import Any
 
 import pytest
+
+import warm_python
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -31,7 +32,7 @@ def _phases(tmp_path: Any, shm_dir: str, *phases: str) -> tuple[list[dict[str, A
                PYTHONPATH=os.pathsep.join([os.path.dirname(os.path.dirname(HERE)), os.environ.get("PYTHONPATH", "")]))
     for k in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
         env.pop(k, None)
-    r = subprocess.run([sys.executable, os.path.join(HERE, "ds_health_worker.py"), str(tmp_path / "root"),
+    r = warm_python.run([sys.executable, os.path.join(HERE, "ds_health_worker.py"), str(tmp_path / "root"),
                         str(tmp_path / "ds"), str(out), *phases], env=env, capture_output=True, text=True, timeout=150)
     assert r.returncode == 0, f"worker failed (rc {r.returncode}):\n{r.stdout[-3000:]}\n{r.stderr[-6000:]}"
     return json.loads(out.read_text()), r.stdout + r.stderr

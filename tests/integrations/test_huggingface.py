@@ -15,6 +15,8 @@ from typing import Any
 import pytest
 import torch
 
+import warm_python
+
 pytest.importorskip("transformers", reason="transformers is not installed (pip install 'nebula_ckpt[huggingface]')")
 
 import nebula_ckpt as nc  # noqa: E402
@@ -72,8 +74,8 @@ def test_sigkill_then_resume_gives_bit_identical_losses(tmp_path, shm_dir: str) 
                                                                                 os.environ.get("PYTHONPATH", "")]))
 
     def worker(result: str, *flags: str) -> subprocess.CompletedProcess[str]:
-        return subprocess.run([sys.executable, os.path.join(HERE, "hf_worker.py"), out, root, result, *flags],
-                              env=env, capture_output=True, text=True, timeout=120)
+        return warm_python.run([sys.executable, os.path.join(HERE, "hf_worker.py"), out, root, result, *flags],
+                               env=env, capture_output=True, text=True, timeout=120)
 
     crashed = str(tmp_path / "crashed.json")
     p = worker(crashed, "--kill-at", "12")

@@ -16,11 +16,12 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
-import subprocess
 import sys
 from typing import Any
 
 import pytest
+
+import warm_python
 
 pytest.importorskip("transformers", reason="transformers is not installed (pip install 'nebula_ckpt[huggingface]')")
 
@@ -42,7 +43,7 @@ def _worker(tmp_path: Any, shm_dir: str, name: str, result: str, *flags: str) ->
     for k in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
         env.pop(k, None)
     out = str(tmp_path / name)
-    p = subprocess.run([sys.executable, os.path.join(HERE, "hf_worker.py"), out, os.path.join(out, "nebula"),
+    p = warm_python.run([sys.executable, os.path.join(HERE, "hf_worker.py"), out, os.path.join(out, "nebula"),
                         str(tmp_path / result), *flags], env=env, capture_output=True, text=True, timeout=300)
     got = json.loads((tmp_path / result).read_text()) if (tmp_path / result).exists() else {}
     got["rc"] = p.returncode

@@ -16,13 +16,14 @@ import importlib.util
 import json
 import os
 import shutil
-import subprocess
 import sys
 import time
 from typing import Any
 
 import pytest
 import torch
+
+import warm_python
 
 pytest.importorskip("transformers", reason="transformers is not installed (pip install 'nebula_ckpt[huggingface]')")
 
@@ -144,7 +145,7 @@ def _crash(tmp_path: Any, shm_dir: str, *flags: str) -> dict[str, Any]:
     env = dict(os.environ, NEBULA_SHM_DIR=shm_dir, PYTHONPATH=os.pathsep.join([os.path.dirname(HERE),
                                                                                 os.environ.get("PYTHONPATH", "")]))
     result = str(tmp_path / "crashed.json")
-    p = subprocess.run([sys.executable, os.path.join(HERE, "hf_worker.py"), out, os.path.join(out, "nebula"), result,
+    p = warm_python.run([sys.executable, os.path.join(HERE, "hf_worker.py"), out, os.path.join(out, "nebula"), result,
                         *flags], env=env, capture_output=True, text=True, timeout=120)
     assert p.returncode == -9, p.stdout[-2000:] + p.stderr[-4000:]
     with open(result) as f:

@@ -18,6 +18,8 @@ import numpy as np
 import pytest
 import torch
 
+import warm_python
+
 pl = pytest.importorskip("pytorch_lightning", reason="PyTorch Lightning is not installed: "
                          "pip install 'nebula_ckpt[lightning]' (pytorch-lightning) to run these tests")
 
@@ -463,9 +465,9 @@ def test_background_failure_surfaces_from_fit(tmp_path, shm_dir: str, when: str)
 def _run_worker(tmp: str, name: str, root: str, dirpath: str, env: dict[str, str], *extra: str) -> int:
     log_path = os.path.join(tmp, f"{name}.log")
     with open(log_path, "w") as logf:
-        proc = subprocess.run([sys.executable, WORKER, "--root", root, "--dirpath", dirpath, "--out", tmp,
+        proc = warm_python.run([sys.executable, WORKER, "--root", root, "--dirpath", dirpath, "--out", tmp,
                                "--name", name, *extra], env=env, stdout=logf, stderr=subprocess.STDOUT,
-                              timeout=240, cwd=REPO)
+                               timeout=240, cwd=REPO)
     if proc.returncode not in (0, -signal.SIGKILL):
         with open(log_path) as f:
             pytest.fail(f"worker {name} exited {proc.returncode}:\n{f.read()[-4000:]}")
@@ -621,8 +623,8 @@ def test_torch_load_of_a_pointer_file(root: str, tmp_path) -> None:  # noqa: ANN
             "try:\n    torch.load(p, weights_only=True)\nexcept Exception as e:\n    print('REFUSED', e)\n"
             "ck = torch.load(p, weights_only=False)\n"
             "print('KEYS', sorted(ck['state_dict']))\n")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
-                         env={**os.environ, "PYTHONPATH": REPO}, cwd=REPO)
+    out = warm_python.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": REPO}, cwd=REPO)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "REFUSED" in out.stdout and "nebula_ckpt.integrations.lightning.open_pointer" in out.stdout, out.stdout
     assert f"KEYS {sorted(model.state_dict())}" in out.stdout, out.stdout

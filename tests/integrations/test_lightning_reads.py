@@ -18,6 +18,8 @@ from typing import Any
 import pytest
 import torch
 
+import warm_python
+
 pl = pytest.importorskip("pytorch_lightning", reason="PyTorch Lightning is not installed: "
                          "pip install 'nebula_ckpt[lightning]' (pytorch-lightning) to run these tests")
 
@@ -110,8 +112,8 @@ class _SaveThenRead(Callback):
         self._save(trainer)
         # another process reads while the save is in flight; the gate opens once it says it
         # waits (or once it is over: then it read something else, or failed)
-        proc = subprocess.Popen([sys.executable, "-c", _READ_ELSEWHERE, p], cwd=REPO, text=True,
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, env={**os.environ, "PYTHONPATH": REPO})
+        proc = warm_python.popen([sys.executable, "-c", _READ_ELSEWHERE, p], cwd=REPO, text=True,
+                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, env={**os.environ, "PYTHONPATH": REPO})
         assert proc.stderr is not None
         err = []
         for line in proc.stderr:

@@ -9,13 +9,13 @@ then overwrite the newer steps). Real files, a real child process with a low ``R
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 import textwrap
 
 import torch
 
 import nebula_ckpt as nc
+import warm_python
 from nebula_ckpt import knobs
 
 LOAD = textwrap.dedent("""
@@ -41,11 +41,11 @@ def test_a_process_out_of_file_descriptors_raises_and_never_restores_an_older_st
             state[f"t{s}"] = torch.full((64,), 1000.0 + s)
             ck.save(s, state)
     env = dict(os.environ, NEBULA_SHM_DIR=shm_dir)
-    low = subprocess.run([sys.executable, "-c", LOAD, root, "low"], env=env, capture_output=True, text=True,
-                         timeout=120)
+    low = warm_python.run([sys.executable, "-c", LOAD, root, "low"], env=env, capture_output=True, text=True,
+                          timeout=120)
     out = [line for line in low.stdout.splitlines() if line.startswith(("RESULT", "ERROR"))]
     assert out and out[-1].startswith("ERROR 24 "), low.stdout + low.stderr[-2000:]
     assert "step 23" in out[-1] and "ulimit -n" in out[-1] and "not damaged" in out[-1], out[-1]
-    enough = subprocess.run([sys.executable, "-c", LOAD, root, "enough"], env=env, capture_output=True, text=True,
-                            timeout=120)
+    enough = warm_python.run([sys.executable, "-c", LOAD, root, "enough"], env=env, capture_output=True, text=True,
+                             timeout=120)
     assert "RESULT 23 1023.0" in enough.stdout, enough.stdout + enough.stderr[-2000:]

@@ -10,7 +10,6 @@ storage the restore reads (a hook on :class:`LocalStorage`), on real files.
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 from typing import Any
 
@@ -18,6 +17,7 @@ import pytest
 import torch
 
 import nebula_ckpt as nc
+import warm_python
 from nebula_ckpt.storage.local import LocalStorage
 
 N = 1 << 16
@@ -47,8 +47,8 @@ def _saved_again_when_read(monkeypatch: pytest.MonkeyPatch, root: str, shm_dir: 
     def hooked(self: LocalStorage, rel: str, *args: Any, **kwargs: Any) -> Any:
         if not fired and rel.startswith(f"step-{step}/shard-"):
             fired.append(rel)
-            subprocess.run([sys.executable, "-c", RESAVE, root, str(step), str(value), str(N)], env=env,
-                           check=True, timeout=300, capture_output=True)
+            warm_python.run([sys.executable, "-c", RESAVE, root, str(step), str(value), str(N)], env=env,
+                            check=True, timeout=300, capture_output=True)
         return original(self, rel, *args, **kwargs)
 
     monkeypatch.setattr(LocalStorage, method, hooked)
@@ -157,7 +157,7 @@ def test_a_restore_beside_a_live_job_whose_retention_removes_the_step_listed_res
     step 4 and its retention (keep_last=1) removes step 3."""
     _saved(root, 3)
     env = dict(os.environ, NEBULA_SHM_DIR=shm_dir)
-    fired = _on_first_read(monkeypatch, 3, "files", lambda: subprocess.run(
+    fired = _on_first_read(monkeypatch, 3, "files", lambda: warm_python.run(
         [sys.executable, "-c", RETAIN, root, "4", "40", str(N)], env=env, check=True, timeout=300,
         capture_output=True))
     into = {"w": torch.zeros(N)}

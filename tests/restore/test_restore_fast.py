@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -20,6 +19,7 @@ import pytest
 import torch
 
 import nebula_ckpt as nc
+import warm_python
 from nebula_ckpt.format.names import step_dir
 from nebula_ckpt.format.records import TensorRecord
 from nebula_ckpt.restore.apply import materialize
@@ -154,9 +154,9 @@ def test_restoring_from_the_memory_tier_never_makes_the_shard_resident(root: str
     state (2/3 of the bytes) plus at most a chunk in flight, never the mapped shard whole
     (which made it 1.67x the state before)."""
     env = dict(os.environ, NEBULA_SHM_DIR=shm_dir)
-    subprocess.run([sys.executable, "-c", _PEAK, "save", root], check=True, env=env, timeout=120)
-    out = subprocess.run([sys.executable, "-c", _PEAK, "load", root], check=True, env=env, timeout=120,
-                         capture_output=True, text=True).stdout
+    warm_python.run([sys.executable, "-c", _PEAK, "save", root], check=True, env=env, timeout=120)
+    out = warm_python.run([sys.executable, "-c", _PEAK, "load", root], check=True, env=env, timeout=120,
+                          capture_output=True, text=True).stdout
     got = json.loads(out.splitlines()[-1])
     assert got["step"] == 1 and got["tier"].startswith("memory:"), got
     assert got["extra"] <= 0.67 + 0.15, got  # before: ~1.67 (the whole shard mapped + the copies)

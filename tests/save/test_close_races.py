@@ -23,6 +23,7 @@ import pytest
 import torch
 
 import nebula_ckpt as nc
+import warm_python
 from faults import FaultyTier
 
 TESTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -94,7 +95,7 @@ ck.close()
 
 def _child(code: str, root: str, shm_dir: str) -> subprocess.CompletedProcess[str]:
     env = dict(os.environ, NEBULA_SHM_DIR=shm_dir, PYTHONPATH=os.pathsep.join([REPO, os.environ.get("PYTHONPATH", "")]))
-    return subprocess.run([sys.executable, "-c", code, root], capture_output=True, text=True, timeout=120, env=env)
+    return warm_python.run([sys.executable, "-c", code, root], capture_output=True, text=True, timeout=120, env=env)
 
 
 def _committed(root: str) -> list[int]:

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -16,6 +15,7 @@ import pytest
 import torch
 
 import nebula_ckpt as nc
+import warm_python
 
 N = 1 << 18  # 1 MiB of float32
 
@@ -30,8 +30,8 @@ os._exit(0)  # killed: step 2 lives only in the memory tier
 
 
 def _earlier_writer(root: str, shm_dir: str) -> None:
-    subprocess.run([sys.executable, "-c", EARLIER, root], check=True, timeout=120,
-                   env=dict(os.environ, NEBULA_SHM_DIR=shm_dir))
+    warm_python.run([sys.executable, "-c", EARLIER, root], check=True, timeout=120,
+                    env=dict(os.environ, NEBULA_SHM_DIR=shm_dir))
     assert sorted(p.name for p in Path(root).glob("step-*")) == ["step-0"]
 
 
@@ -43,9 +43,9 @@ def test_close_copies_an_earlier_writers_step_as_the_same_write_and_its_suspect_
         tmp_path: Path, shm_dir: str) -> None:
     root = str(tmp_path / "ck")
     _earlier_writer(root, shm_dir)
-    mark = subprocess.run([sys.executable, "-m", "nebula_ckpt.cli", "mark", root, "--suspect", "2", "--reason",
+    mark = warm_python.run([sys.executable, "-m", "nebula_ckpt.cli", "mark", root, "--suspect", "2", "--reason",
                            "loss went NaN"], capture_output=True, text=True, timeout=120,
-                          env=dict(os.environ, NEBULA_SHM_DIR=shm_dir))
+                           env=dict(os.environ, NEBULA_SHM_DIR=shm_dir))
     assert mark.returncode == 0, mark.stdout + mark.stderr
     state = {"w": torch.zeros(N)}
     ck = nc.Checkpointer(root, tiers=[nc.MemoryTier(), nc.LocalTier(root, every=3)], incremental=False)
@@ -74,14 +74,14 @@ os._exit(0)  # killed: the second write of step 1 lives only in the memory tier
 def test_an_earlier_writers_step_saved_again_replaces_its_first_write_on_disk(
         tmp_path: Path, shm_dir: str, how: str) -> None:
     root = str(tmp_path / "ck")
-    subprocess.run([sys.executable, "-c", SAVED_AGAIN, root], check=True, timeout=120,
-                   env=dict(os.environ, NEBULA_SHM_DIR=shm_dir))
+    warm_python.run([sys.executable, "-c", SAVED_AGAIN, root], check=True, timeout=120,
+                    env=dict(os.environ, NEBULA_SHM_DIR=shm_dir))
     assert _commit(root, 1)["generation"] == 1 and _commit(root, 1)["save"] == 0  # the first write
     # 2.5 MiB: the memory tier's step 1 (1 MiB), the earlier process's spare slot file (1 MiB, too small for the
     # new state: not adopted) and step 2 (1.25 MiB) do not fit together: the save puts step 1 on disk first
     if how == "persist-memory":  # the job ended for good: its epilogue
-        r = subprocess.run([sys.executable, "-m", "nebula_ckpt.cli", "persist-memory", root, "--json"],
-                           capture_output=True, text=True, env=dict(os.environ, NEBULA_SHM_DIR=shm_dir), timeout=120)
+        r = warm_python.run([sys.executable, "-m", "nebula_ckpt.cli", "persist-memory", root, "--json"],
+                            capture_output=True, text=True, env=dict(os.environ, NEBULA_SHM_DIR=shm_dir), timeout=120)
         assert r.returncode == 0 and json.loads(r.stdout)["copied"], (r.stdout, r.stderr)
     budget = int(2.5 * 4 * N) if how == "budget" else None
     ck = nc.Checkpointer(root, tiers=[nc.MemoryTier(), nc.LocalTier(root, every=2)], incremental=False,

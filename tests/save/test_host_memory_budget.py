@@ -13,7 +13,6 @@ import gc
 import glob
 import json
 import os
-import subprocess
 import sys
 from typing import Any
 
@@ -21,6 +20,7 @@ import pytest
 import torch
 
 import nebula_ckpt as nc
+import warm_python
 from nebula_ckpt.save.budget import HostMemoryBudget, machine_memory
 from nebula_ckpt.storage.local import LocalStorage
 from proc_lines import json_child
@@ -38,7 +38,7 @@ def _run(root: str, shm_dir: str, budget: Any, on_full: str, saves: int = 4) -> 
     env = dict(os.environ, NEBULA_SHM_DIR=shm_dir,
                PYTHONPATH=os.pathsep.join([REPO, os.environ.get("PYTHONPATH", "")]))
     spec = {"root": root, "budget": budget, "on_full": on_full, "saves": saves, "mb": MB}
-    r = subprocess.run([sys.executable, CHILD, json.dumps(spec)], capture_output=True, text=True, timeout=300, env=env)
+    r = warm_python.run([sys.executable, CHILD, json.dumps(spec)], capture_output=True, text=True, timeout=300, env=env)
     assert r.returncode == 0, r.stderr[-3000:]
     out: dict[str, Any] = json.loads(r.stdout.strip().splitlines()[-1])
     out["log"] = r.stderr
@@ -201,7 +201,7 @@ def test_a_memory_step_whose_disk_copy_is_damaged_is_given_up_only_once_the_disk
            f"for s in (1, 2):\n"
            f"    ck.save(s, {{'w': torch.full(({n},), float(s))}}).result()\n"
            f"os._exit(0)\n")
-    subprocess.run([sys.executable, "-c", job], check=True, timeout=300, env={**os.environ, "NEBULA_SHM_DIR": shm_dir})
+    warm_python.run([sys.executable, "-c", job], check=True, timeout=300, env={**os.environ, "NEBULA_SHM_DIR": shm_dir})
     shard = glob.glob(os.path.join(root, "step-2", "shard-*"))[0]
     os.truncate(shard, os.path.getsize(shard) // 2)
     tiers = [nc.MemoryTier(keep_last=2), nc.LocalTier(root, keep_last=3, every=2)]

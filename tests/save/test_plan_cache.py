@@ -552,9 +552,10 @@ print(torch.cuda.is_initialized())
 def test_a_cpu_process_never_has_cuda_initialised_by_the_checkpointer(tmp_path: Any) -> None:
     """The copy path is set up ahead of the first save only in a process that already uses CUDA:
     initialising CUDA in a CPU job would cost it seconds and break a later fork (DataLoader)."""
-    import subprocess
 
-    res = subprocess.run([sys.executable, "-c", _CPU_PROCESS, str(tmp_path / "ckpt")], capture_output=True,
-                         text=True, timeout=300)
+    import warm_python
+
+    res = warm_python.run([sys.executable, "-c", _CPU_PROCESS, str(tmp_path / "ckpt")], capture_output=True,
+                          text=True, timeout=300)
     assert res.returncode == 0, res.stderr[-3000:]
     assert res.stdout.split()[-1] == "False"

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import subprocess
 import sys
 import threading
 
 import pytest
 
+import warm_python
 from nebula_ckpt.workers import Workers
 
 
@@ -72,6 +72,6 @@ def late():
 
 atexit.register(late)
 """
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    r = warm_python.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr
     assert r.stdout.split("\n")[:2] == ["tpe refused", "workers 10"], r.stdout

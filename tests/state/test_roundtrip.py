@@ -5,13 +5,13 @@ from __future__ import annotations
 import collections
 import math
 import os
-import subprocess
 import sys
 
 import pytest
 import torch
 
 import nebula_ckpt as nc
+import warm_python
 from conftest import make_training, train_step
 
 
@@ -226,7 +226,7 @@ for t in (s.sd["a"], s.sd["b"], tree["s"]["b"], tree["extra"]):
     assert torch.equal(g.get_state(), t)
 print("set", s.sd["b"].storage_offset(), tree["extra"].storage_offset())
 """
-    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
-                         env={**os.environ, "NEBULA_SHM_DIR": shm_dir})
+    res = warm_python.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "NEBULA_SHM_DIR": shm_dir})
     assert res.returncode == 0, f"exit {res.returncode}:\n{res.stderr[-3000:]}"
     assert res.stdout.split() == ["set", "0", "0"], res.stdout

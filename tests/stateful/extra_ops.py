@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Any, Hashable
 from hypothesis import strategies as st
 from hypothesis.stateful import precondition, rule
 
+import warm_python
 from stateful.procs import REPO
 
 if TYPE_CHECKING:
@@ -133,7 +134,7 @@ class ExtraOps:
         if not os.path.lexists(self.shm_of(node)):
             os.makedirs(self.shm_of(node))
         try:
-            r = subprocess.run([CLI, *argv], capture_output=True, text=True, timeout=300, env=env)
+            r = warm_python.run([CLI, *argv], capture_output=True, text=True, timeout=300, env=env)
         except subprocess.TimeoutExpired:
             self.fail(f"nebula-ckpt {' '.join(argv)} on n{node} hung (300 s)")
             raise

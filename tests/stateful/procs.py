@@ -19,6 +19,8 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
+import warm_python
+
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
 
@@ -42,8 +44,8 @@ class Proc:
     def __init__(self, logdir: Path, n: int, env: dict[str, str]) -> None:
         self.log_path = logdir / f"worker-{n}.log"
         self._log = open(self.log_path, "w")
-        self.p = subprocess.Popen([sys.executable, "-u", str(HERE / "worker.py")], stdin=subprocess.PIPE,
-                                  stdout=subprocess.PIPE, stderr=self._log, text=True, env=env, cwd=str(REPO))
+        self.p = warm_python.popen([sys.executable, "-u", str(HERE / "worker.py")], stdin=subprocess.PIPE,
+                                   stdout=subprocess.PIPE, stderr=self._log, text=True, env=env, cwd=str(REPO))
         self.n = n
         self._buf = ""
 

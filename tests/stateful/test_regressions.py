@@ -9,7 +9,6 @@ step number; what decides by step number alone takes the older one for the newer
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -17,6 +16,7 @@ from typing import Any
 import torch
 
 import nebula_ckpt as nc
+import warm_python
 from nebula_ckpt import knobs
 from nebula_ckpt.cli import main as cli
 from stateful.states import blank_state, decode, make_state
@@ -45,7 +45,7 @@ def _saved_twice(root: str, crash: bool) -> None:
             "assert len(ck.save(5, make_state(2, 1, 0)).tiers_written) == 1\n"
             "os._exit(0)\n") % (str(HERE.parent), str(HERE.parents[1]), root, root)
     env = dict(os.environ, NEBULA_SHM_DIR=knobs.get("shm_dir"))  # the test's memory-tier folder
-    subprocess.run([sys.executable, "-c", code], check=True, env=env, timeout=300)
+    warm_python.run([sys.executable, "-c", code], check=True, env=env, timeout=300)
 
 
 def _restored(root: str, **kw: Any) -> dict[str, Any]:

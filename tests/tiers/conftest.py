@@ -26,6 +26,7 @@ from typing import Any, Iterator, Optional
 import pytest
 
 import nebula_ckpt as nc
+import warm_python
 from blob.conftest import Store, _store, azurite, moto_s3  # noqa: F401  (re-exported fixtures)
 from nebula_ckpt.storage.base import Storage
 
@@ -125,8 +126,8 @@ def run_python(code: str, *args: str, timeout: float = 60, env: Optional[dict[st
     full_env = dict(os.environ, **(env or {}))
     full_env["PYTHONPATH"] = os.pathsep.join([REPO, os.path.join(REPO, "tests"),
                                               full_env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
-    r = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True,
-                       timeout=timeout, env=full_env, cwd=REPO, check=False)
+    r = warm_python.run([sys.executable, "-c", code, *args], capture_output=True, text=True,
+                        timeout=timeout, env=full_env, cwd=REPO, check=False)
     assert r.returncode == 0, f"subprocess failed (rc={r.returncode}):\n{r.stdout}\n{r.stderr}"
     return r
 

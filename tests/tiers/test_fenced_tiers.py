@@ -22,6 +22,7 @@ import pytest
 import torch
 
 import nebula_ckpt as nc
+import warm_python
 from faults import renumber_step
 from memory_paths import memory_tier_path, try_lock
 from nebula_ckpt.format.commit import Commit, committed_steps, read_commit, retract_step
@@ -76,8 +77,8 @@ def test_a_fenced_writer_stops_on_every_tier_and_never_wins_the_restart(root: st
     gates = str(tmp_path / "gates")
     os.makedirs(gates)
     env = dict(os.environ, NEBULA_SHM_DIR=shm_dir)
-    stale = subprocess.Popen([sys.executable, "-c", _STALE, root, gates], env=env, stdout=subprocess.PIPE,
-                             stderr=subprocess.PIPE, text=True)
+    stale = warm_python.popen([sys.executable, "-c", _STALE, root, gates], env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True)
     folder = memory_tier_path(root)
     try:
         _await(os.path.join(gates, "saved-1"), stale)
@@ -117,8 +118,8 @@ def test_an_older_generation_never_wins_even_with_a_higher_step_on_the_fastest_t
     gates = str(tmp_path / "gates")
     os.makedirs(gates)
     env = dict(os.environ, NEBULA_SHM_DIR=shm_dir)
-    stale = subprocess.Popen([sys.executable, "-c", _STALE, root, gates], env=env, stdout=subprocess.PIPE,
-                             stderr=subprocess.PIPE, text=True)
+    stale = warm_python.popen([sys.executable, "-c", _STALE, root, gates], env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True)
     try:
         _await(os.path.join(gates, "saved-1"), stale)
     finally:
@@ -180,8 +181,8 @@ def test_a_save_that_ends_fenced_takes_back_what_it_committed_on_its_memory_tier
     os.makedirs(gates)
     env = dict(os.environ, NEBULA_SHM_DIR=shm_dir)
     tests = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    stale = subprocess.Popen([sys.executable, "-c", _FENCED_SAVE, root, gates, tests], env=env,
-                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    stale = warm_python.popen([sys.executable, "-c", _FENCED_SAVE, root, gates, tests], env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     folder = memory_tier_path(root)
     try:
         _await(os.path.join(gates, "paused"), stale)
@@ -304,9 +305,9 @@ def test_a_stale_writers_manifest_never_lands_on_a_step_the_newer_writer_committ
     only step the root has)."""
     gates = str(tmp_path / "gates")
     os.makedirs(gates)
-    stale = subprocess.Popen([sys.executable, "-c", _SLOW_STALE, root, gates], text=True,
-                             env=dict(os.environ, NEBULA_SHM_DIR=shm_dir), stdout=subprocess.PIPE,
-                             stderr=subprocess.PIPE)
+    stale = warm_python.popen([sys.executable, "-c", _SLOW_STALE, root, gates], text=True,
+                              env=dict(os.environ, NEBULA_SHM_DIR=shm_dir), stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE)
     try:
         _await(os.path.join(gates, "shard-written"), stale)
         with nc.Checkpointer(root, memory_tier=False, keep_last=1) as newer:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import stat
-import subprocess
 import sys
 import time
 
@@ -12,6 +11,7 @@ import pytest
 import torch
 
 import nebula_ckpt as nc
+import warm_python
 from faults import FaultyTier
 from memory_paths import memory_tier_path
 
@@ -38,7 +38,7 @@ ck.save(7, {{"w": torch.full((4,), 7.0)}})
 os._exit(0)   # no close(): as after a crash
 """
     env = dict(os.environ, NEBULA_SHM_DIR=shm_dir)
-    subprocess.run([sys.executable, "-c", code], check=True, env=env, cwd=os.getcwd())
+    warm_python.run([sys.executable, "-c", code], check=True, env=env, cwd=os.getcwd())
     w = torch.zeros(4)
     with nc.Checkpointer(root) as ck:   # same root, no other argument
         assert ck.load_latest(into={"w": w}) == 7
@@ -116,11 +116,11 @@ def test_stale_writer_is_fenced(tmp_path, shm_dir) -> None:  # noqa: ANN001
 def tiny_fs(tmp_path):  # noqa: ANN001, ANN201
     mnt = tmp_path / "tiny"
     mnt.mkdir()
-    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(mnt)], capture_output=True, text=True)
+    r = warm_python.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(mnt)], capture_output=True, text=True)
     if r.returncode != 0:
         pytest.skip(f"cannot mount a 4 MiB tmpfs here (needs root / CAP_SYS_ADMIN): {r.stderr.strip()}")
     yield str(mnt)
-    subprocess.run(["umount", "-l", str(mnt)], check=False)
+    warm_python.run(["umount", "-l", str(mnt)], check=False)
 
 
 def test_disk_full_fails_clearly_and_keeps_earlier_checkpoints(tiny_fs: str, shm_dir: str) -> None:

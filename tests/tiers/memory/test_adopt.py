@@ -22,6 +22,7 @@ import pytest
 import torch
 
 import nebula_ckpt as nc
+import warm_python
 from nebula_ckpt import knobs
 from nebula_ckpt.tiers.memory.tier import memory_tier_path
 
@@ -51,7 +52,7 @@ def _model() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
 
 def _crash(root: str, shm_dir: str, ref: str, mode: str = "durable") -> dict[str, Any]:
     env = dict(os.environ, NEBULA_SHM_DIR=shm_dir)
-    r = subprocess.run([sys.executable, "-c", _SAVER, root, ref, mode], env=env, capture_output=True, timeout=120)
+    r = warm_python.run([sys.executable, "-c", _SAVER, root, ref, mode], env=env, capture_output=True, timeout=120)
     assert r.returncode == -signal.SIGKILL, r.stderr.decode()[-3000:]
     return torch.load(ref, weights_only=True)
 
@@ -332,8 +333,8 @@ def _restore_pinned(root: str, shm_dir: str, ref: str, gates: str, modes: list[s
     ``meanwhile`` runs), then each restores in turn (0, 1, ...) to the end, then each changes its
     optimizer state in turn, then all check theirs."""
     env = dict(os.environ, NEBULA_SHM_DIR=shm_dir)
-    procs = [subprocess.Popen([sys.executable, "-c", _RESTORER, root, gates, ref, str(i), m], env=env,
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    procs = [warm_python.popen([sys.executable, "-c", _RESTORER, root, gates, ref, str(i), m], env=env,
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
              for i, m in enumerate(modes)]
     try:
         for i in range(len(modes)):

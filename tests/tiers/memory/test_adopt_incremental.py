@@ -23,6 +23,7 @@ import pytest
 import torch
 
 import nebula_ckpt as nc
+import warm_python
 from nebula_ckpt import knobs
 from nebula_ckpt.tiers.memory.tier import memory_tier_path
 
@@ -75,8 +76,8 @@ def _env(shm_dir: str, full_every: int = 10) -> dict[str, str]:
 
 
 def _crash(root: str, shm_dir: str, ref: str, steps: int = 2) -> list[dict[str, Any]]:
-    r = subprocess.run([sys.executable, "-c", _SAVER, root, ref, str(steps), "kill"], env=_env(shm_dir),
-                       capture_output=True, timeout=300)
+    r = warm_python.run([sys.executable, "-c", _SAVER, root, ref, str(steps), "kill"], env=_env(shm_dir),
+                        capture_output=True, timeout=300)
     assert r.returncode == -signal.SIGKILL, r.stderr.decode()[-3000:]
     return [torch.load(f"{ref}-{s}", weights_only=True) for s in range(steps)]
 
@@ -117,8 +118,8 @@ def test_an_incremental_memory_step_is_restored_without_a_copy(root: str, shm_di
         assert os.path.exists(os.path.join(folder, "step-0", "COMMIT"))    # the base stays the tier's
         # training writes the frozen tensor (or anything else does): a private page, never the tier's file
         into["frozen"].add_(1.0)
-        r = subprocess.run([sys.executable, "-c", _READER, root, "0", str(tmp_path / "ref-0")], env=_env(shm_dir),
-                           capture_output=True, timeout=300)
+        r = warm_python.run([sys.executable, "-c", _READER, root, "0", str(tmp_path / "ref-0")], env=_env(shm_dir),
+                            capture_output=True, timeout=300)
         assert r.stdout.decode().strip() == "memory SAME", r.stderr.decode()[-3000:]
         assert torch.equal(into["frozen"], want[1]["frozen"] + 1.0)
         _, again = ck.read(0)  # and this process reads the tier's base unchanged too
@@ -186,8 +187,8 @@ def test_a_spare_slot_file_is_never_staged_into_while_a_process_maps_it_copy_on_
     that slot file (a spare of a dead process, of exactly the size of a full save) in place: the
     copy-on-write frozen tensor here would change under it."""
     ref, gate = str(tmp_path / "ref"), str(tmp_path / "gate")
-    job = subprocess.Popen([sys.executable, "-c", _SAVER, root, ref, "2", f"wait:{gate}:4"],
-                           env=_env(shm_dir, full_every=3), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    job = warm_python.popen([sys.executable, "-c", _SAVER, root, ref, "2", f"wait:{gate}:4"],
+                            env=_env(shm_dir, full_every=3), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     try:
         _wait_for(gate + ".ready", job)
         want = torch.load(f"{ref}-0", weights_only=True)
@@ -204,8 +205,8 @@ def test_a_spare_slot_file_is_never_staged_into_while_a_process_maps_it_copy_on_
             job.kill()
             job.wait()
             # every save of the restarted job (of another model) is full: it takes every spare of that size
-            r = subprocess.run([sys.executable, "-c", _SAVER, root, str(tmp_path / "ref2"), "4", "kill", "4"],
-                               env=_env(shm_dir, full_every=1), capture_output=True, timeout=300)
+            r = warm_python.run([sys.executable, "-c", _SAVER, root, str(tmp_path / "ref2"), "4", "kill", "4"],
+                                env=_env(shm_dir, full_every=1), capture_output=True, timeout=300)
             assert r.returncode == -signal.SIGKILL, r.stderr.decode()[-3000:]
             assert torch.equal(into["frozen"], want["frozen"]), "a save staged into the copy-on-write base's file"
             for d, _, names in os.walk(memory_tier_path(root)):

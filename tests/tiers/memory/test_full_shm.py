@@ -14,7 +14,6 @@ import json
 import logging
 import os
 import signal
-import subprocess
 import sys
 from typing import Any, Callable
 
@@ -22,6 +21,7 @@ import pytest
 import torch
 
 import nebula_ckpt as nc
+import warm_python
 from nebula_ckpt import knobs
 from nebula_ckpt.cli import main
 from nebula_ckpt.errors import PersistError
@@ -168,8 +168,8 @@ def test_a_restart_after_a_save_the_full_tmpfs_refused(
     root = str(tmp_path / "ckpt")
     env = dict(os.environ, NEBULA_SHM_DIR=shm,
                PYTHONPATH=os.pathsep.join([_REPO, os.path.join(_REPO, "tests"), os.environ.get("PYTHONPATH", "")]))
-    r = subprocess.run([sys.executable, "-c", _CRASHING_SAVER, root], env=env, capture_output=True, text=True,
-                       timeout=300)
+    r = warm_python.run([sys.executable, "-c", _CRASHING_SAVER, root], env=env, capture_output=True, text=True,
+                        timeout=300)
     assert r.returncode == -signal.SIGKILL, r.stderr[-3000:]
     report = json.loads(r.stdout.splitlines()[-1])
     assert [w.split(":")[0] for w in report["4"]] == ["local"], report["4"]  # the memory tier stood aside

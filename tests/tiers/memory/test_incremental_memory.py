@@ -212,13 +212,14 @@ def test_after_a_crash_the_chain_restores_from_the_memory_tier_and_a_base_is_nev
     Loading step 0 would hand its pages over (zero-copy adoption deletes the step from the tier),
     but step 1 refers to its bytes: it is copied instead, and step 1 still restores from memory."""
     import signal
-    import subprocess
     import sys
+
+    import warm_python
 
     root, ref = str(tmp_path / "ck"), str(tmp_path / "ref")
     env = dict(os.environ, NEBULA_SHM_DIR=shm_dir, PYTHONPATH=os.pathsep.join(
         [REPO, os.environ.get("PYTHONPATH", "")]))
-    r = subprocess.run([sys.executable, "-c", _SAVER, root, ref], env=env, capture_output=True, timeout=180)
+    r = warm_python.run([sys.executable, "-c", _SAVER, root, ref], env=env, capture_output=True, timeout=180)
     assert r.returncode == -signal.SIGKILL, r.stderr.decode()[-3000:]
     want = [torch.load(f"{ref}-{s}", weights_only=True) for s in range(2)]
     tiers = [nc.MemoryTier(keep_last=5), nc.LocalTier(root)]

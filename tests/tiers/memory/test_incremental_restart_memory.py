@@ -14,7 +14,6 @@ import hashlib
 import json
 import os
 import signal
-import subprocess
 import sys
 import textwrap
 from pathlib import Path
@@ -22,6 +21,7 @@ from typing import Any
 
 import torch
 
+import warm_python
 from nebula_ckpt import knobs
 from nebula_ckpt.tiers.memory.tier import memory_tier_path
 
@@ -56,9 +56,8 @@ JOB = textwrap.dedent("""
 
 def _life(root: str, shm_dir: str, out: str, steps: list[int], adopt: bool = False) -> dict[str, Any]:
     env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""), NEBULA_SHM_DIR=shm_dir)
-    p = subprocess.run([sys.executable, "-c", JOB, root, out, ",".join(map(str, steps)), *(["adopt"] if adopt else [])],
-                       env=env,
-                       capture_output=True, text=True, timeout=180)
+    args = [root, out, ",".join(map(str, steps)), *(["adopt"] if adopt else [])]
+    p = warm_python.run([sys.executable, "-c", JOB, *args], env=env, capture_output=True, text=True, timeout=180)
     assert p.returncode == -signal.SIGKILL, p.stdout + p.stderr
     with open(out) as f:
         return json.load(f)

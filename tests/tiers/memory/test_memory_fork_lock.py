@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -17,6 +16,7 @@ from pathlib import Path
 import torch
 
 import nebula_ckpt as nc
+import warm_python
 
 # saves step 1, forks a child that lives on (a DataLoader worker), prints its pid, SIGKILLs itself
 CHILD = """
@@ -40,7 +40,7 @@ def test_a_restart_finds_the_memory_tier_while_the_killed_process_children_live(
                                                                                  shm_dir: str) -> None:
     root = str(tmp_path / "ck")
     env = dict(os.environ, NEBULA_SHM_DIR=shm_dir)
-    res = subprocess.run([sys.executable, "-c", CHILD, root], env=env, capture_output=True, text=True, timeout=300)
+    res = warm_python.run([sys.executable, "-c", CHILD, root], env=env, capture_output=True, text=True, timeout=300)
     assert res.returncode == -signal.SIGKILL, res.stderr
     orphan = int(res.stdout.split()[0])
     try:

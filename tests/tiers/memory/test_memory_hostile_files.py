@@ -20,7 +20,6 @@ import logging
 import os
 import shutil
 import signal
-import subprocess
 import sys
 from pathlib import Path
 from types import SimpleNamespace
@@ -30,6 +29,7 @@ import pytest
 import torch
 
 import nebula_ckpt as nc
+import warm_python
 from nebula_ckpt import knobs
 from nebula_ckpt.errors import CorruptCheckpointError
 from nebula_ckpt.format.checks import MAX_STEP
@@ -76,8 +76,8 @@ for s in {steps!r}:
     ck.save(s, {{"w": torch.full((64,), float(s))}})
 os.kill(os.getpid(), signal.SIGKILL)
 """
-    r = subprocess.run([sys.executable, "-c", code], env=dict(os.environ, NEBULA_SHM_DIR=shm_dir),
-                       capture_output=True, timeout=120, check=False)
+    r = warm_python.run([sys.executable, "-c", code], env=dict(os.environ, NEBULA_SHM_DIR=shm_dir),
+                        capture_output=True, timeout=120, check=False)
     assert r.returncode == -signal.SIGKILL, r.stderr.decode()
     folder = memory_tier_path(root)
     assert f"step-{steps[-1]}" in os.listdir(folder)

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 import nebula_ckpt as nc
+import warm_python
 from incremental.test_chain_edges import _DAMAGE as CHAIN_DAMAGE
 from incremental.test_chain_edges import _frozen as chain_frozen
 from incremental.test_chain_edges import _mem_folder as chain_mem_folder
@@ -38,7 +39,7 @@ def _job_that_dies(root: str, shm_dir: str, steps: int = 3) -> None:
         os._exit(0)
     """)
     env = dict(os.environ, NEBULA_SHM_DIR=shm_dir, PYTHONPATH=str(REPO))
-    subprocess.run([sys.executable, "-c", code], env=env, check=True, timeout=120)
+    warm_python.run([sys.executable, "-c", code], env=env, check=True, timeout=120)
 
 
 def test_the_newest_memory_step_reaches_the_root(root: str, shm_dir: str) -> None:
@@ -109,7 +110,7 @@ def _job(root: str, shm_dir: str, steps: list[int], disk: str, resume: bool = Fa
         os._exit(0)
     """)
     env = dict(os.environ, NEBULA_SHM_DIR=shm_dir, PYTHONPATH=str(REPO))
-    subprocess.run([sys.executable, "-c", code], env=env, check=True, timeout=120)
+    warm_python.run([sys.executable, "-c", code], env=env, check=True, timeout=120)
 
 
 def _steps(root: str) -> list[int]:
@@ -191,7 +192,7 @@ def _killed_job(root: str, shm_dir: str, last: int, disk: str, size: int = 1000)
         os.kill(os.getpid(), signal.SIGKILL)
     """)
     env = dict(os.environ, NEBULA_SHM_DIR=shm_dir, PYTHONPATH=str(REPO))
-    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    r = warm_python.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert r.returncode == -signal.SIGKILL, r.stderr
 
 
@@ -292,16 +293,16 @@ def test_overlapping_persist_memory_runs_both_succeed(root: str, shm_dir: str, t
         print(persist_memory({root!r}, on_part=part)["copied"])
     """)
     env = dict(os.environ, NEBULA_SHM_DIR=shm_dir, PYTHONPATH=str(REPO))
-    a = subprocess.Popen([sys.executable, "-c", first], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                         text=True)
+    a = warm_python.popen([sys.executable, "-c", first], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                          text=True)
     try:
         for _ in range(1200):
             if ready.exists() or a.poll() is not None:
                 break
             time.sleep(0.05)
         assert ready.exists(), a.communicate()
-        b = subprocess.Popen([sys.executable, "-m", "nebula_ckpt.cli", "-v", "persist-memory", root], env=env,
-                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        b = warm_python.popen([sys.executable, "-m", "nebula_ckpt.cli", "-v", "persist-memory", root], env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         assert b.stderr is not None
         said = []
         for line in b.stderr:  # it waits for the first run (not "a live process")
@@ -344,8 +345,8 @@ def test_persist_memory_replaces_the_roots_damaged_copy_of_the_newest_step(root:
             ck.save(s, {{"w": torch.full((1024,), float(s))}}).result()
         os._exit(0)
     """)
-    subprocess.run([sys.executable, "-c", code], env=dict(os.environ, NEBULA_SHM_DIR=shm_dir, PYTHONPATH=str(REPO)),
-                   check=True, timeout=120)
+    warm_python.run([sys.executable, "-c", code], env=dict(os.environ, NEBULA_SHM_DIR=shm_dir, PYTHONPATH=str(REPO)),
+                    check=True, timeout=120)
     damaged = next(Path(root, "step-2").glob("shard-*"))
     _damage(damaged, how)
     got = persist_memory(root)

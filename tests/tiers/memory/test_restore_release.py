@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
+
+import warm_python
 
 _REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
@@ -59,8 +60,8 @@ def test_a_memory_tier_restore_keeps_no_mapping_once_its_result_is_dropped(tmp_p
     root = str(tmp_path / "ck")
     env = dict(os.environ, PYTHONPATH=_REPO)
     for phase in ("save", "load"):
-        r = subprocess.run([sys.executable, "-c", _CHILD, str(shm), root, phase], env=env, capture_output=True,
-                           text=True, timeout=300)
+        r = warm_python.run([sys.executable, "-c", _CHILD, str(shm), root, phase], env=env, capture_output=True,
+                            text=True, timeout=300)
         assert r.returncode == 0, r.stderr[-3000:]
     out = json.loads(r.stdout.splitlines()[-1])
     assert out["load"][:2] == ["memory", True], out

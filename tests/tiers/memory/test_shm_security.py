@@ -11,7 +11,6 @@ import json
 import os
 import shutil
 import signal
-import subprocess
 import sys
 import threading
 
@@ -19,6 +18,7 @@ import pytest
 import torch
 
 import nebula_ckpt as nc
+import warm_python
 from flaky_fs import SCHEME, FlakyFileSystem, hanging, raising, register
 from nebula_ckpt import knobs
 from nebula_ckpt.cli import main as cli_main
@@ -149,7 +149,7 @@ ck.save({step}, {{"w": torch.full((8,), {value})}})
 os.kill(os.getpid(), signal.SIGKILL)
 """
     env = dict(os.environ, NEBULA_SHM_DIR=shm_dir)
-    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, timeout=120)
+    r = warm_python.run([sys.executable, "-c", code], env=env, capture_output=True, timeout=120)
     assert r.returncode == -signal.SIGKILL, r.stderr.decode()
 
 
@@ -181,8 +181,8 @@ ck = nc.Checkpointer({root!r})
 ck.save(3, {{"w": torch.full((8,), 3.0)}}).result()   # on every tier
 os.kill(os.getpid(), signal.SIGKILL)
 """
-    r = subprocess.run([sys.executable, "-c", code], env=dict(os.environ, NEBULA_SHM_DIR=shm_dir),
-                       capture_output=True, timeout=120)
+    r = warm_python.run([sys.executable, "-c", code], env=dict(os.environ, NEBULA_SHM_DIR=shm_dir),
+                        capture_output=True, timeout=120)
     assert r.returncode == -signal.SIGKILL, r.stderr.decode()
     folder = memory_tier_path(root)
     assert "step-3" in os.listdir(folder)
@@ -216,8 +216,8 @@ def test_second_live_writer_on_same_root_does_not_write_the_memory_tier(root: st
     with nc.Checkpointer(root) as first:
         first.save(1, {"w": torch.ones(2)})
         assert "memory" in _written_kinds(first)
-        p = subprocess.run([sys.executable, "-c", _SECOND_WRITER, root], capture_output=True, text=True,
-                           timeout=300, env=dict(os.environ, NEBULA_SHM_DIR=shm_dir))
+        p = warm_python.run([sys.executable, "-c", _SECOND_WRITER, root], capture_output=True, text=True,
+                            timeout=300, env=dict(os.environ, NEBULA_SHM_DIR=shm_dir))
         assert p.returncode == 0, p.stderr[-4000:]
         step, tier, kinds = json.loads(p.stdout.strip().splitlines()[-1])
         assert step == 1 and tier.startswith("memory:") and kinds == ["local"], p.stdout
@@ -281,8 +281,8 @@ for s in {steps!r}:
     ck.save(s, {{"w": torch.full((2,), float(s))}})
 os.kill(os.getpid(), signal.SIGKILL)
 """
-    r = subprocess.run([sys.executable, "-c", code], env=dict(os.environ, NEBULA_SHM_DIR=shm_dir),
-                       capture_output=True, timeout=300)
+    r = warm_python.run([sys.executable, "-c", code], env=dict(os.environ, NEBULA_SHM_DIR=shm_dir),
+                        capture_output=True, timeout=300)
     assert r.returncode == -signal.SIGKILL, r.stderr.decode()
 
 

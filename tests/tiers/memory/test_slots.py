@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import logging
 import os
-import subprocess
 import sys
 import threading
 import time
@@ -19,6 +18,7 @@ import pytest
 import torch
 
 import nebula_ckpt as nc
+import warm_python
 from nebula_ckpt.format.names import SLOT_DIR, slot_owner
 from nebula_ckpt.save import buffers
 
@@ -101,8 +101,8 @@ print(os.getpid())
 os._exit(0)   # no close(): as after a crash
 """
     env = dict(os.environ, NEBULA_SHM_DIR=shm_dir)
-    dead = subprocess.run([sys.executable, "-c", code], check=True, env=env, cwd=os.getcwd(),
-                          capture_output=True, text=True).stdout.split()[-1]
+    dead = warm_python.run([sys.executable, "-c", code], check=True, env=env, cwd=os.getcwd(),
+                           capture_output=True, text=True).stdout.split()[-1]
     ck = nc.Checkpointer(root)
     try:
         slot_dir = _slot_dir(ck)
@@ -134,7 +134,7 @@ for s in (1, 2):
 os._exit(0)
 """
     env = dict(os.environ, NEBULA_SHM_DIR=shm_dir)
-    subprocess.run([sys.executable, "-c", code], check=True, env=env, cwd=os.getcwd())
+    warm_python.run([sys.executable, "-c", code], check=True, env=env, cwd=os.getcwd())
     ck = nc.Checkpointer(root, tiers=[nc.MemoryTier(), nc.LocalTier(root)])
     slot_dir = _slot_dir(ck)
     assert len(os.listdir(slot_dir)) == 1  # the spare
@@ -281,8 +281,8 @@ ck = nc.Checkpointer({root!r})
 ck.save(1, {{"a": torch.full((64, 1024), 1.0), "b": torch.arange(5000, dtype=torch.int64) + 1}})
 os._exit(0)   # no close(): as after a crash
 """
-    subprocess.run([sys.executable, "-c", code], check=True, env=dict(os.environ, NEBULA_SHM_DIR=shm_dir),
-                   cwd=os.getcwd())
+    warm_python.run([sys.executable, "-c", code], check=True, env=dict(os.environ, NEBULA_SHM_DIR=shm_dir),
+                    cwd=os.getcwd())
     [slot_dir] = [os.path.join(d, SLOT_DIR) for d in _memory_folders(shm_dir)]
     for name in STRAY_SLOT_NAMES:
         with open(os.path.join(slot_dir, name), "wb") as f:

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 import textwrap
 from pathlib import Path
@@ -19,6 +18,7 @@ from pathlib import Path
 import torch
 
 import nebula_ckpt as nc
+import warm_python
 from nebula_ckpt.tiers.memory import gc
 
 REPO = Path(__file__).resolve().parents[3]
@@ -57,8 +57,8 @@ def test_gc_keeps_a_memory_tier_whose_write_the_root_lacks(root: str, shm_dir: s
         _save_twice({root!r})
         os._exit(0)
     """)
-    subprocess.run([sys.executable, "-c", code], env=dict(os.environ, NEBULA_SHM_DIR=shm_dir, PYTHONPATH=str(REPO)),
-                   check=True, timeout=120)
+    warm_python.run([sys.executable, "-c", code], env=dict(os.environ, NEBULA_SHM_DIR=shm_dir, PYTHONPATH=str(REPO)),
+                    check=True, timeout=120)
     decisions = [d for d in gc.collect() if d.found.owner is not None and d.found.owner.root == root]
     assert len(decisions) == 1 and not decisions[0].remove, decisions[0].reason
     from nebula_ckpt.tiers.memory.epilogue import persist_memory

@@ -21,6 +21,7 @@ import pytest
 import torch
 
 import nebula_ckpt as nc
+import warm_python
 from dist.launch import run_ranks
 from nebula_ckpt import knobs
 from nebula_ckpt.tiers.memory.epilogue import persist_memory
@@ -80,8 +81,8 @@ def _drain(job: Job, node: int, kill: str = "-", gate: str = "") -> subprocess.P
     """``nebula-ckpt persist-memory`` on simulated node ``node`` (its memory tiers), in a process of
     its own, started (``kill``, ``gate``: see ``drain_cli.py``)."""
     env = dict(os.environ, NEBULA_SHM_DIR=str(job.shm / f"n{node}"), PYTHONPATH=str(REPO))
-    return subprocess.Popen([sys.executable, str(HERE / "drain_cli.py"), job.root, kill, gate],
-                            env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    return warm_python.popen([sys.executable, str(HERE / "drain_cli.py"), job.root, kill, gate],
+                             env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
 
 
 def _at_once(job: Job, nodes: list[int]) -> list[dict[str, Any]]:
