@@ -157,7 +157,11 @@ def _child(req: dict[str, Any], fds: list[int], base_path: list[str]) -> None:
     except BaseException:  # noqa: BLE001 - reported as the interpreter would, exit code 1
         import traceback
         traceback.print_exc()
-    os._exit(_shutdown(code))
+    code = _shutdown(code)
+    if code == -signal.SIGINT:
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGINT)
+    os._exit(code & 0xFF)
 
 
 def _unbuffered() -> None:
@@ -187,10 +191,10 @@ def _run(kind: str, what: str, args: list[str]) -> int:
             exec(compile(what, "<string>", "exec"), main.__dict__)  # noqa: S102 - the test's own -c code
     except SystemExit as e:
         return _exit_code(e)
-    except KeyboardInterrupt:
+    except KeyboardInterrupt:  # CPython ends such a program by SIGINT, after its shutdown
         import traceback
         traceback.print_exc()
-        return 130
+        return -signal.SIGINT
     except BaseException:  # noqa: BLE001 - as the interpreter reports an uncaught exception
         import traceback
         traceback.print_exc()

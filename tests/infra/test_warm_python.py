@@ -49,7 +49,7 @@ def test_a_script_sees_and_does_what_it_would_in_a_fresh_interpreter(tmp_path: P
     assert warm.stdout == cold.stdout
 
 
-@pytest.mark.parametrize("form", ["-c", "-m", "-u", "warnings"])
+@pytest.mark.parametrize("form", ["-c", "-m", "-u", "warnings", "ctrl-c"])
 def test_code_modules_and_unbuffered_output_as_python_runs_them(form: str) -> None:
     if form == "-c":
         args = [sys.executable, "-c", "import sys; print(sys.argv, sys.path[0] == '', __name__); sys.exit(5)", "a"]
@@ -60,6 +60,9 @@ def test_code_modules_and_unbuffered_output_as_python_runs_them(form: str) -> No
     elif form == "-u":
         args = [sys.executable, "-u", "-c", "import sys; print('x', file=sys.stdout); import os; os._exit(7)"]
         want = ("x\n", 7)  # written through at once: os._exit flushes nothing
+    elif form == "ctrl-c":  # an uncaught KeyboardInterrupt: atexit runs, then the process dies by SIGINT
+        args = [sys.executable, "-c", "import atexit; atexit.register(print, 'atexit'); raise KeyboardInterrupt"]
+        want = ("atexit\n", -signal.SIGINT)
     else:  # PYTHONWARNINGS=error: a warning raised as an error, as in a fresh interpreter
         args = [sys.executable, "-c", "import sys, warnings; print(sys.warnoptions)\n"
                 "try:\n    warnings.warn('w', UserWarning)\nexcept UserWarning:\n    print('raised')"]
