@@ -8,12 +8,21 @@ benchmark's own, so any of them may use it.
 
 from __future__ import annotations
 
+import importlib.util
 import math
 import os
+import socket
 import statistics
-from typing import Any, Optional
+import subprocess
+import sys
+from typing import Any, Optional, Sequence
 
-__all__ = ["fmt_b", "fmt_pct", "fmt_s", "summary", "target", "usable_cores"]
+__all__ = ["WARM_PYTHON_ENV", "fmt_b", "fmt_pct", "fmt_s", "free_port", "python_popen", "python_run", "summary",
+           "target", "usable_cores"]
+
+#: a test's launcher of warm Python children (the file ``tests/warm_python.py``); only the smoke tests
+#: set it, so that the benchmark's own processes skip importing torch; a benchmark run never does
+WARM_PYTHON_ENV = "NEBULA_BENCH_WARM_PYTHON"
 
 
 def summary(samples: list[float]) -> dict[str, Any]:
@@ -66,3 +75,39 @@ def target(tid: str, title: str, met: Optional[bool], value: str, threshold: str
 def usable_cores() -> int:
     """Cores this process may run on (its affinity mask where the OS has one)."""
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now (a job's ``MASTER_PORT``)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _launcher() -> Any:
+    """``subprocess``, or the module ``$NEBULA_BENCH_WARM_PYTHON`` names (``popen`` / ``run`` with the
+    arguments of ``subprocess.Popen`` / ``subprocess.run``, children forked from a server that imported
+    torch once: real processes of their own, started without the import)."""
+    path = os.environ.get(WARM_PYTHON_ENV)
+    if not path:
+        return subprocess
+    mod = sys.modules.get("warm_python")
+    if mod is None:
+        spec = importlib.util.spec_from_file_location("warm_python", path)
+        if spec is None or spec.loader is None:
+            raise ImportError(f"${WARM_PYTHON_ENV}: no module at {path!r}")
+        mod = importlib.util.module_from_spec(spec)
+        sys.modules["warm_python"] = mod
+        spec.loader.exec_module(mod)
+    return mod
+
+
+def python_popen(args: Sequence[str], **kw: Any) -> "subprocess.Popen[Any]":
+    """``subprocess.Popen(args, **kw)`` for a ``[sys.executable, ...]`` command (see :func:`_launcher`)."""
+    launcher = _launcher()
+    return launcher.Popen(args, **kw) if launcher is subprocess else launcher.popen(args, **kw)
+
+
+def python_run(args: Sequence[str], **kw: Any) -> "subprocess.CompletedProcess[Any]":
+    """``subprocess.run(args, **kw)`` for a ``[sys.executable, ...]`` command (see :func:`_launcher`)."""
+    return _launcher().run(args, **kw)

@@ -424,6 +424,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--saves", type=int, default=None, help="saves per system (default 6; 3 with --quick)")
     p.add_argument("--interval", type=int, default=None, help="training steps per save (default 10; 3 with --quick)")
     p.add_argument("--steps", type=int, default=None, help="steps of the throughput run (default 3 x interval)")
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch compute threads (default: the usable cores)")
     p.add_argument("--setups", default="disk,remote,memory", help=f"comma-separated of {','.join(SETUPS)}")
     p.add_argument("--systems", default=",".join(SYSTEMS), help=f"comma-separated of {','.join(SYSTEMS)}")
     p.add_argument("--target", default=None, help="folder for the disk setup (default: a temp dir in bench_out/)")
@@ -451,7 +453,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    torch.set_num_threads(max(1, usable_cores()))
+    torch.set_num_threads(args.threads or max(1, usable_cores()))
     t0 = time.perf_counter()
     load_before = [round(x, 2) for x in os.getloadavg()]
     w = build_lora(args.model, args.lora_rank, args.lora_targets.split(","))

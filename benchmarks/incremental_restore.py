@@ -27,10 +27,11 @@ import json
 import os
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 from typing import Any, Optional
+
+from benchmarks.common import python_run
 
 VARIANTS = ("incremental", "full", "incremental_copied")
 
@@ -99,12 +100,12 @@ def one(variant: str, model: str, into: str) -> dict[str, Any]:
     work = tempfile.mkdtemp(prefix="nebula-bench-restore-")
     try:
         env, root, ref = _env(shm, variant), os.path.join(work, "ck"), os.path.join(work, "ref.json")
-        r = subprocess.run([sys.executable, "-c", _SAVE, root, model, "0" if variant == "full" else "1", ref],
-                           env=env, capture_output=True, timeout=1800)
+        r = python_run([sys.executable, "-c", _SAVE, root, model, "0" if variant == "full" else "1", ref],
+                       env=env, capture_output=True, timeout=1800)
         if r.returncode != -9:
             raise RuntimeError(f"saver: {r.stderr.decode()[-3000:]}")
-        r = subprocess.run([sys.executable, "-c", _RESTORE, root, model, into], env=env, capture_output=True,
-                           timeout=1800, check=False)
+        r = python_run([sys.executable, "-c", _RESTORE, root, model, into], env=env, capture_output=True,
+                       timeout=1800, check=False)
         if r.returncode:
             raise RuntimeError(f"restore: {r.stderr.decode()[-3000:]}")
         got = json.loads(r.stdout.decode().strip().splitlines()[-1])

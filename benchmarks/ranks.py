@@ -64,7 +64,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any, Optional
 
-from benchmarks.common import usable_cores
+from benchmarks.common import python_popen, usable_cores
 from benchmarks.rank_jobs import PROTOCOL_MODEL, RANK_MODELS, JobSpec, state_bytes_estimate
 from benchmarks.rank_peers import CALLS, SYSTEMS
 from benchmarks.rank_report import aggregate, aggregate_protocol
@@ -116,8 +116,8 @@ def launch(spec: JobSpec, deadline_s: float) -> list[Optional[int]]:
                    NEBULA_COMMIT_TIMEOUT_S=os.environ.get("NEBULA_COMMIT_TIMEOUT_S", str(spec.timeout_s)),
                    PYTHONPATH=pkg_root + os.pathsep + os.environ.get("PYTHONPATH", ""))
         with open(out / f"r{r}.log", "wb") as logf:
-            procs.append(subprocess.Popen([sys.executable, "-m", "benchmarks.rank_jobs", str(spec_path)],
-                                          env=env, stdout=logf, stderr=subprocess.STDOUT, cwd=pkg_root))
+            procs.append(python_popen([sys.executable, "-m", "benchmarks.rank_jobs", str(spec_path)],
+                                      env=env, stdout=logf, stderr=subprocess.STDOUT, cwd=pkg_root))
     end = time.monotonic() + deadline_s
     killed: set[int] = set()
     try:

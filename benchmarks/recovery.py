@@ -70,7 +70,7 @@ from typing import Any, Optional, Sequence
 
 import torch
 
-from benchmarks.common import fmt_b, fmt_s
+from benchmarks.common import fmt_b, fmt_s, python_popen
 from benchmarks.limits import evict, resident_fraction
 from benchmarks.recovery_report import CALLS, METHOD, ROWS, aggregate_row, aggregate_saves
 from benchmarks.recovery_worker import FIRST_SAVES, Geometry, WorkerSpec, geometry, layout, worker_main
@@ -185,8 +185,8 @@ def launch(spec: WorkerSpec, work: Path, name: str, timeout_s: float,
                PYTHONPATH=pkg_root + os.pathsep + os.environ.get("PYTHONPATH", ""))
     rc: Optional[int] = None
     with open(log_path, "wb") as logf:
-        proc = subprocess.Popen([sys.executable, "-m", "benchmarks.recovery_worker", spec.role,
-                                 str(spec_path)], env=env, stdout=logf, stderr=subprocess.STDOUT, cwd=pkg_root)
+        proc = python_popen([sys.executable, "-m", "benchmarks.recovery_worker", spec.role, str(spec_path)],
+                            env=env, stdout=logf, stderr=subprocess.STDOUT, cwd=pkg_root)
         try:
             rc = proc.wait(timeout_s)
         except subprocess.TimeoutExpired:

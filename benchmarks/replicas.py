@@ -65,6 +65,7 @@ from typing import Any, Callable, Optional
 
 from benchmarks import replicas_drain as drain
 from benchmarks import replicas_threads as threads
+from benchmarks.common import free_port, python_popen
 
 REPO = Path(__file__).resolve().parents[1]
 #: where the simulated nodes' memory tiers live (a tmpfs; set by main)
@@ -212,9 +213,6 @@ def _write(spec: dict[str, Any], rank: int, out: dict[str, Any]) -> int:
 
 # -- the driver ---------------------------------------------------------------------------------
 def _job(world: int, spec: dict[str, Any], tmp: Path) -> list[dict[str, Any]]:
-    sys.path.insert(0, str(REPO))
-    from tests.dist.launch import free_port
-
     out = Path(tempfile.mkdtemp(dir=tmp))
     spec = dict(spec, out=str(out))
     spec_file = out / "spec.json"
@@ -225,9 +223,8 @@ def _job(world: int, spec: dict[str, Any], tmp: Path) -> list[dict[str, Any]]:
         env = dict(os.environ, RANK=str(r), WORLD_SIZE=str(world), LOCAL_RANK=str(r // 2),
                    LOCAL_WORLD_SIZE=str(max(1, world // 2)), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
                    OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
-        procs.append(subprocess.Popen([sys.executable, "-m", "benchmarks.replicas", "--rank-job", str(spec_file)],
-                                      env=env, cwd=str(REPO), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                      text=True))
+        procs.append(python_popen([sys.executable, "-m", "benchmarks.replicas", "--rank-job", str(spec_file)],
+                                  env=env, cwd=str(REPO), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
     for r, p in enumerate(procs):
         stdout, _ = p.communicate(timeout=900)
         if p.returncode != 0:

@@ -25,11 +25,12 @@ import json
 import os
 import shutil
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import Any, Callable
+
+from benchmarks.common import python_run
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -73,7 +74,7 @@ def _drain_once(root: Path, shm: Path) -> dict[str, Any]:
             "got['drain_s'] = time.perf_counter() - t\nprint(json.dumps(got))\n")
     env = dict(os.environ, NEBULA_SHM_DIR=str(shm), PYTHONPATH=str(REPO))
     t0 = time.perf_counter()
-    p = subprocess.run([sys.executable, "-c", code, str(root)], env=env, capture_output=True, text=True, timeout=900)
+    p = python_run([sys.executable, "-c", code, str(root)], env=env, capture_output=True, text=True, timeout=900)
     wall = time.perf_counter() - t0
     if p.returncode != 0:
         raise RuntimeError(f"persist-memory failed:\n{p.stdout[-2000:]}{p.stderr[-2000:]}")

@@ -25,7 +25,9 @@ def thread_cpu() -> dict[str, float]:
     """CPU seconds of this process's live threads so far, summed by kind of thread (empty
     where ``/proc`` does not list them)."""
     names = {t.native_id: t.name for t in threading.enumerate()}
-    main = threading.main_thread().native_id
+    # the main thread's id is the process's (Linux, as /proc here): main_thread().native_id is the
+    # parent's in a forked process (Python 3.11 does not renew it at fork)
+    main = os.getpid()
     out: dict[str, float] = {}
     try:
         tids = os.listdir("/proc/self/task")

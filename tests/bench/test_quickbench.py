@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
 
+import warm_python
 from nebula_ckpt import quickbench
 
 REPO = Path(__file__).resolve().parents[2]
@@ -111,9 +111,9 @@ def test_bad_options_exit_2_with_the_reason(argv: list[str], message: str, tmp_p
 
 def test_the_command_prints_json_and_no_progress_without_a_terminal(tmp_path: Path, shm_dir: str) -> None:
     env = {**os.environ, "NEBULA_SHM_DIR": shm_dir, "PYTHONPATH": str(REPO)}
-    proc = subprocess.run([sys.executable, "-m", "nebula_ckpt.quickbench", "--size-gb", "0.005", "--saves", "2",
+    proc = warm_python.run([sys.executable, "-m", "nebula_ckpt.quickbench", "--size-gb", "0.005", "--saves", "2",
                            "--torch-reps", "1", "--root", str(tmp_path), "--json"],
-                          env=env, capture_output=True, text=True, timeout=120, cwd=tmp_path)
+                           env=env, capture_output=True, text=True, timeout=120, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr
     res = json.loads(proc.stdout)
     assert res["options"]["saves"] == 2 and len(res["nebula"]["blocking_s"]) == 2
