@@ -65,8 +65,11 @@ def _serve(path: str) -> None:
     signal.signal(signal.SIGCHLD, lambda *_: None)
     waiting: dict[int, socket.socket] = {}
     import select
+    parent = os.getppid()
     while True:
-        ready, _, _ = select.select([lsock, rfd], [], [])
+        ready, _, _ = select.select([lsock, rfd], [], [], 2.0)
+        if os.getppid() != parent:  # the test process is gone (killed): so is its server
+            os._exit(0)
         if rfd in ready:
             os.read(rfd, 4096)
             _reap(waiting)
@@ -125,6 +128,8 @@ def _child(req: dict[str, Any], fds: list[int], base_path: list[str]) -> None:
     code = 1
     try:
         signal.set_wakeup_fd(-1)
+        if hasattr(threading.main_thread(), "_set_native_id"):  # Python 3.11 keeps the server's at fork
+            threading.main_thread()._set_native_id()  # type: ignore[attr-defined]
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)
         signal.signal(signal.SIGINT, signal.default_int_handler)
         for target, fd in zip((0, 1, 2), fds, strict=True):

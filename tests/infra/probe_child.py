@@ -18,6 +18,7 @@ atexit.register(lambda: print("atexit ran", flush=True))
 print(json.dumps({"argv": sys.argv, "path0": sys.path[0], "cwd": os.getcwd(), "probe": os.environ.get("PROBE"),
                   "name": __name__, "file": os.path.basename(__file__),
                   "ours": sorted(m for m in sys.modules if m.startswith(("nebula_ckpt", "warm_python"))),
-                  "pythonpath": [p for p in sys.path if p.endswith("probe-extra")]}), flush=True)
+                  "pythonpath": [p for p in sys.path if p.endswith("probe-extra")],
+                  "main_thread_is_the_process": threading.main_thread().native_id == os.getpid()}), flush=True)
 print("to stderr", file=sys.stderr)
 sys.exit(int(sys.argv[1]) if len(sys.argv) > 1 else 0)

@@ -44,6 +44,7 @@ def test_a_script_sees_and_does_what_it_would_in_a_fresh_interpreter(tmp_path: P
         assert seen["argv"] == [PROBE, "3"] and seen["path0"] == str(HERE) and seen["cwd"] == str(tmp_path)
         assert seen["probe"] == "seen" and seen["name"] == "__main__" and seen["file"] == "probe_child.py"
         assert seen["ours"] == [] and seen["pythonpath"] == [str(HERE / "probe-extra")]
+        assert seen["main_thread_is_the_process"]
         assert lines[1:] == ["thread joined", "atexit ran"], r.stdout  # threads joined, then atexit
         assert r.stderr == "to stderr\n"
     assert warm.stdout == cold.stdout
