@@ -244,15 +244,21 @@ _server_env: dict[str, str] = {}
 _server: Optional[subprocess.Popen[bytes]] = None
 _server_path = ""
 _server_pid = -1
+_failed = False
 _lock = threading.Lock()
 
 
-def _socket_path() -> str:
-    global _server, _server_path, _server_pid
+def _socket_path() -> Optional[str]:
+    """The server's socket, the server started first where this process has none running; None
+    where it cannot start (said once; the children then start fresh)."""
+    global _server, _server_path, _server_pid, _failed
     with _lock:
         if _server is not None and _server.poll() is None and _server_pid == os.getpid():
             return _server_path
-        folder = tempfile.mkdtemp(prefix="warm-python-")
+        if _failed:
+            return None
+        # under /tmp: a socket's path must stay within 107 bytes, which a long $TMPDIR may exceed
+        folder = tempfile.mkdtemp(prefix="warm-python-", dir="/tmp" if os.path.isdir("/tmp") else None)
         _server_path = os.path.join(folder, "sock")
         env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
         _server_env.clear()
@@ -265,7 +271,10 @@ def _socket_path() -> str:
         deadline = time.monotonic() + 120
         while not os.path.exists(_server_path):
             if _server.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"the warm Python server did not start (exit {_server.poll()})")
+                _failed = True
+                print(f"warm_python: the server did not start (exit {_server.poll()}): Python children "
+                      "start fresh", file=sys.stderr)
+                return None
             time.sleep(0.02)
         return _server_path
 
@@ -319,7 +328,7 @@ def _command(args: Sequence[Any]) -> Optional[tuple[str, str, list[str], bool]]:
 class WarmProcess:
     """A child started by the server, with the part of ``subprocess.Popen``'s interface tests use."""
 
-    def __init__(self, args: Sequence[Any], kind: str, what: str, argv: list[str], unbuffered: bool,
+    def __init__(self, path: str, args: Sequence[Any], kind: str, what: str, argv: list[str], unbuffered: bool,
                  env: dict[str, str], cwd: str, stdin: Any, stdout: Any, stderr: Any, text: bool,
                  new_session: bool) -> None:
         self.args = list(args)
@@ -336,7 +345,7 @@ class WarmProcess:
                "unbuffered": unbuffered}
         self._conn = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         try:
-            self._conn.connect(_socket_path())
+            self._conn.connect(path)
             socket.send_fds(self._conn, [json.dumps(req).encode()], [in_fd, out_fd, err_fd])
             self.pid = struct.unpack("!q", self._conn.recv(8))[0]
         finally:
@@ -443,11 +452,11 @@ def popen(args: Sequence[Any], *, env: Optional[dict[str, str]] = None, cwd: Any
         return subprocess.Popen(args, env=env, cwd=cwd, stdin=stdin, stdout=stdout, stderr=stderr,
                                 text=text or universal_newlines, start_new_session=start_new_session, **kw)
     kind, what, argv, unbuffered = parsed
-    _socket_path()
-    if _startup_vars(env) != _server_env:  # what the server's imports read differs: a fresh interpreter
+    path = _socket_path()
+    if path is None or _startup_vars(env) != _server_env:  # no server, or its imports read other settings
         return subprocess.Popen(args, env=env, cwd=cwd, stdin=stdin, stdout=stdout, stderr=stderr,
                                 text=text or universal_newlines, start_new_session=start_new_session)
-    return WarmProcess(args, kind, what, argv, unbuffered, env, os.fspath(cwd) if cwd else os.getcwd(), stdin,
+    return WarmProcess(path, args, kind, what, argv, unbuffered, env, os.fspath(cwd) if cwd else os.getcwd(), stdin,
                        stdout, stderr, text or universal_newlines, start_new_session)
 
 

@@ -109,3 +109,15 @@ def test_a_console_script_of_this_interpreter_runs_warm_with_its_own_name() -> N
     warm, cold = _both([cli, "--help"])
     assert warm.returncode == cold.returncode == 0 and warm.stdout == cold.stdout
     assert warm.stdout.startswith("usage: nebula-ckpt")
+
+
+def test_a_server_that_cannot_start_leaves_the_children_to_start_fresh(monkeypatch: pytest.MonkeyPatch,
+                                                                        capfd: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setattr(warm_python, "_server", None)
+    monkeypatch.setattr(warm_python, "_failed", False)
+    monkeypatch.setattr(warm_python, "__file__", "/nonexistent/warm_python.py")  # the server's script is gone
+    r = warm_python.run([sys.executable, "-c", "print('ran')"], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and r.stdout == "ran\n", r.stderr
+    assert "the server did not start" in capfd.readouterr().err
+    p = warm_python.popen([sys.executable, "-c", "pass"])  # said once; fresh from then on
+    assert not isinstance(p, warm_python.WarmProcess) and p.wait(120) == 0
