@@ -145,6 +145,8 @@ def _child(req: dict[str, Any], fds: list[int], base_path: list[str]) -> None:
         if threads and threads.isdigit() and "torch" in sys.modules:  # read by torch's import: set it now
             sys.modules["torch"].set_num_threads(int(threads))
         os.chdir(req["cwd"])
+        if req["umask"] is not None:
+            os.umask(req["umask"])
         if req["unbuffered"] or req["env"].get("PYTHONUNBUFFERED"):
             _unbuffered()
         if req["env"].get("PYTHONWARNINGS"):  # the filters a fresh interpreter puts first at its start
@@ -291,6 +293,18 @@ def _startup_vars(env: dict[str, str]) -> dict[str, str]:
     return {k: v for k, v in env.items() if k.startswith(_STARTUP) and k not in _STARTUP_SAME}
 
 
+def _umask() -> Optional[int]:
+    """This process's umask, which a child started now inherits (read, not set: no window with 0)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except OSError:
+        pass
+    return None
+
+
 def _our_script(path: str) -> bool:
     """Whether ``path`` is a Python script of this interpreter (its ``#!`` line names it)."""
     try:
@@ -342,7 +356,7 @@ class WarmProcess:
         out_fd = self._fd(stdout, 1, True, mine, "stdout")
         err_fd = out_fd if stderr == STDOUT else self._fd(stderr, 2, True, mine, "stderr")
         req = {"kind": kind, "what": what, "args": argv, "env": env, "cwd": cwd, "new_session": new_session,
-               "unbuffered": unbuffered}
+               "unbuffered": unbuffered, "umask": _umask()}
         self._conn = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         try:
             self._conn.connect(path)

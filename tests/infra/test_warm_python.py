@@ -50,6 +50,15 @@ def test_a_script_sees_and_does_what_it_would_in_a_fresh_interpreter(tmp_path: P
     assert warm.stdout == cold.stdout
 
 
+def test_a_child_takes_the_umask_its_parent_has_when_it_starts() -> None:
+    old = os.umask(0o027)
+    try:
+        got = _both([sys.executable, "-c", "import os; m = os.umask(0); print(oct(m))"])
+    finally:
+        os.umask(old)
+    assert [r.stdout for r in got] == ["0o27\n", "0o27\n"], got
+
+
 @pytest.mark.parametrize("form", ["-c", "-m", "-u", "warnings", "ctrl-c"])
 def test_code_modules_and_unbuffered_output_as_python_runs_them(form: str) -> None:
     if form == "-c":
