@@ -51,6 +51,7 @@ def test_a_script_sees_and_does_what_it_would_in_a_fresh_interpreter(tmp_path: P
 
 
 def test_a_child_takes_the_umask_its_parent_has_when_it_starts() -> None:
+    warm_python.run([sys.executable, "-c", "pass"], timeout=120)  # the server runs, with the umask of then
     old = os.umask(0o027)
     try:
         got = _both([sys.executable, "-c", "import os; m = os.umask(0); print(oct(m))"])
