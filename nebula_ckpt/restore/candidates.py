@@ -144,6 +144,14 @@ def changed_meanwhile(c: Candidate) -> Optional[Candidate]:
 RELIST_ROUNDS = 3
 
 
+def stale(unmarked: list[Candidate], before: Optional[list[tuple[str, int]]]) -> bool:
+    """Whether a listing met a step folder without its marker that the listing ``before`` (None:
+    none) did not: a step removed since it was listed (a job's retention beside takes each marker
+    first), so newer steps may have come too, or a save begun since (found again by the next
+    listing, which then goes on)."""
+    return any((c.tier.name, c.step) not in (before or []) for c in unmarked)
+
+
 def removed_error(removed: list[Candidate], skipped: list[str]) -> NebulaError:
     """The error for a restore of the newest step whose candidates were all removed while read."""
     steps = ", ".join(dict.fromkeys(f"tier {c.tier.name} step {c.step}" for c in removed))

@@ -28,6 +28,7 @@ from nebula_ckpt.restore.candidates import (
     check_listed,
     list_candidates,
     removed_error,
+    stale,
 )
 from nebula_ckpt.restore.open import OpenCheckpoint, read_main_manifest
 from nebula_ckpt.restore.select import (
@@ -126,18 +127,21 @@ class Restorer:
         choice = HealthChoice(self.health.view() if self.health is not None else None, skip_suspect=True)
         removed: list[Candidate] = []
         before: Optional[list[tuple[str, int]]] = None
-        for _ in range(RELIST_ROUNDS):  # listed again when steps went while read (a job's retention beside)
+        for rnd in range(RELIST_ROUNDS):  # listed again when steps went while read (a job's retention beside)
             unlisted: list[BaseException] = []
             unmarked: list[Candidate] = []
             gone = len(removed)
             for c in newest_first(self.tier_pairs(), unlisted=unlisted, unmarked=unmarked):  # markers as needed
+                if rnd < RELIST_ROUNDS - 1 and (stale(unmarked, before) or len(removed) > gone):
+                    break  # newer steps may have come since this listing: listed again (as find_and_open)
                 if c.problem is None and not choice.skips(*c.order):
                     check_listed(unlisted, c)  # a tier not listed may hold a newer step
                     man = _sound(c.tier, c.storage, c.step, True)
                     now = changed_meanwhile(c) if man is None else None
-                    if now is c:
+                    if now is c:  # removed while read: listed again, but in the last listing
                         removed.append(c)
-                    elif now is not None:  # saved again while read: its new write
+                        continue
+                    if now is not None:  # saved again while read: its new write
                         man = _sound(c.tier, c.storage, c.step, True)
                     if man is not None:
                         return c.step, man.tag

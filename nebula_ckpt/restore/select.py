@@ -2,22 +2,21 @@
 
 Candidates are every committed step on every tier, newest first in the one order of
 :mod:`~nebula_ckpt.restore.candidates` (writer generation, step, save, tier). Each is opened and
-verified (:func:`~nebula_ckpt.restore.open.open_checkpoint`); on any damage the next candidate is
-tried (:func:`find_and_open`), the markers read lazily in that order (:func:`newest_first`): a
-restore reads a few markers, not every step's. In a multi-rank job every
-rank opens the same step, the newest that every rank can open (:func:`open_agreed`): the same
-*write* of it, ``(generation, step, save)``, so that a rank whose fastest tier holds the second
-write of a step saved twice and a rank that has only the first never restore a mix of the two.
+verified (:func:`~nebula_ckpt.restore.open.open_checkpoint`); on any damage the next candidate is tried
+(:func:`find_and_open`), the markers read lazily in that order (:func:`newest_first`): a restore reads a
+few markers, not every step's. In a multi-rank job every rank opens the same step, the newest that every
+rank can open (:func:`open_agreed`): the same *write* of it, ``(generation, step, save)``, so that a
+rank whose fastest tier holds the second write of a step saved twice and a rank that has only the first
+never restore a mix of the two.
 
-**The health marks** (:class:`HealthChoice`, :mod:`nebula_ckpt.health`): a restore of the newest
-step (``load_latest``, ``read()``) skips every checkpoint marked *suspect* and restores the newest
-one that is not: *healthy* or *unknown* alike, so that a job whose newest step has not been
-confirmed yet (it crashed right after the save, the common case of a hardware failure) loses no
-work; if that step is bad, the loss goes bad soon after the restore, the step is marked suspect
-and the next restore skips it. A restore of a given step or tag restores it whatever its mark (a
-warning says when it is suspect). In a multi-rank job rank 0 reads the marks and leaves the
-suspect steps out of what it offers to the ranks' agreement; one exchange tells every rank what
-rank 0 skipped.
+**The health marks** (:class:`HealthChoice`, :mod:`nebula_ckpt.health`): a restore of the newest step
+(``load_latest``, ``read()``) skips every checkpoint marked *suspect* and restores the newest one that is
+not: *healthy* or *unknown* alike, so that a job whose newest step has not been confirmed yet (it crashed
+right after the save, the common case of a hardware failure) loses no work; if that step is bad, the loss
+goes bad soon after the restore, the step is marked suspect and the next restore skips it. A restore of a
+given step or tag restores it whatever its mark (a warning says when it is suspect). In a multi-rank job
+rank 0 reads the marks and leaves the suspect steps out of what it offers to the ranks' agreement; one
+exchange tells every rank what rank 0 skipped.
 """
 
 from __future__ import annotations
@@ -42,6 +41,7 @@ from nebula_ckpt.restore.candidates import (
     list_candidates,
     removed_error,
     sort_key,
+    stale,
     stop_together,
     unreadable_marker,
 )
@@ -167,25 +167,22 @@ def find_and_open(tiers: list[tuple[Tier, Storage]], step: Optional[int] = None,
     """Open the newest healthy checkpoint (or the healthy copy of ``step``).
 
     Every candidate that fails to open is skipped with a warning, but an outage is raised (:func:`check_listed`).
-    One removed while it was read (a job's retention beside it) is left out; for the newest step, when nothing
-    opened, the tiers are listed again (:data:`RELIST_ROUNDS` times at most); removed each time too: a
-    ``NebulaError``, never None for a root that held committed steps.
+    For the newest step, a candidate removed while read or a step gone since listed (a job's retention beside)
+    lists the tiers again (:data:`RELIST_ROUNDS` times at most; the last listing goes on to older steps); nothing
+    opened, removed each time: a ``NebulaError``, never None for a root that held committed steps.
 
     Args:
         tiers: ``(tier, storage)`` pairs, fastest first.
         step: only this step; None: the newest healthy one (newest writer generation first).
-        generation, save: only checkpoints of this writer generation and save number (with ``step``: the
-            write the ranks agreed on).
+        generation, save: only checkpoints of this writer generation and save number (with ``step``: agreed).
         checked: the copy this process checked already (see :data:`Checked`).
         verify: ``"full"`` or ``"size"``; None: each tier's own setting.
         on_all_damaged: when committed candidates exist but none is healthy: ``"raise"`` a
             :class:`CorruptCheckpointError` listing them, or ``"warn"`` (log) and return None.
-        rank, world: the restoring process's rank and world size (see
-            :func:`~nebula_ckpt.restore.open.open_checkpoint`).
+        rank, world: the restoring process's rank and world size (:func:`~nebula_ckpt.restore.open.open_checkpoint`).
         stage: called with each candidate opened (checksums deferred to it, see
-            :func:`~nebula_ckpt.restore.apply.stage_restore`); a candidate it finds damaged is
-            skipped like one that fails to open, before anything was restored from it. Its ``ValidationError`` (``into``
-            does not match) is raised.
+            :func:`~nebula_ckpt.restore.apply.stage_restore`); a candidate it finds damaged is skipped like one
+            that fails to open, before anything was restored from it. Its ``ValidationError`` is raised.
         skip: ``skip(generation, step, save)``: leave that write out (marked suspect, see
             :class:`HealthChoice`); not counted as damaged.
         layouts: gets why each candidate of another layout (not damaged) was passed over.
@@ -199,9 +196,9 @@ def find_and_open(tiers: list[tuple[Tier, Storage]], step: Optional[int] = None,
         (generation is not None and c.generation != generation) or (save is not None and c.save != save)
         or (skip is not None and skip(c.generation, c.step, c.save))))
     before: Optional[list[tuple[str, int]]] = None
-    for _ in range(RELIST_ROUNDS if step is None else 1):
+    for rnd in range(RELIST_ROUNDS if step is None else 1):
         removed = len(search.removed)
-        ck, unmarked = search.first()
+        ck, unmarked = search.first(None if rnd == RELIST_ROUNDS - 1 else before or [])
         if ck is not None:
             return ck
         # a folder listed without its marker may be a save not committed yet: listed again while that changes
@@ -249,11 +246,15 @@ class _Search:
             log.warning("nebula_ckpt: skipping %s", why)
             self.skipped.append(why)
 
-    def first(self) -> tuple[Optional[OpenCheckpoint], list[tuple[str, int]]]:
-        """The first candidate, as the tiers are listed now, that opens; and ``(tier name, step)``
-        of each step folder listed whose commit marker was not there when read."""
+    def first(self, before: Optional[list[tuple[str, int]]]) -> tuple[Optional[OpenCheckpoint], list[tuple[str, int]]]:
+        """The first candidate, as listed now, that opens, and ``(tier name, step)`` of each step folder listed
+        without its marker; for the newest step none (listed again: newer steps may have come) where the listing is
+        :func:`stale` against ``before`` (None: the last listing) or a candidate was removed while read."""
         unmarked: list[Candidate] = []
+        gone = len(self.removed)
         for c in newest_first(self.tiers, self.step, self.unlisted, self.damaged, unmarked):
+            if self.step is None and before is not None and (stale(unmarked, before) or len(self.removed) > gone):
+                break
             if c.problem is not None or (c.tier.name, c.order) in self.failed or self.left_out(c):
                 continue
             check_listed(self.unlisted if self.step is None else [], c)  # a tier not listed may hold a newer step
