@@ -255,8 +255,11 @@ def _socket_path() -> Optional[str]:
     where it cannot start (said once; the children then start fresh)."""
     global _server, _server_path, _server_pid, _failed
     with _lock:
-        if _server is not None and _server.poll() is None and _server_pid == os.getpid():
-            return _server_path
+        if _server is not None and _server_pid == os.getpid() and _server.poll() is None:
+            if os.path.exists(_server_path):
+                return _server_path
+            _server.kill()  # its socket is gone (removed by someone): a new server
+            _server.wait()
         if _failed:
             return None
         # under /tmp: a socket's path must stay within 107 bytes, which a long $TMPDIR may exceed
@@ -269,7 +272,7 @@ def _socket_path() -> Optional[str]:
                                    env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                                    start_new_session=True)
         _server_pid = os.getpid()
-        atexit.register(_stop, _server, folder)
+        atexit.register(_stop, _server, folder, _server_pid)
         deadline = time.monotonic() + 120
         while not os.path.exists(_server_path):
             if _server.poll() is not None or time.monotonic() > deadline:
@@ -281,7 +284,12 @@ def _socket_path() -> Optional[str]:
         return _server_path
 
 
-def _stop(server: subprocess.Popen[bytes], folder: str) -> None:
+def _stop(server: subprocess.Popen[bytes], folder: str, owner: int) -> None:
+    """At the exit of the test process that started ``server``: stop it, remove its folder. Not in a
+    process forked from that one (a test's ``os.fork()`` whose child exits normally): the server and
+    its socket are the parent's."""
+    if os.getpid() != owner:
+        return
     if server.poll() is None:
         server.kill()
         server.wait()
