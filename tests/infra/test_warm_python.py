@@ -123,11 +123,19 @@ def test_a_console_script_of_this_interpreter_runs_warm_with_its_own_name() -> N
 
 def test_a_server_that_cannot_start_leaves_the_children_to_start_fresh(monkeypatch: pytest.MonkeyPatch,
                                                                         capfd: pytest.CaptureFixture[str]) -> None:
-    monkeypatch.setattr(warm_python, "_server", None)
-    monkeypatch.setattr(warm_python, "_failed", False)
+    for name, value in (("_server", None), ("_failed", False)):  # this process's server left as it is
+        monkeypatch.setattr(warm_python, name, value)
+    for name in ("_server_path", "_server_pid"):
+        monkeypatch.setattr(warm_python, name, getattr(warm_python, name))
     monkeypatch.setattr(warm_python, "__file__", "/nonexistent/warm_python.py")  # the server's script is gone
     r = warm_python.run([sys.executable, "-c", "print('ran')"], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0 and r.stdout == "ran\n", r.stderr
     assert "the server did not start" in capfd.readouterr().err
     p = warm_python.popen([sys.executable, "-c", "pass"])  # said once; fresh from then on
     assert not isinstance(p, warm_python.WarmProcess) and p.wait(120) == 0
+
+
+def test_the_next_test_still_starts_its_children_warm() -> None:
+    """After the case above (and whatever a test did to the server's folder): warm again."""
+    p = warm_python.popen([sys.executable, "-c", "pass"])
+    assert isinstance(p, warm_python.WarmProcess) and p.wait(120) == 0
