@@ -52,7 +52,7 @@ class FeatureOps:
         """What the budget's make-room may do before a save (each a possibility: the audits close
         them): the memory tier gives up its steps the disk tier holds as the same write; its newest
         write not marked suspect by the job (what ``close()`` would put there) goes to the disk tier
-        first when the disk lacks it."""
+        first when the disk lacks it or holds it damaged."""
         if not self.tiers.get("budget") or job.no_memory:
             return
         mem = self.mem(job.node)
@@ -60,8 +60,12 @@ class FeatureOps:
         want = self._close_target(job)
         if want is not None:
             step, entry, _ = want
-            if entry not in self.truth.tier("disk").get(step, set()):
-                self.note(f"  (the budget may put step {step} ({entry}) on the disk tier first)")
+            # also where the disk tier's copy of that write is damaged: the budget finds it so and
+            # writes it there again (seed 1558952393)
+            damaged = ("disk", step, entry.sid) in self.truth.bad | self.truth.maybe_bad
+            if damaged or entry not in self.truth.tier("disk").get(step, set()):
+                self.note(f"  (the budget may put step {step} ({entry}) on the disk tier first"
+                          f"{', over its damaged copy' if damaged else ''})")
                 self.truth.commit("disk", step, entry, self.tiers["disk_keep"], surely=False)
         self._give_up(mem)
 
