@@ -55,7 +55,6 @@ import json
 import logging
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -64,7 +63,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any, Optional
 
-from benchmarks.common import python_popen, usable_cores
+from benchmarks.common import free_port, python_popen, usable_cores
 from benchmarks.rank_jobs import PROTOCOL_MODEL, RANK_MODELS, JobSpec, state_bytes_estimate
 from benchmarks.rank_peers import CALLS, SYSTEMS
 from benchmarks.rank_report import aggregate, aggregate_protocol
@@ -93,12 +92,6 @@ def parse_ranks(text: Optional[str], flag: str = "--ranks") -> list[int]:
 
 # --------------------------------------------------------------------------- parent: launching jobs
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def launch(spec: JobSpec, deadline_s: float) -> list[Optional[int]]:
     """Start ``spec.world`` ranks and wait (at most ``deadline_s``; a rank that failed gives the
     others 30 s to notice); return their exit codes (``None``: killed by the deadline)."""
@@ -106,7 +99,7 @@ def launch(spec: JobSpec, deadline_s: float) -> list[Optional[int]]:
     out.mkdir(parents=True, exist_ok=True)
     spec_path = out / "spec.json"
     spec_path.write_text(json.dumps(asdict(spec)))
-    port = _free_port()
+    port = free_port()
     pkg_root = str(Path(__file__).resolve().parents[1])
     procs: list[subprocess.Popen[bytes]] = []
     for r in range(spec.world):
