@@ -144,12 +144,17 @@ def changed_meanwhile(c: Candidate) -> Optional[Candidate]:
 RELIST_ROUNDS = 3
 
 
-def stale(unmarked: list[Candidate], before: Optional[list[tuple[str, int]]]) -> bool:
-    """Whether a listing met a step folder without its marker that the listing ``before`` (None:
+def list_again(listing: int, unmarked: list[Candidate], before: Optional[list[tuple[str, int]]],
+               removed: bool) -> bool:
+    """Whether a restore of the newest step drops its listing number ``listing`` (from 0) and lists
+    the tiers again, before it goes on to an older step: ``removed``, a candidate was removed while
+    read, or the listing met a step folder without its marker that the listing ``before`` (None:
     none) did not: a step removed since it was listed (a job's retention beside takes each marker
-    first), so newer steps may have come too, or a save begun since (found again by the next
-    listing, which then goes on)."""
-    return any((c.tier.name, c.step) not in (before or []) for c in unmarked)
+    first), so newer steps may have come too, or a save begun since (met again by the next listing,
+    which then goes on). The last of the :data:`RELIST_ROUNDS` listings goes on whatever it meets."""
+    if listing >= RELIST_ROUNDS - 1:
+        return False
+    return removed or any((c.tier.name, c.step) not in (before or []) for c in unmarked)
 
 
 def removed_error(removed: list[Candidate], skipped: list[str]) -> NebulaError:

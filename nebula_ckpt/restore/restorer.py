@@ -26,9 +26,9 @@ from nebula_ckpt.restore.candidates import (
     Candidate,
     changed_meanwhile,
     check_listed,
+    list_again,
     list_candidates,
     removed_error,
-    stale,
 )
 from nebula_ckpt.restore.open import OpenCheckpoint, read_main_manifest
 from nebula_ckpt.restore.select import (
@@ -132,8 +132,8 @@ class Restorer:
             unmarked: list[Candidate] = []
             gone = len(removed)
             for c in newest_first(self.tier_pairs(), unlisted=unlisted, unmarked=unmarked):  # markers as needed
-                if rnd < RELIST_ROUNDS - 1 and (stale(unmarked, before) or len(removed) > gone):
-                    break  # newer steps may have come since this listing: listed again (as find_and_open)
+                if list_again(rnd, unmarked, before, len(removed) > gone):
+                    break  # newer steps may have come since this listing (as find_and_open)
                 if c.problem is None and not choice.skips(*c.order):
                     check_listed(unlisted, c)  # a tier not listed may hold a newer step
                     man = _sound(c.tier, c.storage, c.step, True)

@@ -38,10 +38,10 @@ from nebula_ckpt.restore.candidates import (
     all_damaged_message,
     changed_meanwhile,
     check_listed,
+    list_again,
     list_candidates,
     removed_error,
     sort_key,
-    stale,
     stop_together,
     unreadable_marker,
 )
@@ -198,7 +198,7 @@ def find_and_open(tiers: list[tuple[Tier, Storage]], step: Optional[int] = None,
     before: Optional[list[tuple[str, int]]] = None
     for rnd in range(RELIST_ROUNDS if step is None else 1):
         removed = len(search.removed)
-        ck, unmarked = search.first(None if rnd == RELIST_ROUNDS - 1 else before or [])
+        ck, unmarked = search.first(rnd, before)
         if ck is not None:
             return ck
         # a folder listed without its marker may be a save not committed yet: listed again while that changes
@@ -246,14 +246,15 @@ class _Search:
             log.warning("nebula_ckpt: skipping %s", why)
             self.skipped.append(why)
 
-    def first(self, before: Optional[list[tuple[str, int]]]) -> tuple[Optional[OpenCheckpoint], list[tuple[str, int]]]:
-        """The first candidate, as listed now, that opens, and ``(tier name, step)`` of each step folder listed
-        without its marker; for the newest step none (listed again: newer steps may have come) where the listing is
-        :func:`stale` against ``before`` (None: the last listing) or a candidate was removed while read."""
+    def first(self, listing: int, before: Optional[list[tuple[str, int]]]
+              ) -> tuple[Optional[OpenCheckpoint], list[tuple[str, int]]]:
+        """The first candidate, as listed now (listing number ``listing``), that opens, and ``(tier name,
+        step)`` of each step folder listed without its marker; for the newest step none where
+        :func:`list_again` says so against the listing ``before``."""
         unmarked: list[Candidate] = []
         gone = len(self.removed)
         for c in newest_first(self.tiers, self.step, self.unlisted, self.damaged, unmarked):
-            if self.step is None and before is not None and (stale(unmarked, before) or len(self.removed) > gone):
+            if self.step is None and list_again(listing, unmarked, before, len(self.removed) > gone):
                 break
             if c.problem is not None or (c.tier.name, c.order) in self.failed or self.left_out(c):
                 continue
