@@ -25,6 +25,7 @@ import sys
 import textwrap
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -171,6 +172,26 @@ def _losses(text: str) -> dict[int, str]:
     return out
 
 
+def _example_runs(script: Path, out: Path, runs: list[str]) -> dict[str, int]:
+    """Run ``script`` once per run ``name:arg,arg,...`` from ``out``, each child's output in
+    ``out/<name>.out``; a run named ``bg-...`` goes on beside the others, every other one is waited
+    for before the next starts. Each run's exit status (-9: killed by SIGKILL)."""
+    background: dict[str, Any] = {}
+    codes: dict[str, int] = {}
+    for run in runs:
+        name, _, args = run.partition(":")
+        with open(out / f"{name}.out", "w") as f:
+            p = warm_python.popen([sys.executable, str(script), *[a for a in args.split(",") if a]], cwd=out,
+                                  env=_env(), stdout=f, stderr=subprocess.STDOUT)
+        if name.startswith("bg-"):
+            background[name] = p
+        else:
+            codes[name] = p.wait(600)
+    for name, p in background.items():
+        codes[name] = p.wait(600)
+    return codes
+
+
 @pytest.mark.slow
 def test_quickstart_example_resumes_bit_exact(tmp_path: Path) -> None:
     """The README's example (a shuffled DataLoader with 2 workers drawing from np.random, dropout,
@@ -180,13 +201,9 @@ def test_quickstart_example_resumes_bit_exact(tmp_path: Path) -> None:
     example = REPO / "examples" / "quickstart.py"
     chain = [f"run{i}:--root,crashed" + (f",--crash-at,{kill}" if kill else "")
              for i, kill in enumerate([*KILLS, None])]
-    res = warm_python.run([sys.executable, str(REPO / "tests" / "example_runs.py"), str(example), str(tmp_path),
-                          "bg-clean:--root,clean", *chain], cwd=tmp_path, env=_env(), capture_output=True, text=True,
-                          timeout=600)
-    assert res.returncode == 0, res.stderr[-3000:]
-    codes = dict(line.split() for line in res.stdout.splitlines())
+    codes = _example_runs(example, tmp_path, ["bg-clean:--root,clean", *chain])
     outs = {name: (tmp_path / f"{name}.out").read_text() for name in codes}
-    assert codes == {"bg-clean": "0", **{f"run{i}": "-9" for i in range(len(KILLS))}, f"run{len(KILLS)}": "0"}, (
+    assert codes == {"bg-clean": 0, **{f"run{i}": -9 for i in range(len(KILLS))}, f"run{len(KILLS)}": 0}, (
         codes, {n: t[-2000:] for n, t in outs.items()})
     clean_out = tmp_path / "bg-clean.out"
     runs = [outs[f"run{i}"] for i in range(len(KILLS) + 1)]
