@@ -58,7 +58,7 @@ def _serve(path: str) -> None:
     lsock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     lsock.bind(path + ".new")
     lsock.listen(64)
-    os.rename(path + ".new", path)  # the path appears once a connection is accepted, not at bind()
+    os.rename(path + ".new", path)  # the path appears once the server listens, not at bind()
     rfd, wfd = os.pipe()
     os.set_blocking(wfd, False)
     signal.set_wakeup_fd(wfd)
