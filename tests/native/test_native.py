@@ -325,6 +325,24 @@ def test_modified_reports_in_place_update():
     pytest.skip("copy finished before the mutation could happen (machine too fast)")
 
 
+def test_modified_reports_in_place_update_of_a_source_copied_in_many_pieces():
+    """A large source is cut into pieces over several tasks (its verdict waits for its last piece);
+    a small one is copied as one piece (its verdict right after it): both name an in-place update."""
+    for size in (64 * MiB, 256 * MiB):
+        big, small = torch.empty(size // 4, dtype=torch.float32), torch.zeros(16)
+        dst = torch.empty(size + 64, dtype=torch.uint8)
+        eng = _C.CopyEngine(2)
+        job = eng.enqueue([big, small], dst, [0, size])
+        finished_early = job.done()
+        small.add_(1)
+        big.add_(1)
+        job.wait()
+        if not finished_early:
+            assert job.modified() == [0, 1]
+            return
+    pytest.skip("copy finished before the mutation could happen (machine too fast)")
+
+
 def test_modified_empty_when_untouched_and_after_enqueue_mutation_of_other():
     a, b = torch.randn(1000), torch.randn(1000)
     a.add_(1)  # mutations before enqueue do not count
