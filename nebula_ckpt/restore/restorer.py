@@ -15,7 +15,7 @@ from typing import Any, Callable, Optional
 
 from nebula_ckpt.arguments import check_restore_arguments
 from nebula_ckpt.errors import CorruptCheckpointError, NotFoundError, OtherRanksError, ValidationError
-from nebula_ckpt.format.commit import Write, committed_steps, shard_path, step_dirs
+from nebula_ckpt.format.commit import Write, committed_steps, step_dirs
 from nebula_ckpt.format.manifest import Manifest
 from nebula_ckpt.format.names import COMMIT, step_dir
 from nebula_ckpt.health.book import HealthBook
@@ -30,6 +30,7 @@ from nebula_ckpt.restore.candidates import (
     list_candidates,
     removed_error,
 )
+from nebula_ckpt.restore.intact import files_problem
 from nebula_ckpt.restore.open import OpenCheckpoint, read_main_manifest
 from nebula_ckpt.restore.select import (
     HealthChoice,
@@ -345,13 +346,15 @@ def _with_pulled(pairs: list[tuple[Tier, Storage]], rec: dict[str, Any], rank: i
 
 def _sound(tier: Tier, st: Storage, step: int, check_shards: bool) -> Optional[Manifest]:
     """The manifest of committed ``step`` on ``st`` when it checks out (marker, manifest checksum,
-    every field; ``check_shards``: every shard present with its recorded size), else None."""
+    every field; ``check_shards``: what a restore checks without reading a shard byte, as
+    :func:`~nebula_ckpt.restore.intact.files_problem` tells it: every file at its recorded size,
+    every step it refers to committed and listing the shard it refers to), else None."""
     try:
-        man = read_main_manifest(st, step, f"tier {tier.name} step {step}")
-        if check_shards:
-            for i, sh in enumerate(man.shards):
-                if st.size(shard_path(man, i)) != sh.stored_bytes:
-                    raise CorruptCheckpointError(f"tier {tier.name} step {step}: shard {sh.file} has the wrong size")
+        where = f"tier {tier.name} step {step}"
+        man = read_main_manifest(st, step, where)
+        problem = files_problem(st, man, where) if check_shards else None
+        if problem is not None:
+            raise CorruptCheckpointError(problem)
     except Exception as e:  # damaged or gone meanwhile: not a healthy checkpoint here
         if outage(e):
             raise  # a store that did not answer: not known

@@ -284,6 +284,22 @@ def test_a_damaged_base_on_disk_falls_back_to_an_older_whole_step(
         assert f"step-2/{SHARD}" in rows[3]["problem"], rows[3]
 
 
+@pytest.mark.parametrize("damage", ["folder deleted", "COMMIT deleted", "manifest deleted", "shard deleted",
+                                    "shard truncated", "shard emptied"])
+def test_latest_passes_over_a_step_whose_base_a_restore_refuses_by_its_files(tmp_path, shm_dir, damage: str) -> None:  # noqa: ANN001
+    """Steps 0 (full), 1 -> 0, 2 (full), 3 -> 2, and a file of step 2 gone or cut short: ``latest()``
+    (which reads no shard byte) names the step ``load_latest`` restores, step 1, not step 3, whose
+    own files are whole but whose base no restore opens (a base without its manifest or marker too)."""
+    root = str(tmp_path / "ck")
+    _chain(root, steps=4, full_every=2)
+    _DAMAGE[damage](os.path.join(root, "step-2"))
+    with nc.Checkpointer(root, memory_tier=False) as ck:
+        named = ck.latest()
+        into = {"frozen": torch.zeros(256, 256), "train": torch.zeros(64), "step": -1}
+        restored = ck.load_latest(into=into)
+    assert (named, restored) == ((1, None), 1)
+
+
 def _mem_folder(ck: nc.Checkpointer) -> str:
     path = next(t for t in ck.tiers if t.kind == "memory").path  # type: ignore[attr-defined]
     assert path is not None
