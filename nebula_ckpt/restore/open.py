@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import logging
 import mmap
-from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Callable, Iterable, Mapping, Optional
 
 import torch
@@ -26,10 +25,10 @@ from nebula_ckpt.format.records import ShardRecord, TensorRecord
 from nebula_ckpt.format.split_records import load_split, with_index
 from nebula_ckpt.native import get_ops
 from nebula_ckpt.storage.base import Storage
-from nebula_ckpt.storage.prefault import MADV_POPULATE_READ, advise
+from nebula_ckpt.storage.prefault import advise
 
-#: most bytes checksummed or copied between two drops of the mapped source pages (a restore keeps
-#: two such chunks resident beyond the owned bytes: the one checked, the next read ahead)
+#: most bytes checksummed or copied between two drops of the mapped source pages (what a restore
+#: keeps resident beyond the owned bytes)
 RESTORE_CHUNK_BYTES = 64 << 20
 
 log = logging.getLogger(__name__)
@@ -429,6 +428,7 @@ def _read_shard(storage: Storage, man: mf.Manifest, i: int, where: str) -> tuple
     return torch.frombuffer(mv, dtype=torch.uint8), mm if isinstance(mm, mmap.mmap) else None
 
 
+
 def _runs(recs: list[TensorRecord]) -> list[tuple[int, int, int]]:
     """``(shard, start, end)`` of the byte runs ``recs`` cover: records less than a page apart
     merged, so a chunk of consecutive tensors takes one ``madvise`` call, not one per tensor."""
@@ -475,26 +475,22 @@ def mismatch(where: str, rec: TensorRecord, have: int, man: Optional[mf.Manifest
 def _verify_checksums(needed: dict[int, list[TensorRecord]], buffers: dict[int, torch.Tensor],
                       where: str, maps: Optional[dict[int, mmap.mmap]] = None,
                       man: Optional[mf.Manifest] = None) -> None:
-    """Check the CRC32C of every record, on all threads, a chunk at a time: a mapped chunk is
-    dropped once checked (a shard is never resident whole), and a thread of its own maps the next
-    one meanwhile (``MADV_POPULATE_READ``): a shard on disk is read while the chunk before is
-    checked, not between checks."""
+    """Check the CRC32C of every record, on all threads, a chunk at a time.
+
+    The checksum threads take the page faults of a mapped chunk between them (a read fault maps
+    up to 16 pages of the page cache or tmpfs; a populate call first would do that work on one
+    thread while the others wait), and the chunk is dropped once checked, so verifying a shard
+    never makes the whole shard resident in this process.
+    """
     ops = get_ops()
     maps = maps or {}
-    work = [(si, maps.get(si), group) for si, recs in needed.items() for group in chunks(recs)]
-    with ThreadPoolExecutor(1, thread_name_prefix="nebula-read-ahead") as pool:  # its exit waits for a read
-        def read_ahead(k: int) -> Optional[Future[None]]:
-            _, mm, g = work[k] if k < len(work) else (0, None, [])
-            return pool.submit(_advise, mm, g[0].start, g[-1].end, MADV_POPULATE_READ) if mm is not None else None
-
-        pending = read_ahead(0)
-        for k, (si, mm, group) in enumerate(work):
-            if pending is not None:
-                pending.result()
-            pending = read_ahead(k + 1)
+    for si, recs in needed.items():  # ranges were checked against their shard by Manifest.parse
+        mm = maps.get(si)
+        for group in chunks(recs):
             lo, hi = group[0].start, group[-1].end
             got = ops.crc32c(buffers[si], [r.start for r in group], [r.nbytes for r in group])
             _advise(mm, lo, hi, _MADV_DONTNEED)
             for rec, have in zip(group, got, strict=True):
                 if have != rec.crc32c:
                     raise CorruptCheckpointError(mismatch(where, rec, have, man))
+

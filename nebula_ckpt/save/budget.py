@@ -5,9 +5,8 @@ pinned, the memory tier's slot files) and everything in the memory tier's folder
 its checkpoints, the bases its incremental steps refer to, the replicas it holds for partner
 ranks, copies pulled back from partners. What does not: the state itself (the model and
 optimizer, and what a restore creates for them: optimizer state copied or handed over from the
-memory tier) and a restore's working memory beyond it, at most two chunks of mapped source pages
-(``restore_chunk_bytes`` each: the one checked or copied, the next read ahead) that it drops as
-it goes.
+memory tier) and a restore's working memory beyond it, at most one chunk of mapped source pages
+(``restore_chunk_bytes``) that it drops as it goes.
 
 The budget (``Checkpointer(host_memory_budget=...)``) is:
 

@@ -35,8 +35,7 @@ FAULT_AHEAD_THREADS: Optional[int] = None
 
 log = logging.getLogger(__name__)
 
-#: madvise advice that faults pages in for reading / for writing (Linux >= 5.14)
-MADV_POPULATE_READ = 22
+#: madvise advice that faults pages in for writing (Linux >= 5.14)
 MADV_POPULATE_WRITE = 23
 #: bytes per madvise call: small enough that the threads and the copy meet close to the middle
 CHUNK_BYTES = 8 << 20
